@@ -1,0 +1,1 @@
+"""The ``tpagent`` command line (typer): thin commands over the typed layers."""

@@ -1,0 +1,111 @@
+"""The snapshot layer's contract: stages, modes, configuration and its error family.
+
+A *snapshot* is a directory::
+
+    SNAPSHOT_DIR ::= manifest.json images/ { CRIU_IMAGE_FILE }
+
+``manifest.json`` is described in :mod:`snapshot.manifest`; ``images/`` holds what
+``criu dump`` wrote (plus its ``dump.log``).  Everything a restore needs is in the
+directory, so it can be moved to another node as a unit.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class SnapshotError(Exception):
+    """Base of the snapshot layer's errors.  ``str(e)`` is one sentence fit for a user."""
+
+    #: True when the process was frozen and has been resumed where it stood.
+    rolled_back: bool = False
+
+
+class UsageError(SnapshotError):
+    """The request cannot be carried out as asked (bad PID, not root, occupied directory...)."""
+
+
+class SnapshotInvalid(SnapshotError):
+    """A snapshot directory is missing, damaged, truncated or of a format we do not read."""
+
+
+class ToolError(SnapshotError):
+    """An external tool (CRIU, the CUDA driver) refused; carries its own words.
+
+    ``detail`` holds the tool's message (CRIU's error lines, the ``CUresult`` name) and
+    ``code`` its exit status or error number, so nothing the tool said is lost.
+    """
+
+    tool = "tool"
+
+    def __init__(self, message: str, *, detail: str = "", code: int | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+        self.code = code
+
+    def __str__(self) -> str:
+        base = super().__str__()
+        return f"{base}: {self.detail}" if self.detail else base
+
+
+class CriuError(ToolError):
+    tool = "criu"
+
+
+class CudaError(ToolError):
+    tool = "cuda"
+
+
+class DumpMode(str, enum.Enum):
+    """What happens to the original process once its images are safely written."""
+
+    KILL = "kill"
+    LEAVE_RUNNING = "leave-running"
+    LEAVE_STOPPED = "leave-stopped"
+
+
+class Stage(str, enum.Enum):
+    """The stages of a checkpoint and of a restore, in order.
+
+    Checkpoint: CUDA_LOCK -> CUDA_CHECKPOINT -> CRIU_DUMP -> CHECKSUM -> (finish by mode).
+    Restore:    VERIFY -> CRIU_RESTORE -> CUDA_RESTORE -> CUDA_UNLOCK.
+    A failure before the checkpoint has finished rolls back: CUDA_RESTORE/UNLOCK of what was
+    frozen and SIGCONT of the stopped tree.
+    """
+
+    CUDA_LOCK = "cuda_lock"
+    CUDA_CHECKPOINT = "cuda_checkpoint"
+    CRIU_DUMP = "criu_dump"
+    CHECKSUM = "checksum"
+    VERIFY = "verify"
+    CRIU_RESTORE = "criu_restore"
+    CUDA_RESTORE = "cuda_restore"
+    CUDA_UNLOCK = "cuda_unlock"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Phase timeouts in seconds; all blocking calls of the layer take them from here."""
+
+    cuda_lock: float = 30.0
+    cuda_checkpoint: float = 900.0
+    dump: float = 1800.0
+    restore: float = 1800.0
+    pid_wait: float = 10.0
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    """How the layer runs.  ``criu`` None means: TPAGENT_CRIU, then the installed prefix, then PATH."""
+
+    criu: Path | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    #: Test hook: fail right after this stage, to exercise the rollback path with real tools.
+    fail_after: Stage | None = None
+
+
+#: Called as a stage starts (``msg`` empty) and ends (``msg`` says how it went).
+ProgressFn = Callable[[Stage, str], None]

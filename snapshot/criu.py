@@ -1,0 +1,171 @@
+"""Drive CRIU (>= 4.2) through its command line.
+
+Each call runs ``criu`` with an argument list (never a shell string), a timeout and a log
+file inside the images directory; when CRIU fails, its error lines and the log's tail are
+carried in :class:`~snapshot.api.CriuError` so the user sees CRIU's own words.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapshot.api import CriuError, UsageError
+
+log = logging.getLogger(__name__)
+
+MIN_VERSION = (4, 2)
+#: Where ``scripts/install-criu.sh`` puts its private CRIU.
+INSTALLED_CRIU = Path("/opt/tpagent/criu/bin/criu")
+INSTALL_HINT = (
+    "run scripts/install-criu.sh (it installs Debian's CRIU 4.2 into /opt/tpagent/criu) "
+    "or point TPAGENT_CRIU at a criu >= 4.2"
+)
+_LOG_TAIL_LINES = 12
+#: Error lines CRIU logs on every run on these nodes that mean nothing for the outcome.
+_HARMLESS = ("Can't setup RLIMIT_NOFILE",)
+
+
+def locate(explicit: Path | None = None) -> Path:
+    """Find the criu binary: explicit path, $TPAGENT_CRIU, the installed prefix, then PATH."""
+    env = os.environ.get("TPAGENT_CRIU")
+    for candidate in (explicit, Path(env) if env else None):
+        if candidate is not None:
+            if not (candidate.is_file() and os.access(candidate, os.X_OK)):
+                raise UsageError(f"CRIU was not found at {candidate}; {INSTALL_HINT}.")
+            return candidate
+    if INSTALLED_CRIU.is_file():
+        return INSTALLED_CRIU
+    found = shutil.which("criu")
+    if found is None:
+        raise UsageError(f"CRIU is not installed; {INSTALL_HINT}.")
+    return Path(found)
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    match = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if match is None:
+        raise CriuError("could not read CRIU's version", detail=text.strip()[:200])
+    return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
+def log_errors(log_file: Path) -> str:
+    """CRIU's error lines from a log, else its tail: what the user needs to see."""
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [
+        ln.strip()
+        for ln in lines
+        if ("Error (" in ln or "BUG" in ln) and not any(h in ln for h in _HARMLESS)
+    ]
+    picked = errors[-_LOG_TAIL_LINES:] if errors else lines[-_LOG_TAIL_LINES:]
+    return " | ".join(ln.strip() for ln in picked)
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    leave_stopped: bool = True
+    shell_job: bool = False
+    tcp_established: bool = False
+    #: Dump a PID namespace launched by ``tpagent launch`` (adds the mount-namespace flags).
+    namespace: bool = False
+
+
+@dataclass(frozen=True)
+class RestoreOptions:
+    shell_job: bool = False
+    tcp_established: bool = False
+    namespace: bool = False
+
+
+class Criu:
+    """One CRIU binary, checked for version on construction."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = locate(path)
+        self.version = self._probe_version()
+        if self.version[:2] < MIN_VERSION:
+            have = ".".join(map(str, self.version))
+            raise UsageError(
+                f"CRIU {have} at {self.path} is too old: tpagent needs CRIU >= 4.2 "
+                f"(older CRIU cannot dump TCP sockets or read this kernel's vDSO); {INSTALL_HINT}."
+            )
+
+    @property
+    def version_str(self) -> str:
+        return ".".join(map(str, self.version))
+
+    def _run(self, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.path), *args]
+        log.debug("running %s", cmd)
+        try:
+            return subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+            )
+        except subprocess.TimeoutExpired as e:
+            raise CriuError(f"criu {args[0]} did not finish within {timeout:.0f} s") from e
+        except OSError as e:
+            raise CriuError(f"could not run {self.path}", detail=str(e), code=e.errno) from e
+
+    def _probe_version(self) -> tuple[int, int, int]:
+        proc = self._run(["--version"], timeout=30)
+        return parse_version(proc.stdout + proc.stderr)
+
+    def check(self, timeout: float = 60) -> str:
+        """``criu check``: returns its verdict, raises CriuError when CRIU says it cannot work."""
+        proc = self._run(["check"], timeout)
+        out = (proc.stdout + proc.stderr).strip()
+        if proc.returncode != 0:
+            raise CriuError("criu check failed", detail=out[-500:], code=proc.returncode)
+        return out.splitlines()[-1] if out else "ok"
+
+    def dump(self, pid: int, images: Path, opts: DumpOptions, timeout: float) -> None:
+        args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v4"]
+        args += ["--leave-stopped"] if opts.leave_stopped else []
+        args += self._common(opts.shell_job, opts.tcp_established)
+        # The namespace's mounts are the node's own: declare them all external.
+        args += ["--external", "mnt[]"] if opts.namespace else []
+        proc = self._run(args, timeout)
+        if proc.returncode != 0:
+            raise CriuError(
+                f"criu dump of PID {pid} failed",
+                detail=log_errors(images / "dump.log") or proc.stderr.strip(),
+                code=proc.returncode,
+            )
+
+    def restore(self, images: Path, opts: RestoreOptions, timeout: float) -> int:
+        """Restore detached; returns the PID (in our namespace) of the restored tree's root."""
+        pidfile = images / "restore.pid"
+        pidfile.unlink(missing_ok=True)
+        args = ["restore", "-D", str(images), "-o", "restore.log", "-v4", "-d"]
+        args += ["--pidfile", str(pidfile)]
+        args += self._common(opts.shell_job, opts.tcp_established)
+        # Rebuilding a mount namespace needs its root given (without it CRIU 4.2 segfaults
+        # at mount.c:48) and the external mounts bound back to the node's same paths.
+        args += ["--root", "/", "--ext-mount-map", "auto"] if opts.namespace else []
+        proc = self._run(args, timeout)
+        if proc.returncode != 0:
+            raise CriuError(
+                "criu restore failed",
+                detail=log_errors(images / "restore.log") or proc.stderr.strip(),
+                code=proc.returncode,
+            )
+        try:
+            return int(pidfile.read_text().strip())
+        except (OSError, ValueError) as e:
+            raise CriuError("criu restore did not report the restored PID") from e
+
+    @staticmethod
+    def _common(shell_job: bool, tcp: bool) -> list[str]:
+        args = ["--file-locks", "--ext-unix-sk", "--manage-cgroups=ignore"]
+        args += ["--shell-job"] if shell_job else []
+        # No iptables on these nodes: nftables for the network lock, none when no TCP is held.
+        args += ["--tcp-established", "--network-lock", "nftables"] if tcp else ["--network-lock", "skip"]
+        return args

@@ -1,0 +1,93 @@
+"""GPU inventory through NVML (the ``pynvml`` module of nvidia-ml-py).
+
+On a node without NVIDIA hardware or driver every function returns an empty result: the
+inventory is informational and never the reason a command fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    memory_used: int
+    temperature_c: int | None
+    ecc_uncorrected: int | None
+    pids: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml() -> Any | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError...
+        log.debug("NVML unavailable: %s", e)
+        return None
+    return pynvml
+
+
+def driver_version() -> str | None:
+    nv = _nvml()
+    if nv is None:
+        return None
+    try:
+        return _text(nv.nvmlSystemGetDriverVersion())
+    finally:
+        nv.nvmlShutdown()
+
+
+def inventory() -> list[GpuInfo]:
+    nv = _nvml()
+    if nv is None:
+        return []
+    try:
+        return [_one(nv, i) for i in range(nv.nvmlDeviceGetCount())]
+    finally:
+        nv.nvmlShutdown()
+
+
+def _optional(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception:  # not supported on this board (ECC off, no sensor...)
+        return None
+
+
+def _one(nv: Any, index: int) -> GpuInfo:
+    h = nv.nvmlDeviceGetHandleByIndex(index)
+    mem = nv.nvmlDeviceGetMemoryInfo(h)
+    procs = _optional(nv.nvmlDeviceGetComputeRunningProcesses, h) or []
+    return GpuInfo(
+        index=index,
+        uuid=_text(nv.nvmlDeviceGetUUID(h)),
+        name=_text(nv.nvmlDeviceGetName(h)),
+        memory_total=int(mem.total),
+        memory_used=int(mem.used),
+        temperature_c=_optional(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+        ecc_uncorrected=_optional(
+            nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
+        ),
+        pids=tuple(int(p.pid) for p in procs),
+    )
+
+
+def gpus_of(pids: set[int]) -> list[GpuInfo]:
+    """The GPUs on which any of ``pids`` runs."""
+    return [g for g in inventory() if pids & set(g.pids)]

@@ -1,0 +1,158 @@
+"""What the layer needs to know about a live process tree, read from /proc and psutil."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from snapshot.api import UsageError
+
+_PF_KTHREAD = 0x00200000
+_CUDA_MARKERS = ("libcuda.so",)
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    ppid: int
+    cmdline: tuple[str, ...]
+    #: PIDs of this process from the outermost to its own PID namespace (NSpid).
+    ns_pids: tuple[int, ...]
+    uses_cuda: bool
+
+
+def _stat_fields(pid: int) -> list[str]:
+    raw = Path(f"/proc/{pid}/stat").read_text()
+    # The command name sits in parentheses and may itself contain spaces or parentheses.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def validate_target(pid: int) -> psutil.Process:
+    """The process a user asked to dump, or one sentence on why it cannot be."""
+    if pid <= 1:
+        raise UsageError(f"PID {pid} is the system's init (or invalid) and cannot be checkpointed.")
+    try:
+        proc = psutil.Process(pid)
+        flags = int(_stat_fields(pid)[6])
+    except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError) as e:
+        raise UsageError(f"there is no process with PID {pid}.") from e
+    if flags & _PF_KTHREAD:
+        raise UsageError(f"PID {pid} is a kernel thread, not a user process; pick a user process.")
+    if pid == os.getpid() or pid in {p.pid for p in psutil.Process().parents()}:
+        raise UsageError(f"PID {pid} is tpagent itself or its parent; pick the workload's PID.")
+    if proc.status() == psutil.STATUS_ZOMBIE:
+        raise UsageError(f"PID {pid} has already exited (it is a zombie).")
+    return proc
+
+
+def uses_cuda(pid: int) -> bool:
+    """True if the process has the CUDA driver mapped or a /dev/nvidia* device open."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+    if any(marker in maps for marker in _CUDA_MARKERS):
+        return True
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/nvidia"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def ns_pids(pid: int) -> tuple[int, ...]:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return tuple(int(x) for x in line.split()[1:])
+    return (pid,)
+
+
+def pid_namespace(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/pid")
+
+
+def tree(root: psutil.Process) -> list[ProcInfo]:
+    """The root and all its descendants, root first."""
+    out = []
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            out.append(
+                ProcInfo(p.pid, p.ppid(), tuple(p.cmdline()), ns_pids(p.pid), uses_cuda(p.pid))
+            )
+        except (psutil.NoSuchProcess, FileNotFoundError):
+            continue
+    return out
+
+
+def holds_inet_sockets(pids: list[int]) -> bool:
+    """True if any of the processes has a TCP/UDP socket (CRIU then needs the network lock)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).net_connections(kind="inet"):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return False
+
+
+def is_session_leader(pid: int) -> bool:
+    return os.getsid(pid) == pid
+
+
+def signal_tree(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def pid_holder(pid: int) -> str | None:
+    """Who holds ``pid`` on this machine: as a process, or as the session/group id of another.
+
+    A killed process's orphaned children can linger as zombies that still carry its PID as
+    their session id, which makes CRIU's restore fail with ``Can't fork for PID``.
+    """
+    if Path(f"/proc/{pid}").exists():
+        try:
+            return f"process {pid} ({psutil.Process(pid).name()})"
+        except psutil.NoSuchProcess:
+            pass
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = _stat_fields(int(entry.name))
+        except (OSError, ValueError):
+            continue
+        if int(fields[2]) == pid or int(fields[3]) == pid:
+            return f"process {entry.name} (state {fields[0]}), which uses it as its group or session id"
+    return None
+
+
+def wait_pids_free(pids: list[int], timeout: float) -> None:
+    """Wait up to ``timeout`` s for every PID to be free; raise naming the holder otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = [(pid, who) for pid in pids if (who := pid_holder(pid)) is not None]
+        if not held:
+            return
+        if time.monotonic() >= deadline:
+            pid, who = held[0]
+            raise UsageError(
+                f"PID {pid}, which the snapshot must get back, is held by {who}; "
+                "stop that process (or launch workloads with `tpagent launch` so they get "
+                "their own PID namespace) and retry."
+            )
+        time.sleep(0.1)

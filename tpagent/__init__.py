@@ -1,0 +1,3 @@
+"""tpagent: model-transparent checkpoint/restore of GPU training processes."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Moving snapshots between nodes (contract only for now; see transfer/api.py)."""
