@@ -1,0 +1,133 @@
+"""Shared test machinery: real workloads, the real CLI, and checks on the workload's state."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+STATEFUL = Path(__file__).resolve().parent / "workloads" / "stateful.py"
+_TICK = re.compile(r"^tick (\d+) counter (\d+) piped (\d+)$")
+
+
+def wait_until(pred, what: str, timeout: float = 60.0, interval: float = 0.05):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def tpagent(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def assert_one_sentence_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Non-zero exit, no traceback, one ``tpagent: ...`` line saying what is wrong."""
+    assert proc.returncode not in (0, None), proc
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("tpagent:")]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_and_wait(pid: int, timeout: float = 10.0) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    wait_until(lambda: not alive(pid), f"PID {pid} to die", timeout)
+
+
+@dataclass
+class Workload:
+    """tests/workloads/stateful.py, started plainly or under `tpagent launch`."""
+
+    log: Path
+    mib: int
+    launched: bool = False
+    session_leader: bool = True
+    extra: tuple[str, ...] = ()
+    pid: int = 0  # the PID to dump: the process itself, or its namespace's init
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> Workload:
+        cmd = [sys.executable, str(STATEFUL), str(self.log), str(self.mib), *self.extra]
+        out = self.log.with_suffix(".out")
+        if self.launched:
+            proc = tpagent("launch", "--stdout", str(out), "--", *cmd)
+            assert proc.returncode == 0, proc.stderr
+            self.pid = int(proc.stdout.strip())
+        else:
+            with open(out, "ab") as f:
+                self.popen = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=self.session_leader
+                )
+            self.pid = self.popen.pid
+        wait_until(lambda: len(self.ticks()) >= 5, "the workload to start ticking")
+        return self
+
+    @property
+    def worker_pid(self) -> int:
+        """The stateful process itself (in a launched namespace: the init's child)."""
+        if not self.launched:
+            return self.pid
+        return psutil.Process(self.pid).children()[0].pid
+
+    def lines(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def ticks(self) -> list[tuple[int, int, int]]:
+        return [tuple(map(int, m.groups())) for ln in self.lines() if (m := _TICK.match(ln))]  # type: ignore[misc]
+
+    def digest(self) -> str:
+        return next(ln.split()[1] for ln in self.lines() if ln.startswith("digest "))
+
+    def verify_state(self) -> None:
+        """Ask the workload to re-hash its memory; it must equal the digest it started with."""
+        before = sum(ln.startswith("verify ") for ln in self.lines())
+        os.kill(self.worker_pid, signal.SIGUSR1)
+        wait_until(lambda: sum(ln.startswith("verify ") for ln in self.lines()) > before, "a verify line")
+        last = [ln for ln in self.lines() if ln.startswith("verify ")][-1]
+        assert last.split()[1] == self.digest(), "the workload's memory changed across checkpoint/restore"
+
+    def reap(self) -> None:
+        """Collect the exit of the original (our child) once CRIU killed it, freeing its PID."""
+        if self.popen is not None:
+            self.popen.wait(timeout=30)
+            self.popen = None
+
+    def stop(self) -> None:
+        if self.pid:
+            kill_and_wait(self.pid)
+        self.reap()
+
+
+def assert_continuous(ticks: list[tuple[int, int, int]]) -> None:
+    """Ticks count up by exactly one with no restart; thread and pipe values never go back."""
+    assert ticks, "no ticks"
+    for (n0, c0, p0), (n1, c1, p1) in zip(ticks, ticks[1:]):
+        assert n1 == n0 + 1, f"tick {n0} followed by tick {n1}"
+        assert c1 >= c0 and p1 >= p0, f"thread state went back at tick {n1}"

@@ -1,0 +1,65 @@
+"""Test workload: memory, threads, an open file and a pipe, each checkable after a restore.
+
+    python stateful.py LOG MIB [--io-uring]
+
+Writes to LOG (opened once, kept open):
+    digest HEX                   at start: SHA-256 of its MIB MiB of state
+    tick N counter C piped P     every 20 ms: N counts up by one, C is a thread's counter,
+                                 P the last value another thread read from an internal pipe
+    verify HEX                   on SIGUSR1: the state's SHA-256 computed afresh
+--io-uring also holds an io_uring instance, which CRIU cannot dump (a real dump failure).
+"""
+
+import ctypes
+import hashlib
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+
+log_path, mib = sys.argv[1], int(sys.argv[2])
+if "--io-uring" in sys.argv:
+    params = ctypes.create_string_buffer(120)
+    ring = ctypes.CDLL(None, use_errno=True).syscall(425, 4, params)  # io_uring_setup
+    assert ring >= 0, ctypes.get_errno()
+
+block = hashlib.sha256(b"tpagent").digest() * (1 << 15)  # 1 MiB
+state = bytearray(block * mib)
+for i in range(0, len(state), 4096 * 7):  # make pages differ from each other
+    state[i : i + 8] = struct.pack("<Q", i)
+
+counter = 0
+piped = 0
+read_end, write_end = os.pipe()
+verify_requested = threading.Event()
+
+
+def count() -> None:
+    global counter
+    while True:
+        counter += 1
+        os.write(write_end, struct.pack("<Q", counter))
+        time.sleep(0.005)
+
+
+def drain() -> None:
+    global piped
+    while True:
+        piped = struct.unpack("<Q", os.read(read_end, 8))[0]
+
+
+signal.signal(signal.SIGUSR1, lambda *_: verify_requested.set())
+threading.Thread(target=count, daemon=True).start()
+threading.Thread(target=drain, daemon=True).start()
+with open(log_path, "a", buffering=1) as log:
+    log.write(f"digest {hashlib.sha256(state).hexdigest()}\n")
+    tick = 0
+    while True:
+        if verify_requested.is_set():
+            verify_requested.clear()
+            log.write(f"verify {hashlib.sha256(state).hexdigest()}\n")
+        log.write(f"tick {tick} counter {counter} piped {piped}\n")
+        tick += 1
+        time.sleep(0.02)
