@@ -35,7 +35,12 @@ CriuOpt = Annotated[
 ]
 
 
+_line_open = False  # a stage's name is on screen, waiting for its time
+
+
 def _fail(e: SnapshotError) -> NoReturn:
+    if _line_open:
+        typer.echo("failed", err=True)
     code = EXIT_USAGE if isinstance(e, UsageError) else EXIT_INVALID if isinstance(e, SnapshotInvalid) else EXIT_FAILED
     msg = str(e)
     if e.rolled_back:
@@ -47,8 +52,10 @@ def _fail(e: SnapshotError) -> NoReturn:
 def _progress(quiet: bool) -> Callable[[Stage, str], None]:
     def show(stage: Stage, msg: str) -> None:
         # The stage's name appears as it starts; its time completes the line when it ends.
+        global _line_open
         if not quiet:
             typer.echo(f"  {stage.value:<16} {msg}" if not msg else msg, err=True, nl=bool(msg))
+            _line_open = not msg
 
     return show
 

@@ -129,15 +129,16 @@ def pid_holder(pid: int) -> str | None:
             return f"process {pid} ({psutil.Process(pid).name()})"
         except psutil.NoSuchProcess:
             pass
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = _stat_fields(int(entry.name))
-        except (OSError, ValueError):
-            continue
-        if int(fields[2]) == pid or int(fields[3]) == pid:
-            return f"process {entry.name} (state {fields[0]}), which uses it as its group or session id"
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = _stat_fields(int(entry.name))
+            except (OSError, ValueError):
+                continue
+            if int(fields[2]) == pid or int(fields[3]) == pid:
+                return f"process {entry.name} (state {fields[0]}), which uses it as its group or session id"
     return None
 
 

@@ -1,0 +1,209 @@
+"""Every bad request gets one sentence and a non-zero exit, never a traceback or a frozen process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import needs_criu
+from helpers import alive, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
+from snapshot.api import UsageError
+from snapshot.proc import wait_pids_free
+
+pytestmark = needs_criu
+
+
+def _fake_old_criu(tmp_path: Path) -> Path:
+    """A stand-in for Debian 12's CRIU 3.17: it only answers --version, as that CRIU would."""
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return fake
+
+
+@pytest.fixture(scope="module")
+def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One real snapshot (of a short-lived workload) that the corruption tests copy and damage."""
+    from helpers import Workload
+
+    tmp = tmp_path_factory.mktemp("snap")
+    w = Workload(tmp / "w.log", 16).start()
+    try:
+        proc = tpagent("dump", str(w.pid), "--out", str(tmp / "snap"))
+        assert proc.returncode == 0, proc.stderr
+    finally:
+        w.stop()
+    return tmp / "snap"
+
+
+def _copy(snapshot_dir: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(snapshot_dir, dst)
+    return dst
+
+
+def test_no_such_pid(tmp_path: Path) -> None:
+    assert_one_sentence_error(tpagent("dump", "4194000", "--out", str(tmp_path / "s")), "no process with PID 4194000")
+
+
+def test_pid_1(tmp_path: Path) -> None:
+    assert_one_sentence_error(tpagent("dump", "1", "--out", str(tmp_path / "s")), "init")
+
+
+def test_kernel_thread(tmp_path: Path) -> None:
+    assert_one_sentence_error(tpagent("dump", "2", "--out", str(tmp_path / "s")), "kernel thread")
+
+
+def test_not_root(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Run the CLI's code as an unprivileged user (in a forked child that drops root)."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    w = start(mib=16)
+    # Warm the lazy imports of the error path while still root: the interpreter's files
+    # may live under /root, which the unprivileged child cannot read.
+    CliRunner().invoke(app, ["dump", "1", "--out", str(tmp_path / "s")])
+    r, wfd = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        os.close(r)
+        os.setgid(65534)
+        os.setuid(65534)
+        res = CliRunner().invoke(app, ["dump", str(w.pid), "--out", str(tmp_path / "s")])
+        os.write(wfd, json.dumps([res.exit_code, res.stderr + repr(res.exception)]).encode())
+        os._exit(0)
+    os.close(wfd)
+    with os.fdopen(r) as f:
+        code, err = json.loads(f.read())
+    os.waitpid(child, 0)
+    assert code == 2, err
+    assert err.startswith("tpagent:") and "root" in err and "Traceback" not in err
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] > n + 3, "the workload to keep running")
+
+
+def test_criu_missing(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    w = start(mib=16)
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "s"), "--criu", str(tmp_path / "nope"))
+    assert_one_sentence_error(proc, "not found", "install-criu.sh")
+    assert alive(w.pid)
+
+
+def test_criu_too_old(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    w = start(mib=16)
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "s"), "--criu", str(_fake_old_criu(tmp_path)))
+    assert_one_sentence_error(proc, "3.17.1", "too old", ">= 4.2")
+    assert alive(w.pid)
+    doctor = tpagent("doctor", "--criu", str(_fake_old_criu(tmp_path)))
+    assert doctor.returncode == 1 and "FAIL  criu" in doctor.stdout
+
+
+def test_output_dir_not_empty(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    w = start(mib=16)
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    assert_one_sentence_error(tpagent("dump", str(w.pid), "--out", str(out)), "not empty")
+    assert (out / "precious.txt").read_text() == "keep me"
+    assert alive(w.pid)
+
+
+def test_dump_of_a_process_inside_a_namespace_names_its_init(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    w = start(mib=16, launched=True)
+    proc = tpagent("dump", str(w.worker_pid), "--out", str(tmp_path / "s"))
+    assert_one_sentence_error(proc, f"giving PID {w.pid}")
+
+
+def test_restore_missing_dir(tmp_path: Path) -> None:
+    assert_one_sentence_error(tpagent("restore", str(tmp_path / "nope")), "does not exist")
+    assert_one_sentence_error(tpagent("inspect", str(tmp_path / "nope")), "does not exist")
+
+
+def test_restore_dir_without_manifest(tmp_path: Path) -> None:
+    assert_one_sentence_error(tpagent("restore", str(tmp_path)), "no manifest.json")
+
+
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        (lambda d: (d / "manifest.json").write_text("{not json"), "not valid JSON"),
+        (lambda d: _edit(d, format="something-else"), "not a tpagent snapshot manifest"),
+        (lambda d: _edit(d, format_version=99), "newer tpagent"),
+        (lambda d: _edit(d, processes=None), "malformed"),
+        (lambda d: _truncate(d), "truncated"),
+        (lambda d: _flip_byte(d), "does not match its checksum"),
+        (lambda d: _largest(d).unlink(), "is missing"),
+        (lambda d: (d / "images" / "extra.img").write_bytes(b"x"), "does not list"),
+    ],
+    ids=["corrupt-json", "foreign", "newer-format", "malformed", "truncated", "flipped-byte", "missing-file", "extra-file"],
+)
+def test_damaged_snapshot_is_refused_before_anything_starts(snapshot_dir: Path, tmp_path: Path, damage, needle: str) -> None:  # type: ignore[no-untyped-def]
+    snap = _copy(snapshot_dir, tmp_path)
+    pid = json.loads((snap / "manifest.json").read_text())["root_pid"]
+    damage(snap)
+    proc = tpagent("restore", str(snap))
+    assert_one_sentence_error(proc, needle)
+    assert proc.returncode == 3
+    assert not alive(pid)  # nothing was started from it
+
+
+def test_gpu_map_unknown_uuid(snapshot_dir: Path) -> None:
+    proc = tpagent("restore", str(snapshot_dir), "--gpu-map", "GPU-8e8a3c4b-1111-2222-3333-444455556666=GPU-00000000-1111-2222-3333-444455556666")
+    assert_one_sentence_error(proc, "not a GPU of this snapshot")
+    assert_one_sentence_error(tpagent("restore", str(snapshot_dir), "--gpu-map", "GPU-1"), "OLD_UUID=NEW_UUID")
+    assert_one_sentence_error(tpagent("restore", str(snapshot_dir), "--gpu-map", "abc=def"), "is not a GPU UUID")
+
+
+def test_pid_held_as_session_id_of_an_orphan_is_found() -> None:
+    """A dead session leader's PID, still the session id of its orphan, is not free for restore."""
+    leader = subprocess.Popen(
+        [sys.executable, "-c", "import os,time\nos.setsid()\nc = os.fork()\nif c: print(c, flush=True)\nelse: time.sleep(60)"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert leader.stdout is not None
+    orphan = int(leader.stdout.readline())
+    leader.stdout.close()
+    leader.wait(timeout=10)
+    try:
+        with pytest.raises(UsageError, match=f"PID {leader.pid}.*process {orphan} .*session id"):
+            wait_pids_free([leader.pid], timeout=0.3)
+    finally:
+        kill_and_wait(orphan)
+    wait_pids_free([leader.pid], timeout=5)  # free once the orphan is gone
+
+
+def test_launch_needs_a_command() -> None:
+    assert_one_sentence_error(tpagent("launch"), "give the command")
+    assert_one_sentence_error(tpagent("launch", "--", "/no/such/program"), "was not found")
+
+
+def _edit(d: Path, **fields: object) -> None:
+    data = json.loads((d / "manifest.json").read_text())
+    data.update(fields)
+    (d / "manifest.json").write_text(json.dumps(data))
+
+
+def _largest(d: Path) -> Path:
+    return max((d / "images").iterdir(), key=lambda p: p.stat().st_size)
+
+
+def _truncate(d: Path) -> None:
+    p = _largest(d)
+    os.truncate(p, p.stat().st_size // 2)
+
+
+def _flip_byte(d: Path) -> None:
+    p = _largest(d)
+    with open(p, "r+b") as f:
+        f.seek(p.stat().st_size // 3)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))

@@ -1,0 +1,64 @@
+"""Failures after the freeze roll back: the workload runs on from where it stood, intact."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import needs_criu
+from helpers import Workload, alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
+from snapshot import engine
+from snapshot.api import SnapshotConfig, SnapshotError, Stage
+
+pytestmark = needs_criu
+
+
+def _assert_resumed(w: Workload, out: Path) -> None:
+    assert alive(w.pid)
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] >= n + 10, "the workload to run on after the rollback")
+    assert_continuous(w.ticks())  # no restart, no lost or repeated step
+    w.verify_state()
+    assert not (out / "manifest.json").exists()  # no half-snapshot that could be restored
+    assert [p.name for p in (out / "images").iterdir()] == ["dump.log"]  # kept for diagnosis
+
+
+def test_criu_dump_refuses(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """An io_uring instance is something CRIU cannot dump: a real refusal, after the freeze."""
+    w = start(extra=("--io-uring",))
+    out = tmp_path / "snap"
+    proc = tpagent("dump", str(w.pid), "--out", str(out))
+    assert_one_sentence_error(proc, "criu dump", "Error (", "nothing was lost")
+    assert proc.returncode == 1
+    _assert_resumed(w, out)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tpagent-test", str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_output_disk_full(start, small_disk: Path) -> None:  # type: ignore[no-untyped-def]
+    w = start(mib=256)
+    out = small_disk / "snap"
+    proc = tpagent("dump", str(w.pid), "--out", str(out))
+    assert_one_sentence_error(proc, "criu dump", "nothing was lost")
+    _assert_resumed(w, out)
+
+
+@pytest.mark.parametrize("stage", [Stage.CRIU_DUMP, Stage.CHECKSUM])
+@pytest.mark.parametrize("launched", [False, True], ids=["plain", "launched"])
+def test_failure_after_dump_resumes_the_stopped_tree(start, tmp_path: Path, stage: Stage, launched: bool) -> None:  # type: ignore[no-untyped-def]
+    """CRIU succeeded and left the tree stopped; a later failure must SIGCONT all of it."""
+    w = start(launched=launched)
+    out = tmp_path / "snap"
+    with pytest.raises(SnapshotError) as err:
+        engine.checkpoint(w.pid, out, config=SnapshotConfig(fail_after=stage))
+    assert err.value.rolled_back
+    _assert_resumed(w, out)
