@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -196,4 +195,4 @@ def run() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    run()

@@ -61,12 +61,12 @@ def log_errors(log_file: Path) -> str:
     except OSError:
         return ""
     errors = [
-        ln.strip()
+        re.sub(r"^\(\s*[\d.]+\)\s*", "", ln.strip())
         for ln in lines
         if ("Error (" in ln or "BUG" in ln) and not any(h in ln for h in _HARMLESS)
     ]
     picked = errors[-_LOG_TAIL_LINES:] if errors else lines[-_LOG_TAIL_LINES:]
-    return " | ".join(ln.strip() for ln in picked)
+    return " | ".join(picked)
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,7 @@ def _rollback(pids: list[int], locked: list[int], cuda: CudaDriver | None, image
             if p.name != "dump.log":
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
         (images.parent / (manifest.MANIFEST_NAME + ".tmp")).unlink(missing_ok=True)
-        log.warning("checkpoint failed; the process tree was resumed where it stood")
+        log.info("checkpoint failed; the process tree was resumed where it stood")
 
 
 def _check_gpu_map(m: Manifest, gpu_map: Mapping[str, str]) -> dict[str, str]:

@@ -39,7 +39,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 IMAGES_DIR = "images"
 #: Files in images/ that CRIU writes at restore time and that are not part of the snapshot.
-_RUNTIME_FILES = {"restore.log", "restore.pid"}
+_RUNTIME_FILES = {"restore.log", "restore.pid", "stats-restore"}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Test workload: memory, threads, an open file and a pipe, each checkable after a restore.
 
-    python stateful.py LOG MIB [--io-uring]
+    python stateful.py LOG MIB [--io-uring] [--map FILE]
 
 Writes to LOG (opened once, kept open):
     digest HEX                   at start: SHA-256 of its MIB MiB of state
@@ -8,10 +8,12 @@ Writes to LOG (opened once, kept open):
                                  P the last value another thread read from an internal pipe
     verify HEX                   on SIGUSR1: the state's SHA-256 computed afresh
 --io-uring also holds an io_uring instance, which CRIU cannot dump (a real dump failure).
+--map FILE keeps FILE mapped (tests name it like the CUDA driver library).
 """
 
 import ctypes
 import hashlib
+import mmap
 import os
 import signal
 import struct
@@ -24,6 +26,10 @@ if "--io-uring" in sys.argv:
     params = ctypes.create_string_buffer(120)
     ring = ctypes.CDLL(None, use_errno=True).syscall(425, 4, params)  # io_uring_setup
     assert ring >= 0, ctypes.get_errno()
+
+if "--map" in sys.argv:
+    with open(sys.argv[sys.argv.index("--map") + 1], "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
 
 block = hashlib.sha256(b"tpagent").digest() * (1 << 15)  # 1 MiB
 state = bytearray(block * mib)
