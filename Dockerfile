@@ -1,0 +1,25 @@
+# tpagent as a node agent / Kubernetes sidecar image.
+# Run it privileged with the host's PID namespace (CRIU must see and ptrace the workload):
+#   docker run --privileged --pid=host -v /dev/shm:/dev/shm tpagent doctor
+FROM debian:trixie-slim
+
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      python3 python3-venv ca-certificates debian-archive-keyring util-linux iproute2 \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/tpagent/src
+COPY scripts/install-criu.sh scripts/
+# CRIU >= 4.2 into /opt/tpagent/criu (trixie ships 4.1, which cannot dump TCP sockets on 6.16+ kernels).
+RUN scripts/install-criu.sh
+
+COPY pyproject.toml README.md ./
+COPY tpagent tpagent
+COPY snapshot snapshot
+COPY transfer transfer
+COPY cli cli
+RUN python3 -m venv /opt/tpagent/venv && /opt/tpagent/venv/bin/pip install --no-cache-dir .
+
+ENV PATH=/opt/tpagent/venv/bin:$PATH
+ENTRYPOINT ["tpagent"]
+CMD ["doctor"]

@@ -1,0 +1,142 @@
+"""Benchmark: time of each checkpoint/restore stage per state size, beside the floor and naive CRIU.
+
+    python bench/snapshot.py [--sizes-mib 256,1024] [--repeats 3] [--dir /dev/shm] [--gpu] [--json-out F]
+
+For each size a workload holding that much state is started, then, in one run:
+  * tpagent: engine.checkpoint (CUDA lock+checkpoint, criu dump, checksums+manifest) and
+    engine.restore (verify, criu restore, CUDA restore+unlock), per stage;
+  * naive:   bare `criu dump` / `criu restore` of the same workload, no manifest, no checks;
+  * floor:   writing / reading the same number of bytes to / from the same directory.
+Medians over --repeats; the table's ratios are tpagent's time over the naive and floor times.
+--gpu holds the state on the GPU (tests/workloads/gpu_hold.py, sizes in GiB of GPU memory).
+Must run as root.  Prints a table, then one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from helpers import kill_and_wait, wait_until  # noqa: E402
+from snapshot import engine  # noqa: E402
+from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
+from snapshot.manifest import IMAGES_DIR  # noqa: E402
+
+
+def start(kind: str, size_mib: int, log: Path) -> subprocess.Popen[bytes]:
+    if kind == "gpu":
+        cmd = [sys.executable, str(ROOT / "tests/workloads/gpu_hold.py"), str(log), str(size_mib / 1024)]
+        ready = "step "
+    else:
+        cmd = [sys.executable, str(ROOT / "tests/workloads/stateful.py"), str(log), str(size_mib)]
+        ready = "tick "
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    wait_until(lambda: log.exists() and ready in log.read_text(), "the workload to start", 600)
+    return p
+
+
+def floor(nbytes: int, directory: Path) -> tuple[float, float]:
+    """Seconds to write then read ``nbytes`` in 64 MiB blocks to/from a new file in ``directory``."""
+    block = os.urandom(64 << 20)
+    path = directory / "floor.bin"
+    t0 = time.monotonic()
+    with open(path, "wb") as f:
+        for _ in range(max(1, nbytes // len(block))):
+            f.write(block)
+    t_write = time.monotonic() - t0
+    t0 = time.monotonic()
+    with open(path, "rb") as f:
+        while f.readinto(bytearray(len(block))):  # a fresh buffer each time: first-touch like restore
+            pass
+    t_read = time.monotonic() - t0
+    path.unlink()
+    return t_write, t_read
+
+
+def one_round(kind: str, size: int, work: Path) -> dict[str, float]:
+    out: dict[str, float] = {}
+    log = work / "w.log"
+    # tpagent
+    p = start(kind, size, log)
+    t0 = time.monotonic()
+    m = engine.checkpoint(p.pid, work / "snap")
+    out["tpagent_dump_s"] = time.monotonic() - t0
+    p.wait()
+    t0 = time.monotonic()
+    r = engine.restore(work / "snap")
+    out["tpagent_restore_s"] = time.monotonic() - t0
+    out.update({f"{k}_s": v for k, v in {**m.timings, **r.timings}.items()})
+    out["image_bytes"] = m.total_bytes
+    kill_and_wait(r.pid)
+    shutil.rmtree(work / "snap")
+    log.unlink()
+    # naive: the same workload, bare criu
+    criu = Criu()
+    p = start(kind, size, log)
+    images = work / "naive"
+    images.mkdir()
+    t0 = time.monotonic()
+    criu.dump(p.pid, images, DumpOptions(leave_stopped=False), 3600)
+    out["naive_dump_s"] = time.monotonic() - t0
+    p.wait()
+    t0 = time.monotonic()
+    pid = criu.restore(images, RestoreOptions(), 3600)
+    out["naive_restore_s"] = time.monotonic() - t0
+    kill_and_wait(pid)
+    shutil.rmtree(images)
+    log.unlink()
+    out["floor_write_s"], out["floor_read_s"] = floor(int(out["image_bytes"]), work)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mib", default="256,1024")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
+    ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args()
+    kind = "gpu" if args.gpu else "cpu"
+    results = []
+    for size in (int(s) for s in args.sizes_mib.split(",")):
+        rounds = []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory(dir=args.dir) as d:
+                rounds.append(one_round(kind, size, Path(d)))
+        med = {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in rounds[0]}
+        results.append({"kind": kind, "size_mib": size, "repeats": args.repeats, **med})
+
+    cols = ["cuda_checkpoint_s", "criu_dump_s", "checksum_s", "tpagent_dump_s", "naive_dump_s", "floor_write_s",
+            "verify_s", "criu_restore_s", "cuda_restore_s", "tpagent_restore_s", "naive_restore_s", "floor_read_s"]  # fmt: skip
+    head = f"{'size':>8} {'image GiB':>9} " + " ".join(f"{c[:-2]:>17}" for c in cols)
+    print(head)
+    for r in results:
+        print(f"{r['size_mib']:>6}Mi {r['image_bytes'] / 2**30:>9.2f} " + " ".join(f"{r.get(c, 0.0):>17.2f}" for c in cols))
+    print()
+    for r in results:
+        gb = r["image_bytes"] / 1e9
+        print(
+            f"{r['size_mib']:>6}Mi  dump {gb / r['tpagent_dump_s']:.2f} GB/s (x{r['tpagent_dump_s'] / r['naive_dump_s']:.2f} naive, "
+            f"x{r['tpagent_dump_s'] / r['floor_write_s']:.2f} floor)   restore {gb / r['tpagent_restore_s']:.2f} GB/s "
+            f"(x{r['tpagent_restore_s'] / r['naive_restore_s']:.2f} naive, x{r['tpagent_restore_s'] / r['floor_read_s']:.2f} floor)"
+        )
+    doc = {"benchmark": "snapshot", "dir": str(args.dir), "results": results}
+    print(json.dumps(doc))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(doc, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Informational commands: they work (and do not crash) on a node without NVIDIA hardware."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers import tpagent
+from snapshot import gpus
+
+
+def test_gpus_lists_this_nodes_gpus() -> None:
+    proc = tpagent("gpus", "--json")
+    assert proc.returncode == 0, proc.stderr
+    listed = json.loads(proc.stdout)["gpus"]
+    assert [g["uuid"] for g in listed] == [g.uuid for g in gpus.inventory()]
+    text = tpagent("gpus")
+    assert text.returncode == 0 and "UUID" in text.stdout
+    if not listed:
+        assert "no NVIDIA GPUs found" in text.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="doctor's CRIU check needs root")
+def test_doctor_reports_each_check() -> None:
+    proc = tpagent("doctor", "--json")
+    checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+    assert {"root", "criu", "criu check", "kernel", "nvidia driver"} <= set(checks)
+    assert checks["root"]["verdict"] == "OK"
+    failed = [c for c in checks.values() if c["verdict"] == "FAIL"]
+    assert proc.returncode == (1 if failed else 0)
+    if not gpus.inventory():
+        assert checks["nvidia driver"]["verdict"] == "WARN"
