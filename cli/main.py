@@ -15,7 +15,15 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from snapshot import engine
-from snapshot.api import DumpMode, SnapshotConfig, SnapshotError, SnapshotInvalid, Stage, UsageError
+from snapshot.api import (
+    DumpMode,
+    Interrupted,
+    SnapshotConfig,
+    SnapshotError,
+    SnapshotInvalid,
+    Stage,
+    UsageError,
+)
 from snapshot.gpus import inventory
 from snapshot.manifest import load
 from tpagent import doctor as doctor_mod
@@ -25,6 +33,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1  # CRIU, the CUDA driver or the disk failed; the process was resumed
 EXIT_USAGE = 2  # the request cannot be carried out as given
 EXIT_INVALID = 3  # the snapshot is missing, damaged or foreign
+EXIT_INTERRUPTED = 130  # Ctrl-C; a frozen process was resumed
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 
@@ -40,7 +49,8 @@ _line_open = False  # a stage's name is on screen, waiting for its time
 def _fail(e: SnapshotError) -> NoReturn:
     if _line_open:
         typer.echo("failed", err=True)
-    code = EXIT_USAGE if isinstance(e, UsageError) else EXIT_INVALID if isinstance(e, SnapshotInvalid) else EXIT_FAILED
+    codes = {UsageError: EXIT_USAGE, SnapshotInvalid: EXIT_INVALID, Interrupted: EXIT_INTERRUPTED}
+    code = next((c for cls, c in codes.items() if isinstance(e, cls)), EXIT_FAILED)
     msg = str(e)
     if e.rolled_back:
         msg += " (nothing was lost: the process was resumed where it stood)"

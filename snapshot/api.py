@@ -28,6 +28,10 @@ class UsageError(SnapshotError):
     """The request cannot be carried out as asked (bad PID, not root, occupied directory...)."""
 
 
+class Interrupted(SnapshotError):
+    """The user interrupted (Ctrl-C / SIGINT) a checkpoint or restore."""
+
+
 class SnapshotInvalid(SnapshotError):
     """A snapshot directory is missing, damaged, truncated or of a format we do not read."""
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapshot.api import CriuError, UsageError
+from snapshot.proc import deferred_sigint
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +104,23 @@ class Criu:
         return ".".join(map(str, self.version))
 
     def _run(self, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        """Run criu to completion.  A Ctrl-C is held back until CRIU is done: a CRIU killed
+        while its parasite code runs inside the workload would take the workload down, and
+        one left running unsupervised could stop the tree after we resumed it."""
         cmd = [str(self.path), *args]
         log.debug("running %s", cmd)
-        try:
-            return subprocess.run(
-                cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
-            )
-        except subprocess.TimeoutExpired as e:
-            raise CriuError(f"criu {args[0]} did not finish within {timeout:.0f} s") from e
-        except OSError as e:
-            raise CriuError(f"could not run {self.path}", detail=str(e), code=e.errno) from e
+        with deferred_sigint():
+            try:
+                # Its own session: a terminal's Ctrl-C goes to our process group, not to CRIU.
+                proc = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=timeout,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+            except subprocess.TimeoutExpired as e:
+                raise CriuError(f"criu {args[0]} did not finish within {timeout:.0f} s") from e
+            except OSError as e:
+                raise CriuError(f"could not run {self.path}", detail=str(e), code=e.errno) from e
+        return proc
 
     def _probe_version(self) -> tuple[int, int, int]:
         proc = self._run(["--version"], timeout=30)

@@ -28,6 +28,7 @@ from snapshot import gpus, manifest, proc
 from snapshot.api import (
     CriuError,
     DumpMode,
+    Interrupted,
     ProgressFn,
     SnapshotConfig,
     SnapshotError,
@@ -199,10 +200,13 @@ def checkpoint(
             e.rolled_back = True
             raise
         if isinstance(e, OSError):
-            err = CriuError(f"writing the snapshot to {out} failed", detail=str(e), code=e.errno)
-            err.rolled_back = True
-            raise err from e
-        raise
+            err: SnapshotError = CriuError(f"writing the snapshot to {out} failed", detail=str(e), code=e.errno)
+        elif isinstance(e, KeyboardInterrupt):
+            err = Interrupted(f"the checkpoint of PID {pid} was interrupted")
+        else:
+            raise
+        err.rolled_back = True
+        raise err from e
     if mode is DumpMode.KILL:
         _kill_tree(pids)
     elif mode is DumpMode.LEAVE_RUNNING:
@@ -213,7 +217,8 @@ def checkpoint(
 def _rollback(pids: list[int], locked: list[int], cuda: CudaDriver | None, images: Path) -> None:
     """Put a half-frozen tree back to running, and drop the partial images."""
     try:
-        resume(pids, locked, cuda)
+        with proc.deferred_sigint():  # a second Ctrl-C must not cut the rollback short
+            resume(pids, locked, cuda)
     finally:
         for p in images.iterdir():
             if p.name != "dump.log":
@@ -240,6 +245,15 @@ def _check_gpu_map(m: Manifest, gpu_map: Mapping[str, str]) -> dict[str, str]:
             hint = "" if old in norm else f"; map it with --gpu-map {old}=<UUID of a GPU here>"
             raise UsageError(f"GPU {new} is not on this node (see `tpagent gpus`){hint}.")
     return norm
+
+
+def _kill_restored(images: Path) -> None:
+    try:
+        root = int((images / "restore.pid").read_text())
+        tree = [root, *(c.pid for c in psutil.Process(root).children(recursive=True))]
+    except (OSError, ValueError, psutil.NoSuchProcess):
+        return
+    _kill_tree(tree)
 
 
 def _restored_pids(m: Manifest, root: int) -> dict[int, int]:
@@ -276,10 +290,10 @@ def restore(
     if not m.namespace:
         proc.wait_pids_free([p.pid for p in m.processes], config.timeouts.pid_wait)
     opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), m.namespace)
-    with timer.stage(Stage.CRIU_RESTORE):
-        root = criu.restore(directory / IMAGES_DIR, opts, config.timeouts.restore)
-    mapping = _restored_pids(m, root)
     try:
+        with timer.stage(Stage.CRIU_RESTORE):
+            root = criu.restore(directory / IMAGES_DIR, opts, config.timeouts.restore)
+        mapping = _restored_pids(m, root)
         if cuda is not None:
             with timer.stage(Stage.CUDA_RESTORE):
                 for p in m.cuda_pids:
@@ -287,7 +301,11 @@ def restore(
             with timer.stage(Stage.CUDA_UNLOCK):
                 for p in m.cuda_pids:
                     cuda.unlock(mapping[p])
-    except BaseException:
-        _kill_tree(list(mapping.values()))
+    except BaseException as e:
+        # Never leave a half-restored copy (e.g. CPU side up, GPU side still in host memory):
+        # kill what CRIU started; the snapshot, which restore does not modify, is the copy to retry.
+        _kill_restored(directory / IMAGES_DIR)
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(f"the restore of {directory} was interrupted; nothing was left running") from e
         raise
     return RestoreResult(root, tuple(mapping.values()), m, timer.timings)

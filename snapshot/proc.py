@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import psutil
 
@@ -157,3 +161,26 @@ def wait_pids_free(pids: list[int], timeout: float) -> None:
                 "their own PID namespace) and retry."
             )
         time.sleep(0.1)
+
+
+@contextmanager
+def deferred_sigint() -> Iterator[None]:
+    """Hold back Ctrl-C (SIGINT) for the duration of a step that must not be cut short
+    (a CRIU run whose parasite sits inside the workload, a rollback); the interrupt is
+    raised as KeyboardInterrupt once the step is over.  Only the main thread can own
+    signal handlers; elsewhere (inside a server) this is a no-op and the host decides."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def note(signum: int, _frame: FrameType | None) -> None:
+        pending.append(signum)
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
