@@ -60,8 +60,8 @@ class CudaDriver:
             (err,) = driver.cuInit(0)
         except Exception as e:  # the bindings raise when libcuda.so cannot be loaded
             raise UsageError(
-                "the NVIDIA driver library (libcuda.so) cannot be loaded on this node, so GPU "
-                f"processes cannot be checkpointed ({e})."
+                "the process uses the GPU, but the NVIDIA driver library (libcuda.so) cannot be "
+                "loaded on this node: install the NVIDIA driver (570 or newer) to checkpoint it."
             ) from e
         self._check(err, "initialisation")
         err, version = driver.cuDriverGetVersion()

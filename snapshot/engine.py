@@ -85,14 +85,11 @@ class _Timer:
             raise InjectedFault(f"fault injected after {stage.value}")
 
 
-def _prepare_out(out: Path) -> Path:
+def _check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise UsageError(f"{out} exists and is not a directory; give an empty or new directory.")
     if out.is_dir() and any(out.iterdir()):
         raise UsageError(f"output directory {out} is not empty; give an empty or new directory.")
-    images = out / IMAGES_DIR
-    images.mkdir(parents=True)
-    return images
 
 
 def _namespace_of(target: psutil.Process) -> bool:
@@ -157,7 +154,7 @@ def checkpoint(
     target = proc.validate_target(pid)
     criu = Criu(config.criu)
     namespace = _namespace_of(target)
-    images = _prepare_out(out)
+    _check_out(out)
     procs = proc.tree(target)
     pids = [p.pid for p in procs]
     cuda_pids = [p.pid for p in procs if p.uses_cuda]
@@ -174,6 +171,11 @@ def checkpoint(
         cuda={"driver_version": gpus.driver_version(), "pids": cuda_pids},
         tpagent_version=__version__,
     )
+    images = out / IMAGES_DIR
+    try:
+        images.mkdir(parents=True)
+    except OSError as e:
+        raise UsageError(f"cannot create {images}: {e.strerror}.") from e
     timer = _Timer(progress, config.fail_after)
     t = config.timeouts
     locked: list[int] = []

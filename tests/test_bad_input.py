@@ -207,3 +207,22 @@ def _flip_byte(d: Path) -> None:
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_gpu_process_without_a_usable_driver_is_refused_before_any_freeze(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Here there is no NVIDIA driver: a process that has "libcuda.so" mapped is refused whole."""
+    import mmap
+
+    from snapshot.proc import uses_cuda
+
+    lib = tmp_path / "libcuda.so.1"
+    lib.write_bytes(b"\0" * mmap.PAGESIZE)
+    w = start(mib=16, extra=("--map", str(lib)))
+    assert uses_cuda(w.pid)
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("this machine has an NVIDIA driver")
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "s"))
+    assert_one_sentence_error(proc, "uses the GPU", "libcuda.so")
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] > n + 3, "the workload to keep running")
+    assert not (tmp_path / "s").exists()  # nothing was started, nothing written
