@@ -7,12 +7,14 @@ carried in :class:`~snapshot.api.CriuError` so the user sees CRIU's own words.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from snapshot.api import CriuError, UsageError
@@ -70,13 +72,25 @@ def log_errors(log_file: Path) -> str:
     return " | ".join(picked)
 
 
+class Finish(str, enum.Enum):
+    """What CRIU does with the tree after a successful dump (CRIU's own flags)."""
+
+    KILL = "kill"
+    LEAVE_RUNNING = "leave-running"
+    LEAVE_STOPPED = "leave-stopped"
+
+
 @dataclass(frozen=True)
 class DumpOptions:
-    leave_stopped: bool = True
+    finish: Finish = Finish.KILL
     shell_job: bool = False
     tcp_established: bool = False
     #: Dump a PID namespace launched by ``tpagent launch`` (adds the mount-namespace flags).
     namespace: bool = False
+    #: Run by CRIU at each action; a failing ``post-dump`` makes CRIU roll the dump back
+    #: (resume the tree, unlock its network) instead of killing it.
+    action_script: Path | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -103,7 +117,9 @@ class Criu:
     def version_str(self) -> str:
         return ".".join(map(str, self.version))
 
-    def _run(self, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    def _run(
+        self, args: list[str], timeout: float, env: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """Run criu to completion.  A Ctrl-C is held back until CRIU is done: a CRIU killed
         while its parasite code runs inside the workload would take the workload down, and
         one left running unsupervised could stop the tree after we resumed it."""
@@ -115,6 +131,7 @@ class Criu:
                 proc = subprocess.run(
                     cmd, capture_output=True, text=True, timeout=timeout,
                     stdin=subprocess.DEVNULL, start_new_session=True,
+                    env={**os.environ, **env} if env else None,
                 )  # fmt: skip
             except subprocess.TimeoutExpired as e:
                 raise CriuError(f"criu {args[0]} did not finish within {timeout:.0f} s") from e
@@ -134,25 +151,28 @@ class Criu:
             raise CriuError("criu check failed", detail=out[-500:], code=proc.returncode)
         return out.splitlines()[-1] if out else "ok"
 
-    def dump(self, pid: int, images: Path, opts: DumpOptions, timeout: float) -> None:
-        args = ["dump", "-t", str(pid), "-D", str(images), "-o", "dump.log", "-v4"]
-        args += ["--leave-stopped"] if opts.leave_stopped else []
+    def dump(self, pid: int, images: Path, work: Path, opts: DumpOptions, timeout: float) -> None:
+        """Dump the tree of ``pid`` into ``images``; CRIU's log and stats go to ``work``."""
+        args = ["dump", "-t", str(pid), "-D", str(images), "-W", str(work), "-o", "dump.log", "-v4"]
+        args += {Finish.KILL: [], Finish.LEAVE_RUNNING: ["--leave-running"], Finish.LEAVE_STOPPED: ["--leave-stopped"]}[opts.finish]
         args += self._common(opts.shell_job, opts.tcp_established)
         # The namespace's mounts are the node's own: declare them all external.
         args += ["--external", "mnt[]"] if opts.namespace else []
-        proc = self._run(args, timeout)
+        args += ["--action-script", str(opts.action_script)] if opts.action_script else []
+        proc = self._run(args, timeout, opts.env)
         if proc.returncode != 0:
             raise CriuError(
                 f"criu dump of PID {pid} failed",
-                detail=log_errors(images / "dump.log") or proc.stderr.strip(),
+                detail=log_errors(work / "dump.log") or proc.stderr.strip(),
                 code=proc.returncode,
             )
 
-    def restore(self, images: Path, opts: RestoreOptions, timeout: float) -> int:
-        """Restore detached; returns the PID (in our namespace) of the restored tree's root."""
-        pidfile = images / "restore.pid"
-        pidfile.unlink(missing_ok=True)
-        args = ["restore", "-D", str(images), "-o", "restore.log", "-v4", "-d"]
+    def restore(self, images: Path, work: Path, opts: RestoreOptions, timeout: float) -> int:
+        """Restore detached; returns the PID (in our namespace) of the restored tree's root.
+
+        CRIU's log, stats and pidfile go to ``work``, never into the snapshot's directory."""
+        pidfile = work / "restore.pid"
+        args = ["restore", "-D", str(images), "-W", str(work), "-o", "restore.log", "-v4", "-d"]
         args += ["--pidfile", str(pidfile)]
         args += self._common(opts.shell_job, opts.tcp_established)
         # Rebuilding a mount namespace needs its root given (without it CRIU 4.2 segfaults
@@ -162,7 +182,7 @@ class Criu:
         if proc.returncode != 0:
             raise CriuError(
                 "criu restore failed",
-                detail=log_errors(images / "restore.log") or proc.stderr.strip(),
+                detail=log_errors(work / "restore.log") or proc.stderr.strip(),
                 code=proc.returncode,
             )
         try:

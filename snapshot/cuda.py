@@ -87,7 +87,10 @@ class CudaDriver:
     def state(self, pid: int) -> CudaState:
         err, st = self._d.cuCheckpointProcessGetState(pid)
         self._check(err, "state query", pid)
-        return list(CudaState)[int(st)]
+        states = list(CudaState)
+        if not 0 <= int(st) < len(states):
+            raise CudaError(f"the driver reports an unknown checkpoint state for PID {pid}", code=int(st))
+        return states[int(st)]
 
     def lock(self, pid: int, timeout: float) -> None:
         args = self._d.CUcheckpointLockArgs()

@@ -1,21 +1,26 @@
 """Checkpoint and restore of a process tree: the CUDA driver and CRIU, in the verified order.
 
-Checkpoint: CUDA lock -> CUDA checkpoint -> criu dump (tree left stopped) -> checksums and
-manifest -> finish by mode (kill / resume / stay stopped).  The tree is only killed once the
-snapshot is complete on disk; any failure before that resumes it where it stood
-(SIGCONT, CUDA restore, CUDA unlock), so a failed checkpoint never loses the workload.
+Checkpoint: CUDA lock -> CUDA checkpoint -> criu dump, during which CRIU's post-dump action
+(:mod:`snapshot.hook`) checksums and fsyncs the images and writes the manifest while the
+tree is still frozen -> CRIU finishes by mode (kill / leave running / leave stopped).  The
+tree is killed only by CRIU and only once the snapshot is sealed; any failure before that
+makes CRIU roll back (resume the tree, lift its network lock), and we give the GPU back
+(CUDA restore, unlock), so a failed checkpoint never loses the workload.
 
-Restore: verify manifest and checksums -> PIDs free -> criu restore -> CUDA restore (with
-the GPU map) -> CUDA unlock.  A failure after CRIU restored the tree kills that copy: the
-snapshot, which restore never modifies, is then still the one copy to retry from.
+Restore: verify manifest and checksums -> refuse if the original still runs here -> PIDs
+free -> criu restore -> CUDA restore (GPU map) -> CUDA unlock.  A failure after CRIU started
+the tree kills that copy: the snapshot, which restore never modifies, is the one to retry.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import platform
 import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -24,9 +29,10 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import gpus, manifest, proc
+from snapshot import gpus, hook, manifest, proc
 from snapshot.api import (
     CriuError,
+    CudaError,
     DumpMode,
     Interrupted,
     ProgressFn,
@@ -36,13 +42,15 @@ from snapshot.api import (
     ToolError,
     UsageError,
 )
-from snapshot.criu import Criu, DumpOptions, RestoreOptions
-from snapshot.cuda import CudaDriver
+from snapshot.criu import Criu, DumpOptions, Finish, RestoreOptions
+from snapshot.cuda import CudaDriver, uuid_bytes, uuid_text
 from snapshot.manifest import IMAGES_DIR, Manifest
 
 log = logging.getLogger(__name__)
 
 CudaFactory = Callable[[], CudaDriver]
+LOG_DIR = "log"
+_FINISH = {DumpMode.KILL: Finish.KILL, DumpMode.LEAVE_RUNNING: Finish.LEAVE_RUNNING, DumpMode.LEAVE_STOPPED: Finish.LEAVE_STOPPED}
 
 
 class InjectedFault(ToolError):
@@ -79,10 +87,13 @@ class _Timer:
         self.progress(stage, "")
         t0 = time.monotonic()
         yield
-        self.timings[stage.value] = round(time.monotonic() - t0, 4)
-        self.progress(stage, f"{self.timings[stage.value]:.2f} s")
+        self.record(stage, time.monotonic() - t0)
         if self.fail_after == stage:
             raise InjectedFault(f"fault injected after {stage.value}")
+
+    def record(self, stage: Stage, seconds: float) -> None:
+        self.timings[stage.value] = round(seconds, 4)
+        self.progress(stage, f"{seconds:.2f} s")
 
 
 def _check_out(out: Path) -> None:
@@ -104,39 +115,40 @@ def _namespace_of(target: psutil.Process) -> bool:
                 )
         return False
     if proc.ns_pids(target.pid)[-1] != 1:
-        init = next(p.pid for p in target.parents() if proc.ns_pids(p.pid)[-1] == 1)
+        init = next((p.pid for p in target.parents() if proc.ns_pids(p.pid)[-1] == 1), None)
         raise UsageError(
-            f"PID {target.pid} lives inside a PID namespace whose init is PID {init}; "
-            f"checkpoint the whole namespace by giving PID {init}."
+            f"PID {target.pid} lives inside a PID namespace; checkpoint the whole namespace "
+            f"by giving the PID of its init{f' ({init})' if init else ''}."
         )
     return True
 
 
+def _has_context(cuda: CudaDriver, pid: int) -> bool:
+    """Whether the driver knows the process: a forked worker that merely maps libcuda is not."""
+    try:
+        cuda.state(pid)
+    except CudaError:
+        return False
+    return True
+
+
 def resume(pids: list[int], cuda_pids: list[int], cuda: CudaDriver | None) -> None:
-    """Resume a tree that checkpoint left stopped: SIGCONT, then give CUDA its GPU back."""
+    """Resume a tree left stopped and give each CUDA process its GPU back.
+
+    Tries every process even when one fails, then raises one CudaError naming all failures."""
     proc.signal_tree(pids, signal.SIGCONT)
+    failures = []
     for pid in cuda_pids:
         assert cuda is not None
-        state = cuda.state(pid)
-        if state.value == "checkpointed":
-            cuda.restore(pid)
-            state = cuda.state(pid)
-        if state.value == "locked":
-            cuda.unlock(pid)
-
-
-def _kill_tree(pids: list[int], timeout: float = 10.0) -> None:
-    proc.signal_tree(pids, signal.SIGKILL)
-    gone_by = time.monotonic() + timeout
-    while time.monotonic() < gone_by and any(psutil.pid_exists(p) and _alive(p) for p in pids):
-        time.sleep(0.02)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+        try:
+            if cuda.state(pid).value == "checkpointed":
+                cuda.restore(pid)
+            if cuda.state(pid).value == "locked":
+                cuda.unlock(pid)
+        except CudaError as e:
+            failures.append(f"PID {pid}: {e}")
+    if failures:
+        raise CudaError("the GPU could not be given back", detail="; ".join(failures))
 
 
 def checkpoint(
@@ -153,85 +165,133 @@ def checkpoint(
     require_root()
     target = proc.validate_target(pid)
     criu = Criu(config.criu)
-    namespace = _namespace_of(target)
+    try:
+        namespace = _namespace_of(target)
+        procs = proc.tree(target)
+        create_time = target.create_time()
+        shell_job = not proc.is_session_leader(pid)
+    except (psutil.NoSuchProcess, ProcessLookupError, FileNotFoundError) as e:
+        raise UsageError(f"PID {pid} exited while it was being examined; nothing was done.") from e
     _check_out(out)
-    procs = proc.tree(target)
     pids = [p.pid for p in procs]
-    cuda_pids = [p.pid for p in procs if p.uses_cuda]
-    cuda = cuda_factory() if cuda_pids else None
-    gpu_list = [g.to_dict() for g in gpus.gpus_of(set(pids))] if cuda_pids else []
-    tcp = proc.holds_inet_sockets(pids)
-    shell_job = not proc.is_session_leader(pid)
+    candidates = [p.pid for p in procs if p.uses_cuda]
+    cuda = cuda_factory() if candidates else None
+    cuda_pids = [p for p in candidates if cuda is not None and _has_context(cuda, p)]
     m = Manifest(
         root_pid=pid,
         namespace=namespace,
         processes=procs,
-        gpus=gpu_list,
-        criu={"version": criu.version_str, "shell_job": shell_job, "tcp_established": tcp},
+        gpus=[g.to_dict() for g in gpus.gpus_of(set(pids))] if cuda_pids else [],
+        criu={"version": criu.version_str, "shell_job": shell_job, "tcp_established": proc.holds_inet_sockets(pids)},
         cuda={"driver_version": gpus.driver_version(), "pids": cuda_pids},
         tpagent_version=__version__,
+        origin={"mode": mode.value, "root_create_time": create_time},
     )
-    images = out / IMAGES_DIR
     try:
-        images.mkdir(parents=True)
+        (out / IMAGES_DIR).mkdir(parents=True)
+        (out / LOG_DIR).mkdir()
+        (out / hook.PENDING).write_text(json.dumps(m.to_json()))
     except OSError as e:
-        raise UsageError(f"cannot create {images}: {e.strerror}.") from e
+        raise UsageError(f"cannot write to {out}: {e.strerror}.") from e
+    script = hook.install()
+    cancel = out / LOG_DIR / hook.CANCEL_FILE
     timer = _Timer(progress, config.fail_after)
-    t = config.timeouts
     locked: list[int] = []
-    stopped = False
+    t = config.timeouts
     try:
         if cuda is not None:
-            with timer.stage(Stage.CUDA_LOCK):
-                for p in cuda_pids:
-                    cuda.lock(p, t.cuda_lock)
-                    locked.append(p)
-            with timer.stage(Stage.CUDA_CHECKPOINT):
-                for p in cuda_pids:
-                    cuda.checkpoint(p)
-        with timer.stage(Stage.CRIU_DUMP):
-            stopped = True  # CRIU resumes the tree itself if the dump fails; SIGCONT is harmless
-            criu.dump(pid, images, DumpOptions(True, shell_job, tcp, namespace), t.dump)
-        with timer.stage(Stage.CHECKSUM):
-            m.files = manifest.checksum_files(out)
-        m.timings = timer.timings
-        m.write(out)
+            with proc.deferred_sigint():  # never leave the driver half-way through a call
+                with timer.stage(Stage.CUDA_LOCK):
+                    for p in cuda_pids:
+                        locked.append(p)  # first: a lock that times out leaves it running, which resume() sees
+                        cuda.lock(p, t.cuda_lock)
+                with timer.stage(Stage.CUDA_CHECKPOINT):
+                    for p in cuda_pids:
+                        cuda.checkpoint(p)
+        env = {"TPAGENT_HOOK_OUT": str(out.absolute()), "TPAGENT_HOOK_ROOT": str(pid)}
+        if config.fail_after is Stage.CHECKSUM:
+            env["TPAGENT_HOOK_FAIL"] = "1"
+        progress(Stage.CRIU_DUMP, "")
+        t0 = time.monotonic()
+        opts = DumpOptions(_FINISH[mode], shell_job, bool(m.criu["tcp_established"]), namespace, script, env)
+        # A Ctrl-C now asks the post-dump hook to fail, so that CRIU itself rolls back; once
+        # the hook has sealed the snapshot, CRIU finishes and the interrupt came too late.
+        with proc.deferred_sigint(on_interrupt=cancel.touch) as interrupt:
+            try:
+                criu.dump(pid, out / IMAGES_DIR, out / LOG_DIR, opts, t.dump)
+            except CriuError as e:
+                sealing = out / LOG_DIR / hook.ERROR_FILE
+                if sealing.exists():
+                    e.detail = f"sealing the snapshot failed: {sealing.read_text(errors='replace')}"
+                raise
+            sealed = manifest.load(out)
+            if interrupt.consume():
+                log.warning("interrupted after the snapshot of %d was sealed: finishing it", pid)
     except BaseException as e:
-        _rollback(pids if stopped else [], locked, cuda, images)
-        if isinstance(e, SnapshotError):
-            e.rolled_back = True
-            raise
-        if isinstance(e, OSError):
-            err: SnapshotError = CriuError(f"writing the snapshot to {out} failed", detail=str(e), code=e.errno)
-        elif isinstance(e, KeyboardInterrupt):
-            err = Interrupted(f"the checkpoint of PID {pid} was interrupted")
-        else:
-            raise
-        err.rolled_back = True
-        raise err from e
-    if mode is DumpMode.KILL:
-        _kill_tree(pids)
-    elif mode is DumpMode.LEAVE_RUNNING:
-        resume(pids, cuda_pids, cuda)
-    return m
+        raise _rolled_back(e, pid, out, pids, locked, cuda) from e
+    finally:
+        shutil.rmtree(script.parent, ignore_errors=True)
+        (out / hook.PENDING).unlink(missing_ok=True)
+    checksum = sealed.timings.get("checksum", 0.0)
+    timer.record(Stage.CRIU_DUMP, time.monotonic() - t0 - checksum)
+    timer.record(Stage.CHECKSUM, checksum)
+    sealed.timings = timer.timings
+    try:
+        sealed.write(out)
+    except OSError as e:  # the sealed manifest is in place; only the timings are missing
+        log.warning("could not add timings to %s: %s", out, e)
+    if mode is DumpMode.LEAVE_RUNNING and cuda is not None:
+        try:
+            with proc.deferred_sigint():
+                resume([], cuda_pids, cuda)  # CRIU resumed the CPU side itself
+        except CudaError as e:
+            raise CudaError(f"the snapshot in {out} is complete, but PID {pid} could not be given its GPU back", detail=e.detail) from e
+    return sealed
 
 
-def _rollback(pids: list[int], locked: list[int], cuda: CudaDriver | None, images: Path) -> None:
-    """Put a half-frozen tree back to running, and drop the partial images."""
+def _rolled_back(
+    e: BaseException, pid: int, out: Path, pids: list[int], locked: list[int], cuda: CudaDriver | None
+) -> BaseException:
+    """Undo a failed checkpoint; return the error to raise (``rolled_back`` says if it worked).
+
+    CRIU has already resumed the tree and lifted its network lock on its own failure; the
+    SIGCONT here only matters if CRIU itself died.  What is left is the GPU side."""
+    problem = None
     try:
         with proc.deferred_sigint():  # a second Ctrl-C must not cut the rollback short
             resume(pids, locked, cuda)
-    finally:
-        for p in images.iterdir():
-            if p.name != "dump.log":
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-        (images.parent / (manifest.MANIFEST_NAME + ".tmp")).unlink(missing_ok=True)
-        log.info("checkpoint failed; the process tree was resumed where it stood")
+    except (CudaError, KeyboardInterrupt) as r:
+        problem = str(r) or "interrupted"
+    for p in (out / IMAGES_DIR).glob("*"):  # a partial snapshot must never look restorable
+        try:
+            p.unlink()
+        except OSError:
+            pass
+    (out / manifest.MANIFEST_NAME).unlink(missing_ok=True)
+    if isinstance(e, KeyboardInterrupt) or (out / LOG_DIR / hook.CANCEL_FILE).exists():
+        err: SnapshotError = Interrupted(f"the checkpoint of PID {pid} was interrupted")
+    elif isinstance(e, SnapshotError):
+        err = e
+    elif isinstance(e, OSError):
+        err = CriuError(f"writing the snapshot to {out} failed", detail=str(e), code=e.errno)
+    else:
+        return e
+    if problem is not None:
+        return ToolError(f"{err}; then resuming PID {pid} failed too: {problem}")
+    err.rolled_back = True
+    log.info("checkpoint of %d failed; the tree was resumed where it stood", pid)
+    return err
+
+
+def _gpu_pairs(m: Manifest, pid: int, gpu_map: Mapping[str, str]) -> dict[str, str]:
+    """Old -> new UUID for every GPU the process used (the driver wants them all, mapped or not)."""
+    used = [str(g["uuid"]) for g in m.gpus if pid in g.get("pids", [])]
+    if not used:
+        return dict(gpu_map)
+    return {old: gpu_map.get(old, old) for old in used}
 
 
 def _check_gpu_map(m: Manifest, gpu_map: Mapping[str, str]) -> dict[str, str]:
-    from snapshot.cuda import uuid_text, uuid_bytes
-
     norm = {uuid_text(uuid_bytes(k)): uuid_text(uuid_bytes(v)) for k, v in gpu_map.items()}
     theirs = {str(g["uuid"]) for g in m.gpus}
     for old in norm:
@@ -249,13 +309,13 @@ def _check_gpu_map(m: Manifest, gpu_map: Mapping[str, str]) -> dict[str, str]:
     return norm
 
 
-def _kill_restored(images: Path) -> None:
+def _original_still_running(m: Manifest) -> bool:
+    if m.origin["mode"] == DumpMode.KILL.value or m.host["hostname"] != platform.node():
+        return False
     try:
-        root = int((images / "restore.pid").read_text())
-        tree = [root, *(c.pid for c in psutil.Process(root).children(recursive=True))]
-    except (OSError, ValueError, psutil.NoSuchProcess):
-        return
-    _kill_tree(tree)
+        return abs(psutil.Process(m.root_pid).create_time() - float(m.origin["root_create_time"])) < 0.01
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _restored_pids(m: Manifest, root: int) -> dict[int, int]:
@@ -287,27 +347,53 @@ def restore(
             f"the snapshot was written by CRIU {m.criu['version']}, this node has CRIU "
             f"{criu.version_str}, which cannot read it: install a newer CRIU here."
         )
+    if _original_still_running(m):
+        raise UsageError(
+            f"the process this snapshot was taken from (PID {m.root_pid}, left {m.origin['mode']}) "
+            "still runs on this node; stop it first, or two copies would run."
+        )
     norm_map = _check_gpu_map(m, gpu_map or {})
     cuda = cuda_factory() if m.cuda_pids else None
     if not m.namespace:
         proc.wait_pids_free([p.pid for p in m.processes], config.timeouts.pid_wait)
     opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), m.namespace)
+    work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
     try:
         with timer.stage(Stage.CRIU_RESTORE):
-            root = criu.restore(directory / IMAGES_DIR, opts, config.timeouts.restore)
+            root = criu.restore(directory / IMAGES_DIR, work, opts, config.timeouts.restore)
         mapping = _restored_pids(m, root)
         if cuda is not None:
-            with timer.stage(Stage.CUDA_RESTORE):
-                for p in m.cuda_pids:
-                    cuda.restore(mapping[p], norm_map)
-            with timer.stage(Stage.CUDA_UNLOCK):
-                for p in m.cuda_pids:
-                    cuda.unlock(mapping[p])
+            with proc.deferred_sigint():
+                with timer.stage(Stage.CUDA_RESTORE):
+                    for p in m.cuda_pids:
+                        cuda.restore(mapping[p], _gpu_pairs(m, p, norm_map))
+                with timer.stage(Stage.CUDA_UNLOCK):
+                    for p in m.cuda_pids:
+                        cuda.unlock(mapping[p])
     except BaseException as e:
         # Never leave a half-restored copy (e.g. CPU side up, GPU side still in host memory):
         # kill what CRIU started; the snapshot, which restore does not modify, is the copy to retry.
-        _kill_restored(directory / IMAGES_DIR)
+        _kill_restored(work)
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(f"the restore of {directory} was interrupted; nothing was left running") from e
-        raise
+        if isinstance(e, SnapshotError):
+            raise
+        raise ToolError(
+            f"the restore of {directory} failed after CRIU started it ({type(e).__name__}: {e}); "
+            "that copy was stopped and the snapshot is intact"
+        ) from e
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return RestoreResult(root, tuple(mapping.values()), m, timer.timings)
+
+
+def _kill_restored(work: Path) -> None:
+    try:
+        root = int((work / "restore.pid").read_text())
+        tree = [root, *(c.pid for c in psutil.Process(root).children(recursive=True))]
+    except (OSError, ValueError, psutil.NoSuchProcess):
+        return
+    proc.signal_tree(tree, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(proc.alive(p) for p in tree):
+        time.sleep(0.02)

@@ -49,6 +49,9 @@ def driver_version() -> str | None:
         return None
     try:
         return _text(nv.nvmlSystemGetDriverVersion())
+    except Exception as e:
+        log.warning("NVML could not report the driver version: %s", e)
+        return None
     finally:
         nv.nvmlShutdown()
 
@@ -59,6 +62,9 @@ def inventory() -> list[GpuInfo]:
         return []
     try:
         return [_one(nv, i) for i in range(nv.nvmlDeviceGetCount())]
+    except Exception as e:  # NVMLError: a GPU fell off the bus, the driver is wedged...
+        log.warning("NVML could not list the GPUs: %s", e)
+        return []
     finally:
         nv.nvmlShutdown()
 

@@ -25,22 +25,23 @@ import hashlib
 import json
 import os
 import platform
+import re
+import stat
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from snapshot.api import SnapshotInvalid
 from snapshot.proc import ProcInfo
 
+T = TypeVar("T")
 FORMAT = "tpagent-snapshot"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 IMAGES_DIR = "images"
-#: Files in images/ that CRIU writes at restore time and that are not part of the snapshot.
-_RUNTIME_FILES = {"restore.log", "restore.pid", "stats-restore"}
 
 
 @dataclass
@@ -61,6 +62,8 @@ class Manifest:
             "machine": platform.machine(),
         }
     )
+    #: How the original was left ("mode") and its identity, to refuse two running copies.
+    origin: dict[str, Any] = field(default_factory=lambda: {"mode": "kill", "root_create_time": 0.0})
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -75,7 +78,8 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         body["processes"] = [asdict(p) for p in self.processes]
-        return {"format": FORMAT, "format_version": FORMAT_VERSION, **body, "total_bytes": self.total_bytes}
+        body = {"format": FORMAT, "format_version": FORMAT_VERSION, **body, "total_bytes": self.total_bytes}
+        return {**body, "manifest_sha256": _body_digest(body)}
 
     def write(self, directory: Path) -> None:
         tmp = directory / (MANIFEST_NAME + ".tmp")
@@ -87,30 +91,76 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
+        """Build from parsed JSON, checking every field's type; ValueError names a bad one."""
         procs = [
             ProcInfo(
-                pid=int(p["pid"]),
-                ppid=int(p["ppid"]),
-                cmdline=tuple(p["cmdline"]),
-                ns_pids=tuple(int(x) for x in p["ns_pids"]),
-                uses_cuda=bool(p["uses_cuda"]),
+                pid=_get(p, "pid", int, "processes[]"),
+                ppid=_get(p, "ppid", int, "processes[]"),
+                cmdline=tuple(_list(p, "cmdline", str, "processes[]")),
+                ns_pids=tuple(_list(p, "ns_pids", int, "processes[]")),
+                uses_cuda=_get(p, "uses_cuda", bool, "processes[]"),
             )
-            for p in data["processes"]
+            for p in _list(data, "processes", dict, "manifest")
         ]
+        gpus = _list(data, "gpus", dict, "manifest")
+        for g in gpus:
+            _get(g, "uuid", str, "gpus[]"), _get(g, "name", str, "gpus[]"), _get(g, "memory_used", int, "gpus[]")
+        criu = _get(data, "criu", dict, "manifest")
+        if not re.fullmatch(r"\d+\.\d+(\.\d+)?", _get(criu, "version", str, "criu")):
+            raise ValueError("criu.version")
+        _get(criu, "shell_job", bool, "criu"), _get(criu, "tcp_established", bool, "criu")
+        cuda = _get(data, "cuda", dict, "manifest")
+        if not set(_list(cuda, "pids", int, "cuda")) <= {p.pid for p in procs}:
+            raise ValueError("cuda.pids names a process not in processes")
+        host = _get(data, "host", dict, "manifest")
+        for key in ("hostname", "kernel", "machine"):
+            _get(host, key, str, "host")
+        files = _get(data, "files", dict, "manifest")
+        for rel, f in files.items():
+            if not _IMAGE_PATH.fullmatch(rel):
+                raise ValueError(f"files: {rel!r} is not a file directly under {IMAGES_DIR}/")
+            _get(f, "size", int, rel), _get(f, "chunk_size", int, rel), _list(f, "sha256", str, rel)
+        origin = _get(data, "origin", dict, "manifest")
+        _get(origin, "mode", str, "origin"), _get(origin, "root_create_time", float, "origin")
         return cls(
-            root_pid=int(data["root_pid"]),
-            namespace=bool(data["namespace"]),
+            root_pid=_get(data, "root_pid", int, "manifest"),
+            namespace=_get(data, "namespace", bool, "manifest"),
             processes=procs,
-            gpus=list(data["gpus"]),
-            criu=dict(data["criu"]),
-            cuda=dict(data["cuda"]),
-            tpagent_version=str(data["tpagent_version"]),
-            snapshot_id=str(data["snapshot_id"]),
-            created=str(data["created"]),
-            host=dict(data["host"]),
-            files={str(k): dict(v) for k, v in data["files"].items()},
-            timings={str(k): float(v) for k, v in data["timings"].items()},
+            gpus=gpus,
+            criu=criu,
+            cuda=cuda,
+            tpagent_version=_get(data, "tpagent_version", str, "manifest"),
+            snapshot_id=_get(data, "snapshot_id", str, "manifest"),
+            created=_get(data, "created", str, "manifest"),
+            host=host,
+            origin=origin,
+            files=files,
+            timings={str(k): float(v) for k, v in _get(data, "timings", dict, "manifest").items()},
         )
+
+
+_IMAGE_PATH = re.compile(IMAGES_DIR + r"/[A-Za-z0-9._-]+")
+
+
+def _get(d: Any, key: str, typ: type[T], where: str) -> T:
+    value = d.get(key) if isinstance(d, dict) else None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ValueError(f"{where}.{key}")
+    return value
+
+
+def _list(d: Any, key: str, typ: type[T], where: str) -> list[T]:
+    items = _get(d, key, list, where)
+    if not all(isinstance(x, typ) and not (typ is int and isinstance(x, bool)) for x in items):
+        raise ValueError(f"{where}.{key}[]")
+    return items
+
+
+def _body_digest(body: dict[str, Any]) -> str:
+    canonical = json.dumps({k: v for k, v in body.items() if k != "manifest_sha256"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 CHUNK_SIZE = 64 << 20
@@ -132,8 +182,15 @@ def _sha256_chunk(job: tuple[Path, int, int]) -> str:
 
 
 def _image_files(directory: Path) -> list[Path]:
+    """The files of images/; anything but a regular file there (a symlink that could make a
+    root CRIU write elsewhere, a device, a folder) makes the snapshot invalid."""
     images = directory / IMAGES_DIR
-    return sorted(p for p in images.iterdir() if p.is_file() and p.name not in _RUNTIME_FILES)
+    out = []
+    for p in sorted(images.iterdir()):
+        if not stat.S_ISREG(p.lstat().st_mode):
+            raise SnapshotInvalid(f"{directory} is unsafe: {p.relative_to(directory)} is not a regular file.")
+        out.append(p)
+    return out
 
 
 def checksum_files(directory: Path, workers: int | None = None) -> dict[str, dict[str, Any]]:
@@ -166,6 +223,8 @@ def load(directory: Path) -> Manifest:
     version = data.get("format_version")
     if not isinstance(version, int) or version < 1:
         raise SnapshotInvalid(f"{path} has no valid format_version.")
+    if version == FORMAT_VERSION and data.get("manifest_sha256") != _body_digest(data):
+        raise SnapshotInvalid(f"{path} is damaged: it does not match its own checksum.")
     if version > FORMAT_VERSION:
         raise SnapshotInvalid(
             f"{directory} was written in snapshot format {version} by a newer tpagent; "
@@ -174,26 +233,31 @@ def load(directory: Path) -> Manifest:
     try:
         return Manifest.from_json(data)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise SnapshotInvalid(f"{path} is corrupt: a field is missing or malformed ({e!r}).") from e
+        raise SnapshotInvalid(f"{path} is corrupt: field {e} is missing or malformed.") from e
 
 
 def verify(directory: Path, manifest: Manifest) -> None:
-    """Check every image file against the manifest: presence, size, then SHA-256."""
+    """Check every image file against the manifest: type, presence, size, then SHA-256."""
+    try:
+        _verify(directory, manifest)
+    except OSError as e:
+        raise SnapshotInvalid(f"{directory} cannot be read: {e.strerror} ({e.filename}).") from e
+
+
+def _verify(directory: Path, manifest: Manifest) -> None:
     listed = set(manifest.files)
     if not listed:
         raise SnapshotInvalid(f"{directory}'s manifest lists no image files.")
+    present = {str(p.relative_to(directory)): p.lstat().st_size for p in _image_files(directory)}
     for rel in sorted(listed):
-        if Path(rel).is_absolute() or ".." in Path(rel).parts:
-            raise SnapshotInvalid(f"{directory}'s manifest names a file outside the snapshot: {rel}.")
-        path = directory / rel
-        if not path.is_file():
+        if rel not in present:
             raise SnapshotInvalid(f"{directory} is incomplete: {rel} is missing.")
-        size, want = path.stat().st_size, int(manifest.files[rel]["size"])
-        if manifest.files[rel].get("chunk_size") != CHUNK_SIZE:
+        if manifest.files[rel]["chunk_size"] != CHUNK_SIZE:
             raise SnapshotInvalid(f"{directory}'s manifest has an unknown chunk size for {rel}.")
-        if size != want:
-            raise SnapshotInvalid(f"{directory} is truncated or altered: {rel} has {size} bytes, the manifest says {want}.")
-    extra = {str(p.relative_to(directory)) for p in _image_files(directory)} - listed
+        want = manifest.files[rel]["size"]
+        if present[rel] != want:
+            raise SnapshotInvalid(f"{directory} is truncated or altered: {rel} has {present[rel]} bytes, the manifest says {want}.")
+    extra = set(present) - listed
     if extra:
         raise SnapshotInvalid(f"{directory} holds image files the manifest does not list: {', '.join(sorted(extra))}.")
     actual = checksum_files(directory)

@@ -6,7 +6,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +43,14 @@ def validate_target(pid: int) -> psutil.Process:
     try:
         proc = psutil.Process(pid)
         flags = int(_stat_fields(pid)[6])
+        zombie = proc.status() == psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError) as e:
         raise UsageError(f"there is no process with PID {pid}.") from e
     if flags & _PF_KTHREAD:
         raise UsageError(f"PID {pid} is a kernel thread, not a user process; pick a user process.")
     if pid == os.getpid() or pid in {p.pid for p in psutil.Process().parents()}:
         raise UsageError(f"PID {pid} is tpagent itself or its parent; pick the workload's PID.")
-    if proc.status() == psutil.STATUS_ZOMBIE:
+    if zombie:
         raise UsageError(f"PID {pid} has already exited (it is a zombie).")
     return proc
 
@@ -86,15 +87,15 @@ def pid_namespace(pid: int) -> str:
     return os.readlink(f"/proc/{pid}/ns/pid")
 
 
-def tree(root: psutil.Process) -> list[ProcInfo]:
-    """The root and all its descendants, root first."""
+def tree(root: psutil.Process, cuda_pids: set[int] | None = None) -> list[ProcInfo]:
+    """The root and all its descendants, root first.  ``cuda_pids``: the processes known to
+    hold a CUDA context (else guessed from their mappings, see :func:`uses_cuda`)."""
     out = []
     for p in [root, *root.children(recursive=True)]:
         try:
-            out.append(
-                ProcInfo(p.pid, p.ppid(), tuple(p.cmdline()), ns_pids(p.pid), uses_cuda(p.pid))
-            )
-        except (psutil.NoSuchProcess, FileNotFoundError):
+            cuda = p.pid in cuda_pids if cuda_pids is not None else uses_cuda(p.pid)
+            out.append(ProcInfo(p.pid, p.ppid(), tuple(p.cmdline()), ns_pids(p.pid), cuda))
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
             continue
     return out
 
@@ -112,6 +113,13 @@ def holds_inet_sockets(pids: list[int]) -> bool:
 
 def is_session_leader(pid: int) -> bool:
     return os.getsid(pid) == pid
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def signal_tree(pids: list[int], sig: signal.Signals) -> None:
@@ -163,24 +171,52 @@ def wait_pids_free(pids: list[int], timeout: float) -> None:
         time.sleep(0.1)
 
 
+class Deferral:
+    """What a :func:`deferred_sigint` region saw: ``interrupted``; ``consume()`` swallows it."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.consumed = False
+
+    def consume(self) -> bool:
+        """Take the interrupt (if any) as handled; returns whether there was one."""
+        self.consumed = True
+        return self.interrupted
+
+
+_regions: list[tuple[Deferral, Callable[[], None] | None]] = []
+
+
 @contextmanager
-def deferred_sigint() -> Iterator[None]:
-    """Hold back Ctrl-C (SIGINT) for the duration of a step that must not be cut short
-    (a CRIU run whose parasite sits inside the workload, a rollback); the interrupt is
-    raised as KeyboardInterrupt once the step is over.  Only the main thread can own
-    signal handlers; elsewhere (inside a server) this is a no-op and the host decides."""
+def deferred_sigint(on_interrupt: Callable[[], None] | None = None) -> Iterator[Deferral]:
+    """Hold back Ctrl-C (SIGINT) during a step that must not be cut short (a CRIU run whose
+    parasite sits inside the workload, a call into the CUDA driver, a rollback).
+
+    The interrupt is noted, ``on_interrupt`` callbacks of every open region run at once (a
+    way to ask CRIU's post-dump hook to cancel), and KeyboardInterrupt is raised when the
+    outermost region ends without an exception, unless a region ``consume()``d it.  Only the
+    main thread owns signal handlers; elsewhere (inside a server) this only yields."""
+    state = Deferral()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield state
         return
-    pending: list[int] = []
+    _regions.append((state, on_interrupt))
+    outermost = len(_regions) == 1
 
     def note(signum: int, _frame: FrameType | None) -> None:
-        pending.append(signum)
+        for region, callback in _regions:
+            region.interrupted = True
+            if callback is not None:
+                callback()
 
-    previous = signal.signal(signal.SIGINT, note)
+    previous = signal.signal(signal.SIGINT, note) if outermost else None
+    failed = True
     try:
-        yield
+        yield state
+        failed = False
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if pending:
+        _regions.pop()
+        if outermost:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    if outermost and not failed and state.interrupted and not state.consumed:
         raise KeyboardInterrupt

@@ -119,7 +119,7 @@ def test_output_dir_not_empty(start, tmp_path: Path) -> None:  # type: ignore[no
 def test_dump_of_a_process_inside_a_namespace_names_its_init(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     w = start(mib=16, launched=True)
     proc = tpagent("dump", str(w.worker_pid), "--out", str(tmp_path / "s"))
-    assert_one_sentence_error(proc, f"giving PID {w.pid}")
+    assert_one_sentence_error(proc, "inside a PID namespace", f"({w.pid})")
 
 
 def test_restore_missing_dir(tmp_path: Path) -> None:
@@ -138,12 +138,15 @@ def test_restore_dir_without_manifest(tmp_path: Path) -> None:
         (lambda d: _edit(d, format="something-else"), "not a tpagent snapshot manifest"),
         (lambda d: _edit(d, format_version=99), "newer tpagent"),
         (lambda d: _edit(d, processes=None), "malformed"),
+        (lambda d: _edit(d, root_pid=1, rehash=False), "its own checksum"),
+        (lambda d: _edit(d, files={"../../etc/passwd": {"size": 1, "chunk_size": 1, "sha256": []}}), "directly under images/"),
+        (lambda d: _swap_for_symlink(d), "not a regular file"),
         (lambda d: _truncate(d), "truncated"),
         (lambda d: _flip_byte(d), "does not match its checksum"),
         (lambda d: _largest(d).unlink(), "is missing"),
         (lambda d: (d / "images" / "extra.img").write_bytes(b"x"), "does not list"),
     ],
-    ids=["corrupt-json", "foreign", "newer-format", "malformed", "truncated", "flipped-byte", "missing-file", "extra-file"],
+    ids=["corrupt-json", "foreign", "newer-format", "malformed", "edited", "traversal", "symlink", "truncated", "flipped-byte", "missing-file", "extra-file"],
 )
 def test_damaged_snapshot_is_refused_before_anything_starts(snapshot_dir: Path, tmp_path: Path, damage, needle: str) -> None:  # type: ignore[no-untyped-def]
     snap = _copy(snapshot_dir, tmp_path)
@@ -185,10 +188,24 @@ def test_launch_needs_a_command() -> None:
     assert_one_sentence_error(tpagent("launch", "--", "/no/such/program"), "was not found")
 
 
-def _edit(d: Path, **fields: object) -> None:
+def _edit(d: Path, rehash: bool = True, **fields: object) -> None:
+    """Change manifest fields; ``rehash`` keeps its self-checksum consistent, as a buggy or
+    hostile writer would, so the field checks themselves are what must catch it."""
+    from snapshot.manifest import _body_digest
+
     data = json.loads((d / "manifest.json").read_text())
     data.update(fields)
+    if rehash:
+        data["manifest_sha256"] = _body_digest(data)
     (d / "manifest.json").write_text(json.dumps(data))
+
+
+def _swap_for_symlink(d: Path) -> None:
+    """An image replaced by a symlink (to a file of the same size): CRIU, as root, would follow it."""
+    p = _largest(d)
+    target = d.parent / "elsewhere.img"
+    p.rename(target)
+    p.symlink_to(target)
 
 
 def _largest(d: Path) -> Path:

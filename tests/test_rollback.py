@@ -22,7 +22,7 @@ def _assert_resumed(w: Workload, out: Path) -> None:
     assert_continuous(w.ticks())  # no restart, no lost or repeated step
     w.verify_state()
     assert not (out / "manifest.json").exists()  # no half-snapshot that could be restored
-    assert {p.name for p in (out / "images").iterdir()} <= {"dump.log"}  # only CRIU's log is kept
+    assert not any((out / "images").iterdir())  # partial images are removed; CRIU's log is kept
 
 
 def test_criu_dump_refuses(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -52,16 +52,37 @@ def test_output_disk_full(start, small_disk: Path) -> None:  # type: ignore[no-u
     _assert_resumed(w, out)
 
 
-@pytest.mark.parametrize("stage", [Stage.CRIU_DUMP, Stage.CHECKSUM])
 @pytest.mark.parametrize("launched", [False, True], ids=["plain", "launched"])
-def test_failure_after_dump_resumes_the_stopped_tree(start, tmp_path: Path, stage: Stage, launched: bool) -> None:  # type: ignore[no-untyped-def]
-    """CRIU succeeded and left the tree stopped; a later failure must SIGCONT all of it."""
+def test_failure_while_sealing_resumes_the_frozen_tree(start, tmp_path: Path, launched: bool) -> None:  # type: ignore[no-untyped-def]
+    """The images are written but sealing them fails (after the checksums): CRIU must roll back."""
     w = start(launched=launched)
     out = tmp_path / "snap"
-    with pytest.raises(SnapshotError) as err:
-        engine.checkpoint(w.pid, out, config=SnapshotConfig(fail_after=stage))
+    with pytest.raises(SnapshotError, match="sealing the snapshot failed") as err:
+        engine.checkpoint(w.pid, out, config=SnapshotConfig(fail_after=Stage.CHECKSUM))
     assert err.value.rolled_back
     _assert_resumed(w, out)
+
+
+def test_tcp_connection_survives_a_rolled_back_dump(tmp_path: Path) -> None:
+    """CRIU locks the network and puts sockets in repair mode during a dump; its own rollback
+    (not a bare SIGCONT) must give them back, or the connection would be dead after resume."""
+    import sys
+
+    from helpers import STATEFUL, kill_and_wait
+
+    log = tmp_path / "tcp.log"
+    p = subprocess.Popen([sys.executable, str(STATEFUL.parent / "tcp_echo.py"), str(log)], stdin=subprocess.DEVNULL, start_new_session=True)
+    pairs = lambda: [tuple(map(int, ln.split()[1::2])) for ln in log.read_text().splitlines()]  # noqa: E731
+    try:
+        wait_until(lambda: log.exists() and len(pairs()) > 5, "the TCP workload to start")
+        with pytest.raises(SnapshotError):
+            engine.checkpoint(p.pid, tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CHECKSUM))
+        n = pairs()[-1][0]
+        wait_until(lambda: pairs()[-1][0] > n + 10, "the connection to carry bytes again")
+        assert all(a == b for a, b in pairs())
+    finally:
+        kill_and_wait(p.pid)
+        p.wait(timeout=10)
 
 
 def test_ctrl_c_during_dump(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -78,11 +99,11 @@ def test_ctrl_c_during_dump(start, tmp_path: Path) -> None:  # type: ignore[no-u
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     assert cli.stderr is not None
-    wait_until(lambda: (out / "images" / "dump.log").exists(), "CRIU to start dumping")
+    wait_until(lambda: (out / "log" / "dump.log").exists(), "CRIU to start dumping")
     cli.send_signal(signal.SIGINT)
     err = cli.stderr.read().decode()
     cli.stderr.close()
     assert cli.wait(timeout=120) == 130
     assert "Traceback" not in err and "interrupted" in err and "nothing was lost" in err, err
     _assert_resumed(w, out)
-    assert (out / "images" / "dump.log").exists()  # CRIU ran, and was let finish before the rollback
+    assert (out / "log" / "dump.log").exists()  # CRIU ran, and was let finish before the rollback

@@ -77,8 +77,19 @@ def test_leave_running(start, tmp_path: Path) -> None:  # type: ignore[no-untype
     # because the original still holds the PID (nothing is started twice).
     assert tpagent("inspect", str(tmp_path / "snap")).returncode == 0
     proc = tpagent("restore", str(tmp_path / "snap"))
-    assert proc.returncode == 2 and f"PID {w.pid}" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and f"PID {w.pid}" in proc.stderr and "two copies" in proc.stderr, proc.stderr
     assert alive(w.pid)
+
+
+def test_leave_running_namespace_is_not_restored_twice(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """In its own PID namespace nothing would collide, so the original is checked explicitly."""
+    w = start(launched=True)
+    assert tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"), "--leave-running").returncode == 0
+    proc = tpagent("restore", str(tmp_path / "snap"))
+    assert proc.returncode == 2 and "two copies" in proc.stderr, proc.stderr
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] >= n + 10, "the original to run on")
+    assert_continuous(w.ticks())  # a second copy would write every tick twice
 
 
 def test_established_tcp_connection_survives(tmp_path: Path) -> None:

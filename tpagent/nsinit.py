@@ -4,7 +4,9 @@ It drops inherited descriptors, makes itself a session leader, opens the workloa
 cannot dump descriptors that point at the parent's mounts), starts the workload, forwards
 SIGTERM/SIGINT/SIGHUP to it, reaps every orphan (PID 1's duty) and exits with its status.
 
-    python -m tpagent.nsinit STDOUT STDERR CMD [ARG ...]
+    python -m tpagent.nsinit READY_FD STDOUT STDERR CMD [ARG ...]
+
+It reports on READY_FD (then closes it): ``ok`` once the workload started, else the reason.
 """
 
 from __future__ import annotations
@@ -16,23 +18,27 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    stdout_path, stderr_path, *cmd = argv
+    ready_fd, stdout_path, stderr_path, *cmd = argv
+    ready = int(ready_fd)
     # Every descriptor inherited from outside points at the parent's mounts, which CRIU
-    # cannot look up from inside the namespace: keep none of them.
-    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-    os.setsid()
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    for fd, path in ((1, stdout_path), (2, stderr_path)):
-        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
+    # cannot look up from inside the namespace: keep none of them (but the report pipe).
+    os.closerange(3, ready)
+    os.closerange(ready + 1, os.sysconf("SC_OPEN_MAX"))
     try:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        for fd, path in ((1, stdout_path), (2, stderr_path)):
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
         child = subprocess.Popen(cmd, close_fds=True)
     except OSError as e:
-        print(f"tpagent launch: cannot start {cmd[0]}: {e.strerror}", file=sys.stderr)
+        os.write(ready, f"cannot start {cmd[0]}: {e.strerror} ({e.filename or cmd[0]})".encode())
         return 127
+    os.write(ready, b"ok")
+    os.close(ready)
 
     def forward(signum: int, _frame: object) -> None:
         try:

@@ -1,12 +1,16 @@
 """The transfer layer's contract: move a snapshot directory from one node to another.
 
-Implementations (TCP, UCX) come with the transfer issue; this module fixes what they
-promise so the agent can be written against it.
+A :class:`Transport` makes byte channels between two nodes (TCP here, UCX beside it); the
+sender and receiver in :mod:`transfer.session` speak the stream format of
+:mod:`transfer.wire` over any of them.  Errors: :class:`TransferError` for the transport or
+the peer, :class:`AuthError` for a peer that cannot prove the cluster secret,
+:class:`IntegrityError` for data that arrived damaged and could not be fetched again.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,20 +19,90 @@ class TransferError(Exception):
     """The transport or the peer failed; ``str(e)`` is one sentence for the user."""
 
 
+class AuthError(TransferError):
+    """The peer did not prove it holds the cluster secret (or we could not prove it)."""
+
+
+class IntegrityError(TransferError):
+    """Data failed verification and could not be repaired by fetching it again."""
+
+
+class Compress(str, enum.Enum):
+    AUTO = "auto"  # compress while it pays (the link is slower than the compressor)
+    ZSTD = "zstd"  # always try zstd (a chunk that does not shrink still goes raw)
+    NONE = "none"  # never compress (all-zero chunks still cost nothing)
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    secret: bytes
+    streams: int = 4
+    chunk_size: int = 8 << 20
+    compress: Compress = Compress.AUTO
+    zstd_level: int = 1
+    #: Chunks in flight per stream, unacknowledged: bounds memory and gives backpressure.
+    window: int = 4
+    connect_timeout: float = 10.0
+    #: A stream with nothing received for this long is considered dead.
+    io_timeout: float = 60.0
+    #: Reconnects per stream before the transfer fails.
+    retries: int = 5
+    #: A chunk that arrives damaged this many times fails the transfer.
+    chunk_retries: int = 3
+
+
 @dataclass(frozen=True)
 class TransferStats:
     bytes_raw: int
     bytes_wire: int
+    chunks: int
     seconds: float
 
+    @property
+    def ratio(self) -> float:
+        return self.bytes_raw / self.bytes_wire if self.bytes_wire else float("inf")
 
-class Sender(abc.ABC):
+
+class Channel(abc.ABC):
+    """A reliable, ordered byte stream to one peer."""
+
     @abc.abstractmethod
-    def send(self, snapshot: Path, peer: str, timeout: float) -> TransferStats:
-        """Stream ``snapshot`` to ``peer`` (HOST:PORT); return once the peer verified it."""
+    def send(self, *parts: bytes | memoryview) -> None: ...
 
-
-class Receiver(abc.ABC):
     @abc.abstractmethod
-    def receive(self, out: Path, timeout: float) -> TransferStats:
-        """Accept one authenticated stream and write a verified snapshot into ``out``."""
+    def recv_exact(self, n: int) -> bytes: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Listener(abc.ABC):
+    address: str
+
+    @abc.abstractmethod
+    def accept(self, timeout: float | None) -> Channel | None:
+        """The next incoming channel, or None when ``timeout`` passed first."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Transport(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def connect(self, address: str, timeout: float) -> Channel: ...
+
+    @abc.abstractmethod
+    def listen(self, address: str) -> Listener: ...
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port), or TransferError in one sentence."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise TransferError(f"{address!r} is not HOST:PORT.")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+__all__ = ["Path"]

@@ -1,0 +1,88 @@
+"""CRIU's post-dump action: seal the snapshot while the tree is still frozen.
+
+CRIU runs this (through the wrapper :func:`install` writes) at each action of a dump; at
+``post-dump`` the images are complete and every task is still frozen.  It then checksums
+and fsyncs the images, reads the frozen process tree and writes ``manifest.json``.  If it
+fails, CRIU rolls the dump back itself: it resumes the tree and lifts its network lock
+(which SIGCONT alone cannot do for TCP connections), so the workload runs on where it stood.
+
+Inputs come through the environment, never through the command line CRIU hands to sh:
+TPAGENT_HOOK_OUT (the snapshot directory), TPAGENT_HOOK_ROOT (the dumped PID),
+TPAGENT_HOOK_FAIL (tests: fail after the checksums).  Errors go to ``log/hook.err``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from snapshot import manifest, proc
+
+PENDING = "manifest.pending.json"
+ERROR_FILE = "hook.err"
+#: Created (in log/) when the user interrupts the checkpoint: the hook then fails on purpose.
+CANCEL_FILE = "cancel"
+
+
+def install(python: str = sys.executable) -> Path:
+    """Write the wrapper CRIU will run; its path is made by mkdtemp, so sh sees nothing odd."""
+    directory = Path(tempfile.mkdtemp(prefix="tpagent-hook-"))
+    script = directory / "post-dump"
+    script.write_text(f"#!/bin/sh\nexec {shlex.quote(python)} -m snapshot.hook\n")
+    script.chmod(0o700)
+    return script
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in [*sorted(directory.iterdir()), directory, directory.parent]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _check_cancel(out: Path) -> None:
+    if (out / "log" / CANCEL_FILE).exists():
+        raise RuntimeError("cancelled by the user (Ctrl-C)")
+
+
+def seal(out: Path, root: int, fail: bool) -> None:
+    t0 = time.monotonic()
+    _check_cancel(out)
+    pending = json.loads((out / PENDING).read_text())
+    files = manifest.checksum_files(out)
+    _fsync_tree(out / manifest.IMAGES_DIR)
+    if fail:
+        raise RuntimeError("fault injected after the checksums")
+    m = manifest.Manifest.from_json({**pending, "files": files, "timings": {}})
+    m.processes = proc.tree(psutil.Process(root), cuda_pids=set(m.cuda_pids))
+    m.timings = {"checksum": round(time.monotonic() - t0, 4)}
+    _check_cancel(out)  # the last moment at which CRIU can still roll back
+    m.write(out)
+
+
+def main() -> int:
+    if os.environ.get("CRTOOLS_SCRIPT_ACTION") != "post-dump":
+        return 0
+    out = Path(os.environ["TPAGENT_HOOK_OUT"])
+    try:
+        seal(out, int(os.environ["TPAGENT_HOOK_ROOT"]), bool(os.environ.get("TPAGENT_HOOK_FAIL")))
+    except Exception as e:  # any failure must make CRIU roll back, and say why
+        try:
+            (out / "log" / ERROR_FILE).write_text(f"{type(e).__name__}: {e}")
+        except OSError:
+            pass  # (a full disk) CRIU still rolls back; the engine reports the failure
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
