@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -28,6 +29,9 @@ from snapshot.gpus import inventory
 from snapshot.manifest import load
 from tpagent import doctor as doctor_mod
 from tpagent.launch import launch as launch_workload
+from transfer.api import Compress, TransferConfig, TransferError
+from transfer.stream import Receiver, Sender
+from transfer.tcp import TcpTransport
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # CRIU, the CUDA driver or the disk failed; the process was resumed
@@ -46,13 +50,13 @@ CriuOpt = Annotated[
 _line_open = False  # a stage's name is on screen, waiting for its time
 
 
-def _fail(e: SnapshotError) -> NoReturn:
+def _fail(e: SnapshotError | TransferError) -> NoReturn:
     if _line_open:
         typer.echo("failed", err=True)
     codes = {UsageError: EXIT_USAGE, SnapshotInvalid: EXIT_INVALID, Interrupted: EXIT_INTERRUPTED}
     code = next((c for cls, c in codes.items() if isinstance(e, cls)), EXIT_FAILED)
     msg = str(e)
-    if e.rolled_back:
+    if isinstance(e, SnapshotError) and e.rolled_back:
         msg += " (nothing was lost: the process was resumed where it stood)"
     typer.echo(f"tpagent: {msg}", err=True)
     raise typer.Exit(code)
@@ -198,6 +202,86 @@ def launch(
     except SnapshotError as e:
         _fail(e)
     typer.echo(pid)
+
+
+def _secret(path: Path | None) -> bytes:
+    if path is None:
+        raise UsageError("no cluster secret: pass --secret-file or set TPAGENT_SECRET_FILE (the same file on every node).")
+    try:
+        secret = path.read_bytes().strip()
+    except OSError as e:
+        raise UsageError(f"cannot read the secret file {path}: {e.strerror}.") from e
+    if len(secret) < 16:
+        raise UsageError(f"the secret in {path} is shorter than 16 bytes; use a long random secret.")
+    return secret
+
+
+SecretOpt = Annotated[
+    Path | None, typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret.")
+]
+
+
+@app.command()
+def send(
+    directory: Annotated[Path, typer.Argument(help="Snapshot directory to send.")],
+    peer: Annotated[str, typer.Argument(help="HOST:PORT of a `tpagent receive`.")],
+    streams: Annotated[int, typer.Option("--streams", envvar="TPAGENT_STREAMS", min=1, max=64)] = 4,
+    compress: Annotated[Compress, typer.Option("--compress", envvar="TPAGENT_COMPRESS")] = Compress.AUTO,
+    chunk_mib: Annotated[int, typer.Option("--chunk-mib", envvar="TPAGENT_CHUNK_MIB", min=1, max=64)] = 8,
+    secret_file: SecretOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Stream a snapshot to a receiving node, compressed where it pays, verified end to end."""
+    t0 = time.monotonic()
+
+    def bar(done: int, wire_bytes: int, total: int) -> None:
+        if as_json:
+            return
+        rate = done / max(time.monotonic() - t0, 1e-6)
+        eta = (total - done) / rate if rate else 0.0
+        ratio = done / wire_bytes if wire_bytes else 1.0
+        typer.echo(f"\r  {done / 2**20:9.1f} / {total / 2**20:.1f} MiB  {rate / 1e9:5.2f} GB/s  ratio {ratio:4.2f}  ETA {eta:5.1f} s", err=True, nl=False)
+
+    try:
+        cfg = TransferConfig(secret=_secret(secret_file), streams=streams, compress=compress, chunk_size=chunk_mib << 20)
+        stats = Sender(TcpTransport(cfg.io_timeout), cfg, bar).send(directory, peer)
+    except (SnapshotError, TransferError) as e:
+        typer.echo("", err=True)
+        _fail(e)
+    if not as_json:
+        typer.echo("", err=True)
+    _emit(
+        as_json,
+        {"bytes_raw": stats.bytes_raw, "bytes_wire": stats.bytes_wire, "chunks": stats.chunks, "seconds": stats.seconds, "ratio": stats.ratio},
+        f"sent {directory} to {peer}: {stats.bytes_raw / 2**20:.1f} MiB in {stats.seconds:.2f} s "
+        f"({stats.bytes_raw / max(stats.seconds, 1e-9) / 1e9:.2f} GB/s, ratio {stats.ratio:.2f}), verified by the receiver",
+    )
+
+
+@app.command()
+def receive(
+    listen: Annotated[str, typer.Option("--listen", envvar="TPAGENT_LISTEN", help="ADDR:PORT to listen on (port 0: any).")],
+    out: Annotated[Path, typer.Option("--out", envvar="TPAGENT_OUT", help="New directory for the snapshot.")],
+    timeout: Annotated[float, typer.Option("--timeout", envvar="TPAGENT_RECEIVE_TIMEOUT")] = 3600.0,
+    secret_file: SecretOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Accept one authenticated snapshot stream and write it, verified, to --out."""
+    try:
+        cfg = TransferConfig(secret=_secret(secret_file))
+        receiver = Receiver(TcpTransport(cfg.io_timeout), cfg, listen)
+        typer.echo(f"listening on {receiver.address}", err=True)
+        try:
+            stats = receiver.receive(out, timeout)
+        finally:
+            receiver.close()
+    except (SnapshotError, TransferError) as e:
+        _fail(e)
+    _emit(
+        as_json,
+        {"out": str(out), "bytes_raw": stats.bytes_raw, "bytes_wire": stats.bytes_wire, "seconds": stats.seconds},
+        f"received a verified snapshot into {out} ({stats.bytes_raw / 2**20:.1f} MiB)",
+    )
 
 
 def run() -> None:

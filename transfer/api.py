@@ -12,7 +12,6 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
-from pathlib import Path
 
 
 class TransferError(Exception):
@@ -73,6 +72,10 @@ class Channel(abc.ABC):
     def recv_exact(self, n: int) -> bytes: ...
 
     @abc.abstractmethod
+    def set_timeout(self, seconds: float | None) -> None:
+        """How long a receive may wait for the peer (None: for ever)."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
 
@@ -104,5 +107,3 @@ def parse_address(address: str) -> tuple[str, int]:
         raise TransferError(f"{address!r} is not HOST:PORT.")
     return host.strip("[]") or "0.0.0.0", int(port)
 
-
-__all__ = ["Path"]

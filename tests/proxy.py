@@ -1,0 +1,76 @@
+"""A real TCP proxy for fault injection between a sender and a receiver (loopback only)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Proxy:
+    target: tuple[str, int]
+    #: Flip one byte at this offset of the client->server bytes of connection number ``on``.
+    flip_at: int | None = None
+    #: Cut connection number ``on`` after this many client->server bytes.
+    cut_at: int | None = None
+    #: Which accepted connection (0 = control, 1.. = data streams in connect order) to harm.
+    on: int = 1
+    #: Refuse every connection after the first harm (the path is gone for good).
+    dead_after_cut: bool = False
+    recorded: list[bytes] = field(default_factory=list)
+    connections: int = 0
+
+    def __post_init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self.server.getsockname()[1]
+        self.dead = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            n = self.connections
+            self.connections += 1
+            if self.dead:
+                client.close()
+                continue
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, upstream, n == self.on, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False, False), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, harm: bool, record: bool) -> None:
+        seen = 0
+        log = bytearray()
+        try:
+            while True:
+                data = bytearray(src.recv(1 << 16))
+                if not data:
+                    break
+                if harm and self.flip_at is not None and seen <= self.flip_at < seen + len(data):
+                    data[self.flip_at - seen] ^= 0xFF
+                if harm and self.cut_at is not None and seen + len(data) > self.cut_at:
+                    dst.sendall(data[: self.cut_at - seen])
+                    self.dead = self.dead_after_cut
+                    break
+                if record and len(log) < 1 << 20:
+                    log += data
+                dst.sendall(data)
+                seen += len(data)
+        except OSError:
+            pass
+        finally:
+            if record:
+                self.recorded.append(bytes(log))
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            src.close()  # each socket is the source of exactly one pipe

@@ -1,0 +1,190 @@
+"""The transfer contract, run against every transport: data arrives byte-identical, and each
+fault (a flipped byte, a cut connection, a dead path, a wrong secret, a replay) is caught."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from proxy import Proxy
+from snapshot.manifest import Manifest, checksum_files
+from snapshot.proc import ProcInfo
+from transfer.api import AuthError, Compress, TransferConfig, TransferError, TransferStats, Transport
+from transfer.stream import Receiver, Sender
+from transfer.tcp import TcpTransport
+
+SECRET = b"0123456789abcdef-cluster-secret"
+TRANSPORTS = {"tcp": TcpTransport}
+
+
+def make_snapshot(directory: Path, kind: str, mib: float, seed: int = 0) -> Path:
+    """A snapshot-shaped directory: model-like (bf16/fp32 weights randn*0.02, Adam moments,
+    zero regions) or random bytes, with a real manifest."""
+    rng = np.random.default_rng(seed)
+    n = int(mib * 2**20)
+    (directory / "images").mkdir(parents=True)
+    if kind == "random":
+        pages = rng.bytes(n)
+    else:
+        q = n // 4
+        weights = (rng.standard_normal(q // 4) * 0.02).astype(np.float32).tobytes()
+        bf16 = (rng.standard_normal(q // 2) * 0.02).astype(np.float32).view(np.uint32) >> 16
+        moments = (np.abs(rng.standard_normal(q // 4)) * 1e-4).astype(np.float32).tobytes()
+        pages = weights + bf16.astype(np.uint16).tobytes() + moments + bytes(n - len(weights) - 2 * (q // 2) - len(moments))
+    (directory / "images" / "pages-1.img").write_bytes(pages)
+    (directory / "images" / "core-1.img").write_bytes(rng.bytes(4099))
+    (directory / "images" / "empty.img").write_bytes(b"")
+    m = Manifest(root_pid=1, namespace=False, processes=[ProcInfo(1, 0, ("x",), (1,), False)], gpus=[], criu={"version": "4.2.1", "shell_job": False, "tcp_established": False}, cuda={"driver_version": None, "pids": []}, tpagent_version="test")
+    m.files = checksum_files(directory)
+    m.write(directory)
+    return directory
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(params=sorted(TRANSPORTS))
+def transport(request: pytest.FixtureRequest) -> Transport:
+    return TRANSPORTS[request.param]()
+
+
+class Receiving:
+    def __init__(self, transport: Transport, out: Path, timeout: float = 60, secret: bytes = SECRET) -> None:
+        self.receiver = Receiver(transport, TransferConfig(secret=secret, io_timeout=10), "127.0.0.1:0")
+        self.result: TransferStats | BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(out, timeout), daemon=True)
+        self.thread.start()
+
+    def _run(self, out: Path, timeout: float) -> None:
+        try:
+            self.result = self.receiver.receive(out, timeout)
+        except BaseException as e:  # handed to the test
+            self.result = e
+        finally:
+            self.receiver.close()
+
+    def join(self) -> TransferStats | BaseException | None:
+        self.thread.join(120)
+        return self.result
+
+
+def _send(transport: Transport, src: Path, address: str, **cfg: object) -> TransferStats:
+    config = TransferConfig(secret=cfg.pop("secret", SECRET), chunk_size=1 << 20, io_timeout=10, **cfg)  # type: ignore[arg-type]
+    return Sender(transport, config).send(src, address)
+
+
+@pytest.mark.parametrize("kind", ["model", "random"])
+@pytest.mark.parametrize("mib", [0.3, 9.5])
+@pytest.mark.parametrize("compress", list(Compress))
+def test_arrives_byte_identical(transport: Transport, tmp_path: Path, kind: str, mib: float, compress: Compress) -> None:
+    src = make_snapshot(tmp_path / "src", kind, mib)
+    rx = Receiving(transport, tmp_path / "dst")
+    stats = _send(transport, src, rx.receiver.address, compress=compress, streams=3)
+    assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst") == digests(src)
+    if compress is Compress.ZSTD and kind == "model":
+        assert stats.bytes_wire < 0.9 * stats.bytes_raw  # zero regions and bf16 weights shrink
+    if kind == "model" and mib > 4:
+        assert stats.bytes_wire < 0.85 * stats.bytes_raw  # whole zero chunks cost nothing, in every mode
+    if kind == "random":
+        assert stats.bytes_wire <= stats.bytes_raw + 64 * stats.chunks  # incompressible chunks go raw: never larger
+
+
+def test_flipped_byte_is_caught_and_fetched_again(transport: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
+    src = make_snapshot(tmp_path / "src", "random", 6)
+    rx = Receiving(transport, tmp_path / "dst")
+    proxy = make_proxy(_target(rx), flip_at=3 << 20, on=1)
+    _send(transport, src, proxy.address, compress=Compress.NONE, streams=2)
+    assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst") == digests(src)
+
+
+def test_cut_connection_resumes_where_it_stood(transport: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
+    src = make_snapshot(tmp_path / "src", "random", 12)
+    rx = Receiving(transport, tmp_path / "dst")
+    proxy = make_proxy(_target(rx), cut_at=5 << 20, on=1)
+    stats = _send(transport, src, proxy.address, compress=Compress.NONE, streams=1, window=2)
+    assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst") == digests(src)
+    assert proxy.connections >= 3  # control, the cut stream, its reconnection
+    assert stats.bytes_wire < 1.3 * stats.bytes_raw  # resumed, not started over
+
+
+def test_dead_path_fails_cleanly_and_keeps_nothing(transport: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
+    src = make_snapshot(tmp_path / "src", "random", 8)
+    rx = Receiving(transport, tmp_path / "dst", timeout=15)
+    proxy = make_proxy(_target(rx), cut_at=2 << 20, on=1, dead_after_cut=True)
+    with pytest.raises(TransferError, match="failed"):
+        _send(transport, src, proxy.address, compress=Compress.NONE, streams=1, retries=2)
+    proxy.close()
+    result = rx.join()
+    assert isinstance(result, TransferError)  # the stream ended before its trailer
+    assert not (tmp_path / "dst").exists()
+    assert not list(tmp_path.glob(".dst.partial-*"))
+
+
+def test_wrong_secret_is_refused_and_logged(transport: Transport, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    src = make_snapshot(tmp_path / "src", "model", 1)
+    rx = Receiving(transport, tmp_path / "dst", timeout=3)
+    with caplog.at_level(logging.WARNING), pytest.raises(AuthError, match="cluster secret"):
+        _send(transport, src, rx.receiver.address, secret=b"not-the-cluster-secret-at-all")
+    assert isinstance(rx.join(), TransferError)
+    assert not (tmp_path / "dst").exists()
+    assert any("refused a stream" in r.getMessage() for r in caplog.records)
+
+
+def test_replayed_connection_is_refused(transport: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
+    """Bytes recorded from a genuine sender, played again: the receiver's fresh nonce defeats them."""
+    src = make_snapshot(tmp_path / "src", "model", 1)
+    rx = Receiving(transport, tmp_path / "dst")
+    proxy = make_proxy(_target(rx))
+    _send(transport, src, proxy.address, streams=1)
+    assert isinstance(rx.join(), TransferStats)
+    recorded = proxy.recorded[0]
+
+    rx2 = Receiving(transport, tmp_path / "dst2", timeout=3)
+    host, port = _target(rx2)
+    with socket.create_connection((host, port)) as s:
+        s.sendall(recorded)
+        reply = b"".join(iter(lambda: s.recv(4096), b""))
+    assert b"authentication failed" in reply
+    assert isinstance(rx2.join(), TransferError)
+    assert not (tmp_path / "dst2").exists()
+
+
+def test_receiver_refuses_a_non_empty_output(transport: Transport, tmp_path: Path) -> None:
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "keep").write_text("x")
+    receiver = Receiver(transport, TransferConfig(secret=SECRET), "127.0.0.1:0")
+    try:
+        with pytest.raises(TransferError, match="not empty"):
+            receiver.receive(tmp_path / "dst", 1)
+    finally:
+        receiver.close()
+
+
+def _target(rx: Receiving) -> tuple[str, int]:
+    host, port = rx.receiver.address.rsplit(":", 1)
+    return host, int(port)
+
+
+@pytest.fixture
+def make_proxy() -> Iterator[Callable[..., Proxy]]:
+    made: list[Proxy] = []
+
+    def make(*args: Any, **kwargs: Any) -> Proxy:
+        made.append(Proxy(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()

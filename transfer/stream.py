@@ -1,0 +1,512 @@
+"""Send a snapshot directory over parallel authenticated streams; receive, check, verify it.
+
+The sender cuts the snapshot's files into chunks (:class:`~transfer.wire.Layout`), and N
+data streams pull chunks from one queue, each with at most ``window`` unacknowledged: memory
+stays bounded and a slow receiver slows the sender.  Each chunk is sent raw, as zeros (no
+payload) or zstd-compressed, whichever is cheapest (see :class:`_Codec`).  The receiver
+checks each chunk's CRC on arrival and NAKs a damaged one, which is sent again; a stream
+that breaks reconnects, learns from HAVE what already arrived, and goes on from there.  At
+the end the receiver checks the authenticated trailer and verifies the whole snapshot
+against its manifest before the directory appears under its final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zstandard
+
+from snapshot import manifest as snapmanifest
+from snapshot.api import SnapshotError
+from transfer import wire
+from transfer.api import AuthError, Channel, Compress, IntegrityError, TransferConfig, TransferError, TransferStats, Transport
+from transfer.wire import ACK, CHUNK, HELLO, Codec, Kind, Layout, Role
+
+log = logging.getLogger(__name__)
+
+#: Called with (raw bytes acknowledged, bytes on the wire, raw bytes in all).
+SendProgress = Callable[[int, int, int], None]
+
+
+def _client_handshake(ch: Channel, secret: bytes, role: Role, stream: int, session: bytes) -> None:
+    nonce_c = os.urandom(wire.NONCE_LEN)
+    ch.send(HELLO.pack(wire.MAGIC, wire.VERSION, role, 0, stream, session, nonce_c))
+    nonce_s = ch.recv_exact(wire.NONCE_LEN)
+    sid = struct.pack("<I", stream)
+    ch.send(wire.mac(secret, b"client", session, sid, nonce_s, nonce_c))
+    try:
+        _, proof = wire.expect(ch, Kind.WELCOME, wire.MAC_LEN)
+    except TransferError as e:
+        raise AuthError(f"the receiver refused this sender ({e}); is the cluster secret the same on both nodes?") from e
+    if not hmac.compare_digest(proof, wire.mac(secret, b"server", session, sid, nonce_c, nonce_s)):
+        raise AuthError("the receiver could not prove it holds the cluster secret; refusing to send to it")
+
+
+def _server_handshake(ch: Channel, secret: bytes) -> tuple[Role, int, bytes]:
+    magic, version, role, _, stream, session, nonce_c = HELLO.unpack(ch.recv_exact(HELLO.size))
+    if magic != wire.MAGIC or version != wire.VERSION or role not in (0, 1):
+        wire.send_frame(ch, Kind.ERROR, b"not a tpagent transfer stream of version 1")
+        raise AuthError("a peer spoke something other than tpagent transfer v1")
+    nonce_s = os.urandom(wire.NONCE_LEN)
+    ch.send(nonce_s)
+    sid = struct.pack("<I", stream)
+    if not hmac.compare_digest(ch.recv_exact(wire.MAC_LEN), wire.mac(secret, b"client", session, sid, nonce_s, nonce_c)):
+        wire.send_frame(ch, Kind.ERROR, b"authentication failed")
+        raise AuthError("a peer failed to prove it holds the cluster secret")
+    wire.send_frame(ch, Kind.WELCOME, wire.mac(secret, b"server", session, sid, nonce_c, nonce_s))
+    return Role(role), stream, session
+
+
+def snapshot_layout(snapshot: Path, chunk_size: int) -> Layout:
+    """The files a snapshot stream carries: manifest.json and every image the manifest lists."""
+    try:
+        m = snapmanifest.load(snapshot)
+    except SnapshotError as e:
+        raise TransferError(str(e)) from e
+    names = [snapmanifest.MANIFEST_NAME, *sorted(m.files)]
+    files = []
+    for name in names:
+        size = (snapshot / name).lstat().st_size
+        if name in m.files and size != m.files[name]["size"]:
+            raise TransferError(f"{snapshot / name} does not have the size its manifest says; not sending a damaged snapshot")
+        files.append((name, size))
+    return Layout(tuple(files), chunk_size)
+
+
+class _Codec:
+    """Per-chunk choice between zstd and raw.
+
+    ``auto`` compresses while it pays: with c the compressor's rate per thread, r the ratio
+    (compressed/raw) and l the link's rate per stream, compressing wins while c*(1-r) > l.
+    Every 8th chunk is compressed anyway to keep c and r current."""
+
+    def __init__(self, mode: Compress, level: int) -> None:
+        self.mode, self.level = mode, level
+        self.lock = threading.Lock()
+        self.c, self.r, self.link, self.n = 0.0, 1.0, 0.0, 0
+
+    def want(self) -> bool:
+        if self.mode is not Compress.AUTO:
+            return self.mode is Compress.ZSTD
+        with self.lock:
+            self.n += 1
+            return self.n % 8 == 1 or self.c * (1 - self.r) > self.link
+
+    def saw_compress(self, raw: int, out: int, seconds: float) -> None:
+        with self.lock:
+            self.c = _ewma(self.c, raw / max(seconds, 1e-9))
+            self.r = _ewma(self.r, out / raw)
+
+    def saw_send(self, wire_bytes: int, seconds: float) -> None:
+        with self.lock:
+            self.link = _ewma(self.link, wire_bytes / max(seconds, 1e-9))
+
+
+def _ewma(old: float, new: float, alpha: float = 0.3) -> float:
+    return new if old == 0.0 else (1 - alpha) * old + alpha * new
+
+
+@dataclass
+class _SendState:
+    layout: Layout
+    chunk_retries: int
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    pending: deque[int] = field(default_factory=deque)
+    acked: bytearray = field(default_factory=bytearray)
+    crcs: list[int] = field(default_factory=list)
+    naks: dict[int, int] = field(default_factory=dict)
+    error: TransferError | None = None
+    raw_acked: int = 0
+    wire_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.pending.extend(range(self.layout.count))
+        self.acked = bytearray(self.layout.count)
+        self.crcs = [0] * self.layout.count
+        self.sizes = [length for _, _, length in self.layout.chunks()]
+
+    def done(self) -> bool:
+        return self.error is not None or all(self.acked)
+
+    def mark_have(self, have: bytes) -> None:
+        with self.cond:
+            if len(have) != self.layout.count:
+                raise TransferError("the receiver's HAVE does not match this snapshot")
+            for i, h in enumerate(have):
+                if h and not self.acked[i]:
+                    self.acked[i] = 1
+                    self.raw_acked += self.sizes[i]
+            self.cond.notify_all()
+
+    def next(self, broken: Callable[[], bool]) -> int | None:
+        with self.cond:
+            while True:
+                while self.pending and self.acked[self.pending[0]]:
+                    self.pending.popleft()
+                if self.pending:
+                    return self.pending.popleft()
+                if self.done() or broken():
+                    return None
+                self.cond.wait(0.1)
+
+    def ack(self, index: int, ok: bool) -> None:
+        with self.cond:
+            if ok:
+                if not self.acked[index]:
+                    self.acked[index] = 1
+                    self.raw_acked += self.sizes[index]
+            else:
+                self.naks[index] = self.naks.get(index, 0) + 1
+                if self.naks[index] > self.chunk_retries:
+                    self.fail(IntegrityError(f"chunk {index} arrived damaged {self.naks[index]} times; giving up"))
+                self.pending.appendleft(index)
+            self.cond.notify_all()
+
+    def requeue(self, indices: list[int]) -> None:
+        with self.cond:
+            self.pending.extendleft(i for i in indices if not self.acked[i])
+            self.cond.notify_all()
+
+    def fail(self, error: TransferError) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.cond.notify_all()
+
+
+class Sender:
+    def __init__(self, transport: Transport, config: TransferConfig, progress: SendProgress | None = None) -> None:
+        self.transport, self.config, self.progress = transport, config, progress
+
+    def _open(self, address: str, role: Role, stream: int, session: bytes) -> Channel:
+        ch = self.transport.connect(address, self.config.connect_timeout)
+        try:
+            _client_handshake(ch, self.config.secret, role, stream, session)
+        except BaseException:
+            ch.close()
+            raise
+        return ch
+
+    def send(self, snapshot: Path, address: str) -> TransferStats:
+        cfg = self.config
+        layout = snapshot_layout(snapshot, cfg.chunk_size)
+        session = os.urandom(16)
+        state = _SendState(layout, cfg.chunk_retries)
+        codec = _Codec(cfg.compress, cfg.zstd_level)
+        t0 = time.monotonic()
+        fds = [os.open(snapshot / name, os.O_RDONLY) for name, _ in layout.files]
+        try:
+            control = self._open(address, Role.CONTROL, 0, session)
+            try:
+                with open(snapshot / snapmanifest.MANIFEST_NAME, "rb") as f:
+                    manifest_sha = hashlib.sha256(f.read()).hexdigest()
+                header = {"snapshot_id": snapshot.name, "chunk_size": layout.chunk_size,
+                          "files": [list(f) for f in layout.files], "manifest_sha256": manifest_sha}  # fmt: skip
+                wire.send_frame(control, Kind.HEADER, wire.signed_json(cfg.secret, b"header", header))
+                _, have = wire.expect(control, Kind.HAVE, layout.count)
+                state.mark_have(have)
+                workers = [
+                    threading.Thread(target=self._worker, args=(address, session, i + 1, state, fds, codec), daemon=True)
+                    for i in range(max(1, cfg.streams))
+                ]
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+                if state.error is not None:
+                    raise state.error
+                trailer = {"chunks": layout.count, "raw_bytes": layout.raw_bytes, "digest": wire.digest(state.crcs)}
+                wire.send_frame(control, Kind.TRAILER, wire.signed_json(cfg.secret, b"trailer", trailer))
+                control.set_timeout(None)  # the receiver verifies the whole snapshot now
+                _, done = wire.expect(control, Kind.DONE, 4096)
+                if not done or done[0] != 1:
+                    raise IntegrityError(f"the receiver rejected the snapshot: {done[1:].decode(errors='replace')}")
+            finally:
+                control.close()
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return TransferStats(layout.raw_bytes, state.wire_bytes, layout.count, time.monotonic() - t0)
+
+    def _worker(self, address: str, session: bytes, stream: int, state: _SendState, fds: list[int], codec: _Codec) -> None:
+        attempts = 0
+        cctx = zstandard.ZstdCompressor(level=self.config.zstd_level)
+        while not state.done():
+            inflight: dict[int, None] = {}
+            try:
+                ch = self._open(address, Role.DATA, stream, session)
+                try:
+                    _, have = wire.expect(ch, Kind.HAVE, state.layout.count)
+                    state.mark_have(have)
+                    attempts = 0
+                    self._pump(ch, state, fds, codec, cctx, inflight)
+                finally:
+                    ch.close()
+            except AuthError as e:
+                state.fail(e)
+            except TransferError as e:
+                state.requeue(list(inflight))
+                attempts += 1
+                if attempts > self.config.retries:
+                    state.fail(TransferError(f"stream {stream} failed {attempts} times, last: {e}"))
+                    return
+                log.info("stream %d broke (%s); reconnecting", stream, e)
+                time.sleep(min(0.1 * 2**attempts, 2.0))
+
+    def _pump(self, ch: Channel, state: _SendState, fds: list[int], codec: _Codec, cctx: zstandard.ZstdCompressor, inflight: dict[int, None]) -> None:
+        window = threading.Semaphore(self.config.window)
+        broken: list[TransferError] = []
+        chunks = state.layout.chunks()
+        zeros = bytes(state.layout.chunk_size)
+
+        def read_acks() -> None:
+            try:
+                while True:
+                    _, body = wire.expect(ch, Kind.ACK, ACK.size)
+                    index, ok = ACK.unpack(body)
+                    if index not in inflight:
+                        raise TransferError(f"the receiver acknowledged chunk {index}, which was not sent on this stream")
+                    del inflight[index]
+                    state.ack(index, bool(ok))
+                    window.release()
+                    if self.progress:
+                        self.progress(state.raw_acked, state.wire_bytes, state.layout.raw_bytes)
+            except TransferError as e:
+                broken.append(e)
+                window.release()
+
+        reader = threading.Thread(target=read_acks, daemon=True)
+        reader.start()
+        while True:
+            window.acquire()
+            if broken:
+                raise broken[0]
+            index = state.next(lambda: bool(broken))
+            if index is None:
+                if broken and not state.done():
+                    raise broken[0]
+                return
+            fi, off, length = chunks[index]
+            data = os.pread(fds[fi], length, off)
+            if len(data) != length:
+                state.fail(IntegrityError(f"{state.layout.files[fi][0]} shrank while it was being sent"))
+                return
+            crc = zlib.crc32(data)
+            state.crcs[index] = crc
+            kind, payload = Codec.RAW, data
+            if data == (zeros if length == len(zeros) else bytes(length)):
+                kind, payload = Codec.ZERO, b""
+            elif codec.want():
+                t = time.monotonic()
+                packed = cctx.compress(data)
+                codec.saw_compress(length, len(packed), time.monotonic() - t)
+                if len(packed) < 0.9 * length:
+                    kind, payload = Codec.ZSTD, packed
+            inflight[index] = None
+            t = time.monotonic()
+            wire.send_frame(ch, Kind.CHUNK, CHUNK.pack(index, length, crc), kind, payload)
+            codec.saw_send(len(payload) + CHUNK.size, time.monotonic() - t)
+            with state.cond:
+                state.wire_bytes += len(payload) + CHUNK.size + wire.FRAME.size
+
+
+@dataclass
+class _Session:
+    layout: Layout
+    partial: Path
+    manifest_sha256: str
+    fds: list[int]
+    have: bytearray
+    crcs: list[int]
+    chunks: list[tuple[int, int, int]]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    bytes_wire: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class Receiver:
+    """Listens on one address and accepts one snapshot (``receive``)."""
+
+    def __init__(self, transport: Transport, config: TransferConfig, listen: str) -> None:
+        self.transport, self.config = transport, config
+        self.listener = transport.listen(listen)
+        self.address = self.listener.address
+        self._sessions: dict[bytes, _Session] = {}
+        self._ready = threading.Condition()
+        self._result: TransferStats | TransferError | None = None
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def receive(self, out: Path, timeout: float) -> TransferStats:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise TransferError(f"{out} already exists and is not empty; give a new directory.")
+        for stale in out.parent.glob(f".{out.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        self._out = out
+        deadline = time.monotonic() + timeout
+        while self._result is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._abandon()
+                raise TransferError(f"no complete snapshot arrived within {timeout:.0f} s")
+            ch = self.listener.accept(min(left, 0.2))
+            if ch is not None:
+                threading.Thread(target=self._serve, args=(ch,), daemon=True).start()
+        if isinstance(self._result, TransferError):
+            raise self._result
+        return self._result
+
+    def _abandon(self) -> None:
+        for s in self._sessions.values():
+            self._discard(s)
+
+    def _serve(self, ch: Channel) -> None:
+        peer = getattr(ch, "peer", "?")
+        try:
+            role, stream, session = _server_handshake(ch, self.config.secret)
+            if role is Role.CONTROL:
+                self._control(ch, session)
+            else:
+                self._data(ch, session)
+        except AuthError as e:
+            log.warning("refused a stream from %s: %s", peer, e)
+        except TransferError as e:
+            log.info("stream from %s ended: %s", peer, e)
+        finally:
+            ch.close()
+
+    def _control(self, ch: Channel, session_id: bytes) -> None:
+        _, body = wire.expect(ch, Kind.HEADER, wire.MAX_JSON)
+        header = wire.open_signed_json(self.config.secret, b"header", body)
+        try:
+            layout = Layout(tuple((str(p), int(n)) for p, n in header["files"]), int(header["chunk_size"]))
+            sha = str(header["manifest_sha256"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise TransferError(f"the header is malformed ({e!r})") from e
+        with self._ready:
+            s = self._sessions.get(session_id) or self._open_session(session_id, layout, sha)
+            self._ready.notify_all()
+        wire.send_frame(ch, Kind.HAVE, bytes(s.have))
+        ch.set_timeout(None)
+        try:
+            _, body = wire.expect(ch, Kind.TRAILER, wire.MAX_JSON)
+        except TransferError:
+            self._discard(s)
+            self._finish(TransferError("the sender went away before the end of the stream; nothing was kept"))
+            raise
+        try:
+            self._check_and_publish(s, wire.open_signed_json(self.config.secret, b"trailer", body))
+        except (TransferError, SnapshotError, OSError) as e:
+            self._discard(s)
+            wire.send_frame(ch, Kind.DONE, b"\0" + str(e).encode()[:2000])
+            self._finish(e if isinstance(e, TransferError) else IntegrityError(str(e)))
+            return
+        wire.send_frame(ch, Kind.DONE, b"\1ok")
+        self._finish(TransferStats(layout.raw_bytes, s.bytes_wire, layout.count, time.monotonic() - s.started))
+
+    def _finish(self, result: TransferStats | TransferError) -> None:
+        if self._result is None:
+            self._result = result
+
+    def _open_session(self, session_id: bytes, layout: Layout, sha: str) -> _Session:
+        partial = self._out.parent / f".{self._out.name}.partial-{session_id.hex()[:12]}"
+        partial.mkdir(parents=True)
+        fds = []
+        for name, size in layout.files:
+            path = partial / name
+            path.parent.mkdir(exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            os.ftruncate(fd, size)
+            fds.append(fd)
+        s = _Session(layout, partial, sha, fds, bytearray(layout.count), [0] * layout.count, layout.chunks())
+        self._sessions[session_id] = s
+        return s
+
+    def _discard(self, s: _Session) -> None:
+        for fd in s.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        s.fds = []
+        shutil.rmtree(s.partial, ignore_errors=True)
+
+    def _check_and_publish(self, s: _Session, trailer: dict[str, object]) -> None:
+        if not all(s.have):
+            raise IntegrityError(f"{s.have.count(0)} chunks never arrived")
+        if trailer.get("chunks") != s.layout.count or trailer.get("raw_bytes") != s.layout.raw_bytes:
+            raise IntegrityError("the trailer's totals do not match what arrived")
+        if trailer.get("digest") != wire.digest(s.crcs):
+            raise IntegrityError("the stream digest does not match: chunks were lost, reordered or altered")
+        for fd in s.fds:
+            os.fsync(fd)
+            os.close(fd)
+        s.fds = []
+        with open(s.partial / snapmanifest.MANIFEST_NAME, "rb") as f:
+            if hashlib.sha256(f.read()).hexdigest() != s.manifest_sha256:
+                raise IntegrityError("the manifest that arrived is not the one the sender announced")
+        snapmanifest.verify(s.partial, snapmanifest.load(s.partial))
+        if self._out.exists():
+            self._out.rmdir()
+        s.partial.rename(self._out)
+
+    def _data(self, ch: Channel, session_id: bytes) -> None:
+        with self._ready:
+            if not self._ready.wait_for(lambda: session_id in self._sessions, self.config.io_timeout):
+                raise TransferError("a data stream came for a transfer that never started")
+            s = self._sessions[session_id]
+        wire.send_frame(ch, Kind.HAVE, bytes(s.have))
+        dctx = zstandard.ZstdDecompressor()
+        chunks = s.chunks
+        zero_crcs: dict[int, int] = {}
+        while True:
+            kind, codec, body = wire.recv_frame(ch, s.layout.chunk_size + 4096 + CHUNK.size)
+            if kind is not Kind.CHUNK or len(body) < CHUNK.size:
+                raise TransferError(f"expected a chunk, got {kind.name}")
+            index, raw_len, crc = CHUNK.unpack_from(body)
+            if index >= s.layout.count or raw_len != chunks[index][2]:
+                raise TransferError(f"chunk {index} does not fit this snapshot")
+            ok = True
+            if not s.have[index]:
+                ok = self._store(s, dctx, chunks[index], codec, body, raw_len, crc, zero_crcs)
+                if ok:
+                    with s.lock:
+                        s.have[index], s.crcs[index] = 1, crc
+            with s.lock:
+                s.bytes_wire += len(body) + wire.FRAME.size
+            wire.send_frame(ch, Kind.ACK, ACK.pack(index, int(ok)))
+
+    @staticmethod
+    def _store(s: _Session, dctx: zstandard.ZstdDecompressor, where: tuple[int, int, int], codec: Codec, body: bytes, raw_len: int, crc: int, zero_crcs: dict[int, int]) -> bool:
+        fi, off, _ = where
+        payload = memoryview(body)[CHUNK.size :]
+        if codec is Codec.ZERO:
+            if len(payload):
+                return False
+            if raw_len not in zero_crcs:
+                zero_crcs[raw_len] = zlib.crc32(bytes(raw_len))
+            return zero_crcs[raw_len] == crc  # the file was created sparse: zeros are already there
+        if codec is Codec.ZSTD:
+            try:
+                data: bytes | memoryview = dctx.decompress(payload, max_output_size=raw_len)
+            except zstandard.ZstdError:
+                return False
+        else:
+            data = payload
+        if len(data) != raw_len or zlib.crc32(data) != crc:
+            return False
+        os.pwrite(s.fds[fi], data, off)
+        return True
