@@ -1,0 +1,92 @@
+"""Two "nodes" as network namespaces joined by a veth pair: a workload launched on A is
+dumped there, streamed by `tpagent send` to `tpagent receive` on B, restored on B, and runs on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import needs_criu
+from helpers import ROOT, STATEFUL, assert_continuous, kill_and_wait, wait_until
+
+pytestmark = needs_criu
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def nodes() -> Iterator[tuple[str, str]]:
+    tag = uuid.uuid4().hex[:6]
+    a, b = f"tpa-{tag}", f"tpb-{tag}"
+    _ip("netns", "add", a)
+    _ip("netns", "add", b)
+    try:
+        _ip("link", "add", f"va-{tag}", "type", "veth", "peer", "name", f"vb-{tag}")
+        _ip("link", "set", f"va-{tag}", "netns", a)
+        _ip("link", "set", f"vb-{tag}", "netns", b)
+        for ns, dev, addr in ((a, f"va-{tag}", "10.231.0.1/24"), (b, f"vb-{tag}", "10.231.0.2/24")):
+            _ip("-n", ns, "addr", "add", addr, "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")  # CRIU's restore needs a loopback
+        yield a, b
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _on(ns: str, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, **kw)  # type: ignore[call-overload, no-any-return]
+
+
+def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], tmp_path: Path) -> None:
+    a, b = nodes
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(24).hex())
+    log = tmp_path / "w.log"
+    launched = _on(a, "launch", "--stdout", str(tmp_path / "w.out"), "--", sys.executable, str(STATEFUL), str(log), "128")
+    assert launched.returncode == 0, launched.stderr
+    root = int(launched.stdout)
+    ticks = lambda: [int(ln.split()[1]) for ln in log.read_text().splitlines() if ln.startswith("tick ")]  # noqa: E731
+    try:
+        wait_until(lambda: log.exists() and len(ticks()) > 5, "the workload to run on node A")
+        dumped = _on(a, "dump", str(root), "--out", str(tmp_path / "on-a"))
+        assert dumped.returncode == 0, dumped.stderr
+        stopped = ticks()[-1]
+
+        env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret)}
+        receiver = subprocess.Popen(
+            ["ip", "netns", "exec", b, sys.executable, "-m", "cli.main", "receive", "--listen", "10.231.0.2:7411", "--out", str(tmp_path / "on-b"), "--json", "--timeout", "120"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert receiver.stderr is not None
+            assert "listening on" in receiver.stderr.readline()
+            sent = _on(a, "send", str(tmp_path / "on-a"), "10.231.0.2:7411", "--json", env=env)
+            assert sent.returncode == 0, sent.stderr
+            out, _ = receiver.communicate(timeout=120)
+            assert receiver.returncode == 0
+        finally:
+            if receiver.poll() is None:
+                receiver.kill()
+                receiver.communicate()
+        assert json.loads(out)["bytes_raw"] == json.loads(sent.stdout)["bytes_raw"]
+
+        restored = _on(b, "restore", str(tmp_path / "on-b"), "--json")
+        assert restored.returncode == 0, restored.stderr
+        root = json.loads(restored.stdout)["pid"]
+        wait_until(lambda: ticks()[-1] > stopped + 10, "the workload to run on node B")
+        seq = ticks()
+        assert seq == list(range(len(seq)))  # on B it went on from the step it stopped at on A
+        net_b = os.stat(f"/run/netns/{b}").st_ino
+        assert os.stat(f"/proc/{root}/ns/net").st_ino == net_b  # and it really lives on node B
+    finally:
+        kill_and_wait(root)
