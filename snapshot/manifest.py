@@ -30,6 +30,7 @@ import stat
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -166,7 +167,8 @@ def _body_digest(body: dict[str, Any]) -> str:
 CHUNK_SIZE = 64 << 20
 
 
-def _sha256_chunk(job: tuple[Path, int, int]) -> str:
+def sha256_range(job: tuple[Path, int, int]) -> str:
+    """SHA-256 of ``length`` bytes of a file from ``offset``: one manifest chunk's digest."""
     path, offset, length = job
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
@@ -199,7 +201,7 @@ def checksum_files(directory: Path, workers: int | None = None) -> dict[str, dic
     sizes = [p.stat().st_size for p in paths]
     jobs = [(p, off, min(CHUNK_SIZE, size - off)) for p, size in zip(paths, sizes) for off in range(0, max(size, 1), CHUNK_SIZE)]
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
-        digests = iter(pool.map(_sha256_chunk, jobs))
+        digests = iter(pool.map(sha256_range, jobs))
     out: dict[str, dict[str, Any]] = {}
     for p, size in zip(paths, sizes):
         n = max(1, -(-size // CHUNK_SIZE))
@@ -236,15 +238,18 @@ def load(directory: Path) -> Manifest:
         raise SnapshotInvalid(f"{path} is corrupt: field {e} is missing or malformed.") from e
 
 
-def verify(directory: Path, manifest: Manifest) -> None:
-    """Check every image file against the manifest: type, presence, size, then SHA-256."""
+def verify(directory: Path, manifest: Manifest, digests: Mapping[str, list[str]] | None = None) -> None:
+    """Check every image file against the manifest: type, presence, size, then SHA-256.
+
+    ``digests`` (file -> chunk digests) are ones already computed as the data arrived; without
+    them every file is hashed now."""
     try:
-        _verify(directory, manifest)
+        _verify(directory, manifest, digests)
     except OSError as e:
         raise SnapshotInvalid(f"{directory} cannot be read: {e.strerror} ({e.filename}).") from e
 
 
-def _verify(directory: Path, manifest: Manifest) -> None:
+def _verify(directory: Path, manifest: Manifest, digests: Mapping[str, list[str]] | None) -> None:
     listed = set(manifest.files)
     if not listed:
         raise SnapshotInvalid(f"{directory}'s manifest lists no image files.")
@@ -260,7 +265,7 @@ def _verify(directory: Path, manifest: Manifest) -> None:
     extra = set(present) - listed
     if extra:
         raise SnapshotInvalid(f"{directory} holds image files the manifest does not list: {', '.join(sorted(extra))}.")
-    actual = checksum_files(directory)
+    actual = digests if digests is not None else {k: v["sha256"] for k, v in checksum_files(directory).items()}
     for rel in sorted(listed):
-        if actual[rel]["sha256"] != manifest.files[rel]["sha256"]:
+        if actual.get(rel) != manifest.files[rel]["sha256"]:
             raise SnapshotInvalid(f"{directory} is damaged: {rel} does not match its checksum.")

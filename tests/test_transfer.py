@@ -17,7 +17,7 @@ import pytest
 from proxy import Proxy
 from snapshot.manifest import Manifest, checksum_files
 from snapshot.proc import ProcInfo
-from transfer.api import AuthError, Compress, TransferConfig, TransferError, TransferStats, Transport
+from transfer.api import AuthError, Compress, IntegrityError, TransferConfig, TransferError, TransferStats, Transport
 from transfer.stream import Receiver, Sender
 from transfer.tcp import TcpTransport
 
@@ -188,3 +188,22 @@ def make_proxy() -> Iterator[Callable[..., Proxy]]:
     yield make
     for p in made:
         p.close()
+
+
+@pytest.mark.parametrize("chunk_mib", [1, 3])  # 3 MiB does not divide the manifest's 64 MiB: verified at the end
+def test_snapshot_that_fails_verification_is_never_handed_over(transport: Transport, tmp_path: Path, chunk_mib: int) -> None:
+    """Every chunk arrives intact (CRCs match), but the source image was altered after its
+    manifest was written: the receiver's SHA-256 check refuses the whole snapshot."""
+    src = make_snapshot(tmp_path / "src", "random", 5)
+    with open(src / "images" / "pages-1.img", "r+b") as f:
+        f.seek(4 << 20)
+        b = f.read(1)
+        f.seek(4 << 20)
+        f.write(bytes([b[0] ^ 1]))
+    rx = Receiving(transport, tmp_path / "dst")
+    config = TransferConfig(secret=SECRET, chunk_size=chunk_mib << 20, io_timeout=10)
+    with pytest.raises(IntegrityError, match="does not match its checksum"):
+        Sender(transport, config).send(src, rx.receiver.address)
+    assert isinstance(rx.join(), IntegrityError)
+    assert not (tmp_path / "dst").exists()
+    assert not list(tmp_path.glob(".dst.partial-*"))

@@ -90,7 +90,7 @@ class _Codec:
 
     ``auto`` compresses while it pays: with c the compressor's rate per thread, r the ratio
     (compressed/raw) and l the link's rate per stream, compressing wins while c*(1-r) > l.
-    Every 8th chunk is compressed anyway to keep c and r current."""
+    Every 32nd chunk is compressed anyway to keep c and r current."""
 
     def __init__(self, mode: Compress, level: int) -> None:
         self.mode, self.level = mode, level
@@ -102,7 +102,7 @@ class _Codec:
             return self.mode is Compress.ZSTD
         with self.lock:
             self.n += 1
-            return self.n % 8 == 1 or self.c * (1 - self.r) > self.link
+            return self.n % 32 == 1 or self.c * (1 - self.r) > self.link
 
     def saw_compress(self, raw: int, out: int, seconds: float) -> None:
         with self.lock:
@@ -331,6 +331,10 @@ class _Session:
     have: bytearray
     crcs: list[int]
     chunks: list[tuple[int, int, int]]
+    #: Per file, per manifest chunk: transfer chunks still to come, then its SHA-256, hashed
+    #: as soon as the region is complete so that verification overlaps the transfer.
+    waiting: list[list[int]] = field(default_factory=list)
+    digests: list[list[str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_wire: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -432,6 +436,15 @@ class Receiver:
             os.ftruncate(fd, size)
             fds.append(fd)
         s = _Session(layout, partial, sha, fds, bytearray(layout.count), [0] * layout.count, layout.chunks())
+        region = snapmanifest.CHUNK_SIZE
+        if region % layout.chunk_size == 0:
+            s.waiting = [[0] * max(1, -(-size // region)) for _, size in layout.files]
+            s.digests = [[""] * len(w) for w in s.waiting]
+            for fi, off, _ in s.chunks:
+                s.waiting[fi][off // region] += 1
+            for fi, (name, size) in enumerate(layout.files):
+                if size == 0:
+                    s.digests[fi][0] = snapmanifest.sha256_range((partial / name, 0, 0))
         self._sessions[session_id] = s
         return s
 
@@ -458,7 +471,8 @@ class Receiver:
         with open(s.partial / snapmanifest.MANIFEST_NAME, "rb") as f:
             if hashlib.sha256(f.read()).hexdigest() != s.manifest_sha256:
                 raise IntegrityError("the manifest that arrived is not the one the sender announced")
-        snapmanifest.verify(s.partial, snapmanifest.load(s.partial))
+        early = {name: s.digests[fi] for fi, (name, _) in enumerate(s.layout.files)} if s.digests else None
+        snapmanifest.verify(s.partial, snapmanifest.load(s.partial), early)
         if self._out.exists():
             self._out.rmdir()
         s.partial.rename(self._out)
@@ -485,9 +499,24 @@ class Receiver:
                 if ok:
                     with s.lock:
                         s.have[index], s.crcs[index] = 1, crc
+                    self._region_done(s, chunks[index])
             with s.lock:
                 s.bytes_wire += len(body) + wire.FRAME.size
             wire.send_frame(ch, Kind.ACK, ACK.pack(index, int(ok)))
+
+    @staticmethod
+    def _region_done(s: _Session, where: tuple[int, int, int]) -> None:
+        if not s.waiting:
+            return
+        fi, off, _ = where
+        region = off // snapmanifest.CHUNK_SIZE
+        with s.lock:
+            s.waiting[fi][region] -= 1
+            complete = s.waiting[fi][region] == 0
+        if complete:
+            start = region * snapmanifest.CHUNK_SIZE
+            length = min(snapmanifest.CHUNK_SIZE, s.layout.files[fi][1] - start)
+            s.digests[fi][region] = snapmanifest.sha256_range((s.partial / s.layout.files[fi][0], start, length))
 
     @staticmethod
     def _store(s: _Session, dctx: zstandard.ZstdDecompressor, where: tuple[int, int, int], codec: Codec, body: bytes, raw_len: int, crc: int, zero_crcs: dict[int, int]) -> bool:
