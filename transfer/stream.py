@@ -140,7 +140,7 @@ class _SendState:
     def done(self) -> bool:
         return self.error is not None or all(self.acked)
 
-    def mark_have(self, have: bytes) -> None:
+    def mark_have(self, have: bytes | bytearray) -> None:
         with self.cond:
             if len(have) != self.layout.count:
                 raise TransferError("the receiver's HAVE does not match this snapshot")
@@ -519,7 +519,7 @@ class Receiver:
             s.digests[fi][region] = snapmanifest.sha256_range((s.partial / s.layout.files[fi][0], start, length))
 
     @staticmethod
-    def _store(s: _Session, dctx: zstandard.ZstdDecompressor, where: tuple[int, int, int], codec: Codec, body: bytes, raw_len: int, crc: int, zero_crcs: dict[int, int]) -> bool:
+    def _store(s: _Session, dctx: zstandard.ZstdDecompressor, where: tuple[int, int, int], codec: Codec, body: bytes | bytearray, raw_len: int, crc: int, zero_crcs: dict[int, int]) -> bool:
         fi, off, _ = where
         payload = memoryview(body)[CHUNK.size :]
         if codec is Codec.ZERO:

@@ -28,7 +28,7 @@ class TcpChannel(Channel):
         except OSError as e:
             raise TransferError(f"sending to {self.peer} failed: {e.strerror or e}") from e
 
-    def recv_exact(self, n: int) -> bytes:
+    def recv_exact(self, n: int) -> bytes | bytearray:
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -40,7 +40,7 @@ class TcpChannel(Channel):
                 got += k
         except OSError as e:
             raise TransferError(f"receiving from {self.peer} failed: {e.strerror or e}") from e
-        return bytes(buf)
+        return buf  # no copy: callers only read it
 
     def set_timeout(self, seconds: float | None) -> None:
         self.sock.settimeout(seconds)

@@ -75,7 +75,7 @@ class Codec(enum.IntEnum):
     ZERO = 2
 
 
-def mac(secret: bytes, *parts: bytes) -> bytes:
+def mac(secret: bytes, *parts: bytes | bytearray) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
@@ -84,7 +84,7 @@ def send_frame(ch: Channel, kind: Kind, body: bytes | memoryview = b"", codec: C
     ch.send(FRAME.pack(kind, codec, 0, length), body, *extra)
 
 
-def recv_frame(ch: Channel, limit: int) -> tuple[Kind, Codec, bytes]:
+def recv_frame(ch: Channel, limit: int) -> tuple[Kind, Codec, bytes | bytearray]:
     kind, codec, _, length = FRAME.unpack(ch.recv_exact(FRAME.size))
     if length > limit:
         raise TransferError(f"the peer sent a frame of {length} bytes, over the limit of {limit}")
@@ -98,7 +98,7 @@ def recv_frame(ch: Channel, limit: int) -> tuple[Kind, Codec, bytes]:
     return k, c, body
 
 
-def expect(ch: Channel, kind: Kind, limit: int) -> tuple[Codec, bytes]:
+def expect(ch: Channel, kind: Kind, limit: int) -> tuple[Codec, bytes | bytearray]:
     k, codec, body = recv_frame(ch, limit)
     if k is not kind:
         raise TransferError(f"the peer sent {k.name} where {kind.name} was due")
@@ -110,7 +110,7 @@ def signed_json(secret: bytes, label: bytes, obj: dict[str, Any]) -> bytes:
     return struct.pack("<I", len(data)) + data + mac(secret, label, data)
 
 
-def open_signed_json(secret: bytes, label: bytes, body: bytes) -> dict[str, Any]:
+def open_signed_json(secret: bytes, label: bytes, body: bytes | bytearray) -> dict[str, Any]:
     if len(body) < 4 + MAC_LEN:
         raise TransferError(f"a {label.decode()} frame is too short")
     (n,) = struct.unpack_from("<I", body)
