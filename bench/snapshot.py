@@ -87,11 +87,11 @@ def one_round(kind: str, size: int, work: Path) -> dict[str, float]:
     images = work / "naive"
     images.mkdir()
     t0 = time.monotonic()
-    criu.dump(p.pid, images, DumpOptions(leave_stopped=False), 3600)
+    criu.dump(p.pid, images, images, DumpOptions(), 3600)
     out["naive_dump_s"] = time.monotonic() - t0
     p.wait()
     t0 = time.monotonic()
-    pid = criu.restore(images, RestoreOptions(), 3600)
+    pid = criu.restore(images, images, RestoreOptions(), 3600)
     out["naive_restore_s"] = time.monotonic() - t0
     kill_and_wait(pid)
     shutil.rmtree(images)

@@ -12,6 +12,7 @@ need=()
 command -v dpkg >/dev/null && command -v apt-get >/dev/null || { echo "setup: needs Debian's apt-get and dpkg" >&2; exit 2; }
 command -v unshare >/dev/null || need+=(util-linux)
 command -v ip >/dev/null || need+=(iproute2)
+command -v zstd >/dev/null || need+=(zstd)  # bench/transfer.py's naive route
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
 if [ ${#need[@]} -gt 0 ]; then

@@ -1,0 +1,29 @@
+"""The benchmarks still run end to end (tiny sizes; their timings are not asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import needs_criu
+from helpers import ROOT
+
+
+def _run(*args: str) -> dict[str, object]:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@needs_criu
+def test_snapshot_benchmark_runs(tmp_path: object) -> None:
+    doc = _run("bench/snapshot.py", "--sizes-mib", "16", "--repeats", "1")
+    (row,) = doc["results"]  # type: ignore[misc]
+    assert row["image_bytes"] > 16 << 20 and row["tpagent_dump_s"] > 0 and row["naive_restore_s"] > 0
+
+
+def test_transfer_benchmark_runs() -> None:
+    doc = _run("bench/transfer.py", "--sizes-mib", "8", "--repeats", "1", "--streams", "2")
+    routes = {r["route"] for r in doc["results"]}  # type: ignore[attr-defined]
+    assert routes == {"floor", "tpagent-none", "tpagent-auto", "tpagent-zstd", "naive-tar-zstd"}
