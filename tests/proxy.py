@@ -20,6 +20,8 @@ class Proxy:
     dead_after_cut: bool = False
     recorded: list[bytes] = field(default_factory=list)
     connections: int = 0
+    #: Client->server bytes forwarded so far, over all connections.
+    forwarded: int = 0
 
     def __post_init__(self) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
@@ -41,7 +43,11 @@ class Proxy:
             if self.dead:
                 client.close()
                 continue
-            upstream = socket.create_connection(self.target)
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:  # the receiver is gone: so is this connection
+                client.close()
+                continue
             threading.Thread(target=self._pipe, args=(client, upstream, n == self.on, True), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, False, False), daemon=True).start()
 
@@ -63,6 +69,8 @@ class Proxy:
                     log += data
                 dst.sendall(data)
                 seen += len(data)
+                if record:
+                    self.forwarded += len(data)
         except OSError:
             pass
         finally:

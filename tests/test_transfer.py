@@ -207,3 +207,55 @@ def test_snapshot_that_fails_verification_is_never_handed_over(transport: Transp
     assert isinstance(rx.join(), IntegrityError)
     assert not (tmp_path / "dst").exists()
     assert not list(tmp_path.glob(".dst.partial-*"))
+
+
+def test_receiver_killed_mid_transfer(tmp_path: Path) -> None:
+    """A `tpagent receive` process SIGKILLed mid-stream: the sender fails in one sentence, the
+    half-written copy never becomes the snapshot, and the next receiver clears it and succeeds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import ROOT, tpagent
+
+    src = make_snapshot(tmp_path / "src", "random", 48)
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret)}
+    rx = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "receive", "--listen", "127.0.0.1:0", "--out", str(tmp_path / "dst")],
+        cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert rx.stderr is not None
+    address = rx.stderr.readline().split()[-1]
+    host, port = address.rsplit(":", 1)
+    proxy = Proxy((host, int(port)))
+    killer = threading.Thread(target=lambda: (_wait_bytes(proxy, 8 << 20), os.kill(rx.pid, signal.SIGKILL)))
+    killer.start()
+    sent = subprocess.run(
+        [sys.executable, "-m", "cli.main", "send", str(src), proxy.address, "--streams", "1", "--chunk-mib", "1"],
+        cwd=ROOT, env={**env, "TPAGENT_COMPRESS": "none"}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    killer.join()
+    rx.wait()
+    rx.stderr.close()
+    proxy.close()
+    assert sent.returncode == 1 and "Traceback" not in sent.stderr
+    assert "tpagent:" in sent.stderr.splitlines()[-1]
+    assert not (tmp_path / "dst").exists()
+    assert list(tmp_path.glob(".dst.partial-*"))  # what the killed receiver left behind...
+    again = Receiving(TcpTransport(), tmp_path / "dst")
+    _send(TcpTransport(), src, again.receiver.address)
+    assert isinstance(again.join(), TransferStats)
+    assert not list(tmp_path.glob(".dst.partial-*"))  # ...is cleared by the next one
+    assert digests(tmp_path / "dst") == digests(src)
+    assert tpagent("inspect", str(tmp_path / "dst")).returncode == 0
+
+
+def _wait_bytes(proxy: Proxy, n: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 60
+    while proxy.forwarded < n and time.monotonic() < deadline:
+        time.sleep(0.01)
