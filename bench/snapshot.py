@@ -31,7 +31,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from helpers import kill_and_wait, wait_until  # noqa: E402
 from snapshot import engine  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
-from snapshot.manifest import IMAGES_DIR  # noqa: E402
 
 
 def start(kind: str, size_mib: int, log: Path) -> subprocess.Popen[bytes]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu
-from helpers import ROOT, STATEFUL, assert_continuous, kill_and_wait, wait_until
+from helpers import ROOT, STATEFUL, kill_and_wait, wait_until
 
 pytestmark = needs_criu
 
