@@ -6,8 +6,9 @@ In one run, for each size of model-like data (3/8 float32 and bf16 weights drawn
 randn*0.02, 3/8 Adam-like moments, 1/4 zeros), sender and receiver on loopback:
   * floor:   plain sockets (as many as tpagent's streams) moving the same bytes, no framing,
              read from the snapshot files and written into files on the receiving side;
-  * tpagent: transfer.stream over TCP with --compress none / auto / zstd, end to end
-             (authentication, chunk CRCs, and the receiver's full SHA-256 verification);
+  * tpagent: transfer.stream over TCP with --compress none / auto / zstd, and over UCX
+             (none / auto), end to end (authentication, chunk CRCs, the receiver's SHA-256
+             verification);
   * naive:   `tar -c | zstd -1 -T0` over one socket into `zstd -d | tar -x`.
 Prints GB/s (raw bytes / wall time), the wire ratio, CPU seconds per GB and the ratio to the
 floor, medians over --repeats, as a table and then one JSON object.
@@ -37,9 +38,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from snapshot.manifest import Manifest, checksum_files  # noqa: E402
 from snapshot.proc import ProcInfo  # noqa: E402
-from transfer.api import Compress, TransferConfig  # noqa: E402
+from transfer.api import Compress, TransferConfig, Transport  # noqa: E402
 from transfer.stream import Receiver, Sender  # noqa: E402
 from transfer.tcp import TcpTransport  # noqa: E402
+from transfer.ucx import UcxTransport  # noqa: E402
+
+os.environ.setdefault("UCX_TLS", "tcp")  # RDMA where present: run with UCX_TLS unset there
 
 SECRET = os.urandom(32)
 
@@ -139,13 +143,13 @@ def floor(src: Path, dst: Path, streams: int) -> int:
     return total
 
 
-def tpagent(src: Path, dst: Path, streams: int, compress: Compress) -> int:
+def tpagent(src: Path, dst: Path, streams: int, compress: Compress, transport: type[Transport] = TcpTransport) -> int:
     cfg = TransferConfig(secret=SECRET, streams=streams, compress=compress)
-    receiver = Receiver(TcpTransport(), cfg, "127.0.0.1:0")
+    receiver = Receiver(transport(), cfg, "127.0.0.1:0")
     got: list[object] = []
     t = threading.Thread(target=lambda: got.append(receiver.receive(dst, 600)))
     t.start()
-    stats = Sender(TcpTransport(), cfg).send(src, receiver.address)
+    stats = Sender(transport(), cfg).send(src, receiver.address)
     t.join()
     receiver.close()
     return stats.bytes_wire
@@ -193,6 +197,8 @@ def main() -> None:
         "tpagent-none": lambda s, d: tpagent(s, d, args.streams, Compress.NONE),
         "tpagent-auto": lambda s, d: tpagent(s, d, args.streams, Compress.AUTO),
         "tpagent-zstd": lambda s, d: tpagent(s, d, args.streams, Compress.ZSTD),
+        "tpagent-ucx-none": lambda s, d: tpagent(s, d, args.streams, Compress.NONE, UcxTransport),
+        "tpagent-ucx-auto": lambda s, d: tpagent(s, d, args.streams, Compress.AUTO, UcxTransport),
         "naive-tar-zstd": naive,
     }
     results = []

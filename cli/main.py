@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from enum import Enum
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -29,7 +30,7 @@ from snapshot.gpus import inventory
 from snapshot.manifest import load
 from tpagent import doctor as doctor_mod
 from tpagent.launch import launch as launch_workload
-from transfer.api import Compress, TransferConfig, TransferError
+from transfer.api import Compress, TransferConfig, TransferError, Transport
 from transfer.stream import Receiver, Sender
 from transfer.tcp import TcpTransport
 
@@ -216,6 +217,24 @@ def _secret(path: Path | None) -> bytes:
     return secret
 
 
+class TransportName(str, Enum):
+    TCP = "tcp"
+    UCX = "ucx"
+
+
+TransportOpt = Annotated[
+    TransportName, typer.Option("--transport", envvar="TPAGENT_TRANSPORT", help="tcp, or ucx (RDMA where present).")
+]
+
+
+def _transport(name: TransportName, io_timeout: float) -> Transport:
+    if name is TransportName.UCX:
+        from transfer.ucx import UcxTransport
+
+        return UcxTransport(io_timeout)
+    return TcpTransport(io_timeout)
+
+
 SecretOpt = Annotated[
     Path | None, typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret.")
 ]
@@ -228,6 +247,7 @@ def send(
     streams: Annotated[int, typer.Option("--streams", envvar="TPAGENT_STREAMS", min=1, max=64)] = 4,
     compress: Annotated[Compress, typer.Option("--compress", envvar="TPAGENT_COMPRESS")] = Compress.AUTO,
     chunk_mib: Annotated[int, typer.Option("--chunk-mib", envvar="TPAGENT_CHUNK_MIB", min=1, max=64)] = 8,
+    transport: TransportOpt = TransportName.TCP,
     secret_file: SecretOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -244,7 +264,7 @@ def send(
 
     try:
         cfg = TransferConfig(secret=_secret(secret_file), streams=streams, compress=compress, chunk_size=chunk_mib << 20)
-        stats = Sender(TcpTransport(cfg.io_timeout), cfg, bar).send(directory, peer)
+        stats = Sender(_transport(transport, cfg.io_timeout), cfg, bar).send(directory, peer)
     except (SnapshotError, TransferError) as e:
         typer.echo("", err=True)
         _fail(e)
@@ -263,13 +283,14 @@ def receive(
     listen: Annotated[str, typer.Option("--listen", envvar="TPAGENT_LISTEN", help="ADDR:PORT to listen on (port 0: any).")],
     out: Annotated[Path, typer.Option("--out", envvar="TPAGENT_OUT", help="New directory for the snapshot.")],
     timeout: Annotated[float, typer.Option("--timeout", envvar="TPAGENT_RECEIVE_TIMEOUT")] = 3600.0,
+    transport: TransportOpt = TransportName.TCP,
     secret_file: SecretOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Accept one authenticated snapshot stream and write it, verified, to --out."""
     try:
         cfg = TransferConfig(secret=_secret(secret_file))
-        receiver = Receiver(TcpTransport(cfg.io_timeout), cfg, listen)
+        receiver = Receiver(_transport(transport, cfg.io_timeout), cfg, listen)
         typer.echo(f"listening on {receiver.address}", err=True)
         try:
             stats = receiver.receive(out, timeout)

@@ -27,4 +27,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --disable-pip-version-check --upgrade pip >/dev/null
 # torch (CPU build) only drives the demo and the workload in the tests; tpagent itself does not import it.
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test]' 'torch==2.13.0'
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test,ucx]' 'torch==2.13.0'

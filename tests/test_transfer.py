@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -20,9 +21,11 @@ from snapshot.proc import ProcInfo
 from transfer.api import AuthError, Compress, IntegrityError, TransferConfig, TransferError, TransferStats, Transport
 from transfer.stream import Receiver, Sender
 from transfer.tcp import TcpTransport
+from transfer.ucx import UcxTransport
 
+os.environ.setdefault("UCX_TLS", "tcp")  # no RDMA hardware here: UCX's own TCP transport
 SECRET = b"0123456789abcdef-cluster-secret"
-TRANSPORTS = {"tcp": TcpTransport}
+TRANSPORTS: dict[str, Callable[[], Transport]] = {"tcp": TcpTransport, "ucx": UcxTransport}
 
 
 def make_snapshot(directory: Path, kind: str, mib: float, seed: int = 0) -> Path:
@@ -55,6 +58,12 @@ def digests(directory: Path) -> dict[str, str]:
 @pytest.fixture(params=sorted(TRANSPORTS))
 def transport(request: pytest.FixtureRequest) -> Transport:
     return TRANSPORTS[request.param]()
+
+
+@pytest.fixture
+def tcp() -> Transport:
+    """Faults are injected by a TCP proxy, which UCX's own connections would bypass."""
+    return TcpTransport()
 
 
 class Receiving:
@@ -99,32 +108,32 @@ def test_arrives_byte_identical(transport: Transport, tmp_path: Path, kind: str,
         assert stats.bytes_wire <= stats.bytes_raw + 64 * stats.chunks  # incompressible chunks go raw: never larger
 
 
-def test_flipped_byte_is_caught_and_fetched_again(transport: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
+def test_flipped_byte_is_caught_and_fetched_again(tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
     src = make_snapshot(tmp_path / "src", "random", 6)
-    rx = Receiving(transport, tmp_path / "dst")
+    rx = Receiving(tcp, tmp_path / "dst")
     proxy = make_proxy(_target(rx), flip_at=3 << 20, on=1)
-    _send(transport, src, proxy.address, compress=Compress.NONE, streams=2)
+    _send(tcp, src, proxy.address, compress=Compress.NONE, streams=2)
     assert isinstance(rx.join(), TransferStats)
     assert digests(tmp_path / "dst") == digests(src)
 
 
-def test_cut_connection_resumes_where_it_stood(transport: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
+def test_cut_connection_resumes_where_it_stood(tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
     src = make_snapshot(tmp_path / "src", "random", 12)
-    rx = Receiving(transport, tmp_path / "dst")
+    rx = Receiving(tcp, tmp_path / "dst")
     proxy = make_proxy(_target(rx), cut_at=5 << 20, on=1)
-    stats = _send(transport, src, proxy.address, compress=Compress.NONE, streams=1, window=2)
+    stats = _send(tcp, src, proxy.address, compress=Compress.NONE, streams=1, window=2)
     assert isinstance(rx.join(), TransferStats)
     assert digests(tmp_path / "dst") == digests(src)
     assert proxy.connections >= 3  # control, the cut stream, its reconnection
     assert stats.bytes_wire < 1.3 * stats.bytes_raw  # resumed, not started over
 
 
-def test_dead_path_fails_cleanly_and_keeps_nothing(transport: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
+def test_dead_path_fails_cleanly_and_keeps_nothing(tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
     src = make_snapshot(tmp_path / "src", "random", 8)
-    rx = Receiving(transport, tmp_path / "dst", timeout=15)
+    rx = Receiving(tcp, tmp_path / "dst", timeout=15)
     proxy = make_proxy(_target(rx), cut_at=2 << 20, on=1, dead_after_cut=True)
     with pytest.raises(TransferError, match="failed"):
-        _send(transport, src, proxy.address, compress=Compress.NONE, streams=1, retries=2)
+        _send(tcp, src, proxy.address, compress=Compress.NONE, streams=1, retries=2)
     proxy.close()
     result = rx.join()
     assert isinstance(result, TransferError)  # the stream ended before its trailer
@@ -142,16 +151,16 @@ def test_wrong_secret_is_refused_and_logged(transport: Transport, tmp_path: Path
     assert any("refused a stream" in r.getMessage() for r in caplog.records)
 
 
-def test_replayed_connection_is_refused(transport: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
+def test_replayed_connection_is_refused(tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
     """Bytes recorded from a genuine sender, played again: the receiver's fresh nonce defeats them."""
     src = make_snapshot(tmp_path / "src", "model", 1)
-    rx = Receiving(transport, tmp_path / "dst")
+    rx = Receiving(tcp, tmp_path / "dst")
     proxy = make_proxy(_target(rx))
-    _send(transport, src, proxy.address, streams=1)
+    _send(tcp, src, proxy.address, streams=1)
     assert isinstance(rx.join(), TransferStats)
     recorded = proxy.recorded[0]
 
-    rx2 = Receiving(transport, tmp_path / "dst2", timeout=3)
+    rx2 = Receiving(tcp, tmp_path / "dst2", timeout=3)
     host, port = _target(rx2)
     with socket.create_connection((host, port)) as s:
         s.sendall(recorded)

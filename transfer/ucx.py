@@ -1,0 +1,160 @@
+"""The UCX transport through ucxx: RDMA (InfiniBand, RoCE) where the hardware is, UCX's own
+TCP elsewhere (``UCX_TLS=tcp``, how it is tested on machines without RDMA).
+
+ucxx is asynchronous and moves whole messages, not a byte stream.  A channel here runs its
+calls on one shared event loop thread, sends each ``send()`` as an 8-byte length then the
+message, and serves ``recv_exact()`` from whole messages as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import queue
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+from transfer.api import Channel, Listener, Transport, TransferError, parse_address
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+_MAX_MESSAGE = 128 << 20
+
+
+class _Loop:
+    """One asyncio loop in a daemon thread, where every ucxx call of this process runs."""
+
+    _shared: _Loop | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="ucx-loop", daemon=True).start()
+
+    @classmethod
+    def get(cls) -> _Loop:
+        with cls._lock:
+            if cls._shared is None:
+                cls._shared = _Loop()
+            return cls._shared
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None, what: str) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError as e:
+            future.cancel()
+            raise TransferError(f"UCX {what} timed out after {timeout} s") from e
+        except TransferError:
+            raise
+        except Exception as e:  # ucxx's UCXError family: the peer went away, a reset...
+            raise TransferError(f"UCX {what} failed: {e}") from e
+
+
+def _ucxx() -> Any:
+    try:
+        import numpy
+        import ucxx
+    except ImportError as e:
+        raise TransferError(f"the UCX transport needs the ucxx package (pip install ucxx-cu12): {e}") from e
+    return ucxx, numpy
+
+
+class UcxChannel(Channel):
+    def __init__(self, loop: _Loop, ep: Any, peer: str, timeout: float, done: asyncio.Event | None = None) -> None:
+        self._loop, self._ep, self.peer, self._timeout, self._done = loop, ep, peer, timeout, done
+        self._np = _ucxx()[1]
+        self._buf = bytearray()
+        self._pos = 0
+
+    def send(self, *parts: bytes | memoryview) -> None:
+        np = self._np
+        data = b"".join(parts)
+        header = np.array([len(data)], dtype=np.uint64)
+        payload = np.frombuffer(data, dtype=np.uint8)
+
+        async def go() -> None:
+            await self._ep.send(header)
+            await self._ep.send(payload)
+
+        self._loop.run(go(), self._timeout, f"send to {self.peer}")
+
+    def recv_exact(self, n: int) -> bytes | bytearray:
+        np = self._np
+        while len(self._buf) - self._pos < n:
+            header = np.empty(1, dtype=np.uint64)
+
+            async def go() -> Any:
+                await self._ep.recv(header)
+                size = int(header[0])
+                if size > _MAX_MESSAGE:
+                    raise TransferError(f"{self.peer} sent a message of {size} bytes, over the limit")
+                message = np.empty(size, dtype=np.uint8)
+                await self._ep.recv(message)
+                return message
+
+            message = self._loop.run(go(), self._timeout, f"receive from {self.peer}")
+            del self._buf[: self._pos]
+            self._pos = 0
+            self._buf += memoryview(message)
+        out = self._buf[self._pos : self._pos + n]
+        self._pos += n
+        return out
+
+    def set_timeout(self, seconds: float | None) -> None:
+        self._timeout = seconds  # type: ignore[assignment]
+
+    def close(self) -> None:
+        if self._done is not None:
+            self._loop.loop.call_soon_threadsafe(self._done.set)
+        try:
+            self._loop.run(self._ep.close(), 5, "close")
+        except TransferError:
+            pass
+
+
+class UcxListener(Listener):
+    def __init__(self, address: str, io_timeout: float) -> None:
+        ucxx, _ = _ucxx()
+        host, port = parse_address(address)
+        self._loop = _Loop.get()
+        self._incoming: queue.Queue[UcxChannel] = queue.Queue()
+
+        async def handler(ep: Any) -> None:
+            done = asyncio.Event()  # the endpoint lives as long as this handler does
+            self._incoming.put(UcxChannel(self._loop, ep, "ucx-peer", io_timeout, done))
+            await done.wait()
+
+        async def create() -> Any:
+            return ucxx.create_listener(handler, port=port)
+
+        self._listener = self._loop.run(create(), 30, f"listen on {address}")
+        self.address = f"{host}:{self._listener.port}"
+
+    def accept(self, timeout: float | None) -> Channel | None:
+        try:
+            return self._incoming.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self._loop.loop.call_soon_threadsafe(self._listener.close)
+
+
+class UcxTransport(Transport):
+    name = "ucx"
+
+    def __init__(self, io_timeout: float = 60.0) -> None:
+        _ucxx()
+        self.io_timeout = io_timeout
+
+    def connect(self, address: str, timeout: float) -> Channel:
+        ucxx, _ = _ucxx()
+        host, port = parse_address(address)
+        loop = _Loop.get()
+        ep = loop.run(ucxx.create_endpoint(host, port), timeout, f"connect to {address}")
+        return UcxChannel(loop, ep, address, self.io_timeout)
+
+    def listen(self, address: str) -> Listener:
+        return UcxListener(address, self.io_timeout)
