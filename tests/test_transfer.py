@@ -268,3 +268,19 @@ def _wait_bytes(proxy: Proxy, n: int) -> None:
     deadline = time.monotonic() + 60
     while proxy.forwarded < n and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def test_files_the_manifest_does_not_list_are_refused(tcp: Transport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender (holding the secret, but buggy or hostile) that slips in a file of its own."""
+    from transfer import stream
+    from transfer.wire import Layout
+
+    src = make_snapshot(tmp_path / "src", "model", 1)
+    (src / "run.sh").write_text("echo not part of the snapshot\n")
+    real = stream.snapshot_layout
+    monkeypatch.setattr(stream, "snapshot_layout", lambda snap, cs: Layout((*real(snap, cs).files, ("run.sh", 30)), cs))
+    rx = Receiving(tcp, tmp_path / "dst")
+    with pytest.raises(IntegrityError, match="does not list"):
+        _send(tcp, src, rx.receiver.address)
+    assert isinstance(rx.join(), IntegrityError)
+    assert not (tmp_path / "dst").exists()

@@ -1,1 +1,1 @@
-"""Moving snapshots between nodes (contract only for now; see transfer/api.py)."""
+"""Moving snapshots between nodes: the stream format, its transports (TCP, UCX), sender and receiver."""

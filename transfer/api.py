@@ -48,6 +48,8 @@ class TransferConfig:
     retries: int = 5
     #: A chunk that arrives damaged this many times fails the transfer.
     chunk_retries: int = 3
+    #: Longest wait on the control stream (for the trailer, for the receiver's verification).
+    session_timeout: float = 3600.0
 
 
 @dataclass(frozen=True)

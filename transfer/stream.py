@@ -54,7 +54,7 @@ def _client_handshake(ch: Channel, secret: bytes, role: Role, stream: int, sessi
         raise AuthError("the receiver could not prove it holds the cluster secret; refusing to send to it")
 
 
-def _server_handshake(ch: Channel, secret: bytes) -> tuple[Role, int, bytes]:
+def _server_handshake(ch: Channel, secret: bytes) -> tuple[Role, bytes]:
     magic, version, role, _, stream, session, nonce_c = HELLO.unpack(ch.recv_exact(HELLO.size))
     if magic != wire.MAGIC or version != wire.VERSION or role not in (0, 1):
         wire.send_frame(ch, Kind.ERROR, b"not a tpagent transfer stream of version 1")
@@ -66,7 +66,7 @@ def _server_handshake(ch: Channel, secret: bytes) -> tuple[Role, int, bytes]:
         wire.send_frame(ch, Kind.ERROR, b"authentication failed")
         raise AuthError("a peer failed to prove it holds the cluster secret")
     wire.send_frame(ch, Kind.WELCOME, wire.mac(secret, b"server", session, sid, nonce_c, nonce_s))
-    return Role(role), stream, session
+    return Role(role), session
 
 
 def snapshot_layout(snapshot: Path, chunk_size: int) -> Layout:
@@ -135,7 +135,8 @@ class _SendState:
         self.pending.extend(range(self.layout.count))
         self.acked = bytearray(self.layout.count)
         self.crcs = [0] * self.layout.count
-        self.sizes = [length for _, _, length in self.layout.chunks()]
+        self.chunks = self.layout.chunks()
+        self.sizes = [length for _, _, length in self.chunks]
 
     def done(self) -> bool:
         return self.error is not None or all(self.acked)
@@ -229,7 +230,7 @@ class Sender:
                     raise state.error
                 trailer = {"chunks": layout.count, "raw_bytes": layout.raw_bytes, "digest": wire.digest(state.crcs)}
                 wire.send_frame(control, Kind.TRAILER, wire.signed_json(cfg.secret, b"trailer", trailer))
-                control.set_timeout(None)  # the receiver verifies the whole snapshot now
+                control.set_timeout(cfg.session_timeout)  # the receiver verifies the whole snapshot now
                 _, done = wire.expect(control, Kind.DONE, 4096)
                 if not done or done[0] != 1:
                     raise IntegrityError(f"the receiver rejected the snapshot: {done[1:].decode(errors='replace')}")
@@ -256,6 +257,9 @@ class Sender:
                     ch.close()
             except AuthError as e:
                 state.fail(e)
+            except (OSError, zstandard.ZstdError, MemoryError) as e:  # our side broke: stop, do not hang the others
+                state.fail(TransferError(f"stream {stream} failed on this side: {e}"))
+                return
             except TransferError as e:
                 state.requeue(list(inflight))
                 attempts += 1
@@ -268,7 +272,7 @@ class Sender:
     def _pump(self, ch: Channel, state: _SendState, fds: list[int], codec: _Codec, cctx: zstandard.ZstdCompressor, inflight: dict[int, None]) -> None:
         window = threading.Semaphore(self.config.window)
         broken: list[TransferError] = []
-        chunks = state.layout.chunks()
+        chunks = state.chunks
         zeros = bytes(state.layout.chunk_size)
 
         def read_acks() -> None:
@@ -334,6 +338,7 @@ class _Session:
     #: Per file, per manifest chunk: transfer chunks still to come, then its SHA-256, hashed
     #: as soon as the region is complete so that verification overlaps the transfer.
     waiting: list[list[int]] = field(default_factory=list)
+    claimed: set[int] = field(default_factory=set)
     digests: list[list[str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_wire: int = 0
@@ -349,6 +354,9 @@ class Receiver:
         self.address = self.listener.address
         self._sessions: dict[bytes, _Session] = {}
         self._ready = threading.Condition()
+        self._publish = threading.Lock()  # the rename into --out and giving up exclude each other
+        self._closed = False
+        self._handshakes = threading.BoundedSemaphore(64)
         self._result: TransferStats | TransferError | None = None
 
     def close(self) -> None:
@@ -367,20 +375,26 @@ class Receiver:
                 self._abandon()
                 raise TransferError(f"no complete snapshot arrived within {timeout:.0f} s")
             ch = self.listener.accept(min(left, 0.2))
-            if ch is not None:
-                threading.Thread(target=self._serve, args=(ch,), daemon=True).start()
+            if ch is None:
+                continue
+            if not self._handshakes.acquire(blocking=False):
+                ch.close()  # too many connections at once: refuse, do not queue
+                continue
+            threading.Thread(target=self._serve, args=(ch,), daemon=True).start()
         if isinstance(self._result, TransferError):
             raise self._result
         return self._result
 
     def _abandon(self) -> None:
-        for s in self._sessions.values():
+        with self._publish:
+            self._closed = True
+        for s in list(self._sessions.values()):
             self._discard(s)
 
     def _serve(self, ch: Channel) -> None:
         peer = getattr(ch, "peer", "?")
         try:
-            role, stream, session = _server_handshake(ch, self.config.secret)
+            role, session = _server_handshake(ch, self.config.secret)
             if role is Role.CONTROL:
                 self._control(ch, session)
             else:
@@ -389,7 +403,11 @@ class Receiver:
             log.warning("refused a stream from %s: %s", peer, e)
         except TransferError as e:
             log.info("stream from %s ended: %s", peer, e)
+        except (OSError, ValueError) as e:  # a clash on disk, JSON that is signed but wrong...
+            log.warning("stream from %s failed: %s", peer, e)
+            self._finish(TransferError(f"receiving failed: {e}"))
         finally:
+            self._handshakes.release()
             ch.close()
 
     def _control(self, ch: Channel, session_id: bytes) -> None:
@@ -404,7 +422,7 @@ class Receiver:
             s = self._sessions.get(session_id) or self._open_session(session_id, layout, sha)
             self._ready.notify_all()
         wire.send_frame(ch, Kind.HAVE, bytes(s.have))
-        ch.set_timeout(None)
+        ch.set_timeout(self.config.session_timeout)
         try:
             _, body = wire.expect(ch, Kind.TRAILER, wire.MAX_JSON)
         except TransferError:
@@ -472,10 +490,16 @@ class Receiver:
             if hashlib.sha256(f.read()).hexdigest() != s.manifest_sha256:
                 raise IntegrityError("the manifest that arrived is not the one the sender announced")
         early = {name: s.digests[fi] for fi, (name, _) in enumerate(s.layout.files)} if s.digests else None
-        snapmanifest.verify(s.partial, snapmanifest.load(s.partial), early)
-        if self._out.exists():
-            self._out.rmdir()
-        s.partial.rename(self._out)
+        m = snapmanifest.load(s.partial)
+        if {name for name, _ in s.layout.files} != {snapmanifest.MANIFEST_NAME, *m.files}:
+            raise IntegrityError("the stream carried files that its manifest does not list")
+        snapmanifest.verify(s.partial, m, early)
+        with self._publish:
+            if self._closed:
+                raise TransferError("the receiver stopped waiting before the snapshot was verified")
+            if self._out.exists():
+                self._out.rmdir()
+            s.partial.rename(self._out)
 
     def _data(self, ch: Channel, session_id: bytes) -> None:
         with self._ready:
@@ -493,13 +517,22 @@ class Receiver:
             index, raw_len, crc = CHUNK.unpack_from(body)
             if index >= s.layout.count or raw_len != chunks[index][2]:
                 raise TransferError(f"chunk {index} does not fit this snapshot")
-            ok = True
-            if not s.have[index]:
+            with s.lock:
+                mine = not s.have[index] and index not in s.claimed
+                if mine:
+                    s.claimed.add(index)
+            if mine:
                 ok = self._store(s, dctx, chunks[index], codec, body, raw_len, crc, zero_crcs)
-                if ok:
-                    with s.lock:
+                with s.lock:
+                    s.claimed.discard(index)
+                    if ok:
                         s.have[index], s.crcs[index] = 1, crc
+                if ok:
                     self._region_done(s, chunks[index])
+            else:  # a resend while another stream stores the same chunk: answer as it ends
+                while index in s.claimed:
+                    time.sleep(0.001)
+                ok = bool(s.have[index])
             with s.lock:
                 s.bytes_wire += len(body) + wire.FRAME.size
             wire.send_frame(ch, Kind.ACK, ACK.pack(index, int(ok)))

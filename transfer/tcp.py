@@ -67,9 +67,13 @@ class TcpListener(Listener):
         self.sock.settimeout(timeout)
         try:
             conn, _ = self.sock.accept()
-        except TimeoutError:
+        except OSError:  # a timeout, or a peer that reset before we got to it
             return None
-        return TcpChannel(conn, self.io_timeout)
+        try:
+            return TcpChannel(conn, self.io_timeout)
+        except OSError:
+            conn.close()
+            return None
 
     def close(self) -> None:
         self.sock.close()

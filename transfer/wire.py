@@ -28,6 +28,7 @@ manifest's SHA-256s, whose own digest the authenticated HEADER carries.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import json
@@ -138,10 +139,14 @@ class Layout:
         for path, size in self.files:
             if not _PATH.fullmatch(path) or path.startswith(".") or "/." in path or size < 0:
                 raise TransferError(f"the file name {path!r} is not allowed in a snapshot stream")
+        paths = [p for p, _ in self.files]
+        folders = {p.rsplit("/", 1)[0] for p in paths if "/" in p}
+        if len(set(paths)) != len(paths) or folders & set(paths):
+            raise TransferError("the snapshot stream names a file twice, or a file as a folder")
         if self.count > MAX_CHUNKS:
             raise TransferError("the snapshot has too many chunks")
 
-    @property
+    @functools.cached_property
     def count(self) -> int:
         return sum(-(-size // self.chunk_size) for _, size in self.files)
 
