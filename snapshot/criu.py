@@ -7,7 +7,6 @@ carried in :class:`~snapshot.api.CriuError` so the user sees CRIU's own words.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import re
@@ -17,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from snapshot.api import CriuError, UsageError
+from snapshot.api import CriuError, DumpMode, UsageError
 from snapshot.proc import deferred_sigint
 
 log = logging.getLogger(__name__)
@@ -72,17 +71,10 @@ def log_errors(log_file: Path) -> str:
     return " | ".join(picked)
 
 
-class Finish(str, enum.Enum):
-    """What CRIU does with the tree after a successful dump (CRIU's own flags)."""
-
-    KILL = "kill"
-    LEAVE_RUNNING = "leave-running"
-    LEAVE_STOPPED = "leave-stopped"
-
-
 @dataclass(frozen=True)
 class DumpOptions:
-    finish: Finish = Finish.KILL
+    #: What CRIU does with the tree once the dump is sealed.
+    finish: DumpMode = DumpMode.KILL
     shell_job: bool = False
     tcp_established: bool = False
     #: Dump a PID namespace launched by ``tpagent launch`` (adds the mount-namespace flags).
@@ -154,7 +146,7 @@ class Criu:
     def dump(self, pid: int, images: Path, work: Path, opts: DumpOptions, timeout: float) -> None:
         """Dump the tree of ``pid`` into ``images``; CRIU's log and stats go to ``work``."""
         args = ["dump", "-t", str(pid), "-D", str(images), "-W", str(work), "-o", "dump.log", "-v4"]
-        args += {Finish.KILL: [], Finish.LEAVE_RUNNING: ["--leave-running"], Finish.LEAVE_STOPPED: ["--leave-stopped"]}[opts.finish]
+        args += [] if opts.finish is DumpMode.KILL else [f"--{opts.finish.value}"]  # --leave-running / --leave-stopped
         args += self._common(opts.shell_job, opts.tcp_established)
         # The namespace's mounts are the node's own: declare them all external.
         args += ["--external", "mnt[]"] if opts.namespace else []

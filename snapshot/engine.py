@@ -42,7 +42,7 @@ from snapshot.api import (
     ToolError,
     UsageError,
 )
-from snapshot.criu import Criu, DumpOptions, Finish, RestoreOptions
+from snapshot.criu import Criu, DumpOptions, RestoreOptions
 from snapshot.cuda import CudaDriver, uuid_bytes, uuid_text
 from snapshot.manifest import IMAGES_DIR, Manifest
 
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 
 CudaFactory = Callable[[], CudaDriver]
 LOG_DIR = "log"
-_FINISH = {DumpMode.KILL: Finish.KILL, DumpMode.LEAVE_RUNNING: Finish.LEAVE_RUNNING, DumpMode.LEAVE_STOPPED: Finish.LEAVE_STOPPED}
 
 
 class InjectedFault(ToolError):
@@ -213,7 +212,7 @@ def checkpoint(
             env["TPAGENT_HOOK_FAIL"] = "1"
         progress(Stage.CRIU_DUMP, "")
         t0 = time.monotonic()
-        opts = DumpOptions(_FINISH[mode], shell_job, bool(m.criu["tcp_established"]), namespace, script, env)
+        opts = DumpOptions(mode, shell_job, bool(m.criu["tcp_established"]), namespace, script, env)
         # A Ctrl-C now asks the post-dump hook to fail, so that CRIU itself rolls back; once
         # the hook has sealed the snapshot, CRIU finishes and the interrupt came too late.
         with proc.deferred_sigint(on_interrupt=cancel.touch) as interrupt:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import psutil
 
+from snapshot.proc import alive
+
 ROOT = Path(__file__).resolve().parent.parent
 STATEFUL = Path(__file__).resolve().parent / "workloads" / "stateful.py"
 _TICK = re.compile(r"^tick (\d+) counter (\d+) piped (\d+)$")
@@ -44,13 +46,6 @@ def assert_one_sentence_error(proc: subprocess.CompletedProcess[str], *needles: 
     assert len(lines) == 1, proc.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def kill_and_wait(pid: int, timeout: float = 10.0) -> None:
@@ -131,3 +126,31 @@ def assert_continuous(ticks: list[tuple[int, int, int]]) -> None:
     for (n0, c0, p0), (n1, c1, p1) in zip(ticks, ticks[1:]):
         assert n1 == n0 + 1, f"tick {n0} followed by tick {n1}"
         assert c1 >= c0 and p1 >= p0, f"thread state went back at tick {n1}"
+
+
+@dataclass
+class TcpEcho:
+    """tests/workloads/tcp_echo.py: a process using an established TCP connection to itself."""
+
+    log: Path
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def start(self) -> TcpEcho:
+        script = STATEFUL.parent / "tcp_echo.py"
+        self.popen = subprocess.Popen([sys.executable, str(script), str(self.log)], stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_until(lambda: self.log.exists() and len(self.pairs()) > 5, "the TCP workload to start")
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def pairs(self) -> list[tuple[int, int]]:
+        """(N, M) per ``tick N echo M`` line: M == N while the connection carries bytes intact."""
+        return [(int(a), int(b)) for _, a, _, b in (ln.split() for ln in self.log.read_text().splitlines())]
+
+    def stop(self) -> None:
+        kill_and_wait(self.pid)
+        assert self.popen is not None
+        self.popen.wait(timeout=10)

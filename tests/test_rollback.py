@@ -66,23 +66,17 @@ def test_failure_while_sealing_resumes_the_frozen_tree(start, tmp_path: Path, la
 def test_tcp_connection_survives_a_rolled_back_dump(tmp_path: Path) -> None:
     """CRIU locks the network and puts sockets in repair mode during a dump; its own rollback
     (not a bare SIGCONT) must give them back, or the connection would be dead after resume."""
-    import sys
+    from helpers import TcpEcho
 
-    from helpers import STATEFUL, kill_and_wait
-
-    log = tmp_path / "tcp.log"
-    p = subprocess.Popen([sys.executable, str(STATEFUL.parent / "tcp_echo.py"), str(log)], stdin=subprocess.DEVNULL, start_new_session=True)
-    pairs = lambda: [tuple(map(int, ln.split()[1::2])) for ln in log.read_text().splitlines()]  # noqa: E731
+    w = TcpEcho(tmp_path / "tcp.log").start()
     try:
-        wait_until(lambda: log.exists() and len(pairs()) > 5, "the TCP workload to start")
         with pytest.raises(SnapshotError):
-            engine.checkpoint(p.pid, tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CHECKSUM))
-        n = pairs()[-1][0]
-        wait_until(lambda: pairs()[-1][0] > n + 10, "the connection to carry bytes again")
-        assert all(a == b for a, b in pairs())
+            engine.checkpoint(w.pid, tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CHECKSUM))
+        n = w.pairs()[-1][0]
+        wait_until(lambda: w.pairs()[-1][0] > n + 10, "the connection to carry bytes again")
+        assert all(a == b for a, b in w.pairs())
     finally:
-        kill_and_wait(p.pid)
-        p.wait(timeout=10)
+        w.stop()
 
 
 def test_ctrl_c_during_dump(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

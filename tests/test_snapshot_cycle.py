@@ -94,26 +94,20 @@ def test_leave_running_namespace_is_not_restored_twice(start, tmp_path: Path) ->
 
 def test_established_tcp_connection_survives(tmp_path: Path) -> None:
     """CRIU < 4.2 cannot dump TCP sockets on these kernels; with 4.2 the connection lives on."""
-    import subprocess
-    import sys
+    from helpers import TcpEcho
 
-    from helpers import STATEFUL, kill_and_wait
-
-    log = tmp_path / "tcp.log"
-    echo = STATEFUL.parent / "tcp_echo.py"
-    p = subprocess.Popen([sys.executable, str(echo), str(log)], stdin=subprocess.DEVNULL, start_new_session=True)
-    pairs = lambda: [tuple(map(int, ln.split()[1::2])) for ln in log.read_text().splitlines()]  # noqa: E731
+    w = TcpEcho(tmp_path / "tcp.log").start()
     try:
-        wait_until(lambda: log.exists() and len(pairs()) > 5, "the TCP workload to start")
-        proc = tpagent("dump", str(p.pid), "--out", str(tmp_path / "snap"))
+        proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"))
         assert proc.returncode == 0, proc.stderr
-        p.wait(timeout=30)
-        stopped = pairs()[-1][0]
+        assert w.popen is not None
+        w.popen.wait(timeout=30)
+        stopped = w.pairs()[-1][0]
         proc = tpagent("restore", str(tmp_path / "snap"))
         assert proc.returncode == 0, proc.stderr
-        wait_until(lambda: pairs()[-1][0] > stopped + 10, "the restored workload to use its connection")
-        seq = pairs()
+        wait_until(lambda: w.pairs()[-1][0] > stopped + 10, "the restored workload to use its connection")
+        seq = w.pairs()
         assert [n for n, _ in seq] == list(range(len(seq)))
         assert all(n == m for n, m in seq)  # every byte went through the restored connection
     finally:
-        kill_and_wait(p.pid)
+        w.stop()
