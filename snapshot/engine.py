@@ -169,8 +169,14 @@ def checkpoint(
         procs = proc.tree(target)
         create_time = target.create_time()
         shell_job = not proc.is_session_leader(pid)
+        hidden = [p.pid for p in procs if not proc.session_visible(p.pid)]
     except (psutil.NoSuchProcess, ProcessLookupError, FileNotFoundError) as e:
         raise UsageError(f"PID {pid} exited while it was being examined; nothing was done.") from e
+    if hidden:
+        raise UsageError(
+            f"PID {hidden[0]} belongs to a session whose leader is outside its PID namespace, which CRIU "
+            "cannot checkpoint; start the workload with `tpagent launch` (or under setsid) instead."
+        )
     _check_out(out)
     pids = [p.pid for p in procs]
     candidates = [p.pid for p in procs if p.uses_cuda]

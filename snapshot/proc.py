@@ -83,6 +83,15 @@ def ns_pids(pid: int) -> tuple[int, ...]:
     return (pid,)
 
 
+def session_visible(pid: int) -> bool:
+    """False if the process's session leader lives outside its PID namespace (its session id
+    reads 0 there): CRIU cannot dump such a process, with or without ``--shell-job``."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSsid:"):
+            return int(line.split()[-1]) != 0
+    return True
+
+
 def pid_namespace(pid: int) -> str:
     return os.readlink(f"/proc/{pid}/ns/pid")
 

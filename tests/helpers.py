@@ -56,6 +56,14 @@ def kill_and_wait(pid: int, timeout: float = 10.0) -> None:
     wait_until(lambda: not alive(pid), f"PID {pid} to die", timeout)
 
 
+_SHELL = """\
+import subprocess, sys
+child = subprocess.Popen(sys.argv[2:])
+open(sys.argv[1], "w").write(f"{child.pid}\\n")
+child.wait()
+"""
+
+
 @dataclass
 class Workload:
     """tests/workloads/stateful.py, started plainly or under `tpagent launch`."""
@@ -75,12 +83,21 @@ class Workload:
             proc = tpagent("launch", "--stdout", str(out), "--", *cmd)
             assert proc.returncode == 0, proc.stderr
             self.pid = int(proc.stdout.strip())
+        elif self.session_leader:
+            with open(out, "ab") as f:
+                self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
+            self.pid = self.popen.pid
         else:
+            # A shell job: the workload's session leader is its parent, a shell-like process in our
+            # PID namespace (a leader outside it, as a CI runner's may be, CRIU cannot dump at all).
+            pidfile = self.log.with_suffix(".pid")
             with open(out, "ab") as f:
                 self.popen = subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=self.session_leader
+                    [sys.executable, "-c", _SHELL, str(pidfile), *cmd],
+                    stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True,
                 )
-            self.pid = self.popen.pid
+            wait_until(lambda: pidfile.exists() and pidfile.read_text().endswith("\n"), "the shell job to start")
+            self.pid = int(pidfile.read_text())
         wait_until(lambda: len(self.ticks()) >= 5, "the workload to start ticking")
         return self
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import needs_criu
@@ -120,6 +121,20 @@ def test_dump_of_a_process_inside_a_namespace_names_its_init(start, tmp_path: Pa
     w = start(mib=16, launched=True)
     proc = tpagent("dump", str(w.worker_pid), "--out", str(tmp_path / "s"))
     assert_one_sentence_error(proc, "inside a PID namespace", f"({w.pid})")
+
+
+def test_session_leader_outside_the_pid_namespace_is_refused_before_any_freeze(tmp_path: Path) -> None:
+    """CRIU cannot dump a process whose session id reads 0 in its own PID namespace: say so, touch nothing."""
+    holder = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sleep", "600"])
+    try:
+        wait_until(lambda: bool(psutil.Process(holder.pid).children()), "unshare to fork its child")
+        inner = psutil.Process(holder.pid).children()[0]
+        proc = tpagent("dump", str(inner.pid), "--out", str(tmp_path / "s"))
+        assert_one_sentence_error(proc, "session whose leader is outside its PID namespace")
+        assert inner.status() != psutil.STATUS_STOPPED and not (tmp_path / "s").exists()
+    finally:
+        holder.kill()  # --kill-child: the namespace's init goes with it
+        holder.wait()
 
 
 def test_restore_missing_dir(tmp_path: Path) -> None:
