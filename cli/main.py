@@ -29,6 +29,7 @@ from snapshot.api import (
 from snapshot.gpus import inventory
 from snapshot.manifest import load
 from tpagent import doctor as doctor_mod
+from tpagent import pipeline
 from tpagent.launch import launch as launch_workload
 from transfer.api import Compress, TransferConfig, TransferError, Transport
 from transfer.stream import Receiver, Sender
@@ -89,26 +90,70 @@ def main(
     )
 
 
+class TransportName(str, Enum):
+    TCP = "tcp"
+    UCX = "ucx"
+
+
+TransportOpt = Annotated[
+    TransportName, typer.Option("--transport", envvar="TPAGENT_TRANSPORT", help="tcp, or ucx (RDMA where present).")
+]
+
+
+def _transport(name: TransportName, io_timeout: float) -> Transport:
+    if name is TransportName.UCX:
+        from transfer.ucx import UcxTransport
+
+        return UcxTransport(io_timeout)
+    return TcpTransport(io_timeout)
+
+
+SecretOpt = Annotated[
+    Path | None, typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret.")
+]
+
+
+CompressOpt = Annotated[Compress, typer.Option("--compress", envvar="TPAGENT_COMPRESS", help="auto: zstd where it pays.")]
+
+
 @app.command()
 def dump(
     pid: Annotated[int, typer.Argument(help="Process (or `tpagent launch` namespace) to checkpoint.")],
     out: Annotated[Path, typer.Option("--out", "-o", envvar="TPAGENT_OUT", help="New or empty directory.")],
     leave_running: Annotated[bool, typer.Option("--leave-running", envvar="TPAGENT_LEAVE_RUNNING")] = False,
+    send_to: Annotated[
+        str | None, typer.Option("--send-to", envvar="TPAGENT_SEND_TO", help="HOST:PORT of a `tpagent receive`: stream the snapshot there.")
+    ] = None,
+    overlap: Annotated[
+        bool, typer.Option("--overlap/--no-overlap", envvar="TPAGENT_OVERLAP", help="With --send-to: send while the images are written.")
+    ] = True,
+    transport: TransportOpt = TransportName.TCP,
+    compress: CompressOpt = Compress.AUTO,
+    secret_file: SecretOpt = None,
     criu: CriuOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Freeze PID (and its children), write a snapshot to --out, then kill it (or leave it running)."""
+    """Freeze PID (and its children), write a snapshot to --out (and stream it to --send-to),
+    then kill it (or leave it running)."""
     mode = DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL
+    config = SnapshotConfig(criu=criu)
     try:
-        m = engine.checkpoint(pid, out, mode, SnapshotConfig(criu=criu), _progress(as_json))
-    except SnapshotError as e:
+        if send_to is None:
+            m, shipped = engine.checkpoint(pid, out, mode, config, _progress(as_json)), None
+        else:
+            cfg = TransferConfig(secret=_secret(secret_file), compress=compress)
+            sender = Sender(_transport(transport, cfg.io_timeout), cfg)
+            shipped = pipeline.dump_and_send(pid, out, send_to, sender, mode, config, _progress(as_json), overlap)
+            m = shipped.manifest
+    except (SnapshotError, TransferError) as e:
         _fail(e)
     gib = m.total_bytes / 2**30
-    _emit(
-        as_json,
-        {"snapshot": str(out), "snapshot_id": m.snapshot_id, "mode": mode.value, "bytes": m.total_bytes, "timings": m.timings},
-        f"snapshot of PID {pid} written to {out} ({gib:.2f} GiB); process {'left running' if leave_running else 'ended'}",
-    )
+    doc: dict[str, object] = {"snapshot": str(out), "snapshot_id": m.snapshot_id, "mode": mode.value, "bytes": m.total_bytes, "timings": m.timings}
+    text = f"snapshot of PID {pid} written to {out} ({gib:.2f} GiB); process {'left running' if leave_running else 'ended'}"
+    if shipped is not None:
+        doc |= {"sent_to": send_to, "overlap": overlap, "bytes_wire": shipped.transfer.bytes_wire, "dump_s": shipped.dump_s, "total_s": shipped.total_s}
+        text += f"; sent to {send_to} and verified there, {shipped.total_s:.2f} s in all"
+    _emit(as_json, doc, text)
 
 
 def _parse_map(pairs: list[str]) -> dict[str, str]:
@@ -217,35 +262,12 @@ def _secret(path: Path | None) -> bytes:
     return secret
 
 
-class TransportName(str, Enum):
-    TCP = "tcp"
-    UCX = "ucx"
-
-
-TransportOpt = Annotated[
-    TransportName, typer.Option("--transport", envvar="TPAGENT_TRANSPORT", help="tcp, or ucx (RDMA where present).")
-]
-
-
-def _transport(name: TransportName, io_timeout: float) -> Transport:
-    if name is TransportName.UCX:
-        from transfer.ucx import UcxTransport
-
-        return UcxTransport(io_timeout)
-    return TcpTransport(io_timeout)
-
-
-SecretOpt = Annotated[
-    Path | None, typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret.")
-]
-
-
 @app.command()
 def send(
     directory: Annotated[Path, typer.Argument(help="Snapshot directory to send.")],
     peer: Annotated[str, typer.Argument(help="HOST:PORT of a `tpagent receive`.")],
     streams: Annotated[int, typer.Option("--streams", envvar="TPAGENT_STREAMS", min=1, max=64)] = 4,
-    compress: Annotated[Compress, typer.Option("--compress", envvar="TPAGENT_COMPRESS")] = Compress.AUTO,
+    compress: CompressOpt = Compress.AUTO,
     chunk_mib: Annotated[int, typer.Option("--chunk-mib", envvar="TPAGENT_CHUNK_MIB", min=1, max=64)] = 8,
     transport: TransportOpt = TransportName.TCP,
     secret_file: SecretOpt = None,

@@ -66,7 +66,7 @@ class RestoreResult:
     timings: dict[str, float]
 
 
-def _quiet(stage: Stage, msg: str) -> None:
+def quiet(stage: Stage, msg: str) -> None:
     pass
 
 
@@ -155,7 +155,7 @@ def checkpoint(
     out: Path,
     mode: DumpMode = DumpMode.KILL,
     config: SnapshotConfig = SnapshotConfig(),
-    progress: ProgressFn = _quiet,
+    progress: ProgressFn = quiet,
     cuda_factory: CudaFactory = CudaDriver,
 ) -> Manifest:
     """Snapshot the tree rooted at ``pid`` into ``out``; see the module docstring."""
@@ -337,7 +337,7 @@ def restore(
     directory: Path,
     gpu_map: Mapping[str, str] | None = None,
     config: SnapshotConfig = SnapshotConfig(),
-    progress: ProgressFn = _quiet,
+    progress: ProgressFn = quiet,
     cuda_factory: CudaFactory = CudaDriver,
 ) -> RestoreResult:
     require_root()

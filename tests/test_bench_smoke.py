@@ -27,3 +27,10 @@ def test_transfer_benchmark_runs() -> None:
     doc = _run("bench/transfer.py", "--sizes-mib", "8", "--repeats", "1", "--streams", "2")
     routes = {r["route"] for r in doc["results"]}  # type: ignore[attr-defined]
     assert routes == {"floor", "tpagent-none", "tpagent-auto", "tpagent-zstd", "tpagent-ucx-none", "tpagent-ucx-auto", "naive-tar-zstd"}
+
+
+@needs_criu
+def test_pipeline_benchmark_runs() -> None:
+    doc = _run("bench/pipeline.py", "--sizes-mib", "16", "--repeats", "1")
+    rows = {r["route"]: r for r in doc["results"]}  # type: ignore[attr-defined]
+    assert set(rows) == {"dump-only", "sequential", "overlapped", "naive"} and all(r["seconds"] > 0 for r in rows.values())

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from proxy import Proxy
-from snapshot.manifest import Manifest, checksum_files
+from snapshot.manifest import Manifest, checksum_files, load
 from snapshot.proc import ProcInfo
 from transfer.api import AuthError, Compress, IntegrityError, TransferConfig, TransferError, TransferStats, Transport
 from transfer.stream import Receiver, Sender
@@ -284,3 +285,87 @@ def test_files_the_manifest_does_not_list_are_refused(tcp: Transport, tmp_path: 
         _send(tcp, src, rx.receiver.address)
     assert isinstance(rx.join(), IntegrityError)
     assert not (tmp_path / "dst").exists()
+
+
+class Writer:
+    """Writes a finished snapshot's files into ``dst`` piece by piece, the manifest last, as
+    CRIU and the sealing hook would; ``sealed()`` answers the sender."""
+
+    def __init__(self, ref: Path, dst: Path, piece: int = 256 << 10, rewrite_first_after_send: Callable[[], bool] | None = None) -> None:
+        self.ref, self.dst, self.piece = ref, dst, piece
+        self.rewrite = rewrite_first_after_send
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        (dst / "images").mkdir(parents=True)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        images = sorted((self.ref / "images").iterdir())
+        for src in images:
+            data = src.read_bytes()
+            with open(self.dst / "images" / src.name, "wb") as f:
+                for off in range(0, len(data), self.piece):
+                    f.write(data[off : off + self.piece])
+                    f.flush()
+                    time.sleep(0.02)
+        if self.rewrite is not None:  # what if a writer went back over bytes already sent?
+            while not self.rewrite():
+                time.sleep(0.01)
+            with open(self.dst / "images" / images[-1].name, "r+b") as f:
+                f.write(b"\xff" * 16)
+            m = load(self.ref)
+            m.files = checksum_files(self.dst)  # sealed over what the files hold in the end
+            m.write(self.dst)
+        else:
+            (self.dst / "manifest.json.tmp").write_bytes((self.ref / "manifest.json").read_bytes())
+            (self.dst / "manifest.json.tmp").rename(self.dst / "manifest.json")
+        self.done.set()
+
+    def sealed(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.done.is_set()
+
+
+def _send_followed(transport: Transport, writer: Writer, address: str, progress: Callable[[int, int, int], None] | None = None) -> TransferStats:
+    config = TransferConfig(secret=SECRET, chunk_size=1 << 20, io_timeout=10, streams=3)
+    return Sender(transport, config, progress).send(writer.dst, address, sealed=writer.sealed)
+
+
+def test_snapshot_is_sent_while_it_is_still_written(transport: Transport, tmp_path: Path) -> None:
+    ref = make_snapshot(tmp_path / "ref", "model", 12)
+    writer = Writer(ref, tmp_path / "src")
+    rx = Receiving(transport, tmp_path / "dst")
+    before_sealed: list[int] = []
+
+    def progress(acked: int, wire_bytes: int, total: int) -> None:
+        if not writer.done.is_set():
+            before_sealed.append(acked)
+
+    stats = _send_followed(transport, writer, rx.receiver.address, progress)
+    assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst") == digests(ref)
+    assert stats.bytes_raw == sum(p.stat().st_size for p in ref.rglob("*") if p.is_file())
+    assert before_sealed and max(before_sealed) >= 4 << 20  # most bytes went out before the writer finished
+
+
+def test_followed_snapshot_whose_writer_fails_leaves_nothing(tcp: Transport, tmp_path: Path) -> None:
+    ref = make_snapshot(tmp_path / "ref", "random", 4)
+    writer = Writer(ref, tmp_path / "src")
+    writer.error = RuntimeError("criu dump failed")
+    rx = Receiving(tcp, tmp_path / "dst", timeout=20)
+    with pytest.raises(RuntimeError, match="criu dump failed"):  # the writer's own error, for its caller
+        _send_followed(tcp, writer, rx.receiver.address)
+    assert isinstance(rx.join(), TransferError)
+    assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst.partial-*"))
+
+
+def test_followed_bytes_changed_after_sending_are_caught(tcp: Transport, tmp_path: Path) -> None:
+    ref = make_snapshot(tmp_path / "ref", "random", 3)
+    acked: list[int] = []
+    writer = Writer(ref, tmp_path / "src", rewrite_first_after_send=lambda: sum(acked) >= 3 << 20)
+    rx = Receiving(tcp, tmp_path / "dst")
+    with pytest.raises(IntegrityError, match="rejected"):
+        _send_followed(tcp, writer, rx.receiver.address, lambda a, w, t: acked.append(a))
+    assert isinstance(rx.join(), IntegrityError)
+    assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst.partial-*"))

@@ -47,7 +47,9 @@ def _on(ns: str, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, **kw)  # type: ignore[call-overload, no-any-return]
 
 
-def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("route", ["dump-then-send", "dump-streaming"])
+def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], tmp_path: Path, route: str) -> None:
+    """dump-streaming: `tpagent dump --send-to` sends the images while CRIU still writes them."""
     a, b = nodes
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(24).hex())
@@ -58,10 +60,6 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
     ticks = lambda: [int(ln.split()[1]) for ln in log.read_text().splitlines() if ln.startswith("tick ")]  # noqa: E731
     try:
         wait_until(lambda: log.exists() and len(ticks()) > 5, "the workload to run on node A")
-        dumped = _on(a, "dump", str(root), "--out", str(tmp_path / "on-a"))
-        assert dumped.returncode == 0, dumped.stderr
-        stopped = ticks()[-1]
-
         env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret)}
         receiver = subprocess.Popen(
             ["ip", "netns", "exec", b, sys.executable, "-m", "cli.main", "receive", "--listen", "10.231.0.2:7411", "--out", str(tmp_path / "on-b"), "--json", "--timeout", "120"],
@@ -70,15 +68,24 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
         try:
             assert receiver.stderr is not None
             assert "listening on" in receiver.stderr.readline()
-            sent = _on(a, "send", str(tmp_path / "on-a"), "10.231.0.2:7411", "--json", env=env)
+            if route == "dump-then-send":
+                dumped = _on(a, "dump", str(root), "--out", str(tmp_path / "on-a"))
+                assert dumped.returncode == 0, dumped.stderr
+                sent = _on(a, "send", str(tmp_path / "on-a"), "10.231.0.2:7411", "--json", env=env)
+            else:
+                sent = _on(a, "dump", str(root), "--out", str(tmp_path / "on-a"), "--send-to", "10.231.0.2:7411", "--json", env=env)
             assert sent.returncode == 0, sent.stderr
+            stopped = ticks()[-1]
             out, _ = receiver.communicate(timeout=120)
             assert receiver.returncode == 0
         finally:
             if receiver.poll() is None:
                 receiver.kill()
                 receiver.communicate()
-        assert json.loads(out)["bytes_raw"] == json.loads(sent.stdout)["bytes_raw"]
+        on_a = {p.relative_to(tmp_path / "on-a"): p.read_bytes() for p in (tmp_path / "on-a").rglob("*.img")}
+        on_b = {p.relative_to(tmp_path / "on-b"): p.read_bytes() for p in (tmp_path / "on-b").rglob("*.img")}
+        assert on_a and on_a == on_b  # the images arrived as CRIU finished them
+        assert json.loads(out)["bytes_raw"] == sum(len(v) for v in on_b.values()) + (tmp_path / "on-b/manifest.json").stat().st_size
 
         restored = _on(b, "restore", str(tmp_path / "on-b"), "--json")
         assert restored.returncode == 0, restored.stderr

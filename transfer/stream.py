@@ -57,8 +57,8 @@ def _client_handshake(ch: Channel, secret: bytes, role: Role, stream: int, sessi
 def _server_handshake(ch: Channel, secret: bytes) -> tuple[Role, bytes]:
     magic, version, role, _, stream, session, nonce_c = HELLO.unpack(ch.recv_exact(HELLO.size))
     if magic != wire.MAGIC or version != wire.VERSION or role not in (0, 1):
-        wire.send_frame(ch, Kind.ERROR, b"not a tpagent transfer stream of version 1")
-        raise AuthError("a peer spoke something other than tpagent transfer v1")
+        wire.send_frame(ch, Kind.ERROR, f"not a tpagent transfer stream of version {wire.VERSION}".encode())
+        raise AuthError(f"a peer spoke something other than tpagent transfer v{wire.VERSION}")
     nonce_s = os.urandom(wire.NONCE_LEN)
     ch.send(nonce_s)
     sid = struct.pack("<I", stream)
@@ -120,35 +120,51 @@ def _ewma(old: float, new: float, alpha: float = 0.3) -> float:
 
 @dataclass
 class _SendState:
-    layout: Layout
+    """The chunks to send and what became of each.  A followed snapshot (one still being
+    written) grows: :meth:`add` appends chunks until :meth:`close`."""
+
+    chunk_size: int
     chunk_retries: int
     cond: threading.Condition = field(default_factory=threading.Condition)
     pending: deque[int] = field(default_factory=deque)
     acked: bytearray = field(default_factory=bytearray)
     crcs: list[int] = field(default_factory=list)
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)
     naks: dict[int, int] = field(default_factory=dict)
     error: TransferError | None = None
+    closed: bool = False
+    raw_total: int = 0
     raw_acked: int = 0
     wire_bytes: int = 0
 
-    def __post_init__(self) -> None:
-        self.pending.extend(range(self.layout.count))
-        self.acked = bytearray(self.layout.count)
-        self.crcs = [0] * self.layout.count
-        self.chunks = self.layout.chunks()
-        self.sizes = [length for _, _, length in self.chunks]
+    def add(self, chunks: list[tuple[int, int, int]]) -> None:
+        with self.cond:
+            if len(self.chunks) + len(chunks) > wire.MAX_CHUNKS:
+                self.fail(TransferError("the snapshot has too many chunks"))
+                return
+            self.pending.extend(range(len(self.chunks), len(self.chunks) + len(chunks)))
+            self.chunks += chunks
+            self.acked += bytes(len(chunks))
+            self.crcs += [0] * len(chunks)
+            self.raw_total += sum(length for _, _, length in chunks)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
 
     def done(self) -> bool:
-        return self.error is not None or all(self.acked)
+        return self.error is not None or (self.closed and all(self.acked))
 
     def mark_have(self, have: bytes | bytearray) -> None:
         with self.cond:
-            if len(have) != self.layout.count:
+            if len(have) not in (0, len(self.acked)):
                 raise TransferError("the receiver's HAVE does not match this snapshot")
             for i, h in enumerate(have):
                 if h and not self.acked[i]:
                     self.acked[i] = 1
-                    self.raw_acked += self.sizes[i]
+                    self.raw_acked += self.chunks[i][2]
             self.cond.notify_all()
 
     def next(self, broken: Callable[[], bool]) -> int | None:
@@ -167,7 +183,7 @@ class _SendState:
             if ok:
                 if not self.acked[index]:
                     self.acked[index] = 1
-                    self.raw_acked += self.sizes[index]
+                    self.raw_acked += self.chunks[index][2]
             else:
                 self.naks[index] = self.naks.get(index, 0) + 1
                 if self.naks[index] > self.chunk_retries:
@@ -187,6 +203,60 @@ class _SendState:
             self.cond.notify_all()
 
 
+class _Files:
+    """The snapshot's files, opened for reading; for a followed snapshot, how far each is queued."""
+
+    def __init__(self, root: Path, chunk_size: int) -> None:
+        self.root, self.chunk_size = root, chunk_size
+        self.follow = False  # chunks then say where they go (the receiver knows no layout)
+        self.names: list[str] = []
+        self.fds: list[int] = []
+        self.queued: list[int] = []
+
+    def _open(self, name: str) -> int:
+        fd = os.open(self.root / name, os.O_RDONLY | os.O_NOFOLLOW)
+        self.names.append(name)
+        self.fds.append(fd)
+        self.queued.append(0)
+        return len(self.fds) - 1
+
+    def open_all(self, layout: Layout) -> None:
+        for name, _ in layout.files:
+            self._open(name)
+
+    def grown(self, final: bool) -> list[tuple[int, int, int]]:
+        """New chunks: whole ones written since the last call, and with ``final`` the tails."""
+        try:
+            names = [f"{snapmanifest.IMAGES_DIR}/{e.name}" for e in os.scandir(self.root / snapmanifest.IMAGES_DIR)]
+        except FileNotFoundError:  # not started yet
+            names = []
+        if final:
+            names.append(snapmanifest.MANIFEST_NAME)
+        index = {n: i for i, n in enumerate(self.names)}
+        out = []
+        for name in sorted(names):
+            fi = index[name] if name in index else self._open(name)
+            size = os.fstat(self.fds[fi]).st_size
+            end = size if final else size - size % self.chunk_size
+            if end < self.queued[fi]:
+                raise IntegrityError(f"{name} shrank while it was being sent")
+            out += [(fi, off, min(self.chunk_size, end - off)) for off in range(self.queued[fi], end, self.chunk_size)]
+            self.queued[fi] = end
+        return out
+
+    def layout(self) -> Layout:
+        return Layout(tuple(zip(self.names, self.queued)), self.chunk_size)
+
+    def manifest_sha256(self) -> str:
+        with open(self.root / snapmanifest.MANIFEST_NAME, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
 class Sender:
     def __init__(self, transport: Transport, config: TransferConfig, progress: SendProgress | None = None) -> None:
         self.transport, self.config, self.progress = transport, config, progress
@@ -200,48 +270,80 @@ class Sender:
             raise
         return ch
 
-    def send(self, snapshot: Path, address: str) -> TransferStats:
+    def send(self, snapshot: Path, address: str, sealed: Callable[[], bool] | None = None) -> TransferStats:
+        """Send ``snapshot``.  With ``sealed``, the snapshot is still being written: its
+        files are sent as they grow, and it is complete once ``sealed()`` returns True
+        (it raises to give up: the receiver then keeps nothing)."""
         cfg = self.config
-        layout = snapshot_layout(snapshot, cfg.chunk_size)
         session = os.urandom(16)
-        state = _SendState(layout, cfg.chunk_retries)
+        state = _SendState(cfg.chunk_size, cfg.chunk_retries)
+        files = _Files(snapshot, cfg.chunk_size)
         codec = _Codec(cfg.compress, cfg.zstd_level)
         t0 = time.monotonic()
-        fds = [os.open(snapshot / name, os.O_RDONLY) for name, _ in layout.files]
         try:
+            if sealed is None:
+                layout = snapshot_layout(snapshot, cfg.chunk_size)
+                files.open_all(layout)
+                state.add(layout.chunks())
+                state.close()
+                header = {"snapshot_id": snapshot.name, "chunk_size": cfg.chunk_size,
+                          "files": [list(f) for f in layout.files], "manifest_sha256": files.manifest_sha256()}  # fmt: skip
+            else:
+                files.follow = True
+                header = {"snapshot_id": snapshot.name, "chunk_size": cfg.chunk_size, "follow": True}
             control = self._open(address, Role.CONTROL, 0, session)
             try:
-                with open(snapshot / snapmanifest.MANIFEST_NAME, "rb") as f:
-                    manifest_sha = hashlib.sha256(f.read()).hexdigest()
-                header = {"snapshot_id": snapshot.name, "chunk_size": layout.chunk_size,
-                          "files": [list(f) for f in layout.files], "manifest_sha256": manifest_sha}  # fmt: skip
                 wire.send_frame(control, Kind.HEADER, wire.signed_json(cfg.secret, b"header", header))
-                _, have = wire.expect(control, Kind.HAVE, layout.count)
+                _, have = wire.expect(control, Kind.HAVE, len(state.acked))
                 state.mark_have(have)
                 workers = [
-                    threading.Thread(target=self._worker, args=(address, session, i + 1, state, fds, codec), daemon=True)
+                    threading.Thread(target=self._worker, args=(address, session, i + 1, state, files, codec), daemon=True)
                     for i in range(max(1, cfg.streams))
                 ]
                 for w in workers:
                     w.start()
-                for w in workers:
-                    w.join()
+                try:
+                    if sealed is not None:
+                        self._follow(files, state, sealed)
+                finally:
+                    for w in workers:  # before the files close under them
+                        w.join(None if state.error is None else cfg.io_timeout + 1)
                 if state.error is not None:
                     raise state.error
-                trailer = {"chunks": layout.count, "raw_bytes": layout.raw_bytes, "digest": wire.digest(state.crcs)}
+                trailer = {"chunks": len(state.chunks), "raw_bytes": state.raw_total, "digest": wire.digest(state.crcs)}
+                if sealed is not None:
+                    trailer |= {"files": [list(f) for f in files.layout().files], "manifest_sha256": files.manifest_sha256()}
                 wire.send_frame(control, Kind.TRAILER, wire.signed_json(cfg.secret, b"trailer", trailer))
                 control.set_timeout(cfg.session_timeout)  # the receiver verifies the whole snapshot now
                 _, done = wire.expect(control, Kind.DONE, 4096)
                 if not done or done[0] != 1:
                     raise IntegrityError(f"the receiver rejected the snapshot: {done[1:].decode(errors='replace')}")
             finally:
+                state.fail(TransferError("the transfer ended"))  # stops a worker still waiting for chunks
                 control.close()
         finally:
-            for fd in fds:
-                os.close(fd)
-        return TransferStats(layout.raw_bytes, state.wire_bytes, layout.count, time.monotonic() - t0)
+            files.close()
+        return TransferStats(state.raw_total, state.wire_bytes, len(state.chunks), time.monotonic() - t0)
 
-    def _worker(self, address: str, session: bytes, stream: int, state: _SendState, fds: list[int], codec: _Codec) -> None:
+    def _follow(self, files: _Files, state: _SendState, sealed: Callable[[], bool]) -> None:
+        """Queue each file's bytes as they are written; once sealed, the tails too."""
+        try:
+            while True:
+                done = sealed()  # read before the scan: what it sees after sealing is final
+                state.add(files.grown(final=done))
+                if done:
+                    state.close()
+                    return
+                if state.error is not None:
+                    return
+                time.sleep(0.01)
+        except (TransferError, OSError) as e:
+            state.fail(e if isinstance(e, TransferError) else TransferError(f"reading the snapshot failed: {e}"))
+        except Exception as e:  # the writer gave up (its error is the caller's to report)
+            state.fail(TransferError(f"the snapshot was not completed: {e}"))
+            raise
+
+    def _worker(self, address: str, session: bytes, stream: int, state: _SendState, files: _Files, codec: _Codec) -> None:
         attempts = 0
         cctx = zstandard.ZstdCompressor(level=self.config.zstd_level)
         while not state.done():
@@ -249,10 +351,10 @@ class Sender:
             try:
                 ch = self._open(address, Role.DATA, stream, session)
                 try:
-                    _, have = wire.expect(ch, Kind.HAVE, state.layout.count)
+                    _, have = wire.expect(ch, Kind.HAVE, len(state.acked))
                     state.mark_have(have)
                     attempts = 0
-                    self._pump(ch, state, fds, codec, cctx, inflight)
+                    self._pump(ch, state, files, codec, cctx, inflight)
                 finally:
                     ch.close()
             except AuthError as e:
@@ -269,11 +371,10 @@ class Sender:
                 log.info("stream %d broke (%s); reconnecting", stream, e)
                 time.sleep(min(0.1 * 2**attempts, 2.0))
 
-    def _pump(self, ch: Channel, state: _SendState, fds: list[int], codec: _Codec, cctx: zstandard.ZstdCompressor, inflight: dict[int, None]) -> None:
+    def _pump(self, ch: Channel, state: _SendState, files: _Files, codec: _Codec, cctx: zstandard.ZstdCompressor, inflight: dict[int, None]) -> None:
         window = threading.Semaphore(self.config.window)
         broken: list[TransferError] = []
-        chunks = state.chunks
-        zeros = bytes(state.layout.chunk_size)
+        zeros = bytes(state.chunk_size)
 
         def read_acks() -> None:
             try:
@@ -286,7 +387,7 @@ class Sender:
                     state.ack(index, bool(ok))
                     window.release()
                     if self.progress:
-                        self.progress(state.raw_acked, state.wire_bytes, state.layout.raw_bytes)
+                        self.progress(state.raw_acked, state.wire_bytes, state.raw_total)
             except TransferError as e:
                 broken.append(e)
                 window.release()
@@ -302,10 +403,10 @@ class Sender:
                 if broken and not state.done():
                     raise broken[0]
                 return
-            fi, off, length = chunks[index]
-            data = os.pread(fds[fi], length, off)
+            fi, off, length = state.chunks[index]
+            data = os.pread(files.fds[fi], length, off)
             if len(data) != length:
-                state.fail(IntegrityError(f"{state.layout.files[fi][0]} shrank while it was being sent"))
+                state.fail(IntegrityError(f"{files.names[fi]} shrank while it was being sent"))
                 return
             crc = zlib.crc32(data)
             state.crcs[index] = crc
@@ -320,21 +421,31 @@ class Sender:
                     kind, payload = Codec.ZSTD, packed
             inflight[index] = None
             t = time.monotonic()
-            wire.send_frame(ch, Kind.CHUNK, CHUNK.pack(index, length, crc), kind, payload)
-            codec.saw_send(len(payload) + CHUNK.size, time.monotonic() - t)
+            head = CHUNK.pack(index, length, crc)
+            if files.follow:
+                name = files.names[fi].encode()
+                head += wire.WHERE.pack(off, len(name)) + name
+            wire.send_frame(ch, Kind.CHUNK, head, kind, payload)
+            codec.saw_send(len(payload) + len(head), time.monotonic() - t)
             with state.cond:
-                state.wire_bytes += len(payload) + CHUNK.size + wire.FRAME.size
+                state.wire_bytes += len(payload) + len(head) + wire.FRAME.size
 
 
 @dataclass
 class _Session:
-    layout: Layout
+    """One transfer being received.  ``layout`` is None while following (files then come as
+    chunks name them, and the trailer says what they add up to)."""
+
+    layout: Layout | None
+    chunk_size: int
     partial: Path
     manifest_sha256: str
-    fds: list[int]
-    have: bytearray
-    crcs: list[int]
-    chunks: list[tuple[int, int, int]]
+    names: dict[str, int] = field(default_factory=dict)  # file -> its index in fds
+    fds: list[int] = field(default_factory=list)
+    #: Chunk index -> (file index, offset, length): the layout's, or as the chunks said.
+    where: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    have: set[int] = field(default_factory=set)
+    crcs: dict[int, int] = field(default_factory=dict)
     #: Per file, per manifest chunk: transfer chunks still to come, then its SHA-256, hashed
     #: as soon as the region is complete so that verification overlaps the transfer.
     waiting: list[list[int]] = field(default_factory=list)
@@ -343,6 +454,45 @@ class _Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_wire: int = 0
     started: float = field(default_factory=time.monotonic)
+
+    def have_bitmap(self) -> bytes:
+        if self.layout is None:
+            return b""
+        bits = bytearray(self.layout.count)
+        for i in self.have:
+            bits[i] = 1
+        return bytes(bits)
+
+    def open_file(self, name: str) -> int:
+        path = self.partial / name
+        path.parent.mkdir(exist_ok=True)
+        self.fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        self.names[name] = len(self.fds) - 1
+        return len(self.fds) - 1
+
+    def locate(self, index: int, raw_len: int, body: bytes | bytearray) -> tuple[tuple[int, int, int], int]:
+        """Where chunk ``index`` goes, and where its payload starts in ``body``."""
+        if self.layout is not None:
+            if index >= self.layout.count or raw_len != self.where[index][2]:
+                raise TransferError(f"chunk {index} does not fit this snapshot")
+            return self.where[index], CHUNK.size
+        if len(body) < CHUNK.size + wire.WHERE.size:
+            raise TransferError("a chunk is too short to say where it goes")
+        off, n = wire.WHERE.unpack_from(body, CHUNK.size)
+        start = CHUNK.size + wire.WHERE.size + n
+        name = bytes(body[CHUNK.size + wire.WHERE.size : start]).decode(errors="replace")
+        if index >= wire.MAX_CHUNKS or off % self.chunk_size or not 0 < raw_len <= self.chunk_size or off + raw_len > wire.MAX_FILE:
+            raise TransferError(f"chunk {index} ({name} at {off}) does not fit a snapshot")
+        with self.lock:
+            if name not in self.names:
+                Layout(((name, 0),), self.chunk_size)  # checks the name
+                if len(self.names) >= wire.MAX_FILES:
+                    raise TransferError("the stream names too many files")
+                self.open_file(name)
+            where = (self.names[name], off, raw_len)
+            if self.where.setdefault(index, where) != where:
+                raise TransferError(f"chunk {index} was sent again for a different place")
+        return where, start
 
 
 class Receiver:
@@ -414,14 +564,19 @@ class Receiver:
         _, body = wire.expect(ch, Kind.HEADER, wire.MAX_JSON)
         header = wire.open_signed_json(self.config.secret, b"header", body)
         try:
-            layout = Layout(tuple((str(p), int(n)) for p, n in header["files"]), int(header["chunk_size"]))
-            sha = str(header["manifest_sha256"])
+            chunk_size = int(header["chunk_size"])
+            if header.get("follow") is True:
+                layout, sha = None, ""
+                Layout((), chunk_size)  # checks the chunk size
+            else:
+                layout = Layout(tuple((str(p), int(n)) for p, n in header["files"]), chunk_size)
+                sha = str(header["manifest_sha256"])
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"the header is malformed ({e!r})") from e
         with self._ready:
-            s = self._sessions.get(session_id) or self._open_session(session_id, layout, sha)
+            s = self._sessions.get(session_id) or self._open_session(session_id, layout, chunk_size, sha)
             self._ready.notify_all()
-        wire.send_frame(ch, Kind.HAVE, bytes(s.have))
+        wire.send_frame(ch, Kind.HAVE, s.have_bitmap())
         ch.set_timeout(self.config.session_timeout)
         try:
             _, body = wire.expect(ch, Kind.TRAILER, wire.MAX_JSON)
@@ -437,33 +592,32 @@ class Receiver:
             self._finish(e if isinstance(e, TransferError) else IntegrityError(str(e)))
             return
         wire.send_frame(ch, Kind.DONE, b"\1ok")
-        self._finish(TransferStats(layout.raw_bytes, s.bytes_wire, layout.count, time.monotonic() - s.started))
+        assert s.layout is not None  # the check set it
+        self._finish(TransferStats(s.layout.raw_bytes, s.bytes_wire, s.layout.count, time.monotonic() - s.started))
 
     def _finish(self, result: TransferStats | TransferError) -> None:
         if self._result is None:
             self._result = result
 
-    def _open_session(self, session_id: bytes, layout: Layout, sha: str) -> _Session:
+    def _open_session(self, session_id: bytes, layout: Layout | None, chunk_size: int, sha: str) -> _Session:
         partial = self._out.parent / f".{self._out.name}.partial-{session_id.hex()[:12]}"
         partial.mkdir(parents=True)
-        fds = []
+        s = _Session(layout, chunk_size, partial, sha)
+        self._sessions[session_id] = s
+        if layout is None:
+            return s
         for name, size in layout.files:
-            path = partial / name
-            path.parent.mkdir(exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            os.ftruncate(fd, size)
-            fds.append(fd)
-        s = _Session(layout, partial, sha, fds, bytearray(layout.count), [0] * layout.count, layout.chunks())
+            os.ftruncate(s.fds[s.open_file(name)], size)
+        s.where = dict(enumerate(layout.chunks()))
         region = snapmanifest.CHUNK_SIZE
         if region % layout.chunk_size == 0:
             s.waiting = [[0] * max(1, -(-size // region)) for _, size in layout.files]
             s.digests = [[""] * len(w) for w in s.waiting]
-            for fi, off, _ in s.chunks:
+            for fi, off, _ in s.where.values():
                 s.waiting[fi][off // region] += 1
             for fi, (name, size) in enumerate(layout.files):
                 if size == 0:
                     s.digests[fi][0] = snapmanifest.sha256_range((partial / name, 0, 0))
-        self._sessions[session_id] = s
         return s
 
     def _discard(self, s: _Session) -> None:
@@ -476,11 +630,14 @@ class Receiver:
         shutil.rmtree(s.partial, ignore_errors=True)
 
     def _check_and_publish(self, s: _Session, trailer: dict[str, object]) -> None:
-        if not all(s.have):
-            raise IntegrityError(f"{s.have.count(0)} chunks never arrived")
+        if s.layout is None:
+            self._settle_followed(s, trailer)
+        assert s.layout is not None
+        if len(s.have) != s.layout.count:
+            raise IntegrityError(f"{s.layout.count - len(s.have)} chunks never arrived")
         if trailer.get("chunks") != s.layout.count or trailer.get("raw_bytes") != s.layout.raw_bytes:
             raise IntegrityError("the trailer's totals do not match what arrived")
-        if trailer.get("digest") != wire.digest(s.crcs):
+        if trailer.get("digest") != wire.digest([s.crcs[i] for i in range(s.layout.count)]):
             raise IntegrityError("the stream digest does not match: chunks were lost, reordered or altered")
         for fd in s.fds:
             os.fsync(fd)
@@ -501,38 +658,60 @@ class Receiver:
                 self._out.rmdir()
             s.partial.rename(self._out)
 
+    @staticmethod
+    def _settle_followed(s: _Session, trailer: dict[str, object]) -> None:
+        """The trailer of a followed snapshot names its files: what arrived must be exactly them."""
+        try:
+            files = trailer["files"]
+            assert isinstance(files, list)
+            layout = Layout(tuple((str(p), int(n)) for p, n in files), s.chunk_size)
+            s.manifest_sha256 = str(trailer["manifest_sha256"])
+        except (KeyError, TypeError, ValueError, AssertionError) as e:
+            raise TransferError(f"the trailer is malformed ({e!r})") from e
+        for name, _ in layout.files:
+            if name not in s.names:
+                s.open_file(name)  # an empty file: no chunk named it
+        order = [s.names[name] for name, _ in layout.files]
+        expected = {(order[fi], off, n) for fi, off, n in layout.chunks()}
+        if len(s.names) != len(layout.files) or set(s.where.values()) != expected or len(s.where) != layout.count:
+            raise IntegrityError("the chunks that arrived do not add up to the files the trailer names")
+        if sorted(s.where) != list(range(layout.count)):
+            raise IntegrityError("the chunks are not numbered 0..N-1")
+        for fi, (_, size) in zip(order, layout.files):
+            os.ftruncate(s.fds[fi], size)  # a file that ends in zeros was left short (sparse)
+        s.layout = layout
+
     def _data(self, ch: Channel, session_id: bytes) -> None:
         with self._ready:
             if not self._ready.wait_for(lambda: session_id in self._sessions, self.config.io_timeout):
                 raise TransferError("a data stream came for a transfer that never started")
             s = self._sessions[session_id]
-        wire.send_frame(ch, Kind.HAVE, bytes(s.have))
+        wire.send_frame(ch, Kind.HAVE, s.have_bitmap())
         dctx = zstandard.ZstdDecompressor()
-        chunks = s.chunks
         zero_crcs: dict[int, int] = {}
         while True:
-            kind, codec, body = wire.recv_frame(ch, s.layout.chunk_size + 4096 + CHUNK.size)
+            kind, codec, body = wire.recv_frame(ch, s.chunk_size + 4096 + CHUNK.size + wire.WHERE.size + 255)
             if kind is not Kind.CHUNK or len(body) < CHUNK.size:
                 raise TransferError(f"expected a chunk, got {kind.name}")
             index, raw_len, crc = CHUNK.unpack_from(body)
-            if index >= s.layout.count or raw_len != chunks[index][2]:
-                raise TransferError(f"chunk {index} does not fit this snapshot")
+            where, start = s.locate(index, raw_len, body)
             with s.lock:
-                mine = not s.have[index] and index not in s.claimed
+                mine = index not in s.have and index not in s.claimed
                 if mine:
                     s.claimed.add(index)
             if mine:
-                ok = self._store(s, dctx, chunks[index], codec, body, raw_len, crc, zero_crcs)
+                ok = self._store(s, dctx, where, codec, memoryview(body)[start:], raw_len, crc, zero_crcs)
                 with s.lock:
                     s.claimed.discard(index)
                     if ok:
-                        s.have[index], s.crcs[index] = 1, crc
+                        s.have.add(index)
+                        s.crcs[index] = crc
                 if ok:
-                    self._region_done(s, chunks[index])
+                    self._region_done(s, where)
             else:  # a resend while another stream stores the same chunk: answer as it ends
                 while index in s.claimed:
                     time.sleep(0.001)
-                ok = bool(s.have[index])
+                ok = index in s.have
             with s.lock:
                 s.bytes_wire += len(body) + wire.FRAME.size
             wire.send_frame(ch, Kind.ACK, ACK.pack(index, int(ok)))
@@ -546,15 +725,14 @@ class Receiver:
         with s.lock:
             s.waiting[fi][region] -= 1
             complete = s.waiting[fi][region] == 0
-        if complete:
+        if complete and s.layout is not None:
             start = region * snapmanifest.CHUNK_SIZE
             length = min(snapmanifest.CHUNK_SIZE, s.layout.files[fi][1] - start)
             s.digests[fi][region] = snapmanifest.sha256_range((s.partial / s.layout.files[fi][0], start, length))
 
     @staticmethod
-    def _store(s: _Session, dctx: zstandard.ZstdDecompressor, where: tuple[int, int, int], codec: Codec, body: bytes | bytearray, raw_len: int, crc: int, zero_crcs: dict[int, int]) -> bool:
+    def _store(s: _Session, dctx: zstandard.ZstdDecompressor, where: tuple[int, int, int], codec: Codec, payload: memoryview, raw_len: int, crc: int, zero_crcs: dict[int, int]) -> bool:
         fi, off, _ = where
-        payload = memoryview(body)[CHUNK.size :]
         if codec is Codec.ZERO:
             if len(payload):
                 return False

@@ -1,4 +1,4 @@
-"""The tpagent transfer stream, version 1: framing, handshake and message bodies.
+"""The tpagent transfer stream, version 2: framing, handshake and message bodies.
 
 Every connection starts with a mutual challenge-response on the cluster secret, then
 carries frames.  Integers are little-endian.
@@ -12,15 +12,19 @@ carries frames.  Integers are little-endian.
     DATA       ::= HAVE { CHUNK ACK }                (ROLE 1: STREAM 1..N, in parallel)
     FRAME      ::= KIND:u8 CODEC:u8 0:u16 LENGTH:u32 BODY[LENGTH]
     HEADER     ::= LEN:u32 JSON{snapshot_id, chunk_size, files: [[PATH, SIZE]], manifest_sha256} MAC:32B
-    HAVE       ::= { u8 }                            (one per chunk: 1 = received and checked)
-    CHUNK      ::= INDEX:u64 RAW_LEN:u32 CRC32:u32 PAYLOAD   (CODEC 0 raw, 1 zstd, 2 zeros: no payload)
+                 | LEN:u32 JSON{snapshot_id, chunk_size, follow: true} MAC:32B   (a snapshot still being written)
+    HAVE       ::= { u8 }                            (one per chunk: 1 = received and checked; none when following)
+    CHUNK      ::= INDEX:u64 RAW_LEN:u32 CRC32:u32 [ OFFSET:u64 PATH_LEN:u8 PATH ] PAYLOAD
+                                                     (CODEC 0 raw, 1 zstd, 2 zeros: no payload; [..] when following)
     ACK        ::= INDEX:u64 OK:u8                   (0: damaged, send it again)
-    TRAILER    ::= LEN:u32 JSON{chunks, raw_bytes, digest} MAC:32B
+    TRAILER    ::= LEN:u32 JSON{chunks, raw_bytes, digest [, files, manifest_sha256 when following]} MAC:32B
     DONE       ::= OK:u8 MESSAGE
     ERROR      ::= MESSAGE
 
 Chunks number the files' bytes in HEADER order, CHUNK_SIZE at a time (an empty file has
-none).  ``digest`` is SHA-256 over every chunk's INDEX:u64 CRC32:u32, in order.  The MACs are
+none).  A followed snapshot's files are sent as they grow: the sender numbers chunks as it
+queues them, each chunk names its file and offset, and the authenticated TRAILER gives the
+final files, which the chunks that arrived must cover exactly.  ``digest`` is SHA-256 over every chunk's INDEX:u64 CRC32:u32, in order.  The MACs are
 HMAC-SHA256 under the cluster secret; the whole snapshot is then checked against the
 manifest's SHA-256s, whose own digest the authenticated HEADER carries.
 """
@@ -40,17 +44,19 @@ from typing import Any
 from transfer.api import Channel, TransferError
 
 MAGIC = b"TPXFER01"
-VERSION = 1
+VERSION = 2
 HELLO = struct.Struct("<8sHBBI16s16s")
 FRAME = struct.Struct("<BBHI")
 CHUNK = struct.Struct("<QII")
 ACK = struct.Struct("<QB")
+WHERE = struct.Struct("<QB")
 MAC_LEN = 32
 NONCE_LEN = 16
 MAX_CHUNK = 64 << 20
 MAX_JSON = 16 << 20
 MAX_FILES = 100_000
 MAX_CHUNKS = 1 << 22
+MAX_FILE = 1 << 40
 _PATH = re.compile(r"(?:[A-Za-z0-9._-]+/)?[A-Za-z0-9._-]+")
 
 

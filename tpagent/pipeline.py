@@ -1,0 +1,84 @@
+"""Dump a process and send its snapshot to a peer, the send overlapping the dump.
+
+With ``overlap`` the sender follows the snapshot directory while CRIU writes it (see
+:meth:`transfer.stream.Sender.send`): image bytes go out as soon as they are on disk, and the
+transfer ends a little after the dump.  Without it the dump finishes first, then the send
+starts.  ``bench/pipeline.py`` measures both; overlapping is the default.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapshot import engine
+from snapshot.api import DumpMode, ProgressFn, SnapshotConfig
+from snapshot.manifest import Manifest
+from transfer.api import TransferError, TransferStats
+from transfer.stream import Sender
+
+
+@dataclass(frozen=True)
+class Shipped:
+    manifest: Manifest
+    transfer: TransferStats
+    dump_s: float  # from the start until the snapshot was sealed
+    total_s: float  # from the start until the peer had verified it
+
+
+class SendFailed(TransferError):
+    """The snapshot was made (and is kept where it was written) but did not reach the peer."""
+
+
+def dump_and_send(
+    pid: int,
+    out: Path,
+    peer: str,
+    sender: Sender,
+    mode: DumpMode = DumpMode.KILL,
+    config: SnapshotConfig = SnapshotConfig(),
+    progress: ProgressFn = engine.quiet,
+    overlap: bool = True,
+) -> Shipped:
+    t0 = time.monotonic()
+    if not overlap:
+        m = engine.checkpoint(pid, out, mode, config, progress)
+        dump_s = time.monotonic() - t0
+        try:
+            stats = sender.send(out, peer)
+        except TransferError as e:
+            raise SendFailed(f"{e} (the snapshot is kept in {out})") from e
+        return Shipped(m, stats, dump_s, time.monotonic() - t0)
+
+    sealed = threading.Event()
+    dump_failed = threading.Event()
+    outcome: list[TransferStats | BaseException] = []
+
+    def is_sealed() -> bool:
+        if dump_failed.is_set():
+            raise TransferError("the dump failed")
+        return sealed.is_set()
+
+    def run() -> None:
+        try:
+            outcome.append(sender.send(out, peer, sealed=is_sealed))
+        except BaseException as e:  # reported by the caller's thread
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, name="send", daemon=True)
+    thread.start()
+    try:
+        m = engine.checkpoint(pid, out, mode, config, progress)
+    except BaseException:
+        dump_failed.set()
+        thread.join()
+        raise
+    dump_s = time.monotonic() - t0
+    sealed.set()
+    thread.join()
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        raise SendFailed(f"{result} (the snapshot is kept in {out})") from result
+    return Shipped(m, result, dump_s, time.monotonic() - t0)
