@@ -164,7 +164,7 @@ def _body_digest(body: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-CHUNK_SIZE = 64 << 20
+CHUNK_SIZE = 8 << 20  # the transfer's default chunk: a receiver checks each chunk as it arrives
 
 
 def sha256_range(job: tuple[Path, int, int]) -> str:

@@ -88,7 +88,7 @@ class Receiving:
 
 
 def _send(transport: Transport, src: Path, address: str, **cfg: object) -> TransferStats:
-    config = TransferConfig(secret=cfg.pop("secret", SECRET), chunk_size=1 << 20, io_timeout=10, **cfg)  # type: ignore[arg-type]
+    config = TransferConfig(secret=cfg.pop("secret", SECRET), chunk_size=cfg.pop("chunk_size", 1 << 20), io_timeout=10, **cfg)  # type: ignore[arg-type]
     return Sender(transport, config).send(src, address)
 
 
@@ -109,13 +109,16 @@ def test_arrives_byte_identical(transport: Transport, tmp_path: Path, kind: str,
         assert stats.bytes_wire <= stats.bytes_raw + 64 * stats.chunks  # incompressible chunks go raw: never larger
 
 
-def test_flipped_byte_is_caught_and_fetched_again(tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk_mib", [1, 8], ids=["crc32-chunks", "manifest-sha256-chunks"])
+def test_flipped_byte_is_caught_and_fetched_again(tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path, chunk_mib: int) -> None:
+    """Chunks of the manifest's size are checked against its SHA-256s, others by CRC-32."""
     src = make_snapshot(tmp_path / "src", "random", 6)
     rx = Receiving(tcp, tmp_path / "dst")
-    proxy = make_proxy(_target(rx), flip_at=3 << 20, on=1)
-    _send(tcp, src, proxy.address, compress=Compress.NONE, streams=2)
+    proxy = make_proxy(_target(rx), flip_at=3 << 20, on=1)  # one data stream: it carries every chunk
+    stats = _send(tcp, src, proxy.address, compress=Compress.NONE, streams=1, chunk_size=chunk_mib << 20)
     assert isinstance(rx.join(), TransferStats)
     assert digests(tmp_path / "dst") == digests(src)
+    assert stats.bytes_wire > stats.bytes_raw + (chunk_mib << 20) // 2  # the damaged chunk went twice
 
 
 def test_cut_connection_resumes_where_it_stood(tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:

@@ -12,10 +12,12 @@ against its manifest before the directory appears under its final name.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
 import os
+import re
 import shutil
 import struct
 import threading
@@ -209,6 +211,7 @@ class _Files:
     def __init__(self, root: Path, chunk_size: int) -> None:
         self.root, self.chunk_size = root, chunk_size
         self.follow = False  # chunks then say where they go (the receiver knows no layout)
+        self.digested: set[int] = set()  # files whose chunks the receiver checks by SHA-256, not CRC
         self.names: list[str] = []
         self.fds: list[int] = []
         self.queued: list[int] = []
@@ -288,6 +291,10 @@ class Sender:
                 state.close()
                 header = {"snapshot_id": snapshot.name, "chunk_size": cfg.chunk_size,
                           "files": [list(f) for f in layout.files], "manifest_sha256": files.manifest_sha256()}  # fmt: skip
+                if cfg.chunk_size == snapmanifest.CHUNK_SIZE:  # the manifest's SHA-256s check each chunk
+                    digests = {name: e["sha256"] for name, e in snapmanifest.load(snapshot).files.items()}
+                    header["sha256"] = digests
+                    files.digested = {fi for fi, name in enumerate(files.names) if name in digests}
             else:
                 files.follow = True
                 header = {"snapshot_id": snapshot.name, "chunk_size": cfg.chunk_size, "follow": True}
@@ -408,7 +415,7 @@ class Sender:
             if len(data) != length:
                 state.fail(IntegrityError(f"{files.names[fi]} shrank while it was being sent"))
                 return
-            crc = zlib.crc32(data)
+            crc = 0 if fi in files.digested else zlib.crc32(data)
             state.crcs[index] = crc
             kind, payload = Codec.RAW, data
             if data == (zeros if length == len(zeros) else bytes(length)):
@@ -451,6 +458,8 @@ class _Session:
     waiting: list[list[int]] = field(default_factory=list)
     claimed: set[int] = field(default_factory=set)
     digests: list[list[str]] = field(default_factory=list)
+    #: Per file index: the manifest's SHA-256 of each chunk, checked on arrival (no CRC then).
+    expect: dict[int, list[str]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_wire: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -493,6 +502,29 @@ class _Session:
             if self.where.setdefault(index, where) != where:
                 raise TransferError(f"chunk {index} was sent again for a different place")
         return where, start
+
+
+@functools.lru_cache(maxsize=8)
+def _zero_sha256(n: int) -> str:
+    return hashlib.sha256(bytes(n)).hexdigest()
+
+
+def _expected_digests(layout: Layout | None, given: object) -> dict[int, list[str]]:
+    """The header's per-chunk SHA-256s by file index, checked against the layout's shape."""
+    if given is None:
+        return {}
+    if layout is None or not isinstance(given, dict) or layout.chunk_size != snapmanifest.CHUNK_SIZE:
+        raise ValueError("sha256 does not fit the layout")
+    index = {name: fi for fi, (name, _) in enumerate(layout.files)}
+    out = {}
+    for name, digests in given.items():
+        size = layout.files[index[name]][1]
+        if not isinstance(digests, list) or len(digests) != max(1, -(-size // layout.chunk_size)):
+            raise ValueError(f"sha256 of {name} has the wrong number of chunks")
+        if not all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in digests):
+            raise ValueError(f"sha256 of {name} is not hex")
+        out[index[name]] = digests
+    return out
 
 
 class Receiver:
@@ -571,10 +603,11 @@ class Receiver:
             else:
                 layout = Layout(tuple((str(p), int(n)) for p, n in header["files"]), chunk_size)
                 sha = str(header["manifest_sha256"])
+            expect = _expected_digests(layout, header.get("sha256"))
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"the header is malformed ({e!r})") from e
         with self._ready:
-            s = self._sessions.get(session_id) or self._open_session(session_id, layout, chunk_size, sha)
+            s = self._sessions.get(session_id) or self._open_session(session_id, layout, chunk_size, sha, expect)
             self._ready.notify_all()
         wire.send_frame(ch, Kind.HAVE, s.have_bitmap())
         ch.set_timeout(self.config.session_timeout)
@@ -599,10 +632,10 @@ class Receiver:
         if self._result is None:
             self._result = result
 
-    def _open_session(self, session_id: bytes, layout: Layout | None, chunk_size: int, sha: str) -> _Session:
+    def _open_session(self, session_id: bytes, layout: Layout | None, chunk_size: int, sha: str, expect: dict[int, list[str]]) -> _Session:
         partial = self._out.parent / f".{self._out.name}.partial-{session_id.hex()[:12]}"
         partial.mkdir(parents=True)
-        s = _Session(layout, chunk_size, partial, sha)
+        s = _Session(layout, chunk_size, partial, sha, expect=expect)
         self._sessions[session_id] = s
         if layout is None:
             return s
@@ -610,7 +643,7 @@ class Receiver:
             os.ftruncate(s.fds[s.open_file(name)], size)
         s.where = dict(enumerate(layout.chunks()))
         region = snapmanifest.CHUNK_SIZE
-        if region % layout.chunk_size == 0:
+        if not expect and region % layout.chunk_size == 0:  # hash regions as they complete
             s.waiting = [[0] * max(1, -(-size // region)) for _, size in layout.files]
             s.digests = [[""] * len(w) for w in s.waiting]
             for fi, off, _ in s.where.values():
@@ -646,7 +679,11 @@ class Receiver:
         with open(s.partial / snapmanifest.MANIFEST_NAME, "rb") as f:
             if hashlib.sha256(f.read()).hexdigest() != s.manifest_sha256:
                 raise IntegrityError("the manifest that arrived is not the one the sender announced")
-        early = {name: s.digests[fi] for fi, (name, _) in enumerate(s.layout.files)} if s.digests else None
+        early = None
+        if s.expect:  # every chunk was checked against these as it arrived
+            early = {s.layout.files[fi][0]: d for fi, d in s.expect.items()}
+        elif s.digests:
+            early = {name: s.digests[fi] for fi, (name, _) in enumerate(s.layout.files)}
         m = snapmanifest.load(s.partial)
         if {name for name, _ in s.layout.files} != {snapmanifest.MANIFEST_NAME, *m.files}:
             raise IntegrityError("the stream carried files that its manifest does not list")
@@ -733,12 +770,15 @@ class Receiver:
     @staticmethod
     def _store(s: _Session, dctx: zstandard.ZstdDecompressor, where: tuple[int, int, int], codec: Codec, payload: memoryview, raw_len: int, crc: int, zero_crcs: dict[int, int]) -> bool:
         fi, off, _ = where
+        want = s.expect[fi][off // s.chunk_size] if fi in s.expect else None
         if codec is Codec.ZERO:
             if len(payload):
                 return False
+            if want is not None:
+                return want == _zero_sha256(raw_len)  # the file was created sparse: zeros are already there
             if raw_len not in zero_crcs:
                 zero_crcs[raw_len] = zlib.crc32(bytes(raw_len))
-            return zero_crcs[raw_len] == crc  # the file was created sparse: zeros are already there
+            return zero_crcs[raw_len] == crc
         if codec is Codec.ZSTD:
             try:
                 data: bytes | memoryview = dctx.decompress(payload, max_output_size=raw_len)
@@ -746,7 +786,9 @@ class Receiver:
                 return False
         else:
             data = payload
-        if len(data) != raw_len or zlib.crc32(data) != crc:
+        if len(data) != raw_len:
+            return False
+        if (hashlib.sha256(data).hexdigest() != want) if want is not None else (zlib.crc32(data) != crc):
             return False
         os.pwrite(s.fds[fi], data, off)
         return True
