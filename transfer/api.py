@@ -73,6 +73,11 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     def recv_exact(self, n: int) -> bytes | bytearray: ...
 
+    def recv_scratch(self, n: int) -> bytes | bytearray | memoryview:
+        """Like :meth:`recv_exact`, into a buffer the channel may reuse: valid only until
+        the next receive on this channel (saves a fresh buffer per chunk)."""
+        return self.recv_exact(n)
+
     @abc.abstractmethod
     def set_timeout(self, seconds: float | None) -> None:
         """How long a receive may wait for the peer (None: for ever)."""

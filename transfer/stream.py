@@ -382,6 +382,7 @@ class Sender:
         window = threading.Semaphore(self.config.window)
         broken: list[TransferError] = []
         zeros = bytes(state.chunk_size)
+        buf = bytearray(state.chunk_size)
 
         def read_acks() -> None:
             try:
@@ -411,8 +412,13 @@ class Sender:
                     raise broken[0]
                 return
             fi, off, length = state.chunks[index]
-            data = os.pread(files.fds[fi], length, off)
-            if len(data) != length:
+            if length == len(buf):  # read into this stream's buffer: sent before it is reused
+                data: bytes | bytearray = buf
+                got = os.preadv(files.fds[fi], [buf], off)
+            else:
+                data = os.pread(files.fds[fi], length, off)
+                got = len(data)
+            if got != length:
                 state.fail(IntegrityError(f"{files.names[fi]} shrank while it was being sent"))
                 return
             crc = 0 if fi in files.digested else zlib.crc32(data)
@@ -432,7 +438,7 @@ class Sender:
             if files.follow:
                 name = files.names[fi].encode()
                 head += wire.WHERE.pack(off, len(name)) + name
-            wire.send_frame(ch, Kind.CHUNK, head, kind, payload)
+            wire.send_frame(ch, Kind.CHUNK, head, kind, memoryview(payload))
             codec.saw_send(len(payload) + len(head), time.monotonic() - t)
             with state.cond:
                 state.wire_bytes += len(payload) + len(head) + wire.FRAME.size
@@ -479,7 +485,7 @@ class _Session:
         self.names[name] = len(self.fds) - 1
         return len(self.fds) - 1
 
-    def locate(self, index: int, raw_len: int, body: bytes | bytearray) -> tuple[tuple[int, int, int], int]:
+    def locate(self, index: int, raw_len: int, body: bytes | bytearray | memoryview) -> tuple[tuple[int, int, int], int]:
         """Where chunk ``index`` goes, and where its payload starts in ``body``."""
         if self.layout is not None:
             if index >= self.layout.count or raw_len != self.where[index][2]:
@@ -727,7 +733,7 @@ class Receiver:
         dctx = zstandard.ZstdDecompressor()
         zero_crcs: dict[int, int] = {}
         while True:
-            kind, codec, body = wire.recv_frame(ch, s.chunk_size + 4096 + CHUNK.size + wire.WHERE.size + 255)
+            kind, codec, body = wire.recv_frame(ch, s.chunk_size + 4096 + CHUNK.size + wire.WHERE.size + 255, scratch=True)
             if kind is not Kind.CHUNK or len(body) < CHUNK.size:
                 raise TransferError(f"expected a chunk, got {kind.name}")
             index, raw_len, crc = CHUNK.unpack_from(body)

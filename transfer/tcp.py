@@ -16,6 +16,7 @@ class TcpChannel(Channel):
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, BUFFER)
         self.sock = sock
+        self._scratch = bytearray()
         self.peer = "%s:%s" % sock.getpeername()[:2]
 
     def send(self, *parts: bytes | memoryview) -> None:
@@ -30,8 +31,18 @@ class TcpChannel(Channel):
 
     def recv_exact(self, n: int) -> bytes | bytearray:
         buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
+        self._fill(memoryview(buf))
+        return buf  # no copy: callers only read it
+
+    def recv_scratch(self, n: int) -> memoryview:
+        if len(self._scratch) < n:
+            self._scratch = bytearray(n)
+        view = memoryview(self._scratch)[:n]
+        self._fill(view)
+        return view
+
+    def _fill(self, view: memoryview) -> None:
+        got, n = 0, len(view)
         try:
             while got < n:
                 k = self.sock.recv_into(view[got:])
@@ -40,7 +51,6 @@ class TcpChannel(Channel):
                 got += k
         except OSError as e:
             raise TransferError(f"receiving from {self.peer} failed: {e.strerror or e}") from e
-        return buf  # no copy: callers only read it
 
     def set_timeout(self, seconds: float | None) -> None:
         self.sock.settimeout(seconds)

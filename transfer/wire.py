@@ -91,7 +91,8 @@ def send_frame(ch: Channel, kind: Kind, body: bytes | memoryview = b"", codec: C
     ch.send(FRAME.pack(kind, codec, 0, length), body, *extra)
 
 
-def recv_frame(ch: Channel, limit: int) -> tuple[Kind, Codec, bytes | bytearray]:
+def recv_frame(ch: Channel, limit: int, scratch: bool = False) -> tuple[Kind, Codec, bytes | bytearray | memoryview]:
+    """The next frame; with ``scratch`` its body is valid only until the next receive."""
     kind, codec, _, length = FRAME.unpack(ch.recv_exact(FRAME.size))
     if length > limit:
         raise TransferError(f"the peer sent a frame of {length} bytes, over the limit of {limit}")
@@ -99,9 +100,9 @@ def recv_frame(ch: Channel, limit: int) -> tuple[Kind, Codec, bytes | bytearray]
         k, c = Kind(kind), Codec(codec)
     except ValueError as e:
         raise TransferError(f"the peer sent an unknown frame (kind {kind}, codec {codec})") from e
-    body = ch.recv_exact(length)
+    body = ch.recv_scratch(length) if scratch else ch.recv_exact(length)
     if k is Kind.ERROR:
-        raise TransferError(f"the peer refused: {body[:500].decode(errors='replace')}")
+        raise TransferError(f"the peer refused: {bytes(body[:500]).decode(errors='replace')}")
     return k, c, body
 
 
@@ -109,6 +110,7 @@ def expect(ch: Channel, kind: Kind, limit: int) -> tuple[Codec, bytes | bytearra
     k, codec, body = recv_frame(ch, limit)
     if k is not kind:
         raise TransferError(f"the peer sent {k.name} where {kind.name} was due")
+    assert not isinstance(body, memoryview)  # not a scratch receive
     return codec, body
 
 
