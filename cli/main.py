@@ -30,6 +30,7 @@ from snapshot.gpus import inventory
 from snapshot.manifest import load
 from tpagent import doctor as doctor_mod
 from tpagent import pipeline
+from cli import agent_cmds
 from tpagent.launch import launch as launch_workload
 from transfer.api import Compress, TransferConfig, TransferError, Transport
 from transfer.stream import Receiver, Sender
@@ -325,6 +326,10 @@ def receive(
         {"out": str(out), "bytes_raw": stats.bytes_raw, "bytes_wire": stats.bytes_wire, "seconds": stats.seconds},
         f"received a verified snapshot into {out} ({stats.bytes_raw / 2**20:.1f} MiB)",
     )
+
+
+app.command()(agent_cmds.serve)
+app.command()(agent_cmds.migrate)
 
 
 def run() -> None:

@@ -28,3 +28,4 @@ fi
 .venv/bin/pip install -q --disable-pip-version-check --upgrade pip >/dev/null
 # torch (CPU build) only drives the demo and the workload in the tests; tpagent itself does not import it.
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test,ucx]' 'torch==2.13.0'
+.venv/bin/python -m tpagent.proto  # compile the agent's gRPC API (generated code is not in git)

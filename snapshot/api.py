@@ -109,6 +109,9 @@ class SnapshotConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     #: Test hook: fail right after this stage, to exercise the rollback path with real tools.
     fail_after: Stage | None = None
+    #: Seconds to hold the sealed, still frozen tree until :func:`snapshot.hook.decide` says
+    #: commit or abort (a migration's original); None: finish at once.
+    hold: float | None = None
 
 
 #: Called as a stage starts (``msg`` empty) and ends (``msg`` says how it went).

@@ -216,6 +216,8 @@ def checkpoint(
         env = {"TPAGENT_HOOK_OUT": str(out.absolute()), "TPAGENT_HOOK_ROOT": str(pid)}
         if config.fail_after is Stage.CHECKSUM:
             env["TPAGENT_HOOK_FAIL"] = "1"
+        if config.hold is not None:
+            env["TPAGENT_HOOK_HOLD"] = str(config.hold)
         progress(Stage.CRIU_DUMP, "")
         t0 = time.monotonic()
         opts = DumpOptions(mode, shell_job, bool(m.criu["tcp_established"]), namespace, script, env)
@@ -223,7 +225,7 @@ def checkpoint(
         # the hook has sealed the snapshot, CRIU finishes and the interrupt came too late.
         with proc.deferred_sigint(on_interrupt=cancel.touch) as interrupt:
             try:
-                criu.dump(pid, out / IMAGES_DIR, out / LOG_DIR, opts, t.dump)
+                criu.dump(pid, out / IMAGES_DIR, out / LOG_DIR, opts, t.dump + (config.hold or 0.0))
             except CriuError as e:
                 sealing = out / LOG_DIR / hook.ERROR_FILE
                 if sealing.exists():

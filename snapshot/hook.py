@@ -9,6 +9,11 @@ fails, CRIU rolls the dump back itself: it resumes the tree and lifts its networ
 Inputs come through the environment, never through the command line CRIU hands to sh:
 TPAGENT_HOOK_OUT (the snapshot directory), TPAGENT_HOOK_ROOT (the dumped PID),
 TPAGENT_HOOK_FAIL (tests: fail after the checksums).  Errors go to ``log/hook.err``.
+
+With TPAGENT_HOOK_HOLD (seconds), the hook then holds the sealed, frozen tree until a
+decision appears in ``log/decision`` (:func:`decide`): ``commit`` lets CRIU finish the dump
+as asked, ``abort`` (or a cancel, or no decision in time) makes CRIU roll back.  A migration
+holds the original this way until its copy runs elsewhere.
 """
 
 from __future__ import annotations
@@ -29,6 +34,30 @@ PENDING = "manifest.pending.json"
 ERROR_FILE = "hook.err"
 #: Created (in log/) when the user interrupts the checkpoint: the hook then fails on purpose.
 CANCEL_FILE = "cancel"
+DECISION_FILE = "decision"
+#: Written (in log/) once the snapshot is sealed and the hook holds the tree.
+HELD_FILE = "held"
+
+
+def decide(out: Path, commit: bool) -> None:
+    """Tell a holding hook what to do with the frozen tree (atomic: written, then renamed)."""
+    tmp = out / "log" / (DECISION_FILE + ".tmp")
+    tmp.write_text("commit" if commit else "abort")
+    tmp.rename(out / "log" / DECISION_FILE)
+
+
+def hold(out: Path, seconds: float) -> None:
+    """Wait for :func:`decide`; anything but a commit raises, which makes CRIU roll back."""
+    (out / "log" / HELD_FILE).touch()
+    decision = out / "log" / DECISION_FILE
+    deadline = time.monotonic() + seconds
+    while not decision.exists():
+        _check_cancel(out)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no decision within {seconds:.0f} s: rolled back")
+        time.sleep(0.02)
+    if decision.read_text() != "commit":
+        raise RuntimeError("the migration was aborted: rolled back")
 
 
 def install(python: str = sys.executable) -> Path:
@@ -75,6 +104,8 @@ def main() -> int:
     out = Path(os.environ["TPAGENT_HOOK_OUT"])
     try:
         seal(out, int(os.environ["TPAGENT_HOOK_ROOT"]), bool(os.environ.get("TPAGENT_HOOK_FAIL")))
+        if "TPAGENT_HOOK_HOLD" in os.environ:
+            hold(out, float(os.environ["TPAGENT_HOOK_HOLD"]))
     except Exception as e:  # any failure must make CRIU roll back, and say why
         try:
             (out / "log" / ERROR_FILE).write_text(f"{type(e).__name__}: {e}")

@@ -1,0 +1,142 @@
+"""``tpagent serve`` and ``tpagent migrate``: the node agent and the command that drives it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import grpc
+import typer
+
+from snapshot.api import UsageError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+_USAGE_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE,
+}  # fmt: skip
+SecretOpt = Annotated[Path | None, typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret.")]
+
+
+def _die(msg: str, code: int) -> None:
+    typer.echo(f"tpagent: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+def serve(
+    config: Annotated[Path | None, typer.Option("--config", envvar="TPAGENT_CONFIG", help="TOML file (default /etc/tpagent/agent.toml).")] = None,
+    listen: Annotated[str | None, typer.Option("--listen", help="ADDR:PORT for the agent's gRPC API.")] = None,
+    advertise: Annotated[str | None, typer.Option("--advertise", help="Address peers reach this node on.")] = None,
+    node: Annotated[str | None, typer.Option("--node", help="Name of this node in logs and metrics.")] = None,
+    work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Journals and snapshots in flight.")] = None,
+    metrics_listen: Annotated[str | None, typer.Option("--metrics-listen", help="ADDR:PORT for Prometheus; '' for none.")] = None,
+    secret_file: Annotated[Path | None, typer.Option("--secret-file", help="File holding the cluster secret.")] = None,
+) -> None:
+    """Run the node agent (as the systemd service does) until SIGTERM."""
+    from tpagent import config as config_mod
+    from tpagent.serve import serve as run_server
+
+    logging.getLogger().setLevel(logging.INFO)
+    try:
+        cfg = config_mod.load(config, listen=listen, advertise=advertise, node=node, work_dir=work_dir,
+                              metrics_listen=metrics_listen, secret_file=secret_file)  # fmt: skip
+        run_server(cfg)
+    except UsageError as e:
+        _die(str(e), EXIT_USAGE)
+
+
+def migrate(
+    pid: Annotated[int, typer.Argument(help="The process (or `tpagent launch` namespace) to move.")],
+    to: Annotated[str, typer.Option("--to", envvar="TPAGENT_TO", help="HOST:PORT of the target node's agent.")],
+    source: Annotated[str, typer.Option("--from", envvar="TPAGENT_AGENT", help="HOST:PORT of the source node's agent.")] = "127.0.0.1:7400",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only check both sides; freeze nothing.")] = False,
+    secret_file: SecretOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", envvar="TPAGENT_JSON", help="Print a JSON result.")] = False,
+) -> None:
+    """Move a running process to another node: frozen, streamed, restored there, and only
+    then ended here; on any failure it runs on here where it stood."""
+    from cli.main import _secret
+    from tpagent.rpc import pb, stub
+
+    try:
+        secret = _secret(secret_file)
+    except UsageError as e:
+        _die(str(e), EXIT_USAGE)
+    if source == to:
+        _die(f"--from and --to are the same agent ({to}); give another node as --to.", EXIT_USAGE)
+    agent = stub(source, secret)
+    call = agent.Migrate(pb.MigrateRequest(pid=pid, target=to, dry_run=dry_run))
+    last: Any = None
+    shown = ""
+    try:
+        for event in call:
+            last = event
+            if not as_json:
+                shown = _show(event, shown)
+    except grpc.RpcError as e:
+        if e.code() is grpc.StatusCode.CANCELLED and last is not None:
+            pass
+        elif e.code() is grpc.StatusCode.UNAVAILABLE:
+            _die(f"the agent at {source} cannot be reached ({e.details()}); is `tpagent serve` running there?", EXIT_USAGE)
+        elif e.code() in _USAGE_CODES:
+            _die(str(e.details()), EXIT_USAGE)
+        else:
+            _die(f"the migration failed: {e.details()}", EXIT_FAILED)
+    except KeyboardInterrupt:
+        call.cancel()
+        typer.echo("\ninterrupted: the agent rolls the migration back...", err=True)
+        last = _wait_final(agent, pb, last)
+        _report(last, as_json, dry_run)
+        raise typer.Exit(EXIT_INTERRUPTED)
+    code = _report(last, as_json, dry_run)
+    raise typer.Exit(code)
+
+
+def _show(event: Any, shown: str) -> str:
+    if event.bytes_total:
+        rate = event.bytes_done / max(event.seconds, 1e-6)
+        typer.echo(f"\r  {event.state:<12} {event.bytes_done / 2**20:9.1f} / {event.bytes_total / 2**20:.1f} MiB  "
+                   f"{rate / 1e9:5.2f} GB/s", err=True, nl=False)  # fmt: skip
+        return shown
+    if event.message and event.message != shown:
+        typer.echo(f"\n  {event.state:<12} {event.message}" if shown else f"  {event.state:<12} {event.message}", err=True)
+        return str(event.message)
+    return shown
+
+
+def _wait_final(agent: Any, pb: Any, last: Any, seconds: float = 120.0) -> Any:
+    if last is None:
+        return None
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            status = agent.Status(pb.MigrationRef(migration_id=last.migration_id), timeout=10)
+        except grpc.RpcError:
+            time.sleep(0.5)
+            continue
+        if status.state in ("done", "rolled_back", "failed"):
+            return pb.MigrationEvent(migration_id=status.migration_id, state=status.state, message=status.message)
+        time.sleep(0.2)
+    return last
+
+
+def _report(last: Any, as_json: bool, dry_run: bool) -> int:
+    if last is None:
+        _die("the agent ended the migration without a word", EXIT_FAILED)
+    ok = last.state == "done"
+    doc = {"migration_id": last.migration_id, "state": last.state, "message": last.message, "new_pid": last.new_pid,
+           "seconds": round(last.seconds, 3), "timings": dict(last.timings), "problems": list(last.problems)}  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+    else:
+        typer.echo("", err=True)
+        if dry_run:
+            for p in last.problems:
+                typer.echo(f"  would fail: {p}")
+        for stage, seconds in sorted(dict(last.timings).items(), key=lambda kv: kv[1], reverse=True):
+            typer.echo(f"  {stage:<24} {seconds:8.2f} s")
+        typer.echo(("ok: " if ok else "FAILED: ") + (last.message or last.state))
+    return EXIT_OK if ok else EXIT_FAILED

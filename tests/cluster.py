@@ -1,0 +1,156 @@
+"""Several "nodes" on one machine: network namespaces on a bridge, each running `tpagent serve`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from helpers import ROOT, STATEFUL, wait_until
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@dataclass
+class Node:
+    name: str  # the network namespace
+    addr: str  # its IP on the bridge
+    dev: str  # its end of the veth pair (inside the namespace)
+    work: Path
+    secret: Path
+    env: dict[str, str] = field(default_factory=dict)
+    agent: subprocess.Popen[bytes] | None = None
+
+    @property
+    def agent_address(self) -> str:
+        return f"{self.addr}:7400"
+
+    def exec(self, *args: str) -> list[str]:
+        return ["ip", "netns", "exec", self.name, *args]
+
+    def start_agent(self, **settings: str) -> None:
+        env = {**os.environ, **self.env, **{f"TPAGENT_{k.upper()}": v for k, v in settings.items()}}
+        log = open(self.work / "agent.log", "ab")
+        self.agent = subprocess.Popen(
+            self.exec(sys.executable, "-m", "cli.main", "serve", "--listen", self.agent_address, "--advertise", self.addr,
+                      "--node", self.name, "--work-dir", str(self.work / "agent"), "--metrics-listen", "",
+                      "--secret-file", str(self.secret)),
+            cwd=ROOT, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        log.close()
+        wait_until(self._serving, f"the agent of {self.name} to serve", 60)
+
+    def _serving(self) -> bool:
+        assert self.agent is not None
+        if self.agent.poll() is not None:
+            raise AssertionError(f"the agent of {self.name} exited: {(self.work / 'agent.log').read_text()[-3000:]}")
+        probe = subprocess.run(
+            [sys.executable, "-c", f"import grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; "
+             f"print(g.HealthStub(grpc.insecure_channel('{self.agent_address}')).Check(h.HealthCheckRequest(), timeout=2).status)"],
+            capture_output=True, text=True, cwd=ROOT,
+        )  # fmt: skip
+        return probe.stdout.strip() == "1"
+
+    def kill_agent(self, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Only the agent's own process, as a crash would: CRIU runs in a session of its own."""
+        if self.agent is not None and self.agent.poll() is None:
+            # `ip netns exec` execs the agent: the Popen PID is the agent itself.
+            os.kill(self.agent.pid, sig)
+            self.agent.wait(30)
+
+    def link(self, up: bool) -> None:
+        ip("-n", self.name, "link", "set", self.dev, "up" if up else "down")
+
+    def agent_log(self) -> str:
+        return (self.work / "agent.log").read_text(errors="replace")
+
+
+class Cluster:
+    def __init__(self, tmp: Path, names: list[str]) -> None:
+        self.tag = uuid.uuid4().hex[:6]
+        self.bridge = f"tpbr-{self.tag}"
+        self.secret = tmp / "secret"
+        self.secret.write_text(os.urandom(24).hex())
+        self.nodes: dict[str, Node] = {}
+        ip("link", "add", self.bridge, "type", "bridge")
+        ip("addr", "add", "10.233.0.254/24", "dev", self.bridge)
+        ip("link", "set", self.bridge, "up")
+        for i, name in enumerate(names, start=1):
+            ns, host_end, dev = f"tp{name}-{self.tag}", f"h{name}-{self.tag}", f"n{name}-{self.tag}"
+            ip("netns", "add", ns)
+            ip("link", "add", host_end, "type", "veth", "peer", "name", dev)
+            ip("link", "set", dev, "netns", ns)
+            ip("link", "set", host_end, "master", self.bridge)
+            ip("link", "set", host_end, "up")
+            addr = f"10.233.0.{i}"
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            work = tmp / name
+            work.mkdir()
+            self.nodes[name] = Node(ns, addr, dev, work, self.secret)
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            node.kill_agent(signal.SIGTERM)
+        for node in self.nodes.values():
+            subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def migrate(self, pid: int, src: str, dst: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "TPAGENT_SECRET_FILE": str(self.secret)}
+        cmd = [sys.executable, "-m", "cli.main", "migrate", str(pid), "--from", self.nodes[src].agent_address,
+               "--to", self.nodes[dst].agent_address, *extra]  # fmt: skip
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class Ticker:
+    """tests/workloads/stateful.py launched on a node: its log says where it stands."""
+
+    log: Path
+    pid: int = 0
+
+    @classmethod
+    def launch(cls, node: Node, tmp: Path, mib: int = 256) -> Ticker:
+        t = cls(tmp / "w.log")
+        out = subprocess.run(
+            node.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp / "w.out"), "--", sys.executable, str(STATEFUL), str(t.log), str(mib)),
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        t.pid = int(out.stdout)
+        wait_until(lambda: len(t.ticks()) > 5, "the workload to tick", 120)
+        return t
+
+    def ticks(self) -> list[int]:
+        if not self.log.exists():
+            return []
+        return [int(ln.split()[1]) for ln in self.log.read_text().splitlines() if ln.startswith("tick ")]
+
+    def digest_ok(self) -> bool:
+        lines = self.log.read_text().splitlines()
+        return lines[0].startswith("digest ")
+
+    def running_copies(self) -> int:
+        """How many copies are ticking now: 0, 1, or 2 if the log's ticks repeat."""
+        before = self.ticks()
+        time.sleep(0.5)
+        after = self.ticks()
+        grew = len(after) > len(before)
+        return (2 if len(after) != len(set(after)) else 1) if grew else 0
+
+    def assert_one_copy_continuous(self) -> None:
+        """Exactly one copy ticks, and it went on from where it stood: no step repeated or skipped."""
+        wait_until(lambda: len(self.ticks()) > 10, "the workload to tick")
+        n = len(self.ticks())
+        wait_until(lambda: len(self.ticks()) > n + 10, "the workload to keep ticking")
+        seq = self.ticks()
+        assert seq == list(range(len(seq))), "ticks repeated or skipped: two copies ran, or one went back"

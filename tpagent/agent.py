@@ -1,0 +1,656 @@
+"""The node agent's service: node info, migratable processes, and both ends of a migration.
+
+The source agent runs a whole migration (``Migrate``, driven by ``tpagent migrate``) and
+calls the target agent's ``Receive`` / ``Restore`` / ``Finish``.  The protocol and its
+states are in :mod:`tpagent.migration`; this module carries them out.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+
+from snapshot import engine, gpus, hook, proc
+from snapshot.api import DumpMode, SnapshotConfig, SnapshotError
+from snapshot.criu import Criu
+from tpagent import __version__, metrics
+from tpagent.config import AgentConfig
+from tpagent.migration import FINAL, Journal, Record, State, valid_id
+from tpagent.rpc import AgentServicer, pb, stub
+from transfer.api import Compress, TransferConfig, TransferError, TransferStats, Transport
+from transfer.stream import Receiver, Sender
+from transfer.tcp import TcpTransport
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT = 30.0
+RESTORE_TIMEOUT = 3600.0
+
+
+class Refused(Exception):
+    """A request this agent will not carry out; the message is for the user, as is."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.FAILED_PRECONDITION) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _transport(cfg: AgentConfig) -> Transport:
+    if cfg.transport == "ucx":
+        from transfer.ucx import UcxTransport
+
+        return UcxTransport()
+    return TcpTransport()
+
+
+def _is_launched(p: psutil.Process) -> bool:
+    """A `tpagent launch` namespace init."""
+    try:
+        cmd = p.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return "tpagent.nsinit" in cmd
+
+
+class Agent(AgentServicer):  # type: ignore[misc]
+    def __init__(self, cfg: AgentConfig, snapshot_config: SnapshotConfig = SnapshotConfig()) -> None:
+        self.cfg = cfg
+        self.secret = cfg.secret()
+        self.snapshot_config = snapshot_config
+        self.journal = Journal(cfg.work_dir / "migrations")
+        self.lock = threading.Lock()
+        self.active: dict[int, str] = {}  # source: PID -> migration in progress
+        self.sources: dict[str, _SourceMigration] = {}
+        self.receivers: dict[str, _Incoming] = {}
+        self.log = logging.LoggerAdapter(log, {"node": cfg.node})
+
+    # ---- node -------------------------------------------------------------------------
+
+    def node_info(self) -> Any:
+        problems = []
+        criu_version = ""
+        try:
+            criu_version = Criu(self.snapshot_config.criu).version_str
+        except SnapshotError as e:
+            problems.append(str(e))
+        gpu_list = [
+            pb.Gpu(uuid=g.uuid, name=g.name, memory_total=g.memory_total, memory_used=g.memory_used,
+                   temperature_c=g.temperature_c or 0, ecc_uncorrected=g.ecc_uncorrected or 0)  # fmt: skip
+            for g in gpus.inventory()
+        ]
+        return pb.NodeInfo(
+            node=self.cfg.node, hostname=__import__("socket").gethostname(), gpus=gpu_list,
+            memory_available=psutil.virtual_memory().available, agent_version=__version__,
+            criu_version=criu_version, driver_version=gpus.driver_version() or "", healthy=not problems, problems=problems,
+        )  # fmt: skip
+
+    def Info(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return self.node_info()
+
+    def migratable(self) -> list[Any]:
+        out = []
+        gpu_pids = {pid for g in gpus.inventory() for pid in g.pids}
+        for p in psutil.process_iter(["pid", "cmdline", "memory_info"]):
+            cmd = p.info["cmdline"] or []
+            why = ""
+            if p.pid in gpu_pids:
+                why = "gpu"
+            elif _is_launched(p):
+                why = "launched"
+            elif any(a in " ".join(cmd) for a in self.cfg.allow_commands):
+                why = "operator"
+            if why and p.pid != 1:
+                rss = p.info["memory_info"].rss if p.info["memory_info"] else 0
+                out.append(pb.Process(pid=p.pid, cmdline=cmd, rss=rss, uses_gpu=p.pid in gpu_pids, why=why))
+        return out
+
+    def ListProcesses(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return pb.ProcessList(processes=self.migratable())
+
+    # ---- source -----------------------------------------------------------------------
+
+    def Migrate(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            m = self._start_migration(int(request.pid), str(request.target), bool(request.dry_run))
+        except Refused as e:
+            context.abort(e.code, str(e))
+        # The CLI going away (Ctrl-C) cancels the migration, unless it is past the point of no return.
+        context.add_callback(lambda: m.cancel("the tpagent migrate command went away (interrupted)"))
+        while True:
+            event = m.events.get()
+            if event is None:
+                return
+            yield event
+
+    def _start_migration(self, pid: int, target: str, dry_run: bool) -> _SourceMigration:
+        if pid <= 1:
+            raise Refused(f"PID {pid} cannot be migrated.", grpc.StatusCode.INVALID_ARGUMENT)
+        if not target or len(target) > 300 or ":" not in target:
+            raise Refused(f"{target!r} is not an agent address (HOST:PORT).", grpc.StatusCode.INVALID_ARGUMENT)
+        if not psutil.pid_exists(pid):
+            raise Refused(f"there is no process with PID {pid} on {self.cfg.node}.", grpc.StatusCode.NOT_FOUND)
+        allowed = {p.pid for p in self.migratable()}
+        if pid not in allowed:
+            raise Refused(
+                f"PID {pid} is not a migratable process on {self.cfg.node}: it does not use a GPU, was not started with "
+                "`tpagent launch`, and matches no allow_commands entry.",
+                grpc.StatusCode.PERMISSION_DENIED,
+            )
+        with self.lock:
+            if pid in self.active:
+                raise Refused(f"PID {pid} is already being migrated (migration {self.active[pid]}).", grpc.StatusCode.ALREADY_EXISTS)
+            m = _SourceMigration(self, pid, target, dry_run)
+            self.active[pid] = m.record.migration_id
+            self.sources[m.record.migration_id] = m
+        threading.Thread(target=m.run, name=f"migrate-{pid}", daemon=True).start()
+        return m
+
+    def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
+        r = self._record(request.migration_id, context)
+        return pb.MigrationStatus(migration_id=r.migration_id, state=r.state.value, message=r.message, pid=r.pid)
+
+    def Cancel(self, request: Any, context: grpc.ServicerContext) -> Any:
+        r = self._record(request.migration_id, context)
+        m = self.sources.get(r.migration_id)
+        if m is not None:
+            m.cancel("cancelled by the operator")
+        return self.Status(request, context)
+
+    def _record(self, migration_id: str, context: grpc.ServicerContext) -> Record:
+        r = self.journal.read(migration_id) if valid_id(migration_id) else None
+        if r is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no migration {migration_id!r} on {self.cfg.node}")
+        assert r is not None
+        return r
+
+    # ---- target -----------------------------------------------------------------------
+
+    def Receive(self, request: Any, context: grpc.ServicerContext) -> Any:
+        mid = request.migration_id
+        if not valid_id(mid):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad migration id")
+        problems = self.target_problems(request)
+        if problems or request.dry_run:
+            return pb.ReceiveReply(problems=problems)
+        with self.lock:
+            if mid in self.receivers:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"migration {mid} is already being received")
+            inc = _Incoming(self, mid, request.source_node)
+            inc.gpu_map = self.gpu_map(list(request.gpu_uuids))
+            self.receivers[mid] = inc
+        return pb.ReceiveReply(transfer_address=inc.address, gpu_map=inc.gpu_map)
+
+    def target_problems(self, request: Any) -> list[str]:
+        problems = []
+        need = int(request.bytes_estimate)
+        if self.cfg.memory_limit and need > self.cfg.memory_limit:
+            problems.append(f"{self.cfg.node} accepts at most {self.cfg.memory_limit / 2**30:.2f} GiB per migration (memory_limit); this one needs {need / 2**30:.2f} GiB")
+        available = psutil.virtual_memory().available
+        if need * 1.1 > available:
+            problems.append(f"{self.cfg.node} has {available / 2**30:.2f} GiB of memory free; this process needs about {need * 1.1 / 2**30:.2f} GiB")
+        try:
+            Criu(self.snapshot_config.criu).check()
+        except SnapshotError as e:
+            problems.append(f"{self.cfg.node}: {e}")
+        if len(request.gpu_uuids) > len(gpus.inventory()):
+            problems.append(f"{self.cfg.node} has {len(gpus.inventory())} GPU(s); the process uses {len(request.gpu_uuids)}")
+        for entry in list(request.shared_files)[:10_000]:
+            path, _, size = entry.rpartition(":")
+            try:
+                have = Path(path).stat().st_size
+            except OSError:
+                problems.append(f"{path} (on a shared path) is missing on {self.cfg.node}")
+                continue
+            if str(have) != size:
+                problems.append(f"{path} is {have} bytes on {self.cfg.node} but {size} on the source")
+        return problems
+
+    def gpu_map(self, uuids: list[str]) -> dict[str, str]:
+        """Each source GPU onto one of ours, the emptiest first."""
+        ours = sorted(gpus.inventory(), key=lambda g: g.memory_used)
+        return {old: new.uuid for old, new in zip(uuids, ours)}
+
+    def Restore(self, request: Any, context: grpc.ServicerContext) -> Any:
+        inc = self.receivers.get(request.migration_id)
+        if inc is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no snapshot is being received for migration {request.migration_id!r}")
+        assert inc is not None
+        try:
+            result = inc.restore(inc.gpu_map)
+        except Refused as e:
+            context.abort(e.code, str(e))
+        return pb.RestoreReply(pid=result.pid, timings=result.timings)
+
+    def Finish(self, request: Any, context: grpc.ServicerContext) -> Any:
+        inc = self.receivers.get(request.migration_id)
+        if inc is None:  # this agent restarted since: only the journal knows the migration
+            r = self._record(request.migration_id, context)
+            if r.state is State.RUNNING:
+                if not request.commit:
+                    kill_tree(r.pid)
+                self.journal.move(r, State.DONE if request.commit else State.DISCARDED, "decided by the source")
+            return pb.MigrationStatus(migration_id=r.migration_id, state=r.state.value, message=r.message, pid=r.pid)
+        inc.finish(bool(request.commit))
+        r = inc.record
+        return pb.MigrationStatus(migration_id=r.migration_id, state=r.state.value, message=r.message, pid=r.pid)
+
+    # ---- restart ------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Finish or roll back what a previous run of this agent left half-way."""
+        for r in self.journal.unfinished():
+            try:
+                if r.role == "source":
+                    _recover_source(self, r)
+                else:
+                    _recover_target(self, r)
+            except Exception as e:  # one bad record must not stop the agent
+                self.log.error("could not recover migration %s: %s", r.migration_id, e)
+
+
+class _Incoming:
+    """The target's side of one migration."""
+
+    def __init__(self, agent: Agent, mid: str, source: str) -> None:
+        self.agent = agent
+        self.dir = agent.cfg.work_dir / "incoming" / mid
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        self.record = Record(mid, "target", State.RECEIVING, peer=source, snapshot=str(self.dir))
+        agent.journal.write(self.record)
+        tcfg = TransferConfig(secret=agent.secret, compress=Compress(agent.cfg.compress))
+        self.receiver = Receiver(_transport(agent.cfg), tcfg, f"{agent.cfg.advertised_host}:0")
+        self.address = self.receiver.address
+        self.result: TransferStats | TransferError | None = None
+        self.gpu_map: dict[str, str] = {}
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._receive, name=f"receive-{mid[:8]}", daemon=True).start()
+
+    def _receive(self) -> None:
+        try:
+            self.result = self.receiver.receive(self.dir, self.agent.cfg.hold_timeout)
+            metrics.BYTES.labels("received").inc(self.result.bytes_wire)
+        except TransferError as e:
+            self.result = e
+        finally:
+            self.receiver.close()
+            self.done.set()
+
+    def restore(self, gpu_map: dict[str, str]) -> engine.RestoreResult:
+        with self.lock:
+            if not self.done.wait(RESTORE_TIMEOUT):
+                raise Refused("the snapshot did not arrive in time")
+            if isinstance(self.result, TransferError) or self.result is None:
+                self._discard(f"the snapshot did not arrive intact: {self.result}")
+                raise Refused(f"the snapshot did not arrive intact on {self.agent.cfg.node}: {self.result}")
+            j = self.agent.journal
+            j.move(self.record, State.RECEIVED)
+            j.move(self.record, State.RESTORING)
+            try:
+                result = engine.restore(self.dir, gpu_map, self.agent.snapshot_config)
+            except SnapshotError as e:  # the engine leaves no copy behind on failure
+                self._discard(f"restore failed: {e}")
+                raise Refused(f"restoring on {self.agent.cfg.node} failed: {e}") from e
+            self.record.pid = result.pid
+            j.move(self.record, State.RUNNING, "restored; waiting for the source to let go of the original")
+            return result
+
+    def finish(self, commit: bool) -> None:
+        with self.lock:
+            if self.record.state in FINAL:
+                return
+            if commit and self.record.state is State.RUNNING:
+                self.agent.journal.move(self.record, State.DONE, "running here")
+                shutil.rmtree(self.dir, ignore_errors=True)
+            elif not commit:
+                self._discard("the source rolled back")
+
+    def _discard(self, why: str) -> None:
+        self.receiver.close()
+        if self.record.state is State.RUNNING and self.record.pid:
+            kill_tree(self.record.pid)  # before the source lets its original go: never two
+        if self.record.state not in FINAL:
+            self.record.state = State.DISCARDED
+            self.record.message = why
+            self.agent.journal.write(self.record)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        for stale in self.dir.parent.glob(f".{self.dir.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        root = psutil.Process(pid)
+        pids = [root.pid, *(c.pid for c in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return
+    proc.signal_tree(pids, signal.SIGKILL)
+    psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+
+
+class _Failure(Exception):
+    pass
+
+
+class _SourceMigration:
+    def __init__(self, agent: Agent, pid: int, target: str, dry_run: bool) -> None:
+        self.agent, self.pid, self.target, self.dry_run = agent, pid, target, dry_run
+        mid = uuid.uuid4().hex
+        self.record = Record(mid, "source", State.CHECKING, pid=pid, peer=target,
+                             snapshot=str(agent.cfg.work_dir / "outgoing" / mid))  # fmt: skip
+        self.events: queue.Queue[Any] = queue.Queue()
+        self.t0 = time.monotonic()
+        self.timings: dict[str, float] = {}
+        self.cancelled = threading.Event()
+        self.cancel_reason = ""
+        self.dump_thread: threading.Thread | None = None
+        self.dump_error: BaseException | None = None
+        self.target_told = False
+        self.log = logging.LoggerAdapter(log, {"node": agent.cfg.node, "migration": mid})
+        if not dry_run:
+            agent.journal.write(self.record)
+
+    @property
+    def snapshot(self) -> Path:
+        return Path(self.record.snapshot)
+
+    def emit(self, message: str = "", **kw: Any) -> None:
+        self.events.put(pb.MigrationEvent(
+            migration_id=self.record.migration_id, state=self.record.state.value, message=message,
+            seconds=time.monotonic() - self.t0, timings=self.timings, **kw))  # fmt: skip
+        if message:
+            self.log.info("%s: %s", self.record.state.value, message)
+
+    def move(self, to: State, message: str = "") -> None:
+        if not self.dry_run:
+            self.agent.journal.move(self.record, to, message)
+        else:
+            self.record.state = to
+        self.emit(message)
+
+    def cancel(self, reason: str) -> None:
+        if self.record.state in (State.CHECKING, State.FREEZING, State.HELD) and not self.cancelled.is_set():
+            self.cancel_reason = reason
+            self.cancelled.set()
+
+    def _check_cancel(self) -> None:
+        if self.cancelled.is_set():
+            raise _Failure(self.cancel_reason)
+
+    def _stage(self, name: str, t0: float) -> None:
+        self.timings[name] = round(time.monotonic() - t0, 4)
+        metrics.STAGE.labels(name).observe(self.timings[name])
+
+    def run(self) -> None:
+        target = stub(self.target, self.agent.secret)
+        outcome = "failed"
+        try:
+            self.emit("checking both nodes")
+            reply = self._check(target)
+            if self.dry_run:
+                self.move(State.DONE if not reply.problems else State.FAILED, "dry run: " + ("all checks pass" if not reply.problems else "it would fail"))
+                outcome = "dry_run"
+                return
+            self.move(State.FREEZING, f"freezing PID {self.pid} and streaming it to {self.target}")
+            stats = self._freeze_and_send(reply.transfer_address)
+            self.move(State.HELD, f"{stats.bytes_raw / 2**20:.1f} MiB arrived verified; the original is frozen, resumable")
+            self.move(State.RESTORING, "restoring on the target")
+            t = time.monotonic()
+            restored = self._restore(target)
+            self._stage("restore", t)
+            self.timings.update({f"target_{k}": v for k, v in restored.timings.items()})
+            self.move(State.COMMITTING, f"PID {restored.pid} runs on the target; ending the original")
+            self._commit(target)
+            self.move(State.DONE, f"migrated: PID {self.pid} now runs on {self.target} as PID {restored.pid}")
+            self.events.put(pb.MigrationEvent(migration_id=self.record.migration_id, state=State.DONE.value,
+                                              new_pid=restored.pid, timings=self.timings, seconds=time.monotonic() - self.t0))  # fmt: skip
+            outcome = "done"
+        except _Failure as e:
+            outcome = self._roll_back(target, str(e))
+        except Exception as e:  # a bug must still leave the workload running
+            self.log.exception("migration failed unexpectedly")
+            outcome = self._roll_back(target, f"internal error: {e}")
+        finally:
+            metrics.MIGRATIONS.labels(outcome).inc()
+            with self.agent.lock:
+                self.agent.active.pop(self.pid, None)
+            self.events.put(None)
+
+    def _check(self, target: Any) -> Any:
+        try:
+            root = proc.validate_target(self.pid)
+            tree = [root, *root.children(recursive=True)]
+            need = sum(p.memory_info().rss for p in tree)
+        except (SnapshotError, psutil.Error) as e:
+            raise _Failure(str(e)) from e
+        pids = {p.pid for p in tree}
+        used = [g for g in gpus.inventory() if pids & set(g.pids)]
+        need += sum(g.memory_used for g in used)
+        shared = [f"{f}:{Path(f).stat().st_size}" for f in self._open_files(tree) if self._is_shared(f)]
+        request = pb.ReceiveRequest(migration_id=self.record.migration_id, source_node=self.agent.cfg.node,
+                                    bytes_estimate=need, gpu_uuids=[g.uuid for g in used], shared_files=shared,
+                                    dry_run=self.dry_run)  # fmt: skip
+        try:
+            reply = target.Receive(request, timeout=RPC_TIMEOUT)
+        except grpc.RpcError as e:
+            raise _Failure(f"the target agent {self.target} cannot be used: {_rpc_text(e)}") from e
+        self.target_told = not self.dry_run
+        self.gpu_map = dict(reply.gpu_map)
+        if self.dry_run:
+            problems = list(reply.problems)
+            try:
+                info = target.Info(pb.Empty(), timeout=RPC_TIMEOUT)
+                mine = Criu(self.agent.snapshot_config.criu).version_str
+                if info.criu_version != mine:
+                    problems.append(f"CRIU differs: {mine} here, {info.criu_version or 'none'} on the target")
+                if info.agent_version != __version__:
+                    problems.append(f"tpagent differs: {__version__} here, {info.agent_version} on the target")
+            except (grpc.RpcError, SnapshotError) as e:
+                problems.append(str(e))
+            self.emit("checks done", problems=problems)
+            reply.problems[:] = problems
+        elif reply.problems:
+            raise _Failure("the target refused: " + "; ".join(reply.problems))
+        self._check_cancel()
+        return reply
+
+    @staticmethod
+    def _open_files(tree: list[psutil.Process]) -> set[str]:
+        out: set[str] = set()
+        for p in tree:
+            try:
+                out.update(f.path for f in p.open_files())
+            except psutil.Error:
+                continue
+        return out
+
+    def _is_shared(self, path: str) -> bool:
+        return any(path == s or path.startswith(s.rstrip("/") + "/") for s in self.agent.cfg.shared_paths)
+
+    def _freeze_and_send(self, address: str) -> TransferStats:
+        cfg = self.agent.cfg
+        config = SnapshotConfig(criu=self.agent.snapshot_config.criu, timeouts=self.agent.snapshot_config.timeouts,
+                                hold=cfg.hold_timeout)  # fmt: skip
+        self.snapshot.parent.mkdir(parents=True, exist_ok=True)
+        held = self.snapshot / "log" / hook.HELD_FILE
+        t0 = time.monotonic()
+
+        def dump() -> None:
+            try:
+                engine.checkpoint(self.pid, self.snapshot, DumpMode.KILL, config)
+            except BaseException as e:  # handed to the migration's thread
+                self.dump_error = e
+
+        def sealed() -> bool:
+            if self.dump_error is not None:
+                raise _Failure(f"the dump failed: {self.dump_error}")
+            self._check_cancel()
+            if held.exists():
+                self._stage("freeze", t0)
+                return True
+            return False
+
+        def progress(done: int, wire_bytes: int, total: int) -> None:
+            self.emit(bytes_done=done, bytes_total=total)
+
+        self.dump_thread = threading.Thread(target=dump, name=f"dump-{self.pid}", daemon=True)
+        self.dump_thread.start()
+        tcfg = TransferConfig(secret=self.agent.secret, compress=Compress(cfg.compress))
+        try:
+            stats = Sender(_transport(cfg), tcfg, progress).send(self.snapshot, address, sealed=sealed)
+        except TransferError as e:
+            raise _Failure(f"the transfer to {address} failed: {e}") from e
+        self._stage("freeze_and_send", t0)
+        metrics.BYTES.labels("sent").inc(stats.bytes_wire)
+        self._check_cancel()
+        return stats
+
+    def _restore(self, target: Any) -> Any:
+        try:
+            return target.Restore(pb.RestoreRequest(migration_id=self.record.migration_id), timeout=RESTORE_TIMEOUT)
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # Did the copy start before the target went quiet?  Ask until it answers.
+                status = self._ask_target(target)
+                if status is not None and status.state == State.RUNNING.value:
+                    return pb.RestoreReply(pid=status.pid)
+            raise _Failure(f"the target could not restore: {_rpc_text(e)}") from e
+
+    def _ask_target(self, target: Any, seconds: float = 30.0) -> Any:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                return target.Status(pb.MigrationRef(migration_id=self.record.migration_id), timeout=5)
+            except grpc.RpcError:
+                time.sleep(1)
+        return None
+
+    def _commit(self, target: Any) -> None:
+        hook.decide(self.snapshot, commit=True)  # journaled COMMITTING first: a restart commits too
+        assert self.dump_thread is not None
+        self.dump_thread.join()
+        if self.dump_error is not None:  # CRIU could not end the original: end it ourselves
+            self.log.error("CRIU did not finish the dump after the commit: %s", self.dump_error)
+            kill_tree(self.pid)
+        shutil.rmtree(self.snapshot, ignore_errors=True)
+        for _ in range(10):
+            try:
+                target.Finish(pb.FinishRequest(migration_id=self.record.migration_id, commit=True), timeout=RPC_TIMEOUT)
+                return
+            except grpc.RpcError as e:
+                self.log.warning("telling the target to keep its copy failed (%s); trying again", _rpc_text(e))
+                time.sleep(1)
+
+    def _roll_back(self, target: Any, why: str) -> str:
+        if self.dry_run or self.record.state is State.CHECKING:
+            if not self.dry_run:
+                self.agent.journal.move(self.record, State.FAILED, why)
+                if self.target_told:
+                    _tell_target_abort(target, self.record.migration_id)
+            self.emit(why)
+            return "failed"
+        was = self.record.state
+        self.move(State.ROLLING_BACK, why)
+        # The target drops its copy first (killing it if it had started): only then may the
+        # original run again.  Before RESTORING the copy never ran, so no answer is needed.
+        if not _tell_target_abort(target, self.record.migration_id) and was is State.RESTORING:
+            msg = f"{why}; the target does not answer and may run the copy: the original stays frozen until it does"
+            self.emit(msg)
+            self.log.error(msg)
+            return "unresolved"
+        while self.dump_thread is not None and self.dump_thread.is_alive():
+            # The dump may not have reached its hook yet: the decision waits for it there.
+            if self.snapshot.joinpath("log").is_dir() and not self.snapshot.joinpath("log", hook.DECISION_FILE).exists():
+                hook.decide(self.snapshot, commit=False)
+            self.dump_thread.join(0.05)
+        resumed = proc.alive(self.pid)
+        shutil.rmtree(self.snapshot, ignore_errors=True)
+        self.move(State.ROLLED_BACK, f"{why}; " + ("the original was resumed where it stood" if resumed else "the original is gone"))
+        return "rolled_back"
+
+
+def _tell_target_abort(target: Any, mid: str) -> bool:
+    for _ in range(3):
+        try:
+            target.Finish(pb.FinishRequest(migration_id=mid, commit=False), timeout=10)
+            return True
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED):
+                return False
+            time.sleep(0.5)
+    return False
+
+
+def _rpc_text(e: grpc.RpcError) -> str:
+    details = e.details() if hasattr(e, "details") else ""
+    return str(details or e.code().name.lower())
+
+
+def _recover_source(agent: Agent, r: Record) -> None:
+    """A source agent that died mid-migration: commit if the copy runs, else roll back."""
+    target = stub(r.peer, agent.secret)
+    snap = Path(r.snapshot)
+    commit = r.state is State.COMMITTING
+    if r.state is State.RESTORING:
+        try:
+            status = target.Status(pb.MigrationRef(migration_id=r.migration_id), timeout=RPC_TIMEOUT)
+            commit = status.state in (State.RUNNING.value, State.DONE.value)
+        except grpc.RpcError:
+            agent.log.error("migration %s: the target cannot say whether its copy runs; the original stays frozen", r.migration_id)
+            return
+    if commit:
+        if (snap / "log").is_dir():
+            hook.decide(snap, commit=True)
+        try:
+            target.Finish(pb.FinishRequest(migration_id=r.migration_id, commit=True), timeout=RPC_TIMEOUT)
+        except grpc.RpcError:
+            pass
+        r.state = State.DONE
+        r.message = "committed after the agent restarted"
+    else:
+        _tell_target_abort(target, r.migration_id)
+        if (snap / "log").is_dir():
+            hook.decide(snap, commit=False)  # the hook still holds the tree: CRIU rolls it back
+        _wait_released(snap)
+        r.state = State.ROLLED_BACK
+        r.message = "rolled back after the agent restarted; the original runs where it stood"
+    agent.journal.write(r)
+    agent.log.info("migration %s recovered: %s", r.migration_id, r.state.value)
+    shutil.rmtree(snap, ignore_errors=True)
+
+
+def _wait_released(snap: Path, seconds: float = 30.0) -> None:
+    """Until no CRIU works on ``snap`` any more (its hook took the decision)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        busy = False
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if any("criu" in c for c in cmd[:2]) and str(snap / "images") in cmd:
+                busy = True
+                break
+        if not busy:
+            return
+        time.sleep(0.1)
+
+
+def _recover_target(agent: Agent, r: Record) -> None:
+    """A target agent that died: a copy that never ran is dropped; a running one waits for the source."""
+    if r.state is State.RUNNING:
+        agent.log.warning("migration %s: a restored copy (PID %d) waits for the source's decision", r.migration_id, r.pid)
+        return
+    r.state = State.DISCARDED
+    r.message = "dropped after the agent restarted"
+    agent.journal.write(r)
+    shutil.rmtree(r.snapshot, ignore_errors=True)

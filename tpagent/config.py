@@ -1,0 +1,107 @@
+"""The agent's configuration: a TOML file, then ``TPAGENT_*`` environment variables on top.
+
+    # /etc/tpagent/agent.toml (every key optional but secret_file)
+    node = "gpu-node-17"              # name in logs and metrics (default: the host name)
+    listen = "0.0.0.0:7400"           # the agent's gRPC address
+    advertise = "10.0.0.17"           # the address peers reach this node on (transfers)
+    secret_file = "/etc/tpagent/secret"
+    work_dir = "/var/lib/tpagent"     # journals and snapshots in flight (tmpfs is best)
+    metrics_listen = "127.0.0.1:9400" # Prometheus text format; "" turns it off
+    shared_paths = ["/shared"]        # expected on every node (checked, not copied)
+    allow_commands = ["train.py"]     # also migratable: processes whose command line contains one
+    memory_limit = 0                  # most bytes this node accepts in one migration (0: no limit)
+    hold_timeout = 3600.0             # longest a frozen original waits for its copy to start
+    transport = "tcp"                 # or "ucx"
+    compress = "auto"
+
+The variable for a key is TPAGENT_ and the key in capitals (lists: comma-separated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from snapshot.api import UsageError
+
+DEFAULT_FILE = Path("/etc/tpagent/agent.toml")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    secret_file: Path
+    node: str = field(default_factory=socket.gethostname)
+    listen: str = "0.0.0.0:7400"
+    advertise: str = ""
+    work_dir: Path = Path("/var/lib/tpagent")
+    metrics_listen: str = "127.0.0.1:9400"
+    shared_paths: tuple[str, ...] = ()
+    allow_commands: tuple[str, ...] = ()
+    memory_limit: int = 0
+    hold_timeout: float = 3600.0
+    transport: str = "tcp"
+    compress: str = "auto"
+
+    @property
+    def advertised_host(self) -> str:
+        if self.advertise:
+            return self.advertise
+        host = self.listen.rpartition(":")[0]
+        return host if host not in ("", "0.0.0.0", "[::]") else socket.gethostname()
+
+    def secret(self) -> bytes:
+        try:
+            data = self.secret_file.read_bytes().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read the cluster secret from {self.secret_file}: {e.strerror}.") from e
+        if len(data) < 16:
+            raise UsageError(f"the cluster secret in {self.secret_file} is shorter than 16 bytes; make it longer.")
+        return data
+
+
+def _convert(name: str, kind: Any, value: Any) -> Any:
+    try:
+        if kind is Path or kind == "Path":
+            return Path(value)
+        if kind in (int, "int"):
+            return int(value)
+        if kind in (float, "float"):
+            return float(value)
+        if "tuple" in str(kind):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(str(x).strip() for x in items if str(x).strip())
+        return str(value)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"the setting {name} = {value!r} is not valid ({e}).") from e
+
+
+def load(path: Path | None = None, env: dict[str, str] | None = None, **overrides: Any) -> AgentConfig:
+    """The file (``path``, else TPAGENT_CONFIG, else /etc/tpagent/agent.toml if present),
+    then the environment, then ``overrides`` (command-line flags)."""
+    env = dict(os.environ) if env is None else env
+    path = path or (Path(env["TPAGENT_CONFIG"]) if "TPAGENT_CONFIG" in env else None)
+    values: dict[str, Any] = {}
+    if path is not None or DEFAULT_FILE.exists():
+        file = path or DEFAULT_FILE
+        try:
+            values.update(tomllib.loads(file.read_text()))
+        except OSError as e:
+            raise UsageError(f"cannot read the configuration {file}: {e.strerror}.") from e
+        except tomllib.TOMLDecodeError as e:
+            raise UsageError(f"the configuration {file} is not valid TOML: {e}.") from e
+    fields = {f.name: f.type for f in dataclasses.fields(AgentConfig)}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise UsageError(f"unknown setting(s) in the configuration: {', '.join(sorted(unknown))}.")
+    for name in fields:
+        if f"TPAGENT_{name.upper()}" in env:
+            values[name] = env[f"TPAGENT_{name.upper()}"]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if "secret_file" not in values:
+        raise UsageError("no cluster secret: set secret_file in the configuration or TPAGENT_SECRET_FILE.")
+    return AgentConfig(**{k: _convert(k, fields[k], v) for k, v in values.items()})

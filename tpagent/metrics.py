@@ -1,0 +1,12 @@
+"""The agent's Prometheus metrics (text format, served on ``metrics_listen``)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+MIGRATIONS = Counter("tpagent_migrations", "Migrations run by this agent as the source, by outcome.", ["outcome"])
+BYTES = Counter("tpagent_transfer_bytes", "Snapshot bytes moved on the wire, by direction.", ["direction"])
+STAGE = Histogram(
+    "tpagent_stage_seconds", "Duration of each migration stage.", ["stage"],
+    buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600),
+)  # fmt: skip

@@ -1,0 +1,142 @@
+"""The migration protocol as a state machine, and its journal.
+
+Source side (the node the process leaves)::
+
+    CHECKING ──> FREEZING ──> HELD ──> RESTORING ──> COMMITTING ──> DONE
+       │            │           │          │
+       └> FAILED    └───────────┴──────────┴──> ROLLING_BACK ──> ROLLED_BACK
+
+  CHECKING     both agents check versions, memory, CRIU, shared files; nothing is touched
+               (a dry run ends here: DONE or FAILED, with what would fail).
+  FREEZING     CUDA lock + checkpoint, CRIU dump; the images stream to the target as CRIU
+               writes them.  CRIU's post-dump hook then *holds* the sealed, frozen tree.
+  HELD         the target has the snapshot, verified; the original is frozen, resumable.
+  RESTORING    the target restores its copy and confirms it runs.
+  COMMITTING   decided (journaled first): the hook lets CRIU end the original.
+  ROLLING_BACK any failure before COMMITTING: the target drops its copy (kills it if it
+               had started), then the hook makes CRIU roll back: the original runs on
+               where it stood.  Both copies never run at once: the original runs again only
+               after the target said its copy is gone, and the copy runs only while the
+               original is frozen and is ended before the original is let go.
+
+Target side: RECEIVING -> RECEIVED -> RESTORING -> RUNNING -> DONE, or DISCARDED.
+
+Each transition is written to ``WORK/migrations/ID.json`` before it takes effect, so an
+agent that restarts finds its migrations and finishes or rolls back each (``recover``).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class State(str, enum.Enum):
+    CHECKING = "checking"
+    FREEZING = "freezing"
+    HELD = "held"
+    RESTORING = "restoring"
+    COMMITTING = "committing"
+    DONE = "done"
+    ROLLING_BACK = "rolling_back"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+    # the target's side
+    RECEIVING = "receiving"
+    RECEIVED = "received"
+    RUNNING = "running"
+    DISCARDED = "discarded"
+
+
+S = State
+TRANSITIONS: dict[State, set[State]] = {
+    S.CHECKING: {S.FREEZING, S.DONE, S.FAILED},
+    S.FREEZING: {S.HELD, S.ROLLING_BACK},
+    S.HELD: {S.RESTORING, S.ROLLING_BACK},
+    S.RESTORING: {S.COMMITTING, S.ROLLING_BACK},
+    S.COMMITTING: {S.DONE},
+    S.ROLLING_BACK: {S.ROLLED_BACK},
+    S.RECEIVING: {S.RECEIVED, S.DISCARDED},
+    S.RECEIVED: {S.RESTORING, S.DISCARDED},
+    S.RUNNING: {S.DONE, S.DISCARDED},
+}
+#: The target's RESTORING moves on to RUNNING or DISCARDED (the same name as the source's).
+TARGET_RESTORING = {S.RUNNING, S.DISCARDED}
+FINAL = {S.DONE, S.FAILED, S.ROLLED_BACK, S.DISCARDED}
+_ID = re.compile(r"[0-9a-f]{32}")
+
+
+class BadTransition(RuntimeError):
+    pass
+
+
+def valid_id(text: str) -> bool:
+    return bool(_ID.fullmatch(text))
+
+
+@dataclass
+class Record:
+    """What the journal keeps of one migration."""
+
+    migration_id: str
+    role: str  # "source" or "target"
+    state: State
+    pid: int = 0  # source: the original's root; target: the restored copy's
+    peer: str = ""  # the other agent's address
+    snapshot: str = ""
+    message: str = ""
+    cuda_pids: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "state": self.state.value}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Record:
+        return cls(**{**data, "state": State(data["state"])})
+
+
+class Journal:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+
+    def path(self, migration_id: str) -> Path:
+        if not valid_id(migration_id):
+            raise ValueError(f"{migration_id!r} is not a migration id")
+        return self.directory / f"{migration_id}.json"
+
+    def write(self, record: Record) -> None:
+        tmp = self.path(record.migration_id).with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump(record.to_json(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.rename(self.path(record.migration_id))
+
+    def move(self, record: Record, to: State, message: str = "") -> None:
+        """Journal ``to`` (if the protocol allows it from where ``record`` stands), then apply it."""
+        allowed = TARGET_RESTORING if (record.role == "target" and record.state is S.RESTORING) else TRANSITIONS.get(record.state, set())
+        if to not in allowed:
+            raise BadTransition(f"migration {record.migration_id}: {record.state.value} -> {to.value} is not allowed")
+        record.state = to
+        record.message = message or record.message
+        self.write(record)
+
+    def read(self, migration_id: str) -> Record | None:
+        try:
+            return Record.from_json(json.loads(self.path(migration_id).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def unfinished(self) -> list[Record]:
+        out = []
+        for p in sorted(self.directory.glob("*.json")):
+            r = self.read(p.stem)
+            if r is not None and r.state not in FINAL:
+                out.append(r)
+        return out

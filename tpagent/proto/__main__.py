@@ -1,0 +1,3 @@
+from tpagent.proto import compile_proto
+
+compile_proto()
