@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from helpers import ROOT, STATEFUL, wait_until
 
 
@@ -104,11 +106,29 @@ class Cluster:
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
-    def migrate(self, pid: int, src: str, dst: str, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    def _migrate_cmd(self, pid: int, src: str, dst: str, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "cli.main", "migrate", str(pid), "--from", self.nodes[src].agent_address,
+                "--to", self.nodes[dst].agent_address, *extra]  # fmt: skip
+
+    def migrate(self, pid: int, src: str, dst: str, *extra: str, timeout: float = 300, secret: Path | None = None) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret or self.secret)}
+        return subprocess.run(self._migrate_cmd(pid, src, dst, *extra), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+    def start_migrate(self, pid: int, src: str, dst: str, *extra: str) -> subprocess.Popen[str]:
         env = {**os.environ, "TPAGENT_SECRET_FILE": str(self.secret)}
-        cmd = [sys.executable, "-m", "cli.main", "migrate", str(pid), "--from", self.nodes[src].agent_address,
-               "--to", self.nodes[dst].agent_address, *extra]  # fmt: skip
-        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.Popen(self._migrate_cmd(pid, src, dst, *extra), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def receiving(self, dst: str, at_least: int = 32 << 20) -> bool:
+        """True once node ``dst`` has received ``at_least`` bytes of a snapshot in flight."""
+        incoming = self.nodes[dst].work / "agent" / "incoming"
+        total = 0
+        for d in incoming.glob(".*.partial-*"):
+            for f in d.rglob("*"):
+                try:
+                    total += f.stat().st_blocks * 512 if f.is_file() else 0
+                except OSError:
+                    continue
+        return total >= at_least
 
 
 @dataclass
@@ -135,9 +155,15 @@ class Ticker:
             return []
         return [int(ln.split()[1]) for ln in self.log.read_text().splitlines() if ln.startswith("tick ")]
 
-    def digest_ok(self) -> bool:
-        lines = self.log.read_text().splitlines()
-        return lines[0].startswith("digest ")
+    def verify_state(self) -> None:
+        """The workload re-hashes its memory (SIGUSR1): it must equal the digest it started with."""
+        lines = lambda: self.log.read_text().splitlines()  # noqa: E731
+        before = sum(ln.startswith("verify ") for ln in lines())
+        worker = psutil.Process(self.pid).children()[0]  # the namespace init's child
+        os.kill(worker.pid, signal.SIGUSR1)
+        wait_until(lambda: sum(ln.startswith("verify ") for ln in lines()) > before, "the workload to verify its memory")
+        digest = next(ln.split()[1] for ln in lines() if ln.startswith("digest "))
+        assert [ln for ln in lines() if ln.startswith("verify ")][-1].split()[1] == digest, "its memory changed"
 
     def running_copies(self) -> int:
         """How many copies are ticking now: 0, 1, or 2 if the log's ticks repeat."""

@@ -19,13 +19,16 @@ class Proxy:
     #: Refuse every connection after the first harm (the path is gone for good).
     dead_after_cut: bool = False
     recorded: list[bytes] = field(default_factory=list)
+    #: Where to listen (a port of our own choosing: 0).
+    listen: tuple[str, int] = ("127.0.0.1", 0)
     connections: int = 0
+    flipped: int = 0
     #: Client->server bytes forwarded so far, over all connections.
     forwarded: int = 0
 
     def __post_init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.server.getsockname()[1]
+        self.server = socket.create_server(self.listen)
+        self.address = "%s:%d" % self.server.getsockname()[:2]
         self.dead = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -61,6 +64,7 @@ class Proxy:
                     break
                 if harm and self.flip_at is not None and seen <= self.flip_at < seen + len(data):
                     data[self.flip_at - seen] ^= 0xFF
+                    self.flipped += 1
                 if harm and self.cut_at is not None and seen + len(data) > self.cut_at:
                     dst.sendall(data[: self.cut_at - seen])
                     self.dead = self.dead_after_cut

@@ -4,6 +4,7 @@ goes on from where it stood; on every failure exactly one copy runs, with its st
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,9 @@ import pytest
 
 from cluster import Cluster, Ticker
 from conftest import needs_criu
-from helpers import kill_and_wait
+from helpers import assert_one_sentence_error, kill_and_wait, wait_until
+from proxy import Proxy
+from snapshot.criu import Criu
 
 pytestmark = needs_criu
 
@@ -42,5 +45,168 @@ def test_workload_moves_a_to_b_to_c_and_goes_on(cluster: Cluster, ticker: Ticker
         assert doc["state"] == "done" and doc["new_pid"] > 0
         ticker.pid = doc["new_pid"]
         ticker.assert_one_copy_continuous()
+        ticker.verify_state()
     ns_c = Path(f"/run/netns/{cluster.nodes['C'].name}").stat().st_ino
     assert Path(f"/proc/{ticker.pid}/ns/net").stat().st_ino == ns_c  # it runs on node C now
+
+
+@pytest.fixture
+def big(cluster: Cluster, tmp_path: Path) -> Iterator[Ticker]:
+    """A workload large enough that a fault can be injected while its snapshot is moving."""
+    t = Ticker.launch(cluster.nodes["A"], tmp_path, mib=768)
+    yield t
+    kill_and_wait(t.pid)
+
+
+def _only_the_original_runs(cluster: Cluster, t: Ticker) -> None:
+    t.assert_one_copy_continuous()  # the original went on where it stood, and no copy ticks beside it
+    t.verify_state()
+    assert Path(f"/proc/{t.pid}").exists()
+    for name in ("B", "C"):
+        assert not list((cluster.nodes[name].work / "agent" / "incoming").glob("*/images")), f"node {name} kept a snapshot"
+        assert not list((cluster.nodes[name].work / "agent" / "incoming").glob(".*.partial-*")), f"node {name} kept a partial snapshot"
+
+
+def test_target_agent_killed_mid_transfer(cluster: Cluster, big: Ticker) -> None:
+    mig = cluster.start_migrate(big.pid, "A", "B", "--json")
+    wait_until(lambda: cluster.receiving("B"), "the snapshot to start arriving on B")
+    cluster.nodes["B"].kill_agent()
+    out, err = mig.communicate(timeout=300)
+    assert mig.returncode == 1, err
+    assert json.loads(out)["state"] == "rolled_back"
+    cluster.nodes["B"].start_agent()  # back up, it drops what it had half received
+    _only_the_original_runs(cluster, big)
+
+
+def test_link_cut_mid_transfer(cluster: Cluster, big: Ticker) -> None:
+    for node in (cluster.nodes["A"], cluster.nodes["B"]):  # a silent link is noticed in seconds, not 30
+        node.kill_agent(signal.SIGTERM)
+        node.start_agent(io_timeout="2")
+    mig = cluster.start_migrate(big.pid, "A", "B", "--json")
+    wait_until(lambda: cluster.receiving("B"), "the snapshot to start arriving on B")
+    cluster.nodes["B"].link(up=False)
+    out, err = mig.communicate(timeout=300)
+    cluster.nodes["B"].link(up=True)
+    assert mig.returncode == 1, err
+    doc = json.loads(out)
+    assert doc["state"] == "rolled_back" and "transfer" in doc["message"]
+    incoming = cluster.nodes["B"].work / "agent" / "incoming"
+    wait_until(lambda: not list(incoming.glob(".*.partial-*")), "B to drop its partial snapshot once A reaches it again", 60)
+    _only_the_original_runs(cluster, big)
+
+
+def test_corrupted_chunk_is_fetched_again(cluster: Cluster, big: Ticker) -> None:
+    """A byte flipped on the wire between the agents: caught by the chunk's SHA-256, sent again."""
+    b = cluster.nodes["B"]
+    proxy = Proxy((b.addr, 7411), flip_at=1 << 20, on=1, listen=("10.233.0.254", 7412))
+    try:
+        b.kill_agent(signal.SIGTERM)
+        b.start_agent(transfer_port="7411", transfer_address="10.233.0.254:7412")
+        proc = cluster.migrate(big.pid, "A", "B", "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert proxy.connections >= 2 and proxy.flipped == 1  # the transfer went through the proxy, and was hit
+        big.pid = json.loads(proc.stdout)["new_pid"]
+        big.assert_one_copy_continuous()
+        big.verify_state()  # its 768 MiB arrived intact all the same
+    finally:
+        proxy.close()
+
+
+def test_target_refuses_for_lack_of_memory(cluster: Cluster, ticker: Ticker) -> None:
+    cluster.nodes["B"].kill_agent(signal.SIGTERM)
+    cluster.nodes["B"].start_agent(memory_limit=str(64 << 20))
+    proc = cluster.migrate(ticker.pid, "A", "B", "--json")
+    assert proc.returncode == 1
+    doc = json.loads(proc.stdout)
+    assert doc["state"] == "failed" and "memory_limit" in doc["message"]
+    _only_the_original_runs(cluster, ticker)
+
+
+def test_criu_restore_failing_on_target(cluster: Cluster, ticker: Ticker, tmp_path: Path) -> None:
+    """Node B's CRIU refuses every restore (a real CRIU binary behind a wrapper that fails restore)."""
+    real = Criu().path
+    wrapper = tmp_path / "criu-no-restore"
+    wrapper.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then echo "Error (criu/cr-restore.c:1): restore refused on this node" >&2; exit 1; fi\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    cluster.nodes["B"].kill_agent(signal.SIGTERM)
+    cluster.nodes["B"].start_agent(criu=str(wrapper))
+    proc = cluster.migrate(ticker.pid, "A", "B", "--json")
+    assert proc.returncode == 1
+    doc = json.loads(proc.stdout)
+    assert doc["state"] == "rolled_back" and "restore refused on this node" in doc["message"]
+    _only_the_original_runs(cluster, ticker)
+
+
+def test_source_agent_killed_and_restarted_mid_migration(cluster: Cluster, big: Ticker) -> None:
+    mig = cluster.start_migrate(big.pid, "A", "B", "--json")
+    wait_until(lambda: cluster.receiving("B"), "the snapshot to start arriving on B")
+    cluster.nodes["A"].kill_agent()  # CRIU, in its own session, holds the frozen original
+    mig.communicate(timeout=60)
+    assert big.running_copies() == 0  # frozen, not lost
+    cluster.nodes["A"].start_agent()  # finds the migration in its journal and rolls it back
+    _only_the_original_runs(cluster, big)
+    assert "rolled back after the agent restarted" in (cluster.nodes["A"].work / "agent").joinpath("migrations").glob("*.json").__next__().read_text()
+
+
+def test_cli_interrupted(cluster: Cluster, big: Ticker) -> None:
+    mig = cluster.start_migrate(big.pid, "A", "B")
+    wait_until(lambda: cluster.receiving("B"), "the snapshot to start arriving on B")
+    mig.send_signal(signal.SIGINT)
+    out, err = mig.communicate(timeout=120)
+    assert mig.returncode == 130, err
+    assert "rolled_back" in err or "resumed" in out + err
+    _only_the_original_runs(cluster, big)
+
+
+def test_dry_run_checks_both_sides_and_freezes_nothing(cluster: Cluster, ticker: Ticker) -> None:
+    proc = cluster.migrate(ticker.pid, "A", "B", "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["problems"] == []
+    cluster.nodes["B"].kill_agent(signal.SIGTERM)
+    cluster.nodes["B"].start_agent(memory_limit=str(1 << 20))
+    proc = cluster.migrate(ticker.pid, "A", "B", "--dry-run", "--json")
+    assert proc.returncode == 1
+    assert any("memory_limit" in p for p in json.loads(proc.stdout)["problems"])
+    ticker.assert_one_copy_continuous()  # never frozen: no gap in its ticks
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("unknown-pid", "no process with PID"),
+        ("not-migratable", "not a migratable process"),
+        ("unreachable", "cannot be reached"),
+        ("wrong-secret", "wrong cluster secret"),
+        ("to-itself", "same agent"),
+    ],
+)
+def test_bad_requests_get_one_sentence_and_freeze_nothing(cluster: Cluster, ticker: Ticker, tmp_path: Path, case: str, needle: str) -> None:
+    pid, src, dst, secret = ticker.pid, "A", "B", None
+    if case == "unknown-pid":
+        pid = 4194000
+    elif case == "not-migratable":
+        pid = cluster.nodes["A"].agent.pid  # type: ignore[union-attr]  # the agent itself: no GPU, not launched
+    elif case == "unreachable":
+        cluster.nodes["C"].kill_agent()
+        src = "C"
+    elif case == "wrong-secret":
+        secret = tmp_path / "other-secret"
+        secret.write_text("another-secret-of-enough-length")
+    elif case == "to-itself":
+        dst = "A"
+    proc = cluster.migrate(pid, src, dst, secret=secret)
+    assert_one_sentence_error(proc, needle)
+    ticker.assert_one_copy_continuous()
+    if case == "wrong-secret":
+        assert "refused /tpagent.v1.Agent/Migrate" in cluster.nodes["A"].agent_log()  # and logged
+
+
+def test_two_migrations_of_one_process_at_once(cluster: Cluster, big: Ticker) -> None:
+    first = cluster.start_migrate(big.pid, "A", "B", "--json")
+    wait_until(lambda: cluster.receiving("B", 1), "the first migration to start")
+    second = cluster.migrate(big.pid, "A", "C")
+    assert_one_sentence_error(second, "already being migrated")
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    big.pid = json.loads(out)["new_pid"]
+    big.assert_one_copy_continuous()

@@ -50,8 +50,13 @@ def _transport(cfg: AgentConfig) -> Transport:
     if cfg.transport == "ucx":
         from transfer.ucx import UcxTransport
 
-        return UcxTransport()
-    return TcpTransport()
+        return UcxTransport(cfg.io_timeout)
+    return TcpTransport(cfg.io_timeout)
+
+
+def _transfer_config(agent: Agent) -> TransferConfig:
+    t = agent.cfg.io_timeout
+    return TransferConfig(secret=agent.secret, compress=Compress(agent.cfg.compress), io_timeout=t, connect_timeout=min(10.0, t))
 
 
 def _is_launched(p: psutil.Process) -> bool:
@@ -268,9 +273,8 @@ class _Incoming:
         self.dir.parent.mkdir(parents=True, exist_ok=True)
         self.record = Record(mid, "target", State.RECEIVING, peer=source, snapshot=str(self.dir))
         agent.journal.write(self.record)
-        tcfg = TransferConfig(secret=agent.secret, compress=Compress(agent.cfg.compress))
-        self.receiver = Receiver(_transport(agent.cfg), tcfg, f"{agent.cfg.advertised_host}:0")
-        self.address = self.receiver.address
+        self.receiver = Receiver(_transport(agent.cfg), _transfer_config(agent), f"{agent.cfg.advertised_host}:{agent.cfg.transfer_port}")
+        self.address = agent.cfg.transfer_address or self.receiver.address
         self.result: TransferStats | TransferError | None = None
         self.gpu_map: dict[str, str] = {}
         self.done = threading.Event()
@@ -357,6 +361,7 @@ class _SourceMigration:
         self.dump_thread: threading.Thread | None = None
         self.dump_error: BaseException | None = None
         self.target_told = False
+        self.problems: list[str] = []  # a dry run's findings
         self.log = logging.LoggerAdapter(log, {"node": agent.cfg.node, "migration": mid})
         if not dry_run:
             agent.journal.write(self.record)
@@ -368,7 +373,7 @@ class _SourceMigration:
     def emit(self, message: str = "", **kw: Any) -> None:
         self.events.put(pb.MigrationEvent(
             migration_id=self.record.migration_id, state=self.record.state.value, message=message,
-            seconds=time.monotonic() - self.t0, timings=self.timings, **kw))  # fmt: skip
+            seconds=time.monotonic() - self.t0, timings=self.timings, problems=self.problems, **kw))  # fmt: skip
         if message:
             self.log.info("%s: %s", self.record.state.value, message)
 
@@ -458,7 +463,7 @@ class _SourceMigration:
                     problems.append(f"tpagent differs: {__version__} here, {info.agent_version} on the target")
             except (grpc.RpcError, SnapshotError) as e:
                 problems.append(str(e))
-            self.emit("checks done", problems=problems)
+            self.problems = problems
             reply.problems[:] = problems
         elif reply.problems:
             raise _Failure("the target refused: " + "; ".join(reply.problems))
@@ -506,9 +511,8 @@ class _SourceMigration:
 
         self.dump_thread = threading.Thread(target=dump, name=f"dump-{self.pid}", daemon=True)
         self.dump_thread.start()
-        tcfg = TransferConfig(secret=self.agent.secret, compress=Compress(cfg.compress))
         try:
-            stats = Sender(_transport(cfg), tcfg, progress).send(self.snapshot, address, sealed=sealed)
+            stats = Sender(_transport(cfg), _transfer_config(self.agent), progress).send(self.snapshot, address, sealed=sealed)
         except TransferError as e:
             raise _Failure(f"the transfer to {address} failed: {e}") from e
         self._stage("freeze_and_send", t0)
@@ -564,11 +568,14 @@ class _SourceMigration:
         self.move(State.ROLLING_BACK, why)
         # The target drops its copy first (killing it if it had started): only then may the
         # original run again.  Before RESTORING the copy never ran, so no answer is needed.
-        if not _tell_target_abort(target, self.record.migration_id) and was is State.RESTORING:
-            msg = f"{why}; the target does not answer and may run the copy: the original stays frozen until it does"
-            self.emit(msg)
-            self.log.error(msg)
-            return "unresolved"
+        if not _tell_target_abort(target, self.record.migration_id):
+            if was is State.RESTORING:
+                msg = f"{why}; the target does not answer and may run the copy: the original stays frozen until it does"
+                self.emit(msg)
+                self.log.error(msg)
+                return "unresolved"
+            # Its copy never ran; it drops what it received once it hears from us again.
+            threading.Thread(target=_keep_telling_abort, args=(target, self.record.migration_id, self.agent.cfg.hold_timeout), daemon=True).start()
         while self.dump_thread is not None and self.dump_thread.is_alive():
             # The dump may not have reached its hook yet: the decision waits for it there.
             if self.snapshot.joinpath("log").is_dir() and not self.snapshot.joinpath("log", hook.DECISION_FILE).exists():
@@ -583,13 +590,19 @@ class _SourceMigration:
 def _tell_target_abort(target: Any, mid: str) -> bool:
     for _ in range(3):
         try:
-            target.Finish(pb.FinishRequest(migration_id=mid, commit=False), timeout=10)
+            target.Finish(pb.FinishRequest(migration_id=mid, commit=False), timeout=5)
             return True
         except grpc.RpcError as e:
             if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED):
                 return False
             time.sleep(0.5)
     return False
+
+
+def _keep_telling_abort(target: Any, mid: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not _tell_target_abort(target, mid):
+        time.sleep(2)
 
 
 def _rpc_text(e: grpc.RpcError) -> str:
@@ -653,4 +666,6 @@ def _recover_target(agent: Agent, r: Record) -> None:
     r.state = State.DISCARDED
     r.message = "dropped after the agent restarted"
     agent.journal.write(r)
-    shutil.rmtree(r.snapshot, ignore_errors=True)
+    snap = Path(r.snapshot)
+    for d in [snap, *snap.parent.glob(f".{snap.name}.partial-*")]:
+        shutil.rmtree(d, ignore_errors=True)

@@ -11,6 +11,9 @@
     allow_commands = ["train.py"]     # also migratable: processes whose command line contains one
     memory_limit = 0                  # most bytes this node accepts in one migration (0: no limit)
     hold_timeout = 3600.0             # longest a frozen original waits for its copy to start
+    io_timeout = 30.0                 # a transfer stream silent this long is broken (and retried)
+    transfer_port = 0                 # where this node receives snapshots (0: any free port)
+    transfer_address = ""             # what peers connect to for it, if not advertise:port (NAT, proxy)
     transport = "tcp"                 # or "ucx"
     compress = "auto"
 
@@ -44,6 +47,9 @@ class AgentConfig:
     allow_commands: tuple[str, ...] = ()
     memory_limit: int = 0
     hold_timeout: float = 3600.0
+    io_timeout: float = 30.0
+    transfer_port: int = 0
+    transfer_address: str = ""
     transport: str = "tcp"
     compress: str = "auto"
 
