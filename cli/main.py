@@ -128,6 +128,9 @@ def dump(
     overlap: Annotated[
         bool, typer.Option("--overlap/--no-overlap", envvar="TPAGENT_OVERLAP", help="With --send-to: send while the images are written.")
     ] = True,
+    carry: Annotated[
+        list[Path] | None, typer.Option("--carry", help="A node-local file the process has open, to take along (repeat).")
+    ] = None,
     transport: TransportOpt = TransportName.TCP,
     compress: CompressOpt = Compress.AUTO,
     secret_file: SecretOpt = None,
@@ -140,7 +143,7 @@ def dump(
     config = SnapshotConfig(criu=criu)
     try:
         if send_to is None:
-            m, shipped = engine.checkpoint(pid, out, mode, config, _progress(as_json)), None
+            m, shipped = engine.checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ()), None
         else:
             cfg = TransferConfig(secret=_secret(secret_file), compress=compress)
             sender = Sender(_transport(transport, cfg.io_timeout), cfg)

@@ -20,9 +20,10 @@ import os
 import platform
 import shutil
 import signal
+import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from snapshot.api import (
     Interrupted,
     ProgressFn,
     SnapshotConfig,
+    SnapshotInvalid,
     SnapshotError,
     Stage,
     ToolError,
@@ -157,8 +159,10 @@ def checkpoint(
     config: SnapshotConfig = SnapshotConfig(),
     progress: ProgressFn = quiet,
     cuda_factory: CudaFactory = CudaDriver,
+    carry: Sequence[Path] = (),
 ) -> Manifest:
-    """Snapshot the tree rooted at ``pid`` into ``out``; see the module docstring."""
+    """Snapshot the tree rooted at ``pid`` into ``out``; see the module docstring.
+    ``carry``: files (absolute) to archive with it, as they are while it is frozen."""
     from tpagent import __version__
 
     require_root()
@@ -191,6 +195,7 @@ def checkpoint(
         cuda={"driver_version": gpus.driver_version(), "pids": cuda_pids},
         tpagent_version=__version__,
         origin={"mode": mode.value, "root_create_time": create_time},
+        carried=sorted({os.path.normpath(os.path.abspath(p)) for p in carry}),
     )
     try:
         (out / IMAGES_DIR).mkdir(parents=True)
@@ -341,12 +346,16 @@ def restore(
     config: SnapshotConfig = SnapshotConfig(),
     progress: ProgressFn = quiet,
     cuda_factory: CudaFactory = CudaDriver,
+    verified: bool = False,
 ) -> RestoreResult:
+    """Restore ``directory``.  ``verified``: its checksums were just checked (a receiver does
+    that as the data arrives), so only the manifest is read again."""
     require_root()
     timer = _Timer(progress, config.fail_after)
     with timer.stage(Stage.VERIFY):
         m = manifest.load(directory)
-        manifest.verify(directory, m)
+        if not verified:
+            manifest.verify(directory, m)
     criu = Criu(config.criu)
     theirs = tuple(int(x) for x in str(m.criu["version"]).split("."))
     if theirs[:2] > criu.version[:2]:
@@ -364,6 +373,7 @@ def restore(
     if not m.namespace:
         proc.wait_pids_free([p.pid for p in m.processes], config.timeouts.pid_wait)
     opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), m.namespace)
+    created = _put_back(directory, m)
     work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
     try:
         with timer.stage(Stage.CRIU_RESTORE):
@@ -381,6 +391,8 @@ def restore(
         # Never leave a half-restored copy (e.g. CPU side up, GPU side still in host memory):
         # kill what CRIU started; the snapshot, which restore does not modify, is the copy to retry.
         _kill_restored(work)
+        for path in created:
+            path.unlink(missing_ok=True)
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(f"the restore of {directory} was interrupted; nothing was left running") from e
         if isinstance(e, SnapshotError):
@@ -392,6 +404,36 @@ def restore(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return RestoreResult(root, tuple(mapping.values()), m, timer.timings)
+
+
+def _put_back(directory: Path, m: Manifest) -> list[Path]:
+    """Write the carried files back where they were; return the ones this created.  A file
+    already there must hold the same bytes (the same file, or a copy): else the restore stops."""
+    if not m.carried:
+        return []
+    created: list[Path] = []
+    wanted = {p.lstrip("/"): Path(p) for p in m.carried}
+    with tarfile.open(directory / IMAGES_DIR / manifest.CARRIED_NAME) as tar:
+        for member in tar.getmembers():
+            path = wanted.get(member.name)
+            source = tar.extractfile(member) if member.isfile() else None
+            if path is None or source is None:
+                raise SnapshotInvalid(f"{directory}'s carried files hold {member.name!r}, which the manifest does not name.")
+            data = source.read()
+            if path.exists() or path.is_symlink():
+                if not path.is_file() or path.is_symlink() or path.read_bytes() != data:
+                    for p in created:
+                        p.unlink(missing_ok=True)
+                    raise UsageError(f"{path} exists on this node with other content; the process had it open: move it away first.")
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, member.mode & 0o7777)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.utime(path, (member.mtime, member.mtime))
+            os.chown(path, member.uid, member.gid)
+            created.append(path)
+    return created
 
 
 def _kill_restored(work: Path) -> None:

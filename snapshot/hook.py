@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import stat
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -83,10 +85,27 @@ def _check_cancel(out: Path) -> None:
         raise RuntimeError("cancelled by the user (Ctrl-C)")
 
 
+def _archive(out: Path, paths: list[str]) -> list[str]:
+    """Copy the carried files, as they are while the tree is frozen, into the images."""
+    kept = []
+    with tarfile.open(out / manifest.IMAGES_DIR / manifest.CARRIED_NAME, "w") as tar:
+        for path in paths:
+            try:
+                if not stat.S_ISREG(os.lstat(path).st_mode):
+                    continue
+                tar.add(path, arcname=path.lstrip("/"), recursive=False)
+            except FileNotFoundError:  # deleted while open: CRIU keeps such files itself
+                continue
+            kept.append(path)
+    return kept
+
+
 def seal(out: Path, root: int, fail: bool) -> None:
     t0 = time.monotonic()
     _check_cancel(out)
     pending = json.loads((out / PENDING).read_text())
+    if pending.get("carried"):
+        pending["carried"] = _archive(out, pending["carried"])
     files = manifest.checksum_files(out)
     _fsync_tree(out / manifest.IMAGES_DIR)
     if fail:

@@ -10,7 +10,8 @@
                      "criu": {"version", "shell_job", "tcp_established"},
                      "cuda": {"driver_version", "pids": [INT]},
                      "files": { RELPATH: {"size": INT, "chunk_size": INT, "sha256": [HEX]} },
-                     "total_bytes": INT, "timings": { STAGE: SECONDS } }
+                     "total_bytes": INT, "timings": { STAGE: SECONDS },
+                     "carried": [ ABSPATH ] }                (optional: files kept in images/tpagent-files.tar)
     PROCESS    ::= {"pid", "ppid", "cmdline": [STR], "ns_pids": [INT], "uses_cuda": BOOL}
     GPU        ::= {"index", "uuid", "name", "memory_total", "memory_used", ...}
 
@@ -43,6 +44,8 @@ FORMAT = "tpagent-snapshot"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 IMAGES_DIR = "images"
+#: The archive of carried files, among the images (CRIU ignores files it does not know).
+CARRIED_NAME = "tpagent-files.tar"
 
 
 @dataclass
@@ -67,6 +70,9 @@ class Manifest:
     origin: dict[str, Any] = field(default_factory=lambda: {"mode": "kill", "root_create_time": 0.0})
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    #: Absolute paths of node-local files the processes had open, archived (as they were
+    #: while frozen) in images/CARRIED_NAME and put back in place before a restore.
+    carried: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -123,6 +129,9 @@ class Manifest:
             _get(f, "size", int, rel), _get(f, "chunk_size", int, rel), _list(f, "sha256", str, rel)
         origin = _get(data, "origin", dict, "manifest")
         _get(origin, "mode", str, "origin"), _get(origin, "root_create_time", float, "origin")
+        carried = _list(data, "carried", str, "manifest") if "carried" in data else []
+        if any(not p.startswith("/") or os.path.normpath(p) != p or "\0" in p for p in carried):
+            raise ValueError("carried: not a normalised absolute path")
         return cls(
             root_pid=_get(data, "root_pid", int, "manifest"),
             namespace=_get(data, "namespace", bool, "manifest"),
@@ -137,6 +146,7 @@ class Manifest:
             origin=origin,
             files=files,
             timings={str(k): float(v) for k, v in _get(data, "timings", dict, "manifest").items()},
+            carried=carried,
         )
 
 

@@ -111,3 +111,31 @@ def test_established_tcp_connection_survives(tmp_path: Path) -> None:
         assert all(n == m for n, m in seq)  # every byte went through the restored connection
     finally:
         w.stop()
+
+
+def test_carried_file_is_put_back_where_the_process_had_it(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A node-local file the process has open (its log) travels in the snapshot: on a node
+    without it (here: deleted), restore writes it back as it was at the freeze, and the
+    process goes on writing into it."""
+    w = start(mib=16, launched=True)
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"), "--carry", str(w.log))
+    assert proc.returncode == 0, proc.stderr
+    frozen = w.log.read_bytes()
+    w.log.unlink()
+    proc = tpagent("restore", str(tmp_path / "snap"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    assert w.log.read_bytes()[: len(frozen)] == frozen
+    stopped_at = int(frozen.decode().splitlines()[-1].split()[1])
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 10, "the restored workload to write on into its log")
+    assert_continuous(w.ticks())
+
+
+def test_carried_file_with_other_content_on_the_node_stops_the_restore(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    w = start(mib=16, launched=True)
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"), "--carry", str(w.log))
+    assert proc.returncode == 0, proc.stderr
+    w.log.write_text("someone else's file\n")
+    proc = tpagent("restore", str(tmp_path / "snap"))
+    assert proc.returncode == 2 and "exists on this node with other content" in proc.stderr
+    assert w.log.read_text() == "someone else's file\n"  # untouched

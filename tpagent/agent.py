@@ -302,7 +302,7 @@ class _Incoming:
             j.move(self.record, State.RECEIVED)
             j.move(self.record, State.RESTORING)
             try:
-                result = engine.restore(self.dir, gpu_map, self.agent.snapshot_config)
+                result = engine.restore(self.dir, gpu_map, self.agent.snapshot_config, verified=True)
             except SnapshotError as e:  # the engine leaves no copy behind on failure
                 self._discard(f"restore failed: {e}")
                 raise Refused(f"restoring on {self.agent.cfg.node} failed: {e}") from e
@@ -362,6 +362,7 @@ class _SourceMigration:
         self.dump_error: BaseException | None = None
         self.target_told = False
         self.problems: list[str] = []  # a dry run's findings
+        self.carry: list[Path] = []
         self.log = logging.LoggerAdapter(log, {"node": agent.cfg.node, "migration": mid})
         if not dry_run:
             agent.journal.write(self.record)
@@ -442,7 +443,9 @@ class _SourceMigration:
         pids = {p.pid for p in tree}
         used = [g for g in gpus.inventory() if pids & set(g.pids)]
         need += sum(g.memory_used for g in used)
-        shared = [f"{f}:{Path(f).stat().st_size}" for f in self._open_files(tree) if self._is_shared(f)]
+        open_files = self._open_files(tree)
+        shared = [f"{f}:{Path(f).stat().st_size}" for f in open_files if self._is_shared(f)]
+        self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
         request = pb.ReceiveRequest(migration_id=self.record.migration_id, source_node=self.agent.cfg.node,
                                     bytes_estimate=need, gpu_uuids=[g.uuid for g in used], shared_files=shared,
                                     dry_run=self.dry_run)  # fmt: skip
@@ -493,7 +496,7 @@ class _SourceMigration:
 
         def dump() -> None:
             try:
-                engine.checkpoint(self.pid, self.snapshot, DumpMode.KILL, config)
+                engine.checkpoint(self.pid, self.snapshot, DumpMode.KILL, config, carry=self.carry)
             except BaseException as e:  # handed to the migration's thread
                 self.dump_error = e
 
