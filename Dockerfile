@@ -1,6 +1,7 @@
 # tpagent as a node agent / Kubernetes sidecar image.
 # Run it privileged with the host's PID namespace (CRIU must see and ptrace the workload):
 #   docker run --privileged --pid=host -v /dev/shm:/dev/shm tpagent doctor
+# As a Kubernetes sidecar: deploy/kubernetes-sidecar.yaml.
 FROM debian:trixie-slim
 
 RUN apt-get update \
@@ -18,8 +19,11 @@ COPY tpagent tpagent
 COPY snapshot snapshot
 COPY transfer transfer
 COPY cli cli
-RUN python3 -m venv /opt/tpagent/venv && /opt/tpagent/venv/bin/pip install --no-cache-dir .
+RUN python3 -m venv /opt/tpagent/venv && /opt/tpagent/venv/bin/pip install --no-cache-dir . \
+ && /opt/tpagent/venv/bin/python -m tpagent.proto
 
 ENV PATH=/opt/tpagent/venv/bin:$PATH
+EXPOSE 7400
 ENTRYPOINT ["tpagent"]
-CMD ["doctor"]
+# As a sidecar: `serve` (see deploy/kubernetes-sidecar.yaml); `doctor` checks the node.
+CMD ["serve"]

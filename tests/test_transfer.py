@@ -330,13 +330,15 @@ class Writer:
         return self.done.is_set()
 
 
-def _send_followed(transport: Transport, writer: Writer, address: str, progress: Callable[[int, int, int], None] | None = None) -> TransferStats:
-    config = TransferConfig(secret=SECRET, chunk_size=1 << 20, io_timeout=10, streams=3)
+def _send_followed(transport: Transport, writer: Writer, address: str, progress: Callable[[int, int, int], None] | None = None, chunk_mib: int = 1) -> TransferStats:
+    """chunk_mib 8 (the manifest's region): the receiver hashes chunks as they arrive, else it reads them back."""
+    config = TransferConfig(secret=SECRET, chunk_size=chunk_mib << 20, io_timeout=10, streams=3)
     return Sender(transport, config, progress).send(writer.dst, address, sealed=writer.sealed)
 
 
-def test_snapshot_is_sent_while_it_is_still_written(transport: Transport, tmp_path: Path) -> None:
-    ref = make_snapshot(tmp_path / "ref", "model", 12)
+@pytest.mark.parametrize("chunk_mib", [1, 8])
+def test_snapshot_is_sent_while_it_is_still_written(transport: Transport, tmp_path: Path, chunk_mib: int) -> None:
+    ref = make_snapshot(tmp_path / "ref", "model", 20)
     writer = Writer(ref, tmp_path / "src")
     rx = Receiving(transport, tmp_path / "dst")
     before_sealed: list[int] = []
@@ -345,7 +347,7 @@ def test_snapshot_is_sent_while_it_is_still_written(transport: Transport, tmp_pa
         if not writer.done.is_set():
             before_sealed.append(acked)
 
-    stats = _send_followed(transport, writer, rx.receiver.address, progress)
+    stats = _send_followed(transport, writer, rx.receiver.address, progress, chunk_mib)
     assert isinstance(rx.join(), TransferStats)
     assert digests(tmp_path / "dst") == digests(ref)
     assert stats.bytes_raw == sum(p.stat().st_size for p in ref.rglob("*") if p.is_file())
@@ -363,12 +365,13 @@ def test_followed_snapshot_whose_writer_fails_leaves_nothing(tcp: Transport, tmp
     assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst.partial-*"))
 
 
-def test_followed_bytes_changed_after_sending_are_caught(tcp: Transport, tmp_path: Path) -> None:
-    ref = make_snapshot(tmp_path / "ref", "random", 3)
+@pytest.mark.parametrize("chunk_mib", [1, 8])
+def test_followed_bytes_changed_after_sending_are_caught(tcp: Transport, tmp_path: Path, chunk_mib: int) -> None:
+    ref = make_snapshot(tmp_path / "ref", "random", 18)
     acked: list[int] = []
-    writer = Writer(ref, tmp_path / "src", rewrite_first_after_send=lambda: sum(acked) >= 3 << 20)
+    writer = Writer(ref, tmp_path / "src", rewrite_first_after_send=lambda: bool(acked) and acked[-1] >= 8 << 20)
     rx = Receiving(tcp, tmp_path / "dst")
     with pytest.raises(IntegrityError, match="rejected"):
-        _send_followed(tcp, writer, rx.receiver.address, lambda a, w, t: acked.append(a))
+        _send_followed(tcp, writer, rx.receiver.address, lambda a, w, t: acked.append(a), chunk_mib)
     assert isinstance(rx.join(), IntegrityError)
     assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst.partial-*"))

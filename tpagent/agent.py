@@ -363,6 +363,7 @@ class _SourceMigration:
         self.target_told = False
         self.problems: list[str] = []  # a dry run's findings
         self.carry: list[Path] = []
+        self.freeze_t0 = 0.0
         self.log = logging.LoggerAdapter(log, {"node": agent.cfg.node, "migration": mid})
         if not dry_run:
             agent.journal.write(self.record)
@@ -415,6 +416,7 @@ class _SourceMigration:
             t = time.monotonic()
             restored = self._restore(target)
             self._stage("restore", t)
+            self.timings["downtime"] = round(time.monotonic() - self.freeze_t0, 4)  # frozen here -> running there
             self.timings.update({f"target_{k}": v for k, v in restored.timings.items()})
             self.move(State.COMMITTING, f"PID {restored.pid} runs on the target; ending the original")
             self._commit(target)
@@ -492,7 +494,7 @@ class _SourceMigration:
                                 hold=cfg.hold_timeout)  # fmt: skip
         self.snapshot.parent.mkdir(parents=True, exist_ok=True)
         held = self.snapshot / "log" / hook.HELD_FILE
-        t0 = time.monotonic()
+        t0 = self.freeze_t0 = time.monotonic()
 
         def dump() -> None:
             try:

@@ -466,6 +466,14 @@ class _Session:
     digests: list[list[str]] = field(default_factory=list)
     #: Per file index: the manifest's SHA-256 of each chunk, checked on arrival (no CRC then).
     expect: dict[int, list[str]] = field(default_factory=dict)
+    #: Following a snapshot (no digests yet) in chunks of the manifest's size: each chunk's
+    #: SHA-256 is taken as it arrives and held against the manifest at the end.
+    received_sha: dict[tuple[int, int], str] = field(default_factory=dict)
+    followed: bool = False
+
+    @property
+    def hash_as_received(self) -> bool:
+        return self.layout is None and self.chunk_size == snapmanifest.CHUNK_SIZE
     lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_wire: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -688,6 +696,11 @@ class Receiver:
         early = None
         if s.expect:  # every chunk was checked against these as it arrived
             early = {s.layout.files[fi][0]: d for fi, d in s.expect.items()}
+        elif s.followed and s.chunk_size == snapmanifest.CHUNK_SIZE:
+            early = {}
+            for name, size in s.layout.files:
+                fi = s.names[name]
+                early[name] = [s.received_sha.get((fi, off), "") for off in range(0, size, s.chunk_size)] or [_zero_sha256(0)]
         elif s.digests:
             early = {name: s.digests[fi] for fi, (name, _) in enumerate(s.layout.files)}
         m = snapmanifest.load(s.partial)
@@ -722,7 +735,7 @@ class Receiver:
             raise IntegrityError("the chunks are not numbered 0..N-1")
         for fi, (_, size) in zip(order, layout.files):
             os.ftruncate(s.fds[fi], size)  # a file that ends in zeros was left short (sparse)
-        s.layout = layout
+        s.layout, s.followed = layout, True
 
     def _data(self, ch: Channel, session_id: bytes) -> None:
         with self._ready:
@@ -784,7 +797,11 @@ class Receiver:
                 return want == _zero_sha256(raw_len)  # the file was created sparse: zeros are already there
             if raw_len not in zero_crcs:
                 zero_crcs[raw_len] = zlib.crc32(bytes(raw_len))
-            return zero_crcs[raw_len] == crc
+            if zero_crcs[raw_len] != crc:
+                return False
+            if s.hash_as_received:
+                s.received_sha[(fi, off)] = _zero_sha256(raw_len)
+            return True
         if codec is Codec.ZSTD:
             try:
                 data: bytes | memoryview = dctx.decompress(payload, max_output_size=raw_len)
@@ -796,5 +813,7 @@ class Receiver:
             return False
         if (hashlib.sha256(data).hexdigest() != want) if want is not None else (zlib.crc32(data) != crc):
             return False
+        if s.hash_as_received:  # the manifest's digest of this region, from the buffer: no read-back
+            s.received_sha[(fi, off)] = hashlib.sha256(data).hexdigest()
         os.pwrite(s.fds[fi], data, off)
         return True

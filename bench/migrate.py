@@ -1,0 +1,133 @@
+"""Benchmark: downtime of a migration between two agents, beside the naive route.
+
+    python bench/migrate.py [--sizes-mib 1024,4096] [--repeats 3] [--dir /dev/shm] [--gpu] [--json-out F]
+
+Two agents (`tpagent serve`) run on this machine on two ports, each with its own work
+directory under --dir.  For each size a fresh workload holding that much state is started
+under `tpagent launch` and moved with `tpagent migrate`; the downtime is from the freeze
+until the copy runs on the target (the agent's ``downtime`` timing), next to each stage.
+In the same run, the naive route on the same workload: bare `criu dump` into a directory,
+`cp -a` of that directory, bare `criu restore` (its downtime is the sum).  Medians over
+--repeats.  --gpu: the state is GPU memory (tests/workloads/gpu_hold.py), sizes in MiB of
+GPU memory.  Must run as root.  Prints a table, then one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from helpers import kill_and_wait, wait_until  # noqa: E402
+from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
+
+PORTS = (7591, 7592)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600)
+
+
+def launch(kind: str, size: int, work: Path) -> tuple[int, Path]:
+    log = work / "w.log"
+    log.unlink(missing_ok=True)
+    if kind == "gpu":
+        cmd, ready = [sys.executable, str(ROOT / "tests/workloads/gpu_hold.py"), str(log), str(size / 1024)], "step "
+    else:
+        cmd, ready = [sys.executable, str(ROOT / "tests/workloads/stateful.py"), str(log), str(size)], "tick "
+    out = cli("launch", "--stdout", str(work / "w.out"), "--", *cmd)
+    assert out.returncode == 0, out.stderr
+    wait_until(lambda: log.exists() and ready in log.read_text(), "the workload to start", 900)
+    return int(out.stdout), log
+
+
+def agents(work: Path, secret: Path) -> list[subprocess.Popen[bytes]]:
+    procs = []
+    for i, port in enumerate(PORTS):
+        d = work / f"agent{i}"
+        d.mkdir()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "serve", "--listen", f"127.0.0.1:{port}", "--advertise", "127.0.0.1",
+             "--node", f"bench{i}", "--work-dir", str(d), "--metrics-listen", "", "--secret-file", str(secret)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(d / "log", "wb")))  # fmt: skip
+    time.sleep(3)
+    return procs
+
+
+def tpagent_round(kind: str, size: int, work: Path, secret: Path) -> dict[str, float]:
+    pid, _ = launch(kind, size, work)
+    env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret)}
+    out = cli("migrate", str(pid), "--from", f"127.0.0.1:{PORTS[0]}", "--to", f"127.0.0.1:{PORTS[1]}", "--json", env=env)
+    assert out.returncode == 0, out.stderr + out.stdout
+    doc = json.loads(out.stdout)
+    kill_and_wait(doc["new_pid"])
+    return {"tpagent_" + k: v for k, v in doc["timings"].items()} | {"tpagent_total": doc["seconds"]}
+
+
+def naive_round(kind: str, size: int, work: Path) -> dict[str, float]:
+    pid, _ = launch(kind, size, work)
+    criu, a, b = Criu(), work / "naive-a", work / "naive-b"
+    a.mkdir()
+    t0 = time.monotonic()
+    criu.dump(pid, a, a, DumpOptions(namespace=True), 3600)
+    t1 = time.monotonic()
+    subprocess.run(["cp", "-a", str(a), str(b)], check=True)
+    t2 = time.monotonic()
+    new = criu.restore(b, b, RestoreOptions(namespace=True), 3600)
+    t3 = time.monotonic()
+    kill_and_wait(new)
+    shutil.rmtree(a)
+    shutil.rmtree(b)
+    return {"naive_dump": t1 - t0, "naive_copy": t2 - t1, "naive_restore": t3 - t2, "naive_downtime": t3 - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mib", default="1024,4096")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
+    ap.add_argument("--gpu", action="store_true")
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args()
+    kind = "gpu" if args.gpu else "cpu"
+    results = []
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="tpagent-bench-") as d:
+        work = Path(d)
+        secret = work / "secret"
+        secret.write_text(os.urandom(24).hex())
+        procs = agents(work, secret)
+        try:
+            for size in (int(x) for x in args.sizes_mib.split(",")):
+                rounds = []
+                for _ in range(args.repeats):  # interleaved: drift hits both routes alike
+                    rounds.append(tpagent_round(kind, size, work, secret) | naive_round(kind, size, work))
+                keys = sorted({k for r in rounds for k in r})
+                med = {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in keys}
+                results.append({"kind": kind, "size_mib": size, "repeats": args.repeats, **med,
+                                "downtime_ratio_to_naive": med["tpagent_downtime"] / med["naive_downtime"]})  # fmt: skip
+        finally:
+            for p in procs:
+                p.terminate()
+                p.wait(60)
+    cols = ["tpagent_freeze", "tpagent_freeze_and_send", "tpagent_restore", "tpagent_downtime", "naive_dump", "naive_copy", "naive_restore", "naive_downtime"]
+    print(f"{'size':>8} " + " ".join(f"{c:>24}" for c in cols) + f" {'x naive':>8}")
+    for r in results:
+        print(f"{r['size_mib']:>6}Mi " + " ".join(f"{r.get(c, 0.0):>24.2f}" for c in cols) + f" {r['downtime_ratio_to_naive']:>8.2f}")
+    doc = {"benchmark": "migrate", "dir": str(args.dir), "results": results}
+    print(json.dumps(doc))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(doc, indent=2))
+
+
+if __name__ == "__main__":
+    main()
