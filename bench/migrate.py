@@ -8,7 +8,7 @@ under `tpagent launch` and moved with `tpagent migrate`; the downtime is from th
 until the copy runs on the target (the agent's ``downtime`` timing), next to each stage.
 In the same run, the naive route on the same workload: bare `criu dump` into a directory,
 `cp -a` of that directory, bare `criu restore` (its downtime is the sum).  Medians over
---repeats.  --gpu: the state is GPU memory (tests/workloads/gpu_hold.py), sizes in MiB of
+--repeats, each route after the same memory warm-up (see ``warm``).  --gpu: the state is GPU memory (tests/workloads/gpu_hold.py), sizes in MiB of
 GPU memory.  Must run as root.  Prints a table, then one JSON object.
 """
 
@@ -64,6 +64,13 @@ def agents(work: Path, secret: Path) -> list[subprocess.Popen[bytes]]:
     return procs
 
 
+def warm(mib: int) -> None:
+    """Touch and free this much memory first.  In a VM, memory the guest has not touched yet
+    comes several times slower than memory it freed a moment ago (the first touch goes to
+    the hypervisor): without this, whichever route runs first pays for it."""
+    subprocess.run([sys.executable, "-c", f"b = bytearray({mib} << 20); b[::4096] = bytes(len(b) // 4096)"], check=True)
+
+
 def tpagent_round(kind: str, size: int, work: Path, secret: Path) -> dict[str, float]:
     pid, _ = launch(kind, size, work)
     env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret)}
@@ -110,7 +117,10 @@ def main() -> None:
             for size in (int(x) for x in args.sizes_mib.split(",")):
                 rounds = []
                 for _ in range(args.repeats):  # interleaved: drift hits both routes alike
-                    rounds.append(tpagent_round(kind, size, work, secret) | naive_round(kind, size, work))
+                    warm(4 * size)
+                    t = tpagent_round(kind, size, work, secret)
+                    warm(4 * size)
+                    rounds.append(t | naive_round(kind, size, work))
                 keys = sorted({k for r in rounds for k in r})
                 med = {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in keys}
                 results.append({"kind": kind, "size_mib": size, "repeats": args.repeats, **med,

@@ -38,12 +38,12 @@ class Node:
         return ["ip", "netns", "exec", self.name, *args]
 
     def start_agent(self, **settings: str) -> None:
+        settings = {"metrics_listen": "", **settings}  # (no metrics unless a test asks)
         env = {**os.environ, **self.env, **{f"TPAGENT_{k.upper()}": v for k, v in settings.items()}}
         log = open(self.work / "agent.log", "ab")
         self.agent = subprocess.Popen(
             self.exec(sys.executable, "-m", "cli.main", "serve", "--listen", self.agent_address, "--advertise", self.addr,
-                      "--node", self.name, "--work-dir", str(self.work / "agent"), "--metrics-listen", "",
-                      "--secret-file", str(self.secret)),
+                      "--node", self.name, "--work-dir", str(self.work / "agent"), "--secret-file", str(self.secret)),
             cwd=ROOT, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         log.close()

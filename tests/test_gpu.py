@@ -77,13 +77,20 @@ def test_gpu_process_dump_restore_bit_exact(tmp_path: Path, gib: int) -> None:
             popen.wait(timeout=30)
 
 
-def test_gpu_process_in_launched_namespace(tmp_path: Path) -> None:
+def _launch_hold(tmp_path: Path, gib: int) -> tuple[int, Path]:
+    """gpu_hold.py under `tpagent launch`: the namespace's PID and the workload's log."""
     from helpers import tpagent
 
     log = tmp_path / "gpu.log"
-    proc = tpagent("launch", "--stdout", str(tmp_path / "gpu.out"), "--", sys.executable, str(HOLD), str(log), "1")
+    proc = tpagent("launch", "--stdout", str(tmp_path / "gpu.out"), "--", sys.executable, str(HOLD), str(log), str(gib))
     assert proc.returncode == 0, proc.stderr
-    root = int(proc.stdout)
+    return int(proc.stdout), log
+
+
+def test_gpu_process_in_launched_namespace(tmp_path: Path) -> None:
+    from helpers import tpagent
+
+    root, log = _launch_hold(tmp_path, 1)
     try:
         wait_until(lambda: len(_steps(log)) > 5, "the GPU workload to start", 300)
         dump = tpagent("dump", str(root), "--out", str(tmp_path / "snap"))
@@ -101,3 +108,44 @@ def test_gpu_process_in_launched_namespace(tmp_path: Path) -> None:
     finally:
         if alive(root):
             kill_and_wait(root)
+
+
+def test_gpu_process_migrates_between_two_agents(tmp_path: Path) -> None:
+    """Two agents on this one machine (two ports): an 8 GiB GPU process moves from one to the
+    other under `tpagent migrate`, its GPU data bit-exact; each stage's time is printed."""
+    import json
+
+    import psutil
+
+    from helpers import ROOT
+
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(24).hex())
+    agents = []
+    for i, port in enumerate((7581, 7582)):
+        (tmp_path / f"agent{i}").mkdir()
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "serve", "--listen", f"127.0.0.1:{port}", "--advertise", "127.0.0.1",
+             "--node", f"gpu{i}", "--work-dir", str(tmp_path / f"agent{i}"), "--metrics-listen", "", "--secret-file", str(secret)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"agent{i}.log", "wb")))  # fmt: skip
+    root, log = _launch_hold(tmp_path, 8)
+    try:
+        wait_until(lambda: len(_steps(log)) > 5, "the GPU workload to start", 300)
+        env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret)}
+        mig = subprocess.run([sys.executable, "-m", "cli.main", "migrate", str(root), "--from", "127.0.0.1:7581", "--to", "127.0.0.1:7582", "--json"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+        assert mig.returncode == 0, mig.stderr + (tmp_path / "agent0.log").read_text()[-3000:]
+        doc = json.loads(mig.stdout)
+        print("GPU migration timings:", json.dumps(doc["timings"]), "total", doc["seconds"])
+        root = doc["new_pid"]
+        stopped = _steps(log)[-1]
+        wait_until(lambda: _steps(log)[-1] > stopped + 5, "the migrated workload to step on", 120)
+        steps = _steps(log)
+        assert steps == list(range(len(steps)))
+        _verify(psutil.Process(root).children()[0].pid, log)
+    finally:
+        if alive(root):
+            kill_and_wait(root)
+        for a in agents:
+            a.terminate()
+            a.wait(60)

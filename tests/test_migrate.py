@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -210,3 +212,26 @@ def test_two_migrations_of_one_process_at_once(cluster: Cluster, big: Ticker) ->
     assert first.returncode == 0, err
     big.pid = json.loads(out)["new_pid"]
     big.assert_one_copy_continuous()
+
+
+def test_agent_reports_node_processes_and_metrics(cluster: Cluster, ticker: Ticker, tmp_path: Path) -> None:
+    """Info and ListProcesses over the authenticated API; Prometheus text after a migration."""
+    from tpagent.rpc import pb, stub
+
+    a = cluster.nodes["A"]
+    a.kill_agent(signal.SIGTERM)
+    a.start_agent(metrics_listen=f"{a.addr}:9400")
+    agent = stub(a.agent_address, cluster.secret.read_bytes().strip())
+    info = agent.Info(pb.Empty(), timeout=10)
+    assert info.node == a.name and info.healthy and info.criu_version.startswith("4.")
+    listed = {p.pid: p.why for p in agent.ListProcesses(pb.Empty(), timeout=10).processes}
+    assert listed.get(ticker.pid) == "launched"
+    proc = cluster.migrate(ticker.pid, "A", "B", "--json")
+    assert proc.returncode == 0, proc.stderr
+    ticker.pid = json.loads(proc.stdout)["new_pid"]
+    scrape = subprocess.run(a.exec(sys.executable, "-c", f"import urllib.request; print(urllib.request.urlopen('http://{a.addr}:9400/metrics').read().decode())"),
+                            capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert 'tpagent_migrations_total{outcome="done"} 1.0' in scrape.stdout
+    assert 'tpagent_stage_seconds_count{stage="restore"} 1.0' in scrape.stdout
+    sent = [ln for ln in scrape.stdout.splitlines() if ln.startswith('tpagent_transfer_bytes_total{direction="sent"}')]
+    assert sent and float(sent[0].split()[-1]) > 0
