@@ -12,7 +12,8 @@ TPAGENT_HOOK_FAIL (tests: fail after the checksums).  Errors go to ``log/hook.er
 
 With TPAGENT_HOOK_HOLD (seconds), the hook then holds the sealed, frozen tree until a
 decision appears in ``log/decision`` (:func:`decide`): ``commit`` lets CRIU finish the dump
-as asked, ``abort`` (or a cancel, or no decision in time) makes CRIU roll back.  A migration
+as asked, ``abort`` (or a cancel, or no decision in time) makes CRIU roll back.  Once
+:func:`pin`\ ned (a copy may run elsewhere) only a decision ends the wait.  A migration
 holds the original this way until its copy runs elsewhere.
 """
 
@@ -39,6 +40,7 @@ CANCEL_FILE = "cancel"
 DECISION_FILE = "decision"
 #: Written (in log/) once the snapshot is sealed and the hook holds the tree.
 HELD_FILE = "held"
+PINNED_FILE = "pinned"
 
 
 def decide(out: Path, commit: bool) -> None:
@@ -48,15 +50,22 @@ def decide(out: Path, commit: bool) -> None:
     tmp.rename(out / "log" / DECISION_FILE)
 
 
+def pin(out: Path) -> None:
+    """From now on the hook waits for a decision however long it takes: a copy of the tree
+    may be running elsewhere, and resuming the original on a timeout could make two."""
+    (out / "log" / PINNED_FILE).touch()
+
+
 def hold(out: Path, seconds: float) -> None:
     """Wait for :func:`decide`; anything but a commit raises, which makes CRIU roll back."""
     (out / "log" / HELD_FILE).touch()
     decision = out / "log" / DECISION_FILE
     deadline = time.monotonic() + seconds
     while not decision.exists():
-        _check_cancel(out)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no decision within {seconds:.0f} s: rolled back")
+        if not (out / "log" / PINNED_FILE).exists():
+            _check_cancel(out)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no decision within {seconds:.0f} s: rolled back")
         time.sleep(0.02)
     if decision.read_text() != "commit":
         raise RuntimeError("the migration was aborted: rolled back")

@@ -19,7 +19,7 @@ import pytest
 from proxy import Proxy
 from snapshot.manifest import Manifest, checksum_files, load
 from snapshot.proc import ProcInfo
-from transfer.api import AuthError, Compress, IntegrityError, TransferConfig, TransferError, TransferStats, Transport
+from transfer.api import AuthError, Channel, Compress, IntegrityError, Listener, TransferConfig, TransferError, TransferStats, Transport
 from transfer.stream import Receiver, Sender
 from transfer.tcp import TcpTransport
 from transfer.ucx import UcxTransport
@@ -143,6 +143,67 @@ def test_dead_path_fails_cleanly_and_keeps_nothing(tcp: Transport, make_proxy: C
     assert isinstance(result, TransferError)  # the stream ended before its trailer
     assert not (tmp_path / "dst").exists()
     assert not list(tmp_path.glob(".dst.partial-*"))
+
+
+class Harm(Transport):
+    """The sender's side of a real transport, harming the first data stream's bytes once: a
+    byte flipped (``flip_at``) or the connection dropped (``cut_at``), counted from its first
+    byte.  The proxy does this for TCP; UCX picks its own connections, so here it is done
+    inside the sending process, on the same real UCX connections."""
+
+    def __init__(self, inner: Transport, flip_at: int | None = None, cut_at: int | None = None) -> None:
+        self.inner, self.flip_at, self.cut_at = inner, flip_at, cut_at
+        self.name, self.connects, self.harmed = inner.name, 0, False
+
+    def listen(self, address: str) -> Listener:
+        return self.inner.listen(address)
+
+    def connect(self, address: str, timeout: float) -> Channel:
+        ch = self.inner.connect(address, timeout)
+        self.connects += 1
+        return _HarmedChannel(ch, self) if self.connects == 2 else ch  # 1 is the control stream
+
+
+class _HarmedChannel(Channel):
+    def __init__(self, ch: Channel, harm: Harm) -> None:
+        self.ch, self.harm, self.sent = ch, harm, 0
+
+    def send(self, *parts: bytes | memoryview) -> None:
+        data = bytearray(b"".join(parts))
+        h = self.harm
+        if not h.harmed and h.flip_at is not None and self.sent <= h.flip_at < self.sent + len(data):
+            data[h.flip_at - self.sent] ^= 0xFF
+            h.harmed = True
+        if not h.harmed and h.cut_at is not None and self.sent + len(data) > h.cut_at:
+            h.harmed = True
+            self.ch.close()
+            raise TransferError("connection cut (injected)")
+        self.sent += len(data)
+        self.ch.send(data)
+
+    def recv_exact(self, n: int) -> bytes | bytearray:
+        return self.ch.recv_exact(n)
+
+    def set_timeout(self, seconds: float | None) -> None:
+        self.ch.set_timeout(seconds)
+
+    def close(self) -> None:
+        self.ch.close()
+
+
+@pytest.mark.parametrize("fault", ["flip", "cut"])
+def test_faults_on_every_transport(transport: Transport, tmp_path: Path, fault: str) -> None:
+    """A flipped byte is caught and the chunk fetched again; a dropped stream reconnects and
+    goes on from the last acknowledged chunk.  On TCP and on UCX alike."""
+    src = make_snapshot(tmp_path / "src", "random", 20)
+    rx = Receiving(transport, tmp_path / "dst")
+    harm = Harm(transport, flip_at=(3 << 20) if fault == "flip" else None, cut_at=(10 << 20) if fault == "cut" else None)
+    stats = _send(harm, src, rx.receiver.address, compress=Compress.NONE, streams=1, window=2, chunk_size=8 << 20)
+    assert isinstance(rx.join(), TransferStats)
+    assert harm.harmed and digests(tmp_path / "dst") == digests(src)
+    assert stats.bytes_wire < 1.6 * stats.bytes_raw  # one chunk again, not the whole snapshot
+    if fault == "cut":
+        assert harm.connects >= 3  # control, the cut stream, its reconnection
 
 
 def test_wrong_secret_is_refused_and_logged(transport: Transport, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -412,6 +412,7 @@ class _SourceMigration:
             self.move(State.FREEZING, f"freezing PID {self.pid} and streaming it to {self.target}")
             stats = self._freeze_and_send(reply.transfer_address)
             self.move(State.HELD, f"{stats.bytes_raw / 2**20:.1f} MiB arrived verified; the original is frozen, resumable")
+            hook.pin(self.snapshot)  # the copy may start now: no timeout may resume the original any more
             self.move(State.RESTORING, "restoring on the target")
             t = time.monotonic()
             restored = self._restore(target)
@@ -444,6 +445,7 @@ class _SourceMigration:
             raise _Failure(str(e)) from e
         pids = {p.pid for p in tree}
         used = [g for g in gpus.inventory() if pids & set(g.pids)]
+        self.record.cuda_pids = sorted(pids & {pid for g in used for pid in g.pids})  # to give back on a restart
         need += sum(g.memory_used for g in used)
         open_files = self._open_files(tree)
         shared = [f"{f}:{Path(f).stat().st_size}" for f in open_files if self._is_shared(f)]
@@ -641,6 +643,15 @@ def _recover_source(agent: Agent, r: Record) -> None:
         if (snap / "log").is_dir():
             hook.decide(snap, commit=False)  # the hook still holds the tree: CRIU rolls it back
         _wait_released(snap)
+        try:  # if CRIU itself died, what it froze may still be stopped
+            root = psutil.Process(r.pid)
+            proc.signal_tree([r.pid, *(c.pid for c in root.children(recursive=True))], signal.SIGCONT)
+        except psutil.NoSuchProcess:
+            pass
+        if r.cuda_pids:  # CRIU gave back the CPU side; the GPU side waits in host memory
+            from snapshot.cuda import CudaDriver
+
+            engine.resume([], [p for p in r.cuda_pids if proc.alive(p)], CudaDriver())
         r.state = State.ROLLED_BACK
         r.message = "rolled back after the agent restarted; the original runs where it stood"
     agent.journal.write(r)
