@@ -140,3 +140,59 @@ def _report(last: Any, as_json: bool, dry_run: bool) -> int:
             typer.echo(f"  {stage:<24} {seconds:8.2f} s")
         typer.echo(("ok: " if ok else "FAILED: ") + (last.message or last.state))
     return EXIT_OK if ok else EXIT_FAILED
+
+
+AgentOpt = Annotated[str, typer.Option("--agent", envvar="TPAGENT_AGENT", help="HOST:PORT of the agent to ask.")]
+
+
+def _call(agent: str, secret_file: Path | None, method: str, request: Any) -> Any:
+    from cli.main import _secret
+    from tpagent.rpc import stub
+
+    try:
+        return getattr(stub(agent, _secret(secret_file)), method)(request, timeout=30)
+    except UsageError as e:
+        _die(str(e), EXIT_USAGE)
+    except grpc.RpcError as e:
+        code = EXIT_USAGE if e.code() in _USAGE_CODES else EXIT_FAILED
+        _die(f"the agent at {agent}: {e.details()}", code)
+
+
+def status(
+    migration_id: Annotated[str, typer.Argument(help="The migration's id (tpagent migrate prints it with --json).")],
+    agent: AgentOpt = "127.0.0.1:7400",
+    secret_file: SecretOpt = None,
+) -> None:
+    """Where a migration stands, as the agent's journal says."""
+    from tpagent.rpc import pb
+
+    s = _call(agent, secret_file, "Status", pb.MigrationRef(migration_id=migration_id))
+    typer.echo(json.dumps({"migration_id": s.migration_id, "state": s.state, "message": s.message, "pid": s.pid}, indent=2))
+
+
+def cancel(
+    migration_id: Annotated[str, typer.Argument(help="The migration to stop (rolled back if not yet past the point of no return).")],
+    agent: AgentOpt = "127.0.0.1:7400",
+    secret_file: SecretOpt = None,
+) -> None:
+    """Cancel a migration on its source agent: the process runs on where it stood."""
+    from tpagent.rpc import pb
+
+    s = _call(agent, secret_file, "Cancel", pb.MigrationRef(migration_id=migration_id))
+    typer.echo(f"migration {s.migration_id}: {s.state} {s.message}".rstrip())
+
+
+def node(agent: AgentOpt = "127.0.0.1:7400", secret_file: SecretOpt = None) -> None:
+    """An agent's node: versions, health, GPUs, free memory, and its migratable processes."""
+    from tpagent.rpc import pb
+
+    info = _call(agent, secret_file, "Info", pb.Empty())
+    procs = _call(agent, secret_file, "ListProcesses", pb.Empty())
+    doc = {
+        "node": info.node, "hostname": info.hostname, "healthy": info.healthy, "problems": list(info.problems),
+        "agent_version": info.agent_version, "criu_version": info.criu_version, "driver_version": info.driver_version,
+        "memory_available": info.memory_available,
+        "gpus": [{"uuid": g.uuid, "name": g.name, "memory_used": g.memory_used, "memory_total": g.memory_total} for g in info.gpus],
+        "migratable": [{"pid": p.pid, "why": p.why, "rss": p.rss, "cmdline": list(p.cmdline)} for p in procs.processes],
+    }  # fmt: skip
+    typer.echo(json.dumps(doc, indent=2))

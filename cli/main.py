@@ -333,6 +333,9 @@ def receive(
 
 app.command()(agent_cmds.serve)
 app.command()(agent_cmds.migrate)
+app.command()(agent_cmds.status)
+app.command()(agent_cmds.cancel)
+app.command()(agent_cmds.node)
 
 
 def run() -> None:

@@ -4,6 +4,7 @@ goes on from where it stood; on every failure exactly one copy runs, with its st
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,11 +15,17 @@ import pytest
 
 from cluster import Cluster, Ticker
 from conftest import needs_criu
-from helpers import assert_one_sentence_error, kill_and_wait, wait_until
+from helpers import ROOT, assert_one_sentence_error, kill_and_wait, wait_until
 from proxy import Proxy
 from snapshot.criu import Criu
 
 pytestmark = needs_criu
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc
 
 
 @pytest.fixture
@@ -215,20 +222,19 @@ def test_two_migrations_of_one_process_at_once(cluster: Cluster, big: Ticker) ->
 
 
 def test_agent_reports_node_processes_and_metrics(cluster: Cluster, ticker: Ticker, tmp_path: Path) -> None:
-    """Info and ListProcesses over the authenticated API; Prometheus text after a migration."""
-    from tpagent.rpc import pb, stub
-
+    """`tpagent node` (Info, ListProcesses), `tpagent status`; Prometheus text after a migration."""
     a = cluster.nodes["A"]
     a.kill_agent(signal.SIGTERM)
     a.start_agent(metrics_listen=f"{a.addr}:9400")
-    agent = stub(a.agent_address, cluster.secret.read_bytes().strip())
-    info = agent.Info(pb.Empty(), timeout=10)
-    assert info.node == a.name and info.healthy and info.criu_version.startswith("4.")
-    listed = {p.pid: p.why for p in agent.ListProcesses(pb.Empty(), timeout=10).processes}
-    assert listed.get(ticker.pid) == "launched"
+    env = {"TPAGENT_SECRET_FILE": str(cluster.secret), "TPAGENT_AGENT": a.agent_address}
+    info = json.loads(_cli("node", env=env).stdout)
+    assert info["node"] == a.name and info["healthy"] and info["criu_version"].startswith("4.")
+    assert {p["pid"]: p["why"] for p in info["migratable"]}.get(ticker.pid) == "launched"
     proc = cluster.migrate(ticker.pid, "A", "B", "--json")
     assert proc.returncode == 0, proc.stderr
-    ticker.pid = json.loads(proc.stdout)["new_pid"]
+    doc = json.loads(proc.stdout)
+    ticker.pid = doc["new_pid"]
+    assert json.loads(_cli("status", doc["migration_id"], env=env).stdout)["state"] == "done"
     scrape = subprocess.run(a.exec(sys.executable, "-c", f"import urllib.request; print(urllib.request.urlopen('http://{a.addr}:9400/metrics').read().decode())"),
                             capture_output=True, text=True, timeout=30)  # fmt: skip
     assert 'tpagent_migrations_total{outcome="done"} 1.0' in scrape.stdout
