@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,9 +36,9 @@ def serve(
 ) -> None:
     """Run the node agent (as the systemd service does) until SIGTERM."""
     from tpagent import config as config_mod
-    from tpagent.serve import serve as run_server
+    from tpagent.serve import serve as run_server, structured_logs
 
-    logging.getLogger().setLevel(logging.INFO)
+    structured_logs()
     try:
         cfg = config_mod.load(config, listen=listen, advertise=advertise, node=node, work_dir=work_dir,
                               metrics_listen=metrics_listen, secret_file=secret_file)  # fmt: skip
@@ -98,8 +97,9 @@ def migrate(
 def _show(event: Any, shown: str) -> str:
     if event.bytes_total:
         rate = event.bytes_done / max(event.seconds, 1e-6)
+        eta = (event.bytes_total - event.bytes_done) / rate if rate else 0.0  # (still growing while CRIU writes)
         typer.echo(f"\r  {event.state:<12} {event.bytes_done / 2**20:9.1f} / {event.bytes_total / 2**20:.1f} MiB  "
-                   f"{rate / 1e9:5.2f} GB/s", err=True, nl=False)  # fmt: skip
+                   f"{rate / 1e9:5.2f} GB/s  ETA {eta:5.1f} s", err=True, nl=False)  # fmt: skip
         return shown
     if event.message and event.message != shown:
         typer.echo(f"\n  {event.state:<12} {event.message}" if shown else f"  {event.state:<12} {event.message}", err=True)

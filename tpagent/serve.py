@@ -8,6 +8,7 @@ and grpc.health.v1, and exposes Prometheus metrics.  On SIGTERM: health NOT_SERV
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -24,6 +25,28 @@ from tpagent.rpc import MAX_MESSAGE, AuthInterceptor, pb_grpc
 
 log = logging.getLogger(__name__)
 GRACE = 30.0
+
+
+class JsonLines(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and the node and migration
+    the record is about (set by the agent's log adapters)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        for key in ("node", "migration"):
+            if hasattr(record, key):
+                doc[key] = getattr(record, key)
+        if record.exc_info:
+            doc["error"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def structured_logs(level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLines())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
 
 
 def serve(cfg: AgentConfig, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
@@ -53,7 +76,7 @@ def serve(cfg: AgentConfig, ready: threading.Event | None = None, stop: threadin
     server.start()
     for name in ("", "tpagent.v1.Agent"):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("tpagent agent %s serving on %s", cfg.node, cfg.listen, extra={"node": cfg.node})
+    log.info("serving on %s", cfg.listen, extra={"node": cfg.node})
     if ready is not None:
         ready.set()
     try:
@@ -63,4 +86,4 @@ def serve(cfg: AgentConfig, ready: threading.Event | None = None, stop: threadin
             health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         server.stop(GRACE)
         server.wait_for_termination(GRACE)
-        log.info("tpagent agent %s stopped", cfg.node)
+        log.info("stopped", extra={"node": cfg.node})
