@@ -110,7 +110,7 @@ class Criu:
         return ".".join(map(str, self.version))
 
     def _run(
-        self, args: list[str], timeout: float, env: Mapping[str, str] | None = None
+        self, args: list[str], timeout: float | None, env: Mapping[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
         """Run criu to completion.  A Ctrl-C is held back until CRIU is done: a CRIU killed
         while its parasite code runs inside the workload would take the workload down, and
@@ -143,7 +143,7 @@ class Criu:
             raise CriuError("criu check failed", detail=out[-500:], code=proc.returncode)
         return out.splitlines()[-1] if out else "ok"
 
-    def dump(self, pid: int, images: Path, work: Path, opts: DumpOptions, timeout: float) -> None:
+    def dump(self, pid: int, images: Path, work: Path, opts: DumpOptions, timeout: float | None) -> None:
         """Dump the tree of ``pid`` into ``images``; CRIU's log and stats go to ``work``."""
         args = ["dump", "-t", str(pid), "-D", str(images), "-W", str(work), "-o", "dump.log", "-v4"]
         args += [] if opts.finish is DumpMode.KILL else [f"--{opts.finish.value}"]  # --leave-running / --leave-stopped

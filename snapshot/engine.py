@@ -230,7 +230,7 @@ def checkpoint(
         # the hook has sealed the snapshot, CRIU finishes and the interrupt came too late.
         with proc.deferred_sigint(on_interrupt=cancel.touch) as interrupt:
             try:
-                criu.dump(pid, out / IMAGES_DIR, out / LOG_DIR, opts, t.dump + (config.hold or 0.0))
+                criu.dump(pid, out / IMAGES_DIR, out / LOG_DIR, opts, t.dump if config.hold is None else None)
             except CriuError as e:
                 sealing = out / LOG_DIR / hook.ERROR_FILE
                 if sealing.exists():
@@ -347,9 +347,11 @@ def restore(
     progress: ProgressFn = quiet,
     cuda_factory: CudaFactory = CudaDriver,
     verified: bool = False,
+    work: Path | None = None,
 ) -> RestoreResult:
     """Restore ``directory``.  ``verified``: its checksums were just checked (a receiver does
-    that as the data arrives), so only the manifest is read again."""
+    that as the data arrives), so only the manifest is read again.  ``work``: CRIU's work
+    directory (its log and ``restore.pid``), for a caller that must find them after a crash."""
     require_root()
     timer = _Timer(progress, config.fail_after)
     with timer.stage(Stage.VERIFY):
@@ -374,7 +376,10 @@ def restore(
         proc.wait_pids_free([p.pid for p in m.processes], config.timeouts.pid_wait)
     opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), m.namespace)
     created = _put_back(directory, m)
-    work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
+    if work is None:
+        work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
+    else:
+        work.mkdir(parents=True, exist_ok=True)
     try:
         with timer.stage(Stage.CRIU_RESTORE):
             root = criu.restore(directory / IMAGES_DIR, work, opts, config.timeouts.restore)

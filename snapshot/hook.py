@@ -27,6 +27,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -41,6 +42,7 @@ DECISION_FILE = "decision"
 #: Written (in log/) once the snapshot is sealed and the hook holds the tree.
 HELD_FILE = "held"
 PINNED_FILE = "pinned"
+PINNED_ACK = "pinned.ack"
 
 
 def decide(out: Path, commit: bool) -> None:
@@ -50,10 +52,18 @@ def decide(out: Path, commit: bool) -> None:
     tmp.rename(out / "log" / DECISION_FILE)
 
 
-def pin(out: Path) -> None:
+def pin(out: Path, alive: Callable[[], bool], seconds: float = 30.0) -> bool:
     """From now on the hook waits for a decision however long it takes: a copy of the tree
-    may be running elsewhere, and resuming the original on a timeout could make two."""
+    may be running elsewhere, and resuming the original on a timeout could make two.  True
+    once the holding hook has seen it; False if it did not (``alive()`` turned False: the
+    hook, or CRIU, already let the tree go), and then no copy may be started."""
     (out / "log" / PINNED_FILE).touch()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and alive():
+        if (out / "log" / PINNED_ACK).exists():
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def hold(out: Path, seconds: float) -> None:
@@ -62,7 +72,9 @@ def hold(out: Path, seconds: float) -> None:
     decision = out / "log" / DECISION_FILE
     deadline = time.monotonic() + seconds
     while not decision.exists():
-        if not (out / "log" / PINNED_FILE).exists():
+        if (out / "log" / PINNED_FILE).exists():
+            (out / "log" / PINNED_ACK).touch()  # the pinner waits for this before a copy may start
+        else:
             _check_cancel(out)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no decision within {seconds:.0f} s: rolled back")

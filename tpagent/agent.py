@@ -131,7 +131,9 @@ class Agent(AgentServicer):  # type: ignore[misc]
         except Refused as e:
             context.abort(e.code, str(e))
         # The CLI going away (Ctrl-C) cancels the migration, unless it is past the point of no return.
-        context.add_callback(lambda: m.cancel("the tpagent migrate command went away (interrupted)"))
+        if not context.add_callback(lambda: m.cancel("the tpagent migrate command went away (interrupted)")):
+            m.cancel("the tpagent migrate command went away before it started")
+        threading.Thread(target=m.run, name=f"migrate-{m.pid}", daemon=True).start()
         while True:
             event = m.events.get()
             if event is None:
@@ -152,13 +154,21 @@ class Agent(AgentServicer):  # type: ignore[misc]
                 "`tpagent launch`, and matches no allow_commands entry.",
                 grpc.StatusCode.PERMISSION_DENIED,
             )
+        try:
+            root = psutil.Process(pid)
+            tree = {pid, *(c.pid for c in root.children(recursive=True))}
+            create_time = root.create_time()
+        except psutil.NoSuchProcess as e:
+            raise Refused(f"there is no process with PID {pid} on {self.cfg.node}.", grpc.StatusCode.NOT_FOUND) from e
         with self.lock:
-            if pid in self.active:
-                raise Refused(f"PID {pid} is already being migrated (migration {self.active[pid]}).", grpc.StatusCode.ALREADY_EXISTS)
+            busy = sorted(tree & set(self.active))
+            if busy:  # the whole tree: a parent and its GPU child are one migration
+                raise Refused(f"PID {pid} is already being migrated (migration {self.active[busy[0]]}).", grpc.StatusCode.ALREADY_EXISTS)
             m = _SourceMigration(self, pid, target, dry_run)
-            self.active[pid] = m.record.migration_id
+            m.tree_pids, m.record.create_time = sorted(tree), create_time
+            for p in tree:
+                self.active[p] = m.record.migration_id
             self.sources[m.record.migration_id] = m
-        threading.Thread(target=m.run, name=f"migrate-{pid}", daemon=True).start()
         return m
 
     def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -185,13 +195,18 @@ class Agent(AgentServicer):  # type: ignore[misc]
         mid = request.migration_id
         if not valid_id(mid):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad migration id")
+        if request.source_node == self.cfg.node or mid in self.sources:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.cfg.node} is the source of this migration; give another node as the target")
         problems = self.target_problems(request)
         if problems or request.dry_run:
             return pb.ReceiveReply(problems=problems)
         with self.lock:
-            if mid in self.receivers:
-                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"migration {mid} is already being received")
-            inc = _Incoming(self, mid, request.source_node)
+            if mid in self.receivers or self.journal.read(mid) is not None:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"migration {mid} is already known here")
+            try:
+                inc = _Incoming(self, mid, request.source_node)
+            except TransferError as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.cfg.node} cannot receive: {e}")
             inc.gpu_map = self.gpu_map(list(request.gpu_uuids))
             self.receivers[mid] = inc
         return pb.ReceiveReply(transfer_address=inc.address, gpu_map=inc.gpu_map)
@@ -214,7 +229,7 @@ class Agent(AgentServicer):  # type: ignore[misc]
             path, _, size = entry.rpartition(":")
             try:
                 have = Path(path).stat().st_size
-            except OSError:
+            except (OSError, ValueError):
                 problems.append(f"{path} (on a shared path) is missing on {self.cfg.node}")
                 continue
             if str(have) != size:
@@ -241,10 +256,12 @@ class Agent(AgentServicer):  # type: ignore[misc]
         inc = self.receivers.get(request.migration_id)
         if inc is None:  # this agent restarted since: only the journal knows the migration
             r = self._record(request.migration_id, context)
-            if r.state is State.RUNNING:
-                if not request.commit:
-                    kill_tree(r.pid)
-                self.journal.move(r, State.DONE if request.commit else State.DISCARDED, "decided by the source")
+            with self.lock:
+                r = self.journal.read(r.migration_id) or r
+                if r.state is State.RUNNING:
+                    if not request.commit:
+                        kill_tree(r.pid)
+                    self.journal.move(r, State.DONE if request.commit else State.DISCARDED, "decided by the source")
             return pb.MigrationStatus(migration_id=r.migration_id, state=r.state.value, message=r.message, pid=r.pid)
         inc.finish(bool(request.commit))
         r = inc.record
@@ -257,7 +274,9 @@ class Agent(AgentServicer):  # type: ignore[misc]
         for r in self.journal.unfinished():
             try:
                 if r.role == "source":
-                    _recover_source(self, r)
+                    with self.lock:
+                        self.active[r.pid] = r.migration_id  # frozen, not to be migrated again meanwhile
+                    threading.Thread(target=_resolve_source, args=(self, r), daemon=True).start()
                 else:
                     _recover_target(self, r)
             except Exception as e:  # one bad record must not stop the agent
@@ -265,20 +284,24 @@ class Agent(AgentServicer):  # type: ignore[misc]
 
 
 class _Incoming:
-    """The target's side of one migration."""
+    """The target's side of one migration.
+
+    Restore runs outside the lock, so that an abort arriving meanwhile is taken at once (as
+    ``abort_requested``) rather than queued: the restore then kills the copy it made."""
 
     def __init__(self, agent: Agent, mid: str, source: str) -> None:
         self.agent = agent
         self.dir = agent.cfg.work_dir / "incoming" / mid
         self.dir.parent.mkdir(parents=True, exist_ok=True)
-        self.record = Record(mid, "target", State.RECEIVING, peer=source, snapshot=str(self.dir))
-        agent.journal.write(self.record)
         self.receiver = Receiver(_transport(agent.cfg), _transfer_config(agent), f"{agent.cfg.advertised_host}:{agent.cfg.transfer_port}")
         self.address = agent.cfg.transfer_address or self.receiver.address
+        self.record = Record(mid, "target", State.RECEIVING, peer=source, snapshot=str(self.dir))
+        agent.journal.write(self.record)
         self.result: TransferStats | TransferError | None = None
         self.gpu_map: dict[str, str] = {}
         self.done = threading.Event()
         self.lock = threading.Lock()
+        self.abort_requested = False
         threading.Thread(target=self._receive, name=f"receive-{mid[:8]}", daemon=True).start()
 
     def _receive(self) -> None:
@@ -287,42 +310,58 @@ class _Incoming:
             metrics.BYTES.labels("received").inc(self.result.bytes_wire)
         except TransferError as e:
             self.result = e
+        except Exception as e:  # (the listener closed under it by a discard, ...)
+            self.result = TransferError(f"receiving stopped: {e}")
         finally:
             self.receiver.close()
             self.done.set()
 
     def restore(self, gpu_map: dict[str, str]) -> engine.RestoreResult:
+        if not self.done.wait(RESTORE_TIMEOUT):
+            raise Refused("the snapshot did not arrive in time")
+        j = self.agent.journal
         with self.lock:
-            if not self.done.wait(RESTORE_TIMEOUT):
-                raise Refused("the snapshot did not arrive in time")
+            if self.abort_requested or self.record.state is not State.RECEIVING:
+                raise Refused(f"migration {self.record.migration_id} is {self.record.state.value} here; not restoring it")
             if isinstance(self.result, TransferError) or self.result is None:
                 self._discard(f"the snapshot did not arrive intact: {self.result}")
                 raise Refused(f"the snapshot did not arrive intact on {self.agent.cfg.node}: {self.result}")
-            j = self.agent.journal
             j.move(self.record, State.RECEIVED)
             j.move(self.record, State.RESTORING)
-            try:
-                result = engine.restore(self.dir, gpu_map, self.agent.snapshot_config, verified=True)
-            except SnapshotError as e:  # the engine leaves no copy behind on failure
+        try:
+            result = engine.restore(self.dir, gpu_map, self.agent.snapshot_config, verified=True, work=restore_work(self.dir))
+        except Exception as e:  # the engine leaves no copy behind on failure
+            with self.lock:
                 self._discard(f"restore failed: {e}")
-                raise Refused(f"restoring on {self.agent.cfg.node} failed: {e}") from e
+            raise Refused(f"restoring on {self.agent.cfg.node} failed: {e}") from e
+        with self.lock:
             self.record.pid = result.pid
-            j.move(self.record, State.RUNNING, "restored; waiting for the source to let go of the original")
+            if self.abort_requested:
+                self._discard("the source rolled back while this copy was being restored")
+                raise Refused("the source rolled back meanwhile; the copy was stopped")
+            try:
+                j.move(self.record, State.RUNNING, "restored; waiting for the source to let go of the original")
+            except Exception:
+                self._discard("could not journal the running copy")
+                raise
             return result
 
     def finish(self, commit: bool) -> None:
         with self.lock:
             if self.record.state in FINAL:
                 return
-            if commit and self.record.state is State.RUNNING:
-                self.agent.journal.move(self.record, State.DONE, "running here")
-                shutil.rmtree(self.dir, ignore_errors=True)
-            elif not commit:
+            if commit:
+                if self.record.state is State.RUNNING:  # from now on an abort changes nothing
+                    self.agent.journal.move(self.record, State.DONE, "running here")
+                    shutil.rmtree(self.dir, ignore_errors=True)
+            elif self.record.state is State.RESTORING:
+                self.abort_requested = True  # restore() stops its copy as it returns
+            else:
                 self._discard("the source rolled back")
 
     def _discard(self, why: str) -> None:
         self.receiver.close()
-        if self.record.state is State.RUNNING and self.record.pid:
+        if self.record.pid:
             kill_tree(self.record.pid)  # before the source lets its original go: never two
         if self.record.state not in FINAL:
             self.record.state = State.DISCARDED
@@ -331,6 +370,11 @@ class _Incoming:
         shutil.rmtree(self.dir, ignore_errors=True)
         for stale in self.dir.parent.glob(f".{self.dir.name}.partial-*"):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def restore_work(snapshot: Path) -> Path:
+    """Where CRIU's restore keeps its pidfile for this migration (known to a restarted agent)."""
+    return snapshot.parent / f"{snapshot.name}.restore"
 
 
 def kill_tree(pid: int) -> None:
@@ -358,6 +402,9 @@ class _SourceMigration:
         self.timings: dict[str, float] = {}
         self.cancelled = threading.Event()
         self.cancel_reason = ""
+        self.cancel_lock = threading.Lock()
+        self.pinned = False  # past this, a cancel is refused: a copy may be starting
+        self.tree_pids: list[int] = [pid]
         self.dump_thread: threading.Thread | None = None
         self.dump_error: BaseException | None = None
         self.target_told = False
@@ -387,9 +434,10 @@ class _SourceMigration:
         self.emit(message)
 
     def cancel(self, reason: str) -> None:
-        if self.record.state in (State.CHECKING, State.FREEZING, State.HELD) and not self.cancelled.is_set():
-            self.cancel_reason = reason
-            self.cancelled.set()
+        with self.cancel_lock:
+            if not self.pinned and self.record.state not in FINAL and not self.cancelled.is_set():
+                self.cancel_reason = reason
+                self.cancelled.set()
 
     def _check_cancel(self) -> None:
         if self.cancelled.is_set():
@@ -412,28 +460,46 @@ class _SourceMigration:
             self.move(State.FREEZING, f"freezing PID {self.pid} and streaming it to {self.target}")
             stats = self._freeze_and_send(reply.transfer_address)
             self.move(State.HELD, f"{stats.bytes_raw / 2**20:.1f} MiB arrived verified; the original is frozen, resumable")
-            hook.pin(self.snapshot)  # the copy may start now: no timeout may resume the original any more
+            with self.cancel_lock:  # the last moment a cancel is taken
+                self._check_cancel()
+                self.pinned = True
+            dump = self.dump_thread
+            if not hook.pin(self.snapshot, lambda: dump is not None and dump.is_alive()):
+                raise _Failure(f"the frozen original was let go before its copy could start: {self.dump_error}")
+            self.record.restore_sent = True
             self.move(State.RESTORING, "restoring on the target")
             t = time.monotonic()
-            restored = self._restore(target)
+            restored_pid, target_timings = self._restore(target)
             self._stage("restore", t)
             self.timings["downtime"] = round(time.monotonic() - self.freeze_t0, 4)  # frozen here -> running there
-            self.timings.update({f"target_{k}": v for k, v in restored.timings.items()})
-            self.move(State.COMMITTING, f"PID {restored.pid} runs on the target; ending the original")
-            self._commit(target)
-            self.move(State.DONE, f"migrated: PID {self.pid} now runs on {self.target} as PID {restored.pid}")
-            self.events.put(pb.MigrationEvent(migration_id=self.record.migration_id, state=State.DONE.value,
-                                              new_pid=restored.pid, timings=self.timings, seconds=time.monotonic() - self.t0))  # fmt: skip
-            outcome = "done"
+            self.timings.update({f"target_{k}": v for k, v in target_timings.items()})
+            self.move(State.COMMITTING, f"PID {restored_pid} runs on the target; ending the original")
+            outcome = _commit(self.agent, self.record, target, self.dump_thread)
+            if outcome == "done":  # (_commit journaled DONE)
+                self.emit(f"migrated: PID {self.pid} now runs on {self.target} as PID {restored_pid}")
+                self.events.put(pb.MigrationEvent(migration_id=self.record.migration_id, state=State.DONE.value,
+                                                  new_pid=restored_pid, timings=self.timings, seconds=time.monotonic() - self.t0))  # fmt: skip
+            else:
+                self.emit(self.record.message)
         except _Failure as e:
             outcome = self._roll_back(target, str(e))
+        except _Unresolved as e:
+            outcome = "unresolved"
+            self.emit(f"{e}; the original stays frozen and the agent keeps asking the target")
+            threading.Thread(target=_resolve_source, args=(self.agent, self.record), daemon=True).start()
         except Exception as e:  # a bug must still leave the workload running
             self.log.exception("migration failed unexpectedly")
-            outcome = self._roll_back(target, f"internal error: {e}")
+            if self.record.state in (State.COMMITTING, State.DONE):
+                outcome = "unresolved"
+                threading.Thread(target=_resolve_source, args=(self.agent, self.record), daemon=True).start()
+            else:
+                outcome = self._roll_back(target, f"internal error: {e}")
         finally:
             metrics.MIGRATIONS.labels(outcome).inc()
-            with self.agent.lock:
-                self.agent.active.pop(self.pid, None)
+            if outcome != "unresolved":
+                with self.agent.lock:
+                    for p in self.tree_pids:
+                        self.agent.active.pop(p, None)
             self.events.put(None)
 
     def _check(self, target: Any) -> Any:
@@ -453,11 +519,11 @@ class _SourceMigration:
         request = pb.ReceiveRequest(migration_id=self.record.migration_id, source_node=self.agent.cfg.node,
                                     bytes_estimate=need, gpu_uuids=[g.uuid for g in used], shared_files=shared,
                                     dry_run=self.dry_run)  # fmt: skip
+        self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
         try:
             reply = target.Receive(request, timeout=RPC_TIMEOUT)
         except grpc.RpcError as e:
             raise _Failure(f"the target agent {self.target} cannot be used: {_rpc_text(e)}") from e
-        self.target_told = not self.dry_run
         self.gpu_map = dict(reply.gpu_map)
         if self.dry_run:
             problems = list(reply.problems)
@@ -527,71 +593,152 @@ class _SourceMigration:
         self._check_cancel()
         return stats
 
-    def _restore(self, target: Any) -> Any:
+    def _restore(self, target: Any) -> tuple[int, dict[str, float]]:
+        """The copy's PID once it runs on the target; _Failure if the target says it is gone,
+        _Unresolved if the target cannot say."""
         try:
-            return target.Restore(pb.RestoreRequest(migration_id=self.record.migration_id), timeout=RESTORE_TIMEOUT)
+            r = target.Restore(pb.RestoreRequest(migration_id=self.record.migration_id), timeout=RESTORE_TIMEOUT)
+            return int(r.pid), dict(r.timings)
         except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                # Did the copy start before the target went quiet?  Ask until it answers.
-                status = self._ask_target(target)
-                if status is not None and status.state == State.RUNNING.value:
-                    return pb.RestoreReply(pid=status.pid)
-            raise _Failure(f"the target could not restore: {_rpc_text(e)}") from e
-
-    def _ask_target(self, target: Any, seconds: float = 30.0) -> Any:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            try:
-                return target.Status(pb.MigrationRef(migration_id=self.record.migration_id), timeout=5)
-            except grpc.RpcError:
-                time.sleep(1)
-        return None
-
-    def _commit(self, target: Any) -> None:
-        hook.decide(self.snapshot, commit=True)  # journaled COMMITTING first: a restart commits too
-        assert self.dump_thread is not None
-        self.dump_thread.join()
-        if self.dump_error is not None:  # CRIU could not end the original: end it ourselves
-            self.log.error("CRIU did not finish the dump after the commit: %s", self.dump_error)
-            kill_tree(self.pid)
-        shutil.rmtree(self.snapshot, ignore_errors=True)
-        for _ in range(10):
-            try:
-                target.Finish(pb.FinishRequest(migration_id=self.record.migration_id, commit=True), timeout=RPC_TIMEOUT)
-                return
-            except grpc.RpcError as e:
-                self.log.warning("telling the target to keep its copy failed (%s); trying again", _rpc_text(e))
-                time.sleep(1)
+            why = _rpc_text(e)
+            if e.code() in _TARGET_REFUSED:  # its own answer: it kept no copy
+                raise _Failure(f"the target could not restore: {why}") from e
+        # The call broke: did the copy start before the target went quiet?  Ask it.
+        state, pid = _target_state(target, self.record.migration_id, RESTORE_TIMEOUT)
+        if state in (State.RUNNING.value, State.DONE.value):
+            return pid, {}
+        if state is None:
+            raise _Unresolved(f"the target stopped answering while restoring ({why})")
+        raise _Failure(f"the target could not restore ({why}); it reports {state}")
 
     def _roll_back(self, target: Any, why: str) -> str:
+        """Before RESTORING no copy ever ran: the original goes on at once.  After it, only
+        once the target has said its copy is gone."""
         if self.dry_run or self.record.state is State.CHECKING:
-            if not self.dry_run:
-                self.agent.journal.move(self.record, State.FAILED, why)
-                if self.target_told:
-                    _tell_target_abort(target, self.record.migration_id)
+            _journal_best_effort(self.agent, self.record, None if self.dry_run else State.FAILED, why)
+            if self.target_told:
+                _tell_target_abort(target, self.record.migration_id)
             self.emit(why)
             return "failed"
-        was = self.record.state
-        self.move(State.ROLLING_BACK, why)
-        # The target drops its copy first (killing it if it had started): only then may the
-        # original run again.  Before RESTORING the copy never ran, so no answer is needed.
-        if not _tell_target_abort(target, self.record.migration_id):
-            if was is State.RESTORING:
-                msg = f"{why}; the target does not answer and may run the copy: the original stays frozen until it does"
-                self.emit(msg)
-                self.log.error(msg)
+        _journal_best_effort(self.agent, self.record, State.ROLLING_BACK, why)
+        self.emit(why)
+        if self.record.restore_sent:
+            if not _target_dropped_copy(target, self.record.migration_id, 60.0):
+                raise_unresolved = f"{why}; the target does not confirm its copy is gone"
+                self.emit(f"{raise_unresolved}: the original stays frozen and the agent keeps asking")
+                self.log.error(raise_unresolved)
+                threading.Thread(target=_resolve_source, args=(self.agent, self.record), daemon=True).start()
                 return "unresolved"
+        elif not _tell_target_abort(target, self.record.migration_id):
             # Its copy never ran; it drops what it received once it hears from us again.
             threading.Thread(target=_keep_telling_abort, args=(target, self.record.migration_id, self.agent.cfg.hold_timeout), daemon=True).start()
-        while self.dump_thread is not None and self.dump_thread.is_alive():
-            # The dump may not have reached its hook yet: the decision waits for it there.
-            if self.snapshot.joinpath("log").is_dir() and not self.snapshot.joinpath("log", hook.DECISION_FILE).exists():
-                hook.decide(self.snapshot, commit=False)
-            self.dump_thread.join(0.05)
+        _let_original_go(self.snapshot, self.dump_thread)
         resumed = proc.alive(self.pid)
         shutil.rmtree(self.snapshot, ignore_errors=True)
-        self.move(State.ROLLED_BACK, f"{why}; " + ("the original was resumed where it stood" if resumed else "the original is gone"))
+        _journal_best_effort(self.agent, self.record, State.ROLLED_BACK, f"{why}; " + ("the original was resumed where it stood" if resumed else "the original is gone"))
+        self.emit(self.record.message)
         return "rolled_back"
+
+
+class _Unresolved(Exception):
+    pass
+
+
+#: Answers in which the target says it keeps no copy for this migration.
+_TARGET_REFUSED = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT}
+
+
+def _journal_best_effort(agent: Agent, r: Record, to: State | None, message: str) -> None:
+    """A rollback goes on even if the journal cannot be written (a full disk)."""
+    if to is None:
+        return
+    try:
+        agent.journal.move(r, to, message)
+    except Exception as e:
+        log.error("migration %s: could not journal %s: %s", r.migration_id, to.value, e)
+        r.state, r.message = to, message
+
+
+def _target_state(target: Any, mid: str, seconds: float) -> tuple[str | None, int]:
+    """The target's state for ``mid`` once it is settled (not ``restoring``), or None if it
+    does not answer within ``seconds``.  NOT_FOUND counts as discarded."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            st = target.Status(pb.MigrationRef(migration_id=mid), timeout=5)
+            if st.state != State.RESTORING.value:
+                return str(st.state), int(st.pid)
+        except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.NOT_FOUND:
+                return State.DISCARDED.value, 0
+        time.sleep(0.5)
+    return None, 0
+
+
+def _target_dropped_copy(target: Any, mid: str, seconds: float) -> bool:
+    """Ask the target to drop its copy; True once it says the copy is gone (or never was)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        _tell_target_abort(target, mid)
+        state, _ = _target_state(target, mid, min(10.0, max(0.1, deadline - time.monotonic())))
+        if state in (State.DISCARDED.value, State.RECEIVING.value, State.RECEIVED.value, State.FAILED.value):
+            return True
+        if state == State.DONE.value:  # it made the copy final: only committing is right now
+            return False
+    return False
+
+
+def _let_original_go(snapshot: Path, dump_thread: threading.Thread | None) -> None:
+    """Abort the hold: CRIU rolls the dump back and the original runs on where it stood."""
+    while dump_thread is not None and dump_thread.is_alive():
+        # The dump may not have reached its hook yet: the decision waits for it there.
+        if snapshot.joinpath("log").is_dir() and not snapshot.joinpath("log", hook.DECISION_FILE).exists():
+            hook.decide(snapshot, commit=False)
+        dump_thread.join(0.05)
+
+
+def _commit(agent: Agent, r: Record, target: Any, dump_thread: threading.Thread | None) -> str:
+    """COMMITTING (journaled): the target makes its copy final, then the original ends.
+    Returns "done", or "rolled_back" if the target says its copy is gone after all."""
+    snap = Path(r.snapshot)
+    delay = 0.5
+    while True:
+        try:
+            st = target.Finish(pb.FinishRequest(migration_id=r.migration_id, commit=True), timeout=RPC_TIMEOUT)
+            if st.state == State.DONE.value:
+                break
+            if st.state in (State.DISCARDED.value, State.FAILED.value):
+                agent.journal.move(r, State.ROLLING_BACK, "the target dropped its copy before it was made final")
+                _let_original_go(snap, dump_thread)
+                if dump_thread is None:
+                    hook.decide(snap, commit=False)
+                    _wait_released(snap)
+                agent.journal.move(r, State.ROLLED_BACK, "the target dropped its copy; the original was resumed")
+                shutil.rmtree(snap, ignore_errors=True)
+                return "rolled_back"
+        except grpc.RpcError as e:
+            log.warning("migration %s: making the target's copy final failed (%s); trying again", r.migration_id, _rpc_text(e))
+        time.sleep(delay)
+        delay = min(delay * 2, 10.0)
+    if snap.joinpath("log").is_dir():
+        hook.decide(snap, commit=True)
+    if dump_thread is not None:
+        dump_thread.join()
+    else:
+        _wait_released(snap, None)
+    if _same_process_alive(r):  # CRIU could not end it (it died): end it here
+        kill_tree(r.pid)
+    shutil.rmtree(snap, ignore_errors=True)
+    if r.state is not State.DONE:
+        agent.journal.move(r, State.DONE, f"migrated to {r.peer}")
+    return "done"
+
+
+def _same_process_alive(r: Record) -> bool:
+    try:
+        return psutil.Process(r.pid).create_time() == r.create_time if r.create_time else proc.alive(r.pid)
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _tell_target_abort(target: Any, mid: str) -> bool:
@@ -617,71 +764,94 @@ def _rpc_text(e: grpc.RpcError) -> str:
     return str(details or e.code().name.lower())
 
 
-def _recover_source(agent: Agent, r: Record) -> None:
-    """A source agent that died mid-migration: commit if the copy runs, else roll back."""
+def _resolve_source(agent: Agent, r: Record) -> None:
+    """Bring a source migration to an end (after a restart, or when the target went quiet):
+    commit if the copy runs and was meant to, else roll back once no copy can run.  Waits as
+    long as it must: the original stays frozen meanwhile, never resumed on a guess."""
     target = stub(r.peer, agent.secret)
     snap = Path(r.snapshot)
-    commit = r.state is State.COMMITTING
-    if r.state is State.RESTORING:
-        try:
-            status = target.Status(pb.MigrationRef(migration_id=r.migration_id), timeout=RPC_TIMEOUT)
-            commit = status.state in (State.RUNNING.value, State.DONE.value)
-        except grpc.RpcError:
-            agent.log.error("migration %s: the target cannot say whether its copy runs; the original stays frozen", r.migration_id)
-            return
-    if commit:
-        if (snap / "log").is_dir():
-            hook.decide(snap, commit=True)
-        try:
-            target.Finish(pb.FinishRequest(migration_id=r.migration_id, commit=True), timeout=RPC_TIMEOUT)
-        except grpc.RpcError:
-            pass
-        r.state = State.DONE
-        r.message = "committed after the agent restarted"
-    else:
-        _tell_target_abort(target, r.migration_id)
-        if (snap / "log").is_dir():
-            hook.decide(snap, commit=False)  # the hook still holds the tree: CRIU rolls it back
-        _wait_released(snap)
-        try:  # if CRIU itself died, what it froze may still be stopped
-            root = psutil.Process(r.pid)
-            proc.signal_tree([r.pid, *(c.pid for c in root.children(recursive=True))], signal.SIGCONT)
-        except psutil.NoSuchProcess:
-            pass
-        if r.cuda_pids:  # CRIU gave back the CPU side; the GPU side waits in host memory
-            from snapshot.cuda import CudaDriver
-
-            engine.resume([], [p for p in r.cuda_pids if proc.alive(p)], CudaDriver())
-        r.state = State.ROLLED_BACK
-        r.message = "rolled back after the agent restarted; the original runs where it stood"
-    agent.journal.write(r)
-    agent.log.info("migration %s recovered: %s", r.migration_id, r.state.value)
-    shutil.rmtree(snap, ignore_errors=True)
+    delay = 1.0
+    while r.state not in FINAL:
+        if r.state is State.COMMITTING:
+            _commit(agent, r, target, None)
+            break
+        if r.state is State.RESTORING:
+            state, _ = _target_state(target, r.migration_id, 30.0)
+            if state in (State.RUNNING.value, State.DONE.value):
+                agent.journal.move(r, State.COMMITTING, "the copy runs on the target")
+                continue
+            if state is not None:
+                agent.journal.move(r, State.ROLLING_BACK, f"the target reports {state}")
+                continue
+        elif r.state is State.CHECKING:
+            agent.journal.move(r, State.FAILED, "the agent restarted before anything was frozen")
+            break
+        elif not r.restore_sent or _target_dropped_copy(target, r.migration_id, 30.0):
+            if r.state in (State.FREEZING, State.HELD):
+                agent.journal.move(r, State.ROLLING_BACK, "the agent restarted mid-migration")
+            _tell_target_abort(target, r.migration_id)
+            if snap.joinpath("log").is_dir():
+                hook.decide(snap, commit=False)  # the hook still holds the tree: CRIU rolls it back
+            _wait_released(snap, None)
+            _resume_leftovers(r)
+            shutil.rmtree(snap, ignore_errors=True)
+            agent.journal.move(r, State.ROLLED_BACK, "rolled back after the agent restarted; the original runs where it stood")
+            break
+        time.sleep(delay)
+        delay = min(delay * 2, 30.0)
+    with agent.lock:
+        for pid, mid in list(agent.active.items()):
+            if mid == r.migration_id:
+                agent.active.pop(pid, None)
+    agent.log.info("migration %s resolved: %s", r.migration_id, r.state.value)
 
 
-def _wait_released(snap: Path, seconds: float = 30.0) -> None:
+def _resume_leftovers(r: Record) -> None:
+    """What a dead CRIU may have left stopped runs again; the GPU side is given back."""
+    try:
+        root = psutil.Process(r.pid)
+        proc.signal_tree([r.pid, *(c.pid for c in root.children(recursive=True))], signal.SIGCONT)
+    except psutil.NoSuchProcess:
+        return
+    if r.cuda_pids:  # CRIU gave back the CPU side; the GPU side waits in host memory
+        from snapshot.cuda import CudaDriver
+
+        engine.resume([], [p for p in r.cuda_pids if proc.alive(p)], CudaDriver())
+
+
+def _wait_released(snap: Path, seconds: float | None = 30.0) -> None:
     """Until no CRIU works on ``snap`` any more (its hook took the decision)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        busy = False
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = p.info["cmdline"] or []
-            if any("criu" in c for c in cmd[:2]) and str(snap / "images") in cmd:
-                busy = True
-                break
-        if not busy:
+    deadline = None if seconds is None else time.monotonic() + seconds
+    while deadline is None or time.monotonic() < deadline:
+        if not _criu_running_on(str(snap)):
             return
         time.sleep(0.1)
 
 
+def _criu_running_on(path: str) -> bool:
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and "criu" in Path(cmd[0]).name and any(path in c for c in cmd):
+            return True
+    return False
+
+
 def _recover_target(agent: Agent, r: Record) -> None:
-    """A target agent that died: a copy that never ran is dropped; a running one waits for the source."""
+    """A target agent that died: a copy that never ran is dropped (one that CRIU was still
+    restoring is waited for, then stopped); a running one waits for the source's decision."""
     if r.state is State.RUNNING:
         agent.log.warning("migration %s: a restored copy (PID %d) waits for the source's decision", r.migration_id, r.pid)
         return
+    snap = Path(r.snapshot)
+    work = restore_work(snap)
+    if r.state is State.RESTORING:
+        _wait_released(work, None)
+        try:
+            kill_tree(int((work / "restore.pid").read_text()))
+        except (OSError, ValueError):
+            pass
     r.state = State.DISCARDED
     r.message = "dropped after the agent restarted"
     agent.journal.write(r)
-    snap = Path(r.snapshot)
-    for d in [snap, *snap.parent.glob(f".{snap.name}.partial-*")]:
+    for d in [snap, work, *snap.parent.glob(f".{snap.name}.partial-*")]:
         shutil.rmtree(d, ignore_errors=True)

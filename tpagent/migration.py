@@ -12,7 +12,9 @@ Source side (the node the process leaves)::
                writes them.  CRIU's post-dump hook then *holds* the sealed, frozen tree.
   HELD         the target has the snapshot, verified; the original is frozen, resumable.
   RESTORING    the target restores its copy and confirms it runs.
-  COMMITTING   decided (journaled first): the hook lets CRIU end the original.
+  COMMITTING   decided (journaled first): the target makes its copy final (``Finish``
+               answers ``done``; an abort can no longer touch it), then the hook lets CRIU
+               end the original.
   ROLLING_BACK any failure before COMMITTING: the target drops its copy (kills it if it
                had started), then the hook makes CRIU roll back: the original runs on
                where it stood.  Both copies never run at once: the original runs again only
@@ -31,6 +33,7 @@ import enum
 import json
 import os
 import re
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +62,7 @@ TRANSITIONS: dict[State, set[State]] = {
     S.FREEZING: {S.HELD, S.ROLLING_BACK},
     S.HELD: {S.RESTORING, S.ROLLING_BACK},
     S.RESTORING: {S.COMMITTING, S.ROLLING_BACK},
-    S.COMMITTING: {S.DONE},
+    S.COMMITTING: {S.DONE, S.ROLLING_BACK},  # back only if the target says its copy is gone
     S.ROLLING_BACK: {S.ROLLED_BACK},
     S.RECEIVING: {S.RECEIVED, S.DISCARDED},
     S.RECEIVED: {S.RESTORING, S.DISCARDED},
@@ -91,6 +94,11 @@ class Record:
     snapshot: str = ""
     message: str = ""
     cuda_pids: list[int] = field(default_factory=list)
+    #: Source: Restore was asked of the target, so a copy may run there: the original may run
+    #: again only once the target has said its copy is gone.
+    restore_sent: bool = False
+    #: Source: the original root's start time, to tell it from a process that reused its PID.
+    create_time: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "state": self.state.value}
@@ -111,7 +119,7 @@ class Journal:
         return self.directory / f"{migration_id}.json"
 
     def write(self, record: Record) -> None:
-        tmp = self.path(record.migration_id).with_suffix(".tmp")
+        tmp = self.path(record.migration_id).with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         with open(tmp, "w") as f:
             json.dump(record.to_json(), f)
             f.flush()

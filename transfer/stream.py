@@ -38,6 +38,7 @@ from transfer.wire import ACK, CHUNK, HELLO, Codec, Kind, Layout, Role
 
 log = logging.getLogger(__name__)
 
+HANDSHAKE_TIMEOUT = 10.0
 #: Called with (raw bytes acknowledged, bytes on the wire, raw bytes in all).
 SendProgress = Callable[[int, int, int], None]
 
@@ -590,7 +591,9 @@ class Receiver:
     def _serve(self, ch: Channel) -> None:
         peer = getattr(ch, "peer", "?")
         try:
+            ch.set_timeout(min(self.config.io_timeout, HANDSHAKE_TIMEOUT))  # a slow stranger holds no slot for long
             role, session = _server_handshake(ch, self.config.secret)
+            ch.set_timeout(self.config.io_timeout)
             if role is Role.CONTROL:
                 self._control(ch, session)
             else:
@@ -756,16 +759,20 @@ class Receiver:
                 if mine:
                     s.claimed.add(index)
             if mine:
-                ok = self._store(s, dctx, where, codec, memoryview(body)[start:], raw_len, crc, zero_crcs)
-                with s.lock:
-                    s.claimed.discard(index)
-                    if ok:
-                        s.have.add(index)
-                        s.crcs[index] = crc
+                ok = False
+                try:
+                    ok = self._store(s, dctx, where, codec, memoryview(body)[start:], raw_len, crc, zero_crcs)
+                finally:  # a store that failed (a full disk) must not leave the chunk claimed
+                    with s.lock:
+                        s.claimed.discard(index)
+                        if ok:
+                            s.have.add(index)
+                            s.crcs[index] = crc
                 if ok:
                     self._region_done(s, where)
             else:  # a resend while another stream stores the same chunk: answer as it ends
-                while index in s.claimed:
+                deadline = time.monotonic() + self.config.io_timeout
+                while index in s.claimed and time.monotonic() < deadline:
                     time.sleep(0.001)
                 ok = index in s.have
             with s.lock:
