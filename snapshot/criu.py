@@ -90,6 +90,8 @@ class RestoreOptions:
     shell_job: bool = False
     tcp_established: bool = False
     namespace: bool = False
+    #: Leave the restored tree stopped (SIGSTOP): it runs once sent SIGCONT.
+    leave_stopped: bool = False
 
 
 class Criu:
@@ -166,6 +168,7 @@ class Criu:
         pidfile = work / "restore.pid"
         args = ["restore", "-D", str(images), "-W", str(work), "-o", "restore.log", "-v4", "-d"]
         args += ["--pidfile", str(pidfile)]
+        args += ["--leave-stopped"] if opts.leave_stopped else []
         args += self._common(opts.shell_job, opts.tcp_established)
         # Rebuilding a mount namespace needs its root given (without it CRIU 4.2 segfaults
         # at mount.c:48) and the external mounts bound back to the node's same paths.

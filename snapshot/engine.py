@@ -348,10 +348,14 @@ def restore(
     cuda_factory: CudaFactory = CudaDriver,
     verified: bool = False,
     work: Path | None = None,
+    start: bool = True,
 ) -> RestoreResult:
     """Restore ``directory``.  ``verified``: its checksums were just checked (a receiver does
     that as the data arrives), so only the manifest is read again.  ``work``: CRIU's work
-    directory (its log and ``restore.pid``), for a caller that must find them after a crash."""
+    directory (its log and ``restore.pid``), for a caller that must find them after a crash.
+    ``start`` False: the copy is restored but held — stopped (a CPU process), or with its
+    GPU still locked (a CUDA process, whose driver restore needs it running) — until
+    :func:`start_restored`; a migration lets it go only once the original is let go."""
     require_root()
     timer = _Timer(progress, config.fail_after)
     with timer.stage(Stage.VERIFY):
@@ -374,7 +378,7 @@ def restore(
     cuda = cuda_factory() if m.cuda_pids else None
     if not m.namespace:
         proc.wait_pids_free([p.pid for p in m.processes], config.timeouts.pid_wait)
-    opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), m.namespace)
+    opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), m.namespace, leave_stopped=not start and not m.cuda_pids)
     created = _put_back(directory, m)
     if work is None:
         work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
@@ -389,9 +393,10 @@ def restore(
                 with timer.stage(Stage.CUDA_RESTORE):
                     for p in m.cuda_pids:
                         cuda.restore(mapping[p], _gpu_pairs(m, p, norm_map))
-                with timer.stage(Stage.CUDA_UNLOCK):
-                    for p in m.cuda_pids:
-                        cuda.unlock(mapping[p])
+                if start:
+                    with timer.stage(Stage.CUDA_UNLOCK):
+                        for p in m.cuda_pids:
+                            cuda.unlock(mapping[p])
     except BaseException as e:
         # Never leave a half-restored copy (e.g. CPU side up, GPU side still in host memory):
         # kill what CRIU started; the snapshot, which restore does not modify, is the copy to retry.
@@ -409,6 +414,18 @@ def restore(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return RestoreResult(root, tuple(mapping.values()), m, timer.timings)
+
+
+def start_restored(result: RestoreResult, cuda_factory: CudaFactory = CudaDriver) -> None:
+    """Let a copy restored with ``start=False`` run: unlock its GPU, or resume its tree."""
+    m = result.manifest
+    if m.cuda_pids:
+        cuda = cuda_factory()
+        mapping = _restored_pids(m, result.pid)
+        for p in m.cuda_pids:
+            cuda.unlock(mapping[p])
+    else:
+        proc.signal_tree(list(result.pids), signal.SIGCONT)
 
 
 def _put_back(directory: Path, m: Manifest) -> list[Path]:

@@ -106,9 +106,11 @@ def test_link_cut_mid_transfer(cluster: Cluster, big: Ticker) -> None:
 
 def test_corrupted_chunk_is_fetched_again(cluster: Cluster, big: Ticker) -> None:
     """A byte flipped on the wire between the agents: caught by the chunk's SHA-256, sent again."""
-    b = cluster.nodes["B"]
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
     proxy = Proxy((b.addr, 7411), flip_at=1 << 20, on=1, listen=("10.233.0.254", 7412))
     try:
+        a.kill_agent(signal.SIGTERM)
+        a.start_agent(streams="1")  # one data stream: the proxy's connection 1 carries every chunk
         b.kill_agent(signal.SIGTERM)
         b.start_agent(transfer_port="7411", transfer_address="10.233.0.254:7412")
         proc = cluster.migrate(big.pid, "A", "B", "--json")
@@ -241,3 +243,29 @@ def test_agent_reports_node_processes_and_metrics(cluster: Cluster, ticker: Tick
     assert 'tpagent_stage_seconds_count{stage="restore"} 1.0' in scrape.stdout
     sent = [ln for ln in scrape.stdout.splitlines() if ln.startswith('tpagent_transfer_bytes_total{direction="sent"}')]
     assert sent and float(sent[0].split()[-1]) > 0
+
+
+def test_target_agent_killed_while_restoring(cluster: Cluster, ticker: Ticker, tmp_path: Path) -> None:
+    """B's agent dies while its CRIU (in a session of its own, so it lives on) restores the
+    copy: the source cannot know whether the copy runs, so the original stays frozen; B,
+    restarted, waits for that CRIU, stops the copy it made, and only then does A resume the
+    original.  At no moment do two copies run."""
+    real = Criu().path
+    slow = tmp_path / "criu-slow-restore"
+    slow.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then sleep 4; fi\nexec {real} "$@"\n')
+    slow.chmod(0o755)
+    b = cluster.nodes["B"]
+    b.kill_agent(signal.SIGTERM)
+    b.start_agent(criu=str(slow))
+    mig = cluster.start_migrate(ticker.pid, "A", "B", "--json")
+    journal = b.work / "agent" / "migrations"
+    wait_until(lambda: any('"restoring"' in p.read_text() for p in journal.glob("*.json")), "B to start restoring", 120)
+    b.kill_agent()
+    assert ticker.running_copies() == 0  # the original is frozen, the copy not yet restored
+    b.start_agent()
+    out, err = mig.communicate(timeout=300)
+    assert mig.returncode == 1, err
+    assert json.loads(out)["state"] == "rolled_back"
+    _only_the_original_runs(cluster, ticker)
+    assert '"discarded"' in next(journal.glob("*.json")).read_text()
+    assert "stopping the copy" in b.agent_log()  # CRIU did restore it meanwhile: it was stopped, not left

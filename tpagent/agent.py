@@ -8,13 +8,14 @@ states are in :mod:`tpagent.migration`; this module carries them out.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import shutil
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,8 @@ def _transport(cfg: AgentConfig) -> Transport:
 
 def _transfer_config(agent: Agent) -> TransferConfig:
     t = agent.cfg.io_timeout
-    return TransferConfig(secret=agent.secret, compress=Compress(agent.cfg.compress), io_timeout=t, connect_timeout=min(10.0, t))
+    return TransferConfig(secret=agent.secret, compress=Compress(agent.cfg.compress), io_timeout=t, connect_timeout=min(10.0, t),
+                          streams=max(1, min(64, agent.cfg.streams)))  # fmt: skip
 
 
 def _is_launched(p: psutil.Process) -> bool:
@@ -258,10 +260,14 @@ class Agent(AgentServicer):  # type: ignore[misc]
             r = self._record(request.migration_id, context)
             with self.lock:
                 r = self.journal.read(r.migration_id) or r
-                if r.state is State.RUNNING:
-                    if not request.commit:
+                if r.state is State.READY:
+                    if request.commit:
+                        self.journal.move(r, State.DONE, "running here")
+                        _start_copy(None, Path(r.snapshot), r.pid)
+                    else:
                         kill_tree(r.pid)
-                    self.journal.move(r, State.DONE if request.commit else State.DISCARDED, "decided by the source")
+                        self.journal.move(r, State.DISCARDED, "decided by the source")
+                    shutil.rmtree(r.snapshot, ignore_errors=True)
             return pb.MigrationStatus(migration_id=r.migration_id, state=r.state.value, message=r.message, pid=r.pid)
         inc.finish(bool(request.commit))
         r = inc.record
@@ -302,6 +308,7 @@ class _Incoming:
         self.done = threading.Event()
         self.lock = threading.Lock()
         self.abort_requested = False
+        self.restored: engine.RestoreResult | None = None
         threading.Thread(target=self._receive, name=f"receive-{mid[:8]}", daemon=True).start()
 
     def _receive(self) -> None:
@@ -329,7 +336,7 @@ class _Incoming:
             j.move(self.record, State.RECEIVED)
             j.move(self.record, State.RESTORING)
         try:
-            result = engine.restore(self.dir, gpu_map, self.agent.snapshot_config, verified=True, work=restore_work(self.dir))
+            result = engine.restore(self.dir, gpu_map, self.agent.snapshot_config, verified=True, work=restore_work(self.dir), start=False)
         except Exception as e:  # the engine leaves no copy behind on failure
             with self.lock:
                 self._discard(f"restore failed: {e}")
@@ -340,10 +347,11 @@ class _Incoming:
                 self._discard("the source rolled back while this copy was being restored")
                 raise Refused("the source rolled back meanwhile; the copy was stopped")
             try:
-                j.move(self.record, State.RUNNING, "restored; waiting for the source to let go of the original")
+                j.move(self.record, State.READY, "restored and held; it starts when the source lets go of the original")
             except Exception:
-                self._discard("could not journal the running copy")
+                self._discard("could not journal the restored copy")
                 raise
+            self.restored = result
             return result
 
     def finish(self, commit: bool) -> None:
@@ -351,8 +359,9 @@ class _Incoming:
             if self.record.state in FINAL:
                 return
             if commit:
-                if self.record.state is State.RUNNING:  # from now on an abort changes nothing
+                if self.record.state is State.READY:  # from now on an abort changes nothing
                     self.agent.journal.move(self.record, State.DONE, "running here")
+                    _start_copy(self.restored, self.dir, self.record.pid)
                     shutil.rmtree(self.dir, ignore_errors=True)
             elif self.record.state is State.RESTORING:
                 self.abort_requested = True  # restore() stops its copy as it returns
@@ -370,6 +379,16 @@ class _Incoming:
         shutil.rmtree(self.dir, ignore_errors=True)
         for stale in self.dir.parent.glob(f".{self.dir.name}.partial-*"):
             shutil.rmtree(stale, ignore_errors=True)
+
+
+def _start_copy(result: engine.RestoreResult | None, snapshot: Path, pid: int) -> None:
+    """Let a held copy run (after an agent restart, rebuilt from its snapshot and PID)."""
+    if result is None:
+        from snapshot.manifest import load
+
+        tree = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+        result = engine.RestoreResult(pid, tuple(tree), load(snapshot), {})
+    engine.start_restored(result)
 
 
 def restore_work(snapshot: Path) -> Path:
@@ -471,10 +490,13 @@ class _SourceMigration:
             t = time.monotonic()
             restored_pid, target_timings = self._restore(target)
             self._stage("restore", t)
-            self.timings["downtime"] = round(time.monotonic() - self.freeze_t0, 4)  # frozen here -> running there
             self.timings.update({f"target_{k}": v for k, v in target_timings.items()})
-            self.move(State.COMMITTING, f"PID {restored_pid} runs on the target; ending the original")
-            outcome = _commit(self.agent, self.record, target, self.dump_thread)
+            self.move(State.COMMITTING, f"PID {restored_pid} is restored and held on the target; starting it, ending the original")
+
+            def started() -> None:
+                self.timings["downtime"] = round(time.monotonic() - self.freeze_t0, 4)  # frozen here -> running there
+
+            outcome = _commit(self.agent, self.record, target, self.dump_thread, started)
             if outcome == "done":  # (_commit journaled DONE)
                 self.emit(f"migrated: PID {self.pid} now runs on {self.target} as PID {restored_pid}")
                 self.events.put(pb.MigrationEvent(migration_id=self.record.migration_id, state=State.DONE.value,
@@ -605,7 +627,7 @@ class _SourceMigration:
                 raise _Failure(f"the target could not restore: {why}") from e
         # The call broke: did the copy start before the target went quiet?  Ask it.
         state, pid = _target_state(target, self.record.migration_id, RESTORE_TIMEOUT)
-        if state in (State.RUNNING.value, State.DONE.value):
+        if state in (State.READY.value, State.DONE.value):
             return pid, {}
         if state is None:
             raise _Unresolved(f"the target stopped answering while restoring ({why})")
@@ -697,7 +719,7 @@ def _let_original_go(snapshot: Path, dump_thread: threading.Thread | None) -> No
         dump_thread.join(0.05)
 
 
-def _commit(agent: Agent, r: Record, target: Any, dump_thread: threading.Thread | None) -> str:
+def _commit(agent: Agent, r: Record, target: Any, dump_thread: threading.Thread | None, started: Callable[[], None] = lambda: None) -> str:
     """COMMITTING (journaled): the target makes its copy final, then the original ends.
     Returns "done", or "rolled_back" if the target says its copy is gone after all."""
     snap = Path(r.snapshot)
@@ -706,6 +728,7 @@ def _commit(agent: Agent, r: Record, target: Any, dump_thread: threading.Thread 
         try:
             st = target.Finish(pb.FinishRequest(migration_id=r.migration_id, commit=True), timeout=RPC_TIMEOUT)
             if st.state == State.DONE.value:
+                started()  # the copy runs now; the original is still frozen
                 break
             if st.state in (State.DISCARDED.value, State.FAILED.value):
                 agent.journal.move(r, State.ROLLING_BACK, "the target dropped its copy before it was made final")
@@ -777,8 +800,8 @@ def _resolve_source(agent: Agent, r: Record) -> None:
             break
         if r.state is State.RESTORING:
             state, _ = _target_state(target, r.migration_id, 30.0)
-            if state in (State.RUNNING.value, State.DONE.value):
-                agent.journal.move(r, State.COMMITTING, "the copy runs on the target")
+            if state in (State.READY.value, State.DONE.value):
+                agent.journal.move(r, State.COMMITTING, "the copy is restored on the target")
                 continue
             if state is not None:
                 agent.journal.move(r, State.ROLLING_BACK, f"the target reports {state}")
@@ -829,9 +852,11 @@ def _wait_released(snap: Path, seconds: float | None = 30.0) -> None:
 
 
 def _criu_running_on(path: str) -> bool:
-    for p in psutil.process_iter(["cmdline"]):
+    """Whether a CRIU (or whatever wraps it) still runs with ``path`` in its arguments."""
+    me = os.getpid()
+    for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        if cmd and "criu" in Path(cmd[0]).name and any(path in c for c in cmd):
+        if p.info["pid"] != me and any(path in c for c in cmd[1:]):
             return True
     return False
 
@@ -839,17 +864,20 @@ def _criu_running_on(path: str) -> bool:
 def _recover_target(agent: Agent, r: Record) -> None:
     """A target agent that died: a copy that never ran is dropped (one that CRIU was still
     restoring is waited for, then stopped); a running one waits for the source's decision."""
-    if r.state is State.RUNNING:
-        agent.log.warning("migration %s: a restored copy (PID %d) waits for the source's decision", r.migration_id, r.pid)
+    if r.state is State.READY:
+        agent.log.warning("migration %s: a restored, held copy (PID %d) waits for the source's decision", r.migration_id, r.pid)
         return
     snap = Path(r.snapshot)
     work = restore_work(snap)
     if r.state is State.RESTORING:
         _wait_released(work, None)
         try:
-            kill_tree(int((work / "restore.pid").read_text()))
+            copy = int((work / "restore.pid").read_text())
         except (OSError, ValueError):
-            pass
+            copy = 0
+        if copy and proc.alive(copy):
+            agent.log.warning("migration %s: stopping the copy (PID %d) a restore finished while the agent was down", r.migration_id, copy)
+            kill_tree(copy)
     r.state = State.DISCARDED
     r.message = "dropped after the agent restarted"
     agent.journal.write(r)

@@ -15,6 +15,7 @@
     transfer_port = 0                 # where this node receives snapshots (0: any free port)
     transfer_address = ""             # what peers connect to for it, if not advertise:port (NAT, proxy)
     transport = "tcp"                 # or "ucx"
+    streams = 4                       # parallel connections per transfer
     compress = "auto"
 
 The variable for a key is TPAGENT_ and the key in capitals (lists: comma-separated).
@@ -51,6 +52,7 @@ class AgentConfig:
     transfer_port: int = 0
     transfer_address: str = ""
     transport: str = "tcp"
+    streams: int = 4
     compress: str = "auto"
 
     @property

@@ -11,17 +11,19 @@ Source side (the node the process leaves)::
   FREEZING     CUDA lock + checkpoint, CRIU dump; the images stream to the target as CRIU
                writes them.  CRIU's post-dump hook then *holds* the sealed, frozen tree.
   HELD         the target has the snapshot, verified; the original is frozen, resumable.
-  RESTORING    the target restores its copy and confirms it runs.
-  COMMITTING   decided (journaled first): the target makes its copy final (``Finish``
-               answers ``done``; an abort can no longer touch it), then the hook lets CRIU
-               end the original.
+  RESTORING    the target restores its copy, held (READY), and says so.
+  COMMITTING   decided (journaled first): the target makes its copy final and lets it run
+               (``Finish`` answers ``done``; an abort can no longer touch it), then the hook
+               lets CRIU end the original (frozen all along: never two running).
   ROLLING_BACK any failure before COMMITTING: the target drops its copy (kills it if it
                had started), then the hook makes CRIU roll back: the original runs on
                where it stood.  Both copies never run at once: the original runs again only
                after the target said its copy is gone, and the copy runs only while the
                original is frozen and is ended before the original is let go.
 
-Target side: RECEIVING -> RECEIVED -> RESTORING -> RUNNING -> DONE, or DISCARDED.
+Target side: RECEIVING -> RECEIVED -> RESTORING -> READY -> DONE, or DISCARDED.  READY: the
+copy is restored but held (stopped; a CUDA process: its GPU still locked); it starts only at
+DONE, when the source commits — so a copy that is then dropped has never run.
 
 Each transition is written to ``WORK/migrations/ID.json`` before it takes effect, so an
 agent that restarts finds its migrations and finishes or rolls back each (``recover``).
@@ -52,7 +54,7 @@ class State(str, enum.Enum):
     # the target's side
     RECEIVING = "receiving"
     RECEIVED = "received"
-    RUNNING = "running"
+    READY = "ready"
     DISCARDED = "discarded"
 
 
@@ -66,10 +68,10 @@ TRANSITIONS: dict[State, set[State]] = {
     S.ROLLING_BACK: {S.ROLLED_BACK},
     S.RECEIVING: {S.RECEIVED, S.DISCARDED},
     S.RECEIVED: {S.RESTORING, S.DISCARDED},
-    S.RUNNING: {S.DONE, S.DISCARDED},
+    S.READY: {S.DONE, S.DISCARDED},
 }
-#: The target's RESTORING moves on to RUNNING or DISCARDED (the same name as the source's).
-TARGET_RESTORING = {S.RUNNING, S.DISCARDED}
+#: The target's RESTORING moves on to READY or DISCARDED (the same name as the source's).
+TARGET_RESTORING = {S.READY, S.DISCARDED}
 FINAL = {S.DONE, S.FAILED, S.ROLLED_BACK, S.DISCARDED}
 _ID = re.compile(r"[0-9a-f]{32}")
 
