@@ -13,7 +13,7 @@ TPAGENT_HOOK_FAIL (tests: fail after the checksums).  Errors go to ``log/hook.er
 With TPAGENT_HOOK_HOLD (seconds), the hook then holds the sealed, frozen tree until a
 decision appears in ``log/decision`` (:func:`decide`): ``commit`` lets CRIU finish the dump
 as asked, ``abort`` (or a cancel, or no decision in time) makes CRIU roll back.  Once
-:func:`pin`\ ned (a copy may run elsewhere) only a decision ends the wait.  A migration
+once pinned (:func:`pin`: a copy may run elsewhere) only a decision ends the wait.  A migration
 holds the original this way until its copy runs elsewhere.
 """
 
