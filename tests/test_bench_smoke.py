@@ -34,3 +34,10 @@ def test_pipeline_benchmark_runs() -> None:
     doc = _run("bench/pipeline.py", "--sizes-mib", "16", "--repeats", "1")
     rows = {r["route"]: r for r in doc["results"]}  # type: ignore[attr-defined]
     assert set(rows) == {"dump-only", "sequential", "overlapped", "naive"} and all(r["seconds"] > 0 for r in rows.values())
+
+
+@needs_criu
+def test_migrate_benchmark_runs() -> None:
+    doc = _run("bench/migrate.py", "--sizes-mib", "16", "--repeats", "1")
+    (row,) = doc["results"]  # type: ignore[misc]
+    assert row["tpagent_downtime"] > 0 and row["naive_downtime"] > 0 and row["tpagent_restore"] > 0
