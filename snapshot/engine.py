@@ -400,7 +400,7 @@ def restore(
     except BaseException as e:
         # Never leave a half-restored copy (e.g. CPU side up, GPU side still in host memory):
         # kill what CRIU started; the snapshot, which restore does not modify, is the copy to retry.
-        _kill_restored(work)
+        kill_restored(work)
         for path in created:
             path.unlink(missing_ok=True)
         if isinstance(e, KeyboardInterrupt):
@@ -458,13 +458,13 @@ def _put_back(directory: Path, m: Manifest) -> list[Path]:
     return created
 
 
-def _kill_restored(work: Path) -> None:
+def kill_restored(work: Path) -> int:
+    """Stop the tree a restore in ``work`` started (its ``restore.pid``); its PID, or 0 if none runs."""
     try:
         root = int((work / "restore.pid").read_text())
-        tree = [root, *(c.pid for c in psutil.Process(root).children(recursive=True))]
-    except (OSError, ValueError, psutil.NoSuchProcess):
-        return
-    proc.signal_tree(tree, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(proc.alive(p) for p in tree):
-        time.sleep(0.02)
+    except (OSError, ValueError):
+        return 0
+    if not proc.alive(root):
+        return 0
+    proc.kill_tree(root)
+    return root

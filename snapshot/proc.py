@@ -139,6 +139,24 @@ def signal_tree(pids: list[int], sig: signal.Signals) -> None:
             pass
 
 
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its descendants, root first; empty if it is gone."""
+    try:
+        root = psutil.Process(pid)
+        return [pid, *(c.pid for c in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL ``pid`` and its descendants, and wait (bounded) until none is alive."""
+    pids = tree_pids(pid)
+    signal_tree(pids, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.02)
+
+
 def pid_holder(pid: int) -> str | None:
     """Who holds ``pid`` on this machine: as a process, or as the session/group id of another.
 

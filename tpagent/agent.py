@@ -12,6 +12,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -97,7 +98,7 @@ class Agent(AgentServicer):  # type: ignore[misc]
             for g in gpus.inventory()
         ]
         return pb.NodeInfo(
-            node=self.cfg.node, hostname=__import__("socket").gethostname(), gpus=gpu_list,
+            node=self.cfg.node, hostname=socket.gethostname(), gpus=gpu_list,
             memory_available=psutil.virtual_memory().available, agent_version=__version__,
             criu_version=criu_version, driver_version=gpus.driver_version() or "", healthy=not problems, problems=problems,
         )  # fmt: skip
@@ -157,11 +158,10 @@ class Agent(AgentServicer):  # type: ignore[misc]
                 grpc.StatusCode.PERMISSION_DENIED,
             )
         try:
-            root = psutil.Process(pid)
-            tree = {pid, *(c.pid for c in root.children(recursive=True))}
-            create_time = root.create_time()
+            create_time = psutil.Process(pid).create_time()
         except psutil.NoSuchProcess as e:
             raise Refused(f"there is no process with PID {pid} on {self.cfg.node}.", grpc.StatusCode.NOT_FOUND) from e
+        tree = set(proc.tree_pids(pid))
         with self.lock:
             busy = sorted(tree & set(self.active))
             if busy:  # the whole tree: a parent and its GPU child are one migration
@@ -175,7 +175,7 @@ class Agent(AgentServicer):  # type: ignore[misc]
 
     def Status(self, request: Any, context: grpc.ServicerContext) -> Any:
         r = self._record(request.migration_id, context)
-        return pb.MigrationStatus(migration_id=r.migration_id, state=r.state.value, message=r.message, pid=r.pid)
+        return _status(r)
 
     def Cancel(self, request: Any, context: grpc.ServicerContext) -> Any:
         r = self._record(request.migration_id, context)
@@ -225,8 +225,9 @@ class Agent(AgentServicer):  # type: ignore[misc]
             Criu(self.snapshot_config.criu).check()
         except SnapshotError as e:
             problems.append(f"{self.cfg.node}: {e}")
-        if len(request.gpu_uuids) > len(gpus.inventory()):
-            problems.append(f"{self.cfg.node} has {len(gpus.inventory())} GPU(s); the process uses {len(request.gpu_uuids)}")
+        ours = len(gpus.inventory())
+        if len(request.gpu_uuids) > ours:
+            problems.append(f"{self.cfg.node} has {ours} GPU(s); the process uses {len(request.gpu_uuids)}")
         for entry in list(request.shared_files)[:10_000]:
             path, _, size = entry.rpartition(":")
             try:
@@ -265,13 +266,13 @@ class Agent(AgentServicer):  # type: ignore[misc]
                         self.journal.move(r, State.DONE, "running here")
                         _start_copy(None, Path(r.snapshot), r.pid)
                     else:
-                        kill_tree(r.pid)
+                        proc.kill_tree(r.pid)
                         self.journal.move(r, State.DISCARDED, "decided by the source")
                     shutil.rmtree(r.snapshot, ignore_errors=True)
-            return pb.MigrationStatus(migration_id=r.migration_id, state=r.state.value, message=r.message, pid=r.pid)
+            return _status(r)
         inc.finish(bool(request.commit))
         r = inc.record
-        return pb.MigrationStatus(migration_id=r.migration_id, state=r.state.value, message=r.message, pid=r.pid)
+        return _status(r)
 
     # ---- restart ------------------------------------------------------------------------
 
@@ -371,7 +372,7 @@ class _Incoming:
     def _discard(self, why: str) -> None:
         self.receiver.close()
         if self.record.pid:
-            kill_tree(self.record.pid)  # before the source lets its original go: never two
+            proc.kill_tree(self.record.pid)  # before the source lets its original go: never two
         if self.record.state not in FINAL:
             self.record.state = State.DISCARDED
             self.record.message = why
@@ -386,24 +387,17 @@ def _start_copy(result: engine.RestoreResult | None, snapshot: Path, pid: int) -
     if result is None:
         from snapshot.manifest import load
 
-        tree = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
-        result = engine.RestoreResult(pid, tuple(tree), load(snapshot), {})
+        result = engine.RestoreResult(pid, tuple(proc.tree_pids(pid)), load(snapshot), {})
     engine.start_restored(result)
+
+
+def _status(r: Record) -> Any:
+    return pb.MigrationStatus(migration_id=r.migration_id, state=r.state.value, message=r.message, pid=r.pid)
 
 
 def restore_work(snapshot: Path) -> Path:
     """Where CRIU's restore keeps its pidfile for this migration (known to a restarted agent)."""
     return snapshot.parent / f"{snapshot.name}.restore"
-
-
-def kill_tree(pid: int) -> None:
-    try:
-        root = psutil.Process(pid)
-        pids = [root.pid, *(c.pid for c in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return
-    proc.signal_tree(pids, signal.SIGKILL)
-    psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
 
 
 class _Failure(Exception):
@@ -750,7 +744,7 @@ def _commit(agent: Agent, r: Record, target: Any, dump_thread: threading.Thread 
     else:
         _wait_released(snap, None)
     if _same_process_alive(r):  # CRIU could not end it (it died): end it here
-        kill_tree(r.pid)
+        proc.kill_tree(r.pid)
     shutil.rmtree(snap, ignore_errors=True)
     if r.state is not State.DONE:
         agent.journal.move(r, State.DONE, f"migrated to {r.peer}")
@@ -831,11 +825,10 @@ def _resolve_source(agent: Agent, r: Record) -> None:
 
 def _resume_leftovers(r: Record) -> None:
     """What a dead CRIU may have left stopped runs again; the GPU side is given back."""
-    try:
-        root = psutil.Process(r.pid)
-        proc.signal_tree([r.pid, *(c.pid for c in root.children(recursive=True))], signal.SIGCONT)
-    except psutil.NoSuchProcess:
+    pids = proc.tree_pids(r.pid)
+    if not pids:
         return
+    proc.signal_tree(pids, signal.SIGCONT)
     if r.cuda_pids:  # CRIU gave back the CPU side; the GPU side waits in host memory
         from snapshot.cuda import CudaDriver
 
@@ -871,13 +864,9 @@ def _recover_target(agent: Agent, r: Record) -> None:
     work = restore_work(snap)
     if r.state is State.RESTORING:
         _wait_released(work, None)
-        try:
-            copy = int((work / "restore.pid").read_text())
-        except (OSError, ValueError):
-            copy = 0
-        if copy and proc.alive(copy):
+        copy = engine.kill_restored(work)
+        if copy:
             agent.log.warning("migration %s: stopping the copy (PID %d) a restore finished while the agent was down", r.migration_id, copy)
-            kill_tree(copy)
     r.state = State.DISCARDED
     r.message = "dropped after the agent restarted"
     agent.journal.write(r)
