@@ -5,7 +5,9 @@
 For each size a workload holding that much state is started, then, in one run:
   * tpagent: engine.checkpoint (CUDA lock+checkpoint, criu dump, checksums+manifest) and
     engine.restore (verify, criu restore, CUDA restore+unlock), per stage;
-  * naive:   bare `criu dump` / `criu restore` of the same workload, no manifest, no checks;
+  * naive:   bare `criu dump` / `criu restore` of the same workload, no manifest, no checks
+             (a GPU workload: the driver's lock+checkpoint before, restore+unlock after, as
+             `cuda-checkpoint` and criu run by hand would do);
   * floor:   writing / reading the same number of bytes to / from the same directory.
 Medians over --repeats; the table's ratios are tpagent's time over the naive and floor times.
 --gpu holds the state on the GPU (tests/workloads/gpu_hold.py, sizes in GiB of GPU memory).
@@ -31,6 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from helpers import kill_and_wait, wait_until  # noqa: E402
 from snapshot import engine  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
+from snapshot.cuda import CudaDriver  # noqa: E402
 
 
 def start(kind: str, size_mib: int, log: Path) -> subprocess.Popen[bytes]:
@@ -85,12 +88,19 @@ def one_round(kind: str, size: int, work: Path) -> dict[str, float]:
     p = start(kind, size, log)
     images = work / "naive"
     images.mkdir()
+    cuda = CudaDriver() if kind == "gpu" else None
     t0 = time.monotonic()
+    if cuda is not None:
+        cuda.lock(p.pid, 30)
+        cuda.checkpoint(p.pid)
     criu.dump(p.pid, images, images, DumpOptions(), 3600)
     out["naive_dump_s"] = time.monotonic() - t0
     p.wait()
     t0 = time.monotonic()
     pid = criu.restore(images, images, RestoreOptions(), 3600)
+    if cuda is not None:
+        cuda.restore(pid)
+        cuda.unlock(pid)
     out["naive_restore_s"] = time.monotonic() - t0
     kill_and_wait(pid)
     shutil.rmtree(images)
@@ -115,7 +125,9 @@ def main() -> None:
             with tempfile.TemporaryDirectory(dir=args.dir) as d:
                 rounds.append(one_round(kind, size, Path(d)))
         med = {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in rounds[0]}
-        results.append({"kind": kind, "size_mib": size, "repeats": args.repeats, **med})
+        gb = med["image_bytes"] / 1e9
+        rates = {f"{who}_{op}_gbps": round(gb / med[f"{who}_{op}_s"], 3) for who in ("tpagent", "naive") for op in ("dump", "restore")}
+        results.append({"kind": kind, "size_mib": size, "repeats": args.repeats, **med, **rates})
 
     cols = ["cuda_checkpoint_s", "criu_dump_s", "checksum_s", "tpagent_dump_s", "naive_dump_s", "floor_write_s",
             "verify_s", "criu_restore_s", "cuda_restore_s", "tpagent_restore_s", "naive_restore_s", "floor_read_s"]  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from enum import Enum
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from snapshot.api import (
     SnapshotError,
     SnapshotInvalid,
     Stage,
+    Timeouts,
     UsageError,
 )
 from snapshot.gpus import inventory
@@ -53,25 +55,38 @@ CriuOpt = Annotated[
 _line_open = False  # a stage's name is on screen, waiting for its time
 
 
-def _fail(e: SnapshotError | TransferError) -> NoReturn:
+def _fail(e: SnapshotError | TransferError, as_json: bool = False) -> NoReturn:
+    """One sentence on stderr (and, with --json, a JSON error on stdout), then the exit code."""
+    global _line_open
     if _line_open:
         typer.echo("failed", err=True)
+        _line_open = False
     codes = {UsageError: EXIT_USAGE, SnapshotInvalid: EXIT_INVALID, Interrupted: EXIT_INTERRUPTED}
     code = next((c for cls, c in codes.items() if isinstance(e, cls)), EXIT_FAILED)
-    msg = str(e)
-    if isinstance(e, SnapshotError) and e.rolled_back:
-        msg += " (nothing was lost: the process was resumed where it stood)"
+    rolled_back = isinstance(e, SnapshotError) and e.rolled_back
+    msg = str(e) + (" (nothing was lost: the process was resumed where it stood)" if rolled_back else "")
     typer.echo(f"tpagent: {msg}", err=True)
+    if as_json:
+        typer.echo(json.dumps({"error": msg, "exit_code": code, "rolled_back": rolled_back}, indent=2))
     raise typer.Exit(code)
 
 
 def _progress(quiet: bool) -> Callable[[Stage, str], None]:
+    """Stage lines on stderr.  On a terminal a stage's name shows as it starts and its time
+    completes the line; elsewhere (logs, pipes) each stage is one whole line when it ends."""
+    live = sys.stderr.isatty()
+
     def show(stage: Stage, msg: str) -> None:
-        # The stage's name appears as it starts; its time completes the line when it ends.
         global _line_open
-        if not quiet:
-            typer.echo(f"  {stage.value:<16} {msg}" if not msg else msg, err=True, nl=bool(msg))
-            _line_open = not msg
+        if quiet or (not msg and not live):
+            return
+        if not msg:
+            typer.echo(f"  {stage.value:<16} ", err=True, nl=False)
+        elif _line_open:
+            typer.echo(msg, err=True)
+        else:
+            typer.echo(f"  {stage.value:<16} {msg}", err=True)
+        _line_open = not msg
 
     return show
 
@@ -147,10 +162,10 @@ def dump(
         else:
             cfg = TransferConfig(secret=_secret(secret_file), compress=compress)
             sender = Sender(_transport(transport, cfg.io_timeout), cfg)
-            shipped = pipeline.dump_and_send(pid, out, send_to, sender, mode, config, _progress(as_json), overlap)
+            shipped = pipeline.dump_and_send(pid, out, send_to, sender, mode, config, _progress(as_json), overlap, carry or ())
             m = shipped.manifest
     except (SnapshotError, TransferError) as e:
-        _fail(e)
+        _fail(e, as_json)
     gib = m.total_bytes / 2**30
     doc: dict[str, object] = {"snapshot": str(out), "snapshot_id": m.snapshot_id, "mode": mode.value, "bytes": m.total_bytes, "timings": m.timings}
     text = f"snapshot of PID {pid} written to {out} ({gib:.2f} GiB); process {'left running' if leave_running else 'ended'}"
@@ -177,14 +192,18 @@ def restore(
         list[str] | None,
         typer.Option("--gpu-map", envvar="TPAGENT_GPU_MAP", help="OLD_UUID=NEW_UUID; repeat per GPU."),
     ] = None,
+    pid_wait: Annotated[
+        float, typer.Option("--pid-wait", envvar="TPAGENT_PID_WAIT", min=0, help="Seconds to wait for the snapshot's PIDs to be free.")
+    ] = Timeouts().pid_wait,
     criu: CriuOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Verify a snapshot and bring its processes back to life on this node."""
+    config = SnapshotConfig(criu=criu, timeouts=Timeouts(pid_wait=pid_wait))
     try:
-        result = engine.restore(directory, _parse_map(gpu_map or []), SnapshotConfig(criu=criu), _progress(as_json))
+        result = engine.restore(directory, _parse_map(gpu_map or []), config, _progress(as_json))
     except SnapshotError as e:
-        _fail(e)
+        _fail(e, as_json)
     _emit(
         as_json,
         {"pid": result.pid, "pids": list(result.pids), "snapshot_id": result.manifest.snapshot_id, "timings": result.timings},
@@ -201,7 +220,7 @@ def inspect(
     try:
         m = load(directory)
     except SnapshotError as e:
-        _fail(e)
+        _fail(e, as_json)
     lines = [
         f"snapshot {m.snapshot_id}  created {m.created} on {m.host['hostname']} (tpagent {m.tpagent_version})",
         f"root PID {m.root_pid}{'  (own PID namespace)' if m.namespace else ''};  CRIU {m.criu['version']};  "
@@ -293,7 +312,7 @@ def send(
         stats = Sender(_transport(transport, cfg.io_timeout), cfg, bar).send(directory, peer)
     except (SnapshotError, TransferError) as e:
         typer.echo("", err=True)
-        _fail(e)
+        _fail(e, as_json)
     if not as_json:
         typer.echo("", err=True)
     _emit(
@@ -323,7 +342,7 @@ def receive(
         finally:
             receiver.close()
     except (SnapshotError, TransferError) as e:
-        _fail(e)
+        _fail(e, as_json)
     _emit(
         as_json,
         {"out": str(out), "bytes_raw": stats.bytes_raw, "bytes_wire": stats.bytes_wire, "seconds": stats.seconds},

@@ -95,7 +95,6 @@ class Timeouts:
     """Phase timeouts in seconds; all blocking calls of the layer take them from here."""
 
     cuda_lock: float = 30.0
-    cuda_checkpoint: float = 900.0
     dump: float = 1800.0
     restore: float = 1800.0
     pid_wait: float = 10.0

@@ -49,11 +49,9 @@ def locate(explicit: Path | None = None) -> Path:
     return Path(found)
 
 
-def parse_version(text: str) -> tuple[int, int, int]:
+def parse_version(text: str) -> tuple[int, int, int] | None:
     match = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if match is None:
-        raise CriuError("could not read CRIU's version", detail=text.strip()[:200])
-    return int(match[1]), int(match[2]), int(match[3] or 0)
+    return None if match is None else (int(match[1]), int(match[2]), int(match[3] or 0))
 
 
 def log_errors(log_file: Path) -> str:
@@ -135,7 +133,11 @@ class Criu:
 
     def _probe_version(self) -> tuple[int, int, int]:
         proc = self._run(["--version"], timeout=30)
-        return parse_version(proc.stdout + proc.stderr)
+        version = parse_version(proc.stdout + proc.stderr)
+        if version is None:
+            said = next(iter((proc.stdout + proc.stderr).strip().splitlines()), "nothing")
+            raise UsageError(f"{self.path} does not look like CRIU (its --version printed {said[:80]!r}); {INSTALL_HINT}.")
+        return version
 
     def check(self, timeout: float = 60) -> str:
         """``criu check``: returns its verdict, raises CriuError when CRIU says it cannot work."""

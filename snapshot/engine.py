@@ -133,6 +133,21 @@ def _has_context(cuda: CudaDriver, pid: int) -> bool:
     return True
 
 
+def _check_restore_thread(cuda: CudaDriver, pid: int) -> None:
+    """The driver brings GPU memory back from inside the process, on its restore thread: if
+    that thread is stopped, ``cuCheckpointProcessRestore`` would wait for good.  Refuse instead."""
+    try:
+        tid = cuda.restore_thread_id(pid)
+    except CudaError as e:  # only a known stopped thread is refused; the restore itself will say more
+        log.warning("could not ask the driver for the restore thread of %d: %s", pid, e)
+        return
+    if proc.thread_state(pid, tid) in ("T", "t"):
+        raise CudaError(
+            f"the CUDA restore thread (TID {tid}) of PID {pid} is stopped, so the driver could not restore it; "
+            "let the process run (SIGCONT, or detach the debugger) and retry"
+        )
+
+
 def resume(pids: list[int], cuda_pids: list[int], cuda: CudaDriver | None) -> None:
     """Resume a tree left stopped and give each CUDA process its GPU back.
 
@@ -143,6 +158,7 @@ def resume(pids: list[int], cuda_pids: list[int], cuda: CudaDriver | None) -> No
         assert cuda is not None
         try:
             if cuda.state(pid).value == "checkpointed":
+                _check_restore_thread(cuda, pid)
                 cuda.restore(pid)
             if cuda.state(pid).value == "locked":
                 cuda.unlock(pid)
@@ -286,8 +302,9 @@ def _rolled_back(
         err = e
     elif isinstance(e, OSError):
         err = CriuError(f"writing the snapshot to {out} failed", detail=str(e), code=e.errno)
-    else:
-        return e
+    else:  # a bug, or a library raising what it should not: the rollback above still ran
+        log.exception("checkpoint of %d failed unexpectedly", pid)
+        err = ToolError(f"the checkpoint of PID {pid} failed unexpectedly ({type(e).__name__}: {e})")
     if problem is not None:
         return ToolError(f"{err}; then resuming PID {pid} failed too: {problem}")
     err.rolled_back = True
@@ -303,8 +320,7 @@ def _gpu_pairs(m: Manifest, pid: int, gpu_map: Mapping[str, str]) -> dict[str, s
     return {old: gpu_map.get(old, old) for old in used}
 
 
-def _check_gpu_map(m: Manifest, gpu_map: Mapping[str, str]) -> dict[str, str]:
-    norm = {uuid_text(uuid_bytes(k)): uuid_text(uuid_bytes(v)) for k, v in gpu_map.items()}
+def _check_gpu_map(m: Manifest, norm: dict[str, str]) -> dict[str, str]:
     theirs = {str(g["uuid"]) for g in m.gpus}
     for old in norm:
         if old not in theirs:
@@ -357,6 +373,7 @@ def restore(
     GPU still locked (a CUDA process, whose driver restore needs it running) — until
     :func:`start_restored`; a migration lets it go only once the original is let go."""
     require_root()
+    asked = {uuid_text(uuid_bytes(k)): uuid_text(uuid_bytes(v)) for k, v in (gpu_map or {}).items()}  # (syntax first)
     timer = _Timer(progress, config.fail_after)
     with timer.stage(Stage.VERIFY):
         m = manifest.load(directory)
@@ -374,17 +391,18 @@ def restore(
             f"the process this snapshot was taken from (PID {m.root_pid}, left {m.origin['mode']}) "
             "still runs on this node; stop it first, or two copies would run."
         )
-    norm_map = _check_gpu_map(m, gpu_map or {})
+    norm_map = _check_gpu_map(m, asked)
     cuda = cuda_factory() if m.cuda_pids else None
     if not m.namespace:
-        proc.wait_pids_free([p.pid for p in m.processes], config.timeouts.pid_wait)
+        proc.wait_pids_free([p.pid for p in m.processes], config.timeouts.pid_wait, [t for p in m.processes for t in p.tids])
     opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), m.namespace, leave_stopped=not start and not m.cuda_pids)
-    created = _put_back(directory, m)
+    created: list[Path] = []
     if work is None:
         work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
     else:
         work.mkdir(parents=True, exist_ok=True)
     try:
+        _put_back(directory, m, created)
         with timer.stage(Stage.CRIU_RESTORE):
             root = criu.restore(directory / IMAGES_DIR, work, opts, config.timeouts.restore)
         mapping = _restored_pids(m, root)
@@ -392,6 +410,7 @@ def restore(
             with proc.deferred_sigint():
                 with timer.stage(Stage.CUDA_RESTORE):
                     for p in m.cuda_pids:
+                        _check_restore_thread(cuda, mapping[p])
                         cuda.restore(mapping[p], _gpu_pairs(m, p, norm_map))
                 if start:
                     with timer.stage(Stage.CUDA_UNLOCK):
@@ -428,12 +447,19 @@ def start_restored(result: RestoreResult, cuda_factory: CudaFactory = CudaDriver
         proc.signal_tree(list(result.pids), signal.SIGCONT)
 
 
-def _put_back(directory: Path, m: Manifest) -> list[Path]:
-    """Write the carried files back where they were; return the ones this created.  A file
-    already there must hold the same bytes (the same file, or a copy): else the restore stops."""
+def _put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
+    """Write the carried files back where they were, adding each it creates to ``created``.
+    A file already there must hold the same bytes (the same file, or a copy): else the restore stops."""
+    try:
+        _write_carried(directory, m, created)
+    except (OSError, tarfile.TarError) as e:
+        what = getattr(e, "filename", None) or directory / IMAGES_DIR / manifest.CARRIED_NAME
+        raise ToolError(f"putting back the files the process had open failed at {what}", detail=getattr(e, "strerror", None) or str(e)) from e
+
+
+def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
     if not m.carried:
-        return []
-    created: list[Path] = []
+        return
     wanted = {p.lstrip("/"): Path(p) for p in m.carried}
     with tarfile.open(directory / IMAGES_DIR / manifest.CARRIED_NAME) as tar:
         for member in tar.getmembers():
@@ -444,18 +470,15 @@ def _put_back(directory: Path, m: Manifest) -> list[Path]:
             data = source.read()
             if path.exists() or path.is_symlink():
                 if not path.is_file() or path.is_symlink() or path.read_bytes() != data:
-                    for p in created:
-                        p.unlink(missing_ok=True)
                     raise UsageError(f"{path} exists on this node with other content; the process had it open: move it away first.")
                 continue
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, member.mode & 0o7777)
+            created.append(path)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.utime(path, (member.mtime, member.mtime))
             os.chown(path, member.uid, member.gid)
-            created.append(path)
-    return created
 
 
 def kill_restored(work: Path) -> int:

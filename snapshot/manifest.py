@@ -12,7 +12,8 @@
                      "files": { RELPATH: {"size": INT, "chunk_size": INT, "sha256": [HEX]} },
                      "total_bytes": INT, "timings": { STAGE: SECONDS },
                      "carried": [ ABSPATH ] }                (optional: files kept in images/tpagent-files.tar)
-    PROCESS    ::= {"pid", "ppid", "cmdline": [STR], "ns_pids": [INT], "uses_cuda": BOOL}
+    PROCESS    ::= {"pid", "ppid", "cmdline": [STR], "ns_pids": [INT], "uses_cuda": BOOL,
+                     "tids": [INT]}                         (optional: its other threads' IDs)
     GPU        ::= {"index", "uuid", "name", "memory_total", "memory_used", ...}
 
 RELPATH is relative to the snapshot directory.  Each file is hashed in CHUNK_SIZE pieces
@@ -106,6 +107,7 @@ class Manifest:
                 cmdline=tuple(_list(p, "cmdline", str, "processes[]")),
                 ns_pids=tuple(_list(p, "ns_pids", int, "processes[]")),
                 uses_cuda=_get(p, "uses_cuda", bool, "processes[]"),
+                tids=tuple(_list(p, "tids", int, "processes[]")) if "tids" in p else (),
             )
             for p in _list(data, "processes", dict, "manifest")
         ]
@@ -132,6 +134,8 @@ class Manifest:
         carried = _list(data, "carried", str, "manifest") if "carried" in data else []
         if any(not p.startswith("/") or os.path.normpath(p) != p or "\0" in p for p in carried):
             raise ValueError("carried: not a normalised absolute path")
+        if carried and f"{IMAGES_DIR}/{CARRIED_NAME}" not in files:
+            raise ValueError(f"carried: names files but {IMAGES_DIR}/{CARRIED_NAME} is not among the files")
         return cls(
             root_pid=_get(data, "root_pid", int, "manifest"),
             namespace=_get(data, "namespace", bool, "manifest"),

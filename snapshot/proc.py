@@ -6,7 +6,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +28,16 @@ class ProcInfo:
     #: PIDs of this process from the outermost to its own PID namespace (NSpid).
     ns_pids: tuple[int, ...]
     uses_cuda: bool
+    #: Its other threads' IDs (CRIU gives them back too, so they must be free on restore).
+    tids: tuple[int, ...] = ()
 
 
 def _stat_fields(pid: int) -> list[str]:
-    raw = Path(f"/proc/{pid}/stat").read_text()
+    return _stat_fields_of(f"/proc/{pid}/stat")
+
+
+def _stat_fields_of(path: str) -> list[str]:
+    raw = Path(path).read_text()
     # The command name sits in parentheses and may itself contain spaces or parentheses.
     return raw[raw.rindex(")") + 2 :].split()
 
@@ -48,6 +54,9 @@ def validate_target(pid: int) -> psutil.Process:
         raise UsageError(f"there is no process with PID {pid}.") from e
     if flags & _PF_KTHREAD:
         raise UsageError(f"PID {pid} is a kernel thread, not a user process; pick a user process.")
+    tgid = _status_field(pid, "Tgid")
+    if tgid is not None and tgid != pid:
+        raise UsageError(f"{pid} is a thread of process {tgid}, not a process; give the process's PID ({tgid}).")
     if pid == os.getpid() or pid in {p.pid for p in psutil.Process().parents()}:
         raise UsageError(f"PID {pid} is tpagent itself or its parent; pick the workload's PID.")
     if zombie:
@@ -74,6 +83,29 @@ def uses_cuda(pid: int) -> bool:
         except OSError:
             continue
     return False
+
+
+def _status_field(pid: int, key: str) -> int | None:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[-1])
+    return None
+
+
+def thread_ids(pid: int) -> tuple[int, ...]:
+    """The IDs of the process's threads other than its main one."""
+    try:
+        return tuple(sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid))
+    except OSError:
+        return ()
+
+
+def thread_state(pid: int, tid: int) -> str | None:
+    """The scheduler state letter of one thread (R, S, D, T, t...), or None if it is gone."""
+    try:
+        return _stat_fields_of(f"/proc/{pid}/task/{tid}/stat")[0]
+    except (OSError, IndexError):
+        return None
 
 
 def ns_pids(pid: int) -> tuple[int, ...]:
@@ -103,7 +135,7 @@ def tree(root: psutil.Process, cuda_pids: set[int] | None = None) -> list[ProcIn
     for p in [root, *root.children(recursive=True)]:
         try:
             cuda = p.pid in cuda_pids if cuda_pids is not None else uses_cuda(p.pid)
-            out.append(ProcInfo(p.pid, p.ppid(), tuple(p.cmdline()), ns_pids(p.pid), cuda))
+            out.append(ProcInfo(p.pid, p.ppid(), tuple(p.cmdline()), ns_pids(p.pid), cuda, thread_ids(p.pid)))
         except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
             continue
     return out
@@ -158,15 +190,19 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
 
 
 def pid_holder(pid: int) -> str | None:
-    """Who holds ``pid`` on this machine: as a process, or as the session/group id of another.
+    """Who holds ``pid`` on this machine: as a process or thread, or as the session/group id of another.
 
     A killed process's orphaned children can linger as zombies that still carry its PID as
     their session id, which makes CRIU's restore fail with ``Can't fork for PID``.
     """
-    if Path(f"/proc/{pid}").exists():
+    if Path(f"/proc/{pid}").exists():  # (a thread's ID is there too, unlisted)
         try:
-            return f"process {pid} ({psutil.Process(pid).name()})"
-        except psutil.NoSuchProcess:
+            tgid = _status_field(pid, "Tgid")
+            name = psutil.Process(pid).name()
+            if tgid is not None and tgid != pid:
+                return f"a thread ({name}) of process {tgid}"
+            return f"process {pid} ({name})"
+        except (psutil.NoSuchProcess, OSError):
             pass
     with os.scandir("/proc") as entries:
         for entry in entries:
@@ -181,17 +217,18 @@ def pid_holder(pid: int) -> str | None:
     return None
 
 
-def wait_pids_free(pids: list[int], timeout: float) -> None:
-    """Wait up to ``timeout`` s for every PID to be free; raise naming the holder otherwise."""
+def wait_pids_free(pids: list[int], timeout: float, tids: Sequence[int] = ()) -> None:
+    """Wait up to ``timeout`` s for every PID and thread ID to be free; raise naming the holder otherwise."""
     deadline = time.monotonic() + timeout
+    wanted = [(pid, "PID") for pid in pids] + [(tid, "thread ID") for tid in tids]
     while True:
-        held = [(pid, who) for pid in pids if (who := pid_holder(pid)) is not None]
+        held = [(pid, kind, who) for pid, kind in wanted if (who := pid_holder(pid)) is not None]
         if not held:
             return
         if time.monotonic() >= deadline:
-            pid, who = held[0]
+            pid, kind, who = held[0]
             raise UsageError(
-                f"PID {pid}, which the snapshot must get back, is held by {who}; "
+                f"{kind} {pid}, which the snapshot must get back, is held by {who}; "
                 "stop that process (or launch workloads with `tpagent launch` so they get "
                 "their own PID namespace) and retry."
             )

@@ -8,7 +8,7 @@ driver is exercised by tests/test_gpu.py on a GPU machine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from snapshot.api import CudaError
 from snapshot.cuda import CudaState
@@ -27,6 +27,8 @@ class FakeCudaDriver:
         self.calls: list[tuple[str, int]] = []
         self.gpu_maps: list[Mapping[str, str] | None] = []
         self.fail_on = fail_on
+        #: Called as the engine asks for a process's restore thread (a test's way to stop it).
+        self.on_restore_thread: Callable[[int], None] | None = None
 
     def _move(self, op: str, pid: int) -> None:
         self.calls.append((op, pid))
@@ -54,4 +56,10 @@ class FakeCudaDriver:
 
     def unlock(self, pid: int) -> None:
         self._move("unlock", pid)
+
+    def restore_thread_id(self, pid: int) -> int:
+        """The real driver's restore thread is one it started inside the process; here: its main thread."""
+        if self.on_restore_thread is not None:
+            self.on_restore_thread(pid)
+        return pid
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import needs_criu
-from helpers import alive, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
+from helpers import alive, assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
 from snapshot.api import UsageError
 from snapshot.proc import wait_pids_free
 
@@ -258,3 +258,106 @@ def test_gpu_process_without_a_usable_driver_is_refused_before_any_freeze(start,
     n = w.ticks()[-1][0]
     wait_until(lambda: w.ticks()[-1][0] > n + 3, "the workload to keep running")
     assert not (tmp_path / "s").exists()  # nothing was started, nothing written
+
+
+def _take_pid(pid: int) -> subprocess.Popen[bytes]:
+    """A `sleep` that has exactly ``pid`` (the kernel's next PID is steered through ns_last_pid)."""
+    for _ in range(100):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        holder = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
+        if holder.pid == pid:
+            return holder
+        holder.kill()
+        holder.wait()
+    raise AssertionError(f"could not start a process with PID {pid}")
+
+
+@pytest.mark.parametrize("held", ["pid", "thread-id"])
+def test_restore_while_the_original_ids_are_taken(start, tmp_path: Path, held: str) -> None:  # type: ignore[no-untyped-def]
+    """A plain process comes back under its own PID and thread IDs: while another process holds
+    one, the restore waits (--pid-wait), names the holder, starts nothing; once it is gone the
+    same snapshot restores and the workload goes on where it stood."""
+    w = start(mib=16)
+    snap = tmp_path / "snap"
+    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
+    w.reap()
+    m = json.loads((snap / "manifest.json").read_text())
+    assert m["processes"][0]["tids"], "the workload's threads are in the manifest"
+    wanted = w.pid if held == "pid" else m["processes"][0]["tids"][0]
+    holder = _take_pid(wanted)
+    try:
+        proc = tpagent("restore", str(snap), "--pid-wait", "1")
+        kind = "PID" if held == "pid" else "thread ID"
+        assert_one_sentence_error(proc, f"{kind} {wanted}", f"held by process {wanted} (sleep)")
+        assert proc.returncode == 2
+        assert holder.poll() is None and len(w.ticks()) == w.ticks()[-1][0] + 1  # nothing started
+    finally:
+        holder.kill()
+        holder.wait()
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    stopped_at = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
+    assert_continuous(w.ticks())
+    w.verify_state()
+
+
+def test_a_thread_id_is_not_a_pid(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    w = start(mib=16)
+    tid = next(t.id for t in psutil.Process(w.pid).threads() if t.id != w.pid)
+    assert_one_sentence_error(tpagent("dump", str(tid), "--out", str(tmp_path / "s")), f"is a thread of process {w.pid}")
+    assert not (tmp_path / "s").exists() and psutil.Process(w.pid).status() != psutil.STATUS_STOPPED
+
+
+def test_a_program_that_is_not_criu(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    w = start(mib=16)
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "s"), "--criu", "/bin/true")
+    assert_one_sentence_error(proc, "/bin/true does not look like CRIU")
+    assert proc.returncode == 2 and alive(w.pid)
+
+
+def test_json_errors_are_json(tmp_path: Path) -> None:
+    proc = tpagent("restore", str(tmp_path / "nope"), "--json")
+    assert_one_sentence_error(proc, "does not exist")
+    doc = json.loads(proc.stdout)
+    assert doc["exit_code"] == proc.returncode == 3 and "does not exist" in doc["error"] and doc["rolled_back"] is False
+
+
+def test_carried_files_named_without_their_archive(snapshot_dir: Path, tmp_path: Path) -> None:
+    """A manifest (self-checksum kept consistent) that names carried files the snapshot lacks."""
+    snap = _copy(snapshot_dir, tmp_path)
+    _edit(snap, carried=[str(tmp_path / "x.log")])
+    proc = tpagent("restore", str(snap))
+    assert_one_sentence_error(proc, "tpagent-files.tar is not among the files")
+    assert proc.returncode == 3 and not (tmp_path / "x.log").exists()
+
+
+@pytest.mark.parametrize("driver", ["no-cuda-python", "driver-560"])
+def test_gpu_process_without_the_checkpoint_api_is_refused_before_any_freeze(start, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: str) -> None:  # type: ignore[no-untyped-def]
+    """cuda-python missing, or a driver older than 570 (no checkpoint API): refused whole,
+    the process never stops.  The driver module is replaced here in-process (no such driver exists here)."""
+    import mmap
+    from types import SimpleNamespace
+
+    from snapshot import engine
+    from snapshot.api import UsageError as Usage
+
+    lib = tmp_path / "libcuda.so.1"
+    lib.write_bytes(b"\0" * mmap.PAGESIZE)
+    w = start(mib=16, extra=("--map", str(lib)))
+    if driver == "no-cuda-python":
+        monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # import fails as if not installed
+        needle = "cuda-python is not installed"
+    else:
+        ok = 0
+        old = SimpleNamespace(
+            CUresult=SimpleNamespace(CUDA_SUCCESS=ok), cuInit=lambda flags: (ok,), cuDriverGetVersion=lambda: (ok, 12060)
+        )
+        monkeypatch.setitem(sys.modules, "cuda.bindings", SimpleNamespace(driver=old))
+        needle = "supports CUDA 12.6; the checkpoint API needs driver 570"
+    with pytest.raises(Usage, match=needle):
+        engine.checkpoint(w.pid, tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] > n + 3, "the workload to keep running")
+    assert_continuous(w.ticks())

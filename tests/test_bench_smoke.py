@@ -21,6 +21,7 @@ def test_snapshot_benchmark_runs(tmp_path: object) -> None:
     doc = _run("bench/snapshot.py", "--sizes-mib", "16", "--repeats", "1")
     (row,) = doc["results"]  # type: ignore[misc]
     assert row["image_bytes"] > 16 << 20 and row["tpagent_dump_s"] > 0 and row["naive_restore_s"] > 0
+    assert row["tpagent_dump_gbps"] > 0 and row["naive_restore_gbps"] > 0
 
 
 def test_transfer_benchmark_runs() -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import needs_criu
 from fake_cuda import FakeCudaDriver
 from helpers import alive, assert_continuous, wait_until
 from snapshot import engine
-from snapshot.api import CudaError, DumpMode, SnapshotConfig, Stage
+from snapshot.api import CriuError, CudaError, DumpMode, SnapshotConfig, Stage, UsageError
 from snapshot.cuda import CudaState
 
 pytestmark = needs_criu
@@ -70,8 +71,9 @@ def test_driver_failure_during_freeze_leaves_it_running(cuda_workload, tmp_path:
 def test_failure_after_dump_gives_the_gpu_back(cuda_workload, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     w = cuda_workload
     fake = FakeCudaDriver()
-    with pytest.raises(Exception):
+    with pytest.raises(CriuError, match="sealing the snapshot failed") as err:
         engine.checkpoint(w.pid, tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CHECKSUM), cuda_factory=lambda: fake)
+    assert err.value.rolled_back
     assert fake.calls == [("lock", w.pid), ("checkpoint", w.pid), ("restore", w.pid), ("unlock", w.pid)]
     assert alive(w.pid)
     n = w.ticks()[-1][0]
@@ -101,4 +103,60 @@ def test_restore_failure_in_the_driver_kills_the_copy_and_keeps_the_snapshot(cud
     result = engine.restore(tmp_path / "snap", cuda_factory=lambda: fake)  # the snapshot still serves
     assert fake.state(result.pid) is CudaState.RUNNING
     w.pid = result.pid
+    w.verify_state()
+
+
+def test_a_stopped_restore_thread_is_refused_not_waited_on(cuda_workload, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The driver restores from the process's own restore thread; were it stopped, the driver's
+    call would block for good.  The restore refuses, stops the copy and keeps the snapshot."""
+    import os
+    import signal
+
+    w = cuda_workload
+    fake = FakeCudaDriver()
+    engine.checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)
+    w.reap()
+    def stop(pid: int) -> None:  # e.g. a job-control stop, or a debugger
+        os.kill(pid, signal.SIGSTOP)
+        wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, "the copy to stop")
+
+    fake.on_restore_thread = stop
+    with pytest.raises(CudaError, match=f"restore thread \\(TID {w.pid}\\) of PID {w.pid} is stopped"):
+        engine.restore(tmp_path / "snap", cuda_factory=lambda: fake)
+    assert ("restore", w.pid) not in fake.calls  # the blocking call was never made
+    wait_until(lambda: not alive(w.pid), "the stopped copy to be gone")
+    fake.on_restore_thread = None
+    w.pid = engine.restore(tmp_path / "snap", cuda_factory=lambda: fake).pid
+    w.verify_state()
+
+
+def test_gpu_map_reaches_the_driver_as_uuid_pairs(cuda_workload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The snapshot's GPU is not on this node: without a map the restore says which to map;
+    with one naming a GPU the node lacks it refuses; with a good one the driver gets the pair."""
+    import json
+
+    from snapshot import gpus
+    from snapshot.gpus import GpuInfo
+    from snapshot.manifest import _body_digest
+
+    old, new = "GPU-11111111-2222-3333-4444-555555555555", "GPU-66666666-7777-8888-9999-000000000000"
+    w = cuda_workload
+    fake = FakeCudaDriver()
+    engine.checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)
+    w.reap()
+    # No GPU exists here: write the one the process "used" into the manifest, as NVML would have.
+    path = tmp_path / "snap" / "manifest.json"
+    data = json.loads(path.read_text())
+    data["gpus"] = [{"index": 0, "uuid": old, "name": "H100", "memory_total": 80 << 30, "memory_used": 1 << 30, "pids": [w.pid]}]
+    data["manifest_sha256"] = _body_digest(data)
+    path.write_text(json.dumps(data))
+    here = GpuInfo(0, new, "H100", 80 << 30, 0, 40, 0, ())
+    monkeypatch.setattr(gpus, "inventory", lambda: [here])
+    with pytest.raises(UsageError, match=f"GPU {old} is not on this node.*--gpu-map {old}="):
+        engine.restore(tmp_path / "snap", cuda_factory=lambda: fake)
+    with pytest.raises(UsageError, match="GPU GPU-00000000-0000-0000-0000-000000000001 is not on this node"):
+        engine.restore(tmp_path / "snap", {old: "GPU-00000000-0000-0000-0000-000000000001"}, cuda_factory=lambda: fake)
+    assert not alive(w.pid) and fake.gpu_maps == []  # refused before anything started
+    w.pid = engine.restore(tmp_path / "snap", {old.lower().removeprefix("GPU-"): new}, cuda_factory=lambda: fake).pid
+    assert fake.gpu_maps == [{old: new}]
     w.verify_state()

@@ -56,6 +56,8 @@ def test_gpu_process_dump_restore_bit_exact(tmp_path: Path, gib: int) -> None:
         def progress(stage: Stage, msg: str) -> None:
             if not msg and stage in (Stage.CUDA_LOCK, Stage.CUDA_CHECKPOINT, Stage.CRIU_DUMP, Stage.CUDA_RESTORE, Stage.CUDA_UNLOCK):
                 seen[stage.value] = driver.state(pid).value
+            if not msg and stage is Stage.CUDA_RESTORE:  # the driver's restore thread lives in the restored process
+                seen["restore_thread"] = str(driver.restore_thread_id(pid) in {int(t) for t in os.listdir(f"/proc/{pid}/task")})
 
         m = engine.checkpoint(pid, tmp_path / "snap", progress=progress)
         popen.wait(timeout=60)
@@ -65,7 +67,7 @@ def test_gpu_process_dump_restore_bit_exact(tmp_path: Path, gib: int) -> None:
         uuid = m.gpus[0]["uuid"]
         result = engine.restore(tmp_path / "snap", {uuid: uuid}, progress=progress)  # exercises gpuPairs
         assert result.pid == pid
-        assert seen["cuda_restore"] == "checkpointed" and seen["cuda_unlock"] == "locked"
+        assert seen["cuda_restore"] == "checkpointed" and seen["cuda_unlock"] == "locked" and seen["restore_thread"] == "True"
         assert driver.state(pid).value == "running"
         wait_until(lambda: _steps(log)[-1] > stopped + 5, "the restored workload to step on", 120)
         steps = _steps(log)

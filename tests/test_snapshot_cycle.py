@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,7 +68,7 @@ def test_launched_namespace_survives_restore_while_pids_busy(start, tmp_path: Pa
 
 def test_leave_running(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     w = start()
-    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"), "--leave-running")
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"), "--leave-running", "--carry", str(w.log))
     assert proc.returncode == 0, proc.stderr
     n = w.ticks()[-1][0]
     wait_until(lambda: w.ticks()[-1][0] >= n + 10, "the workload to keep running")
@@ -79,6 +80,16 @@ def test_leave_running(start, tmp_path: Path) -> None:  # type: ignore[no-untype
     proc = tpagent("restore", str(tmp_path / "snap"))
     assert proc.returncode == 2 and f"PID {w.pid}" in proc.stderr and "two copies" in proc.stderr, proc.stderr
     assert alive(w.pid)
+    # Once the original is gone the snapshot restores as it was at the freeze: its log (taken
+    # along with --carry; CRIU refuses a file that grew since) is put back as it was then.
+    w.stop()
+    w.log.rename(w.log.with_suffix(".original"))
+    proc = tpagent("restore", str(tmp_path / "snap"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    wait_until(lambda: w.ticks()[-1][0] >= n + 10, "the restored copy to tick on")
+    assert_continuous(w.ticks())
+    w.verify_state()
 
 
 def test_leave_running_namespace_is_not_restored_twice(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -139,3 +150,57 @@ def test_carried_file_with_other_content_on_the_node_stops_the_restore(start, tm
     proc = tpagent("restore", str(tmp_path / "snap"))
     assert proc.returncode == 2 and "exists on this node with other content" in proc.stderr
     assert w.log.read_text() == "someone else's file\n"  # untouched
+
+
+def test_leave_stopped(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """CRIU's third way to finish: the tree stays stopped, whole, until someone resumes it."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    from snapshot import engine
+    from snapshot.api import DumpMode
+
+    w = start(mib=16)
+    m = engine.checkpoint(w.pid, tmp_path / "snap", DumpMode.LEAVE_STOPPED)
+    assert m.origin["mode"] == "leave-stopped"
+    assert psutil.Process(w.pid).status() == psutil.STATUS_STOPPED
+    n = w.ticks()[-1][0]
+    time.sleep(0.5)
+    assert w.ticks()[-1][0] == n  # stopped means no step runs
+    os.kill(w.pid, signal.SIGCONT)
+    wait_until(lambda: w.ticks()[-1][0] >= n + 5, "the resumed workload to tick on")
+    assert_continuous(w.ticks())
+    w.verify_state()
+
+
+def test_carried_file_that_cannot_be_put_back(workloads, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The node has a file where the carried file's directory must be: one sentence, nothing
+    started, nothing half-written; once the path is free the same snapshot restores."""
+    from helpers import Workload
+
+    w = Workload(tmp_path / "logs" / "w.log", 16, launched=True)
+    w.log.parent.mkdir()
+    workloads.append(w.start())
+    out = w.log.with_suffix(".out")  # its stdout, also open and also node-local
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"), "--carry", str(w.log), "--carry", str(out))
+    assert proc.returncode == 0, proc.stderr
+    frozen = w.log.read_bytes()
+    shutil.rmtree(w.log.parent)
+    w.log.parent.write_text("a file where the directory was\n")
+    proc = tpagent("restore", str(tmp_path / "snap"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("tpagent:")] == [
+        f"tpagent: putting back the files the process had open failed at {w.log.parent}: File exists"
+    ], proc.stderr
+    assert w.log.parent.read_text() == "a file where the directory was\n"
+    w.log.parent.unlink()
+    proc = tpagent("restore", str(tmp_path / "snap"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    assert w.log.read_bytes()[: len(frozen)] == frozen
+    stopped_at = int(frozen.decode().splitlines()[-1].split()[1])
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to write on")
+    assert_continuous(w.ticks())

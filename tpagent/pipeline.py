@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,10 +42,11 @@ def dump_and_send(
     config: SnapshotConfig = SnapshotConfig(),
     progress: ProgressFn = engine.quiet,
     overlap: bool = True,
+    carry: Sequence[Path] = (),
 ) -> Shipped:
     t0 = time.monotonic()
     if not overlap:
-        m = engine.checkpoint(pid, out, mode, config, progress)
+        m = engine.checkpoint(pid, out, mode, config, progress, carry=carry)
         dump_s = time.monotonic() - t0
         try:
             stats = sender.send(out, peer)
@@ -70,7 +72,7 @@ def dump_and_send(
     thread = threading.Thread(target=run, name="send", daemon=True)
     thread.start()
     try:
-        m = engine.checkpoint(pid, out, mode, config, progress)
+        m = engine.checkpoint(pid, out, mode, config, progress, carry=carry)
     except BaseException:
         dump_failed.set()
         thread.join()
