@@ -39,7 +39,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from snapshot.manifest import Manifest, checksum_files  # noqa: E402
 from snapshot.proc import ProcInfo  # noqa: E402
 from transfer.api import Compress, TransferConfig, Transport  # noqa: E402
-from transfer.stream import Receiver, Sender  # noqa: E402
+from transfer.receiver import Receiver  # noqa: E402
+from transfer.sender import Sender  # noqa: E402
 from transfer.tcp import TcpTransport  # noqa: E402
 from transfer.ucx import UcxTransport  # noqa: E402
 

@@ -35,7 +35,8 @@ from tpagent import pipeline
 from cli import agent_cmds
 from tpagent.launch import launch as launch_workload
 from transfer.api import Compress, TransferConfig, TransferError, Transport
-from transfer.stream import Receiver, Sender
+from transfer.receiver import Receiver
+from transfer.sender import Sender
 from transfer.tcp import TcpTransport
 
 EXIT_OK = 0

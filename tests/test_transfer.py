@@ -20,7 +20,8 @@ from proxy import Proxy
 from snapshot.manifest import Manifest, checksum_files, load
 from snapshot.proc import ProcInfo
 from transfer.api import AuthError, Channel, Compress, IntegrityError, Listener, TransferConfig, TransferError, TransferStats, Transport
-from transfer.stream import Receiver, Sender
+from transfer.receiver import Receiver
+from transfer.sender import Sender
 from transfer.tcp import TcpTransport
 from transfer.ucx import UcxTransport
 
@@ -337,13 +338,13 @@ def _wait_bytes(proxy: Proxy, n: int) -> None:
 
 def test_files_the_manifest_does_not_list_are_refused(tcp: Transport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sender (holding the secret, but buggy or hostile) that slips in a file of its own."""
-    from transfer import stream
+    from transfer import sender
     from transfer.wire import Layout
 
     src = make_snapshot(tmp_path / "src", "model", 1)
     (src / "run.sh").write_text("echo not part of the snapshot\n")
-    real = stream.snapshot_layout
-    monkeypatch.setattr(stream, "snapshot_layout", lambda snap, cs: Layout((*real(snap, cs).files, ("run.sh", 30)), cs))
+    real = sender.snapshot_layout
+    monkeypatch.setattr(sender, "snapshot_layout", lambda snap, cs: Layout((*real(snap, cs).files, ("run.sh", 30)), cs))
     rx = Receiving(tcp, tmp_path / "dst")
     with pytest.raises(IntegrityError, match="does not list"):
         _send(tcp, src, rx.receiver.address)

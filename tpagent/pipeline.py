@@ -1,7 +1,7 @@
 """Dump a process and send its snapshot to a peer, the send overlapping the dump.
 
 With ``overlap`` the sender follows the snapshot directory while CRIU writes it (see
-:meth:`transfer.stream.Sender.send`): image bytes go out as soon as they are on disk, and the
+:meth:`transfer.sender.Sender.send`): image bytes go out as soon as they are on disk, and the
 transfer ends a little after the dump.  Without it the dump finishes first, then the send
 starts.  ``bench/pipeline.py`` measures both; overlapping is the default.
 """
@@ -18,7 +18,7 @@ from snapshot import engine
 from snapshot.api import DumpMode, ProgressFn, SnapshotConfig
 from snapshot.manifest import Manifest
 from transfer.api import TransferError, TransferStats
-from transfer.stream import Sender
+from transfer.sender import Sender
 
 
 @dataclass(frozen=True)

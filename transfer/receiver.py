@@ -1,0 +1,409 @@
+"""The receiving end of a snapshot stream (see :mod:`transfer.stream`): chunks checked as
+they arrive, the trailer checked, the snapshot verified before it appears under its name."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zstandard
+
+from snapshot import manifest as snapmanifest
+from snapshot.api import SnapshotError
+from transfer import wire
+from transfer.api import AuthError, Channel, IntegrityError, TransferConfig, TransferError, TransferStats, Transport
+from transfer.stream import HANDSHAKE_TIMEOUT, server_handshake
+from transfer.wire import ACK, CHUNK, Codec, Kind, Layout, Role
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Session:
+    """One transfer being received.  ``layout`` is None while following (files then come as
+    chunks name them, and the trailer says what they add up to)."""
+
+    layout: Layout | None
+    chunk_size: int
+    partial: Path
+    manifest_sha256: str
+    names: dict[str, int] = field(default_factory=dict)  # file -> its index in fds
+    fds: list[int] = field(default_factory=list)
+    #: Chunk index -> (file index, offset, length): the layout's, or as the chunks said.
+    where: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    have: set[int] = field(default_factory=set)
+    crcs: dict[int, int] = field(default_factory=dict)
+    #: Per file, per manifest chunk: transfer chunks still to come, then its SHA-256, hashed
+    #: as soon as the region is complete so that verification overlaps the transfer.
+    waiting: list[list[int]] = field(default_factory=list)
+    claimed: set[int] = field(default_factory=set)
+    digests: list[list[str]] = field(default_factory=list)
+    #: Per file index: the manifest's SHA-256 of each chunk, checked on arrival (no CRC then).
+    expect: dict[int, list[str]] = field(default_factory=dict)
+    #: Following a snapshot (no digests yet) in chunks of the manifest's size: each chunk's
+    #: SHA-256 is taken as it arrives and held against the manifest at the end.
+    received_sha: dict[tuple[int, int], str] = field(default_factory=dict)
+    followed: bool = False
+
+    @property
+    def hash_as_received(self) -> bool:
+        return self.layout is None and self.chunk_size == snapmanifest.CHUNK_SIZE
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    bytes_wire: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def have_bitmap(self) -> bytes:
+        if self.layout is None:
+            return b""
+        bits = bytearray(self.layout.count)
+        for i in self.have:
+            bits[i] = 1
+        return bytes(bits)
+
+    def open_file(self, name: str) -> int:
+        path = self.partial / name
+        path.parent.mkdir(exist_ok=True)
+        self.fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        self.names[name] = len(self.fds) - 1
+        return len(self.fds) - 1
+
+    def locate(self, index: int, raw_len: int, body: bytes | bytearray | memoryview) -> tuple[tuple[int, int, int], int]:
+        """Where chunk ``index`` goes, and where its payload starts in ``body``."""
+        if self.layout is not None:
+            if index >= self.layout.count or raw_len != self.where[index][2]:
+                raise TransferError(f"chunk {index} does not fit this snapshot")
+            return self.where[index], CHUNK.size
+        if len(body) < CHUNK.size + wire.WHERE.size:
+            raise TransferError("a chunk is too short to say where it goes")
+        off, n = wire.WHERE.unpack_from(body, CHUNK.size)
+        start = CHUNK.size + wire.WHERE.size + n
+        name = bytes(body[CHUNK.size + wire.WHERE.size : start]).decode(errors="replace")
+        if index >= wire.MAX_CHUNKS or off % self.chunk_size or not 0 < raw_len <= self.chunk_size or off + raw_len > wire.MAX_FILE:
+            raise TransferError(f"chunk {index} ({name} at {off}) does not fit a snapshot")
+        with self.lock:
+            if name not in self.names:
+                Layout(((name, 0),), self.chunk_size)  # checks the name
+                if len(self.names) >= wire.MAX_FILES:
+                    raise TransferError("the stream names too many files")
+                self.open_file(name)
+            where = (self.names[name], off, raw_len)
+            if self.where.setdefault(index, where) != where:
+                raise TransferError(f"chunk {index} was sent again for a different place")
+        return where, start
+
+
+@functools.lru_cache(maxsize=8)
+def _zero_sha256(n: int) -> str:
+    return hashlib.sha256(bytes(n)).hexdigest()
+
+
+def _expected_digests(layout: Layout | None, given: object) -> dict[int, list[str]]:
+    """The header's per-chunk SHA-256s by file index, checked against the layout's shape."""
+    if given is None:
+        return {}
+    if layout is None or not isinstance(given, dict) or layout.chunk_size != snapmanifest.CHUNK_SIZE:
+        raise ValueError("sha256 does not fit the layout")
+    index = {name: fi for fi, (name, _) in enumerate(layout.files)}
+    out = {}
+    for name, digests in given.items():
+        size = layout.files[index[name]][1]
+        if not isinstance(digests, list) or len(digests) != max(1, -(-size // layout.chunk_size)):
+            raise ValueError(f"sha256 of {name} has the wrong number of chunks")
+        if not all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in digests):
+            raise ValueError(f"sha256 of {name} is not hex")
+        out[index[name]] = digests
+    return out
+
+
+class Receiver:
+    """Listens on one address and accepts one snapshot (``receive``)."""
+
+    def __init__(self, transport: Transport, config: TransferConfig, listen: str) -> None:
+        self.transport, self.config = transport, config
+        self.listener = transport.listen(listen)
+        self.address = self.listener.address
+        self._sessions: dict[bytes, _Session] = {}
+        self._ready = threading.Condition()
+        self._publish = threading.Lock()  # the rename into --out and giving up exclude each other
+        self._closed = False
+        self._handshakes = threading.BoundedSemaphore(64)
+        self._result: TransferStats | TransferError | None = None
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def receive(self, out: Path, timeout: float) -> TransferStats:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise TransferError(f"{out} already exists and is not empty; give a new directory.")
+        for stale in out.parent.glob(f".{out.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        self._out = out
+        deadline = time.monotonic() + timeout
+        while self._result is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._abandon()
+                raise TransferError(f"no complete snapshot arrived within {timeout:.0f} s")
+            ch = self.listener.accept(min(left, 0.2))
+            if ch is None:
+                continue
+            if not self._handshakes.acquire(blocking=False):
+                ch.close()  # too many connections at once: refuse, do not queue
+                continue
+            threading.Thread(target=self._serve, args=(ch,), daemon=True).start()
+        if isinstance(self._result, TransferError):
+            raise self._result
+        return self._result
+
+    def _abandon(self) -> None:
+        with self._publish:
+            self._closed = True
+        for s in list(self._sessions.values()):
+            self._discard(s)
+
+    def _serve(self, ch: Channel) -> None:
+        peer = getattr(ch, "peer", "?")
+        try:
+            ch.set_timeout(min(self.config.io_timeout, HANDSHAKE_TIMEOUT))  # a slow stranger holds no slot for long
+            role, session = server_handshake(ch, self.config.secret)
+            ch.set_timeout(self.config.io_timeout)
+            if role is Role.CONTROL:
+                self._control(ch, session)
+            else:
+                self._data(ch, session)
+        except AuthError as e:
+            log.warning("refused a stream from %s: %s", peer, e)
+        except TransferError as e:
+            log.info("stream from %s ended: %s", peer, e)
+        except (OSError, ValueError) as e:  # a clash on disk, JSON that is signed but wrong...
+            log.warning("stream from %s failed: %s", peer, e)
+            self._finish(TransferError(f"receiving failed: {e}"))
+        finally:
+            self._handshakes.release()
+            ch.close()
+
+    def _control(self, ch: Channel, session_id: bytes) -> None:
+        _, body = wire.expect(ch, Kind.HEADER, wire.MAX_JSON)
+        header = wire.open_signed_json(self.config.secret, b"header", body)
+        try:
+            chunk_size = int(header["chunk_size"])
+            if header.get("follow") is True:
+                layout, sha = None, ""
+                Layout((), chunk_size)  # checks the chunk size
+            else:
+                layout = Layout(tuple((str(p), int(n)) for p, n in header["files"]), chunk_size)
+                sha = str(header["manifest_sha256"])
+            expect = _expected_digests(layout, header.get("sha256"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise TransferError(f"the header is malformed ({e!r})") from e
+        with self._ready:
+            s = self._sessions.get(session_id) or self._open_session(session_id, layout, chunk_size, sha, expect)
+            self._ready.notify_all()
+        wire.send_frame(ch, Kind.HAVE, s.have_bitmap())
+        ch.set_timeout(self.config.session_timeout)
+        try:
+            _, body = wire.expect(ch, Kind.TRAILER, wire.MAX_JSON)
+        except TransferError:
+            self._discard(s)
+            self._finish(TransferError("the sender went away before the end of the stream; nothing was kept"))
+            raise
+        try:
+            self._check_and_publish(s, wire.open_signed_json(self.config.secret, b"trailer", body))
+        except (TransferError, SnapshotError, OSError) as e:
+            self._discard(s)
+            wire.send_frame(ch, Kind.DONE, b"\0" + str(e).encode()[:2000])
+            self._finish(e if isinstance(e, TransferError) else IntegrityError(str(e)))
+            return
+        wire.send_frame(ch, Kind.DONE, b"\1ok")
+        assert s.layout is not None  # the check set it
+        self._finish(TransferStats(s.layout.raw_bytes, s.bytes_wire, s.layout.count, time.monotonic() - s.started))
+
+    def _finish(self, result: TransferStats | TransferError) -> None:
+        if self._result is None:
+            self._result = result
+
+    def _open_session(self, session_id: bytes, layout: Layout | None, chunk_size: int, sha: str, expect: dict[int, list[str]]) -> _Session:
+        partial = self._out.parent / f".{self._out.name}.partial-{session_id.hex()[:12]}"
+        partial.mkdir(parents=True)
+        s = _Session(layout, chunk_size, partial, sha, expect=expect)
+        self._sessions[session_id] = s
+        if layout is None:
+            return s
+        for name, size in layout.files:
+            os.ftruncate(s.fds[s.open_file(name)], size)
+        s.where = dict(enumerate(layout.chunks()))
+        region = snapmanifest.CHUNK_SIZE
+        if not expect and region % layout.chunk_size == 0:  # hash regions as they complete
+            s.waiting = [[0] * max(1, -(-size // region)) for _, size in layout.files]
+            s.digests = [[""] * len(w) for w in s.waiting]
+            for fi, off, _ in s.where.values():
+                s.waiting[fi][off // region] += 1
+            for fi, (name, size) in enumerate(layout.files):
+                if size == 0:
+                    s.digests[fi][0] = snapmanifest.sha256_range((partial / name, 0, 0))
+        return s
+
+    def _discard(self, s: _Session) -> None:
+        for fd in s.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        s.fds = []
+        shutil.rmtree(s.partial, ignore_errors=True)
+
+    def _check_and_publish(self, s: _Session, trailer: dict[str, object]) -> None:
+        if s.layout is None:
+            self._settle_followed(s, trailer)
+        assert s.layout is not None
+        if len(s.have) != s.layout.count:
+            raise IntegrityError(f"{s.layout.count - len(s.have)} chunks never arrived")
+        if trailer.get("chunks") != s.layout.count or trailer.get("raw_bytes") != s.layout.raw_bytes:
+            raise IntegrityError("the trailer's totals do not match what arrived")
+        if trailer.get("digest") != wire.digest([s.crcs[i] for i in range(s.layout.count)]):
+            raise IntegrityError("the stream digest does not match: chunks were lost, reordered or altered")
+        for fd in s.fds:
+            os.fsync(fd)
+            os.close(fd)
+        s.fds = []
+        with open(s.partial / snapmanifest.MANIFEST_NAME, "rb") as f:
+            if hashlib.sha256(f.read()).hexdigest() != s.manifest_sha256:
+                raise IntegrityError("the manifest that arrived is not the one the sender announced")
+        early = None
+        if s.expect:  # every chunk was checked against these as it arrived
+            early = {s.layout.files[fi][0]: d for fi, d in s.expect.items()}
+        elif s.followed and s.chunk_size == snapmanifest.CHUNK_SIZE:
+            early = {}
+            for name, size in s.layout.files:
+                fi = s.names[name]
+                early[name] = [s.received_sha.get((fi, off), "") for off in range(0, size, s.chunk_size)] or [_zero_sha256(0)]
+        elif s.digests:
+            early = {name: s.digests[fi] for fi, (name, _) in enumerate(s.layout.files)}
+        m = snapmanifest.load(s.partial)
+        if {name for name, _ in s.layout.files} != {snapmanifest.MANIFEST_NAME, *m.files}:
+            raise IntegrityError("the stream carried files that its manifest does not list")
+        snapmanifest.verify(s.partial, m, early)
+        with self._publish:
+            if self._closed:
+                raise TransferError("the receiver stopped waiting before the snapshot was verified")
+            if self._out.exists():
+                self._out.rmdir()
+            s.partial.rename(self._out)
+
+    @staticmethod
+    def _settle_followed(s: _Session, trailer: dict[str, object]) -> None:
+        """The trailer of a followed snapshot names its files: what arrived must be exactly them."""
+        try:
+            files = trailer["files"]
+            assert isinstance(files, list)
+            layout = Layout(tuple((str(p), int(n)) for p, n in files), s.chunk_size)
+            s.manifest_sha256 = str(trailer["manifest_sha256"])
+        except (KeyError, TypeError, ValueError, AssertionError) as e:
+            raise TransferError(f"the trailer is malformed ({e!r})") from e
+        for name, _ in layout.files:
+            if name not in s.names:
+                s.open_file(name)  # an empty file: no chunk named it
+        order = [s.names[name] for name, _ in layout.files]
+        expected = {(order[fi], off, n) for fi, off, n in layout.chunks()}
+        if len(s.names) != len(layout.files) or set(s.where.values()) != expected or len(s.where) != layout.count:
+            raise IntegrityError("the chunks that arrived do not add up to the files the trailer names")
+        if sorted(s.where) != list(range(layout.count)):
+            raise IntegrityError("the chunks are not numbered 0..N-1")
+        for fi, (_, size) in zip(order, layout.files):
+            os.ftruncate(s.fds[fi], size)  # a file that ends in zeros was left short (sparse)
+        s.layout, s.followed = layout, True
+
+    def _data(self, ch: Channel, session_id: bytes) -> None:
+        with self._ready:
+            if not self._ready.wait_for(lambda: session_id in self._sessions, self.config.io_timeout):
+                raise TransferError("a data stream came for a transfer that never started")
+            s = self._sessions[session_id]
+        wire.send_frame(ch, Kind.HAVE, s.have_bitmap())
+        dctx = zstandard.ZstdDecompressor()
+        zero_crcs: dict[int, int] = {}
+        while True:
+            kind, codec, body = wire.recv_frame(ch, s.chunk_size + 4096 + CHUNK.size + wire.WHERE.size + 255, scratch=True)
+            if kind is not Kind.CHUNK or len(body) < CHUNK.size:
+                raise TransferError(f"expected a chunk, got {kind.name}")
+            index, raw_len, crc = CHUNK.unpack_from(body)
+            where, start = s.locate(index, raw_len, body)
+            with s.lock:
+                mine = index not in s.have and index not in s.claimed
+                if mine:
+                    s.claimed.add(index)
+            if mine:
+                ok = False
+                try:
+                    ok = self._store(s, dctx, where, codec, memoryview(body)[start:], raw_len, crc, zero_crcs)
+                finally:  # a store that failed (a full disk) must not leave the chunk claimed
+                    with s.lock:
+                        s.claimed.discard(index)
+                        if ok:
+                            s.have.add(index)
+                            s.crcs[index] = crc
+                if ok:
+                    self._region_done(s, where)
+            else:  # a resend while another stream stores the same chunk: answer as it ends
+                deadline = time.monotonic() + self.config.io_timeout
+                while index in s.claimed and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                ok = index in s.have
+            with s.lock:
+                s.bytes_wire += len(body) + wire.FRAME.size
+            wire.send_frame(ch, Kind.ACK, ACK.pack(index, int(ok)))
+
+    @staticmethod
+    def _region_done(s: _Session, where: tuple[int, int, int]) -> None:
+        if not s.waiting:
+            return
+        fi, off, _ = where
+        region = off // snapmanifest.CHUNK_SIZE
+        with s.lock:
+            s.waiting[fi][region] -= 1
+            complete = s.waiting[fi][region] == 0
+        if complete and s.layout is not None:
+            start = region * snapmanifest.CHUNK_SIZE
+            length = min(snapmanifest.CHUNK_SIZE, s.layout.files[fi][1] - start)
+            s.digests[fi][region] = snapmanifest.sha256_range((s.partial / s.layout.files[fi][0], start, length))
+
+    @staticmethod
+    def _store(s: _Session, dctx: zstandard.ZstdDecompressor, where: tuple[int, int, int], codec: Codec, payload: memoryview, raw_len: int, crc: int, zero_crcs: dict[int, int]) -> bool:
+        fi, off, _ = where
+        want = s.expect[fi][off // s.chunk_size] if fi in s.expect else None
+        if codec is Codec.ZERO:
+            if len(payload):
+                return False
+            if want is not None:
+                return want == _zero_sha256(raw_len)  # the file was created sparse: zeros are already there
+            if raw_len not in zero_crcs:
+                zero_crcs[raw_len] = zlib.crc32(bytes(raw_len))
+            if zero_crcs[raw_len] != crc:
+                return False
+            if s.hash_as_received:
+                s.received_sha[(fi, off)] = _zero_sha256(raw_len)
+            return True
+        if codec is Codec.ZSTD:
+            try:
+                data: bytes | memoryview = dctx.decompress(payload, max_output_size=raw_len)
+            except zstandard.ZstdError:
+                return False
+        else:
+            data = payload
+        if len(data) != raw_len:
+            return False
+        if (hashlib.sha256(data).hexdigest() != want) if want is not None else (zlib.crc32(data) != crc):
+            return False
+        if s.hash_as_received:  # the manifest's digest of this region, from the buffer: no read-back
+            s.received_sha[(fi, off)] = hashlib.sha256(data).hexdigest()
+        os.pwrite(s.fds[fi], data, off)
+        return True
+

@@ -1,0 +1,405 @@
+"""The sending end of a snapshot stream (see :mod:`transfer.stream`): chunks from one queue,
+N authenticated streams, compressed where it pays, resumed after a broken connection."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zstandard
+
+from snapshot import manifest as snapmanifest
+from snapshot.api import SnapshotError
+from transfer import wire
+from transfer.api import AuthError, Channel, Compress, IntegrityError, TransferConfig, TransferError, TransferStats, Transport
+from transfer.stream import client_handshake
+from transfer.wire import ACK, CHUNK, Codec, Kind, Layout, Role
+
+log = logging.getLogger(__name__)
+
+#: Called with (raw bytes acknowledged, bytes on the wire, raw bytes in all).
+SendProgress = Callable[[int, int, int], None]
+
+
+def snapshot_layout(snapshot: Path, chunk_size: int) -> Layout:
+    """The files a snapshot stream carries: manifest.json and every image the manifest lists."""
+    try:
+        m = snapmanifest.load(snapshot)
+    except SnapshotError as e:
+        raise TransferError(str(e)) from e
+    names = [snapmanifest.MANIFEST_NAME, *sorted(m.files)]
+    files = []
+    for name in names:
+        size = (snapshot / name).lstat().st_size
+        if name in m.files and size != m.files[name]["size"]:
+            raise TransferError(f"{snapshot / name} does not have the size its manifest says; not sending a damaged snapshot")
+        files.append((name, size))
+    return Layout(tuple(files), chunk_size)
+
+
+class _Codec:
+    """Per-chunk choice between zstd and raw.
+
+    ``auto`` compresses while it pays: with c the compressor's rate per thread, r the ratio
+    (compressed/raw) and l the link's rate per stream, compressing wins while c*(1-r) > l.
+    Every 32nd chunk is compressed anyway to keep c and r current."""
+
+    def __init__(self, mode: Compress, level: int) -> None:
+        self.mode, self.level = mode, level
+        self.lock = threading.Lock()
+        self.c, self.r, self.link, self.n = 0.0, 1.0, 0.0, 0
+
+    def want(self) -> bool:
+        if self.mode is not Compress.AUTO:
+            return self.mode is Compress.ZSTD
+        with self.lock:
+            self.n += 1
+            return self.n % 32 == 1 or self.c * (1 - self.r) > self.link
+
+    def saw_compress(self, raw: int, out: int, seconds: float) -> None:
+        with self.lock:
+            self.c = _ewma(self.c, raw / max(seconds, 1e-9))
+            self.r = _ewma(self.r, out / raw)
+
+    def saw_send(self, wire_bytes: int, seconds: float) -> None:
+        with self.lock:
+            self.link = _ewma(self.link, wire_bytes / max(seconds, 1e-9))
+
+
+def _ewma(old: float, new: float, alpha: float = 0.3) -> float:
+    return new if old == 0.0 else (1 - alpha) * old + alpha * new
+
+
+
+@dataclass
+class _SendState:
+    """The chunks to send and what became of each.  A followed snapshot (one still being
+    written) grows: :meth:`add` appends chunks until :meth:`close`."""
+
+    chunk_size: int
+    chunk_retries: int
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    pending: deque[int] = field(default_factory=deque)
+    acked: bytearray = field(default_factory=bytearray)
+    crcs: list[int] = field(default_factory=list)
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)
+    naks: dict[int, int] = field(default_factory=dict)
+    error: TransferError | None = None
+    closed: bool = False
+    raw_total: int = 0
+    raw_acked: int = 0
+    wire_bytes: int = 0
+
+    def add(self, chunks: list[tuple[int, int, int]]) -> None:
+        with self.cond:
+            if len(self.chunks) + len(chunks) > wire.MAX_CHUNKS:
+                self.fail(TransferError("the snapshot has too many chunks"))
+                return
+            self.pending.extend(range(len(self.chunks), len(self.chunks) + len(chunks)))
+            self.chunks += chunks
+            self.acked += bytes(len(chunks))
+            self.crcs += [0] * len(chunks)
+            self.raw_total += sum(length for _, _, length in chunks)
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def done(self) -> bool:
+        return self.error is not None or (self.closed and all(self.acked))
+
+    def mark_have(self, have: bytes | bytearray) -> None:
+        with self.cond:
+            if len(have) not in (0, len(self.acked)):
+                raise TransferError("the receiver's HAVE does not match this snapshot")
+            for i, h in enumerate(have):
+                if h and not self.acked[i]:
+                    self.acked[i] = 1
+                    self.raw_acked += self.chunks[i][2]
+            self.cond.notify_all()
+
+    def next(self, broken: Callable[[], bool]) -> int | None:
+        with self.cond:
+            while True:
+                while self.pending and self.acked[self.pending[0]]:
+                    self.pending.popleft()
+                if self.pending:
+                    return self.pending.popleft()
+                if self.done() or broken():
+                    return None
+                self.cond.wait(0.1)
+
+    def ack(self, index: int, ok: bool) -> None:
+        with self.cond:
+            if ok:
+                if not self.acked[index]:
+                    self.acked[index] = 1
+                    self.raw_acked += self.chunks[index][2]
+            else:
+                self.naks[index] = self.naks.get(index, 0) + 1
+                if self.naks[index] > self.chunk_retries:
+                    self.fail(IntegrityError(f"chunk {index} arrived damaged {self.naks[index]} times; giving up"))
+                self.pending.appendleft(index)
+            self.cond.notify_all()
+
+    def requeue(self, indices: list[int]) -> None:
+        with self.cond:
+            self.pending.extendleft(i for i in indices if not self.acked[i])
+            self.cond.notify_all()
+
+    def fail(self, error: TransferError) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = error
+            self.cond.notify_all()
+
+
+class _Files:
+    """The snapshot's files, opened for reading; for a followed snapshot, how far each is queued."""
+
+    def __init__(self, root: Path, chunk_size: int) -> None:
+        self.root, self.chunk_size = root, chunk_size
+        self.follow = False  # chunks then say where they go (the receiver knows no layout)
+        self.digested: set[int] = set()  # files whose chunks the receiver checks by SHA-256, not CRC
+        self.names: list[str] = []
+        self.fds: list[int] = []
+        self.queued: list[int] = []
+
+    def _open(self, name: str) -> int:
+        fd = os.open(self.root / name, os.O_RDONLY | os.O_NOFOLLOW)
+        self.names.append(name)
+        self.fds.append(fd)
+        self.queued.append(0)
+        return len(self.fds) - 1
+
+    def open_all(self, layout: Layout) -> None:
+        for name, _ in layout.files:
+            self._open(name)
+
+    def grown(self, final: bool) -> list[tuple[int, int, int]]:
+        """New chunks: whole ones written since the last call, and with ``final`` the tails."""
+        try:
+            names = [f"{snapmanifest.IMAGES_DIR}/{e.name}" for e in os.scandir(self.root / snapmanifest.IMAGES_DIR)]
+        except FileNotFoundError:  # not started yet
+            names = []
+        if final:
+            names.append(snapmanifest.MANIFEST_NAME)
+        index = {n: i for i, n in enumerate(self.names)}
+        out = []
+        for name in sorted(names):
+            fi = index[name] if name in index else self._open(name)
+            size = os.fstat(self.fds[fi]).st_size
+            end = size if final else size - size % self.chunk_size
+            if end < self.queued[fi]:
+                raise IntegrityError(f"{name} shrank while it was being sent")
+            out += [(fi, off, min(self.chunk_size, end - off)) for off in range(self.queued[fi], end, self.chunk_size)]
+            self.queued[fi] = end
+        return out
+
+    def layout(self) -> Layout:
+        return Layout(tuple(zip(self.names, self.queued)), self.chunk_size)
+
+    def manifest_sha256(self) -> str:
+        with open(self.root / snapmanifest.MANIFEST_NAME, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+class Sender:
+    def __init__(self, transport: Transport, config: TransferConfig, progress: SendProgress | None = None) -> None:
+        self.transport, self.config, self.progress = transport, config, progress
+
+    def _open(self, address: str, role: Role, stream: int, session: bytes) -> Channel:
+        ch = self.transport.connect(address, self.config.connect_timeout)
+        try:
+            client_handshake(ch, self.config.secret, role, stream, session)
+        except BaseException:
+            ch.close()
+            raise
+        return ch
+
+    def send(self, snapshot: Path, address: str, sealed: Callable[[], bool] | None = None) -> TransferStats:
+        """Send ``snapshot``.  With ``sealed``, the snapshot is still being written: its
+        files are sent as they grow, and it is complete once ``sealed()`` returns True
+        (it raises to give up: the receiver then keeps nothing)."""
+        cfg = self.config
+        session = os.urandom(16)
+        state = _SendState(cfg.chunk_size, cfg.chunk_retries)
+        files = _Files(snapshot, cfg.chunk_size)
+        codec = _Codec(cfg.compress, cfg.zstd_level)
+        t0 = time.monotonic()
+        try:
+            if sealed is None:
+                layout = snapshot_layout(snapshot, cfg.chunk_size)
+                files.open_all(layout)
+                state.add(layout.chunks())
+                state.close()
+                header = {"snapshot_id": snapshot.name, "chunk_size": cfg.chunk_size,
+                          "files": [list(f) for f in layout.files], "manifest_sha256": files.manifest_sha256()}  # fmt: skip
+                if cfg.chunk_size == snapmanifest.CHUNK_SIZE:  # the manifest's SHA-256s check each chunk
+                    digests = {name: e["sha256"] for name, e in snapmanifest.load(snapshot).files.items()}
+                    header["sha256"] = digests
+                    files.digested = {fi for fi, name in enumerate(files.names) if name in digests}
+            else:
+                files.follow = True
+                header = {"snapshot_id": snapshot.name, "chunk_size": cfg.chunk_size, "follow": True}
+            control = self._open(address, Role.CONTROL, 0, session)
+            try:
+                wire.send_frame(control, Kind.HEADER, wire.signed_json(cfg.secret, b"header", header))
+                _, have = wire.expect(control, Kind.HAVE, len(state.acked))
+                state.mark_have(have)
+                workers = [
+                    threading.Thread(target=self._worker, args=(address, session, i + 1, state, files, codec), daemon=True)
+                    for i in range(max(1, cfg.streams))
+                ]
+                for w in workers:
+                    w.start()
+                try:
+                    if sealed is not None:
+                        self._follow(files, state, sealed)
+                finally:
+                    for w in workers:  # before the files close under them
+                        w.join(None if state.error is None else cfg.io_timeout + 1)
+                if state.error is not None:
+                    raise state.error
+                trailer = {"chunks": len(state.chunks), "raw_bytes": state.raw_total, "digest": wire.digest(state.crcs)}
+                if sealed is not None:
+                    trailer |= {"files": [list(f) for f in files.layout().files], "manifest_sha256": files.manifest_sha256()}
+                wire.send_frame(control, Kind.TRAILER, wire.signed_json(cfg.secret, b"trailer", trailer))
+                control.set_timeout(cfg.session_timeout)  # the receiver verifies the whole snapshot now
+                _, done = wire.expect(control, Kind.DONE, 4096)
+                if not done or done[0] != 1:
+                    raise IntegrityError(f"the receiver rejected the snapshot: {done[1:].decode(errors='replace')}")
+            finally:
+                state.fail(TransferError("the transfer ended"))  # stops a worker still waiting for chunks
+                control.close()
+        finally:
+            files.close()
+        return TransferStats(state.raw_total, state.wire_bytes, len(state.chunks), time.monotonic() - t0)
+
+    def _follow(self, files: _Files, state: _SendState, sealed: Callable[[], bool]) -> None:
+        """Queue each file's bytes as they are written; once sealed, the tails too."""
+        try:
+            while True:
+                done = sealed()  # read before the scan: what it sees after sealing is final
+                state.add(files.grown(final=done))
+                if done:
+                    state.close()
+                    return
+                if state.error is not None:
+                    return
+                time.sleep(0.01)
+        except (TransferError, OSError) as e:
+            state.fail(e if isinstance(e, TransferError) else TransferError(f"reading the snapshot failed: {e}"))
+        except Exception as e:  # the writer gave up (its error is the caller's to report)
+            state.fail(TransferError(f"the snapshot was not completed: {e}"))
+            raise
+
+    def _worker(self, address: str, session: bytes, stream: int, state: _SendState, files: _Files, codec: _Codec) -> None:
+        attempts = 0
+        cctx = zstandard.ZstdCompressor(level=self.config.zstd_level)
+        while not state.done():
+            inflight: dict[int, None] = {}
+            try:
+                ch = self._open(address, Role.DATA, stream, session)
+                try:
+                    _, have = wire.expect(ch, Kind.HAVE, len(state.acked))
+                    state.mark_have(have)
+                    attempts = 0
+                    self._pump(ch, state, files, codec, cctx, inflight)
+                finally:
+                    ch.close()
+            except AuthError as e:
+                state.fail(e)
+            except (OSError, zstandard.ZstdError, MemoryError) as e:  # our side broke: stop, do not hang the others
+                state.fail(TransferError(f"stream {stream} failed on this side: {e}"))
+                return
+            except TransferError as e:
+                state.requeue(list(inflight))
+                attempts += 1
+                if attempts > self.config.retries:
+                    state.fail(TransferError(f"stream {stream} failed {attempts} times, last: {e}"))
+                    return
+                log.info("stream %d broke (%s); reconnecting", stream, e)
+                time.sleep(min(0.1 * 2**attempts, 2.0))
+
+    def _pump(self, ch: Channel, state: _SendState, files: _Files, codec: _Codec, cctx: zstandard.ZstdCompressor, inflight: dict[int, None]) -> None:
+        window = threading.Semaphore(self.config.window)
+        broken: list[TransferError] = []
+        zeros = bytes(state.chunk_size)
+        buf = bytearray(state.chunk_size)
+
+        def read_acks() -> None:
+            try:
+                while True:
+                    _, body = wire.expect(ch, Kind.ACK, ACK.size)
+                    index, ok = ACK.unpack(body)
+                    if index not in inflight:
+                        raise TransferError(f"the receiver acknowledged chunk {index}, which was not sent on this stream")
+                    del inflight[index]
+                    state.ack(index, bool(ok))
+                    window.release()
+                    if self.progress:
+                        self.progress(state.raw_acked, state.wire_bytes, state.raw_total)
+            except TransferError as e:
+                broken.append(e)
+                window.release()
+
+        reader = threading.Thread(target=read_acks, daemon=True)
+        reader.start()
+        while True:
+            window.acquire()
+            if broken:
+                raise broken[0]
+            index = state.next(lambda: bool(broken))
+            if index is None:
+                if broken and not state.done():
+                    raise broken[0]
+                return
+            fi, off, length = state.chunks[index]
+            if length == len(buf):  # read into this stream's buffer: sent before it is reused
+                data: bytes | bytearray = buf
+                got = os.preadv(files.fds[fi], [buf], off)
+            else:
+                data = os.pread(files.fds[fi], length, off)
+                got = len(data)
+            if got != length:
+                state.fail(IntegrityError(f"{files.names[fi]} shrank while it was being sent"))
+                return
+            crc = 0 if fi in files.digested else zlib.crc32(data)
+            state.crcs[index] = crc
+            kind, payload = Codec.RAW, data
+            if data == (zeros if length == len(zeros) else bytes(length)):
+                kind, payload = Codec.ZERO, b""
+            elif codec.want():
+                t = time.monotonic()
+                packed = cctx.compress(data)
+                codec.saw_compress(length, len(packed), time.monotonic() - t)
+                if len(packed) < 0.9 * length:
+                    kind, payload = Codec.ZSTD, packed
+            inflight[index] = None
+            t = time.monotonic()
+            head = CHUNK.pack(index, length, crc)
+            if files.follow:
+                name = files.names[fi].encode()
+                head += wire.WHERE.pack(off, len(name)) + name
+            wire.send_frame(ch, Kind.CHUNK, head, kind, memoryview(payload))
+            codec.saw_send(len(payload) + len(head), time.monotonic() - t)
+            with state.cond:
+                state.wire_bytes += len(payload) + len(head) + wire.FRAME.size
+
+
