@@ -145,8 +145,12 @@ def dump(
         bool, typer.Option("--overlap/--no-overlap", envvar="TPAGENT_OVERLAP", help="With --send-to: send while the images are written.")
     ] = True,
     carry: Annotated[
-        list[Path] | None, typer.Option("--carry", help="A node-local file the process has open, to take along (repeat).")
+        list[Path] | None,
+        typer.Option("--carry", envvar="TPAGENT_CARRY", help="A node-local file the process has open, to take along (repeat)."),
     ] = None,
+    lock_timeout: Annotated[
+        float, typer.Option("--lock-timeout", envvar="TPAGENT_LOCK_TIMEOUT", min=0.001, help="Seconds a GPU process may take to reach a lockable point.")
+    ] = Timeouts().cuda_lock,
     transport: TransportOpt = TransportName.TCP,
     compress: CompressOpt = Compress.AUTO,
     secret_file: SecretOpt = None,
@@ -156,7 +160,7 @@ def dump(
     """Freeze PID (and its children), write a snapshot to --out (and stream it to --send-to),
     then kill it (or leave it running)."""
     mode = DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL
-    config = SnapshotConfig(criu=criu)
+    config = SnapshotConfig(criu=criu, timeouts=Timeouts(cuda_lock=lock_timeout))
     try:
         if send_to is None:
             m, shipped = engine.checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ()), None

@@ -361,3 +361,14 @@ def test_gpu_process_without_the_checkpoint_api_is_refused_before_any_freeze(sta
     n = w.ticks()[-1][0]
     wait_until(lambda: w.ticks()[-1][0] > n + 3, "the workload to keep running")
     assert_continuous(w.ticks())
+
+
+def test_criu_not_installed_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --criu, no TPAGENT_CRIU, nothing in /opt/tpagent, nothing on PATH."""
+    from snapshot import criu
+
+    monkeypatch.delenv("TPAGENT_CRIU", raising=False)
+    monkeypatch.setattr(criu, "INSTALLED_CRIU", tmp_path / "absent" / "criu")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(UsageError, match="CRIU is not installed; run scripts/install-criu.sh"):
+        criu.Criu()
