@@ -51,6 +51,34 @@ def test_launched_namespace_dump_restore_twice(start, tmp_path: Path) -> None:  
     assert [p["ns_pids"][-1] for p in inspect["processes"]] == [1, 2]
 
 
+@pytest.fixture
+def driver_mount(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A read-only squashfs mount on the node, as the GPU node's driver files are (/usr/local/nvidia)."""
+    import os
+    import subprocess
+
+    src = tmp_path / "driver-files"
+    src.mkdir()
+    (src / "libdriver.so.1").write_bytes(os.urandom(256 << 10))
+    image = tmp_path / "driver.squashfs"
+    subprocess.run(["mksquashfs", str(src), str(image), "-quiet", "-noappend"], check=True, capture_output=True)
+    mnt = tmp_path / "nvidia"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "squashfs", "-o", "loop,ro", str(image), str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_launched_namespace_with_a_library_mapped_from_a_squashfs_mount(start, driver_mount: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """CRIU has no support of its own for squashfs: the node's mounts are external to the
+    namespace, so a workload with a library mapped from one dumps and comes back mapped."""
+    lib = driver_mount / "libdriver.so.1"
+    w = start(mib=16, launched=True, extra=("--map", str(lib)))
+    _dump_restore_cycle(w, tmp_path / "snap")
+    maps = Path(f"/proc/{w.worker_pid}/maps").read_text()
+    assert str(lib) in maps
+
+
 def test_launched_namespace_survives_restore_while_pids_busy(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Inside its own PID namespace, a workload restores even where its inner PIDs are taken."""
     a = start(launched=True)
