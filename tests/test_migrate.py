@@ -270,3 +270,24 @@ def test_target_agent_killed_while_restoring(cluster: Cluster, ticker: Ticker, t
     _only_the_original_runs(cluster, ticker)
     assert '"discarded"' in next(journal.glob("*.json")).read_text()
     assert "stopping the copy" in b.agent_log()  # CRIU did restore it meanwhile: it was stopped, not left
+
+
+def test_a_held_copy_is_not_migrated_onward(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A target's copy waits, restored but held, for its source to commit; an agent asked to
+    migrate it meanwhile refuses (the source may still roll back and resume its original)."""
+    from tpagent import peer
+    from tpagent.agent import Agent
+    from tpagent.config import AgentConfig
+    from tpagent.migration import Record, State
+
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(24).hex())
+    agent = Agent(AgentConfig(secret_file=secret, node="b", work_dir=tmp_path / "agent", metrics_listen=""))
+    w = start(mib=16, launched=True)
+    mid = "a" * 32
+    agent.journal.write(Record(mid, "target", State.READY, pid=w.pid, peer="10.0.0.1:7400"))
+    with pytest.raises(peer.Refused, match=f"PID {w.pid} is the copy that migration {mid} restored here, held until its source"):
+        agent._start_migration(w.pid, "10.0.0.3:7400", dry_run=False)
+    assert not agent.active and not agent.sources
+    agent.journal.write(Record(mid, "target", State.DONE, pid=w.pid))  # committed: now an ordinary process
+    assert agent._start_migration(w.pid, "10.0.0.3:7400", dry_run=True).pid == w.pid

@@ -134,6 +134,13 @@ class Agent(AgentServicer):  # type: ignore[misc]
             raise peer.Refused(f"there is no process with PID {pid} on {self.cfg.node}.", grpc.StatusCode.NOT_FOUND) from e
         tree = set(proc.tree_pids(pid))
         with self.lock:
+            held = next((r for r in self.journal.unfinished() if r.role == "target" and r.pid in tree), None)
+            if held is not None:  # moving it on now could leave it running twice
+                raise peer.Refused(
+                    f"PID {pid} is the copy that migration {held.migration_id} restored here, held until its source "
+                    f"({held.peer}) commits; migrate it once it runs (`tpagent status {held.migration_id}`).",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                )
             busy = sorted(tree & set(self.active))
             if busy:  # the whole tree: a parent and its GPU child are one migration
                 raise peer.Refused(f"PID {pid} is already being migrated (migration {self.active[busy[0]]}).", grpc.StatusCode.ALREADY_EXISTS)
