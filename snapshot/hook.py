@@ -87,7 +87,8 @@ def install(python: str = sys.executable) -> Path:
     """Write the wrapper CRIU will run; its path is made by mkdtemp, so sh sees nothing odd."""
     directory = Path(tempfile.mkdtemp(prefix="tpagent-hook-"))
     script = directory / "post-dump"
-    script.write_text(f"#!/bin/sh\nexec {shlex.quote(python)} -m snapshot.hook\n")
+    # CRIU runs it at every action (pre-dump, network-lock, ...): only post-dump needs Python.
+    script.write_text(f'#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\nexec {shlex.quote(python)} -m snapshot.hook\n')
     script.chmod(0o700)
     return script
 
