@@ -236,6 +236,31 @@ def test_replayed_connection_is_refused(tcp: Transport, make_proxy: Callable[...
     assert not (tmp_path / "dst2").exists()
 
 
+def test_a_trickling_stranger_is_cut_off(tcp: Transport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One byte at a time, each well inside the per-read timeout: the handshake's own deadline
+    (1 s here) still closes the connection, and a real sender gets through afterwards."""
+    import time
+
+    from transfer import receiver
+
+    monkeypatch.setattr(receiver, "HANDSHAKE_TIMEOUT", 1.0)
+    src = make_snapshot(tmp_path / "src", "model", 1)
+    rx = Receiving(tcp, tmp_path / "dst")
+    host, port = _target(rx)
+    sent = 0
+    with socket.create_connection((host, port)) as s:
+        try:
+            for _ in range(100):  # 100 x 0.3 s: far beyond the 1 s the receiver allows
+                s.sendall(b"T")
+                sent += 1
+                time.sleep(0.3)
+        except OSError:
+            pass
+    assert sent < 20, "the receiver kept a trickling stranger's connection open"
+    _send(tcp, src, rx.receiver.address)
+    assert isinstance(rx.join(), TransferStats)
+
+
 def test_receiver_refuses_a_non_empty_output(transport: Transport, tmp_path: Path) -> None:
     (tmp_path / "dst").mkdir()
     (tmp_path / "dst" / "keep").write_text("x")

@@ -172,9 +172,17 @@ class Receiver:
 
     def _serve(self, ch: Channel) -> None:
         peer = getattr(ch, "peer", "?")
+        # A stranger gets HANDSHAKE_TIMEOUT in all to prove itself, however it trickles its bytes:
+        # then its connection is closed and its slot freed.
+        watchdog = threading.Timer(HANDSHAKE_TIMEOUT, ch.close)
+        watchdog.daemon = True
         try:
-            ch.set_timeout(min(self.config.io_timeout, HANDSHAKE_TIMEOUT))  # a slow stranger holds no slot for long
-            role, session = server_handshake(ch, self.config.secret)
+            ch.set_timeout(min(self.config.io_timeout, HANDSHAKE_TIMEOUT))
+            watchdog.start()
+            try:
+                role, session = server_handshake(ch, self.config.secret)
+            finally:
+                watchdog.cancel()
             ch.set_timeout(self.config.io_timeout)
             if role is Role.CONTROL:
                 self._control(ch, session)
