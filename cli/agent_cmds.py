@@ -20,8 +20,10 @@ _USAGE_CODES = {
 SecretOpt = Annotated[Path | None, typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret.")]
 
 
-def _die(msg: str, code: int) -> None:
+def _die(msg: str, code: int, as_json: bool = False) -> None:
     typer.echo(f"tpagent: {msg}", err=True)
+    if as_json:
+        typer.echo(json.dumps({"error": msg, "exit_code": code, "rolled_back": False}, indent=2))
     raise typer.Exit(code)
 
 
@@ -63,9 +65,9 @@ def migrate(
     try:
         secret = _secret(secret_file)
     except UsageError as e:
-        _die(str(e), EXIT_USAGE)
+        _die(str(e), EXIT_USAGE, as_json)
     if source == to:
-        _die(f"--from and --to are the same agent ({to}); give another node as --to.", EXIT_USAGE)
+        _die(f"--from and --to are the same agent ({to}); give another node as --to.", EXIT_USAGE, as_json)
     agent = stub(source, secret)
     call = agent.Migrate(pb.MigrateRequest(pid=pid, target=to, dry_run=dry_run))
     last: Any = None
@@ -79,11 +81,11 @@ def migrate(
         if e.code() is grpc.StatusCode.CANCELLED and last is not None:
             pass
         elif e.code() is grpc.StatusCode.UNAVAILABLE:
-            _die(f"the agent at {source} cannot be reached ({e.details()}); is `tpagent serve` running there?", EXIT_USAGE)
+            _die(f"the agent at {source} cannot be reached ({e.details()}); is `tpagent serve` running there?", EXIT_USAGE, as_json)
         elif e.code() in _USAGE_CODES:
-            _die(str(e.details()), EXIT_USAGE)
+            _die(str(e.details()), EXIT_USAGE, as_json)
         else:
-            _die(f"the migration failed: {e.details()}", EXIT_FAILED)
+            _die(f"the migration failed: {e.details()}", EXIT_FAILED, as_json)
     except KeyboardInterrupt:
         call.cancel()
         typer.echo("\ninterrupted: the agent rolls the migration back...", err=True)

@@ -224,6 +224,7 @@ def checkpoint(
     timer = _Timer(progress, config.fail_after)
     locked: list[int] = []
     t = config.timeouts
+    dumped = False  # CRIU has finished: from then on the snapshot is the copy to keep
     try:
         if cuda is not None:
             with proc.deferred_sigint():  # never leave the driver half-way through a call
@@ -252,10 +253,17 @@ def checkpoint(
                 if sealing.exists():
                     e.detail = f"sealing the snapshot failed: {sealing.read_text(errors='replace')}"
                 raise
-            sealed = manifest.load(out)
+            dumped = True
             if interrupt.consume():
                 log.warning("interrupted after the snapshot of %d was sealed: finishing it", pid)
+        sealed = manifest.load(out)
     except BaseException as e:
+        if dumped:  # the tree is ended (or left) by its mode: never delete the only copy
+            raise ToolError(
+                f"CRIU finished the snapshot of PID {pid} (mode {mode.value}), but reading it back failed; "
+                f"the snapshot is kept in {out}",
+                detail=str(e),
+            ) from e
         raise _rolled_back(e, pid, out, pids, locked, cuda) from e
     finally:
         shutil.rmtree(script.parent, ignore_errors=True)
@@ -284,6 +292,14 @@ def _rolled_back(
 
     CRIU has already resumed the tree and lifted its network lock on its own failure; the
     SIGCONT here only matters if CRIU itself died.  What is left is the GPU side."""
+    if not proc.alive(pid) and (out / manifest.MANIFEST_NAME).exists():
+        # CRIU failed after its hook had sealed the snapshot and the tree was ended: now the
+        # snapshot is the only copy, and it is complete.
+        return ToolError(
+            f"CRIU reported a failure after PID {pid} had been checkpointed and ended; "
+            f"its sealed snapshot is kept in {out}: restore it from there",
+            detail=str(e),
+        )
     problem = None
     try:
         with proc.deferred_sigint():  # a second Ctrl-C must not cut the rollback short
@@ -307,8 +323,8 @@ def _rolled_back(
         err = ToolError(f"the checkpoint of PID {pid} failed unexpectedly ({type(e).__name__}: {e})")
     if problem is not None:
         return ToolError(f"{err}; then resuming PID {pid} failed too: {problem}")
-    err.rolled_back = True
-    log.info("checkpoint of %d failed; the tree was resumed where it stood", pid)
+    err.rolled_back = proc.alive(pid)  # (it may also have exited on its own meanwhile)
+    log.info("checkpoint of %d failed; the tree was %s", pid, "resumed where it stood" if err.rolled_back else "gone")
     return err
 
 

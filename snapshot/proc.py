@@ -50,11 +50,11 @@ def validate_target(pid: int) -> psutil.Process:
         proc = psutil.Process(pid)
         flags = int(_stat_fields(pid)[6])
         zombie = proc.status() == psutil.STATUS_ZOMBIE
+        tgid = _status_field(pid, "Tgid")
     except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError) as e:
         raise UsageError(f"there is no process with PID {pid}.") from e
     if flags & _PF_KTHREAD:
         raise UsageError(f"PID {pid} is a kernel thread, not a user process; pick a user process.")
-    tgid = _status_field(pid, "Tgid")
     if tgid is not None and tgid != pid:
         raise UsageError(f"{pid} is a thread of process {tgid}, not a process; give the process's PID ({tgid}).")
     if pid == os.getpid() or pid in {p.pid for p in psutil.Process().parents()}:
@@ -101,18 +101,27 @@ def thread_ids(pid: int) -> tuple[int, ...]:
 
 
 def thread_state(pid: int, tid: int) -> str | None:
-    """The scheduler state letter of one thread (R, S, D, T, t...), or None if it is gone."""
+    """The scheduler state letter (R, S, D, T, t...) of the process's thread ``tid``, as seen
+    here or inside the process's own PID namespace; None if there is no such thread."""
     try:
-        return _stat_fields_of(f"/proc/{pid}/task/{tid}/stat")[0]
-    except (OSError, IndexError):
+        tasks = [tid] if os.path.exists(f"/proc/{pid}/task/{tid}") else [
+            int(t) for t in os.listdir(f"/proc/{pid}/task") if tid in ns_pids_of(f"/proc/{pid}/task/{t}/status")
+        ]
+        return _stat_fields_of(f"/proc/{pid}/task/{tasks[0]}/stat")[0] if tasks else None
+    except (OSError, IndexError, ValueError):
         return None
 
 
 def ns_pids(pid: int) -> tuple[int, ...]:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    return ns_pids_of(f"/proc/{pid}/status") or (pid,)
+
+
+def ns_pids_of(status: str) -> tuple[int, ...]:
+    """The NSpid line of a /proc status file: the ID in each PID namespace, outermost first."""
+    for line in Path(status).read_text().splitlines():
         if line.startswith("NSpid:"):
             return tuple(int(x) for x in line.split()[1:])
-    return (pid,)
+    return ()
 
 
 def session_visible(pid: int) -> bool:
@@ -189,11 +198,28 @@ def kill_tree(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def pid_holder(pid: int) -> str | None:
+def _group_and_session_ids() -> dict[int, str]:
+    """Every process group and session id in use here -> a process that uses it (one pass over /proc)."""
+    out: dict[int, str] = {}
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = _stat_fields(int(entry.name))
+            except (OSError, ValueError):
+                continue
+            for held in (int(fields[2]), int(fields[3])):
+                out.setdefault(held, f"process {entry.name} (state {fields[0]}), which uses it as its group or session id")
+    return out
+
+
+def pid_holder(pid: int, groups: dict[int, str] | None = None) -> str | None:
     """Who holds ``pid`` on this machine: as a process or thread, or as the session/group id of another.
 
     A killed process's orphaned children can linger as zombies that still carry its PID as
     their session id, which makes CRIU's restore fail with ``Can't fork for PID``.
+    ``groups``: :func:`_group_and_session_ids`, when many IDs are asked about at once.
     """
     if Path(f"/proc/{pid}").exists():  # (a thread's ID is there too, unlisted)
         try:
@@ -204,17 +230,7 @@ def pid_holder(pid: int) -> str | None:
             return f"process {pid} ({name})"
         except (psutil.NoSuchProcess, OSError):
             pass
-    with os.scandir("/proc") as entries:
-        for entry in entries:
-            if not entry.name.isdigit():
-                continue
-            try:
-                fields = _stat_fields(int(entry.name))
-            except (OSError, ValueError):
-                continue
-            if int(fields[2]) == pid or int(fields[3]) == pid:
-                return f"process {entry.name} (state {fields[0]}), which uses it as its group or session id"
-    return None
+    return (groups if groups is not None else _group_and_session_ids()).get(pid)
 
 
 def wait_pids_free(pids: list[int], timeout: float, tids: Sequence[int] = ()) -> None:
@@ -222,7 +238,8 @@ def wait_pids_free(pids: list[int], timeout: float, tids: Sequence[int] = ()) ->
     deadline = time.monotonic() + timeout
     wanted = [(pid, "PID") for pid in pids] + [(tid, "thread ID") for tid in tids]
     while True:
-        held = [(pid, kind, who) for pid, kind in wanted if (who := pid_holder(pid)) is not None]
+        groups = _group_and_session_ids()
+        held = [(pid, kind, who) for pid, kind in wanted if (who := pid_holder(pid, groups)) is not None]
         if not held:
             return
         if time.monotonic() >= deadline:

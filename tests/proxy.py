@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -25,6 +26,9 @@ class Proxy:
     flipped: int = 0
     #: Client->server bytes forwarded so far, over all connections.
     forwarded: int = 0
+    #: While this says so, server->client bytes are swallowed (a reply that never arrives).
+    swallow_replies: Callable[[], bool] = lambda: False
+    swallowed: int = 0
 
     def __post_init__(self) -> None:
         self.server = socket.create_server(self.listen)
@@ -71,6 +75,9 @@ class Proxy:
                     break
                 if record and len(log) < 1 << 20:
                     log += data
+                if not record and self.swallow_replies():
+                    self.swallowed += len(data)
+                    continue
                 dst.sendall(data)
                 seen += len(data)
                 if record:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, Ticker
+from cluster import Cluster, Node, Ticker
 from conftest import needs_criu
 from helpers import ROOT, assert_one_sentence_error, kill_and_wait, wait_until
 from proxy import Proxy
@@ -291,3 +291,40 @@ def test_a_held_copy_is_not_migrated_onward(start, tmp_path: Path) -> None:  # t
     assert not agent.active and not agent.sources
     agent.journal.write(Record(mid, "target", State.DONE, pid=w.pid))  # committed: now an ordinary process
     assert agent._start_migration(w.pid, "10.0.0.3:7400", dry_run=True).pid == w.pid
+
+
+def _journal_states(node: Node) -> list[str]:
+    return [json.loads(p.read_text())["state"] for p in (node.work / "agent" / "migrations").glob("*.json")]
+
+
+def test_source_node_lost_after_the_restore_the_copy_takes_over(cluster: Cluster, ticker: Ticker) -> None:
+    """The source's node goes silent right after the target restored (and holds) the copy: B
+    hears nothing for takeover_after (3 s here) and starts the copy itself.  The original, frozen
+    on A, never runs again: when A's agent comes back it finds the copy DONE and ends it."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    b.kill_agent(signal.SIGTERM)
+    b.start_agent(takeover_after="3")
+    # A reaches B's agent through a proxy that swallows B's answers once B holds its copy: the
+    # Restore reply never reaches A, which then dies (its node "lost") before it can commit.
+    proxy = Proxy((b.addr, int(b.agent_address.rpartition(":")[2])), listen=("10.233.0.254", 7413))
+    proxy.swallow_replies = lambda: "ready" in _journal_states(b)
+    try:
+        env = {**os.environ, "TPAGENT_SECRET_FILE": str(cluster.secret)}
+        mig = subprocess.Popen([sys.executable, "-m", "cli.main", "migrate", str(ticker.pid), "--from", a.agent_address, "--to", proxy.address],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        wait_until(lambda: proxy.swallowed > 0, "B to hold its copy and answer Restore", 120)
+        a.kill_agent()  # its CRIU, in its own session, keeps the original frozen
+        mig.communicate(timeout=60)
+        assert ticker.running_copies() == 0  # the copy is held, the original frozen: none runs yet
+        wait_until(lambda: "done" in _journal_states(b), "B to start its copy on its own", 60)
+        assert "has been unreachable for 3 s" in b.agent_log()
+        proxy.swallow_replies = lambda: False
+        new_pid = json.loads(next((b.work / "agent" / "migrations").glob("*.json")).read_text())["pid"]
+        a.start_agent()  # asks B, learns the copy runs, ends the frozen original
+        wait_until(lambda: "done" in _journal_states(a), "A to end its original", 120)
+    finally:
+        proxy.close()
+    ticker.pid = new_pid
+    ticker.assert_one_copy_continuous()
+    ticker.verify_state()
+    assert Path(f"/proc/{new_pid}/ns/net").stat().st_ino == Path(f"/run/netns/{b.name}").stat().st_ino  # it runs on B

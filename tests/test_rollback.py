@@ -101,3 +101,28 @@ def test_ctrl_c_during_dump(start, tmp_path: Path) -> None:  # type: ignore[no-u
     assert "Traceback" not in err and "interrupted" in err and "nothing was lost" in err, err
     _assert_resumed(w, out)
     assert (out / "log" / "dump.log").exists()  # CRIU ran, and was let finish before the rollback
+
+
+def test_a_failure_reported_after_the_tree_was_ended_keeps_the_snapshot(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """CRIU ends the tree once its hook has sealed the snapshot; if it then still reports a
+    failure, the snapshot is the only copy left: it is kept, said so, and restores whole."""
+    from snapshot.criu import Criu
+
+    wrapper = tmp_path / "criu-late-failure"
+    wrapper.write_text(
+        f'#!/bin/sh\n{Criu().path} "$@"; rc=$?\n'
+        'if [ "$1" = dump ] && [ $rc = 0 ]; then echo "Error (criu/cr-dump.c:1): a late failure" >&2; exit 1; fi\nexit $rc\n'
+    )
+    wrapper.chmod(0o755)
+    w = start(mib=64)
+    out = tmp_path / "snap"
+    proc = tpagent("dump", str(w.pid), "--out", str(out), "--criu", str(wrapper))
+    assert_one_sentence_error(proc, f"its sealed snapshot is kept in {out}")
+    assert proc.returncode == 1 and "nothing was lost" not in proc.stderr
+    w.reap()
+    stopped_at = w.ticks()[-1][0]
+    proc = tpagent("restore", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
+    assert_continuous(w.ticks())
+    w.verify_state()

@@ -8,7 +8,6 @@ The source agent runs a whole migration (``Migrate``, driven by ``tpagent migrat
 from __future__ import annotations
 
 import logging
-import shutil
 import socket
 import threading
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
 from tpagent import __version__, peer
 from tpagent.config import AgentConfig
-from tpagent.migration import Journal, Record, State, valid_id
+from tpagent.migration import Journal, JournalError, Record, State, valid_id
 from tpagent.rpc import AgentServicer, pb
 from tpagent.source import SourceMigration, resolve_source
 from tpagent.target import Incoming, recover_target, start_copy
@@ -163,7 +162,11 @@ class Agent(AgentServicer):  # type: ignore[misc]
         return self.Status(request, context)
 
     def _record(self, migration_id: str, context: grpc.ServicerContext) -> Record:
-        r = self.journal.read(migration_id) if valid_id(migration_id) else None
+        try:
+            r = self.journal.read(migration_id) if valid_id(migration_id) else None
+        except JournalError as e:  # never "not found": the source would take its copy for gone
+            self.log.error("%s", e)
+            context.abort(grpc.StatusCode.INTERNAL, str(e))
         if r is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no migration {migration_id!r} on {self.cfg.node}")
         assert r is not None
@@ -183,8 +186,11 @@ class Agent(AgentServicer):  # type: ignore[misc]
         with self.lock:
             if mid in self.receivers or self.journal.read(mid) is not None:
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, f"migration {mid} is already known here")
+            source_agent = str(request.source_agent)
+            if len(source_agent) > 300 or (source_agent and ":" not in source_agent):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "source_agent is not an agent address (HOST:PORT)")
             try:
-                inc = Incoming(self, mid, request.source_node)
+                inc = Incoming(self, mid, request.source_node, source_agent)
             except TransferError as e:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.cfg.node} cannot receive: {e}")
             inc.gpu_map = self.gpu_map(list(request.gpu_uuids))
@@ -234,29 +240,37 @@ class Agent(AgentServicer):  # type: ignore[misc]
         return pb.RestoreReply(pid=result.pid, timings=result.timings)
 
     def Finish(self, request: Any, context: grpc.ServicerContext) -> Any:
-        inc = self.receivers.get(request.migration_id)
-        if inc is None:  # this agent restarted since: only the journal knows the migration
-            r = self._record(request.migration_id, context)
-            with self.lock:
-                r = self.journal.read(r.migration_id) or r
-                if r.state is State.READY:
-                    if request.commit:
-                        self.journal.move(r, State.DONE, "running here")
-                        start_copy(None, Path(r.snapshot), r.pid)
-                    else:
-                        proc.kill_tree(r.pid)
-                        self.journal.move(r, State.DISCARDED, "decided by the source")
-                    shutil.rmtree(r.snapshot, ignore_errors=True)
-            return peer.status_of(r)
-        inc.finish(bool(request.commit))
-        r = inc.record
+        self._record(request.migration_id, context)  # (NOT_FOUND if unknown)
+        r = self.finish_target(request.migration_id, bool(request.commit), "running here" if request.commit else "decided by the source")
         return peer.status_of(r)
+
+    def finish_target(self, mid: str, commit: bool, why: str) -> Record:
+        """Start (commit) or drop the copy a migration restored and holds here; nothing once decided."""
+        inc = self.receivers.get(mid)
+        if inc is not None:
+            inc.finish(commit, why)
+            return inc.record
+        with self.lock:  # this agent restarted since: only the journal knows the migration
+            r = self.journal.read(mid)
+            assert r is not None
+            if r.state is State.READY:
+                if commit:
+                    self.journal.move(r, State.DONE, why)
+                    start_copy(None, Path(r.snapshot), r.pid)
+                else:
+                    proc.kill_tree(r.pid)
+                    self.journal.move(r, State.DISCARDED, why)
+                peer.remove(self.cfg, r.snapshot)
+            return r
 
     # ---- restart ------------------------------------------------------------------------
 
     def recover(self) -> None:
         """Finish or roll back what a previous run of this agent left half-way."""
         for r in self.journal.unfinished():
+            if not peer.inside_work_dir(self.cfg, r.snapshot):  # (a damaged or foreign record)
+                self.log.error("migration %s: its record names the snapshot %r, outside %s; left for an operator", r.migration_id, r.snapshot, self.cfg.work_dir)
+                continue
             try:
                 if r.role == "source":
                     with self.lock:

@@ -11,6 +11,8 @@
     allow_commands = ["train.py"]     # also migratable: processes whose command line contains one
     memory_limit = 0                  # most bytes this node accepts in one migration (0: no limit)
     hold_timeout = 3600.0             # longest a frozen original waits for its copy to start
+    takeover_after = 300.0            # a restored copy whose source agent stays unreachable this
+                                      # long starts on its own (0: it waits for the source forever)
     io_timeout = 30.0                 # a transfer stream silent this long is broken (and retried)
     transfer_port = 0                 # where this node receives snapshots (0: any free port)
     transfer_address = ""             # what peers connect to for it, if not advertise:port (NAT, proxy)
@@ -48,6 +50,7 @@ class AgentConfig:
     allow_commands: tuple[str, ...] = ()
     memory_limit: int = 0
     hold_timeout: float = 3600.0
+    takeover_after: float = 300.0
     io_timeout: float = 30.0
     transfer_port: int = 0
     transfer_address: str = ""
@@ -61,6 +64,14 @@ class AgentConfig:
             return self.advertise
         host = self.listen.rpartition(":")[0]
         return host if host not in ("", "0.0.0.0", "[::]") else socket.gethostname()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "work_dir", Path(self.work_dir).absolute())  # (paths in journals are absolute)
+
+    @property
+    def agent_address(self) -> str:
+        """Where peers reach this agent's gRPC service."""
+        return f"{self.advertised_host}:{self.listen.rpartition(':')[2]}"
 
     def secret(self) -> bytes:
         try:

@@ -19,11 +19,16 @@ Source side (the node the process leaves)::
                had started), then the hook makes CRIU roll back: the original runs on
                where it stood.  Both copies never run at once: the original runs again only
                after the target said its copy is gone, and the copy runs only while the
-               original is frozen and is ended before the original is let go.
+               original is frozen and is ended before the original is let go.  If the
+               target made its copy final meanwhile (a takeover, below), ROLLING_BACK turns
+               into COMMITTING: the original is ended, never resumed.
 
 Target side: RECEIVING -> RECEIVED -> RESTORING -> READY -> DONE, or DISCARDED.  READY: the
 copy is restored but held (stopped; a CUDA process: its GPU still locked); it starts only at
-DONE, when the source commits — so a copy that is then dropped has never run.
+DONE, when the source commits — so a copy that is then dropped has never run.  A READY copy
+whose source agent cannot be reached for ``takeover_after`` seconds goes to DONE on its own
+(its node is presumed lost with the frozen original): a source that asked for the restore
+never resumes its original unless the target says the copy is gone, so it can only commit.
 
 Each transition is written to ``WORK/migrations/ID.json`` before it takes effect, so an
 agent that restarts finds its migrations and finishes or rolls back each (``recover``).
@@ -33,12 +38,15 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 import re
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class State(str, enum.Enum):
@@ -65,7 +73,7 @@ TRANSITIONS: dict[State, set[State]] = {
     S.HELD: {S.RESTORING, S.ROLLING_BACK},
     S.RESTORING: {S.COMMITTING, S.ROLLING_BACK},
     S.COMMITTING: {S.DONE, S.ROLLING_BACK},  # back only if the target says its copy is gone
-    S.ROLLING_BACK: {S.ROLLED_BACK},
+    S.ROLLING_BACK: {S.ROLLED_BACK, S.COMMITTING},  # forward only if the target made its copy final
     S.RECEIVING: {S.RECEIVED, S.DISCARDED},
     S.RECEIVED: {S.RESTORING, S.DISCARDED},
     S.READY: {S.DONE, S.DISCARDED},
@@ -77,6 +85,10 @@ _ID = re.compile(r"[0-9a-f]{32}")
 
 
 class BadTransition(RuntimeError):
+    pass
+
+
+class JournalError(RuntimeError):
     pass
 
 
@@ -99,8 +111,11 @@ class Record:
     #: Source: Restore was asked of the target, so a copy may run there: the original may run
     #: again only once the target has said its copy is gone.
     restore_sent: bool = False
-    #: Source: the original root's start time, to tell it from a process that reused its PID.
+    #: The start time of ``pid`` (source: the original's root; target: the copy's), to tell
+    #: it from a process that reused its PID.
     create_time: float = 0.0
+    #: Target: the source agent's gRPC address, asked while a restored copy waits for its word.
+    peer_agent: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "state": self.state.value}
@@ -138,15 +153,28 @@ class Journal:
         self.write(record)
 
     def read(self, migration_id: str) -> Record | None:
+        """The record, or None if there is none.  A record that exists but cannot be read raises
+        JournalError: "unknown here" must never be said of a migration that may hold a copy."""
         try:
-            return Record.from_json(json.loads(self.path(migration_id).read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
+            text = self.path(migration_id).read_text()
+        except FileNotFoundError:
             return None
+        except OSError as e:
+            raise JournalError(f"the journal of migration {migration_id} cannot be read: {e.strerror}") from e
+        try:
+            return Record.from_json(json.loads(text))
+        except (ValueError, KeyError, TypeError) as e:
+            raise JournalError(f"the journal of migration {migration_id} is damaged: {e}") from e
 
     def unfinished(self) -> list[Record]:
+        """Every record not yet final; unreadable ones are logged and left for an operator."""
         out = []
         for p in sorted(self.directory.glob("*.json")):
-            r = self.read(p.stem)
+            try:
+                r = self.read(p.stem)
+            except (JournalError, ValueError) as e:
+                log.error("%s", e)
+                continue
             if r is not None and r.state not in FINAL:
                 out.append(r)
         return out

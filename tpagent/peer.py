@@ -3,7 +3,9 @@ client sees, and how to tell that a CRIU still works on a snapshot."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,14 +13,17 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import psutil
 
+from snapshot import proc
 from tpagent.config import AgentConfig
 from tpagent.migration import Record
 from tpagent.rpc import pb
-from transfer.api import Compress, TransferConfig, Transport
+from transfer.api import MAX_STREAMS, Compress, TransferConfig, Transport
 from transfer.tcp import TcpTransport
 
 if TYPE_CHECKING:
     from tpagent.agent import Agent
+
+log = logging.getLogger(__name__)
 
 RPC_TIMEOUT = 30.0
 RESTORE_TIMEOUT = 3600.0
@@ -43,7 +48,7 @@ def transport(cfg: AgentConfig) -> Transport:
 def transfer_config(agent: Agent) -> TransferConfig:
     t = agent.cfg.io_timeout
     return TransferConfig(secret=agent.secret, compress=Compress(agent.cfg.compress), io_timeout=t, connect_timeout=min(10.0, t),
-                          streams=max(1, min(64, agent.cfg.streams)))  # fmt: skip
+                          streams=max(1, min(MAX_STREAMS, agent.cfg.streams)))  # fmt: skip
 
 
 
@@ -70,3 +75,27 @@ def criu_running_on(path: str) -> bool:
             return True
     return False
 
+
+def same_process_alive(r: Record) -> bool:
+    """Whether the record's process (source: the original; target: the copy) still exists,
+    and is the same one, not a process that reused its PID."""
+    try:
+        return psutil.Process(r.pid).create_time() == r.create_time if r.create_time else proc.alive(r.pid)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def remove(cfg: AgentConfig, *paths: Path | str) -> None:
+    """Delete snapshot directories, but only inside this agent's work_dir.  Their paths come
+    from journal records, which are data: an empty, relative or foreign one must never turn
+    into the removal of some other directory (the agent runs as root)."""
+    for p in paths:
+        if not inside_work_dir(cfg, p):
+            log.error("not removing %r: it is not inside the work directory %s", str(p), cfg.work_dir)
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def inside_work_dir(cfg: AgentConfig, p: Path | str) -> bool:
+    path = Path(p)
+    return bool(str(p)) and path.is_absolute() and cfg.work_dir.resolve() in path.resolve().parents

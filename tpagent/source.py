@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import shutil
 import signal
 import threading
 import time
@@ -168,7 +167,7 @@ class SourceMigration:
         open_files = self._open_files(tree)
         shared = [f"{f}:{Path(f).stat().st_size}" for f in open_files if self._is_shared(f)]
         self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
-        request = pb.ReceiveRequest(migration_id=self.record.migration_id, source_node=self.agent.cfg.node,
+        request = pb.ReceiveRequest(migration_id=self.record.migration_id, source_node=self.agent.cfg.node, source_agent=self.agent.cfg.agent_address,
                                     bytes_estimate=need, gpu_uuids=[g.uuid for g in used], shared_files=shared,
                                     dry_run=self.dry_run)  # fmt: skip
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
@@ -286,7 +285,7 @@ class SourceMigration:
             threading.Thread(target=_keep_telling_abort, args=(target, self.record.migration_id, self.agent.cfg.hold_timeout), daemon=True).start()
         _let_original_go(self.snapshot, self.dump_thread)
         resumed = proc.alive(self.pid)
-        shutil.rmtree(self.snapshot, ignore_errors=True)
+        peer.remove(self.agent.cfg, self.snapshot)
         _journal_best_effort(self.agent, self.record, State.ROLLED_BACK, f"{why}; " + ("the original was resumed where it stood" if resumed else "the original is gone"))
         self.emit(self.record.message)
         return "rolled_back"
@@ -333,7 +332,9 @@ def _target_dropped_copy(target: Any, mid: str, seconds: float) -> bool:
     while time.monotonic() < deadline:
         _tell_target_abort(target, mid)
         state, _ = _target_state(target, mid, min(10.0, max(0.1, deadline - time.monotonic())))
-        if state in (State.DISCARDED.value, State.RECEIVING.value, State.RECEIVED.value, State.FAILED.value):
+        # Only a copy the target itself calls gone counts: one still RECEIVING may yet be
+        # restored by a Restore call that is on its way there.
+        if state in (State.DISCARDED.value, State.FAILED.value):
             return True
         if state == State.DONE.value:  # it made the copy final: only committing is right now
             return False
@@ -367,7 +368,7 @@ def _commit(agent: Agent, r: Record, target: Any, dump_thread: threading.Thread 
                     hook.decide(snap, commit=False)
                     peer.wait_released(snap)
                 agent.journal.move(r, State.ROLLED_BACK, "the target dropped its copy; the original was resumed")
-                shutil.rmtree(snap, ignore_errors=True)
+                peer.remove(agent.cfg, snap)
                 return "rolled_back"
         except grpc.RpcError as e:
             log.warning("migration %s: making the target's copy final failed (%s); trying again", r.migration_id, _rpc_text(e))
@@ -379,19 +380,12 @@ def _commit(agent: Agent, r: Record, target: Any, dump_thread: threading.Thread 
         dump_thread.join()
     else:
         peer.wait_released(snap, None)
-    if _same_process_alive(r):  # CRIU could not end it (it died): end it here
+    if peer.same_process_alive(r):  # CRIU could not end it (it died): end it here
         proc.kill_tree(r.pid)
-    shutil.rmtree(snap, ignore_errors=True)
+    peer.remove(agent.cfg, snap)
     if r.state is not State.DONE:
         agent.journal.move(r, State.DONE, f"migrated to {r.peer}")
     return "done"
-
-
-def _same_process_alive(r: Record) -> bool:
-    try:
-        return psutil.Process(r.pid).create_time() == r.create_time if r.create_time else proc.alive(r.pid)
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _tell_target_abort(target: Any, mid: str) -> bool:
@@ -439,6 +433,11 @@ def resolve_source(agent: Agent, r: Record) -> None:
         elif r.state is State.CHECKING:
             agent.journal.move(r, State.FAILED, "the agent restarted before anything was frozen")
             break
+        elif r.state is State.ROLLING_BACK and r.restore_sent and _target_state(target, r.migration_id, 30.0)[0] == State.DONE.value:
+            # The target made its copy final (it took over while this agent could not be
+            # reached): the only way left is forward, ending the original.
+            agent.journal.move(r, State.COMMITTING, "the target's copy runs: ending the original instead")
+            continue
         elif not r.restore_sent or _target_dropped_copy(target, r.migration_id, 30.0):
             if r.state in (State.FREEZING, State.HELD):
                 agent.journal.move(r, State.ROLLING_BACK, "the agent restarted mid-migration")
@@ -447,7 +446,7 @@ def resolve_source(agent: Agent, r: Record) -> None:
                 hook.decide(snap, commit=False)  # the hook still holds the tree: CRIU rolls it back
             peer.wait_released(snap, None)
             _resume_leftovers(r)
-            shutil.rmtree(snap, ignore_errors=True)
+            peer.remove(agent.cfg, snap)
             agent.journal.move(r, State.ROLLED_BACK, "rolled back after the agent restarted; the original runs where it stood")
             break
         time.sleep(delay)

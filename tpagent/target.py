@@ -3,14 +3,18 @@ it run only when the source commits; and, after a restart, drop what never ran."
 
 from __future__ import annotations
 
-import shutil
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import grpc
+import psutil
+
 from snapshot import engine, proc
 from tpagent import metrics, peer
-from tpagent.migration import FINAL, Record, State
+from tpagent.migration import FINAL, JournalError, Record, State
+from tpagent.rpc import pb, stub
 from transfer.api import TransferError, TransferStats
 from transfer.receiver import Receiver
 
@@ -23,13 +27,13 @@ class Incoming:
     Restore runs outside the lock, so that an abort arriving meanwhile is taken at once (as
     ``abort_requested``) rather than queued: the restore then kills the copy it made."""
 
-    def __init__(self, agent: Agent, mid: str, source: str) -> None:
+    def __init__(self, agent: Agent, mid: str, source: str, source_agent: str = "") -> None:
         self.agent = agent
         self.dir = agent.cfg.work_dir / "incoming" / mid
         self.dir.parent.mkdir(parents=True, exist_ok=True)
         self.receiver = Receiver(peer.transport(agent.cfg), peer.transfer_config(agent), f"{agent.cfg.advertised_host}:{agent.cfg.transfer_port}")
         self.address = agent.cfg.transfer_address or self.receiver.address
-        self.record = Record(mid, "target", State.RECEIVING, peer=source, snapshot=str(self.dir))
+        self.record = Record(mid, "target", State.RECEIVING, peer=source, snapshot=str(self.dir), peer_agent=source_agent)
         agent.journal.write(self.record)
         self.result: TransferStats | TransferError | None = None
         self.gpu_map: dict[str, str] = {}
@@ -71,6 +75,10 @@ class Incoming:
             raise peer.Refused(f"restoring on {self.agent.cfg.node} failed: {e}") from e
         with self.lock:
             self.record.pid = result.pid
+            try:
+                self.record.create_time = psutil.Process(result.pid).create_time()
+            except psutil.NoSuchProcess:
+                self.abort_requested = True  # (the copy died as it was restored)
             if self.abort_requested:
                 self._discard("the source rolled back while this copy was being restored")
                 raise peer.Refused("the source rolled back meanwhile; the copy was stopped")
@@ -80,21 +88,22 @@ class Incoming:
                 self._discard("could not journal the restored copy")
                 raise
             self.restored = result
-            return result
+        threading.Thread(target=await_source, args=(self.agent, self.record.migration_id), daemon=True).start()
+        return result
 
-    def finish(self, commit: bool) -> None:
+    def finish(self, commit: bool, why: str = "") -> None:
         with self.lock:
             if self.record.state in FINAL:
                 return
             if commit:
                 if self.record.state is State.READY:  # from now on an abort changes nothing
-                    self.agent.journal.move(self.record, State.DONE, "running here")
+                    self.agent.journal.move(self.record, State.DONE, why or "running here")
                     start_copy(self.restored, self.dir, self.record.pid)
-                    shutil.rmtree(self.dir, ignore_errors=True)
+                    peer.remove(self.agent.cfg, self.dir)
             elif self.record.state is State.RESTORING:
                 self.abort_requested = True  # restore() stops its copy as it returns
             else:
-                self._discard("the source rolled back")
+                self._discard(why or "the source rolled back")
 
     def _discard(self, why: str) -> None:
         self.receiver.close()
@@ -104,9 +113,58 @@ class Incoming:
             self.record.state = State.DISCARDED
             self.record.message = why
             self.agent.journal.write(self.record)
-        shutil.rmtree(self.dir, ignore_errors=True)
-        for stale in self.dir.parent.glob(f".{self.dir.name}.partial-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        peer.remove(self.agent.cfg, self.dir, *self.dir.parent.glob(f".{self.dir.name}.partial-*"))
+
+
+#: What a source agent that cannot be reached at all looks like.
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def await_source(agent: Agent, mid: str) -> None:
+    """While a restored copy waits for its source's word, keep asking the source agent.
+
+    A source that answers decides (it may still be streaming its commit).  One that cannot be
+    reached for ``takeover_after`` seconds has most likely lost its node with the frozen
+    original on it: the copy then starts on its own.  That never makes two copies run: once a
+    source has asked for the restore, it resumes its original only after this agent has said
+    the copy is gone, and a source that comes back finds the copy DONE here and ends its
+    original.  (The one case outside this: the source's CRIU dies while holding the original,
+    which then runs on, *and* its agent stays down that long.)"""
+    limit = agent.cfg.takeover_after
+    try:
+        r = agent.journal.read(mid)
+    except JournalError:
+        return
+    if limit <= 0 or r is None or not r.peer_agent:
+        return
+    source = stub(r.peer_agent, agent.secret)
+    silent_since = time.monotonic()
+    while True:
+        time.sleep(min(5.0, max(limit / 4, 0.1)))
+        try:
+            r = agent.journal.read(mid)
+        except JournalError as e:
+            agent.log.error("migration %s: %s; not starting its copy", mid, e)
+            continue
+        if r is None or r.state is not State.READY:
+            return  # decided
+        try:
+            st = source.Status(pb.MigrationRef(migration_id=mid), timeout=min(10.0, limit))
+        except grpc.RpcError as e:
+            # Only a source that cannot be reached counts as lost: any answer, even a refusal
+            # (a clock skewed past the signature's window), comes from an agent that is there.
+            if e.code() not in _UNREACHABLE:
+                silent_since = time.monotonic()
+                continue
+            if time.monotonic() - silent_since < limit:
+                continue
+            agent.log.warning("migration %s: the source agent %s has been unreachable for %.0f s (%s): starting the copy", mid, r.peer_agent, limit, e.code())
+            agent.finish_target(mid, True, f"started without the source's word: its agent {r.peer_agent} was unreachable for {limit:.0f} s")
+            return
+        silent_since = time.monotonic()
+        if st.state in (State.ROLLED_BACK.value, State.FAILED.value):  # (the protocol never gets here)
+            agent.finish_target(mid, False, f"the source reports {st.state}")
+            return
 
 
 def start_copy(result: engine.RestoreResult | None, snapshot: Path, pid: int) -> None:
@@ -127,10 +185,16 @@ def restore_work(snapshot: Path) -> Path:
 
 def recover_target(agent: Agent, r: Record) -> None:
     """A target agent that died: a copy that never ran is dropped (one that CRIU was still
-    restoring is waited for, then stopped); a running one waits for the source's decision."""
+    restoring is waited for, then stopped); a held one that is still there waits for the
+    source's decision (or a takeover), one that is gone is recorded as dropped."""
+    why = "dropped after the agent restarted"
     if r.state is State.READY:
-        agent.log.warning("migration %s: a restored, held copy (PID %d) waits for the source's decision", r.migration_id, r.pid)
-        return
+        if peer.same_process_alive(r):
+            agent.log.warning("migration %s: a restored, held copy (PID %d) waits for the source's decision", r.migration_id, r.pid)
+            threading.Thread(target=await_source, args=(agent, r.migration_id), daemon=True).start()
+            return
+        agent.log.warning("migration %s: the held copy (PID %d) is gone", r.migration_id, r.pid)
+        why = "the held copy did not outlive a restart of this node"  # (a reboot): never start a stranger
     snap = Path(r.snapshot)
     work = restore_work(snap)
     if r.state is State.RESTORING:
@@ -139,8 +203,7 @@ def recover_target(agent: Agent, r: Record) -> None:
         if copy:
             agent.log.warning("migration %s: stopping the copy (PID %d) a restore finished while the agent was down", r.migration_id, copy)
     r.state = State.DISCARDED
-    r.message = "dropped after the agent restarted"
+    r.message = why
     agent.journal.write(r)
-    for d in [snap, work, *snap.parent.glob(f".{snap.name}.partial-*")]:
-        shutil.rmtree(d, ignore_errors=True)
+    peer.remove(agent.cfg, snap, work, *snap.parent.glob(f".{snap.name}.partial-*"))
 

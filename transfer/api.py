@@ -32,10 +32,14 @@ class Compress(str, enum.Enum):
     NONE = "none"  # never compress (all-zero chunks still cost nothing)
 
 
+#: Most data streams one transfer may use.
+MAX_STREAMS = 64
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     secret: bytes
-    streams: int = 4
+    streams: int = 4  # 1 .. MAX_STREAMS
     chunk_size: int = 8 << 20
     compress: Compress = Compress.AUTO
     zstd_level: int = 1

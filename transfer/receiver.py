@@ -20,7 +20,7 @@ import zstandard
 from snapshot import manifest as snapmanifest
 from snapshot.api import SnapshotError
 from transfer import wire
-from transfer.api import AuthError, Channel, IntegrityError, TransferConfig, TransferError, TransferStats, Transport
+from transfer.api import MAX_STREAMS, AuthError, Channel, IntegrityError, TransferConfig, TransferError, TransferStats, Transport
 from transfer.stream import HANDSHAKE_TIMEOUT, server_handshake
 from transfer.wire import ACK, CHUNK, Codec, Kind, Layout, Role
 
@@ -135,7 +135,9 @@ class Receiver:
         self._ready = threading.Condition()
         self._publish = threading.Lock()  # the rename into --out and giving up exclude each other
         self._closed = False
-        self._handshakes = threading.BoundedSemaphore(64)
+        # Connections at once: the control stream, up to MAX_STREAMS data streams, and as many
+        # reconnections again (a broken stream's old connection may linger a moment).
+        self._handshakes = threading.BoundedSemaphore(2 * MAX_STREAMS + 1)
         self._result: TransferStats | TransferError | None = None
 
     def close(self) -> None:
@@ -174,7 +176,15 @@ class Receiver:
         peer = getattr(ch, "peer", "?")
         # A stranger gets HANDSHAKE_TIMEOUT in all to prove itself, however it trickles its bytes:
         # then its connection is closed and its slot freed.
-        watchdog = threading.Timer(HANDSHAKE_TIMEOUT, ch.close)
+        shaken = threading.Event()
+        cut = threading.Lock()
+
+        def cut_off() -> None:
+            with cut:
+                if not shaken.is_set():
+                    ch.close()
+
+        watchdog = threading.Timer(HANDSHAKE_TIMEOUT, cut_off)
         watchdog.daemon = True
         try:
             ch.set_timeout(min(self.config.io_timeout, HANDSHAKE_TIMEOUT))
@@ -182,6 +192,8 @@ class Receiver:
             try:
                 role, session = server_handshake(ch, self.config.secret)
             finally:
+                with cut:  # a cut already begun finishes first; none begins after this
+                    shaken.set()
                 watchdog.cancel()
             ch.set_timeout(self.config.io_timeout)
             if role is Role.CONTROL:

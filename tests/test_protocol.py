@@ -1,0 +1,146 @@
+"""The migration protocol's decisions against a real target agent (gRPC, authenticated, its
+journal on disk), with the source's side called directly: what a source that comes back does
+with what the target says, and what a restarted target does with a copy it held."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import alive, kill_and_wait, wait_until
+from tpagent.agent import Agent
+from tpagent.config import AgentConfig
+from tpagent.migration import Record, State
+from tpagent.rpc import stub
+from tpagent.serve import serve
+from tpagent.source import _target_dropped_copy, _target_state, resolve_source
+
+MID = "b" * 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _config(tmp: Path, name: str, **kw: object) -> AgentConfig:
+    secret = tmp / "secret"
+    if not secret.exists():
+        secret.write_text(os.urandom(24).hex())
+    return AgentConfig(secret_file=secret, node=name, work_dir=tmp / name, metrics_listen="", listen=f"127.0.0.1:{_free_port()}", **kw)  # type: ignore[arg-type]
+
+
+def _target_record(cfg: AgentConfig, mid: str, state: State, **kw: object) -> Record:
+    return Record(mid, "target", state, peer="source", snapshot=str(cfg.work_dir / "incoming" / mid), **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> AgentConfig:
+    """A target agent's configuration; tests put its journal records in place, then serve it."""
+    cfg = _config(tmp_path, "target", takeover_after=0.0)
+    (cfg.work_dir / "migrations").mkdir(parents=True)
+    return cfg
+
+
+def _serve(cfg: AgentConfig) -> threading.Event:
+    ready, stop = threading.Event(), threading.Event()
+    threading.Thread(target=serve, args=(cfg, ready, stop), daemon=True).start()
+    assert ready.wait(30)
+    return stop
+
+
+@pytest.fixture
+def original() -> Iterator[psutil.Process]:
+    """Stands in for a source's frozen original (CRIU's hook would hold it)."""
+    p = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    yield psutil.Process(p.pid)
+    kill_and_wait(p.pid)
+    p.wait()
+
+
+def _resolve(target: AgentConfig, original: psutil.Process, tmp: Path) -> Agent:
+    """A source agent whose journal says: rolling back, after the restore was asked for."""
+    source = Agent(_config(tmp, "source"))
+    r = Record(MID, "source", State.ROLLING_BACK, pid=original.pid, peer=target.listen, restore_sent=True,
+               snapshot=str(source.cfg.work_dir / "outgoing" / MID), create_time=original.create_time())  # fmt: skip
+    source.journal.write(r)
+    resolve_source(source, r)
+    return source
+
+
+def test_a_source_rolling_back_ends_its_original_when_the_target_made_its_copy_final(target: AgentConfig, original: psutil.Process, tmp_path: Path) -> None:
+    """The target took its copy over while the source could not reach it; the source, rolling
+    back, learns the copy is final: it commits (ends its original) instead of waiting for ever."""
+    Agent(target).journal.write(_target_record(target, MID, State.DONE, pid=1))
+    stop = _serve(target)
+    try:
+        source = _resolve(target, original, tmp_path)
+        assert source.journal.read(MID).state is State.DONE  # type: ignore[union-attr]
+        wait_until(lambda: not alive(original.pid), "the original to be ended")
+    finally:
+        stop.set()
+
+
+def test_a_source_rolling_back_resumes_its_original_once_the_copy_is_gone(target: AgentConfig, original: psutil.Process, tmp_path: Path) -> None:
+    Agent(target).journal.write(_target_record(target, MID, State.DISCARDED, pid=1))
+    stop = _serve(target)
+    try:
+        original.suspend()  # as a dead CRIU would leave it
+        source = _resolve(target, original, tmp_path)
+        assert source.journal.read(MID).state is State.ROLLED_BACK  # type: ignore[union-attr]
+        wait_until(lambda: original.status() != psutil.STATUS_STOPPED, "the original to run again")
+    finally:
+        stop.set()
+
+
+def test_a_damaged_target_journal_is_not_a_copy_gone(target: AgentConfig) -> None:
+    """Only the target's own word that its copy is gone lets a source resume its original: a
+    record the target cannot read answers INTERNAL, not NOT_FOUND, so the source keeps asking."""
+    damaged = "c" * 32
+    (target.work_dir / "migrations" / f"{damaged}.json").write_text("{not json")
+    stop = _serve(target)
+    try:
+        t = stub(target.listen, target.secret())
+        assert _target_state(t, damaged, 2.0) == (None, 0)  # not "discarded"
+        assert _target_dropped_copy(t, damaged, 2.0) is False
+        assert _target_state(t, "d" * 32, 2.0) == (State.DISCARDED.value, 0)  # truly unknown there
+    finally:
+        stop.set()
+
+
+def test_a_restarted_target_drops_a_held_copy_that_did_not_survive(target: AgentConfig) -> None:
+    """After a reboot the journal may still say READY, but the copy is gone (its PID perhaps
+    reused): the record becomes DISCARDED and nothing is ever started under that PID.  A record
+    naming a snapshot outside the work directory is left alone, and nothing of it is removed."""
+    stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    held = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    outside = target.work_dir.parent / "not-the-agents"
+    outside.mkdir()
+    try:
+        os.kill(held.pid, signal.SIGSTOP)
+        j = Agent(target).journal
+        j.write(_target_record(target, MID, State.READY, pid=held.pid, create_time=psutil.Process(held.pid).create_time()))
+        j.write(_target_record(target, "e" * 32, State.READY, pid=stranger.pid, create_time=1.0))  # its PID reused since
+        j.write(Record("f" * 32, "target", State.RECEIVING, snapshot=str(outside)))
+        j.write(Record("a" * 32, "target", State.RECEIVING, snapshot=""))
+        Agent(target).recover()
+        assert j.read(MID).state is State.READY  # type: ignore[union-attr]
+        gone = j.read("e" * 32)
+        assert gone is not None and gone.state is State.DISCARDED and "did not outlive" in gone.message
+        assert psutil.Process(held.pid).status() == psutil.STATUS_STOPPED  # still held, untouched
+        assert psutil.Process(stranger.pid).status() != psutil.STATUS_STOPPED  # neither started nor killed
+        assert j.read("f" * 32).state is State.RECEIVING and outside.is_dir()  # type: ignore[union-attr]
+        assert j.read("a" * 32).state is State.RECEIVING  # type: ignore[union-attr]
+    finally:
+        for p in (held, stranger):
+            kill_and_wait(p.pid)
+            p.wait()
