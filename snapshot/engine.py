@@ -415,6 +415,8 @@ def restore(
     created: list[Path] = []
     if work is None:
         work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
+    elif work.exists() and (not work.is_dir() or any(work.iterdir())):  # it is removed afterwards
+        raise UsageError(f"CRIU's work directory {work} exists and is not empty; give a new one.")
     else:
         work.mkdir(parents=True, exist_ok=True)
     try:
