@@ -21,6 +21,7 @@ from transfer.receiver import Receiver
 if TYPE_CHECKING:
     from tpagent.agent import Agent
 
+
 class Incoming:
     """The target's side of one migration.
 
