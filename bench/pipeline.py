@@ -14,7 +14,6 @@ Medians over --repeats.  Must run as root.  Prints a table, then one JSON object
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -40,6 +39,7 @@ def _bench(name: str):  # type: ignore[no-untyped-def]
     return module
 
 
+import common  # noqa: E402
 from snapshot import engine  # noqa: E402
 from snapshot.criu import Criu, DumpOptions  # noqa: E402
 from snapshot.manifest import load  # noqa: E402
@@ -91,11 +91,7 @@ def route(name: str, size: int, work: Path) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes-mib", default="1024")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
-    ap.add_argument("--json-out", type=Path)
+    ap = common.arguments(__doc__, "1024", gpu=False)
     args = ap.parse_args()
     names = ["dump-only", "sequential", "overlapped", "naive"]
     results = []

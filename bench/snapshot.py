@@ -17,7 +17,6 @@ Must run as root.  Prints a table, then one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import common  # noqa: E402
 from helpers import kill_and_wait, wait_until  # noqa: E402
 from snapshot import engine  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
@@ -122,12 +122,7 @@ def naive_round(kind: str, size: int, work: Path, out: dict[str, float]) -> None
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes-mib", default="256,1024")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
-    ap.add_argument("--gpu", action="store_true")
-    ap.add_argument("--json-out", type=Path)
+    ap = common.arguments(__doc__, "256,1024", gpu=True)
     args = ap.parse_args()
     kind = "gpu" if args.gpu else "cpu"
     results = []

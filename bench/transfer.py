@@ -16,7 +16,6 @@ floor, medians over --repeats, as a table and then one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -36,6 +35,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import common  # noqa: E402
 from snapshot.manifest import Manifest, checksum_files  # noqa: E402
 from snapshot.proc import ProcInfo  # noqa: E402
 from transfer.api import Compress, TransferConfig, Transport  # noqa: E402
@@ -186,12 +186,8 @@ def naive(src: Path, dst: Path) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes-mib", default="1024,4096")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
+    ap = common.arguments(__doc__, "1024,4096", gpu=False)
     ap.add_argument("--streams", type=int, default=4)
-    ap.add_argument("--json-out", type=Path)
     args = ap.parse_args()
     routes: dict[str, Callable[[Path, Path], int]] = {
         "floor": lambda s, d: floor(s, d, args.streams),

@@ -1,0 +1,18 @@
+"""What every benchmark here takes on its command line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def arguments(doc: str, sizes_mib: str, gpu: bool = False) -> argparse.ArgumentParser:
+    """--sizes-mib, --repeats, --dir (where images live), --json-out, and --gpu where it applies."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--sizes-mib", default=sizes_mib)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=Path("/dev/shm"))
+    ap.add_argument("--json-out", type=Path)
+    if gpu:
+        ap.add_argument("--gpu", action="store_true")
+    return ap
