@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Any
 
 
 def arguments(doc: str, sizes_mib: str, gpu: bool = False) -> argparse.ArgumentParser:
@@ -16,3 +18,10 @@ def arguments(doc: str, sizes_mib: str, gpu: bool = False) -> argparse.ArgumentP
     if gpu:
         ap.add_argument("--gpu", action="store_true")
     return ap
+
+
+def emit(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    """The result as one JSON line on stdout (the last line), and in --json-out if given."""
+    print(json.dumps(doc))
+    if args.json_out:
+        args.json_out.write_text(json.dumps(doc, indent=2))

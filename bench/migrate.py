@@ -129,9 +129,7 @@ def main() -> None:
     for r in results:
         print(f"{r['size_mib']:>6}Mi " + " ".join(f"{r.get(c, 0.0):>24.2f}" for c in cols) + f" {r['downtime_ratio_to_naive']:>8.2f}")
     doc = {"benchmark": "migrate", "dir": str(args.dir), "results": results}
-    print(json.dumps(doc))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(doc, indent=2))
+    common.emit(args, doc)
 
 
 if __name__ == "__main__":

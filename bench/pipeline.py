@@ -15,7 +15,6 @@ Medians over --repeats.  Must run as root.  Prints a table, then one JSON object
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import statistics
@@ -109,9 +108,7 @@ def main() -> None:
     for r in results:
         print(f"{r['size_mib']:>5}Mi {r['route']:<12} {r['seconds']:>8.2f} {r['x_dump_only']:>12.2f}")
     doc = {"benchmark": "pipeline", "dir": str(args.dir), "repeats": args.repeats, "results": results}
-    print(json.dumps(doc))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(doc, indent=2))
+    common.emit(args, doc)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Must run as root.  Prints a table, then one JSON object.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -155,9 +154,7 @@ def main() -> None:
             f"(x{r['tpagent_restore_s'] / r['naive_restore_s']:.2f} naive, x{r['tpagent_restore_s'] / r['floor_read_s']:.2f} floor)"
         )
     doc = {"benchmark": "snapshot", "dir": str(args.dir), "results": results}
-    print(json.dumps(doc))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(doc, indent=2))
+    common.emit(args, doc)
 
 
 if __name__ == "__main__":

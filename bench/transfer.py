@@ -16,7 +16,6 @@ floor, medians over --repeats, as a table and then one JSON object.
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import shutil
@@ -226,9 +225,7 @@ def main() -> None:
     for r in results:
         print(f"{r['size_mib']:>5}Mi {r['route']:<16} {r['gb_per_s']:>6.2f} {r['ratio']:>6.2f} {r['cpu_s_per_gb']:>9.2f} {r['of_floor']:>8.2f}")
     doc = {"benchmark": "transfer", "streams": args.streams, "dir": str(args.dir), "results": results}
-    print(json.dumps(doc))
-    if args.json_out:
-        args.json_out.write_text(json.dumps(doc, indent=2))
+    common.emit(args, doc)
 
 
 if __name__ == "__main__":
