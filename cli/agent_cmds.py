@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import grpc
 import typer
@@ -20,10 +20,11 @@ _USAGE_CODES = {
 SecretOpt = Annotated[Path | None, typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret.")]
 
 
-def _die(msg: str, code: int, as_json: bool = False) -> None:
+def die(msg: str, code: int, as_json: bool = False, rolled_back: bool = False) -> NoReturn:
+    """Every command's error: one sentence on stderr (and, with --json, a JSON error on stdout)."""
     typer.echo(f"tpagent: {msg}", err=True)
     if as_json:
-        typer.echo(json.dumps({"error": msg, "exit_code": code, "rolled_back": False}, indent=2))
+        typer.echo(json.dumps({"error": msg, "exit_code": code, "rolled_back": rolled_back}, indent=2))
     raise typer.Exit(code)
 
 
@@ -46,7 +47,7 @@ def serve(
                               metrics_listen=metrics_listen, secret_file=secret_file)  # fmt: skip
         run_server(cfg)
     except UsageError as e:
-        _die(str(e), EXIT_USAGE)
+        die(str(e), EXIT_USAGE)
 
 
 def migrate(
@@ -65,9 +66,9 @@ def migrate(
     try:
         secret = _secret(secret_file)
     except UsageError as e:
-        _die(str(e), EXIT_USAGE, as_json)
+        die(str(e), EXIT_USAGE, as_json)
     if source == to:
-        _die(f"--from and --to are the same agent ({to}); give another node as --to.", EXIT_USAGE, as_json)
+        die(f"--from and --to are the same agent ({to}); give another node as --to.", EXIT_USAGE, as_json)
     agent = stub(source, secret)
     call = agent.Migrate(pb.MigrateRequest(pid=pid, target=to, dry_run=dry_run))
     last: Any = None
@@ -81,11 +82,11 @@ def migrate(
         if e.code() is grpc.StatusCode.CANCELLED and last is not None:
             pass
         elif e.code() is grpc.StatusCode.UNAVAILABLE:
-            _die(f"the agent at {source} cannot be reached ({e.details()}); is `tpagent serve` running there?", EXIT_USAGE, as_json)
+            die(f"the agent at {source} cannot be reached ({e.details()}); is `tpagent serve` running there?", EXIT_USAGE, as_json)
         elif e.code() in _USAGE_CODES:
-            _die(str(e.details()), EXIT_USAGE, as_json)
+            die(str(e.details()), EXIT_USAGE, as_json)
         else:
-            _die(f"the migration failed: {e.details()}", EXIT_FAILED, as_json)
+            die(f"the migration failed: {e.details()}", EXIT_FAILED, as_json)
     except KeyboardInterrupt:
         call.cancel()
         typer.echo("\ninterrupted: the agent rolls the migration back...", err=True)
@@ -127,7 +128,7 @@ def _wait_final(agent: Any, pb: Any, last: Any, seconds: float = 120.0) -> Any:
 
 def _report(last: Any, as_json: bool, dry_run: bool) -> int:
     if last is None:
-        _die("the agent ended the migration without a word", EXIT_FAILED)
+        die("the agent ended the migration without a word", EXIT_FAILED)
     ok = last.state == "done"
     doc = {"migration_id": last.migration_id, "state": last.state, "message": last.message, "new_pid": last.new_pid,
            "seconds": round(last.seconds, 3), "timings": dict(last.timings), "problems": list(last.problems)}  # fmt: skip
@@ -154,10 +155,10 @@ def _call(agent: str, secret_file: Path | None, method: str, request: Any) -> An
     try:
         return getattr(stub(agent, _secret(secret_file)), method)(request, timeout=30)
     except UsageError as e:
-        _die(str(e), EXIT_USAGE)
+        die(str(e), EXIT_USAGE)
     except grpc.RpcError as e:
         code = EXIT_USAGE if e.code() in _USAGE_CODES else EXIT_FAILED
-        _die(f"the agent at {agent}: {e.details()}", code)
+        die(f"the agent at {agent}: {e.details()}", code)
 
 
 def status(

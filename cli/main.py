@@ -65,11 +65,7 @@ def _fail(e: SnapshotError | TransferError, as_json: bool = False) -> NoReturn:
     codes = {UsageError: EXIT_USAGE, SnapshotInvalid: EXIT_INVALID, Interrupted: EXIT_INTERRUPTED}
     code = next((c for cls, c in codes.items() if isinstance(e, cls)), EXIT_FAILED)
     rolled_back = isinstance(e, SnapshotError) and e.rolled_back
-    msg = str(e) + (" (nothing was lost: the process was resumed where it stood)" if rolled_back else "")
-    typer.echo(f"tpagent: {msg}", err=True)
-    if as_json:
-        typer.echo(json.dumps({"error": msg, "exit_code": code, "rolled_back": rolled_back}, indent=2))
-    raise typer.Exit(code)
+    agent_cmds.die(str(e) + (" (nothing was lost: the process was resumed where it stood)" if rolled_back else ""), code, as_json, rolled_back)
 
 
 def _progress(quiet: bool) -> Callable[[Stage, str], None]:

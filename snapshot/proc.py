@@ -85,11 +85,18 @@ def uses_cuda(pid: int) -> bool:
     return False
 
 
-def _status_field(pid: int, key: str) -> int | None:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+def _status_ints(status: str, key: str) -> tuple[int, ...]:
+    """The numbers of one field of a /proc status file (several for the NS* fields, outermost first)."""
+    for line in Path(status).read_text().splitlines():
         if line.startswith(key + ":"):
-            return int(line.split()[-1])
-    return None
+            return tuple(int(x) for x in line.split()[1:])
+    return ()
+
+
+def _status_field(pid: int, key: str) -> int | None:
+    """The (innermost) value of a numeric field of /proc/PID/status, or None if it has none."""
+    values = _status_ints(f"/proc/{pid}/status", key)
+    return values[-1] if values else None
 
 
 def thread_ids(pid: int) -> tuple[int, ...]:
@@ -118,19 +125,13 @@ def ns_pids(pid: int) -> tuple[int, ...]:
 
 def ns_pids_of(status: str) -> tuple[int, ...]:
     """The NSpid line of a /proc status file: the ID in each PID namespace, outermost first."""
-    for line in Path(status).read_text().splitlines():
-        if line.startswith("NSpid:"):
-            return tuple(int(x) for x in line.split()[1:])
-    return ()
+    return _status_ints(status, "NSpid")
 
 
 def session_visible(pid: int) -> bool:
     """False if the process's session leader lives outside its PID namespace (its session id
     reads 0 there): CRIU cannot dump such a process, with or without ``--shell-job``."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("NSsid:"):
-            return int(line.split()[-1]) != 0
-    return True
+    return _status_field(pid, "NSsid") != 0
 
 
 def pid_namespace(pid: int) -> str:
