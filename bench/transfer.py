@@ -6,12 +6,13 @@ In one run, for each size of model-like data (3/8 float32 and bf16 weights drawn
 randn*0.02, 3/8 Adam-like moments, 1/4 zeros), sender and receiver on loopback:
   * floor:   plain sockets (as many as tpagent's streams) moving the same bytes, no framing,
              read from the snapshot files and written into files on the receiving side;
-  * tpagent: transfer.stream over TCP with --compress none / auto / zstd, and over UCX
-             (none / auto), end to end (authentication, chunk CRCs, the receiver's SHA-256
-             verification);
+  * tpagent: transfer.stream over TCP with --compress none / auto / zstd, over TCP in mutual
+             TLS (none / auto: what encryption costs), and over UCX (none / auto), end to end
+             (authentication, chunk CRCs, the receiver's SHA-256 verification);
   * naive:   `tar -c | zstd -1 -T0` over one socket into `zstd -d | tar -x`.
-Prints GB/s (raw bytes / wall time), the wire ratio, CPU seconds per GB and the ratio to the
-floor, medians over --repeats, as a table and then one JSON object.
+Prints GB/s (raw bytes / wall time), the wire ratio, CPU seconds per GB (this process and its
+children: sender and receiver run in it) and the ratio to the floor, medians over --repeats,
+as a table and then one JSON object.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import common  # noqa: E402
+from certs import node_certs  # noqa: E402
 from snapshot.manifest import Manifest, checksum_files  # noqa: E402
 from snapshot.proc import ProcInfo  # noqa: E402
-from transfer.api import Compress, TransferConfig, Transport  # noqa: E402
+from transfer.api import Compress, TlsFiles, TransferConfig, Transport  # noqa: E402
 from transfer.receiver import Receiver  # noqa: E402
 from transfer.sender import Sender  # noqa: E402
 from transfer.tcp import TcpTransport  # noqa: E402
@@ -143,7 +145,7 @@ def floor(src: Path, dst: Path, streams: int) -> int:
     return total
 
 
-def tpagent(src: Path, dst: Path, streams: int, compress: Compress, transport: type[Transport] = TcpTransport) -> int:
+def tpagent(src: Path, dst: Path, streams: int, compress: Compress, transport: Callable[[], Transport] = TcpTransport) -> int:
     cfg = TransferConfig(secret=SECRET, streams=streams, compress=compress)
     receiver = Receiver(transport(), cfg, "127.0.0.1:0")
     got: list[object] = []
@@ -188,39 +190,46 @@ def main() -> None:
     ap = common.arguments(__doc__, "1024,4096", gpu=False)
     ap.add_argument("--streams", type=int, default=4)
     args = ap.parse_args()
+    certs = Path(tempfile.mkdtemp(prefix="tpagent-bench-certs-"))
+    tls = TlsFiles.in_dir(node_certs(certs, "bench"))  # both ends use it: one CA is what counts
     routes: dict[str, Callable[[Path, Path], int]] = {
         "floor": lambda s, d: floor(s, d, args.streams),
         "tpagent-none": lambda s, d: tpagent(s, d, args.streams, Compress.NONE),
         "tpagent-auto": lambda s, d: tpagent(s, d, args.streams, Compress.AUTO),
         "tpagent-zstd": lambda s, d: tpagent(s, d, args.streams, Compress.ZSTD),
+        "tpagent-tls-none": lambda s, d: tpagent(s, d, args.streams, Compress.NONE, lambda: TcpTransport(tls=tls)),
+        "tpagent-tls-auto": lambda s, d: tpagent(s, d, args.streams, Compress.AUTO, lambda: TcpTransport(tls=tls)),
         "tpagent-ucx-none": lambda s, d: tpagent(s, d, args.streams, Compress.NONE, UcxTransport),
         "tpagent-ucx-auto": lambda s, d: tpagent(s, d, args.streams, Compress.AUTO, UcxTransport),
         "naive-tar-zstd": naive,
     }
     results = []
-    for size in (int(x) for x in args.sizes_mib.split(",")):
-        work = Path(tempfile.mkdtemp(dir=args.dir, prefix="tpagent-bench-"))
-        try:
-            make_snapshot(work / "src", size << 20)
-            raw = sum(p.stat().st_size for p in (work / "src").rglob("*") if p.is_file())
-            routes["floor"](work / "src", work / "dst")  # untimed warm-up: the first pass after
-            shutil.rmtree(work / "dst")  # making the data runs far slower, whatever the route
-            runs: dict[str, list[dict[str, float]]] = {r: [] for r in routes}
-            for _ in range(args.repeats):
-                for name, route in routes.items():  # interleaved: drift hits every route alike
-                    runs[name].append(timed(lambda: route(work / "src", work / "dst")))
-                    shutil.rmtree(work / "dst")
-            floor_s = statistics.median(r["seconds"] for r in runs["floor"])
-            for name, rs in runs.items():
-                sec = statistics.median(r["seconds"] for r in rs)
-                results.append({
-                    "size_mib": size, "route": name, "seconds": sec, "gb_per_s": raw / sec / 1e9,
-                    "ratio": raw / statistics.median(r["wire_bytes"] for r in rs),
-                    "cpu_s_per_gb": statistics.median(r["cpu_seconds"] for r in rs) / (raw / 1e9),
-                    "of_floor": floor_s / sec, "repeats": args.repeats,
-                })  # fmt: skip
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+    try:
+        for size in (int(x) for x in args.sizes_mib.split(",")):
+            work = Path(tempfile.mkdtemp(dir=args.dir, prefix="tpagent-bench-"))
+            try:
+                make_snapshot(work / "src", size << 20)
+                raw = sum(p.stat().st_size for p in (work / "src").rglob("*") if p.is_file())
+                routes["floor"](work / "src", work / "dst")  # untimed warm-up: the first pass after
+                shutil.rmtree(work / "dst")  # making the data runs far slower, whatever the route
+                runs: dict[str, list[dict[str, float]]] = {r: [] for r in routes}
+                for _ in range(args.repeats):
+                    for name, route in routes.items():  # interleaved: drift hits every route alike
+                        runs[name].append(timed(lambda: route(work / "src", work / "dst")))
+                        shutil.rmtree(work / "dst")
+                floor_s = statistics.median(r["seconds"] for r in runs["floor"])
+                for name, rs in runs.items():
+                    sec = statistics.median(r["seconds"] for r in rs)
+                    results.append({
+                        "size_mib": size, "route": name, "seconds": sec, "gb_per_s": raw / sec / 1e9,
+                        "ratio": raw / statistics.median(r["wire_bytes"] for r in rs),
+                        "cpu_s_per_gb": statistics.median(r["cpu_seconds"] for r in rs) / (raw / 1e9),
+                        "of_floor": floor_s / sec, "repeats": args.repeats,
+                    })  # fmt: skip
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    finally:
+        shutil.rmtree(certs, ignore_errors=True)
     print(f"{'size':>7} {'route':<16} {'GB/s':>6} {'ratio':>6} {'CPU s/GB':>9} {'x floor':>8}")
     for r in results:
         print(f"{r['size_mib']:>5}Mi {r['route']:<16} {r['gb_per_s']:>6.2f} {r['ratio']:>6.2f} {r['cpu_s_per_gb']:>9.2f} {r['of_floor']:>8.2f}")

@@ -27,7 +27,8 @@ def test_snapshot_benchmark_runs(tmp_path: object) -> None:
 def test_transfer_benchmark_runs() -> None:
     doc = _run("bench/transfer.py", "--sizes-mib", "8", "--repeats", "1", "--streams", "2")
     routes = {r["route"] for r in doc["results"]}  # type: ignore[attr-defined]
-    assert routes == {"floor", "tpagent-none", "tpagent-auto", "tpagent-zstd", "tpagent-ucx-none", "tpagent-ucx-auto", "naive-tar-zstd"}
+    assert routes == {"floor", "tpagent-none", "tpagent-auto", "tpagent-zstd", "tpagent-tls-none", "tpagent-tls-auto",
+                      "tpagent-ucx-none", "tpagent-ucx-auto", "naive-tar-zstd"}  # fmt: skip
 
 
 @needs_criu

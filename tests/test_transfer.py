@@ -1,5 +1,6 @@
-"""The transfer contract, run against every transport: data arrives byte-identical, and each
-fault (a flipped byte, a cut connection, a dead path, a wrong secret, a replay) is caught."""
+"""The transfer contract, run against every transport (TCP, TCP in mutual TLS, UCX): data
+arrives byte-identical, and each fault (a flipped byte, a cut connection, a dead path, a wrong
+secret, a replay) is caught.  TLS itself and attacks on the receiver: test_transfer_security.py."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from certs import node_certs
 from proxy import Proxy
 from snapshot.manifest import Manifest, checksum_files, load
 from snapshot.proc import ProcInfo
-from transfer.api import AuthError, Channel, Compress, IntegrityError, Listener, TransferConfig, TransferError, TransferStats, Transport
+from transfer.api import AuthError, Channel, Compress, IntegrityError, Listener, TlsFiles, TransferConfig, TransferError, TransferStats, Transport
 from transfer.receiver import Receiver
 from transfer.sender import Sender
 from transfer.tcp import TcpTransport
@@ -27,7 +29,7 @@ from transfer.ucx import UcxTransport
 
 os.environ.setdefault("UCX_TLS", "tcp")  # no RDMA hardware here: UCX's own TCP transport
 SECRET = b"0123456789abcdef-cluster-secret"
-TRANSPORTS: dict[str, Callable[[], Transport]] = {"tcp": TcpTransport, "ucx": UcxTransport}
+TRANSPORTS = ["tcp", "tcp+tls", "ucx"]
 
 
 def make_snapshot(directory: Path, kind: str, mib: float, seed: int = 0) -> Path:
@@ -57,9 +59,17 @@ def digests(directory: Path) -> dict[str, str]:
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture(params=sorted(TRANSPORTS))
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """One node's certificate, used by both ends (they share the CA, which is what counts)."""
+    return TlsFiles.in_dir(node_certs(tmp_path_factory.mktemp("tls"), "node"))
+
+
+@pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> Transport:
-    return TRANSPORTS[request.param]()
+    if request.param == "tcp+tls":
+        return TcpTransport(tls=request.getfixturevalue("tls_files"))
+    return UcxTransport() if request.param == "ucx" else TcpTransport()
 
 
 @pytest.fixture
@@ -69,8 +79,10 @@ def tcp() -> Transport:
 
 
 class Receiving:
-    def __init__(self, transport: Transport, out: Path, timeout: float = 60, secret: bytes = SECRET) -> None:
-        self.receiver = Receiver(transport, TransferConfig(secret=secret, io_timeout=10), "127.0.0.1:0")
+    def __init__(self, transport: Transport, out: Path, timeout: float = 60, secret: bytes = SECRET, io_timeout: float = 10,
+                 listen: str = "127.0.0.1:0") -> None:  # fmt: skip
+        self.refused: list[str] = []  # what on_refused was called with, in order
+        self.receiver = Receiver(transport, TransferConfig(secret=secret, io_timeout=io_timeout), listen, on_refused=self.refused.append)
         self.result: TransferStats | BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(out, timeout), daemon=True)
         self.thread.start()
@@ -188,6 +200,12 @@ class _HarmedChannel(Channel):
     def set_timeout(self, seconds: float | None) -> None:
         self.ch.set_timeout(seconds)
 
+    def authenticated(self) -> None:
+        self.ch.authenticated()
+
+    def interrupt(self) -> None:
+        self.ch.interrupt()
+
     def close(self) -> None:
         self.ch.close()
 
@@ -215,6 +233,7 @@ def test_wrong_secret_is_refused_and_logged(transport: Transport, tmp_path: Path
     assert isinstance(rx.join(), TransferError)
     assert not (tmp_path / "dst").exists()
     assert any("refused a stream" in r.getMessage() for r in caplog.records)
+    assert rx.refused == ["auth_failed"]  # what the agent's metrics count
 
 
 def test_replayed_connection_is_refused(tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
@@ -246,19 +265,11 @@ def test_a_trickling_stranger_is_cut_off(tcp: Transport, tmp_path: Path, monkeyp
     monkeypatch.setattr(receiver, "HANDSHAKE_TIMEOUT", 1.0)
     src = make_snapshot(tmp_path / "src", "model", 1)
     rx = Receiving(tcp, tmp_path / "dst")
-    host, port = _target(rx)
-    sent = 0
-    with socket.create_connection((host, port)) as s:
-        try:
-            for _ in range(100):  # 100 x 0.3 s: far beyond the 1 s the receiver allows
-                s.sendall(b"T")
-                sent += 1
-                time.sleep(0.3)
-        except OSError:
-            pass
-    assert sent < 20, "the receiver kept a trickling stranger's connection open"
+    assert trickle(rx, b"", b"T") < 20, "the receiver kept a trickling stranger's connection open"
     _send(tcp, src, rx.receiver.address)
     assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst") == digests(src)
+    assert rx.refused == ["handshake_timeout"]
 
 
 def test_receiver_refuses_a_non_empty_output(transport: Transport, tmp_path: Path) -> None:
@@ -275,6 +286,22 @@ def test_receiver_refuses_a_non_empty_output(transport: Transport, tmp_path: Pat
 def _target(rx: Receiving) -> tuple[str, int]:
     host, port = rx.receiver.address.rsplit(":", 1)
     return host, int(port)
+
+
+def trickle(rx: Receiving, first: bytes, byte: bytes) -> int:
+    """A stranger: sends ``first``, then ``byte`` every 0.3 s, up to 100 times (far beyond the
+    1 s the receiver allows here) or until it is cut off; how many it got to send."""
+    sent = 0
+    with socket.create_connection(_target(rx)) as s:
+        try:
+            s.sendall(first)
+            for _ in range(100):
+                s.sendall(byte)
+                sent += 1
+                time.sleep(0.3)
+        except OSError:
+            pass
+    return sent
 
 
 @pytest.fixture
@@ -322,7 +349,8 @@ def test_receiver_killed_mid_transfer(tmp_path: Path) -> None:
     src = make_snapshot(tmp_path / "src", "random", 48)
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
-    env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret)}
+    secret.chmod(0o600)  # the CLI reads the secret only from a private file
+    env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret), "TPAGENT_TLS_DIR": str(node_certs(tmp_path / "tls", "node"))}
     rx = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "receive", "--listen", "127.0.0.1:0", "--out", str(tmp_path / "dst")],
         cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,

@@ -1,7 +1,7 @@
 """The transfer layer's contract: move a snapshot directory from one node to another.
 
 A :class:`Transport` makes byte channels between two nodes (TCP here, UCX beside it); the
-sender and receiver in :mod:`transfer.session` speak the stream format of
+sender and receiver (:mod:`transfer.sender`, :mod:`transfer.receiver`) speak the stream format of
 :mod:`transfer.wire` over any of them.  Errors: :class:`TransferError` for the transport or
 the peer, :class:`AuthError` for a peer that cannot prove the cluster secret,
 :class:`IntegrityError` for data that arrived damaged and could not be fetched again.
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import abc
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 
 class TransferError(Exception):
@@ -36,9 +37,27 @@ class Compress(str, enum.Enum):
 MAX_STREAMS = 64
 
 
+#: Where a node's certificates live unless told otherwise.
+DEFAULT_TLS_DIR = Path("/etc/tpagent/tls")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Mutual TLS from certificate files, in the layout of a cert-manager Secret: the cluster
+    CA (``ca.crt``), this node's certificate (``tls.crt``) and its private key (``tls.key``)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def in_dir(cls, directory: Path) -> TlsFiles:
+        return cls(directory / "ca.crt", directory / "tls.crt", directory / "tls.key")
+
+
 @dataclass(frozen=True)
 class TransferConfig:
-    secret: bytes
+    secret: bytes = field(repr=False)
     streams: int = 4  # 1 .. MAX_STREAMS
     chunk_size: int = 8 << 20
     compress: Compress = Compress.AUTO
@@ -68,8 +87,24 @@ class TransferStats:
         return self.bytes_raw / self.bytes_wire if self.bytes_wire else float("inf")
 
 
+class Refusal(str, enum.Enum):
+    """Why a receiver closed an incoming connection before it could carry a transfer; the
+    value is what ``Receiver(on_refused=...)`` is called with (a metrics label)."""
+
+    HANDSHAKE_TIMEOUT = "handshake_timeout"  # did not finish TLS + HMAC within HANDSHAKE_TIMEOUT
+    EVICTED = "evicted"  # the oldest stranger, pushed out when all stranger places were taken
+    PER_PEER_LIMIT = "per_peer_limit"  # its host already held as many unproven connections as allowed
+    TLS_FAILED = "tls_failed"  # the TLS handshake failed (no certificate, another CA, not TLS...)
+    AUTH_FAILED = "auth_failed"  # the HMAC handshake failed: it does not hold the cluster secret
+    HANDSHAKE_FAILED = "handshake_failed"  # it closed or broke the connection during the handshake
+    TOO_MANY_STREAMS = "too_many_streams"  # authenticated, but all places for streams were taken
+
+
 class Channel(abc.ABC):
     """A reliable, ordered byte stream to one peer."""
+
+    #: ``HOST:PORT`` of the other end where the transport knows it (logs, per-host limits).
+    peer: str = "?"
 
     @abc.abstractmethod
     def send(self, *parts: bytes | memoryview) -> None: ...
@@ -85,6 +120,22 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     def set_timeout(self, seconds: float | None) -> None:
         """How long a receive may wait for the peer (None: for ever)."""
+
+    def establish(self) -> None:
+        """Finish setting up a channel that :meth:`Listener.accept` returned (TCP with TLS:
+        its handshake).  The receiver calls it in the connection's own thread, under its
+        handshake deadline, so a peer that never completes it cannot hold up ``accept``.
+        TLS that fails raises :class:`AuthError`."""
+
+    def authenticated(self) -> None:
+        """The peer has passed the HMAC handshake: lift the limits kept on a stranger (UCX:
+        the largest message it may send).  Until then a channel accepts only handshake-sized
+        messages."""
+
+    def interrupt(self) -> None:
+        """From another thread: make a blocked or later send or receive fail at once (the
+        channel is shut down, not yet closed: its owner still calls :meth:`close`)."""
+        self.close()
 
     @abc.abstractmethod
     def close(self) -> None: ...

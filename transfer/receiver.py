@@ -1,5 +1,10 @@
 """The receiving end of a snapshot stream (see :mod:`transfer.stream`): chunks checked as
-they arrive, the trailer checked, the snapshot verified before it appears under its name."""
+they arrive, the trailer checked, the snapshot verified before it appears under its name.
+
+Connections are admitted by :class:`transfer.admission.Gate`: peers still in their handshakes
+cannot crowd out those that passed them.  A transfer whose control stream breaks is kept for
+``io_timeout`` seconds for the sender to open it again; then it is given up.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +17,30 @@ import shutil
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zstandard
 
 from snapshot import manifest as snapmanifest
-from snapshot.api import SnapshotError
+from snapshot.api import SnapshotError, UsageError
+from snapshot.safefs import private_dir
 from transfer import wire
-from transfer.api import MAX_STREAMS, AuthError, Channel, IntegrityError, TransferConfig, TransferError, TransferStats, Transport
+from transfer.admission import Entry, Gate
+from transfer.api import MAX_STREAMS, AuthError, Channel, IntegrityError, Refusal, TransferConfig, TransferError, TransferStats, Transport
 from transfer.stream import HANDSHAKE_TIMEOUT, server_handshake
 from transfer.wire import ACK, CHUNK, Codec, Kind, Layout, Role
 
 log = logging.getLogger(__name__)
+
+#: Connections still in their handshakes (TLS + HMAC) at once: in all, and from one host.
+MAX_STRANGERS = 2 * MAX_STREAMS
+MAX_STRANGERS_PER_HOST = 16
+#: Authenticated connections at once: the control stream, up to MAX_STREAMS data streams, and
+#: as many reconnections again (a broken stream's old connection may linger a moment).
+MAX_MEMBERS = 2 * MAX_STREAMS + 1
 
 
 @dataclass
@@ -60,6 +76,16 @@ class _Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_wire: int = 0
     started: float = field(default_factory=time.monotonic)
+    #: The signed header, which a control stream that comes back must repeat.
+    header: dict[str, Any] = field(default_factory=dict)
+    #: The control stream in use (the sender's newest), and since when there is none.
+    control: Channel | None = None
+    orphaned: float | None = None
+    verifying: bool = False
+    #: Once verified or refused: the result, and the DONE body that says it.
+    outcome: TransferStats | TransferError | None = None
+    done: bytes = b""
+    discarded: bool = False
 
     def have_bitmap(self) -> bytes:
         if self.layout is None:
@@ -71,7 +97,7 @@ class _Session:
 
     def open_file(self, name: str) -> int:
         path = self.partial / name
-        path.parent.mkdir(exist_ok=True)
+        path.parent.mkdir(mode=0o700, exist_ok=True)  # (inside the private partial directory)
         self.fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
         self.names[name] = len(self.fds) - 1
         return len(self.fds) - 1
@@ -127,27 +153,38 @@ def _expected_digests(layout: Layout | None, given: object) -> dict[int, list[st
 class Receiver:
     """Listens on one address and accepts one snapshot (``receive``)."""
 
-    def __init__(self, transport: Transport, config: TransferConfig, listen: str) -> None:
+    def __init__(self, transport: Transport, config: TransferConfig, listen: str, on_refused: Callable[[str], None] | None = None) -> None:
+        """``on_refused`` is called with a :class:`~transfer.api.Refusal` value for each
+        connection closed before it could carry a transfer (for the agent's metrics)."""
         self.transport, self.config = transport, config
+        self._on_refused = on_refused
         self.listener = transport.listen(listen)
         self.address = self.listener.address
         self._sessions: dict[bytes, _Session] = {}
         self._ready = threading.Condition()
         self._publish = threading.Lock()  # the rename into --out and giving up exclude each other
         self._closed = False
-        # Connections at once: the control stream, up to MAX_STREAMS data streams, and as many
-        # reconnections again (a broken stream's old connection may linger a moment).
-        self._handshakes = threading.BoundedSemaphore(2 * MAX_STREAMS + 1)
+        self._gate = Gate(MAX_STRANGERS, MAX_STRANGERS_PER_HOST, MAX_MEMBERS)
         self._result: TransferStats | TransferError | None = None
 
     def close(self) -> None:
+        """Stop listening, and cut every connection still open (nothing sweeps them now)."""
         self.listener.close()
+        for entry in self._gate.close():
+            entry.ch.interrupt()
 
     def receive(self, out: Path, timeout: float) -> TransferStats:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise TransferError(f"{out} already exists and is not empty; give a new directory.")
+        # Root writes someone's whole memory here: only where no other user can plant or swap
+        # a directory (checked now, before anyone connects), and only into directories of its own.
+        try:
+            out = private_dir(out, empty=True, create=False)
+            if not out.parent.exists():
+                private_dir(out.parent)
+        except UsageError as e:
+            raise TransferError(str(e)) from e
         for stale in out.parent.glob(f".{out.name}.partial-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            if stale.lstat().st_uid == os.geteuid():  # (ours: left by an earlier try)
+                shutil.rmtree(stale, ignore_errors=True)
         self._out = out
         deadline = time.monotonic() + timeout
         while self._result is None:
@@ -155,16 +192,53 @@ class Receiver:
             if left <= 0:
                 self._abandon()
                 raise TransferError(f"no complete snapshot arrived within {timeout:.0f} s")
+            self._sweep()
             ch = self.listener.accept(min(left, 0.2))
             if ch is None:
                 continue
-            if not self._handshakes.acquire(blocking=False):
-                ch.close()  # too many connections at once: refuse, do not queue
+            entry, evicted = self._gate.admit(ch)
+            if evicted is not None:
+                evicted.ch.interrupt()
+                self._refused(evicted, f"it was the oldest of {MAX_STRANGERS} connections still in their handshakes")
+            if entry.refused is not None:
+                ch.close()
+                self._refused(entry, f"its host already has {MAX_STRANGERS_PER_HOST} connections in their handshakes")
                 continue
-            threading.Thread(target=self._serve, args=(ch,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(entry,), daemon=True).start()
         if isinstance(self._result, TransferError):
             raise self._result
         return self._result
+
+    def _sweep(self) -> None:
+        """Cut off strangers past the handshake deadline; give up transfers whose control
+        stream broke and did not come back within the grace period."""
+        for entry in self._gate.expired(HANDSHAKE_TIMEOUT):
+            entry.ch.interrupt()
+            self._refused(entry, f"it did not complete its handshake within {HANDSHAKE_TIMEOUT:g} s")
+        grace, now = self.config.io_timeout, time.monotonic()
+        with self._ready:
+            lapsed = [s for s in self._sessions.values()
+                      if s.control is None and s.orphaned is not None and now - s.orphaned > grace and (s.outcome is not None or not s.verifying)]  # fmt: skip
+            for s in lapsed:
+                s.orphaned = None
+                if s.outcome is None:
+                    with s.lock:
+                        s.discarded = True  # no control stream may come back for it now
+        for s in lapsed:
+            if s.outcome is not None:  # verified (or refused), but the sender never heard
+                self._finish(s.outcome)
+                continue
+            self._discard(s)
+            self._finish(TransferError(f"the sender's control stream broke and did not come back within {grace:g} s; nothing was kept"))
+
+    def _refused(self, entry: Entry, detail: str) -> None:
+        assert entry.refused is not None
+        log.warning("refused a stream from %s (%s): %s", entry.ch.peer, entry.refused.value, detail)
+        if self._on_refused is not None:
+            try:
+                self._on_refused(entry.refused.value)
+            except Exception:  # the caller's metrics must not stop the receiver
+                log.exception("on_refused failed")
 
     def _abandon(self) -> None:
         with self._publish:
@@ -172,43 +246,42 @@ class Receiver:
         for s in list(self._sessions.values()):
             self._discard(s)
 
-    def _serve(self, ch: Channel) -> None:
-        peer = getattr(ch, "peer", "?")
-        # A stranger gets HANDSHAKE_TIMEOUT in all to prove itself, however it trickles its bytes:
-        # then its connection is closed and its slot freed.
-        shaken = threading.Event()
-        cut = threading.Lock()
-
-        def cut_off() -> None:
-            with cut:
-                if not shaken.is_set():
-                    ch.close()
-
-        watchdog = threading.Timer(HANDSHAKE_TIMEOUT, cut_off)
-        watchdog.daemon = True
+    def _serve(self, entry: Entry) -> None:
+        """One connection: its TLS and HMAC handshakes, in this thread, so that a stranger
+        holds up nothing but its own place (which the gate takes back after HANDSHAKE_TIMEOUT
+        however it trickles its bytes); then its stream."""
+        ch = entry.ch
         try:
             ch.set_timeout(min(self.config.io_timeout, HANDSHAKE_TIMEOUT))
-            watchdog.start()
+            step = Refusal.TLS_FAILED
             try:
+                ch.establish()
+                step = Refusal.AUTH_FAILED
                 role, session = server_handshake(ch, self.config.secret)
-            finally:
-                with cut:  # a cut already begun finishes first; none begins after this
-                    shaken.set()
-                watchdog.cancel()
+            except TransferError as e:
+                if isinstance(e.__cause__, TimeoutError):  # a read timed out before the gate's deadline
+                    step = Refusal.HANDSHAKE_TIMEOUT
+                elif step is Refusal.AUTH_FAILED and not isinstance(e, AuthError):
+                    step = Refusal.HANDSHAKE_FAILED  # it closed, reset, or sent a short read
+                if self._gate.refuse(entry, step):  # (not already cut off by the gate)
+                    self._refused(entry, str(e))
+                return
+            if not self._gate.promote(entry):
+                if entry.refused is Refusal.TOO_MANY_STREAMS:
+                    self._refused(entry, f"{MAX_MEMBERS} authenticated streams are open already")
+                return
             ch.set_timeout(self.config.io_timeout)
             if role is Role.CONTROL:
                 self._control(ch, session)
             else:
                 self._data(ch, session)
-        except AuthError as e:
-            log.warning("refused a stream from %s: %s", peer, e)
         except TransferError as e:
-            log.info("stream from %s ended: %s", peer, e)
+            log.info("stream from %s ended: %s", ch.peer, e)
         except (OSError, ValueError) as e:  # a clash on disk, JSON that is signed but wrong...
-            log.warning("stream from %s failed: %s", peer, e)
+            log.warning("stream from %s failed: %s", ch.peer, e)
             self._finish(TransferError(f"receiving failed: {e}"))
         finally:
-            self._handshakes.release()
+            self._gate.release(entry)
             ch.close()
 
     def _control(self, ch: Channel, session_id: bytes) -> None:
@@ -226,26 +299,69 @@ class Receiver:
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"the header is malformed ({e!r})") from e
         with self._ready:
-            s = self._sessions.get(session_id) or self._open_session(session_id, layout, chunk_size, sha, expect)
+            s = self._sessions.get(session_id)
+            if s is None:
+                s = self._open_session(session_id, layout, chunk_size, sha, expect)
+                s.header = header
+            elif s.discarded or s.header != header:
+                raise TransferError("a control stream came back for a transfer that was given up, or with another header")
+            else:
+                log.info("the control stream of transfer %s is back", session_id.hex()[:12])
+            old, s.control, s.orphaned = s.control, ch, None
             self._ready.notify_all()
+        if old is not None:
+            old.interrupt()  # the sender only uses its newest control stream
         wire.send_frame(ch, Kind.HAVE, s.have_bitmap())
         ch.set_timeout(self.config.session_timeout)
         try:
             _, body = wire.expect(ch, Kind.TRAILER, wire.MAX_JSON)
-        except TransferError:
+        except wire.PeerError as e:  # the sender gave up on purpose: no need to wait for it
+            if s.outcome is not None:  # (after the snapshot was verified: it is what it is)
+                self._finish(s.outcome)
+                raise
             self._discard(s)
-            self._finish(TransferError("the sender went away before the end of the stream; nothing was kept"))
+            self._finish(TransferError(f"the sender gave up ({e}); nothing was kept"))
             raise
+        except TransferError:
+            self._orphan(s, ch)
+            raise
+        self._verify(s, wire.open_signed_json(self.config.secret, b"trailer", body))
         try:
-            self._check_and_publish(s, wire.open_signed_json(self.config.secret, b"trailer", body))
-        except (TransferError, SnapshotError, OSError) as e:
+            wire.send_frame(ch, Kind.DONE, s.done)
+        except TransferError:
+            self._orphan(s, ch)
+            raise
+        assert s.outcome is not None
+        self._finish(s.outcome)
+
+    def _orphan(self, s: _Session, ch: Channel) -> None:
+        with self._ready:
+            if s.control is not ch:  # a newer control stream has taken over
+                return
+            s.control, s.orphaned = None, time.monotonic()
+        log.info("a control stream broke; the transfer waits %g s for the sender to open it again", self.config.io_timeout)
+
+    def _verify(self, s: _Session, trailer: dict[str, object]) -> None:
+        """Check and publish the snapshot, once: the first control stream with the trailer
+        does it, one that comes back later waits for its outcome."""
+        with self._ready:
+            first, s.verifying = not s.verifying, True
+            if not first:
+                if not self._ready.wait_for(lambda: s.outcome is not None, self.config.session_timeout):
+                    raise TransferError("the snapshot's verification did not end in time")
+                return
+        outcome: TransferStats | TransferError
+        try:
+            self._check_and_publish(s, trailer)
+        except (TransferError, SnapshotError, OSError, ValueError) as e:
             self._discard(s)
-            wire.send_frame(ch, Kind.DONE, b"\0" + str(e).encode()[:2000])
-            self._finish(e if isinstance(e, TransferError) else IntegrityError(str(e)))
-            return
-        wire.send_frame(ch, Kind.DONE, b"\1ok")
-        assert s.layout is not None  # the check set it
-        self._finish(TransferStats(s.layout.raw_bytes, s.bytes_wire, s.layout.count, time.monotonic() - s.started))
+            outcome, done = (e if isinstance(e, TransferError) else IntegrityError(str(e))), b"\0" + str(e).encode()[:2000]
+        else:
+            assert s.layout is not None  # the check set it
+            outcome, done = TransferStats(s.layout.raw_bytes, s.bytes_wire, s.layout.count, time.monotonic() - s.started), b"\1ok"
+        with self._ready:
+            s.outcome, s.done = outcome, done
+            self._ready.notify_all()
 
     def _finish(self, result: TransferStats | TransferError) -> None:
         if self._result is None:
@@ -253,7 +369,7 @@ class Receiver:
 
     def _open_session(self, session_id: bytes, layout: Layout | None, chunk_size: int, sha: str, expect: dict[int, list[str]]) -> _Session:
         partial = self._out.parent / f".{self._out.name}.partial-{session_id.hex()[:12]}"
-        partial.mkdir(parents=True)
+        private_dir(partial, empty=True)  # 0700: a partial snapshot is someone's memory too
         s = _Session(layout, chunk_size, partial, sha, expect=expect)
         self._sessions[session_id] = s
         if layout is None:
@@ -273,6 +389,11 @@ class Receiver:
         return s
 
     def _discard(self, s: _Session) -> None:
+        with s.lock:
+            s.discarded = True  # data streams store nothing more
+        deadline = time.monotonic() + self.config.io_timeout
+        while s.claimed and time.monotonic() < deadline:  # a chunk being written ends before its file closes
+            time.sleep(0.001)
         for fd in s.fds:
             try:
                 os.close(fd)
@@ -355,8 +476,12 @@ class Receiver:
             if kind is not Kind.CHUNK or len(body) < CHUNK.size:
                 raise TransferError(f"expected a chunk, got {kind.name}")
             index, raw_len, crc = CHUNK.unpack_from(body)
+            if s.discarded:  # (checked again below, where it counts; this spares locate() a file)
+                raise TransferError("the transfer was given up")
             where, start = s.locate(index, raw_len, body)
             with s.lock:
+                if s.discarded:
+                    raise TransferError("the transfer was given up")
                 mine = index not in s.have and index not in s.claimed
                 if mine:
                     s.claimed.add(index)
@@ -383,7 +508,7 @@ class Receiver:
 
     @staticmethod
     def _region_done(s: _Session, where: tuple[int, int, int]) -> None:
-        if not s.waiting:
+        if not s.waiting or s.discarded:
             return
         fi, off, _ = where
         region = off // snapmanifest.CHUNK_SIZE

@@ -1,5 +1,6 @@
 """The sending end of a snapshot stream (see :mod:`transfer.stream`): chunks from one queue,
-N authenticated streams, compressed where it pays, resumed after a broken connection."""
+N authenticated streams, compressed where it pays, resumed after a broken connection (the
+control stream's too)."""
 
 from __future__ import annotations
 
@@ -219,6 +220,121 @@ class _Files:
         self.fds = []
 
 
+class _Control:
+    """The control stream, opened again when it breaks, like a data stream: each connection
+    sends the same HEADER for the same session and learns from HAVE what has arrived; once
+    the trailer is due, it is sent on whichever connection is current.  A reader thread waits
+    on the connection for DONE, so that a break is noticed, and mended, while the data
+    streams still run (the receiver keeps the transfer for a grace period meanwhile)."""
+
+    def __init__(self, sender: Sender, address: str, session: bytes, header: bytes, state: _SendState) -> None:
+        self.sender, self.address, self.session, self.header, self.state = sender, address, session, header, state
+        self.lock = threading.Lock()
+        self.ch: Channel | None = None
+        self.trailer: bytes | None = None
+        self.reply: bytes | None = None
+        self.error: TransferError | None = None
+        self.ended = threading.Event()  # reply or error
+        self.closed = False
+
+    def open(self) -> None:
+        self.ch = self._connect()
+        threading.Thread(target=self._read, args=(self.ch,), daemon=True).start()
+
+    def _connect(self) -> Channel:
+        cfg = self.sender.config
+        attempts = 0
+        while True:
+            try:
+                ch = self.sender._open(self.address, Role.CONTROL, 0, self.session)
+                try:
+                    wire.send_frame(ch, Kind.HEADER, self.header)
+                    _, have = wire.expect(ch, Kind.HAVE, len(self.state.acked))
+                    self.state.mark_have(have)
+                    ch.set_timeout(cfg.session_timeout)  # nothing comes until DONE, after the receiver's verification
+                except BaseException:
+                    ch.close()
+                    raise
+                return ch
+            except AuthError:
+                raise
+            except TransferError as e:
+                attempts += 1
+                if attempts > cfg.retries or self.closed:
+                    raise TransferError(f"the control stream failed {attempts} times, last: {e}") from e
+                log.info("the control stream failed (%s); connecting again", e)
+                time.sleep(min(0.1 * 2**attempts, 2.0))
+
+    def _read(self, ch: Channel) -> None:
+        breaks, acked = 0, self.state.raw_acked
+        while True:
+            try:
+                kind, _, body = wire.recv_frame(ch, 4096)
+                if kind is not Kind.DONE:
+                    raise TransferError(f"the receiver sent {kind.name} on the control stream")
+                self.reply = bytes(body)
+                self.ended.set()
+                return
+            except TransferError as e:
+                if self.closed or self.ended.is_set():
+                    return
+                # Each break counts against the retries, unless chunks got through since the last.
+                breaks, acked = (1 if self.state.raw_acked > acked else breaks + 1), self.state.raw_acked
+                log.info("the control stream broke (%s); opening it again", e)
+            ch.close()
+            try:
+                if breaks > self.sender.config.retries:
+                    raise TransferError(f"the control stream broke {breaks} times without progress")
+                ch = self._connect()
+            except TransferError as e:
+                self.error = e
+                self.state.fail(e)
+                self.ended.set()
+                return
+            with self.lock:
+                if self.closed:
+                    ch.close()
+                    return
+                self.ch, trailer = ch, self.trailer
+            if trailer is not None:
+                self._send(ch, Kind.TRAILER, trailer)
+
+    def finish(self, trailer: bytes, timeout: float) -> bytes:
+        """Send the trailer (again after a break) and return the receiver's DONE."""
+        with self.lock:
+            self.trailer, ch = trailer, self.ch
+        assert ch is not None
+        self._send(ch, Kind.TRAILER, trailer)
+        if not self.ended.wait(timeout):
+            raise TransferError(f"the receiver did not confirm the snapshot within {timeout:g} s")
+        if self.error is not None:
+            raise self.error
+        assert self.reply is not None
+        return self.reply
+
+    def abort(self, why: str) -> None:
+        """Tell the receiver that this sender gives up (best effort)."""
+        with self.lock:
+            self.closed = True  # the receiver closes the stream now: that is no break to mend
+            ch = self.ch
+        if ch is not None and not self.ended.is_set():
+            self._send(ch, Kind.ERROR, why.encode()[:2000])
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            ch = self.ch
+        if ch is not None:
+            ch.close()
+
+    @staticmethod
+    def _send(ch: Channel, kind: Kind, body: bytes) -> None:
+        try:
+            wire.send_frame(ch, kind, body)
+        except TransferError:
+            pass  # a broken connection: the reader notices, opens another and sends the trailer there
+
+
 class Sender:
     def __init__(self, transport: Transport, config: TransferConfig, progress: SendProgress | None = None) -> None:
         self.transport, self.config, self.progress = transport, config, progress
@@ -257,11 +373,9 @@ class Sender:
             else:
                 files.follow = True
                 header = {"snapshot_id": snapshot.name, "chunk_size": cfg.chunk_size, "follow": True}
-            control = self._open(address, Role.CONTROL, 0, session)
+            control = _Control(self, address, session, wire.signed_json(cfg.secret, b"header", header), state)
             try:
-                wire.send_frame(control, Kind.HEADER, wire.signed_json(cfg.secret, b"header", header))
-                _, have = wire.expect(control, Kind.HAVE, len(state.acked))
-                state.mark_have(have)
+                control.open()
                 workers = [
                     threading.Thread(target=self._worker, args=(address, session, i + 1, state, files, codec), daemon=True)
                     for i in range(max(1, cfg.streams))
@@ -279,11 +393,12 @@ class Sender:
                 trailer = {"chunks": len(state.chunks), "raw_bytes": state.raw_total, "digest": wire.digest(state.crcs)}
                 if sealed is not None:
                     trailer |= {"files": [list(f) for f in files.layout().files], "manifest_sha256": files.manifest_sha256()}
-                wire.send_frame(control, Kind.TRAILER, wire.signed_json(cfg.secret, b"trailer", trailer))
-                control.set_timeout(cfg.session_timeout)  # the receiver verifies the whole snapshot now
-                _, done = wire.expect(control, Kind.DONE, 4096)
+                done = control.finish(wire.signed_json(cfg.secret, b"trailer", trailer), cfg.session_timeout)
                 if not done or done[0] != 1:
                     raise IntegrityError(f"the receiver rejected the snapshot: {done[1:].decode(errors='replace')}")
+            except BaseException as e:
+                control.abort(str(e) or type(e).__name__)  # the receiver discards at once, not after its grace period
+                raise
             finally:
                 state.fail(TransferError("the transfer ended"))  # stops a worker still waiting for chunks
                 control.close()

@@ -10,8 +10,9 @@ the end the receiver checks the authenticated trailer and verifies the whole sna
 against its manifest before the directory appears under its final name.
 
 This module holds what both ends share, the mutual HMAC handshake each connection starts
-with; :mod:`transfer.sender` and :mod:`transfer.receiver` are the two ends, and the format
-itself is :mod:`transfer.wire`.
+with (inside TLS where the transport has it, :mod:`transfer.tls`: a certificate of the site's
+CA alone does not make a peer a member, the cluster secret does); :mod:`transfer.sender` and
+:mod:`transfer.receiver` are the two ends, and the format itself is :mod:`transfer.wire`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def client_handshake(ch: Channel, secret: bytes, role: Role, stream: int, sessio
         raise AuthError(f"the receiver refused this sender ({e}); is the cluster secret the same on both nodes?") from e
     if not hmac.compare_digest(proof, wire.mac(secret, b"server", session, sid, nonce_c, nonce_s)):
         raise AuthError("the receiver could not prove it holds the cluster secret; refusing to send to it")
+    ch.authenticated()
 
 
 def server_handshake(ch: Channel, secret: bytes) -> tuple[Role, bytes]:
@@ -52,6 +54,7 @@ def server_handshake(ch: Channel, secret: bytes) -> tuple[Role, bytes]:
     if not hmac.compare_digest(ch.recv_exact(wire.MAC_LEN), wire.mac(secret, b"client", session, sid, nonce_s, nonce_c)):
         wire.send_frame(ch, Kind.ERROR, b"authentication failed")
         raise AuthError("a peer failed to prove it holds the cluster secret")
+    ch.authenticated()  # before WELCOME: the sender may answer it with a large HEADER
     wire.send_frame(ch, Kind.WELCOME, wire.mac(secret, b"server", session, sid, nonce_c, nonce_s))
     return Role(role), session
 

@@ -3,7 +3,13 @@ TCP elsewhere (``UCX_TLS=tcp``, how it is tested on machines without RDMA).
 
 ucxx is asynchronous and moves whole messages, not a byte stream.  A channel here runs its
 calls on one shared event loop thread, sends each ``send()`` as an 8-byte length then the
-message, and serves ``recv_exact()`` from whole messages as they arrive.
+message, and serves ``recv_exact()`` from whole messages as they arrive.  Until the peer has
+passed the HMAC handshake a channel takes only handshake-sized messages (``PRE_AUTH_MESSAGE``),
+so a stranger cannot make it allocate more.
+
+UCX has no TLS: a UCX stream is authenticated (the HMAC handshake, and every chunk checked
+against the manifest digests of the signed header) but not encrypted, so use TCP with TLS
+wherever the fabric between the nodes is not trusted.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from transfer.api import Channel, Listener, Transport, TransferError, parse_addr
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 _MAX_MESSAGE = 128 << 20
+#: The largest message a peer may send before it has authenticated (the handshake's are < 100 B).
+PRE_AUTH_MESSAGE = 4096
 
 
 class _Loop:
@@ -67,6 +75,7 @@ class UcxChannel(Channel):
         self._np = _ucxx()[1]
         self._buf = bytearray()
         self._pos = 0
+        self._limit = PRE_AUTH_MESSAGE
 
     def send(self, *parts: bytes | memoryview) -> None:
         np = self._np
@@ -87,9 +96,10 @@ class UcxChannel(Channel):
 
             async def go() -> Any:
                 await self._ep.recv(header)
-                size = int(header[0])
-                if size > _MAX_MESSAGE:
-                    raise TransferError(f"{self.peer} sent a message of {size} bytes, over the limit")
+                size, limit = int(header[0]), self._limit
+                if size > limit:
+                    before = " before authenticating" if limit < _MAX_MESSAGE else ""
+                    raise TransferError(f"{self.peer} sent a message of {size} bytes{before}, over the limit of {limit}")
                 message = np.empty(size, dtype=np.uint8)
                 await self._ep.recv(message)
                 return message
@@ -102,8 +112,15 @@ class UcxChannel(Channel):
         self._pos += n
         return out
 
+    def authenticated(self) -> None:
+        self._limit = _MAX_MESSAGE
+
     def set_timeout(self, seconds: float | None) -> None:
         self._timeout = seconds  # type: ignore[assignment]
+
+    def interrupt(self) -> None:
+        """Closes the endpoint without waiting for it (a receive on it then fails)."""
+        asyncio.run_coroutine_threadsafe(self._ep.close(), self._loop.loop)
 
     def close(self) -> None:
         if self._done is not None:

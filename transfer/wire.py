@@ -8,7 +8,7 @@ carries frames.  Integers are little-endian.
     CHALLENGE  ::= NONCE_S:16B
     PROOF_C    ::= HMAC-SHA256(secret, "client" SESSION STREAM NONCE_S NONCE_C)
     PROOF_S    ::= FRAME(WELCOME, HMAC-SHA256(secret, "server" SESSION STREAM NONCE_C NONCE_S)) | FRAME(ERROR)
-    CONTROL    ::= HEADER HAVE TRAILER DONE          (ROLE 0: one per transfer)
+    CONTROL    ::= HEADER HAVE ( TRAILER DONE | ERROR )   (ROLE 0: one per transfer; ERROR: the sender gave up)
     DATA       ::= HAVE { CHUNK ACK }                (ROLE 1: STREAM 1..N, in parallel)
     FRAME      ::= KIND:u8 CODEC:u8 0:u16 LENGTH:u32 BODY[LENGTH]
     HEADER     ::= LEN:u32 JSON{snapshot_id, chunk_size, files: [[PATH, SIZE]], manifest_sha256} MAC:32B
@@ -20,6 +20,10 @@ carries frames.  Integers are little-endian.
     TRAILER    ::= LEN:u32 JSON{chunks, raw_bytes, digest [, files, manifest_sha256 when following]} MAC:32B
     DONE       ::= OK:u8 MESSAGE
     ERROR      ::= MESSAGE
+
+A control stream that breaks is opened again for the same SESSION with the same HEADER: the
+receiver keeps the transfer for a grace period, answers with HAVE, and verifies the snapshot
+once, whichever stream brings the TRAILER.
 
 Chunks number the files' bytes in HEADER order, CHUNK_SIZE at a time (an empty file has
 none).  A followed snapshot's files are sent as they grow: the sender numbers chunks as it
@@ -82,6 +86,10 @@ class Codec(enum.IntEnum):
     ZERO = 2
 
 
+class PeerError(TransferError):
+    """The peer sent ERROR: it refused, or gave up, on purpose."""
+
+
 def mac(secret: bytes, *parts: bytes | bytearray) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
@@ -102,7 +110,7 @@ def recv_frame(ch: Channel, limit: int, scratch: bool = False) -> tuple[Kind, Co
         raise TransferError(f"the peer sent an unknown frame (kind {kind}, codec {codec})") from e
     body = ch.recv_scratch(length) if scratch else ch.recv_exact(length)
     if k is Kind.ERROR:
-        raise TransferError(f"the peer refused: {bytes(body[:500]).decode(errors='replace')}")
+        raise PeerError(f"the peer refused: {bytes(body[:500]).decode(errors='replace')}")
     return k, c, body
 
 

@@ -1,0 +1,332 @@
+"""The transfer layer against its attackers: mutual TLS (a certificate of another CA, a
+receiver that is not the one dialled, plaintext on the wire), strangers that hold connections
+without finishing a handshake (run as user nobody: a real unprivileged peer), a control stream
+that breaks, and what a UCX stranger may send before it has authenticated."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from certs import node_certs
+from helpers import wait_until
+from proxy import Proxy
+from snapshot.api import UsageError
+from test_transfer import SECRET, Receiving, _send, _target, digests, make_snapshot, trickle
+from transfer.api import AuthError, TlsFiles, TransferConfig, TransferError, TransferStats, Transport
+from transfer.sender import Sender
+from transfer.tcp import TcpTransport
+
+TRICKLE = Path(__file__).resolve().parent / "trickle_peer.py"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsFiles]:
+    """Two nodes of the cluster CA, and one of another CA (same names: only the CA differs)."""
+    cluster, other = tmp_path_factory.mktemp("cluster-ca"), tmp_path_factory.mktemp("other-ca")
+    return {
+        "sender": TlsFiles.in_dir(node_certs(cluster, "sender")),
+        "receiver": TlsFiles.in_dir(node_certs(cluster, "receiver")),
+        "foreign": TlsFiles.in_dir(node_certs(other, "sender")),
+    }
+
+
+def _nothing_kept(tmp_path: Path) -> bool:
+    return not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst.partial-*"))
+
+
+# --- mutual TLS ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tcp+tls"])
+def test_tls_leaves_no_plaintext_on_the_wire(tmp_path: Path, certs: dict[str, TlsFiles], tls: bool) -> None:
+    """Through a recording proxy: with TLS neither the stream's magic nor the snapshot's bytes
+    cross the wire in clear (and without it they do: the check can see them)."""
+    src = make_snapshot(tmp_path / "src", "random", 2)
+    rx = Receiving(TcpTransport(tls=certs["receiver"] if tls else None), tmp_path / "dst")
+    proxy = Proxy(_target(rx))
+    try:
+        _send(TcpTransport(tls=certs["sender"] if tls else None), src, proxy.address, streams=2)
+        assert isinstance(rx.join(), TransferStats)
+        assert digests(tmp_path / "dst") == digests(src)
+        wait_until(lambda: len(proxy.recorded) >= 3, "the proxy to see its connections end")
+    finally:
+        proxy.close()
+    wire = b"".join(proxy.recorded)
+    sample = (src / "images" / "pages-1.img").read_bytes()[1 << 20 : (1 << 20) + 64]
+    assert (b"TPXFER01" in wire and sample in wire) is not tls
+    assert (b"TPXFER01" not in wire and sample not in wire) is tls
+
+
+def test_sender_with_a_certificate_of_another_ca_is_refused(tmp_path: Path, certs: dict[str, TlsFiles]) -> None:
+    """It trusts the cluster CA (so it accepts the receiver), but its own certificate is of another."""
+    src = make_snapshot(tmp_path / "src", "model", 1)
+    rx = Receiving(TcpTransport(tls=certs["receiver"]), tmp_path / "dst", timeout=3)
+    foreign = TlsFiles(certs["sender"].ca, certs["foreign"].cert, certs["foreign"].key)
+    with pytest.raises(AuthError, match="refused this node's TLS certificate"):
+        _send(TcpTransport(tls=foreign), src, rx.receiver.address)
+    assert isinstance(rx.join(), TransferError)
+    assert _nothing_kept(tmp_path)
+    assert rx.refused == ["tls_failed"]  # once: an AuthError is not retried
+
+
+def test_receiver_with_a_certificate_of_another_ca_is_refused_by_the_sender(tmp_path: Path, certs: dict[str, TlsFiles]) -> None:
+    src = make_snapshot(tmp_path / "src", "model", 1)
+    rx = Receiving(TcpTransport(tls=certs["foreign"]), tmp_path / "dst", timeout=3)
+    with pytest.raises(AuthError, match="receiver's certificate is not signed by the cluster CA"):
+        _send(TcpTransport(tls=certs["sender"]), src, rx.receiver.address)
+    assert isinstance(rx.join(), TransferError)
+    assert _nothing_kept(tmp_path)
+
+
+def test_receiver_must_be_named_by_its_certificate(tmp_path: Path, certs: dict[str, TlsFiles]) -> None:
+    """The sender checks the address it dialled: 127.0.0.3 is not in the receiver's
+    certificate (its name, localhost and 127.0.0.1 are), so the same receiver is refused
+    there and accepted under a name it has."""
+    src = make_snapshot(tmp_path / "src", "model", 1)
+    rx = Receiving(TcpTransport(tls=certs["receiver"]), tmp_path / "dst", timeout=3, listen="127.0.0.3:0")
+    with pytest.raises(AuthError, match="does not name 127.0.0.3"):
+        _send(TcpTransport(tls=certs["sender"]), src, rx.receiver.address)
+    assert isinstance(rx.join(), TransferError) and _nothing_kept(tmp_path)
+
+    rx = Receiving(TcpTransport(tls=certs["receiver"]), tmp_path / "dst2")
+    _send(TcpTransport(tls=certs["sender"]), src, "localhost:%d" % _target(rx)[1])
+    assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst2") == digests(src)
+
+
+def test_tls_and_plain_ends_do_not_mix(tmp_path: Path, certs: dict[str, TlsFiles]) -> None:
+    src = make_snapshot(tmp_path / "src", "model", 1)
+    rx = Receiving(TcpTransport(), tmp_path / "dst", timeout=3)
+    with pytest.raises(AuthError, match="does not answer in TLS"):
+        _send(TcpTransport(tls=certs["sender"]), src, rx.receiver.address)
+    assert isinstance(rx.join(), TransferError) and _nothing_kept(tmp_path)
+
+    rx = Receiving(TcpTransport(tls=certs["receiver"]), tmp_path / "dst", timeout=5)
+    with pytest.raises(TransferError):
+        _send(TcpTransport(), src, rx.receiver.address, retries=1)
+    assert isinstance(rx.join(), TransferError) and _nothing_kept(tmp_path)
+    assert set(rx.refused) == {"tls_failed"}
+
+
+def test_a_private_key_others_can_read_is_refused(tmp_path: Path, certs: dict[str, TlsFiles]) -> None:
+    node = tmp_path / "node"
+    shutil.copytree(certs["sender"].key.parent, node)
+    (node / "tls.key").chmod(0o644)
+    with pytest.raises(UsageError, match="mode 600"):
+        TcpTransport(tls=TlsFiles.in_dir(node))
+    (node / "tls.key").chmod(0o600)
+    assert TcpTransport(tls=TlsFiles.in_dir(node)).name == "tcp"
+
+
+def test_the_secret_is_not_in_the_config_repr() -> None:
+    assert "x" * 16 not in repr(TransferConfig(secret=b"x" * 16))
+
+
+# --- strangers that never finish a handshake -------------------------------------------------
+
+
+@pytest.fixture
+def strangers() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for p in started:
+        if p.stdin is not None:
+            p.stdin.close()  # it ends when its stdin closes
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if p.stdout is not None:
+            p.stdout.close()
+
+
+def _trickle(started: list[subprocess.Popen[str]], address: tuple[str, int], per_source: int, sources: list[str]) -> None:
+    """tests/trickle_peer.py, as user nobody: connections that trickle a byte every 0.5 s."""
+    cmd = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--",
+           sys.executable, "-I", "-S", str(TRICKLE), address[0], str(address[1]), "0.5", str(per_source), *sources]  # fmt: skip
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    started.append(p)
+    assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    assert psutil.Process(p.pid).uids().real == 65534  # nobody: a real unprivileged peer
+
+
+def test_a_stranger_that_never_finishes_tls_is_cut_off(tmp_path: Path, certs: dict[str, TlsFiles], monkeypatch: pytest.MonkeyPatch) -> None:
+    """It starts a TLS record and trickles its body, a byte well inside each read's timeout:
+    the handshake deadline (1 s here) still closes it, and a real sender gets through."""
+    import time
+
+    from transfer import receiver
+
+    monkeypatch.setattr(receiver, "HANDSHAKE_TIMEOUT", 1.0)
+    src = make_snapshot(tmp_path / "src", "model", 1)
+    rx = Receiving(TcpTransport(tls=certs["receiver"]), tmp_path / "dst")
+    # A TLS handshake record of 16 KiB whose body comes a byte at a time.
+    assert trickle(rx, b"\x16\x03\x01\x40\x00", b"\0") < 20, "the receiver kept a stranger's unfinished TLS handshake open"
+    _send(TcpTransport(tls=certs["sender"]), src, rx.receiver.address)
+    assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst") == digests(src)
+    assert rx.refused == ["handshake_timeout"]
+
+
+def _held(port: int) -> int:
+    """The receiver's connections from the strangers' hosts (127.0.0.2 and up), as the kernel sees them."""
+    return sum(1 for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.raddr and c.raddr.ip != "127.0.0.1"
+               and c.status == psutil.CONN_ESTABLISHED)  # fmt: skip
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tcp+tls"])
+def test_strangers_that_trickle_do_not_stall_a_real_sender(tmp_path: Path, certs: dict[str, TlsFiles], strangers: list[subprocess.Popen[str]], tls: bool) -> None:
+    """180 connections from eleven other hosts (loopback addresses), each stuck in its TLS or
+    HMAC handshake and opened again when closed: more than the receiver's 128 places for
+    strangers, and one host more than its 16.  A real sender still gets through while they
+    are held: its handshakes take milliseconds, so it evicts the oldest strangers, never the
+    other way round."""
+    src = make_snapshot(tmp_path / "src", "random", 8)
+    rx = Receiving(TcpTransport(tls=certs["receiver"] if tls else None), tmp_path / "dst", timeout=120)
+    target = _target(rx)
+    _trickle(strangers, target, 15, [f"127.0.0.{i}" for i in range(2, 12)] + ["127.0.0.12"] * 2)
+    counts = lambda: Counter(rx.refused)  # noqa: E731
+    wait_until(lambda: counts()["evicted"] >= 38 and counts()["per_peer_limit"] >= 14, "the receiver to evict strangers and refuse the greedy host")
+    assert _held(target[1]) >= 100  # they hold their places...
+    evicted = counts()["evicted"]
+    stats = _send(TcpTransport(tls=certs["sender"] if tls else None), src, rx.receiver.address, streams=4)
+    assert _held(target[1]) >= 100  # ...all the while
+    assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst") == digests(src)
+    assert stats.bytes_raw == sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    assert counts()["evicted"] > evicted  # the sender's connections took strangers' places
+    assert set(counts()) <= {"evicted", "per_peer_limit", "handshake_timeout"}  # nothing of the sender's
+
+
+# --- a control stream that breaks ------------------------------------------------------------
+
+
+class CuttableProxy(Proxy):
+    """The fault tests' proxy, able to cut one of its connections when the test says."""
+
+    def __post_init__(self) -> None:
+        self.pipes: list[tuple[socket.socket, socket.socket]] = []
+        super().__post_init__()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, harm: bool, record: bool) -> None:
+        if record:  # the client->server pipe of each connection, in connection order (the control
+            self.pipes.append((src, dst))  # stream's is first: data streams open after its HAVE)
+        super()._pipe(src, dst, harm, record)
+
+    def cut(self, n: int) -> None:
+        for s in self.pipes[n]:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _transport(certs: dict[str, TlsFiles], tls: bool, end: str) -> Transport:
+    return TcpTransport(tls=certs[end] if tls else None)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tcp+tls"])
+def test_control_stream_cut_mid_transfer_is_opened_again(tmp_path: Path, certs: dict[str, TlsFiles], tls: bool) -> None:
+    src = make_snapshot(tmp_path / "src", "random", 24)
+    rx = Receiving(_transport(certs, tls, "receiver"), tmp_path / "dst")
+    proxy = CuttableProxy(_target(rx))
+    at_cut: list[tuple[int, int]] = []
+
+    def progress(acked: int, wire_bytes: int, total: int) -> None:
+        if acked >= 6 << 20 and not at_cut:
+            at_cut.append((acked, total))
+            proxy.cut(0)
+
+    config = TransferConfig(secret=SECRET, chunk_size=1 << 20, io_timeout=10, streams=2, window=2)
+    try:
+        stats = Sender(_transport(certs, tls, "sender"), config, progress).send(src, proxy.address)
+    finally:
+        proxy.close()
+    assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst") == digests(src)
+    assert at_cut and at_cut[0][0] < at_cut[0][1]  # cut while chunks were still to come
+    assert proxy.connections >= 4  # control, two data streams, control again
+    assert stats.bytes_wire < 1.3 * stats.bytes_raw  # the data streams went on: nothing sent over
+
+
+def test_control_stream_cut_in_its_handshake_is_tried_again(tmp_path: Path) -> None:
+    src = make_snapshot(tmp_path / "src", "model", 4)
+    rx = Receiving(TcpTransport(), tmp_path / "dst")
+    proxy = Proxy(_target(rx), cut_at=20, on=0)  # the control stream's HELLO, cut short
+    try:
+        _send(TcpTransport(), src, proxy.address, streams=2)
+    finally:
+        proxy.close()
+    assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst") == digests(src)
+    assert rx.refused == ["handshake_failed"]  # the cut connection; the second one got through
+
+
+def test_control_stream_that_never_comes_back_is_given_up(tmp_path: Path) -> None:
+    """The path dies for good just after the control stream was cut: the sender fails in one
+    sentence, and the receiver, after its grace period (io_timeout, 2 s here), keeps nothing."""
+    src = make_snapshot(tmp_path / "src", "random", 24)
+    rx = Receiving(TcpTransport(), tmp_path / "dst", io_timeout=2)
+    proxy = CuttableProxy(_target(rx))
+
+    def progress(acked: int, wire_bytes: int, total: int) -> None:
+        if acked >= 4 << 20 and not proxy.dead:
+            proxy.dead = True  # new connections are refused from now on
+            proxy.cut(0)
+
+    config = TransferConfig(secret=SECRET, chunk_size=1 << 20, io_timeout=10, streams=1, window=2, retries=2)
+    try:
+        with pytest.raises(TransferError, match="control stream"):
+            Sender(TcpTransport(), config, progress).send(src, proxy.address)
+    finally:
+        proxy.close()
+    result = rx.join()
+    assert isinstance(result, TransferError) and "did not come back within 2 s" in str(result)
+    assert _nothing_kept(tmp_path)
+
+
+# --- UCX before authentication ---------------------------------------------------------------
+
+
+def test_ucx_stranger_cannot_send_a_large_message_before_authenticating(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A UCX peer whose first message announces 64 MiB is refused on the length alone (the
+    receiver allocates nothing for it); a real sender, whose messages grow only after the
+    handshake, gets through afterwards."""
+    ucx = pytest.importorskip("transfer.ucx")
+    transport = ucx.UcxTransport()
+    src = make_snapshot(tmp_path / "src", "random", 3)
+    rx = Receiving(transport, tmp_path / "dst")
+    stranger = transport.connect(rx.receiver.address, 10)
+    stranger.set_timeout(2)
+    sent: list[BaseException] = []
+
+    def send_big() -> None:
+        try:
+            stranger.send(bytes(64 << 20))
+        except TransferError as e:  # the receiver never takes the payload
+            sent.append(e)
+
+    with caplog.at_level(logging.WARNING):
+        t = threading.Thread(target=send_big)
+        t.start()
+        wait_until(lambda: rx.refused, "the receiver to refuse the stranger")
+        t.join(30)
+    stranger.close()
+    assert rx.refused == ["handshake_failed"]
+    assert any("over the limit of 4096" in r.getMessage() for r in caplog.records)
+    _send(transport, src, rx.receiver.address)
+    assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst") == digests(src)
+
