@@ -1,6 +1,6 @@
 # tpagent as a node agent / Kubernetes sidecar image.
 # Run it privileged with the host's PID namespace (CRIU must see and ptrace the workload):
-#   docker run --privileged --pid=host -v /dev/shm:/dev/shm tpagent doctor
+#   docker run --privileged --pid=host tpagent doctor
 # As a Kubernetes sidecar: deploy/kubernetes-sidecar.yaml.
 FROM debian:trixie-slim
 
@@ -23,7 +23,7 @@ RUN python3 -m venv /opt/tpagent/venv && /opt/tpagent/venv/bin/pip install --no-
  && /opt/tpagent/venv/bin/python -m tpagent.proto
 
 ENV PATH=/opt/tpagent/venv/bin:$PATH
-EXPOSE 7400
+EXPOSE 7400 7401
 ENTRYPOINT ["tpagent"]
 # As a sidecar: `serve` (see deploy/kubernetes-sidecar.yaml); `doctor` checks the node.
 CMD ["serve"]

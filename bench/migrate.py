@@ -51,14 +51,24 @@ def launch(kind: str, size: int, work: Path) -> tuple[int, Path]:
     return int(out.stdout), log
 
 
-def agents(work: Path, secret: Path) -> list[subprocess.Popen[bytes]]:
+def credentials(work: Path) -> dict[str, str]:
+    """The cluster secret and a certificate (for 127.0.0.1) both agents and the CLI use."""
+    secret = work / "secret"
+    secret.write_text(os.urandom(24).hex())
+    secret.chmod(0o600)
+    subprocess.run(["bash", str(ROOT / "scripts" / "make-certs.sh"), str(work / "ca"), str(work / "tls"), "bench"], check=True)
+    return {"TPAGENT_SECRET_FILE": str(secret), "TPAGENT_TLS_DIR": str(work / "tls")}
+
+
+def agents(work: Path, creds: dict[str, str]) -> list[subprocess.Popen[bytes]]:
     procs = []
     for i, port in enumerate(PORTS):
         d = work / f"agent{i}"
-        d.mkdir()
+        d.mkdir(mode=0o700)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "serve", "--listen", f"127.0.0.1:{port}", "--advertise", "127.0.0.1",
-             "--node", f"bench{i}", "--work-dir", str(d), "--metrics-listen", "", "--secret-file", str(secret)],
+            [sys.executable, "-m", "cli.main", "serve", "--listen", f"127.0.0.1:{port}", "--advertise", "127.0.0.1", "--node", f"bench{i}",
+             "--work-dir", str(d), "--metrics-listen", "", "--health-listen", "", "--secret-file", creds["TPAGENT_SECRET_FILE"],
+             "--tls-dir", creds["TPAGENT_TLS_DIR"]],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(d / "log", "wb")))  # fmt: skip
     time.sleep(3)
     return procs
@@ -71,9 +81,9 @@ def warm(mib: int) -> None:
     subprocess.run([sys.executable, "-c", f"b = bytearray({mib} << 20); b[::4096] = bytes(len(b) // 4096)"], check=True)
 
 
-def tpagent_round(kind: str, size: int, work: Path, secret: Path) -> dict[str, float]:
+def tpagent_round(kind: str, size: int, work: Path, creds: dict[str, str]) -> dict[str, float]:
     pid, _ = launch(kind, size, work)
-    env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret)}
+    env = {**os.environ, **creds}
     out = cli("migrate", str(pid), "--from", f"127.0.0.1:{PORTS[0]}", "--to", f"127.0.0.1:{PORTS[1]}", "--json", env=env)
     assert out.returncode == 0, out.stderr + out.stdout
     doc = json.loads(out.stdout)
@@ -105,15 +115,14 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tpagent-bench-") as d:
         work = Path(d)
-        secret = work / "secret"
-        secret.write_text(os.urandom(24).hex())
-        procs = agents(work, secret)
+        creds = credentials(work)
+        procs = agents(work, creds)
         try:
             for size in (int(x) for x in args.sizes_mib.split(",")):
                 rounds = []
                 for _ in range(args.repeats):  # interleaved: drift hits both routes alike
                     warm(4 * size)
-                    t = tpagent_round(kind, size, work, secret)
+                    t = tpagent_round(kind, size, work, creds)
                     warm(4 * size)
                     rounds.append(t | naive_round(kind, size, work))
                 keys = sorted({k for r in rounds for k in r})

@@ -11,6 +11,7 @@ import grpc
 import typer
 
 from snapshot.api import UsageError
+from transfer.api import DEFAULT_TLS_DIR
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _USAGE_CODES = {
@@ -18,6 +19,18 @@ _USAGE_CODES = {
     grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE,
 }  # fmt: skip
 SecretOpt = Annotated[Path | None, typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret.")]
+TlsDirOpt = Annotated[
+    Path, typer.Option("--tls-dir", envvar="TPAGENT_TLS_DIR", help="ca.crt, tls.crt, tls.key of this node (mutual TLS).")
+]
+
+
+def credentials(secret_file: Path | None, tls_dir: Path) -> Any:
+    """This node's credentials for calling agents (the secret and the TLS files, checked)."""
+    from tpagent.rpc import Credentials
+
+    if secret_file is None:
+        raise UsageError("no cluster secret: pass --secret-file or set TPAGENT_SECRET_FILE (the same file on every node).")
+    return Credentials.load(secret_file, tls_dir)
 
 
 def die(msg: str, code: int, as_json: bool = False, rolled_back: bool = False) -> NoReturn:
@@ -36,6 +49,8 @@ def serve(
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Journals and snapshots in flight.")] = None,
     metrics_listen: Annotated[str | None, typer.Option("--metrics-listen", help="ADDR:PORT for Prometheus; '' for none.")] = None,
     secret_file: Annotated[Path | None, typer.Option("--secret-file", help="File holding the cluster secret.")] = None,
+    tls_dir: Annotated[Path | None, typer.Option("--tls-dir", help="ca.crt, tls.crt, tls.key (mutual TLS).")] = None,
+    health_listen: Annotated[str | None, typer.Option("--health-listen", help="ADDR:PORT for plain-text health checks; '' for none.")] = None,
 ) -> None:
     """Run the node agent (as the systemd service does) until SIGTERM."""
     from tpagent import config as config_mod
@@ -44,7 +59,8 @@ def serve(
     structured_logs()
     try:
         cfg = config_mod.load(config, listen=listen, advertise=advertise, node=node, work_dir=work_dir,
-                              metrics_listen=metrics_listen, secret_file=secret_file)  # fmt: skip
+                              metrics_listen=metrics_listen, secret_file=secret_file, tls_dir=tls_dir,
+                              health_listen=health_listen)  # fmt: skip
         run_server(cfg)
     except UsageError as e:
         die(str(e), EXIT_USAGE)
@@ -56,20 +72,20 @@ def migrate(
     source: Annotated[str, typer.Option("--from", envvar="TPAGENT_AGENT", help="HOST:PORT of the source node's agent.")] = "127.0.0.1:7400",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only check both sides; freeze nothing.")] = False,
     secret_file: SecretOpt = None,
+    tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
     as_json: Annotated[bool, typer.Option("--json", envvar="TPAGENT_JSON", help="Print a JSON result.")] = False,
 ) -> None:
     """Move a running process to another node: frozen, streamed, restored there, and only
     then ended here; on any failure it runs on here where it stood."""
-    from cli.main import _secret
     from tpagent.rpc import pb, stub
 
     try:
-        secret = _secret(secret_file)
+        creds = credentials(secret_file, tls_dir)
     except UsageError as e:
         die(str(e), EXIT_USAGE, as_json)
     if source == to:
         die(f"--from and --to are the same agent ({to}); give another node as --to.", EXIT_USAGE, as_json)
-    agent = stub(source, secret)
+    agent = stub(source, creds)
     call = agent.Migrate(pb.MigrateRequest(pid=pid, target=to, dry_run=dry_run))
     last: Any = None
     shown = ""
@@ -148,12 +164,11 @@ def _report(last: Any, as_json: bool, dry_run: bool) -> int:
 AgentOpt = Annotated[str, typer.Option("--agent", envvar="TPAGENT_AGENT", help="HOST:PORT of the agent to ask.")]
 
 
-def _call(agent: str, secret_file: Path | None, method: str, request: Any) -> Any:
-    from cli.main import _secret
+def _call(agent: str, secret_file: Path | None, tls_dir: Path, method: str, request: Any) -> Any:
     from tpagent.rpc import stub
 
     try:
-        return getattr(stub(agent, _secret(secret_file)), method)(request, timeout=30)
+        return getattr(stub(agent, credentials(secret_file, tls_dir)), method)(request, timeout=30)
     except UsageError as e:
         die(str(e), EXIT_USAGE)
     except grpc.RpcError as e:
@@ -165,11 +180,12 @@ def status(
     migration_id: Annotated[str, typer.Argument(help="The migration's id (tpagent migrate prints it with --json).")],
     agent: AgentOpt = "127.0.0.1:7400",
     secret_file: SecretOpt = None,
+    tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
 ) -> None:
     """Where a migration stands, as the agent's journal says."""
     from tpagent.rpc import pb
 
-    s = _call(agent, secret_file, "Status", pb.MigrationRef(migration_id=migration_id))
+    s = _call(agent, secret_file, tls_dir, "Status", pb.MigrationRef(migration_id=migration_id))
     typer.echo(json.dumps({"migration_id": s.migration_id, "state": s.state, "message": s.message, "pid": s.pid}, indent=2))
 
 
@@ -177,25 +193,27 @@ def cancel(
     migration_id: Annotated[str, typer.Argument(help="The migration to stop (rolled back if not yet past the point of no return).")],
     agent: AgentOpt = "127.0.0.1:7400",
     secret_file: SecretOpt = None,
+    tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
 ) -> None:
     """Cancel a migration on its source agent: the process runs on where it stood."""
     from tpagent.rpc import pb
 
-    s = _call(agent, secret_file, "Cancel", pb.MigrationRef(migration_id=migration_id))
+    s = _call(agent, secret_file, tls_dir, "Cancel", pb.MigrationRef(migration_id=migration_id))
     typer.echo(f"migration {s.migration_id}: {s.state} {s.message}".rstrip())
 
 
-def node(agent: AgentOpt = "127.0.0.1:7400", secret_file: SecretOpt = None) -> None:
+def node(agent: AgentOpt = "127.0.0.1:7400", secret_file: SecretOpt = None, tls_dir: TlsDirOpt = DEFAULT_TLS_DIR) -> None:
     """An agent's node: versions, health, GPUs, free memory, and its migratable processes."""
     from tpagent.rpc import pb
 
-    info = _call(agent, secret_file, "Info", pb.Empty())
-    procs = _call(agent, secret_file, "ListProcesses", pb.Empty())
+    info = _call(agent, secret_file, tls_dir, "Info", pb.Empty())
+    procs = _call(agent, secret_file, tls_dir, "ListProcesses", pb.Empty())
     doc = {
         "node": info.node, "hostname": info.hostname, "healthy": info.healthy, "problems": list(info.problems),
         "agent_version": info.agent_version, "criu_version": info.criu_version, "driver_version": info.driver_version,
         "memory_available": info.memory_available,
         "gpus": [{"uuid": g.uuid, "name": g.name, "memory_used": g.memory_used, "memory_total": g.memory_total} for g in info.gpus],
-        "migratable": [{"pid": p.pid, "why": p.why, "rss": p.rss, "cmdline": list(p.cmdline)} for p in procs.processes],
+        "migratable": [{"pid": p.pid, "why": p.why, "uid": p.uid, "owner": p.owner, "rss": p.rss, "cmdline": list(p.cmdline)}
+                       for p in procs.processes],
     }  # fmt: skip
     typer.echo(json.dumps(doc, indent=2))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from enum import Enum
@@ -30,11 +31,13 @@ from snapshot.api import (
 )
 from snapshot.gpus import inventory
 from snapshot.manifest import load
+from snapshot.safefs import read_private_file
 from tpagent import doctor as doctor_mod
 from tpagent import pipeline
 from cli import agent_cmds
 from tpagent.launch import launch as launch_workload
-from transfer.api import Compress, TransferConfig, TransferError, Transport
+from tpagent.launch import register as register_launched
+from transfer.api import DEFAULT_TLS_DIR, Compress, TlsFiles, TransferConfig, TransferError, Transport
 from transfer.receiver import Receiver
 from transfer.sender import Sender
 from transfer.tcp import TcpTransport
@@ -113,12 +116,21 @@ TransportOpt = Annotated[
 ]
 
 
-def _transport(name: TransportName, io_timeout: float) -> Transport:
+def _transport(name: TransportName, io_timeout: float, tls_dir: Path, plaintext: bool) -> Transport:
+    """UCX (authenticated, not encrypted), or TCP in mutual TLS with this node's certificates
+    (only authenticated with --plaintext)."""
     if name is TransportName.UCX:
         from transfer.ucx import UcxTransport
 
         return UcxTransport(io_timeout)
-    return TcpTransport(io_timeout)
+    return TcpTransport(io_timeout, tls=None if plaintext else TlsFiles.in_dir(tls_dir))
+
+
+TlsDirOpt = agent_cmds.TlsDirOpt
+PlaintextOpt = Annotated[
+    bool,
+    typer.Option("--plaintext", envvar="TPAGENT_PLAINTEXT", help="TCP without TLS: authenticated by the secret, but readable on the wire."),
+]
 
 
 SecretOpt = Annotated[
@@ -150,6 +162,8 @@ def dump(
     transport: TransportOpt = TransportName.TCP,
     compress: CompressOpt = Compress.AUTO,
     secret_file: SecretOpt = None,
+    tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
+    plaintext: PlaintextOpt = False,
     criu: CriuOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -162,7 +176,7 @@ def dump(
             m, shipped = engine.checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ()), None
         else:
             cfg = TransferConfig(secret=_secret(secret_file), compress=compress)
-            sender = Sender(_transport(transport, cfg.io_timeout), cfg)
+            sender = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg)
             shipped = pipeline.dump_and_send(pid, out, send_to, sender, mode, config, _progress(as_json), overlap, carry or ())
             m = shipped.manifest
     except (SnapshotError, TransferError) as e:
@@ -203,6 +217,8 @@ def restore(
     config = SnapshotConfig(criu=criu, timeouts=Timeouts(pid_wait=pid_wait))
     try:
         result = engine.restore(directory, _parse_map(gpu_map or []), config, _progress(as_json))
+        if result.manifest.namespace:
+            register_launched(result.pid)  # still a launched workload, under its new PID
     except SnapshotError as e:
         _fail(e, as_json)
     _emit(
@@ -275,12 +291,10 @@ def launch(
 
 
 def _secret(path: Path | None) -> bytes:
+    """The cluster secret: only from a file of ours with mode 600 or stricter."""
     if path is None:
         raise UsageError("no cluster secret: pass --secret-file or set TPAGENT_SECRET_FILE (the same file on every node).")
-    try:
-        secret = path.read_bytes().strip()
-    except OSError as e:
-        raise UsageError(f"cannot read the secret file {path}: {e.strerror}.") from e
+    secret = read_private_file(path, "the cluster secret").strip()
     if len(secret) < 16:
         raise UsageError(f"the secret in {path} is shorter than 16 bytes; use a long random secret.")
     return secret
@@ -295,6 +309,8 @@ def send(
     chunk_mib: Annotated[int, typer.Option("--chunk-mib", envvar="TPAGENT_CHUNK_MIB", min=1, max=64)] = 8,
     transport: TransportOpt = TransportName.TCP,
     secret_file: SecretOpt = None,
+    tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
+    plaintext: PlaintextOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Stream a snapshot to a receiving node, compressed where it pays, verified end to end."""
@@ -310,7 +326,7 @@ def send(
 
     try:
         cfg = TransferConfig(secret=_secret(secret_file), streams=streams, compress=compress, chunk_size=chunk_mib << 20)
-        stats = Sender(_transport(transport, cfg.io_timeout), cfg, bar).send(directory, peer)
+        stats = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg, bar).send(directory, peer)
     except (SnapshotError, TransferError) as e:
         typer.echo("", err=True)
         _fail(e, as_json)
@@ -331,12 +347,14 @@ def receive(
     timeout: Annotated[float, typer.Option("--timeout", envvar="TPAGENT_RECEIVE_TIMEOUT")] = 3600.0,
     transport: TransportOpt = TransportName.TCP,
     secret_file: SecretOpt = None,
+    tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
+    plaintext: PlaintextOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Accept one authenticated snapshot stream and write it, verified, to --out."""
     try:
         cfg = TransferConfig(secret=_secret(secret_file))
-        receiver = Receiver(_transport(transport, cfg.io_timeout), cfg, listen)
+        receiver = Receiver(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg, listen)
         typer.echo(f"listening on {receiver.address}", err=True)
         try:
             stats = receiver.receive(out, timeout)
@@ -359,6 +377,7 @@ app.command()(agent_cmds.node)
 
 
 def run() -> None:
+    os.umask(0o077)  # snapshots, logs and keys it writes are its user's alone
     app(prog_name="tpagent")
 
 

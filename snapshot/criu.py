@@ -16,8 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from snapshot.api import CriuError, DumpMode, UsageError
 from snapshot.proc import deferred_sigint
+from snapshot.safefs import private_opener
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,9 @@ INSTALL_HINT = (
     "run scripts/install-criu.sh (it installs Debian's CRIU 4.2 into /opt/tpagent/criu) "
     "or point TPAGENT_CRIU at a criu >= 4.2"
 )
+#: In CRIU's work directory (-W): "PID START_TIME" of the CRIU working there, written as it
+#: starts, so that a restarted agent knows that very process (never a command-line match).
+PIDFILE = "criu.pid"
 _LOG_TAIL_LINES = 12
 #: Error lines CRIU logs on every run on these nodes that mean nothing for the outcome.
 _HARMLESS = ("Can't setup RLIMIT_NOFILE",)
@@ -110,26 +116,33 @@ class Criu:
         return ".".join(map(str, self.version))
 
     def _run(
-        self, args: list[str], timeout: float | None, env: Mapping[str, str] | None = None
+        self, args: list[str], timeout: float | None, env: Mapping[str, str] | None = None, work: Path | None = None
     ) -> subprocess.CompletedProcess[str]:
         """Run criu to completion.  A Ctrl-C is held back until CRIU is done: a CRIU killed
         while its parasite code runs inside the workload would take the workload down, and
-        one left running unsupervised could stop the tree after we resumed it."""
+        one left running unsupervised could stop the tree after we resumed it.  With
+        ``work``, CRIU's PID and start time go to its :data:`PIDFILE` there."""
         cmd = [str(self.path), *args]
         log.debug("running %s", cmd)
         with deferred_sigint():
             try:
                 # Its own session: a terminal's Ctrl-C goes to our process group, not to CRIU.
-                proc = subprocess.run(
-                    cmd, capture_output=True, text=True, timeout=timeout,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
-                    env={**os.environ, **env} if env else None,
+                # umask 077: its images are someone's whole memory, for root's eyes only.
+                proc = subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                    start_new_session=True, env={**os.environ, **env} if env else None, umask=0o077,
                 )  # fmt: skip
-            except subprocess.TimeoutExpired as e:
-                raise CriuError(f"criu {args[0]} did not finish within {timeout:.0f} s") from e
             except OSError as e:
                 raise CriuError(f"could not run {self.path}", detail=str(e), code=e.errno) from e
-        return proc
+            if work is not None:
+                _write_pidfile(work / PIDFILE, proc.pid)
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired as e:
+                proc.kill()
+                proc.communicate()
+                raise CriuError(f"criu {args[0]} did not finish within {timeout:.0f} s") from e
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
     def _probe_version(self) -> tuple[int, int, int]:
         proc = self._run(["--version"], timeout=30)
@@ -155,7 +168,7 @@ class Criu:
         # The namespace's mounts are the node's own: declare them all external.
         args += ["--external", "mnt[]"] if opts.namespace else []
         args += ["--action-script", str(opts.action_script)] if opts.action_script else []
-        proc = self._run(args, timeout, opts.env)
+        proc = self._run(args, timeout, opts.env, work)
         if proc.returncode != 0:
             raise CriuError(
                 f"criu dump of PID {pid} failed",
@@ -175,7 +188,7 @@ class Criu:
         # Rebuilding a mount namespace needs its root given (without it CRIU 4.2 segfaults
         # at mount.c:48) and the external mounts bound back to the node's same paths.
         args += ["--root", "/", "--ext-mount-map", "auto"] if opts.namespace else []
-        proc = self._run(args, timeout)
+        proc = self._run(args, timeout, work=work)
         if proc.returncode != 0:
             raise CriuError(
                 "criu restore failed",
@@ -194,3 +207,24 @@ class Criu:
         # No iptables on these nodes: nftables for the network lock, none when no TCP is held.
         args += ["--tcp-established", "--network-lock", "nftables"] if tcp else ["--network-lock", "skip"]
         return args
+
+
+def _write_pidfile(path: Path, pid: int) -> None:
+    try:
+        started = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return  # (it is done already)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", opener=private_opener) as f:
+        f.write(f"{pid} {started!r}")
+    tmp.rename(path)
+
+
+def running_in(work: Path) -> bool:
+    """Whether the CRIU that was started with ``work`` as its work directory still runs: that
+    very process (PID and start time), not any process that mentions the path."""
+    try:
+        pid_text, started = (work / PIDFILE).read_text().split()
+        return psutil.Process(int(pid_text)).create_time() == float(started)
+    except (OSError, ValueError, psutil.Error):
+        return False

@@ -8,8 +8,10 @@ makes CRIU roll back (resume the tree, lift its network lock), and we give the G
 (CUDA restore, unlock), so a failed checkpoint never loses the workload.
 
 Restore: verify manifest and checksums -> refuse if the original still runs here -> PIDs
-free -> criu restore -> CUDA restore (GPU map) -> CUDA unlock.  A failure after CRIU started
-the tree kills that copy: the snapshot, which restore never modifies, is the one to retry.
+free -> carried files put back (as root, through no symlink: :mod:`snapshot.safefs`) ->
+criu restore -> CUDA restore (GPU map) -> CUDA unlock.  A failure after CRIU started the
+tree kills that copy, and what was put back is removed: the snapshot, which restore never
+modifies, is the one to retry.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import gpus, hook, manifest, proc
+from snapshot import gpus, hook, manifest, proc, safefs
 from snapshot.api import (
     CriuError,
     CudaError,
@@ -47,6 +49,7 @@ from snapshot.api import (
 from snapshot.criu import Criu, DumpOptions, RestoreOptions
 from snapshot.cuda import CudaDriver, uuid_bytes, uuid_text
 from snapshot.manifest import IMAGES_DIR, Manifest
+from snapshot.safefs import private_dir, private_opener
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +98,6 @@ class _Timer:
     def record(self, stage: Stage, seconds: float) -> None:
         self.timings[stage.value] = round(seconds, 4)
         self.progress(stage, f"{seconds:.2f} s")
-
-
-def _check_out(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out} exists and is not a directory; give an empty or new directory.")
-    if out.is_dir() and any(out.iterdir()):
-        raise UsageError(f"output directory {out} is not empty; give an empty or new directory.")
 
 
 def _namespace_of(target: psutil.Process) -> bool:
@@ -197,7 +193,7 @@ def checkpoint(
             f"PID {hidden[0]} belongs to a session whose leader is outside its PID namespace, which CRIU "
             "cannot checkpoint; start the workload with `tpagent launch` (or under setsid) instead."
         )
-    _check_out(out)
+    out = private_dir(out, empty=True, create=False)  # (refused before anything is done)
     pids = [p.pid for p in procs]
     candidates = [p.pid for p in procs if p.uses_cuda]
     cuda = cuda_factory() if candidates else None
@@ -214,9 +210,11 @@ def checkpoint(
         carried=sorted({os.path.normpath(os.path.abspath(p)) for p in carry}),
     )
     try:
-        (out / IMAGES_DIR).mkdir(parents=True)
-        (out / LOG_DIR).mkdir()
-        (out / hook.PENDING).write_text(json.dumps(m.to_json()))
+        private_dir(out, empty=True)  # ours, 0700, empty: never a directory someone planted
+        (out / IMAGES_DIR).mkdir(mode=0o700)
+        (out / LOG_DIR).mkdir(mode=0o700)
+        with open(out / hook.PENDING, "w", opener=private_opener) as f:
+            f.write(json.dumps(m.to_json()))
     except OSError as e:
         raise UsageError(f"cannot write to {out}: {e.strerror}.") from e
     script = hook.install()
@@ -415,10 +413,8 @@ def restore(
     created: list[Path] = []
     if work is None:
         work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
-    elif work.exists() and (not work.is_dir() or any(work.iterdir())):  # it is removed afterwards
-        raise UsageError(f"CRIU's work directory {work} exists and is not empty; give a new one.")
     else:
-        work.mkdir(parents=True, exist_ok=True)
+        private_dir(work, empty=True)  # it is removed afterwards
     try:
         _put_back(directory, m, created)
         with timer.stage(Stage.CRIU_RESTORE):
@@ -438,8 +434,7 @@ def restore(
         # Never leave a half-restored copy (e.g. CPU side up, GPU side still in host memory):
         # kill what CRIU started; the snapshot, which restore does not modify, is the copy to retry.
         kill_restored(work)
-        for path in created:
-            path.unlink(missing_ok=True)
+        _take_back(created)
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(f"the restore of {directory} was interrupted; nothing was left running") from e
         if isinstance(e, SnapshotError):
@@ -466,13 +461,24 @@ def start_restored(result: RestoreResult, cuda_factory: CudaFactory = CudaDriver
 
 
 def _put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
-    """Write the carried files back where they were, adding each it creates to ``created``.
-    A file already there must hold the same bytes (the same file, or a copy): else the restore stops."""
+    """Write the carried files back where they were, adding what it creates to ``created``.
+    A file already there must hold the same bytes (the same file, or a copy): else the restore
+    stops.  As root, on paths users may control: no symlink is followed, the directory must
+    belong to root or to the file's owner, setuid/setgid are never restored (:mod:`snapshot.safefs`)."""
     try:
         _write_carried(directory, m, created)
     except (OSError, tarfile.TarError) as e:
         what = getattr(e, "filename", None) or directory / IMAGES_DIR / manifest.CARRIED_NAME
         raise ToolError(f"putting back the files the process had open failed at {what}", detail=getattr(e, "strerror", None) or str(e)) from e
+
+
+def _take_back(created: list[Path]) -> None:
+    """Remove what :func:`_put_back` created (files, then the directories it made for them)."""
+    for path in reversed(created):
+        try:
+            safefs.remove(path)
+        except (OSError, SnapshotError) as e:  # (a directory someone has since put files in)
+            log.warning("could not remove %s, which the restore had put back: %s", path, e)
 
 
 def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
@@ -485,18 +491,7 @@ def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
             source = tar.extractfile(member) if member.isfile() else None
             if path is None or source is None:
                 raise SnapshotInvalid(f"{directory}'s carried files hold {member.name!r}, which the manifest does not name.")
-            data = source.read()
-            if path.exists() or path.is_symlink():
-                if not path.is_file() or path.is_symlink() or path.read_bytes() != data:
-                    raise UsageError(f"{path} exists on this node with other content; the process had it open: move it away first.")
-                continue
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, member.mode & 0o7777)
-            created.append(path)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.utime(path, (member.mtime, member.mtime))
-            os.chown(path, member.uid, member.gid)
+            safefs.write_file(path, source, member.uid, member.gid, member.mode, member.mtime, created)
 
 
 def kill_restored(work: Path) -> int:

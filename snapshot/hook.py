@@ -1,8 +1,10 @@
 """CRIU's post-dump action: seal the snapshot while the tree is still frozen.
 
 CRIU runs this (through the wrapper :func:`install` writes) at each action of a dump; at
-``post-dump`` the images are complete and every task is still frozen.  It then checksums
-and fsyncs the images, reads the frozen process tree and writes ``manifest.json``.  If it
+``post-dump`` the images are complete and every task is still frozen.  It then archives the
+carried files (read as root, so never through a symlink and only from a directory owned by
+root or by the file's owner: see :mod:`snapshot.safefs`), checksums and fsyncs the images,
+reads the frozen process tree and writes ``manifest.json``.  If it
 fails, CRIU rolls the dump back itself: it resumes the tree and lifts its network lock
 (which SIGCONT alone cannot do for TCP connections), so the workload runs on where it stood.
 
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import manifest, proc
+from snapshot import manifest, proc, safefs
 
 PENDING = "manifest.pending.json"
 ERROR_FILE = "hook.err"
@@ -84,11 +86,18 @@ def hold(out: Path, seconds: float) -> None:
 
 
 def install(python: str = sys.executable) -> Path:
-    """Write the wrapper CRIU will run; its path is made by mkdtemp, so sh sees nothing odd."""
+    """Write the wrapper CRIU will run; its path is made by mkdtemp (0700, ours), so sh sees
+    nothing odd.  The hook runs isolated: ``python -I`` (no PYTHONPATH, no user site, no
+    current directory on sys.path) from ``/``, never from the directory CRIU is in, and finds
+    this very module by its absolute path."""
     directory = Path(tempfile.mkdtemp(prefix="tpagent-hook-"))
     script = directory / "post-dump"
+    me = Path(__file__).resolve()
     # CRIU runs it at every action (pre-dump, network-lock, ...): only post-dump needs Python.
-    script.write_text(f'#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\nexec {shlex.quote(python)} -m snapshot.hook\n')
+    script.write_text(
+        '#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\ncd / || exit 1\n'
+        f"exec {shlex.quote(str(Path(python).absolute()))} -I {shlex.quote(str(me))}\n"
+    )
     script.chmod(0o700)
     return script
 
@@ -108,16 +117,24 @@ def _check_cancel(out: Path) -> None:
 
 
 def _archive(out: Path, paths: list[str]) -> list[str]:
-    """Copy the carried files, as they are while the tree is frozen, into the images."""
+    """Copy the carried files, as they are while the tree is frozen, into the images.
+
+    Each is opened without following any symlink and checked (:func:`safefs.open_to_read`),
+    then archived from that same fd: what goes in is exactly the file that was checked.  A
+    symlink on its path, or a directory owned by neither root nor the file's owner, raises:
+    the dump is refused and rolled back."""
     kept = []
     with tarfile.open(out / manifest.IMAGES_DIR / manifest.CARRIED_NAME, "w") as tar:
         for path in paths:
-            try:
-                if not stat.S_ISREG(os.lstat(path).st_mode):
-                    continue
-                tar.add(path, arcname=path.lstrip("/"), recursive=False)
-            except FileNotFoundError:  # deleted while open: CRIU keeps such files itself
+            fd = safefs.open_to_read(Path(path))
+            if fd is None:  # deleted while open (CRIU keeps such files itself), or no regular file
                 continue
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                info = tarfile.TarInfo(path.lstrip("/"))
+                info.size, info.mtime, info.mode = st.st_size, st.st_mtime, stat.S_IMODE(st.st_mode)
+                info.uid, info.gid = st.st_uid, st.st_gid
+                tar.addfile(info, f)
             kept.append(path)
     return kept
 

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 from snapshot.api import SnapshotInvalid
 from snapshot.proc import ProcInfo
+from snapshot.safefs import private_opener
 
 T = TypeVar("T")
 FORMAT = "tpagent-snapshot"
@@ -91,7 +92,7 @@ class Manifest:
 
     def write(self, directory: Path) -> None:
         tmp = directory / (MANIFEST_NAME + ".tmp")
-        with open(tmp, "w") as f:
+        with open(tmp, "w", opener=private_opener) as f:
             json.dump(self.to_json(), f, indent=2)
             f.flush()
             os.fsync(f.fileno())

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 
+from certs import node_certs
 from helpers import ROOT, STATEFUL, wait_until
 
 
@@ -27,12 +28,17 @@ class Node:
     dev: str  # its end of the veth pair (inside the namespace)
     work: Path
     secret: Path
+    tls: Path  # ca.crt, tls.crt, tls.key of this node
     env: dict[str, str] = field(default_factory=dict)
     agent: subprocess.Popen[bytes] | None = None
 
     @property
     def agent_address(self) -> str:
         return f"{self.addr}:7400"
+
+    @property
+    def health_address(self) -> str:
+        return f"{self.addr}:7401"
 
     def exec(self, *args: str) -> list[str]:
         return ["ip", "netns", "exec", self.name, *args]
@@ -43,7 +49,8 @@ class Node:
         log = open(self.work / "agent.log", "ab")
         self.agent = subprocess.Popen(
             self.exec(sys.executable, "-m", "cli.main", "serve", "--listen", self.agent_address, "--advertise", self.addr,
-                      "--node", self.name, "--work-dir", str(self.work / "agent"), "--secret-file", str(self.secret)),
+                      "--node", self.name, "--work-dir", str(self.work / "agent"), "--secret-file", str(self.secret),
+                      "--tls-dir", str(self.tls), "--health-listen", self.health_address),
             cwd=ROOT, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         log.close()
@@ -55,7 +62,7 @@ class Node:
             raise AssertionError(f"the agent of {self.name} exited: {(self.work / 'agent.log').read_text()[-3000:]}")
         probe = subprocess.run(
             [sys.executable, "-c", f"import grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; "
-             f"print(g.HealthStub(grpc.insecure_channel('{self.agent_address}')).Check(h.HealthCheckRequest(), timeout=2).status)"],
+             f"print(g.HealthStub(grpc.insecure_channel('{self.health_address}')).Check(h.HealthCheckRequest(), timeout=2).status)"],
             capture_output=True, text=True, cwd=ROOT,
         )  # fmt: skip
         return probe.stdout.strip() == "1"
@@ -80,6 +87,8 @@ class Cluster:
         self.bridge = f"tpbr-{self.tag}"
         self.secret = tmp / "secret"
         self.secret.write_text(os.urandom(24).hex())
+        self.secret.chmod(0o600)  # (the agent refuses a secret others can read)
+        self.tmp = tmp
         self.nodes: dict[str, Node] = {}
         ip("link", "add", self.bridge, "type", "bridge")
         ip("addr", "add", "10.233.0.254/24", "dev", self.bridge)
@@ -97,7 +106,8 @@ class Cluster:
             ip("-n", ns, "link", "set", "lo", "up")
             work = tmp / name
             work.mkdir()
-            self.nodes[name] = Node(ns, addr, dev, work, self.secret)
+            # (the bridge's address too: test proxies listen there)
+            self.nodes[name] = Node(ns, addr, dev, work, self.secret, node_certs(tmp, ns, addr, "10.233.0.254"))
 
     def close(self) -> None:
         for node in self.nodes.values():
@@ -110,12 +120,17 @@ class Cluster:
         return [sys.executable, "-m", "cli.main", "migrate", str(pid), "--from", self.nodes[src].agent_address,
                 "--to", self.nodes[dst].agent_address, *extra]  # fmt: skip
 
+    def cli_env(self, node: str = "", secret: Path | None = None) -> dict[str, str]:
+        """The environment of a tpagent command run on ``node`` (its certificate; default: the first)."""
+        tls = self.nodes[node].tls if node else next(iter(self.nodes.values())).tls
+        return {**os.environ, "TPAGENT_SECRET_FILE": str(secret or self.secret), "TPAGENT_TLS_DIR": str(tls)}
+
     def migrate(self, pid: int, src: str, dst: str, *extra: str, timeout: float = 300, secret: Path | None = None) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret or self.secret)}
+        env = self.cli_env(src, secret)
         return subprocess.run(self._migrate_cmd(pid, src, dst, *extra), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
     def start_migrate(self, pid: int, src: str, dst: str, *extra: str) -> subprocess.Popen[str]:
-        env = {**os.environ, "TPAGENT_SECRET_FILE": str(self.secret)}
+        env = self.cli_env(src)
         return subprocess.Popen(self._migrate_cmd(pid, src, dst, *extra), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def receiving(self, dst: str, at_least: int = 32 << 20) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from certs import node_certs
 from cluster import Cluster, Node, Ticker
 from conftest import needs_criu
 from helpers import ROOT, assert_one_sentence_error, kill_and_wait, wait_until
@@ -156,7 +157,9 @@ def test_source_agent_killed_and_restarted_mid_migration(cluster: Cluster, big: 
     assert big.running_copies() == 0  # frozen, not lost
     cluster.nodes["A"].start_agent()  # finds the migration in its journal and rolls it back
     _only_the_original_runs(cluster, big)
-    assert "rolled back after the agent restarted" in (cluster.nodes["A"].work / "agent").joinpath("migrations").glob("*.json").__next__().read_text()
+    record = next((cluster.nodes["A"].work / "agent" / "migrations").glob("*.json"))
+    # (the journal says so once the snapshot is removed, a moment after the original runs again)
+    wait_until(lambda: "rolled back after the agent restarted" in record.read_text(), "A to journal the rollback", 60)
 
 
 def test_cli_interrupted(cluster: Cluster, big: Ticker) -> None:
@@ -203,6 +206,7 @@ def test_bad_requests_get_one_sentence_and_freeze_nothing(cluster: Cluster, tick
     elif case == "wrong-secret":
         secret = tmp_path / "other-secret"
         secret.write_text("another-secret-of-enough-length")
+        secret.chmod(0o600)
     elif case == "to-itself":
         dst = "A"
     proc = cluster.migrate(pid, src, dst, secret=secret)
@@ -228,7 +232,7 @@ def test_agent_reports_node_processes_and_metrics(cluster: Cluster, ticker: Tick
     a = cluster.nodes["A"]
     a.kill_agent(signal.SIGTERM)
     a.start_agent(metrics_listen=f"{a.addr}:9400")
-    env = {"TPAGENT_SECRET_FILE": str(cluster.secret), "TPAGENT_AGENT": a.agent_address}
+    env = {**cluster.cli_env("A"), "TPAGENT_AGENT": a.agent_address}
     info = json.loads(_cli("node", env=env).stdout)
     assert info["node"] == a.name and info["healthy"] and info["criu_version"].startswith("4.")
     assert {p["pid"]: p["why"] for p in info["migratable"]}.get(ticker.pid) == "launched"
@@ -282,7 +286,8 @@ def test_a_held_copy_is_not_migrated_onward(start, tmp_path: Path) -> None:  # t
 
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(24).hex())
-    agent = Agent(AgentConfig(secret_file=secret, node="b", work_dir=tmp_path / "agent", metrics_listen=""))
+    secret.chmod(0o600)
+    agent = Agent(AgentConfig(secret_file=secret, node="b", work_dir=tmp_path / "agent", metrics_listen="", tls_dir=node_certs(tmp_path, "b")))
     w = start(mib=16, launched=True)
     mid = "a" * 32
     agent.journal.write(Record(mid, "target", State.READY, pid=w.pid, peer="10.0.0.1:7400"))
@@ -303,13 +308,13 @@ def test_source_node_lost_after_the_restore_the_copy_takes_over(cluster: Cluster
     on A, never runs again: when A's agent comes back it finds the copy DONE and ends it."""
     a, b = cluster.nodes["A"], cluster.nodes["B"]
     b.kill_agent(signal.SIGTERM)
-    b.start_agent(takeover_after="3")
+    b.start_agent(takeover_after="3", aliases="10.233.0.254")  # (A reaches it there, below)
     # A reaches B's agent through a proxy that swallows B's answers once B holds its copy: the
     # Restore reply never reaches A, which then dies (its node "lost") before it can commit.
     proxy = Proxy((b.addr, int(b.agent_address.rpartition(":")[2])), listen=("10.233.0.254", 7413))
     proxy.swallow_replies = lambda: "ready" in _journal_states(b)
     try:
-        env = {**os.environ, "TPAGENT_SECRET_FILE": str(cluster.secret)}
+        env = cluster.cli_env("A")
         mig = subprocess.Popen([sys.executable, "-m", "cli.main", "migrate", str(ticker.pid), "--from", a.agent_address, "--to", proxy.address],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         wait_until(lambda: proxy.swallowed > 0, "B to hold its copy and answer Restore", 120)

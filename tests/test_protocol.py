@@ -6,37 +6,23 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
+from agents import agent_config, serving
 from helpers import alive, kill_and_wait, wait_until
+from snapshot.safefs import private_dir
 from tpagent.agent import Agent
 from tpagent.config import AgentConfig
 from tpagent.migration import Record, State
 from tpagent.rpc import stub
-from tpagent.serve import serve
 from tpagent.source import _target_dropped_copy, _target_state, resolve_source
 
 MID = "b" * 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _config(tmp: Path, name: str, **kw: object) -> AgentConfig:
-    secret = tmp / "secret"
-    if not secret.exists():
-        secret.write_text(os.urandom(24).hex())
-    return AgentConfig(secret_file=secret, node=name, work_dir=tmp / name, metrics_listen="", listen=f"127.0.0.1:{_free_port()}", **kw)  # type: ignore[arg-type]
 
 
 def _target_record(cfg: AgentConfig, mid: str, state: State, **kw: object) -> Record:
@@ -46,16 +32,9 @@ def _target_record(cfg: AgentConfig, mid: str, state: State, **kw: object) -> Re
 @pytest.fixture
 def target(tmp_path: Path) -> AgentConfig:
     """A target agent's configuration; tests put its journal records in place, then serve it."""
-    cfg = _config(tmp_path, "target", takeover_after=0.0)
-    (cfg.work_dir / "migrations").mkdir(parents=True)
+    cfg = agent_config(tmp_path, "target", takeover_after=0.0)
+    private_dir(cfg.work_dir / "migrations")
     return cfg
-
-
-def _serve(cfg: AgentConfig) -> threading.Event:
-    ready, stop = threading.Event(), threading.Event()
-    threading.Thread(target=serve, args=(cfg, ready, stop), daemon=True).start()
-    assert ready.wait(30)
-    return stop
 
 
 @pytest.fixture
@@ -69,7 +48,7 @@ def original() -> Iterator[psutil.Process]:
 
 def _resolve(target: AgentConfig, original: psutil.Process, tmp: Path) -> Agent:
     """A source agent whose journal says: rolling back, after the restore was asked for."""
-    source = Agent(_config(tmp, "source"))
+    source = Agent(agent_config(tmp, "source"))
     r = Record(MID, "source", State.ROLLING_BACK, pid=original.pid, peer=target.listen, restore_sent=True,
                snapshot=str(source.cfg.work_dir / "outgoing" / MID), create_time=original.create_time())  # fmt: skip
     source.journal.write(r)
@@ -81,7 +60,7 @@ def test_a_source_rolling_back_ends_its_original_when_the_target_made_its_copy_f
     """The target took its copy over while the source could not reach it; the source, rolling
     back, learns the copy is final: it commits (ends its original) instead of waiting for ever."""
     Agent(target).journal.write(_target_record(target, MID, State.DONE, pid=1))
-    stop = _serve(target)
+    stop = serving(target)
     try:
         source = _resolve(target, original, tmp_path)
         assert source.journal.read(MID).state is State.DONE  # type: ignore[union-attr]
@@ -92,7 +71,7 @@ def test_a_source_rolling_back_ends_its_original_when_the_target_made_its_copy_f
 
 def test_a_source_rolling_back_resumes_its_original_once_the_copy_is_gone(target: AgentConfig, original: psutil.Process, tmp_path: Path) -> None:
     Agent(target).journal.write(_target_record(target, MID, State.DISCARDED, pid=1))
-    stop = _serve(target)
+    stop = serving(target)
     try:
         original.suspend()  # as a dead CRIU would leave it
         source = _resolve(target, original, tmp_path)
@@ -107,9 +86,9 @@ def test_a_damaged_target_journal_is_not_a_copy_gone(target: AgentConfig) -> Non
     record the target cannot read answers INTERNAL, not NOT_FOUND, so the source keeps asking."""
     damaged = "c" * 32
     (target.work_dir / "migrations" / f"{damaged}.json").write_text("{not json")
-    stop = _serve(target)
+    stop = serving(target)
     try:
-        t = stub(target.listen, target.secret())
+        t = stub(target.listen, target.credentials())
         assert _target_state(t, damaged, 2.0) == (None, 0)  # not "discarded"
         assert _target_dropped_copy(t, damaged, 2.0) is False
         assert _target_state(t, "d" * 32, 2.0) == (State.DISCARDED.value, 0)  # truly unknown there

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from certs import node_certs
 from conftest import needs_criu
 from helpers import ROOT, STATEFUL, kill_and_wait, wait_until
 
@@ -53,6 +54,7 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
     a, b = nodes
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(24).hex())
+    secret.chmod(0o600)
     log = tmp_path / "w.log"
     launched = _on(a, "launch", "--stdout", str(tmp_path / "w.out"), "--", sys.executable, str(STATEFUL), str(log), "128")
     assert launched.returncode == 0, launched.stderr
@@ -60,10 +62,11 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
     ticks = lambda: [int(ln.split()[1]) for ln in log.read_text().splitlines() if ln.startswith("tick ")]  # noqa: E731
     try:
         wait_until(lambda: log.exists() and len(ticks()) > 5, "the workload to run on node A")
-        env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret)}
+        env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret), "TPAGENT_TLS_DIR": str(node_certs(tmp_path, "a", "10.231.0.1"))}
+        env_b = {**env, "TPAGENT_TLS_DIR": str(node_certs(tmp_path, "b", "10.231.0.2"))}  # (A checks it names 10.231.0.2)
         receiver = subprocess.Popen(
             ["ip", "netns", "exec", b, sys.executable, "-m", "cli.main", "receive", "--listen", "10.231.0.2:7411", "--out", str(tmp_path / "on-b"), "--json", "--timeout", "120"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT, env=env_b, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
             assert receiver.stderr is not None

@@ -8,6 +8,7 @@ The source agent runs a whole migration (``Migrate``, driven by ``tpagent migrat
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ import psutil
 from snapshot import gpus, proc
 from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
-from tpagent import __version__, peer
+from tpagent import __version__, launch, peer
 from tpagent.config import AgentConfig
 from tpagent.migration import Journal, JournalError, Record, State, valid_id
 from tpagent.rpc import AgentServicer, pb
@@ -31,20 +32,10 @@ from transfer.api import TransferError
 log = logging.getLogger(__name__)
 
 
-def _is_launched(p: psutil.Process) -> bool:
-    """A `tpagent launch` namespace init."""
-    try:
-        cmd = p.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
-    return "tpagent.nsinit" in cmd
-
-
-
 class Agent(AgentServicer):  # type: ignore[misc]
     def __init__(self, cfg: AgentConfig, snapshot_config: SnapshotConfig = SnapshotConfig()) -> None:
         self.cfg = cfg
-        self.secret = cfg.secret()
+        self.creds = cfg.credentials()
         self.snapshot_config = snapshot_config
         self.journal = Journal(cfg.work_dir / "migrations")
         self.lock = threading.Lock()
@@ -79,18 +70,24 @@ class Agent(AgentServicer):  # type: ignore[misc]
     def migratable(self) -> list[Any]:
         out = []
         gpu_pids = {pid for g in gpus.inventory() for pid in g.pids}
-        for p in psutil.process_iter(["pid", "cmdline", "memory_info"]):
-            cmd = p.info["cmdline"] or []
+        allowed = set(self.cfg.allow_executables)
+        for p in psutil.process_iter(["pid", "cmdline", "memory_info", "exe", "uids"]):
+            # Only what a user cannot forge: NVML's GPU users, tpagent launch's records, the
+            # program the kernel runs (/proc/PID/exe); never the command line (exec -a).
+            exe = p.info["exe"] or ""
+            record = launch.launched(p.pid)
             why = ""
             if p.pid in gpu_pids:
                 why = "gpu"
-            elif _is_launched(p):
+            elif record is not None:
                 why = "launched"
-            elif any(a in " ".join(cmd) for a in self.cfg.allow_commands):
+            elif exe and (exe in allowed or os.path.basename(exe) in allowed):
                 why = "operator"
             if why and p.pid != 1:
                 rss = p.info["memory_info"].rss if p.info["memory_info"] else 0
-                out.append(pb.Process(pid=p.pid, cmdline=cmd, rss=rss, uses_gpu=p.pid in gpu_pids, why=why))
+                uid = p.info["uids"].real if p.info["uids"] else 0
+                out.append(pb.Process(pid=p.pid, cmdline=p.info["cmdline"] or [], rss=rss, uses_gpu=p.pid in gpu_pids, why=why,
+                                      uid=uid, owner=record.owner if record else -1))  # fmt: skip
         return out
 
     def ListProcesses(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -124,7 +121,7 @@ class Agent(AgentServicer):  # type: ignore[misc]
         if pid not in allowed:
             raise peer.Refused(
                 f"PID {pid} is not a migratable process on {self.cfg.node}: it does not use a GPU, was not started with "
-                "`tpagent launch`, and matches no allow_commands entry.",
+                "`tpagent launch`, and runs no program named in allow_executables.",
                 grpc.StatusCode.PERMISSION_DENIED,
             )
         try:
@@ -254,11 +251,14 @@ class Agent(AgentServicer):  # type: ignore[misc]
             r = self.journal.read(mid)
             assert r is not None
             if r.state is State.READY:
+                ours = peer.same_process_alive(r)  # (a record is never trusted to name a process)
                 if commit:
                     self.journal.move(r, State.DONE, why)
-                    start_copy(None, Path(r.snapshot), r.pid)
+                    if ours:
+                        start_copy(None, Path(r.snapshot), r.pid)
                 else:
-                    proc.kill_tree(r.pid)
+                    if ours:
+                        proc.kill_tree(r.pid)
                     self.journal.move(r, State.DISCARDED, why)
                 peer.remove(self.cfg, r.snapshot)
             return r

@@ -4,11 +4,15 @@
     node = "gpu-node-17"              # name in logs and metrics (default: the host name)
     listen = "0.0.0.0:7400"           # the agent's gRPC address
     advertise = "10.0.0.17"           # the address peers reach this node on (transfers)
-    secret_file = "/etc/tpagent/secret"
-    work_dir = "/var/lib/tpagent"     # journals and snapshots in flight (tmpfs is best)
+    secret_file = "/etc/tpagent/secret" # root's, mode 600: the cluster secret (same on every node)
+    tls_dir = "/etc/tpagent/tls"      # ca.crt, tls.crt, tls.key (mode 600): mutual TLS, cluster CA
+    health_listen = "0.0.0.0:7401"    # plain-text gRPC health Check only (probes); "" turns it off
+    work_dir = "/var/lib/tpagent"     # journals and snapshots in flight: root's, mode 700, created
+                                      # by the agent (an existing one owned by anyone else is refused)
     metrics_listen = "127.0.0.1:9400" # Prometheus text format; "" turns it off
     shared_paths = ["/shared"]        # expected on every node (checked, not copied)
-    allow_commands = ["train.py"]     # also migratable: processes whose command line contains one
+    allow_executables = ["/opt/venv/bin/python3"]  # also migratable: processes running one of these
+                                      # programs (/proc/PID/exe: a path, or a file name)
     memory_limit = 0                  # most bytes this node accepts in one migration (0: no limit)
     hold_timeout = 3600.0             # longest a frozen original waits for its copy to start
     takeover_after = 300.0            # a restored copy whose source agent stays unreachable this
@@ -16,6 +20,8 @@
     io_timeout = 30.0                 # a transfer stream silent this long is broken (and retried)
     transfer_port = 0                 # where this node receives snapshots (0: any free port)
     transfer_address = ""             # what peers connect to for it, if not advertise:port (NAT, proxy)
+    aliases = []                      # other names or addresses callers reach this agent by (NAT,
+                                      # proxy): calls signed for them are accepted; put them in tls.crt
     transport = "tcp"                 # or "ucx"
     streams = 4                       # parallel connections per transfer
     compress = "auto"
@@ -34,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from snapshot.api import UsageError
+from tpagent.rpc import Credentials
+from transfer.api import DEFAULT_TLS_DIR
 
 DEFAULT_FILE = Path("/etc/tpagent/agent.toml")
 
@@ -43,17 +51,20 @@ class AgentConfig:
     secret_file: Path
     node: str = field(default_factory=socket.gethostname)
     listen: str = "0.0.0.0:7400"
+    tls_dir: Path = DEFAULT_TLS_DIR
+    health_listen: str = "0.0.0.0:7401"
     advertise: str = ""
     work_dir: Path = Path("/var/lib/tpagent")
     metrics_listen: str = "127.0.0.1:9400"
     shared_paths: tuple[str, ...] = ()
-    allow_commands: tuple[str, ...] = ()
+    allow_executables: tuple[str, ...] = ()
     memory_limit: int = 0
     hold_timeout: float = 3600.0
     takeover_after: float = 300.0
     io_timeout: float = 30.0
     transfer_port: int = 0
     transfer_address: str = ""
+    aliases: tuple[str, ...] = ()
     transport: str = "tcp"
     streams: int = 4
     compress: str = "auto"
@@ -73,14 +84,14 @@ class AgentConfig:
         """Where peers reach this agent's gRPC service."""
         return f"{self.advertised_host}:{self.listen.rpartition(':')[2]}"
 
-    def secret(self) -> bytes:
-        try:
-            data = self.secret_file.read_bytes().strip()
-        except OSError as e:
-            raise UsageError(f"cannot read the cluster secret from {self.secret_file}: {e.strerror}.") from e
-        if len(data) < 16:
-            raise UsageError(f"the cluster secret in {self.secret_file} is shorter than 16 bytes; make it longer.")
-        return data
+    def credentials(self) -> Credentials:
+        return Credentials.load(self.secret_file, self.tls_dir)
+
+    @property
+    def audiences(self) -> set[str]:
+        """The names callers may address this agent by (a call signed for another is refused)."""
+        hosts = {self.node, self.advertised_host, self.listen.rpartition(":")[0].strip("[]"), socket.gethostname(), "localhost", "127.0.0.1", "::1", *self.aliases}
+        return {h.lower() for h in hosts if h and h not in ("0.0.0.0", "::")}
 
 
 def _convert(name: str, kind: Any, value: Any) -> Any:

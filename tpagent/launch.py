@@ -5,20 +5,76 @@ give back on restore can never collide with processes on the target node; the na
 gets its own /proc (hence a mount namespace), which CUDA needs to initialise inside it.
 The namespace's init is :mod:`tpagent.nsinit`.  The command returns once the init has
 started the workload (or says why it could not) and reports the init's PID (as seen from the node), which is what ``tpagent dump`` takes.
+
+Each launch leaves a record in a root-only directory (:data:`RECORDS`): the init's PID, start
+time and PID-namespace inode, and who launched it.  The agent treats a process as a launched
+workload only if such a record matches it (:func:`launched`): a command line can be forged by
+any user (``exec -a``), a record cannot.  A restore of a launched workload records its copy.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
 
 from snapshot.api import UsageError
+from snapshot.safefs import private_dir
+
+#: Where launch records live (root's, mode 700).
+RECORDS = Path("/run/tpagent/launched")
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    pid: int
+    create_time: float
+    pidns: int  # the inode of its PID namespace (/proc/PID/ns/pid)
+    owner: int  # the UID that launched it (SUDO_UID under sudo), -1 if unknown
+    uid: int  # the UID it runs as
+
+
+def _pidns(pid: int) -> int:
+    return os.stat(f"/proc/{pid}/ns/pid").st_ino
+
+
+def register(pid: int, owner: int = -1, records: Path = RECORDS) -> LaunchRecord:
+    """Record ``pid`` (a namespace init we started, or restored) as a launched workload."""
+    p = psutil.Process(pid)
+    rec = LaunchRecord(pid, p.create_time(), _pidns(pid), owner, p.uids().real)
+    directory = private_dir(records)
+    tmp = directory / f".{pid}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(rec), f)
+    tmp.rename(directory / f"{pid}.json")
+    for old in directory.glob("*.json"):  # records of workloads that have ended go
+        if old.stem.isdigit() and launched(int(old.stem), records) is None:
+            old.unlink(missing_ok=True)
+    return rec
+
+
+def launched(pid: int, records: Path = RECORDS) -> LaunchRecord | None:
+    """The launch record of ``pid`` if it is that very process (same start time, same PID
+    namespace), else None.  Records are read only from the root-only directory."""
+    path = records / f"{pid}.json"
+    try:
+        st = os.stat(records)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return None  # (not ours: planted, never trusted)
+        rec = LaunchRecord(**json.loads(path.read_text()))
+        if rec.pid != pid or psutil.Process(pid).create_time() != rec.create_time or _pidns(pid) != rec.pidns:
+            return None
+        return rec
+    except (OSError, ValueError, TypeError, psutil.Error):
+        return None
 
 
 def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0) -> int:
@@ -66,4 +122,5 @@ def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0) ->
     children = psutil.Process(holder.pid).children()
     if not children:
         raise UsageError("the workload exited at once; see its --stdout/--stderr files.")
+    register(children[0].pid, owner=int(os.environ.get("SUDO_UID", os.getuid())))
     return children[0].pid

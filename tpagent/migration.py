@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from snapshot.safefs import private_dir, private_opener
+
 log = logging.getLogger(__name__)
 
 
@@ -128,7 +130,7 @@ class Record:
 class Journal:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+        private_dir(directory)  # root's alone: a record is trusted to name processes
 
     def path(self, migration_id: str) -> Path:
         if not valid_id(migration_id):
@@ -137,7 +139,7 @@ class Journal:
 
     def write(self, record: Record) -> None:
         tmp = self.path(record.migration_id).with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        with open(tmp, "w") as f:
+        with open(tmp, "w", opener=private_opener) as f:
             json.dump(record.to_json(), f)
             f.flush()
             os.fsync(f.fileno())

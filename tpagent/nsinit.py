@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
         os.dup2(devnull, 0)
         os.close(devnull)
         for fd, path in ((1, stdout_path), (2, stderr_path)):
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)  # (root: never via a planted symlink)
             os.dup2(target, fd)
             os.close(target)
         child = subprocess.Popen(cmd, close_fds=True)

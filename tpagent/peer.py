@@ -4,7 +4,6 @@ client sees, and how to tell that a CRIU still works on a snapshot."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from pathlib import Path
@@ -13,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import psutil
 
-from snapshot import proc
+from snapshot import criu
 from tpagent.config import AgentConfig
 from tpagent.migration import Record
 from tpagent.rpc import pb
-from transfer.api import MAX_STREAMS, Compress, TransferConfig, Transport
+from transfer.api import MAX_STREAMS, Compress, TlsFiles, TransferConfig, Transport
 from transfer.tcp import TcpTransport
 
 if TYPE_CHECKING:
@@ -41,13 +40,13 @@ def transport(cfg: AgentConfig) -> Transport:
     if cfg.transport == "ucx":
         from transfer.ucx import UcxTransport
 
-        return UcxTransport(cfg.io_timeout)
-    return TcpTransport(cfg.io_timeout)
+        return UcxTransport(cfg.io_timeout)  # (authenticated, not encrypted: see transfer/ucx.py)
+    return TcpTransport(cfg.io_timeout, tls=TlsFiles.in_dir(cfg.tls_dir))  # mutual TLS, the agent's certificates
 
 
 def transfer_config(agent: Agent) -> TransferConfig:
     t = agent.cfg.io_timeout
-    return TransferConfig(secret=agent.secret, compress=Compress(agent.cfg.compress), io_timeout=t, connect_timeout=min(10.0, t),
+    return TransferConfig(secret=agent.creds.secret, compress=Compress(agent.cfg.compress), io_timeout=t, connect_timeout=min(10.0, t),
                           streams=max(1, min(MAX_STREAMS, agent.cfg.streams)))  # fmt: skip
 
 
@@ -57,30 +56,22 @@ def status_of(r: Record) -> Any:
 
 
 
-def wait_released(snap: Path, seconds: float | None = 30.0) -> None:
-    """Until no CRIU works on ``snap`` any more (its hook took the decision)."""
+def wait_released(work: Path, seconds: float | None = 30.0) -> None:
+    """Until the CRIU working in ``work`` (its -W directory: a dump's ``SNAPSHOT/log``, a
+    restore's work directory) has ended (a dump's: once its hook took the decision)."""
     deadline = None if seconds is None else time.monotonic() + seconds
     while deadline is None or time.monotonic() < deadline:
-        if not criu_running_on(str(snap)):
+        if not criu.running_in(work):
             return
         time.sleep(0.1)
 
 
-def criu_running_on(path: str) -> bool:
-    """Whether a CRIU (or whatever wraps it) still runs with ``path`` in its arguments."""
-    me = os.getpid()
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if p.info["pid"] != me and any(path in c for c in cmd[1:]):
-            return True
-    return False
-
-
 def same_process_alive(r: Record) -> bool:
     """Whether the record's process (source: the original; target: the copy) still exists,
-    and is the same one, not a process that reused its PID."""
+    and is the same one, not a process that reused its PID.  A record without a start time
+    names no process: it is never trusted to (the agent signals what this says is there)."""
     try:
-        return psutil.Process(r.pid).create_time() == r.create_time if r.create_time else proc.alive(r.pid)
+        return bool(r.pid and r.create_time) and psutil.Process(r.pid).create_time() == r.create_time
     except psutil.NoSuchProcess:
         return False
 

@@ -1,9 +1,25 @@
-"""gRPC plumbing shared by the agent and its clients: the generated API, and authentication.
+"""gRPC plumbing shared by the agent and its clients: the generated API, TLS, and authentication.
 
-Every call carries ``x-tpagent-auth: TS.NONCE.MAC`` with MAC = HMAC-SHA256(secret, METHOD
-TS NONCE SHA256(request)), the request serialised deterministically.  The server refuses a
-call whose MAC is wrong, whose TS is more than :data:`SKEW` seconds off, or whose NONCE it
-has seen in that window (a replay); it logs each refusal.  Only grpc.health.v1 is open.
+Every connection is mutual TLS with certificates of the cluster CA (:class:`Credentials`):
+only a node with such a certificate can connect, every answer comes from the node the
+client dialled (its certificate names it), and nothing crosses the network in clear.
+
+On top, every call proves the cluster secret (a certificate from a site-wide CA alone does
+not make a peer a member)::
+
+    x-tpagent-auth  ::= "v2." TS "." NONCE "." CALL_MAC     TS: Unix milliseconds; NONCE: 24 hex
+    x-tpagent-body  ::= BODY_MAC
+    CALL_MAC ::= HMAC-SHA256(secret, "call" 0 METHOD 0 AUDIENCE 0 TS 0 NONCE)
+    BODY_MAC ::= HMAC-SHA256(secret, "body" 0 CALL_MAC 0 SHA256(request, deterministic))
+
+AUDIENCE is the host the client dialled, so a call signed for one node is refused by every
+other.  The server checks CALL_MAC from the metadata alone, before it reads the request,
+so a caller without the secret never holds one of its worker threads (the calls that never
+send their request, which once stalled the whole API, are refused at once).  It then refuses
+a TS more than :data:`SKEW` seconds off or older than the agent's own start (a call
+captured before a restart stays dead), and a NONCE seen before; BODY_MAC binds the request.
+Each refusal is logged with the peer and counted.  Only ``grpc.health.v1.Health/Check`` is
+open, and it is answered without reading its request (a probe always gets an answer).
 """
 
 from __future__ import annotations
@@ -16,29 +32,92 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from snapshot.api import UsageError
+from snapshot.safefs import read_private_file
 from tpagent.proto import load
+from transfer.api import TlsFiles
 
 pb, pb_grpc = load()
 AgentServicer: Any = pb_grpc.AgentServicer
 log = logging.getLogger(__name__)
 
 HEADER = "x-tpagent-auth"
+BODY_HEADER = "x-tpagent-body"
+VERSION = "v2"
 SKEW = 60.0
 MAX_MESSAGE = 16 << 20  # bounded inputs: no call carries more
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+#: Per connection: a client multiplexes at most this many calls on one connection.
+MAX_STREAMS_PER_CONNECTION = 32
+MIN_SECRET = 16
 
 
-def _mac(secret: bytes, method: str, ts: str, nonce: str, request: Any) -> str:
-    body = hashlib.sha256(request.SerializeToString(deterministic=True)).digest()
-    return hmac.new(secret, b"\0".join([method.encode(), ts.encode(), nonce.encode(), body]), hashlib.sha256).hexdigest()
+@dataclass(frozen=True)
+class Credentials:
+    """What a node proves itself with: the cluster secret and its TLS certificate."""
+
+    secret: bytes = field(repr=False)
+    tls: TlsFiles
+    ca: bytes = field(repr=False)
+    cert: bytes = field(repr=False)
+    key: bytes = field(repr=False)
+
+    @classmethod
+    def load(cls, secret_file: Path, tls_dir: Path) -> Credentials:
+        """Read and check both (the secret and the key: private files of ours), or UsageError."""
+        secret = read_private_file(secret_file, "the cluster secret").strip()
+        if len(secret) < MIN_SECRET:
+            raise UsageError(f"the cluster secret in {secret_file} is shorter than {MIN_SECRET} bytes; make it longer.")
+        files = TlsFiles.in_dir(tls_dir)
+        key = read_private_file(files.key, "the TLS private key")
+        try:
+            ca, cert = files.ca.read_bytes(), files.cert.read_bytes()
+        except OSError as e:
+            raise UsageError(
+                f"cannot read the TLS certificate {e.filename}: {e.strerror}; put the cluster CA (ca.crt) and this node's "
+                f"certificate (tls.crt, tls.key) in {tls_dir} (scripts/make-certs.sh makes them, or cert-manager)."
+            ) from e
+        return cls(secret, files, ca, cert, key)
 
 
-def token(secret: bytes, method: str, request: Any) -> str:
-    ts, nonce = str(int(time.time() * 1000)), os.urandom(12).hex()  # milliseconds
-    return f"{ts}.{nonce}.{_mac(secret, method, ts, nonce, request)}"
+def _hmac(secret: bytes, *parts: str | bytes) -> str:
+    data = b"\0".join(p.encode() if isinstance(p, str) else p for p in parts)
+    return hmac.new(secret, data, hashlib.sha256).hexdigest()
+
+
+def _body_mac(secret: bytes, call_mac: str, request: Any) -> str:
+    return _hmac(secret, "body", call_mac, hashlib.sha256(request.SerializeToString(deterministic=True)).digest())
+
+
+def sign(secret: bytes, method: str, audience: str, request: Any) -> list[tuple[str, str]]:
+    """The metadata that authenticates one call of ``method`` on the agent at ``audience``."""
+    ts, nonce = str(int(time.time() * 1000)), os.urandom(12).hex()
+    call_mac = _hmac(secret, "call", method, audience, ts, nonce)
+    return [(HEADER, f"{VERSION}.{ts}.{nonce}.{call_mac}"), (BODY_HEADER, _body_mac(secret, call_mac, request))]
+
+
+def audience_of(address: str) -> str:
+    """The host part of HOST:PORT (brackets of [v6] removed), lower case."""
+    return address.rpartition(":")[0].strip("[]").lower()
+
+
+#: Why a call was refused: the metrics label, and what the log and the caller are told.
+REASONS = {
+    "no_credentials": "no credentials",
+    "wrong_secret": "a wrong cluster secret, or a call signed for another node",
+    "stale": "a stale timestamp (clocks apart, or a replay)",
+    "before_start": "a call signed before this agent started (a replay)",
+    "replay": "a replayed call",
+    "wrong_body": "a request that is not the one signed",
+    "streaming": "a streaming request, which no method of this API takes",
+}
 
 
 class _Replays:
@@ -59,40 +138,108 @@ class _Replays:
             return True
 
 
-class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
-    def __init__(self, secret: bytes) -> None:
-        self.secret = secret
-        self.replays = _Replays()
+def _on_pool(behavior: Callable[..., Any], pool: futures.ThreadPoolExecutor) -> Callable[..., Any]:
+    """``behavior`` run on ``pool`` rather than the server's (grpc's per-handler pool hook)."""
 
-    def check(self, method: str, request: Any, context: grpc.ServicerContext) -> None:
-        value = dict(context.invocation_metadata()).get(HEADER, "")
-        peer = context.peer()
-        parts = str(value).split(".")
-        ts, nonce, mac = parts if len(parts) == 3 and parts[0].isdigit() else ("0", "", "")
-        now = time.time()
-        reason = None
-        if not mac:
-            reason = "no credentials"
-        elif not hmac.compare_digest(mac, _mac(self.secret, method, ts, nonce, request)):
-            reason = "a wrong cluster secret"
-        elif abs(now - int(ts) / 1000) > SKEW:
-            reason = "a stale timestamp (clocks apart, or a replay)"
-        elif not self.replays.fresh(nonce, now):
-            reason = "a replayed call"
-        if reason is not None:
-            log.warning("refused %s from %s: %s", method, peer, reason)
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"tpagent refused the call: {reason}")
+    def run(*args: Any) -> Any:
+        return behavior(*args)
+
+    run.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return run
+
+
+class Health:
+    """grpc.health.v1 Check, answered without reading the request: a probe that never sends
+    one cannot hold a thread, and a busy API pool never delays a probe (a pool of its own)."""
+
+    def __init__(self) -> None:
+        self.serving = False
+        self.pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health")
+
+    def handler(self) -> Any:
+        from grpc_health.v1 import health_pb2
+
+        def check(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            status = health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            return health_pb2.HealthCheckResponse(status=status)
+
+        return grpc.stream_unary_rpc_method_handler(_on_pool(check, self.pool), response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
+
+
+class HealthOnly(grpc.ServerInterceptor):  # type: ignore[misc]
+    """The plain-text probe port (Kubernetes' gRPC probes speak no TLS): Check and nothing else."""
+
+    def __init__(self, health: Health) -> None:
+        self.health = health
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
-        handler = continuation(details)
-        if handler is None or details.method.startswith("/grpc.health.v1."):
-            return handler
+        return self.health.handler() if details.method == HEALTH_CHECK else None
+
+
+class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """See the module docstring.  ``audiences``: the names this agent answers to;
+    ``refused(reason)`` is called for each refusal (metrics)."""
+
+    def __init__(self, secret: bytes, audiences: set[str], health: Health, refused: Callable[[str], None] = lambda reason: None) -> None:
+        self.secret = secret
+        self.audiences = {a.lower() for a in audiences if a}
+        self.health = health
+        self.refused = refused
+        self.replays = _Replays()
+        self.started_ms = int(time.time() * 1000)
+        # Refusals run on a pool of their own: they never wait for the busy API pool.
+        self.reject_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpc-refuse")
+
+    def _check_call(self, method: str, metadata: dict[str, str]) -> str | None:
+        parts = str(metadata.get(HEADER, "")).split(".")
+        if len(parts) != 4 or parts[0] != VERSION or not parts[1].isdigit():
+            return "no_credentials"
+        _, ts, nonce, mac = parts
+        if not any(hmac.compare_digest(mac, _hmac(self.secret, "call", method, a, ts, nonce)) for a in self.audiences):
+            return "wrong_secret"
+        now = time.time()
+        if abs(now - int(ts) / 1000) > SKEW:
+            return "stale"
+        if int(ts) < self.started_ms:
+            return "before_start"
+        if not self.replays.fresh(nonce, now):
+            return "replay"
+        return None
+
+    def _refuse(self, method: str, reason: str, context: grpc.ServicerContext) -> None:
+        log.warning("refused %s from %s: %s", method, context.peer(), REASONS[reason])
+        self.refused(reason)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"the agent refused the call: {REASONS[reason]}")
+
+    def _reject(self, method: str, reason: str) -> Any:
+        """A handler that refuses at once, never reading the request (which may never come)."""
+
+        def reject(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            self._refuse(method, reason, context)
+
+        return grpc.stream_unary_rpc_method_handler(_on_pool(reject, self.reject_pool))
+
+    def _check_body(self, method: str, request: Any, context: grpc.ServicerContext) -> None:
+        md = dict(context.invocation_metadata())
+        call_mac = str(md.get(HEADER, "")).rpartition(".")[2]
+        if not hmac.compare_digest(str(md.get(BODY_HEADER, "")), _body_mac(self.secret, call_mac, request)):
+            self._refuse(method, "wrong_body", context)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         method = details.method
+        if method == HEALTH_CHECK:
+            return self.health.handler()
+        reason = self._check_call(method, dict(details.invocation_metadata or ()))
+        if reason is not None:
+            return self._reject(method, reason)
+        handler = continuation(details)
+        if handler is None:
+            return None
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
 
             def uu(request: Any, context: grpc.ServicerContext) -> Any:
-                self.check(method, request, context)
+                self._check_body(method, request, context)
                 return inner_uu(request, context)
 
             return handler._replace(unary_unary=uu)
@@ -100,19 +247,20 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             inner_us = handler.unary_stream
 
             def us(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                self.check(method, request, context)
+                self._check_body(method, request, context)
                 yield from inner_us(request, context)
 
             return handler._replace(unary_stream=us)
-        return handler
+        return self._reject(method, "streaming")  # default: deny
 
 
 class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, audience: str) -> None:
         self.secret = secret
+        self.audience = audience
 
     def _details(self, details: Any, request: Any) -> Any:
-        metadata = [*(details.metadata or []), (HEADER, token(self.secret, details.method, request))]
+        metadata = [*(details.metadata or []), *sign(self.secret, details.method, self.audience, request)]
         return _Details(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression)
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
@@ -126,11 +274,30 @@ class _Details(collections.namedtuple("_Details", "method timeout metadata crede
     pass
 
 
-def channel(address: str, secret: bytes) -> grpc.Channel:
-    """An authenticated channel to an agent (plain TCP: the cluster network; every call signed)."""
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
-    return grpc.intercept_channel(grpc.insecure_channel(address, options=options), _ClientAuth(secret))
+def _options() -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
 
 
-def stub(address: str, secret: bytes) -> Any:
-    return pb_grpc.AgentStub(channel(address, secret))
+def channel(address: str, creds: Credentials) -> grpc.Channel:
+    """A mutual-TLS channel to an agent, every call signed for that agent."""
+    tls = grpc.ssl_channel_credentials(root_certificates=creds.ca, private_key=creds.key, certificate_chain=creds.cert)
+    return grpc.intercept_channel(grpc.secure_channel(address, tls, options=_options()), _ClientAuth(creds.secret, audience_of(address)))
+
+
+def stub(address: str, creds: Credentials) -> Any:
+    return pb_grpc.AgentStub(channel(address, creds))
+
+
+def server(creds: Credentials, interceptor: AuthInterceptor, workers: int = 32) -> tuple[grpc.Server, grpc.ServerCredentials]:
+    """The agent's gRPC server (not started) and its TLS credentials (client certificates
+    of the cluster CA required).  At most ``workers`` calls run at once; more are refused
+    at once (RESOURCE_EXHAUSTED), never queued."""
+    srv = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
+        interceptors=[interceptor],
+        # A connection that has not finished its TLS handshake in 10 s is closed.
+        options=[*_options(), ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION), ("grpc.server_handshake_timeout_ms", 10_000)],
+        maximum_concurrent_rpcs=workers + 8,  # (+ refusals and probes, brief)
+    )
+    tls = grpc.ssl_server_credentials([(creds.key, creds.cert)], root_certificates=creds.ca, require_client_auth=True)
+    return srv, tls

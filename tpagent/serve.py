@@ -1,8 +1,10 @@
 """``tpagent serve``: run the node agent until SIGTERM/SIGINT.
 
-On start it recovers the migrations a previous run left half-way (see
-:meth:`tpagent.agent.Agent.recover`), then serves the Agent API (every call authenticated)
-and grpc.health.v1, and exposes Prometheus metrics.  On SIGTERM: health NOT_SERVING, then
+On start it sets the umask to 077, makes sure its work directory is its own (created 0700,
+or refused), recovers the migrations a previous run left half-way (see
+:meth:`tpagent.agent.Agent.recover`), then serves the Agent API (mutual TLS, every call
+authenticated: :mod:`tpagent.rpc`), grpc.health.v1 Check on a plain-text port of its own
+for probes, and Prometheus metrics.  On SIGTERM: health NOT_SERVING, then
 ``server.stop(grace)``, then ``wait_for_termination``.
 """
 
@@ -10,18 +12,20 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
-from concurrent import futures
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import start_http_server
 
 from snapshot.api import SnapshotConfig, UsageError
+from snapshot.safefs import private_dir
+from tpagent import metrics
 from tpagent.agent import Agent
 from tpagent.config import AgentConfig
-from tpagent.rpc import MAX_MESSAGE, AuthInterceptor, pb_grpc
+from tpagent.rpc import AuthInterceptor, Health, HealthOnly, pb_grpc
+from tpagent.rpc import server as rpc_server
 
 log = logging.getLogger(__name__)
 GRACE = 30.0
@@ -54,19 +58,28 @@ def serve(cfg: AgentConfig, ready: threading.Event | None = None, stop: threadin
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())  # only a flag: shutdown happens below
-    cfg.work_dir.mkdir(parents=True, exist_ok=True)
+    umask = os.umask(0o077)  # snapshots are someone's whole memory: nothing we write is for others
+    try:
+        _serve(cfg, ready, stop)
+    finally:
+        os.umask(umask)
+
+
+def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Event) -> None:
+    private_dir(cfg.work_dir)
     agent = Agent(cfg, SnapshotConfig())
     agent.recover()
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="rpc"),
-        interceptors=[AuthInterceptor(agent.secret)],
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)],
-    )
+    health = Health()
+    interceptor = AuthInterceptor(agent.creds.secret, cfg.audiences, health, lambda reason: metrics.REFUSED.labels("rpc", reason).inc())
+    server, tls = rpc_server(agent.creds, interceptor)
     pb_grpc.add_AgentServicer_to_server(agent, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(cfg.listen) == 0:
+    if server.add_secure_port(cfg.listen, tls) == 0:
         raise UsageError(f"cannot listen on {cfg.listen}; is another agent running there?")
+    probes = None
+    if cfg.health_listen:
+        probes = grpc.server(health.pool, interceptors=[HealthOnly(health)], maximum_concurrent_rpcs=64)
+        if probes.add_insecure_port(cfg.health_listen) == 0:
+            raise UsageError(f"cannot serve health checks on {cfg.health_listen}; is another agent running there?")
     if cfg.metrics_listen:
         host, _, port = cfg.metrics_listen.rpartition(":")
         try:
@@ -74,16 +87,18 @@ def serve(cfg: AgentConfig, ready: threading.Event | None = None, stop: threadin
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot serve metrics on {cfg.metrics_listen}: {e}") from e
     server.start()
-    for name in ("", "tpagent.v1.Agent"):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving on %s", cfg.listen, extra={"node": cfg.node})
+    if probes is not None:
+        probes.start()
+    health.serving = True
+    log.info("serving on %s (mutual TLS)", cfg.listen, extra={"node": cfg.node})
     if ready is not None:
         ready.set()
     try:
         stop.wait()
     finally:
-        for name in ("", "tpagent.v1.Agent"):
-            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        health.serving = False
         server.stop(GRACE)
         server.wait_for_termination(GRACE)
+        if probes is not None:
+            probes.stop(0)
         log.info("stopped", extra={"node": cfg.node})

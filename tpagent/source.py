@@ -23,6 +23,7 @@ import psutil
 from snapshot import engine, gpus, hook, proc
 from snapshot.api import DumpMode, SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
+from snapshot.safefs import private_dir
 from tpagent import __version__, metrics, peer
 from tpagent.migration import FINAL, Record, State
 from tpagent.rpc import pb, stub
@@ -96,7 +97,7 @@ class SourceMigration:
         metrics.STAGE.labels(name).observe(self.timings[name])
 
     def run(self) -> None:
-        target = stub(self.target, self.agent.secret)
+        target = stub(self.target, self.agent.creds)
         outcome = "failed"
         try:
             self.emit("checking both nodes")
@@ -211,7 +212,7 @@ class SourceMigration:
         cfg = self.agent.cfg
         config = SnapshotConfig(criu=self.agent.snapshot_config.criu, timeouts=self.agent.snapshot_config.timeouts,
                                 hold=cfg.hold_timeout)  # fmt: skip
-        self.snapshot.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.snapshot.parent)
         held = self.snapshot / "log" / hook.HELD_FILE
         t0 = self.freeze_t0 = time.monotonic()
 
@@ -366,7 +367,7 @@ def _commit(agent: Agent, r: Record, target: Any, dump_thread: threading.Thread 
                 _let_original_go(snap, dump_thread)
                 if dump_thread is None:
                     hook.decide(snap, commit=False)
-                    peer.wait_released(snap)
+                    peer.wait_released(snap / engine.LOG_DIR)
                 agent.journal.move(r, State.ROLLED_BACK, "the target dropped its copy; the original was resumed")
                 peer.remove(agent.cfg, snap)
                 return "rolled_back"
@@ -379,7 +380,7 @@ def _commit(agent: Agent, r: Record, target: Any, dump_thread: threading.Thread 
     if dump_thread is not None:
         dump_thread.join()
     else:
-        peer.wait_released(snap, None)
+        peer.wait_released(snap / engine.LOG_DIR, None)
     if peer.same_process_alive(r):  # CRIU could not end it (it died): end it here
         proc.kill_tree(r.pid)
     peer.remove(agent.cfg, snap)
@@ -415,7 +416,7 @@ def resolve_source(agent: Agent, r: Record) -> None:
     """Bring a source migration to an end (after a restart, or when the target went quiet):
     commit if the copy runs and was meant to, else roll back once no copy can run.  Waits as
     long as it must: the original stays frozen meanwhile, never resumed on a guess."""
-    target = stub(r.peer, agent.secret)
+    target = stub(r.peer, agent.creds)
     snap = Path(r.snapshot)
     delay = 1.0
     while r.state not in FINAL:
@@ -444,7 +445,7 @@ def resolve_source(agent: Agent, r: Record) -> None:
             _tell_target_abort(target, r.migration_id)
             if snap.joinpath("log").is_dir():
                 hook.decide(snap, commit=False)  # the hook still holds the tree: CRIU rolls it back
-            peer.wait_released(snap, None)
+            peer.wait_released(snap / engine.LOG_DIR, None)
             _resume_leftovers(r)
             peer.remove(agent.cfg, snap)
             agent.journal.move(r, State.ROLLED_BACK, "rolled back after the agent restarted; the original runs where it stood")
@@ -460,6 +461,8 @@ def resolve_source(agent: Agent, r: Record) -> None:
 
 def _resume_leftovers(r: Record) -> None:
     """What a dead CRIU may have left stopped runs again; the GPU side is given back."""
+    if not peer.same_process_alive(r):
+        return  # gone (or its PID now someone else's): nothing of ours to resume
     pids = proc.tree_pids(r.pid)
     if not pids:
         return

@@ -12,7 +12,8 @@ import grpc
 import psutil
 
 from snapshot import engine, proc
-from tpagent import metrics, peer
+from snapshot.safefs import private_dir
+from tpagent import launch, metrics, peer
 from tpagent.migration import FINAL, JournalError, Record, State
 from tpagent.rpc import pb, stub
 from transfer.api import TransferError, TransferStats
@@ -31,8 +32,9 @@ class Incoming:
     def __init__(self, agent: Agent, mid: str, source: str, source_agent: str = "") -> None:
         self.agent = agent
         self.dir = agent.cfg.work_dir / "incoming" / mid
-        self.dir.parent.mkdir(parents=True, exist_ok=True)
-        self.receiver = Receiver(peer.transport(agent.cfg), peer.transfer_config(agent), f"{agent.cfg.advertised_host}:{agent.cfg.transfer_port}")
+        private_dir(self.dir.parent)
+        self.receiver = Receiver(peer.transport(agent.cfg), peer.transfer_config(agent), f"{agent.cfg.advertised_host}:{agent.cfg.transfer_port}",
+                                 on_refused=lambda reason: metrics.REFUSED.labels("transfer", reason).inc())  # fmt: skip
         self.address = agent.cfg.transfer_address or self.receiver.address
         self.record = Record(mid, "target", State.RECEIVING, peer=source, snapshot=str(self.dir), peer_agent=source_agent)
         agent.journal.write(self.record)
@@ -138,7 +140,7 @@ def await_source(agent: Agent, mid: str) -> None:
         return
     if limit <= 0 or r is None or not r.peer_agent:
         return
-    source = stub(r.peer_agent, agent.secret)
+    source = stub(r.peer_agent, agent.creds)
     silent_since = time.monotonic()
     while True:
         time.sleep(min(5.0, max(limit / 4, 0.1)))
@@ -175,6 +177,8 @@ def start_copy(result: engine.RestoreResult | None, snapshot: Path, pid: int) ->
 
         result = engine.RestoreResult(pid, tuple(proc.tree_pids(pid)), load(snapshot), {})
     engine.start_restored(result)
+    if result.manifest.namespace:
+        launch.register(result.pid)  # a launched workload here too, under its new PID
 
 
 

@@ -1,0 +1,340 @@
+"""Paths a root process uses on a user's behalf, checked against planted directories and symlinks.
+
+tpagent runs as root on nodes that other users share.  Every directory it writes into is one
+it created itself with mode 0700, or an existing one of its own (owned by the user running
+tpagent, writable by no one else, or else empty; made 0700 before use) reached through
+directories no other user can change and no symlink but root's: a directory planted by
+someone else (their own ``log/`` swapped in, say) is refused in one sentence.  Secrets and private keys are read only from files private to the same user.
+
+Carried files (what a checkpointed process had open, taken along in its snapshot) are read
+by the dump and written back by the restore, both as root, along a path that a user may
+control: it is walked from "/" one directory fd at a time with O_NOFOLLOW, so no symlink on
+it is ever followed, and the file's directory must belong to root or to the file's owner.
+A file put back is created anew (O_EXCL) and handed to its owner before it gets its mode,
+which never includes setuid/setgid bits.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import IO
+
+from snapshot.api import UsageError
+
+log = logging.getLogger(__name__)
+
+PRIVATE = 0o700
+
+
+def _safe_ancestors(path: Path) -> None:
+    """Nobody but root (or us) can replace any directory on the way to ``path``.
+
+    A symlink on the way must belong to root; each real ancestor must belong to root or to
+    us and be writable by nobody else, unless it is sticky (/tmp, /dev/shm): there others
+    may add names, but not move ours."""
+    me = os.geteuid()
+    partial = Path(path.anchor)
+    for part in path.parent.parts[1:]:
+        partial = partial / part
+        try:
+            st = os.lstat(partial)
+        except FileNotFoundError:
+            return  # created by us below
+        if stat.S_ISLNK(st.st_mode) and st.st_uid != 0:
+            raise UsageError(f"{partial} is a symlink owned by UID {st.st_uid}; give a path without it.")
+    for ancestor in [Path(os.path.realpath(path.parent)), *Path(os.path.realpath(path.parent)).parents]:
+        try:
+            st = os.stat(ancestor)
+        except FileNotFoundError:
+            continue
+        writable_by_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if st.st_uid not in (0, me) or (writable_by_others and not st.st_mode & stat.S_ISVTX):
+            raise UsageError(
+                f"{ancestor} can be changed by other users (owner UID {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}), "
+                f"so {path} under it is not safe for tpagent to use; give a path in a directory only root can change."
+            )
+
+
+def check_private_dir(path: Path, empty: bool = False) -> None:
+    """``path`` is a real directory (no symlink) of ours, which nobody else could have written
+    to (and which is empty, if ``empty``); its mode is then made 0700 if it was looser."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UsageError(f"{path} exists and is not a directory; give a new directory.")
+    if st.st_uid != os.geteuid() or (st.st_mode & 0o022 and not empty):
+        raise UsageError(
+            f"{path} already exists with owner UID {st.st_uid} and mode {stat.S_IMODE(st.st_mode):o}; tpagent only uses "
+            f"a directory of its own that no one else could write to (they could plant files in it): remove it or give a new one."
+        )
+    if st.st_mode & 0o077:
+        os.chmod(path, PRIVATE, follow_symlinks=False)  # ours: shut it before looking inside
+    if empty and os.listdir(path):
+        raise UsageError(f"output directory {path} is not empty; give an empty or new directory.")
+
+
+def private_dir(path: Path, empty: bool = False, create: bool = True) -> Path:
+    """Create ``path`` (and any missing parents) with mode 0700, or accept an existing one
+    only as :func:`check_private_dir` says.  ``create`` False: only check what exists (a
+    refusal before anything is done).  Returns the path, made absolute."""
+    path = Path(os.path.abspath(path))
+    _safe_ancestors(path)
+    missing = [p for p in [path, *path.parents] if not os.path.lexists(p)]
+    if not create:
+        if path not in missing:
+            check_private_dir(path, empty=empty)
+        return path
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, PRIVATE)
+        except FileExistsError:
+            pass  # someone was quicker: checked below like any existing directory
+        except OSError as e:
+            raise UsageError(f"cannot create {p}: {e.strerror}.") from e
+        else:
+            os.chmod(p, PRIVATE, follow_symlinks=False)  # (the umask may have taken bits; never added any)
+    try:
+        check_private_dir(path, empty=empty)
+    except FileNotFoundError as e:
+        raise UsageError(f"{path} vanished while tpagent was creating it.") from e
+    return path
+
+
+def _trusted_realpath(path: Path, hops: int = 40) -> Path:
+    """``path`` with its symlinks resolved, each of which must belong to root (as a Kubernetes
+    Secret volume's ``tls.key -> ..data/tls.key`` chain does); a user's symlink is refused."""
+    todo, at = list(Path(os.path.abspath(path)).parts[1:]), Path("/")
+    while todo:
+        name = todo.pop(0)
+        nxt = at.parent if name == ".." else at / name
+        st = os.lstat(nxt)
+        if not stat.S_ISLNK(st.st_mode):
+            at = nxt
+            continue
+        hops -= 1
+        if st.st_uid != 0 or hops < 0:
+            raise UsageError(f"{nxt} is a symlink owned by UID {st.st_uid} (or one of too many); give the file's real path.")
+        target = Path(os.readlink(nxt))
+        todo = [*target.parts[1 if target.is_absolute() else 0 :], *todo]
+        at = Path("/") if target.is_absolute() else at
+    return at
+
+
+def open_private_file(path: Path, what: str) -> int:
+    """An fd of a secret or a private key, checked: the file must be ours and 0600 or
+    stricter, reached through directories no other user can change (symlinks: root's only).
+    Read what was checked through this fd (``/proc/self/fd/N`` for a library that wants a path)."""
+    try:
+        real = _trusted_realpath(path)
+        _safe_ancestors(real)
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise UsageError(f"cannot read {what} from {path}: {e.strerror}.") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        owner = "root" if os.geteuid() == 0 else f"UID {os.geteuid()}"
+        raise UsageError(
+            f"{what} in {path} must be a file owned by {owner} with mode 600 or stricter (it has owner UID "
+            f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); run: chown {os.geteuid()} {path} && chmod 600 {path}"
+        )
+    return fd
+
+
+def read_private_file(path: Path, what: str) -> bytes:
+    """The bytes of a secret or a private key (see :func:`open_private_file`)."""
+    with os.fdopen(open_private_file(path, what), "rb") as f:
+        return f.read(1 << 20)
+
+
+def private_opener(path: str, flags: int) -> int:
+    """``open(path, mode, opener=private_opener)``: a new file is 0600 whatever the umask,
+    and the last component is never a symlink."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+# Carried files: what a process had open, read (dump) and written back (restore) by root.
+# Every path is walked from "/" one component at a time with O_NOFOLLOW, so no symlink is
+# ever followed, and each step acts on the directory fd it reached, not on a name again.
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: A directory the restore creates on the way to a carried file (as root's ``mkdir -p``).
+CREATED_DIR = 0o755
+_CHUNK = 1 << 20
+
+
+def _symlink_refused(at: Path, path: Path) -> UsageError:
+    where = "" if at == path else f" on the way to {path}"
+    return UsageError(
+        f"{at} is a symlink{where}, and tpagent (as root) follows no symlink to a file it carries: "
+        "use the file's real path, or remove the link."
+    )
+
+
+def _step_failed(e: OSError, dir_fd: int, name: str, at: Path, path: Path, exists: OSError | None) -> Exception:
+    """The error for a component ``name`` that O_NOFOLLOW|O_DIRECTORY would not open."""
+    if e.errno in (errno.ENOTDIR, errno.ELOOP):
+        try:
+            is_link = stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            is_link = False
+        if is_link:
+            return _symlink_refused(at, path)
+        if exists is not None:  # a file where a directory must be created: what mkdir said
+            return OSError(exists.errno, exists.strerror, str(at))
+    return OSError(e.errno, e.strerror, str(at))
+
+
+def open_dir(path: Path, created: list[Path] | None = None, to: Path | None = None) -> int:
+    """An fd of the directory ``path`` (absolute, normalised), reached from "/" without
+    following any symlink (one on the way raises UsageError, naming the file ``to`` if given).
+    Without ``created`` a missing component raises FileNotFoundError; with it, each missing
+    one is made as root's ``mkdir -p`` would (owned by us, mode 755, never by a user) and
+    appended to it."""
+    fd = os.open("/", _DIR_FLAGS)
+    at = Path("/")
+    try:
+        for name in path.parts[1:]:
+            at = at / name
+            if name in (".", ".."):
+                raise UsageError(f"{path} is not a normalised absolute path.")
+            exists, made = None, False
+            if created is not None:
+                try:
+                    os.mkdir(name, CREATED_DIR, dir_fd=fd)
+                except FileExistsError as e:
+                    exists = e
+                except OSError as e:
+                    raise OSError(e.errno, e.strerror, str(at)) from e
+                else:
+                    made = True
+                    created.append(at)
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                raise _step_failed(e, fd, name, at, to or path, exists) from e
+            os.close(fd)
+            fd = child
+            if made:
+                os.fchmod(fd, CREATED_DIR)  # exactly 755: the umask may take bits, a setgid parent add one
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular(dir_fd: int, name: str, path: Path) -> int | None:
+    """A read-only fd of the regular file ``name`` in the directory ``dir_fd`` (``path`` names
+    it in errors), or None if there is none: no such name, or something else there (a FIFO
+    or a device is never opened).  A symlink there raises UsageError: it is never followed."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise _symlink_refused(path, path)
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    try:  # (O_NONBLOCK|O_NOCTTY: should it have become a FIFO or a tty meanwhile, opening it does nothing)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _symlink_refused(path, path) from e
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # what counts is what was opened
+        os.close(fd)
+        return None
+    return fd
+
+
+def check_owner(dir_uid: int, uid: int, path: Path) -> None:
+    """The ownership rule for a carried file: its directory belongs to root or to the file's
+    owner ``uid``; anything else (root's file in a user's directory, one user's file in
+    another's) is refused, since whoever owns the directory chooses what is in it."""
+    if dir_uid not in (0, uid):
+        raise UsageError(
+            f"{path} belongs to UID {uid} but its directory to UID {dir_uid}, and tpagent carries a file only "
+            "from a directory owned by root or by the file's owner: move the file, or give the directory to one of them."
+        )
+
+
+def open_to_read(path: Path) -> int | None:
+    """A read-only fd of the regular file ``path``, reached without following any symlink
+    and checked against :func:`check_owner`; None if it is gone or is no regular file."""
+    try:
+        parent = open_dir(path.parent, to=path)
+    except FileNotFoundError:
+        return None
+    try:
+        fd = open_regular(parent, path.name, path)
+        if fd is not None:
+            try:
+                check_owner(os.fstat(parent).st_uid, os.fstat(fd).st_uid, path)
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+    finally:
+        os.close(parent)
+
+
+def _holds(dir_fd: int, path: Path, source: IO[bytes]) -> bool:
+    """Whether the regular file ``path`` (in ``dir_fd``) holds exactly the bytes of ``source``."""
+    fd = open_regular(dir_fd, path.name, path)
+    if fd is None:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        while True:
+            a, b = f.read(_CHUNK), source.read(_CHUNK)
+            if a != b:
+                return False
+            if not a:
+                return True
+
+
+def write_file(path: Path, source: IO[bytes], uid: int, gid: int, mode: int, mtime: float, created: list[Path]) -> None:
+    """Put ``source`` back at ``path`` as a new file owned by ``uid``:``gid`` with ``mode``
+    (without setuid/setgid: never restored) and ``mtime``, appending what it creates
+    (missing directories, see :func:`open_dir`, then the file) to ``created``.  No symlink is
+    followed; the directory must pass :func:`check_owner`; a file already there must hold
+    the same bytes (it is then left as it is), else UsageError."""
+    parent = open_dir(path.parent, created, to=path)
+    try:
+        check_owner(os.fstat(parent).st_uid, uid, path)
+        try:
+            fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent)
+        except FileExistsError:  # (also where a symlink is: O_EXCL follows none)
+            if not _holds(parent, path, source):
+                raise UsageError(
+                    f"{path} exists on this node with other content; the process had it open: move it away first."
+                ) from None
+            return
+    finally:
+        os.close(parent)
+    created.append(path)
+    if mode & (stat.S_ISUID | stat.S_ISGID):
+        log.warning("%s had mode %o; it is put back as %o: tpagent never restores setuid/setgid bits", path, mode, mode & 0o777)
+    with os.fdopen(fd, "wb") as f:
+        shutil.copyfileobj(source, f, _CHUNK)
+        f.flush()
+        os.fchown(fd, uid, gid)  # first: never a moment with its final mode while root owns it
+        os.fchmod(fd, mode & 0o777)
+        os.utime(fd, (mtime, mtime))
+
+
+def remove(path: Path) -> None:
+    """Remove the file or (empty) directory ``path`` without following any symlink to it."""
+    parent = open_dir(path.parent)
+    try:
+        try:
+            os.unlink(path.name, dir_fd=parent)
+        except IsADirectoryError:
+            os.rmdir(path.name, dir_fd=parent)
+    finally:
+        os.close(parent)

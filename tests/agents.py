@@ -1,0 +1,36 @@
+"""Agents served in the test's own process, on loopback (no network namespaces)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+
+from certs import node_certs
+from tpagent.config import AgentConfig
+from tpagent.serve import serve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def agent_config(tmp: Path, name: str, **kw: object) -> AgentConfig:
+    """A node's configuration: the cluster secret in ``tmp/secret``, its certificate from ``tmp/ca``."""
+    secret = tmp / "secret"
+    if not secret.exists():
+        secret.write_text(os.urandom(24).hex())
+        secret.chmod(0o600)
+    settings: dict[str, object] = {"metrics_listen": "", "health_listen": "", "listen": f"127.0.0.1:{free_port()}", **kw}
+    return AgentConfig(secret_file=secret, node=name, work_dir=tmp / name, tls_dir=node_certs(tmp, name), **settings)  # type: ignore[arg-type]
+
+
+def serving(cfg: AgentConfig) -> threading.Event:
+    """Serve ``cfg`` in a thread until the returned event is set."""
+    ready, stop = threading.Event(), threading.Event()
+    threading.Thread(target=serve, args=(cfg, ready, stop), daemon=True).start()
+    assert ready.wait(30)
+    return stop

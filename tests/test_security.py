@@ -1,0 +1,416 @@
+"""Attacks on a root agent on a shared node, played for real: an unprivileged user (nobody)
+plants directories, forges command lines, stalls the API, replays and impersonates; each
+attack must fail and the normal path must still work.  (Carried files: test_carry_security;
+the transfer streams: test_transfer_security.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from prometheus_client import REGISTRY
+
+from agents import agent_config, free_port, serving
+from certs import node_certs
+from conftest import needs_criu
+from helpers import ROOT, assert_one_sentence_error, tpagent, wait_until
+from snapshot import criu, hook
+from snapshot.api import UsageError
+from snapshot.safefs import private_dir
+from tpagent import launch, rpc
+from tpagent.agent import Agent
+from tpagent.config import AgentConfig
+from tpagent.migration import Record, State
+from tpagent.peer import Refused, wait_released
+from tpagent.rpc import pb, stub
+from tpagent.source import _target_dropped_copy, _target_state
+
+NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
+ATTACKERS = Path(__file__).resolve().parent / "attackers"
+UID_NOBODY = 65534
+
+
+def as_nobody(*args: str, **kw: object) -> subprocess.Popen[str]:
+    return subprocess.Popen([*NOBODY, *args], text=True, cwd="/", **kw)  # type: ignore[call-overload, no-any-return]
+
+
+@pytest.fixture
+def playground() -> Iterator[Path]:
+    """A directory in /tmp that belongs to nobody (as a user's own directory there would)."""
+    d = Path("/tmp") / f"tp-attack-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    os.chown(d, UID_NOBODY, UID_NOBODY)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _give_to_nobody(directory: Path) -> Path:
+    for p in [directory, *directory.rglob("*")]:
+        os.chown(p, UID_NOBODY, UID_NOBODY, follow_symlinks=False)
+    return directory
+
+
+def _plant_module(directory: Path, marker: Path) -> None:
+    """A ``snapshot`` package whose hook, if root ever imported it, leaves ``marker``."""
+    pkg = directory / "snapshot"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "hook.py").write_text(f"open({str(marker)!r}, 'w').write('ran as root')\n")
+
+
+# ---- 1. planted directories ---------------------------------------------------------------
+
+
+@needs_criu
+@pytest.mark.parametrize("plant", ["out-exists", "parent-is-theirs"])
+def test_a_planted_out_directory_is_refused_and_runs_nothing(start, playground: Path, tmp_path: Path, plant: str) -> None:  # type: ignore[no-untyped-def]
+    """nobody prepares --out (with their own log/ and a module CRIU's hook would import), or
+    owns the directory it would be created in: the dump refuses in one sentence, freezes
+    nothing, writes nothing there, and nothing of theirs runs as root."""
+    w = start(mib=16)
+    marker = tmp_path / "pwned"
+    out = playground / "out"
+    if plant == "out-exists":
+        _plant_module(out / "log", marker)
+        _give_to_nobody(out)
+    before = sorted(p.name for p in playground.rglob("*"))
+    proc = tpagent("dump", str(w.pid), "--out", str(out))
+    assert_one_sentence_error(proc, str(playground if plant == "parent-is-theirs" else out))
+    assert proc.returncode == 2
+    assert not marker.exists()
+    assert sorted(p.name for p in playground.rglob("*")) == before  # no image written there
+    n = len(w.ticks())
+    wait_until(lambda: len(w.ticks()) > n + 3, "the workload to keep running")
+
+
+def test_the_hook_runs_isolated_from_where_criu_runs_it(tmp_path: Path) -> None:
+    """CRIU runs the hook from inside the snapshot's log/: neither that directory nor
+    PYTHONPATH can put a module of someone else's in its place."""
+    planted, marker = tmp_path / "planted", tmp_path / "pwned"
+    _plant_module(planted, marker)
+    script = hook.install()
+    try:
+        env = {**os.environ, "CRTOOLS_SCRIPT_ACTION": "post-dump", "PYTHONPATH": str(planted)}
+        subprocess.run([str(script)], cwd=planted, env=env, capture_output=True, timeout=60)
+    finally:
+        shutil.rmtree(script.parent)
+    assert not marker.exists()
+
+
+def _serve_cli(cfg: AgentConfig, work_dir: Path) -> subprocess.CompletedProcess[str]:
+    return tpagent("serve", "--listen", cfg.listen, "--health-listen", "", "--metrics-listen", "", "--work-dir", str(work_dir),
+                   "--secret-file", str(cfg.secret_file), "--tls-dir", str(cfg.tls_dir), timeout=60)  # fmt: skip
+
+
+def test_an_agent_refuses_a_work_dir_someone_else_prepared(tmp_path: Path, playground: Path) -> None:
+    """nobody pre-creates the agent's work directory with a journal record naming a process to
+    kill at startup: the agent refuses to start, in one sentence, and kills nothing."""
+    victim = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        work = playground / "agent"
+        (work / "migrations").mkdir(parents=True)
+        record = Record("a" * 32, "target", State.RESTORING, pid=victim.pid, snapshot=str(work / "incoming" / ("a" * 32)))
+        (work / "migrations" / f"{'a' * 32}.json").write_text(json.dumps(record.to_json()))
+        _give_to_nobody(work)
+        proc = _serve_cli(agent_config(tmp_path, "n"), work)
+        assert_one_sentence_error(proc, str(work), "owner UID 65534")
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+# ---- 2. snapshots are root's alone -----------------------------------------------------------
+
+
+@needs_criu
+def test_snapshot_files_are_root_only(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Even under a permissive umask, every directory of a snapshot is 0700 and every file
+    0600: nobody cannot read an image holding the process's memory."""
+    w = start(mib=16)
+    out = tmp_path / "open" / "snap"
+    tmp_path.chmod(0o755)
+    proc = subprocess.run([sys.executable, "-c", "import os, sys; os.umask(0); from cli.main import app; app(prog_name='tpagent')",
+                           "dump", str(w.pid), "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    modes = {p: p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
+    assert {m for p, m in modes.items() if p.is_dir()} == {0o700}
+    assert {m for p, m in modes.items() if p.is_file()} == {0o600}
+    images = sorted((out / "images").glob("pages-*.img"))
+    assert images
+    (tmp_path / "open").chmod(0o755)  # even with the directory above opened up, the files stay shut
+    out.chmod(0o755)
+    (out / "images").chmod(0o755)
+    reader = as_nobody("cat", str(images[0]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, err = reader.communicate(timeout=30)
+    assert reader.returncode != 0 and "Permission denied" in err
+
+
+# ---- 6. the secret and the key must be private ------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["secret-0644", "secret-of-nobody", "key-0644"])
+def test_secret_and_key_files_must_be_root_only(tmp_path: Path, case: str) -> None:
+    cfg = agent_config(tmp_path, "n")
+    path = cfg.secret_file if case.startswith("secret") else cfg.tls_dir / "tls.key"
+    if case.endswith("0644"):
+        path.chmod(0o644)
+    else:
+        os.chown(path, UID_NOBODY, UID_NOBODY)
+    for proc in (tpagent("node", "--agent", cfg.listen, "--secret-file", str(cfg.secret_file), "--tls-dir", str(cfg.tls_dir)),
+                 _serve_cli(cfg, tmp_path / "work")):  # fmt: skip
+        assert_one_sentence_error(proc, str(path), "mode 600")
+        assert proc.returncode == 2
+
+
+# ---- 4. no unauthenticated stall --------------------------------------------------------------
+
+
+def _health(address: str) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return int(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10).status)
+
+
+def _refused(reason: str) -> float:
+    return REGISTRY.get_sample_value("tpagent_refused_total", {"plane": "rpc", "reason": reason}) or 0.0
+
+
+def test_unauthenticated_callers_cannot_stall_the_api(tmp_path: Path, playground: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """nobody holds 200 TCP connections that never finish TLS, and (with a certificate of the
+    cluster CA but no secret) opens 64 calls that never send their request: the calls are
+    refused at once, the API answers authenticated callers, probes are answered, and each
+    refusal is logged and counted."""
+    cfg = agent_config(tmp_path, "n", health_listen=f"127.0.0.1:{free_port()}")
+    stop = serving(cfg)
+    stolen = _give_to_nobody(shutil.copytree(node_certs(tmp_path, "another-service"), playground / "theirs"))
+    before = _refused("no_credentials")
+    attacker = as_nobody(sys.executable, str(ATTACKERS / "stall.py"), cfg.listen, str(stolen), "200", "64",
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert attacker.stdout is not None
+        codes = json.loads(attacker.stdout.readline())
+        assert codes == ["UNAUTHENTICATED"] * 64  # refused, none left hanging in a worker thread
+        # The 200 half-open connections are still held: the API and the probe both answer.
+        info = stub(cfg.listen, cfg.credentials()).Info(pb.Empty(), timeout=10)
+        assert info.node == "n"
+        assert _health(cfg.health_listen) == 1  # SERVING
+    finally:
+        attacker.communicate(timeout=30)
+        stop.set()
+    assert _refused("no_credentials") - before == 64
+    assert "refused /tpagent.v1.Agent/Info" in caplog.text
+
+
+# ---- 5. forged, replayed, misaddressed, impersonated ------------------------------------------
+
+
+def _raw_info(cfg: AgentConfig, metadata: list[tuple[str, str]]) -> grpc.StatusCode:
+    """Info with exactly ``metadata`` (a captured or forged signature), over the node's TLS."""
+    creds = cfg.credentials()
+    tls = grpc.ssl_channel_credentials(creds.ca, creds.key, creds.cert)
+    with grpc.secure_channel(cfg.listen, tls) as ch:
+        call = ch.unary_unary("/tpagent.v1.Agent/Info", request_serializer=pb.Empty.SerializeToString, response_deserializer=pb.NodeInfo.FromString)
+        try:
+            call(pb.Empty(), metadata=metadata, timeout=10)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            return e.code()  # type: ignore[no-any-return]
+
+
+def test_captured_calls_cannot_be_replayed_or_sent_to_another_node(tmp_path: Path) -> None:
+    cfg = agent_config(tmp_path, "n")
+    secret, method = cfg.credentials().secret, "/tpagent.v1.Agent/Info"
+    stop = serving(cfg)
+    captured = rpc.sign(secret, method, "127.0.0.1", pb.Empty())
+    kept = rpc.sign(secret, method, "127.0.0.1", pb.Empty())  # captured, replayed only after a restart
+    try:
+        assert _raw_info(cfg, captured) is grpc.StatusCode.OK
+        assert _raw_info(cfg, captured) is grpc.StatusCode.UNAUTHENTICATED  # a replay
+        assert _raw_info(cfg, rpc.sign(secret, method, "10.9.9.9", pb.Empty())) is grpc.StatusCode.UNAUTHENTICATED  # for another node
+        other = rpc.sign(secret, "/tpagent.v1.Agent/Status", "127.0.0.1", pb.Empty())  # signed for another method
+        assert _raw_info(cfg, other) is grpc.StatusCode.UNAUTHENTICATED
+        body = [captured[0], (rpc.BODY_HEADER, "0" * 64)]  # the signature without its request
+        assert _raw_info(cfg, body) is grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        stop.set()
+    wait_until(lambda: _raw_info(cfg, []) is grpc.StatusCode.UNAVAILABLE, "the agent to stop")
+    stop = serving(cfg)  # the same agent, restarted: its memory of nonces is gone
+    try:
+        assert _raw_info(cfg, kept) is grpc.StatusCode.UNAUTHENTICATED
+        assert stub(cfg.listen, cfg.credentials()).Info(pb.Empty(), timeout=10).node == "n"  # a fresh call works
+    finally:
+        stop.set()
+
+
+@pytest.mark.parametrize("impostor", ["another-ca", "cluster-ca-other-name"])
+def test_an_impostor_target_cannot_say_the_copy_is_gone(tmp_path: Path, playground: Path, impostor: str) -> None:
+    """An impostor (nobody's process) answers NOT_FOUND, once taken by a source as "the copy is
+    gone" (after which it resumed its original: two copies).  Over mutual TLS the source never
+    hears it: to the source the target does not answer, so it keeps the original frozen."""
+    if impostor == "another-ca":
+        theirs, host = node_certs(tmp_path, "rogue", "127.0.0.2", ca="rogue-ca"), "127.0.0.2"
+    else:
+        theirs, host = node_certs(tmp_path, "impostor", "127.0.0.9"), "127.0.0.2"  # its certificate names another node
+    theirs = _give_to_nobody(shutil.copytree(theirs, playground / "theirs"))
+    address = f"{host}:{free_port()}"
+    fake = as_nobody(sys.executable, str(ATTACKERS / "fake_target.py"), address, str(theirs), stdout=subprocess.PIPE)
+    try:
+        assert fake.stdout is not None and fake.stdout.readline().strip() == "listening"
+        target = stub(address, agent_config(tmp_path, "source").credentials())
+        with pytest.raises(grpc.RpcError) as e:
+            target.Status(pb.MigrationRef(migration_id="a" * 32), timeout=10)
+        assert e.value.code() is grpc.StatusCode.UNAVAILABLE  # (TLS failed: never NOT_FOUND)
+        assert _target_state(target, "a" * 32, 2.0) == (None, 0)
+        assert _target_dropped_copy(target, "a" * 32, 2.0) is False
+    finally:
+        fake.kill()
+        fake.communicate()
+
+
+# ---- 9. stream-type handlers: default deny ------------------------------------------------------
+
+
+def test_streaming_calls_are_refused_by_default(tmp_path: Path) -> None:
+    """A method that takes a stream of requests (none of the API does) is refused even when
+    signed; a signed unary call of the same server passes."""
+    creds = agent_config(tmp_path, "n").credentials()
+    codec = {"request_deserializer": pb.NodeInfo.FromString, "response_serializer": pb.NodeInfo.SerializeToString}
+    echo = grpc.method_handlers_generic_handler("t.T", {
+        "Stream": grpc.stream_stream_rpc_method_handler(lambda requests, ctx: iter([pb.NodeInfo(node="streamed")]), **codec),
+        "Unary": grpc.unary_unary_rpc_method_handler(lambda request, ctx: pb.NodeInfo(node="unary"), **codec),
+    })  # fmt: skip
+    srv, tls = rpc.server(creds, rpc.AuthInterceptor(creds.secret, {"127.0.0.1"}, rpc.Health()))
+    srv.add_generic_rpc_handlers((echo,))
+    port = srv.add_secure_port("127.0.0.1:0", tls)
+    srv.start()
+    try:
+        with grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(creds.ca, creds.key, creds.cert)) as ch:
+            ask, codec = pb.NodeInfo(node="?"), {"request_serializer": pb.NodeInfo.SerializeToString, "response_deserializer": pb.NodeInfo.FromString}
+            unary = ch.unary_unary("/t.T/Unary", **codec)(ask, metadata=rpc.sign(creds.secret, "/t.T/Unary", "127.0.0.1", ask), timeout=10)
+            assert unary.node == "unary"
+            with pytest.raises(grpc.RpcError) as e:
+                list(ch.stream_stream("/t.T/Stream", **codec)(iter([ask]), metadata=rpc.sign(creds.secret, "/t.T/Stream", "127.0.0.1", ask), timeout=10))
+            assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        srv.stop(0)
+
+
+# ---- 7. being migratable cannot be forged ------------------------------------------------------
+
+
+@needs_criu
+def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """nobody's process calls itself a tpagent launch init and an allowed program (exec -a):
+    the agent lists and migrates only what a launch record, NVML or /proc/PID/exe says."""
+    allowed = os.path.realpath(shutil.which("sleep") or "/bin/sleep")
+    agent = Agent(agent_config(tmp_path, "n", allow_executables=(allowed,)))
+    forged = as_nobody("bash", "-c", f"exec -a '{sys.executable} -m tpagent.nsinit 5 /o /e {allowed}' {shutil.which('cat')}",
+                       stdin=subprocess.PIPE)  # fmt: skip
+    honest = as_nobody(allowed, "600")
+    w = start(mib=16, launched=True)
+    try:
+        wait_until(lambda: "tpagent.nsinit" in " ".join(psutil.Process(forged.pid).cmdline()), "the forged command line")
+        listed = {p.pid: p for p in agent.migratable()}
+        assert forged.pid not in listed
+        assert listed[w.pid].why == "launched" and listed[w.pid].owner == os.getuid() and listed[w.pid].uid == 0
+        assert listed[honest.pid].why == "operator" and listed[honest.pid].uid == UID_NOBODY
+        with pytest.raises(Refused, match="not a migratable process"):
+            agent._start_migration(forged.pid, "10.0.0.3:7400", dry_run=True)
+        # A record names one process: the same PID number, started anew, is not launched.
+        record = launch.launched(w.pid)
+        assert record is not None
+        stale = launch.LaunchRecord(honest.pid, record.create_time, record.pidns, record.owner, record.uid)
+        (launch.RECORDS / f"{honest.pid}.json").write_text(json.dumps(stale.__dict__))
+        assert launch.launched(honest.pid) is None
+    finally:
+        (launch.RECORDS / f"{honest.pid}.json").unlink(missing_ok=True)
+        for p in (forged, honest):
+            p.kill()
+            p.communicate()
+
+
+# ---- 8. CRIU is known by its PID, not by command lines ----------------------------------------
+
+
+def test_a_command_line_naming_a_snapshot_does_not_block_the_agent(tmp_path: Path) -> None:
+    """nobody runs a process whose arguments name the snapshot a migration was restoring when
+    the agent died: the restarted agent does not take it for CRIU (it once waited for ever)."""
+    cfg = agent_config(tmp_path, "n")
+    mid = "c" * 32
+    snap = cfg.work_dir / "incoming" / mid
+    work = snap.parent / f"{mid}.restore"
+    private_dir(work)
+    journal = Agent(cfg).journal
+    journal.write(Record(mid, "target", State.RESTORING, snapshot=str(snap)))
+    lookalike = as_nobody("bash", "-c", f"exec -a 'criu restore -D {snap}/images -W {work}' sleep 600")
+    try:
+        wait_until(lambda: str(work) in " ".join(psutil.Process(lookalike.pid).cmdline()), "the look-alike to run")
+        recovering = threading.Thread(target=Agent(cfg).recover, daemon=True)
+        recovering.start()
+        recovering.join(30)
+        assert not recovering.is_alive()
+        r = journal.read(mid)
+        assert r is not None and r.state is State.DISCARDED
+        assert lookalike.poll() is None  # and it was left alone
+    finally:
+        lookalike.kill()
+        lookalike.wait()
+
+
+def test_a_running_criu_is_recognised_by_pid_and_start_time(tmp_path: Path) -> None:
+    work = private_dir(tmp_path / "work")
+    stand_in = subprocess.Popen(["sleep", "600"])
+    try:
+        (work / criu.PIDFILE).write_text(f"{stand_in.pid} {psutil.Process(stand_in.pid).create_time()!r}")
+        assert criu.running_in(work)
+        released = threading.Thread(target=wait_released, args=(work, None), daemon=True)
+        released.start()
+        released.join(0.5)
+        assert released.is_alive()  # it waits while that CRIU runs ...
+        stand_in.send_signal(signal.SIGKILL)
+        stand_in.wait()
+        released.join(10)
+        assert not released.is_alive()  # ... and not a moment longer
+        (work / criu.PIDFILE).write_text(f"{os.getpid()} 1.0")  # a PID that lives, but another process
+        assert not criu.running_in(work)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
+def test_credentials_load_from_a_kubernetes_secret_volume_but_not_through_a_users_symlink(tmp_path: Path, playground: Path) -> None:
+    """A Secret volume is a chain of root's symlinks (tls.key -> ..data/tls.key -> ..2026_x/tls.key,
+    mode 0400): loaded.  A symlink of nobody's to the real files: refused in one sentence."""
+    real = agent_config(tmp_path, "n")
+    volume = private_dir(tmp_path / "volume")
+    stamp = volume / "..2026_11_23_00_00_00.1"
+    shutil.copytree(real.tls_dir, stamp)
+    shutil.copy2(real.secret_file, stamp / "secret")
+    for f in stamp.iterdir():
+        f.chmod(0o400)
+    (volume / "..data").symlink_to(stamp.name)
+    for name in ("ca.crt", "tls.crt", "tls.key", "secret"):
+        (volume / name).symlink_to(f"..data/{name}")
+    creds = rpc.Credentials.load(volume / "secret", volume)
+    assert creds.key == (real.tls_dir / "tls.key").read_bytes() and creds.secret == real.credentials().secret
+    theirs = playground / "tls"
+    theirs.mkdir()
+    for name in ("ca.crt", "tls.crt", "tls.key"):
+        (theirs / name).symlink_to(real.tls_dir / name)
+    _give_to_nobody(theirs)
+    assert (real.tls_dir / "tls.key").stat().st_uid == 0  # (their links are theirs; what they point at is root's)
+    with pytest.raises(UsageError, match="symlink owned by UID 65534"):
+        rpc.Credentials.load(real.secret_file, theirs)
