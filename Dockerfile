@@ -23,6 +23,8 @@ RUN python3 -m venv /opt/tpagent/venv && /opt/tpagent/venv/bin/pip install --no-
  && /opt/tpagent/venv/bin/python -m tpagent.proto
 
 ENV PATH=/opt/tpagent/venv/bin:$PATH
+# The agent's work directory (journal, snapshots in flight): root's alone.
+RUN install -d -m 700 /var/lib/tpagent
 EXPOSE 7400 7401
 ENTRYPOINT ["tpagent"]
 # As a sidecar: `serve` (see deploy/kubernetes-sidecar.yaml); `doctor` checks the node.

@@ -284,10 +284,14 @@ def launch(
 ) -> None:
     """Start `-- CMD ...` in its own PID and mount namespace; print its PID for `tpagent dump`."""
     try:
-        pid = launch_workload(list(ctx.args), stdout, stderr or stdout)
+        pid = launch_workload(list(ctx.args), stdout, stderr or stdout, umask=USER_UMASK)
     except SnapshotError as e:
         _fail(e)
     typer.echo(pid)
+
+
+#: The umask tpagent was started with: what a launched workload gets (tpagent itself runs under 077).
+USER_UMASK = 0o022
 
 
 def _secret(path: Path | None) -> bytes:
@@ -377,7 +381,8 @@ app.command()(agent_cmds.node)
 
 
 def run() -> None:
-    os.umask(0o077)  # snapshots, logs and keys it writes are its user's alone
+    global USER_UMASK
+    USER_UMASK = os.umask(0o077)  # snapshots, logs and keys it writes are its user's alone
     app(prog_name="tpagent")
 
 

@@ -46,7 +46,7 @@ from snapshot.api import (
     ToolError,
     UsageError,
 )
-from snapshot.criu import Criu, DumpOptions, RestoreOptions
+from snapshot.criu import PIDFILE, Criu, DumpOptions, RestoreOptions
 from snapshot.cuda import CudaDriver, uuid_bytes, uuid_text
 from snapshot.manifest import IMAGES_DIR, Manifest
 from snapshot.safefs import private_dir, private_opener
@@ -389,6 +389,9 @@ def restore(
     require_root()
     asked = {uuid_text(uuid_bytes(k)): uuid_text(uuid_bytes(v)) for k, v in (gpu_map or {}).items()}  # (syntax first)
     timer = _Timer(progress, config.fail_after)
+    # Root verifies the images, then CRIU reads them again by name: only from a directory no
+    # one else can write to or swap (its own 0700, through directories only root can change).
+    directory = private_dir(directory, create=False)
     with timer.stage(Stage.VERIFY):
         m = manifest.load(directory)
         if not verified:
@@ -501,6 +504,14 @@ def kill_restored(work: Path) -> int:
     except (OSError, ValueError):
         return 0
     if not proc.alive(root):
+        return 0
+    try:  # that very tree: started by the CRIU that ran there, in this boot (else its PID is someone else's now)
+        criu_started = float((work / PIDFILE).read_text().split()[1])
+        ours = psutil.boot_time() <= criu_started <= psutil.Process(root).create_time()
+    except (OSError, ValueError, IndexError, psutil.Error):
+        ours = False
+    if not ours:
+        log.warning("not stopping PID %d: it is not the tree CRIU restored in %s", root, work)
         return 0
     proc.kill_tree(root)
     return root

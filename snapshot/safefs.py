@@ -29,89 +29,119 @@ from snapshot.api import UsageError
 log = logging.getLogger(__name__)
 
 PRIVATE = 0o700
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _changeable_by_others(st: os.stat_result) -> bool:
+    """A directory whose entries someone else could replace: not root's or ours, or writable
+    by group or others without the sticky bit (in /tmp, /dev/shm others add names, but
+    cannot move ours)."""
+    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    return st.st_uid not in (0, os.geteuid()) or bool(writable and not st.st_mode & stat.S_ISVTX)
+
+
+def _unsafe(at: Path, st: os.stat_result, path: Path) -> UsageError:
+    return UsageError(
+        f"{at} can be changed by other users (owner UID {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}), so {path} "
+        "under it is not safe for tpagent to use; give a path in a directory only root can change."
+    )
 
 
 def _safe_ancestors(path: Path) -> None:
-    """Nobody but root (or us) can replace any directory on the way to ``path``.
-
-    A symlink on the way must belong to root; each real ancestor must belong to root or to
-    us and be writable by nobody else, unless it is sticky (/tmp, /dev/shm): there others
-    may add names, but not move ours."""
-    me = os.geteuid()
-    partial = Path(path.anchor)
-    for part in path.parent.parts[1:]:
-        partial = partial / part
-        try:
-            st = os.lstat(partial)
-        except FileNotFoundError:
-            return  # created by us below
-        if stat.S_ISLNK(st.st_mode) and st.st_uid != 0:
-            raise UsageError(f"{partial} is a symlink owned by UID {st.st_uid}; give a path without it.")
-    for ancestor in [Path(os.path.realpath(path.parent)), *Path(os.path.realpath(path.parent)).parents]:
+    """Nobody but root (or us) can replace any existing directory on the way to ``path``
+    (symlinks: root's only, see :func:`_trusted_realpath`)."""
+    real = _trusted_realpath(path.parent)
+    for ancestor in [real, *real.parents]:
         try:
             st = os.stat(ancestor)
         except FileNotFoundError:
             continue
-        writable_by_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        if st.st_uid not in (0, me) or (writable_by_others and not st.st_mode & stat.S_ISVTX):
-            raise UsageError(
-                f"{ancestor} can be changed by other users (owner UID {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}), "
-                f"so {path} under it is not safe for tpagent to use; give a path in a directory only root can change."
-            )
+        if _changeable_by_others(st):
+            raise _unsafe(ancestor, st, path)
 
 
-def check_private_dir(path: Path, empty: bool = False) -> None:
-    """``path`` is a real directory (no symlink) of ours, which nobody else could have written
-    to (and which is empty, if ``empty``); its mode is then made 0700 if it was looser."""
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise UsageError(f"{path} exists and is not a directory; give a new directory.")
-    if st.st_uid != os.geteuid() or (st.st_mode & 0o022 and not empty):
+def _open_private_dir(at: Path, path: Path, empty: bool, created: bool, dir_fd: int) -> int:
+    """An fd of ``at`` (in ``dir_fd``): a real directory of ours that nobody else could have
+    written to (that ``created`` says we just made), and empty if ``empty``; its mode is
+    made 0700 if it was looser."""
+    try:
+        fd = os.open(at.name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise UsageError(f"{at} exists and is not a directory; give a new directory.") from e
+        raise
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or (st.st_mode & 0o022 and not created):
+        os.close(fd)
         raise UsageError(
-            f"{path} already exists with owner UID {st.st_uid} and mode {stat.S_IMODE(st.st_mode):o}; tpagent only uses "
+            f"{at} already exists with owner UID {st.st_uid} and mode {stat.S_IMODE(st.st_mode):o}; tpagent only uses "
             f"a directory of its own that no one else could write to (they could plant files in it): remove it or give a new one."
         )
-    if st.st_mode & 0o077:
-        os.chmod(path, PRIVATE, follow_symlinks=False)  # ours: shut it before looking inside
-    if empty and os.listdir(path):
+    if stat.S_IMODE(st.st_mode) != PRIVATE:
+        os.fchmod(fd, PRIVATE)  # ours: shut it before looking inside (the umask may have taken bits too)
+    if empty and os.listdir(fd):
+        os.close(fd)
         raise UsageError(f"output directory {path} is not empty; give an empty or new directory.")
+    return fd
 
 
 def private_dir(path: Path, empty: bool = False, create: bool = True) -> Path:
     """Create ``path`` (and any missing parents) with mode 0700, or accept an existing one
-    only as :func:`check_private_dir` says.  ``create`` False: only check what exists (a
-    refusal before anything is done).  Returns the path, made absolute."""
-    path = Path(os.path.abspath(path))
-    _safe_ancestors(path)
-    missing = [p for p in [path, *path.parents] if not os.path.lexists(p)]
-    if not create:
-        if path not in missing:
-            check_private_dir(path, empty=empty)
-        return path
-    for p in reversed(missing):
-        try:
-            os.mkdir(p, PRIVATE)
-        except FileExistsError:
-            pass  # someone was quicker: checked below like any existing directory
-        except OSError as e:
-            raise UsageError(f"cannot create {p}: {e.strerror}.") from e
-        else:
-            os.chmod(p, PRIVATE, follow_symlinks=False)  # (the umask may have taken bits; never added any)
+    only if it is a real directory of ours that nobody else could have written to (made
+    0700 if looser) and empty where ``empty`` says, every directory on the way being one no other
+    user can change.  The path is walked from "/" one directory fd at a time, each component
+    checked (or created) under the fd of its checked parent: nobody can slip a directory of
+    theirs in between.  ``create`` False: only check what exists (a refusal before anything
+    is done).  Returns the path, made absolute, root's symlinks resolved."""
+    real = _trusted_realpath(Path(os.path.abspath(path)))
+    fd = os.open("/", _DIR_FLAGS)
     try:
-        check_private_dir(path, empty=empty)
-    except FileNotFoundError as e:
-        raise UsageError(f"{path} vanished while tpagent was creating it.") from e
-    return path
+        at = Path("/")
+        for i, name in enumerate(real.parts[1:], start=1):
+            at, last = at / name, i == len(real.parts) - 1
+            made = False
+            try:
+                os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                if not create:
+                    return real  # (made, as ours, when it is needed)
+                try:
+                    os.mkdir(name, PRIVATE, dir_fd=fd)
+                    made = True
+                except FileExistsError:
+                    pass  # someone was quicker: checked like any existing directory
+                except OSError as e:
+                    raise UsageError(f"cannot create {at}: {e.strerror}.") from e
+            if last or made:
+                child = _open_private_dir(at, real, empty and last, made, fd)
+            else:
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    raise UsageError(f"{at} is not a directory (or is a symlink); give a path through real directories.") from e
+                st = os.fstat(child)
+                if _changeable_by_others(st):
+                    os.close(child)
+                    raise _unsafe(at, st, real)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    return real
 
 
 def _trusted_realpath(path: Path, hops: int = 40) -> Path:
     """``path`` with its symlinks resolved, each of which must belong to root (as a Kubernetes
-    Secret volume's ``tls.key -> ..data/tls.key`` chain does); a user's symlink is refused."""
+    Secret volume's ``tls.key -> ..data/tls.key`` chain does); a user's symlink is refused.
+    What does not exist yet is kept as it is."""
     todo, at = list(Path(os.path.abspath(path)).parts[1:]), Path("/")
     while todo:
         name = todo.pop(0)
         nxt = at.parent if name == ".." else at / name
-        st = os.lstat(nxt)
+        try:
+            st = os.lstat(nxt)
+        except FileNotFoundError:
+            return nxt.joinpath(*todo)  # (the rest does not exist yet: no symlink there)
         if not stat.S_ISLNK(st.st_mode):
             at = nxt
             continue
@@ -161,7 +191,6 @@ def private_opener(path: str, flags: int) -> int:
 # Every path is walked from "/" one component at a time with O_NOFOLLOW, so no symlink is
 # ever followed, and each step acts on the directory fd it reached, not on a name again.
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: A directory the restore creates on the way to a carried file (as root's ``mkdir -p``).
 CREATED_DIR = 0o755
 _CHUNK = 1 << 20
@@ -284,12 +313,17 @@ def open_to_read(path: Path) -> int | None:
         os.close(parent)
 
 
-def _holds(dir_fd: int, path: Path, source: IO[bytes]) -> bool:
-    """Whether the regular file ``path`` (in ``dir_fd``) holds exactly the bytes of ``source``."""
+def _holds(dir_fd: int, path: Path, source: IO[bytes], owner: tuple[int, int, int]) -> bool:
+    """Whether the regular file ``path`` (in ``dir_fd``) is the one to put back: ``owner``
+    (uid, gid, mode), and exactly the bytes of ``source``.  (A look-alike that someone else
+    planted, with the same bytes, is not: the restored process would write into it.)"""
     fd = open_regular(dir_fd, path.name, path)
     if fd is None:
         return False
     with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) != owner:
+            return False
         while True:
             a, b = f.read(_CHUNK), source.read(_CHUNK)
             if a != b:
@@ -310,9 +344,9 @@ def write_file(path: Path, source: IO[bytes], uid: int, gid: int, mode: int, mti
         try:
             fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent)
         except FileExistsError:  # (also where a symlink is: O_EXCL follows none)
-            if not _holds(parent, path, source):
+            if not _holds(parent, path, source, (uid, gid, mode & 0o777)):
                 raise UsageError(
-                    f"{path} exists on this node with other content; the process had it open: move it away first."
+                    f"{path} exists on this node with other content, owner or mode; the process had it open: move it away first."
                 ) from None
             return
     finally:

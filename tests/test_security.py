@@ -24,7 +24,7 @@ from prometheus_client import REGISTRY
 from agents import agent_config, free_port, serving
 from certs import node_certs
 from conftest import needs_criu
-from helpers import ROOT, assert_one_sentence_error, tpagent, wait_until
+from helpers import ROOT, alive, assert_one_sentence_error, tpagent, wait_until
 from snapshot import criu, hook
 from snapshot.api import UsageError
 from snapshot.safefs import private_dir
@@ -62,34 +62,43 @@ def _give_to_nobody(directory: Path) -> Path:
 
 
 def _plant_module(directory: Path, marker: Path) -> None:
-    """A ``snapshot`` package whose hook, if root ever imported it, leaves ``marker``."""
+    """A ``snapshot`` package that, if root ever imported it, leaves ``marker``."""
     pkg = directory / "snapshot"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "hook.py").write_text(f"open({str(marker)!r}, 'w').write('ran as root')\n")
+    for name in ("__init__.py", "hook.py", "manifest.py"):
+        (pkg / name).write_text(f"open({str(marker)!r}, 'w').write('ran as root')\n")
 
 
 # ---- 1. planted directories ---------------------------------------------------------------
 
 
 @needs_criu
-@pytest.mark.parametrize("plant", ["out-exists", "parent-is-theirs"])
+@pytest.mark.parametrize("plant", ["out-exists", "parent-is-theirs", "grandparent-is-theirs", "shared-like-tmp"])
 def test_a_planted_out_directory_is_refused_and_runs_nothing(start, playground: Path, tmp_path: Path, plant: str) -> None:  # type: ignore[no-untyped-def]
     """nobody prepares --out (with their own log/ and a module CRIU's hook would import), or
-    owns the directory it would be created in: the dump refuses in one sentence, freezes
-    nothing, writes nothing there, and nothing of theirs runs as root."""
+    owns a directory on the way to it (existing or not yet), or --out is a shared directory
+    like /tmp: the dump refuses in one sentence, freezes nothing, writes and changes nothing
+    there, and nothing of theirs runs as root."""
     w = start(mib=16)
     marker = tmp_path / "pwned"
-    out = playground / "out"
+    out, named = playground / "out", playground
     if plant == "out-exists":
         _plant_module(out / "log", marker)
         _give_to_nobody(out)
-    before = sorted(p.name for p in playground.rglob("*"))
+        named = out
+    elif plant == "grandparent-is-theirs":
+        out = playground / "new" / "out"  # (root would make new/, which nobody could then swap)
+    elif plant == "shared-like-tmp":
+        playground.chmod(0o1777)
+        os.chown(playground, 0, 0)
+        (playground / "theirs").write_text("a user's file")
+        out = named = playground
+    before = {p: p.lstat() for p in [playground, *playground.rglob("*")]}
     proc = tpagent("dump", str(w.pid), "--out", str(out))
-    assert_one_sentence_error(proc, str(playground if plant == "parent-is-theirs" else out))
+    assert_one_sentence_error(proc, str(named))
     assert proc.returncode == 2
     assert not marker.exists()
-    assert sorted(p.name for p in playground.rglob("*")) == before  # no image written there
+    assert {p: p.lstat() for p in [playground, *playground.rglob("*")]} == before  # nothing written, nothing changed
     n = len(w.ticks())
     wait_until(lambda: len(w.ticks()) > n + 3, "the workload to keep running")
 
@@ -155,6 +164,29 @@ def test_snapshot_files_are_root_only(start, tmp_path: Path) -> None:  # type: i
     reader = as_nobody("cat", str(images[0]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, err = reader.communicate(timeout=30)
     assert reader.returncode != 0 and "Permission denied" in err
+
+
+def test_a_received_snapshot_is_root_only(tmp_path: Path, playground: Path) -> None:
+    """The receiving side too, whatever the umask: the snapshot and its partial directory are
+    0700 with files 0600; and it is never received into a directory of a user's."""
+    from test_transfer import Receiving, _send, digests, make_snapshot
+    from transfer.api import TlsFiles, TransferError
+    from transfer.tcp import TcpTransport
+
+    src = make_snapshot(tmp_path / "src", "random", 3)
+    tls = TlsFiles.in_dir(node_certs(tmp_path, "n"))
+    umask = os.umask(0)
+    try:
+        rx = Receiving(TcpTransport(tls=tls), tmp_path / "dst")
+        _send(TcpTransport(tls=tls), src, rx.receiver.address)
+        assert rx.join() is not None and digests(tmp_path / "dst") == digests(src)
+        theirs = Receiving(TcpTransport(tls=tls), playground / "dst", timeout=5)
+        assert isinstance(theirs.join(), TransferError) and not list(playground.iterdir())
+    finally:
+        os.umask(umask)
+    modes = {p: p.stat().st_mode & 0o777 for p in [tmp_path / "dst", *(tmp_path / "dst").rglob("*")]}
+    assert {m for p, m in modes.items() if p.is_dir()} == {0o700}
+    assert {m for p, m in modes.items() if p.is_file()} == {0o600}
 
 
 # ---- 6. the secret and the key must be private ------------------------------------------------
@@ -312,7 +344,7 @@ def test_streaming_calls_are_refused_by_default(tmp_path: Path) -> None:
 
 
 @needs_criu
-def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_path: Path, playground: Path) -> None:  # type: ignore[no-untyped-def]
     """nobody's process calls itself a tpagent launch init and an allowed program (exec -a):
     the agent lists and migrates only what a launch record, NVML or /proc/PID/exe says."""
     allowed = os.path.realpath(shutil.which("sleep") or "/bin/sleep")
@@ -320,6 +352,8 @@ def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_pat
     forged = as_nobody("bash", "-c", f"exec -a '{sys.executable} -m tpagent.nsinit 5 /o /e {allowed}' {shutil.which('cat')}",
                        stdin=subprocess.PIPE)  # fmt: skip
     honest = as_nobody(allowed, "600")
+    copy = shutil.copy(allowed, playground / os.path.basename(allowed))  # their own program of the same name
+    lookalike = as_nobody(copy, "600")
     w = start(mib=16, launched=True)
     try:
         wait_until(lambda: "tpagent.nsinit" in " ".join(psutil.Process(forged.pid).cmdline()), "the forged command line")
@@ -327,6 +361,7 @@ def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_pat
         assert forged.pid not in listed
         assert listed[w.pid].why == "launched" and listed[w.pid].owner == os.getuid() and listed[w.pid].uid == 0
         assert listed[honest.pid].why == "operator" and listed[honest.pid].uid == UID_NOBODY
+        assert lookalike.pid not in listed
         with pytest.raises(Refused, match="not a migratable process"):
             agent._start_migration(forged.pid, "10.0.0.3:7400", dry_run=True)
         # A record names one process: the same PID number, started anew, is not launched.
@@ -337,7 +372,7 @@ def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_pat
         assert launch.launched(honest.pid) is None
     finally:
         (launch.RECORDS / f"{honest.pid}.json").unlink(missing_ok=True)
-        for p in (forged, honest):
+        for p in (forged, honest, lookalike):
             p.kill()
             p.communicate()
 
@@ -414,3 +449,87 @@ def test_credentials_load_from_a_kubernetes_secret_volume_but_not_through_a_user
     assert (real.tls_dir / "tls.key").stat().st_uid == 0  # (their links are theirs; what they point at is root's)
     with pytest.raises(UsageError, match="symlink owned by UID 65534"):
         rpc.Credentials.load(real.secret_file, theirs)
+
+
+# ---- tpagent launch: run as root, in a directory or with logs a user may have prepared -------
+
+
+@needs_criu
+def test_launch_imports_nothing_from_its_directory_and_follows_no_symlink(tmp_path: Path, playground: Path) -> None:
+    """Root runs `tpagent launch` from a directory where nobody left a module of the standard
+    library's name, and names a log behind nobody's symlink: nothing of theirs runs and
+    nothing is written through the link; the workload gets the caller's umask, not 077."""
+    marker, vault = tmp_path / "pwned", tmp_path / "vault"
+    vault.mkdir(mode=0o700)
+    (playground / "subprocess.py").write_text(f"open({str(marker)!r}, 'w').write('ran as root')\n")
+    (playground / "logs").symlink_to(vault)
+    _give_to_nobody(playground)
+    tpagent_cmd = str(Path(sys.executable).parent / "tpagent")  # (the installed command, as root would type it)
+    refused = subprocess.run([tpagent_cmd, "launch", "--stdout", str(playground / "logs" / "out.log"), "--", "sleep", "60"],
+                             cwd=playground, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert_one_sentence_error(refused, "symlink")
+    assert not marker.exists() and not list(vault.iterdir())
+    ok = subprocess.run(["sh", "-c", 'umask 022; exec "$0" "$@"', tpagent_cmd, "launch", "--stdout", str(tmp_path / "u.log"),
+                         "--", "sh", "-c", "umask; touch " + str(tmp_path / "made")], cwd=playground, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    wait_until(lambda: (tmp_path / "made").exists(), "the workload to run")
+    assert (tmp_path / "u.log").read_text().strip() == "0022" and (tmp_path / "made").stat().st_mode & 0o777 == 0o644
+    assert not marker.exists()
+
+
+@needs_criu
+def test_a_snapshot_in_a_users_directory_is_not_restored(start, tmp_path: Path, playground: Path) -> None:  # type: ignore[no-untyped-def]
+    """Root verifies a snapshot, then CRIU reads its images again by name: from a directory
+    nobody could swap (theirs, or one under theirs) it is refused in one sentence, before
+    anything is restored."""
+    w = start(mib=16)
+    snap = tmp_path / "snap"
+    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
+    w.reap()
+    theirs = shutil.copytree(snap, playground / "snap")  # root's copy, 0700, but in nobody's directory
+    proc = tpagent("restore", str(theirs))
+    assert_one_sentence_error(proc, str(playground), "can be changed by other users")
+    assert proc.returncode == 2 and not alive(w.pid)
+
+
+def test_a_planted_look_alike_is_not_taken_for_a_carried_file(playground: Path, tmp_path: Path) -> None:
+    """nobody plants a file with the very bytes of a carried log, but theirs and writable by
+    all: the restore does not adopt it (the restored process would write into their file)."""
+    import io
+
+    from snapshot import safefs
+
+    planted = playground / "w.log"
+    planted.write_bytes(b"the log's bytes")
+    os.chown(planted, UID_NOBODY, UID_NOBODY)
+    planted.chmod(0o666)
+    logs = private_dir(tmp_path / "logs")
+    logs.chmod(0o755)
+    with pytest.raises(UsageError, match="other content, owner or mode"):
+        safefs.write_file(planted, io.BytesIO(b"the log's bytes"), UID_NOBODY, UID_NOBODY, 0o640, 0.0, [])
+    mine = logs / "w.log"
+    safefs.write_file(mine, io.BytesIO(b"the log's bytes"), 0, 0, 0o640, 0.0, created := [])
+    assert created == [mine]
+    safefs.write_file(mine, io.BytesIO(b"the log's bytes"), 0, 0, 0o640, 0.0, again := [])  # the same file: kept as it is
+    assert again == [] and mine.stat().st_mode & 0o777 == 0o640
+
+
+def test_a_restore_left_from_before_a_reboot_kills_nothing(tmp_path: Path) -> None:
+    """After a reboot a journal may still name a restore in progress; its restore.pid now names
+    some other process (PIDs start again): the restarted agent must not stop it."""
+    from snapshot import engine
+
+    work = private_dir(tmp_path / "x.restore")
+    bystander = subprocess.Popen(["sleep", "600"])
+    try:
+        (work / "restore.pid").write_text(str(bystander.pid))
+        (work / criu.PIDFILE).write_text(f"12345 {psutil.boot_time() - 3600!r}")  # that CRIU ran in an earlier boot
+        assert engine.kill_restored(work) == 0 and bystander.poll() is None
+        (work / criu.PIDFILE).write_text(f"12345 {psutil.Process(bystander.pid).create_time() + 5!r}")  # it started after the process
+        assert engine.kill_restored(work) == 0 and bystander.poll() is None
+        (work / criu.PIDFILE).write_text(f"12345 {psutil.Process(bystander.pid).create_time()!r}")  # the tree that CRIU started
+        assert engine.kill_restored(work) == bystander.pid
+        assert bystander.wait(10) is not None
+    finally:
+        bystander.kill()
+        bystander.wait()

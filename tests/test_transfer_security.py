@@ -210,6 +210,19 @@ def test_strangers_that_trickle_do_not_stall_a_real_sender(tmp_path: Path, certs
     assert set(counts()) <= {"evicted", "per_peer_limit", "handshake_timeout"}  # nothing of the sender's
 
 
+def test_strangers_on_the_senders_own_host_do_not_keep_it_out(tmp_path: Path, certs: dict[str, TlsFiles], strangers: list[subprocess.Popen[str]]) -> None:
+    """A local user on the sending node holds 30 connections from the node's own address, over
+    its bound of 16: a newcomer from that host evicts the host's oldest stranger rather than
+    being refused, so the sender's own connections still get through."""
+    src = make_snapshot(tmp_path / "src", "random", 8)
+    rx = Receiving(TcpTransport(tls=certs["receiver"]), tmp_path / "dst", timeout=120)
+    _trickle(strangers, _target(rx), 30, ["127.0.0.1"])
+    wait_until(lambda: Counter(rx.refused)["per_peer_limit"] >= 14, "the receiver to bound the host's strangers")
+    _send(TcpTransport(tls=certs["sender"]), src, rx.receiver.address, streams=4)
+    assert isinstance(rx.join(), TransferStats)
+    assert digests(tmp_path / "dst") == digests(src)
+
+
 # --- a control stream that breaks ------------------------------------------------------------
 
 

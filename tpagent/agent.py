@@ -70,7 +70,7 @@ class Agent(AgentServicer):  # type: ignore[misc]
     def migratable(self) -> list[Any]:
         out = []
         gpu_pids = {pid for g in gpus.inventory() for pid in g.pids}
-        allowed = set(self.cfg.allow_executables)
+        allowed = {os.path.realpath(a) for a in self.cfg.allow_executables}
         for p in psutil.process_iter(["pid", "cmdline", "memory_info", "exe", "uids"]):
             # Only what a user cannot forge: NVML's GPU users, tpagent launch's records, the
             # program the kernel runs (/proc/PID/exe); never the command line (exec -a).
@@ -81,7 +81,7 @@ class Agent(AgentServicer):  # type: ignore[misc]
                 why = "gpu"
             elif record is not None:
                 why = "launched"
-            elif exe and (exe in allowed or os.path.basename(exe) in allowed):
+            elif exe in allowed:  # (a full path: a user's own copy named python3 is not it)
                 why = "operator"
             if why and p.pid != 1:
                 rss = p.info["memory_info"].rss if p.info["memory_info"] else 0

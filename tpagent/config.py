@@ -12,7 +12,7 @@
     metrics_listen = "127.0.0.1:9400" # Prometheus text format; "" turns it off
     shared_paths = ["/shared"]        # expected on every node (checked, not copied)
     allow_executables = ["/opt/venv/bin/python3"]  # also migratable: processes running one of these
-                                      # programs (/proc/PID/exe: a path, or a file name)
+                                      # programs (full paths, compared with /proc/PID/exe)
     memory_limit = 0                  # most bytes this node accepts in one migration (0: no limit)
     hold_timeout = 3600.0             # longest a frozen original waits for its copy to start
     takeover_after = 300.0            # a restored copy whose source agent stays unreachable this

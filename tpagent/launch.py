@@ -77,8 +77,9 @@ def launched(pid: int, records: Path = RECORDS) -> LaunchRecord | None:
         return None
 
 
-def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0) -> int:
-    """Start ``cmd`` in new PID+mount namespaces; return the namespace init's PID."""
+def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0, umask: int = 0o022) -> int:
+    """Start ``cmd`` in new PID+mount namespaces, with ``umask`` (the user's, not tpagent's
+    own 077); return the namespace init's PID."""
     if not cmd:
         raise UsageError("give the command to launch after `--`, e.g. tpagent launch -- python train.py.")
     if os.geteuid() != 0:
@@ -94,7 +95,7 @@ def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0) ->
     read_end, write_end = os.pipe()
     argv = [
         unshare, "--pid", "--fork", "--mount-proc", "--propagation", "private", "--",
-        sys.executable, "-m", "tpagent.nsinit", str(write_end),
+        sys.executable, "-I", "-m", "tpagent.nsinit", str(write_end),  # -I: nothing imported from the cwd
         str(stdout.absolute()), str(stderr.absolute()), *cmd,
     ]  # fmt: skip
     try:
@@ -105,6 +106,7 @@ def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0) ->
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             pass_fds=(write_end,),
+            umask=umask,
         )
     finally:
         os.close(write_end)

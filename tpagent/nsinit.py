@@ -11,10 +11,36 @@ It reports on READY_FD (then closes it): ``ok`` once the workload started, else 
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import stat
 import subprocess
 import sys
+from pathlib import Path
+
+from snapshot import safefs
+from snapshot.api import UsageError
+
+
+def _open_log(path: Path) -> int:
+    """The log, opened for appending as root: through no symlink (safefs's walk), and never an
+    existing file with other links or one that someone else than its directory's owner (or
+    root) could have put there (a hard link to a root file, say)."""
+    parent = safefs.open_dir(path.parent, to=path)
+    try:
+        fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY, 0o644, dir_fd=parent)
+        st = os.fstat(fd)
+        try:
+            safefs.check_owner(os.fstat(parent).st_uid, st.st_uid, path)
+            if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode) and path != Path(os.devnull):
+                raise OSError(errno.EPERM, "not a plain file of its own (other links, or not a regular file)", str(path))
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    finally:
+        os.close(parent)
 
 
 def main(argv: list[str]) -> int:
@@ -30,12 +56,15 @@ def main(argv: list[str]) -> int:
         os.dup2(devnull, 0)
         os.close(devnull)
         for fd, path in ((1, stdout_path), (2, stderr_path)):
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)  # (root: never via a planted symlink)
+            target = _open_log(Path(path))
             os.dup2(target, fd)
             os.close(target)
         child = subprocess.Popen(cmd, close_fds=True)
     except OSError as e:
         os.write(ready, f"cannot start {cmd[0]}: {e.strerror} ({e.filename or cmd[0]})".encode())
+        return 127
+    except UsageError as e:  # (a log path through a symlink, or in someone else's directory)
+        os.write(ready, str(e).rstrip(".").encode())
         return 127
     os.write(ready, b"ok")
     os.close(ready)

@@ -187,6 +187,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         self.refused = refused
         self.replays = _Replays()
         self.started_ms = int(time.time() * 1000)
+        self.log_lock, self.last_log, self.unlogged = threading.Lock(), -1.0, 0
         # Refusals run on a pool of their own: they never wait for the busy API pool.
         self.reject_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpc-refuse")
 
@@ -207,7 +208,14 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         return None
 
     def _refuse(self, method: str, reason: str, context: grpc.ServicerContext) -> None:
-        log.warning("refused %s from %s: %s", method, context.peer(), REASONS[reason])
+        with self.log_lock:  # a flood is counted in full, but logged at most once a second
+            now, unlogged = time.monotonic(), self.unlogged
+            quiet = now - self.last_log < 1.0
+            self.unlogged = unlogged + 1 if quiet else 0
+            self.last_log = self.last_log if quiet else now
+        if not quiet:
+            more = f" (and {unlogged} more refused calls not logged)" if unlogged else ""
+            log.warning("refused %s from %s: %s%s", method, context.peer(), REASONS[reason], more)
         self.refused(reason)
         context.abort(grpc.StatusCode.UNAUTHENTICATED, f"the agent refused the call: {REASONS[reason]}")
 

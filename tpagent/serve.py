@@ -77,7 +77,8 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         raise UsageError(f"cannot listen on {cfg.listen}; is another agent running there?")
     probes = None
     if cfg.health_listen:
-        probes = grpc.server(health.pool, interceptors=[HealthOnly(health)], maximum_concurrent_rpcs=64)
+        # (no limit on calls: Check reads nothing and answers at once, so none can hold a place)
+        probes = grpc.server(health.pool, interceptors=[HealthOnly(health)])
         if probes.add_insecure_port(cfg.health_listen) == 0:
             raise UsageError(f"cannot serve health checks on {cfg.health_listen}; is another agent running there?")
     if cfg.metrics_listen:

@@ -35,7 +35,9 @@ class Incoming:
         private_dir(self.dir.parent)
         self.receiver = Receiver(peer.transport(agent.cfg), peer.transfer_config(agent), f"{agent.cfg.advertised_host}:{agent.cfg.transfer_port}",
                                  on_refused=lambda reason: metrics.REFUSED.labels("transfer", reason).inc())  # fmt: skip
-        self.address = agent.cfg.transfer_address or self.receiver.address
+        # The name the sender dials is the one its TLS check holds the certificate against.
+        host, port = agent.cfg.advertised_host, self.receiver.address.rpartition(":")[2]
+        self.address = agent.cfg.transfer_address or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         self.record = Record(mid, "target", State.RECEIVING, peer=source, snapshot=str(self.dir), peer_agent=source_agent)
         agent.journal.write(self.record)
         self.result: TransferStats | TransferError | None = None

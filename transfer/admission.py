@@ -48,16 +48,18 @@ class Gate:
         self._closed = False
 
     def admit(self, ch: Channel) -> tuple[Entry, Entry | None]:
-        """A new connection's entry, and the stranger it evicted (to be interrupted).  An
-        entry whose ``refused`` is set (PER_PEER_LIMIT) was not admitted: close it."""
+        """A new connection's entry, and the stranger it evicted (to be interrupted): the
+        oldest of its host's, if that host is at its bound (a newcomer is never refused, so
+        strangers on a sender's own host cannot keep the sender out), else the oldest of all
+        when all places are taken."""
         host = peer_host(getattr(ch, "peer", "?"))
         entry = Entry(ch, host)
         with self._lock:
-            if host is not None and self._strangers_from[host] >= self.per_host and not self._members_from[host]:
-                entry.refused = Refusal.PER_PEER_LIMIT
-                return entry, None
             evicted = None
-            if len(self._strangers) >= self.max_strangers:
+            if host is not None and self._strangers_from[host] >= self.per_host and not self._members_from[host]:
+                evicted = next(e for e in self._strangers if e.host == host)
+                self._drop(evicted, Refusal.PER_PEER_LIMIT)
+            elif len(self._strangers) >= self.max_strangers:
                 evicted = next(iter(self._strangers))
                 self._drop(evicted, Refusal.EVICTED)
             self._strangers[entry] = None

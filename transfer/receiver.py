@@ -199,11 +199,10 @@ class Receiver:
             entry, evicted = self._gate.admit(ch)
             if evicted is not None:
                 evicted.ch.interrupt()
-                self._refused(evicted, f"it was the oldest of {MAX_STRANGERS} connections still in their handshakes")
-            if entry.refused is not None:
-                ch.close()
-                self._refused(entry, f"its host already has {MAX_STRANGERS_PER_HOST} connections in their handshakes")
-                continue
+                if evicted.refused is Refusal.PER_PEER_LIMIT:
+                    self._refused(evicted, f"it was the oldest of its host's {MAX_STRANGERS_PER_HOST} connections still in their handshakes")
+                else:
+                    self._refused(evicted, f"it was the oldest of {MAX_STRANGERS} connections still in their handshakes")
             threading.Thread(target=self._serve, args=(entry,), daemon=True).start()
         if isinstance(self._result, TransferError):
             raise self._result
@@ -277,7 +276,7 @@ class Receiver:
                 self._data(ch, session)
         except TransferError as e:
             log.info("stream from %s ended: %s", ch.peer, e)
-        except (OSError, ValueError) as e:  # a clash on disk, JSON that is signed but wrong...
+        except (OSError, ValueError, SnapshotError) as e:  # a clash on disk, JSON that is signed but wrong, a refused directory...
             log.warning("stream from %s failed: %s", ch.peer, e)
             self._finish(TransferError(f"receiving failed: {e}"))
         finally:
