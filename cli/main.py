@@ -20,6 +20,7 @@ import typer
 
 from snapshot import engine
 from snapshot.api import (
+    DEFAULT_GHOST_LIMIT,
     DumpMode,
     Interrupted,
     SnapshotConfig,
@@ -159,6 +160,9 @@ def dump(
     lock_timeout: Annotated[
         float, typer.Option("--lock-timeout", envvar="TPAGENT_LOCK_TIMEOUT", min=0.001, help="Seconds a GPU process may take to reach a lockable point.")
     ] = Timeouts().cuda_lock,
+    ghost_limit_mib: Annotated[
+        int, typer.Option("--ghost-limit-mib", envvar="TPAGENT_GHOST_LIMIT_MIB", min=0, help="Largest deleted-but-open file to keep (MiB).")
+    ] = DEFAULT_GHOST_LIMIT >> 20,
     transport: TransportOpt = TransportName.TCP,
     compress: CompressOpt = Compress.AUTO,
     secret_file: SecretOpt = None,
@@ -170,7 +174,7 @@ def dump(
     """Freeze PID (and its children), write a snapshot to --out (and stream it to --send-to),
     then kill it (or leave it running)."""
     mode = DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL
-    config = SnapshotConfig(criu=criu, timeouts=Timeouts(cuda_lock=lock_timeout))
+    config = SnapshotConfig(criu=criu, timeouts=Timeouts(cuda_lock=lock_timeout), ghost_limit=ghost_limit_mib << 20)
     try:
         if send_to is None:
             m, shipped = engine.checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ()), None

@@ -100,6 +100,9 @@ class Timeouts:
     pid_wait: float = 10.0
 
 
+DEFAULT_GHOST_LIMIT = 1 << 30
+
+
 @dataclass(frozen=True)
 class SnapshotConfig:
     """How the layer runs.  ``criu`` None means: TPAGENT_CRIU, then the installed prefix, then PATH."""
@@ -111,6 +114,9 @@ class SnapshotConfig:
     #: Seconds to hold the sealed, still frozen tree until :func:`snapshot.hook.decide` says
     #: commit or abort (a migration's original); None: finish at once.
     hold: float | None = None
+    #: Largest deleted-but-open file a dump keeps (in the images; DataLoader workers' shared
+    #: memory is such a file).  CRIU's own 1 MiB would refuse most training jobs.
+    ghost_limit: int = DEFAULT_GHOST_LIMIT
 
 
 #: Called as a stage starts (``msg`` empty) and ends (``msg`` says how it went).

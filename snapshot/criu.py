@@ -87,6 +87,8 @@ class DumpOptions:
     #: (resume the tree, unlock its network) instead of killing it.
     action_script: Path | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    #: Largest deleted-but-open file CRIU keeps in the images (CRIU's own default: 1 MiB).
+    ghost_limit: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -168,13 +170,19 @@ class Criu:
         # The namespace's mounts are the node's own: declare them all external.
         args += ["--external", "mnt[]"] if opts.namespace else []
         args += ["--action-script", str(opts.action_script)] if opts.action_script else []
+        args += ["--ghost-limit", str(opts.ghost_limit)]
         proc = self._run(args, timeout, opts.env, work)
         if proc.returncode != 0:
-            raise CriuError(
-                f"criu dump of PID {pid} failed",
-                detail=log_errors(work / "dump.log") or proc.stderr.strip(),
-                code=proc.returncode,
-            )
+            detail = log_errors(work / "dump.log") or proc.stderr.strip()
+            if "Can't dump ghost file" in detail:
+                raise CriuError(
+                    f"PID {pid} holds a deleted-but-open file larger than the ghost limit ({opts.ghost_limit / 2**20:.0f} MiB), "
+                    "which CRIU would have to copy into the snapshot; raise it with --ghost-limit-mib (TPAGENT_GHOST_LIMIT_MIB, "
+                    "the agent's ghost_limit_mib)",
+                    detail=detail,
+                    code=proc.returncode,
+                )
+            raise CriuError(f"criu dump of PID {pid} failed", detail=detail, code=proc.returncode)
 
     def restore(self, images: Path, work: Path, opts: RestoreOptions, timeout: float) -> int:
         """Restore detached; returns the PID (in our namespace) of the restored tree's root.

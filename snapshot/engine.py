@@ -240,7 +240,7 @@ def checkpoint(
             env["TPAGENT_HOOK_HOLD"] = str(config.hold)
         progress(Stage.CRIU_DUMP, "")
         t0 = time.monotonic()
-        opts = DumpOptions(mode, shell_job, bool(m.criu["tcp_established"]), namespace, script, env)
+        opts = DumpOptions(mode, shell_job, bool(m.criu["tcp_established"]), namespace, script, env, config.ghost_limit)
         # A Ctrl-C now asks the post-dump hook to fail, so that CRIU itself rolls back; once
         # the hook has sealed the snapshot, CRIU finishes and the interrupt came too late.
         with proc.deferred_sigint(on_interrupt=cancel.touch) as interrupt:

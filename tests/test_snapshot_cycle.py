@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
 from conftest import needs_criu
-from helpers import alive, assert_continuous, tpagent, wait_until
+from helpers import alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
 
 pytestmark = needs_criu
 
@@ -232,3 +234,22 @@ def test_carried_file_that_cannot_be_put_back(workloads, tmp_path: Path) -> None
     stopped_at = int(frozen.decode().splitlines()[-1].split()[1])
     wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to write on")
     assert_continuous(w.ticks())
+
+
+def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A workload holds an 8 MiB file it deleted (as DataLoader workers' shared memory is):
+    over a 4 MiB ghost limit the dump is refused in one sentence and the workload runs on;
+    under the default limit it is dumped and restored with the file's bytes intact."""
+    w = start(mib=16, extra=("--ghost", str(tmp_path / "shm-batch"), "8"))
+    ghosts = lambda: [ln.split()[1] for ln in w.lines() if ln.startswith("ghost ")]  # noqa: E731
+    wait_until(lambda: ghosts(), "the workload to hash its deleted file")
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "refused"), "--ghost-limit-mib", "4")
+    assert_one_sentence_error(proc, "deleted-but-open file larger than the ghost limit (4 MiB)", "--ghost-limit-mib")
+    assert proc.returncode == 1
+    n = len(w.ticks())
+    wait_until(lambda: len(w.ticks()) > n + 3, "the workload to run on")
+    _dump_restore_cycle(w, tmp_path / "snap")
+    before = len(ghosts())
+    os.kill(w.worker_pid, signal.SIGUSR1)
+    wait_until(lambda: len(ghosts()) > before, "the restored workload to hash its deleted file")
+    assert ghosts()[-1] == ghosts()[0]  # the deleted file came back byte-identical

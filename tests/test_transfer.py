@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -490,3 +491,21 @@ def test_followed_bytes_changed_after_sending_are_caught(tcp: Transport, tmp_pat
         _send_followed(tcp, writer, rx.receiver.address, lambda a, w, t: acked.append(a), chunk_mib)
     assert isinstance(rx.join(), IntegrityError)
     assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst.partial-*"))
+
+
+def test_a_full_disk_is_named_and_nothing_is_kept(tmp_path: Path) -> None:
+    """The receiving disk fills up mid-transfer (a 4 MiB tmpfs, an 8 MiB snapshot): the
+    receiver says so in one sentence, keeps nothing, and the sender fails."""
+    small = tmp_path / "small"
+    small.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tpagent-test", str(small)], check=True)
+    try:
+        src = make_snapshot(tmp_path / "src", "random", 8)
+        rx = Receiving(TcpTransport(), small / "dst")
+        with pytest.raises(TransferError):
+            _send(TcpTransport(), src, rx.receiver.address)
+        result = rx.join()
+        assert isinstance(result, TransferError) and "is full" in str(result), result
+        assert not list(small.iterdir())  # no partial snapshot left behind
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=True)

@@ -24,6 +24,7 @@
                                       # proxy): calls signed for them are accepted; put them in tls.crt
     transport = "tcp"                 # or "ucx"
     streams = 4                       # parallel connections per transfer
+    ghost_limit_mib = 1024            # largest deleted-but-open file a dump keeps (CRIU's --ghost-limit)
     compress = "auto"
 
 The variable for a key is TPAGENT_ and the key in capitals (lists: comma-separated).
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from snapshot.api import UsageError
+from snapshot.api import DEFAULT_GHOST_LIMIT, UsageError
 from tpagent.rpc import Credentials
 from transfer.api import DEFAULT_TLS_DIR
 
@@ -67,6 +68,7 @@ class AgentConfig:
     aliases: tuple[str, ...] = ()
     transport: str = "tcp"
     streams: int = 4
+    ghost_limit_mib: int = DEFAULT_GHOST_LIMIT >> 20
     compress: str = "auto"
 
     @property

@@ -211,7 +211,7 @@ class SourceMigration:
     def _freeze_and_send(self, address: str) -> TransferStats:
         cfg = self.agent.cfg
         config = SnapshotConfig(criu=self.agent.snapshot_config.criu, timeouts=self.agent.snapshot_config.timeouts,
-                                hold=cfg.hold_timeout)  # fmt: skip
+                                hold=cfg.hold_timeout, ghost_limit=cfg.ghost_limit_mib << 20)  # fmt: skip
         private_dir(self.snapshot.parent)
         held = self.snapshot / "log" / hook.HELD_FILE
         t0 = self.freeze_t0 = time.monotonic()

@@ -8,6 +8,7 @@ cannot crowd out those that passed them.  A transfer whose control stream breaks
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import logging
@@ -127,6 +128,17 @@ class _Session:
         return where, start
 
 
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """All of ``data`` at ``offset``, or OSError: a short write (a disk filling up) is continued
+    until the kernel says why it cannot, never taken for the whole chunk."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view, offset = view[n:], offset + n
+
+
 @functools.lru_cache(maxsize=8)
 def _zero_sha256(n: int) -> str:
     return hashlib.sha256(bytes(n)).hexdigest()
@@ -205,6 +217,7 @@ class Receiver:
                     self._refused(evicted, f"it was the oldest of {MAX_STRANGERS} connections still in their handshakes")
             threading.Thread(target=self._serve, args=(entry,), daemon=True).start()
         if isinstance(self._result, TransferError):
+            self._abandon()  # a failed transfer leaves no partial snapshot behind
             raise self._result
         return self._result
 
@@ -276,8 +289,12 @@ class Receiver:
                 self._data(ch, session)
         except TransferError as e:
             log.info("stream from %s ended: %s", ch.peer, e)
-        except (OSError, ValueError, SnapshotError) as e:  # a clash on disk, JSON that is signed but wrong, a refused directory...
+        except (OSError, ValueError, SnapshotError) as e:  # a full disk, JSON that is signed but wrong, a refused directory...
             log.warning("stream from %s failed: %s", ch.peer, e)
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                free = shutil.disk_usage(self._out.parent).free
+                self._finish(TransferError(f"the disk holding {self._out.parent} is full ({free / 2**20:.0f} MiB free); nothing was "
+                                           "kept: free space there, or receive into another place"))  # fmt: skip
             self._finish(TransferError(f"receiving failed: {e}"))
         finally:
             self._gate.release(entry)
@@ -548,6 +565,6 @@ class Receiver:
             return False
         if s.hash_as_received:  # the manifest's digest of this region, from the buffer: no read-back
             s.received_sha[(fi, off)] = hashlib.sha256(data).hexdigest()
-        os.pwrite(s.fds[fi], data, off)
+        _pwrite_all(s.fds[fi], data, off)
         return True
 

@@ -9,6 +9,9 @@ Writes to LOG (opened once, kept open):
     verify HEX                   on SIGUSR1: the state's SHA-256 computed afresh
 --io-uring also holds an io_uring instance, which CRIU cannot dump (a real dump failure).
 --map FILE keeps FILE mapped (tests name it like the CUDA driver library).
+--ghost FILE MIB writes MIB MiB of random bytes to FILE, keeps it open and deletes it (a
+deleted-but-open file, as DataLoader workers' shared memory is); ``ghost HEX`` at start and on
+SIGUSR1 is the SHA-256 of what the open file holds.
 """
 
 import ctypes
@@ -30,6 +33,20 @@ if "--io-uring" in sys.argv:
 if "--map" in sys.argv:
     with open(sys.argv[sys.argv.index("--map") + 1], "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+
+ghost = None
+if "--ghost" in sys.argv:
+    at = sys.argv.index("--ghost")
+    ghost = open(sys.argv[at + 1], "w+b")
+    ghost.write(os.urandom(int(sys.argv[at + 2]) << 20))
+    ghost.flush()
+    os.unlink(sys.argv[at + 1])
+
+
+def ghost_digest() -> str:
+    assert ghost is not None
+    return hashlib.sha256(os.pread(ghost.fileno(), os.fstat(ghost.fileno()).st_size, 0)).hexdigest()
+
 
 block = hashlib.sha256(b"tpagent").digest() * (1 << 15)  # 1 MiB
 state = bytearray(block * mib)
@@ -61,11 +78,15 @@ threading.Thread(target=count, daemon=True).start()
 threading.Thread(target=drain, daemon=True).start()
 with open(log_path, "a", buffering=1) as log:
     log.write(f"digest {hashlib.sha256(state).hexdigest()}\n")
+    if ghost is not None:
+        log.write(f"ghost {ghost_digest()}\n")
     tick = 0
     while True:
         if verify_requested.is_set():
             verify_requested.clear()
             log.write(f"verify {hashlib.sha256(state).hexdigest()}\n")
+            if ghost is not None:
+                log.write(f"ghost {ghost_digest()}\n")
         log.write(f"tick {tick} counter {counter} piped {piped}\n")
         tick += 1
         time.sleep(0.02)
