@@ -6,7 +6,7 @@ FROM debian:trixie-slim
 
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      python3 python3-venv ca-certificates debian-archive-keyring util-linux iproute2 \
+      python3 python3-venv ca-certificates debian-archive-keyring util-linux iproute2 nftables \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/tpagent/src

@@ -99,6 +99,8 @@ def migrate(
             pass
         elif e.code() is grpc.StatusCode.UNAVAILABLE:
             die(f"the agent at {source} cannot be reached ({e.details()}); is `tpagent serve` running there?", EXIT_USAGE, as_json)
+        elif e.code() is grpc.StatusCode.UNAUTHENTICATED:
+            die(f"the agent at {source} {e.details()}", EXIT_USAGE, as_json)  # (which agent refused, and why)
         elif e.code() in _USAGE_CODES:
             die(str(e.details()), EXIT_USAGE, as_json)
         else:

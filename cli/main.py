@@ -215,12 +215,15 @@ def restore(
         float, typer.Option("--pid-wait", envvar="TPAGENT_PID_WAIT", min=0, help="Seconds to wait for the snapshot's PIDs to be free.")
     ] = Timeouts().pid_wait,
     criu: CriuOpt = None,
+    clone: Annotated[
+        bool, typer.Option("--clone", envvar="TPAGENT_CLONE", help="Start it although a copy restored from it still runs here.")
+    ] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Verify a snapshot and bring its processes back to life on this node."""
     config = SnapshotConfig(criu=criu, timeouts=Timeouts(pid_wait=pid_wait))
     try:
-        result = engine.restore(directory, _parse_map(gpu_map or []), config, _progress(as_json))
+        result = engine.restore(directory, _parse_map(gpu_map or []), config, _progress(as_json), clone=clone)
         if result.manifest.namespace:
             register_launched(result.pid)  # still a launched workload, under its new PID
     except SnapshotError as e:

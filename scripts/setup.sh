@@ -13,6 +13,7 @@ command -v dpkg >/dev/null && command -v apt-get >/dev/null || { echo "setup: ne
 command -v unshare >/dev/null || need+=(util-linux)
 command -v ip >/dev/null || need+=(iproute2)
 command -v zstd >/dev/null || need+=(zstd)  # bench/transfer.py's naive route
+command -v nft >/dev/null || need+=(nftables)  # removes the network lock CRIU leaves on a node a workload left
 command -v openssl >/dev/null || need+=(openssl)  # scripts/make-certs.sh (test and small-cluster certificates)
 command -v setpriv >/dev/null || need+=(util-linux)  # the security tests attack as user nobody
 command -v mksquashfs >/dev/null || need+=(squashfs-tools)  # a test mounts a squashfs, as GPU nodes' driver files are

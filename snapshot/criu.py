@@ -228,6 +228,28 @@ def _write_pidfile(path: Path, pid: int) -> None:
     tmp.rename(path)
 
 
+_LOCK_TABLE = re.compile(r"inet (CRIU-[0-9A-Za-z-]+) ")
+
+
+def drop_network_lock(work: Path) -> None:
+    """Remove the nftables table with which the dump in ``work`` locked its TCP connections
+    (named in its dump.log).  CRIU lifts it on a rollback, and a restore on this node does;
+    after a restore elsewhere it stays here and keeps dropping those connections' packets."""
+    try:
+        found = _LOCK_TABLE.search((work / "dump.log").read_text(errors="replace"))
+    except OSError:
+        return
+    if found is None:
+        return  # (no TCP connection was locked)
+    nft = shutil.which("nft")
+    if nft is None:
+        log.warning("cannot remove CRIU's network lock %s: nft (nftables) is not installed", found.group(1))
+        return
+    done = subprocess.run([nft, "delete", "table", "inet", found.group(1)], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0 and "No such file" not in done.stderr:
+        log.warning("could not remove CRIU's network lock %s: %s", found.group(1), done.stderr.strip())
+
+
 def running_in(work: Path) -> bool:
     """Whether the CRIU that was started with ``work`` as its work directory still runs: that
     very process (PID and start time), not any process that mentions the path."""

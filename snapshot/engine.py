@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import signal
 import tarfile
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -55,6 +57,9 @@ log = logging.getLogger(__name__)
 
 CudaFactory = Callable[[], CudaDriver]
 LOG_DIR = "log"
+#: Root's notes of the copies restored on this node, one per snapshot (by its id): a snapshot
+#: restored twice would run twice.
+RESTORED = Path("/run/tpagent/restored")
 
 
 class InjectedFault(ToolError):
@@ -379,13 +384,16 @@ def restore(
     verified: bool = False,
     work: Path | None = None,
     start: bool = True,
+    clone: bool = False,
 ) -> RestoreResult:
     """Restore ``directory``.  ``verified``: its checksums were just checked (a receiver does
     that as the data arrives), so only the manifest is read again.  ``work``: CRIU's work
     directory (its log and ``restore.pid``), for a caller that must find them after a crash.
     ``start`` False: the copy is restored but held — stopped (a CPU process), or with its
     GPU still locked (a CUDA process, whose driver restore needs it running) — until
-    :func:`start_restored`; a migration lets it go only once the original is let go."""
+    :func:`start_restored`; a migration lets it go only once the original is let go.
+    ``clone``: restore although a copy restored from this snapshot still runs here (noted in
+    :data:`RESTORED`): two copies then run, on purpose."""
     require_root()
     asked = {uuid_text(uuid_bytes(k)): uuid_text(uuid_bytes(v)) for k, v in (gpu_map or {}).items()}  # (syntax first)
     timer = _Timer(progress, config.fail_after)
@@ -407,6 +415,12 @@ def restore(
         raise UsageError(
             f"the process this snapshot was taken from (PID {m.root_pid}, left {m.origin['mode']}) "
             "still runs on this node; stop it first, or two copies would run."
+        )
+    copy = None if clone else _copy_still_running(m)
+    if copy is not None:
+        raise UsageError(
+            f"a copy restored from this snapshot still runs here as PID {copy}; stop it first, or pass --clone "
+            "to start another on purpose (two copies then run)."
         )
     norm_map = _check_gpu_map(m, asked)
     cuda = cuda_factory() if m.cuda_pids else None
@@ -448,7 +462,50 @@ def restore(
         ) from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    _note_copy(m, root)
     return RestoreResult(root, tuple(mapping.values()), m, timer.timings)
+
+
+def _copy_path(m: Manifest) -> Path:
+    if not re.fullmatch(r"[0-9a-f]{1,64}", m.snapshot_id):
+        raise SnapshotInvalid(f"the snapshot's id {m.snapshot_id[:80]!r} is not hexadecimal.")
+    return RESTORED / f"{m.snapshot_id}.json"
+
+
+def _live_copies(m: Manifest) -> list[dict[str, Any]]:
+    """The notes of copies of ``m`` restored here before whose very process still runs."""
+    try:
+        notes = json.loads(_copy_path(m).read_text())
+    except (OSError, ValueError):
+        return []
+    live = []
+    for note in notes if isinstance(notes, list) else []:
+        try:
+            p = psutil.Process(int(note["pid"]))
+            if p.create_time() == float(note["create_time"]) and note["host"] == platform.node() and p.status() != psutil.STATUS_ZOMBIE:
+                live.append(note)
+        except (ValueError, KeyError, TypeError, psutil.Error):
+            continue
+    return live
+
+
+def _copy_still_running(m: Manifest) -> int | None:
+    """The PID of a copy of ``m`` restored here before, if that very process still runs."""
+    live = _live_copies(m)
+    return int(live[0]["pid"]) if live else None
+
+
+def _note_copy(m: Manifest, root: int) -> None:
+    """Add the copy just restored (as PID ``root``) to the notes of ``m``'s live copies."""
+    try:
+        private_dir(RESTORED)
+        note = {"pid": root, "create_time": psutil.Process(root).create_time(), "host": platform.node()}
+        tmp = _copy_path(m).with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "w", opener=private_opener) as f:
+            json.dump([*_live_copies(m), note], f)
+        tmp.rename(_copy_path(m))
+    except (OSError, psutil.Error, SnapshotError) as e:  # the copy runs; only the note of it is missing
+        log.warning("could not note the copy of %s restored as PID %d: %s", m.snapshot_id, root, e)
 
 
 def start_restored(result: RestoreResult, cuda_factory: CudaFactory = CudaDriver) -> None:

@@ -190,7 +190,7 @@ def test_dry_run_checks_both_sides_and_freezes_nothing(cluster: Cluster, ticker:
         ("unknown-pid", "no process with PID"),
         ("not-migratable", "not a migratable process"),
         ("unreachable", "cannot be reached"),
-        ("wrong-secret", "wrong cluster secret"),
+        ("wrong-secret", "the agent at 10.233.0.1:7400 refused the call: a wrong cluster secret"),
         ("to-itself", "same agent"),
     ],
 )
@@ -333,3 +333,28 @@ def test_source_node_lost_after_the_restore_the_copy_takes_over(cluster: Cluster
     ticker.assert_one_copy_continuous()
     ticker.verify_state()
     assert Path(f"/proc/{new_pid}/ns/net").stat().st_ino == Path(f"/run/netns/{b.name}").stat().st_ino  # it runs on B
+
+
+def test_a_tcp_pair_migrates_there_and_back(cluster: Cluster, tmp_path: Path) -> None:
+    """A workload whose tree holds both ends of a TCP connection moves A -> B -> A and keeps
+    exchanging data: the network lock CRIU leaves on the node it left is gone (it once dropped
+    the connection's packets when the workload came back, which then hung, reported done)."""
+    a = cluster.nodes["A"]
+    log = tmp_path / "echo.log"
+    out = subprocess.run(a.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp_path / "echo.out"), "--", sys.executable,
+                                str(ROOT / "tests" / "workloads" / "tcp_echo.py"), str(log)), cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout)
+    pairs = lambda: [tuple(map(int, ln.split()[1::2])) for ln in log.read_text().splitlines()] if log.exists() else []  # noqa: E731
+    try:
+        wait_until(lambda: len(pairs()) > 5, "the TCP workload to run")
+        for src, dst in (("A", "B"), ("B", "A")):
+            proc = cluster.migrate(pid, src, dst, "--json")
+            assert proc.returncode == 0, proc.stderr + proc.stdout
+            pid = json.loads(proc.stdout)["new_pid"]
+            n = len(pairs())
+            wait_until(lambda: len(pairs()) > n + 10, f"the workload to exchange data on {dst}", 30)
+        seq = pairs()
+        assert all(echo == tick for tick, echo in seq) and [t for t, _ in seq] == list(range(len(seq)))
+    finally:
+        kill_and_wait(pid)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu
-from helpers import alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
+from helpers import alive, assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
 
 pytestmark = needs_criu
 
@@ -253,3 +253,35 @@ def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None
     os.kill(w.worker_pid, signal.SIGUSR1)
     wait_until(lambda: len(ghosts()) > before, "the restored workload to hash its deleted file")
     assert ghosts()[-1] == ghosts()[0]  # the deleted file came back byte-identical
+
+
+def test_one_snapshot_is_not_restored_twice(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A second restore of a snapshot whose first copy still runs here is refused in one
+    sentence (two copies would write one log), also from a copy of the snapshot; --clone
+    starts a second on purpose; once the first copy is gone, a restore works again."""
+    w = start(mib=16, launched=True)  # (its own PID namespace: a second copy would not clash on PIDs)
+    snap = tmp_path / "snap"
+    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
+    first = tpagent("restore", str(snap), "--json")
+    assert first.returncode == 0, first.stderr
+    w.pid = json.loads(first.stdout)["pid"]
+    shutil.copytree(snap, tmp_path / "copy")
+    for again in (snap, tmp_path / "copy"):
+        proc = tpagent("restore", str(again))
+        assert_one_sentence_error(proc, f"still runs here as PID {w.pid}", "--clone")
+        assert proc.returncode == 2
+    n = len(w.ticks())
+    wait_until(lambda: len(w.ticks()) > n + 10, "the first copy to tick on")
+    assert_continuous(w.ticks())  # one copy only
+    clone = tpagent("restore", str(snap), "--clone", "--json")
+    assert clone.returncode == 0, clone.stderr
+    second = json.loads(clone.stdout)["pid"]
+    try:
+        wait_until(lambda: len(w.ticks()) != len({t[0] for t in w.ticks()}), "the clone to tick too")  # two copies: ticks repeat
+    finally:
+        kill_and_wait(second)
+    assert_one_sentence_error(tpagent("restore", str(snap)), f"still runs here as PID {w.pid}")  # the first is still noted
+    kill_and_wait(w.pid)
+    again = tpagent("restore", str(snap), "--json")
+    assert again.returncode == 0, again.stderr
+    w.pid = json.loads(again.stdout)["pid"]

@@ -144,6 +144,11 @@ class Journal:
             f.flush()
             os.fsync(f.fileno())
         tmp.rename(self.path(record.migration_id))
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)  # the rename itself survives a power loss too
+        finally:
+            os.close(fd)
 
     def move(self, record: Record, to: State, message: str = "") -> None:
         """Journal ``to`` (if the protocol allows it from where ``record`` stands), then apply it."""

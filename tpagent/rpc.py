@@ -217,7 +217,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
             more = f" (and {unlogged} more refused calls not logged)" if unlogged else ""
             log.warning("refused %s from %s: %s%s", method, context.peer(), REASONS[reason], more)
         self.refused(reason)
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"the agent refused the call: {REASONS[reason]}")
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"refused the call: {REASONS[reason]}")
 
     def _reject(self, method: str, reason: str) -> Any:
         """A handler that refuses at once, never reading the request (which may never come)."""

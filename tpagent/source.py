@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import psutil
 
-from snapshot import engine, gpus, hook, proc
+from snapshot import criu, engine, gpus, hook, proc
 from snapshot.api import DumpMode, SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
 from snapshot.safefs import private_dir
@@ -383,6 +383,9 @@ def _commit(agent: Agent, r: Record, target: Any, dump_thread: threading.Thread 
         peer.wait_released(snap / engine.LOG_DIR, None)
     if peer.same_process_alive(r):  # CRIU could not end it (it died): end it here
         proc.kill_tree(r.pid)
+    # The copy runs elsewhere: the lock CRIU left here on its TCP connections would drop
+    # their packets if the workload ever came back to this node.
+    criu.drop_network_lock(snap / engine.LOG_DIR)
     peer.remove(agent.cfg, snap)
     if r.state is not State.DONE:
         agent.journal.move(r, State.DONE, f"migrated to {r.peer}")
