@@ -28,8 +28,6 @@ def credentials(secret_file: Path | None, tls_dir: Path) -> Any:
     """This node's credentials for calling agents (the secret and the TLS files, checked)."""
     from tpagent.rpc import Credentials
 
-    if secret_file is None:
-        raise UsageError("no cluster secret: pass --secret-file or set TPAGENT_SECRET_FILE (the same file on every node).")
     return Credentials.load(secret_file, tls_dir)
 
 

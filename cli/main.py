@@ -32,13 +32,12 @@ from snapshot.api import (
 )
 from snapshot.gpus import inventory
 from snapshot.manifest import load
-from snapshot.safefs import read_private_file
 from tpagent import doctor as doctor_mod
 from tpagent import pipeline
 from cli import agent_cmds
 from tpagent.launch import launch as launch_workload
 from tpagent.launch import register as register_launched
-from transfer.api import DEFAULT_TLS_DIR, Compress, TlsFiles, TransferConfig, TransferError, Transport
+from transfer.api import DEFAULT_TLS_DIR, Compress, TlsFiles, TransferConfig, TransferError, Transport, read_secret
 from transfer.receiver import Receiver
 from transfer.sender import Sender
 from transfer.tcp import TcpTransport
@@ -179,7 +178,7 @@ def dump(
         if send_to is None:
             m, shipped = engine.checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ()), None
         else:
-            cfg = TransferConfig(secret=_secret(secret_file), compress=compress)
+            cfg = TransferConfig(secret=read_secret(secret_file), compress=compress)
             sender = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg)
             shipped = pipeline.dump_and_send(pid, out, send_to, sender, mode, config, _progress(as_json), overlap, carry or ())
             m = shipped.manifest
@@ -301,16 +300,6 @@ def launch(
 USER_UMASK = 0o022
 
 
-def _secret(path: Path | None) -> bytes:
-    """The cluster secret: only from a file of ours with mode 600 or stricter."""
-    if path is None:
-        raise UsageError("no cluster secret: pass --secret-file or set TPAGENT_SECRET_FILE (the same file on every node).")
-    secret = read_private_file(path, "the cluster secret").strip()
-    if len(secret) < 16:
-        raise UsageError(f"the secret in {path} is shorter than 16 bytes; use a long random secret.")
-    return secret
-
-
 @app.command()
 def send(
     directory: Annotated[Path, typer.Argument(help="Snapshot directory to send.")],
@@ -336,7 +325,7 @@ def send(
         typer.echo(f"\r  {done / 2**20:9.1f} / {total / 2**20:.1f} MiB  {rate / 1e9:5.2f} GB/s  ratio {ratio:4.2f}  ETA {eta:5.1f} s", err=True, nl=False)
 
     try:
-        cfg = TransferConfig(secret=_secret(secret_file), streams=streams, compress=compress, chunk_size=chunk_mib << 20)
+        cfg = TransferConfig(secret=read_secret(secret_file), streams=streams, compress=compress, chunk_size=chunk_mib << 20)
         stats = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg, bar).send(directory, peer)
     except (SnapshotError, TransferError) as e:
         typer.echo("", err=True)
@@ -364,7 +353,7 @@ def receive(
 ) -> None:
     """Accept one authenticated snapshot stream and write it, verified, to --out."""
     try:
-        cfg = TransferConfig(secret=_secret(secret_file))
+        cfg = TransferConfig(secret=read_secret(secret_file))
         receiver = Receiver(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg, listen)
         typer.echo(f"listening on {receiver.address}", err=True)
         try:

@@ -293,6 +293,17 @@ def check_owner(dir_uid: int, uid: int, path: Path) -> None:
         )
 
 
+def owned_fd(parent: int, fd: int, path: Path) -> int:
+    """``fd`` (of ``path``, in the directory ``parent``) once it passes :func:`check_owner`;
+    else it is closed and UsageError raised."""
+    try:
+        check_owner(os.fstat(parent).st_uid, os.fstat(fd).st_uid, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def open_to_read(path: Path) -> int | None:
     """A read-only fd of the regular file ``path``, reached without following any symlink
     and checked against :func:`check_owner`; None if it is gone or is no regular file."""
@@ -302,13 +313,7 @@ def open_to_read(path: Path) -> int | None:
         return None
     try:
         fd = open_regular(parent, path.name, path)
-        if fd is not None:
-            try:
-                check_owner(os.fstat(parent).st_uid, os.fstat(fd).st_uid, path)
-            except BaseException:
-                os.close(fd)
-                raise
-        return fd
+        return None if fd is None else owned_fd(parent, fd, path)
     finally:
         os.close(parent)
 

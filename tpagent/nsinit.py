@@ -30,14 +30,10 @@ def _open_log(path: Path) -> int:
     parent = safefs.open_dir(path.parent, to=path)
     try:
         fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY, 0o644, dir_fd=parent)
-        st = os.fstat(fd)
-        try:
-            safefs.check_owner(os.fstat(parent).st_uid, st.st_uid, path)
-            if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode) and path != Path(os.devnull):
-                raise OSError(errno.EPERM, "not a plain file of its own (other links, or not a regular file)", str(path))
-        except BaseException:
+        st = os.fstat(safefs.owned_fd(parent, fd, path))
+        if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode) and path != Path(os.devnull):
             os.close(fd)
-            raise
+            raise OSError(errno.EPERM, "not a plain file of its own (other links, or not a regular file)", str(path))
         return fd
     finally:
         os.close(parent)

@@ -42,7 +42,7 @@ import grpc
 from snapshot.api import UsageError
 from snapshot.safefs import read_private_file
 from tpagent.proto import load
-from transfer.api import TlsFiles
+from transfer.api import TlsFiles, read_secret
 
 pb, pb_grpc = load()
 AgentServicer: Any = pb_grpc.AgentServicer
@@ -56,7 +56,6 @@ MAX_MESSAGE = 16 << 20  # bounded inputs: no call carries more
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 #: Per connection: a client multiplexes at most this many calls on one connection.
 MAX_STREAMS_PER_CONNECTION = 32
-MIN_SECRET = 16
 
 
 @dataclass(frozen=True)
@@ -64,17 +63,14 @@ class Credentials:
     """What a node proves itself with: the cluster secret and its TLS certificate."""
 
     secret: bytes = field(repr=False)
-    tls: TlsFiles
     ca: bytes = field(repr=False)
     cert: bytes = field(repr=False)
     key: bytes = field(repr=False)
 
     @classmethod
-    def load(cls, secret_file: Path, tls_dir: Path) -> Credentials:
+    def load(cls, secret_file: Path | None, tls_dir: Path) -> Credentials:
         """Read and check both (the secret and the key: private files of ours), or UsageError."""
-        secret = read_private_file(secret_file, "the cluster secret").strip()
-        if len(secret) < MIN_SECRET:
-            raise UsageError(f"the cluster secret in {secret_file} is shorter than {MIN_SECRET} bytes; make it longer.")
+        secret = read_secret(secret_file)
         files = TlsFiles.in_dir(tls_dir)
         key = read_private_file(files.key, "the TLS private key")
         try:
@@ -84,7 +80,7 @@ class Credentials:
                 f"cannot read the TLS certificate {e.filename}: {e.strerror}; put the cluster CA (ca.crt) and this node's "
                 f"certificate (tls.crt, tls.key) in {tls_dir} (scripts/make-certs.sh makes them, or cert-manager)."
             ) from e
-        return cls(secret, files, ca, cert, key)
+        return cls(secret, ca, cert, key)
 
 
 def _hmac(secret: bytes, *parts: str | bytes) -> str:

@@ -37,6 +37,24 @@ class Compress(str, enum.Enum):
 MAX_STREAMS = 64
 
 
+#: The shortest cluster secret accepted.
+MIN_SECRET = 16
+
+
+def read_secret(path: Path | None) -> bytes:
+    """The cluster secret (the same file on every node): only from a file of ours with mode
+    600 or stricter, at least :data:`MIN_SECRET` bytes; else UsageError in one sentence."""
+    from snapshot.api import UsageError
+    from snapshot.safefs import read_private_file
+
+    if path is None:
+        raise UsageError("no cluster secret: pass --secret-file or set TPAGENT_SECRET_FILE (the same file on every node).")
+    secret = read_private_file(path, "the cluster secret").strip()
+    if len(secret) < MIN_SECRET:
+        raise UsageError(f"the cluster secret in {path} is shorter than {MIN_SECRET} bytes; make it longer.")
+    return secret
+
+
 #: Where a node's certificates live unless told otherwise.
 DEFAULT_TLS_DIR = Path("/etc/tpagent/tls")
 
