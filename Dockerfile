@@ -14,13 +14,13 @@ COPY scripts/install-criu.sh scripts/
 # CRIU >= 4.2 into /opt/tpagent/criu (trixie ships 4.1, which cannot dump TCP sockets on 6.16+ kernels).
 RUN scripts/install-criu.sh
 
-COPY pyproject.toml README.md ./
+# setup.py compiles the agent's gRPC API into the installed package.
+COPY pyproject.toml setup.py README.md ./
 COPY tpagent tpagent
 COPY snapshot snapshot
 COPY transfer transfer
 COPY cli cli
-RUN python3 -m venv /opt/tpagent/venv && /opt/tpagent/venv/bin/pip install --no-cache-dir . \
- && /opt/tpagent/venv/bin/python -m tpagent.proto
+RUN python3 -m venv /opt/tpagent/venv && /opt/tpagent/venv/bin/pip install --no-cache-dir .
 
 ENV PATH=/opt/tpagent/venv/bin:$PATH
 # The agent's work directory (journal, snapshots in flight): root's alone.

@@ -1,58 +1,58 @@
-"""``tpagent serve`` and ``tpagent migrate``: the node agent and the command that drives it."""
+"""``tpagent serve`` and ``tpagent migrate``: the node agent and the command that drives it
+(with ``status``, ``cancel`` and ``node``, which ask an agent).  :mod:`cli.main` registers them."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import grpc
 import typer
 
+from cli.common import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    USAGE_STATUSES,
+    AgentOpt,
+    JsonOpt,
+    SecretOpt,
+    TlsDirOpt,
+    credentials,
+    die,
+    rpc_exit_code,
+)
 from snapshot.api import UsageError
 from transfer.api import DEFAULT_TLS_DIR
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-_USAGE_CODES = {
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE,
-}  # fmt: skip
-SecretOpt = Annotated[Path | None, typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret.")]
-TlsDirOpt = Annotated[
-    Path, typer.Option("--tls-dir", envvar="TPAGENT_TLS_DIR", help="ca.crt, tls.crt, tls.key of this node (mutual TLS).")
-]
-
-
-def credentials(secret_file: Path | None, tls_dir: Path) -> Any:
-    """This node's credentials for calling agents (the secret and the TLS files, checked)."""
-    from tpagent.rpc import Credentials
-
-    return Credentials.load(secret_file, tls_dir)
-
-
-def die(msg: str, code: int, as_json: bool = False, rolled_back: bool = False) -> NoReturn:
-    """Every command's error: one sentence on stderr (and, with --json, a JSON error on stdout)."""
-    typer.echo(f"tpagent: {msg}", err=True)
-    if as_json:
-        typer.echo(json.dumps({"error": msg, "exit_code": code, "rolled_back": rolled_back}, indent=2))
-    raise typer.Exit(code)
-
 
 def serve(
-    config: Annotated[Path | None, typer.Option("--config", envvar="TPAGENT_CONFIG", help="TOML file (default /etc/tpagent/agent.toml).")] = None,
+    # No envvar on these flags, unlike the shared options: tpagent.config.load reads each
+    # TPAGENT_* setting itself, between the TOML file and the flags.
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", envvar="TPAGENT_CONFIG", help="TOML file (default /etc/tpagent/agent.toml)."),
+    ] = None,
     listen: Annotated[str | None, typer.Option("--listen", help="ADDR:PORT for the agent's gRPC API.")] = None,
     advertise: Annotated[str | None, typer.Option("--advertise", help="Address peers reach this node on.")] = None,
     node: Annotated[str | None, typer.Option("--node", help="Name of this node in logs and metrics.")] = None,
     work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Journals and snapshots in flight.")] = None,
-    metrics_listen: Annotated[str | None, typer.Option("--metrics-listen", help="ADDR:PORT for Prometheus; '' for none.")] = None,
+    metrics_listen: Annotated[
+        str | None, typer.Option("--metrics-listen", help="ADDR:PORT for Prometheus; '' for none.")
+    ] = None,
     secret_file: Annotated[Path | None, typer.Option("--secret-file", help="File holding the cluster secret.")] = None,
     tls_dir: Annotated[Path | None, typer.Option("--tls-dir", help="ca.crt, tls.crt, tls.key (mutual TLS).")] = None,
-    health_listen: Annotated[str | None, typer.Option("--health-listen", help="ADDR:PORT for plain-text health checks; '' for none.")] = None,
+    health_listen: Annotated[
+        str | None, typer.Option("--health-listen", help="ADDR:PORT for plain-text health checks; '' for none.")
+    ] = None,
 ) -> None:
     """Run the node agent (as the systemd service does) until SIGTERM."""
     from tpagent import config as config_mod
-    from tpagent.serve import serve as run_server, structured_logs
+    from tpagent.serve import serve as run_server
+    from tpagent.serve import structured_logs
 
     structured_logs()
     try:
@@ -67,11 +67,13 @@ def serve(
 def migrate(
     pid: Annotated[int, typer.Argument(help="The process (or `tpagent launch` namespace) to move.")],
     to: Annotated[str, typer.Option("--to", envvar="TPAGENT_TO", help="HOST:PORT of the target node's agent.")],
-    source: Annotated[str, typer.Option("--from", envvar="TPAGENT_AGENT", help="HOST:PORT of the source node's agent.")] = "127.0.0.1:7400",
+    source: Annotated[
+        str, typer.Option("--from", envvar="TPAGENT_AGENT", help="HOST:PORT of the source node's agent.")
+    ] = "127.0.0.1:7400",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only check both sides; freeze nothing.")] = False,
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
-    as_json: Annotated[bool, typer.Option("--json", envvar="TPAGENT_JSON", help="Print a JSON result.")] = False,
+    as_json: JsonOpt = False,
 ) -> None:
     """Move a running process to another node: frozen, streamed, restored there, and only
     then ended here; on any failure it runs on here where it stood."""
@@ -96,10 +98,14 @@ def migrate(
         if e.code() is grpc.StatusCode.CANCELLED and last is not None:
             pass
         elif e.code() is grpc.StatusCode.UNAVAILABLE:
-            die(f"the agent at {source} cannot be reached ({e.details()}); is `tpagent serve` running there?", EXIT_USAGE, as_json)
+            die(
+                f"the agent at {source} cannot be reached ({e.details()}); is `tpagent serve` running there?",
+                EXIT_USAGE,
+                as_json,
+            )
         elif e.code() is grpc.StatusCode.UNAUTHENTICATED:
             die(f"the agent at {source} {e.details()}", EXIT_USAGE, as_json)  # (which agent refused, and why)
-        elif e.code() in _USAGE_CODES:
+        elif e.code() in USAGE_STATUSES:
             die(str(e.details()), EXIT_USAGE, as_json)
         else:
             die(f"the migration failed: {e.details()}", EXIT_FAILED, as_json)
@@ -121,7 +127,9 @@ def _show(event: Any, shown: str) -> str:
                    f"{rate / 1e9:5.2f} GB/s  ETA {eta:5.1f} s", err=True, nl=False)  # fmt: skip
         return shown
     if event.message and event.message != shown:
-        typer.echo(f"\n  {event.state:<12} {event.message}" if shown else f"  {event.state:<12} {event.message}", err=True)
+        typer.echo(
+            f"\n  {event.state:<12} {event.message}" if shown else f"  {event.state:<12} {event.message}", err=True
+        )
         return str(event.message)
     return shown
 
@@ -146,8 +154,9 @@ def _report(last: Any, as_json: bool, dry_run: bool) -> int:
     if last is None:
         die("the agent ended the migration without a word", EXIT_FAILED)
     ok = last.state == "done"
-    doc = {"migration_id": last.migration_id, "state": last.state, "message": last.message, "new_pid": last.new_pid,
-           "seconds": round(last.seconds, 3), "timings": dict(last.timings), "problems": list(last.problems)}  # fmt: skip
+    doc = {"migration_id": last.migration_id, "state": last.state, "message": last.message,
+           "new_pid": last.new_pid, "seconds": round(last.seconds, 3), "timings": dict(last.timings),
+           "problems": list(last.problems)}  # fmt: skip
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
     else:
@@ -161,9 +170,6 @@ def _report(last: Any, as_json: bool, dry_run: bool) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
-AgentOpt = Annotated[str, typer.Option("--agent", envvar="TPAGENT_AGENT", help="HOST:PORT of the agent to ask.")]
-
-
 def _call(agent: str, secret_file: Path | None, tls_dir: Path, method: str, request: Any) -> Any:
     from tpagent.rpc import stub
 
@@ -172,8 +178,7 @@ def _call(agent: str, secret_file: Path | None, tls_dir: Path, method: str, requ
     except UsageError as e:
         die(str(e), EXIT_USAGE)
     except grpc.RpcError as e:
-        code = EXIT_USAGE if e.code() in _USAGE_CODES else EXIT_FAILED
-        die(f"the agent at {agent}: {e.details()}", code)
+        die(f"the agent at {agent}: {e.details()}", rpc_exit_code(e.code()))
 
 
 def status(
@@ -186,11 +191,15 @@ def status(
     from tpagent.rpc import pb
 
     s = _call(agent, secret_file, tls_dir, "Status", pb.MigrationRef(migration_id=migration_id))
-    typer.echo(json.dumps({"migration_id": s.migration_id, "state": s.state, "message": s.message, "pid": s.pid}, indent=2))
+    typer.echo(
+        json.dumps({"migration_id": s.migration_id, "state": s.state, "message": s.message, "pid": s.pid}, indent=2)
+    )
 
 
 def cancel(
-    migration_id: Annotated[str, typer.Argument(help="The migration to stop (rolled back if not yet past the point of no return).")],
+    migration_id: Annotated[
+        str, typer.Argument(help="The migration to stop (rolled back if not yet past the point of no return).")
+    ],
     agent: AgentOpt = "127.0.0.1:7400",
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
@@ -202,7 +211,9 @@ def cancel(
     typer.echo(f"migration {s.migration_id}: {s.state} {s.message}".rstrip())
 
 
-def node(agent: AgentOpt = "127.0.0.1:7400", secret_file: SecretOpt = None, tls_dir: TlsDirOpt = DEFAULT_TLS_DIR) -> None:
+def node(
+    agent: AgentOpt = "127.0.0.1:7400", secret_file: SecretOpt = None, tls_dir: TlsDirOpt = DEFAULT_TLS_DIR
+) -> None:
     """An agent's node: versions, health, GPUs, free memory, and its migratable processes."""
     from tpagent.rpc import pb
 
@@ -212,8 +223,9 @@ def node(agent: AgentOpt = "127.0.0.1:7400", secret_file: SecretOpt = None, tls_
         "node": info.node, "hostname": info.hostname, "healthy": info.healthy, "problems": list(info.problems),
         "agent_version": info.agent_version, "criu_version": info.criu_version, "driver_version": info.driver_version,
         "memory_available": info.memory_available,
-        "gpus": [{"uuid": g.uuid, "name": g.name, "memory_used": g.memory_used, "memory_total": g.memory_total} for g in info.gpus],
-        "migratable": [{"pid": p.pid, "why": p.why, "uid": p.uid, "owner": p.owner, "rss": p.rss, "cmdline": list(p.cmdline)}
-                       for p in procs.processes],
+        "gpus": [{"uuid": g.uuid, "name": g.name, "memory_used": g.memory_used, "memory_total": g.memory_total}
+                 for g in info.gpus],
+        "migratable": [{"pid": p.pid, "why": p.why, "uid": p.uid, "owner": p.owner, "rss": p.rss,
+                        "cmdline": list(p.cmdline)} for p in procs.processes],
     }  # fmt: skip
     typer.echo(json.dumps(doc, indent=2))

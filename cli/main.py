@@ -2,6 +2,9 @@
 
 Each command parses its flags (every one also read from a ``TPAGENT_*`` variable), calls one
 typed function and maps the layer's errors to one sentence on stderr and a named exit code.
+This module holds the app and the snapshot and transfer commands; the agent's commands are in
+:mod:`cli.agent_cmds` (registered below), and what both share (exit codes, option types,
+:func:`~cli.common.die`) in :mod:`cli.common`.
 """
 
 from __future__ import annotations
@@ -11,21 +14,31 @@ import logging
 import os
 import sys
 import time
-from enum import Enum
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
 
+from cli import agent_cmds
+from cli.common import (
+    EXIT_FAILED,
+    CompressOpt,
+    CriuOpt,
+    JsonOpt,
+    PlaintextOpt,
+    SecretOpt,
+    TlsDirOpt,
+    TransportName,
+    TransportOpt,
+    die_of,
+)
 from snapshot import engine
 from snapshot.api import (
     DEFAULT_GHOST_LIMIT,
     DumpMode,
-    Interrupted,
     SnapshotConfig,
     SnapshotError,
-    SnapshotInvalid,
     Stage,
     Timeouts,
     UsageError,
@@ -34,41 +47,26 @@ from snapshot.gpus import inventory
 from snapshot.manifest import load
 from tpagent import doctor as doctor_mod
 from tpagent import pipeline
-from cli import agent_cmds
 from tpagent.launch import launch as launch_workload
 from tpagent.launch import register as register_launched
 from transfer.api import DEFAULT_TLS_DIR, Compress, TlsFiles, TransferConfig, TransferError, Transport, read_secret
 from transfer.receiver import Receiver
 from transfer.sender import Sender
-from transfer.tcp import TcpTransport
-
-EXIT_OK = 0
-EXIT_FAILED = 1  # CRIU, the CUDA driver or the disk failed; the process was resumed
-EXIT_USAGE = 2  # the request cannot be carried out as given
-EXIT_INVALID = 3  # the snapshot is missing, damaged or foreign
-EXIT_INTERRUPTED = 130  # Ctrl-C; a frozen process was resumed
+from transfer.transports import make_transport
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
-
-JsonOpt = Annotated[bool, typer.Option("--json", envvar="TPAGENT_JSON", help="Print a JSON result.")]
-CriuOpt = Annotated[
-    Path | None, typer.Option("--criu", envvar="TPAGENT_CRIU", help="The criu binary to use (>= 4.2).")
-]
 
 
 _line_open = False  # a stage's name is on screen, waiting for its time
 
 
 def _fail(e: SnapshotError | TransferError, as_json: bool = False) -> NoReturn:
-    """One sentence on stderr (and, with --json, a JSON error on stdout), then the exit code."""
+    """:func:`~cli.common.die_of`, after ending a stage line left open on screen."""
     global _line_open
     if _line_open:
         typer.echo("failed", err=True)
         _line_open = False
-    codes = {UsageError: EXIT_USAGE, SnapshotInvalid: EXIT_INVALID, Interrupted: EXIT_INTERRUPTED}
-    code = next((c for cls, c in codes.items() if isinstance(e, cls)), EXIT_FAILED)
-    rolled_back = isinstance(e, SnapshotError) and e.rolled_back
-    agent_cmds.die(str(e) + (" (nothing was lost: the process was resumed where it stood)" if rolled_back else ""), code, as_json, rolled_back)
+    die_of(e, as_json)
 
 
 def _progress(quiet: bool) -> Callable[[Stage, str], None]:
@@ -106,39 +104,10 @@ def main(
     )
 
 
-class TransportName(str, Enum):
-    TCP = "tcp"
-    UCX = "ucx"
-
-
-TransportOpt = Annotated[
-    TransportName, typer.Option("--transport", envvar="TPAGENT_TRANSPORT", help="tcp, or ucx (RDMA where present).")
-]
-
-
 def _transport(name: TransportName, io_timeout: float, tls_dir: Path, plaintext: bool) -> Transport:
-    """UCX (authenticated, not encrypted), or TCP in mutual TLS with this node's certificates
-    (only authenticated with --plaintext)."""
-    if name is TransportName.UCX:
-        from transfer.ucx import UcxTransport
-
-        return UcxTransport(io_timeout)
-    return TcpTransport(io_timeout, tls=None if plaintext else TlsFiles.in_dir(tls_dir))
-
-
-TlsDirOpt = agent_cmds.TlsDirOpt
-PlaintextOpt = Annotated[
-    bool,
-    typer.Option("--plaintext", envvar="TPAGENT_PLAINTEXT", help="TCP without TLS: authenticated by the secret, but readable on the wire."),
-]
-
-
-SecretOpt = Annotated[
-    Path | None, typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret.")
-]
-
-
-CompressOpt = Annotated[Compress, typer.Option("--compress", envvar="TPAGENT_COMPRESS", help="auto: zstd where it pays.")]
+    """UCX (authenticated, not encrypted: it takes no TLS files), or TCP in mutual TLS with this
+    node's certificates (only authenticated with --plaintext)."""
+    return make_transport(name.value, io_timeout, None if plaintext else TlsFiles.in_dir(tls_dir))
 
 
 @app.command()
@@ -147,20 +116,42 @@ def dump(
     out: Annotated[Path, typer.Option("--out", "-o", envvar="TPAGENT_OUT", help="New or empty directory.")],
     leave_running: Annotated[bool, typer.Option("--leave-running", envvar="TPAGENT_LEAVE_RUNNING")] = False,
     send_to: Annotated[
-        str | None, typer.Option("--send-to", envvar="TPAGENT_SEND_TO", help="HOST:PORT of a `tpagent receive`: stream the snapshot there.")
+        str | None,
+        typer.Option(
+            "--send-to", envvar="TPAGENT_SEND_TO", help="HOST:PORT of a `tpagent receive`: stream the snapshot there."
+        ),
     ] = None,
     overlap: Annotated[
-        bool, typer.Option("--overlap/--no-overlap", envvar="TPAGENT_OVERLAP", help="With --send-to: send while the images are written.")
+        bool,
+        typer.Option(
+            "--overlap/--no-overlap",
+            envvar="TPAGENT_OVERLAP",
+            help="With --send-to: send while the images are written.",
+        ),
     ] = True,
     carry: Annotated[
         list[Path] | None,
-        typer.Option("--carry", envvar="TPAGENT_CARRY", help="A node-local file the process has open, to take along (repeat)."),
+        typer.Option(
+            "--carry", envvar="TPAGENT_CARRY", help="A node-local file the process has open, to take along (repeat)."
+        ),
     ] = None,
     lock_timeout: Annotated[
-        float, typer.Option("--lock-timeout", envvar="TPAGENT_LOCK_TIMEOUT", min=0.001, help="Seconds a GPU process may take to reach a lockable point.")
+        float,
+        typer.Option(
+            "--lock-timeout",
+            envvar="TPAGENT_LOCK_TIMEOUT",
+            min=0.001,
+            help="Seconds a GPU process may take to reach a lockable point.",
+        ),
     ] = Timeouts().cuda_lock,
     ghost_limit_mib: Annotated[
-        int, typer.Option("--ghost-limit-mib", envvar="TPAGENT_GHOST_LIMIT_MIB", min=0, help="Largest deleted-but-open file to keep (MiB).")
+        int,
+        typer.Option(
+            "--ghost-limit-mib",
+            envvar="TPAGENT_GHOST_LIMIT_MIB",
+            min=0,
+            help="Largest deleted-but-open file to keep (MiB).",
+        ),
     ] = DEFAULT_GHOST_LIMIT >> 20,
     transport: TransportOpt = TransportName.TCP,
     compress: CompressOpt = Compress.AUTO,
@@ -180,15 +171,30 @@ def dump(
         else:
             cfg = TransferConfig(secret=read_secret(secret_file), compress=compress)
             sender = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg)
-            shipped = pipeline.dump_and_send(pid, out, send_to, sender, mode, config, _progress(as_json), overlap, carry or ())
+            shipped = pipeline.dump_and_send(
+                pid, out, send_to, sender, mode, config, _progress(as_json), overlap, carry or ()
+            )
             m = shipped.manifest
     except (SnapshotError, TransferError) as e:
         _fail(e, as_json)
     gib = m.total_bytes / 2**30
-    doc: dict[str, object] = {"snapshot": str(out), "snapshot_id": m.snapshot_id, "mode": mode.value, "bytes": m.total_bytes, "timings": m.timings}
-    text = f"snapshot of PID {pid} written to {out} ({gib:.2f} GiB); process {'left running' if leave_running else 'ended'}"
+    doc: dict[str, object] = {
+        "snapshot": str(out),
+        "snapshot_id": m.snapshot_id,
+        "mode": mode.value,
+        "bytes": m.total_bytes,
+        "timings": m.timings,
+    }
+    ended = "left running" if leave_running else "ended"
+    text = f"snapshot of PID {pid} written to {out} ({gib:.2f} GiB); process {ended}"
     if shipped is not None:
-        doc |= {"sent_to": send_to, "overlap": overlap, "bytes_wire": shipped.transfer.bytes_wire, "dump_s": shipped.dump_s, "total_s": shipped.total_s}
+        doc |= {
+            "sent_to": send_to,
+            "overlap": overlap,
+            "bytes_wire": shipped.transfer.bytes_wire,
+            "dump_s": shipped.dump_s,
+            "total_s": shipped.total_s,
+        }
         text += f"; sent to {send_to} and verified there, {shipped.total_s:.2f} s in all"
     _emit(as_json, doc, text)
 
@@ -211,11 +217,17 @@ def restore(
         typer.Option("--gpu-map", envvar="TPAGENT_GPU_MAP", help="OLD_UUID=NEW_UUID; repeat per GPU."),
     ] = None,
     pid_wait: Annotated[
-        float, typer.Option("--pid-wait", envvar="TPAGENT_PID_WAIT", min=0, help="Seconds to wait for the snapshot's PIDs to be free.")
+        float,
+        typer.Option(
+            "--pid-wait", envvar="TPAGENT_PID_WAIT", min=0, help="Seconds to wait for the snapshot's PIDs to be free."
+        ),
     ] = Timeouts().pid_wait,
     criu: CriuOpt = None,
     clone: Annotated[
-        bool, typer.Option("--clone", envvar="TPAGENT_CLONE", help="Start it although a copy restored from it still runs here.")
+        bool,
+        typer.Option(
+            "--clone", envvar="TPAGENT_CLONE", help="Start it although a copy restored from it still runs here."
+        ),
     ] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -229,7 +241,12 @@ def restore(
         _fail(e, as_json)
     _emit(
         as_json,
-        {"pid": result.pid, "pids": list(result.pids), "snapshot_id": result.manifest.snapshot_id, "timings": result.timings},
+        {
+            "pid": result.pid,
+            "pids": list(result.pids),
+            "snapshot_id": result.manifest.snapshot_id,
+            "timings": result.timings,
+        },
         f"restored {directory}: running as PID {result.pid}",
     )
 
@@ -246,8 +263,10 @@ def inspect(
         _fail(e, as_json)
     lines = [
         f"snapshot {m.snapshot_id}  created {m.created} on {m.host['hostname']} (tpagent {m.tpagent_version})",
-        f"root PID {m.root_pid}{'  (own PID namespace)' if m.namespace else ''};  CRIU {m.criu['version']};  "
-        f"{len(m.files)} files, {m.total_bytes / 2**30:.3f} GiB",
+        (
+            f"root PID {m.root_pid}{'  (own PID namespace)' if m.namespace else ''};  CRIU {m.criu['version']};  "
+            f"{len(m.files)} files, {m.total_bytes / 2**30:.3f} GiB"
+        ),
     ]
     lines += [f"  pid {p.pid:>7}  {'cuda ' if p.uses_cuda else '     '}{' '.join(p.cmdline)[:90]}" for p in m.processes]
     lines += [f"  gpu {g['uuid']}  {g['name']}  {int(g['memory_used']) / 2**30:.1f} GiB used" for g in m.gpus]
@@ -262,11 +281,16 @@ def gpus(as_json: JsonOpt = False) -> None:
     header = f"{'IDX':<4}{'UUID':<42}{'NAME':<24}{'USED/TOTAL GiB':<16}{'TEMP':<6}{'ECC':<5}PIDS"
     rows = [
         f"{g.index:<4}{g.uuid:<42}{g.name[:23]:<24}"
-        f"{g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:<10.1f}{g.temperature_c if g.temperature_c is not None else '-'!s:<6}"
+        f"{g.memory_used / 2**30:.1f}/{g.memory_total / 2**30:<10.1f}"
+        f"{g.temperature_c if g.temperature_c is not None else '-'!s:<6}"
         f"{g.ecc_uncorrected if g.ecc_uncorrected is not None else '-'!s:<5}{','.join(map(str, g.pids)) or '-'}"
         for g in found
     ]
-    _emit(as_json, {"gpus": [g.to_dict() for g in found]}, "\n".join([header, *rows]) if rows else header + "\n(no NVIDIA GPUs found)")
+    _emit(
+        as_json,
+        {"gpus": [g.to_dict() for g in found]},
+        "\n".join([header, *rows]) if rows else header + "\n(no NVIDIA GPUs found)",
+    )
 
 
 @app.command()
@@ -285,8 +309,12 @@ def doctor(criu: CriuOpt = None, as_json: JsonOpt = False) -> None:
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch(
     ctx: typer.Context,
-    stdout: Annotated[Path, typer.Option("--stdout", envvar="TPAGENT_STDOUT", help="File for the workload's stdout.")] = Path("/dev/null"),
-    stderr: Annotated[Path | None, typer.Option("--stderr", envvar="TPAGENT_STDERR", help="File for stderr (default: as --stdout).")] = None,
+    stdout: Annotated[
+        Path, typer.Option("--stdout", envvar="TPAGENT_STDOUT", help="File for the workload's stdout.")
+    ] = Path("/dev/null"),
+    stderr: Annotated[
+        Path | None, typer.Option("--stderr", envvar="TPAGENT_STDERR", help="File for stderr (default: as --stdout).")
+    ] = None,
 ) -> None:
     """Start `-- CMD ...` in its own PID and mount namespace; print its PID for `tpagent dump`."""
     try:
@@ -322,10 +350,17 @@ def send(
         rate = done / max(time.monotonic() - t0, 1e-6)
         eta = (total - done) / rate if rate else 0.0
         ratio = done / wire_bytes if wire_bytes else 1.0
-        typer.echo(f"\r  {done / 2**20:9.1f} / {total / 2**20:.1f} MiB  {rate / 1e9:5.2f} GB/s  ratio {ratio:4.2f}  ETA {eta:5.1f} s", err=True, nl=False)
+        typer.echo(
+            f"\r  {done / 2**20:9.1f} / {total / 2**20:.1f} MiB  {rate / 1e9:5.2f} GB/s"
+            f"  ratio {ratio:4.2f}  ETA {eta:5.1f} s",
+            err=True,
+            nl=False,
+        )
 
     try:
-        cfg = TransferConfig(secret=read_secret(secret_file), streams=streams, compress=compress, chunk_size=chunk_mib << 20)
+        cfg = TransferConfig(
+            secret=read_secret(secret_file), streams=streams, compress=compress, chunk_size=chunk_mib << 20
+        )
         stats = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg, bar).send(directory, peer)
     except (SnapshotError, TransferError) as e:
         typer.echo("", err=True)
@@ -334,15 +369,24 @@ def send(
         typer.echo("", err=True)
     _emit(
         as_json,
-        {"bytes_raw": stats.bytes_raw, "bytes_wire": stats.bytes_wire, "chunks": stats.chunks, "seconds": stats.seconds, "ratio": stats.ratio},
+        {
+            "bytes_raw": stats.bytes_raw,
+            "bytes_wire": stats.bytes_wire,
+            "chunks": stats.chunks,
+            "seconds": stats.seconds,
+            "ratio": stats.ratio,
+        },
         f"sent {directory} to {peer}: {stats.bytes_raw / 2**20:.1f} MiB in {stats.seconds:.2f} s "
-        f"({stats.bytes_raw / max(stats.seconds, 1e-9) / 1e9:.2f} GB/s, ratio {stats.ratio:.2f}), verified by the receiver",
+        f"({stats.bytes_raw / max(stats.seconds, 1e-9) / 1e9:.2f} GB/s, ratio {stats.ratio:.2f}), "
+        "verified by the receiver",
     )
 
 
 @app.command()
 def receive(
-    listen: Annotated[str, typer.Option("--listen", envvar="TPAGENT_LISTEN", help="ADDR:PORT to listen on (port 0: any).")],
+    listen: Annotated[
+        str, typer.Option("--listen", envvar="TPAGENT_LISTEN", help="ADDR:PORT to listen on (port 0: any).")
+    ],
     out: Annotated[Path, typer.Option("--out", envvar="TPAGENT_OUT", help="New directory for the snapshot.")],
     timeout: Annotated[float, typer.Option("--timeout", envvar="TPAGENT_RECEIVE_TIMEOUT")] = 3600.0,
     transport: TransportOpt = TransportName.TCP,

@@ -31,5 +31,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --disable-pip-version-check --upgrade pip >/dev/null
 # torch (CPU build) only drives the demo and the workload in the tests; tpagent itself does not import it.
+# The install also compiles the agent's gRPC API into tpagent/proto/ (setup.py; not kept in git).
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test,ucx]' 'torch==2.13.0'
-.venv/bin/python -m tpagent.proto  # compile the agent's gRPC API (generated code is not in git)

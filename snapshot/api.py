@@ -12,6 +12,7 @@ directory, so it can be moved to another node as a unit.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,3 +122,25 @@ class SnapshotConfig:
 
 #: Called as a stage starts (``msg`` empty) and ends (``msg`` says how it went).
 ProgressFn = Callable[[Stage, str], None]
+
+
+#: What :func:`producer_version` says when tpagent runs from a source tree that was never
+#: installed (no distribution metadata to read).
+UNKNOWN_VERSION = "0+unknown"
+
+
+@functools.cache
+def producer_version() -> str:
+    """The installed tpagent's version (a manifest's ``tpagent_version``, an agent's
+    ``agent_version``), read from its distribution metadata so that pyproject.toml's
+    ``version`` is its only source; :data:`UNKNOWN_VERSION` where tpagent is not installed.
+    Here, in the bottom layer, so that the snapshot layer need not import the ``tpagent``
+    package above it."""
+    # Imported here, not at the top: importlib.metadata costs some 20 ms, and CRIU's post-dump
+    # hook imports this module while the workload is frozen.
+    from importlib import metadata
+
+    try:
+        return metadata.version("tpagent")
+    except metadata.PackageNotFoundError:
+        return UNKNOWN_VERSION

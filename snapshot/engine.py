@@ -47,6 +47,7 @@ from snapshot.api import (
     Stage,
     ToolError,
     UsageError,
+    producer_version,
 )
 from snapshot.criu import PIDFILE, Criu, DumpOptions, RestoreOptions
 from snapshot.cuda import CudaDriver, uuid_bytes, uuid_text
@@ -180,8 +181,6 @@ def checkpoint(
 ) -> Manifest:
     """Snapshot the tree rooted at ``pid`` into ``out``; see the module docstring.
     ``carry``: files (absolute) to archive with it, as they are while it is frozen."""
-    from tpagent import __version__
-
     require_root()
     target = proc.validate_target(pid)
     criu = Criu(config.criu)
@@ -210,7 +209,7 @@ def checkpoint(
         gpus=[g.to_dict() for g in gpus.gpus_of(set(pids))] if cuda_pids else [],
         criu={"version": criu.version_str, "shell_job": shell_job, "tcp_established": proc.holds_inet_sockets(pids)},
         cuda={"driver_version": gpus.driver_version(), "pids": cuda_pids},
-        tpagent_version=__version__,
+        tpagent_version=producer_version(),
         origin={"mode": mode.value, "root_create_time": create_time},
         carried=sorted({os.path.normpath(os.path.abspath(p)) for p in carry}),
     )

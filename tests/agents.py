@@ -9,7 +9,8 @@ from pathlib import Path
 
 from certs import node_certs
 from tpagent.config import AgentConfig
-from tpagent.serve import serve
+from tpagent.node import Node
+from tpagent.serve import context, serve
 
 
 def free_port() -> int:
@@ -34,3 +35,8 @@ def serving(cfg: AgentConfig) -> threading.Event:
     threading.Thread(target=serve, args=(cfg, ready, stop), daemon=True).start()
     assert ready.wait(30)
     return stop
+
+
+def node_of(cfg: AgentConfig) -> Node:
+    """The agent of ``cfg`` without its gRPC server (its journal, its protocol, real peers)."""
+    return Node(context(cfg))

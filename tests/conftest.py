@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,8 +11,16 @@ from helpers import Workload
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
 
+#: Marks a test (or, as ``pytestmark``, a module) that needs root and a working CRIU >= 4.2.
+#: Such tests are skipped where CRIU cannot be used, unless TPAGENT_TESTS_NEED_CRIU is set
+#: (scripts/test.sh, CI): there a missing CRIU fails the run instead.  CRIU is probed only
+#: when a collected test carries the mark, so the unit tier (tests/unit) runs unprivileged.
+needs_criu = pytest.mark.criu
 
-def _criu_problem() -> str | None:
+
+@functools.cache
+def criu_problem() -> str | None:
+    """Why CRIU cannot be used here, or None (probed once, on first need)."""
     if os.geteuid() != 0:
         return "needs root (CRIU)"
     try:
@@ -21,11 +30,15 @@ def _criu_problem() -> str | None:
     return None
 
 
-_PROBLEM = _criu_problem()
-if _PROBLEM is not None and os.environ.get("TPAGENT_TESTS_NEED_CRIU"):
-    # scripts/test.sh (CI) sets this: there a missing CRIU is a failure, not a suite of skips.
-    raise pytest.UsageError(f"TPAGENT_TESTS_NEED_CRIU is set but CRIU cannot be used: {_PROBLEM}")
-needs_criu = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    needing = [item for item in items if item.get_closest_marker("criu") is not None]
+    problem = criu_problem() if needing else None
+    if problem is None:
+        return
+    if os.environ.get("TPAGENT_TESTS_NEED_CRIU"):
+        raise pytest.UsageError(f"TPAGENT_TESTS_NEED_CRIU is set but CRIU cannot be used: {problem}")
+    for item in needing:
+        item.add_marker(pytest.mark.skip(reason=problem))
 
 
 @pytest.fixture

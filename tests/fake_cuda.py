@@ -3,7 +3,7 @@
 It enforces the driver's documented state machine per PID (RUNNING -lock-> LOCKED
 -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING) and refuses any call out of
 order, so engine tests with real CRIU prove the *order* of calls and the rollback; the real
-driver is exercised by tests/test_gpu.py on a GPU machine.
+driver is exercised by tests/snapshot/test_gpu.py on a GPU machine.
 """
 
 from __future__ import annotations

@@ -18,6 +18,11 @@
     takeover_after = 300.0            # a restored copy whose source agent stays unreachable this
                                       # long starts on its own (0: it waits for the source forever)
     io_timeout = 30.0                 # a transfer stream silent this long is broken (and retried)
+    rpc_timeout = 30.0                # one ordinary call to another agent
+    restore_timeout = 3600.0          # the target's restore of a copy (its snapshot's arrival included)
+    abort_confirm_timeout = 60.0      # a rollback asks the target this long to say its copy is gone
+                                      # (then the original stays frozen and the agent keeps asking)
+    shutdown_grace = 30.0             # on SIGTERM, running migrations get this long (a 2nd signal: none)
     transfer_port = 0                 # where this node receives snapshots (0: any free port)
     transfer_address = ""             # what peers connect to for it, if not advertise:port (NAT, proxy)
     aliases = []                      # other names or addresses callers reach this agent by (NAT,
@@ -27,7 +32,8 @@
     ghost_limit_mib = 1024            # largest deleted-but-open file a dump keeps (CRIU's --ghost-limit)
     compress = "auto"
 
-The variable for a key is TPAGENT_ and the key in capitals (lists: comma-separated).
+The variable for a key is TPAGENT_ and the key in capitals (lists: comma-separated).  The
+timeouts are checked against each other at load (:class:`tpagent.api.Timeouts`).
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from snapshot.api import DEFAULT_GHOST_LIMIT, UsageError
-from tpagent.rpc import Credentials
+from tpagent.api import Timeouts
+from tpagent.credentials import Credentials
 from transfer.api import DEFAULT_TLS_DIR
 
 DEFAULT_FILE = Path("/etc/tpagent/agent.toml")
@@ -63,6 +70,10 @@ class AgentConfig:
     hold_timeout: float = 3600.0
     takeover_after: float = 300.0
     io_timeout: float = 30.0
+    rpc_timeout: float = 30.0
+    restore_timeout: float = 3600.0
+    abort_confirm_timeout: float = 60.0
+    shutdown_grace: float = 30.0
     transfer_port: int = 0
     transfer_address: str = ""
     aliases: tuple[str, ...] = ()
@@ -80,6 +91,22 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir).absolute())  # (paths in journals are absolute)
+        self.timeouts  # noqa: B018 (checked now, at load, not at the first migration)
+
+    @property
+    def timeouts(self) -> Timeouts:
+        try:
+            return Timeouts(
+                rpc=self.rpc_timeout,
+                restore=self.restore_timeout,
+                hold=self.hold_timeout,
+                takeover_after=self.takeover_after,
+                io=self.io_timeout,
+                abort_confirm=self.abort_confirm_timeout,
+                shutdown_grace=self.shutdown_grace,
+            )
+        except ValueError as e:
+            raise UsageError(f"the timeouts do not fit together: {e}") from e
 
     @property
     def agent_address(self) -> str:

@@ -33,21 +33,30 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
 
-from snapshot.api import UsageError
-from snapshot.safefs import read_private_file
-from tpagent.proto import load
-from transfer.api import TlsFiles, read_secret
+from tpagent.api import Why
+from tpagent.credentials import Credentials
+from tpagent.proto import agent_pb2 as pb
+from tpagent.proto import agent_pb2_grpc as pb_grpc
 
-pb, pb_grpc = load()
-AgentServicer: Any = pb_grpc.AgentServicer
+AgentServicer = pb_grpc.AgentServicer
+#: (The one module that imports the generated code; the rest take it from here.)
+__all__ = ["CODES", "AgentServicer", "AuthInterceptor", "Credentials", "Health", "HealthOnly", "pb", "pb_grpc", "server", "sign", "stub"]
 log = logging.getLogger(__name__)
 
+#: How each refusal of the agent layer travels as a gRPC status (and back: tpagent/client.py).
+CODES = {
+    Why.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Why.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Why.DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Why.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+    Why.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Why.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Why.INTERNAL: grpc.StatusCode.INTERNAL,
+}
 HEADER = "x-tpagent-auth"
 BODY_HEADER = "x-tpagent-body"
 VERSION = "v2"
@@ -56,31 +65,6 @@ MAX_MESSAGE = 16 << 20  # bounded inputs: no call carries more
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 #: Per connection: a client multiplexes at most this many calls on one connection.
 MAX_STREAMS_PER_CONNECTION = 32
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """What a node proves itself with: the cluster secret and its TLS certificate."""
-
-    secret: bytes = field(repr=False)
-    ca: bytes = field(repr=False)
-    cert: bytes = field(repr=False)
-    key: bytes = field(repr=False)
-
-    @classmethod
-    def load(cls, secret_file: Path | None, tls_dir: Path) -> Credentials:
-        """Read and check both (the secret and the key: private files of ours), or UsageError."""
-        secret = read_secret(secret_file)
-        files = TlsFiles.in_dir(tls_dir)
-        key = read_private_file(files.key, "the TLS private key")
-        try:
-            ca, cert = files.ca.read_bytes(), files.cert.read_bytes()
-        except OSError as e:
-            raise UsageError(
-                f"cannot read the TLS certificate {e.filename}: {e.strerror}; put the cluster CA (ca.crt) and this node's "
-                f"certificate (tls.crt, tls.key) in {tls_dir} (scripts/make-certs.sh makes them, or cert-manager)."
-            ) from e
-        return cls(secret, ca, cert, key)
 
 
 def _hmac(secret: bytes, *parts: str | bytes) -> str:

@@ -2,10 +2,15 @@
 
 On start it sets the umask to 077, makes sure its work directory is its own (created 0700,
 or refused), recovers the migrations a previous run left half-way (see
-:meth:`tpagent.agent.Agent.recover`), then serves the Agent API (mutual TLS, every call
+:meth:`tpagent.node.Node.recover`), then serves the Agent API (mutual TLS, every call
 authenticated: :mod:`tpagent.rpc`), grpc.health.v1 Check on a plain-text port of its own
-for probes, and Prometheus metrics.  On SIGTERM: health NOT_SERVING, then
-``server.stop(grace)``, then ``wait_for_termination``.
+for probes, and Prometheus metrics.
+
+Shutdown (SIGTERM or SIGINT), as uvicorn does it: health NOT_SERVING and no new migration
+admitted; the running ones get ``shutdown_grace`` seconds to end (a second signal cuts that
+short); then the waiters (a source asking its target, a held copy asking its source) are
+told to stop and the server stops.  Whatever was cut short is in the journal, and the next
+start takes it up from there.
 """
 
 from __future__ import annotations
@@ -22,13 +27,19 @@ from prometheus_client import start_http_server
 from snapshot.api import SnapshotConfig, UsageError
 from snapshot.safefs import private_dir
 from tpagent import metrics
-from tpagent.agent import Agent
+from tpagent.client import GrpcPeer
 from tpagent.config import AgentConfig
+from tpagent.context import Context
+from tpagent.journal import Journal
+from tpagent.node import Node
 from tpagent.rpc import AuthInterceptor, Health, HealthOnly, pb_grpc
 from tpagent.rpc import server as rpc_server
+from tpagent.service import Service
+from tpagent.threads import Threads
+from transfer.api import MAX_STREAMS, Compress, TlsFiles, TransferConfig
+from transfer.transports import make_transport
 
 log = logging.getLogger(__name__)
-GRACE = 30.0
 
 
 class JsonLines(logging.Formatter):
@@ -53,26 +64,54 @@ def structured_logs(level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
+def context(cfg: AgentConfig, snapshot_config: SnapshotConfig = SnapshotConfig()) -> Context:
+    """Everything the protocol needs, wired for a real agent: its journal, gRPC peers, the
+    configured transport and this node's credentials (read and checked now)."""
+    creds = cfg.credentials()
+    t = cfg.timeouts
+    transfer = TransferConfig(secret=creds.secret, compress=Compress(cfg.compress), io_timeout=t.io,
+                              connect_timeout=min(10.0, t.io), streams=max(1, min(MAX_STREAMS, cfg.streams)))  # fmt: skip
+    tls = TlsFiles.in_dir(cfg.tls_dir)  # (TCP: mutual TLS with the agent's certificates; UCX has none)
+    return Context(
+        cfg=cfg,
+        snapshot_config=snapshot_config,
+        journal=Journal(cfg.work_dir / "migrations"),
+        peer=lambda address: GrpcPeer(address, creds),
+        transport=lambda: make_transport(cfg.transport, t.io, tls),
+        transfer_config=transfer,
+        threads=Threads(),
+        log=logging.LoggerAdapter(log, {"node": cfg.node}),
+    )
+
+
 def serve(cfg: AgentConfig, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT in the main thread; a second one forces)."""
     stop = stop or threading.Event()
+    force = threading.Event()
     if threading.current_thread() is threading.main_thread():
+
+        def on_signal(*_: object) -> None:  # only flags: shutdown happens below
+            (force if stop.is_set() else stop).set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())  # only a flag: shutdown happens below
+            signal.signal(sig, on_signal)
     umask = os.umask(0o077)  # snapshots are someone's whole memory: nothing we write is for others
     try:
-        _serve(cfg, ready, stop)
+        _serve(cfg, ready, stop, force)
     finally:
         os.umask(umask)
 
 
-def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Event) -> None:
+def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Event, force: threading.Event) -> None:
     private_dir(cfg.work_dir)
-    agent = Agent(cfg, SnapshotConfig())
-    agent.recover()
+    ctx = context(cfg)
+    node = Node(ctx)
+    node.recover()
+    creds = cfg.credentials()
     health = Health()
-    interceptor = AuthInterceptor(agent.creds.secret, cfg.audiences, health, lambda reason: metrics.REFUSED.labels("rpc", reason).inc())
-    server, tls = rpc_server(agent.creds, interceptor)
-    pb_grpc.add_AgentServicer_to_server(agent, server)
+    interceptor = AuthInterceptor(creds.secret, cfg.audiences, health, lambda reason: metrics.REFUSED.labels("rpc", reason).inc())
+    server, tls = rpc_server(creds, interceptor)
+    pb_grpc.add_AgentServicer_to_server(Service(node), server)
     if server.add_secure_port(cfg.listen, tls) == 0:
         raise UsageError(f"cannot listen on {cfg.listen}; is another agent running there?")
     probes = None
@@ -98,8 +137,16 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         stop.wait()
     finally:
         health.serving = False
-        server.stop(GRACE)
-        server.wait_for_termination(GRACE)
+        node.closed = True  # no new migration, as source or target; the running ones go on
+        grace = cfg.timeouts.shutdown_grace
+        left = ctx.threads.join(grace, "migration", give_up=force)
+        if left:
+            log.warning("stopping with migrations still running (%s); the next start takes them up from the journal",
+                        ", ".join(left), extra={"node": cfg.node})  # fmt: skip
+        ctx.threads.stopping.set()  # the waiters return; what they wait for is journaled
+        server.stop(0 if force.is_set() else 1.0)
+        server.wait_for_termination(grace)
+        ctx.threads.join(5.0)
         if probes is not None:
             probes.stop(0)
         log.info("stopped", extra={"node": cfg.node})

@@ -1,8 +1,9 @@
 """The source's side of a migration: check both ends, freeze while streaming, hold the
 original until the copy runs, then commit, or roll back so the original runs on.
 
-The protocol and its states are in :mod:`tpagent.migration`; the order and why it never
-leaves two running copies, or none, is in the README ("Migrating").
+Written against :mod:`tpagent.api` only (the target is a :class:`~tpagent.api.Peer`, the
+frozen original a :class:`~snapshot.held.HeldDump`); the states and why the protocol never
+leaves two running copies, or none, are in :mod:`tpagent.api`.
 """
 
 from __future__ import annotations
@@ -15,38 +16,72 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-import grpc
 import psutil
 
-from snapshot import criu, engine, gpus, hook, proc
-from snapshot.api import DumpMode, SnapshotConfig, SnapshotError
+from snapshot import gpus, proc
+from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
+from snapshot.held import HeldDump
 from snapshot.safefs import private_dir
-from tpagent import __version__, metrics, peer
-from tpagent.migration import FINAL, Record, State
-from tpagent.rpc import pb, stub
+from tpagent import __version__, metrics
+from tpagent.api import (
+    Acceptance,
+    AgentError,
+    Event,
+    MigrationResult,
+    Offer,
+    Outcome,
+    Peer,
+    PeerUnreachable,
+    Refused,
+    SourceState,
+    TargetState,
+    Why,
+    is_final,
+)
+from tpagent.context import Context
+from tpagent.journal import Record, same_process_alive, source_record
 from transfer.api import TransferError, TransferStats
 from transfer.sender import Sender
 
-if TYPE_CHECKING:
-    from tpagent.agent import Agent
-
 log = logging.getLogger(__name__)
+S = SourceState
 
 
 class _Failure(Exception):
-    pass
+    """Before COMMITTING: roll back (the message says why)."""
+
+
+class _Unresolved(Exception):
+    """The target cannot say whether its copy runs: the original stays frozen, asked about."""
+
+
+class _Stopping(Exception):
+    """The agent shuts down: the journal keeps the state, the next run takes it up."""
+
+
+#: How a target says it keeps no copy for a migration.
+_TARGET_REFUSED = {Why.PRECONDITION, Why.NOT_FOUND, Why.INVALID}
 
 
 class SourceMigration:
-    def __init__(self, agent: Agent, pid: int, target: str, dry_run: bool) -> None:
-        self.agent, self.pid, self.target, self.dry_run = agent, pid, target, dry_run
+    """One migration run by this agent as its source; :meth:`run` in a thread of its own,
+    reporting :class:`~tpagent.api.Event` s on ``events`` (None ends them)."""
+
+    def __init__(
+        self, ctx: Context, pid: int, target: str, dry_run: bool, release: Callable[[], None] = lambda: None
+    ) -> None:
+        self.ctx, self.pid, self.target, self.dry_run, self.release = ctx, pid, target, dry_run, release
         mid = uuid.uuid4().hex
-        self.record = Record(mid, "source", State.CHECKING, pid=pid, peer=target,
-                             snapshot=str(agent.cfg.work_dir / "outgoing" / mid))  # fmt: skip
-        self.events: queue.Queue[Any] = queue.Queue()
+        try:  # (the record names the original by PID and start time, never by PID alone)
+            create_time = psutil.Process(pid).create_time()
+        except psutil.NoSuchProcess:
+            create_time = 0.0  # (_check refuses it)
+        self.record = source_record(mid, pid=pid, peer=target, snapshot=str(ctx.cfg.work_dir / "outgoing" / mid),
+                                    create_time=create_time)  # fmt: skip
+        self.events: queue.Queue[Event | None] = queue.Queue()
+        self.result: MigrationResult | None = None
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
         self.cancelled = threading.Event()
@@ -54,107 +89,121 @@ class SourceMigration:
         self.cancel_lock = threading.Lock()
         self.pinned = False  # past this, a cancel is refused: a copy may be starting
         self.tree_pids: list[int] = [pid]
-        self.dump_thread: threading.Thread | None = None
-        self.dump_error: BaseException | None = None
+        self.dump: HeldDump | None = None
         self.target_told = False
         self.problems: list[str] = []  # a dry run's findings
         self.carry: list[Path] = []
+        self.gpu_map: dict[str, str] = {}
         self.freeze_t0 = 0.0
-        self.log = logging.LoggerAdapter(log, {"node": agent.cfg.node, "migration": mid})
+        self.log = logging.LoggerAdapter(log, {"node": ctx.cfg.node, "migration": mid})
         if not dry_run:
-            agent.journal.write(self.record)
+            ctx.journal.write(self.record)
+
+    @property
+    def migration_id(self) -> str:
+        return self.record.migration_id
 
     @property
     def snapshot(self) -> Path:
         return Path(self.record.snapshot)
 
-    def emit(self, message: str = "", **kw: Any) -> None:
-        self.events.put(pb.MigrationEvent(
-            migration_id=self.record.migration_id, state=self.record.state.value, message=message,
-            seconds=time.monotonic() - self.t0, timings=self.timings, problems=self.problems, **kw))  # fmt: skip
+    def emit(self, message: str = "", bytes_done: int = 0, bytes_total: int = 0, new_pid: int = 0) -> None:
+        self.events.put(Event(self.migration_id, self.record.state.value, message, time.monotonic() - self.t0,
+                              dict(self.timings), tuple(self.problems), bytes_done, bytes_total, new_pid))  # fmt: skip
         if message:
             self.log.info("%s: %s", self.record.state.value, message)
 
-    def move(self, to: State, message: str = "") -> None:
+    def move(self, to: SourceState, message: str = "") -> None:
         if not self.dry_run:
-            self.agent.journal.move(self.record, to, message)
+            self.ctx.journal.move(self.record, to, message)
         else:
             self.record.state = to
         self.emit(message)
 
-    def cancel(self, reason: str) -> None:
+    def cancel(self, reason: str) -> bool:
+        """Cancel unless past the point of no return; whether it was taken."""
         with self.cancel_lock:
-            if not self.pinned and self.record.state not in FINAL and not self.cancelled.is_set():
+            if not self.pinned and not is_final(self.record.state) and not self.cancelled.is_set():
                 self.cancel_reason = reason
                 self.cancelled.set()
+            return self.cancelled.is_set()
 
     def _check_cancel(self) -> None:
         if self.cancelled.is_set():
             raise _Failure(self.cancel_reason)
+        if self.ctx.threads.stopping.is_set():
+            raise _Failure("the agent is shutting down")
 
     def _stage(self, name: str, t0: float) -> None:
         self.timings[name] = round(time.monotonic() - t0, 4)
         metrics.STAGE.labels(name).observe(self.timings[name])
 
-    def run(self) -> None:
-        target = stub(self.target, self.agent.creds)
-        outcome = "failed"
+    def run(self) -> MigrationResult:
+        target = self.ctx.peer(self.target)
+        outcome, new_pid = Outcome.FAILED, 0
         try:
             self.emit("checking both nodes")
-            reply = self._check(target)
+            acceptance = self._check(target)
             if self.dry_run:
-                self.move(State.DONE if not reply.problems else State.FAILED, "dry run: " + ("all checks pass" if not reply.problems else "it would fail"))
-                outcome = "dry_run"
-                return
-            self.move(State.FREEZING, f"freezing PID {self.pid} and streaming it to {self.target}")
-            stats = self._freeze_and_send(reply.transfer_address)
-            self.move(State.HELD, f"{stats.bytes_raw / 2**20:.1f} MiB arrived verified; the original is frozen, resumable")
+                ok = not self.problems
+                self.move(S.DONE if ok else S.FAILED, "dry run: " + ("all checks pass" if ok else "it would fail"))
+                outcome = Outcome.DRY_RUN
+                return self._end(outcome)
+            self.move(S.FREEZING, f"freezing PID {self.pid} and streaming it to {self.target}")
+            stats = self._freeze_and_send(acceptance)
+            self.move(S.HELD, f"{stats.bytes_raw / 2**20:.1f} MiB arrived verified; the original is frozen, resumable")
             with self.cancel_lock:  # the last moment a cancel is taken
                 self._check_cancel()
                 self.pinned = True
-            dump = self.dump_thread
-            if not hook.pin(self.snapshot, lambda: dump is not None and dump.is_alive()):
-                raise _Failure(f"the frozen original was let go before its copy could start: {self.dump_error}")
+            assert self.dump is not None
+            if not self.dump.pin():
+                raise _Failure(f"the frozen original was let go before its copy could start: {self.dump.error}")
             self.record.restore_sent = True
-            self.move(State.RESTORING, "restoring on the target")
+            self.move(S.RESTORING, "restoring on the target")
             t = time.monotonic()
-            restored_pid, target_timings = self._restore(target)
+            new_pid, target_timings = self._restore(target)
             self._stage("restore", t)
             self.timings.update({f"target_{k}": v for k, v in target_timings.items()})
-            self.move(State.COMMITTING, f"PID {restored_pid} is restored and held on the target; starting it, ending the original")
+            self.move(S.COMMITTING, f"PID {new_pid} is restored and held on the target; starting it, ending the original")
 
             def started() -> None:
                 self.timings["downtime"] = round(time.monotonic() - self.freeze_t0, 4)  # frozen here -> running there
 
-            outcome = _commit(self.agent, self.record, target, self.dump_thread, started)
-            if outcome == "done":  # (_commit journaled DONE)
-                self.emit(f"migrated: PID {self.pid} now runs on {self.target} as PID {restored_pid}")
-                self.events.put(pb.MigrationEvent(migration_id=self.record.migration_id, state=State.DONE.value,
-                                                  new_pid=restored_pid, timings=self.timings, seconds=time.monotonic() - self.t0))  # fmt: skip
+            outcome = commit(self.ctx, self.record, target, self.dump, started)
+            if outcome is Outcome.DONE:
+                self.emit(f"migrated: PID {self.pid} now runs on {self.target} as PID {new_pid}")
+                self.emit(new_pid=new_pid)
             else:
                 self.emit(self.record.message)
         except _Failure as e:
             outcome = self._roll_back(target, str(e))
-        except _Unresolved as e:
-            outcome = "unresolved"
+        except (_Unresolved, _Stopping) as e:
+            outcome = Outcome.UNRESOLVED
             self.emit(f"{e}; the original stays frozen and the agent keeps asking the target")
-            threading.Thread(target=resolve_source, args=(self.agent, self.record), daemon=True).start()
+            self._keep_resolving()
         except Exception as e:  # a bug must still leave the workload running
             self.log.exception("migration failed unexpectedly")
-            if self.record.state in (State.COMMITTING, State.DONE):
-                outcome = "unresolved"
-                threading.Thread(target=resolve_source, args=(self.agent, self.record), daemon=True).start()
+            if self.record.state in (S.COMMITTING, S.DONE):
+                outcome = Outcome.UNRESOLVED
+                self._keep_resolving()
             else:
                 outcome = self._roll_back(target, f"internal error: {e}")
-        finally:
-            metrics.MIGRATIONS.labels(outcome).inc()
-            if outcome != "unresolved":
-                with self.agent.lock:
-                    for p in self.tree_pids:
-                        self.agent.active.pop(p, None)
-            self.events.put(None)
+        return self._end(outcome, new_pid)
 
-    def _check(self, target: Any) -> Any:
+    def _end(self, outcome: Outcome, new_pid: int = 0) -> MigrationResult:
+        if self.result is None:
+            metrics.MIGRATIONS.labels(outcome.value).inc()
+            if outcome is not Outcome.UNRESOLVED:
+                self.release()
+            self.result = MigrationResult(self.migration_id, outcome, self.record.message, new_pid, dict(self.timings))
+            self.events.put(None)
+        return self.result
+
+    def _keep_resolving(self) -> None:
+        t = self.ctx.threads
+        t.spawn("waiter", f"resolve-{self.migration_id[:8]}", resolve_source, self.ctx, self.record, self.release)
+
+    def _check(self, target: Peer) -> Acceptance:
         try:
             root = proc.validate_target(self.pid)
             tree = [root, *root.children(recursive=True)]
@@ -165,68 +214,49 @@ class SourceMigration:
         used = [g for g in gpus.inventory() if pids & set(g.pids)]
         self.record.cuda_pids = sorted(pids & {pid for g in used for pid in g.pids})  # to give back on a restart
         need += sum(g.memory_used for g in used)
-        open_files = self._open_files(tree)
-        shared = [f"{f}:{Path(f).stat().st_size}" for f in open_files if self._is_shared(f)]
+        open_files = _open_files(tree)
+        shared = tuple(f"{f}:{Path(f).stat().st_size}" for f in sorted(open_files) if self._is_shared(f))
         self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
-        request = pb.ReceiveRequest(migration_id=self.record.migration_id, source_node=self.agent.cfg.node, source_agent=self.agent.cfg.agent_address,
-                                    bytes_estimate=need, gpu_uuids=[g.uuid for g in used], shared_files=shared,
-                                    dry_run=self.dry_run)  # fmt: skip
+        cfg, t = self.ctx.cfg, self.ctx.timeouts
+        offer = Offer(self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared, self.dry_run)
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
         try:
-            reply = target.Receive(request, timeout=peer.RPC_TIMEOUT)
-        except grpc.RpcError as e:
-            raise _Failure(f"the target agent {self.target} cannot be used: {_rpc_text(e)}") from e
-        self.gpu_map = dict(reply.gpu_map)
+            acceptance = target.receive(offer, t.rpc)
+        except AgentError as e:
+            raise _Failure(f"the target agent {self.target} cannot be used: {e}") from e
+        self.gpu_map = dict(acceptance.gpu_map)
+        self.problems = list(acceptance.problems)
         if self.dry_run:
-            problems = list(reply.problems)
             try:
-                info = target.Info(pb.Empty(), timeout=peer.RPC_TIMEOUT)
-                mine = Criu(self.agent.snapshot_config.criu).version_str
-                if info.criu_version != mine:
-                    problems.append(f"CRIU differs: {mine} here, {info.criu_version or 'none'} on the target")
-                if info.agent_version != __version__:
-                    problems.append(f"tpagent differs: {__version__} here, {info.agent_version} on the target")
-            except (grpc.RpcError, SnapshotError) as e:
-                problems.append(str(e))
-            self.problems = problems
-            reply.problems[:] = problems
-        elif reply.problems:
-            raise _Failure("the target refused: " + "; ".join(reply.problems))
+                versions = target.versions(t.rpc)
+                mine = Criu(self.ctx.snapshot_config.criu).version_str
+                if versions.criu != mine:
+                    self.problems.append(f"CRIU differs: {mine} here, {versions.criu or 'none'} on the target")
+                if versions.agent != __version__:
+                    self.problems.append(f"tpagent differs: {__version__} here, {versions.agent} on the target")
+            except (AgentError, SnapshotError) as e:
+                self.problems.append(str(e))
+        elif self.problems:
+            raise _Failure("the target refused: " + "; ".join(self.problems))
         self._check_cancel()
-        return reply
-
-    @staticmethod
-    def _open_files(tree: list[psutil.Process]) -> set[str]:
-        out: set[str] = set()
-        for p in tree:
-            try:
-                out.update(f.path for f in p.open_files())
-            except psutil.Error:
-                continue
-        return out
+        return acceptance
 
     def _is_shared(self, path: str) -> bool:
-        return any(path == s or path.startswith(s.rstrip("/") + "/") for s in self.agent.cfg.shared_paths)
+        return any(path == s or path.startswith(s.rstrip("/") + "/") for s in self.ctx.cfg.shared_paths)
 
-    def _freeze_and_send(self, address: str) -> TransferStats:
-        cfg = self.agent.cfg
-        config = SnapshotConfig(criu=self.agent.snapshot_config.criu, timeouts=self.agent.snapshot_config.timeouts,
-                                hold=cfg.hold_timeout, ghost_limit=cfg.ghost_limit_mib << 20)  # fmt: skip
+    def _freeze_and_send(self, acceptance: Acceptance) -> TransferStats:
+        cfg, ctx = self.ctx.cfg, self.ctx
+        config = SnapshotConfig(criu=ctx.snapshot_config.criu, timeouts=ctx.snapshot_config.timeouts,
+                                ghost_limit=cfg.ghost_limit_mib << 20)  # fmt: skip
         private_dir(self.snapshot.parent)
-        held = self.snapshot / "log" / hook.HELD_FILE
         t0 = self.freeze_t0 = time.monotonic()
+        dump = self.dump = ctx.held.start(self.pid, self.snapshot, config, ctx.timeouts.hold, self.carry)
 
-        def dump() -> None:
-            try:
-                engine.checkpoint(self.pid, self.snapshot, DumpMode.KILL, config, carry=self.carry)
-            except BaseException as e:  # handed to the migration's thread
-                self.dump_error = e
-
-        def sealed() -> bool:
-            if self.dump_error is not None:
-                raise _Failure(f"the dump failed: {self.dump_error}")
+        def sealed() -> bool:  # the sender ends once the snapshot is whole
+            if dump.error is not None:
+                raise _Failure(f"the dump failed: {dump.error}")
             self._check_cancel()
-            if held.exists():
+            if dump.sealed():
                 self._stage("freeze", t0)
                 return True
             return False
@@ -234,10 +264,9 @@ class SourceMigration:
         def progress(done: int, wire_bytes: int, total: int) -> None:
             self.emit(bytes_done=done, bytes_total=total)
 
-        self.dump_thread = threading.Thread(target=dump, name=f"dump-{self.pid}", daemon=True)
-        self.dump_thread.start()
+        address = acceptance.transfer_address
         try:
-            stats = Sender(peer.transport(cfg), peer.transfer_config(self.agent), progress).send(self.snapshot, address, sealed=sealed)
+            stats = Sender(ctx.transport(), ctx.transfer_config, progress).send(self.snapshot, address, sealed=sealed)
         except TransferError as e:
             raise _Failure(f"the transfer to {address} failed: {e}") from e
         self._stage("freeze_and_send", t0)
@@ -245,233 +274,232 @@ class SourceMigration:
         self._check_cancel()
         return stats
 
-    def _restore(self, target: Any) -> tuple[int, dict[str, float]]:
-        """The copy's PID once it runs on the target; _Failure if the target says it is gone,
-        _Unresolved if the target cannot say."""
+    def _restore(self, target: Peer) -> tuple[int, dict[str, float]]:
+        """The copy's PID once it is restored (held) on the target; _Failure if the target
+        says it is gone, _Unresolved if the target cannot say."""
         try:
-            r = target.Restore(pb.RestoreRequest(migration_id=self.record.migration_id), timeout=peer.RESTORE_TIMEOUT)
-            return int(r.pid), dict(r.timings)
-        except grpc.RpcError as e:
-            why = _rpc_text(e)
-            if e.code() in _TARGET_REFUSED:  # its own answer: it kept no copy
+            restored = target.restore(self.migration_id, self.ctx.timeouts.restore)
+            return restored.pid, dict(restored.timings)
+        except Refused as e:
+            why = str(e)
+            if e.why in _TARGET_REFUSED:  # its own answer: it kept no copy
                 raise _Failure(f"the target could not restore: {why}") from e
+        except PeerUnreachable as e:
+            why = str(e)
         # The call broke: did the copy start before the target went quiet?  Ask it.
-        state, pid = _target_state(target, self.record.migration_id, peer.RESTORE_TIMEOUT)
-        if state in (State.READY.value, State.DONE.value):
+        state, pid = target_state(self.ctx, target, self.migration_id, self.ctx.timeouts.restore)
+        if state in (TargetState.READY.value, TargetState.DONE.value):
             return pid, {}
         if state is None:
             raise _Unresolved(f"the target stopped answering while restoring ({why})")
         raise _Failure(f"the target could not restore ({why}); it reports {state}")
 
-    def _roll_back(self, target: Any, why: str) -> str:
+    def _roll_back(self, target: Peer, why: str) -> Outcome:
         """Before RESTORING no copy ever ran: the original goes on at once.  After it, only
         once the target has said its copy is gone."""
-        if self.dry_run or self.record.state is State.CHECKING:
-            _journal_best_effort(self.agent, self.record, None if self.dry_run else State.FAILED, why)
+        ctx = self.ctx
+        if self.dry_run or self.record.state is S.CHECKING:
+            if not self.dry_run:
+                _journal_best_effort(ctx, self.record, S.FAILED, why)
             if self.target_told:
-                _tell_target_abort(target, self.record.migration_id)
+                tell_target_abort(target, self.migration_id)
             self.emit(why)
-            return "failed"
-        _journal_best_effort(self.agent, self.record, State.ROLLING_BACK, why)
+            return Outcome.FAILED
+        _journal_best_effort(ctx, self.record, S.ROLLING_BACK, why)
         self.emit(why)
         if self.record.restore_sent:
-            if not _target_dropped_copy(target, self.record.migration_id, 60.0):
-                raise_unresolved = f"{why}; the target does not confirm its copy is gone"
-                self.emit(f"{raise_unresolved}: the original stays frozen and the agent keeps asking")
-                self.log.error(raise_unresolved)
-                threading.Thread(target=resolve_source, args=(self.agent, self.record), daemon=True).start()
-                return "unresolved"
-        elif not _tell_target_abort(target, self.record.migration_id):
+            if not target_dropped_copy(ctx, target, self.migration_id, ctx.timeouts.abort_confirm):
+                unresolved = f"{why}; the target does not confirm its copy is gone"
+                self.emit(f"{unresolved}: the original stays frozen and the agent keeps asking")
+                self.log.error(unresolved)
+                self._keep_resolving()
+                return Outcome.UNRESOLVED
+        elif not tell_target_abort(target, self.migration_id):
             # Its copy never ran; it drops what it received once it hears from us again.
-            threading.Thread(target=_keep_telling_abort, args=(target, self.record.migration_id, self.agent.cfg.hold_timeout), daemon=True).start()
-        _let_original_go(self.snapshot, self.dump_thread)
+            name = f"abort-{self.migration_id[:8]}"
+            ctx.threads.spawn("waiter", name, _keep_telling_abort, ctx, target, self.migration_id)
+        if self.dump is not None:
+            self.dump.let_go()
         resumed = proc.alive(self.pid)
-        peer.remove(self.agent.cfg, self.snapshot)
-        _journal_best_effort(self.agent, self.record, State.ROLLED_BACK, f"{why}; " + ("the original was resumed where it stood" if resumed else "the original is gone"))
+        ctx.remove(self.snapshot)
+        how = "the original was resumed where it stood" if resumed else "the original is gone"
+        _journal_best_effort(ctx, self.record, S.ROLLED_BACK, f"{why}; {how}")
         self.emit(self.record.message)
-        return "rolled_back"
+        return Outcome.ROLLED_BACK
 
 
-class _Unresolved(Exception):
-    pass
+def _open_files(tree: list[psutil.Process]) -> set[str]:
+    out: set[str] = set()
+    for p in tree:
+        try:
+            out.update(f.path for f in p.open_files())
+        except psutil.Error:
+            continue
+    return out
 
 
-#: Answers in which the target says it keeps no copy for this migration.
-_TARGET_REFUSED = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT}
-
-
-def _journal_best_effort(agent: Agent, r: Record, to: State | None, message: str) -> None:
+def _journal_best_effort(ctx: Context, r: Record, to: SourceState, message: str) -> None:
     """A rollback goes on even if the journal cannot be written (a full disk)."""
-    if to is None:
-        return
     try:
-        agent.journal.move(r, to, message)
+        ctx.journal.move(r, to, message)
     except Exception as e:
         log.error("migration %s: could not journal %s: %s", r.migration_id, to.value, e)
         r.state, r.message = to, message
 
 
-def _target_state(target: Any, mid: str, seconds: float) -> tuple[str | None, int]:
+def target_state(ctx: Context, target: Peer, mid: str, seconds: float) -> tuple[str | None, int]:
     """The target's state for ``mid`` once it is settled (not ``restoring``), or None if it
-    does not answer within ``seconds``.  NOT_FOUND counts as discarded."""
+    does not answer within ``seconds``.  Unknown there (NOT_FOUND) counts as discarded; any
+    other refusal (an unreadable journal there) is no answer."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            st = target.Status(pb.MigrationRef(migration_id=mid), timeout=5)
-            if st.state != State.RESTORING.value:
-                return str(st.state), int(st.pid)
-        except grpc.RpcError as e:
-            if e.code() is grpc.StatusCode.NOT_FOUND:
-                return State.DISCARDED.value, 0
-        time.sleep(0.5)
+            st = target.status(mid, min(5.0, ctx.timeouts.rpc))
+            if st.state != TargetState.RESTORING.value:
+                return st.state, st.pid
+        except Refused as e:
+            if e.why is Why.NOT_FOUND:
+                return TargetState.DISCARDED.value, 0
+        except PeerUnreachable:
+            pass
+        if ctx.threads.sleep(0.5):
+            break
     return None, 0
 
 
-def _target_dropped_copy(target: Any, mid: str, seconds: float) -> bool:
+def target_dropped_copy(ctx: Context, target: Peer, mid: str, seconds: float) -> bool:
     """Ask the target to drop its copy; True once it says the copy is gone (or never was)."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        _tell_target_abort(target, mid)
-        state, _ = _target_state(target, mid, min(10.0, max(0.1, deadline - time.monotonic())))
+    while time.monotonic() < deadline and not ctx.threads.stopping.is_set():
+        tell_target_abort(target, mid)
+        state, _ = target_state(ctx, target, mid, min(10.0, max(0.1, deadline - time.monotonic())))
         # Only a copy the target itself calls gone counts: one still RECEIVING may yet be
         # restored by a Restore call that is on its way there.
-        if state in (State.DISCARDED.value, State.FAILED.value):
+        if state == TargetState.DISCARDED.value:
             return True
-        if state == State.DONE.value:  # it made the copy final: only committing is right now
+        if state == TargetState.DONE.value:  # it made the copy final: only committing is right now
             return False
     return False
 
 
-def _let_original_go(snapshot: Path, dump_thread: threading.Thread | None) -> None:
-    """Abort the hold: CRIU rolls the dump back and the original runs on where it stood."""
-    while dump_thread is not None and dump_thread.is_alive():
-        # The dump may not have reached its hook yet: the decision waits for it there.
-        if snapshot.joinpath("log").is_dir() and not snapshot.joinpath("log", hook.DECISION_FILE).exists():
-            hook.decide(snapshot, commit=False)
-        dump_thread.join(0.05)
-
-
-def _commit(agent: Agent, r: Record, target: Any, dump_thread: threading.Thread | None, started: Callable[[], None] = lambda: None) -> str:
-    """COMMITTING (journaled): the target makes its copy final, then the original ends.
-    Returns "done", or "rolled_back" if the target says its copy is gone after all."""
-    snap = Path(r.snapshot)
-    delay = 0.5
-    while True:
-        try:
-            st = target.Finish(pb.FinishRequest(migration_id=r.migration_id, commit=True), timeout=peer.RPC_TIMEOUT)
-            if st.state == State.DONE.value:
-                started()  # the copy runs now; the original is still frozen
-                break
-            if st.state in (State.DISCARDED.value, State.FAILED.value):
-                agent.journal.move(r, State.ROLLING_BACK, "the target dropped its copy before it was made final")
-                _let_original_go(snap, dump_thread)
-                if dump_thread is None:
-                    hook.decide(snap, commit=False)
-                    peer.wait_released(snap / engine.LOG_DIR)
-                agent.journal.move(r, State.ROLLED_BACK, "the target dropped its copy; the original was resumed")
-                peer.remove(agent.cfg, snap)
-                return "rolled_back"
-        except grpc.RpcError as e:
-            log.warning("migration %s: making the target's copy final failed (%s); trying again", r.migration_id, _rpc_text(e))
-        time.sleep(delay)
-        delay = min(delay * 2, 10.0)
-    if snap.joinpath("log").is_dir():
-        hook.decide(snap, commit=True)
-    if dump_thread is not None:
-        dump_thread.join()
-    else:
-        peer.wait_released(snap / engine.LOG_DIR, None)
-    if peer.same_process_alive(r):  # CRIU could not end it (it died): end it here
-        proc.kill_tree(r.pid)
-    # The copy runs elsewhere: the lock CRIU left here on its TCP connections would drop
-    # their packets if the workload ever came back to this node.
-    criu.drop_network_lock(snap / engine.LOG_DIR)
-    peer.remove(agent.cfg, snap)
-    if r.state is not State.DONE:
-        agent.journal.move(r, State.DONE, f"migrated to {r.peer}")
-    return "done"
-
-
-def _tell_target_abort(target: Any, mid: str) -> bool:
+def tell_target_abort(target: Peer, mid: str) -> bool:
+    """Tell the target to drop its copy; whether it heard it."""
     for _ in range(3):
         try:
-            target.Finish(pb.FinishRequest(migration_id=mid, commit=False), timeout=5)
+            target.finish(mid, False, 5.0)
             return True
-        except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED):
+        except Refused as e:
+            if e.why in (Why.NOT_FOUND, Why.UNAUTHENTICATED):
                 return False
-            time.sleep(0.5)
+        except PeerUnreachable:
+            pass
+        time.sleep(0.5)
     return False
 
 
-def _keep_telling_abort(target: Any, mid: str, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not _tell_target_abort(target, mid):
-        time.sleep(2)
+def _keep_telling_abort(ctx: Context, target: Peer, mid: str) -> None:
+    deadline = time.monotonic() + ctx.timeouts.hold
+    while time.monotonic() < deadline and not tell_target_abort(target, mid):
+        if ctx.threads.sleep(2.0):
+            return
 
 
-def _rpc_text(e: grpc.RpcError) -> str:
-    details = e.details() if hasattr(e, "details") else ""
-    return str(details or e.code().name.lower())
+def commit(
+    ctx: Context, r: Record, target: Peer, dump: HeldDump, started: Callable[[], None] = lambda: None
+) -> Outcome:
+    """COMMITTING (journaled): the target makes its copy final, then the original ends.
+    DONE, or ROLLED_BACK if the target says its copy is gone after all; raises _Stopping if
+    the agent shuts down meanwhile (the journal says COMMITTING: the next run goes on)."""
+    delay = 0.5
+    while True:
+        try:
+            st = target.finish(r.migration_id, True, ctx.timeouts.rpc)
+            if st.state == TargetState.DONE.value:
+                started()  # the copy runs now; the original is still frozen
+                break
+            if st.state == TargetState.DISCARDED.value:
+                ctx.journal.move(r, S.ROLLING_BACK, "the target dropped its copy before it was made final")
+                dump.let_go(ctx.timeouts.rpc)
+                ctx.journal.move(r, S.ROLLED_BACK, "the target dropped its copy; the original was resumed")
+                ctx.remove(r.snapshot)
+                return Outcome.ROLLED_BACK
+        except AgentError as e:
+            log.warning("migration %s: making the target's copy final failed (%s); trying again", r.migration_id, e)
+        if ctx.threads.sleep(delay):
+            raise _Stopping("the agent is shutting down while the target makes its copy final")
+        delay = min(delay * 2, 10.0)
+    dump.commit()
+    if same_process_alive(r):  # CRIU could not end it (it died): end it here
+        proc.kill_tree(r.pid)
+    dump.drop_network_lock()
+    ctx.remove(r.snapshot)
+    if r.state is not S.DONE:
+        ctx.journal.move(r, S.DONE, f"migrated to {r.peer}")
+    return Outcome.DONE
 
 
-def resolve_source(agent: Agent, r: Record) -> None:
+def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda: None) -> None:
     """Bring a source migration to an end (after a restart, or when the target went quiet):
     commit if the copy runs and was meant to, else roll back once no copy can run.  Waits as
-    long as it must: the original stays frozen meanwhile, never resumed on a guess."""
-    target = stub(r.peer, agent.creds)
-    snap = Path(r.snapshot)
+    long as it must (the original stays frozen meanwhile, never resumed on a guess), or until
+    the agent stops (the journal keeps where it stood)."""
+    target = ctx.peer(r.peer)
+    dump = ctx.held.attach(Path(r.snapshot))
     delay = 1.0
-    while r.state not in FINAL:
-        if r.state is State.COMMITTING:
-            _commit(agent, r, target, None)
-            break
-        if r.state is State.RESTORING:
-            state, _ = _target_state(target, r.migration_id, 30.0)
-            if state in (State.READY.value, State.DONE.value):
-                agent.journal.move(r, State.COMMITTING, "the copy is restored on the target")
+    t = ctx.timeouts
+    try:
+        while not is_final(r.state):
+            if r.state is S.COMMITTING:
+                commit(ctx, r, target, dump)
+                break
+            if r.state is S.RESTORING:
+                state, _ = target_state(ctx, target, r.migration_id, t.rpc)
+                if state in (TargetState.READY.value, TargetState.DONE.value):
+                    ctx.journal.move(r, S.COMMITTING, "the copy is restored on the target")
+                    continue
+                if state is not None:
+                    ctx.journal.move(r, S.ROLLING_BACK, f"the target reports {state}")
+                    continue
+            elif r.state is S.CHECKING:
+                ctx.journal.move(r, S.FAILED, "the agent restarted before anything was frozen")
+                break
+            elif (
+                r.state is S.ROLLING_BACK
+                and r.restore_sent
+                and target_state(ctx, target, r.migration_id, t.rpc)[0] == TargetState.DONE.value
+            ):
+                # The target made its copy final (it took over while this agent could not be
+                # reached): the only way left is forward, ending the original.
+                ctx.journal.move(r, S.COMMITTING, "the target's copy runs: ending the original instead")
                 continue
-            if state is not None:
-                agent.journal.move(r, State.ROLLING_BACK, f"the target reports {state}")
-                continue
-        elif r.state is State.CHECKING:
-            agent.journal.move(r, State.FAILED, "the agent restarted before anything was frozen")
-            break
-        elif r.state is State.ROLLING_BACK and r.restore_sent and _target_state(target, r.migration_id, 30.0)[0] == State.DONE.value:
-            # The target made its copy final (it took over while this agent could not be
-            # reached): the only way left is forward, ending the original.
-            agent.journal.move(r, State.COMMITTING, "the target's copy runs: ending the original instead")
-            continue
-        elif not r.restore_sent or _target_dropped_copy(target, r.migration_id, 30.0):
-            if r.state in (State.FREEZING, State.HELD):
-                agent.journal.move(r, State.ROLLING_BACK, "the agent restarted mid-migration")
-            _tell_target_abort(target, r.migration_id)
-            if snap.joinpath("log").is_dir():
-                hook.decide(snap, commit=False)  # the hook still holds the tree: CRIU rolls it back
-            peer.wait_released(snap / engine.LOG_DIR, None)
-            _resume_leftovers(r)
-            peer.remove(agent.cfg, snap)
-            agent.journal.move(r, State.ROLLED_BACK, "rolled back after the agent restarted; the original runs where it stood")
-            break
-        time.sleep(delay)
-        delay = min(delay * 2, 30.0)
-    with agent.lock:
-        for pid, mid in list(agent.active.items()):
-            if mid == r.migration_id:
-                agent.active.pop(pid, None)
-    agent.log.info("migration %s resolved: %s", r.migration_id, r.state.value)
+            elif not r.restore_sent or target_dropped_copy(ctx, target, r.migration_id, t.rpc):
+                if r.state in (S.FREEZING, S.HELD):
+                    ctx.journal.move(r, S.ROLLING_BACK, "the agent restarted mid-migration")
+                tell_target_abort(target, r.migration_id)
+                dump.let_go()  # the hook still holds the tree: CRIU rolls it back
+                _resume_leftovers(r)
+                ctx.remove(r.snapshot)
+                ctx.journal.move(r, S.ROLLED_BACK, "rolled back after the agent restarted; the original runs where it stood")
+                break
+            if ctx.threads.sleep(delay):
+                return  # (stopping: the next run of the agent takes it up from the journal)
+            delay = min(delay * 2, 30.0)
+    except _Stopping:
+        return
+    release()
+    ctx.log.info("migration %s resolved: %s", r.migration_id, r.state.value)
 
 
 def _resume_leftovers(r: Record) -> None:
     """What a dead CRIU may have left stopped runs again; the GPU side is given back."""
-    if not peer.same_process_alive(r):
+    if not same_process_alive(r):
         return  # gone (or its PID now someone else's): nothing of ours to resume
     pids = proc.tree_pids(r.pid)
     if not pids:
         return
     proc.signal_tree(pids, signal.SIGCONT)
     if r.cuda_pids:  # CRIU gave back the CPU side; the GPU side waits in host memory
+        from snapshot import engine
         from snapshot.cuda import CudaDriver
 
         engine.resume([], [p for p in r.cuda_pids if proc.alive(p)], CudaDriver())
-

@@ -279,23 +279,23 @@ def test_target_agent_killed_while_restoring(cluster: Cluster, ticker: Ticker, t
 def test_a_held_copy_is_not_migrated_onward(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A target's copy waits, restored but held, for its source to commit; an agent asked to
     migrate it meanwhile refuses (the source may still roll back and resume its original)."""
-    from tpagent import peer
-    from tpagent.agent import Agent
+    from agents import node_of
+    from tpagent.api import Refused, Role, TargetState
     from tpagent.config import AgentConfig
-    from tpagent.migration import Record, State
+    from tpagent.journal import Record
 
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(24).hex())
     secret.chmod(0o600)
-    agent = Agent(AgentConfig(secret_file=secret, node="b", work_dir=tmp_path / "agent", metrics_listen="", tls_dir=node_certs(tmp_path, "b")))
+    agent = node_of(AgentConfig(secret_file=secret, node="b", work_dir=tmp_path / "agent", metrics_listen="", tls_dir=node_certs(tmp_path, "b")))
     w = start(mib=16, launched=True)
     mid = "a" * 32
-    agent.journal.write(Record(mid, "target", State.READY, pid=w.pid, peer="10.0.0.1:7400"))
-    with pytest.raises(peer.Refused, match=f"PID {w.pid} is the copy that migration {mid} restored here, held until its source"):
-        agent._start_migration(w.pid, "10.0.0.3:7400", dry_run=False)
+    agent.journal.write(Record(mid, Role.TARGET, TargetState.READY, pid=w.pid, peer="10.0.0.1:7400"))
+    with pytest.raises(Refused, match=f"PID {w.pid} is the copy that migration {mid} restored here, held until its source"):
+        agent.start_migration(w.pid, "10.0.0.3:7400", dry_run=False)
     assert not agent.active and not agent.sources
-    agent.journal.write(Record(mid, "target", State.DONE, pid=w.pid))  # committed: now an ordinary process
-    assert agent._start_migration(w.pid, "10.0.0.3:7400", dry_run=True).pid == w.pid
+    agent.journal.write(Record(mid, Role.TARGET, TargetState.DONE, pid=w.pid))  # committed: now an ordinary process
+    assert agent.start_migration(w.pid, "10.0.0.3:7400", dry_run=True).pid == w.pid
 
 
 def _journal_states(node: Node) -> list[str]:

@@ -13,20 +13,21 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents import agent_config, serving
+from agents import agent_config, node_of, serving
 from helpers import alive, kill_and_wait, wait_until
 from snapshot.safefs import private_dir
-from tpagent.agent import Agent
+from tpagent.api import Role, SourceState, TargetState
+from tpagent.client import GrpcPeer
 from tpagent.config import AgentConfig
-from tpagent.migration import Record, State
-from tpagent.rpc import stub
-from tpagent.source import _target_dropped_copy, _target_state, resolve_source
+from tpagent.journal import Journal, Record
+from tpagent.node import Node
+from tpagent.source import resolve_source, target_dropped_copy, target_state
 
 MID = "b" * 32
 
 
-def _target_record(cfg: AgentConfig, mid: str, state: State, **kw: object) -> Record:
-    return Record(mid, "target", state, peer="source", snapshot=str(cfg.work_dir / "incoming" / mid), **kw)  # type: ignore[arg-type]
+def _target_record(cfg: AgentConfig, mid: str, state: TargetState, **kw: object) -> Record:
+    return Record(mid, Role.TARGET, state, peer="source", snapshot=str(cfg.work_dir / "incoming" / mid), **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -46,36 +47,36 @@ def original() -> Iterator[psutil.Process]:
     p.wait()
 
 
-def _resolve(target: AgentConfig, original: psutil.Process, tmp: Path) -> Agent:
+def _resolve(target: AgentConfig, original: psutil.Process, tmp: Path) -> Node:
     """A source agent whose journal says: rolling back, after the restore was asked for."""
-    source = Agent(agent_config(tmp, "source"))
-    r = Record(MID, "source", State.ROLLING_BACK, pid=original.pid, peer=target.listen, restore_sent=True,
+    source = node_of(agent_config(tmp, "source"))
+    r = Record(MID, Role.SOURCE, SourceState.ROLLING_BACK, pid=original.pid, peer=target.listen, restore_sent=True,
                snapshot=str(source.cfg.work_dir / "outgoing" / MID), create_time=original.create_time())  # fmt: skip
     source.journal.write(r)
-    resolve_source(source, r)
+    resolve_source(source.ctx, r)
     return source
 
 
 def test_a_source_rolling_back_ends_its_original_when_the_target_made_its_copy_final(target: AgentConfig, original: psutil.Process, tmp_path: Path) -> None:
     """The target took its copy over while the source could not reach it; the source, rolling
     back, learns the copy is final: it commits (ends its original) instead of waiting for ever."""
-    Agent(target).journal.write(_target_record(target, MID, State.DONE, pid=1))
+    Journal(target.work_dir / "migrations").write(_target_record(target, MID, TargetState.DONE, pid=1))
     stop = serving(target)
     try:
         source = _resolve(target, original, tmp_path)
-        assert source.journal.read(MID).state is State.DONE  # type: ignore[union-attr]
+        assert source.journal.read(MID).state is SourceState.DONE  # type: ignore[union-attr]
         wait_until(lambda: not alive(original.pid), "the original to be ended")
     finally:
         stop.set()
 
 
 def test_a_source_rolling_back_resumes_its_original_once_the_copy_is_gone(target: AgentConfig, original: psutil.Process, tmp_path: Path) -> None:
-    Agent(target).journal.write(_target_record(target, MID, State.DISCARDED, pid=1))
+    Journal(target.work_dir / "migrations").write(_target_record(target, MID, TargetState.DISCARDED, pid=1))
     stop = serving(target)
     try:
         original.suspend()  # as a dead CRIU would leave it
         source = _resolve(target, original, tmp_path)
-        assert source.journal.read(MID).state is State.ROLLED_BACK  # type: ignore[union-attr]
+        assert source.journal.read(MID).state is SourceState.ROLLED_BACK  # type: ignore[union-attr]
         wait_until(lambda: original.status() != psutil.STATUS_STOPPED, "the original to run again")
     finally:
         stop.set()
@@ -88,10 +89,10 @@ def test_a_damaged_target_journal_is_not_a_copy_gone(target: AgentConfig) -> Non
     (target.work_dir / "migrations" / f"{damaged}.json").write_text("{not json")
     stop = serving(target)
     try:
-        t = stub(target.listen, target.credentials())
-        assert _target_state(t, damaged, 2.0) == (None, 0)  # not "discarded"
-        assert _target_dropped_copy(t, damaged, 2.0) is False
-        assert _target_state(t, "d" * 32, 2.0) == (State.DISCARDED.value, 0)  # truly unknown there
+        t, ctx = GrpcPeer(target.listen, target.credentials()), node_of(target).ctx
+        assert target_state(ctx, t, damaged, 2.0) == (None, 0)  # not "discarded"
+        assert target_dropped_copy(ctx, t, damaged, 2.0) is False
+        assert target_state(ctx, t, "d" * 32, 2.0) == (TargetState.DISCARDED.value, 0)  # truly unknown there
     finally:
         stop.set()
 
@@ -106,19 +107,19 @@ def test_a_restarted_target_drops_a_held_copy_that_did_not_survive(target: Agent
     outside.mkdir()
     try:
         os.kill(held.pid, signal.SIGSTOP)
-        j = Agent(target).journal
-        j.write(_target_record(target, MID, State.READY, pid=held.pid, create_time=psutil.Process(held.pid).create_time()))
-        j.write(_target_record(target, "e" * 32, State.READY, pid=stranger.pid, create_time=1.0))  # its PID reused since
-        j.write(Record("f" * 32, "target", State.RECEIVING, snapshot=str(outside)))
-        j.write(Record("a" * 32, "target", State.RECEIVING, snapshot=""))
-        Agent(target).recover()
-        assert j.read(MID).state is State.READY  # type: ignore[union-attr]
+        j = Journal(target.work_dir / "migrations")
+        j.write(_target_record(target, MID, TargetState.READY, pid=held.pid, create_time=psutil.Process(held.pid).create_time()))
+        j.write(_target_record(target, "e" * 32, TargetState.READY, pid=stranger.pid, create_time=1.0))  # its PID reused since
+        j.write(Record("f" * 32, Role.TARGET, TargetState.RECEIVING, snapshot=str(outside)))
+        j.write(Record("a" * 32, Role.TARGET, TargetState.RECEIVING, snapshot=""))
+        node_of(target).recover()
+        assert j.read(MID).state is TargetState.READY  # type: ignore[union-attr]
         gone = j.read("e" * 32)
-        assert gone is not None and gone.state is State.DISCARDED and "did not outlive" in gone.message
+        assert gone is not None and gone.state is TargetState.DISCARDED and "did not outlive" in gone.message
         assert psutil.Process(held.pid).status() == psutil.STATUS_STOPPED  # still held, untouched
         assert psutil.Process(stranger.pid).status() != psutil.STATUS_STOPPED  # neither started nor killed
-        assert j.read("f" * 32).state is State.RECEIVING and outside.is_dir()  # type: ignore[union-attr]
-        assert j.read("a" * 32).state is State.RECEIVING  # type: ignore[union-attr]
+        assert j.read("f" * 32).state is TargetState.RECEIVING and outside.is_dir()  # type: ignore[union-attr]
+        assert j.read("a" * 32).state is TargetState.RECEIVING  # type: ignore[union-attr]
     finally:
         for p in (held, stranger):
             kill_and_wait(p.pid)

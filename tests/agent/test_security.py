@@ -21,7 +21,7 @@ import psutil
 import pytest
 from prometheus_client import REGISTRY
 
-from agents import agent_config, free_port, serving
+from agents import agent_config, free_port, node_of, serving
 from certs import node_certs
 from conftest import needs_criu
 from helpers import ROOT, alive, assert_one_sentence_error, tpagent, wait_until
@@ -29,15 +29,16 @@ from snapshot import criu, hook
 from snapshot.api import UsageError
 from snapshot.safefs import private_dir
 from tpagent import launch, rpc
-from tpagent.agent import Agent
 from tpagent.config import AgentConfig
-from tpagent.migration import Record, State
-from tpagent.peer import Refused, wait_released
+from tpagent.api import Refused, Role, TargetState
+from tpagent.client import GrpcPeer
+from tpagent.journal import Record
+from snapshot.held import wait_released
 from tpagent.rpc import pb, stub
-from tpagent.source import _target_dropped_copy, _target_state
+from tpagent.source import target_dropped_copy, target_state
 
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
-ATTACKERS = Path(__file__).resolve().parent / "attackers"
+ATTACKERS = Path(__file__).resolve().parent.parent / "attackers"
 UID_NOBODY = 65534
 
 
@@ -129,7 +130,7 @@ def test_an_agent_refuses_a_work_dir_someone_else_prepared(tmp_path: Path, playg
     try:
         work = playground / "agent"
         (work / "migrations").mkdir(parents=True)
-        record = Record("a" * 32, "target", State.RESTORING, pid=victim.pid, snapshot=str(work / "incoming" / ("a" * 32)))
+        record = Record("a" * 32, Role.TARGET, TargetState.RESTORING, pid=victim.pid, snapshot=str(work / "incoming" / ("a" * 32)))
         (work / "migrations" / f"{'a' * 32}.json").write_text(json.dumps(record.to_json()))
         _give_to_nobody(work)
         proc = _serve_cli(agent_config(tmp_path, "n"), work)
@@ -301,12 +302,14 @@ def test_an_impostor_target_cannot_say_the_copy_is_gone(tmp_path: Path, playgrou
     fake = as_nobody(sys.executable, str(ATTACKERS / "fake_target.py"), address, str(theirs), stdout=subprocess.PIPE)
     try:
         assert fake.stdout is not None and fake.stdout.readline().strip() == "listening"
-        target = stub(address, agent_config(tmp_path, "source").credentials())
+        source = agent_config(tmp_path, "source")
+        target = stub(address, source.credentials())
         with pytest.raises(grpc.RpcError) as e:
             target.Status(pb.MigrationRef(migration_id="a" * 32), timeout=10)
         assert e.value.code() is grpc.StatusCode.UNAVAILABLE  # (TLS failed: never NOT_FOUND)
-        assert _target_state(target, "a" * 32, 2.0) == (None, 0)
-        assert _target_dropped_copy(target, "a" * 32, 2.0) is False
+        peer, ctx = GrpcPeer(address, source.credentials()), node_of(source).ctx
+        assert target_state(ctx, peer, "a" * 32, 2.0) == (None, 0)
+        assert target_dropped_copy(ctx, peer, "a" * 32, 2.0) is False
     finally:
         fake.kill()
         fake.communicate()
@@ -348,7 +351,7 @@ def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_pat
     """nobody's process calls itself a tpagent launch init and an allowed program (exec -a):
     the agent lists and migrates only what a launch record, NVML or /proc/PID/exe says."""
     allowed = os.path.realpath(shutil.which("sleep") or "/bin/sleep")
-    agent = Agent(agent_config(tmp_path, "n", allow_executables=(allowed,)))
+    agent = node_of(agent_config(tmp_path, "n", allow_executables=(allowed,)))
     forged = as_nobody("bash", "-c", f"exec -a '{sys.executable} -m tpagent.nsinit 5 /o /e {allowed}' {shutil.which('cat')}",
                        stdin=subprocess.PIPE)  # fmt: skip
     honest = as_nobody(allowed, "600")
@@ -363,7 +366,7 @@ def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_pat
         assert listed[honest.pid].why == "operator" and listed[honest.pid].uid == UID_NOBODY
         assert lookalike.pid not in listed
         with pytest.raises(Refused, match="not a migratable process"):
-            agent._start_migration(forged.pid, "10.0.0.3:7400", dry_run=True)
+            agent.start_migration(forged.pid, "10.0.0.3:7400", dry_run=True)
         # A record names one process: the same PID number, started anew, is not launched.
         record = launch.launched(w.pid)
         assert record is not None
@@ -388,17 +391,17 @@ def test_a_command_line_naming_a_snapshot_does_not_block_the_agent(tmp_path: Pat
     snap = cfg.work_dir / "incoming" / mid
     work = snap.parent / f"{mid}.restore"
     private_dir(work)
-    journal = Agent(cfg).journal
-    journal.write(Record(mid, "target", State.RESTORING, snapshot=str(snap)))
+    journal = node_of(cfg).journal
+    journal.write(Record(mid, Role.TARGET, TargetState.RESTORING, snapshot=str(snap)))
     lookalike = as_nobody("bash", "-c", f"exec -a 'criu restore -D {snap}/images -W {work}' sleep 600")
     try:
         wait_until(lambda: str(work) in " ".join(psutil.Process(lookalike.pid).cmdline()), "the look-alike to run")
-        recovering = threading.Thread(target=Agent(cfg).recover, daemon=True)
+        recovering = threading.Thread(target=node_of(cfg).recover, daemon=True)
         recovering.start()
         recovering.join(30)
         assert not recovering.is_alive()
         r = journal.read(mid)
-        assert r is not None and r.state is State.DISCARDED
+        assert r is not None and r.state is TargetState.DISCARDED
         assert lookalike.poll() is None  # and it was left alone
     finally:
         lookalike.kill()

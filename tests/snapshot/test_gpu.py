@@ -22,7 +22,7 @@ from snapshot.api import Stage
 
 HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
 pytestmark = [needs_criu, pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine")]
-HOLD = Path(__file__).resolve().parent / "workloads" / "gpu_hold.py"
+HOLD = Path(__file__).resolve().parent.parent / "workloads" / "gpu_hold.py"
 
 
 def _lines(log: Path) -> list[str]:

@@ -27,7 +27,7 @@ from transfer.api import AuthError, TlsFiles, TransferConfig, TransferError, Tra
 from transfer.sender import Sender
 from transfer.tcp import TcpTransport
 
-TRICKLE = Path(__file__).resolve().parent / "trickle_peer.py"
+TRICKLE = Path(__file__).resolve().parent.parent / "trickle_peer.py"
 
 
 @pytest.fixture(scope="module")

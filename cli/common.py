@@ -1,0 +1,109 @@
+"""What every ``tpagent`` command shares: the named exit codes, the option types (each also read
+from its ``TPAGENT_*`` variable), the one way a command fails (:func:`die`) with the mapping
+of errors to exit codes, and the node's credentials for calling agents.
+
+The commands live in :mod:`cli.main` (snapshots and transfers) and :mod:`cli.agent_cmds` (the
+agent and migrations); both import this module and nothing of each other, except that
+``cli.main`` registers the agent commands on its app.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import grpc
+import typer
+
+from snapshot.api import Interrupted, SnapshotError, SnapshotInvalid, UsageError
+from tpagent.credentials import Credentials
+from transfer.api import Compress, TransferError
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # CRIU, the CUDA driver or the disk failed; the process was resumed
+EXIT_USAGE = 2  # the request cannot be carried out as given
+EXIT_INVALID = 3  # the snapshot is missing, damaged or foreign
+EXIT_INTERRUPTED = 130  # Ctrl-C; a frozen process was resumed
+
+#: gRPC statuses that mean the request was wrong or cannot reach its agent (EXIT_USAGE);
+#: every other status is a failure of the operation itself (EXIT_FAILED).
+USAGE_STATUSES = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE,
+})  # fmt: skip
+
+#: Added to the message of an error after which the process was resumed where it stood.
+ROLLED_BACK_NOTE = " (nothing was lost: the process was resumed where it stood)"
+
+
+class TransportName(str, Enum):
+    """The ``--transport`` choices: the names of :data:`transfer.transports.NAMES` (typer needs
+    an Enum to offer and check them)."""
+
+    TCP = "tcp"
+    UCX = "ucx"
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", envvar="TPAGENT_JSON", help="Print a JSON result.")]
+CriuOpt = Annotated[Path | None, typer.Option("--criu", envvar="TPAGENT_CRIU", help="The criu binary to use (>= 4.2).")]
+SecretOpt = Annotated[
+    Path | None,
+    typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret."),
+]
+TlsDirOpt = Annotated[
+    Path,
+    typer.Option("--tls-dir", envvar="TPAGENT_TLS_DIR", help="ca.crt, tls.crt, tls.key of this node (mutual TLS)."),
+]
+PlaintextOpt = Annotated[
+    bool,
+    typer.Option(
+        "--plaintext",
+        envvar="TPAGENT_PLAINTEXT",
+        help="TCP without TLS: authenticated by the secret, but readable on the wire.",
+    ),
+]
+TransportOpt = Annotated[
+    TransportName,
+    typer.Option("--transport", envvar="TPAGENT_TRANSPORT", help="tcp, or ucx (RDMA where present)."),
+]
+CompressOpt = Annotated[
+    Compress, typer.Option("--compress", envvar="TPAGENT_COMPRESS", help="auto: zstd where it pays.")
+]
+AgentOpt = Annotated[str, typer.Option("--agent", envvar="TPAGENT_AGENT", help="HOST:PORT of the agent to ask.")]
+
+
+def die(msg: str, code: int, as_json: bool = False, rolled_back: bool = False) -> NoReturn:
+    """Every command's error: one sentence on stderr (and, with --json, a JSON error on stdout)."""
+    typer.echo(f"tpagent: {msg}", err=True)
+    if as_json:
+        typer.echo(json.dumps({"error": msg, "exit_code": code, "rolled_back": rolled_back}, indent=2))
+    raise typer.Exit(code)
+
+
+def exit_code(e: SnapshotError | TransferError) -> int:
+    """The exit code for an error of the snapshot or transfer layer."""
+    if isinstance(e, UsageError):
+        return EXIT_USAGE
+    if isinstance(e, SnapshotInvalid):
+        return EXIT_INVALID
+    if isinstance(e, Interrupted):
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED
+
+
+def die_of(e: SnapshotError | TransferError, as_json: bool = False) -> NoReturn:
+    """:func:`die` with the error's own sentence and exit code (and whether it rolled back)."""
+    rolled_back = isinstance(e, SnapshotError) and e.rolled_back
+    die(str(e) + (ROLLED_BACK_NOTE if rolled_back else ""), exit_code(e), as_json, rolled_back)
+
+
+def rpc_exit_code(status: grpc.StatusCode) -> int:
+    """The exit code for an agent's refusal or failure (see :data:`USAGE_STATUSES`)."""
+    return EXIT_USAGE if status in USAGE_STATUSES else EXIT_FAILED
+
+
+def credentials(secret_file: Path | None, tls_dir: Path) -> Credentials:
+    """This node's credentials for calling agents (the secret and the TLS files, checked)."""
+    return Credentials.load(secret_file, tls_dir)

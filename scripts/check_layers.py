@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""Check the import graph of tpagent's packages: no cycle, and no layer importing one above it.
+
+    usage: check_layers.py [ROOT]        ROOT: the repository (by default, this script's)
+
+Every ``.py`` under ROOT's snapshot/, transfer/, tpagent/, cli/ and tpagent_rank/ is parsed
+with ``ast`` (nothing is imported or run; protoc's generated ``*_pb2*.py`` are left out).  Every
+import counts wherever it stands (in a function, under ``if TYPE_CHECKING:``), relative ones
+resolved, and so does ``importlib.import_module("a.literal.name")``.  The rules:
+
+  * no cycle between modules;
+  * the layers import only downwards: snapshot < transfer < tpagent < cli;
+  * tpagent_rank, which is loaded into users' training processes, imports only itself, the
+    standard library, and torch (inside a function: lazily, the user's own).
+
+Prints a summary of the graph (for the release notes) on stdout, one line per problem on
+stderr, and exits 1 if there was any problem (2: ROOT is not a directory).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LAYERS = ("snapshot", "transfer", "tpagent", "cli")  # bottom to top
+RANK = "tpagent_rank"
+PACKAGES = (*LAYERS, RANK)
+#: What tpagent_rank may import besides itself and the standard library.
+RANK_MAY_IMPORT = frozenset({"torch"})
+MAX_LINE = 120
+
+
+@dataclass(frozen=True)
+class Import:
+    name: str  # absolute: "a.b" for ``import a.b``, "a.b.c" for ``from a.b import c``
+    line: int
+    in_function: bool  # run when the function is called, not at import
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path  # relative to ROOT
+    lines: list[str]
+    imports: list[Import] = field(default_factory=list)
+
+    @property
+    def package(self) -> str:
+        return self.name.split(".")[0]
+
+
+class _Imports(ast.NodeVisitor):
+    """The imports of one module, relative ones made absolute against ``package``."""
+
+    def __init__(self, package: str) -> None:
+        self.package = package
+        self.found: list[Import] = []
+        self.errors: list[tuple[int, str]] = []
+        self._depth = 0  # functions we are inside
+
+    def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> None:
+        self._depth += 1
+        self.generic_visit(node)
+        self._depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+
+    def _add(self, name: str, node: ast.stmt | ast.expr) -> None:
+        self.found.append(Import(name, node.lineno, self._depth > 0))
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name, node)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = node.module or ""
+        if node.level:
+            parts = self.package.split(".")
+            if node.level > len(parts):
+                self.errors.append((node.lineno, "a relative import goes above the top-level package"))
+                return
+            base = ".".join([*parts[: len(parts) - node.level + 1], *([base] if base else [])])
+        for alias in node.names:
+            self._add(base if alias.name == "*" else f"{base}.{alias.name}", node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if called in ("import_module", "__import__") and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and not arg.value.startswith("."):
+                self._add(arg.value, node)
+        self.generic_visit(node)
+
+
+def _is_generated(path: Path) -> bool:
+    return path.stem.endswith(("_pb2", "_pb2_grpc"))
+
+
+def read_modules(root: Path) -> tuple[dict[str, Module], list[str]]:
+    """Every module of the packages under ``root``, by dotted name, and the problems met."""
+    modules: dict[str, Module] = {}
+    problems: list[str] = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            rel = path.relative_to(root)
+            if _is_generated(path) or "__pycache__" in rel.parts:
+                continue
+            parts = rel.with_suffix("").parts
+            is_init = parts[-1] == "__init__"
+            name = ".".join(parts[:-1] if is_init else parts)
+            text = path.read_text(encoding="utf-8")
+            module = Module(name, rel, text.splitlines())
+            modules[name] = module
+            try:
+                tree = ast.parse(text, filename=str(rel))
+            except SyntaxError as e:
+                problems.append(f"{rel}:{e.lineno}: cannot be parsed: {e.msg}")
+                continue
+            visitor = _Imports(name if is_init else name.rpartition(".")[0])
+            visitor.visit(tree)
+            module.imports = visitor.found
+            problems += [f"{rel}:{line}: {msg}" for line, msg in visitor.errors]
+    return modules, problems
+
+
+def resolve(name: str, modules: dict[str, Module]) -> str:
+    """The module that importing ``name`` runs: ``name`` itself or the longest prefix of it
+    that is a module of ours (``from a import b`` where ``b`` is a function names ``a.b``)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:n])
+        if candidate in modules:
+            return candidate
+    return name
+
+
+def edges_of(modules: dict[str, Module]) -> dict[str, dict[str, int]]:
+    """module -> {module of ours it imports: the line of the first such import}."""
+    graph: dict[str, dict[str, int]] = {name: {} for name in modules}
+    for name, module in modules.items():
+        for imp in module.imports:
+            target = resolve(imp.name, modules)
+            if target in modules and target != name:
+                graph[name].setdefault(target, imp.line)
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's strongly connected components with more than one module (each one a cycle
+    or several tied together), each sorted, in sorted order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def shortest_cycle(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
+    """A shortest cycle through the first module of ``component`` (breadth first within it)."""
+    start, members = component[0], set(component)
+    came_from: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        v = queue.popleft()
+        for w in sorted(graph[v]):
+            if w == start:
+                path = [v]
+                while path[-1] != start:
+                    path.append(came_from[path[-1]])
+                return [start, *reversed(path[:-1]), start]
+            if w in members and w not in came_from:
+                came_from[w] = v
+                queue.append(w)
+    raise AssertionError(f"{start} is on no cycle")  # (a strongly connected component has one)
+
+
+def cycle_problems(modules: dict[str, Module], graph: dict[str, dict[str, int]]) -> list[str]:
+    out = []
+    for component in strongly_connected(graph):
+        cycle = shortest_cycle(graph, component)
+        where = ", ".join(f"{modules[a].path}:{graph[a][b]}" for a, b in zip(cycle, cycle[1:]))
+        line = f"cycle: {' -> '.join(cycle)} ({where})"
+        rest = sorted(set(component) - set(cycle))
+        if rest:
+            line += f"; tied into it too: {', '.join(rest)}"
+        out.append(line)
+    return out
+
+
+def layer_problems(modules: dict[str, Module]) -> list[str]:
+    stdlib = sys.stdlib_module_names
+    out = []
+    for module in modules.values():
+        for imp in module.imports:
+            top = imp.name.split(".")[0]
+            at = f"{module.path}:{imp.line}: {module.name} imports {imp.name}"
+            if module.package == RANK:
+                if top in LAYERS:
+                    out.append(f"{at}: tpagent_rank runs in users' processes and imports nothing of {', '.join(LAYERS)}")
+                elif top not in stdlib and top not in RANK_MAY_IMPORT and top != RANK:
+                    out.append(f"{at}: tpagent_rank imports only the standard library and torch")
+                elif top in RANK_MAY_IMPORT and not imp.in_function:
+                    out.append(f"{at} at import time: tpagent_rank imports torch lazily, inside the function that needs it")
+            elif top in LAYERS and LAYERS.index(top) > LAYERS.index(module.package):
+                out.append(f"{at}: a lower layer imports a higher one ({' < '.join(LAYERS)})")
+    return out
+
+
+def summary(modules: dict[str, Module], graph: dict[str, dict[str, int]]) -> list[str]:
+    per_package = Counter(m.package for m in modules.values())
+    lines = sum(len(m.lines) for m in modules.values())
+    package_edges = Counter(
+        (modules[a].package, modules[b].package) for a, targets in graph.items() for b in targets if modules[a].package != modules[b].package
+    )
+    long_lines = Counter({str(m.path): sum(len(line) > MAX_LINE for line in m.lines) for m in modules.values()})
+    out = [
+        f"modules: {len(modules)} ({', '.join(f'{p} {per_package[p]}' for p in PACKAGES if per_package[p])}), {lines} lines",
+        f"imports between them: {sum(map(len, graph.values()))} edges; between packages: "
+        + (", ".join(f"{a} -> {b} {n}" for (a, b), n in sorted(package_edges.items())) or "none"),
+    ]
+    if modules:
+        largest = max(modules.values(), key=lambda m: len(m.lines))
+        out.append(f"largest module: {largest.path}, {len(largest.lines)} lines")
+    worst = ", ".join(f"{path} {n}" for path, n in long_lines.most_common(5) if n)
+    out.append(f"lines over {MAX_LINE} characters: {long_lines.total()} in {sum(1 for n in long_lines.values() if n)} files" + (f" (most: {worst})" if worst else ""))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) > 1:
+        print("usage: check_layers.py [ROOT]", file=sys.stderr)
+        return 2
+    root = Path(argv[0]) if argv else Path(__file__).resolve().parent.parent
+    if not root.is_dir():
+        print(f"check_layers.py: {root} is not a directory; give the repository's root.", file=sys.stderr)
+        return 2
+    modules, problems = read_modules(root)
+    graph = edges_of(modules)
+    problems = [*cycle_problems(modules, graph), *layer_problems(modules), *problems]
+    print("\n".join(summary(modules, graph)), flush=True)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

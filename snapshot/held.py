@@ -1,0 +1,116 @@
+"""A dump whose original is held: the one handle on a migration's frozen original.
+
+:func:`HeldDump.start` runs :func:`snapshot.engine.checkpoint` (mode kill) in a thread of its
+own, with the post-dump hook told to hold (:mod:`snapshot.hook`): once the snapshot is sealed
+the tree stays frozen, resumable, until a decision.  Only this class knows the hook's files
+(``SNAPSHOT/log/{held,pinned,pinned.ack,decision}``) and its environment; an agent that
+restarted gets the same handle back with :func:`HeldDump.attach` (no thread: CRIU, if it
+still runs, is known by its pidfile in ``log/``)::
+
+    start ─> sealed() ─> pin() ─> commit()    CRIU ends the original (its copy runs elsewhere)
+                 └─────────┴────> let_go()    CRIU rolls back: the original runs on where it stood
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from snapshot import criu, engine, hook
+from snapshot.api import DumpMode, SnapshotConfig
+from snapshot.manifest import Manifest
+
+
+class HeldDump:
+    def __init__(self, out: Path, thread: threading.Thread | None = None) -> None:
+        self.out = out
+        self.log_dir = out / engine.LOG_DIR
+        self._thread = thread
+        self.error: BaseException | None = None
+        self.manifest: Manifest | None = None
+
+    @classmethod
+    def start(cls, pid: int, out: Path, config: SnapshotConfig, hold: float, carry: Sequence[Path] = ()) -> HeldDump:
+        """Freeze and dump ``pid`` into ``out``; the sealed tree is then held up to ``hold``
+        seconds (until pinned: then until a decision, however long)."""
+        dump = cls(out)
+
+        def run() -> None:
+            try:
+                dump.manifest = engine.checkpoint(pid, out, DumpMode.KILL, replace(config, hold=hold), carry=carry)
+            except BaseException as e:  # handed to whoever holds the handle
+                dump.error = e
+
+        dump._thread = threading.Thread(target=run, name=f"dump-{pid}", daemon=True)
+        dump._thread.start()
+        return dump
+
+    @classmethod
+    def attach(cls, out: Path) -> HeldDump:
+        """The handle on a dump an earlier run of the agent started (its CRIU may be gone)."""
+        return cls(out)
+
+    def running(self) -> bool:
+        """Whether CRIU still works on the dump (it holds the tree, or is still dumping)."""
+        if self._thread is not None:
+            return self._thread.is_alive()
+        return criu.running_in(self.log_dir)
+
+    def sealed(self) -> bool:
+        """Whether the snapshot is complete on disk and the hook holds the frozen tree."""
+        return (self.log_dir / hook.HELD_FILE).exists()
+
+    def pin(self, timeout: float = 30.0) -> bool:
+        """From now on only a decision ends the hold (a copy may start elsewhere).  True once
+        the hook has seen it; False if CRIU let the tree go first: then no copy may start."""
+        return hook.pin(self.out, self.running, timeout)
+
+    def cancel(self) -> None:
+        """Make a dump that is not yet held fail (CRIU rolls back); a held one is let go."""
+        if self.log_dir.is_dir():
+            (self.log_dir / hook.CANCEL_FILE).touch()
+
+    def let_go(self, timeout: float | None = None) -> None:
+        """Abort the hold: CRIU rolls the dump back and the original runs on where it stood.
+        Waits for CRIU to end (``timeout`` None: however long)."""
+        if self._thread is None:
+            if self.log_dir.is_dir():
+                hook.decide(self.out, commit=False)
+            self.wait_released(timeout)
+            return
+        while self._thread.is_alive():
+            # The dump may not have reached its hook yet: the decision waits for it there.
+            if self.log_dir.is_dir() and not (self.log_dir / hook.DECISION_FILE).exists():
+                hook.decide(self.out, commit=False)
+            self._thread.join(0.05)
+
+    def commit(self) -> None:
+        """CRIU ends the original (its copy runs elsewhere); returns once CRIU has ended."""
+        if self.log_dir.is_dir():
+            hook.decide(self.out, commit=True)
+        if self._thread is not None:
+            self._thread.join()
+        else:
+            self.wait_released(None)
+
+    def wait_released(self, timeout: float | None = 30.0) -> None:
+        """Until CRIU no longer works on the dump (``timeout`` None: however long)."""
+        wait_released(self.log_dir, timeout)
+
+    def drop_network_lock(self) -> None:
+        """Remove the nftables lock CRIU left on the original's TCP connections (they live on
+        elsewhere now; here the lock would drop their packets if the workload came back)."""
+        criu.drop_network_lock(self.log_dir)
+
+
+def wait_released(work: Path, timeout: float | None = 30.0) -> None:
+    """Until the CRIU working in ``work`` (its -W directory: a dump's ``SNAPSHOT/log``, a
+    restore's work directory) has ended (a dump's: once its hook took the decision)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
+        if not criu.running_in(work):
+            return
+        time.sleep(0.1)

@@ -1,0 +1,222 @@
+"""Small, honest stand-ins for the two things a unit test cannot have: another agent (an
+in-memory :class:`~tpagent.api.Peer` that keeps the target's states by the protocol's own
+table and receives the snapshot with a real Receiver over loopback TCP), and CRIU (a held
+dump whose "original" is a real process, stopped while frozen, continued or killed by the
+decision).  Everything else in the protocol under test is the real code."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from snapshot.api import SnapshotConfig
+from snapshot.held import HeldDump
+from snapshot.manifest import Manifest, ProcInfo, checksum_files
+from snapshot.safefs import private_dir
+from tpagent.api import (
+    Acceptance,
+    Offer,
+    Peer,
+    PeerStatus,
+    PeerUnreachable,
+    Refused,
+    Restored,
+    TargetState,
+    Versions,
+    Why,
+    allowed,
+)
+from tpagent.config import AgentConfig
+from tpagent.context import Context
+from tpagent.journal import Journal
+from tpagent.threads import Threads
+from transfer.api import TransferConfig, TransferError
+from transfer.receiver import Receiver
+from transfer.tcp import TcpTransport
+
+SECRET = b"unit-tier-secret-0123456789"
+T = TargetState
+
+
+class FakeHeldDump(HeldDump):
+    """Freezes the "original" with SIGSTOP, writes a small sealed snapshot, and holds it:
+    ``let_go`` continues the original, ``commit`` kills it (as CRIU would)."""
+
+    decisions: list[str] = []
+
+    @classmethod
+    def start(cls, pid: int, out: Path, config: SnapshotConfig, hold: float, carry: Sequence[Path] = ()) -> HeldDump:
+        os.kill(pid, signal.SIGSTOP)
+        private_dir(out, empty=True)
+        (out / "images").mkdir(mode=0o700)
+        (out / "log").mkdir(mode=0o700)
+        (out / "images" / "pages-1.img").write_bytes(os.urandom(1 << 20))
+        m = Manifest(root_pid=pid, namespace=False, processes=[ProcInfo(pid, 0, ("x",), (pid,), False)], gpus=[],
+                     criu={"version": "4.2.1", "shell_job": False, "tcp_established": False},
+                     cuda={"driver_version": None, "pids": []}, tpagent_version="test")  # fmt: skip
+        m.files = checksum_files(out)
+        m.write(out)
+        (out / "log" / "held").touch()
+        dump = cls(out)
+        dump.pid = pid
+        return dump
+
+    @classmethod
+    def attach(cls, out: Path) -> HeldDump:
+        dump = cls(out)
+        dump.pid = 0
+        return dump
+
+    pid = 0
+
+    def running(self) -> bool:
+        return self.pid != 0 and not self.decisions
+
+    def pin(self, timeout: float = 30.0) -> bool:
+        return self.running()
+
+    def let_go(self, timeout: float | None = None) -> None:
+        self.decisions.append("abort")
+        if self.pid:
+            os.kill(self.pid, signal.SIGCONT)
+
+    def commit(self) -> None:
+        self.decisions.append("commit")
+        if self.pid:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def drop_network_lock(self) -> None:
+        pass
+
+
+class FakeTarget(Peer):
+    """A target agent in memory.  ``restore_does`` scripts its Restore: "ok", "refuse" (it
+    drops the copy: PRECONDITION), "vanish" (the call breaks after the copy is READY) or
+    "silent" (the call breaks and the target stops answering until ``reachable`` is set)."""
+
+    def __init__(self, tmp: Path, problems: tuple[str, ...] = (), restore_does: str = "ok") -> None:
+        self.address = "target.test:7400"
+        self.tmp, self.problems, self.restore_does = tmp, problems, restore_does
+        self.states: dict[str, TargetState] = {}
+        self.history: list[tuple[str, TargetState]] = []
+        self.calls: list[str] = []
+        self.reachable = threading.Event()
+        self.reachable.set()
+        self.finish_answer: TargetState | None = None  # a finish(commit) that finds the copy gone
+        self._received: dict[str, threading.Thread] = {}
+        self._results: dict[str, object] = {}
+
+    def _move(self, mid: str, to: TargetState) -> None:
+        now = self.states.get(mid)
+        assert now is None or allowed(now, to), f"the fake target itself broke the protocol: {now} -> {to}"
+        self.states[mid] = to
+        self.history.append((mid, to))
+
+    def _up(self, call: str) -> None:
+        self.calls.append(call)
+        if not self.reachable.is_set():
+            raise PeerUnreachable("unavailable")
+
+    def receive(self, offer: Offer, timeout: float) -> Acceptance:
+        self._up("receive")
+        if self.problems or offer.dry_run:
+            return Acceptance(problems=self.problems)
+        rx = Receiver(TcpTransport(5.0), TransferConfig(secret=SECRET, io_timeout=5.0), "127.0.0.1:0")
+        out = private_dir(self.tmp / "target") / offer.migration_id
+
+        def run() -> None:
+            try:
+                self._results[offer.migration_id] = rx.receive(out, 30.0)
+            except TransferError as e:
+                self._results[offer.migration_id] = e
+            finally:
+                rx.close()
+
+        self._move(offer.migration_id, T.RECEIVING)
+        self._received[offer.migration_id] = threading.Thread(target=run, daemon=True)
+        self._received[offer.migration_id].start()
+        return Acceptance(rx.address, {})
+
+    def restore(self, migration_id: str, timeout: float) -> Restored:
+        self._up("restore")
+        self._received[migration_id].join(timeout)
+        assert not isinstance(self._results.get(migration_id), TransferError), self._results[migration_id]
+        self._move(migration_id, T.RECEIVED)
+        self._move(migration_id, T.RESTORING)
+        if self.restore_does == "refuse":
+            self._move(migration_id, T.DISCARDED)
+            raise Refused("restoring on the target failed: (scripted)", Why.PRECONDITION)
+        self._move(migration_id, T.READY)
+        if self.restore_does == "vanish":
+            raise PeerUnreachable("the connection broke")
+        if self.restore_does == "silent":
+            self.reachable.clear()
+            raise PeerUnreachable("the connection broke")
+        return Restored(4242, {"restore": 0.1})
+
+    def finish(self, migration_id: str, commit: bool, timeout: float) -> PeerStatus:
+        self._up("finish-commit" if commit else "finish-abort")
+        state = self.states.get(migration_id)
+        if state is None:
+            raise Refused(f"no migration {migration_id!r}", Why.NOT_FOUND)
+        if commit and self.finish_answer is not None and state is T.READY:
+            self._move(migration_id, self.finish_answer)
+        elif commit and state is T.READY:
+            self._move(migration_id, T.DONE)
+        elif not commit and state not in (T.DONE, T.DISCARDED):
+            self._move(migration_id, T.DISCARDED)
+        return self.status(migration_id, timeout)
+
+    def status(self, migration_id: str, timeout: float) -> PeerStatus:
+        self._up("status")
+        state = self.states.get(migration_id)
+        if state is None:
+            raise Refused(f"no migration {migration_id!r}", Why.NOT_FOUND)
+        return PeerStatus(migration_id, state.value, "", 4242 if state in (T.READY, T.DONE) else 0)
+
+    def versions(self, timeout: float) -> Versions:
+        self._up("versions")
+        return Versions("0", "0")
+
+
+def unit_context(tmp: Path, peer: Peer, **timeouts: float) -> Context:
+    """A real protocol context on ``tmp``: real journal, real sender over loopback TCP, the
+    stand-ins above for the peer and CRIU."""
+    secret = tmp / "secret"
+    secret.write_text("x" * 32)
+    settings = {"rpc_timeout": 1.0, "restore_timeout": 5.0, "abort_confirm_timeout": 2.0, "io_timeout": 5.0, **timeouts}
+    cfg = AgentConfig(secret_file=secret, node="source", listen="127.0.0.1:7400", work_dir=private_dir(tmp / "work"),
+                      metrics_listen="", health_listen="", **settings)  # type: ignore[arg-type]  # fmt: skip
+    FakeHeldDump.decisions = []
+    return Context(
+        cfg=cfg,
+        snapshot_config=SnapshotConfig(),
+        journal=Journal(cfg.work_dir / "migrations"),
+        peer=lambda address: peer,
+        transport=lambda: TcpTransport(5.0),
+        transfer_config=TransferConfig(secret=SECRET, io_timeout=5.0),
+        threads=Threads(),
+        held=FakeHeldDump,
+        log=logging.LoggerAdapter(logging.getLogger("unit"), {}),
+    )
+
+
+def sleeper() -> subprocess.Popen[bytes]:
+    """The "original": a real process whose state the tests read."""
+    return subprocess.Popen(["sleep", "600"], start_new_session=True)
+
+
+def wait(cond: Callable[[], bool], seconds: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()

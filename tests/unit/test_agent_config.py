@@ -1,0 +1,85 @@
+"""tpagent.config.load: the TOML file, then TPAGENT_* variables, then flags; bad input is UsageError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from snapshot.api import UsageError
+from tpagent import config
+
+
+@pytest.fixture
+def toml(tmp_path: Path) -> Path:
+    path = tmp_path / "agent.toml"
+    path.write_text('secret_file = "/etc/tpagent/secret"\nstreams = 2\nshared_paths = ["/shared", "/data"]\n')
+    return path
+
+
+def test_the_file_is_read_with_its_types(toml: Path) -> None:
+    cfg = config.load(toml, env={})
+    assert cfg.secret_file == Path("/etc/tpagent/secret")
+    assert (cfg.streams, cfg.shared_paths) == (2, ("/shared", "/data"))
+    assert cfg.listen == "0.0.0.0:7400"  # (the default, for a key the file leaves out)
+
+
+def test_the_environment_overrides_the_file_and_flags_override_both(toml: Path) -> None:
+    env = {"TPAGENT_STREAMS": "8", "TPAGENT_SHARED_PATHS": " /a, /b ,,", "TPAGENT_IO_TIMEOUT": "12.5"}
+    cfg = config.load(toml, env=env)
+    assert (cfg.streams, cfg.shared_paths, cfg.io_timeout) == (8, ("/a", "/b"), 12.5)
+    assert config.load(toml, env=env, streams=16, io_timeout=None).streams == 16
+    assert config.load(toml, env=env, io_timeout=None).io_timeout == 12.5  # (a flag not given changes nothing)
+
+
+def test_tpagent_config_names_the_file(toml: Path) -> None:
+    assert config.load(env={"TPAGENT_CONFIG": str(toml)}).streams == 2
+
+
+def test_a_relative_work_dir_is_made_absolute(toml: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert config.load(toml, env={"TPAGENT_WORK_DIR": "state"}).work_dir == tmp_path / "state"
+
+
+def test_an_unknown_setting_is_refused_by_name(toml: Path) -> None:
+    toml.write_text(toml.read_text() + "stream = 4\nlisten_port = 1\n")
+    with pytest.raises(UsageError, match=r"unknown setting\(s\) in the configuration: listen_port, stream\."):
+        config.load(toml, env={})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("TPAGENT_STREAMS", "many"), ("TPAGENT_TRANSFER_PORT", "7400/tcp"), ("TPAGENT_HOLD_TIMEOUT", "1h")],
+)
+def test_a_bad_value_is_refused_in_one_sentence(toml: Path, name: str, value: str) -> None:
+    key = name.removeprefix("TPAGENT_").lower()
+    with pytest.raises(UsageError, match=f"the setting {key} = '{value}' is not valid"):
+        config.load(toml, env={name: value})
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "0"])
+def test_a_timeout_that_is_no_positive_number_is_refused(toml: Path, value: str) -> None:
+    with pytest.raises(UsageError, match="the timeouts do not fit together: io_timeout .* must be a positive number"):
+        config.load(toml, env={"TPAGENT_IO_TIMEOUT": value})
+
+
+def test_timeouts_that_contradict_each_other_are_refused(toml: Path) -> None:
+    with pytest.raises(UsageError, match=r"io_timeout \(30 s\) must be shorter than hold_timeout \(10 s\)"):
+        config.load(toml, env={"TPAGENT_HOLD_TIMEOUT": "10"})
+
+
+def test_no_secret_file_is_refused(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    with pytest.raises(UsageError, match="no cluster secret: set secret_file in the configuration or TPAGENT_SECRET_FILE"):
+        config.load(empty, env={})
+    assert config.load(empty, env={"TPAGENT_SECRET_FILE": "/s"}).secret_file == Path("/s")
+
+
+def test_an_unreadable_or_invalid_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="cannot read the configuration .*missing.toml"):
+        config.load(tmp_path / "missing.toml", env={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("streams = = 4\n")
+    with pytest.raises(UsageError, match="is not valid TOML"):
+        config.load(bad, env={})

@@ -1,0 +1,211 @@
+"""The agent layer's contract (tpagent/api.py, tpagent/journal.py), without root: the two
+transition tables, the journal's format and its refusals, the timeouts' invariants, and the
+held copy's wait for its source (tpagent/target.py) against an in-memory source."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from protocol_fakes import unit_context, wait
+from snapshot.api import UsageError
+from tpagent.api import (
+    SOURCE_FINAL,
+    SOURCE_TRANSITIONS,
+    TARGET_FINAL,
+    TARGET_TRANSITIONS,
+    TIMEOUT_KEYS,
+    Acceptance,
+    BadTransition,
+    JournalError,
+    Offer,
+    Peer,
+    PeerStatus,
+    PeerUnreachable,
+    Refused,
+    Restored,
+    Role,
+    SourceState,
+    TargetState,
+    Timeouts,
+    Versions,
+    Why,
+)
+from tpagent.config import load
+from tpagent.journal import FORMAT, Journal, Record
+from tpagent.target import await_source
+
+S, T = SourceState, TargetState
+
+
+def _reachable(table: dict, start: object) -> set[object]:  # type: ignore[type-arg]
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in table[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def _preds(table: dict, state: object) -> set[object]:  # type: ignore[type-arg]
+    return {s for s, nxt in table.items() if state in nxt}
+
+
+def test_every_state_has_a_row_and_is_reachable_from_the_start() -> None:
+    assert set(SOURCE_TRANSITIONS) == set(SourceState) and set(TARGET_TRANSITIONS) == set(TargetState)
+    assert _reachable(dict(SOURCE_TRANSITIONS), S.CHECKING) == set(SourceState)
+    assert _reachable(dict(TARGET_TRANSITIONS), T.RECEIVING) == set(TargetState)
+
+
+def test_final_states_end_and_every_other_state_can_reach_one() -> None:
+    assert SOURCE_FINAL == {S.DONE, S.ROLLED_BACK, S.FAILED} and TARGET_FINAL == {T.DONE, T.DISCARDED}
+    for table, finals in ((dict(SOURCE_TRANSITIONS), SOURCE_FINAL), (dict(TARGET_TRANSITIONS), TARGET_FINAL)):
+        for state in table:
+            assert _reachable(table, state) & finals, f"{state} can never end"
+
+
+def test_the_safety_edges_of_the_source() -> None:
+    """The original ends (DONE) only through COMMITTING; it runs again (ROLLED_BACK) only
+    through ROLLING_BACK; once anything is frozen, FAILED is no longer a way out; a dry run's
+    DONE comes straight from CHECKING, before anything is touched."""
+    assert _preds(dict(SOURCE_TRANSITIONS), S.DONE) == {S.CHECKING, S.COMMITTING}
+    assert _preds(dict(SOURCE_TRANSITIONS), S.ROLLED_BACK) == {S.ROLLING_BACK}
+    assert _preds(dict(SOURCE_TRANSITIONS), S.FAILED) == {S.CHECKING}
+    assert S.ROLLING_BACK in SOURCE_TRANSITIONS[S.COMMITTING]  # only on the target's word: its copy is gone
+    assert S.COMMITTING in SOURCE_TRANSITIONS[S.ROLLING_BACK]  # only if the target's copy is final
+
+
+def test_the_safety_edges_of_the_target() -> None:
+    """A copy starts (DONE) only from READY, and every unfinished state can drop its copy."""
+    assert _preds(dict(TARGET_TRANSITIONS), T.DONE) == {T.READY}
+    assert {s for s in TargetState if s not in TARGET_FINAL} == _preds(dict(TARGET_TRANSITIONS), T.DISCARDED)
+
+
+def test_the_journal_refuses_what_the_table_does_not_allow(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "migrations")
+    r = Record("a" * 32, Role.SOURCE, S.CHECKING)
+    j.write(r)
+    with pytest.raises(BadTransition):
+        j.move(r, S.COMMITTING)
+    with pytest.raises(BadTransition):
+        j.move(r, T.RECEIVED)  # another role's state
+    assert j.read(r.migration_id).state is S.CHECKING  # type: ignore[union-attr]
+    for to in (S.FREEZING, S.ROLLING_BACK, S.ROLLED_BACK):
+        j.move(r, to)
+    assert j.read(r.migration_id).state is S.ROLLED_BACK and not j.unfinished()  # type: ignore[union-attr]
+
+
+def test_the_journal_format_is_versioned(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "migrations")
+    r = Record("b" * 32, Role.TARGET, T.READY, pid=7, create_time=1.5, peer="a:1", snapshot="/x")
+    j.write(r)
+    doc = json.loads(j.path(r.migration_id).read_text())
+    assert doc["format"] == FORMAT and doc["role"] == "target" and doc["state"] == "ready"
+    assert j.read(r.migration_id) == r
+    # A record of tpagent 0.1 (no format field) is still read ...
+    del doc["format"]
+    j.path("c" * 32).write_text(json.dumps({**doc, "migration_id": "c" * 32}))
+    assert j.read("c" * 32) == Record("c" * 32, Role.TARGET, T.READY, pid=7, create_time=1.5, peer="a:1", snapshot="/x")
+    # ... one of a newer format, one with another role's state, or a damaged one is never
+    # taken for "no such migration" (that would let a source resume next to a running copy).
+    bad = {"d" * 32: {**doc, "format": FORMAT + 1}, "e" * 32: {**doc, "state": "committing"}}
+    for mid, body in bad.items():
+        j.path(mid).write_text(json.dumps({**body, "migration_id": mid}))
+        with pytest.raises(JournalError):
+            j.read(mid)
+    j.path("f" * 32).write_text("{not json")
+    with pytest.raises(JournalError, match="damaged"):
+        j.read("f" * 32)
+    assert [x.migration_id for x in j.unfinished()] == ["b" * 32, "c" * 32]
+
+
+def test_the_default_timeouts_fit_together() -> None:
+    t = Timeouts()
+    assert t.rpc < t.restore and t.io < t.hold and t.takeover_after > t.rpc and t.abort_confirm >= t.rpc
+    assert set(TIMEOUT_KEYS) == {f for f in Timeouts.__dataclass_fields__}
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        ({"rpc": 60.0, "restore": 30.0}, ["rpc_timeout", "restore_timeout"]),
+        ({"io": 120.0, "hold": 60.0}, ["io_timeout", "hold_timeout"]),
+        ({"takeover_after": 10.0, "rpc": 30.0}, ["takeover_after", "rpc_timeout"]),
+        ({"abort_confirm": 5.0}, ["abort_confirm_timeout", "rpc_timeout"]),
+        ({"hold": 0.0}, ["hold_timeout"]),
+        ({"io": float("nan")}, ["io_timeout"]),
+        ({"shutdown_grace": -1.0}, ["shutdown_grace"]),
+    ],
+)
+def test_timeouts_that_do_not_fit_are_refused_naming_the_settings(changes: dict[str, float], named: list[str]) -> None:
+    with pytest.raises(ValueError) as e:
+        Timeouts(**changes)
+    for key in named:
+        assert key in str(e.value)
+
+
+def test_the_configuration_checks_its_timeouts_at_load(tmp_path: Path) -> None:
+    assert load(env={"TPAGENT_SECRET_FILE": "/s", "TPAGENT_TAKEOVER_AFTER": "0"}).timeouts.takeover_after == 0
+    with pytest.raises(UsageError, match="io_timeout .* must be shorter than hold_timeout"):
+        load(env={"TPAGENT_SECRET_FILE": "/s", "TPAGENT_IO_TIMEOUT": "90", "TPAGENT_HOLD_TIMEOUT": "60"})
+
+
+class _Source(Peer):
+    """A source agent in memory, for a held copy that asks it: reachable or not."""
+
+    def __init__(self) -> None:
+        self.address = "source.test:7400"
+        self.answer: str | None = "committing"  # None: unreachable; "refuse": answers no
+        self.asked = 0
+
+    def status(self, migration_id: str, timeout: float) -> PeerStatus:
+        self.asked += 1
+        if self.answer is None:
+            raise PeerUnreachable("unavailable")
+        if self.answer == "refuse":
+            raise Refused("refused the call: a stale timestamp", Why.UNAUTHENTICATED)
+        return PeerStatus(migration_id, self.answer)
+
+    def receive(self, offer: Offer, timeout: float) -> Acceptance:
+        raise AssertionError("a target never asks this")
+
+    def restore(self, migration_id: str, timeout: float) -> Restored:
+        raise AssertionError("a target never asks this")
+
+    def finish(self, migration_id: str, commit: bool, timeout: float) -> PeerStatus:
+        raise AssertionError("a target never asks this")
+
+    def versions(self, timeout: float) -> Versions:
+        raise AssertionError("a target never asks this")
+
+
+def _held(tmp_path: Path, source: _Source) -> tuple[object, list[tuple[str, bool, str]], threading.Thread]:
+    ctx = unit_context(tmp_path, source, rpc_timeout=0.1, takeover_after=1.0)
+    mid = "a" * 32
+    ctx.journal.write(Record(mid, Role.TARGET, T.READY, pid=1, peer="source", peer_agent=source.address))
+    decided: list[tuple[str, bool, str]] = []
+    t = threading.Thread(target=await_source, args=(ctx, mid, lambda *a: decided.append(a)), daemon=True)
+    t.start()
+    return ctx, decided, t
+
+
+def test_a_held_copy_waits_for_a_source_that_answers(tmp_path: Path) -> None:
+    source = _Source()
+    source.answer = "refuse"  # an answer, even a refusal, comes from an agent that is there
+    ctx, decided, t = _held(tmp_path, source)
+    assert wait(lambda: source.asked >= 8, 10) and not decided
+    ctx.threads.stopping.set()  # (an agent shutting down: the waiter returns, the journal keeps READY)
+    t.join(5)
+    assert not t.is_alive() and not decided
+
+
+def test_a_held_copy_starts_once_its_source_is_unreachable_for_takeover_after(tmp_path: Path) -> None:
+    source = _Source()
+    source.answer = None
+    _, decided, t = _held(tmp_path, source)
+    t.join(10)
+    assert decided and decided[0][:2] == ("a" * 32, True) and "unreachable for 1 s" in decided[0][2]

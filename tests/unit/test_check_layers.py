@@ -1,0 +1,165 @@
+"""scripts/check_layers.py on small synthetic trees: it finds cycles, upward imports and
+tpagent_rank's forbidden imports, wherever the import statement stands."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_layers.py"
+
+
+@pytest.fixture(scope="module")
+def check_layers() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("check_layers", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_layers"] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for rel, source in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(source))
+    return root
+
+
+def _run(check_layers: ModuleType, root: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str], list[str]]:
+    code = check_layers.main([str(root)])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err.splitlines()
+
+
+CLEAN = {
+    "snapshot/__init__.py": "from snapshot.api import SnapshotError\n",
+    "snapshot/api.py": "class SnapshotError(Exception): ...\n",
+    "transfer/__init__.py": "",
+    "transfer/wire.py": "from snapshot import api\nfrom . import stream\n",
+    "transfer/stream.py": "import zlib\n",
+    "tpagent/__init__.py": "",
+    "tpagent/rpc.py": "import grpc\nfrom transfer.wire import x\nfrom snapshot.api import SnapshotError\n",
+    "tpagent/proto/__init__.py": "",
+    "tpagent/proto/agent_pb2.py": "from cli import main  # generated: not ours, not read\n",
+    "cli/main.py": "import tpagent.rpc\nimport snapshot\n" + "x = 1  # " + "." * 111 + "\n" + "y = 2  # " + "." * 112 + "\n",
+    "tpagent_rank/__init__.py": '''\
+        """Runs in users' processes."""
+        from __future__ import annotations
+        import os, threading
+        from . import hooks
+
+        def on_fault() -> None:
+            import torch
+        ''',
+    "tpagent_rank/hooks.py": "import signal\n",
+}
+
+
+def test_a_clean_tree_passes_and_is_summarised(check_layers: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(check_layers, _tree(tmp_path, CLEAN), capsys)
+    assert (code, err) == (0, [])
+    assert out[0] == "modules: 11 (snapshot 2, transfer 3, tpagent 3, cli 1, tpagent_rank 2), 20 lines"
+    assert out[1] == (
+        "imports between them: 8 edges; between packages: cli -> snapshot 1, cli -> tpagent 1, "
+        "tpagent -> snapshot 1, tpagent -> transfer 1, transfer -> snapshot 1"
+    )
+    assert out[2] == "largest module: tpagent_rank/__init__.py, 7 lines"
+    assert out[3] == "lines over 120 characters: 1 in 1 files (most: cli/main.py 1)"
+
+
+@pytest.mark.parametrize(
+    ("files", "problem"),
+    [
+        (
+            {"snapshot/a.py": "from snapshot import b\n", "snapshot/b.py": "import snapshot.a\n"},
+            "cycle: snapshot.a -> snapshot.b -> snapshot.a (snapshot/a.py:1, snapshot/b.py:1)",
+        ),
+        (
+            {
+                "tpagent/agent.py": "from tpagent import peer\n",
+                "tpagent/peer.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tpagent.agent import Agent\n",
+            },
+            "cycle: tpagent.agent -> tpagent.peer -> tpagent.agent (tpagent/agent.py:1, tpagent/peer.py:3)",
+        ),
+        (
+            {
+                "transfer/__init__.py": "",
+                "transfer/a.py": "def f():\n    from . import b\n",
+                "transfer/b.py": "from .c import g\n",
+                "transfer/c.py": "from transfer.a import f\nfrom transfer.d import h\n",
+                "transfer/d.py": "from .b import x\n",
+            },
+            "cycle: transfer.a -> transfer.b -> transfer.c -> transfer.a (transfer/a.py:2, transfer/b.py:1, "
+            "transfer/c.py:1); tied into it too: transfer.d",
+        ),
+        (
+            {"snapshot/engine.py": "import os\n\ndef f():\n    import cli.main\n"},
+            "snapshot/engine.py:4: snapshot.engine imports cli.main: a lower layer imports a higher one "
+            "(snapshot < transfer < tpagent < cli)",
+        ),
+        (
+            {"transfer/sender.py": "from tpagent import __version__\n"},
+            "transfer/sender.py:1: transfer.sender imports tpagent.__version__: a lower layer imports a higher one "
+            "(snapshot < transfer < tpagent < cli)",
+        ),
+        (
+            {"tpagent_rank/__init__.py": "from snapshot.api import SnapshotError\n"},
+            "tpagent_rank/__init__.py:1: tpagent_rank imports snapshot.api.SnapshotError: tpagent_rank runs in "
+            "users' processes and imports nothing of snapshot, transfer, tpagent, cli",
+        ),
+        (
+            {"tpagent_rank/net.py": "def f():\n    import grpc\n"},
+            "tpagent_rank/net.py:2: tpagent_rank.net imports grpc: tpagent_rank imports only the standard library "
+            "and torch",
+        ),
+        (
+            {"tpagent_rank/__init__.py": "import importlib\nimportlib.import_module('transfer.wire')\n"},
+            "tpagent_rank/__init__.py:2: tpagent_rank imports transfer.wire: tpagent_rank runs in users' processes "
+            "and imports nothing of snapshot, transfer, tpagent, cli",
+        ),
+        (
+            {"tpagent_rank/__init__.py": "import torch.distributed\n"},
+            "tpagent_rank/__init__.py:1: tpagent_rank imports torch.distributed at import time: tpagent_rank imports "
+            "torch lazily, inside the function that needs it",
+        ),
+        (
+            {"snapshot/a.py": "from ... import x\n"},
+            "snapshot/a.py:1: a relative import goes above the top-level package",
+        ),
+        (
+            {"cli/main.py": "def f(:\n"},
+            "cli/main.py:1: cannot be parsed: invalid syntax",
+        ),
+    ],
+    ids=[
+        "cycle",
+        "cycle-under-TYPE_CHECKING",
+        "relative-cycle-in-a-function",
+        "upward-in-a-function",
+        "upward-from-import",
+        "rank-imports-a-layer",
+        "rank-imports-a-dependency",
+        "rank-import_module",
+        "rank-torch-at-import",
+        "relative-too-high",
+        "syntax-error",
+    ],
+)
+def test_a_problem_is_reported_on_one_line(
+    check_layers: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str], files: dict[str, str], problem: str
+) -> None:
+    code, _, err = _run(check_layers, _tree(tmp_path, CLEAN | files), capsys)
+    assert (code, err) == (1, [problem])
+
+
+def test_a_missing_root_is_a_usage_error(check_layers: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert check_layers.main([str(tmp_path / "nowhere")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert check_layers.main(["a", "b"]) == 2

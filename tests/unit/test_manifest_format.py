@@ -1,0 +1,175 @@
+"""snapshot.manifest: a written manifest reads back; a damaged, foreign or newer one is SnapshotInvalid."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from snapshot import manifest
+from snapshot.api import SnapshotInvalid
+from snapshot.manifest import Manifest
+from snapshot.proc import ProcInfo
+
+
+def _manifest(**changes: Any) -> Manifest:
+    fields: dict[str, Any] = {
+        "root_pid": 100,
+        "namespace": True,
+        "processes": [ProcInfo(100, 1, ("python", "train.py"), (5100, 1), True, (101, 102))],
+        "gpus": [{"index": 0, "uuid": "GPU-1", "name": "H100", "memory_total": 80, "memory_used": 3}],
+        "criu": {"version": "4.2", "shell_job": False, "tcp_established": True},
+        "cuda": {"driver_version": 12080, "pids": [100]},
+        "tpagent_version": "0.1.0",
+    }
+    return Manifest(**(fields | changes))
+
+
+@pytest.fixture
+def snap(tmp_path: Path) -> Path:
+    """A snapshot directory: two image files and the manifest of their checksums."""
+    images = tmp_path / "snap" / manifest.IMAGES_DIR
+    images.mkdir(parents=True)
+    (images / "pages-1.img").write_bytes(os.urandom(3000))
+    (images / "core-100.img").write_bytes(b"")
+    m = _manifest()
+    m.files = manifest.checksum_files(images.parent)
+    m.write(images.parent)
+    return images.parent
+
+
+def _rewrite(snap: Path, edit: Any) -> Path:
+    path = snap / manifest.MANIFEST_NAME
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_written_manifest_reads_back_and_verifies(snap: Path) -> None:
+    loaded = manifest.load(snap)
+    assert loaded.processes == _manifest().processes
+    assert loaded.files["images/pages-1.img"]["size"] == 3000
+    assert loaded.total_bytes == 3000
+    assert loaded.cuda_pids == [100]
+    manifest.verify(snap, loaded)
+
+
+def test_the_manifest_is_private_and_names_its_format(snap: Path) -> None:
+    path = snap / manifest.MANIFEST_NAME
+    assert path.stat().st_mode & 0o777 == 0o600
+    data = json.loads(path.read_text())
+    assert (data["format"], data["format_version"]) == ("tpagent-snapshot", manifest.FORMAT_VERSION)
+    assert data["total_bytes"] == 3000 and len(data["manifest_sha256"]) == 64
+
+
+def test_a_changed_field_breaks_the_manifests_own_checksum(snap: Path) -> None:
+    _rewrite(snap, lambda d: d.update(root_pid=101))
+    with pytest.raises(SnapshotInvalid, match="does not match its own checksum"):
+        manifest.load(snap)
+
+
+def test_a_foreign_json_file_is_not_a_manifest(snap: Path) -> None:
+    _rewrite(snap, lambda d: d.update(format="docker-image"))
+    with pytest.raises(SnapshotInvalid, match="not a tpagent snapshot manifest"):
+        manifest.load(snap)
+    (snap / manifest.MANIFEST_NAME).write_text("[1, 2]")
+    with pytest.raises(SnapshotInvalid, match="not a tpagent snapshot manifest"):
+        manifest.load(snap)
+
+
+def test_a_newer_format_is_refused_with_what_to_do(snap: Path) -> None:
+    _rewrite(snap, lambda d: d.update(format_version=manifest.FORMAT_VERSION + 1))
+    with pytest.raises(SnapshotInvalid, match="by a newer tpagent.*upgrade tpagent on this node"):
+        manifest.load(snap)
+
+
+@pytest.mark.parametrize("version", [0, -1, "1", None, 1.0])
+def test_an_invalid_format_version_is_refused(snap: Path, version: object) -> None:
+    _rewrite(snap, lambda d: d.update(format_version=version))
+    with pytest.raises(SnapshotInvalid, match="no valid format_version"):
+        manifest.load(snap)
+
+
+def test_garbage_missing_and_non_directories_are_refused(tmp_path: Path, snap: Path) -> None:
+    with pytest.raises(SnapshotInvalid, match="does not exist or is not a directory"):
+        manifest.load(tmp_path / "nothing")
+    with pytest.raises(SnapshotInvalid, match="it has no manifest.json"):
+        manifest.load(snap / manifest.IMAGES_DIR)
+    (snap / manifest.MANIFEST_NAME).write_bytes(b'{"format": "tpagent-snap\xff')
+    with pytest.raises(SnapshotInvalid, match="is corrupt: it is not valid JSON"):
+        manifest.load(snap)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"cuda": {"driver_version": 1, "pids": [999]}}, "cuda.pids names a process not in processes"),
+        ({"criu": {"version": "4.2; rm -rf /", "shell_job": False, "tcp_established": True}}, "criu.version"),
+        ({"files": {"../../etc/shadow": {"size": 1, "chunk_size": 1, "sha256": []}}}, "is not a file directly under images/"),
+        ({"files": {"images/a": {"size": "1", "chunk_size": 1, "sha256": []}}}, "images/a.size"),
+        ({"carried": ["relative/path"]}, "carried: not a normalised absolute path"),
+        ({"carried": ["/a/../etc/shadow"]}, "carried: not a normalised absolute path"),
+        ({"carried": ["/home/u/data"]}, "carried: names files but images/tpagent-files.tar is not among the files"),
+        ({"origin": {"mode": "kill"}}, "origin.root_create_time"),
+    ],
+)
+def test_a_self_consistent_but_malformed_manifest_is_refused(tmp_path: Path, changes: dict[str, Any], field: str) -> None:
+    _manifest(**changes).write(tmp_path)  # (written with a valid checksum over the bad field)
+    with pytest.raises(SnapshotInvalid, match=f"is corrupt: field .*{field}"):
+        manifest.load(tmp_path)
+
+
+def test_a_boolean_is_not_an_integer(tmp_path: Path) -> None:
+    _manifest(root_pid=True).write(tmp_path)
+    with pytest.raises(SnapshotInvalid, match="manifest.root_pid"):
+        manifest.load(tmp_path)
+
+
+def test_verify_refuses_truncated_extra_and_altered_images(snap: Path) -> None:
+    m = manifest.load(snap)
+    pages = snap / "images" / "pages-1.img"
+    original = pages.read_bytes()
+    pages.write_bytes(original[:-1])
+    with pytest.raises(SnapshotInvalid, match="pages-1.img has 2999 bytes, the manifest says 3000"):
+        manifest.verify(snap, m)
+    pages.write_bytes(bytes([original[0] ^ 1]) + original[1:])
+    with pytest.raises(SnapshotInvalid, match="is damaged: images/pages-1.img does not match its checksum"):
+        manifest.verify(snap, m)
+    pages.write_bytes(original)
+    (snap / "images" / "planted.img").write_bytes(b"x")
+    with pytest.raises(SnapshotInvalid, match="holds image files the manifest does not list: images/planted.img"):
+        manifest.verify(snap, m)
+    (snap / "images" / "planted.img").unlink()
+    (snap / "images" / "core-100.img").unlink()
+    with pytest.raises(SnapshotInvalid, match="incomplete: images/core-100.img is missing"):
+        manifest.verify(snap, m)
+
+
+def test_verify_refuses_a_symlink_among_the_images(snap: Path) -> None:
+    m = manifest.load(snap)
+    (snap / "images" / "core-100.img").unlink()
+    (snap / "images" / "core-100.img").symlink_to("/etc/passwd")
+    with pytest.raises(SnapshotInvalid, match="is unsafe: images/core-100.img is not a regular file"):
+        manifest.verify(snap, m)
+
+
+def test_verify_refuses_an_unknown_chunk_size(snap: Path) -> None:
+    m = manifest.load(snap)
+    m.files["images/pages-1.img"]["chunk_size"] = manifest.CHUNK_SIZE // 2
+    with pytest.raises(SnapshotInvalid, match="unknown chunk size for images/pages-1.img"):
+        manifest.verify(snap, m)
+
+
+def test_checksums_are_per_chunk(tmp_path: Path) -> None:
+    images = tmp_path / manifest.IMAGES_DIR
+    images.mkdir()
+    size = manifest.CHUNK_SIZE + 5
+    (images / "big.img").write_bytes(b"\0" * size)
+    files = manifest.checksum_files(tmp_path, workers=2)
+    entry = files["images/big.img"]
+    assert (entry["size"], entry["chunk_size"], len(entry["sha256"])) == (size, manifest.CHUNK_SIZE, 2)
+    assert entry["sha256"][1] == manifest.sha256_range((images / "big.img", manifest.CHUNK_SIZE, 5))

@@ -1,0 +1,149 @@
+"""The source's side of the protocol, run for real (journal, sender, decisions) against an
+in-memory target and a stand-in for CRIU whose "original" is a real, stopped process: no
+root, no gRPC.  Each test asserts what became of the original and of the target's copy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from protocol_fakes import FakeHeldDump, FakeTarget, sleeper, unit_context, wait
+from tpagent.api import Outcome, SourceState, TargetState, allowed
+from tpagent.journal import Journal
+from tpagent.source import SourceMigration, resolve_source
+
+
+@pytest.fixture
+def original() -> Iterator[subprocess.Popen[bytes]]:
+    p = sleeper()
+    yield p
+    p.kill()
+    p.wait()
+
+
+def _status(p: subprocess.Popen[bytes]) -> str:
+    return "gone" if p.poll() is not None else str(psutil.Process(p.pid).status())
+
+
+def _journaled(m: SourceMigration) -> list[str]:
+    """Every state the migration reported, in order (each one was journaled before)."""
+    out: list[str] = []
+    while (e := m.events.get(timeout=10)) is not None:
+        if not out or out[-1] != e.state:
+            out.append(e.state)
+    return out
+
+
+def _run(tmp: Path, target: FakeTarget, pid: int, **timeouts: float) -> tuple[SourceMigration, list[str]]:
+    ctx = unit_context(tmp, target, **timeouts)
+    m = SourceMigration(ctx, pid, target.address, dry_run=False)
+    m.run()
+    return m, _journaled(m)
+
+
+def _record_on_disk(m: SourceMigration) -> str:
+    text = (m.ctx.cfg.work_dir / "migrations" / f"{m.migration_id}.json").read_text()
+    return str(json.loads(text)["state"])
+
+
+def test_a_migration_commits_only_once_the_copy_is_final(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+    target = FakeTarget(tmp_path)
+    m, states = _run(tmp_path, target, original.pid)
+    assert m.result is not None and m.result.outcome is Outcome.DONE and m.result.new_pid == 4242
+    assert states == ["checking", "freezing", "held", "restoring", "committing", "done"]
+    assert all(allowed(SourceState(a), SourceState(b)) for a, b in zip(states, states[1:], strict=False))
+    assert target.states[m.migration_id] is TargetState.DONE
+    # The copy was made final before the original was ended, and the original is gone.
+    assert target.calls.index("finish-commit") < len(target.calls) and FakeHeldDump.decisions == ["commit"]
+    assert wait(lambda: original.poll() is not None)
+    assert _record_on_disk(m) == "done" and not m.snapshot.exists()
+
+
+def test_a_target_that_refuses_first_touches_nothing(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+    target = FakeTarget(tmp_path, problems=("target has 0.01 GiB of memory free",))
+    m, states = _run(tmp_path, target, original.pid)
+    assert m.result is not None and m.result.outcome is Outcome.FAILED
+    assert "0.01 GiB of memory free" in m.result.message
+    assert states == ["checking", "failed"] and FakeHeldDump.decisions == []
+    assert _status(original) != psutil.STATUS_STOPPED  # never frozen
+
+
+def test_a_failed_restore_resumes_the_original_after_the_copy_is_gone(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+    target = FakeTarget(tmp_path, restore_does="refuse")
+    m, states = _run(tmp_path, target, original.pid)
+    assert m.result is not None and m.result.outcome is Outcome.ROLLED_BACK
+    assert states[-2:] == ["rolling_back", "rolled_back"] and "the target could not restore" in m.result.message
+    assert target.states[m.migration_id] is TargetState.DISCARDED and FakeHeldDump.decisions == ["abort"]
+    assert wait(lambda: _status(original) != psutil.STATUS_STOPPED)  # runs on where it stood
+    assert not m.snapshot.exists()
+
+
+def test_a_broken_restore_call_asks_the_target_and_commits_a_ready_copy(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+    target = FakeTarget(tmp_path, restore_does="vanish")
+    m, _ = _run(tmp_path, target, original.pid)
+    assert m.result is not None and m.result.outcome is Outcome.DONE
+    assert "status" in target.calls and target.states[m.migration_id] is TargetState.DONE
+    assert wait(lambda: original.poll() is not None)
+
+
+def test_a_silent_target_keeps_the_original_frozen_until_it_answers(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+    """The target goes quiet after holding a copy: nothing is resumed on a guess.  Once it
+    answers that it dropped the copy, the source rolls back and the original runs again."""
+    target = FakeTarget(tmp_path, restore_does="silent")
+    m, _ = _run(tmp_path, target, original.pid, restore_timeout=2.0)
+    assert m.result is not None and m.result.outcome is Outcome.UNRESOLVED
+    assert _status(original) == psutil.STATUS_STOPPED and FakeHeldDump.decisions == []
+    assert _record_on_disk(m) == "restoring" and m.snapshot.exists()
+    assert m.ctx.threads.running("waiter")  # it keeps asking
+    target.states[m.migration_id] = TargetState.DISCARDED  # (its copy died meanwhile)
+    target.reachable.set()
+    assert wait(lambda: _record_on_disk(m) == "rolled_back", 30)
+    assert wait(lambda: _status(original) != psutil.STATUS_STOPPED)
+    assert not m.ctx.threads.running()
+
+
+def test_a_copy_dropped_at_the_commit_rolls_back(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+    target = FakeTarget(tmp_path)
+    target.finish_answer = TargetState.DISCARDED
+    m, states = _run(tmp_path, target, original.pid)
+    assert m.result is not None and m.result.outcome is Outcome.ROLLED_BACK
+    assert states[-1] == "rolled_back" and FakeHeldDump.decisions == ["abort"]
+    assert wait(lambda: _status(original) != psutil.STATUS_STOPPED)
+
+
+def test_a_cancel_before_the_pin_rolls_back_and_one_after_is_refused(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+    target = FakeTarget(tmp_path)
+    ctx = unit_context(tmp_path, target)
+    m = SourceMigration(ctx, original.pid, target.address, dry_run=False)
+    assert m.cancel("cancelled by the operator")
+    m.run()
+    assert m.result is not None and m.result.outcome is Outcome.FAILED and "cancelled by the operator" in m.result.message
+    done = SourceMigration(ctx, original.pid, target.address, dry_run=False)
+    done.run()
+    assert done.result is not None and done.result.outcome is Outcome.DONE
+    assert not done.cancel("too late")  # past the pin: the copy may be running
+
+
+def test_a_restarted_source_finishes_a_commit_from_its_journal(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+    """The journal says COMMITTING and the target holds the copy READY: resolving makes the
+    copy final, then ends the original; nothing is asked twice of a final target."""
+    target = FakeTarget(tmp_path)
+    ctx = unit_context(tmp_path, target)
+    mid = "a" * 32
+    target.states[mid] = TargetState.READY
+    from tpagent.journal import Record
+    from tpagent.api import Role
+
+    r = Record(mid, Role.SOURCE, SourceState.COMMITTING, pid=original.pid, peer=target.address, restore_sent=True,
+               snapshot=str(ctx.cfg.work_dir / "outgoing" / mid), create_time=psutil.Process(original.pid).create_time())  # fmt: skip
+    ctx.journal.write(r)
+    released: list[bool] = []
+    resolve_source(ctx, r, lambda: released.append(True))
+    assert Journal(ctx.cfg.work_dir / "migrations").read(mid).state is SourceState.DONE  # type: ignore[union-attr]
+    assert target.states[mid] is TargetState.DONE and released == [True]
+    assert wait(lambda: original.poll() is not None)  # ended here (CRIU was gone: the agent did it)

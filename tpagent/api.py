@@ -1,0 +1,347 @@
+"""The agent layer's contract: what a migration is, how it ends, how it fails, how long it
+may wait, and what one agent needs from the other.
+
+Everything else in the layer is written against this module: the protocol
+(:mod:`tpagent.source`, :mod:`tpagent.target`, :mod:`tpagent.journal`) never sees gRPC, and
+the gRPC side (:mod:`tpagent.service`, :mod:`tpagent.client`) only translates.
+
+Source (the node the process leaves)::
+
+    CHECKING ──> FREEZING ──> HELD ──> RESTORING ──> COMMITTING ──> DONE
+       │            │           │          │
+       └> FAILED    └───────────┴──────────┴──> ROLLING_BACK ──> ROLLED_BACK
+
+  CHECKING     both agents check versions, memory, CRIU, shared files; nothing is touched
+               (a dry run ends here: DONE or FAILED, with what would fail).
+  FREEZING     CUDA lock + checkpoint, CRIU dump; the images stream to the target as CRIU
+               writes them.  CRIU's post-dump hook then *holds* the sealed, frozen tree.
+  HELD         the target has the snapshot, verified; the original is frozen, resumable.
+  RESTORING    the target restores its copy, held (READY), and says so.
+  COMMITTING   decided (journaled first): the target makes its copy final and lets it run
+               (``finish`` answers ``done``; an abort can no longer touch it), then the hook
+               lets CRIU end the original (frozen all along: never two running).
+  ROLLING_BACK any failure before COMMITTING: the target drops its copy (kills it if it
+               had started), then the hook makes CRIU roll back: the original runs on where
+               it stood.  The original runs again only after the target said its copy is
+               gone, and the copy runs only while the original is frozen and is ended before
+               the original is let go.  If the target made its copy final meanwhile (a
+               takeover, below), ROLLING_BACK turns into COMMITTING: the original is ended.
+
+Target::
+
+    RECEIVING ──> RECEIVED ──> RESTORING ──> READY ──> DONE
+        └────────────┴─────────────┴───────────┴────> DISCARDED
+
+  READY: the copy is restored but held (stopped; a CUDA process: its GPU still locked); it
+  starts only at DONE, when the source commits, so a copy that is then dropped never ran.  A
+  READY copy whose source agent cannot be reached for ``takeover_after`` seconds goes to
+  DONE on its own (its node is presumed lost with the frozen original): a source that asked
+  for the restore never resumes its original unless the target says the copy is gone, so it
+  can only commit.
+
+Each transition is journaled (:mod:`tpagent.journal`) before it takes effect, so an agent
+that restarts finishes or rolls back each migration it finds there.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+
+
+class Role(str, enum.Enum):
+    SOURCE = "source"
+    TARGET = "target"
+
+
+class SourceState(str, enum.Enum):
+    CHECKING = "checking"
+    FREEZING = "freezing"
+    HELD = "held"
+    RESTORING = "restoring"
+    COMMITTING = "committing"
+    DONE = "done"
+    ROLLING_BACK = "rolling_back"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+
+
+class TargetState(str, enum.Enum):
+    RECEIVING = "receiving"
+    RECEIVED = "received"
+    RESTORING = "restoring"
+    READY = "ready"
+    DONE = "done"
+    DISCARDED = "discarded"
+
+
+State = SourceState | TargetState
+
+_S, _T = SourceState, TargetState
+SOURCE_TRANSITIONS: Mapping[SourceState, frozenset[SourceState]] = MappingProxyType({
+    _S.CHECKING: frozenset({_S.FREEZING, _S.DONE, _S.FAILED}),
+    _S.FREEZING: frozenset({_S.HELD, _S.ROLLING_BACK}),
+    _S.HELD: frozenset({_S.RESTORING, _S.ROLLING_BACK}),
+    _S.RESTORING: frozenset({_S.COMMITTING, _S.ROLLING_BACK}),
+    _S.COMMITTING: frozenset({_S.DONE, _S.ROLLING_BACK}),  # back only if the target says its copy is gone
+    _S.ROLLING_BACK: frozenset({_S.ROLLED_BACK, _S.COMMITTING}),  # forward only if the target's copy is final
+    _S.DONE: frozenset(),
+    _S.ROLLED_BACK: frozenset(),
+    _S.FAILED: frozenset(),
+})  # fmt: skip
+TARGET_TRANSITIONS: Mapping[TargetState, frozenset[TargetState]] = MappingProxyType({
+    _T.RECEIVING: frozenset({_T.RECEIVED, _T.DISCARDED}),
+    _T.RECEIVED: frozenset({_T.RESTORING, _T.DISCARDED}),
+    _T.RESTORING: frozenset({_T.READY, _T.DISCARDED}),
+    _T.READY: frozenset({_T.DONE, _T.DISCARDED}),
+    _T.DONE: frozenset(),
+    _T.DISCARDED: frozenset(),
+})  # fmt: skip
+SOURCE_FINAL = frozenset(s for s, nxt in SOURCE_TRANSITIONS.items() if not nxt)
+TARGET_FINAL = frozenset(s for s, nxt in TARGET_TRANSITIONS.items() if not nxt)
+
+
+def allowed(state: State, to: State) -> bool:
+    """Whether the protocol allows ``state -> to`` (both of one role)."""
+    if isinstance(state, SourceState):
+        return isinstance(to, SourceState) and to in SOURCE_TRANSITIONS[state]
+    return isinstance(to, TargetState) and to in TARGET_TRANSITIONS[state]
+
+
+def is_final(state: State) -> bool:
+    return state in SOURCE_FINAL or state in TARGET_FINAL
+
+
+class Outcome(str, enum.Enum):
+    """How a migration run ended, as the source saw it (also the metrics label)."""
+
+    DONE = "done"  # the copy runs on the target; the original is ended
+    DRY_RUN = "dry_run"  # checked only
+    FAILED = "failed"  # refused before anything was frozen
+    ROLLED_BACK = "rolled_back"  # the original runs on where it stood
+    UNRESOLVED = "unresolved"  # the original stays frozen until the target answers (the agent keeps asking)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One step of a migration, as the source reports it to whoever asked for it."""
+
+    migration_id: str
+    state: str  # a SourceState value
+    message: str = ""
+    seconds: float = 0.0  # since the migration started
+    timings: Mapping[str, float] = field(default_factory=dict)
+    problems: tuple[str, ...] = ()  # a dry run: what would fail
+    bytes_done: int = 0
+    bytes_total: int = 0
+    new_pid: int = 0
+
+
+@dataclass(frozen=True)
+class MigrationResult:
+    migration_id: str
+    outcome: Outcome
+    message: str
+    new_pid: int = 0
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+
+# ---- the node ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    uuid: str
+    name: str
+    memory_total: int
+    memory_used: int
+    temperature_c: int
+    ecc_uncorrected: int
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node: str
+    hostname: str
+    gpus: tuple[GpuInfo, ...]
+    memory_available: int
+    agent_version: str
+    criu_version: str
+    driver_version: str
+    problems: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """A process this agent would migrate, and why (what a user cannot forge)."""
+
+    pid: int
+    cmdline: tuple[str, ...]
+    rss: int
+    uses_gpu: bool
+    why: str  # "gpu" (NVML sees it), "launched" (tpagent launch's record), "operator" (allow_executables)
+    uid: int
+    owner: int  # launched: the user who launched it; -1: unknown
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+class AgentError(Exception):
+    """Base of the agent layer's errors; the message is one sentence for the user."""
+
+
+class Why(str, enum.Enum):
+    """Why an agent refused (the gRPC side maps each onto a status code and back)."""
+
+    INVALID = "invalid"  # the request is malformed
+    NOT_FOUND = "not_found"  # no such process or migration here
+    DENIED = "denied"  # not allowed (not a migratable process)
+    CONFLICT = "conflict"  # already being done
+    PRECONDITION = "precondition"  # cannot be done in this state
+    UNAUTHENTICATED = "unauthenticated"  # the call was not accepted as ours
+    INTERNAL = "internal"  # the agent failed (an unreadable journal): never a "no"
+
+
+class Refused(AgentError):
+    """An agent (this one, or the peer) answered: it will not do this."""
+
+    def __init__(self, message: str, why: Why = Why.PRECONDITION) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+class PeerUnreachable(AgentError):
+    """The peer gave no answer (no connection, or none in time): it may or may not have acted."""
+
+
+class JournalError(AgentError):
+    """A journal record exists but cannot be read or written."""
+
+
+class BadTransition(AgentError):
+    """A move the protocol does not allow (a bug, never a user's doing)."""
+
+
+# ---- timeouts ----------------------------------------------------------------------------
+
+#: The configuration key of each timeout (tpagent/config.py), for messages.
+TIMEOUT_KEYS = {
+    "rpc": "rpc_timeout",
+    "restore": "restore_timeout",
+    "hold": "hold_timeout",
+    "takeover_after": "takeover_after",
+    "io": "io_timeout",
+    "abort_confirm": "abort_confirm_timeout",
+    "shutdown_grace": "shutdown_grace",
+}
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait of the agent layer, in seconds, checked against each other at load."""
+
+    rpc: float = 30.0  # one ordinary call to another agent
+    restore: float = 3600.0  # the target restores a copy (waiting for its snapshot included)
+    hold: float = 3600.0  # longest a frozen original waits for its copy to be pinned
+    takeover_after: float = 300.0  # a held copy whose source is unreachable this long starts (0: never)
+    io: float = 30.0  # a transfer stream silent this long is broken (and retried)
+    abort_confirm: float = 60.0  # a rollback asks the target this long to say its copy is gone
+    shutdown_grace: float = 30.0  # `serve` waits this long for running migrations on SIGTERM
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int | float) or not math.isfinite(v) or v < 0 or (v == 0 and f.name != "takeover_after"):
+                raise ValueError(f"{TIMEOUT_KEYS[f.name]} = {v!r} must be a positive number of seconds.")
+        k = TIMEOUT_KEYS
+        rules = [
+            # A restore is an ordinary call that may last: shorter would cut restores off.
+            (self.rpc < self.restore, f"{k['rpc']} ({self.rpc:g} s) must be shorter than {k['restore']} ({self.restore:g} s)"),
+            # A stalled stream must be noticed (and retried) well inside the hold.
+            (self.io < self.hold, f"{k['io']} ({self.io:g} s) must be shorter than {k['hold']} ({self.hold:g} s)"),
+            # A source is presumed lost only after more than one whole call went unanswered.
+            (self.takeover_after == 0 or self.takeover_after > self.rpc,
+             f"{k['takeover_after']} ({self.takeover_after:g} s) must be 0 or longer than {k['rpc']} ({self.rpc:g} s)"),
+            # A rollback's question must fit at least one whole answer.
+            (self.abort_confirm >= self.rpc,
+             f"{k['abort_confirm']} ({self.abort_confirm:g} s) must be at least {k['rpc']} ({self.rpc:g} s)"),
+        ]  # fmt: skip
+        broken = [why for ok, why in rules if not ok]
+        if broken:
+            raise ValueError("; ".join(broken) + ".")
+
+
+# ---- what one agent needs from the other ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Offer:
+    """The source asks the target to take a migration (or, ``dry_run``, only to check it)."""
+
+    migration_id: str
+    source_node: str
+    source_agent: str  # where the target reaches the source's agent (HOST:PORT)
+    bytes_estimate: int
+    gpu_uuids: tuple[str, ...] = ()
+    shared_files: tuple[str, ...] = ()  # "PATH:SIZE" of files expected on shared paths
+    dry_run: bool = False
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """The target's answer: where to stream the snapshot, and what would not work there."""
+
+    transfer_address: str = ""
+    gpu_map: Mapping[str, str] = field(default_factory=dict)
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    """Where a migration stands on one agent (``state`` is that agent's role's state value)."""
+
+    migration_id: str
+    state: str
+    message: str = ""
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Restored:
+    pid: int
+    timings: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Versions:
+    agent: str
+    criu: str
+
+
+class Peer(ABC):
+    """The other agent of a migration: what a source needs from its target, and what a target
+    asks of its source (``status``).  Each call raises :class:`Refused` when the peer answered
+    no, and :class:`PeerUnreachable` when it gave no answer (it may or may not have acted).
+    Implemented over gRPC (:class:`tpagent.client.GrpcPeer`) and in memory for tests."""
+
+    address: str
+
+    @abstractmethod
+    def receive(self, offer: Offer, timeout: float) -> Acceptance: ...
+
+    @abstractmethod
+    def restore(self, migration_id: str, timeout: float) -> Restored: ...
+
+    @abstractmethod
+    def finish(self, migration_id: str, commit: bool, timeout: float) -> PeerStatus: ...
+
+    @abstractmethod
+    def status(self, migration_id: str, timeout: float) -> PeerStatus: ...
+
+    @abstractmethod
+    def versions(self, timeout: float) -> Versions: ...

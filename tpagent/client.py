@@ -1,0 +1,66 @@
+"""The :class:`tpagent.api.Peer` of another agent, over its gRPC API (mutual TLS, every
+call signed: :mod:`tpagent.rpc`).  A status code becomes :class:`~tpagent.api.Refused`
+(the peer answered no) or :class:`~tpagent.api.PeerUnreachable` (no answer)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from tpagent.api import Acceptance, Offer, Peer, PeerStatus, PeerUnreachable, Refused, Restored, Versions, Why
+from tpagent.credentials import Credentials
+from tpagent.rpc import CODES, pb, stub
+
+R = TypeVar("R")
+_WHY = {code: why for why, code in CODES.items()}
+#: What a peer that cannot be reached at all looks like.
+UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def rpc_text(e: grpc.RpcError) -> str:
+    details = e.details() if hasattr(e, "details") else ""
+    return str(details or e.code().name.lower())
+
+
+class GrpcPeer(Peer):
+    def __init__(self, address: str, creds: Credentials) -> None:
+        self.address = address
+        self._stub = stub(address, creds)
+
+    @staticmethod
+    def _call(call: Callable[[], R]) -> R:
+        try:
+            return call()
+        except grpc.RpcError as e:
+            if e.code() in UNREACHABLE:
+                raise PeerUnreachable(rpc_text(e)) from e
+            raise Refused(rpc_text(e), _WHY.get(e.code(), Why.INTERNAL)) from e
+
+    def receive(self, offer: Offer, timeout: float) -> Acceptance:
+        request = pb.ReceiveRequest(migration_id=offer.migration_id, source_node=offer.source_node,
+                                    source_agent=offer.source_agent, bytes_estimate=offer.bytes_estimate,
+                                    gpu_uuids=list(offer.gpu_uuids), shared_files=list(offer.shared_files),
+                                    dry_run=offer.dry_run)  # fmt: skip
+        r = self._call(lambda: self._stub.Receive(request, timeout=timeout))
+        return Acceptance(r.transfer_address, dict(r.gpu_map), tuple(r.problems))
+
+    def restore(self, migration_id: str, timeout: float) -> Restored:
+        r = self._call(lambda: self._stub.Restore(pb.RestoreRequest(migration_id=migration_id), timeout=timeout))
+        return Restored(int(r.pid), dict(r.timings))
+
+    def finish(self, migration_id: str, commit: bool, timeout: float) -> PeerStatus:
+        request = pb.FinishRequest(migration_id=migration_id, commit=commit)
+        return _status(self._call(lambda: self._stub.Finish(request, timeout=timeout)))
+
+    def status(self, migration_id: str, timeout: float) -> PeerStatus:
+        return _status(self._call(lambda: self._stub.Status(pb.MigrationRef(migration_id=migration_id), timeout=timeout)))
+
+    def versions(self, timeout: float) -> Versions:
+        info = self._call(lambda: self._stub.Info(pb.Empty(), timeout=timeout))
+        return Versions(info.agent_version, info.criu_version)
+
+
+def _status(s: pb.MigrationStatus) -> PeerStatus:
+    return PeerStatus(s.migration_id, s.state, s.message, int(s.pid))

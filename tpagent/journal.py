@@ -1,0 +1,159 @@
+"""The journal: one record per migration, written before each transition takes effect.
+
+::
+
+    JOURNAL ::= WORK_DIR "/migrations/" { ID ".json" }      one file per migration
+    ID      ::= 32 * HEX                                      (lower case)
+    RECORD  ::= JSON object {
+                  "format": 1,                                absent: format 0 (tpagent 0.1), same fields
+                  "migration_id": ID,
+                  "role": "source" | "target",
+                  "state": STATE,                             of the role (tpagent/api.py)
+                  "pid": INT, "create_time": FLOAT,           source: the original's root; target: the copy's;
+                                                              a record without create_time names no process
+                  "peer": HOST ":" PORT,                      source: the target agent; target: the source node
+                  "peer_agent": HOST ":" PORT | "",           target: the source's agent, asked while it holds
+                  "snapshot": PATH,                           inside WORK_DIR (anything else is left alone)
+                  "message": STR,
+                  "cuda_pids": [INT, ...],                    source: to give the GPU back after a restart
+                  "restore_sent": BOOL }                      source: a copy may exist on the target
+
+A record is written to ``ID.PID.TID.tmp`` (0600), fsynced, renamed over ``ID.json``, and the
+directory fsynced: after a crash or power loss either the old or the new record is there,
+whole.  The directory is root's, 0700: a record is trusted to name processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from snapshot.safefs import private_dir, private_opener
+from tpagent.api import BadTransition, JournalError, Role, SourceState, State, TargetState, allowed, is_final
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def valid_id(text: str) -> bool:
+    return bool(_ID.fullmatch(text))
+
+
+@dataclass
+class Record:
+    """What the journal keeps of one migration (see the grammar above)."""
+
+    migration_id: str
+    role: Role
+    state: State
+    pid: int = 0
+    peer: str = ""
+    snapshot: str = ""
+    message: str = ""
+    cuda_pids: list[int] = field(default_factory=list)
+    restore_sent: bool = False
+    create_time: float = 0.0
+    peer_agent: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, **asdict(self), "role": self.role.value, "state": self.state.value}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Record:
+        data = dict(data)
+        version = data.pop("format", 0)
+        if version not in (0, FORMAT):
+            raise ValueError(f"format {version!r} is not one this tpagent reads (it reads 0 and {FORMAT})")
+        role = Role(data.pop("role"))
+        state: State = (SourceState if role is Role.SOURCE else TargetState)(data.pop("state"))
+        return cls(role=role, state=state, **data)
+
+
+def same_process_alive(r: Record) -> bool:
+    """Whether the record's process (source: the original; target: the copy) still exists,
+    and is the same one, not a process that reused its PID.  A record without a start time
+    names no process: it is never trusted to (the agent signals what this says is there)."""
+    try:
+        return bool(r.pid and r.create_time) and psutil.Process(r.pid).create_time() == r.create_time
+    except psutil.NoSuchProcess:
+        return False
+
+
+def source_record(migration_id: str, **kw: Any) -> Record:
+    return Record(migration_id, Role.SOURCE, SourceState.CHECKING, **kw)
+
+
+def target_record(migration_id: str, **kw: Any) -> Record:
+    return Record(migration_id, Role.TARGET, TargetState.RECEIVING, **kw)
+
+
+class Journal:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        private_dir(directory)  # root's alone: a record is trusted to name processes
+
+    def path(self, migration_id: str) -> Path:
+        if not valid_id(migration_id):
+            raise ValueError(f"{migration_id!r} is not a migration id")
+        return self.directory / f"{migration_id}.json"
+
+    def write(self, record: Record) -> None:
+        tmp = self.path(record.migration_id).with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            with open(tmp, "w", opener=private_opener) as f:
+                json.dump(record.to_json(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.rename(self.path(record.migration_id))
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)  # the rename itself survives a power loss too
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise JournalError(f"the journal of migration {record.migration_id} cannot be written: {e.strerror}") from e
+
+    def move(self, record: Record, to: State, message: str = "") -> None:
+        """Journal ``to`` (if the protocol allows it from where ``record`` stands), then apply it."""
+        if not allowed(record.state, to):
+            raise BadTransition(f"migration {record.migration_id}: {record.state.value} -> {to.value} is not allowed")
+        record.state = to
+        record.message = message or record.message
+        self.write(record)
+
+    def read(self, migration_id: str) -> Record | None:
+        """The record, or None if there is none.  A record that exists but cannot be read raises
+        JournalError: "unknown here" must never be said of a migration that may hold a copy."""
+        try:
+            text = self.path(migration_id).read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise JournalError(f"the journal of migration {migration_id} cannot be read: {e.strerror}") from e
+        try:
+            return Record.from_json(json.loads(text))
+        except (ValueError, KeyError, TypeError) as e:
+            raise JournalError(f"the journal of migration {migration_id} is damaged: {e}") from e
+
+    def unfinished(self) -> list[Record]:
+        """Every record not yet final; unreadable ones are logged and left for an operator."""
+        out = []
+        for p in sorted(self.directory.glob("*.json")):
+            try:
+                r = self.read(p.stem)
+            except (JournalError, ValueError) as e:
+                log.error("%s", e)
+                continue
+            if r is not None and not is_final(r.state):
+                out.append(r)
+        return out

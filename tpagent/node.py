@@ -1,0 +1,274 @@
+"""One node's agent, without its transport: what runs here (the registry of migrations, as
+source and as target), what this node admits, and what it recovers after a restart.
+
+The gRPC service (:mod:`tpagent.service`) is a thin adapter over :class:`Node`; the
+protocol itself is in :mod:`tpagent.source` and :mod:`tpagent.target`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+
+import psutil
+
+from snapshot import gpus, proc
+from snapshot.api import SnapshotError
+from snapshot.criu import Criu
+from tpagent import __version__, launch
+from tpagent.api import (
+    Acceptance,
+    GpuInfo,
+    JournalError,
+    NodeInfo,
+    Offer,
+    PeerStatus,
+    ProcessInfo,
+    Refused,
+    Restored,
+    Role,
+    Why,
+)
+from tpagent.context import Context
+from tpagent.journal import Record, valid_id
+from tpagent.source import SourceMigration, resolve_source
+from tpagent.target import Incoming, finish_held, recover_target
+from transfer.api import TransferError
+
+log = logging.getLogger(__name__)
+
+
+def status_of(r: Record) -> PeerStatus:
+    return PeerStatus(r.migration_id, r.state.value, r.message, r.pid)
+
+
+def _address(text: str) -> bool:
+    return 0 < len(text) <= 300 and ":" in text
+
+
+class Node:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.journal = ctx.journal
+        self.lock = threading.Lock()
+        self.active: dict[int, str] = {}  # source: PID -> migration in progress
+        self.sources: dict[str, SourceMigration] = {}
+        self.receivers: dict[str, Incoming] = {}
+        #: Set at shutdown: no new migration starts, as source or target.
+        self.closed = False
+
+    # ---- the node ------------------------------------------------------------------------
+
+    def info(self) -> NodeInfo:
+        problems = []
+        criu_version = ""
+        try:
+            criu_version = Criu(self.ctx.snapshot_config.criu).version_str
+        except SnapshotError as e:
+            problems.append(str(e))
+        gpu_list = tuple(
+            GpuInfo(g.uuid, g.name, g.memory_total, g.memory_used, g.temperature_c or 0, g.ecc_uncorrected or 0)
+            for g in gpus.inventory()
+        )
+        return NodeInfo(self.cfg.node, socket.gethostname(), gpu_list, psutil.virtual_memory().available,
+                        __version__, criu_version, gpus.driver_version() or "", tuple(problems))  # fmt: skip
+
+    def migratable(self) -> list[ProcessInfo]:
+        out = []
+        gpu_pids = {pid for g in gpus.inventory() for pid in g.pids}
+        allowed = {os.path.realpath(a) for a in self.cfg.allow_executables}
+        for p in psutil.process_iter(["pid", "cmdline", "memory_info", "exe", "uids"]):
+            # Only what a user cannot forge: NVML's GPU users, tpagent launch's records, the
+            # program the kernel runs (/proc/PID/exe); never the command line (exec -a).
+            exe = p.info["exe"] or ""
+            record = launch.launched(p.pid)
+            why = ""
+            if p.pid in gpu_pids:
+                why = "gpu"
+            elif record is not None:
+                why = "launched"
+            elif exe in allowed:  # (a full path: a user's own copy named python3 is not it)
+                why = "operator"
+            if why and p.pid != 1:
+                rss = p.info["memory_info"].rss if p.info["memory_info"] else 0
+                uid = p.info["uids"].real if p.info["uids"] else 0
+                out.append(ProcessInfo(p.pid, tuple(p.info["cmdline"] or ()), rss, p.pid in gpu_pids, why, uid,
+                                       record.owner if record else -1))  # fmt: skip
+        return out
+
+    # ---- source --------------------------------------------------------------------------
+
+    def start_migration(self, pid: int, target: str, dry_run: bool) -> SourceMigration:
+        """Admit a migration of ``pid`` to the agent at ``target`` (run it with :meth:`run`)."""
+        node = self.cfg.node
+        if self.closed:
+            raise Refused(f"the agent on {node} is shutting down; try again once it is back", Why.PRECONDITION)
+        if pid <= 1:
+            raise Refused(f"PID {pid} cannot be migrated.", Why.INVALID)
+        if not _address(target):
+            raise Refused(f"{target!r} is not an agent address (HOST:PORT).", Why.INVALID)
+        if not psutil.pid_exists(pid):
+            raise Refused(f"there is no process with PID {pid} on {node}.", Why.NOT_FOUND)
+        if pid not in {p.pid for p in self.migratable()}:
+            raise Refused(
+                f"PID {pid} is not a migratable process on {node}: it does not use a GPU, was not started with "
+                "`tpagent launch`, and runs no program named in allow_executables.",
+                Why.DENIED,
+            )
+        tree = set(proc.tree_pids(pid))
+        with self.lock:
+            held = next((r for r in self.journal.unfinished() if r.role is Role.TARGET and r.pid in tree), None)
+            if held is not None:  # moving it on now could leave it running twice
+                raise Refused(
+                    f"PID {pid} is the copy that migration {held.migration_id} restored here, held until its source "
+                    f"({held.peer}) commits; migrate it once it runs (`tpagent status {held.migration_id}`).",
+                    Why.PRECONDITION,
+                )
+            busy = sorted(tree & set(self.active))
+            if busy:  # the whole tree: a parent and its GPU child are one migration
+                raise Refused(f"PID {pid} is already being migrated (migration {self.active[busy[0]]}).", Why.CONFLICT)
+            m = SourceMigration(self.ctx, pid, target, dry_run)
+            m.release = functools.partial(self._release, m.migration_id)
+            m.tree_pids = sorted(tree)
+            for p in tree:
+                self.active[p] = m.migration_id
+            self.sources[m.migration_id] = m
+        return m
+
+    def run(self, m: SourceMigration) -> None:
+        self.ctx.threads.spawn("migration", f"migrate-{m.pid}", m.run)
+
+    def _release(self, mid: str) -> None:
+        with self.lock:
+            for pid, active in list(self.active.items()):
+                if active == mid:
+                    self.active.pop(pid, None)
+
+    def status(self, migration_id: str) -> PeerStatus:
+        return status_of(self._record(migration_id))
+
+    def cancel(self, migration_id: str) -> PeerStatus:
+        r = self._record(migration_id)
+        m = self.sources.get(r.migration_id)
+        if m is not None:
+            m.cancel("cancelled by the operator")
+        return self.status(migration_id)
+
+    def _record(self, migration_id: str) -> Record:
+        try:
+            r = self.journal.read(migration_id) if valid_id(migration_id) else None
+        except JournalError as e:  # never "not found": the source would take its copy for gone
+            log.error("%s", e)
+            raise Refused(str(e), Why.INTERNAL) from e
+        if r is None:
+            raise Refused(f"no migration {migration_id!r} on {self.cfg.node}", Why.NOT_FOUND)
+        return r
+
+    # ---- target --------------------------------------------------------------------------
+
+    def receive(self, offer: Offer) -> Acceptance:
+        mid, node = offer.migration_id, self.cfg.node
+        if not valid_id(mid):
+            raise Refused("bad migration id", Why.INVALID)
+        if offer.source_node == node or mid in self.sources:
+            raise Refused(f"{node} is the source of this migration; give another node as the target", Why.INVALID)
+        problems = self.problems(offer)
+        if problems or offer.dry_run:
+            return Acceptance(problems=tuple(problems))
+        if self.closed:
+            raise Refused(f"the agent on {node} is shutting down", Why.PRECONDITION)
+        with self.lock:
+            if mid in self.receivers or self.journal.read(mid) is not None:
+                raise Refused(f"migration {mid} is already known here", Why.CONFLICT)
+            if offer.source_agent and not _address(offer.source_agent):
+                raise Refused("source_agent is not an agent address (HOST:PORT)", Why.INVALID)
+            try:
+                inc = Incoming(self.ctx, mid, offer.source_node, offer.source_agent)
+            except TransferError as e:
+                raise Refused(f"{node} cannot receive: {e}", Why.PRECONDITION) from e
+            inc.gpu_map = self.gpu_map(list(offer.gpu_uuids))
+            self.receivers[mid] = inc
+        return Acceptance(inc.address, dict(inc.gpu_map))
+
+    def problems(self, offer: Offer) -> list[str]:
+        """What would keep this node from taking the migration (empty: nothing)."""
+        node, problems = self.cfg.node, []
+        need = offer.bytes_estimate
+        if self.cfg.memory_limit and need > self.cfg.memory_limit:
+            problems.append(f"{node} accepts at most {self.cfg.memory_limit / 2**30:.2f} GiB per migration (memory_limit); "
+                            f"this one needs {need / 2**30:.2f} GiB")  # fmt: skip
+        available = psutil.virtual_memory().available
+        if need * 1.1 > available:
+            problems.append(f"{node} has {available / 2**30:.2f} GiB of memory free; "
+                            f"this process needs about {need * 1.1 / 2**30:.2f} GiB")  # fmt: skip
+        try:
+            Criu(self.ctx.snapshot_config.criu).check()
+        except SnapshotError as e:
+            problems.append(f"{node}: {e}")
+        ours = len(gpus.inventory())
+        if len(offer.gpu_uuids) > ours:
+            problems.append(f"{node} has {ours} GPU(s); the process uses {len(offer.gpu_uuids)}")
+        for entry in list(offer.shared_files)[:10_000]:
+            path, _, size = entry.rpartition(":")
+            try:
+                have = Path(path).stat().st_size
+            except (OSError, ValueError):
+                problems.append(f"{path} (on a shared path) is missing on {node}")
+                continue
+            if str(have) != size:
+                problems.append(f"{path} is {have} bytes on {node} but {size} on the source")
+        return problems
+
+    def gpu_map(self, uuids: list[str]) -> dict[str, str]:
+        """Each source GPU onto one of ours, the emptiest first."""
+        ours = sorted(gpus.inventory(), key=lambda g: g.memory_used)
+        return {old: new.uuid for old, new in zip(uuids, ours, strict=False)}
+
+    def restore(self, migration_id: str) -> Restored:
+        inc = self.receivers.get(migration_id)
+        if inc is None:
+            raise Refused(f"no snapshot is being received for migration {migration_id!r}", Why.NOT_FOUND)
+        result = inc.restore(self.finish_target)
+        return Restored(result.pid, dict(result.timings))
+
+    def finish(self, migration_id: str, commit: bool) -> PeerStatus:
+        self._record(migration_id)  # (NOT_FOUND if unknown)
+        why = "running here" if commit else "decided by the source"
+        return status_of(self.finish_target(migration_id, commit, why))
+
+    def finish_target(self, mid: str, commit: bool, why: str) -> Record:
+        """Start (commit) or drop the copy a migration restored and holds here; nothing once decided."""
+        inc = self.receivers.get(mid)
+        if inc is not None:
+            inc.finish(commit, why)
+            return inc.record
+        with self.lock:  # this agent restarted since: only the journal knows the migration
+            r = self.journal.read(mid)
+            assert r is not None
+            finish_held(self.ctx, r, commit, why)
+            return r
+
+    # ---- restart -------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Finish or roll back what a previous run of this agent left half-way."""
+        for r in self.journal.unfinished():
+            if not self.ctx.inside_work_dir(r.snapshot):  # (a damaged or foreign record)
+                log.error("migration %s: its record names the snapshot %r, outside %s; left for an operator",
+                          r.migration_id, r.snapshot, self.cfg.work_dir)  # fmt: skip
+                continue
+            try:
+                if r.role is Role.SOURCE:
+                    with self.lock:
+                        self.active[r.pid] = r.migration_id  # frozen, not to be migrated again meanwhile
+                    release = functools.partial(self._release, r.migration_id)
+                    self.ctx.threads.spawn("waiter", f"resolve-{r.migration_id[:8]}", resolve_source, self.ctx, r, release)
+                else:
+                    recover_target(self.ctx, r, self.finish_target)
+            except Exception as e:  # one bad record must not stop the agent
+                log.error("could not recover migration %s: %s", r.migration_id, e)
