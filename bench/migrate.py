@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import common  # noqa: E402
+
 from helpers import kill_and_wait, wait_until  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
 
@@ -35,7 +36,9 @@ PORTS = (7591, 7592)
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600)
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600
+    )
 
 
 def launch(kind: str, size: int, work: Path) -> tuple[int, Path]:
@@ -56,7 +59,9 @@ def credentials(work: Path) -> dict[str, str]:
     secret = work / "secret"
     secret.write_text(os.urandom(24).hex())
     secret.chmod(0o600)
-    subprocess.run(["bash", str(ROOT / "scripts" / "make-certs.sh"), str(work / "ca"), str(work / "tls"), "bench"], check=True)
+    subprocess.run(
+        ["bash", str(ROOT / "scripts" / "make-certs.sh"), str(work / "ca"), str(work / "tls"), "bench"], check=True
+    )
     return {"TPAGENT_SECRET_FILE": str(secret), "TPAGENT_TLS_DIR": str(work / "tls")}
 
 
@@ -84,7 +89,9 @@ def warm(mib: int) -> None:
 def tpagent_round(kind: str, size: int, work: Path, creds: dict[str, str]) -> dict[str, float]:
     pid, _ = launch(kind, size, work)
     env = {**os.environ, **creds}
-    out = cli("migrate", str(pid), "--from", f"127.0.0.1:{PORTS[0]}", "--to", f"127.0.0.1:{PORTS[1]}", "--json", env=env)
+    out = cli(
+        "migrate", str(pid), "--from", f"127.0.0.1:{PORTS[0]}", "--to", f"127.0.0.1:{PORTS[1]}", "--json", env=env
+    )
     assert out.returncode == 0, out.stderr + out.stdout
     doc = json.loads(out.stdout)
     kill_and_wait(doc["new_pid"])
@@ -133,10 +140,23 @@ def main() -> None:
             for p in procs:
                 p.terminate()
                 p.wait(60)
-    cols = ["tpagent_freeze", "tpagent_freeze_and_send", "tpagent_restore", "tpagent_downtime", "naive_dump", "naive_copy", "naive_restore", "naive_downtime"]
+    cols = [
+        "tpagent_freeze",
+        "tpagent_freeze_and_send",
+        "tpagent_restore",
+        "tpagent_downtime",
+        "naive_dump",
+        "naive_copy",
+        "naive_restore",
+        "naive_downtime",
+    ]
     print(f"{'size':>8} " + " ".join(f"{c:>24}" for c in cols) + f" {'x naive':>8}")
     for r in results:
-        print(f"{r['size_mib']:>6}Mi " + " ".join(f"{r.get(c, 0.0):>24.2f}" for c in cols) + f" {r['downtime_ratio_to_naive']:>8.2f}")
+        print(
+            f"{r['size_mib']:>6}Mi "
+            + " ".join(f"{r.get(c, 0.0):>24.2f}" for c in cols)
+            + f" {r['downtime_ratio_to_naive']:>8.2f}"
+        )
     doc = {"benchmark": "migrate", "dir": str(args.dir), "results": results}
     common.emit(args, doc)
 

@@ -39,6 +39,7 @@ def _bench(name: str):  # type: ignore[no-untyped-def]
 
 
 import common  # noqa: E402
+
 from snapshot import engine  # noqa: E402
 from snapshot.criu import Criu, DumpOptions  # noqa: E402
 from snapshot.manifest import load  # noqa: E402

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import common  # noqa: E402
+
 from helpers import kill_and_wait, wait_until  # noqa: E402
 from snapshot import engine  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
@@ -43,7 +44,9 @@ def start(kind: str, size_mib: int, log: Path) -> subprocess.Popen[bytes]:
     else:
         cmd = [sys.executable, str(ROOT / "tests/workloads/stateful.py"), str(log), str(size_mib)]
         ready = "tick "
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    p = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     wait_until(lambda: log.exists() and ready in log.read_text(), "the workload to start", 600)
     return p
 
@@ -136,7 +139,11 @@ def main() -> None:
                 rounds.append(r)
         med = {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in rounds[0]}
         gb = med["image_bytes"] / 1e9
-        rates = {f"{who}_{op}_gbps": round(gb / med[f"{who}_{op}_s"], 3) for who in ("tpagent", "naive") for op in ("dump", "restore")}
+        rates = {
+            f"{who}_{op}_gbps": round(gb / med[f"{who}_{op}_s"], 3)
+            for who in ("tpagent", "naive")
+            for op in ("dump", "restore")
+        }
         results.append({"kind": kind, "size_mib": size, "repeats": args.repeats, **med, **rates})
 
     cols = ["cuda_checkpoint_s", "criu_dump_s", "checksum_s", "tpagent_dump_s", "naive_dump_s", "floor_write_s",
@@ -144,7 +151,10 @@ def main() -> None:
     head = f"{'size':>8} {'image GiB':>9} " + " ".join(f"{c[:-2]:>17}" for c in cols)
     print(head)
     for r in results:
-        print(f"{r['size_mib']:>6}Mi {r['image_bytes'] / 2**30:>9.2f} " + " ".join(f"{r.get(c, 0.0):>17.2f}" for c in cols))
+        print(
+            f"{r['size_mib']:>6}Mi {r['image_bytes'] / 2**30:>9.2f} "
+            + " ".join(f"{r.get(c, 0.0):>17.2f}" for c in cols)
+        )
     print()
     for r in results:
         gb = r["image_bytes"] / 1e9

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import common  # noqa: E402
+
 from certs import node_certs  # noqa: E402
 from snapshot.manifest import Manifest, checksum_files  # noqa: E402
 from snapshot.proc import ProcInfo  # noqa: E402
@@ -56,11 +57,15 @@ def model_like(path: Path, nbytes: int) -> None:
     with open(path, "wb") as f:
         for off in range(0, nbytes, block):
             n = min(block, nbytes - off)
-            part = (off * 8 // nbytes)  # eighths of the file: weights, bf16, moments, zeros
+            part = off * 8 // nbytes  # eighths of the file: weights, bf16, moments, zeros
             if part < 2:
                 f.write((rng.standard_normal(n // 4) * 0.02).astype(np.float32).tobytes())
             elif part < 3:
-                f.write(((rng.standard_normal(n // 2) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes())
+                f.write(
+                    ((rng.standard_normal(n // 2) * 0.02).astype(np.float32).view(np.uint32) >> 16)
+                    .astype(np.uint16)
+                    .tobytes()
+                )
             elif part < 6:
                 f.write((np.abs(rng.standard_normal(n // 4)) * 1e-4).astype(np.float32).tobytes())
             else:
@@ -145,7 +150,9 @@ def floor(src: Path, dst: Path, streams: int) -> int:
     return total
 
 
-def tpagent(src: Path, dst: Path, streams: int, compress: Compress, transport: Callable[[], Transport] = TcpTransport) -> int:
+def tpagent(
+    src: Path, dst: Path, streams: int, compress: Compress, transport: Callable[[], Transport] = TcpTransport
+) -> int:
     cfg = TransferConfig(secret=SECRET, streams=streams, compress=compress)
     receiver = Receiver(transport(), cfg, "127.0.0.1:0")
     got: list[object] = []
@@ -165,7 +172,9 @@ def naive(src: Path, dst: Path) -> int:
 
     def recv() -> None:
         conn, _ = server.accept()
-        with subprocess.Popen("zstd -d -q | tar -x -C " + str(dst), shell=True, stdin=subprocess.PIPE) as p:  # bench only, fixed paths
+        with subprocess.Popen(
+            "zstd -d -q | tar -x -C " + str(dst), shell=True, stdin=subprocess.PIPE
+        ) as p:  # bench only, fixed paths
             assert p.stdin is not None
             while data := conn.recv(1 << 20):
                 counted[0] += len(data)
@@ -232,7 +241,9 @@ def main() -> None:
         shutil.rmtree(certs, ignore_errors=True)
     print(f"{'size':>7} {'route':<16} {'GB/s':>6} {'ratio':>6} {'CPU s/GB':>9} {'x floor':>8}")
     for r in results:
-        print(f"{r['size_mib']:>5}Mi {r['route']:<16} {r['gb_per_s']:>6.2f} {r['ratio']:>6.2f} {r['cpu_s_per_gb']:>9.2f} {r['of_floor']:>8.2f}")
+        print(
+            f"{r['size_mib']:>5}Mi {r['route']:<16} {r['gb_per_s']:>6.2f} {r['ratio']:>6.2f} {r['cpu_s_per_gb']:>9.2f} {r['of_floor']:>8.2f}"
+        )
     doc = {"benchmark": "transfer", "streams": args.streams, "dir": str(args.dir), "results": results}
     common.emit(args, doc)
 

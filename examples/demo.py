@@ -77,7 +77,9 @@ def main() -> None:
     for i in (0, frozen_at - 1, frozen_at, len(reference) - 1):
         print(f"      {reference[i]:<44} | {restored[i] if i < len(restored) else '-'}")
     if not same:
-        first = next((i for i, (a, b) in enumerate(zip(reference, restored)) if a != b), min(len(reference), len(restored)))
+        first = next(
+            (i for i, (a, b) in enumerate(zip(reference, restored)) if a != b), min(len(reference), len(restored))
+        )
         sys.exit(f"demo: FAILED: the loss sequences differ from step {first}")
     print(f"demo: OK: all {len(reference)} losses bit-identical across the checkpoint/restore (files in {work})")
 

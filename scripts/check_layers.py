@@ -23,6 +23,7 @@ import ast
 import sys
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 LAYERS = ("snapshot", "transfer", "tpagent", "cli")  # bottom to top
@@ -208,7 +209,7 @@ def cycle_problems(modules: dict[str, Module], graph: dict[str, dict[str, int]])
     out = []
     for component in strongly_connected(graph):
         cycle = shortest_cycle(graph, component)
-        where = ", ".join(f"{modules[a].path}:{graph[a][b]}" for a, b in zip(cycle, cycle[1:]))
+        where = ", ".join(f"{modules[a].path}:{graph[a][b]}" for a, b in pairwise(cycle))
         line = f"cycle: {' -> '.join(cycle)} ({where})"
         rest = sorted(set(component) - set(cycle))
         if rest:
@@ -226,33 +227,46 @@ def layer_problems(modules: dict[str, Module]) -> list[str]:
             at = f"{module.path}:{imp.line}: {module.name} imports {imp.name}"
             if module.package == RANK:
                 if top in LAYERS:
-                    out.append(f"{at}: tpagent_rank runs in users' processes and imports nothing of {', '.join(LAYERS)}")
+                    out.append(
+                        f"{at}: tpagent_rank runs in users' processes and imports nothing of {', '.join(LAYERS)}"
+                    )
                 elif top not in stdlib and top not in RANK_MAY_IMPORT and top != RANK:
                     out.append(f"{at}: tpagent_rank imports only the standard library and torch")
                 elif top in RANK_MAY_IMPORT and not imp.in_function:
-                    out.append(f"{at} at import time: tpagent_rank imports torch lazily, inside the function that needs it")
+                    out.append(
+                        f"{at} at import time: tpagent_rank imports torch lazily, inside the function that needs it"
+                    )
             elif top in LAYERS and LAYERS.index(top) > LAYERS.index(module.package):
                 out.append(f"{at}: a lower layer imports a higher one ({' < '.join(LAYERS)})")
     return out
 
 
 def summary(modules: dict[str, Module], graph: dict[str, dict[str, int]]) -> list[str]:
+    """The graph in four lines: modules, imports, the largest module, lines over MAX_LINE."""
     per_package = Counter(m.package for m in modules.values())
-    lines = sum(len(m.lines) for m in modules.values())
-    package_edges = Counter(
-        (modules[a].package, modules[b].package) for a, targets in graph.items() for b in targets if modules[a].package != modules[b].package
+    packages = ", ".join(f"{p} {per_package[p]}" for p in PACKAGES if per_package[p])
+    total_lines = sum(len(m.lines) for m in modules.values())
+    crossing = Counter(
+        (modules[a].package, modules[b].package)
+        for a, targets in graph.items()
+        for b in targets
+        if modules[a].package != modules[b].package
     )
+    between = ", ".join(f"{a} -> {b} {n}" for (a, b), n in sorted(crossing.items())) or "none"
+    edges = sum(map(len, graph.values()))
     long_lines = Counter({str(m.path): sum(len(line) > MAX_LINE for line in m.lines) for m in modules.values()})
+    files_with = sum(1 for n in long_lines.values() if n)
+    worst = ", ".join(f"{path} {n}" for path, n in long_lines.most_common(5) if n)
     out = [
-        f"modules: {len(modules)} ({', '.join(f'{p} {per_package[p]}' for p in PACKAGES if per_package[p])}), {lines} lines",
-        f"imports between them: {sum(map(len, graph.values()))} edges; between packages: "
-        + (", ".join(f"{a} -> {b} {n}" for (a, b), n in sorted(package_edges.items())) or "none"),
+        f"modules: {len(modules)} ({packages}), {total_lines} lines",
+        f"imports between them: {edges} edges; between packages: {between}",
     ]
     if modules:
         largest = max(modules.values(), key=lambda m: len(m.lines))
         out.append(f"largest module: {largest.path}, {len(largest.lines)} lines")
-    worst = ", ".join(f"{path} {n}" for path, n in long_lines.most_common(5) if n)
-    out.append(f"lines over {MAX_LINE} characters: {long_lines.total()} in {sum(1 for n in long_lines.values() if n)} files" + (f" (most: {worst})" if worst else ""))
+    out.append(f"lines over {MAX_LINE} characters: {long_lines.total()} in {files_with} files")
+    if worst:
+        out[-1] += f" (most: {worst})"
     return out
 
 

@@ -151,7 +151,9 @@ class Criu:
         version = parse_version(proc.stdout + proc.stderr)
         if version is None:
             said = next(iter((proc.stdout + proc.stderr).strip().splitlines()), "nothing")
-            raise UsageError(f"{self.path} does not look like CRIU (its --version printed {said[:80]!r}); {INSTALL_HINT}.")
+            raise UsageError(
+                f"{self.path} does not look like CRIU (its --version printed {said[:80]!r}); {INSTALL_HINT}."
+            )
         return version
 
     def check(self, timeout: float = 60) -> str:

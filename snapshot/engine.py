@@ -42,8 +42,8 @@ from snapshot.api import (
     Interrupted,
     ProgressFn,
     SnapshotConfig,
-    SnapshotInvalid,
     SnapshotError,
+    SnapshotInvalid,
     Stage,
     ToolError,
     UsageError,
@@ -283,7 +283,9 @@ def checkpoint(
             with proc.deferred_sigint():
                 resume([], cuda_pids, cuda)  # CRIU resumed the CPU side itself
         except CudaError as e:
-            raise CudaError(f"the snapshot in {out} is complete, but PID {pid} could not be given its GPU back", detail=e.detail) from e
+            raise CudaError(
+                f"the snapshot in {out} is complete, but PID {pid} could not be given its GPU back", detail=e.detail
+            ) from e
     return sealed
 
 
@@ -424,8 +426,15 @@ def restore(
     norm_map = _check_gpu_map(m, asked)
     cuda = cuda_factory() if m.cuda_pids else None
     if not m.namespace:
-        proc.wait_pids_free([p.pid for p in m.processes], config.timeouts.pid_wait, [t for p in m.processes for t in p.tids])
-    opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), m.namespace, leave_stopped=not start and not m.cuda_pids)
+        proc.wait_pids_free(
+            [p.pid for p in m.processes], config.timeouts.pid_wait, [t for p in m.processes for t in p.tids]
+        )
+    opts = RestoreOptions(
+        bool(m.criu["shell_job"]),
+        bool(m.criu["tcp_established"]),
+        m.namespace,
+        leave_stopped=not start and not m.cuda_pids,
+    )
     created: list[Path] = []
     if work is None:
         work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
@@ -481,7 +490,11 @@ def _live_copies(m: Manifest) -> list[dict[str, Any]]:
     for note in notes if isinstance(notes, list) else []:
         try:
             p = psutil.Process(int(note["pid"]))
-            if p.create_time() == float(note["create_time"]) and note["host"] == platform.node() and p.status() != psutil.STATUS_ZOMBIE:
+            if (
+                p.create_time() == float(note["create_time"])
+                and note["host"] == platform.node()
+                and p.status() != psutil.STATUS_ZOMBIE
+            ):
                 live.append(note)
         except (ValueError, KeyError, TypeError, psutil.Error):
             continue
@@ -528,7 +541,10 @@ def _put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
         _write_carried(directory, m, created)
     except (OSError, tarfile.TarError) as e:
         what = getattr(e, "filename", None) or directory / IMAGES_DIR / manifest.CARRIED_NAME
-        raise ToolError(f"putting back the files the process had open failed at {what}", detail=getattr(e, "strerror", None) or str(e)) from e
+        raise ToolError(
+            f"putting back the files the process had open failed at {what}",
+            detail=getattr(e, "strerror", None) or str(e),
+        ) from e
 
 
 def _take_back(created: list[Path]) -> None:
@@ -549,7 +565,9 @@ def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
             path = wanted.get(member.name)
             source = tar.extractfile(member) if member.isfile() else None
             if path is None or source is None:
-                raise SnapshotInvalid(f"{directory}'s carried files hold {member.name!r}, which the manifest does not name.")
+                raise SnapshotInvalid(
+                    f"{directory}'s carried files hold {member.name!r}, which the manifest does not name."
+                )
             safefs.write_file(path, source, member.uid, member.gid, member.mode, member.mtime, created)
 
 

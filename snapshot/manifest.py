@@ -31,8 +31,8 @@ import re
 import stat
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -175,7 +175,9 @@ def _list(d: Any, key: str, typ: type[T], where: str) -> list[T]:
 
 
 def _body_digest(body: dict[str, Any]) -> str:
-    canonical = json.dumps({k: v for k, v in body.items() if k != "manifest_sha256"}, sort_keys=True, separators=(",", ":"))
+    canonical = json.dumps(
+        {k: v for k, v in body.items() if k != "manifest_sha256"}, sort_keys=True, separators=(",", ":")
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -214,13 +216,21 @@ def checksum_files(directory: Path, workers: int | None = None) -> dict[str, dic
     """Size and per-chunk SHA-256 of every file under images/, hashed on all cores."""
     paths = _image_files(directory)
     sizes = [p.stat().st_size for p in paths]
-    jobs = [(p, off, min(CHUNK_SIZE, size - off)) for p, size in zip(paths, sizes) for off in range(0, max(size, 1), CHUNK_SIZE)]
+    jobs = [
+        (p, off, min(CHUNK_SIZE, size - off))
+        for p, size in zip(paths, sizes)
+        for off in range(0, max(size, 1), CHUNK_SIZE)
+    ]
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
         digests = iter(pool.map(sha256_range, jobs))
     out: dict[str, dict[str, Any]] = {}
     for p, size in zip(paths, sizes):
         n = max(1, -(-size // CHUNK_SIZE))
-        out[str(p.relative_to(directory))] = {"size": size, "chunk_size": CHUNK_SIZE, "sha256": [next(digests) for _ in range(n)]}
+        out[str(p.relative_to(directory))] = {
+            "size": size,
+            "chunk_size": CHUNK_SIZE,
+            "sha256": [next(digests) for _ in range(n)],
+        }
     return out
 
 
@@ -276,7 +286,9 @@ def _verify(directory: Path, manifest: Manifest, digests: Mapping[str, list[str]
             raise SnapshotInvalid(f"{directory}'s manifest has an unknown chunk size for {rel}.")
         want = manifest.files[rel]["size"]
         if present[rel] != want:
-            raise SnapshotInvalid(f"{directory} is truncated or altered: {rel} has {present[rel]} bytes, the manifest says {want}.")
+            raise SnapshotInvalid(
+                f"{directory} is truncated or altered: {rel} has {present[rel]} bytes, the manifest says {want}."
+            )
     extra = set(present) - listed
     if extra:
         raise SnapshotInvalid(f"{directory} holds image files the manifest does not list: {', '.join(sorted(extra))}.")

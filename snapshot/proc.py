@@ -111,9 +111,11 @@ def thread_state(pid: int, tid: int) -> str | None:
     """The scheduler state letter (R, S, D, T, t...) of the process's thread ``tid``, as seen
     here or inside the process's own PID namespace; None if there is no such thread."""
     try:
-        tasks = [tid] if os.path.exists(f"/proc/{pid}/task/{tid}") else [
-            int(t) for t in os.listdir(f"/proc/{pid}/task") if tid in ns_pids_of(f"/proc/{pid}/task/{t}/status")
-        ]
+        tasks = (
+            [tid]
+            if os.path.exists(f"/proc/{pid}/task/{tid}")
+            else [int(t) for t in os.listdir(f"/proc/{pid}/task") if tid in ns_pids_of(f"/proc/{pid}/task/{t}/status")]
+        )
         return _stat_fields_of(f"/proc/{pid}/task/{tasks[0]}/stat")[0] if tasks else None
     except (OSError, IndexError, ValueError):
         return None
@@ -211,7 +213,9 @@ def _group_and_session_ids() -> dict[int, str]:
             except (OSError, ValueError):
                 continue
             for held in (int(fields[2]), int(fields[3])):
-                out.setdefault(held, f"process {entry.name} (state {fields[0]}), which uses it as its group or session id")
+                out.setdefault(
+                    held, f"process {entry.name} (state {fields[0]}), which uses it as its group or session id"
+                )
     return out
 
 

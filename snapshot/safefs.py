@@ -118,7 +118,9 @@ def private_dir(path: Path, empty: bool = False, create: bool = True) -> Path:
                 try:
                     child = os.open(name, _DIR_FLAGS, dir_fd=fd)
                 except OSError as e:
-                    raise UsageError(f"{at} is not a directory (or is a symlink); give a path through real directories.") from e
+                    raise UsageError(
+                        f"{at} is not a directory (or is a symlink); give a path through real directories."
+                    ) from e
                 st = os.fstat(child)
                 if _changeable_by_others(st):
                     os.close(child)
@@ -147,7 +149,9 @@ def _trusted_realpath(path: Path, hops: int = 40) -> Path:
             continue
         hops -= 1
         if st.st_uid != 0 or hops < 0:
-            raise UsageError(f"{nxt} is a symlink owned by UID {st.st_uid} (or one of too many); give the file's real path.")
+            raise UsageError(
+                f"{nxt} is a symlink owned by UID {st.st_uid} (or one of too many); give the file's real path."
+            )
         target = Path(os.readlink(nxt))
         todo = [*target.parts[1 if target.is_absolute() else 0 :], *todo]
         at = Path("/") if target.is_absolute() else at
@@ -347,7 +351,9 @@ def write_file(path: Path, source: IO[bytes], uid: int, gid: int, mode: int, mti
     try:
         check_owner(os.fstat(parent).st_uid, uid, path)
         try:
-            fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent)
+            fd = os.open(
+                path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent
+            )
         except FileExistsError:  # (also where a symlink is: O_EXCL follows none)
             if not _holds(parent, path, source, (uid, gid, mode & 0o777)):
                 raise UsageError(
@@ -358,7 +364,9 @@ def write_file(path: Path, source: IO[bytes], uid: int, gid: int, mode: int, mti
         os.close(parent)
     created.append(path)
     if mode & (stat.S_ISUID | stat.S_ISGID):
-        log.warning("%s had mode %o; it is put back as %o: tpagent never restores setuid/setgid bits", path, mode, mode & 0o777)
+        log.warning(
+            "%s had mode %o; it is put back as %o: tpagent never restores setuid/setgid bits", path, mode, mode & 0o777
+        )
     with os.fdopen(fd, "wb") as f:
         shutil.copyfileobj(source, f, _CHUNK)
         f.flush()

@@ -25,7 +25,12 @@ def agent_config(tmp: Path, name: str, **kw: object) -> AgentConfig:
     if not secret.exists():
         secret.write_text(os.urandom(24).hex())
         secret.chmod(0o600)
-    settings: dict[str, object] = {"metrics_listen": "", "health_listen": "", "listen": f"127.0.0.1:{free_port()}", **kw}
+    settings: dict[str, object] = {
+        "metrics_listen": "",
+        "health_listen": "",
+        "listen": f"127.0.0.1:{free_port()}",
+        **kw,
+    }
     return AgentConfig(secret_file=secret, node=name, work_dir=tmp / name, tls_dir=node_certs(tmp, name), **settings)  # type: ignore[arg-type]
 
 

@@ -19,5 +19,10 @@ def node_certs(tmp: Path, name: str, *addrs: str, ca: str = "ca") -> Path:
     is another cluster's."""
     out = tmp / f"certs-{ca}" / name
     if not (out / "tls.key").exists():
-        subprocess.run(["bash", str(MAKE_CERTS), str(tmp / ca), str(out), name, *addrs], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            ["bash", str(MAKE_CERTS), str(tmp / ca), str(out), name, *addrs],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
     return out

@@ -125,13 +125,24 @@ class Cluster:
         tls = self.nodes[node].tls if node else next(iter(self.nodes.values())).tls
         return {**os.environ, "TPAGENT_SECRET_FILE": str(secret or self.secret), "TPAGENT_TLS_DIR": str(tls)}
 
-    def migrate(self, pid: int, src: str, dst: str, *extra: str, timeout: float = 300, secret: Path | None = None) -> subprocess.CompletedProcess[str]:
+    def migrate(
+        self, pid: int, src: str, dst: str, *extra: str, timeout: float = 300, secret: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
         env = self.cli_env(src, secret)
-        return subprocess.run(self._migrate_cmd(pid, src, dst, *extra), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            self._migrate_cmd(pid, src, dst, *extra), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        )
 
     def start_migrate(self, pid: int, src: str, dst: str, *extra: str) -> subprocess.Popen[str]:
         env = self.cli_env(src)
-        return subprocess.Popen(self._migrate_cmd(pid, src, dst, *extra), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            self._migrate_cmd(pid, src, dst, *extra),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def receiving(self, dst: str, at_least: int = 32 << 20) -> bool:
         """True once node ``dst`` has received ``at_least`` bytes of a snapshot in flight."""
@@ -176,7 +187,9 @@ class Ticker:
         before = sum(ln.startswith("verify ") for ln in lines())
         worker = psutil.Process(self.pid).children()[0]  # the namespace init's child
         os.kill(worker.pid, signal.SIGUSR1)
-        wait_until(lambda: sum(ln.startswith("verify ") for ln in lines()) > before, "the workload to verify its memory")
+        wait_until(
+            lambda: sum(ln.startswith("verify ") for ln in lines()) > before, "the workload to verify its memory"
+        )
         digest = next(ln.split()[1] for ln in lines() if ln.startswith("digest "))
         assert [ln for ln in lines() if ln.startswith("verify ")][-1].split()[1] == digest, "its memory changed"
 

@@ -30,6 +30,7 @@ def criu_problem() -> str | None:
     return None
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     needing = [item for item in items if item.get_closest_marker("criu") is not None]
     problem = criu_problem() if needing else None

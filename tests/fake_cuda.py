@@ -62,4 +62,3 @@ class FakeCudaDriver:
         if self.on_restore_thread is not None:
             self.on_restore_thread(pid)
         return pid
-

@@ -94,7 +94,10 @@ class Workload:
             with open(out, "ab") as f:
                 self.popen = subprocess.Popen(
                     [sys.executable, "-c", _SHELL, str(pidfile), *cmd],
-                    stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True,
+                    stdin=subprocess.DEVNULL,
+                    stdout=f,
+                    stderr=f,
+                    start_new_session=True,
                 )
             wait_until(lambda: pidfile.exists() and pidfile.read_text().endswith("\n"), "the shell job to start")
             self.pid = int(pidfile.read_text())
@@ -154,7 +157,9 @@ class TcpEcho:
 
     def start(self) -> TcpEcho:
         script = STATEFUL.parent / "tcp_echo.py"
-        self.popen = subprocess.Popen([sys.executable, str(script), str(self.log)], stdin=subprocess.DEVNULL, start_new_session=True)
+        self.popen = subprocess.Popen(
+            [sys.executable, str(script), str(self.log)], stdin=subprocess.DEVNULL, start_new_session=True
+        )
         wait_until(lambda: self.log.exists() and len(self.pairs()) > 5, "the TCP workload to start")
         return self
 

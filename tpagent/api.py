@@ -256,7 +256,12 @@ class Timeouts:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int | float) or not math.isfinite(v) or v < 0 or (v == 0 and f.name != "takeover_after"):
+            if (
+                not isinstance(v, int | float)
+                or not math.isfinite(v)
+                or v < 0
+                or (v == 0 and f.name != "takeover_after")
+            ):
                 raise ValueError(f"{TIMEOUT_KEYS[f.name]} = {v!r} must be a positive number of seconds.")
         k = TIMEOUT_KEYS
         rules = [
@@ -264,9 +269,6 @@ class Timeouts:
             (self.rpc < self.restore, f"{k['rpc']} ({self.rpc:g} s) must be shorter than {k['restore']} ({self.restore:g} s)"),
             # A stalled stream must be noticed (and retried) well inside the hold.
             (self.io < self.hold, f"{k['io']} ({self.io:g} s) must be shorter than {k['hold']} ({self.hold:g} s)"),
-            # A source is presumed lost only after more than one whole call went unanswered.
-            (self.takeover_after == 0 or self.takeover_after > self.rpc,
-             f"{k['takeover_after']} ({self.takeover_after:g} s) must be 0 or longer than {k['rpc']} ({self.rpc:g} s)"),
             # A rollback's question must fit at least one whole answer.
             (self.abort_confirm >= self.rpc,
              f"{k['abort_confirm']} ({self.abort_confirm:g} s) must be at least {k['rpc']} ({self.rpc:g} s)"),

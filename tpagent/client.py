@@ -55,7 +55,9 @@ class GrpcPeer(Peer):
         return _status(self._call(lambda: self._stub.Finish(request, timeout=timeout)))
 
     def status(self, migration_id: str, timeout: float) -> PeerStatus:
-        return _status(self._call(lambda: self._stub.Status(pb.MigrationRef(migration_id=migration_id), timeout=timeout)))
+        return _status(
+            self._call(lambda: self._stub.Status(pb.MigrationRef(migration_id=migration_id), timeout=timeout))
+        )
 
     def versions(self, timeout: float) -> Versions:
         info = self._call(lambda: self._stub.Info(pb.Empty(), timeout=timeout))

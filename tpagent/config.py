@@ -50,6 +50,7 @@ from snapshot.api import DEFAULT_GHOST_LIMIT, UsageError
 from tpagent.api import Timeouts
 from tpagent.credentials import Credentials
 from transfer.api import DEFAULT_TLS_DIR
+from transfer.transports import NAMES
 
 DEFAULT_FILE = Path("/etc/tpagent/agent.toml")
 
@@ -92,6 +93,10 @@ class AgentConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir).absolute())  # (paths in journals are absolute)
         self.timeouts  # noqa: B018 (checked now, at load, not at the first migration)
+        if self.transport not in NAMES:
+            raise UsageError(
+                f"the setting transport = {self.transport!r} is not valid: choose one of {', '.join(NAMES)}."
+            )
 
     @property
     def timeouts(self) -> Timeouts:
@@ -119,7 +124,16 @@ class AgentConfig:
     @property
     def audiences(self) -> set[str]:
         """The names callers may address this agent by (a call signed for another is refused)."""
-        hosts = {self.node, self.advertised_host, self.listen.rpartition(":")[0].strip("[]"), socket.gethostname(), "localhost", "127.0.0.1", "::1", *self.aliases}
+        hosts = {
+            self.node,
+            self.advertised_host,
+            self.listen.rpartition(":")[0].strip("[]"),
+            socket.gethostname(),
+            "localhost",
+            "127.0.0.1",
+            "::1",
+            *self.aliases,
+        }
         return {h.lower() for h in hosts if h and h not in ("0.0.0.0", "::")}
 
 

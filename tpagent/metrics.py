@@ -7,7 +7,9 @@ from prometheus_client import Counter, Histogram
 MIGRATIONS = Counter("tpagent_migrations", "Migrations run by this agent as the source, by outcome.", ["outcome"])
 BYTES = Counter("tpagent_transfer_bytes", "Snapshot bytes moved on the wire, by direction.", ["direction"])
 REFUSED = Counter(
-    "tpagent_refused", "Calls and transfer connections refused before they proved themselves, by plane and reason.", ["plane", "reason"]
+    "tpagent_refused",
+    "Calls and transfer connections refused before they proved themselves, by plane and reason.",
+    ["plane", "reason"],
 )
 STAGE = Histogram(
     "tpagent_stage_seconds", "Duration of each migration stage.", ["stage"],

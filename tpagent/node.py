@@ -267,7 +267,9 @@ class Node:
                     with self.lock:
                         self.active[r.pid] = r.migration_id  # frozen, not to be migrated again meanwhile
                     release = functools.partial(self._release, r.migration_id)
-                    self.ctx.threads.spawn("waiter", f"resolve-{r.migration_id[:8]}", resolve_source, self.ctx, r, release)
+                    self.ctx.threads.spawn(
+                        "waiter", f"resolve-{r.migration_id[:8]}", resolve_source, self.ctx, r, release
+                    )
                 else:
                     recover_target(self.ctx, r, self.finish_target)
             except Exception as e:  # one bad record must not stop the agent

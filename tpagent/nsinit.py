@@ -29,7 +29,9 @@ def _open_log(path: Path) -> int:
     root) could have put there (a hard link to a root file, say)."""
     parent = safefs.open_dir(path.parent, to=path)
     try:
-        fd = os.open(path.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY, 0o644, dir_fd=parent)
+        fd = os.open(
+            path.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY, 0o644, dir_fd=parent
+        )
         st = os.fstat(safefs.owned_fd(parent, fd, path))
         if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode) and path != Path(os.devnull):
             os.close(fd)

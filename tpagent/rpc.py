@@ -44,7 +44,19 @@ from tpagent.proto import agent_pb2_grpc as pb_grpc
 
 AgentServicer = pb_grpc.AgentServicer
 #: (The one module that imports the generated code; the rest take it from here.)
-__all__ = ["CODES", "AgentServicer", "AuthInterceptor", "Credentials", "Health", "HealthOnly", "pb", "pb_grpc", "server", "sign", "stub"]
+__all__ = [
+    "CODES",
+    "AgentServicer",
+    "AuthInterceptor",
+    "Credentials",
+    "Health",
+    "HealthOnly",
+    "pb",
+    "pb_grpc",
+    "server",
+    "sign",
+    "stub",
+]
 log = logging.getLogger(__name__)
 
 #: How each refusal of the agent layer travels as a gRPC status (and back: tpagent/client.py).
@@ -140,13 +152,17 @@ class Health:
         from grpc_health.v1 import health_pb2
 
         def check(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            status = health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            status = (
+                health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             return health_pb2.HealthCheckResponse(status=status)
 
-        return grpc.stream_unary_rpc_method_handler(_on_pool(check, self.pool), response_serializer=health_pb2.HealthCheckResponse.SerializeToString)
+        return grpc.stream_unary_rpc_method_handler(
+            _on_pool(check, self.pool), response_serializer=health_pb2.HealthCheckResponse.SerializeToString
+        )
 
 
-class HealthOnly(grpc.ServerInterceptor):  # type: ignore[misc]
+class HealthOnly(grpc.ServerInterceptor):
     """The plain-text probe port (Kubernetes' gRPC probes speak no TLS): Check and nothing else."""
 
     def __init__(self, health: Health) -> None:
@@ -156,11 +172,13 @@ class HealthOnly(grpc.ServerInterceptor):  # type: ignore[misc]
         return self.health.handler() if details.method == HEALTH_CHECK else None
 
 
-class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class AuthInterceptor(grpc.ServerInterceptor):
     """See the module docstring.  ``audiences``: the names this agent answers to;
     ``refused(reason)`` is called for each refusal (metrics)."""
 
-    def __init__(self, secret: bytes, audiences: set[str], health: Health, refused: Callable[[str], None] = lambda reason: None) -> None:
+    def __init__(
+        self, secret: bytes, audiences: set[str], health: Health, refused: Callable[[str], None] = lambda reason: None
+    ) -> None:
         self.secret = secret
         self.audiences = {a.lower() for a in audiences if a}
         self.health = health
@@ -242,14 +260,16 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         return self._reject(method, "streaming")  # default: deny
 
 
-class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     def __init__(self, secret: bytes, audience: str) -> None:
         self.secret = secret
         self.audience = audience
 
     def _details(self, details: Any, request: Any) -> Any:
         metadata = [*(details.metadata or []), *sign(self.secret, details.method, self.audience, request)]
-        return _Details(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression)
+        return _Details(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
+        )
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._details(details, request), request)
@@ -258,7 +278,10 @@ class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
         return continuation(self._details(details, request), request)
 
 
-class _Details(collections.namedtuple("_Details", "method timeout metadata credentials wait_for_ready compression"), grpc.ClientCallDetails):  # type: ignore[misc]
+class _Details(
+    collections.namedtuple("_Details", "method timeout metadata credentials wait_for_ready compression"),
+    grpc.ClientCallDetails,
+):
     pass
 
 
@@ -269,14 +292,18 @@ def _options() -> list[tuple[str, int]]:
 def channel(address: str, creds: Credentials) -> grpc.Channel:
     """A mutual-TLS channel to an agent, every call signed for that agent."""
     tls = grpc.ssl_channel_credentials(root_certificates=creds.ca, private_key=creds.key, certificate_chain=creds.cert)
-    return grpc.intercept_channel(grpc.secure_channel(address, tls, options=_options()), _ClientAuth(creds.secret, audience_of(address)))
+    return grpc.intercept_channel(
+        grpc.secure_channel(address, tls, options=_options()), _ClientAuth(creds.secret, audience_of(address))
+    )
 
 
 def stub(address: str, creds: Credentials) -> Any:
     return pb_grpc.AgentStub(channel(address, creds))
 
 
-def server(creds: Credentials, interceptor: AuthInterceptor, workers: int = 32) -> tuple[grpc.Server, grpc.ServerCredentials]:
+def server(
+    creds: Credentials, interceptor: AuthInterceptor, workers: int = 32
+) -> tuple[grpc.Server, grpc.ServerCredentials]:
     """The agent's gRPC server (not started) and its TLS credentials (client certificates
     of the cluster CA required).  At most ``workers`` calls run at once; more are refused
     at once (RESOURCE_EXHAUSTED), never queued."""
@@ -284,7 +311,11 @@ def server(creds: Credentials, interceptor: AuthInterceptor, workers: int = 32) 
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
         interceptors=[interceptor],
         # A connection that has not finished its TLS handshake in 10 s is closed.
-        options=[*_options(), ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION), ("grpc.server_handshake_timeout_ms", 10_000)],
+        options=[
+            *_options(),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            ("grpc.server_handshake_timeout_ms", 10_000),
+        ],
         maximum_concurrent_rpcs=workers + 8,  # (+ refusals and probes, brief)
     )
     tls = grpc.ssl_server_credentials([(creds.key, creds.cert)], root_certificates=creds.ca, require_client_auth=True)

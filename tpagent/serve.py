@@ -47,7 +47,12 @@ class JsonLines(logging.Formatter):
     the record is about (set by the agent's log adapters)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        doc = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        doc = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         for key in ("node", "migration"):
             if hasattr(record, key):
                 doc[key] = getattr(record, key)
@@ -109,7 +114,9 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
     node.recover()
     creds = cfg.credentials()
     health = Health()
-    interceptor = AuthInterceptor(creds.secret, cfg.audiences, health, lambda reason: metrics.REFUSED.labels("rpc", reason).inc())
+    interceptor = AuthInterceptor(
+        creds.secret, cfg.audiences, health, lambda reason: metrics.REFUSED.labels("rpc", reason).inc()
+    )
     server, tls = rpc_server(creds, interceptor)
     pb_grpc.add_AgentServicer_to_server(Service(node), server)
     if server.add_secure_port(cfg.listen, tls) == 0:

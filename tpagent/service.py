@@ -61,9 +61,15 @@ class Service(AgentServicer):
         ])  # fmt: skip
 
     def Migrate(self, request: pb.MigrateRequest, context: grpc.ServicerContext) -> Iterator[pb.MigrationEvent]:
-        m = _answer(context, lambda: self.node.start_migration(int(request.pid), str(request.target), bool(request.dry_run)))
+        m = _answer(
+            context, lambda: self.node.start_migration(int(request.pid), str(request.target), bool(request.dry_run))
+        )
+
         # The CLI going away (Ctrl-C) cancels the migration, unless it is past the point of no return.
-        if not context.add_callback(lambda: m.cancel("the tpagent migrate command went away (interrupted)")):
+        def went_away() -> None:
+            m.cancel("the tpagent migrate command went away (interrupted)")
+
+        if not context.add_callback(went_away):
             m.cancel("the tpagent migrate command went away before it started")
         self.node.run(m)
         while (event := m.events.get()) is not None:

@@ -164,7 +164,9 @@ class SourceMigration:
             new_pid, target_timings = self._restore(target)
             self._stage("restore", t)
             self.timings.update({f"target_{k}": v for k, v in target_timings.items()})
-            self.move(S.COMMITTING, f"PID {new_pid} is restored and held on the target; starting it, ending the original")
+            self.move(
+                S.COMMITTING, f"PID {new_pid} is restored and held on the target; starting it, ending the original"
+            )
 
             def started() -> None:
                 self.timings["downtime"] = round(time.monotonic() - self.freeze_t0, 4)  # frozen here -> running there
@@ -218,7 +220,9 @@ class SourceMigration:
         shared = tuple(f"{f}:{Path(f).stat().st_size}" for f in sorted(open_files) if self._is_shared(f))
         self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
         cfg, t = self.ctx.cfg, self.ctx.timeouts
-        offer = Offer(self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared, self.dry_run)
+        offer = Offer(
+            self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared, self.dry_run
+        )
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
         try:
             acceptance = target.receive(offer, t.rpc)
@@ -479,7 +483,9 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
                 dump.let_go()  # the hook still holds the tree: CRIU rolls it back
                 _resume_leftovers(r)
                 ctx.remove(r.snapshot)
-                ctx.journal.move(r, S.ROLLED_BACK, "rolled back after the agent restarted; the original runs where it stood")
+                ctx.journal.move(
+                    r, S.ROLLED_BACK, "rolled back after the agent restarted; the original runs where it stood"
+                )
                 break
             if ctx.threads.sleep(delay):
                 return  # (stopping: the next run of the agent takes it up from the journal)

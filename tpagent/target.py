@@ -16,7 +16,7 @@ from snapshot import engine, proc
 from snapshot.held import wait_released
 from snapshot.safefs import private_dir
 from tpagent import launch, metrics
-from tpagent.api import JournalError, PeerUnreachable, Refused, Role, SourceState, TargetState, Why, is_final
+from tpagent.api import JournalError, PeerUnreachable, Refused, Role, SourceState, TargetState, is_final
 from tpagent.context import Context
 from tpagent.journal import Record, same_process_alive, target_record
 from transfer.api import TransferError, TransferStats
@@ -72,7 +72,9 @@ class Incoming:
             raise Refused("the snapshot did not arrive in time")
         with self.lock:
             if self.abort_requested or self.record.state is not T.RECEIVING:
-                raise Refused(f"migration {self.record.migration_id} is {self.record.state.value} here; not restoring it")
+                raise Refused(
+                    f"migration {self.record.migration_id} is {self.record.state.value} here; not restoring it"
+                )
             if isinstance(self.result, TransferError) or self.result is None:
                 self._drop(f"the snapshot did not arrive intact: {self.result}")
                 raise Refused(f"the snapshot did not arrive intact on {node}: {self.result}")
@@ -185,7 +187,11 @@ def await_source(ctx: Context, mid: str, finish: Finisher) -> None:
                 continue
             ctx.log.warning("migration %s: the source agent %s has been unreachable for %.0f s (%s): starting the copy",
                             mid, r.peer_agent, limit, e)  # fmt: skip
-            finish(mid, True, f"started without the source's word: its agent {r.peer_agent} was unreachable for {limit:.0f} s")
+            finish(
+                mid,
+                True,
+                f"started without the source's word: its agent {r.peer_agent} was unreachable for {limit:.0f} s",
+            )
             return
         except Refused:
             silent_since = time.monotonic()
@@ -220,7 +226,9 @@ def recover_target(ctx: Context, r: Record, finish: Finisher) -> None:
     why = "dropped after the agent restarted"
     if r.state is T.READY:
         if same_process_alive(r):
-            ctx.log.warning("migration %s: a restored, held copy (PID %d) waits for the source's decision", r.migration_id, r.pid)
+            ctx.log.warning(
+                "migration %s: a restored, held copy (PID %d) waits for the source's decision", r.migration_id, r.pid
+            )
             ctx.threads.spawn("waiter", f"await-source-{r.migration_id[:8]}", await_source, ctx, r.migration_id, finish)
             return
         ctx.log.warning("migration %s: the held copy (PID %d) is gone", r.migration_id, r.pid)
@@ -230,6 +238,9 @@ def recover_target(ctx: Context, r: Record, finish: Finisher) -> None:
         wait_released(work, None)
         copy = engine.kill_restored(work)
         if copy:
-            ctx.log.warning("migration %s: stopping the copy (PID %d) a restore finished while the agent was down", r.migration_id, copy)
+            ctx.log.warning(
+                "migration %s: stopping the copy (PID %d) a restore finished while the agent was down",
+                r.migration_id,
+                copy,
+            )
     drop_copy(ctx, r, why)
-

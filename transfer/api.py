@@ -48,7 +48,9 @@ def read_secret(path: Path | None) -> bytes:
     from snapshot.safefs import read_private_file
 
     if path is None:
-        raise UsageError("no cluster secret: pass --secret-file or set TPAGENT_SECRET_FILE (the same file on every node).")
+        raise UsageError(
+            "no cluster secret: pass --secret-file or set TPAGENT_SECRET_FILE (the same file on every node)."
+        )
     secret = read_private_file(path, "the cluster secret").strip()
     if len(secret) < MIN_SECRET:
         raise UsageError(f"the cluster secret in {path} is shorter than {MIN_SECRET} bytes; make it longer.")
@@ -186,4 +188,3 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise TransferError(f"{address!r} is not HOST:PORT.")
     return host.strip("[]") or "0.0.0.0", int(port)
-

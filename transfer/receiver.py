@@ -30,7 +30,17 @@ from snapshot.api import SnapshotError, UsageError
 from snapshot.safefs import private_dir
 from transfer import wire
 from transfer.admission import Entry, Gate
-from transfer.api import MAX_STREAMS, AuthError, Channel, IntegrityError, Refusal, TransferConfig, TransferError, TransferStats, Transport
+from transfer.api import (
+    MAX_STREAMS,
+    AuthError,
+    Channel,
+    IntegrityError,
+    Refusal,
+    TransferConfig,
+    TransferError,
+    TransferStats,
+    Transport,
+)
 from transfer.stream import HANDSHAKE_TIMEOUT, server_handshake
 from transfer.wire import ACK, CHUNK, Codec, Kind, Layout, Role
 
@@ -74,6 +84,7 @@ class _Session:
     @property
     def hash_as_received(self) -> bool:
         return self.layout is None and self.chunk_size == snapmanifest.CHUNK_SIZE
+
     lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_wire: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -103,7 +114,9 @@ class _Session:
         self.names[name] = len(self.fds) - 1
         return len(self.fds) - 1
 
-    def locate(self, index: int, raw_len: int, body: bytes | bytearray | memoryview) -> tuple[tuple[int, int, int], int]:
+    def locate(
+        self, index: int, raw_len: int, body: bytes | bytearray | memoryview
+    ) -> tuple[tuple[int, int, int], int]:
         """Where chunk ``index`` goes, and where its payload starts in ``body``."""
         if self.layout is not None:
             if index >= self.layout.count or raw_len != self.where[index][2]:
@@ -114,7 +127,12 @@ class _Session:
         off, n = wire.WHERE.unpack_from(body, CHUNK.size)
         start = CHUNK.size + wire.WHERE.size + n
         name = bytes(body[CHUNK.size + wire.WHERE.size : start]).decode(errors="replace")
-        if index >= wire.MAX_CHUNKS or off % self.chunk_size or not 0 < raw_len <= self.chunk_size or off + raw_len > wire.MAX_FILE:
+        if (
+            index >= wire.MAX_CHUNKS
+            or off % self.chunk_size
+            or not 0 < raw_len <= self.chunk_size
+            or off + raw_len > wire.MAX_FILE
+        ):
             raise TransferError(f"chunk {index} ({name} at {off}) does not fit a snapshot")
         with self.lock:
             if name not in self.names:
@@ -165,7 +183,9 @@ def _expected_digests(layout: Layout | None, given: object) -> dict[int, list[st
 class Receiver:
     """Listens on one address and accepts one snapshot (``receive``)."""
 
-    def __init__(self, transport: Transport, config: TransferConfig, listen: str, on_refused: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, transport: Transport, config: TransferConfig, listen: str, on_refused: Callable[[str], None] | None = None
+    ) -> None:
         """``on_refused`` is called with a :class:`~transfer.api.Refusal` value for each
         connection closed before it could carry a transfer (for the agent's metrics)."""
         self.transport, self.config = transport, config
@@ -212,9 +232,14 @@ class Receiver:
             if evicted is not None:
                 evicted.ch.interrupt()
                 if evicted.refused is Refusal.PER_PEER_LIMIT:
-                    self._refused(evicted, f"it was the oldest of its host's {MAX_STRANGERS_PER_HOST} connections still in their handshakes")
+                    self._refused(
+                        evicted,
+                        f"it was the oldest of its host's {MAX_STRANGERS_PER_HOST} connections still in their handshakes",
+                    )
                 else:
-                    self._refused(evicted, f"it was the oldest of {MAX_STRANGERS} connections still in their handshakes")
+                    self._refused(
+                        evicted, f"it was the oldest of {MAX_STRANGERS} connections still in their handshakes"
+                    )
             threading.Thread(target=self._serve, args=(entry,), daemon=True).start()
         if isinstance(self._result, TransferError):
             self._abandon()  # a failed transfer leaves no partial snapshot behind
@@ -241,7 +266,11 @@ class Receiver:
                 self._finish(s.outcome)
                 continue
             self._discard(s)
-            self._finish(TransferError(f"the sender's control stream broke and did not come back within {grace:g} s; nothing was kept"))
+            self._finish(
+                TransferError(
+                    f"the sender's control stream broke and did not come back within {grace:g} s; nothing was kept"
+                )
+            )
 
     def _refused(self, entry: Entry, detail: str) -> None:
         assert entry.refused is not None
@@ -289,7 +318,11 @@ class Receiver:
                 self._data(ch, session)
         except TransferError as e:
             log.info("stream from %s ended: %s", ch.peer, e)
-        except (OSError, ValueError, SnapshotError) as e:  # a full disk, JSON that is signed but wrong, a refused directory...
+        except (
+            OSError,
+            ValueError,
+            SnapshotError,
+        ) as e:  # a full disk, JSON that is signed but wrong, a refused directory...
             log.warning("stream from %s failed: %s", ch.peer, e)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 free = shutil.disk_usage(self._out.parent).free
@@ -320,7 +353,9 @@ class Receiver:
                 s = self._open_session(session_id, layout, chunk_size, sha, expect)
                 s.header = header
             elif s.discarded or s.header != header:
-                raise TransferError("a control stream came back for a transfer that was given up, or with another header")
+                raise TransferError(
+                    "a control stream came back for a transfer that was given up, or with another header"
+                )
             else:
                 log.info("the control stream of transfer %s is back", session_id.hex()[:12])
             old, s.control, s.orphaned = s.control, ch, None
@@ -355,7 +390,9 @@ class Receiver:
             if s.control is not ch:  # a newer control stream has taken over
                 return
             s.control, s.orphaned = None, time.monotonic()
-        log.info("a control stream broke; the transfer waits %g s for the sender to open it again", self.config.io_timeout)
+        log.info(
+            "a control stream broke; the transfer waits %g s for the sender to open it again", self.config.io_timeout
+        )
 
     def _verify(self, s: _Session, trailer: dict[str, object]) -> None:
         """Check and publish the snapshot, once: the first control stream with the trailer
@@ -371,10 +408,16 @@ class Receiver:
             self._check_and_publish(s, trailer)
         except (TransferError, SnapshotError, OSError, ValueError) as e:
             self._discard(s)
-            outcome, done = (e if isinstance(e, TransferError) else IntegrityError(str(e))), b"\0" + str(e).encode()[:2000]
+            outcome, done = (
+                (e if isinstance(e, TransferError) else IntegrityError(str(e))),
+                b"\0" + str(e).encode()[:2000],
+            )
         else:
             assert s.layout is not None  # the check set it
-            outcome, done = TransferStats(s.layout.raw_bytes, s.bytes_wire, s.layout.count, time.monotonic() - s.started), b"\1ok"
+            outcome, done = (
+                TransferStats(s.layout.raw_bytes, s.bytes_wire, s.layout.count, time.monotonic() - s.started),
+                b"\1ok",
+            )
         with self._ready:
             s.outcome, s.done = outcome, done
             self._ready.notify_all()
@@ -383,7 +426,9 @@ class Receiver:
         if self._result is None:
             self._result = result
 
-    def _open_session(self, session_id: bytes, layout: Layout | None, chunk_size: int, sha: str, expect: dict[int, list[str]]) -> _Session:
+    def _open_session(
+        self, session_id: bytes, layout: Layout | None, chunk_size: int, sha: str, expect: dict[int, list[str]]
+    ) -> _Session:
         partial = self._out.parent / f".{self._out.name}.partial-{session_id.hex()[:12]}"
         private_dir(partial, empty=True)  # 0700: a partial snapshot is someone's memory too
         s = _Session(layout, chunk_size, partial, sha, expect=expect)
@@ -442,7 +487,9 @@ class Receiver:
             early = {}
             for name, size in s.layout.files:
                 fi = s.names[name]
-                early[name] = [s.received_sha.get((fi, off), "") for off in range(0, size, s.chunk_size)] or [_zero_sha256(0)]
+                early[name] = [s.received_sha.get((fi, off), "") for off in range(0, size, s.chunk_size)] or [
+                    _zero_sha256(0)
+                ]
         elif s.digests:
             early = {name: s.digests[fi] for fi, (name, _) in enumerate(s.layout.files)}
         m = snapmanifest.load(s.partial)
@@ -488,7 +535,9 @@ class Receiver:
         dctx = zstandard.ZstdDecompressor()
         zero_crcs: dict[int, int] = {}
         while True:
-            kind, codec, body = wire.recv_frame(ch, s.chunk_size + 4096 + CHUNK.size + wire.WHERE.size + 255, scratch=True)
+            kind, codec, body = wire.recv_frame(
+                ch, s.chunk_size + 4096 + CHUNK.size + wire.WHERE.size + 255, scratch=True
+            )
             if kind is not Kind.CHUNK or len(body) < CHUNK.size:
                 raise TransferError(f"expected a chunk, got {kind.name}")
             index, raw_len, crc = CHUNK.unpack_from(body)
@@ -537,7 +586,16 @@ class Receiver:
             s.digests[fi][region] = snapmanifest.sha256_range((s.partial / s.layout.files[fi][0], start, length))
 
     @staticmethod
-    def _store(s: _Session, dctx: zstandard.ZstdDecompressor, where: tuple[int, int, int], codec: Codec, payload: memoryview, raw_len: int, crc: int, zero_crcs: dict[int, int]) -> bool:
+    def _store(
+        s: _Session,
+        dctx: zstandard.ZstdDecompressor,
+        where: tuple[int, int, int],
+        codec: Codec,
+        payload: memoryview,
+        raw_len: int,
+        crc: int,
+        zero_crcs: dict[int, int],
+    ) -> bool:
         fi, off, _ = where
         want = s.expect[fi][off // s.chunk_size] if fi in s.expect else None
         if codec is Codec.ZERO:
@@ -567,4 +625,3 @@ class Receiver:
             s.received_sha[(fi, off)] = hashlib.sha256(data).hexdigest()
         _pwrite_all(s.fds[fi], data, off)
         return True
-

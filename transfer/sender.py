@@ -20,7 +20,16 @@ import zstandard
 from snapshot import manifest as snapmanifest
 from snapshot.api import SnapshotError
 from transfer import wire
-from transfer.api import AuthError, Channel, Compress, IntegrityError, TransferConfig, TransferError, TransferStats, Transport
+from transfer.api import (
+    AuthError,
+    Channel,
+    Compress,
+    IntegrityError,
+    TransferConfig,
+    TransferError,
+    TransferStats,
+    Transport,
+)
 from transfer.stream import client_handshake
 from transfer.wire import ACK, CHUNK, Codec, Kind, Layout, Role
 
@@ -41,7 +50,9 @@ def snapshot_layout(snapshot: Path, chunk_size: int) -> Layout:
     for name in names:
         size = (snapshot / name).lstat().st_size
         if name in m.files and size != m.files[name]["size"]:
-            raise TransferError(f"{snapshot / name} does not have the size its manifest says; not sending a damaged snapshot")
+            raise TransferError(
+                f"{snapshot / name} does not have the size its manifest says; not sending a damaged snapshot"
+            )
         files.append((name, size))
     return Layout(tuple(files), chunk_size)
 
@@ -77,7 +88,6 @@ class _Codec:
 
 def _ewma(old: float, new: float, alpha: float = 0.3) -> float:
     return new if old == 0.0 else (1 - alpha) * old + alpha * new
-
 
 
 @dataclass
@@ -377,7 +387,9 @@ class Sender:
             try:
                 control.open()
                 workers = [
-                    threading.Thread(target=self._worker, args=(address, session, i + 1, state, files, codec), daemon=True)
+                    threading.Thread(
+                        target=self._worker, args=(address, session, i + 1, state, files, codec), daemon=True
+                    )
                     for i in range(max(1, cfg.streams))
                 ]
                 for w in workers:
@@ -392,7 +404,10 @@ class Sender:
                     raise state.error
                 trailer = {"chunks": len(state.chunks), "raw_bytes": state.raw_total, "digest": wire.digest(state.crcs)}
                 if sealed is not None:
-                    trailer |= {"files": [list(f) for f in files.layout().files], "manifest_sha256": files.manifest_sha256()}
+                    trailer |= {
+                        "files": [list(f) for f in files.layout().files],
+                        "manifest_sha256": files.manifest_sha256(),
+                    }
                 done = control.finish(wire.signed_json(cfg.secret, b"trailer", trailer), cfg.session_timeout)
                 if not done or done[0] != 1:
                     raise IntegrityError(f"the receiver rejected the snapshot: {done[1:].decode(errors='replace')}")
@@ -424,7 +439,9 @@ class Sender:
             state.fail(TransferError(f"the snapshot was not completed: {e}"))
             raise
 
-    def _worker(self, address: str, session: bytes, stream: int, state: _SendState, files: _Files, codec: _Codec) -> None:
+    def _worker(
+        self, address: str, session: bytes, stream: int, state: _SendState, files: _Files, codec: _Codec
+    ) -> None:
         attempts = 0
         cctx = zstandard.ZstdCompressor(level=self.config.zstd_level)
         while not state.done():
@@ -452,7 +469,15 @@ class Sender:
                 log.info("stream %d broke (%s); reconnecting", stream, e)
                 time.sleep(min(0.1 * 2**attempts, 2.0))
 
-    def _pump(self, ch: Channel, state: _SendState, files: _Files, codec: _Codec, cctx: zstandard.ZstdCompressor, inflight: dict[int, None]) -> None:
+    def _pump(
+        self,
+        ch: Channel,
+        state: _SendState,
+        files: _Files,
+        codec: _Codec,
+        cctx: zstandard.ZstdCompressor,
+        inflight: dict[int, None],
+    ) -> None:
         window = threading.Semaphore(self.config.window)
         broken: list[TransferError] = []
         zeros = bytes(state.chunk_size)
@@ -464,7 +489,9 @@ class Sender:
                     _, body = wire.expect(ch, Kind.ACK, ACK.size)
                     index, ok = ACK.unpack(body)
                     if index not in inflight:
-                        raise TransferError(f"the receiver acknowledged chunk {index}, which was not sent on this stream")
+                        raise TransferError(
+                            f"the receiver acknowledged chunk {index}, which was not sent on this stream"
+                        )
                     del inflight[index]
                     state.ack(index, bool(ok))
                     window.release()
@@ -516,5 +543,3 @@ class Sender:
             codec.saw_send(len(payload) + len(head), time.monotonic() - t)
             with state.cond:
                 state.wire_bytes += len(payload) + len(head) + wire.FRAME.size
-
-

@@ -51,10 +51,11 @@ def server_handshake(ch: Channel, secret: bytes) -> tuple[Role, bytes]:
     nonce_s = os.urandom(wire.NONCE_LEN)
     ch.send(nonce_s)
     sid = struct.pack("<I", stream)
-    if not hmac.compare_digest(ch.recv_exact(wire.MAC_LEN), wire.mac(secret, b"client", session, sid, nonce_s, nonce_c)):
+    if not hmac.compare_digest(
+        ch.recv_exact(wire.MAC_LEN), wire.mac(secret, b"client", session, sid, nonce_s, nonce_c)
+    ):
         wire.send_frame(ch, Kind.ERROR, b"authentication failed")
         raise AuthError("a peer failed to prove it holds the cluster secret")
     ch.authenticated()  # before WELCOME: the sender may answer it with a large HEADER
     wire.send_frame(ch, Kind.WELCOME, wire.mac(secret, b"server", session, sid, nonce_c, nonce_s))
     return Role(role), session
-

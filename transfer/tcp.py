@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from transfer import tls as _tls  # (TcpTransport's parameter is named tls)
-from transfer.api import Channel, Listener, TlsFiles, Transport, TransferError, parse_address
+from transfer.api import Channel, Listener, TlsFiles, TransferError, Transport, parse_address
 
 BUFFER = 8 << 20
 _SMALL = 65536  # parts below this are joined into one send; larger ones go as they are
@@ -218,7 +218,9 @@ class TcpListener(Listener):
         try:
             if self.tls is None:
                 return TcpChannel(conn, self.io_timeout)
-            return TlsChannel(self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False), self.io_timeout)
+            return TlsChannel(
+                self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False), self.io_timeout
+            )
         except OSError:
             conn.close()
             return None
@@ -249,7 +251,9 @@ class TcpTransport(Transport):
         if self._client is None:
             return TcpChannel(sock, self.io_timeout)
         try:
-            ch = TlsChannel(self._client.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False), self.io_timeout)
+            ch = TlsChannel(
+                self._client.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False), self.io_timeout
+            )
         except OSError as e:
             sock.close()
             raise TransferError(f"cannot connect to {address}: {e.strerror or e}") from e

@@ -24,7 +24,14 @@ from transfer.api import AuthError, TlsFiles, TransferError
 #: OpenSSL's verify codes for a certificate that does not name the host (or IP) dialled.
 _NAME_MISMATCH = {62, 63, 64}  # X509_V_ERR_HOSTNAME_MISMATCH, _EMAIL_MISMATCH, _IP_ADDRESS_MISMATCH
 #: What OpenSSL says when the other end spoke something other than TLS.
-_NOT_TLS = {"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "HTTPS_PROXY_REQUEST", "UNKNOWN_PROTOCOL", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE"}
+_NOT_TLS = {
+    "WRONG_VERSION_NUMBER",
+    "HTTP_REQUEST",
+    "HTTPS_PROXY_REQUEST",
+    "UNKNOWN_PROTOCOL",
+    "PACKET_LENGTH_TOO_LONG",
+    "RECORD_LAYER_FAILURE",
+}
 
 
 def server_context(files: TlsFiles) -> ssl.SSLContext:
@@ -51,7 +58,9 @@ def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
     try:
         ctx.load_verify_locations(cafile=files.ca)
     except (OSError, ssl.SSLError) as e:
-        raise UsageError(f"cannot load the cluster CA from {files.ca} ({_why(e)}); give the PEM certificate the nodes' certificates are signed with.") from e
+        raise UsageError(
+            f"cannot load the cluster CA from {files.ca} ({_why(e)}); give the PEM certificate the nodes' certificates are signed with."
+        ) from e
     # OpenSSL loads the key by path: it gets the descriptor checked here (the key must be
     # private), so a file swapped in after the check is never the one used.
     fd = open_private_file(files.key, "the TLS private key")
@@ -71,13 +80,19 @@ def client_failure(e: ssl.SSLError, address: str, handshake: bool) -> TransferEr
     host = address.rpartition(":")[0].strip("[]")
     if isinstance(e, ssl.SSLCertVerificationError):
         if e.verify_code in _NAME_MISMATCH:
-            return AuthError(f"the receiver's certificate does not name {host} ({_why(e)}); dial the receiver by a name or address its certificate lists.")
-        return AuthError(f"the receiver's certificate is not signed by the cluster CA ({_why(e)}); refusing to send to it.")
+            return AuthError(
+                f"the receiver's certificate does not name {host} ({_why(e)}); dial the receiver by a name or address its certificate lists."
+            )
+        return AuthError(
+            f"the receiver's certificate is not signed by the cluster CA ({_why(e)}); refusing to send to it."
+        )
     refused = refused_by_peer(e)
     if refused is not None:
         return refused
     if handshake and e.reason in _NOT_TLS:
-        return AuthError(f"the receiver at {address} does not answer in TLS ({_why(e)}); give both nodes the TLS certificates, or neither.")
+        return AuthError(
+            f"the receiver at {address} does not answer in TLS ({_why(e)}); give both nodes the TLS certificates, or neither."
+        )
     return TransferError(f"TLS with {address} failed: {_why(e)}")
 
 
@@ -87,7 +102,9 @@ def refused_by_peer(e: OSError) -> AuthError | None:
     may learn it from its first read."""
     reason = getattr(e, "reason", None) or ""
     if "ALERT" in reason and any(k in reason for k in ("CERTIFICATE", "UNKNOWN_CA", "ACCESS_DENIED")):
-        return AuthError(f"the receiver refused this node's TLS certificate ({_why(e)}); is it signed by the same cluster CA as the receiver's?")
+        return AuthError(
+            f"the receiver refused this node's TLS certificate ({_why(e)}); is it signed by the same cluster CA as the receiver's?"
+        )
     return None
 
 

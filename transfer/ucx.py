@@ -22,7 +22,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
-from transfer.api import Channel, Listener, Transport, TransferError, parse_address
+from transfer.api import Channel, Listener, TransferError, Transport, parse_address
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 _MAX_MESSAGE = 128 << 20
@@ -99,7 +99,9 @@ class UcxChannel(Channel):
                 size, limit = int(header[0]), self._limit
                 if size > limit:
                     before = " before authenticating" if limit < _MAX_MESSAGE else ""
-                    raise TransferError(f"{self.peer} sent a message of {size} bytes{before}, over the limit of {limit}")
+                    raise TransferError(
+                        f"{self.peer} sent a message of {size} bytes{before}, over the limit of {limit}"
+                    )
                 message = np.empty(size, dtype=np.uint8)
                 await self._ep.recv(message)
                 return message

@@ -94,7 +94,9 @@ def mac(secret: bytes, *parts: bytes | bytearray) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
-def send_frame(ch: Channel, kind: Kind, body: bytes | memoryview = b"", codec: Codec = Codec.RAW, *extra: bytes | memoryview) -> None:
+def send_frame(
+    ch: Channel, kind: Kind, body: bytes | memoryview = b"", codec: Codec = Codec.RAW, *extra: bytes | memoryview
+) -> None:
     length = len(body) + sum(len(x) for x in extra)
     ch.send(FRAME.pack(kind, codec, 0, length), body, *extra)
 
@@ -172,7 +174,11 @@ class Layout:
 
     def chunks(self) -> list[tuple[int, int, int]]:
         """(file index, offset, length) of every chunk, by chunk index."""
-        return [(i, off, min(self.chunk_size, size - off)) for i, (_, size) in enumerate(self.files) for off in range(0, size, self.chunk_size)]
+        return [
+            (i, off, min(self.chunk_size, size - off))
+            for i, (_, size) in enumerate(self.files)
+            for off in range(0, size, self.chunk_size)
+        ]
 
 
 def digest(crcs: list[int]) -> str:

@@ -24,7 +24,14 @@ pytestmark = needs_criu
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -73,8 +80,12 @@ def _only_the_original_runs(cluster: Cluster, t: Ticker) -> None:
     t.verify_state()
     assert Path(f"/proc/{t.pid}").exists()
     for name in ("B", "C"):
-        assert not list((cluster.nodes[name].work / "agent" / "incoming").glob("*/images")), f"node {name} kept a snapshot"
-        assert not list((cluster.nodes[name].work / "agent" / "incoming").glob(".*.partial-*")), f"node {name} kept a partial snapshot"
+        assert not list((cluster.nodes[name].work / "agent" / "incoming").glob("*/images")), (
+            f"node {name} kept a snapshot"
+        )
+        assert not list((cluster.nodes[name].work / "agent" / "incoming").glob(".*.partial-*")), (
+            f"node {name} kept a partial snapshot"
+        )
 
 
 def test_target_agent_killed_mid_transfer(cluster: Cluster, big: Ticker) -> None:
@@ -101,7 +112,9 @@ def test_link_cut_mid_transfer(cluster: Cluster, big: Ticker) -> None:
     doc = json.loads(out)
     assert doc["state"] == "rolled_back" and "transfer" in doc["message"]
     incoming = cluster.nodes["B"].work / "agent" / "incoming"
-    wait_until(lambda: not list(incoming.glob(".*.partial-*")), "B to drop its partial snapshot once A reaches it again", 60)
+    wait_until(
+        lambda: not list(incoming.glob(".*.partial-*")), "B to drop its partial snapshot once A reaches it again", 60
+    )
     _only_the_original_runs(cluster, big)
 
 
@@ -138,7 +151,9 @@ def test_criu_restore_failing_on_target(cluster: Cluster, ticker: Ticker, tmp_pa
     """Node B's CRIU refuses every restore (a real CRIU binary behind a wrapper that fails restore)."""
     real = Criu().path
     wrapper = tmp_path / "criu-no-restore"
-    wrapper.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then echo "Error (criu/cr-restore.c:1): restore refused on this node" >&2; exit 1; fi\nexec {real} "$@"\n')
+    wrapper.write_text(
+        f'#!/bin/sh\nif [ "$1" = restore ]; then echo "Error (criu/cr-restore.c:1): restore refused on this node" >&2; exit 1; fi\nexec {real} "$@"\n'
+    )
     wrapper.chmod(0o755)
     cluster.nodes["B"].kill_agent(signal.SIGTERM)
     cluster.nodes["B"].start_agent(criu=str(wrapper))
@@ -194,7 +209,9 @@ def test_dry_run_checks_both_sides_and_freezes_nothing(cluster: Cluster, ticker:
         ("to-itself", "same agent"),
     ],
 )
-def test_bad_requests_get_one_sentence_and_freeze_nothing(cluster: Cluster, ticker: Ticker, tmp_path: Path, case: str, needle: str) -> None:
+def test_bad_requests_get_one_sentence_and_freeze_nothing(
+    cluster: Cluster, ticker: Ticker, tmp_path: Path, case: str, needle: str
+) -> None:
     pid, src, dst, secret = ticker.pid, "A", "B", None
     if case == "unknown-pid":
         pid = 4194000
@@ -287,11 +304,21 @@ def test_a_held_copy_is_not_migrated_onward(start, tmp_path: Path) -> None:  # t
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(24).hex())
     secret.chmod(0o600)
-    agent = node_of(AgentConfig(secret_file=secret, node="b", work_dir=tmp_path / "agent", metrics_listen="", tls_dir=node_certs(tmp_path, "b")))
+    agent = node_of(
+        AgentConfig(
+            secret_file=secret,
+            node="b",
+            work_dir=tmp_path / "agent",
+            metrics_listen="",
+            tls_dir=node_certs(tmp_path, "b"),
+        )
+    )
     w = start(mib=16, launched=True)
     mid = "a" * 32
     agent.journal.write(Record(mid, Role.TARGET, TargetState.READY, pid=w.pid, peer="10.0.0.1:7400"))
-    with pytest.raises(Refused, match=f"PID {w.pid} is the copy that migration {mid} restored here, held until its source"):
+    with pytest.raises(
+        Refused, match=f"PID {w.pid} is the copy that migration {mid} restored here, held until its source"
+    ):
         agent.start_migration(w.pid, "10.0.0.3:7400", dry_run=False)
     assert not agent.active and not agent.sources
     agent.journal.write(Record(mid, Role.TARGET, TargetState.DONE, pid=w.pid))  # committed: now an ordinary process

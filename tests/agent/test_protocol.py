@@ -57,7 +57,9 @@ def _resolve(target: AgentConfig, original: psutil.Process, tmp: Path) -> Node:
     return source
 
 
-def test_a_source_rolling_back_ends_its_original_when_the_target_made_its_copy_final(target: AgentConfig, original: psutil.Process, tmp_path: Path) -> None:
+def test_a_source_rolling_back_ends_its_original_when_the_target_made_its_copy_final(
+    target: AgentConfig, original: psutil.Process, tmp_path: Path
+) -> None:
     """The target took its copy over while the source could not reach it; the source, rolling
     back, learns the copy is final: it commits (ends its original) instead of waiting for ever."""
     Journal(target.work_dir / "migrations").write(_target_record(target, MID, TargetState.DONE, pid=1))
@@ -70,7 +72,9 @@ def test_a_source_rolling_back_ends_its_original_when_the_target_made_its_copy_f
         stop.set()
 
 
-def test_a_source_rolling_back_resumes_its_original_once_the_copy_is_gone(target: AgentConfig, original: psutil.Process, tmp_path: Path) -> None:
+def test_a_source_rolling_back_resumes_its_original_once_the_copy_is_gone(
+    target: AgentConfig, original: psutil.Process, tmp_path: Path
+) -> None:
     Journal(target.work_dir / "migrations").write(_target_record(target, MID, TargetState.DISCARDED, pid=1))
     stop = serving(target)
     try:
@@ -108,8 +112,14 @@ def test_a_restarted_target_drops_a_held_copy_that_did_not_survive(target: Agent
     try:
         os.kill(held.pid, signal.SIGSTOP)
         j = Journal(target.work_dir / "migrations")
-        j.write(_target_record(target, MID, TargetState.READY, pid=held.pid, create_time=psutil.Process(held.pid).create_time()))
-        j.write(_target_record(target, "e" * 32, TargetState.READY, pid=stranger.pid, create_time=1.0))  # its PID reused since
+        j.write(
+            _target_record(
+                target, MID, TargetState.READY, pid=held.pid, create_time=psutil.Process(held.pid).create_time()
+            )
+        )
+        j.write(
+            _target_record(target, "e" * 32, TargetState.READY, pid=stranger.pid, create_time=1.0)
+        )  # its PID reused since
         j.write(Record("f" * 32, Role.TARGET, TargetState.RECEIVING, snapshot=str(outside)))
         j.write(Record("a" * 32, Role.TARGET, TargetState.RECEIVING, snapshot=""))
         node_of(target).recover()

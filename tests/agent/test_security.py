@@ -27,13 +27,13 @@ from conftest import needs_criu
 from helpers import ROOT, alive, assert_one_sentence_error, tpagent, wait_until
 from snapshot import criu, hook
 from snapshot.api import UsageError
+from snapshot.held import wait_released
 from snapshot.safefs import private_dir
 from tpagent import launch, rpc
-from tpagent.config import AgentConfig
 from tpagent.api import Refused, Role, TargetState
 from tpagent.client import GrpcPeer
+from tpagent.config import AgentConfig
 from tpagent.journal import Record
-from snapshot.held import wait_released
 from tpagent.rpc import pb, stub
 from tpagent.source import target_dropped_copy, target_state
 
@@ -75,7 +75,9 @@ def _plant_module(directory: Path, marker: Path) -> None:
 
 @needs_criu
 @pytest.mark.parametrize("plant", ["out-exists", "parent-is-theirs", "grandparent-is-theirs", "shared-like-tmp"])
-def test_a_planted_out_directory_is_refused_and_runs_nothing(start, playground: Path, tmp_path: Path, plant: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_planted_out_directory_is_refused_and_runs_nothing(
+    start, playground: Path, tmp_path: Path, plant: str
+) -> None:  # type: ignore[no-untyped-def]
     """nobody prepares --out (with their own log/ and a module CRIU's hook would import), or
     owns a directory on the way to it (existing or not yet), or --out is a shared directory
     like /tmp: the dump refuses in one sentence, freezes nothing, writes and changes nothing
@@ -130,7 +132,9 @@ def test_an_agent_refuses_a_work_dir_someone_else_prepared(tmp_path: Path, playg
     try:
         work = playground / "agent"
         (work / "migrations").mkdir(parents=True)
-        record = Record("a" * 32, Role.TARGET, TargetState.RESTORING, pid=victim.pid, snapshot=str(work / "incoming" / ("a" * 32)))
+        record = Record(
+            "a" * 32, Role.TARGET, TargetState.RESTORING, pid=victim.pid, snapshot=str(work / "incoming" / ("a" * 32))
+        )
         (work / "migrations" / f"{'a' * 32}.json").write_text(json.dumps(record.to_json()))
         _give_to_nobody(work)
         proc = _serve_cli(agent_config(tmp_path, "n"), work)
@@ -170,9 +174,9 @@ def test_snapshot_files_are_root_only(start, tmp_path: Path) -> None:  # type: i
 def test_a_received_snapshot_is_root_only(tmp_path: Path, playground: Path) -> None:
     """The receiving side too, whatever the umask: the snapshot and its partial directory are
     0700 with files 0600; and it is never received into a directory of a user's."""
-    from test_transfer import Receiving, _send, digests, make_snapshot
     from transfer.api import TlsFiles, TransferError
     from transfer.tcp import TcpTransport
+    from transfer_support import Receiving, _send, digests, make_snapshot
 
     src = make_snapshot(tmp_path / "src", "random", 3)
     tls = TlsFiles.in_dir(node_certs(tmp_path, "n"))
@@ -221,7 +225,9 @@ def _refused(reason: str) -> float:
     return REGISTRY.get_sample_value("tpagent_refused_total", {"plane": "rpc", "reason": reason}) or 0.0
 
 
-def test_unauthenticated_callers_cannot_stall_the_api(tmp_path: Path, playground: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_unauthenticated_callers_cannot_stall_the_api(
+    tmp_path: Path, playground: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """nobody holds 200 TCP connections that never finish TLS, and (with a certificate of the
     cluster CA but no secret) opens 64 calls that never send their request: the calls are
     refused at once, the API answers authenticated callers, probes are answered, and each
@@ -255,7 +261,11 @@ def _raw_info(cfg: AgentConfig, metadata: list[tuple[str, str]]) -> grpc.StatusC
     creds = cfg.credentials()
     tls = grpc.ssl_channel_credentials(creds.ca, creds.key, creds.cert)
     with grpc.secure_channel(cfg.listen, tls) as ch:
-        call = ch.unary_unary("/tpagent.v1.Agent/Info", request_serializer=pb.Empty.SerializeToString, response_deserializer=pb.NodeInfo.FromString)
+        call = ch.unary_unary(
+            "/tpagent.v1.Agent/Info",
+            request_serializer=pb.Empty.SerializeToString,
+            response_deserializer=pb.NodeInfo.FromString,
+        )
         try:
             call(pb.Empty(), metadata=metadata, timeout=10)
             return grpc.StatusCode.OK
@@ -272,7 +282,9 @@ def test_captured_calls_cannot_be_replayed_or_sent_to_another_node(tmp_path: Pat
     try:
         assert _raw_info(cfg, captured) is grpc.StatusCode.OK
         assert _raw_info(cfg, captured) is grpc.StatusCode.UNAUTHENTICATED  # a replay
-        assert _raw_info(cfg, rpc.sign(secret, method, "10.9.9.9", pb.Empty())) is grpc.StatusCode.UNAUTHENTICATED  # for another node
+        assert (
+            _raw_info(cfg, rpc.sign(secret, method, "10.9.9.9", pb.Empty())) is grpc.StatusCode.UNAUTHENTICATED
+        )  # for another node
         other = rpc.sign(secret, "/tpagent.v1.Agent/Status", "127.0.0.1", pb.Empty())  # signed for another method
         assert _raw_info(cfg, other) is grpc.StatusCode.UNAUTHENTICATED
         body = [captured[0], (rpc.BODY_HEADER, "0" * 64)]  # the signature without its request
@@ -332,12 +344,23 @@ def test_streaming_calls_are_refused_by_default(tmp_path: Path) -> None:
     port = srv.add_secure_port("127.0.0.1:0", tls)
     srv.start()
     try:
-        with grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(creds.ca, creds.key, creds.cert)) as ch:
-            ask, codec = pb.NodeInfo(node="?"), {"request_serializer": pb.NodeInfo.SerializeToString, "response_deserializer": pb.NodeInfo.FromString}
-            unary = ch.unary_unary("/t.T/Unary", **codec)(ask, metadata=rpc.sign(creds.secret, "/t.T/Unary", "127.0.0.1", ask), timeout=10)
+        with grpc.secure_channel(
+            f"127.0.0.1:{port}", grpc.ssl_channel_credentials(creds.ca, creds.key, creds.cert)
+        ) as ch:
+            ask, codec = (
+                pb.NodeInfo(node="?"),
+                {"request_serializer": pb.NodeInfo.SerializeToString, "response_deserializer": pb.NodeInfo.FromString},
+            )
+            unary = ch.unary_unary("/t.T/Unary", **codec)(
+                ask, metadata=rpc.sign(creds.secret, "/t.T/Unary", "127.0.0.1", ask), timeout=10
+            )
             assert unary.node == "unary"
             with pytest.raises(grpc.RpcError) as e:
-                list(ch.stream_stream("/t.T/Stream", **codec)(iter([ask]), metadata=rpc.sign(creds.secret, "/t.T/Stream", "127.0.0.1", ask), timeout=10))
+                list(
+                    ch.stream_stream("/t.T/Stream", **codec)(
+                        iter([ask]), metadata=rpc.sign(creds.secret, "/t.T/Stream", "127.0.0.1", ask), timeout=10
+                    )
+                )
             assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
     finally:
         srv.stop(0)
@@ -359,7 +382,9 @@ def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_pat
     lookalike = as_nobody(copy, "600")
     w = start(mib=16, launched=True)
     try:
-        wait_until(lambda: "tpagent.nsinit" in " ".join(psutil.Process(forged.pid).cmdline()), "the forged command line")
+        wait_until(
+            lambda: "tpagent.nsinit" in " ".join(psutil.Process(forged.pid).cmdline()), "the forged command line"
+        )
         listed = {p.pid: p for p in agent.migratable()}
         assert forged.pid not in listed
         assert listed[w.pid].why == "launched" and listed[w.pid].owner == os.getuid() and listed[w.pid].uid == 0
@@ -429,7 +454,9 @@ def test_a_running_criu_is_recognised_by_pid_and_start_time(tmp_path: Path) -> N
         stand_in.wait()
 
 
-def test_credentials_load_from_a_kubernetes_secret_volume_but_not_through_a_users_symlink(tmp_path: Path, playground: Path) -> None:
+def test_credentials_load_from_a_kubernetes_secret_volume_but_not_through_a_users_symlink(
+    tmp_path: Path, playground: Path
+) -> None:
     """A Secret volume is a chain of root's symlinks (tls.key -> ..data/tls.key -> ..2026_x/tls.key,
     mode 0400): loaded.  A symlink of nobody's to the real files: refused in one sentence."""
     real = agent_config(tmp_path, "n")
@@ -513,7 +540,9 @@ def test_a_planted_look_alike_is_not_taken_for_a_carried_file(playground: Path, 
     mine = logs / "w.log"
     safefs.write_file(mine, io.BytesIO(b"the log's bytes"), 0, 0, 0o640, 0.0, created := [])
     assert created == [mine]
-    safefs.write_file(mine, io.BytesIO(b"the log's bytes"), 0, 0, 0o640, 0.0, again := [])  # the same file: kept as it is
+    safefs.write_file(
+        mine, io.BytesIO(b"the log's bytes"), 0, 0, 0o640, 0.0, again := []
+    )  # the same file: kept as it is
     assert again == [] and mine.stat().st_mode & 0o777 == 0o640
 
 
@@ -528,9 +557,13 @@ def test_a_restore_left_from_before_a_reboot_kills_nothing(tmp_path: Path) -> No
         (work / "restore.pid").write_text(str(bystander.pid))
         (work / criu.PIDFILE).write_text(f"12345 {psutil.boot_time() - 3600!r}")  # that CRIU ran in an earlier boot
         assert engine.kill_restored(work) == 0 and bystander.poll() is None
-        (work / criu.PIDFILE).write_text(f"12345 {psutil.Process(bystander.pid).create_time() + 5!r}")  # it started after the process
+        (work / criu.PIDFILE).write_text(
+            f"12345 {psutil.Process(bystander.pid).create_time() + 5!r}"
+        )  # it started after the process
         assert engine.kill_restored(work) == 0 and bystander.poll() is None
-        (work / criu.PIDFILE).write_text(f"12345 {psutil.Process(bystander.pid).create_time()!r}")  # the tree that CRIU started
+        (work / criu.PIDFILE).write_text(
+            f"12345 {psutil.Process(bystander.pid).create_time()!r}"
+        )  # the tree that CRIU started
         assert engine.kill_restored(work) == bystander.pid
         assert bystander.wait(10) is not None
     finally:

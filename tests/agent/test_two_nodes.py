@@ -45,7 +45,14 @@ def nodes() -> Iterator[tuple[str, str]]:
 
 
 def _on(ns: str, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, **kw)  # type: ignore[call-overload, no-any-return]
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, sys.executable, "-m", "cli.main", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
+    )  # type: ignore[call-overload, no-any-return]
 
 
 @pytest.mark.parametrize("route", ["dump-then-send", "dump-streaming"])
@@ -56,14 +63,23 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
     secret.write_text(os.urandom(24).hex())
     secret.chmod(0o600)
     log = tmp_path / "w.log"
-    launched = _on(a, "launch", "--stdout", str(tmp_path / "w.out"), "--", sys.executable, str(STATEFUL), str(log), "128")
+    launched = _on(
+        a, "launch", "--stdout", str(tmp_path / "w.out"), "--", sys.executable, str(STATEFUL), str(log), "128"
+    )
     assert launched.returncode == 0, launched.stderr
     root = int(launched.stdout)
     ticks = lambda: [int(ln.split()[1]) for ln in log.read_text().splitlines() if ln.startswith("tick ")]  # noqa: E731
     try:
         wait_until(lambda: log.exists() and len(ticks()) > 5, "the workload to run on node A")
-        env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret), "TPAGENT_TLS_DIR": str(node_certs(tmp_path, "a", "10.231.0.1"))}
-        env_b = {**env, "TPAGENT_TLS_DIR": str(node_certs(tmp_path, "b", "10.231.0.2"))}  # (A checks it names 10.231.0.2)
+        env = {
+            **os.environ,
+            "TPAGENT_SECRET_FILE": str(secret),
+            "TPAGENT_TLS_DIR": str(node_certs(tmp_path, "a", "10.231.0.1")),
+        }
+        env_b = {
+            **env,
+            "TPAGENT_TLS_DIR": str(node_certs(tmp_path, "b", "10.231.0.2")),
+        }  # (A checks it names 10.231.0.2)
         receiver = subprocess.Popen(
             ["ip", "netns", "exec", b, sys.executable, "-m", "cli.main", "receive", "--listen", "10.231.0.2:7411", "--out", str(tmp_path / "on-b"), "--json", "--timeout", "120"],
             cwd=ROOT, env=env_b, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -76,7 +92,17 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
                 assert dumped.returncode == 0, dumped.stderr
                 sent = _on(a, "send", str(tmp_path / "on-a"), "10.231.0.2:7411", "--json", env=env)
             else:
-                sent = _on(a, "dump", str(root), "--out", str(tmp_path / "on-a"), "--send-to", "10.231.0.2:7411", "--json", env=env)
+                sent = _on(
+                    a,
+                    "dump",
+                    str(root),
+                    "--out",
+                    str(tmp_path / "on-a"),
+                    "--send-to",
+                    "10.231.0.2:7411",
+                    "--json",
+                    env=env,
+                )
             assert sent.returncode == 0, sent.stderr
             stopped = ticks()[-1]
             out, _ = receiver.communicate(timeout=120)
@@ -88,7 +114,10 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
         on_a = {p.relative_to(tmp_path / "on-a"): p.read_bytes() for p in (tmp_path / "on-a").rglob("*.img")}
         on_b = {p.relative_to(tmp_path / "on-b"): p.read_bytes() for p in (tmp_path / "on-b").rglob("*.img")}
         assert on_a and on_a == on_b  # the images arrived as CRIU finished them
-        assert json.loads(out)["bytes_raw"] == sum(len(v) for v in on_b.values()) + (tmp_path / "on-b/manifest.json").stat().st_size
+        assert (
+            json.loads(out)["bytes_raw"]
+            == sum(len(v) for v in on_b.values()) + (tmp_path / "on-b/manifest.json").stat().st_size
+        )
 
         restored = _on(b, "restore", str(tmp_path / "on-b"), "--json")
         assert restored.returncode == 0, restored.stderr

@@ -25,9 +25,14 @@ for _ in range(n_tcp):
     s = socket.create_connection((host, int(port)))
     s.sendall(b"\x16\x03\x01")  # the first bytes of a TLS record, and nothing more
     held.append(s)
-creds = grpc.ssl_channel_credentials((cert_dir / "ca.crt").read_bytes(), (cert_dir / "tls.key").read_bytes(), (cert_dir / "tls.crt").read_bytes())
+creds = grpc.ssl_channel_credentials(
+    (cert_dir / "ca.crt").read_bytes(), (cert_dir / "tls.key").read_bytes(), (cert_dir / "tls.crt").read_bytes()
+)
 # 16 calls a connection (an agent takes 32 at most on one), each channel its own connection
-channels = [grpc.secure_channel(address, creds, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(-(-n_calls // 16))]
+channels = [
+    grpc.secure_channel(address, creds, options=[("grpc.use_local_subchannel_pool", 1)])
+    for _ in range(-(-n_calls // 16))
+]
 never = threading.Event()
 
 
@@ -36,7 +41,9 @@ def no_request():  # type: ignore[no-untyped-def]
     yield b""
 
 
-futures = [channels[i // 16].stream_unary("/tpagent.v1.Agent/Info").future(no_request(), timeout=20) for i in range(n_calls)]
+futures = [
+    channels[i // 16].stream_unary("/tpagent.v1.Agent/Info").future(no_request(), timeout=20) for i in range(n_calls)
+]
 codes = []
 for f in futures:
     try:

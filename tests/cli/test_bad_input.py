@@ -154,16 +154,33 @@ def test_restore_dir_without_manifest(tmp_path: Path) -> None:
         (lambda d: _edit(d, format_version=99), "newer tpagent"),
         (lambda d: _edit(d, processes=None), "malformed"),
         (lambda d: _edit(d, root_pid=1, rehash=False), "its own checksum"),
-        (lambda d: _edit(d, files={"../../etc/passwd": {"size": 1, "chunk_size": 1, "sha256": []}}), "directly under images/"),
+        (
+            lambda d: _edit(d, files={"../../etc/passwd": {"size": 1, "chunk_size": 1, "sha256": []}}),
+            "directly under images/",
+        ),
         (lambda d: _swap_for_symlink(d), "not a regular file"),
         (lambda d: _truncate(d), "truncated"),
         (lambda d: _flip_byte(d), "does not match its checksum"),
         (lambda d: _largest(d).unlink(), "is missing"),
         (lambda d: (d / "images" / "extra.img").write_bytes(b"x"), "does not list"),
     ],
-    ids=["corrupt-json", "foreign", "newer-format", "malformed", "edited", "traversal", "symlink", "truncated", "flipped-byte", "missing-file", "extra-file"],
+    ids=[
+        "corrupt-json",
+        "foreign",
+        "newer-format",
+        "malformed",
+        "edited",
+        "traversal",
+        "symlink",
+        "truncated",
+        "flipped-byte",
+        "missing-file",
+        "extra-file",
+    ],
 )
-def test_damaged_snapshot_is_refused_before_anything_starts(snapshot_dir: Path, tmp_path: Path, damage, needle: str) -> None:  # type: ignore[no-untyped-def]
+def test_damaged_snapshot_is_refused_before_anything_starts(
+    snapshot_dir: Path, tmp_path: Path, damage, needle: str
+) -> None:  # type: ignore[no-untyped-def]
     snap = _copy(snapshot_dir, tmp_path)
     pid = json.loads((snap / "manifest.json").read_text())["root_pid"]
     damage(snap)
@@ -174,7 +191,12 @@ def test_damaged_snapshot_is_refused_before_anything_starts(snapshot_dir: Path, 
 
 
 def test_gpu_map_unknown_uuid(snapshot_dir: Path) -> None:
-    proc = tpagent("restore", str(snapshot_dir), "--gpu-map", "GPU-8e8a3c4b-1111-2222-3333-444455556666=GPU-00000000-1111-2222-3333-444455556666")
+    proc = tpagent(
+        "restore",
+        str(snapshot_dir),
+        "--gpu-map",
+        "GPU-8e8a3c4b-1111-2222-3333-444455556666=GPU-00000000-1111-2222-3333-444455556666",
+    )
     assert_one_sentence_error(proc, "not a GPU of this snapshot")
     assert_one_sentence_error(tpagent("restore", str(snapshot_dir), "--gpu-map", "GPU-1"), "OLD_UUID=NEW_UUID")
     assert_one_sentence_error(tpagent("restore", str(snapshot_dir), "--gpu-map", "abc=def"), "is not a GPU UUID")
@@ -305,7 +327,9 @@ def test_restore_while_the_original_ids_are_taken(start, tmp_path: Path, held: s
 def test_a_thread_id_is_not_a_pid(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     w = start(mib=16)
     tid = next(t.id for t in psutil.Process(w.pid).threads() if t.id != w.pid)
-    assert_one_sentence_error(tpagent("dump", str(tid), "--out", str(tmp_path / "s")), f"is a thread of process {w.pid}")
+    assert_one_sentence_error(
+        tpagent("dump", str(tid), "--out", str(tmp_path / "s")), f"is a thread of process {w.pid}"
+    )
     assert not (tmp_path / "s").exists() and psutil.Process(w.pid).status() != psutil.STATUS_STOPPED
 
 
@@ -333,7 +357,9 @@ def test_carried_files_named_without_their_archive(snapshot_dir: Path, tmp_path:
 
 
 @pytest.mark.parametrize("driver", ["no-cuda-python", "driver-560"])
-def test_gpu_process_without_the_checkpoint_api_is_refused_before_any_freeze(start, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: str) -> None:  # type: ignore[no-untyped-def]
+def test_gpu_process_without_the_checkpoint_api_is_refused_before_any_freeze(
+    start, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, driver: str
+) -> None:  # type: ignore[no-untyped-def]
     """cuda-python missing, or a driver older than 570 (no checkpoint API): refused whole,
     the process never stops.  The driver module is replaced here in-process (no such driver exists here)."""
     import mmap
@@ -351,7 +377,9 @@ def test_gpu_process_without_the_checkpoint_api_is_refused_before_any_freeze(sta
     else:
         ok = 0
         old = SimpleNamespace(
-            CUresult=SimpleNamespace(CUDA_SUCCESS=ok), cuInit=lambda flags: (ok,), cuDriverGetVersion=lambda: (ok, 12060)
+            CUresult=SimpleNamespace(CUDA_SUCCESS=ok),
+            cuInit=lambda flags: (ok,),
+            cuDriverGetVersion=lambda: (ok, 12060),
         )
         monkeypatch.setitem(sys.modules, "cuda.bindings", SimpleNamespace(driver=old))
         needle = "supports CUDA 12.6; the checkpoint API needs driver 570"

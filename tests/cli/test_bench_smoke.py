@@ -35,7 +35,9 @@ def test_transfer_benchmark_runs() -> None:
 def test_pipeline_benchmark_runs() -> None:
     doc = _run("bench/pipeline.py", "--sizes-mib", "16", "--repeats", "1")
     rows = {r["route"]: r for r in doc["results"]}  # type: ignore[attr-defined]
-    assert set(rows) == {"dump-only", "sequential", "overlapped", "naive"} and all(r["seconds"] > 0 for r in rows.values())
+    assert set(rows) == {"dump-only", "sequential", "overlapped", "naive"} and all(
+        r["seconds"] > 0 for r in rows.values()
+    )
 
 
 @needs_criu

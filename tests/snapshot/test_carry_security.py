@@ -78,7 +78,9 @@ def _nothing_holds(secret: bytes, directory: Path) -> None:
 
 
 @pytest.mark.parametrize("swap", ["directory", "file"])
-def test_dump_reads_nothing_through_a_planted_symlink(workloads, arena: Path, vault: Path, tmp_path: Path, swap: str) -> None:  # type: ignore[no-untyped-def]
+def test_dump_reads_nothing_through_a_planted_symlink(
+    workloads, arena: Path, vault: Path, tmp_path: Path, swap: str
+) -> None:  # type: ignore[no-untyped-def]
     """The workload (root) writes into X/d/log, in a directory of nobody's; nobody then moves
     ``d`` (or ``log``) aside and plants a symlink to the root-only vault, where a root-only
     ``log`` is.  Carrying X/d/log must not archive the vault's file: the dump is refused in
@@ -203,7 +205,9 @@ def test_a_file_in_another_users_directory_is_refused(workloads, arena: Path, tm
     os.chown(w.log, uid, -1)
     out = tmp_path / "snap"
     proc = tpagent("dump", str(w.pid), "--out", str(out), "--carry", str(w.log))
-    assert_one_sentence_error(proc, f"{w.log} belongs to UID {uid} but its directory to UID {NOBODY.pw_uid}", "nothing was lost")
+    assert_one_sentence_error(
+        proc, f"{w.log} belongs to UID {uid} but its directory to UID {NOBODY.pw_uid}", "nothing was lost"
+    )
     assert proc.returncode == 1 and not (out / "manifest.json").exists()
     _runs_where_it_stood(w)
 
@@ -233,7 +237,11 @@ def test_carried_files_come_back_identical_with_owner_mode_and_time(workloads, a
     for f, (data, was) in frozen.items():
         now = f.stat()
         assert f.read_bytes() == data
-        assert (now.st_uid, now.st_gid, stat.S_IMODE(now.st_mode)) == (was.st_uid, was.st_gid, stat.S_IMODE(was.st_mode))
+        assert (now.st_uid, now.st_gid, stat.S_IMODE(now.st_mode)) == (
+            was.st_uid,
+            was.st_gid,
+            stat.S_IMODE(was.st_mode),
+        )
         assert abs(now.st_mtime - was.st_mtime) < 1e-3
     assert w.log.stat().st_uid == NOBODY.pw_uid and stat.S_IMODE(w.log.stat().st_mode) == 0o640
     engine.start_restored(result)

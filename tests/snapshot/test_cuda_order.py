@@ -72,7 +72,9 @@ def test_failure_after_dump_gives_the_gpu_back(cuda_workload, tmp_path: Path) ->
     w = cuda_workload
     fake = FakeCudaDriver()
     with pytest.raises(CriuError, match="sealing the snapshot failed") as err:
-        engine.checkpoint(w.pid, tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CHECKSUM), cuda_factory=lambda: fake)
+        engine.checkpoint(
+            w.pid, tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CHECKSUM), cuda_factory=lambda: fake
+        )
     assert err.value.rolled_back
     assert fake.calls == [("lock", w.pid), ("checkpoint", w.pid), ("restore", w.pid), ("unlock", w.pid)]
     assert alive(w.pid)
@@ -116,6 +118,7 @@ def test_a_stopped_restore_thread_is_refused_not_waited_on(cuda_workload, tmp_pa
     fake = FakeCudaDriver()
     engine.checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)
     w.reap()
+
     def stop(pid: int) -> None:  # e.g. a job-control stop, or a debugger
         os.kill(pid, signal.SIGSTOP)
         wait_until(lambda: psutil.Process(pid).status() == psutil.STATUS_STOPPED, "the copy to stop")
@@ -130,7 +133,9 @@ def test_a_stopped_restore_thread_is_refused_not_waited_on(cuda_workload, tmp_pa
     w.verify_state()
 
 
-def test_gpu_map_reaches_the_driver_as_uuid_pairs(cuda_workload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+def test_gpu_map_reaches_the_driver_as_uuid_pairs(
+    cuda_workload, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     """The snapshot's GPU is not on this node: without a map the restore says which to map;
     with one naming a GPU the node lacks it refuses; with a good one the driver gets the pair."""
     import json
@@ -147,7 +152,9 @@ def test_gpu_map_reaches_the_driver_as_uuid_pairs(cuda_workload, tmp_path: Path,
     # No GPU exists here: write the one the process "used" into the manifest, as NVML would have.
     path = tmp_path / "snap" / "manifest.json"
     data = json.loads(path.read_text())
-    data["gpus"] = [{"index": 0, "uuid": old, "name": "H100", "memory_total": 80 << 30, "memory_used": 1 << 30, "pids": [w.pid]}]
+    data["gpus"] = [
+        {"index": 0, "uuid": old, "name": "H100", "memory_total": 80 << 30, "memory_used": 1 << 30, "pids": [w.pid]}
+    ]
     data["manifest_sha256"] = _body_digest(data)
     path.write_text(json.dumps(data))
     here = GpuInfo(0, new, "H100", 80 << 30, 0, 40, 0, ())

@@ -46,7 +46,13 @@ def test_gpu_process_dump_restore_bit_exact(tmp_path: Path, gib: int) -> None:
 
     log = tmp_path / "gpu.log"
     with open(tmp_path / "gpu.out", "ab") as out:
-        popen = subprocess.Popen([sys.executable, str(HOLD), str(log), str(gib)], stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+        popen = subprocess.Popen(
+            [sys.executable, str(HOLD), str(log), str(gib)],
+            stdout=out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     pid = popen.pid
     try:
         wait_until(lambda: len(_steps(log)) > 5, "the GPU workload to start", 300)
@@ -54,10 +60,18 @@ def test_gpu_process_dump_restore_bit_exact(tmp_path: Path, gib: int) -> None:
         seen: dict[str, str] = {}
 
         def progress(stage: Stage, msg: str) -> None:
-            if not msg and stage in (Stage.CUDA_LOCK, Stage.CUDA_CHECKPOINT, Stage.CRIU_DUMP, Stage.CUDA_RESTORE, Stage.CUDA_UNLOCK):
+            if not msg and stage in (
+                Stage.CUDA_LOCK,
+                Stage.CUDA_CHECKPOINT,
+                Stage.CRIU_DUMP,
+                Stage.CUDA_RESTORE,
+                Stage.CUDA_UNLOCK,
+            ):
                 seen[stage.value] = driver.state(pid).value
             if not msg and stage is Stage.CUDA_RESTORE:  # the driver's restore thread lives in the restored process
-                seen["restore_thread"] = str(driver.restore_thread_id(pid) in {int(t) for t in os.listdir(f"/proc/{pid}/task")})
+                seen["restore_thread"] = str(
+                    driver.restore_thread_id(pid) in {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+                )
 
         m = engine.checkpoint(pid, tmp_path / "snap", progress=progress)
         popen.wait(timeout=60)
@@ -67,7 +81,11 @@ def test_gpu_process_dump_restore_bit_exact(tmp_path: Path, gib: int) -> None:
         uuid = m.gpus[0]["uuid"]
         result = engine.restore(tmp_path / "snap", {uuid: uuid}, progress=progress)  # exercises gpuPairs
         assert result.pid == pid
-        assert seen["cuda_restore"] == "checkpointed" and seen["cuda_unlock"] == "locked" and seen["restore_thread"] == "True"
+        assert (
+            seen["cuda_restore"] == "checkpointed"
+            and seen["cuda_unlock"] == "locked"
+            and seen["restore_thread"] == "True"
+        )
         assert driver.state(pid).value == "running"
         wait_until(lambda: _steps(log)[-1] > stopped + 5, "the restored workload to step on", 120)
         steps = _steps(log)

@@ -71,7 +71,9 @@ def driver_mount(tmp_path: Path):  # type: ignore[no-untyped-def]
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_launched_namespace_with_a_library_mapped_from_a_squashfs_mount(start, driver_mount: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_launched_namespace_with_a_library_mapped_from_a_squashfs_mount(
+    start, driver_mount: Path, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     """CRIU has no support of its own for squashfs: the node's mounts are external to the
     namespace, so a workload with a library mapped from one dumps and comes back mapped."""
     lib = driver_mount / "libdriver.so.1"
@@ -277,10 +279,14 @@ def test_one_snapshot_is_not_restored_twice(start, tmp_path: Path) -> None:  # t
     assert clone.returncode == 0, clone.stderr
     second = json.loads(clone.stdout)["pid"]
     try:
-        wait_until(lambda: len(w.ticks()) != len({t[0] for t in w.ticks()}), "the clone to tick too")  # two copies: ticks repeat
+        wait_until(
+            lambda: len(w.ticks()) != len({t[0] for t in w.ticks()}), "the clone to tick too"
+        )  # two copies: ticks repeat
     finally:
         kill_and_wait(second)
-    assert_one_sentence_error(tpagent("restore", str(snap)), f"still runs here as PID {w.pid}")  # the first is still noted
+    assert_one_sentence_error(
+        tpagent("restore", str(snap)), f"still runs here as PID {w.pid}"
+    )  # the first is still noted
     kill_and_wait(w.pid)
     again = tpagent("restore", str(snap), "--json")
     assert again.returncode == 0, again.stderr

@@ -4,7 +4,6 @@ secret, a replay) is caught.  TLS itself and attacks on the receiver: test_trans
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
@@ -15,49 +14,31 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from certs import node_certs
 from proxy import Proxy
-from snapshot.manifest import Manifest, checksum_files, load
-from snapshot.proc import ProcInfo
-from transfer.api import AuthError, Channel, Compress, IntegrityError, Listener, TlsFiles, TransferConfig, TransferError, TransferStats, Transport
+from snapshot.manifest import checksum_files, load
+from transfer.api import (
+    AuthError,
+    Channel,
+    Compress,
+    IntegrityError,
+    Listener,
+    TlsFiles,
+    TransferConfig,
+    TransferError,
+    TransferStats,
+    Transport,
+)
 from transfer.receiver import Receiver
 from transfer.sender import Sender
 from transfer.tcp import TcpTransport
 from transfer.ucx import UcxTransport
+from transfer_support import SECRET, Receiving, _send, digests, make_snapshot
 
 os.environ.setdefault("UCX_TLS", "tcp")  # no RDMA hardware here: UCX's own TCP transport
-SECRET = b"0123456789abcdef-cluster-secret"
 TRANSPORTS = ["tcp", "tcp+tls", "ucx"]
-
-
-def make_snapshot(directory: Path, kind: str, mib: float, seed: int = 0) -> Path:
-    """A snapshot-shaped directory: model-like (bf16/fp32 weights randn*0.02, Adam moments,
-    zero regions) or random bytes, with a real manifest."""
-    rng = np.random.default_rng(seed)
-    n = int(mib * 2**20)
-    (directory / "images").mkdir(parents=True)
-    if kind == "random":
-        pages = rng.bytes(n)
-    else:
-        q = n // 4
-        weights = (rng.standard_normal(q // 4) * 0.02).astype(np.float32).tobytes()
-        bf16 = (rng.standard_normal(q // 2) * 0.02).astype(np.float32).view(np.uint32) >> 16
-        moments = (np.abs(rng.standard_normal(q // 4)) * 1e-4).astype(np.float32).tobytes()
-        pages = weights + bf16.astype(np.uint16).tobytes() + moments + bytes(n - len(weights) - 2 * (q // 2) - len(moments))
-    (directory / "images" / "pages-1.img").write_bytes(pages)
-    (directory / "images" / "core-1.img").write_bytes(rng.bytes(4099))
-    (directory / "images" / "empty.img").write_bytes(b"")
-    m = Manifest(root_pid=1, namespace=False, processes=[ProcInfo(1, 0, ("x",), (1,), False)], gpus=[], criu={"version": "4.2.1", "shell_job": False, "tcp_established": False}, cuda={"driver_version": None, "pids": []}, tpagent_version="test")
-    m.files = checksum_files(directory)
-    m.write(directory)
-    return directory
-
-
-def digests(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -79,37 +60,12 @@ def tcp() -> Transport:
     return TcpTransport()
 
 
-class Receiving:
-    def __init__(self, transport: Transport, out: Path, timeout: float = 60, secret: bytes = SECRET, io_timeout: float = 10,
-                 listen: str = "127.0.0.1:0") -> None:  # fmt: skip
-        self.refused: list[str] = []  # what on_refused was called with, in order
-        self.receiver = Receiver(transport, TransferConfig(secret=secret, io_timeout=io_timeout), listen, on_refused=self.refused.append)
-        self.result: TransferStats | BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(out, timeout), daemon=True)
-        self.thread.start()
-
-    def _run(self, out: Path, timeout: float) -> None:
-        try:
-            self.result = self.receiver.receive(out, timeout)
-        except BaseException as e:  # handed to the test
-            self.result = e
-        finally:
-            self.receiver.close()
-
-    def join(self) -> TransferStats | BaseException | None:
-        self.thread.join(120)
-        return self.result
-
-
-def _send(transport: Transport, src: Path, address: str, **cfg: object) -> TransferStats:
-    config = TransferConfig(secret=cfg.pop("secret", SECRET), chunk_size=cfg.pop("chunk_size", 1 << 20), io_timeout=10, **cfg)  # type: ignore[arg-type]
-    return Sender(transport, config).send(src, address)
-
-
 @pytest.mark.parametrize("kind", ["model", "random"])
 @pytest.mark.parametrize("mib", [0.3, 9.5])
 @pytest.mark.parametrize("compress", list(Compress))
-def test_arrives_byte_identical(transport: Transport, tmp_path: Path, kind: str, mib: float, compress: Compress) -> None:
+def test_arrives_byte_identical(
+    transport: Transport, tmp_path: Path, kind: str, mib: float, compress: Compress
+) -> None:
     src = make_snapshot(tmp_path / "src", kind, mib)
     rx = Receiving(transport, tmp_path / "dst")
     stats = _send(transport, src, rx.receiver.address, compress=compress, streams=3)
@@ -124,7 +80,9 @@ def test_arrives_byte_identical(transport: Transport, tmp_path: Path, kind: str,
 
 
 @pytest.mark.parametrize("chunk_mib", [1, 8], ids=["crc32-chunks", "manifest-sha256-chunks"])
-def test_flipped_byte_is_caught_and_fetched_again(tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path, chunk_mib: int) -> None:
+def test_flipped_byte_is_caught_and_fetched_again(
+    tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path, chunk_mib: int
+) -> None:
     """Chunks of the manifest's size are checked against its SHA-256s, others by CRC-32."""
     src = make_snapshot(tmp_path / "src", "random", 6)
     rx = Receiving(tcp, tmp_path / "dst")
@@ -135,7 +93,9 @@ def test_flipped_byte_is_caught_and_fetched_again(tcp: Transport, make_proxy: Ca
     assert stats.bytes_wire > stats.bytes_raw + (chunk_mib << 20) // 2  # the damaged chunk went twice
 
 
-def test_cut_connection_resumes_where_it_stood(tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
+def test_cut_connection_resumes_where_it_stood(
+    tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path
+) -> None:
     src = make_snapshot(tmp_path / "src", "random", 12)
     rx = Receiving(tcp, tmp_path / "dst")
     proxy = make_proxy(_target(rx), cut_at=5 << 20, on=1)
@@ -146,7 +106,9 @@ def test_cut_connection_resumes_where_it_stood(tcp: Transport, make_proxy: Calla
     assert stats.bytes_wire < 1.3 * stats.bytes_raw  # resumed, not started over
 
 
-def test_dead_path_fails_cleanly_and_keeps_nothing(tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path) -> None:
+def test_dead_path_fails_cleanly_and_keeps_nothing(
+    tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path
+) -> None:
     src = make_snapshot(tmp_path / "src", "random", 8)
     rx = Receiving(tcp, tmp_path / "dst", timeout=15)
     proxy = make_proxy(_target(rx), cut_at=2 << 20, on=1, dead_after_cut=True)
@@ -217,7 +179,9 @@ def test_faults_on_every_transport(transport: Transport, tmp_path: Path, fault: 
     goes on from the last acknowledged chunk.  On TCP and on UCX alike."""
     src = make_snapshot(tmp_path / "src", "random", 20)
     rx = Receiving(transport, tmp_path / "dst")
-    harm = Harm(transport, flip_at=(3 << 20) if fault == "flip" else None, cut_at=(10 << 20) if fault == "cut" else None)
+    harm = Harm(
+        transport, flip_at=(3 << 20) if fault == "flip" else None, cut_at=(10 << 20) if fault == "cut" else None
+    )
     stats = _send(harm, src, rx.receiver.address, compress=Compress.NONE, streams=1, window=2, chunk_size=8 << 20)
     assert isinstance(rx.join(), TransferStats)
     assert harm.harmed and digests(tmp_path / "dst") == digests(src)
@@ -226,7 +190,9 @@ def test_faults_on_every_transport(transport: Transport, tmp_path: Path, fault: 
         assert harm.connects >= 3  # control, the cut stream, its reconnection
 
 
-def test_wrong_secret_is_refused_and_logged(transport: Transport, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_wrong_secret_is_refused_and_logged(
+    transport: Transport, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     src = make_snapshot(tmp_path / "src", "model", 1)
     rx = Receiving(transport, tmp_path / "dst", timeout=3)
     with caplog.at_level(logging.WARNING), pytest.raises(AuthError, match="cluster secret"):
@@ -259,7 +225,6 @@ def test_replayed_connection_is_refused(tcp: Transport, make_proxy: Callable[...
 def test_a_trickling_stranger_is_cut_off(tcp: Transport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One byte at a time, each well inside the per-read timeout: the handshake's own deadline
     (1 s here) still closes the connection, and a real sender gets through afterwards."""
-    import time
 
     from transfer import receiver
 
@@ -319,7 +284,9 @@ def make_proxy() -> Iterator[Callable[..., Proxy]]:
 
 
 @pytest.mark.parametrize("chunk_mib", [1, 3])  # 3 MiB does not divide the manifest's 64 MiB: verified at the end
-def test_snapshot_that_fails_verification_is_never_handed_over(transport: Transport, tmp_path: Path, chunk_mib: int) -> None:
+def test_snapshot_that_fails_verification_is_never_handed_over(
+    transport: Transport, tmp_path: Path, chunk_mib: int
+) -> None:
     """Every chunk arrives intact (CRCs match), but the source image was altered after its
     manifest was written: the receiver's SHA-256 check refuses the whole snapshot."""
     src = make_snapshot(tmp_path / "src", "random", 5)
@@ -351,7 +318,11 @@ def test_receiver_killed_mid_transfer(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(SECRET)
     secret.chmod(0o600)  # the CLI reads the secret only from a private file
-    env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret), "TPAGENT_TLS_DIR": str(node_certs(tmp_path / "tls", "node"))}
+    env = {
+        **os.environ,
+        "TPAGENT_SECRET_FILE": str(secret),
+        "TPAGENT_TLS_DIR": str(node_certs(tmp_path / "tls", "node")),
+    }
     rx = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "receive", "--listen", "127.0.0.1:0", "--out", str(tmp_path / "dst")],
         cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
@@ -390,7 +361,9 @@ def _wait_bytes(proxy: Proxy, n: int) -> None:
         time.sleep(0.01)
 
 
-def test_files_the_manifest_does_not_list_are_refused(tcp: Transport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_files_the_manifest_does_not_list_are_refused(
+    tcp: Transport, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A sender (holding the secret, but buggy or hostile) that slips in a file of its own."""
     from transfer import sender
     from transfer.wire import Layout
@@ -410,7 +383,9 @@ class Writer:
     """Writes a finished snapshot's files into ``dst`` piece by piece, the manifest last, as
     CRIU and the sealing hook would; ``sealed()`` answers the sender."""
 
-    def __init__(self, ref: Path, dst: Path, piece: int = 256 << 10, rewrite_first_after_send: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self, ref: Path, dst: Path, piece: int = 256 << 10, rewrite_first_after_send: Callable[[], bool] | None = None
+    ) -> None:
         self.ref, self.dst, self.piece = ref, dst, piece
         self.rewrite = rewrite_first_after_send
         self.done = threading.Event()
@@ -446,7 +421,13 @@ class Writer:
         return self.done.is_set()
 
 
-def _send_followed(transport: Transport, writer: Writer, address: str, progress: Callable[[int, int, int], None] | None = None, chunk_mib: int = 1) -> TransferStats:
+def _send_followed(
+    transport: Transport,
+    writer: Writer,
+    address: str,
+    progress: Callable[[int, int, int], None] | None = None,
+    chunk_mib: int = 1,
+) -> TransferStats:
     """chunk_mib 8 (the manifest's region): the receiver hashes chunks as they arrive, else it reads them back."""
     config = TransferConfig(secret=SECRET, chunk_size=chunk_mib << 20, io_timeout=10, streams=3)
     return Sender(transport, config, progress).send(writer.dst, address, sealed=writer.sealed)

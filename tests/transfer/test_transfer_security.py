@@ -17,15 +17,16 @@ from pathlib import Path
 
 import psutil
 import pytest
+from test_transfer import _target, trickle
 
 from certs import node_certs
 from helpers import wait_until
 from proxy import Proxy
 from snapshot.api import UsageError
-from test_transfer import SECRET, Receiving, _send, _target, digests, make_snapshot, trickle
 from transfer.api import AuthError, TlsFiles, TransferConfig, TransferError, TransferStats, Transport
 from transfer.sender import Sender
 from transfer.tcp import TcpTransport
+from transfer_support import SECRET, Receiving, _send, digests, make_snapshot
 
 TRICKLE = Path(__file__).resolve().parent.parent / "trickle_peer.py"
 
@@ -80,7 +81,9 @@ def test_sender_with_a_certificate_of_another_ca_is_refused(tmp_path: Path, cert
     assert rx.refused == ["tls_failed"]  # once: an AuthError is not retried
 
 
-def test_receiver_with_a_certificate_of_another_ca_is_refused_by_the_sender(tmp_path: Path, certs: dict[str, TlsFiles]) -> None:
+def test_receiver_with_a_certificate_of_another_ca_is_refused_by_the_sender(
+    tmp_path: Path, certs: dict[str, TlsFiles]
+) -> None:
     src = make_snapshot(tmp_path / "src", "model", 1)
     rx = Receiving(TcpTransport(tls=certs["foreign"]), tmp_path / "dst", timeout=3)
     with pytest.raises(AuthError, match="receiver's certificate is not signed by the cluster CA"):
@@ -152,7 +155,9 @@ def strangers() -> Iterator[list[subprocess.Popen[str]]]:
             p.stdout.close()
 
 
-def _trickle(started: list[subprocess.Popen[str]], address: tuple[str, int], per_source: int, sources: list[str]) -> None:
+def _trickle(
+    started: list[subprocess.Popen[str]], address: tuple[str, int], per_source: int, sources: list[str]
+) -> None:
     """tests/trickle_peer.py, as user nobody: connections that trickle a byte every 0.5 s."""
     cmd = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--",
            sys.executable, "-I", "-S", str(TRICKLE), address[0], str(address[1]), "0.5", str(per_source), *sources]  # fmt: skip
@@ -162,10 +167,11 @@ def _trickle(started: list[subprocess.Popen[str]], address: tuple[str, int], per
     assert psutil.Process(p.pid).uids().real == 65534  # nobody: a real unprivileged peer
 
 
-def test_a_stranger_that_never_finishes_tls_is_cut_off(tmp_path: Path, certs: dict[str, TlsFiles], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stranger_that_never_finishes_tls_is_cut_off(
+    tmp_path: Path, certs: dict[str, TlsFiles], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """It starts a TLS record and trickles its body, a byte well inside each read's timeout:
     the handshake deadline (1 s here) still closes it, and a real sender gets through."""
-    import time
 
     from transfer import receiver
 
@@ -173,7 +179,9 @@ def test_a_stranger_that_never_finishes_tls_is_cut_off(tmp_path: Path, certs: di
     src = make_snapshot(tmp_path / "src", "model", 1)
     rx = Receiving(TcpTransport(tls=certs["receiver"]), tmp_path / "dst")
     # A TLS handshake record of 16 KiB whose body comes a byte at a time.
-    assert trickle(rx, b"\x16\x03\x01\x40\x00", b"\0") < 20, "the receiver kept a stranger's unfinished TLS handshake open"
+    assert trickle(rx, b"\x16\x03\x01\x40\x00", b"\0") < 20, (
+        "the receiver kept a stranger's unfinished TLS handshake open"
+    )
     _send(TcpTransport(tls=certs["sender"]), src, rx.receiver.address)
     assert isinstance(rx.join(), TransferStats)
     assert digests(tmp_path / "dst") == digests(src)
@@ -187,7 +195,9 @@ def _held(port: int) -> int:
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tcp+tls"])
-def test_strangers_that_trickle_do_not_stall_a_real_sender(tmp_path: Path, certs: dict[str, TlsFiles], strangers: list[subprocess.Popen[str]], tls: bool) -> None:
+def test_strangers_that_trickle_do_not_stall_a_real_sender(
+    tmp_path: Path, certs: dict[str, TlsFiles], strangers: list[subprocess.Popen[str]], tls: bool
+) -> None:
     """180 connections from eleven other hosts (loopback addresses), each stuck in its TLS or
     HMAC handshake and opened again when closed: more than the receiver's 128 places for
     strangers, and one host more than its 16.  A real sender still gets through while they
@@ -198,7 +208,10 @@ def test_strangers_that_trickle_do_not_stall_a_real_sender(tmp_path: Path, certs
     target = _target(rx)
     _trickle(strangers, target, 15, [f"127.0.0.{i}" for i in range(2, 12)] + ["127.0.0.12"] * 2)
     counts = lambda: Counter(rx.refused)  # noqa: E731
-    wait_until(lambda: counts()["evicted"] >= 38 and counts()["per_peer_limit"] >= 14, "the receiver to evict strangers and refuse the greedy host")
+    wait_until(
+        lambda: counts()["evicted"] >= 38 and counts()["per_peer_limit"] >= 14,
+        "the receiver to evict strangers and refuse the greedy host",
+    )
     assert _held(target[1]) >= 100  # they hold their places...
     evicted = counts()["evicted"]
     stats = _send(TcpTransport(tls=certs["sender"] if tls else None), src, rx.receiver.address, streams=4)
@@ -210,7 +223,9 @@ def test_strangers_that_trickle_do_not_stall_a_real_sender(tmp_path: Path, certs
     assert set(counts()) <= {"evicted", "per_peer_limit", "handshake_timeout"}  # nothing of the sender's
 
 
-def test_strangers_on_the_senders_own_host_do_not_keep_it_out(tmp_path: Path, certs: dict[str, TlsFiles], strangers: list[subprocess.Popen[str]]) -> None:
+def test_strangers_on_the_senders_own_host_do_not_keep_it_out(
+    tmp_path: Path, certs: dict[str, TlsFiles], strangers: list[subprocess.Popen[str]]
+) -> None:
     """A local user on the sending node holds 30 connections from the node's own address, over
     its bound of 16: a newcomer from that host evicts the host's oldest stranger rather than
     being refused, so the sender's own connections still get through."""
@@ -313,7 +328,9 @@ def test_control_stream_that_never_comes_back_is_given_up(tmp_path: Path) -> Non
 # --- UCX before authentication ---------------------------------------------------------------
 
 
-def test_ucx_stranger_cannot_send_a_large_message_before_authenticating(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_ucx_stranger_cannot_send_a_large_message_before_authenticating(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A UCX peer whose first message announces 64 MiB is refused on the length alone (the
     receiver allocates nothing for it); a real sender, whose messages grow only after the
     handshake, gets through afterwards."""
@@ -342,4 +359,3 @@ def test_ucx_stranger_cannot_send_a_large_message_before_authenticating(tmp_path
     _send(transport, src, rx.receiver.address)
     assert isinstance(rx.join(), TransferStats)
     assert digests(tmp_path / "dst") == digests(src)
-

@@ -138,7 +138,14 @@ def test_close_hands_back_every_open_connection_and_ends_refusals(connect: Conne
 
 @pytest.mark.parametrize(
     ("peer", "host"),
-    [("10.0.0.1:7400", "10.0.0.1"), ("[fe80::1]:7400", "[fe80::1]"), ("node-b:1", "node-b"), ("?", None), ("ucx:worker", None), ("h:", None)],
+    [
+        ("10.0.0.1:7400", "10.0.0.1"),
+        ("[fe80::1]:7400", "[fe80::1]"),
+        ("node-b:1", "node-b"),
+        ("?", None),
+        ("ucx:worker", None),
+        ("h:", None),
+    ],
 )
 def test_peer_host(peer: str, host: str | None) -> None:
     assert peer_host(peer) == host

@@ -71,7 +71,9 @@ def test_timeouts_that_contradict_each_other_are_refused(toml: Path) -> None:
 def test_no_secret_file_is_refused(tmp_path: Path) -> None:
     empty = tmp_path / "empty.toml"
     empty.write_text("")
-    with pytest.raises(UsageError, match="no cluster secret: set secret_file in the configuration or TPAGENT_SECRET_FILE"):
+    with pytest.raises(
+        UsageError, match="no cluster secret: set secret_file in the configuration or TPAGENT_SECRET_FILE"
+    ):
         config.load(empty, env={})
     assert config.load(empty, env={"TPAGENT_SECRET_FILE": "/s"}).secret_file == Path("/s")
 

@@ -48,7 +48,13 @@ CLEAN = {
     "tpagent/rpc.py": "import grpc\nfrom transfer.wire import x\nfrom snapshot.api import SnapshotError\n",
     "tpagent/proto/__init__.py": "",
     "tpagent/proto/agent_pb2.py": "from cli import main  # generated: not ours, not read\n",
-    "cli/main.py": "import tpagent.rpc\nimport snapshot\n" + "x = 1  # " + "." * 111 + "\n" + "y = 2  # " + "." * 112 + "\n",
+    "cli/main.py": "import tpagent.rpc\nimport snapshot\n"
+    + "x = 1  # "
+    + "." * 111
+    + "\n"
+    + "y = 2  # "
+    + "." * 112
+    + "\n",
     "tpagent_rank/__init__.py": '''\
         """Runs in users' processes."""
         from __future__ import annotations
@@ -62,7 +68,9 @@ CLEAN = {
 }
 
 
-def test_a_clean_tree_passes_and_is_summarised(check_layers: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_clean_tree_passes_and_is_summarised(
+    check_layers: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = _run(check_layers, _tree(tmp_path, CLEAN), capsys)
     assert (code, err) == (0, [])
     assert out[0] == "modules: 11 (snapshot 2, transfer 3, tpagent 3, cli 1, tpagent_rank 2), 20 lines"
@@ -84,7 +92,7 @@ def test_a_clean_tree_passes_and_is_summarised(check_layers: ModuleType, tmp_pat
         (
             {
                 "tpagent/agent.py": "from tpagent import peer\n",
-                "tpagent/peer.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tpagent.agent import Agent\n",
+                "tpagent/peer.py": "import typing\nif typing.TYPE_CHECKING:\n    from tpagent.agent import Agent\n",
             },
             "cycle: tpagent.agent -> tpagent.peer -> tpagent.agent (tpagent/agent.py:1, tpagent/peer.py:3)",
         ),
@@ -159,7 +167,9 @@ def test_a_problem_is_reported_on_one_line(
     assert (code, err) == (1, [problem])
 
 
-def test_a_missing_root_is_a_usage_error(check_layers: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_missing_root_is_a_usage_error(
+    check_layers: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert check_layers.main([str(tmp_path / "nowhere")]) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert check_layers.main(["a", "b"]) == 2

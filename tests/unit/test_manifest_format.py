@@ -109,7 +109,10 @@ def test_garbage_missing_and_non_directories_are_refused(tmp_path: Path, snap: P
     [
         ({"cuda": {"driver_version": 1, "pids": [999]}}, "cuda.pids names a process not in processes"),
         ({"criu": {"version": "4.2; rm -rf /", "shell_job": False, "tcp_established": True}}, "criu.version"),
-        ({"files": {"../../etc/shadow": {"size": 1, "chunk_size": 1, "sha256": []}}}, "is not a file directly under images/"),
+        (
+            {"files": {"../../etc/shadow": {"size": 1, "chunk_size": 1, "sha256": []}}},
+            "is not a file directly under images/",
+        ),
         ({"files": {"images/a": {"size": "1", "chunk_size": 1, "sha256": []}}}, "images/a.size"),
         ({"carried": ["relative/path"]}, "carried: not a normalised absolute path"),
         ({"carried": ["/a/../etc/shadow"]}, "carried: not a normalised absolute path"),
@@ -117,7 +120,9 @@ def test_garbage_missing_and_non_directories_are_refused(tmp_path: Path, snap: P
         ({"origin": {"mode": "kill"}}, "origin.root_create_time"),
     ],
 )
-def test_a_self_consistent_but_malformed_manifest_is_refused(tmp_path: Path, changes: dict[str, Any], field: str) -> None:
+def test_a_self_consistent_but_malformed_manifest_is_refused(
+    tmp_path: Path, changes: dict[str, Any], field: str
+) -> None:
     _manifest(**changes).write(tmp_path)  # (written with a valid checksum over the bad field)
     with pytest.raises(SnapshotInvalid, match=f"is corrupt: field .*{field}"):
         manifest.load(tmp_path)

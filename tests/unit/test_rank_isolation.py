@@ -10,13 +10,30 @@ import sys
 import textwrap
 import tomllib
 from pathlib import Path
+from typing import Any
 
-import tpagent_rank
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Our packages (generic names that would shadow a user's) and our dependencies.
-OURS = {"snapshot", "transfer", "cli", "tpagent", "grpc", "grpc_health", "google", "psutil", "zstandard", "typer",
-        "prometheus_client", "pynvml", "cuda", "ucxx", "numpy", "torch"}  # fmt: skip
+OURS = {
+    "snapshot",
+    "transfer",
+    "cli",
+    "tpagent",
+    "grpc",
+    "grpc_health",
+    "google",
+    "psutil",
+    "zstandard",
+    "typer",
+    "prometheus_client",
+    "pynvml",
+    "cuda",
+    "ucxx",
+    "numpy",
+    "torch",
+}
 
 PROBE = textwrap.dedent(
     """
@@ -34,23 +51,32 @@ PROBE = textwrap.dedent(
 )
 
 
-def test_importing_it_alone_brings_only_the_standard_library(tmp_path: Path) -> None:
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What importing a copy of tpagent_rank did, alone on sys.path."""
+    site = tmp_path_factory.mktemp("site")
     shutil.copytree(ROOT / "tpagent_rank", site / "tpagent_rank", ignore=shutil.ignore_patterns("__pycache__"))
     # -I: no PYTHONPATH, no user site, not the current directory; -S: no site-packages.
     done = subprocess.run(
         [sys.executable, "-I", "-S", "-c", PROBE, str(site)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        cwd=site,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert done.returncode == 0, done.stderr
-    seen = json.loads(done.stdout)
-    assert Path(seen["file"]) == site / "tpagent_rank" / "__init__.py"
+    return {**json.loads(done.stdout), "site": str(site)}
+
+
+def test_importing_it_alone_brings_only_the_standard_library(seen: dict[str, Any]) -> None:
+    assert Path(seen["file"]) == Path(seen["site"]) / "tpagent_rank" / "__init__.py"
     tops = {name.split(".")[0] for name in seen["new"]}
     assert "tpagent_rank" in tops
     assert not tops & OURS
     assert tops - {"tpagent_rank"} <= set(seen["stdlib"])
 
 
-def test_its_version_is_the_distributions() -> None:
+def test_its_version_is_the_distributions(seen: dict[str, Any]) -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert tpagent_rank.__version__ == project["version"]
+    assert seen["version"] == project["version"]

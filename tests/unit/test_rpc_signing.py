@@ -63,7 +63,9 @@ class Server:
             return ("answered", request)
 
         def behind(details: Any) -> grpc.RpcMethodHandler:
-            return grpc.stream_stream_rpc_method_handler(echo) if streaming else grpc.unary_unary_rpc_method_handler(echo)
+            return (
+                grpc.stream_stream_rpc_method_handler(echo) if streaming else grpc.unary_unary_rpc_method_handler(echo)
+            )
 
         handler = self.interceptor.intercept_service(behind, Details(method, tuple(metadata)))
         context = Context(metadata)

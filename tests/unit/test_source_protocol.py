@@ -11,8 +11,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from protocol_fakes import FakeHeldDump, FakeTarget, sleeper, unit_context, wait
+
 from tpagent.api import Outcome, SourceState, TargetState, allowed
 from tpagent.journal import Journal
 from tpagent.source import SourceMigration, resolve_source
@@ -73,7 +73,9 @@ def test_a_target_that_refuses_first_touches_nothing(tmp_path: Path, original: s
     assert _status(original) != psutil.STATUS_STOPPED  # never frozen
 
 
-def test_a_failed_restore_resumes_the_original_after_the_copy_is_gone(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+def test_a_failed_restore_resumes_the_original_after_the_copy_is_gone(
+    tmp_path: Path, original: subprocess.Popen[bytes]
+) -> None:
     target = FakeTarget(tmp_path, restore_does="refuse")
     m, states = _run(tmp_path, target, original.pid)
     assert m.result is not None and m.result.outcome is Outcome.ROLLED_BACK
@@ -83,7 +85,9 @@ def test_a_failed_restore_resumes_the_original_after_the_copy_is_gone(tmp_path: 
     assert not m.snapshot.exists()
 
 
-def test_a_broken_restore_call_asks_the_target_and_commits_a_ready_copy(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+def test_a_broken_restore_call_asks_the_target_and_commits_a_ready_copy(
+    tmp_path: Path, original: subprocess.Popen[bytes]
+) -> None:
     target = FakeTarget(tmp_path, restore_does="vanish")
     m, _ = _run(tmp_path, target, original.pid)
     assert m.result is not None and m.result.outcome is Outcome.DONE
@@ -91,7 +95,9 @@ def test_a_broken_restore_call_asks_the_target_and_commits_a_ready_copy(tmp_path
     assert wait(lambda: original.poll() is not None)
 
 
-def test_a_silent_target_keeps_the_original_frozen_until_it_answers(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+def test_a_silent_target_keeps_the_original_frozen_until_it_answers(
+    tmp_path: Path, original: subprocess.Popen[bytes]
+) -> None:
     """The target goes quiet after holding a copy: nothing is resumed on a guess.  Once it
     answers that it dropped the copy, the source rolls back and the original runs again."""
     target = FakeTarget(tmp_path, restore_does="silent")
@@ -116,28 +122,34 @@ def test_a_copy_dropped_at_the_commit_rolls_back(tmp_path: Path, original: subpr
     assert wait(lambda: _status(original) != psutil.STATUS_STOPPED)
 
 
-def test_a_cancel_before_the_pin_rolls_back_and_one_after_is_refused(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+def test_a_cancel_before_the_pin_rolls_back_and_one_after_is_refused(
+    tmp_path: Path, original: subprocess.Popen[bytes]
+) -> None:
     target = FakeTarget(tmp_path)
     ctx = unit_context(tmp_path, target)
     m = SourceMigration(ctx, original.pid, target.address, dry_run=False)
     assert m.cancel("cancelled by the operator")
     m.run()
-    assert m.result is not None and m.result.outcome is Outcome.FAILED and "cancelled by the operator" in m.result.message
+    assert (
+        m.result is not None and m.result.outcome is Outcome.FAILED and "cancelled by the operator" in m.result.message
+    )
     done = SourceMigration(ctx, original.pid, target.address, dry_run=False)
     done.run()
     assert done.result is not None and done.result.outcome is Outcome.DONE
     assert not done.cancel("too late")  # past the pin: the copy may be running
 
 
-def test_a_restarted_source_finishes_a_commit_from_its_journal(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
+def test_a_restarted_source_finishes_a_commit_from_its_journal(
+    tmp_path: Path, original: subprocess.Popen[bytes]
+) -> None:
     """The journal says COMMITTING and the target holds the copy READY: resolving makes the
     copy final, then ends the original; nothing is asked twice of a final target."""
     target = FakeTarget(tmp_path)
     ctx = unit_context(tmp_path, target)
     mid = "a" * 32
     target.states[mid] = TargetState.READY
-    from tpagent.journal import Record
     from tpagent.api import Role
+    from tpagent.journal import Record
 
     r = Record(mid, Role.SOURCE, SourceState.COMMITTING, pid=original.pid, peer=target.address, restore_sent=True,
                snapshot=str(ctx.cfg.work_dir / "outgoing" / mid), create_time=psutil.Process(original.pid).create_time())  # fmt: skip

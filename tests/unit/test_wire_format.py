@@ -99,7 +99,11 @@ def test_struct_sizes_match_the_grammar() -> None:
     assert wire.HELLO.size == 8 + 2 + 1 + 1 + 4 + 16 + 16
     assert (wire.FRAME.size, wire.CHUNK.size, wire.ACK.size) == (8, 16, 9)
     hello = wire.HELLO.pack(wire.MAGIC, wire.VERSION, wire.Role.DATA, 0, 3, b"S" * 16, b"N" * 16)
-    assert hello[8:10] == wire.VERSION.to_bytes(2, "little") and hello[10] == 1 and hello[12:16] == (3).to_bytes(4, "little")
+    assert (
+        hello[8:10] == wire.VERSION.to_bytes(2, "little")
+        and hello[10] == 1
+        and hello[12:16] == (3).to_bytes(4, "little")
+    )
 
 
 def test_signed_json_round_trips_and_is_length_prefixed() -> None:
@@ -153,7 +157,9 @@ def test_layout_accepts_the_chunk_size_bounds() -> None:
     assert Layout((("a", 1),), 4096).count == Layout((("a", 1),), wire.MAX_CHUNK).count == 1
 
 
-@pytest.mark.parametrize("name", ["../etc/passwd", "/etc/passwd", ".hidden", "images/.x", "a/b/c", "a b", "", "images/"])
+@pytest.mark.parametrize(
+    "name", ["../etc/passwd", "/etc/passwd", ".hidden", "images/.x", "a/b/c", "a b", "", "images/"]
+)
 def test_layout_refuses_a_file_name_outside_the_grammar(name: str) -> None:
     with pytest.raises(TransferError, match="is not allowed in a snapshot stream"):
         Layout(((name, 1),), 4096)
@@ -164,7 +170,9 @@ def test_layout_refuses_a_negative_size() -> None:
         Layout((("a", -1),), 4096)
 
 
-@pytest.mark.parametrize("files", [(("a", 1), ("a", 2)), (("images", 1), ("images/a", 2))], ids=["twice", "as a folder"])
+@pytest.mark.parametrize(
+    "files", [(("a", 1), ("a", 2)), (("images", 1), ("images/a", 2))], ids=["twice", "as a folder"]
+)
 def test_layout_refuses_a_name_twice_or_a_file_as_a_folder(files: tuple[tuple[str, int], ...]) -> None:
     with pytest.raises(TransferError, match="names a file twice, or a file as a folder"):
         Layout(files, 4096)
