@@ -8,8 +8,9 @@ under `tpagent launch` and moved with `tpagent migrate`; the downtime is from th
 until the copy runs on the target (the agent's ``downtime`` timing), next to each stage.
 In the same run, the naive route on the same workload: bare `criu dump` into a directory,
 `cp -a` of that directory, bare `criu restore` (its downtime is the sum).  Medians over
---repeats, each route after the same memory warm-up (see ``warm``).  --gpu: the state is GPU memory (tests/workloads/gpu_hold.py), sizes in MiB of
-GPU memory.  Must run as root.  Prints a table, then one JSON object.
+--repeats, each route after the same memory warm-up (see ``warm``).  --gpu: the state is GPU
+memory (tests/workloads/gpu_hold.py), sizes in MiB of GPU memory.  Must run as root.  Prints
+a table, then one JSON object.
 """
 
 from __future__ import annotations
@@ -70,11 +71,35 @@ def agents(work: Path, creds: dict[str, str]) -> list[subprocess.Popen[bytes]]:
     for i, port in enumerate(PORTS):
         d = work / f"agent{i}"
         d.mkdir(mode=0o700)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "serve", "--listen", f"127.0.0.1:{port}", "--advertise", "127.0.0.1", "--node", f"bench{i}",
-             "--work-dir", str(d), "--metrics-listen", "", "--health-listen", "", "--secret-file", creds["TPAGENT_SECRET_FILE"],
-             "--tls-dir", creds["TPAGENT_TLS_DIR"]],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(d / "log", "wb")))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "cli.main",
+                    "serve",
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--advertise",
+                    "127.0.0.1",
+                    "--node",
+                    f"bench{i}",
+                    "--work-dir",
+                    str(d),
+                    "--metrics-listen",
+                    "",
+                    "--health-listen",
+                    "",
+                    "--secret-file",
+                    creds["TPAGENT_SECRET_FILE"],
+                    "--tls-dir",
+                    creds["TPAGENT_TLS_DIR"],
+                ],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=open(d / "log", "wb"),  # noqa: SIM115 (the agent's log: open for the agent's whole life)
+            )
+        )
     time.sleep(3)
     return procs
 
@@ -134,8 +159,15 @@ def main() -> None:
                     rounds.append(t | naive_round(kind, size, work))
                 keys = sorted({k for r in rounds for k in r})
                 med = {k: statistics.median(r.get(k, 0.0) for r in rounds) for k in keys}
-                results.append({"kind": kind, "size_mib": size, "repeats": args.repeats, **med,
-                                "downtime_ratio_to_naive": med["tpagent_downtime"] / med["naive_downtime"]})  # fmt: skip
+                results.append(
+                    {
+                        "kind": kind,
+                        "size_mib": size,
+                        "repeats": args.repeats,
+                        **med,
+                        "downtime_ratio_to_naive": med["tpagent_downtime"] / med["naive_downtime"],
+                    }
+                )
         finally:
             for p in procs:
                 p.terminate()

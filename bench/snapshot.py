@@ -146,8 +146,20 @@ def main() -> None:
         }
         results.append({"kind": kind, "size_mib": size, "repeats": args.repeats, **med, **rates})
 
-    cols = ["cuda_checkpoint_s", "criu_dump_s", "checksum_s", "tpagent_dump_s", "naive_dump_s", "floor_write_s",
-            "verify_s", "criu_restore_s", "cuda_restore_s", "tpagent_restore_s", "naive_restore_s", "floor_read_s"]  # fmt: skip
+    cols = [
+        "cuda_checkpoint_s",
+        "criu_dump_s",
+        "checksum_s",
+        "tpagent_dump_s",
+        "naive_dump_s",
+        "floor_write_s",
+        "verify_s",
+        "criu_restore_s",
+        "cuda_restore_s",
+        "tpagent_restore_s",
+        "naive_restore_s",
+        "floor_read_s",
+    ]
     head = f"{'size':>8} {'image GiB':>9} " + " ".join(f"{c[:-2]:>17}" for c in cols)
     print(head)
     for r in results:
@@ -159,9 +171,11 @@ def main() -> None:
     for r in results:
         gb = r["image_bytes"] / 1e9
         print(
-            f"{r['size_mib']:>6}Mi  dump {gb / r['tpagent_dump_s']:.2f} GB/s (x{r['tpagent_dump_s'] / r['naive_dump_s']:.2f} naive, "
+            f"{r['size_mib']:>6}Mi  dump {gb / r['tpagent_dump_s']:.2f} GB/s "
+            f"(x{r['tpagent_dump_s'] / r['naive_dump_s']:.2f} naive, "
             f"x{r['tpagent_dump_s'] / r['floor_write_s']:.2f} floor)   restore {gb / r['tpagent_restore_s']:.2f} GB/s "
-            f"(x{r['tpagent_restore_s'] / r['naive_restore_s']:.2f} naive, x{r['tpagent_restore_s'] / r['floor_read_s']:.2f} floor)"
+            f"(x{r['tpagent_restore_s'] / r['naive_restore_s']:.2f} naive, "
+            f"x{r['tpagent_restore_s'] / r['floor_read_s']:.2f} floor)"
         )
     doc = {"benchmark": "snapshot", "dir": str(args.dir), "results": results}
     common.emit(args, doc)

@@ -114,7 +114,7 @@ def migrate(
         typer.echo("\ninterrupted: the agent rolls the migration back...", err=True)
         last = _wait_final(agent, pb, last)
         _report(last, as_json, dry_run)
-        raise typer.Exit(EXIT_INTERRUPTED)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     code = _report(last, as_json, dry_run)
     raise typer.Exit(code)
 

@@ -78,7 +78,8 @@ def main() -> None:
         print(f"      {reference[i]:<44} | {restored[i] if i < len(restored) else '-'}")
     if not same:
         first = next(
-            (i for i, (a, b) in enumerate(zip(reference, restored)) if a != b), min(len(reference), len(restored))
+            (i for i, (a, b) in enumerate(zip(reference, restored, strict=False)) if a != b),
+            min(len(reference), len(restored)),
         )
         sys.exit(f"demo: FAILED: the loss sequences differ from step {first}")
     print(f"demo: OK: all {len(reference)} losses bit-identical across the checkpoint/restore (files in {work})")

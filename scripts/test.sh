@@ -5,9 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/mypy
-# TODO(format pass): enable both once the repository has been formatted.
-# .venv/bin/ruff check .
-# .venv/bin/ruff format --check .
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/python scripts/check_layers.py
 
 # The unit tier needs no privilege, and proves it: it runs as nobody, with a home and a temporary

@@ -178,9 +178,9 @@ class Criu:
             detail = log_errors(work / "dump.log") or proc.stderr.strip()
             if "Can't dump ghost file" in detail:
                 raise CriuError(
-                    f"PID {pid} holds a deleted-but-open file larger than the ghost limit ({opts.ghost_limit / 2**20:.0f} MiB), "
-                    "which CRIU would have to copy into the snapshot; raise it with --ghost-limit-mib (TPAGENT_GHOST_LIMIT_MIB, "
-                    "the agent's ghost_limit_mib)",
+                    f"PID {pid} holds a deleted-but-open file larger than the ghost limit "
+                    f"({opts.ghost_limit / 2**20:.0f} MiB), which CRIU would have to copy into the snapshot; "
+                    "raise it with --ghost-limit-mib (TPAGENT_GHOST_LIMIT_MIB, the agent's ghost_limit_mib)",
                     detail=detail,
                     code=proc.returncode,
                 )

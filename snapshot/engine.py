@@ -27,7 +27,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -311,10 +311,8 @@ def _rolled_back(
     except (CudaError, KeyboardInterrupt) as r:
         problem = str(r) or "interrupted"
     for p in (out / IMAGES_DIR).glob("*"):  # a partial snapshot must never look restorable
-        try:
+        with suppress(OSError):
             p.unlink()
-        except OSError:
-            pass
     (out / manifest.MANIFEST_NAME).unlink(missing_ok=True)
     if isinstance(e, KeyboardInterrupt) or (out / LOG_DIR / hook.CANCEL_FILE).exists():
         err: SnapshotError = Interrupted(f"the checkpoint of PID {pid} was interrupted")

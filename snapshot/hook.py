@@ -21,6 +21,7 @@ holds the original this way until its copy runs elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -165,10 +166,9 @@ def main() -> int:
         if "TPAGENT_HOOK_HOLD" in os.environ:
             hold(out, float(os.environ["TPAGENT_HOOK_HOLD"]))
     except Exception as e:  # any failure must make CRIU roll back, and say why
-        try:
+        # (a full disk) CRIU still rolls back; the engine reports the failure
+        with contextlib.suppress(OSError):
             (out / "log" / ERROR_FILE).write_text(f"{type(e).__name__}: {e}")
-        except OSError:
-            pass  # (a full disk) CRIU still rolls back; the engine reports the failure
         return 1
     return 0
 

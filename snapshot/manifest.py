@@ -17,8 +17,9 @@
     GPU        ::= {"index", "uuid", "name", "memory_total", "memory_used", ...}
 
 RELPATH is relative to the snapshot directory.  Each file is hashed in CHUNK_SIZE pieces
-(one SHA-256 per piece, in order) so that all cores hash a large page image at once.  A reader refuses a ``format_version``
-newer than :data:`FORMAT_VERSION`; older versions are read as long as they are supported.
+(one SHA-256 per piece, in order) so that all cores hash a large page image at once.  A reader
+refuses a ``format_version`` newer than :data:`FORMAT_VERSION`; older versions are read as
+long as they are supported.
 """
 
 from __future__ import annotations
@@ -218,13 +219,13 @@ def checksum_files(directory: Path, workers: int | None = None) -> dict[str, dic
     sizes = [p.stat().st_size for p in paths]
     jobs = [
         (p, off, min(CHUNK_SIZE, size - off))
-        for p, size in zip(paths, sizes)
+        for p, size in zip(paths, sizes, strict=False)
         for off in range(0, max(size, 1), CHUNK_SIZE)
     ]
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 2) as pool:
         digests = iter(pool.map(sha256_range, jobs))
     out: dict[str, dict[str, Any]] = {}
-    for p, size in zip(paths, sizes):
+    for p, size in zip(paths, sizes, strict=False):
         n = max(1, -(-size // CHUNK_SIZE))
         out[str(p.relative_to(directory))] = {
             "size": size,

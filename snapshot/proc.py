@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -177,10 +177,8 @@ def alive(pid: int) -> bool:
 
 def signal_tree(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
-        try:
+        with suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def tree_pids(pid: int) -> list[int]:

@@ -4,7 +4,8 @@ tpagent runs as root on nodes that other users share.  Every directory it writes
 it created itself with mode 0700, or an existing one of its own (owned by the user running
 tpagent, writable by no one else, or else empty; made 0700 before use) reached through
 directories no other user can change and no symlink but root's: a directory planted by
-someone else (their own ``log/`` swapped in, say) is refused in one sentence.  Secrets and private keys are read only from files private to the same user.
+someone else (their own ``log/`` swapped in, say) is refused in one sentence.  Secrets and
+private keys are read only from files private to the same user.
 
 Carried files (what a checkpointed process had open, taken along in its snapshot) are read
 by the dump and written back by the restore, both as root, along a path that a user may
@@ -75,7 +76,8 @@ def _open_private_dir(at: Path, path: Path, empty: bool, created: bool, dir_fd: 
         os.close(fd)
         raise UsageError(
             f"{at} already exists with owner UID {st.st_uid} and mode {stat.S_IMODE(st.st_mode):o}; tpagent only uses "
-            f"a directory of its own that no one else could write to (they could plant files in it): remove it or give a new one."
+            "a directory of its own that no one else could write to (they could plant files in it): "
+            "remove it or give a new one."
         )
     if stat.S_IMODE(st.st_mode) != PRIVATE:
         os.fchmod(fd, PRIVATE)  # ours: shut it before looking inside (the umask may have taken bits too)
@@ -293,7 +295,8 @@ def check_owner(dir_uid: int, uid: int, path: Path) -> None:
     if dir_uid not in (0, uid):
         raise UsageError(
             f"{path} belongs to UID {uid} but its directory to UID {dir_uid}, and tpagent carries a file only "
-            "from a directory owned by root or by the file's owner: move the file, or give the directory to one of them."
+            "from a directory owned by root or by the file's owner: move the file, "
+            "or give the directory to one of them."
         )
 
 
@@ -357,7 +360,8 @@ def write_file(path: Path, source: IO[bytes], uid: int, gid: int, mode: int, mti
         except FileExistsError:  # (also where a symlink is: O_EXCL follows none)
             if not _holds(parent, path, source, (uid, gid, mode & 0o777)):
                 raise UsageError(
-                    f"{path} exists on this node with other content, owner or mode; the process had it open: move it away first."
+                    f"{path} exists on this node with other content, owner or mode; "
+                    "the process had it open: move it away first."
                 ) from None
             return
     finally:

@@ -46,14 +46,14 @@ class Node:
     def start_agent(self, **settings: str) -> None:
         settings = {"metrics_listen": "", **settings}  # (no metrics unless a test asks)
         env = {**os.environ, **self.env, **{f"TPAGENT_{k.upper()}": v for k, v in settings.items()}}
-        log = open(self.work / "agent.log", "ab")
-        self.agent = subprocess.Popen(
-            self.exec(sys.executable, "-m", "cli.main", "serve", "--listen", self.agent_address, "--advertise", self.addr,
-                      "--node", self.name, "--work-dir", str(self.work / "agent"), "--secret-file", str(self.secret),
-                      "--tls-dir", str(self.tls), "--health-listen", self.health_address),
-            cwd=ROOT, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        log.close()
+        with open(self.work / "agent.log", "ab") as log:
+            self.agent = subprocess.Popen(
+                self.exec(sys.executable, "-m", "cli.main", "serve", "--listen", self.agent_address,
+                          "--advertise", self.addr, "--node", self.name, "--work-dir", str(self.work / "agent"),
+                          "--secret-file", str(self.secret), "--tls-dir", str(self.tls),
+                          "--health-listen", self.health_address),
+                cwd=ROOT, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
         wait_until(self._serving, f"the agent of {self.name} to serve", 60)
 
     def _serving(self) -> bool:
@@ -62,7 +62,8 @@ class Node:
             raise AssertionError(f"the agent of {self.name} exited: {(self.work / 'agent.log').read_text()[-3000:]}")
         probe = subprocess.run(
             [sys.executable, "-c", f"import grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; "
-             f"print(g.HealthStub(grpc.insecure_channel('{self.health_address}')).Check(h.HealthCheckRequest(), timeout=2).status)"],
+             f"print(g.HealthStub(grpc.insecure_channel('{self.health_address}'))"
+             ".Check(h.HealthCheckRequest(), timeout=2).status)"],
             capture_output=True, text=True, cwd=ROOT,
         )  # fmt: skip
         return probe.stdout.strip() == "1"
@@ -168,7 +169,8 @@ class Ticker:
     def launch(cls, node: Node, tmp: Path, mib: int = 256) -> Ticker:
         t = cls(tmp / "w.log")
         out = subprocess.run(
-            node.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp / "w.out"), "--", sys.executable, str(STATEFUL), str(t.log), str(mib)),
+            node.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp / "w.out"),
+                      "--", sys.executable, str(STATEFUL), str(t.log), str(mib)),
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr

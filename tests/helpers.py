@@ -143,7 +143,7 @@ class Workload:
 def assert_continuous(ticks: list[tuple[int, int, int]]) -> None:
     """Ticks count up by exactly one with no restart; thread and pipe values never go back."""
     assert ticks, "no ticks"
-    for (n0, c0, p0), (n1, c1, p1) in zip(ticks, ticks[1:]):
+    for (n0, c0, p0), (n1, c1, p1) in zip(ticks, ticks[1:], strict=False):
         assert n1 == n0 + 1, f"tick {n0} followed by tick {n1}"
         assert c1 >= c0 and p1 >= p0, f"thread state went back at tick {n1}"
 

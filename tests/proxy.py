@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Callable
@@ -32,7 +33,8 @@ class Proxy:
 
     def __post_init__(self) -> None:
         self.server = socket.create_server(self.listen)
-        self.address = "%s:%d" % self.server.getsockname()[:2]
+        host, port = self.server.getsockname()[:2]
+        self.address = f"{host}:{port:d}"
         self.dead = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -88,8 +90,6 @@ class Proxy:
             if record:
                 self.recorded.append(bytes(log))
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
             src.close()  # each socket is the source of exactly one pipe

@@ -266,7 +266,10 @@ class Timeouts:
         k = TIMEOUT_KEYS
         rules = [
             # A restore is an ordinary call that may last: shorter would cut restores off.
-            (self.rpc < self.restore, f"{k['rpc']} ({self.rpc:g} s) must be shorter than {k['restore']} ({self.restore:g} s)"),
+            (
+                self.rpc < self.restore,
+                f"{k['rpc']} ({self.rpc:g} s) must be shorter than {k['restore']} ({self.restore:g} s)",
+            ),
             # A stalled stream must be noticed (and retried) well inside the hold.
             (self.io < self.hold, f"{k['io']} ({self.io:g} s) must be shorter than {k['hold']} ({self.hold:g} s)"),
             # A rollback's question must fit at least one whole answer.

@@ -29,7 +29,8 @@ class Credentials:
             ca, cert = files.ca.read_bytes(), files.cert.read_bytes()
         except OSError as e:
             raise UsageError(
-                f"cannot read the TLS certificate {e.filename}: {e.strerror}; put the cluster CA (ca.crt) and this node's "
-                f"certificate (tls.crt, tls.key) in {tls_dir} (scripts/make-certs.sh makes them, or cert-manager)."
+                f"cannot read the TLS certificate {e.filename}: {e.strerror}; "
+                f"put the cluster CA (ca.crt) and this node's certificate (tls.crt, tls.key) in {tls_dir} "
+                "(scripts/make-certs.sh makes them, or cert-manager)."
             ) from e
         return cls(secret, ca, cert, key)

@@ -4,7 +4,8 @@ Like a container runtime, each workload gets a fresh PID namespace, so the PIDs 
 give back on restore can never collide with processes on the target node; the namespace
 gets its own /proc (hence a mount namespace), which CUDA needs to initialise inside it.
 The namespace's init is :mod:`tpagent.nsinit`.  The command returns once the init has
-started the workload (or says why it could not) and reports the init's PID (as seen from the node), which is what ``tpagent dump`` takes.
+started the workload (or says why it could not) and reports the init's PID (as seen from the
+node), which is what ``tpagent dump`` takes.
 
 Each launch leaves a record in a root-only directory (:data:`RECORDS`): the init's PID, start
 time and PID-namespace inode, and who launched it.  The agent treats a process as a launched

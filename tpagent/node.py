@@ -200,8 +200,10 @@ class Node:
         node, problems = self.cfg.node, []
         need = offer.bytes_estimate
         if self.cfg.memory_limit and need > self.cfg.memory_limit:
-            problems.append(f"{node} accepts at most {self.cfg.memory_limit / 2**30:.2f} GiB per migration (memory_limit); "
-                            f"this one needs {need / 2**30:.2f} GiB")  # fmt: skip
+            problems.append(
+                f"{node} accepts at most {self.cfg.memory_limit / 2**30:.2f} GiB per migration (memory_limit); "
+                f"this one needs {need / 2**30:.2f} GiB"
+            )
         available = psutil.virtual_memory().available
         if need * 1.1 > available:
             problems.append(f"{node} has {available / 2**30:.2f} GiB of memory free; "

@@ -11,6 +11,7 @@ It reports on READY_FD (then closes it): ``ok`` once the workload started, else 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -68,10 +69,8 @@ def main(argv: list[str]) -> int:
     os.close(ready)
 
     def forward(signum: int, _frame: object) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signum)
-        except ProcessLookupError:
-            pass
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)

@@ -56,7 +56,8 @@ class Service(AgentServicer):
 
     def ListProcesses(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.ProcessList:
         return pb.ProcessList(processes=[
-            pb.Process(pid=p.pid, cmdline=list(p.cmdline), rss=p.rss, uses_gpu=p.uses_gpu, why=p.why, uid=p.uid, owner=p.owner)
+            pb.Process(pid=p.pid, cmdline=list(p.cmdline), rss=p.rss, uses_gpu=p.uses_gpu, why=p.why,
+                       uid=p.uid, owner=p.owner)
             for p in self.node.migratable()
         ])  # fmt: skip
 
@@ -82,8 +83,9 @@ class Service(AgentServicer):
         return status_pb(_answer(context, lambda: self.node.cancel(request.migration_id)))
 
     def Receive(self, request: pb.ReceiveRequest, context: grpc.ServicerContext) -> pb.ReceiveReply:
-        offer = Offer(str(request.migration_id), str(request.source_node), str(request.source_agent), int(request.bytes_estimate),
-                      tuple(request.gpu_uuids), tuple(request.shared_files), bool(request.dry_run))  # fmt: skip
+        offer = Offer(str(request.migration_id), str(request.source_node), str(request.source_agent),
+                      int(request.bytes_estimate), tuple(request.gpu_uuids), tuple(request.shared_files),
+                      bool(request.dry_run))  # fmt: skip
         a = _answer(context, lambda: self.node.receive(offer))
         return pb.ReceiveReply(transfer_address=a.transfer_address, gpu_map=dict(a.gpu_map), problems=list(a.problems))
 

@@ -38,8 +38,12 @@ class Incoming:
         self.ctx = ctx
         self.dir = cfg.work_dir / "incoming" / mid
         private_dir(self.dir.parent)
-        self.receiver = Receiver(ctx.transport(), ctx.transfer_config, f"{cfg.advertised_host}:{cfg.transfer_port}",
-                                 on_refused=lambda reason: metrics.REFUSED.labels("transfer", reason).inc())  # fmt: skip
+        self.receiver = Receiver(
+            ctx.transport(),
+            ctx.transfer_config,
+            f"{cfg.advertised_host}:{cfg.transfer_port}",
+            on_refused=lambda reason: metrics.REFUSED.labels("transfer", reason).inc(),
+        )
         # The name the sender dials is the one its TLS check holds the certificate against.
         host, port = cfg.advertised_host, self.receiver.address.rpartition(":")[2]
         self.address = cfg.transfer_address or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")

@@ -141,13 +141,13 @@ class Channel(abc.ABC):
     def set_timeout(self, seconds: float | None) -> None:
         """How long a receive may wait for the peer (None: for ever)."""
 
-    def establish(self) -> None:
+    def establish(self) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
         """Finish setting up a channel that :meth:`Listener.accept` returned (TCP with TLS:
         its handshake).  The receiver calls it in the connection's own thread, under its
         handshake deadline, so a peer that never completes it cannot hold up ``accept``.
         TLS that fails raises :class:`AuthError`."""
 
-    def authenticated(self) -> None:
+    def authenticated(self) -> None:  # noqa: B027 (an optional hook: nothing to do by default)
         """The peer has passed the HMAC handshake: lift the limits kept on a stranger (UCX:
         the largest message it may send).  Until then a channel accepts only handshake-sized
         messages."""

@@ -8,6 +8,7 @@ cannot crowd out those that passed them.  A transfer whose control stream breaks
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -234,7 +235,8 @@ class Receiver:
                 if evicted.refused is Refusal.PER_PEER_LIMIT:
                     self._refused(
                         evicted,
-                        f"it was the oldest of its host's {MAX_STRANGERS_PER_HOST} connections still in their handshakes",
+                        f"it was the oldest of its host's {MAX_STRANGERS_PER_HOST} connections "
+                        "still in their handshakes",
                     )
                 else:
                     self._refused(
@@ -254,8 +256,14 @@ class Receiver:
             self._refused(entry, f"it did not complete its handshake within {HANDSHAKE_TIMEOUT:g} s")
         grace, now = self.config.io_timeout, time.monotonic()
         with self._ready:
-            lapsed = [s for s in self._sessions.values()
-                      if s.control is None and s.orphaned is not None and now - s.orphaned > grace and (s.outcome is not None or not s.verifying)]  # fmt: skip
+            lapsed = [
+                s
+                for s in self._sessions.values()
+                if s.control is None
+                and s.orphaned is not None
+                and now - s.orphaned > grace
+                and (s.outcome is not None or not s.verifying)
+            ]
             for s in lapsed:
                 s.orphaned = None
                 if s.outcome is None:
@@ -326,8 +334,12 @@ class Receiver:
             log.warning("stream from %s failed: %s", ch.peer, e)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 free = shutil.disk_usage(self._out.parent).free
-                self._finish(TransferError(f"the disk holding {self._out.parent} is full ({free / 2**20:.0f} MiB free); nothing was "
-                                           "kept: free space there, or receive into another place"))  # fmt: skip
+                self._finish(
+                    TransferError(
+                        f"the disk holding {self._out.parent} is full ({free / 2**20:.0f} MiB free); nothing was "
+                        "kept: free space there, or receive into another place"
+                    )
+                )
             self._finish(TransferError(f"receiving failed: {e}"))
         finally:
             self._gate.release(entry)
@@ -456,10 +468,8 @@ class Receiver:
         while s.claimed and time.monotonic() < deadline:  # a chunk being written ends before its file closes
             time.sleep(0.001)
         for fd in s.fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         s.fds = []
         shutil.rmtree(s.partial, ignore_errors=True)
 
@@ -522,7 +532,7 @@ class Receiver:
             raise IntegrityError("the chunks that arrived do not add up to the files the trailer names")
         if sorted(s.where) != list(range(layout.count)):
             raise IntegrityError("the chunks are not numbered 0..N-1")
-        for fi, (_, size) in zip(order, layout.files):
+        for fi, (_, size) in zip(order, layout.files, strict=False):
             os.ftruncate(s.fds[fi], size)  # a file that ends in zeros was left short (sparse)
         s.layout, s.followed = layout, True
 

@@ -4,6 +4,7 @@ control stream's too)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -218,7 +219,7 @@ class _Files:
         return out
 
     def layout(self) -> Layout:
-        return Layout(tuple(zip(self.names, self.queued)), self.chunk_size)
+        return Layout(tuple(zip(self.names, self.queued, strict=False)), self.chunk_size)
 
     def manifest_sha256(self) -> str:
         with open(self.root / snapmanifest.MANIFEST_NAME, "rb") as f:
@@ -339,10 +340,9 @@ class _Control:
 
     @staticmethod
     def _send(ch: Channel, kind: Kind, body: bytes) -> None:
-        try:
+        # a broken connection: the reader notices, opens another and sends the trailer there
+        with contextlib.suppress(TransferError):
             wire.send_frame(ch, kind, body)
-        except TransferError:
-            pass  # a broken connection: the reader notices, opens another and sends the trailer there
 
 
 class Sender:
@@ -374,8 +374,12 @@ class Sender:
                 files.open_all(layout)
                 state.add(layout.chunks())
                 state.close()
-                header = {"snapshot_id": snapshot.name, "chunk_size": cfg.chunk_size,
-                          "files": [list(f) for f in layout.files], "manifest_sha256": files.manifest_sha256()}  # fmt: skip
+                header = {
+                    "snapshot_id": snapshot.name,
+                    "chunk_size": cfg.chunk_size,
+                    "files": [list(f) for f in layout.files],
+                    "manifest_sha256": files.manifest_sha256(),
+                }
                 if cfg.chunk_size == snapmanifest.CHUNK_SIZE:  # the manifest's SHA-256s check each chunk
                     digests = {name: e["sha256"] for name, e in snapmanifest.load(snapshot).files.items()}
                     header["sha256"] = digests

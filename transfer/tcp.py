@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import select
 import socket
@@ -28,7 +29,7 @@ class TcpChannel(Channel):
             sock.setsockopt(socket.SOL_SOCKET, opt, BUFFER)
         self.sock = sock
         self._scratch = bytearray()
-        self.peer = "%s:%s" % sock.getpeername()[:2]
+        self.peer = "{}:{}".format(*sock.getpeername()[:2])
         self._closing = threading.Lock()  # interrupt() never reaches a descriptor close() has freed
         self._closed = False
 
@@ -92,10 +93,9 @@ class TcpChannel(Channel):
                 self._shutdown()
 
     def _shutdown(self) -> None:
-        try:  # the plain socket's shutdown: an SSLSocket's would drop its TLS state under a thread still in it
+        # the plain socket's shutdown: an SSLSocket's would drop its TLS state under a thread still in it
+        with contextlib.suppress(OSError):
             socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def close(self) -> None:
         with self._closing:
@@ -180,7 +180,7 @@ class TlsChannel(TcpChannel):
         sent = 0
         while sent < len(view):
             part = view[sent:]  # after WANT_WRITE, OpenSSL wants the same buffer again: this one
-            sent += self._call(lambda: self.tls.send(part))
+            sent += self._call(lambda: self.tls.send(part))  # noqa: B023 (_call runs it before the loop goes on)
 
     def _recv_into(self, view: memoryview) -> int:
         return self._call(lambda: self.tls.recv_into(view))
@@ -206,7 +206,7 @@ class TcpListener(Listener):
             raise TransferError(f"cannot listen on {address}: {e.strerror or e}") from e
         self.io_timeout = io_timeout
         self.tls = tls_context
-        self.address = "%s:%s" % self.sock.getsockname()[:2]
+        self.address = "{}:{}".format(*self.sock.getsockname()[:2])
 
     def accept(self, timeout: float | None) -> Channel | None:
         """The next connection; with TLS, its handshake is left to :meth:`Channel.establish`."""

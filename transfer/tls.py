@@ -59,7 +59,8 @@ def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
         ctx.load_verify_locations(cafile=files.ca)
     except (OSError, ssl.SSLError) as e:
         raise UsageError(
-            f"cannot load the cluster CA from {files.ca} ({_why(e)}); give the PEM certificate the nodes' certificates are signed with."
+            f"cannot load the cluster CA from {files.ca} ({_why(e)}); "
+            "give the PEM certificate the nodes' certificates are signed with."
         ) from e
     # OpenSSL loads the key by path: it gets the descriptor checked here (the key must be
     # private), so a file swapped in after the check is never the one used.
@@ -81,7 +82,8 @@ def client_failure(e: ssl.SSLError, address: str, handshake: bool) -> TransferEr
     if isinstance(e, ssl.SSLCertVerificationError):
         if e.verify_code in _NAME_MISMATCH:
             return AuthError(
-                f"the receiver's certificate does not name {host} ({_why(e)}); dial the receiver by a name or address its certificate lists."
+                f"the receiver's certificate does not name {host} ({_why(e)}); "
+                "dial the receiver by a name or address its certificate lists."
             )
         return AuthError(
             f"the receiver's certificate is not signed by the cluster CA ({_why(e)}); refusing to send to it."
@@ -91,7 +93,8 @@ def client_failure(e: ssl.SSLError, address: str, handshake: bool) -> TransferEr
         return refused
     if handshake and e.reason in _NOT_TLS:
         return AuthError(
-            f"the receiver at {address} does not answer in TLS ({_why(e)}); give both nodes the TLS certificates, or neither."
+            f"the receiver at {address} does not answer in TLS ({_why(e)}); "
+            "give both nodes the TLS certificates, or neither."
         )
     return TransferError(f"TLS with {address} failed: {_why(e)}")
 
@@ -103,7 +106,8 @@ def refused_by_peer(e: OSError) -> AuthError | None:
     reason = getattr(e, "reason", None) or ""
     if "ALERT" in reason and any(k in reason for k in ("CERTIFICATE", "UNKNOWN_CA", "ACCESS_DENIED")):
         return AuthError(
-            f"the receiver refused this node's TLS certificate ({_why(e)}); is it signed by the same cluster CA as the receiver's?"
+            f"the receiver refused this node's TLS certificate ({_why(e)}); "
+            "is it signed by the same cluster CA as the receiver's?"
         )
     return None
 

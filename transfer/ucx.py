@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import queue
 import threading
@@ -94,9 +95,9 @@ class UcxChannel(Channel):
         while len(self._buf) - self._pos < n:
             header = np.empty(1, dtype=np.uint64)
 
-            async def go() -> Any:
-                await self._ep.recv(header)
-                size, limit = int(header[0]), self._limit
+            async def go() -> Any:  # (self._loop.run below ends it, or raises, before the loop goes on)
+                await self._ep.recv(header)  # noqa: B023
+                size, limit = int(header[0]), self._limit  # noqa: B023
                 if size > limit:
                     before = " before authenticating" if limit < _MAX_MESSAGE else ""
                     raise TransferError(
@@ -127,10 +128,8 @@ class UcxChannel(Channel):
     def close(self) -> None:
         if self._done is not None:
             self._loop.loop.call_soon_threadsafe(self._done.set)
-        try:
+        with contextlib.suppress(TransferError):
             self._loop.run(self._ep.close(), 5, "close")
-        except TransferError:
-            pass
 
 
 class UcxListener(Listener):

@@ -28,8 +28,9 @@ once, whichever stream brings the TRAILER.
 Chunks number the files' bytes in HEADER order, CHUNK_SIZE at a time (an empty file has
 none).  A followed snapshot's files are sent as they grow: the sender numbers chunks as it
 queues them, each chunk names its file and offset, and the authenticated TRAILER gives the
-final files, which the chunks that arrived must cover exactly.  ``digest`` is SHA-256 over every chunk's INDEX:u64 CRC32:u32, in order.  The MACs are
-HMAC-SHA256 under the cluster secret; the whole snapshot is then checked against the
+final files, which the chunks that arrived must cover exactly.  ``digest`` is SHA-256 over
+every chunk's INDEX:u64 CRC32:u32, in order.  The MACs are HMAC-SHA256 under the cluster
+secret; the whole snapshot is then checked against the
 manifest's SHA-256s, whose own digest the authenticated HEADER carries.
 """
 

@@ -111,7 +111,8 @@ def test_a_failure_reported_after_the_tree_was_ended_keeps_the_snapshot(start, t
     wrapper = tmp_path / "criu-late-failure"
     wrapper.write_text(
         f'#!/bin/sh\n{Criu().path} "$@"; rc=$?\n'
-        'if [ "$1" = dump ] && [ $rc = 0 ]; then echo "Error (criu/cr-dump.c:1): a late failure" >&2; exit 1; fi\nexit $rc\n'
+        'if [ "$1" = dump ] && [ $rc = 0 ]; then echo "Error (criu/cr-dump.c:1): a late failure" >&2; exit 1; fi\n'
+        "exit $rc\n"
     )
     wrapper.chmod(0o755)
     w = start(mib=64)

@@ -81,7 +81,8 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
             "TPAGENT_TLS_DIR": str(node_certs(tmp_path, "b", "10.231.0.2")),
         }  # (A checks it names 10.231.0.2)
         receiver = subprocess.Popen(
-            ["ip", "netns", "exec", b, sys.executable, "-m", "cli.main", "receive", "--listen", "10.231.0.2:7411", "--out", str(tmp_path / "on-b"), "--json", "--timeout", "120"],
+            ["ip", "netns", "exec", b, sys.executable, "-m", "cli.main", "receive", "--listen", "10.231.0.2:7411",
+             "--out", str(tmp_path / "on-b"), "--json", "--timeout", "120"],
             cwd=ROOT, env=env_b, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:

@@ -144,15 +144,18 @@ def test_gpu_process_migrates_between_two_agents(tmp_path: Path) -> None:
     agents = []
     for i, port in enumerate((7581, 7582)):
         (tmp_path / f"agent{i}").mkdir()
-        agents.append(subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "serve", "--listen", f"127.0.0.1:{port}", "--advertise", "127.0.0.1",
-             "--node", f"gpu{i}", "--work-dir", str(tmp_path / f"agent{i}"), "--metrics-listen", "", "--secret-file", str(secret)],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"agent{i}.log", "wb")))  # fmt: skip
+        with open(tmp_path / f"agent{i}.log", "wb") as agent_log:
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "cli.main", "serve", "--listen", f"127.0.0.1:{port}", "--advertise", "127.0.0.1",
+                 "--node", f"gpu{i}", "--work-dir", str(tmp_path / f"agent{i}"), "--metrics-listen", "",
+                 "--secret-file", str(secret)],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=agent_log))  # fmt: skip
     root, log = _launch_hold(tmp_path, 8)
     try:
         wait_until(lambda: len(_steps(log)) > 5, "the GPU workload to start", 300)
         env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret)}
-        mig = subprocess.run([sys.executable, "-m", "cli.main", "migrate", str(root), "--from", "127.0.0.1:7581", "--to", "127.0.0.1:7582", "--json"],
+        mig = subprocess.run([sys.executable, "-m", "cli.main", "migrate", str(root),
+                              "--from", "127.0.0.1:7581", "--to", "127.0.0.1:7582", "--json"],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
         assert mig.returncode == 0, mig.stderr + (tmp_path / "agent0.log").read_text()[-3000:]
         doc = json.loads(mig.stdout)

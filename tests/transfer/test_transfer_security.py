@@ -5,6 +5,7 @@ that breaks, and what a UCX stranger may send before it has authenticated."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import socket
@@ -103,7 +104,7 @@ def test_receiver_must_be_named_by_its_certificate(tmp_path: Path, certs: dict[s
     assert isinstance(rx.join(), TransferError) and _nothing_kept(tmp_path)
 
     rx = Receiving(TcpTransport(tls=certs["receiver"]), tmp_path / "dst2")
-    _send(TcpTransport(tls=certs["sender"]), src, "localhost:%d" % _target(rx)[1])
+    _send(TcpTransport(tls=certs["sender"]), src, f"localhost:{_target(rx)[1]:d}")
     assert isinstance(rx.join(), TransferStats)
     assert digests(tmp_path / "dst2") == digests(src)
 
@@ -160,7 +161,8 @@ def _trickle(
 ) -> None:
     """tests/trickle_peer.py, as user nobody: connections that trickle a byte every 0.5 s."""
     cmd = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--",
-           sys.executable, "-I", "-S", str(TRICKLE), address[0], str(address[1]), "0.5", str(per_source), *sources]  # fmt: skip
+           sys.executable, "-I", "-S", str(TRICKLE), address[0], str(address[1]), "0.5", str(per_source),
+           *sources]  # fmt: skip
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     started.append(p)
     assert p.stdout is not None and p.stdout.readline() == "ready\n"
@@ -190,7 +192,8 @@ def test_a_stranger_that_never_finishes_tls_is_cut_off(
 
 def _held(port: int) -> int:
     """The receiver's connections from the strangers' hosts (127.0.0.2 and up), as the kernel sees them."""
-    return sum(1 for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.raddr and c.raddr.ip != "127.0.0.1"
+    return sum(1 for c in psutil.net_connections("tcp")
+               if c.laddr and c.laddr.port == port and c.raddr and c.raddr.ip != "127.0.0.1"
                and c.status == psutil.CONN_ESTABLISHED)  # fmt: skip
 
 
@@ -255,10 +258,8 @@ class CuttableProxy(Proxy):
 
     def cut(self, n: int) -> None:
         for s in self.pipes[n]:
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 def _transport(certs: dict[str, TlsFiles], tls: bool, end: str) -> Transport:

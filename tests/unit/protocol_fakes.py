@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -212,8 +213,6 @@ def sleeper() -> subprocess.Popen[bytes]:
 
 
 def wait(cond: Callable[[], bool], seconds: float = 10.0) -> bool:
-    import time
-
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if cond():

@@ -13,8 +13,8 @@ import psutil
 import pytest
 from protocol_fakes import FakeHeldDump, FakeTarget, sleeper, unit_context, wait
 
-from tpagent.api import Outcome, SourceState, TargetState, allowed
-from tpagent.journal import Journal
+from tpagent.api import Outcome, Role, SourceState, TargetState, allowed
+from tpagent.journal import Journal, Record
 from tpagent.source import SourceMigration, resolve_source
 
 
@@ -110,7 +110,7 @@ def test_a_silent_target_keeps_the_original_frozen_until_it_answers(
     target.reachable.set()
     assert wait(lambda: _record_on_disk(m) == "rolled_back", 30)
     assert wait(lambda: _status(original) != psutil.STATUS_STOPPED)
-    assert not m.ctx.threads.running()
+    assert wait(lambda: not m.ctx.threads.running())  # the resolver ends once it has rolled back
 
 
 def test_a_copy_dropped_at_the_commit_rolls_back(tmp_path: Path, original: subprocess.Popen[bytes]) -> None:
@@ -148,11 +148,9 @@ def test_a_restarted_source_finishes_a_commit_from_its_journal(
     ctx = unit_context(tmp_path, target)
     mid = "a" * 32
     target.states[mid] = TargetState.READY
-    from tpagent.api import Role
-    from tpagent.journal import Record
-
     r = Record(mid, Role.SOURCE, SourceState.COMMITTING, pid=original.pid, peer=target.address, restore_sent=True,
-               snapshot=str(ctx.cfg.work_dir / "outgoing" / mid), create_time=psutil.Process(original.pid).create_time())  # fmt: skip
+               snapshot=str(ctx.cfg.work_dir / "outgoing" / mid),
+               create_time=psutil.Process(original.pid).create_time())  # fmt: skip
     ctx.journal.write(r)
     released: list[bool] = []
     resolve_source(ctx, r, lambda: released.append(True))

@@ -37,7 +37,8 @@ if "--map" in sys.argv:
 ghost = None
 if "--ghost" in sys.argv:
     at = sys.argv.index("--ghost")
-    ghost = open(sys.argv[at + 1], "w+b")
+    # (open for the workload's whole life: a deleted file still open is what CRIU must carry)
+    ghost = open(sys.argv[at + 1], "w+b")  # noqa: SIM115
     ghost.write(os.urandom(int(sys.argv[at + 2]) << 20))
     ghost.flush()
     os.unlink(sys.argv[at + 1])
