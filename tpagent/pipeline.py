@@ -4,6 +4,11 @@ With ``overlap`` the sender follows the snapshot directory while CRIU writes it 
 :meth:`transfer.sender.Sender.send`): image bytes go out as soon as they are on disk, and the
 transfer ends a little after the dump.  Without it the dump finishes first, then the send
 starts.  ``bench/pipeline.py`` measures both; overlapping is the default.
+
+This is the CLI's ``dump --send-to``: the dump runs in the main thread, so that Ctrl-C reaches
+CRIU's post-dump hook as a rollback, and the send in a thread.  A migration's dump is held
+until its copy runs, so the agent runs it the other way round (:class:`snapshot.held.HeldDump`
+in a thread, the send in the migration's own thread: :mod:`tpagent.source`).
 """
 
 from __future__ import annotations
