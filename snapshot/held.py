@@ -21,7 +21,6 @@ from pathlib import Path
 
 from snapshot import criu, engine, hook
 from snapshot.api import DumpMode, SnapshotConfig
-from snapshot.manifest import Manifest
 
 
 class HeldDump:
@@ -30,7 +29,6 @@ class HeldDump:
         self.log_dir = out / engine.LOG_DIR
         self._thread = thread
         self.error: BaseException | None = None
-        self.manifest: Manifest | None = None
 
     @classmethod
     def start(cls, pid: int, out: Path, config: SnapshotConfig, hold: float, carry: Sequence[Path] = ()) -> HeldDump:
@@ -40,7 +38,7 @@ class HeldDump:
 
         def run() -> None:
             try:
-                dump.manifest = engine.checkpoint(pid, out, DumpMode.KILL, replace(config, hold=hold), carry=carry)
+                engine.checkpoint(pid, out, DumpMode.KILL, replace(config, hold=hold), carry=carry)
             except BaseException as e:  # handed to whoever holds the handle
                 dump.error = e
 
@@ -67,11 +65,6 @@ class HeldDump:
         """From now on only a decision ends the hold (a copy may start elsewhere).  True once
         the hook has seen it; False if CRIU let the tree go first: then no copy may start."""
         return hook.pin(self.out, self.running, timeout)
-
-    def cancel(self) -> None:
-        """Make a dump that is not yet held fail (CRIU rolls back); a held one is let go."""
-        if self.log_dir.is_dir():
-            (self.log_dir / hook.CANCEL_FILE).touch()
 
     def let_go(self, timeout: float | None = None) -> None:
         """Abort the hold: CRIU rolls the dump back and the original runs on where it stood.

@@ -39,6 +39,7 @@ timeouts are checked against each other at load (:class:`tpagent.api.Timeouts`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import socket
 import tomllib
@@ -98,7 +99,7 @@ class AgentConfig:
                 f"the setting transport = {self.transport!r} is not valid: choose one of {', '.join(NAMES)}."
             )
 
-    @property
+    @functools.cached_property
     def timeouts(self) -> Timeouts:
         try:
             return Timeouts(

@@ -30,6 +30,7 @@ from tpagent import metrics
 from tpagent.client import GrpcPeer
 from tpagent.config import AgentConfig
 from tpagent.context import Context
+from tpagent.credentials import Credentials
 from tpagent.journal import Journal
 from tpagent.node import Node
 from tpagent.rpc import AuthInterceptor, Health, HealthOnly, pb_grpc
@@ -69,10 +70,12 @@ def structured_logs(level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
-def context(cfg: AgentConfig, snapshot_config: SnapshotConfig = SnapshotConfig()) -> Context:
+def context(
+    cfg: AgentConfig, creds: Credentials | None = None, snapshot_config: SnapshotConfig = SnapshotConfig()
+) -> Context:
     """Everything the protocol needs, wired for a real agent: its journal, gRPC peers, the
     configured transport and this node's credentials (read and checked now)."""
-    creds = cfg.credentials()
+    creds = creds or cfg.credentials()
     t = cfg.timeouts
     transfer = TransferConfig(secret=creds.secret, compress=Compress(cfg.compress), io_timeout=t.io,
                               connect_timeout=min(10.0, t.io),
@@ -110,10 +113,10 @@ def serve(cfg: AgentConfig, ready: threading.Event | None = None, stop: threadin
 
 def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Event, force: threading.Event) -> None:
     private_dir(cfg.work_dir)
-    ctx = context(cfg)
+    creds = cfg.credentials()
+    ctx = context(cfg, creds)
     node = Node(ctx)
     node.recover()
-    creds = cfg.credentials()
     health = Health()
     interceptor = AuthInterceptor(
         creds.secret, cfg.audiences, health, lambda reason: metrics.REFUSED.labels("rpc", reason).inc()

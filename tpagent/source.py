@@ -93,7 +93,6 @@ class SourceMigration:
         self.target_told = False
         self.problems: list[str] = []  # a dry run's findings
         self.carry: list[Path] = []
-        self.gpu_map: dict[str, str] = {}
         self.freeze_t0 = 0.0
         self.log = logging.LoggerAdapter(log, {"node": ctx.cfg.node, "migration": mid})
         if not dry_run:
@@ -228,7 +227,6 @@ class SourceMigration:
             acceptance = target.receive(offer, t.rpc)
         except AgentError as e:
             raise _Failure(f"the target agent {self.target} cannot be used: {e}") from e
-        self.gpu_map = dict(acceptance.gpu_map)
         self.problems = list(acceptance.problems)
         if self.dry_run:
             try:

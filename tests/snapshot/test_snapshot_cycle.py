@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu
-from helpers import alive, assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
+from helpers import Workload, alive, assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
 
 pytestmark = needs_criu
 
@@ -165,13 +165,7 @@ def test_carried_file_is_put_back_where_the_process_had_it(start, tmp_path: Path
     assert proc.returncode == 0, proc.stderr
     frozen = w.log.read_bytes()
     w.log.unlink()
-    proc = tpagent("restore", str(tmp_path / "snap"), "--json")
-    assert proc.returncode == 0, proc.stderr
-    w.pid = json.loads(proc.stdout)["pid"]
-    assert w.log.read_bytes()[: len(frozen)] == frozen
-    stopped_at = int(frozen.decode().splitlines()[-1].split()[1])
-    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 10, "the restored workload to write on into its log")
-    assert_continuous(w.ticks())
+    _restores_and_writes_on(w, tmp_path / "snap", frozen, 10)
 
 
 def test_carried_file_with_other_content_on_the_node_stops_the_restore(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -229,13 +223,7 @@ def test_carried_file_that_cannot_be_put_back(workloads, tmp_path: Path) -> None
     ], proc.stderr
     assert w.log.parent.read_text() == "a file where the directory was\n"
     w.log.parent.unlink()
-    proc = tpagent("restore", str(tmp_path / "snap"), "--json")
-    assert proc.returncode == 0, proc.stderr
-    w.pid = json.loads(proc.stdout)["pid"]
-    assert w.log.read_bytes()[: len(frozen)] == frozen
-    stopped_at = int(frozen.decode().splitlines()[-1].split()[1])
-    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to write on")
-    assert_continuous(w.ticks())
+    _restores_and_writes_on(w, tmp_path / "snap", frozen, 5)
 
 
 def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -291,3 +279,15 @@ def test_one_snapshot_is_not_restored_twice(start, tmp_path: Path) -> None:  # t
     again = tpagent("restore", str(snap), "--json")
     assert again.returncode == 0, again.stderr
     w.pid = json.loads(again.stdout)["pid"]
+
+
+def _restores_and_writes_on(w: Workload, snap: Path, frozen: bytes, steps: int) -> None:
+    """Restore ``snap``: the carried log is back as it was at the freeze (``frozen``), and the
+    copy writes ``steps`` more ticks into it, continuous with those before."""
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    assert w.log.read_bytes()[: len(frozen)] == frozen
+    stopped_at = int(frozen.decode().splitlines()[-1].split()[1])
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + steps, "the restored workload to write on into its log")
+    assert_continuous(w.ticks())
