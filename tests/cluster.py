@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -82,9 +83,26 @@ class Node:
         return (self.work / "agent.log").read_text(errors="replace")
 
 
+def _claim_subnet() -> tuple[int, int]:
+    """A /24 of 10.233.0.0/16 no other cluster on this machine uses (several test runs may
+    share it: helpers, a second checkout), held by an flock for the cluster's life."""
+    locks = Path("/run/tpagent-tests")
+    locks.mkdir(mode=0o700, exist_ok=True)
+    for k in range(250):
+        fd = os.open(locks / f"net-{k}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return k, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise AssertionError("no free test subnet in 10.233.0.0/16")
+
+
 class Cluster:
     def __init__(self, tmp: Path, names: list[str]) -> None:
         self.tag = uuid.uuid4().hex[:6]
+        self.net, self._net_lock = _claim_subnet()
+        self.bridge_addr = f"10.233.{self.net}.254"  # the host's end: test proxies listen there
         self.bridge = f"tpbr-{self.tag}"
         self.secret = tmp / "secret"
         self.secret.write_text(os.urandom(24).hex())
@@ -92,7 +110,7 @@ class Cluster:
         self.tmp = tmp
         self.nodes: dict[str, Node] = {}
         ip("link", "add", self.bridge, "type", "bridge")
-        ip("addr", "add", "10.233.0.254/24", "dev", self.bridge)
+        ip("addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge)
         ip("link", "set", self.bridge, "up")
         for i, name in enumerate(names, start=1):
             ns, host_end, dev = f"tp{name}-{self.tag}", f"h{name}-{self.tag}", f"n{name}-{self.tag}"
@@ -101,14 +119,14 @@ class Cluster:
             ip("link", "set", dev, "netns", ns)
             ip("link", "set", host_end, "master", self.bridge)
             ip("link", "set", host_end, "up")
-            addr = f"10.233.0.{i}"
+            addr = f"10.233.{self.net}.{i}"
             ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             ip("-n", ns, "link", "set", dev, "up")
             ip("-n", ns, "link", "set", "lo", "up")
             work = tmp / name
             work.mkdir()
             # (the bridge's address too: test proxies listen there)
-            self.nodes[name] = Node(ns, addr, dev, work, self.secret, node_certs(tmp, ns, addr, "10.233.0.254"))
+            self.nodes[name] = Node(ns, addr, dev, work, self.secret, node_certs(tmp, ns, addr, self.bridge_addr))
 
     def close(self) -> None:
         for node in self.nodes.values():
@@ -116,6 +134,7 @@ class Cluster:
         for node in self.nodes.values():
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        os.close(self._net_lock)
 
     def _migrate_cmd(self, pid: int, src: str, dst: str, *extra: str) -> list[str]:
         return [sys.executable, "-m", "cli.main", "migrate", str(pid), "--from", self.nodes[src].agent_address,

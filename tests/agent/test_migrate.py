@@ -121,12 +121,12 @@ def test_link_cut_mid_transfer(cluster: Cluster, big: Ticker) -> None:
 def test_corrupted_chunk_is_fetched_again(cluster: Cluster, big: Ticker) -> None:
     """A byte flipped on the wire between the agents: caught by the chunk's SHA-256, sent again."""
     a, b = cluster.nodes["A"], cluster.nodes["B"]
-    proxy = Proxy((b.addr, 7411), flip_at=1 << 20, on=1, listen=("10.233.0.254", 7412))
+    proxy = Proxy((b.addr, 7411), flip_at=1 << 20, on=1, listen=(cluster.bridge_addr, 7412))
     try:
         a.kill_agent(signal.SIGTERM)
         a.start_agent(streams="1")  # one data stream: the proxy's connection 1 carries every chunk
         b.kill_agent(signal.SIGTERM)
-        b.start_agent(transfer_port="7411", transfer_address="10.233.0.254:7412")
+        b.start_agent(transfer_port="7411", transfer_address=f"{cluster.bridge_addr}:7412")
         proc = cluster.migrate(big.pid, "A", "B", "--json")
         assert proc.returncode == 0, proc.stderr
         assert proxy.connections >= 2 and proxy.flipped == 1  # the transfer went through the proxy, and was hit
@@ -207,7 +207,7 @@ def test_dry_run_checks_both_sides_and_freezes_nothing(cluster: Cluster, ticker:
         ("unknown-pid", "no process with PID"),
         ("not-migratable", "not a migratable process"),
         ("unreachable", "cannot be reached"),
-        ("wrong-secret", "the agent at 10.233.0.1:7400 refused the call: a wrong cluster secret"),
+        ("wrong-secret", "the agent at {A} refused the call: a wrong cluster secret"),
         ("to-itself", "same agent"),
     ],
 )
@@ -229,7 +229,7 @@ def test_bad_requests_get_one_sentence_and_freeze_nothing(
     elif case == "to-itself":
         dst = "A"
     proc = cluster.migrate(pid, src, dst, secret=secret)
-    assert_one_sentence_error(proc, needle)
+    assert_one_sentence_error(proc, needle.format(A=cluster.nodes["A"].agent_address))
     ticker.assert_one_copy_continuous()
     if case == "wrong-secret":
         assert "refused /tpagent.v1.Agent/Migrate" in cluster.nodes["A"].agent_log()  # and logged
@@ -337,10 +337,10 @@ def test_source_node_lost_after_the_restore_the_copy_takes_over(cluster: Cluster
     on A, never runs again: when A's agent comes back it finds the copy DONE and ends it."""
     a, b = cluster.nodes["A"], cluster.nodes["B"]
     b.kill_agent(signal.SIGTERM)
-    b.start_agent(takeover_after="3", aliases="10.233.0.254")  # (A reaches it there, below)
+    b.start_agent(takeover_after="3", aliases=cluster.bridge_addr)  # (A reaches it there, below)
     # A reaches B's agent through a proxy that swallows B's answers once B holds its copy: the
     # Restore reply never reaches A, which then dies (its node "lost") before it can commit.
-    proxy = Proxy((b.addr, int(b.agent_address.rpartition(":")[2])), listen=("10.233.0.254", 7413))
+    proxy = Proxy((b.addr, int(b.agent_address.rpartition(":")[2])), listen=(cluster.bridge_addr, 7413))
     proxy.swallow_replies = lambda: "ready" in _journal_states(b)
     try:
         env = cluster.cli_env("A")
