@@ -50,7 +50,7 @@ from snapshot.api import (
     producer_version,
 )
 from snapshot.criu import PIDFILE, Criu, DumpOptions, RestoreOptions
-from snapshot.cuda import CudaDriver, uuid_bytes, uuid_text
+from snapshot.cuda import CudaDriver, CudaState, uuid_bytes, uuid_text
 from snapshot.manifest import IMAGES_DIR, Manifest
 from snapshot.safefs import private_dir, private_opener
 
@@ -519,13 +519,15 @@ def _note_copy(m: Manifest, root: int) -> None:
 
 
 def start_restored(result: RestoreResult, cuda_factory: CudaFactory = CudaDriver) -> None:
-    """Let a copy restored with ``start=False`` run: unlock its GPU, or resume its tree."""
+    """Let a copy restored with ``start=False`` run: unlock its GPU, or resume its tree.
+    Idempotent (an agent that restarted half-way through lets it go again)."""
     m = result.manifest
     if m.cuda_pids:
         cuda = cuda_factory()
         mapping = _restored_pids(m, result.pid)
         for p in m.cuda_pids:
-            cuda.unlock(mapping[p])
+            if cuda.state(mapping[p]) is CudaState.LOCKED:
+                cuda.unlock(mapping[p])
     else:
         proc.signal_tree(list(result.pids), signal.SIGCONT)
 

@@ -57,6 +57,11 @@ class HeldDump:
             return self._thread.is_alive()
         return criu.running_in(self.log_dir)
 
+    def holder_lost(self) -> bool:
+        """Whether CRIU ended without a decision (killed, crashed, or the node rebooted): the
+        original then runs again, if it still exists."""
+        return not self.running() and not (self.log_dir / hook.DECISION_FILE).exists()
+
     def sealed(self) -> bool:
         """Whether the snapshot is complete on disk and the hook holds the frozen tree."""
         return (self.log_dir / hook.HELD_FILE).exists()

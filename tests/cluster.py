@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +77,37 @@ class Node:
             # `ip netns exec` execs the agent: the Popen PID is the agent itself.
             os.kill(self.agent.pid, sig)
             self.agent.wait(30)
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process in this node's network namespace (its agent, CRIU, workloads)."""
+        ns = Path(f"/run/netns/{self.name}").stat().st_ino
+        out = []
+        for p in psutil.process_iter():
+            try:
+                if os.stat(f"/proc/{p.pid}/ns/net").st_ino == ns:
+                    out.append(p)
+            except OSError:
+                continue
+        return out
+
+    def reboot(self) -> None:
+        """What a power cycle does to this node: every process of it stopped at once, then
+        killed (workloads, frozen or not, never run again; CRIU and its hook die with them),
+        and what its tmpfs held gone: the snapshots in flight.  The journal is on persistent
+        storage (work/agent/migrations) and stays.  The agent is not started again."""
+        for _ in range(3):  # (stopped first, so that nothing runs on once CRIU is gone)
+            for p in self.processes():
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(signal.SIGSTOP)
+        procs = self.processes()
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if self.agent is not None:
+            self.agent.wait(30)  # (our child: reaped here, else it stays a zombie)
+        psutil.wait_procs(procs, timeout=30)
+        for d in ("incoming", "outgoing"):
+            shutil.rmtree(self.work / "agent" / d, ignore_errors=True)
 
     def link(self, up: bool) -> None:
         ip("-n", self.name, "link", "set", self.dev, "up" if up else "down")

@@ -17,27 +17,56 @@ Source (the node the process leaves)::
                writes them.  CRIU's post-dump hook then *holds* the sealed, frozen tree.
   HELD         the target has the snapshot, verified; the original is frozen, resumable.
   RESTORING    the target restores its copy, held (READY), and says so.
-  COMMITTING   decided (journaled first): the target makes its copy final and lets it run
-               (``finish`` answers ``done``; an abort can no longer touch it), then the hook
-               lets CRIU end the original (frozen all along: never two running).
-  ROLLING_BACK any failure before COMMITTING: the target drops its copy (kills it if it
-               had started), then the hook makes CRIU roll back: the original runs on where
-               it stood.  The original runs again only after the target said its copy is
-               gone, and the copy runs only while the original is frozen and is ended before
-               the original is let go.  If the target made its copy final meanwhile (a
+  COMMITTING   decided (journaled first): the target starts its copy (STARTING, CONFIRMING)
+               and watches it run for ``confirm_period``; only once it says DONE does the
+               hook let CRIU end the original (frozen all along: never two running).  A copy
+               that dies within that period is DISCARDED there, and the original runs on
+               (ROLLING_BACK): the job is never left with no copy because its new node could
+               not carry it (a peer left behind on the old one, a missing device, ...).
+  ROLLING_BACK any failure before the copy is confirmed: the target drops its copy (kills it
+               if it had started), then the hook makes CRIU roll back: the original runs on
+               where it stood.  The original runs again only after the target said its copy
+               is gone, and the copy runs only while the original is frozen and is ended
+               before the original is let go.  If the target made its copy final meanwhile (a
                takeover, below), ROLLING_BACK turns into COMMITTING: the original is ended.
+
+  The CRIU that holds the original is watched: if it exits without a decision (killed, or
+  crashed), the original runs again, so the copy is dropped, unless it is already final
+  (DONE): then the original is ended.  If the original is gone with it, the copy goes on.
 
 Target::
 
-    RECEIVING ──> RECEIVED ──> RESTORING ──> READY ──> DONE
-        └────────────┴─────────────┴───────────┴────> DISCARDED
+    RECEIVING ──> RECEIVED ──> RESTORING ──> READY ──> STARTING ──> CONFIRMING ──> DONE
+        └────────────┴─────────────┴───────────┴──────────┴─────────────┴──> DISCARDED
 
   READY: the copy is restored but held (stopped; a CUDA process: its GPU still locked); it
-  starts only at DONE, when the source commits, so a copy that is then dropped never ran.  A
-  READY copy whose source agent cannot be reached for ``takeover_after`` seconds goes to
-  DONE on its own (its node is presumed lost with the frozen original): a source that asked
-  for the restore never resumes its original unless the target says the copy is gone, so it
-  can only commit.
+  starts only when the source commits, so a copy that is then dropped never ran.  A READY
+  copy whose source agent cannot be reached (or no longer knows the migration) for
+  ``takeover_after`` seconds starts on its own (its node is presumed lost with the frozen
+  original): a source that asked for the restore never resumes its original unless the
+  target says the copy is gone, so it can only commit.
+  STARTING: decided and journaled; the copy is being let go (a restart of this agent lets it
+  go again: letting go is idempotent).  CONFIRMING: the copy runs, watched for
+  ``confirm_period``; DONE once it ran that long, DISCARDED if it died (or the source asked:
+  its CRIU let the original go).
+
+After a reboot (every process of the node gone: the original or the copy, CRIU, the hook;
+the journal is on persistent storage, snapshots may have been on tmpfs)::
+
+  source  CHECKING                  FAILED: nothing was frozen.
+          FREEZING, HELD            the original died with the node: if the target holds
+                                    the whole snapshot, the migration goes on (RESTORING,
+                                    COMMITTING); else ROLLED_BACK, naming what is left.
+          RESTORING, COMMITTING     the copy (held or running there) goes on: COMMITTING.
+          ROLLING_BACK              as COMMITTING while the target still has the copy; else
+                                    ROLLED_BACK (the original is gone: said so).
+  target  RECEIVING..READY          the copy died with the node, or never was: DISCARDED;
+          STARTING, CONFIRMING      the source's original is still frozen: it runs on.
+          DONE                      final (the job was on this node when it went down).
+
+A source that is only restarted (the original still frozen, CRIU and its hook still
+holding it) takes up each state where it stood; after a reboot "the original is gone" is
+told from "someone ended it" by the node's boot id in the record.
 
 Each transition is journaled (:mod:`tpagent.journal`) before it takes effect, so an agent
 that restarts finishes or rolls back each migration it finds there.
@@ -75,6 +104,8 @@ class TargetState(str, enum.Enum):
     RECEIVED = "received"
     RESTORING = "restoring"
     READY = "ready"
+    STARTING = "starting"
+    CONFIRMING = "confirming"
     DONE = "done"
     DISCARDED = "discarded"
 
@@ -97,7 +128,9 @@ TARGET_TRANSITIONS: Mapping[TargetState, frozenset[TargetState]] = MappingProxyT
     _T.RECEIVING: frozenset({_T.RECEIVED, _T.DISCARDED}),
     _T.RECEIVED: frozenset({_T.RESTORING, _T.DISCARDED}),
     _T.RESTORING: frozenset({_T.READY, _T.DISCARDED}),
-    _T.READY: frozenset({_T.DONE, _T.DISCARDED}),
+    _T.READY: frozenset({_T.STARTING, _T.DISCARDED}),
+    _T.STARTING: frozenset({_T.CONFIRMING, _T.DISCARDED}),
+    _T.CONFIRMING: frozenset({_T.DONE, _T.DISCARDED}),
     _T.DONE: frozenset(),
     _T.DISCARDED: frozenset(),
 })  # fmt: skip
@@ -238,6 +271,7 @@ TIMEOUT_KEYS = {
     "io": "io_timeout",
     "abort_confirm": "abort_confirm_timeout",
     "shutdown_grace": "shutdown_grace",
+    "confirm": "confirm_period",
 }
 
 
@@ -252,6 +286,7 @@ class Timeouts:
     io: float = 30.0  # a transfer stream silent this long is broken (and retried)
     abort_confirm: float = 60.0  # a rollback asks the target this long to say its copy is gone
     shutdown_grace: float = 30.0  # `serve` waits this long for running migrations on SIGTERM
+    confirm: float = 3.0  # a started copy must run this long before the original is ended (0: at once)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -260,7 +295,7 @@ class Timeouts:
                 not isinstance(v, int | float)
                 or not math.isfinite(v)
                 or v < 0
-                or (v == 0 and f.name != "takeover_after")
+                or (v == 0 and f.name not in ("takeover_after", "confirm"))
             ):
                 raise ValueError(f"{TIMEOUT_KEYS[f.name]} = {v!r} must be a positive number of seconds.")
         k = TIMEOUT_KEYS

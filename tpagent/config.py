@@ -23,6 +23,8 @@
     abort_confirm_timeout = 60.0      # a rollback asks the target this long to say its copy is gone
                                       # (then the original stays frozen and the agent keeps asking)
     shutdown_grace = 30.0             # on SIGTERM, running migrations get this long (a 2nd signal: none)
+    confirm_period = 3.0              # a migrated copy must run this long before the original is ended
+                                      # (it dies sooner: the original runs on); 0: ended at once
     transfer_port = 0                 # where this node receives snapshots (0: any free port)
     transfer_address = ""             # what peers connect to for it, if not advertise:port (NAT, proxy)
     aliases = []                      # other names or addresses callers reach this agent by (NAT,
@@ -76,6 +78,7 @@ class AgentConfig:
     restore_timeout: float = 3600.0
     abort_confirm_timeout: float = 60.0
     shutdown_grace: float = 30.0
+    confirm_period: float = 3.0
     transfer_port: int = 0
     transfer_address: str = ""
     aliases: tuple[str, ...] = ()
@@ -110,6 +113,7 @@ class AgentConfig:
                 io=self.io_timeout,
                 abort_confirm=self.abort_confirm_timeout,
                 shutdown_grace=self.shutdown_grace,
+                confirm=self.confirm_period,
             )
         except ValueError as e:
             raise UsageError(f"the timeouts do not fit together: {e}") from e

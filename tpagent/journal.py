@@ -5,7 +5,8 @@
     JOURNAL ::= WORK_DIR "/migrations/" { ID ".json" }      one file per migration
     ID      ::= 32 * HEX                                      (lower case)
     RECORD  ::= JSON object {
-                  "format": 1,                                absent: format 0 (tpagent 0.1), same fields
+                  "format": 2,                                absent: format 0 (tpagent 0.1); 0 and 1
+                                                              have no boot_id (read as unknown)
                   "migration_id": ID,
                   "role": "source" | "target",
                   "state": STATE,                             of the role (tpagent/api.py)
@@ -16,11 +17,15 @@
                   "snapshot": PATH,                           inside WORK_DIR (anything else is left alone)
                   "message": STR,
                   "cuda_pids": [INT, ...],                    source: to give the GPU back after a restart
-                  "restore_sent": BOOL }                      source: a copy may exist on the target
+                  "restore_sent": BOOL,                       source: a copy may exist on the target
+                  "boot_id": STR }                            the node's boot when the record was made
+                                                              (/proc/sys/kernel/random/boot_id)
 
 A record is written to ``ID.PID.TID.tmp`` (0600), fsynced, renamed over ``ID.json``, and the
 directory fsynced: after a crash or power loss either the old or the new record is there,
-whole.  The directory is root's, 0700: a record is trusted to name processes.
+whole.  The directory is root's, 0700: a record is trusted to name processes.  It must be on
+storage that outlives a reboot (what each state means after one: :mod:`tpagent.api`);
+:func:`on_tmpfs` tells the agent when it is not.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from tpagent.api import BadTransition, JournalError, Role, SourceState, State, T
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 _ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -64,6 +69,11 @@ class Record:
     restore_sent: bool = False
     create_time: float = 0.0
     peer_agent: str = ""
+    boot_id: str = field(default_factory=lambda: boot_id())
+
+    def rebooted(self) -> bool:
+        """Whether this node was rebooted since the record was made (unknown: no)."""
+        return bool(self.boot_id) and self.boot_id != boot_id()
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT, **asdict(self), "role": self.role.value, "state": self.state.value}
@@ -72,11 +82,29 @@ class Record:
     def from_json(cls, data: dict[str, Any]) -> Record:
         data = dict(data)
         version = data.pop("format", 0)
-        if version not in (0, FORMAT):
-            raise ValueError(f"format {version!r} is not one this tpagent reads (it reads 0 and {FORMAT})")
+        if version not in (0, 1, FORMAT):
+            raise ValueError(f"format {version!r} is not one this tpagent reads (it reads 0 to {FORMAT})")
         role = Role(data.pop("role"))
         state: State = (SourceState if role is Role.SOURCE else TargetState)(data.pop("state"))
+        data.setdefault("boot_id", "")  # (formats 0 and 1: not known, never the boot reading it)
         return cls(role=role, state=state, **data)
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def on_tmpfs(directory: Path) -> bool:
+    """Whether ``directory`` lies on memory (tmpfs, ramfs): gone after a reboot."""
+    path, best = str(directory.resolve()), None
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (path == mp or path.startswith(mp.rstrip("/") + "/")) and (best is None or len(mp) > len(best.mountpoint)):
+            best = part
+    return best is not None and best.fstype in ("tmpfs", "ramfs")
 
 
 def same_process_alive(r: Record) -> bool:

@@ -36,7 +36,7 @@ from tpagent.api import (
 from tpagent.context import Context
 from tpagent.journal import Record, valid_id
 from tpagent.source import SourceMigration, resolve_source
-from tpagent.target import Incoming, finish_held, recover_target
+from tpagent.target import Incoming, finish_held, recover_target, settle
 from transfer.api import TransferError
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class Node:
             if offer.source_agent and not _address(offer.source_agent):
                 raise Refused("source_agent is not an agent address (HOST:PORT)", Why.INVALID)
             try:
-                inc = Incoming(self.ctx, mid, offer.source_node, offer.source_agent)
+                inc = Incoming(self.ctx, mid, offer.source_node, self.settle_target, offer.source_agent)
             except TransferError as e:
                 raise Refused(f"{node} cannot receive: {e}", Why.PRECONDITION) from e
             inc.gpu_map = self.gpu_map(list(offer.gpu_uuids))
@@ -252,8 +252,16 @@ class Node:
         with self.lock:  # this agent restarted since: only the journal knows the migration
             r = self.journal.read(mid)
             assert r is not None
-            finish_held(self.ctx, r, commit, why)
+            finish_held(self.ctx, r, commit, why, self.settle_target)
             return r
+
+    def settle_target(self, mid: str, ran: bool, why: str) -> None:
+        """End the confirmation of a started copy (:func:`tpagent.target.watch_copy`)."""
+        inc = self.receivers.get(mid)
+        with inc.lock if inc is not None else self.lock:
+            r = inc.record if inc is not None else self.journal.read(mid)
+            if r is not None:
+                settle(self.ctx, r, ran, why)
 
     # ---- restart -------------------------------------------------------------------------
 
@@ -273,6 +281,6 @@ class Node:
                         "waiter", f"resolve-{r.migration_id[:8]}", resolve_source, self.ctx, r, release
                     )
                 else:
-                    recover_target(self.ctx, r, self.finish_target)
+                    recover_target(self.ctx, r, self.finish_target, self.settle_target)
             except Exception as e:  # one bad record must not stop the agent
                 log.error("could not recover migration %s: %s", r.migration_id, e)

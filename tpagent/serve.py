@@ -31,7 +31,7 @@ from tpagent.client import GrpcPeer
 from tpagent.config import AgentConfig
 from tpagent.context import Context
 from tpagent.credentials import Credentials
-from tpagent.journal import Journal
+from tpagent.journal import Journal, on_tmpfs
 from tpagent.node import Node
 from tpagent.rpc import AuthInterceptor, Health, HealthOnly, pb_grpc
 from tpagent.rpc import server as rpc_server
@@ -115,6 +115,10 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
     private_dir(cfg.work_dir)
     creds = cfg.credentials()
     ctx = context(cfg, creds)
+    if on_tmpfs(ctx.journal.directory):
+        log.warning("the journal (%s) is on tmpfs: a reboot of this node loses the migrations in flight "
+                    "(the original or its copy may then never run); put work_dir on persistent storage",
+                    ctx.journal.directory)  # fmt: skip
     node = Node(ctx)
     node.recover()
     health = Health()

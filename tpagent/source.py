@@ -164,7 +164,8 @@ class SourceMigration:
             self._stage("restore", t)
             self.timings.update({f"target_{k}": v for k, v in target_timings.items()})
             self.move(
-                S.COMMITTING, f"PID {new_pid} is restored and held on the target; starting it, ending the original"
+                S.COMMITTING,
+                f"PID {new_pid} is restored and held on the target; starting it (the original ends once it runs)",
             )
 
             def started() -> None:
@@ -409,29 +410,44 @@ def _keep_telling_abort(ctx: Context, target: Peer, mid: str) -> None:
 def commit(
     ctx: Context, r: Record, target: Peer, dump: HeldDump, started: Callable[[], None] = lambda: None
 ) -> Outcome:
-    """COMMITTING (journaled): the target makes its copy final, then the original ends.
-    DONE, or ROLLED_BACK if the target says its copy is gone after all; raises _Stopping if
-    the agent shuts down meanwhile (the journal says COMMITTING: the next run goes on)."""
-    delay = 0.5
+    """COMMITTING (journaled): the target starts its copy and watches it for the confirmation
+    period; once it says DONE, the original ends.  ROLLED_BACK if the target drops its copy
+    first (it died there, or it is gone), the original then runs on where it stood.  Raises
+    _Stopping if the agent shuts down meanwhile (the journal says COMMITTING: the next run
+    goes on).  The CRIU holding the original is watched all along: if it ends without a
+    decision, the original runs again, and only one of the two may go on."""
+    delay, ran, message = 0.2, False, ""
     while True:
+        if dump.holder_lost() and same_process_alive(r):
+            return _holder_lost(ctx, r, target, dump)
         try:
             st = target.finish(r.migration_id, True, ctx.timeouts.rpc)
-            if st.state == TargetState.DONE.value:
-                started()  # the copy runs now; the original is still frozen
-                break
-            if st.state == TargetState.DISCARDED.value:
-                ctx.journal.move(r, S.ROLLING_BACK, "the target dropped its copy before it was made final")
-                dump.let_go(ctx.timeouts.rpc)
-                ctx.journal.move(r, S.ROLLED_BACK, "the target dropped its copy; the original was resumed")
-                ctx.remove(r.snapshot)
-                return Outcome.ROLLED_BACK
-        except AgentError as e:
-            log.warning("migration %s: making the target's copy final failed (%s); trying again", r.migration_id, e)
+            state, message, delay = st.state, st.message, 0.2
+        except Refused as e:
+            if e.why is not Why.NOT_FOUND:
+                log.warning("migration %s: the target refused to start its copy (%s); asking again", r.migration_id, e)
+                state, delay = "", min(delay * 2, 10.0)
+            else:  # it knows no such migration (its journal lost with its disk): no copy there
+                state, message = TargetState.DISCARDED.value, f"the target does not know the migration ({e})"
+        except PeerUnreachable as e:
+            log.warning("migration %s: the target cannot be reached (%s); asking again", r.migration_id, e)
+            state, delay = "", min(delay * 2, 10.0)
+        if state in (TargetState.CONFIRMING.value, TargetState.DONE.value) and not ran:
+            ran = True
+            started()  # the copy runs now; the original is still frozen
+        if state == TargetState.DONE.value:
+            break
+        if state == TargetState.DISCARDED.value:
+            why = message or "the target's copy is gone"
+            ctx.journal.move(r, S.ROLLING_BACK, f"{why}; resuming the original")
+            dump.let_go(ctx.timeouts.rpc)
+            ctx.journal.move(r, S.ROLLED_BACK, f"{why}; the original was resumed where it stood")
+            ctx.remove(r.snapshot)
+            return Outcome.ROLLED_BACK
         if ctx.threads.sleep(delay):
-            raise _Stopping("the agent is shutting down while the target makes its copy final")
-        delay = min(delay * 2, 10.0)
+            raise _Stopping("the agent is shutting down while the target starts its copy")
     dump.commit()
-    if same_process_alive(r):  # CRIU could not end it (it died): end it here
+    if same_process_alive(r):  # CRIU could not end it (it died at the last moment): end it here
         proc.kill_tree(r.pid)
     dump.drop_network_lock()
     ctx.remove(r.snapshot)
@@ -440,51 +456,83 @@ def commit(
     return Outcome.DONE
 
 
+def _holder_lost(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> Outcome:
+    """The CRIU holding the original ended without a decision and the original runs again: its
+    copy is dropped (if it is final already, the original is ended instead).  Never both."""
+    why = "the CRIU holding the original ended without a decision (the original runs again)"
+    log.error("migration %s: %s", r.migration_id, why)
+    if target_dropped_copy(ctx, target, r.migration_id, ctx.timeouts.abort_confirm):
+        ctx.journal.move(r, S.ROLLING_BACK, f"{why}; its copy on {r.peer} was dropped")
+        dump.let_go(ctx.timeouts.rpc)
+        ctx.remove(r.snapshot)
+        ctx.journal.move(r, S.ROLLED_BACK, f"{why}; its copy on {r.peer} was dropped, the original runs on")
+        return Outcome.ROLLED_BACK
+    state, _ = target_state(ctx, target, r.migration_id, ctx.timeouts.rpc)
+    if state == TargetState.DONE.value:  # the copy is final: the original is the one to end
+        proc.kill_tree(r.pid)
+        dump.drop_network_lock()
+        ctx.remove(r.snapshot)
+        ctx.journal.move(r, S.DONE, f"migrated to {r.peer}; {why}, so it was ended")
+        return Outcome.DONE
+    raise _Unresolved(f"{why}, and the target does not say its copy is gone")
+
+
 def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda: None) -> None:
     """Bring a source migration to an end (after a restart, or when the target went quiet):
-    commit if the copy runs and was meant to, else roll back once no copy can run.  Waits as
-    long as it must (the original stays frozen meanwhile, never resumed on a guess), or until
-    the agent stops (the journal keeps where it stood)."""
+    commit if the copy runs and was meant to, else roll back once no copy can run.  After a
+    reboot of this node the original is gone: whatever copy the target has or can make goes
+    on (what each state means then: :mod:`tpagent.api`).  Waits as long as it must (the
+    original stays frozen meanwhile, never resumed on a guess), or until the agent stops (the
+    journal keeps where it stood)."""
     target = ctx.peer(r.peer)
     dump = ctx.held.attach(Path(r.snapshot))
     delay = 1.0
     t = ctx.timeouts
+    rebooted = r.rebooted()
+    has_copy = {TargetState.READY.value, TargetState.STARTING.value, TargetState.CONFIRMING.value,
+                TargetState.DONE.value}  # fmt: skip
     try:
         while not is_final(r.state):
-            if r.state is S.COMMITTING:
-                commit(ctx, r, target, dump)
-                break
-            if r.state is S.RESTORING:
-                state, _ = target_state(ctx, target, r.migration_id, t.rpc)
-                if state in (TargetState.READY.value, TargetState.DONE.value):
-                    ctx.journal.move(r, S.COMMITTING, "the copy is restored on the target")
+            try:
+                if r.state is S.COMMITTING:
+                    commit(ctx, r, target, dump)
+                    break
+            except _Unresolved as e:
+                ctx.log.error("migration %s: %s; asking again", r.migration_id, e)
+            else:
+                if r.state is S.RESTORING:
+                    state, _ = target_state(ctx, target, r.migration_id, t.rpc)
+                    if state in has_copy:
+                        ctx.journal.move(r, S.COMMITTING, "the copy is restored on the target")
+                        continue
+                    if state is not None:
+                        ctx.journal.move(r, S.ROLLING_BACK, f"the target reports {state}")
+                        continue
+                elif r.state is S.CHECKING:
+                    ctx.journal.move(r, S.FAILED, "the agent restarted before anything was frozen")
+                    break
+                elif r.state in (S.FREEZING, S.HELD) and rebooted:
+                    _restore_after_reboot(ctx, r, target)
                     continue
-                if state is not None:
-                    ctx.journal.move(r, S.ROLLING_BACK, f"the target reports {state}")
+                elif (
+                    r.state is S.ROLLING_BACK
+                    and r.restore_sent
+                    and target_state(ctx, target, r.migration_id, t.rpc)[0]
+                    in (has_copy if rebooted else {TargetState.DONE.value})
+                ):
+                    # The target made its copy final (it took over while this agent could not be
+                    # reached), or this node rebooted and the original is gone with it: the only
+                    # way left is forward (ending the original, if it is still there).
+                    ctx.journal.move(r, S.COMMITTING, "the target's copy goes on instead of the original")
                     continue
-            elif r.state is S.CHECKING:
-                ctx.journal.move(r, S.FAILED, "the agent restarted before anything was frozen")
-                break
-            elif (
-                r.state is S.ROLLING_BACK
-                and r.restore_sent
-                and target_state(ctx, target, r.migration_id, t.rpc)[0] == TargetState.DONE.value
-            ):
-                # The target made its copy final (it took over while this agent could not be
-                # reached): the only way left is forward, ending the original.
-                ctx.journal.move(r, S.COMMITTING, "the target's copy runs: ending the original instead")
-                continue
-            elif not r.restore_sent or target_dropped_copy(ctx, target, r.migration_id, t.rpc):
-                if r.state in (S.FREEZING, S.HELD):
-                    ctx.journal.move(r, S.ROLLING_BACK, "the agent restarted mid-migration")
-                tell_target_abort(target, r.migration_id)
-                dump.let_go()  # the hook still holds the tree: CRIU rolls it back
-                _resume_leftovers(r)
-                ctx.remove(r.snapshot)
-                ctx.journal.move(
-                    r, S.ROLLED_BACK, "rolled back after the agent restarted; the original runs where it stood"
-                )
-                break
+                elif not r.restore_sent or target_dropped_copy(ctx, target, r.migration_id, t.rpc):
+                    if r.state in (S.FREEZING, S.HELD):
+                        ctx.journal.move(r, S.ROLLING_BACK, "the agent restarted mid-migration")
+                    tell_target_abort(target, r.migration_id)
+                    dump.let_go()  # the hook still holds the tree: CRIU rolls it back
+                    _resume_leftovers(r)
+                    ctx.journal.move(r, S.ROLLED_BACK, _rolled_back_after_restart(ctx, r, dump))
+                    break
             if ctx.threads.sleep(delay):
                 return  # (stopping: the next run of the agent takes it up from the journal)
             delay = min(delay * 2, 30.0)
@@ -492,6 +540,39 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
         return
     release()
     ctx.log.info("migration %s resolved: %s", r.migration_id, r.state.value)
+
+
+def _restore_after_reboot(ctx: Context, r: Record, target: Peer) -> None:
+    """FREEZING or HELD, and this node rebooted: the original died with it.  If the target
+    holds the whole snapshot, its copy is the job now: restore it there (RESTORING, then
+    COMMITTING); else ROLLING_BACK (nothing can run: said so when it ends)."""
+    if r.state is S.FREEZING:
+        ctx.journal.move(r, S.HELD, "this node rebooted while the original was frozen; asking the target for a copy")
+    r.restore_sent = True  # (journaled with RESTORING, before the call: a copy may exist from now on)
+    ctx.journal.move(r, S.RESTORING, "this node rebooted with the original frozen: restoring its copy on the target")
+    try:
+        pid = target.restore(r.migration_id, ctx.timeouts.restore).pid
+    except AgentError as e:
+        state, pid = target_state(ctx, target, r.migration_id, ctx.timeouts.rpc)
+        if state is None:
+            return  # RESTORING: asked again on the next round
+        if state not in (TargetState.READY.value, TargetState.STARTING.value, TargetState.CONFIRMING.value,
+                         TargetState.DONE.value):  # fmt: skip
+            ctx.journal.move(r, S.ROLLING_BACK, f"the target has no whole copy to restore ({e})")
+            return
+    ctx.journal.move(r, S.COMMITTING, f"restored on the target as PID {pid} after this node rebooted")
+
+
+def _rolled_back_after_restart(ctx: Context, r: Record, dump: HeldDump) -> str:
+    """What a rollback after a restart leaves; the local snapshot is kept if nothing else is."""
+    if same_process_alive(r):
+        ctx.remove(r.snapshot)
+        return "rolled back after the agent restarted; the original runs where it stood"
+    if dump.sealed():  # the last whole image of the job: never removed by the agent
+        return (f"the original did not survive a restart of this node and no copy runs on {r.peer}; its "
+                f"snapshot is kept: `tpagent restore {r.snapshot}` brings it back")  # fmt: skip
+    ctx.remove(r.snapshot)
+    return f"the original did not survive a restart of this node and no copy of it could be made on {r.peer}"
 
 
 def _resume_leftovers(r: Record) -> None:

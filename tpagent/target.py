@@ -16,7 +16,7 @@ from snapshot import engine, proc
 from snapshot.held import wait_released
 from snapshot.safefs import private_dir
 from tpagent import launch, metrics
-from tpagent.api import JournalError, PeerUnreachable, Refused, Role, SourceState, TargetState, is_final
+from tpagent.api import JournalError, PeerUnreachable, Refused, Role, SourceState, TargetState, Why, is_final
 from tpagent.context import Context
 from tpagent.journal import Record, same_process_alive, target_record
 from transfer.api import TransferError, TransferStats
@@ -25,6 +25,8 @@ from transfer.receiver import Receiver
 T = TargetState
 #: finish(migration_id, commit, why): how a waiting copy is decided (:meth:`tpagent.node.Node.finish_target`).
 Finisher = Callable[[str, bool, str], object]
+#: settle(migration_id, ran, why): how a confirmation ends (:meth:`tpagent.node.Node.settle_target`).
+Settler = Callable[[str, bool, str], object]
 
 
 class Incoming:
@@ -33,9 +35,9 @@ class Incoming:
     Restore runs outside the lock, so that an abort arriving meanwhile is taken at once (as
     ``abort_requested``) rather than queued: the restore then kills the copy it made."""
 
-    def __init__(self, ctx: Context, mid: str, source: str, source_agent: str = "") -> None:
+    def __init__(self, ctx: Context, mid: str, source: str, settle: Settler, source_agent: str = "") -> None:
         cfg = ctx.cfg
-        self.ctx = ctx
+        self.ctx, self.settle = ctx, settle
         self.dir = cfg.work_dir / "incoming" / mid
         private_dir(self.dir.parent)
         self.receiver = Receiver(
@@ -115,10 +117,8 @@ class Incoming:
             if is_final(self.record.state):
                 return
             if commit:
-                if self.record.state is T.READY:  # from now on an abort changes nothing
-                    self.ctx.journal.move(self.record, T.DONE, why or "running here")
-                    start_copy(self.restored, self.dir, self.record.pid)
-                    self.ctx.remove(self.dir)
+                if self.record.state is T.READY:
+                    start_held(self.ctx, self.record, self.restored, why or "started", self.settle)
             elif self.record.state is T.RESTORING:
                 self.abort_requested = True  # restore() stops its copy as it returns
             else:
@@ -140,16 +140,64 @@ def drop_copy(ctx: Context, r: Record, why: str) -> None:
     ctx.remove(snap, restore_work(snap), *snap.parent.glob(f".{snap.name}.partial-*"))
 
 
-def finish_held(ctx: Context, r: Record, commit: bool, why: str) -> None:
-    """Start (commit) or drop a READY copy known only from the journal (the agent restarted
-    since it was restored); anything else is decided already."""
-    if r.state is not T.READY:
-        return
-    if commit:
-        ours = same_process_alive(r)  # (a record is never trusted to name a process)
+def finish_held(ctx: Context, r: Record, commit: bool, why: str, settle: Settler) -> None:
+    """Start (commit) or drop a copy known only from the journal (the agent restarted since
+    it was restored).  A held copy that is gone cannot be started: it is dropped, and the
+    source's original runs on."""
+    if commit and r.state is T.READY:
+        if _runs(r):
+            start_held(ctx, r, None, why, settle)
+        else:
+            drop_copy(ctx, r, "the held copy is gone (its node restarted?); the original runs on at the source")
+    elif not commit and r.state in (T.READY, T.STARTING, T.CONFIRMING):
+        drop_copy(ctx, r, why)
+
+
+def start_held(ctx: Context, r: Record, result: engine.RestoreResult | None, why: str, settle: Settler) -> None:
+    """READY -> STARTING, journaled first: from now on the copy is let go (again, after a
+    restart of this agent), then watched for the confirmation period (:func:`watch_copy`)."""
+    ctx.journal.move(r, T.STARTING, why)
+    _let_run(ctx, r, result, settle)
+
+
+def _let_run(ctx: Context, r: Record, result: engine.RestoreResult | None, settle: Settler) -> None:
+    start_copy(result, Path(r.snapshot), r.pid)
+    period = ctx.timeouts.confirm
+    ctx.journal.move(r, T.CONFIRMING, f"running; the source ends its original once it ran {period:g} s")
+    mid = r.migration_id
+    ctx.threads.spawn("waiter", f"confirm-{mid[:8]}", watch_copy, ctx, mid, r.pid, r.create_time, settle)
+
+
+def _runs(r: Record) -> bool:
+    """The record's process is ours and still runs (not a zombie)."""
+    return same_process_alive(r) and proc.alive(r.pid)
+
+
+def watch_copy(ctx: Context, mid: str, pid: int, create_time: float, settle: Settler) -> None:
+    """CONFIRMING: the copy must run ``confirm_period`` seconds.  Once it has, the migration
+    is DONE; if it ends sooner (a peer it needed stayed behind, a device is missing here ...),
+    it is dropped and the source's original, frozen all along, runs on."""
+    period, t0 = ctx.timeouts.confirm, time.monotonic()
+    probe = Record(mid, Role.TARGET, T.CONFIRMING, pid=pid, create_time=create_time)
+    while True:
+        elapsed = time.monotonic() - t0
+        if not _runs(probe):
+            settle(mid, False, f"the copy (PID {pid}) ended {elapsed:.1f} s after it started, inside the "
+                               f"{period:g} s confirmation period; the original runs on at the source")  # fmt: skip
+            return
+        if elapsed >= period:
+            settle(mid, True, f"running here (for {period:g} s and on)")
+            return
+        if ctx.threads.sleep(min(0.1, period)):
+            return  # (stopping: the journal says CONFIRMING, the next start watches it again)
+
+
+def settle(ctx: Context, r: Record, ran: bool, why: str) -> None:
+    """End a confirmation: DONE (the copy ran long enough) or dropped (it did not)."""
+    if r.state is not T.CONFIRMING:
+        return  # decided meanwhile (the source asked to drop it)
+    if ran:
         ctx.journal.move(r, T.DONE, why)
-        if ours:
-            start_copy(None, Path(r.snapshot), r.pid)
         ctx.remove(r.snapshot)
     else:
         drop_copy(ctx, r, why)
@@ -184,22 +232,22 @@ def await_source(ctx: Context, mid: str, finish: Finisher) -> None:
             return  # decided
         try:
             st = source.status(mid, min(10.0, limit))
-        except PeerUnreachable as e:
-            # Only a source that cannot be reached counts as lost: any answer, even a refusal
-            # (a clock skewed past the signature's window), comes from an agent that is there.
+        except (PeerUnreachable, Refused) as e:
+            # A source that cannot be reached, or that no longer knows the migration (its
+            # journal lost), counts as lost; any other answer, even a refusal (a clock skewed
+            # past the signature's window), comes from an agent that is there and decides.
+            if isinstance(e, Refused) and e.why is not Why.NOT_FOUND:
+                silent_since = time.monotonic()
+                continue
             if time.monotonic() - silent_since < limit:
                 continue
-            ctx.log.warning("migration %s: the source agent %s has been unreachable for %.0f s (%s): starting the copy",
-                            mid, r.peer_agent, limit, e)  # fmt: skip
+            lost = "unreachable" if isinstance(e, PeerUnreachable) else "without a record of it"
+            ctx.log.warning("migration %s: the source agent %s has been %s for %.0f s (%s): starting the copy",
+                            mid, r.peer_agent, lost, limit, e)  # fmt: skip
             finish(
-                mid,
-                True,
-                f"started without the source's word: its agent {r.peer_agent} was unreachable for {limit:.0f} s",
+                mid, True, f"started without the source's word: its agent {r.peer_agent} was {lost} for {limit:.0f} s"
             )
             return
-        except Refused:
-            silent_since = time.monotonic()
-            continue
         silent_since = time.monotonic()
         if st.state in (SourceState.ROLLED_BACK.value, SourceState.FAILED.value):  # (the protocol never gets here)
             finish(mid, False, f"the source reports {st.state}")
@@ -222,14 +270,26 @@ def restore_work(snapshot: Path) -> Path:
     return snapshot.parent / f"{snapshot.name}.restore"
 
 
-def recover_target(ctx: Context, r: Record, finish: Finisher) -> None:
+def recover_target(ctx: Context, r: Record, finish: Finisher, settle: Settler) -> None:
     """A target agent that died: a copy that never ran is dropped (one that CRIU was still
     restoring is waited for, then stopped); a held one that is still there waits for the
-    source's decision (or a takeover), one that is gone is recorded as dropped."""
+    source's decision (or a takeover); a started one is let go again and watched; one that
+    is gone (a reboot) is recorded as dropped, so that the source's original runs on."""
     assert r.role is Role.TARGET
     why = "dropped after the agent restarted"
+    if r.state in (T.STARTING, T.CONFIRMING):
+        if _runs(r):
+            ctx.log.warning("migration %s: the copy (PID %d) is %s: watching it again", r.migration_id, r.pid,
+                            r.state.value)  # fmt: skip
+            if r.state is T.STARTING:
+                _let_run(ctx, r, None, settle)
+            else:
+                mid = r.migration_id
+                ctx.threads.spawn("waiter", f"confirm-{mid[:8]}", watch_copy, ctx, mid, r.pid, r.create_time, settle)
+            return
+        why = "the started copy did not outlive a restart of this node; the original runs on at the source"
     if r.state is T.READY:
-        if same_process_alive(r):
+        if _runs(r):
             ctx.log.warning(
                 "migration %s: a restored, held copy (PID %d) waits for the source's decision", r.migration_id, r.pid
             )

@@ -36,24 +36,6 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, ["A", "B", "C"])
-    try:
-        for node in c.nodes.values():
-            node.start_agent()
-        yield c
-    finally:
-        c.close()
-
-
-@pytest.fixture
-def ticker(cluster: Cluster, tmp_path: Path) -> Iterator[Ticker]:
-    t = Ticker.launch(cluster.nodes["A"], tmp_path)
-    yield t
-    kill_and_wait(t.pid)
-
-
 def test_workload_moves_a_to_b_to_c_and_goes_on(cluster: Cluster, ticker: Ticker) -> None:
     for src, dst in (("A", "B"), ("B", "C")):
         proc = cluster.migrate(ticker.pid, src, dst, "--json")

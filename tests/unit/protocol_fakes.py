@@ -46,9 +46,11 @@ T = TargetState
 
 class FakeHeldDump(HeldDump):
     """Freezes the "original" with SIGSTOP, writes a small sealed snapshot, and holds it:
-    ``let_go`` continues the original, ``commit`` kills it (as CRIU would)."""
+    ``let_go`` continues the original, ``commit`` kills it (as CRIU would).  ``lost`` (set by
+    a test): CRIU died without a decision (the test continues the original, as that does)."""
 
     decisions: list[str] = []
+    lost = False
 
     @classmethod
     def start(cls, pid: int, out: Path, config: SnapshotConfig, hold: float, carry: Sequence[Path] = ()) -> HeldDump:
@@ -76,7 +78,10 @@ class FakeHeldDump(HeldDump):
     pid = 0
 
     def running(self) -> bool:
-        return self.pid != 0 and not self.decisions
+        return not FakeHeldDump.lost and not self.decisions
+
+    def holder_lost(self) -> bool:
+        return FakeHeldDump.lost and not self.decisions
 
     def pin(self, timeout: float = 30.0) -> bool:
         return self.running()
@@ -98,7 +103,9 @@ class FakeHeldDump(HeldDump):
 class FakeTarget(Peer):
     """A target agent in memory.  ``restore_does`` scripts its Restore: "ok", "refuse" (it
     drops the copy: PRECONDITION), "vanish" (the call breaks after the copy is READY) or
-    "silent" (the call breaks and the target stops answering until ``reachable`` is set)."""
+    "silent" (the call breaks and the target stops answering until ``reachable`` is set).
+    ``confirm_does`` scripts how the started copy's confirmation ends: "ok" (DONE), "die"
+    (DISCARDED), or "wait" (it stays CONFIRMING until a test moves it)."""
 
     def __init__(self, tmp: Path, problems: tuple[str, ...] = (), restore_does: str = "ok") -> None:
         self.address = "target.test:7400"
@@ -109,6 +116,7 @@ class FakeTarget(Peer):
         self.reachable = threading.Event()
         self.reachable.set()
         self.finish_answer: TargetState | None = None  # a finish(commit) that finds the copy gone
+        self.confirm_does = "ok"
         self._received: dict[str, threading.Thread] = {}
         self._results: dict[str, object] = {}
 
@@ -168,7 +176,10 @@ class FakeTarget(Peer):
         if commit and self.finish_answer is not None and state is T.READY:
             self._move(migration_id, self.finish_answer)
         elif commit and state is T.READY:
-            self._move(migration_id, T.DONE)
+            self._move(migration_id, T.STARTING)
+            self._move(migration_id, T.CONFIRMING)
+            if self.confirm_does != "wait":
+                self._move(migration_id, T.DONE if self.confirm_does == "ok" else T.DISCARDED)
         elif not commit and state not in (T.DONE, T.DISCARDED):
             self._move(migration_id, T.DISCARDED)
         return self.status(migration_id, timeout)
@@ -178,7 +189,9 @@ class FakeTarget(Peer):
         state = self.states.get(migration_id)
         if state is None:
             raise Refused(f"no migration {migration_id!r}", Why.NOT_FOUND)
-        return PeerStatus(migration_id, state.value, "", 4242 if state in (T.READY, T.DONE) else 0)
+        return PeerStatus(
+            migration_id, state.value, "", 4242 if state in (T.READY, T.STARTING, T.CONFIRMING, T.DONE) else 0
+        )
 
     def versions(self, timeout: float) -> Versions:
         self._up("versions")
@@ -193,7 +206,7 @@ def unit_context(tmp: Path, peer: Peer, **timeouts: float) -> Context:
     settings = {"rpc_timeout": 1.0, "restore_timeout": 5.0, "abort_confirm_timeout": 2.0, "io_timeout": 5.0, **timeouts}
     cfg = AgentConfig(secret_file=secret, node="source", listen="127.0.0.1:7400", work_dir=private_dir(tmp / "work"),
                       metrics_listen="", health_listen="", **settings)  # type: ignore[arg-type]  # fmt: skip
-    FakeHeldDump.decisions = []
+    FakeHeldDump.decisions, FakeHeldDump.lost = [], False
     return Context(
         cfg=cfg,
         snapshot_config=SnapshotConfig(),

@@ -80,8 +80,11 @@ def test_the_safety_edges_of_the_source() -> None:
 
 
 def test_the_safety_edges_of_the_target() -> None:
-    """A copy starts (DONE) only from READY, and every unfinished state can drop its copy."""
-    assert _preds(dict(TARGET_TRANSITIONS), T.DONE) == {T.READY}
+    """A copy starts only from READY, and is final (DONE) only after it ran through the
+    confirmation (CONFIRMING); every unfinished state can drop its copy."""
+    table = dict(TARGET_TRANSITIONS)
+    assert _preds(table, T.STARTING) == {T.READY} and _preds(table, T.CONFIRMING) == {T.STARTING}
+    assert _preds(table, T.DONE) == {T.CONFIRMING}
     assert {s for s in TargetState if s not in TARGET_FINAL} == _preds(dict(TARGET_TRANSITIONS), T.DISCARDED)
 
 

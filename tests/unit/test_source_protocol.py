@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,3 +158,116 @@ def test_a_restarted_source_finishes_a_commit_from_its_journal(
     assert Journal(ctx.cfg.work_dir / "migrations").read(mid).state is SourceState.DONE  # type: ignore[union-attr]
     assert target.states[mid] is TargetState.DONE and released == [True]
     assert wait(lambda: original.poll() is not None)  # ended here (CRIU was gone: the agent did it)
+
+
+def test_a_copy_that_dies_in_its_confirmation_period_leaves_the_original_running(
+    tmp_path: Path, original: subprocess.Popen[bytes]
+) -> None:
+    """The target started its copy, which died before it ran ``confirm_period``: the source
+    had kept its original frozen, and now lets it run on (nothing is lost)."""
+    target = FakeTarget(tmp_path)
+    target.confirm_does = "die"
+    m, states = _run(tmp_path, target, original.pid)
+    assert m.result is not None and m.result.outcome is Outcome.ROLLED_BACK
+    assert states[-2:] == ["committing", "rolled_back"] and "resumed where it stood" in m.result.message
+    assert [s for mid, s in target.history][-3:] == [TargetState.STARTING, TargetState.CONFIRMING,
+                                                      TargetState.DISCARDED]  # fmt: skip
+    assert FakeHeldDump.decisions == ["abort"]  # never "commit": the original was not ended
+    assert wait(lambda: _status(original) not in (psutil.STATUS_STOPPED, "gone"))
+
+
+def _committing(tmp_path: Path, target: FakeTarget, pid: int, target_state: TargetState) -> tuple[Record, object]:
+    ctx = unit_context(tmp_path, target)
+    mid = "b" * 32
+    target.states[mid] = target_state
+    r = Record(mid, Role.SOURCE, SourceState.COMMITTING, pid=pid, peer=target.address, restore_sent=True,
+               snapshot=str(ctx.cfg.work_dir / "outgoing" / mid),
+               create_time=psutil.Process(pid).create_time())  # fmt: skip
+    ctx.journal.write(r)
+    return r, ctx
+
+
+@pytest.mark.parametrize("copy", [TargetState.READY, TargetState.CONFIRMING])
+def test_crius_death_while_holding_drops_the_copy_that_is_not_final(
+    tmp_path: Path, original: subprocess.Popen[bytes], copy: TargetState
+) -> None:
+    """CRIU, holding the frozen original, dies without a decision: the original runs again.
+    Its copy (held, or started but not yet confirmed) is dropped: never both running."""
+    target = FakeTarget(tmp_path)
+    target.confirm_does = "wait"
+    r, ctx = _committing(tmp_path, target, original.pid, copy)
+    FakeHeldDump.lost = True  # (and the original runs: as when CRIU is killed)
+    resolve_source(ctx, r)  # type: ignore[arg-type]
+    assert target.states[r.migration_id] is TargetState.DISCARDED
+    assert "finish-commit" not in target.calls  # a held copy was never started
+    assert r.state is SourceState.ROLLED_BACK and "ended without a decision" in r.message
+    assert original.poll() is None  # the original was not ended
+
+
+def test_crius_death_after_the_copy_is_final_ends_the_original(
+    tmp_path: Path, original: subprocess.Popen[bytes]
+) -> None:
+    target = FakeTarget(tmp_path)
+    r, ctx = _committing(tmp_path, target, original.pid, TargetState.DONE)
+    FakeHeldDump.lost = True
+    resolve_source(ctx, r)  # type: ignore[arg-type]
+    assert r.state is SourceState.DONE and target.states[r.migration_id] is TargetState.DONE
+    assert wait(lambda: original.poll() is not None)  # the copy is the one that goes on
+
+
+def test_crius_death_with_the_original_gone_lets_the_copy_go_on(
+    tmp_path: Path, original: subprocess.Popen[bytes]
+) -> None:
+    target = FakeTarget(tmp_path)
+    r, ctx = _committing(tmp_path, target, original.pid, TargetState.READY)
+    FakeHeldDump.lost = True
+    original.kill()
+    original.wait()
+    resolve_source(ctx, r)  # type: ignore[arg-type]
+    assert r.state is SourceState.DONE and target.states[r.migration_id] is TargetState.DONE
+
+
+def test_a_target_that_no_longer_knows_the_migration_at_the_commit_rolls_back(
+    tmp_path: Path, original: subprocess.Popen[bytes]
+) -> None:
+    """The target lost its journal with its disk: NOT_FOUND is "no copy here", not a reason to
+    ask forever with the original frozen."""
+    target = FakeTarget(tmp_path)
+    r, ctx = _committing(tmp_path, target, original.pid, TargetState.READY)
+    del target.states[r.migration_id]
+    resolve_source(ctx, r)  # type: ignore[arg-type]
+    assert r.state is SourceState.ROLLED_BACK and FakeHeldDump.decisions == ["abort"]
+
+
+def _held_before_a_reboot(tmp_path: Path, target: FakeTarget, state: SourceState) -> tuple[Record, object]:
+    """A record written in an earlier boot of this node (its boot id differs), whose original
+    died with that boot; the target received the whole snapshot (it is RECEIVING until asked)."""
+    ctx = unit_context(tmp_path, target)
+    mid = "c" * 32
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    target.states[mid], target._received[mid], target._results[mid] = TargetState.RECEIVING, done, object()
+    r = Record(mid, Role.SOURCE, state, pid=gone.pid, peer=target.address, create_time=1.0, boot_id="an-earlier-boot",
+               snapshot=str(ctx.cfg.work_dir / "outgoing" / mid))  # fmt: skip
+    ctx.journal.write(r)
+    return r, ctx
+
+
+@pytest.mark.parametrize("state", [SourceState.FREEZING, SourceState.HELD])
+def test_after_a_reboot_the_targets_whole_snapshot_goes_on(tmp_path: Path, state: SourceState) -> None:
+    """This node rebooted with the original frozen (it died with the boot): the target holds
+    the whole snapshot, so the job goes on there instead of being rolled back to nothing."""
+    target = FakeTarget(tmp_path)
+    r, ctx = _held_before_a_reboot(tmp_path, target, state)
+    resolve_source(ctx, r)  # type: ignore[arg-type]
+    assert r.state is SourceState.DONE and target.states[r.migration_id] is TargetState.DONE
+    assert target.calls.index("restore") < target.calls.index("finish-commit")
+
+
+def test_after_a_reboot_with_no_whole_copy_anywhere_it_is_said(tmp_path: Path) -> None:
+    target = FakeTarget(tmp_path, restore_does="refuse")
+    r, ctx = _held_before_a_reboot(tmp_path, target, SourceState.HELD)
+    resolve_source(ctx, r)  # type: ignore[arg-type]
+    assert r.state is SourceState.ROLLED_BACK and "did not survive a restart of this node" in r.message

@@ -1,0 +1,197 @@
+"""Never lost, never twice (issue 9, items 1-4): reboots of either node, CRIU dying while it
+holds the frozen original, a copy that dies right after it started.  Real agents on "nodes"
+(network namespaces), real CRIU; each test asserts on the workload's own tick log where
+exactly one copy must be running, and where."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cluster import Cluster, Node, Ticker
+from conftest import needs_criu
+from helpers import ROOT, kill_and_wait, wait_until
+from proxy import Proxy
+
+pytestmark = needs_criu
+
+
+def _states(node: Node) -> list[str]:
+    return [json.loads(p.read_text())["state"] for p in (node.work / "agent" / "migrations").glob("*.json")]
+
+
+def _record(node: Node) -> dict[str, object]:
+    (path,) = (node.work / "agent" / "migrations").glob("*.json")
+    return dict(json.loads(path.read_text()))
+
+
+def _runs_on(pid: int, node: Node) -> bool:
+    return Path(f"/proc/{pid}/ns/net").stat().st_ino == Path(f"/run/netns/{node.name}").stat().st_ino
+
+
+def _through_proxy(cluster: Cluster, node: Node) -> Proxy:
+    """A's calls to ``node``'s agent go through this proxy (``node`` must accept calls
+    addressed to the bridge: start its agent with aliases=cluster.bridge_addr)."""
+    return Proxy((node.addr, int(node.agent_address.rpartition(":")[2])), listen=(cluster.bridge_addr, 0))
+
+
+def _migrate_via(cluster: Cluster, pid: int, to: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "migrate", str(pid), "--from",
+                             cluster.nodes["A"].agent_address, "--to", to, "--json"],
+                            cwd=ROOT, env=cluster.cli_env("A"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("journal", ["kept", "lost"])
+def test_the_source_node_reboots_while_the_target_holds_the_copy(
+    cluster: Cluster, ticker: Ticker, journal: str
+) -> None:
+    """A reboots (its agent, CRIU, the frozen original all gone) once B holds the restored
+    copy, READY.  kept: A's journal is on persistent storage; its agent, back, finds the
+    migration RESTORING and the original gone with the boot, and lets B's copy go on.  lost
+    (the journal was on tmpfs): A's agent answers "no such migration", which no longer
+    resets B's takeover clock: the copy starts on its own.  Either way: one copy, on B,
+    ticking on from where the original stood."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    b.kill_agent(signal.SIGTERM)
+    # (lost: B must still be waiting when A is back and answers, or A's silence alone decides)
+    b.start_agent(aliases=cluster.bridge_addr, **({"takeover_after": "15"} if journal == "lost" else {}))
+    proxy = _through_proxy(cluster, b)
+    proxy.swallow_replies = lambda: "ready" in _states(b)  # A never hears that B holds it
+    try:
+        mig = _migrate_via(cluster, ticker.pid, proxy.address)
+        wait_until(lambda: proxy.swallowed > 0, "B to hold its copy", 120)
+        a.reboot()
+        mig.communicate(timeout=60)
+        assert not psutil.pid_exists(ticker.pid) and ticker.running_copies() == 0  # the original died with A
+        if journal == "lost":
+            for p in (a.work / "agent" / "migrations").glob("*.json"):
+                p.unlink()
+        proxy.swallow_replies = lambda: False
+        a.start_agent()
+        wait_until(lambda: "done" in _states(b), "B's copy to start and be confirmed", 120)
+        if journal == "kept":
+            wait_until(lambda: "done" in _states(a), "A to record the migration done", 60)
+            assert "has been unreachable" not in b.agent_log()  # A decided, not a takeover
+        else:
+            assert "without a record of it for 15 s" in b.agent_log()
+    finally:
+        proxy.close()
+    ticker.pid = int(_record(b)["pid"])  # type: ignore[call-overload]
+    assert _runs_on(ticker.pid, b)
+    ticker.assert_one_copy_continuous()
+    ticker.verify_state()
+
+
+def test_the_target_node_reboots_while_the_copy_is_being_confirmed(cluster: Cluster, ticker: Ticker) -> None:
+    """B started its copy and watches it (30 s confirmation here) while A keeps the original
+    frozen; then B reboots, taking the running copy with it.  B's agent, back, finds the copy
+    gone and says so; A resumes its original where it stood.  Before, A asked a rebooted B
+    forever, the original frozen (and with B's journal on tmpfs, B did not even know)."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    b.kill_agent(signal.SIGTERM)
+    b.start_agent(confirm_period="30")
+    mig = cluster.start_migrate(ticker.pid, "A", "B", "--json")
+    wait_until(lambda: "confirming" in _states(b), "B to start its copy", 120)
+    copy = int(_record(b)["pid"])  # type: ignore[call-overload]
+    frozen_at = max(ticker.ticks(), default=-1)
+    wait_until(lambda: max(ticker.ticks()) > frozen_at + 5, "B's copy to tick", 30)
+    b.reboot()
+    assert not psutil.pid_exists(copy)
+    b.start_agent(confirm_period="30")
+    out, err = mig.communicate(timeout=120)
+    doc = json.loads(out)
+    assert doc["state"] == "rolled_back" and "did not outlive a restart" in doc["message"], out + err
+    assert _runs_on(ticker.pid, a) and _states(b) == ["discarded"] and _states(a) == ["rolled_back"]
+    # The copy ran for a while on B; the original then went on from where it was frozen:
+    # its ticks follow on from the last one it wrote before the freeze, and only it ticks now.
+    assert not [p for p in b.processes() if b.agent is None or p.pid != b.agent.pid]  # the copy is gone
+    n = len(ticker.ticks())
+    wait_until(lambda: len(ticker.ticks()) > n + 20, "the original to tick on at A", 30)
+    seq = ticker.ticks()
+    restart = next(i for i in range(1, len(seq)) if seq[i] != seq[i - 1] + 1)
+    assert seq[:restart] == list(range(restart)), "the ticks before B's reboot are one run"
+    assert seq[restart] <= frozen_at + 1, "the original resumed where it was frozen, not later"
+    tail = seq[restart:]
+    assert tail == list(range(tail[0], tail[0] + len(tail))) and len(tail) > 10, "then one copy ticks on"
+    ticker.verify_state()
+
+
+@pytest.fixture
+def loopback_service(cluster: Cluster) -> Iterator[int]:
+    """A UDP echo service on A's loopback: outside the workload's tree, it stays on A."""
+    port = 7399
+    server = subprocess.Popen(
+        cluster.nodes["A"].exec(sys.executable, str(ROOT / "tests" / "workloads" / "udp_echo.py"), str(port))
+    )
+    yield port
+    server.kill()
+    server.wait()
+
+
+def test_a_copy_that_dies_right_after_it_started_leaves_the_original_running(
+    cluster: Cluster, loopback_service: int, tmp_path: Path
+) -> None:
+    """The workload needs a service on its node's loopback.  On B nothing answers there: its
+    copy dies at its first question, inside the confirmation period.  The original, frozen
+    all along, runs on at A; the migration reports that, not "done" (before, the original was
+    ended as the copy started, and the job was lost)."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    log = tmp_path / "asker.log"
+    out = subprocess.run(a.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp_path / "asker.out"),
+                                "--", sys.executable, str(ROOT / "tests" / "workloads" / "loopback_asker.py"),
+                                str(log), str(loopback_service)),
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    t = Ticker(log, int(out.stdout))
+    try:
+        wait_until(lambda: len(t.ticks()) > 5, "the workload to tick")
+        proc = cluster.migrate(t.pid, "A", "B", "--json")
+        doc = json.loads(proc.stdout)
+        assert proc.returncode != 0 and doc["state"] == "rolled_back", proc.stdout + proc.stderr
+        assert "ended" in doc["message"] and "confirmation period" in doc["message"]
+        assert _runs_on(t.pid, a) and _states(b) == ["discarded"]
+        assert not [p for p in b.processes() if p.pid != (b.agent.pid if b.agent else 0)]  # nothing left on B
+        t.assert_one_copy_continuous()  # the copy never got an answer, so never wrote a tick
+    finally:
+        kill_and_wait(t.pid)
+
+
+def _criu_of(node: Node) -> psutil.Process:
+    """The CRIU dumping (and holding) on ``node`` (run through its own loader: named by its path)."""
+    return next(p for p in node.processes() if "dump" in (c := p.cmdline()) and any(a.endswith("/criu") for a in c))
+
+
+def test_criu_dying_while_it_holds_the_original_drops_the_copy(cluster: Cluster, ticker: Ticker) -> None:
+    """A's CRIU, holding the frozen original while B restores (and holds) its copy, is killed:
+    the original runs again at once.  A must then drop B's copy, not start it: one copy, the
+    original, its ticks continuous.  (Before, A still committed: the workload ran twice.)"""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a.kill_agent(signal.SIGTERM)
+    a.start_agent(rpc_timeout="5", restore_timeout="15")
+    b.kill_agent(signal.SIGTERM)
+    b.start_agent(aliases=cluster.bridge_addr)
+    proxy = _through_proxy(cluster, b)
+    proxy.swallow_replies = lambda: "ready" in _states(b)  # A waits for its answer meanwhile
+    try:
+        mig = _migrate_via(cluster, ticker.pid, proxy.address)
+        wait_until(lambda: proxy.swallowed > 0, "B to hold its copy", 120)
+        frozen = ticker.ticks()
+        _criu_of(a).kill()
+        wait_until(lambda: len(ticker.ticks()) > len(frozen) + 5, "the original to run again as CRIU died", 30)
+        proxy.swallow_replies = lambda: False
+        out, err = mig.communicate(timeout=120)
+    finally:
+        proxy.close()
+    doc = json.loads(out)
+    assert doc["state"] == "rolled_back" and "ended without a decision" in doc["message"], out + err
+    assert _states(b) == ["discarded"] and _runs_on(ticker.pid, a)
+    ticker.assert_one_copy_continuous()
+    ticker.verify_state()
