@@ -26,6 +26,7 @@ from cli.common import (
     rpc_exit_code,
 )
 from snapshot.api import UsageError
+from tpagent.api import SOURCE_FINAL, TARGET_FINAL
 from transfer.api import DEFAULT_TLS_DIR
 
 
@@ -209,6 +210,42 @@ def cancel(
 
     s = _call(agent, secret_file, tls_dir, "Cancel", pb.MigrationRef(migration_id=migration_id))
     typer.echo(f"migration {s.migration_id}: {s.state} {s.message}".rstrip())
+
+
+FINAL_STATES = frozenset({*(s.value for s in SOURCE_FINAL), *(t.value for t in TARGET_FINAL)})
+
+
+def resolve(
+    migration_id: Annotated[str, typer.Argument(help="The migration its agent cannot finish (`tpagent status ID`).")],
+    commit: Annotated[
+        bool | None,
+        typer.Option(
+            "--commit/--discard",
+            help="--commit: the copy on the target goes on and the original is ended; "
+            "--discard: the original goes on (a copy the target still holds is dropped when it is back).",
+        ),
+    ] = None,
+    agent: AgentOpt = "127.0.0.1:7400",
+    secret_file: SecretOpt = None,
+    tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
+) -> None:
+    """Decide a migration whose peer gives no answer (its node lost, its agent down for good).
+    Refused while the peer answers (the agents then decide it themselves).  Only you know the
+    peer is gone: --discard while its agent could still start the held copy (takeover_after)
+    can run the job twice; --commit while it never ran can lose it."""
+    from tpagent.rpc import pb
+
+    if commit is None:
+        die("say how it ends: --commit (the copy goes on) or --discard (the original goes on).", EXIT_USAGE)
+    s = _call(agent, secret_file, tls_dir, "Resolve", pb.ResolveRequest(migration_id=migration_id, commit=commit))
+    for _ in range(60):  # (the agent carries the decision out within seconds)
+        if s.state in FINAL_STATES:
+            break
+        time.sleep(1)
+        s = _call(agent, secret_file, tls_dir, "Status", pb.MigrationRef(migration_id=migration_id))
+    typer.echo(f"migration {s.migration_id}: {s.state} {s.message}".rstrip())
+    if s.state not in FINAL_STATES:
+        die(f"the agent has not carried the decision out yet; `tpagent status {migration_id}` follows it", EXIT_FAILED)
 
 
 def node(

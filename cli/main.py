@@ -417,6 +417,7 @@ app.command()(agent_cmds.serve)
 app.command()(agent_cmds.migrate)
 app.command()(agent_cmds.status)
 app.command()(agent_cmds.cancel)
+app.command()(agent_cmds.resolve)
 app.command()(agent_cmds.node)
 
 

@@ -18,8 +18,10 @@
                   "message": STR,
                   "cuda_pids": [INT, ...],                    source: to give the GPU back after a restart
                   "restore_sent": BOOL,                       source: a copy may exist on the target
-                  "boot_id": STR }                            the node's boot when the record was made
+                  "boot_id": STR,                             the node's boot when the record was made
                                                               (/proc/sys/kernel/random/boot_id)
+                  "operator": "" | "commit" | "discard" }     source: an operator's decision (tpagent
+                                                              resolve), taken when the target gave none
 
 A record is written to ``ID.PID.TID.tmp`` (0600), fsynced, renamed over ``ID.json``, and the
 directory fsynced: after a crash or power loss either the old or the new record is there,
@@ -70,6 +72,7 @@ class Record:
     create_time: float = 0.0
     peer_agent: str = ""
     boot_id: str = field(default_factory=lambda: boot_id())
+    operator: str = ""
 
     def rebooted(self) -> bool:
         """Whether this node was rebooted since the record was made (unknown: no)."""

@@ -19,7 +19,7 @@ import psutil
 from snapshot import gpus, proc
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
-from tpagent import __version__, launch
+from tpagent import __version__, launch, target
 from tpagent.api import (
     Acceptance,
     GpuInfo,
@@ -32,10 +32,11 @@ from tpagent.api import (
     Restored,
     Role,
     Why,
+    is_final,
 )
 from tpagent.context import Context
 from tpagent.journal import Record, valid_id
-from tpagent.source import SourceMigration, resolve_source
+from tpagent.source import SourceMigration, operator_may, resolve_source
 from tpagent.target import Incoming, finish_held, recover_target, settle
 from transfer.api import TransferError
 
@@ -59,6 +60,7 @@ class Node:
         self.active: dict[int, str] = {}  # source: PID -> migration in progress
         self.sources: dict[str, SourceMigration] = {}
         self.receivers: dict[str, Incoming] = {}
+        self.recovered: dict[str, Record] = {}  # source records a resolver took up after a restart
         #: Set at shutdown: no new migration starts, as source or target.
         self.closed = False
 
@@ -158,6 +160,33 @@ class Node:
         if m is not None:
             m.cancel("cancelled by the operator")
         return self.status(migration_id)
+
+    def resolve(self, migration_id: str, commit: bool) -> PeerStatus:
+        """An operator's decision on a migration its peer gives no answer about (``tpagent
+        resolve``): refused whenever the peer answers, or the decision could leave two copies
+        running, or none, that the protocol itself would not."""
+        r = self._record(migration_id)
+        mid, how = r.migration_id, "--commit" if commit else "--discard"
+        if r.role is Role.TARGET:
+            why = target.operator_may(self.ctx, r, commit)
+            if why:
+                raise Refused(f"{how} refused: {why}", Why.CONFLICT)
+            self.finish_target(mid, commit, f"resolved by the operator ({how}), the source agent {r.peer_agent} "
+                                            "giving no answer")  # fmt: skip
+            return self.status(mid)
+        m = self.sources.get(mid)
+        live = m.record if m is not None and m.result is not None else self.recovered.get(mid)
+        if live is None:
+            if m is not None and not is_final(m.record.state):
+                raise Refused(f"{how} refused: migration {mid} is still running; `tpagent cancel` it, or wait",
+                              Why.CONFLICT)  # fmt: skip
+            live = r
+        why = operator_may(self.ctx, live, commit)
+        if why:
+            raise Refused(f"{how} refused: {why}", Why.CONFLICT)
+        live.operator = "commit" if commit else "discard"
+        self.journal.write(live)  # (the resolver takes it up within seconds)
+        return status_of(live)
 
     def _record(self, migration_id: str) -> Record:
         try:
@@ -276,6 +305,7 @@ class Node:
                 if r.role is Role.SOURCE:
                     with self.lock:
                         self.active[r.pid] = r.migration_id  # frozen, not to be migrated again meanwhile
+                        self.recovered[r.migration_id] = r
                     release = functools.partial(self._release, r.migration_id)
                     self.ctx.threads.spawn(
                         "waiter", f"resolve-{r.migration_id[:8]}", resolve_source, self.ctx, r, release

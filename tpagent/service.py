@@ -82,6 +82,9 @@ class Service(AgentServicer):
     def Cancel(self, request: pb.MigrationRef, context: grpc.ServicerContext) -> pb.MigrationStatus:
         return status_pb(_answer(context, lambda: self.node.cancel(request.migration_id)))
 
+    def Resolve(self, request: pb.ResolveRequest, context: grpc.ServicerContext) -> pb.MigrationStatus:
+        return status_pb(_answer(context, lambda: self.node.resolve(request.migration_id, request.commit)))
+
     def Receive(self, request: pb.ReceiveRequest, context: grpc.ServicerContext) -> pb.ReceiveReply:
         offer = Offer(str(request.migration_id), str(request.source_node), str(request.source_agent),
                       int(request.bytes_estimate), tuple(request.gpu_uuids), tuple(request.shared_files),

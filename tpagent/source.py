@@ -57,6 +57,10 @@ class _Unresolved(Exception):
     """The target cannot say whether its copy runs: the original stays frozen, asked about."""
 
 
+class _Operator(Exception):
+    """An operator decided the migration (``tpagent resolve``): carried out by the resolver."""
+
+
 class _Stopping(Exception):
     """The agent shuts down: the journal keeps the state, the next run takes it up."""
 
@@ -418,6 +422,8 @@ def commit(
     decision, the original runs again, and only one of the two may go on."""
     delay, ran, message = 0.2, False, ""
     while True:
+        if r.operator:
+            raise _Operator
         if dump.holder_lost() and same_process_alive(r):
             return _holder_lost(ctx, r, target, dump)
         try:
@@ -494,9 +500,14 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
     try:
         while not is_final(r.state):
             try:
+                if r.operator:
+                    raise _Operator
                 if r.state is S.COMMITTING:
                     commit(ctx, r, target, dump)
                     break
+            except _Operator:
+                _carry_out(ctx, r, target, dump)
+                break
             except _Unresolved as e:
                 ctx.log.error("migration %s: %s; asking again", r.migration_id, e)
             else:
@@ -535,11 +546,49 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
                     break
             if ctx.threads.sleep(delay):
                 return  # (stopping: the next run of the agent takes it up from the journal)
-            delay = min(delay * 2, 30.0)
+            delay = min(delay * 2, 10.0)
     except _Stopping:
         return
     release()
     ctx.log.info("migration %s resolved: %s", r.migration_id, r.state.value)
+
+
+def operator_may(ctx: Context, r: Record, commit: bool) -> str:
+    """Why an operator may not decide this source migration (``tpagent resolve``), or "".  The
+    same rule as the protocol's: the original runs again only if no copy runs, and is ended
+    only if one may, so the operator decides only what the target cannot answer itself."""
+    if is_final(r.state):
+        return f"migration {r.migration_id} is {r.state.value} already: there is nothing to resolve"
+    if commit and not r.restore_sent:
+        return "no copy was restored on the target: the original cannot be ended (only --discard)"
+    state, _ = target_state(ctx, ctx.peer(r.peer), r.migration_id, ctx.timeouts.rpc)
+    if state is not None:
+        return (f"the target {r.peer} answers (its copy is {state}): this agent resolves the migration with it, "
+                "no operator decision is needed")  # fmt: skip
+    return ""
+
+
+def _carry_out(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> None:
+    """The operator's decision, the target having given none: --discard resumes the original
+    (the target is told to drop its copy whenever it is back), --commit ends it."""
+    who = f"resolved by the operator, {r.peer} giving no answer"
+    if r.operator == "discard":
+        if r.state is not S.ROLLING_BACK:
+            ctx.journal.move(r, S.ROLLING_BACK, who)
+        ctx.threads.spawn("waiter", f"abort-{r.migration_id[:8]}", _keep_telling_abort, ctx, target, r.migration_id)
+        dump.let_go()
+        _resume_leftovers(r)
+        ctx.remove(r.snapshot)
+        ctx.journal.move(r, S.ROLLED_BACK, f"{who}: the original runs on where it stood")
+    else:
+        if r.state is not S.COMMITTING:
+            ctx.journal.move(r, S.COMMITTING, who)
+        dump.commit()
+        if same_process_alive(r):
+            proc.kill_tree(r.pid)
+        dump.drop_network_lock()
+        ctx.remove(r.snapshot)
+        ctx.journal.move(r, S.DONE, f"{who}: the original was ended, its copy runs on {r.peer}")
 
 
 def _restore_after_reboot(ctx: Context, r: Record, target: Peer) -> None:

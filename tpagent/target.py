@@ -153,6 +153,23 @@ def finish_held(ctx: Context, r: Record, commit: bool, why: str, settle: Settler
         drop_copy(ctx, r, why)
 
 
+def operator_may(ctx: Context, r: Record, commit: bool) -> str:
+    """Why an operator may not decide this held copy (``tpagent resolve``), or "": only a
+    READY copy, and only when its source agent gives no answer (else the source decides)."""
+    if r.state is not T.READY:
+        return f"migration {r.migration_id} is {r.state.value} here: only a held copy waiting for its source is"
+    if r.peer_agent:
+        try:
+            st = ctx.peer(r.peer_agent).status(r.migration_id, ctx.timeouts.rpc)
+            return f"the source agent {r.peer_agent} answers (the migration is {st.state} there): it decides"
+        except Refused as e:
+            if e.why is not Why.NOT_FOUND:
+                return f"the source agent {r.peer_agent} answers ({e}): it decides"
+        except PeerUnreachable:
+            pass
+    return ""
+
+
 def start_held(ctx: Context, r: Record, result: engine.RestoreResult | None, why: str, settle: Settler) -> None:
     """READY -> STARTING, journaled first: from now on the copy is let go (again, after a
     restart of this agent), then watched for the confirmation period (:func:`watch_copy`)."""

@@ -195,3 +195,42 @@ def test_criu_dying_while_it_holds_the_original_drops_the_copy(cluster: Cluster,
     assert _states(b) == ["discarded"] and _runs_on(ticker.pid, a)
     ticker.assert_one_copy_continuous()
     ticker.verify_state()
+
+
+def _resolve(cluster: Cluster, on: str, mid: str, how: str) -> subprocess.CompletedProcess[str]:
+    node = cluster.nodes[on]
+    return subprocess.run([sys.executable, "-m", "cli.main", "resolve", mid, how, "--agent", node.agent_address],
+                          cwd=ROOT, env=cluster.cli_env(on), capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_an_operator_resolves_a_migration_whose_target_went_silent(cluster: Cluster, ticker: Ticker) -> None:
+    """B holds the copy, then goes silent to A: the original stays frozen, the migration
+    unresolved.  `tpagent resolve --discard` on A (the operator knows B's copy will not run)
+    resumes the original; B, heard from again, drops its copy.  The same rule as the agents':
+    a decision is refused wherever the peer still answers, and once the migration is final."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a.kill_agent(signal.SIGTERM)
+    a.start_agent(rpc_timeout="5", restore_timeout="10")
+    b.kill_agent(signal.SIGTERM)
+    b.start_agent(aliases=cluster.bridge_addr)
+    proxy = _through_proxy(cluster, b)
+    proxy.swallow_replies = lambda: "ready" in _states(b)
+    try:
+        out, _ = _migrate_via(cluster, ticker.pid, proxy.address).communicate(timeout=120)
+        mid = json.loads(out)["migration_id"]
+        assert _states(a) == ["restoring"] and _states(b) == ["ready"], out + a.agent_log()[-3000:]
+        assert ticker.running_copies() == 0
+        refused = _resolve(cluster, "B", mid, "--commit")  # A answers B: A decides, not the operator
+        assert refused.returncode == 2 and "the source agent" in refused.stderr and "answers" in refused.stderr
+        done = _resolve(cluster, "A", mid, "--discard")
+        assert done.returncode == 0 and "rolled_back" in done.stdout, done.stdout + done.stderr
+        ticker.assert_one_copy_continuous()  # the original, where it stood
+        proxy.swallow_replies = lambda: False
+        wait_until(lambda: _states(b) == ["discarded"], "B to drop its copy once it hears from A", 60)
+        again = _resolve(cluster, "A", mid, "--commit")
+        assert again.returncode == 2 and "rolled_back already" in again.stderr
+    finally:
+        proxy.close()
+    assert _runs_on(ticker.pid, a)
+    ticker.assert_one_copy_continuous()
+    ticker.verify_state()
