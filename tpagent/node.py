@@ -36,7 +36,8 @@ from tpagent.api import (
 )
 from tpagent.context import Context
 from tpagent.journal import Record, valid_id
-from tpagent.source import SourceMigration, operator_may, resolve_source
+from tpagent.resolve import operator_may, resolve_source
+from tpagent.source import SourceMigration
 from tpagent.target import Incoming, finish_held, recover_target, settle
 from transfer.api import TransferError
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import signal
 import threading
 import time
 import uuid
@@ -41,7 +40,17 @@ from tpagent.api import (
     is_final,
 )
 from tpagent.context import Context
-from tpagent.journal import Record, same_process_alive, source_record
+from tpagent.decide import (
+    Stopping,
+    Unresolved,
+    commit,
+    keep_telling_abort,
+    target_dropped_copy,
+    target_state,
+    tell_target_abort,
+)
+from tpagent.journal import Record, source_record
+from tpagent.resolve import resolve_source
 from transfer.api import TransferError, TransferStats
 from transfer.sender import Sender
 
@@ -53,19 +62,6 @@ class _Failure(Exception):
     """Before COMMITTING: roll back (the message says why)."""
 
 
-class _Unresolved(Exception):
-    """The target cannot say whether its copy runs: the original stays frozen, asked about."""
-
-
-class _Operator(Exception):
-    """An operator decided the migration (``tpagent resolve``): carried out by the resolver."""
-
-
-class _Stopping(Exception):
-    """The agent shuts down: the journal keeps the state, the next run takes it up."""
-
-
-#: How a target says it keeps no copy for a migration.
 _TARGET_REFUSED = {Why.PRECONDITION, Why.NOT_FOUND, Why.INVALID}
 
 
@@ -183,7 +179,7 @@ class SourceMigration:
                 self.emit(self.record.message)
         except _Failure as e:
             outcome = self._roll_back(target, str(e))
-        except (_Unresolved, _Stopping) as e:
+        except (Unresolved, Stopping) as e:
             outcome = Outcome.UNRESOLVED
             self.emit(f"{e}; the original stays frozen and the agent keeps asking the target")
             self._keep_resolving()
@@ -283,7 +279,7 @@ class SourceMigration:
 
     def _restore(self, target: Peer) -> tuple[int, dict[str, float]]:
         """The copy's PID once it is restored (held) on the target; _Failure if the target
-        says it is gone, _Unresolved if the target cannot say."""
+        says it is gone, Unresolved if the target cannot say."""
         try:
             restored = target.restore(self.migration_id, self.ctx.timeouts.restore)
             return restored.pid, dict(restored.timings)
@@ -298,7 +294,7 @@ class SourceMigration:
         if state in (TargetState.READY.value, TargetState.DONE.value):
             return pid, {}
         if state is None:
-            raise _Unresolved(f"the target stopped answering while restoring ({why})")
+            raise Unresolved(f"the target stopped answering while restoring ({why})")
         raise _Failure(f"the target could not restore ({why}); it reports {state}")
 
     def _roll_back(self, target: Peer, why: str) -> Outcome:
@@ -324,7 +320,7 @@ class SourceMigration:
         elif not tell_target_abort(target, self.migration_id):
             # Its copy never ran; it drops what it received once it hears from us again.
             name = f"abort-{self.migration_id[:8]}"
-            ctx.threads.spawn("waiter", name, _keep_telling_abort, ctx, target, self.migration_id)
+            ctx.threads.spawn("waiter", name, keep_telling_abort, ctx, target, self.migration_id)
         if self.dump is not None:
             self.dump.let_go()
         resumed = proc.alive(self.pid)
@@ -352,288 +348,3 @@ def _journal_best_effort(ctx: Context, r: Record, to: SourceState, message: str)
     except Exception as e:
         log.error("migration %s: could not journal %s: %s", r.migration_id, to.value, e)
         r.state, r.message = to, message
-
-
-def target_state(ctx: Context, target: Peer, mid: str, seconds: float) -> tuple[str | None, int]:
-    """The target's state for ``mid`` once it is settled (not ``restoring``), or None if it
-    does not answer within ``seconds``.  Unknown there (NOT_FOUND) counts as discarded; any
-    other refusal (an unreadable journal there) is no answer."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            st = target.status(mid, min(5.0, ctx.timeouts.rpc))
-            if st.state != TargetState.RESTORING.value:
-                return st.state, st.pid
-        except Refused as e:
-            if e.why is Why.NOT_FOUND:
-                return TargetState.DISCARDED.value, 0
-        except PeerUnreachable:
-            pass
-        if ctx.threads.sleep(0.5):
-            break
-    return None, 0
-
-
-def target_dropped_copy(ctx: Context, target: Peer, mid: str, seconds: float) -> bool:
-    """Ask the target to drop its copy; True once it says the copy is gone (or never was)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not ctx.threads.stopping.is_set():
-        tell_target_abort(target, mid)
-        state, _ = target_state(ctx, target, mid, min(10.0, max(0.1, deadline - time.monotonic())))
-        # Only a copy the target itself calls gone counts: one still RECEIVING may yet be
-        # restored by a Restore call that is on its way there.
-        if state == TargetState.DISCARDED.value:
-            return True
-        if state == TargetState.DONE.value:  # it made the copy final: only committing is right now
-            return False
-    return False
-
-
-def tell_target_abort(target: Peer, mid: str) -> bool:
-    """Tell the target to drop its copy; whether it heard it."""
-    for _ in range(3):
-        try:
-            target.finish(mid, False, 5.0)
-            return True
-        except Refused as e:
-            if e.why in (Why.NOT_FOUND, Why.UNAUTHENTICATED):
-                return False
-        except PeerUnreachable:
-            pass
-        time.sleep(0.5)
-    return False
-
-
-def _keep_telling_abort(ctx: Context, target: Peer, mid: str) -> None:
-    deadline = time.monotonic() + ctx.timeouts.hold
-    while time.monotonic() < deadline and not tell_target_abort(target, mid):
-        if ctx.threads.sleep(2.0):
-            return
-
-
-def commit(
-    ctx: Context, r: Record, target: Peer, dump: HeldDump, started: Callable[[], None] = lambda: None
-) -> Outcome:
-    """COMMITTING (journaled): the target starts its copy and watches it for the confirmation
-    period; once it says DONE, the original ends.  ROLLED_BACK if the target drops its copy
-    first (it died there, or it is gone), the original then runs on where it stood.  Raises
-    _Stopping if the agent shuts down meanwhile (the journal says COMMITTING: the next run
-    goes on).  The CRIU holding the original is watched all along: if it ends without a
-    decision, the original runs again, and only one of the two may go on."""
-    delay, ran, message = 0.2, False, ""
-    while True:
-        if r.operator:
-            raise _Operator
-        if dump.holder_lost() and same_process_alive(r):
-            return _holder_lost(ctx, r, target, dump)
-        try:
-            st = target.finish(r.migration_id, True, ctx.timeouts.rpc)
-            state, message, delay = st.state, st.message, 0.2
-        except Refused as e:
-            if e.why is not Why.NOT_FOUND:
-                log.warning("migration %s: the target refused to start its copy (%s); asking again", r.migration_id, e)
-                state, delay = "", min(delay * 2, 10.0)
-            else:  # it knows no such migration (its journal lost with its disk): no copy there
-                state, message = TargetState.DISCARDED.value, f"the target does not know the migration ({e})"
-        except PeerUnreachable as e:
-            log.warning("migration %s: the target cannot be reached (%s); asking again", r.migration_id, e)
-            state, delay = "", min(delay * 2, 10.0)
-        if state in (TargetState.CONFIRMING.value, TargetState.DONE.value) and not ran:
-            ran = True
-            started()  # the copy runs now; the original is still frozen
-        if state == TargetState.DONE.value:
-            break
-        if state == TargetState.DISCARDED.value:
-            why = message or "the target's copy is gone"
-            ctx.journal.move(r, S.ROLLING_BACK, f"{why}; resuming the original")
-            dump.let_go(ctx.timeouts.rpc)
-            ctx.journal.move(r, S.ROLLED_BACK, f"{why}; the original was resumed where it stood")
-            ctx.remove(r.snapshot)
-            return Outcome.ROLLED_BACK
-        if ctx.threads.sleep(delay):
-            raise _Stopping("the agent is shutting down while the target starts its copy")
-    dump.commit()
-    if same_process_alive(r):  # CRIU could not end it (it died at the last moment): end it here
-        proc.kill_tree(r.pid)
-    dump.drop_network_lock()
-    ctx.remove(r.snapshot)
-    if r.state is not S.DONE:
-        ctx.journal.move(r, S.DONE, f"migrated to {r.peer}")
-    return Outcome.DONE
-
-
-def _holder_lost(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> Outcome:
-    """The CRIU holding the original ended without a decision and the original runs again: its
-    copy is dropped (if it is final already, the original is ended instead).  Never both."""
-    why = "the CRIU holding the original ended without a decision (the original runs again)"
-    log.error("migration %s: %s", r.migration_id, why)
-    if target_dropped_copy(ctx, target, r.migration_id, ctx.timeouts.abort_confirm):
-        ctx.journal.move(r, S.ROLLING_BACK, f"{why}; its copy on {r.peer} was dropped")
-        dump.let_go(ctx.timeouts.rpc)
-        ctx.remove(r.snapshot)
-        ctx.journal.move(r, S.ROLLED_BACK, f"{why}; its copy on {r.peer} was dropped, the original runs on")
-        return Outcome.ROLLED_BACK
-    state, _ = target_state(ctx, target, r.migration_id, ctx.timeouts.rpc)
-    if state == TargetState.DONE.value:  # the copy is final: the original is the one to end
-        proc.kill_tree(r.pid)
-        dump.drop_network_lock()
-        ctx.remove(r.snapshot)
-        ctx.journal.move(r, S.DONE, f"migrated to {r.peer}; {why}, so it was ended")
-        return Outcome.DONE
-    raise _Unresolved(f"{why}, and the target does not say its copy is gone")
-
-
-def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda: None) -> None:
-    """Bring a source migration to an end (after a restart, or when the target went quiet):
-    commit if the copy runs and was meant to, else roll back once no copy can run.  After a
-    reboot of this node the original is gone: whatever copy the target has or can make goes
-    on (what each state means then: :mod:`tpagent.api`).  Waits as long as it must (the
-    original stays frozen meanwhile, never resumed on a guess), or until the agent stops (the
-    journal keeps where it stood)."""
-    target = ctx.peer(r.peer)
-    dump = ctx.held.attach(Path(r.snapshot))
-    delay = 1.0
-    t = ctx.timeouts
-    rebooted = r.rebooted()
-    has_copy = {TargetState.READY.value, TargetState.STARTING.value, TargetState.CONFIRMING.value,
-                TargetState.DONE.value}  # fmt: skip
-    try:
-        while not is_final(r.state):
-            try:
-                if r.operator:
-                    raise _Operator
-                if r.state is S.COMMITTING:
-                    commit(ctx, r, target, dump)
-                    break
-            except _Operator:
-                _carry_out(ctx, r, target, dump)
-                break
-            except _Unresolved as e:
-                ctx.log.error("migration %s: %s; asking again", r.migration_id, e)
-            else:
-                if r.state is S.RESTORING:
-                    state, _ = target_state(ctx, target, r.migration_id, t.rpc)
-                    if state in has_copy:
-                        ctx.journal.move(r, S.COMMITTING, "the copy is restored on the target")
-                        continue
-                    if state is not None:
-                        ctx.journal.move(r, S.ROLLING_BACK, f"the target reports {state}")
-                        continue
-                elif r.state is S.CHECKING:
-                    ctx.journal.move(r, S.FAILED, "the agent restarted before anything was frozen")
-                    break
-                elif r.state in (S.FREEZING, S.HELD) and rebooted:
-                    _restore_after_reboot(ctx, r, target)
-                    continue
-                elif (
-                    r.state is S.ROLLING_BACK
-                    and r.restore_sent
-                    and target_state(ctx, target, r.migration_id, t.rpc)[0]
-                    in (has_copy if rebooted else {TargetState.DONE.value})
-                ):
-                    # The target made its copy final (it took over while this agent could not be
-                    # reached), or this node rebooted and the original is gone with it: the only
-                    # way left is forward (ending the original, if it is still there).
-                    ctx.journal.move(r, S.COMMITTING, "the target's copy goes on instead of the original")
-                    continue
-                elif not r.restore_sent or target_dropped_copy(ctx, target, r.migration_id, t.rpc):
-                    if r.state in (S.FREEZING, S.HELD):
-                        ctx.journal.move(r, S.ROLLING_BACK, "the agent restarted mid-migration")
-                    tell_target_abort(target, r.migration_id)
-                    dump.let_go()  # the hook still holds the tree: CRIU rolls it back
-                    _resume_leftovers(r)
-                    ctx.journal.move(r, S.ROLLED_BACK, _rolled_back_after_restart(ctx, r, dump))
-                    break
-            if ctx.threads.sleep(delay):
-                return  # (stopping: the next run of the agent takes it up from the journal)
-            delay = min(delay * 2, 10.0)
-    except _Stopping:
-        return
-    release()
-    ctx.log.info("migration %s resolved: %s", r.migration_id, r.state.value)
-
-
-def operator_may(ctx: Context, r: Record, commit: bool) -> str:
-    """Why an operator may not decide this source migration (``tpagent resolve``), or "".  The
-    same rule as the protocol's: the original runs again only if no copy runs, and is ended
-    only if one may, so the operator decides only what the target cannot answer itself."""
-    if is_final(r.state):
-        return f"migration {r.migration_id} is {r.state.value} already: there is nothing to resolve"
-    if commit and not r.restore_sent:
-        return "no copy was restored on the target: the original cannot be ended (only --discard)"
-    state, _ = target_state(ctx, ctx.peer(r.peer), r.migration_id, ctx.timeouts.rpc)
-    if state is not None:
-        return (f"the target {r.peer} answers (its copy is {state}): this agent resolves the migration with it, "
-                "no operator decision is needed")  # fmt: skip
-    return ""
-
-
-def _carry_out(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> None:
-    """The operator's decision, the target having given none: --discard resumes the original
-    (the target is told to drop its copy whenever it is back), --commit ends it."""
-    who = f"resolved by the operator, {r.peer} giving no answer"
-    if r.operator == "discard":
-        if r.state is not S.ROLLING_BACK:
-            ctx.journal.move(r, S.ROLLING_BACK, who)
-        ctx.threads.spawn("waiter", f"abort-{r.migration_id[:8]}", _keep_telling_abort, ctx, target, r.migration_id)
-        dump.let_go()
-        _resume_leftovers(r)
-        ctx.remove(r.snapshot)
-        ctx.journal.move(r, S.ROLLED_BACK, f"{who}: the original runs on where it stood")
-    else:
-        if r.state is not S.COMMITTING:
-            ctx.journal.move(r, S.COMMITTING, who)
-        dump.commit()
-        if same_process_alive(r):
-            proc.kill_tree(r.pid)
-        dump.drop_network_lock()
-        ctx.remove(r.snapshot)
-        ctx.journal.move(r, S.DONE, f"{who}: the original was ended, its copy runs on {r.peer}")
-
-
-def _restore_after_reboot(ctx: Context, r: Record, target: Peer) -> None:
-    """FREEZING or HELD, and this node rebooted: the original died with it.  If the target
-    holds the whole snapshot, its copy is the job now: restore it there (RESTORING, then
-    COMMITTING); else ROLLING_BACK (nothing can run: said so when it ends)."""
-    if r.state is S.FREEZING:
-        ctx.journal.move(r, S.HELD, "this node rebooted while the original was frozen; asking the target for a copy")
-    r.restore_sent = True  # (journaled with RESTORING, before the call: a copy may exist from now on)
-    ctx.journal.move(r, S.RESTORING, "this node rebooted with the original frozen: restoring its copy on the target")
-    try:
-        pid = target.restore(r.migration_id, ctx.timeouts.restore).pid
-    except AgentError as e:
-        state, pid = target_state(ctx, target, r.migration_id, ctx.timeouts.rpc)
-        if state is None:
-            return  # RESTORING: asked again on the next round
-        if state not in (TargetState.READY.value, TargetState.STARTING.value, TargetState.CONFIRMING.value,
-                         TargetState.DONE.value):  # fmt: skip
-            ctx.journal.move(r, S.ROLLING_BACK, f"the target has no whole copy to restore ({e})")
-            return
-    ctx.journal.move(r, S.COMMITTING, f"restored on the target as PID {pid} after this node rebooted")
-
-
-def _rolled_back_after_restart(ctx: Context, r: Record, dump: HeldDump) -> str:
-    """What a rollback after a restart leaves; the local snapshot is kept if nothing else is."""
-    if same_process_alive(r):
-        ctx.remove(r.snapshot)
-        return "rolled back after the agent restarted; the original runs where it stood"
-    if dump.sealed():  # the last whole image of the job: never removed by the agent
-        return (f"the original did not survive a restart of this node and no copy runs on {r.peer}; its "
-                f"snapshot is kept: `tpagent restore {r.snapshot}` brings it back")  # fmt: skip
-    ctx.remove(r.snapshot)
-    return f"the original did not survive a restart of this node and no copy of it could be made on {r.peer}"
-
-
-def _resume_leftovers(r: Record) -> None:
-    """What a dead CRIU may have left stopped runs again; the GPU side is given back."""
-    if not same_process_alive(r):
-        return  # gone (or its PID now someone else's): nothing of ours to resume
-    pids = proc.tree_pids(r.pid)
-    if not pids:
-        return
-    proc.signal_tree(pids, signal.SIGCONT)
-    if r.cuda_pids:  # CRIU gave back the CPU side; the GPU side waits in host memory
-        from snapshot import engine
-        from snapshot.cuda import CudaDriver
-
-        engine.resume([], [p for p in r.cuda_pids if proc.alive(p)], CudaDriver())

@@ -19,9 +19,10 @@ from snapshot.safefs import private_dir
 from tpagent.api import Role, SourceState, TargetState
 from tpagent.client import GrpcPeer
 from tpagent.config import AgentConfig
+from tpagent.decide import target_dropped_copy, target_state
 from tpagent.journal import Journal, Record
 from tpagent.node import Node
-from tpagent.source import resolve_source, target_dropped_copy, target_state
+from tpagent.resolve import resolve_source
 
 MID = "b" * 32
 

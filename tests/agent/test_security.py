@@ -33,9 +33,9 @@ from tpagent import launch, rpc
 from tpagent.api import Refused, Role, TargetState
 from tpagent.client import GrpcPeer
 from tpagent.config import AgentConfig
+from tpagent.decide import target_dropped_copy, target_state
 from tpagent.journal import Record
 from tpagent.rpc import pb, stub
-from tpagent.source import target_dropped_copy, target_state
 
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
 ATTACKERS = Path(__file__).resolve().parent.parent / "attackers"

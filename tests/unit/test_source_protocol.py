@@ -16,7 +16,8 @@ from protocol_fakes import FakeHeldDump, FakeTarget, sleeper, unit_context, wait
 
 from tpagent.api import Outcome, Role, SourceState, TargetState, allowed
 from tpagent.journal import Journal, Record
-from tpagent.source import SourceMigration, resolve_source
+from tpagent.resolve import resolve_source
+from tpagent.source import SourceMigration
 
 
 @pytest.fixture
