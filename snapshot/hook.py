@@ -46,6 +46,12 @@ DECISION_FILE = "decision"
 HELD_FILE = "held"
 PINNED_FILE = "pinned"
 PINNED_ACK = "pinned.ack"
+#: How ``hook.err`` starts when the frozen root is not the process that was examined (its PID reused).
+NOT_THE_PROCESS = "NotTheProcess"
+
+
+class NotTheProcess(RuntimeError):
+    """The PID CRIU froze is no longer the process the dump was asked for."""
 
 
 def decide(out: Path, commit: bool) -> None:
@@ -144,6 +150,9 @@ def seal(out: Path, root: int, fail: bool) -> None:
     t0 = time.monotonic()
     _check_cancel(out)
     pending = json.loads((out / PENDING).read_text())
+    expected = float(pending["origin"]["root_create_time"])
+    if psutil.Process(root).create_time() != expected:  # frozen now: this is the process CRIU dumped
+        raise NotTheProcess(f"PID {root} was started after the process that was examined (its PID was reused)")
     if pending.get("carried"):
         pending["carried"] = _archive(out, pending["carried"])
     files = manifest.checksum_files(out)
