@@ -36,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from snapshot import gpus, hook, manifest, proc, safefs
+from snapshot import gpus, hook, manifest, proc, safefs, timers
 from snapshot.api import (
     CriuError,
     CudaError,
@@ -550,6 +550,7 @@ def restore(
         with timer.stage(Stage.CRIU_RESTORE):
             root = criu.restore(directory / IMAGES_DIR, work, opts, config.timeouts.restore)
         mapping = _restored_pids(m, root)
+        _rearm_timers(m, mapping)
         if cuda is not None:
             with proc.deferred_sigint():
                 with timer.stage(Stage.CUDA_RESTORE):
@@ -577,6 +578,20 @@ def restore(
         shutil.rmtree(work, ignore_errors=True)
     _note_copy(m, root)
     return RestoreResult(root, tuple(mapping.values()), m, timer.timings)
+
+
+def _rearm_timers(m: Manifest, mapping: Mapping[int, int]) -> None:
+    """Arm again the periodic timers CRIU brought back disarmed (:mod:`snapshot.timers`)."""
+    for t in m.timers:
+        try:
+            if timers.rearm(mapping[t.pid], t):
+                log.info("armed again the timerfd %d of PID %d (every %d ns)", t.fd, mapping[t.pid], t.interval_ns)
+        except (OSError, KeyError) as e:
+            raise ToolError(
+                f"PID {t.pid}'s periodic timer (fd {t.fd}) came back disarmed from CRIU and could not be armed again "
+                "(it would never fire)",
+                detail=str(e),
+            ) from e
 
 
 def _copy_path(m: Manifest) -> Path:

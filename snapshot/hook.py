@@ -35,7 +35,7 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import manifest, proc, safefs
+from snapshot import manifest, proc, safefs, timers
 
 PENDING = "manifest.pending.json"
 ERROR_FILE = "hook.err"
@@ -95,15 +95,17 @@ def hold(out: Path, seconds: float) -> None:
 def install(python: str = sys.executable) -> Path:
     """Write the wrapper CRIU will run; its path is made by mkdtemp (0700, ours), so sh sees
     nothing odd.  The hook runs isolated: ``python -I`` (no PYTHONPATH, no user site, no
-    current directory on sys.path) from ``/``, never from the directory CRIU is in, and finds
-    this very module by its absolute path."""
+    current directory on sys.path) from ``/``, never from the directory CRIU is in, and imports
+    this very module from the tree it lives in (by its absolute path), so that the hook is
+    always the code of the engine that installed it."""
     directory = Path(tempfile.mkdtemp(prefix="tpagent-hook-"))
     script = directory / "post-dump"
-    me = Path(__file__).resolve()
+    root = Path(__file__).resolve().parent.parent
+    run = "import sys; sys.path.insert(0, sys.argv[1]); from snapshot import hook; sys.exit(hook.main())"
     # CRIU runs it at every action (pre-dump, network-lock, ...): only post-dump needs Python.
     script.write_text(
         '#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\ncd / || exit 1\n'
-        f"exec {shlex.quote(str(Path(python).absolute()))} -I {shlex.quote(str(me))}\n"
+        f"exec {shlex.quote(str(Path(python).absolute()))} -I -c {shlex.quote(run)} {shlex.quote(str(root))}\n"
     )
     script.chmod(0o700)
     return script
@@ -161,6 +163,7 @@ def seal(out: Path, root: int, fail: bool) -> None:
         raise RuntimeError("fault injected after the checksums")
     m = manifest.Manifest.from_json({**pending, "files": files, "timings": {}})
     m.processes = proc.tree(psutil.Process(root), cuda_pids=set(m.cuda_pids))
+    m.timers = timers.expired([p.pid for p in m.processes])
     m.timings = {"checksum": round(time.monotonic() - t0, 4)}
     _check_cancel(out)  # the last moment at which CRIU can still roll back
     m.write(out)

@@ -3,6 +3,7 @@ event loops on timerfds, inotify watches, a reused PID."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import needs_criu
-from helpers import STATEFUL, kill_and_wait, wait_until
+from helpers import STATEFUL, kill_and_wait, tpagent, wait_until
 from snapshot import engine
 from snapshot.api import DumpMode, SnapshotConfig, SnapshotError, Stage
 
@@ -125,3 +126,27 @@ def test_a_refusal_that_persists_is_retried_a_bounded_number_of_times(loops, tmp
     assert caught.value.rolled_back and not out.exists()  # as it was: the same command can run again
     n = w.numbers("tick")[-1][0]
     wait_until(lambda: w.numbers("tick")[-1][0] > n + 5, "the trainer to run on")
+
+
+def test_a_periodic_timerfd_fires_on_after_a_restore(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """An asyncio-style loop whose only clock is a 20 ms periodic timerfd: frozen for longer
+    than a period, the timer has expired unread, which CRIU restores disarmed (its issue 3162);
+    the restore arms it again, and the loop ticks on from where it stood."""
+    w = Loop("epoll_loop.py", tmp_path / "w.log").start()
+    loops.append(w)
+    snap = tmp_path / "snap"
+    proc = tpagent("dump", str(w.pid), "--out", str(snap))
+    assert proc.returncode == 0, proc.stderr
+    w.reap()
+    stopped = w.numbers("tick")[-1]  # [tick, expirations]
+    timers = json.loads((snap / "manifest.json").read_text())["timers"]
+    assert timers == [{"pid": w.pid, "fd": timers[0]["fd"], "interval_ns": 20_000_000}]
+
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    # Without the re-arm it ticks once (the expiration pending at the freeze) and never again.
+    wait_until(lambda: w.numbers("tick")[-1][0] >= stopped[0] + 25, "the restored loop's timer to keep firing")
+    ticks = w.numbers("tick")
+    assert [t[0] for t in ticks] == list(range(len(ticks)))  # it went on from where it stood
+    assert ticks[-1][1] >= stopped[1] + 25  # the timer itself fired those
