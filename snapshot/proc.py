@@ -55,6 +55,9 @@ def validate_target(pid: int) -> psutil.Process:
         raise UsageError(f"there is no process with PID {pid}.") from e
     if flags & _PF_KTHREAD:
         raise UsageError(f"PID {pid} is a kernel thread, not a user process; pick a user process.")
+    init = namespace_init(pid)
+    if init is not None:
+        raise UsageError(inside_namespace(pid, init, "checkpoint"))
     if tgid is not None and tgid != pid:
         raise UsageError(f"{pid} is a thread of process {tgid}, not a process; give the process's PID ({tgid}).")
     if pid == os.getpid() or pid in {p.pid for p in psutil.Process().parents()}:
@@ -62,6 +65,28 @@ def validate_target(pid: int) -> psutil.Process:
     if zombie:
         raise UsageError(f"PID {pid} has already exited (it is a zombie).")
     return proc
+
+
+def namespace_init(pid: int) -> int | None:
+    """The PID (here) of the init of the PID namespace that the process or thread ``pid``
+    lives in, when that is not our namespace and ``pid`` is not that init; else None."""
+    try:
+        tgid = _status_field(pid, "Tgid") or pid
+        if pid_namespace(tgid) == pid_namespace(os.getpid()):
+            return None
+        chain = [psutil.Process(tgid), *psutil.Process(tgid).parents()]  # innermost first
+        init = next((p.pid for p in chain if ns_pids(p.pid)[-1] == 1), None)
+    except (OSError, psutil.Error):
+        return None
+    return None if init == pid else init
+
+
+def inside_namespace(pid: int, init: int, verb: str) -> str:
+    """The sentence for a ``pid`` given that lives inside the PID namespace of ``init``."""
+    return (
+        f"PID {pid} lives inside a PID namespace (a `tpagent launch` workload's); {verb} the whole namespace "
+        f"by giving the PID of its init ({init})."
+    )
 
 
 def uses_cuda(pid: int) -> bool:
