@@ -226,7 +226,7 @@ def test_dry_run_checks_both_sides_and_freezes_nothing(cluster: Cluster, ticker:
         ("unknown-pid", "no process with PID"),
         ("not-migratable", "not a migratable process"),
         ("unreachable", "cannot be reached"),
-        ("unreachable-to", "the agent at {C} cannot be reached (connection refused); is `tpagent serve` running there?"),
+        ("unreachable-to", "the agent at {C} cannot be reached (connection refused); is `tpagent serve` running"),
         ("child-in-namespace", "lives inside a PID namespace (a `tpagent launch` workload's); migrate the whole"),
         ("thread-in-namespace", "by giving the PID of its init ({init})"),
         ("wrong-secret", "the agent at {A} refused the call: a wrong cluster secret"),
