@@ -164,6 +164,7 @@ def seal(out: Path, root: int, fail: bool) -> None:
     m = manifest.Manifest.from_json({**pending, "files": files, "timings": {}})
     m.processes = proc.tree(psutil.Process(root), cuda_pids=set(m.cuda_pids))
     m.timers = timers.expired([p.pid for p in m.processes])
+    m.warnings = proc.restore_warnings([p.pid for p in m.processes])
     m.timings = {"checksum": round(time.monotonic() - t0, 4)}
     _check_cancel(out)  # the last moment at which CRIU can still roll back
     m.write(out)

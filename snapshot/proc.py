@@ -189,6 +189,31 @@ def holds_inet_sockets(pids: list[int]) -> bool:
     return False
 
 
+#: Descriptors whose queued events a checkpoint may lose (what /proc shows their fd as -> the API).
+_EVENT_QUEUES = {"anon_inode:inotify": "inotify", "anon_inode:[fanotify]": "fanotify"}
+
+
+def restore_warnings(pids: Sequence[int]) -> list[str]:
+    """One sentence for each process of the tree that holds state a restore may not bring back
+    as it was: an inotify or fanotify instance, whose events queued at the freeze can be lost
+    (CRIU brings back the watches, not the queue).  For ``inspect``, a dump's output, a dry run."""
+    out = []
+    for pid in pids:
+        held: dict[str, list[str]] = {}
+        with suppress(OSError):
+            for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+                with suppress(OSError):
+                    api = _EVENT_QUEUES.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                    if api is not None:
+                        held.setdefault(api, []).append(fd)
+        for api, fds in held.items():
+            out.append(
+                f"PID {pid} watches files with {api} (fd {', '.join(fds)}): events queued when it is frozen can be "
+                "lost, so it should rescan what it watches after a restore."
+            )
+    return out
+
+
 def dump_size_estimate(pids: Sequence[int]) -> int:
     """About how many bytes CRIU writes for these processes: their resident anonymous and
     shared memory (file-backed pages it does not copy)."""

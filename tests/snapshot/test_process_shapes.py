@@ -150,3 +150,36 @@ def test_a_periodic_timerfd_fires_on_after_a_restore(loops, tmp_path: Path) -> N
     ticks = w.numbers("tick")
     assert [t[0] for t in ticks] == list(range(len(ticks)))  # it went on from where it stood
     assert ticks[-1][1] >= stopped[1] + 25  # the timer itself fired those
+
+
+def test_an_inotify_watch_is_warned_about_and_still_watches_after_a_restore(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Events an inotify instance had queued at the freeze can be lost: the snapshot layer
+    says so (the dump's output, `inspect`, :func:`snapshot.proc.restore_warnings` for a dry
+    run), and the restored loop still gets the events of its watch."""
+    from snapshot.proc import restore_warnings
+
+    watched = tmp_path / "watched"
+    watched.mkdir()
+    w = Loop("epoll_loop.py", tmp_path / "w.log", ("--inotify", str(watched))).start()
+    loops.append(w)
+    (watched / "before").touch()
+    wait_until(lambda: "created before" in w.log.read_text(), "the loop to see a file created")
+    warned = restore_warnings([w.pid])
+    assert len(warned) == 1 and f"PID {w.pid} watches files with inotify" in warned[0], warned
+
+    snap = tmp_path / "snap"
+    proc = tpagent("dump", str(w.pid), "--out", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning: PID {w.pid} watches files with inotify" in proc.stderr
+    assert json.loads(proc.stdout)["warnings"] == warned
+    w.reap()
+    shown = tpagent("inspect", str(snap))
+    assert shown.returncode == 0 and f"  warning: {warned[0]}" in shown.stdout.splitlines(), shown.stdout
+    assert json.loads(tpagent("inspect", str(snap), "--json").stdout)["warnings"] == warned
+
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    (watched / "after").touch()
+    wait_until(lambda: "created after" in w.log.read_text(), "the restored loop to see a file created")
+    assert restore_warnings([w.pid]) == warned  # (the same process, the same watch)
