@@ -36,6 +36,7 @@ from pathlib import Path
 import psutil
 
 from snapshot import manifest, proc, safefs, timers
+from snapshot.criu import PIDFILE
 
 PENDING = "manifest.pending.json"
 ERROR_FILE = "hook.err"
@@ -80,7 +81,10 @@ def hold(out: Path, seconds: float) -> None:
     (out / "log" / HELD_FILE).touch()
     decision = out / "log" / DECISION_FILE
     deadline = time.monotonic() + seconds
+    criu = _criu_of(out)
     while not decision.exists():
+        if criu is not None and _gone(criu):  # (killed: the tree was let go with it; no decision can reach it)
+            raise RuntimeError("CRIU, which held the frozen tree, is gone: nothing left to hold")
         if (out / "log" / PINNED_FILE).exists():
             (out / "log" / PINNED_ACK).touch()  # the pinner waits for this before a copy may start
         else:
@@ -90,6 +94,24 @@ def hold(out: Path, seconds: float) -> None:
         time.sleep(0.02)
     if decision.read_text() != "commit":
         raise RuntimeError("the migration was aborted: rolled back")
+
+
+def _criu_of(out: Path) -> psutil.Process | None:
+    """The CRIU that runs this hook (its pidfile in ``log/``: PID and start time); None if it
+    cannot be told."""
+    try:
+        pid_text, started = (out / "log" / PIDFILE).read_text().split()
+        p = psutil.Process(int(pid_text))
+        return p if p.create_time() == float(started) else None
+    except (OSError, ValueError, psutil.Error):
+        return None
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE  # (is_running: that very process)
+    except psutil.NoSuchProcess:
+        return True
 
 
 def install(python: str = sys.executable) -> Path:

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from conftest import needs_criu
-from helpers import STATEFUL, kill_and_wait, tpagent, wait_until
+from helpers import STATEFUL, alive, assert_continuous, kill_and_wait, tpagent, wait_until
 from snapshot import engine
 from snapshot.api import DumpMode, SnapshotConfig, SnapshotError, Stage
 
@@ -183,3 +183,71 @@ def test_an_inotify_watch_is_warned_about_and_still_watches_after_a_restore(loop
     (watched / "after").touch()
     wait_until(lambda: "created after" in w.log.read_text(), "the restored loop to see a file created")
     assert restore_warnings([w.pid]) == warned  # (the same process, the same watch)
+
+
+def test_a_held_dumps_hook_ends_once_its_criu_is_killed(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A migration's dump is held, pinned (only a decision would end it); CRIU is then killed:
+    its post-dump hook, orphaned, ends by itself instead of waiting for good, and the
+    workload runs on where it stood."""
+    from snapshot.held import HeldDump
+
+    w = start(mib=16)
+    out = tmp_path / "snap"
+    dump = HeldDump.start(w.pid, out, SnapshotConfig(), hold=600)
+    wait_until(dump.sealed, "the snapshot to be sealed and its tree held")
+    assert dump.pin()
+    criu = psutil.Process(int((out / "log" / "criu.pid").read_text().split()[0]))
+    hooks = [p for p in criu.children(recursive=True) if "hook" in " ".join(p.cmdline())]
+    assert hooks, [p.cmdline() for p in criu.children(recursive=True)]
+    criu.kill()
+    wait_until(lambda: not any(alive(p.pid) for p in hooks), "the orphaned hook to end")
+    wait_until(lambda: not dump.running(), "the dump's thread to report")
+    assert dump.error is not None and dump.error.rolled_back, dump.error
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] > n + 10, "the workload to run on")
+    assert_continuous(w.ticks())
+    w.verify_state()
+
+
+_REUSE = """#!/bin/sh
+# Before CRIU freezes PID $3, end that process and start another under its very PID.
+if [ "$1" = dump ]; then
+  kill -9 "$3"
+  while [ -e "/proc/$3" ]; do sleep 0.01; done
+  for _ in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do
+    echo $(($3 - 1)) > /proc/sys/kernel/ns_last_pid
+    setsid sleep 600 </dev/null >/dev/null 2>&1 &
+    [ "$!" = "$3" ] && break
+    kill -9 "$!"
+  done
+  echo "$!" > "{newpid}"
+fi
+exec {criu} "$@"
+"""
+
+
+def test_a_pid_reused_before_the_freeze_is_not_dumped(tmp_path: Path) -> None:
+    """The process checked under a PID exits and another one gets that PID just before CRIU
+    freezes it (a CRIU wrapper does exactly that): the post-dump hook, which sees the frozen
+    root's start time, makes CRIU roll back.  Nothing is dumped, the newcomer runs on."""
+    from snapshot.api import UsageError
+    from snapshot.criu import Criu
+
+    newpid = tmp_path / "newpid"
+    wrapper = tmp_path / "criu-reusing-the-pid"
+    wrapper.write_text(_REUSE.replace("{newpid}", str(newpid)).replace("{criu}", str(Criu().path)))
+    wrapper.chmod(0o755)
+    # Not our child (its PID is free once it is killed): its parent exits at once.
+    started = subprocess.run(
+        ["sh", "-c", "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $!"], capture_output=True, text=True
+    )
+    pid = int(started.stdout)
+    out = tmp_path / "snap"
+    try:
+        with pytest.raises(UsageError, match=f"PID {pid} is no longer the process that was checked"):
+            engine.checkpoint(pid, out, DumpMode.KILL, SnapshotConfig(criu=wrapper))
+        assert int(newpid.read_text()) == pid  # (the PID was indeed taken over)
+        assert psutil.Process(pid).status() == psutil.STATUS_SLEEPING  # the newcomer runs on, not frozen
+        assert not out.exists()
+    finally:
+        kill_and_wait(pid)
