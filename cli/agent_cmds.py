@@ -111,8 +111,8 @@ def migrate(
         last = _wait_final(agent, pb, last)
         _report(last, as_json, dry_run)
         raise typer.Exit(EXIT_INTERRUPTED) from None
-    if last is not None and last.state == "failed" and not dry_run:
-        _refuse_if_unreachable(to, creds, as_json)  # (the source failed in its checks: was --to the cause?)
+    if last is not None and last.state in ("failed", "checking"):  # it ended in its checks (a dry run's: "checking")
+        _refuse_if_unreachable(to, creds, as_json)  # (was --to the cause?)
     code = _report(last, as_json, dry_run)
     raise typer.Exit(code)
 

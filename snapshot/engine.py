@@ -588,8 +588,8 @@ def _rearm_timers(m: Manifest, mapping: Mapping[int, int]) -> None:
                 log.info("armed again the timerfd %d of PID %d (every %d ns)", t.fd, mapping[t.pid], t.interval_ns)
         except (OSError, KeyError) as e:
             raise ToolError(
-                f"PID {t.pid}'s periodic timer (fd {t.fd}) came back disarmed from CRIU and could not be armed again "
-                "(it would never fire)",
+                f"PID {t.pid}'s periodic timer (fd {t.fd}) came back disarmed from CRIU and could not be armed again, "
+                "so it would never fire; that copy was stopped and the snapshot is intact",
                 detail=str(e),
             ) from e
 

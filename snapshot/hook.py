@@ -16,7 +16,12 @@ With TPAGENT_HOOK_HOLD (seconds), the hook then holds the sealed, frozen tree un
 decision appears in ``log/decision`` (:func:`decide`): ``commit`` lets CRIU finish the dump
 as asked, ``abort`` (or a cancel, or no decision in time) makes CRIU roll back.  Once
 once pinned (:func:`pin`: a copy may run elsewhere) only a decision ends the wait.  A migration
-holds the original this way until its copy runs elsewhere.
+holds the original this way until its copy runs elsewhere.  Should the CRIU that runs the hook
+die meanwhile (it let the tree go as it died), the hook ends too: no decision can reach it.
+
+While the tree is frozen the hook also checks that its root is the very process the dump was
+asked for (its start time: a PID reused meanwhile is refused, and CRIU rolls back), and notes
+what CRIU does not bring back intact (:mod:`snapshot.timers`, :func:`snapshot.proc.restore_warnings`).
 """
 
 from __future__ import annotations

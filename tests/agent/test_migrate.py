@@ -227,6 +227,7 @@ def test_dry_run_checks_both_sides_and_freezes_nothing(cluster: Cluster, ticker:
         ("not-migratable", "not a migratable process"),
         ("unreachable", "cannot be reached"),
         ("unreachable-to", "the agent at {C} cannot be reached (connection refused); is `tpagent serve` running"),
+        ("unreachable-to-dry-run", "the agent at {C} cannot be reached (connection refused)"),
         ("child-in-namespace", "lives inside a PID namespace (a `tpagent launch` workload's); migrate the whole"),
         ("thread-in-namespace", "by giving the PID of its init ({init})"),
         ("wrong-secret", "the agent at {A} refused the call: a wrong cluster secret"),
@@ -250,14 +251,14 @@ def test_bad_requests_get_one_sentence_and_freeze_nothing(
         secret.chmod(0o600)
     elif case == "to-itself":
         dst = "A"
-    elif case == "unreachable-to":
+    elif case.startswith("unreachable-to"):
         cluster.nodes["C"].kill_agent()
         dst = "C"
     elif case.endswith("-in-namespace"):
         pid = psutil.Process(ticker.pid).children()[0].pid  # the workload itself, PID 2 in its namespace
         if case.startswith("thread"):
             pid = next(t.id for t in psutil.Process(pid).threads() if t.id != pid)
-    proc = cluster.migrate(pid, src, dst, secret=secret)
+    proc = cluster.migrate(pid, src, dst, *(["--dry-run"] if case.endswith("dry-run") else []), secret=secret)
     addresses = {name: node.agent_address for name, node in cluster.nodes.items()}
     assert_one_sentence_error(proc, needle.format(init=ticker.pid, **addresses))
     if case.startswith("unreachable") or case.endswith("-in-namespace"):
