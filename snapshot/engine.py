@@ -207,7 +207,7 @@ def checkpoint(
                 with suppress(psutil.Error):
                     create_time = psutil.Process(pid).create_time()
             why = next((t for t in TRANSIENT if t in str(e)), str(e))
-            log.warning("CRIU refused to dump PID %d for now (%s); retry %d in %.1f s", pid, e, attempt, delay)
+            log.info("CRIU refused to dump PID %d for now (%s); retry %d in %.1f s", pid, e, attempt, delay)
             progress(Stage.CRIU_DUMP, f"refused for now ({why}); retry {attempt} in {delay:.1f} s")
             try:
                 time.sleep(delay)  # (the tree runs meanwhile: CRIU resumed it)

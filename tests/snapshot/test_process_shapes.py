@@ -112,6 +112,34 @@ def test_a_worker_exiting_as_the_tree_is_frozen_is_retried(loops, tmp_path: Path
     assert ticks[-1][1] > stopped[1]  # and its workers come and go again
 
 
+def test_the_cli_dump_retries_and_says_so(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`tpagent dump` goes through the same retry, and says on stderr why it waits."""
+    from helpers import ROOT
+
+    hold = tmp_path / "hold"
+    hold.touch()
+    w = Loop("epoch_workers.py", tmp_path / "w.log", (str(hold),)).start()
+    loops.append(w)
+    wait_until(lambda: _zombie_with_threads(w.pid), "a worker to be a zombie with a thread")
+    snap = tmp_path / "snap"
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "dump", str(w.pid), "--out", str(snap), "--leave-running"],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert cli.stderr is not None
+    said = [cli.stderr.readline()]
+    while said[-1] and "refused for now" not in said[-1]:
+        said.append(cli.stderr.readline())
+    hold.unlink()  # the worker ends once the first refusal was seen
+    out, err = cli.communicate(timeout=120)
+    assert cli.returncode == 0, "".join(said) + err
+    assert "criu_dump        refused for now (Zombies with threads are not supported); retry 1 in 0.5 s" in said[-1]
+    assert "Error (" not in "".join(said) + err and "snapshot of PID" in out
+    n = w.numbers("tick")[-1][0]  # left running: it goes on
+    wait_until(lambda: w.numbers("tick")[-1][0] > n + 5, "the trainer to run on")
+    assert json.loads((snap / "manifest.json").read_text())["origin"]["mode"] == "leave-running"
+
+
 def test_a_refusal_that_persists_is_retried_a_bounded_number_of_times(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     hold = tmp_path / "hold"
     hold.touch()  # the worker never finishes exiting
