@@ -30,16 +30,22 @@ class Loop:
     script: str
     log: Path
     args: tuple[str, ...] = ()
+    launched: bool = False  # under `tpagent launch` (pid: its namespace's init)
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     pid: int = 0
 
     def start(self) -> Loop:
-        with open(self.log.with_suffix(".out"), "ab") as out:
-            self.popen = subprocess.Popen(
-                [sys.executable, str(WORKLOADS / self.script), str(self.log), *self.args],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-            )  # fmt: skip
-        self.pid = self.popen.pid
+        cmd = [sys.executable, str(WORKLOADS / self.script), str(self.log), *self.args]
+        if self.launched:
+            proc = tpagent("launch", "--stdout", str(self.log.with_suffix(".out")), "--", *cmd)
+            assert proc.returncode == 0, proc.stderr
+            self.pid = int(proc.stdout)
+        else:
+            with open(self.log.with_suffix(".out"), "ab") as out:
+                self.popen = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+                )
+            self.pid = self.popen.pid
         wait_until(lambda: len(self.numbers("tick")) >= 5, f"{self.script} to start ticking")
         return self
 
@@ -156,19 +162,21 @@ def test_a_refusal_that_persists_is_retried_a_bounded_number_of_times(loops, tmp
     wait_until(lambda: w.numbers("tick")[-1][0] > n + 5, "the trainer to run on")
 
 
-def test_a_periodic_timerfd_fires_on_after_a_restore(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("launched", [False, True], ids=["plain", "launched"])
+def test_a_periodic_timerfd_fires_on_after_a_restore(loops, tmp_path: Path, launched: bool) -> None:  # type: ignore[no-untyped-def]
     """An asyncio-style loop whose only clock is a 20 ms periodic timerfd: frozen for longer
     than a period, the timer has expired unread, which CRIU restores disarmed (its issue 3162);
     the restore arms it again, and the loop ticks on from where it stood."""
-    w = Loop("epoll_loop.py", tmp_path / "w.log").start()
+    w = Loop("epoll_loop.py", tmp_path / "w.log", launched=launched).start()
     loops.append(w)
+    loop_pid = psutil.Process(w.pid).children()[0].pid if launched else w.pid
     snap = tmp_path / "snap"
     proc = tpagent("dump", str(w.pid), "--out", str(snap))
     assert proc.returncode == 0, proc.stderr
     w.reap()
     stopped = w.numbers("tick")[-1]  # [tick, expirations]
     timers = json.loads((snap / "manifest.json").read_text())["timers"]
-    assert timers == [{"pid": w.pid, "fd": timers[0]["fd"], "interval_ns": 20_000_000}]
+    assert timers == [{"pid": loop_pid, "fd": timers[0]["fd"], "interval_ns": 20_000_000}]
 
     proc = tpagent("restore", str(snap), "--json")
     assert proc.returncode == 0, proc.stderr
