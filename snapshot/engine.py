@@ -235,6 +235,7 @@ def _checkpoint(
         namespace = _namespace_of(target)
         procs = proc.tree(target)
         create_time = target.create_time()
+        root_start = proc.start_ticks(pid)
         shell_job = not proc.is_session_leader(pid)
         hidden = [p.pid for p in procs if not proc.session_visible(p.pid)]
     except (psutil.NoSuchProcess, ProcessLookupError, FileNotFoundError) as e:
@@ -291,7 +292,11 @@ def _checkpoint(
                 with timer.stage(Stage.CUDA_CHECKPOINT):
                     for p in cuda_pids:
                         cuda.checkpoint(p)
-        env = {"TPAGENT_HOOK_OUT": str(out.absolute()), "TPAGENT_HOOK_ROOT": str(pid)}
+        env = {
+            "TPAGENT_HOOK_OUT": str(out.absolute()),
+            "TPAGENT_HOOK_ROOT": str(pid),
+            "TPAGENT_HOOK_ROOT_START": str(root_start),
+        }
         if config.fail_after is Stage.CHECKSUM:
             env["TPAGENT_HOOK_FAIL"] = "1"
         if config.hold is not None:

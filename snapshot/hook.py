@@ -10,7 +10,8 @@ fails, CRIU rolls the dump back itself: it resumes the tree and lifts its networ
 
 Inputs come through the environment, never through the command line CRIU hands to sh:
 TPAGENT_HOOK_OUT (the snapshot directory), TPAGENT_HOOK_ROOT (the dumped PID),
-TPAGENT_HOOK_FAIL (tests: fail after the checksums).  Errors go to ``log/hook.err``.
+TPAGENT_HOOK_ROOT_START (its start, see :func:`seal`), TPAGENT_HOOK_FAIL (tests: fail after the
+checksums).  Errors go to ``log/hook.err``.
 
 With TPAGENT_HOOK_HOLD (seconds), the hook then holds the sealed, frozen tree until a
 decision appears in ``log/decision`` (:func:`decide`): ``commit`` lets CRIU finish the dump
@@ -175,12 +176,14 @@ def _archive(out: Path, paths: list[str]) -> list[str]:
     return kept
 
 
-def seal(out: Path, root: int, fail: bool) -> None:
+def seal(out: Path, root: int, fail: bool, root_start: int | None = None) -> None:
+    """Seal the snapshot in ``out`` of the frozen tree of ``root``; ``root_start``: the start
+    time (in clock ticks since boot, as /proc says: never shifted by the wall clock) of the
+    process that was examined under that PID."""
     t0 = time.monotonic()
     _check_cancel(out)
     pending = json.loads((out / PENDING).read_text())
-    expected = float(pending["origin"]["root_create_time"])
-    if psutil.Process(root).create_time() != expected:  # frozen now: this is the process CRIU dumped
+    if root_start is not None and proc.start_ticks(root) != root_start:  # frozen now: the process CRIU dumped
         raise NotTheProcess(f"PID {root} was started after the process that was examined (its PID was reused)")
     if pending.get("carried"):
         pending["carried"] = _archive(out, pending["carried"])
@@ -202,7 +205,9 @@ def main() -> int:
         return 0
     out = Path(os.environ["TPAGENT_HOOK_OUT"])
     try:
-        seal(out, int(os.environ["TPAGENT_HOOK_ROOT"]), bool(os.environ.get("TPAGENT_HOOK_FAIL")))
+        start = os.environ.get("TPAGENT_HOOK_ROOT_START")
+        seal(out, int(os.environ["TPAGENT_HOOK_ROOT"]), bool(os.environ.get("TPAGENT_HOOK_FAIL")),
+             int(start) if start else None)  # fmt: skip
         if "TPAGENT_HOOK_HOLD" in os.environ:
             hold(out, float(os.environ["TPAGENT_HOOK_HOLD"]))
     except Exception as e:  # any failure must make CRIU roll back, and say why

@@ -42,6 +42,12 @@ def _stat_fields_of(path: str) -> list[str]:
     return raw[raw.rindex(")") + 2 :].split()
 
 
+def start_ticks(pid: int) -> int:
+    """When the process started, in clock ticks since boot (/proc/PID/stat): unlike a wall-clock
+    start time, never shifted by clock adjustments, so two processes compare it exactly."""
+    return int(_stat_fields(pid)[19])
+
+
 def validate_target(pid: int) -> psutil.Process:
     """The process a user asked to dump, or one sentence on why it cannot be."""
     if pid <= 1:
