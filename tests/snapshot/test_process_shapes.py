@@ -103,10 +103,9 @@ def test_a_worker_exiting_as_the_tree_is_frozen_is_retried(loops, tmp_path: Path
     out = tmp_path / "snap"
     m = engine.checkpoint(w.pid, out, DumpMode.KILL, SnapshotConfig(), progress)
     assert retries and "Zombies with threads are not supported" in retries[0], retries
-    assert zombie not in {p.pid for p in m.processes}  # (the worker was gone when the dump succeeded)
+    assert all(p.pid != zombie or not p.tids for p in m.processes)  # (the worker had no thread left)
     w.reap()
     stopped = w.numbers("tick")[-1]  # [tick, reaped]
-    assert stopped[1] >= 1  # the worker that was exiting had been reaped before the freeze
     assert len(w.numbers("tick")) == stopped[0] + 1
 
     restored = engine.restore(out)
