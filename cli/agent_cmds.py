@@ -99,11 +99,7 @@ def migrate(
         if e.code() is grpc.StatusCode.CANCELLED and last is not None:
             pass
         elif e.code() is grpc.StatusCode.UNAVAILABLE:
-            die(
-                f"the agent at {source} cannot be reached ({e.details()}); is `tpagent serve` running there?",
-                EXIT_USAGE,
-                as_json,
-            )
+            die(_unreachable(source, e), EXIT_USAGE, as_json)
         elif e.code() is grpc.StatusCode.UNAUTHENTICATED:
             die(f"the agent at {source} {e.details()}", EXIT_USAGE, as_json)  # (which agent refused, and why)
         elif e.code() in USAGE_STATUSES:
@@ -116,8 +112,30 @@ def migrate(
         last = _wait_final(agent, pb, last)
         _report(last, as_json, dry_run)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    if last is not None and last.state in ("failed", "checking"):  # it ended in its checks (a dry run's: "checking")
+        _refuse_if_unreachable(to, creds, as_json)  # (was --to the cause?)
     code = _report(last, as_json, dry_run)
     raise typer.Exit(code)
+
+
+def _unreachable(agent: str, e: grpc.RpcError) -> str:
+    from tpagent.client import unreachable_reason
+
+    return f"the agent at {agent} cannot be reached ({unreachable_reason(e)}); is `tpagent serve` running there?"
+
+
+def _refuse_if_unreachable(agent: str, creds: Any, as_json: bool) -> None:
+    """A migration that failed before anything was frozen, because its target cannot be
+    reached, is bad input as an unreachable --from is: the same sentence, the same exit code."""
+    from tpagent.rpc import pb, stub
+
+    try:
+        stub(agent, creds).Info(pb.Empty(), timeout=10)
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if not as_json:
+                typer.echo("", err=True)
+            die(_unreachable(agent, e), EXIT_USAGE, as_json)
 
 
 def _show(event: Any, shown: str) -> str:

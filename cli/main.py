@@ -184,7 +184,10 @@ def dump(
         "mode": mode.value,
         "bytes": m.total_bytes,
         "timings": m.timings,
+        "warnings": m.warnings,
     }
+    for warning in m.warnings:  # (what a restore may not bring back as it was)
+        typer.echo(f"warning: {warning}", err=True)
     ended = "left running" if leave_running else "ended"
     text = f"snapshot of PID {pid} written to {out} ({gib:.2f} GiB); process {ended}"
     if shipped is not None:
@@ -271,6 +274,7 @@ def inspect(
     lines += [f"  pid {p.pid:>7}  {'cuda ' if p.uses_cuda else '     '}{' '.join(p.cmdline)[:90]}" for p in m.processes]
     lines += [f"  gpu {g['uuid']}  {g['name']}  {int(g['memory_used']) / 2**30:.1f} GiB used" for g in m.gpus]
     lines += ["  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in m.timings.items())]
+    lines += [f"  warning: {w}" for w in m.warnings]
     _emit(as_json, m.to_json(), "\n".join(lines))
 
 

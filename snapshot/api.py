@@ -23,6 +23,8 @@ class SnapshotError(Exception):
 
     #: True when the process was frozen and has been resumed where it stood.
     rolled_back: bool = False
+    #: True when the same request may well work a moment later (CRIU refused for a passing reason).
+    transient: bool = False
 
 
 class UsageError(SnapshotError):
@@ -118,6 +120,9 @@ class SnapshotConfig:
     #: Largest deleted-but-open file a dump keeps (in the images; DataLoader workers' shared
     #: memory is such a file).  CRIU's own 1 MiB would refuse most training jobs.
     ghost_limit: int = DEFAULT_GHOST_LIMIT
+    #: How many times a dump CRIU refused for a passing reason is tried again (see
+    #: :data:`snapshot.engine.TRANSIENT`).
+    dump_retries: int = 3
 
 
 #: Called as a stage starts (``msg`` empty) and ends (``msg`` says how it went).

@@ -16,6 +16,8 @@ modifies, is the one to retry.
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
 import logging
 import os
@@ -34,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from snapshot import gpus, hook, manifest, proc, safefs
+from snapshot import gpus, hook, manifest, proc, safefs, timers
 from snapshot.api import (
     CriuError,
     CudaError,
@@ -58,6 +60,11 @@ log = logging.getLogger(__name__)
 
 CudaFactory = Callable[[], CudaDriver]
 LOG_DIR = "log"
+#: CRIU's words for a refusal that may not recur a moment later: a worker process (a
+#: DataLoader's at an epoch's end) that was exiting as the tree was seized.
+TRANSIENT = ("Zombies with threads are not supported",)
+#: Seconds before the first retry of such a dump; doubled for each further one.
+RETRY_BACKOFF = 0.5
 #: Root's notes of the copies restored on this node, one per snapshot (by its id): a snapshot
 #: restored twice would run twice.
 RESTORED = Path("/run/tpagent/restored")
@@ -178,16 +185,57 @@ def checkpoint(
     progress: ProgressFn = quiet,
     cuda_factory: CudaFactory = CudaDriver,
     carry: Sequence[Path] = (),
+    create_time: float | None = None,
 ) -> Manifest:
     """Snapshot the tree rooted at ``pid`` into ``out``; see the module docstring.
-    ``carry``: files (absolute) to archive with it, as they are while it is frozen."""
+    ``carry``: files (absolute) to archive with it, as they are while it is frozen.
+    ``create_time``: the start time of the process the caller checked under ``pid``; should
+    the PID now be another's (reused), nothing is done.  CRIU's post-dump hook checks it
+    again while the tree is frozen.
+
+    A dump that CRIU refuses for a passing reason (:data:`TRANSIENT`) before it wrote
+    anything is tried again, once the tree runs again, up to ``config.dump_retries`` times."""
     require_root()
+    for attempt in itertools.count(1):
+        try:
+            return _checkpoint(pid, out, mode, config, progress, cuda_factory, carry, create_time)
+        except SnapshotError as e:
+            if not e.transient or attempt > config.dump_retries:
+                raise
+            delay = RETRY_BACKOFF * 2 ** (attempt - 1)
+            if create_time is None:  # the tree was just resumed: the PID is still its root's
+                with suppress(psutil.Error):
+                    create_time = psutil.Process(pid).create_time()
+            why = next((t for t in TRANSIENT if t in str(e)), str(e))
+            log.info("CRIU refused to dump PID %d for now (%s); retry %d in %.1f s", pid, e, attempt, delay)
+            progress(Stage.CRIU_DUMP, f"refused for now ({why}); retry {attempt} in {delay:.1f} s")
+            try:
+                time.sleep(delay)  # (the tree runs meanwhile: CRIU resumed it)
+            except KeyboardInterrupt:
+                err = Interrupted(f"the checkpoint of PID {pid} was interrupted")
+                err.rolled_back = proc.alive(pid)
+                raise err from e
+    raise AssertionError("unreachable")
+
+
+def _checkpoint(
+    pid: int,
+    out: Path,
+    mode: DumpMode,
+    config: SnapshotConfig,
+    progress: ProgressFn,
+    cuda_factory: CudaFactory,
+    carry: Sequence[Path],
+    checked: float | None,
+) -> Manifest:
+    """One attempt of :func:`checkpoint`."""
     target = proc.validate_target(pid)
     criu = Criu(config.criu)
     try:
         namespace = _namespace_of(target)
         procs = proc.tree(target)
         create_time = target.create_time()
+        root_start = proc.start_ticks(pid)
         shell_job = not proc.is_session_leader(pid)
         hidden = [p.pid for p in procs if not proc.session_visible(p.pid)]
     except (psutil.NoSuchProcess, ProcessLookupError, FileNotFoundError) as e:
@@ -197,6 +245,12 @@ def checkpoint(
             f"PID {hidden[0]} belongs to a session whose leader is outside its PID namespace, which CRIU "
             "cannot checkpoint; start the workload with `tpagent launch` (or under setsid) instead."
         )
+    if checked is not None and create_time != checked:
+        raise UsageError(
+            f"PID {pid} is no longer the process that was checked (that one exited and its PID was reused); "
+            "nothing was done."
+        )
+    created = not out.exists()
     out = private_dir(out, empty=True, create=False)  # (refused before anything is done)
     pids = [p.pid for p in procs]
     candidates = [p.pid for p in procs if p.uses_cuda]
@@ -220,6 +274,7 @@ def checkpoint(
         with open(out / hook.PENDING, "w", opener=private_opener) as f:
             f.write(json.dumps(m.to_json()))
     except OSError as e:
+        _clear(out, created)
         raise UsageError(f"cannot write to {out}: {e.strerror}.") from e
     script = hook.install()
     cancel = out / LOG_DIR / hook.CANCEL_FILE
@@ -237,7 +292,11 @@ def checkpoint(
                 with timer.stage(Stage.CUDA_CHECKPOINT):
                     for p in cuda_pids:
                         cuda.checkpoint(p)
-        env = {"TPAGENT_HOOK_OUT": str(out.absolute()), "TPAGENT_HOOK_ROOT": str(pid)}
+        env = {
+            "TPAGENT_HOOK_OUT": str(out.absolute()),
+            "TPAGENT_HOOK_ROOT": str(pid),
+            "TPAGENT_HOOK_ROOT_START": str(root_start),
+        }
         if config.fail_after is Stage.CHECKSUM:
             env["TPAGENT_HOOK_FAIL"] = "1"
         if config.hold is not None:
@@ -266,7 +325,7 @@ def checkpoint(
                 f"the snapshot is kept in {out}",
                 detail=str(e),
             ) from e
-        raise _rolled_back(e, pid, out, pids, locked, cuda) from e
+        raise _rolled_back(e, pid, out, pids, locked, cuda, created) from e
     finally:
         shutil.rmtree(script.parent, ignore_errors=True)
         (out / hook.PENDING).unlink(missing_ok=True)
@@ -290,12 +349,21 @@ def checkpoint(
 
 
 def _rolled_back(
-    e: BaseException, pid: int, out: Path, pids: list[int], locked: list[int], cuda: CudaDriver | None
+    e: BaseException,
+    pid: int,
+    out: Path,
+    pids: list[int],
+    locked: list[int],
+    cuda: CudaDriver | None,
+    created: bool,
 ) -> BaseException:
-    """Undo a failed checkpoint; return the error to raise (``rolled_back`` says if it worked).
+    """Undo a failed checkpoint; return the error to raise (``rolled_back`` says if it worked,
+    ``transient`` that the same dump may work a moment later).
 
     CRIU has already resumed the tree and lifted its network lock on its own failure; the
-    SIGCONT here only matters if CRIU itself died.  What is left is the GPU side."""
+    SIGCONT here only matters if CRIU itself died.  What is left is the GPU side, and ``out``:
+    left as it was found (absent if ``created``, else empty), so that the same command can
+    be run again."""
     if not proc.alive(pid) and (out / manifest.MANIFEST_NAME).exists():
         # CRIU failed after its hook had sealed the snapshot and the tree was ended: now the
         # snapshot is the only copy, and it is complete.
@@ -310,12 +378,25 @@ def _rolled_back(
             resume(pids, locked, cuda)
     except (CudaError, KeyboardInterrupt) as r:
         problem = str(r) or "interrupted"
-    for p in (out / IMAGES_DIR).glob("*"):  # a partial snapshot must never look restorable
-        with suppress(OSError):
-            p.unlink()
-    (out / manifest.MANIFEST_NAME).unlink(missing_ok=True)
-    if isinstance(e, KeyboardInterrupt) or (out / LOG_DIR / hook.CANCEL_FILE).exists():
+    said = f"{e} {_read(out / LOG_DIR / hook.ERROR_FILE)}"
+    cancelled = isinstance(e, KeyboardInterrupt) or (out / LOG_DIR / hook.CANCEL_FILE).exists()
+    let_go = cancelled or (out / LOG_DIR / hook.DECISION_FILE).exists()  # (a holder's abort)
+    wrote = any((out / IMAGES_DIR).glob("*"))  # (a sender following the images may have read them)
+    _clear(out, created)  # a partial snapshot must never look restorable
+    if cancelled:
         err: SnapshotError = Interrupted(f"the checkpoint of PID {pid} was interrupted")
+    elif "No space left on device" in said or (isinstance(e, OSError) and e.errno == errno.ENOSPC):
+        err = CriuError(
+            f"the disk holding {out} ran out of space: the snapshot of PID {pid} needs about "
+            f"{_size(proc.dump_size_estimate(pids))}, and {_size(_free_bytes(out))} are free there; "
+            "free some space or give --out on a larger disk",
+            code=errno.ENOSPC,
+        )
+    elif hook.NOT_THE_PROCESS in said:
+        err = UsageError(
+            f"PID {pid} is no longer the process that was checked (that one exited and its PID was reused); "
+            "nothing was done."
+        )
     elif isinstance(e, SnapshotError):
         err = e
     elif isinstance(e, OSError):
@@ -326,8 +407,39 @@ def _rolled_back(
     if problem is not None:
         return ToolError(f"{err}; then resuming PID {pid} failed too: {problem}")
     err.rolled_back = proc.alive(pid)  # (it may also have exited on its own meanwhile)
+    err.transient = err.rolled_back and not (let_go or wrote) and any(t in said for t in TRANSIENT)
     log.info("checkpoint of %d failed; the tree was %s", pid, "resumed where it stood" if err.rolled_back else "gone")
     return err
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _clear(out: Path, created: bool) -> None:
+    """Empty what a failed checkpoint wrote into ``out``, and remove ``out`` if it made it."""
+    for name in (IMAGES_DIR, LOG_DIR):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in (hook.PENDING, manifest.MANIFEST_NAME, manifest.MANIFEST_NAME + ".tmp"):
+        (out / name).unlink(missing_ok=True)
+    if created:
+        with suppress(OSError):
+            out.rmdir()
+
+
+def _free_bytes(out: Path) -> int:
+    """Free bytes on the file system ``out`` is (or would be) on."""
+    for at in (out, *out.parents):
+        with suppress(OSError):
+            return shutil.disk_usage(at).free
+    return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB ({n:,} bytes)"
 
 
 def _gpu_pairs(m: Manifest, pid: int, gpu_map: Mapping[str, str]) -> dict[str, str]:
@@ -443,6 +555,7 @@ def restore(
         with timer.stage(Stage.CRIU_RESTORE):
             root = criu.restore(directory / IMAGES_DIR, work, opts, config.timeouts.restore)
         mapping = _restored_pids(m, root)
+        _rearm_timers(m, mapping)
         if cuda is not None:
             with proc.deferred_sigint():
                 with timer.stage(Stage.CUDA_RESTORE):
@@ -470,6 +583,20 @@ def restore(
         shutil.rmtree(work, ignore_errors=True)
     _note_copy(m, root)
     return RestoreResult(root, tuple(mapping.values()), m, timer.timings)
+
+
+def _rearm_timers(m: Manifest, mapping: Mapping[int, int]) -> None:
+    """Arm again the periodic timers CRIU brought back disarmed (:mod:`snapshot.timers`)."""
+    for t in m.timers:
+        try:
+            if timers.rearm(mapping[t.pid], t):
+                log.info("armed again the timerfd %d of PID %d (every %d ns)", t.fd, mapping[t.pid], t.interval_ns)
+        except (OSError, KeyError) as e:
+            raise ToolError(
+                f"PID {t.pid}'s periodic timer (fd {t.fd}) came back disarmed from CRIU and could not be armed again, "
+                "so it would never fire; that copy was stopped and the snapshot is intact",
+                detail=str(e),
+            ) from e
 
 
 def _copy_path(m: Manifest) -> Path:

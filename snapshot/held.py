@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,14 +32,25 @@ class HeldDump:
         self.error: BaseException | None = None
 
     @classmethod
-    def start(cls, pid: int, out: Path, config: SnapshotConfig, hold: float, carry: Sequence[Path] = ()) -> HeldDump:
+    def start(
+        cls,
+        pid: int,
+        out: Path,
+        config: SnapshotConfig,
+        hold: float,
+        carry: Sequence[Path] = (),
+        create_time: float | None = None,
+    ) -> HeldDump:
         """Freeze and dump ``pid`` into ``out``; the sealed tree is then held up to ``hold``
-        seconds (until pinned: then until a decision, however long)."""
+        seconds (until pinned: then until a decision, however long).  ``create_time``: of the
+        process that was checked under ``pid`` (another one there now is refused)."""
         dump = cls(out)
 
         def run() -> None:
             try:
-                engine.checkpoint(pid, out, DumpMode.KILL, replace(config, hold=hold), carry=carry)
+                engine.checkpoint(
+                    pid, out, DumpMode.KILL, replace(config, hold=hold), carry=carry, create_time=create_time
+                )
             except BaseException as e:  # handed to whoever holds the handle
                 dump.error = e
 
@@ -82,7 +94,8 @@ class HeldDump:
         while self._thread.is_alive():
             # The dump may not have reached its hook yet: the decision waits for it there.
             if self.log_dir.is_dir() and not (self.log_dir / hook.DECISION_FILE).exists():
-                hook.decide(self.out, commit=False)
+                with suppress(FileNotFoundError):  # (a failed attempt's directory, removed meanwhile)
+                    hook.decide(self.out, commit=False)
             self._thread.join(0.05)
 
     def commit(self) -> None:

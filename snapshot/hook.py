@@ -10,13 +10,19 @@ fails, CRIU rolls the dump back itself: it resumes the tree and lifts its networ
 
 Inputs come through the environment, never through the command line CRIU hands to sh:
 TPAGENT_HOOK_OUT (the snapshot directory), TPAGENT_HOOK_ROOT (the dumped PID),
-TPAGENT_HOOK_FAIL (tests: fail after the checksums).  Errors go to ``log/hook.err``.
+TPAGENT_HOOK_ROOT_START (its start, see :func:`seal`), TPAGENT_HOOK_FAIL (tests: fail after the
+checksums).  Errors go to ``log/hook.err``.
 
 With TPAGENT_HOOK_HOLD (seconds), the hook then holds the sealed, frozen tree until a
 decision appears in ``log/decision`` (:func:`decide`): ``commit`` lets CRIU finish the dump
 as asked, ``abort`` (or a cancel, or no decision in time) makes CRIU roll back.  Once
 once pinned (:func:`pin`: a copy may run elsewhere) only a decision ends the wait.  A migration
-holds the original this way until its copy runs elsewhere.
+holds the original this way until its copy runs elsewhere.  Should the CRIU that runs the hook
+die meanwhile (it let the tree go as it died), the hook ends too: no decision can reach it.
+
+While the tree is frozen the hook also checks that its root is the very process the dump was
+asked for (its start time: a PID reused meanwhile is refused, and CRIU rolls back), and notes
+what CRIU does not bring back intact (:mod:`snapshot.timers`, :func:`snapshot.proc.restore_warnings`).
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import manifest, proc, safefs
+from snapshot import manifest, proc, safefs, timers
+from snapshot.criu import PIDFILE
 
 PENDING = "manifest.pending.json"
 ERROR_FILE = "hook.err"
@@ -46,6 +53,12 @@ DECISION_FILE = "decision"
 HELD_FILE = "held"
 PINNED_FILE = "pinned"
 PINNED_ACK = "pinned.ack"
+#: How ``hook.err`` starts when the frozen root is not the process that was examined (its PID reused).
+NOT_THE_PROCESS = "NotTheProcess"
+
+
+class NotTheProcess(RuntimeError):
+    """The PID CRIU froze is no longer the process the dump was asked for."""
 
 
 def decide(out: Path, commit: bool) -> None:
@@ -74,7 +87,10 @@ def hold(out: Path, seconds: float) -> None:
     (out / "log" / HELD_FILE).touch()
     decision = out / "log" / DECISION_FILE
     deadline = time.monotonic() + seconds
+    criu = _criu_of(out)
     while not decision.exists():
+        if criu is not None and _gone(criu):  # (killed: the tree was let go with it; no decision can reach it)
+            raise RuntimeError("CRIU, which held the frozen tree, is gone: nothing left to hold")
         if (out / "log" / PINNED_FILE).exists():
             (out / "log" / PINNED_ACK).touch()  # the pinner waits for this before a copy may start
         else:
@@ -86,18 +102,38 @@ def hold(out: Path, seconds: float) -> None:
         raise RuntimeError("the migration was aborted: rolled back")
 
 
+def _criu_of(out: Path) -> psutil.Process | None:
+    """The CRIU that runs this hook (its pidfile in ``log/``: PID and start time); None if it
+    cannot be told."""
+    try:
+        pid_text, started = (out / "log" / PIDFILE).read_text().split()
+        p = psutil.Process(int(pid_text))
+        return p if p.create_time() == float(started) else None
+    except (OSError, ValueError, psutil.Error):
+        return None
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE  # (is_running: that very process)
+    except psutil.NoSuchProcess:
+        return True
+
+
 def install(python: str = sys.executable) -> Path:
     """Write the wrapper CRIU will run; its path is made by mkdtemp (0700, ours), so sh sees
     nothing odd.  The hook runs isolated: ``python -I`` (no PYTHONPATH, no user site, no
-    current directory on sys.path) from ``/``, never from the directory CRIU is in, and finds
-    this very module by its absolute path."""
+    current directory on sys.path) from ``/``, never from the directory CRIU is in, and imports
+    this very module from the tree it lives in (by its absolute path), so that the hook is
+    always the code of the engine that installed it."""
     directory = Path(tempfile.mkdtemp(prefix="tpagent-hook-"))
     script = directory / "post-dump"
-    me = Path(__file__).resolve()
+    root = Path(__file__).resolve().parent.parent
+    run = "import sys; sys.path.insert(0, sys.argv[1]); from snapshot import hook; sys.exit(hook.main())"
     # CRIU runs it at every action (pre-dump, network-lock, ...): only post-dump needs Python.
     script.write_text(
         '#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\ncd / || exit 1\n'
-        f"exec {shlex.quote(str(Path(python).absolute()))} -I {shlex.quote(str(me))}\n"
+        f"exec {shlex.quote(str(Path(python).absolute()))} -I -c {shlex.quote(run)} {shlex.quote(str(root))}\n"
     )
     script.chmod(0o700)
     return script
@@ -140,10 +176,15 @@ def _archive(out: Path, paths: list[str]) -> list[str]:
     return kept
 
 
-def seal(out: Path, root: int, fail: bool) -> None:
+def seal(out: Path, root: int, fail: bool, root_start: int | None = None) -> None:
+    """Seal the snapshot in ``out`` of the frozen tree of ``root``; ``root_start``: the start
+    time (in clock ticks since boot, as /proc says: never shifted by the wall clock) of the
+    process that was examined under that PID."""
     t0 = time.monotonic()
     _check_cancel(out)
     pending = json.loads((out / PENDING).read_text())
+    if root_start is not None and proc.start_ticks(root) != root_start:  # frozen now: the process CRIU dumped
+        raise NotTheProcess(f"PID {root} was started after the process that was examined (its PID was reused)")
     if pending.get("carried"):
         pending["carried"] = _archive(out, pending["carried"])
     files = manifest.checksum_files(out)
@@ -152,6 +193,8 @@ def seal(out: Path, root: int, fail: bool) -> None:
         raise RuntimeError("fault injected after the checksums")
     m = manifest.Manifest.from_json({**pending, "files": files, "timings": {}})
     m.processes = proc.tree(psutil.Process(root), cuda_pids=set(m.cuda_pids))
+    m.timers = timers.expired([p.pid for p in m.processes])
+    m.warnings = proc.restore_warnings([p.pid for p in m.processes])
     m.timings = {"checksum": round(time.monotonic() - t0, 4)}
     _check_cancel(out)  # the last moment at which CRIU can still roll back
     m.write(out)
@@ -162,7 +205,9 @@ def main() -> int:
         return 0
     out = Path(os.environ["TPAGENT_HOOK_OUT"])
     try:
-        seal(out, int(os.environ["TPAGENT_HOOK_ROOT"]), bool(os.environ.get("TPAGENT_HOOK_FAIL")))
+        start = os.environ.get("TPAGENT_HOOK_ROOT_START")
+        seal(out, int(os.environ["TPAGENT_HOOK_ROOT"]), bool(os.environ.get("TPAGENT_HOOK_FAIL")),
+             int(start) if start else None)  # fmt: skip
         if "TPAGENT_HOOK_HOLD" in os.environ:
             hold(out, float(os.environ["TPAGENT_HOOK_HOLD"]))
     except Exception as e:  # any failure must make CRIU roll back, and say why

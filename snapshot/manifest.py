@@ -11,7 +11,10 @@
                      "cuda": {"driver_version", "pids": [INT]},
                      "files": { RELPATH: {"size": INT, "chunk_size": INT, "sha256": [HEX]} },
                      "total_bytes": INT, "timings": { STAGE: SECONDS },
-                     "carried": [ ABSPATH ] }                (optional: files kept in images/tpagent-files.tar)
+                     "carried": [ ABSPATH ],                 (optional: files kept in images/tpagent-files.tar)
+                     "timers": [ TIMER ],                    (optional: timerfds to arm again on restore)
+                     "warnings": [ STR ] }                   (optional: what a restore may not bring back)
+    TIMER      ::= {"pid": INT, "fd": INT, "interval_ns": INT}   (see snapshot.timers)
     PROCESS    ::= {"pid", "ppid", "cmdline": [STR], "ns_pids": [INT], "uses_cuda": BOOL,
                      "tids": [INT]}                         (optional: its other threads' IDs)
     GPU        ::= {"index", "uuid", "name", "memory_total", "memory_used", ...}
@@ -41,6 +44,7 @@ from typing import Any, TypeVar
 from snapshot.api import SnapshotInvalid
 from snapshot.proc import ProcInfo
 from snapshot.safefs import private_opener
+from snapshot.timers import Timer
 
 T = TypeVar("T")
 FORMAT = "tpagent-snapshot"
@@ -76,6 +80,11 @@ class Manifest:
     #: Absolute paths of node-local files the processes had open, archived (as they were
     #: while frozen) in images/CARRIED_NAME and put back in place before a restore.
     carried: list[str] = field(default_factory=list)
+    #: Periodic timerfds that had expired unread while frozen: CRIU restores them disarmed,
+    #: the restore arms them again (:mod:`snapshot.timers`).
+    timers: list[Timer] = field(default_factory=list)
+    #: One sentence each: state of the processes that a restore may not bring back as it was.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -88,6 +97,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         body = asdict(self)
         body["processes"] = [asdict(p) for p in self.processes]
+        body["timers"] = [asdict(t) for t in self.timers]
         body = {"format": FORMAT, "format_version": FORMAT_VERSION, **body, "total_bytes": self.total_bytes}
         return {**body, "manifest_sha256": _body_digest(body)}
 
@@ -138,6 +148,14 @@ class Manifest:
             raise ValueError("carried: not a normalised absolute path")
         if carried and f"{IMAGES_DIR}/{CARRIED_NAME}" not in files:
             raise ValueError(f"carried: names files but {IMAGES_DIR}/{CARRIED_NAME} is not among the files")
+        timers = [
+            Timer(
+                _get(t, "pid", int, "timers[]"), _get(t, "fd", int, "timers[]"), _get(t, "interval_ns", int, "timers[]")
+            )
+            for t in (_list(data, "timers", dict, "manifest") if "timers" in data else [])
+        ]
+        if not {t.pid for t in timers} <= {p.pid for p in procs}:
+            raise ValueError("timers names a process not in processes")
         return cls(
             root_pid=_get(data, "root_pid", int, "manifest"),
             namespace=_get(data, "namespace", bool, "manifest"),
@@ -153,6 +171,8 @@ class Manifest:
             files=files,
             timings={str(k): float(v) for k, v in _get(data, "timings", dict, "manifest").items()},
             carried=carried,
+            timers=timers,
+            warnings=_list(data, "warnings", str, "manifest") if "warnings" in data else [],
         )
 
 

@@ -42,6 +42,12 @@ def _stat_fields_of(path: str) -> list[str]:
     return raw[raw.rindex(")") + 2 :].split()
 
 
+def start_ticks(pid: int) -> int:
+    """When the process started, in clock ticks since boot (/proc/PID/stat): unlike a wall-clock
+    start time, never shifted by clock adjustments, so two processes compare it exactly."""
+    return int(_stat_fields(pid)[19])
+
+
 def validate_target(pid: int) -> psutil.Process:
     """The process a user asked to dump, or one sentence on why it cannot be."""
     if pid <= 1:
@@ -55,6 +61,9 @@ def validate_target(pid: int) -> psutil.Process:
         raise UsageError(f"there is no process with PID {pid}.") from e
     if flags & _PF_KTHREAD:
         raise UsageError(f"PID {pid} is a kernel thread, not a user process; pick a user process.")
+    init = namespace_init(pid)
+    if init is not None:
+        raise UsageError(inside_namespace(pid, init, "checkpoint"))
     if tgid is not None and tgid != pid:
         raise UsageError(f"{pid} is a thread of process {tgid}, not a process; give the process's PID ({tgid}).")
     if pid == os.getpid() or pid in {p.pid for p in psutil.Process().parents()}:
@@ -62,6 +71,28 @@ def validate_target(pid: int) -> psutil.Process:
     if zombie:
         raise UsageError(f"PID {pid} has already exited (it is a zombie).")
     return proc
+
+
+def namespace_init(pid: int) -> int | None:
+    """The PID (here) of the init of the PID namespace that the process or thread ``pid``
+    lives in, when that is not our namespace and ``pid`` is not that init; else None."""
+    try:
+        tgid = _status_field(pid, "Tgid") or pid
+        if pid_namespace(tgid) == pid_namespace(os.getpid()):
+            return None
+        chain = [psutil.Process(tgid), *psutil.Process(tgid).parents()]  # innermost first
+        init = next((p.pid for p in chain if ns_pids(p.pid)[-1] == 1), None)
+    except (OSError, psutil.Error):
+        return None
+    return None if init == pid else init
+
+
+def inside_namespace(pid: int, init: int, verb: str) -> str:
+    """The sentence for a ``pid`` given that lives inside the PID namespace of ``init``."""
+    return (
+        f"PID {pid} lives inside a PID namespace (a `tpagent launch` workload's); {verb} the whole namespace "
+        f"by giving the PID of its init ({init})."
+    )
 
 
 def uses_cuda(pid: int) -> bool:
@@ -162,6 +193,43 @@ def holds_inet_sockets(pids: list[int]) -> bool:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return False
+
+
+#: Descriptors whose queued events a checkpoint may lose (what /proc shows their fd as -> the API).
+_EVENT_QUEUES = {"anon_inode:inotify": "inotify", "anon_inode:[fanotify]": "fanotify"}
+
+
+def restore_warnings(pids: Sequence[int]) -> list[str]:
+    """One sentence for each process of the tree that holds state a restore may not bring back
+    as it was: an inotify or fanotify instance, whose events queued at the freeze can be lost
+    (CRIU brings back the watches, not the queue).  For ``inspect``, a dump's output, a dry run."""
+    out = []
+    for pid in pids:
+        held: dict[str, list[str]] = {}
+        with suppress(OSError):
+            for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+                with suppress(OSError):
+                    api = _EVENT_QUEUES.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                    if api is not None:
+                        held.setdefault(api, []).append(fd)
+        for api, fds in held.items():
+            out.append(
+                f"PID {pid} watches files with {api} (fd {', '.join(fds)}): events queued when it is frozen can be "
+                "lost, so it should rescan what it watches after a restore."
+            )
+    return out
+
+
+def dump_size_estimate(pids: Sequence[int]) -> int:
+    """About how many bytes CRIU writes for these processes: their resident anonymous and
+    shared memory (file-backed pages it does not copy)."""
+    total = 0
+    for pid in pids:
+        with suppress(OSError, ValueError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) << 10  # (in kB)
+    return total
 
 
 def is_session_leader(pid: int) -> bool:

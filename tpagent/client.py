@@ -24,6 +24,16 @@ def rpc_text(e: grpc.RpcError) -> str:
     return str(details or e.code().name.lower())
 
 
+def unreachable_reason(e: grpc.RpcError) -> str:
+    """Why an agent could not be reached, in a few words (gRPC's own text names its resolver,
+    addresses and codes: "failed to connect to all addresses; last error: UNKNOWN: ipv4:...:
+    Failed to connect to remote host: Connection refused" becomes "connection refused")."""
+    if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "no answer in time"
+    last = rpc_text(e).rsplit(": ", 1)[-1].strip().rstrip(".")
+    return (last[:1].lower() + last[1:])[:120] or "unavailable"
+
+
 class GrpcPeer(Peer):
     def __init__(self, address: str, creds: Credentials) -> None:
         self.address = address
@@ -35,8 +45,10 @@ class GrpcPeer(Peer):
             return call()
         except grpc.RpcError as e:
             if e.code() in UNREACHABLE:
-                raise PeerUnreachable(rpc_text(e)) from e
-            raise Refused(rpc_text(e), _WHY.get(e.code(), Why.INTERNAL)) from e
+                raise PeerUnreachable(f"unreachable, {unreachable_reason(e)}") from e
+            # The peer's sentence becomes a clause of ours ("…: its words; the original was resumed"):
+            # without its full stop.
+            raise Refused(rpc_text(e).rstrip("."), _WHY.get(e.code(), Why.INTERNAL)) from e
 
     def receive(self, offer: Offer, timeout: float) -> Acceptance:
         request = pb.ReceiveRequest(migration_id=offer.migration_id, source_node=offer.source_node,

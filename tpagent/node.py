@@ -115,6 +115,9 @@ class Node:
             raise Refused(f"PID {pid} cannot be migrated.", Why.INVALID)
         if not _address(target):
             raise Refused(f"{target!r} is not an agent address (HOST:PORT).", Why.INVALID)
+        init = proc.namespace_init(pid)  # (a process inside a launched namespace, or a thread of one)
+        if init is not None:
+            raise Refused(proc.inside_namespace(pid, init, "migrate"), Why.INVALID)
         if not psutil.pid_exists(pid):
             raise Refused(f"there is no process with PID {pid} on {node}.", Why.NOT_FOUND)
         if pid not in {p.pid for p in self.migratable()}:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from certs import node_certs
@@ -119,6 +120,24 @@ def test_corrupted_chunk_is_fetched_again(cluster: Cluster, big: Ticker) -> None
         proxy.close()
 
 
+def test_a_carried_file_that_differs_on_the_target_is_one_clean_sentence(cluster: Cluster, big: Ticker) -> None:
+    """The log the process had open is carried; on the target a file of other content sits at
+    its path (here: the shared file system's same file, changed after the freeze), so the
+    restore is refused: the message names it in one sentence (no ``.;`` where the target's
+    sentence meets ours), and the original runs on."""
+    mig = cluster.start_migrate(big.pid, "A", "B", "--json")
+    held = lambda: list((cluster.nodes["A"].work / "agent").rglob("log/held"))  # noqa: E731
+    wait_until(held, "the snapshot to be sealed on A, its original held frozen")
+    with open(big.log, "a") as f:  # (the original is frozen: only the test writes now)
+        f.write("changed after the freeze\n")
+    out, err = mig.communicate(timeout=300)
+    assert mig.returncode == 1, err
+    doc = json.loads(out)
+    assert doc["state"] == "rolled_back" and f"{big.log} exists on this node with other content" in doc["message"]
+    assert ".;" not in doc["message"] and "move it away first; the original was resumed" in doc["message"]
+    _only_the_original_runs(cluster, big)
+
+
 def test_target_refuses_for_lack_of_memory(cluster: Cluster, ticker: Ticker) -> None:
     cluster.nodes["B"].kill_agent(signal.SIGTERM)
     cluster.nodes["B"].start_agent(memory_limit=str(64 << 20))
@@ -189,6 +208,10 @@ def test_dry_run_checks_both_sides_and_freezes_nothing(cluster: Cluster, ticker:
         ("unknown-pid", "no process with PID"),
         ("not-migratable", "not a migratable process"),
         ("unreachable", "cannot be reached"),
+        ("unreachable-to", "the agent at {C} cannot be reached (connection refused); is `tpagent serve` running"),
+        ("unreachable-to-dry-run", "the agent at {C} cannot be reached (connection refused)"),
+        ("child-in-namespace", "lives inside a PID namespace (a `tpagent launch` workload's); migrate the whole"),
+        ("thread-in-namespace", "by giving the PID of its init ({init})"),
         ("wrong-secret", "the agent at {A} refused the call: a wrong cluster secret"),
         ("to-itself", "same agent"),
     ],
@@ -210,8 +233,19 @@ def test_bad_requests_get_one_sentence_and_freeze_nothing(
         secret.chmod(0o600)
     elif case == "to-itself":
         dst = "A"
-    proc = cluster.migrate(pid, src, dst, secret=secret)
-    assert_one_sentence_error(proc, needle.format(A=cluster.nodes["A"].agent_address))
+    elif case.startswith("unreachable-to"):
+        cluster.nodes["C"].kill_agent()
+        dst = "C"
+    elif case.endswith("-in-namespace"):
+        pid = psutil.Process(ticker.pid).children()[0].pid  # the workload itself, PID 2 in its namespace
+        if case.startswith("thread"):
+            pid = next(t.id for t in psutil.Process(pid).threads() if t.id != pid)
+    proc = cluster.migrate(pid, src, dst, *(["--dry-run"] if case.endswith("dry-run") else []), secret=secret)
+    addresses = {name: node.agent_address for name, node in cluster.nodes.items()}
+    assert_one_sentence_error(proc, needle.format(init=ticker.pid, **addresses))
+    if case.startswith("unreachable") or case.endswith("-in-namespace"):
+        assert proc.returncode == 2, proc.stderr  # bad input, whichever agent cannot be reached
+        assert "ipv4:" not in proc.stderr and "UNKNOWN" not in proc.stderr  # (no gRPC jargon)
     ticker.assert_one_copy_continuous()
     if case == "wrong-secret":
         assert "refused /tpagent.v1.Agent/Migrate" in cluster.nodes["A"].agent_log()  # and logged

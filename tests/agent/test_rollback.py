@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -21,8 +22,8 @@ def _assert_resumed(w: Workload, out: Path) -> None:
     wait_until(lambda: w.ticks()[-1][0] >= n + 10, "the workload to run on after the rollback")
     assert_continuous(w.ticks())  # no restart, no lost or repeated step
     w.verify_state()
-    assert not (out / "manifest.json").exists()  # no half-snapshot that could be restored
-    assert not any((out / "images").iterdir())  # partial images are removed; CRIU's log is kept
+    # No half-snapshot that could be restored, and --out as it was (it was new): the same command can run again.
+    assert not out.exists()
 
 
 def test_criu_dump_refuses(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -45,11 +46,22 @@ def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_output_disk_full(start, small_disk: Path) -> None:  # type: ignore[no-untyped-def]
+    """One sentence with what the snapshot needs and what is free (no CRIU lines), and --out left
+    absent: the same command, once the disk has room, then works."""
     w = start(mib=256)
     out = small_disk / "snap"
     proc = tpagent("dump", str(w.pid), "--out", str(out))
-    assert_one_sentence_error(proc, "criu dump", "nothing was lost")
+    assert_one_sentence_error(proc, f"the disk holding {out} ran out of space", "nothing was lost")
+    needed, free = (int(n.replace(",", "")) for n in re.findall(r"\(([\d,]+) bytes\)", proc.stderr))
+    assert 256 << 20 <= needed < 320 << 20 and free <= 48 << 20, proc.stderr  # its 256 MiB; the tmpfs, emptied again
+    assert "Error (" not in proc.stderr and "criu/" not in proc.stderr
+    assert proc.returncode == 1
     _assert_resumed(w, out)
+    subprocess.run(["mount", "-o", "remount,size=400m", str(small_disk)], check=True)
+    proc = tpagent("dump", str(w.pid), "--out", str(out))  # the very same command
+    assert proc.returncode == 0, proc.stderr
+    w.reap()
+    assert (out / "manifest.json").exists() and not alive(w.pid)
 
 
 @pytest.mark.parametrize("launched", [False, True], ids=["plain", "launched"])
@@ -99,8 +111,7 @@ def test_ctrl_c_during_dump(start, tmp_path: Path) -> None:  # type: ignore[no-u
     cli.stderr.close()
     assert cli.wait(timeout=120) == 130
     assert "Traceback" not in err and "interrupted" in err and "nothing was lost" in err, err
-    _assert_resumed(w, out)
-    assert (out / "log" / "dump.log").exists()  # CRIU ran, and was let finish before the rollback
+    _assert_resumed(w, out)  # (CRIU ran, it was let finish, and its rollback resumed the tree)
 
 
 def test_a_failure_reported_after_the_tree_was_ended_keeps_the_snapshot(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -117,10 +117,15 @@ def test_output_dir_not_empty(start, tmp_path: Path) -> None:  # type: ignore[no
     assert alive(w.pid)
 
 
-def test_dump_of_a_process_inside_a_namespace_names_its_init(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("given", ["process", "thread"])
+def test_dump_of_a_process_inside_a_namespace_names_its_init(start, tmp_path: Path, given: str) -> None:  # type: ignore[no-untyped-def]
     w = start(mib=16, launched=True)
-    proc = tpagent("dump", str(w.worker_pid), "--out", str(tmp_path / "s"))
-    assert_one_sentence_error(proc, "inside a PID namespace", f"({w.pid})")
+    pid = w.worker_pid
+    if given == "thread":  # a thread of the workload: the namespace's init is still the PID to give
+        pid = next(t.id for t in psutil.Process(pid).threads() if t.id != pid)
+    proc = tpagent("dump", str(pid), "--out", str(tmp_path / "s"))
+    assert_one_sentence_error(proc, "inside a PID namespace", f"by giving the PID of its init ({w.pid})")
+    assert proc.returncode == 2 and not (tmp_path / "s").exists()
 
 
 def test_session_leader_outside_the_pid_namespace_is_refused_before_any_freeze(tmp_path: Path) -> None:

@@ -1,0 +1,288 @@
+"""Process shapes real jobs have, through real CRIU: workers exiting as the tree is frozen,
+event loops on timerfds, inotify watches, a reused PID."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import needs_criu
+from helpers import STATEFUL, alive, assert_continuous, kill_and_wait, tpagent, wait_until
+from snapshot import engine
+from snapshot.api import DumpMode, SnapshotConfig, SnapshotError, Stage
+
+pytestmark = needs_criu
+
+WORKLOADS = STATEFUL.parent
+
+
+@dataclass
+class Loop:
+    """A workload of tests/workloads/ whose log lines are ``KEY N KEY2 M ...`` (each line's numbers)."""
+
+    script: str
+    log: Path
+    args: tuple[str, ...] = ()
+    launched: bool = False  # under `tpagent launch` (pid: its namespace's init)
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    pid: int = 0
+
+    def start(self) -> Loop:
+        cmd = [sys.executable, str(WORKLOADS / self.script), str(self.log), *self.args]
+        if self.launched:
+            proc = tpagent("launch", "--stdout", str(self.log.with_suffix(".out")), "--", *cmd)
+            assert proc.returncode == 0, proc.stderr
+            self.pid = int(proc.stdout)
+        else:
+            with open(self.log.with_suffix(".out"), "ab") as out:
+                self.popen = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+                )
+            self.pid = self.popen.pid
+        wait_until(lambda: len(self.numbers("tick")) >= 5, f"{self.script} to start ticking")
+        return self
+
+    def numbers(self, key: str) -> list[list[int]]:
+        """The numbers of each line starting with ``key``."""
+        lines = self.log.read_text().splitlines() if self.log.exists() else []
+        return [[int(x) for x in re.findall(r"-?\d+", ln)] for ln in lines if ln.startswith(key + " ")]
+
+    def reap(self) -> None:
+        if self.popen is not None:
+            self.popen.wait(timeout=30)
+            self.popen = None
+
+    def stop(self) -> None:
+        if self.pid:
+            kill_and_wait(self.pid)
+        self.reap()
+
+
+@pytest.fixture
+def loops():  # type: ignore[no-untyped-def]
+    started: list[Loop] = []
+    yield started
+    for w in started:
+        w.stop()
+
+
+def _zombie_with_threads(parent: int) -> int | None:
+    """A child of ``parent`` whose main thread has exited while another still runs."""
+    for c in psutil.Process(parent).children():
+        try:
+            if c.status() == psutil.STATUS_ZOMBIE and len(list(Path(f"/proc/{c.pid}/task").iterdir())) > 1:
+                return c.pid
+        except (psutil.Error, OSError):
+            continue
+    return None
+
+
+def test_a_worker_exiting_as_the_tree_is_frozen_is_retried(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A DataLoader-style worker that is exiting (a zombie that still has a thread) makes CRIU
+    refuse the dump: the tree is resumed, the dump tried again once the worker is gone, and the
+    restored trainer goes on from where it stood (its tick and its count of reaped workers)."""
+    hold = tmp_path / "hold"
+    hold.touch()  # the worker's last thread lingers until the first refusal
+    w = Loop("epoch_workers.py", tmp_path / "w.log", (str(hold),)).start()
+    loops.append(w)
+    zombie = wait_until(lambda: _zombie_with_threads(w.pid), "a worker to be a zombie with a thread")
+    retries: list[str] = []
+
+    def progress(stage: Stage, msg: str) -> None:
+        if msg.startswith("refused for now"):
+            retries.append(msg)
+            hold.unlink(missing_ok=True)  # the worker ends now, as a real one does within milliseconds
+
+    out = tmp_path / "snap"
+    m = engine.checkpoint(w.pid, out, DumpMode.KILL, SnapshotConfig(), progress)
+    assert retries and "Zombies with threads are not supported" in retries[0], retries
+    assert all(p.pid != zombie or not p.tids for p in m.processes)  # (the worker had no thread left)
+    w.reap()
+    stopped = w.numbers("tick")[-1]  # [tick, reaped]
+    assert len(w.numbers("tick")) == stopped[0] + 1
+
+    restored = engine.restore(out)
+    w.pid = restored.pid
+    wait_until(lambda: w.numbers("tick")[-1][0] >= stopped[0] + 30, "the restored trainer to tick on")
+    ticks = w.numbers("tick")
+    assert [t[0] for t in ticks] == list(range(len(ticks)))  # it went on from where it stood
+    assert ticks[stopped[0] + 1][1] == stopped[1]  # with the count it had
+    assert ticks[-1][1] > stopped[1]  # and its workers come and go again
+
+
+def test_the_cli_dump_retries_and_says_so(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`tpagent dump` goes through the same retry, and says on stderr why it waits."""
+    from helpers import ROOT
+
+    hold = tmp_path / "hold"
+    hold.touch()
+    w = Loop("epoch_workers.py", tmp_path / "w.log", (str(hold),)).start()
+    loops.append(w)
+    wait_until(lambda: _zombie_with_threads(w.pid), "a worker to be a zombie with a thread")
+    snap = tmp_path / "snap"
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "dump", str(w.pid), "--out", str(snap), "--leave-running"],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert cli.stderr is not None
+    said = [cli.stderr.readline()]
+    while said[-1] and "refused for now" not in said[-1]:
+        said.append(cli.stderr.readline())
+    hold.unlink()  # the worker ends once the first refusal was seen
+    out, err = cli.communicate(timeout=120)
+    assert cli.returncode == 0, "".join(said) + err
+    assert "criu_dump        refused for now (Zombies with threads are not supported); retry 1 in 0.5 s" in said[-1]
+    assert "Error (" not in "".join(said) + err and "snapshot of PID" in out
+    n = w.numbers("tick")[-1][0]  # left running: it goes on
+    wait_until(lambda: w.numbers("tick")[-1][0] > n + 5, "the trainer to run on")
+    assert json.loads((snap / "manifest.json").read_text())["origin"]["mode"] == "leave-running"
+
+
+def test_a_refusal_that_persists_is_retried_a_bounded_number_of_times(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    hold = tmp_path / "hold"
+    hold.touch()  # the worker never finishes exiting
+    w = Loop("epoch_workers.py", tmp_path / "w.log", (str(hold),)).start()
+    loops.append(w)
+    wait_until(lambda: _zombie_with_threads(w.pid), "a worker to be a zombie with a thread")
+    seen: list[str] = []
+    out = tmp_path / "snap"
+    with pytest.raises(SnapshotError, match="Zombies with threads are not supported") as caught:
+        engine.checkpoint(w.pid, out, DumpMode.KILL, SnapshotConfig(dump_retries=2), lambda s, msg: seen.append(msg))
+    assert sum(msg.startswith("refused for now") for msg in seen) == 2
+    assert caught.value.rolled_back and not out.exists()  # as it was: the same command can run again
+    n = w.numbers("tick")[-1][0]
+    wait_until(lambda: w.numbers("tick")[-1][0] > n + 5, "the trainer to run on")
+
+
+@pytest.mark.parametrize("launched", [False, True], ids=["plain", "launched"])
+def test_a_periodic_timerfd_fires_on_after_a_restore(loops, tmp_path: Path, launched: bool) -> None:  # type: ignore[no-untyped-def]
+    """An asyncio-style loop whose only clock is a 20 ms periodic timerfd: frozen for longer
+    than a period, the timer has expired unread, which CRIU restores disarmed (its issue 3162);
+    the restore arms it again, and the loop ticks on from where it stood."""
+    w = Loop("epoll_loop.py", tmp_path / "w.log", launched=launched).start()
+    loops.append(w)
+    loop_pid = psutil.Process(w.pid).children()[0].pid if launched else w.pid
+    snap = tmp_path / "snap"
+    proc = tpagent("dump", str(w.pid), "--out", str(snap))
+    assert proc.returncode == 0, proc.stderr
+    w.reap()
+    stopped = w.numbers("tick")[-1]  # [tick, expirations]
+    timers = json.loads((snap / "manifest.json").read_text())["timers"]
+    assert timers == [{"pid": loop_pid, "fd": timers[0]["fd"], "interval_ns": 20_000_000}]
+
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    # Without the re-arm it ticks once (the expiration pending at the freeze) and never again.
+    wait_until(lambda: w.numbers("tick")[-1][0] >= stopped[0] + 25, "the restored loop's timer to keep firing")
+    ticks = w.numbers("tick")
+    assert [t[0] for t in ticks] == list(range(len(ticks)))  # it went on from where it stood
+    assert ticks[-1][1] >= stopped[1] + 25  # the timer itself fired those
+
+
+def test_an_inotify_watch_is_warned_about_and_still_watches_after_a_restore(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Events an inotify instance had queued at the freeze can be lost: the snapshot layer
+    says so (the dump's output, `inspect`, :func:`snapshot.proc.restore_warnings` for a dry
+    run), and the restored loop still gets the events of its watch."""
+    from snapshot.proc import restore_warnings
+
+    watched = tmp_path / "watched"
+    watched.mkdir()
+    w = Loop("epoll_loop.py", tmp_path / "w.log", ("--inotify", str(watched))).start()
+    loops.append(w)
+    (watched / "before").touch()
+    wait_until(lambda: "created before" in w.log.read_text(), "the loop to see a file created")
+    warned = restore_warnings([w.pid])
+    assert len(warned) == 1 and f"PID {w.pid} watches files with inotify" in warned[0], warned
+
+    snap = tmp_path / "snap"
+    proc = tpagent("dump", str(w.pid), "--out", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert f"warning: PID {w.pid} watches files with inotify" in proc.stderr
+    assert json.loads(proc.stdout)["warnings"] == warned
+    w.reap()
+    shown = tpagent("inspect", str(snap))
+    assert shown.returncode == 0 and f"  warning: {warned[0]}" in shown.stdout.splitlines(), shown.stdout
+    assert json.loads(tpagent("inspect", str(snap), "--json").stdout)["warnings"] == warned
+
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    (watched / "after").touch()
+    wait_until(lambda: "created after" in w.log.read_text(), "the restored loop to see a file created")
+    assert restore_warnings([w.pid]) == warned  # (the same process, the same watch)
+
+
+def test_a_held_dumps_hook_ends_once_its_criu_is_killed(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A migration's dump is held, pinned (only a decision would end it); CRIU is then killed:
+    its post-dump hook, orphaned, ends by itself instead of waiting for good, and the
+    workload runs on where it stood."""
+    from snapshot.held import HeldDump
+
+    w = start(mib=16)
+    out = tmp_path / "snap"
+    dump = HeldDump.start(w.pid, out, SnapshotConfig(), hold=600)
+    wait_until(dump.sealed, "the snapshot to be sealed and its tree held")
+    assert dump.pin()
+    criu = psutil.Process(int((out / "log" / "criu.pid").read_text().split()[0]))
+    hooks = [p for p in criu.children(recursive=True) if "hook" in " ".join(p.cmdline())]
+    assert hooks, [p.cmdline() for p in criu.children(recursive=True)]
+    criu.kill()
+    wait_until(lambda: not any(alive(p.pid) for p in hooks), "the orphaned hook to end")
+    wait_until(lambda: not dump.running(), "the dump's thread to report")
+    assert dump.error is not None and dump.error.rolled_back, dump.error
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] > n + 10, "the workload to run on")
+    assert_continuous(w.ticks())
+    w.verify_state()
+
+
+_REUSE = """#!/bin/sh
+# Before CRIU freezes PID $3, end that process and start another under its very PID.
+if [ "$1" = dump ]; then
+  kill -9 "$3"
+  while [ -e "/proc/$3" ]; do sleep 0.01; done
+  for _ in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do
+    echo $(($3 - 1)) > /proc/sys/kernel/ns_last_pid
+    setsid sleep 600 </dev/null >/dev/null 2>&1 &
+    [ "$!" = "$3" ] && break
+    kill -9 "$!"
+  done
+  echo "$!" > "{newpid}"
+fi
+exec {criu} "$@"
+"""
+
+
+def test_a_pid_reused_before_the_freeze_is_not_dumped(tmp_path: Path) -> None:
+    """The process checked under a PID exits and another one gets that PID just before CRIU
+    freezes it (a CRIU wrapper does exactly that): the post-dump hook, which sees the frozen
+    root's start time, makes CRIU roll back.  Nothing is dumped, the newcomer runs on."""
+    from snapshot.api import UsageError
+    from snapshot.criu import Criu
+
+    newpid = tmp_path / "newpid"
+    wrapper = tmp_path / "criu-reusing-the-pid"
+    wrapper.write_text(_REUSE.replace("{newpid}", str(newpid)).replace("{criu}", str(Criu().path)))
+    wrapper.chmod(0o755)
+    # Not our child (its PID is free once it is killed): its parent exits at once.
+    started = subprocess.run(
+        ["sh", "-c", "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $!"], capture_output=True, text=True
+    )
+    pid = int(started.stdout)
+    out = tmp_path / "snap"
+    try:
+        with pytest.raises(UsageError, match=f"PID {pid} is no longer the process that was checked"):
+            engine.checkpoint(pid, out, DumpMode.KILL, SnapshotConfig(criu=wrapper))
+        assert int(newpid.read_text()) == pid  # (the PID was indeed taken over)
+        assert psutil.Process(pid).status() == psutil.STATUS_SLEEPING  # the newcomer runs on, not frozen
+        assert not out.exists()
+    finally:
+        kill_and_wait(pid)
