@@ -253,7 +253,9 @@ class SourceMigration:
                                 ghost_limit=cfg.ghost_limit_mib << 20)  # fmt: skip
         private_dir(self.snapshot.parent)
         t0 = self.freeze_t0 = time.monotonic()
-        dump = self.dump = ctx.held.start(self.pid, self.snapshot, config, ctx.timeouts.hold, self.carry)
+        # (the process checked, by its start time: a PID reused since is refused while frozen)
+        dump = self.dump = ctx.held.start(self.pid, self.snapshot, config, ctx.timeouts.hold, self.carry,
+                                          self.record.create_time or None)  # fmt: skip
 
         def sealed() -> bool:  # the sender ends once the snapshot is whole
             if dump.error is not None:

@@ -53,7 +53,15 @@ class FakeHeldDump(HeldDump):
     lost = False
 
     @classmethod
-    def start(cls, pid: int, out: Path, config: SnapshotConfig, hold: float, carry: Sequence[Path] = ()) -> HeldDump:
+    def start(
+        cls,
+        pid: int,
+        out: Path,
+        config: SnapshotConfig,
+        hold: float,
+        carry: Sequence[Path] = (),
+        create_time: float | None = None,
+    ) -> HeldDump:
         os.kill(pid, signal.SIGSTOP)
         private_dir(out, empty=True)
         (out / "images").mkdir(mode=0o700)
