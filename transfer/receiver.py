@@ -81,6 +81,8 @@ class _Session:
     #: SHA-256 is taken as it arrives and held against the manifest at the end.
     received_sha: dict[tuple[int, int], str] = field(default_factory=dict)
     followed: bool = False
+    #: Chunks written once and then found damaged: a resend of zeros must overwrite them.
+    rewrite: set[int] = field(default_factory=set)
 
     @property
     def hash_as_received(self) -> bool:
@@ -111,7 +113,7 @@ class _Session:
     def open_file(self, name: str) -> int:
         path = self.partial / name
         path.parent.mkdir(mode=0o700, exist_ok=True)  # (inside the private partial directory)
-        self.fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        self.fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
         self.names[name] = len(self.fds) - 1
         return len(self.fds) - 1
 
@@ -156,6 +158,19 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         if n == 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         view, offset = view[n:], offset + n
+
+
+def _sha256_back(fd: int, buf: bytearray, n: int, offset: int) -> str:
+    """SHA-256 of the ``n`` bytes the file now holds at ``offset``: what was written, as the
+    file has it, not as the buffer had it (read back through ``buf``, a piece at a time)."""
+    h, view, got = hashlib.sha256(), memoryview(buf), 0
+    while got < n:
+        k = os.preadv(fd, [view[: min(len(view), n - got)]], offset + got)
+        if k == 0:
+            raise OSError(errno.EIO, f"{n - got} bytes just written at {offset + got} read back as missing")
+        h.update(view[:k])
+        got += k
+    return h.hexdigest()
 
 
 @functools.lru_cache(maxsize=8)
@@ -219,12 +234,19 @@ class Receiver:
             if stale.lstat().st_uid == os.geteuid():  # (ours: left by an earlier try)
                 shutil.rmtree(stale, ignore_errors=True)
         self._out = out
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while self._result is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._abandon()
                 raise TransferError(f"no complete snapshot arrived within {timeout:.0f} s")
+            first = self.config.start_timeout
+            if first is not None and not self._sessions and time.monotonic() - started > first:
+                # A sender that never came (its node lost after it was admitted) must not hold
+                # the address (a fixed port) for the whole timeout.
+                self._abandon()
+                raise TransferError(f"no sender began a transfer within {first:g} s")
             self._sweep()
             ch = self.listener.accept(min(left, 0.2))
             if ch is None:
@@ -323,7 +345,12 @@ class Receiver:
             if role is Role.CONTROL:
                 self._control(ch, session)
             else:
-                self._data(ch, session)
+                try:
+                    self._data(ch, session)
+                except OSError as e:
+                    if e.errno == errno.ENOSPC:
+                        self._tell_sender(session, str(self._disk_full()))
+                    raise
         except TransferError as e:
             log.info("stream from %s ended: %s", ch.peer, e)
         except (
@@ -333,17 +360,30 @@ class Receiver:
         ) as e:  # a full disk, JSON that is signed but wrong, a refused directory...
             log.warning("stream from %s failed: %s", ch.peer, e)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                free = shutil.disk_usage(self._out.parent).free
-                self._finish(
-                    TransferError(
-                        f"the disk holding {self._out.parent} is full ({free / 2**20:.0f} MiB free); nothing was "
-                        "kept: free space there, or receive into another place"
-                    )
-                )
+                self._finish(self._disk_full())
             self._finish(TransferError(f"receiving failed: {e}"))
         finally:
             self._gate.release(entry)
             ch.close()
+
+    def _tell_sender(self, session_id: bytes, why: str) -> None:
+        """Send ERROR on the transfer's control stream (best effort): the sender learns why at
+        once.  (A data stream is a poor messenger: closed with chunks unread, it is reset, and
+        the frame with it.)"""
+        with self._ready:
+            s = self._sessions.get(session_id)
+            ch = s.control if s is not None else None
+        if ch is not None:
+            with contextlib.suppress(TransferError):
+                wire.send_frame(ch, Kind.ERROR, why.encode()[:2000])
+
+    def _disk_full(self) -> TransferError:
+        """One sentence for ENOSPC while receiving."""
+        free = shutil.disk_usage(self._out.parent).free
+        return TransferError(
+            f"the disk holding {self._out.parent} is full (No space left on device, {free / 2**20:.0f} MiB free); "
+            "nothing was kept: free space there, or receive into another place"
+        )
 
     def _control(self, ch: Channel, session_id: bytes) -> None:
         _, body = wire.expect(ch, Kind.HEADER, wire.MAX_JSON)
@@ -483,8 +523,12 @@ class Receiver:
             raise IntegrityError("the trailer's totals do not match what arrived")
         if trailer.get("digest") != wire.digest([s.crcs[i] for i in range(s.layout.count)]):
             raise IntegrityError("the stream digest does not match: chunks were lost, reordered or altered")
+        try:
+            for fd in s.fds:
+                os.fsync(fd)  # (a disk that delays its allocation says ENOSPC here)
+        except OSError as e:
+            raise (self._disk_full() if e.errno == errno.ENOSPC else e) from e
         for fd in s.fds:
-            os.fsync(fd)
             os.close(fd)
         s.fds = []
         with open(s.partial / snapmanifest.MANIFEST_NAME, "rb") as f:
@@ -544,6 +588,7 @@ class Receiver:
         wire.send_frame(ch, Kind.HAVE, s.have_bitmap())
         dctx = zstandard.ZstdDecompressor()
         zero_crcs: dict[int, int] = {}
+        back = bytearray(1 << 20)  # what a chunk reads back as, once written, a piece at a time
         while True:
             kind, codec, body = wire.recv_frame(
                 ch, s.chunk_size + 4096 + CHUNK.size + wire.WHERE.size + 255, scratch=True
@@ -563,7 +608,8 @@ class Receiver:
             if mine:
                 ok = False
                 try:
-                    ok = self._store(s, dctx, where, codec, memoryview(body)[start:], raw_len, crc, zero_crcs)
+                    ok = self._store(s, dctx, index, where, codec, memoryview(body)[start:], raw_len, crc, zero_crcs,
+                                     back)  # fmt: skip
                 finally:  # a store that failed (a full disk) must not leave the chunk claimed
                     with s.lock:
                         s.claimed.discard(index)
@@ -599,18 +645,28 @@ class Receiver:
     def _store(
         s: _Session,
         dctx: zstandard.ZstdDecompressor,
+        index: int,
         where: tuple[int, int, int],
         codec: Codec,
         payload: memoryview,
         raw_len: int,
         crc: int,
         zero_crcs: dict[int, int],
+        back: bytearray,
     ) -> bool:
+        """Write one chunk; whether it is right.  Every write's length is checked
+        (:func:`_pwrite_all`), and where a SHA-256 decides (the header's digests, or the
+        manifest's taken as chunks arrive) it is taken over the bytes read back from the file,
+        so what is verified is what the file holds, not what the buffer held: one copy more
+        than hashing the buffer, no more hashing.  (The fsync before publishing then says
+        whether the disk kept it.)"""
         fi, off, _ = where
         want = s.expect[fi][off // s.chunk_size] if fi in s.expect else None
         if codec is Codec.ZERO:
             if len(payload):
                 return False
+            if index in s.rewrite:  # damaged bytes were written there: zeros must replace them
+                _pwrite_all(s.fds[fi], bytes(raw_len), off)
             if want is not None:
                 return want == _zero_sha256(raw_len)  # the file was created sparse: zeros are already there
             if raw_len not in zero_crcs:
@@ -627,11 +683,16 @@ class Receiver:
                 return False
         else:
             data = payload
-        if len(data) != raw_len:
+        if len(data) != raw_len or (want is None and zlib.crc32(data) != crc):
             return False
-        if (hashlib.sha256(data).hexdigest() != want) if want is not None else (zlib.crc32(data) != crc):
-            return False
-        if s.hash_as_received:  # the manifest's digest of this region, from the buffer: no read-back
-            s.received_sha[(fi, off)] = hashlib.sha256(data).hexdigest()
         _pwrite_all(s.fds[fi], data, off)
+        if want is None and not s.hash_as_received:
+            return True  # (its region is hashed from the file once complete: _region_done)
+        sha = _sha256_back(s.fds[fi], back, raw_len, off)
+        if want is not None and sha != want:
+            with s.lock:
+                s.rewrite.add(index)
+            return False
+        if s.hash_as_received:
+            s.received_sha[(fi, off)] = sha
         return True
