@@ -127,6 +127,30 @@ def test_node_local_files_go_there_and_back(cluster: Cluster, tmp_path: Path) ->
         kill_and_wait(t.pid)
 
 
+def test_a_stale_copy_someone_changed_is_never_replaced(cluster: Cluster, tmp_path: Path) -> None:
+    """The copy left on A is changed after the workload left (someone else's write): coming
+    back, the migration is refused in one sentence naming the file, the workload runs on at B,
+    and the changed file on A is untouched."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    shm = LOCAL / f"shm-{uuid.uuid4().hex[:6]}"
+    t = launch(a, tmp_path, 16, "--shm", str(shm))
+    try:
+        migrate(cluster, t, "A", "B")
+        with open(local_dir(a) / shm.name, "r+b") as f:  # (same size: only its change time tells)
+            f.seek(4096)
+            f.write(b"someone else's bytes")
+        changed = (local_dir(a) / shm.name).read_bytes()
+        proc = cluster.migrate(t.pid, "B", "A", "--json")
+        assert proc.returncode == 1
+        doc = json.loads(proc.stdout)
+        assert doc["state"] == "rolled_back" and f"{shm} exists on this node with other content" in doc["message"]
+        assert (local_dir(a) / shm.name).read_bytes() == changed
+        t.assert_one_copy_continuous()  # on B, where it stood
+        t.verify_state()
+    finally:
+        kill_and_wait(t.pid)
+
+
 def vm_hwm(node: Node) -> int:
     assert node.agent is not None
     status = Path(f"/proc/{node.agent.pid}/status").read_text()
