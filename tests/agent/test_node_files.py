@@ -131,7 +131,7 @@ def test_a_stale_copy_someone_changed_is_never_replaced(cluster: Cluster, tmp_pa
     """The copy left on A is changed after the workload left (someone else's write): coming
     back, the migration is refused in one sentence naming the file, the workload runs on at B,
     and the changed file on A is untouched."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
     shm = LOCAL / f"shm-{uuid.uuid4().hex[:6]}"
     t = launch(a, tmp_path, 16, "--shm", str(shm))
     try:
