@@ -342,15 +342,15 @@ class Receiver:
                     self._refused(entry, f"{MAX_MEMBERS} authenticated streams are open already")
                 return
             ch.set_timeout(self.config.io_timeout)
-            if role is Role.CONTROL:
-                self._control(ch, session)
-            else:
-                try:
+            try:
+                if role is Role.CONTROL:
+                    self._control(ch, session)
+                else:
                     self._data(ch, session)
-                except OSError as e:
-                    if e.errno == errno.ENOSPC:
-                        self._tell_sender(session, str(self._disk_full()))
-                    raise
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    self._tell_sender(session, ch if role is Role.CONTROL else None)
+                raise
         except TransferError as e:
             log.info("stream from %s ended: %s", ch.peer, e)
         except (
@@ -366,16 +366,17 @@ class Receiver:
             self._gate.release(entry)
             ch.close()
 
-    def _tell_sender(self, session_id: bytes, why: str) -> None:
-        """Send ERROR on the transfer's control stream (best effort): the sender learns why at
-        once.  (A data stream is a poor messenger: closed with chunks unread, it is reset, and
-        the frame with it.)"""
-        with self._ready:
-            s = self._sessions.get(session_id)
-            ch = s.control if s is not None else None
-        if ch is not None:
+    def _tell_sender(self, session_id: bytes, control: Channel | None) -> None:
+        """Say that the disk is full on the transfer's control stream (best effort): the sender
+        learns why at once, not "connection refused" as it reconnects.  (A data stream is a
+        poor messenger: closed with chunks unread, it is reset, and the frame with it.)"""
+        if control is None:
+            with self._ready:
+                s = self._sessions.get(session_id)
+                control = s.control if s is not None else None
+        if control is not None:
             with contextlib.suppress(TransferError):
-                wire.send_frame(ch, Kind.ERROR, why.encode()[:2000])
+                wire.send_frame(control, Kind.ERROR, str(self._disk_full()).encode()[:2000])
 
     def _disk_full(self) -> TransferError:
         """One sentence for ENOSPC while receiving."""

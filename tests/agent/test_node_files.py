@@ -196,8 +196,9 @@ def test_a_work_dir_without_room_refuses_before_anything_freezes(cluster: Cluste
         try:
             dry = cluster.migrate(t.pid, "A", "B", "--dry-run", "--json")
             assert dry.returncode == 1
-            problems = json.loads(dry.stdout)["problems"]
-            assert any("work directory" in p and "MiB free" in p for p in problems), problems
+            doc = json.loads(dry.stdout)
+            assert any("work directory" in p and "MiB free" in p for p in doc["problems"]), doc
+            assert any(re.search(r"reserves \d+ MiB in .* \(\d+ MiB free\)", c) for c in doc["checked"]), doc
             proc = cluster.migrate(t.pid, "A", "B", "--json")
             assert proc.returncode == 1
             doc = json.loads(proc.stdout)
