@@ -21,8 +21,8 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import gpus, proc
-from snapshot.api import SnapshotConfig, SnapshotError
+from snapshot import gpus, proc, safefs
+from snapshot.api import SnapshotConfig, SnapshotError, UsageError
 from snapshot.criu import Criu
 from snapshot.held import HeldDump
 from snapshot.safefs import private_dir
@@ -222,6 +222,9 @@ class SourceMigration:
         shared = tuple(f"{f}:{'*' if w else _size(f)}" for f, w in sorted(open_files.items()) if self._is_shared(f))
         self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
         carried = tuple(f"{f}:{_size(str(f))}" for f in self.carry)
+        uncarriable = _uncarriable(self.carry)  # refused now, in a sentence, not by the hook once frozen
+        if uncarriable and not self.dry_run:
+            raise _Failure("; ".join(uncarriable))
         cfg, t = self.ctx.cfg, self.ctx.timeouts
         offer = Offer(self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared,
                       self.dry_run, carried)  # fmt: skip
@@ -230,7 +233,7 @@ class SourceMigration:
             acceptance = target.receive(offer, t.rpc)
         except AgentError as e:
             raise _Failure(f"the target agent {self.target} cannot be used: {e}") from e
-        self.problems = list(acceptance.problems)
+        self.problems = [*uncarriable, *acceptance.problems]
         if self.dry_run and acceptance.reserved:
             self.emit(acceptance.reserved)
         if self.dry_run:
@@ -364,6 +367,24 @@ def _open_files(tree: list[psutil.Process]) -> dict[str, bool]:
             except OSError:
                 continue
             out[fields[5]] = out.get(fields[5], False) or fields[1][1] == "w"
+    return out
+
+
+def _uncarriable(paths: list[Path]) -> list[str]:
+    """Why node-local files could not be taken along: the checks the post-dump hook makes as
+    root when it archives them (no symlink on the path, the directory's owner), made now."""
+    out = []
+    for path in paths:
+        try:
+            fd = safefs.open_to_read(path)
+        except UsageError as e:
+            out.append(str(e).rstrip("."))
+            continue
+        except OSError as e:
+            out.append(f"{path}, which the process has open, cannot be read to take it along ({e.strerror})")
+            continue
+        if fd is not None:
+            os.close(fd)
     return out
 
 

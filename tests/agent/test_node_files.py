@@ -7,6 +7,7 @@ this machine's filesystem is shared by all test nodes."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -147,6 +148,31 @@ def test_a_stale_copy_someone_changed_is_never_replaced(cluster: Cluster, tmp_pa
         assert (local_dir(a) / shm.name).read_bytes() == changed
         t.assert_one_copy_continuous()  # on B, where it stood
         t.verify_state()
+    finally:
+        kill_and_wait(t.pid)
+
+
+def test_a_file_that_cannot_be_taken_along_is_refused_before_the_freeze(cluster: Cluster, tmp_path: Path) -> None:
+    """The workload's scratch file (root's) lies in a directory of nobody's, who could have put
+    it there: the check refuses the move in one sentence naming it (the dry run lists it), and
+    nothing is frozen (once it was the post-dump hook, with CRIU's lines)."""
+    import pwd
+
+    a = cluster.nodes["A"]
+    theirs = local_dir(a) / "nobodys"
+    theirs.mkdir()
+    os.chown(theirs, pwd.getpwnam("nobody").pw_uid, -1)
+    scratch = LOCAL / "nobodys" / "scratch"
+    t = launch(a, tmp_path, 16, "--scratch", str(scratch), "1")
+    try:
+        dry = cluster.migrate(t.pid, "A", "B", "--dry-run", "--json")
+        assert dry.returncode == 1
+        problems = json.loads(dry.stdout)["problems"]
+        assert any(f"{scratch} belongs to UID 0 but its directory to UID" in p for p in problems), problems
+        proc = cluster.migrate(t.pid, "A", "B", "--json")
+        doc = json.loads(proc.stdout)
+        assert proc.returncode == 1 and doc["state"] == "failed" and f"{scratch} belongs to UID 0" in doc["message"]
+        t.assert_one_copy_continuous()  # never frozen
     finally:
         kill_and_wait(t.pid)
 
