@@ -90,9 +90,12 @@ def migrate(
     call = agent.Migrate(pb.MigrateRequest(pid=pid, target=to, dry_run=dry_run))
     last: Any = None
     shown = ""
+    said: list[str] = []  # what the checks said on the way (a dry run: what the target would reserve)
     try:
         for event in call:
             last = event
+            if event.message and event.message not in said:
+                said.append(event.message)
             if not as_json:
                 shown = _show(event, shown)
     except grpc.RpcError as e:
@@ -114,7 +117,7 @@ def migrate(
         raise typer.Exit(EXIT_INTERRUPTED) from None
     if last is not None and last.state in ("failed", "checking"):  # it ended in its checks (a dry run's: "checking")
         _refuse_if_unreachable(to, creds, as_json)  # (was --to the cause?)
-    code = _report(last, as_json, dry_run)
+    code = _report(last, as_json, dry_run, [m for m in said if last is None or m != last.message])
     raise typer.Exit(code)
 
 
@@ -169,13 +172,15 @@ def _wait_final(agent: Any, pb: Any, last: Any, seconds: float = 120.0) -> Any:
     return last
 
 
-def _report(last: Any, as_json: bool, dry_run: bool) -> int:
+def _report(last: Any, as_json: bool, dry_run: bool, said: list[str] | None = None) -> int:
     if last is None:
         die("the agent ended the migration without a word", EXIT_FAILED)
     ok = last.state == "done"
     doc = {"migration_id": last.migration_id, "state": last.state, "message": last.message,
            "new_pid": last.new_pid, "seconds": round(last.seconds, 3), "timings": dict(last.timings),
            "problems": list(last.problems)}  # fmt: skip
+    if dry_run and said:
+        doc["checked"] = said
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
     else:

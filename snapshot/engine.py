@@ -36,7 +36,7 @@ from typing import Any
 
 import psutil
 
-from snapshot import gpus, hook, manifest, proc, safefs, timers
+from snapshot import gpus, hook, leftovers, manifest, proc, safefs, timers
 from snapshot.api import (
     CriuError,
     CudaError,
@@ -695,7 +695,10 @@ def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
                 raise SnapshotInvalid(
                     f"{directory}'s carried files hold {member.name!r}, which the manifest does not name."
                 )
-            safefs.write_file(path, source, member.uid, member.gid, member.mode, member.mtime, created)
+            if safefs.write_file(path, source, member.uid, member.gid, member.mode, member.mtime, created,
+                                 leftovers.left_behind):  # fmt: skip
+                log.info("%s replaced the stale copy a migration from this node had left behind", path)
+            leftovers.forget(path)  # (what is there now is the process's own file again)
 
 
 def kill_restored(work: Path) -> int:

@@ -20,7 +20,7 @@ from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
-from snapshot import criu, engine, hook
+from snapshot import criu, engine, hook, leftovers
 from snapshot.api import DumpMode, SnapshotConfig
 
 
@@ -106,6 +106,9 @@ class HeldDump:
             self._thread.join()
         else:
             self.wait_released(None)
+        # Its node-local files live on with the copy: the ones here, untouched, may be replaced
+        # by a later return (a stale log must not keep the workload from coming back).
+        leftovers.note_left_behind(self.out)
 
     def wait_released(self, timeout: float | None = 30.0) -> None:
         """Until CRIU no longer works on the dump (``timeout`` None: however long)."""

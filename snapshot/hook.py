@@ -61,6 +61,10 @@ class NotTheProcess(RuntimeError):
     """The PID CRIU froze is no longer the process the dump was asked for."""
 
 
+#: Written (in log/) as the carried files are archived: each one's :func:`identity`.
+CARRIED_IDS = "carried.json"
+
+
 def decide(out: Path, commit: bool) -> None:
     """Tell a holding hook what to do with the frozen tree (atomic: written, then renamed)."""
     tmp = out / "log" / (DECISION_FILE + ".tmp")
@@ -153,6 +157,11 @@ def _check_cancel(out: Path) -> None:
         raise RuntimeError("cancelled by the user (Ctrl-C)")
 
 
+def identity(st: os.stat_result) -> list[int]:
+    """What tells a file from any other, and from itself changed (:mod:`snapshot.leftovers`)."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns]
+
+
 def _archive(out: Path, paths: list[str]) -> list[str]:
     """Copy the carried files, as they are while the tree is frozen, into the images.
 
@@ -161,6 +170,7 @@ def _archive(out: Path, paths: list[str]) -> list[str]:
     symlink on its path, or a directory owned by neither root nor the file's owner, raises:
     the dump is refused and rolled back."""
     kept = []
+    ids: dict[str, list[int]] = {}  # as archived: how a committed migration knows what it left behind
     with tarfile.open(out / manifest.IMAGES_DIR / manifest.CARRIED_NAME, "w") as tar:
         for path in paths:
             fd = safefs.open_to_read(Path(path))
@@ -172,7 +182,9 @@ def _archive(out: Path, paths: list[str]) -> list[str]:
                 info.size, info.mtime, info.mode = st.st_size, st.st_mtime, stat.S_IMODE(st.st_mode)
                 info.uid, info.gid = st.st_uid, st.st_gid
                 tar.addfile(info, f)
+                ids[path] = identity(os.fstat(f.fileno()))
             kept.append(path)
+    (out / "log" / CARRIED_IDS).write_text(json.dumps(ids))
     return kept
 
 

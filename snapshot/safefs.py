@@ -17,11 +17,13 @@ which never includes setuid/setgid bits.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -344,39 +346,76 @@ def _holds(dir_fd: int, path: Path, source: IO[bytes], owner: tuple[int, int, in
                 return True
 
 
-def write_file(path: Path, source: IO[bytes], uid: int, gid: int, mode: int, mtime: float, created: list[Path]) -> None:
+def write_file(
+    path: Path,
+    source: IO[bytes],
+    uid: int,
+    gid: int,
+    mode: int,
+    mtime: float,
+    created: list[Path],
+    replaceable: Callable[[Path, os.stat_result], bool] = lambda path, st: False,
+) -> bool:
     """Put ``source`` back at ``path`` as a new file owned by ``uid``:``gid`` with ``mode``
     (without setuid/setgid: never restored) and ``mtime``, appending what it creates
     (missing directories, see :func:`open_dir`, then the file) to ``created``.  No symlink is
     followed; the directory must pass :func:`check_owner`; a file already there must hold
-    the same bytes (it is then left as it is), else UsageError."""
+    the same bytes (it is then left as it is), or be ``replaceable`` (a stale copy this node
+    let go: it is then replaced, in one rename), else UsageError.  Whether it replaced one."""
     parent = open_dir(path.parent, created, to=path)
+    replacing = False
     try:
         check_owner(os.fstat(parent).st_uid, uid, path)
+        name = path.name
         try:
             fd = os.open(
-                path.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent
+                name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent
             )
         except FileExistsError:  # (also where a symlink is: O_EXCL follows none)
-            if not _holds(parent, path, source, (uid, gid, mode & 0o777)):
+            if _holds(parent, path, source, (uid, gid, mode & 0o777)):
+                return False
+            there = open_regular(parent, name, path)
+            if there is not None:
+                try:
+                    replacing = replaceable(path, os.fstat(there))
+                finally:
+                    os.close(there)
+            if not replacing:
                 raise UsageError(
                     f"{path} exists on this node with other content, owner or mode; "
                     "the process had it open: move it away first."
                 ) from None
-            return
+            source.seek(0)  # (_holds read some of it)
+            name = f".{path.name}.tpagent-{os.getpid()}"
+            fd = os.open(
+                name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent
+            )
+        if not replacing:
+            created.append(path)
+        if mode & (stat.S_ISUID | stat.S_ISGID):
+            log.warning(
+                "%s had mode %o; it is put back as %o: tpagent never restores setuid/setgid bits",
+                path,
+                mode,
+                mode & 0o777,
+            )
+        try:
+            with os.fdopen(fd, "wb") as f:
+                shutil.copyfileobj(source, f, _CHUNK)  # (in bounded pieces, however large the file)
+                f.flush()
+                os.fchown(fd, uid, gid)  # first: never a moment with its final mode while root owns it
+                os.fchmod(fd, mode & 0o777)
+                os.utime(fd, (mtime, mtime))
+            if replacing:
+                os.rename(name, path.name, src_dir_fd=parent, dst_dir_fd=parent)
+        except BaseException:
+            if replacing:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=parent)
+            raise
     finally:
         os.close(parent)
-    created.append(path)
-    if mode & (stat.S_ISUID | stat.S_ISGID):
-        log.warning(
-            "%s had mode %o; it is put back as %o: tpagent never restores setuid/setgid bits", path, mode, mode & 0o777
-        )
-    with os.fdopen(fd, "wb") as f:
-        shutil.copyfileobj(source, f, _CHUNK)
-        f.flush()
-        os.fchown(fd, uid, gid)  # first: never a moment with its final mode while root owns it
-        os.fchmod(fd, mode & 0o777)
-        os.utime(fd, (mtime, mtime))
+    return replacing
 
 
 def remove(path: Path) -> None:

@@ -328,8 +328,9 @@ class Offer:
     source_agent: str  # where the target reaches the source's agent (HOST:PORT)
     bytes_estimate: int
     gpu_uuids: tuple[str, ...] = ()
-    shared_files: tuple[str, ...] = ()  # "PATH:SIZE" of files expected on shared paths
+    shared_files: tuple[str, ...] = ()  # "PATH:SIZE" (or "PATH:*": it grows) of files expected on shared paths
     dry_run: bool = False
+    carried_files: tuple[str, ...] = ()  # "PATH:SIZE" of the node-local files the snapshot takes along
 
 
 @dataclass(frozen=True)
@@ -339,6 +340,7 @@ class Acceptance:
     transfer_address: str = ""
     gpu_map: Mapping[str, str] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
+    reserved: str = ""  # what the target sets aside for it (work dir, memory), in words
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@
     allow_executables = ["/opt/venv/bin/python3"]  # also migratable: processes running one of these
                                       # programs (full paths, compared with /proc/PID/exe)
     memory_limit = 0                  # most bytes this node accepts in one migration (0: no limit)
+    max_incoming = 4                  # migrations this node receives at once (0: no limit); each
+                                      # reserves its snapshot's room in work_dir and its memory
     hold_timeout = 3600.0             # longest a frozen original waits for its copy to start
     takeover_after = 300.0            # a restored copy whose source agent stays unreachable this
                                       # long starts on its own (0: it waits for the source forever)
@@ -71,6 +73,7 @@ class AgentConfig:
     shared_paths: tuple[str, ...] = ()
     allow_executables: tuple[str, ...] = ()
     memory_limit: int = 0
+    max_incoming: int = 4
     hold_timeout: float = 3600.0
     takeover_after: float = 300.0
     io_timeout: float = 30.0

@@ -78,7 +78,7 @@ def context(
     creds = creds or cfg.credentials()
     t = cfg.timeouts
     transfer = TransferConfig(secret=creds.secret, compress=Compress(cfg.compress), io_timeout=t.io,
-                              connect_timeout=min(10.0, t.io),
+                              connect_timeout=min(10.0, t.io), start_timeout=t.io,
                               streams=max(1, min(MAX_STREAMS, cfg.streams)))  # fmt: skip
     tls = TlsFiles.in_dir(cfg.tls_dir)  # (TCP: mutual TLS with the agent's certificates; UCX has none)
     return Context(

@@ -9,7 +9,9 @@ leaves two running copies, or none, are in :mod:`tpagent.api`.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import stat
 import threading
 import time
 import uuid
@@ -18,8 +20,8 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import gpus, proc
-from snapshot.api import SnapshotConfig, SnapshotError
+from snapshot import gpus, proc, safefs
+from snapshot.api import SnapshotConfig, SnapshotError, UsageError
 from snapshot.criu import Criu
 from snapshot.held import HeldDump
 from snapshot.safefs import private_dir
@@ -217,18 +219,24 @@ class SourceMigration:
         self.record.cuda_pids = sorted(pids & {pid for g in used for pid in g.pids})  # to give back on a restart
         need += sum(g.memory_used for g in used)
         open_files = _open_files(tree)
-        shared = tuple(f"{f}:{Path(f).stat().st_size}" for f in sorted(open_files) if self._is_shared(f))
+        # A file the process writes grows while it runs: the target checks only that it is there.
+        shared = tuple(f"{f}:{'*' if w else _size(f)}" for f, w in sorted(open_files.items()) if self._is_shared(f))
         self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
+        carried = tuple(f"{f}:{_size(str(f))}" for f in self.carry)
+        uncarriable = _uncarriable(self.carry)  # refused now, in a sentence, not by the hook once frozen
+        if uncarriable and not self.dry_run:
+            raise _Failure("; ".join(uncarriable))
         cfg, t = self.ctx.cfg, self.ctx.timeouts
-        offer = Offer(
-            self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared, self.dry_run
-        )
+        offer = Offer(self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared,
+                      self.dry_run, carried)  # fmt: skip
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
         try:
             acceptance = target.receive(offer, t.rpc)
         except AgentError as e:
             raise _Failure(f"the target agent {self.target} cannot be used: {e}") from e
-        self.problems = list(acceptance.problems)
+        self.problems = [*uncarriable, *acceptance.problems]
+        if self.dry_run and acceptance.reserved:
+            self.emit(acceptance.reserved)
         if self.dry_run:
             try:
                 versions = target.versions(t.rpc)
@@ -333,14 +341,61 @@ class SourceMigration:
         return Outcome.ROLLED_BACK
 
 
-def _open_files(tree: list[psutil.Process]) -> set[str]:
-    out: set[str] = set()
+def _open_files(tree: list[psutil.Process]) -> dict[str, bool]:
+    """The regular files the tree has open or mapped shared, and whether it writes to each.
+
+    A file mapped shared (``shm_open`` + ``mmap`` + ``close``, as C libraries do) has no fd
+    left, only a line in /proc/PID/maps; CRIU needs it on the target as it needs an open one.
+    Private mappings (libraries, the interpreter) are the node's own files, never carried."""
+    out: dict[str, bool] = {}
     for p in tree:
         try:
-            out.update(f.path for f in p.open_files())
-        except psutil.Error:
+            for f in p.open_files():
+                out[f.path] = out.get(f.path, False) or f.mode != "r"
+            maps = Path(f"/proc/{p.pid}/maps").read_text()
+        except (psutil.Error, OSError):
             continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if (
+                len(fields) < 6
+                or fields[1][3] != "s"
+                or not fields[5].startswith("/")
+                or fields[5].endswith(" (deleted)")
+            ):
+                continue  # (private, anonymous, or deleted: CRIU keeps a deleted file's bytes itself)
+            try:
+                if not stat.S_ISREG(os.stat(fields[5]).st_mode):
+                    continue  # (a device: /dev/nvidia*, /dev/zero)
+            except OSError:
+                continue
+            out[fields[5]] = out.get(fields[5], False) or fields[1][1] == "w"
     return out
+
+
+def _uncarriable(paths: list[Path]) -> list[str]:
+    """Why node-local files could not be taken along: the checks the post-dump hook makes as
+    root when it archives them (no symlink on the path, the directory's owner), made now."""
+    out = []
+    for path in paths:
+        try:
+            fd = safefs.open_to_read(path)
+        except UsageError as e:
+            out.append(str(e).rstrip("."))
+            continue
+        except OSError as e:
+            out.append(f"{path}, which the process has open, cannot be read to take it along ({e.strerror})")
+            continue
+        if fd is not None:
+            os.close(fd)
+    return out
+
+
+def _size(path: str) -> int:
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return 0
 
 
 def _journal_best_effort(ctx: Context, r: Record, to: SourceState, message: str) -> None:

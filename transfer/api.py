@@ -93,6 +93,9 @@ class TransferConfig:
     chunk_retries: int = 3
     #: Longest wait on the control stream (for the trailer, for the receiver's verification).
     session_timeout: float = 3600.0
+    #: A receiver gives up (and frees its address) if no sender has begun within this long
+    #: (None: it waits its whole timeout, as `tpagent receive` does for a person to send).
+    start_timeout: float | None = None
 
 
 @dataclass(frozen=True)

@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import hashlib
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import zstandard
 
@@ -42,6 +38,7 @@ from transfer.api import (
     TransferStats,
     Transport,
 )
+from transfer.session import Session, expected_digests, pwrite_all, sha256_back, zero_sha256
 from transfer.stream import HANDSHAKE_TIMEOUT, server_handshake
 from transfer.wire import ACK, CHUNK, Codec, Kind, Layout, Role
 
@@ -53,132 +50,6 @@ MAX_STRANGERS_PER_HOST = 16
 #: Authenticated connections at once: the control stream, up to MAX_STREAMS data streams, and
 #: as many reconnections again (a broken stream's old connection may linger a moment).
 MAX_MEMBERS = 2 * MAX_STREAMS + 1
-
-
-@dataclass
-class _Session:
-    """One transfer being received.  ``layout`` is None while following (files then come as
-    chunks name them, and the trailer says what they add up to)."""
-
-    layout: Layout | None
-    chunk_size: int
-    partial: Path
-    manifest_sha256: str
-    names: dict[str, int] = field(default_factory=dict)  # file -> its index in fds
-    fds: list[int] = field(default_factory=list)
-    #: Chunk index -> (file index, offset, length): the layout's, or as the chunks said.
-    where: dict[int, tuple[int, int, int]] = field(default_factory=dict)
-    have: set[int] = field(default_factory=set)
-    crcs: dict[int, int] = field(default_factory=dict)
-    #: Per file, per manifest chunk: transfer chunks still to come, then its SHA-256, hashed
-    #: as soon as the region is complete so that verification overlaps the transfer.
-    waiting: list[list[int]] = field(default_factory=list)
-    claimed: set[int] = field(default_factory=set)
-    digests: list[list[str]] = field(default_factory=list)
-    #: Per file index: the manifest's SHA-256 of each chunk, checked on arrival (no CRC then).
-    expect: dict[int, list[str]] = field(default_factory=dict)
-    #: Following a snapshot (no digests yet) in chunks of the manifest's size: each chunk's
-    #: SHA-256 is taken as it arrives and held against the manifest at the end.
-    received_sha: dict[tuple[int, int], str] = field(default_factory=dict)
-    followed: bool = False
-
-    @property
-    def hash_as_received(self) -> bool:
-        return self.layout is None and self.chunk_size == snapmanifest.CHUNK_SIZE
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    bytes_wire: int = 0
-    started: float = field(default_factory=time.monotonic)
-    #: The signed header, which a control stream that comes back must repeat.
-    header: dict[str, Any] = field(default_factory=dict)
-    #: The control stream in use (the sender's newest), and since when there is none.
-    control: Channel | None = None
-    orphaned: float | None = None
-    verifying: bool = False
-    #: Once verified or refused: the result, and the DONE body that says it.
-    outcome: TransferStats | TransferError | None = None
-    done: bytes = b""
-    discarded: bool = False
-
-    def have_bitmap(self) -> bytes:
-        if self.layout is None:
-            return b""
-        bits = bytearray(self.layout.count)
-        for i in self.have:
-            bits[i] = 1
-        return bytes(bits)
-
-    def open_file(self, name: str) -> int:
-        path = self.partial / name
-        path.parent.mkdir(mode=0o700, exist_ok=True)  # (inside the private partial directory)
-        self.fds.append(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
-        self.names[name] = len(self.fds) - 1
-        return len(self.fds) - 1
-
-    def locate(
-        self, index: int, raw_len: int, body: bytes | bytearray | memoryview
-    ) -> tuple[tuple[int, int, int], int]:
-        """Where chunk ``index`` goes, and where its payload starts in ``body``."""
-        if self.layout is not None:
-            if index >= self.layout.count or raw_len != self.where[index][2]:
-                raise TransferError(f"chunk {index} does not fit this snapshot")
-            return self.where[index], CHUNK.size
-        if len(body) < CHUNK.size + wire.WHERE.size:
-            raise TransferError("a chunk is too short to say where it goes")
-        off, n = wire.WHERE.unpack_from(body, CHUNK.size)
-        start = CHUNK.size + wire.WHERE.size + n
-        name = bytes(body[CHUNK.size + wire.WHERE.size : start]).decode(errors="replace")
-        if (
-            index >= wire.MAX_CHUNKS
-            or off % self.chunk_size
-            or not 0 < raw_len <= self.chunk_size
-            or off + raw_len > wire.MAX_FILE
-        ):
-            raise TransferError(f"chunk {index} ({name} at {off}) does not fit a snapshot")
-        with self.lock:
-            if name not in self.names:
-                Layout(((name, 0),), self.chunk_size)  # checks the name
-                if len(self.names) >= wire.MAX_FILES:
-                    raise TransferError("the stream names too many files")
-                self.open_file(name)
-            where = (self.names[name], off, raw_len)
-            if self.where.setdefault(index, where) != where:
-                raise TransferError(f"chunk {index} was sent again for a different place")
-        return where, start
-
-
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    """All of ``data`` at ``offset``, or OSError: a short write (a disk filling up) is continued
-    until the kernel says why it cannot, never taken for the whole chunk."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n == 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        view, offset = view[n:], offset + n
-
-
-@functools.lru_cache(maxsize=8)
-def _zero_sha256(n: int) -> str:
-    return hashlib.sha256(bytes(n)).hexdigest()
-
-
-def _expected_digests(layout: Layout | None, given: object) -> dict[int, list[str]]:
-    """The header's per-chunk SHA-256s by file index, checked against the layout's shape."""
-    if given is None:
-        return {}
-    if layout is None or not isinstance(given, dict) or layout.chunk_size != snapmanifest.CHUNK_SIZE:
-        raise ValueError("sha256 does not fit the layout")
-    index = {name: fi for fi, (name, _) in enumerate(layout.files)}
-    out = {}
-    for name, digests in given.items():
-        size = layout.files[index[name]][1]
-        if not isinstance(digests, list) or len(digests) != max(1, -(-size // layout.chunk_size)):
-            raise ValueError(f"sha256 of {name} has the wrong number of chunks")
-        if not all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in digests):
-            raise ValueError(f"sha256 of {name} is not hex")
-        out[index[name]] = digests
-    return out
 
 
 class Receiver:
@@ -193,7 +64,7 @@ class Receiver:
         self._on_refused = on_refused
         self.listener = transport.listen(listen)
         self.address = self.listener.address
-        self._sessions: dict[bytes, _Session] = {}
+        self._sessions: dict[bytes, Session] = {}
         self._ready = threading.Condition()
         self._publish = threading.Lock()  # the rename into --out and giving up exclude each other
         self._closed = False
@@ -219,12 +90,19 @@ class Receiver:
             if stale.lstat().st_uid == os.geteuid():  # (ours: left by an earlier try)
                 shutil.rmtree(stale, ignore_errors=True)
         self._out = out
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while self._result is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._abandon()
                 raise TransferError(f"no complete snapshot arrived within {timeout:.0f} s")
+            first = self.config.start_timeout
+            if first is not None and not self._sessions and time.monotonic() - started > first:
+                # A sender that never came (its node lost after it was admitted) must not hold
+                # the address (a fixed port) for the whole timeout.
+                self._abandon()
+                raise TransferError(f"no sender began a transfer within {first:g} s")
             self._sweep()
             ch = self.listener.accept(min(left, 0.2))
             if ch is None:
@@ -320,10 +198,15 @@ class Receiver:
                     self._refused(entry, f"{MAX_MEMBERS} authenticated streams are open already")
                 return
             ch.set_timeout(self.config.io_timeout)
-            if role is Role.CONTROL:
-                self._control(ch, session)
-            else:
-                self._data(ch, session)
+            try:
+                if role is Role.CONTROL:
+                    self._control(ch, session)
+                else:
+                    self._data(ch, session)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    self._tell_sender(session, ch if role is Role.CONTROL else None)
+                raise
         except TransferError as e:
             log.info("stream from %s ended: %s", ch.peer, e)
         except (
@@ -333,17 +216,31 @@ class Receiver:
         ) as e:  # a full disk, JSON that is signed but wrong, a refused directory...
             log.warning("stream from %s failed: %s", ch.peer, e)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                free = shutil.disk_usage(self._out.parent).free
-                self._finish(
-                    TransferError(
-                        f"the disk holding {self._out.parent} is full ({free / 2**20:.0f} MiB free); nothing was "
-                        "kept: free space there, or receive into another place"
-                    )
-                )
+                self._finish(self._disk_full())
             self._finish(TransferError(f"receiving failed: {e}"))
         finally:
             self._gate.release(entry)
             ch.close()
+
+    def _tell_sender(self, session_id: bytes, control: Channel | None) -> None:
+        """Say that the disk is full on the transfer's control stream (best effort): the sender
+        learns why at once, not "connection refused" as it reconnects.  (A data stream is a
+        poor messenger: closed with chunks unread, it is reset, and the frame with it.)"""
+        if control is None:
+            with self._ready:
+                s = self._sessions.get(session_id)
+                control = s.control if s is not None else None
+        if control is not None:
+            with contextlib.suppress(TransferError):
+                wire.send_frame(control, Kind.ERROR, str(self._disk_full()).encode()[:2000])
+
+    def _disk_full(self) -> TransferError:
+        """One sentence for ENOSPC while receiving."""
+        free = shutil.disk_usage(self._out.parent).free
+        return TransferError(
+            f"the disk holding {self._out.parent} is full (No space left on device, {free / 2**20:.0f} MiB free); "
+            "nothing was kept: free space there, or receive into another place"
+        )
 
     def _control(self, ch: Channel, session_id: bytes) -> None:
         _, body = wire.expect(ch, Kind.HEADER, wire.MAX_JSON)
@@ -356,7 +253,7 @@ class Receiver:
             else:
                 layout = Layout(tuple((str(p), int(n)) for p, n in header["files"]), chunk_size)
                 sha = str(header["manifest_sha256"])
-            expect = _expected_digests(layout, header.get("sha256"))
+            expect = expected_digests(layout, header.get("sha256"))
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"the header is malformed ({e!r})") from e
         with self._ready:
@@ -397,7 +294,7 @@ class Receiver:
         assert s.outcome is not None
         self._finish(s.outcome)
 
-    def _orphan(self, s: _Session, ch: Channel) -> None:
+    def _orphan(self, s: Session, ch: Channel) -> None:
         with self._ready:
             if s.control is not ch:  # a newer control stream has taken over
                 return
@@ -406,7 +303,7 @@ class Receiver:
             "a control stream broke; the transfer waits %g s for the sender to open it again", self.config.io_timeout
         )
 
-    def _verify(self, s: _Session, trailer: dict[str, object]) -> None:
+    def _verify(self, s: Session, trailer: dict[str, object]) -> None:
         """Check and publish the snapshot, once: the first control stream with the trailer
         does it, one that comes back later waits for its outcome."""
         with self._ready:
@@ -440,10 +337,10 @@ class Receiver:
 
     def _open_session(
         self, session_id: bytes, layout: Layout | None, chunk_size: int, sha: str, expect: dict[int, list[str]]
-    ) -> _Session:
+    ) -> Session:
         partial = self._out.parent / f".{self._out.name}.partial-{session_id.hex()[:12]}"
         private_dir(partial, empty=True)  # 0700: a partial snapshot is someone's memory too
-        s = _Session(layout, chunk_size, partial, sha, expect=expect)
+        s = Session(layout, chunk_size, partial, sha, expect=expect)
         self._sessions[session_id] = s
         if layout is None:
             return s
@@ -461,7 +358,7 @@ class Receiver:
                     s.digests[fi][0] = snapmanifest.sha256_range((partial / name, 0, 0))
         return s
 
-    def _discard(self, s: _Session) -> None:
+    def _discard(self, s: Session) -> None:
         with s.lock:
             s.discarded = True  # data streams store nothing more
         deadline = time.monotonic() + self.config.io_timeout
@@ -473,7 +370,7 @@ class Receiver:
         s.fds = []
         shutil.rmtree(s.partial, ignore_errors=True)
 
-    def _check_and_publish(self, s: _Session, trailer: dict[str, object]) -> None:
+    def _check_and_publish(self, s: Session, trailer: dict[str, object]) -> None:
         if s.layout is None:
             self._settle_followed(s, trailer)
         assert s.layout is not None
@@ -483,8 +380,12 @@ class Receiver:
             raise IntegrityError("the trailer's totals do not match what arrived")
         if trailer.get("digest") != wire.digest([s.crcs[i] for i in range(s.layout.count)]):
             raise IntegrityError("the stream digest does not match: chunks were lost, reordered or altered")
+        try:
+            for fd in s.fds:
+                os.fsync(fd)  # (a disk that delays its allocation says ENOSPC here)
+        except OSError as e:
+            raise (self._disk_full() if e.errno == errno.ENOSPC else e) from e
         for fd in s.fds:
-            os.fsync(fd)
             os.close(fd)
         s.fds = []
         with open(s.partial / snapmanifest.MANIFEST_NAME, "rb") as f:
@@ -498,7 +399,7 @@ class Receiver:
             for name, size in s.layout.files:
                 fi = s.names[name]
                 early[name] = [s.received_sha.get((fi, off), "") for off in range(0, size, s.chunk_size)] or [
-                    _zero_sha256(0)
+                    zero_sha256(0)
                 ]
         elif s.digests:
             early = {name: s.digests[fi] for fi, (name, _) in enumerate(s.layout.files)}
@@ -514,7 +415,7 @@ class Receiver:
             s.partial.rename(self._out)
 
     @staticmethod
-    def _settle_followed(s: _Session, trailer: dict[str, object]) -> None:
+    def _settle_followed(s: Session, trailer: dict[str, object]) -> None:
         """The trailer of a followed snapshot names its files: what arrived must be exactly them."""
         try:
             files = trailer["files"]
@@ -544,6 +445,7 @@ class Receiver:
         wire.send_frame(ch, Kind.HAVE, s.have_bitmap())
         dctx = zstandard.ZstdDecompressor()
         zero_crcs: dict[int, int] = {}
+        back = bytearray(1 << 20)  # what a chunk reads back as, once written, a piece at a time
         while True:
             kind, codec, body = wire.recv_frame(
                 ch, s.chunk_size + 4096 + CHUNK.size + wire.WHERE.size + 255, scratch=True
@@ -563,7 +465,8 @@ class Receiver:
             if mine:
                 ok = False
                 try:
-                    ok = self._store(s, dctx, where, codec, memoryview(body)[start:], raw_len, crc, zero_crcs)
+                    ok = self._store(s, dctx, index, where, codec, memoryview(body)[start:], raw_len, crc, zero_crcs,
+                                     back)  # fmt: skip
                 finally:  # a store that failed (a full disk) must not leave the chunk claimed
                     with s.lock:
                         s.claimed.discard(index)
@@ -582,7 +485,7 @@ class Receiver:
             wire.send_frame(ch, Kind.ACK, ACK.pack(index, int(ok)))
 
     @staticmethod
-    def _region_done(s: _Session, where: tuple[int, int, int]) -> None:
+    def _region_done(s: Session, where: tuple[int, int, int]) -> None:
         if not s.waiting or s.discarded:
             return
         fi, off, _ = where
@@ -597,28 +500,38 @@ class Receiver:
 
     @staticmethod
     def _store(
-        s: _Session,
+        s: Session,
         dctx: zstandard.ZstdDecompressor,
+        index: int,
         where: tuple[int, int, int],
         codec: Codec,
         payload: memoryview,
         raw_len: int,
         crc: int,
         zero_crcs: dict[int, int],
+        back: bytearray,
     ) -> bool:
+        """Write one chunk; whether it is right.  Every write's length is checked
+        (:func:`_pwrite_all`), and where a SHA-256 decides (the header's digests, or the
+        manifest's taken as chunks arrive) it is taken over the bytes read back from the file,
+        so what is verified is what the file holds, not what the buffer held: one copy more
+        than hashing the buffer, no more hashing.  (The fsync before publishing then says
+        whether the disk kept it.)"""
         fi, off, _ = where
         want = s.expect[fi][off // s.chunk_size] if fi in s.expect else None
         if codec is Codec.ZERO:
             if len(payload):
                 return False
+            if index in s.rewrite:  # damaged bytes were written there: zeros must replace them
+                pwrite_all(s.fds[fi], bytes(raw_len), off)
             if want is not None:
-                return want == _zero_sha256(raw_len)  # the file was created sparse: zeros are already there
+                return want == zero_sha256(raw_len)  # the file was created sparse: zeros are already there
             if raw_len not in zero_crcs:
                 zero_crcs[raw_len] = zlib.crc32(bytes(raw_len))
             if zero_crcs[raw_len] != crc:
                 return False
             if s.hash_as_received:
-                s.received_sha[(fi, off)] = _zero_sha256(raw_len)
+                s.received_sha[(fi, off)] = zero_sha256(raw_len)
             return True
         if codec is Codec.ZSTD:
             try:
@@ -627,11 +540,16 @@ class Receiver:
                 return False
         else:
             data = payload
-        if len(data) != raw_len:
+        if len(data) != raw_len or (want is None and zlib.crc32(data) != crc):
             return False
-        if (hashlib.sha256(data).hexdigest() != want) if want is not None else (zlib.crc32(data) != crc):
+        pwrite_all(s.fds[fi], data, off)
+        if want is None and not s.hash_as_received:
+            return True  # (its region is hashed from the file once complete: _region_done)
+        sha = sha256_back(s.fds[fi], back, raw_len, off)
+        if want is not None and sha != want:
+            with s.lock:
+                s.rewrite.add(index)
             return False
-        if s.hash_as_received:  # the manifest's digest of this region, from the buffer: no read-back
-            s.received_sha[(fi, off)] = hashlib.sha256(data).hexdigest()
-        _pwrite_all(s.fds[fi], data, off)
+        if s.hash_as_received:
+            s.received_sha[(fi, off)] = sha
         return True

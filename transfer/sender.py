@@ -171,7 +171,9 @@ class _SendState:
 
     def fail(self, error: TransferError) -> None:
         with self.cond:
-            if self.error is None:
+            # The first error, unless the receiver later says why on purpose (a full disk):
+            # that, not the broken streams it caused, is what the user needs to read.
+            if self.error is None or (isinstance(error, wire.PeerError) and not isinstance(self.error, wire.PeerError)):
                 self.error = error
             self.cond.notify_all()
 
@@ -284,6 +286,11 @@ class _Control:
                 if kind is not Kind.DONE:
                     raise TransferError(f"the receiver sent {kind.name} on the control stream")
                 self.reply = bytes(body)
+                self.ended.set()
+                return
+            except wire.PeerError as e:  # the receiver gave up, and says why
+                self.error = e
+                self.state.fail(e)
                 self.ended.set()
                 return
             except TransferError as e:
@@ -459,8 +466,9 @@ class Sender:
                     self._pump(ch, state, files, codec, cctx, inflight)
                 finally:
                     ch.close()
-            except AuthError as e:
+            except (AuthError, wire.PeerError) as e:  # (the receiver refused on purpose: a full disk)
                 state.fail(e)
+                return
             except (OSError, zstandard.ZstdError, MemoryError) as e:  # our side broke: stop, do not hang the others
                 state.fail(TransferError(f"stream {stream} failed on this side: {e}"))
                 return

@@ -27,6 +27,13 @@ class TcpChannel(Channel):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, BUFFER)
+        # A peer that vanished (its node lost, no FIN, no RST) is noticed within ``timeout``
+        # even on a stream that waits for good (the control stream, for the trailer): its
+        # kernel stops answering keepalives.  A live peer's kernel answers however idle it is.
+        secs = max(1, int(timeout // 3))
+        for opt, value in ((socket.TCP_KEEPIDLE, secs), (socket.TCP_KEEPINTVL, secs), (socket.TCP_KEEPCNT, 2)):
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self.sock = sock
         self._scratch = bytearray()
         self.peer = "{}:{}".format(*sock.getpeername()[:2])

@@ -8,7 +8,8 @@ carries frames.  Integers are little-endian.
     CHALLENGE  ::= NONCE_S:16B
     PROOF_C    ::= HMAC-SHA256(secret, "client" SESSION STREAM NONCE_S NONCE_C)
     PROOF_S    ::= FRAME(WELCOME, HMAC-SHA256(secret, "server" SESSION STREAM NONCE_C NONCE_S)) | FRAME(ERROR)
-    CONTROL    ::= HEADER HAVE ( TRAILER DONE | ERROR )   (ROLE 0: one per transfer; ERROR: the sender gave up)
+    CONTROL    ::= HEADER HAVE ( TRAILER DONE | ERROR )   (ROLE 0: one per transfer; ERROR: the sender gave up,
+                                                     or the receiver cannot go on, as with a full disk)
     DATA       ::= HAVE { CHUNK ACK }                (ROLE 1: STREAM 1..N, in parallel)
     FRAME      ::= KIND:u8 CODEC:u8 0:u16 LENGTH:u32 BODY[LENGTH]
     HEADER     ::= LEN:u32 JSON{snapshot_id, chunk_size, files: [[PATH, SIZE]], manifest_sha256} MAC:32B

@@ -474,17 +474,24 @@ def test_followed_bytes_changed_after_sending_are_caught(tcp: Transport, tmp_pat
     assert not (tmp_path / "dst").exists() and not list(tmp_path.glob(".dst.partial-*"))
 
 
-def test_a_full_disk_is_named_and_nothing_is_kept(tmp_path: Path) -> None:
-    """The receiving disk fills up mid-transfer (a 4 MiB tmpfs, an 8 MiB snapshot): the
-    receiver says so in one sentence, keeps nothing, and the sender fails."""
+@pytest.mark.parametrize("followed", [False, True])  # a finished snapshot; one still written (a migration's)
+@pytest.mark.parametrize("chunk_mib", [1, 8])  # CRC-checked chunks, and chunks checked by the manifest's SHA-256
+def test_a_full_disk_is_named_and_nothing_is_kept(tmp_path: Path, chunk_mib: int, followed: bool) -> None:
+    """The receiving disk fills up mid-transfer (a 4 MiB tmpfs, an 8 MiB snapshot): every
+    write's result is checked, the receiver says so in one sentence, keeps nothing, and the
+    sender is told the disk is full (not "connection refused")."""
     small = tmp_path / "small"
     small.mkdir(mode=0o700)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tpagent-test", str(small)], check=True)
     try:
         src = make_snapshot(tmp_path / "src", "random", 8)
         rx = Receiving(TcpTransport(), small / "dst")
-        with pytest.raises(TransferError):
-            _send(TcpTransport(), src, rx.receiver.address)
+        with pytest.raises(TransferError, match="No space left on device"):
+            if followed:
+                _send_followed(TcpTransport(), Writer(src, tmp_path / "followed", piece=4 << 20), rx.receiver.address,
+                               chunk_mib=chunk_mib)  # fmt: skip
+            else:
+                _send(TcpTransport(), src, rx.receiver.address, chunk_size=chunk_mib << 20)
         result = rx.join()
         assert isinstance(result, TransferError) and "is full" in str(result), result
         assert not list(small.iterdir())  # no partial snapshot left behind

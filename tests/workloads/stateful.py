@@ -12,6 +12,11 @@ Writes to LOG (opened once, kept open):
 --ghost FILE MIB writes MIB MiB of random bytes to FILE, keeps it open and deletes it (a
 deleted-but-open file, as DataLoader workers' shared memory is); ``ghost HEX`` at start and on
 SIGUSR1 is the SHA-256 of what the open file holds.
+--scratch FILE MIB writes MIB MiB of random bytes to FILE and keeps it open (a node-local
+scratch file); ``scratch HEX`` at start and on SIGUSR1 is the SHA-256 of what it holds.
+--shm FILE maps FILE (1 MiB, created with random bytes if missing) shared and closes its fd, as
+shm_open + mmap + close does: only /proc/PID/maps shows it.  Every tick writes the tick number
+into its first 8 bytes; ``shm N HEX`` on SIGUSR1: that number and the SHA-256 of the rest.
 """
 
 import ctypes
@@ -42,6 +47,33 @@ if "--ghost" in sys.argv:
     ghost.write(os.urandom(int(sys.argv[at + 2]) << 20))
     ghost.flush()
     os.unlink(sys.argv[at + 1])
+
+
+scratch = None
+if "--scratch" in sys.argv:
+    at = sys.argv.index("--scratch")
+    # (open for the workload's whole life: a node-local file a migration must take along)
+    scratch = open(sys.argv[at + 1], "w+b")  # noqa: SIM115
+    scratch.write(os.urandom(int(sys.argv[at + 2]) << 20))
+    scratch.flush()
+
+shm = None
+if "--shm" in sys.argv:
+    shm_path = sys.argv[sys.argv.index("--shm") + 1]
+    if not os.path.exists(shm_path):
+        with open(shm_path, "wb") as f:
+            f.write(bytes(8) + os.urandom((1 << 20) - 8))
+    fd = os.open(shm_path, os.O_RDWR)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 4
+    addr = libc.mmap(None, 1 << 20, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    os.close(fd)  # only the mapping is left (Python's own mmap would keep a dup of the fd)
+    shm = (ctypes.c_char * (1 << 20)).from_address(addr)
+
+
+def file_digest(f) -> str:  # type: ignore[no-untyped-def]
+    return hashlib.sha256(os.pread(f.fileno(), os.fstat(f.fileno()).st_size, 0)).hexdigest()
 
 
 def ghost_digest() -> str:
@@ -81,6 +113,10 @@ with open(log_path, "a", buffering=1) as log:
     log.write(f"digest {hashlib.sha256(state).hexdigest()}\n")
     if ghost is not None:
         log.write(f"ghost {ghost_digest()}\n")
+    if scratch is not None:
+        log.write(f"scratch {file_digest(scratch)}\n")
+    if shm is not None:
+        log.write(f"shm {struct.unpack_from('<Q', shm)[0]} {hashlib.sha256(shm[8:]).hexdigest()}\n")
     tick = 0
     while True:
         if verify_requested.is_set():
@@ -88,6 +124,12 @@ with open(log_path, "a", buffering=1) as log:
             log.write(f"verify {hashlib.sha256(state).hexdigest()}\n")
             if ghost is not None:
                 log.write(f"ghost {ghost_digest()}\n")
+            if scratch is not None:
+                log.write(f"scratch {file_digest(scratch)}\n")
+            if shm is not None:
+                log.write(f"shm {struct.unpack_from('<Q', shm)[0]} {hashlib.sha256(shm[8:]).hexdigest()}\n")
+        if shm is not None:
+            struct.pack_into("<Q", shm, 0, tick)
         log.write(f"tick {tick} counter {counter} piped {piped}\n")
         tick += 1
         time.sleep(0.02)

@@ -1,0 +1,59 @@
+"""tpagent.admission.Reservations: a migration is admitted only beside those in flight.
+
+Real directories and the machine's real free space and memory: each case asks for more than
+could fit, or for what fits, and checks what is reserved, counted and said."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import psutil
+
+from tpagent.admission import Reservation, Reservations, on_tmpfs, sized, written
+
+
+def test_offer_entries_are_parsed() -> None:
+    assert sized(["/a/b:10", "/c:d:7", "/x:*", "junk"]) == [("/a/b", 10), ("/c:d", 7), ("/x", 0), ("", 0)]
+
+
+def test_tmpfs_is_known() -> None:
+    assert on_tmpfs(Path("/dev/shm")) and not on_tmpfs(Path("/proc/self"))
+
+
+def test_what_fits_is_reserved_and_said(tmp_path: Path) -> None:
+    live = {"m1"}
+    r = Reservations(tmp_path, 2, lambda mid: mid in live)
+    problems, reservation, words = r.check("B", 1 << 20, [(str(tmp_path / "f"), 3 << 20)])
+    assert problems == [], problems
+    assert reservation.disk >= 4 << 20 and reservation.memory >= 1 << 20
+    assert "B reserves 4 MiB in" in words and "1 carried file(s) of 3 MiB" in words and "0 other" in words
+    r.reserve("m1", reservation)
+    assert "1 other migration(s) in flight" in r.check("B", 1 << 20, [])[2]
+    live.clear()  # its copy was restored (or dropped): its room is free again
+    assert r.in_flight() == {}
+
+
+def test_disk_memory_and_count_are_refused_beside_those_in_flight(tmp_path: Path) -> None:
+    free = shutil.disk_usage(tmp_path).free
+    r = Reservations(tmp_path, 1, lambda mid: True)
+    # Another migration in flight has reserved nearly all the disk and written nothing yet.
+    r.reserve("other", Reservation(free - (8 << 20), 0, tmp_path / "other"))
+    problems, _, _ = r.check("B", 16 << 20, [])
+    assert any("max_incoming" in p for p in problems), problems
+    assert any("work directory" in p and "No space left on device" in p for p in problems), problems
+    too_much = psutil.virtual_memory().total * 2
+    assert any("GiB of memory free" in p for p in r.check("B", too_much, [])[0])
+
+
+def test_what_the_others_wrote_is_not_counted_twice(tmp_path: Path) -> None:
+    free = shutil.disk_usage(tmp_path).free
+    r = Reservations(tmp_path, 0, lambda mid: True)
+    r.reserve("other", Reservation(free - (48 << 20), 0, tmp_path / "other"))
+    assert not r.check("B", 16 << 20, [])[0]
+    (tmp_path / "other").mkdir()
+    with open(tmp_path / "other" / "pages.img", "wb") as f:
+        f.write(os.urandom(1 << 20) * 32)  # written: no longer free, no longer still to come
+    assert written(tmp_path / "other") >= 32 << 20
+    assert not r.check("B", 16 << 20, [])[0]

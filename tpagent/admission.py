@@ -1,0 +1,151 @@
+"""What a target sets aside for each migration it takes: room for the snapshot in its work
+directory, memory for the copy, room for the carried files where they go, a place among the
+migrations it receives at once.
+
+A migration is admitted only if it fits beside those already in flight here: each keeps its
+reservation until its copy is restored (or dropped).  Free space counts what the others have
+already written (their reservation less that), so nothing is counted twice.  A work directory
+on tmpfs holds its snapshots in memory: their bytes are then reserved as memory too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+MiB = 1 << 20
+#: Beyond the process's own bytes: CRIU's metadata, page alignment, the restore's own needs.
+MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class Reservation:
+    disk: int  # bytes of the snapshot in the work directory
+    memory: int  # bytes of the restored copy (and of its snapshot, on tmpfs)
+    #: Where its snapshot goes (and its partial ``.NAME.partial-*`` beside it): the bytes
+    #: already written there are no longer free space, nor still to come.
+    snapshot: Path | None = None
+
+
+def sized(entries: Iterable[str]) -> list[tuple[str, int]]:
+    """ "PATH:SIZE" entries (an offer's files); a malformed one is skipped (the size is then 0)."""
+    out = []
+    for entry in list(entries)[:10_000]:
+        path, _, size = entry.rpartition(":")
+        out.append((path, int(size) if size.isdigit() else 0))
+    return out
+
+
+def on_tmpfs(path: Path) -> bool:
+    """Whether ``path`` lies on a tmpfs (its bytes are memory): the mount with the longest
+    mount point that holds it, from /proc/self/mounts."""
+    best, kind = "", ""
+    target = str(path.resolve())
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind == "tmpfs"
+
+
+def existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (where a file to be created will go)."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return p
+    return Path("/")
+
+
+def written(snapshot: Path | None) -> int:
+    """Bytes a snapshot being received (and its partial directories) takes on disk now."""
+    if snapshot is None:
+        return 0
+    total = 0
+    for d in (snapshot, *snapshot.parent.glob(f".{snapshot.name}.partial-*")):
+        for root, _, files in os.walk(d):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
+                except OSError:
+                    continue
+    return total
+
+
+class Reservations:
+    """The reservations of the migrations this node receives; ``live(mid)`` says whether one
+    is still in flight (its copy not yet restored, nor dropped)."""
+
+    def __init__(self, work_dir: Path, limit: int, live: Callable[[str], bool]) -> None:
+        self.work_dir, self.limit, self.live = work_dir, limit, live
+        self.lock = threading.Lock()  # an admission checks and reserves at once
+        self._held: dict[str, Reservation] = {}
+
+    def in_flight(self) -> dict[str, Reservation]:
+        for mid in [m for m in self._held if not self.live(m)]:
+            del self._held[mid]
+        return dict(self._held)
+
+    def reserve(self, mid: str, r: Reservation) -> None:
+        self._held[mid] = r
+
+    def check(self, node: str, memory: int, carried: list[tuple[str, int]]) -> tuple[list[str], Reservation, str]:
+        """What keeps this node from taking a migration whose copy needs ``memory`` bytes and
+        whose snapshot takes ``carried`` files along; the reservation it would hold; and that
+        reservation in words (for a dry run).  Call with :attr:`lock` held, then :meth:`reserve`."""
+        others = self.in_flight()
+        carried_bytes = sum(size for _, size in carried)
+        disk = int((memory + carried_bytes) * (1 + MARGIN))
+        tmpfs = on_tmpfs(existing(self.work_dir))
+        need_memory = int(memory * (1 + MARGIN)) + (disk if tmpfs else 0)
+        still_coming = sum(r.disk - written(r.snapshot) for r in others.values())
+        free = shutil.disk_usage(existing(self.work_dir)).free - max(0, still_coming)
+        available = psutil.virtual_memory().available - sum(r.memory for r in others.values())
+        problems = []
+        if self.limit and len(others) >= self.limit:
+            problems.append(f"{node} is already receiving {len(others)} migration(s), its limit (max_incoming)")
+        if disk > free:
+            problems.append(
+                f"{node}'s work directory {self.work_dir} has {max(0, free) // MiB} MiB free beside the migrations "
+                f"in flight there; this snapshot needs about {disk // MiB} MiB (No space left on device otherwise)"
+            )
+        if need_memory > available:
+            problems.append(
+                f"{node} has {max(0, available) / 2**30:.2f} GiB of memory free beside the migrations in flight "
+                f"there; this process needs about {need_memory / 2**30:.2f} GiB"
+                + (f" (its snapshot too: {self.work_dir} is on tmpfs)" if tmpfs else "")
+            )
+        by_fs: dict[int, tuple[Path, int]] = {}
+        for path, size in carried:
+            at = existing(Path(path).parent)
+            try:
+                dev = at.stat().st_dev
+            except OSError:
+                continue
+            by_fs[dev] = (by_fs.get(dev, (at, 0))[0], by_fs.get(dev, (at, 0))[1] + size)
+        for at, size in by_fs.values():
+            room = shutil.disk_usage(at).free
+            if size > room:
+                problems.append(
+                    f"the files the process takes along need {size // MiB} MiB under {at} on {node}, "
+                    f"which has {room // MiB} MiB free"
+                )
+        words = (
+            f"{node} reserves {disk // MiB} MiB in {self.work_dir} ({max(0, free) // MiB} MiB free) and "
+            f"{need_memory // MiB} MiB of memory ({max(0, available) // MiB} MiB available), for a copy of "
+            f"{memory // MiB} MiB with {len(carried)} carried file(s) of {carried_bytes // MiB} MiB; "
+            f"{len(others)} other migration(s) in flight there"
+        )
+        return problems, Reservation(disk, need_memory), words
