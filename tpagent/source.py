@@ -215,6 +215,8 @@ class SourceMigration:
         except (SnapshotError, psutil.Error) as e:
             raise _Failure(str(e)) from e
         pids = {p.pid for p in tree}
+        for warning in proc.restore_warnings(sorted(pids)):  # (said, not refused: the move still works)
+            self.emit(f"warning: {warning}")
         used = [g for g in gpus.inventory() if pids & set(g.pids)]
         self.record.cuda_pids = sorted(pids & {pid for g in used for pid in g.pids})  # to give back on a restart
         need += sum(g.memory_used for g in used)
