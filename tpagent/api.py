@@ -295,6 +295,9 @@ class Offer:
     gpu_uuids: tuple[str, ...] = ()
     shared_files: tuple[str, ...] = ()  # "PATH:SIZE" of files expected on shared paths
     dry_run: bool = False
+    #: (LOCAL, REMOTE) HOST:PORT of the tree's TCP sockets only the target can judge (their
+    #: address must exist there; a listening one, REMOTE "", needs its port free there).
+    tcp: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ class GrpcPeer(Peer):
         request = pb.ReceiveRequest(migration_id=offer.migration_id, source_node=offer.source_node,
                                     source_agent=offer.source_agent, bytes_estimate=offer.bytes_estimate,
                                     gpu_uuids=list(offer.gpu_uuids), shared_files=list(offer.shared_files),
-                                    dry_run=offer.dry_run)  # fmt: skip
+                                    dry_run=offer.dry_run,
+                                    tcp=[pb.TcpEndpoint(local=a, remote=b) for a, b in offer.tcp])  # fmt: skip
         r = self._call(lambda: self._stub.Receive(request, timeout=timeout))
         return Acceptance(r.transfer_address, dict(r.gpu_map), tuple(r.problems))
 

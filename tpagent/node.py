@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import gpus, proc
+from snapshot import gpus, proc, sockets
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
 from tpagent import __version__, launch
@@ -224,6 +224,7 @@ class Node:
                 continue
             if str(have) != size:
                 problems.append(f"{path} is {have} bytes on {node} but {size} on the source")
+        problems += sockets.unusable_here(node, list(offer.tcp)[:10_000])
         return problems
 
     def gpu_map(self, uuids: list[str]) -> dict[str, str]:

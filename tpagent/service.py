@@ -85,7 +85,7 @@ class Service(AgentServicer):
     def Receive(self, request: pb.ReceiveRequest, context: grpc.ServicerContext) -> pb.ReceiveReply:
         offer = Offer(str(request.migration_id), str(request.source_node), str(request.source_agent),
                       int(request.bytes_estimate), tuple(request.gpu_uuids), tuple(request.shared_files),
-                      bool(request.dry_run))  # fmt: skip
+                      bool(request.dry_run), tuple((str(t.local), str(t.remote)) for t in request.tcp))  # fmt: skip
         a = _answer(context, lambda: self.node.receive(offer))
         return pb.ReceiveReply(transfer_address=a.transfer_address, gpu_map=dict(a.gpu_map), problems=list(a.problems))
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import gpus, proc
+from snapshot import gpus, proc, sockets
 from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
 from snapshot.held import HeldDump
@@ -218,16 +218,22 @@ class SourceMigration:
         open_files = _open_files(tree)
         shared = tuple(f"{f}:{Path(f).stat().st_size}" for f in sorted(open_files) if self._is_shared(f))
         self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
+        tcp = sockets.tree_tcp(sorted(pids))
+        stay = sockets.left_behind(tcp)  # (what no target can take: known here)
+        if stay and not self.dry_run:
+            raise _Failure("; ".join(stay))
         cfg, t = self.ctx.cfg, self.ctx.timeouts
         offer = Offer(
-            self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared, self.dry_run
-        )
+            self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared, self.dry_run,
+            tuple((sockets.endpoint(*s.local), sockets.endpoint(*s.remote) if not s.listening else "")
+                  for s in sockets.must_check_on_target(tcp)),
+        )  # fmt: skip
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
         try:
             acceptance = target.receive(offer, t.rpc)
         except AgentError as e:
             raise _Failure(f"the target agent {self.target} cannot be used: {e}") from e
-        self.problems = list(acceptance.problems)
+        self.problems = [*stay, *acceptance.problems]
         if self.dry_run:
             try:
                 versions = target.versions(t.rpc)
