@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -31,6 +32,8 @@ from tpagent.api import (
     Refused,
     Restored,
     Role,
+    SourceState,
+    TargetState,
     Why,
 )
 from tpagent.context import Context
@@ -255,6 +258,34 @@ class Node:
             assert r is not None
             finish_held(self.ctx, r, commit, why)
             return r
+
+    # ---- what an operator watches (metrics) ------------------------------------------------
+
+    def frozen_seconds(self) -> float:
+        """How long the longest-frozen original this node holds for a migration has been frozen
+        (0: none).  Past CHECKING and until a final state, a source's original is frozen."""
+        since = [self._frozen_since(r) for r in self.journal.unfinished()
+                 if r.role is Role.SOURCE and r.state is not SourceState.CHECKING]  # fmt: skip
+        return max((time.time() - t for t in since if t), default=0.0)
+
+    def _frozen_since(self, r: Record) -> float:
+        m = self.sources.get(r.migration_id)
+        if m is not None and m.freeze_t0:
+            return time.time() - (time.monotonic() - m.freeze_t0)
+        # An earlier run of the agent froze it: counted from when its snapshot was sealed.
+        return self.ctx.held.attach(Path(r.snapshot)).sealed_at() or 0.0
+
+    def unresolved(self) -> int:
+        """Unfinished migrations that wait on the peer: as source, those no migrate call drives
+        any more (a resolver asks the target); as target, held copies awaiting the source's word."""
+        n = 0
+        for r in self.journal.unfinished():
+            if r.role is Role.TARGET:
+                n += r.state is TargetState.READY
+            else:
+                m = self.sources.get(r.migration_id)
+                n += m is None or m.result is not None
+        return n
 
     # ---- restart -------------------------------------------------------------------------
 
