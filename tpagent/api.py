@@ -173,6 +173,7 @@ class NodeInfo:
     criu_version: str
     driver_version: str
     problems: tuple[str, ...]
+    clock: float = 0.0  # the agent's wall clock when it answered (Unix seconds; 0: not said)
 
 
 @dataclass(frozen=True)
@@ -307,6 +308,7 @@ class Acceptance:
     transfer_address: str = ""
     gpu_map: Mapping[str, str] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
+    clock: float = 0.0  # the target's wall clock when it answered (Unix seconds; 0: not said)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ class GrpcPeer(Peer):
                                     dry_run=offer.dry_run,
                                     tcp=[pb.TcpEndpoint(local=a, remote=b) for a, b in offer.tcp])  # fmt: skip
         r = self._call(lambda: self._stub.Receive(request, timeout=timeout))
-        return Acceptance(r.transfer_address, dict(r.gpu_map), tuple(r.problems))
+        return Acceptance(r.transfer_address, dict(r.gpu_map), tuple(r.problems), float(r.clock))
 
     def restore(self, migration_id: str, timeout: float) -> Restored:
         r = self._call(lambda: self._stub.Restore(pb.RestoreRequest(migration_id=migration_id), timeout=timeout))

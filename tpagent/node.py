@@ -20,7 +20,7 @@ import psutil
 from snapshot import gpus, proc, sockets
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
-from tpagent import __version__, launch
+from tpagent import __version__, clock, launch
 from tpagent.api import (
     Acceptance,
     GpuInfo,
@@ -79,7 +79,8 @@ class Node:
             for g in gpus.inventory()
         )
         return NodeInfo(self.cfg.node, socket.gethostname(), gpu_list, psutil.virtual_memory().available,
-                        __version__, criu_version, gpus.driver_version() or "", tuple(problems))  # fmt: skip
+                        __version__, criu_version, gpus.driver_version() or "", tuple(problems),
+                        clock.now())  # fmt: skip
 
     def migratable(self) -> list[ProcessInfo]:
         out = []
@@ -182,7 +183,7 @@ class Node:
             raise Refused(f"{node} is the source of this migration; give another node as the target", Why.INVALID)
         problems = self.problems(offer)
         if problems or offer.dry_run:
-            return Acceptance(problems=tuple(problems))
+            return Acceptance(problems=tuple(problems), clock=clock.now())
         if self.closed:
             raise Refused(f"the agent on {node} is shutting down", Why.PRECONDITION)
         with self.lock:
@@ -196,7 +197,7 @@ class Node:
                 raise Refused(f"{node} cannot receive: {e}", Why.PRECONDITION) from e
             inc.gpu_map = self.gpu_map(list(offer.gpu_uuids))
             self.receivers[mid] = inc
-        return Acceptance(inc.address, dict(inc.gpu_map))
+        return Acceptance(inc.address, dict(inc.gpu_map), clock=clock.now())
 
     def problems(self, offer: Offer) -> list[str]:
         """What would keep this node from taking the migration (empty: nothing)."""

@@ -24,7 +24,7 @@ from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
 from snapshot.held import HeldDump
 from snapshot.safefs import private_dir
-from tpagent import __version__, metrics
+from tpagent import __version__, clock, metrics
 from tpagent.api import (
     Acceptance,
     AgentError,
@@ -229,11 +229,21 @@ class SourceMigration:
                   for s in sockets.must_check_on_target(tcp)),
         )  # fmt: skip
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
+        asked = clock.now()
         try:
             acceptance = target.receive(offer, t.rpc)
         except AgentError as e:
             raise _Failure(f"the target agent {self.target} cannot be used: {e}") from e
         self.problems = [*stay, *acceptance.problems]
+        skew = acceptance.clock - (asked + clock.now()) / 2 if acceptance.clock else 0.0
+        if abs(skew) > clock.START_LIMIT:  # (a step later on is survived: tpagent/clock.py)
+            apart = (
+                f"the clock of {self.target} is {clock.apart(skew)} this node's, more than the "
+                f"{clock.START_LIMIT:.0f} s a migration starts with: keep the nodes' clocks in sync (NTP)"
+            )
+            if not self.dry_run:
+                raise _Failure(apart)
+            self.problems.append(apart)
         if self.dry_run:
             try:
                 versions = target.versions(t.rpc)
