@@ -18,14 +18,14 @@ A listening socket needs its port free on the target.
 
 from __future__ import annotations
 
-import errno
 import ipaddress
 import os
-import socket
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 _LISTEN = "0A"
 _TIME_WAIT = "06"
@@ -155,18 +155,20 @@ def must_check_on_target(sockets: list[TcpSocket]) -> list[TcpSocket]:
 
 
 def address_exists(host: str) -> bool:
-    """Whether this node has ``host`` (a socket can be bound to it here, as CRIU's restore does)."""
+    """Whether this node has ``host``: loopback, or an address of one of its interfaces (in
+    this process's network namespace, where the agent restores)."""
     ip = ipaddress.ip_address(host)
     if ip.is_loopback or ip.is_unspecified:
         return True
-    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, 0))
-        except OSError as e:
-            if e.errno == errno.EADDRNOTAVAIL:
-                return False
-            raise
-    return True
+    ours = (a.address.partition("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs)
+    return any(_same(ip, a) for a in ours)
+
+
+def _same(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text) == ip
+    except ValueError:  # (a MAC address: AF_PACKET)
+        return False
 
 
 def listener_on(host: str, port: int) -> str | None:
