@@ -31,14 +31,17 @@ def test_both_ends_in_the_tree_stay_together_and_a_loopback_peer_outside_is_name
         accepted, _ = server.accept()
         lone = socket.create_connection(("127.0.0.1", outside))
         try:
-            held = sockets.tree_tcp([os.getpid()])
-            mine = {s.name for s in held}
-            port = server.getsockname()[1]
-            assert f"127.0.0.1:{port} (listening)" in mine
-            assert f"127.0.0.1:{client.getsockname()[1]} -> 127.0.0.1:{port}" in mine
-            assert f"127.0.0.1:{port} -> 127.0.0.1:{client.getsockname()[1]}" in mine
+            port, near, far = server.getsockname()[1], client.getsockname()[1], lone.getsockname()[1]
+            # (only this test's sockets: earlier tests of the session may have left theirs open)
+            held = [s for s in sockets.tree_tcp([os.getpid()]) if {s.local[1], s.remote[1]} & {port, near, far}]
+            assert sorted(s.name for s in held) == sorted([
+                f"127.0.0.1:{port} (listening)",
+                f"127.0.0.1:{near} -> 127.0.0.1:{port}",
+                f"127.0.0.1:{port} -> 127.0.0.1:{near}",
+                f"127.0.0.1:{far} -> 127.0.0.1:{outside}",
+            ])  # fmt: skip
             behind = sockets.left_behind(held)
-            assert len(behind) == 1 and f"127.0.0.1:{lone.getsockname()[1]} -> 127.0.0.1:{outside}" in behind[0]
+            assert len(behind) == 1 and f"127.0.0.1:{far} -> 127.0.0.1:{outside}" in behind[0]
             # loopback connections need nothing of the target; the listener needs its port free there
             assert [s.name for s in sockets.must_check_on_target(held)] == [f"127.0.0.1:{port} (listening)"]
             taken = sockets.unusable_here("node-b", [(f"0.0.0.0:{port}", "")])  # (here: this machine)
