@@ -274,15 +274,26 @@ def resolve(
 def node(
     agent: AgentOpt = "127.0.0.1:7400", secret_file: SecretOpt = None, tls_dir: TlsDirOpt = DEFAULT_TLS_DIR
 ) -> None:
-    """An agent's node: versions, health, GPUs, free memory, and its migratable processes."""
+    """An agent's node: versions, health, GPUs, free memory, its clock's offset from this
+    machine's, and its migratable processes."""
+    from tpagent import clock
     from tpagent.rpc import pb
 
+    asked = clock.now()
     info = _call(agent, secret_file, tls_dir, "Info", pb.Empty())
+    offset = info.clock - (asked + clock.now()) / 2 if info.clock else None
+    if offset is not None and abs(offset) > clock.START_LIMIT:
+        typer.echo(
+            f"tpagent: warning: the clock of the agent at {agent} is {clock.apart(offset)} this machine's; "
+            f"migrations start only between nodes within {clock.START_LIMIT:.0f} s (use NTP)",
+            err=True,
+        )
     procs = _call(agent, secret_file, tls_dir, "ListProcesses", pb.Empty())
     doc = {
         "node": info.node, "hostname": info.hostname, "healthy": info.healthy, "problems": list(info.problems),
         "agent_version": info.agent_version, "criu_version": info.criu_version, "driver_version": info.driver_version,
         "memory_available": info.memory_available,
+        "clock_offset_seconds": None if offset is None else round(offset, 3),  # its clock minus this machine's
         "gpus": [{"uuid": g.uuid, "name": g.name, "memory_used": g.memory_used, "memory_total": g.memory_total}
                  for g in info.gpus],
         "migratable": [{"pid": p.pid, "why": p.why, "uid": p.uid, "owner": p.owner, "rss": p.rss,

@@ -78,6 +78,13 @@ class HeldDump:
         """Whether the snapshot is complete on disk and the hook holds the frozen tree."""
         return (self.log_dir / hook.HELD_FILE).exists()
 
+    def sealed_at(self) -> float | None:
+        """When the snapshot was sealed (the tree frozen and held since), in Unix seconds; None if not."""
+        try:
+            return (self.log_dir / hook.HELD_FILE).stat().st_mtime
+        except OSError:
+            return None
+
     def pin(self, timeout: float = 30.0) -> bool:
         """From now on only a decision ends the hold (a copy may start elsewhere).  True once
         the hook has seen it; False if CRIU let the tree go first: then no copy may start."""

@@ -206,6 +206,7 @@ class NodeInfo:
     criu_version: str
     driver_version: str
     problems: tuple[str, ...]
+    clock: float = 0.0  # the agent's wall clock when it answered (Unix seconds; 0: not said)
 
 
 @dataclass(frozen=True)
@@ -331,6 +332,9 @@ class Offer:
     shared_files: tuple[str, ...] = ()  # "PATH:SIZE" (or "PATH:*": it grows) of files expected on shared paths
     dry_run: bool = False
     carried_files: tuple[str, ...] = ()  # "PATH:SIZE" of the node-local files the snapshot takes along
+    #: (LOCAL, REMOTE) HOST:PORT of the tree's TCP sockets only the target can judge (their
+    #: address must exist there; a listening one, REMOTE "", needs its port free there).
+    tcp: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -341,6 +345,7 @@ class Acceptance:
     gpu_map: Mapping[str, str] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     reserved: str = ""  # what the target sets aside for it (work dir, memory), in words
+    clock: float = 0.0  # the target's wall clock when it answered (Unix seconds; 0: not said)
 
 
 @dataclass(frozen=True)

@@ -54,9 +54,11 @@ class GrpcPeer(Peer):
         request = pb.ReceiveRequest(migration_id=offer.migration_id, source_node=offer.source_node,
                                     source_agent=offer.source_agent, bytes_estimate=offer.bytes_estimate,
                                     gpu_uuids=list(offer.gpu_uuids), shared_files=list(offer.shared_files),
-                                    dry_run=offer.dry_run, carried_files=list(offer.carried_files))  # fmt: skip
+                                    dry_run=offer.dry_run, carried_files=list(offer.carried_files),
+                                    tcp=[pb.TcpEndpoint(local=a, remote=b) for a, b in offer.tcp])  # fmt: skip
         r = self._call(lambda: self._stub.Receive(request, timeout=timeout))
-        return Acceptance(r.transfer_address, dict(r.gpu_map), tuple(r.problems), r.reserved)
+        return Acceptance(r.transfer_address, dict(r.gpu_map), tuple(r.problems), reserved=r.reserved,
+                          clock=float(r.clock))  # fmt: skip
 
     def restore(self, migration_id: str, timeout: float) -> Restored:
         r = self._call(lambda: self._stub.Restore(pb.RestoreRequest(migration_id=migration_id), timeout=timeout))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import importlib.metadata
 import os
@@ -14,6 +15,7 @@ from pathlib import Path
 from snapshot import gpus
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
+from tpagent import clock
 
 
 class Verdict(str, enum.Enum):
@@ -84,9 +86,30 @@ def _gpu() -> list[Check]:
     return out
 
 
+#: adjtimex(2)'s answer when the kernel's clock is not kept in sync (no NTP daemon disciplines it).
+_TIME_ERROR = 5
+
+
+def _clock() -> Check:
+    """Whether something (chrony, ntpd, systemd-timesyncd) keeps the clock in sync: the agents
+    of two nodes refuse to start a migration between clocks far apart (tpagent/clock.py)."""
+    timex = ctypes.create_string_buffer(512)  # (struct timex, modes 0: only read)
+    state = ctypes.CDLL(None, use_errno=True).adjtimex(timex)
+    if state == _TIME_ERROR:
+        why = (
+            "the clock is not kept in sync (no NTP): migrations start only between nodes whose clocks are "
+            f"within {clock.START_LIMIT:.0f} s; run chrony or systemd-timesyncd"
+        )
+        return Check("clock", Verdict.WARN, why)
+    if state < 0:
+        return Check("clock", Verdict.WARN, f"cannot read the clock's sync state: {os.strerror(ctypes.get_errno())}")
+    return Check("clock", Verdict.OK, "the clock is kept in sync (NTP)")
+
+
 def run_checks(criu_path: Path | None = None) -> list[Check]:
     steps: list[Callable[[], list[Check]]] = [
         lambda: [_root()],
+        lambda: [_clock()],
         lambda: _criu(criu_path),
         _kernel,
         _gpu,

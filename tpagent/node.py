@@ -12,15 +12,16 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import psutil
 
-from snapshot import gpus, proc
+from snapshot import gpus, proc, sockets
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
-from tpagent import __version__, launch, target
+from tpagent import __version__, clock, launch, target
 from tpagent.admission import Reservations, sized
 from tpagent.api import (
     Acceptance,
@@ -33,6 +34,7 @@ from tpagent.api import (
     Refused,
     Restored,
     Role,
+    SourceState,
     TargetState,
     Why,
     is_final,
@@ -83,7 +85,8 @@ class Node:
             for g in gpus.inventory()
         )
         return NodeInfo(self.cfg.node, socket.gethostname(), gpu_list, psutil.virtual_memory().available,
-                        __version__, criu_version, gpus.driver_version() or "", tuple(problems))  # fmt: skip
+                        __version__, criu_version, gpus.driver_version() or "", tuple(problems),
+                        clock.now())  # fmt: skip
 
     def migratable(self) -> list[ProcessInfo]:
         out = []
@@ -221,7 +224,7 @@ class Node:
             )
             problems += more
             if problems or offer.dry_run:
-                return Acceptance(problems=tuple(problems), reserved=reserved)
+                return Acceptance(problems=tuple(problems), reserved=reserved, clock=clock.now())
             if self.closed:
                 raise Refused(f"the agent on {node} is shutting down", Why.PRECONDITION)
             with self.lock:
@@ -236,7 +239,7 @@ class Node:
                 inc.gpu_map = self.gpu_map(list(offer.gpu_uuids))
                 self.receivers[mid] = inc
             self.reservations.reserve(mid, replace(reservation, snapshot=inc.dir))
-        return Acceptance(inc.address, dict(inc.gpu_map), reserved=reserved)
+        return Acceptance(inc.address, dict(inc.gpu_map), reserved=reserved, clock=clock.now())
 
     def _receiving(self, mid: str) -> bool:
         """Whether migration ``mid`` still holds its reservation here: received or being
@@ -273,6 +276,7 @@ class Node:
             # CRIU holds it against the size at the freeze when it restores)
             if size != "*" and str(have) != size:
                 problems.append(f"{path} is {have} bytes on {node} but {size} on the source")
+        problems += sockets.unusable_here(node, list(offer.tcp)[:10_000])
         return problems
 
     def gpu_map(self, uuids: list[str]) -> dict[str, str]:
@@ -311,6 +315,34 @@ class Node:
             r = inc.record if inc is not None else self.journal.read(mid)
             if r is not None:
                 settle(self.ctx, r, ran, why)
+
+    # ---- what an operator watches (metrics) ------------------------------------------------
+
+    def frozen_seconds(self) -> float:
+        """How long the longest-frozen original this node holds for a migration has been frozen
+        (0: none).  Past CHECKING and until a final state, a source's original is frozen."""
+        since = [self._frozen_since(r) for r in self.journal.unfinished()
+                 if r.role is Role.SOURCE and r.state is not SourceState.CHECKING]  # fmt: skip
+        return max((time.time() - t for t in since if t), default=0.0)
+
+    def _frozen_since(self, r: Record) -> float:
+        m = self.sources.get(r.migration_id)
+        if m is not None and m.freeze_t0:
+            return time.time() - (time.monotonic() - m.freeze_t0)
+        # An earlier run of the agent froze it: counted from when its snapshot was sealed.
+        return self.ctx.held.attach(Path(r.snapshot)).sealed_at() or 0.0
+
+    def unresolved(self) -> int:
+        """Unfinished migrations that wait on the peer: as source, those no migrate call drives
+        any more (a resolver asks the target); as target, held copies awaiting the source's word."""
+        n = 0
+        for r in self.journal.unfinished():
+            if r.role is Role.TARGET:
+                n += r.state is TargetState.READY
+            else:
+                m = self.sources.get(r.migration_id)
+                n += m is None or m.result is not None
+        return n
 
     # ---- restart -------------------------------------------------------------------------
 

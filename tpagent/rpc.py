@@ -18,6 +18,10 @@ so a caller without the secret never holds one of its worker threads (the calls 
 send their request, which once stalled the whole API, are refused at once).  It then refuses
 a TS more than :data:`SKEW` seconds off or older than the agent's own start (a call
 captured before a restart stays dead), and a NONCE seen before; BODY_MAC binds the request.
+A TS refusal names how far off the TS is and carries the agent's clock (``x-tpagent-clock``,
+Unix milliseconds): the caller then signs its calls to that agent on that clock and tries once
+more, so that a clock step between two nodes never stops a migration half-way
+(:mod:`tpagent.clock`).
 Each refusal is logged with the peer and counted.  Only ``grpc.health.v1.Health/Check`` is
 open, and it is answered without reading its request (a probe always gets an answer).
 """
@@ -37,6 +41,7 @@ from typing import Any
 
 import grpc
 
+from tpagent import clock
 from tpagent.api import Why
 from tpagent.credentials import Credentials
 from tpagent.proto import agent_pb2 as pb
@@ -71,8 +76,9 @@ CODES = {
 }
 HEADER = "x-tpagent-auth"
 BODY_HEADER = "x-tpagent-body"
+CLOCK_HEADER = "x-tpagent-clock"
 VERSION = "v2"
-SKEW = 60.0
+SKEW = clock.WINDOW
 MAX_MESSAGE = 16 << 20  # bounded inputs: no call carries more
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 #: Per connection: a client multiplexes at most this many calls on one connection.
@@ -88,9 +94,10 @@ def _body_mac(secret: bytes, call_mac: str, request: Any) -> str:
     return _hmac(secret, "body", call_mac, hashlib.sha256(request.SerializeToString(deterministic=True)).digest())
 
 
-def sign(secret: bytes, method: str, audience: str, request: Any) -> list[tuple[str, str]]:
-    """The metadata that authenticates one call of ``method`` on the agent at ``audience``."""
-    ts, nonce = str(int(time.time() * 1000)), os.urandom(12).hex()
+def sign(secret: bytes, method: str, audience: str, request: Any, offset: float = 0.0) -> list[tuple[str, str]]:
+    """The metadata that authenticates one call of ``method`` on the agent at ``audience``
+    (whose clock is ``offset`` seconds off ours)."""
+    ts, nonce = str(int((clock.now() + offset) * 1000)), os.urandom(12).hex()
     call_mac = _hmac(secret, "call", method, audience, ts, nonce)
     return [(HEADER, f"{VERSION}.{ts}.{nonce}.{call_mac}"), (BODY_HEADER, _body_mac(secret, call_mac, request))]
 
@@ -184,28 +191,33 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self.health = health
         self.refused = refused
         self.replays = _Replays()
-        self.started_ms = int(time.time() * 1000)
+        self.started = time.monotonic()  # (read on the wall clock at each check: a step moves it too)
         self.log_lock, self.last_log, self.unlogged = threading.Lock(), -1.0, 0
         # Refusals run on a pool of their own: they never wait for the busy API pool.
         self.reject_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpc-refuse")
 
-    def _check_call(self, method: str, metadata: dict[str, str]) -> str | None:
+    def _check_call(self, method: str, metadata: dict[str, str]) -> tuple[str, str] | None:
+        """Why the call is refused, and the sentence saying so; None if it is not."""
         parts = str(metadata.get(HEADER, "")).split(".")
         if len(parts) != 4 or parts[0] != VERSION or not parts[1].isdigit():
-            return "no_credentials"
+            return "no_credentials", REASONS["no_credentials"]
         _, ts, nonce, mac = parts
         if not any(hmac.compare_digest(mac, _hmac(self.secret, "call", method, a, ts, nonce)) for a in self.audiences):
-            return "wrong_secret"
-        now = time.time()
-        if abs(now - int(ts) / 1000) > SKEW:
-            return "stale"
-        if int(ts) < self.started_ms:
-            return "before_start"
+            return "wrong_secret", REASONS["wrong_secret"]
+        now = clock.now()
+        off = int(ts) / 1000 - now
+        if abs(off) > SKEW:
+            return "stale", (
+                f"its timestamp is {clock.apart(off)} this agent's clock, outside the {SKEW:.0f} s window: "
+                "the two nodes' clocks are apart (keep them in sync: NTP), or the call is a replay"
+            )
+        if int(ts) < int((now - (time.monotonic() - self.started)) * 1000):  # (the start, on the clock as it reads now)
+            return "before_start", REASONS["before_start"]
         if not self.replays.fresh(nonce, now):
-            return "replay"
+            return "replay", REASONS["replay"]
         return None
 
-    def _refuse(self, method: str, reason: str, context: grpc.ServicerContext) -> None:
+    def _refuse(self, method: str, reason: str, context: grpc.ServicerContext, sentence: str = "") -> None:
         with self.log_lock:  # a flood is counted in full, but logged at most once a second
             now, unlogged = time.monotonic(), self.unlogged
             quiet = now - self.last_log < 1.0
@@ -213,15 +225,17 @@ class AuthInterceptor(grpc.ServerInterceptor):
             self.last_log = self.last_log if quiet else now
         if not quiet:
             more = f" (and {unlogged} more refused calls not logged)" if unlogged else ""
-            log.warning("refused %s from %s: %s%s", method, context.peer(), REASONS[reason], more)
+            log.warning("refused %s from %s: %s%s", method, context.peer(), sentence or REASONS[reason], more)
         self.refused(reason)
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"refused the call: {REASONS[reason]}")
+        if reason in ("stale", "before_start"):  # (the caller then signs on this clock: tpagent/clock.py)
+            context.set_trailing_metadata(((CLOCK_HEADER, str(int(clock.now() * 1000))),))
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"refused the call: {sentence or REASONS[reason]}")
 
-    def _reject(self, method: str, reason: str) -> Any:
+    def _reject(self, method: str, reason: str, sentence: str) -> Any:
         """A handler that refuses at once, never reading the request (which may never come)."""
 
         def reject(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            self._refuse(method, reason, context)
+            self._refuse(method, reason, context, sentence)
 
         return grpc.stream_unary_rpc_method_handler(_on_pool(reject, self.reject_pool))
 
@@ -235,9 +249,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
         method = details.method
         if method == HEALTH_CHECK:
             return self.health.handler()
-        reason = self._check_call(method, dict(details.invocation_metadata or ()))
-        if reason is not None:
-            return self._reject(method, reason)
+        refusal = self._check_call(method, dict(details.invocation_metadata or ()))
+        if refusal is not None:
+            return self._reject(method, *refusal)
         handler = continuation(details)
         if handler is None:
             return None
@@ -257,22 +271,36 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 yield from inner_us(request, context)
 
             return handler._replace(unary_stream=us)
-        return self._reject(method, "streaming")  # default: deny
+        return self._reject(method, "streaming", REASONS["streaming"])  # default: deny
 
 
 class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     def __init__(self, secret: bytes, audience: str) -> None:
         self.secret = secret
         self.audience = audience
+        self.offset = 0.0  # the agent's clock minus ours, once it said so
 
     def _details(self, details: Any, request: Any) -> Any:
-        metadata = [*(details.metadata or []), *sign(self.secret, details.method, self.audience, request)]
+        metadata = [*(details.metadata or []), *sign(self.secret, details.method, self.audience, request, self.offset)]
         return _Details(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
         )
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._details(details, request), request)
+        call = continuation(self._details(details, request), request)
+        if call.code() is grpc.StatusCode.UNAUTHENTICATED and self._learn_clock(call):
+            call = continuation(self._details(details, request), request)  # (the refused call never ran)
+        return call
+
+    def _learn_clock(self, call: Any) -> bool:
+        """Whether the agent refused the call for its timestamp and said what its clock reads."""
+        theirs = str(dict(call.trailing_metadata() or ()).get(CLOCK_HEADER, ""))
+        if not theirs.isdigit():
+            return False
+        self.offset = int(theirs) / 1000 - clock.now()
+        log.warning("the clock of the agent at %s is %s this node's; signing calls to it on its clock "
+                    "(keep the nodes' clocks in sync: NTP)", self.audience, clock.apart(self.offset))  # fmt: skip
+        return True
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._details(details, request), request)

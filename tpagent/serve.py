@@ -7,10 +7,11 @@ authenticated: :mod:`tpagent.rpc`), grpc.health.v1 Check on a plain-text port of
 for probes, and Prometheus metrics.
 
 Shutdown (SIGTERM or SIGINT), as uvicorn does it: health NOT_SERVING and no new migration
-admitted; the running ones get ``shutdown_grace`` seconds to end (a second signal cuts that
-short); then the waiters (a source asking its target, a held copy asking its source) are
-told to stop and the server stops.  Whatever was cut short is in the journal, and the next
-start takes it up from there.
+admitted; every wait on a peer gives up at once (an unresolved migration, frozen original and
+all, is in the journal: it never holds up a stop); the running migrations get
+``shutdown_grace`` seconds to end (a second signal cuts that short); then the waiters (a
+source asking its target, a held copy asking its source) are told to stop and the server
+stops.  Whatever was cut short is in the journal, and the next start takes it up from there.
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         if probes.add_insecure_port(cfg.health_listen) == 0:
             raise UsageError(f"cannot serve health checks on {cfg.health_listen}; is another agent running there?")
     if cfg.metrics_listen:
+        metrics.FROZEN.set_function(node.frozen_seconds)
+        metrics.UNRESOLVED.set_function(node.unresolved)
         host, _, port = cfg.metrics_listen.rpartition(":")
         try:
             start_http_server(int(port), addr=host or "0.0.0.0")
@@ -153,6 +156,7 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
     finally:
         health.serving = False
         node.closed = True  # no new migration, as source or target; the running ones go on
+        ctx.threads.draining.set()  # but none waits on a peer that does not answer: the journal keeps it
         grace = cfg.timeouts.shutdown_grace
         left = ctx.threads.join(grace, "migration", give_up=force)
         if left:

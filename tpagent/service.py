@@ -44,7 +44,7 @@ def info_pb(i: NodeInfo) -> pb.NodeInfo:
                    temperature_c=g.temperature_c, ecc_uncorrected=g.ecc_uncorrected) for g in i.gpus]  # fmt: skip
     return pb.NodeInfo(node=i.node, hostname=i.hostname, gpus=gpus, memory_available=i.memory_available,
                        agent_version=i.agent_version, criu_version=i.criu_version, driver_version=i.driver_version,
-                       healthy=not i.problems, problems=list(i.problems))  # fmt: skip
+                       healthy=not i.problems, problems=list(i.problems), clock=i.clock)  # fmt: skip
 
 
 class Service(AgentServicer):
@@ -88,10 +88,11 @@ class Service(AgentServicer):
     def Receive(self, request: pb.ReceiveRequest, context: grpc.ServicerContext) -> pb.ReceiveReply:
         offer = Offer(str(request.migration_id), str(request.source_node), str(request.source_agent),
                       int(request.bytes_estimate), tuple(request.gpu_uuids), tuple(request.shared_files),
-                      bool(request.dry_run), tuple(request.carried_files))  # fmt: skip
+                      bool(request.dry_run), tuple(request.carried_files),
+                      tuple((str(t.local), str(t.remote)) for t in request.tcp))  # fmt: skip
         a = _answer(context, lambda: self.node.receive(offer))
         return pb.ReceiveReply(transfer_address=a.transfer_address, gpu_map=dict(a.gpu_map), problems=list(a.problems),
-                               reserved=a.reserved)  # fmt: skip
+                               reserved=a.reserved, clock=a.clock)  # fmt: skip
 
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreReply:
         r = _answer(context, lambda: self.node.restore(request.migration_id))

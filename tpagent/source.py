@@ -20,12 +20,12 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import gpus, proc, safefs
+from snapshot import gpus, proc, safefs, sockets
 from snapshot.api import SnapshotConfig, SnapshotError, UsageError
 from snapshot.criu import Criu
 from snapshot.held import HeldDump
 from snapshot.safefs import private_dir
-from tpagent import __version__, metrics
+from tpagent import __version__, clock, metrics
 from tpagent.api import (
     Acceptance,
     AgentError,
@@ -226,19 +226,35 @@ class SourceMigration:
         self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
         carried = tuple(f"{f}:{_size(str(f))}" for f in self.carry)
         uncarriable = _uncarriable(self.carry)  # refused now, in a sentence, not by the hook once frozen
-        if uncarriable and not self.dry_run:
-            raise _Failure("; ".join(uncarriable))
+        tcp = sockets.tree_tcp(sorted(pids))
+        stay = sockets.left_behind(tcp)  # (what no target can take: known here)
+        if (uncarriable or stay) and not self.dry_run:
+            raise _Failure("; ".join([*uncarriable, *stay]))
         cfg, t = self.ctx.cfg, self.ctx.timeouts
-        offer = Offer(self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared,
-                      self.dry_run, carried)  # fmt: skip
+        offer = Offer(
+            self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared, self.dry_run,
+            carried,
+            tuple((sockets.endpoint(*s.local), sockets.endpoint(*s.remote) if not s.listening else "")
+                  for s in sockets.must_check_on_target(tcp)),
+        )  # fmt: skip
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
+        asked = clock.now()
         try:
             acceptance = target.receive(offer, t.rpc)
         except AgentError as e:
             raise _Failure(f"the target agent {self.target} cannot be used: {e}") from e
-        self.problems = [*uncarriable, *acceptance.problems]
+        self.problems = [*uncarriable, *stay, *acceptance.problems]
         if self.dry_run and acceptance.reserved:
             self.emit(acceptance.reserved)
+        skew = acceptance.clock - (asked + clock.now()) / 2 if acceptance.clock else 0.0
+        if abs(skew) > clock.START_LIMIT:  # (a step later on is survived: tpagent/clock.py)
+            apart = (
+                f"the clock of {self.target} is {clock.apart(skew)} this node's, more than the "
+                f"{clock.START_LIMIT:.0f} s a migration starts with: keep the nodes' clocks in sync (NTP)"
+            )
+            if not self.dry_run:
+                raise _Failure(apart)
+            self.problems.append(apart)
         if self.dry_run:
             try:
                 versions = target.versions(t.rpc)

@@ -1,6 +1,12 @@
 """The agent's background threads, owned: each is named and tracked, and ``serve`` joins
 them at shutdown (migrations first, up to a deadline; then the waiters, which stop at once
-when asked: what they wait for is in the journal, and the next run takes it up)."""
+when asked: what they wait for is in the journal, and the next run takes it up).
+
+Shutdown begins with ``draining``: from then on every wait on a peer (:meth:`Threads.sleep`)
+gives up at once, in a running migration too (a source waiting for a target that does not
+answer hands the migration to the journal), so that an unresolved migration never holds up a
+SIGTERM; the migrations' own work (a dump, a transfer) goes on up to the deadline.  It ends
+with ``stopping``: the running migrations roll back what they still can, the waiters return."""
 
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ log = logging.getLogger(__name__)
 
 class Threads:
     def __init__(self) -> None:
-        #: Set at shutdown: waiters (:meth:`sleep`) return at once.
+        #: Set when shutdown begins: a wait on a peer (:meth:`sleep`) gives up at once.
+        self.draining = threading.Event()
+        #: Set once the running migrations had their time: waiters return at once, migrations stop.
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._running: dict[threading.Thread, str] = {}  # thread -> kind
@@ -41,8 +49,15 @@ class Threads:
         return t
 
     def sleep(self, seconds: float) -> bool:
-        """Wait ``seconds``; True if the agent is stopping (the caller returns)."""
-        return self.stopping.wait(seconds)
+        """Wait ``seconds``; True once the agent shuts down (the caller returns: what it waits
+        for is journaled, and the next run takes it up)."""
+        deadline = time.monotonic() + seconds
+        while not self.stopping.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if self.draining.is_set():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+        return True
 
     def running(self, kind: str | None = None) -> list[str]:
         with self._lock:

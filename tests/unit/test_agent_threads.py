@@ -37,3 +37,12 @@ def test_a_thread_that_fails_is_logged_and_forgotten() -> None:
 
     threads.spawn("waiter", "boom", boom)
     assert threads.join(5) == []
+
+
+def test_shutdown_ends_every_wait_on_a_peer_at_once_even_in_a_running_migration() -> None:
+    threads = Threads()
+    assert threads.sleep(0.05) is False  # (nothing asked: it waits its time)
+    threads.spawn("migration", "migrate-1", lambda: threads.sleep(600))  # (a source asking a silent target)
+    threads.spawn("waiter", "resolve-1", lambda: threads.sleep(600))
+    threads.draining.set()  # SIGTERM: the grace for the migrations' own work begins
+    assert threads.join(5) == []  # neither waited for its peer any longer

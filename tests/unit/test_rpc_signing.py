@@ -37,6 +37,10 @@ class Context:
 
     def __init__(self, metadata: Sequence[tuple[str, str]]) -> None:
         self.metadata = tuple(metadata)
+        self.trailing: tuple[tuple[str, str], ...] = ()
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing = metadata
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self.metadata
@@ -54,6 +58,7 @@ class Server:
     def __init__(self) -> None:
         self.health = rpc.Health()
         self.refusals: list[str] = []
+        self.trailing: dict[str, str] = {}
         self.interceptor = rpc.AuthInterceptor(SECRET, {"Node-A"}, self.health, refused=self.refusals.append)
 
     def call(self, method: str, metadata: Sequence[tuple[str, str]], request: Any, streaming: bool = False) -> Any:
@@ -76,6 +81,7 @@ class Server:
         except Aborted as e:
             code, words = e.args
             assert code is grpc.StatusCode.UNAUTHENTICATED
+            self.trailing = dict(context.trailing)
             return words
 
 
@@ -144,9 +150,59 @@ def test_a_call_signed_too_long_ago_or_before_the_server_started_is_refused(monk
         m.setattr(time, "time", lambda: now - 5)
         earlier = rpc.sign(SECRET, STATUS, "node-a", request)
     server = Server()
-    assert server.call(STATUS, stale, request) == f"refused the call: {rpc.REASONS['stale']}"
+    answer = server.call(STATUS, stale, request)
+    assert answer.startswith("refused the call: its timestamp is 65.") and "s behind this agent's clock" in answer
+    assert abs(int(server.trailing[rpc.CLOCK_HEADER]) / 1000 - time.time()) < 5  # (the caller may sign on it)
     assert server.call(STATUS, earlier, request) == f"refused the call: {rpc.REASONS['before_start']}"
     assert server.refusals == ["stale", "before_start"]
+
+
+class _Outcome:
+    """What a blocking unary call's continuation returns (grpc.Call): its code and trailing metadata."""
+
+    def __init__(self, code: grpc.StatusCode, trailing: tuple[tuple[str, str], ...] = ()) -> None:
+        self._code, self._trailing = code, trailing
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailing
+
+
+@pytest.mark.parametrize("ahead", [+600.0, -600.0])
+def test_a_caller_refused_for_its_clock_signs_on_the_agents_clock_and_tries_once_more(ahead: float) -> None:
+    """A clock step between two nodes past the window: the first call is refused (it never ran),
+    the agent's clock comes with the refusal, and that call and the later ones are signed on it."""
+    server_clock = time.time() + ahead
+    signed_at: list[float] = []
+
+    def continuation(details: Any, request: Any) -> _Outcome:
+        ts = int(dict(details.metadata)[rpc.HEADER].split(".")[1]) / 1000
+        signed_at.append(ts)
+        if abs(ts - server_clock) > rpc.SKEW:
+            return _Outcome(grpc.StatusCode.UNAUTHENTICATED, ((rpc.CLOCK_HEADER, str(int(server_clock * 1000))),))
+        return _Outcome(grpc.StatusCode.OK)
+
+    auth = rpc._ClientAuth(SECRET, "node-a")
+    details = rpc._Details(STATUS, 5.0, [], None, None, None)
+    assert auth.intercept_unary_unary(continuation, details, _ref()).code() is grpc.StatusCode.OK
+    assert auth.intercept_unary_unary(continuation, details, _ref()).code() is grpc.StatusCode.OK
+    assert len(signed_at) == 3  # refused once, then answered twice
+    assert abs(signed_at[1] - server_clock) < 5 and abs(signed_at[2] - server_clock) < 5
+
+
+def test_a_refusal_without_the_agents_clock_is_not_tried_again() -> None:
+    calls: list[object] = []
+
+    def continuation(details: Any, request: Any) -> _Outcome:
+        calls.append(details)
+        return _Outcome(grpc.StatusCode.UNAUTHENTICATED)  # (a wrong secret: no clock comes with it)
+
+    auth = rpc._ClientAuth(SECRET, "node-a")
+    details = rpc._Details(STATUS, 5.0, [], None, None, None)
+    assert auth.intercept_unary_unary(continuation, details, _ref()).code() is grpc.StatusCode.UNAUTHENTICATED
+    assert len(calls) == 1 and auth.offset == 0.0
 
 
 def test_a_streaming_method_is_refused_even_when_signed(server: Server) -> None:

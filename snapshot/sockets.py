@@ -1,0 +1,215 @@
+"""The TCP sockets of a process tree, and which of them cannot be restored on another node.
+
+Read from the tree's own network namespace (``/proc/PID/net/tcp{,6}``, not the reader's) and
+matched to the tree by socket inode (``/proc/PID/fd/*`` -> ``socket:[INODE]``)::
+
+    TABLE ::= HEADER "\\n" { LINE "\\n" }
+    LINE  ::= SL ":" LOCAL REMOTE STATE QUEUES TIMER RETRANSMIT UID TIMEOUT INODE ...
+    LOCAL, REMOTE ::= ADDR_HEX ":" PORT_HEX    ADDR_HEX: 8 (v4) or 32 (v6) hex digits, each
+                                               32-bit word in host byte order
+    STATE ::= 2 HEX                            01 ESTABLISHED, 0A LISTEN, ...
+
+CRIU restores a TCP connection on another node by binding it to its old local address and
+putting its sequence numbers back (TCP repair): the address must exist there, and the peer
+must still be reachable.  Both ends of a connection inside the tree move together; a peer on
+the source's loopback outside the tree stays behind (the copy's connection is then reset).
+A listening socket needs its port free on the target.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+_LISTEN = "0A"
+_TIME_WAIT = "06"
+
+
+@dataclass(frozen=True)
+class TcpSocket:
+    """One TCP socket of the tree: ``remote`` is ("", 0) for a listening one."""
+
+    local: tuple[str, int]
+    remote: tuple[str, int]
+    listening: bool
+    pid: int
+
+    @property
+    def name(self) -> str:
+        """How a message names it: ``LOCAL -> REMOTE``, or ``LOCAL (listening)``."""
+        if self.listening:
+            return f"{endpoint(*self.local)} (listening)"
+        return f"{endpoint(*self.local)} -> {endpoint(*self.remote)}"
+
+
+def endpoint(host: str, port: int) -> str:
+    """HOST:PORT, [V6]:PORT."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """The (host, port) of HOST:PORT or [V6]:PORT; ValueError if it is neither."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    ipaddress.ip_address(host)  # (ValueError: not an address)
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def _address(hex_addr: str) -> str:
+    words = [int(hex_addr[i : i + 8], 16) for i in range(0, len(hex_addr), 8)]
+    raw = b"".join(struct.pack("=I", w) for w in words)
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)  # (a v6 socket's view of a v4 peer: compared as v4)
+    return str(ip)
+
+
+def _table(pid: int | str) -> list[tuple[tuple[str, int], tuple[str, int], str, int]]:
+    """(local, remote, state, inode) of every TCP socket in the network namespace of ``pid``."""
+    out = []
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) < 10:
+                continue
+            (la, lp), (ra, rp) = f[1].split(":"), f[2].split(":")
+            out.append(((_address(la), int(lp, 16)), (_address(ra), int(rp, 16)), f[3], int(f[9])))
+    return out
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    out: set[int] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.add(int(link[8:-1]))
+    return out
+
+
+def tree_tcp(pids: Iterable[int]) -> list[TcpSocket]:
+    """Every TCP socket the processes hold (by descriptor), each once."""
+    owner: dict[int, int] = {}
+    tables: dict[int, list[tuple[tuple[str, int], tuple[str, int], str, int]]] = {}
+    for pid in pids:
+        for inode in _socket_inodes(pid):
+            owner.setdefault(inode, pid)
+        try:
+            netns = os.stat(f"/proc/{pid}/ns/net").st_ino
+        except OSError:
+            continue
+        if netns not in tables:
+            tables[netns] = _table(pid)
+    out = []
+    for table in tables.values():
+        for local, remote, state, inode in table:
+            if inode in owner and state != _TIME_WAIT:
+                listening = state == _LISTEN
+                out.append(TcpSocket(local, ("", 0) if listening else remote, listening, owner.pop(inode)))
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    return ipaddress.ip_address(host).is_loopback
+
+
+def _unspecified(host: str) -> bool:
+    return ipaddress.ip_address(host).is_unspecified
+
+
+def left_behind(sockets: list[TcpSocket]) -> list[str]:
+    """What cannot survive the move whatever the target: connections to a peer on this node's
+    loopback that is not in the tree (one sentence each)."""
+    ours = {(s.local, s.remote) for s in sockets if not s.listening}
+    return [
+        f"the TCP connection {s.name} (PID {s.pid}) goes to a peer on this node's loopback outside the process tree, "
+        "which would stay behind here and reset the copy's connection: start both ends in one tree (one "
+        "`tpagent launch`) so that they move together, or close the connection before migrating"
+        for s in sockets
+        if not s.listening and is_loopback(s.remote[0]) and (s.remote, s.local) not in ours
+    ]
+
+
+def must_check_on_target(sockets: list[TcpSocket]) -> list[TcpSocket]:
+    """The sockets only the target can judge: those bound to an address that is not loopback
+    (it must exist there), and listening ones (their port must be free there)."""
+    return [s for s in sockets if s.listening or not (is_loopback(s.local[0]) or _unspecified(s.local[0]))]
+
+
+def address_exists(host: str) -> bool:
+    """Whether this node has ``host``: loopback, or an address of one of its interfaces (in
+    this process's network namespace, where the agent restores)."""
+    ip = ipaddress.ip_address(host)
+    if ip.is_loopback or ip.is_unspecified:
+        return True
+    ours = (a.address.partition("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs)
+    return any(_same(ip, a) for a in ours)
+
+
+def _same(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text) == ip
+    except ValueError:  # (a MAC address: AF_PACKET)
+        return False
+
+
+def listener_on(host: str, port: int) -> str | None:
+    """The address of a socket listening here that takes ``host``:``port`` (the same port on
+    the same address, or either one the wildcard), or None."""
+    ip = ipaddress.ip_address(host)
+    for local, _, state, _ in _table("self"):
+        if state != _LISTEN or local[1] != port:
+            continue
+        other = ipaddress.ip_address(local[0])
+        if other == ip or other.is_unspecified or ip.is_unspecified:
+            return endpoint(*local)
+    return None
+
+
+def unusable_here(node: str, connections: Iterable[tuple[str, str]]) -> list[str]:
+    """What keeps ``node`` (this one) from taking each (LOCAL, REMOTE) socket; REMOTE is ""
+    for a listening socket.  One sentence each; malformed entries are named as such."""
+    problems = []
+    for local_text, remote_text in connections:
+        try:
+            host, port = parse_endpoint(local_text)
+            if remote_text:
+                parse_endpoint(remote_text)
+        except ValueError:
+            problems.append(f"the source sent a TCP endpoint this agent cannot read ({local_text!r}, {remote_text!r})")
+            continue
+        if not address_exists(host):
+            what = (
+                f"TCP connection {local_text} -> {remote_text}" if remote_text else f"TCP listening socket {local_text}"
+            )
+            problems.append(
+                f"the {what} is bound to {host}, an address {node} does not have, so it cannot be restored there: "
+                "close it before migrating or pick a node that has the address (the connections of a distributed "
+                "job are not moved but rebuilt, by rewiring its communicators)"
+            )
+            continue
+        taken = listener_on(host, port) if not remote_text else None
+        if taken is not None:
+            problems.append(
+                f"the TCP listening socket {local_text} needs port {port}, which is taken on {node} (a socket listens "
+                f"on {taken} there): free the port there or pick another node"
+            )
+    return problems

@@ -1,0 +1,88 @@
+"""A migration left unresolved (the target went away mid-restore): operators see it in the
+metrics, SIGTERM still stops the agent (the journal keeps it), the next start takes it up,
+and it ends with exactly one running copy once the target is back."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cluster import Cluster, Node, Ticker
+from conftest import needs_criu
+from helpers import kill_and_wait, wait_until
+from snapshot.criu import Criu
+
+pytestmark = needs_criu
+GAUGES = ("tpagent_frozen_seconds", "tpagent_unresolved_migrations")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, ["A", "B"])
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _scrape(node: Node) -> dict[str, float]:
+    code = f"import urllib.request; print(urllib.request.urlopen('http://{node.addr}:9400/metrics').read().decode())"
+    out = subprocess.run(node.exec(sys.executable, "-c", code), capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    values = {name: float(v) for name, v in (ln.split() for ln in out.stdout.splitlines() if ln.startswith(GAUGES))}
+    assert set(values) == set(GAUGES), out.stdout
+    return values
+
+
+def _journal_states(node: Node) -> list[str]:
+    return [json.loads(p.read_text())["state"] for p in (node.work / "agent" / "migrations").glob("*.json")]
+
+
+def test_an_unresolved_migration_shows_survives_sigterm_and_ends_with_one_copy(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """B's agent dies while its CRIU restores the copy: A cannot know whether a copy exists, so
+    its original stays frozen while A asks B.  A SIGTERM stops A at once, whether its migration
+    still waits in the run (restore_timeout: an hour) or in a resolver, far inside the grace
+    (shutdown_grace: 2 min here) that a migration's own work gets."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    real, slow, started = Criu().path, tmp_path / "criu-slow-restore", tmp_path / "restore-started"
+    slow.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then touch {started}; sleep 4; fi\nexec {real} "$@"\n')
+    slow.chmod(0o755)
+    b.start_agent(criu=str(slow))
+    a_settings = {"shutdown_grace": "120", "metrics_listen": f"{a.addr}:9400"}
+    a.start_agent(**a_settings)
+    ticker = Ticker.launch(a, tmp_path, mib=64)
+    try:
+        assert _scrape(a) == dict.fromkeys(GAUGES, 0.0)
+        mig = cluster.start_migrate(ticker.pid, "A", "B", "--json")
+        wait_until(started.exists, "B's CRIU to start restoring", 120)
+        b.kill_agent()  # B cannot say whether its copy exists: A keeps the original frozen and asks on
+        first = wait_until(lambda: (m := _scrape(a))["tpagent_frozen_seconds"] > 0 and m, "A to report it frozen")
+        wait_until(lambda: _scrape(a)["tpagent_frozen_seconds"] > first["tpagent_frozen_seconds"], "the gauge to grow")
+        assert ticker.running_copies() == 0  # frozen: not lost, not doubled
+
+        for _ in range(2):  # stopped while its run waits for B, then while a resolver does
+            # (kill_agent gives the agent 30 s, a quarter of its grace: one that waited for B would fail here)
+            a.kill_agent(signal.SIGTERM)
+            assert "stopped" in a.agent_log().splitlines()[-1]
+            mig.communicate(timeout=60)
+            assert ticker.running_copies() == 0  # the journal keeps it; CRIU still holds the original
+            a.start_agent(**a_settings)  # takes it up again
+            held = wait_until(lambda: (m := _scrape(a))["tpagent_unresolved_migrations"] == 1 and m, "A's resolver")
+            assert held["tpagent_frozen_seconds"] > 0
+
+        b.start_agent()  # drops the copy its CRIU made meanwhile; then A resumes the original
+        wait_until(lambda: "rolled_back" in _journal_states(a), "A to roll back", 120)
+        ticker.assert_one_copy_continuous()
+        ticker.verify_state()
+        assert _scrape(a) == dict.fromkeys(GAUGES, 0.0)
+        assert _journal_states(b) == ["discarded"]
+    finally:
+        kill_and_wait(ticker.pid)

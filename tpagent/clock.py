@@ -1,0 +1,45 @@
+"""This node's wall clock, as the agents compare it with each other.
+
+Only the signatures of calls depend on two nodes' clocks agreeing (:mod:`tpagent.rpc`: a
+call's timestamp must lie within :data:`WINDOW` of the receiving agent's clock).  The rules:
+
+* A migration starts only between nodes whose clocks are within :data:`START_LIMIT` of each
+  other (measured at check time; ``tpagent node`` shows an agent's offset too).
+* A step of either clock afterwards does not stop a migration half-way: an agent that refuses
+  a call for its timestamp says what its clock reads, and the caller signs its calls to that
+  agent on that agent's clock from then on (:class:`tpagent.rpc` ``_ClientAuth``).  Replays
+  stay refused: the window and the nonces are the receiving agent's, on its own clock.
+
+``TPAGENT_TEST_CLOCK_OFFSET_FILE`` is a hook for the test suite only (CLOCK_REALTIME cannot be
+namespaced): if set, the number of seconds in that file (read at each use) is added to this
+agent's clock, as a stepped clock would be.  It changes nothing else, and nothing that a
+root user who can set an agent's environment could not do by setting the system clock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+#: A signed call's timestamp may be this far from the receiving agent's clock (seconds).
+WINDOW = 60.0
+#: A migration starts only between nodes whose clocks are at most this far apart (seconds).
+START_LIMIT = WINDOW / 2
+_TEST_OFFSET_FILE = "TPAGENT_TEST_CLOCK_OFFSET_FILE"
+
+
+def now() -> float:
+    """Unix seconds, as this agent's signatures and checks read them."""
+    path = os.environ.get(_TEST_OFFSET_FILE)
+    if not path:
+        return time.time()
+    try:
+        with open(path) as f:
+            return time.time() + float(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return time.time()
+
+
+def apart(offset: float) -> str:
+    """How a message says that another clock is ``offset`` seconds off this one."""
+    return f"{abs(offset):.1f} s {'ahead of' if offset > 0 else 'behind'}"
