@@ -5,7 +5,7 @@
 For each size a fresh workload (tests/workloads/stateful.py holding that much state) is
 dumped by each route in turn (interleaved, so drift hits every route alike), to a receiver on
 loopback; each time is from the start of the dump until the receiver has verified the snapshot:
-  * dump-only:   engine.checkpoint alone (no transfer): the floor of any route;
+  * dump-only:   dump.checkpoint alone (no transfer): the floor of any route;
   * sequential:  the dump, then transfer.stream's send (the `tpagent dump` + `tpagent send` route);
   * overlapped:  the send follows the images while CRIU writes them (`tpagent dump --send-to`);
   * naive:       bare `criu dump`, then `tar | zstd -1 -T0` over one socket into `zstd -d | tar -x`.
@@ -40,8 +40,8 @@ def _bench(name: str):  # type: ignore[no-untyped-def]
 
 import common  # noqa: E402
 
-from snapshot import engine  # noqa: E402
 from snapshot.criu import Criu, DumpOptions  # noqa: E402
+from snapshot.dump import checkpoint  # noqa: E402
 from snapshot.manifest import load  # noqa: E402
 from tpagent.pipeline import dump_and_send  # noqa: E402
 from transfer.api import TransferConfig  # noqa: E402
@@ -73,7 +73,7 @@ def route(name: str, size: int, work: Path) -> float:
     snap, dst = work / "snap", work / "dst"
     t0 = time.monotonic()
     if name == "dump-only":
-        engine.checkpoint(p.pid, snap)
+        checkpoint(p.pid, snap)
     elif name == "naive":
         snap.mkdir()
         Criu().dump(p.pid, snap, snap, DumpOptions(), 3600)

@@ -3,7 +3,7 @@
     python bench/snapshot.py [--sizes-mib 256,1024] [--repeats 3] [--dir /dev/shm] [--gpu] [--json-out F]
 
 For each size a workload holding that much state is started, then, in one run:
-  * tpagent: engine.checkpoint (CUDA lock+checkpoint, criu dump, checksums+manifest) and
+  * tpagent: dump.checkpoint (CUDA lock+checkpoint, criu dump, checksums+manifest) and
     engine.restore (verify, criu restore, CUDA restore+unlock), per stage;
   * naive:   bare `criu dump` / `criu restore` of the same workload, no manifest, no checks
              (a GPU workload: the driver's lock+checkpoint before, restore+unlock after, as
@@ -35,6 +35,7 @@ from helpers import kill_and_wait, wait_until  # noqa: E402
 from snapshot import engine  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
 from snapshot.cuda import CudaDriver  # noqa: E402
+from snapshot.dump import checkpoint  # noqa: E402
 
 
 def start(kind: str, size_mib: int, log: Path) -> subprocess.Popen[bytes]:
@@ -84,7 +85,7 @@ def tpagent_round(kind: str, size: int, work: Path, out: dict[str, float]) -> No
     log = work / "w.log"
     p = start(kind, size, log)
     t0 = time.monotonic()
-    m = engine.checkpoint(p.pid, work / "snap")
+    m = checkpoint(p.pid, work / "snap")
     out["tpagent_dump_s"] = time.monotonic() - t0
     p.wait()
     t0 = time.monotonic()

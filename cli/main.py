@@ -43,6 +43,7 @@ from snapshot.api import (
     Timeouts,
     UsageError,
 )
+from snapshot.dump import checkpoint
 from snapshot.gpus import inventory
 from snapshot.manifest import load
 from tpagent import doctor as doctor_mod
@@ -167,7 +168,7 @@ def dump(
     config = SnapshotConfig(criu=criu, timeouts=Timeouts(cuda_lock=lock_timeout), ghost_limit=ghost_limit_mib << 20)
     try:
         if send_to is None:
-            m, shipped = engine.checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ()), None
+            m, shipped = checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ()), None
         else:
             cfg = TransferConfig(secret=read_secret(secret_file), compress=compress)
             sender = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg)

@@ -121,7 +121,7 @@ class SnapshotConfig:
     #: memory is such a file).  CRIU's own 1 MiB would refuse most training jobs.
     ghost_limit: int = DEFAULT_GHOST_LIMIT
     #: How many times a dump CRIU refused for a passing reason is tried again (see
-    #: :data:`snapshot.engine.TRANSIENT`).
+    #: :data:`snapshot.dump.TRANSIENT`).
     dump_retries: int = 3
 
 

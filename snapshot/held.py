@@ -1,6 +1,6 @@
 """A dump whose original is held: the one handle on a migration's frozen original.
 
-:func:`HeldDump.start` runs :func:`snapshot.engine.checkpoint` (mode kill) in a thread of its
+:func:`HeldDump.start` runs :func:`snapshot.dump.checkpoint` (mode kill) in a thread of its
 own, with the post-dump hook told to hold (:mod:`snapshot.hook`): once the snapshot is sealed
 the tree stays frozen, resumable, until a decision.  Only this class knows the hook's files
 (``SNAPSHOT/log/{held,pinned,pinned.ack,decision}``) and its environment; an agent that
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from snapshot import criu, engine, hook, leftovers
 from snapshot.api import DumpMode, SnapshotConfig
+from snapshot.dump import checkpoint
 
 
 class HeldDump:
@@ -48,9 +49,7 @@ class HeldDump:
 
         def run() -> None:
             try:
-                engine.checkpoint(
-                    pid, out, DumpMode.KILL, replace(config, hold=hold), carry=carry, create_time=create_time
-                )
+                checkpoint(pid, out, DumpMode.KILL, replace(config, hold=hold), carry=carry, create_time=create_time)
             except BaseException as e:  # handed to whoever holds the handle
                 dump.error = e
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from snapshot import engine
 from snapshot.api import DumpMode, ProgressFn, SnapshotConfig
+from snapshot.dump import checkpoint
 from snapshot.manifest import Manifest
 from transfer.api import TransferError, TransferStats
 from transfer.sender import Sender
@@ -51,7 +52,7 @@ def dump_and_send(
 ) -> Shipped:
     t0 = time.monotonic()
     if not overlap:
-        m = engine.checkpoint(pid, out, mode, config, progress, carry=carry)
+        m = checkpoint(pid, out, mode, config, progress, carry=carry)
         dump_s = time.monotonic() - t0
         try:
             stats = sender.send(out, peer)
@@ -77,7 +78,7 @@ def dump_and_send(
     thread = threading.Thread(target=run, name="send", daemon=True)
     thread.start()
     try:
-        m = engine.checkpoint(pid, out, mode, config, progress, carry=carry)
+        m = checkpoint(pid, out, mode, config, progress, carry=carry)
     except BaseException:
         dump_failed.set()
         thread.join()

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import needs_criu
 from helpers import Workload, alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
-from snapshot import engine
 from snapshot.api import SnapshotConfig, SnapshotError, Stage
+from snapshot.dump import checkpoint
 
 pytestmark = needs_criu
 
@@ -70,7 +70,7 @@ def test_failure_while_sealing_resumes_the_frozen_tree(start, tmp_path: Path, la
     w = start(launched=launched)
     out = tmp_path / "snap"
     with pytest.raises(SnapshotError, match="sealing the snapshot failed") as err:
-        engine.checkpoint(w.pid, out, config=SnapshotConfig(fail_after=Stage.CHECKSUM))
+        checkpoint(w.pid, out, config=SnapshotConfig(fail_after=Stage.CHECKSUM))
     assert err.value.rolled_back
     _assert_resumed(w, out)
 
@@ -83,7 +83,7 @@ def test_tcp_connection_survives_a_rolled_back_dump(tmp_path: Path) -> None:
     w = TcpEcho(tmp_path / "tcp.log").start()
     try:
         with pytest.raises(SnapshotError):
-            engine.checkpoint(w.pid, tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CHECKSUM))
+            checkpoint(w.pid, tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CHECKSUM))
         n = w.pairs()[-1][0]
         wait_until(lambda: w.pairs()[-1][0] > n + 10, "the connection to carry bytes again")
         assert all(a == b for a, b in w.pairs())

@@ -371,8 +371,8 @@ def test_gpu_process_without_the_checkpoint_api_is_refused_before_any_freeze(
     import mmap
     from types import SimpleNamespace
 
-    from snapshot import engine
     from snapshot.api import UsageError as Usage
+    from snapshot.dump import checkpoint
 
     lib = tmp_path / "libcuda.so.1"
     lib.write_bytes(b"\0" * mmap.PAGESIZE)
@@ -390,7 +390,7 @@ def test_gpu_process_without_the_checkpoint_api_is_refused_before_any_freeze(
         monkeypatch.setitem(sys.modules, "cuda.bindings", SimpleNamespace(driver=old))
         needle = "supports CUDA 12.6; the checkpoint API needs driver 570"
     with pytest.raises(Usage, match=needle):
-        engine.checkpoint(w.pid, tmp_path / "s")
+        checkpoint(w.pid, tmp_path / "s")
     assert not (tmp_path / "s").exists()
     n = w.ticks()[-1][0]
     wait_until(lambda: w.ticks()[-1][0] > n + 3, "the workload to keep running")

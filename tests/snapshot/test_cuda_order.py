@@ -18,6 +18,7 @@ from helpers import alive, assert_continuous, wait_until
 from snapshot import engine
 from snapshot.api import CriuError, CudaError, DumpMode, SnapshotConfig, Stage, UsageError
 from snapshot.cuda import CudaState
+from snapshot.dump import checkpoint
 
 pytestmark = needs_criu
 
@@ -38,7 +39,7 @@ def test_checkpoint_and_restore_call_the_driver_in_order(cuda_workload, tmp_path
         if not msg:  # a stage starts: record the driver's state then
             seen.append((stage.value, fake.state(w.pid).value))
 
-    m = engine.checkpoint(w.pid, tmp_path / "snap", DumpMode.KILL, progress=progress, cuda_factory=lambda: fake)
+    m = checkpoint(w.pid, tmp_path / "snap", DumpMode.KILL, progress=progress, cuda_factory=lambda: fake)
     w.reap()
     assert m.cuda_pids == [w.pid]
     assert fake.calls == [("lock", w.pid), ("checkpoint", w.pid)]
@@ -60,7 +61,7 @@ def test_driver_failure_during_freeze_leaves_it_running(cuda_workload, tmp_path:
     w = cuda_workload
     fake = FakeCudaDriver(fail_on=fail_on)
     with pytest.raises(CudaError, match="CUDA_ERROR_INJECTED") as err:
-        engine.checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)
+        checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)
     assert err.value.rolled_back
     assert fake.state(w.pid) is CudaState.RUNNING  # unlocked (and restored) again
     n = w.ticks()[-1][0]
@@ -72,7 +73,7 @@ def test_failure_after_dump_gives_the_gpu_back(cuda_workload, tmp_path: Path) ->
     w = cuda_workload
     fake = FakeCudaDriver()
     with pytest.raises(CriuError, match="sealing the snapshot failed") as err:
-        engine.checkpoint(
+        checkpoint(
             w.pid, tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CHECKSUM), cuda_factory=lambda: fake
         )
     assert err.value.rolled_back
@@ -86,7 +87,7 @@ def test_failure_after_dump_gives_the_gpu_back(cuda_workload, tmp_path: Path) ->
 def test_leave_running_gives_the_gpu_back(cuda_workload, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     w = cuda_workload
     fake = FakeCudaDriver()
-    engine.checkpoint(w.pid, tmp_path / "snap", DumpMode.LEAVE_RUNNING, cuda_factory=lambda: fake)
+    checkpoint(w.pid, tmp_path / "snap", DumpMode.LEAVE_RUNNING, cuda_factory=lambda: fake)
     assert fake.state(w.pid) is CudaState.RUNNING
     n = w.ticks()[-1][0]
     wait_until(lambda: w.ticks()[-1][0] > n + 5, "the workload to keep running")
@@ -95,7 +96,7 @@ def test_leave_running_gives_the_gpu_back(cuda_workload, tmp_path: Path) -> None
 def test_restore_failure_in_the_driver_kills_the_copy_and_keeps_the_snapshot(cuda_workload, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     w = cuda_workload
     fake = FakeCudaDriver()
-    engine.checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)
+    checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)
     w.reap()
     fake.fail_on = "restore"
     with pytest.raises(CudaError):
@@ -116,7 +117,7 @@ def test_a_stopped_restore_thread_is_refused_not_waited_on(cuda_workload, tmp_pa
 
     w = cuda_workload
     fake = FakeCudaDriver()
-    engine.checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)
+    checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)
     w.reap()
 
     def stop(pid: int) -> None:  # e.g. a job-control stop, or a debugger
@@ -147,7 +148,7 @@ def test_gpu_map_reaches_the_driver_as_uuid_pairs(
     old, new = "GPU-11111111-2222-3333-4444-555555555555", "GPU-66666666-7777-8888-9999-000000000000"
     w = cuda_workload
     fake = FakeCudaDriver()
-    engine.checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)
+    checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)
     w.reap()
     # No GPU exists here: write the one the process "used" into the manifest, as NVML would have.
     path = tmp_path / "snap" / "manifest.json"

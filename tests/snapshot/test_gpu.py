@@ -19,6 +19,7 @@ from conftest import needs_criu
 from helpers import alive, kill_and_wait, wait_until
 from snapshot import engine, gpus
 from snapshot.api import Stage
+from snapshot.dump import checkpoint
 
 HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
 pytestmark = [needs_criu, pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine")]
@@ -73,7 +74,7 @@ def test_gpu_process_dump_restore_bit_exact(tmp_path: Path, gib: int) -> None:
                     driver.restore_thread_id(pid) in {int(t) for t in os.listdir(f"/proc/{pid}/task")}
                 )
 
-        m = engine.checkpoint(pid, tmp_path / "snap", progress=progress)
+        m = checkpoint(pid, tmp_path / "snap", progress=progress)
         popen.wait(timeout=60)
         assert m.cuda_pids == [pid] and m.gpus, m
         assert seen == {"cuda_lock": "running", "cuda_checkpoint": "locked", "criu_dump": "checkpointed"}

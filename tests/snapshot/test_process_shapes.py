@@ -17,6 +17,7 @@ from conftest import needs_criu
 from helpers import STATEFUL, alive, assert_continuous, kill_and_wait, tpagent, wait_until
 from snapshot import engine
 from snapshot.api import DumpMode, SnapshotConfig, SnapshotError, Stage
+from snapshot.dump import checkpoint
 
 pytestmark = needs_criu
 
@@ -101,7 +102,7 @@ def test_a_worker_exiting_as_the_tree_is_frozen_is_retried(loops, tmp_path: Path
             hold.unlink(missing_ok=True)  # the worker ends now, as a real one does within milliseconds
 
     out = tmp_path / "snap"
-    m = engine.checkpoint(w.pid, out, DumpMode.KILL, SnapshotConfig(), progress)
+    m = checkpoint(w.pid, out, DumpMode.KILL, SnapshotConfig(), progress)
     assert retries and "Zombies with threads are not supported" in retries[0], retries
     assert all(p.pid != zombie or not p.tids for p in m.processes)  # (the worker had no thread left)
     w.reap()
@@ -154,7 +155,7 @@ def test_a_refusal_that_persists_is_retried_a_bounded_number_of_times(loops, tmp
     seen: list[str] = []
     out = tmp_path / "snap"
     with pytest.raises(SnapshotError, match="Zombies with threads are not supported") as caught:
-        engine.checkpoint(w.pid, out, DumpMode.KILL, SnapshotConfig(dump_retries=2), lambda s, msg: seen.append(msg))
+        checkpoint(w.pid, out, DumpMode.KILL, SnapshotConfig(dump_retries=2), lambda s, msg: seen.append(msg))
     assert sum(msg.startswith("refused for now") for msg in seen) == 2
     assert caught.value.rolled_back and not out.exists()  # as it was: the same command can run again
     n = w.numbers("tick")[-1][0]
@@ -280,7 +281,7 @@ def test_a_pid_reused_before_the_freeze_is_not_dumped(tmp_path: Path) -> None:
     out = tmp_path / "snap"
     try:
         with pytest.raises(UsageError, match=f"PID {pid} is no longer the process that was checked"):
-            engine.checkpoint(pid, out, DumpMode.KILL, SnapshotConfig(criu=wrapper))
+            checkpoint(pid, out, DumpMode.KILL, SnapshotConfig(criu=wrapper))
         assert int(newpid.read_text()) == pid  # (the PID was indeed taken over)
         assert psutil.Process(pid).status() == psutil.STATUS_SLEEPING  # the newcomer runs on, not frozen
         assert not out.exists()

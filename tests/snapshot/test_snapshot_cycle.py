@@ -186,11 +186,11 @@ def test_leave_stopped(start, tmp_path: Path) -> None:  # type: ignore[no-untype
 
     import psutil
 
-    from snapshot import engine
     from snapshot.api import DumpMode
+    from snapshot.dump import checkpoint
 
     w = start(mib=16)
-    m = engine.checkpoint(w.pid, tmp_path / "snap", DumpMode.LEAVE_STOPPED)
+    m = checkpoint(w.pid, tmp_path / "snap", DumpMode.LEAVE_STOPPED)
     assert m.origin["mode"] == "leave-stopped"
     assert psutil.Process(w.pid).status() == psutil.STATUS_STOPPED
     n = w.ticks()[-1][0]
