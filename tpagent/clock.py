@@ -13,12 +13,15 @@ call's timestamp must lie within :data:`WINDOW` of the receiving agent's clock).
 ``TPAGENT_TEST_CLOCK_OFFSET_FILE`` is a hook for the test suite only (CLOCK_REALTIME cannot be
 namespaced): if set, the number of seconds in that file (read at each use) is added to this
 agent's clock, as a stepped clock would be.  It changes nothing else, and nothing that a
-root user who can set an agent's environment could not do by setting the system clock.
+root user who can set an agent's environment could not do by setting the system clock; a
+file anyone but root could write is ignored, as is anything but a finite number.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import stat
 import time
 
 #: A signed call's timestamp may be this far from the receiving agent's clock (seconds).
@@ -34,10 +37,15 @@ def now() -> float:
     if not path:
         return time.time()
     try:
-        with open(path) as f:
-            return time.time() + float(f.read().strip() or 0)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with open(fd) as f:
+            st = os.fstat(f.fileno())
+            if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return time.time()
+            offset = float(f.read(64).strip() or 0)
     except (OSError, ValueError):
         return time.time()
+    return time.time() + offset if math.isfinite(offset) else time.time()
 
 
 def apart(offset: float) -> str:

@@ -6,6 +6,7 @@ the running migration (:mod:`tpagent.source`) and by the resolver (:mod:`tpagent
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Callable
 
@@ -71,9 +72,14 @@ def target_dropped_copy(ctx: Context, target: Peer, mid: str, seconds: float) ->
 
 def tell_target_abort(target: Peer, mid: str) -> bool:
     """Tell the target to drop its copy; whether it heard it."""
+    return tell_target(target, mid, False)
+
+
+def tell_target(target: Peer, mid: str, commit: bool) -> bool:
+    """Tell the target to start (``commit``) or drop its copy; whether it heard it."""
     for _ in range(3):
         try:
-            target.finish(mid, False, 5.0)
+            target.finish(mid, commit, 5.0)
             return True
         except Refused as e:
             if e.why in (Why.NOT_FOUND, Why.UNAUTHENTICATED):
@@ -84,9 +90,10 @@ def tell_target_abort(target: Peer, mid: str) -> bool:
     return False
 
 
-def keep_telling_abort(ctx: Context, target: Peer, mid: str) -> None:
+def keep_telling(ctx: Context, target: Peer, mid: str, commit: bool) -> None:
+    """Until the target has heard it (at most ``hold_timeout``): start, or drop, its copy."""
     deadline = time.monotonic() + ctx.timeouts.hold
-    while time.monotonic() < deadline and not tell_target_abort(target, mid):
+    while time.monotonic() < deadline and not tell_target(target, mid, commit):
         if ctx.threads.sleep(2.0):
             return
 
@@ -127,10 +134,10 @@ def commit(
             why = message or "the target's copy is gone"
             ctx.journal.move(r, S.ROLLING_BACK, f"{why}; resuming the original")
             dump.let_go(ctx.timeouts.rpc)
-            ctx.journal.move(r, S.ROLLED_BACK, f"{why}; the original was resumed where it stood")
-            ctx.remove(r.snapshot)
+            resume_leftovers(r)  # (stopped again if its CRIU had died: _holder_lost)
+            ctx.journal.move(r, S.ROLLED_BACK, f"{why}; {rolled_back_without_original(ctx, r, dump)}")
             return Outcome.ROLLED_BACK
-        if ctx.threads.sleep(delay):
+        if _sleep_watching(ctx, r, dump, delay):
             raise Stopping("the agent is shutting down while the target starts its copy")
     dump.commit()
     if same_process_alive(r):  # CRIU could not end it (it died at the last moment): end it here
@@ -142,14 +149,29 @@ def commit(
     return Outcome.DONE
 
 
+def _sleep_watching(ctx: Context, r: Record, dump: HeldDump, seconds: float) -> bool:
+    """Sleep up to ``seconds``, less if the CRIU holding the original ends meanwhile (then
+    each moment counts: the original runs again); True if the agent is stopping."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if ctx.threads.sleep(min(0.1, seconds)):
+            return True
+        if dump.holder_lost():
+            return False
+    return False
+
+
 def _holder_lost(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> Outcome:
-    """The CRIU holding the original ended without a decision and the original runs again: its
-    copy is dropped (if it is final already, the original is ended instead).  Never both."""
-    why = "the CRIU holding the original ended without a decision (the original runs again)"
-    log.error("migration %s: %s", r.migration_id, why)
+    """The CRIU holding the original ended without a decision and the original runs again.  It
+    is stopped again at once (its copy may be running), then: its copy is dropped and it goes
+    on, or, if the copy is final already, it is ended.  Never both for longer than that."""
+    why = "the CRIU holding the original ended without a decision (the original ran again)"
+    proc.signal_tree(proc.tree_pids(r.pid), signal.SIGSTOP)
+    log.error("migration %s: %s; it is stopped again while its copy is asked about", r.migration_id, why)
     if target_dropped_copy(ctx, target, r.migration_id, ctx.timeouts.abort_confirm):
         ctx.journal.move(r, S.ROLLING_BACK, f"{why}; its copy on {r.peer} was dropped")
         dump.let_go(ctx.timeouts.rpc)
+        resume_leftovers(r)
         ctx.remove(r.snapshot)
         ctx.journal.move(r, S.ROLLED_BACK, f"{why}; its copy on {r.peer} was dropped, the original runs on")
         return Outcome.ROLLED_BACK
@@ -161,3 +183,31 @@ def _holder_lost(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> Outco
         ctx.journal.move(r, S.DONE, f"migrated to {r.peer}; {why}, so it was ended")
         return Outcome.DONE
     raise Unresolved(f"{why}, and the target does not say its copy is gone")
+
+
+def rolled_back_without_original(ctx: Context, r: Record, dump: HeldDump) -> str:
+    """What a rollback leaves: the original, resumed; or, if it is gone (its node restarted, or
+    it was ended while frozen), the local snapshot, kept when it is whole."""
+    if same_process_alive(r):
+        ctx.remove(r.snapshot)
+        return "the original was resumed where it stood"
+    if dump.sealed():  # the last whole image of the job: never removed by the agent
+        return (f"the original did not survive (a restart of this node?) and no copy runs on {r.peer}; its "
+                f"snapshot is kept: `tpagent restore {r.snapshot}` brings it back")  # fmt: skip
+    ctx.remove(r.snapshot)
+    return f"the original did not survive (a restart of this node?) and no copy of it runs on {r.peer}"
+
+
+def resume_leftovers(r: Record) -> None:
+    """What a dead CRIU may have left stopped runs again; the GPU side is given back."""
+    if not same_process_alive(r):
+        return  # gone (or its PID now someone else's): nothing of ours to resume
+    pids = proc.tree_pids(r.pid)
+    if not pids:
+        return
+    proc.signal_tree(pids, signal.SIGCONT)
+    if r.cuda_pids:  # CRIU gave back the CPU side; the GPU side waits in host memory
+        from snapshot import engine
+        from snapshot.cuda import CudaDriver
+
+        engine.resume([], [p for p in r.cuda_pids if proc.alive(p)], CudaDriver())

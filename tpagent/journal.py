@@ -11,7 +11,9 @@
                   "role": "source" | "target",
                   "state": STATE,                             of the role (tpagent/api.py)
                   "pid": INT, "create_time": FLOAT,           source: the original's root; target: the copy's;
-                                                              a record without create_time names no process
+                  "start_ticks": INT,                         its start in clock ticks since boot (format 2;
+                                                              not moved by clock steps, unlike create_time);
+                                                              a record without either names no process
                   "peer": HOST ":" PORT,                      source: the target agent; target: the source node
                   "peer_agent": HOST ":" PORT | "",           target: the source's agent, asked while it holds
                   "snapshot": PATH,                           inside WORK_DIR (anything else is left alone)
@@ -43,6 +45,7 @@ from typing import Any
 
 import psutil
 
+from snapshot import proc
 from snapshot.safefs import private_dir, private_opener
 from tpagent.api import BadTransition, JournalError, Role, SourceState, State, TargetState, allowed, is_final
 
@@ -70,6 +73,7 @@ class Record:
     cuda_pids: list[int] = field(default_factory=list)
     restore_sent: bool = False
     create_time: float = 0.0
+    start_ticks: int = 0
     peer_agent: str = ""
     boot_id: str = field(default_factory=lambda: boot_id())
     operator: str = ""
@@ -113,10 +117,26 @@ def on_tmpfs(directory: Path) -> bool:
 def same_process_alive(r: Record) -> bool:
     """Whether the record's process (source: the original; target: the copy) still exists,
     and is the same one, not a process that reused its PID.  A record without a start time
-    names no process: it is never trusted to (the agent signals what this says is there)."""
+    names no process: it is never trusted to (the agent signals what this says is there).
+    Compared by start ticks since boot (a stepped wall clock moves create_time), within the
+    boot the record was made in."""
+    if not r.pid or r.rebooted():
+        return False
     try:
-        return bool(r.pid and r.create_time) and psutil.Process(r.pid).create_time() == r.create_time
-    except psutil.NoSuchProcess:
+        if r.start_ticks:
+            return proc.start_ticks(r.pid) == r.start_ticks
+        return bool(r.create_time) and psutil.Process(r.pid).create_time() == r.create_time
+    except (OSError, ValueError, IndexError, psutil.Error):
+        return False
+
+
+def note_process(r: Record, pid: int) -> bool:
+    """Name ``pid`` in the record by its start (both ways); False if it is already gone."""
+    try:
+        r.pid, r.create_time, r.start_ticks = pid, psutil.Process(pid).create_time(), proc.start_ticks(pid)
+        return True
+    except (OSError, ValueError, IndexError, psutil.Error):
+        r.pid, r.create_time, r.start_ticks = pid, 0.0, 0
         return False
 
 
@@ -158,9 +178,13 @@ class Journal:
         """Journal ``to`` (if the protocol allows it from where ``record`` stands), then apply it."""
         if not allowed(record.state, to):
             raise BadTransition(f"migration {record.migration_id}: {record.state.value} -> {to.value} is not allowed")
-        record.state = to
-        record.message = message or record.message
-        self.write(record)
+        before = record.state, record.message
+        record.state, record.message = to, message or record.message
+        try:
+            self.write(record)
+        except JournalError:  # (the record in memory says what the journal says: nothing moved)
+            record.state, record.message = before
+            raise
 
     def read(self, migration_id: str) -> Record | None:
         """The record, or None if there is none.  A record that exists but cannot be read raises

@@ -4,7 +4,6 @@ resolve``).  What each state means then is in :mod:`tpagent.api`."""
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +16,9 @@ from tpagent.decide import (
     Stopping,
     Unresolved,
     commit,
-    keep_telling_abort,
+    keep_telling,
+    resume_leftovers,
+    rolled_back_without_original,
     target_dropped_copy,
     target_state,
     tell_target_abort,
@@ -85,8 +86,8 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
                         ctx.journal.move(r, S.ROLLING_BACK, "the agent restarted mid-migration")
                     tell_target_abort(target, r.migration_id)
                     dump.let_go()  # the hook still holds the tree: CRIU rolls it back
-                    _resume_leftovers(r)
-                    ctx.journal.move(r, S.ROLLED_BACK, _rolled_back_after_restart(ctx, r, dump))
+                    resume_leftovers(r)
+                    ctx.journal.move(r, S.ROLLED_BACK, rolled_back_without_original(ctx, r, dump))
                     break
             if ctx.threads.sleep(delay):
                 return  # (stopping: the next run of the agent takes it up from the journal)
@@ -119,9 +120,9 @@ def _carry_out(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> None:
     if r.operator == "discard":
         if r.state is not S.ROLLING_BACK:
             ctx.journal.move(r, S.ROLLING_BACK, who)
-        ctx.threads.spawn("waiter", f"abort-{r.migration_id[:8]}", keep_telling_abort, ctx, target, r.migration_id)
+        ctx.threads.spawn("waiter", f"abort-{r.migration_id[:8]}", keep_telling, ctx, target, r.migration_id, False)
         dump.let_go()
-        _resume_leftovers(r)
+        resume_leftovers(r)
         ctx.remove(r.snapshot)
         ctx.journal.move(r, S.ROLLED_BACK, f"{who}: the original runs on where it stood")
     else:
@@ -133,6 +134,8 @@ def _carry_out(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> None:
         dump.drop_network_lock()
         ctx.remove(r.snapshot)
         ctx.journal.move(r, S.DONE, f"{who}: the original was ended, its copy runs on {r.peer}")
+        # The target starts its held copy once it hears this (its own waiter asks too).
+        ctx.threads.spawn("waiter", f"start-{r.migration_id[:8]}", keep_telling, ctx, target, r.migration_id, True)
 
 
 def _restore_after_reboot(ctx: Context, r: Record, target: Peer) -> None:
@@ -154,30 +157,3 @@ def _restore_after_reboot(ctx: Context, r: Record, target: Peer) -> None:
             ctx.journal.move(r, S.ROLLING_BACK, f"the target has no whole copy to restore ({e})")
             return
     ctx.journal.move(r, S.COMMITTING, f"restored on the target as PID {pid} after this node rebooted")
-
-
-def _rolled_back_after_restart(ctx: Context, r: Record, dump: HeldDump) -> str:
-    """What a rollback after a restart leaves; the local snapshot is kept if nothing else is."""
-    if same_process_alive(r):
-        ctx.remove(r.snapshot)
-        return "rolled back after the agent restarted; the original runs where it stood"
-    if dump.sealed():  # the last whole image of the job: never removed by the agent
-        return (f"the original did not survive a restart of this node and no copy runs on {r.peer}; its "
-                f"snapshot is kept: `tpagent restore {r.snapshot}` brings it back")  # fmt: skip
-    ctx.remove(r.snapshot)
-    return f"the original did not survive a restart of this node and no copy of it could be made on {r.peer}"
-
-
-def _resume_leftovers(r: Record) -> None:
-    """What a dead CRIU may have left stopped runs again; the GPU side is given back."""
-    if not same_process_alive(r):
-        return  # gone (or its PID now someone else's): nothing of ours to resume
-    pids = proc.tree_pids(r.pid)
-    if not pids:
-        return
-    proc.signal_tree(pids, signal.SIGCONT)
-    if r.cuda_pids:  # CRIU gave back the CPU side; the GPU side waits in host memory
-        from snapshot import engine
-        from snapshot.cuda import CudaDriver
-
-        engine.resume([], [p for p in r.cuda_pids if proc.alive(p)], CudaDriver())

@@ -46,12 +46,12 @@ from tpagent.decide import (
     Stopping,
     Unresolved,
     commit,
-    keep_telling_abort,
+    keep_telling,
     target_dropped_copy,
     target_state,
     tell_target_abort,
 )
-from tpagent.journal import Record, source_record
+from tpagent.journal import Record, note_process, source_record
 from tpagent.resolve import resolve_source
 from transfer.api import TransferError, TransferStats
 from transfer.sender import Sender
@@ -76,12 +76,8 @@ class SourceMigration:
     ) -> None:
         self.ctx, self.pid, self.target, self.dry_run, self.release = ctx, pid, target, dry_run, release
         mid = uuid.uuid4().hex
-        try:  # (the record names the original by PID and start time, never by PID alone)
-            create_time = psutil.Process(pid).create_time()
-        except psutil.NoSuchProcess:
-            create_time = 0.0  # (_check refuses it)
-        self.record = source_record(mid, pid=pid, peer=target, snapshot=str(ctx.cfg.work_dir / "outgoing" / mid),
-                                    create_time=create_time)  # fmt: skip
+        self.record = source_record(mid, peer=target, snapshot=str(ctx.cfg.work_dir / "outgoing" / mid))
+        note_process(self.record, pid)  # (by PID and start, never by PID alone; a gone one: _check refuses it)
         self.events: queue.Queue[Event | None] = queue.Queue()
         self.result: MigrationResult | None = None
         self.t0 = time.monotonic()
@@ -348,7 +344,7 @@ class SourceMigration:
         elif not tell_target_abort(target, self.migration_id):
             # Its copy never ran; it drops what it received once it hears from us again.
             name = f"abort-{self.migration_id[:8]}"
-            ctx.threads.spawn("waiter", name, keep_telling_abort, ctx, target, self.migration_id)
+            ctx.threads.spawn("waiter", name, keep_telling, ctx, target, self.migration_id, False)
         if self.dump is not None:
             self.dump.let_go()
         resumed = proc.alive(self.pid)

@@ -8,9 +8,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-
-import psutil
 
 from snapshot import engine, proc
 from snapshot.held import wait_released
@@ -18,7 +17,7 @@ from snapshot.safefs import private_dir
 from tpagent import launch, metrics
 from tpagent.api import JournalError, PeerUnreachable, Refused, Role, SourceState, TargetState, Why, is_final
 from tpagent.context import Context
-from tpagent.journal import Record, same_process_alive, target_record
+from tpagent.journal import Record, note_process, same_process_alive, target_record
 from transfer.api import TransferError, TransferStats
 from transfer.receiver import Receiver
 
@@ -94,10 +93,7 @@ class Incoming:
                 self._drop(f"restore failed: {e}")
             raise Refused(f"restoring on {node} failed: {e}") from e
         with self.lock:
-            self.record.pid = result.pid
-            try:
-                self.record.create_time = psutil.Process(result.pid).create_time()
-            except psutil.NoSuchProcess:
+            if not note_process(self.record, result.pid):
                 self.abort_requested = True  # (the copy died as it was restored)
             if self.abort_requested:
                 self._drop("the source rolled back while this copy was being restored")
@@ -117,7 +113,7 @@ class Incoming:
             if is_final(self.record.state):
                 return
             if commit:
-                if self.record.state is T.READY:
+                if self.record.state in (T.READY, T.STARTING):
                     start_held(self.ctx, self.record, self.restored, why or "started", self.settle)
             elif self.record.state is T.RESTORING:
                 self.abort_requested = True  # restore() stops its copy as it returns
@@ -144,7 +140,7 @@ def finish_held(ctx: Context, r: Record, commit: bool, why: str, settle: Settler
     """Start (commit) or drop a copy known only from the journal (the agent restarted since
     it was restored).  A held copy that is gone cannot be started: it is dropped, and the
     source's original runs on."""
-    if commit and r.state is T.READY:
+    if commit and r.state in (T.READY, T.STARTING):
         if _runs(r):
             start_held(ctx, r, None, why, settle)
         else:
@@ -172,9 +168,18 @@ def operator_may(ctx: Context, r: Record, commit: bool) -> str:
 
 def start_held(ctx: Context, r: Record, result: engine.RestoreResult | None, why: str, settle: Settler) -> None:
     """READY -> STARTING, journaled first: from now on the copy is let go (again, after a
-    restart of this agent), then watched for the confirmation period (:func:`watch_copy`)."""
-    ctx.journal.move(r, T.STARTING, why)
-    _let_run(ctx, r, result, settle)
+    restart of this agent or a start that failed half-way: letting go is idempotent), then
+    watched for the confirmation period (:func:`watch_copy`).  A copy that cannot be let go
+    and no longer runs is dropped (the source's original runs on)."""
+    if r.state is T.READY:
+        ctx.journal.move(r, T.STARTING, why)
+    try:
+        _let_run(ctx, r, result, settle)
+    except Exception as e:
+        if not _runs(r):
+            drop_copy(ctx, r, f"the copy could not be started ({e}) and is gone; the original runs on at the source")
+            return
+        raise  # (STARTING: the source's next word lets it go again)
 
 
 def _let_run(ctx: Context, r: Record, result: engine.RestoreResult | None, settle: Settler) -> None:
@@ -182,7 +187,7 @@ def _let_run(ctx: Context, r: Record, result: engine.RestoreResult | None, settl
     period = ctx.timeouts.confirm
     ctx.journal.move(r, T.CONFIRMING, f"running; the source ends its original once it ran {period:g} s")
     mid = r.migration_id
-    ctx.threads.spawn("waiter", f"confirm-{mid[:8]}", watch_copy, ctx, mid, r.pid, r.create_time, settle)
+    ctx.threads.spawn("waiter", f"confirm-{mid[:8]}", watch_copy, ctx, replace(r), settle)
 
 
 def _runs(r: Record) -> bool:
@@ -190,12 +195,12 @@ def _runs(r: Record) -> bool:
     return same_process_alive(r) and proc.alive(r.pid)
 
 
-def watch_copy(ctx: Context, mid: str, pid: int, create_time: float, settle: Settler) -> None:
+def watch_copy(ctx: Context, probe: Record, settle: Settler) -> None:
     """CONFIRMING: the copy must run ``confirm_period`` seconds.  Once it has, the migration
     is DONE; if it ends sooner (a peer it needed stayed behind, a device is missing here ...),
     it is dropped and the source's original, frozen all along, runs on."""
     period, t0 = ctx.timeouts.confirm, time.monotonic()
-    probe = Record(mid, Role.TARGET, T.CONFIRMING, pid=pid, create_time=create_time)
+    mid, pid = probe.migration_id, probe.pid
     while True:
         elapsed = time.monotonic() - t0
         if not _runs(probe):
@@ -269,6 +274,9 @@ def await_source(ctx: Context, mid: str, finish: Finisher) -> None:
         if st.state in (SourceState.ROLLED_BACK.value, SourceState.FAILED.value):  # (the protocol never gets here)
             finish(mid, False, f"the source reports {st.state}")
             return
+        if st.state == SourceState.DONE.value:  # its original was ended (an operator's decision there)
+            finish(mid, True, f"the source reports {st.state}: {st.message}")
+            return
 
 
 def start_copy(result: engine.RestoreResult | None, snapshot: Path, pid: int) -> None:
@@ -302,7 +310,7 @@ def recover_target(ctx: Context, r: Record, finish: Finisher, settle: Settler) -
                 _let_run(ctx, r, None, settle)
             else:
                 mid = r.migration_id
-                ctx.threads.spawn("waiter", f"confirm-{mid[:8]}", watch_copy, ctx, mid, r.pid, r.create_time, settle)
+                ctx.threads.spawn("waiter", f"confirm-{mid[:8]}", watch_copy, ctx, replace(r), settle)
             return
         why = "the started copy did not outlive a restart of this node; the original runs on at the source"
     if r.state is T.READY:

@@ -271,4 +271,34 @@ def test_after_a_reboot_with_no_whole_copy_anywhere_it_is_said(tmp_path: Path) -
     target = FakeTarget(tmp_path, restore_does="refuse")
     r, ctx = _held_before_a_reboot(tmp_path, target, SourceState.HELD)
     resolve_source(ctx, r)  # type: ignore[arg-type]
-    assert r.state is SourceState.ROLLED_BACK and "did not survive a restart of this node" in r.message
+    assert r.state is SourceState.ROLLED_BACK and "did not survive" in r.message
+
+
+def test_a_copy_dying_when_the_original_is_gone_too_is_said_not_hidden(
+    tmp_path: Path, original: subprocess.Popen[bytes]
+) -> None:
+    """The copy dies in its confirmation period, and the original is gone as well (its node
+    restarted): the record says so, never "resumed where it stood"."""
+    target = FakeTarget(tmp_path)
+    target.confirm_does = "die"
+    r, ctx = _committing(tmp_path, target, original.pid, TargetState.READY)
+    original.kill()
+    original.wait()
+    resolve_source(ctx, r)  # type: ignore[arg-type]
+    assert r.state is SourceState.ROLLED_BACK and "did not survive" in r.message and "resumed" not in r.message
+
+
+def test_a_process_is_known_by_its_start_in_ticks_not_by_the_wall_clock(original: subprocess.Popen[bytes]) -> None:
+    """A stepped wall clock moves a process's create_time (psutil derives it from the boot
+    time): the journal names processes by start ticks, within the boot the record was made."""
+    from tpagent.journal import note_process, same_process_alive
+
+    r = Record("d" * 32, Role.SOURCE, SourceState.FREEZING)
+    assert note_process(r, original.pid) and r.start_ticks > 0
+    r.create_time += 3600.0  # (as a clock step would make it read)
+    assert same_process_alive(r)
+    r.start_ticks += 1
+    assert not same_process_alive(r)
+    r.start_ticks -= 1
+    r.boot_id = "another-boot"
+    assert not same_process_alive(r)
