@@ -114,7 +114,9 @@ def test_a_worker_exiting_as_the_tree_is_frozen_is_retried(loops, tmp_path: Path
     wait_until(lambda: w.numbers("tick")[-1][0] >= stopped[0] + 30, "the restored trainer to tick on")
     ticks = w.numbers("tick")
     assert [t[0] for t in ticks] == list(range(len(ticks)))  # it went on from where it stood
-    assert ticks[stopped[0] + 1][1] == stopped[1]  # with the count it had
+    # With the count it had (the worker that was ending as the tree froze may be reaped at the
+    # first tick after: one more, never a count started again).
+    assert stopped[1] <= ticks[stopped[0] + 1][1] <= stopped[1] + 1
     assert ticks[-1][1] > stopped[1]  # and its workers come and go again
 
 
