@@ -164,6 +164,10 @@ class Cluster:
     def close(self) -> None:
         for node in self.nodes.values():
             node.kill_agent(signal.SIGTERM)
+        for node in self.nodes.values():  # what a failed test left there (a CRIU holding a tree ...) dies too
+            for p in node.processes():
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
         for node in self.nodes.values():
             subprocess.run(["ip", "netns", "del", node.name], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
