@@ -87,7 +87,11 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
                     tell_target_abort(target, r.migration_id)
                     dump.let_go()  # the hook still holds the tree: CRIU rolls it back
                     resume_leftovers(r)
-                    ctx.journal.move(r, S.ROLLED_BACK, rolled_back_without_original(ctx, r, dump))
+                    ctx.journal.move(
+                        r,
+                        S.ROLLED_BACK,
+                        "rolled back after the agent restarted; " + rolled_back_without_original(ctx, r, dump),
+                    )
                     break
             if ctx.threads.sleep(delay):
                 return  # (stopping: the next run of the agent takes it up from the journal)
