@@ -121,6 +121,45 @@ def migrate(
     raise typer.Exit(code)
 
 
+def rank(
+    ctx: typer.Context,
+    agent: Annotated[
+        str, typer.Option("--agent", envvar="TPAGENT_AGENT", help="HOST:PORT of this node's agent.")
+    ] = "127.0.0.1:7400",
+    stdout: Annotated[
+        Path | None, typer.Option("--stdout", envvar="TPAGENT_STDOUT", help="File for the rank's stdout.")
+    ] = None,
+    stderr: Annotated[
+        Path | None, typer.Option("--stderr", envvar="TPAGENT_STDERR", help="File for stderr (default: as --stdout).")
+    ] = None,
+    socket_name: Annotated[
+        str, typer.Option("--rank-socket", envvar="TPAGENT_RANK_SOCKET", help="The agents' rank_socket setting.")
+    ] = "tpagent-ranks",
+    secret_file: SecretOpt = None,
+    tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
+) -> None:
+    """Run `-- CMD ...` as one rank of a distributed job that tpagent can move (the launcher's
+    command: `torchrun --no-python ... tpagent rank -- python train.py`); exits as the rank does."""
+    import os
+
+    from tpagent.client import GrpcPeer
+    from tpagent.standin import StandIn, job_id, rank_of
+
+    cmd = list(ctx.args)
+    if not cmd:
+        die("give the rank's command after `--`, e.g. tpagent rank -- python train.py.", EXIT_USAGE)
+    try:
+        creds = credentials(secret_file, tls_dir)
+        env = dict(os.environ)
+        out = stdout or Path(f"{job_id(env)}-rank{rank_of(env)}.log").absolute()
+        stand_in = StandIn(cmd, GrpcPeer(agent, creds), lambda a: GrpcPeer(a, creds), out, stderr or out,
+                           socket_name, umask=0o022)  # fmt: skip
+        code = stand_in.run()
+    except UsageError as e:
+        die(str(e), EXIT_USAGE)
+    raise typer.Exit(code)
+
+
 def _unreachable(agent: str, e: grpc.RpcError) -> str:
     from tpagent.client import unreachable_reason
 

@@ -424,6 +424,7 @@ app.command()(agent_cmds.status)
 app.command()(agent_cmds.cancel)
 app.command()(agent_cmds.resolve)
 app.command()(agent_cmds.node)
+app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(agent_cmds.rank)
 
 
 def run() -> None:

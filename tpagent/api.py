@@ -80,6 +80,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
+from typing import Any
 
 
 class Role(str, enum.Enum):
@@ -392,3 +393,8 @@ class Peer(ABC):
 
     @abstractmethod
     def versions(self, timeout: float) -> Versions: ...
+
+    def rank(self, job: str, rank: int, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        """Ask the peer about (or pass on to) a rank of a distributed job on its node
+        (:mod:`tpagent.ranks`); its answer.  Only agents over gRPC have ranks."""
+        raise Refused("this peer has no ranks", Why.PRECONDITION)

@@ -4,8 +4,9 @@ call signed: :mod:`tpagent.rpc`).  A status code becomes :class:`~tpagent.api.Re
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import grpc
 
@@ -72,6 +73,17 @@ class GrpcPeer(Peer):
         return _status(
             self._call(lambda: self._stub.Status(pb.MigrationRef(migration_id=migration_id), timeout=timeout))
         )
+
+    def rank(self, job: str, rank: int, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        request = pb.RankRequest(job=job, rank=rank, body=json.dumps(dict(body)), timeout=timeout)
+        reply = self._call(lambda: self._stub.Rank(request, timeout=timeout + 10))
+        try:
+            answer = json.loads(reply.body)
+        except ValueError as e:
+            raise Refused(f"the agent at {self.address} gave an answer that is not JSON", Why.INTERNAL) from e
+        if not isinstance(answer, dict):
+            raise Refused(f"the agent at {self.address} gave an answer that is not a JSON object", Why.INTERNAL)
+        return answer
 
     def versions(self, timeout: float) -> Versions:
         info = self._call(lambda: self._stub.Info(pb.Empty(), timeout=timeout))

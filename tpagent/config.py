@@ -35,6 +35,9 @@
     streams = 4                       # parallel connections per transfer
     ghost_limit_mib = 1024            # largest deleted-but-open file a dump keeps (CRIU's --ghost-limit)
     compress = "auto"
+    rank_socket = "tpagent-ranks"     # abstract unix socket (one per network namespace) where the
+                                      # ranks of `tpagent rank` jobs reach this agent; "" turns it off
+    rewire_timeout = 120.0            # a rank's rewire step (reach the boundary, rebuild) at most this long
 
 The variable for a key is TPAGENT_ and the key in capitals (lists: comma-separated).  The
 timeouts are checked against each other at load (:class:`tpagent.api.Timeouts`).
@@ -89,6 +92,8 @@ class AgentConfig:
     streams: int = 4
     ghost_limit_mib: int = DEFAULT_GHOST_LIMIT >> 20
     compress: str = "auto"
+    rank_socket: str = "tpagent-ranks"
+    rewire_timeout: float = 120.0
 
     @property
     def advertised_host(self) -> str:
@@ -100,6 +105,10 @@ class AgentConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "work_dir", Path(self.work_dir).absolute())  # (paths in journals are absolute)
         self.timeouts  # noqa: B018 (checked now, at load, not at the first migration)
+        if not 0 < self.rewire_timeout < float("inf"):
+            raise UsageError(f"the setting rewire_timeout = {self.rewire_timeout} is not valid: give seconds > 0.")
+        if len(self.rank_socket) > 100 or "\0" in self.rank_socket:
+            raise UsageError(f"the setting rank_socket = {self.rank_socket!r} is not valid: at most 100 characters.")
         if self.transport not in NAMES:
             raise UsageError(
                 f"the setting transport = {self.transport!r} is not valid: choose one of {', '.join(NAMES)}."

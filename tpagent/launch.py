@@ -81,6 +81,15 @@ def launched(pid: int, records: Path = RECORDS) -> LaunchRecord | None:
 def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0, umask: int = 0o022) -> int:
     """Start ``cmd`` in new PID+mount namespaces, with ``umask`` (the user's, not tpagent's
     own 077); return the namespace init's PID."""
+    return start(cmd, stdout, stderr, timeout, umask)[0]
+
+
+def start(
+    cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0, umask: int = 0o022,
+    env: dict[str, str] | None = None,
+) -> tuple[int, subprocess.Popen[bytes]]:  # fmt: skip
+    """As :func:`launch`, with the environment ``env``; also the process that holds the
+    namespace (``unshare``: it ends with the workload's status, as long as it runs here)."""
     if not cmd:
         raise UsageError("give the command to launch after `--`, e.g. tpagent launch -- python train.py.")
     if os.geteuid() != 0:
@@ -108,6 +117,7 @@ def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0, um
             start_new_session=True,
             pass_fds=(write_end,),
             umask=umask,
+            env=env,
         )
     finally:
         os.close(write_end)
@@ -126,4 +136,4 @@ def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0, um
     if not children:
         raise UsageError("the workload exited at once; see its --stdout/--stderr files.")
     register(children[0].pid, owner=int(os.environ.get("SUDO_UID", os.getuid())))
-    return children[0].pid
+    return children[0].pid, holder

@@ -10,11 +10,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import socket
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -41,7 +43,9 @@ from tpagent.api import (
 )
 from tpagent.context import Context
 from tpagent.journal import Record, valid_id
+from tpagent.ranks import RUNTIME_OPS, RankGone, Ranks
 from tpagent.resolve import operator_may, resolve_source
+from tpagent.rewire import Rewire
 from tpagent.source import SourceMigration
 from tpagent.target import Incoming, finish_held, recover_target, settle
 from transfer.api import TransferError
@@ -70,6 +74,8 @@ class Node:
         #: Set at shutdown: no new migration starts, as source or target.
         self.closed = False
         self.reservations = Reservations(self.cfg.work_dir, self.cfg.max_incoming, self._receiving)
+        self.ranks = Ranks(self.cfg.rank_socket, self.cfg.agent_address, ctx.threads)
+        self.rewiring: set[str] = set()  # jobs whose ranks this agent is moving
 
     # ---- the node ------------------------------------------------------------------------
 
@@ -113,15 +119,45 @@ class Node:
 
     # ---- source --------------------------------------------------------------------------
 
-    def start_migration(self, pid: int, target: str, dry_run: bool) -> SourceMigration:
-        """Admit a migration of ``pid`` to the agent at ``target`` (run it with :meth:`run`)."""
-        node = self.cfg.node
+    def start_migration(
+        self, pid: int, target: str, dry_run: bool, job: str = "", ranks: tuple[int, ...] = ()
+    ) -> SourceMigration | Rewire:
+        """Admit a migration of ``pid`` (or of ``ranks`` of ``job``) to the agent at ``target``
+        (run it with :meth:`run`).  A rank of a distributed job is moved with its job rewired."""
         if self.closed:
-            raise Refused(f"the agent on {node} is shutting down; try again once it is back", Why.PRECONDITION)
-        if pid <= 1:
-            raise Refused(f"PID {pid} cannot be migrated.", Why.INVALID)
+            raise Refused(f"the agent on {self.cfg.node} is shutting down; try again once it is back",
+                          Why.PRECONDITION)  # fmt: skip
         if not _address(target):
             raise Refused(f"{target!r} is not an agent address (HOST:PORT).", Why.INVALID)
+        entries = [self.ranks.entry(job, r) for r in ranks] if job else []
+        if not job and pid > 1 and (found := self.ranks.of_pid(pid)) is not None:
+            entries = [found]
+        if not entries and job:
+            raise Refused("give the ranks of the job to move (--rank).", Why.INVALID)
+        if entries:
+            for e in entries:
+                if not e.alive() or e.moved_to or e.exit_code is not None:
+                    raise Refused(f"rank {e.rank} of job {e.job} does not run on {self.cfg.node}.", Why.NOT_FOUND)
+            for e in entries:  # every namespace must pass the ordinary checks before anything stops
+                self._check_migratable(e.init)
+            moving = {e.rank: (e.init, target) for e in entries}
+            job = entries[0].job
+            plain = functools.partial(self._start_plain, dry_run=False)
+            rw = Rewire(job, moving, self.cfg.agent_address, self.ask, plain, self.cfg.rewire_timeout, dry_run)
+            if not dry_run:
+                with self.lock:
+                    if job in self.rewiring:
+                        raise Refused(f"job {job} is already being rewired here; wait for it.", Why.CONFLICT)
+                    self.rewiring.add(job)
+                rw.release = lambda: self.rewiring.discard(job)
+            return rw
+        return self._start_plain(pid, target, dry_run)
+
+    def _check_migratable(self, pid: int) -> None:
+        """Refused in one sentence unless ``pid`` is a process this node may migrate."""
+        node = self.cfg.node
+        if pid <= 1:
+            raise Refused(f"PID {pid} cannot be migrated.", Why.INVALID)
         init = proc.namespace_init(pid)  # (a process inside a launched namespace, or a thread of one)
         if init is not None:
             raise Refused(proc.inside_namespace(pid, init, "migrate"), Why.INVALID)
@@ -133,6 +169,9 @@ class Node:
                 "`tpagent launch`, and runs no program named in allow_executables.",
                 Why.DENIED,
             )
+
+    def _start_plain(self, pid: int, target: str, dry_run: bool) -> SourceMigration:
+        self._check_migratable(pid)
         tree = set(proc.tree_pids(pid))
         with self.lock:
             held = next((r for r in self.journal.unfinished() if r.role is Role.TARGET and r.pid in tree), None)
@@ -153,8 +192,58 @@ class Node:
             self.sources[m.migration_id] = m
         return m
 
-    def run(self, m: SourceMigration) -> None:
-        self.ctx.threads.spawn("migration", f"migrate-{m.pid}", m.run)
+    def run(self, m: SourceMigration | Rewire) -> None:
+        name = f"migrate-{m.pid}" if isinstance(m, SourceMigration) else f"rewire-{m.job[:20]}"
+        self.ctx.threads.spawn("migration", name, m.run)
+
+    # ---- ranks of distributed jobs ---------------------------------------------------------
+
+    def ask(self, address: str, job: str, rank: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Ask the agent at ``address`` (this one: directly) about a rank of ``job``."""
+        if address == self.cfg.agent_address:
+            return self.rank_request(job, rank, body, timeout)
+        return self.ctx.peer(address).rank(job, rank, body, timeout)
+
+    def rank_request(self, job: str, rank: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One ``Rank`` call: passed on to the rank's runtime, or answered here."""
+        op = body.get("op")
+        if op in RUNTIME_OPS:
+            try:
+                return self.ranks.call(job, rank, body, timeout)
+            except RankGone as e:
+                raise Refused(str(e), Why.NOT_FOUND) from e
+        if op == "expect":
+            pid = body.get("pid")
+            if not isinstance(pid, int):
+                raise Refused("expect needs the PID of the rank's namespace init.", Why.INVALID)
+            self.ranks.expect(job, rank, pid)
+            return {"ok": True}
+        if op == "moved":
+            to = body.get("to")
+            if not isinstance(to, str) or not _address(to):
+                raise Refused("moved needs the agent the rank went to.", Why.INVALID)
+            self.ranks.moved(job, rank, to)
+            return {"ok": True}
+        if op == "locate":
+            where = self.ranks.locate(job, rank)
+            if where["state"] == "gone" and job in self.rewiring:  # (ended here, not yet known there)
+                where["state"] = "moving"
+            return {"ok": True, **where}
+        if op == "signal":
+            signum = body.get("signum")
+            if signum not in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL):
+                raise Refused(f"signal {signum!r} is not passed on to a rank.", Why.INVALID)
+            entry = self.ranks.entry(job, rank)
+            if not entry.alive() or entry.moved_to:
+                return {"ok": False, "error": f"rank {rank} of job {job} does not run on {self.cfg.node}"}
+            if signum == signal.SIGKILL:
+                proc.kill_tree(entry.init)
+            else:
+                os.kill(entry.init, int(signum))  # (its init passes it on to the rank)
+            return {"ok": True}
+        if op == "jobs":
+            return {"ok": True, "ranks": self.ranks.jobs()}
+        raise Refused(f"{op!r} is not a rank request.", Why.INVALID)
 
     def _release(self, mid: str) -> None:
         with self.lock:

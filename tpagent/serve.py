@@ -145,6 +145,7 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot serve metrics on {cfg.metrics_listen}: {e}") from e
     server.start()
+    node.ranks.start()
     if probes is not None:
         probes.start()
     health.serving = True
@@ -163,6 +164,7 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
             log.warning("stopping with migrations still running (%s); the next start takes them up from the journal",
                         ", ".join(left), extra={"node": cfg.node})  # fmt: skip
         ctx.threads.stopping.set()  # the waiters return; what they wait for is journaled
+        node.ranks.close()
         server.stop(0 if force.is_set() else 1.0)
         server.wait_for_termination(grace)
         ctx.threads.join(5.0)

@@ -4,13 +4,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
 from tpagent.api import AgentError, Event, NodeInfo, Offer, PeerStatus, Refused, Why
 from tpagent.node import Node
+from tpagent.ranks import LINE_MAX
 from tpagent.rpc import CODES, AgentServicer, pb
 
 R = TypeVar("R")
@@ -63,7 +65,14 @@ class Service(AgentServicer):
 
     def Migrate(self, request: pb.MigrateRequest, context: grpc.ServicerContext) -> Iterator[pb.MigrationEvent]:
         m = _answer(
-            context, lambda: self.node.start_migration(int(request.pid), str(request.target), bool(request.dry_run))
+            context,
+            lambda: self.node.start_migration(
+                int(request.pid),
+                str(request.target),
+                bool(request.dry_run),
+                str(request.job),
+                tuple(int(r) for r in request.ranks),
+            ),  # fmt: skip
         )
 
         # The CLI going away (Ctrl-C) cancels the migration, unless it is past the point of no return.
@@ -97,6 +106,23 @@ class Service(AgentServicer):
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreReply:
         r = _answer(context, lambda: self.node.restore(request.migration_id))
         return pb.RestoreReply(pid=r.pid, timings=dict(r.timings))
+
+    def Rank(self, request: pb.RankRequest, context: grpc.ServicerContext) -> pb.RankReply:
+        def call() -> dict[str, Any]:
+            try:
+                body = json.loads(request.body) if len(request.body) <= LINE_MAX else None
+            except ValueError:
+                body = None
+            if not isinstance(body, dict):
+                raise Refused(
+                    f"a Rank request's body must be one JSON object of at most {LINE_MAX} bytes.", Why.INVALID
+                )
+            timeout = float(request.timeout)
+            if not 0 < timeout <= 3600:
+                raise Refused("a Rank request's timeout must be between 0 and 3600 s.", Why.INVALID)
+            return self.node.rank_request(str(request.job), int(request.rank), body, timeout)
+
+        return pb.RankReply(body=json.dumps(_answer(context, call)))
 
     def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.MigrationStatus:
         return status_pb(_answer(context, lambda: self.node.finish(request.migration_id, bool(request.commit))))

@@ -1,0 +1,165 @@
+"""``tpagent rank -- CMD``: a rank's stand-in, the process a job's launcher (torchrun's
+per-node agent, srun, a pod) starts and watches in the rank's place.
+
+It starts CMD as a ``tpagent launch`` workload (own PID and mount namespace) with the rank
+runtime (:mod:`tpagent_rank`) on its ``PYTHONPATH``, registers it with this node's agent as
+rank ``RANK`` of job ``TPAGENT_JOB`` (else ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``), then
+stays here whatever happens to the rank: when the rank is migrated away the stand-in follows
+it from agent to agent, passes SIGTERM/SIGINT/SIGHUP on to it wherever it runs, and exits
+with the rank's own status.  The launcher never sees the rank leave (torchrun would restart
+the whole worker group if a child exited).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import tpagent_rank
+from snapshot.api import UsageError
+from tpagent import launch
+from tpagent.api import AgentError, Peer, PeerUnreachable
+
+#: Where the runtime directory is written (root's, readable by the ranks): one per version.
+RUNTIME_ROOT = Path("/run/tpagent/rank-runtime")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: How long the stand-in keeps asking an agent that does not answer before it gives the rank up.
+LOST_AFTER = 600.0
+
+
+def job_id(env: dict[str, str]) -> str:
+    for key in ("TPAGENT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        if env.get(key):
+            return env[key]
+    return "job"
+
+
+def rank_of(env: dict[str, str]) -> int:
+    for key in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    raise UsageError("the rank is not known: the launcher sets RANK (torchrun) or SLURM_PROCID (srun).")
+
+
+def runtime_dir(root: Path = RUNTIME_ROOT) -> Path:
+    """The directory put on a rank's PYTHONPATH: only :mod:`tpagent_rank` and its start-up file."""
+    from tpagent_rank import layout  # type: ignore[attr-defined,unused-ignore]
+
+    dest = root / tpagent_rank.__version__
+    if (dest / "sitecustomize.py").is_file():
+        return dest
+    root.mkdir(parents=True, exist_ok=True, mode=0o755)
+    os.chmod(root, 0o755)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".new-"))
+    os.chmod(tmp, 0o755)
+    layout.write_runtime_dir(tmp)
+    try:
+        tmp.rename(dest)  # (another stand-in may have been first: then its copy is used)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def rank_env(env: dict[str, str], socket_name: str, job: str) -> dict[str, str]:
+    out = dict(env)
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(runtime_dir()), env.get("PYTHONPATH", "")) if p)
+    out["TPAGENT_RANK_SOCKET"] = socket_name
+    out["TPAGENT_JOB"] = job
+    out.setdefault("USE_LIBUV", "0")  # a store a rank hosts must be dumpable (libuv's uses io_uring)
+    return out
+
+
+class StandIn:
+    def __init__(self, cmd: list[str], agent: Peer, connect: Callable[[str], Peer], stdout: Path, stderr: Path,
+                 socket_name: str, umask: int) -> None:  # fmt: skip
+        self.cmd, self.agent, self.connect = cmd, agent, connect
+        self.stdout, self.stderr, self.socket_name, self.umask = stdout, stderr, socket_name, umask
+        self.signals: list[int] = []
+        self.wake = threading.Event()
+
+    def say(self, text: str) -> None:
+        print(f"tpagent rank: {text}", file=sys.stderr, flush=True)
+
+    def run(self) -> int:
+        env = dict(os.environ)
+        job, rank = job_id(env), rank_of(env)
+        init, holder = launch.start(self.cmd, self.stdout, self.stderr, umask=self.umask,
+                                    env=rank_env(env, self.socket_name, job))  # fmt: skip
+        for sig in FORWARDED:
+            signal.signal(sig, self._on_signal)
+        try:
+            self.agent.rank(job, rank, {"op": "expect", "pid": init}, 30)
+        except AgentError as e:
+            self.say(f"the agent does not know rank {rank} of job {job}, so it cannot be moved ({e})")
+        where: Peer = self.agent
+        last_heard = time.monotonic()
+        while True:
+            self._forward(where, job, rank, init, holder)
+            if where is self.agent and holder.poll() is None:
+                self.wake.wait(0.5)
+                self.wake.clear()
+                continue
+            try:
+                loc = where.rank(job, rank, {"op": "locate"}, 10)
+                last_heard = time.monotonic()
+            except PeerUnreachable as e:
+                if time.monotonic() - last_heard > LOST_AFTER:
+                    self.say(f"the agent at {where.address} has not answered for {LOST_AFTER:.0f} s ({e}); "
+                             f"rank {rank} of job {job} is given up")  # fmt: skip
+                    return 1
+                time.sleep(1)
+                continue
+            except AgentError as e:
+                if where is self.agent:  # (the agent never knew it: the rank ran and ended here)
+                    return _status(holder.wait())
+                self.say(f"the agent at {where.address} lost track of rank {rank} of job {job} ({e})")
+                return 1
+            state = loc.get("state")
+            if state == "exited" and isinstance(loc.get("code"), int):
+                return _status(int(loc["code"]))
+            if state == "moved" and isinstance(loc.get("node"), str):
+                self.say(f"rank {rank} of job {job} now runs on {loc['node']}")
+                where = self._peer(str(loc["node"]))
+                continue
+            if state in ("here", "moving"):
+                self.wake.wait(0.5)
+                self.wake.clear()
+                continue
+            if where is self.agent:
+                return _status(holder.wait())
+            self.say(f"rank {rank} of job {job} is gone from {where.address} without an exit status")
+            return 1
+
+    def _peer(self, address: str) -> Peer:
+        return self.connect(address)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:  # (only flags)
+        self.signals.append(signum)
+        self.wake.set()
+
+    def _forward(self, where: Peer, job: str, rank: int, init: int, holder: object) -> None:
+        while self.signals:
+            sig = self.signals.pop(0)
+            if where is self.agent:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(init, sig)  # (its init passes it on)
+                continue
+            try:
+                where.rank(job, rank, {"op": "signal", "signum": int(sig)}, 10)
+            except AgentError as e:
+                self.say(f"signal {sig} could not be passed on to rank {rank} at {where.address}: {e}")
+
+
+def _status(code: int | None) -> int:
+    """An exit status as a shell gives it (a signal: 128 + its number)."""
+    if code is None:
+        return 1
+    return code if code >= 0 else 128 - code
