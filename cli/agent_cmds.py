@@ -66,19 +66,37 @@ def serve(
 
 
 def migrate(
-    pid: Annotated[int, typer.Argument(help="The process (or `tpagent launch` namespace) to move.")],
-    to: Annotated[str, typer.Option("--to", envvar="TPAGENT_TO", help="HOST:PORT of the target node's agent.")],
+    pid: Annotated[
+        int, typer.Argument(help="The process (a `tpagent launch` namespace, a rank) to move; 0 with --job.")
+    ] = 0,
+    to: Annotated[str, typer.Option("--to", envvar="TPAGENT_TO", help="HOST:PORT of the target node's agent.")] = "",
     source: Annotated[
         str, typer.Option("--from", envvar="TPAGENT_AGENT", help="HOST:PORT of the source node's agent.")
     ] = "127.0.0.1:7400",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only check both sides; freeze nothing.")] = False,
+    job: Annotated[
+        str, typer.Option("--job", envvar="TPAGENT_JOB", help="A distributed job (its rdzv id) whose --rank to move.")
+    ] = "",
+    rank: Annotated[
+        list[int] | None, typer.Option("--rank", help="A rank of --job that runs on --from (repeat for several).")
+    ] = None,
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
     as_json: JsonOpt = False,
 ) -> None:
     """Move a running process to another node: frozen, streamed, restored there, and only
-    then ended here; on any failure it runs on here where it stood."""
+    then ended here; on any failure it runs on here where it stood.  A rank of a distributed
+    job (started with `tpagent rank`) moves with its job: every rank stops at one step, the
+    communicators are rebuilt, and the job goes on at the next step."""
     from tpagent.rpc import pb, stub
+
+    ranks = list(rank or [])
+    if not to:
+        die("give the target node's agent with --to HOST:PORT.", EXIT_USAGE, as_json)
+    if bool(job) != bool(ranks) or (job and pid):
+        die("give either a PID, or --job with its --rank(s).", EXIT_USAGE, as_json)
+    if not job and pid <= 0:
+        die("give the PID to move (or --job and --rank).", EXIT_USAGE, as_json)
 
     try:
         creds = credentials(secret_file, tls_dir)
@@ -87,7 +105,7 @@ def migrate(
     if source == to:
         die(f"--from and --to are the same agent ({to}); give another node as --to.", EXIT_USAGE, as_json)
     agent = stub(source, creds)
-    call = agent.Migrate(pb.MigrateRequest(pid=pid, target=to, dry_run=dry_run))
+    call = agent.Migrate(pb.MigrateRequest(pid=pid, target=to, dry_run=dry_run, job=job, ranks=ranks))
     last: Any = None
     shown = ""
     said: list[str] = []  # what the checks said on the way (a dry run: what the target would reserve)
@@ -328,6 +346,9 @@ def node(
             err=True,
         )
     procs = _call(agent, secret_file, tls_dir, "ListProcesses", pb.Empty())
+    ranks = json.loads(
+        _call(agent, secret_file, tls_dir, "Rank", pb.RankRequest(body='{"op": "jobs"}', timeout=5)).body
+    )
     doc = {
         "node": info.node, "hostname": info.hostname, "healthy": info.healthy, "problems": list(info.problems),
         "agent_version": info.agent_version, "criu_version": info.criu_version, "driver_version": info.driver_version,
@@ -337,5 +358,6 @@ def node(
                  for g in info.gpus],
         "migratable": [{"pid": p.pid, "why": p.why, "uid": p.uid, "owner": p.owner, "rss": p.rss,
                         "cmdline": list(p.cmdline)} for p in procs.processes],
+        "ranks": ranks.get("ranks", []),  # of distributed jobs (`tpagent rank`): job, rank, generation, step
     }  # fmt: skip
     typer.echo(json.dumps(doc, indent=2))

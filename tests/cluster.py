@@ -132,7 +132,9 @@ def _claim_subnet() -> tuple[int, int]:
 
 
 class Cluster:
-    def __init__(self, tmp: Path, names: list[str]) -> None:
+    def __init__(self, tmp: Path, names: list[str], ifname: str = "") -> None:
+        """``ifname``: the name of every node's interface (by default one per node); a job's
+        ranks name it in GLOO_SOCKET_IFNAME, which must hold on whatever node they run."""
         self.tag = uuid.uuid4().hex[:6]
         self.net, self._net_lock = _claim_subnet()
         self.bridge_addr = f"10.233.{self.net}.254"  # the host's end: test proxies listen there
@@ -150,6 +152,9 @@ class Cluster:
             ip("netns", "add", ns)
             ip("link", "add", host_end, "type", "veth", "peer", "name", dev)
             ip("link", "set", dev, "netns", ns)
+            if ifname:
+                ip("-n", ns, "link", "set", dev, "name", ifname)
+                dev = ifname
             ip("link", "set", host_end, "master", self.bridge)
             ip("link", "set", host_end, "up")
             addr = f"10.233.{self.net}.{i}"

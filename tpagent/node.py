@@ -7,6 +7,7 @@ protocol itself is in :mod:`tpagent.source` and :mod:`tpagent.target`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -27,6 +28,7 @@ from tpagent import __version__, clock, launch, target
 from tpagent.admission import Reservations, sized
 from tpagent.api import (
     Acceptance,
+    AgentError,
     GpuInfo,
     JournalError,
     NodeInfo,
@@ -241,8 +243,15 @@ class Node:
             else:
                 os.kill(entry.init, int(signum))  # (its init passes it on to the rank)
             return {"ok": True}
-        if op == "jobs":
-            return {"ok": True, "ranks": self.ranks.jobs()}
+        if op == "jobs":  # (with each connected rank's step and generation now)
+            ranks = self.ranks.jobs()
+            for r in ranks:
+                if r["connected"]:
+                    with contextlib.suppress(AgentError):
+                        now = self.ranks.call(r["job"], r["rank"], {"op": "where"}, 2)
+                        r.update(step=now.get("step", r["step"]), gen=now.get("gen", r["gen"]),
+                                 state=now.get("state", ""))  # fmt: skip
+            return {"ok": True, "ranks": ranks}
         raise Refused(f"{op!r} is not a rank request.", Why.INVALID)
 
     def _release(self, mid: str) -> None:

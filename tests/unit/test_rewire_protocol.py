@@ -1,0 +1,213 @@
+"""The rewire coordinator (tpagent/rewire.py) against ranks kept in memory: each answers the
+runtime's requests as tpagent_rank does (a training thread advancing its step, parking at the
+agreed boundary).  Only the ranks and the migration are stand-ins; the coordinator is real."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pytest
+
+from tpagent.api import Event, MigrationResult, Outcome, Refused, Why
+from tpagent.rewire import Rewire
+from tpagent.source import SourceMigration
+
+HERE, THERE = "10.0.0.1:7400", "10.0.0.9:7400"
+
+
+@dataclass
+class FakeRank:
+    rank: int
+    step: int = 0
+    gen: int = 0
+    stop_at: int | None = None
+    parked: bool = False
+    torn: bool = False
+    dead: bool = False
+    log: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def tick(self) -> None:
+        """One step of its training thread (unless parked)."""
+        with self.lock:
+            if self.dead or self.parked:
+                return
+            self.step += 1
+            if self.stop_at is not None and self.step >= self.stop_at:
+                self.parked = True
+
+    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.dead:
+            raise Refused(f"rank {self.rank} is no longer running", Why.NOT_FOUND)
+        op = body["op"]
+        self.log.append(op)
+        with self.lock:
+            if op == "where":
+                return {"ok": True, "step": self.step, "gen": self.gen, "rate": 100.0}
+            if op == "pause":
+                if self.step > body["at"]:
+                    return {"ok": False, "late": True, "step": self.step, "error": "past it"}
+                self.stop_at = body["at"]
+                self.parked = self.step >= self.stop_at
+                return {"ok": True}
+            if op == "cancel":
+                self.stop_at, self.parked = None, False
+                return {"ok": True}
+            if op == "teardown":
+                self.torn = True
+                return {"ok": True}
+            if op == "rebuild":
+                self.torn, self.gen = False, body["gen"]
+                return {"ok": True}
+            if op == "resume":
+                self.stop_at, self.parked = None, False
+                return {"ok": True}
+        if op == "boundary":
+            deadline = time.monotonic() + body["timeout"]
+            while not self.parked:
+                if self.dead or time.monotonic() > deadline:
+                    return {"ok": False, "error": "it did not reach the step in time"}
+                time.sleep(0.01)
+            return {"ok": True, "step": self.step}
+        raise AssertionError(op)
+
+
+class FakeMove:
+    """A migration's surface as the coordinator uses it."""
+
+    def __init__(self, pid: int, outcome: Outcome) -> None:
+        self.pid, self.outcome = pid, outcome
+        self.migration_id = f"m{pid}"
+        self.events: queue.Queue[Event | None] = queue.Queue()
+        self.result: MigrationResult | None = None
+
+    def run(self) -> MigrationResult:
+        self.events.put(Event(self.migration_id, "freezing"))
+        self.events.put(Event(self.migration_id, "done" if self.outcome is Outcome.DONE else "rolled_back"))
+        self.result = MigrationResult(self.migration_id, self.outcome, "", 4242 if self.outcome is Outcome.DONE else 0)
+        self.events.put(None)
+        return self.result
+
+    def cancel(self, reason: str) -> bool:
+        return False
+
+
+class Job:
+    def __init__(self, world: int = 3, outcome: Outcome = Outcome.DONE, stepping: bool = True) -> None:
+        self.ranks = [FakeRank(r) for r in range(world)]
+        self.where = [HERE] + [f"10.0.0.{r + 1}:7400" for r in range(1, world)]
+        self.outcome = outcome
+        self.asked: list[tuple[str, int, str]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._train, daemon=True)
+        if stepping:
+            self.thread.start()
+
+    def _train(self) -> None:
+        while not self.stop.is_set():
+            for r in self.ranks:
+                r.tick()
+            time.sleep(0.002)
+
+    def ask(self, address: str, job: str, rank: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        self.asked.append((address, rank, body["op"]))
+        if body["op"] == "peers":
+            return {"ok": True, "agents": list(self.where)}
+        if body["op"] in ("expect", "moved"):
+            return {"ok": True}
+        assert address == self.where[rank], f"rank {rank} asked at {address}, it runs at {self.where[rank]}"
+        return self.ranks[rank].answer(body)
+
+    def start_move(self, pid: int, target: str) -> SourceMigration:
+        def run() -> MigrationResult:
+            result = FakeMove.run(move)
+            if result.outcome is Outcome.DONE:
+                self.where[0] = target
+            return result
+
+        move = FakeMove(pid, self.outcome)
+        move.run = run  # type: ignore[method-assign]
+        return cast(SourceMigration, move)
+
+    def rewire(self, timeout: float = 5.0) -> tuple[Rewire, MigrationResult]:
+        rw = Rewire("j", {0: (777, THERE)}, HERE, self.ask, self.start_move, timeout)
+        try:
+            return rw, rw.run()
+        finally:
+            self.stop.set()
+
+
+def _messages(rw: Rewire) -> list[str]:
+    out = []
+    while (e := rw.events.get_nowait()) is not None:
+        out.append(e.message)
+    return out
+
+
+def test_every_rank_stops_at_one_step_and_rebuilds_where_it_now_runs() -> None:
+    job = Job()
+    rw, result = job.rewire()
+    assert result.outcome is Outcome.DONE, _messages(rw)
+    steps = {r.step for r in job.ranks}
+    assert len(steps) == 1, f"the ranks stopped at different steps: {steps}"
+    assert all(r.gen == 1 and not r.torn and not r.parked for r in job.ranks)
+    rebuilds = [(a, r) for a, r, op in job.asked if op == "rebuild"]
+    assert (THERE, 0) in rebuilds and (HERE, 0) not in rebuilds, "rank 0 must rebuild on the node it moved to"
+    for r in job.ranks:  # the order each rank saw
+        ops = [op for op in r.log if op != "where"]
+        assert ops == ["pause", "boundary", "teardown", "rebuild", "resume"], ops
+    assert {"boundary", "teardown", "migrate", "rebuild"} <= set(result.timings)
+
+
+def test_a_rolled_back_move_rebuilds_the_rank_where_it_was() -> None:
+    job = Job(outcome=Outcome.ROLLED_BACK)
+    rw, result = job.rewire()
+    assert result.outcome is Outcome.ROLLED_BACK
+    assert all(r.gen == 1 and not r.parked for r in job.ranks)
+    assert (HERE, 0, "rebuild") in job.asked
+
+
+def test_a_rank_past_the_step_makes_all_cancel_and_agree_on_a_later_one() -> None:
+    job = Job(stepping=False)
+    job.ranks[2].step = 500  # (its "where" said less: it raced ahead)
+    real = job.ranks[2].answer
+    calls = {"where": 0}
+
+    def answer(body: dict[str, Any]) -> dict[str, Any]:
+        if body["op"] == "where" and calls["where"] == 0:
+            calls["where"] += 1
+            return {"ok": True, "step": 10, "gen": 0, "rate": 0.0}
+        return real(body)
+
+    job.ranks[2].answer = answer  # type: ignore[method-assign]
+    job.thread.start()
+    rw, result = job.rewire()
+    assert result.outcome is Outcome.DONE, _messages(rw)
+    assert len({r.step for r in job.ranks}) == 1
+    assert job.ranks[0].log.count("cancel") == 1
+
+
+def test_a_rank_that_dies_at_the_boundary_is_named_and_the_others_go_on() -> None:
+    job = Job(stepping=False)
+    job.ranks[1].dead = True
+    job.thread.start()
+    rw, result = job.rewire(timeout=1.0)
+    assert result.outcome is Outcome.FAILED
+    said = " ".join(_messages(rw))
+    assert "rank 1" in said and "no longer running" in said, said
+    assert not any(r.parked or r.torn for r in job.ranks if not r.dead), "a live rank was left stopped"
+    assert all(op != "teardown" for _a, _r, op in job.asked)
+
+
+@pytest.mark.parametrize("missing", [1, 2])
+def test_a_rank_that_never_said_where_its_agent_is_refuses_before_anything_stops(missing: int) -> None:
+    job = Job()
+    job.where[missing] = ""
+    rw, result = job.rewire()
+    assert result.outcome is Outcome.FAILED
+    assert f"rank(s) {missing}" in " ".join(_messages(rw))
+    assert not any(op in ("pause", "teardown") for _a, _r, op in job.asked)
