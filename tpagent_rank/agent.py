@@ -1,0 +1,280 @@
+"""A rank's side of the line protocol with its node's agent (the agent's side, and the wire,
+are written down in ``tpagent/ranks.py``), and what the agent asks of the rank: stop at a step,
+tear the communicators down, let go of the store, rebuild, go on.
+
+The training thread is only ever touched in the optimizer step post-hook (:func:`_after_step`):
+it counts steps and parks there when asked.  Everything else runs in this module's threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+#: What the rank says when it cannot keep a rule of the protocol (stderr, one line).
+PREFIX = "tpagent_rank: "
+LINE_MAX = 64 * 1024
+
+
+def say(text: str) -> None:
+    print(PREFIX + text, file=sys.stderr, flush=True)
+
+
+class Rank:
+    def __init__(self, job: str, rank: int, world: int, store: Any, spec: str | None, socket_name: str) -> None:
+        self.job, self.rank, self.world, self.store, self.spec = job, rank, world, store, spec
+        self.socket_name = socket_name
+        self.cond = threading.Condition()
+        self.step = 0
+        self.gen = 0
+        self.stop_at: int | None = None
+        self.parked = False
+        self.torn = False
+        self.leaving = False
+        self.times: deque[float] = deque(maxlen=20)
+        self.sock: socket.socket | None = None
+        self.write_lock = threading.Lock()
+        self.detached: list[tuple[int, str, int]] = []  # (fd, host, port) of store connections let go
+        self.kept: list[Any] = []  # the store clients whose sockets took their place
+        self.park_timeout = float(os.environ.get("TPAGENT_RANK_PARK_TIMEOUT", "600"))
+        self.pid = os.getpid()
+
+    # ---- the training thread ---------------------------------------------------------------
+
+    def after_step(self) -> None:
+        with self.cond:
+            self.step += 1
+            self.times.append(time.monotonic())
+            if self.stop_at is None or self.step < self.stop_at:
+                return
+            _synchronize()
+            self.parked = True
+            self.cond.notify_all()
+            deadline = time.monotonic() + self.park_timeout
+            while self.parked:
+                self.cond.wait(0.5)
+                if self.parked and time.monotonic() > deadline:
+                    if self.torn:
+                        raise RuntimeError(
+                            f"{PREFIX}rank {self.rank} of job {self.job} waited {self.park_timeout:.0f} s at step "
+                            f"{self.step} for its communicators to be rebuilt; its agent never said"
+                        )
+                    say(f"no word from the agent for {self.park_timeout:.0f} s at step {self.step}: going on")
+                    self.parked, self.stop_at = False, None
+
+    # ---- the connection --------------------------------------------------------------------
+
+    def start(self) -> None:
+        threading.Thread(target=self._connection, name="tpagent-rank", daemon=True).start()
+
+    def _connect(self) -> socket.socket | None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            s.connect("\0" + self.socket_name)
+            return s
+        except OSError:
+            s.close()
+            return None
+
+    def _connection(self) -> None:
+        warned = False
+        while os.getpid() == self.pid:
+            s = self._connect()
+            if s is None:
+                if not warned and not self.torn:
+                    say(f"no agent answers on @{self.socket_name}; this rank cannot be moved until one does")
+                    warned = True
+                time.sleep(0.1 if self.torn else 1.0)
+                continue
+            warned = False
+            self._serve(s)
+            time.sleep(0.1)
+
+    def _serve(self, s: socket.socket) -> None:
+        f = s.makefile("rb")
+        try:
+            with self.cond:
+                state = self._state()
+            s.sendall(self._line({"op": "hello", "v": 1, "job": self.job, "rank": self.rank, "world": self.world,
+                                  "pid": os.getpid(), "gen": self.gen, "step": self.step, "state": state,
+                                  "backend": str(self.spec)}))  # fmt: skip
+            welcome = json.loads(f.readline(LINE_MAX) or b"{}")
+            if welcome.get("op") != "welcome":
+                time.sleep(0.5)  # (not registered yet: the agent says so; ask again)
+                return
+            self.node = str(welcome.get("node", ""))
+            if not self.torn:
+                self._tell_store()
+            with self.write_lock:
+                self.sock = s
+            while line := f.readline(LINE_MAX + 1):
+                body = json.loads(line)
+                threading.Thread(target=self._answer, args=(body,), daemon=True).start()
+        except (OSError, ValueError):
+            pass
+        finally:
+            with self.write_lock:
+                if self.sock is s:
+                    self.sock = None
+            with contextlib.suppress(OSError):
+                s.close()
+
+    @staticmethod
+    def _line(body: dict[str, Any]) -> bytes:
+        return json.dumps(body).encode() + b"\n"
+
+    def _reply(self, body: dict[str, Any]) -> None:
+        with self.write_lock:
+            if self.sock is not None:
+                with contextlib.suppress(OSError):
+                    self.sock.sendall(self._line(body))
+
+    def _answer(self, body: dict[str, Any]) -> None:
+        rid = body.get("id")
+        try:
+            answer = self._do(str(body.get("op")), body)
+        except Exception as e:  # every request gets its answer
+            answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        self._reply({"id": rid, **answer})
+        if body.get("op") == "teardown" and answer.get("ok") and self.leaving:
+            with self.write_lock:  # the agent hears no more of it here: it reconnects where it is restored
+                if self.sock is not None:
+                    with contextlib.suppress(OSError):
+                        self.sock.shutdown(socket.SHUT_RDWR)
+                    self.sock.close()
+                    self.sock = None
+
+    def _state(self) -> str:
+        return "torn_down" if self.torn else "paused" if self.parked else "running"
+
+    def _tell_store(self) -> None:
+        with contextlib.suppress(Exception):
+            self.store.set(f"tpagent/agent/{self.rank}", self.node)
+
+    # ---- what the agent asks -----------------------------------------------------------------
+
+    def _do(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        from tpagent_rank import backend
+
+        if op == "where":
+            with self.cond:
+                rate = (len(self.times) - 1) / (self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
+                return {"ok": True, "step": self.step, "gen": self.gen, "state": self._state(), "rate": rate,
+                        "groups": len(backend.GROUPS.live())}  # fmt: skip
+        if op == "peers":
+            agents = []
+            for r in range(self.world):
+                key = f"tpagent/agent/{r}"
+                agents.append(self.store.get(key).decode() if self.store.check([key]) else None)
+            return {"ok": True, "agents": agents}
+        if op == "pause":
+            at = int(body["at"])
+            with self.cond:
+                if self.step >= at:
+                    return {"ok": False, "late": True, "step": self.step, "error": f"it is past step {at}"}
+                self.stop_at = at
+            return {"ok": True}
+        if op == "boundary":
+            deadline = time.monotonic() + float(body.get("timeout", 60))
+            with self.cond:
+                while not self.parked:
+                    if not self.cond.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
+                        return {"ok": False, "error": f"it did not reach step {self.stop_at} in time (at {self.step})"}
+                return {"ok": True, "step": self.step}
+        if op == "cancel":
+            with self.cond:
+                if self.torn:
+                    return {"ok": False, "error": "its communicators are torn down: rebuild them first"}
+                self.stop_at, self.parked = None, False
+                self.cond.notify_all()
+            return {"ok": True}
+        if op == "teardown":
+            with self.cond:
+                if not self.parked:
+                    return {"ok": False, "error": "it is not stopped at a boundary"}
+            for g in backend.GROUPS.live():
+                g.teardown()
+            gc.collect()
+            closed = 0
+            if body.get("leaving"):
+                from tpagent_rank import store
+
+                self.detached = store.detach(self.store)
+                closed = len(self.detached)
+                if not closed:
+                    return {
+                        "ok": False,
+                        "error": f"no connection to the job's store ({store.address(self.store)}) "
+                        f"was found among {store.connections()}",
+                    }
+            with self.cond:
+                self.torn, self.leaving = True, bool(body.get("leaving"))
+            return {"ok": True, "closed": closed}
+        if op == "rebuild":
+            gen = int(body["gen"])
+            if self.detached:
+                from tpagent_rank import store
+
+                self.kept.extend(store.reattach(self.detached))
+                self.detached = []
+            self._tell_store()
+            backend.GROUPS.gen = gen
+            for g in backend.GROUPS.live():
+                g.rebuild(gen)
+            with self.cond:
+                self.gen, self.torn, self.leaving = gen, False, False
+            return {"ok": True}
+        if op == "resume":
+            with self.cond:
+                if self.torn:
+                    return {"ok": False, "error": "its communicators are torn down: rebuild them first"}
+                self.stop_at, self.parked = None, False
+                self.cond.notify_all()
+            return {"ok": True}
+        return {"ok": False, "error": f"{op!r} is not a request a rank answers"}
+
+
+def _synchronize() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+RANK: Rank | None = None
+
+
+def group_created(group: Any, store: Any, rank: int, size: int, spec: str | None) -> None:
+    """Called for every delegating group; the first (the default group) starts the rank."""
+    global RANK
+    if RANK is not None:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    name = os.environ.get("TPAGENT_RANK_SOCKET", "")
+    job = os.environ.get("TPAGENT_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "job"
+    RANK = Rank(job, rank, size, store, spec, name)
+    register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step())
+    os.register_at_fork(after_in_child=_forget)
+    RANK.start()
+
+
+def _after_step() -> None:
+    if RANK is not None and RANK.pid == os.getpid():
+        RANK.after_step()
+
+
+def _forget() -> None:
+    """In a forked child (a DataLoader worker): none of this is its own."""
+    global RANK
+    if RANK is not None and RANK.sock is not None:
+        with contextlib.suppress(OSError):
+            os.close(RANK.sock.detach())
+    RANK = None

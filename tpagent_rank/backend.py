@@ -1,0 +1,225 @@
+"""The delegating backend: every process group a rank creates is one of these, for the whole
+run (DDP and FSDP keep the object), forwarding each collective to an inner gloo (CPU tensors)
+or NCCL (CUDA tensors) backend that can be destroyed and rebuilt under a new generation.
+
+PyTorch will not swap the backend under an existing group, so the group is ours and the
+backends inside it are replaceable.  ``torch`` is imported here, and this module is imported
+only once the user's own code has imported ``torch.distributed`` (see :mod:`tpagent_rank.boot`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+NAME = "tpagent"
+#: The backends that exist for each device type (what the user's spec named).
+KNOWN = ("gloo", "nccl")
+
+
+def device_specs(spec: str | None) -> dict[str, str]:
+    """The user's backend spec ("gloo", "nccl", "cpu:gloo,cuda:nccl", None) as device -> backend."""
+    if spec is None or spec in ("", "undefined"):
+        return {"cpu": "gloo", "cuda": "nccl"} if torch.cuda.is_available() else {"cpu": "gloo"}
+    spec = str(spec).lower()
+    if ":" in spec:
+        return dict(part.split(":", 1) for part in spec.split(","))
+    if spec == "nccl":
+        return {"cuda": "nccl"}
+    return {"cpu": spec, "cuda": spec} if spec == "gloo" else {"cpu": spec}
+
+
+def unsupported(spec: str | None) -> str | None:
+    """Why a spec cannot be delegated (a backend we do not rebuild), else None."""
+    for backend in device_specs(spec).values():
+        if backend not in KNOWN:
+            return f"backend {backend!r} is not one tpagent can rebuild (gloo, nccl)"
+    return None
+
+
+class Groups:
+    """Every delegating group of this process, in creation order."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.all: list[weakref.ref[DelegatingGroup]] = []
+        self.gen = 0
+
+    def add(self, g: DelegatingGroup) -> None:
+        with self.lock:
+            self.all.append(weakref.ref(g))
+
+    def live(self) -> list[DelegatingGroup]:
+        with self.lock:
+            return [g for r in self.all if (g := r()) is not None]
+
+
+GROUPS = Groups()
+#: The spec the next group is created with (set around init_process_group/new_group).
+PENDING_SPEC = threading.local()
+
+
+_ProcessGroup: Any = dist.ProcessGroup  # (its stubs overload each collective; ours forward any of them)
+
+
+class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, spec: dict[str, str]) -> None:
+        super().__init__(rank, size)
+        self._store, self._rank, self._size, self._timeout, self._spec = store, rank, size, timeout, spec
+        self._inner: dict[str, Any] = {}
+        self._works: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._build(GROUPS.gen)
+        GROUPS.add(self)
+
+    # ---- the inner backends ------------------------------------------------------------------
+
+    def _build(self, gen: int) -> None:
+        store = self._store if gen == 0 else c10d.PrefixStore(f"tpagent/{gen}/", self._store)
+        inner: dict[str, Any] = {}
+        made: dict[str, Any] = {}
+        for device, backend in self._spec.items():
+            if backend not in made:
+                if backend == "gloo":
+                    made[backend] = c10d.ProcessGroupGloo(store, self._rank, self._size, self._timeout)
+                else:  # nccl (no GPU where this was written: see the GPU tests)
+                    opts = c10d.ProcessGroupNCCL.Options()
+                    opts._timeout = self._timeout
+                    made[backend] = c10d.ProcessGroupNCCL(store, self._rank, self._size, opts)
+            inner[device] = made[backend]
+        with self._lock:
+            self._inner = inner
+
+    def teardown(self) -> None:
+        """Wait for what is in flight, then destroy the inner backends (their sockets close)."""
+        for w in list(self._works):
+            with contextlib.suppress(RuntimeError):
+                w.wait()
+        if torch.cuda.is_available() and "cuda" in self._inner:
+            torch.cuda.synchronize()
+        with self._lock:
+            inner, self._inner = self._inner, {}
+        for b in {id(b): b for b in inner.values()}.values():
+            if hasattr(b, "shutdown") and "NCCL" in type(b).__name__:
+                b.shutdown()
+        del inner
+
+    def rebuild(self, gen: int) -> None:
+        self._build(gen)
+
+    def _pick(self, tensors: Any) -> Any:
+        t = tensors
+        while isinstance(t, list | tuple):
+            if not t:
+                break
+            t = t[0]
+        device = t.device.type if isinstance(t, torch.Tensor) else "cpu"
+        with self._lock:
+            inner = self._inner.get(device) or self._inner.get("cpu") or next(iter(self._inner.values()), None)
+        if inner is None:
+            raise RuntimeError("tpagent_rank: a collective was called while the communicators were torn down")
+        return inner
+
+    def _track(self, work: Any) -> Any:
+        self._works.add(work)
+        return work
+
+    # ---- collectives: each forwarded as it is -------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return NAME
+
+    def name(self) -> str:
+        return NAME
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+        return self._track(self._pick(tensors).allreduce(tensors, opts or c10d.AllreduceOptions()))
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
+        return self._track(self._pick(tensors).allreduce_coalesced(tensors, opts or c10d.AllreduceCoalescedOptions()))
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> Any:
+        return self._track(self._pick(tensors).broadcast(tensors, opts or c10d.BroadcastOptions()))
+
+    def reduce(self, tensors: Any, opts: Any = None) -> Any:
+        return self._track(self._pick(tensors).reduce(tensors, opts or c10d.ReduceOptions()))
+
+    def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._track(self._pick(inputs).allgather(outputs, inputs, opts or c10d.AllgatherOptions()))
+
+    def _allgather_base(self, output: Any, input: Any, opts: Any = None) -> Any:  # noqa: A002
+        return self._track(self._pick(input)._allgather_base(output, input, opts or c10d.AllgatherOptions()))
+
+    def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._track(self._pick(inputs).allgather_coalesced(outputs, inputs, opts or c10d.AllgatherOptions()))
+
+    def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        inner = self._pick(inputs)
+        return self._track(inner.allgather_into_tensor_coalesced(outputs, inputs, opts or c10d.AllgatherOptions()))
+
+    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._track(self._pick(outputs).reduce_scatter(outputs, inputs, opts or c10d.ReduceScatterOptions()))
+
+    def _reduce_scatter_base(self, output: Any, input: Any, opts: Any = None) -> Any:  # noqa: A002
+        inner = self._pick(output)
+        return self._track(inner._reduce_scatter_base(output, input, opts or c10d.ReduceScatterOptions()))
+
+    def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        inner = self._pick(outputs)
+        opts = opts or c10d.ReduceScatterOptions()
+        return self._track(inner.reduce_scatter_tensor_coalesced(outputs, inputs, opts))
+
+    def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._track(self._pick(inputs).alltoall(outputs, inputs, opts or c10d.AllToAllOptions()))
+
+    def alltoall_base(self, output: Any, input: Any, out_splits: Any, in_splits: Any, opts: Any = None) -> Any:  # noqa: A002
+        inner = self._pick(input)
+        return self._track(inner.alltoall_base(output, input, out_splits, in_splits, opts or c10d.AllToAllOptions()))
+
+    def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._track(self._pick(inputs).gather(outputs, inputs, opts or c10d.GatherOptions()))
+
+    def scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        return self._track(self._pick(outputs).scatter(outputs, inputs, opts or c10d.ScatterOptions()))
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:
+        return self._track(self._pick(tensors).send(tensors, dst, tag))
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> Any:
+        return self._track(self._pick(tensors).recv(tensors, src, tag))
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
+        return self._track(self._pick(tensors).recv_anysource(tensors, tag))
+
+    def barrier(self, opts: Any = None) -> Any:
+        with self._lock:
+            inner = self._inner.get("cpu") or next(iter(self._inner.values()), None)
+        if inner is None:
+            raise RuntimeError("tpagent_rank: a barrier was called while the communicators were torn down")
+        return self._track(inner.barrier(opts or c10d.BarrierOptions()))
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
+        return self._pick([]).monitored_barrier(timeout, wait_all_ranks)
+
+
+def create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> DelegatingGroup:
+    """The creator registered with torch.distributed."""
+    spec = getattr(PENDING_SPEC, "spec", None)
+    group = DelegatingGroup(store, rank, size, timeout, device_specs(spec))
+    from tpagent_rank import agent  # (the default group is the first: the rank says hello then)
+
+    agent.group_created(group, store, rank, size, spec)
+    return group
+
+
+def register() -> None:
+    if getattr(dist.Backend, NAME.upper(), None) is None:
+        devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+        dist.Backend.register_backend(NAME, create, devices=devices)

@@ -1,0 +1,106 @@
+"""Letting go of the job's store before a freeze, and taking it back after.
+
+The TCPStore client never reconnects by itself, and CRIU would carry its established
+connection to a node where its local address does not exist.  So before a moving rank is
+frozen, every descriptor of this process connected to the store gets an unconnected socket
+put in its place (``dup2``: the client keeps its descriptor number); after the restore a fresh
+client of the same store (which does the store's own handshake) lends its connection to the
+old descriptor the same way, and is kept, unused, so that its own descriptor stays open.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from datetime import timedelta
+from typing import Any
+
+
+def _underlying(store: Any) -> Any:
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def _inodes() -> dict[int, int]:
+    """Socket inode -> descriptor of this process."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out[int(link[8:-1])] = int(fd)
+    return out
+
+
+def _addr(hexaddr: str) -> str:
+    ip, port = hexaddr.split(":")
+    if len(ip) == 8:
+        return f"{socket.inet_ntop(socket.AF_INET, struct.pack('<I', int(ip, 16)))}:{int(port, 16)}"
+    raw = b"".join(struct.pack("<I", int(ip[i : i + 8], 16)) for i in range(0, 32, 8))
+    return f"[{socket.inet_ntop(socket.AF_INET6, raw)}]:{int(port, 16)}"
+
+
+def connections() -> dict[int, str]:
+    """Descriptor -> remote address of this process's established TCP connections."""
+    fds = _inodes()
+    out = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "01" and int(f[9]) in fds:  # ESTABLISHED
+                out[fds[int(f[9])]] = _addr(f[2])
+    return out
+
+
+def _ips(host: str) -> set[str]:
+    try:
+        return {str(a[4][0]) for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        return {host}
+
+
+def address(store: Any) -> str:
+    base = _underlying(store)
+    return f"{getattr(base, 'host', '?')}:{getattr(base, 'port', '?')} ({type(base).__name__})"
+
+
+def detach(store: Any) -> list[tuple[int, str, int]]:
+    """Put an unconnected socket in place of every connection to ``store``; what was detached."""
+    base = _underlying(store)
+    host, port = str(base.host), int(base.port)
+    ips = _ips(host)
+    out = []
+    for fd, remote in connections().items():
+        ip, _, p = remote.rpartition(":")
+        ip = ip.strip("[]").removeprefix("::ffff:")  # (an IPv4 peer of an IPv6 socket)
+        if int(p) == port and ip in ips:
+            family = socket.AF_INET6 if remote.startswith("[") else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as placeholder:
+                os.dup2(placeholder.fileno(), fd)
+            out.append((fd, host, port))
+    return out
+
+
+def reattach(detached: list[tuple[int, str, int]], timeout: float = 60.0) -> list[Any]:
+    """Connect each detached descriptor to its store again; the clients to keep alive."""
+    from torch._C import _distributed_c10d as c10d
+
+    kept = []
+    for fd, host, port in detached:
+        before = set(connections())
+        client = c10d.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
+                               wait_for_workers=False)  # fmt: skip
+        new = [f for f, remote in connections().items() if f not in before and remote.endswith(f":{port}")]
+        if len(new) != 1:
+            raise RuntimeError(f"the store at {host}:{port} was reached, but its connection could not be told apart")
+        os.dup2(new[0], fd)
+        kept.append(client)
+    return kept
