@@ -226,6 +226,9 @@ class Node:
                 raise Refused("moved needs the agent the rank went to.", Why.INVALID)
             self.ranks.moved(job, rank, to)
             return {"ok": True}
+        if op == "release":
+            self.ranks.release(job, rank)
+            return {"ok": True}
         if op == "locate":
             where = self.ranks.locate(job, rank)
             if where["state"] == "gone" and job in self.rewiring:  # (ended here, not yet known there)

@@ -19,17 +19,21 @@ for it (bounded).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
+import os
 import socket
 import struct
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from snapshot import proc
+from snapshot.safefs import private_dir
 from tpagent import launch
 from tpagent.api import AgentError, Refused, Why
 from tpagent.threads import Threads
@@ -43,6 +47,13 @@ RUNTIME_OPS = frozenset({"where", "peers", "pause", "boundary", "cancel", "teard
 PENDING_MAX = 64
 PENDING_FOR = 30.0
 MAX_JOB = 200
+#: Where a rank that let go of its agent to be frozen looks for the word to come back (a file
+#: named by :func:`go_name`; the same as tpagent_rank.agent's, which cannot import us).
+GO_DIR = Path("/run/tpagent/rank-go")
+
+
+def go_name(job: str, rank: int) -> str:
+    return hashlib.sha256(f"{job}\0{rank}".encode()).hexdigest()[:32]
 
 
 def valid_job(job: str) -> bool:
@@ -238,6 +249,8 @@ class Ranks:
         return h
 
     def _attach(self, sock: socket.socket, pid: int, hello: dict[str, Any]) -> _Conn | None:
+        with contextlib.suppress(OSError):  # (it came back: the word it waited for is spent)
+            os.unlink(GO_DIR / go_name(str(hello["job"]), int(hello["rank"])))
         """The connection, once its registration is there (it may come later: then it waits)."""
         init = proc.namespace_init(pid)
         key = (hello["job"], hello["rank"])
@@ -323,7 +336,21 @@ class Ranks:
             if time.monotonic() > deadline:
                 raise RankGone(f"rank {rank} of job {job} did not connect to this agent within {timeout:.0f} s")
             time.sleep(0.05)
-        return conn.call(body, max(0.1, deadline - time.monotonic()))
+        answer = conn.call(body, max(0.1, deadline - time.monotonic()))
+        leaving = body.get("op") == "teardown" and body.get("leaving") and answer.get("ok")
+        # It is about to be frozen: it must hold no connection to us by then.
+        if leaving and not conn.closed.wait(max(1.0, deadline - time.monotonic())):
+            return {"ok": False, "error": "it did not let go of its connection to the agent"}
+        return answer
+
+    def release(self, job: str, rank: int) -> None:
+        """Tell a rank that let go of its agent (to be frozen) to connect again (to this one)."""
+        self.entry(job, rank)
+        go = private_dir(GO_DIR)
+        os.chmod(go, 0o711)  # (ranks run as their users: they may look for their file, not list the others)
+        path = go / go_name(job, rank)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        os.close(fd)
 
     def moved(self, job: str, rank: int, to: str) -> None:
         with self.lock:

@@ -238,6 +238,11 @@ class Rewire:
     def _rebuild(self, agents: list[str], gen: int, failed: str = "") -> None:
         self.state = "restoring" if not failed else "failed"
         t = time.monotonic()
+        for r in self.moving:  # they let go of their agent to be frozen: back to the one where they run now
+            try:
+                self.ask(agents[r], self.job, r, {"op": "release"}, self.timeout)
+            except AgentError as e:
+                raise RewireFailed(f"rank {r} cannot be told to come back to {agents[r]} ({e})") from e
         built = self._all(agents, lambda r: {"op": "rebuild", "gen": gen, "timeout": self.timeout},
                           self.timeout + 5)  # fmt: skip
         bad = self._fails(built, f"build its communicators (generation {gen})")

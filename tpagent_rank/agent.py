@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 import os
 import socket
@@ -22,6 +23,13 @@ from typing import Any
 #: What the rank says when it cannot keep a rule of the protocol (stderr, one line).
 PREFIX = "tpagent_rank: "
 LINE_MAX = 64 * 1024
+#: Where an agent says "come back" to a rank that let go of it to be frozen (a file: while it may
+#: be frozen, the rank must hold no socket to the agent, so it looks for the file instead).
+GO_DIR = "/run/tpagent/rank-go"
+
+
+def go_name(job: str, rank: int) -> str:
+    return hashlib.sha256(f"{job}\0{rank}".encode()).hexdigest()[:32]
 
 
 def say(text: str) -> None:
@@ -87,6 +95,9 @@ class Rank:
     def _connection(self) -> None:
         warned = False
         while os.getpid() == self.pid:
+            if self.leaving and not os.path.exists(os.path.join(GO_DIR, go_name(self.job, self.rank))):
+                time.sleep(0.1)  # (no socket until an agent says so: it may be freezing us)
+                continue
             s = self._connect()
             if s is None:
                 if not warned and not self.torn:
@@ -117,6 +128,13 @@ class Rank:
                 self.sock = s
             while line := f.readline(LINE_MAX + 1):
                 body = json.loads(line)
+                if body.get("op") == "teardown" and body.get("leaving"):
+                    # Answered here, then this thread closes the connection itself (nothing blocked
+                    # on it): the agent freezes the rank only once it has seen it closed.
+                    self._answer(body)
+                    if self.leaving:
+                        break
+                    continue
                 threading.Thread(target=self._answer, args=(body,), daemon=True).start()
         except (OSError, ValueError):
             pass
@@ -124,6 +142,8 @@ class Rank:
             with self.write_lock:
                 if self.sock is s:
                     self.sock = None
+            with contextlib.suppress(OSError):
+                f.close()
             with contextlib.suppress(OSError):
                 s.close()
 
@@ -144,13 +164,6 @@ class Rank:
         except Exception as e:  # every request gets its answer
             answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         self._reply({"id": rid, **answer})
-        if body.get("op") == "teardown" and answer.get("ok") and self.leaving:
-            with self.write_lock:  # the agent hears no more of it here: it reconnects where it is restored
-                if self.sock is not None:
-                    with contextlib.suppress(OSError):
-                        self.sock.shutdown(socket.SHUT_RDWR)
-                    self.sock.close()
-                    self.sock = None
 
     def _state(self) -> str:
         return "torn_down" if self.torn else "paused" if self.parked else "running"

@@ -49,7 +49,7 @@ class FakeRank:
             if op == "where":
                 return {"ok": True, "step": self.step, "gen": self.gen, "rate": 100.0}
             if op == "pause":
-                if self.step > body["at"]:
+                if self.step >= body["at"]:
                     return {"ok": False, "late": True, "step": self.step, "error": "past it"}
                 self.stop_at = body["at"]
                 self.parked = self.step >= self.stop_at
@@ -117,7 +117,7 @@ class Job:
         self.asked.append((address, rank, body["op"]))
         if body["op"] == "peers":
             return {"ok": True, "agents": list(self.where)}
-        if body["op"] in ("expect", "moved"):
+        if body["op"] in ("expect", "moved", "release"):
             return {"ok": True}
         assert address == self.where[rank], f"rank {rank} asked at {address}, it runs at {self.where[rank]}"
         return self.ranks[rank].answer(body)
