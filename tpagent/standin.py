@@ -13,6 +13,7 @@ the whole worker group if a child exited).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -53,7 +54,9 @@ def runtime_dir(root: Path = RUNTIME_ROOT) -> Path:
     """The directory put on a rank's PYTHONPATH: only :mod:`tpagent_rank` and its start-up file."""
     from tpagent_rank import layout  # type: ignore[attr-defined,unused-ignore]
 
-    dest = root / tpagent_rank.__version__
+    package = Path(tpagent_rank.__file__).parent
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(package.glob("*.py")))).hexdigest()[:16]
+    dest = root / f"{tpagent_rank.__version__}-{digest}"  # (an upgrade gets a directory of its own)
     if (dest / "sitecustomize.py").is_file():
         return dest
     root.mkdir(parents=True, exist_ok=True, mode=0o755)
