@@ -5,7 +5,8 @@ connection to a node where its local address does not exist.  So before a moving
 frozen, every descriptor of this process connected to the store gets an unconnected socket
 put in its place (``dup2``: the client keeps its descriptor number); after the restore a fresh
 client of the same store (which does the store's own handshake) lends its connection to the
-old descriptor the same way, and is kept, unused, so that its own descriptor stays open.
+old descriptor the same way (its own descriptor gets an unconnected socket), and is kept,
+unused, so that nothing ever closes that descriptor number.
 """
 
 from __future__ import annotations
@@ -103,5 +104,9 @@ def reattach(detached: list[tuple[int, str, int]], timeout: float = 60.0) -> lis
         if len(new) != 1:
             raise RuntimeError(f"the store at {host}:{port} was reached, but its connection could not be told apart")
         os.dup2(new[0], fd)
+        # The new client's own descriptor lets go of the connection too (one holder of it: a
+        # later detach finds it once); the client is kept, never used, so nothing closes that number.
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as placeholder:
+            os.dup2(placeholder.fileno(), new[0])
         kept.append(client)
     return kept
