@@ -11,7 +11,8 @@ resolved, and so does ``importlib.import_module("a.literal.name")``.  The rules:
   * no cycle between modules;
   * the layers import only downwards: snapshot < transfer < tpagent < cli;
   * tpagent_rank, which is loaded into users' training processes, imports only itself, the
-    standard library, and torch (inside a function: lazily, the user's own).
+    standard library, and torch (the user's own); a module of it that imports torch at its top
+    is imported by the others only inside a function (lazily), and never by the package itself.
 
 Prints a summary of the graph (for the release notes) on stdout, one line per problem on
 stderr, and exits 1 if there was any problem (2: ROOT is not a directory).
@@ -221,6 +222,13 @@ def cycle_problems(modules: dict[str, Module], graph: dict[str, dict[str, int]])
 def layer_problems(modules: dict[str, Module]) -> list[str]:
     stdlib = sys.stdlib_module_names
     out = []
+    # tpagent_rank's modules that need torch to exist (its delegating backend): they may import it at
+    # their top, as long as the rest of tpagent_rank imports them only lazily, in a function.
+    torch_bound = {
+        m.name
+        for m in modules.values()
+        if m.package == RANK and any(i.name.split(".")[0] in RANK_MAY_IMPORT and not i.in_function for i in m.imports)
+    }
     for module in modules.values():
         for imp in module.imports:
             top = imp.name.split(".")[0]
@@ -232,10 +240,10 @@ def layer_problems(modules: dict[str, Module]) -> list[str]:
                     )
                 elif top not in stdlib and top not in RANK_MAY_IMPORT and top != RANK:
                     out.append(f"{at}: tpagent_rank imports only the standard library and torch")
-                elif top in RANK_MAY_IMPORT and not imp.in_function:
-                    out.append(
-                        f"{at} at import time: tpagent_rank imports torch lazily, inside the function that needs it"
-                    )
+                elif top in RANK_MAY_IMPORT and not imp.in_function and module.name == RANK:
+                    out.append(f"{at} at import time: importing tpagent_rank must not import torch")
+                elif imp.name in torch_bound and not imp.in_function and module.name not in torch_bound:
+                    out.append(f"{at} (which needs torch) at import time: import it inside the function that needs it")
             elif top in LAYERS and LAYERS.index(top) > LAYERS.index(module.package):
                 out.append(f"{at}: a lower layer imports a higher one ({' < '.join(LAYERS)})")
     return out

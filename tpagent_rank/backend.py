@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -213,10 +214,13 @@ def create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Del
     """The creator registered with torch.distributed."""
     spec = getattr(PENDING_SPEC, "spec", None)
     group = DelegatingGroup(store, rank, size, timeout, device_specs(spec))
-    from tpagent_rank import agent  # (the default group is the first: the rank says hello then)
-
-    agent.group_created(group, store, rank, size, spec)
+    if ON_GROUP:  # (the default group is the first: the rank says hello then)
+        ON_GROUP[0](group, store, rank, size, spec)
     return group
+
+
+#: Called with each group created: (group, store, rank, size, the user's spec).
+ON_GROUP: list[Callable[[DelegatingGroup, Any, int, int, str | None], None]] = []
 
 
 def register() -> None:

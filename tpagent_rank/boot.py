@@ -41,6 +41,10 @@ def _with_backend(fn: Callable[..., Any], index: int, default: bool) -> Callable
             say(f"{why}: this process group cannot be rewired")
             return fn(*args, **kwargs)
         b.register()
+        if not b.ON_GROUP:
+            from tpagent_rank import agent
+
+            b.ON_GROUP.append(agent.group_created)
         if len(args_l) > index:
             args_l[index] = b.NAME
         else:

@@ -51,8 +51,8 @@ def connections() -> dict[int, str]:
     out = {}
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
-            with open(table) as f:
-                lines = f.read().splitlines()[1:]
+            with open(table) as t:
+                lines = t.read().splitlines()[1:]
         except OSError:
             continue
         for line in lines:

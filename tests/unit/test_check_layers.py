@@ -134,8 +134,13 @@ def test_a_clean_tree_passes_and_is_summarised(
         ),
         (
             {"tpagent_rank/__init__.py": "import torch.distributed\n"},
-            "tpagent_rank/__init__.py:1: tpagent_rank imports torch.distributed at import time: tpagent_rank imports "
-            "torch lazily, inside the function that needs it",
+            "tpagent_rank/__init__.py:1: tpagent_rank imports torch.distributed at import time: importing "
+            "tpagent_rank must not import torch",
+        ),
+        (
+            {"tpagent_rank/b.py": "import torch\n", "tpagent_rank/a.py": "import tpagent_rank.b\n"},
+            "tpagent_rank/a.py:1: tpagent_rank.a imports tpagent_rank.b (which needs torch) at import time: import "
+            "it inside the function that needs it",
         ),
         (
             {"snapshot/a.py": "from ... import x\n"},
@@ -156,6 +161,7 @@ def test_a_clean_tree_passes_and_is_summarised(
         "rank-imports-a-dependency",
         "rank-import_module",
         "rank-torch-at-import",
+        "rank-imports-torch-bound-eagerly",
         "relative-too-high",
         "syntax-error",
     ],
