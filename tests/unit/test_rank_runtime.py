@@ -1,0 +1,83 @@
+"""The rank runtime as a training process meets it: its directory on PYTHONPATH, an ordinary
+script.  Inert without TPAGENT_RANK_SOCKET; with it, process groups are the delegating kind, a
+step still trains, an environment's own sitecustomize still runs, and no agent is no error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tpagent_rank.layout import write_runtime_dir
+
+pytest.importorskip("torch")
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, tempfile
+    import torch, torch.distributed as dist
+    init = dist.init_process_group
+    store = dist.FileStore(tempfile.mktemp(), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    sub = dist.new_group([0])
+    t = torch.ones(1)
+    dist.all_reduce(t, group=sub)
+    print(json.dumps({
+        "patched": getattr(init, "__tpagent__", False),
+        "group": type(dist.group.WORLD).__name__,
+        "sub": type(sub).__name__,
+        "loss": loss.item().hex(),
+        "site": os.environ.get("USER_SITE_RAN", ""),
+        "mods": sorted(m for m in sys.modules if m.startswith("tpagent_rank")),
+    }))
+    dist.destroy_process_group()
+    """
+)
+
+
+def _run(tmp_path: Path, **env: str) -> tuple[dict[str, object], str]:
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(exist_ok=True)
+    if not (runtime / "sitecustomize.py").exists():
+        write_runtime_dir(runtime)
+    user = tmp_path / "user"
+    user.mkdir(exist_ok=True)
+    (user / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = 'yes'\n")
+    (tmp_path / "job.py").write_text(SCRIPT)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "job.py")],
+        env={**base, "PYTHONPATH": f"{runtime}{os.pathsep}{user}", **env},
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def test_inert_without_the_agents_socket(tmp_path: Path) -> None:
+    seen, _ = _run(tmp_path)
+    assert seen["patched"] is False
+    assert seen["group"] == "ProcessGroup", "a process group was changed although the runtime was off"
+    assert seen["mods"] == [], "the runtime was loaded although TPAGENT_RANK_SOCKET is unset"
+    assert seen["site"] == "yes", "the environment's own sitecustomize did not run"
+
+
+def test_on_a_rank_groups_delegate_and_the_step_is_the_same(tmp_path: Path) -> None:
+    plain, _ = _run(tmp_path)
+    seen, err = _run(tmp_path, TPAGENT_RANK_SOCKET=f"tpagent-test-{os.getpid()}-none", TPAGENT_JOB="j")
+    assert seen["patched"] is True
+    assert seen["group"] == "DelegatingGroup" and seen["sub"] == "DelegatingGroup"
+    assert seen["loss"] == plain["loss"], "the delegating backend changed the result"
+    assert seen["site"] == "yes", "the environment's own sitecustomize did not run after ours"
+    assert "no agent answers" in err, "a rank without an agent should say it cannot be moved"
