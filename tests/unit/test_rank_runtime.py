@@ -58,7 +58,9 @@ def _run(tmp_path: Path, **env: str) -> tuple[dict[str, object], str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
     done = subprocess.run(
         [sys.executable, str(tmp_path / "job.py")],
-        env={**base, "PYTHONPATH": f"{runtime}{os.pathsep}{user}", **env},
+        # (what the caller has on PYTHONPATH stays, after ours: as nobody, it is how torch is found)
+        env={**base, "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), str(user), base.get("PYTHONPATH")])),
+             **env},
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
