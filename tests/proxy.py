@@ -30,6 +30,9 @@ class Proxy:
     #: While this says so, server->client bytes are swallowed (a reply that never arrives).
     swallow_replies: Callable[[], bool] = lambda: False
     swallowed: int = 0
+    #: Each connection's client->server bytes are recorded up to this many (the tests' snapshots
+    #: are a few MiB: all of a stream, whichever chunks it happened to carry).
+    record_limit: int = 16 << 20
 
     def __post_init__(self) -> None:
         self.server = socket.create_server(self.listen)
@@ -75,7 +78,7 @@ class Proxy:
                     dst.sendall(data[: self.cut_at - seen])
                     self.dead = self.dead_after_cut
                     break
-                if record and len(log) < 1 << 20:
+                if record and len(log) < self.record_limit:
                     log += data
                 if not record and self.swallow_replies():
                     self.swallowed += len(data)
