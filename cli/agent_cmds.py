@@ -107,11 +107,13 @@ def migrate(
     agent = stub(source, creds)
     call = agent.Migrate(pb.MigrateRequest(pid=pid, target=to, dry_run=dry_run, job=job, ranks=ranks))
     last: Any = None
+    first = ""  # the migration's id (a rewire's: its ranks' own migrations have ids of their own)
     shown = ""
     said: list[str] = []  # what the checks said on the way (a dry run: what the target would reserve)
     try:
         for event in call:
             last = event
+            first = first or event.migration_id
             if event.message and event.message not in said:
                 said.append(event.message)
             if not as_json:
@@ -130,7 +132,7 @@ def migrate(
     except KeyboardInterrupt:
         call.cancel()
         typer.echo("\ninterrupted: the agent rolls the migration back...", err=True)
-        last = _wait_final(agent, pb, last)
+        last = _wait_final(agent, pb, last, first)
         _report(last, as_json, dry_run)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     if last is not None and last.state in ("failed", "checking"):  # it ended in its checks (a dry run's: "checking")
@@ -213,13 +215,13 @@ def _show(event: Any, shown: str) -> str:
     return shown
 
 
-def _wait_final(agent: Any, pb: Any, last: Any, seconds: float = 120.0) -> Any:
+def _wait_final(agent: Any, pb: Any, last: Any, migration_id: str, seconds: float = 120.0) -> Any:
     if last is None:
         return None
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            status = agent.Status(pb.MigrationRef(migration_id=last.migration_id), timeout=10)
+            status = agent.Status(pb.MigrationRef(migration_id=migration_id), timeout=10)
         except grpc.RpcError:
             time.sleep(0.5)
             continue

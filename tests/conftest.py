@@ -11,7 +11,7 @@ from helpers import Workload
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
 
-pytest_plugins = ["cluster_fixtures"]
+pytest_plugins = ["cluster_fixtures", "rankjob"]
 
 #: Marks a test (or, as ``pytestmark``, a module) that needs root and a working CRIU >= 4.2.
 #: Such tests are skipped where CRIU cannot be used, unless TPAGENT_TESTS_NEED_CRIU is set

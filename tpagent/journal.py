@@ -148,6 +148,22 @@ def target_record(migration_id: str, **kw: Any) -> Record:
     return Record(migration_id, Role.TARGET, TargetState.RECEIVING, **kw)
 
 
+def write_durably(path: Path, data: Any) -> None:
+    """``data`` as JSON at ``path`` (0600, in a private directory), whole after a crash or a
+    power loss: written aside, fsynced, renamed over ``path``, and the directory fsynced."""
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w", opener=private_opener) as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)  # the rename itself survives a power loss too
+    finally:
+        os.close(fd)
+
+
 class Journal:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -159,18 +175,8 @@ class Journal:
         return self.directory / f"{migration_id}.json"
 
     def write(self, record: Record) -> None:
-        tmp = self.path(record.migration_id).with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            with open(tmp, "w", opener=private_opener) as f:
-                json.dump(record.to_json(), f)
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.rename(self.path(record.migration_id))
-            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)  # the rename itself survives a power loss too
-            finally:
-                os.close(fd)
+            write_durably(self.path(record.migration_id), record.to_json())
         except OSError as e:
             raise JournalError(f"the journal of migration {record.migration_id} cannot be written: {e.strerror}") from e
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import os
 import signal
@@ -24,6 +25,7 @@ import psutil
 from snapshot import gpus, proc, sockets
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
+from snapshot.safefs import private_dir
 from tpagent import __version__, clock, launch, target
 from tpagent.admission import Reservations, sized
 from tpagent.api import (
@@ -44,10 +46,10 @@ from tpagent.api import (
     is_final,
 )
 from tpagent.context import Context
-from tpagent.journal import Record, valid_id
+from tpagent.journal import Record, valid_id, write_durably
 from tpagent.ranks import RUNTIME_OPS, RankGone, Ranks
 from tpagent.resolve import operator_may, resolve_source
-from tpagent.rewire import Rewire
+from tpagent.rewire import PHASES, Rewire, RewireFailed
 from tpagent.source import SourceMigration
 from tpagent.target import Incoming, finish_held, recover_target, settle
 from transfer.api import TransferError
@@ -76,8 +78,11 @@ class Node:
         #: Set at shutdown: no new migration starts, as source or target.
         self.closed = False
         self.reservations = Reservations(self.cfg.work_dir, self.cfg.max_incoming, self._receiving)
-        self.ranks = Ranks(self.cfg.rank_socket, self.cfg.agent_address, ctx.threads)
+        self.ranks = Ranks(self.cfg.rank_socket, self.cfg.agent_address, ctx.threads, self.cfg.work_dir / "ranks.json")
         self.rewiring: set[str] = set()  # jobs whose ranks this agent is moving
+        self.rewires: dict[str, Rewire] = {}  # by id, while they run
+        #: Where rewires are written down (one file each, as the journal's records).
+        self.rewire_dir = self.cfg.work_dir / "rewires"
 
     # ---- the node ------------------------------------------------------------------------
 
@@ -147,13 +152,76 @@ class Node:
             plain = functools.partial(self._start_plain, dry_run=False)
             rw = Rewire(job, moving, self.cfg.agent_address, self.ask, plain, self.cfg.rewire_timeout, dry_run)
             if not dry_run:
-                with self.lock:
-                    if job in self.rewiring:
-                        raise Refused(f"job {job} is already being rewired here; wait for it.", Why.CONFLICT)
-                    self.rewiring.add(job)
-                rw.release = lambda: self.rewiring.discard(job)
+                self._admit_rewire(rw)
             return rw
         return self._start_plain(pid, target, dry_run)
+
+    def _admit_rewire(self, rw: Rewire) -> None:
+        job = rw.job
+        with self.lock:
+            if job in self.rewiring:
+                raise Refused(f"job {job} is already being rewired here; wait for it.", Why.CONFLICT)
+            self.rewiring.add(job)
+            self.rewires[rw.migration_id] = rw
+
+        def release() -> None:
+            with self.lock:
+                self.rewiring.discard(job)
+                self.rewires.pop(rw.migration_id, None)
+
+        rw.release = release
+        rw.save = self._save_rewire
+
+    def _save_rewire(self, record: dict[str, Any]) -> None:
+        private_dir(self.rewire_dir)
+        write_durably(self.rewire_dir / f"{record['rewire_id']}.json", record)
+
+    def _read_rewire(self, rewire_id: str) -> dict[str, Any] | None:
+        if not valid_id(rewire_id):
+            return None
+        try:
+            data = json.loads((self.rewire_dir / f"{rewire_id}.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _settled(self, migration_id: str, target_agent: str, timeout: float) -> int:
+        """After a restart: the copy's PID on the target once migration ``migration_id`` is
+        done, 0 once it rolled back (its original runs here); waits for the journal to say."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                r = self.journal.read(migration_id)
+            except JournalError as e:
+                raise RewireFailed(str(e)) from e
+            if r is None or r.state in (SourceState.ROLLED_BACK, SourceState.FAILED):
+                return 0
+            if r.state is SourceState.DONE:
+                try:
+                    return self.ctx.peer(r.peer).status(migration_id, 10).pid
+                except AgentError as e:
+                    raise RewireFailed(f"the target {r.peer} does not say where the moved rank runs ({e})") from e
+            if time.monotonic() > deadline or self.ctx.threads.stopping.is_set():
+                raise RewireFailed(
+                    f"migration {migration_id} is still unresolved ({r.state.value}); its original stays frozen "
+                    "until its target answers, and the job waits at its boundary"
+                )
+            time.sleep(0.2)
+
+    def _recover_rewires(self) -> None:
+        for path in sorted(self.rewire_dir.glob("*.json")) if self.rewire_dir.is_dir() else []:
+            record = self._read_rewire(path.stem)
+            if record is None or record.get("phase") in PHASES[3:]:
+                continue
+            try:
+                plain = functools.partial(self._start_plain, dry_run=False)
+                rw = Rewire.recover(record, self.ask, plain, self.cfg.rewire_timeout, self._settled)
+                self._admit_rewire(rw)
+            except (KeyError, TypeError, ValueError, Refused) as e:
+                log.error("rewire %s cannot be finished (%s); left for an operator", path.stem, e)
+                continue
+            log.info("rewire %s of job %s: finishing what the agent left at its restart", rw.migration_id, rw.job)
+            self.run(rw)
 
     def _check_migratable(self, pid: int) -> None:
         """Refused in one sentence unless ``pid`` is a process this node may migrate."""
@@ -264,9 +332,18 @@ class Node:
                     self.active.pop(pid, None)
 
     def status(self, migration_id: str) -> PeerStatus:
+        rw = self._read_rewire(migration_id)
+        if rw is not None:  # (a rewire: its state, once final; else the phase it is in)
+            phase = str(rw.get("phase", ""))
+            return PeerStatus(migration_id, phase if phase in PHASES[3:] else "rewiring", str(rw.get("message", "")), 0)
         return status_of(self._record(migration_id))
 
     def cancel(self, migration_id: str) -> PeerStatus:
+        with self.lock:
+            rewire = self.rewires.get(migration_id)
+        if rewire is not None:
+            rewire.cancel("cancelled by the operator")
+            return self.status(migration_id)
         r = self._record(migration_id)
         m = self.sources.get(r.migration_id)
         if m is not None:
@@ -467,3 +544,4 @@ class Node:
                     recover_target(self.ctx, r, self.finish_target, self.settle_target)
             except Exception as e:  # one bad record must not stop the agent
                 log.error("could not recover migration %s: %s", r.migration_id, e)
+        self._recover_rewires()

@@ -36,6 +36,7 @@ from snapshot import proc
 from snapshot.safefs import private_dir
 from tpagent import launch
 from tpagent.api import AgentError, Refused, Why
+from tpagent.journal import write_durably
 from tpagent.threads import Threads
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ RUNTIME_OPS = frozenset({"where", "peers", "pause", "boundary", "cancel", "teard
 PENDING_MAX = 64
 PENDING_FOR = 30.0
 MAX_JOB = 200
+#: Ranks that moved away or ended, remembered (for their stand-ins) at most.
+KEEP_ENDED = 1024
 #: Where a rank that let go of its agent to be frozen looks for the word to come back (a file
 #: named by :func:`go_name`; the same as tpagent_rank.agent's, which cannot import us).
 GO_DIR = Path("/run/tpagent/rank-go")
@@ -154,12 +157,52 @@ def _read_line(f: Any) -> dict[str, Any] | None:
 class Ranks:
     """The ranks on this node, by (job, rank)."""
 
-    def __init__(self, name: str, node_address: str, threads: Threads) -> None:
+    def __init__(self, name: str, node_address: str, threads: Threads, saved: Path | None = None) -> None:
         self.name, self.node_address, self.threads = name, node_address, threads
         self.lock = threading.Lock()
         self.entries: dict[tuple[str, int], RankEntry] = {}
         self.pending: OrderedDict[int, tuple[float, socket.socket, int, dict[str, Any]]] = OrderedDict()
         self.server: socket.socket | None = None
+        #: Where the registrations outlive the agent (a restart must not orphan running ranks).
+        self.saved = saved
+        if saved is not None:
+            self._load(saved)
+
+    # ---- kept across restarts ----------------------------------------------------------------
+
+    def _load(self, path: Path) -> None:
+        """The registrations a previous run of this agent saved: those whose namespace still
+        runs (the same init: PID and start), moved away, or ended with a status to report."""
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            log.error("the ranks saved in %s cannot be read (%s): ranks started before are not known", path, e)
+            return
+        for d in data.get("ranks", []) if isinstance(data, dict) else []:
+            try:
+                code = d["exit_code"] if isinstance(d["exit_code"], int) else None
+                entry = RankEntry(str(d["job"]), int(d["rank"]), int(d["init"]), int(d["init_start"]),
+                                  int(d["world"]), None, code, str(d["moved_to"]))  # fmt: skip
+            except (KeyError, TypeError, ValueError):
+                continue
+            if valid_job(entry.job) and (entry.alive() or entry.moved_to or entry.exit_code is not None):
+                self.entries[(entry.job, entry.rank)] = entry
+
+    def _save(self) -> None:
+        """(Called with the lock held.)  Entries beyond :data:`KEEP_ENDED` that no longer run go first."""
+        if self.saved is None:
+            return
+        ended = [k for k, e in self.entries.items() if e.exit_code is not None or e.moved_to]
+        for k in ended[: max(0, len(ended) - KEEP_ENDED)]:
+            del self.entries[k]
+        rows = [{"job": e.job, "rank": e.rank, "init": e.init, "init_start": e.init_start, "world": e.world,
+                 "exit_code": e.exit_code, "moved_to": e.moved_to} for e in self.entries.values()]  # fmt: skip
+        try:
+            write_durably(self.saved, {"format": 1, "ranks": rows})
+        except OSError as e:
+            log.error("the ranks of this node cannot be saved in %s: %s", self.saved, e.strerror)
 
     # ---- serving ---------------------------------------------------------------------------
 
@@ -264,6 +307,7 @@ class Ranks:
                         entry.conn.close()
                     entry.conn, entry.seen, entry.world = conn, hello, int(hello["world"])
                     entry.exit_code, entry.moved_to = None, ""
+                    self._save()
                     break
             if time.monotonic() > deadline or self.threads.stopping.is_set():
                 log.warning("rank %s of job %s (PID %d) is not registered here: refused", key[1], key[0], pid)
@@ -289,6 +333,7 @@ class Ranks:
                 if e.init == pid:
                     e.exit_code = code
                     log.info("rank %s of job %s exited with status %d", e.rank, e.job, code)
+            self._save()
 
     # ---- what the agent asks ---------------------------------------------------------------
 
@@ -301,11 +346,14 @@ class Ranks:
         entry = RankEntry(job, rank, init, proc.start_ticks(init))
         with self.lock:
             old = self.entries.get((job, rank))
+            if old is not None and old.init == init and old.init_start == entry.init_start and not old.moved_to:
+                return  # (said again, e.g. by a rewire finishing after a restart: nothing changes)
             if old is not None and old.alive() and old.init != init and not old.moved_to:
                 raise Refused(f"rank {rank} of job {job} already runs here (PID {old.init}).", Why.CONFLICT)
             if old is not None and old.conn is not None:
                 old.conn.close()
             self.entries[(job, rank)] = entry
+            self._save()
 
     def of_pid(self, pid: int) -> RankEntry | None:
         """The rank whose namespace holds ``pid`` (its init, or a process inside)."""
@@ -357,6 +405,7 @@ class Ranks:
             e = self.entries.get((job, rank))
             if e is not None:
                 e.moved_to = to
+                self._save()
 
     def locate(self, job: str, rank: int) -> dict[str, Any]:
         """For a stand-in: where its rank is (``here``, ``moved`` to ``node``, ``exited`` with

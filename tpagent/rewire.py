@@ -17,10 +17,17 @@ from the job itself (each rank keeps its agent's address in the job's store).
 Nothing is lost: before the teardown a failure cancels the pause (the job goes on untouched);
 after it, a moving rank whose migration rolled back rebuilds where it was; every wait has a
 deadline (``rewire_timeout``), and a rank that died is named in one sentence.
+
+The agent writes down where a rewire stands (:meth:`Rewire.to_json`, durably, before each phase)
+so that one killed half-way finishes it when it starts again (:meth:`Rewire.recover`): before the
+teardown it cancels the pause; after it, it waits for each moving rank's migration to be settled
+by the journal (its original resumed here, or its copy running on the target) and rebuilds every
+rank where it now runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -42,6 +49,11 @@ log = logging.getLogger(__name__)
 Ask = Callable[[str, str, int, dict[str, Any], float], dict[str, Any]]
 #: A migration of one rank's namespace (by its init PID here) to a target: the ordinary path.
 StartMove = Callable[[int, str], SourceMigration]
+#: settled(migration id, target, timeout) -> the copy's PID once that migration is done, 0 once
+#: it rolled back (or never was), after a restart (raises RewireFailed if it stays unsettled).
+Settled = Callable[[str, str, float], int]
+#: Phases written down (see the module's text); the last three are final.
+PHASES = ("checking", "pausing", "teardown", "done", "rolled_back", "failed")
 
 
 class RewireFailed(Exception):
@@ -67,20 +79,66 @@ class Rewire:
         self.state = "checking"
         self.release: Callable[[], None] = lambda: None
         self.log = logging.LoggerAdapter(log, {"migration": self.migration_id})
+        #: Where it stands, written down by ``save`` (the agent's: durably) before each phase.
+        self.save: Callable[[dict[str, Any]], None] = lambda _record: None
+        self.phase = "checking"
+        self.agents: list[str] = []
+        self.gen = 0
+        self.step = 0
+        self.move_ids: dict[int, str] = {}
+        self.message = ""
+        self.recovering: Settled | None = None
+        self.last_said = ""
+        self.stayed: dict[int, str] = {}  # rank -> why it did not move
+
+    # ---- written down --------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": 1, "rewire_id": self.migration_id, "job": self.job, "here": self.here,
+                "phase": self.phase, "message": self.message, "agents": self.agents, "gen": self.gen,
+                "step": self.step, "moving": {str(r): [i, t] for r, (i, t) in self.moving.items()},
+                "moves": {str(r): m for r, m in self.move_ids.items()}}  # fmt: skip
+
+    def _write(self, phase: str, message: str = "") -> None:
+        self.phase, self.message = phase, message or self.message
+        try:
+            self.save(self.to_json())
+        except OSError as e:
+            raise RewireFailed(f"where the rewire stands cannot be written down ({e.strerror})") from e
+
+    @classmethod
+    def recover(cls, record: dict[str, Any], ask: Ask, start_move: StartMove, timeout: float,
+                settled: Settled) -> Rewire:  # fmt: skip
+        """The rewire a previous run of this agent wrote down and did not finish; :meth:`run`
+        finishes it (raises ValueError for a record that is not one)."""
+        moving = {int(r): (int(v[0]), str(v[1])) for r, v in dict(record["moving"]).items()}
+        rw = cls(str(record["job"]), moving, str(record["here"]), ask, start_move, timeout)
+        rw.migration_id = str(record["rewire_id"])
+        rw.log = logging.LoggerAdapter(log, {"migration": rw.migration_id})
+        rw.phase, rw.message = str(record["phase"]), str(record.get("message", ""))
+        rw.agents = [str(a) for a in record["agents"]]
+        rw.gen, rw.step = int(record["gen"]), int(record["step"])
+        rw.move_ids = {int(r): str(m) for r, m in dict(record.get("moves", {})).items()}
+        if rw.phase not in PHASES or not rw.moving or len(rw.agents) <= max(rw.moving):
+            raise ValueError(f"rewire {rw.migration_id}: not a record this agent can finish")
+        rw.recovering = settled
+        return rw
 
     # ---- what the service sees ----------------------------------------------------------------
 
     def emit(self, message: str = "", new_pid: int = 0, problems: tuple[str, ...] = ()) -> None:
+        if message:
+            self.last_said = message
         self.events.put(Event(self.migration_id, self.state, message, time.monotonic() - self.t0,
                               dict(self.timings), problems, new_pid=new_pid))  # fmt: skip
         if message:
             self.log.info("%s: %s", self.state, message)
 
     def cancel(self, reason: str) -> bool:
+        self.cancel_reason = reason
+        self.cancelled.set()  # (no rank that has not started moving will)
         if self.moves:  # past the teardown, the migrations decide (they may already be pinned)
             return all(m.cancel(reason) for m in self.moves.values())
-        self.cancel_reason = reason
-        self.cancelled.set()
         return True
 
     # ---- the run ------------------------------------------------------------------------------
@@ -109,7 +167,7 @@ class Rewire:
     def run(self) -> MigrationResult:
         outcome, new_pid = Outcome.FAILED, 0
         try:
-            outcome, new_pid = self._run()
+            outcome, new_pid = self._run() if self.recovering is None else self._finish()
         except RewireFailed as e:
             self.state = "failed"
             self.emit(f"job {self.job}: {e}")
@@ -118,10 +176,36 @@ class Rewire:
             self.state = "failed"
             self.emit(f"job {self.job}: internal error: {e}")
         if self.result is None:
+            if not self.dry_run:
+                with contextlib.suppress(RewireFailed):
+                    self._write(self.state if self.state in PHASES[3:] else "failed", self._last_message())
             self.release()
-            self.result = MigrationResult(self.migration_id, outcome, "", new_pid, dict(self.timings))
+            self.result = MigrationResult(self.migration_id, outcome, self.message, new_pid, dict(self.timings))
             self.events.put(None)
         return self.result
+
+    def _last_message(self) -> str:
+        return self.last_said or self.message
+
+    def _finish(self) -> tuple[Outcome, int]:
+        """Finish what a previous run of this agent left (see the module's text)."""
+        assert self.recovering is not None
+        if self.phase in ("checking", "pausing"):  # nothing was torn down: the job just goes on
+            self._all(self.agents, lambda r: {"op": "cancel"}, self.timeout)
+            self.state = "rolled_back"
+            self.emit(f"job {self.job}: the agent restarted before any rank stopped for good; the job goes on "
+                      "as it was, no rank moved")  # fmt: skip
+            return Outcome.ROLLED_BACK, 0
+        agents, new_pid = list(self.agents), 0
+        for r in sorted(self.moving):
+            mid = self.move_ids.get(r)
+            target = self.moving[r][1]
+            pid = self.recovering(mid, target, self.timeout) if mid else 0
+            if pid:
+                self._moved(r, target, pid)
+                agents[r], new_pid = target, pid
+        self._rebuild(agents, self.gen)
+        return self._resumed(agents, new_pid)
 
     def _stage(self, name: str, t0: float) -> None:
         self.timings[name] = round(time.monotonic() - t0, 4)
@@ -154,9 +238,13 @@ class Rewire:
                       + ", ".join(f"rank {r} to {self.moving[r][1]}" for r in ranks))  # fmt: skip
             return Outcome.DRY_RUN, 0
         gen = max(int(a.get("gen", 0)) for a in where.values()) + 1
+        self.agents, self.gen = agents, gen
+        self._write("pausing")
         step = self._boundary(agents, where)
         self._stage("boundary", t_request)
         self.state = "freezing"
+        self.step = step
+        self._write("teardown")
         t = time.monotonic()
         torn = self._all(agents, lambda r: {"op": "teardown", "leaving": r in self.moving}, self.timeout)
         bad = self._fails(torn, "tear its communicators down")
@@ -169,26 +257,42 @@ class Rewire:
         new_pid = 0
         for r in ranks:  # one at a time: each is the ordinary migration, nothing lost on any failure
             init, target = self.moving[r]
+            if self.cancelled.is_set():
+                self.stayed[r] = f"cancelled ({self.cancel_reason})"
+                self.emit(f"rank {r} stays on this node: {self.stayed[r]}")
+                continue
             m = self.start_move(init, target)
             self.moves[r] = m
+            self.move_ids[r] = m.migration_id
+            self._write("teardown")
             result = self._follow(m)
             if result.outcome is Outcome.DONE:
                 agents[r] = target
                 new_pid = result.new_pid
-                self.ask(target, self.job, r, {"op": "expect", "pid": result.new_pid}, self.timeout)
-                self.ask(self.here, self.job, r, {"op": "moved", "to": target}, self.timeout)
+                self._moved(r, target, new_pid)
             elif result.outcome is Outcome.UNRESOLVED:
                 raise RewireFailed(f"rank {r}'s migration {m.migration_id} is unresolved (its original stays "
                                    "frozen until its target answers); the job waits at its boundary")  # fmt: skip
             else:
-                self.emit(f"rank {r} stays on this node: {result.message}")
+                self.stayed[r] = result.message.rstrip(".")
+                self.emit(f"rank {r} stays on this node: {self.stayed[r]}")
         self._stage("migrate", t)
         self._rebuild(agents, gen)
         self.timings["total"] = round(time.monotonic() - t_request, 4)
+        return self._resumed(agents, new_pid)
+
+    def _moved(self, r: int, target: str, pid: int) -> None:
+        """Rank ``r`` runs on ``target`` now (its copy: ``pid`` there): both agents are told."""
+        self.ask(target, self.job, r, {"op": "expect", "pid": pid}, self.timeout)
+        self.ask(self.here, self.job, r, {"op": "moved", "to": target}, self.timeout)
+
+    def _resumed(self, agents: list[str], new_pid: int) -> tuple[Outcome, int]:
+        ranks = sorted(self.moving)
         moved = [r for r in ranks if agents[r] != self.here]
         self.state = "done" if len(moved) == len(ranks) else "rolled_back"
-        where_now = ", ".join(f"rank {r} on {agents[r]}" for r in ranks)
-        self.emit(f"job {self.job} resumed at step {step + 1} with new communicators (generation {gen}): "
+        why = {r: f" (it stayed: {self.stayed[r]})" for r in self.stayed}
+        where_now = ", ".join(f"rank {r} on {agents[r]}{why.get(r, '')}" for r in ranks)
+        self.emit(f"job {self.job} resumed at step {self.step + 1} with new communicators (generation {self.gen}): "
                   f"{where_now}", new_pid=new_pid)  # fmt: skip
         return (Outcome.DONE if self.state == "done" else Outcome.ROLLED_BACK), new_pid
 

@@ -240,7 +240,11 @@ class Rank:
                 self.detached = []
             self._tell_store()
             backend.GROUPS.gen = gen
+            with self.cond:
+                torn = self.torn
             for g in backend.GROUPS.live():
+                if not torn:  # (a rewire finished after its agent restarted: this rank had not got so far)
+                    g.teardown()
                 g.rebuild(gen)
             with self.cond:
                 self.gen, self.torn, self.leaving = gen, False, False

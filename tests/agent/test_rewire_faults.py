@@ -1,0 +1,129 @@
+"""Moving a rank of a running torchrun job when something fails on the way (issue 11): the
+spare dies while the rank is restored on it, a peer rank dies at the boundary, the person at
+the CLI presses Ctrl-C, the source agent is killed mid-migration.  Each time, either the job
+goes on and ends bit-identical to the uninterrupted run (:mod:`rankjob`), with exactly one
+copy of every rank, or the failure is reported in one sentence and nothing waits forever."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cluster import Cluster
+from conftest import needs_criu
+from helpers import wait_until
+from rankjob import Job, steps
+
+pytestmark = [needs_criu, pytest.mark.timeout(600)]
+
+
+def _target_states(c: Cluster, node: str) -> list[str]:
+    return [json.loads(p.read_text())["state"] for p in (c.nodes[node].work / "agent" / "migrations").glob("*.json")]
+
+
+def _moving(job: Job, node: str) -> bool:
+    """The rewire run by ``node``'s agent has started moving its rank (the communicators are down)."""
+    return bool(job.rewire_record(node).get("moves"))
+
+
+def test_the_spare_dies_during_the_restore(quad: Cluster, tmp_path: Path, reference: Path) -> None:
+    """D reboots while the rank is restored on it (and comes back, as a rebooted node does):
+    the rank resumes on B where it stood, every rank rebuilds, the job ends bit-identical."""
+    job = Job(quad, tmp_path)
+    try:
+        job.at_step(1, 20)
+        mig = job.start_move(1, "D", "--json")
+        wait_until(lambda: {"restoring", "ready", "starting", "confirming"} & set(_target_states(quad, "D")),
+                   "D to restore the rank", 180)  # fmt: skip
+        quad.nodes["D"].reboot()
+        quad.nodes["D"].start_agent(rewire_timeout="60")
+        out, err = mig.communicate(timeout=240)
+        doc = json.loads(out)
+        assert mig.returncode == 1 and doc["state"] == "rolled_back", out + err
+        assert "rank 1 on " + quad.nodes["B"].agent_address in doc["message"], doc["message"]
+        assert job.where(1) == "B" and job.copies(1) == ["B"]
+        job.finishes_as(reference)
+    finally:
+        job.close()
+
+
+def test_a_peer_killed_at_the_boundary_is_reported_and_nothing_hangs(quad: Cluster, tmp_path: Path) -> None:
+    """Rank 2 is killed while the ranks stop at the boundary for rank 1's move: the command
+    names rank 2 in one sentence, rank 1 never leaves B, and every torchrun ends (the job failed:
+    one of its ranks is dead) well before any deadline of the rewire, none waiting for it."""
+    job = Job(quad, tmp_path)
+    try:
+        job.at_step(1, 20)
+        victim = job.rank_pid(2)
+        mig = job.start_move(1, "D", "--json")
+        wait_until(lambda: job.rewire_record("B").get("phase") == "pausing", "the ranks to be asked to stop", 60)
+        psutil.Process(victim).kill()
+        t0 = time.monotonic()
+        out, err = mig.communicate(timeout=120)
+        doc = json.loads(out)
+        assert mig.returncode == 1 and doc["state"] == "failed", out + err
+        assert "rank 2 could not" in doc["message"] and "\n" not in doc["message"], doc["message"]
+        assert job.copies(1) in (["B"], []) and not _target_states(quad, "D"), "rank 1 went somewhere"
+        codes = job.wait(timeout=120)
+        assert codes["C"] != 0, "torchrun on C did not see its rank die"
+        assert time.monotonic() - t0 < 120, "the job outlived the deadline of its rewire"
+        assert not any(job.copies(r) for r in range(3)), "a rank is still running"
+        assert job.rewire_record("B")["phase"] == "failed"
+    finally:
+        job.close()
+
+
+def test_the_cli_interrupted(quad: Cluster, tmp_path: Path, reference: Path) -> None:
+    """Ctrl-C once rank 1's migration has started: the agent rolls it back (the rank stays on B),
+    rebuilds every rank where it runs, the command exits 130 saying so, the job ends bit-identical."""
+    job = Job(quad, tmp_path)
+    try:
+        job.at_step(1, 20)
+        mig = job.start_move(1, "D")
+        wait_until(lambda: _moving(job, "B"), "rank 1's migration to start", 120)
+        mig.send_signal(signal.SIGINT)
+        out, err = mig.communicate(timeout=240)
+        assert mig.returncode == 130, out + err
+        assert "rolled_back" in err or "resumed" in out + err, out + err
+        wait_until(lambda: job.rewire_record("B").get("phase") in ("rolled_back", "done"), "the rewire to end", 120)
+        stays = job.rewire_record("B")["phase"] == "rolled_back"
+        assert job.copies(1) == (["B"] if stays else ["D"])
+        n = steps(job.logs, 1)
+        job.at_step(1, n + 5)  # it goes on
+        job.finishes_as(reference)
+    finally:
+        job.close()
+
+
+def test_the_source_agent_killed_mid_migration(quad: Cluster, tmp_path: Path, reference: Path) -> None:
+    """B's agent, which runs the rewire, is killed once rank 1's migration has started (the
+    other ranks wait at the boundary with their communicators down).  Started again, it
+    settles the migration from its journal and finishes the rewire from what it wrote down:
+    every rank rebuilds where it now runs, and the job ends bit-identical."""
+    job = Job(quad, tmp_path)
+    try:
+        job.at_step(1, 20)
+        mig = job.start_move(1, "D", "--json")
+        wait_until(lambda: _moving(job, "B"), "rank 1's migration to start", 120)
+        b = quad.nodes["B"]
+        b.kill_agent()
+        mig.communicate(timeout=60)
+        stopped = {r: steps(job.logs, r) for r in range(3)}
+        time.sleep(2)
+        assert {r: steps(job.logs, r) for r in range(3)} == stopped, "a rank went on with its communicators down"
+        b.start_agent(rewire_timeout="60")
+        wait_until(lambda: job.rewire_record("B").get("phase") in ("rolled_back", "done", "failed"),
+                   "B to finish the rewire it was running", 180)  # fmt: skip
+        record = job.rewire_record("B")
+        assert record["phase"] in ("rolled_back", "done"), record
+        assert "finishing what the agent left" in b.agent_log()
+        where = job.copies(1)
+        assert where == (["B"] if record["phase"] == "rolled_back" else ["D"]), where
+        job.finishes_as(reference)
+    finally:
+        job.close()

@@ -1,0 +1,169 @@
+"""A torchrun DDP job whose ranks tpagent can move (issue 11), for the rewire tests: three
+network-namespace nodes A, B, C run it (gloo, CPU, the unchanged script
+``tests/workloads/ddp_job.py``), a fourth, D, is the spare; each node runs `tpagent serve` and
+every rank is started by `tpagent rank` under torchrun.  ``reference`` is the same job under
+plain torchrun with no tpagent at all: what every run must equal, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from cluster import Cluster
+from helpers import ROOT, wait_until
+from tpagent.client import GrpcPeer
+from tpagent.credentials import Credentials
+
+JOB = ROOT / "tests" / "workloads" / "ddp_job.py"
+RUN = "job1"
+STEPS = 160
+IFNAME = "eth0"  # every node's interface has this name (GLOO_SOCKET_IFNAME holds wherever a rank runs)
+
+
+def rank_log(d: Path, rank: int) -> list[str]:
+    f = d / f"rank{rank}.log"
+    return f.read_text().splitlines() if f.exists() else []
+
+
+def steps(d: Path, rank: int) -> int:
+    return sum(ln.startswith("step ") for ln in rank_log(d, rank))
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("reference")
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(JOB),
+         "--steps", str(STEPS), "--log-dir", str(d)],
+        cwd=ROOT, env={**os.environ, "USE_LIBUV": "0"}, check=True, capture_output=True, timeout=240,
+    )  # fmt: skip
+    assert all(rank_log(d, r)[-1].startswith("done ") for r in range(3))
+    return d
+
+
+@pytest.fixture
+def quad(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, ["A", "B", "C", "D"], ifname=IFNAME)
+    try:
+        for node in c.nodes.values():
+            node.start_agent(rewire_timeout="60")
+        yield c
+    finally:
+        c.close()
+
+
+def _script(p: psutil.Process) -> bool:
+    """The training script itself (not the namespace's init or its holder, whose command lines name it too)."""
+    return p.cmdline()[1:2] == [str(JOB)]
+
+
+class Job:
+    """The job on nodes A, B, C (torchrun's store on A), rank r on the r-th of them."""
+
+    def __init__(self, c: Cluster, tmp: Path, step_time: float = 0.05) -> None:
+        self.c, self.tmp, self.logs = c, tmp, tmp / "logs"
+        self.logs.mkdir()
+        self.runs: dict[str, subprocess.Popen[bytes]] = {}
+        host = c.nodes["A"].addr
+        tpagent = Path(sys.executable).parent / "tpagent"
+        for name in "ABC":
+            node = c.nodes[name]
+            env = {**c.cli_env(name), "GLOO_SOCKET_IFNAME": IFNAME, "USE_LIBUV": "0"}
+            cmd = node.exec(
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:29400", "--rdzv-id", RUN,
+                "--rdzv-conf", f"is_host={int(name == 'A')}", "--local-addr", node.addr, "--max-restarts", "0",
+                "--monitor-interval", "0.5", "--no-python",
+                str(tpagent), "rank", "--agent", node.agent_address, "--stdout", str(tmp / f"rank-on-{name}.out"),
+                "--", sys.executable, str(JOB), "--steps", str(STEPS), "--log-dir", str(self.logs),
+                "--step-time", str(step_time),
+            )  # fmt: skip
+            with open(tmp / f"torchrun-{name}.out", "wb") as out:
+                self.runs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.creds = Credentials.load(c.secret, c.nodes["A"].tls)
+
+    def ask(self, node: str, rank: int, body: dict[str, Any]) -> dict[str, Any]:
+        return GrpcPeer(self.c.nodes[node].agent_address, self.creds).rank(RUN, rank, body, 10)
+
+    def where(self, rank: int) -> str:
+        """The node whose agent has ``rank`` running."""
+        for name in self.c.nodes:
+            try:
+                if self.ask(name, rank, {"op": "locate"})["state"] == "here":
+                    return name
+            except Exception:  # noqa: BLE001 (not known there, or that agent is down)
+                continue
+        raise AssertionError(f"rank {rank} runs nowhere")
+
+    def copies(self, rank: int) -> list[str]:
+        """The nodes where a process of ``rank`` runs (its script with its rank's log)."""
+        out = []
+        for name, node in self.c.nodes.items():
+            for p in node.processes():
+                try:
+                    env = p.environ()
+                    if _script(p) and env.get("RANK") == str(rank) and p.status() != "zombie":
+                        out.append(name)
+                        break
+                except psutil.Error:
+                    continue
+        return out
+
+    def rank_pid(self, rank: int) -> int:
+        """The PID of ``rank``'s script (not its namespace's init)."""
+        for node in self.c.nodes.values():
+            for p in node.processes():
+                try:
+                    if _script(p) and p.environ().get("RANK") == str(rank):
+                        return p.pid
+                except psutil.Error:
+                    continue
+        raise AssertionError(f"rank {rank}'s script runs nowhere")
+
+    def at_step(self, rank: int, n: int) -> None:
+        wait_until(lambda: steps(self.logs, rank) >= n, f"rank {rank} to reach step {n}", 180)
+
+    def move(self, rank: int, to: str) -> subprocess.CompletedProcess[str]:
+        return self.c.migrate(0, self.where(rank), to, "--job", RUN, "--rank", str(rank), timeout=240)
+
+    def start_move(self, rank: int, to: str, *extra: str) -> subprocess.Popen[str]:
+        return self.c.start_migrate(0, self.where(rank), to, "--job", RUN, "--rank", str(rank), *extra)
+
+    def rewire_record(self, node: str) -> dict[str, Any]:
+        """The rewire that ``node``'s agent wrote down (the only one), or {} before it has."""
+        found = list((self.c.nodes[node].work / "agent" / "rewires").glob("*.json"))
+        return dict(json.loads(found[0].read_text())) if found else {}
+
+    def wait(self, timeout: float = 240) -> dict[str, int]:
+        return {name: p.wait(timeout) for name, p in self.runs.items()}
+
+    def output(self) -> str:
+        return "".join((self.tmp / f"torchrun-{n}.out").read_text()[-2000:] for n in "ABC")
+
+    def close(self) -> None:
+        for p in self.runs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def finishes_as(self, reference: Path) -> None:
+        """Every torchrun ends well, never restarting its group, and every rank's losses, step
+        by step, and final parameters are those of the uninterrupted run."""
+        codes = self.wait()
+        assert codes == {"A": 0, "B": 0, "C": 0}, "torchrun (or a stand-in) failed: " + self.output()
+        for r in range(3):
+            got, want = rank_log(self.logs, r), rank_log(reference, r)
+            assert [ln.split()[1] for ln in got if ln.startswith("step ")] == [str(k) for k in range(STEPS)], (
+                f"rank {r}: steps repeated or skipped (the group restarted, or a copy went back)"
+            )
+            assert got == want, f"rank {r}: its losses or final parameters differ from the uninterrupted run"
+        for name in "ABC":
+            assert "Restarting" not in (self.tmp / f"torchrun-{name}.out").read_text()
