@@ -1,0 +1,181 @@
+"""Benchmark: moving a rank of a running torchrun job, and what the rank runtime costs a job
+that never moves.
+
+    python bench/rewire.py [--repeats 3] [--rounds 5] [--steps 300] [--width 512] [--json-out F]
+
+1. Overhead.  The same 3-rank DDP job (gloo, CPU; the worker is this file with --worker) runs
+   under plain torchrun, and under torchrun with the rank runtime loaded as `tpagent rank`
+   loads it (every process group delegating; no agent: nothing ever moves), in interleaved
+   rounds (plain, runtime, plain, ...).  Per round: the median step time over the steps after
+   the first 20; the overhead is the median over rounds of runtime / plain - 1 (target < 1 %).
+2. A move.  Four network-namespace nodes (tests/cluster.py), each running `tpagent serve`;
+   the job (tests/workloads/ddp_job.py, under `tpagent rank`) on A, B, C; rank 1 is moved to
+   the spare D (`tpagent migrate --job --rank`).  Split as the agent times it: boundary (all
+   ranks stopped at one step), teardown, migrate (freeze, stream, restore, confirm: the
+   ordinary path), rebuild; and from the request until the rank's first step after the move.
+   Beside it, in the same run: the floor, rank 1's own migration stages (what moving its
+   process costs with no job around it: freeze to running copy), and the naive route, the
+   whole job started again (what a restart from a checkpoint costs at the least: torchrun,
+   rendezvous, init_process_group, to the first step; the steps since the checkpoint are lost
+   on top).  Medians over --repeats.  Must run as root.  Prints a table, then one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One rank: a DDP step loop, each step's wall time written to --out (rank 0's)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, a.width), nn.Tanh(), nn.Linear(a.width, a.width), nn.Linear(a.width, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = torch.Generator().manual_seed(dist.get_rank())
+    times = []
+    for _ in range(a.steps):
+        t = time.perf_counter()
+        x = torch.randn(64, 64, generator=data)
+        opt.zero_grad()
+        loss = (model(x) ** 2).mean()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    if dist.get_rank() == 0:
+        a.out.write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def overhead_round(runtime: Path | None, a: argparse.Namespace, work: Path) -> float:
+    out = work / "times.json"
+    out.unlink(missing_ok=True)
+    env = {**os.environ, "USE_LIBUV": "0", "OMP_NUM_THREADS": "1"}
+    if runtime is not None:  # as `tpagent rank` starts a rank, minus the agent (none answers: nothing moves)
+        env.update(PYTHONPATH=os.pathsep.join([str(runtime), env.get("PYTHONPATH", "")]),
+                   TPAGENT_RANK_SOCKET="tpagent-bench-nobody", TPAGENT_JOB="bench")  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", __file__,
+         "--worker", "--steps", str(a.steps), "--width", str(a.width), "--out", str(out)],
+        env=env, check=True, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    # (the runtime says it found no agent: proof that it was loaded, its groups delegating)
+    assert (runtime is not None) == ("no agent answers" in done.stderr), done.stderr[-2000:]
+    return statistics.median(json.loads(out.read_text())[20:])
+
+
+def overhead(a: argparse.Namespace, work: Path) -> dict[str, object]:
+    sys.path.insert(0, str(ROOT))
+    from tpagent_rank import layout
+
+    runtime = work / "runtime"
+    runtime.mkdir()
+    layout.write_runtime_dir(runtime)
+    plain, delegating = [], []
+    for _ in range(a.rounds):
+        plain.append(overhead_round(None, a, work))
+        delegating.append(overhead_round(runtime, a, work))
+    ratios = [d / p - 1 for p, d in zip(plain, delegating, strict=True)]
+    return {"plain_step_s": statistics.median(plain), "runtime_step_s": statistics.median(delegating),
+            "overhead": statistics.median(ratios), "rounds": a.rounds, "steps": a.steps, "width": a.width,
+            "plain_rounds_s": plain, "runtime_rounds_s": delegating}  # fmt: skip
+
+
+def move_once(tmp: Path) -> dict[str, float]:
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    from cluster import Cluster
+    from rankjob import IFNAME, Job, rank_log, steps
+
+    c = Cluster(tmp, ["A", "B", "C", "D"], ifname=IFNAME)
+    try:
+        for node in c.nodes.values():
+            node.start_agent(rewire_timeout="60")
+        t0 = time.monotonic()
+        job = Job(c, tmp)
+        try:
+            job.at_step(0, 1)
+            cold = time.monotonic() - t0  # the naive route's least: a whole job up to its first step
+            job.at_step(1, 20)
+            seen: dict[int, float] = {}
+            stop = threading.Event()
+
+            def watch() -> None:  # when each step of rank 1 appears in its log
+                while not stop.is_set():
+                    seen.setdefault(steps(job.logs, 1), time.monotonic())
+                    time.sleep(0.005)
+
+            threading.Thread(target=watch, daemon=True).start()
+            t_request = time.monotonic()
+            done = c.migrate(0, "B", "D", "--job", "job1", "--rank", "1", "--json", timeout=600)
+            doc = json.loads(done.stdout)
+            assert done.returncode == 0 and doc["state"] == "done", done.stdout + done.stderr
+            resumed = int(doc["message"].split("resumed at step ")[1].split()[0])  # S+1 (1-based)
+            job.at_step(1, resumed)
+            stop.set()
+            first = min(t for n, t in seen.items() if n >= resumed) - t_request
+            timings = doc["timings"]
+            inner = {k.split("_", 1)[1]: v for k, v in timings.items() if k.startswith("rank") and "_" in k}
+            job.wait()
+            assert rank_log(job.logs, 1)[-1].startswith("done ")
+        finally:
+            job.close()
+    finally:
+        c.close()
+    return {"boundary": timings["boundary"], "teardown": timings["teardown"], "migrate": timings["migrate"],
+            "rebuild": timings["rebuild"], "request_to_first_step": first, "floor_downtime": inner.get("downtime", 0.0),
+            "floor_freeze": inner.get("freeze", 0.0), "naive_cold_start": cold}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--skip-move", action="store_true", help="only the overhead (no root, no namespaces)")
+    ap.add_argument("--json-out", type=Path)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a)
+        return
+    sys.path.insert(0, str(ROOT / "bench"))
+    import common
+
+    with tempfile.TemporaryDirectory(prefix="bench-rewire-") as d:
+        work = Path(d)
+        cost = overhead(a, work)
+        moves = [] if a.skip_move else [move_once(Path(tempfile.mkdtemp(dir=work))) for _ in range(a.repeats)]
+    print(f"per-step time, {cost['rounds']} interleaved rounds of {a.steps} steps (3 ranks, gloo, width {a.width}):")
+    print(f"  plain torchrun        {cost['plain_step_s'] * 1e3:8.3f} ms")
+    print(f"  with the rank runtime {cost['runtime_step_s'] * 1e3:8.3f} ms   overhead {cost['overhead'] * 100:+.2f} %"
+          "   (target < 1 %)")  # fmt: skip
+    med: dict[str, float] = {}
+    if moves:
+        med = {k: statistics.median(m[k] for m in moves) for k in moves[0]}
+        print(f"\nmoving rank 1 of 3 to a spare node, median of {len(moves)} (seconds):")
+        for k in ("boundary", "teardown", "migrate", "rebuild", "request_to_first_step"):
+            print(f"  {k:<24} {med[k]:8.3f}")
+        print(f"  {'floor: rank 1 alone, freeze to running copy':<24} {med['floor_downtime']:8.3f}")
+        print(f"  {'naive: the whole job started again, to its first step':<24} {med['naive_cold_start']:8.3f}")
+    common.emit(a, {"bench": "rewire", "overhead": cost, "move_median_s": med, "moves": moves})
+
+
+if __name__ == "__main__":
+    main()
