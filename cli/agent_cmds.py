@@ -360,6 +360,7 @@ def node(
                  for g in info.gpus],
         "migratable": [{"pid": p.pid, "why": p.why, "uid": p.uid, "owner": p.owner, "rss": p.rss,
                         "cmdline": list(p.cmdline)} for p in procs.processes],
-        "ranks": ranks.get("ranks", []),  # of distributed jobs (`tpagent rank`): job, rank, generation, step
+        # of distributed jobs (`tpagent rank`): job, rank, world, generation, step, collectives, where it moved
+        "ranks": ranks.get("ranks", []),
     }  # fmt: skip
     typer.echo(json.dumps(doc, indent=2))

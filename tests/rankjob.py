@@ -37,16 +37,25 @@ def steps(d: Path, rank: int) -> int:
     return sum(ln.startswith("step ") for ln in rank_log(d, rank))
 
 
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("reference")
+def _reference(d: Path, *extra: str) -> Path:
     subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(JOB),
-         "--steps", str(STEPS), "--log-dir", str(d)],
+         "--steps", str(STEPS), "--log-dir", str(d), *extra],
         cwd=ROOT, env={**os.environ, "USE_LIBUV": "0"}, check=True, capture_output=True, timeout=240,
     )  # fmt: skip
     assert all(rank_log(d, r)[-1].startswith("done ") for r in range(3))
     return d
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _reference(tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="session")
+def reference_no_optimizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job updating its parameters by hand (no optimizer step for the runtime to count)."""
+    return _reference(tmp_path_factory.mktemp("reference-no-opt"), "--no-optimizer")
 
 
 @pytest.fixture
@@ -68,7 +77,7 @@ def _script(p: psutil.Process) -> bool:
 class Job:
     """The job on nodes A, B, C (torchrun's store on A), rank r on the r-th of them."""
 
-    def __init__(self, c: Cluster, tmp: Path, step_time: float = 0.05) -> None:
+    def __init__(self, c: Cluster, tmp: Path, step_time: float = 0.05, extra: tuple[str, ...] = ()) -> None:
         self.c, self.tmp, self.logs = c, tmp, tmp / "logs"
         self.logs.mkdir()
         self.runs: dict[str, subprocess.Popen[bytes]] = {}
@@ -84,7 +93,7 @@ class Job:
                 "--monitor-interval", "0.5", "--no-python",
                 str(tpagent), "rank", "--agent", node.agent_address, "--stdout", str(tmp / f"rank-on-{name}.out"),
                 "--", sys.executable, str(JOB), "--steps", str(STEPS), "--log-dir", str(self.logs),
-                "--step-time", str(step_time),
+                "--step-time", str(step_time), *extra,
             )  # fmt: skip
             with open(tmp / f"torchrun-{name}.out", "wb") as out:
                 self.runs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

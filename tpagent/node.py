@@ -151,6 +151,7 @@ class Node:
             job = entries[0].job
             plain = functools.partial(self._start_plain, dry_run=False)
             rw = Rewire(job, moving, self.cfg.agent_address, self.ask, plain, self.cfg.rewire_timeout, dry_run)
+            rw.dry_move = self._start_rank_dry_run
             if not dry_run:
                 self._admit_rewire(rw)
             return rw
@@ -240,6 +241,11 @@ class Node:
                 Why.DENIED,
             )
 
+    def _start_rank_dry_run(self, pid: int, target: str) -> SourceMigration:
+        m = self._start_plain(pid, target, dry_run=True)
+        m.communicators_rebuilt = True
+        return m
+
     def _start_plain(self, pid: int, target: str, dry_run: bool) -> SourceMigration:
         self._check_migratable(pid)
         tree = set(proc.tree_pids(pid))
@@ -321,7 +327,7 @@ class Node:
                     with contextlib.suppress(AgentError):
                         now = self.ranks.call(r["job"], r["rank"], {"op": "where"}, 2)
                         r.update(step=now.get("step", r["step"]), gen=now.get("gen", r["gen"]),
-                                 state=now.get("state", ""))  # fmt: skip
+                                 collectives=now.get("collectives", 0), state=now.get("state", ""))  # fmt: skip
             return {"ok": True, "ranks": ranks}
         raise Refused(f"{op!r} is not a rank request.", Why.INVALID)
 

@@ -8,6 +8,7 @@ from the job itself (each rank keeps its agent's address in the job's store).
 
     where   every rank: its step K, generation G, step rate
     pause   every rank stops after step S = max(K) + margin (a rank already past S: all cancel, retry)
+            (a job with no optimizer step yet: after the default group's S-th collective instead)
     boundary  all parked at S (device synchronized, nothing in flight)      -- "boundary" timing
     teardown  every rank destroys its communicators; the moving ones also let go of the store
     migrate   each moving rank: freeze, stream, restore, confirm              -- "migrate" timing
@@ -85,18 +86,21 @@ class Rewire:
         self.agents: list[str] = []
         self.gen = 0
         self.step = 0
+        self.unit = "step"  # what ``step`` counts: optimizer steps, or the default group's collectives
         self.move_ids: dict[int, str] = {}
         self.message = ""
         self.recovering: Settled | None = None
         self.last_said = ""
         self.stayed: dict[int, str] = {}  # rank -> why it did not move
+        #: A dry run's check of one moving rank: the ordinary dry run of its namespace.
+        self.dry_move: StartMove | None = None
 
     # ---- written down --------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
         return {"format": 1, "rewire_id": self.migration_id, "job": self.job, "here": self.here,
                 "phase": self.phase, "message": self.message, "agents": self.agents, "gen": self.gen,
-                "step": self.step, "moving": {str(r): [i, t] for r, (i, t) in self.moving.items()},
+                "step": self.step, "unit": self.unit, "moving": {str(r): [i, t] for r, (i, t) in self.moving.items()},
                 "moves": {str(r): m for r, m in self.move_ids.items()}}  # fmt: skip
 
     def _write(self, phase: str, message: str = "") -> None:
@@ -118,6 +122,7 @@ class Rewire:
         rw.phase, rw.message = str(record["phase"]), str(record.get("message", ""))
         rw.agents = [str(a) for a in record["agents"]]
         rw.gen, rw.step = int(record["gen"]), int(record["step"])
+        rw.unit = "collective" if record.get("unit") == "collective" else "step"
         rw.move_ids = {int(r): str(m) for r, m in dict(record.get("moves", {})).items()}
         if rw.phase not in PHASES or not rw.moving or len(rw.agents) <= max(rw.moving):
             raise ValueError(f"rewire {rw.migration_id}: not a record this agent can finish")
@@ -232,11 +237,7 @@ class Rewire:
         if bad:
             raise RewireFailed("; ".join(bad) + "; nothing was changed")
         if self.dry_run:
-            self.state = "done"
-            steps = {r: a.get("step") for r, a in where.items()}
-            self.emit(f"dry run: all {len(agents)} ranks of job {self.job} answer (steps {steps}); moving "
-                      + ", ".join(f"rank {r} to {self.moving[r][1]}" for r in ranks))  # fmt: skip
-            return Outcome.DRY_RUN, 0
+            return self._dry_run(agents, where)
         gen = max(int(a.get("gen", 0)) for a in where.values()) + 1
         self.agents, self.gen = agents, gen
         self._write("pausing")
@@ -252,7 +253,7 @@ class Rewire:
         if bad:
             # Those that did tear down rebuild where they are; the job reports what failed.
             self._rebuild(agents, gen, "; ".join(bad))
-        self.emit(f"all {len(agents)} ranks stopped after step {step}, communicators torn down")
+        self.emit(f"all {len(agents)} ranks stopped after {self.unit} {step}, communicators torn down")
         t = time.monotonic()
         new_pid = 0
         for r in ranks:  # one at a time: each is the ordinary migration, nothing lost on any failure
@@ -281,6 +282,23 @@ class Rewire:
         self.timings["total"] = round(time.monotonic() - t_request, 4)
         return self._resumed(agents, new_pid)
 
+    def _dry_run(self, agents: list[str], where: dict[int, Any]) -> tuple[Outcome, int]:
+        """Every rank answered; each moving rank's own migration is checked as a dry run (its
+        TCP connections aside: they are the communicators', closed before it is frozen)."""
+        problems: list[str] = []
+        for r in sorted(self.moving):
+            if self.dry_move is not None:
+                m = self.dry_move(*self.moving[r])
+                self._follow(m)
+                problems += [f"rank {r}: {p}" for p in m.problems]
+        steps = {r: a.get("step") for r, a in where.items()}
+        self.state = "failed" if problems else "done"
+        moving = ", ".join(f"rank {r} to {self.moving[r][1]}" for r in sorted(self.moving))
+        verdict = "it would fail" if problems else "all checks pass"
+        self.emit(f"dry run of job {self.job}, moving {moving}: all {len(agents)} ranks answer (steps {steps}); "
+                  f"{verdict}", problems=tuple(problems))  # fmt: skip
+        return Outcome.DRY_RUN, 0
+
     def _moved(self, r: int, target: str, pid: int) -> None:
         """Rank ``r`` runs on ``target`` now (its copy: ``pid`` there): both agents are told."""
         self.ask(target, self.job, r, {"op": "expect", "pid": pid}, self.timeout)
@@ -292,8 +310,8 @@ class Rewire:
         self.state = "done" if len(moved) == len(ranks) else "rolled_back"
         why = {r: f" (it stayed: {self.stayed[r]})" for r in self.stayed}
         where_now = ", ".join(f"rank {r} on {agents[r]}{why.get(r, '')}" for r in ranks)
-        self.emit(f"job {self.job} resumed at step {self.step + 1} with new communicators (generation {self.gen}): "
-                  f"{where_now}", new_pid=new_pid)  # fmt: skip
+        self.emit(f"job {self.job} resumed at {self.unit} {self.step + 1} with new communicators "
+                  f"(generation {self.gen}): {where_now}", new_pid=new_pid)  # fmt: skip
         return (Outcome.DONE if self.state == "done" else Outcome.ROLLED_BACK), new_pid
 
     def _follow(self, m: SourceMigration) -> MigrationResult:
@@ -309,15 +327,19 @@ class Rewire:
         return m.result
 
     def _boundary(self, agents: list[str], where: dict[int, Any]) -> int:
-        """Agree on a step every rank stops after, and wait until all have; that step."""
+        """Agree on a step every rank stops after, and wait until all have; that step.  The unit is
+        the optimizer step once any rank has taken one, else the default group's collectives (a job
+        with no optimizer: every rank issues them in the same order)."""
         margin = 2
         for _attempt in range(4):
             if self.cancelled.is_set():
                 raise RewireFailed(f"cancelled ({self.cancel_reason}); nothing was changed")
-            rate = max(float(a.get("rate") or 0.0) for a in where.values())
+            self.unit = "step" if any(int(a.get("step", 0)) > 0 for a in where.values()) else "collective"
+            count, per_second = ("step", "rate") if self.unit == "step" else ("collectives", "collective_rate")
+            rate = max(float(a.get(per_second) or 0.0) for a in where.values())
             # The request takes a moment to reach every rank: stop some way ahead (half a second of steps).
-            step = max(int(a.get("step", 0)) for a in where.values()) + max(margin, math.ceil(rate * 0.5) + margin)
-            paused = self._all(agents, functools.partial(_pause, step), self.timeout)
+            step = max(int(a.get(count, 0)) for a in where.values()) + max(margin, math.ceil(rate * 0.5) + margin)
+            paused = self._all(agents, functools.partial(_pause, step, self.unit), self.timeout)
             late = [r for r, a in paused.items() if isinstance(a, dict) and a.get("late")]
             bad = self._fails({r: a for r, a in paused.items() if r not in late}, "pause")
             if late or bad:
@@ -329,9 +351,9 @@ class Rewire:
                 if self._fails(where, "say where it stands"):
                     raise RewireFailed("; ".join(self._fails(where, "say where it stands")))
                 continue
-            self.emit(f"all {len(agents)} ranks of job {self.job} stop after step {step}")
+            self.emit(f"all {len(agents)} ranks of job {self.job} stop after {self.unit} {step}")
             at = self._all(agents, lambda r: {"op": "boundary", "timeout": self.timeout}, self.timeout + 5)
-            bad = self._fails(at, f"reach step {step}")
+            bad = self._fails(at, f"reach {self.unit} {step}")
             if bad or self.cancelled.is_set():
                 self._all(agents, lambda r: {"op": "cancel"}, self.timeout)
                 why = "; ".join(bad) if bad else f"cancelled ({self.cancel_reason})"
@@ -359,8 +381,8 @@ class Rewire:
             raise RewireFailed("; ".join([failed, *bad] if failed else bad))
 
 
-def _pause(at: int, _rank: int) -> dict[str, Any]:
-    return {"op": "pause", "at": at}
+def _pause(at: int, unit: str, _rank: int) -> dict[str, Any]:
+    return {"op": "pause", "at": at, "unit": unit}
 
 
 def dumps(body: dict[str, Any]) -> str:

@@ -2,8 +2,12 @@
 are written down in ``tpagent/ranks.py``), and what the agent asks of the rank: stop at a step,
 tear the communicators down, let go of the store, rebuild, go on.
 
-The training thread is only ever touched in the optimizer step post-hook (:func:`_after_step`):
-it counts steps and parks there when asked.  Everything else runs in this module's threads.
+The training thread is only ever touched in the optimizer step post-hook (:func:`_after_step`)
+and, for a job with no optimizer, as it enters a collective of the default group
+(:func:`_before_collective`): each counts, and parks there when asked.  The agent picks the unit
+(see ``tpagent/rewire.py``): optimizer steps once any rank has taken one, else the default
+group's collectives, which every rank of an SPMD job issues in the same order.  Everything
+else runs in this module's threads.
 """
 
 from __future__ import annotations
@@ -42,12 +46,16 @@ class Rank:
         self.socket_name = socket_name
         self.cond = threading.Condition()
         self.step = 0
+        self.collectives = 0  # of the default group, issued
         self.gen = 0
         self.stop_at: int | None = None
+        self.unit = "step"  # what stop_at counts: "step" or "collective"
         self.parked = False
         self.torn = False
         self.leaving = False
         self.times: deque[float] = deque(maxlen=20)
+        self.ctimes: deque[float] = deque(maxlen=20)
+        self.group: Any = None  # the default group (its collectives are counted)
         self.sock: socket.socket | None = None
         self.write_lock = threading.Lock()
         self.detached: list[tuple[int, str, int]] = []  # (fd, host, port) of store connections let go
@@ -61,22 +69,32 @@ class Rank:
         with self.cond:
             self.step += 1
             self.times.append(time.monotonic())
-            if self.stop_at is None or self.step < self.stop_at:
-                return
-            _synchronize()
-            self.parked = True
-            self.cond.notify_all()
-            deadline = time.monotonic() + self.park_timeout
-            while self.parked:
-                self.cond.wait(0.5)
-                if self.parked and time.monotonic() > deadline:
-                    if self.torn:
-                        raise RuntimeError(
-                            f"{PREFIX}rank {self.rank} of job {self.job} waited {self.park_timeout:.0f} s at step "
-                            f"{self.step} for its communicators to be rebuilt; its agent never said"
-                        )
-                    say(f"no word from the agent for {self.park_timeout:.0f} s at step {self.step}: going on")
-                    self.parked, self.stop_at = False, None
+            if self.stop_at is not None and self.unit == "step" and self.step >= self.stop_at:
+                self._park(f"step {self.step}")
+
+    def before_collective(self) -> None:
+        with self.cond:
+            if self.stop_at is not None and self.unit == "collective" and self.collectives >= self.stop_at:
+                self._park(f"collective {self.collectives}")
+            self.collectives += 1
+            self.ctimes.append(time.monotonic())
+
+    def _park(self, where: str) -> None:
+        """Wait here (``cond`` held) until the agent says go on, or its deadline passes."""
+        _synchronize()
+        self.parked = True
+        self.cond.notify_all()
+        deadline = time.monotonic() + self.park_timeout
+        while self.parked:
+            self.cond.wait(0.5)
+            if self.parked and time.monotonic() > deadline:
+                if self.torn:
+                    raise RuntimeError(
+                        f"{PREFIX}rank {self.rank} of job {self.job} waited {self.park_timeout:.0f} s after {where} "
+                        "for its communicators to be rebuilt; its agent never said"
+                    )
+                say(f"no word from the agent for {self.park_timeout:.0f} s after {where}: going on")
+                self.parked, self.stop_at = False, None
 
     # ---- the connection --------------------------------------------------------------------
 
@@ -179,8 +197,8 @@ class Rank:
 
         if op == "where":
             with self.cond:
-                rate = (len(self.times) - 1) / (self.times[-1] - self.times[0]) if len(self.times) > 1 else 0.0
-                return {"ok": True, "step": self.step, "gen": self.gen, "state": self._state(), "rate": rate,
+                return {"ok": True, "step": self.step, "collectives": self.collectives, "gen": self.gen,
+                        "state": self._state(), "rate": _rate(self.times), "collective_rate": _rate(self.ctimes),
                         "groups": len(backend.GROUPS.live())}  # fmt: skip
         if op == "peers":
             agents = []
@@ -189,19 +207,22 @@ class Rank:
                 agents.append(self.store.get(key).decode() if self.store.check([key]) else None)
             return {"ok": True, "agents": agents}
         if op == "pause":
-            at = int(body["at"])
+            at, unit = int(body["at"]), str(body.get("unit", "step"))
+            if unit not in ("step", "collective"):
+                return {"ok": False, "error": f"{unit!r} is not a unit a rank stops at"}
             with self.cond:
-                if self.step >= at:
-                    return {"ok": False, "late": True, "step": self.step, "error": f"it is past step {at}"}
-                self.stop_at = at
+                if (self.step if unit == "step" else self.collectives) >= at:
+                    return {"ok": False, "late": True, "error": f"it is past {unit} {at}"}
+                self.stop_at, self.unit = at, unit
             return {"ok": True}
         if op == "boundary":
             deadline = time.monotonic() + float(body.get("timeout", 60))
             with self.cond:
                 while not self.parked:
                     if not self.cond.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
-                        return {"ok": False, "error": f"it did not reach step {self.stop_at} in time (at {self.step})"}
-                return {"ok": True, "step": self.step}
+                        at = self.step if self.unit == "step" else self.collectives
+                        return {"ok": False, "error": f"it did not reach {self.unit} {self.stop_at} in time (at {at})"}
+                return {"ok": True, "step": self.step, "collectives": self.collectives}
         if op == "cancel":
             with self.cond:
                 if self.torn:
@@ -259,6 +280,10 @@ class Rank:
         return {"ok": False, "error": f"{op!r} is not a request a rank answers"}
 
 
+def _rate(times: deque[float]) -> float:
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+
+
 def _synchronize() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -275,10 +300,14 @@ def group_created(group: Any, store: Any, rank: int, size: int, spec: str | None
         return
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    from tpagent_rank import backend
+
     name = os.environ.get("TPAGENT_RANK_SOCKET", "")
     job = os.environ.get("TPAGENT_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "job"
     RANK = Rank(job, rank, size, store, spec, name)
+    RANK.group = group
     register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step())
+    backend.BEFORE.append(_before_collective)
     os.register_at_fork(after_in_child=_forget)
     RANK.start()
 
@@ -286,6 +315,11 @@ def group_created(group: Any, store: Any, rank: int, size: int, spec: str | None
 def _after_step() -> None:
     if RANK is not None and RANK.pid == os.getpid():
         RANK.after_step()
+
+
+def _before_collective(group: Any) -> None:
+    if RANK is not None and group is RANK.group and RANK.pid == os.getpid():
+        RANK.before_collective()
 
 
 def _forget() -> None:

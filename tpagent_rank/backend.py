@@ -116,6 +116,8 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         self._build(gen)
 
     def _pick(self, tensors: Any) -> Any:
+        if BEFORE:  # (each collective starts here: the rank may park before it)
+            BEFORE[0](self)
         t = tensors
         while isinstance(t, list | tuple):
             if not t:
@@ -200,6 +202,8 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         return self._track(self._pick(tensors).recv_anysource(tensors, tag))
 
     def barrier(self, opts: Any = None) -> Any:
+        if BEFORE:
+            BEFORE[0](self)
         with self._lock:
             inner = self._inner.get("cpu") or next(iter(self._inner.values()), None)
         if inner is None:
@@ -219,6 +223,8 @@ def create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Del
     return group
 
 
+#: Called with the group as each collective starts, before it is forwarded.
+BEFORE: list[Callable[[DelegatingGroup], None]] = []
 #: Called with each group created: (group, store, rank, size, the user's spec).
 ON_GROUP: list[Callable[[DelegatingGroup, Any, int, int, str | None], None]] = []
 

@@ -28,7 +28,10 @@ class FakeRank:
     parked: bool = False
     torn: bool = False
     dead: bool = False
+    optimizer: bool = True  # it takes optimizer steps (else only its collectives are counted)
     log: list[str] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
+    stops: list[int] = field(default_factory=list)  # the steps it parked at (once resumed, it steps on)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def tick(self) -> None:
@@ -39,6 +42,7 @@ class FakeRank:
             self.step += 1
             if self.stop_at is not None and self.step >= self.stop_at:
                 self.parked = True
+                self.stops.append(self.step)
 
     def answer(self, body: dict[str, Any]) -> dict[str, Any]:
         if self.dead:
@@ -47,12 +51,17 @@ class FakeRank:
         self.log.append(op)
         with self.lock:
             if op == "where":
-                return {"ok": True, "step": self.step, "gen": self.gen, "rate": 100.0}
+                # (the fake counts one collective per step: either unit stops it at the same place)
+                return {"ok": True, "step": self.step if self.optimizer else 0, "collectives": self.step,
+                        "gen": self.gen, "rate": 100.0, "collective_rate": 100.0}  # fmt: skip
             if op == "pause":
+                self.units.append(body["unit"])
                 if self.step >= body["at"]:
                     return {"ok": False, "late": True, "step": self.step, "error": "past it"}
                 self.stop_at = body["at"]
                 self.parked = self.step >= self.stop_at
+                if self.parked:
+                    self.stops.append(self.step)
                 return {"ok": True}
             if op == "cancel":
                 self.stop_at, self.parked = None, False
@@ -152,7 +161,7 @@ def test_every_rank_stops_at_one_step_and_rebuilds_where_it_now_runs() -> None:
     job = Job()
     rw, result = job.rewire()
     assert result.outcome is Outcome.DONE, _messages(rw)
-    steps = {r.step for r in job.ranks}
+    steps = {r.stops[-1] for r in job.ranks}
     assert len(steps) == 1, f"the ranks stopped at different steps: {steps}"
     assert all(r.gen == 1 and not r.torn and not r.parked for r in job.ranks)
     rebuilds = [(a, r) for a, r, op in job.asked if op == "rebuild"]
@@ -161,6 +170,21 @@ def test_every_rank_stops_at_one_step_and_rebuilds_where_it_now_runs() -> None:
         ops = [op for op in r.log if op != "where"]
         assert ops == ["pause", "boundary", "teardown", "rebuild", "resume"], ops
     assert {"boundary", "teardown", "migrate", "rebuild"} <= set(result.timings)
+
+
+@pytest.mark.parametrize("optimizer", [True, False], ids=["optimizer-steps", "no-optimizer"])
+def test_the_boundary_counts_optimizer_steps_or_else_the_default_groups_collectives(optimizer: bool) -> None:
+    job = Job(stepping=False)
+    for r in job.ranks:
+        r.optimizer = optimizer
+    job.thread.start()
+    rw, result = job.rewire()
+    assert result.outcome is Outcome.DONE, _messages(rw)
+    unit = "step" if optimizer else "collective"
+    assert all(r.units == [unit] for r in job.ranks), [r.units for r in job.ranks]
+    assert len({r.stops[-1] for r in job.ranks}) == 1
+    assert f"resumed at {unit} " in _messages(rw)[-1]
+    assert rw.to_json()["unit"] == unit
 
 
 def test_a_rolled_back_move_rebuilds_the_rank_where_it_was() -> None:
@@ -187,7 +211,7 @@ def test_a_rank_past_the_step_makes_all_cancel_and_agree_on_a_later_one() -> Non
     job.thread.start()
     rw, result = job.rewire()
     assert result.outcome is Outcome.DONE, _messages(rw)
-    assert len({r.step for r in job.ranks}) == 1
+    assert len({r.stops[-1] for r in job.ranks}) == 1
     assert job.ranks[0].log.count("cancel") == 1
 
 
