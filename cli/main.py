@@ -299,9 +299,15 @@ def gpus(as_json: JsonOpt = False) -> None:
 
 
 @app.command()
-def doctor(criu: CriuOpt = None, as_json: JsonOpt = False) -> None:
+def doctor(
+    criu: CriuOpt = None,
+    as_json: JsonOpt = False,
+    pid: Annotated[
+        int | None, typer.Option("--pid", help="Also check this process: CUDA features the driver cannot checkpoint.")
+    ] = None,
+) -> None:
     """Check that this node can checkpoint and restore; one line per check."""
-    checks = doctor_mod.run_checks(criu)
+    checks = doctor_mod.run_checks(criu, pid)
     _emit(
         as_json,
         {"checks": [{"name": c.name, "verdict": c.verdict.value, "message": c.message} for c in checks]},

@@ -1,12 +1,48 @@
 #!/usr/bin/env bash
 # Set up everything tpagent needs on a fresh Debian 12 machine (as root): a private CRIU >= 4.2,
 # a virtual environment in .venv with tpagent, its dependencies and the test tools.  Idempotent.
+#
+#   scripts/setup.sh                  from the package registries (apt, PyPI)
+#   scripts/setup.sh --bundle DIR     from an offline bundle (scripts/bundle.sh), no network at all;
+#                                     the venv sees the node's own torch and cuda-bindings
+#
+# TPAGENT_BUNDLE=DIR is --bundle DIR; TPAGENT_VENV (default .venv) and TPAGENT_CRIU_PREFIX
+# (default /opt/tpagent/criu) say where things go.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "$(id -u)" != 0 ]; then
   echo "setup: run as root (CRIU needs it)" >&2
   exit 2
+fi
+bundle=${TPAGENT_BUNDLE:-}
+venv=${TPAGENT_VENV:-.venv}
+case ${1:-} in
+  --bundle) bundle=${2:?setup: --bundle takes the bundle directory} ;;
+  "") ;;
+  *) echo "usage: scripts/setup.sh [--bundle DIR]" >&2; exit 2 ;;
+esac
+
+if [ -n "$bundle" ]; then
+  [ -f "$bundle/SHA256SUMS" ] || { echo "setup: $bundle is not a bundle (no SHA256SUMS): see scripts/bundle.sh" >&2; exit 2; }
+  (cd "$bundle" && sha256sum --quiet --strict -c SHA256SUMS) || { echo "setup: the bundle $bundle is damaged" >&2; exit 2; }
+  for tool in unshare ip nft setpriv; do
+    command -v $tool >/dev/null || echo "setup: warning: $tool is not on this node (a bundle brings no system packages)" >&2
+  done
+  TPAGENT_CRIU_FROM=$bundle/criu.tar.gz scripts/install-criu.sh
+  # Nothing but the bundle: no index, no configured mirror.
+  export PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_FIND_LINKS=$bundle/wheels PIP_DISABLE_PIP_VERSION_CHECK=1
+  unset PIP_INDEX_URL PIP_EXTRA_INDEX_URL
+  [ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages "$venv"
+  skip='^tpagent=='
+  if "$venv/bin/python" -c 'import cuda.bindings' 2>/dev/null; then
+    skip='^(tpagent|cuda-bindings|cuda-pathfinder)=='  # the node's own CUDA bindings stay
+  fi
+  grep -Ev "$skip" "$bundle/requirements.txt" >"$venv/bundle-requirements.txt"
+  "$venv/bin/pip" install -q --require-hashes -r "$venv/bundle-requirements.txt"
+  "$venv/bin/pip" install -q --no-deps --no-build-isolation -e .
+  echo "setup: tpagent installed from $bundle into $venv, offline"
+  exit 0
 fi
 need=()
 command -v dpkg >/dev/null && command -v apt-get >/dev/null || { echo "setup: needs Debian's apt-get and dpkg" >&2; exit 2; }

@@ -97,3 +97,34 @@ def _one(nv: Any, index: int) -> GpuInfo:
 def gpus_of(pids: set[int]) -> list[GpuInfo]:
     """The GPUs on which any of ``pids`` runs."""
     return [g for g in inventory() if pids & set(g.pids)]
+
+
+@dataclass(frozen=True)
+class GpuModes:
+    """What decides, per GPU, whether and how fast a checkpoint works (``tpagent doctor``)."""
+
+    uuid: str
+    persistence: bool | None  # persistence mode on (None: NVML cannot say)
+    mig: bool | None  # MIG mode on (None: not a MIG-capable board)
+    mps_pids: tuple[int, ...]  # processes that are clients of an MPS server on it
+
+
+def modes() -> list[GpuModes]:
+    nv = _nvml()
+    if nv is None:
+        return []
+    try:
+        out = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            h = nv.nvmlDeviceGetHandleByIndex(i)
+            pm = _optional(nv.nvmlDeviceGetPersistenceMode, h)
+            mig = _optional(nv.nvmlDeviceGetMigMode, h)
+            mps = _optional(nv.nvmlDeviceGetMPSComputeRunningProcesses, h) or []
+            out.append(GpuModes(_text(nv.nvmlDeviceGetUUID(h)), None if pm is None else bool(pm),
+                                None if mig is None else bool(mig[0]), tuple(int(p.pid) for p in mps)))  # fmt: skip
+        return out
+    except Exception as e:
+        log.warning("NVML could not read the GPUs' modes: %s", e)
+        return []
+    finally:
+        nv.nvmlShutdown()

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from snapshot import gpus
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
@@ -83,6 +85,57 @@ def _gpu() -> list[Check]:
         out.append(Check("cuda-python", Verdict.OK, f"cuda-bindings {version}"))
     except importlib.metadata.PackageNotFoundError:
         out.append(Check("cuda-python", Verdict.FAIL, "cuda-python missing: pip install cuda-python"))
+    out.append(_checkpoint_api())
+    for m in gpus.modes():
+        if m.persistence is False:
+            out.append(Check("persistence", Verdict.WARN, f"GPU {m.uuid}: persistence mode is off: with no process "
+                             "on it the driver tears the GPU down, and a restore pays to bring it up again "
+                             "(nvidia-smi -pm 1)"))  # fmt: skip
+        elif m.persistence:
+            out.append(Check("persistence", Verdict.OK, f"GPU {m.uuid}: persistence mode on"))
+        if m.mig:
+            out.append(Check("mig", Verdict.WARN, f"GPU {m.uuid}: MIG is on: a process is restored only onto a MIG "
+                             "instance like its own (give its UUID to --gpu-map)"))  # fmt: skip
+    return out
+
+
+def _checkpoint_api() -> Check:
+    """The driver's checkpoint entry points (what `cuda-checkpoint` calls), as libcuda exports them."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return Check("checkpoint api", Verdict.FAIL, f"libcuda.so.1 cannot be loaded: {e}")
+    missing = [f for f in CHECKPOINT_CALLS if not hasattr(libcuda, f)]
+    if missing:
+        return Check("checkpoint api", Verdict.FAIL, f"the driver lacks {', '.join(missing)}: upgrade to 570 or newer")
+    return Check("checkpoint api", Verdict.OK, "the driver has the CUDA checkpoint API")
+
+
+CHECKPOINT_CALLS = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
+                    "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState")  # fmt: skip
+
+
+def process_checks(pid: int) -> list[Check]:
+    """For one process: the CUDA features the driver cannot checkpoint, where they can be seen
+    from outside it (several GPUs, MPS); what cannot be seen is said too."""
+    if not psutil.pid_exists(pid):
+        return [Check("process", Verdict.FAIL, f"there is no process with PID {pid}")]
+    try:
+        tree = {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
+    except psutil.Error as e:
+        return [Check("process", Verdict.FAIL, f"PID {pid} cannot be read: {e}")]
+    on = [g.uuid for g in gpus.inventory() if tree & set(g.pids)]
+    out = [Check("process", Verdict.OK, f"PID {pid}: {len(tree)} process(es), on {len(on)} GPU(s)")]
+    if len(on) > 1:
+        out.append(Check("several gpus", Verdict.WARN, f"PID {pid}'s tree uses {len(on)} GPUs ({', '.join(on)}): "
+                         "each must be mapped on restore (--gpu-map), onto as many GPUs"))  # fmt: skip
+    mps = [m.uuid for m in gpus.modes() if tree & set(m.mps_pids)]
+    if mps:
+        out.append(Check("mps", Verdict.FAIL, f"PID {pid} is a client of an MPS server on {', '.join(mps)}: "
+                         "the driver cannot checkpoint MPS clients"))  # fmt: skip
+    unseen = ("CUDA IPC handles and managed (UVM) memory cannot be seen from outside a process: if it holds them "
+              "the driver refuses the checkpoint and the process is resumed")  # fmt: skip
+    out.append(Check("not visible", Verdict.OK, unseen))
     return out
 
 
@@ -106,7 +159,7 @@ def _clock() -> Check:
     return Check("clock", Verdict.OK, "the clock is kept in sync (NTP)")
 
 
-def run_checks(criu_path: Path | None = None) -> list[Check]:
+def run_checks(criu_path: Path | None = None, pid: int | None = None) -> list[Check]:
     steps: list[Callable[[], list[Check]]] = [
         lambda: [_root()],
         lambda: [_clock()],
@@ -114,4 +167,6 @@ def run_checks(criu_path: Path | None = None) -> list[Check]:
         _kernel,
         _gpu,
     ]
+    if pid is not None:
+        steps.append(lambda: process_checks(pid))
     return [check for step in steps for check in step()]

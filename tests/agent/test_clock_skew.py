@@ -57,9 +57,11 @@ def test_a_migration_does_not_start_between_clocks_apart(cluster: Cluster, tmp_p
     try:
         out, err = _on_a(cluster, "node", "--agent", b.agent_address).communicate(timeout=60)
         offset = json.loads(out)["clock_offset_seconds"]
-        assert -110 < offset < -90 and "is 100" in err and "behind this machine's" in err  # seen from A
+        assert -110 < offset < -90 and re.search(r"is (9\d|1\d\d)\.\d s behind this machine's", err), err  # from A
 
-        named = re.compile(rf"the clock of {re.escape(b.agent_address)} is 1\d\d\.\d s behind this node's, more than")
+        named = re.compile(
+            rf"the clock of {re.escape(b.agent_address)} is (9\d|1\d\d)\.\d s behind this node's, more than"
+        )
         out, err = _on_a(cluster, *_migrate_args(cluster, ticker.pid, "--dry-run")).communicate(timeout=120)
         problems = json.loads(out)["problems"]
         assert len(problems) == 1 and named.search(problems[0]), problems

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import needs_criu
 from helpers import ROOT
@@ -45,3 +46,24 @@ def test_migrate_benchmark_runs() -> None:
     doc = _run("bench/migrate.py", "--sizes-mib", "16", "--repeats", "1")
     (row,) = doc["results"]  # type: ignore[misc]
     assert row["tpagent_downtime"] > 0 and row["naive_downtime"] > 0 and row["tpagent_restore"] > 0
+
+
+def test_gpu_proof_says_what_it_could_not_check(tmp_path: Path) -> None:
+    """Without a GPU: one sentence, exit 0, every check skipped and none passed; the report's
+    tables are written either way (with a GPU the same command runs the tests and benches)."""
+    from snapshot import gpus
+
+    proc = subprocess.run(["bash", "scripts/gpu-proof.sh", "--out", str(tmp_path), "--sizes-gib", "1,8"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    doc = json.loads((tmp_path / "gpu-proof.json").read_text())
+    rows = doc["tests"] + doc["benchmarks"]
+    assert {(b["bench"], b["size_gib"]) for b in doc["benchmarks"]} == {(b, s) for b in ("snapshot", "migrate")
+                                                                        for s in (1, 8)}  # fmt: skip
+    report = (tmp_path / "gpu-proof.md").read_text()
+    assert "## Snapshot" in report and "## Migration" in report
+    if not gpus.inventory():
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[0] == "No NVIDIA GPU on this machine: every GPU check was skipped, none passed."
+        assert all(r["outcome"] == "skipped" for r in rows), rows
+    else:  # (on a GPU node: each row has an outcome, and the exit code says whether any failed)
+        assert proc.returncode == (1 if any(r["outcome"] == "failed" for r in rows) else 0)

@@ -33,3 +33,15 @@ def test_doctor_reports_each_check() -> None:
     assert proc.returncode == (1 if failed else 0)
     if not gpus.inventory():
         assert checks["nvidia driver"]["verdict"] == "WARN"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="doctor's CRIU check needs root")
+def test_doctor_checks_a_process_and_names_one_that_is_not_there() -> None:
+    here = tpagent("doctor", "--json", "--pid", str(os.getpid()))
+    checks = {c["name"]: c for c in json.loads(here.stdout)["checks"]}
+    assert checks["process"]["verdict"] == "OK" and f"PID {os.getpid()}" in checks["process"]["message"]
+    assert "cannot be seen from outside" in checks["not visible"]["message"]  # (what doctor cannot tell, said)
+    if not gpus.inventory():
+        assert "on 0 GPU(s)" in checks["process"]["message"]
+    gone = tpagent("doctor", "--pid", "999999999")
+    assert gone.returncode == 1 and "there is no process with PID 999999999" in gone.stdout

@@ -1,0 +1,209 @@
+"""The GPU proof: on a GPU node, in one command, whether tpagent's GPU path works and how fast.
+
+    scripts/gpu-proof.sh [--out DIR] [--sizes-gib 1,8,16] [--budget-s 540]
+
+1. the GPU tests (tests/snapshot/test_gpu.py: dump/restore of 1 and 8 GiB bit-exact, a
+   `tpagent launch` workload, a migration between two agents);
+2. bench/snapshot.py --gpu and bench/migrate.py --gpu, one round per size that fits (GPU memory
+   free and host memory for the images; sizes dropped in order once the time budget would be
+   passed: each is said, with why).
+
+Writes DIR/gpu-proof.json and DIR/gpu-proof.md (default DIR: ./gpu-proof).  The JSON:
+``{"machine": {...}, "tests": [{"name", "outcome": passed|failed|skipped, "detail"}],
+"benchmarks": [{"bench", "size_gib", "outcome", "detail", "result"}], "summary": {...}}``.
+A benchmark's ``result`` is the bench's own JSON row plus, for the snapshot bench, ``floor_s`` =
+the driver's checkpoint + restore alone, ``tpagent_s`` = tpagent's dump + restore, their ratio,
+and GB/s.  A test that passed checked its GPU memory bit for bit (see each test).  On a machine
+with no NVIDIA GPU it says so in one sentence, marks every check skipped (never passed) and
+exits 0; otherwise it exits 1 if anything failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT)]
+
+from snapshot import gpus  # noqa: E402
+
+TESTS = "tests/snapshot/test_gpu.py"
+
+
+def machine() -> dict[str, Any]:
+    found = gpus.inventory()
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    criu = shutil.which("criu") or "/opt/tpagent/criu/bin/criu"
+    try:
+        criu_version = subprocess.run([criu, "--version"], capture_output=True, text=True, timeout=30).stdout.split()
+    except OSError:
+        criu_version = []
+    return {
+        "host": platform.node(), "kernel": platform.release(), "python": platform.python_version(),
+        "driver": gpus.driver_version(), "gpus": [{"name": g.name, "uuid": g.uuid, "memory_total": g.memory_total,
+                                                  "memory_used": g.memory_used} for g in found],
+        "criu": criu_version[1] if len(criu_version) > 1 else None,
+        "transparent_hugepages": thp.read_text().split("[")[1].split("]")[0] if thp.exists() else None,
+        "memory_available": _mem_available(),
+    }  # fmt: skip
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_tests(out: Path, budget: float) -> list[dict[str, Any]]:
+    xml = out / "gpu-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TESTS, f"--junitxml={xml}", "-rA"]
+    env = {**os.environ, "TPAGENT_TESTS_NEED_CRIU": "1"}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget)
+        (out / "gpu-tests.log").write_text(proc.stdout + proc.stderr)
+    except subprocess.TimeoutExpired:
+        return [{"name": TESTS, "outcome": "failed", "detail": f"the GPU tests ran past {budget:.0f} s"}]
+    if not xml.exists():
+        return [{"name": TESTS, "outcome": "failed", "detail": (proc.stdout + proc.stderr)[-500:]}]
+    rows = []
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name, outcome, detail = case.get("name", "?"), "passed", f"{float(case.get('time', 0)):.1f} s"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome, detail = "failed", (child.get("message") or "")[:300]
+            elif child.tag == "skipped":
+                outcome, detail = "skipped", (child.get("message") or "")[:300]
+        rows.append({"name": name, "outcome": outcome, "detail": detail})
+    return rows
+
+
+def _fits(size_gib: int) -> str | None:
+    """Why ``size_gib`` cannot be benchmarked here, or None."""
+    free = min((g.memory_total - g.memory_used for g in gpus.inventory()), default=0)
+    if free < size_gib * 2**30 * 1.1:
+        return f"{size_gib} GiB does not fit in the GPU's {free / 2**30:.1f} GiB free"
+    if _mem_available() < size_gib * 2**30 * 3:  # the images, the driver's host copy, the restored copy
+        return f"{size_gib} GiB needs ~{3 * size_gib} GiB of host memory; {_mem_available() / 2**30:.0f} GiB free"
+    return None
+
+
+def run_bench(bench: str, size_gib: int, out: Path, timeout: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"bench": bench, "size_gib": size_gib, "outcome": "failed", "detail": "", "result": {}}
+    result = out / f"{bench}-{size_gib}g.json"
+    cmd = [sys.executable, f"bench/{bench}.py", "--gpu", "--sizes-mib", str(size_gib * 1024), "--repeats", "1",
+           "--json-out", str(result)]  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        row["detail"] = f"ran past its {timeout:.0f} s"
+        return row
+    (out / f"{bench}-{size_gib}g.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not result.exists():
+        row["detail"] = (proc.stderr or proc.stdout)[-300:].strip()
+        return row
+    r = dict(json.loads(result.read_text())["results"][0])
+    if bench == "snapshot":
+        gb = r["image_bytes"] / 1e9
+        r["floor_s"] = r.get("cuda_checkpoint_s", 0.0) + r.get("cuda_restore_s", 0.0)
+        r["tpagent_s"] = r["tpagent_dump_s"] + r["tpagent_restore_s"]
+        r["ratio_to_floor"] = r["tpagent_s"] / r["floor_s"] if r["floor_s"] else None
+        r["dump_gbps"], r["restore_gbps"] = gb / r["tpagent_dump_s"], gb / r["tpagent_restore_s"]
+    row.update(outcome="passed", detail=f"{time.monotonic() - t0:.0f} s", result=r)
+    return row
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    gpu = ", ".join(g["name"] for g in m["gpus"]) or "none"
+    lines = [
+        "# tpagent GPU proof", "",
+        f"{doc['summary']['sentence']}", "",
+        f"Machine: {gpu}; driver {m['driver']}; kernel {m['kernel']}; CRIU {m['criu']}; "
+        f"transparent huge pages {m['transparent_hugepages']}; Python {m['python']}.", "",
+        "## Tests", "", "| test | outcome | detail |", "|---|---|---|",
+        *(f"| {t['name']} | {t['outcome']} | {t['detail']} |" for t in doc["tests"]), "",
+        "## Snapshot (dump + restore on this node)", "",
+        "| GiB | outcome | CUDA checkpoint s | criu dump s | tpagent dump s | dump GB/s | criu restore s | "
+        "CUDA restore s | tpagent restore s | restore GB/s | floor (driver alone) s | x floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for b in (b for b in doc["benchmarks"] if b["bench"] == "snapshot"):
+        r = b["result"]
+        if b["outcome"] != "passed":
+            lines.append(f"| {b['size_gib']} | {b['outcome']}: {b['detail']} |" + " |" * 10)
+            continue
+        lines.append(
+            f"| {b['size_gib']} | passed | {r.get('cuda_checkpoint_s', 0):.2f} | {r.get('criu_dump_s', 0):.2f} | "
+            f"{r['tpagent_dump_s']:.2f} | {r['dump_gbps']:.2f} | {r.get('criu_restore_s', 0):.2f} | "
+            f"{r.get('cuda_restore_s', 0):.2f} | {r['tpagent_restore_s']:.2f} | {r['restore_gbps']:.2f} | "
+            f"{r['floor_s']:.2f} | {r['ratio_to_floor'] or 0:.2f} |"
+        )
+    lines += ["", "## Migration between two agents on this node", "",
+              "| GiB | outcome | freeze s | freeze+send s | restore s | downtime s | naive downtime s | x naive |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for b in (b for b in doc["benchmarks"] if b["bench"] == "migrate"):
+        r = b["result"]
+        if b["outcome"] != "passed":
+            lines.append(f"| {b['size_gib']} | {b['outcome']}: {b['detail']} |" + " |" * 6)
+            continue
+        lines.append(
+            f"| {b['size_gib']} | passed | {r.get('tpagent_freeze', 0):.2f} | {r.get('tpagent_freeze_and_send', 0):.2f}"
+            f" | {r.get('tpagent_restore', 0):.2f} | {r.get('tpagent_downtime', 0):.2f} | "
+            f"{r.get('naive_downtime', 0):.2f} | {r.get('downtime_ratio_to_naive', 0):.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("gpu-proof"))
+    ap.add_argument("--sizes-gib", default="1,8,16")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="the whole proof's time (default: 9 minutes)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    sizes = [int(s) for s in args.sizes_gib.split(",")]
+    doc: dict[str, Any] = {"machine": machine(), "tests": [], "benchmarks": []}
+    if not doc["machine"]["gpus"] or not Path("/dev/nvidiactl").exists():
+        sentence = "No NVIDIA GPU on this machine: every GPU check was skipped, none passed."
+        doc["tests"] = [{"name": TESTS, "outcome": "skipped", "detail": "no NVIDIA GPU"}]
+        doc["benchmarks"] = [{"bench": b, "size_gib": s, "outcome": "skipped", "detail": "no NVIDIA GPU", "result": {}}
+                             for s in sizes for b in ("snapshot", "migrate")]  # fmt: skip
+    else:
+        doc["tests"] = run_tests(args.out, args.budget_s * 0.4)
+        for size in sizes:
+            for bench in ("snapshot", "migrate"):
+                left = args.budget_s - (time.monotonic() - t0)
+                # (a round of each bench: roughly 10 s per GiB here, and the driver's own setup)
+                why = _fits(size) or (f"the time budget: {left:.0f} s left" if left < 20 + 10 * size else None)
+                if why:
+                    doc["benchmarks"].append({"bench": bench, "size_gib": size, "outcome": "skipped",
+                                              "detail": why, "result": {}})  # fmt: skip
+                    continue
+                doc["benchmarks"].append(run_bench(bench, size, args.out, left))
+        counts = {o: sum(r["outcome"] == o for r in doc["tests"] + doc["benchmarks"])
+                  for o in ("passed", "failed", "skipped")}  # fmt: skip
+        sentence = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
+                    f"in {time.monotonic() - t0:.0f} s.")  # fmt: skip
+    doc["summary"] = {"sentence": sentence, "seconds": round(time.monotonic() - t0, 1)}
+    (args.out / "gpu-proof.json").write_text(json.dumps(doc, indent=2))
+    (args.out / "gpu-proof.md").write_text(markdown(doc))
+    print(sentence)
+    print(f"report: {args.out / 'gpu-proof.md'} and {args.out / 'gpu-proof.json'}")
+    return 1 if any(r["outcome"] == "failed" for r in doc["tests"] + doc["benchmarks"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
