@@ -59,7 +59,9 @@ PY
 build=$(.venv/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml","rb"))["build-system"]["requires"]))')
 mapfile -t wanted < <(printf '%s\n' "$runtime" "$build" "wheel" "pytest>=8" "pytest-timeout>=2.3" "cuda-bindings>=12.8")
 "${pip_for_target[@]}" "${wanted[@]}"
+rm -rf build  # (setuptools' staging area: a stale one would put files since removed into the wheel)
 .venv/bin/pip wheel -q --disable-pip-version-check --no-deps -w "$out/wheels" .
+rm -rf build
 
 (
   cd "$out/wheels"

@@ -12,9 +12,11 @@ It reports on READY_FD (then closes it): ``ok`` once the workload started, else 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -44,9 +46,29 @@ def _open_log(path: Path) -> int:
         os.close(parent)
 
 
+MNT_DETACH = 2
+
+
+def _drop_namespace_handles() -> None:
+    """Unmount, in this (private) mount namespace, the namespace files the node had mounted
+    when it was copied (``ip netns`` and CNI keep each network namespace as an nsfs mount under
+    /run/netns): handles to other workloads' namespaces, never this one's business, and they
+    come and go.  Kept, CRIU would dump each as an external mount the restore must find again
+    on its node, and a restore after any of them went (or on another node) would fail."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    handles = []
+    for line in Path("/proc/self/mountinfo").read_bytes().splitlines():
+        fields, _, rest = line.partition(b" - ")
+        if rest.split(b" ", 1)[0] == b"nsfs":  # (the mount point's space, tab, newline, backslash: octal escapes)
+            handles.append(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields.split(b" ")[4]))
+    for target in sorted(handles, key=len, reverse=True):
+        libc.umount2(target, MNT_DETACH)  # (best effort: one that will not go stays)
+
+
 def main(argv: list[str]) -> int:
     ready_fd, stdout_path, stderr_path, *cmd = argv
     ready = int(ready_fd)
+    _drop_namespace_handles()
     # Every descriptor inherited from outside points at the parent's mounts, which CRIU
     # cannot look up from inside the namespace: keep none of them (but the report pipe).
     os.closerange(3, ready)

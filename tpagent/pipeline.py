@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapshot import engine
+from snapshot import criu, engine
 from snapshot.api import DumpMode, ProgressFn, SnapshotConfig
 from snapshot.dump import checkpoint
 from snapshot.manifest import Manifest
@@ -58,6 +58,7 @@ def dump_and_send(
             stats = sender.send(out, peer)
         except TransferError as e:
             raise SendFailed(f"{e} (the snapshot is kept in {out})") from e
+        _sent_away(out, mode)
         return Shipped(m, stats, dump_s, time.monotonic() - t0)
 
     sealed = threading.Event()
@@ -89,4 +90,13 @@ def dump_and_send(
     result = outcome[0]
     if isinstance(result, BaseException):
         raise SendFailed(f"{result} (the snapshot is kept in {out})") from result
+    _sent_away(out, mode)
     return Shipped(m, result, dump_s, time.monotonic() - t0)
+
+
+def _sent_away(out: Path, mode: DumpMode) -> None:
+    """A process ended here and verified on the receiving node is to be restored there: the
+    network lock CRIU left on its TCP connections here goes (else it would drop their
+    packets if the process ever came back to this node)."""
+    if mode is DumpMode.KILL:
+        criu.drop_network_lock(out / engine.LOG_DIR)

@@ -400,6 +400,8 @@ def test_a_tcp_pair_migrates_there_and_back(cluster: Cluster, tmp_path: Path) ->
             proc = cluster.migrate(pid, src, dst, "--json")
             assert proc.returncode == 0, proc.stderr + proc.stdout
             pid = json.loads(proc.stdout)["new_pid"]
+            tables = subprocess.run(cluster.nodes[src].exec("nft", "list", "tables"), capture_output=True, text=True)
+            assert "CRIU-" not in tables.stdout, f"CRIU's network lock stayed on {src}"
             n = len(pairs())
             # (B023: wait_until calls the lambda now, in this iteration)
             wait_until(lambda: len(pairs()) > n + 10, f"the workload to exchange data on {dst}", 30)  # noqa: B023

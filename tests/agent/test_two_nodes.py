@@ -55,17 +55,25 @@ def _on(ns: str, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
     )  # type: ignore[call-overload, no-any-return]
 
 
-@pytest.mark.parametrize("route", ["dump-then-send", "dump-streaming"])
+def _lock_tables(ns: str) -> list[str]:
+    """The nftables tables CRIU's network lock made in node ``ns``."""
+    listed = subprocess.run(["ip", "netns", "exec", ns, "nft", "list", "tables"], capture_output=True, text=True)
+    return [ln for ln in listed.stdout.splitlines() if "CRIU-" in ln]
+
+
+@pytest.mark.parametrize("route", ["dump-then-send", "dump-streaming", "dump-streaming-tcp"])
 def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], tmp_path: Path, route: str) -> None:
-    """dump-streaming: `tpagent dump --send-to` sends the images while CRIU still writes them."""
+    """dump-streaming: `tpagent dump --send-to` sends the images while CRIU still writes them;
+    -tcp: a workload holding a TCP connection (both ends), whose network lock the dump then
+    drops on A (sent elsewhere, it lives on there) and which keeps exchanging data on B."""
     a, b = nodes
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(24).hex())
     secret.chmod(0o600)
     log = tmp_path / "w.log"
-    launched = _on(
-        a, "launch", "--stdout", str(tmp_path / "w.out"), "--", sys.executable, str(STATEFUL), str(log), "128"
-    )
+    workload = [str(ROOT / "tests" / "workloads" / "tcp_echo.py"), str(log)] if "tcp" in route else [
+        str(STATEFUL), str(log), "128"]  # fmt: skip
+    launched = _on(a, "launch", "--stdout", str(tmp_path / "w.out"), "--", sys.executable, *workload)
     assert launched.returncode == 0, launched.stderr
     root = int(launched.stdout)
     ticks = lambda: [int(ln.split()[1]) for ln in log.read_text().splitlines() if ln.startswith("tick ")]  # noqa: E731
@@ -105,6 +113,7 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
                     env=env,
                 )
             assert sent.returncode == 0, sent.stderr
+            assert _lock_tables(a) == [], "the dump's network lock stayed on the node the workload left"
             stopped = ticks()[-1]
             out, _ = receiver.communicate(timeout=120)
             assert receiver.returncode == 0
@@ -126,6 +135,8 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
         wait_until(lambda: ticks()[-1] > stopped + 10, "the workload to run on node B")
         seq = ticks()
         assert seq == list(range(len(seq)))  # on B it went on from the step it stopped at on A
+        if "tcp" in route:  # (each tick's echo came back over the connection, intact)
+            assert all(ln.split()[1] == ln.split()[3] for ln in log.read_text().splitlines() if ln.startswith("tick"))
         net_b = os.stat(f"/run/netns/{b}").st_ino
         assert os.stat(f"/proc/{root}/ns/net").st_ino == net_b  # and it really lives on node B
     finally:

@@ -83,6 +83,33 @@ def test_launched_namespace_with_a_library_mapped_from_a_squashfs_mount(
     assert str(lib) in maps
 
 
+def test_a_network_namespace_of_the_node_that_goes_away_does_not_stop_the_restore(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The node mounts each named network namespace under /run/netns (`ip netns`, CNI): the
+    workload's namespace does not keep them, so one deleted between the dump and the restore
+    (as pods come and go) is not an external mount the restore must find (it once failed:
+    "Can't stat mountpoint /run/netns/...")."""
+    import subprocess
+    import uuid
+
+    ns = f"tpgone-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        w = start(mib=16, launched=True)
+        assert f"/run/netns/{ns}" not in Path(f"/proc/{w.pid}/mountinfo").read_text()
+        proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"))
+        assert proc.returncode == 0, proc.stderr
+        w.reap()
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=True)
+    stopped_at = w.ticks()[-1][0]
+    proc = tpagent("restore", str(tmp_path / "snap"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 10, "the restored workload to tick on")
+    assert_continuous(w.ticks())
+    w.verify_state()
+
+
 def test_launched_namespace_survives_restore_while_pids_busy(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Inside its own PID namespace, a workload restores even where its inner PIDs are taken."""
     a = start(launched=True)
