@@ -17,7 +17,7 @@ import pytest
 from certs import node_certs
 from cluster import Cluster, Node, Ticker
 from conftest import needs_criu
-from helpers import ROOT, assert_one_sentence_error, kill_and_wait, wait_until
+from helpers import ROOT, STATEFUL, assert_one_sentence_error, kill_and_wait, wait_until
 from proxy import Proxy
 from snapshot.criu import Criu
 
@@ -431,5 +431,32 @@ def test_dry_run_warns_of_an_inotify_queue_a_move_may_lose(cluster: Cluster, tmp
         assert any(m.startswith("warning: PID") and "inotify" in m for m in doc["checked"]), doc
         n = log.read_text().count("tick ")
         wait_until(lambda: log.read_text().count("tick ") > n + 10, "the loop to tick on (never frozen)")
+    finally:
+        kill_and_wait(pid)
+
+
+def test_the_agents_ghost_limit_setting_refuses_a_larger_deleted_file(cluster: Cluster, tmp_path: Path) -> None:
+    """Item 12 of issue 9: the agent's ghost_limit_mib bounds the deleted-but-open files a
+    migration carries; over it the migration is refused in one sentence naming the setting,
+    and the workload runs on where it was."""
+    a = cluster.nodes["A"]
+    a.kill_agent(signal.SIGTERM)
+    a.start_agent(ghost_limit_mib="4")
+    log = tmp_path / "w.log"
+    out = subprocess.run(a.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp_path / "w.out"), "--",
+                                sys.executable, str(STATEFUL), str(log), "16", "--ghost", str(tmp_path / "batch"), "8"),
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout)
+    ticks = lambda: [ln for ln in log.read_text().splitlines() if ln.startswith("tick ")] if log.exists() else []  # noqa: E731
+    try:
+        wait_until(lambda: len(ticks()) > 5, "the workload to tick")
+        proc = cluster.migrate(pid, "A", "B", "--json")
+        doc = json.loads(proc.stdout)
+        assert proc.returncode != 0 and doc["state"] in ("failed", "rolled_back"), proc.stdout + proc.stderr
+        assert "ghost limit (4 MiB)" in doc["message"] and "ghost_limit_mib" in doc["message"], doc["message"]
+        n = len(ticks())
+        wait_until(lambda: len(ticks()) > n + 5, "the workload to run on at A")
+        assert psutil.pid_exists(pid)
     finally:
         kill_and_wait(pid)

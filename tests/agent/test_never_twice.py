@@ -234,3 +234,33 @@ def test_an_operator_resolves_a_migration_whose_target_went_silent(cluster: Clus
     assert _runs_on(ticker.pid, a)
     ticker.assert_one_copy_continuous()
     ticker.verify_state()
+
+
+def test_an_operator_commits_the_held_copy_once_the_source_node_is_gone(cluster: Cluster, ticker: Ticker) -> None:
+    """B holds the copy; A went silent and then down for good (its original with it).  The
+    operator, who knows A will not come back, `tpagent resolve --commit` on B: the copy goes
+    on from where the original was frozen, the only copy."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a.kill_agent(signal.SIGTERM)
+    a.start_agent(rpc_timeout="5", restore_timeout="10")
+    b.kill_agent(signal.SIGTERM)
+    b.start_agent(aliases=cluster.bridge_addr)
+    proxy = _through_proxy(cluster, b)
+    proxy.swallow_replies = lambda: "ready" in _states(b)
+    try:
+        out, _ = _migrate_via(cluster, ticker.pid, proxy.address).communicate(timeout=120)
+        mid = json.loads(out)["migration_id"]
+        assert _states(b) == ["ready"], out
+        frozen_at = max(ticker.ticks())
+        refused = _resolve(cluster, "B", mid, "--commit")  # (A still answers: A decides)
+        assert refused.returncode == 2 and "answers" in refused.stderr, refused.stdout + refused.stderr
+        a.reboot()
+        done = _resolve(cluster, "B", mid, "--commit")
+        assert done.returncode == 0, done.stdout + done.stderr
+        wait_until(lambda: max(ticker.ticks()) > frozen_at + 10, "B's copy to tick on", 60)
+    finally:
+        proxy.close()
+    ticker.pid = int(_record(b)["pid"])  # type: ignore[call-overload]
+    assert _runs_on(ticker.pid, b)
+    ticker.assert_one_copy_continuous()
+    ticker.verify_state()

@@ -6,12 +6,24 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
 
 from conftest import needs_criu
-from helpers import Workload, alive, assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
+from helpers import (
+    ROOT,
+    Workload,
+    alive,
+    assert_continuous,
+    assert_one_sentence_error,
+    kill_and_wait,
+    tpagent,
+    wait_until,
+)
 
 pytestmark = needs_criu
 
@@ -88,9 +100,6 @@ def test_a_network_namespace_of_the_node_that_goes_away_does_not_stop_the_restor
     workload's namespace does not keep them, so one deleted between the dump and the restore
     (as pods come and go) is not an external mount the restore must find (it once failed:
     "Can't stat mountpoint /run/netns/...")."""
-    import subprocess
-    import uuid
-
     ns = f"tpgone-{uuid.uuid4().hex[:6]}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
@@ -263,6 +272,10 @@ def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None
     proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "refused"), "--ghost-limit-mib", "4")
     assert_one_sentence_error(proc, "deleted-but-open file larger than the ghost limit (4 MiB)", "--ghost-limit-mib")
     assert proc.returncode == 1
+    by_env = subprocess.run([sys.executable, "-m", "cli.main", "dump", str(w.pid), "--out", str(tmp_path / "env")],
+                            cwd=ROOT, env={**os.environ, "TPAGENT_GHOST_LIMIT_MIB": "6"}, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert_one_sentence_error(by_env, "larger than the ghost limit (6 MiB)", "TPAGENT_GHOST_LIMIT_MIB")
     n = len(w.ticks())
     wait_until(lambda: len(w.ticks()) > n + 3, "the workload to run on")
     _dump_restore_cycle(w, tmp_path / "snap")
