@@ -8,6 +8,11 @@ that never moves.
    loads it (every process group delegating; no agent: nothing ever moves), in interleaved
    rounds (plain, runtime, plain, ...).  Per round: the median step time over the steps after
    the first 20; the overhead is the median over rounds of runtime / plain - 1 (target < 1 %).
+   Step times on a small shared machine vary by several per cent between rounds, so the same
+   figure is also given from its parts: the time one 1-element all_reduce takes with and
+   without the runtime, in one process of world size 1 (what forwarding adds to a collective,
+   undisturbed by the other ranks' scheduling), times the collectives a step issues (as the
+   runtime counts them), over the plain step time.
 2. A move.  Four network-namespace nodes (tests/cluster.py), each running `tpagent serve`;
    the job (tests/workloads/ddp_job.py, under `tpagent rank`) on A, B, C; rank 1 is moved to
    the spare D (`tpagent migrate --job --rank`).  Split as the agent times it: boundary (all
@@ -57,12 +62,55 @@ def worker(a: argparse.Namespace) -> None:
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t)
+    # What one collective costs by itself: a 1-element all_reduce, where the call's own cost
+    # shows (the runtime forwards each through the delegating group).
+    one = torch.zeros(1)
+    calls = []
+    for _ in range(600):
+        t = time.perf_counter()
+        dist.all_reduce(one)
+        calls.append(time.perf_counter() - t)
+    rank = sys.modules.get("tpagent_rank.agent")
+    counted = rank.RANK.collectives if rank is not None and rank.RANK is not None else 0
     if dist.get_rank() == 0:
-        a.out.write_text(json.dumps(times))
+        a.out.write_text(json.dumps({"steps": times, "collective_s": statistics.median(calls[100:]),
+                                     "collectives_per_step": (counted - len(calls)) / a.steps}))  # fmt: skip
     dist.destroy_process_group()
 
 
-def overhead_round(runtime: Path | None, a: argparse.Namespace, work: Path) -> float:
+def forwarding_worker() -> None:
+    """One process, world size 1 (no peer, no scheduling between ranks): the median time of a
+    1-element all_reduce, printed.  What the delegating group adds shows here undisturbed."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    one = torch.zeros(1)
+    times = []
+    for i in range(6000):
+        t = time.perf_counter()
+        dist.all_reduce(one)
+        if i >= 1000:
+            times.append(time.perf_counter() - t)
+    print(json.dumps({"collective_s": statistics.median(times), "backend": dist.get_backend()}))
+    dist.destroy_process_group()
+
+
+def forwarding_round(runtime: Path | None) -> float:
+    env = {**os.environ, "USE_LIBUV": "0", "OMP_NUM_THREADS": "1"}
+    if runtime is not None:
+        env.update(PYTHONPATH=os.pathsep.join([str(runtime), env.get("PYTHONPATH", "")]),
+                   TPAGENT_RANK_SOCKET="tpagent-bench-nobody", TPAGENT_JOB="bench")  # fmt: skip
+    done = subprocess.run([sys.executable, __file__, "--forwarding-worker"], env=env, check=True, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (got["backend"] == "tpagent") == (runtime is not None), got  # (the runtime was loaded, or not)
+    return float(got["collective_s"])
+
+
+def overhead_round(runtime: Path | None, a: argparse.Namespace, work: Path) -> tuple[float, float, float]:
+    """Median step time, median time of one tiny all_reduce, collectives per step (counted by
+    the runtime; 0 without it)."""
     out = work / "times.json"
     out.unlink(missing_ok=True)
     env = {**os.environ, "USE_LIBUV": "0", "OMP_NUM_THREADS": "1"}
@@ -76,7 +124,8 @@ def overhead_round(runtime: Path | None, a: argparse.Namespace, work: Path) -> f
     )  # fmt: skip
     # (the runtime says it found no agent: proof that it was loaded, its groups delegating)
     assert (runtime is not None) == ("no agent answers" in done.stderr), done.stderr[-2000:]
-    return statistics.median(json.loads(out.read_text())[20:])
+    got = json.loads(out.read_text())
+    return statistics.median(got["steps"][20:]), got["collective_s"], got["collectives_per_step"]
 
 
 def overhead(a: argparse.Namespace, work: Path) -> dict[str, object]:
@@ -90,10 +139,24 @@ def overhead(a: argparse.Namespace, work: Path) -> dict[str, object]:
     for _ in range(a.rounds):
         plain.append(overhead_round(None, a, work))
         delegating.append(overhead_round(runtime, a, work))
-    ratios = [d / p - 1 for p, d in zip(plain, delegating, strict=True)]
-    return {"plain_step_s": statistics.median(plain), "runtime_step_s": statistics.median(delegating),
+    alone = [(forwarding_round(None), forwarding_round(runtime)) for _ in range(a.rounds)]
+    added_alone = statistics.median(d - p for p, d in alone)
+    ratios = [d[0] / p[0] - 1 for p, d in zip(plain, delegating, strict=True)]
+    step = statistics.median(p[0] for p in plain)
+    per_call = statistics.median(d[1] - p[1] for p, d in zip(plain, delegating, strict=True))
+    per_step = statistics.median(d[2] for d in delegating)
+    # The same figure from its parts: what forwarding adds to one collective, times the
+    # collectives a step issues, over the step (far less noisy than two step times).
+    derived = added_alone * per_step / step
+    return {"plain_step_s": step, "runtime_step_s": statistics.median(d[0] for d in delegating),
             "overhead": statistics.median(ratios), "rounds": a.rounds, "steps": a.steps, "width": a.width,
-            "plain_rounds_s": plain, "runtime_rounds_s": delegating}  # fmt: skip
+            "plain_collective_s": statistics.median(p[1] for p in plain),
+            "runtime_collective_s": statistics.median(d[1] for d in delegating), "added_per_collective_s": per_call,
+            "collectives_per_step": per_step, "overhead_from_parts": derived,
+            "one_process_plain_collective_s": statistics.median(p for p, _ in alone),
+            "one_process_runtime_collective_s": statistics.median(d for _, d in alone),
+            "one_process_added_per_collective_s": added_alone,
+            "plain_rounds_s": [p[0] for p in plain], "runtime_rounds_s": [d[0] for d in delegating]}  # fmt: skip
 
 
 def move_once(tmp: Path) -> dict[str, float]:
@@ -144,6 +207,7 @@ def move_once(tmp: Path) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--forwarding-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=5)
@@ -154,6 +218,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         worker(a)
+        return
+    if a.forwarding_worker:
+        forwarding_worker()
         return
     sys.path.insert(0, str(ROOT / "bench"))
     import common
@@ -166,6 +233,17 @@ def main() -> None:
     print(f"  plain torchrun        {cost['plain_step_s'] * 1e3:8.3f} ms")
     print(f"  with the rank runtime {cost['runtime_step_s'] * 1e3:8.3f} ms   overhead {cost['overhead'] * 100:+.2f} %"
           "   (target < 1 %)")  # fmt: skip
+    print(
+        f"  one 1-element all_reduce, 3 ranks: {cost['plain_collective_s'] * 1e6:.1f} us plain, "
+        f"{cost['runtime_collective_s'] * 1e6:.1f} us delegating ({cost['added_per_collective_s'] * 1e6:+.1f} us)"
+    )
+    print(
+        f"  the same in one process (world size 1): {cost['one_process_plain_collective_s'] * 1e6:.1f} us plain, "
+        f"{cost['one_process_runtime_collective_s'] * 1e6:.1f} us delegating "
+        f"({cost['one_process_added_per_collective_s'] * 1e6:+.1f} us)"
+    )
+    print(f"  {cost['collectives_per_step']:.1f} collectives a step: overhead from these parts "
+          f"{cost['overhead_from_parts'] * 100:+.3f} %   (target < 1 %)")  # fmt: skip
     med: dict[str, float] = {}
     if moves:
         med = {k: statistics.median(m[k] for m in moves) for k in moves[0]}

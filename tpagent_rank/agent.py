@@ -73,6 +73,10 @@ class Rank:
                 self._park(f"step {self.step}")
 
     def before_collective(self) -> None:
+        if self.stop_at is None:  # (the common case, without the lock: only the training thread counts;
+            self.collectives += 1  # a pause set meanwhile is seen at the next collective)
+            self.ctimes.append(time.monotonic())
+            return
         with self.cond:
             if self.stop_at is not None and self.unit == "collective" and self.collectives >= self.stop_at:
                 self._park(f"collective {self.collectives}")
@@ -318,7 +322,7 @@ def _after_step() -> None:
 
 
 def _before_collective(group: Any) -> None:
-    if RANK is not None and group is RANK.group and RANK.pid == os.getpid():
+    if RANK is not None and group is RANK.group:  # (a forked child has no RANK: _forget)
         RANK.before_collective()
 
 

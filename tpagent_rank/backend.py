@@ -75,6 +75,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         super().__init__(rank, size)
         self._store, self._rank, self._size, self._timeout, self._spec = store, rank, size, timeout, spec
         self._inner: dict[str, Any] = {}
+        self._only: Any = None  # the one inner backend, when every device has the same (no lookup then)
         self._works: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._build(GROUPS.gen)
@@ -96,7 +97,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
                     made[backend] = c10d.ProcessGroupNCCL(store, self._rank, self._size, opts)
             inner[device] = made[backend]
         with self._lock:
-            self._inner = inner
+            self._inner, self._only = inner, next(iter(made.values())) if len(made) == 1 else None
 
     def teardown(self) -> None:
         """Wait for what is in flight, then destroy the inner backends (their sockets close)."""
@@ -106,7 +107,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         if torch.cuda.is_available() and "cuda" in self._inner:
             torch.cuda.synchronize()
         with self._lock:
-            inner, self._inner = self._inner, {}
+            inner, self._inner, self._only = self._inner, {}, None
         for b in {id(b): b for b in inner.values()}.values():
             if hasattr(b, "shutdown") and "NCCL" in type(b).__name__:
                 b.shutdown()
@@ -118,6 +119,9 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
     def _pick(self, tensors: Any) -> Any:
         if BEFORE:  # (each collective starts here: the rank may park before it)
             BEFORE[0](self)
+        only = self._only  # (one reference read: swapped whole by _build and teardown)
+        if only is not None:
+            return only
         t = tensors
         while isinstance(t, list | tuple):
             if not t:
