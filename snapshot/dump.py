@@ -137,15 +137,19 @@ def _checkpoint(
     """One attempt of :func:`checkpoint`."""
     target = proc.validate_target(pid)
     criu = Criu(config.criu)
-    try:
-        namespace = _namespace_of(target)
-        procs = proc.tree(target)
-        create_time = target.create_time()
-        root_start = proc.start_ticks(pid)
-        shell_job = not proc.is_session_leader(pid)
-        hidden = [p.pid for p in procs if not proc.session_visible(p.pid)]
-    except (psutil.NoSuchProcess, ProcessLookupError, FileNotFoundError) as e:
-        raise UsageError(f"PID {pid} exited while it was being examined; nothing was done.") from e
+    for attempt in range(5):  # (a child that exits as it is looked at, a worker ending: look again)
+        try:
+            namespace = _namespace_of(target)
+            procs = proc.tree(target)
+            create_time = target.create_time()
+            root_start = proc.start_ticks(pid)
+            shell_job = not proc.is_session_leader(pid)
+            hidden = [p.pid for p in procs if not proc.session_visible(p.pid)]
+            break
+        except (psutil.NoSuchProcess, ProcessLookupError, FileNotFoundError) as e:
+            if attempt == 4 or not target.is_running():
+                raise UsageError(f"PID {pid} exited while it was being examined; nothing was done.") from e
+            time.sleep(0.05)
     if hidden:
         raise UsageError(
             f"PID {hidden[0]} belongs to a session whose leader is outside its PID namespace, which CRIU "
