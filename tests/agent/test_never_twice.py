@@ -203,11 +203,10 @@ def _resolve(cluster: Cluster, on: str, mid: str, how: str) -> subprocess.Comple
                           cwd=ROOT, env=cluster.cli_env(on), capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
-def test_an_operator_resolves_a_migration_whose_target_went_silent(cluster: Cluster, ticker: Ticker) -> None:
-    """B holds the copy, then goes silent to A: the original stays frozen, the migration
-    unresolved.  `tpagent resolve --discard` on A (the operator knows B's copy will not run)
-    resumes the original; B, heard from again, drops its copy.  The same rule as the agents':
-    a decision is refused wherever the peer still answers, and once the migration is final."""
+def _held_unheard(cluster: Cluster, ticker: Ticker) -> tuple[Proxy, str, str]:
+    """B holds the restored copy (READY) and A never hears it (A's agent asks again soon): the
+    migration is left unresolved.  The proxy between them (the caller closes it), the
+    migration's id, and the CLI's output."""
     a, b = cluster.nodes["A"], cluster.nodes["B"]
     a.kill_agent(signal.SIGTERM)
     a.start_agent(rpc_timeout="5", restore_timeout="10")
@@ -217,7 +216,20 @@ def test_an_operator_resolves_a_migration_whose_target_went_silent(cluster: Clus
     proxy.swallow_replies = lambda: "ready" in _states(b)
     try:
         out, _ = _migrate_via(cluster, ticker.pid, proxy.address).communicate(timeout=120)
-        mid = json.loads(out)["migration_id"]
+        return proxy, str(json.loads(out)["migration_id"]), out
+    except BaseException:
+        proxy.close()
+        raise
+
+
+def test_an_operator_resolves_a_migration_whose_target_went_silent(cluster: Cluster, ticker: Ticker) -> None:
+    """B holds the copy, then goes silent to A: the original stays frozen, the migration
+    unresolved.  `tpagent resolve --discard` on A (the operator knows B's copy will not run)
+    resumes the original; B, heard from again, drops its copy.  The same rule as the agents':
+    a decision is refused wherever the peer still answers, and once the migration is final."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    proxy, mid, out = _held_unheard(cluster, ticker)
+    try:
         assert _states(a) == ["restoring"] and _states(b) == ["ready"], out + a.agent_log()[-3000:]
         assert ticker.running_copies() == 0
         refused = _resolve(cluster, "B", mid, "--commit")  # A answers B: A decides, not the operator
@@ -241,15 +253,8 @@ def test_an_operator_commits_the_held_copy_once_the_source_node_is_gone(cluster:
     operator, who knows A will not come back, `tpagent resolve --commit` on B: the copy goes
     on from where the original was frozen, the only copy."""
     a, b = cluster.nodes["A"], cluster.nodes["B"]
-    a.kill_agent(signal.SIGTERM)
-    a.start_agent(rpc_timeout="5", restore_timeout="10")
-    b.kill_agent(signal.SIGTERM)
-    b.start_agent(aliases=cluster.bridge_addr)
-    proxy = _through_proxy(cluster, b)
-    proxy.swallow_replies = lambda: "ready" in _states(b)
+    proxy, mid, out = _held_unheard(cluster, ticker)
     try:
-        out, _ = _migrate_via(cluster, ticker.pid, proxy.address).communicate(timeout=120)
-        mid = json.loads(out)["migration_id"]
         assert _states(b) == ["ready"], out
         frozen_at = max(ticker.ticks())
         refused = _resolve(cluster, "B", mid, "--commit")  # (A still answers: A decides)
