@@ -111,6 +111,11 @@ class TargetState(str, enum.Enum):
     DISCARDED = "discarded"
 
 
+#: The target's states in which a whole copy exists there: held, being let go, running, final.
+#: A source that hears one of these never rolls back (that would end a copy that may run).
+HAS_COPY = frozenset({TargetState.READY.value, TargetState.STARTING.value, TargetState.CONFIRMING.value,
+                      TargetState.DONE.value})  # fmt: skip
+
 State = SourceState | TargetState
 
 _S, _T = SourceState, TargetState

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from snapshot import proc
 from snapshot.held import HeldDump
-from tpagent.api import AgentError, Peer, SourceState, TargetState, is_final
+from tpagent.api import HAS_COPY, AgentError, Peer, SourceState, TargetState, is_final
 from tpagent.context import Context
 from tpagent.decide import (
     OperatorDecided,
@@ -40,8 +40,6 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
     delay = 1.0
     t = ctx.timeouts
     rebooted = r.rebooted()
-    has_copy = {TargetState.READY.value, TargetState.STARTING.value, TargetState.CONFIRMING.value,
-                TargetState.DONE.value}  # fmt: skip
     try:
         while not is_final(r.state):
             try:
@@ -58,7 +56,7 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
             else:
                 if r.state is S.RESTORING:
                     state, _ = target_state(ctx, target, r.migration_id, t.rpc)
-                    if state in has_copy:
+                    if state in HAS_COPY:
                         ctx.journal.move(r, S.COMMITTING, "the copy is restored on the target")
                         continue
                     if state is not None:
@@ -74,7 +72,7 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
                     r.state is S.ROLLING_BACK
                     and r.restore_sent
                     and target_state(ctx, target, r.migration_id, t.rpc)[0]
-                    in (has_copy if rebooted else {TargetState.DONE.value})
+                    in (HAS_COPY if rebooted else {TargetState.DONE.value})
                 ):
                     # The target made its copy final (it took over while this agent could not be
                     # reached), or this node rebooted and the original is gone with it: the only
@@ -156,8 +154,7 @@ def _restore_after_reboot(ctx: Context, r: Record, target: Peer) -> None:
         state, pid = target_state(ctx, target, r.migration_id, ctx.timeouts.rpc)
         if state is None:
             return  # RESTORING: asked again on the next round
-        if state not in (TargetState.READY.value, TargetState.STARTING.value, TargetState.CONFIRMING.value,
-                         TargetState.DONE.value):  # fmt: skip
+        if state not in HAS_COPY:
             ctx.journal.move(r, S.ROLLING_BACK, f"the target has no whole copy to restore ({e})")
             return
     ctx.journal.move(r, S.COMMITTING, f"restored on the target as PID {pid} after this node rebooted")

@@ -27,6 +27,7 @@ from snapshot.held import HeldDump
 from snapshot.safefs import private_dir
 from tpagent import __version__, clock, metrics
 from tpagent.api import (
+    HAS_COPY,
     Acceptance,
     AgentError,
     Event,
@@ -37,7 +38,6 @@ from tpagent.api import (
     PeerUnreachable,
     Refused,
     SourceState,
-    TargetState,
     Why,
     is_final,
 )
@@ -318,7 +318,7 @@ class SourceMigration:
             why = str(e)
         # The call broke: did the copy start before the target went quiet?  Ask it.
         state, pid = target_state(self.ctx, target, self.migration_id, self.ctx.timeouts.restore)
-        if state in (TargetState.READY.value, TargetState.DONE.value):
+        if state in HAS_COPY:  # (held, or already let go: it took over, or its agent restarted)
             return pid, {}
         if state is None:
             raise Unresolved(f"the target stopped answering while restoring ({why})")

@@ -203,10 +203,9 @@ def _resolve(cluster: Cluster, on: str, mid: str, how: str) -> subprocess.Comple
                           cwd=ROOT, env=cluster.cli_env(on), capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
-def _held_unheard(cluster: Cluster, ticker: Ticker) -> tuple[Proxy, str, str]:
-    """B holds the restored copy (READY) and A never hears it (A's agent asks again soon): the
-    migration is left unresolved.  The proxy between them (the caller closes it), the
-    migration's id, and the CLI's output."""
+def _unheard_once_ready(cluster: Cluster) -> Proxy:
+    """A's agent asks again soon (rpc_timeout 5 s, restore_timeout 10 s); its calls to B go
+    through the proxy returned, which swallows B's replies while B holds a copy (READY)."""
     a, b = cluster.nodes["A"], cluster.nodes["B"]
     a.kill_agent(signal.SIGTERM)
     a.start_agent(rpc_timeout="5", restore_timeout="10")
@@ -214,6 +213,43 @@ def _held_unheard(cluster: Cluster, ticker: Ticker) -> tuple[Proxy, str, str]:
     b.start_agent(aliases=cluster.bridge_addr)
     proxy = _through_proxy(cluster, b)
     proxy.swallow_replies = lambda: "ready" in _states(b)
+    return proxy
+
+
+def test_a_target_restarted_while_letting_its_copy_go_lets_it_go_and_the_source_commits(
+    cluster: Cluster, ticker: Ticker
+) -> None:
+    """B holds the copy and A has not heard it (the proxy swallows B's replies); B's agent is
+    killed and its record says STARTING (it had been told to let the copy go: by a takeover, or
+    an operator) when it starts again.  B lets the copy go again; A, whose restore call broke,
+    asks B, hears the copy runs, and commits: one copy, on B, ticking on from the frozen point,
+    never the original resumed over a copy that ran (which repeated ticks)."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    proxy = _unheard_once_ready(cluster)
+    try:
+        mig = _migrate_via(cluster, ticker.pid, proxy.address)
+        wait_until(lambda: proxy.swallowed > 0, "B to hold its copy", 120)
+        frozen_at = max(ticker.ticks())
+        b.kill_agent(signal.SIGKILL)
+        (path,) = (b.work / "agent" / "migrations").glob("*.json")
+        path.write_text(json.dumps({**json.loads(path.read_text()), "state": "starting"}))
+        b.start_agent(aliases=cluster.bridge_addr)
+        wait_until(lambda: _states(a) == ["done"] and _states(b) == ["done"], "A and B to finish the migration", 90)
+        out, err = mig.communicate(timeout=60)
+        assert json.loads(out)["state"] == "done", out + err
+    finally:
+        proxy.close()
+    ticker.pid = int(_record(b)["pid"])  # type: ignore[call-overload]
+    assert _runs_on(ticker.pid, b) and max(ticker.ticks()) > frozen_at
+    ticker.assert_one_copy_continuous()
+    ticker.verify_state()
+
+
+def _held_unheard(cluster: Cluster, ticker: Ticker) -> tuple[Proxy, str, str]:
+    """B holds the restored copy (READY) and A never hears it (A's agent asks again soon): the
+    migration is left unresolved.  The proxy between them (the caller closes it), the
+    migration's id, and the CLI's output."""
+    proxy = _unheard_once_ready(cluster)
     try:
         out, _ = _migrate_via(cluster, ticker.pid, proxy.address).communicate(timeout=120)
         return proxy, str(json.loads(out)["migration_id"]), out
