@@ -75,26 +75,36 @@ def _script(p: psutil.Process) -> bool:
 
 
 class Job:
-    """The job on nodes A, B, C (torchrun's store on A), rank r on the r-th of them."""
+    """The job on nodes A, B, C, rank r on the r-th of them.  torchrun (its store on A, in
+    torchrun's agent), or as srun starts one (``srun=True``: a stand-in per rank, SLURM_PROCID and
+    SLURM_NTASKS set, the script's own ``env://`` rendezvous at MASTER_ADDR:MASTER_PORT on A, whose
+    store rank 0 would serve); ``wrap`` goes before the rank's Python on its command line."""
 
-    def __init__(self, c: Cluster, tmp: Path, step_time: float = 0.05, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, c: Cluster, tmp: Path, step_time: float = 0.05, extra: tuple[str, ...] = (),
+                 srun: bool = False, wrap: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.c, self.tmp, self.logs = c, tmp, tmp / "logs"
         self.logs.mkdir()
         self.runs: dict[str, subprocess.Popen[bytes]] = {}
         host = c.nodes["A"].addr
         tpagent = Path(sys.executable).parent / "tpagent"
-        for name in "ABC":
+        for r, name in enumerate("ABC"):
             node = c.nodes[name]
             env = {**c.cli_env(name), "GLOO_SOCKET_IFNAME": IFNAME, "USE_LIBUV": "0"}
-            cmd = node.exec(
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:29400", "--rdzv-id", RUN,
-                "--rdzv-conf", f"is_host={int(name == 'A')}", "--local-addr", node.addr, "--max-restarts", "0",
-                "--monitor-interval", "0.5", "--no-python",
-                str(tpagent), "rank", "--agent", node.agent_address, "--stdout", str(tmp / f"rank-on-{name}.out"),
-                "--", sys.executable, str(JOB), "--steps", str(STEPS), "--log-dir", str(self.logs),
-                "--step-time", str(step_time), *extra,
-            )  # fmt: skip
+            rank_out = str(tmp / f"rank-on-{name}.out")
+            stand_in = [str(tpagent), "rank", "--agent", node.agent_address, "--stdout", rank_out, "--", *wrap,
+                        sys.executable, str(JOB), "--steps", str(STEPS), "--log-dir", str(self.logs),
+                        "--step-time", str(step_time), *extra]  # fmt: skip
+            if srun:
+                env.update({"SLURM_JOB_ID": RUN, "SLURM_PROCID": str(r), "SLURM_LOCALID": "0", "SLURM_NTASKS": "3",
+                            "MASTER_ADDR": host, "MASTER_PORT": "29500"})  # fmt: skip
+                cmd = node.exec(*stand_in)
+            else:
+                cmd = node.exec(
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:29400", "--rdzv-id", RUN,
+                    "--rdzv-conf", f"is_host={int(name == 'A')}", "--local-addr", node.addr, "--max-restarts", "0",
+                    "--monitor-interval", "0.5", "--no-python", *stand_in,
+                )  # fmt: skip
             with open(tmp / f"torchrun-{name}.out", "wb") as out:
                 self.runs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.creds = Credentials.load(c.secret, c.nodes["A"].tls)

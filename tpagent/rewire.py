@@ -236,8 +236,14 @@ class Rewire:
         bad = self._fails(where, "say where it stands")
         if bad:
             raise RewireFailed("; ".join(bad) + "; nothing was changed")
+        hosting = [_hosts_store(r, where[r]["hosts_store"]) for r in ranks if where[r].get("hosts_store")]
+        hosting += [f"rank {r} reaches the job's store at a loopback address ({where[r]['store_loopback']}), which "
+                    "another node would not reach: start the job with an address every node reaches"
+                    for r in ranks if where[r].get("store_loopback")]  # fmt: skip
         if self.dry_run:
-            return self._dry_run(agents, where)
+            return self._dry_run(agents, where, hosting)
+        if hosting:
+            raise RewireFailed("; ".join(hosting) + "; nothing was changed")
         gen = max(int(a.get("gen", 0)) for a in where.values()) + 1
         self.agents, self.gen = agents, gen
         self._write("pausing")
@@ -282,10 +288,10 @@ class Rewire:
         self.timings["total"] = round(time.monotonic() - t_request, 4)
         return self._resumed(agents, new_pid)
 
-    def _dry_run(self, agents: list[str], where: dict[int, Any]) -> tuple[Outcome, int]:
+    def _dry_run(self, agents: list[str], where: dict[int, Any], hosting: list[str]) -> tuple[Outcome, int]:
         """Every rank answered; each moving rank's own migration is checked as a dry run (its
         TCP connections aside: they are the communicators', closed before it is frozen)."""
-        problems: list[str] = []
+        problems: list[str] = list(hosting)
         for r in sorted(self.moving):
             if self.dry_move is not None:
                 m = self.dry_move(*self.moving[r])
@@ -379,6 +385,13 @@ class Rewire:
         bad = self._fails(resumed, "resume")
         if bad or failed:
             raise RewireFailed("; ".join([failed, *bad] if failed else bad))
+
+
+def _hosts_store(rank: int, address: object) -> str:
+    return (f"rank {rank} serves the job's store ({address}) itself, and its peers reach it at this node's "
+            "address: it cannot move (its stand-in serves the store in its place where it can: MASTER_ADDR "
+            "and MASTER_PORT in its environment, and a Python command; what it said as it started tells why "
+            "not)")  # fmt: skip
 
 
 def _pause(at: int, unit: str, _rank: int) -> dict[str, Any]:

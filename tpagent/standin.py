@@ -8,6 +8,11 @@ stays here whatever happens to the rank: when the rank is migrated away the stan
 it from agent to agent, passes SIGTERM/SIGINT/SIGHUP on to it wherever it runs, and exits
 with the rank's own status.  The launcher never sees the rank leave (torchrun would restart
 the whole worker group if a child exited).
+
+Where no launcher hosts the job's store (srun and ``env://``: rank 0 would serve it), the stand-in
+of rank 0 serves it on this node, outside the rank, with the rank's own Python
+(:func:`host_store`): a rank that served it could not move, as its peers reach it at this
+node's address.  The store lives as long as the stand-in, as it would have lived as long as rank 0.
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
+import select
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -34,6 +43,19 @@ RUNTIME_ROOT = Path("/run/tpagent/rank-runtime")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: How long the stand-in keeps asking an agent that does not answer before it gives the rank up.
 LOST_AFTER = 600.0
+#: Set in the rank's environment: the port of the store its stand-in serves (tpagent_rank.store.HOSTED).
+HOSTED = "TPAGENT_STORE_HOSTED"
+#: How long the store server may take to listen (its Python imports torch first).
+STORE_READY_TIMEOUT = 120.0
+#: The store server: the rank's Python runs it, and it ends when its stdin does (the stand-in
+#: exited, or was killed).  argv: host, port.
+STORE_SERVER = """\
+import sys
+from torch.distributed import TCPStore
+store = TCPStore(sys.argv[1], int(sys.argv[2]), None, True, wait_for_workers=False)
+print("ready", flush=True)
+sys.stdin.read()
+"""
 
 
 def job_id(env: dict[str, str]) -> str:
@@ -73,11 +95,85 @@ def runtime_dir(root: Path = RUNTIME_ROOT) -> Path:
 
 def rank_env(env: dict[str, str], socket_name: str, job: str) -> dict[str, str]:
     out = dict(env)
+    for key, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID")):
+        if key not in out and out.get(slurm, "").isdigit():  # (srun: what env:// reads)
+            out[key] = out[slurm]
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(runtime_dir()), env.get("PYTHONPATH", "")) if p)
     out["TPAGENT_RANK_SOCKET"] = socket_name
     out["TPAGENT_JOB"] = job
     out.setdefault("USE_LIBUV", "0")  # a store a rank hosts must be dumpable (libuv's uses io_uring)
     return out
+
+
+def python_of(cmd: list[str], env: dict[str, str]) -> str | None:
+    """The Python interpreter that runs ``cmd``: the command itself, or what its ``#!`` names."""
+    path = env.get("PATH", os.defpath)
+    exe = cmd[0] if "/" in cmd[0] else shutil.which(cmd[0], path=path)
+    for _ in range(2):
+        if exe is None:
+            return None
+        if re.fullmatch(r"python[0-9.]*", Path(exe).name):
+            return exe
+        try:
+            with open(exe, "rb") as f:
+                line = f.readline(256)
+        except OSError:
+            return None
+        words = line[2:].decode(errors="replace").split() if line.startswith(b"#!") else []
+        if len(words) > 1 and Path(words[0]).name == "env":  # #!/usr/bin/env python3
+            words = words[1:]
+        exe = (words[0] if "/" in words[0] else shutil.which(words[0], path=path)) if words else None
+    return None
+
+
+def _local(host: str) -> bool:
+    """Whether ``host`` names an address of this node."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in found:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((addr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def host_store(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """Serve the job's store here, outside the rank, if rank ``env`` would serve it (rank 0 of
+    an ``env://`` job that no launcher hosts a store for): the server, or None and why not ("" if
+    the rank serves none)."""
+    host, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if env.get("RANK") != "0" or not host or not port.isdigit() or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None, ""
+    if not _local(host):
+        return None, f"MASTER_ADDR {host} is not an address of this node"
+    python = python_of(cmd, env)
+    if python is None:
+        return None, f"{cmd[0]} is not a Python interpreter (nor a script one runs) to serve it with"
+    with tempfile.TemporaryFile() as errors:
+        server = subprocess.Popen([python, "-c", STORE_SERVER, host, port], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=errors, env=env, cwd="/",
+                                  start_new_session=True)  # fmt: skip
+        assert server.stdout is not None
+        ready, _, _ = select.select([server.stdout], [], [], STORE_READY_TIMEOUT)
+        if ready and server.stdout.readline() == b"ready\n":
+            return server, ""
+        stop_store(server)
+        errors.seek(0)
+        last = (errors.read().decode(errors="replace").strip().splitlines() or ["it did not start in time"])[-1]
+    return None, f"serving it on port {port} failed: {last}"
+
+
+def stop_store(server: subprocess.Popen[bytes]) -> None:
+    server.kill()
+    server.wait()
+    for pipe in (server.stdin, server.stdout):
+        if pipe is not None:
+            pipe.close()
 
 
 class StandIn:
@@ -94,8 +190,20 @@ class StandIn:
     def run(self) -> int:
         env = dict(os.environ)
         job, rank = job_id(env), rank_of(env)
-        init, holder = launch.start(self.cmd, self.stdout, self.stderr, umask=self.umask,
-                                    env=rank_env(env, self.socket_name, job))  # fmt: skip
+        renv = rank_env(env, self.socket_name, job)
+        store, why = host_store(self.cmd, {**env, "RANK": renv.get("RANK", "")})  # (not the runtime's environment)
+        if store is not None:
+            renv[HOSTED] = renv["MASTER_PORT"]
+        elif why:
+            self.say(f"rank {rank} of job {job} serves the job's store itself, so it cannot be moved: {why}")
+        try:
+            return self._run(job, rank, renv)
+        finally:
+            if store is not None:
+                stop_store(store)
+
+    def _run(self, job: str, rank: int, renv: dict[str, str]) -> int:
+        init, holder = launch.start(self.cmd, self.stdout, self.stderr, umask=self.umask, env=renv)
         for sig in FORWARDED:
             signal.signal(sig, self._on_signal)
         try:

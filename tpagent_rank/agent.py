@@ -200,10 +200,14 @@ class Rank:
         from tpagent_rank import backend
 
         if op == "where":
+            from tpagent_rank import store
+
+            hosts = store.hosted_here(self.store)
             with self.cond:
                 return {"ok": True, "step": self.step, "collectives": self.collectives, "gen": self.gen,
                         "state": self._state(), "rate": _rate(self.times), "collective_rate": _rate(self.ctimes),
-                        "groups": len(backend.GROUPS.live())}  # fmt: skip
+                        "groups": len(backend.GROUPS.live()), "hosts_store": hosts,
+                        "store_loopback": store.loopback(self.store)}  # fmt: skip
         if op == "peers":
             agents = []
             for r in range(self.world):

@@ -1,6 +1,7 @@
 """Installed by the rank's ``sitecustomize`` when ``TPAGENT_RANK_SOCKET`` is set: once the
 user's code has imported ``torch.distributed``, its ``init_process_group`` and ``new_group``
-use the delegating backend (:mod:`tpagent_rank.backend`).  Nothing is imported here but the
+use the delegating backend (:mod:`tpagent_rank.backend`), and a store its stand-in hosts is
+joined as a client (:func:`tpagent_rank.store.patch_rendezvous`).  Nothing is imported here but the
 standard library; a process that never imports torch.distributed is untouched."""
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def patch(module: ModuleType) -> None:
         setattr(c10d, name, wrapped)
         if getattr(module, name, None) is fn:
             setattr(module, name, wrapped)
+    rendezvous = sys.modules.get("torch.distributed.rendezvous")
+    if rendezvous is not None:
+        from tpagent_rank import store
+
+        store.patch_rendezvous(rendezvous)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -7,6 +7,11 @@ put in its place (``dup2``: the client keeps its descriptor number); after the r
 client of the same store (which does the store's own handshake) lends its connection to the
 old descriptor the same way (its own descriptor gets an unconnected socket), and is kept,
 unused, so that nothing ever closes that descriptor number.
+
+A rank that hosts the store itself (``env://`` rank 0, where no launcher hosts it) cannot move:
+its peers reach the store at this node's address.  Its stand-in hosts the store instead, outside
+the rank (:data:`HOSTED`, see ``tpagent/standin.py``), and :func:`patch_rendezvous` makes the
+rank a client of it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import socket
 import struct
 from datetime import timedelta
 from typing import Any
+
+#: Set in a rank's environment by its stand-in: the port of the store it hosts on this node.
+HOSTED = "TPAGENT_STORE_HOSTED"
 
 
 def _underlying(store: Any) -> Any:
@@ -45,8 +53,9 @@ def _addr(hexaddr: str) -> str:
     return f"[{socket.inet_ntop(socket.AF_INET6, raw)}]:{int(port, 16)}"
 
 
-def connections() -> dict[int, str]:
-    """Descriptor -> remote address of this process's established TCP connections."""
+def _sockets(state: str) -> dict[int, tuple[str, str]]:
+    """Descriptor -> (local, remote address) of this process's TCP sockets in ``state`` (the
+    kernel's hex code: 01 established, 0A listening)."""
     fds = _inodes()
     out = {}
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
@@ -57,9 +66,60 @@ def connections() -> dict[int, str]:
             continue
         for line in lines:
             f = line.split()
-            if f[3] == "01" and int(f[9]) in fds:  # ESTABLISHED
-                out[fds[int(f[9])]] = _addr(f[2])
+            if f[3] == state and int(f[9]) in fds:
+                out[fds[int(f[9])]] = (_addr(f[1]), _addr(f[2]))
     return out
+
+
+def connections() -> dict[int, str]:
+    """Descriptor -> remote address of this process's established TCP connections."""
+    return {fd: remote for fd, (_local, remote) in _sockets("01").items()}
+
+
+def hosted_here(store: Any) -> str | None:
+    """``HOST:PORT`` of the job's store if this process serves it (listens on its port), else None."""
+    base = _underlying(store)
+    port = getattr(base, "port", None)
+    if not isinstance(port, int):
+        return None
+    for local, _remote in _sockets("0A").values():
+        if local.rpartition(":")[2] == str(port):
+            return f"{base.host}:{port}"
+    return None
+
+
+def loopback(store: Any) -> str | None:
+    """``HOST:PORT`` of the job's store if it is reached at a loopback address (not from another node)."""
+    import ipaddress
+
+    base = _underlying(store)
+    ips = _ips(str(getattr(base, "host", "")))
+    try:
+        if ips and all(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip in ips):
+            return f"{base.host}:{getattr(base, 'port', '?')}"
+    except ValueError:
+        return None
+    return None
+
+
+def patch_rendezvous(module: Any) -> None:
+    """Where the stand-in hosts the store (:data:`HOSTED`), the rank that would have served it
+    on that port (``env://``, ``tcp://`` rank 0) is made a client of it, as torchrun's ranks are
+    of its agent's store; nothing else changes."""
+    port = os.environ.get(HOSTED, "")
+    create = getattr(module, "_create_c10d_store", None)
+    if not port.isdigit() or create is None or getattr(create, "__tpagent__", False):
+        return
+
+    def _create_c10d_store(hostname: str, port_: int, rank: int, world_size: int, timeout: Any,
+                           *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        if int(port_) != int(port):
+            return create(hostname, port_, rank, world_size, timeout, *args, **kwargs)
+        return module.TCPStore(host_name=hostname, port=port_, world_size=world_size, is_master=False,
+                               timeout=timeout)  # fmt: skip
+
+    _create_c10d_store.__tpagent__ = True  # type: ignore[attr-defined]
+    module._create_c10d_store = _create_c10d_store
 
 
 def _ips(host: str) -> set[str]:

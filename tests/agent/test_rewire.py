@@ -7,14 +7,17 @@ collectives instead."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
-from cluster import Cluster
+from cluster import Cluster, Node
 from conftest import needs_criu
 from helpers import ROOT
 from rankjob import RUN, Job, steps
@@ -84,5 +87,81 @@ def test_a_job_without_an_optimizer_stops_between_two_collectives(
         assert {k for k, r in shown.items() if not r["moved_to"]} == {(RUN, 1), (RUN, 2)}, shown
         assert all(shown[RUN, r]["gen"] == 3 and shown[RUN, r]["collectives"] > 0 for r in (1, 2)), shown
         job.finishes_as(reference_no_optimizer)
+    finally:
+        job.close()
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a TCP socket listening on ``port`` (in its own network namespace)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if (link := os.readlink(fd)).startswith("socket:["):
+                inodes.add(link[8:-1])
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rpartition(":")[2], 16) == port and f[9] in inodes:
+                return True
+    return False
+
+
+def _store_server(node: Node) -> psutil.Process:
+    """The process on ``node`` that listens on the job's store port (29500)."""
+    for p in node.processes():
+        with contextlib.suppress(OSError, psutil.Error):
+            if _listens(p.pid, 29500):
+                return p
+    raise AssertionError(f"nothing listens on port 29500 on {node.name}")
+
+
+@pytest.mark.timeout(600)
+def test_under_srun_the_rank_that_would_serve_the_store_moves(quad: Cluster, tmp_path: Path, reference: Path) -> None:
+    """As srun starts a job: no launcher serves a store, and the script's own env:// rendezvous
+    would have rank 0 serve it on A.  Rank 0's stand-in serves it instead, outside the rank (with
+    the rank's Python), so rank 0 moves: to D, then on to B beside rank 1; the store stays on A."""
+    job = Job(quad, tmp_path, srun=True)
+    try:
+        job.at_step(0, 20)
+        server = _store_server(quad.nodes["A"])
+        assert server.pid not in {p.pid for p in psutil.Process(job.rank_pid(0)).parents()}  # (not in the rank)
+        moved = job.move(0, "D")
+        assert moved.returncode == 0, moved.stdout + moved.stderr
+        assert job.where(0) == "D" and job.copies(0) == ["D"]
+
+        job.at_step(0, steps(job.logs, 0) + 20)
+        moved = job.move(0, "B")
+        assert moved.returncode == 0, moved.stdout + moved.stderr
+        assert job.where(0) == "B" and job.copies(0) == ["B"]
+        assert _store_server(quad.nodes["A"]).pid == server.pid
+
+        job.finishes_as(reference)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_that_serves_the_store_itself_is_not_moved(quad: Cluster, tmp_path: Path, reference: Path) -> None:
+    """Started through `env` (not a Python its stand-in could serve the store with), rank 0 serves
+    the job's store itself: its stand-in says so as it starts; a move of rank 0 (and its dry run)
+    is refused in one sentence before anything stops; the job goes on, another rank still moves,
+    and every loss is bit-identical."""
+    job = Job(quad, tmp_path, srun=True, wrap=("env",))
+    try:
+        job.at_step(0, 10)
+        said = (tmp_path / "torchrun-A.out").read_text()
+        assert "serves the job's store itself, so it cannot be moved" in said, said
+        assert _store_server(quad.nodes["A"]).pid == job.rank_pid(0)
+        for extra in (("--dry-run",), ()):
+            refused = job.c.migrate(0, "A", "D", "--job", RUN, "--rank", "0", *extra, timeout=120)
+            out = refused.stdout + refused.stderr
+            assert refused.returncode != 0 and "serves the job's store" in out and "cannot move" in out, out
+            assert "Traceback" not in out
+            assert job.copies(0) == ["A"]
+        job.at_step(0, steps(job.logs, 0) + 5)  # (nothing was stopped)
+        moved = job.move(2, "D")
+        assert moved.returncode == 0, moved.stdout + moved.stderr
+        assert job.copies(2) == ["D"]
+        job.finishes_as(reference)
     finally:
         job.close()

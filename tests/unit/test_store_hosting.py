@@ -1,0 +1,107 @@
+"""The job's store served by rank 0's stand-in rather than by rank 0 (srun, ``env://``: a rank
+that served it could not move).  Which ranks it applies to, the Python it is served with, and a
+real server joined by a real rank through the runtime: rank 0's ``env://`` rendezvous becomes a
+client of it, where without the runtime it would try to serve the port itself."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from tpagent import standin
+from tpagent_rank.layout import write_runtime_dir
+
+torch_distributed = pytest.importorskip("torch.distributed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_python_that_runs_a_command(tmp_path: Path) -> None:
+    env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + "/usr/bin:/bin"}
+    assert standin.python_of([sys.executable, "train.py"], env) == sys.executable
+    assert standin.python_of([Path(sys.executable).name, "train.py"], env) == sys.executable
+    script = tmp_path / "train"
+    script.write_text(f"#!{sys.executable}\nprint()\n")
+    assert standin.python_of([str(script)], env) == sys.executable  # (a console script)
+    script.write_text("#!/usr/bin/env python3 -u\nprint()\n")
+    assert Path(standin.python_of([str(script)], {"PATH": "/usr/bin:/bin"}) or "").name == "python3"
+    script.write_text("#!/bin/sh\nexec python3 train.py\n")
+    assert standin.python_of([str(script)], env) is None
+    assert standin.python_of(["env", "python3", "train.py"], env) is None  # (what env runs is not looked into)
+    assert standin.python_of(["no-such-program"], env) is None
+
+
+def test_srun_ranks_get_what_env_rendezvous_reads() -> None:
+    env = standin.rank_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}, "sock", "j")
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("5", "8", "1")
+    mine = standin.rank_env({"SLURM_PROCID": "5", "RANK": "2"}, "sock", "j")
+    assert mine["RANK"] == "2"  # (what the launcher set stays)
+
+
+def test_only_rank_0_of_a_job_no_launcher_serves_a_store_for_gets_one() -> None:
+    cmd = [sys.executable, "train.py"]
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "PATH": os.environ.get("PATH", "")}
+    assert standin.host_store(cmd, {**base, "RANK": "1"}) == (None, "")
+    assert standin.host_store(cmd, {**base, "RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}) == (None, "")
+    assert standin.host_store(cmd, {"RANK": "0"}) == (None, "")  # (no env:// rendezvous)
+    server, why = standin.host_store(cmd, {**base, "RANK": "0", "MASTER_ADDR": "192.0.2.7"})
+    assert server is None and "not an address of this node" in why
+    server, why = standin.host_store(["env", *cmd], {**base, "RANK": "0"})
+    assert server is None and "is not a Python interpreter" in why
+
+
+RANK0 = textwrap.dedent(
+    """
+    import json, torch.distributed as dist
+    dist.init_process_group("gloo")
+    from tpagent_rank import store
+    default = dist.distributed_c10d._get_default_store()
+    store._underlying(default).set("from-rank-0", "hello")
+    print(json.dumps({"serves": store.hosted_here(default)}))
+    dist.destroy_process_group()
+    """
+)
+
+
+def _rank0(tmp_path: Path, port: int, **env: str) -> subprocess.CompletedProcess[str]:
+    runtime = tmp_path / "runtime"
+    if not runtime.exists():
+        runtime.mkdir()
+        write_runtime_dir(runtime)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
+    return subprocess.run(
+        [sys.executable, "-c", RANK0],
+        env={**base, "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), base.get("PYTHONPATH")])),
+             "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "USE_LIBUV": "0",
+             "TPAGENT_RANK_SOCKET": f"tpagent-test-{os.getpid()}-none", **env},
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+
+
+def test_rank_0_joins_the_store_its_stand_in_serves(tmp_path: Path) -> None:
+    port = _free_port()
+    env = {**os.environ, "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    server, why = standin.host_store([sys.executable, "train.py"], env)
+    assert server is not None, why
+    try:
+        # Without the word from its stand-in, rank 0 would serve the port itself: it is taken.
+        alone = _rank0(tmp_path, port)
+        assert alone.returncode != 0 and "address already in use" in alone.stderr.lower(), alone.stderr[-2000:]
+        joined = _rank0(tmp_path, port, TPAGENT_STORE_HOSTED=str(port))
+        assert joined.returncode == 0, joined.stderr[-3000:]
+        assert '"serves": null' in joined.stdout, "rank 0 serves the store although its stand-in does"
+        client = torch_distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        assert client.get("from-rank-0") == b"hello"  # (the rank wrote into the stand-in's store)
+    finally:
+        standin.stop_store(server)
