@@ -155,6 +155,14 @@ def rank(
     socket_name: Annotated[
         str, typer.Option("--rank-socket", envvar="TPAGENT_RANK_SOCKET", help="The agents' rank_socket setting.")
     ] = "tpagent-ranks",
+    relay: Annotated[
+        bool,
+        typer.Option(
+            "--relay/--no-relay",
+            envvar="TPAGENT_RELAY",
+            help="Also write the rank's output here (the launcher's log), wherever the rank runs.",
+        ),
+    ] = True,
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
 ) -> None:
@@ -173,7 +181,7 @@ def rank(
         env = dict(os.environ)
         out = stdout or Path(f"{job_id(env)}-rank{rank_of(env)}.log").absolute()
         stand_in = StandIn(cmd, GrpcPeer(agent, creds), lambda a: GrpcPeer(a, creds), out, stderr or out,
-                           socket_name, umask=0o022)  # fmt: skip
+                           socket_name, umask=0o022, relay=relay)  # fmt: skip
         code = stand_in.run()
     except UsageError as e:
         die(str(e), EXIT_USAGE)

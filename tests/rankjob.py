@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -184,5 +185,9 @@ class Job:
                 f"rank {r}: steps repeated or skipped (the group restarted, or a copy went back)"
             )
             assert got == want, f"rank {r}: its losses or final parameters differ from the uninterrupted run"
-        for name in "ABC":
-            assert "Restarting" not in (self.tmp / f"torchrun-{name}.out").read_text()
+        for r, name in enumerate("ABC"):
+            shown = (self.tmp / f"torchrun-{name}.out").read_text()
+            assert "Restarting" not in shown
+            # What the rank printed, wherever it ran, is in its launcher's log: every line, once, in order.
+            printed = [int(k) for k in re.findall(rf"^rank {r} step (\d+) loss ", shown, re.MULTILINE)]
+            assert printed == list(range(STEPS)), f"rank {r}'s output was not relayed whole to its launcher: {printed}"

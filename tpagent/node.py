@@ -7,6 +7,7 @@ protocol itself is in :mod:`tpagent.source` and :mod:`tpagent.target`.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import json
@@ -47,7 +48,7 @@ from tpagent.api import (
 )
 from tpagent.context import Context
 from tpagent.journal import Record, valid_id, write_durably
-from tpagent.ranks import RUNTIME_OPS, RankGone, Ranks
+from tpagent.ranks import OUTPUT_MAX, RUNTIME_OPS, RankGone, Ranks
 from tpagent.resolve import operator_may, resolve_source
 from tpagent.rewire import PHASES, Rewire, RewireFailed
 from tpagent.source import SourceMigration
@@ -320,6 +321,12 @@ class Node:
             else:
                 os.kill(entry.init, int(signum))  # (its init passes it on to the rank)
             return {"ok": True}
+        if op == "output":  # (for a stand-in: what its rank wrote, wherever it runs)
+            which, offset, size = body.get("fd"), body.get("offset"), body.get("max", OUTPUT_MAX)
+            if which not in (1, 2) or not isinstance(offset, int) or not isinstance(size, int) or offset < 0:
+                raise Refused("output needs fd 1 or 2 and an offset of at least 0.", Why.INVALID)
+            data, size_now = self.ranks.output(job, rank, which, offset, max(1, size))
+            return {"ok": True, "data": base64.b64encode(data).decode(), "size": size_now}
         if op == "jobs":  # (with each connected rank's step and generation now)
             ranks = self.ranks.jobs()
             for r in ranks:

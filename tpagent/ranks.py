@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import threading
 import time
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 LINE_MAX = 64 * 1024
 #: Requests the agent passes on to a rank's runtime.
-RUNTIME_OPS = frozenset({"where", "peers", "pause", "boundary", "cancel", "teardown", "rebuild", "resume"})
+RUNTIME_OPS = frozenset({"where", "peers", "pause", "boundary", "cancel", "teardown", "rebuild", "resume", "end"})
 #: Connections waiting for their registration, at most (the oldest goes).
 PENDING_MAX = 64
 PENDING_FOR = 30.0
@@ -129,12 +130,46 @@ class RankEntry:
     exit_code: int | None = None
     moved_to: str = ""  # the agent it migrated to
     seen: dict[str, Any] = field(default_factory=dict)  # its last hello
+    outputs: dict[int, int] = field(default_factory=dict)  # 1, 2 -> our descriptor of its stdout, stderr file
 
     def alive(self) -> bool:
         try:
             return proc.start_ticks(self.init) == self.init_start
         except (OSError, IndexError, ValueError):
             return False
+
+
+#: The most of a rank's output one ``output`` request reads.
+OUTPUT_MAX = 1 << 20
+
+
+def _open_output(init: int, which: int) -> int:
+    """Our own descriptor of the file the init of a rank's namespace has as stdout (1) or stderr
+    (2), where the rank writes: opened through the init's descriptor, never a path (what a path
+    names can be changed; what the init has open cannot), and only if it is a regular file."""
+    link = f"/proc/{init}/fd/{which}"
+    try:
+        st = os.stat(link)
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(f"the rank's {_STREAMS[which]} is not a file, so it is not relayed.", Why.INVALID)
+        fd = os.open(link, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise Refused(f"the rank's {_STREAMS[which]} cannot be read ({e.strerror}).", Why.NOT_FOUND) from e
+    now = os.fstat(fd)
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise Refused(f"the rank's {_STREAMS[which]} changed while it was opened.", Why.CONFLICT)
+    return fd
+
+
+_STREAMS = {1: "stdout", 2: "stderr"}
+
+
+def _close_outputs(e: RankEntry) -> None:
+    for fd in e.outputs.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    e.outputs.clear()
 
 
 def _peer_pid(sock: socket.socket) -> int:
@@ -196,7 +231,7 @@ class Ranks:
             return
         ended = [k for k, e in self.entries.items() if e.exit_code is not None or e.moved_to]
         for k in ended[: max(0, len(ended) - KEEP_ENDED)]:
-            del self.entries[k]
+            _close_outputs(self.entries.pop(k))
         rows = [{"job": e.job, "rank": e.rank, "init": e.init, "init_start": e.init_start, "world": e.world,
                  "exit_code": e.exit_code, "moved_to": e.moved_to} for e in self.entries.values()]  # fmt: skip
         try:
@@ -352,6 +387,8 @@ class Ranks:
                 raise Refused(f"rank {rank} of job {job} already runs here (PID {old.init}).", Why.CONFLICT)
             if old is not None and old.conn is not None:
                 old.conn.close()
+            if old is not None:
+                _close_outputs(old)
             self.entries[(job, rank)] = entry
             self._save()
 
@@ -405,7 +442,20 @@ class Ranks:
             e = self.entries.get((job, rank))
             if e is not None:
                 e.moved_to = to
+                _close_outputs(e)  # (it writes on there: everything it wrote here went with it)
                 self._save()
+
+    def output(self, job: str, rank: int, which: int, offset: int, size: int) -> tuple[bytes, int]:
+        """Up to ``size`` bytes from ``offset`` of the rank's stdout (1) or stderr (2) file, and
+        the file's size now (-1: it is not read here, having moved on or ended unread)."""
+        e = self.entry(job, rank)
+        with self.lock:  # (a descriptor is never closed under a read)
+            fd = e.outputs.get(which)
+            if fd is None:
+                if e.moved_to or e.exit_code is not None or not e.alive():
+                    return b"", -1
+                fd = e.outputs[which] = _open_output(e.init, which)
+            return os.pread(fd, min(size, OUTPUT_MAX), offset), os.fstat(fd).st_size
 
     def locate(self, job: str, rank: int) -> dict[str, Any]:
         """For a stand-in: where its rank is (``here``, ``moved`` to ``node``, ``exited`` with

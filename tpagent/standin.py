@@ -17,6 +17,7 @@ node's address.  The store lives as long as the stand-in, as it would have lived
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import os
@@ -32,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import tpagent_rank
 from snapshot.api import UsageError
@@ -93,11 +95,18 @@ def runtime_dir(root: Path = RUNTIME_ROOT) -> Path:
     return dest
 
 
-def rank_env(env: dict[str, str], socket_name: str, job: str) -> dict[str, str]:
+def launcher_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with what ``env://`` reads (RANK, WORLD_SIZE, LOCAL_RANK) taken from srun's
+    variables where the launcher did not set them."""
     out = dict(env)
     for key, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID")):
-        if key not in out and out.get(slurm, "").isdigit():  # (srun: what env:// reads)
+        if key not in out and out.get(slurm, "").isdigit():
             out[key] = out[slurm]
+    return out
+
+
+def rank_env(env: dict[str, str], socket_name: str, job: str) -> dict[str, str]:
+    out = launcher_env(env)
     out["PYTHONPATH"] = os.pathsep.join(p for p in (str(runtime_dir()), env.get("PYTHONPATH", "")) if p)
     out["TPAGENT_RANK_SOCKET"] = socket_name
     out["TPAGENT_JOB"] = job
@@ -178,11 +187,17 @@ def stop_store(server: subprocess.Popen[bytes]) -> None:
 
 class StandIn:
     def __init__(self, cmd: list[str], agent: Peer, connect: Callable[[str], Peer], stdout: Path, stderr: Path,
-                 socket_name: str, umask: int) -> None:  # fmt: skip
+                 socket_name: str, umask: int, relay: bool = True) -> None:  # fmt: skip
         self.cmd, self.agent, self.connect = cmd, agent, connect
         self.stdout, self.stderr, self.socket_name, self.umask = stdout, stderr, socket_name, umask
         self.signals: list[int] = []
         self.wake = threading.Event()
+        #: What is relayed: the rank's stdout (and stderr, if a file of its own) -> how far, and where to.
+        self.relays: dict[int, list[Any]] = {}
+        if relay:
+            self.relays[1] = [_size(stdout), sys.stdout.buffer]
+            if stderr.absolute() != stdout.absolute():
+                self.relays[2] = [_size(stderr), sys.stderr.buffer]
 
     def say(self, text: str) -> None:
         print(f"tpagent rank: {text}", file=sys.stderr, flush=True)
@@ -191,7 +206,7 @@ class StandIn:
         env = dict(os.environ)
         job, rank = job_id(env), rank_of(env)
         renv = rank_env(env, self.socket_name, job)
-        store, why = host_store(self.cmd, {**env, "RANK": renv.get("RANK", "")})  # (not the runtime's environment)
+        store, why = host_store(self.cmd, launcher_env(env))  # (not the runtime's environment)
         if store is not None:
             renv[HOSTED] = renv["MASTER_PORT"]
         elif why:
@@ -214,6 +229,7 @@ class StandIn:
         last_heard = time.monotonic()
         while True:
             self._forward(where, job, rank, init, holder)
+            self._relay(where, job, rank)
             if where is self.agent and holder.poll() is None:
                 self.wake.wait(0.5)
                 self.wake.clear()
@@ -230,12 +246,12 @@ class StandIn:
                 continue
             except AgentError as e:
                 if where is self.agent:  # (the agent never knew it: the rank ran and ended here)
-                    return _status(holder.wait())
+                    return self._ended(where, job, rank, _status(holder.wait()))
                 self.say(f"the agent at {where.address} lost track of rank {rank} of job {job} ({e})")
                 return 1
             state = loc.get("state")
             if state == "exited" and isinstance(loc.get("code"), int):
-                return _status(int(loc["code"]))
+                return self._ended(where, job, rank, _status(int(loc["code"])))
             if state == "moved" and isinstance(loc.get("node"), str):
                 self.say(f"rank {rank} of job {job} now runs on {loc['node']}")
                 where = self._peer(str(loc["node"]))
@@ -245,9 +261,30 @@ class StandIn:
                 self.wake.clear()
                 continue
             if where is self.agent:
-                return _status(holder.wait())
+                return self._ended(where, job, rank, _status(holder.wait()))
             self.say(f"rank {rank} of job {job} is gone from {where.address} without an exit status")
             return 1
+
+    def _ended(self, where: Peer, job: str, rank: int, code: int) -> int:
+        self._relay(where, job, rank)  # (the last of what it wrote)
+        return code
+
+    def _relay(self, where: Peer, job: str, rank: int) -> None:
+        """Write what the rank wrote since the last time to this process's own stdout (stderr),
+        which its launcher shows: read through the agent of the node it runs on."""
+        for which, relay in self.relays.items():
+            for _ in range(16):  # (at most 16 MiB a round: signals are passed on meanwhile)
+                try:
+                    got = where.rank(job, rank, {"op": "output", "fd": which, "offset": relay[0]}, 10)
+                    data = base64.b64decode(str(got.get("data", "")), validate=True)
+                except (AgentError, ValueError):
+                    break  # (asked again next round; a rank the agent cannot read is not relayed)
+                if not data:
+                    break
+                with contextlib.suppress(OSError):
+                    relay[1].write(data)
+                    relay[1].flush()
+                relay[0] += len(data)
 
     def _peer(self, address: str) -> Peer:
         return self.connect(address)
@@ -267,6 +304,14 @@ class StandIn:
                 where.rank(job, rank, {"op": "signal", "signum": int(sig)}, 10)
             except AgentError as e:
                 self.say(f"signal {sig} could not be passed on to rank {rank} at {where.address}: {e}")
+
+
+def _size(path: Path) -> int:
+    """How much of ``path`` was there before the rank started (an existing log is appended to)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _status(code: int | None) -> int:

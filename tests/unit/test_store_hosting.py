@@ -43,9 +43,9 @@ def test_the_python_that_runs_a_command(tmp_path: Path) -> None:
 
 
 def test_srun_ranks_get_what_env_rendezvous_reads() -> None:
-    env = standin.rank_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}, "sock", "j")
+    env = standin.launcher_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"})
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("5", "8", "1")
-    mine = standin.rank_env({"SLURM_PROCID": "5", "RANK": "2"}, "sock", "j")
+    mine = standin.launcher_env({"SLURM_PROCID": "5", "RANK": "2"})
     assert mine["RANK"] == "2"  # (what the launcher set stays)
 
 

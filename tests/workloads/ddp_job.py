@@ -8,7 +8,8 @@ With ``--no-optimizer`` it updates its parameters by hand (no torch.optim: the r
 never sees an optimizer step, so a rewire stops it between two collectives).
 
 Each rank appends "step K <its loss> <global loss> <subgroup loss>" (floats in hex: exact) to
-DIR/rank{R}.log, one open per line, and "done <sha256 of the parameters>" at the end.
+DIR/rank{R}.log, one open per line, and "done <sha256 of the parameters>" at the end; and
+prints "rank R step K loss L" to stdout, as training scripts do.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main() -> None:
             dist.all_reduce(sub, group=pair)
         with open(log, "a") as f:
             f.write(f"step {step} {loss.item().hex()} {(total.item() / world).hex()} {sub.item().hex()}\n")
+        print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
         time.sleep(a.step_time)
     digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.parameters())).hexdigest()
     with open(log, "a") as f:
