@@ -13,7 +13,7 @@ from the job itself (each rank keeps its agent's address in the job's store).
     teardown  every rank destroys its communicators; the moving ones also let go of the store
     migrate   each moving rank: freeze, stream, restore, confirm              -- "migrate" timing
     rebuild   every rank, at once, under generation G+1 (on the node each now runs on)
-    resume    step S+1
+    resume    step S+1      (a rank that cannot rebuild, e.g. dead: every other rank is told to end)
 
 Nothing is lost: before the teardown a failure cancels the pause (the job goes on untouched);
 after it, a moving rank whose migration rolled back rebuilds where it was; every wait has a
@@ -380,7 +380,11 @@ class Rewire:
         bad = self._fails(built, f"build its communicators (generation {gen})")
         self._stage("rebuild", t)
         if bad:
-            raise RewireFailed("; ".join([failed, *bad] if failed else bad) + "; the job cannot go on")
+            # Every rank that still answers is told, and ends now with the reason, rather than wait
+            # parked for a peer that will not come (its own deadline, or the group's timeout).
+            why = "; ".join([failed, *bad] if failed else bad) + "; the job cannot go on"
+            self._all(agents, lambda r: {"op": "end", "why": why[:2000]}, min(self.timeout, 30))
+            raise RewireFailed(why)
         resumed = self._all(agents, lambda r: {"op": "resume"}, self.timeout)
         bad = self._fails(resumed, "resume")
         if bad or failed:

@@ -51,6 +51,7 @@ class Rank:
         self.stop_at: int | None = None
         self.unit = "step"  # what stop_at counts: "step" or "collective"
         self.parked = False
+        self.ended = ""  # why the job cannot go on (the agent said so): a parked rank raises it
         self.torn = False
         self.leaving = False
         self.times: deque[float] = deque(maxlen=20)
@@ -91,6 +92,9 @@ class Rank:
         deadline = time.monotonic() + self.park_timeout
         while self.parked:
             self.cond.wait(0.5)
+            if self.ended:
+                self.parked = False
+                raise RuntimeError(f"{PREFIX}rank {self.rank} of job {self.job} stopped after {where}: {self.ended}")
             if self.parked and time.monotonic() > deadline:
                 if self.torn:
                     raise RuntimeError(
@@ -277,6 +281,11 @@ class Rank:
                 g.rebuild(gen)
             with self.cond:
                 self.gen, self.torn, self.leaving = gen, False, False
+            return {"ok": True}
+        if op == "end":  # (the job cannot go on: a rank is gone for good; better now than at a deadline)
+            with self.cond:
+                self.ended = str(body.get("why", "")) or "its agent ended the job"
+                self.cond.notify_all()
             return {"ok": True}
         if op == "resume":
             with self.cond:

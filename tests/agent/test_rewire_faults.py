@@ -78,6 +78,34 @@ def test_a_peer_killed_at_the_boundary_is_reported_and_nothing_hangs(quad: Clust
         job.close()
 
 
+def test_a_peer_killed_after_the_teardown_ends_the_job_at_the_rewires_deadline(quad: Cluster, tmp_path: Path) -> None:
+    """Rank 2 is killed once rank 1's migration has started (every communicator is down): rank 2
+    cannot rebuild, so the job cannot go on.  The command says so naming rank 2, and every other
+    rank is told: each ends with that reason at the rewire's deadline (60 s here), not parked
+    until its own (10 min) or the group's timeout (30 min); every torchrun ends."""
+    job = Job(quad, tmp_path)
+    try:
+        job.at_step(1, 20)
+        victim = job.rank_pid(2)
+        mig = job.start_move(1, "D", "--json")
+        wait_until(lambda: _moving(job, "B"), "rank 1's migration to start", 120)
+        psutil.Process(victim).kill()
+        t0 = time.monotonic()
+        out, err = mig.communicate(timeout=180)
+        doc = json.loads(out)
+        assert mig.returncode == 1 and doc["state"] == "failed", out + err
+        assert "rank 2 could not build its communicators" in doc["message"], doc["message"]
+        assert "the job cannot go on" in doc["message"] and "\n" not in doc["message"], doc["message"]
+        codes = job.wait(timeout=120)
+        assert all(code != 0 for code in codes.values()), codes
+        assert time.monotonic() - t0 < 150, "the ranks outlived the deadline of their rewire"
+        assert not any(job.copies(r) for r in range(3)), "a rank is still running"
+        said = "".join((tmp_path / f"rank-on-{n}.out").read_text() for n in "AB")
+        assert said.count("the job cannot go on") >= 2, said[-3000:]  # (ranks 0 and 1, each with the reason)
+    finally:
+        job.close()
+
+
 def test_the_cli_interrupted(quad: Cluster, tmp_path: Path, reference: Path) -> None:
     """Ctrl-C once rank 1's migration has started: the agent rolls it back (the rank stays on B),
     rebuilds every rank where it runs, the command exits 130 saying so, the job ends bit-identical."""
