@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,11 @@ import pytest
 from helpers import Workload
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
+
+# A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so
+# would every command it starts (an ignored signal stays ignored across exec): the tests that
+# press Ctrl-C on a command need it to arrive.  A handler of our own is reset on exec instead.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 pytest_plugins = ["cluster_fixtures", "rankjob"]
 

@@ -218,7 +218,8 @@ def test_strangers_that_trickle_do_not_stall_a_real_sender(
     assert _held(target[1]) >= 100  # they hold their places...
     evicted = counts()["evicted"]
     stats = _send(TcpTransport(tls=certs["sender"] if tls else None), src, rx.receiver.address, streams=4)
-    assert _held(target[1]) >= 100  # ...all the while
+    # ...and still do (those the sender evicted come back one every 0.5 s: not all at once, on a busy machine)
+    wait_until(lambda: _held(target[1]) >= 100, "the strangers to hold their places still", 30)
     assert isinstance(rx.join(), TransferStats)
     assert digests(tmp_path / "dst") == digests(src)
     assert stats.bytes_raw == sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
