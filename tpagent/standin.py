@@ -32,8 +32,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import BinaryIO
 
 import tpagent_rank
 from snapshot.api import UsageError
@@ -185,6 +186,14 @@ def stop_store(server: subprocess.Popen[bytes]) -> None:
             pipe.close()
 
 
+@dataclass
+class _Relay:
+    """How far the rank's stdout or stderr file has been relayed, and where to."""
+
+    offset: int
+    out: BinaryIO
+
+
 class StandIn:
     def __init__(self, cmd: list[str], agent: Peer, connect: Callable[[str], Peer], stdout: Path, stderr: Path,
                  socket_name: str, umask: int, relay: bool = True) -> None:  # fmt: skip
@@ -192,12 +201,12 @@ class StandIn:
         self.stdout, self.stderr, self.socket_name, self.umask = stdout, stderr, socket_name, umask
         self.signals: list[int] = []
         self.wake = threading.Event()
-        #: What is relayed: the rank's stdout (and stderr, if a file of its own) -> how far, and where to.
-        self.relays: dict[int, list[Any]] = {}
+        #: What is relayed: the rank's stdout (and stderr, if a file of its own).
+        self.relays: dict[int, _Relay] = {}
         if relay:
-            self.relays[1] = [_size(stdout), sys.stdout.buffer]
+            self.relays[1] = _Relay(_size(stdout), sys.stdout.buffer)
             if stderr.absolute() != stdout.absolute():
-                self.relays[2] = [_size(stderr), sys.stderr.buffer]
+                self.relays[2] = _Relay(_size(stderr), sys.stderr.buffer)
 
     def say(self, text: str) -> None:
         print(f"tpagent rank: {text}", file=sys.stderr, flush=True)
@@ -275,16 +284,16 @@ class StandIn:
         for which, relay in self.relays.items():
             for _ in range(16):  # (at most 16 MiB a round: signals are passed on meanwhile)
                 try:
-                    got = where.rank(job, rank, {"op": "output", "fd": which, "offset": relay[0]}, 10)
+                    got = where.rank(job, rank, {"op": "output", "fd": which, "offset": relay.offset}, 10)
                     data = base64.b64decode(str(got.get("data", "")), validate=True)
                 except (AgentError, ValueError):
                     break  # (asked again next round; a rank the agent cannot read is not relayed)
                 if not data:
                     break
                 with contextlib.suppress(OSError):
-                    relay[1].write(data)
-                    relay[1].flush()
-                relay[0] += len(data)
+                    relay.out.write(data)
+                    relay.out.flush()
+                relay.offset += len(data)
 
     def _peer(self, address: str) -> Peer:
         return self.connect(address)
