@@ -40,14 +40,13 @@ import tpagent_rank
 from snapshot.api import UsageError
 from tpagent import launch
 from tpagent.api import AgentError, Peer, PeerUnreachable
+from tpagent_rank.store import HOSTED
 
 #: Where the runtime directory is written (root's, readable by the ranks): one per version.
 RUNTIME_ROOT = Path("/run/tpagent/rank-runtime")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: How long the stand-in keeps asking an agent that does not answer before it gives the rank up.
 LOST_AFTER = 600.0
-#: Set in the rank's environment: the port of the store its stand-in serves (tpagent_rank.store.HOSTED).
-HOSTED = "TPAGENT_STORE_HOSTED"
 #: How long the store server may take to listen (its Python imports torch first).
 STORE_READY_TIMEOUT = 120.0
 #: The store server: the rank's Python runs it, and it ends when its stdin does (the stand-in

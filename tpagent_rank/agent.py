@@ -13,6 +13,7 @@ else runs in this module's threads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import json
@@ -191,6 +192,14 @@ class Rank:
             answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         self._reply({"id": rid, **answer})
 
+    @functools.cached_property
+    def store_facts(self) -> dict[str, str | None]:
+        """Where this rank stands with the job's store, which do not change while it runs: whether
+        it serves the store itself, and whether it reaches it at a loopback address."""
+        from tpagent_rank import store
+
+        return {"hosts_store": store.hosted_here(self.store), "store_loopback": store.loopback(self.store)}
+
     def _state(self) -> str:
         return "torn_down" if self.torn else "paused" if self.parked else "running"
 
@@ -204,14 +213,10 @@ class Rank:
         from tpagent_rank import backend
 
         if op == "where":
-            from tpagent_rank import store
-
-            hosts = store.hosted_here(self.store)
             with self.cond:
                 return {"ok": True, "step": self.step, "collectives": self.collectives, "gen": self.gen,
                         "state": self._state(), "rate": _rate(self.times), "collective_rate": _rate(self.ctimes),
-                        "groups": len(backend.GROUPS.live()), "hosts_store": hosts,
-                        "store_loopback": store.loopback(self.store)}  # fmt: skip
+                        "groups": len(backend.GROUPS.live()), **self.store_facts}  # fmt: skip
         if op == "peers":
             agents = []
             for r in range(self.world):

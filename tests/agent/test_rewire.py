@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from cluster import Cluster, Node
 from conftest import needs_criu
 from helpers import ROOT
 from rankjob import RUN, Job, steps
+from snapshot import sockets
 
 pytestmark = needs_criu
 
@@ -91,26 +91,11 @@ def test_a_job_without_an_optimizer_stops_between_two_collectives(
         job.close()
 
 
-def _listens(pid: int, port: int) -> bool:
-    """Whether process ``pid`` holds a TCP socket listening on ``port`` (in its own network namespace)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            if (link := os.readlink(fd)).startswith("socket:["):
-                inodes.add(link[8:-1])
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] == "0A" and int(f[1].rpartition(":")[2], 16) == port and f[9] in inodes:
-                return True
-    return False
-
-
 def _store_server(node: Node) -> psutil.Process:
     """The process on ``node`` that listens on the job's store port (29500)."""
     for p in node.processes():
         with contextlib.suppress(OSError, psutil.Error):
-            if _listens(p.pid, 29500):
+            if any(t.listening and t.local[1] == 29500 for t in sockets.tree_tcp([p.pid])):
                 return p
     raise AssertionError(f"nothing listens on port 29500 on {node.name}")
 
