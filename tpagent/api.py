@@ -23,6 +23,9 @@ Source (the node the process leaves)::
                that dies within that period is DISCARDED there, and the original runs on
                (ROLLING_BACK): the job is never left with no copy because its new node could
                not carry it (a peer left behind on the old one, a missing device, ...).
+               A copy offered with ``hold`` (a rank of a distributed job) is confirmed by
+               the source instead, once its job's communicators are rebuilt with it there;
+               if they cannot be, the source has the copy dropped and the original runs on.
   ROLLING_BACK any failure before the copy is confirmed: the target drops its copy (kills it
                if it had started), then the hook makes CRIU roll back: the original runs on
                where it stood.  The original runs again only after the target said its copy
@@ -48,7 +51,9 @@ Target::
   STARTING: decided and journaled; the copy is being let go (a restart of this agent lets it
   go again: letting go is idempotent).  CONFIRMING: the copy runs, watched for
   ``confirm_period``; DONE once it ran that long, DISCARDED if it died (or the source asked:
-  its CRIU let the original go).
+  its CRIU let the original go).  A held copy (``Offer.hold``) is DONE once the source
+  confirms it, or once ``hold`` seconds passed without the source's word (as a takeover: its
+  node is presumed lost with the frozen original).
 
 After a reboot (every process of the node gone: the original or the copy, CRIU, the hook;
 the journal is on persistent storage, snapshots may have been on tmpfs)::
@@ -341,6 +346,10 @@ class Offer:
     #: (LOCAL, REMOTE) HOST:PORT of the tree's TCP sockets only the target can judge (their
     #: address must exist there; a listening one, REMOTE "", needs its port free there).
     tcp: tuple[tuple[str, str], ...] = ()
+    #: > 0: the copy, once started, is confirmed by the source (a rank: once its job's
+    #: communicators are rebuilt with it) rather than by running ``confirm_period``; at most
+    #: this many seconds, then it is final.
+    hold: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -391,7 +400,8 @@ class Peer(ABC):
     def restore(self, migration_id: str, timeout: float) -> Restored: ...
 
     @abstractmethod
-    def finish(self, migration_id: str, commit: bool, timeout: float) -> PeerStatus: ...
+    def finish(self, migration_id: str, commit: bool, timeout: float, confirmed: bool = False) -> PeerStatus:
+        """Start (``commit``) or drop the copy; ``confirmed``: a held copy works, final now."""
 
     @abstractmethod
     def status(self, migration_id: str, timeout: float) -> PeerStatus: ...

@@ -56,7 +56,8 @@ class GrpcPeer(Peer):
                                     source_agent=offer.source_agent, bytes_estimate=offer.bytes_estimate,
                                     gpu_uuids=list(offer.gpu_uuids), shared_files=list(offer.shared_files),
                                     dry_run=offer.dry_run, carried_files=list(offer.carried_files),
-                                    tcp=[pb.TcpEndpoint(local=a, remote=b) for a, b in offer.tcp])  # fmt: skip
+                                    tcp=[pb.TcpEndpoint(local=a, remote=b) for a, b in offer.tcp],
+                                    hold=offer.hold)  # fmt: skip
         r = self._call(lambda: self._stub.Receive(request, timeout=timeout))
         return Acceptance(r.transfer_address, dict(r.gpu_map), tuple(r.problems), reserved=r.reserved,
                           clock=float(r.clock))  # fmt: skip
@@ -65,8 +66,8 @@ class GrpcPeer(Peer):
         r = self._call(lambda: self._stub.Restore(pb.RestoreRequest(migration_id=migration_id), timeout=timeout))
         return Restored(int(r.pid), dict(r.timings))
 
-    def finish(self, migration_id: str, commit: bool, timeout: float) -> PeerStatus:
-        request = pb.FinishRequest(migration_id=migration_id, commit=commit)
+    def finish(self, migration_id: str, commit: bool, timeout: float, confirmed: bool = False) -> PeerStatus:
+        request = pb.FinishRequest(migration_id=migration_id, commit=commit, confirmed=confirmed)
         return _status(self._call(lambda: self._stub.Finish(request, timeout=timeout)))
 
     def status(self, migration_id: str, timeout: float) -> PeerStatus:

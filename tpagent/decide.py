@@ -99,22 +99,34 @@ def keep_telling(ctx: Context, target: Peer, mid: str, commit: bool) -> None:
 
 
 def commit(
-    ctx: Context, r: Record, target: Peer, dump: HeldDump, started: Callable[[], None] = lambda: None
+    ctx: Context,
+    r: Record,
+    target: Peer,
+    dump: HeldDump,
+    started: Callable[[], None] = lambda: None,
+    verdict: Callable[[], bool | None] | None = None,
 ) -> Outcome:
     """COMMITTING (journaled): the target starts its copy and watches it for the confirmation
     period; once it says DONE, the original ends.  ROLLED_BACK if the target drops its copy
     first (it died there, or it is gone), the original then runs on where it stood.  Raises
     Stopping if the agent shuts down meanwhile (the journal says COMMITTING: the next run
     goes on).  The CRIU holding the original is watched all along: if it ends without a
-    decision, the original runs again, and only one of the two may go on."""
+    decision, the original runs again, and only one of the two may go on.
+
+    A copy the target holds for the source's word (``Offer.hold``: a rank) is confirmed once
+    ``verdict`` says True after it started, or dropped if it says False (None: not decided yet);
+    without a ``verdict`` (this agent restarted since) it is confirmed as soon as it runs."""
     delay, ran, message = 0.2, False, ""
+    keep: bool | None = True if verdict is None else None
     while True:
         if r.operator:
             raise OperatorDecided
         if dump.holder_lost() and same_process_alive(r):
             return _holder_lost(ctx, r, target, dump)
+        if ran and keep is None and verdict is not None:
+            keep = verdict()
         try:
-            st = target.finish(r.migration_id, True, ctx.timeouts.rpc)
+            st = target.finish(r.migration_id, keep is not False, ctx.timeouts.rpc, confirmed=ran and keep is True)
             state, message, delay = st.state, st.message, 0.2
         except Refused as e:
             if e.why is not Why.NOT_FOUND:

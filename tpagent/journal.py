@@ -51,7 +51,7 @@ from tpagent.api import BadTransition, JournalError, Role, SourceState, State, T
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2
+FORMAT = 3  # 1: start_ticks, 2: boot_id, 3: hold (an older agent must refuse what it cannot read)
 _ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -77,6 +77,7 @@ class Record:
     peer_agent: str = ""
     boot_id: str = field(default_factory=lambda: boot_id())
     operator: str = ""
+    hold: float = 0.0  # a target's copy the source confirms itself, within this many seconds (Offer.hold)
 
     def rebooted(self) -> bool:
         """Whether this node was rebooted since the record was made (unknown: no)."""
@@ -89,7 +90,7 @@ class Record:
     def from_json(cls, data: dict[str, Any]) -> Record:
         data = dict(data)
         version = data.pop("format", 0)
-        if version not in (0, 1, FORMAT):
+        if version not in range(FORMAT + 1):
             raise ValueError(f"format {version!r} is not one this tpagent reads (it reads 0 to {FORMAT})")
         role = Role(data.pop("role"))
         state: State = (SourceState if role is Role.SOURCE else TargetState)(data.pop("state"))

@@ -56,6 +56,8 @@ from tpagent.target import Incoming, finish_held, recover_target, settle
 from transfer.api import TransferError
 
 log = logging.getLogger(__name__)
+#: The longest a source may keep its started copy waiting for its word (Offer.hold).
+HOLD_MAX = 6 * 3600.0
 
 
 def status_of(r: Record) -> PeerStatus:
@@ -406,6 +408,8 @@ class Node:
         mid, node = offer.migration_id, self.cfg.node
         if not valid_id(mid):
             raise Refused("bad migration id", Why.INVALID)
+        if not 0 <= offer.hold <= HOLD_MAX:  # (NaN too)
+            raise Refused(f"hold must be between 0 and {HOLD_MAX:.0f} s", Why.INVALID)
         if offer.source_node == node or mid in self.sources:
             raise Refused(f"{node} is the source of this migration; give another node as the target", Why.INVALID)
         with self.reservations.lock:  # checked and reserved at once: two offers never share the room
@@ -424,7 +428,7 @@ class Node:
                 if offer.source_agent and not _address(offer.source_agent):
                     raise Refused("source_agent is not an agent address (HOST:PORT)", Why.INVALID)
                 try:
-                    inc = Incoming(self.ctx, mid, offer.source_node, self.settle_target, offer.source_agent)
+                    inc = Incoming(self.ctx, mid, offer.source_node, self.settle_target, offer.source_agent, offer.hold)
                 except TransferError as e:
                     raise Refused(f"{node} cannot receive: {e}", Why.PRECONDITION) from e
                 inc.gpu_map = self.gpu_map(list(offer.gpu_uuids))
@@ -482,21 +486,23 @@ class Node:
         result = inc.restore(self.finish_target)
         return Restored(result.pid, dict(result.timings))
 
-    def finish(self, migration_id: str, commit: bool) -> PeerStatus:
+    def finish(self, migration_id: str, commit: bool, confirmed: bool = False) -> PeerStatus:
         self._record(migration_id)  # (NOT_FOUND if unknown)
-        why = "running here" if commit else "decided by the source"
-        return status_of(self.finish_target(migration_id, commit, why))
+        why = ("running here, confirmed by the source" if confirmed else "running here") if commit else \
+            "decided by the source"  # fmt: skip
+        return status_of(self.finish_target(migration_id, commit, why, confirmed))
 
-    def finish_target(self, mid: str, commit: bool, why: str) -> Record:
-        """Start (commit) or drop the copy a migration restored and holds here; nothing once decided."""
+    def finish_target(self, mid: str, commit: bool, why: str, confirmed: bool = False) -> Record:
+        """Start (commit) or drop the copy a migration restored and holds here, or confirm a held
+        one that runs (``confirmed``); nothing once decided."""
         inc = self.receivers.get(mid)
         if inc is not None:
-            inc.finish(commit, why)
+            inc.finish(commit, why, confirmed)
             return inc.record
         with self.lock:  # this agent restarted since: only the journal knows the migration
             r = self.journal.read(mid)
             assert r is not None
-            finish_held(self.ctx, r, commit, why, self.settle_target)
+            finish_held(self.ctx, r, commit, why, self.settle_target, confirmed)
             return r
 
     def settle_target(self, mid: str, ran: bool, why: str) -> None:

@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 from tpagent.api import AgentError, Event, MigrationResult, Outcome
@@ -77,6 +77,7 @@ class Rewire:
         self.cancelled = threading.Event()
         self.cancel_reason = ""
         self.moves: dict[int, SourceMigration] = {}
+        self.held: list[_Move] = []  # the moves started: none is left holding its copy for a word never said
         self.state = "checking"
         self.release: Callable[[], None] = lambda: None
         self.log = logging.LoggerAdapter(log, {"migration": self.migration_id})
@@ -148,8 +149,11 @@ class Rewire:
 
     # ---- the run ------------------------------------------------------------------------------
 
-    def _all(self, agents: list[str], body: Callable[[int], dict[str, Any]], timeout: float) -> dict[int, Any]:
-        """Ask every rank at once; rank -> its answer, or the AgentError it gave."""
+    def _all(self, agents: list[str], body: Callable[[int], dict[str, Any]], timeout: float,
+             only: list[int] | None = None, until_one_fails: bool = False) -> dict[int, Any]:  # fmt: skip
+        """Ask every rank (or ``only`` these) at once; rank -> its answer, or the AgentError it gave.
+        ``until_one_fails``: only until a rank fails (the others' answers then are not waited for)."""
+        ranks = list(range(len(agents))) if only is None else only
 
         def one(r: int) -> Any:
             try:
@@ -157,8 +161,19 @@ class Rewire:
             except AgentError as e:
                 return e
 
-        with ThreadPoolExecutor(max_workers=min(64, len(agents))) as pool:
-            return dict(zip(range(len(agents)), pool.map(one, range(len(agents))), strict=True))
+        out: dict[int, Any] = {}
+        if not ranks:
+            return out
+        pool = ThreadPoolExecutor(max_workers=min(64, len(ranks)))
+        asked = {pool.submit(one, r): r for r in ranks}
+        try:
+            for done in as_completed(asked):
+                out[asked[done]] = answer = done.result()
+                if until_one_fails and (isinstance(answer, AgentError) or not answer.get("ok")):
+                    break
+        finally:
+            pool.shutdown(wait=not until_one_fails, cancel_futures=True)
+        return out
 
     def _fails(self, answers: dict[int, Any], what: str) -> list[str]:
         out = []
@@ -209,6 +224,9 @@ class Rewire:
             if pid:
                 self._moved(r, target, pid)
                 agents[r], new_pid = target, pid
+        # A rebuild under the last generation may have been under way: never the same store keys twice.
+        self.gen += 1
+        self._write(self.phase)
         self._rebuild(agents, self.gen)
         return self._resumed(agents, new_pid)
 
@@ -261,32 +279,89 @@ class Rewire:
             self._rebuild(agents, gen, "; ".join(bad))
         self.emit(f"all {len(agents)} ranks stopped after {self.unit} {step}, communicators torn down")
         t = time.monotonic()
-        new_pid = 0
-        for r in ranks:  # one at a time: each is the ordinary migration, nothing lost on any failure
+        try:
+            held = self._move_all(ranks, agents)
+            self._stage("migrate", t)
+            new_pid = self._keep_or_drop(held, agents, gen)
+        finally:
+            for mv in self.held:  # (an error on the way: no copy is kept unconfirmed; their originals run on)
+                mv.decide(False)
+        self.timings["total"] = round(time.monotonic() - t_request, 4)
+        return self._resumed(agents, new_pid)
+
+    def _move_all(self, ranks: list[int], agents: list[str]) -> dict[int, _Move]:
+        """Each moving rank in turn, by the ordinary migration (nothing lost on any failure), up to
+        its copy running on its target, held there while its original stays frozen here; the
+        ranks whose copies wait so for the job's new communicators."""
+        held: dict[int, _Move] = {}
+        for r in ranks:
             init, target = self.moving[r]
             if self.cancelled.is_set():
                 self.stayed[r] = f"cancelled ({self.cancel_reason})"
                 self.emit(f"rank {r} stays on this node: {self.stayed[r]}")
                 continue
             m = self.start_move(init, target)
+            m.hold = 4 * self.timeout + 60  # (its word comes within the rebuild's deadline: the target's is later)
             self.moves[r] = m
             self.move_ids[r] = m.migration_id
             self._write("teardown")
-            result = self._follow(m)
-            if result.outcome is Outcome.DONE:
-                agents[r] = target
-                new_pid = result.new_pid
-                self._moved(r, target, new_pid)
-            elif result.outcome is Outcome.UNRESOLVED:
+            mv = _Move(self, m)
+            self.held.append(mv)
+            if mv.wait_running():
+                held[r] = mv
+                continue
+            result = mv.result()
+            if result.outcome is Outcome.UNRESOLVED:
                 raise RewireFailed(f"rank {r}'s migration {m.migration_id} is unresolved (its original stays "
                                    "frozen until its target answers); the job waits at its boundary")  # fmt: skip
+            self.stayed[r] = result.message.rstrip(".")
+            self.emit(f"rank {r} stays on this node: {self.stayed[r]}")
+        return held
+
+    def _keep_or_drop(self, held: dict[int, _Move], agents: list[str], gen: int) -> int:
+        """Build the new communicators with every held copy where it runs; only once they are up
+        on every rank are the copies kept (their originals end).  If they cannot be built, the
+        copies are dropped, their originals run on here, and every rank builds them again, under
+        the next generation, where it now runs.  The PID of a copy kept (0: none)."""
+        if not held:
+            self._rebuild(agents, gen)
+            return 0
+        trial, bad = list(agents), []
+        for r, mv in sorted(held.items()):
+            trial[r] = self.moving[r][1]
+            try:
+                self.ask(trial[r], self.job, r, {"op": "expect", "pid": mv.m.new_pid}, self.timeout)
+            except AgentError as e:
+                bad.append(f"rank {r}'s agent on {trial[r]} would not take it ({e})")
+        if not bad:
+            bad = self._rebuild(trial, gen, final=False)
+        for mv in held.values():
+            mv.decide(not bad)
+        new_pid = 0
+        for r, mv in sorted(held.items()):
+            result = mv.result()
+            if result.outcome is Outcome.DONE:
+                agents[r], new_pid = trial[r], result.new_pid
+                self.ask(self.here, self.job, r, {"op": "moved", "to": trial[r]}, self.timeout)
+            elif result.outcome is Outcome.UNRESOLVED:
+                raise RewireFailed(f"rank {r}'s migration {mv.m.migration_id} is unresolved (its original stays "
+                                   "frozen until its target answers); the job waits at its boundary")  # fmt: skip
             else:
-                self.stayed[r] = result.message.rstrip(".")
+                why = "; ".join(bad) if bad else result.message.rstrip(".")
+                self.stayed[r] = f"the job's communicators could not be built with it on {trial[r]} ({why})"
                 self.emit(f"rank {r} stays on this node: {self.stayed[r]}")
-        self._stage("migrate", t)
-        self._rebuild(agents, gen)
-        self.timings["total"] = round(time.monotonic() - t_request, 4)
-        return self._resumed(agents, new_pid)
+        if agents == trial and not bad:
+            self._resume(agents)
+            return new_pid
+        # Built again without the copies that were dropped, whose originals run here again (torn
+        # down, reconnecting to this agent once released): a generation no rank has tried.
+        self.gen = gen = gen + 1
+        self._write("teardown")
+        dropped = {r for r in held if agents[r] == self.here}
+        torn = self._all(agents, lambda r: {"op": "teardown", "leaving": False}, self.timeout,
+                         only=[r for r in range(len(agents)) if r not in dropped])  # fmt: skip
+        self._rebuild(agents, gen, "; ".join(self._fails(torn, "tear its communicators down")))
+        return new_pid
 
     def _dry_run(self, agents: list[str], where: dict[int, Any], hosting: list[str]) -> tuple[Outcome, int]:
         """Every rank answered; each moving rank's own migration is checked as a dry run (its
@@ -321,16 +396,8 @@ class Rewire:
         return (Outcome.DONE if self.state == "done" else Outcome.ROLLED_BACK), new_pid
 
     def _follow(self, m: SourceMigration) -> MigrationResult:
-        """Run one rank's migration in this thread, passing its events on."""
-        done = threading.Thread(target=m.run, name=f"migrate-{m.pid}", daemon=True)
-        done.start()
-        while (event := m.events.get()) is not None:
-            self.state = event.state
-            self.events.put(event)
-        done.join()
-        assert m.result is not None
-        self.timings.update({f"rank{m.pid}_{k}": v for k, v in m.result.timings.items()})
-        return m.result
+        """Run one rank's migration to its end, passing its events on."""
+        return _Move(self, m).result()
 
     def _boundary(self, agents: list[str], where: dict[int, Any]) -> int:
         """Agree on a step every rank stops after, and wait until all have; that step.  The unit is
@@ -367,28 +434,78 @@ class Rewire:
             return step
         raise RewireFailed("the ranks kept running past every step proposed to them; nothing was changed")
 
-    def _rebuild(self, agents: list[str], gen: int, failed: str = "") -> None:
+    def _rebuild(self, agents: list[str], gen: int, failed: str = "", final: bool = True) -> list[str]:
+        """Every rank builds its communicators under ``gen`` where ``agents`` say it runs, then
+        (``final``) resumes.  Not ``final``: what failed (the ranks stay parked)."""
         self.state = "restoring" if not failed else "failed"
         t = time.monotonic()
+        bad = []
         for r in self.moving:  # they let go of their agent to be frozen: back to the one where they run now
             try:
                 self.ask(agents[r], self.job, r, {"op": "release"}, self.timeout)
             except AgentError as e:
-                raise RewireFailed(f"rank {r} cannot be told to come back to {agents[r]} ({e})") from e
-        built = self._all(agents, lambda r: {"op": "rebuild", "gen": gen, "timeout": self.timeout},
-                          self.timeout + 5)  # fmt: skip
-        bad = self._fails(built, f"build its communicators (generation {gen})")
+                bad.append(f"rank {r} cannot be told to come back to {agents[r]} ({e})")
+        if not bad:
+            # A rank that fails means the job cannot build them: the others (blocked until their
+            # deadline, waiting for it) are not waited for.
+            built = self._all(agents, lambda r: {"op": "rebuild", "gen": gen, "timeout": self.timeout},
+                              self.timeout + 5, until_one_fails=True)  # fmt: skip
+            bad = self._fails(built, f"build its communicators (generation {gen})")
         self._stage("rebuild", t)
+        if bad and not final:
+            return bad
         if bad:
             # Every rank that still answers is told, and ends now with the reason, rather than wait
             # parked for a peer that will not come (its own deadline, or the group's timeout).
             why = "; ".join([failed, *bad] if failed else bad) + "; the job cannot go on"
             self._all(agents, lambda r: {"op": "end", "why": why[:2000]}, min(self.timeout, 30))
             raise RewireFailed(why)
+        if final:
+            self._resume(agents, failed)
+        return []
+
+    def _resume(self, agents: list[str], failed: str = "") -> None:
         resumed = self._all(agents, lambda r: {"op": "resume"}, self.timeout)
         bad = self._fails(resumed, "resume")
         if bad or failed:
             raise RewireFailed("; ".join([failed, *bad] if failed else bad))
+
+
+class _Move:
+    """One rank's migration, run in a thread of its own, its events passed on to the rewire's.
+    Once its copy runs on the target (held there for our word), :meth:`decide` keeps or drops it."""
+
+    def __init__(self, rw: Rewire, m: SourceMigration) -> None:
+        self.rw, self.m = rw, m
+        self.keep: bool | None = None
+        m.verdict = lambda: self.keep
+        self.ran = threading.Thread(target=m.run, name=f"migrate-{m.pid}", daemon=True)
+        self.passed = threading.Thread(target=self._pass_on, name=f"events-{m.pid}", daemon=True)
+        self.ran.start()
+        self.passed.start()
+
+    def _pass_on(self) -> None:
+        while (event := self.m.events.get()) is not None:
+            self.rw.state = event.state
+            self.rw.events.put(event)
+
+    def wait_running(self) -> bool:
+        """Wait until the copy runs on the target (True), or the migration ended without (False)."""
+        while not self.m.copy_runs.wait(0.1):
+            if not self.ran.is_alive():
+                return self.m.copy_runs.is_set()
+        return True
+
+    def decide(self, keep: bool) -> None:
+        if self.keep is None:
+            self.keep = keep
+
+    def result(self) -> MigrationResult:
+        self.ran.join()
+        self.passed.join()
+        assert self.m.result is not None
+        self.rw.timings.update({f"rank{self.m.pid}_{k}": v for k, v in self.m.result.timings.items()})
+        return self.m.result
 
 
 def _hosts_store(rank: int, address: object) -> str:

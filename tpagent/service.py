@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, TypeVar
@@ -98,7 +99,7 @@ class Service(AgentServicer):
         offer = Offer(str(request.migration_id), str(request.source_node), str(request.source_agent),
                       int(request.bytes_estimate), tuple(request.gpu_uuids), tuple(request.shared_files),
                       bool(request.dry_run), tuple(request.carried_files),
-                      tuple((str(t.local), str(t.remote)) for t in request.tcp))  # fmt: skip
+                      tuple((str(t.local), str(t.remote)) for t in request.tcp), float(request.hold))  # fmt: skip
         a = _answer(context, lambda: self.node.receive(offer))
         return pb.ReceiveReply(transfer_address=a.transfer_address, gpu_map=dict(a.gpu_map), problems=list(a.problems),
                                reserved=a.reserved, clock=a.clock)  # fmt: skip
@@ -125,4 +126,6 @@ class Service(AgentServicer):
         return pb.RankReply(body=json.dumps(_answer(context, call)))
 
     def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.MigrationStatus:
-        return status_pb(_answer(context, lambda: self.node.finish(request.migration_id, bool(request.commit))))
+        r = request
+        finish = functools.partial(self.node.finish, r.migration_id, bool(r.commit), bool(r.confirmed))
+        return status_pb(_answer(context, finish))

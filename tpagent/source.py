@@ -93,6 +93,12 @@ class SourceMigration:
         #: A rank's dry run: its TCP connections are its communicators' and its store's, closed
         #: before the freeze (tpagent/rewire.py), so they are not judged here.
         self.communicators_rebuilt = False
+        #: A rank moved by a rewire: the target holds its started copy for our word (Offer.hold,
+        #: seconds), kept once ``verdict`` says True, dropped if False (None: not yet decided).
+        self.hold = 0.0
+        self.verdict: Callable[[], bool | None] | None = None
+        self.copy_runs = threading.Event()  # the copy runs there, its original still frozen here
+        self.new_pid = 0
         self.carry: list[Path] = []
         self.freeze_t0 = 0.0
         self.log = logging.LoggerAdapter(log, {"node": ctx.cfg.node, "migration": mid})
@@ -162,17 +168,20 @@ class SourceMigration:
             self.move(S.RESTORING, "restoring on the target")
             t = time.monotonic()
             new_pid, target_timings = self._restore(target)
+            self.new_pid = new_pid
             self._stage("restore", t)
             self.timings.update({f"target_{k}": v for k, v in target_timings.items()})
             self.move(
                 S.COMMITTING,
-                f"PID {new_pid} is restored and held on the target; starting it (the original ends once it runs)",
+                f"PID {new_pid} is restored and held on the target; starting it (the original ends once "
+                + ("its job's communicators are rebuilt with it)" if self.hold else "it runs)"),
             )
 
             def started() -> None:
                 self.timings["downtime"] = round(time.monotonic() - self.freeze_t0, 4)  # frozen here -> running there
+                self.copy_runs.set()
 
-            outcome = commit(self.ctx, self.record, target, self.dump, started)
+            outcome = commit(self.ctx, self.record, target, self.dump, started, self.verdict)
             if outcome is Outcome.DONE:
                 self.emit(f"migrated: PID {self.pid} now runs on {self.target} as PID {new_pid}")
                 self.emit(new_pid=new_pid)
@@ -235,6 +244,7 @@ class SourceMigration:
             carried,
             tuple((sockets.endpoint(*s.local), sockets.endpoint(*s.remote) if not s.listening else "")
                   for s in sockets.must_check_on_target(tcp)),
+            self.hold,
         )  # fmt: skip
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
         asked = clock.now()

@@ -5,6 +5,7 @@ Written against :mod:`tpagent.api` only (the source is a :class:`~tpagent.api.Pe
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +35,9 @@ class Incoming:
     Restore runs outside the lock, so that an abort arriving meanwhile is taken at once (as
     ``abort_requested``) rather than queued: the restore then kills the copy it made."""
 
-    def __init__(self, ctx: Context, mid: str, source: str, settle: Settler, source_agent: str = "") -> None:
+    def __init__(
+        self, ctx: Context, mid: str, source: str, settle: Settler, source_agent: str = "", hold: float = 0.0
+    ) -> None:
         cfg = ctx.cfg
         self.ctx, self.settle = ctx, settle
         self.dir = cfg.work_dir / "incoming" / mid
@@ -48,7 +51,7 @@ class Incoming:
         # The name the sender dials is the one its TLS check holds the certificate against.
         host, port = cfg.advertised_host, self.receiver.address.rpartition(":")[2]
         self.address = cfg.transfer_address or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
-        self.record = target_record(mid, peer=source, snapshot=str(self.dir), peer_agent=source_agent)
+        self.record = target_record(mid, peer=source, snapshot=str(self.dir), peer_agent=source_agent, hold=hold)
         ctx.journal.write(self.record)
         self.result: TransferStats | TransferError | None = None
         self.gpu_map: dict[str, str] = {}
@@ -108,13 +111,15 @@ class Incoming:
         self.ctx.threads.spawn("waiter", f"await-source-{mid[:8]}", await_source, self.ctx, mid, finish)
         return result
 
-    def finish(self, commit: bool, why: str = "") -> None:
+    def finish(self, commit: bool, why: str = "", confirmed: bool = False) -> None:
         with self.lock:
             if is_final(self.record.state):
                 return
             if commit:
                 if self.record.state in (T.READY, T.STARTING):
                     start_held(self.ctx, self.record, self.restored, why or "started", self.settle)
+                elif confirmed:
+                    confirm_held(self.ctx, self.record, why)
             elif self.record.state is T.RESTORING:
                 self.abort_requested = True  # restore() stops its copy as it returns
             else:
@@ -136,7 +141,7 @@ def drop_copy(ctx: Context, r: Record, why: str) -> None:
     ctx.remove(snap, restore_work(snap), *snap.parent.glob(f".{snap.name}.partial-*"))
 
 
-def finish_held(ctx: Context, r: Record, commit: bool, why: str, settle: Settler) -> None:
+def finish_held(ctx: Context, r: Record, commit: bool, why: str, settle: Settler, confirmed: bool = False) -> None:
     """Start (commit) or drop a copy known only from the journal (the agent restarted since
     it was restored).  A held copy that is gone cannot be started: it is dropped, and the
     source's original runs on."""
@@ -145,6 +150,8 @@ def finish_held(ctx: Context, r: Record, commit: bool, why: str, settle: Settler
             start_held(ctx, r, None, why, settle)
         else:
             drop_copy(ctx, r, "the held copy is gone (its node restarted?); the original runs on at the source")
+    elif commit and confirmed:
+        confirm_held(ctx, r, why)
     elif not commit and r.state in (T.READY, T.STARTING, T.CONFIRMING):
         drop_copy(ctx, r, why)
 
@@ -182,10 +189,17 @@ def start_held(ctx: Context, r: Record, result: engine.RestoreResult | None, why
         raise  # (STARTING: the source's next word lets it go again)
 
 
+def confirm_held(ctx: Context, r: Record, why: str) -> None:
+    """The source has seen a copy it holds (``Offer.hold``) work: DONE, if it still runs."""
+    if r.state is T.CONFIRMING and r.hold:
+        settle(ctx, r, _runs(r), why if _runs(r) else f"the copy (PID {r.pid}) ended before the source confirmed it")
+
+
 def _let_run(ctx: Context, r: Record, result: engine.RestoreResult | None, settle: Settler) -> None:
     start_copy(result, Path(r.snapshot), r.pid)
     period = ctx.timeouts.confirm
-    ctx.journal.move(r, T.CONFIRMING, f"running; the source ends its original once it ran {period:g} s")
+    ctx.journal.move(r, T.CONFIRMING, f"running; held until the source confirms it (at most {r.hold:g} s)" if r.hold
+                     else f"running; the source ends its original once it ran {period:g} s")  # fmt: skip
     mid = r.migration_id
     ctx.threads.spawn("waiter", f"confirm-{mid[:8]}", watch_copy, ctx, replace(r), settle)
 
@@ -198,18 +212,27 @@ def _runs(r: Record) -> bool:
 def watch_copy(ctx: Context, probe: Record, settle: Settler) -> None:
     """CONFIRMING: the copy must run ``confirm_period`` seconds.  Once it has, the migration
     is DONE; if it ends sooner (a peer it needed stayed behind, a device is missing here ...),
-    it is dropped and the source's original, frozen all along, runs on."""
-    period, t0 = ctx.timeouts.confirm, time.monotonic()
-    mid, pid = probe.migration_id, probe.pid
+    it is dropped and the source's original, frozen all along, runs on.  A held copy
+    (``Offer.hold``) waits for the source's confirmation instead, ``hold`` seconds at most."""
+    period, t0 = probe.hold or ctx.timeouts.confirm, time.monotonic()
+    mid, pid, looked = probe.migration_id, probe.pid, t0
     while True:
         elapsed = time.monotonic() - t0
         if not _runs(probe):
-            settle(mid, False, f"the copy (PID {pid}) ended {elapsed:.1f} s after it started, inside the "
-                               f"{period:g} s confirmation period; the original runs on at the source")  # fmt: skip
+            when = "before the source confirmed it" if probe.hold else f"inside the {period:g} s confirmation period"
+            settle(mid, False, f"the copy (PID {pid}) ended {elapsed:.1f} s after it started, {when}; the original "
+                               "runs on at the source")  # fmt: skip
             return
         if elapsed >= period:
-            settle(mid, True, f"running here (for {period:g} s and on)")
+            settle(mid, True, f"running here (no word from the source for {period:g} s)" if probe.hold
+                   else f"running here (for {period:g} s and on)")  # fmt: skip
             return
+        if probe.hold and time.monotonic() - looked > 1.0:  # (confirmed or dropped by the source meanwhile?)
+            looked = time.monotonic()
+            with contextlib.suppress(JournalError):
+                now = ctx.journal.read(mid)
+                if now is None or now.state is not T.CONFIRMING:
+                    return
         if ctx.threads.sleep(min(0.1, period)):
             return  # (stopping: the journal says CONFIRMING, the next start watches it again)
 

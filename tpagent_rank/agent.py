@@ -274,7 +274,7 @@ class Rank:
             if self.detached:
                 from tpagent_rank import store
 
-                self.kept.extend(store.reattach(self.detached))
+                self.kept.extend(store.reattach(self.detached, min(60.0, float(body.get("timeout", 60)))))
                 self.detached = []
             self._tell_store()
             backend.GROUPS.gen = gen

@@ -84,7 +84,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
     # ---- the inner backends ------------------------------------------------------------------
 
     def _build(self, gen: int) -> None:
-        store = self._store if gen == 0 else c10d.PrefixStore(f"tpagent/{gen}/", self._store)
+        store = self._store if gen == 0 else c10d.PrefixStore(f"tpagent/{gen}/", _own_connection(self._store))
         inner: dict[str, Any] = {}
         made: dict[str, Any] = {}
         for device, backend in self._spec.items():
@@ -216,6 +216,16 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
         return self._pick([]).monitored_barrier(timeout, wait_all_ranks)
+
+
+def _own_connection(store: Any) -> Any:
+    """``store`` over a connection of its own.  A store client does one request at a time, so a
+    build that never completes (a peer gone: it waits for keys that never come, up to the store's
+    timeout) would otherwise hold up every later use of the rank's store, its next build included."""
+    try:
+        return store.clone()
+    except (AttributeError, RuntimeError):  # (a torch without Store.clone, a store that cannot be cloned)
+        return store
 
 
 def create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> DelegatingGroup:

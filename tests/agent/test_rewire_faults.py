@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -52,6 +53,37 @@ def test_the_spare_dies_during_the_restore(quad: Cluster, tmp_path: Path, refere
         job.close()
 
 
+def test_a_copy_that_cannot_join_the_new_communicators_is_dropped_and_the_rank_resumes_where_it_stood(
+    quad: Cluster, tmp_path: Path, reference: Path
+) -> None:
+    """A firewall on D drops everything D sends to A, where the job's store and rank 0 are: rank
+    1's copy is restored and runs on D, but cannot build the new communicators there.  Nothing is
+    final until they are up on every rank, so the copy is dropped (the target kills it), rank 1's
+    original resumes on B where it stood, every rank builds them again there, and the job ends
+    bit-identical.  (B's rewire deadline is 20 s here, so the copy gives up on the store soon.)"""
+    b, d = quad.nodes["B"], quad.nodes["D"]
+    b.kill_agent(signal.SIGTERM)
+    b.start_agent(rewire_timeout="20")
+    a = quad.nodes["A"].addr
+    rules = f"table inet tpagent_test {{\nchain out {{\ntype filter hook output priority 0; ip daddr {a} drop\n}}\n}}\n"
+    subprocess.run(d.exec("nft", "-f", "-"), input=rules, text=True, check=True)
+    job = Job(quad, tmp_path)
+    try:
+        job.at_step(1, 20)
+        mig = job.start_move(1, "D", "--json")
+        out, err = mig.communicate(timeout=240)
+        doc = json.loads(out)
+        assert mig.returncode == 1 and doc["state"] == "rolled_back", out + err
+        assert "rank 1 on " + b.agent_address in doc["message"], doc["message"]
+        assert "could not be built with it on " + d.agent_address in doc["message"], doc["message"]
+        assert _target_states(quad, "D") == ["discarded"], _target_states(quad, "D")
+        assert job.where(1) == "B" and job.copies(1) == ["B"]
+        assert job.rewire_record("B")["gen"] == 2  # (the first try's generation is never used again)
+        job.finishes_as(reference)
+    finally:
+        job.close()
+
+
 def test_a_peer_killed_at_the_boundary_is_reported_and_nothing_hangs(quad: Cluster, tmp_path: Path) -> None:
     """Rank 2 is killed while the ranks stop at the boundary for rank 1's move: the command
     names rank 2 in one sentence, rank 1 never leaves B, and every torchrun ends (the job failed:
@@ -78,11 +110,12 @@ def test_a_peer_killed_at_the_boundary_is_reported_and_nothing_hangs(quad: Clust
         job.close()
 
 
-def test_a_peer_killed_after_the_teardown_ends_the_job_at_the_rewires_deadline(quad: Cluster, tmp_path: Path) -> None:
+def test_a_peer_killed_after_the_teardown_ends_the_job(quad: Cluster, tmp_path: Path) -> None:
     """Rank 2 is killed once rank 1's migration has started (every communicator is down): rank 2
-    cannot rebuild, so the job cannot go on.  The command says so naming rank 2, and every other
-    rank is told: each ends with that reason at the rewire's deadline (60 s here), not parked
-    until its own (10 min) or the group's timeout (30 min); every torchrun ends."""
+    cannot rebuild, so the job cannot go on.  Rank 1's copy is dropped (nothing is final until the
+    new communicators are up), its original on B is told too.  The command says so naming rank 2,
+    and every other rank is told: each ends with that reason as soon as rank 2 is found gone, not
+    parked until its own deadline (10 min) or the group's timeout (30 min); every torchrun ends."""
     job = Job(quad, tmp_path)
     try:
         job.at_step(1, 20)
@@ -100,6 +133,7 @@ def test_a_peer_killed_after_the_teardown_ends_the_job_at_the_rewires_deadline(q
         assert all(code != 0 for code in codes.values()), codes
         assert time.monotonic() - t0 < 150, "the ranks outlived the deadline of their rewire"
         assert not any(job.copies(r) for r in range(3)), "a rank is still running"
+        assert _target_states(quad, "D") == ["discarded"], "rank 1's copy was kept though the job could not go on"
         said = "".join((tmp_path / f"rank-on-{n}.out").read_text() for n in "AB")
         assert said.count("the job cannot go on") >= 2, said[-3000:]  # (ranks 0 and 1, each with the reason)
     finally:

@@ -176,7 +176,7 @@ class FakeTarget(Peer):
             raise PeerUnreachable("the connection broke")
         return Restored(4242, {"restore": 0.1})
 
-    def finish(self, migration_id: str, commit: bool, timeout: float) -> PeerStatus:
+    def finish(self, migration_id: str, commit: bool, timeout: float, confirmed: bool = False) -> PeerStatus:
         self._up("finish-commit" if commit else "finish-abort")
         state = self.states.get(migration_id)
         if state is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -28,6 +29,8 @@ class FakeRank:
     parked: bool = False
     torn: bool = False
     dead: bool = False
+    refuse_rebuild_at: str = ""  # it cannot build its communicators on this node (its agent's address)
+    at: str = ""  # where it was asked last
     optimizer: bool = True  # it takes optimizer steps (else only its collectives are counted)
     log: list[str] = field(default_factory=list)
     units: list[str] = field(default_factory=list)
@@ -70,6 +73,8 @@ class FakeRank:
                 self.torn = True
                 return {"ok": True}
             if op == "rebuild":
+                if self.at == self.refuse_rebuild_at:
+                    return {"ok": False, "error": "the store cannot be reached from here"}
                 self.torn, self.gen = False, body["gen"]
                 return {"ok": True}
             if op == "resume":
@@ -86,18 +91,37 @@ class FakeRank:
 
 
 class FakeMove:
-    """A migration's surface as the coordinator uses it."""
+    """A migration's surface as the coordinator uses it: one that gets as far as a running copy
+    (``outcome`` DONE) holds it for the coordinator's verdict, kept or dropped."""
 
     def __init__(self, pid: int, outcome: Outcome) -> None:
         self.pid, self.outcome = pid, outcome
         self.migration_id = f"m{pid}"
         self.events: queue.Queue[Event | None] = queue.Queue()
         self.result: MigrationResult | None = None
+        self.hold = 0.0
+        self.verdict: Callable[[], bool | None] | None = None
+        self.copy_runs = threading.Event()
+        self.new_pid = 0
+        self.on_copy: Callable[[bool], None] = lambda _runs: None  # the copy runs (True), or no longer (False)
 
     def run(self) -> MigrationResult:
         self.events.put(Event(self.migration_id, "freezing"))
-        self.events.put(Event(self.migration_id, "done" if self.outcome is Outcome.DONE else "rolled_back"))
-        self.result = MigrationResult(self.migration_id, self.outcome, "", 4242 if self.outcome is Outcome.DONE else 0)
+        outcome = self.outcome
+        if outcome is Outcome.DONE:
+            assert self.hold > 0 and self.verdict is not None, "a rank's copy must wait for the coordinator's word"
+            self.new_pid = 4242
+            self.on_copy(True)
+            self.copy_runs.set()
+            deadline = time.monotonic() + 10
+            while (keep := self.verdict()) is None:
+                assert time.monotonic() < deadline, "no verdict on the held copy"
+                time.sleep(0.01)
+            if not keep:
+                self.on_copy(False)
+                outcome = Outcome.ROLLED_BACK
+        self.events.put(Event(self.migration_id, "done" if outcome is Outcome.DONE else "rolled_back"))
+        self.result = MigrationResult(self.migration_id, outcome, "", 4242 if outcome is Outcome.DONE else 0)
         self.events.put(None)
         return self.result
 
@@ -129,17 +153,12 @@ class Job:
         if body["op"] in ("expect", "moved", "release"):
             return {"ok": True}
         assert address == self.where[rank], f"rank {rank} asked at {address}, it runs at {self.where[rank]}"
+        self.ranks[rank].at = address
         return self.ranks[rank].answer(body)
 
     def start_move(self, pid: int, target: str) -> SourceMigration:
-        def run() -> MigrationResult:
-            result = FakeMove.run(move)
-            if result.outcome is Outcome.DONE:
-                self.where[0] = target
-            return result
-
         move = FakeMove(pid, self.outcome)
-        move.run = run  # type: ignore[method-assign]
+        move.on_copy = lambda runs: self.where.__setitem__(0, target if runs else HERE)
         return cast(SourceMigration, move)
 
     def rewire(self, timeout: float = 5.0) -> tuple[Rewire, MigrationResult]:
@@ -193,6 +212,25 @@ def test_a_rolled_back_move_rebuilds_the_rank_where_it_was() -> None:
     assert result.outcome is Outcome.ROLLED_BACK
     assert all(r.gen == 1 and not r.parked for r in job.ranks)
     assert (HERE, 0, "rebuild") in job.asked
+
+
+def test_a_copy_that_cannot_join_the_new_communicators_is_dropped_and_all_rebuild_where_they_were() -> None:
+    """Nothing is lost until the communicators are up on every rank: the moved rank's copy fails
+    to build them on its target, so it is dropped (its original runs on here) and every rank
+    builds them again, under the next generation, with rank 0 back where it was."""
+    job = Job()
+    job.ranks[0].refuse_rebuild_at = THERE
+    rw, result = job.rewire()
+    said = _messages(rw)
+    assert result.outcome is Outcome.ROLLED_BACK, said
+    assert job.where[0] == HERE and all(r.gen == 2 and not r.torn and not r.parked for r in job.ranks)
+    assert [op for op in job.ranks[0].log if op != "where"] == ["pause", "boundary", "teardown", "rebuild",
+                                                                "rebuild", "resume"]  # fmt: skip
+    for r in job.ranks[1:]:
+        assert [op for op in r.log if op != "where"] == ["pause", "boundary", "teardown", "rebuild", "teardown",
+                                                         "rebuild", "resume"]  # fmt: skip
+    assert any("rank 0 stays on this node" in m and "store cannot be reached" in m for m in said), said
+    assert rw.to_json()["gen"] == 2
 
 
 def test_a_rank_past_the_step_makes_all_cancel_and_agree_on_a_later_one() -> None:
