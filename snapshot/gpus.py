@@ -23,6 +23,7 @@ class GpuInfo:
     temperature_c: int | None
     ecc_uncorrected: int | None
     pids: tuple[int, ...]
+    pci_bus_id: str = ""  # domain:bus:device.function, as NVML writes it ("": not known)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,7 +92,26 @@ def _one(nv: Any, index: int) -> GpuInfo:
             nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC
         ),
         pids=tuple(int(p.pid) for p in procs),
+        pci_bus_id=_text(getattr(_optional(nv.nvmlDeviceGetPciInfo, h), "busId", "")),
     )
+
+
+def pair(old: list[tuple[str, str]], ours: list[GpuInfo]) -> dict[str, str]:
+    """Each source GPU, (UUID, PCI bus id), onto one of ``ours``: the one at the same bus id
+    where there is one, else the emptiest left.  A restored process's CUDA may go on reporting
+    the bus ids of the GPUs it was dumped on (cuda-checkpoint issue 48), and NCCL, among others,
+    finds its GPU in NVML by bus id: on the same bus id, that stale answer is the right one."""
+    left = sorted(ours, key=lambda g: g.memory_used)
+    out: dict[str, str] = {}
+    for uuid, bus in old:
+        same = next((g for g in left if bus and g.pci_bus_id.lower() == bus.lower()), None)
+        if same is not None:
+            out[uuid] = same.uuid
+            left.remove(same)
+    for uuid, _bus in old:
+        if uuid not in out and left:
+            out[uuid] = left.pop(0).uuid
+    return out
 
 
 def gpus_of(pids: set[int]) -> list[GpuInfo]:

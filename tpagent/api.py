@@ -350,6 +350,7 @@ class Offer:
     #: communicators are rebuilt with it) rather than by running ``confirm_period``; at most
     #: this many seconds, then it is final.
     hold: float = 0.0
+    gpu_bus_ids: tuple[str, ...] = ()  # each of gpu_uuids's PCI bus id, in order ("": not known)
 
 
 @dataclass(frozen=True)

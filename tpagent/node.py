@@ -431,7 +431,7 @@ class Node:
                     inc = Incoming(self.ctx, mid, offer.source_node, self.settle_target, offer.source_agent, offer.hold)
                 except TransferError as e:
                     raise Refused(f"{node} cannot receive: {e}", Why.PRECONDITION) from e
-                inc.gpu_map = self.gpu_map(list(offer.gpu_uuids))
+                inc.gpu_map = self.gpu_map(list(offer.gpu_uuids), list(offer.gpu_bus_ids))
                 self.receivers[mid] = inc
             self.reservations.reserve(mid, replace(reservation, snapshot=inc.dir))
         return Acceptance(inc.address, dict(inc.gpu_map), reserved=reserved, clock=clock.now())
@@ -474,10 +474,9 @@ class Node:
         problems += sockets.unusable_here(node, list(offer.tcp)[:10_000])
         return problems
 
-    def gpu_map(self, uuids: list[str]) -> dict[str, str]:
-        """Each source GPU onto one of ours, the emptiest first."""
-        ours = sorted(gpus.inventory(), key=lambda g: g.memory_used)
-        return {old: new.uuid for old, new in zip(uuids, ours, strict=False)}
+    def gpu_map(self, uuids: list[str], buses: list[str]) -> dict[str, str]:
+        """Each source GPU onto one of ours: the one at its PCI bus id if any, else the emptiest."""
+        return gpus.pair(list(zip(uuids, [*buses, *[""] * len(uuids)], strict=False)), gpus.inventory())
 
     def restore(self, migration_id: str) -> Restored:
         inc = self.receivers.get(migration_id)

@@ -333,6 +333,11 @@ class Rewire:
                 self.ask(trial[r], self.job, r, {"op": "expect", "pid": mv.m.new_pid}, self.timeout)
             except AgentError as e:
                 bad.append(f"rank {r}'s agent on {trial[r]} would not take it ({e})")
+        if not bad:  # (each copy reconnects to its new agent, and says where it stands there)
+            bad = self._release(trial)
+        if not bad:
+            seen = self._all(trial, lambda r: {"op": "where"}, self.timeout)
+            bad = self._fails(seen, "say where it stands") or _nccl_strangers(seen)
         if not bad:
             bad = self._rebuild(trial, gen, final=False)
         for mv in held.values():
@@ -439,12 +444,7 @@ class Rewire:
         (``final``) resumes.  Not ``final``: what failed (the ranks stay parked)."""
         self.state = "restoring" if not failed else "failed"
         t = time.monotonic()
-        bad = []
-        for r in self.moving:  # they let go of their agent to be frozen: back to the one where they run now
-            try:
-                self.ask(agents[r], self.job, r, {"op": "release"}, self.timeout)
-            except AgentError as e:
-                bad.append(f"rank {r} cannot be told to come back to {agents[r]} ({e})")
+        bad = self._release(agents)
         if not bad:
             # A rank that fails means the job cannot build them: the others (blocked until their
             # deadline, waiting for it) are not waited for.
@@ -463,6 +463,17 @@ class Rewire:
         if final:
             self._resume(agents, failed)
         return []
+
+    def _release(self, agents: list[str]) -> list[str]:
+        """The moving ranks let go of their agent to be frozen: each is told to come back, to the
+        agent where it runs now; what failed."""
+        bad = []
+        for r in self.moving:
+            try:
+                self.ask(agents[r], self.job, r, {"op": "release"}, self.timeout)
+            except AgentError as e:
+                bad.append(f"rank {r} cannot be told to come back to {agents[r]} ({e})")
+        return bad
 
     def _resume(self, agents: list[str], failed: str = "") -> None:
         resumed = self._all(agents, lambda r: {"op": "resume"}, self.timeout)
@@ -513,6 +524,23 @@ def _hosts_store(rank: int, address: object) -> str:
             "address: it cannot move (its stand-in serves the store in its place where it can: MASTER_ADDR "
             "and MASTER_PORT in its environment, and a Python command; what it said as it started tells why "
             "not)")  # fmt: skip
+
+
+def _nccl_strangers(seen: dict[int, Any]) -> list[str]:
+    """Ranks whose NCCL holds one host identity (read once per process: NVIDIA/nccl issue 2348)
+    but that run on different hosts now: NCCL would take them for neighbours, and join them
+    through shared memory or GPU peer access, which cannot reach across hosts."""
+    hosts: dict[str, dict[str, list[int]]] = {}  # NCCL's identity -> the host now -> ranks
+    for r, a in sorted(seen.items()):
+        if isinstance(a, dict) and a.get("nccl_host"):
+            hosts.setdefault(str(a["nccl_host"]), {}).setdefault(str(a.get("host")), []).append(r)
+    out = []
+    for split in hosts.values():
+        if len(split) > 1:
+            where = "; ".join(f"rank(s) {', '.join(map(str, rs))} on host {h.split('|')[0]}" for h, rs in split.items())
+            out.append(f"NCCL in {where} holds one host identity (read once per process: NVIDIA/nccl issue "
+                       "2348) and would take them for neighbours across hosts: move such ranks together")  # fmt: skip
+    return out
 
 
 def _pause(at: int, unit: str, _rank: int) -> dict[str, Any]:

@@ -245,6 +245,7 @@ class SourceMigration:
             tuple((sockets.endpoint(*s.local), sockets.endpoint(*s.remote) if not s.listening else "")
                   for s in sockets.must_check_on_target(tcp)),
             self.hold,
+            tuple(g.pci_bus_id for g in used),
         )  # fmt: skip
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
         asked = clock.now()

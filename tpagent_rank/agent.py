@@ -216,7 +216,8 @@ class Rank:
             with self.cond:
                 return {"ok": True, "step": self.step, "collectives": self.collectives, "gen": self.gen,
                         "state": self._state(), "rate": _rate(self.times), "collective_rate": _rate(self.ctimes),
-                        "groups": len(backend.GROUPS.live()), **self.store_facts}  # fmt: skip
+                        "groups": len(backend.GROUPS.live()), "nccl_host": backend.NCCL_HOST,
+                        "host": backend.host_identity(), **self.store_facts}  # fmt: skip
         if op == "peers":
             agents = []
             for r in range(self.world):

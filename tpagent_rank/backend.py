@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import socket
 import threading
 import weakref
 from collections.abc import Callable
@@ -35,6 +37,25 @@ def device_specs(spec: str | None) -> dict[str, str]:
     if spec == "nccl":
         return {"cuda": "nccl"}
     return {"cpu": spec, "cuda": spec} if spec == "gloo" else {"cpu": spec}
+
+
+def host_identity(as_nccl: bool = False) -> str:
+    """This host as NCCL tells hosts apart: its host name and boot id (``as_nccl``: the
+    NCCL_HOSTID of this process's environment instead, where it sets one)."""
+    if as_nccl and os.environ.get("NCCL_HOSTID"):
+        return "NCCL_HOSTID=" + os.environ["NCCL_HOSTID"]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}|{boot}"
+
+
+#: The host identity this process's NCCL holds: read as its first NCCL backend was built, and
+#: kept by NCCL for the process's life, wherever it is restored (NVIDIA/nccl issue 2348).  None:
+#: no NCCL yet.
+NCCL_HOST: str | None = None
 
 
 def unsupported(spec: str | None) -> str | None:
@@ -92,6 +113,8 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
                 if backend == "gloo":
                     made[backend] = c10d.ProcessGroupGloo(store, self._rank, self._size, self._timeout)
                 else:  # nccl (no GPU where this was written: see the GPU tests)
+                    global NCCL_HOST
+                    NCCL_HOST = NCCL_HOST or host_identity(as_nccl=True)
                     opts = c10d.ProcessGroupNCCL.Options()
                     opts._timeout = self._timeout
                     made[backend] = c10d.ProcessGroupNCCL(store, self._rank, self._size, opts)

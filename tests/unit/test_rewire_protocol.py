@@ -31,6 +31,8 @@ class FakeRank:
     dead: bool = False
     refuse_rebuild_at: str = ""  # it cannot build its communicators on this node (its agent's address)
     at: str = ""  # where it was asked last
+    nccl_host: str | None = None  # the host identity its NCCL holds (None: no NCCL)
+    hosts: dict[str, str] = field(default_factory=dict)  # its agent's address -> that node's host identity
     optimizer: bool = True  # it takes optimizer steps (else only its collectives are counted)
     log: list[str] = field(default_factory=list)
     units: list[str] = field(default_factory=list)
@@ -56,7 +58,8 @@ class FakeRank:
             if op == "where":
                 # (the fake counts one collective per step: either unit stops it at the same place)
                 return {"ok": True, "step": self.step if self.optimizer else 0, "collectives": self.step,
-                        "gen": self.gen, "rate": 100.0, "collective_rate": 100.0}  # fmt: skip
+                        "gen": self.gen, "rate": 100.0, "collective_rate": 100.0, "nccl_host": self.nccl_host,
+                        "host": self.hosts.get(self.at, "here|boot1")}  # fmt: skip
             if op == "pause":
                 self.units.append(body["unit"])
                 if self.step >= body["at"]:
@@ -231,6 +234,28 @@ def test_a_copy_that_cannot_join_the_new_communicators_is_dropped_and_all_rebuil
                                                          "rebuild", "resume"]  # fmt: skip
     assert any("rank 0 stays on this node" in m and "store cannot be reached" in m for m in said), said
     assert rw.to_json()["gen"] == 2
+
+
+@pytest.mark.parametrize("there", ["here|boot1", "there|boot2"], ids=["same-host", "other-host"])
+def test_a_copy_whose_nccl_would_take_ranks_on_another_host_for_neighbours_is_dropped(there: str) -> None:
+    """NCCL reads its host identity once per process (NVIDIA/nccl#2348): rank 0's copy still
+    holds that of its first host, as ranks 1 and 2 do, which stay there.  On another host it must
+    not be built with them (NCCL would join them through shared memory): the copy is dropped before
+    any communicator is built, rank 0 stays, and the job goes on.  On the same host (two agents
+    on one machine) nothing is wrong, and it moves."""
+    job = Job()
+    for r in job.ranks:
+        r.nccl_host, r.hosts = "here|boot1", {THERE: there}
+    rw, result = job.rewire()
+    said = _messages(rw)
+    if there == "here|boot1":
+        assert result.outcome is Outcome.DONE and job.where[0] == THERE, said
+        return
+    assert result.outcome is Outcome.ROLLED_BACK and job.where[0] == HERE, said
+    assert (THERE, 0, "rebuild") not in job.asked, "a communicator was built with the copy on the other host"
+    why = next(m for m in said if "rank 0 stays on this node" in m)
+    assert "rank(s) 0 on host there" in why and "rank(s) 1, 2 on host here" in why and "nccl issue 2348" in why, why
+    assert all(r.gen == 2 and not r.parked for r in job.ranks)
 
 
 def test_a_rank_past_the_step_makes_all_cancel_and_agree_on_a_later_one() -> None:
