@@ -3,7 +3,9 @@
     scripts/gpu-proof.sh [--out DIR] [--sizes-gib 1,8,16] [--budget-s 540]
 
 1. the GPU tests (tests/snapshot/test_gpu.py: dump/restore of 1 and 8 GiB bit-exact, a
-   `tpagent launch` workload, a migration between two agents);
+   `tpagent launch` workload, a migration between two agents; tests/agent/test_rewire_gpu.py:
+   a world-size-1 NCCL job and a rank with an NCCL group beside a CPU rank, each moved with
+   its job rewired, bit-identical);
 2. bench/snapshot.py --gpu and bench/migrate.py --gpu, one round per size that fits (GPU memory
    free and host memory for the images; sizes dropped in order once the time budget would be
    passed: each is said, with why).
@@ -37,7 +39,9 @@ sys.path[:0] = [str(ROOT)]
 
 from snapshot import gpus  # noqa: E402
 
-TESTS = "tests/snapshot/test_gpu.py"
+# (the snapshot path on the GPU; a rank with NCCL and GPU memory moved with its job rewired)
+TESTS = ("tests/snapshot/test_gpu.py", "tests/agent/test_rewire_gpu.py")
+NAMED = " ".join(TESTS)
 
 
 def machine() -> dict[str, Any]:
@@ -67,15 +71,15 @@ def _mem_available() -> int:
 
 def run_tests(out: Path, budget: float) -> list[dict[str, Any]]:
     xml = out / "gpu-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TESTS, f"--junitxml={xml}", "-rA"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, f"--junitxml={xml}", "-rA"]
     env = {**os.environ, "TPAGENT_TESTS_NEED_CRIU": "1"}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=budget)
         (out / "gpu-tests.log").write_text(proc.stdout + proc.stderr)
     except subprocess.TimeoutExpired:
-        return [{"name": TESTS, "outcome": "failed", "detail": f"the GPU tests ran past {budget:.0f} s"}]
+        return [{"name": NAMED, "outcome": "failed", "detail": f"the GPU tests ran past {budget:.0f} s"}]
     if not xml.exists():
-        return [{"name": TESTS, "outcome": "failed", "detail": (proc.stdout + proc.stderr)[-500:]}]
+        return [{"name": NAMED, "outcome": "failed", "detail": (proc.stdout + proc.stderr)[-500:]}]
     rows = []
     for case in ET.parse(xml).getroot().iter("testcase"):
         name, outcome, detail = case.get("name", "?"), "passed", f"{float(case.get('time', 0)):.1f} s"
@@ -178,7 +182,7 @@ def main() -> int:
     doc: dict[str, Any] = {"machine": machine(), "tests": [], "benchmarks": []}
     if not doc["machine"]["gpus"] or not Path("/dev/nvidiactl").exists():
         sentence = "No NVIDIA GPU on this machine: every GPU check was skipped, none passed."
-        doc["tests"] = [{"name": TESTS, "outcome": "skipped", "detail": "no NVIDIA GPU"}]
+        doc["tests"] = [{"name": NAMED, "outcome": "skipped", "detail": "no NVIDIA GPU"}]
         doc["benchmarks"] = [{"bench": b, "size_gib": s, "outcome": "skipped", "detail": "no NVIDIA GPU", "result": {}}
                              for s in sizes for b in ("snapshot", "migrate")]  # fmt: skip
     else:

@@ -98,13 +98,14 @@ def _one(nv: Any, index: int) -> GpuInfo:
 
 def pair(old: list[tuple[str, str]], ours: list[GpuInfo]) -> dict[str, str]:
     """Each source GPU, (UUID, PCI bus id), onto one of ``ours``: the one at the same bus id
-    where there is one, else the emptiest left.  A restored process's CUDA may go on reporting
-    the bus ids of the GPUs it was dumped on (cuda-checkpoint issue 48), and NCCL, among others,
-    finds its GPU in NVML by bus id: on the same bus id, that stale answer is the right one."""
-    left = sorted(ours, key=lambda g: g.memory_used)
+    where there is one that no process uses, else the emptiest left (one no process uses
+    first).  A restored process's CUDA may go on reporting the bus ids of the GPUs it was dumped
+    on (cuda-checkpoint issue 48), and NCCL, among others, finds its GPU in NVML by bus id: on
+    the same bus id, that stale answer is the right one."""
+    left = sorted(ours, key=lambda g: (bool(g.pids), g.memory_used))  # (free ones first)
     out: dict[str, str] = {}
     for uuid, bus in old:
-        same = next((g for g in left if bus and g.pci_bus_id.lower() == bus.lower()), None)
+        same = next((g for g in left if bus and not g.pids and g.pci_bus_id.lower() == bus.lower()), None)
         if same is not None:
             out[uuid] = same.uuid
             left.remove(same)

@@ -38,13 +38,13 @@ def steps(d: Path, rank: int) -> int:
     return sum(ln.startswith("step ") for ln in rank_log(d, rank))
 
 
-def _reference(d: Path, *extra: str) -> Path:
+def _reference(d: Path, *extra: str, nproc: int = 3) -> Path:
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(JOB),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(JOB),
          "--steps", str(STEPS), "--log-dir", str(d), *extra],
         cwd=ROOT, env={**os.environ, "USE_LIBUV": "0"}, check=True, capture_output=True, timeout=240,
     )  # fmt: skip
-    assert all(rank_log(d, r)[-1].startswith("done ") for r in range(3))
+    assert all(rank_log(d, r)[-1].startswith("done ") for r in range(nproc))
     return d
 
 
@@ -59,15 +59,20 @@ def reference_no_optimizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _reference(tmp_path_factory.mktemp("reference-no-opt"), "--no-optimizer")
 
 
-@pytest.fixture
-def quad(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, ["A", "B", "C", "D"], ifname=IFNAME)
+def serving(tmp_path: Path, names: str, rewire_timeout: str) -> Iterator[Cluster]:
+    """Nodes ``names``, each running `tpagent serve` (for a fixture to yield from)."""
+    c = Cluster(tmp_path, list(names), ifname=IFNAME)
     try:
         for node in c.nodes.values():
-            node.start_agent(rewire_timeout="60")
+            node.start_agent(rewire_timeout=rewire_timeout)
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture
+def quad(tmp_path: Path) -> Iterator[Cluster]:
+    yield from serving(tmp_path, "ABCD", "60")
 
 
 def _script(p: psutil.Process) -> bool:
@@ -82,13 +87,13 @@ class Job:
     store rank 0 would serve); ``wrap`` goes before the rank's Python on its command line."""
 
     def __init__(self, c: Cluster, tmp: Path, step_time: float = 0.05, extra: tuple[str, ...] = (),
-                 srun: bool = False, wrap: tuple[str, ...] = ()) -> None:  # fmt: skip
-        self.c, self.tmp, self.logs = c, tmp, tmp / "logs"
+                 srun: bool = False, wrap: tuple[str, ...] = (), names: str = "ABC") -> None:  # fmt: skip
+        self.c, self.tmp, self.logs, self.names = c, tmp, tmp / "logs", names
         self.logs.mkdir()
         self.runs: dict[str, subprocess.Popen[bytes]] = {}
         host = c.nodes["A"].addr
         tpagent = Path(sys.executable).parent / "tpagent"
-        for r, name in enumerate("ABC"):
+        for r, name in enumerate(names):
             node = c.nodes[name]
             env = {**c.cli_env(name), "GLOO_SOCKET_IFNAME": IFNAME, "USE_LIBUV": "0"}
             rank_out = str(tmp / f"rank-on-{name}.out")
@@ -96,12 +101,13 @@ class Job:
                         sys.executable, str(JOB), "--steps", str(STEPS), "--log-dir", str(self.logs),
                         "--step-time", str(step_time), *extra]  # fmt: skip
             if srun:
-                env.update({"SLURM_JOB_ID": RUN, "SLURM_PROCID": str(r), "SLURM_LOCALID": "0", "SLURM_NTASKS": "3",
+                env.update({"SLURM_JOB_ID": RUN, "SLURM_PROCID": str(r), "SLURM_LOCALID": "0",
+                            "SLURM_NTASKS": str(len(names)),
                             "MASTER_ADDR": host, "MASTER_PORT": "29500"})  # fmt: skip
                 cmd = node.exec(*stand_in)
             else:
                 cmd = node.exec(
-                    sys.executable, "-m", "torch.distributed.run", "--nnodes", "3", "--nproc-per-node", "1",
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)), "--nproc-per-node", "1",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:29400", "--rdzv-id", RUN,
                     "--rdzv-conf", f"is_host={int(name == 'A')}", "--local-addr", node.addr, "--max-restarts", "0",
                     "--monitor-interval", "0.5", "--no-python", *stand_in,
@@ -166,7 +172,7 @@ class Job:
         return {name: p.wait(timeout) for name, p in self.runs.items()}
 
     def output(self) -> str:
-        return "".join((self.tmp / f"torchrun-{n}.out").read_text()[-2000:] for n in "ABC")
+        return "".join((self.tmp / f"torchrun-{n}.out").read_text()[-2000:] for n in self.names)
 
     def close(self) -> None:
         for p in self.runs.values():
@@ -178,14 +184,14 @@ class Job:
         """Every torchrun ends well, never restarting its group, and every rank's losses, step
         by step, and final parameters are those of the uninterrupted run."""
         codes = self.wait()
-        assert codes == {"A": 0, "B": 0, "C": 0}, "torchrun (or a stand-in) failed: " + self.output()
-        for r in range(3):
+        assert codes == dict.fromkeys(self.names, 0), "torchrun (or a stand-in) failed: " + self.output()
+        for r in range(len(self.names)):
             got, want = rank_log(self.logs, r), rank_log(reference, r)
             assert [ln.split()[1] for ln in got if ln.startswith("step ")] == [str(k) for k in range(STEPS)], (
                 f"rank {r}: steps repeated or skipped (the group restarted, or a copy went back)"
             )
             assert got == want, f"rank {r}: its losses or final parameters differ from the uninterrupted run"
-        for r, name in enumerate("ABC"):
+        for r, name in enumerate(self.names):
             shown = (self.tmp / f"torchrun-{name}.out").read_text()
             assert "Restarting" not in shown
             # What the rank printed, wherever it ran, is in its launcher's log: every line, once, in order.

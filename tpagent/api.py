@@ -331,6 +331,10 @@ class Timeouts:
 # ---- what one agent needs from the other ---------------------------------------------------
 
 
+#: The longest a source may leave its started copy without a word (Offer.hold).
+HOLD_MAX = 6 * 3600.0
+
+
 @dataclass(frozen=True)
 class Offer:
     """The source asks the target to take a migration (or, ``dry_run``, only to check it)."""
@@ -347,8 +351,8 @@ class Offer:
     #: address must exist there; a listening one, REMOTE "", needs its port free there).
     tcp: tuple[tuple[str, str], ...] = ()
     #: > 0: the copy, once started, is confirmed by the source (a rank: once its job's
-    #: communicators are rebuilt with it) rather than by running ``confirm_period``; at most
-    #: this many seconds, then it is final.
+    #: communicators are rebuilt with it) rather than by running ``confirm_period``; once the
+    #: source has said nothing for this many seconds, it is final.
     hold: float = 0.0
     gpu_bus_ids: tuple[str, ...] = ()  # each of gpu_uuids's PCI bus id, in order ("": not known)
 

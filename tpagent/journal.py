@@ -84,7 +84,11 @@ class Record:
         return bool(self.boot_id) and self.boot_id != boot_id()
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, **asdict(self), "role": self.role.value, "state": self.state.value}
+        # (the oldest format that holds it: an agent of the version before reads every other record)
+        body = asdict(self)
+        if not body["hold"]:
+            del body["hold"]
+        return {"format": FORMAT if self.hold else 2, **body, "role": self.role.value, "state": self.state.value}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Record:

@@ -30,6 +30,7 @@ from snapshot.safefs import private_dir
 from tpagent import __version__, clock, launch, target
 from tpagent.admission import Reservations, sized
 from tpagent.api import (
+    HOLD_MAX,
     Acceptance,
     AgentError,
     GpuInfo,
@@ -56,8 +57,6 @@ from tpagent.target import Incoming, finish_held, recover_target, settle
 from transfer.api import TransferError
 
 log = logging.getLogger(__name__)
-#: The longest a source may keep its started copy waiting for its word (Offer.hold).
-HOLD_MAX = 6 * 3600.0
 
 
 def status_of(r: Record) -> PeerStatus:

@@ -421,6 +421,9 @@ class Ranks:
             if time.monotonic() > deadline:
                 raise RankGone(f"rank {rank} of job {job} did not connect to this agent within {timeout:.0f} s")
             time.sleep(0.05)
+        if body.get("op") == "teardown" and body.get("leaving"):  # (it comes back only once told again)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(GO_DIR / go_name(job, rank))
         answer = conn.call(body, max(0.1, deadline - time.monotonic()))
         leaving = body.get("op") == "teardown" and body.get("leaving") and answer.get("ok")
         # It is about to be frozen: it must hold no connection to us by then.

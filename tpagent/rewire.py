@@ -41,7 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
-from tpagent.api import AgentError, Event, MigrationResult, Outcome
+from tpagent.api import HOLD_MAX, AgentError, Event, MigrationResult, Outcome
 from tpagent.source import SourceMigration
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class Rewire:
         self.cancel_reason = ""
         self.moves: dict[int, SourceMigration] = {}
         self.held: list[_Move] = []  # the moves started: none is left holding its copy for a word never said
+        self.released: set[tuple[int, str]] = set()  # (rank, agent): told to come back there
         self.state = "checking"
         self.release: Callable[[], None] = lambda: None
         self.log = logging.LoggerAdapter(log, {"migration": self.migration_id})
@@ -301,7 +302,7 @@ class Rewire:
                 self.emit(f"rank {r} stays on this node: {self.stayed[r]}")
                 continue
             m = self.start_move(init, target)
-            m.hold = 4 * self.timeout + 60  # (its word comes within the rebuild's deadline: the target's is later)
+            m.hold = min(4 * self.timeout + 60, HOLD_MAX)  # (we ask all along: only our silence counts there)
             self.moves[r] = m
             self.move_ids[r] = m.migration_id
             self._write("teardown")
@@ -311,6 +312,7 @@ class Rewire:
                 held[r] = mv
                 continue
             result = mv.result()
+            assert result is not None
             if result.outcome is Outcome.UNRESOLVED:
                 raise RewireFailed(f"rank {r}'s migration {m.migration_id} is unresolved (its original stays "
                                    "frozen until its target answers); the job waits at its boundary")  # fmt: skip
@@ -344,10 +346,17 @@ class Rewire:
             mv.decide(not bad)
         new_pid = 0
         for r, mv in sorted(held.items()):
-            result = mv.result()
+            result = mv.result(self.timeout)
+            if result is None:  # (the target does not answer: its copy may be final there, or gone)
+                raise RewireFailed(f"rank {r}'s target {trial[r]} does not answer, so its copy can be neither kept "
+                                   "nor dropped; the original stays frozen until it answers (or `tpagent resolve`), "
+                                   "and the job waits at its boundary")  # fmt: skip
             if result.outcome is Outcome.DONE:
                 agents[r], new_pid = trial[r], result.new_pid
-                self.ask(self.here, self.job, r, {"op": "moved", "to": trial[r]}, self.timeout)
+                try:
+                    self.ask(self.here, self.job, r, {"op": "moved", "to": trial[r]}, self.timeout)
+                except AgentError as e:  # (this agent's own registry: its stand-in may not follow it)
+                    self.log.warning("rank %d moved to %s, but this agent could not note it: %s", r, trial[r], e)
             elif result.outcome is Outcome.UNRESOLVED:
                 raise RewireFailed(f"rank {r}'s migration {mv.m.migration_id} is unresolved (its original stays "
                                    "frozen until its target answers); the job waits at its boundary")  # fmt: skip
@@ -402,7 +411,9 @@ class Rewire:
 
     def _follow(self, m: SourceMigration) -> MigrationResult:
         """Run one rank's migration to its end, passing its events on."""
-        return _Move(self, m).result()
+        result = _Move(self, m).result()
+        assert result is not None
+        return result
 
     def _boundary(self, agents: list[str], where: dict[int, Any]) -> int:
         """Agree on a step every rank stops after, and wait until all have; that step.  The unit is
@@ -466,11 +477,14 @@ class Rewire:
 
     def _release(self, agents: list[str]) -> list[str]:
         """The moving ranks let go of their agent to be frozen: each is told to come back, to the
-        agent where it runs now; what failed."""
+        agent where it runs now (once: a word it does not take stays for its next freeze); what failed."""
         bad = []
         for r in self.moving:
+            if (r, agents[r]) in self.released:
+                continue
             try:
                 self.ask(agents[r], self.job, r, {"op": "release"}, self.timeout)
+                self.released.add((r, agents[r]))
             except AgentError as e:
                 bad.append(f"rank {r} cannot be told to come back to {agents[r]} ({e})")
         return bad
@@ -511,8 +525,11 @@ class _Move:
         if self.keep is None:
             self.keep = keep
 
-    def result(self) -> MigrationResult:
-        self.ran.join()
+    def result(self, timeout: float | None = None) -> MigrationResult | None:
+        """How it ended (None: it has not, ``timeout`` seconds on)."""
+        self.ran.join(timeout)
+        if self.ran.is_alive():
+            return None
         self.passed.join()
         assert self.m.result is not None
         self.rw.timings.update({f"rank{self.m.pid}_{k}": v for k, v in self.m.result.timings.items()})

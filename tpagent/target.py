@@ -115,6 +115,7 @@ class Incoming:
         with self.lock:
             if is_final(self.record.state):
                 return
+            heard(self.record.migration_id)
             if commit:
                 if self.record.state in (T.READY, T.STARTING):
                     start_held(self.ctx, self.record, self.restored, why or "started", self.settle)
@@ -145,6 +146,7 @@ def finish_held(ctx: Context, r: Record, commit: bool, why: str, settle: Settler
     """Start (commit) or drop a copy known only from the journal (the agent restarted since
     it was restored).  A held copy that is gone cannot be started: it is dropped, and the
     source's original runs on."""
+    heard(r.migration_id)
     if commit and r.state in (T.READY, T.STARTING):
         if _runs(r):
             start_held(ctx, r, None, why, settle)
@@ -189,6 +191,15 @@ def start_held(ctx: Context, r: Record, result: engine.RestoreResult | None, why
         raise  # (STARTING: the source's next word lets it go again)
 
 
+#: When each held copy's source last asked about it (migration id -> monotonic time): a source
+#: that keeps asking is still deciding (its job's communicators are being built), not lost.
+_HEARD: dict[str, float] = {}
+
+
+def heard(mid: str) -> None:
+    _HEARD[mid] = time.monotonic()
+
+
 def confirm_held(ctx: Context, r: Record, why: str) -> None:
     """The source has seen a copy it holds (``Offer.hold``) work: DONE, if it still runs."""
     if r.state is T.CONFIRMING and r.hold:
@@ -218,12 +229,14 @@ def watch_copy(ctx: Context, probe: Record, settle: Settler) -> None:
     mid, pid, looked = probe.migration_id, probe.pid, t0
     while True:
         elapsed = time.monotonic() - t0
+        silent = time.monotonic() - max(t0, _HEARD.get(mid, t0)) if probe.hold else elapsed
         if not _runs(probe):
             when = "before the source confirmed it" if probe.hold else f"inside the {period:g} s confirmation period"
             settle(mid, False, f"the copy (PID {pid}) ended {elapsed:.1f} s after it started, {when}; the original "
                                "runs on at the source")  # fmt: skip
             return
-        if elapsed >= period:
+        if silent >= period:
+            _HEARD.pop(mid, None)
             settle(mid, True, f"running here (no word from the source for {period:g} s)" if probe.hold
                    else f"running here (for {period:g} s and on)")  # fmt: skip
             return
@@ -232,6 +245,7 @@ def watch_copy(ctx: Context, probe: Record, settle: Settler) -> None:
             with contextlib.suppress(JournalError):
                 now = ctx.journal.read(mid)
                 if now is None or now.state is not T.CONFIRMING:
+                    _HEARD.pop(mid, None)
                     return
         if ctx.threads.sleep(min(0.1, period)):
             return  # (stopping: the journal says CONFIRMING, the next start watches it again)

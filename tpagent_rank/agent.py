@@ -286,6 +286,8 @@ class Rank:
                     g.teardown()
                 g.rebuild(gen)
             with self.cond:
+                if backend.GROUPS.gen != gen:  # (a later one was asked for meanwhile: it says)
+                    return {"ok": False, "error": f"generation {gen} was given up while it was being built"}
                 self.gen, self.torn, self.leaving = gen, False, False
             return {"ok": True}
         if op == "end":  # (the job cannot go on: a rank is gone for good; better now than at a deadline)

@@ -99,6 +99,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         self._only: Any = None  # the one inner backend, when every device has the same (no lookup then)
         self._works: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._wanted = GROUPS.gen  # the generation its inner backends are to be (-1: none, torn down)
         self._build(GROUPS.gen)
         GROUPS.add(self)
 
@@ -120,7 +121,13 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
                     made[backend] = c10d.ProcessGroupNCCL(store, self._rank, self._size, opts)
             inner[device] = made[backend]
         with self._lock:
-            self._inner, self._only = inner, next(iter(made.values())) if len(made) == 1 else None
+            if self._wanted == gen:
+                self._inner, self._only = inner, next(iter(made.values())) if len(made) == 1 else None
+                return
+        # Torn down, or rebuilt under a later generation, while this one was being built (a build
+        # that waited for a peer past the rewire's deadline): never put back.
+        _shut(made.values())
+        raise RuntimeError(f"tpagent_rank: generation {gen} was given up while it was being built")
 
     def teardown(self) -> None:
         """Wait for what is in flight, then destroy the inner backends (their sockets close)."""
@@ -130,14 +137,23 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         if torch.cuda.is_available() and "cuda" in self._inner:
             torch.cuda.synchronize()
         with self._lock:
-            inner, self._inner, self._only = self._inner, {}, None
-        for b in {id(b): b for b in inner.values()}.values():
-            if hasattr(b, "shutdown") and "NCCL" in type(b).__name__:
-                b.shutdown()
+            inner, self._inner, self._only, self._wanted = self._inner, {}, None, -1
+        _shut({id(b): b for b in inner.values()}.values())
         del inner
 
     def rebuild(self, gen: int) -> None:
+        """Build the inner backends under ``gen``.  An NCCL communicator connects only at its
+        first collective: one is run here on each (every member rebuilds its groups in the same
+        order), so that a rank that cannot join its peers (NCCL cannot start on its new node)
+        fails now, while its original can still run on, and not at the job's next step."""
+        with self._lock:
+            self._wanted = gen
         self._build(gen)
+        for b in {id(b): b for b in self._inner.values()}.values():
+            if "NCCL" in type(b).__name__:
+                one = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+                b.allreduce([one], c10d.AllreduceOptions()).wait()
+                torch.cuda.synchronize()
 
     def _pick(self, tensors: Any) -> Any:
         if BEFORE:  # (each collective starts here: the rank may park before it)
@@ -241,13 +257,19 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         return self._pick([]).monitored_barrier(timeout, wait_all_ranks)
 
 
+def _shut(backends: Any) -> None:
+    for b in backends:
+        if hasattr(b, "shutdown") and "NCCL" in type(b).__name__:
+            b.shutdown()
+
+
 def _own_connection(store: Any) -> Any:
     """``store`` over a connection of its own.  A store client does one request at a time, so a
     build that never completes (a peer gone: it waits for keys that never come, up to the store's
     timeout) would otherwise hold up every later use of the rank's store, its next build included."""
     try:
         return store.clone()
-    except (AttributeError, RuntimeError):  # (a torch without Store.clone, a store that cannot be cloned)
+    except (AttributeError, NotImplementedError):  # (a torch without Store.clone, a store that cannot be cloned)
         return store
 
 

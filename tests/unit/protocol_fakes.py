@@ -124,7 +124,8 @@ class FakeTarget(Peer):
         self.reachable = threading.Event()
         self.reachable.set()
         self.finish_answer: TargetState | None = None  # a finish(commit) that finds the copy gone
-        self.confirm_does = "ok"
+        self.confirm_does = "ok"  # or "die", "wait", "hold" (CONFIRMING until the source confirms it)
+        self.offers: dict[str, Offer] = {}
         self._received: dict[str, threading.Thread] = {}
         self._results: dict[str, object] = {}
 
@@ -141,6 +142,7 @@ class FakeTarget(Peer):
 
     def receive(self, offer: Offer, timeout: float) -> Acceptance:
         self._up("receive")
+        self.offers[offer.migration_id] = offer
         if self.problems or offer.dry_run:
             return Acceptance(problems=self.problems)
         rx = Receiver(TcpTransport(5.0), TransferConfig(secret=SECRET, io_timeout=5.0), "127.0.0.1:0")
@@ -186,8 +188,10 @@ class FakeTarget(Peer):
         elif commit and state is T.READY:
             self._move(migration_id, T.STARTING)
             self._move(migration_id, T.CONFIRMING)
-            if self.confirm_does != "wait":
+            if self.confirm_does not in ("wait", "hold"):
                 self._move(migration_id, T.DONE if self.confirm_does == "ok" else T.DISCARDED)
+        elif commit and confirmed and state is T.CONFIRMING and self.confirm_does == "hold":
+            self._move(migration_id, T.DONE)
         elif not commit and state not in (T.DONE, T.DISCARDED):
             self._move(migration_id, T.DISCARDED)
         return self.status(migration_id, timeout)

@@ -8,8 +8,8 @@ from __future__ import annotations
 from snapshot.gpus import GpuInfo, pair
 
 
-def gpu(uuid: str, bus: str, used_gib: int) -> GpuInfo:
-    return GpuInfo(0, uuid, "H100", 80 << 30, used_gib << 30, 40, 0, (), bus)
+def gpu(uuid: str, bus: str, used_gib: int, pids: tuple[int, ...] = ()) -> GpuInfo:
+    return GpuInfo(0, uuid, "H100", 80 << 30, used_gib << 30, 40, 0, pids, bus)
 
 
 TARGET = [gpu("GPU-t0", "00000000:18:00.0", 0), gpu("GPU-t1", "00000000:3B:00.0", 30),
@@ -18,6 +18,12 @@ TARGET = [gpu("GPU-t0", "00000000:18:00.0", 0), gpu("GPU-t1", "00000000:3B:00.0"
 
 def test_each_gpu_lands_at_its_own_bus_id_even_on_a_busier_gpu() -> None:
     assert pair([("GPU-s1", "00000000:3b:00.0")], TARGET) == {"GPU-s1": "GPU-t1"}  # (case: as NVML and CUDA write it)
+
+
+def test_a_gpu_at_the_same_bus_id_that_a_process_uses_is_not_taken() -> None:
+    """(Another rank of the job there, say: NCCL would refuse two ranks on one GPU.)"""
+    busy = [gpu("GPU-t0", "00000000:18:00.0", 0, pids=(4242,)), gpu("GPU-t1", "00000000:3B:00.0", 2)]
+    assert pair([("GPU-s0", "00000000:18:00.0")], busy) == {"GPU-s0": "GPU-t1"}
 
 
 def test_a_gpu_with_no_match_takes_the_emptiest_left_and_never_one_a_match_needs() -> None:

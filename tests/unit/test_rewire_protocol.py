@@ -138,6 +138,7 @@ class Job:
         self.where = [HERE] + [f"10.0.0.{r + 1}:7400" for r in range(1, world)]
         self.outcome = outcome
         self.asked: list[tuple[str, int, str]] = []
+        self.released: list[tuple[int, str]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._train, daemon=True)
         if stepping:
@@ -154,6 +155,11 @@ class Job:
         if body["op"] == "peers":
             return {"ok": True, "agents": list(self.where)}
         if body["op"] in ("expect", "moved", "release"):
+            # (a rank is expected and released where it runs, its move noted where it was)
+            assert address == (HERE if body["op"] == "moved" else self.where[rank]), (body, address, self.where)
+            if body["op"] == "release":
+                assert (rank, address) not in self.released, f"rank {rank} released twice at {address}"
+                self.released.append((rank, address))
             return {"ok": True}
         assert address == self.where[rank], f"rank {rank} asked at {address}, it runs at {self.where[rank]}"
         self.ranks[rank].at = address
@@ -234,6 +240,7 @@ def test_a_copy_that_cannot_join_the_new_communicators_is_dropped_and_all_rebuil
                                                          "rebuild", "resume"]  # fmt: skip
     assert any("rank 0 stays on this node" in m and "store cannot be reached" in m for m in said), said
     assert rw.to_json()["gen"] == 2
+    assert job.released == [(0, THERE), (0, HERE)], "the copy is told to come back there, the original here"
 
 
 @pytest.mark.parametrize("there", ["here|boot1", "there|boot2"], ids=["same-host", "other-host"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -175,6 +176,36 @@ def test_a_copy_that_dies_in_its_confirmation_period_leaves_the_original_running
                                                       TargetState.DISCARDED]  # fmt: skip
     assert FakeHeldDump.decisions == ["abort"]  # never "commit": the original was not ended
     assert wait(lambda: _status(original) not in (psutil.STATUS_STOPPED, "gone"))
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "dropped"])
+def test_a_held_copy_is_kept_or_dropped_on_the_sources_word(
+    tmp_path: Path, original: subprocess.Popen[bytes], keep: bool
+) -> None:
+    """A rank's move (tpagent/rewire.py): the target holds the started copy (Offer.hold) while
+    the original stays frozen, for as long as the verdict is not given; then the copy is final
+    and the original ends, or the copy is dropped and the original runs on."""
+    target = FakeTarget(tmp_path)
+    target.confirm_does = "hold"
+    m = SourceMigration(unit_context(tmp_path, target), original.pid, target.address, dry_run=False)
+    verdict: list[bool | None] = [None]
+    m.hold, m.verdict = 30.0, lambda: verdict[0]
+    t = threading.Thread(target=m.run, daemon=True)
+    t.start()
+    assert m.copy_runs.wait(10) and m.new_pid == 4242
+    assert target.offers[m.migration_id].hold == 30.0
+    time.sleep(1.0)  # (five of its polls)
+    assert target.states[m.migration_id] is TargetState.CONFIRMING and _status(original) == psutil.STATUS_STOPPED
+    assert FakeHeldDump.decisions == []
+    verdict[0] = keep
+    t.join(10)
+    assert m.result is not None and m.result.outcome is (Outcome.DONE if keep else Outcome.ROLLED_BACK)
+    assert target.states[m.migration_id] is (TargetState.DONE if keep else TargetState.DISCARDED)
+    assert FakeHeldDump.decisions == (["commit"] if keep else ["abort"])
+    if keep:
+        assert wait(lambda: original.poll() is not None)
+    else:
+        assert wait(lambda: _status(original) not in (psutil.STATUS_STOPPED, "gone"))
 
 
 def _committing(tmp_path: Path, target: FakeTarget, pid: int, target_state: TargetState) -> tuple[Record, object]:

@@ -3,9 +3,13 @@ the workload of the rewire tests.  Deterministic: fixed seeds, data drawn per ra
 own generator, so every rank's losses and the final parameters are the same on every run.
 
     ddp_job.py --steps N --log-dir DIR [--step-time S] [--width W] [--no-optimizer]
+               [--cuda [--backend nccl]] [--gpu-rank R]
 
 With ``--no-optimizer`` it updates its parameters by hand (no torch.optim: the rank runtime
-never sees an optimizer step, so a rewire stops it between two collectives).
+never sees an optimizer step, so a rewire stops it between two collectives).  With ``--cuda``
+the model and data are on the GPU (deterministic algorithms), its group's backend ``--backend``.
+With ``--gpu-rank R`` rank R also keeps a sum on the GPU, all-reduced each step over an NCCL
+group of its own (one GPU: NCCL takes no two ranks on one), beside the CPU job.
 
 Each rank appends "step K <its loss> <global loss> <subgroup loss>" (floats in hex: exact) to
 DIR/rank{R}.log, one open per line, and "done <sha256 of the parameters>" at the end; and
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import time
 from pathlib import Path
 
@@ -32,17 +37,26 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--no-optimizer", action="store_true")
+    p.add_argument("--cuda", action="store_true")
+    p.add_argument("--backend", default="gloo")
+    p.add_argument("--gpu-rank", type=int, default=-1)
     a = p.parse_args()
-    dist.init_process_group("gloo")
+    dev = torch.device("cuda", 0) if a.cuda else torch.device("cpu")
+    if a.cuda:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (cuBLAS's deterministic mode)
+        torch.use_deterministic_algorithms(True)
+    dist.init_process_group(a.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    pair = dist.new_group([0, 1])  # a subgroup: rebuilt too
+    pair = dist.new_group(list(range(min(2, world))))  # a subgroup: rebuilt too
+    alone = dist.new_group([a.gpu_rank], backend="nccl") if a.gpu_rank >= 0 else None
+    gpu_sum = torch.zeros(1, dtype=torch.float64, device="cuda") if rank == a.gpu_rank else None
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(16, a.width), nn.Tanh(), nn.Linear(a.width, 1)))
+    model = DDP(nn.Sequential(nn.Linear(16, a.width), nn.Tanh(), nn.Linear(a.width, 1)).to(dev))
     opt = None if a.no_optimizer else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(1000 + rank)
     log = a.log_dir / f"rank{rank}.log"
     for step in range(a.steps):
-        x = torch.randn(32, 16, generator=data)
+        x = torch.randn(32, 16, generator=data).to(dev)
         y = torch.sin(x.sum(dim=1, keepdim=True))
         model.zero_grad()
         loss = ((model(x) - y) ** 2).mean()
@@ -58,11 +72,16 @@ def main() -> None:
         sub = loss.detach().clone()
         if rank in (0, 1):
             dist.all_reduce(sub, group=pair)
+        gpu = ""
+        if gpu_sum is not None:
+            gpu_sum += loss.detach().double().to(gpu_sum.device)
+            dist.all_reduce(gpu_sum, group=alone)
+            gpu = f" gpu {gpu_sum.item().hex()}"
         with open(log, "a") as f:
-            f.write(f"step {step} {loss.item().hex()} {(total.item() / world).hex()} {sub.item().hex()}\n")
+            f.write(f"step {step} {loss.item().hex()} {(total.item() / world).hex()} {sub.item().hex()}{gpu}\n")
         print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
         time.sleep(a.step_time)
-    digest = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in model.parameters())).hexdigest()
+    digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in model.parameters())).hexdigest()
     with open(log, "a") as f:
         f.write(f"done {digest}\n")
     dist.destroy_process_group()
