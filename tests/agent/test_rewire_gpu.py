@@ -39,8 +39,8 @@ def trio(tmp_path: Path) -> Iterator[Cluster]:
 def _moved_and_identical(
     c: Cluster, tmp: Path, extra: tuple[str, ...], names: str, moves: list[tuple[int, str]]
 ) -> None:
-    """The job on ``names`` (rank r on the r-th), rank 0 moved at steps 20, 60, ... to each of
-    ``moves`` in turn, ends as the same job under plain torchrun."""
+    """The job on ``names`` (rank r on the r-th), each of ``moves`` (rank, node) made in turn at
+    steps 20, 60, ..., ends as the same job under plain torchrun."""
     (tmp / "reference").mkdir()
     (tmp / "run").mkdir()
     reference = _reference(tmp / "reference", *extra, nproc=len(names))
