@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -125,10 +126,33 @@ def _claim_subnet() -> tuple[int, int]:
         fd = os.open(locks / f"net-{k}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return k, fd
         except BlockingIOError:
             os.close(fd)
+            continue
+        _clear_leftovers(k)
+        return k, fd
     raise AssertionError("no free test subnet in 10.233.0.0/16")
+
+
+def _clear_leftovers(k: int) -> None:
+    """What a run killed before its clusters closed left on subnet ``k``, whose lock we now hold
+    (so no live cluster owns it): its bridge would route 10.233.k.0/24 away from ours, and no
+    agent of ours could be reached.  Its bridge goes, with its nodes and what still runs in them."""
+    links = subprocess.run(["ip", "-j", "addr", "show", "type", "bridge"], capture_output=True, text=True, check=True)
+    for link in json.loads(links.stdout or "[]"):
+        name = link["ifname"]
+        if not name.startswith("tpbr-"):
+            continue
+        if not any(a.get("local") == f"10.233.{k}.254" for a in link.get("addr_info", [])):
+            continue
+        tag = name.removeprefix("tpbr-")
+        for ns in Path("/run/netns").glob(f"tp*-{tag}"):
+            pids = subprocess.run(["ip", "netns", "pids", ns.name], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", ns.name], capture_output=True)
+        subprocess.run(["ip", "link", "del", name], capture_output=True)
 
 
 class Cluster:
