@@ -115,7 +115,7 @@ class Incoming:
         with self.lock:
             if is_final(self.record.state):
                 return
-            heard(self.record.migration_id)
+            heard(self.record)
             if commit:
                 if self.record.state in (T.READY, T.STARTING):
                     start_held(self.ctx, self.record, self.restored, why or "started", self.settle)
@@ -146,7 +146,7 @@ def finish_held(ctx: Context, r: Record, commit: bool, why: str, settle: Settler
     """Start (commit) or drop a copy known only from the journal (the agent restarted since
     it was restored).  A held copy that is gone cannot be started: it is dropped, and the
     source's original runs on."""
-    heard(r.migration_id)
+    heard(r)
     if commit and r.state in (T.READY, T.STARTING):
         if _runs(r):
             start_held(ctx, r, None, why, settle)
@@ -196,8 +196,9 @@ def start_held(ctx: Context, r: Record, result: engine.RestoreResult | None, why
 _HEARD: dict[str, float] = {}
 
 
-def heard(mid: str) -> None:
-    _HEARD[mid] = time.monotonic()
+def heard(r: Record) -> None:
+    if r.hold and not is_final(r.state):  # (only a held copy's silence counts; watch_copy forgets it)
+        _HEARD[r.migration_id] = time.monotonic()
 
 
 def confirm_held(ctx: Context, r: Record, why: str) -> None:
@@ -226,6 +227,13 @@ def watch_copy(ctx: Context, probe: Record, settle: Settler) -> None:
     it is dropped and the source's original, frozen all along, runs on.  A held copy
     (``Offer.hold``) waits for the source's confirmation instead, ``hold`` seconds at most."""
     period, t0 = probe.hold or ctx.timeouts.confirm, time.monotonic()
+    try:
+        _watch(ctx, probe, settle, period, t0)
+    finally:
+        _HEARD.pop(probe.migration_id, None)
+
+
+def _watch(ctx: Context, probe: Record, settle: Settler, period: float, t0: float) -> None:
     mid, pid, looked = probe.migration_id, probe.pid, t0
     while True:
         elapsed = time.monotonic() - t0
@@ -236,7 +244,6 @@ def watch_copy(ctx: Context, probe: Record, settle: Settler) -> None:
                                "runs on at the source")  # fmt: skip
             return
         if silent >= period:
-            _HEARD.pop(mid, None)
             settle(mid, True, f"running here (no word from the source for {period:g} s)" if probe.hold
                    else f"running here (for {period:g} s and on)")  # fmt: skip
             return
@@ -245,7 +252,6 @@ def watch_copy(ctx: Context, probe: Record, settle: Settler) -> None:
             with contextlib.suppress(JournalError):
                 now = ctx.journal.read(mid)
                 if now is None or now.state is not T.CONFIRMING:
-                    _HEARD.pop(mid, None)
                     return
         if ctx.threads.sleep(min(0.1, period)):
             return  # (stopping: the journal says CONFIRMING, the next start watches it again)
