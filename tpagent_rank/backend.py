@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import os
 import socket
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -97,6 +98,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         self._store, self._rank, self._size, self._timeout, self._spec = store, rank, size, timeout, spec
         self._inner: dict[str, Any] = {}
         self._only: Any = None  # the one inner backend, when every device has the same (no lookup then)
+        self._front: Any = None  # a plain ProcessGroup over the inner backends (see _front_over)
         self._works: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._wanted = GROUPS.gen  # the generation its inner backends are to be (-1: none, torn down)
@@ -120,9 +122,11 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
                     opts._timeout = self._timeout
                     made[backend] = c10d.ProcessGroupNCCL(store, self._rank, self._size, opts)
             inner[device] = made[backend]
+        front = _front_over(self._rank, self._size, inner)
         with self._lock:
             if self._wanted == gen:
                 self._inner, self._only = inner, next(iter(made.values())) if len(made) == 1 else None
+                self._front = front
                 return
         # Torn down, or rebuilt under a later generation, while this one was being built (a build
         # that waited for a peer past the rewire's deadline): never put back.
@@ -138,6 +142,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
             torch.cuda.synchronize()
         with self._lock:
             inner, self._inner, self._only, self._wanted = self._inner, {}, None, -1
+            self._front = None  # (it holds the inner backends too)
         _shut({id(b): b for b in inner.values()}.values())
         del inner
 
@@ -173,11 +178,66 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
             raise RuntimeError("tpagent_rank: a collective was called while the communicators were torn down")
         return inner
 
+    def _on_device(self, device: Any) -> Any:
+        if BEFORE:
+            BEFORE[0](self)
+        with self._lock:
+            inner = self._inner.get(torch.device(device).type) or self._inner.get("cpu")
+        if inner is None:
+            raise RuntimeError("tpagent_rank: a collective was called while the communicators were torn down")
+        return inner
+
+    def _coalesced(self, name: str, tensors: Any, *args: Any) -> Any:
+        """An op that no inner backend offers to Python (the coalesced ones): run by a plain
+        ProcessGroup over the inner backends, as torch would run it."""
+        self._pick(tensors)  # (the boundary, and torn down?)
+        with self._lock:
+            front = self._front
+        if front is None or not hasattr(front, name):
+            raise RuntimeError(f"tpagent_rank: {name} cannot be forwarded with this torch")
+        return self._track(getattr(front, name)(*args))
+
     def _track(self, work: Any) -> Any:
         self._works.add(work)
         return work
 
     # ---- collectives: each forwarded as it is -------------------------------------------------
+
+    @property
+    def _device_types(self) -> list[Any]:
+        """The devices of the user's spec, as torch's own group of that spec has them (torch
+        picks the device of object collectives and barriers by them)."""
+        return [torch.device(d) for d in self._spec]
+
+    def _get_backend(self, device: Any) -> Any:
+        """This generation's inner backend for ``device`` (torch asks for it by the group's
+        devices: to set a timeout, to allocate a tensor for FSDP)."""
+        kind = torch.device(device).type
+        with self._lock:
+            inner = self._inner.get(kind)
+        if inner is None:
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return inner
+
+    # torch keeps a group's name and description on its backends, and ours has none of its own
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_group_name", "")
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
+    def user_backend(self) -> str:
+        """What ``torch.distributed.get_backend`` says of a group of the user's spec."""
+        names = set(self._spec.values())
+        return names.pop() if len(names) == 1 else ",".join(f"{d}:{b}" for d, b in self._spec.items())
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return NAME
@@ -207,8 +267,17 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         return self._track(self._pick(inputs).allgather_coalesced(outputs, inputs, opts or c10d.AllgatherOptions()))
 
     def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-        inner = self._pick(inputs)
-        return self._track(inner.allgather_into_tensor_coalesced(outputs, inputs, opts or c10d.AllgatherOptions()))
+        opts = opts or c10d.AllgatherOptions()
+        return self._coalesced("allgather_into_tensor_coalesced", inputs, outputs, inputs, opts)
+
+    # (torch's later names for _allgather_base and allgather_into_tensor_coalesced: what
+    # all_gather_into_tensor, FSDP's all-gather, calls there)
+    def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> Any:  # noqa: A002
+        return self._allgather_base(output, input, opts)
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        opts = opts or c10d.AllgatherOptions()
+        return self._coalesced("all_gather_single_coalesced", inputs, outputs, inputs, opts)
 
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         return self._track(self._pick(outputs).reduce_scatter(outputs, inputs, opts or c10d.ReduceScatterOptions()))
@@ -218,9 +287,15 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         return self._track(inner._reduce_scatter_base(output, input, opts or c10d.ReduceScatterOptions()))
 
     def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-        inner = self._pick(outputs)
         opts = opts or c10d.ReduceScatterOptions()
-        return self._track(inner.reduce_scatter_tensor_coalesced(outputs, inputs, opts))
+        return self._coalesced("reduce_scatter_tensor_coalesced", outputs, outputs, inputs, opts)
+
+    def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> Any:  # noqa: A002
+        return self._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        opts = opts or c10d.ReduceScatterOptions()
+        return self._coalesced("reduce_scatter_single_coalesced", outputs, outputs, inputs, opts)
 
     def alltoall(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         return self._track(self._pick(inputs).alltoall(outputs, inputs, opts or c10d.AllToAllOptions()))
@@ -228,6 +303,19 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
     def alltoall_base(self, output: Any, input: Any, out_splits: Any, in_splits: Any, opts: Any = None) -> Any:  # noqa: A002
         inner = self._pick(input)
         return self._track(inner.alltoall_base(output, input, out_splits, in_splits, opts or c10d.AllToAllOptions()))
+
+    def all_to_all_single(self, output: Any, input: Any, out_splits: Any, in_splits: Any, opts: Any = None) -> Any:  # noqa: A002
+        if not isinstance(opts, c10d.AllToAllOptions):  # (its other form takes a timeout)
+            timeout, opts = opts, c10d.AllToAllOptions()
+            if timeout is not None:
+                opts.timeout = timeout
+        return self.alltoall_base(output, input, out_splits, in_splits, opts)
+
+    def _start_coalescing(self, device: Any) -> None:
+        self._on_device(device)._start_coalescing()
+
+    def _end_coalescing(self, device: Any) -> Any:
+        return self._track(self._on_device(device)._end_coalescing())
 
     def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         return self._track(self._pick(inputs).gather(outputs, inputs, opts or c10d.GatherOptions()))
@@ -247,8 +335,10 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
     def barrier(self, opts: Any = None) -> Any:
         if BEFORE:
             BEFORE[0](self)
+        device = getattr(opts, "device", None)  # (torch says which: by the group's devices)
         with self._lock:
-            inner = self._inner.get("cpu") or next(iter(self._inner.values()), None)
+            inner = (self._inner.get(device.type) if device is not None else None) or self._inner.get("cpu") or \
+                next(iter(self._inner.values()), None)  # fmt: skip
         if inner is None:
             raise RuntimeError("tpagent_rank: a barrier was called while the communicators were torn down")
         return self._track(inner.barrier(opts or c10d.BarrierOptions()))
@@ -257,10 +347,39 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         return self._pick([]).monitored_barrier(timeout, wait_all_ranks)
 
 
+def name_groups() -> None:
+    """Have ``torch.distributed.get_backend`` name each delegating group's backend as the user
+    did (their script may branch on it; torch's monitored_barrier takes only "gloo")."""
+    world = getattr(sys.modules.get("torch.distributed.distributed_c10d"), "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    if not isinstance(pg_map, dict):
+        return
+    for pg, entry in list(pg_map.items()):
+        if isinstance(pg, DelegatingGroup) and isinstance(entry, tuple) and entry and entry[0] == NAME:
+            pg_map[pg] = (pg.user_backend(), *entry[1:])
+
+
 def _shut(backends: Any) -> None:
     for b in backends:
         if hasattr(b, "shutdown") and "NCCL" in type(b).__name__:
             b.shutdown()
+
+
+def _front_over(rank: int, size: int, inner: dict[str, Any]) -> Any:
+    """A plain ProcessGroup with ``inner``'s backends registered for their devices, as torch
+    registers them on a group of its own: it runs what no backend offers Python.  None where
+    this torch cannot make one."""
+    types = c10d.ProcessGroup.BackendType
+    try:
+        front = _ProcessGroup(rank, size)
+        for device, b in inner.items():
+            front._register_backend(torch.device(device), types.NCCL if "NCCL" in type(b).__name__ else types.GLOO, b)
+        if inner:
+            first = inner.get("cpu") or next(iter(inner.values()))
+            front._set_default_backend(types.NCCL if "NCCL" in type(first).__name__ else types.GLOO)
+    except Exception:  # (only the coalesced ops need it: they say so, the rest runs on)
+        return None
+    return front
 
 
 def _own_connection(store: Any) -> Any:

@@ -55,9 +55,11 @@ def _with_backend(fn: Callable[..., Any], index: int, default: bool) -> Callable
             if default:
                 _DEFAULT_SPEC[0] = spec
             try:
-                return fn(*args_l, **kwargs)
+                made = fn(*args_l, **kwargs)
             finally:
                 b.PENDING_SPEC.spec = None
+            b.name_groups()
+            return made
 
     wrapper.__tpagent__ = True  # type: ignore[attr-defined]
     return wrapper

@@ -83,3 +83,47 @@ def test_on_a_rank_groups_delegate_and_the_step_is_the_same(tmp_path: Path) -> N
     assert seen["loss"] == plain["loss"], "the delegating backend changed the result"
     assert seen["site"] == "yes", "the environment's own sitecustomize did not run after ours"
     assert "no agent answers" in err, "a rank without an agent should say it cannot be moved"
+
+
+COLLECTIVES = Path(__file__).resolve().parent.parent / "workloads" / "collectives_job.py"
+
+
+def _ranks(tmp_path: Path, tag: str, **env: str) -> tuple[list[dict[str, object]], str]:
+    """tests/workloads/collectives_job.py as 3 ranks (a FileStore: no launcher needed)."""
+    runtime = tmp_path / "runtime"
+    if not runtime.exists():
+        runtime.mkdir()
+        write_runtime_dir(runtime)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
+    full = {**base, "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), base.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1", **env}  # fmt: skip
+    store = tmp_path / f"store-{tag}"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(COLLECTIVES), str(store), str(r), "3"],
+            env=full,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in range(3)
+    ]
+    outs = [p.communicate(timeout=200) for p in ranks]
+    for p, (_, err) in zip(ranks, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs], "".join(err for _, err in outs)
+
+
+@pytest.mark.timeout(300)
+def test_every_kind_of_collective_gives_what_it_gives_without_the_runtime(tmp_path: Path) -> None:
+    """Whatever torch calls on a group (its newer names too: all_gather_into_tensor, as FSDP2
+    does, reaches a group as all_gather_single in torch 2.13; coalesced ops; object collectives,
+    which pick their device by the group's devices; monitored_barrier, which asks the backend's
+    name), a delegating group gives the same, bit for bit."""
+    plain, _ = _ranks(tmp_path, "plain")
+    seen, err = _ranks(tmp_path, "runtime", TPAGENT_RANK_SOCKET=f"tpagent-test-{os.getpid()}-none", TPAGENT_JOB="j")
+    assert err.count("no agent answers") == 3, "the runtime was not loaded on every rank"
+    assert [s["backend"] for s in seen] == ["gloo"] * 3, "get_backend names the user's backend"
+    assert len(plain[0]) >= 15 and plain[0]["fsdp_losses"], plain[0]
+    assert seen == plain
