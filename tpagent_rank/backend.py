@@ -122,7 +122,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
                     opts._timeout = self._timeout
                     made[backend] = c10d.ProcessGroupNCCL(store, self._rank, self._size, opts)
             inner[device] = made[backend]
-        front = _front_over(self._rank, self._size, inner)
+        front = _front_over(self._rank, self._size, inner, self._spec)
         with self._lock:
             if self._wanted == gen:
                 self._inner, self._only = inner, next(iter(made.values())) if len(made) == 1 else None
@@ -171,20 +171,14 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
             if not t:
                 break
             t = t[0]
-        device = t.device.type if isinstance(t, torch.Tensor) else "cpu"
-        with self._lock:
-            inner = self._inner.get(device) or self._inner.get("cpu") or next(iter(self._inner.values()), None)
-        if inner is None:
-            raise RuntimeError("tpagent_rank: a collective was called while the communicators were torn down")
-        return inner
+        return self._inner_for(t.device.type if isinstance(t, torch.Tensor) else "cpu")
 
-    def _on_device(self, device: Any) -> Any:
-        if BEFORE:
-            BEFORE[0](self)
+    def _inner_for(self, kind: str, what: str = "a collective") -> Any:
+        """The inner backend for device type ``kind``: its own, else the CPU one, else any."""
         with self._lock:
-            inner = self._inner.get(torch.device(device).type) or self._inner.get("cpu")
+            inner = self._inner.get(kind) or self._inner.get("cpu") or next(iter(self._inner.values()), None)
         if inner is None:
-            raise RuntimeError("tpagent_rank: a collective was called while the communicators were torn down")
+            raise RuntimeError(f"tpagent_rank: {what} was called while the communicators were torn down")
         return inner
 
     def _coalesced(self, name: str, tensors: Any, *args: Any) -> Any:
@@ -312,10 +306,12 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         return self.alltoall_base(output, input, out_splits, in_splits, opts)
 
     def _start_coalescing(self, device: Any) -> None:
-        self._on_device(device)._start_coalescing()
+        if BEFORE:
+            BEFORE[0](self)
+        self._inner_for(torch.device(device).type)._start_coalescing()
 
     def _end_coalescing(self, device: Any) -> Any:
-        return self._track(self._on_device(device)._end_coalescing())
+        return self._track(self._inner_for(torch.device(device).type)._end_coalescing())
 
     def gather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
         return self._track(self._pick(inputs).gather(outputs, inputs, opts or c10d.GatherOptions()))
@@ -336,11 +332,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         if BEFORE:
             BEFORE[0](self)
         device = getattr(opts, "device", None)  # (torch says which: by the group's devices)
-        with self._lock:
-            inner = (self._inner.get(device.type) if device is not None else None) or self._inner.get("cpu") or \
-                next(iter(self._inner.values()), None)  # fmt: skip
-        if inner is None:
-            raise RuntimeError("tpagent_rank: a barrier was called while the communicators were torn down")
+        inner = self._inner_for(device.type if device is not None else "cpu", "a barrier")
         return self._track(inner.barrier(opts or c10d.BarrierOptions()))
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
@@ -365,18 +357,18 @@ def _shut(backends: Any) -> None:
             b.shutdown()
 
 
-def _front_over(rank: int, size: int, inner: dict[str, Any]) -> Any:
-    """A plain ProcessGroup with ``inner``'s backends registered for their devices, as torch
-    registers them on a group of its own: it runs what no backend offers Python.  None where
-    this torch cannot make one."""
+def _front_over(rank: int, size: int, inner: dict[str, Any], spec: dict[str, str]) -> Any:
+    """A plain ProcessGroup with ``inner``'s backends registered for their devices (of ``spec``'s
+    kinds), as torch registers them on a group of its own: it runs what no backend offers
+    Python.  None where this torch cannot make one."""
     types = c10d.ProcessGroup.BackendType
     try:
         front = _ProcessGroup(rank, size)
         for device, b in inner.items():
-            front._register_backend(torch.device(device), types.NCCL if "NCCL" in type(b).__name__ else types.GLOO, b)
+            front._register_backend(torch.device(device), types.NCCL if spec[device] == "nccl" else types.GLOO, b)
         if inner:
-            first = inner.get("cpu") or next(iter(inner.values()))
-            front._set_default_backend(types.NCCL if "NCCL" in type(first).__name__ else types.GLOO)
+            first = "cpu" if "cpu" in inner else next(iter(inner))
+            front._set_default_backend(types.NCCL if spec[first] == "nccl" else types.GLOO)
     except Exception:  # (only the coalesced ops need it: they say so, the rest runs on)
         return None
     return front
