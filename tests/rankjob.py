@@ -24,6 +24,7 @@ from tpagent.client import GrpcPeer
 from tpagent.credentials import Credentials
 
 JOB = ROOT / "tests" / "workloads" / "ddp_job.py"
+FSDP_JOB = ROOT / "tests" / "workloads" / "fsdp_job.py"
 RUN = "job1"
 STEPS = 160
 IFNAME = "eth0"  # every node's interface has this name (GLOO_SOCKET_IFNAME holds wherever a rank runs)
@@ -38,9 +39,9 @@ def steps(d: Path, rank: int) -> int:
     return sum(ln.startswith("step ") for ln in rank_log(d, rank))
 
 
-def _reference(d: Path, *extra: str, nproc: int = 3) -> Path:
+def _reference(d: Path, *extra: str, nproc: int = 3, script: Path = JOB) -> Path:
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(JOB),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script),
          "--steps", str(STEPS), "--log-dir", str(d), *extra],
         cwd=ROOT, env={**os.environ, "USE_LIBUV": "0"}, check=True, capture_output=True, timeout=240,
     )  # fmt: skip
@@ -59,6 +60,12 @@ def reference_no_optimizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _reference(tmp_path_factory.mktemp("reference-no-opt"), "--no-optimizer")
 
 
+@pytest.fixture(scope="session")
+def reference_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The FSDP2 script fed by DataLoader workers (``tests/workloads/fsdp_job.py``)."""
+    return _reference(tmp_path_factory.mktemp("reference-fsdp"), script=FSDP_JOB)
+
+
 def serving(tmp_path: Path, names: str, rewire_timeout: str) -> Iterator[Cluster]:
     """Nodes ``names``, each running `tpagent serve` (for a fixture to yield from)."""
     c = Cluster(tmp_path, list(names), ifname=IFNAME)
@@ -75,11 +82,6 @@ def quad(tmp_path: Path) -> Iterator[Cluster]:
     yield from serving(tmp_path, "ABCD", "60")
 
 
-def _script(p: psutil.Process) -> bool:
-    """The training script itself (not the namespace's init or its holder, whose command lines name it too)."""
-    return p.cmdline()[1:2] == [str(JOB)]
-
-
 class Job:
     """The job on nodes A, B, C, rank r on the r-th of them.  torchrun (its store on A, in
     torchrun's agent), or as srun starts one (``srun=True``: a stand-in per rank, SLURM_PROCID and
@@ -87,8 +89,9 @@ class Job:
     store rank 0 would serve); ``wrap`` goes before the rank's Python on its command line."""
 
     def __init__(self, c: Cluster, tmp: Path, step_time: float = 0.05, extra: tuple[str, ...] = (),
-                 srun: bool = False, wrap: tuple[str, ...] = (), names: str = "ABC") -> None:  # fmt: skip
-        self.c, self.tmp, self.logs, self.names = c, tmp, tmp / "logs", names
+                 srun: bool = False, wrap: tuple[str, ...] = (), names: str = "ABC",
+                 script: Path = JOB) -> None:  # fmt: skip
+        self.c, self.tmp, self.logs, self.names, self.script = c, tmp, tmp / "logs", names, script
         self.logs.mkdir()
         self.runs: dict[str, subprocess.Popen[bytes]] = {}
         host = c.nodes["A"].addr
@@ -98,7 +101,7 @@ class Job:
             env = {**c.cli_env(name), "GLOO_SOCKET_IFNAME": IFNAME, "USE_LIBUV": "0"}
             rank_out = str(tmp / f"rank-on-{name}.out")
             stand_in = [str(tpagent), "rank", "--agent", node.agent_address, "--stdout", rank_out, "--", *wrap,
-                        sys.executable, str(JOB), "--steps", str(STEPS), "--log-dir", str(self.logs),
+                        sys.executable, str(script), "--steps", str(STEPS), "--log-dir", str(self.logs),
                         "--step-time", str(step_time), *extra]  # fmt: skip
             if srun:
                 env.update({"SLURM_JOB_ID": RUN, "SLURM_PROCID": str(r), "SLURM_LOCALID": "0",
@@ -115,6 +118,11 @@ class Job:
             with open(tmp / f"torchrun-{name}.out", "wb") as out:
                 self.runs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         self.creds = Credentials.load(c.secret, c.nodes["A"].tls)
+
+    def _script(self, p: psutil.Process) -> bool:
+        """The training script itself: not the namespace's init or its holder, whose command
+        lines name it too, nor its DataLoader workers (forked: its command line and RANK)."""
+        return p.cmdline()[1:2] == [str(self.script)] and p.parent().cmdline()[1:2] != [str(self.script)]
 
     def ask(self, node: str, rank: int, body: dict[str, Any]) -> dict[str, Any]:
         return GrpcPeer(self.c.nodes[node].agent_address, self.creds).rank(RUN, rank, body, 10)
@@ -136,7 +144,7 @@ class Job:
             for p in node.processes():
                 try:
                     env = p.environ()
-                    if _script(p) and env.get("RANK") == str(rank) and p.status() != "zombie":
+                    if self._script(p) and env.get("RANK") == str(rank) and p.status() != "zombie":
                         out.append(name)
                         break
                 except psutil.Error:
@@ -148,7 +156,7 @@ class Job:
         for node in self.c.nodes.values():
             for p in node.processes():
                 try:
-                    if _script(p) and p.environ().get("RANK") == str(rank):
+                    if self._script(p) and p.environ().get("RANK") == str(rank):
                         return p.pid
                 except psutil.Error:
                     continue
@@ -159,6 +167,14 @@ class Job:
 
     def move(self, rank: int, to: str) -> subprocess.CompletedProcess[str]:
         return self.c.migrate(0, self.where(rank), to, "--job", RUN, "--rank", str(rank), timeout=240)
+
+    def moves(self, rank: int, to: str) -> str:
+        """Move ``rank`` to ``to``: it must run there, and only there, after; what the CLI said."""
+        moved = self.move(rank, to)
+        out = moved.stdout + moved.stderr
+        assert moved.returncode == 0, out
+        assert self.where(rank) == to and self.copies(rank) == [to]
+        return out
 
     def start_move(self, rank: int, to: str, *extra: str) -> subprocess.Popen[str]:
         return self.c.start_migrate(0, self.where(rank), to, "--job", RUN, "--rank", str(rank), *extra)

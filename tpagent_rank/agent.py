@@ -273,9 +273,10 @@ class Rank:
         if op == "rebuild":
             gen = int(body["gen"])
             if self.detached:
-                from tpagent_rank import store
+                from tpagent_rank import owned, store
 
-                self.kept.extend(store.reattach(self.detached, min(60.0, float(body.get("timeout", 60)))))
+                with owned.noting():  # (a forked child lets go of them)
+                    self.kept.extend(store.reattach(self.detached, min(60.0, float(body.get("timeout", 60)))))
                 self.detached = []
             self._tell_store()
             backend.GROUPS.gen = gen
@@ -325,8 +326,10 @@ def group_created(group: Any, store: Any, rank: int, size: int, spec: str | None
         return
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from tpagent_rank import backend
+    from tpagent_rank import backend, owned
+    from tpagent_rank import store as stores
 
+    owned.note(stores.held(store))  # (a forked child lets go of them)
     name = os.environ.get("TPAGENT_RANK_SOCKET", "")
     job = os.environ.get("TPAGENT_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "job"
     RANK = Rank(job, rank, size, store, spec, name)

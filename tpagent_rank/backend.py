@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from tpagent_rank import owned
+
 NAME = "tpagent"
 #: The backends that exist for each device type (what the user's spec named).
 KNOWN = ("gloo", "nccl")
@@ -99,6 +101,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         self._inner: dict[str, Any] = {}
         self._only: Any = None  # the one inner backend, when every device has the same (no lookup then)
         self._front: Any = None  # a plain ProcessGroup over the inner backends (see _front_over)
+        self._first: dict[int, int] | None = None  # the sockets before an NCCL backend's first collective
         self._works: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._wanted = GROUPS.gen  # the generation its inner backends are to be (-1: none, torn down)
@@ -108,25 +111,28 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
     # ---- the inner backends ------------------------------------------------------------------
 
     def _build(self, gen: int) -> None:
-        store = self._store if gen == 0 else c10d.PrefixStore(f"tpagent/{gen}/", _own_connection(self._store))
-        inner: dict[str, Any] = {}
-        made: dict[str, Any] = {}
-        for device, backend in self._spec.items():
-            if backend not in made:
-                if backend == "gloo":
-                    made[backend] = c10d.ProcessGroupGloo(store, self._rank, self._size, self._timeout)
-                else:  # nccl (no GPU where this was written: see the GPU tests)
-                    global NCCL_HOST
-                    NCCL_HOST = NCCL_HOST or host_identity(as_nccl=True)
-                    opts = c10d.ProcessGroupNCCL.Options()
-                    opts._timeout = self._timeout
-                    made[backend] = c10d.ProcessGroupNCCL(store, self._rank, self._size, opts)
-            inner[device] = made[backend]
+        with owned.noting():  # (a forked child lets go of them: :mod:`tpagent_rank.owned`)
+            store = self._store if gen == 0 else c10d.PrefixStore(f"tpagent/{gen}/", _own_connection(self._store))
+            inner: dict[str, Any] = {}
+            made: dict[str, Any] = {}
+            for device, backend in self._spec.items():
+                if backend not in made:
+                    if backend == "gloo":
+                        made[backend] = c10d.ProcessGroupGloo(store, self._rank, self._size, self._timeout)
+                    else:  # nccl (no GPU where this was written: see the GPU tests)
+                        global NCCL_HOST
+                        NCCL_HOST = NCCL_HOST or host_identity(as_nccl=True)
+                        opts = c10d.ProcessGroupNCCL.Options()
+                        opts._timeout = self._timeout
+                        made[backend] = c10d.ProcessGroupNCCL(store, self._rank, self._size, opts)
+                inner[device] = made[backend]
         front = _front_over(self._rank, self._size, inner, self._spec)
         with self._lock:
             if self._wanted == gen:
                 self._inner, self._only = inner, next(iter(made.values())) if len(made) == 1 else None
                 self._front = front
+                # NCCL connects at its first collective: the sockets it opens then are noted too
+                self._first = owned.sockets() if "nccl" in made else None
                 return
         # Torn down, or rebuilt under a later generation, while this one was being built (a build
         # that waited for a peer past the rewire's deadline): never put back.
@@ -193,6 +199,9 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
 
     def _track(self, work: Any) -> Any:
         self._works.add(work)
+        if self._first is not None:  # (once per generation)
+            first, self._first = self._first, None
+            owned.note_since(first)
         return work
 
     # ---- collectives: each forwarded as it is -------------------------------------------------

@@ -28,6 +28,7 @@ def _with_backend(fn: Callable[..., Any], index: int, default: bool) -> Callable
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from tpagent_rank import backend as b
+        from tpagent_rank import owned
 
         args_l = list(args)
         spec = args_l[index] if len(args_l) > index else kwargs.get("backend")
@@ -55,7 +56,8 @@ def _with_backend(fn: Callable[..., Any], index: int, default: bool) -> Callable
             if default:
                 _DEFAULT_SPEC[0] = spec
             try:
-                made = fn(*args_l, **kwargs)
+                with owned.noting():  # (the store's connection, the group's communicators)
+                    made = fn(*args_l, **kwargs)
             finally:
                 b.PENDING_SPEC.spec = None
             b.name_groups()

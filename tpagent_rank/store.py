@@ -22,6 +22,8 @@ import struct
 from datetime import timedelta
 from typing import Any
 
+from tpagent_rank import owned
+
 #: Set in a rank's environment by its stand-in: the port of the store it hosts on this node.
 HOSTED = "TPAGENT_STORE_HOSTED"
 
@@ -34,15 +36,7 @@ def _underlying(store: Any) -> Any:
 
 def _inodes() -> dict[int, int]:
     """Socket inode -> descriptor of this process."""
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            out[int(link[8:-1])] = int(fd)
-    return out
+    return {ino: fd for fd, ino in owned.sockets().items()}
 
 
 def _addr(hexaddr: str) -> str:
@@ -74,6 +68,22 @@ def _sockets(state: str) -> dict[int, tuple[str, str]]:
 def connections() -> dict[int, str]:
     """Descriptor -> remote address of this process's established TCP connections."""
     return {fd: remote for fd, (_local, remote) in _sockets("01").items()}
+
+
+def held(store: Any) -> list[int]:
+    """The descriptors of this process's sockets of ``store``: its connections to it and, if it
+    serves it, its listening socket and the connections it accepted."""
+    base = _underlying(store)
+    port = getattr(base, "port", None)
+    if not isinstance(port, int):
+        return []
+    ips = _ips(str(getattr(base, "host", "")))
+    out = []
+    for fd, (local, remote) in {**_sockets("01"), **_sockets("0A")}.items():
+        ip, _, p = remote.rpartition(":")
+        if (int(p) == port and ip.strip("[]").removeprefix("::ffff:") in ips) or local.endswith(f":{port}"):
+            out.append(fd)
+    return out
 
 
 def hosted_here(store: Any) -> str | None:

@@ -19,7 +19,7 @@ import pytest
 from cluster import Cluster, Node
 from conftest import needs_criu
 from helpers import ROOT
-from rankjob import RUN, Job, steps
+from rankjob import FSDP_JOB, RUN, Job, steps
 from snapshot import sockets
 
 pytestmark = needs_criu
@@ -31,21 +31,11 @@ def test_ranks_move_and_the_job_carries_on_bit_identical(quad: Cluster, tmp_path
     try:
         job.at_step(1, 20)
         first = job.where(1)
-        moved = job.move(1, "D")
-        assert moved.returncode == 0, moved.stdout + moved.stderr
-        assert "resumed at step" in moved.stdout + moved.stderr
-        assert job.where(1) == "D" and job.copies(1) == ["D"]
-
+        assert "resumed at step" in job.moves(1, "D")
         job.at_step(0, steps(job.logs, 0) + 20)
-        moved = job.move(0, "D")
-        assert moved.returncode == 0, moved.stdout + moved.stderr
-        assert job.where(0) == "D" and job.copies(0) == ["D"]
-
+        job.moves(0, "D")
         job.at_step(1, steps(job.logs, 1) + 20)
-        moved = job.move(1, first)
-        assert moved.returncode == 0, moved.stdout + moved.stderr
-        assert job.where(1) == first and job.copies(1) == [first]
-
+        job.moves(1, first)
         job.finishes_as(reference)
     finally:
         job.close()
@@ -87,6 +77,25 @@ def test_a_job_without_an_optimizer_stops_between_two_collectives(
         assert {k for k, r in shown.items() if not r["moved_to"]} == {(RUN, 1), (RUN, 2)}, shown
         assert all(shown[RUN, r]["gen"] == 3 and shown[RUN, r]["collectives"] > 0 for r in (1, 2)), shown
         job.finishes_as(reference_no_optimizer)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(600)
+def test_an_fsdp_job_fed_by_dataloader_workers_moves_too(quad: Cluster, tmp_path: Path, reference_fsdp: Path) -> None:
+    """Another shape of script (tests/workloads/fsdp_job.py): FSDP2, AdamW with a schedule and
+    gradient clipping, a metric all-gathered, and two DataLoader worker processes per rank.
+    Rank 1 moves to the spare with its workers, and back; every loss is bit-identical."""
+    job = Job(quad, tmp_path, script=FSDP_JOB)
+    try:
+        job.at_step(1, 20)
+        first = job.where(1)
+        assert len(psutil.Process(job.rank_pid(1)).children()) == 2  # its DataLoader workers
+        job.moves(1, "D")
+        assert len(psutil.Process(job.rank_pid(1)).children()) == 2  # they came along
+        job.at_step(1, steps(job.logs, 1) + 20)
+        job.moves(1, first)
+        job.finishes_as(reference_fsdp)
     finally:
         job.close()
 

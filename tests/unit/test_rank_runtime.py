@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,8 +90,9 @@ def test_on_a_rank_groups_delegate_and_the_step_is_the_same(tmp_path: Path) -> N
 COLLECTIVES = Path(__file__).resolve().parent.parent / "workloads" / "collectives_job.py"
 
 
-def _ranks(tmp_path: Path, tag: str, **env: str) -> tuple[list[dict[str, object]], str]:
-    """tests/workloads/collectives_job.py as 3 ranks (a FileStore: no launcher needed)."""
+def _launch(tmp_path: Path, argvs: list[list[str]], **env: str) -> tuple[list[dict[str, Any]], str]:
+    """Each of ``argvs`` as a rank (the runtime's directory on its PYTHONPATH, ``env`` added):
+    the JSON line each printed last, and all they wrote to stderr."""
     runtime = tmp_path / "runtime"
     if not runtime.exists():
         runtime.mkdir()
@@ -97,22 +100,22 @@ def _ranks(tmp_path: Path, tag: str, **env: str) -> tuple[list[dict[str, object]
     base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
     full = {**base, "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), base.get("PYTHONPATH")])),
             "OMP_NUM_THREADS": "1", **env}  # fmt: skip
-    store = tmp_path / f"store-{tag}"
     ranks = [
         subprocess.Popen(
-            [sys.executable, str(COLLECTIVES), str(store), str(r), "3"],
-            env=full,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            [sys.executable, *argv], env=full, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )  # fmt: skip
-        for r in range(3)
+        for argv in argvs
     ]
     outs = [p.communicate(timeout=200) for p in ranks]
     for p, (_, err) in zip(ranks, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs], "".join(err for _, err in outs)
+
+
+def _ranks(tmp_path: Path, tag: str, **env: str) -> tuple[list[dict[str, Any]], str]:
+    """tests/workloads/collectives_job.py as 3 ranks (a FileStore: no launcher needed)."""
+    store = tmp_path / f"store-{tag}"
+    return _launch(tmp_path, [[str(COLLECTIVES), str(store), str(r), "3"] for r in range(3)], **env)
 
 
 @pytest.mark.timeout(300)
@@ -127,3 +130,58 @@ def test_every_kind_of_collective_gives_what_it_gives_without_the_runtime(tmp_pa
     assert [s["backend"] for s in seen] == ["gloo"] * 3, "get_backend names the user's backend"
     assert len(plain[0]) >= 15 and plain[0]["fsdp_losses"], plain[0]
     assert seen == plain
+
+
+FORKED = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+    port, rank = int(sys.argv[1]), int(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=1, persistent_workers=True)
+    batches = iter(loader)
+    first = next(batches)[0].tolist()
+
+    def sockets(pid):
+        out = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # (the listing's own descriptor)
+                continue
+            if link.startswith("socket:["):
+                out.add(link)
+        return out
+
+    mine = sockets(os.getpid())
+    inherited = mine & sockets(batches._workers[0].pid)
+    print(json.dumps({"sum": t.item(), "first": first, "mine": len(mine), "inherited": sorted(inherited)}))
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+def _forked(tmp_path: Path, **env: str) -> list[dict[str, Any]]:
+    (tmp_path / "forked.py").write_text(FORKED)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return _launch(tmp_path, [[str(tmp_path / "forked.py"), str(port), str(r)] for r in range(2)], **env)[0]
+
+
+def test_a_forked_dataloader_worker_keeps_no_socket_of_the_communicators(tmp_path: Path) -> None:
+    """A DataLoader worker, forked once the group exists, got a copy of every socket of the rank:
+    the store's connection (and, on rank 0, the store itself), gloo's.  Under the runtime it lets
+    go of them at once, so a teardown closes them for good and CRIU finds none in the rank's tree
+    (without the runtime the same worker keeps them all: what this test would see otherwise)."""
+    plain = _forked(tmp_path)
+    assert all(r["inherited"] for r in plain), plain  # (the check can fail)
+    seen = _forked(tmp_path, TPAGENT_RANK_SOCKET=f"tpagent-test-{os.getpid()}-none", TPAGENT_JOB="j")
+    assert [r["sum"] for r in seen] == [2.0, 2.0] and [r["first"] for r in seen] == [[0.0, 1.0]] * 2
+    assert all(r["mine"] >= 3 for r in seen), seen  # the store's connection, gloo's listener and its peer
+    assert [r["inherited"] for r in seen] == [[], []], seen
