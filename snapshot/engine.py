@@ -351,11 +351,15 @@ def start_restored(result: RestoreResult, cuda_factory: CudaFactory = CudaDriver
 
 
 def _put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
-    """Write the carried files back where they were, adding what it creates to ``created``.
+    """Make the directories the unix sockets are bound in, where missing, and write the
+    carried files back where they were, adding what it creates to ``created``.
     A file already there must hold the same bytes (the same file, or a copy): else the restore
     stops.  As root, on paths users may control: no symlink is followed, the directory must
     belong to root or to the file's owner, setuid/setgid are never restored (:mod:`snapshot.safefs`)."""
     try:
+        for d in m.dirs:  # (for CRIU to bind the unix sockets in)
+            safefs.make_dir(Path(d.path), d.uid, d.gid, d.mode, created)
+        created.extend(Path(p) for p in m.sockets if not os.path.lexists(p))  # (CRIU makes them)
         _write_carried(directory, m, created)
     except (OSError, tarfile.TarError) as e:
         what = getattr(e, "filename", None) or directory / IMAGES_DIR / manifest.CARRIED_NAME
@@ -366,10 +370,12 @@ def _put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
 
 
 def _take_back(created: list[Path]) -> None:
-    """Remove what :func:`_put_back` created (files, then the directories it made for them)."""
+    """Remove what :func:`_put_back` created (files and sockets, then the directories it made)."""
     for path in reversed(created):
         try:
             safefs.remove(path)
+        except FileNotFoundError:
+            continue  # (a socket CRIU had not bound yet)
         except (OSError, SnapshotError) as e:  # (a directory someone has since put files in)
             log.warning("could not remove %s, which the restore had put back: %s", path, e)
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import manifest, proc, safefs, timers
+from snapshot import manifest, proc, safefs, sockets, timers
 from snapshot.criu import PIDFILE
 
 PENDING = "manifest.pending.json"
@@ -188,6 +188,32 @@ def _archive(out: Path, paths: list[str]) -> list[str]:
     return kept
 
 
+def _dirs_to(paths: list[str]) -> list[manifest.SocketDir]:
+    """The directories on the way to each socket file of ``paths`` that belong to its owner
+    (those the process made: ``pymp-XXXX``; root's, such as /tmp, are every node's), parents
+    first, as they are: what a restore elsewhere makes where missing.  A path through a symlink
+    gets none (a restore there then fails as CRIU finds no directory, and the original runs on)."""
+    out: dict[str, manifest.SocketDir] = {}
+    for path in paths:
+        found = []
+        try:
+            owner = os.lstat(path).st_uid
+        except OSError:
+            continue  # (unlinked: CRIU restores it without a file)
+        for at in reversed(Path(path).parents[:-1]):  # (from the top; "/" is everywhere)
+            try:
+                st = os.lstat(at)
+            except OSError:
+                break
+            if not stat.S_ISDIR(st.st_mode):
+                break
+            if st.st_uid == owner:
+                found.append(manifest.SocketDir(str(at), st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)))
+        else:
+            out.update((d.path, d) for d in found)
+    return sorted(out.values(), key=lambda d: (d.path.count("/"), d.path))
+
+
 def seal(out: Path, root: int, fail: bool, root_start: int | None = None) -> None:
     """Seal the snapshot in ``out`` of the frozen tree of ``root``; ``root_start``: the start
     time (in clock ticks since boot, as /proc says: never shifted by the wall clock) of the
@@ -205,6 +231,8 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None) -> Non
         raise RuntimeError("fault injected after the checksums")
     m = manifest.Manifest.from_json({**pending, "files": files, "timings": {}})
     m.processes = proc.tree(psutil.Process(root), cuda_pids=set(m.cuda_pids))
+    m.sockets = sockets.unix_bound([p.pid for p in m.processes])
+    m.dirs = _dirs_to(m.sockets)
     m.timers = timers.expired([p.pid for p in m.processes])
     m.warnings = proc.restore_warnings([p.pid for p in m.processes])
     m.timings = {"checksum": round(time.monotonic() - t0, 4)}

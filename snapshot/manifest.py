@@ -13,8 +13,11 @@
                      "total_bytes": INT, "timings": { STAGE: SECONDS },
                      "carried": [ ABSPATH ],                 (optional: files kept in images/tpagent-files.tar)
                      "timers": [ TIMER ],                    (optional: timerfds to arm again on restore)
+                     "sockets": [ ABSPATH ],                 (optional: where unix sockets are bound)
+                     "dirs": [ DIR ],                        (optional: the directories on their way)
                      "warnings": [ STR ] }                   (optional: what a restore may not bring back)
     TIMER      ::= {"pid": INT, "fd": INT, "interval_ns": INT}   (see snapshot.timers)
+    DIR        ::= {"path": ABSPATH, "uid": INT, "gid": INT, "mode": INT}   (parents first)
     PROCESS    ::= {"pid", "ppid", "cmdline": [STR], "ns_pids": [INT], "uses_cuda": BOOL,
                      "tids": [INT]}                         (optional: its other threads' IDs)
     GPU        ::= {"index", "uuid", "name", "memory_total", "memory_used", ...}
@@ -55,6 +58,16 @@ IMAGES_DIR = "images"
 CARRIED_NAME = "tpagent-files.tar"
 
 
+@dataclass(frozen=True)
+class SocketDir:
+    """A directory on the way to a bound unix socket, as it was on the source."""
+
+    path: str
+    uid: int
+    gid: int
+    mode: int
+
+
 @dataclass
 class Manifest:
     root_pid: int
@@ -83,6 +96,10 @@ class Manifest:
     #: Periodic timerfds that had expired unread while frozen: CRIU restores them disarmed,
     #: the restore arms them again (:mod:`snapshot.timers`).
     timers: list[Timer] = field(default_factory=list)
+    #: Where the processes' unix sockets are bound (CRIU binds them there again), and the
+    #: directories on the way to them as they were (made where missing before a restore).
+    sockets: list[str] = field(default_factory=list)
+    dirs: list[SocketDir] = field(default_factory=list)
     #: One sentence each: state of the processes that a restore may not bring back as it was.
     warnings: list[str] = field(default_factory=list)
 
@@ -98,6 +115,7 @@ class Manifest:
         body = asdict(self)
         body["processes"] = [asdict(p) for p in self.processes]
         body["timers"] = [asdict(t) for t in self.timers]
+        body["dirs"] = [asdict(d) for d in self.dirs]
         body = {"format": FORMAT, "format_version": FORMAT_VERSION, **body, "total_bytes": self.total_bytes}
         return {**body, "manifest_sha256": _body_digest(body)}
 
@@ -144,7 +162,7 @@ class Manifest:
         origin = _get(data, "origin", dict, "manifest")
         _get(origin, "mode", str, "origin"), _get(origin, "root_create_time", float, "origin")
         carried = _list(data, "carried", str, "manifest") if "carried" in data else []
-        if any(not p.startswith("/") or os.path.normpath(p) != p or "\0" in p for p in carried):
+        if not all(_absolute(p) for p in carried):
             raise ValueError("carried: not a normalised absolute path")
         if carried and f"{IMAGES_DIR}/{CARRIED_NAME}" not in files:
             raise ValueError(f"carried: names files but {IMAGES_DIR}/{CARRIED_NAME} is not among the files")
@@ -156,6 +174,18 @@ class Manifest:
         ]
         if not {t.pid for t in timers} <= {p.pid for p in procs}:
             raise ValueError("timers names a process not in processes")
+        sockets = _list(data, "sockets", str, "manifest") if "sockets" in data else []
+        dirs = [
+            SocketDir(
+                _get(d, "path", str, "dirs[]"),
+                _get(d, "uid", int, "dirs[]"),
+                _get(d, "gid", int, "dirs[]"),
+                _get(d, "mode", int, "dirs[]"),
+            )  # fmt: skip
+            for d in (_list(data, "dirs", dict, "manifest") if "dirs" in data else [])
+        ]
+        if not all(_absolute(p) for p in [*sockets, *(d.path for d in dirs)]) or any(d.path == "/" for d in dirs):
+            raise ValueError("sockets, dirs: not a normalised absolute path")
         return cls(
             root_pid=_get(data, "root_pid", int, "manifest"),
             namespace=_get(data, "namespace", bool, "manifest"),
@@ -172,8 +202,14 @@ class Manifest:
             timings={str(k): float(v) for k, v in _get(data, "timings", dict, "manifest").items()},
             carried=carried,
             timers=timers,
+            sockets=sockets,
+            dirs=dirs,
             warnings=_list(data, "warnings", str, "manifest") if "warnings" in data else [],
         )
+
+
+def _absolute(path: str) -> bool:
+    return path.startswith("/") and os.path.normpath(path) == path and "\0" not in path
 
 
 _IMAGE_PATH = re.compile(IMAGES_DIR + r"/[A-Za-z0-9._-]+")

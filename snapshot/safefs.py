@@ -418,6 +418,32 @@ def write_file(
     return replacing
 
 
+def make_dir(path: Path, uid: int, gid: int, mode: int, created: list[Path]) -> None:
+    """Make the directory ``path``, if it is missing, owned by ``uid``:``gid`` with ``mode``
+    (never setuid/setgid), appending it to ``created``; one already there is left as it is.
+    Its parent is reached through no symlink and must pass :func:`check_owner` (whoever owns it
+    chooses what is in it: root makes there only what belongs to the parent's owner)."""
+    parent = open_dir(path.parent, to=path)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.stat(path.name, dir_fd=parent, follow_symlinks=False)
+            return
+        check_owner(os.fstat(parent).st_uid, uid, path)
+        try:
+            os.mkdir(path.name, 0o700, dir_fd=parent)
+        except FileExistsError:
+            return
+        created.append(path)
+        fd = os.open(path.name, _DIR_FLAGS, dir_fd=parent)
+        try:
+            os.fchown(fd, uid, gid)  # first: never a moment with its final mode while root owns it
+            os.fchmod(fd, mode & 0o1777)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(parent)
+
+
 def remove(path: Path) -> None:
     """Remove the file or (empty) directory ``path`` without following any symlink to it."""
     parent = open_dir(path.parent)

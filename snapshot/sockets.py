@@ -213,3 +213,23 @@ def unusable_here(node: str, connections: Iterable[tuple[str, str]]) -> list[str
                 f"on {taken} there): free the port there or pick another node"
             )
     return problems
+
+
+def unix_bound(pids: Iterable[int]) -> list[str]:
+    """The absolute paths the tree's unix sockets are bound to (a listener's file, such as each
+    DataLoader worker's ``pymp-XXXX/listener-XXXX``), from its own ``/proc/PID/net/unix``::
+
+        LINE ::= NUM REFCOUNT PROTOCOL FLAGS TYPE STATE INODE [PATH]   (PATH "@..." when abstract)
+    """
+    out: set[str] = set()
+    for pid in pids:
+        inodes = _socket_inodes(pid)
+        try:
+            lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split(maxsplit=7)
+            if len(f) == 8 and f[6].isdigit() and int(f[6]) in inodes and f[7].startswith("/"):
+                out.add(os.path.normpath(f[7]))
+    return sorted(out)

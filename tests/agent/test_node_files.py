@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import uuid
@@ -81,7 +82,7 @@ def lines(t: Ticker, kind: str) -> list[list[str]]:
 
 def verify(t: Ticker) -> None:
     """The workload's memory, and what it reads back from its files, are as they were."""
-    kinds = [k for k in ("scratch", "shm") if lines(t, k)]
+    kinds = [k for k in ("scratch", "shm", "listened") if lines(t, k) or (k == "listened" and lines(t, "listen"))]
     before = [len(lines(t, k)) for k in kinds]
     t.verify_state()
     wait_until(lambda: all(len(lines(t, k)) > n for k, n in zip(kinds, before, strict=True)), "the files' lines")
@@ -124,6 +125,32 @@ def test_node_local_files_go_there_and_back(cluster: Cluster, tmp_path: Path) ->
         assert digest == shm_digest and int(back) > int(counter)
         now = (local_dir(a) / shm.name).read_bytes()
         assert now != stale and int.from_bytes(now[:8], "little") >= int(back)  # replaced, and written on
+    finally:
+        kill_and_wait(t.pid)
+
+
+def test_a_socket_listening_in_a_node_local_directory_listens_there(cluster: Cluster, tmp_path: Path) -> None:
+    """As every DataLoader worker does (multiprocessing's pymp-XXXX/listener-XXXX), the workload
+    listens on a unix socket in a private directory it made in node-local storage.  Its copy
+    listens at the same path on B, in a directory made as A's was (owner, mode), and answers
+    there; and back on A, where the original's socket file was left behind."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    t = launch(a, tmp_path, 8, "--listen", str(LOCAL))
+    try:
+        wait_until(lambda: lines(t, "listen"), "the workload to listen")
+        path = Path(lines(t, "listen")[0][0])
+        where = path.relative_to(LOCAL)
+        on_a = os.lstat(local_dir(a) / where.parent)
+        migrate(cluster, t, "A", "B")
+        verify(t)
+        assert lines(t, "listened")[-1] == [str(path), "1"]
+        made = os.lstat(local_dir(b) / where.parent)
+        assert (made.st_uid, made.st_gid, made.st_mode) == (on_a.st_uid, on_a.st_gid, on_a.st_mode)
+        assert stat.S_ISSOCK(os.lstat(local_dir(b) / where).st_mode)
+
+        migrate(cluster, t, "B", "A")
+        verify(t)
+        assert lines(t, "listened")[-1] == [str(path), "2"]
     finally:
         kill_and_wait(t.pid)
 

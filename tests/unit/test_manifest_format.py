@@ -118,6 +118,9 @@ def test_garbage_missing_and_non_directories_are_refused(tmp_path: Path, snap: P
         ({"carried": ["/a/../etc/shadow"]}, "carried: not a normalised absolute path"),
         ({"carried": ["/home/u/data"]}, "carried: names files but images/tpagent-files.tar is not among the files"),
         ({"origin": {"mode": "kill"}}, "origin.root_create_time"),
+        ({"sockets": ["run/app.sock"]}, "sockets, dirs: not a normalised absolute path"),
+        ({"dirs": [manifest.SocketDir("/tmp/../etc", 0, 0, 0o755)]}, "sockets, dirs: not a normalised absolute path"),
+        ({"dirs": [manifest.SocketDir("/", 0, 0, 0o755)]}, "sockets, dirs: not a normalised absolute path"),
     ],
 )
 def test_a_self_consistent_but_malformed_manifest_is_refused(
@@ -126,6 +129,13 @@ def test_a_self_consistent_but_malformed_manifest_is_refused(
     _manifest(**changes).write(tmp_path)  # (written with a valid checksum over the bad field)
     with pytest.raises(SnapshotInvalid, match=f"is corrupt: field .*{field}"):
         manifest.load(tmp_path)
+
+
+def test_where_unix_sockets_are_bound_reads_back(tmp_path: Path) -> None:
+    dirs = [manifest.SocketDir("/tmp/pymp-x", 1000, 1000, 0o700)]
+    _manifest(sockets=["/tmp/pymp-x/listener-y"], dirs=dirs).write(tmp_path)
+    m = manifest.load(tmp_path)
+    assert m.sockets == ["/tmp/pymp-x/listener-y"] and m.dirs == dirs
 
 
 def test_a_boolean_is_not_an_integer(tmp_path: Path) -> None:

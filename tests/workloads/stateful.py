@@ -17,6 +17,10 @@ scratch file); ``scratch HEX`` at start and on SIGUSR1 is the SHA-256 of what it
 --shm FILE maps FILE (1 MiB, created with random bytes if missing) shared and closes its fd, as
 shm_open + mmap + close does: only /proc/PID/maps shows it.  Every tick writes the tick number
 into its first 8 bytes; ``shm N HEX`` on SIGUSR1: that number and the SHA-256 of the rest.
+--listen DIR makes a private directory in DIR and listens there on a unix socket, as each
+DataLoader worker's multiprocessing does (DIR/pymp-XXXX/listener-XXXX: it hands batches' shared
+memory over it); ``listen PATH`` at start; on SIGUSR1 it connects to it and ``listened PATH N``
+is what came back: N counts the connections it has accepted.
 """
 
 import ctypes
@@ -24,8 +28,10 @@ import hashlib
 import mmap
 import os
 import signal
+import socket
 import struct
 import sys
+import tempfile
 import threading
 import time
 
@@ -71,6 +77,31 @@ if "--shm" in sys.argv:
     os.close(fd)  # only the mapping is left (Python's own mmap would keep a dup of the fd)
     shm = (ctypes.c_char * (1 << 20)).from_address(addr)
 
+listener = None
+if "--listen" in sys.argv:
+    where = tempfile.mkdtemp(prefix="pymp-", dir=sys.argv[sys.argv.index("--listen") + 1])  # (mode 700)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(where, "listener-" + os.urandom(4).hex()))
+    listener.listen()
+
+
+def serve() -> None:
+    assert listener is not None
+    accepted = 0
+    while True:
+        conn, _ = listener.accept()
+        accepted += 1
+        with conn:
+            conn.sendall(struct.pack("<Q", accepted))
+
+
+def ask_listener() -> int:
+    assert listener is not None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(listener.getsockname())
+        return int(struct.unpack("<Q", s.recv(8))[0])
+
 
 def file_digest(f) -> str:  # type: ignore[no-untyped-def]
     return hashlib.sha256(os.pread(f.fileno(), os.fstat(f.fileno()).st_size, 0)).hexdigest()
@@ -109,6 +140,8 @@ def drain() -> None:
 signal.signal(signal.SIGUSR1, lambda *_: verify_requested.set())
 threading.Thread(target=count, daemon=True).start()
 threading.Thread(target=drain, daemon=True).start()
+if listener is not None:
+    threading.Thread(target=serve, daemon=True).start()
 with open(log_path, "a", buffering=1) as log:
     log.write(f"digest {hashlib.sha256(state).hexdigest()}\n")
     if ghost is not None:
@@ -117,6 +150,8 @@ with open(log_path, "a", buffering=1) as log:
         log.write(f"scratch {file_digest(scratch)}\n")
     if shm is not None:
         log.write(f"shm {struct.unpack_from('<Q', shm)[0]} {hashlib.sha256(shm[8:]).hexdigest()}\n")
+    if listener is not None:
+        log.write(f"listen {listener.getsockname()}\n")
     tick = 0
     while True:
         if verify_requested.is_set():
@@ -128,6 +163,8 @@ with open(log_path, "a", buffering=1) as log:
                 log.write(f"scratch {file_digest(scratch)}\n")
             if shm is not None:
                 log.write(f"shm {struct.unpack_from('<Q', shm)[0]} {hashlib.sha256(shm[8:]).hexdigest()}\n")
+            if listener is not None:
+                log.write(f"listened {listener.getsockname()} {ask_listener()}\n")
         if shm is not None:
             struct.pack_into("<Q", shm, 0, tick)
         log.write(f"tick {tick} counter {counter} piped {piped}\n")
