@@ -237,6 +237,7 @@ def restore(
         leave_stopped=not start and not m.cuda_pids,
     )
     created: list[Path] = []
+    fresh = [b for b in m.sockets if not os.path.lexists(b.path)]  # (CRIU makes them)
     if work is None:
         work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
     else:
@@ -245,6 +246,9 @@ def restore(
         _put_back(directory, m, created)
         with timer.stage(Stage.CRIU_RESTORE):
             root = criu.restore(directory / IMAGES_DIR, work, opts, config.timeouts.restore)
+        for d in m.dirs:
+            if Path(d.path) in created:
+                safefs.hand_over(Path(d.path), d.uid, d.gid, d.mode)
         mapping = _restored_pids(m, root)
         _rearm_timers(m, mapping)
         if cuda is not None:
@@ -261,6 +265,8 @@ def restore(
         # Never leave a half-restored copy (e.g. CPU side up, GPU side still in host memory):
         # kill what CRIU started; the snapshot, which restore does not modify, is the copy to retry.
         kill_restored(work)
+        for b in fresh:
+            safefs.remove_socket(Path(b.path), b.uid)
         _take_back(created)
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(f"the restore of {directory} was interrupted; nothing was left running") from e
@@ -357,9 +363,10 @@ def _put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
     stops.  As root, on paths users may control: no symlink is followed, the directory must
     belong to root or to the file's owner, setuid/setgid are never restored (:mod:`snapshot.safefs`)."""
     try:
-        for d in m.dirs:  # (for CRIU to bind the unix sockets in)
-            safefs.make_dir(Path(d.path), d.uid, d.gid, d.mode, created)
-        created.extend(Path(p) for p in m.sockets if not os.path.lexists(p))  # (CRIU makes them)
+        for b in m.sockets:
+            safefs.check_socket_path(Path(b.path), b.uid)
+        for d in m.dirs:  # (for CRIU to bind the unix sockets in: root's until it has)
+            safefs.make_dir(Path(d.path), created)
         _write_carried(directory, m, created)
     except (OSError, tarfile.TarError) as e:
         what = getattr(e, "filename", None) or directory / IMAGES_DIR / manifest.CARRIED_NAME
@@ -370,12 +377,10 @@ def _put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
 
 
 def _take_back(created: list[Path]) -> None:
-    """Remove what :func:`_put_back` created (files and sockets, then the directories it made)."""
+    """Remove what :func:`_put_back` created (files, then the directories it made)."""
     for path in reversed(created):
         try:
             safefs.remove(path)
-        except FileNotFoundError:
-            continue  # (a socket CRIU had not bound yet)
         except (OSError, SnapshotError) as e:  # (a directory someone has since put files in)
             log.warning("could not remove %s, which the restore had put back: %s", path, e)
 

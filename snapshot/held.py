@@ -115,6 +115,7 @@ class HeldDump:
         # Its node-local files live on with the copy: the ones here, untouched, may be replaced
         # by a later return (a stale log must not keep the workload from coming back).
         leftovers.note_left_behind(self.out)
+        leftovers.clear_sockets(self.out)
 
     def wait_released(self, timeout: float | None = 30.0) -> None:
         """Until CRIU no longer works on the dump (``timeout`` None: however long)."""

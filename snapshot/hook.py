@@ -188,26 +188,39 @@ def _archive(out: Path, paths: list[str]) -> list[str]:
     return kept
 
 
-def _dirs_to(paths: list[str]) -> list[manifest.SocketDir]:
-    """The directories on the way to each socket file of ``paths`` that belong to its owner
+def _bound(paths: list[str], pids: list[int]) -> list[manifest.BoundSocket]:
+    """The socket files at ``paths`` with their owners: only those a process of the tree could
+    have made (owned by one of their UIDs; /proc/net/unix prints names as they are, and a name
+    may hold a newline).  One unlinked has none: CRIU restores it without."""
+    uids = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            uids.add(os.stat(f"/proc/{pid}").st_uid)
+    out = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if stat.S_ISSOCK(st.st_mode) and st.st_uid in uids:
+                out.append(manifest.BoundSocket(path, st.st_uid, st.st_dev, st.st_ino, st.st_ctime_ns))
+    return out
+
+
+def _dirs_to(bound: list[manifest.BoundSocket]) -> list[manifest.SocketDir]:
+    """The directories on the way to each socket file of ``bound`` that belong to its owner
     (those the process made: ``pymp-XXXX``; root's, such as /tmp, are every node's), parents
     first, as they are: what a restore elsewhere makes where missing.  A path through a symlink
     gets none (a restore there then fails as CRIU finds no directory, and the original runs on)."""
     out: dict[str, manifest.SocketDir] = {}
-    for path in paths:
+    for b in bound:
         found = []
-        try:
-            owner = os.lstat(path).st_uid
-        except OSError:
-            continue  # (unlinked: CRIU restores it without a file)
-        for at in reversed(Path(path).parents[:-1]):  # (from the top; "/" is everywhere)
+        for at in reversed(Path(b.path).parents[:-1]):  # (from the top; "/" is everywhere)
             try:
                 st = os.lstat(at)
             except OSError:
                 break
             if not stat.S_ISDIR(st.st_mode):
                 break
-            if st.st_uid == owner:
+            if st.st_uid == b.uid:
                 found.append(manifest.SocketDir(str(at), st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)))
         else:
             out.update((d.path, d) for d in found)
@@ -231,7 +244,8 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None) -> Non
         raise RuntimeError("fault injected after the checksums")
     m = manifest.Manifest.from_json({**pending, "files": files, "timings": {}})
     m.processes = proc.tree(psutil.Process(root), cuda_pids=set(m.cuda_pids))
-    m.sockets = sockets.unix_bound([p.pid for p in m.processes])
+    pids = [p.pid for p in m.processes]
+    m.sockets = _bound(sockets.unix_bound(pids), pids)
     m.dirs = _dirs_to(m.sockets)
     m.timers = timers.expired([p.pid for p in m.processes])
     m.warnings = proc.restore_warnings([p.pid for p in m.processes])

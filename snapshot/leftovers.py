@@ -20,13 +20,14 @@ no user can set back.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 from pathlib import Path
 
-from snapshot import safefs
+from snapshot import manifest, safefs
 from snapshot.api import SnapshotError
 from snapshot.hook import CARRIED_IDS, identity
 from snapshot.safefs import private_dir, private_opener
@@ -76,6 +77,25 @@ def note_left_behind(snapshot: Path, left: Path = LEFT) -> list[str]:
         except (OSError, SnapshotError) as e:  # only a later return is affected: it then says so
             log.warning("could not note %s as left behind: %s", path, e)
     return noted
+
+
+def clear_sockets(snapshot: Path) -> list[str]:
+    """After the original of ``snapshot`` was ended: remove the socket files it had bound (those
+    very files, reached through no symlink), then the directories of theirs the dump recorded
+    on the way, once empty: what the process would have removed as it exited (its own
+    ``pymp-XXXX``), and what would keep its copy from coming back (a restore makes them).
+    The paths removed."""
+    try:
+        m = manifest.load(snapshot)
+    except SnapshotError:
+        return []
+    # (that very file only: on a path all nodes share, the copy's socket is there now)
+    removed = [b.path for b in m.sockets if safefs.remove_socket(Path(b.path), b.uid, (b.dev, b.ino, b.ctime_ns))]
+    for d in sorted(m.dirs, key=lambda d: -d.path.count("/")):
+        with contextlib.suppress(OSError, SnapshotError):  # (not empty, or gone: left as it is)
+            safefs.remove(Path(d.path))
+            removed.append(d.path)
+    return removed
 
 
 def left_behind(path: Path, st: os.stat_result, left: Path = LEFT) -> bool:

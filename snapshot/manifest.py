@@ -13,10 +13,12 @@
                      "total_bytes": INT, "timings": { STAGE: SECONDS },
                      "carried": [ ABSPATH ],                 (optional: files kept in images/tpagent-files.tar)
                      "timers": [ TIMER ],                    (optional: timerfds to arm again on restore)
-                     "sockets": [ ABSPATH ],                 (optional: where unix sockets are bound)
+                     "sockets": [ SOCKET ],                  (optional: where unix sockets are bound)
                      "dirs": [ DIR ],                        (optional: the directories on their way)
                      "warnings": [ STR ] }                   (optional: what a restore may not bring back)
     TIMER      ::= {"pid": INT, "fd": INT, "interval_ns": INT}   (see snapshot.timers)
+    SOCKET     ::= {"path": ABSPATH, "uid": INT, "dev": INT, "ino": INT, "ctime_ns": INT}
+                                                        (its file's owner, and which file it is)
     DIR        ::= {"path": ABSPATH, "uid": INT, "gid": INT, "mode": INT}   (parents first)
     PROCESS    ::= {"pid", "ppid", "cmdline": [STR], "ns_pids": [INT], "uses_cuda": BOOL,
                      "tids": [INT]}                         (optional: its other threads' IDs)
@@ -59,6 +61,17 @@ CARRIED_NAME = "tpagent-files.tar"
 
 
 @dataclass(frozen=True)
+class BoundSocket:
+    """Where a unix socket of the processes is bound, who owns its file, and which file it is."""
+
+    path: str
+    uid: int
+    dev: int
+    ino: int
+    ctime_ns: int
+
+
+@dataclass(frozen=True)
 class SocketDir:
     """A directory on the way to a bound unix socket, as it was on the source."""
 
@@ -98,7 +111,7 @@ class Manifest:
     timers: list[Timer] = field(default_factory=list)
     #: Where the processes' unix sockets are bound (CRIU binds them there again), and the
     #: directories on the way to them as they were (made where missing before a restore).
-    sockets: list[str] = field(default_factory=list)
+    sockets: list[BoundSocket] = field(default_factory=list)
     dirs: list[SocketDir] = field(default_factory=list)
     #: One sentence each: state of the processes that a restore may not bring back as it was.
     warnings: list[str] = field(default_factory=list)
@@ -115,6 +128,7 @@ class Manifest:
         body = asdict(self)
         body["processes"] = [asdict(p) for p in self.processes]
         body["timers"] = [asdict(t) for t in self.timers]
+        body["sockets"] = [asdict(b) for b in self.sockets]
         body["dirs"] = [asdict(d) for d in self.dirs]
         body = {"format": FORMAT, "format_version": FORMAT_VERSION, **body, "total_bytes": self.total_bytes}
         return {**body, "manifest_sha256": _body_digest(body)}
@@ -174,7 +188,16 @@ class Manifest:
         ]
         if not {t.pid for t in timers} <= {p.pid for p in procs}:
             raise ValueError("timers names a process not in processes")
-        sockets = _list(data, "sockets", str, "manifest") if "sockets" in data else []
+        sockets = [
+            BoundSocket(
+                _get(b, "path", str, "sockets[]"),
+                _get(b, "uid", int, "sockets[]"),
+                _get(b, "dev", int, "sockets[]"),
+                _get(b, "ino", int, "sockets[]"),
+                _get(b, "ctime_ns", int, "sockets[]"),
+            )  # fmt: skip
+            for b in (_list(data, "sockets", dict, "manifest") if "sockets" in data else [])
+        ]
         dirs = [
             SocketDir(
                 _get(d, "path", str, "dirs[]"),
@@ -184,8 +207,15 @@ class Manifest:
             )  # fmt: skip
             for d in (_list(data, "dirs", dict, "manifest") if "dirs" in data else [])
         ]
-        if not all(_absolute(p) for p in [*sockets, *(d.path for d in dirs)]) or any(d.path == "/" for d in dirs):
+        paths = [*(b.path for b in sockets), *(d.path for d in dirs)]
+        if not all(_absolute(p) for p in paths) or any(d.path == "/" for d in dirs):
             raise ValueError("sockets, dirs: not a normalised absolute path")
+        if any(min(b.uid, b.dev, b.ino, b.ctime_ns) < 0 for b in sockets) or any(
+            min(d.uid, d.gid) < 0 or not 0 <= d.mode <= 0o7777 for d in dirs
+        ):
+            raise ValueError("sockets, dirs: not a user, group or mode")
+        if not all(any(b.uid == d.uid and b.path.startswith(d.path + "/") for b in sockets) for d in dirs):
+            raise ValueError("dirs: one is not on the way to a socket of its owner")
         return cls(
             root_pid=_get(data, "root_pid", int, "manifest"),
             namespace=_get(data, "namespace", bool, "manifest"),

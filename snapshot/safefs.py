@@ -418,30 +418,110 @@ def write_file(
     return replacing
 
 
-def make_dir(path: Path, uid: int, gid: int, mode: int, created: list[Path]) -> None:
-    """Make the directory ``path``, if it is missing, owned by ``uid``:``gid`` with ``mode``
-    (never setuid/setgid), appending it to ``created``; one already there is left as it is.
-    Its parent is reached through no symlink and must pass :func:`check_owner` (whoever owns it
-    chooses what is in it: root makes there only what belongs to the parent's owner)."""
+def make_dir(path: Path, created: list[Path]) -> None:
+    """Make the directory ``path``, if it is missing, as root's and 0700 (:func:`hand_over`
+    gives it to its owner later), appending it to ``created``; one already there is left as it
+    is.  Its parent is reached through no symlink."""
     parent = open_dir(path.parent, to=path)
     try:
-        with contextlib.suppress(FileNotFoundError):
-            os.stat(path.name, dir_fd=parent, follow_symlinks=False)
-            return
-        check_owner(os.fstat(parent).st_uid, uid, path)
-        try:
-            os.mkdir(path.name, 0o700, dir_fd=parent)
-        except FileExistsError:
-            return
-        created.append(path)
-        fd = os.open(path.name, _DIR_FLAGS, dir_fd=parent)
-        try:
-            os.fchown(fd, uid, gid)  # first: never a moment with its final mode while root owns it
-            os.fchmod(fd, mode & 0o1777)
-        finally:
-            os.close(fd)
+        os.mkdir(path.name, 0o700, dir_fd=parent)
+    except FileExistsError:
+        return
     finally:
         os.close(parent)
+    created.append(path)
+
+
+def hand_over(path: Path, uid: int, gid: int, mode: int) -> None:
+    """Give the directory ``path`` (reached through no symlink) to ``uid``:``gid`` with ``mode``,
+    never setuid/setgid."""
+    fd = open_dir(path)
+    try:
+        os.fchown(fd, uid, gid)  # first: never a moment with its final mode while root owns it
+        os.fchmod(fd, mode & 0o1777)
+    finally:
+        os.close(fd)
+
+
+def _protected_symlinks() -> bool:
+    try:
+        return Path("/proc/sys/fs/protected_symlinks").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def _way_refused(st: os.stat_result, at: Path, path: Path) -> UsageError | None:
+    if st.st_uid != 0:
+        return UsageError(
+            f"{at}, on the way to the socket {path}, belongs to UID {st.st_uid}, who could change the way while CRIU "
+            "binds the socket there as root; if it is a stale one (a copy of the process ran here), remove it."
+        )
+    if st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and _protected_symlinks()):
+        return UsageError(
+            f"{at}, on the way to the socket {path}, may be written by other users (not sticky, or "
+            "fs.protected_symlinks is off), who could change the way while CRIU binds the socket there as root."
+        )
+    return None
+
+
+def check_socket_path(path: Path, uid: int) -> None:
+    """Refuse a restore in which CRIU, as root and by name, would bind a socket of ``uid`` at
+    ``path`` (removing a socket file it finds there, then giving the new one its owner and
+    mode) where anyone but root could change the way meanwhile: each directory on the way that
+    exists must be root's, and one that others may write in sticky with fs.protected_symlinks
+    on (/tmp); those missing are made root's until CRIU is done (:func:`make_dir`).  Nor may a
+    socket of another user be at ``path``.  A socket of root's is root's affair: not checked."""
+    if uid == 0:
+        return
+    fd, at = os.open("/", _DIR_FLAGS), Path("/")
+    try:
+        for name in path.parts[1:-1]:
+            refused = _way_refused(os.fstat(fd), at, path)
+            if refused is not None:
+                raise refused
+            at = at / name
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                return  # (the rest is made, root's while CRIU binds)
+            except OSError as e:
+                raise _step_failed(e, fd, name, at, path, None) from e
+            os.close(fd)
+            fd = child
+        refused = _way_refused(os.fstat(fd), at, path)
+        if refused is not None:
+            raise refused
+        try:
+            st = os.stat(path.name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+    finally:
+        os.close(fd)
+    if stat.S_ISSOCK(st.st_mode) and st.st_uid != uid:
+        raise UsageError(
+            f"{path} is a socket of UID {st.st_uid} on this node, where the process (UID {uid}) had a socket of its "
+            "own; restoring it would replace that one, so it is not restored here."
+        )
+
+
+def remove_socket(path: Path, uid: int, ident: tuple[int, int, int] | None = None) -> bool:
+    """Remove the socket file ``path`` (reached through no symlink) if it is one of ``uid``'s
+    (and, given ``ident``, that very file: its device, inode and change time, as an inode
+    number is soon reused)."""
+    try:
+        parent = open_dir(path.parent, to=path)
+    except (FileNotFoundError, UsageError):
+        return False
+    try:
+        st = os.stat(path.name, dir_fd=parent, follow_symlinks=False)
+        if stat.S_ISSOCK(st.st_mode) and st.st_uid == uid and ident in (None, (st.st_dev, st.st_ino, st.st_ctime_ns)):
+            os.unlink(path.name, dir_fd=parent)
+            return True
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(parent)
+    return False
 
 
 def remove(path: Path) -> None:

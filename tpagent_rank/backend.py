@@ -102,6 +102,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         self._only: Any = None  # the one inner backend, when every device has the same (no lookup then)
         self._front: Any = None  # a plain ProcessGroup over the inner backends (see _front_over)
         self._first: dict[int, int] | None = None  # the sockets before an NCCL backend's first collective
+        self._armed = False  # the collective being forwarded is NCCL's (then _first is used)
         self._works: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._wanted = GROUPS.gen  # the generation its inner backends are to be (-1: none, torn down)
@@ -171,13 +172,16 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
             BEFORE[0](self)
         only = self._only  # (one reference read: swapped whole by _build and teardown)
         if only is not None:
+            self._armed = self._first is not None
             return only
         t = tensors
         while isinstance(t, list | tuple):
             if not t:
                 break
             t = t[0]
-        return self._inner_for(t.device.type if isinstance(t, torch.Tensor) else "cpu")
+        kind = t.device.type if isinstance(t, torch.Tensor) else "cpu"
+        self._armed = self._first is not None and kind == "cuda"
+        return self._inner_for(kind)
 
     def _inner_for(self, kind: str, what: str = "a collective") -> Any:
         """The inner backend for device type ``kind``: its own, else the CPU one, else any."""
@@ -199,8 +203,8 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
 
     def _track(self, work: Any) -> Any:
         self._works.add(work)
-        if self._first is not None:  # (once per generation)
-            first, self._first = self._first, None
+        if self._first is not None and self._armed:  # (once per generation: NCCL's first collective)
+            first, self._first, self._armed = self._first, None, False
             owned.note_since(first)
         return work
 

@@ -11,9 +11,11 @@ itself, before the default group); a forked child puts /dev/null in their place 
 (``dup2``: each descriptor number stays taken, so whatever the child's copies of those objects
 might still close is never another file of its own).
 
-A socket another thread of the rank opens in one of those moments is noted too: a forked child
-then cannot use it.  Connections an inner backend opens later (gloo with TORCH_GLOO_LAZY_INIT,
-NCCL's point-to-point connections across nodes) are not noted.
+Noted sockets are also made close-on-exec (a program the rank starts runs no fork hook).  A
+socket another thread of the rank opens in one of those moments is noted too: a forked child
+then cannot use it.  Connections an inner backend opens after its first collective (gloo with
+TORCH_GLOO_LAZY_INIT; NCCL's later ones: point-to-point, algorithms connected at first use) are
+not noted, nor NCCL's non-socket descriptors (InfiniBand's): untested, no GPU where this was written.
 """
 
 from __future__ import annotations
@@ -48,7 +50,11 @@ def note_since(before: dict[int, int]) -> None:
     with _lock:
         for fd in [fd for fd, ino in _OWNED.items() if now.get(fd) != ino]:
             del _OWNED[fd]  # (closed since)
-        _OWNED.update((fd, ino) for fd, ino in now.items() if before.get(fd) != ino)
+        new = {fd: ino for fd, ino in now.items() if before.get(fd) != ino}
+        _OWNED.update(new)
+    for fd in new:  # (nor does a program the rank runs get them: a child started by exec runs no fork hook)
+        with contextlib.suppress(OSError):
+            os.set_inheritable(fd, False)
 
 
 def note(fds: list[int]) -> None:
@@ -56,6 +62,9 @@ def note(fds: list[int]) -> None:
     now = sockets()
     with _lock:
         _OWNED.update((fd, now[fd]) for fd in fds if fd in now)
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.set_inheritable(fd, False)
 
 
 @contextlib.contextmanager

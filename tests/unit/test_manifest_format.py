@@ -118,9 +118,33 @@ def test_garbage_missing_and_non_directories_are_refused(tmp_path: Path, snap: P
         ({"carried": ["/a/../etc/shadow"]}, "carried: not a normalised absolute path"),
         ({"carried": ["/home/u/data"]}, "carried: names files but images/tpagent-files.tar is not among the files"),
         ({"origin": {"mode": "kill"}}, "origin.root_create_time"),
-        ({"sockets": ["run/app.sock"]}, "sockets, dirs: not a normalised absolute path"),
+        (
+            {"sockets": [manifest.BoundSocket("run/app.sock", 0, 1, 2, 3)]},
+            "sockets, dirs: not a normalised absolute path",
+        ),
         ({"dirs": [manifest.SocketDir("/tmp/../etc", 0, 0, 0o755)]}, "sockets, dirs: not a normalised absolute path"),
         ({"dirs": [manifest.SocketDir("/", 0, 0, 0o755)]}, "sockets, dirs: not a normalised absolute path"),
+        (
+            {
+                "sockets": [manifest.BoundSocket("/t/p/s", -1, 1, 2, 3)],
+                "dirs": [manifest.SocketDir("/t/p", -1, 0, 0o700)],
+            },
+            "sockets, dirs: not a user, group or mode",
+        ),
+        (
+            {
+                "sockets": [manifest.BoundSocket("/t/p/s", 1000, 1, 2, 3)],
+                "dirs": [manifest.SocketDir("/etc", 1000, 0, 0o700)],
+            },
+            "dirs: one is not on the way to a socket of its owner",
+        ),
+        (
+            {
+                "sockets": [manifest.BoundSocket("/t/p/s", 1000, 1, 2, 3)],
+                "dirs": [manifest.SocketDir("/t/p", 0, 0, 0o700)],
+            },
+            "dirs: one is not on the way to a socket of its owner",
+        ),
     ],
 )
 def test_a_self_consistent_but_malformed_manifest_is_refused(
@@ -133,9 +157,10 @@ def test_a_self_consistent_but_malformed_manifest_is_refused(
 
 def test_where_unix_sockets_are_bound_reads_back(tmp_path: Path) -> None:
     dirs = [manifest.SocketDir("/tmp/pymp-x", 1000, 1000, 0o700)]
-    _manifest(sockets=["/tmp/pymp-x/listener-y"], dirs=dirs).write(tmp_path)
+    bound = [manifest.BoundSocket("/tmp/pymp-x/listener-y", 1000, 1, 2, 3)]
+    _manifest(sockets=bound, dirs=dirs).write(tmp_path)
     m = manifest.load(tmp_path)
-    assert m.sockets == ["/tmp/pymp-x/listener-y"] and m.dirs == dirs
+    assert m.sockets == bound and m.dirs == dirs
 
 
 def test_a_boolean_is_not_an_integer(tmp_path: Path) -> None:
