@@ -247,8 +247,8 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None) -> Non
     pids = [p.pid for p in m.processes]
     m.sockets = _bound(sockets.unix_bound(pids), pids)
     m.dirs = _dirs_to(m.sockets)
-    m.timers = timers.expired([p.pid for p in m.processes])
-    m.warnings = proc.restore_warnings([p.pid for p in m.processes])
+    m.timers = timers.expired(pids)
+    m.warnings = proc.restore_warnings(pids)
     m.timings = {"checksum": round(time.monotonic() - t0, 4)}
     _check_cancel(out)  # the last moment at which CRIU can still roll back
     m.write(out)

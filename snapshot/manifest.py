@@ -42,7 +42,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -180,33 +180,10 @@ class Manifest:
             raise ValueError("carried: not a normalised absolute path")
         if carried and f"{IMAGES_DIR}/{CARRIED_NAME}" not in files:
             raise ValueError(f"carried: names files but {IMAGES_DIR}/{CARRIED_NAME} is not among the files")
-        timers = [
-            Timer(
-                _get(t, "pid", int, "timers[]"), _get(t, "fd", int, "timers[]"), _get(t, "interval_ns", int, "timers[]")
-            )
-            for t in (_list(data, "timers", dict, "manifest") if "timers" in data else [])
-        ]
+        timers = _rows(data, "timers", Timer)
         if not {t.pid for t in timers} <= {p.pid for p in procs}:
             raise ValueError("timers names a process not in processes")
-        sockets = [
-            BoundSocket(
-                _get(b, "path", str, "sockets[]"),
-                _get(b, "uid", int, "sockets[]"),
-                _get(b, "dev", int, "sockets[]"),
-                _get(b, "ino", int, "sockets[]"),
-                _get(b, "ctime_ns", int, "sockets[]"),
-            )  # fmt: skip
-            for b in (_list(data, "sockets", dict, "manifest") if "sockets" in data else [])
-        ]
-        dirs = [
-            SocketDir(
-                _get(d, "path", str, "dirs[]"),
-                _get(d, "uid", int, "dirs[]"),
-                _get(d, "gid", int, "dirs[]"),
-                _get(d, "mode", int, "dirs[]"),
-            )  # fmt: skip
-            for d in (_list(data, "dirs", dict, "manifest") if "dirs" in data else [])
-        ]
+        sockets, dirs = _rows(data, "sockets", BoundSocket), _rows(data, "dirs", SocketDir)
         paths = [*(b.path for b in sockets), *(d.path for d in dirs)]
         if not all(_absolute(p) for p in paths) or any(d.path == "/" for d in dirs):
             raise ValueError("sockets, dirs: not a normalised absolute path")
@@ -236,6 +213,15 @@ class Manifest:
             dirs=dirs,
             warnings=_list(data, "warnings", str, "manifest") if "warnings" in data else [],
         )
+
+
+def _rows(data: Any, key: str, cls: type[T]) -> list[T]:
+    """The optional list ``key`` of ``data``, each item made a ``cls`` (a dataclass of int and
+    str fields) from its fields of those names and types."""
+    types: dict[str, type[Any]] = {"int": int, "str": str}
+    named = [(f.name, types[str(f.type)]) for f in fields(cls)]  # type: ignore[arg-type]
+    items = _list(data, key, dict, "manifest") if key in data else []
+    return [cls(*(_get(x, name, typ, f"{key}[]") for name, typ in named)) for x in items]
 
 
 def _absolute(path: str) -> bool:

@@ -50,19 +50,18 @@ def note_since(before: dict[int, int]) -> None:
     with _lock:
         for fd in [fd for fd, ino in _OWNED.items() if now.get(fd) != ino]:
             del _OWNED[fd]  # (closed since)
-        new = {fd: ino for fd, ino in now.items() if before.get(fd) != ino}
-        _OWNED.update(new)
-    for fd in new:  # (nor does a program the rank runs get them: a child started by exec runs no fork hook)
-        with contextlib.suppress(OSError):
-            os.set_inheritable(fd, False)
+    _own(now, [fd for fd, ino in now.items() if before.get(fd) != ino])
 
 
 def note(fds: list[int]) -> None:
     """Note the sockets at ``fds`` (the store's, which the user's script may have made itself)."""
-    now = sockets()
+    _own(sockets(), fds)
+
+
+def _own(now: dict[int, int], fds: list[int]) -> None:
     with _lock:
         _OWNED.update((fd, now[fd]) for fd in fds if fd in now)
-    for fd in fds:
+    for fd in fds:  # (nor does a program the rank runs get them: a child started by exec runs no fork hook)
         with contextlib.suppress(OSError):
             os.set_inheritable(fd, False)
 

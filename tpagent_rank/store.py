@@ -78,12 +78,14 @@ def held(store: Any) -> list[int]:
     if not isinstance(port, int):
         return []
     ips = _ips(str(getattr(base, "host", "")))
-    out = []
-    for fd, (local, remote) in {**_sockets("01"), **_sockets("0A")}.items():
-        ip, _, p = remote.rpartition(":")
-        if (int(p) == port and ip.strip("[]").removeprefix("::ffff:") in ips) or local.endswith(f":{port}"):
-            out.append(fd)
-    return out
+    sockets = {**_sockets("01"), **_sockets("0A")}
+    return [fd for fd, (local, remote) in sockets.items() if _reaches(remote, ips, port) or local.endswith(f":{port}")]
+
+
+def _reaches(remote: str, ips: set[str], port: int) -> bool:
+    """Whether the remote address ``remote`` (``IP:PORT``, ``[IPv6]:PORT``) is one of ``ips`` at ``port``."""
+    ip, _, p = remote.rpartition(":")
+    return int(p) == port and ip.strip("[]").removeprefix("::ffff:") in ips  # (an IPv4 peer of an IPv6 socket)
 
 
 def hosted_here(store: Any) -> str | None:
@@ -151,9 +153,7 @@ def detach(store: Any) -> list[tuple[int, str, int]]:
     ips = _ips(host)
     out = []
     for fd, remote in connections().items():
-        ip, _, p = remote.rpartition(":")
-        ip = ip.strip("[]").removeprefix("::ffff:")  # (an IPv4 peer of an IPv6 socket)
-        if int(p) == port and ip in ips:
+        if _reaches(remote, ips, port):
             family = socket.AF_INET6 if remote.startswith("[") else socket.AF_INET
             with socket.socket(family, socket.SOCK_STREAM) as placeholder:
                 os.dup2(placeholder.fileno(), fd)
