@@ -25,6 +25,7 @@ from tpagent.credentials import Credentials
 
 JOB = ROOT / "tests" / "workloads" / "ddp_job.py"
 FSDP_JOB = ROOT / "tests" / "workloads" / "fsdp_job.py"
+MESH_JOB = ROOT / "tests" / "workloads" / "mesh_job.py"
 RUN = "job1"
 STEPS = 160
 IFNAME = "eth0"  # every node's interface has this name (GLOO_SOCKET_IFNAME holds wherever a rank runs)
@@ -66,6 +67,12 @@ def reference_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _reference(tmp_path_factory.mktemp("reference-fsdp"), script=FSDP_JOB)
 
 
+@pytest.fixture(scope="session")
+def reference_mesh(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-D DeviceMesh script, four ranks (``tests/workloads/mesh_job.py``)."""
+    return _reference(tmp_path_factory.mktemp("reference-mesh"), nproc=4, script=MESH_JOB)
+
+
 def serving(tmp_path: Path, names: str, rewire_timeout: str) -> Iterator[Cluster]:
     """Nodes ``names``, each running `tpagent serve` (for a fixture to yield from)."""
     c = Cluster(tmp_path, list(names), ifname=IFNAME)
@@ -80,6 +87,12 @@ def serving(tmp_path: Path, names: str, rewire_timeout: str) -> Iterator[Cluster
 @pytest.fixture
 def quad(tmp_path: Path) -> Iterator[Cluster]:
     yield from serving(tmp_path, "ABCD", "60")
+
+
+@pytest.fixture
+def five(tmp_path: Path) -> Iterator[Cluster]:
+    """A job's four nodes A, B, C, E and the spare D."""
+    yield from serving(tmp_path, "ABCDE", "60")
 
 
 class Job:

@@ -352,6 +352,44 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         return self._pick([]).monitored_barrier(timeout, wait_all_ranks)
 
 
+def split_group(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """torch's ``split_group`` (what a DeviceMesh calls once the default group is bound to a
+    GPU) of a delegating group: the subgroup of this rank made by ``new_group``, with only its
+    members taking part, as a split has it, and its communicators its own (a split's would
+    belong to the parent's generation).  Nothing is shared with the parent, so unlike torch's
+    it needs no device bound to the default group.  Any other group torch splits itself."""
+    import inspect
+
+    c = sys.modules["torch.distributed.distributed_c10d"]
+    a = inspect.signature(original).bind(*args, **kwargs).arguments
+    parent = a.get("parent_pg") or c._get_default_group()
+    if not isinstance(parent, DelegatingGroup):
+        return original(*args, **kwargs)
+    ranks = c.get_process_group_ranks(parent)  # (the parent's group ranks, as global ranks)
+    splits = a.get("split_ranks")
+    if not splits:
+        raise ValueError("split_ranks cannot be None or empty")
+    for split in splits:
+        if not split or len(set(split)) != len(split) or not all(0 <= r < len(ranks) for r in split):
+            raise ValueError(f"{split!r} is not a split of a group of {len(ranks)} ranks")
+    # Every rank of the world makes every split of the world (as a DeviceMesh does without
+    # split_group): the groups' names, which torch numbers in the order they are made, agree.  A
+    # subgroup's members make only their own, named by its ranks (torch's names of groups made
+    # by their members alone: they agree while the members have made the same groups before).
+    world = parent is c._get_default_group()
+    made = None
+    for split in splits:
+        member = parent.rank() in split
+        if world or member:
+            group = c.new_group(
+                [ranks[r] for r in sorted(split)], timeout=a.get("timeout"),
+                backend=a.get("backend") or parent.user_backend(), pg_options=a.get("pg_options"),
+                group_desc=a.get("group_desc"), use_local_synchronization=not world,
+            )  # fmt: skip
+            made = group if member else made
+    return made
+
+
 def name_groups() -> None:
     """Have ``torch.distributed.get_backend`` name each delegating group's backend as the user
     did (their script may branch on it; torch's monitored_barrier takes only "gloo")."""

@@ -1,6 +1,6 @@
 """Installed by the rank's ``sitecustomize`` when ``TPAGENT_RANK_SOCKET`` is set: once the
-user's code has imported ``torch.distributed``, its ``init_process_group`` and ``new_group``
-use the delegating backend (:mod:`tpagent_rank.backend`), and a store its stand-in hosts is
+user's code has imported ``torch.distributed``, its ``init_process_group``, ``new_group`` and
+``split_group`` use the delegating backend (:mod:`tpagent_rank.backend`), and a store its stand-in hosts is
 joined as a client (:func:`tpagent_rank.store.patch_rendezvous`).  Nothing is imported here but the
 standard library; a process that never imports torch.distributed is untouched."""
 
@@ -67,18 +67,59 @@ def _with_backend(fn: Callable[..., Any], index: int, default: bool) -> Callable
     return wrapper
 
 
+def _split_with_backend(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``split_group``, of a delegating group: made by ``new_group`` (see
+    :func:`tpagent_rank.backend.split_group`); of any other, torch's own."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from tpagent_rank import backend as b
+
+        return b.split_group(fn, *args, **kwargs)
+
+    wrapper.__tpagent__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _no_split_source(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """torch's ``_get_split_source``, which finds no communicator to split from in a delegating
+    group: its subgroups build their own (a split would tie them to a generation a rewire
+    destroys, and ranks outside a subgroup would join a split its members never make)."""
+
+    @functools.wraps(fn)
+    def wrapper(pg: Any) -> Any:
+        from tpagent_rank import backend as b
+
+        return None if isinstance(pg, b.DelegatingGroup) else fn(pg)
+
+    wrapper.__tpagent__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _rebind(name: str, old: Any, new: Any) -> None:
+    """``new`` in place of ``old`` wherever torch's modules hold it by ``name``: those that
+    imported it by name while torch.distributed was being imported (its device_mesh: a
+    DeviceMesh makes its groups, and the default group when there is none, with its own copy)."""
+    for mod_name, mod in list(sys.modules.items()):
+        if (mod_name == "torch" or mod_name.startswith("torch.")) and getattr(mod, "__dict__", {}).get(name) is old:
+            setattr(mod, name, new)
+
+
 def patch(module: ModuleType) -> None:
     c10d = sys.modules.get("torch.distributed.distributed_c10d")
     if c10d is None or not getattr(module, "is_available", lambda: False)():
         return
-    for name, index, default in (("init_process_group", 0, True), ("new_group", 2, False)):
-        fn = getattr(c10d, name)
-        if getattr(fn, "__tpagent__", False):
-            continue
-        wrapped = _with_backend(fn, index, default)
-        setattr(c10d, name, wrapped)
-        if getattr(module, name, None) is fn:
-            setattr(module, name, wrapped)
+    wrappers: list[tuple[str, Callable[[Callable[..., Any]], Callable[..., Any]]]] = [
+        ("init_process_group", functools.partial(_with_backend, index=0, default=True)),
+        ("new_group", functools.partial(_with_backend, index=2, default=False)),
+        ("split_group", _split_with_backend),
+        ("_get_split_source", _no_split_source),
+    ]
+    for name, wrap in wrappers:
+        fn = getattr(c10d, name, None)
+        if fn is None or getattr(fn, "__tpagent__", False):
+            continue  # (a torch without it, or patched already)
+        _rebind(name, fn, wrap(fn))
     rendezvous = sys.modules.get("torch.distributed.rendezvous")
     if rendezvous is not None:
         from tpagent_rank import store

@@ -19,7 +19,7 @@ import pytest
 from cluster import Cluster, Node
 from conftest import needs_criu
 from helpers import ROOT
-from rankjob import FSDP_JOB, RUN, Job, steps
+from rankjob import FSDP_JOB, MESH_JOB, RUN, Job, steps
 from snapshot import sockets
 
 pytestmark = needs_criu
@@ -96,6 +96,26 @@ def test_an_fsdp_job_fed_by_dataloader_workers_moves_too(quad: Cluster, tmp_path
         job.at_step(1, steps(job.logs, 1) + 20)
         job.moves(1, first)
         job.finishes_as(reference_fsdp)
+    finally:
+        job.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_job_on_a_2d_device_mesh_moves_its_ranks(five: Cluster, tmp_path: Path, reference_mesh: Path) -> None:
+    """A third shape (tests/workloads/mesh_job.py): four ranks on a 2 x 2 DeviceMesh, HSDP on it,
+    the default group made by the mesh itself.  torch's device_mesh holds its own copies of
+    init_process_group and new_group: the runtime must reach those too, or the job has no
+    group the runtime knows (its ranks cannot even be found).  Rank 3 moves to the spare, then
+    rank 0 (a member of the other replica and the other shard group) moves to where rank 3 was;
+    every loss, on each dimension's group, is bit-identical."""
+    job = Job(five, tmp_path, script=MESH_JOB, names="ABCE")
+    try:
+        job.at_step(3, 20)
+        assert "DelegatingGroup DelegatingGroup DelegatingGroup" in (tmp_path / "rank-on-A.out").read_text()
+        job.moves(3, "D")
+        job.at_step(0, 60)
+        job.moves(0, "E")
+        job.finishes_as(reference_mesh)
     finally:
         job.close()
 

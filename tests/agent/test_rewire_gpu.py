@@ -4,6 +4,8 @@ run here; what one GPU can show is shown instead:
 
 - a world-size-1 NCCL job (model, data and its group's backend on the GPU) moved between two
   agents, each in a network namespace of its own on this machine;
+- the same job bound to its GPU (``init_process_group(device_id=...)``: NCCL connects at once)
+  with its subgroup made by ``split_group``, as a DeviceMesh makes its groups on a GPU;
 - a 2-rank job on CPU gloo whose rank 0 also keeps a sum on the GPU, all-reduced each step over
   an NCCL group of its own; rank 0 moves (its GPU memory with it, its NCCL group torn down and
   built again), rank 1 carries on.
@@ -59,6 +61,10 @@ def _moved_and_identical(
 def test_a_world_size_1_nccl_job_moves_between_two_agents(trio: Cluster, tmp_path: Path) -> None:
     # (and back: the GPU it left is free again)
     _moved_and_identical(trio, tmp_path, ("--cuda", "--backend", "nccl"), "A", [(0, "B"), (0, "A")])
+
+
+def test_a_job_bound_to_its_gpu_with_a_split_group_moves(trio: Cluster, tmp_path: Path) -> None:
+    _moved_and_identical(trio, tmp_path, ("--cuda", "--backend", "nccl", "--device-id"), "A", [(0, "B")])
 
 
 def test_a_rank_with_an_nccl_group_and_gpu_memory_moves_beside_a_cpu_rank(trio: Cluster, tmp_path: Path) -> None:

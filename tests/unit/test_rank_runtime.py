@@ -185,3 +185,49 @@ def test_a_forked_dataloader_worker_keeps_no_socket_of_the_communicators(tmp_pat
     assert [r["sum"] for r in seen] == [2.0, 2.0] and [r["first"] for r in seen] == [[0.0, 1.0]] * 2
     assert all(r["mine"] >= 3 for r in seen), seen  # the store's connection, gloo's listener and its peer
     assert [r["inherited"] for r in seen] == [[], []], seen
+
+
+SPLIT = textwrap.dedent(
+    """
+    import json, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.distributed_c10d import split_group
+    store_file, rank = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo", store=dist.FileStore(store_file, 4), rank=rank, world_size=4)
+
+    def total(group, value):
+        t = torch.tensor([float(value)])
+        dist.all_reduce(t, group=group)
+        return t.item()
+
+    pairs = split_group(split_ranks=[[0, 2], [3, 1]])
+    alone = split_group(parent_pg=pairs, split_ranks=[[1]])  # (of a subgroup: ranks 2 and 3 alone)
+    three = split_group(split_ranks=[[0, 1, 2]])  # (rank 3 in none)
+    after = dist.new_group([1, 2, 3])  # (a group made after them: every rank names it alike)
+    print(json.dumps({
+        "kinds": sorted({type(g).__name__ for g in (pairs, alone, three) if g is not None}),
+        "pairs": [dist.get_process_group_ranks(pairs), total(pairs, rank + 1)],
+        "alone": alone and [dist.get_process_group_ranks(alone), total(alone, rank * 10)],
+        "three": three and [dist.get_process_group_ranks(three), total(three, rank + 1)],
+        "after": total(after, rank) if rank else None,
+        "world": total(None, 1),
+    }))
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_split_group_of_a_delegating_group_gives_delegating_groups_of_the_same_ranks(tmp_path: Path) -> None:
+    """split_group (a DeviceMesh's way to make its groups once the default group is bound to a
+    GPU: torch splits only an NCCL communicator, so here it refuses) gives, under the runtime,
+    groups of its own whose communicators a rewire can rebuild: the splits' ranks, every rank
+    in one or in none, of the world or of a subgroup, and groups made after them still agree."""
+    (tmp_path / "split.py").write_text(SPLIT)
+    seen, _ = _launch(tmp_path, [[str(tmp_path / "split.py"), str(tmp_path / "store"), str(r)] for r in range(4)],
+                      TPAGENT_RANK_SOCKET=f"tpagent-test-{os.getpid()}-none", TPAGENT_JOB="j")  # fmt: skip
+    assert [s["kinds"] for s in seen] == [["DelegatingGroup"]] * 4
+    assert [s["pairs"] for s in seen] == [[[0, 2], 4.0], [[1, 3], 6.0], [[0, 2], 4.0], [[1, 3], 6.0]]
+    assert [s["alone"] for s in seen] == [None, None, [[2], 20.0], [[3], 30.0]]
+    assert [s["three"] for s in seen] == [[[0, 1, 2], 6.0]] * 3 + [None]
+    assert [s["after"] for s in seen] == [None, 6.0, 6.0, 6.0]
+    assert [s["world"] for s in seen] == [4.0] * 4

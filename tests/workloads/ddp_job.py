@@ -3,11 +3,13 @@ the workload of the rewire tests.  Deterministic: fixed seeds, data drawn per ra
 own generator, so every rank's losses and the final parameters are the same on every run.
 
     ddp_job.py --steps N --log-dir DIR [--step-time S] [--width W] [--no-optimizer]
-               [--cuda [--backend nccl]] [--gpu-rank R]
+               [--cuda [--backend nccl] [--device-id]] [--gpu-rank R]
 
 With ``--no-optimizer`` it updates its parameters by hand (no torch.optim: the rank runtime
 never sees an optimizer step, so a rewire stops it between two collectives).  With ``--cuda``
-the model and data are on the GPU (deterministic algorithms), its group's backend ``--backend``.
+the model and data are on the GPU (deterministic algorithms), its group's backend ``--backend``;
+with ``--device-id`` too, the default group is bound to the GPU (NCCL connects at once) and the
+subgroup is split from it (``split_group``), as a DeviceMesh makes its groups then.
 With ``--gpu-rank R`` rank R also keeps a sum on the GPU, all-reduced each step over an NCCL
 group of its own (one GPU: NCCL takes no two ranks on one), beside the CPU job.
 
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import split_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -39,15 +42,17 @@ def main() -> None:
     p.add_argument("--no-optimizer", action="store_true")
     p.add_argument("--cuda", action="store_true")
     p.add_argument("--backend", default="gloo")
+    p.add_argument("--device-id", action="store_true")
     p.add_argument("--gpu-rank", type=int, default=-1)
     a = p.parse_args()
     dev = torch.device("cuda", 0) if a.cuda else torch.device("cpu")
     if a.cuda:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (cuBLAS's deterministic mode)
         torch.use_deterministic_algorithms(True)
-    dist.init_process_group(a.backend)
+    dist.init_process_group(a.backend, device_id=dev if a.device_id else None)
     rank, world = dist.get_rank(), dist.get_world_size()
-    pair = dist.new_group(list(range(min(2, world))))  # a subgroup: rebuilt too
+    two = list(range(min(2, world)))
+    pair = split_group(split_ranks=[two]) if a.device_id else dist.new_group(two)  # a subgroup: rebuilt too
     alone = dist.new_group([a.gpu_rank], backend="nccl") if a.gpu_rank >= 0 else None
     gpu_sum = torch.zeros(1, dtype=torch.float64, device="cuda") if rank == a.gpu_rank else None
     torch.manual_seed(0)
