@@ -90,21 +90,24 @@ def quad(tmp_path: Path) -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def five(tmp_path: Path) -> Iterator[Cluster]:
-    """A job's four nodes A, B, C, E and the spare D."""
-    yield from serving(tmp_path, "ABCDE", "60")
+def three_nodes(tmp_path: Path) -> Iterator[Cluster]:
+    yield from serving(tmp_path, "ABC", "60")
 
 
 class Job:
-    """The job on nodes A, B, C, rank r on the r-th of them.  torchrun (its store on A, in
-    torchrun's agent), or as srun starts one (``srun=True``: a stand-in per rank, SLURM_PROCID and
-    SLURM_NTASKS set, the script's own ``env://`` rendezvous at MASTER_ADDR:MASTER_PORT on A, whose
-    store rank 0 would serve); ``wrap`` goes before the rank's Python on its command line."""
+    """The job on nodes A, B, C, ranks r * per_node ... on the r-th of them.  torchrun (its store
+    on A, in torchrun's agent), or as srun starts one (``srun=True``: a stand-in per rank,
+    SLURM_PROCID and SLURM_NTASKS set, the script's own ``env://`` rendezvous at
+    MASTER_ADDR:MASTER_PORT on A, whose store rank 0 would serve); ``wrap`` goes before the rank's
+    Python on its command line.  Each rank's own output is in ``tmp/job1-rankR.log`` (the stand-in's
+    default, in torchrun's working directory) or, one rank per node, ``tmp/rank-on-NODE.out``."""
 
     def __init__(self, c: Cluster, tmp: Path, step_time: float = 0.05, extra: tuple[str, ...] = (),
                  srun: bool = False, wrap: tuple[str, ...] = (), names: str = "ABC",
-                 script: Path = JOB) -> None:  # fmt: skip
+                 script: Path = JOB, per_node: int = 1) -> None:  # fmt: skip
+        assert per_node == 1 or not srun
         self.c, self.tmp, self.logs, self.names, self.script = c, tmp, tmp / "logs", names, script
+        self.nodes_of = [name for name in names for _ in range(per_node)]  # (rank -> the node it starts on)
         self.logs.mkdir()
         self.runs: dict[str, subprocess.Popen[bytes]] = {}
         host = c.nodes["A"].addr
@@ -112,8 +115,8 @@ class Job:
         for r, name in enumerate(names):
             node = c.nodes[name]
             env = {**c.cli_env(name), "GLOO_SOCKET_IFNAME": IFNAME, "USE_LIBUV": "0"}
-            rank_out = str(tmp / f"rank-on-{name}.out")
-            stand_in = [str(tpagent), "rank", "--agent", node.agent_address, "--stdout", rank_out, "--", *wrap,
+            rank_out = ["--stdout", str(tmp / f"rank-on-{name}.out")] if per_node == 1 else []
+            stand_in = [str(tpagent), "rank", "--agent", node.agent_address, *rank_out, "--", *wrap,
                         sys.executable, str(script), "--steps", str(STEPS), "--log-dir", str(self.logs),
                         "--step-time", str(step_time), *extra]  # fmt: skip
             if srun:
@@ -123,13 +126,15 @@ class Job:
                 cmd = node.exec(*stand_in)
             else:
                 cmd = node.exec(
-                    sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)), "--nproc-per-node", "1",
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)),
+                    "--nproc-per-node", str(per_node),
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:29400", "--rdzv-id", RUN,
                     "--rdzv-conf", f"is_host={int(name == 'A')}", "--local-addr", node.addr, "--max-restarts", "0",
                     "--monitor-interval", "0.5", "--no-python", *stand_in,
                 )  # fmt: skip
             with open(tmp / f"torchrun-{name}.out", "wb") as out:
-                self.runs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+                self.runs[name] = subprocess.Popen(cmd, cwd=ROOT if per_node == 1 else tmp, env=env, stdout=out,
+                                                   stderr=subprocess.STDOUT)  # fmt: skip
         self.creds = Credentials.load(c.secret, c.nodes["A"].tls)
 
     def _script(self, p: psutil.Process) -> bool:
@@ -214,13 +219,13 @@ class Job:
         by step, and final parameters are those of the uninterrupted run."""
         codes = self.wait()
         assert codes == dict.fromkeys(self.names, 0), "torchrun (or a stand-in) failed: " + self.output()
-        for r in range(len(self.names)):
+        for r in range(len(self.nodes_of)):
             got, want = rank_log(self.logs, r), rank_log(reference, r)
             assert [ln.split()[1] for ln in got if ln.startswith("step ")] == [str(k) for k in range(STEPS)], (
                 f"rank {r}: steps repeated or skipped (the group restarted, or a copy went back)"
             )
             assert got == want, f"rank {r}: its losses or final parameters differ from the uninterrupted run"
-        for r, name in enumerate(self.names):
+        for r, name in enumerate(self.nodes_of):
             shown = (self.tmp / f"torchrun-{name}.out").read_text()
             assert "Restarting" not in shown
             # What the rank printed, wherever it ran, is in its launcher's log: every line, once, in order.

@@ -101,20 +101,26 @@ def test_an_fsdp_job_fed_by_dataloader_workers_moves_too(quad: Cluster, tmp_path
 
 
 @pytest.mark.timeout(600)
-def test_a_job_on_a_2d_device_mesh_moves_its_ranks(five: Cluster, tmp_path: Path, reference_mesh: Path) -> None:
+def test_a_job_on_a_2d_device_mesh_two_ranks_a_node_moves_its_ranks(
+    three_nodes: Cluster, tmp_path: Path, reference_mesh: Path
+) -> None:
     """A third shape (tests/workloads/mesh_job.py): four ranks on a 2 x 2 DeviceMesh, HSDP on it,
-    the default group made by the mesh itself.  torch's device_mesh holds its own copies of
-    init_process_group and new_group: the runtime must reach those too, or the job has no
-    group the runtime knows (its ranks cannot even be found).  Rank 3 moves to the spare, then
-    rank 0 (a member of the other replica and the other shard group) moves to where rank 3 was;
+    the default group made by the mesh itself; and two ranks a node (torchrun's usual
+    --nproc-per-node), on A and B, C the spare.  torch's device_mesh holds its own copies of
+    init_process_group and new_group: the runtime must reach those too, or the job has no group
+    the runtime knows (its ranks cannot even be found).  Rank 3 (B's second) moves to C, then
+    rank 0 (A's first: a member of the other replica and the other shard group) joins it there;
     every loss, on each dimension's group, is bit-identical."""
-    job = Job(five, tmp_path, script=MESH_JOB, names="ABCE")
+    job = Job(three_nodes, tmp_path, script=MESH_JOB, names="AB", per_node=2)
     try:
         job.at_step(3, 20)
-        assert "DelegatingGroup DelegatingGroup DelegatingGroup" in (tmp_path / "rank-on-A.out").read_text()
-        job.moves(3, "D")
+        shown = [(tmp_path / f"{RUN}-rank{r}.log").read_text() for r in range(4)]
+        assert all("groups DelegatingGroup DelegatingGroup DelegatingGroup" in out for out in shown), shown
+        assert [job.where(r) for r in range(4)] == ["A", "A", "B", "B"]
+        job.moves(3, "C")
         job.at_step(0, 60)
-        job.moves(0, "E")
+        job.moves(0, "C")
+        assert [job.where(r) for r in range(4)] == ["C", "A", "B", "C"]
         job.finishes_as(reference_mesh)
     finally:
         job.close()
