@@ -187,6 +187,7 @@ def restore(
     work: Path | None = None,
     start: bool = True,
     clone: bool = False,
+    created_note: Path | None = None,
 ) -> RestoreResult:
     """Restore ``directory``.  ``verified``: its checksums were just checked (a receiver does
     that as the data arrives), so only the manifest is read again.  ``work``: CRIU's work
@@ -195,7 +196,9 @@ def restore(
     GPU still locked (a CUDA process, whose driver restore needs it running) — until
     :func:`start_restored`; a migration lets it go only once the original is let go.
     ``clone``: restore although a copy restored from this snapshot still runs here (noted in
-    :data:`RESTORED`): two copies then run, on purpose."""
+    :data:`RESTORED`): two copies then run, on purpose.  ``created_note``: where to write down
+    what the restore made on this node (for :func:`take_back_created`, should the copy be
+    dropped later)."""
     require_root()
     asked = {uuid_text(uuid_bytes(k)): uuid_text(uuid_bytes(v)) for k, v in (gpu_map or {}).items()}  # (syntax first)
     timer = Timer(progress, config.fail_after)
@@ -261,6 +264,8 @@ def restore(
                     with timer.stage(Stage.CUDA_UNLOCK):
                         for p in m.cuda_pids:
                             cuda.unlock(mapping[p])
+        if created_note is not None:
+            _note_created(created_note, [*created, *(Path(b.path) for b in fresh)])
     except BaseException as e:
         # Never leave a half-restored copy (e.g. CPU side up, GPU side still in host memory):
         # kill what CRIU started; the snapshot, which restore does not modify, is the copy to retry.
@@ -376,6 +381,42 @@ def _put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
         ) from e
 
 
+def _note_created(note: Path, made: list[Path]) -> None:
+    """Write down ``made`` (what a restore made: directories, files, sockets, in that order) as
+    each one is now: device, inode, owner."""
+    entries = []
+    for path in made:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        entries.append({"path": str(path), "dev": st.st_dev, "ino": st.st_ino, "uid": st.st_uid})
+    with open(note, "w", opener=private_opener) as f:
+        json.dump(entries, f)
+
+
+def take_back_created(note: Path) -> list[str]:
+    """Remove what the restore noted in ``note`` made (its copy was dropped: the files, sockets
+    and directories it would have found), each only if it is still that very one (a directory
+    only once empty), the last made first; the paths removed."""
+    if not os.path.lexists(note):
+        return []  # (the restore never got so far: it took back what it made itself)
+    try:
+        entries = json.loads(safefs.read_private_file(note, "the note of what a restore made"))
+    except (OSError, ValueError, SnapshotError) as e:
+        log.warning("could not read %s: what the dropped copy's restore made is left: %s", note, e)
+        return []
+    removed = []
+    for entry in reversed(entries if isinstance(entries, list) else []):
+        try:
+            path = Path(str(entry["path"]))
+            if safefs.remove_same(path, (int(entry["dev"]), int(entry["ino"]), int(entry["uid"]))):
+                removed.append(str(path))
+        except (KeyError, TypeError, ValueError, OSError, SnapshotError) as e:
+            log.warning("could not remove %r, which a dropped copy's restore had made: %s", entry, e)
+    return removed
+
+
 def _take_back(created: list[Path]) -> None:
     """Remove what :func:`_put_back` created (files, then the directories it made)."""
     for path in reversed(created):
@@ -397,6 +438,8 @@ def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
                 raise SnapshotInvalid(
                     f"{directory}'s carried files hold {member.name!r}, which the manifest does not name."
                 )
+            if any(str(path).startswith(d.path + "/") and d.uid not in (0, member.uid) for d in m.dirs):
+                raise SnapshotInvalid(f"{directory}'s manifest gives a directory on the way to {path} to another user.")
             if safefs.write_file(path, source, member.uid, member.gid, member.mode, member.mtime, created,
                                  leftovers.left_behind):  # fmt: skip
                 log.info("%s replaced the stale copy a migration from this node had left behind", path)

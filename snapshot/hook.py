@@ -205,23 +205,32 @@ def _bound(paths: list[str], pids: list[int]) -> list[manifest.BoundSocket]:
     return out
 
 
-def _dirs_to(bound: list[manifest.BoundSocket]) -> list[manifest.SocketDir]:
-    """The directories on the way to each socket file of ``bound`` that belong to its owner
-    (those the process made: ``pymp-XXXX``; root's, such as /tmp, are every node's), parents
-    first, as they are: what a restore elsewhere makes where missing.  A path through a symlink
-    gets none (a restore there then fails as CRIU finds no directory, and the original runs on)."""
-    out: dict[str, manifest.SocketDir] = {}
-    for b in bound:
+def _owner(path: str) -> int:
+    """The owner of the file at ``path`` (-1: none there)."""
+    try:
+        return os.lstat(path).st_uid
+    except OSError:
+        return -1
+
+
+def _dirs_to(files: list[tuple[str, int]]) -> list[manifest.MadeDir]:
+    """The directories on the way to each file of ``files`` (path, owner: the bound sockets,
+    the carried files) that belong to its owner (those the process made: ``pymp-XXXX``; root's,
+    such as /tmp, are every node's), parents first, as they are: what a restore elsewhere makes
+    where missing.  A path through a symlink gets none (a restore there then fails as CRIU
+    finds no directory, or puts the file back in a directory of root's; the original runs on)."""
+    out: dict[str, manifest.MadeDir] = {}
+    for path, uid in files:
         found = []
-        for at in reversed(Path(b.path).parents[:-1]):  # (from the top; "/" is everywhere)
+        for at in reversed(Path(path).parents[:-1]):  # (from the top; "/" is everywhere)
             try:
                 st = os.lstat(at)
             except OSError:
                 break
             if not stat.S_ISDIR(st.st_mode):
                 break
-            if st.st_uid == b.uid:
-                found.append(manifest.SocketDir(str(at), st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)))
+            if st.st_uid == uid:
+                found.append(manifest.MadeDir(str(at), st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)))
         else:
             out.update((d.path, d) for d in found)
     return sorted(out.values(), key=lambda d: (d.path.count("/"), d.path))
@@ -246,7 +255,7 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None) -> Non
     m.processes = proc.tree(psutil.Process(root), cuda_pids=set(m.cuda_pids))
     pids = [p.pid for p in m.processes]
     m.sockets = _bound(sockets.unix_bound(pids), pids)
-    m.dirs = _dirs_to(m.sockets)
+    m.dirs = _dirs_to([(b.path, b.uid) for b in m.sockets] + [(p, uid) for p in m.carried if (uid := _owner(p)) >= 0])
     m.timers = timers.expired(pids)
     m.warnings = proc.restore_warnings(pids)
     m.timings = {"checksum": round(time.monotonic() - t0, 4)}

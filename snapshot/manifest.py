@@ -72,8 +72,9 @@ class BoundSocket:
 
 
 @dataclass(frozen=True)
-class SocketDir:
-    """A directory on the way to a bound unix socket, as it was on the source."""
+class MadeDir:
+    """A directory of their owner's on the way to a bound unix socket or a carried file, as it
+    was on the source: a restore makes it where missing."""
 
     path: str
     uid: int
@@ -112,7 +113,7 @@ class Manifest:
     #: Where the processes' unix sockets are bound (CRIU binds them there again), and the
     #: directories on the way to them as they were (made where missing before a restore).
     sockets: list[BoundSocket] = field(default_factory=list)
-    dirs: list[SocketDir] = field(default_factory=list)
+    dirs: list[MadeDir] = field(default_factory=list)
     #: One sentence each: state of the processes that a restore may not bring back as it was.
     warnings: list[str] = field(default_factory=list)
 
@@ -183,7 +184,7 @@ class Manifest:
         timers = _rows(data, "timers", Timer)
         if not {t.pid for t in timers} <= {p.pid for p in procs}:
             raise ValueError("timers names a process not in processes")
-        sockets, dirs = _rows(data, "sockets", BoundSocket), _rows(data, "dirs", SocketDir)
+        sockets, dirs = _rows(data, "sockets", BoundSocket), _rows(data, "dirs", MadeDir)
         paths = [*(b.path for b in sockets), *(d.path for d in dirs)]
         if not all(_absolute(p) for p in paths) or any(d.path == "/" for d in dirs):
             raise ValueError("sockets, dirs: not a normalised absolute path")
@@ -191,8 +192,12 @@ class Manifest:
             min(d.uid, d.gid) < 0 or not 0 <= d.mode <= 0o7777 for d in dirs
         ):
             raise ValueError("sockets, dirs: not a user, group or mode")
-        if not all(any(b.uid == d.uid and b.path.startswith(d.path + "/") for b in sockets) for d in dirs):
-            raise ValueError("dirs: one is not on the way to a socket of its owner")
+        if not all(
+            any(b.uid == d.uid and b.path.startswith(d.path + "/") for b in sockets)
+            or any(c.startswith(d.path + "/") for c in carried)  # (of its owner: the restore checks by the file)
+            for d in dirs
+        ):
+            raise ValueError("dirs: one is not on the way to a socket of its owner or a carried file")
         return cls(
             root_pid=_get(data, "root_pid", int, "manifest"),
             namespace=_get(data, "namespace", bool, "manifest"),

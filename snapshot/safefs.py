@@ -421,8 +421,9 @@ def write_file(
 def make_dir(path: Path, created: list[Path]) -> None:
     """Make the directory ``path``, if it is missing, as root's and 0700 (:func:`hand_over`
     gives it to its owner later), appending it to ``created``; one already there is left as it
-    is.  Its parent is reached through no symlink."""
-    parent = open_dir(path.parent, to=path)
+    is.  Its parent is reached through no symlink (made as root's ``mkdir -p`` would, if
+    missing: see :func:`open_dir`)."""
+    parent = open_dir(path.parent, created, to=path)
     try:
         os.mkdir(path.name, 0o700, dir_fd=parent)
     except FileExistsError:
@@ -508,20 +509,40 @@ def remove_socket(path: Path, uid: int, ident: tuple[int, int, int] | None = Non
     """Remove the socket file ``path`` (reached through no symlink) if it is one of ``uid``'s
     (and, given ``ident``, that very file: its device, inode and change time, as an inode
     number is soon reused)."""
+    return _remove_if(path, lambda st: stat.S_ISSOCK(st.st_mode) and st.st_uid == uid
+                      and ident in (None, (st.st_dev, st.st_ino, st.st_ctime_ns)))  # fmt: skip
+
+
+def remove_same(path: Path, ident: tuple[int, int, int]) -> bool:
+    """Remove ``path`` (a file, a socket, an empty directory; reached through no symlink) if it
+    is that very one: its device, inode and owner."""
+    return path.is_absolute() and _remove_if(path, lambda st: (st.st_dev, st.st_ino, st.st_uid) == ident)
+
+
+def _remove_if(path: Path, wanted: Callable[[os.stat_result], bool]) -> bool:
+    """Remove ``path`` (reached through no symlink) if its lstat is ``wanted``; whether it did
+    (not: gone, another file, a directory not empty)."""
     try:
         parent = open_dir(path.parent, to=path)
     except (FileNotFoundError, UsageError):
         return False
     try:
         st = os.stat(path.name, dir_fd=parent, follow_symlinks=False)
-        if stat.S_ISSOCK(st.st_mode) and st.st_uid == uid and ident in (None, (st.st_dev, st.st_ino, st.st_ctime_ns)):
+        if not wanted(st):
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            os.rmdir(path.name, dir_fd=parent)
+        else:
             os.unlink(path.name, dir_fd=parent)
-            return True
+        return True
     except FileNotFoundError:
-        pass
+        return False
+    except OSError as e:
+        if e.errno == errno.ENOTEMPTY:
+            return False
+        raise
     finally:
         os.close(parent)
-    return False
 
 
 def remove(path: Path) -> None:

@@ -5,6 +5,7 @@ agent it runs in, and no more: no gRPC, no servicer, so that it runs against an 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,4 +53,7 @@ class Context:
             if not self.inside_work_dir(p):
                 self.log.error("not removing %r: it is not inside the work directory %s", str(p), self.cfg.work_dir)
                 continue
-            shutil.rmtree(p, ignore_errors=True)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                Path(p).unlink(missing_ok=True)

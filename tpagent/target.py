@@ -90,7 +90,8 @@ class Incoming:
             j.move(self.record, T.RESTORING)
         try:
             result = engine.restore(self.dir, self.gpu_map, self.ctx.snapshot_config, verified=True,
-                                    work=restore_work(self.dir), start=False)  # fmt: skip
+                                    work=restore_work(self.dir), start=False,
+                                    created_note=created_note(self.dir))  # fmt: skip
         except Exception as e:  # the engine leaves no copy behind on failure
             with self.lock:
                 self._drop(f"restore failed: {e}")
@@ -133,13 +134,18 @@ class Incoming:
 
 def drop_copy(ctx: Context, r: Record, why: str) -> None:
     """The one way a target lets a copy go: killed if it is still ours (before the source
-    lets its original go: never two), the record DISCARDED, its files removed."""
+    lets its original go: never two), the record DISCARDED, its files removed: the snapshot,
+    and what its restore made on this node (the copy's own files, sockets and directories:
+    left, they would stand in the way of the next migration here)."""
     if same_process_alive(r):
         proc.kill_tree(r.pid)
+    snap = Path(r.snapshot)
+    if ctx.inside_work_dir(snap):  # (before the source hears of the drop: then this node is as it was)
+        for path in engine.take_back_created(created_note(snap)):
+            ctx.log.info("migration %s: removed %s, which the dropped copy's restore had made", r.migration_id, path)
     if not is_final(r.state):
         ctx.journal.move(r, T.DISCARDED, why)
-    snap = Path(r.snapshot)
-    ctx.remove(snap, restore_work(snap), *snap.parent.glob(f".{snap.name}.partial-*"))
+    ctx.remove(snap, restore_work(snap), created_note(snap), *snap.parent.glob(f".{snap.name}.partial-*"))
 
 
 def finish_held(ctx: Context, r: Record, commit: bool, why: str, settle: Settler, confirmed: bool = False) -> None:
@@ -263,7 +269,7 @@ def settle(ctx: Context, r: Record, ran: bool, why: str) -> None:
         return  # decided meanwhile (the source asked to drop it)
     if ran:
         ctx.journal.move(r, T.DONE, why)
-        ctx.remove(r.snapshot)
+        ctx.remove(r.snapshot, created_note(Path(r.snapshot)))
     else:
         drop_copy(ctx, r, why)
 
@@ -331,6 +337,11 @@ def start_copy(result: engine.RestoreResult | None, snapshot: Path, pid: int) ->
     engine.start_restored(result)
     if result.manifest.namespace:
         launch.register(result.pid)  # a launched workload here too, under its new PID
+
+
+def created_note(snapshot: Path) -> Path:
+    """Where the restore of this migration notes what it made on this node (for a drop)."""
+    return snapshot.parent / f"{snapshot.name}.created"
 
 
 def restore_work(snapshot: Path) -> Path:

@@ -27,6 +27,7 @@ from helpers import ROOT, STATEFUL, kill_and_wait, wait_until
 pytestmark = needs_criu
 
 LOCAL = Path("/etc/tpagent-local")
+NOBODY = 65534  # (its group too: nogroup)
 
 
 def local_dir(node: Node) -> Path:
@@ -151,6 +152,59 @@ def test_a_socket_listening_in_a_node_local_directory_listens_there(cluster: Clu
         migrate(cluster, t, "B", "A")
         verify(t)
         assert lines(t, "listened")[-1] == [str(path), "2"]
+    finally:
+        kill_and_wait(t.pid)
+
+
+def test_a_dropped_copy_takes_what_its_restore_made_and_the_next_move_goes_there(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The copy on B dies before its migration is confirmed: it is dropped and the original
+    runs on at A.  What its restore made on B goes with it: the scratch file and the mapped
+    file it was given, its socket and the directory it listens in (left there, the mapped file,
+    which the original has written to since, would refuse the next move to B as "other
+    content").  The next move to B then works, with the original's current bytes."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    name = uuid.uuid4().hex[:6]
+    scratch, shm, needed = LOCAL / f"scratch-{name}", LOCAL / f"shm-{name}", LOCAL / f"needed-{name}"
+    (local_dir(a) / needed.name).write_text("A's own\n")  # (the copy on B lacks it: it dies at once)
+    t = launch(a, tmp_path, 8, "--scratch", str(scratch), "2", "--shm", str(shm), "--listen", str(LOCAL),
+               "--needs", str(needed))  # fmt: skip
+    try:
+        wait_until(lambda: lines(t, "shm") and lines(t, "listen"), "the workload to report its files")
+        before = sorted(os.listdir(local_dir(b)))
+        proc = cluster.migrate(t.pid, "A", "B", "--json")
+        doc = json.loads(proc.stdout)
+        assert proc.returncode != 0 and doc["state"] == "rolled_back", proc.stdout + proc.stderr
+        assert "confirmation period" in doc["message"], doc  # (it died on B: restored, then dropped)
+        t.assert_one_copy_continuous()
+        assert sorted(os.listdir(local_dir(b))) == before, "the dropped copy's files were left on B"
+
+        (local_dir(b) / needed.name).write_text("B's own\n")
+        migrate(cluster, t, "A", "B")  # (the mapped file is not what B was given the first time)
+        verify(t)
+        assert lines(t, "listened")[-1] == [lines(t, "listen")[0][0], "1"]
+    finally:
+        kill_and_wait(t.pid)
+
+
+def test_a_carried_file_is_put_back_in_a_directory_made_as_its_owner_s_was(cluster: Cluster, tmp_path: Path) -> None:
+    """The scratch file is nobody's, in a directory of nobody's (mode 710) in node-local storage:
+    on B that directory is made as it was on A (before, it was made root's, 755)."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    own = LOCAL / f"own-{uuid.uuid4().hex[:6]}"
+    (local_dir(a) / own.name).mkdir()
+    t = launch(a, tmp_path, 8, "--scratch", str(own / "scratch"), "1")
+    try:
+        wait_until(lambda: lines(t, "scratch"), "the workload to report its scratch file")
+        os.chown(local_dir(a) / own.name / "scratch", NOBODY, NOBODY)
+        os.chown(local_dir(a) / own.name, NOBODY, NOBODY)
+        os.chmod(local_dir(a) / own.name, 0o710)
+        migrate(cluster, t, "A", "B")
+        verify(t)
+        made, put = os.lstat(local_dir(b) / own.name), os.lstat(local_dir(b) / own.name / "scratch")
+        assert (made.st_uid, made.st_gid, stat.S_IMODE(made.st_mode)) == (NOBODY, NOBODY, 0o710)
+        assert (put.st_uid, put.st_gid) == (NOBODY, NOBODY)
     finally:
         kill_and_wait(t.pid)
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import tarfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from snapshot import manifest
+from snapshot import engine, manifest
 from snapshot.api import SnapshotInvalid
 from snapshot.manifest import Manifest
 from snapshot.proc import ProcInfo
@@ -122,28 +124,28 @@ def test_garbage_missing_and_non_directories_are_refused(tmp_path: Path, snap: P
             {"sockets": [manifest.BoundSocket("run/app.sock", 0, 1, 2, 3)]},
             "sockets, dirs: not a normalised absolute path",
         ),
-        ({"dirs": [manifest.SocketDir("/tmp/../etc", 0, 0, 0o755)]}, "sockets, dirs: not a normalised absolute path"),
-        ({"dirs": [manifest.SocketDir("/", 0, 0, 0o755)]}, "sockets, dirs: not a normalised absolute path"),
+        ({"dirs": [manifest.MadeDir("/tmp/../etc", 0, 0, 0o755)]}, "sockets, dirs: not a normalised absolute path"),
+        ({"dirs": [manifest.MadeDir("/", 0, 0, 0o755)]}, "sockets, dirs: not a normalised absolute path"),
         (
             {
                 "sockets": [manifest.BoundSocket("/t/p/s", -1, 1, 2, 3)],
-                "dirs": [manifest.SocketDir("/t/p", -1, 0, 0o700)],
+                "dirs": [manifest.MadeDir("/t/p", -1, 0, 0o700)],
             },
             "sockets, dirs: not a user, group or mode",
         ),
         (
             {
                 "sockets": [manifest.BoundSocket("/t/p/s", 1000, 1, 2, 3)],
-                "dirs": [manifest.SocketDir("/etc", 1000, 0, 0o700)],
+                "dirs": [manifest.MadeDir("/etc", 1000, 0, 0o700)],
             },
-            "dirs: one is not on the way to a socket of its owner",
+            "dirs: one is not on the way to a socket of its owner or a carried file",
         ),
         (
             {
                 "sockets": [manifest.BoundSocket("/t/p/s", 1000, 1, 2, 3)],
-                "dirs": [manifest.SocketDir("/t/p", 0, 0, 0o700)],
+                "dirs": [manifest.MadeDir("/t/p", 0, 0, 0o700)],
             },
-            "dirs: one is not on the way to a socket of its owner",
+            "dirs: one is not on the way to a socket of its owner or a carried file",
         ),
     ],
 )
@@ -156,11 +158,30 @@ def test_a_self_consistent_but_malformed_manifest_is_refused(
 
 
 def test_where_unix_sockets_are_bound_reads_back(tmp_path: Path) -> None:
-    dirs = [manifest.SocketDir("/tmp/pymp-x", 1000, 1000, 0o700)]
+    dirs = [manifest.MadeDir("/tmp/pymp-x", 1000, 1000, 0o700)]
     bound = [manifest.BoundSocket("/tmp/pymp-x/listener-y", 1000, 1, 2, 3)]
     _manifest(sockets=bound, dirs=dirs).write(tmp_path)
     m = manifest.load(tmp_path)
     assert m.sockets == bound and m.dirs == dirs
+
+
+def test_a_directory_on_the_way_to_a_carried_file_reads_back_and_must_be_its_owner_s(tmp_path: Path) -> None:
+    """A directory of a carried file's owner reads back; the restore refuses one the manifest
+    gives to another user (the file's owner is in the carried archive), before writing anything."""
+    images = tmp_path / manifest.IMAGES_DIR
+    images.mkdir()
+    with tarfile.open(images / manifest.CARRIED_NAME, "w") as tar:
+        info = tarfile.TarInfo("scratch/u/job/log")
+        info.size, info.uid, info.gid = 3, 1000, 1000
+        tar.addfile(info, io.BytesIO(b"log"))
+    dirs = [manifest.MadeDir("/scratch/u", 1000, 1000, 0o700), manifest.MadeDir("/scratch/u/job", 2000, 2000, 0o700)]
+    m = _manifest(carried=["/scratch/u/job/log"], files=manifest.checksum_files(tmp_path), dirs=dirs)
+    m.write(tmp_path)
+    assert manifest.load(tmp_path).dirs == dirs
+    created: list[Path] = []
+    with pytest.raises(SnapshotInvalid, match="gives a directory on the way to /scratch/u/job/log to another user"):
+        engine._write_carried(tmp_path, m, created)
+    assert created == [] and not Path("/scratch/u").exists()
 
 
 def test_a_boolean_is_not_an_integer(tmp_path: Path) -> None:

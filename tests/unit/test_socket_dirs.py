@@ -15,7 +15,7 @@ import pytest
 
 from snapshot import hook, safefs, sockets
 from snapshot.api import UsageError
-from snapshot.manifest import BoundSocket, SocketDir
+from snapshot.manifest import BoundSocket, MadeDir
 
 NOBODY = 65534
 
@@ -45,9 +45,7 @@ def test_the_directories_on_the_way_are_listed_parents_first_as_they_are(tmp_pat
     deep.mkdir(parents=True)
     os.chmod(deep.parent, 0o700)
     me = os.geteuid()
-    found = hook._dirs_to(
-        [BoundSocket(str(deep / "listener-1"), me, 1, 2, 3), BoundSocket(str(deep.parent / "listener-2"), me, 1, 2, 3)]
-    )
+    found = hook._dirs_to([(str(deep / "listener-1"), me), (str(deep.parent / "listener-2"), me)])
     paths = [d.path for d in found]
     assert paths[-2:] == [str(deep.parent), str(deep)] and "/" not in paths
     assert paths == sorted(set(paths), key=lambda p: (p.count("/"), p))  # once each, parents first
@@ -58,7 +56,7 @@ def test_the_directories_on_the_way_are_listed_parents_first_as_they_are(tmp_pat
 def test_a_path_through_a_symlink_gets_no_directories(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    assert hook._dirs_to([BoundSocket(str(tmp_path / "link" / "app.sock"), os.geteuid(), 1, 2, 3)]) == []
+    assert hook._dirs_to([(str(tmp_path / "link" / "app.sock"), os.geteuid())]) == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a directory to another user")
@@ -69,8 +67,8 @@ def test_only_the_directories_of_the_socket_s_owner_are_listed(tmp_path: Path) -
     users.mkdir(parents=True)
     os.chmod(users, 0o755)  # (whatever the umask)
     os.chown(users, NOBODY, NOBODY)
-    found = hook._dirs_to([BoundSocket(str(users / "listener"), NOBODY, 1, 2, 3)])
-    assert found == [SocketDir(str(users), NOBODY, NOBODY, 0o755)]
+    found = hook._dirs_to([(str(users / "listener"), NOBODY)])
+    assert found == [MadeDir(str(users), NOBODY, NOBODY, 0o755)]
 
 
 def test_a_missing_directory_is_made_private_then_handed_over_and_one_there_is_left_as_it_is(tmp_path: Path) -> None:
@@ -203,7 +201,7 @@ def test_once_committed_the_original_s_sockets_and_their_empty_directories_go_bu
                           criu={"version": "4.1", "shell_job": False, "tcp_established": False},
                           cuda={"driver_version": 0, "pids": []}, tpagent_version="0",
                           sockets=[BoundSocket(str(d / "listener"), me, *ids[d]) for d in (gone, shared)],
-                          dirs=[SocketDir(str(d), me, os.getegid(), 0o700) for d in (gone, shared)])  # fmt: skip
+                          dirs=[MadeDir(str(d), me, os.getegid(), 0o700) for d in (gone, shared)])  # fmt: skip
     m.write(snap)
     assert leftovers.clear_sockets(snap) == [str(gone / "listener"), str(gone)]
     assert not gone.exists() and (shared / "listener").exists()

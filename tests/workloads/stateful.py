@@ -21,6 +21,8 @@ into its first 8 bytes; ``shm N HEX`` on SIGUSR1: that number and the SHA-256 of
 DataLoader worker's multiprocessing does (DIR/pymp-XXXX/listener-XXXX: it hands batches' shared
 memory over it); ``listen PATH`` at start; on SIGUSR1 it connects to it and ``listened PATH N``
 is what came back: N counts the connections it has accepted.
+--needs FILE exits (status 3) at the first tick FILE is missing, writing no tick: a process
+that needs something of its node (a copy restored on a node without it dies at once).
 """
 
 import ctypes
@@ -153,7 +155,10 @@ with open(log_path, "a", buffering=1) as log:
     if listener is not None:
         log.write(f"listen {listener.getsockname()}\n")
     tick = 0
+    needs = sys.argv[sys.argv.index("--needs") + 1] if "--needs" in sys.argv else None
     while True:
+        if needs is not None and not os.path.exists(needs):
+            os._exit(3)
         if verify_requested.is_set():
             verify_requested.clear()
             log.write(f"verify {hashlib.sha256(state).hexdigest()}\n")
