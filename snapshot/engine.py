@@ -17,6 +17,7 @@ import platform
 import re
 import shutil
 import signal
+import stat
 import tarfile
 import tempfile
 import time
@@ -247,8 +248,12 @@ def restore(
         private_dir(work, empty=True)  # it is removed afterwards
     try:
         _put_back(directory, m, created)
+        if created_note is not None:  # (before CRIU: an agent that dies now still takes them back)
+            _note_created(created_note, created, [])
         with timer.stage(Stage.CRIU_RESTORE):
             root = criu.restore(directory / IMAGES_DIR, work, opts, config.timeouts.restore)
+        if created_note is not None:
+            _note_created(created_note, created, fresh)
         for d in m.dirs:
             if Path(d.path) in created:
                 safefs.hand_over(Path(d.path), d.uid, d.gid, d.mode)
@@ -264,8 +269,6 @@ def restore(
                     with timer.stage(Stage.CUDA_UNLOCK):
                         for p in m.cuda_pids:
                             cuda.unlock(mapping[p])
-        if created_note is not None:
-            _note_created(created_note, [*created, *(Path(b.path) for b in fresh)])
     except BaseException as e:
         # Never leave a half-restored copy (e.g. CPU side up, GPU side still in host memory):
         # kill what CRIU started; the snapshot, which restore does not modify, is the copy to retry.
@@ -381,18 +384,27 @@ def _put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
         ) from e
 
 
-def _note_created(note: Path, made: list[Path]) -> None:
-    """Write down ``made`` (what a restore made: directories, files, sockets, in that order) as
-    each one is now: device, inode, owner."""
+def _note_created(note: Path, made: list[Path], sockets: list[manifest.BoundSocket]) -> None:
+    """Write down ``made`` (the directories and files a restore made, in that order) and the
+    ``sockets`` CRIU bound, each as it is now (device, inode, owner; a socket only if it is
+    its owner's), with this boot's id: after a reboot, inode numbers on a tmpfs start again."""
     entries = []
-    for path in made:
+    for path, uid in [*((p, None) for p in made), *((Path(b.path), b.uid) for b in sockets)]:
         try:
             st = os.lstat(path)
-        except FileNotFoundError:
+        except OSError:
             continue
-        entries.append({"path": str(path), "dev": st.st_dev, "ino": st.st_ino, "uid": st.st_uid})
-    with open(note, "w", opener=private_opener) as f:
-        json.dump(entries, f)
+        if uid is None or (stat.S_ISSOCK(st.st_mode) and st.st_uid == uid):
+            entries.append({"path": str(path), "dev": st.st_dev, "ino": st.st_ino, "uid": st.st_uid})
+    tmp = note.with_name(f".{note.name}.{os.getpid()}")
+    with open(tmp, "w", opener=private_opener) as f:
+        json.dump({"boot": _boot_id(), "made": entries}, f)
+    tmp.rename(note)
+
+
+def _boot_id() -> str:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
 
 
 def take_back_created(note: Path) -> list[str]:
@@ -406,8 +418,11 @@ def take_back_created(note: Path) -> list[str]:
     except (OSError, ValueError, SnapshotError) as e:
         log.warning("could not read %s: what the dropped copy's restore made is left: %s", note, e)
         return []
+    if not isinstance(entries, dict) or entries.get("boot") != _boot_id():
+        return []  # (made before a reboot: gone with a tmpfs, or another file by now)
+    made = entries.get("made")
     removed = []
-    for entry in reversed(entries if isinstance(entries, list) else []):
+    for entry in reversed(made if isinstance(made, list) else []):
         try:
             path = Path(str(entry["path"]))
             if safefs.remove_same(path, (int(entry["dev"]), int(entry["ino"]), int(entry["uid"]))):
@@ -444,6 +459,9 @@ def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
                                  leftovers.left_behind):  # fmt: skip
                 log.info("%s replaced the stale copy a migration from this node had left behind", path)
             leftovers.forget(path)  # (what is there now is the process's own file again)
+            del wanted[member.name]
+    if wanted:  # (a directory on the way to one would be made for a user no file vouches for)
+        raise SnapshotInvalid(f"{directory}'s carried files lack {', '.join(sorted(map(str, wanted.values())))}.")
 
 
 def kill_restored(work: Path) -> int:

@@ -538,7 +538,7 @@ def _remove_if(path: Path, wanted: Callable[[os.stat_result], bool]) -> bool:
     except FileNotFoundError:
         return False
     except OSError as e:
-        if e.errno == errno.ENOTEMPTY:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
             return False
         raise
     finally:

@@ -55,5 +55,8 @@ class Context:
                 continue
             if os.path.isdir(p) and not os.path.islink(p):
                 shutil.rmtree(p, ignore_errors=True)
-            else:
+                continue
+            try:
                 Path(p).unlink(missing_ok=True)
+            except OSError as e:
+                self.log.error("could not remove %s: %s", p, e)

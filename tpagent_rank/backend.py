@@ -363,8 +363,8 @@ def split_group(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     c = sys.modules["torch.distributed.distributed_c10d"]
     a = inspect.signature(original).bind(*args, **kwargs).arguments
     parent = a.get("parent_pg") or c._get_default_group()
-    if not isinstance(parent, DelegatingGroup):
-        return original(*args, **kwargs)
+    if not isinstance(parent, DelegatingGroup) or getattr(c, "_use_torchcomms_enabled", lambda: False)():
+        return original(*args, **kwargs)  # (torchcomms: its new_group splits, through this very call)
     ranks = c.get_process_group_ranks(parent)  # (the parent's group ranks, as global ranks)
     splits = a.get("split_ranks")
     if not splits:
@@ -372,6 +372,8 @@ def split_group(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     for split in splits:
         if not split or len(set(split)) != len(split) or not all(0 <= r < len(ranks) for r in split):
             raise ValueError(f"{split!r} is not a split of a group of {len(ranks)} ranks")
+    if len({r for split in splits for r in split}) != sum(len(split) for split in splits):
+        raise ValueError(f"the splits {splits!r} overlap")
     # Every rank of the world makes every split of the world (as a DeviceMesh does without
     # split_group): the groups' names, which torch numbers in the order they are made, agree.  A
     # subgroup's members make only their own, named by its ranks (torch's names of groups made

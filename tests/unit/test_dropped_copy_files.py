@@ -5,11 +5,13 @@ runs them (the unit tier: nobody; the suite: root)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
 
 from snapshot import engine
+from snapshot.manifest import BoundSocket
 
 
 def _made(tmp_path: Path) -> tuple[Path, list[Path]]:
@@ -23,7 +25,11 @@ def _made(tmp_path: Path) -> tuple[Path, list[Path]]:
         s.bind(str(d / "listener"))
     made = [d, d / "sub", d / "scratch", d / "sub" / "shm", d / "listener"]
     note = tmp_path / "note"
-    engine._note_created(note, made)
+    bound = [
+        BoundSocket(str(d / "listener"), os.geteuid(), 0, 0, 0),
+        BoundSocket(str(d / "scratch"), os.geteuid(), 0, 0, 0),
+    ]
+    engine._note_created(note, made[:4], bound)  # (no socket at the second: not noted twice)
     return note, made
 
 
@@ -57,10 +63,15 @@ def test_nothing_is_removed_through_a_directory_swapped_for_a_symlink(tmp_path: 
     assert (elsewhere / "sub" / "shm").read_bytes() == b"mapped"
 
 
-def test_a_missing_or_damaged_note_removes_nothing(tmp_path: Path) -> None:
+def test_a_missing_or_damaged_note_or_one_of_another_boot_removes_nothing(tmp_path: Path) -> None:
     note, made = _made(tmp_path)
+    kept = note.read_text()
     assert engine.take_back_created(tmp_path / "no note") == []
-    note.write_text('[{"path": "relative/x", "dev": 1, "ino": 2, "uid": 0}, {"path": 3}, "x"]')
+    boot = engine._boot_id()
+    note.write_text(kept.replace(boot, "another boot"))  # (inode numbers start again after a reboot)
+    assert engine.take_back_created(note) == []
+    bad = [{"path": "relative/x", "dev": 1, "ino": 2, "uid": 0}, {"path": 3}, "x"]
+    note.write_text(json.dumps({"boot": boot, "made": bad}))
     assert engine.take_back_created(note) == []
     note.write_text("not json")
     assert engine.take_back_created(note) == []

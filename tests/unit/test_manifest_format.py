@@ -182,6 +182,10 @@ def test_a_directory_on_the_way_to_a_carried_file_reads_back_and_must_be_its_own
     with pytest.raises(SnapshotInvalid, match="gives a directory on the way to /scratch/u/job/log to another user"):
         engine._write_carried(tmp_path, m, created)
     assert created == [] and not Path("/scratch/u").exists()
+    m.carried.append("/scratch/v/not-archived")  # (no file of the archive vouches for its directory's owner)
+    m.dirs = [manifest.MadeDir("/scratch/v", 3000, 3000, 0o700)]
+    with pytest.raises(SnapshotInvalid, match="carried files lack /scratch/v/not-archived"):
+        engine._write_carried(tmp_path, m, [])
 
 
 def test_a_boolean_is_not_an_integer(tmp_path: Path) -> None:
