@@ -442,26 +442,30 @@ def _take_back(created: list[Path]) -> None:
 
 
 def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
+    """Write the carried files back, once the archive is checked whole: the files the manifest
+    names, each (a directory made on the way to one must be its owner's or root's)."""
     if not m.carried:
         return
     wanted = {p.lstrip("/"): Path(p) for p in m.carried}
     with tarfile.open(directory / IMAGES_DIR / manifest.CARRIED_NAME) as tar:
-        for member in tar.getmembers():
+        members = tar.getmembers()
+        for member in members:
             path = wanted.get(member.name)
-            source = tar.extractfile(member) if member.isfile() else None
-            if path is None or source is None:
+            if path is None or not member.isfile():
                 raise SnapshotInvalid(
                     f"{directory}'s carried files hold {member.name!r}, which the manifest does not name."
                 )
             if any(str(path).startswith(d.path + "/") and d.uid not in (0, member.uid) for d in m.dirs):
                 raise SnapshotInvalid(f"{directory}'s manifest gives a directory on the way to {path} to another user.")
+        if lacking := sorted(str(wanted[n]) for n in set(wanted) - {mb.name for mb in members}):
+            raise SnapshotInvalid(f"{directory}'s carried files lack {', '.join(lacking)}.")  # (no owner vouched)
+        for member in members:
+            path, source = wanted[member.name], tar.extractfile(member)
+            assert source is not None  # (a regular file: checked above)
             if safefs.write_file(path, source, member.uid, member.gid, member.mode, member.mtime, created,
                                  leftovers.left_behind):  # fmt: skip
                 log.info("%s replaced the stale copy a migration from this node had left behind", path)
             leftovers.forget(path)  # (what is there now is the process's own file again)
-            del wanted[member.name]
-    if wanted:  # (a directory on the way to one would be made for a user no file vouches for)
-        raise SnapshotInvalid(f"{directory}'s carried files lack {', '.join(sorted(map(str, wanted.values())))}.")
 
 
 def kill_restored(work: Path) -> int:

@@ -167,25 +167,28 @@ def test_where_unix_sockets_are_bound_reads_back(tmp_path: Path) -> None:
 
 def test_a_directory_on_the_way_to_a_carried_file_reads_back_and_must_be_its_owner_s(tmp_path: Path) -> None:
     """A directory of a carried file's owner reads back; the restore refuses one the manifest
-    gives to another user (the file's owner is in the carried archive), before writing anything."""
-    images = tmp_path / manifest.IMAGES_DIR
-    images.mkdir()
+    gives to another user (the file's owner is in the carried archive), or one on the way to a
+    file the archive lacks, before writing anything."""
+    snap, where = tmp_path / "snap", tmp_path / "node" / "scratch"
+    images = snap / manifest.IMAGES_DIR
+    images.mkdir(parents=True)
+    log = where / "u" / "job" / "log"
     with tarfile.open(images / manifest.CARRIED_NAME, "w") as tar:
-        info = tarfile.TarInfo("scratch/u/job/log")
+        info = tarfile.TarInfo(str(log).lstrip("/"))
         info.size, info.uid, info.gid = 3, 1000, 1000
         tar.addfile(info, io.BytesIO(b"log"))
-    dirs = [manifest.MadeDir("/scratch/u", 1000, 1000, 0o700), manifest.MadeDir("/scratch/u/job", 2000, 2000, 0o700)]
-    m = _manifest(carried=["/scratch/u/job/log"], files=manifest.checksum_files(tmp_path), dirs=dirs)
-    m.write(tmp_path)
-    assert manifest.load(tmp_path).dirs == dirs
+    dirs = [manifest.MadeDir(str(where / "u"), 1000, 1000, 0o700), manifest.MadeDir(str(log.parent), 2000, 2000, 0o700)]
+    m = _manifest(carried=[str(log)], files=manifest.checksum_files(snap), dirs=dirs)
+    m.write(snap)
+    assert manifest.load(snap).dirs == dirs
     created: list[Path] = []
-    with pytest.raises(SnapshotInvalid, match="gives a directory on the way to /scratch/u/job/log to another user"):
-        engine._write_carried(tmp_path, m, created)
-    assert created == [] and not Path("/scratch/u").exists()
-    m.carried.append("/scratch/v/not-archived")  # (no file of the archive vouches for its directory's owner)
-    m.dirs = [manifest.MadeDir("/scratch/v", 3000, 3000, 0o700)]
-    with pytest.raises(SnapshotInvalid, match="carried files lack /scratch/v/not-archived"):
-        engine._write_carried(tmp_path, m, [])
+    with pytest.raises(SnapshotInvalid, match=f"gives a directory on the way to {log} to another user"):
+        engine._write_carried(snap, m, created)
+    m.dirs = dirs[:1]
+    m.carried.append(str(where / "v" / "not-archived"))  # (no file of the archive vouches for its directory's owner)
+    with pytest.raises(SnapshotInvalid, match=f"carried files lack {where}/v/not-archived"):
+        engine._write_carried(snap, m, created)
+    assert created == [] and not (tmp_path / "node").exists()
 
 
 def test_a_boolean_is_not_an_integer(tmp_path: Path) -> None:
