@@ -398,13 +398,8 @@ def _note_created(note: Path, made: list[Path], sockets: list[manifest.BoundSock
             entries.append({"path": str(path), "dev": st.st_dev, "ino": st.st_ino, "uid": st.st_uid})
     tmp = note.with_name(f".{note.name}.{os.getpid()}")
     with open(tmp, "w", opener=private_opener) as f:
-        json.dump({"boot": _boot_id(), "made": entries}, f)
+        json.dump({"boot": proc.boot_id(), "made": entries}, f)
     tmp.rename(note)
-
-
-def _boot_id() -> str:
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        return f.read().strip()
 
 
 def take_back_created(note: Path) -> list[str]:
@@ -418,7 +413,7 @@ def take_back_created(note: Path) -> list[str]:
     except (OSError, ValueError, SnapshotError) as e:
         log.warning("could not read %s: what the dropped copy's restore made is left: %s", note, e)
         return []
-    if not isinstance(entries, dict) or entries.get("boot") != _boot_id():
+    if not isinstance(entries, dict) or entries.get("boot") != proc.boot_id():
         return []  # (made before a reboot: gone with a tmpfs, or another file by now)
     made = entries.get("made")
     removed = []

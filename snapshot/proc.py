@@ -372,3 +372,11 @@ def deferred_sigint(on_interrupt: Callable[[], None] | None = None) -> Iterator[
             signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
     if outermost and not failed and state.interrupted and not state.consumed:
         raise KeyboardInterrupt
+
+
+def boot_id() -> str:
+    """This boot of the node (the kernel's boot id; "" where it cannot be read)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""

@@ -46,6 +46,7 @@ from typing import Any
 import psutil
 
 from snapshot import proc
+from snapshot.proc import boot_id
 from snapshot.safefs import private_dir, private_opener
 from tpagent.api import BadTransition, JournalError, Role, SourceState, State, TargetState, allowed, is_final
 
@@ -100,13 +101,6 @@ class Record:
         state: State = (SourceState if role is Role.SOURCE else TargetState)(data.pop("state"))
         data.setdefault("boot_id", "")  # (formats 0 and 1: not known, never the boot reading it)
         return cls(role=role, state=state, **data)
-
-
-def boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
 
 
 def on_tmpfs(directory: Path) -> bool:

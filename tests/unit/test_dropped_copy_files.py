@@ -10,7 +10,7 @@ import os
 import socket
 from pathlib import Path
 
-from snapshot import engine
+from snapshot import engine, proc
 from snapshot.manifest import BoundSocket
 
 
@@ -67,7 +67,7 @@ def test_a_missing_or_damaged_note_or_one_of_another_boot_removes_nothing(tmp_pa
     note, made = _made(tmp_path)
     kept = note.read_text()
     assert engine.take_back_created(tmp_path / "no note") == []
-    boot = engine._boot_id()
+    boot = proc.boot_id()
     note.write_text(kept.replace(boot, "another boot"))  # (inode numbers start again after a reboot)
     assert engine.take_back_created(note) == []
     bad = [{"path": "relative/x", "dev": 1, "ino": 2, "uid": 0}, {"path": 3}, "x"]
