@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU proof in one command (bench/gpu_proof.py: what it runs and the report it writes).
-#   scripts/gpu-proof.sh [--out DIR] [--sizes-gib 1,8,16] [--budget-s 540]
+#   scripts/gpu-proof.sh [--out DIR] [--sizes-gib 1,8,16] [--budget-s 540] [--tests-s S]
 # Set up first (scripts/setup.sh, or scripts/setup.sh --bundle DIR on a node with no registry).
 set -euo pipefail
 cd "$(dirname "$0")/.."

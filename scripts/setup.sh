@@ -33,7 +33,19 @@ if [ -n "$bundle" ]; then
   # Nothing but the bundle: no index, no configured mirror.
   export PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_FIND_LINKS=$bundle/wheels PIP_DISABLE_PIP_VERSION_CHECK=1
   unset PIP_INDEX_URL PIP_EXTRA_INDEX_URL
-  [ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages "$venv"
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv --system-site-packages "$venv"
+    # The node's python3 may itself be a virtual environment (its torch installed there, as on
+    # the GPU nodes): a venv made from it sees its base interpreter's packages, not that
+    # environment's.  A .pth adds them (after the venv's own, which win).
+    purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    python3 - "$purelib/node-site-packages.pth" <<'PY'
+import site, sys
+if sys.prefix != sys.base_prefix:
+    with open(sys.argv[1], "w") as pth:
+        pth.writelines(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages())
+PY
+  fi
   skip='^tpagent=='
   if "$venv/bin/python" -c 'import cuda.bindings' 2>/dev/null; then
     skip='^(tpagent|cuda-bindings|cuda-pathfinder)=='  # the node's own CUDA bindings stay
