@@ -111,6 +111,10 @@ def rank_env(env: dict[str, str], socket_name: str, job: str) -> dict[str, str]:
     out["TPAGENT_RANK_SOCKET"] = socket_name
     out["TPAGENT_JOB"] = job
     out.setdefault("USE_LIBUV", "0")  # a store a rank hosts must be dumpable (libuv's uses io_uring)
+    # NCCL's RAS (2.24+) starts a thread per process at its first communicator, listening on the
+    # node's address, and never stops it.  On an H100 a rank whose communicators were all
+    # destroyed still held such a socket and could not move.  Off unless the user turned it on.
+    out.setdefault("NCCL_RAS_ENABLE", "0")
     return out
 
 

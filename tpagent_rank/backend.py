@@ -164,7 +164,9 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         for b in {id(b): b for b in self._inner.values()}.values():
             if "NCCL" in type(b).__name__:
                 one = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
-                b.allreduce([one], c10d.AllreduceOptions()).wait()
+                work = b.allreduce([one], c10d.AllreduceOptions())
+                if work is not None:
+                    work.wait()
                 torch.cuda.synchronize()
 
     def _pick(self, tensors: Any) -> Any:
@@ -202,7 +204,8 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         return self._track(getattr(front, name)(*args))
 
     def _track(self, work: Any) -> Any:
-        self._works.add(work)
+        if work is not None:  # (NCCL's ops with async_op=False give none: they run on the current stream)
+            self._works.add(work)
         if self._first is not None and self._armed:  # (once per generation: NCCL's first collective)
             first, self._first, self._armed = self._first, None, False
             owned.note_since(first)

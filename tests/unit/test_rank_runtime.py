@@ -231,3 +231,37 @@ def test_split_group_of_a_delegating_group_gives_delegating_groups_of_the_same_r
     assert [s["three"] for s in seen] == [[[0, 1, 2], 6.0]] * 3 + [None]
     assert [s["after"] for s in seen] == [None, 6.0, 6.0, 6.0]
     assert [s["world"] for s in seen] == [4.0] * 4
+
+
+def test_an_op_whose_backend_gives_no_work_is_passed_through(tmp_path: Path) -> None:
+    """NCCL's ops with async_op=False run on the current stream and give torch no Work (torch
+    then waits on nothing): such an op goes through a delegating group as it came, and the group
+    still tears down and rebuilds.  gloo always gives one, so a gloo backend that waits for its
+    own Work and gives none stands in for NCCL (no GPU here; tests/agent/test_rewire_gpu.py runs
+    the real one)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from tpagent_rank import backend
+
+    class SyncOnly:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def allreduce(self, tensors: Any, opts: Any) -> None:
+            self.inner.allreduce(tensors, opts).wait()
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    group = backend.DelegatingGroup(store, 0, 1, datetime.timedelta(seconds=30), {"cpu": "gloo"})
+    gloo = group._only
+    group._inner, group._only = {"cpu": SyncOnly(gloo)}, SyncOnly(gloo)
+    t = torch.full((3,), 2.0)
+    assert group.allreduce([t], dist.AllreduceOptions()) is None
+    assert t.tolist() == [2.0, 2.0, 2.0] and not list(group._works)
+    group.teardown()
+    group.rebuild(1)
+    work = group.allreduce([t], dist.AllreduceOptions())
+    work.wait()  # (gloo again, a Work of its own, tracked until it is gone)
+    assert t.tolist() == [2.0, 2.0, 2.0] and type(group._only).__name__ == "ProcessGroupGloo"

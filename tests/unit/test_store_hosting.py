@@ -49,6 +49,12 @@ def test_srun_ranks_get_what_env_rendezvous_reads() -> None:
     assert mine["RANK"] == "2"  # (what the launcher set stays)
 
 
+def test_a_rank_runs_without_nccls_ras_unless_its_user_asked_for_it() -> None:
+    # (RAS listens on the node's address for the life of the process: the rank could not move)
+    assert standin.rank_env({}, "s", "j")["NCCL_RAS_ENABLE"] == "0"
+    assert standin.rank_env({"NCCL_RAS_ENABLE": "1"}, "s", "j")["NCCL_RAS_ENABLE"] == "1"
+
+
 def test_only_rank_0_of_a_job_no_launcher_serves_a_store_for_gets_one() -> None:
     cmd = [sys.executable, "train.py"]
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "PATH": os.environ.get("PATH", "")}
