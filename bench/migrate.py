@@ -2,10 +2,13 @@
 
     python bench/migrate.py [--sizes-mib 1024,4096] [--repeats 3] [--dir /dev/shm] [--gpu] [--json-out F]
 
-Two agents (`tpagent serve`) run on this machine on two ports, each with its own work
-directory under --dir.  For each size a fresh workload holding that much state is started
-under `tpagent launch` and moved with `tpagent migrate`; the downtime is from the freeze
-until the copy runs on the target (the agent's ``downtime`` timing), next to each stage.
+Two nodes, each a network namespace of this machine with its agent (`tpagent serve`) and
+its work directory under --dir, joined by a bridge (tests/cluster.py).  For each size a fresh
+workload holding that much state is started on A under `tpagent launch` and moved to B with
+`tpagent migrate` (two agents in one namespace cannot move a CUDA process: it holds an
+abstract socket named after itself, which its copy cannot bind there while the original is
+held).  The downtime is from the freeze until the copy runs on the target (the agent's
+``downtime`` timing), next to each stage.
 In the same run, the naive route on the same workload: bare `criu dump` into a directory,
 `cp -a` of that directory, bare `criu restore` (its downtime is the sum).  Medians over
 --repeats, each route after the same memory warm-up (see ``warm``).  --gpu: the state is GPU
@@ -16,7 +19,6 @@ a table, then one JSON object.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -30,78 +32,24 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import common  # noqa: E402
 
+from cluster import Cluster, Node  # noqa: E402
 from helpers import kill_and_wait, wait_until  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
 
-PORTS = (7591, 7592)
 
-
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=3600
-    )
-
-
-def launch(kind: str, size: int, work: Path) -> tuple[int, Path]:
+def launch(kind: str, size: int, work: Path, node: Node | None = None) -> int:
+    """A fresh workload of ``size`` MiB under `tpagent launch` (on ``node``, or here): its PID."""
     log = work / "w.log"
     log.unlink(missing_ok=True)
     if kind == "gpu":
         cmd, ready = [sys.executable, str(ROOT / "tests/workloads/gpu_hold.py"), str(log), str(size / 1024)], "step "
     else:
         cmd, ready = [sys.executable, str(ROOT / "tests/workloads/stateful.py"), str(log), str(size)], "tick "
-    out = cli("launch", "--stdout", str(work / "w.out"), "--", *cmd)
+    launch = [sys.executable, "-m", "cli.main", "launch", "--stdout", str(work / "w.out"), "--", *cmd]
+    out = subprocess.run(node.exec(*launch) if node else launch, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     wait_until(lambda: log.exists() and ready in log.read_text(), "the workload to start", 900)
-    return int(out.stdout), log
-
-
-def credentials(work: Path) -> dict[str, str]:
-    """The cluster secret and a certificate (for 127.0.0.1) both agents and the CLI use."""
-    secret = work / "secret"
-    secret.write_text(os.urandom(24).hex())
-    secret.chmod(0o600)
-    subprocess.run(
-        ["bash", str(ROOT / "scripts" / "make-certs.sh"), str(work / "ca"), str(work / "tls"), "bench"], check=True
-    )
-    return {"TPAGENT_SECRET_FILE": str(secret), "TPAGENT_TLS_DIR": str(work / "tls")}
-
-
-def agents(work: Path, creds: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    procs = []
-    for i, port in enumerate(PORTS):
-        d = work / f"agent{i}"
-        d.mkdir(mode=0o700)
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "cli.main",
-                    "serve",
-                    "--listen",
-                    f"127.0.0.1:{port}",
-                    "--advertise",
-                    "127.0.0.1",
-                    "--node",
-                    f"bench{i}",
-                    "--work-dir",
-                    str(d),
-                    "--metrics-listen",
-                    "",
-                    "--health-listen",
-                    "",
-                    "--secret-file",
-                    creds["TPAGENT_SECRET_FILE"],
-                    "--tls-dir",
-                    creds["TPAGENT_TLS_DIR"],
-                ],
-                cwd=ROOT,
-                stdout=subprocess.DEVNULL,
-                stderr=open(d / "log", "wb"),  # noqa: SIM115 (the agent's log: open for the agent's whole life)
-            )
-        )
-    time.sleep(3)
-    return procs
+    return int(out.stdout)
 
 
 def warm(mib: int) -> None:
@@ -111,12 +59,9 @@ def warm(mib: int) -> None:
     subprocess.run([sys.executable, "-c", f"b = bytearray({mib} << 20); b[::4096] = bytes(len(b) // 4096)"], check=True)
 
 
-def tpagent_round(kind: str, size: int, work: Path, creds: dict[str, str]) -> dict[str, float]:
-    pid, _ = launch(kind, size, work)
-    env = {**os.environ, **creds}
-    out = cli(
-        "migrate", str(pid), "--from", f"127.0.0.1:{PORTS[0]}", "--to", f"127.0.0.1:{PORTS[1]}", "--json", env=env
-    )
+def tpagent_round(kind: str, size: int, work: Path, c: Cluster) -> dict[str, float]:
+    pid = launch(kind, size, work, c.nodes["A"])
+    out = c.migrate(pid, "A", "B", "--json", timeout=3600)
     assert out.returncode == 0, out.stderr + out.stdout
     doc = json.loads(out.stdout)
     kill_and_wait(doc["new_pid"])
@@ -124,7 +69,7 @@ def tpagent_round(kind: str, size: int, work: Path, creds: dict[str, str]) -> di
 
 
 def naive_round(kind: str, size: int, work: Path) -> dict[str, float]:
-    pid, _ = launch(kind, size, work)
+    pid = launch(kind, size, work)
     criu, a, b = Criu(), work / "naive-a", work / "naive-b"
     a.mkdir()
     t0 = time.monotonic()
@@ -147,14 +92,15 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tpagent-bench-") as d:
         work = Path(d)
-        creds = credentials(work)
-        procs = agents(work, creds)
+        c = Cluster(work, ["A", "B"])
         try:
+            for node in c.nodes.values():
+                node.start_agent()
             for size in (int(x) for x in args.sizes_mib.split(",")):
                 rounds = []
                 for _ in range(args.repeats):  # interleaved: drift hits both routes alike
                     warm(4 * size)
-                    t = tpagent_round(kind, size, work, creds)
+                    t = tpagent_round(kind, size, work, c)
                     warm(4 * size)
                     rounds.append(t | naive_round(kind, size, work))
                 keys = sorted({k for r in rounds for k in r})
@@ -169,9 +115,7 @@ def main() -> None:
                     }
                 )
         finally:
-            for p in procs:
-                p.terminate()
-                p.wait(60)
+            c.close()
     cols = [
         "tpagent_freeze",
         "tpagent_freeze_and_send",

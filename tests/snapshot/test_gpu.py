@@ -132,35 +132,36 @@ def test_gpu_process_in_launched_namespace(tmp_path: Path) -> None:
 
 
 def test_gpu_process_migrates_between_two_agents(tmp_path: Path) -> None:
-    """Two agents on this one machine (two ports): an 8 GiB GPU process moves from one to the
-    other under `tpagent migrate`, its GPU data bit-exact; each stage's time is printed."""
+    """Two nodes, each a network namespace of this machine with its agent: an 8 GiB GPU process
+    launched on A moves to B under `tpagent migrate`, its GPU data bit-exact; each stage's time
+    is printed.  (Not two agents in one namespace: the CUDA driver holds an abstract socket named
+    after the process, which its copy cannot bind there while the original is held.)"""
     import json
 
     import psutil
 
+    from cluster import Cluster
     from helpers import ROOT
 
-    secret = tmp_path / "secret"
-    secret.write_text(os.urandom(24).hex())
-    agents = []
-    for i, port in enumerate((7581, 7582)):
-        (tmp_path / f"agent{i}").mkdir()
-        with open(tmp_path / f"agent{i}.log", "wb") as agent_log:
-            agents.append(subprocess.Popen(
-                [sys.executable, "-m", "cli.main", "serve", "--listen", f"127.0.0.1:{port}", "--advertise", "127.0.0.1",
-                 "--node", f"gpu{i}", "--work-dir", str(tmp_path / f"agent{i}"), "--metrics-listen", "",
-                 "--secret-file", str(secret)],
-                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=agent_log))  # fmt: skip
-    root, log = _launch_hold(tmp_path, 8)
+    c = Cluster(tmp_path, ["A", "B"])
+    root = 0
     try:
+        for node in c.nodes.values():
+            node.start_agent()
+        log = tmp_path / "gpu.log"
+        out = subprocess.run(
+            c.nodes["A"].exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp_path / "gpu.out"),
+                              "--", sys.executable, str(HOLD), str(log), "8"),
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        root = int(out.stdout)
         wait_until(lambda: len(_steps(log)) > 5, "the GPU workload to start", 300)
-        env = {**os.environ, "TPAGENT_SECRET_FILE": str(secret)}
-        mig = subprocess.run([sys.executable, "-m", "cli.main", "migrate", str(root),
-                              "--from", "127.0.0.1:7581", "--to", "127.0.0.1:7582", "--json"],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
-        assert mig.returncode == 0, mig.stderr + (tmp_path / "agent0.log").read_text()[-3000:]
+        mig = c.migrate(root, "A", "B", "--json", timeout=900)
+        assert mig.returncode == 0, mig.stderr + mig.stdout + (c.nodes["A"].work / "agent.log").read_text()[-3000:]
         doc = json.loads(mig.stdout)
         print("GPU migration timings:", json.dumps(doc["timings"]), "total", doc["seconds"])
+        assert not alive(root)
         root = doc["new_pid"]
         stopped = _steps(log)[-1]
         wait_until(lambda: _steps(log)[-1] > stopped + 5, "the migrated workload to step on", 120)
@@ -168,8 +169,6 @@ def test_gpu_process_migrates_between_two_agents(tmp_path: Path) -> None:
         assert steps == list(range(len(steps)))
         _verify(psutil.Process(root).children()[0].pid, log)
     finally:
-        if alive(root):
+        if root and alive(root):
             kill_and_wait(root)
-        for a in agents:
-            a.terminate()
-            a.wait(60)
+        c.close()
