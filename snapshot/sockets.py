@@ -1,4 +1,4 @@
-"""The TCP sockets of a process tree, and which of them cannot be restored on another node.
+"""The sockets of a process tree (TCP; unix ones' names), and which cannot be restored on another node.
 
 Read from the tree's own network namespace (``/proc/PID/net/tcp{,6}``, not the reader's) and
 matched to the tree by socket inode (``/proc/PID/fd/*`` -> ``socket:[INODE]``)::
@@ -215,11 +215,10 @@ def unusable_here(node: str, connections: Iterable[tuple[str, str]]) -> list[str
     return problems
 
 
-def unix_bound(pids: Iterable[int]) -> list[str]:
-    """The absolute paths the tree's unix sockets are bound to (a listener's file, such as each
-    DataLoader worker's ``pymp-XXXX/listener-XXXX``), from its own ``/proc/PID/net/unix``::
+def _unix_names(pids: Iterable[int]) -> set[str]:
+    """The names the tree's bound unix sockets print in its own ``/proc/PID/net/unix``::
 
-        LINE ::= NUM REFCOUNT PROTOCOL FLAGS TYPE STATE INODE [PATH]   (PATH "@..." when abstract)
+    LINE ::= NUM REFCOUNT PROTOCOL FLAGS TYPE STATE INODE [PATH]   (PATH "@..." when abstract)
     """
     out: set[str] = set()
     for pid in pids:
@@ -230,6 +229,34 @@ def unix_bound(pids: Iterable[int]) -> list[str]:
             continue
         for line in lines:
             f = line.split(maxsplit=7)
-            if len(f) == 8 and f[6].isdigit() and int(f[6]) in inodes and f[7].startswith("/"):
-                out.add(os.path.normpath(f[7]))
-    return sorted(out)
+            if len(f) == 8 and f[6].isdigit() and int(f[6]) in inodes:
+                out.add(f[7])
+    return out
+
+
+def unix_bound(pids: Iterable[int]) -> list[str]:
+    """The absolute paths the tree's unix sockets are bound to (a listener's file, such as each
+    DataLoader worker's ``pymp-XXXX/listener-XXXX``)."""
+    return sorted({os.path.normpath(n) for n in _unix_names(pids) if n.startswith("/")})
+
+
+def abstract_bound(pids: Iterable[int]) -> list[str]:
+    """The abstract names (``@NAME``, a NUL inside printed as "@") the tree's unix sockets are
+    bound to.  They belong to a network namespace, not to a file: CRIU binds each again, and
+    cannot where a process of the target's namespace holds it.  (A CUDA process holds one named
+    after its PID namespace and PID, @cuda-uvmfd-NSINO-PID@: ranks of two nodes, moved to one,
+    may hold the same name.)"""
+    return sorted(n for n in _unix_names(pids) if n.startswith("@"))
+
+
+def abstract_taken(names: Iterable[str]) -> list[str]:
+    """Those of ``names`` a unix socket of this process's network namespace is bound to."""
+    wanted = set(names)
+    if not wanted:
+        return []
+    try:
+        lines = Path("/proc/self/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return []
+    bound = {f[7] for f in (line.split(maxsplit=7) for line in lines) if len(f) == 8}
+    return sorted(wanted & bound)

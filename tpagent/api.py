@@ -355,6 +355,8 @@ class Offer:
     #: source has said nothing for this many seconds, it is final.
     hold: float = 0.0
     gpu_bus_ids: tuple[str, ...] = ()  # each of gpu_uuids's PCI bus id, in order ("": not known)
+    #: The abstract names ("@NAME") the tree's unix sockets are bound to: none may be bound on the target.
+    abstract_sockets: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

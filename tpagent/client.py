@@ -57,7 +57,8 @@ class GrpcPeer(Peer):
                                     gpu_uuids=list(offer.gpu_uuids), shared_files=list(offer.shared_files),
                                     dry_run=offer.dry_run, carried_files=list(offer.carried_files),
                                     tcp=[pb.TcpEndpoint(local=a, remote=b) for a, b in offer.tcp],
-                                    hold=offer.hold, gpu_bus_ids=list(offer.gpu_bus_ids))  # fmt: skip
+                                    hold=offer.hold, gpu_bus_ids=list(offer.gpu_bus_ids),
+                                    abstract_sockets=list(offer.abstract_sockets))  # fmt: skip
         r = self._call(lambda: self._stub.Receive(request, timeout=timeout))
         return Acceptance(r.transfer_address, dict(r.gpu_map), tuple(r.problems), reserved=r.reserved,
                           clock=float(r.clock))  # fmt: skip

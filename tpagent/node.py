@@ -471,6 +471,14 @@ class Node:
             if size != "*" and str(have) != size:
                 problems.append(f"{path} is {have} bytes on {node} but {size} on the source")
         problems += sockets.unusable_here(node, list(offer.tcp)[:10_000])
+        # (a name is at most 108 bytes; the kernel prints each NUL of one as "@")
+        for name in sockets.abstract_taken(n for n in offer.abstract_sockets if n.startswith("@") and len(n) <= 109):
+            why = (" (the CUDA driver's, named after the process's PID namespace and PID: a CUDA process moved "
+                   "there from another node may hold the same)" if name.startswith("@cuda-uvmfd-") else "")  # fmt: skip
+            problems.append(
+                f"the abstract unix socket {name} is bound on {node} already{why}, so the copy could not bind it "
+                "there: pick another node, or end what holds it there"
+            )
         return problems
 
     def gpu_map(self, uuids: list[str], buses: list[str]) -> dict[str, str]:

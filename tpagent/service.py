@@ -100,7 +100,8 @@ class Service(AgentServicer):
                       int(request.bytes_estimate), tuple(request.gpu_uuids), tuple(request.shared_files),
                       bool(request.dry_run), tuple(request.carried_files),
                       tuple((str(t.local), str(t.remote)) for t in request.tcp), float(request.hold),
-                      tuple(str(b)[:64] for b in request.gpu_bus_ids[:64]))  # fmt: skip
+                      tuple(str(b)[:64] for b in request.gpu_bus_ids[:64]),
+                      tuple(str(n) for n in request.abstract_sockets[:10_000]))  # fmt: skip
         a = _answer(context, lambda: self.node.receive(offer))
         return pb.ReceiveReply(transfer_address=a.transfer_address, gpu_map=dict(a.gpu_map), problems=list(a.problems),
                                reserved=a.reserved, clock=a.clock)  # fmt: skip

@@ -246,6 +246,7 @@ class SourceMigration:
                   for s in sockets.must_check_on_target(tcp)),
             self.hold,
             tuple(g.pci_bus_id for g in used),
+            tuple(sockets.abstract_bound(sorted(pids))),
         )  # fmt: skip
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
         asked = clock.now()

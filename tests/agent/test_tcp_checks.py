@@ -1,6 +1,7 @@
 """TCP sockets that cannot survive the move are refused at check time (the dry run and the
 migration's own check), in one sentence naming the socket, and the workload runs on untouched.
-A tree holding both ends of its connections moves (tests/agent/test_migrate.py's TCP pair)."""
+A tree holding both ends of its connections moves (tests/agent/test_migrate.py's TCP pair).
+So is a unix socket bound to an abstract name that a process on the target already holds."""
 
 from __future__ import annotations
 
@@ -119,5 +120,68 @@ def test_a_socket_the_target_cannot_take_is_refused_at_check(
         seq = _pairs(log)
         assert [t for t, _ in seq] == list(range(len(seq))) and all(echo == t for t, echo in seq)
         assert Path(f"/proc/{pid}/ns/net").stat().st_ino == Path(f"/run/netns/{a.name}").stat().st_ino
+    finally:
+        kill_and_wait(pid)
+
+
+# Binds a unix socket to the abstract name argv[2] (listening), then counts to the log argv[1].
+ABSTRACT = """
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind("\\0" + sys.argv[2])
+s.listen()
+i = 0
+while True:
+    with open(sys.argv[1], "a") as log:
+        log.write(f"tick {i}\\n")
+    i += 1
+    time.sleep(0.05)
+"""
+
+
+def test_an_abstract_unix_name_the_target_holds_is_refused_at_check(
+    cluster: Cluster, helpers: Helpers, tmp_path: Path
+) -> None:
+    """What a CUDA process meets where a process moved from another node holds its driver's
+    @cuda-uvmfd-NSINO-PID@: refused before anything is frozen, and the move works once the
+    name is free there."""
+    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    name = f"tpagent-test-{tmp_path.name}"
+    holder = tmp_path / "holder.log"
+    helpers.start(b.exec(sys.executable, "-c", ABSTRACT, str(holder), name))
+    wait_until(holder.exists, "B's process to hold the name")
+    log = tmp_path / "w.log"
+    out = subprocess.run(a.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp_path / "w.out"),
+                                "--", sys.executable, "-c", ABSTRACT, str(log), name),
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    pid = int(out.stdout)
+    ticks = lambda: [int(ln.split()[1]) for ln in log.read_text().split("\n")[:-1]] if log.exists() else []  # noqa: E731
+    try:
+        wait_until(lambda: len(ticks()) > 5, "the workload to run")
+        named = f"the abstract unix socket @{name} is bound on {b.name} already, so the copy could not bind it there"
+        dry = cluster.migrate(pid, "A", "B", "--dry-run", "--json")
+        assert dry.returncode == 1, dry.stderr
+        assert json.loads(dry.stdout)["problems"] == [named + ": pick another node, or end what holds it there"]
+        run = cluster.migrate(pid, "A", "B", "--json")
+        doc = json.loads(run.stdout)
+        assert run.returncode == 1 and doc["state"] == "failed" and named in doc["message"], doc
+        assert not list((b.work / "agent" / "incoming").glob("*")), "B was sent something"
+        n = len(ticks())  # never frozen: it counts on, on A
+        wait_until(lambda: len(ticks()) > n + 10, "the workload to go on")
+        assert ticks() == list(range(len(ticks())))
+        assert Path(f"/proc/{pid}/ns/net").stat().st_ino == Path(f"/run/netns/{a.name}").stat().st_ino
+
+        helpers.close()  # (the name is free on B now: the same move goes through, the name with it)
+        helpers.procs.clear()
+        run = cluster.migrate(pid, "A", "B", "--json")
+        assert run.returncode == 0, run.stdout + run.stderr
+        pid = json.loads(run.stdout)["new_pid"]
+        n = len(ticks())
+        wait_until(lambda: len(ticks()) > n + 10, "the moved workload to go on")
+        assert ticks() == list(range(len(ticks())))
+        assert Path(f"/proc/{pid}/ns/net").stat().st_ino == Path(f"/run/netns/{b.name}").stat().st_ino
+        bound = subprocess.run(b.exec("cat", "/proc/net/unix"), capture_output=True, text=True, check=True).stdout
+        assert f"@{name}" in bound
     finally:
         kill_and_wait(pid)
