@@ -77,7 +77,9 @@ def run_tests(out: Path, budget: float) -> list[dict[str, Any]]:
     xml, log = out / "gpu-tests.xml", out / "gpu-tests.log"
     interrupted = False
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, f"--junitxml={xml}", "-rA"]
-    env = {**os.environ, "TPAGENT_TESTS_NEED_CRIU": "1", "PYTHONUNBUFFERED": "1"}
+    # (the venv's bin first: where scripts/setup.sh --bundle puts ip and nft for a node without them)
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
+    env = {**os.environ, "TPAGENT_TESTS_NEED_CRIU": "1", "PYTHONUNBUFFERED": "1", "PATH": path}
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
         try:

@@ -9,6 +9,10 @@
 #                platform, plus what `pip install -e .` of a checkout needs to build (grpcio-tools...)
 #                and the GPU proof's test runner (pytest); cuda-bindings too, used only where the
 #                node has none of its own
+# OUT/tools/     ip (iproute2) and nft (nftables) of this machine, each with its libraries and
+#                their loader: used only where the node has none (GPU images may lack both: the
+#                proof's tests make network namespaces with ip; tpagent removes CRIU's network
+#                lock with nft)
 # OUT/requirements.txt   every wheel, pinned, with its sha256 (pip --require-hashes)
 # OUT/SHA256SUMS         every file of the bundle
 #
@@ -42,6 +46,12 @@ mkdir -p "$out/wheels"
 scripts/install-criu.sh >/dev/null
 tar -C "${TPAGENT_CRIU_PREFIX:-/opt/tpagent/criu}" --exclude=./usr/share/doc --exclude=./usr/share/man \
   --exclude=./usr/share/lintian -czf "$out/criu.tar.gz" .
+mkdir -p "$out/tools/lib"
+for tool in ip nft; do
+  bin=$(command -v $tool) || { echo "bundle: $tool is not on this machine (apt-get install iproute2 nftables)" >&2; exit 2; }
+  cp -L "$bin" "$out/tools/$tool"
+  ldd "$bin" | grep -o '/[^ ]*' | while read -r lib; do cp -Ln "$lib" "$out/tools/lib/"; done
+done
 
 abi=cp${py/./}
 pip_for_target=(.venv/bin/pip download -q --disable-pip-version-check --only-binary=:all: -d "$out/wheels"

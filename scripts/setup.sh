@@ -26,7 +26,7 @@ esac
 if [ -n "$bundle" ]; then
   [ -f "$bundle/SHA256SUMS" ] || { echo "setup: $bundle is not a bundle (no SHA256SUMS): see scripts/bundle.sh" >&2; exit 2; }
   (cd "$bundle" && sha256sum --quiet --strict -c SHA256SUMS) || { echo "setup: the bundle $bundle is damaged" >&2; exit 2; }
-  for tool in unshare ip nft setpriv; do
+  for tool in unshare setpriv; do
     command -v $tool >/dev/null || echo "setup: warning: $tool is not on this node (a bundle brings no system packages)" >&2
   done
   TPAGENT_CRIU_FROM=$bundle/criu.tar.gz scripts/install-criu.sh
@@ -46,6 +46,21 @@ if sys.prefix != sys.base_prefix:
         pth.writelines(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages())
 PY
   fi
+  # ip and nft where the node has none: the bundle's (its machine's, with their libraries and
+  # loader), as the venv's bin/ip and bin/nft (the GPU proof puts that first on its tests' PATH)
+  tools=$(realpath "$venv")/lib/tpagent-tools
+  for tool in ip nft; do
+    if command -v $tool >/dev/null; then continue; fi
+    if [ ! -x "$bundle/tools/$tool" ]; then
+      echo "setup: warning: $tool is not on this node, nor in the bundle" >&2
+      continue
+    fi
+    mkdir -p "$tools" && cp -a "$bundle/tools/." "$tools/"
+    printf '#!/bin/sh\nexec "%s/lib/ld-linux-x86-64.so.2" --library-path "%s/lib" "%s/%s" "$@"\n' \
+      "$tools" "$tools" "$tools" "$tool" >"$venv/bin/$tool"
+    chmod 755 "$venv/bin/$tool"
+    echo "setup: $tool is not on this node: the bundle's is $venv/bin/$tool"
+  done
   skip='^tpagent=='
   if "$venv/bin/python" -c 'import cuda.bindings' 2>/dev/null; then
     skip='^(tpagent|cuda-bindings|cuda-pathfinder)=='  # the node's own CUDA bindings stay

@@ -2,7 +2,9 @@
 --bundle`` installs tpagent from it in a network namespace of its own (no interface but its
 loopback: nothing can be fetched), into a fresh venv, with CRIU in a fresh prefix;
 then the installed ``tpagent doctor`` runs.  A damaged bundle is refused before anything is
-installed.  The bundle is made for this machine's Python (the GPU nodes' 3.12 is the default)."""
+installed.  The bundle is made for this machine's Python (the GPU nodes' 3.12 is the default).
+The node is made like the GPU image met on an H100: its python3 a virtual environment holding
+its own packages (torch there), and no ``ip`` or ``nft`` on its PATH."""
 
 from __future__ import annotations
 
@@ -36,8 +38,26 @@ def _checkout(dst: Path) -> Path:
 
 def _offline(*cmd: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``cmd`` in a network namespace of its own: a loopback (CRIU's kernel probe needs one), no route out."""
-    return subprocess.run(["unshare", "--net", "--", "sh", "-c", 'ip link set lo up && exec "$@"', "-", *cmd],
+    up = f"{shutil.which('ip')} link set lo up"
+    return subprocess.run(["unshare", "--net", "--", "sh", "-c", up + ' && exec "$@"', "-", *cmd],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=400)  # fmt: skip
+
+
+def _node_path(tmp: Path) -> str:
+    """A PATH like the GPU image's: python3 a venv with a package of its own, no ip, no nft."""
+    node = tmp / "node-python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(node)], check=True)
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = subprocess.run([str(node / "bin" / "python"), "-c", where], capture_output=True, text=True,
+                             check=True).stdout.strip()  # fmt: skip
+    Path(purelib, "node_own_package.py").write_text("WHERE = 'the node'\n")
+    tools = tmp / "node-bin"
+    tools.mkdir()
+    for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        for f in Path(d).glob("*") if Path(d).is_dir() else []:
+            if f.name not in ("ip", "nft", "python3", "python") and not (tools / f.name).exists():
+                (tools / f.name).symlink_to(f)
+    return os.pathsep.join([str(node / "bin"), str(tools)])
 
 
 def test_tpagent_installs_offline_from_a_bundle_and_its_doctor_runs(tmp_path: Path) -> None:
@@ -53,10 +73,18 @@ def test_tpagent_installs_offline_from_a_bundle_and_its_doctor_runs(tmp_path: Pa
     checkout = _checkout(tmp_path / "checkout")
     venv, prefix = tmp_path / "venv", tmp_path / "criu"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV"))}
-    env |= {"TPAGENT_VENV": str(venv), "TPAGENT_CRIU_PREFIX": str(prefix)}
+    env |= {"TPAGENT_VENV": str(venv), "TPAGENT_CRIU_PREFIX": str(prefix), "PATH": _node_path(tmp_path)}
     setup = _offline("bash", "scripts/setup.sh", "--bundle", str(bundle), cwd=checkout, env=env)
     assert setup.returncode == 0, setup.stdout + setup.stderr
     assert "offline" in setup.stdout
+    seen = subprocess.run([str(venv / "bin" / "python"), "-c", "import node_own_package as m; print(m.WHERE)"],
+                          cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    assert seen.stdout == "the node\n", seen.stderr  # (the node's own packages: its torch, on a GPU node)
+    links = subprocess.run([str(venv / "bin" / "ip"), "-j", "link", "show", "lo"], env=env, capture_output=True,
+                           text=True, check=True)  # fmt: skip
+    assert json.loads(links.stdout)[0]["ifname"] == "lo"
+    nft = subprocess.run([str(venv / "bin" / "nft"), "--version"], env=env, capture_output=True, text=True, check=True)
+    assert nft.stdout.startswith("nftables")
 
     doctor = _offline(str(venv / "bin" / "tpagent"), "doctor", "--json", "--criu", str(prefix / "bin" / "criu"),
                       cwd=tmp_path, env=env)  # fmt: skip
