@@ -91,16 +91,25 @@ class Node:
                 continue
         return out
 
+    def processes_and_children(self) -> list[psutil.Process]:
+        """:meth:`processes` and whatever descends from them wherever it runs (a CRIU restore
+        between namespaces was once missed, and outlived its test stopped)."""
+        out = {p.pid: p for p in self.processes()}
+        for p in list(out.values()):
+            with contextlib.suppress(psutil.Error):
+                out.update((c.pid, c) for c in p.children(recursive=True))
+        return list(out.values())
+
     def reboot(self) -> None:
         """What a power cycle does to this node: every process of it stopped at once, then
         killed (workloads, frozen or not, never run again; CRIU and its hook die with them),
         and what its tmpfs held gone: the snapshots in flight.  The journal is on persistent
         storage (work/agent/migrations) and stays.  The agent is not started again."""
         for _ in range(3):  # (stopped first, so that nothing runs on once CRIU is gone)
-            for p in self.processes():
+            for p in self.processes_and_children():
                 with contextlib.suppress(psutil.Error):
                     p.send_signal(signal.SIGSTOP)
-        procs = self.processes()
+        procs = self.processes_and_children()
         for p in procs:
             with contextlib.suppress(psutil.Error):
                 p.kill()
@@ -194,7 +203,7 @@ class Cluster:
         for node in self.nodes.values():
             node.kill_agent(signal.SIGTERM)
         for node in self.nodes.values():  # what a failed test left there (a CRIU holding a tree ...) dies too
-            for p in node.processes():
+            for p in node.processes_and_children():
                 with contextlib.suppress(psutil.Error):
                     p.kill()
         for node in self.nodes.values():
