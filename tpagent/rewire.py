@@ -259,6 +259,10 @@ class Rewire:
         hosting += [f"rank {r} reaches the job's store at a loopback address ({where[r]['store_loopback']}), which "
                     "another node would not reach: start the job with an address every node reaches"
                     for r in ranks if where[r].get("store_loopback")]  # fmt: skip
+        hosting += [f"rank {r} runs NCCL's RAS thread (NCCL_RAS_ENABLE is on in its environment), which listens "
+                    "on this node's address for the life of the process, past every communicator: it cannot move "
+                    "(start the job without NCCL_RAS_ENABLE: tpagent rank turns RAS off where it is not set)"
+                    for r in ranks if where[r].get("nccl_ras")]  # fmt: skip
         if self.dry_run:
             return self._dry_run(agents, where, hosting)
         if hosting:

@@ -217,6 +217,7 @@ class Rank:
                 return {"ok": True, "step": self.step, "collectives": self.collectives, "gen": self.gen,
                         "state": self._state(), "rate": _rate(self.times), "collective_rate": _rate(self.ctimes),
                         "groups": len(backend.GROUPS.live()), "nccl_host": backend.NCCL_HOST,
+                        "nccl_ras": backend.nccl_ras(),
                         "host": backend.host_identity(), **self.store_facts}  # fmt: skip
         if op == "peers":
             agents = []

@@ -42,6 +42,19 @@ def device_specs(spec: str | None) -> dict[str, str]:
     return {"cpu": spec, "cuda": spec} if spec == "gloo" else {"cpu": spec}
 
 
+def nccl_ras() -> bool:
+    """Whether this process's NCCL runs its RAS thread (2.24+): started with the first
+    communicator, listening on the node's address, never stopped (the rank cannot move).  As
+    NCCL reads NCCL_RAS_ENABLE: on unless it is a number that is 0 (`tpagent rank` sets 0 where
+    the user did not set it)."""
+    if NCCL_HOST is None:  # (no communicator of NCCL's was made here)
+        return False
+    try:
+        return int(os.environ.get("NCCL_RAS_ENABLE", "1").strip(), 0) != 0
+    except ValueError:  # (NCCL then keeps its default: on)
+        return True
+
+
 def host_identity(as_nccl: bool = False) -> str:
     """This host as NCCL tells hosts apart: its host name and boot id (``as_nccl``: the
     NCCL_HOSTID of this process's environment instead, where it sets one)."""

@@ -265,3 +265,20 @@ def test_an_op_whose_backend_gives_no_work_is_passed_through(tmp_path: Path) -> 
     work = group.allreduce([t], dist.AllreduceOptions())
     work.wait()  # (gloo again, a Work of its own, tracked until it is gone)
     assert t.tolist() == [2.0, 2.0, 2.0] and type(group._only).__name__ == "ProcessGroupGloo"
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("1", True), ("0", False), (" 0 ", False), ("0x0", False),
+                                           ("2", True), ("yes", True), ("", True)])  # fmt: skip
+def test_whether_nccl_runs_its_ras_thread_is_read_as_nccl_reads_it(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, on: bool
+) -> None:
+    from tpagent_rank import backend
+
+    if value is None:
+        monkeypatch.delenv("NCCL_RAS_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("NCCL_RAS_ENABLE", value)
+    monkeypatch.setattr(backend, "NCCL_HOST", None)
+    assert backend.nccl_ras() is False  # (no NCCL communicator made in this process: no RAS thread)
+    monkeypatch.setattr(backend, "NCCL_HOST", "host|boot")
+    assert backend.nccl_ras() is on

@@ -32,6 +32,7 @@ class FakeRank:
     refuse_rebuild_at: str = ""  # it cannot build its communicators on this node (its agent's address)
     at: str = ""  # where it was asked last
     nccl_host: str | None = None  # the host identity its NCCL holds (None: no NCCL)
+    nccl_ras: bool = False  # its NCCL runs the RAS thread
     hosts: dict[str, str] = field(default_factory=dict)  # its agent's address -> that node's host identity
     optimizer: bool = True  # it takes optimizer steps (else only its collectives are counted)
     log: list[str] = field(default_factory=list)
@@ -59,6 +60,7 @@ class FakeRank:
                 # (the fake counts one collective per step: either unit stops it at the same place)
                 return {"ok": True, "step": self.step if self.optimizer else 0, "collectives": self.step,
                         "gen": self.gen, "rate": 100.0, "collective_rate": 100.0, "nccl_host": self.nccl_host,
+                        "nccl_ras": self.nccl_ras,
                         "host": self.hosts.get(self.at, "here|boot1")}  # fmt: skip
             if op == "pause":
                 self.units.append(body["unit"])
@@ -304,4 +306,24 @@ def test_a_rank_that_never_said_where_its_agent_is_refuses_before_anything_stops
     rw, result = job.rewire()
     assert result.outcome is Outcome.FAILED
     assert f"rank(s) {missing}" in " ".join(_messages(rw))
+    assert not any(op in ("pause", "teardown") for _a, _r, op in job.asked)
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_moving_rank_whose_nccl_runs_ras_is_refused_before_anything_stops(dry_run: bool) -> None:
+    job = Job()
+    job.ranks[0].nccl_host, job.ranks[0].nccl_ras = "here|boot1", True
+    job.ranks[1].nccl_host, job.ranks[1].nccl_ras = "here|boot1", True  # (it stays: its RAS is no matter)
+    rw = Rewire("j", {0: (777, THERE)}, HERE, job.ask, job.start_move, 5.0, dry_run=dry_run)
+    try:
+        result = rw.run()
+    finally:
+        job.stop.set()
+    said = []
+    while (e := rw.events.get_nowait()) is not None:
+        said += [e.message, *e.problems]
+    assert result.outcome is (Outcome.DRY_RUN if dry_run else Outcome.FAILED), said
+    assert rw.state == "failed"
+    assert any("rank 0 runs NCCL's RAS thread" in s for s in said), said
+    assert not any("rank 1 runs" in s for s in said), said
     assert not any(op in ("pause", "teardown") for _a, _r, op in job.asked)
