@@ -9,6 +9,7 @@ only once the user's own code has imported ``torch.distributed`` (see :mod:`tpag
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -163,6 +164,14 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         with self._lock:
             inner, self._inner, self._only, self._wanted = self._inner, {}, None, -1
             self._front = None  # (it holds the inner backends too)
+        _shut({id(b): b for b in inner.values()}.values())
+        del inner
+
+    def release(self) -> None:
+        """Let go of the inner backends, waiting for nothing (the process is ending)."""
+        with self._lock:
+            inner, self._inner, self._only, self._wanted = self._inner, {}, None, -1
+            self._front = None
         _shut({id(b): b for b in inner.values()}.values())
         del inner
 
@@ -472,3 +481,14 @@ def register() -> None:
     if getattr(dist.Backend, NAME.upper(), None) is None:
         devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
         dist.Backend.register_backend(NAME, create, devices=devices)
+        atexit.register(release_all)
+
+
+def release_all() -> None:
+    """At exit, while the interpreter is whole: every delegating group lets go of its inner
+    backends.  torch's destroy_process_group (or none, if the script never calls it) leaves them
+    to the interpreter's finalization, where a gloo backend's worker thread may still hold a
+    tensor whose release needs the GIL, and the process aborts ("terminate called without an
+    active exception", seen once here; pytorch/pytorch#179291).  Nothing in flight is waited for."""
+    for g in GROUPS.live():
+        g.release()
