@@ -23,6 +23,7 @@ exits 0; otherwise it exits 1 if anything failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -70,18 +71,25 @@ def _mem_available() -> int:
     return 0
 
 
+def _env() -> dict[str, str]:
+    """The environment of what the proof runs: the venv's bin first on PATH (where
+    scripts/setup.sh --bundle puts ip and nft for a node without them: the tests and
+    bench/migrate.py make their nodes with ip)."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
+    return {**os.environ, "TPAGENT_TESTS_NEED_CRIU": "1", "PYTHONUNBUFFERED": "1", "PATH": path}
+
+
 def run_tests(out: Path, budget: float) -> list[dict[str, Any]]:
     """The GPU tests, their output written to DIR/gpu-tests.log as they run.  Past ``budget`` they
     are interrupted as Ctrl-C would (each test's clean-up runs, finished tests keep their outcome,
-    the one running fails); a minute later whatever is left is killed."""
+    the one running fails); a minute later whatever is left of them (agents, workloads) is killed."""
     xml, log = out / "gpu-tests.xml", out / "gpu-tests.log"
+    xml.unlink(missing_ok=True)  # (an earlier run's is not this one's)
     interrupted = False
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, f"--junitxml={xml}", "-rA"]
-    # (the venv's bin first: where scripts/setup.sh --bundle puts ip and nft for a node without them)
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
-    env = {**os.environ, "TPAGENT_TESTS_NEED_CRIU": "1", "PYTHONUNBUFFERED": "1", "PATH": path}
     with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
         try:
             proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:
@@ -92,6 +100,8 @@ def run_tests(out: Path, budget: float) -> list[dict[str, Any]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # (what it started and left, in its session)
+            os.killpg(proc.pid, signal.SIGKILL)
             if not xml.exists():
                 return [{"name": NAMED, "outcome": "failed", "detail": f"the GPU tests ran past {budget:.0f} s"}]
     if not xml.exists():
@@ -130,7 +140,7 @@ def run_bench(bench: str, size_gib: int, out: Path, timeout: float) -> dict[str,
            "--json-out", str(result)]  # fmt: skip
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         row["detail"] = f"ran past its {timeout:.0f} s"
         return row

@@ -50,7 +50,11 @@ mkdir -p "$out/tools/lib"
 for tool in ip nft; do
   bin=$(command -v $tool) || { echo "bundle: $tool is not on this machine (apt-get install iproute2 nftables)" >&2; exit 2; }
   cp -L "$bin" "$out/tools/$tool"
-  ldd "$bin" | grep -o '/[^ ]*' | while read -r lib; do cp -Ln "$lib" "$out/tools/lib/"; done
+  ldd "$bin" | grep -o '/[^ ]*' | while read -r lib; do
+    name=${lib##*/}
+    case $name in ld-linux*) name=ld.so ;; esac  # (the loader, under one name whatever the machine)
+    [ -e "$out/tools/lib/$name" ] || cp -L "$lib" "$out/tools/lib/$name"
+  done
 done
 
 abi=cp${py/./}

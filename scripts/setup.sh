@@ -33,21 +33,28 @@ if [ -n "$bundle" ]; then
   # Nothing but the bundle: no index, no configured mirror.
   export PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_FIND_LINKS=$bundle/wheels PIP_DISABLE_PIP_VERSION_CHECK=1
   unset PIP_INDEX_URL PIP_EXTRA_INDEX_URL
-  if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv --system-site-packages "$venv"
-    # The node's python3 may itself be a virtual environment (its torch installed there, as on
-    # the GPU nodes): a venv made from it sees its base interpreter's packages, not that
-    # environment's.  A .pth adds them (after the venv's own, which win).
-    purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    python3 - "$purelib/node-site-packages.pth" <<'PY'
-import site, sys
-if sys.prefix != sys.base_prefix:
-    with open(sys.argv[1], "w") as pth:
-        pth.writelines(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages())
+  [ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages "$venv"
+  # The node's python3 may itself be a virtual environment (its torch installed there, as on
+  # the GPU nodes): a venv made from it sees its base interpreter's packages, not that
+  # environment's.  A .pth adds them (after the venv's own, which win), each only if root owns
+  # it and no one else may write to it (the agent runs as root and would import from there).
+  purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  python3 - "$purelib/node-site-packages.pth" <<'PY'
+import os, site, stat, sys
+dirs = site.getsitepackages() if sys.prefix != sys.base_prefix else []
+safe = []
+for d in dirs:
+    st = os.stat(d)
+    if st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        safe.append(d)
+    else:
+        print(f"setup: warning: not adding {d} (the node's python3's packages): root does not own it, "
+              "or others may write to it", file=sys.stderr)
+with open(sys.argv[1], "w") as pth:
+    pth.writelines(f"import site; site.addsitedir({d!r})\n" for d in safe)
 PY
-  fi
   # ip and nft where the node has none: the bundle's (its machine's, with their libraries and
-  # loader), as the venv's bin/ip and bin/nft (the GPU proof puts that first on its tests' PATH)
+  # loader), root's, as the venv's bin/ip and bin/nft (the GPU proof puts that first on PATH)
   tools=$(realpath "$venv")/lib/tpagent-tools
   for tool in ip nft; do
     if command -v $tool >/dev/null; then continue; fi
@@ -55,9 +62,13 @@ PY
       echo "setup: warning: $tool is not on this node, nor in the bundle" >&2
       continue
     fi
-    mkdir -p "$tools" && cp -a "$bundle/tools/." "$tools/"
-    printf '#!/bin/sh\nexec "%s/lib/ld-linux-x86-64.so.2" --library-path "%s/lib" "%s/%s" "$@"\n' \
-      "$tools" "$tools" "$tools" "$tool" >"$venv/bin/$tool"
+    rm -rf "$tools" && mkdir -p "$tools" && cp -R "$bundle/tools/." "$tools/"
+    chown -R root:root "$tools" && chmod -R go-w "$tools"
+    {
+      echo '#!/bin/bash'
+      printf 'd=%q\n' "$tools"
+      printf 'exec "$d/lib/ld.so" --library-path "$d/lib" "$d/%s" "$@"\n' "$tool"
+    } >"$venv/bin/$tool"
     chmod 755 "$venv/bin/$tool"
     echo "setup: $tool is not on this node: the bundle's is $venv/bin/$tool"
   done

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,7 +244,8 @@ def drop_network_lock(work: Path) -> None:
         return
     if found is None:
         return  # (no TCP connection was locked)
-    nft = shutil.which("nft")
+    # (or the one scripts/setup.sh --bundle put beside this Python, on a node that had none)
+    nft = shutil.which("nft") or shutil.which("nft", path=str(Path(sys.executable).parent))
     if nft is None:
         log.warning("cannot remove CRIU's network lock %s: nft (nftables) is not installed", found.group(1))
         return

@@ -215,6 +215,14 @@ def unusable_here(node: str, connections: Iterable[tuple[str, str]]) -> list[str
     return problems
 
 
+def _unix_table(path: str) -> list[str]:
+    """The lines of a ``net/unix`` table.  A name is any bytes its binder chose: what is not
+    UTF-8 is kept as backslash escapes (the same on every node: names compare as they are
+    read), and one with a newline breaks into lines that do not parse, or are some other
+    socket's line (no more than binding that socket's name would do).  OSError if unreadable."""
+    return Path(path).read_bytes().decode(errors="backslashreplace").splitlines()[1:]
+
+
 def _unix_names(pids: Iterable[int]) -> set[str]:
     """The names the tree's bound unix sockets print in its own ``/proc/PID/net/unix``::
 
@@ -224,7 +232,7 @@ def _unix_names(pids: Iterable[int]) -> set[str]:
     for pid in pids:
         inodes = _socket_inodes(pid)
         try:
-            lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
+            lines = _unix_table(f"/proc/{pid}/net/unix")
         except OSError:
             continue
         for line in lines:
@@ -255,7 +263,7 @@ def abstract_taken(names: Iterable[str]) -> list[str]:
     if not wanted:
         return []
     try:
-        lines = Path("/proc/self/net/unix").read_text().splitlines()[1:]
+        lines = _unix_table("/proc/self/net/unix")
     except OSError:
         return []
     bound = {f[7] for f in (line.split(maxsplit=7) for line in lines) if len(f) == 8}

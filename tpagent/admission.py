@@ -31,6 +31,8 @@ class Reservation:
     #: Where its snapshot goes (and its partial ``.NAME.partial-*`` beside it): the bytes
     #: already written there are no longer free space, nor still to come.
     snapshot: Path | None = None
+    #: The abstract unix names its copy will bind: no other copy received meanwhile may need one.
+    abstract: frozenset[str] = frozenset()
 
 
 def sized(entries: Iterable[str]) -> list[tuple[str, int]]:

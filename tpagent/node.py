@@ -432,7 +432,8 @@ class Node:
                     raise Refused(f"{node} cannot receive: {e}", Why.PRECONDITION) from e
                 inc.gpu_map = self.gpu_map(list(offer.gpu_uuids), list(offer.gpu_bus_ids))
                 self.receivers[mid] = inc
-            self.reservations.reserve(mid, replace(reservation, snapshot=inc.dir))
+            names = frozenset(offer.abstract_sockets)
+            self.reservations.reserve(mid, replace(reservation, snapshot=inc.dir, abstract=names))
         return Acceptance(inc.address, dict(inc.gpu_map), reserved=reserved, clock=clock.now())
 
     def _receiving(self, mid: str) -> bool:
@@ -471,13 +472,17 @@ class Node:
             if size != "*" and str(have) != size:
                 problems.append(f"{path} is {have} bytes on {node} but {size} on the source")
         problems += sockets.unusable_here(node, list(offer.tcp)[:10_000])
-        # (a name is at most 108 bytes; the kernel prints each NUL of one as "@")
-        for name in sockets.abstract_taken(n for n in offer.abstract_sockets if n.startswith("@") and len(n) <= 109):
+        # (a name is "@" and at most 107 bytes, escaped where not UTF-8; each NUL of it printed as "@")
+        names = {n for n in offer.abstract_sockets if n.startswith("@") and len(n) <= 4 * 107 + 1}
+        coming = {n for r in self.reservations.in_flight().values() for n in r.abstract}  # (its lock is held)
+        taken = set(sockets.abstract_taken(names))
+        for name in sorted(taken | (names & coming)):
             why = (" (the CUDA driver's, named after the process's PID namespace and PID: a CUDA process moved "
                    "there from another node may hold the same)" if name.startswith("@cuda-uvmfd-") else "")  # fmt: skip
+            held = f"is bound on {node} already" if name in taken else f"is to be bound on {node} by a copy it receives"
             problems.append(
-                f"the abstract unix socket {name} is bound on {node} already{why}, so the copy could not bind it "
-                "there: pick another node, or end what holds it there"
+                f"the abstract unix socket {ascii(name)[1:-1]} {held}{why}, so the copy could not bind it there: "
+                "pick another node, or end what holds it there"
             )
         return problems
 

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,25 @@ def test_an_abstract_unix_name_the_target_holds_is_refused_at_check(
         assert f"@{name}" in bound
     finally:
         kill_and_wait(pid)
+
+
+def test_a_name_a_copy_in_flight_will_bind_is_refused_to_a_second(tmp_path: Path) -> None:
+    """Two processes of two other nodes, each holding one name (a CUDA process's
+    @cuda-uvmfd-NSINO-PID@), offered to one node at once: the second is refused while the first
+    copy is in flight there (neither is bound there yet), and taken once the first is dropped."""
+    from agents import agent_config, node_of
+    from tpagent.api import Offer
+
+    node = node_of(agent_config(tmp_path, "C"))
+    name = "@cuda-uvmfd-4026532000-2@"
+    first = Offer("a" * 32, "A", "", 1 << 20, abstract_sockets=(name, "@other"))
+    second = Offer("b" * 32, "B", "", 1 << 20, abstract_sockets=(name,))
+    assert node.receive(first).problems == ()
+    said = node.receive(replace(second, dry_run=True)).problems
+    assert len(said) == 1 and said[0].startswith(f"the abstract unix socket {name} is to be bound on C by a copy "
+                                                 "it receives (the CUDA driver's"), said  # fmt: skip
+    assert node.receive(second).problems == said  # (and nothing is reserved for it)
+    node.finish(first.migration_id, False)  # (the first copy is dropped: the name is free again)
+    wait_until(lambda: not node.receive(replace(second, dry_run=True)).problems, "the name to be free")
+    assert node.receive(second).problems == ()
+    node.finish(second.migration_id, False)

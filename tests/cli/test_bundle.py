@@ -38,8 +38,9 @@ def _checkout(dst: Path) -> Path:
 
 def _offline(*cmd: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``cmd`` in a network namespace of its own: a loopback (CRIU's kernel probe needs one), no route out."""
-    up = f"{shutil.which('ip')} link set lo up"
-    return subprocess.run(["unshare", "--net", "--", "sh", "-c", up + ' && exec "$@"', "-", *cmd],
+    ip = shutil.which("ip")
+    assert ip is not None
+    return subprocess.run(["unshare", "--net", "--", "sh", "-c", '"$0" link set lo up && exec "$@"', ip, *cmd],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=400)  # fmt: skip
 
 

@@ -161,7 +161,7 @@ def test_gpu_process_migrates_between_two_agents(tmp_path: Path) -> None:
         assert mig.returncode == 0, mig.stderr + mig.stdout + (c.nodes["A"].work / "agent.log").read_text()[-3000:]
         doc = json.loads(mig.stdout)
         print("GPU migration timings:", json.dumps(doc["timings"]), "total", doc["seconds"])
-        assert not alive(root)
+        wait_until(lambda: not alive(root), "the original to be ended", 60)
         root = doc["new_pid"]
         stopped = _steps(log)[-1]
         wait_until(lambda: _steps(log)[-1] > stopped + 5, "the migrated workload to step on", 120)
