@@ -49,8 +49,11 @@ def test_srun_ranks_get_what_env_rendezvous_reads() -> None:
     assert mine["RANK"] == "2"  # (what the launcher set stays)
 
 
-def test_a_rank_runs_without_nccls_ras_unless_its_user_asked_for_it() -> None:
+def test_a_rank_runs_without_nccls_ras_unless_its_user_asked_for_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # (RAS listens on the node's address for the life of the process: the rank could not move)
+    monkeypatch.setattr(standin, "runtime_dir", lambda: tmp_path)  # (root's /run/tpagent otherwise)
     assert standin.rank_env({}, "s", "j")["NCCL_RAS_ENABLE"] == "0"
     assert standin.rank_env({"NCCL_RAS_ENABLE": "1"}, "s", "j")["NCCL_RAS_ENABLE"] == "1"
 
