@@ -10,7 +10,10 @@
    free and host memory for the images; sizes dropped in order once the time budget would be
    passed: each is said, with why).
 
-Writes DIR/gpu-proof.json and DIR/gpu-proof.md (default DIR: ./gpu-proof).  The JSON:
+Writes four files to DIR (default ./gpu-proof; a GPU machine that hands back few files takes
+them all): gpu-proof.json, gpu-proof.md, gpu-tests.log (the tests' output, as they run) and
+gpu-proof-logs.tar.gz (every bench's JSON and output, the tests' JUnit XML, and the small text
+files the tests' runs left: agents' logs, ranks' output, CRIU's logs).  The JSON:
 ``{"machine": {...}, "tests": [{"name", "outcome": passed|failed|skipped, "detail"}],
 "benchmarks": [{"bench", "size_gib", "outcome", "detail", "result"}], "summary": {...}}``.
 A benchmark's ``result`` is the bench's own JSON row plus, for the snapshot bench, ``floor_s`` =
@@ -31,6 +34,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -79,14 +84,25 @@ def _env() -> dict[str, str]:
     return {**os.environ, "TPAGENT_TESTS_NEED_CRIU": "1", "PYTHONUNBUFFERED": "1", "PATH": path}
 
 
-def run_tests(out: Path, budget: float) -> list[dict[str, Any]]:
+def pack(work: Path, tar: Path) -> None:
+    """The text files under ``work`` (4 MiB each at most: never a snapshot's images) into ``tar``."""
+    with tarfile.open(tar, "w:gz") as t:
+        for f in sorted(work.rglob("*")):
+            if f.is_file() and not f.is_symlink() and f.suffix in _TEXT and f.stat().st_size <= 4 << 20:
+                t.add(f, arcname=str(f.relative_to(work)))
+
+
+_TEXT = {".log", ".out", ".err", ".json", ".xml", ".txt"}
+
+
+def run_tests(out: Path, work: Path, budget: float) -> list[dict[str, Any]]:
     """The GPU tests, their output written to DIR/gpu-tests.log as they run.  Past ``budget`` they
     are interrupted as Ctrl-C would (each test's clean-up runs, finished tests keep their outcome,
     the one running fails); a minute later whatever is left of them (agents, workloads) is killed."""
-    xml, log = out / "gpu-tests.xml", out / "gpu-tests.log"
-    xml.unlink(missing_ok=True)  # (an earlier run's is not this one's)
+    xml, log = work / "gpu-tests.xml", out / "gpu-tests.log"
     interrupted = False
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, f"--junitxml={xml}", "-rA"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, f"--junitxml={xml}", "-rA",
+           f"--basetemp={work / 'tests'}"]  # fmt: skip
     with log.open("w") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
@@ -133,9 +149,9 @@ def _fits(size_gib: int) -> str | None:
     return None
 
 
-def run_bench(bench: str, size_gib: int, out: Path, timeout: float) -> dict[str, Any]:
+def run_bench(bench: str, size_gib: int, work: Path, timeout: float) -> dict[str, Any]:
     row: dict[str, Any] = {"bench": bench, "size_gib": size_gib, "outcome": "failed", "detail": "", "result": {}}
-    result = out / f"{bench}-{size_gib}g.json"
+    result = work / f"{bench}-{size_gib}g.json"
     cmd = [sys.executable, f"bench/{bench}.py", "--gpu", "--sizes-mib", str(size_gib * 1024), "--repeats", "1",
            "--json-out", str(result)]  # fmt: skip
     t0 = time.monotonic()
@@ -144,7 +160,7 @@ def run_bench(bench: str, size_gib: int, out: Path, timeout: float) -> dict[str,
     except subprocess.TimeoutExpired:
         row["detail"] = f"ran past its {timeout:.0f} s"
         return row
-    (out / f"{bench}-{size_gib}g.log").write_text(proc.stdout + proc.stderr)
+    (work / f"{bench}-{size_gib}g.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not result.exists():
         row["detail"] = (proc.stderr or proc.stdout)[-300:].strip()
         return row
@@ -218,17 +234,12 @@ def main() -> int:
         doc["benchmarks"] = [{"bench": b, "size_gib": s, "outcome": "skipped", "detail": "no NVIDIA GPU", "result": {}}
                              for s in sizes for b in ("snapshot", "migrate")]  # fmt: skip
     else:
-        doc["tests"] = run_tests(args.out, args.tests_s or args.budget_s * 0.4)
-        for size in sizes:
-            for bench in ("snapshot", "migrate"):
-                left = args.budget_s - (time.monotonic() - t0)
-                # (a round of each bench: roughly 10 s per GiB here, and the driver's own setup)
-                why = _fits(size) or (f"the time budget: {left:.0f} s left" if left < 20 + 10 * size else None)
-                if why:
-                    doc["benchmarks"].append({"bench": bench, "size_gib": size, "outcome": "skipped",
-                                              "detail": why, "result": {}})  # fmt: skip
-                    continue
-                doc["benchmarks"].append(run_bench(bench, size, args.out, left))
+        work = Path(tempfile.mkdtemp(prefix="tpagent-gpu-proof-"))  # (the tests' snapshots too: not in DIR)
+        try:
+            run_all(doc, args, sizes, work, t0)
+        finally:
+            pack(work, args.out / "gpu-proof-logs.tar.gz")
+            shutil.rmtree(work, ignore_errors=True)
         counts = {o: sum(r["outcome"] == o for r in doc["tests"] + doc["benchmarks"])
                   for o in ("passed", "failed", "skipped")}  # fmt: skip
         sentence = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
@@ -239,6 +250,21 @@ def main() -> int:
     print(sentence)
     print(f"report: {args.out / 'gpu-proof.md'} and {args.out / 'gpu-proof.json'}")
     return 1 if any(r["outcome"] == "failed" for r in doc["tests"] + doc["benchmarks"]) else 0
+
+
+def run_all(doc: dict[str, Any], args: argparse.Namespace, sizes: list[int], work: Path, t0: float) -> None:
+    """The tests, then each bench at each size while the budget lasts, into ``doc``."""
+    doc["tests"] = run_tests(args.out, work, args.tests_s or args.budget_s * 0.4)
+    for size in sizes:
+        for bench in ("snapshot", "migrate"):
+            left = args.budget_s - (time.monotonic() - t0)
+            # (a round of each bench: roughly 10 s per GiB here, and the driver's own setup)
+            why = _fits(size) or (f"the time budget: {left:.0f} s left" if left < 20 + 10 * size else None)
+            if why:
+                doc["benchmarks"].append({"bench": bench, "size_gib": size, "outcome": "skipped",
+                                          "detail": why, "result": {}})  # fmt: skip
+                continue
+            doc["benchmarks"].append(run_bench(bench, size, work, left))
 
 
 if __name__ == "__main__":

@@ -67,3 +67,25 @@ def test_gpu_proof_says_what_it_could_not_check(tmp_path: Path) -> None:
         assert all(r["outcome"] == "skipped" for r in rows), rows
     else:  # (on a GPU node: each row has an outcome, and the exit code says whether any failed)
         assert proc.returncode == (1 if any(r["outcome"] == "failed" for r in rows) else 0)
+
+
+def test_gpu_proof_packs_the_text_its_runs_left_and_no_snapshot(tmp_path: Path) -> None:
+    """A device hands back few files: the logs travel in one archive, never a snapshot's images."""
+    import importlib.util
+    import tarfile
+
+    spec = importlib.util.spec_from_file_location("tpagent_gpu_proof", ROOT / "bench" / "gpu_proof.py")
+    assert spec is not None and spec.loader is not None
+    gpu_proof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_proof)  # (not by sys.path: bench/snapshot.py would shadow the package)
+    pack = gpu_proof.pack
+
+    work = tmp_path / "work"
+    (work / "tests" / "t0" / "A").mkdir(parents=True)
+    (work / "tests" / "t0" / "A" / "agent.log").write_text("serving\n")
+    (work / "snapshot-1g.json").write_text("{}")
+    (work / "tests" / "t0" / "pages-1.img").write_bytes(b"\0" * 1024)
+    (work / "tests" / "t0" / "huge.log").write_bytes(b"x" * ((4 << 20) + 1))
+    pack(work, tmp_path / "logs.tar.gz")
+    with tarfile.open(tmp_path / "logs.tar.gz") as t:
+        assert sorted(t.getnames()) == ["snapshot-1g.json", "tests/t0/A/agent.log"]
