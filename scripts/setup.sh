@@ -56,14 +56,17 @@ PY
   # ip and nft where the node has none: the bundle's (its machine's, with their libraries and
   # loader), root's, as the venv's bin/ip and bin/nft (the GPU proof puts that first on PATH)
   tools=$(realpath "$venv")/lib/tpagent-tools
+  rm -rf "$tools" "$venv/bin/ip" "$venv/bin/nft"  # (a run before this one's, if any)
   for tool in ip nft; do
     if command -v $tool >/dev/null; then continue; fi
     if [ ! -x "$bundle/tools/$tool" ]; then
       echo "setup: warning: $tool is not on this node, nor in the bundle" >&2
       continue
     fi
-    rm -rf "$tools" && mkdir -p "$tools" && cp -R "$bundle/tools/." "$tools/"
-    chown -R root:root "$tools" && chmod -R go-w "$tools"
+    if [ ! -d "$tools" ]; then
+      mkdir -p "$tools" && cp -R "$bundle/tools/." "$tools/"
+      chown -R root:root "$tools" && chmod -R go-w "$tools"
+    fi
     {
       echo '#!/bin/bash'
       printf 'd=%q\n' "$tools"

@@ -215,30 +215,29 @@ def unusable_here(node: str, connections: Iterable[tuple[str, str]]) -> list[str
     return problems
 
 
-def _unix_table(path: str) -> list[str]:
-    """The lines of a ``net/unix`` table.  A name is any bytes its binder chose: what is not
-    UTF-8 is kept as backslash escapes (the same on every node: names compare as they are
-    read), and one with a newline breaks into lines that do not parse, or are some other
-    socket's line (no more than binding that socket's name would do).  OSError if unreadable."""
-    return Path(path).read_bytes().decode(errors="backslashreplace").splitlines()[1:]
+def _unix_table(path: str) -> list[tuple[str, str]]:
+    """(INODE, NAME) of each bound socket of a ``net/unix`` table::
+
+        LINE ::= NUM REFCOUNT PROTOCOL FLAGS TYPE STATE INODE [PATH]   (PATH "@..." when abstract)
+
+    A name is any bytes its binder chose: what is not UTF-8 is kept as backslash escapes (the
+    same on every node: names compare as they are read), and one with a newline breaks into
+    lines that do not parse, or are some other socket's line (no more than binding that
+    socket's name would do).  OSError if unreadable."""
+    lines = Path(path).read_bytes().decode(errors="backslashreplace").splitlines()[1:]
+    return [(f[6], f[7]) for f in (line.split(maxsplit=7) for line in lines) if len(f) == 8]
 
 
 def _unix_names(pids: Iterable[int]) -> set[str]:
-    """The names the tree's bound unix sockets print in its own ``/proc/PID/net/unix``::
-
-    LINE ::= NUM REFCOUNT PROTOCOL FLAGS TYPE STATE INODE [PATH]   (PATH "@..." when abstract)
-    """
+    """The names the tree's bound unix sockets print in its own ``/proc/PID/net/unix``."""
     out: set[str] = set()
     for pid in pids:
         inodes = _socket_inodes(pid)
         try:
-            lines = _unix_table(f"/proc/{pid}/net/unix")
+            table = _unix_table(f"/proc/{pid}/net/unix")
         except OSError:
             continue
-        for line in lines:
-            f = line.split(maxsplit=7)
-            if len(f) == 8 and f[6].isdigit() and int(f[6]) in inodes:
-                out.add(f[7])
+        out.update(name for inode, name in table if inode.isdigit() and int(inode) in inodes)
     return out
 
 
@@ -263,8 +262,7 @@ def abstract_taken(names: Iterable[str]) -> list[str]:
     if not wanted:
         return []
     try:
-        lines = _unix_table("/proc/self/net/unix")
+        bound = {name for _, name in _unix_table("/proc/self/net/unix")}
     except OSError:
         return []
-    bound = {f[7] for f in (line.split(maxsplit=7) for line in lines) if len(f) == 8}
     return sorted(wanted & bound)

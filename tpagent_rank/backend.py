@@ -161,17 +161,14 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
                 w.wait()
         if torch.cuda.is_available() and "cuda" in self._inner:
             torch.cuda.synchronize()
+        self.release()
+
+    def release(self) -> None:
+        """Destroy the inner backends, waiting for nothing (:meth:`teardown` waits first; at exit
+        nothing is)."""
         with self._lock:
             inner, self._inner, self._only, self._wanted = self._inner, {}, None, -1
             self._front = None  # (it holds the inner backends too)
-        _shut({id(b): b for b in inner.values()}.values())
-        del inner
-
-    def release(self) -> None:
-        """Let go of the inner backends, waiting for nothing (the process is ending)."""
-        with self._lock:
-            inner, self._inner, self._only, self._wanted = self._inner, {}, None, -1
-            self._front = None
         _shut({id(b): b for b in inner.values()}.values())
         del inner
 
