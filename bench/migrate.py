@@ -45,11 +45,15 @@ def launch(kind: str, size: int, work: Path, node: Node | None = None) -> int:
         cmd, ready = [sys.executable, str(ROOT / "tests/workloads/gpu_hold.py"), str(log), str(size / 1024)], "step "
     else:
         cmd, ready = [sys.executable, str(ROOT / "tests/workloads/stateful.py"), str(log), str(size)], "tick "
-    launch = [sys.executable, "-m", "cli.main", "launch", "--stdout", str(work / "w.out"), "--", *cmd]
-    out = subprocess.run(node.exec(*launch) if node else launch, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
+    if node is not None:
+        pid = node.launch(work / "w.out", *cmd, timeout=600)
+    else:
+        argv = [sys.executable, "-m", "cli.main", "launch", "--stdout", str(work / "w.out"), "--", *cmd]
+        out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        pid = int(out.stdout)
     wait_until(lambda: log.exists() and ready in log.read_text(), "the workload to start", 900)
-    return int(out.stdout)
+    return pid
 
 
 def warm(mib: int) -> None:

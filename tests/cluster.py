@@ -47,6 +47,13 @@ class Node:
     def exec(self, *args: str) -> list[str]:
         return ["ip", "netns", "exec", self.name, *args]
 
+    def launch(self, stdout: Path, *cmd: str, timeout: float = 120) -> int:
+        """``cmd`` started on this node under `tpagent launch` (its output in ``stdout``): its PID."""
+        out = subprocess.run(self.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(stdout), "--", *cmd),
+                             cwd=ROOT, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout)
+
     def start_agent(self, **settings: str) -> None:
         settings = {"metrics_listen": "", **settings}  # (no metrics unless a test asks)
         env = {**os.environ, **self.env, **{f"TPAGENT_{k.upper()}": v for k, v in settings.items()}}
@@ -262,13 +269,7 @@ class Ticker:
     @classmethod
     def launch(cls, node: Node, tmp: Path, mib: int = 256) -> Ticker:
         t = cls(tmp / "w.log")
-        out = subprocess.run(
-            node.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp / "w.out"),
-                      "--", sys.executable, str(STATEFUL), str(t.log), str(mib)),
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        t.pid = int(out.stdout)
+        t.pid = node.launch(tmp / "w.out", sys.executable, str(STATEFUL), str(t.log), str(mib))
         wait_until(lambda: len(t.ticks()) > 5, "the workload to tick", 120)
         return t
 

@@ -67,11 +67,7 @@ def helpers(tmp_path: Path) -> Iterator[Helpers]:
 
 def _launch_client(node: Node, tmp: Path, connect: str, listen: str = "-") -> tuple[int, Path]:
     log = tmp / "client.log"
-    out = subprocess.run(node.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp / "client.out"),
-                                   "--", sys.executable, str(PEER), "client", str(log), connect, listen),
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    return int(out.stdout), log
+    return node.launch(tmp / "client.out", sys.executable, str(PEER), "client", str(log), connect, listen), log
 
 
 def _pairs(log: Path) -> list[tuple[int, int]]:
@@ -152,11 +148,7 @@ def test_an_abstract_unix_name_the_target_holds_is_refused_at_check(
     helpers.start(b.exec(sys.executable, "-c", ABSTRACT, str(holder), name))
     wait_until(holder.exists, "B's process to hold the name")
     log = tmp_path / "w.log"
-    out = subprocess.run(a.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp_path / "w.out"),
-                                "--", sys.executable, "-c", ABSTRACT, str(log), name),
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    pid = int(out.stdout)
+    pid = a.launch(tmp_path / "w.out", sys.executable, "-c", ABSTRACT, str(log), name)
     ticks = lambda: [int(ln.split()[1]) for ln in log.read_text().split("\n")[:-1]] if log.exists() else []  # noqa: E731
     try:
         wait_until(lambda: len(ticks()) > 5, "the workload to run")

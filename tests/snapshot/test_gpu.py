@@ -141,7 +141,6 @@ def test_gpu_process_migrates_between_two_agents(tmp_path: Path) -> None:
     import psutil
 
     from cluster import Cluster
-    from helpers import ROOT
 
     c = Cluster(tmp_path, ["A", "B"])
     root = 0
@@ -149,13 +148,7 @@ def test_gpu_process_migrates_between_two_agents(tmp_path: Path) -> None:
         for node in c.nodes.values():
             node.start_agent()
         log = tmp_path / "gpu.log"
-        out = subprocess.run(
-            c.nodes["A"].exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp_path / "gpu.out"),
-                              "--", sys.executable, str(HOLD), str(log), "8"),
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        root = int(out.stdout)
+        root = c.nodes["A"].launch(tmp_path / "gpu.out", sys.executable, str(HOLD), str(log), "8")
         wait_until(lambda: len(_steps(log)) > 5, "the GPU workload to start", 300)
         mig = c.migrate(root, "A", "B", "--json", timeout=900)
         assert mig.returncode == 0, mig.stderr + mig.stdout + (c.nodes["A"].work / "agent.log").read_text()[-3000:]
