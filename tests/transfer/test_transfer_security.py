@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,7 +207,7 @@ def test_strangers_that_trickle_do_not_stall_a_real_sender(
     strangers, and one host more than its 16.  A real sender still gets through while they
     are held: its handshakes take milliseconds, so it evicts the oldest strangers, never the
     other way round."""
-    src = make_snapshot(tmp_path / "src", "random", 8)
+    src = make_snapshot(tmp_path / "src", "random", 64)
     rx = Receiving(TcpTransport(tls=certs["receiver"] if tls else None), tmp_path / "dst", timeout=120)
     target = _target(rx)
     _trickle(strangers, target, 15, [f"127.0.0.{i}" for i in range(2, 12)] + ["127.0.0.12"] * 2)
@@ -217,9 +218,28 @@ def test_strangers_that_trickle_do_not_stall_a_real_sender(
     )
     assert _held(target[1]) >= 100  # they hold their places...
     evicted = counts()["evicted"]
-    stats = _send(TcpTransport(tls=certs["sender"] if tls else None), src, rx.receiver.address, streams=4)
-    # ...and still do (those the sender evicted come back one every 0.5 s: not all at once, on a busy machine)
-    wait_until(lambda: _held(target[1]) >= 100, "the strangers to hold their places still", 30)
+    # ...and still do while the sender gets through: the kernel's table, read over and over
+    # during the send.  (Not after it: a receiver that has its snapshot closes every connection.)
+    looks: list[tuple[float, float, int]] = []
+    done = threading.Event()
+
+    def look() -> None:
+        while not done.is_set():
+            began = time.monotonic()
+            looks.append((began, time.monotonic(), _held(target[1])))
+
+    looking = threading.Thread(target=look, daemon=True)
+    began = time.monotonic()
+    looking.start()
+    try:
+        stats = _send(TcpTransport(tls=certs["sender"] if tls else None), src, rx.receiver.address, streams=4)
+    finally:
+        ended = time.monotonic()
+        done.set()
+        looking.join()
+    during = [held for start, end, held in looks if start >= began and end <= ended]
+    assert during, "no look at the kernel's table fell inside the send"
+    assert max(during) >= 100, f"the strangers held {max(during)} places while the sender got through"
     assert isinstance(rx.join(), TransferStats)
     assert digests(tmp_path / "dst") == digests(src)
     assert stats.bytes_raw == sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
