@@ -388,11 +388,7 @@ def test_a_tcp_pair_migrates_there_and_back(cluster: Cluster, tmp_path: Path) ->
     the connection's packets when the workload came back, which then hung, reported done)."""
     a = cluster.nodes["A"]
     log = tmp_path / "echo.log"
-    out = subprocess.run(a.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp_path / "echo.out"),
-                                "--", sys.executable, str(ROOT / "tests" / "workloads" / "tcp_echo.py"), str(log)),
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    pid = int(out.stdout)
+    pid = a.launch(tmp_path / "echo.out", sys.executable, str(ROOT / "tests" / "workloads" / "tcp_echo.py"), str(log))
     pairs = lambda: [tuple(map(int, ln.split()[1::2])) for ln in log.read_text().splitlines()] if log.exists() else []  # noqa: E731
     try:
         wait_until(lambda: len(pairs()) > 5, "the TCP workload to run")
@@ -417,12 +413,8 @@ def test_dry_run_warns_of_an_inotify_queue_a_move_may_lose(cluster: Cluster, tmp
     a = cluster.nodes["A"]
     watched, log = tmp_path / "watched", tmp_path / "loop.log"
     watched.mkdir()
-    out = subprocess.run(a.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp_path / "loop.out"),
-                                "--", sys.executable, str(ROOT / "tests" / "workloads" / "epoll_loop.py"), str(log),
-                                "--inotify", str(watched)),
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    pid = int(out.stdout)
+    pid = a.launch(tmp_path / "loop.out", sys.executable, str(ROOT / "tests" / "workloads" / "epoll_loop.py"),
+                   str(log), "--inotify", str(watched))  # fmt: skip
     try:
         wait_until(lambda: log.exists() and log.read_text().count("tick ") > 5, "the loop to tick")
         proc = cluster.migrate(pid, "A", "B", "--dry-run", "--json")
@@ -443,11 +435,9 @@ def test_the_agents_ghost_limit_setting_refuses_a_larger_deleted_file(cluster: C
     a.kill_agent(signal.SIGTERM)
     a.start_agent(ghost_limit_mib="4")
     log = tmp_path / "w.log"
-    out = subprocess.run(a.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp_path / "w.out"), "--",
-                                sys.executable, str(STATEFUL), str(log), "16", "--ghost", str(tmp_path / "batch"), "8"),
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    pid = int(out.stdout)
+    pid = a.launch(
+        tmp_path / "w.out", sys.executable, str(STATEFUL), str(log), "16", "--ghost", str(tmp_path / "batch"), "8"
+    )
     ticks = lambda: [ln for ln in log.read_text().splitlines() if ln.startswith("tick ")] if log.exists() else []  # noqa: E731
     try:
         wait_until(lambda: len(ticks()) > 5, "the workload to tick")

@@ -145,12 +145,8 @@ def test_a_copy_that_dies_right_after_it_started_leaves_the_original_running(
     ended as the copy started, and the job was lost)."""
     a, b = cluster.nodes["A"], cluster.nodes["B"]
     log = tmp_path / "asker.log"
-    out = subprocess.run(a.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(tmp_path / "asker.out"),
-                                "--", sys.executable, str(ROOT / "tests" / "workloads" / "loopback_asker.py"),
-                                str(log), str(loopback_service)),
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    t = Ticker(log, int(out.stdout))
+    asker = ROOT / "tests" / "workloads" / "loopback_asker.py"
+    t = Ticker(log, a.launch(tmp_path / "asker.out", sys.executable, str(asker), str(log), str(loopback_service)))
     try:
         wait_until(lambda: len(t.ticks()) > 5, "the workload to tick")
         proc = cluster.migrate(t.pid, "A", "B", "--json")
