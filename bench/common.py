@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -25,3 +26,9 @@ def emit(args: argparse.Namespace, doc: dict[str, Any]) -> None:
     print(json.dumps(doc))
     if args.json_out:
         args.json_out.write_text(json.dumps(doc, indent=2))
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and of its children that ended, so far."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime

@@ -14,16 +14,15 @@ In the same run, the naive route on the same workload: bare `criu dump` into a d
 --repeats, each route after the same memory warm-up (see ``warm``).  Beside the times, each
 route's CPU seconds (``*_cpu``): both agents' own and their finished children's (CRIU, the
 post-dump hook) for tpagent, which also checksums, authenticates, encrypts and verifies every
-byte; CRIU's and cp's for the naive route.  Where both nodes share a few cores, the overlap
-of dump, transfer and verification cannot pay, and the CPU seconds say why.  --gpu: the state is GPU
-memory (tests/workloads/gpu_hold.py), sizes in MiB of GPU memory.  Must run as root.  Prints
-a table, then one JSON object.
+byte; this process's and its children's (CRIU, cp) for the naive route.  Where both nodes
+share a few cores, the overlap of dump, transfer and verification cannot pay, and the CPU
+seconds say why.  --gpu: the state is GPU memory (tests/workloads/gpu_hold.py), sizes in MiB
+of GPU memory.  Must run as root.  Prints a table, then one JSON object.
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import shutil
 import statistics
 import subprocess
@@ -75,7 +74,7 @@ def warm(size: int) -> None:
     subprocess.run([sys.executable, "-c", f"b = bytearray({mib} << 20); b[::4096] = bytes(len(b) // 4096)"], check=True)
 
 
-def cpu_seconds(p: psutil.Process) -> float:
+def tree_cpu_seconds(p: psutil.Process) -> float:
     """CPU time of ``p`` and of its children that ended (CRIU, the post-dump hook)."""
     t = p.cpu_times()
     return t.user + t.system + t.children_user + t.children_system
@@ -84,9 +83,9 @@ def cpu_seconds(p: psutil.Process) -> float:
 def tpagent_round(kind: str, size: int, work: Path, c: Cluster) -> dict[str, float]:
     pid = launch(kind, size, work, c.nodes["A"])
     agents = [psutil.Process(node.agent.pid) for node in c.nodes.values() if node.agent is not None]
-    before = sum(map(cpu_seconds, agents))
+    before = sum(map(tree_cpu_seconds, agents))
     out = c.migrate(pid, "A", "B", "--json", timeout=3600)
-    cpu = sum(map(cpu_seconds, agents)) - before
+    cpu = sum(map(tree_cpu_seconds, agents)) - before
     assert out.returncode == 0, out.stderr + out.stdout
     doc = json.loads(out.stdout)
     kill_and_wait(doc["new_pid"])
@@ -100,7 +99,7 @@ def naive_round(kind: str, size: int, work: Path) -> dict[str, float]:
     pid = launch(kind, size, work)
     criu, a, b = Criu(), work / "naive-a", work / "naive-b"
     a.mkdir()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = common.cpu_seconds()
     t0 = time.monotonic()
     criu.dump(pid, a, a, DumpOptions(namespace=True), 3600)
     t1 = time.monotonic()
@@ -108,8 +107,7 @@ def naive_round(kind: str, size: int, work: Path) -> dict[str, float]:
     t2 = time.monotonic()
     new = criu.restore(b, b, RestoreOptions(namespace=True), 3600)
     t3 = time.monotonic()
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    cpu = common.cpu_seconds() - before
     kill_and_wait(new)
     shutil.rmtree(a)
     shutil.rmtree(b)

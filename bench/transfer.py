@@ -18,7 +18,6 @@ as a table and then one JSON object.
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import socket
 import statistics
@@ -82,15 +81,10 @@ def make_snapshot(directory: Path, nbytes: int) -> None:
     m.write(directory)
 
 
-def cpu() -> float:
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
 def timed(fn: Callable[[], int]) -> dict[str, float]:
-    c0, t0 = cpu(), time.monotonic()
+    c0, t0 = common.cpu_seconds(), time.monotonic()
     wire = fn()
-    return {"seconds": time.monotonic() - t0, "cpu_seconds": cpu() - c0, "wire_bytes": wire}
+    return {"seconds": time.monotonic() - t0, "cpu_seconds": common.cpu_seconds() - c0, "wire_bytes": wire}
 
 
 def floor(src: Path, dst: Path, streams: int) -> int:
