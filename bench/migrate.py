@@ -22,6 +22,7 @@ of GPU memory.  Must run as root.  Prints a table, then one JSON object.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import statistics
@@ -40,7 +41,9 @@ import common  # noqa: E402
 
 from cluster import Cluster, Node  # noqa: E402
 from helpers import kill_and_wait, wait_until  # noqa: E402
+from snapshot.api import CudaError  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
+from snapshot.cuda import CudaDriver  # noqa: E402
 
 
 def launch(kind: str, size: int, work: Path, node: Node | None = None) -> int:
@@ -95,17 +98,39 @@ def tpagent_round(kind: str, size: int, work: Path, c: Cluster) -> dict[str, flo
     }
 
 
+def cuda_processes(cuda: CudaDriver, root: int) -> list[int]:
+    """The processes of ``root``'s tree that the driver knows (the workload, not its init)."""
+    found = []
+    for p in [psutil.Process(root), *psutil.Process(root).children(recursive=True)]:
+        with contextlib.suppress(CudaError):
+            cuda.state(p.pid)
+            found.append(p.pid)
+    return found
+
+
 def naive_round(kind: str, size: int, work: Path) -> dict[str, float]:
+    """By hand, with no checks: (on a GPU, the driver's lock and checkpoint of the workload,)
+    criu dump, cp to the other node's directory, criu restore (and the driver's restore)."""
     pid = launch(kind, size, work)
     criu, a, b = Criu(), work / "naive-a", work / "naive-b"
     a.mkdir()
+    cuda = CudaDriver() if kind == "gpu" else None
+    gpu_pids = cuda_processes(cuda, pid) if cuda is not None else []
     before = common.cpu_seconds()
     t0 = time.monotonic()
+    for p in gpu_pids:
+        assert cuda is not None
+        cuda.lock(p, 30)
+        cuda.checkpoint(p)
     criu.dump(pid, a, a, DumpOptions(namespace=True), 3600)
     t1 = time.monotonic()
     subprocess.run(["cp", "-a", str(a), str(b)], check=True)
     t2 = time.monotonic()
     new = criu.restore(b, b, RestoreOptions(namespace=True), 3600)
+    if cuda is not None:
+        for p in cuda_processes(cuda, new):
+            cuda.restore(p)
+            cuda.unlock(p)
     t3 = time.monotonic()
     cpu = common.cpu_seconds() - before
     kill_and_wait(new)

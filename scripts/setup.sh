@@ -44,7 +44,10 @@ import os, site, stat, sys
 dirs = site.getsitepackages() if sys.prefix != sys.base_prefix else []
 safe = []
 for d in dirs:
-    st = os.stat(d)
+    try:
+        st = os.stat(d)
+    except FileNotFoundError:
+        continue  # (Debian's lists local/dist-packages whether or not it exists)
     if st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         safe.append(d)
     else:
@@ -94,6 +97,7 @@ command -v nft >/dev/null || need+=(nftables)  # removes the network lock CRIU l
 command -v openssl >/dev/null || need+=(openssl)  # scripts/make-certs.sh (test and small-cluster certificates)
 command -v setpriv >/dev/null || need+=(util-linux)  # the security tests attack as user nobody
 command -v mksquashfs >/dev/null || need+=(squashfs-tools)  # a test mounts a squashfs, as GPU nodes' driver files are
+command -v cc >/dev/null || need+=(gcc)  # a test builds a library that keeps its address as NCCL does
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
 if [ ${#need[@]} -gt 0 ]; then

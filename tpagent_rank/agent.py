@@ -62,6 +62,7 @@ class Rank:
         self.write_lock = threading.Lock()
         self.detached: list[tuple[int, str, int]] = []  # (fd, host, port) of store connections let go
         self.kept: list[Any] = []  # the store clients whose sockets took their place
+        self.addresses: dict[str, list[bytes]] = {}  # this node's, as the communicators were torn down
         self.park_timeout = float(os.environ.get("TPAGENT_RANK_PARK_TIMEOUT", "600"))
         self.pid = os.getpid()
 
@@ -256,6 +257,9 @@ class Rank:
             for g in backend.GROUPS.live():
                 g.teardown()
             gc.collect()
+            from tpagent_rank import nccladdr
+
+            self.addresses = nccladdr.local_addresses()
             closed = 0
             if body.get("leaving"):
                 from tpagent_rank import store
@@ -280,6 +284,11 @@ class Rank:
                     self.kept.extend(store.reattach(self.detached, min(60.0, float(body.get("timeout", 60)))))
                 self.detached = []
             self._tell_store()
+            if backend.NCCL_HOST is not None and self.addresses:  # (NCCL keeps the node's address it started on)
+                from tpagent_rank import nccladdr, store
+
+                if said := nccladdr.follow(self.addresses, store.host(self.store)):
+                    say(said)
             backend.GROUPS.gen = gen
             with self.cond:
                 torn = self.torn

@@ -141,6 +141,11 @@ def _ips(host: str) -> set[str]:
         return {host}
 
 
+def host(store: Any) -> str:
+    """The host name or address the job's store is reached at."""
+    return str(getattr(_underlying(store), "host", ""))
+
+
 def address(store: Any) -> str:
     base = _underlying(store)
     return f"{getattr(base, 'host', '?')}:{getattr(base, 'port', '?')} ({type(base).__name__})"
