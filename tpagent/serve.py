@@ -1,6 +1,7 @@
 """``tpagent serve``: run the node agent until SIGTERM/SIGINT.
 
-On start it sets the umask to 077, makes sure its work directory is its own (created 0700,
+On start it sets the umask to 077 (run as a process's main thread: in a thread it leaves it, and the
+signals, to the process), makes sure its work directory is its own (created 0700,
 or refused), recovers the migrations a previous run left half-way (see
 :meth:`tpagent.node.Node.recover`), then serves the Agent API (mutual TLS, every call
 authenticated: :mod:`tpagent.rpc`), grpc.health.v1 Check on a plain-text port of its own
@@ -98,13 +99,18 @@ def serve(cfg: AgentConfig, ready: threading.Event | None = None, stop: threadin
     """Serve until ``stop`` is set (or SIGTERM/SIGINT in the main thread; a second one forces)."""
     stop = stop or threading.Event()
     force = threading.Event()
-    if threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
+        # In a thread (tests run agents so): the umask and the signals are the process's, not
+        # this agent's.  Two agents whose umask calls interleaved left the process at 077 for
+        # good (the first to stop put back the 022 it found, the second the 077 it found).
+        _serve(cfg, ready, stop, force)
+        return
 
-        def on_signal(*_: object) -> None:  # only flags: shutdown happens below
-            (force if stop.is_set() else stop).set()
+    def on_signal(*_: object) -> None:  # only flags: shutdown happens below
+        (force if stop.is_set() else stop).set()
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, on_signal)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
     umask = os.umask(0o077)  # snapshots are someone's whole memory: nothing we write is for others
     try:
         _serve(cfg, ready, stop, force)

@@ -13,10 +13,11 @@ run here; what one GPU can show is shown instead:
 Each ends bit-identical to the same job run under plain torchrun (deterministic algorithms, the
 same GPU).  Each move changes the rank's node address, which NCCL keeps from its first
 communicator: tpagent_rank.nccladdr rewrites it (first run on an H100: without it, every
-communicator built after the move failed to bind, and the rank went back).  Both nodes are on this one machine, so the host identity NCCL holds stays true and
-the GPU keeps its PCI bus id: the cross-host cases (cuda-checkpoint issue 48, NCCL issue 2348)
-are handled by mapping and checks tested without a GPU (tests/unit/test_gpu_pairing.py,
-tests/unit/test_rewire_protocol.py), not shown here."""
+communicator built after the move failed to bind, and the rank went back).  Both nodes are on
+this one machine, so the host identity NCCL holds stays true and the GPU keeps its PCI bus id:
+the cross-host cases (cuda-checkpoint issue 48, NCCL issue 2348) are handled by mapping and
+checks tested without a GPU (tests/unit/test_gpu_pairing.py, tests/unit/test_rewire_protocol.py),
+not shown here."""
 
 from __future__ import annotations
 

@@ -197,6 +197,32 @@ def test_a_received_snapshot_is_root_only(tmp_path: Path, playground: Path) -> N
     assert {m for p, m in modes.items() if p.is_file()} == {0o600}
 
 
+def test_agents_served_in_threads_leave_the_process_umask_as_it_was(tmp_path: Path) -> None:
+    """The umask is the process's: an agent in a thread must not set it.  Two that did, stopped
+    in the order they started, left the process at 077 for good (the first put back the 022 it
+    found, the second the 077 it found), and a later test's directory came out 0700.  (`tpagent
+    serve`, a process of its own, runs under 077: its CLI sets it.)"""
+    from tpagent.serve import serve
+
+    before = os.umask(0o022)
+    try:
+        runs = []
+        for name in ("a", "b"):
+            ready, stop = threading.Event(), threading.Event()
+            t = threading.Thread(target=serve, args=(agent_config(tmp_path, name), ready, stop), daemon=True)
+            t.start()
+            assert ready.wait(30)
+            runs.append((t, stop))
+        for t, stop in runs:
+            stop.set()
+            t.join(60)
+            assert not t.is_alive()
+        now = os.umask(0o022)
+        assert now == 0o022, oct(now)
+    finally:
+        os.umask(before)
+
+
 # ---- 6. the secret and the key must be private ------------------------------------------------
 
 
