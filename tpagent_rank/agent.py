@@ -259,7 +259,11 @@ class Rank:
             gc.collect()
             from tpagent_rank import nccladdr
 
-            self.addresses = nccladdr.local_addresses()
+            try:  # (where NCCL's address came from, should the rank be moved)
+                self.addresses = nccladdr.local_addresses()
+            except OSError as e:
+                self.addresses = {}
+                say(f"this node's addresses could not be read ({e}): NCCL's will not follow a move")
             closed = 0
             if body.get("leaving"):
                 from tpagent_rank import store
@@ -284,10 +288,14 @@ class Rank:
                     self.kept.extend(store.reattach(self.detached, min(60.0, float(body.get("timeout", 60)))))
                 self.detached = []
             self._tell_store()
-            if backend.NCCL_HOST is not None and self.addresses:  # (NCCL keeps the node's address it started on)
+            if self.leaving and backend.NCCL_HOST is not None and self.addresses:  # (NCCL keeps its node's address)
                 from tpagent_rank import nccladdr, store
 
-                if said := nccladdr.follow(self.addresses, store.host(self.store)):
+                try:
+                    said = nccladdr.follow(self.addresses, store.host(self.store))
+                except (OSError, ValueError) as e:
+                    return {"ok": False, "error": f"NCCL's address of the node it left could not be rewritten: {e}"}
+                if said:
                     say(said)
             backend.GROUPS.gen = gen
             with self.cond:

@@ -7,9 +7,17 @@ node's address and fails ("Call to bind failed: Cannot assign requested address"
 H100).  NCCL has no call to choose again.  So, before the communicators are rebuilt on a new
 node, the addresses this node no longer has are rewritten in place, in the library's own data:
 each ``sockaddr_in``/``sockaddr_in6`` there that holds one (family, any port, the address, the
-rest as the kernel fills it) gets the address this node has on the interface of that name, or,
-where it has no such interface, the address it reaches the job's store from.  NCCL then binds,
-and tells its peers, the new address (it reads the address back from the bound socket).
+rest as the kernel fills it) gets the address this node has on the interface of that name, or
+where it has none, on the first interface NCCL_SOCKET_IFNAME names, or else the address it
+reaches the job's store from.  NCCL then binds, and tells its peers, the new address (it reads
+the address back from the bound socket).
+
+Where: the writable segments of every loaded library that defines ``ncclGetVersion`` (libnccl,
+or a library NCCL is built into), as their ELF program headers give them (``dl_iterate_phdr``),
+less their read-only-after-relocation part.  Not covered: an external network plugin's own
+addresses (``libnccl-net*.so``), InfiniBand devices and their GIDs, IPv6 link-local addresses (their scope is
+the source's interface index), and communicators made outside torch's process groups (their
+threads would read the address while it is rewritten).
 
 Only the standard library (``ctypes``): this runs in the user's process.
 """
@@ -24,11 +32,10 @@ import os
 import re
 import socket
 import struct
+from collections.abc import Iterator
 
 #: An interface's addresses, per family: {interface name: packed addresses}
 Addresses = dict[str, list[bytes]]
-#: This process's mappings: (start, end, permissions, path or '')
-Maps = list[tuple[int, int, str, str]]
 
 _SIOCGIFADDR = 0x8915
 
@@ -59,29 +66,51 @@ def route_address(host: str, family: int) -> bytes | None:
     return None
 
 
-def moves(before: Addresses, now: Addresses, store_host: str) -> dict[bytes, bytes]:
-    """Old address -> new for each address of ``before`` that this node does not have: the
-    address of the interface of the same name and family here, else the one the store is
-    reached from."""
+def _usable(addr: bytes) -> bool:
+    a = ipaddress.ip_address(addr)
+    return not (a.is_loopback or a.is_link_local)
+
+
+def nccl_interfaces(names: list[str], spec: str | None) -> list[str]:
+    """The interfaces of ``names`` that NCCL_SOCKET_IFNAME (``spec``) lets NCCL use, in order:
+    prefixes separated by commas, ``^`` first to exclude them, ``=`` for exact names."""
+    if not spec:
+        return []
+    exclude = spec.startswith("^")
+    spec = spec[1:] if exclude else spec
+    exact = spec.startswith("=")
+    wanted = [p for p in (spec[1:] if exact else spec).split(",") if p]
+    return [n for n in names if any(n == p if exact else n.startswith(p) for p in wanted) != exclude]
+
+
+def moves(before: Addresses, now: Addresses, store_host: str, spec: str | None = None) -> dict[bytes, bytes]:
+    """Old address -> new, for each address of ``before`` (loopback and link-local aside) that this
+    node does not have: the address of the same family on the interface of the same name here,
+    else on the first interface NCCL_SOCKET_IFNAME (``spec``) names, else the one the store is
+    reached from.  (An address every node carries, a Kubernetes service's, stays as it is.)"""
     here = {a for addrs in now.values() for a in addrs}
     out: dict[bytes, bytes] = {}
     for name, addrs in before.items():
         for old in addrs:
-            if old in here or old in out:
+            if old in here or old in out or not _usable(old):
                 continue
-            same = [a for a in now.get(name, []) if len(a) == len(old)]
-            new = same[0] if same else route_address(store_host, socket.AF_INET if len(old) == 4 else socket.AF_INET6)
-            if new is not None and not ipaddress.ip_address(new).is_loopback:
+            family = socket.AF_INET if len(old) == 4 else socket.AF_INET6
+            candidates = [name, *nccl_interfaces(list(now), spec)]
+            found = [a for n in candidates for a in now.get(n, []) if len(a) == len(old) and _usable(a)]
+            new = found[0] if found else route_address(store_host, family)
+            if new is not None and _usable(new):
                 out[old] = new
     return out
 
 
 def _pattern(old: bytes) -> re.Pattern[bytes]:
-    """A sockaddr holding ``old``: family (host order), port, address, the rest zero (IPv4) or
-    flow info and scope (IPv6)."""
+    """A sockaddr holding ``old`` (at every position, overlapping): family (host order), port,
+    address, the rest zero (IPv4); family, port, flow info, address (IPv6)."""
     if len(old) == 4:
-        return re.compile(re.escape(struct.pack("=H", socket.AF_INET)) + b".." + re.escape(old) + b"\0{8}", re.DOTALL)
-    return re.compile(re.escape(struct.pack("=H", socket.AF_INET6)) + b"......" + re.escape(old), re.DOTALL)
+        body = re.escape(struct.pack("=H", socket.AF_INET)) + b".." + re.escape(old) + b"\0{8}"
+    else:
+        body = re.escape(struct.pack("=H", socket.AF_INET6)) + b"......" + re.escape(old)
+    return re.compile(b"(?=" + body + b")", re.DOTALL)
 
 
 def rewrite(regions: list[tuple[int, int]], table: dict[bytes, bytes]) -> int:
@@ -92,58 +121,96 @@ def rewrite(regions: list[tuple[int, int]], table: dict[bytes, bytes]) -> int:
         data = ctypes.string_at(start, end - start)
         for old, new in table.items():
             for m in _pattern(old).finditer(data):
-                if m.start() % 4 == 0:
-                    at = start + m.start() + (4 if len(old) == 4 else 8)
-                    ctypes.memmove(at, new, len(new))
+                if (start + m.start()) % 4 == 0:
+                    ctypes.memmove(start + m.start() + (4 if len(old) == 4 else 8), new, len(new))
                     done += 1
     return done
 
 
-def _maps() -> Maps:
-    out = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            out.append((start, end, parts[1], parts[5].strip() if len(parts) > 5 else ""))
+# ---- where a library's writable data is: its ELF program headers -----------------------------
+
+_PT_LOAD, _PT_GNU_RELRO, _PF_W = 1, 0x6474E552, 2
+
+
+class _Phdr(ctypes.Structure):  # Elf64_Phdr
+    _fields_ = [("p_type", ctypes.c_uint32), ("p_flags", ctypes.c_uint32), ("p_offset", ctypes.c_uint64),
+                ("p_vaddr", ctypes.c_uint64), ("p_paddr", ctypes.c_uint64), ("p_filesz", ctypes.c_uint64),
+                ("p_memsz", ctypes.c_uint64), ("p_align", ctypes.c_uint64)]  # fmt: skip
+
+
+class _Info(ctypes.Structure):  # struct dl_phdr_info (its first fields)
+    _fields_ = [("dlpi_addr", ctypes.c_uint64), ("dlpi_name", ctypes.c_char_p),
+                ("dlpi_phdr", ctypes.POINTER(_Phdr)), ("dlpi_phnum", ctypes.c_uint16)]  # fmt: skip
+
+
+#: A loaded object: its path, and its segments as (type, flags, start, end) in this process
+Loaded = tuple[str, list[tuple[int, int, int, int]]]
+
+
+def loaded() -> list[Loaded]:
+    """Every shared object loaded in this process (``dl_iterate_phdr``); none on a 32-bit one."""
+    if ctypes.sizeof(ctypes.c_void_p) != 8:
+        return []
+    out: list[Loaded] = []
+
+    def one(info: ctypes._Pointer[_Info], size: int, data: ctypes.c_void_p) -> int:
+        i = info.contents
+        segs = [(h.p_type, h.p_flags, i.dlpi_addr + h.p_vaddr, i.dlpi_addr + h.p_vaddr + h.p_memsz)
+                for h in (i.dlpi_phdr[k] for k in range(i.dlpi_phnum))]  # fmt: skip
+        out.append((os.fsdecode(i.dlpi_name or b""), segs))
+        return 0
+
+    callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Info), ctypes.c_size_t, ctypes.c_void_p)(one)
+    ctypes.CDLL(None).dl_iterate_phdr(callback, None)
     return out
 
 
-def nccl_data(maps: Maps | None = None, symbol: str = "ncclGetVersion") -> list[tuple[int, int]]:
-    """The writable data of the library that defines NCCL (``libnccl.so``, or a library NCCL is
-    built into) in this process: its ``rw-p`` mappings and the anonymous one right after them
-    (its .bss past the file).  Empty where no loaded library defines ``symbol``."""
-    maps = _maps() if maps is None else maps
-    files = sorted({p for _, _, perm, p in maps if "x" in perm and p.startswith("/")}, key=lambda p: "nccl" not in p)
-    for path in files:
+def _writable(segs: list[tuple[int, int, int, int]]) -> Iterator[tuple[int, int]]:
+    """The writable load segments, less what is read-only once relocated (``PT_GNU_RELRO``)."""
+    relro = [(s, e) for t, _, s, e in segs if t == _PT_GNU_RELRO]
+    for t, flags, s, e in segs:
+        if t != _PT_LOAD or not flags & _PF_W:
+            continue
+        for rs, re_ in relro:
+            if rs <= s < re_:
+                s = re_
+            elif s < rs < e:
+                yield (s, rs)
+                s = max(s, re_)
+        if s < e:
+            yield (s, e)
+
+
+def nccl_data(symbol: str = "ncclGetVersion") -> list[tuple[int, int]]:
+    """The writable data (.data, .bss) of each loaded library that defines ``symbol`` (NCCL's:
+    libnccl.so, or a library NCCL is built into); empty where none does."""
+    objects = sorted(loaded(), key=lambda o: "nccl" not in os.path.basename(o[0]))
+    owners: list[int] = []
+    out: list[tuple[int, int]] = []
+    for path, _ in objects:
+        if not path:  # (the program itself)
+            continue
         try:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             at = ctypes.cast(getattr(lib, symbol), ctypes.c_void_p).value
         except (OSError, AttributeError):
             continue
-        owner = next((p for s, e, _, p in maps if at is not None and s <= at < e), None)
-        if owner is None:
-            continue
-        out: list[tuple[int, int]] = []
-        for i, (s, e, perm, p) in enumerate(maps):
-            if p == owner and perm.startswith("rw"):
-                out.append((s, e))
-                after = maps[i + 1] if i + 1 < len(maps) else None
-                if after is not None and after[3] == "" and after[0] == e and after[2].startswith("rw"):
-                    out.append((after[0], after[1]))
-        return out
-    return []
+        for k, (_, segs) in enumerate(objects):  # (the object defining it: may be a dependency)
+            if k not in owners and any(t == _PT_LOAD and at is not None and s <= at < e for t, _, s, e in segs):
+                owners.append(k)
+                out.extend(_writable(segs))
+    return out
 
 
 def follow(before: Addresses, store_host: str) -> str | None:
     """After a move: NCCL's addresses of the node it left, rewritten to this node's; what was
-    done, in words (None: the node is the same, or NCCL is not loaded)."""
-    table = moves(before, local_addresses(), store_host)
+    done, in words (None: this node has every address the rank's node had)."""
+    table = moves(before, local_addresses(), store_host, os.environ.get("NCCL_SOCKET_IFNAME"))
     if not table:
         return None
+    pairs = ", ".join(f"{ipaddress.ip_address(o)} -> {ipaddress.ip_address(n)}" for o, n in table.items())
     regions = nccl_data()
     if not regions:
-        return None
+        return f"no loaded library defines NCCL's symbols: its addresses of the node it left ({pairs}) stay"
     n = rewrite(regions, table)
-    pairs = ", ".join(f"{ipaddress.ip_address(o)} -> {ipaddress.ip_address(n_)}" for o, n_ in table.items())
     return f"NCCL's addresses of the node it left rewritten to this node's ({pairs}), {n} in all"

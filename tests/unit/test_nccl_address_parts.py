@@ -9,6 +9,7 @@ import ctypes
 import ipaddress
 import socket
 import struct
+from pathlib import Path
 
 from tpagent_rank import nccladdr
 
@@ -32,6 +33,24 @@ def test_an_address_maps_to_the_same_interface_here_else_to_the_way_to_the_store
     # loopback, which no peer could reach: left as it was)
     assert nccladdr.moves(before, now, "127.0.0.1") == {ip("10.1.0.5"): ip("10.1.0.7"), ip("fd00::5"): ip("fd00::7")}
     assert nccladdr.moves(now, now, "127.0.0.1") == {}
+
+
+def test_without_a_namesake_the_interfaces_nccl_socket_ifname_names_come_first() -> None:
+    before = {"enp65s0": [ip("10.3.0.5")]}
+    now = {"docker0": [ip("172.17.0.1")], "enp66s0": [ip("10.3.0.6")], "ens1": [ip("10.4.0.6")]}
+    assert nccladdr.moves(before, now, "127.0.0.1", "enp") == {ip("10.3.0.5"): ip("10.3.0.6")}
+    assert nccladdr.moves(before, now, "127.0.0.1", "=ens1") == {ip("10.3.0.5"): ip("10.4.0.6")}
+    assert nccladdr.moves(before, now, "127.0.0.1", "^docker,enp") == {ip("10.3.0.5"): ip("10.4.0.6")}
+    assert nccladdr.nccl_interfaces(["eth0", "eth1", "ib0"], "^=eth0") == ["eth1", "ib0"]
+    assert nccladdr.nccl_interfaces(["eth0", "ib0"], None) == []
+
+
+def test_link_local_addresses_are_not_followed() -> None:
+    """A link-local sockaddr holds its interface's index on the source as its scope: not one
+    this node can bind to, whatever its address."""
+    before = {"eth0": [ip("fe80::1"), ip("10.0.0.1")]}
+    now = {"eth0": [ip("fe80::2"), ip("10.0.0.2")]}
+    assert nccladdr.moves(before, now, "127.0.0.1") == {ip("10.0.0.1"): ip("10.0.0.2")}
 
 
 def test_the_way_to_the_store_is_the_local_address_a_connection_would_use() -> None:
@@ -59,14 +78,25 @@ def test_only_whole_aligned_sockaddrs_of_an_old_address_are_rewritten() -> None:
 
 
 def test_the_data_of_the_library_that_defines_a_symbol_is_found() -> None:
+    """libc's writable segments (getpid is libc's), less what is read-only once relocated: each
+    lies in a writable mapping of libc's file or the anonymous one the loader made for its .bss."""
     libc = ctypes.CDLL(None)
     at = ctypes.cast(libc.getpid, ctypes.c_void_p).value
-    maps = nccladdr._maps()
-    owner = next(p for s, e, _, p in maps if at is not None and s <= at < e)
+    assert at is not None
+    maps = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        maps.append((start, end, parts[1], parts[5] if len(parts) > 5 else ""))
+    owner = next(p for s, e, _, p in maps if s <= at < e)
     regions = nccladdr.nccl_data(symbol="getpid")
     assert regions
     for s, e in regions:
-        line = next(m for m in maps if (m[0], m[1]) == (s, e))
-        assert line[2].startswith("rw") and line[3] in (owner, "")
-    assert any(line[3] == owner for line in maps if (line[0], line[1]) in regions)
+        inside = [m for m in maps if m[0] < e and s < m[1]]
+        assert inside and all(m[2].startswith("rw") and m[3] in (owner, "") for m in inside), (hex(s), inside)
+    assert any(m[3] == owner for s, e in regions for m in maps if m[0] <= s < m[1])
     assert nccladdr.nccl_data(symbol="tpagentNoSuchSymbol") == []
+
+
+def test_a_node_with_every_address_it_had_rewrites_nothing() -> None:
+    assert nccladdr.follow(nccladdr.local_addresses(), "127.0.0.1") is None

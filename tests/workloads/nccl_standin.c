@@ -13,12 +13,19 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-static union {
-  struct sockaddr sa;
-  struct sockaddr_in sin;
-  struct sockaddr_in6 sin6;
+/* NCCL's .bss is large: its address lies past the file's last page, in the part of the
+ * segment the loader maps anonymous.  The pad puts this one there too. */
+static struct {
+  char pad[1 << 20];
+  union {
+    struct sockaddr sa;
+    struct sockaddr_in sin;
+    struct sockaddr_in6 sin6;
+  } addr;
 } kept;
 static int kept_done = 0;
+
+void *standin_kept(void) { return &kept.addr; }
 
 int ncclGetVersion(int *version) {
   *version = 0;
@@ -32,13 +39,13 @@ int standin_init(char *out, int n) {
   if (getifaddrs(&all) != 0) return -errno;
   for (i = all; i != NULL; i = i->ifa_next) {
     if (i->ifa_addr == NULL || i->ifa_addr->sa_family != AF_INET || (i->ifa_flags & IFF_LOOPBACK)) continue;
-    memcpy(&kept.sin, i->ifa_addr, sizeof(struct sockaddr_in));
+    memcpy(&kept.addr.sin, i->ifa_addr, sizeof(struct sockaddr_in));
     kept_done = 1;
     break;
   }
   freeifaddrs(all);
   if (!kept_done) return -ENODEV;
-  inet_ntop(AF_INET, &kept.sin.sin_addr, out, n);
+  inet_ntop(AF_INET, &kept.addr.sin.sin_addr, out, n);
   return 0;
 }
 
@@ -49,7 +56,7 @@ int standin_listen(char *out, int n) {
   char ip[INET_ADDRSTRLEN];
   int fd = socket(AF_INET, SOCK_STREAM, 0), err = 0;
   if (fd < 0) return -errno;
-  if (bind(fd, &kept.sa, sizeof(struct sockaddr_in)) != 0 || listen(fd, 1) != 0 ||
+  if (bind(fd, &kept.addr.sa, sizeof(struct sockaddr_in)) != 0 || listen(fd, 1) != 0 ||
       getsockname(fd, (struct sockaddr *)&bound, &len) != 0)
     err = -errno;
   if (err == 0) {
