@@ -6,7 +6,9 @@
    `tpagent launch` workload, a migration between two agents; tests/agent/test_rewire_gpu.py:
    a world-size-1 NCCL job and a rank with an NCCL group beside a CPU rank, each moved with
    its job rewired, bit-identical);
-2. bench/snapshot.py --gpu and bench/migrate.py --gpu, one round per size that fits (GPU memory
+2. bench/rewire.py --gpu: what the rank runtime adds to the steps of a job that never moves
+   (one NCCL rank, DDP on the GPU, with and without the runtime; target < 1 %);
+3. bench/snapshot.py --gpu and bench/migrate.py --gpu, one round per size that fits (GPU memory
    free and host memory for the images; sizes dropped in order once the time budget would be
    passed: each is said, with why).
 
@@ -175,6 +177,26 @@ def run_bench(bench: str, size_gib: int, work: Path, timeout: float) -> dict[str
     return row
 
 
+def run_overhead(work: Path, timeout: float) -> dict[str, Any]:
+    """bench/rewire.py --gpu (3 rounds of 300 steps): the rank runtime's per-step cost on the GPU."""
+    row: dict[str, Any] = {"bench": "rewire", "size_gib": 0, "outcome": "failed", "detail": "", "result": {}}
+    result = work / "rewire-gpu.json"
+    cmd = [sys.executable, "bench/rewire.py", "--gpu", "--rounds", "3", "--steps", "300", "--json-out", str(result)]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        row["detail"] = f"ran past its {timeout:.0f} s"
+        return row
+    (work / "rewire-gpu.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not result.exists():
+        row["detail"] = (proc.stderr or proc.stdout)[-300:].strip()
+        return row
+    row.update(outcome="passed", detail=f"{time.monotonic() - t0:.0f} s",
+               result=json.loads(result.read_text())["overhead"])  # fmt: skip
+    return row
+
+
 def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     gpu = ", ".join(g["name"] for g in m["gpus"]) or "none"
@@ -200,6 +222,19 @@ def markdown(doc: dict[str, Any]) -> str:
             f"{r['tpagent_dump_s']:.2f} | {r['dump_gbps']:.2f} | {r.get('criu_restore_s', 0):.2f} | "
             f"{r.get('cuda_restore_s', 0):.2f} | {r['tpagent_restore_s']:.2f} | {r['restore_gbps']:.2f} | "
             f"{r['floor_s']:.2f} | {r['ratio_to_floor'] or 0:.2f} |"
+        )
+    lines += ["", "## The rank runtime's cost to a job that never moves (one NCCL rank, DDP)", "",
+              "| outcome | plain step ms | with the runtime ms | overhead | from its parts | added per collective us |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for b in (b for b in doc["benchmarks"] if b["bench"] == "rewire"):
+        r = b["result"]
+        if b["outcome"] != "passed":
+            lines.append(f"| {b['outcome']}: {b['detail']} |" + " |" * 5)
+            continue
+        lines.append(
+            f"| passed | {r['plain_step_s'] * 1e3:.3f} | {r['runtime_step_s'] * 1e3:.3f} | "
+            f"{r['overhead'] * 100:+.2f} % | {r['overhead_from_parts'] * 100:+.3f} % | "
+            f"{r['one_process_added_per_collective_s'] * 1e6:+.1f} |"
         )
     lines += ["", "## Migration between two agents on this node", "",
               "| GiB | outcome | freeze s | freeze+send s | restore s | downtime s | naive downtime s | x naive |",
@@ -233,6 +268,8 @@ def main() -> int:
         doc["tests"] = [{"name": NAMED, "outcome": "skipped", "detail": "no NVIDIA GPU"}]
         doc["benchmarks"] = [{"bench": b, "size_gib": s, "outcome": "skipped", "detail": "no NVIDIA GPU", "result": {}}
                              for s in sizes for b in ("snapshot", "migrate")]  # fmt: skip
+        doc["benchmarks"].append({"bench": "rewire", "size_gib": 0, "outcome": "skipped", "detail": "no NVIDIA GPU",
+                                  "result": {}})  # fmt: skip
     else:
         work = Path(tempfile.mkdtemp(prefix="tpagent-gpu-proof-"))  # (the tests' snapshots too: not in DIR)
         try:
@@ -255,6 +292,12 @@ def main() -> int:
 def run_all(doc: dict[str, Any], args: argparse.Namespace, sizes: list[int], work: Path, t0: float) -> None:
     """The tests, then each bench at each size while the budget lasts, into ``doc``."""
     doc["tests"] = run_tests(args.out, work, args.tests_s or args.budget_s * 0.4)
+    left = args.budget_s - (time.monotonic() - t0)
+    if left < 120:  # (six jobs started under torchrun and six single processes, each importing torch)
+        doc["benchmarks"].append({"bench": "rewire", "size_gib": 0, "outcome": "skipped",
+                                  "detail": f"the time budget: {left:.0f} s left", "result": {}})  # fmt: skip
+    else:
+        doc["benchmarks"].append(run_overhead(work, min(left, 240.0)))
     for size in sizes:
         for bench in ("snapshot", "migrate"):
             left = args.budget_s - (time.monotonic() - t0)

@@ -2,12 +2,15 @@
 that never moves.
 
     python bench/rewire.py [--repeats 3] [--rounds 5] [--steps 300] [--width 512] [--json-out F]
+    python bench/rewire.py --gpu [--rounds 3] ...   the overhead only, of one NCCL rank on a GPU
 
 1. Overhead.  The same 3-rank DDP job (gloo, CPU; the worker is this file with --worker) runs
    under plain torchrun, and under torchrun with the rank runtime loaded as `tpagent rank`
    loads it (every process group delegating; no agent: nothing ever moves), in interleaved
-   rounds (plain, runtime, plain, ...).  Per round: the median step time over the steps after
-   the first 20; the overhead is the median over rounds of runtime / plain - 1 (target < 1 %).
+   rounds (plain, runtime, plain, ...).  With --gpu: one rank (NCCL takes one rank a GPU), the
+   model, the data and the collectives on the GPU, each step timed to its end on the device.
+   Per round: the median step time over the steps after the first 20; the overhead is the
+   median over rounds of runtime / plain - 1 (target < 1 %).
    Step times on a small shared machine vary by several per cent between rounds, so the same
    figure is also given from its parts: the time one 1-element all_reduce takes with and
    without the runtime, in one process of world size 1 (what forwarding adds to a collective,
@@ -41,34 +44,48 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _sync(gpu: bool) -> None:
+    if gpu:
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def worker(a: argparse.Namespace) -> None:
-    """One rank: a DDP step loop, each step's wall time written to --out (rank 0's)."""
+    """One rank: a DDP step loop, each step's wall time written to --out (rank 0's).  With --gpu:
+    NCCL, the model and the data on the rank's GPU, each step timed to its end on the device."""
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if a.gpu else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if a.gpu else torch.device("cpu")
+    if a.gpu:
+        torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(64, a.width), nn.Tanh(), nn.Linear(a.width, a.width), nn.Linear(a.width, 1)))
+    net = nn.Sequential(nn.Linear(64, a.width), nn.Tanh(), nn.Linear(a.width, a.width), nn.Linear(a.width, 1))
+    model = DDP(net.to(device), device_ids=[device.index] if a.gpu else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     data = torch.Generator().manual_seed(dist.get_rank())
     times = []
     for _ in range(a.steps):
         t = time.perf_counter()
-        x = torch.randn(64, 64, generator=data)
+        x = torch.randn(64, 64, generator=data).to(device)
         opt.zero_grad()
         loss = (model(x) ** 2).mean()
         loss.backward()
         opt.step()
+        _sync(a.gpu)
         times.append(time.perf_counter() - t)
     # What one collective costs by itself: a 1-element all_reduce, where the call's own cost
     # shows (the runtime forwards each through the delegating group).
-    one = torch.zeros(1)
+    one = torch.zeros(1, device=device)
     calls = []
     for _ in range(600):
         t = time.perf_counter()
         dist.all_reduce(one)
+        _sync(a.gpu)
         calls.append(time.perf_counter() - t)
     rank = sys.modules.get("tpagent_rank.agent")
     counted = rank.RANK.collectives if rank is not None and rank.RANK is not None else 0
@@ -78,34 +95,45 @@ def worker(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def forwarding_worker() -> None:
+def forwarding_worker(gpu: bool) -> None:
     """One process, world size 1 (no peer, no scheduling between ranks): the median time of a
-    1-element all_reduce, printed.  What the delegating group adds shows here undisturbed."""
+    1-element all_reduce (on the GPU, through NCCL, to its end there: ``gpu``), printed.  What
+    the delegating group adds shows here undisturbed."""
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    one = torch.zeros(1)
+    if gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    one = torch.zeros(1, device="cuda" if gpu else "cpu")
     times = []
     for i in range(6000):
         t = time.perf_counter()
         dist.all_reduce(one)
+        _sync(gpu)
         if i >= 1000:
             times.append(time.perf_counter() - t)
-    print(json.dumps({"collective_s": statistics.median(times), "backend": dist.get_backend()}))
+    runtime = sys.modules.get("tpagent_rank.backend")  # (get_backend names the user's backend either way)
+    delegating = runtime is not None and isinstance(dist.group.WORLD, runtime.DelegatingGroup)
+    print(json.dumps({"collective_s": statistics.median(times), "delegating": delegating}))
     dist.destroy_process_group()
 
 
-def forwarding_round(runtime: Path | None) -> float:
+def forwarding_round(runtime: Path | None, gpu: bool) -> float:
     env = {**os.environ, "USE_LIBUV": "0", "OMP_NUM_THREADS": "1"}
     if runtime is not None:
         env.update(PYTHONPATH=os.pathsep.join([str(runtime), env.get("PYTHONPATH", "")]),
                    TPAGENT_RANK_SOCKET="tpagent-bench-nobody", TPAGENT_JOB="bench")  # fmt: skip
-    done = subprocess.run([sys.executable, __file__, "--forwarding-worker"], env=env, check=True, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = subprocess.run([sys.executable, __file__, "--forwarding-worker", *(["--gpu"] if gpu else [])], env=env,
+                          check=True, capture_output=True, text=True, timeout=300)  # fmt: skip
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (got["backend"] == "tpagent") == (runtime is not None), got  # (the runtime was loaded, or not)
+    assert got["delegating"] == (runtime is not None), got  # (the runtime was loaded, or not)
     return float(got["collective_s"])
+
+
+def ranks(a: argparse.Namespace) -> int:
+    """The job's ranks: 3 on CPU, 1 on a GPU (NCCL takes one rank a GPU)."""
+    return 1 if a.gpu else 3
 
 
 def overhead_round(runtime: Path | None, a: argparse.Namespace, work: Path) -> tuple[float, float, float]:
@@ -118,8 +146,8 @@ def overhead_round(runtime: Path | None, a: argparse.Namespace, work: Path) -> t
         env.update(PYTHONPATH=os.pathsep.join([str(runtime), env.get("PYTHONPATH", "")]),
                    TPAGENT_RANK_SOCKET="tpagent-bench-nobody", TPAGENT_JOB="bench")  # fmt: skip
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", __file__,
-         "--worker", "--steps", str(a.steps), "--width", str(a.width), "--out", str(out)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks(a)), __file__,
+         "--worker", "--steps", str(a.steps), "--width", str(a.width), "--out", str(out), *["--gpu"] * a.gpu],
         env=env, check=True, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     # (the runtime says it found no agent: proof that it was loaded, its groups delegating)
@@ -139,7 +167,7 @@ def overhead(a: argparse.Namespace, work: Path) -> dict[str, object]:
     for _ in range(a.rounds):
         plain.append(overhead_round(None, a, work))
         delegating.append(overhead_round(runtime, a, work))
-    alone = [(forwarding_round(None), forwarding_round(runtime)) for _ in range(a.rounds)]
+    alone = [(forwarding_round(None, a.gpu), forwarding_round(runtime, a.gpu)) for _ in range(a.rounds)]
     added_alone = statistics.median(d - p for p, d in alone)
     ratios = [d[0] / p[0] - 1 for p, d in zip(plain, delegating, strict=True)]
     step = statistics.median(p[0] for p in plain)
@@ -148,7 +176,8 @@ def overhead(a: argparse.Namespace, work: Path) -> dict[str, object]:
     # The same figure from its parts: what forwarding adds to one collective, times the
     # collectives a step issues, over the step (far less noisy than two step times).
     derived = added_alone * per_step / step
-    return {"plain_step_s": step, "runtime_step_s": statistics.median(d[0] for d in delegating),
+    return {"ranks": ranks(a), "backend": "nccl" if a.gpu else "gloo",
+            "plain_step_s": step, "runtime_step_s": statistics.median(d[0] for d in delegating),
             "overhead": statistics.median(ratios), "rounds": a.rounds, "steps": a.steps, "width": a.width,
             "plain_collective_s": statistics.median(p[1] for p in plain),
             "runtime_collective_s": statistics.median(d[1] for d in delegating), "added_per_collective_s": per_call,
@@ -214,13 +243,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--skip-move", action="store_true", help="only the overhead (no root, no namespaces)")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the overhead on the GPU (NCCL, one rank: a GPU takes one); no move (that needs several GPUs)",
+    )
     ap.add_argument("--json-out", type=Path)
     a = ap.parse_args()
     if a.worker:
         worker(a)
         return
     if a.forwarding_worker:
-        forwarding_worker()
+        forwarding_worker(a.gpu)
         return
     sys.path.insert(0, str(ROOT / "bench"))
     import common
@@ -228,13 +262,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-rewire-") as d:
         work = Path(d)
         cost = overhead(a, work)
-        moves = [] if a.skip_move else [move_once(Path(tempfile.mkdtemp(dir=work))) for _ in range(a.repeats)]
-    print(f"per-step time, {cost['rounds']} interleaved rounds of {a.steps} steps (3 ranks, gloo, width {a.width}):")
+        skip = a.skip_move or a.gpu
+        moves = [] if skip else [move_once(Path(tempfile.mkdtemp(dir=work))) for _ in range(a.repeats)]
+    print(f"per-step time, {cost['rounds']} interleaved rounds of {a.steps} steps "
+          f"({cost['ranks']} ranks, {cost['backend']}, width {a.width}):")  # fmt: skip
     print(f"  plain torchrun        {cost['plain_step_s'] * 1e3:8.3f} ms")
     print(f"  with the rank runtime {cost['runtime_step_s'] * 1e3:8.3f} ms   overhead {cost['overhead'] * 100:+.2f} %"
           "   (target < 1 %)")  # fmt: skip
     print(
-        f"  one 1-element all_reduce, 3 ranks: {cost['plain_collective_s'] * 1e6:.1f} us plain, "
+        f"  one 1-element all_reduce, {cost['ranks']} ranks: {cost['plain_collective_s'] * 1e6:.1f} us plain, "
         f"{cost['runtime_collective_s'] * 1e6:.1f} us delegating ({cost['added_per_collective_s'] * 1e6:+.1f} us)"
     )
     print(

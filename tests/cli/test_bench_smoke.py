@@ -32,6 +32,15 @@ def test_transfer_benchmark_runs() -> None:
                       "tpagent-ucx-none", "tpagent-ucx-auto", "naive-tar-zstd"}  # fmt: skip
 
 
+def test_rewire_benchmark_measures_the_runtime_it_loaded() -> None:
+    """The overhead half (the move needs root and namespaces: tests/agent covers that path): the
+    job and the single process run with and without the rank runtime, and each knows which."""
+    doc = _run("bench/rewire.py", "--skip-move", "--rounds", "1", "--steps", "40", "--width", "64")
+    cost = doc["overhead"]
+    assert isinstance(cost, dict) and cost["ranks"] == 3 and cost["backend"] == "gloo"
+    assert cost["plain_step_s"] > 0 and cost["runtime_step_s"] > 0 and cost["collectives_per_step"] > 0
+
+
 @needs_criu
 def test_pipeline_benchmark_runs() -> None:
     doc = _run("bench/pipeline.py", "--sizes-mib", "16", "--repeats", "1")
@@ -58,9 +67,9 @@ def test_gpu_proof_says_what_it_could_not_check(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "gpu-proof.json").read_text())
     rows = doc["tests"] + doc["benchmarks"]
     assert {(b["bench"], b["size_gib"]) for b in doc["benchmarks"]} == {(b, s) for b in ("snapshot", "migrate")
-                                                                        for s in (1, 8)}  # fmt: skip
+                                                                        for s in (1, 8)} | {("rewire", 0)}  # fmt: skip
     report = (tmp_path / "gpu-proof.md").read_text()
-    assert "## Snapshot" in report and "## Migration" in report
+    assert "## Snapshot" in report and "## Migration" in report and "## The rank runtime's cost" in report
     if not gpus.inventory():
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines()[0] == "No NVIDIA GPU on this machine: every GPU check was skipped, none passed."
