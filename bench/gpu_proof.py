@@ -40,6 +40,7 @@ import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +153,13 @@ def _fits(size_gib: int) -> str | None:
 
 
 def run_bench(bench: str, size_gib: int, work: Path, timeout: float) -> dict[str, Any]:
+    """One round of bench/snapshot.py or bench/migrate.py at ``size_gib``, or (size 0) the
+    overhead half of bench/rewire.py (3 rounds of 300 steps): its row."""
     row: dict[str, Any] = {"bench": bench, "size_gib": size_gib, "outcome": "failed", "detail": "", "result": {}}
     result = work / f"{bench}-{size_gib}g.json"
-    cmd = [sys.executable, f"bench/{bench}.py", "--gpu", "--sizes-mib", str(size_gib * 1024), "--repeats", "1",
-           "--json-out", str(result)]  # fmt: skip
+    how = ["--rounds", "3", "--steps", "300"] if bench == "rewire" else ["--sizes-mib", str(size_gib * 1024),
+                                                                        "--repeats", "1"]  # fmt: skip
+    cmd = [sys.executable, f"bench/{bench}.py", "--gpu", *how, "--json-out", str(result)]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
@@ -166,7 +170,8 @@ def run_bench(bench: str, size_gib: int, work: Path, timeout: float) -> dict[str
     if proc.returncode != 0 or not result.exists():
         row["detail"] = (proc.stderr or proc.stdout)[-300:].strip()
         return row
-    r = dict(json.loads(result.read_text())["results"][0])
+    doc = json.loads(result.read_text())
+    r = dict(doc["overhead"] if bench == "rewire" else doc["results"][0])
     if bench == "snapshot":
         gb = r["image_bytes"] / 1e9
         r["floor_s"] = r.get("cuda_checkpoint_s", 0.0) + r.get("cuda_restore_s", 0.0)
@@ -177,24 +182,18 @@ def run_bench(bench: str, size_gib: int, work: Path, timeout: float) -> dict[str
     return row
 
 
-def run_overhead(work: Path, timeout: float) -> dict[str, Any]:
-    """bench/rewire.py --gpu (3 rounds of 300 steps): the rank runtime's per-step cost on the GPU."""
-    row: dict[str, Any] = {"bench": "rewire", "size_gib": 0, "outcome": "failed", "detail": "", "result": {}}
-    result = work / "rewire-gpu.json"
-    cmd = [sys.executable, "bench/rewire.py", "--gpu", "--rounds", "3", "--steps", "300", "--json-out", str(result)]
-    t0 = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        row["detail"] = f"ran past its {timeout:.0f} s"
-        return row
-    (work / "rewire-gpu.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not result.exists():
-        row["detail"] = (proc.stderr or proc.stdout)[-300:].strip()
-        return row
-    row.update(outcome="passed", detail=f"{time.monotonic() - t0:.0f} s",
-               result=json.loads(result.read_text())["overhead"])  # fmt: skip
-    return row
+def _table(doc: dict[str, Any], bench: str, title: str, columns: list[str],
+           cells: Callable[[dict[str, Any]], list[str]]) -> list[str]:  # fmt: skip
+    """A bench's section of the report: a row per round, its figures if it passed, else why not."""
+    lines = ["", f"## {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for b in (b for b in doc["benchmarks"] if b["bench"] == bench):
+        lead = [str(b["size_gib"])] if columns[0] == "GiB" else []
+        if b["outcome"] == "passed":
+            row = [*lead, "passed", *cells(b["result"])]
+        else:
+            row = [*lead, f"{b['outcome']}: {b['detail']}", *[""] * (len(columns) - len(lead) - 1)]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -206,49 +205,29 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Machine: {gpu}; driver {m['driver']}; kernel {m['kernel']}; CRIU {m['criu']}; "
         f"transparent huge pages {m['transparent_hugepages']}; Python {m['python']}.", "",
         "## Tests", "", "| test | outcome | detail |", "|---|---|---|",
-        *(f"| {t['name']} | {t['outcome']} | {t['detail']} |" for t in doc["tests"]), "",
-        "## Snapshot (dump + restore on this node)", "",
-        "| GiB | outcome | CUDA checkpoint s | criu dump s | tpagent dump s | dump GB/s | criu restore s | "
-        "CUDA restore s | tpagent restore s | restore GB/s | floor (driver alone) s | x floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *(f"| {t['name']} | {t['outcome']} | {t['detail']} |" for t in doc["tests"]),
     ]  # fmt: skip
-    for b in (b for b in doc["benchmarks"] if b["bench"] == "snapshot"):
-        r = b["result"]
-        if b["outcome"] != "passed":
-            lines.append(f"| {b['size_gib']} | {b['outcome']}: {b['detail']} |" + " |" * 10)
-            continue
-        lines.append(
-            f"| {b['size_gib']} | passed | {r.get('cuda_checkpoint_s', 0):.2f} | {r.get('criu_dump_s', 0):.2f} | "
-            f"{r['tpagent_dump_s']:.2f} | {r['dump_gbps']:.2f} | {r.get('criu_restore_s', 0):.2f} | "
-            f"{r.get('cuda_restore_s', 0):.2f} | {r['tpagent_restore_s']:.2f} | {r['restore_gbps']:.2f} | "
-            f"{r['floor_s']:.2f} | {r['ratio_to_floor'] or 0:.2f} |"
-        )
-    lines += ["", "## The rank runtime's cost to a job that never moves (one NCCL rank, DDP)", "",
-              "| outcome | plain step ms | with the runtime ms | overhead | from its parts | added per collective us |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
-    for b in (b for b in doc["benchmarks"] if b["bench"] == "rewire"):
-        r = b["result"]
-        if b["outcome"] != "passed":
-            lines.append(f"| {b['outcome']}: {b['detail']} |" + " |" * 5)
-            continue
-        lines.append(
-            f"| passed | {r['plain_step_s'] * 1e3:.3f} | {r['runtime_step_s'] * 1e3:.3f} | "
-            f"{r['overhead'] * 100:+.2f} % | {r['overhead_from_parts'] * 100:+.3f} % | "
-            f"{r['one_process_added_per_collective_s'] * 1e6:+.1f} |"
-        )
-    lines += ["", "## Migration between two agents on this node", "",
-              "| GiB | outcome | freeze s | freeze+send s | restore s | downtime s | naive downtime s | x naive |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for b in (b for b in doc["benchmarks"] if b["bench"] == "migrate"):
-        r = b["result"]
-        if b["outcome"] != "passed":
-            lines.append(f"| {b['size_gib']} | {b['outcome']}: {b['detail']} |" + " |" * 6)
-            continue
-        lines.append(
-            f"| {b['size_gib']} | passed | {r.get('tpagent_freeze', 0):.2f} | {r.get('tpagent_freeze_and_send', 0):.2f}"
-            f" | {r.get('tpagent_restore', 0):.2f} | {r.get('tpagent_downtime', 0):.2f} | "
-            f"{r.get('naive_downtime', 0):.2f} | {r.get('downtime_ratio_to_naive', 0):.2f} |"
-        )
+    lines += _table(
+        doc, "snapshot", "Snapshot (dump + restore on this node)",
+        ["GiB", "outcome", "CUDA checkpoint s", "criu dump s", "tpagent dump s", "dump GB/s", "criu restore s",
+         "CUDA restore s", "tpagent restore s", "restore GB/s", "floor (driver alone) s", "x floor"],
+        lambda r: [f"{v:.2f}" for v in (r.get("cuda_checkpoint_s", 0), r.get("criu_dump_s", 0), r["tpagent_dump_s"],
+                   r["dump_gbps"], r.get("criu_restore_s", 0), r.get("cuda_restore_s", 0), r["tpagent_restore_s"],
+                   r["restore_gbps"], r["floor_s"], r["ratio_to_floor"] or 0)],
+    )  # fmt: skip
+    lines += _table(
+        doc, "rewire", "The rank runtime's cost to a job that never moves (one NCCL rank, DDP)",
+        ["outcome", "plain step ms", "with the runtime ms", "overhead", "from its parts", "added per collective us"],
+        lambda r: [f"{r['plain_step_s'] * 1e3:.3f}", f"{r['runtime_step_s'] * 1e3:.3f}",
+                   f"{r['overhead'] * 100:+.2f} %", f"{r['overhead_from_parts'] * 100:+.3f} %",
+                   f"{r['one_process_added_per_collective_s'] * 1e6:+.1f}"],
+    )  # fmt: skip
+    lines += _table(
+        doc, "migrate", "Migration between two agents on this node",
+        ["GiB", "outcome", "freeze s", "freeze+send s", "restore s", "downtime s", "naive downtime s", "x naive"],
+        lambda r: [f"{r.get(k, 0):.2f}" for k in ("tpagent_freeze", "tpagent_freeze_and_send", "tpagent_restore",
+                                                  "tpagent_downtime", "naive_downtime", "downtime_ratio_to_naive")],
+    )  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -297,7 +276,7 @@ def run_all(doc: dict[str, Any], args: argparse.Namespace, sizes: list[int], wor
         doc["benchmarks"].append({"bench": "rewire", "size_gib": 0, "outcome": "skipped",
                                   "detail": f"the time budget: {left:.0f} s left", "result": {}})  # fmt: skip
     else:
-        doc["benchmarks"].append(run_overhead(work, min(left, 240.0)))
+        doc["benchmarks"].append(run_bench("rewire", 0, work, min(left, 240.0)))
     for size in sizes:
         for bench in ("snapshot", "migrate"):
             left = args.budget_s - (time.monotonic() - t0)
