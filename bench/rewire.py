@@ -92,7 +92,12 @@ def worker(a: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         a.out.write_text(json.dumps({"steps": times, "collective_s": statistics.median(calls[100:]),
                                      "collectives_per_step": (counted - len(calls)) / a.steps}))  # fmt: skip
-    dist.destroy_process_group()
+    # Every rank's figures are in: out at once.  (torch 2.x's gloo ranks, ending the usual way,
+    # now and then abort at exit, "terminate called without an active exception", which made
+    # torchrun fail a job whose measurements were whole.)
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def forwarding_worker(gpu: bool) -> None:
@@ -125,7 +130,9 @@ def forwarding_round(runtime: Path | None, gpu: bool) -> float:
         env.update(PYTHONPATH=os.pathsep.join([str(runtime), env.get("PYTHONPATH", "")]),
                    TPAGENT_RANK_SOCKET="tpagent-bench-nobody", TPAGENT_JOB="bench")  # fmt: skip
     done = subprocess.run([sys.executable, __file__, "--forwarding-worker", *(["--gpu"] if gpu else [])], env=env,
-                          check=True, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"the single process failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["delegating"] == (runtime is not None), got  # (the runtime was loaded, or not)
     return float(got["collective_s"])
@@ -148,8 +155,10 @@ def overhead_round(runtime: Path | None, a: argparse.Namespace, work: Path) -> t
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks(a)), __file__,
          "--worker", "--steps", str(a.steps), "--width", str(a.width), "--out", str(out), *["--gpu"] * a.gpu],
-        env=env, check=True, capture_output=True, text=True, timeout=900,
+        env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"the job failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
     # (the runtime says it found no agent: proof that it was loaded, its groups delegating)
     assert (runtime is not None) == ("no agent answers" in done.stderr), done.stderr[-2000:]
     got = json.loads(out.read_text())
