@@ -55,6 +55,7 @@ def _moved_and_identical(
             job.at_step(rank, 20 + 40 * i)
             done = job.move(rank, to)
             assert done.returncode == 0, done.stdout + done.stderr
+            print(f"move of rank {rank} to {to}:\n{done.stdout}")  # (its stage times: in the GPU proof's log, -rA)
             assert job.where(rank) == to and job.copies(rank) == [to]
         job.finishes_as(reference)
     finally:
