@@ -100,8 +100,8 @@ def tpagent_round(kind: str, size: int, work: Path, c: Cluster) -> dict[str, flo
 
 def cuda_processes(cuda: CudaDriver, root: int) -> list[int]:
     """The processes of ``root``'s tree that the driver knows (the workload, not its init)."""
-    found = []
-    for p in [psutil.Process(root), *psutil.Process(root).children(recursive=True)]:
+    found, top = [], psutil.Process(root)
+    for p in [top, *top.children(recursive=True)]:
         with contextlib.suppress(CudaError):
             cuda.state(p.pid)
             found.append(p.pid)

@@ -1,8 +1,8 @@
 """``tpagent serve``: run the node agent until SIGTERM/SIGINT.
 
-On start it sets the umask to 077 (run as a process's main thread: in a thread it leaves it, and the
-signals, to the process), makes sure its work directory is its own (created 0700,
-or refused), recovers the migrations a previous run left half-way (see
+On start it sets the umask to 077 (run as a process's main thread: in a thread it leaves it,
+and the signals, to the process), makes sure its work directory is its own (created 0700, or
+refused), recovers the migrations a previous run left half-way (see
 :meth:`tpagent.node.Node.recover`), then serves the Agent API (mutual TLS, every call
 authenticated: :mod:`tpagent.rpc`), grpc.health.v1 Check on a plain-text port of its own
 for probes, and Prometheus metrics.

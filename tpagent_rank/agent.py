@@ -62,7 +62,7 @@ class Rank:
         self.write_lock = threading.Lock()
         self.detached: list[tuple[int, str, int]] = []  # (fd, host, port) of store connections let go
         self.kept: list[Any] = []  # the store clients whose sockets took their place
-        self.addresses: dict[str, list[bytes]] = {}  # this node's, as the communicators were torn down
+        self.addresses: dict[str, list[bytes]] = {}  # the node's it was told to leave, as it tore down
         self.park_timeout = float(os.environ.get("TPAGENT_RANK_PARK_TIMEOUT", "600"))
         self.pid = os.getpid()
 
@@ -257,16 +257,15 @@ class Rank:
             for g in backend.GROUPS.live():
                 g.teardown()
             gc.collect()
-            from tpagent_rank import nccladdr
-
-            try:  # (where NCCL's address came from, should the rank be moved)
-                self.addresses = nccladdr.local_addresses()
-            except OSError as e:
-                self.addresses = {}
-                say(f"this node's addresses could not be read ({e}): NCCL's will not follow a move")
             closed = 0
             if body.get("leaving"):
-                from tpagent_rank import store
+                from tpagent_rank import nccladdr, store
+
+                try:  # (where NCCL's address came from: see the rebuild)
+                    self.addresses = nccladdr.local_addresses()
+                except OSError as e:
+                    self.addresses = {}
+                    say(f"this node's addresses could not be read ({e}): NCCL's will not follow the move")
 
                 self.detached = store.detach(self.store)
                 closed = len(self.detached)

@@ -15,9 +15,9 @@ the address back from the bound socket).
 Where: the writable segments of every loaded library that defines ``ncclGetVersion`` (libnccl,
 or a library NCCL is built into), as their ELF program headers give them (``dl_iterate_phdr``),
 less their read-only-after-relocation part.  Not covered: an external network plugin's own
-addresses (``libnccl-net*.so``), InfiniBand devices and their GIDs, IPv6 link-local addresses (their scope is
-the source's interface index), and communicators made outside torch's process groups (their
-threads would read the address while it is rewritten).
+addresses (``libnccl-net*.so``), InfiniBand devices and their GIDs, IPv6 link-local addresses
+(their scope is the source's interface index), and communicators made outside torch's process
+groups (their threads would read the address while it is rewritten).
 
 Only the standard library (``ctypes``): this runs in the user's process.
 """
@@ -89,13 +89,14 @@ def moves(before: Addresses, now: Addresses, store_host: str, spec: str | None =
     else on the first interface NCCL_SOCKET_IFNAME (``spec``) names, else the one the store is
     reached from.  (An address every node carries, a Kubernetes service's, stays as it is.)"""
     here = {a for addrs in now.values() for a in addrs}
+    named = nccl_interfaces(list(now), spec)
     out: dict[bytes, bytes] = {}
     for name, addrs in before.items():
         for old in addrs:
             if old in here or old in out or not _usable(old):
                 continue
             family = socket.AF_INET if len(old) == 4 else socket.AF_INET6
-            candidates = [name, *nccl_interfaces(list(now), spec)]
+            candidates = [name, *named]
             found = [a for n in candidates for a in now.get(n, []) if len(a) == len(old) and _usable(a)]
             new = found[0] if found else route_address(store_host, family)
             if new is not None and _usable(new):
