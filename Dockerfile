@@ -20,6 +20,8 @@ COPY tpagent tpagent
 COPY snapshot snapshot
 COPY transfer transfer
 COPY cli cli
+COPY host host
+COPY tpagent_rank tpagent_rank
 RUN python3 -m venv /opt/tpagent/venv && /opt/tpagent/venv/bin/pip install --no-cache-dir .
 
 ENV PATH=/opt/tpagent/venv/bin:$PATH

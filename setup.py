@@ -1,4 +1,4 @@
-"""Build hook: compiles tpagent/proto/agent.proto whenever the package is built or installed
+"""Build hook: compiles tpagent/daemon/proto/agent.proto whenever the package is built or installed
 (the generated modules are not kept in git).  Everything else is in pyproject.toml."""
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _proto_build() -> ModuleType:
-    # Loaded by path: importing tpagent.proto would run the package's __init__ files at build time.
-    spec = importlib.util.spec_from_file_location("_tpagent_proto_build", ROOT / "tpagent" / "proto" / "_build.py")
+    # Loaded by path: importing tpagent.daemon.proto would run the package's __init__ files at build time.
+    spec = importlib.util.spec_from_file_location(
+        "_tpagent_proto_build", ROOT / "tpagent" / "daemon" / "proto" / "_build.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

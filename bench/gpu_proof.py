@@ -47,7 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
-from snapshot import gpus  # noqa: E402
+from host import gpus  # noqa: E402
 
 # (the snapshot path on the GPU; a rank with NCCL and GPU memory moved with its job rewired)
 TESTS = ("tests/agent/test_rewire_gpu.py", "tests/snapshot/test_gpu.py")

@@ -43,8 +43,8 @@ import common  # noqa: E402
 from snapshot.criu import Criu, DumpOptions  # noqa: E402
 from snapshot.dump import checkpoint  # noqa: E402
 from snapshot.manifest import load  # noqa: E402
-from tpagent.pipeline import dump_and_send  # noqa: E402
 from transfer.api import TransferConfig  # noqa: E402
+from transfer.pipeline import dump_and_send  # noqa: E402
 from transfer.receiver import Receiver  # noqa: E402
 from transfer.sender import Sender  # noqa: E402
 from transfer.tcp import TcpTransport  # noqa: E402

@@ -4,7 +4,7 @@
 
 For each size a workload holding that much state is started, then, in one run:
   * tpagent: dump.checkpoint (CUDA lock+checkpoint, criu dump, checksums+manifest) and
-    engine.restore (verify, criu restore, CUDA restore+unlock), per stage;
+    restore.restore (verify, criu restore, CUDA restore+unlock), per stage;
   * naive:   bare `criu dump` / `criu restore` of the same workload, no manifest, no checks
              (a GPU workload: the driver's lock+checkpoint before, restore+unlock after, as
              `cuda-checkpoint` and criu run by hand would do);
@@ -32,7 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import common  # noqa: E402
 
 from helpers import kill_and_wait, wait_until  # noqa: E402
-from snapshot import engine  # noqa: E402
+from snapshot import restore  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
 from snapshot.cuda import CudaDriver  # noqa: E402
 from snapshot.dump import checkpoint  # noqa: E402
@@ -89,7 +89,7 @@ def tpagent_round(kind: str, size: int, work: Path, out: dict[str, float]) -> No
     out["tpagent_dump_s"] = time.monotonic() - t0
     p.wait()
     t0 = time.monotonic()
-    r = engine.restore(work / "snap")
+    r = restore.restore(work / "snap")
     out["tpagent_restore_s"] = time.monotonic() - t0
     out.update({f"{k}_s": v for k, v in {**m.timings, **r.timings}.items()})
     out["image_bytes"] = m.total_bytes

@@ -25,13 +25,13 @@ from cli.common import (
     die,
     rpc_exit_code,
 )
-from snapshot.api import UsageError
-from tpagent.api import SOURCE_FINAL, TARGET_FINAL
+from host.api import UsageError
+from tpagent.migration.api import SOURCE_FINAL, TARGET_FINAL
 from transfer.api import DEFAULT_TLS_DIR
 
 
 def serve(
-    # No envvar on these flags, unlike the shared options: tpagent.config.load reads each
+    # No envvar on these flags, unlike the shared options: tpagent.common.config.load reads each
     # TPAGENT_* setting itself, between the TOML file and the flags.
     config: Annotated[
         Path | None,
@@ -51,9 +51,9 @@ def serve(
     ] = None,
 ) -> None:
     """Run the node agent (as the systemd service does) until SIGTERM."""
-    from tpagent import config as config_mod
-    from tpagent.serve import serve as run_server
-    from tpagent.serve import structured_logs
+    from tpagent.common import config as config_mod
+    from tpagent.daemon.serve import serve as run_server
+    from tpagent.daemon.serve import structured_logs
 
     structured_logs()
     try:
@@ -88,7 +88,7 @@ def migrate(
     then ended here; on any failure it runs on here where it stood.  A rank of a distributed
     job (started with `tpagent rank`) moves with its job: every rank stops at one step, the
     communicators are rebuilt, and the job goes on at the next step."""
-    from tpagent.rpc import pb, stub
+    from tpagent.daemon.rpc import pb, stub
 
     ranks = list(rank or [])
     if not to:
@@ -170,8 +170,8 @@ def rank(
     command: `torchrun --no-python ... tpagent rank -- python train.py`); exits as the rank does."""
     import os
 
-    from tpagent.client import GrpcPeer
-    from tpagent.standin import StandIn, job_id, rank_of
+    from tpagent.daemon.client import GrpcPeer
+    from tpagent.jobs.standin import StandIn, job_id, rank_of
 
     cmd = list(ctx.args)
     if not cmd:
@@ -189,7 +189,7 @@ def rank(
 
 
 def _unreachable(agent: str, e: grpc.RpcError) -> str:
-    from tpagent.client import unreachable_reason
+    from tpagent.daemon.client import unreachable_reason
 
     return f"the agent at {agent} cannot be reached ({unreachable_reason(e)}); is `tpagent serve` running there?"
 
@@ -197,7 +197,7 @@ def _unreachable(agent: str, e: grpc.RpcError) -> str:
 def _refuse_if_unreachable(agent: str, creds: Any, as_json: bool) -> None:
     """A migration that failed before anything was frozen, because its target cannot be
     reached, is bad input as an unreachable --from is: the same sentence, the same exit code."""
-    from tpagent.rpc import pb, stub
+    from tpagent.daemon.rpc import pb, stub
 
     try:
         stub(agent, creds).Info(pb.Empty(), timeout=10)
@@ -262,7 +262,7 @@ def _report(last: Any, as_json: bool, dry_run: bool, said: list[str] | None = No
 
 
 def _call(agent: str, secret_file: Path | None, tls_dir: Path, method: str, request: Any) -> Any:
-    from tpagent.rpc import stub
+    from tpagent.daemon.rpc import stub
 
     try:
         return getattr(stub(agent, credentials(secret_file, tls_dir)), method)(request, timeout=30)
@@ -279,7 +279,7 @@ def status(
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
 ) -> None:
     """Where a migration stands, as the agent's journal says."""
-    from tpagent.rpc import pb
+    from tpagent.daemon.rpc import pb
 
     s = _call(agent, secret_file, tls_dir, "Status", pb.MigrationRef(migration_id=migration_id))
     typer.echo(
@@ -296,7 +296,7 @@ def cancel(
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
 ) -> None:
     """Cancel a migration on its source agent: the process runs on where it stood."""
-    from tpagent.rpc import pb
+    from tpagent.daemon.rpc import pb
 
     s = _call(agent, secret_file, tls_dir, "Cancel", pb.MigrationRef(migration_id=migration_id))
     typer.echo(f"migration {s.migration_id}: {s.state} {s.message}".rstrip())
@@ -323,7 +323,7 @@ def resolve(
     Refused while the peer answers (the agents then decide it themselves).  Only you know the
     peer is gone: --discard while its agent could still start the held copy (takeover_after)
     can run the job twice; --commit while it never ran can lose it."""
-    from tpagent.rpc import pb
+    from tpagent.daemon.rpc import pb
 
     if commit is None:
         die("say how it ends: --commit (the copy goes on) or --discard (the original goes on).", EXIT_USAGE)
@@ -343,8 +343,8 @@ def node(
 ) -> None:
     """An agent's node: versions, health, GPUs, free memory, its clock's offset from this
     machine's, and its migratable processes."""
-    from tpagent import clock
-    from tpagent.rpc import pb
+    from tpagent.common import clock
+    from tpagent.daemon.rpc import pb
 
     asked = clock.now()
     info = _call(agent, secret_file, tls_dir, "Info", pb.Empty())

@@ -17,8 +17,9 @@ from typing import Annotated, NoReturn
 import grpc
 import typer
 
-from snapshot.api import Interrupted, SnapshotError, SnapshotInvalid, UsageError
-from tpagent.credentials import Credentials
+from host.api import UsageError
+from snapshot.api import Interrupted, SnapshotError, SnapshotInvalid
+from tpagent.common.credentials import Credentials
 from transfer.api import Compress, TransferError
 
 EXIT_OK = 0

@@ -33,23 +33,16 @@ from cli.common import (
     TransportOpt,
     die_of,
 )
-from snapshot import engine
-from snapshot.api import (
-    DEFAULT_GHOST_LIMIT,
-    DumpMode,
-    SnapshotConfig,
-    SnapshotError,
-    Stage,
-    Timeouts,
-    UsageError,
-)
+from host.api import UsageError
+from host.gpus import inventory
+from snapshot.api import DEFAULT_GHOST_LIMIT, DumpMode, SnapshotConfig, SnapshotError, Stage, Timeouts
 from snapshot.dump import checkpoint
-from snapshot.gpus import inventory
 from snapshot.manifest import load
-from tpagent import doctor as doctor_mod
-from tpagent import pipeline
-from tpagent.launch import launch as launch_workload
-from tpagent.launch import register as register_launched
+from snapshot.restore import restore as restore_snapshot
+from tpagent.daemon import doctor as doctor_mod
+from tpagent.workload.launch import launch as launch_workload
+from tpagent.workload.launch import register as register_launched
+from transfer import pipeline
 from transfer.api import DEFAULT_TLS_DIR, Compress, TlsFiles, TransferConfig, TransferError, Transport, read_secret
 from transfer.receiver import Receiver
 from transfer.sender import Sender
@@ -238,7 +231,7 @@ def restore(
     """Verify a snapshot and bring its processes back to life on this node."""
     config = SnapshotConfig(criu=criu, timeouts=Timeouts(pid_wait=pid_wait))
     try:
-        result = engine.restore(directory, _parse_map(gpu_map or []), config, _progress(as_json), clone=clone)
+        result = restore_snapshot(directory, _parse_map(gpu_map or []), config, _progress(as_json), clone=clone)
         if result.manifest.namespace:
             register_launched(result.pid)  # still a launched workload, under its new PID
     except SnapshotError as e:

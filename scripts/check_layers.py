@@ -3,16 +3,25 @@
 
     usage: check_layers.py [ROOT]        ROOT: the repository (by default, this script's)
 
-Every ``.py`` under ROOT's snapshot/, transfer/, tpagent/, cli/ and tpagent_rank/ is parsed
-with ``ast`` (nothing is imported or run; protoc's generated ``*_pb2*.py`` are left out).  Every
-import counts wherever it stands (in a function, under ``if TYPE_CHECKING:``), relative ones
-resolved, and so does ``importlib.import_module("a.literal.name")``.  The rules:
+The layers are written in one place, ROOT's pyproject.toml::
+
+    [tool.tpagent.layers]
+    order = ["host", "snapshot", ..., "tpagent.daemon", "cli"]   # bottom to top
+    beside = "tpagent_rank"                                       # loaded into users' processes
+
+A layer is a top-level package or a subpackage; a module belongs to the longest layer that is a
+prefix of its dotted name (``tpagent.migration.source`` to ``tpagent.migration``, the package
+``tpagent`` itself to ``tpagent``).  Every ``.py`` under the layers' top-level packages is
+parsed with ``ast`` (nothing is imported or run; protoc's generated ``*_pb2*.py`` are left out).
+Every import counts wherever it stands (in a function, under ``if TYPE_CHECKING:``), relative
+ones resolved, and so does ``importlib.import_module("a.literal.name")``.  The rules:
 
   * no cycle between modules;
-  * the layers import only downwards: snapshot < transfer < tpagent < cli;
-  * tpagent_rank, which is loaded into users' training processes, imports only itself, the
-    standard library, and torch (the user's own); a module of it that imports torch at its top
-    is imported by the others only inside a function (lazily), and never by the package itself.
+  * a module imports only modules of its own layer and of the layers below it;
+  * the package beside them (tpagent_rank), which is loaded into users' training processes,
+    imports only itself, the standard library, and torch (the user's own); a module of it that
+    imports torch at its top is imported by the others only inside a function (lazily), and
+    never by the package itself.  Any layer may import its modules that need no torch.
 
 Prints a summary of the graph (for the release notes) on stdout, one line per problem on
 stderr, and exits 1 if there was any problem (2: ROOT is not a directory).
@@ -22,17 +31,53 @@ from __future__ import annotations
 
 import ast
 import sys
+import tomllib
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
-LAYERS = ("snapshot", "transfer", "tpagent", "cli")  # bottom to top
-RANK = "tpagent_rank"
-PACKAGES = (*LAYERS, RANK)
-#: What tpagent_rank may import besides itself and the standard library.
+#: What the package beside the layers may import besides itself and the standard library.
 RANK_MAY_IMPORT = frozenset({"torch"})
 MAX_LINE = 120
+
+
+@dataclass(frozen=True)
+class Layers:
+    """``[tool.tpagent.layers]`` of the repository's pyproject.toml."""
+
+    order: tuple[str, ...]  # bottom to top: top-level packages and subpackages
+    beside: str  # the package loaded into users' processes
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        """The top-level packages read: the layers' and the one beside them."""
+        return (*dict.fromkeys(layer.split(".")[0] for layer in self.order), self.beside)
+
+    def of(self, name: str) -> str | None:
+        """The layer of module ``name``: the longest layer that is ``name`` or a package above it."""
+        parts = name.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in self.order:
+                return ".".join(parts[:n])
+        return None
+
+    def below(self, a: str, b: str) -> bool:
+        return self.order.index(a) < self.order.index(b)
+
+
+def read_layers(root: Path) -> Layers:
+    """The layers written in ``root``/pyproject.toml (ValueError says what is wrong)."""
+    try:
+        table = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["tpagent"]["layers"]
+        order, beside = table["order"], table["beside"]
+    except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"{root / 'pyproject.toml'} has no [tool.tpagent.layers] with order and beside ({e})") from e
+    if not (isinstance(order, list) and order and all(isinstance(x, str) and x for x in order)):
+        raise ValueError("[tool.tpagent.layers] order must be a list of package names, bottom to top")
+    if len(set(order)) != len(order) or not isinstance(beside, str) or beside in order:
+        raise ValueError("[tool.tpagent.layers] names a layer twice, or beside is not one name of its own")
+    return Layers(tuple(order), beside)
 
 
 @dataclass(frozen=True)
@@ -102,11 +147,11 @@ def _is_generated(path: Path) -> bool:
     return path.stem.endswith(("_pb2", "_pb2_grpc"))
 
 
-def read_modules(root: Path) -> tuple[dict[str, Module], list[str]]:
+def read_modules(root: Path, layers: Layers) -> tuple[dict[str, Module], list[str]]:
     """Every module of the packages under ``root``, by dotted name, and the problems met."""
     modules: dict[str, Module] = {}
     problems: list[str] = []
-    for package in PACKAGES:
+    for package in layers.packages:
         for path in sorted((root / package).rglob("*.py")):
             rel = path.relative_to(root)
             if _is_generated(path) or "__pycache__" in rel.parts:
@@ -219,55 +264,62 @@ def cycle_problems(modules: dict[str, Module], graph: dict[str, dict[str, int]])
     return out
 
 
-def layer_problems(modules: dict[str, Module]) -> list[str]:
+def layer_problems(modules: dict[str, Module], layers: Layers) -> list[str]:
     stdlib = sys.stdlib_module_names
-    out = []
-    # tpagent_rank's modules that need torch to exist (its delegating backend): they may import it at
-    # their top, as long as the rest of tpagent_rank imports them only lazily, in a function.
+    rank = layers.beside
+    tops = {layer.split(".")[0] for layer in layers.order}
+    order = " < ".join(layers.order)
+    # The modules beside the layers that need torch to exist (its delegating backend): they may import it
+    # at their top, as long as the rest of that package imports them only lazily, in a function.
     torch_bound = {
         m.name
         for m in modules.values()
-        if m.package == RANK and any(i.name.split(".")[0] in RANK_MAY_IMPORT and not i.in_function for i in m.imports)
+        if m.package == rank and any(i.name.split(".")[0] in RANK_MAY_IMPORT and not i.in_function for i in m.imports)
     }
+    out = []
     for module in modules.values():
+        mine = layers.of(module.name)
         for imp in module.imports:
             top = imp.name.split(".")[0]
             at = f"{module.path}:{imp.line}: {module.name} imports {imp.name}"
-            if module.package == RANK:
-                if top in LAYERS:
-                    out.append(
-                        f"{at}: tpagent_rank runs in users' processes and imports nothing of {', '.join(LAYERS)}"
-                    )
-                elif top not in stdlib and top not in RANK_MAY_IMPORT and top != RANK:
-                    out.append(f"{at}: tpagent_rank imports only the standard library and torch")
-                elif top in RANK_MAY_IMPORT and not imp.in_function and module.name == RANK:
-                    out.append(f"{at} at import time: importing tpagent_rank must not import torch")
+            if module.package == rank:
+                if top in tops:
+                    layered = ", ".join(sorted(tops))
+                    out.append(f"{at}: {rank} runs in users' processes and imports nothing of {layered}")
+                elif top not in stdlib and top not in RANK_MAY_IMPORT and top != rank:
+                    out.append(f"{at}: {rank} imports only the standard library and torch")
+                elif top in RANK_MAY_IMPORT and not imp.in_function and module.name == rank:
+                    out.append(f"{at} at import time: importing {rank} must not import torch")
                 elif imp.name in torch_bound and not imp.in_function and module.name not in torch_bound:
                     out.append(f"{at} (which needs torch) at import time: import it inside the function that needs it")
-            elif top in LAYERS and LAYERS.index(top) > LAYERS.index(module.package):
-                out.append(f"{at}: a lower layer imports a higher one ({' < '.join(LAYERS)})")
+                continue
+            theirs = layers.of(resolve(imp.name, modules)) if top in tops else None
+            if mine is not None and theirs is not None and layers.below(mine, theirs):
+                out.append(f"{at}: {mine} imports {theirs}, a layer above it ({order})")
+            elif top == rank and resolve(imp.name, modules) in torch_bound and not imp.in_function:
+                out.append(f"{at} (which needs torch) at import time: import it inside the function that needs it")
     return out
 
 
-def summary(modules: dict[str, Module], graph: dict[str, dict[str, int]]) -> list[str]:
-    """The graph in four lines: modules, imports, the largest module, lines over MAX_LINE."""
-    per_package = Counter(m.package for m in modules.values())
-    packages = ", ".join(f"{p} {per_package[p]}" for p in PACKAGES if per_package[p])
+def summary(modules: dict[str, Module], graph: dict[str, dict[str, int]], layers: Layers) -> list[str]:
+    """The graph in a few lines: modules per layer, the imports between layers (the import graph
+    of the packages and subpackages), the largest module, lines over MAX_LINE."""
+
+    def layer(name: str) -> str:
+        return layers.of(name) or layers.beside
+
+    per_layer = Counter(layer(m) for m in modules)
+    counts = ", ".join(f"{x} {per_layer[x]}" for x in (*layers.order, layers.beside) if per_layer[x])
     total_lines = sum(len(m.lines) for m in modules.values())
-    crossing = Counter(
-        (modules[a].package, modules[b].package)
-        for a, targets in graph.items()
-        for b in targets
-        if modules[a].package != modules[b].package
-    )
+    crossing = Counter((layer(a), layer(b)) for a, targets in graph.items() for b in targets if layer(a) != layer(b))
     between = ", ".join(f"{a} -> {b} {n}" for (a, b), n in sorted(crossing.items())) or "none"
     edges = sum(map(len, graph.values()))
     long_lines = Counter({str(m.path): sum(len(line) > MAX_LINE for line in m.lines) for m in modules.values()})
     files_with = sum(1 for n in long_lines.values() if n)
     worst = ", ".join(f"{path} {n}" for path, n in long_lines.most_common(5) if n)
     out = [
-        f"modules: {len(modules)} ({packages}), {total_lines} lines",
-        f"imports between them: {edges} edges; between packages: {between}",
+        f"modules: {len(modules)} ({counts}), {total_lines} lines",
+        f"imports between them: {edges} edges; between layers: {between}",
     ]
     if modules:
         largest = max(modules.values(), key=lambda m: len(m.lines))
@@ -286,10 +338,15 @@ def main(argv: list[str]) -> int:
     if not root.is_dir():
         print(f"check_layers.py: {root} is not a directory; give the repository's root.", file=sys.stderr)
         return 2
-    modules, problems = read_modules(root)
+    try:
+        layers = read_layers(root)
+    except ValueError as e:
+        print(f"check_layers.py: {e}.", file=sys.stderr)
+        return 2
+    modules, problems = read_modules(root, layers)
     graph = edges_of(modules)
-    problems = [*cycle_problems(modules, graph), *layer_problems(modules), *problems]
-    print("\n".join(summary(modules, graph)), flush=True)
+    problems = [*cycle_problems(modules, graph), *layer_problems(modules, layers), *problems]
+    print("\n".join(summary(modules, graph, layers)), flush=True)
     for problem in problems:
         print(problem, file=sys.stderr)
     return 1 if problems else 0

@@ -112,5 +112,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --disable-pip-version-check --upgrade pip >/dev/null
 # torch (CPU build) only drives the demo and the workload in the tests; tpagent itself does not import it.
-# The install also compiles the agent's gRPC API into tpagent/proto/ (setup.py; not kept in git).
+# The install also compiles the agent's gRPC API into tpagent/daemon/proto/ (setup.py; not kept in git).
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test,ucx]' 'torch==2.13.0'

@@ -1,5 +1,6 @@
 """Freeze a process tree and capture it as images (CRIU + the CUDA driver's checkpoint API)."""
 
+from host.api import UsageError
 from snapshot.api import (
     CriuError,
     CudaError,
@@ -10,7 +11,6 @@ from snapshot.api import (
     Stage,
     Timeouts,
     ToolError,
-    UsageError,
 )
 
 __all__ = [

@@ -17,18 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from host.api import HostError
 
-class SnapshotError(Exception):
-    """Base of the snapshot layer's errors.  ``str(e)`` is one sentence fit for a user."""
-
-    #: True when the process was frozen and has been resumed where it stood.
-    rolled_back: bool = False
-    #: True when the same request may well work a moment later (CRIU refused for a passing reason).
-    transient: bool = False
-
-
-class UsageError(SnapshotError):
-    """The request cannot be carried out as asked (bad PID, not root, occupied directory...)."""
+#: Base of the snapshot layer's errors: the host floor's family (:mod:`host.api`), so that a
+#: refusal of a host check (:class:`~host.api.UsageError`) is one of this layer's errors too.
+SnapshotError = HostError
 
 
 class Interrupted(SnapshotError):

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import psutil
 
-from snapshot.api import CriuError, DumpMode, UsageError
-from snapshot.proc import deferred_sigint
-from snapshot.safefs import private_opener
+from host.api import UsageError
+from host.proc import deferred_sigint
+from host.safefs import private_opener
+from snapshot.api import CriuError, DumpMode
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from snapshot.api import CudaError, UsageError
+from host.api import UsageError
+from snapshot.api import CudaError
 
 MIN_DRIVER_CUDA_VERSION = 12080  # driver branch 570
 

@@ -7,7 +7,7 @@ tree is killed only by CRIU and only once the snapshot is sealed; any failure be
 makes CRIU roll back (resume the tree, lift its network lock), and we give the GPU back
 (CUDA restore, unlock), so a failed checkpoint never loses the workload.  A refusal CRIU
 may not repeat a moment later (:data:`TRANSIENT`) is retried, the tree running meanwhile.
-The restore side is :mod:`snapshot.engine`.
+The restore side is :mod:`snapshot.restore`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import gpus, hook, manifest, proc
+from host import gpus, proc
+from host.api import UsageError
+from host.safefs import private_dir, private_opener
+from snapshot import hook, manifest
 from snapshot.api import (
     CriuError,
     CudaError,
@@ -36,14 +39,12 @@ from snapshot.api import (
     SnapshotError,
     Stage,
     ToolError,
-    UsageError,
     producer_version,
 )
 from snapshot.criu import Criu, DumpOptions
 from snapshot.cuda import CudaDriver
-from snapshot.engine import LOG_DIR, CudaFactory, Timer, quiet, require_root, resume
 from snapshot.manifest import IMAGES_DIR, Manifest
-from snapshot.safefs import private_dir, private_opener
+from snapshot.stages import LOG_DIR, CudaFactory, Timer, quiet, require_root, resume
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
-from snapshot import criu, engine, hook, leftovers
+from snapshot import criu, hook, leftovers, stages
 from snapshot.api import DumpMode, SnapshotConfig
 from snapshot.dump import checkpoint
 
@@ -28,7 +28,7 @@ from snapshot.dump import checkpoint
 class HeldDump:
     def __init__(self, out: Path, thread: threading.Thread | None = None) -> None:
         self.out = out
-        self.log_dir = out / engine.LOG_DIR
+        self.log_dir = out / stages.LOG_DIR
         self._thread = thread
         self.error: BaseException | None = None
 

@@ -3,7 +3,7 @@
 CRIU runs this (through the wrapper :func:`install` writes) at each action of a dump; at
 ``post-dump`` the images are complete and every task is still frozen.  It then archives the
 carried files (read as root, so never through a symlink and only from a directory owned by
-root or by the file's owner: see :mod:`snapshot.safefs`), checksums and fsyncs the images,
+root or by the file's owner: see :mod:`host.safefs`), checksums and fsyncs the images,
 reads the frozen process tree and writes ``manifest.json``.  If it
 fails, CRIU rolls the dump back itself: it resumes the tree and lifts its network lock
 (which SIGCONT alone cannot do for TCP connections), so the workload runs on where it stood.
@@ -22,7 +22,7 @@ die meanwhile (it let the tree go as it died), the hook ends too: no decision ca
 
 While the tree is frozen the hook also checks that its root is the very process the dump was
 asked for (its start time: a PID reused meanwhile is refused, and CRIU rolls back), and notes
-what CRIU does not bring back intact (:mod:`snapshot.timers`, :func:`snapshot.proc.restore_warnings`).
+what CRIU does not bring back intact (:mod:`snapshot.timers`, :func:`host.proc.restore_warnings`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from pathlib import Path
 
 import psutil
 
-from snapshot import manifest, proc, safefs, sockets, timers
+from host import proc, safefs, sockets
+from snapshot import manifest, timers
 from snapshot.criu import PIDFILE
 
 PENDING = "manifest.pending.json"

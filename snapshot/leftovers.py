@@ -27,10 +27,11 @@ import logging
 import os
 from pathlib import Path
 
-from snapshot import manifest, safefs
+from host import safefs
+from host.safefs import private_dir, private_opener
+from snapshot import manifest
 from snapshot.api import SnapshotError
 from snapshot.hook import CARRIED_IDS, identity
-from snapshot.safefs import private_dir, private_opener
 
 log = logging.getLogger(__name__)
 

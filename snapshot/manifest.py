@@ -46,9 +46,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from host.proc import ProcInfo
+from host.safefs import private_opener
 from snapshot.api import SnapshotInvalid
-from snapshot.proc import ProcInfo
-from snapshot.safefs import private_opener
 from snapshot.timers import Timer
 
 T = TypeVar("T")

@@ -8,9 +8,9 @@ import threading
 from pathlib import Path
 
 from certs import node_certs
-from tpagent.config import AgentConfig
-from tpagent.node import Node
-from tpagent.serve import context, serve
+from tpagent.common.config import AgentConfig
+from tpagent.daemon.node import Node
+from tpagent.daemon.serve import context, serve
 
 
 def free_port() -> int:

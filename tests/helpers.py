@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from snapshot.proc import alive
+from host.proc import alive
 
 ROOT = Path(__file__).resolve().parent.parent
 STATEFUL = Path(__file__).resolve().parent / "workloads" / "stateful.py"

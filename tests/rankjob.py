@@ -20,8 +20,8 @@ import pytest
 
 from cluster import Cluster
 from helpers import ROOT, wait_until
-from tpagent.client import GrpcPeer
-from tpagent.credentials import Credentials
+from tpagent.common.credentials import Credentials
+from tpagent.daemon.client import GrpcPeer
 
 JOB = ROOT / "tests" / "workloads" / "ddp_job.py"
 FSDP_JOB = ROOT / "tests" / "workloads" / "fsdp_job.py"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
+from host.proc import ProcInfo
 from snapshot.manifest import Manifest, checksum_files
-from snapshot.proc import ProcInfo
 from transfer.api import TransferConfig, TransferStats, Transport
 from transfer.receiver import Receiver
 from transfer.sender import Sender

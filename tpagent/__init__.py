@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> str:
     # __version__ is looked up on first use, not at import: a launched workload's PID 1
-    # (``python -I -m tpagent.nsinit``, checkpointed with it) imports this package, never
+    # (``python -I -m tpagent.workload.nsinit``, checkpointed with it) imports this package, never
     # needs the version, and should not carry importlib.metadata in its memory.
     if name == "__version__":
         from snapshot.api import producer_version

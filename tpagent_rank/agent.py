@@ -1,11 +1,11 @@
 """A rank's side of the line protocol with its node's agent (the agent's side, and the wire,
-are written down in ``tpagent/ranks.py``), and what the agent asks of the rank: stop at a step,
+are written down in ``tpagent/jobs/ranks.py``), and what the agent asks of the rank: stop at a step,
 tear the communicators down, let go of the store, rebuild, go on.
 
 The training thread is only ever touched in the optimizer step post-hook (:func:`_after_step`)
 and, for a job with no optimizer, as it enters a collective of the default group
 (:func:`_before_collective`): each counts, and parks there when asked.  The agent picks the unit
-(see ``tpagent/rewire.py``): optimizer steps once any rank has taken one, else the default
+(see ``tpagent/jobs/rewire.py``): optimizer steps once any rank has taken one, else the default
 group's collectives, which every rank of an SPMD job issues in the same order.  Everything
 else runs in this module's threads.
 """

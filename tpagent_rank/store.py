@@ -10,7 +10,7 @@ unused, so that nothing ever closes that descriptor number.
 
 A rank that hosts the store itself (``env://`` rank 0, where no launcher hosts it) cannot move:
 its peers reach the store at this node's address.  Its stand-in hosts the store instead, outside
-the rank (:data:`HOSTED`, see ``tpagent/standin.py``), and :func:`patch_rendezvous` makes the
+the rank (:data:`HOSTED`, see ``tpagent/jobs/standin.py``), and :func:`patch_rendezvous` makes the
 rank a client of it.
 """
 

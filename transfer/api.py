@@ -44,8 +44,8 @@ MIN_SECRET = 16
 def read_secret(path: Path | None) -> bytes:
     """The cluster secret (the same file on every node): only from a file of ours with mode
     600 or stricter, at least :data:`MIN_SECRET` bytes; else UsageError in one sentence."""
-    from snapshot.api import UsageError
-    from snapshot.safefs import read_private_file
+    from host.api import UsageError
+    from host.safefs import read_private_file
 
     if path is None:
         raise UsageError(

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import zstandard
 
+from host.api import UsageError
+from host.safefs import private_dir
 from snapshot import manifest as snapmanifest
-from snapshot.api import SnapshotError, UsageError
-from snapshot.safefs import private_dir
+from snapshot.api import SnapshotError
 from transfer import wire
 from transfer.admission import Entry, Gate
 from transfer.api import (

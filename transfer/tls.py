@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import ssl
 
-from snapshot.api import UsageError
-from snapshot.safefs import open_private_file
+from host.api import UsageError
+from host.safefs import open_private_file
 from transfer.api import AuthError, TlsFiles, TransferError
 
 #: OpenSSL's verify codes for a certificate that does not name the host (or IP) dialled.

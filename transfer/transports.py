@@ -21,7 +21,7 @@ error (the CLI to its usage exit code).
 
 from __future__ import annotations
 
-from snapshot.api import UsageError
+from host.api import UsageError
 from transfer.api import TlsFiles, Transport
 from transfer.tcp import TcpTransport
 

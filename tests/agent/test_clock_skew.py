@@ -1,4 +1,4 @@
-"""Two nodes' clocks apart by more than the signature window (tpagent/clock.py).
+"""Two nodes' clocks apart by more than the signature window (tpagent/common/clock.py).
 
 CLOCK_REALTIME cannot be given a namespace of its own, so a node's clock is stepped with the
 agent's test hook TPAGENT_TEST_CLOCK_OFFSET_FILE (seconds added to the clock its signatures

@@ -315,9 +315,9 @@ def test_a_held_copy_is_not_migrated_onward(start, tmp_path: Path) -> None:  # t
     """A target's copy waits, restored but held, for its source to commit; an agent asked to
     migrate it meanwhile refuses (the source may still roll back and resume its original)."""
     from agents import node_of
-    from tpagent.api import Refused, Role, TargetState
-    from tpagent.config import AgentConfig
-    from tpagent.journal import Record
+    from tpagent.common.config import AgentConfig
+    from tpagent.migration.api import Refused, Role, TargetState
+    from tpagent.migration.journal import Record
 
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(24).hex())

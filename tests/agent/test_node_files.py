@@ -374,8 +374,8 @@ def test_a_fixed_transfer_port_is_freed_when_the_source_never_comes(cluster: Clu
     """A source is admitted on B (fixed transfer_port) and vanishes before it sends a byte: B
     frees the port after io_timeout, not after hold_timeout (an hour), and a later migration
     uses it."""
-    from tpagent.credentials import Credentials
-    from tpagent.rpc import pb, stub
+    from tpagent.common.credentials import Credentials
+    from tpagent.daemon.rpc import pb, stub
 
     a, b = cluster.nodes["A"], cluster.nodes["B"]
     b.kill_agent(signal.SIGTERM)

@@ -15,14 +15,14 @@ import pytest
 
 from agents import agent_config, node_of, serving
 from helpers import alive, kill_and_wait, wait_until
-from snapshot.safefs import private_dir
-from tpagent.api import Role, SourceState, TargetState
-from tpagent.client import GrpcPeer
-from tpagent.config import AgentConfig
-from tpagent.decide import target_dropped_copy, target_state
-from tpagent.journal import Journal, Record
-from tpagent.node import Node
-from tpagent.resolve import resolve_source
+from host.safefs import private_dir
+from tpagent.common.config import AgentConfig
+from tpagent.daemon.client import GrpcPeer
+from tpagent.daemon.node import Node
+from tpagent.migration.api import Role, SourceState, TargetState
+from tpagent.migration.decide import target_dropped_copy, target_state
+from tpagent.migration.journal import Journal, Record
+from tpagent.migration.resolve import resolve_source
 
 MID = "b" * 32
 

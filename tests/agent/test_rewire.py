@@ -19,8 +19,8 @@ import pytest
 from cluster import Cluster, Node
 from conftest import needs_criu
 from helpers import ROOT
+from host import sockets
 from rankjob import FSDP_JOB, MESH_JOB, RUN, Job, steps
-from snapshot import sockets
 
 pytestmark = needs_criu
 

@@ -28,8 +28,8 @@ import pytest
 
 from cluster import Cluster
 from conftest import needs_criu
+from host import gpus
 from rankjob import Job, _reference, serving
-from snapshot import gpus
 
 HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
 pytestmark = [needs_criu, pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine"),

@@ -25,17 +25,18 @@ from agents import agent_config, free_port, node_of, serving
 from certs import node_certs
 from conftest import needs_criu
 from helpers import ROOT, alive, assert_one_sentence_error, tpagent, wait_until
+from host.api import UsageError
+from host.safefs import private_dir
 from snapshot import criu, hook
-from snapshot.api import UsageError
 from snapshot.held import wait_released
-from snapshot.safefs import private_dir
-from tpagent import launch, rpc
-from tpagent.api import Refused, Role, TargetState
-from tpagent.client import GrpcPeer
-from tpagent.config import AgentConfig
-from tpagent.decide import target_dropped_copy, target_state
-from tpagent.journal import Record
-from tpagent.rpc import pb, stub
+from tpagent.common.config import AgentConfig
+from tpagent.daemon import rpc
+from tpagent.daemon.client import GrpcPeer
+from tpagent.daemon.rpc import pb, stub
+from tpagent.migration.api import Refused, Role, TargetState
+from tpagent.migration.decide import target_dropped_copy, target_state
+from tpagent.migration.journal import Record
+from tpagent.workload import launch
 
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
 ATTACKERS = Path(__file__).resolve().parent.parent / "attackers"
@@ -202,7 +203,7 @@ def test_agents_served_in_threads_leave_the_process_umask_as_it_was(tmp_path: Pa
     in the order they started, left the process at 077 for good (the first put back the 022 it
     found, the second the 077 it found), and a later test's directory came out 0700.  (`tpagent
     serve`, a process of its own, runs under 077: its CLI sets it.)"""
-    from tpagent.serve import serve
+    from tpagent.daemon.serve import serve
 
     before = os.umask(0o022)
     try:
@@ -407,7 +408,7 @@ def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_pat
     allowed = os.path.realpath(shutil.which("sleep") or "/bin/sleep")
     agent = node_of(agent_config(tmp_path, "n", allow_executables=(allowed,)))
     forged = as_nobody("bash", "-c",
-                       f"exec -a '{sys.executable} -m tpagent.nsinit 5 /o /e {allowed}' {shutil.which('cat')}",
+                       f"exec -a '{sys.executable} -m tpagent.workload.nsinit 5 /o /e {allowed}' {shutil.which('cat')}",
                        stdin=subprocess.PIPE)  # fmt: skip
     honest = as_nobody(allowed, "600")
     copy = shutil.copy(allowed, playground / os.path.basename(allowed))  # their own program of the same name
@@ -415,7 +416,8 @@ def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_pat
     w = start(mib=16, launched=True)
     try:
         wait_until(
-            lambda: "tpagent.nsinit" in " ".join(psutil.Process(forged.pid).cmdline()), "the forged command line"
+            lambda: "tpagent.workload.nsinit" in " ".join(psutil.Process(forged.pid).cmdline()),
+            "the forged command line",
         )
         listed = {p.pid: p for p in agent.migratable()}
         assert forged.pid not in listed
@@ -562,7 +564,7 @@ def test_a_planted_look_alike_is_not_taken_for_a_carried_file(playground: Path, 
     all: the restore does not adopt it (the restored process would write into their file)."""
     import io
 
-    from snapshot import safefs
+    from host import safefs
 
     planted = playground / "w.log"
     planted.write_bytes(b"the log's bytes")
@@ -584,22 +586,22 @@ def test_a_planted_look_alike_is_not_taken_for_a_carried_file(playground: Path, 
 def test_a_restore_left_from_before_a_reboot_kills_nothing(tmp_path: Path) -> None:
     """After a reboot a journal may still name a restore in progress; its restore.pid now names
     some other process (PIDs start again): the restarted agent must not stop it."""
-    from snapshot import engine
+    from snapshot import restore
 
     work = private_dir(tmp_path / "x.restore")
     bystander = subprocess.Popen(["sleep", "600"])
     try:
         (work / "restore.pid").write_text(str(bystander.pid))
         (work / criu.PIDFILE).write_text(f"12345 {psutil.boot_time() - 3600!r}")  # that CRIU ran in an earlier boot
-        assert engine.kill_restored(work) == 0 and bystander.poll() is None
+        assert restore.kill_restored(work) == 0 and bystander.poll() is None
         (work / criu.PIDFILE).write_text(
             f"12345 {psutil.Process(bystander.pid).create_time() + 5!r}"
         )  # it started after the process
-        assert engine.kill_restored(work) == 0 and bystander.poll() is None
+        assert restore.kill_restored(work) == 0 and bystander.poll() is None
         (work / criu.PIDFILE).write_text(
             f"12345 {psutil.Process(bystander.pid).create_time()!r}"
         )  # the tree that CRIU started
-        assert engine.kill_restored(work) == bystander.pid
+        assert restore.kill_restored(work) == bystander.pid
         assert bystander.wait(10) is not None
     finally:
         bystander.kill()

@@ -185,7 +185,7 @@ def test_a_name_a_copy_in_flight_will_bind_is_refused_to_a_second(tmp_path: Path
     @cuda-uvmfd-NSINO-PID@), offered to one node at once: the second is refused while the first
     copy is in flight there (neither is bound there yet), and taken once the first is dropped."""
     from agents import agent_config, node_of
-    from tpagent.api import Offer
+    from tpagent.migration.api import Offer
 
     node = node_of(agent_config(tmp_path, "C"))
     name = "@cuda-uvmfd-4026532000-2@"

@@ -15,8 +15,8 @@ import pytest
 
 from conftest import needs_criu
 from helpers import alive, assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
-from snapshot.api import UsageError
-from snapshot.proc import wait_pids_free
+from host.api import UsageError
+from host.proc import wait_pids_free
 
 pytestmark = needs_criu
 
@@ -273,7 +273,7 @@ def test_gpu_process_without_a_usable_driver_is_refused_before_any_freeze(start,
     """Here there is no NVIDIA driver: a process that has "libcuda.so" mapped is refused whole."""
     import mmap
 
-    from snapshot.proc import uses_cuda
+    from host.proc import uses_cuda
 
     lib = tmp_path / "libcuda.so.1"
     lib.write_bytes(b"\0" * mmap.PAGESIZE)

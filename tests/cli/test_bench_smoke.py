@@ -60,7 +60,7 @@ def test_migrate_benchmark_runs() -> None:
 def test_gpu_proof_says_what_it_could_not_check(tmp_path: Path) -> None:
     """Without a GPU: one sentence, exit 0, every check skipped and none passed; the report's
     tables are written either way (with a GPU the same command runs the tests and benches)."""
-    from snapshot import gpus
+    from host import gpus
 
     proc = subprocess.run(["bash", "scripts/gpu-proof.sh", "--out", str(tmp_path), "--sizes-gib", "1,8"], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)  # fmt: skip

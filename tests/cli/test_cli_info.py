@@ -8,7 +8,7 @@ import os
 import pytest
 
 from helpers import tpagent
-from snapshot import gpus
+from host import gpus
 
 
 def test_gpus_lists_this_nodes_gpus() -> None:

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import needs_criu
 from helpers import Workload, alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
-from snapshot import engine
+from snapshot import restore
 
 pytestmark = needs_criu
 
@@ -231,7 +231,7 @@ def test_carried_files_come_back_identical_with_owner_mode_and_time(workloads, a
     frozen = {f: (f.read_bytes(), f.stat()) for f in files}
     shutil.rmtree(logs)
 
-    result = engine.restore(out, start=False)  # held stopped: the files are as restore left them
+    result = restore.restore(out, start=False)  # held stopped: the files are as restore left them
     st = logs.stat()
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o755)
     for f, (data, was) in frozen.items():
@@ -244,7 +244,7 @@ def test_carried_files_come_back_identical_with_owner_mode_and_time(workloads, a
         )
         assert abs(now.st_mtime - was.st_mtime) < 1e-3
     assert w.log.stat().st_uid == NOBODY.pw_uid and stat.S_IMODE(w.log.stat().st_mode) == 0o640
-    engine.start_restored(result)
+    restore.start_restored(result)
     stopped_at = w.ticks()[-1][0]
     wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to write on into its log")
     assert_continuous(w.ticks())

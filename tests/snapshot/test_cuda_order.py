@@ -15,8 +15,9 @@ import pytest
 from conftest import needs_criu
 from fake_cuda import FakeCudaDriver
 from helpers import alive, assert_continuous, wait_until
-from snapshot import engine
-from snapshot.api import CriuError, CudaError, DumpMode, SnapshotConfig, Stage, UsageError
+from host.api import UsageError
+from snapshot import restore
+from snapshot.api import CriuError, CudaError, DumpMode, SnapshotConfig, Stage
 from snapshot.cuda import CudaState
 from snapshot.dump import checkpoint
 
@@ -47,7 +48,7 @@ def test_checkpoint_and_restore_call_the_driver_in_order(cuda_workload, tmp_path
     stopped_at = w.ticks()[-1][0]
 
     seen.clear()
-    result = engine.restore(tmp_path / "snap", progress=progress, cuda_factory=lambda: fake)
+    result = restore.restore(tmp_path / "snap", progress=progress, cuda_factory=lambda: fake)
     assert fake.calls[2:] == [("restore", w.pid), ("unlock", w.pid)]
     assert fake.state(result.pid) is CudaState.RUNNING
     assert ("cuda_restore", "checkpointed") in seen and ("cuda_unlock", "locked") in seen
@@ -100,10 +101,10 @@ def test_restore_failure_in_the_driver_kills_the_copy_and_keeps_the_snapshot(cud
     w.reap()
     fake.fail_on = "restore"
     with pytest.raises(CudaError):
-        engine.restore(tmp_path / "snap", cuda_factory=lambda: fake)
+        restore.restore(tmp_path / "snap", cuda_factory=lambda: fake)
     wait_until(lambda: not alive(w.pid), "the half-restored copy to be gone")
     fake.fail_on = None
-    result = engine.restore(tmp_path / "snap", cuda_factory=lambda: fake)  # the snapshot still serves
+    result = restore.restore(tmp_path / "snap", cuda_factory=lambda: fake)  # the snapshot still serves
     assert fake.state(result.pid) is CudaState.RUNNING
     w.pid = result.pid
     w.verify_state()
@@ -126,11 +127,11 @@ def test_a_stopped_restore_thread_is_refused_not_waited_on(cuda_workload, tmp_pa
 
     fake.on_restore_thread = stop
     with pytest.raises(CudaError, match=f"restore thread \\(TID {w.pid}\\) of PID {w.pid} is stopped"):
-        engine.restore(tmp_path / "snap", cuda_factory=lambda: fake)
+        restore.restore(tmp_path / "snap", cuda_factory=lambda: fake)
     assert ("restore", w.pid) not in fake.calls  # the blocking call was never made
     wait_until(lambda: not alive(w.pid), "the stopped copy to be gone")
     fake.on_restore_thread = None
-    w.pid = engine.restore(tmp_path / "snap", cuda_factory=lambda: fake).pid
+    w.pid = restore.restore(tmp_path / "snap", cuda_factory=lambda: fake).pid
     w.verify_state()
 
 
@@ -141,8 +142,8 @@ def test_gpu_map_reaches_the_driver_as_uuid_pairs(
     with one naming a GPU the node lacks it refuses; with a good one the driver gets the pair."""
     import json
 
-    from snapshot import gpus
-    from snapshot.gpus import GpuInfo
+    from host import gpus
+    from host.gpus import GpuInfo
     from snapshot.manifest import _body_digest
 
     old, new = "GPU-11111111-2222-3333-4444-555555555555", "GPU-66666666-7777-8888-9999-000000000000"
@@ -161,10 +162,10 @@ def test_gpu_map_reaches_the_driver_as_uuid_pairs(
     here = GpuInfo(0, new, "H100", 80 << 30, 0, 40, 0, ())
     monkeypatch.setattr(gpus, "inventory", lambda: [here])
     with pytest.raises(UsageError, match=f"GPU {old} is not on this node.*--gpu-map {old}="):
-        engine.restore(tmp_path / "snap", cuda_factory=lambda: fake)
+        restore.restore(tmp_path / "snap", cuda_factory=lambda: fake)
     with pytest.raises(UsageError, match="GPU GPU-00000000-0000-0000-0000-000000000001 is not on this node"):
-        engine.restore(tmp_path / "snap", {old: "GPU-00000000-0000-0000-0000-000000000001"}, cuda_factory=lambda: fake)
+        restore.restore(tmp_path / "snap", {old: "GPU-00000000-0000-0000-0000-000000000001"}, cuda_factory=lambda: fake)
     assert not alive(w.pid) and fake.gpu_maps == []  # refused before anything started
-    w.pid = engine.restore(tmp_path / "snap", {old.lower().removeprefix("GPU-"): new}, cuda_factory=lambda: fake).pid
+    w.pid = restore.restore(tmp_path / "snap", {old.lower().removeprefix("GPU-"): new}, cuda_factory=lambda: fake).pid
     assert fake.gpu_maps == [{old: new}]
     w.verify_state()

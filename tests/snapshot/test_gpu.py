@@ -17,7 +17,8 @@ import pytest
 
 from conftest import needs_criu
 from helpers import alive, kill_and_wait, wait_until
-from snapshot import engine, gpus
+from host import gpus
+from snapshot import restore
 from snapshot.api import Stage
 from snapshot.dump import checkpoint
 
@@ -80,7 +81,7 @@ def test_gpu_process_dump_restore_bit_exact(tmp_path: Path, gib: int) -> None:
         assert seen == {"cuda_lock": "running", "cuda_checkpoint": "locked", "criu_dump": "checkpointed"}
         stopped = _steps(log)[-1]
         uuid = m.gpus[0]["uuid"]
-        result = engine.restore(tmp_path / "snap", {uuid: uuid}, progress=progress)  # exercises gpuPairs
+        result = restore.restore(tmp_path / "snap", {uuid: uuid}, progress=progress)  # exercises gpuPairs
         assert result.pid == pid
         assert (
             seen["cuda_restore"] == "checkpointed"

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import needs_criu
 from helpers import STATEFUL, alive, assert_continuous, kill_and_wait, tpagent, wait_until
-from snapshot import engine
+from snapshot import restore
 from snapshot.api import DumpMode, SnapshotConfig, SnapshotError, Stage
 from snapshot.dump import checkpoint
 
@@ -109,7 +109,7 @@ def test_a_worker_exiting_as_the_tree_is_frozen_is_retried(loops, tmp_path: Path
     stopped = w.numbers("tick")[-1]  # [tick, reaped]
     assert len(w.numbers("tick")) == stopped[0] + 1
 
-    restored = engine.restore(out)
+    restored = restore.restore(out)
     w.pid = restored.pid
     wait_until(lambda: w.numbers("tick")[-1][0] >= stopped[0] + 30, "the restored trainer to tick on")
     ticks = w.numbers("tick")
@@ -192,9 +192,9 @@ def test_a_periodic_timerfd_fires_on_after_a_restore(loops, tmp_path: Path, laun
 
 def test_an_inotify_watch_is_warned_about_and_still_watches_after_a_restore(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Events an inotify instance had queued at the freeze can be lost: the snapshot layer
-    says so (the dump's output, `inspect`, :func:`snapshot.proc.restore_warnings` for a dry
+    says so (the dump's output, `inspect`, :func:`host.proc.restore_warnings` for a dry
     run), and the restored loop still gets the events of its watch."""
-    from snapshot.proc import restore_warnings
+    from host.proc import restore_warnings
 
     watched = tmp_path / "watched"
     watched.mkdir()
@@ -268,7 +268,7 @@ def test_a_pid_reused_before_the_freeze_is_not_dumped(tmp_path: Path) -> None:
     """The process checked under a PID exits and another one gets that PID just before CRIU
     freezes it (a CRIU wrapper does exactly that): the post-dump hook, which sees the frozen
     root's start time, makes CRIU roll back.  Nothing is dumped, the newcomer runs on."""
-    from snapshot.api import UsageError
+    from host.api import UsageError
     from snapshot.criu import Criu
 
     newpid = tmp_path / "newpid"

@@ -22,8 +22,8 @@ from test_transfer import _target, trickle
 
 from certs import node_certs
 from helpers import wait_until
+from host.api import UsageError
 from proxy import Proxy
-from snapshot.api import UsageError
 from transfer.api import AuthError, TlsFiles, TransferConfig, TransferError, TransferStats, Transport
 from transfer.sender import Sender
 from transfer.tcp import TcpTransport

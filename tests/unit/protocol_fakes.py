@@ -1,5 +1,5 @@
 """Small, honest stand-ins for the two things a unit test cannot have: another agent (an
-in-memory :class:`~tpagent.api.Peer` that keeps the target's states by the protocol's own
+in-memory :class:`~tpagent.migration.api.Peer` that keeps the target's states by the protocol's own
 table and receives the snapshot with a real Receiver over loopback TCP), and CRIU (a held
 dump whose "original" is a real process, stopped while frozen, continued or killed by the
 decision).  Everything else in the protocol under test is the real code."""
@@ -15,11 +15,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from host.safefs import private_dir
 from snapshot.api import SnapshotConfig
 from snapshot.held import HeldDump
 from snapshot.manifest import Manifest, ProcInfo, checksum_files
-from snapshot.safefs import private_dir
-from tpagent.api import (
+from tpagent.common.config import AgentConfig
+from tpagent.common.threads import Threads
+from tpagent.migration.api import (
     Acceptance,
     Offer,
     Peer,
@@ -32,10 +34,8 @@ from tpagent.api import (
     Why,
     allowed,
 )
-from tpagent.config import AgentConfig
-from tpagent.context import Context
-from tpagent.journal import Journal
-from tpagent.threads import Threads
+from tpagent.migration.context import Context
+from tpagent.migration.journal import Journal
 from transfer.api import TransferConfig, TransferError
 from transfer.receiver import Receiver
 from transfer.tcp import TcpTransport

@@ -1,4 +1,4 @@
-"""tpagent.admission.Reservations: a migration is admitted only beside those in flight.
+"""tpagent.migration.admission.Reservations: a migration is admitted only beside those in flight.
 
 Real directories and the machine's real free space and memory: each case asks for more than
 could fit, or for what fits, and checks what is reserved, counted and said."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from tpagent.admission import Reservation, Reservations, on_tmpfs, sized, written
+from tpagent.migration.admission import Reservation, Reservations, on_tmpfs, sized, written
 
 
 def test_offer_entries_are_parsed() -> None:

@@ -1,4 +1,4 @@
-"""tpagent.config.load: the TOML file, then TPAGENT_* variables, then flags; bad input is UsageError."""
+"""tpagent.common.config.load: the TOML file, then TPAGENT_* variables, then flags; bad input is UsageError."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from snapshot.api import UsageError
-from tpagent import config
+from host.api import UsageError
+from tpagent.common import config
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""The agent layer's contract (tpagent/api.py, tpagent/journal.py), without root: the two
+"""The agent layer's contract (tpagent/migration/api.py, tpagent/migration/journal.py), without root: the two
 transition tables, the journal's format and its refusals, the timeouts' invariants, and the
-held copy's wait for its source (tpagent/target.py) against an in-memory source."""
+held copy's wait for its source (tpagent/migration/target.py) against an in-memory source."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 from protocol_fakes import sleeper, unit_context, wait
 
-from snapshot.api import UsageError
-from tpagent.api import (
+from host.api import UsageError
+from tpagent.common.config import TIMEOUT_KEYS, Timeouts, load
+from tpagent.migration.api import (
     SOURCE_FINAL,
     SOURCE_TRANSITIONS,
     TARGET_FINAL,
     TARGET_TRANSITIONS,
-    TIMEOUT_KEYS,
     Acceptance,
     BadTransition,
     JournalError,
@@ -33,14 +33,12 @@ from tpagent.api import (
     Role,
     SourceState,
     TargetState,
-    Timeouts,
     Versions,
     Why,
 )
-from tpagent.config import load
-from tpagent.context import Context
-from tpagent.journal import FORMAT, Journal, Record, note_process
-from tpagent.target import await_source, confirm_held, finish_held, settle, watch_copy
+from tpagent.migration.context import Context
+from tpagent.migration.journal import FORMAT, Journal, Record, note_process
+from tpagent.migration.target import await_source, confirm_held, finish_held, settle, watch_copy
 
 S, T = SourceState, TargetState
 

@@ -1,4 +1,4 @@
-"""The agent's owned threads (tpagent/threads.py): what `serve` waits for at shutdown, and
+"""The agent's owned threads (tpagent/common/threads.py): what `serve` waits for at shutdown, and
 what it only asks to stop."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tpagent.threads import Threads
+from tpagent.common.threads import Threads
 
 
 def test_shutdown_waits_for_migrations_up_to_its_deadline_and_a_second_signal_cuts_it() -> None:

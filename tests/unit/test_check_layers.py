@@ -38,17 +38,25 @@ def _run(check_layers: ModuleType, root: Path, capsys: pytest.CaptureFixture[str
     return code, out.splitlines(), err.splitlines()
 
 
+LAYERS = """\
+[tool.tpagent.layers]
+order = ["snapshot", "transfer", "tpagent", "tpagent.daemon", "cli"]
+beside = "tpagent_rank"
+"""
+ORDER = "(snapshot < transfer < tpagent < tpagent.daemon < cli)"
+
 CLEAN = {
+    "pyproject.toml": LAYERS,
     "snapshot/__init__.py": "from snapshot.api import SnapshotError\n",
     "snapshot/api.py": "class SnapshotError(Exception): ...\n",
     "transfer/__init__.py": "",
     "transfer/wire.py": "from snapshot import api\nfrom . import stream\n",
     "transfer/stream.py": "import zlib\n",
     "tpagent/__init__.py": "",
-    "tpagent/rpc.py": "import grpc\nfrom transfer.wire import x\nfrom snapshot.api import SnapshotError\n",
-    "tpagent/proto/__init__.py": "",
-    "tpagent/proto/agent_pb2.py": "from cli import main  # generated: not ours, not read\n",
-    "cli/main.py": "import tpagent.rpc\nimport snapshot\n"
+    "tpagent/daemon/rpc.py": "import grpc\nfrom transfer.wire import x\nfrom snapshot.api import SnapshotError\n",
+    "tpagent/daemon/proto/__init__.py": "",
+    "tpagent/daemon/proto/agent_pb2.py": "from cli import main  # generated: not ours, not read\n",
+    "cli/main.py": "import tpagent.daemon.rpc\nimport snapshot\n"
     + "x = 1  # "
     + "." * 111
     + "\n"
@@ -73,10 +81,12 @@ def test_a_clean_tree_passes_and_is_summarised(
 ) -> None:
     code, out, err = _run(check_layers, _tree(tmp_path, CLEAN), capsys)
     assert (code, err) == (0, [])
-    assert out[0] == "modules: 11 (snapshot 2, transfer 3, tpagent 3, cli 1, tpagent_rank 2), 20 lines"
+    assert out[0] == (
+        "modules: 11 (snapshot 2, transfer 3, tpagent 1, tpagent.daemon 2, cli 1, tpagent_rank 2), 20 lines"
+    )
     assert out[1] == (
-        "imports between them: 8 edges; between packages: cli -> snapshot 1, cli -> tpagent 1, "
-        "tpagent -> snapshot 1, tpagent -> transfer 1, transfer -> snapshot 1"
+        "imports between them: 8 edges; between layers: cli -> snapshot 1, cli -> tpagent.daemon 1, "
+        "tpagent.daemon -> snapshot 1, tpagent.daemon -> transfer 1, transfer -> snapshot 1"
     )
     assert out[2] == "largest module: tpagent_rank/__init__.py, 7 lines"
     assert out[3] == "lines over 120 characters: 1 in 1 files (most: cli/main.py 1)"
@@ -108,19 +118,28 @@ def test_a_clean_tree_passes_and_is_summarised(
             "transfer/c.py:1); tied into it too: transfer.d",
         ),
         (
-            {"snapshot/engine.py": "import os\n\ndef f():\n    import cli.main\n"},
-            "snapshot/engine.py:4: snapshot.engine imports cli.main: a lower layer imports a higher one "
-            "(snapshot < transfer < tpagent < cli)",
+            {"snapshot/restore.py": "import os\n\ndef f():\n    import cli.main\n"},
+            f"snapshot/restore.py:4: snapshot.restore imports cli.main: snapshot imports cli, a layer above it {ORDER}",
         ),
         (
             {"transfer/sender.py": "from tpagent import __version__\n"},
-            "transfer/sender.py:1: transfer.sender imports tpagent.__version__: a lower layer imports a higher one "
-            "(snapshot < transfer < tpagent < cli)",
+            "transfer/sender.py:1: transfer.sender imports tpagent.__version__: transfer imports tpagent, a layer "
+            f"above it {ORDER}",
+        ),
+        (
+            {"tpagent/version.py": "def f():\n    from tpagent.daemon import rpc\n"},
+            "tpagent/version.py:2: tpagent.version imports tpagent.daemon.rpc: tpagent imports tpagent.daemon, a "
+            f"layer above it {ORDER}",
+        ),
+        (
+            {"tpagent/daemon/node.py": "import tpagent_rank.backend\n", "tpagent_rank/backend.py": "import torch\n"},
+            "tpagent/daemon/node.py:1: tpagent.daemon.node imports tpagent_rank.backend (which needs torch) at import "
+            "time: import it inside the function that needs it",
         ),
         (
             {"tpagent_rank/__init__.py": "from snapshot.api import SnapshotError\n"},
             "tpagent_rank/__init__.py:1: tpagent_rank imports snapshot.api.SnapshotError: tpagent_rank runs in "
-            "users' processes and imports nothing of snapshot, transfer, tpagent, cli",
+            "users' processes and imports nothing of cli, snapshot, tpagent, transfer",
         ),
         (
             {"tpagent_rank/net.py": "def f():\n    import grpc\n"},
@@ -130,7 +149,7 @@ def test_a_clean_tree_passes_and_is_summarised(
         (
             {"tpagent_rank/__init__.py": "import importlib\nimportlib.import_module('transfer.wire')\n"},
             "tpagent_rank/__init__.py:2: tpagent_rank imports transfer.wire: tpagent_rank runs in users' processes "
-            "and imports nothing of snapshot, transfer, tpagent, cli",
+            "and imports nothing of cli, snapshot, tpagent, transfer",
         ),
         (
             {"tpagent_rank/__init__.py": "import torch.distributed\n"},
@@ -157,6 +176,8 @@ def test_a_clean_tree_passes_and_is_summarised(
         "relative-cycle-in-a-function",
         "upward-in-a-function",
         "upward-from-import",
+        "upward-between-subpackages",
+        "torch-bound-rank-module-eagerly",
         "rank-imports-a-layer",
         "rank-imports-a-dependency",
         "rank-import_module",
@@ -179,3 +200,30 @@ def test_a_missing_root_is_a_usage_error(
     assert check_layers.main([str(tmp_path / "nowhere")]) == 2
     assert "is not a directory" in capsys.readouterr().err
     assert check_layers.main(["a", "b"]) == 2
+
+
+def test_a_tree_without_its_layers_is_a_usage_error(
+    check_layers: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = {k: v for k, v in CLEAN.items() if k != "pyproject.toml"}
+    assert check_layers.main([str(_tree(tmp_path, files))]) == 2
+    assert "has no [tool.tpagent.layers]" in capsys.readouterr().err
+    (tmp_path / "pyproject.toml").write_text(LAYERS.replace('"tpagent", "tpagent.daemon"', '"tpagent", "tpagent"'))
+    assert check_layers.main([str(tmp_path)]) == 2
+    assert "names a layer twice" in capsys.readouterr().err
+
+
+def test_the_repository_order_is_its_own() -> None:
+    """The order check_layers reads for this repository holds every package, each once."""
+    spec = importlib.util.spec_from_file_location("check_layers_repo", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_layers_repo"] = module
+    spec.loader.exec_module(module)
+    layers = module.read_layers(SCRIPT.parents[1])
+    assert layers.packages == ("host", "snapshot", "transfer", "tpagent", "cli", "tpagent_rank")
+    assert (
+        layers.order.index("tpagent.migration")
+        < layers.order.index("tpagent.jobs")
+        < layers.order.index("tpagent.daemon")
+    )

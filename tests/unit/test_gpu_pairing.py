@@ -1,11 +1,11 @@
-"""Which of the target's GPUs each of a process's GPUs lands on (snapshot.gpus.pair).  After a
+"""Which of the target's GPUs each of a process's GPUs lands on (host.gpus.pair).  After a
 restore the CUDA driver may go on reporting the source's PCI bus ids (cuda-checkpoint issue 48),
 and NCCL finds its GPU in NVML by bus id: a GPU at the same bus id, where the target has one,
 makes that stale answer right.  The inventories are written out here (no GPU on this machine)."""
 
 from __future__ import annotations
 
-from snapshot.gpus import GpuInfo, pair
+from host.gpus import GpuInfo, pair
 
 
 def gpu(uuid: str, bus: str, used_gib: int, pids: tuple[int, ...] = ()) -> GpuInfo:

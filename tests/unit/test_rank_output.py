@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tpagent.api import Refused
-from tpagent.ranks import _open_output
+from tpagent.jobs.ranks import _open_output
+from tpagent.migration.api import Refused
 
 
 def test_the_file_the_process_writes_is_read_even_once_its_path_names_another(tmp_path: Path) -> None:

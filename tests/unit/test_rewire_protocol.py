@@ -1,4 +1,4 @@
-"""The rewire coordinator (tpagent/rewire.py) against ranks kept in memory: each answers the
+"""The rewire coordinator (tpagent/jobs/rewire.py) against ranks kept in memory: each answers the
 runtime's requests as tpagent_rank does (a training thread advancing its step, parking at the
 agreed boundary).  Only the ranks and the migration are stand-ins; the coordinator is real."""
 
@@ -13,9 +13,9 @@ from typing import Any, cast
 
 import pytest
 
-from tpagent.api import Event, MigrationResult, Outcome, Refused, Why
-from tpagent.rewire import Rewire
-from tpagent.source import SourceMigration
+from tpagent.jobs.rewire import Rewire
+from tpagent.migration.api import Event, MigrationResult, Outcome, Refused, Why
+from tpagent.migration.source import SourceMigration
 
 HERE, THERE = "10.0.0.1:7400", "10.0.0.9:7400"
 

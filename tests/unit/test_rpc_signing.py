@@ -1,4 +1,4 @@
-"""tpagent.rpc: calls signed with the cluster secret, checked by the server's AuthInterceptor.
+"""tpagent.daemon.rpc: calls signed with the cluster secret, checked by the server's AuthInterceptor.
 
 No server runs: the interceptor is given a call as grpc would (its method and metadata) and a
 real grpc handler behind it; the handler it returns is called as grpc would call it."""
@@ -13,8 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tpagent import rpc
-from tpagent.rpc import pb
+from tpagent.daemon import rpc
+from tpagent.daemon.rpc import pb
 
 SECRET = b"c" * 32
 STATUS = "/tpagent.v1.Agent/Status"

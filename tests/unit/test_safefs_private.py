@@ -1,4 +1,4 @@
-"""snapshot.safefs on tmp_path: private directories and files, and carried files' paths.
+"""host.safefs on tmp_path: private directories and files, and carried files' paths.
 
 These run as whoever runs them (the unit tier: user nobody; the whole suite: root).  A symlink
 "of a user" is one not owned by root: as root the test hands it to nobody first."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from snapshot import safefs
-from snapshot.api import UsageError
+from host import safefs
+from host.api import UsageError
 from transfer.api import MIN_SECRET, read_secret
 
 NOBODY = 65534

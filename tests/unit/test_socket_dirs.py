@@ -1,6 +1,6 @@
 """Where a process's unix sockets are bound, and the directories a restore makes for them on
-another node (:func:`snapshot.sockets.unix_bound`, the hook's ``_dirs_to``,
-:func:`snapshot.safefs.make_dir`).  As whoever runs them (the unit tier: nobody; the suite: root)."""
+another node (:func:`host.sockets.unix_bound`, the hook's ``_dirs_to``,
+:func:`host.safefs.make_dir`).  As whoever runs them (the unit tier: nobody; the suite: root)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from snapshot import hook, safefs, sockets
-from snapshot.api import UsageError
+from host import safefs, sockets
+from host.api import UsageError
+from snapshot import hook
 from snapshot.manifest import BoundSocket, MadeDir
 
 NOBODY = 65534
@@ -183,8 +184,8 @@ def test_once_committed_the_original_s_sockets_and_their_empty_directories_go_bu
 ) -> None:
     """On a path every node shares, the copy has bound its own socket where the original's was:
     that one stays (once it was removed, and the copy's DataLoader could no longer reach its workers)."""
+    from host.proc import ProcInfo
     from snapshot import leftovers, manifest
-    from snapshot.proc import ProcInfo
 
     me = os.geteuid()
     gone, shared = tmp_path / "pymp-g", tmp_path / "pymp-s"

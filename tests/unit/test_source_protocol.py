@@ -15,10 +15,10 @@ import psutil
 import pytest
 from protocol_fakes import FakeHeldDump, FakeTarget, sleeper, unit_context, wait
 
-from tpagent.api import Outcome, Role, SourceState, TargetState, allowed
-from tpagent.journal import Journal, Record
-from tpagent.resolve import resolve_source
-from tpagent.source import SourceMigration
+from tpagent.migration.api import Outcome, Role, SourceState, TargetState, allowed
+from tpagent.migration.journal import Journal, Record
+from tpagent.migration.resolve import resolve_source
+from tpagent.migration.source import SourceMigration
 
 
 @pytest.fixture
@@ -182,7 +182,7 @@ def test_a_copy_that_dies_in_its_confirmation_period_leaves_the_original_running
 def test_a_held_copy_is_kept_or_dropped_on_the_sources_word(
     tmp_path: Path, original: subprocess.Popen[bytes], keep: bool
 ) -> None:
-    """A rank's move (tpagent/rewire.py): the target holds the started copy (Offer.hold) while
+    """A rank's move (tpagent/jobs/rewire.py): the target holds the started copy (Offer.hold) while
     the original stays frozen, for as long as the verdict is not given; then the copy is final
     and the original ends, or the copy is dropped and the original runs on."""
     target = FakeTarget(tmp_path)
@@ -322,7 +322,7 @@ def test_a_copy_dying_when_the_original_is_gone_too_is_said_not_hidden(
 def test_a_process_is_known_by_its_start_in_ticks_not_by_the_wall_clock(original: subprocess.Popen[bytes]) -> None:
     """A stepped wall clock moves a process's create_time (psutil derives it from the boot
     time): the journal names processes by start ticks, within the boot the record was made."""
-    from tpagent.journal import note_process, same_process_alive
+    from tpagent.migration.journal import note_process, same_process_alive
 
     r = Record("d" * 32, Role.SOURCE, SourceState.FREEZING)
     assert note_process(r, original.pid) and r.start_ticks > 0

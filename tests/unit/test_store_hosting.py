@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tpagent import standin
+from tpagent.jobs import standin
 from tpagent_rank.layout import write_runtime_dir
 
 torch_distributed = pytest.importorskip("torch.distributed")

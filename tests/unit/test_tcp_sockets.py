@@ -1,4 +1,4 @@
-"""snapshot/sockets.py on this test's own sockets: what a process tree holds, what stays behind,
+"""host/sockets.py on this test's own sockets: what a process tree holds, what stays behind,
 what only a target can judge (real sockets, read back from /proc)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from snapshot import sockets
+from host import sockets
 
 _SERVER = "import socket,sys,time; s=socket.create_server(('127.0.0.1',0)); print(s.getsockname()[1], flush=True); " \
     "c,_=s.accept(); time.sleep(60)"  # fmt: skip

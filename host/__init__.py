@@ -1,0 +1,14 @@
+"""The host floor: what root does on this node on a user's behalf, with nothing of snapshots in it.
+
+* :mod:`host.api` -- the contract: the error family (:class:`~host.api.UsageError`: the request
+  cannot be carried out as asked), which the snapshot layer takes for its own.
+* :mod:`host.paths` -- every path on disk the agent and the CLI use, in one place.
+* :mod:`host.safefs` -- paths root reads or writes for someone else: private directories, no
+  symlink followed, no directory another user could change, private secret files.
+* :mod:`host.proc` -- processes: trees, namespaces, start times, signals, deferred Ctrl-C.
+* :mod:`host.sockets` -- a tree's sockets: TCP endpoints, unix sockets and their directories.
+* :mod:`host.gpus` -- the GPUs (NVML): inventory, which process uses which, pairing by bus id.
+
+It imports nothing of tpagent's other packages (but the stdlib-only rank protocol's constants,
+:mod:`tpagent_rank.protocol`, for the paths both sides share).
+"""

@@ -1,0 +1,23 @@
+"""The host floor's contract: its error family, which the snapshot layer above takes for its own.
+
+A check of this floor that refuses (a path through a symlink, a directory someone else could
+change, a PID that is not a process of ours) raises :class:`UsageError`: the request cannot be
+carried out as asked.  :mod:`snapshot.api` names the base :class:`HostError` ``SnapshotError``,
+so that such a refusal reaches the snapshot layer's callers as one of its own errors.
+"""
+
+from __future__ import annotations
+
+
+class HostError(Exception):
+    """Base of the host floor's errors and the snapshot layer's.  ``str(e)`` is one sentence fit
+    for a user."""
+
+    #: True when the process was frozen and has been resumed where it stood.
+    rolled_back: bool = False
+    #: True when the same request may well work a moment later (CRIU refused for a passing reason).
+    transient: bool = False
+
+
+class UsageError(HostError):
+    """The request cannot be carried out as asked (bad PID, not root, occupied directory...)."""

@@ -1,0 +1,382 @@
+"""What the layer needs to know about a live process tree, read from /proc and psutil."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import psutil
+
+from host.api import UsageError
+
+_PF_KTHREAD = 0x00200000
+_CUDA_MARKERS = ("libcuda.so",)
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    ppid: int
+    cmdline: tuple[str, ...]
+    #: PIDs of this process from the outermost to its own PID namespace (NSpid).
+    ns_pids: tuple[int, ...]
+    uses_cuda: bool
+    #: Its other threads' IDs (CRIU gives them back too, so they must be free on restore).
+    tids: tuple[int, ...] = ()
+
+
+def _stat_fields(pid: int) -> list[str]:
+    return _stat_fields_of(f"/proc/{pid}/stat")
+
+
+def _stat_fields_of(path: str) -> list[str]:
+    raw = Path(path).read_text()
+    # The command name sits in parentheses and may itself contain spaces or parentheses.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def start_ticks(pid: int) -> int:
+    """When the process started, in clock ticks since boot (/proc/PID/stat): unlike a wall-clock
+    start time, never shifted by clock adjustments, so two processes compare it exactly."""
+    return int(_stat_fields(pid)[19])
+
+
+def validate_target(pid: int) -> psutil.Process:
+    """The process a user asked to dump, or one sentence on why it cannot be."""
+    if pid <= 1:
+        raise UsageError(f"PID {pid} is the system's init (or invalid) and cannot be checkpointed.")
+    try:
+        proc = psutil.Process(pid)
+        flags = int(_stat_fields(pid)[6])
+        zombie = proc.status() == psutil.STATUS_ZOMBIE
+        tgid = _status_field(pid, "Tgid")
+    except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError) as e:
+        raise UsageError(f"there is no process with PID {pid}.") from e
+    if flags & _PF_KTHREAD:
+        raise UsageError(f"PID {pid} is a kernel thread, not a user process; pick a user process.")
+    init = namespace_init(pid)
+    if init is not None:
+        raise UsageError(inside_namespace(pid, init, "checkpoint"))
+    if tgid is not None and tgid != pid:
+        raise UsageError(f"{pid} is a thread of process {tgid}, not a process; give the process's PID ({tgid}).")
+    if pid == os.getpid() or pid in {p.pid for p in psutil.Process().parents()}:
+        raise UsageError(f"PID {pid} is tpagent itself or its parent; pick the workload's PID.")
+    if zombie:
+        raise UsageError(f"PID {pid} has already exited (it is a zombie).")
+    return proc
+
+
+def namespace_init(pid: int) -> int | None:
+    """The PID (here) of the init of the PID namespace that the process or thread ``pid``
+    lives in, when that is not our namespace and ``pid`` is not that init; else None."""
+    try:
+        tgid = _status_field(pid, "Tgid") or pid
+        if pid_namespace(tgid) == pid_namespace(os.getpid()):
+            return None
+        chain = [psutil.Process(tgid), *psutil.Process(tgid).parents()]  # innermost first
+        init = next((p.pid for p in chain if ns_pids(p.pid)[-1] == 1), None)
+    except (OSError, psutil.Error):
+        return None
+    return None if init == pid else init
+
+
+def inside_namespace(pid: int, init: int, verb: str) -> str:
+    """The sentence for a ``pid`` given that lives inside the PID namespace of ``init``."""
+    return (
+        f"PID {pid} lives inside a PID namespace (a `tpagent launch` workload's); {verb} the whole namespace "
+        f"by giving the PID of its init ({init})."
+    )
+
+
+def uses_cuda(pid: int) -> bool:
+    """True if the process has the CUDA driver mapped or a /dev/nvidia* device open."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+    if any(marker in maps for marker in _CUDA_MARKERS):
+        return True
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/dev/nvidia"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _status_ints(status: str, key: str) -> tuple[int, ...]:
+    """The numbers of one field of a /proc status file (several for the NS* fields, outermost first)."""
+    for line in Path(status).read_text().splitlines():
+        if line.startswith(key + ":"):
+            return tuple(int(x) for x in line.split()[1:])
+    return ()
+
+
+def _status_field(pid: int, key: str) -> int | None:
+    """The (innermost) value of a numeric field of /proc/PID/status, or None if it has none."""
+    values = _status_ints(f"/proc/{pid}/status", key)
+    return values[-1] if values else None
+
+
+def thread_ids(pid: int) -> tuple[int, ...]:
+    """The IDs of the process's threads other than its main one."""
+    try:
+        return tuple(sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid))
+    except OSError:
+        return ()
+
+
+def thread_state(pid: int, tid: int) -> str | None:
+    """The scheduler state letter (R, S, D, T, t...) of the process's thread ``tid``, as seen
+    here or inside the process's own PID namespace; None if there is no such thread."""
+    try:
+        tasks = (
+            [tid]
+            if os.path.exists(f"/proc/{pid}/task/{tid}")
+            else [int(t) for t in os.listdir(f"/proc/{pid}/task") if tid in ns_pids_of(f"/proc/{pid}/task/{t}/status")]
+        )
+        return _stat_fields_of(f"/proc/{pid}/task/{tasks[0]}/stat")[0] if tasks else None
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def ns_pids(pid: int) -> tuple[int, ...]:
+    return ns_pids_of(f"/proc/{pid}/status") or (pid,)
+
+
+def ns_pids_of(status: str) -> tuple[int, ...]:
+    """The NSpid line of a /proc status file: the ID in each PID namespace, outermost first."""
+    return _status_ints(status, "NSpid")
+
+
+def session_visible(pid: int) -> bool:
+    """False if the process's session leader lives outside its PID namespace (its session id
+    reads 0 there): CRIU cannot dump such a process, with or without ``--shell-job``."""
+    return _status_field(pid, "NSsid") != 0
+
+
+def pid_namespace(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/pid")
+
+
+def tree(root: psutil.Process, cuda_pids: set[int] | None = None) -> list[ProcInfo]:
+    """The root and all its descendants, root first.  ``cuda_pids``: the processes known to
+    hold a CUDA context (else guessed from their mappings, see :func:`uses_cuda`)."""
+    out = []
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            cuda = p.pid in cuda_pids if cuda_pids is not None else uses_cuda(p.pid)
+            out.append(ProcInfo(p.pid, p.ppid(), tuple(p.cmdline()), ns_pids(p.pid), cuda, thread_ids(p.pid)))
+        except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
+            continue
+    return out
+
+
+def holds_inet_sockets(pids: list[int]) -> bool:
+    """True if any of the processes has a TCP/UDP socket (CRIU then needs the network lock)."""
+    for pid in pids:
+        try:
+            if psutil.Process(pid).net_connections(kind="inet"):
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return False
+
+
+#: Descriptors whose queued events a checkpoint may lose (what /proc shows their fd as -> the API).
+_EVENT_QUEUES = {"anon_inode:inotify": "inotify", "anon_inode:[fanotify]": "fanotify"}
+
+
+def restore_warnings(pids: Sequence[int]) -> list[str]:
+    """One sentence for each process of the tree that holds state a restore may not bring back
+    as it was: an inotify or fanotify instance, whose events queued at the freeze can be lost
+    (CRIU brings back the watches, not the queue).  For ``inspect``, a dump's output, a dry run."""
+    out = []
+    for pid in pids:
+        held: dict[str, list[str]] = {}
+        with suppress(OSError):
+            for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+                with suppress(OSError):
+                    api = _EVENT_QUEUES.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                    if api is not None:
+                        held.setdefault(api, []).append(fd)
+        for api, fds in held.items():
+            out.append(
+                f"PID {pid} watches files with {api} (fd {', '.join(fds)}): events queued when it is frozen can be "
+                "lost, so it should rescan what it watches after a restore."
+            )
+    return out
+
+
+def dump_size_estimate(pids: Sequence[int]) -> int:
+    """About how many bytes CRIU writes for these processes: their resident anonymous and
+    shared memory (file-backed pages it does not copy)."""
+    total = 0
+    for pid in pids:
+        with suppress(OSError, ValueError):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) << 10  # (in kB)
+    return total
+
+
+def is_session_leader(pid: int) -> bool:
+    return os.getsid(pid) == pid
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def signal_tree(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its descendants, root first; empty if it is gone."""
+    try:
+        root = psutil.Process(pid)
+        return [pid, *(c.pid for c in root.children(recursive=True))]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree(pid: int, timeout: float = 10.0) -> None:
+    """SIGKILL ``pid`` and its descendants, and wait (bounded) until none is alive."""
+    pids = tree_pids(pid)
+    signal_tree(pids, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.02)
+
+
+def _group_and_session_ids() -> dict[int, str]:
+    """Every process group and session id in use here -> a process that uses it (one pass over /proc)."""
+    out: dict[int, str] = {}
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = _stat_fields(int(entry.name))
+            except (OSError, ValueError):
+                continue
+            for held in (int(fields[2]), int(fields[3])):
+                out.setdefault(
+                    held, f"process {entry.name} (state {fields[0]}), which uses it as its group or session id"
+                )
+    return out
+
+
+def pid_holder(pid: int, groups: dict[int, str] | None = None) -> str | None:
+    """Who holds ``pid`` on this machine: as a process or thread, or as the session/group id of another.
+
+    A killed process's orphaned children can linger as zombies that still carry its PID as
+    their session id, which makes CRIU's restore fail with ``Can't fork for PID``.
+    ``groups``: :func:`_group_and_session_ids`, when many IDs are asked about at once.
+    """
+    if Path(f"/proc/{pid}").exists():  # (a thread's ID is there too, unlisted)
+        try:
+            tgid = _status_field(pid, "Tgid")
+            name = psutil.Process(pid).name()
+            if tgid is not None and tgid != pid:
+                return f"a thread ({name}) of process {tgid}"
+            return f"process {pid} ({name})"
+        except (psutil.NoSuchProcess, OSError):
+            pass
+    return (groups if groups is not None else _group_and_session_ids()).get(pid)
+
+
+def wait_pids_free(pids: list[int], timeout: float, tids: Sequence[int] = ()) -> None:
+    """Wait up to ``timeout`` s for every PID and thread ID to be free; raise naming the holder otherwise."""
+    deadline = time.monotonic() + timeout
+    wanted = [(pid, "PID") for pid in pids] + [(tid, "thread ID") for tid in tids]
+    while True:
+        groups = _group_and_session_ids()
+        held = [(pid, kind, who) for pid, kind in wanted if (who := pid_holder(pid, groups)) is not None]
+        if not held:
+            return
+        if time.monotonic() >= deadline:
+            pid, kind, who = held[0]
+            raise UsageError(
+                f"{kind} {pid}, which the snapshot must get back, is held by {who}; "
+                "stop that process (or launch workloads with `tpagent launch` so they get "
+                "their own PID namespace) and retry."
+            )
+        time.sleep(0.1)
+
+
+class Deferral:
+    """What a :func:`deferred_sigint` region saw: ``interrupted``; ``consume()`` swallows it."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.consumed = False
+
+    def consume(self) -> bool:
+        """Take the interrupt (if any) as handled; returns whether there was one."""
+        self.consumed = True
+        return self.interrupted
+
+
+_regions: list[tuple[Deferral, Callable[[], None] | None]] = []
+
+
+@contextmanager
+def deferred_sigint(on_interrupt: Callable[[], None] | None = None) -> Iterator[Deferral]:
+    """Hold back Ctrl-C (SIGINT) during a step that must not be cut short (a CRIU run whose
+    parasite sits inside the workload, a call into the CUDA driver, a rollback).
+
+    The interrupt is noted, ``on_interrupt`` callbacks of every open region run at once (a
+    way to ask CRIU's post-dump hook to cancel), and KeyboardInterrupt is raised when the
+    outermost region ends without an exception, unless a region ``consume()``d it.  Only the
+    main thread owns signal handlers; elsewhere (inside a server) this only yields."""
+    state = Deferral()
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+    _regions.append((state, on_interrupt))
+    outermost = len(_regions) == 1
+
+    def note(signum: int, _frame: FrameType | None) -> None:
+        for region, callback in _regions:
+            region.interrupted = True
+            if callback is not None:
+                callback()
+
+    previous = signal.signal(signal.SIGINT, note) if outermost else None
+    failed = True
+    try:
+        yield state
+        failed = False
+    finally:
+        _regions.pop()
+        if outermost:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    if outermost and not failed and state.interrupted and not state.consumed:
+        raise KeyboardInterrupt
+
+
+def boot_id() -> str:
+    """This boot of the node (the kernel's boot id; "" where it cannot be read)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""

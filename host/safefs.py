@@ -1,0 +1,557 @@
+"""Paths a root process uses on a user's behalf, checked against planted directories and symlinks.
+
+tpagent runs as root on nodes that other users share.  Every directory it writes into is one
+it created itself with mode 0700, or an existing one of its own (owned by the user running
+tpagent, writable by no one else, or else empty; made 0700 before use) reached through
+directories no other user can change and no symlink but root's: a directory planted by
+someone else (their own ``log/`` swapped in, say) is refused in one sentence.  Secrets and
+private keys are read only from files private to the same user.
+
+Carried files (what a checkpointed process had open, taken along in its snapshot) are read
+by the dump and written back by the restore, both as root, along a path that a user may
+control: it is walked from "/" one directory fd at a time with O_NOFOLLOW, so no symlink on
+it is ever followed, and the file's directory must belong to root or to the file's owner.
+A file put back is created anew (O_EXCL) and handed to its owner before it gets its mode,
+which never includes setuid/setgid bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from host.api import UsageError
+
+log = logging.getLogger(__name__)
+
+PRIVATE = 0o700
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _changeable_by_others(st: os.stat_result) -> bool:
+    """A directory whose entries someone else could replace: not root's or ours, or writable
+    by group or others without the sticky bit (in /tmp, /dev/shm others add names, but
+    cannot move ours)."""
+    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    return st.st_uid not in (0, os.geteuid()) or bool(writable and not st.st_mode & stat.S_ISVTX)
+
+
+def _unsafe(at: Path, st: os.stat_result, path: Path) -> UsageError:
+    return UsageError(
+        f"{at} can be changed by other users (owner UID {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}), so {path} "
+        "under it is not safe for tpagent to use; give a path in a directory only root can change."
+    )
+
+
+def _safe_ancestors(path: Path) -> None:
+    """Nobody but root (or us) can replace any existing directory on the way to ``path``
+    (symlinks: root's only, see :func:`_trusted_realpath`)."""
+    real = _trusted_realpath(path.parent)
+    for ancestor in [real, *real.parents]:
+        try:
+            st = os.stat(ancestor)
+        except FileNotFoundError:
+            continue
+        if _changeable_by_others(st):
+            raise _unsafe(ancestor, st, path)
+
+
+def _open_private_dir(at: Path, path: Path, empty: bool, created: bool, dir_fd: int) -> int:
+    """An fd of ``at`` (in ``dir_fd``): a real directory of ours that nobody else could have
+    written to (that ``created`` says we just made), and empty if ``empty``; its mode is
+    made 0700 if it was looser."""
+    try:
+        fd = os.open(at.name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise UsageError(f"{at} exists and is not a directory; give a new directory.") from e
+        raise
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or (st.st_mode & 0o022 and not created):
+        os.close(fd)
+        raise UsageError(
+            f"{at} already exists with owner UID {st.st_uid} and mode {stat.S_IMODE(st.st_mode):o}; tpagent only uses "
+            "a directory of its own that no one else could write to (they could plant files in it): "
+            "remove it or give a new one."
+        )
+    if stat.S_IMODE(st.st_mode) != PRIVATE:
+        os.fchmod(fd, PRIVATE)  # ours: shut it before looking inside (the umask may have taken bits too)
+    if empty and os.listdir(fd):
+        os.close(fd)
+        raise UsageError(f"output directory {path} is not empty; give an empty or new directory.")
+    return fd
+
+
+def private_dir(path: Path, empty: bool = False, create: bool = True) -> Path:
+    """Create ``path`` (and any missing parents) with mode 0700, or accept an existing one
+    only if it is a real directory of ours that nobody else could have written to (made
+    0700 if looser) and empty where ``empty`` says, every directory on the way being one no other
+    user can change.  The path is walked from "/" one directory fd at a time, each component
+    checked (or created) under the fd of its checked parent: nobody can slip a directory of
+    theirs in between.  ``create`` False: only check what exists (a refusal before anything
+    is done).  Returns the path, made absolute, root's symlinks resolved."""
+    real = _trusted_realpath(Path(os.path.abspath(path)))
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        at = Path("/")
+        for i, name in enumerate(real.parts[1:], start=1):
+            at, last = at / name, i == len(real.parts) - 1
+            made = False
+            try:
+                os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                if not create:
+                    return real  # (made, as ours, when it is needed)
+                try:
+                    os.mkdir(name, PRIVATE, dir_fd=fd)
+                    made = True
+                except FileExistsError:
+                    pass  # someone was quicker: checked like any existing directory
+                except OSError as e:
+                    raise UsageError(f"cannot create {at}: {e.strerror}.") from e
+            if last or made:
+                child = _open_private_dir(at, real, empty and last, made, fd)
+            else:
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    raise UsageError(
+                        f"{at} is not a directory (or is a symlink); give a path through real directories."
+                    ) from e
+                st = os.fstat(child)
+                if _changeable_by_others(st):
+                    os.close(child)
+                    raise _unsafe(at, st, real)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    return real
+
+
+def _trusted_realpath(path: Path, hops: int = 40) -> Path:
+    """``path`` with its symlinks resolved, each of which must belong to root (as a Kubernetes
+    Secret volume's ``tls.key -> ..data/tls.key`` chain does); a user's symlink is refused.
+    What does not exist yet is kept as it is."""
+    todo, at = list(Path(os.path.abspath(path)).parts[1:]), Path("/")
+    while todo:
+        name = todo.pop(0)
+        nxt = at.parent if name == ".." else at / name
+        try:
+            st = os.lstat(nxt)
+        except FileNotFoundError:
+            return nxt.joinpath(*todo)  # (the rest does not exist yet: no symlink there)
+        if not stat.S_ISLNK(st.st_mode):
+            at = nxt
+            continue
+        hops -= 1
+        if st.st_uid != 0 or hops < 0:
+            raise UsageError(
+                f"{nxt} is a symlink owned by UID {st.st_uid} (or one of too many); give the file's real path."
+            )
+        target = Path(os.readlink(nxt))
+        todo = [*target.parts[1 if target.is_absolute() else 0 :], *todo]
+        at = Path("/") if target.is_absolute() else at
+    return at
+
+
+def open_private_file(path: Path, what: str) -> int:
+    """An fd of a secret or a private key, checked: the file must be ours and 0600 or
+    stricter, reached through directories no other user can change (symlinks: root's only).
+    Read what was checked through this fd (``/proc/self/fd/N`` for a library that wants a path)."""
+    try:
+        real = _trusted_realpath(path)
+        _safe_ancestors(real)
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise UsageError(f"cannot read {what} from {path}: {e.strerror}.") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        owner = "root" if os.geteuid() == 0 else f"UID {os.geteuid()}"
+        raise UsageError(
+            f"{what} in {path} must be a file owned by {owner} with mode 600 or stricter (it has owner UID "
+            f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); run: chown {os.geteuid()} {path} && chmod 600 {path}"
+        )
+    return fd
+
+
+def read_private_file(path: Path, what: str) -> bytes:
+    """The bytes of a secret or a private key (see :func:`open_private_file`)."""
+    with os.fdopen(open_private_file(path, what), "rb") as f:
+        return f.read(1 << 20)
+
+
+def private_opener(path: str, flags: int) -> int:
+    """``open(path, mode, opener=private_opener)``: a new file is 0600 whatever the umask,
+    and the last component is never a symlink."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+# Carried files: what a process had open, read (dump) and written back (restore) by root.
+# Every path is walked from "/" one component at a time with O_NOFOLLOW, so no symlink is
+# ever followed, and each step acts on the directory fd it reached, not on a name again.
+
+#: A directory the restore creates on the way to a carried file (as root's ``mkdir -p``).
+CREATED_DIR = 0o755
+_CHUNK = 1 << 20
+
+
+def _symlink_refused(at: Path, path: Path) -> UsageError:
+    where = "" if at == path else f" on the way to {path}"
+    return UsageError(
+        f"{at} is a symlink{where}, and tpagent (as root) follows no symlink to a file it carries: "
+        "use the file's real path, or remove the link."
+    )
+
+
+def _step_failed(e: OSError, dir_fd: int, name: str, at: Path, path: Path, exists: OSError | None) -> Exception:
+    """The error for a component ``name`` that O_NOFOLLOW|O_DIRECTORY would not open."""
+    if e.errno in (errno.ENOTDIR, errno.ELOOP):
+        try:
+            is_link = stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except OSError:
+            is_link = False
+        if is_link:
+            return _symlink_refused(at, path)
+        if exists is not None:  # a file where a directory must be created: what mkdir said
+            return OSError(exists.errno, exists.strerror, str(at))
+    return OSError(e.errno, e.strerror, str(at))
+
+
+def open_dir(path: Path, created: list[Path] | None = None, to: Path | None = None) -> int:
+    """An fd of the directory ``path`` (absolute, normalised), reached from "/" without
+    following any symlink (one on the way raises UsageError, naming the file ``to`` if given).
+    Without ``created`` a missing component raises FileNotFoundError; with it, each missing
+    one is made as root's ``mkdir -p`` would (owned by us, mode 755, never by a user) and
+    appended to it."""
+    fd = os.open("/", _DIR_FLAGS)
+    at = Path("/")
+    try:
+        for name in path.parts[1:]:
+            at = at / name
+            if name in (".", ".."):
+                raise UsageError(f"{path} is not a normalised absolute path.")
+            exists, made = None, False
+            if created is not None:
+                try:
+                    os.mkdir(name, CREATED_DIR, dir_fd=fd)
+                except FileExistsError as e:
+                    exists = e
+                except OSError as e:
+                    raise OSError(e.errno, e.strerror, str(at)) from e
+                else:
+                    made = True
+                    created.append(at)
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                raise _step_failed(e, fd, name, at, to or path, exists) from e
+            os.close(fd)
+            fd = child
+            if made:
+                os.fchmod(fd, CREATED_DIR)  # exactly 755: the umask may take bits, a setgid parent add one
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_regular(dir_fd: int, name: str, path: Path) -> int | None:
+    """A read-only fd of the regular file ``name`` in the directory ``dir_fd`` (``path`` names
+    it in errors), or None if there is none: no such name, or something else there (a FIFO
+    or a device is never opened).  A symlink there raises UsageError: it is never followed."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise _symlink_refused(path, path)
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    try:  # (O_NONBLOCK|O_NOCTTY: should it have become a FIFO or a tty meanwhile, opening it does nothing)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _symlink_refused(path, path) from e
+        raise OSError(e.errno, e.strerror, str(path)) from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # what counts is what was opened
+        os.close(fd)
+        return None
+    return fd
+
+
+def check_owner(dir_uid: int, uid: int, path: Path) -> None:
+    """The ownership rule for a carried file: its directory belongs to root or to the file's
+    owner ``uid``; anything else (root's file in a user's directory, one user's file in
+    another's) is refused, since whoever owns the directory chooses what is in it."""
+    if dir_uid not in (0, uid):
+        raise UsageError(
+            f"{path} belongs to UID {uid} but its directory to UID {dir_uid}, and tpagent carries a file only "
+            "from a directory owned by root or by the file's owner: move the file, "
+            "or give the directory to one of them."
+        )
+
+
+def owned_fd(parent: int, fd: int, path: Path) -> int:
+    """``fd`` (of ``path``, in the directory ``parent``) once it passes :func:`check_owner`;
+    else it is closed and UsageError raised."""
+    try:
+        check_owner(os.fstat(parent).st_uid, os.fstat(fd).st_uid, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_to_read(path: Path) -> int | None:
+    """A read-only fd of the regular file ``path``, reached without following any symlink
+    and checked against :func:`check_owner`; None if it is gone or is no regular file."""
+    try:
+        parent = open_dir(path.parent, to=path)
+    except FileNotFoundError:
+        return None
+    try:
+        fd = open_regular(parent, path.name, path)
+        return None if fd is None else owned_fd(parent, fd, path)
+    finally:
+        os.close(parent)
+
+
+def _holds(dir_fd: int, path: Path, source: IO[bytes], owner: tuple[int, int, int]) -> bool:
+    """Whether the regular file ``path`` (in ``dir_fd``) is the one to put back: ``owner``
+    (uid, gid, mode), and exactly the bytes of ``source``.  (A look-alike that someone else
+    planted, with the same bytes, is not: the restored process would write into it.)"""
+    fd = open_regular(dir_fd, path.name, path)
+    if fd is None:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) != owner:
+            return False
+        while True:
+            a, b = f.read(_CHUNK), source.read(_CHUNK)
+            if a != b:
+                return False
+            if not a:
+                return True
+
+
+def write_file(
+    path: Path,
+    source: IO[bytes],
+    uid: int,
+    gid: int,
+    mode: int,
+    mtime: float,
+    created: list[Path],
+    replaceable: Callable[[Path, os.stat_result], bool] = lambda path, st: False,
+) -> bool:
+    """Put ``source`` back at ``path`` as a new file owned by ``uid``:``gid`` with ``mode``
+    (without setuid/setgid: never restored) and ``mtime``, appending what it creates
+    (missing directories, see :func:`open_dir`, then the file) to ``created``.  No symlink is
+    followed; the directory must pass :func:`check_owner`; a file already there must hold
+    the same bytes (it is then left as it is), or be ``replaceable`` (a stale copy this node
+    let go: it is then replaced, in one rename), else UsageError.  Whether it replaced one."""
+    parent = open_dir(path.parent, created, to=path)
+    replacing = False
+    try:
+        check_owner(os.fstat(parent).st_uid, uid, path)
+        name = path.name
+        try:
+            fd = os.open(
+                name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent
+            )
+        except FileExistsError:  # (also where a symlink is: O_EXCL follows none)
+            if _holds(parent, path, source, (uid, gid, mode & 0o777)):
+                return False
+            there = open_regular(parent, name, path)
+            if there is not None:
+                try:
+                    replacing = replaceable(path, os.fstat(there))
+                finally:
+                    os.close(there)
+            if not replacing:
+                raise UsageError(
+                    f"{path} exists on this node with other content, owner or mode; "
+                    "the process had it open: move it away first."
+                ) from None
+            source.seek(0)  # (_holds read some of it)
+            name = f".{path.name}.tpagent-{os.getpid()}"
+            fd = os.open(
+                name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent
+            )
+        if not replacing:
+            created.append(path)
+        if mode & (stat.S_ISUID | stat.S_ISGID):
+            log.warning(
+                "%s had mode %o; it is put back as %o: tpagent never restores setuid/setgid bits",
+                path,
+                mode,
+                mode & 0o777,
+            )
+        try:
+            with os.fdopen(fd, "wb") as f:
+                shutil.copyfileobj(source, f, _CHUNK)  # (in bounded pieces, however large the file)
+                f.flush()
+                os.fchown(fd, uid, gid)  # first: never a moment with its final mode while root owns it
+                os.fchmod(fd, mode & 0o777)
+                os.utime(fd, (mtime, mtime))
+            if replacing:
+                os.rename(name, path.name, src_dir_fd=parent, dst_dir_fd=parent)
+        except BaseException:
+            if replacing:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=parent)
+            raise
+    finally:
+        os.close(parent)
+    return replacing
+
+
+def make_dir(path: Path, created: list[Path]) -> None:
+    """Make the directory ``path``, if it is missing, as root's and 0700 (:func:`hand_over`
+    gives it to its owner later), appending it to ``created``; one already there is left as it
+    is.  Its parent is reached through no symlink (made as root's ``mkdir -p`` would, if
+    missing: see :func:`open_dir`)."""
+    parent = open_dir(path.parent, created, to=path)
+    try:
+        os.mkdir(path.name, 0o700, dir_fd=parent)
+    except FileExistsError:
+        return
+    finally:
+        os.close(parent)
+    created.append(path)
+
+
+def hand_over(path: Path, uid: int, gid: int, mode: int) -> None:
+    """Give the directory ``path`` (reached through no symlink) to ``uid``:``gid`` with ``mode``,
+    never setuid/setgid."""
+    fd = open_dir(path)
+    try:
+        os.fchown(fd, uid, gid)  # first: never a moment with its final mode while root owns it
+        os.fchmod(fd, mode & 0o1777)
+    finally:
+        os.close(fd)
+
+
+def _protected_symlinks() -> bool:
+    try:
+        return Path("/proc/sys/fs/protected_symlinks").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def _way_refused(st: os.stat_result, at: Path, path: Path) -> UsageError | None:
+    if st.st_uid != 0:
+        return UsageError(
+            f"{at}, on the way to the socket {path}, belongs to UID {st.st_uid}, who could change the way while CRIU "
+            "binds the socket there as root; if it is a stale one (a copy of the process ran here), remove it."
+        )
+    if st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and _protected_symlinks()):
+        return UsageError(
+            f"{at}, on the way to the socket {path}, may be written by other users (not sticky, or "
+            "fs.protected_symlinks is off), who could change the way while CRIU binds the socket there as root."
+        )
+    return None
+
+
+def check_socket_path(path: Path, uid: int) -> None:
+    """Refuse a restore in which CRIU, as root and by name, would bind a socket of ``uid`` at
+    ``path`` (removing a socket file it finds there, then giving the new one its owner and
+    mode) where anyone but root could change the way meanwhile: each directory on the way that
+    exists must be root's, and one that others may write in sticky with fs.protected_symlinks
+    on (/tmp); those missing are made root's until CRIU is done (:func:`make_dir`).  Nor may a
+    socket of another user be at ``path``.  A socket of root's is root's affair: not checked."""
+    if uid == 0:
+        return
+    fd, at = os.open("/", _DIR_FLAGS), Path("/")
+    try:
+        for name in path.parts[1:-1]:
+            refused = _way_refused(os.fstat(fd), at, path)
+            if refused is not None:
+                raise refused
+            at = at / name
+            try:
+                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                return  # (the rest is made, root's while CRIU binds)
+            except OSError as e:
+                raise _step_failed(e, fd, name, at, path, None) from e
+            os.close(fd)
+            fd = child
+        refused = _way_refused(os.fstat(fd), at, path)
+        if refused is not None:
+            raise refused
+        try:
+            st = os.stat(path.name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+    finally:
+        os.close(fd)
+    if stat.S_ISSOCK(st.st_mode) and st.st_uid != uid:
+        raise UsageError(
+            f"{path} is a socket of UID {st.st_uid} on this node, where the process (UID {uid}) had a socket of its "
+            "own; restoring it would replace that one, so it is not restored here."
+        )
+
+
+def remove_socket(path: Path, uid: int, ident: tuple[int, int, int] | None = None) -> bool:
+    """Remove the socket file ``path`` (reached through no symlink) if it is one of ``uid``'s
+    (and, given ``ident``, that very file: its device, inode and change time, as an inode
+    number is soon reused)."""
+    return _remove_if(path, lambda st: stat.S_ISSOCK(st.st_mode) and st.st_uid == uid
+                      and ident in (None, (st.st_dev, st.st_ino, st.st_ctime_ns)))  # fmt: skip
+
+
+def remove_same(path: Path, ident: tuple[int, int, int]) -> bool:
+    """Remove ``path`` (a file, a socket, an empty directory; reached through no symlink) if it
+    is that very one: its device, inode and owner."""
+    return path.is_absolute() and _remove_if(path, lambda st: (st.st_dev, st.st_ino, st.st_uid) == ident)
+
+
+def _remove_if(path: Path, wanted: Callable[[os.stat_result], bool]) -> bool:
+    """Remove ``path`` (reached through no symlink) if its lstat is ``wanted``; whether it did
+    (not: gone, another file, a directory not empty)."""
+    try:
+        parent = open_dir(path.parent, to=path)
+    except (FileNotFoundError, UsageError):
+        return False
+    try:
+        st = os.stat(path.name, dir_fd=parent, follow_symlinks=False)
+        if not wanted(st):
+            return False
+        if stat.S_ISDIR(st.st_mode):
+            os.rmdir(path.name, dir_fd=parent)
+        else:
+            os.unlink(path.name, dir_fd=parent)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+    finally:
+        os.close(parent)
+
+
+def remove(path: Path) -> None:
+    """Remove the file or (empty) directory ``path`` without following any symlink to it."""
+    parent = open_dir(path.parent)
+    try:
+        try:
+            os.unlink(path.name, dir_fd=parent)
+        except IsADirectoryError:
+            os.rmdir(path.name, dir_fd=parent)
+    finally:
+        os.close(parent)

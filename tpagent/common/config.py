@@ -1,0 +1,252 @@
+"""The agent's configuration: a TOML file, then ``TPAGENT_*`` environment variables on top.
+
+    # /etc/tpagent/agent.toml (every key optional but secret_file)
+    node = "gpu-node-17"              # name in logs and metrics (default: the host name)
+    listen = "0.0.0.0:7400"           # the agent's gRPC address
+    advertise = "10.0.0.17"           # the address peers reach this node on (transfers)
+    secret_file = "/etc/tpagent/secret" # root's, mode 600: the cluster secret (same on every node)
+    tls_dir = "/etc/tpagent/tls"      # ca.crt, tls.crt, tls.key (mode 600): mutual TLS, cluster CA
+    health_listen = "0.0.0.0:7401"    # plain-text gRPC health Check only (probes); "" turns it off
+    work_dir = "/var/lib/tpagent"     # journals and snapshots in flight: root's, mode 700, created
+                                      # by the agent (an existing one owned by anyone else is refused)
+    metrics_listen = "127.0.0.1:9400" # Prometheus text format; "" turns it off
+    shared_paths = ["/shared"]        # expected on every node (checked, not copied)
+    allow_executables = ["/opt/venv/bin/python3"]  # also migratable: processes running one of these
+                                      # programs (full paths, compared with /proc/PID/exe)
+    memory_limit = 0                  # most bytes this node accepts in one migration (0: no limit)
+    max_incoming = 4                  # migrations this node receives at once (0: no limit); each
+                                      # reserves its snapshot's room in work_dir and its memory
+    hold_timeout = 3600.0             # longest a frozen original waits for its copy to start
+    takeover_after = 300.0            # a restored copy whose source agent stays unreachable this
+                                      # long starts on its own (0: it waits for the source forever)
+    io_timeout = 30.0                 # a transfer stream silent this long is broken (and retried)
+    rpc_timeout = 30.0                # one ordinary call to another agent
+    restore_timeout = 3600.0          # the target's restore of a copy (its snapshot's arrival included)
+    abort_confirm_timeout = 60.0      # a rollback asks the target this long to say its copy is gone
+                                      # (then the original stays frozen and the agent keeps asking)
+    shutdown_grace = 30.0             # on SIGTERM, running migrations get this long (a 2nd signal: none)
+    confirm_period = 3.0              # a migrated copy must run this long before the original is ended
+                                      # (it dies sooner: the original runs on); 0: ended at once
+    transfer_port = 0                 # where this node receives snapshots (0: any free port)
+    transfer_address = ""             # what peers connect to for it, if not advertise:port (NAT, proxy)
+    aliases = []                      # other names or addresses callers reach this agent by (NAT,
+                                      # proxy): calls signed for them are accepted; put them in tls.crt
+    transport = "tcp"                 # or "ucx"
+    streams = 4                       # parallel connections per transfer
+    ghost_limit_mib = 1024            # largest deleted-but-open file a dump keeps (CRIU's --ghost-limit)
+    compress = "auto"
+    rank_socket = "tpagent-ranks"     # abstract unix socket (one per network namespace) where the
+                                      # ranks of `tpagent rank` jobs reach this agent; "" turns it off
+    rewire_timeout = 120.0            # a rank's rewire step (reach the boundary, rebuild) at most this long
+
+The variable for a key is TPAGENT_ and the key in capitals (lists: comma-separated).  The
+timeouts are checked against each other at load (:class:`tpagent.migration.api.Timeouts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from host.api import UsageError
+from snapshot.api import DEFAULT_GHOST_LIMIT
+from tpagent.common.credentials import Credentials
+from transfer.api import DEFAULT_TLS_DIR
+from transfer.transports import NAMES
+
+#: The configuration key of each timeout (tpagent/common/config.py), for messages.
+TIMEOUT_KEYS = {
+    "rpc": "rpc_timeout",
+    "restore": "restore_timeout",
+    "hold": "hold_timeout",
+    "takeover_after": "takeover_after",
+    "io": "io_timeout",
+    "abort_confirm": "abort_confirm_timeout",
+    "shutdown_grace": "shutdown_grace",
+    "confirm": "confirm_period",
+}
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every wait of the agent layer, in seconds, checked against each other at load."""
+
+    rpc: float = 30.0  # one ordinary call to another agent
+    restore: float = 3600.0  # the target restores a copy (waiting for its snapshot included)
+    hold: float = 3600.0  # longest a frozen original waits for its copy to be pinned
+    takeover_after: float = 300.0  # a held copy whose source is unreachable this long starts (0: never)
+    io: float = 30.0  # a transfer stream silent this long is broken (and retried)
+    abort_confirm: float = 60.0  # a rollback asks the target this long to say its copy is gone
+    shutdown_grace: float = 30.0  # `serve` waits this long for running migrations on SIGTERM
+    confirm: float = 3.0  # a started copy must run this long before the original is ended (0: at once)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if (
+                not isinstance(v, int | float)
+                or not math.isfinite(v)
+                or v < 0
+                or (v == 0 and f.name not in ("takeover_after", "confirm"))
+            ):
+                raise ValueError(f"{TIMEOUT_KEYS[f.name]} = {v!r} must be a positive number of seconds.")
+        k = TIMEOUT_KEYS
+        rules = [
+            # A restore is an ordinary call that may last: shorter would cut restores off.
+            (
+                self.rpc < self.restore,
+                f"{k['rpc']} ({self.rpc:g} s) must be shorter than {k['restore']} ({self.restore:g} s)",
+            ),
+            # A stalled stream must be noticed (and retried) well inside the hold.
+            (self.io < self.hold, f"{k['io']} ({self.io:g} s) must be shorter than {k['hold']} ({self.hold:g} s)"),
+            # A rollback's question must fit at least one whole answer.
+            (self.abort_confirm >= self.rpc,
+             f"{k['abort_confirm']} ({self.abort_confirm:g} s) must be at least {k['rpc']} ({self.rpc:g} s)"),
+        ]  # fmt: skip
+        broken = [why for ok, why in rules if not ok]
+        if broken:
+            raise ValueError("; ".join(broken) + ".")
+
+
+DEFAULT_FILE = Path("/etc/tpagent/agent.toml")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    secret_file: Path
+    node: str = field(default_factory=socket.gethostname)
+    listen: str = "0.0.0.0:7400"
+    tls_dir: Path = DEFAULT_TLS_DIR
+    health_listen: str = "0.0.0.0:7401"
+    advertise: str = ""
+    work_dir: Path = Path("/var/lib/tpagent")
+    metrics_listen: str = "127.0.0.1:9400"
+    shared_paths: tuple[str, ...] = ()
+    allow_executables: tuple[str, ...] = ()
+    memory_limit: int = 0
+    max_incoming: int = 4
+    hold_timeout: float = 3600.0
+    takeover_after: float = 300.0
+    io_timeout: float = 30.0
+    rpc_timeout: float = 30.0
+    restore_timeout: float = 3600.0
+    abort_confirm_timeout: float = 60.0
+    shutdown_grace: float = 30.0
+    confirm_period: float = 3.0
+    transfer_port: int = 0
+    transfer_address: str = ""
+    aliases: tuple[str, ...] = ()
+    transport: str = "tcp"
+    streams: int = 4
+    ghost_limit_mib: int = DEFAULT_GHOST_LIMIT >> 20
+    compress: str = "auto"
+    rank_socket: str = "tpagent-ranks"
+    rewire_timeout: float = 120.0
+
+    @property
+    def advertised_host(self) -> str:
+        if self.advertise:
+            return self.advertise
+        host = self.listen.rpartition(":")[0]
+        return host if host not in ("", "0.0.0.0", "[::]") else socket.gethostname()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "work_dir", Path(self.work_dir).absolute())  # (paths in journals are absolute)
+        self.timeouts  # noqa: B018 (checked now, at load, not at the first migration)
+        if not 0 < self.rewire_timeout < float("inf"):
+            raise UsageError(f"the setting rewire_timeout = {self.rewire_timeout} is not valid: give seconds > 0.")
+        if len(self.rank_socket) > 100 or "\0" in self.rank_socket:
+            raise UsageError(f"the setting rank_socket = {self.rank_socket!r} is not valid: at most 100 characters.")
+        if self.transport not in NAMES:
+            raise UsageError(
+                f"the setting transport = {self.transport!r} is not valid: choose one of {', '.join(NAMES)}."
+            )
+
+    @functools.cached_property
+    def timeouts(self) -> Timeouts:
+        try:
+            return Timeouts(
+                rpc=self.rpc_timeout,
+                restore=self.restore_timeout,
+                hold=self.hold_timeout,
+                takeover_after=self.takeover_after,
+                io=self.io_timeout,
+                abort_confirm=self.abort_confirm_timeout,
+                shutdown_grace=self.shutdown_grace,
+                confirm=self.confirm_period,
+            )
+        except ValueError as e:
+            raise UsageError(f"the timeouts do not fit together: {e}") from e
+
+    @property
+    def agent_address(self) -> str:
+        """Where peers reach this agent's gRPC service."""
+        return f"{self.advertised_host}:{self.listen.rpartition(':')[2]}"
+
+    def credentials(self) -> Credentials:
+        return Credentials.load(self.secret_file, self.tls_dir)
+
+    @property
+    def audiences(self) -> set[str]:
+        """The names callers may address this agent by (a call signed for another is refused)."""
+        hosts = {
+            self.node,
+            self.advertised_host,
+            self.listen.rpartition(":")[0].strip("[]"),
+            socket.gethostname(),
+            "localhost",
+            "127.0.0.1",
+            "::1",
+            *self.aliases,
+        }
+        return {h.lower() for h in hosts if h and h not in ("0.0.0.0", "::")}
+
+
+def _convert(name: str, kind: Any, value: Any) -> Any:
+    try:
+        if kind is Path or kind == "Path":
+            return Path(value)
+        if kind in (int, "int"):
+            return int(value)
+        if kind in (float, "float"):
+            return float(value)
+        if "tuple" in str(kind):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(str(x).strip() for x in items if str(x).strip())
+        return str(value)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"the setting {name} = {value!r} is not valid ({e}).") from e
+
+
+def load(path: Path | None = None, env: dict[str, str] | None = None, **overrides: Any) -> AgentConfig:
+    """The file (``path``, else TPAGENT_CONFIG, else /etc/tpagent/agent.toml if present),
+    then the environment, then ``overrides`` (command-line flags)."""
+    env = dict(os.environ) if env is None else env
+    path = path or (Path(env["TPAGENT_CONFIG"]) if "TPAGENT_CONFIG" in env else None)
+    values: dict[str, Any] = {}
+    if path is not None or DEFAULT_FILE.exists():
+        file = path or DEFAULT_FILE
+        try:
+            values.update(tomllib.loads(file.read_text()))
+        except OSError as e:
+            raise UsageError(f"cannot read the configuration {file}: {e.strerror}.") from e
+        except tomllib.TOMLDecodeError as e:
+            raise UsageError(f"the configuration {file} is not valid TOML: {e}.") from e
+    fields = {f.name: f.type for f in dataclasses.fields(AgentConfig)}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise UsageError(f"unknown setting(s) in the configuration: {', '.join(sorted(unknown))}.")
+    for name in fields:
+        if f"TPAGENT_{name.upper()}" in env:
+            values[name] = env[f"TPAGENT_{name.upper()}"]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if "secret_file" not in values:
+        raise UsageError("no cluster secret: set secret_file in the configuration or TPAGENT_SECRET_FILE.")
+    return AgentConfig(**{k: _convert(k, fields[k], v) for k, v in values.items()})

@@ -1,0 +1,350 @@
+"""gRPC plumbing shared by the agent and its clients: the generated API, TLS, and authentication.
+
+Every connection is mutual TLS with certificates of the cluster CA (:class:`Credentials`):
+only a node with such a certificate can connect, every answer comes from the node the
+client dialled (its certificate names it), and nothing crosses the network in clear.
+
+On top, every call proves the cluster secret (a certificate from a site-wide CA alone does
+not make a peer a member)::
+
+    x-tpagent-auth  ::= "v2." TS "." NONCE "." CALL_MAC     TS: Unix milliseconds; NONCE: 24 hex
+    x-tpagent-body  ::= BODY_MAC
+    CALL_MAC ::= HMAC-SHA256(secret, "call" 0 METHOD 0 AUDIENCE 0 TS 0 NONCE)
+    BODY_MAC ::= HMAC-SHA256(secret, "body" 0 CALL_MAC 0 SHA256(request, deterministic))
+
+AUDIENCE is the host the client dialled, so a call signed for one node is refused by every
+other.  The server checks CALL_MAC from the metadata alone, before it reads the request,
+so a caller without the secret never holds one of its worker threads (the calls that never
+send their request, which once stalled the whole API, are refused at once).  It then refuses
+a TS more than :data:`SKEW` seconds off or older than the agent's own start (a call
+captured before a restart stays dead), and a NONCE seen before; BODY_MAC binds the request.
+A TS refusal names how far off the TS is and carries the agent's clock (``x-tpagent-clock``,
+Unix milliseconds): the caller then signs its calls to that agent on that clock and tries once
+more, so that a clock step between two nodes never stops a migration half-way
+(:mod:`tpagent.common.clock`).
+Each refusal is logged with the peer and counted.  Only ``grpc.health.v1.Health/Check`` is
+open, and it is answered without reading its request (a probe always gets an answer).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from tpagent.common import clock
+from tpagent.common.credentials import Credentials
+from tpagent.daemon.proto import agent_pb2 as pb
+from tpagent.daemon.proto import agent_pb2_grpc as pb_grpc
+from tpagent.migration.api import Why
+
+AgentServicer = pb_grpc.AgentServicer
+#: (The one module that imports the generated code; the rest take it from here.)
+__all__ = [
+    "CODES",
+    "AgentServicer",
+    "AuthInterceptor",
+    "Credentials",
+    "Health",
+    "HealthOnly",
+    "pb",
+    "pb_grpc",
+    "server",
+    "sign",
+    "stub",
+]
+log = logging.getLogger(__name__)
+
+#: How each refusal of the agent layer travels as a gRPC status (and back: tpagent/daemon/client.py).
+CODES = {
+    Why.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Why.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Why.DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Why.CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+    Why.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Why.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Why.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+HEADER = "x-tpagent-auth"
+BODY_HEADER = "x-tpagent-body"
+CLOCK_HEADER = "x-tpagent-clock"
+VERSION = "v2"
+SKEW = clock.WINDOW
+MAX_MESSAGE = 16 << 20  # bounded inputs: no call carries more
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+#: Per connection: a client multiplexes at most this many calls on one connection.
+MAX_STREAMS_PER_CONNECTION = 32
+
+
+def _hmac(secret: bytes, *parts: str | bytes) -> str:
+    data = b"\0".join(p.encode() if isinstance(p, str) else p for p in parts)
+    return hmac.new(secret, data, hashlib.sha256).hexdigest()
+
+
+def _body_mac(secret: bytes, call_mac: str, request: Any) -> str:
+    return _hmac(secret, "body", call_mac, hashlib.sha256(request.SerializeToString(deterministic=True)).digest())
+
+
+def sign(secret: bytes, method: str, audience: str, request: Any, offset: float = 0.0) -> list[tuple[str, str]]:
+    """The metadata that authenticates one call of ``method`` on the agent at ``audience``
+    (whose clock is ``offset`` seconds off ours)."""
+    ts, nonce = str(int((clock.now() + offset) * 1000)), os.urandom(12).hex()
+    call_mac = _hmac(secret, "call", method, audience, ts, nonce)
+    return [(HEADER, f"{VERSION}.{ts}.{nonce}.{call_mac}"), (BODY_HEADER, _body_mac(secret, call_mac, request))]
+
+
+def audience_of(address: str) -> str:
+    """The host part of HOST:PORT (brackets of [v6] removed), lower case."""
+    return address.rpartition(":")[0].strip("[]").lower()
+
+
+#: Why a call was refused: the metrics label, and what the log and the caller are told.
+REASONS = {
+    "no_credentials": "no credentials",
+    "wrong_secret": "a wrong cluster secret, or a call signed for another node",
+    "stale": "a stale timestamp (clocks apart, or a replay)",
+    "before_start": "a call signed before this agent started (a replay)",
+    "replay": "a replayed call",
+    "wrong_body": "a request that is not the one signed",
+    "streaming": "a streaming request, which no method of this API takes",
+}
+
+
+class _Replays:
+    """Nonces seen within the clock window (bounded: the oldest go first)."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self.seen: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.lock = threading.Lock()
+        self.limit = limit
+
+    def fresh(self, nonce: str, now: float) -> bool:
+        with self.lock:
+            while self.seen and (len(self.seen) >= self.limit or next(iter(self.seen.values())) < now - 2 * SKEW):
+                self.seen.popitem(last=False)
+            if nonce in self.seen:
+                return False
+            self.seen[nonce] = now
+            return True
+
+
+def _on_pool(behavior: Callable[..., Any], pool: futures.ThreadPoolExecutor) -> Callable[..., Any]:
+    """``behavior`` run on ``pool`` rather than the server's (grpc's per-handler pool hook)."""
+
+    def run(*args: Any) -> Any:
+        return behavior(*args)
+
+    run.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return run
+
+
+class Health:
+    """grpc.health.v1 Check, answered without reading the request: a probe that never sends
+    one cannot hold a thread, and a busy API pool never delays a probe (a pool of its own)."""
+
+    def __init__(self) -> None:
+        self.serving = False
+        self.pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health")
+
+    def handler(self) -> Any:
+        from grpc_health.v1 import health_pb2
+
+        def check(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            status = (
+                health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            return health_pb2.HealthCheckResponse(status=status)
+
+        return grpc.stream_unary_rpc_method_handler(
+            _on_pool(check, self.pool), response_serializer=health_pb2.HealthCheckResponse.SerializeToString
+        )
+
+
+class HealthOnly(grpc.ServerInterceptor):
+    """The plain-text probe port (Kubernetes' gRPC probes speak no TLS): Check and nothing else."""
+
+    def __init__(self, health: Health) -> None:
+        self.health = health
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        return self.health.handler() if details.method == HEALTH_CHECK else None
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """See the module docstring.  ``audiences``: the names this agent answers to;
+    ``refused(reason)`` is called for each refusal (metrics)."""
+
+    def __init__(
+        self, secret: bytes, audiences: set[str], health: Health, refused: Callable[[str], None] = lambda reason: None
+    ) -> None:
+        self.secret = secret
+        self.audiences = {a.lower() for a in audiences if a}
+        self.health = health
+        self.refused = refused
+        self.replays = _Replays()
+        self.started = time.monotonic()  # (read on the wall clock at each check: a step moves it too)
+        self.log_lock, self.last_log, self.unlogged = threading.Lock(), -1.0, 0
+        # Refusals run on a pool of their own: they never wait for the busy API pool.
+        self.reject_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpc-refuse")
+
+    def _check_call(self, method: str, metadata: dict[str, str]) -> tuple[str, str] | None:
+        """Why the call is refused, and the sentence saying so; None if it is not."""
+        parts = str(metadata.get(HEADER, "")).split(".")
+        if len(parts) != 4 or parts[0] != VERSION or not parts[1].isdigit():
+            return "no_credentials", REASONS["no_credentials"]
+        _, ts, nonce, mac = parts
+        if not any(hmac.compare_digest(mac, _hmac(self.secret, "call", method, a, ts, nonce)) for a in self.audiences):
+            return "wrong_secret", REASONS["wrong_secret"]
+        now = clock.now()
+        off = int(ts) / 1000 - now
+        if abs(off) > SKEW:
+            return "stale", (
+                f"its timestamp is {clock.apart(off)} this agent's clock, outside the {SKEW:.0f} s window: "
+                "the two nodes' clocks are apart (keep them in sync: NTP), or the call is a replay"
+            )
+        if int(ts) < int((now - (time.monotonic() - self.started)) * 1000):  # (the start, on the clock as it reads now)
+            return "before_start", REASONS["before_start"]
+        if not self.replays.fresh(nonce, now):
+            return "replay", REASONS["replay"]
+        return None
+
+    def _refuse(self, method: str, reason: str, context: grpc.ServicerContext, sentence: str = "") -> None:
+        with self.log_lock:  # a flood is counted in full, but logged at most once a second
+            now, unlogged = time.monotonic(), self.unlogged
+            quiet = now - self.last_log < 1.0
+            self.unlogged = unlogged + 1 if quiet else 0
+            self.last_log = self.last_log if quiet else now
+        if not quiet:
+            more = f" (and {unlogged} more refused calls not logged)" if unlogged else ""
+            log.warning("refused %s from %s: %s%s", method, context.peer(), sentence or REASONS[reason], more)
+        self.refused(reason)
+        if reason in ("stale", "before_start"):  # (the caller then signs on this clock: tpagent/common/clock.py)
+            context.set_trailing_metadata(((CLOCK_HEADER, str(int(clock.now() * 1000))),))
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"refused the call: {sentence or REASONS[reason]}")
+
+    def _reject(self, method: str, reason: str, sentence: str) -> Any:
+        """A handler that refuses at once, never reading the request (which may never come)."""
+
+        def reject(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            self._refuse(method, reason, context, sentence)
+
+        return grpc.stream_unary_rpc_method_handler(_on_pool(reject, self.reject_pool))
+
+    def _check_body(self, method: str, request: Any, context: grpc.ServicerContext) -> None:
+        md = dict(context.invocation_metadata())
+        call_mac = str(md.get(HEADER, "")).rpartition(".")[2]
+        if not hmac.compare_digest(str(md.get(BODY_HEADER, "")), _body_mac(self.secret, call_mac, request)):
+            self._refuse(method, "wrong_body", context)
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        method = details.method
+        if method == HEALTH_CHECK:
+            return self.health.handler()
+        refusal = self._check_call(method, dict(details.invocation_metadata or ()))
+        if refusal is not None:
+            return self._reject(method, *refusal)
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            def uu(request: Any, context: grpc.ServicerContext) -> Any:
+                self._check_body(method, request, context)
+                return inner_uu(request, context)
+
+            return handler._replace(unary_unary=uu)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            def us(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                self._check_body(method, request, context)
+                yield from inner_us(request, context)
+
+            return handler._replace(unary_stream=us)
+        return self._reject(method, "streaming", REASONS["streaming"])  # default: deny
+
+
+class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, secret: bytes, audience: str) -> None:
+        self.secret = secret
+        self.audience = audience
+        self.offset = 0.0  # the agent's clock minus ours, once it said so
+
+    def _details(self, details: Any, request: Any) -> Any:
+        metadata = [*(details.metadata or []), *sign(self.secret, details.method, self.audience, request, self.offset)]
+        return _Details(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        call = continuation(self._details(details, request), request)
+        if call.code() is grpc.StatusCode.UNAUTHENTICATED and self._learn_clock(call):
+            call = continuation(self._details(details, request), request)  # (the refused call never ran)
+        return call
+
+    def _learn_clock(self, call: Any) -> bool:
+        """Whether the agent refused the call for its timestamp and said what its clock reads."""
+        theirs = str(dict(call.trailing_metadata() or ()).get(CLOCK_HEADER, ""))
+        if not theirs.isdigit():
+            return False
+        self.offset = int(theirs) / 1000 - clock.now()
+        log.warning("the clock of the agent at %s is %s this node's; signing calls to it on its clock "
+                    "(keep the nodes' clocks in sync: NTP)", self.audience, clock.apart(self.offset))  # fmt: skip
+        return True
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details, request), request)
+
+
+class _Details(
+    collections.namedtuple("_Details", "method timeout metadata credentials wait_for_ready compression"),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+def _options() -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
+
+
+def channel(address: str, creds: Credentials) -> grpc.Channel:
+    """A mutual-TLS channel to an agent, every call signed for that agent."""
+    tls = grpc.ssl_channel_credentials(root_certificates=creds.ca, private_key=creds.key, certificate_chain=creds.cert)
+    return grpc.intercept_channel(
+        grpc.secure_channel(address, tls, options=_options()), _ClientAuth(creds.secret, audience_of(address))
+    )
+
+
+def stub(address: str, creds: Credentials) -> Any:
+    return pb_grpc.AgentStub(channel(address, creds))
+
+
+def server(
+    creds: Credentials, interceptor: AuthInterceptor, workers: int = 32
+) -> tuple[grpc.Server, grpc.ServerCredentials]:
+    """The agent's gRPC server (not started) and its TLS credentials (client certificates
+    of the cluster CA required).  At most ``workers`` calls run at once; more are refused
+    at once (RESOURCE_EXHAUSTED), never queued."""
+    srv = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
+        interceptors=[interceptor],
+        # A connection that has not finished its TLS handshake in 10 s is closed.
+        options=[
+            *_options(),
+            ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
+            ("grpc.server_handshake_timeout_ms", 10_000),
+        ],
+        maximum_concurrent_rpcs=workers + 8,  # (+ refusals and probes, brief)
+    )
+    tls = grpc.ssl_server_credentials([(creds.key, creds.cert)], root_certificates=creds.ca, require_client_auth=True)
+    return srv, tls

@@ -1,0 +1,485 @@
+"""Where the ranks of distributed jobs on this node reach their agent, and what it knows of them.
+
+A rank started by ``tpagent rank`` (its stand-in) runs :mod:`tpagent_rank`, which connects to
+this agent on an abstract unix socket (``rank_socket``; abstract names belong to a network
+namespace, so a rank restored on another node reaches that node's agent under the same name).
+The wire is the line protocol written down in ``tpagent_rank/agent.py``: one JSON object per
+line, at most :data:`LINE_MAX` bytes; the rank says ``hello`` first, the agent answers
+``welcome``, then the agent sends requests (``{"id": N, "op": ...}``) and the rank answers each
+once (``{"id": N, "ok": ...}``).  The init of a launched namespace says ``exit`` with its status
+as it ends.
+
+Nobody is believed on their word: a connection counts only if its peer (``SO_PEERCRED``, the
+kernel's) lives in a ``tpagent launch`` namespace whose init a stand-in (or a migration that
+restored it here) registered for that job and rank, with :meth:`Ranks.expect`; both come
+through the agent's authenticated API.  A hello that arrives before its registration waits
+for it (bounded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from host import proc
+from host.safefs import private_dir
+from tpagent.common.threads import Threads
+from tpagent.migration.api import AgentError, Refused, Why
+from tpagent.migration.journal import write_durably
+from tpagent.workload import launch
+
+log = logging.getLogger(__name__)
+
+LINE_MAX = 64 * 1024
+#: Requests the agent passes on to a rank's runtime.
+RUNTIME_OPS = frozenset({"where", "peers", "pause", "boundary", "cancel", "teardown", "rebuild", "resume", "end"})
+#: Connections waiting for their registration, at most (the oldest goes).
+PENDING_MAX = 64
+PENDING_FOR = 30.0
+MAX_JOB = 200
+#: Ranks that moved away or ended, remembered (for their stand-ins) at most.
+KEEP_ENDED = 1024
+#: Where a rank that let go of its agent to be frozen looks for the word to come back (a file
+#: named by :func:`go_name`; the same as tpagent_rank.agent's, which cannot import us).
+GO_DIR = Path("/run/tpagent/rank-go")
+
+
+def go_name(job: str, rank: int) -> str:
+    return hashlib.sha256(f"{job}\0{rank}".encode()).hexdigest()[:32]
+
+
+def valid_job(job: str) -> bool:
+    return 0 < len(job) <= MAX_JOB and job.isprintable()
+
+
+class RankGone(AgentError):
+    """The rank's connection broke (or it never came) while the agent asked it something."""
+
+
+class _Conn:
+    """One rank's connection: requests written under a lock, answers matched by id."""
+
+    def __init__(self, sock: socket.socket, pid: int, hello: dict[str, Any]) -> None:
+        self.sock, self.pid, self.hello = sock, pid, hello
+        self.lock = threading.Lock()
+        self.next_id = 1
+        self.waiting: dict[int, list[Any]] = {}  # id -> [Event, answer]
+        self.closed = threading.Event()
+
+    def send(self, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode() + b"\n"
+        with self.lock:
+            self.sock.sendall(data)
+
+    def call(self, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        slot: list[Any] = [threading.Event(), None]
+        with self.lock:
+            rid = self.next_id
+            self.next_id += 1
+            self.waiting[rid] = slot
+        try:
+            self.send({**body, "id": rid})
+            if not slot[0].wait(timeout):
+                raise RankGone(f"it did not answer {body.get('op')!r} within {timeout:.0f} s")
+            if slot[1] is None:
+                raise RankGone("its connection to this agent closed")
+            answer: dict[str, Any] = slot[1]
+            return answer
+        except OSError as e:
+            raise RankGone(f"its connection to this agent broke ({e.strerror or e})") from e
+        finally:
+            with self.lock:
+                self.waiting.pop(rid, None)
+
+    def answered(self, body: dict[str, Any]) -> None:
+        with self.lock:
+            slot = self.waiting.get(body.get("id", -1)) if isinstance(body.get("id"), int) else None
+        if slot is not None:
+            slot[1] = body
+            slot[0].set()
+
+    def close(self) -> None:
+        self.closed.set()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with self.lock:
+            for slot in self.waiting.values():
+                slot[0].set()
+
+
+@dataclass
+class RankEntry:
+    job: str
+    rank: int
+    init: int  # the PID (here) of its launched namespace's init
+    init_start: int  # and its start, in clock ticks since boot
+    world: int = 0
+    conn: _Conn | None = None
+    exit_code: int | None = None
+    moved_to: str = ""  # the agent it migrated to
+    seen: dict[str, Any] = field(default_factory=dict)  # its last hello
+    outputs: dict[int, int] = field(default_factory=dict)  # 1, 2 -> our descriptor of its stdout, stderr file
+
+    def alive(self) -> bool:
+        try:
+            return proc.start_ticks(self.init) == self.init_start
+        except (OSError, IndexError, ValueError):
+            return False
+
+
+#: The most of a rank's output one ``output`` request reads.
+OUTPUT_MAX = 1 << 20
+
+
+def _open_output(init: int, which: int) -> int:
+    """Our own descriptor of the file the init of a rank's namespace has as stdout (1) or stderr
+    (2), where the rank writes: opened through the init's descriptor, never a path (what a path
+    names can be changed; what the init has open cannot), and only if it is a regular file."""
+    link = f"/proc/{init}/fd/{which}"
+    try:
+        st = os.stat(link)
+        if not stat.S_ISREG(st.st_mode):
+            raise Refused(f"the rank's {_STREAMS[which]} is not a file, so it is not relayed.", Why.INVALID)
+        fd = os.open(link, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise Refused(f"the rank's {_STREAMS[which]} cannot be read ({e.strerror}).", Why.NOT_FOUND) from e
+    now = os.fstat(fd)
+    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise Refused(f"the rank's {_STREAMS[which]} changed while it was opened.", Why.CONFLICT)
+    return fd
+
+
+_STREAMS = {1: "stdout", 2: "stderr"}
+
+
+def _close_outputs(e: RankEntry) -> None:
+    for fd in e.outputs.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    e.outputs.clear()
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return int(pid)
+
+
+def _read_line(f: Any) -> dict[str, Any] | None:
+    line = f.readline(LINE_MAX + 1)
+    if not line:
+        return None
+    if len(line) > LINE_MAX or not line.endswith(b"\n"):
+        raise ValueError("a line over the limit")
+    body = json.loads(line)
+    if not isinstance(body, dict):
+        raise ValueError("not a JSON object")
+    return body
+
+
+class Ranks:
+    """The ranks on this node, by (job, rank)."""
+
+    def __init__(self, name: str, node_address: str, threads: Threads, saved: Path | None = None) -> None:
+        self.name, self.node_address, self.threads = name, node_address, threads
+        self.lock = threading.Lock()
+        self.entries: dict[tuple[str, int], RankEntry] = {}
+        self.pending: OrderedDict[int, tuple[float, socket.socket, int, dict[str, Any]]] = OrderedDict()
+        self.server: socket.socket | None = None
+        #: Where the registrations outlive the agent (a restart must not orphan running ranks).
+        self.saved = saved
+        if saved is not None:
+            self._load(saved)
+
+    # ---- kept across restarts ----------------------------------------------------------------
+
+    def _load(self, path: Path) -> None:
+        """The registrations a previous run of this agent saved: those whose namespace still
+        runs (the same init: PID and start), moved away, or ended with a status to report."""
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            log.error("the ranks saved in %s cannot be read (%s): ranks started before are not known", path, e)
+            return
+        for d in data.get("ranks", []) if isinstance(data, dict) else []:
+            try:
+                code = d["exit_code"] if isinstance(d["exit_code"], int) else None
+                entry = RankEntry(str(d["job"]), int(d["rank"]), int(d["init"]), int(d["init_start"]),
+                                  int(d["world"]), None, code, str(d["moved_to"]))  # fmt: skip
+            except (KeyError, TypeError, ValueError):
+                continue
+            if valid_job(entry.job) and (entry.alive() or entry.moved_to or entry.exit_code is not None):
+                self.entries[(entry.job, entry.rank)] = entry
+
+    def _save(self) -> None:
+        """(Called with the lock held.)  Entries beyond :data:`KEEP_ENDED` that no longer run go first."""
+        if self.saved is None:
+            return
+        ended = [k for k, e in self.entries.items() if e.exit_code is not None or e.moved_to]
+        for k in ended[: max(0, len(ended) - KEEP_ENDED)]:
+            _close_outputs(self.entries.pop(k))
+        rows = [{"job": e.job, "rank": e.rank, "init": e.init, "init_start": e.init_start, "world": e.world,
+                 "exit_code": e.exit_code, "moved_to": e.moved_to} for e in self.entries.values()]  # fmt: skip
+        try:
+            write_durably(self.saved, {"format": 1, "ranks": rows})
+        except OSError as e:
+            log.error("the ranks of this node cannot be saved in %s: %s", self.saved, e.strerror)
+
+    # ---- serving ---------------------------------------------------------------------------
+
+    def start(self) -> bool:
+        """Listen; False (said in the log) if the name is taken in this network namespace."""
+        if not self.name:
+            return False
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            s.bind("\0" + self.name)
+            s.listen(64)
+        except OSError as e:
+            s.close()
+            log.warning("ranks cannot reach this agent: the socket @%s is taken (%s)", self.name, e.strerror)
+            return False
+        self.server = s
+        self.threads.spawn("server", "ranks-accept", self._accept)
+        return True
+
+    def close(self) -> None:
+        if self.server is not None:
+            with contextlib.suppress(OSError):
+                self.server.shutdown(socket.SHUT_RDWR)
+            self.server.close()
+        with self.lock:
+            for e in self.entries.values():
+                if e.conn is not None:
+                    e.conn.close()
+            for _t, sock, _pid, _h in self.pending.values():
+                sock.close()
+            self.pending.clear()
+
+    def _accept(self) -> None:
+        assert self.server is not None
+        while not self.threads.stopping.is_set():
+            try:
+                sock, _ = self.server.accept()
+            except OSError:
+                return
+            self.threads.spawn("server", "rank-conn", self._serve, sock)
+
+    def _serve(self, sock: socket.socket) -> None:
+        sock.settimeout(10)
+        f = sock.makefile("rb")
+        try:
+            pid = _peer_pid(sock)
+            first = _read_line(f)
+            if first is None:
+                raise ValueError("closed before it said hello")
+            if first.get("op") == "exit":
+                self._exited(pid, first)
+                sock.close()
+                return
+            hello = self._check_hello(first)
+        except (OSError, ValueError) as e:
+            log.warning("a connection on @%s was refused: %s", self.name, e)
+            sock.close()
+            return
+        sock.settimeout(None)
+        conn = self._attach(sock, pid, hello)
+        if conn is None:
+            return
+        try:
+            while (body := _read_line(f)) is not None:
+                conn.answered(body)
+        except (OSError, ValueError) as e:
+            log.warning("rank %s of job %s: its connection broke: %s", hello["rank"], hello["job"], e)
+        finally:
+            conn.close()
+            with self.lock:
+                for entry in self.entries.values():
+                    if entry.conn is conn:
+                        entry.conn = None
+
+    @staticmethod
+    def _check_hello(h: dict[str, Any]) -> dict[str, Any]:
+        ok = (
+            h.get("op") == "hello"
+            and isinstance(h.get("job"), str)
+            and valid_job(h["job"])
+            and isinstance(h.get("rank"), int)
+            and isinstance(h.get("world"), int)
+            and 0 <= h["rank"] < h["world"] <= 1 << 20
+        )
+        if not ok:
+            raise ValueError("its hello is not valid")
+        return h
+
+    def _attach(self, sock: socket.socket, pid: int, hello: dict[str, Any]) -> _Conn | None:
+        with contextlib.suppress(OSError):  # (it came back: the word it waited for is spent)
+            os.unlink(GO_DIR / go_name(str(hello["job"]), int(hello["rank"])))
+        """The connection, once its registration is there (it may come later: then it waits)."""
+        init = proc.namespace_init(pid)
+        key = (hello["job"], hello["rank"])
+        deadline = time.monotonic() + PENDING_FOR
+        while True:
+            with self.lock:
+                entry = self.entries.get(key)
+                if entry is not None and init == entry.init and entry.alive():
+                    conn = _Conn(sock, pid, hello)
+                    if entry.conn is not None:
+                        entry.conn.close()
+                    entry.conn, entry.seen, entry.world = conn, hello, int(hello["world"])
+                    entry.exit_code, entry.moved_to = None, ""
+                    self._save()
+                    break
+            if time.monotonic() > deadline or self.threads.stopping.is_set():
+                log.warning("rank %s of job %s (PID %d) is not registered here: refused", key[1], key[0], pid)
+                with contextlib.suppress(OSError):
+                    sock.sendall(b'{"op": "refused", "error": "this rank is not registered with the agent"}\n')
+                sock.close()
+                return None
+            time.sleep(0.1)
+        try:
+            conn.send({"op": "welcome", "node": self.node_address})
+        except OSError:
+            conn.close()
+            return None
+        log.info("rank %s of job %s (PID %d) is connected", key[1], key[0], pid)
+        return conn
+
+    def _exited(self, pid: int, body: dict[str, Any]) -> None:
+        code = body.get("code")
+        if not isinstance(code, int) or launch.launched(pid) is None:
+            raise ValueError(f"an exit report from PID {pid}, which is no launched workload's init")
+        with self.lock:
+            for e in self.entries.values():
+                if e.init == pid:
+                    e.exit_code = code
+                    log.info("rank %s of job %s exited with status %d", e.rank, e.job, code)
+            self._save()
+
+    # ---- what the agent asks ---------------------------------------------------------------
+
+    def expect(self, job: str, rank: int, init: int) -> None:
+        """Register the rank of ``job`` whose namespace's init is ``init`` (here)."""
+        if not valid_job(job) or not 0 <= rank < 1 << 20:
+            raise Refused(f"job {job!r} rank {rank} is not a valid job and rank.", Why.INVALID)
+        if launch.launched(init) is None:
+            raise Refused(f"PID {init} is not the init of a `tpagent launch` namespace on this node.", Why.INVALID)
+        entry = RankEntry(job, rank, init, proc.start_ticks(init))
+        with self.lock:
+            old = self.entries.get((job, rank))
+            if old is not None and old.init == init and old.init_start == entry.init_start and not old.moved_to:
+                return  # (said again, e.g. by a rewire finishing after a restart: nothing changes)
+            if old is not None and old.alive() and old.init != init and not old.moved_to:
+                raise Refused(f"rank {rank} of job {job} already runs here (PID {old.init}).", Why.CONFLICT)
+            if old is not None and old.conn is not None:
+                old.conn.close()
+            if old is not None:
+                _close_outputs(old)
+            self.entries[(job, rank)] = entry
+            self._save()
+
+    def of_pid(self, pid: int) -> RankEntry | None:
+        """The rank whose namespace holds ``pid`` (its init, or a process inside)."""
+        init = proc.namespace_init(pid) or pid
+        with self.lock:
+            return next((e for e in self.entries.values() if e.init == init and e.alive()), None)
+
+    def entry(self, job: str, rank: int) -> RankEntry:
+        with self.lock:
+            e = self.entries.get((job, rank))
+        if e is None:
+            raise Refused(f"rank {rank} of job {job} is not known on this node.", Why.NOT_FOUND)
+        return e
+
+    def call(self, job: str, rank: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Ask the rank's runtime; its answer.  Waits (up to ``timeout``) for a rank that is
+        reconnecting (a restored copy, a rolled-back original)."""
+        if body.get("op") not in RUNTIME_OPS:
+            raise Refused(f"{body.get('op')!r} is not something a rank is asked.", Why.INVALID)
+        deadline = time.monotonic() + timeout
+        while True:
+            e = self.entry(job, rank)
+            conn = e.conn
+            if conn is not None:
+                break
+            if e.exit_code is not None or not e.alive():
+                raise RankGone(f"rank {rank} of job {job} is no longer running on this node")
+            if time.monotonic() > deadline:
+                raise RankGone(f"rank {rank} of job {job} did not connect to this agent within {timeout:.0f} s")
+            time.sleep(0.05)
+        if body.get("op") == "teardown" and body.get("leaving"):  # (it comes back only once told again)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(GO_DIR / go_name(job, rank))
+        answer = conn.call(body, max(0.1, deadline - time.monotonic()))
+        leaving = body.get("op") == "teardown" and body.get("leaving") and answer.get("ok")
+        # It is about to be frozen: it must hold no connection to us by then.
+        if leaving and not conn.closed.wait(max(1.0, deadline - time.monotonic())):
+            return {"ok": False, "error": "it did not let go of its connection to the agent"}
+        return answer
+
+    def release(self, job: str, rank: int) -> None:
+        """Tell a rank that let go of its agent (to be frozen) to connect again (to this one)."""
+        self.entry(job, rank)
+        go = private_dir(GO_DIR)
+        os.chmod(go, 0o711)  # (ranks run as their users: they may look for their file, not list the others)
+        path = go / go_name(job, rank)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        os.close(fd)
+
+    def moved(self, job: str, rank: int, to: str) -> None:
+        with self.lock:
+            e = self.entries.get((job, rank))
+            if e is not None:
+                e.moved_to = to
+                _close_outputs(e)  # (it writes on there: everything it wrote here went with it)
+                self._save()
+
+    def output(self, job: str, rank: int, which: int, offset: int, size: int) -> tuple[bytes, int]:
+        """Up to ``size`` bytes from ``offset`` of the rank's stdout (1) or stderr (2) file, and
+        the file's size now (-1: it is not read here, having moved on or ended unread)."""
+        e = self.entry(job, rank)
+        with self.lock:  # (a descriptor is never closed under a read)
+            fd = e.outputs.get(which)
+            if fd is None:
+                if e.moved_to or e.exit_code is not None or not e.alive():
+                    return b"", -1
+                fd = e.outputs[which] = _open_output(e.init, which)
+            return os.pread(fd, min(size, OUTPUT_MAX), offset), os.fstat(fd).st_size
+
+    def locate(self, job: str, rank: int) -> dict[str, Any]:
+        """For a stand-in: where its rank is (``here``, ``moved`` to ``node``, ``exited`` with
+        ``code``, or ``gone``)."""
+        e = self.entry(job, rank)
+        if e.exit_code is not None:
+            return {"state": "exited", "code": e.exit_code}
+        if e.moved_to:
+            return {"state": "moved", "node": e.moved_to}
+        if e.alive():
+            return {"state": "here", "pid": e.init}
+        return {"state": "gone"}
+
+    def jobs(self) -> list[dict[str, Any]]:
+        with self.lock:
+            out = []
+            for e in sorted(self.entries.values(), key=lambda e: (e.job, e.rank)):
+                here = e.exit_code is None and not e.moved_to and e.alive()
+                if not here and not e.moved_to:
+                    continue
+                out.append({"job": e.job, "rank": e.rank, "world": e.world, "pid": e.init,
+                            "gen": e.seen.get("gen", 0), "step": e.seen.get("step", 0),
+                            "connected": e.conn is not None, "moved_to": e.moved_to})  # fmt: skip
+            return out

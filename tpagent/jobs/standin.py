@@ -1,0 +1,333 @@
+"""``tpagent rank -- CMD``: a rank's stand-in, the process a job's launcher (torchrun's
+per-node agent, srun, a pod) starts and watches in the rank's place.
+
+It starts CMD as a ``tpagent launch`` workload (own PID and mount namespace) with the rank
+runtime (:mod:`tpagent_rank`) on its ``PYTHONPATH``, registers it with this node's agent as
+rank ``RANK`` of job ``TPAGENT_JOB`` (else ``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``), then
+stays here whatever happens to the rank: when the rank is migrated away the stand-in follows
+it from agent to agent, passes SIGTERM/SIGINT/SIGHUP on to it wherever it runs, and exits
+with the rank's own status.  The launcher never sees the rank leave (torchrun would restart
+the whole worker group if a child exited).
+
+Where no launcher hosts the job's store (srun and ``env://``: rank 0 would serve it), the stand-in
+of rank 0 serves it on this node, outside the rank, with the rank's own Python
+(:func:`host_store`): a rank that served it could not move, as its peers reach it at this
+node's address.  The store lives as long as the stand-in, as it would have lived as long as rank 0.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import tpagent_rank
+from host.api import UsageError
+from tpagent.migration.api import AgentError, Peer, PeerUnreachable
+from tpagent.workload import launch
+from tpagent_rank.store import HOSTED
+
+#: Where the runtime directory is written (root's, readable by the ranks): one per version.
+RUNTIME_ROOT = Path("/run/tpagent/rank-runtime")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: How long the stand-in keeps asking an agent that does not answer before it gives the rank up.
+LOST_AFTER = 600.0
+#: How long the store server may take to listen (its Python imports torch first).
+STORE_READY_TIMEOUT = 120.0
+#: The store server: the rank's Python runs it, and it ends when its stdin does (the stand-in
+#: exited, or was killed).  argv: host, port.
+STORE_SERVER = """\
+import sys
+from torch.distributed import TCPStore
+store = TCPStore(sys.argv[1], int(sys.argv[2]), None, True, wait_for_workers=False)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def job_id(env: dict[str, str]) -> str:
+    for key in ("TPAGENT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        if env.get(key):
+            return env[key]
+    return "job"
+
+
+def rank_of(env: dict[str, str]) -> int:
+    for key in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    raise UsageError("the rank is not known: the launcher sets RANK (torchrun) or SLURM_PROCID (srun).")
+
+
+def runtime_dir(root: Path = RUNTIME_ROOT) -> Path:
+    """The directory put on a rank's PYTHONPATH: only :mod:`tpagent_rank` and its start-up file."""
+    from tpagent_rank import layout  # type: ignore[attr-defined,unused-ignore]
+
+    package = Path(tpagent_rank.__file__).parent
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(package.glob("*.py")))).hexdigest()[:16]
+    dest = root / f"{tpagent_rank.__version__}-{digest}"  # (an upgrade gets a directory of its own)
+    if (dest / "sitecustomize.py").is_file():
+        return dest
+    root.mkdir(parents=True, exist_ok=True, mode=0o755)
+    os.chmod(root, 0o755)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".new-"))
+    os.chmod(tmp, 0o755)
+    layout.write_runtime_dir(tmp)
+    try:
+        tmp.rename(dest)  # (another stand-in may have been first: then its copy is used)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def launcher_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with what ``env://`` reads (RANK, WORLD_SIZE, LOCAL_RANK) taken from srun's
+    variables where the launcher did not set them."""
+    out = dict(env)
+    for key, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID")):
+        if key not in out and out.get(slurm, "").isdigit():
+            out[key] = out[slurm]
+    return out
+
+
+def rank_env(env: dict[str, str], socket_name: str, job: str) -> dict[str, str]:
+    out = launcher_env(env)
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(runtime_dir()), env.get("PYTHONPATH", "")) if p)
+    out["TPAGENT_RANK_SOCKET"] = socket_name
+    out["TPAGENT_JOB"] = job
+    out.setdefault("USE_LIBUV", "0")  # a store a rank hosts must be dumpable (libuv's uses io_uring)
+    # NCCL's RAS (2.24+) starts a thread per process at its first communicator, listening on the
+    # node's address, and never stops it.  On an H100 a rank whose communicators were all
+    # destroyed still held such a socket and could not move.  Off unless the user turned it on.
+    out.setdefault("NCCL_RAS_ENABLE", "0")
+    return out
+
+
+def python_of(cmd: list[str], env: dict[str, str]) -> str | None:
+    """The Python interpreter that runs ``cmd``: the command itself, or what its ``#!`` names."""
+    path = env.get("PATH", os.defpath)
+    exe = cmd[0] if "/" in cmd[0] else shutil.which(cmd[0], path=path)
+    for _ in range(2):
+        if exe is None:
+            return None
+        if re.fullmatch(r"python[0-9.]*", Path(exe).name):
+            return exe
+        try:
+            with open(exe, "rb") as f:
+                line = f.readline(256)
+        except OSError:
+            return None
+        words = line[2:].decode(errors="replace").split() if line.startswith(b"#!") else []
+        if len(words) > 1 and Path(words[0]).name == "env":  # #!/usr/bin/env python3
+            words = words[1:]
+        exe = (words[0] if "/" in words[0] else shutil.which(words[0], path=path)) if words else None
+    return None
+
+
+def _local(host: str) -> bool:
+    """Whether ``host`` names an address of this node."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in found:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((addr[0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def host_store(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """Serve the job's store here, outside the rank, if rank ``env`` would serve it (rank 0 of
+    an ``env://`` job that no launcher hosts a store for): the server, or None and why not ("" if
+    the rank serves none)."""
+    host, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if env.get("RANK") != "0" or not host or not port.isdigit() or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None, ""
+    if not _local(host):
+        return None, f"MASTER_ADDR {host} is not an address of this node"
+    python = python_of(cmd, env)
+    if python is None:
+        return None, f"{cmd[0]} is not a Python interpreter (nor a script one runs) to serve it with"
+    with tempfile.TemporaryFile() as errors:
+        server = subprocess.Popen([python, "-c", STORE_SERVER, host, port], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=errors, env=env, cwd="/",
+                                  start_new_session=True)  # fmt: skip
+        assert server.stdout is not None
+        ready, _, _ = select.select([server.stdout], [], [], STORE_READY_TIMEOUT)
+        if ready and server.stdout.readline() == b"ready\n":
+            return server, ""
+        stop_store(server)
+        errors.seek(0)
+        last = (errors.read().decode(errors="replace").strip().splitlines() or ["it did not start in time"])[-1]
+    return None, f"serving it on port {port} failed: {last}"
+
+
+def stop_store(server: subprocess.Popen[bytes]) -> None:
+    server.kill()
+    server.wait()
+    for pipe in (server.stdin, server.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
+@dataclass
+class _Relay:
+    """How far the rank's stdout or stderr file has been relayed, and where to."""
+
+    offset: int
+    out: BinaryIO
+
+
+class StandIn:
+    def __init__(self, cmd: list[str], agent: Peer, connect: Callable[[str], Peer], stdout: Path, stderr: Path,
+                 socket_name: str, umask: int, relay: bool = True) -> None:  # fmt: skip
+        self.cmd, self.agent, self.connect = cmd, agent, connect
+        self.stdout, self.stderr, self.socket_name, self.umask = stdout, stderr, socket_name, umask
+        self.signals: list[int] = []
+        self.wake = threading.Event()
+        #: What is relayed: the rank's stdout (and stderr, if a file of its own).
+        self.relays: dict[int, _Relay] = {}
+        if relay:
+            self.relays[1] = _Relay(_size(stdout), sys.stdout.buffer)
+            if stderr.absolute() != stdout.absolute():
+                self.relays[2] = _Relay(_size(stderr), sys.stderr.buffer)
+
+    def say(self, text: str) -> None:
+        print(f"tpagent rank: {text}", file=sys.stderr, flush=True)
+
+    def run(self) -> int:
+        env = dict(os.environ)
+        job, rank = job_id(env), rank_of(env)
+        renv = rank_env(env, self.socket_name, job)
+        store, why = host_store(self.cmd, launcher_env(env))  # (not the runtime's environment)
+        if store is not None:
+            renv[HOSTED] = renv["MASTER_PORT"]
+        elif why:
+            self.say(f"rank {rank} of job {job} serves the job's store itself, so it cannot be moved: {why}")
+        try:
+            return self._run(job, rank, renv)
+        finally:
+            if store is not None:
+                stop_store(store)
+
+    def _run(self, job: str, rank: int, renv: dict[str, str]) -> int:
+        init, holder = launch.start(self.cmd, self.stdout, self.stderr, umask=self.umask, env=renv)
+        for sig in FORWARDED:
+            signal.signal(sig, self._on_signal)
+        try:
+            self.agent.rank(job, rank, {"op": "expect", "pid": init}, 30)
+        except AgentError as e:
+            self.say(f"the agent does not know rank {rank} of job {job}, so it cannot be moved ({e})")
+        where: Peer = self.agent
+        last_heard = time.monotonic()
+        while True:
+            self._forward(where, job, rank, init, holder)
+            self._relay(where, job, rank)
+            if where is self.agent and holder.poll() is None:
+                self.wake.wait(0.5)
+                self.wake.clear()
+                continue
+            try:
+                loc = where.rank(job, rank, {"op": "locate"}, 10)
+                last_heard = time.monotonic()
+            except PeerUnreachable as e:
+                if time.monotonic() - last_heard > LOST_AFTER:
+                    self.say(f"the agent at {where.address} has not answered for {LOST_AFTER:.0f} s ({e}); "
+                             f"rank {rank} of job {job} is given up")  # fmt: skip
+                    return 1
+                time.sleep(1)
+                continue
+            except AgentError as e:
+                if where is self.agent:  # (the agent never knew it: the rank ran and ended here)
+                    return self._ended(where, job, rank, _status(holder.wait()))
+                self.say(f"the agent at {where.address} lost track of rank {rank} of job {job} ({e})")
+                return 1
+            state = loc.get("state")
+            if state == "exited" and isinstance(loc.get("code"), int):
+                return self._ended(where, job, rank, _status(int(loc["code"])))
+            if state == "moved" and isinstance(loc.get("node"), str):
+                self.say(f"rank {rank} of job {job} now runs on {loc['node']}")
+                where = self._peer(str(loc["node"]))
+                continue
+            if state in ("here", "moving"):
+                self.wake.wait(0.5)
+                self.wake.clear()
+                continue
+            if where is self.agent:
+                return self._ended(where, job, rank, _status(holder.wait()))
+            self.say(f"rank {rank} of job {job} is gone from {where.address} without an exit status")
+            return 1
+
+    def _ended(self, where: Peer, job: str, rank: int, code: int) -> int:
+        self._relay(where, job, rank)  # (the last of what it wrote)
+        return code
+
+    def _relay(self, where: Peer, job: str, rank: int) -> None:
+        """Write what the rank wrote since the last time to this process's own stdout (stderr),
+        which its launcher shows: read through the agent of the node it runs on."""
+        for which, relay in self.relays.items():
+            for _ in range(16):  # (at most 16 MiB a round: signals are passed on meanwhile)
+                try:
+                    got = where.rank(job, rank, {"op": "output", "fd": which, "offset": relay.offset}, 10)
+                    data = base64.b64decode(str(got.get("data", "")), validate=True)
+                except (AgentError, ValueError):
+                    break  # (asked again next round; a rank the agent cannot read is not relayed)
+                if not data:
+                    break
+                with contextlib.suppress(OSError):
+                    relay.out.write(data)
+                    relay.out.flush()
+                relay.offset += len(data)
+
+    def _peer(self, address: str) -> Peer:
+        return self.connect(address)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:  # (only flags)
+        self.signals.append(signum)
+        self.wake.set()
+
+    def _forward(self, where: Peer, job: str, rank: int, init: int, holder: object) -> None:
+        while self.signals:
+            sig = self.signals.pop(0)
+            if where is self.agent:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(init, sig)  # (its init passes it on)
+                continue
+            try:
+                where.rank(job, rank, {"op": "signal", "signum": int(sig)}, 10)
+            except AgentError as e:
+                self.say(f"signal {sig} could not be passed on to rank {rank} at {where.address}: {e}")
+
+
+def _size(path: Path) -> int:
+    """How much of ``path`` was there before the rank started (an existing log is appended to)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _status(code: int | None) -> int:
+    """An exit status as a shell gives it (a signal: 128 + its number)."""
+    if code is None:
+        return 1
+    return code if code >= 0 else 128 - code

@@ -1,0 +1,219 @@
+"""The journal: one record per migration, written before each transition takes effect.
+
+::
+
+    JOURNAL ::= WORK_DIR "/migrations/" { ID ".json" }      one file per migration
+    ID      ::= 32 * HEX                                      (lower case)
+    RECORD  ::= JSON object {
+                  "format": 2,                                absent: format 0 (tpagent 0.1); 0 and 1
+                                                              have no boot_id (read as unknown)
+                  "migration_id": ID,
+                  "role": "source" | "target",
+                  "state": STATE,                             of the role (tpagent/migration/api.py)
+                  "pid": INT, "create_time": FLOAT,           source: the original's root; target: the copy's;
+                  "start_ticks": INT,                         its start in clock ticks since boot (format 2;
+                                                              not moved by clock steps, unlike create_time);
+                                                              a record without either names no process
+                  "peer": HOST ":" PORT,                      source: the target agent; target: the source node
+                  "peer_agent": HOST ":" PORT | "",           target: the source's agent, asked while it holds
+                  "snapshot": PATH,                           inside WORK_DIR (anything else is left alone)
+                  "message": STR,
+                  "cuda_pids": [INT, ...],                    source: to give the GPU back after a restart
+                  "restore_sent": BOOL,                       source: a copy may exist on the target
+                  "boot_id": STR,                             the node's boot when the record was made
+                                                              (/proc/sys/kernel/random/boot_id)
+                  "operator": "" | "commit" | "discard" }     source: an operator's decision (tpagent
+                                                              resolve), taken when the target gave none
+
+A record is written to ``ID.PID.TID.tmp`` (0600), fsynced, renamed over ``ID.json``, and the
+directory fsynced: after a crash or power loss either the old or the new record is there,
+whole.  The directory is root's, 0700: a record is trusted to name processes.  It must be on
+storage that outlives a reboot (what each state means after one: :mod:`tpagent.migration.api`);
+:func:`on_tmpfs` tells the agent when it is not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from host import proc
+from host.proc import boot_id
+from host.safefs import private_dir, private_opener
+from tpagent.migration.api import BadTransition, JournalError, Role, SourceState, State, TargetState, allowed, is_final
+
+log = logging.getLogger(__name__)
+
+FORMAT = 3  # 1: start_ticks, 2: boot_id, 3: hold (an older agent must refuse what it cannot read)
+_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def valid_id(text: str) -> bool:
+    return bool(_ID.fullmatch(text))
+
+
+@dataclass
+class Record:
+    """What the journal keeps of one migration (see the grammar above)."""
+
+    migration_id: str
+    role: Role
+    state: State
+    pid: int = 0
+    peer: str = ""
+    snapshot: str = ""
+    message: str = ""
+    cuda_pids: list[int] = field(default_factory=list)
+    restore_sent: bool = False
+    create_time: float = 0.0
+    start_ticks: int = 0
+    peer_agent: str = ""
+    boot_id: str = field(default_factory=lambda: boot_id())
+    operator: str = ""
+    hold: float = 0.0  # a target's copy the source confirms itself, within this many seconds (Offer.hold)
+
+    def rebooted(self) -> bool:
+        """Whether this node was rebooted since the record was made (unknown: no)."""
+        return bool(self.boot_id) and self.boot_id != boot_id()
+
+    def to_json(self) -> dict[str, Any]:
+        # (the oldest format that holds it: an agent of the version before reads every other record)
+        body = asdict(self)
+        if not body["hold"]:
+            del body["hold"]
+        return {"format": FORMAT if self.hold else 2, **body, "role": self.role.value, "state": self.state.value}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Record:
+        data = dict(data)
+        version = data.pop("format", 0)
+        if version not in range(FORMAT + 1):
+            raise ValueError(f"format {version!r} is not one this tpagent reads (it reads 0 to {FORMAT})")
+        role = Role(data.pop("role"))
+        state: State = (SourceState if role is Role.SOURCE else TargetState)(data.pop("state"))
+        data.setdefault("boot_id", "")  # (formats 0 and 1: not known, never the boot reading it)
+        return cls(role=role, state=state, **data)
+
+
+def on_tmpfs(directory: Path) -> bool:
+    """Whether ``directory`` lies on memory (tmpfs, ramfs): gone after a reboot."""
+    path, best = str(directory.resolve()), None
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (path == mp or path.startswith(mp.rstrip("/") + "/")) and (best is None or len(mp) > len(best.mountpoint)):
+            best = part
+    return best is not None and best.fstype in ("tmpfs", "ramfs")
+
+
+def same_process_alive(r: Record) -> bool:
+    """Whether the record's process (source: the original; target: the copy) still exists,
+    and is the same one, not a process that reused its PID.  A record without a start time
+    names no process: it is never trusted to (the agent signals what this says is there).
+    Compared by start ticks since boot (a stepped wall clock moves create_time), within the
+    boot the record was made in."""
+    if not r.pid or r.rebooted():
+        return False
+    try:
+        if r.start_ticks:
+            return proc.start_ticks(r.pid) == r.start_ticks
+        return bool(r.create_time) and psutil.Process(r.pid).create_time() == r.create_time
+    except (OSError, ValueError, IndexError, psutil.Error):
+        return False
+
+
+def note_process(r: Record, pid: int) -> bool:
+    """Name ``pid`` in the record by its start (both ways); False if it is already gone."""
+    try:
+        r.pid, r.create_time, r.start_ticks = pid, psutil.Process(pid).create_time(), proc.start_ticks(pid)
+        return True
+    except (OSError, ValueError, IndexError, psutil.Error):
+        r.pid, r.create_time, r.start_ticks = pid, 0.0, 0
+        return False
+
+
+def source_record(migration_id: str, **kw: Any) -> Record:
+    return Record(migration_id, Role.SOURCE, SourceState.CHECKING, **kw)
+
+
+def target_record(migration_id: str, **kw: Any) -> Record:
+    return Record(migration_id, Role.TARGET, TargetState.RECEIVING, **kw)
+
+
+def write_durably(path: Path, data: Any) -> None:
+    """``data`` as JSON at ``path`` (0600, in a private directory), whole after a crash or a
+    power loss: written aside, fsynced, renamed over ``path``, and the directory fsynced."""
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    with open(tmp, "w", opener=private_opener) as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)  # the rename itself survives a power loss too
+    finally:
+        os.close(fd)
+
+
+class Journal:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        private_dir(directory)  # root's alone: a record is trusted to name processes
+
+    def path(self, migration_id: str) -> Path:
+        if not valid_id(migration_id):
+            raise ValueError(f"{migration_id!r} is not a migration id")
+        return self.directory / f"{migration_id}.json"
+
+    def write(self, record: Record) -> None:
+        try:
+            write_durably(self.path(record.migration_id), record.to_json())
+        except OSError as e:
+            raise JournalError(f"the journal of migration {record.migration_id} cannot be written: {e.strerror}") from e
+
+    def move(self, record: Record, to: State, message: str = "") -> None:
+        """Journal ``to`` (if the protocol allows it from where ``record`` stands), then apply it."""
+        if not allowed(record.state, to):
+            raise BadTransition(f"migration {record.migration_id}: {record.state.value} -> {to.value} is not allowed")
+        before = record.state, record.message
+        record.state, record.message = to, message or record.message
+        try:
+            self.write(record)
+        except JournalError:  # (the record in memory says what the journal says: nothing moved)
+            record.state, record.message = before
+            raise
+
+    def read(self, migration_id: str) -> Record | None:
+        """The record, or None if there is none.  A record that exists but cannot be read raises
+        JournalError: "unknown here" must never be said of a migration that may hold a copy."""
+        try:
+            text = self.path(migration_id).read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise JournalError(f"the journal of migration {migration_id} cannot be read: {e.strerror}") from e
+        try:
+            return Record.from_json(json.loads(text))
+        except (ValueError, KeyError, TypeError) as e:
+            raise JournalError(f"the journal of migration {migration_id} is damaged: {e}") from e
+
+    def unfinished(self) -> list[Record]:
+        """Every record not yet final; unreadable ones are logged and left for an operator."""
+        out = []
+        for p in sorted(self.directory.glob("*.json")):
+            try:
+                r = self.read(p.stem)
+            except (JournalError, ValueError) as e:
+                log.error("%s", e)
+                continue
+            if r is not None and not is_final(r.state):
+                out.append(r)
+        return out

@@ -1,0 +1,160 @@
+"""Bringing a source migration to an end when its run could not: after a restart or a
+reboot of this node, when the target went quiet, or on an operator's word (``tpagent
+resolve``).  What each state means then is in :mod:`tpagent.migration.api`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from host import proc
+from snapshot.held import HeldDump
+from tpagent.migration.api import HAS_COPY, AgentError, Peer, SourceState, TargetState, is_final
+from tpagent.migration.context import Context
+from tpagent.migration.decide import (
+    OperatorDecided,
+    Stopping,
+    Unresolved,
+    commit,
+    keep_telling,
+    resume_leftovers,
+    rolled_back_without_original,
+    target_dropped_copy,
+    target_state,
+    tell_target_abort,
+)
+from tpagent.migration.journal import Record, same_process_alive
+
+S = SourceState
+
+
+def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda: None) -> None:
+    """Bring a source migration to an end (after a restart, or when the target went quiet):
+    commit if the copy runs and was meant to, else roll back once no copy can run.  After a
+    reboot of this node the original is gone: whatever copy the target has or can make goes
+    on (what each state means then: :mod:`tpagent.migration.api`).  Waits as long as it must (the
+    original stays frozen meanwhile, never resumed on a guess), or until the agent stops (the
+    journal keeps where it stood)."""
+    target = ctx.peer(r.peer)
+    dump = ctx.held.attach(Path(r.snapshot))
+    delay = 1.0
+    t = ctx.timeouts
+    rebooted = r.rebooted()
+    try:
+        while not is_final(r.state):
+            try:
+                if r.operator:
+                    raise OperatorDecided
+                if r.state is S.COMMITTING:
+                    commit(ctx, r, target, dump)
+                    break
+            except OperatorDecided:
+                _carry_out(ctx, r, target, dump)
+                break
+            except Unresolved as e:
+                ctx.log.error("migration %s: %s; asking again", r.migration_id, e)
+            else:
+                if r.state is S.RESTORING:
+                    state, _ = target_state(ctx, target, r.migration_id, t.rpc)
+                    if state in HAS_COPY:
+                        ctx.journal.move(r, S.COMMITTING, "the copy is restored on the target")
+                        continue
+                    if state is not None:
+                        ctx.journal.move(r, S.ROLLING_BACK, f"the target reports {state}")
+                        continue
+                elif r.state is S.CHECKING:
+                    ctx.journal.move(r, S.FAILED, "the agent restarted before anything was frozen")
+                    break
+                elif r.state in (S.FREEZING, S.HELD) and rebooted:
+                    _restore_after_reboot(ctx, r, target)
+                    continue
+                elif (
+                    r.state is S.ROLLING_BACK
+                    and r.restore_sent
+                    and target_state(ctx, target, r.migration_id, t.rpc)[0]
+                    in (HAS_COPY if rebooted else {TargetState.DONE.value})
+                ):
+                    # The target made its copy final (it took over while this agent could not be
+                    # reached), or this node rebooted and the original is gone with it: the only
+                    # way left is forward (ending the original, if it is still there).
+                    ctx.journal.move(r, S.COMMITTING, "the target's copy goes on instead of the original")
+                    continue
+                elif not r.restore_sent or target_dropped_copy(ctx, target, r.migration_id, t.rpc):
+                    if r.state in (S.FREEZING, S.HELD):
+                        ctx.journal.move(r, S.ROLLING_BACK, "the agent restarted mid-migration")
+                    tell_target_abort(target, r.migration_id)
+                    dump.let_go()  # the hook still holds the tree: CRIU rolls it back
+                    resume_leftovers(r)
+                    ctx.journal.move(
+                        r,
+                        S.ROLLED_BACK,
+                        "rolled back after the agent restarted; " + rolled_back_without_original(ctx, r, dump),
+                    )
+                    break
+            if ctx.threads.sleep(delay):
+                return  # (stopping: the next run of the agent takes it up from the journal)
+            delay = min(delay * 2, 10.0)
+    except Stopping:
+        return
+    release()
+    ctx.log.info("migration %s resolved: %s", r.migration_id, r.state.value)
+
+
+def operator_may(ctx: Context, r: Record, commit: bool) -> str:
+    """Why an operator may not decide this source migration (``tpagent resolve``), or "".  The
+    same rule as the protocol's: the original runs again only if no copy runs, and is ended
+    only if one may, so the operator decides only what the target cannot answer itself."""
+    if is_final(r.state):
+        return f"migration {r.migration_id} is {r.state.value} already: there is nothing to resolve"
+    if commit and not r.restore_sent:
+        return "no copy was restored on the target: the original cannot be ended (only --discard)"
+    state, _ = target_state(ctx, ctx.peer(r.peer), r.migration_id, ctx.timeouts.rpc)
+    if state is not None:
+        return (f"the target {r.peer} answers (its copy is {state}): this agent resolves the migration with it, "
+                "no operator decision is needed")  # fmt: skip
+    return ""
+
+
+def _carry_out(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> None:
+    """The operator's decision, the target having given none: --discard resumes the original
+    (the target is told to drop its copy whenever it is back), --commit ends it."""
+    who = f"resolved by the operator, {r.peer} giving no answer"
+    if r.operator == "discard":
+        if r.state is not S.ROLLING_BACK:
+            ctx.journal.move(r, S.ROLLING_BACK, who)
+        ctx.threads.spawn("waiter", f"abort-{r.migration_id[:8]}", keep_telling, ctx, target, r.migration_id, False)
+        dump.let_go()
+        resume_leftovers(r)
+        ctx.remove(r.snapshot)
+        ctx.journal.move(r, S.ROLLED_BACK, f"{who}: the original runs on where it stood")
+    else:
+        if r.state is not S.COMMITTING:
+            ctx.journal.move(r, S.COMMITTING, who)
+        dump.commit()
+        if same_process_alive(r):
+            proc.kill_tree(r.pid)
+        dump.drop_network_lock()
+        ctx.remove(r.snapshot)
+        ctx.journal.move(r, S.DONE, f"{who}: the original was ended, its copy runs on {r.peer}")
+        # The target starts its held copy once it hears this (its own waiter asks too).
+        ctx.threads.spawn("waiter", f"start-{r.migration_id[:8]}", keep_telling, ctx, target, r.migration_id, True)
+
+
+def _restore_after_reboot(ctx: Context, r: Record, target: Peer) -> None:
+    """FREEZING or HELD, and this node rebooted: the original died with it.  If the target
+    holds the whole snapshot, its copy is the job now: restore it there (RESTORING, then
+    COMMITTING); else ROLLING_BACK (nothing can run: said so when it ends)."""
+    if r.state is S.FREEZING:
+        ctx.journal.move(r, S.HELD, "this node rebooted while the original was frozen; asking the target for a copy")
+    r.restore_sent = True  # (journaled with RESTORING, before the call: a copy may exist from now on)
+    ctx.journal.move(r, S.RESTORING, "this node rebooted with the original frozen: restoring its copy on the target")
+    try:
+        pid = target.restore(r.migration_id, ctx.timeouts.restore).pid
+    except AgentError as e:
+        state, pid = target_state(ctx, target, r.migration_id, ctx.timeouts.rpc)
+        if state is None:
+            return  # RESTORING: asked again on the next round
+        if state not in HAS_COPY:
+            ctx.journal.move(r, S.ROLLING_BACK, f"the target has no whole copy to restore ({e})")
+            return
+    ctx.journal.move(r, S.COMMITTING, f"restored on the target as PID {pid} after this node rebooted")

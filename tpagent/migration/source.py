@@ -1,0 +1,438 @@
+"""The source's side of a migration: check both ends, freeze while streaming, hold the
+original until the copy runs, then commit, or roll back so the original runs on.
+
+Written against :mod:`tpagent.migration.api` only (the target is a :class:`~tpagent.migration.api.Peer`, the
+frozen original a :class:`~snapshot.held.HeldDump`); the states and why the protocol never
+leaves two running copies, or none, are in :mod:`tpagent.migration.api`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from host import gpus, proc, safefs, sockets
+from host.api import UsageError
+from host.safefs import private_dir
+from snapshot.api import SnapshotConfig, SnapshotError
+from snapshot.criu import Criu
+from snapshot.held import HeldDump
+from tpagent import __version__
+from tpagent.common import clock, metrics
+from tpagent.migration.api import (
+    HAS_COPY,
+    Acceptance,
+    AgentError,
+    Event,
+    MigrationResult,
+    Offer,
+    Outcome,
+    Peer,
+    PeerUnreachable,
+    Refused,
+    SourceState,
+    Why,
+    is_final,
+)
+from tpagent.migration.context import Context
+from tpagent.migration.decide import (
+    Stopping,
+    Unresolved,
+    commit,
+    keep_telling,
+    target_dropped_copy,
+    target_state,
+    tell_target_abort,
+)
+from tpagent.migration.journal import Record, note_process, source_record
+from tpagent.migration.resolve import resolve_source
+from transfer.api import TransferError, TransferStats
+from transfer.sender import Sender
+
+log = logging.getLogger(__name__)
+S = SourceState
+
+
+class _Failure(Exception):
+    """Before COMMITTING: roll back (the message says why)."""
+
+
+_TARGET_REFUSED = {Why.PRECONDITION, Why.NOT_FOUND, Why.INVALID}
+
+
+class SourceMigration:
+    """One migration run by this agent as its source; :meth:`run` in a thread of its own,
+    reporting :class:`~tpagent.migration.api.Event` s on ``events`` (None ends them)."""
+
+    def __init__(
+        self, ctx: Context, pid: int, target: str, dry_run: bool, release: Callable[[], None] = lambda: None
+    ) -> None:
+        self.ctx, self.pid, self.target, self.dry_run, self.release = ctx, pid, target, dry_run, release
+        mid = uuid.uuid4().hex
+        self.record = source_record(mid, peer=target, snapshot=str(ctx.cfg.work_dir / "outgoing" / mid))
+        note_process(self.record, pid)  # (by PID and start, never by PID alone; a gone one: _check refuses it)
+        self.events: queue.Queue[Event | None] = queue.Queue()
+        self.result: MigrationResult | None = None
+        self.t0 = time.monotonic()
+        self.timings: dict[str, float] = {}
+        self.cancelled = threading.Event()
+        self.cancel_reason = ""
+        self.cancel_lock = threading.Lock()
+        self.pinned = False  # past this, a cancel is refused: a copy may be starting
+        self.tree_pids: list[int] = [pid]
+        self.dump: HeldDump | None = None
+        self.target_told = False
+        self.problems: list[str] = []  # a dry run's findings
+        #: A rank's dry run: its TCP connections are its communicators' and its store's, closed
+        #: before the freeze (tpagent/jobs/rewire.py), so they are not judged here.
+        self.communicators_rebuilt = False
+        #: A rank moved by a rewire: the target holds its started copy for our word (Offer.hold,
+        #: seconds), kept once ``verdict`` says True, dropped if False (None: not yet decided).
+        self.hold = 0.0
+        self.verdict: Callable[[], bool | None] | None = None
+        self.copy_runs = threading.Event()  # the copy runs there, its original still frozen here
+        self.new_pid = 0
+        self.carry: list[Path] = []
+        self.freeze_t0 = 0.0
+        self.log = logging.LoggerAdapter(log, {"node": ctx.cfg.node, "migration": mid})
+        if not dry_run:
+            ctx.journal.write(self.record)
+
+    @property
+    def migration_id(self) -> str:
+        return self.record.migration_id
+
+    @property
+    def snapshot(self) -> Path:
+        return Path(self.record.snapshot)
+
+    def emit(self, message: str = "", bytes_done: int = 0, bytes_total: int = 0, new_pid: int = 0) -> None:
+        self.events.put(Event(self.migration_id, self.record.state.value, message, time.monotonic() - self.t0,
+                              dict(self.timings), tuple(self.problems), bytes_done, bytes_total, new_pid))  # fmt: skip
+        if message:
+            self.log.info("%s: %s", self.record.state.value, message)
+
+    def move(self, to: SourceState, message: str = "") -> None:
+        if not self.dry_run:
+            self.ctx.journal.move(self.record, to, message)
+        else:
+            self.record.state = to
+        self.emit(message)
+
+    def cancel(self, reason: str) -> bool:
+        """Cancel unless past the point of no return; whether it was taken."""
+        with self.cancel_lock:
+            if not self.pinned and not is_final(self.record.state) and not self.cancelled.is_set():
+                self.cancel_reason = reason
+                self.cancelled.set()
+            return self.cancelled.is_set()
+
+    def _check_cancel(self) -> None:
+        if self.cancelled.is_set():
+            raise _Failure(self.cancel_reason)
+        if self.ctx.threads.stopping.is_set():
+            raise _Failure("the agent is shutting down")
+
+    def _stage(self, name: str, t0: float) -> None:
+        self.timings[name] = round(time.monotonic() - t0, 4)
+        metrics.STAGE.labels(name).observe(self.timings[name])
+
+    def run(self) -> MigrationResult:
+        target = self.ctx.peer(self.target)
+        outcome, new_pid = Outcome.FAILED, 0
+        try:
+            self.emit("checking both nodes")
+            acceptance = self._check(target)
+            if self.dry_run:
+                ok = not self.problems
+                self.move(S.DONE if ok else S.FAILED, "dry run: " + ("all checks pass" if ok else "it would fail"))
+                outcome = Outcome.DRY_RUN
+                return self._end(outcome)
+            self.move(S.FREEZING, f"freezing PID {self.pid} and streaming it to {self.target}")
+            stats = self._freeze_and_send(acceptance)
+            self.move(S.HELD, f"{stats.bytes_raw / 2**20:.1f} MiB arrived verified; the original is frozen, resumable")
+            with self.cancel_lock:  # the last moment a cancel is taken
+                self._check_cancel()
+                self.pinned = True
+            assert self.dump is not None
+            if not self.dump.pin():
+                raise _Failure(f"the frozen original was let go before its copy could start: {self.dump.error}")
+            self.record.restore_sent = True
+            self.move(S.RESTORING, "restoring on the target")
+            t = time.monotonic()
+            new_pid, target_timings = self._restore(target)
+            self.new_pid = new_pid
+            self._stage("restore", t)
+            self.timings.update({f"target_{k}": v for k, v in target_timings.items()})
+            self.move(
+                S.COMMITTING,
+                f"PID {new_pid} is restored and held on the target; starting it (the original ends once "
+                + ("its job's communicators are rebuilt with it)" if self.hold else "it runs)"),
+            )
+
+            def started() -> None:
+                self.timings["downtime"] = round(time.monotonic() - self.freeze_t0, 4)  # frozen here -> running there
+                self.copy_runs.set()
+
+            outcome = commit(self.ctx, self.record, target, self.dump, started, self.verdict)
+            if outcome is Outcome.DONE:
+                self.emit(f"migrated: PID {self.pid} now runs on {self.target} as PID {new_pid}")
+                self.emit(new_pid=new_pid)
+            else:
+                self.emit(self.record.message)
+        except _Failure as e:
+            outcome = self._roll_back(target, str(e))
+        except (Unresolved, Stopping) as e:
+            outcome = Outcome.UNRESOLVED
+            self.emit(f"{e}; the original stays frozen and the agent keeps asking the target")
+            self._keep_resolving()
+        except Exception as e:  # a bug must still leave the workload running
+            self.log.exception("migration failed unexpectedly")
+            if self.record.state in (S.COMMITTING, S.DONE):
+                outcome = Outcome.UNRESOLVED
+                self._keep_resolving()
+            else:
+                outcome = self._roll_back(target, f"internal error: {e}")
+        return self._end(outcome, new_pid)
+
+    def _end(self, outcome: Outcome, new_pid: int = 0) -> MigrationResult:
+        if self.result is None:
+            metrics.MIGRATIONS.labels(outcome.value).inc()
+            if outcome is not Outcome.UNRESOLVED:
+                self.release()
+            self.result = MigrationResult(self.migration_id, outcome, self.record.message, new_pid, dict(self.timings))
+            self.events.put(None)
+        return self.result
+
+    def _keep_resolving(self) -> None:
+        t = self.ctx.threads
+        t.spawn("waiter", f"resolve-{self.migration_id[:8]}", resolve_source, self.ctx, self.record, self.release)
+
+    def _check(self, target: Peer) -> Acceptance:
+        try:
+            root = proc.validate_target(self.pid)
+            tree = [root, *root.children(recursive=True)]
+            need = sum(p.memory_info().rss for p in tree)
+        except (SnapshotError, psutil.Error) as e:
+            raise _Failure(str(e)) from e
+        pids = {p.pid for p in tree}
+        for warning in proc.restore_warnings(sorted(pids)):  # (said, not refused: the move still works)
+            self.emit(f"warning: {warning}")
+        used = [g for g in gpus.inventory() if pids & set(g.pids)]
+        self.record.cuda_pids = sorted(pids & {pid for g in used for pid in g.pids})  # to give back on a restart
+        need += sum(g.memory_used for g in used)
+        open_files = _open_files(tree)
+        # A file the process writes grows while it runs: the target checks only that it is there.
+        shared = tuple(f"{f}:{'*' if w else _size(f)}" for f, w in sorted(open_files.items()) if self._is_shared(f))
+        self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
+        carried = tuple(f"{f}:{_size(str(f))}" for f in self.carry)
+        uncarriable = _uncarriable(self.carry)  # refused now, in a sentence, not by the hook once frozen
+        tcp = [] if self.communicators_rebuilt else sockets.tree_tcp(sorted(pids))
+        stay = sockets.left_behind(tcp)  # (what no target can take: known here)
+        if (uncarriable or stay) and not self.dry_run:
+            raise _Failure("; ".join([*uncarriable, *stay]))
+        cfg, t = self.ctx.cfg, self.ctx.timeouts
+        offer = Offer(
+            self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared, self.dry_run,
+            carried,
+            tuple((sockets.endpoint(*s.local), sockets.endpoint(*s.remote) if not s.listening else "")
+                  for s in sockets.must_check_on_target(tcp)),
+            self.hold,
+            tuple(g.pci_bus_id for g in used),
+            tuple(sockets.abstract_bound(sorted(pids))),
+        )  # fmt: skip
+        self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
+        asked = clock.now()
+        try:
+            acceptance = target.receive(offer, t.rpc)
+        except AgentError as e:
+            raise _Failure(f"the target agent {self.target} cannot be used: {e}") from e
+        self.problems = [*uncarriable, *stay, *acceptance.problems]
+        if self.dry_run and acceptance.reserved:
+            self.emit(acceptance.reserved)
+        skew = acceptance.clock - (asked + clock.now()) / 2 if acceptance.clock else 0.0
+        if abs(skew) > clock.START_LIMIT:  # (a step later on is survived: tpagent/common/clock.py)
+            apart = (
+                f"the clock of {self.target} is {clock.apart(skew)} this node's, more than the "
+                f"{clock.START_LIMIT:.0f} s a migration starts with: keep the nodes' clocks in sync (NTP)"
+            )
+            if not self.dry_run:
+                raise _Failure(apart)
+            self.problems.append(apart)
+        if self.dry_run:
+            try:
+                versions = target.versions(t.rpc)
+                mine = Criu(self.ctx.snapshot_config.criu).version_str
+                if versions.criu != mine:
+                    self.problems.append(f"CRIU differs: {mine} here, {versions.criu or 'none'} on the target")
+                if versions.agent != __version__:
+                    self.problems.append(f"tpagent differs: {__version__} here, {versions.agent} on the target")
+            except (AgentError, SnapshotError) as e:
+                self.problems.append(str(e))
+        elif self.problems:
+            raise _Failure("the target refused: " + "; ".join(self.problems))
+        self._check_cancel()
+        return acceptance
+
+    def _is_shared(self, path: str) -> bool:
+        return any(path == s or path.startswith(s.rstrip("/") + "/") for s in self.ctx.cfg.shared_paths)
+
+    def _freeze_and_send(self, acceptance: Acceptance) -> TransferStats:
+        cfg, ctx = self.ctx.cfg, self.ctx
+        config = SnapshotConfig(criu=ctx.snapshot_config.criu, timeouts=ctx.snapshot_config.timeouts,
+                                ghost_limit=cfg.ghost_limit_mib << 20)  # fmt: skip
+        private_dir(self.snapshot.parent)
+        t0 = self.freeze_t0 = time.monotonic()
+        # (the process checked, by its start time: a PID reused since is refused while frozen)
+        dump = self.dump = ctx.held.start(self.pid, self.snapshot, config, ctx.timeouts.hold, self.carry,
+                                          self.record.create_time or None)  # fmt: skip
+
+        def sealed() -> bool:  # the sender ends once the snapshot is whole
+            if dump.error is not None:
+                raise _Failure(f"the dump failed: {dump.error}")
+            self._check_cancel()
+            if dump.sealed():
+                self._stage("freeze", t0)
+                return True
+            return False
+
+        def progress(done: int, wire_bytes: int, total: int) -> None:
+            self.emit(bytes_done=done, bytes_total=total)
+
+        address = acceptance.transfer_address
+        try:
+            stats = Sender(ctx.transport(), ctx.transfer_config, progress).send(self.snapshot, address, sealed=sealed)
+        except TransferError as e:
+            raise _Failure(f"the transfer to {address} failed: {e}") from e
+        self._stage("freeze_and_send", t0)
+        metrics.BYTES.labels("sent").inc(stats.bytes_wire)
+        self._check_cancel()
+        return stats
+
+    def _restore(self, target: Peer) -> tuple[int, dict[str, float]]:
+        """The copy's PID once it is restored (held) on the target; _Failure if the target
+        says it is gone, Unresolved if the target cannot say."""
+        try:
+            restored = target.restore(self.migration_id, self.ctx.timeouts.restore)
+            return restored.pid, dict(restored.timings)
+        except Refused as e:
+            why = str(e)
+            if e.why in _TARGET_REFUSED:  # its own answer: it kept no copy
+                raise _Failure(f"the target could not restore: {why}") from e
+        except PeerUnreachable as e:
+            why = str(e)
+        # The call broke: did the copy start before the target went quiet?  Ask it.
+        state, pid = target_state(self.ctx, target, self.migration_id, self.ctx.timeouts.restore)
+        if state in HAS_COPY:  # (held, or already let go: it took over, or its agent restarted)
+            return pid, {}
+        if state is None:
+            raise Unresolved(f"the target stopped answering while restoring ({why})")
+        raise _Failure(f"the target could not restore ({why}); it reports {state}")
+
+    def _roll_back(self, target: Peer, why: str) -> Outcome:
+        """Before RESTORING no copy ever ran: the original goes on at once.  After it, only
+        once the target has said its copy is gone."""
+        ctx = self.ctx
+        if self.dry_run or self.record.state is S.CHECKING:
+            if not self.dry_run:
+                _journal_best_effort(ctx, self.record, S.FAILED, why)
+            if self.target_told:
+                tell_target_abort(target, self.migration_id)
+            self.emit(why)
+            return Outcome.FAILED
+        _journal_best_effort(ctx, self.record, S.ROLLING_BACK, why)
+        self.emit(why)
+        if self.record.restore_sent:
+            if not target_dropped_copy(ctx, target, self.migration_id, ctx.timeouts.abort_confirm):
+                unresolved = f"{why}; the target does not confirm its copy is gone"
+                self.emit(f"{unresolved}: the original stays frozen and the agent keeps asking")
+                self.log.error(unresolved)
+                self._keep_resolving()
+                return Outcome.UNRESOLVED
+        elif not tell_target_abort(target, self.migration_id):
+            # Its copy never ran; it drops what it received once it hears from us again.
+            name = f"abort-{self.migration_id[:8]}"
+            ctx.threads.spawn("waiter", name, keep_telling, ctx, target, self.migration_id, False)
+        if self.dump is not None:
+            self.dump.let_go()
+        resumed = proc.alive(self.pid)
+        ctx.remove(self.snapshot)
+        how = "the original was resumed where it stood" if resumed else "the original is gone"
+        _journal_best_effort(ctx, self.record, S.ROLLED_BACK, f"{why}; {how}")
+        self.emit(self.record.message)
+        return Outcome.ROLLED_BACK
+
+
+def _open_files(tree: list[psutil.Process]) -> dict[str, bool]:
+    """The regular files the tree has open or mapped shared, and whether it writes to each.
+
+    A file mapped shared (``shm_open`` + ``mmap`` + ``close``, as C libraries do) has no fd
+    left, only a line in /proc/PID/maps; CRIU needs it on the target as it needs an open one.
+    Private mappings (libraries, the interpreter) are the node's own files, never carried."""
+    out: dict[str, bool] = {}
+    for p in tree:
+        try:
+            for f in p.open_files():
+                out[f.path] = out.get(f.path, False) or f.mode != "r"
+            maps = Path(f"/proc/{p.pid}/maps").read_text()
+        except (psutil.Error, OSError):
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if (
+                len(fields) < 6
+                or fields[1][3] != "s"
+                or not fields[5].startswith("/")
+                or fields[5].endswith(" (deleted)")
+            ):
+                continue  # (private, anonymous, or deleted: CRIU keeps a deleted file's bytes itself)
+            try:
+                if not stat.S_ISREG(os.stat(fields[5]).st_mode):
+                    continue  # (a device: /dev/nvidia*, /dev/zero)
+            except OSError:
+                continue
+            out[fields[5]] = out.get(fields[5], False) or fields[1][1] == "w"
+    return out
+
+
+def _uncarriable(paths: list[Path]) -> list[str]:
+    """Why node-local files could not be taken along: the checks the post-dump hook makes as
+    root when it archives them (no symlink on the path, the directory's owner), made now."""
+    out = []
+    for path in paths:
+        try:
+            fd = safefs.open_to_read(path)
+        except UsageError as e:
+            out.append(str(e).rstrip("."))
+            continue
+        except OSError as e:
+            out.append(f"{path}, which the process has open, cannot be read to take it along ({e.strerror})")
+            continue
+        if fd is not None:
+            os.close(fd)
+    return out
+
+
+def _size(path: str) -> int:
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return 0
+
+
+def _journal_best_effort(ctx: Context, r: Record, to: SourceState, message: str) -> None:
+    """A rollback goes on even if the journal cannot be written (a full disk)."""
+    try:
+        ctx.journal.move(r, to, message)
+    except Exception as e:
+        log.error("migration %s: could not journal %s: %s", r.migration_id, to.value, e)
+        r.state, r.message = to, message

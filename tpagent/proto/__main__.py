@@ -1,9 +1,0 @@
-"""``python -m tpagent.proto``: compile agent.proto again into this package's directory."""
-
-from pathlib import Path
-
-from tpagent.proto._build import compile_proto
-
-root = Path(__file__).resolve().parent.parent.parent  # where tpagent/ lies: agent.proto's import root
-for path in compile_proto(root, root):
-    print(path)

@@ -1,0 +1,139 @@
+"""``tpagent launch``: start a workload in its own PID and mount namespace.
+
+Like a container runtime, each workload gets a fresh PID namespace, so the PIDs CRIU must
+give back on restore can never collide with processes on the target node; the namespace
+gets its own /proc (hence a mount namespace), which CUDA needs to initialise inside it.
+The namespace's init is :mod:`tpagent.workload.nsinit`.  The command returns once the init has
+started the workload (or says why it could not) and reports the init's PID (as seen from the
+node), which is what ``tpagent dump`` takes.
+
+Each launch leaves a record in a root-only directory (:data:`RECORDS`): the init's PID, start
+time and PID-namespace inode, and who launched it.  The agent treats a process as a launched
+workload only if such a record matches it (:func:`launched`): a command line can be forged by
+any user (``exec -a``), a record cannot.  A restore of a launched workload records its copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from host.api import UsageError
+from host.safefs import private_dir
+
+#: Where launch records live (root's, mode 700).
+RECORDS = Path("/run/tpagent/launched")
+
+
+@dataclass(frozen=True)
+class LaunchRecord:
+    pid: int
+    create_time: float
+    pidns: int  # the inode of its PID namespace (/proc/PID/ns/pid)
+    owner: int  # the UID that launched it (SUDO_UID under sudo), -1 if unknown
+    uid: int  # the UID it runs as
+
+
+def _pidns(pid: int) -> int:
+    return os.stat(f"/proc/{pid}/ns/pid").st_ino
+
+
+def register(pid: int, owner: int = -1, records: Path = RECORDS) -> LaunchRecord:
+    """Record ``pid`` (a namespace init we started, or restored) as a launched workload."""
+    p = psutil.Process(pid)
+    rec = LaunchRecord(pid, p.create_time(), _pidns(pid), owner, p.uids().real)
+    directory = private_dir(records)
+    tmp = directory / f".{pid}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(asdict(rec), f)
+    tmp.rename(directory / f"{pid}.json")
+    for old in directory.glob("*.json"):  # records of workloads that have ended go
+        if old.stem.isdigit() and launched(int(old.stem), records) is None:
+            old.unlink(missing_ok=True)
+    return rec
+
+
+def launched(pid: int, records: Path = RECORDS) -> LaunchRecord | None:
+    """The launch record of ``pid`` if it is that very process (same start time, same PID
+    namespace), else None.  Records are read only from the root-only directory."""
+    path = records / f"{pid}.json"
+    try:
+        st = os.stat(records)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return None  # (not ours: planted, never trusted)
+        rec = LaunchRecord(**json.loads(path.read_text()))
+        if rec.pid != pid or psutil.Process(pid).create_time() != rec.create_time or _pidns(pid) != rec.pidns:
+            return None
+        return rec
+    except (OSError, ValueError, TypeError, psutil.Error):
+        return None
+
+
+def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0, umask: int = 0o022) -> int:
+    """Start ``cmd`` in new PID+mount namespaces, with ``umask`` (the user's, not tpagent's
+    own 077); return the namespace init's PID."""
+    return start(cmd, stdout, stderr, timeout, umask)[0]
+
+
+def start(
+    cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0, umask: int = 0o022,
+    env: dict[str, str] | None = None,
+) -> tuple[int, subprocess.Popen[bytes]]:  # fmt: skip
+    """As :func:`launch`, with the environment ``env``; also the process that holds the
+    namespace (``unshare``: it ends with the workload's status, as long as it runs here)."""
+    if not cmd:
+        raise UsageError("give the command to launch after `--`, e.g. tpagent launch -- python train.py.")
+    if os.geteuid() != 0:
+        raise UsageError("launching into new namespaces needs root; run as root.")
+    if shutil.which(cmd[0]) is None and not Path(cmd[0]).is_file():
+        raise UsageError(f"{cmd[0]} was not found; give a program on PATH or a path to it.")
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        raise UsageError("the unshare program (util-linux) is missing; install util-linux.")
+    for path in (stdout, stderr):
+        if not path.parent.is_dir():
+            raise UsageError(f"the directory for {path} does not exist.")
+    read_end, write_end = os.pipe()
+    argv = [
+        unshare, "--pid", "--fork", "--mount-proc", "--propagation", "private", "--",
+        sys.executable, "-I", "-m", "tpagent.workload.nsinit", str(write_end),  # -I: nothing imported from the cwd
+        str(stdout.absolute()), str(stderr.absolute()), *cmd,
+    ]  # fmt: skip
+    try:
+        holder = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            pass_fds=(write_end,),
+            umask=umask,
+            env=env,
+        )
+    finally:
+        os.close(write_end)
+    try:
+        # One read: nsinit writes its whole answer at once, and unshare keeps the pipe open.
+        ready, _, _ = select.select([read_end], [], [], timeout)
+        answer = os.read(read_end, 4096).decode(errors="replace") if ready else ""
+    finally:
+        os.close(read_end)
+    if answer != "ok":
+        holder.kill()
+        holder.wait()
+        reason = answer or f"it did not start within {timeout:.0f} s"
+        raise UsageError(f"the workload could not be launched: {reason}.")
+    children = psutil.Process(holder.pid).children()
+    if not children:
+        raise UsageError("the workload exited at once; see its --stdout/--stderr files.")
+    register(children[0].pid, owner=int(os.environ.get("SUDO_UID", os.getuid())))
+    return children[0].pid, holder

@@ -1,0 +1,127 @@
+"""The init (PID 1) of a workload's PID namespace, started by ``tpagent launch``.
+
+It drops inherited descriptors, makes itself a session leader, opens the workload's stdio *inside* the namespace (CRIU
+cannot dump descriptors that point at the parent's mounts), starts the workload, forwards
+SIGTERM/SIGINT/SIGHUP to it, reaps every orphan (PID 1's duty) and exits with its status.
+
+    python -m tpagent.workload.nsinit READY_FD STDOUT STDERR CMD [ARG ...]
+
+It reports on READY_FD (then closes it): ``ok`` once the workload started, else the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from host import safefs
+from host.api import UsageError
+
+
+def _open_log(path: Path) -> int:
+    """The log, opened for appending as root: through no symlink (safefs's walk), and never an
+    existing file with other links or one that someone else than its directory's owner (or
+    root) could have put there (a hard link to a root file, say)."""
+    parent = safefs.open_dir(path.parent, to=path)
+    try:
+        fd = os.open(
+            path.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY, 0o644, dir_fd=parent
+        )
+        st = os.fstat(safefs.owned_fd(parent, fd, path))
+        if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode) and path != Path(os.devnull):
+            os.close(fd)
+            raise OSError(errno.EPERM, "not a plain file of its own (other links, or not a regular file)", str(path))
+        return fd
+    finally:
+        os.close(parent)
+
+
+MNT_DETACH = 2
+
+
+def _drop_namespace_handles() -> None:
+    """Unmount, in this (private) mount namespace, the namespace files the node had mounted
+    when it was copied (``ip netns`` and CNI keep each network namespace as an nsfs mount under
+    /run/netns): handles to other workloads' namespaces, never this one's business, and they
+    come and go.  Kept, CRIU would dump each as an external mount the restore must find again
+    on its node, and a restore after any of them went (or on another node) would fail."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    handles = []
+    for line in Path("/proc/self/mountinfo").read_bytes().splitlines():
+        fields, _, rest = line.partition(b" - ")
+        if rest.split(b" ", 1)[0] == b"nsfs":  # (the mount point's space, tab, newline, backslash: octal escapes)
+            handles.append(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields.split(b" ")[4]))
+    for target in sorted(handles, key=len, reverse=True):
+        libc.umount2(target, MNT_DETACH)  # (best effort: one that will not go stays)
+
+
+def main(argv: list[str]) -> int:
+    ready_fd, stdout_path, stderr_path, *cmd = argv
+    ready = int(ready_fd)
+    _drop_namespace_handles()
+    # Every descriptor inherited from outside points at the parent's mounts, which CRIU
+    # cannot look up from inside the namespace: keep none of them (but the report pipe).
+    os.closerange(3, ready)
+    os.closerange(ready + 1, os.sysconf("SC_OPEN_MAX"))
+    try:
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        for fd, path in ((1, stdout_path), (2, stderr_path)):
+            target = _open_log(Path(path))
+            os.dup2(target, fd)
+            os.close(target)
+        child = subprocess.Popen(cmd, close_fds=True)
+    except OSError as e:
+        os.write(ready, f"cannot start {cmd[0]}: {e.strerror} ({e.filename or cmd[0]})".encode())
+        return 127
+    except UsageError as e:  # (a log path through a symlink, or in someone else's directory)
+        os.write(ready, str(e).rstrip(".").encode())
+        return 127
+    os.write(ready, b"ok")
+    os.close(ready)
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            return 0
+        except InterruptedError:
+            continue
+        if pid == child.pid:
+            code = os.waitstatus_to_exitcode(status)
+            _report_exit(code)
+            return code & 0xFF
+
+
+def _report_exit(code: int) -> None:
+    """A rank's init tells the agent of the node it ends on (it may have been migrated: its
+    stand-in asks that agent): the abstract socket of its network namespace, best effort."""
+    name = os.environ.get("TPAGENT_RANK_SOCKET", "")
+    if not name or len(name) > 100:
+        return
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        s.connect("\0" + name)
+        s.sendall(json.dumps({"op": "exit", "code": code}).encode() + b"\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
