@@ -63,13 +63,18 @@ def machine() -> dict[str, Any]:
     except OSError:
         criu_version = []
     return {
-        "host": platform.node(), "kernel": platform.release(), "python": platform.python_version(),
-        "driver": gpus.driver_version(), "gpus": [{"name": g.name, "uuid": g.uuid, "memory_total": g.memory_total,
-                                                  "memory_used": g.memory_used} for g in found],
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "driver": gpus.driver_version(),
+        "gpus": [
+            {"name": g.name, "uuid": g.uuid, "memory_total": g.memory_total, "memory_used": g.memory_used}
+            for g in found
+        ],
         "criu": criu_version[1] if len(criu_version) > 1 else None,
         "transparent_hugepages": thp.read_text().split("[")[1].split("]")[0] if thp.exists() else None,
         "memory_available": _mem_available(),
-    }  # fmt: skip
+    }
 
 
 def _mem_available() -> int:
@@ -104,11 +109,22 @@ def run_tests(out: Path, work: Path, budget: float) -> list[dict[str, Any]]:
     the one running fails); a minute later whatever is left of them (agents, workloads) is killed."""
     xml, log = work / "gpu-tests.xml", out / "gpu-tests.log"
     interrupted = False
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, f"--junitxml={xml}", "-rA",
-           f"--basetemp={work / 'tests'}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *TESTS,
+        f"--junitxml={xml}",
+        "-rA",
+        f"--basetemp={work / 'tests'}",
+    ]
     with log.open("w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             proc.wait(timeout=budget)
         except subprocess.TimeoutExpired:
@@ -157,8 +173,11 @@ def run_bench(bench: str, size_gib: int, work: Path, timeout: float) -> dict[str
     overhead half of bench/rewire.py (3 rounds of 300 steps): its row."""
     row: dict[str, Any] = {"bench": bench, "size_gib": size_gib, "outcome": "failed", "detail": "", "result": {}}
     result = work / f"{bench}-{size_gib}g.json"
-    how = ["--rounds", "3", "--steps", "300"] if bench == "rewire" else ["--sizes-mib", str(size_gib * 1024),
-                                                                        "--repeats", "1"]  # fmt: skip
+    how = (
+        ["--rounds", "3", "--steps", "300"]
+        if bench == "rewire"
+        else ["--sizes-mib", str(size_gib * 1024), "--repeats", "1"]
+    )
     cmd = [sys.executable, f"bench/{bench}.py", "--gpu", *how, "--json-out", str(result)]
     t0 = time.monotonic()
     try:
@@ -182,8 +201,9 @@ def run_bench(bench: str, size_gib: int, work: Path, timeout: float) -> dict[str
     return row
 
 
-def _table(doc: dict[str, Any], bench: str, title: str, columns: list[str],
-           cells: Callable[[dict[str, Any]], list[str]]) -> list[str]:  # fmt: skip
+def _table(
+    doc: dict[str, Any], bench: str, title: str, columns: list[str], cells: Callable[[dict[str, Any]], list[str]]
+) -> list[str]:
     """A bench's section of the report: a row per round, its figures if it passed, else why not."""
     lines = ["", f"## {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for b in (b for b in doc["benchmarks"] if b["bench"] == bench):
@@ -200,34 +220,83 @@ def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     gpu = ", ".join(g["name"] for g in m["gpus"]) or "none"
     lines = [
-        "# tpagent GPU proof", "",
-        f"{doc['summary']['sentence']}", "",
+        "# tpagent GPU proof",
+        "",
+        f"{doc['summary']['sentence']}",
+        "",
         f"Machine: {gpu}; driver {m['driver']}; kernel {m['kernel']}; CRIU {m['criu']}; "
-        f"transparent huge pages {m['transparent_hugepages']}; Python {m['python']}.", "",
-        "## Tests", "", "| test | outcome | detail |", "|---|---|---|",
+        f"transparent huge pages {m['transparent_hugepages']}; Python {m['python']}.",
+        "",
+        "## Tests",
+        "",
+        "| test | outcome | detail |",
+        "|---|---|---|",
         *(f"| {t['name']} | {t['outcome']} | {t['detail']} |" for t in doc["tests"]),
-    ]  # fmt: skip
+    ]
     lines += _table(
-        doc, "snapshot", "Snapshot (dump + restore on this node)",
-        ["GiB", "outcome", "CUDA checkpoint s", "criu dump s", "tpagent dump s", "dump GB/s", "criu restore s",
-         "CUDA restore s", "tpagent restore s", "restore GB/s", "floor (driver alone) s", "x floor"],
-        lambda r: [f"{v:.2f}" for v in (r.get("cuda_checkpoint_s", 0), r.get("criu_dump_s", 0), r["tpagent_dump_s"],
-                   r["dump_gbps"], r.get("criu_restore_s", 0), r.get("cuda_restore_s", 0), r["tpagent_restore_s"],
-                   r["restore_gbps"], r["floor_s"], r["ratio_to_floor"] or 0)],
-    )  # fmt: skip
+        doc,
+        "snapshot",
+        "Snapshot (dump + restore on this node)",
+        [
+            "GiB",
+            "outcome",
+            "CUDA checkpoint s",
+            "criu dump s",
+            "tpagent dump s",
+            "dump GB/s",
+            "criu restore s",
+            "CUDA restore s",
+            "tpagent restore s",
+            "restore GB/s",
+            "floor (driver alone) s",
+            "x floor",
+        ],
+        lambda r: [
+            f"{v:.2f}"
+            for v in (
+                r.get("cuda_checkpoint_s", 0),
+                r.get("criu_dump_s", 0),
+                r["tpagent_dump_s"],
+                r["dump_gbps"],
+                r.get("criu_restore_s", 0),
+                r.get("cuda_restore_s", 0),
+                r["tpagent_restore_s"],
+                r["restore_gbps"],
+                r["floor_s"],
+                r["ratio_to_floor"] or 0,
+            )
+        ],
+    )
     lines += _table(
-        doc, "rewire", "The rank runtime's cost to a job that never moves (one NCCL rank, DDP)",
+        doc,
+        "rewire",
+        "The rank runtime's cost to a job that never moves (one NCCL rank, DDP)",
         ["outcome", "plain step ms", "with the runtime ms", "overhead", "from its parts", "added per collective us"],
-        lambda r: [f"{r['plain_step_s'] * 1e3:.3f}", f"{r['runtime_step_s'] * 1e3:.3f}",
-                   f"{r['overhead'] * 100:+.2f} %", f"{r['overhead_from_parts'] * 100:+.3f} %",
-                   f"{r['one_process_added_per_collective_s'] * 1e6:+.1f}"],
-    )  # fmt: skip
+        lambda r: [
+            f"{r['plain_step_s'] * 1e3:.3f}",
+            f"{r['runtime_step_s'] * 1e3:.3f}",
+            f"{r['overhead'] * 100:+.2f} %",
+            f"{r['overhead_from_parts'] * 100:+.3f} %",
+            f"{r['one_process_added_per_collective_s'] * 1e6:+.1f}",
+        ],
+    )
     lines += _table(
-        doc, "migrate", "Migration between two agents on this node",
+        doc,
+        "migrate",
+        "Migration between two agents on this node",
         ["GiB", "outcome", "freeze s", "freeze+send s", "restore s", "downtime s", "naive downtime s", "x naive"],
-        lambda r: [f"{r.get(k, 0):.2f}" for k in ("tpagent_freeze", "tpagent_freeze_and_send", "tpagent_restore",
-                                                  "tpagent_downtime", "naive_downtime", "downtime_ratio_to_naive")],
-    )  # fmt: skip
+        lambda r: [
+            f"{r.get(k, 0):.2f}"
+            for k in (
+                "tpagent_freeze",
+                "tpagent_freeze_and_send",
+                "tpagent_restore",
+                "tpagent_downtime",
+                "naive_downtime",
+                "downtime_ratio_to_naive",
+            )
+        ],
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -245,10 +314,14 @@ def main() -> int:
     if not doc["machine"]["gpus"] or not Path("/dev/nvidiactl").exists():
         sentence = "No NVIDIA GPU on this machine: every GPU check was skipped, none passed."
         doc["tests"] = [{"name": NAMED, "outcome": "skipped", "detail": "no NVIDIA GPU"}]
-        doc["benchmarks"] = [{"bench": b, "size_gib": s, "outcome": "skipped", "detail": "no NVIDIA GPU", "result": {}}
-                             for s in sizes for b in ("snapshot", "migrate")]  # fmt: skip
-        doc["benchmarks"].append({"bench": "rewire", "size_gib": 0, "outcome": "skipped", "detail": "no NVIDIA GPU",
-                                  "result": {}})  # fmt: skip
+        doc["benchmarks"] = [
+            {"bench": b, "size_gib": s, "outcome": "skipped", "detail": "no NVIDIA GPU", "result": {}}
+            for s in sizes
+            for b in ("snapshot", "migrate")
+        ]
+        doc["benchmarks"].append(
+            {"bench": "rewire", "size_gib": 0, "outcome": "skipped", "detail": "no NVIDIA GPU", "result": {}}
+        )
     else:
         work = Path(tempfile.mkdtemp(prefix="tpagent-gpu-proof-"))  # (the tests' snapshots too: not in DIR)
         try:
@@ -256,10 +329,13 @@ def main() -> int:
         finally:
             pack(work, args.out / "gpu-proof-logs.tar.gz")
             shutil.rmtree(work, ignore_errors=True)
-        counts = {o: sum(r["outcome"] == o for r in doc["tests"] + doc["benchmarks"])
-                  for o in ("passed", "failed", "skipped")}  # fmt: skip
-        sentence = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
-                    f"in {time.monotonic() - t0:.0f} s.")  # fmt: skip
+        counts = {
+            o: sum(r["outcome"] == o for r in doc["tests"] + doc["benchmarks"]) for o in ("passed", "failed", "skipped")
+        }
+        sentence = (
+            f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
+            f"in {time.monotonic() - t0:.0f} s."
+        )
     doc["summary"] = {"sentence": sentence, "seconds": round(time.monotonic() - t0, 1)}
     (args.out / "gpu-proof.json").write_text(json.dumps(doc, indent=2))
     (args.out / "gpu-proof.md").write_text(markdown(doc))
@@ -273,8 +349,15 @@ def run_all(doc: dict[str, Any], args: argparse.Namespace, sizes: list[int], wor
     doc["tests"] = run_tests(args.out, work, args.tests_s or args.budget_s * 0.4)
     left = args.budget_s - (time.monotonic() - t0)
     if left < 120:  # (six jobs started under torchrun and six single processes, each importing torch)
-        doc["benchmarks"].append({"bench": "rewire", "size_gib": 0, "outcome": "skipped",
-                                  "detail": f"the time budget: {left:.0f} s left", "result": {}})  # fmt: skip
+        doc["benchmarks"].append(
+            {
+                "bench": "rewire",
+                "size_gib": 0,
+                "outcome": "skipped",
+                "detail": f"the time budget: {left:.0f} s left",
+                "result": {},
+            }
+        )
     else:
         doc["benchmarks"].append(run_bench("rewire", 0, work, min(left, 240.0)))
     for size in sizes:
@@ -283,8 +366,9 @@ def run_all(doc: dict[str, Any], args: argparse.Namespace, sizes: list[int], wor
             # (a round of each bench: roughly 10 s per GiB here, and the driver's own setup)
             why = _fits(size) or (f"the time budget: {left:.0f} s left" if left < 20 + 10 * size else None)
             if why:
-                doc["benchmarks"].append({"bench": bench, "size_gib": size, "outcome": "skipped",
-                                          "detail": why, "result": {}})  # fmt: skip
+                doc["benchmarks"].append(
+                    {"bench": bench, "size_gib": size, "outcome": "skipped", "detail": why, "result": {}}
+                )
                 continue
             doc["benchmarks"].append(run_bench(bench, size, work, left))
 

@@ -90,8 +90,15 @@ def worker(a: argparse.Namespace) -> None:
     rank = sys.modules.get("tpagent_rank.agent")
     counted = rank.RANK.collectives if rank is not None and rank.RANK is not None else 0
     if dist.get_rank() == 0:
-        a.out.write_text(json.dumps({"steps": times, "collective_s": statistics.median(calls[100:]),
-                                     "collectives_per_step": (counted - len(calls)) / a.steps}))  # fmt: skip
+        a.out.write_text(
+            json.dumps(
+                {
+                    "steps": times,
+                    "collective_s": statistics.median(calls[100:]),
+                    "collectives_per_step": (counted - len(calls)) / a.steps,
+                }
+            )
+        )
     # Every rank's figures are in: out at once.  (torch 2.x's gloo ranks, ending the usual way,
     # now and then abort at exit, "terminate called without an active exception", which made
     # torchrun fail a job whose measurements were whole.)
@@ -127,10 +134,18 @@ def forwarding_worker(gpu: bool) -> None:
 def forwarding_round(runtime: Path | None, gpu: bool) -> float:
     env = {**os.environ, "USE_LIBUV": "0", "OMP_NUM_THREADS": "1"}
     if runtime is not None:
-        env.update(PYTHONPATH=os.pathsep.join([str(runtime), env.get("PYTHONPATH", "")]),
-                   TPAGENT_RANK_SOCKET="tpagent-bench-nobody", TPAGENT_JOB="bench")  # fmt: skip
-    done = subprocess.run([sys.executable, __file__, "--forwarding-worker", *(["--gpu"] if gpu else [])], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+        env.update(
+            PYTHONPATH=os.pathsep.join([str(runtime), env.get("PYTHONPATH", "")]),
+            TPAGENT_RANK_SOCKET="tpagent-bench-nobody",
+            TPAGENT_JOB="bench",
+        )
+    done = subprocess.run(
+        [sys.executable, __file__, "--forwarding-worker", *(["--gpu"] if gpu else [])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if done.returncode != 0:
         raise SystemExit(f"the single process failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     got = json.loads(done.stdout.strip().splitlines()[-1])
@@ -150,13 +165,34 @@ def overhead_round(runtime: Path | None, a: argparse.Namespace, work: Path) -> t
     out.unlink(missing_ok=True)
     env = {**os.environ, "USE_LIBUV": "0", "OMP_NUM_THREADS": "1"}
     if runtime is not None:  # as `tpagent rank` starts a rank, minus the agent (none answers: nothing moves)
-        env.update(PYTHONPATH=os.pathsep.join([str(runtime), env.get("PYTHONPATH", "")]),
-                   TPAGENT_RANK_SOCKET="tpagent-bench-nobody", TPAGENT_JOB="bench")  # fmt: skip
+        env.update(
+            PYTHONPATH=os.pathsep.join([str(runtime), env.get("PYTHONPATH", "")]),
+            TPAGENT_RANK_SOCKET="tpagent-bench-nobody",
+            TPAGENT_JOB="bench",
+        )
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks(a)), __file__,
-         "--worker", "--steps", str(a.steps), "--width", str(a.width), "--out", str(out), *["--gpu"] * a.gpu],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks(a)),
+            __file__,
+            "--worker",
+            "--steps",
+            str(a.steps),
+            "--width",
+            str(a.width),
+            "--out",
+            str(out),
+            *["--gpu"] * a.gpu,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if done.returncode != 0:
         raise SystemExit(f"the job failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
     # (the runtime says it found no agent: proof that it was loaded, its groups delegating)
@@ -185,16 +221,26 @@ def overhead(a: argparse.Namespace, work: Path) -> dict[str, object]:
     # The same figure from its parts: what forwarding adds to one collective, times the
     # collectives a step issues, over the step (far less noisy than two step times).
     derived = added_alone * per_step / step
-    return {"ranks": ranks(a), "backend": "nccl" if a.gpu else "gloo",
-            "plain_step_s": step, "runtime_step_s": statistics.median(d[0] for d in delegating),
-            "overhead": statistics.median(ratios), "rounds": a.rounds, "steps": a.steps, "width": a.width,
-            "plain_collective_s": statistics.median(p[1] for p in plain),
-            "runtime_collective_s": statistics.median(d[1] for d in delegating), "added_per_collective_s": per_call,
-            "collectives_per_step": per_step, "overhead_from_parts": derived,
-            "one_process_plain_collective_s": statistics.median(p for p, _ in alone),
-            "one_process_runtime_collective_s": statistics.median(d for _, d in alone),
-            "one_process_added_per_collective_s": added_alone,
-            "plain_rounds_s": [p[0] for p in plain], "runtime_rounds_s": [d[0] for d in delegating]}  # fmt: skip
+    return {
+        "ranks": ranks(a),
+        "backend": "nccl" if a.gpu else "gloo",
+        "plain_step_s": step,
+        "runtime_step_s": statistics.median(d[0] for d in delegating),
+        "overhead": statistics.median(ratios),
+        "rounds": a.rounds,
+        "steps": a.steps,
+        "width": a.width,
+        "plain_collective_s": statistics.median(p[1] for p in plain),
+        "runtime_collective_s": statistics.median(d[1] for d in delegating),
+        "added_per_collective_s": per_call,
+        "collectives_per_step": per_step,
+        "overhead_from_parts": derived,
+        "one_process_plain_collective_s": statistics.median(p for p, _ in alone),
+        "one_process_runtime_collective_s": statistics.median(d for _, d in alone),
+        "one_process_added_per_collective_s": added_alone,
+        "plain_rounds_s": [p[0] for p in plain],
+        "runtime_rounds_s": [d[0] for d in delegating],
+    }
 
 
 def move_once(tmp: Path) -> dict[str, float]:
@@ -237,9 +283,16 @@ def move_once(tmp: Path) -> dict[str, float]:
             job.close()
     finally:
         c.close()
-    return {"boundary": timings["boundary"], "teardown": timings["teardown"], "migrate": timings["migrate"],
-            "rebuild": timings["rebuild"], "request_to_first_step": first, "floor_downtime": inner.get("downtime", 0.0),
-            "floor_freeze": inner.get("freeze", 0.0), "naive_cold_start": cold}  # fmt: skip
+    return {
+        "boundary": timings["boundary"],
+        "teardown": timings["teardown"],
+        "migrate": timings["migrate"],
+        "rebuild": timings["rebuild"],
+        "request_to_first_step": first,
+        "floor_downtime": inner.get("downtime", 0.0),
+        "floor_freeze": inner.get("freeze", 0.0),
+        "naive_cold_start": cold,
+    }
 
 
 def main() -> None:
@@ -273,11 +326,15 @@ def main() -> None:
         cost = overhead(a, work)
         skip = a.skip_move or a.gpu
         moves = [] if skip else [move_once(Path(tempfile.mkdtemp(dir=work))) for _ in range(a.repeats)]
-    print(f"per-step time, {cost['rounds']} interleaved rounds of {a.steps} steps "
-          f"({cost['ranks']} ranks, {cost['backend']}, width {a.width}):")  # fmt: skip
+    print(
+        f"per-step time, {cost['rounds']} interleaved rounds of {a.steps} steps "
+        f"({cost['ranks']} ranks, {cost['backend']}, width {a.width}):"
+    )
     print(f"  plain torchrun        {cost['plain_step_s'] * 1e3:8.3f} ms")
-    print(f"  with the rank runtime {cost['runtime_step_s'] * 1e3:8.3f} ms   overhead {cost['overhead'] * 100:+.2f} %"
-          "   (target < 1 %)")  # fmt: skip
+    print(
+        f"  with the rank runtime {cost['runtime_step_s'] * 1e3:8.3f} ms   overhead {cost['overhead'] * 100:+.2f} %"
+        "   (target < 1 %)"
+    )
     print(
         f"  one 1-element all_reduce, {cost['ranks']} ranks: {cost['plain_collective_s'] * 1e6:.1f} us plain, "
         f"{cost['runtime_collective_s'] * 1e6:.1f} us delegating ({cost['added_per_collective_s'] * 1e6:+.1f} us)"
@@ -287,8 +344,10 @@ def main() -> None:
         f"{cost['one_process_runtime_collective_s'] * 1e6:.1f} us delegating "
         f"({cost['one_process_added_per_collective_s'] * 1e6:+.1f} us)"
     )
-    print(f"  {cost['collectives_per_step']:.1f} collectives a step: overhead from these parts "
-          f"{cost['overhead_from_parts'] * 100:+.3f} %   (target < 1 %)")  # fmt: skip
+    print(
+        f"  {cost['collectives_per_step']:.1f} collectives a step: overhead from these parts "
+        f"{cost['overhead_from_parts'] * 100:+.3f} %   (target < 1 %)"
+    )
     med: dict[str, float] = {}
     if moves:
         med = {k: statistics.median(m[k] for m in moves) for k in moves[0]}

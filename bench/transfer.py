@@ -74,9 +74,15 @@ def model_like(path: Path, nbytes: int) -> None:
 def make_snapshot(directory: Path, nbytes: int) -> None:
     (directory / "images").mkdir(parents=True)
     model_like(directory / "images" / "pages-1.img", nbytes)
-    m = Manifest(root_pid=1, namespace=False, processes=[ProcInfo(1, 0, ("bench",), (1,), False)], gpus=[],
-                 criu={"version": "4.2.1", "shell_job": False, "tcp_established": False},
-                 cuda={"driver_version": None, "pids": []}, tpagent_version="bench")  # fmt: skip
+    m = Manifest(
+        root_pid=1,
+        namespace=False,
+        processes=[ProcInfo(1, 0, ("bench",), (1,), False)],
+        gpus=[],
+        criu={"version": "4.2.1", "shell_job": False, "tcp_established": False},
+        cuda={"driver_version": None, "pids": []},
+        tpagent_version="bench",
+    )
     m.files = checksum_files(directory)
     m.write(directory)
 
@@ -224,12 +230,18 @@ def main() -> None:
                 floor_s = statistics.median(r["seconds"] for r in runs["floor"])
                 for name, rs in runs.items():
                     sec = statistics.median(r["seconds"] for r in rs)
-                    results.append({
-                        "size_mib": size, "route": name, "seconds": sec, "gb_per_s": raw / sec / 1e9,
-                        "ratio": raw / statistics.median(r["wire_bytes"] for r in rs),
-                        "cpu_s_per_gb": statistics.median(r["cpu_seconds"] for r in rs) / (raw / 1e9),
-                        "of_floor": floor_s / sec, "repeats": args.repeats,
-                    })  # fmt: skip
+                    results.append(
+                        {
+                            "size_mib": size,
+                            "route": name,
+                            "seconds": sec,
+                            "gb_per_s": raw / sec / 1e9,
+                            "ratio": raw / statistics.median(r["wire_bytes"] for r in rs),
+                            "cpu_s_per_gb": statistics.median(r["cpu_seconds"] for r in rs) / (raw / 1e9),
+                            "of_floor": floor_s / sec,
+                            "repeats": args.repeats,
+                        }
+                    )
             finally:
                 shutil.rmtree(work, ignore_errors=True)
     finally:

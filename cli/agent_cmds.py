@@ -57,9 +57,17 @@ def serve(
 
     structured_logs()
     try:
-        cfg = config_mod.load(config, listen=listen, advertise=advertise, node=node, work_dir=work_dir,
-                              metrics_listen=metrics_listen, secret_file=secret_file, tls_dir=tls_dir,
-                              health_listen=health_listen)  # fmt: skip
+        cfg = config_mod.load(
+            config,
+            listen=listen,
+            advertise=advertise,
+            node=node,
+            work_dir=work_dir,
+            metrics_listen=metrics_listen,
+            secret_file=secret_file,
+            tls_dir=tls_dir,
+            health_listen=health_listen,
+        )
         run_server(cfg)
     except UsageError as e:
         die(str(e), EXIT_USAGE)
@@ -180,8 +188,16 @@ def rank(
         creds = credentials(secret_file, tls_dir)
         env = dict(os.environ)
         out = stdout or Path(f"{job_id(env)}-rank{rank_of(env)}.log").absolute()
-        stand_in = StandIn(cmd, GrpcPeer(agent, creds), lambda a: GrpcPeer(a, creds), out, stderr or out,
-                           socket_name, umask=0o022, relay=relay)  # fmt: skip
+        stand_in = StandIn(
+            cmd,
+            GrpcPeer(agent, creds),
+            lambda a: GrpcPeer(a, creds),
+            out,
+            stderr or out,
+            socket_name,
+            umask=0o022,
+            relay=relay,
+        )
         code = stand_in.run()
     except UsageError as e:
         die(str(e), EXIT_USAGE)
@@ -212,8 +228,12 @@ def _show(event: Any, shown: str) -> str:
     if event.bytes_total:
         rate = event.bytes_done / max(event.seconds, 1e-6)
         eta = (event.bytes_total - event.bytes_done) / rate if rate else 0.0  # (still growing while CRIU writes)
-        typer.echo(f"\r  {event.state:<12} {event.bytes_done / 2**20:9.1f} / {event.bytes_total / 2**20:.1f} MiB  "
-                   f"{rate / 1e9:5.2f} GB/s  ETA {eta:5.1f} s", err=True, nl=False)  # fmt: skip
+        typer.echo(
+            f"\r  {event.state:<12} {event.bytes_done / 2**20:9.1f} / {event.bytes_total / 2**20:.1f} MiB  "
+            f"{rate / 1e9:5.2f} GB/s  ETA {eta:5.1f} s",
+            err=True,
+            nl=False,
+        )
         return shown
     if event.message and event.message != shown:
         typer.echo(
@@ -243,9 +263,15 @@ def _report(last: Any, as_json: bool, dry_run: bool, said: list[str] | None = No
     if last is None:
         die("the agent ended the migration without a word", EXIT_FAILED)
     ok = last.state == "done"
-    doc = {"migration_id": last.migration_id, "state": last.state, "message": last.message,
-           "new_pid": last.new_pid, "seconds": round(last.seconds, 3), "timings": dict(last.timings),
-           "problems": list(last.problems)}  # fmt: skip
+    doc = {
+        "migration_id": last.migration_id,
+        "state": last.state,
+        "message": last.message,
+        "new_pid": last.new_pid,
+        "seconds": round(last.seconds, 3),
+        "timings": dict(last.timings),
+        "problems": list(last.problems),
+    }
     if dry_run and said:
         doc["checked"] = said
     if as_json:
@@ -360,15 +386,24 @@ def node(
         _call(agent, secret_file, tls_dir, "Rank", pb.RankRequest(body='{"op": "jobs"}', timeout=5)).body
     )
     doc = {
-        "node": info.node, "hostname": info.hostname, "healthy": info.healthy, "problems": list(info.problems),
-        "agent_version": info.agent_version, "criu_version": info.criu_version, "driver_version": info.driver_version,
+        "node": info.node,
+        "hostname": info.hostname,
+        "healthy": info.healthy,
+        "problems": list(info.problems),
+        "agent_version": info.agent_version,
+        "criu_version": info.criu_version,
+        "driver_version": info.driver_version,
         "memory_available": info.memory_available,
         "clock_offset_seconds": None if offset is None else round(offset, 3),  # its clock minus this machine's
-        "gpus": [{"uuid": g.uuid, "name": g.name, "memory_used": g.memory_used, "memory_total": g.memory_total}
-                 for g in info.gpus],
-        "migratable": [{"pid": p.pid, "why": p.why, "uid": p.uid, "owner": p.owner, "rss": p.rss,
-                        "cmdline": list(p.cmdline)} for p in procs.processes],
+        "gpus": [
+            {"uuid": g.uuid, "name": g.name, "memory_used": g.memory_used, "memory_total": g.memory_total}
+            for g in info.gpus
+        ],
+        "migratable": [
+            {"pid": p.pid, "why": p.why, "uid": p.uid, "owner": p.owner, "rss": p.rss, "cmdline": list(p.cmdline)}
+            for p in procs.processes
+        ],
         # of distributed jobs (`tpagent rank`): job, rank, world, generation, step, collectives, where it moved
         "ranks": ranks.get("ranks", []),
-    }  # fmt: skip
+    }
     typer.echo(json.dumps(doc, indent=2))

@@ -30,10 +30,16 @@ EXIT_INTERRUPTED = 130  # Ctrl-C; a frozen process was resumed
 
 #: gRPC statuses that mean the request was wrong or cannot reach its agent (EXIT_USAGE);
 #: every other status is a failure of the operation itself (EXIT_FAILED).
-USAGE_STATUSES = frozenset({
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE,
-})  # fmt: skip
+USAGE_STATUSES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.UNAVAILABLE,
+    }
+)
 
 #: Added to the message of an error after which the process was resumed where it stood.
 ROLLED_BACK_NOTE = " (nothing was lost: the process was resumed where it stood)"

@@ -141,8 +141,14 @@ def modes() -> list[GpuModes]:
             pm = _optional(nv.nvmlDeviceGetPersistenceMode, h)
             mig = _optional(nv.nvmlDeviceGetMigMode, h)
             mps = _optional(nv.nvmlDeviceGetMPSComputeRunningProcesses, h) or []
-            out.append(GpuModes(_text(nv.nvmlDeviceGetUUID(h)), None if pm is None else bool(pm),
-                                None if mig is None else bool(mig[0]), tuple(int(p.pid) for p in mps)))  # fmt: skip
+            out.append(
+                GpuModes(
+                    _text(nv.nvmlDeviceGetUUID(h)),
+                    None if pm is None else bool(pm),
+                    None if mig is None else bool(mig[0]),
+                    tuple(int(p.pid) for p in mps),
+                )
+            )
         return out
     except Exception as e:
         log.warning("NVML could not read the GPUs' modes: %s", e)

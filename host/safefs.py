@@ -509,8 +509,12 @@ def remove_socket(path: Path, uid: int, ident: tuple[int, int, int] | None = Non
     """Remove the socket file ``path`` (reached through no symlink) if it is one of ``uid``'s
     (and, given ``ident``, that very file: its device, inode and change time, as an inode
     number is soon reused)."""
-    return _remove_if(path, lambda st: stat.S_ISSOCK(st.st_mode) and st.st_uid == uid
-                      and ident in (None, (st.st_dev, st.st_ino, st.st_ctime_ns)))  # fmt: skip
+    return _remove_if(
+        path,
+        lambda st: (
+            stat.S_ISSOCK(st.st_mode) and st.st_uid == uid and ident in (None, (st.st_dev, st.st_ino, st.st_ctime_ns))
+        ),
+    )
 
 
 def remove_same(path: Path, ident: tuple[int, int, int]) -> bool:

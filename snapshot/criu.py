@@ -133,9 +133,15 @@ class Criu:
                 # Its own session: a terminal's Ctrl-C goes to our process group, not to CRIU.
                 # umask 077: its images are someone's whole memory, for root's eyes only.
                 proc = subprocess.Popen(
-                    cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-                    start_new_session=True, env={**os.environ, **env} if env else None, umask=0o077,
-                )  # fmt: skip
+                    cmd,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    env={**os.environ, **env} if env else None,
+                    umask=0o077,
+                )
             except OSError as e:
                 raise CriuError(f"could not run {self.path}", detail=str(e), code=e.errno) from e
             if work is not None:

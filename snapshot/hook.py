@@ -270,8 +270,12 @@ def main() -> int:
     out = Path(os.environ["TPAGENT_HOOK_OUT"])
     try:
         start = os.environ.get("TPAGENT_HOOK_ROOT_START")
-        seal(out, int(os.environ["TPAGENT_HOOK_ROOT"]), bool(os.environ.get("TPAGENT_HOOK_FAIL")),
-             int(start) if start else None)  # fmt: skip
+        seal(
+            out,
+            int(os.environ["TPAGENT_HOOK_ROOT"]),
+            bool(os.environ.get("TPAGENT_HOOK_FAIL")),
+            int(start) if start else None,
+        )
         if "TPAGENT_HOOK_HOLD" in os.environ:
             hold(out, float(os.environ["TPAGENT_HOOK_HOLD"]))
     except Exception as e:  # any failure must make CRIU roll back, and say why

@@ -384,8 +384,9 @@ def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
         for member in members:
             path, source = wanted[member.name], tar.extractfile(member)
             assert source is not None  # (a regular file: checked above)
-            if safefs.write_file(path, source, member.uid, member.gid, member.mode, member.mtime, created,
-                                 leftovers.left_behind):  # fmt: skip
+            if safefs.write_file(
+                path, source, member.uid, member.gid, member.mode, member.mtime, created, leftovers.left_behind
+            ):
                 log.info("%s replaced the stale copy a migration from this node had left behind", path)
             leftovers.forget(path)  # (what is there now is the process's own file again)
 

@@ -49,8 +49,13 @@ class Node:
 
     def launch(self, stdout: Path, *cmd: str, timeout: float = 120) -> int:
         """``cmd`` started on this node under `tpagent launch` (its output in ``stdout``): its PID."""
-        out = subprocess.run(self.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(stdout), "--", *cmd),
-                             cwd=ROOT, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        out = subprocess.run(
+            self.exec(sys.executable, "-m", "cli.main", "launch", "--stdout", str(stdout), "--", *cmd),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         assert out.returncode == 0, out.stderr
         return int(out.stdout)
 
@@ -59,12 +64,32 @@ class Node:
         env = {**os.environ, **self.env, **{f"TPAGENT_{k.upper()}": v for k, v in settings.items()}}
         with open(self.work / "agent.log", "ab") as log:
             self.agent = subprocess.Popen(
-                self.exec(sys.executable, "-m", "cli.main", "serve", "--listen", self.agent_address,
-                          "--advertise", self.addr, "--node", self.name, "--work-dir", str(self.work / "agent"),
-                          "--secret-file", str(self.secret), "--tls-dir", str(self.tls),
-                          "--health-listen", self.health_address),
-                cwd=ROOT, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
+                self.exec(
+                    sys.executable,
+                    "-m",
+                    "cli.main",
+                    "serve",
+                    "--listen",
+                    self.agent_address,
+                    "--advertise",
+                    self.addr,
+                    "--node",
+                    self.name,
+                    "--work-dir",
+                    str(self.work / "agent"),
+                    "--secret-file",
+                    str(self.secret),
+                    "--tls-dir",
+                    str(self.tls),
+                    "--health-listen",
+                    self.health_address,
+                ),
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+            )
         wait_until(self._serving, f"the agent of {self.name} to serve", 60)
 
     def _serving(self) -> bool:
@@ -72,11 +97,17 @@ class Node:
         if self.agent.poll() is not None:
             raise AssertionError(f"the agent of {self.name} exited: {(self.work / 'agent.log').read_text()[-3000:]}")
         probe = subprocess.run(
-            [sys.executable, "-c", f"import grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; "
-             f"print(g.HealthStub(grpc.insecure_channel('{self.health_address}'))"
-             ".Check(h.HealthCheckRequest(), timeout=2).status)"],
-            capture_output=True, text=True, cwd=ROOT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                f"import grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; "
+                f"print(g.HealthStub(grpc.insecure_channel('{self.health_address}'))"
+                ".Check(h.HealthCheckRequest(), timeout=2).status)",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         return probe.stdout.strip() == "1"
 
     def kill_agent(self, sig: signal.Signals = signal.SIGKILL) -> None:
@@ -219,8 +250,18 @@ class Cluster:
         os.close(self._net_lock)
 
     def _migrate_cmd(self, pid: int, src: str, dst: str, *extra: str) -> list[str]:
-        return [sys.executable, "-m", "cli.main", "migrate", str(pid), "--from", self.nodes[src].agent_address,
-                "--to", self.nodes[dst].agent_address, *extra]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "migrate",
+            str(pid),
+            "--from",
+            self.nodes[src].agent_address,
+            "--to",
+            self.nodes[dst].agent_address,
+            *extra,
+        ]
 
     def cli_env(self, node: str = "", secret: Path | None = None) -> dict[str, str]:
         """The environment of a tpagent command run on ``node`` (its certificate; default: the first)."""

@@ -34,8 +34,12 @@ def wait_until(pred, what: str, timeout: float = 60.0, interval: float = 0.05): 
 def tpagent(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cli.main", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def assert_one_sentence_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:

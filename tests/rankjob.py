@@ -42,10 +42,26 @@ def steps(d: Path, rank: int) -> int:
 
 def _reference(d: Path, *extra: str, nproc: int = 3, script: Path = JOB) -> Path:
     subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(script),
-         "--steps", str(STEPS), "--log-dir", str(d), *extra],
-        cwd=ROOT, env={**os.environ, "USE_LIBUV": "0"}, check=True, capture_output=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(script),
+            "--steps",
+            str(STEPS),
+            "--log-dir",
+            str(d),
+            *extra,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "USE_LIBUV": "0"},
+        check=True,
+        capture_output=True,
+        timeout=240,
+    )
     assert all(rank_log(d, r)[-1].startswith("done ") for r in range(nproc))
     return d
 
@@ -102,9 +118,18 @@ class Job:
     Python on its command line.  Each rank's own output is in ``tmp/job1-rankR.log`` (the stand-in's
     default, in torchrun's working directory) or, one rank per node, ``tmp/rank-on-NODE.out``."""
 
-    def __init__(self, c: Cluster, tmp: Path, step_time: float = 0.05, extra: tuple[str, ...] = (),
-                 srun: bool = False, wrap: tuple[str, ...] = (), names: str = "ABC",
-                 script: Path = JOB, per_node: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        c: Cluster,
+        tmp: Path,
+        step_time: float = 0.05,
+        extra: tuple[str, ...] = (),
+        srun: bool = False,
+        wrap: tuple[str, ...] = (),
+        names: str = "ABC",
+        script: Path = JOB,
+        per_node: int = 1,
+    ) -> None:
         assert per_node == 1 or not srun
         self.c, self.tmp, self.logs, self.names, self.script = c, tmp, tmp / "logs", names, script
         self.nodes_of = [name for name in names for _ in range(per_node)]  # (rank -> the node it starts on)
@@ -116,25 +141,66 @@ class Job:
             node = c.nodes[name]
             env = {**c.cli_env(name), "GLOO_SOCKET_IFNAME": IFNAME, "USE_LIBUV": "0"}
             rank_out = ["--stdout", str(tmp / f"rank-on-{name}.out")] if per_node == 1 else []
-            stand_in = [str(tpagent), "rank", "--agent", node.agent_address, *rank_out, "--", *wrap,
-                        sys.executable, str(script), "--steps", str(STEPS), "--log-dir", str(self.logs),
-                        "--step-time", str(step_time), *extra]  # fmt: skip
+            stand_in = [
+                str(tpagent),
+                "rank",
+                "--agent",
+                node.agent_address,
+                *rank_out,
+                "--",
+                *wrap,
+                sys.executable,
+                str(script),
+                "--steps",
+                str(STEPS),
+                "--log-dir",
+                str(self.logs),
+                "--step-time",
+                str(step_time),
+                *extra,
+            ]
             if srun:
-                env.update({"SLURM_JOB_ID": RUN, "SLURM_PROCID": str(r), "SLURM_LOCALID": "0",
-                            "SLURM_NTASKS": str(len(names)),
-                            "MASTER_ADDR": host, "MASTER_PORT": "29500"})  # fmt: skip
+                env.update(
+                    {
+                        "SLURM_JOB_ID": RUN,
+                        "SLURM_PROCID": str(r),
+                        "SLURM_LOCALID": "0",
+                        "SLURM_NTASKS": str(len(names)),
+                        "MASTER_ADDR": host,
+                        "MASTER_PORT": "29500",
+                    }
+                )
                 cmd = node.exec(*stand_in)
             else:
                 cmd = node.exec(
-                    sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)),
-                    "--nproc-per-node", str(per_node),
-                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:29400", "--rdzv-id", RUN,
-                    "--rdzv-conf", f"is_host={int(name == 'A')}", "--local-addr", node.addr, "--max-restarts", "0",
-                    "--monitor-interval", "0.5", "--no-python", *stand_in,
-                )  # fmt: skip
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    str(len(names)),
+                    "--nproc-per-node",
+                    str(per_node),
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    f"{host}:29400",
+                    "--rdzv-id",
+                    RUN,
+                    "--rdzv-conf",
+                    f"is_host={int(name == 'A')}",
+                    "--local-addr",
+                    node.addr,
+                    "--max-restarts",
+                    "0",
+                    "--monitor-interval",
+                    "0.5",
+                    "--no-python",
+                    *stand_in,
+                )
             with open(tmp / f"torchrun-{name}.out", "wb") as out:
-                self.runs[name] = subprocess.Popen(cmd, cwd=ROOT if per_node == 1 else tmp, env=env, stdout=out,
-                                                   stderr=subprocess.STDOUT)  # fmt: skip
+                self.runs[name] = subprocess.Popen(
+                    cmd, cwd=ROOT if per_node == 1 else tmp, env=env, stdout=out, stderr=subprocess.STDOUT
+                )
         self.creds = Credentials.load(c.secret, c.nodes["A"].tls)
 
     def _script(self, p: psutil.Process) -> bool:

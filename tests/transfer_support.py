@@ -60,8 +60,15 @@ def digests(directory: Path) -> dict[str, str]:
 
 
 class Receiving:
-    def __init__(self, transport: Transport, out: Path, timeout: float = 60, secret: bytes = SECRET,
-                 io_timeout: float = 10, listen: str = "127.0.0.1:0") -> None:  # fmt: skip
+    def __init__(
+        self,
+        transport: Transport,
+        out: Path,
+        timeout: float = 60,
+        secret: bytes = SECRET,
+        io_timeout: float = 10,
+        listen: str = "127.0.0.1:0",
+    ) -> None:
         self.refused: list[str] = []  # what on_refused was called with, in order
         self.receiver = Receiver(
             transport, TransferConfig(secret=secret, io_timeout=io_timeout), listen, on_refused=self.refused.append

@@ -142,9 +142,22 @@ class Rank:
         try:
             with self.cond:
                 state = self._state()
-            s.sendall(self._line({"op": "hello", "v": 1, "job": self.job, "rank": self.rank, "world": self.world,
-                                  "pid": os.getpid(), "gen": self.gen, "step": self.step, "state": state,
-                                  "backend": str(self.spec)}))  # fmt: skip
+            s.sendall(
+                self._line(
+                    {
+                        "op": "hello",
+                        "v": 1,
+                        "job": self.job,
+                        "rank": self.rank,
+                        "world": self.world,
+                        "pid": os.getpid(),
+                        "gen": self.gen,
+                        "step": self.step,
+                        "state": state,
+                        "backend": str(self.spec),
+                    }
+                )
+            )
             welcome = json.loads(f.readline(LINE_MAX) or b"{}")
             if welcome.get("op") != "welcome":
                 time.sleep(0.5)  # (not registered yet: the agent says so; ask again)
@@ -215,11 +228,20 @@ class Rank:
 
         if op == "where":
             with self.cond:
-                return {"ok": True, "step": self.step, "collectives": self.collectives, "gen": self.gen,
-                        "state": self._state(), "rate": _rate(self.times), "collective_rate": _rate(self.ctimes),
-                        "groups": len(backend.GROUPS.live()), "nccl_host": backend.NCCL_HOST,
-                        "nccl_ras": backend.nccl_ras(),
-                        "host": backend.host_identity(), **self.store_facts}  # fmt: skip
+                return {
+                    "ok": True,
+                    "step": self.step,
+                    "collectives": self.collectives,
+                    "gen": self.gen,
+                    "state": self._state(),
+                    "rate": _rate(self.times),
+                    "collective_rate": _rate(self.ctimes),
+                    "groups": len(backend.GROUPS.live()),
+                    "nccl_host": backend.NCCL_HOST,
+                    "nccl_ras": backend.nccl_ras(),
+                    "host": backend.host_identity(),
+                    **self.store_facts,
+                }
         if op == "peers":
             agents = []
             for r in range(self.world):

@@ -406,10 +406,13 @@ def split_group(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         member = parent.rank() in split
         if world or member:
             group = c.new_group(
-                [ranks[r] for r in sorted(split)], timeout=a.get("timeout"),
-                backend=a.get("backend") or parent.user_backend(), pg_options=a.get("pg_options"),
-                group_desc=a.get("group_desc"), use_local_synchronization=not world,
-            )  # fmt: skip
+                [ranks[r] for r in sorted(split)],
+                timeout=a.get("timeout"),
+                backend=a.get("backend") or parent.user_backend(),
+                pg_options=a.get("pg_options"),
+                group_desc=a.get("group_desc"),
+                use_local_synchronization=not world,
+            )
             made = group if member else made
     return made
 

@@ -134,14 +134,25 @@ _PT_LOAD, _PT_GNU_RELRO, _PF_W = 1, 0x6474E552, 2
 
 
 class _Phdr(ctypes.Structure):  # Elf64_Phdr
-    _fields_ = [("p_type", ctypes.c_uint32), ("p_flags", ctypes.c_uint32), ("p_offset", ctypes.c_uint64),
-                ("p_vaddr", ctypes.c_uint64), ("p_paddr", ctypes.c_uint64), ("p_filesz", ctypes.c_uint64),
-                ("p_memsz", ctypes.c_uint64), ("p_align", ctypes.c_uint64)]  # fmt: skip
+    _fields_ = [
+        ("p_type", ctypes.c_uint32),
+        ("p_flags", ctypes.c_uint32),
+        ("p_offset", ctypes.c_uint64),
+        ("p_vaddr", ctypes.c_uint64),
+        ("p_paddr", ctypes.c_uint64),
+        ("p_filesz", ctypes.c_uint64),
+        ("p_memsz", ctypes.c_uint64),
+        ("p_align", ctypes.c_uint64),
+    ]
 
 
 class _Info(ctypes.Structure):  # struct dl_phdr_info (its first fields)
-    _fields_ = [("dlpi_addr", ctypes.c_uint64), ("dlpi_name", ctypes.c_char_p),
-                ("dlpi_phdr", ctypes.POINTER(_Phdr)), ("dlpi_phnum", ctypes.c_uint16)]  # fmt: skip
+    _fields_ = [
+        ("dlpi_addr", ctypes.c_uint64),
+        ("dlpi_name", ctypes.c_char_p),
+        ("dlpi_phdr", ctypes.POINTER(_Phdr)),
+        ("dlpi_phnum", ctypes.c_uint16),
+    ]
 
 
 #: A loaded object: its path, and its segments as (type, flags, start, end) in this process
@@ -156,8 +167,10 @@ def loaded() -> list[Loaded]:
 
     def one(info: ctypes._Pointer[_Info], size: int, data: ctypes.c_void_p) -> int:
         i = info.contents
-        segs = [(h.p_type, h.p_flags, i.dlpi_addr + h.p_vaddr, i.dlpi_addr + h.p_vaddr + h.p_memsz)
-                for h in (i.dlpi_phdr[k] for k in range(i.dlpi_phnum))]  # fmt: skip
+        segs = [
+            (h.p_type, h.p_flags, i.dlpi_addr + h.p_vaddr, i.dlpi_addr + h.p_vaddr + h.p_memsz)
+            for h in (i.dlpi_phdr[k] for k in range(i.dlpi_phnum))
+        ]
         out.append((os.fsdecode(i.dlpi_name or b""), segs))
         return 0
 

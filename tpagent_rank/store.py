@@ -123,12 +123,12 @@ def patch_rendezvous(module: Any) -> None:
     if not port.isdigit() or create is None or getattr(create, "__tpagent__", False):
         return
 
-    def _create_c10d_store(hostname: str, port_: int, rank: int, world_size: int, timeout: Any,
-                           *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+    def _create_c10d_store(
+        hostname: str, port_: int, rank: int, world_size: int, timeout: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         if int(port_) != int(port):
             return create(hostname, port_, rank, world_size, timeout, *args, **kwargs)
-        return module.TCPStore(host_name=hostname, port=port_, world_size=world_size, is_master=False,
-                               timeout=timeout)  # fmt: skip
+        return module.TCPStore(host_name=hostname, port=port_, world_size=world_size, is_master=False, timeout=timeout)
 
     _create_c10d_store.__tpagent__ = True  # type: ignore[attr-defined]
     module._create_c10d_store = _create_c10d_store
@@ -173,8 +173,7 @@ def reattach(detached: list[tuple[int, str, int]], timeout: float = 60.0) -> lis
     kept = []
     for fd, host, port in detached:
         before = set(connections())
-        client = c10d.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout),
-                               wait_for_workers=False)  # fmt: skip
+        client = c10d.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
         new = [f for f, remote in connections().items() if f not in before and remote.endswith(f":{port}")]
         if len(new) != 1:
             raise RuntimeError(f"the store at {host}:{port} was reached, but its connection could not be told apart")

@@ -466,8 +466,9 @@ class Receiver:
             if mine:
                 ok = False
                 try:
-                    ok = self._store(s, dctx, index, where, codec, memoryview(body)[start:], raw_len, crc, zero_crcs,
-                                     back)  # fmt: skip
+                    ok = self._store(
+                        s, dctx, index, where, codec, memoryview(body)[start:], raw_len, crc, zero_crcs, back
+                    )
                 finally:  # a store that failed (a full disk) must not leave the chunk claimed
                     with s.lock:
                         s.claimed.discard(index)

@@ -68,8 +68,10 @@ def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
     try:
         ctx.load_cert_chain(files.cert, f"/proc/self/fd/{fd}")
     except (OSError, ssl.SSLError) as e:
-        raise UsageError(f"cannot load this node's certificate {files.cert} with its key {files.key} ({_why(e)}); "
-                         f"give a PEM certificate and the private key it was made for.") from e  # fmt: skip
+        raise UsageError(
+            f"cannot load this node's certificate {files.cert} with its key {files.key} ({_why(e)}); "
+            f"give a PEM certificate and the private key it was made for."
+        ) from e
     finally:
         os.close(fd)
 

@@ -39,8 +39,14 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 def _on_a(cluster: Cluster, *args: str) -> subprocess.Popen[str]:
     """A `tpagent` command run on node A (its clock)."""
     env = {**cluster.cli_env("A"), HOOK: cluster.nodes["A"].env[HOOK]}
-    return subprocess.Popen([sys.executable, "-m", "cli.main", *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli.main", *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _migrate_args(cluster: Cluster, pid: int, *extra: str) -> list[str]:

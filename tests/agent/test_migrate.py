@@ -276,8 +276,16 @@ def test_agent_reports_node_processes_and_metrics(cluster: Cluster, ticker: Tick
     doc = json.loads(proc.stdout)
     ticker.pid = doc["new_pid"]
     assert json.loads(_cli("status", doc["migration_id"], env=env).stdout)["state"] == "done"
-    scrape = subprocess.run(a.exec(sys.executable, "-c", f"import urllib.request; print(urllib.request.urlopen('http://{a.addr}:9400/metrics').read().decode())"),
-                            capture_output=True, text=True, timeout=30)  # fmt: skip
+    scrape = subprocess.run(
+        a.exec(
+            sys.executable,
+            "-c",
+            f"import urllib.request; print(urllib.request.urlopen('http://{a.addr}:9400/metrics').read().decode())",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert 'tpagent_migrations_total{outcome="done"} 1.0' in scrape.stdout
     assert 'tpagent_stage_seconds_count{stage="restore"} 1.0' in scrape.stdout
     sent = [ln for ln in scrape.stdout.splitlines() if ln.startswith('tpagent_transfer_bytes_total{direction="sent"}')]
@@ -360,10 +368,24 @@ def test_source_node_lost_after_the_restore_the_copy_takes_over(cluster: Cluster
     proxy.swallow_replies = lambda: "ready" in _journal_states(b)
     try:
         env = cluster.cli_env("A")
-        mig = subprocess.Popen([sys.executable, "-m", "cli.main", "migrate", str(ticker.pid),
-                                "--from", a.agent_address, "--to", proxy.address],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)  # fmt: skip
+        mig = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cli.main",
+                "migrate",
+                str(ticker.pid),
+                "--from",
+                a.agent_address,
+                "--to",
+                proxy.address,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         wait_until(lambda: proxy.swallowed > 0, "B to hold its copy and answer Restore", 120)
         a.kill_agent()  # its CRIU, in its own session, keeps the original frozen
         mig.communicate(timeout=60)
@@ -413,8 +435,14 @@ def test_dry_run_warns_of_an_inotify_queue_a_move_may_lose(cluster: Cluster, tmp
     a = cluster.nodes["A"]
     watched, log = tmp_path / "watched", tmp_path / "loop.log"
     watched.mkdir()
-    pid = a.launch(tmp_path / "loop.out", sys.executable, str(ROOT / "tests" / "workloads" / "epoll_loop.py"),
-                   str(log), "--inotify", str(watched))  # fmt: skip
+    pid = a.launch(
+        tmp_path / "loop.out",
+        sys.executable,
+        str(ROOT / "tests" / "workloads" / "epoll_loop.py"),
+        str(log),
+        "--inotify",
+        str(watched),
+    )
     try:
         wait_until(lambda: log.exists() and log.read_text().count("tick ") > 5, "the loop to tick")
         proc = cluster.migrate(pid, "A", "B", "--dry-run", "--json")

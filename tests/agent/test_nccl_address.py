@@ -83,15 +83,20 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cc = shutil.which("cc") or shutil.which("gcc")
     assert cc, "no C compiler (scripts/setup.sh installs gcc)"
     lib = tmp_path_factory.mktemp("standin") / "libnccl-standin.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(ROOT / "tests/workloads/nccl_standin.c")],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O2", "-o", str(lib), str(ROOT / "tests/workloads/nccl_standin.c")], check=True
+    )
     return lib
 
 
 def _run(lib: Path, case: str) -> dict[str, list[object] | str | None]:
     """The script in a network namespace of its own, for ``case``; what it printed."""
-    out = subprocess.run(["unshare", "--net", sys.executable, "-c", SCRIPT, str(lib), str(ROOT), case],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        ["unshare", "--net", sys.executable, "-c", SCRIPT, str(lib), str(ROOT), case],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     import json
 

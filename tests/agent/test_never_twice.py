@@ -43,10 +43,25 @@ def _through_proxy(cluster: Cluster, node: Node) -> Proxy:
 
 
 def _migrate_via(cluster: Cluster, pid: int, to: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "cli.main", "migrate", str(pid), "--from",
-                             cluster.nodes["A"].agent_address, "--to", to, "--json"],
-                            cwd=ROOT, env=cluster.cli_env("A"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "migrate",
+            str(pid),
+            "--from",
+            cluster.nodes["A"].agent_address,
+            "--to",
+            to,
+            "--json",
+        ],
+        cwd=ROOT,
+        env=cluster.cli_env("A"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.parametrize("journal", ["kept", "lost"])
@@ -195,8 +210,14 @@ def test_criu_dying_while_it_holds_the_original_drops_the_copy(cluster: Cluster,
 
 def _resolve(cluster: Cluster, on: str, mid: str, how: str) -> subprocess.CompletedProcess[str]:
     node = cluster.nodes[on]
-    return subprocess.run([sys.executable, "-m", "cli.main", "resolve", mid, how, "--agent", node.agent_address],
-                          cwd=ROOT, env=cluster.cli_env(on), capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", "resolve", mid, how, "--agent", node.agent_address],
+        cwd=ROOT,
+        env=cluster.cli_env(on),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _unheard_once_ready(cluster: Cluster) -> Proxy:

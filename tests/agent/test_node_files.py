@@ -66,11 +66,38 @@ def launch(node: Node, tmp: Path, mib: int, *extra: str) -> Ticker:
     # /run/netns: other test runs add and remove namespaces there all the time, and a mount
     # gone between the dump and the restore fails the restore (CRIU rebuilds every mount).
     out = subprocess.run(
-        ["nsenter", "-t", str(node.agent.pid), "-m", "-n", "unshare", "-m", "--propagation", "private",
-         "sh", "-c", 'umount -l /run/netns 2>/dev/null; exec "$@"', "sh", sys.executable, "-m", "cli.main", "launch",
-         "--stdout", str(tmp / "w.out"), "--", sys.executable, str(STATEFUL), str(t.log), str(mib), *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            "nsenter",
+            "-t",
+            str(node.agent.pid),
+            "-m",
+            "-n",
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            'umount -l /run/netns 2>/dev/null; exec "$@"',
+            "sh",
+            sys.executable,
+            "-m",
+            "cli.main",
+            "launch",
+            "--stdout",
+            str(tmp / "w.out"),
+            "--",
+            sys.executable,
+            str(STATEFUL),
+            str(t.log),
+            str(mib),
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     t.pid = int(out.stdout)
     wait_until(lambda: len(t.ticks()) > 5, "the workload to tick", 120)
@@ -168,8 +195,20 @@ def test_a_dropped_copy_takes_what_its_restore_made_and_the_next_move_goes_there
     name = uuid.uuid4().hex[:6]
     scratch, shm, needed = LOCAL / f"scratch-{name}", LOCAL / f"shm-{name}", LOCAL / f"needed-{name}"
     (local_dir(a) / needed.name).write_text("A's own\n")  # (the copy on B lacks it: it dies at once)
-    t = launch(a, tmp_path, 8, "--scratch", str(scratch), "2", "--shm", str(shm), "--listen", str(LOCAL),
-               "--needs", str(needed))  # fmt: skip
+    t = launch(
+        a,
+        tmp_path,
+        8,
+        "--scratch",
+        str(scratch),
+        "2",
+        "--shm",
+        str(shm),
+        "--listen",
+        str(LOCAL),
+        "--needs",
+        str(needed),
+    )
     try:
         wait_until(lambda: lines(t, "shm") and lines(t, "listen"), "the workload to report its files")
         before = sorted(os.listdir(local_dir(b)))
@@ -382,10 +421,14 @@ def test_a_fixed_transfer_port_is_freed_when_the_source_never_comes(cluster: Clu
     b.start_agent(transfer_port="7411", io_timeout="3")
     creds = Credentials.load(cluster.secret, a.tls)
     reply = stub(b.agent_address, creds).Receive(
-        pb.ReceiveRequest(migration_id=uuid.uuid4().hex, source_node="gone", bytes_estimate=1 << 20,
-                          source_agent=f"{cluster.bridge_addr}:1"),
+        pb.ReceiveRequest(
+            migration_id=uuid.uuid4().hex,
+            source_node="gone",
+            bytes_estimate=1 << 20,
+            source_agent=f"{cluster.bridge_addr}:1",
+        ),
         timeout=30,
-    )  # fmt: skip
+    )
     assert reply.transfer_address.endswith(":7411") and not reply.problems
     assert _listening(reply.transfer_address)
     wait_until(lambda: not _listening(reply.transfer_address), "B to free its transfer port", 60)

@@ -51,8 +51,16 @@ def original() -> Iterator[psutil.Process]:
 def _resolve(target: AgentConfig, original: psutil.Process, tmp: Path) -> Node:
     """A source agent whose journal says: rolling back, after the restore was asked for."""
     source = node_of(agent_config(tmp, "source"))
-    r = Record(MID, Role.SOURCE, SourceState.ROLLING_BACK, pid=original.pid, peer=target.listen, restore_sent=True,
-               snapshot=str(source.cfg.work_dir / "outgoing" / MID), create_time=original.create_time())  # fmt: skip
+    r = Record(
+        MID,
+        Role.SOURCE,
+        SourceState.ROLLING_BACK,
+        pid=original.pid,
+        peer=target.listen,
+        restore_sent=True,
+        snapshot=str(source.cfg.work_dir / "outgoing" / MID),
+        create_time=original.create_time(),
+    )
     source.journal.write(r)
     resolve_source(source.ctx, r)
     return source

@@ -71,8 +71,14 @@ def test_a_job_without_an_optimizer_stops_between_two_collectives(
         assert both.returncode == 0, out
         assert job.where(1) == "C" and job.where(2) == "C"
         assert job.copies(1) == ["C"] and job.copies(2) == ["C"]
-        node = subprocess.run([sys.executable, "-m", "cli.main", "node", "--agent", quad.nodes["C"].agent_address],
-                              cwd=ROOT, env=quad.cli_env("C"), capture_output=True, text=True, timeout=60)  # fmt: skip
+        node = subprocess.run(
+            [sys.executable, "-m", "cli.main", "node", "--agent", quad.nodes["C"].agent_address],
+            cwd=ROOT,
+            env=quad.cli_env("C"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         shown = {(r["job"], r["rank"]): r for r in json.loads(node.stdout)["ranks"]}
         assert {k for k, r in shown.items() if not r["moved_to"]} == {(RUN, 1), (RUN, 2)}, shown
         assert all(shown[RUN, r]["gen"] == 3 and shown[RUN, r]["collectives"] > 0 for r in (1, 2)), shown

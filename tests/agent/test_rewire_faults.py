@@ -39,8 +39,11 @@ def test_the_spare_dies_during_the_restore(quad: Cluster, tmp_path: Path, refere
     try:
         job.at_step(1, 20)
         mig = job.start_move(1, "D", "--json")
-        wait_until(lambda: {"restoring", "ready", "starting", "confirming"} & set(_target_states(quad, "D")),
-                   "D to restore the rank", 180)  # fmt: skip
+        wait_until(
+            lambda: {"restoring", "ready", "starting", "confirming"} & set(_target_states(quad, "D")),
+            "D to restore the rank",
+            180,
+        )
         quad.nodes["D"].reboot()
         quad.nodes["D"].start_agent(rewire_timeout="60")
         out, err = mig.communicate(timeout=240)
@@ -179,8 +182,11 @@ def test_the_source_agent_killed_mid_migration(quad: Cluster, tmp_path: Path, re
         time.sleep(2)
         assert {r: steps(job.logs, r) for r in range(3)} == stopped, "a rank went on with its communicators down"
         b.start_agent(rewire_timeout="60")
-        wait_until(lambda: job.rewire_record("B").get("phase") in ("rolled_back", "done", "failed"),
-                   "B to finish the rewire it was running", 180)  # fmt: skip
+        wait_until(
+            lambda: job.rewire_record("B").get("phase") in ("rolled_back", "done", "failed"),
+            "B to finish the rewire it was running",
+            180,
+        )
         record = job.rewire_record("B")
         assert record["phase"] in ("rolled_back", "done"), record
         assert "finishing what the agent left" in b.agent_log()

@@ -32,8 +32,12 @@ from host import gpus
 from rankjob import Job, _reference, serving
 
 HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
-pytestmark = [needs_criu, pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine"),
-              pytest.mark.timeout(900)]  # fmt: skip
+pytestmark = [
+    needs_criu,
+    pytest.mark.gpu,
+    pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine"),
+    pytest.mark.timeout(900),
+]
 
 
 @pytest.fixture

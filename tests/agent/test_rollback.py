@@ -102,8 +102,11 @@ def test_ctrl_c_during_dump(start, tmp_path: Path) -> None:  # type: ignore[no-u
     out = tmp_path / "snap"
     cli = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "dump", str(w.pid), "--out", str(out)],
-        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     assert cli.stderr is not None
     wait_until(lambda: (out / "log" / "dump.log").exists(), "CRIU to start dumping")
     cli.send_signal(signal.SIGINT)

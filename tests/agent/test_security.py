@@ -122,9 +122,22 @@ def test_the_hook_runs_isolated_from_where_criu_runs_it(tmp_path: Path) -> None:
 
 
 def _serve_cli(cfg: AgentConfig, work_dir: Path) -> subprocess.CompletedProcess[str]:
-    return tpagent("serve", "--listen", cfg.listen, "--health-listen", "", "--metrics-listen", "",
-                   "--work-dir", str(work_dir), "--secret-file", str(cfg.secret_file), "--tls-dir", str(cfg.tls_dir),
-                   timeout=60)  # fmt: skip
+    return tpagent(
+        "serve",
+        "--listen",
+        cfg.listen,
+        "--health-listen",
+        "",
+        "--metrics-listen",
+        "",
+        "--work-dir",
+        str(work_dir),
+        "--secret-file",
+        str(cfg.secret_file),
+        "--tls-dir",
+        str(cfg.tls_dir),
+        timeout=60,
+    )
 
 
 def test_an_agent_refuses_a_work_dir_someone_else_prepared(tmp_path: Path, playground: Path) -> None:
@@ -157,10 +170,21 @@ def test_snapshot_files_are_root_only(start, tmp_path: Path) -> None:  # type: i
     w = start(mib=16)
     out = tmp_path / "open" / "snap"
     tmp_path.chmod(0o755)
-    proc = subprocess.run([sys.executable, "-c",
-                           "import os, sys; os.umask(0); from cli.main import app; app(prog_name='tpagent')",
-                           "dump", str(w.pid), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; os.umask(0); from cli.main import app; app(prog_name='tpagent')",
+            "dump",
+            str(w.pid),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     modes = {p: p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
     assert {m for p, m in modes.items() if p.is_dir()} == {0o700}
@@ -235,9 +259,10 @@ def test_secret_and_key_files_must_be_root_only(tmp_path: Path, case: str) -> No
         path.chmod(0o644)
     else:
         os.chown(path, UID_NOBODY, UID_NOBODY)
-    for proc in (tpagent("node", "--agent", cfg.listen, "--secret-file", str(cfg.secret_file),
-                         "--tls-dir", str(cfg.tls_dir)),
-                 _serve_cli(cfg, tmp_path / "work")):  # fmt: skip
+    for proc in (
+        tpagent("node", "--agent", cfg.listen, "--secret-file", str(cfg.secret_file), "--tls-dir", str(cfg.tls_dir)),
+        _serve_cli(cfg, tmp_path / "work"),
+    ):
         assert_one_sentence_error(proc, str(path), "mode 600")
         assert proc.returncode == 2
 
@@ -267,8 +292,16 @@ def test_unauthenticated_callers_cannot_stall_the_api(
     stop = serving(cfg)
     stolen = _give_to_nobody(shutil.copytree(node_certs(tmp_path, "another-service"), playground / "theirs"))
     before = _refused("no_credentials")
-    attacker = as_nobody(sys.executable, str(ATTACKERS / "stall.py"), cfg.listen, str(stolen), "200", "64",
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    attacker = as_nobody(
+        sys.executable,
+        str(ATTACKERS / "stall.py"),
+        cfg.listen,
+        str(stolen),
+        "200",
+        "64",
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     try:
         assert attacker.stdout is not None
         codes = json.loads(attacker.stdout.readline())
@@ -366,11 +399,15 @@ def test_streaming_calls_are_refused_by_default(tmp_path: Path) -> None:
     signed; a signed unary call of the same server passes."""
     creds = agent_config(tmp_path, "n").credentials()
     codec = {"request_deserializer": pb.NodeInfo.FromString, "response_serializer": pb.NodeInfo.SerializeToString}
-    echo = grpc.method_handlers_generic_handler("t.T", {
-        "Stream": grpc.stream_stream_rpc_method_handler(
-            lambda requests, ctx: iter([pb.NodeInfo(node="streamed")]), **codec),
-        "Unary": grpc.unary_unary_rpc_method_handler(lambda request, ctx: pb.NodeInfo(node="unary"), **codec),
-    })  # fmt: skip
+    echo = grpc.method_handlers_generic_handler(
+        "t.T",
+        {
+            "Stream": grpc.stream_stream_rpc_method_handler(
+                lambda requests, ctx: iter([pb.NodeInfo(node="streamed")]), **codec
+            ),
+            "Unary": grpc.unary_unary_rpc_method_handler(lambda request, ctx: pb.NodeInfo(node="unary"), **codec),
+        },
+    )
     srv, tls = rpc.server(creds, rpc.AuthInterceptor(creds.secret, {"127.0.0.1"}, rpc.Health()))
     srv.add_generic_rpc_handlers((echo,))
     port = srv.add_secure_port("127.0.0.1:0", tls)
@@ -407,9 +444,12 @@ def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_pat
     the agent lists and migrates only what a launch record, NVML or /proc/PID/exe says."""
     allowed = os.path.realpath(shutil.which("sleep") or "/bin/sleep")
     agent = node_of(agent_config(tmp_path, "n", allow_executables=(allowed,)))
-    forged = as_nobody("bash", "-c",
-                       f"exec -a '{sys.executable} -m tpagent.workload.nsinit 5 /o /e {allowed}' {shutil.which('cat')}",
-                       stdin=subprocess.PIPE)  # fmt: skip
+    forged = as_nobody(
+        "bash",
+        "-c",
+        f"exec -a '{sys.executable} -m tpagent.workload.nsinit 5 /o /e {allowed}' {shutil.which('cat')}",
+        stdin=subprocess.PIPE,
+    )
     honest = as_nobody(allowed, "600")
     copy = shutil.copy(allowed, playground / os.path.basename(allowed))  # their own program of the same name
     lookalike = as_nobody(copy, "600")
@@ -529,15 +569,34 @@ def test_launch_imports_nothing_from_its_directory_and_follows_no_symlink(tmp_pa
     (playground / "logs").symlink_to(vault)
     _give_to_nobody(playground)
     tpagent_cmd = str(Path(sys.executable).parent / "tpagent")  # (the installed command, as root would type it)
-    refused = subprocess.run([tpagent_cmd, "launch", "--stdout", str(playground / "logs" / "out.log"),
-                              "--", "sleep", "60"],
-                             cwd=playground, capture_output=True, text=True, timeout=60)  # fmt: skip
+    refused = subprocess.run(
+        [tpagent_cmd, "launch", "--stdout", str(playground / "logs" / "out.log"), "--", "sleep", "60"],
+        cwd=playground,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert_one_sentence_error(refused, "symlink")
     assert not marker.exists() and not list(vault.iterdir())
-    ok = subprocess.run(["sh", "-c", 'umask 022; exec "$0" "$@"', tpagent_cmd,
-                         "launch", "--stdout", str(tmp_path / "u.log"),
-                         "--", "sh", "-c", "umask; touch " + str(tmp_path / "made")],
-                        cwd=playground, capture_output=True, text=True, timeout=60)  # fmt: skip
+    ok = subprocess.run(
+        [
+            "sh",
+            "-c",
+            'umask 022; exec "$0" "$@"',
+            tpagent_cmd,
+            "launch",
+            "--stdout",
+            str(tmp_path / "u.log"),
+            "--",
+            "sh",
+            "-c",
+            "umask; touch " + str(tmp_path / "made"),
+        ],
+        cwd=playground,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr
     wait_until(lambda: (tmp_path / "made").exists(), "the workload to run")
     assert (tmp_path / "u.log").read_text().strip() == "0022" and (tmp_path / "made").stat().st_mode & 0o777 == 0o644

@@ -193,8 +193,9 @@ def test_a_name_a_copy_in_flight_will_bind_is_refused_to_a_second(tmp_path: Path
     second = Offer("b" * 32, "B", "", 1 << 20, abstract_sockets=(name,))
     assert node.receive(first).problems == ()
     said = node.receive(replace(second, dry_run=True)).problems
-    assert len(said) == 1 and said[0].startswith(f"the abstract unix socket {name} is to be bound on C by a copy "
-                                                 "it receives (the CUDA driver's"), said  # fmt: skip
+    assert len(said) == 1 and said[0].startswith(
+        f"the abstract unix socket {name} is to be bound on C by a copy it receives (the CUDA driver's"
+    ), said
     assert node.receive(second).problems == said  # (and nothing is reserved for it)
     node.finish(first.migration_id, False)  # (the first copy is dropped: the name is free again)
     wait_until(lambda: not node.receive(replace(second, dry_run=True)).problems, "the name to be free")

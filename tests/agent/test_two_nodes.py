@@ -71,8 +71,11 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
     secret.write_text(os.urandom(24).hex())
     secret.chmod(0o600)
     log = tmp_path / "w.log"
-    workload = [str(ROOT / "tests" / "workloads" / "tcp_echo.py"), str(log)] if "tcp" in route else [
-        str(STATEFUL), str(log), "128"]  # fmt: skip
+    workload = (
+        [str(ROOT / "tests" / "workloads" / "tcp_echo.py"), str(log)]
+        if "tcp" in route
+        else [str(STATEFUL), str(log), "128"]
+    )
     launched = _on(a, "launch", "--stdout", str(tmp_path / "w.out"), "--", sys.executable, *workload)
     assert launched.returncode == 0, launched.stderr
     root = int(launched.stdout)
@@ -89,10 +92,29 @@ def test_snapshot_moves_from_node_a_to_node_b_and_runs(nodes: tuple[str, str], t
             "TPAGENT_TLS_DIR": str(node_certs(tmp_path, "b", "10.231.0.2")),
         }  # (A checks it names 10.231.0.2)
         receiver = subprocess.Popen(
-            ["ip", "netns", "exec", b, sys.executable, "-m", "cli.main", "receive", "--listen", "10.231.0.2:7411",
-             "--out", str(tmp_path / "on-b"), "--json", "--timeout", "120"],
-            cwd=ROOT, env=env_b, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                b,
+                sys.executable,
+                "-m",
+                "cli.main",
+                "receive",
+                "--listen",
+                "10.231.0.2:7411",
+                "--out",
+                str(tmp_path / "on-b"),
+                "--json",
+                "--timeout",
+                "120",
+            ],
+            cwd=ROOT,
+            env=env_b,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert receiver.stderr is not None
             assert "listening on" in receiver.stderr.readline()

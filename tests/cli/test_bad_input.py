@@ -210,10 +210,15 @@ def test_gpu_map_unknown_uuid(snapshot_dir: Path) -> None:
 def test_pid_held_as_session_id_of_an_orphan_is_found() -> None:
     """A dead session leader's PID, still the session id of its orphan, is not free for restore."""
     leader = subprocess.Popen(
-        [sys.executable, "-c", "import os,time\nos.setsid()\nc = os.fork()\n"
-                               "if c: print(c, flush=True)\nelse: time.sleep(60)"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import os,time\nos.setsid()\nc = os.fork()\nif c: print(c, flush=True)\nelse: time.sleep(60)",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert leader.stdout is not None
     orphan = int(leader.stdout.readline())
     leader.stdout.close()

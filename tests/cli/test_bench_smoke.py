@@ -28,8 +28,17 @@ def test_snapshot_benchmark_runs(tmp_path: object) -> None:
 def test_transfer_benchmark_runs() -> None:
     doc = _run("bench/transfer.py", "--sizes-mib", "8", "--repeats", "1", "--streams", "2")
     routes = {r["route"] for r in doc["results"]}  # type: ignore[attr-defined]
-    assert routes == {"floor", "tpagent-none", "tpagent-auto", "tpagent-zstd", "tpagent-tls-none", "tpagent-tls-auto",
-                      "tpagent-ucx-none", "tpagent-ucx-auto", "naive-tar-zstd"}  # fmt: skip
+    assert routes == {
+        "floor",
+        "tpagent-none",
+        "tpagent-auto",
+        "tpagent-zstd",
+        "tpagent-tls-none",
+        "tpagent-tls-auto",
+        "tpagent-ucx-none",
+        "tpagent-ucx-auto",
+        "naive-tar-zstd",
+    }
 
 
 def test_rewire_benchmark_measures_the_runtime_it_loaded() -> None:
@@ -62,12 +71,18 @@ def test_gpu_proof_says_what_it_could_not_check(tmp_path: Path) -> None:
     tables are written either way (with a GPU the same command runs the tests and benches)."""
     from host import gpus
 
-    proc = subprocess.run(["bash", "scripts/gpu-proof.sh", "--out", str(tmp_path), "--sizes-gib", "1,8"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", "scripts/gpu-proof.sh", "--out", str(tmp_path), "--sizes-gib", "1,8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     doc = json.loads((tmp_path / "gpu-proof.json").read_text())
     rows = doc["tests"] + doc["benchmarks"]
-    assert {(b["bench"], b["size_gib"]) for b in doc["benchmarks"]} == {(b, s) for b in ("snapshot", "migrate")
-                                                                        for s in (1, 8)} | {("rewire", 0)}  # fmt: skip
+    assert {(b["bench"], b["size_gib"]) for b in doc["benchmarks"]} == {
+        (b, s) for b in ("snapshot", "migrate") for s in (1, 8)
+    } | {("rewire", 0)}
     report = (tmp_path / "gpu-proof.md").read_text()
     assert "## Snapshot" in report and "## Migration" in report and "## The rank runtime's cost" in report
     if not gpus.inventory():

@@ -26,8 +26,13 @@ PY = f"{sys.version_info.major}.{sys.version_info.minor}"
 
 def _checkout(dst: Path) -> Path:
     """The working tree's files as git sees them (what a user's checkout holds)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, check=True,
-                            capture_output=True).stdout.decode().split("\0")  # fmt: skip
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, check=True, capture_output=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in filter(None, listed):
         src = ROOT / rel
         if src.is_file():
@@ -40,8 +45,14 @@ def _offline(*cmd: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedP
     """``cmd`` in a network namespace of its own: a loopback (CRIU's kernel probe needs one), no route out."""
     ip = shutil.which("ip")
     assert ip is not None
-    return subprocess.run(["unshare", "--net", "--", "sh", "-c", '"$0" link set lo up && exec "$@"', ip, *cmd],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=400)  # fmt: skip
+    return subprocess.run(
+        ["unshare", "--net", "--", "sh", "-c", '"$0" link set lo up && exec "$@"', ip, *cmd],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
 
 
 def _node_path(tmp: Path) -> str:
@@ -49,8 +60,9 @@ def _node_path(tmp: Path) -> str:
     node = tmp / "node-python"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(node)], check=True)
     where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    purelib = subprocess.run([str(node / "bin" / "python"), "-c", where], capture_output=True, text=True,
-                             check=True).stdout.strip()  # fmt: skip
+    purelib = subprocess.run(
+        [str(node / "bin" / "python"), "-c", where], capture_output=True, text=True, check=True
+    ).stdout.strip()
     Path(purelib, "node_own_package.py").write_text("WHERE = 'the node'\n")
     tools = tmp / "node-bin"
     tools.mkdir()
@@ -63,8 +75,13 @@ def _node_path(tmp: Path) -> str:
 
 def test_tpagent_installs_offline_from_a_bundle_and_its_doctor_runs(tmp_path: Path) -> None:
     bundle = tmp_path / "bundle"
-    made = subprocess.run(["bash", "scripts/bundle.sh", str(bundle), "--python", PY], cwd=ROOT, capture_output=True,
-                          text=True, timeout=400)  # fmt: skip
+    made = subprocess.run(
+        ["bash", "scripts/bundle.sh", str(bundle), "--python", PY],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert made.returncode == 0, made.stdout + made.stderr
     size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
     assert size < 64 << 20, f"the bundle is {size / 2**20:.0f} MiB"
@@ -78,23 +95,34 @@ def test_tpagent_installs_offline_from_a_bundle_and_its_doctor_runs(tmp_path: Pa
     setup = _offline("bash", "scripts/setup.sh", "--bundle", str(bundle), cwd=checkout, env=env)
     assert setup.returncode == 0, setup.stdout + setup.stderr
     assert "offline" in setup.stdout
-    seen = subprocess.run([str(venv / "bin" / "python"), "-c", "import node_own_package as m; print(m.WHERE)"],
-                          cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    seen = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import node_own_package as m; print(m.WHERE)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert seen.stdout == "the node\n", seen.stderr  # (the node's own packages: its torch, on a GPU node)
-    links = subprocess.run([str(venv / "bin" / "ip"), "-j", "link", "show", "lo"], env=env, capture_output=True,
-                           text=True, check=True)  # fmt: skip
+    links = subprocess.run(
+        [str(venv / "bin" / "ip"), "-j", "link", "show", "lo"], env=env, capture_output=True, text=True, check=True
+    )
     assert json.loads(links.stdout)[0]["ifname"] == "lo"
     nft = subprocess.run([str(venv / "bin" / "nft"), "--version"], env=env, capture_output=True, text=True, check=True)
     assert nft.stdout.startswith("nftables")
 
-    doctor = _offline(str(venv / "bin" / "tpagent"), "doctor", "--json", "--criu", str(prefix / "bin" / "criu"),
-                      cwd=tmp_path, env=env)  # fmt: skip
+    doctor = _offline(
+        str(venv / "bin" / "tpagent"), "doctor", "--json", "--criu", str(prefix / "bin" / "criu"), cwd=tmp_path, env=env
+    )
     checks = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
     assert checks["criu"]["verdict"] == "OK" and str(prefix) in checks["criu"]["message"], checks["criu"]
     assert checks["criu check"]["verdict"] == "OK", checks["criu check"]
     assert checks["root"]["verdict"] == "OK"
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import tpagent, grpc; print(tpagent.__file__)"],
-                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout  # fmt: skip
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import tpagent, grpc; print(tpagent.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert where.startswith(str(checkout)), where  # (the checkout, installed editable: its tests run as they are)
 
     wheel = next((bundle / "wheels").glob("grpcio-*.whl"))

@@ -31,8 +31,10 @@ def as_nobody(*cmd: str) -> None:
     """Run ``cmd`` as the unprivileged user ``nobody`` (no supplementary groups)."""
     subprocess.run(
         ["setpriv", f"--reuid={NOBODY.pw_uid}", f"--regid={NOBODY.pw_gid}", "--clear-groups", "--", *cmd],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
 
 @pytest.fixture

@@ -132,8 +132,12 @@ def test_the_cli_dump_retries_and_says_so(loops, tmp_path: Path) -> None:  # typ
     snap = tmp_path / "snap"
     cli = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "dump", str(w.pid), "--out", str(snap), "--leave-running"],
-        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert cli.stderr is not None
     said = [cli.stderr.readline()]
     while said[-1] and "refused for now" not in said[-1]:

@@ -272,9 +272,14 @@ def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None
     proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "refused"), "--ghost-limit-mib", "4")
     assert_one_sentence_error(proc, "deleted-but-open file larger than the ghost limit (4 MiB)", "--ghost-limit-mib")
     assert proc.returncode == 1
-    by_env = subprocess.run([sys.executable, "-m", "cli.main", "dump", str(w.pid), "--out", str(tmp_path / "env")],
-                            cwd=ROOT, env={**os.environ, "TPAGENT_GHOST_LIMIT_MIB": "6"}, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    by_env = subprocess.run(
+        [sys.executable, "-m", "cli.main", "dump", str(w.pid), "--out", str(tmp_path / "env")],
+        cwd=ROOT,
+        env={**os.environ, "TPAGENT_GHOST_LIMIT_MIB": "6"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert_one_sentence_error(by_env, "larger than the ghost limit (6 MiB)", "TPAGENT_GHOST_LIMIT_MIB")
     n = len(w.ticks())
     wait_until(lambda: len(w.ticks()) > n + 3, "the workload to run on")

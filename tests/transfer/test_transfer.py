@@ -325,8 +325,11 @@ def test_receiver_killed_mid_transfer(tmp_path: Path) -> None:
     }
     rx = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "receive", "--listen", "127.0.0.1:0", "--out", str(tmp_path / "dst")],
-        cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert rx.stderr is not None
     address = rx.stderr.readline().split()[-1]
     host, port = address.rsplit(":", 1)
@@ -335,8 +338,12 @@ def test_receiver_killed_mid_transfer(tmp_path: Path) -> None:
     killer.start()
     sent = subprocess.run(
         [sys.executable, "-m", "cli.main", "send", str(src), proxy.address, "--streams", "1", "--chunk-mib", "1"],
-        cwd=ROOT, env={**env, "TPAGENT_COMPRESS": "none"}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**env, "TPAGENT_COMPRESS": "none"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     killer.join()
     rx.wait()
     rx.stderr.close()
@@ -488,8 +495,12 @@ def test_a_full_disk_is_named_and_nothing_is_kept(tmp_path: Path, chunk_mib: int
         rx = Receiving(TcpTransport(), small / "dst")
         with pytest.raises(TransferError, match="No space left on device"):
             if followed:
-                _send_followed(TcpTransport(), Writer(src, tmp_path / "followed", piece=4 << 20), rx.receiver.address,
-                               chunk_mib=chunk_mib)  # fmt: skip
+                _send_followed(
+                    TcpTransport(),
+                    Writer(src, tmp_path / "followed", piece=4 << 20),
+                    rx.receiver.address,
+                    chunk_mib=chunk_mib,
+                )
             else:
                 _send(TcpTransport(), src, rx.receiver.address, chunk_size=chunk_mib << 20)
         result = rx.join()

@@ -160,9 +160,22 @@ def _trickle(
     started: list[subprocess.Popen[str]], address: tuple[str, int], per_source: int, sources: list[str]
 ) -> None:
     """tests/trickle_peer.py, as user nobody: connections that trickle a byte every 0.5 s."""
-    cmd = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--",
-           sys.executable, "-I", "-S", str(TRICKLE), address[0], str(address[1]), "0.5", str(per_source),
-           *sources]  # fmt: skip
+    cmd = [
+        "setpriv",
+        "--reuid=nobody",
+        "--regid=nogroup",
+        "--clear-groups",
+        "--",
+        sys.executable,
+        "-I",
+        "-S",
+        str(TRICKLE),
+        address[0],
+        str(address[1]),
+        "0.5",
+        str(per_source),
+        *sources,
+    ]
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     started.append(p)
     assert p.stdout is not None and p.stdout.readline() == "ready\n"
@@ -193,8 +206,11 @@ def test_a_stranger_that_never_finishes_tls_is_cut_off(
 def _held(port: int) -> tuple[int, int]:
     """The receiver's connections, as the kernel sees them in one look: from the strangers'
     hosts (127.0.0.2 and up), and from the sender's (127.0.0.1)."""
-    peers = [c.raddr.ip for c in psutil.net_connections("tcp")
-             if c.laddr and c.laddr.port == port and c.raddr and c.status == psutil.CONN_ESTABLISHED]  # fmt: skip
+    peers = [
+        c.raddr.ip
+        for c in psutil.net_connections("tcp")
+        if c.laddr and c.laddr.port == port and c.raddr and c.status == psutil.CONN_ESTABLISHED
+    ]
     return sum(ip != "127.0.0.1" for ip in peers), sum(ip == "127.0.0.1" for ip in peers)
 
 

@@ -67,9 +67,15 @@ class FakeHeldDump(HeldDump):
         (out / "images").mkdir(mode=0o700)
         (out / "log").mkdir(mode=0o700)
         (out / "images" / "pages-1.img").write_bytes(os.urandom(1 << 20))
-        m = Manifest(root_pid=pid, namespace=False, processes=[ProcInfo(pid, 0, ("x",), (pid,), False)], gpus=[],
-                     criu={"version": "4.2.1", "shell_job": False, "tcp_established": False},
-                     cuda={"driver_version": None, "pids": []}, tpagent_version="test")  # fmt: skip
+        m = Manifest(
+            root_pid=pid,
+            namespace=False,
+            processes=[ProcInfo(pid, 0, ("x",), (pid,), False)],
+            gpus=[],
+            criu={"version": "4.2.1", "shell_job": False, "tcp_established": False},
+            cuda={"driver_version": None, "pids": []},
+            tpagent_version="test",
+        )
         m.files = checksum_files(out)
         m.write(out)
         (out / "log" / "held").touch()
@@ -216,8 +222,15 @@ def unit_context(tmp: Path, peer: Peer, **timeouts: float) -> Context:
     secret = tmp / "secret"
     secret.write_text("x" * 32)
     settings = {"rpc_timeout": 1.0, "restore_timeout": 5.0, "abort_confirm_timeout": 2.0, "io_timeout": 5.0, **timeouts}
-    cfg = AgentConfig(secret_file=secret, node="source", listen="127.0.0.1:7400", work_dir=private_dir(tmp / "work"),
-                      metrics_listen="", health_listen="", **settings)  # type: ignore[arg-type]  # fmt: skip
+    cfg = AgentConfig(
+        secret_file=secret,
+        node="source",
+        listen="127.0.0.1:7400",
+        work_dir=private_dir(tmp / "work"),
+        metrics_listen="",
+        health_listen="",
+        **settings,
+    )  # type: ignore[arg-type]
     FakeHeldDump.decisions, FakeHeldDump.lost = [], False
     return Context(
         cfg=cfg,

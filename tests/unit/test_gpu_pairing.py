@@ -12,8 +12,11 @@ def gpu(uuid: str, bus: str, used_gib: int, pids: tuple[int, ...] = ()) -> GpuIn
     return GpuInfo(0, uuid, "H100", 80 << 30, used_gib << 30, 40, 0, pids, bus)
 
 
-TARGET = [gpu("GPU-t0", "00000000:18:00.0", 0), gpu("GPU-t1", "00000000:3B:00.0", 30),
-          gpu("GPU-t2", "00000000:86:00.0", 10)]  # fmt: skip
+TARGET = [
+    gpu("GPU-t0", "00000000:18:00.0", 0),
+    gpu("GPU-t1", "00000000:3B:00.0", 30),
+    gpu("GPU-t2", "00000000:86:00.0", 10),
+]
 
 
 def test_each_gpu_lands_at_its_own_bus_id_even_on_a_busier_gpu() -> None:

@@ -61,10 +61,16 @@ def _run(tmp_path: Path, **env: str) -> tuple[dict[str, object], str]:
     done = subprocess.run(
         [sys.executable, str(tmp_path / "job.py")],
         # (what the caller has on PYTHONPATH stays, after ours: as nobody, it is how torch is found)
-        env={**base, "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), str(user), base.get("PYTHONPATH")])),
-             **env},
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+        env={
+            **base,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), str(user), base.get("PYTHONPATH")])),
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
@@ -98,12 +104,16 @@ def _launch(tmp_path: Path, argvs: list[list[str]], **env: str) -> tuple[list[di
         runtime.mkdir()
         write_runtime_dir(runtime)
     base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
-    full = {**base, "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), base.get("PYTHONPATH")])),
-            "OMP_NUM_THREADS": "1", **env}  # fmt: skip
+    full = {
+        **base,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), base.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+        **env,
+    }
     ranks = [
         subprocess.Popen(
             [sys.executable, *argv], env=full, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )  # fmt: skip
+        )
         for argv in argvs
     ]
     outs = [p.communicate(timeout=200) for p in ranks]
@@ -223,8 +233,12 @@ def test_split_group_of_a_delegating_group_gives_delegating_groups_of_the_same_r
     groups of its own whose communicators a rewire can rebuild: the splits' ranks, every rank
     in one or in none, of the world or of a subgroup, and groups made after them still agree."""
     (tmp_path / "split.py").write_text(SPLIT)
-    seen, _ = _launch(tmp_path, [[str(tmp_path / "split.py"), str(tmp_path / "store"), str(r)] for r in range(4)],
-                      TPAGENT_RANK_SOCKET=f"tpagent-test-{os.getpid()}-none", TPAGENT_JOB="j")  # fmt: skip
+    seen, _ = _launch(
+        tmp_path,
+        [[str(tmp_path / "split.py"), str(tmp_path / "store"), str(r)] for r in range(4)],
+        TPAGENT_RANK_SOCKET=f"tpagent-test-{os.getpid()}-none",
+        TPAGENT_JOB="j",
+    )
     assert [s["kinds"] for s in seen] == [["DelegatingGroup"]] * 4
     assert [s["pairs"] for s in seen] == [[[0, 2], 4.0], [[1, 3], 6.0], [[0, 2], 4.0], [[1, 3], 6.0]]
     assert [s["alone"] for s in seen] == [None, None, [[2], 20.0], [[3], 30.0]]
@@ -267,8 +281,10 @@ def test_an_op_whose_backend_gives_no_work_is_passed_through(tmp_path: Path) -> 
     assert t.tolist() == [2.0, 2.0, 2.0] and type(group._only).__name__ == "ProcessGroupGloo"
 
 
-@pytest.mark.parametrize(("value", "on"), [(None, True), ("1", True), ("0", False), (" 0 ", False), ("0x0", False),
-                                           ("2", True), ("yes", True), ("", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [(None, True), ("1", True), ("0", False), (" 0 ", False), ("0x0", False), ("2", True), ("yes", True), ("", True)],
+)
 def test_whether_nccl_runs_its_ras_thread_is_read_as_nccl_reads_it(
     monkeypatch: pytest.MonkeyPatch, value: str | None, on: bool
 ) -> None:

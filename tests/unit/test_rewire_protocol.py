@@ -58,10 +58,17 @@ class FakeRank:
         with self.lock:
             if op == "where":
                 # (the fake counts one collective per step: either unit stops it at the same place)
-                return {"ok": True, "step": self.step if self.optimizer else 0, "collectives": self.step,
-                        "gen": self.gen, "rate": 100.0, "collective_rate": 100.0, "nccl_host": self.nccl_host,
-                        "nccl_ras": self.nccl_ras,
-                        "host": self.hosts.get(self.at, "here|boot1")}  # fmt: skip
+                return {
+                    "ok": True,
+                    "step": self.step if self.optimizer else 0,
+                    "collectives": self.step,
+                    "gen": self.gen,
+                    "rate": 100.0,
+                    "collective_rate": 100.0,
+                    "nccl_host": self.nccl_host,
+                    "nccl_ras": self.nccl_ras,
+                    "host": self.hosts.get(self.at, "here|boot1"),
+                }
             if op == "pause":
                 self.units.append(body["unit"])
                 if self.step >= body["at"]:
@@ -235,11 +242,24 @@ def test_a_copy_that_cannot_join_the_new_communicators_is_dropped_and_all_rebuil
     said = _messages(rw)
     assert result.outcome is Outcome.ROLLED_BACK, said
     assert job.where[0] == HERE and all(r.gen == 2 and not r.torn and not r.parked for r in job.ranks)
-    assert [op for op in job.ranks[0].log if op != "where"] == ["pause", "boundary", "teardown", "rebuild",
-                                                                "rebuild", "resume"]  # fmt: skip
+    assert [op for op in job.ranks[0].log if op != "where"] == [
+        "pause",
+        "boundary",
+        "teardown",
+        "rebuild",
+        "rebuild",
+        "resume",
+    ]
     for r in job.ranks[1:]:
-        assert [op for op in r.log if op != "where"] == ["pause", "boundary", "teardown", "rebuild", "teardown",
-                                                         "rebuild", "resume"]  # fmt: skip
+        assert [op for op in r.log if op != "where"] == [
+            "pause",
+            "boundary",
+            "teardown",
+            "rebuild",
+            "teardown",
+            "rebuild",
+            "resume",
+        ]
     assert any("rank 0 stays on this node" in m and "store cannot be reached" in m for m in said), said
     assert rw.to_json()["gen"] == 2
     assert job.released == [(0, THERE), (0, HERE)], "the copy is told to come back there, the original here"

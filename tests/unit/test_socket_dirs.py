@@ -31,8 +31,9 @@ def test_a_process_s_bound_sockets_are_found_and_its_abstract_or_unbound_ones_ar
         "c, d = socket.socketpair()\n"
         "print('ready', flush=True); sys.stdin.read()\n"
     )
-    with subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          text=True) as p:  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as p:
         try:
             assert p.stdout is not None and p.stdout.readline() == "ready\n"
             assert sockets.unix_bound([p.pid]) == [str(path)]
@@ -198,11 +199,17 @@ def test_once_committed_the_original_s_sockets_and_their_empty_directories_go_bu
     _socket_file(shared / "listener")  # (the copy's, bound anew: often under the same inode number)
     snap = tmp_path / "snap"
     (snap / manifest.IMAGES_DIR).mkdir(parents=True)
-    m = manifest.Manifest(root_pid=1, namespace=False, processes=[ProcInfo(1, 0, ("x",), (1,), False, ())], gpus=[],
-                          criu={"version": "4.1", "shell_job": False, "tcp_established": False},
-                          cuda={"driver_version": 0, "pids": []}, tpagent_version="0",
-                          sockets=[BoundSocket(str(d / "listener"), me, *ids[d]) for d in (gone, shared)],
-                          dirs=[MadeDir(str(d), me, os.getegid(), 0o700) for d in (gone, shared)])  # fmt: skip
+    m = manifest.Manifest(
+        root_pid=1,
+        namespace=False,
+        processes=[ProcInfo(1, 0, ("x",), (1,), False, ())],
+        gpus=[],
+        criu={"version": "4.1", "shell_job": False, "tcp_established": False},
+        cuda={"driver_version": 0, "pids": []},
+        tpagent_version="0",
+        sockets=[BoundSocket(str(d / "listener"), me, *ids[d]) for d in (gone, shared)],
+        dirs=[MadeDir(str(d), me, os.getegid(), 0o700) for d in (gone, shared)],
+    )
     m.write(snap)
     assert leftovers.clear_sockets(snap) == [str(gone / "listener"), str(gone)]
     assert not gone.exists() and (shared / "listener").exists()

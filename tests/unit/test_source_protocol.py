@@ -151,9 +151,16 @@ def test_a_restarted_source_finishes_a_commit_from_its_journal(
     ctx = unit_context(tmp_path, target)
     mid = "a" * 32
     target.states[mid] = TargetState.READY
-    r = Record(mid, Role.SOURCE, SourceState.COMMITTING, pid=original.pid, peer=target.address, restore_sent=True,
-               snapshot=str(ctx.cfg.work_dir / "outgoing" / mid),
-               create_time=psutil.Process(original.pid).create_time())  # fmt: skip
+    r = Record(
+        mid,
+        Role.SOURCE,
+        SourceState.COMMITTING,
+        pid=original.pid,
+        peer=target.address,
+        restore_sent=True,
+        snapshot=str(ctx.cfg.work_dir / "outgoing" / mid),
+        create_time=psutil.Process(original.pid).create_time(),
+    )
     ctx.journal.write(r)
     released: list[bool] = []
     resolve_source(ctx, r, lambda: released.append(True))
@@ -172,8 +179,11 @@ def test_a_copy_that_dies_in_its_confirmation_period_leaves_the_original_running
     m, states = _run(tmp_path, target, original.pid)
     assert m.result is not None and m.result.outcome is Outcome.ROLLED_BACK
     assert states[-2:] == ["committing", "rolled_back"] and "resumed where it stood" in m.result.message
-    assert [s for mid, s in target.history][-3:] == [TargetState.STARTING, TargetState.CONFIRMING,
-                                                      TargetState.DISCARDED]  # fmt: skip
+    assert [s for mid, s in target.history][-3:] == [
+        TargetState.STARTING,
+        TargetState.CONFIRMING,
+        TargetState.DISCARDED,
+    ]
     assert FakeHeldDump.decisions == ["abort"]  # never "commit": the original was not ended
     assert wait(lambda: _status(original) not in (psutil.STATUS_STOPPED, "gone"))
 
@@ -212,9 +222,16 @@ def _committing(tmp_path: Path, target: FakeTarget, pid: int, target_state: Targ
     ctx = unit_context(tmp_path, target)
     mid = "b" * 32
     target.states[mid] = target_state
-    r = Record(mid, Role.SOURCE, SourceState.COMMITTING, pid=pid, peer=target.address, restore_sent=True,
-               snapshot=str(ctx.cfg.work_dir / "outgoing" / mid),
-               create_time=psutil.Process(pid).create_time())  # fmt: skip
+    r = Record(
+        mid,
+        Role.SOURCE,
+        SourceState.COMMITTING,
+        pid=pid,
+        peer=target.address,
+        restore_sent=True,
+        snapshot=str(ctx.cfg.work_dir / "outgoing" / mid),
+        create_time=psutil.Process(pid).create_time(),
+    )
     ctx.journal.write(r)
     return r, ctx
 
@@ -281,8 +298,16 @@ def _held_before_a_reboot(tmp_path: Path, target: FakeTarget, state: SourceState
     done = threading.Thread(target=lambda: None)
     done.start()
     target.states[mid], target._received[mid], target._results[mid] = TargetState.RECEIVING, done, object()
-    r = Record(mid, Role.SOURCE, state, pid=gone.pid, peer=target.address, create_time=1.0, boot_id="an-earlier-boot",
-               snapshot=str(ctx.cfg.work_dir / "outgoing" / mid))  # fmt: skip
+    r = Record(
+        mid,
+        Role.SOURCE,
+        state,
+        pid=gone.pid,
+        peer=target.address,
+        create_time=1.0,
+        boot_id="an-earlier-boot",
+        snapshot=str(ctx.cfg.work_dir / "outgoing" / mid),
+    )
     ctx.journal.write(r)
     return r, ctx
 

@@ -91,11 +91,22 @@ def _rank0(tmp_path: Path, port: int, **env: str) -> subprocess.CompletedProcess
     base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
     return subprocess.run(
         [sys.executable, "-c", RANK0],
-        env={**base, "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), base.get("PYTHONPATH")])),
-             "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "USE_LIBUV": "0",
-             "TPAGENT_RANK_SOCKET": f"tpagent-test-{os.getpid()}-none", **env},
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+        env={
+            **base,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), base.get("PYTHONPATH")])),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "USE_LIBUV": "0",
+            "TPAGENT_RANK_SOCKET": f"tpagent-test-{os.getpid()}-none",
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
 
 
 def test_rank_0_joins_the_store_its_stand_in_serves(tmp_path: Path) -> None:

@@ -13,8 +13,10 @@ import pytest
 
 from host import sockets
 
-_SERVER = "import socket,sys,time; s=socket.create_server(('127.0.0.1',0)); print(s.getsockname()[1], flush=True); " \
-    "c,_=s.accept(); time.sleep(60)"  # fmt: skip
+_SERVER = (
+    "import socket,sys,time; s=socket.create_server(('127.0.0.1',0)); print(s.getsockname()[1], flush=True); "
+    "c,_=s.accept(); time.sleep(60)"
+)
 
 
 @pytest.fixture
@@ -34,12 +36,14 @@ def test_both_ends_in_the_tree_stay_together_and_a_loopback_peer_outside_is_name
             port, near, far = server.getsockname()[1], client.getsockname()[1], lone.getsockname()[1]
             # (only this test's sockets: earlier tests of the session may have left theirs open)
             held = [s for s in sockets.tree_tcp([os.getpid()]) if {s.local[1], s.remote[1]} & {port, near, far}]
-            assert sorted(s.name for s in held) == sorted([
-                f"127.0.0.1:{port} (listening)",
-                f"127.0.0.1:{near} -> 127.0.0.1:{port}",
-                f"127.0.0.1:{port} -> 127.0.0.1:{near}",
-                f"127.0.0.1:{far} -> 127.0.0.1:{outside}",
-            ])  # fmt: skip
+            assert sorted(s.name for s in held) == sorted(
+                [
+                    f"127.0.0.1:{port} (listening)",
+                    f"127.0.0.1:{near} -> 127.0.0.1:{port}",
+                    f"127.0.0.1:{port} -> 127.0.0.1:{near}",
+                    f"127.0.0.1:{far} -> 127.0.0.1:{outside}",
+                ]
+            )
             behind = sockets.left_behind(held)
             assert len(behind) == 1 and f"127.0.0.1:{far} -> 127.0.0.1:{outside}" in behind[0]
             # loopback connections need nothing of the target; the listener needs its port free there
@@ -55,8 +59,9 @@ def test_an_address_the_node_lacks_is_named_and_garbage_is_refused_in_words() ->
     problems = sockets.unusable_here(
         "node-b", [("192.0.2.7:5000", "198.51.100.1:80"), ("no-port", ""), ("[::1]:1", "")]
     )
-    assert problems[0].startswith("the TCP connection 192.0.2.7:5000 -> 198.51.100.1:80 is bound to 192.0.2.7, an "
-                                  "address node-b does not have")  # fmt: skip
+    assert problems[0].startswith(
+        "the TCP connection 192.0.2.7:5000 -> 198.51.100.1:80 is bound to 192.0.2.7, an address node-b does not have"
+    )
     assert problems[1] == "the source sent a TCP endpoint this agent cannot read ('no-port', '')"
     assert len(problems) == 2  # [::1]:1: loopback, and nothing listens on port 1
 

@@ -62,8 +62,10 @@ def main() -> None:
             every = torch.empty(world)
             dist.all_gather_into_tensor(every, loss.detach().reshape(1))
             with open(log, "a") as f:
-                f.write(f"step {step} {loss.item().hex()} {total.item().hex()} "
-                        f"{','.join(v.hex() for v in every.tolist())}\n")  # fmt: skip
+                f.write(
+                    f"step {step} {loss.item().hex()} {total.item().hex()} "
+                    f"{','.join(v.hex() for v in every.tolist())}\n"
+                )
             print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
             step += 1
             if step == a.steps:

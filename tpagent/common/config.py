@@ -107,9 +107,11 @@ class Timeouts:
             # A stalled stream must be noticed (and retried) well inside the hold.
             (self.io < self.hold, f"{k['io']} ({self.io:g} s) must be shorter than {k['hold']} ({self.hold:g} s)"),
             # A rollback's question must fit at least one whole answer.
-            (self.abort_confirm >= self.rpc,
-             f"{k['abort_confirm']} ({self.abort_confirm:g} s) must be at least {k['rpc']} ({self.rpc:g} s)"),
-        ]  # fmt: skip
+            (
+                self.abort_confirm >= self.rpc,
+                f"{k['abort_confirm']} ({self.abort_confirm:g} s) must be at least {k['rpc']} ({self.rpc:g} s)",
+            ),
+        ]
         broken = [why for ok, why in rules if not ok]
         if broken:
             raise ValueError("; ".join(broken) + ".")

@@ -12,9 +12,11 @@ REFUSED = Counter(
     ["plane", "reason"],
 )
 STAGE = Histogram(
-    "tpagent_stage_seconds", "Duration of each migration stage.", ["stage"],
+    "tpagent_stage_seconds",
+    "Duration of each migration stage.",
+    ["stage"],
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300, 600),
-)  # fmt: skip
+)
 # (Both read at each scrape: tpagent/daemon/serve.py hands them the node's journal.)
 FROZEN = Gauge(
     "tpagent_frozen_seconds",

@@ -52,16 +52,24 @@ class GrpcPeer(Peer):
             raise Refused(rpc_text(e).rstrip("."), _WHY.get(e.code(), Why.INTERNAL)) from e
 
     def receive(self, offer: Offer, timeout: float) -> Acceptance:
-        request = pb.ReceiveRequest(migration_id=offer.migration_id, source_node=offer.source_node,
-                                    source_agent=offer.source_agent, bytes_estimate=offer.bytes_estimate,
-                                    gpu_uuids=list(offer.gpu_uuids), shared_files=list(offer.shared_files),
-                                    dry_run=offer.dry_run, carried_files=list(offer.carried_files),
-                                    tcp=[pb.TcpEndpoint(local=a, remote=b) for a, b in offer.tcp],
-                                    hold=offer.hold, gpu_bus_ids=list(offer.gpu_bus_ids),
-                                    abstract_sockets=list(offer.abstract_sockets))  # fmt: skip
+        request = pb.ReceiveRequest(
+            migration_id=offer.migration_id,
+            source_node=offer.source_node,
+            source_agent=offer.source_agent,
+            bytes_estimate=offer.bytes_estimate,
+            gpu_uuids=list(offer.gpu_uuids),
+            shared_files=list(offer.shared_files),
+            dry_run=offer.dry_run,
+            carried_files=list(offer.carried_files),
+            tcp=[pb.TcpEndpoint(local=a, remote=b) for a, b in offer.tcp],
+            hold=offer.hold,
+            gpu_bus_ids=list(offer.gpu_bus_ids),
+            abstract_sockets=list(offer.abstract_sockets),
+        )
         r = self._call(lambda: self._stub.Receive(request, timeout=timeout))
-        return Acceptance(r.transfer_address, dict(r.gpu_map), tuple(r.problems), reserved=r.reserved,
-                          clock=float(r.clock))  # fmt: skip
+        return Acceptance(
+            r.transfer_address, dict(r.gpu_map), tuple(r.problems), reserved=r.reserved, clock=float(r.clock)
+        )
 
     def restore(self, migration_id: str, timeout: float) -> Restored:
         r = self._call(lambda: self._stub.Restore(pb.RestoreRequest(migration_id=migration_id), timeout=timeout))

@@ -64,11 +64,14 @@ def _kernel() -> list[Check]:
         if mode == "always":
             out.append(Check("huge pages", Verdict.OK, "transparent huge pages: always"))
         else:
-            out.append(Check(
-                "huge pages", Verdict.WARN,
-                f"transparent huge pages: {mode}; 'always' makes the CUDA checkpoint ~1.8x faster "
-                "(echo always > /sys/kernel/mm/transparent_hugepage/enabled)",
-            ))  # fmt: skip
+            out.append(
+                Check(
+                    "huge pages",
+                    Verdict.WARN,
+                    f"transparent huge pages: {mode}; 'always' makes the CUDA checkpoint ~1.8x faster "
+                    "(echo always > /sys/kernel/mm/transparent_hugepage/enabled)",
+                )
+            )
     return out
 
 
@@ -88,14 +91,26 @@ def _gpu() -> list[Check]:
     out.append(_checkpoint_api())
     for m in gpus.modes():
         if m.persistence is False:
-            out.append(Check("persistence", Verdict.WARN, f"GPU {m.uuid}: persistence mode is off: with no process "
-                             "on it the driver tears the GPU down, and a restore pays to bring it up again "
-                             "(nvidia-smi -pm 1)"))  # fmt: skip
+            out.append(
+                Check(
+                    "persistence",
+                    Verdict.WARN,
+                    f"GPU {m.uuid}: persistence mode is off: with no process "
+                    "on it the driver tears the GPU down, and a restore pays to bring it up again "
+                    "(nvidia-smi -pm 1)",
+                )
+            )
         elif m.persistence:
             out.append(Check("persistence", Verdict.OK, f"GPU {m.uuid}: persistence mode on"))
         if m.mig:
-            out.append(Check("mig", Verdict.WARN, f"GPU {m.uuid}: MIG is on: a process is restored only onto a MIG "
-                             "instance like its own (give its UUID to --gpu-map)"))  # fmt: skip
+            out.append(
+                Check(
+                    "mig",
+                    Verdict.WARN,
+                    f"GPU {m.uuid}: MIG is on: a process is restored only onto a MIG "
+                    "instance like its own (give its UUID to --gpu-map)",
+                )
+            )
     return out
 
 
@@ -111,8 +126,13 @@ def _checkpoint_api() -> Check:
     return Check("checkpoint api", Verdict.OK, "the driver has the CUDA checkpoint API")
 
 
-CHECKPOINT_CALLS = ("cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint", "cuCheckpointProcessRestore",
-                    "cuCheckpointProcessUnlock", "cuCheckpointProcessGetState")  # fmt: skip
+CHECKPOINT_CALLS = (
+    "cuCheckpointProcessLock",
+    "cuCheckpointProcessCheckpoint",
+    "cuCheckpointProcessRestore",
+    "cuCheckpointProcessUnlock",
+    "cuCheckpointProcessGetState",
+)
 
 
 def process_checks(pid: int) -> list[Check]:
@@ -127,14 +147,27 @@ def process_checks(pid: int) -> list[Check]:
     on = [g.uuid for g in gpus.inventory() if tree & set(g.pids)]
     out = [Check("process", Verdict.OK, f"PID {pid}: {len(tree)} process(es), on {len(on)} GPU(s)")]
     if len(on) > 1:
-        out.append(Check("several gpus", Verdict.WARN, f"PID {pid}'s tree uses {len(on)} GPUs ({', '.join(on)}): "
-                         "each must be mapped on restore (--gpu-map), onto as many GPUs"))  # fmt: skip
+        out.append(
+            Check(
+                "several gpus",
+                Verdict.WARN,
+                f"PID {pid}'s tree uses {len(on)} GPUs ({', '.join(on)}): "
+                "each must be mapped on restore (--gpu-map), onto as many GPUs",
+            )
+        )
     mps = [m.uuid for m in gpus.modes() if tree & set(m.mps_pids)]
     if mps:
-        out.append(Check("mps", Verdict.FAIL, f"PID {pid} is a client of an MPS server on {', '.join(mps)}: "
-                         "the driver cannot checkpoint MPS clients"))  # fmt: skip
-    unseen = ("CUDA IPC handles and managed (UVM) memory cannot be seen from outside a process: if it holds them "
-              "the driver refuses the checkpoint and the process is resumed")  # fmt: skip
+        out.append(
+            Check(
+                "mps",
+                Verdict.FAIL,
+                f"PID {pid} is a client of an MPS server on {', '.join(mps)}: the driver cannot checkpoint MPS clients",
+            )
+        )
+    unseen = (
+        "CUDA IPC handles and managed (UVM) memory cannot be seen from outside a process: if it holds them "
+        "the driver refuses the checkpoint and the process is resumed"
+    )
     out.append(Check("not visible", Verdict.OK, unseen))
     return out
 

@@ -102,9 +102,17 @@ class Node:
             GpuInfo(g.uuid, g.name, g.memory_total, g.memory_used, g.temperature_c or 0, g.ecc_uncorrected or 0)
             for g in gpus.inventory()
         )
-        return NodeInfo(self.cfg.node, socket.gethostname(), gpu_list, psutil.virtual_memory().available,
-                        __version__, criu_version, gpus.driver_version() or "", tuple(problems),
-                        clock.now())  # fmt: skip
+        return NodeInfo(
+            self.cfg.node,
+            socket.gethostname(),
+            gpu_list,
+            psutil.virtual_memory().available,
+            __version__,
+            criu_version,
+            gpus.driver_version() or "",
+            tuple(problems),
+            clock.now(),
+        )
 
     def migratable(self) -> list[ProcessInfo]:
         out = []
@@ -125,8 +133,17 @@ class Node:
             if why and p.pid != 1:
                 rss = p.info["memory_info"].rss if p.info["memory_info"] else 0
                 uid = p.info["uids"].real if p.info["uids"] else 0
-                out.append(ProcessInfo(p.pid, tuple(p.info["cmdline"] or ()), rss, p.pid in gpu_pids, why, uid,
-                                       record.owner if record else -1))  # fmt: skip
+                out.append(
+                    ProcessInfo(
+                        p.pid,
+                        tuple(p.info["cmdline"] or ()),
+                        rss,
+                        p.pid in gpu_pids,
+                        why,
+                        uid,
+                        record.owner if record else -1,
+                    )
+                )
         return out
 
     # ---- source --------------------------------------------------------------------------
@@ -137,8 +154,7 @@ class Node:
         """Admit a migration of ``pid`` (or of ``ranks`` of ``job``) to the agent at ``target``
         (run it with :meth:`run`).  A rank of a distributed job is moved with its job rewired."""
         if self.closed:
-            raise Refused(f"the agent on {self.cfg.node} is shutting down; try again once it is back",
-                          Why.PRECONDITION)  # fmt: skip
+            raise Refused(f"the agent on {self.cfg.node} is shutting down; try again once it is back", Why.PRECONDITION)
         if not _address(target):
             raise Refused(f"{target!r} is not an agent address (HOST:PORT).", Why.INVALID)
         entries = [self.ranks.entry(job, r) for r in ranks] if job else []
@@ -337,8 +353,12 @@ class Node:
                 if r["connected"]:
                     with contextlib.suppress(AgentError):
                         now = self.ranks.call(r["job"], r["rank"], {"op": "where"}, 2)
-                        r.update(step=now.get("step", r["step"]), gen=now.get("gen", r["gen"]),
-                                 collectives=now.get("collectives", 0), state=now.get("state", ""))  # fmt: skip
+                        r.update(
+                            step=now.get("step", r["step"]),
+                            gen=now.get("gen", r["gen"]),
+                            collectives=now.get("collectives", 0),
+                            state=now.get("state", ""),
+                        )
             return {"ok": True, "ranks": ranks}
         raise Refused(f"{op!r} is not a rank request.", Why.INVALID)
 
@@ -377,15 +397,17 @@ class Node:
             why = target.operator_may(self.ctx, r, commit)
             if why:
                 raise Refused(f"{how} refused: {why}", Why.CONFLICT)
-            self.finish_target(mid, commit, f"resolved by the operator ({how}), the source agent {r.peer_agent} "
-                                            "giving no answer")  # fmt: skip
+            self.finish_target(
+                mid, commit, f"resolved by the operator ({how}), the source agent {r.peer_agent} giving no answer"
+            )
             return self.status(mid)
         m = self.sources.get(mid)
         live = m.record if m is not None and m.result is not None else self.recovered.get(mid)
         if live is None:
             if m is not None and not is_final(m.record.state):
-                raise Refused(f"{how} refused: migration {mid} is still running; `tpagent cancel` it, or wait",
-                              Why.CONFLICT)  # fmt: skip
+                raise Refused(
+                    f"{how} refused: migration {mid} is still running; `tpagent cancel` it, or wait", Why.CONFLICT
+                )
             live = r
         why = operator_may(self.ctx, live, commit)
         if why:
@@ -480,8 +502,12 @@ class Node:
         coming = {n for r in self.reservations.in_flight().values() for n in r.abstract}  # (its lock is held)
         taken = set(sockets.abstract_taken(names))
         for name in sorted(taken | (names & coming)):
-            why = (" (the CUDA driver's, named after the process's PID namespace and PID: a CUDA process moved "
-                   "there from another node may hold the same)" if name.startswith("@cuda-uvmfd-") else "")  # fmt: skip
+            why = (
+                " (the CUDA driver's, named after the process's PID namespace and PID: a CUDA process moved "
+                "there from another node may hold the same)"
+                if name.startswith("@cuda-uvmfd-")
+                else ""
+            )
             held = f"is bound on {node} already" if name in taken else f"is to be bound on {node} by a copy it receives"
             problems.append(
                 f"the abstract unix socket {ascii(name)[1:-1]} {held}{why}, so the copy could not bind it there: "
@@ -502,8 +528,11 @@ class Node:
 
     def finish(self, migration_id: str, commit: bool, confirmed: bool = False) -> PeerStatus:
         self._record(migration_id)  # (NOT_FOUND if unknown)
-        why = ("running here, confirmed by the source" if confirmed else "running here") if commit else \
-            "decided by the source"  # fmt: skip
+        why = (
+            ("running here, confirmed by the source" if confirmed else "running here")
+            if commit
+            else "decided by the source"
+        )
         return status_of(self.finish_target(migration_id, commit, why, confirmed))
 
     def finish_target(self, mid: str, commit: bool, why: str, confirmed: bool = False) -> Record:
@@ -532,8 +561,11 @@ class Node:
     def frozen_seconds(self) -> float:
         """How long the longest-frozen original this node holds for a migration has been frozen
         (0: none).  Past CHECKING and until a final state, a source's original is frozen."""
-        since = [self._frozen_since(r) for r in self.journal.unfinished()
-                 if r.role is Role.SOURCE and r.state is not SourceState.CHECKING]  # fmt: skip
+        since = [
+            self._frozen_since(r)
+            for r in self.journal.unfinished()
+            if r.role is Role.SOURCE and r.state is not SourceState.CHECKING
+        ]
         return max((time.time() - t for t in since if t), default=0.0)
 
     def _frozen_since(self, r: Record) -> float:
@@ -561,8 +593,12 @@ class Node:
         """Finish or roll back what a previous run of this agent left half-way."""
         for r in self.journal.unfinished():
             if not self.ctx.inside_work_dir(r.snapshot):  # (a damaged or foreign record)
-                log.error("migration %s: its record names the snapshot %r, outside %s; left for an operator",
-                          r.migration_id, r.snapshot, self.cfg.work_dir)  # fmt: skip
+                log.error(
+                    "migration %s: its record names the snapshot %r, outside %s; left for an operator",
+                    r.migration_id,
+                    r.snapshot,
+                    self.cfg.work_dir,
+                )
                 continue
             try:
                 if r.role is Role.SOURCE:

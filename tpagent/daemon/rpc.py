@@ -298,8 +298,12 @@ class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
         if not theirs.isdigit():
             return False
         self.offset = int(theirs) / 1000 - clock.now()
-        log.warning("the clock of the agent at %s is %s this node's; signing calls to it on its clock "
-                    "(keep the nodes' clocks in sync: NTP)", self.audience, clock.apart(self.offset))  # fmt: skip
+        log.warning(
+            "the clock of the agent at %s is %s this node's; signing calls to it on its clock "
+            "(keep the nodes' clocks in sync: NTP)",
+            self.audience,
+            clock.apart(self.offset),
+        )
         return True
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:

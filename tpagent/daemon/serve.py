@@ -80,9 +80,14 @@ def context(
     configured transport and this node's credentials (read and checked now)."""
     creds = creds or cfg.credentials()
     t = cfg.timeouts
-    transfer = TransferConfig(secret=creds.secret, compress=Compress(cfg.compress), io_timeout=t.io,
-                              connect_timeout=min(10.0, t.io), start_timeout=t.io,
-                              streams=max(1, min(MAX_STREAMS, cfg.streams)))  # fmt: skip
+    transfer = TransferConfig(
+        secret=creds.secret,
+        compress=Compress(cfg.compress),
+        io_timeout=t.io,
+        connect_timeout=min(10.0, t.io),
+        start_timeout=t.io,
+        streams=max(1, min(MAX_STREAMS, cfg.streams)),
+    )
     tls = TlsFiles.in_dir(cfg.tls_dir)  # (TCP: mutual TLS with the agent's certificates; UCX has none)
     return Context(
         cfg=cfg,
@@ -124,9 +129,11 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
     creds = cfg.credentials()
     ctx = context(cfg, creds)
     if on_tmpfs(ctx.journal.directory):
-        log.warning("the journal (%s) is on tmpfs: a reboot of this node loses the migrations in flight "
-                    "(the original or its copy may then never run); put work_dir on persistent storage",
-                    ctx.journal.directory)  # fmt: skip
+        log.warning(
+            "the journal (%s) is on tmpfs: a reboot of this node loses the migrations in flight "
+            "(the original or its copy may then never run); put work_dir on persistent storage",
+            ctx.journal.directory,
+        )
     node = Node(ctx)
     node.recover()
     health = Health()
@@ -168,8 +175,11 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         grace = cfg.timeouts.shutdown_grace
         left = ctx.threads.join(grace, "migration", give_up=force)
         if left:
-            log.warning("stopping with migrations still running (%s); the next start takes them up from the journal",
-                        ", ".join(left), extra={"node": cfg.node})  # fmt: skip
+            log.warning(
+                "stopping with migrations still running (%s); the next start takes them up from the journal",
+                ", ".join(left),
+                extra={"node": cfg.node},
+            )
         ctx.threads.stopping.set()  # the waiters return; what they wait for is journaled
         node.ranks.close()
         server.stop(0 if force.is_set() else 1.0)

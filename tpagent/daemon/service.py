@@ -37,17 +37,43 @@ def status_pb(s: PeerStatus) -> pb.MigrationStatus:
 
 
 def event_pb(e: Event) -> pb.MigrationEvent:
-    return pb.MigrationEvent(migration_id=e.migration_id, state=e.state, message=e.message, seconds=e.seconds,
-                             timings=dict(e.timings), problems=list(e.problems), bytes_done=e.bytes_done,
-                             bytes_total=e.bytes_total, new_pid=e.new_pid)  # fmt: skip
+    return pb.MigrationEvent(
+        migration_id=e.migration_id,
+        state=e.state,
+        message=e.message,
+        seconds=e.seconds,
+        timings=dict(e.timings),
+        problems=list(e.problems),
+        bytes_done=e.bytes_done,
+        bytes_total=e.bytes_total,
+        new_pid=e.new_pid,
+    )
 
 
 def info_pb(i: NodeInfo) -> pb.NodeInfo:
-    gpus = [pb.Gpu(uuid=g.uuid, name=g.name, memory_total=g.memory_total, memory_used=g.memory_used,
-                   temperature_c=g.temperature_c, ecc_uncorrected=g.ecc_uncorrected) for g in i.gpus]  # fmt: skip
-    return pb.NodeInfo(node=i.node, hostname=i.hostname, gpus=gpus, memory_available=i.memory_available,
-                       agent_version=i.agent_version, criu_version=i.criu_version, driver_version=i.driver_version,
-                       healthy=not i.problems, problems=list(i.problems), clock=i.clock)  # fmt: skip
+    gpus = [
+        pb.Gpu(
+            uuid=g.uuid,
+            name=g.name,
+            memory_total=g.memory_total,
+            memory_used=g.memory_used,
+            temperature_c=g.temperature_c,
+            ecc_uncorrected=g.ecc_uncorrected,
+        )
+        for g in i.gpus
+    ]
+    return pb.NodeInfo(
+        node=i.node,
+        hostname=i.hostname,
+        gpus=gpus,
+        memory_available=i.memory_available,
+        agent_version=i.agent_version,
+        criu_version=i.criu_version,
+        driver_version=i.driver_version,
+        healthy=not i.problems,
+        problems=list(i.problems),
+        clock=i.clock,
+    )
 
 
 class Service(AgentServicer):
@@ -58,11 +84,20 @@ class Service(AgentServicer):
         return info_pb(self.node.info())
 
     def ListProcesses(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.ProcessList:
-        return pb.ProcessList(processes=[
-            pb.Process(pid=p.pid, cmdline=list(p.cmdline), rss=p.rss, uses_gpu=p.uses_gpu, why=p.why,
-                       uid=p.uid, owner=p.owner)
-            for p in self.node.migratable()
-        ])  # fmt: skip
+        return pb.ProcessList(
+            processes=[
+                pb.Process(
+                    pid=p.pid,
+                    cmdline=list(p.cmdline),
+                    rss=p.rss,
+                    uses_gpu=p.uses_gpu,
+                    why=p.why,
+                    uid=p.uid,
+                    owner=p.owner,
+                )
+                for p in self.node.migratable()
+            ]
+        )
 
     def Migrate(self, request: pb.MigrateRequest, context: grpc.ServicerContext) -> Iterator[pb.MigrationEvent]:
         m = _answer(
@@ -73,7 +108,7 @@ class Service(AgentServicer):
                 bool(request.dry_run),
                 str(request.job),
                 tuple(int(r) for r in request.ranks),
-            ),  # fmt: skip
+            ),
         )
 
         # The CLI going away (Ctrl-C) cancels the migration, unless it is past the point of no return.
@@ -96,15 +131,28 @@ class Service(AgentServicer):
         return status_pb(_answer(context, lambda: self.node.resolve(request.migration_id, request.commit)))
 
     def Receive(self, request: pb.ReceiveRequest, context: grpc.ServicerContext) -> pb.ReceiveReply:
-        offer = Offer(str(request.migration_id), str(request.source_node), str(request.source_agent),
-                      int(request.bytes_estimate), tuple(request.gpu_uuids), tuple(request.shared_files),
-                      bool(request.dry_run), tuple(request.carried_files),
-                      tuple((str(t.local), str(t.remote)) for t in request.tcp), float(request.hold),
-                      tuple(str(b)[:64] for b in request.gpu_bus_ids[:64]),
-                      tuple(str(n) for n in request.abstract_sockets[:10_000]))  # fmt: skip
+        offer = Offer(
+            str(request.migration_id),
+            str(request.source_node),
+            str(request.source_agent),
+            int(request.bytes_estimate),
+            tuple(request.gpu_uuids),
+            tuple(request.shared_files),
+            bool(request.dry_run),
+            tuple(request.carried_files),
+            tuple((str(t.local), str(t.remote)) for t in request.tcp),
+            float(request.hold),
+            tuple(str(b)[:64] for b in request.gpu_bus_ids[:64]),
+            tuple(str(n) for n in request.abstract_sockets[:10_000]),
+        )
         a = _answer(context, lambda: self.node.receive(offer))
-        return pb.ReceiveReply(transfer_address=a.transfer_address, gpu_map=dict(a.gpu_map), problems=list(a.problems),
-                               reserved=a.reserved, clock=a.clock)  # fmt: skip
+        return pb.ReceiveReply(
+            transfer_address=a.transfer_address,
+            gpu_map=dict(a.gpu_map),
+            problems=list(a.problems),
+            reserved=a.reserved,
+            clock=a.clock,
+        )
 
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreReply:
         r = _answer(context, lambda: self.node.restore(request.migration_id))

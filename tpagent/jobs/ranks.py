@@ -218,8 +218,16 @@ class Ranks:
         for d in data.get("ranks", []) if isinstance(data, dict) else []:
             try:
                 code = d["exit_code"] if isinstance(d["exit_code"], int) else None
-                entry = RankEntry(str(d["job"]), int(d["rank"]), int(d["init"]), int(d["init_start"]),
-                                  int(d["world"]), None, code, str(d["moved_to"]))  # fmt: skip
+                entry = RankEntry(
+                    str(d["job"]),
+                    int(d["rank"]),
+                    int(d["init"]),
+                    int(d["init_start"]),
+                    int(d["world"]),
+                    None,
+                    code,
+                    str(d["moved_to"]),
+                )
             except (KeyError, TypeError, ValueError):
                 continue
             if valid_job(entry.job) and (entry.alive() or entry.moved_to or entry.exit_code is not None):
@@ -232,8 +240,18 @@ class Ranks:
         ended = [k for k, e in self.entries.items() if e.exit_code is not None or e.moved_to]
         for k in ended[: max(0, len(ended) - KEEP_ENDED)]:
             _close_outputs(self.entries.pop(k))
-        rows = [{"job": e.job, "rank": e.rank, "init": e.init, "init_start": e.init_start, "world": e.world,
-                 "exit_code": e.exit_code, "moved_to": e.moved_to} for e in self.entries.values()]  # fmt: skip
+        rows = [
+            {
+                "job": e.job,
+                "rank": e.rank,
+                "init": e.init,
+                "init_start": e.init_start,
+                "world": e.world,
+                "exit_code": e.exit_code,
+                "moved_to": e.moved_to,
+            }
+            for e in self.entries.values()
+        ]
         try:
             write_durably(self.saved, {"format": 1, "ranks": rows})
         except OSError as e:
@@ -479,7 +497,16 @@ class Ranks:
                 here = e.exit_code is None and not e.moved_to and e.alive()
                 if not here and not e.moved_to:
                     continue
-                out.append({"job": e.job, "rank": e.rank, "world": e.world, "pid": e.init,
-                            "gen": e.seen.get("gen", 0), "step": e.seen.get("step", 0),
-                            "connected": e.conn is not None, "moved_to": e.moved_to})  # fmt: skip
+                out.append(
+                    {
+                        "job": e.job,
+                        "rank": e.rank,
+                        "world": e.world,
+                        "pid": e.init,
+                        "gen": e.seen.get("gen", 0),
+                        "step": e.seen.get("step", 0),
+                        "connected": e.conn is not None,
+                        "moved_to": e.moved_to,
+                    }
+                )
             return out

@@ -65,8 +65,16 @@ class Rewire:
     """Moves ``moving`` (rank -> (init PID here, target agent)) of ``job``; quacks like a
     :class:`~tpagent.migration.source.SourceMigration` for the service (events, cancel, run)."""
 
-    def __init__(self, job: str, moving: dict[int, tuple[int, str]], here: str, ask: Ask, start_move: StartMove,
-                 timeout: float, dry_run: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        job: str,
+        moving: dict[int, tuple[int, str]],
+        here: str,
+        ask: Ask,
+        start_move: StartMove,
+        timeout: float,
+        dry_run: bool = False,
+    ) -> None:
         self.job, self.moving, self.here, self.ask = job, moving, here, ask
         self.start_move, self.timeout, self.dry_run = start_move, timeout, dry_run
         self.migration_id = uuid.uuid4().hex
@@ -100,10 +108,20 @@ class Rewire:
     # ---- written down --------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": 1, "rewire_id": self.migration_id, "job": self.job, "here": self.here,
-                "phase": self.phase, "message": self.message, "agents": self.agents, "gen": self.gen,
-                "step": self.step, "unit": self.unit, "moving": {str(r): [i, t] for r, (i, t) in self.moving.items()},
-                "moves": {str(r): m for r, m in self.move_ids.items()}}  # fmt: skip
+        return {
+            "format": 1,
+            "rewire_id": self.migration_id,
+            "job": self.job,
+            "here": self.here,
+            "phase": self.phase,
+            "message": self.message,
+            "agents": self.agents,
+            "gen": self.gen,
+            "step": self.step,
+            "unit": self.unit,
+            "moving": {str(r): [i, t] for r, (i, t) in self.moving.items()},
+            "moves": {str(r): m for r, m in self.move_ids.items()},
+        }
 
     def _write(self, phase: str, message: str = "") -> None:
         self.phase, self.message = phase, message or self.message
@@ -113,8 +131,9 @@ class Rewire:
             raise RewireFailed(f"where the rewire stands cannot be written down ({e.strerror})") from e
 
     @classmethod
-    def recover(cls, record: dict[str, Any], ask: Ask, start_move: StartMove, timeout: float,
-                settled: Settled) -> Rewire:  # fmt: skip
+    def recover(
+        cls, record: dict[str, Any], ask: Ask, start_move: StartMove, timeout: float, settled: Settled
+    ) -> Rewire:
         """The rewire a previous run of this agent wrote down and did not finish; :meth:`run`
         finishes it (raises ValueError for a record that is not one)."""
         moving = {int(r): (int(v[0]), str(v[1])) for r, v in dict(record["moving"]).items()}
@@ -136,8 +155,17 @@ class Rewire:
     def emit(self, message: str = "", new_pid: int = 0, problems: tuple[str, ...] = ()) -> None:
         if message:
             self.last_said = message
-        self.events.put(Event(self.migration_id, self.state, message, time.monotonic() - self.t0,
-                              dict(self.timings), problems, new_pid=new_pid))  # fmt: skip
+        self.events.put(
+            Event(
+                self.migration_id,
+                self.state,
+                message,
+                time.monotonic() - self.t0,
+                dict(self.timings),
+                problems,
+                new_pid=new_pid,
+            )
+        )
         if message:
             self.log.info("%s: %s", self.state, message)
 
@@ -150,8 +178,14 @@ class Rewire:
 
     # ---- the run ------------------------------------------------------------------------------
 
-    def _all(self, agents: list[str], body: Callable[[int], dict[str, Any]], timeout: float,
-             only: list[int] | None = None, until_one_fails: bool = False) -> dict[int, Any]:  # fmt: skip
+    def _all(
+        self,
+        agents: list[str],
+        body: Callable[[int], dict[str, Any]],
+        timeout: float,
+        only: list[int] | None = None,
+        until_one_fails: bool = False,
+    ) -> dict[int, Any]:
         """Ask every rank (or ``only`` these) at once; rank -> its answer, or the AgentError it gave.
         ``until_one_fails``: only until a rank fails (the others' answers then are not waited for)."""
         ranks = list(range(len(agents))) if only is None else only
@@ -214,8 +248,10 @@ class Rewire:
         if self.phase in ("checking", "pausing"):  # nothing was torn down: the job just goes on
             self._all(self.agents, lambda r: {"op": "cancel"}, self.timeout)
             self.state = "rolled_back"
-            self.emit(f"job {self.job}: the agent restarted before any rank stopped for good; the job goes on "
-                      "as it was, no rank moved")  # fmt: skip
+            self.emit(
+                f"job {self.job}: the agent restarted before any rank stopped for good; the job goes on "
+                "as it was, no rank moved"
+            )
             return Outcome.ROLLED_BACK, 0
         agents, new_pid = list(self.agents), 0
         for r in sorted(self.moving):
@@ -240,12 +276,15 @@ class Rewire:
         agents_answer = self.ask(self.here, self.job, first, {"op": "peers"}, self.timeout)
         agents = agents_answer.get("agents")
         if not agents_answer.get("ok") or not isinstance(agents, list) or not agents:
-            raise RewireFailed(f"rank {first} cannot tell where the job's other ranks run "
-                               f"({agents_answer.get('error', 'no answer')})")  # fmt: skip
+            raise RewireFailed(
+                f"rank {first} cannot tell where the job's other ranks run ({agents_answer.get('error', 'no answer')})"
+            )
         missing = [r for r, a in enumerate(agents) if not isinstance(a, str) or not a]
         if missing:
-            raise RewireFailed(f"rank(s) {', '.join(map(str, missing))} have not said where their agent is: "
-                               "is every rank started with `tpagent rank`?")  # fmt: skip
+            raise RewireFailed(
+                f"rank(s) {', '.join(map(str, missing))} have not said where their agent is: "
+                "is every rank started with `tpagent rank`?"
+            )
         agents = [str(a) for a in agents]
         for r in ranks:
             if agents[r] != self.here:
@@ -256,13 +295,19 @@ class Rewire:
         if bad:
             raise RewireFailed("; ".join(bad) + "; nothing was changed")
         hosting = [_hosts_store(r, where[r]["hosts_store"]) for r in ranks if where[r].get("hosts_store")]
-        hosting += [f"rank {r} reaches the job's store at a loopback address ({where[r]['store_loopback']}), which "
-                    "another node would not reach: start the job with an address every node reaches"
-                    for r in ranks if where[r].get("store_loopback")]  # fmt: skip
-        hosting += [f"rank {r} runs NCCL's RAS thread (NCCL_RAS_ENABLE is on in its environment), which listens "
-                    "on this node's address for the life of the process, past every communicator: it cannot move "
-                    "(start the job without NCCL_RAS_ENABLE: tpagent rank turns RAS off where it is not set)"
-                    for r in ranks if where[r].get("nccl_ras")]  # fmt: skip
+        hosting += [
+            f"rank {r} reaches the job's store at a loopback address ({where[r]['store_loopback']}), which "
+            "another node would not reach: start the job with an address every node reaches"
+            for r in ranks
+            if where[r].get("store_loopback")
+        ]
+        hosting += [
+            f"rank {r} runs NCCL's RAS thread (NCCL_RAS_ENABLE is on in its environment), which listens "
+            "on this node's address for the life of the process, past every communicator: it cannot move "
+            "(start the job without NCCL_RAS_ENABLE: tpagent rank turns RAS off where it is not set)"
+            for r in ranks
+            if where[r].get("nccl_ras")
+        ]
         if self.dry_run:
             return self._dry_run(agents, where, hosting)
         if hosting:
@@ -318,8 +363,10 @@ class Rewire:
             result = mv.result()
             assert result is not None
             if result.outcome is Outcome.UNRESOLVED:
-                raise RewireFailed(f"rank {r}'s migration {m.migration_id} is unresolved (its original stays "
-                                   "frozen until its target answers); the job waits at its boundary")  # fmt: skip
+                raise RewireFailed(
+                    f"rank {r}'s migration {m.migration_id} is unresolved (its original stays "
+                    "frozen until its target answers); the job waits at its boundary"
+                )
             self.stayed[r] = result.message.rstrip(".")
             self.emit(f"rank {r} stays on this node: {self.stayed[r]}")
         return held
@@ -352,9 +399,11 @@ class Rewire:
         for r, mv in sorted(held.items()):
             result = mv.result(self.timeout)
             if result is None:  # (the target does not answer: its copy may be final there, or gone)
-                raise RewireFailed(f"rank {r}'s target {trial[r]} does not answer, so its copy can be neither kept "
-                                   "nor dropped; the original stays frozen until it answers (or `tpagent resolve`), "
-                                   "and the job waits at its boundary")  # fmt: skip
+                raise RewireFailed(
+                    f"rank {r}'s target {trial[r]} does not answer, so its copy can be neither kept "
+                    "nor dropped; the original stays frozen until it answers (or `tpagent resolve`), "
+                    "and the job waits at its boundary"
+                )
             if result.outcome is Outcome.DONE:
                 agents[r], new_pid = trial[r], result.new_pid
                 try:
@@ -362,8 +411,10 @@ class Rewire:
                 except AgentError as e:  # (this agent's own registry: its stand-in may not follow it)
                     self.log.warning("rank %d moved to %s, but this agent could not note it: %s", r, trial[r], e)
             elif result.outcome is Outcome.UNRESOLVED:
-                raise RewireFailed(f"rank {r}'s migration {mv.m.migration_id} is unresolved (its original stays "
-                                   "frozen until its target answers); the job waits at its boundary")  # fmt: skip
+                raise RewireFailed(
+                    f"rank {r}'s migration {mv.m.migration_id} is unresolved (its original stays "
+                    "frozen until its target answers); the job waits at its boundary"
+                )
             else:
                 why = "; ".join(bad) if bad else result.message.rstrip(".")
                 self.stayed[r] = f"the job's communicators could not be built with it on {trial[r]} ({why})"
@@ -376,8 +427,12 @@ class Rewire:
         self.gen = gen = gen + 1
         self._write("teardown")
         dropped = {r for r in held if agents[r] == self.here}
-        torn = self._all(agents, lambda r: {"op": "teardown", "leaving": False}, self.timeout,
-                         only=[r for r in range(len(agents)) if r not in dropped])  # fmt: skip
+        torn = self._all(
+            agents,
+            lambda r: {"op": "teardown", "leaving": False},
+            self.timeout,
+            only=[r for r in range(len(agents)) if r not in dropped],
+        )
         self._rebuild(agents, gen, "; ".join(self._fails(torn, "tear its communicators down")))
         return new_pid
 
@@ -394,8 +449,10 @@ class Rewire:
         self.state = "failed" if problems else "done"
         moving = ", ".join(f"rank {r} to {self.moving[r][1]}" for r in sorted(self.moving))
         verdict = "it would fail" if problems else "all checks pass"
-        self.emit(f"dry run of job {self.job}, moving {moving}: all {len(agents)} ranks answer (steps {steps}); "
-                  f"{verdict}", problems=tuple(problems))  # fmt: skip
+        self.emit(
+            f"dry run of job {self.job}, moving {moving}: all {len(agents)} ranks answer (steps {steps}); {verdict}",
+            problems=tuple(problems),
+        )
         return Outcome.DRY_RUN, 0
 
     def _moved(self, r: int, target: str, pid: int) -> None:
@@ -409,8 +466,11 @@ class Rewire:
         self.state = "done" if len(moved) == len(ranks) else "rolled_back"
         why = {r: f" (it stayed: {self.stayed[r]})" for r in self.stayed}
         where_now = ", ".join(f"rank {r} on {agents[r]}{why.get(r, '')}" for r in ranks)
-        self.emit(f"job {self.job} resumed at {self.unit} {self.step + 1} with new communicators "
-                  f"(generation {self.gen}): {where_now}", new_pid=new_pid)  # fmt: skip
+        self.emit(
+            f"job {self.job} resumed at {self.unit} {self.step + 1} with new communicators "
+            f"(generation {self.gen}): {where_now}",
+            new_pid=new_pid,
+        )
         return (Outcome.DONE if self.state == "done" else Outcome.ROLLED_BACK), new_pid
 
     def _follow(self, m: SourceMigration) -> MigrationResult:
@@ -463,8 +523,12 @@ class Rewire:
         if not bad:
             # A rank that fails means the job cannot build them: the others (blocked until their
             # deadline, waiting for it) are not waited for.
-            built = self._all(agents, lambda r: {"op": "rebuild", "gen": gen, "timeout": self.timeout},
-                              self.timeout + 5, until_one_fails=True)  # fmt: skip
+            built = self._all(
+                agents,
+                lambda r: {"op": "rebuild", "gen": gen, "timeout": self.timeout},
+                self.timeout + 5,
+                until_one_fails=True,
+            )
             bad = self._fails(built, f"build its communicators (generation {gen})")
         self._stage("rebuild", t)
         if bad and not final:
@@ -541,10 +605,12 @@ class _Move:
 
 
 def _hosts_store(rank: int, address: object) -> str:
-    return (f"rank {rank} serves the job's store ({address}) itself, and its peers reach it at this node's "
-            "address: it cannot move (its stand-in serves the store in its place where it can: MASTER_ADDR "
-            "and MASTER_PORT in its environment, and a Python command; what it said as it started tells why "
-            "not)")  # fmt: skip
+    return (
+        f"rank {rank} serves the job's store ({address}) itself, and its peers reach it at this node's "
+        "address: it cannot move (its stand-in serves the store in its place where it can: MASTER_ADDR "
+        "and MASTER_PORT in its environment, and a Python command; what it said as it started tells why "
+        "not)"
+    )
 
 
 def _nccl_strangers(seen: dict[int, Any]) -> list[str]:
@@ -559,8 +625,10 @@ def _nccl_strangers(seen: dict[int, Any]) -> list[str]:
     for split in hosts.values():
         if len(split) > 1:
             where = "; ".join(f"rank(s) {', '.join(map(str, rs))} on host {h.split('|')[0]}" for h, rs in split.items())
-            out.append(f"NCCL in {where} holds one host identity (read once per process: NVIDIA/nccl issue "
-                       "2348) and would take them for neighbours across hosts: move such ranks together")  # fmt: skip
+            out.append(
+                f"NCCL in {where} holds one host identity (read once per process: NVIDIA/nccl issue "
+                "2348) and would take them for neighbours across hosts: move such ranks together"
+            )
     return out
 
 

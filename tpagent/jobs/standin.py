@@ -168,9 +168,15 @@ def host_store(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[by
     if python is None:
         return None, f"{cmd[0]} is not a Python interpreter (nor a script one runs) to serve it with"
     with tempfile.TemporaryFile() as errors:
-        server = subprocess.Popen([python, "-c", STORE_SERVER, host, port], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=errors, env=env, cwd="/",
-                                  start_new_session=True)  # fmt: skip
+        server = subprocess.Popen(
+            [python, "-c", STORE_SERVER, host, port],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            env=env,
+            cwd="/",
+            start_new_session=True,
+        )
         assert server.stdout is not None
         ready, _, _ = select.select([server.stdout], [], [], STORE_READY_TIMEOUT)
         if ready and server.stdout.readline() == b"ready\n":
@@ -198,8 +204,17 @@ class _Relay:
 
 
 class StandIn:
-    def __init__(self, cmd: list[str], agent: Peer, connect: Callable[[str], Peer], stdout: Path, stderr: Path,
-                 socket_name: str, umask: int, relay: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cmd: list[str],
+        agent: Peer,
+        connect: Callable[[str], Peer],
+        stdout: Path,
+        stderr: Path,
+        socket_name: str,
+        umask: int,
+        relay: bool = True,
+    ) -> None:
         self.cmd, self.agent, self.connect = cmd, agent, connect
         self.stdout, self.stderr, self.socket_name, self.umask = stdout, stderr, socket_name, umask
         self.signals: list[int] = []
@@ -251,8 +266,10 @@ class StandIn:
                 last_heard = time.monotonic()
             except PeerUnreachable as e:
                 if time.monotonic() - last_heard > LOST_AFTER:
-                    self.say(f"the agent at {where.address} has not answered for {LOST_AFTER:.0f} s ({e}); "
-                             f"rank {rank} of job {job} is given up")  # fmt: skip
+                    self.say(
+                        f"the agent at {where.address} has not answered for {LOST_AFTER:.0f} s ({e}); "
+                        f"rank {rank} of job {job} is given up"
+                    )
                     return 1
                 time.sleep(1)
                 continue

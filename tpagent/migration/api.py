@@ -118,33 +118,38 @@ class TargetState(str, enum.Enum):
 
 #: The target's states in which a whole copy exists there: held, being let go, running, final.
 #: A source that hears one of these never rolls back (that would end a copy that may run).
-HAS_COPY = frozenset({TargetState.READY.value, TargetState.STARTING.value, TargetState.CONFIRMING.value,
-                      TargetState.DONE.value})  # fmt: skip
+HAS_COPY = frozenset(
+    {TargetState.READY.value, TargetState.STARTING.value, TargetState.CONFIRMING.value, TargetState.DONE.value}
+)
 
 State = SourceState | TargetState
 
 _S, _T = SourceState, TargetState
-SOURCE_TRANSITIONS: Mapping[SourceState, frozenset[SourceState]] = MappingProxyType({
-    _S.CHECKING: frozenset({_S.FREEZING, _S.DONE, _S.FAILED}),
-    _S.FREEZING: frozenset({_S.HELD, _S.ROLLING_BACK}),
-    _S.HELD: frozenset({_S.RESTORING, _S.ROLLING_BACK}),
-    _S.RESTORING: frozenset({_S.COMMITTING, _S.ROLLING_BACK}),
-    _S.COMMITTING: frozenset({_S.DONE, _S.ROLLING_BACK}),  # back only if the target says its copy is gone
-    _S.ROLLING_BACK: frozenset({_S.ROLLED_BACK, _S.COMMITTING}),  # forward only if the target's copy is final
-    _S.DONE: frozenset(),
-    _S.ROLLED_BACK: frozenset(),
-    _S.FAILED: frozenset(),
-})  # fmt: skip
-TARGET_TRANSITIONS: Mapping[TargetState, frozenset[TargetState]] = MappingProxyType({
-    _T.RECEIVING: frozenset({_T.RECEIVED, _T.DISCARDED}),
-    _T.RECEIVED: frozenset({_T.RESTORING, _T.DISCARDED}),
-    _T.RESTORING: frozenset({_T.READY, _T.DISCARDED}),
-    _T.READY: frozenset({_T.STARTING, _T.DISCARDED}),
-    _T.STARTING: frozenset({_T.CONFIRMING, _T.DISCARDED}),
-    _T.CONFIRMING: frozenset({_T.DONE, _T.DISCARDED}),
-    _T.DONE: frozenset(),
-    _T.DISCARDED: frozenset(),
-})  # fmt: skip
+SOURCE_TRANSITIONS: Mapping[SourceState, frozenset[SourceState]] = MappingProxyType(
+    {
+        _S.CHECKING: frozenset({_S.FREEZING, _S.DONE, _S.FAILED}),
+        _S.FREEZING: frozenset({_S.HELD, _S.ROLLING_BACK}),
+        _S.HELD: frozenset({_S.RESTORING, _S.ROLLING_BACK}),
+        _S.RESTORING: frozenset({_S.COMMITTING, _S.ROLLING_BACK}),
+        _S.COMMITTING: frozenset({_S.DONE, _S.ROLLING_BACK}),  # back only if the target says its copy is gone
+        _S.ROLLING_BACK: frozenset({_S.ROLLED_BACK, _S.COMMITTING}),  # forward only if the target's copy is final
+        _S.DONE: frozenset(),
+        _S.ROLLED_BACK: frozenset(),
+        _S.FAILED: frozenset(),
+    }
+)
+TARGET_TRANSITIONS: Mapping[TargetState, frozenset[TargetState]] = MappingProxyType(
+    {
+        _T.RECEIVING: frozenset({_T.RECEIVED, _T.DISCARDED}),
+        _T.RECEIVED: frozenset({_T.RESTORING, _T.DISCARDED}),
+        _T.RESTORING: frozenset({_T.READY, _T.DISCARDED}),
+        _T.READY: frozenset({_T.STARTING, _T.DISCARDED}),
+        _T.STARTING: frozenset({_T.CONFIRMING, _T.DISCARDED}),
+        _T.CONFIRMING: frozenset({_T.DONE, _T.DISCARDED}),
+        _T.DONE: frozenset(),
+        _T.DISCARDED: frozenset(),
+    }
+)
 SOURCE_FINAL = frozenset(s for s, nxt in SOURCE_TRANSITIONS.items() if not nxt)
 TARGET_FINAL = frozenset(s for s, nxt in TARGET_TRANSITIONS.items() if not nxt)
 

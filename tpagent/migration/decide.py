@@ -204,8 +204,10 @@ def rolled_back_without_original(ctx: Context, r: Record, dump: HeldDump) -> str
         ctx.remove(r.snapshot)
         return "the original was resumed where it stood"
     if dump.sealed():  # the last whole image of the job: never removed by the agent
-        return (f"the original did not survive (a restart of this node?) and no copy runs on {r.peer}; its "
-                f"snapshot is kept: `tpagent restore {r.snapshot}` brings it back")  # fmt: skip
+        return (
+            f"the original did not survive (a restart of this node?) and no copy runs on {r.peer}; its "
+            f"snapshot is kept: `tpagent restore {r.snapshot}` brings it back"
+        )
     ctx.remove(r.snapshot)
     return f"the original did not survive (a restart of this node?) and no copy of it runs on {r.peer}"
 

@@ -110,8 +110,10 @@ def operator_may(ctx: Context, r: Record, commit: bool) -> str:
         return "no copy was restored on the target: the original cannot be ended (only --discard)"
     state, _ = target_state(ctx, ctx.peer(r.peer), r.migration_id, ctx.timeouts.rpc)
     if state is not None:
-        return (f"the target {r.peer} answers (its copy is {state}): this agent resolves the migration with it, "
-                "no operator decision is needed")  # fmt: skip
+        return (
+            f"the target {r.peer} answers (its copy is {state}): this agent resolves the migration with it, "
+            "no operator decision is needed"
+        )
     return ""
 
 

@@ -116,8 +116,19 @@ class SourceMigration:
         return Path(self.record.snapshot)
 
     def emit(self, message: str = "", bytes_done: int = 0, bytes_total: int = 0, new_pid: int = 0) -> None:
-        self.events.put(Event(self.migration_id, self.record.state.value, message, time.monotonic() - self.t0,
-                              dict(self.timings), tuple(self.problems), bytes_done, bytes_total, new_pid))  # fmt: skip
+        self.events.put(
+            Event(
+                self.migration_id,
+                self.record.state.value,
+                message,
+                time.monotonic() - self.t0,
+                dict(self.timings),
+                tuple(self.problems),
+                bytes_done,
+                bytes_total,
+                new_pid,
+            )
+        )
         if message:
             self.log.info("%s: %s", self.record.state.value, message)
 
@@ -242,14 +253,22 @@ class SourceMigration:
             raise _Failure("; ".join([*uncarriable, *stay]))
         cfg, t = self.ctx.cfg, self.ctx.timeouts
         offer = Offer(
-            self.migration_id, cfg.node, cfg.agent_address, need, tuple(g.uuid for g in used), shared, self.dry_run,
+            self.migration_id,
+            cfg.node,
+            cfg.agent_address,
+            need,
+            tuple(g.uuid for g in used),
+            shared,
+            self.dry_run,
             carried,
-            tuple((sockets.endpoint(*s.local), sockets.endpoint(*s.remote) if not s.listening else "")
-                  for s in sockets.must_check_on_target(tcp)),
+            tuple(
+                (sockets.endpoint(*s.local), sockets.endpoint(*s.remote) if not s.listening else "")
+                for s in sockets.must_check_on_target(tcp)
+            ),
             self.hold,
             tuple(g.pci_bus_id for g in used),
             tuple(sockets.abstract_bound(sorted(pids))),
-        )  # fmt: skip
+        )
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
         asked = clock.now()
         try:
@@ -288,13 +307,15 @@ class SourceMigration:
 
     def _freeze_and_send(self, acceptance: Acceptance) -> TransferStats:
         cfg, ctx = self.ctx.cfg, self.ctx
-        config = SnapshotConfig(criu=ctx.snapshot_config.criu, timeouts=ctx.snapshot_config.timeouts,
-                                ghost_limit=cfg.ghost_limit_mib << 20)  # fmt: skip
+        config = SnapshotConfig(
+            criu=ctx.snapshot_config.criu, timeouts=ctx.snapshot_config.timeouts, ghost_limit=cfg.ghost_limit_mib << 20
+        )
         private_dir(self.snapshot.parent)
         t0 = self.freeze_t0 = time.monotonic()
         # (the process checked, by its start time: a PID reused since is refused while frozen)
-        dump = self.dump = ctx.held.start(self.pid, self.snapshot, config, ctx.timeouts.hold, self.carry,
-                                          self.record.create_time or None)  # fmt: skip
+        dump = self.dump = ctx.held.start(
+            self.pid, self.snapshot, config, ctx.timeouts.hold, self.carry, self.record.create_time or None
+        )
 
         def sealed() -> bool:  # the sender ends once the snapshot is whole
             if dump.error is not None:

@@ -92,9 +92,15 @@ class Incoming:
             j.move(self.record, T.RECEIVED)
             j.move(self.record, T.RESTORING)
         try:
-            result = restore_copy(self.dir, self.gpu_map, self.ctx.snapshot_config, verified=True,
-                                    work=restore_work(self.dir), start=False,
-                                    created_note=created_note(self.dir))  # fmt: skip
+            result = restore_copy(
+                self.dir,
+                self.gpu_map,
+                self.ctx.snapshot_config,
+                verified=True,
+                work=restore_work(self.dir),
+                start=False,
+                created_note=created_note(self.dir),
+            )
         except Exception as e:  # the engine leaves no copy behind on failure
             with self.lock:
                 self._drop(f"restore failed: {e}")
@@ -219,8 +225,13 @@ def confirm_held(ctx: Context, r: Record, why: str) -> None:
 def _let_run(ctx: Context, r: Record, result: RestoreResult | None, settle: Settler) -> None:
     start_copy(result, Path(r.snapshot), r.pid)
     period = ctx.timeouts.confirm
-    ctx.journal.move(r, T.CONFIRMING, f"running; held until the source confirms it (at most {r.hold:g} s)" if r.hold
-                     else f"running; the source ends its original once it ran {period:g} s")  # fmt: skip
+    ctx.journal.move(
+        r,
+        T.CONFIRMING,
+        f"running; held until the source confirms it (at most {r.hold:g} s)"
+        if r.hold
+        else f"running; the source ends its original once it ran {period:g} s",
+    )
     mid = r.migration_id
     ctx.threads.spawn("waiter", f"confirm-{mid[:8]}", watch_copy, ctx, replace(r), settle)
 
@@ -249,12 +260,21 @@ def _watch(ctx: Context, probe: Record, settle: Settler, period: float, t0: floa
         silent = time.monotonic() - max(t0, _HEARD.get(mid, t0)) if probe.hold else elapsed
         if not _runs(probe):
             when = "before the source confirmed it" if probe.hold else f"inside the {period:g} s confirmation period"
-            settle(mid, False, f"the copy (PID {pid}) ended {elapsed:.1f} s after it started, {when}; the original "
-                               "runs on at the source")  # fmt: skip
+            settle(
+                mid,
+                False,
+                f"the copy (PID {pid}) ended {elapsed:.1f} s after it started, {when}; the original "
+                "runs on at the source",
+            )
             return
         if silent >= period:
-            settle(mid, True, f"running here (no word from the source for {period:g} s)" if probe.hold
-                   else f"running here (for {period:g} s and on)")  # fmt: skip
+            settle(
+                mid,
+                True,
+                f"running here (no word from the source for {period:g} s)"
+                if probe.hold
+                else f"running here (for {period:g} s and on)",
+            )
             return
         if probe.hold and time.monotonic() - looked > 1.0:  # (confirmed or dropped by the source meanwhile?)
             looked = time.monotonic()
@@ -316,8 +336,14 @@ def await_source(ctx: Context, mid: str, finish: Finisher) -> None:
             if time.monotonic() - silent_since < limit:
                 continue
             lost = "unreachable" if isinstance(e, PeerUnreachable) else "without a record of it"
-            ctx.log.warning("migration %s: the source agent %s has been %s for %.0f s (%s): starting the copy",
-                            mid, r.peer_agent, lost, limit, e)  # fmt: skip
+            ctx.log.warning(
+                "migration %s: the source agent %s has been %s for %.0f s (%s): starting the copy",
+                mid,
+                r.peer_agent,
+                lost,
+                limit,
+                e,
+            )
             finish(
                 mid, True, f"started without the source's word: its agent {r.peer_agent} was {lost} for {limit:.0f} s"
             )
@@ -361,8 +387,9 @@ def recover_target(ctx: Context, r: Record, finish: Finisher, settle: Settler) -
     why = "dropped after the agent restarted"
     if r.state in (T.STARTING, T.CONFIRMING):
         if _runs(r):
-            ctx.log.warning("migration %s: the copy (PID %d) is %s: watching it again", r.migration_id, r.pid,
-                            r.state.value)  # fmt: skip
+            ctx.log.warning(
+                "migration %s: the copy (PID %d) is %s: watching it again", r.migration_id, r.pid, r.state.value
+            )
             if r.state is T.STARTING:
                 _let_run(ctx, r, None, settle)
             else:

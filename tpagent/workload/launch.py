@@ -85,9 +85,13 @@ def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0, um
 
 
 def start(
-    cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0, umask: int = 0o022,
+    cmd: list[str],
+    stdout: Path,
+    stderr: Path,
+    timeout: float = 10.0,
+    umask: int = 0o022,
     env: dict[str, str] | None = None,
-) -> tuple[int, subprocess.Popen[bytes]]:  # fmt: skip
+) -> tuple[int, subprocess.Popen[bytes]]:
     """As :func:`launch`, with the environment ``env``; also the process that holds the
     namespace (``unshare``: it ends with the workload's status, as long as it runs here)."""
     if not cmd:
@@ -104,10 +108,22 @@ def start(
             raise UsageError(f"the directory for {path} does not exist.")
     read_end, write_end = os.pipe()
     argv = [
-        unshare, "--pid", "--fork", "--mount-proc", "--propagation", "private", "--",
-        sys.executable, "-I", "-m", "tpagent.workload.nsinit", str(write_end),  # -I: nothing imported from the cwd
-        str(stdout.absolute()), str(stderr.absolute()), *cmd,
-    ]  # fmt: skip
+        unshare,
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--propagation",
+        "private",
+        "--",
+        sys.executable,
+        "-I",
+        "-m",
+        "tpagent.workload.nsinit",
+        str(write_end),  # -I: nothing imported from the cwd
+        str(stdout.absolute()),
+        str(stderr.absolute()),
+        *cmd,
+    ]
     try:
         holder = subprocess.Popen(
             argv,
