@@ -179,7 +179,8 @@ def rank(
     import os
 
     from tpagent.daemon.client import GrpcPeer
-    from tpagent.jobs.standin import StandIn, job_id, rank_of
+    from tpagent.jobs.standin import StandIn, rank_of
+    from tpagent_rank.protocol import job_id
 
     cmd = list(ctx.args)
     if not cmd:
@@ -370,7 +371,9 @@ def node(
     """An agent's node: versions, health, GPUs, free memory, its clock's offset from this
     machine's, and its migratable processes."""
     from tpagent.common import clock
+    from tpagent.daemon import rankwire
     from tpagent.daemon.rpc import pb
+    from tpagent_rank import protocol as P
 
     asked = clock.now()
     info = _call(agent, secret_file, tls_dir, "Info", pb.Empty())
@@ -382,9 +385,8 @@ def node(
             err=True,
         )
     procs = _call(agent, secret_file, tls_dir, "ListProcesses", pb.Empty())
-    ranks = json.loads(
-        _call(agent, secret_file, tls_dir, "Rank", pb.RankRequest(body='{"op": "jobs"}', timeout=5)).body
-    )
+    jobs = P.Jobs()
+    ranks = rankwire.answer_of(jobs, _call(agent, secret_file, tls_dir, "Rank", rankwire.request_pb("", 0, jobs, 5)))
     doc = {
         "node": info.node,
         "hostname": info.hostname,
@@ -404,6 +406,6 @@ def node(
             for p in procs.processes
         ],
         # of distributed jobs (`tpagent rank`): job, rank, world, generation, step, collectives, where it moved
-        "ranks": ranks.get("ranks", []),
+        "ranks": [P.fields_of(r) for r in ranks.ranks],
     }
     typer.echo(json.dumps(doc, indent=2))

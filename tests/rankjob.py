@@ -13,7 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import pytest
@@ -22,6 +22,9 @@ from cluster import Cluster
 from helpers import ROOT, wait_until
 from tpagent.common.credentials import Credentials
 from tpagent.daemon.client import GrpcPeer
+from tpagent_rank import protocol as P
+
+A = TypeVar("A", bound=P.Answer)
 
 JOB = ROOT / "tests" / "workloads" / "ddp_job.py"
 FSDP_JOB = ROOT / "tests" / "workloads" / "fsdp_job.py"
@@ -208,14 +211,14 @@ class Job:
         lines name it too, nor its DataLoader workers (forked: its command line and RANK)."""
         return p.cmdline()[1:2] == [str(self.script)] and p.parent().cmdline()[1:2] != [str(self.script)]
 
-    def ask(self, node: str, rank: int, body: dict[str, Any]) -> dict[str, Any]:
-        return GrpcPeer(self.c.nodes[node].agent_address, self.creds).rank(RUN, rank, body, 10)
+    def ask(self, node: str, rank: int, request: P.Request[A]) -> A:
+        return GrpcPeer(self.c.nodes[node].agent_address, self.creds).rank(RUN, rank, request, 10)
 
     def where(self, rank: int) -> str:
         """The node whose agent has ``rank`` running."""
         for name in self.c.nodes:
             try:
-                if self.ask(name, rank, {"op": "locate"})["state"] == "here":
+                if self.ask(name, rank, P.Locate()).state == P.Whereabouts.HERE.value:
                     return name
             except Exception:  # noqa: BLE001 (not known there, or that agent is down)
                 continue

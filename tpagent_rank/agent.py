@@ -1,5 +1,5 @@
-"""A rank's side of the line protocol with its node's agent (the agent's side, and the wire,
-are written down in ``tpagent/jobs/ranks.py``), and what the agent asks of the rank: stop at a step,
+"""A rank's side of the rank protocol (:mod:`tpagent_rank.protocol`, which says the wire; the
+agent's side is ``tpagent/jobs/ranks.py``), and what the agent asks of the rank: stop at a step,
 tear the communicators down, let go of the store, rebuild, go on.
 
 The training thread is only ever touched in the optimizer step post-hook (:func:`_after_step`)
@@ -15,26 +15,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import hashlib
-import json
 import os
 import socket
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
+
+from tpagent_rank import protocol as P
 
 #: What the rank says when it cannot keep a rule of the protocol (stderr, one line).
 PREFIX = "tpagent_rank: "
-LINE_MAX = 64 * 1024
-#: Where an agent says "come back" to a rank that let go of it to be frozen (a file: while it may
-#: be frozen, the rank must hold no socket to the agent, so it looks for the file instead).
-GO_DIR = "/run/tpagent/rank-go"
-
-
-def go_name(job: str, rank: int) -> str:
-    return hashlib.sha256(f"{job}\0{rank}".encode()).hexdigest()[:32]
 
 
 def say(text: str) -> None:
@@ -50,7 +43,7 @@ class Rank:
         self.collectives = 0  # of the default group, issued
         self.gen = 0
         self.stop_at: int | None = None
-        self.unit = "step"  # what stop_at counts: "step" or "collective"
+        self.unit = P.Unit.STEP.value  # what stop_at counts
         self.parked = False
         self.ended = ""  # why the job cannot go on (the agent said so): a parked rank raises it
         self.torn = False
@@ -72,7 +65,7 @@ class Rank:
         with self.cond:
             self.step += 1
             self.times.append(time.monotonic())
-            if self.stop_at is not None and self.unit == "step" and self.step >= self.stop_at:
+            if self.stop_at is not None and self.unit == P.Unit.STEP and self.step >= self.stop_at:
                 self._park(f"step {self.step}")
 
     def before_collective(self) -> None:
@@ -81,7 +74,7 @@ class Rank:
             self.ctimes.append(time.monotonic())
             return
         with self.cond:
-            if self.stop_at is not None and self.unit == "collective" and self.collectives >= self.stop_at:
+            if self.stop_at is not None and self.unit == P.Unit.COLLECTIVE and self.collectives >= self.stop_at:
                 self._park(f"collective {self.collectives}")
             self.collectives += 1
             self.ctimes.append(time.monotonic())
@@ -104,7 +97,8 @@ class Rank:
                         "for its communicators to be rebuilt; its agent never said"
                     )
                 say(f"no word from the agent for {self.park_timeout:.0f} s after {where}: going on")
-                self.parked, self.stop_at = False, None
+                self.parked = False
+                self.stop_at = None
 
     # ---- the connection --------------------------------------------------------------------
 
@@ -123,7 +117,7 @@ class Rank:
     def _connection(self) -> None:
         warned = False
         while os.getpid() == self.pid:
-            if self.leaving and not os.path.exists(os.path.join(GO_DIR, go_name(self.job, self.rank))):
+            if self.leaving and not os.path.exists(os.path.join(P.GO_DIR, P.go_name(self.job, self.rank))):
                 time.sleep(0.1)  # (no socket until an agent says so: it may be freezing us)
                 continue
             s = self._connect()
@@ -141,42 +135,41 @@ class Rank:
         f = s.makefile("rb")
         try:
             with self.cond:
-                state = self._state()
-            s.sendall(
-                self._line(
-                    {
-                        "op": "hello",
-                        "v": 1,
-                        "job": self.job,
-                        "rank": self.rank,
-                        "world": self.world,
-                        "pid": os.getpid(),
-                        "gen": self.gen,
-                        "step": self.step,
-                        "state": state,
-                        "backend": str(self.spec),
-                    }
+                hello = P.Hello(
+                    self.job,
+                    self.rank,
+                    self.world,
+                    pid=os.getpid(),
+                    gen=self.gen,
+                    step=self.step,
+                    state=self._state(),
+                    backend=str(self.spec),
                 )
-            )
-            welcome = json.loads(f.readline(LINE_MAX) or b"{}")
-            if welcome.get("op") != "welcome":
+            s.sendall(P.said(hello))
+            first = P.parse_line(f.readline(P.LINE_MAX + 1) or b"{}\n")
+            if not P.is_said(first, P.LineOp.WELCOME):
                 time.sleep(0.5)  # (not registered yet: the agent says so; ask again)
                 return
-            self.node = str(welcome.get("node", ""))
+            self.node = P.decode(P.Welcome, first).node
             if not self.torn:
                 self._tell_store()
             with self.write_lock:
                 self.sock = s
-            while line := f.readline(LINE_MAX + 1):
-                body = json.loads(line)
-                if body.get("op") == "teardown" and body.get("leaving"):
+            while data := f.readline(P.LINE_MAX + 1):
+                body = P.parse_line(data)
+                try:
+                    request = P.decode_request(body)
+                except P.ProtocolError as e:
+                    self._reply(body.get("id"), P.failed(str(e)))
+                    continue
+                if isinstance(request, P.Teardown) and request.leaving:
                     # Answered here, then this thread closes the connection itself (nothing blocked
                     # on it): the agent freezes the rank only once it has seen it closed.
-                    self._answer(body)
+                    self._answer(body.get("id"), request)
                     if self.leaving:
                         break
                     continue
-                threading.Thread(target=self._answer, args=(body,), daemon=True).start()
+                threading.Thread(target=self._answer, args=(body.get("id"), request), daemon=True).start()
         except (OSError, ValueError):
             pass
         finally:
@@ -188,161 +181,188 @@ class Rank:
             with contextlib.suppress(OSError):
                 s.close()
 
-    @staticmethod
-    def _line(body: dict[str, Any]) -> bytes:
-        return json.dumps(body).encode() + b"\n"
-
-    def _reply(self, body: dict[str, Any]) -> None:
+    def _reply(self, rid: object, answer: P.Answer) -> None:
         with self.write_lock:
             if self.sock is not None:
-                with contextlib.suppress(OSError):
-                    self.sock.sendall(self._line(body))
+                with contextlib.suppress(OSError, P.ProtocolError):
+                    self.sock.sendall(P.line(answer, id=rid))
 
-    def _answer(self, body: dict[str, Any]) -> None:
-        rid = body.get("id")
+    def _answer(self, rid: object, request: P.Request[Any]) -> None:
         try:
-            answer = self._do(str(body.get("op")), body)
+            answer = self._do(request)
         except Exception as e:  # every request gets its answer
-            answer = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        self._reply({"id": rid, **answer})
+            answer = P.failed(f"{type(e).__name__}: {e}")
+        self._reply(rid, answer)
 
     @functools.cached_property
-    def store_facts(self) -> dict[str, str | None]:
-        """Where this rank stands with the job's store, which do not change while it runs: whether
-        it serves the store itself, and whether it reaches it at a loopback address."""
+    def store_facts(self) -> tuple[str, str]:
+        """Where this rank stands with the job's store, which do not change while it runs: the
+        store's address if it serves the store itself, and if it reaches it at a loopback address
+        ("": no)."""
         from tpagent_rank import store
 
-        return {"hosts_store": store.hosted_here(self.store), "store_loopback": store.loopback(self.store)}
+        return store.hosted_here(self.store) or "", store.loopback(self.store) or ""
 
     def _state(self) -> str:
-        return "torn_down" if self.torn else "paused" if self.parked else "running"
+        state = P.RankState.TORN_DOWN if self.torn else P.RankState.PAUSED if self.parked else P.RankState.RUNNING
+        return state.value
 
     def _tell_store(self) -> None:
         with contextlib.suppress(Exception):
-            self.store.set(f"tpagent/agent/{self.rank}", self.node)
+            self.store.set(f"{P.AGENT_KEY}{self.rank}", self.node)
 
     # ---- what the agent asks -----------------------------------------------------------------
 
-    def _do(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _do(self, request: P.Request[Any]) -> P.Answer:
+        """The answer to one request (a dispatch over the runtime's ops)."""
+        handlers: dict[P.Op, Callable[[Any], P.Answer]] = {
+            P.Op.WHERE: self._where,
+            P.Op.PEERS: self._peers,
+            P.Op.PAUSE: self._pause,
+            P.Op.BOUNDARY: self._boundary,
+            P.Op.CANCEL: self._cancel,
+            P.Op.TEARDOWN: self._teardown,
+            P.Op.REBUILD: self._rebuild,
+            P.Op.RESUME: self._resume,
+            P.Op.END: self._end,
+        }
+        handler = handlers.get(request.OP)
+        if handler is None:
+            return P.failed(f"{request.OP.value!r} is not a request a rank answers")
+        return handler(request)
+
+    def _where(self, _: P.Where) -> P.Standing:
         from tpagent_rank import backend
 
-        if op == "where":
-            with self.cond:
-                return {
-                    "ok": True,
-                    "step": self.step,
-                    "collectives": self.collectives,
-                    "gen": self.gen,
-                    "state": self._state(),
-                    "rate": _rate(self.times),
-                    "collective_rate": _rate(self.ctimes),
-                    "groups": len(backend.GROUPS.live()),
-                    "nccl_host": backend.NCCL_HOST,
-                    "nccl_ras": backend.nccl_ras(),
-                    "host": backend.host_identity(),
-                    **self.store_facts,
-                }
-        if op == "peers":
-            agents = []
-            for r in range(self.world):
-                key = f"tpagent/agent/{r}"
-                agents.append(self.store.get(key).decode() if self.store.check([key]) else None)
-            return {"ok": True, "agents": agents}
-        if op == "pause":
-            at, unit = int(body["at"]), str(body.get("unit", "step"))
-            if unit not in ("step", "collective"):
-                return {"ok": False, "error": f"{unit!r} is not a unit a rank stops at"}
-            with self.cond:
-                if (self.step if unit == "step" else self.collectives) >= at:
-                    return {"ok": False, "late": True, "error": f"it is past {unit} {at}"}
-                self.stop_at, self.unit = at, unit
-            return {"ok": True}
-        if op == "boundary":
-            deadline = time.monotonic() + float(body.get("timeout", 60))
-            with self.cond:
-                while not self.parked:
-                    if not self.cond.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
-                        at = self.step if self.unit == "step" else self.collectives
-                        return {"ok": False, "error": f"it did not reach {self.unit} {self.stop_at} in time (at {at})"}
-                return {"ok": True, "step": self.step, "collectives": self.collectives}
-        if op == "cancel":
-            with self.cond:
-                if self.torn:
-                    return {"ok": False, "error": "its communicators are torn down: rebuild them first"}
-                self.stop_at, self.parked = None, False
-                self.cond.notify_all()
-            return {"ok": True}
-        if op == "teardown":
-            with self.cond:
-                if not self.parked:
-                    return {"ok": False, "error": "it is not stopped at a boundary"}
-            for g in backend.GROUPS.live():
+        with self.cond:
+            return P.Standing(
+                step=self.step,
+                collectives=self.collectives,
+                gen=self.gen,
+                state=self._state(),
+                rate=_rate(self.times),
+                collective_rate=_rate(self.ctimes),
+                groups=len(backend.GROUPS.live()),
+                nccl_host=backend.NCCL_HOST or "",
+                nccl_ras=backend.nccl_ras(),
+                host=backend.host_identity(),
+                hosts_store=self.store_facts[0],
+                store_loopback=self.store_facts[1],
+            )
+
+    def _peers(self, _: P.Peers) -> P.Agents:
+        agents = []
+        for r in range(self.world):
+            key = f"{P.AGENT_KEY}{r}"
+            agents.append(self.store.get(key).decode() if self.store.check([key]) else "")
+        return P.Agents(agents=tuple(agents))
+
+    def _pause(self, request: P.Pause) -> P.Paused:
+        if request.unit not in (P.Unit.STEP.value, P.Unit.COLLECTIVE.value):
+            return P.Paused(ok=False, error=f"{request.unit!r} is not a unit a rank stops at")
+        with self.cond:
+            if (self.step if request.unit == P.Unit.STEP.value else self.collectives) >= request.at:
+                return P.Paused(ok=False, late=True, error=f"it is past {request.unit} {request.at}")
+            self.stop_at = request.at
+            self.unit = request.unit
+        return P.Paused()
+
+    def _boundary(self, request: P.Boundary) -> P.AtBoundary:
+        deadline = time.monotonic() + request.timeout
+        with self.cond:
+            while not self.parked:
+                if not self.cond.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
+                    at = self.step if self.unit == P.Unit.STEP.value else self.collectives
+                    error = f"it did not reach {self.unit} {self.stop_at} in time (at {at})"
+                    return P.AtBoundary(ok=False, error=error)
+            return P.AtBoundary(step=self.step, collectives=self.collectives)
+
+    def _cancel(self, _: P.Cancel) -> P.Answer:
+        return self._go_on()
+
+    def _resume(self, _: P.Resume) -> P.Answer:
+        return self._go_on()
+
+    def _go_on(self) -> P.Answer:
+        with self.cond:
+            if self.torn:
+                return P.failed("its communicators are torn down: rebuild them first")
+            self.stop_at = None
+            self.parked = False
+            self.cond.notify_all()
+        return P.Answer()
+
+    def _teardown(self, request: P.Teardown) -> P.TornDown:
+        from tpagent_rank import backend
+
+        with self.cond:
+            if not self.parked:
+                return P.TornDown(ok=False, error="it is not stopped at a boundary")
+        for g in backend.GROUPS.live():
+            g.teardown()
+        gc.collect()
+        closed = 0
+        if request.leaving:
+            from tpagent_rank import nccladdr, store
+
+            try:  # (where NCCL's address came from: see the rebuild)
+                self.addresses = nccladdr.local_addresses()
+            except OSError as e:
+                self.addresses = {}
+                say(f"this node's addresses could not be read ({e}): NCCL's will not follow the move")
+
+            self.detached = store.detach(self.store)
+            closed = len(self.detached)
+            if not closed:
+                found = store.connections()
+                error = f"no connection to the job's store ({store.address(self.store)}) was found among {found}"
+                return P.TornDown(ok=False, error=error)
+        with self.cond:
+            self.torn = True
+            self.leaving = request.leaving
+        return P.TornDown(closed=closed)
+
+    def _rebuild(self, request: P.Rebuild) -> P.Answer:
+        from tpagent_rank import backend
+
+        gen = request.gen
+        if self.detached:
+            from tpagent_rank import owned, store
+
+            with owned.noting():  # (a forked child lets go of them)
+                self.kept.extend(store.reattach(self.detached, min(60.0, request.timeout)))
+            self.detached = []
+        self._tell_store()
+        if self.leaving and backend.NCCL_HOST is not None and self.addresses:  # (NCCL keeps its node's address)
+            from tpagent_rank import nccladdr, store
+
+            try:
+                said = nccladdr.follow(self.addresses, store.host(self.store))
+            except (OSError, ValueError) as e:
+                return P.failed(f"NCCL's address of the node it left could not be rewritten: {e}")
+            if said:
+                say(said)
+        backend.GROUPS.gen = gen
+        with self.cond:
+            torn = self.torn
+        for g in backend.GROUPS.live():
+            if not torn:  # (a rewire finished after its agent restarted: this rank had not got so far)
                 g.teardown()
-            gc.collect()
-            closed = 0
-            if body.get("leaving"):
-                from tpagent_rank import nccladdr, store
+            g.rebuild(gen)
+        with self.cond:
+            if backend.GROUPS.gen != gen:  # (a later one was asked for meanwhile: it says)
+                return P.failed(f"generation {gen} was given up while it was being built")
+            self.gen = gen
+            self.torn = False
+            self.leaving = False
+        return P.Answer()
 
-                try:  # (where NCCL's address came from: see the rebuild)
-                    self.addresses = nccladdr.local_addresses()
-                except OSError as e:
-                    self.addresses = {}
-                    say(f"this node's addresses could not be read ({e}): NCCL's will not follow the move")
-
-                self.detached = store.detach(self.store)
-                closed = len(self.detached)
-                if not closed:
-                    return {
-                        "ok": False,
-                        "error": f"no connection to the job's store ({store.address(self.store)}) "
-                        f"was found among {store.connections()}",
-                    }
-            with self.cond:
-                self.torn, self.leaving = True, bool(body.get("leaving"))
-            return {"ok": True, "closed": closed}
-        if op == "rebuild":
-            gen = int(body["gen"])
-            if self.detached:
-                from tpagent_rank import owned, store
-
-                with owned.noting():  # (a forked child lets go of them)
-                    self.kept.extend(store.reattach(self.detached, min(60.0, float(body.get("timeout", 60)))))
-                self.detached = []
-            self._tell_store()
-            if self.leaving and backend.NCCL_HOST is not None and self.addresses:  # (NCCL keeps its node's address)
-                from tpagent_rank import nccladdr, store
-
-                try:
-                    said = nccladdr.follow(self.addresses, store.host(self.store))
-                except (OSError, ValueError) as e:
-                    return {"ok": False, "error": f"NCCL's address of the node it left could not be rewritten: {e}"}
-                if said:
-                    say(said)
-            backend.GROUPS.gen = gen
-            with self.cond:
-                torn = self.torn
-            for g in backend.GROUPS.live():
-                if not torn:  # (a rewire finished after its agent restarted: this rank had not got so far)
-                    g.teardown()
-                g.rebuild(gen)
-            with self.cond:
-                if backend.GROUPS.gen != gen:  # (a later one was asked for meanwhile: it says)
-                    return {"ok": False, "error": f"generation {gen} was given up while it was being built"}
-                self.gen, self.torn, self.leaving = gen, False, False
-            return {"ok": True}
-        if op == "end":  # (the job cannot go on: a rank is gone for good; better now than at a deadline)
-            with self.cond:
-                self.ended = str(body.get("why", "")) or "its agent ended the job"
-                self.cond.notify_all()
-            return {"ok": True}
-        if op == "resume":
-            with self.cond:
-                if self.torn:
-                    return {"ok": False, "error": "its communicators are torn down: rebuild them first"}
-                self.stop_at, self.parked = None, False
-                self.cond.notify_all()
-            return {"ok": True}
-        return {"ok": False, "error": f"{op!r} is not a request a rank answers"}
+    def _end(self, request: P.End) -> P.Answer:
+        """The job cannot go on (a rank is gone for good): better now than at a deadline."""
+        with self.cond:
+            self.ended = request.why or "its agent ended the job"
+            self.cond.notify_all()
+        return P.Answer()
 
 
 def _rate(times: deque[float]) -> float:
@@ -370,7 +390,7 @@ def group_created(group: Any, store: Any, rank: int, size: int, spec: str | None
 
     owned.note(stores.held(store))  # (a forked child lets go of them)
     name = os.environ.get("TPAGENT_RANK_SOCKET", "")
-    job = os.environ.get("TPAGENT_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or "job"
+    job = P.job_id(os.environ)
     RANK = Rank(job, rank, size, store, spec, name)
     RANK.group = group
     register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step())

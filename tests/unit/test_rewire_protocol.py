@@ -13,9 +13,11 @@ from typing import Any, cast
 
 import pytest
 
+from tpagent.jobs.journal import Unwritten
 from tpagent.jobs.rewire import Rewire
 from tpagent.migration.api import Event, MigrationResult, Outcome, Refused, Why
 from tpagent.migration.source import SourceMigration
+from tpagent_rank import protocol as P
 
 HERE, THERE = "10.0.0.1:7400", "10.0.0.9:7400"
 
@@ -50,69 +52,68 @@ class FakeRank:
                 self.parked = True
                 self.stops.append(self.step)
 
-    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
+    def answer(self, request: P.Request[Any]) -> P.Answer:
         if self.dead:
             raise Refused(f"rank {self.rank} is no longer running", Why.NOT_FOUND)
-        op = body["op"]
-        self.log.append(op)
+        self.log.append(request.OP.value)
         with self.lock:
-            if op == "where":
+            if isinstance(request, P.Where):
                 # (the fake counts one collective per step: either unit stops it at the same place)
-                return {
-                    "ok": True,
-                    "step": self.step if self.optimizer else 0,
-                    "collectives": self.step,
-                    "gen": self.gen,
-                    "rate": 100.0,
-                    "collective_rate": 100.0,
-                    "nccl_host": self.nccl_host,
-                    "nccl_ras": self.nccl_ras,
-                    "host": self.hosts.get(self.at, "here|boot1"),
-                }
-            if op == "pause":
-                self.units.append(body["unit"])
-                if self.step >= body["at"]:
-                    return {"ok": False, "late": True, "step": self.step, "error": "past it"}
-                self.stop_at = body["at"]
+                return P.Standing(
+                    step=self.step if self.optimizer else 0,
+                    collectives=self.step,
+                    gen=self.gen,
+                    rate=100.0,
+                    collective_rate=100.0,
+                    nccl_host=self.nccl_host or "",
+                    nccl_ras=self.nccl_ras,
+                    host=self.hosts.get(self.at, "here|boot1"),
+                )
+            if isinstance(request, P.Pause):
+                self.units.append(request.unit)
+                if self.step >= request.at:
+                    return P.Paused(ok=False, late=True, error="past it")
+                self.stop_at = request.at
                 self.parked = self.step >= self.stop_at
                 if self.parked:
                     self.stops.append(self.step)
-                return {"ok": True}
-            if op == "cancel":
+                return P.Paused()
+            if isinstance(request, P.Cancel):
                 self.stop_at, self.parked = None, False
-                return {"ok": True}
-            if op == "teardown":
+                return P.Answer()
+            if isinstance(request, P.Teardown):
                 self.torn = True
-                return {"ok": True}
-            if op == "rebuild":
+                return P.TornDown()
+            if isinstance(request, P.Rebuild):
                 if self.at == self.refuse_rebuild_at:
-                    return {"ok": False, "error": "the store cannot be reached from here"}
-                self.torn, self.gen = False, body["gen"]
-                return {"ok": True}
-            if op == "resume":
+                    return P.failed("the store cannot be reached from here")
+                self.torn, self.gen = False, request.gen
+                return P.Answer()
+            if isinstance(request, P.Resume):
                 self.stop_at, self.parked = None, False
-                return {"ok": True}
-        if op == "boundary":
-            deadline = time.monotonic() + body["timeout"]
+                return P.Answer()
+        if isinstance(request, P.Boundary):
+            deadline = time.monotonic() + request.timeout
             while not self.parked:
                 if self.dead or time.monotonic() > deadline:
-                    return {"ok": False, "error": "it did not reach the step in time"}
+                    return P.AtBoundary(ok=False, error="it did not reach the step in time")
                 time.sleep(0.01)
-            return {"ok": True, "step": self.step}
-        raise AssertionError(op)
+            return P.AtBoundary(step=self.step)
+        raise AssertionError(request)
 
 
 class FakeMove:
     """A migration's surface as the coordinator uses it: one that gets as far as a running copy
     (``outcome`` DONE) holds it for the coordinator's verdict, kept or dropped."""
 
-    def __init__(self, pid: int, outcome: Outcome) -> None:
+    def __init__(self, pid: int, outcome: Outcome, hold: float, verdict: Callable[[], bool | None] | None) -> None:
         self.pid, self.outcome = pid, outcome
         self.migration_id = f"m{pid}"
         self.events: queue.Queue[Event | None] = queue.Queue()
         self.result: MigrationResult | None = None
-        self.hold = 0.0
-        self.verdict: Callable[[], bool | None] | None = None
+        self.hold = hold
+        self.verdict = verdict
+        self.problems: list[str] = []
         self.copy_runs = threading.Event()
         self.new_pid = 0
         self.on_copy: Callable[[bool], None] = lambda _runs: None  # the copy runs (True), or no longer (False)
@@ -159,28 +160,37 @@ class Job:
                 r.tick()
             time.sleep(0.002)
 
-    def ask(self, address: str, job: str, rank: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        self.asked.append((address, rank, body["op"]))
-        if body["op"] == "peers":
-            return {"ok": True, "agents": list(self.where)}
-        if body["op"] in ("expect", "moved", "release"):
+    def ask(self, address: str, job: str, rank: int, request: P.Request[Any], timeout: float) -> Any:
+        op = request.OP.value
+        self.asked.append((address, rank, op))
+        if isinstance(request, P.Peers):
+            return P.Agents(agents=tuple(self.where))
+        if isinstance(request, (P.Expect, P.Moved, P.Release)):
             # (a rank is expected and released where it runs, its move noted where it was)
-            assert address == (HERE if body["op"] == "moved" else self.where[rank]), (body, address, self.where)
-            if body["op"] == "release":
+            assert address == (HERE if op == "moved" else self.where[rank]), (request, address, self.where)
+            if isinstance(request, P.Release):
                 assert (rank, address) not in self.released, f"rank {rank} released twice at {address}"
                 self.released.append((rank, address))
-            return {"ok": True}
+            return P.Answer()
         assert address == self.where[rank], f"rank {rank} asked at {address}, it runs at {self.where[rank]}"
         self.ranks[rank].at = address
-        return self.ranks[rank].answer(body)
+        return self.ranks[rank].answer(request)
 
-    def start_move(self, pid: int, target: str) -> SourceMigration:
-        move = FakeMove(pid, self.outcome)
+    def start_move(
+        self,
+        pid: int,
+        target: str,
+        *,
+        dry_run: bool = False,
+        hold: float = 0.0,
+        verdict: Callable[[], bool | None] | None = None,
+    ) -> SourceMigration:
+        move = FakeMove(pid, Outcome.DRY_RUN if dry_run else self.outcome, hold, verdict)
         move.on_copy = lambda runs: self.where.__setitem__(0, target if runs else HERE)
         return cast(SourceMigration, move)
 
     def rewire(self, timeout: float = 5.0) -> tuple[Rewire, MigrationResult]:
-        rw = Rewire("j", {0: (777, THERE)}, HERE, self.ask, self.start_move, timeout)
+        rw = Rewire.start("j", {0: (777, THERE)}, HERE, self.ask, self.start_move, timeout, Unwritten())
         try:
             return rw, rw.run()
         finally:
@@ -221,7 +231,7 @@ def test_the_boundary_counts_optimizer_steps_or_else_the_default_groups_collecti
     assert all(r.units == [unit] for r in job.ranks), [r.units for r in job.ranks]
     assert len({r.stops[-1] for r in job.ranks}) == 1
     assert f"resumed at {unit} " in _messages(rw)[-1]
-    assert rw.to_json()["unit"] == unit
+    assert rw.record.unit == unit
 
 
 def test_a_rolled_back_move_rebuilds_the_rank_where_it_was() -> None:
@@ -261,7 +271,7 @@ def test_a_copy_that_cannot_join_the_new_communicators_is_dropped_and_all_rebuil
             "resume",
         ]
     assert any("rank 0 stays on this node" in m and "store cannot be reached" in m for m in said), said
-    assert rw.to_json()["gen"] == 2
+    assert rw.record.gen == 2
     assert job.released == [(0, THERE), (0, HERE)], "the copy is told to come back there, the original here"
 
 
@@ -293,11 +303,11 @@ def test_a_rank_past_the_step_makes_all_cancel_and_agree_on_a_later_one() -> Non
     real = job.ranks[2].answer
     calls = {"where": 0}
 
-    def answer(body: dict[str, Any]) -> dict[str, Any]:
-        if body["op"] == "where" and calls["where"] == 0:
+    def answer(request: P.Request[Any]) -> P.Answer:
+        if isinstance(request, P.Where) and calls["where"] == 0:
             calls["where"] += 1
-            return {"ok": True, "step": 10, "gen": 0, "rate": 0.0}
-        return real(body)
+            return P.Standing(step=10, gen=0, rate=0.0)
+        return real(request)
 
     job.ranks[2].answer = answer  # type: ignore[method-assign]
     job.thread.start()
@@ -334,7 +344,7 @@ def test_a_moving_rank_whose_nccl_runs_ras_is_refused_before_anything_stops(dry_
     job = Job()
     job.ranks[0].nccl_host, job.ranks[0].nccl_ras = "here|boot1", True
     job.ranks[1].nccl_host, job.ranks[1].nccl_ras = "here|boot1", True  # (it stays: its RAS is no matter)
-    rw = Rewire("j", {0: (777, THERE)}, HERE, job.ask, job.start_move, 5.0, dry_run=dry_run)
+    rw = Rewire.start("j", {0: (777, THERE)}, HERE, job.ask, job.start_move, 5.0, Unwritten(), dry_run=dry_run)
     try:
         result = rw.run()
     finally:

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from host import paths
 from host.api import UsageError
 from snapshot.api import DEFAULT_GHOST_LIMIT
 from tpagent.common.credentials import Credentials
@@ -117,7 +118,7 @@ class Timeouts:
             raise ValueError("; ".join(broken) + ".")
 
 
-DEFAULT_FILE = Path("/etc/tpagent/agent.toml")
+DEFAULT_FILE = paths.CONFIG_FILE
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class AgentConfig:
     tls_dir: Path = DEFAULT_TLS_DIR
     health_listen: str = "0.0.0.0:7401"
     advertise: str = ""
-    work_dir: Path = Path("/var/lib/tpagent")
+    work_dir: Path = paths.WORK_DIR
     metrics_listen: str = "127.0.0.1:9400"
     shared_paths: tuple[str, ...] = ()
     allow_executables: tuple[str, ...] = ()

@@ -4,17 +4,19 @@ call signed: :mod:`tpagent.daemon.rpc`).  A status code becomes :class:`~tpagent
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
 from tpagent.common.credentials import Credentials
+from tpagent.daemon import rankwire
 from tpagent.daemon.rpc import CODES, pb, stub
 from tpagent.migration.api import Acceptance, Offer, Peer, PeerStatus, PeerUnreachable, Refused, Restored, Versions, Why
+from tpagent_rank import protocol as P
 
 R = TypeVar("R")
+A = TypeVar("A", bound=P.Answer)
 _WHY = {code: why for why, code in CODES.items()}
 #: What a peer that cannot be reached at all looks like.
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -84,16 +86,10 @@ class GrpcPeer(Peer):
             self._call(lambda: self._stub.Status(pb.MigrationRef(migration_id=migration_id), timeout=timeout))
         )
 
-    def rank(self, job: str, rank: int, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
-        request = pb.RankRequest(job=job, rank=rank, body=json.dumps(dict(body)), timeout=timeout)
-        reply = self._call(lambda: self._stub.Rank(request, timeout=timeout + 10))
-        try:
-            answer = json.loads(reply.body)
-        except ValueError as e:
-            raise Refused(f"the agent at {self.address} gave an answer that is not JSON", Why.INTERNAL) from e
-        if not isinstance(answer, dict):
-            raise Refused(f"the agent at {self.address} gave an answer that is not a JSON object", Why.INTERNAL)
-        return answer
+    def rank(self, job: str, rank: int, request: P.Request[A], timeout: float) -> A:
+        message = rankwire.request_pb(job, rank, request, timeout)
+        reply = self._call(lambda: self._stub.Rank(message, timeout=timeout + 10))
+        return rankwire.answer_of(request, reply)
 
     def versions(self, timeout: float) -> Versions:
         info = self._call(lambda: self._stub.Info(pb.Empty(), timeout=timeout))

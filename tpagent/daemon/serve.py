@@ -17,6 +17,7 @@ stops.  Whatever was cut short is in the journal, and the next start takes it up
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -26,6 +27,7 @@ import threading
 import grpc
 from prometheus_client import start_http_server
 
+from host import paths
 from host.api import UsageError
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig
@@ -38,6 +40,7 @@ from tpagent.daemon.node import Node
 from tpagent.daemon.rpc import AuthInterceptor, Health, HealthOnly, pb_grpc
 from tpagent.daemon.rpc import server as rpc_server
 from tpagent.daemon.service import Service
+from tpagent.migration import watch
 from tpagent.migration.context import Context
 from tpagent.migration.journal import Journal, on_tmpfs
 from transfer.api import MAX_STREAMS, Compress, TlsFiles, TransferConfig
@@ -92,7 +95,7 @@ def context(
     return Context(
         cfg=cfg,
         snapshot_config=snapshot_config,
-        journal=Journal(cfg.work_dir / "migrations"),
+        journal=Journal(paths.WorkDir(cfg.work_dir).migrations),
         peer=lambda address: GrpcPeer(address, creds),
         transport=lambda: make_transport(cfg.transport, t.io, tls),
         transfer_config=transfer,
@@ -151,8 +154,8 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         if probes.add_insecure_port(cfg.health_listen) == 0:
             raise UsageError(f"cannot serve health checks on {cfg.health_listen}; is another agent running there?")
     if cfg.metrics_listen:
-        metrics.FROZEN.set_function(node.frozen_seconds)
-        metrics.UNRESOLVED.set_function(node.unresolved)
+        metrics.FROZEN.set_function(functools.partial(watch.frozen_seconds, ctx, node.sources))
+        metrics.UNRESOLVED.set_function(functools.partial(watch.unresolved, ctx, node.sources))
         host, _, port = cfg.metrics_listen.rpartition(":")
         try:
             start_http_server(int(port), addr=host or "0.0.0.0")

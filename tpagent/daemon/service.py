@@ -5,16 +5,16 @@
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import grpc
 
+from tpagent.daemon import rankwire
 from tpagent.daemon.node import Node
 from tpagent.daemon.rpc import CODES, AgentServicer, pb
-from tpagent.jobs.ranks import LINE_MAX
 from tpagent.migration.api import AgentError, Event, NodeInfo, Offer, PeerStatus, Refused, Why
+from tpagent_rank import protocol as P
 
 R = TypeVar("R")
 
@@ -159,21 +159,12 @@ class Service(AgentServicer):
         return pb.RestoreReply(pid=r.pid, timings=dict(r.timings))
 
     def Rank(self, request: pb.RankRequest, context: grpc.ServicerContext) -> pb.RankReply:
-        def call() -> dict[str, Any]:
-            try:
-                body = json.loads(request.body) if len(request.body) <= LINE_MAX else None
-            except ValueError:
-                body = None
-            if not isinstance(body, dict):
-                raise Refused(
-                    f"a Rank request's body must be one JSON object of at most {LINE_MAX} bytes.", Why.INVALID
-                )
-            timeout = float(request.timeout)
-            if not 0 < timeout <= 3600:
-                raise Refused("a Rank request's timeout must be between 0 and 3600 s.", Why.INVALID)
-            return self.node.rank_request(str(request.job), int(request.rank), body, timeout)
+        def call() -> P.Answer:
+            asked = rankwire.request_of(request)
+            answer: P.Answer = self.node.rank_request(str(request.job), int(request.rank), asked, request.timeout)
+            return answer
 
-        return pb.RankReply(body=json.dumps(_answer(context, call)))
+        return rankwire.reply_pb(_answer(context, call))
 
     def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.MigrationStatus:
         r = request

@@ -3,11 +3,9 @@
 A rank started by ``tpagent rank`` (its stand-in) runs :mod:`tpagent_rank`, which connects to
 this agent on an abstract unix socket (``rank_socket``; abstract names belong to a network
 namespace, so a rank restored on another node reaches that node's agent under the same name).
-The wire is the line protocol written down in ``tpagent_rank/agent.py``: one JSON object per
-line, at most :data:`LINE_MAX` bytes; the rank says ``hello`` first, the agent answers
-``welcome``, then the agent sends requests (``{"id": N, "op": ...}``) and the rank answers each
-once (``{"id": N, "ok": ...}``).  The init of a launched namespace says ``exit`` with its status
-as it ends.
+The wire is the rank protocol's line protocol (:mod:`tpagent_rank.protocol`): the rank says
+hello first, the agent welcomes it, then the agent sends requests and the rank answers each
+once, matched by id.  The init of a launched namespace says exit, with its status, as it ends.
 
 Nobody is believed on their word: a connection counts only if its peer (``SO_PEERCRED``, the
 kernel's) lives in a ``tpagent launch`` namespace whose init a stand-in (or a migration that
@@ -19,7 +17,7 @@ for it (bounded).
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import dataclasses
 import json
 import logging
 import os
@@ -31,37 +29,24 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
-from host import proc
+from host import paths, proc
 from host.safefs import private_dir
 from tpagent.common.threads import Threads
 from tpagent.migration.api import AgentError, Refused, Why
 from tpagent.migration.journal import write_durably
 from tpagent.workload import launch
+from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
+A = TypeVar("A", bound=P.Answer)
 
-LINE_MAX = 64 * 1024
-#: Requests the agent passes on to a rank's runtime.
-RUNTIME_OPS = frozenset({"where", "peers", "pause", "boundary", "cancel", "teardown", "rebuild", "resume", "end"})
 #: Connections waiting for their registration, at most (the oldest goes).
 PENDING_MAX = 64
 PENDING_FOR = 30.0
-MAX_JOB = 200
 #: Ranks that moved away or ended, remembered (for their stand-ins) at most.
 KEEP_ENDED = 1024
-#: Where a rank that let go of its agent to be frozen looks for the word to come back (a file
-#: named by :func:`go_name`; the same as tpagent_rank.agent's, which cannot import us).
-GO_DIR = Path("/run/tpagent/rank-go")
-
-
-def go_name(job: str, rank: int) -> str:
-    return hashlib.sha256(f"{job}\0{rank}".encode()).hexdigest()[:32]
-
-
-def valid_job(job: str) -> bool:
-    return 0 < len(job) <= MAX_JOB and job.isprintable()
 
 
 class RankGone(AgentError):
@@ -71,32 +56,34 @@ class RankGone(AgentError):
 class _Conn:
     """One rank's connection: requests written under a lock, answers matched by id."""
 
-    def __init__(self, sock: socket.socket, pid: int, hello: dict[str, Any]) -> None:
-        self.sock, self.pid, self.hello = sock, pid, hello
+    def __init__(self, sock: socket.socket, pid: int, hello: P.Hello) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.hello = hello
         self.lock = threading.Lock()
         self.next_id = 1
-        self.waiting: dict[int, list[Any]] = {}  # id -> [Event, answer]
+        self.waiting: dict[int, list[Any]] = {}  # id -> [Event, its answer's fields]
         self.closed = threading.Event()
 
-    def send(self, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode() + b"\n"
+    def send(self, data: bytes) -> None:
         with self.lock:
             self.sock.sendall(data)
 
-    def call(self, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def call(self, request: P.Request[A], timeout: float) -> A:
         slot: list[Any] = [threading.Event(), None]
         with self.lock:
             rid = self.next_id
             self.next_id += 1
             self.waiting[rid] = slot
         try:
-            self.send({**body, "id": rid})
+            self.send(P.request_line(rid, request))
             if not slot[0].wait(timeout):
-                raise RankGone(f"it did not answer {body.get('op')!r} within {timeout:.0f} s")
+                raise RankGone(f"it did not answer {request.OP.value!r} within {timeout:.0f} s")
             if slot[1] is None:
                 raise RankGone("its connection to this agent closed")
-            answer: dict[str, Any] = slot[1]
-            return answer
+            return P.decode_answer(request, slot[1])
+        except P.ProtocolError as e:
+            raise RankGone(f"its answer to {request.OP.value!r} is not one of the rank protocol ({e})") from e
         except OSError as e:
             raise RankGone(f"its connection to this agent broke ({e.strerror or e})") from e
         finally:
@@ -104,8 +91,9 @@ class _Conn:
                 self.waiting.pop(rid, None)
 
     def answered(self, body: dict[str, Any]) -> None:
+        rid = body.get("id")
         with self.lock:
-            slot = self.waiting.get(body.get("id", -1)) if isinstance(body.get("id"), int) else None
+            slot = self.waiting.get(rid) if isinstance(rid, int) else None
         if slot is not None:
             slot[1] = body
             slot[0].set()
@@ -129,7 +117,7 @@ class RankEntry:
     conn: _Conn | None = None
     exit_code: int | None = None
     moved_to: str = ""  # the agent it migrated to
-    seen: dict[str, Any] = field(default_factory=dict)  # its last hello
+    seen: P.Hello | None = None  # its last hello
     outputs: dict[int, int] = field(default_factory=dict)  # 1, 2 -> our descriptor of its stdout, stderr file
 
     def alive(self) -> bool:
@@ -137,10 +125,6 @@ class RankEntry:
             return proc.start_ticks(self.init) == self.init_start
         except (OSError, IndexError, ValueError):
             return False
-
-
-#: The most of a rank's output one ``output`` request reads.
-OUTPUT_MAX = 1 << 20
 
 
 def _open_output(init: int, which: int) -> int:
@@ -177,16 +161,16 @@ def _peer_pid(sock: socket.socket) -> int:
     return int(pid)
 
 
-def _read_line(f: Any) -> dict[str, Any] | None:
-    line = f.readline(LINE_MAX + 1)
-    if not line:
-        return None
-    if len(line) > LINE_MAX or not line.endswith(b"\n"):
-        raise ValueError("a line over the limit")
-    body = json.loads(line)
-    if not isinstance(body, dict):
-        raise ValueError("not a JSON object")
-    return body
+def _check_hello(first: dict[str, Any]) -> P.Hello:
+    hello = P.decode(P.Hello, first) if P.is_said(first, P.LineOp.HELLO) else None
+    if hello is None or not P.valid_job(hello.job) or not 0 <= hello.rank < hello.world <= P.RANK_MAX:
+        raise ValueError("its hello is not valid")
+    return hello
+
+
+def _read_line(f: BinaryIO) -> dict[str, Any] | None:
+    data = f.readline(P.LINE_MAX + 1)
+    return P.parse_line(data) if data else None
 
 
 class Ranks:
@@ -230,7 +214,7 @@ class Ranks:
                 )
             except (KeyError, TypeError, ValueError):
                 continue
-            if valid_job(entry.job) and (entry.alive() or entry.moved_to or entry.exit_code is not None):
+            if P.valid_job(entry.job) and (entry.alive() or entry.moved_to or entry.exit_code is not None):
                 self.entries[(entry.job, entry.rank)] = entry
 
     def _save(self) -> None:
@@ -305,11 +289,11 @@ class Ranks:
             first = _read_line(f)
             if first is None:
                 raise ValueError("closed before it said hello")
-            if first.get("op") == "exit":
-                self._exited(pid, first)
+            if P.is_said(first, P.LineOp.EXIT):
+                self._exited(pid, P.decode(P.Exit, first))
                 sock.close()
                 return
-            hello = self._check_hello(first)
+            hello = _check_hello(first)
         except (OSError, ValueError) as e:
             log.warning("a connection on @%s was refused: %s", self.name, e)
             sock.close()
@@ -322,7 +306,7 @@ class Ranks:
             while (body := _read_line(f)) is not None:
                 conn.answered(body)
         except (OSError, ValueError) as e:
-            log.warning("rank %s of job %s: its connection broke: %s", hello["rank"], hello["job"], e)
+            log.warning("rank %s of job %s: its connection broke: %s", hello.rank, hello.job, e)
         finally:
             conn.close()
             with self.lock:
@@ -330,26 +314,12 @@ class Ranks:
                     if entry.conn is conn:
                         entry.conn = None
 
-    @staticmethod
-    def _check_hello(h: dict[str, Any]) -> dict[str, Any]:
-        ok = (
-            h.get("op") == "hello"
-            and isinstance(h.get("job"), str)
-            and valid_job(h["job"])
-            and isinstance(h.get("rank"), int)
-            and isinstance(h.get("world"), int)
-            and 0 <= h["rank"] < h["world"] <= 1 << 20
-        )
-        if not ok:
-            raise ValueError("its hello is not valid")
-        return h
-
-    def _attach(self, sock: socket.socket, pid: int, hello: dict[str, Any]) -> _Conn | None:
-        with contextlib.suppress(OSError):  # (it came back: the word it waited for is spent)
-            os.unlink(GO_DIR / go_name(str(hello["job"]), int(hello["rank"])))
+    def _attach(self, sock: socket.socket, pid: int, hello: P.Hello) -> _Conn | None:
         """The connection, once its registration is there (it may come later: then it waits)."""
+        with contextlib.suppress(OSError):  # (it came back: the word it waited for is spent)
+            os.unlink(paths.RANK_GO / P.go_name(hello.job, hello.rank))
         init = proc.namespace_init(pid)
-        key = (hello["job"], hello["rank"])
+        key = (hello.job, hello.rank)
         deadline = time.monotonic() + PENDING_FOR
         while True:
             with self.lock:
@@ -358,41 +328,43 @@ class Ranks:
                     conn = _Conn(sock, pid, hello)
                     if entry.conn is not None:
                         entry.conn.close()
-                    entry.conn, entry.seen, entry.world = conn, hello, int(hello["world"])
-                    entry.exit_code, entry.moved_to = None, ""
+                    entry.conn = conn
+                    entry.seen = hello
+                    entry.world = hello.world
+                    entry.exit_code = None
+                    entry.moved_to = ""
                     self._save()
                     break
             if time.monotonic() > deadline or self.threads.stopping.is_set():
                 log.warning("rank %s of job %s (PID %d) is not registered here: refused", key[1], key[0], pid)
                 with contextlib.suppress(OSError):
-                    sock.sendall(b'{"op": "refused", "error": "this rank is not registered with the agent"}\n')
+                    sock.sendall(P.said(P.Refusal("this rank is not registered with the agent")))
                 sock.close()
                 return None
             time.sleep(0.1)
         try:
-            conn.send({"op": "welcome", "node": self.node_address})
+            conn.send(P.said(P.Welcome(self.node_address)))
         except OSError:
             conn.close()
             return None
         log.info("rank %s of job %s (PID %d) is connected", key[1], key[0], pid)
         return conn
 
-    def _exited(self, pid: int, body: dict[str, Any]) -> None:
-        code = body.get("code")
-        if not isinstance(code, int) or launch.launched(pid) is None:
+    def _exited(self, pid: int, said: P.Exit) -> None:
+        if launch.launched(pid) is None:
             raise ValueError(f"an exit report from PID {pid}, which is no launched workload's init")
         with self.lock:
             for e in self.entries.values():
                 if e.init == pid:
-                    e.exit_code = code
-                    log.info("rank %s of job %s exited with status %d", e.rank, e.job, code)
+                    e.exit_code = said.code
+                    log.info("rank %s of job %s exited with status %d", e.rank, e.job, said.code)
             self._save()
 
     # ---- what the agent asks ---------------------------------------------------------------
 
     def expect(self, job: str, rank: int, init: int) -> None:
         """Register the rank of ``job`` whose namespace's init is ``init`` (here)."""
-        if not valid_job(job) or not 0 <= rank < 1 << 20:
+        if not P.valid_job(job) or not 0 <= rank < P.RANK_MAX:
             raise Refused(f"job {job!r} rank {rank} is not a valid job and rank.", Why.INVALID)
         if launch.launched(init) is None:
             raise Refused(f"PID {init} is not the init of a `tpagent launch` namespace on this node.", Why.INVALID)
@@ -423,11 +395,11 @@ class Ranks:
             raise Refused(f"rank {rank} of job {job} is not known on this node.", Why.NOT_FOUND)
         return e
 
-    def call(self, job: str, rank: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def call(self, job: str, rank: int, request: P.Request[A], timeout: float) -> A:
         """Ask the rank's runtime; its answer.  Waits (up to ``timeout``) for a rank that is
         reconnecting (a restored copy, a rolled-back original)."""
-        if body.get("op") not in RUNTIME_OPS:
-            raise Refused(f"{body.get('op')!r} is not something a rank is asked.", Why.INVALID)
+        if request.OP not in P.RUNTIME_OPS:
+            raise Refused(f"{request.OP.value!r} is not something a rank is asked.", Why.INVALID)
         deadline = time.monotonic() + timeout
         while True:
             e = self.entry(job, rank)
@@ -439,22 +411,22 @@ class Ranks:
             if time.monotonic() > deadline:
                 raise RankGone(f"rank {rank} of job {job} did not connect to this agent within {timeout:.0f} s")
             time.sleep(0.05)
-        if body.get("op") == "teardown" and body.get("leaving"):  # (it comes back only once told again)
+        leaving = isinstance(request, P.Teardown) and request.leaving
+        if leaving:  # (it comes back only once told again)
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(GO_DIR / go_name(job, rank))
-        answer = conn.call(body, max(0.1, deadline - time.monotonic()))
-        leaving = body.get("op") == "teardown" and body.get("leaving") and answer.get("ok")
+                os.unlink(paths.RANK_GO / P.go_name(job, rank))
+        answer = conn.call(request, max(0.1, deadline - time.monotonic()))
         # It is about to be frozen: it must hold no connection to us by then.
-        if leaving and not conn.closed.wait(max(1.0, deadline - time.monotonic())):
-            return {"ok": False, "error": "it did not let go of its connection to the agent"}
+        if leaving and answer.ok and not conn.closed.wait(max(1.0, deadline - time.monotonic())):
+            return dataclasses.replace(answer, ok=False, error="it did not let go of its connection to the agent")
         return answer
 
     def release(self, job: str, rank: int) -> None:
         """Tell a rank that let go of its agent (to be frozen) to connect again (to this one)."""
         self.entry(job, rank)
-        go = private_dir(GO_DIR)
+        go = private_dir(paths.RANK_GO)
         os.chmod(go, 0o711)  # (ranks run as their users: they may look for their file, not list the others)
-        path = go / go_name(job, rank)
+        path = go / P.go_name(job, rank)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         os.close(fd)
 
@@ -466,7 +438,7 @@ class Ranks:
                 _close_outputs(e)  # (it writes on there: everything it wrote here went with it)
                 self._save()
 
-    def output(self, job: str, rank: int, which: int, offset: int, size: int) -> tuple[bytes, int]:
+    def output(self, job: str, rank: int, which: int, offset: int, size: int) -> P.Written:
         """Up to ``size`` bytes from ``offset`` of the rank's stdout (1) or stderr (2) file, and
         the file's size now (-1: it is not read here, having moved on or ended unread)."""
         e = self.entry(job, rank)
@@ -474,39 +446,38 @@ class Ranks:
             fd = e.outputs.get(which)
             if fd is None:
                 if e.moved_to or e.exit_code is not None or not e.alive():
-                    return b"", -1
+                    return P.Written(size=-1)
                 fd = e.outputs[which] = _open_output(e.init, which)
-            return os.pread(fd, min(size, OUTPUT_MAX), offset), os.fstat(fd).st_size
+            return P.Written(data=os.pread(fd, min(size, P.OUTPUT_MAX), offset), size=os.fstat(fd).st_size)
 
-    def locate(self, job: str, rank: int) -> dict[str, Any]:
-        """For a stand-in: where its rank is (``here``, ``moved`` to ``node``, ``exited`` with
-        ``code``, or ``gone``)."""
+    def locate(self, job: str, rank: int) -> P.Located:
+        """For a stand-in: where its rank is."""
         e = self.entry(job, rank)
         if e.exit_code is not None:
-            return {"state": "exited", "code": e.exit_code}
+            return P.Located(state=P.Whereabouts.EXITED.value, code=e.exit_code)
         if e.moved_to:
-            return {"state": "moved", "node": e.moved_to}
+            return P.Located(state=P.Whereabouts.MOVED.value, node=e.moved_to)
         if e.alive():
-            return {"state": "here", "pid": e.init}
-        return {"state": "gone"}
+            return P.Located(state=P.Whereabouts.HERE.value, pid=e.init)
+        return P.Located(state=P.Whereabouts.GONE.value)
 
-    def jobs(self) -> list[dict[str, Any]]:
+    def jobs(self) -> list[P.RankRow]:
+        """The ranks that run here or moved away (as each last said hello)."""
         with self.lock:
             out = []
             for e in sorted(self.entries.values(), key=lambda e: (e.job, e.rank)):
                 here = e.exit_code is None and not e.moved_to and e.alive()
                 if not here and not e.moved_to:
                     continue
-                out.append(
-                    {
-                        "job": e.job,
-                        "rank": e.rank,
-                        "world": e.world,
-                        "pid": e.init,
-                        "gen": e.seen.get("gen", 0),
-                        "step": e.seen.get("step", 0),
-                        "connected": e.conn is not None,
-                        "moved_to": e.moved_to,
-                    }
+                row = P.RankRow(
+                    e.job,
+                    e.rank,
+                    world=e.world,
+                    pid=e.init,
+                    gen=e.seen.gen if e.seen else 0,
+                    step=e.seen.step if e.seen else 0,
+                    connected=e.conn is not None,
+                    moved_to=e.moved_to,
                 )
+                out.append(row)
             return out

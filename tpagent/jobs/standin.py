@@ -17,7 +17,6 @@ node's address.  The store lives as long as the stand-in, as it would have lived
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import os
@@ -37,13 +36,15 @@ from pathlib import Path
 from typing import BinaryIO
 
 import tpagent_rank
+from host import paths
 from host.api import UsageError
 from tpagent.migration.api import AgentError, Peer, PeerUnreachable
 from tpagent.workload import launch
+from tpagent_rank import protocol as P
 from tpagent_rank.store import HOSTED
 
 #: Where the runtime directory is written (root's, readable by the ranks): one per version.
-RUNTIME_ROOT = Path("/run/tpagent/rank-runtime")
+RUNTIME_ROOT = paths.RANK_RUNTIME
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: How long the stand-in keeps asking an agent that does not answer before it gives the rank up.
 LOST_AFTER = 600.0
@@ -58,13 +59,6 @@ store = TCPStore(sys.argv[1], int(sys.argv[2]), None, True, wait_for_workers=Fal
 print("ready", flush=True)
 sys.stdin.read()
 """
-
-
-def job_id(env: dict[str, str]) -> str:
-    for key in ("TPAGENT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        if env.get(key):
-            return env[key]
-    return "job"
 
 
 def rank_of(env: dict[str, str]) -> int:
@@ -231,7 +225,8 @@ class StandIn:
 
     def run(self) -> int:
         env = dict(os.environ)
-        job, rank = job_id(env), rank_of(env)
+        job = P.job_id(env)
+        rank = rank_of(env)
         renv = rank_env(env, self.socket_name, job)
         store, why = host_store(self.cmd, launcher_env(env))  # (not the runtime's environment)
         if store is not None:
@@ -249,7 +244,7 @@ class StandIn:
         for sig in FORWARDED:
             signal.signal(sig, self._on_signal)
         try:
-            self.agent.rank(job, rank, {"op": "expect", "pid": init}, 30)
+            self.agent.rank(job, rank, P.Expect(pid=init), 30)
         except AgentError as e:
             self.say(f"the agent does not know rank {rank} of job {job}, so it cannot be moved ({e})")
         where: Peer = self.agent
@@ -262,7 +257,7 @@ class StandIn:
                 self.wake.clear()
                 continue
             try:
-                loc = where.rank(job, rank, {"op": "locate"}, 10)
+                loc = where.rank(job, rank, P.Locate(), 10)
                 last_heard = time.monotonic()
             except PeerUnreachable as e:
                 if time.monotonic() - last_heard > LOST_AFTER:
@@ -278,14 +273,13 @@ class StandIn:
                     return self._ended(where, job, rank, _status(holder.wait()))
                 self.say(f"the agent at {where.address} lost track of rank {rank} of job {job} ({e})")
                 return 1
-            state = loc.get("state")
-            if state == "exited" and isinstance(loc.get("code"), int):
-                return self._ended(where, job, rank, _status(int(loc["code"])))
-            if state == "moved" and isinstance(loc.get("node"), str):
-                self.say(f"rank {rank} of job {job} now runs on {loc['node']}")
-                where = self._peer(str(loc["node"]))
+            if loc.state == P.Whereabouts.EXITED.value:
+                return self._ended(where, job, rank, _status(loc.code))
+            if loc.state == P.Whereabouts.MOVED.value:
+                self.say(f"rank {rank} of job {job} now runs on {loc.node}")
+                where = self._peer(loc.node)
                 continue
-            if state in ("here", "moving"):
+            if loc.state in (P.Whereabouts.HERE.value, P.Whereabouts.MOVING.value):
                 self.wake.wait(0.5)
                 self.wake.clear()
                 continue
@@ -304,9 +298,8 @@ class StandIn:
         for which, relay in self.relays.items():
             for _ in range(16):  # (at most 16 MiB a round: signals are passed on meanwhile)
                 try:
-                    got = where.rank(job, rank, {"op": "output", "fd": which, "offset": relay.offset}, 10)
-                    data = base64.b64decode(str(got.get("data", "")), validate=True)
-                except (AgentError, ValueError):
+                    data = where.rank(job, rank, P.Output(fd=which, offset=relay.offset), 10).data
+                except AgentError:
                     break  # (asked again next round; a rank the agent cannot read is not relayed)
                 if not data:
                     break
@@ -330,7 +323,7 @@ class StandIn:
                     os.kill(init, sig)  # (its init passes it on)
                 continue
             try:
-                where.rank(job, rank, {"op": "signal", "signum": int(sig)}, 10)
+                where.rank(job, rank, P.Signal(signum=int(sig)), 10)
             except AgentError as e:
                 self.say(f"signal {sig} could not be passed on to rank {rank} at {where.address}: {e}")
 

@@ -1,6 +1,7 @@
-"""What a target sets aside for each migration it takes: room for the snapshot in its work
-directory, memory for the copy, room for the carried files where they go, a place among the
-migrations it receives at once.
+"""What a target checks before it takes a migration (:class:`Admission`: CRIU, GPUs, files on
+shared paths, the tree's sockets), and what it sets aside for each one it takes: room for the
+snapshot in its work directory, memory for the copy, room for the carried files where they go, a
+place among the migrations it receives at once.
 
 A migration is admitted only if it fits beside those already in flight here: each keeps its
 reservation until its copy is restored (or dropped).  Free space counts what the others have
@@ -14,10 +15,18 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
+
+from host import gpus, sockets
+from snapshot.api import SnapshotError
+from snapshot.criu import Criu
+from tpagent.common import clock
+from tpagent.migration.api import HOLD_MAX, Acceptance, Offer, Refused, Why
+from tpagent.migration.context import Context
+from tpagent.migration.journal import valid_id
 
 MiB = 1 << 20
 #: Beyond the process's own bytes: CRIU's metadata, page alignment, the restore's own needs.
@@ -151,3 +160,105 @@ class Reservations:
             f"{len(others)} other migration(s) in flight there"
         )
         return problems, Reservation(disk, need_memory), words
+
+
+class Admission:
+    """What this node checks of each migration offered to it, and the reservations of those it
+    takes (``receiving(mid)``: whether migration ``mid`` still holds its reservation here;
+    ``sending(mid)``: whether this node is its source)."""
+
+    def __init__(self, ctx: Context, receiving: Callable[[str], bool], sending: Callable[[str], bool]) -> None:
+        self.ctx = ctx
+        self.sending = sending  # whether this node is the source of a migration
+        self.reservations = Reservations(ctx.cfg.work_dir, ctx.cfg.max_incoming, receiving)
+
+    def offer(self, offer: Offer, take: Callable[[dict[str, str]], tuple[str, Path]]) -> Acceptance:
+        """Check ``offer``; if it fits beside the migrations in flight (and is no dry run), take it
+        (``take(gpu_map)``: where the snapshot is streamed to, and where it goes) and reserve for it.
+        Checked and reserved at once: two offers never share the room."""
+        if not valid_id(offer.migration_id):
+            raise Refused("bad migration id", Why.INVALID)
+        if not 0 <= offer.hold <= HOLD_MAX:  # (NaN too)
+            raise Refused(f"hold must be between 0 and {HOLD_MAX:.0f} s", Why.INVALID)
+        node = self.ctx.cfg.node
+        if offer.source_node == node or self.sending(offer.migration_id):
+            raise Refused(f"{node} is the source of this migration; give another node as the target", Why.INVALID)
+        with self.reservations.lock:
+            problems = self.problems(offer)
+            more, reservation, reserved = self.reservations.check(
+                node, offer.bytes_estimate, sized(offer.carried_files)
+            )
+            problems += more
+            if problems or offer.dry_run:
+                return Acceptance(problems=tuple(problems), reserved=reserved, clock=clock.now())
+            gpu_map = self.gpu_map(list(offer.gpu_uuids), list(offer.gpu_bus_ids))
+            address, snapshot = take(gpu_map)
+            names = frozenset(offer.abstract_sockets)
+            self.reservations.reserve(offer.migration_id, replace(reservation, snapshot=snapshot, abstract=names))
+        return Acceptance(address, dict(gpu_map), reserved=reserved, clock=clock.now())
+
+    def problems(self, offer: Offer) -> list[str]:
+        """What would keep this node from taking the migration (empty: nothing)."""
+        node = self.ctx.cfg.node
+        problems = []
+        need = offer.bytes_estimate
+        limit = self.ctx.cfg.memory_limit
+        if limit and need > limit:
+            problems.append(
+                f"{node} accepts at most {limit / 2**30:.2f} GiB per migration (memory_limit); "
+                f"this one needs {need / 2**30:.2f} GiB"
+            )
+        try:
+            Criu(self.ctx.snapshot_config.criu).check()
+        except SnapshotError as e:
+            problems.append(f"{node}: {e}")
+        ours = len(gpus.inventory())
+        if len(offer.gpu_uuids) > ours:
+            problems.append(f"{node} has {ours} GPU(s); the process uses {len(offer.gpu_uuids)}")
+        problems += self._shared_files(offer)
+        problems += sockets.unusable_here(node, list(offer.tcp)[:10_000])
+        problems += self._abstract_sockets(offer)
+        return problems
+
+    def _shared_files(self, offer: Offer) -> list[str]:
+        node = self.ctx.cfg.node
+        problems = []
+        for entry in list(offer.shared_files)[:10_000]:
+            path, _, size = entry.rpartition(":")
+            try:
+                have = Path(path).stat().st_size
+            except (OSError, ValueError):
+                problems.append(f"{path} (on a shared path) is missing on {node}")
+                continue
+            # (a file the process writes grows as it runs: its size at the check says nothing;
+            # CRIU holds it against the size at the freeze when it restores)
+            if size != "*" and str(have) != size:
+                problems.append(f"{path} is {have} bytes on {node} but {size} on the source")
+        return problems
+
+    def _abstract_sockets(self, offer: Offer) -> list[str]:
+        """The abstract names the copy would bind that are bound here, or that a copy this node
+        receives will bind (called with the reservations' lock held)."""
+        node = self.ctx.cfg.node
+        # (a name is "@" and at most 107 bytes, escaped where not UTF-8; each NUL of it printed as "@")
+        names = {n for n in offer.abstract_sockets if n.startswith("@") and len(n) <= 4 * 107 + 1}
+        coming = {n for r in self.reservations.in_flight().values() for n in r.abstract}
+        taken = set(sockets.abstract_taken(names))
+        problems = []
+        for name in sorted(taken | (names & coming)):
+            why = ""
+            if name.startswith("@cuda-uvmfd-"):
+                why = (
+                    " (the CUDA driver's, named after the process's PID namespace and PID: a CUDA process moved "
+                    "there from another node may hold the same)"
+                )
+            held = f"is bound on {node} already" if name in taken else f"is to be bound on {node} by a copy it receives"
+            problems.append(
+                f"the abstract unix socket {ascii(name)[1:-1]} {held}{why}, so the copy could not bind it there: "
+                "pick another node, or end what holds it there"
+            )
+        return problems
+
+    def gpu_map(self, uuids: list[str], buses: list[str]) -> dict[str, str]:
+        """Each source GPU onto one of ours: the one at its PCI bus id if any, else the emptiest."""
+        return gpus.pair(list(zip(uuids, [*buses, *[""] * len(uuids)], strict=False)), gpus.inventory())

@@ -85,7 +85,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TypeVar
+
+from tpagent_rank import protocol as P
+
+A = TypeVar("A", bound=P.Answer)
 
 
 class Role(str, enum.Enum):
@@ -163,6 +167,11 @@ def allowed(state: State, to: State) -> bool:
 
 def is_final(state: State) -> bool:
     return state in SOURCE_FINAL or state in TARGET_FINAL
+
+
+def is_agent_address(text: str) -> bool:
+    """Whether ``text`` may be an agent's address (HOST:PORT, bounded): checked before it is used."""
+    return 0 < len(text) <= 300 and ":" in text
 
 
 class Outcome(str, enum.Enum):
@@ -365,7 +374,7 @@ class Peer(ABC):
     @abstractmethod
     def versions(self, timeout: float) -> Versions: ...
 
-    def rank(self, job: str, rank: int, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
-        """Ask the peer about (or pass on to) a rank of a distributed job on its node
-        (:mod:`tpagent.jobs.ranks`); its answer.  Only agents over gRPC have ranks."""
+    def rank(self, job: str, rank: int, request: P.Request[A], timeout: float) -> A:
+        """Ask the peer about (or pass on to) a rank of a distributed job on its node (the rank
+        protocol: :mod:`tpagent_rank.protocol`); its answer.  Only agents over gRPC have ranks."""
         raise Refused("this peer has no ranks", Why.PRECONDITION)

@@ -163,28 +163,71 @@ def write_durably(path: Path, data: Any) -> None:
         os.close(fd)
 
 
-class Journal:
-    def __init__(self, directory: Path) -> None:
+class RecordFiles:
+    """A directory of versioned JSON records, one file per id (:func:`valid_id`), each written
+    durably (:func:`write_durably`): the migrations' journal here, the rewires' in
+    :mod:`tpagent.jobs.journal`.  Root's alone, 0700: a record is trusted to name processes.
+    ``what`` names a record in messages ("migration", "rewire")."""
+
+    def __init__(self, directory: Path, what: str) -> None:
         self.directory = directory
-        private_dir(directory)  # root's alone: a record is trusted to name processes
+        self.what = what
+        private_dir(directory)
+
+    def path(self, record_id: str) -> Path:
+        if not valid_id(record_id):
+            raise ValueError(f"{record_id!r} is not a {self.what} id")
+        return self.directory / f"{record_id}.json"
+
+    def write(self, record_id: str, data: dict[str, Any]) -> None:
+        try:
+            write_durably(self.path(record_id), data)
+        except OSError as e:
+            raise JournalError(f"the journal of {self.what} {record_id} cannot be written: {e.strerror}") from e
+
+    def read(self, record_id: str) -> dict[str, Any] | None:
+        """The record's JSON object, or None if there is none (JournalError: it cannot be read)."""
+        try:
+            text = self.path(record_id).read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise JournalError(f"the journal of {self.what} {record_id} cannot be read: {e.strerror}") from e
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise JournalError(f"the journal of {self.what} {record_id} is damaged: {e}") from e
+        if not isinstance(data, dict):
+            raise JournalError(f"the journal of {self.what} {record_id} is damaged: not a JSON object")
+        return data
+
+    def ids(self) -> list[str]:
+        return [p.stem for p in sorted(self.directory.glob("*.json")) if valid_id(p.stem)]
+
+
+class Journal:
+    """The migrations' journal (see the grammar above)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.files = RecordFiles(directory, "migration")
+
+    @property
+    def directory(self) -> Path:
+        return self.files.directory
 
     def path(self, migration_id: str) -> Path:
-        if not valid_id(migration_id):
-            raise ValueError(f"{migration_id!r} is not a migration id")
-        return self.directory / f"{migration_id}.json"
+        return self.files.path(migration_id)
 
     def write(self, record: Record) -> None:
-        try:
-            write_durably(self.path(record.migration_id), record.to_json())
-        except OSError as e:
-            raise JournalError(f"the journal of migration {record.migration_id} cannot be written: {e.strerror}") from e
+        self.files.write(record.migration_id, record.to_json())
 
     def move(self, record: Record, to: State, message: str = "") -> None:
         """Journal ``to`` (if the protocol allows it from where ``record`` stands), then apply it."""
         if not allowed(record.state, to):
             raise BadTransition(f"migration {record.migration_id}: {record.state.value} -> {to.value} is not allowed")
-        before = record.state, record.message
-        record.state, record.message = to, message or record.message
+        before = (record.state, record.message)
+        record.state = to
+        record.message = message or record.message
         try:
             self.write(record)
         except JournalError:  # (the record in memory says what the journal says: nothing moved)
@@ -194,14 +237,11 @@ class Journal:
     def read(self, migration_id: str) -> Record | None:
         """The record, or None if there is none.  A record that exists but cannot be read raises
         JournalError: "unknown here" must never be said of a migration that may hold a copy."""
-        try:
-            text = self.path(migration_id).read_text()
-        except FileNotFoundError:
+        data = self.files.read(migration_id)
+        if data is None:
             return None
-        except OSError as e:
-            raise JournalError(f"the journal of migration {migration_id} cannot be read: {e.strerror}") from e
         try:
-            return Record.from_json(json.loads(text))
+            return Record.from_json(data)
         except (ValueError, KeyError, TypeError) as e:
             raise JournalError(f"the journal of migration {migration_id} is damaged: {e}") from e
 

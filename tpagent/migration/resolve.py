@@ -9,7 +9,7 @@ from pathlib import Path
 
 from host import proc
 from snapshot.held import HeldDump
-from tpagent.migration.api import HAS_COPY, AgentError, Peer, SourceState, TargetState, is_final
+from tpagent.migration.api import HAS_COPY, AgentError, Peer, Refused, Role, SourceState, TargetState, Why, is_final
 from tpagent.migration.context import Context
 from tpagent.migration.decide import (
     OperatorDecided,
@@ -24,6 +24,8 @@ from tpagent.migration.decide import (
     tell_target_abort,
 )
 from tpagent.migration.journal import Record, same_process_alive
+from tpagent.migration.target import Finisher
+from tpagent.migration.target import operator_may as target_may
 
 S = SourceState
 
@@ -160,3 +162,33 @@ def _restore_after_reboot(ctx: Context, r: Record, target: Peer) -> None:
             ctx.journal.move(r, S.ROLLING_BACK, f"the target has no whole copy to restore ({e})")
             return
     ctx.journal.move(r, S.COMMITTING, f"restored on the target as PID {pid} after this node rebooted")
+
+
+def operator_decides(
+    ctx: Context, r: Record, commit: bool, live: Record | None, running: bool, finish: Finisher
+) -> Record:
+    """An operator's decision on a migration its peer gives no answer about (``tpagent resolve``),
+    carried out or refused (Refused, CONFLICT): refused whenever the peer answers, or the decision
+    could leave two copies running, or none, that the protocol itself would not.  ``r``: the
+    journal's record; ``live``: the source's record a finished run or a resolver holds (None:
+    none); ``running``: a run of it is still under way.  The record to report."""
+    mid = r.migration_id
+    how = "--commit" if commit else "--discard"
+    if r.role is Role.TARGET:
+        why = target_may(ctx, r, commit)
+        if why:
+            raise Refused(f"{how} refused: {why}", Why.CONFLICT)
+        finish(mid, commit, f"resolved by the operator ({how}), the source agent {r.peer_agent} giving no answer")
+        return ctx.journal.read(mid) or r
+    if live is None:
+        if running:
+            raise Refused(
+                f"{how} refused: migration {mid} is still running; `tpagent cancel` it, or wait", Why.CONFLICT
+            )
+        live = r
+    why = operator_may(ctx, live, commit)
+    if why:
+        raise Refused(f"{how} refused: {why}", Why.CONFLICT)
+    live.operator = "commit" if commit else "discard"
+    ctx.journal.write(live)  # (the resolver takes it up within seconds)
+    return live

@@ -8,6 +8,7 @@ leaves two running copies, or none, are in :mod:`tpagent.migration.api`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from host import gpus, proc, safefs, sockets
+from host import gpus, paths, proc, safefs, sockets
 from host.api import UsageError
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig, SnapshotError
@@ -74,11 +75,31 @@ class SourceMigration:
     reporting :class:`~tpagent.migration.api.Event` s on ``events`` (None ends them)."""
 
     def __init__(
-        self, ctx: Context, pid: int, target: str, dry_run: bool, release: Callable[[], None] = lambda: None
+        self,
+        ctx: Context,
+        pid: int,
+        target: str,
+        dry_run: bool,
+        release: Callable[[str], None] = lambda _mid: None,
+        hold: float = 0.0,
+        verdict: Callable[[], bool | None] | None = None,
+        communicators_rebuilt: bool = False,
     ) -> None:
-        self.ctx, self.pid, self.target, self.dry_run, self.release = ctx, pid, target, dry_run, release
+        """``release(migration_id)`` once it has ended (or is left to a resolver).  A rank moved by a
+        rewire: its target holds the started copy for our word (``hold``, seconds: ``Offer.hold``),
+        kept once ``verdict`` says True, dropped if False (None: not yet decided);
+        ``communicators_rebuilt`` (a rank's dry run): its TCP connections are its communicators'
+        and its store's, closed before the freeze (tpagent/jobs/rewire.py): not judged here."""
+        self.ctx = ctx
+        self.pid = pid
+        self.target = target
+        self.dry_run = dry_run
+        self.release = release
+        self.hold = hold
+        self.verdict = verdict
+        self.communicators_rebuilt = communicators_rebuilt
         mid = uuid.uuid4().hex
-        self.record = source_record(mid, peer=target, snapshot=str(ctx.cfg.work_dir / "outgoing" / mid))
+        self.record = source_record(mid, peer=target, snapshot=str(paths.WorkDir(ctx.cfg.work_dir).outgoing(mid)))
         note_process(self.record, pid)  # (by PID and start, never by PID alone; a gone one: _check refuses it)
         self.events: queue.Queue[Event | None] = queue.Queue()
         self.result: MigrationResult | None = None
@@ -88,17 +109,9 @@ class SourceMigration:
         self.cancel_reason = ""
         self.cancel_lock = threading.Lock()
         self.pinned = False  # past this, a cancel is refused: a copy may be starting
-        self.tree_pids: list[int] = [pid]
         self.dump: HeldDump | None = None
         self.target_told = False
         self.problems: list[str] = []  # a dry run's findings
-        #: A rank's dry run: its TCP connections are its communicators' and its store's, closed
-        #: before the freeze (tpagent/jobs/rewire.py), so they are not judged here.
-        self.communicators_rebuilt = False
-        #: A rank moved by a rewire: the target holds its started copy for our word (Offer.hold,
-        #: seconds), kept once ``verdict`` says True, dropped if False (None: not yet decided).
-        self.hold = 0.0
-        self.verdict: Callable[[], bool | None] | None = None
         self.copy_runs = threading.Event()  # the copy runs there, its original still frozen here
         self.new_pid = 0
         self.carry: list[Path] = []
@@ -219,14 +232,15 @@ class SourceMigration:
         if self.result is None:
             metrics.MIGRATIONS.labels(outcome.value).inc()
             if outcome is not Outcome.UNRESOLVED:
-                self.release()
+                self.release(self.migration_id)
             self.result = MigrationResult(self.migration_id, outcome, self.record.message, new_pid, dict(self.timings))
             self.events.put(None)
         return self.result
 
     def _keep_resolving(self) -> None:
         t = self.ctx.threads
-        t.spawn("waiter", f"resolve-{self.migration_id[:8]}", resolve_source, self.ctx, self.record, self.release)
+        release = functools.partial(self.release, self.migration_id)
+        t.spawn("waiter", f"resolve-{self.migration_id[:8]}", resolve_source, self.ctx, self.record, release)
 
     def _check(self, target: Peer) -> Acceptance:
         try:

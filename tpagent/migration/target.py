@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from host import proc
+from host import paths, proc
+from host.paths import created_note, restore_work
 from host.safefs import private_dir
 from snapshot.held import wait_released
 from snapshot.restore import RestoreResult, kill_restored, start_restored, take_back_created
@@ -43,7 +44,7 @@ class Incoming:
     ) -> None:
         cfg = ctx.cfg
         self.ctx, self.settle = ctx, settle
-        self.dir = cfg.work_dir / "incoming" / mid
+        self.dir = paths.WorkDir(cfg.work_dir).incoming(mid)
         private_dir(self.dir.parent)
         self.receiver = Receiver(
             ctx.transport(),
@@ -366,16 +367,6 @@ def start_copy(result: RestoreResult | None, snapshot: Path, pid: int) -> None:
     start_restored(result)
     if result.manifest.namespace:
         launch.register(result.pid)  # a launched workload here too, under its new PID
-
-
-def created_note(snapshot: Path) -> Path:
-    """Where the restore of this migration notes what it made on this node (for a drop)."""
-    return snapshot.parent / f"{snapshot.name}.created"
-
-
-def restore_work(snapshot: Path) -> Path:
-    """Where CRIU's restore keeps its pidfile for this migration (known to a restarted agent)."""
-    return snapshot.parent / f"{snapshot.name}.restore"
 
 
 def recover_target(ctx: Context, r: Record, finish: Finisher, settle: Settler) -> None:

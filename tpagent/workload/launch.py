@@ -26,11 +26,12 @@ from pathlib import Path
 
 import psutil
 
+from host import paths
 from host.api import UsageError
 from host.safefs import private_dir
 
 #: Where launch records live (root's, mode 700).
-RECORDS = Path("/run/tpagent/launched")
+RECORDS = paths.LAUNCHED
 
 
 @dataclass(frozen=True)

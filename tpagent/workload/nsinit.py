@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import json
 import os
 import re
 import signal
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from host import safefs
 from host.api import UsageError
+from tpagent_rank import protocol
 
 
 def _open_log(path: Path) -> int:
@@ -120,7 +120,7 @@ def _report_exit(code: int) -> None:
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(2)
         s.connect("\0" + name)
-        s.sendall(json.dumps({"op": "exit", "code": code}).encode() + b"\n")
+        s.sendall(protocol.said(protocol.Exit(code)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,99 @@
+"""One ``Rank`` call, as the agent answers it: a request of the rank's runtime is passed on to the
+rank (:meth:`tpagent.jobs.ranks.Ranks.call`), the others are answered here, by a dispatch over the
+rank protocol's ops (:mod:`tpagent_rank.protocol`).  Every field is checked before it is used."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+from host import proc
+from tpagent.jobs.ranks import RankGone, Ranks
+from tpagent.migration.api import AgentError, Refused, Why, is_agent_address
+from tpagent_rank import protocol as P
+
+A = TypeVar("A", bound=P.Answer)
+#: The signals a stand-in passes on to its rank (SIGKILL: its launcher gave up on it).
+PASSED_ON = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL})
+
+
+class RankCalls:
+    """The ``Rank`` calls of this node's agent.  ``rewiring(job)``: whether the agent is moving
+    ranks of ``job`` now (a rank that ended here is then on its way, not gone)."""
+
+    def __init__(self, ranks: Ranks, node: str, rewiring: Callable[[str], bool]) -> None:
+        self.ranks = ranks
+        self.node = node
+        self.rewiring = rewiring
+        self._handlers: dict[P.Op, Callable[[str, int, Any], P.Answer]] = {
+            P.Op.EXPECT: self._expect,
+            P.Op.MOVED: self._moved,
+            P.Op.RELEASE: self._release,
+            P.Op.LOCATE: self._locate,
+            P.Op.SIGNAL: self._signal,
+            P.Op.OUTPUT: self._output,
+            P.Op.JOBS: self._jobs,
+        }
+
+    def __call__(self, job: str, rank: int, request: P.Request[A], timeout: float) -> A:
+        if request.OP in P.RUNTIME_OPS:
+            try:
+                return self.ranks.call(job, rank, request, timeout)
+            except RankGone as e:
+                raise Refused(str(e), Why.NOT_FOUND) from e
+        return cast(A, self._handlers[request.OP](job, rank, request))
+
+    def _expect(self, job: str, rank: int, request: P.Expect) -> P.Answer:
+        self.ranks.expect(job, rank, request.pid)
+        return P.Answer()
+
+    def _moved(self, job: str, rank: int, request: P.Moved) -> P.Answer:
+        if not is_agent_address(request.to):
+            raise Refused("moved needs the agent the rank went to.", Why.INVALID)
+        self.ranks.moved(job, rank, request.to)
+        return P.Answer()
+
+    def _release(self, job: str, rank: int, _: P.Release) -> P.Answer:
+        self.ranks.release(job, rank)
+        return P.Answer()
+
+    def _locate(self, job: str, rank: int, _: P.Locate) -> P.Located:
+        where = self.ranks.locate(job, rank)
+        if where.state == P.Whereabouts.GONE.value and self.rewiring(job):  # (ended here, not yet known there)
+            return dataclasses.replace(where, state=P.Whereabouts.MOVING.value)
+        return where
+
+    def _signal(self, job: str, rank: int, request: P.Signal) -> P.Answer:
+        if request.signum not in PASSED_ON:
+            raise Refused(f"signal {request.signum!r} is not passed on to a rank.", Why.INVALID)
+        entry = self.ranks.entry(job, rank)
+        if not entry.alive() or entry.moved_to:
+            return P.failed(f"rank {rank} of job {job} does not run on {self.node}")
+        if request.signum == signal.SIGKILL:
+            proc.kill_tree(entry.init)
+        else:
+            os.kill(entry.init, request.signum)  # (its init passes it on to the rank)
+        return P.Answer()
+
+    def _output(self, job: str, rank: int, request: P.Output) -> P.Written:
+        """What its rank wrote, for a stand-in, wherever the rank runs."""
+        if request.fd not in (1, 2) or request.offset < 0:
+            raise Refused("output needs fd 1 or 2 and an offset of at least 0.", Why.INVALID)
+        return self.ranks.output(job, rank, request.fd, request.offset, max(1, request.max))
+
+    def _jobs(self, job: str, rank: int, _: P.Jobs) -> P.Ranks:
+        """Every rank here, each connected one with its step and generation now."""
+        rows = []
+        for row in self.ranks.jobs():
+            if row.connected:
+                with contextlib.suppress(AgentError):
+                    now = self.ranks.call(row.job, row.rank, P.Where(), 2)
+                    row = dataclasses.replace(
+                        row, step=now.step, gen=now.gen, collectives=now.collectives, state=now.state
+                    )
+            rows.append(row)
+        return P.Ranks(ranks=tuple(rows))

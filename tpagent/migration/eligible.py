@@ -1,0 +1,53 @@
+"""What this node may migrate: GPU processes (as NVML sees them), workloads started by
+``tpagent launch`` (by its root-only records), and processes running a program named in
+``allow_executables`` (by ``/proc/PID/exe``); never what a command line says (anyone can forge one)."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+from host import gpus, proc
+from tpagent.common.config import AgentConfig
+from tpagent.migration.api import ProcessInfo, Refused, Why
+from tpagent.workload import launch
+
+
+def migratable(cfg: AgentConfig) -> list[ProcessInfo]:
+    out = []
+    gpu_pids = {pid for g in gpus.inventory() for pid in g.pids}
+    allowed = {os.path.realpath(a) for a in cfg.allow_executables}
+    for p in psutil.process_iter(["pid", "cmdline", "memory_info", "exe", "uids"]):
+        record = launch.launched(p.pid)
+        why = ""
+        if p.pid in gpu_pids:
+            why = "gpu"
+        elif record is not None:
+            why = "launched"
+        elif (p.info["exe"] or "") in allowed:  # (a full path: a user's own copy named python3 is not it)
+            why = "operator"
+        if why and p.pid != 1:
+            rss = p.info["memory_info"].rss if p.info["memory_info"] else 0
+            uid = p.info["uids"].real if p.info["uids"] else 0
+            cmdline = tuple(p.info["cmdline"] or ())
+            owner = record.owner if record else -1
+            out.append(ProcessInfo(p.pid, cmdline, rss, p.pid in gpu_pids, why, uid, owner))
+    return out
+
+
+def check_migratable(cfg: AgentConfig, pid: int) -> None:
+    """Refused in one sentence unless ``pid`` is a process this node may migrate."""
+    if pid <= 1:
+        raise Refused(f"PID {pid} cannot be migrated.", Why.INVALID)
+    init = proc.namespace_init(pid)  # (a process inside a launched namespace, or a thread of one)
+    if init is not None:
+        raise Refused(proc.inside_namespace(pid, init, "migrate"), Why.INVALID)
+    if not psutil.pid_exists(pid):
+        raise Refused(f"there is no process with PID {pid} on {cfg.node}.", Why.NOT_FOUND)
+    if pid not in {p.pid for p in migratable(cfg)}:
+        raise Refused(
+            f"PID {pid} is not a migratable process on {cfg.node}: it does not use a GPU, was not started with "
+            "`tpagent launch`, and runs no program named in allow_executables.",
+            Why.DENIED,
+        )

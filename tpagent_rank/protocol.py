@@ -1,0 +1,541 @@
+"""The rank protocol, typed once for both of its sides: what an agent asks of a rank's runtime,
+and what stand-ins and agents ask of the agent a rank runs under.
+
+Standard library only (it is loaded into users' training processes); the agent
+(:mod:`tpagent.jobs`) imports it too.  Each operation is an :class:`Op`; each request is a
+frozen dataclass (:class:`Request`, its ``OP``), each answer one too (:class:`Answer`: ``ok``
+and ``error``, and the fields of its kind).  :data:`RUNTIME_OPS` are answered by the rank's
+runtime (:mod:`tpagent_rank.agent`; its agent passes them on); the others by the agent itself
+(:mod:`tpagent.jobs.calls`).
+
+Two wires carry it, each field for field:
+
+* the line protocol between a rank's runtime and its node's agent, on the abstract unix socket
+  ``rank_socket`` (an abstract name belongs to a network namespace: a rank restored on another
+  node reaches that node's agent under the same name)::
+
+      LINE     ::= JSON-OBJECT "\\n"                       at most LINE_MAX bytes
+      rank  -> agent  ::= HELLO { ANSWER }                  a runtime; or EXIT, once, from a
+                                                            launched namespace's init as it ends
+      agent -> rank   ::= (WELCOME | REFUSED) { REQUEST }
+      HELLO    ::= {"op": "hello", FIELDS of Hello}
+      WELCOME  ::= {"op": "welcome", "node": AGENT}      REFUSED ::= {"op": "refused", "error": STR}
+      EXIT     ::= {"op": "exit", "code": INT}
+      REQUEST  ::= {"id": INT, "op": OP, FIELDS of its request}
+      ANSWER   ::= {"id": INT, "ok": BOOL, "error": STR, FIELDS of its answer}
+
+  where ``bytes`` travel as base64 text and an answer is matched to its request by ``id``;
+
+* the agents' gRPC ``Rank`` call (``tpagent/daemon/proto/agent.proto``): a ``RankRequest``
+  holds one message per op, a ``RankReply`` one per kind of answer, with these names and fields.
+
+Whatever arrives is decoded by :func:`decode`, which checks every field's type (and bounds the
+line): a peer's mistake is a :class:`ProtocolError`, never a wrong value in the agent.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+#: The longest line either side sends or reads.
+LINE_MAX = 64 * 1024
+#: The most of a rank's output one ``output`` request reads.
+OUTPUT_MAX = 1 << 20
+#: The longest job id.
+JOB_MAX = 200
+#: The highest rank (and world size) a job may have.
+RANK_MAX = 1 << 20
+#: Where an agent says "come back" to a rank that let go of it to be frozen: a file named by
+#: :func:`go_name` (while it may be frozen, the rank must hold no socket to the agent, so it
+#: looks for the file instead).
+GO_DIR = "/run/tpagent/rank-go"
+#: Where a job's rank keeps its agent's address in the job's store (``KEY + str(rank)``).
+AGENT_KEY = "tpagent/agent/"
+#: The environment variables a job's id is read from, in order (else :data:`DEFAULT_JOB`).
+JOB_VARIABLES = ("TPAGENT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
+DEFAULT_JOB = "job"
+
+
+def go_name(job: str, rank: int) -> str:
+    return hashlib.sha256(f"{job}\0{rank}".encode()).hexdigest()[:32]
+
+
+def job_id(env: Mapping[str, str]) -> str:
+    """The id of the job a rank belongs to, the same for its stand-in and its runtime."""
+    return next((env[key] for key in JOB_VARIABLES if env.get(key)), DEFAULT_JOB)
+
+
+def valid_job(job: str) -> bool:
+    return 0 < len(job) <= JOB_MAX and job.isprintable()
+
+
+class ProtocolError(ValueError):
+    """What arrived is not a message of this protocol (its kind, a field, its size)."""
+
+
+class Op(str, enum.Enum):
+    # Answered by the rank's runtime (its agent passes them on).
+    WHERE = "where"  # where it stands: its step, collectives, generation, rates, what it runs
+    PEERS = "peers"  # where every rank's agent is (each rank keeps its own in the job's store)
+    PAUSE = "pause"  # stop after optimizer step (or default-group collective) ``at``
+    BOUNDARY = "boundary"  # wait until stopped there
+    CANCEL = "cancel"  # forget the pause and go on (refused once torn down)
+    TEARDOWN = "teardown"  # destroy the communicators; ``leaving``: also let go of the store and the agent
+    REBUILD = "rebuild"  # build them again under generation ``gen``, where it now runs
+    RESUME = "resume"  # go on after a rebuild
+    END = "end"  # the job cannot go on: end with ``why``
+    # Answered by the agent.
+    EXPECT = "expect"  # the rank's launched namespace here has its init at ``pid`` (registers it)
+    MOVED = "moved"  # the rank went to the agent at ``to``
+    RELEASE = "release"  # tell a rank that let go of this agent to come back
+    LOCATE = "locate"  # where the rank is now (for its stand-in)
+    SIGNAL = "signal"  # pass ``signum`` on to the rank
+    OUTPUT = "output"  # what the rank wrote to ``fd`` from ``offset``
+    JOBS = "jobs"  # every rank of every job on the node
+
+
+RUNTIME_OPS = frozenset(
+    {Op.WHERE, Op.PEERS, Op.PAUSE, Op.BOUNDARY, Op.CANCEL, Op.TEARDOWN, Op.REBUILD, Op.RESUME, Op.END}
+)
+
+
+class Unit(str, enum.Enum):
+    """What a pause's ``at`` counts."""
+
+    STEP = "step"  # optimizer steps (once any rank has taken one)
+    COLLECTIVE = "collective"  # the default group's collectives (a job with no optimizer)
+
+
+class RankState(str, enum.Enum):
+    """Where a rank's runtime stands."""
+
+    RUNNING = "running"
+    PAUSED = "paused"
+    TORN_DOWN = "torn_down"
+
+
+class Whereabouts(str, enum.Enum):
+    """Where a rank is, as its agent knows (:class:`Located`)."""
+
+    HERE = "here"  # it runs on this node (``pid``: its namespace's init)
+    MOVED = "moved"  # it went to ``node`` (an agent address)
+    EXITED = "exited"  # it ended here with ``code``
+    MOVING = "moving"  # it ended here while its job is being rewired (its copy is not yet known)
+    GONE = "gone"  # it ended without a status
+
+
+# ---- answers ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Every answer: whether it was done, and if not, why (one clause)."""
+
+    ok: bool = True
+    error: str = ""
+
+
+def failed(error: str) -> Answer:
+    return Answer(ok=False, error=error)
+
+
+@dataclass(frozen=True)
+class Standing(Answer):
+    step: int = 0
+    collectives: int = 0
+    gen: int = 0
+    state: str = RankState.RUNNING.value
+    rate: float = 0.0  # optimizer steps per second, lately
+    collective_rate: float = 0.0
+    groups: int = 0  # live delegating groups
+    nccl_host: str = ""  # the host identity its NCCL read once ("": no NCCL)
+    nccl_ras: bool = False  # its NCCL runs the RAS thread (it cannot move)
+    host: str = ""  # the host it runs on (name|boot id)
+    hosts_store: str = ""  # HOST:PORT of the job's store if it serves it itself ("": it does not)
+    store_loopback: str = ""  # HOST:PORT of the store if reached at a loopback address
+
+
+@dataclass(frozen=True)
+class Agents(Answer):
+    agents: tuple[str, ...] = ()  # rank -> its agent's address ("": it has not said)
+
+
+@dataclass(frozen=True)
+class Paused(Answer):
+    late: bool = False  # it is past the step asked for (then not ok)
+
+
+@dataclass(frozen=True)
+class AtBoundary(Answer):
+    step: int = 0
+    collectives: int = 0
+
+
+@dataclass(frozen=True)
+class TornDown(Answer):
+    closed: int = 0  # store connections let go (leaving)
+
+
+@dataclass(frozen=True)
+class Located(Answer):
+    state: str = Whereabouts.GONE.value
+    pid: int = 0  # here: its namespace's init
+    node: str = ""  # moved: the agent it went to
+    code: int = 0  # exited: its status
+
+
+@dataclass(frozen=True)
+class Written(Answer):
+    data: bytes = b""
+    size: int = 0  # the file's size now (-1: it is not read here, having moved on or ended)
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One rank on a node, for ``tpagent node``."""
+
+    job: str
+    rank: int
+    world: int = 0
+    pid: int = 0
+    gen: int = 0
+    step: int = 0
+    connected: bool = False
+    moved_to: str = ""
+    collectives: int = 0
+    state: str = ""
+
+
+@dataclass(frozen=True)
+class Ranks(Answer):
+    ranks: tuple[RankRow, ...] = ()
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+A = TypeVar("A", bound=Answer)
+A_co = TypeVar("A_co", bound=Answer, covariant=True)
+
+
+@dataclass(frozen=True)
+class Request(Generic[A_co]):
+    """A request whose answer is an ``A``; ``OP`` names it on the wires, ``ANSWER`` is ``A``."""
+
+    OP: ClassVar[Op]
+    ANSWER: ClassVar[type[Answer]] = Answer
+
+
+@dataclass(frozen=True)
+class Where(Request[Standing]):
+    OP = Op.WHERE
+    ANSWER = Standing
+
+
+@dataclass(frozen=True)
+class Peers(Request[Agents]):
+    OP = Op.PEERS
+    ANSWER = Agents
+
+
+@dataclass(frozen=True)
+class Pause(Request[Paused]):
+    OP = Op.PAUSE
+    ANSWER = Paused
+    at: int
+    unit: str = Unit.STEP.value
+
+
+@dataclass(frozen=True)
+class Boundary(Request[AtBoundary]):
+    OP = Op.BOUNDARY
+    ANSWER = AtBoundary
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class Cancel(Request[Answer]):
+    OP = Op.CANCEL
+
+
+@dataclass(frozen=True)
+class Teardown(Request[TornDown]):
+    OP = Op.TEARDOWN
+    ANSWER = TornDown
+    leaving: bool = False
+
+
+@dataclass(frozen=True)
+class Rebuild(Request[Answer]):
+    OP = Op.REBUILD
+    gen: int
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class Resume(Request[Answer]):
+    OP = Op.RESUME
+
+
+@dataclass(frozen=True)
+class End(Request[Answer]):
+    OP = Op.END
+    why: str = ""
+
+
+@dataclass(frozen=True)
+class Expect(Request[Answer]):
+    OP = Op.EXPECT
+    pid: int
+
+
+@dataclass(frozen=True)
+class Moved(Request[Answer]):
+    OP = Op.MOVED
+    to: str
+
+
+@dataclass(frozen=True)
+class Release(Request[Answer]):
+    OP = Op.RELEASE
+
+
+@dataclass(frozen=True)
+class Locate(Request[Located]):
+    OP = Op.LOCATE
+    ANSWER = Located
+
+
+@dataclass(frozen=True)
+class Signal(Request[Answer]):
+    OP = Op.SIGNAL
+    signum: int
+
+
+@dataclass(frozen=True)
+class Output(Request[Written]):
+    OP = Op.OUTPUT
+    ANSWER = Written
+    fd: int
+    offset: int
+    max: int = OUTPUT_MAX
+
+
+@dataclass(frozen=True)
+class Jobs(Request[Ranks]):
+    OP = Op.JOBS
+    ANSWER = Ranks
+
+
+REQUESTS: Mapping[Op, type[Request[Any]]] = {
+    cls.OP: cls
+    for cls in (
+        Where,
+        Peers,
+        Pause,
+        Boundary,
+        Cancel,
+        Teardown,
+        Rebuild,
+        Resume,
+        End,
+        Expect,
+        Moved,
+        Release,
+        Locate,
+        Signal,
+        Output,
+        Jobs,
+    )
+}
+
+
+# ---- the line protocol's own messages --------------------------------------------------------
+
+
+class LineOp(str, enum.Enum):
+    """The line protocol's messages that are not requests (each says its ``op``)."""
+
+    HELLO = "hello"
+    WELCOME = "welcome"
+    REFUSED = "refused"
+    EXIT = "exit"
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A rank's runtime, as it connects: who it is and where it stands."""
+
+    OP: ClassVar[LineOp] = LineOp.HELLO
+    job: str
+    rank: int
+    world: int
+    v: int = 1
+    pid: int = 0
+    gen: int = 0
+    step: int = 0
+    state: str = RankState.RUNNING.value
+    backend: str = ""
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The agent took the rank's hello (it is registered here)."""
+
+    OP: ClassVar[LineOp] = LineOp.WELCOME
+    node: str = ""  # the agent's own address
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The agent did not take the rank's hello."""
+
+    OP: ClassVar[LineOp] = LineOp.REFUSED
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Exit:
+    """The init of a launched namespace, as it ends: the workload's status."""
+
+    OP: ClassVar[LineOp] = LineOp.EXIT
+    code: int
+
+
+def said(message: Hello | Welcome | Refusal | Exit) -> bytes:
+    """One of the line protocol's own messages, as a line."""
+    return line(message, op=message.OP.value)
+
+
+def is_said(body: Mapping[str, Any], op: LineOp) -> bool:
+    """Whether a line read is the message ``op``."""
+    return body.get("op") == op.value
+
+
+# ---- encoding and checked decoding -----------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def _json(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, tuple):
+        return [_json(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
+def fields_of(message: Any) -> dict[str, Any]:
+    """A message's fields as JSON values (bytes as base64 text)."""
+    out: dict[str, Any] = _json(message)
+    return out
+
+
+def line(message: Any, **head: Any) -> bytes:
+    """One line of the line protocol: ``head`` (its ``id``, its ``op``) then the message's fields."""
+    data = json.dumps({**head, **fields_of(message)}).encode() + b"\n"
+    if len(data) > LINE_MAX:
+        raise ProtocolError(f"a line of {len(data)} bytes, over the limit of {LINE_MAX}")
+    return data
+
+
+def request_line(rid: int, request: Request[Any]) -> bytes:
+    return line(request, id=rid, op=request.OP.value)
+
+
+def parse_line(data: bytes) -> dict[str, Any]:
+    """A line as read (with its newline): one JSON object, within :data:`LINE_MAX`."""
+    if len(data) > LINE_MAX or not data.endswith(b"\n"):
+        raise ProtocolError("a line over the limit")
+    try:
+        body = json.loads(data)
+    except ValueError as e:
+        raise ProtocolError(f"a line that is not JSON ({e})") from e
+    if not isinstance(body, dict):
+        raise ProtocolError("a line that is not a JSON object")
+    return body
+
+
+def _check(kind: Any, value: Any, name: str) -> Any:
+    """``value`` (JSON) as the annotated ``kind``, or ProtocolError."""
+    origin = typing.get_origin(kind)
+    if origin is tuple:
+        item = typing.get_args(kind)[0]
+        if not isinstance(value, list | tuple):
+            raise ProtocolError(f"{name} is not a list")
+        return tuple(_check(item, v, f"{name}[]") for v in value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{name} is not true or false")
+        return value
+    if kind is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ProtocolError(f"{name} is not an integer")
+        return value
+    if kind is float:
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            raise ProtocolError(f"{name} is not a number")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"{name} is not text")
+        return value
+    if kind is bytes:
+        if isinstance(value, bytes):
+            return value
+        try:
+            return base64.b64decode(str(value), validate=True)
+        except ValueError as e:
+            raise ProtocolError(f"{name} is not base64") from e
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, Mapping):
+            raise ProtocolError(f"{name} is not an object")
+        return decode(typing.cast(type[Any], kind), value)
+    raise TypeError(f"{name}: {kind!r} is no type of this protocol")  # (a bug here, not the peer's)
+
+
+_TYPES: dict[type[Any], dict[str, Any]] = {}
+
+
+def types_of(cls: type[Any]) -> dict[str, Any]:
+    """A message class's fields and their types (resolved once)."""
+    if cls not in _TYPES:
+        _TYPES[cls] = typing.get_type_hints(cls)
+    return _TYPES[cls]
+
+
+def decode(cls: type[T], data: Mapping[str, Any]) -> T:
+    """A ``cls`` from its fields in ``data`` (others are ignored), each checked against its type;
+    a field that is missing takes its default (ProtocolError if it has none)."""
+    hints = types_of(cls)
+    kwargs = {}
+    for f in dataclasses.fields(typing.cast(Any, cls)):
+        if f.name in data:
+            kwargs[f.name] = _check(hints[f.name], data[f.name], f.name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{cls.__name__} lacks {f.name}")
+    return cls(**kwargs)
+
+
+def decode_request(data: Mapping[str, Any]) -> Request[Any]:
+    """The request a line (or a peer's message) holds, by its ``op``."""
+    try:
+        op = Op(data.get("op"))
+    except ValueError as e:
+        raise ProtocolError(f"{str(data.get('op'))[:40]!r} is not an operation of the rank protocol") from e
+    return decode(REQUESTS[op], data)
+
+
+def decode_answer(request: Request[A], data: Mapping[str, Any]) -> A:
+    """The answer to ``request`` that ``data`` holds."""
+    return typing.cast(A, decode(request.ANSWER, data))
