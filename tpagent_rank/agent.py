@@ -36,7 +36,11 @@ def say(text: str) -> None:
 
 class Rank:
     def __init__(self, job: str, rank: int, world: int, store: Any, spec: str | None, socket_name: str) -> None:
-        self.job, self.rank, self.world, self.store, self.spec = job, rank, world, store, spec
+        self.job = job
+        self.rank = rank
+        self.world = world
+        self.store = store
+        self.spec = spec
         self.socket_name = socket_name
         self.cond = threading.Condition()
         self.step = 0

@@ -111,7 +111,11 @@ _ProcessGroup: Any = dist.ProcessGroup  # (its stubs overload each collective; o
 class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, spec: dict[str, str]) -> None:
         super().__init__(rank, size)
-        self._store, self._rank, self._size, self._timeout, self._spec = store, rank, size, timeout, spec
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self._timeout = timeout
+        self._spec = spec
         self._inner: dict[str, Any] = {}
         self._only: Any = None  # the one inner backend, when every device has the same (no lookup then)
         self._front: Any = None  # a plain ProcessGroup over the inner backends (see _front_over)
@@ -144,7 +148,8 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         front = _front_over(self._rank, self._size, inner, self._spec)
         with self._lock:
             if self._wanted == gen:
-                self._inner, self._only = inner, next(iter(made.values())) if len(made) == 1 else None
+                self._inner = inner
+                self._only = next(iter(made.values())) if len(made) == 1 else None
                 self._front = front
                 # NCCL connects at its first collective: the sockets it opens then are noted too
                 self._first = owned.sockets() if "nccl" in made else None
@@ -167,7 +172,10 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         """Destroy the inner backends, waiting for nothing (:meth:`teardown` waits first; at exit
         nothing is)."""
         with self._lock:
-            inner, self._inner, self._only, self._wanted = self._inner, {}, None, -1
+            inner = self._inner
+            self._inner = {}
+            self._only = None
+            self._wanted = -1
             self._front = None  # (it holds the inner backends too)
         _shut({id(b): b for b in inner.values()}.values())
         del inner
@@ -226,7 +234,9 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         if work is not None:  # (NCCL's ops with async_op=False give none: they run on the current stream)
             self._works.add(work)
         if self._first is not None and self._armed:  # (once per generation: NCCL's first collective)
-            first, self._first, self._armed = self._first, None, False
+            first = self._first
+            self._first = None
+            self._armed = False
             owned.note_since(first)
         return work
 
@@ -335,7 +345,8 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
 
     def all_to_all_single(self, output: Any, input: Any, out_splits: Any, in_splits: Any, opts: Any = None) -> Any:  # noqa: A002
         if not isinstance(opts, c10d.AllToAllOptions):  # (its other form takes a timeout)
-            timeout, opts = opts, c10d.AllToAllOptions()
+            timeout = opts
+            opts = c10d.AllToAllOptions()
             if timeout is not None:
                 opts.timeout = timeout
         return self.alltoall_base(output, input, out_splits, in_splits, opts)

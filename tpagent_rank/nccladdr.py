@@ -130,7 +130,9 @@ def rewrite(regions: list[tuple[int, int]], table: dict[bytes, bytes]) -> int:
 
 # ---- where a library's writable data is: its ELF program headers -----------------------------
 
-_PT_LOAD, _PT_GNU_RELRO, _PF_W = 1, 0x6474E552, 2
+_PT_LOAD = 1
+_PT_GNU_RELRO = 0x6474E552
+_PF_W = 2
 
 
 class _Phdr(ctypes.Structure):  # Elf64_Phdr

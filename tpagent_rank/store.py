@@ -154,7 +154,8 @@ def address(store: Any) -> str:
 def detach(store: Any) -> list[tuple[int, str, int]]:
     """Put an unconnected socket in place of every connection to ``store``; what was detached."""
     base = _underlying(store)
-    host, port = str(base.host), int(base.port)
+    host = str(base.host)
+    port = int(base.port)
     ips = _ips(host)
     out = []
     for fd, remote in connections().items():

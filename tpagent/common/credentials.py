@@ -26,7 +26,8 @@ class Credentials:
         files = TlsFiles.in_dir(tls_dir)
         key = read_private_file(files.key, "the TLS private key")
         try:
-            ca, cert = files.ca.read_bytes(), files.cert.read_bytes()
+            ca = files.ca.read_bytes()
+            cert = files.cert.read_bytes()
         except OSError as e:
             raise UsageError(
                 f"cannot read the TLS certificate {e.filename}: {e.strerror}; "

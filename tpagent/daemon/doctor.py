@@ -1,4 +1,5 @@
-"""``tpagent doctor``: can this node checkpoint and restore?  One line per check."""
+"""``tpagent doctor``: can this node checkpoint and restore?  One line per check.  And what an
+agent says of its node (:func:`node_info`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import importlib.metadata
 import os
 import platform
 import shutil
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,9 @@ import psutil
 from host import gpus
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
+from tpagent import __version__
 from tpagent.common import clock
+from tpagent.migration.api import GpuInfo, NodeInfo
 
 
 class Verdict(str, enum.Enum):
@@ -203,3 +207,21 @@ def run_checks(criu_path: Path | None = None, pid: int | None = None) -> list[Ch
     if pid is not None:
         steps.append(lambda: process_checks(pid))
     return [check for step in steps for check in step()]
+
+
+def node_info(node: str, criu_path: Path | None) -> NodeInfo:
+    """This node as its agent describes it: GPUs, free memory, versions, and what is wrong."""
+    problems = []
+    criu_version = ""
+    try:
+        criu_version = Criu(criu_path).version_str
+    except SnapshotError as e:
+        problems.append(str(e))
+    gpu_list = tuple(
+        GpuInfo(g.uuid, g.name, g.memory_total, g.memory_used, g.temperature_c or 0, g.ecc_uncorrected or 0)
+        for g in gpus.inventory()
+    )
+    available = psutil.virtual_memory().available
+    driver = gpus.driver_version() or ""
+    host = socket.gethostname()
+    return NodeInfo(node, host, gpu_list, available, __version__, criu_version, driver, tuple(problems), clock.now())

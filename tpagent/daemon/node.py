@@ -14,18 +14,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import socket
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-import psutil
-
-from host import gpus, paths, proc
-from snapshot.api import SnapshotError
-from snapshot.criu import Criu
-from tpagent import __version__
-from tpagent.common import clock
+from host import paths, proc
+from tpagent.daemon import doctor
 from tpagent.jobs.calls import RankCalls
 from tpagent.jobs.journal import RewireJournal
 from tpagent.jobs.ranks import Ranks
@@ -34,7 +28,6 @@ from tpagent.jobs.rewires import Rewires
 from tpagent.migration import eligible
 from tpagent.migration.api import (
     Acceptance,
-    GpuInfo,
     JournalError,
     NodeInfo,
     Offer,
@@ -83,21 +76,7 @@ class Node:
     # ---- the node ------------------------------------------------------------------------
 
     def info(self) -> NodeInfo:
-        problems = []
-        criu_version = ""
-        try:
-            criu_version = Criu(self.ctx.snapshot_config.criu).version_str
-        except SnapshotError as e:
-            problems.append(str(e))
-        gpu_list = tuple(
-            GpuInfo(g.uuid, g.name, g.memory_total, g.memory_used, g.temperature_c or 0, g.ecc_uncorrected or 0)
-            for g in gpus.inventory()
-        )
-        available = psutil.virtual_memory().available
-        driver = gpus.driver_version() or ""
-        host = socket.gethostname()
-        said = tuple(problems)
-        return NodeInfo(self.cfg.node, host, gpu_list, available, __version__, criu_version, driver, said, clock.now())
+        return doctor.node_info(self.cfg.node, self.ctx.snapshot_config.criu)
 
     def migratable(self) -> list[ProcessInfo]:
         return eligible.migratable(self.cfg)

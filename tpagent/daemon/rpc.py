@@ -97,7 +97,8 @@ def _body_mac(secret: bytes, call_mac: str, request: Any) -> str:
 def sign(secret: bytes, method: str, audience: str, request: Any, offset: float = 0.0) -> list[tuple[str, str]]:
     """The metadata that authenticates one call of ``method`` on the agent at ``audience``
     (whose clock is ``offset`` seconds off ours)."""
-    ts, nonce = str(int((clock.now() + offset) * 1000)), os.urandom(12).hex()
+    ts = str(int((clock.now() + offset) * 1000))
+    nonce = os.urandom(12).hex()
     call_mac = _hmac(secret, "call", method, audience, ts, nonce)
     return [(HEADER, f"{VERSION}.{ts}.{nonce}.{call_mac}"), (BODY_HEADER, _body_mac(secret, call_mac, request))]
 
@@ -192,7 +193,9 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self.refused = refused
         self.replays = _Replays()
         self.started = time.monotonic()  # (read on the wall clock at each check: a step moves it too)
-        self.log_lock, self.last_log, self.unlogged = threading.Lock(), -1.0, 0
+        self.log_lock = threading.Lock()
+        self.last_log = -1.0
+        self.unlogged = 0
         # Refusals run on a pool of their own: they never wait for the busy API pool.
         self.reject_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpc-refuse")
 
@@ -219,7 +222,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
     def _refuse(self, method: str, reason: str, context: grpc.ServicerContext, sentence: str = "") -> None:
         with self.log_lock:  # a flood is counted in full, but logged at most once a second
-            now, unlogged = time.monotonic(), self.unlogged
+            now = time.monotonic()
+            unlogged = self.unlogged
             quiet = now - self.last_log < 1.0
             self.unlogged = unlogged + 1 if quiet else 0
             self.last_log = self.last_log if quiet else now

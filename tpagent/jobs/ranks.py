@@ -177,7 +177,9 @@ class Ranks:
     """The ranks on this node, by (job, rank)."""
 
     def __init__(self, name: str, node_address: str, threads: Threads, saved: Path | None = None) -> None:
-        self.name, self.node_address, self.threads = name, node_address, threads
+        self.name = name
+        self.node_address = node_address
+        self.threads = threads
         self.lock = threading.Lock()
         self.entries: dict[tuple[str, int], RankEntry] = {}
         self.pending: OrderedDict[int, tuple[float, socket.socket, int, dict[str, Any]]] = OrderedDict()

@@ -152,7 +152,8 @@ class Rewire:
     # ---- the run ------------------------------------------------------------------------------
 
     def run(self) -> MigrationResult:
-        outcome, new_pid = Outcome.FAILED, 0
+        outcome = Outcome.FAILED
+        new_pid = 0
         try:
             outcome, new_pid = self._run() if self.recovering is None else self._finish()
         except RewireFailed as e:

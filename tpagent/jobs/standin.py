@@ -153,7 +153,8 @@ def host_store(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[by
     """Serve the job's store here, outside the rank, if rank ``env`` would serve it (rank 0 of
     an ``env://`` job that no launcher hosts a store for): the server, or None and why not ("" if
     the rank serves none)."""
-    host, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    host = env.get("MASTER_ADDR", "")
+    port = env.get("MASTER_PORT", "")
     if env.get("RANK") != "0" or not host or not port.isdigit() or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return None, ""
     if not _local(host):
@@ -209,8 +210,13 @@ class StandIn:
         umask: int,
         relay: bool = True,
     ) -> None:
-        self.cmd, self.agent, self.connect = cmd, agent, connect
-        self.stdout, self.stderr, self.socket_name, self.umask = stdout, stderr, socket_name, umask
+        self.cmd = cmd
+        self.agent = agent
+        self.connect = connect
+        self.stdout = stdout
+        self.stderr = stderr
+        self.socket_name = socket_name
+        self.umask = umask
         self.signals: list[int] = []
         self.wake = threading.Event()
         #: What is relayed: the rank's stdout (and stderr, if a file of its own).

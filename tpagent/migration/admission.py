@@ -56,7 +56,8 @@ def sized(entries: Iterable[str]) -> list[tuple[str, int]]:
 def on_tmpfs(path: Path) -> bool:
     """Whether ``path`` lies on a tmpfs (its bytes are memory): the mount with the longest
     mount point that holds it, from /proc/self/mounts."""
-    best, kind = "", ""
+    best = ""
+    kind = ""
     target = str(path.resolve())
     try:
         lines = Path("/proc/self/mounts").read_text().splitlines()
@@ -68,7 +69,8 @@ def on_tmpfs(path: Path) -> bool:
             continue
         point = fields[1].replace("\\040", " ")
         if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, kind = point, fields[2]
+            best = point
+            kind = fields[2]
     return kind == "tmpfs"
 
 
@@ -100,7 +102,9 @@ class Reservations:
     is still in flight (its copy not yet restored, nor dropped)."""
 
     def __init__(self, work_dir: Path, limit: int, live: Callable[[str], bool]) -> None:
-        self.work_dir, self.limit, self.live = work_dir, limit, live
+        self.work_dir = work_dir
+        self.limit = limit
+        self.live = live
         self.lock = threading.Lock()  # an admission checks and reserves at once
         self._held: dict[str, Reservation] = {}
 

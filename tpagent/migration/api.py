@@ -128,7 +128,8 @@ HAS_COPY = frozenset(
 
 State = SourceState | TargetState
 
-_S, _T = SourceState, TargetState
+_S = SourceState
+_T = TargetState
 SOURCE_TRANSITIONS: Mapping[SourceState, frozenset[SourceState]] = MappingProxyType(
     {
         _S.CHECKING: frozenset({_S.FREEZING, _S.DONE, _S.FAILED}),

@@ -116,7 +116,9 @@ def commit(
     A copy the target holds for the source's word (``Offer.hold``: a rank) is confirmed once
     ``verdict`` says True after it started, or dropped if it says False (None: not decided yet);
     without a ``verdict`` (this agent restarted since) it is confirmed as soon as it runs."""
-    delay, ran, message = 0.2, False, ""
+    delay = 0.2
+    ran = False
+    message = ""
     keep: bool | None = True if verdict is None else None
     while True:
         if r.operator:
@@ -127,16 +129,21 @@ def commit(
             keep = verdict()
         try:
             st = target.finish(r.migration_id, keep is not False, ctx.timeouts.rpc, confirmed=ran and keep is True)
-            state, message, delay = st.state, st.message, 0.2
+            state = st.state
+            message = st.message
+            delay = 0.2
         except Refused as e:
             if e.why is not Why.NOT_FOUND:
                 log.warning("migration %s: the target refused to start its copy (%s); asking again", r.migration_id, e)
-                state, delay = "", min(delay * 2, 10.0)
+                state = ""
+                delay = min(delay * 2, 10.0)
             else:  # it knows no such migration (its journal lost with its disk): no copy there
-                state, message = TargetState.DISCARDED.value, f"the target does not know the migration ({e})"
+                state = TargetState.DISCARDED.value
+                message = f"the target does not know the migration ({e})"
         except PeerUnreachable as e:
             log.warning("migration %s: the target cannot be reached (%s); asking again", r.migration_id, e)
-            state, delay = "", min(delay * 2, 10.0)
+            state = ""
+            delay = min(delay * 2, 10.0)
         if state in (TargetState.CONFIRMING.value, TargetState.DONE.value) and not ran:
             ran = True
             started()  # the copy runs now; the original is still frozen

@@ -105,7 +105,8 @@ class Record:
 
 def on_tmpfs(directory: Path) -> bool:
     """Whether ``directory`` lies on memory (tmpfs, ramfs): gone after a reboot."""
-    path, best = str(directory.resolve()), None
+    path = str(directory.resolve())
+    best = None
     for part in psutil.disk_partitions(all=True):
         mp = part.mountpoint
         if (path == mp or path.startswith(mp.rstrip("/") + "/")) and (best is None or len(mp) > len(best.mountpoint)):
@@ -132,10 +133,14 @@ def same_process_alive(r: Record) -> bool:
 def note_process(r: Record, pid: int) -> bool:
     """Name ``pid`` in the record by its start (both ways); False if it is already gone."""
     try:
-        r.pid, r.create_time, r.start_ticks = pid, psutil.Process(pid).create_time(), proc.start_ticks(pid)
+        r.pid = pid
+        r.create_time = psutil.Process(pid).create_time()
+        r.start_ticks = proc.start_ticks(pid)
         return True
     except (OSError, ValueError, IndexError, psutil.Error):
-        r.pid, r.create_time, r.start_ticks = pid, 0.0, 0
+        r.pid = pid
+        r.create_time = 0.0
+        r.start_ticks = 0
         return False
 
 

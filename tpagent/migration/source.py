@@ -172,7 +172,8 @@ class SourceMigration:
 
     def run(self) -> MigrationResult:
         target = self.ctx.peer(self.target)
-        outcome, new_pid = Outcome.FAILED, 0
+        outcome = Outcome.FAILED
+        new_pid = 0
         try:
             self.emit("checking both nodes")
             acceptance = self._check(target)
@@ -265,7 +266,8 @@ class SourceMigration:
         stay = sockets.left_behind(tcp)  # (what no target can take: known here)
         if (uncarriable or stay) and not self.dry_run:
             raise _Failure("; ".join([*uncarriable, *stay]))
-        cfg, t = self.ctx.cfg, self.ctx.timeouts
+        cfg = self.ctx.cfg
+        t = self.ctx.timeouts
         offer = Offer(
             self.migration_id,
             cfg.node,
@@ -320,7 +322,8 @@ class SourceMigration:
         return any(path == s or path.startswith(s.rstrip("/") + "/") for s in self.ctx.cfg.shared_paths)
 
     def _freeze_and_send(self, acceptance: Acceptance) -> TransferStats:
-        cfg, ctx = self.ctx.cfg, self.ctx
+        cfg = self.ctx.cfg
+        ctx = self.ctx
         config = SnapshotConfig(
             criu=ctx.snapshot_config.criu, timeouts=ctx.snapshot_config.timeouts, ghost_limit=cfg.ghost_limit_mib << 20
         )
@@ -470,4 +473,5 @@ def _journal_best_effort(ctx: Context, r: Record, to: SourceState, message: str)
         ctx.journal.move(r, to, message)
     except Exception as e:
         log.error("migration %s: could not journal %s: %s", r.migration_id, to.value, e)
-        r.state, r.message = to, message
+        r.state = to
+        r.message = message

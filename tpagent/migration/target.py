@@ -43,7 +43,8 @@ class Incoming:
         self, ctx: Context, mid: str, source: str, settle: Settler, source_agent: str = "", hold: float = 0.0
     ) -> None:
         cfg = ctx.cfg
-        self.ctx, self.settle = ctx, settle
+        self.ctx = ctx
+        self.settle = settle
         self.dir = paths.WorkDir(cfg.work_dir).incoming(mid)
         private_dir(self.dir.parent)
         self.receiver = Receiver(
@@ -53,7 +54,8 @@ class Incoming:
             on_refused=lambda reason: metrics.REFUSED.labels("transfer", reason).inc(),
         )
         # The name the sender dials is the one its TLS check holds the certificate against.
-        host, port = cfg.advertised_host, self.receiver.address.rpartition(":")[2]
+        host = cfg.advertised_host
+        port = self.receiver.address.rpartition(":")[2]
         self.address = cfg.transfer_address or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         self.record = target_record(mid, peer=source, snapshot=str(self.dir), peer_agent=source_agent, hold=hold)
         ctx.journal.write(self.record)
@@ -79,7 +81,8 @@ class Incoming:
 
     def restore(self, finish: Finisher) -> RestoreResult:
         """Restore the copy, held; raises Refused (the copy is gone, or never was)."""
-        node, j = self.ctx.cfg.node, self.ctx.journal
+        node = self.ctx.cfg.node
+        j = self.ctx.journal
         if not self.done.wait(self.ctx.timeouts.restore):
             raise Refused("the snapshot did not arrive in time")
         with self.lock:
@@ -247,7 +250,8 @@ def watch_copy(ctx: Context, probe: Record, settle: Settler) -> None:
     is DONE; if it ends sooner (a peer it needed stayed behind, a device is missing here ...),
     it is dropped and the source's original, frozen all along, runs on.  A held copy
     (``Offer.hold``) waits for the source's confirmation instead, ``hold`` seconds at most."""
-    period, t0 = probe.hold or ctx.timeouts.confirm, time.monotonic()
+    period = probe.hold or ctx.timeouts.confirm
+    t0 = time.monotonic()
     try:
         _watch(ctx, probe, settle, period, t0)
     finally:
@@ -255,7 +259,9 @@ def watch_copy(ctx: Context, probe: Record, settle: Settler) -> None:
 
 
 def _watch(ctx: Context, probe: Record, settle: Settler, period: float, t0: float) -> None:
-    mid, pid, looked = probe.migration_id, probe.pid, t0
+    mid = probe.migration_id
+    pid = probe.pid
+    looked = t0
     while True:
         elapsed = time.monotonic() - t0
         silent = time.monotonic() - max(t0, _HEARD.get(mid, t0)) if probe.hold else elapsed
