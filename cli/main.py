@@ -162,7 +162,8 @@ def dump(
     config = SnapshotConfig(criu=criu, timeouts=Timeouts(cuda_lock=lock_timeout), ghost_limit=ghost_limit_mib << 20)
     try:
         if send_to is None:
-            m, shipped = checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ()), None
+            m = checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ())
+            shipped = None
         else:
             cfg = TransferConfig(secret=read_secret(secret_file), compress=compress)
             sender = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg)
