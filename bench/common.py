@@ -30,5 +30,6 @@ def emit(args: argparse.Namespace, doc: dict[str, Any]) -> None:
 
 def cpu_seconds() -> float:
     """CPU time of this process and of its children that ended, so far."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime

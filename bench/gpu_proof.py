@@ -107,7 +107,8 @@ def run_tests(out: Path, work: Path, budget: float) -> list[dict[str, Any]]:
     """The GPU tests, their output written to DIR/gpu-tests.log as they run.  Past ``budget`` they
     are interrupted as Ctrl-C would (each test's clean-up runs, finished tests keep their outcome,
     the one running fails); a minute later whatever is left of them (agents, workloads) is killed."""
-    xml, log = work / "gpu-tests.xml", out / "gpu-tests.log"
+    xml = work / "gpu-tests.xml"
+    log = out / "gpu-tests.log"
     interrupted = False
     cmd = [
         sys.executable,
@@ -145,12 +146,16 @@ def run_tests(out: Path, work: Path, budget: float) -> list[dict[str, Any]]:
     for case in ET.parse(xml).getroot().iter("testcase"):
         if not case.get("name"):  # (what an interrupt during collection leaves: no test)
             continue
-        name, outcome, detail = case.get("name", "?"), "passed", f"{float(case.get('time', 0)):.1f} s"
+        name = case.get("name", "?")
+        outcome = "passed"
+        detail = f"{float(case.get('time', 0)):.1f} s"
         for child in case:
             if child.tag in ("failure", "error"):
-                outcome, detail = "failed", (child.get("message") or "")[:300]
+                outcome = "failed"
+                detail = (child.get("message") or "")[:300]
             elif child.tag == "skipped":
-                outcome, detail = "skipped", (child.get("message") or "")[:300]
+                outcome = "skipped"
+                detail = (child.get("message") or "")[:300]
         rows.append({"name": name, "outcome": outcome, "detail": detail})
     if interrupted:
         why = f"interrupted at {budget:.0f} s: the test then running and those after it did not end"
@@ -196,7 +201,8 @@ def run_bench(bench: str, size_gib: int, work: Path, timeout: float) -> dict[str
         r["floor_s"] = r.get("cuda_checkpoint_s", 0.0) + r.get("cuda_restore_s", 0.0)
         r["tpagent_s"] = r["tpagent_dump_s"] + r["tpagent_restore_s"]
         r["ratio_to_floor"] = r["tpagent_s"] / r["floor_s"] if r["floor_s"] else None
-        r["dump_gbps"], r["restore_gbps"] = gb / r["tpagent_dump_s"], gb / r["tpagent_restore_s"]
+        r["dump_gbps"] = gb / r["tpagent_dump_s"]
+        r["restore_gbps"] = gb / r["tpagent_restore_s"]
     row.update(outcome="passed", detail=f"{time.monotonic() - t0:.0f} s", result=r)
     return row
 

@@ -51,9 +51,11 @@ def launch(kind: str, size: int, work: Path, node: Node | None = None) -> int:
     log = work / "w.log"
     log.unlink(missing_ok=True)
     if kind == "gpu":
-        cmd, ready = [sys.executable, str(ROOT / "tests/workloads/gpu_hold.py"), str(log), str(size / 1024)], "step "
+        cmd = [sys.executable, str(ROOT / "tests/workloads/gpu_hold.py"), str(log), str(size / 1024)]
+        ready = "step "
     else:
-        cmd, ready = [sys.executable, str(ROOT / "tests/workloads/stateful.py"), str(log), str(size)], "tick "
+        cmd = [sys.executable, str(ROOT / "tests/workloads/stateful.py"), str(log), str(size)]
+        ready = "tick "
     if node is not None:
         pid = node.launch(work / "w.out", *cmd, timeout=600)
     else:
@@ -100,7 +102,8 @@ def tpagent_round(kind: str, size: int, work: Path, c: Cluster) -> dict[str, flo
 
 def cuda_processes(cuda: CudaDriver, root: int) -> list[int]:
     """The processes of ``root``'s tree that the driver knows (the workload, not its init)."""
-    found, top = [], psutil.Process(root)
+    found: list[int] = []
+    top = psutil.Process(root)
     for p in [top, *top.children(recursive=True)]:
         with contextlib.suppress(CudaError):
             cuda.state(p.pid)
@@ -112,7 +115,9 @@ def naive_round(kind: str, size: int, work: Path) -> dict[str, float]:
     """By hand, with no checks: (on a GPU, the driver's lock and checkpoint of the workload,)
     criu dump, cp to the other node's directory, criu restore (and the driver's restore)."""
     pid = launch(kind, size, work)
-    criu, a, b = Criu(), work / "naive-a", work / "naive-b"
+    criu = Criu()
+    a = work / "naive-a"
+    b = work / "naive-b"
     a.mkdir()
     cuda = CudaDriver() if kind == "gpu" else None
     gpu_pids = cuda_processes(cuda, pid) if cuda is not None else []

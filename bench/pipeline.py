@@ -70,7 +70,8 @@ def receiving(dst: Path) -> tuple[str, Callable[[], None]]:
 
 def route(name: str, size: int, work: Path) -> float:
     p = start("cpu", size, work / "w.log")
-    snap, dst = work / "snap", work / "dst"
+    snap = work / "snap"
+    dst = work / "dst"
     t0 = time.monotonic()
     if name == "dump-only":
         checkpoint(p.pid, snap)

@@ -208,7 +208,8 @@ def overhead(a: argparse.Namespace, work: Path) -> dict[str, object]:
     runtime = work / "runtime"
     runtime.mkdir()
     layout.write_runtime_dir(runtime)
-    plain, delegating = [], []
+    plain: list[tuple[float, float, float]] = []
+    delegating: list[tuple[float, float, float]] = []
     for _ in range(a.rounds):
         plain.append(overhead_round(None, a, work))
         delegating.append(overhead_round(runtime, a, work))

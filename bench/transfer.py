@@ -88,7 +88,8 @@ def make_snapshot(directory: Path, nbytes: int) -> None:
 
 
 def timed(fn: Callable[[], int]) -> dict[str, float]:
-    c0, t0 = common.cpu_seconds(), time.monotonic()
+    c0 = common.cpu_seconds()
+    t0 = time.monotonic()
     wire = fn()
     return {"seconds": time.monotonic() - t0, "cpu_seconds": common.cpu_seconds() - c0, "wire_bytes": wire}
 
@@ -126,7 +127,8 @@ def floor(src: Path, dst: Path, streams: int) -> int:
                 while got < want:  # fill the buffer, then one large write, as tpagent does
                     got += conn.recv_into(buf[got:want])
                 os.pwrite(fd, buf[:want], off)
-                off, length = off + want, length - want
+                off += want
+                length -= want
             os.close(fd)
         conn.close()
 

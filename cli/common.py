@@ -1,6 +1,7 @@
 """What every ``tpagent`` command shares: the named exit codes, the option types (each also read
-from its ``TPAGENT_*`` variable), the one way a command fails (:func:`die`) with the mapping
-of errors to exit codes, and the node's credentials for calling agents.
+from its ``TPAGENT_*`` variable), how a command is registered (:func:`command`: its docstring,
+flowed, is its help), the one way a command fails (:func:`die`) with the mapping of errors to
+exit codes, and the node's credentials for calling agents.
 
 The commands live in :mod:`cli.main` (snapshots and transfers) and :mod:`cli.agent_cmds` (the
 agent and migrations); both import this module and nothing of each other, except that
@@ -9,10 +10,12 @@ agent and migrations); both import this module and nothing of each other, except
 
 from __future__ import annotations
 
+import inspect
 import json
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import grpc
 import typer
@@ -79,6 +82,26 @@ CompressOpt = Annotated[
     Compress, typer.Option("--compress", envvar="TPAGENT_COMPRESS", help="auto: zstd where it pays.")
 ]
 AgentOpt = Annotated[str, typer.Option("--agent", envvar="TPAGENT_AGENT", help="HOST:PORT of the agent to ask.")]
+
+CommandFunction = TypeVar("CommandFunction", bound=Callable[..., Any])
+
+
+def flowed(text: str) -> str:
+    """``text`` (a docstring) with each paragraph on one line, paragraphs a blank line apart: how a
+    docstring wrapped to fit the source is to read in ``--help``.  typer's rich markup keeps a single
+    newline as a line break (its list of commands, and every paragraph after the first), so a help
+    text wrapped in the source would show wrapped twice, sentences broken mid-way."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+def command(app: typer.Typer, **settings: Any) -> Callable[[CommandFunction], CommandFunction]:
+    """``app.command(**settings)``, the command's help its docstring :func:`flowed`."""
+
+    def register(fn: CommandFunction) -> CommandFunction:
+        return app.command(help=flowed(fn.__doc__ or ""), **settings)(fn)
+
+    return register
 
 
 def die(msg: str, code: int, as_json: bool = False, rolled_back: bool = False) -> NoReturn:

@@ -31,6 +31,7 @@ from cli.common import (
     TlsDirOpt,
     TransportName,
     TransportOpt,
+    command,
     die_of,
 )
 from host.api import UsageError
@@ -104,7 +105,7 @@ def _transport(name: TransportName, io_timeout: float, tls_dir: Path, plaintext:
     return make_transport(name.value, io_timeout, None if plaintext else TlsFiles.in_dir(tls_dir))
 
 
-@app.command()
+@command(app)
 def dump(
     pid: Annotated[int, typer.Argument(help="Process (or `tpagent launch` namespace) to checkpoint.")],
     out: Annotated[Path, typer.Option("--out", "-o", envvar="TPAGENT_OUT", help="New or empty directory.")],
@@ -161,7 +162,8 @@ def dump(
     config = SnapshotConfig(criu=criu, timeouts=Timeouts(cuda_lock=lock_timeout), ghost_limit=ghost_limit_mib << 20)
     try:
         if send_to is None:
-            m, shipped = checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ()), None
+            m = checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ())
+            shipped = None
         else:
             cfg = TransferConfig(secret=read_secret(secret_file), compress=compress)
             sender = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg)
@@ -206,7 +208,7 @@ def _parse_map(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-@app.command()
+@command(app)
 def restore(
     directory: Annotated[Path, typer.Argument(help="Snapshot directory written by `tpagent dump`.")],
     gpu_map: Annotated[
@@ -248,7 +250,7 @@ def restore(
     )
 
 
-@app.command()
+@command(app)
 def inspect(
     directory: Annotated[Path, typer.Argument(help="Snapshot directory.")],
     as_json: JsonOpt = False,
@@ -272,7 +274,7 @@ def inspect(
     _emit(as_json, m.to_json(), "\n".join(lines))
 
 
-@app.command()
+@command(app)
 def gpus(as_json: JsonOpt = False) -> None:
     """List this node's NVIDIA GPUs (empty without NVIDIA hardware)."""
     found = inventory()
@@ -291,7 +293,7 @@ def gpus(as_json: JsonOpt = False) -> None:
     )
 
 
-@app.command()
+@command(app)
 def doctor(
     criu: CriuOpt = None,
     as_json: JsonOpt = False,
@@ -310,7 +312,7 @@ def doctor(
         raise typer.Exit(EXIT_FAILED)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@command(app, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch(
     ctx: typer.Context,
     stdout: Annotated[
@@ -332,7 +334,7 @@ def launch(
 USER_UMASK = 0o022
 
 
-@app.command()
+@command(app)
 def send(
     directory: Annotated[Path, typer.Argument(help="Snapshot directory to send.")],
     peer: Annotated[str, typer.Argument(help="HOST:PORT of a `tpagent receive`.")],
@@ -386,7 +388,7 @@ def send(
     )
 
 
-@app.command()
+@command(app)
 def receive(
     listen: Annotated[
         str, typer.Option("--listen", envvar="TPAGENT_LISTEN", help="ADDR:PORT to listen on (port 0: any).")
@@ -417,13 +419,13 @@ def receive(
     )
 
 
-app.command()(agent_cmds.serve)
-app.command()(agent_cmds.migrate)
-app.command()(agent_cmds.status)
-app.command()(agent_cmds.cancel)
-app.command()(agent_cmds.resolve)
-app.command()(agent_cmds.node)
-app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(agent_cmds.rank)
+command(app)(agent_cmds.serve)
+command(app)(agent_cmds.migrate)
+command(app)(agent_cmds.status)
+command(app)(agent_cmds.cancel)
+command(app)(agent_cmds.resolve)
+command(app)(agent_cmds.node)
+command(app, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(agent_cmds.rank)
 
 
 def run() -> None:

@@ -70,7 +70,8 @@ def read_layers(root: Path) -> Layers:
     """The layers written in ``root``/pyproject.toml (ValueError says what is wrong)."""
     try:
         table = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["tpagent"]["layers"]
-        order, beside = table["order"], table["beside"]
+        order = table["order"]
+        beside = table["beside"]
     except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"{root / 'pyproject.toml'} has no [tool.tpagent.layers] with order and beside ({e})") from e
     if not (isinstance(order, list) and order and all(isinstance(x, str) and x for x in order)):
@@ -234,7 +235,8 @@ def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 def shortest_cycle(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
     """A shortest cycle through the first module of ``component`` (breadth first within it)."""
-    start, members = component[0], set(component)
+    start = component[0]
+    members = set(component)
     came_from: dict[str, str] = {}
     queue = deque([start])
     while queue:

@@ -376,7 +376,7 @@ def test_gpu_process_without_the_checkpoint_api_is_refused_before_any_freeze(
     import mmap
     from types import SimpleNamespace
 
-    from snapshot.api import UsageError as Usage
+    from host.api import UsageError as Usage
     from snapshot.dump import checkpoint
 
     lib = tmp_path / "libcuda.so.1"
