@@ -373,6 +373,7 @@ def node(
     from tpagent.common import clock
     from tpagent.daemon import rankwire
     from tpagent.daemon.rpc import pb
+    from tpagent_rank import codec
     from tpagent_rank import protocol as P
 
     asked = clock.now()
@@ -406,6 +407,6 @@ def node(
             for p in procs.processes
         ],
         # of distributed jobs (`tpagent rank`): job, rank, world, generation, step, collectives, where it moved
-        "ranks": [P.fields_of(r) for r in ranks.ranks],
+        "ranks": [codec.fields_of(r) for r in ranks.ranks],
     }
     typer.echo(json.dumps(doc, indent=2))

@@ -38,7 +38,7 @@ from host.api import UsageError
 from host.gpus import inventory
 from snapshot.api import DEFAULT_GHOST_LIMIT, DumpMode, SnapshotConfig, SnapshotError, Stage, Timeouts
 from snapshot.dump import checkpoint
-from snapshot.manifest import load
+from snapshot.manifest import Manifest, load
 from snapshot.restore import restore as restore_snapshot
 from tpagent.daemon import doctor as doctor_mod
 from tpagent.workload.launch import launch as launch_workload
@@ -173,6 +173,20 @@ def dump(
             m = shipped.manifest
     except (SnapshotError, TransferError) as e:
         _fail(e, as_json)
+    _dumped(pid, out, mode, m, shipped, send_to, overlap, as_json)
+
+
+def _dumped(
+    pid: int,
+    out: Path,
+    mode: DumpMode,
+    m: Manifest,
+    shipped: pipeline.Shipped | None,
+    send_to: str | None,
+    overlap: bool,
+    as_json: bool,
+) -> None:
+    """What ``dump`` says once the snapshot is written (and sent)."""
     gib = m.total_bytes / 2**30
     doc: dict[str, object] = {
         "snapshot": str(out),
@@ -184,7 +198,7 @@ def dump(
     }
     for warning in m.warnings:  # (what a restore may not bring back as it was)
         typer.echo(f"warning: {warning}", err=True)
-    ended = "left running" if leave_running else "ended"
+    ended = "left running" if mode is DumpMode.LEAVE_RUNNING else "ended"
     text = f"snapshot of PID {pid} written to {out} ({gib:.2f} GiB); process {ended}"
     if shipped is not None:
         doc |= {

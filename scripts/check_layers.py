@@ -21,7 +21,11 @@ ones resolved, and so does ``importlib.import_module("a.literal.name")``.  The r
   * the package beside them (tpagent_rank), which is loaded into users' training processes,
     imports only itself, the standard library, and torch (the user's own); a module of it that
     imports torch at its top is imported by the others only inside a function (lazily), and
-    never by the package itself.  Any layer may import its modules that need no torch.
+    never by the package itself.  Any layer may import its modules that need no torch;
+  * the code keeps its shape: no module over MAX_MODULE lines; no function over MAX_FUNCTION
+    lines unless a comment on its ``def`` line (or the line above) says why, starting ``# long:``;
+    no line that packs several assignments (``a, b = x, y``; a swap or rotation of the same
+    names is one assignment).
 
 Prints a summary of the graph (for the release notes) on stdout, one line per problem on
 stderr, and exits 1 if there was any problem (2: ROOT is not a directory).
@@ -40,6 +44,8 @@ from pathlib import Path
 #: What the package beside the layers may import besides itself and the standard library.
 RANK_MAY_IMPORT = frozenset({"torch"})
 MAX_LINE = 120
+MAX_MODULE = 500
+MAX_FUNCTION = 80
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ class Module:
     path: Path  # relative to ROOT
     lines: list[str]
     imports: list[Import] = field(default_factory=list)
+    tree: ast.Module | None = None
 
     @property
     def package(self) -> str:
@@ -168,6 +175,7 @@ def read_modules(root: Path, layers: Layers) -> tuple[dict[str, Module], list[st
             except SyntaxError as e:
                 problems.append(f"{rel}:{e.lineno}: cannot be parsed: {e.msg}")
                 continue
+            module.tree = tree
             visitor = _Imports(name if is_init else name.rpartition(".")[0])
             visitor.visit(tree)
             module.imports = visitor.found
@@ -303,6 +311,52 @@ def layer_problems(modules: dict[str, Module], layers: Layers) -> list[str]:
     return out
 
 
+def _functions(module: Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    nodes = ast.walk(module.tree) if module.tree is not None else ()
+    return [n for n in nodes if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def _length(node: ast.stmt) -> int:
+    return (node.end_lineno or node.lineno) - node.lineno + 1
+
+
+def _said_why(module: Module, node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether a comment on the ``def`` line, or on the line above it, says why it is long."""
+    first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    around = module.lines[max(0, first - 2) : node.lineno]
+    return any("# long:" in line for line in around)
+
+
+def _packed(node: ast.AST) -> bool:
+    """``a, b = x, y``: several assignments on one line (not a swap or rotation of the same names)."""
+    if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple)):
+        return False
+    targets, value = node.targets[0].elts, node.value
+    if not isinstance(value, ast.Tuple) or len(value.elts) != len(targets) or len(targets) < 2:
+        return False
+    return sorted(map(ast.dump, targets)) != sorted(map(ast.dump, value.elts))
+
+
+def shape_problems(modules: dict[str, Module]) -> list[str]:
+    out = []
+    for module in modules.values():
+        if len(module.lines) > MAX_MODULE:
+            out.append(f"{module.path}: {len(module.lines)} lines, over {MAX_MODULE}: split it along a real seam")
+        for fn in _functions(module):
+            if _length(fn) > MAX_FUNCTION and not _said_why(module, fn):
+                out.append(
+                    f"{module.path}:{fn.lineno}: {fn.name} is {_length(fn)} lines, over {MAX_FUNCTION}: make it "
+                    "named steps, or say why on its def line (# long: ...)"
+                )
+        if module.tree is not None:
+            out += [
+                f"{module.path}:{node.lineno}: several assignments on one line: one per line"
+                for node in ast.walk(module.tree)
+                if _packed(node)
+            ]
+    return out
+
+
 def summary(modules: dict[str, Module], graph: dict[str, dict[str, int]], layers: Layers) -> list[str]:
     """The graph in a few lines: modules per layer, the imports between layers (the import graph
     of the packages and subpackages), the largest module, lines over MAX_LINE."""
@@ -326,6 +380,10 @@ def summary(modules: dict[str, Module], graph: dict[str, dict[str, int]], layers
     if modules:
         largest = max(modules.values(), key=lambda m: len(m.lines))
         out.append(f"largest module: {largest.path}, {len(largest.lines)} lines")
+    functions = [(_length(fn), m, fn) for m in modules.values() for fn in _functions(m)]
+    if functions:
+        n, m, fn = max(functions, key=lambda x: x[0])
+        out.append(f"longest function: {m.path}:{fn.lineno} {fn.name}, {n} lines")
     out.append(f"lines over {MAX_LINE} characters: {long_lines.total()} in {files_with} files")
     if worst:
         out[-1] += f" (most: {worst})"
@@ -347,7 +405,7 @@ def main(argv: list[str]) -> int:
         return 2
     modules, problems = read_modules(root, layers)
     graph = edges_of(modules)
-    problems = [*cycle_problems(modules, graph), *layer_problems(modules, layers), *problems]
+    problems = [*cycle_problems(modules, graph), *layer_problems(modules, layers), *shape_problems(modules), *problems]
     print("\n".join(summary(modules, graph, layers)), flush=True)
     for problem in problems:
         print(problem, file=sys.stderr)

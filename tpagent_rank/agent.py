@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from tpagent_rank import codec
 from tpagent_rank import protocol as P
 
 #: What the rank says when it cannot keep a rule of the protocol (stderr, one line).
@@ -149,20 +150,20 @@ class Rank:
                     state=self._state(),
                     backend=str(self.spec),
                 )
-            s.sendall(P.said(hello))
-            first = P.parse_line(f.readline(P.LINE_MAX + 1) or b"{}\n")
-            if not P.is_said(first, P.LineOp.WELCOME):
+            s.sendall(codec.said(hello))
+            first = codec.parse_line(f.readline(P.LINE_MAX + 1) or b"{}\n")
+            if not codec.is_said(first, P.LineOp.WELCOME):
                 time.sleep(0.5)  # (not registered yet: the agent says so; ask again)
                 return
-            self.node = P.decode(P.Welcome, first).node
+            self.node = codec.decode(P.Welcome, first).node
             if not self.torn:
                 self._tell_store()
             with self.write_lock:
                 self.sock = s
             while data := f.readline(P.LINE_MAX + 1):
-                body = P.parse_line(data)
+                body = codec.parse_line(data)
                 try:
-                    request = P.decode_request(body)
+                    request = codec.decode_request(body)
                 except P.ProtocolError as e:
                     self._reply(body.get("id"), P.failed(str(e)))
                     continue
@@ -189,7 +190,7 @@ class Rank:
         with self.write_lock:
             if self.sock is not None:
                 with contextlib.suppress(OSError, P.ProtocolError):
-                    self.sock.sendall(P.line(answer, id=rid))
+                    self.sock.sendall(codec.line(answer, id=rid))
 
     def _answer(self, rid: object, request: P.Request[Any]) -> None:
         try:
@@ -236,7 +237,7 @@ class Rank:
         return handler(request)
 
     def _where(self, _: P.Where) -> P.Standing:
-        from tpagent_rank import backend
+        from tpagent_rank import backend, nccladdr
 
         with self.cond:
             return P.Standing(
@@ -249,7 +250,7 @@ class Rank:
                 groups=len(backend.GROUPS.live()),
                 nccl_host=backend.NCCL_HOST or "",
                 nccl_ras=backend.nccl_ras(),
-                host=backend.host_identity(),
+                host=nccladdr.host_identity(),
                 hosts_store=self.store_facts[0],
                 store_loopback=self.store_facts[1],
             )

@@ -13,7 +13,6 @@ import atexit
 import contextlib
 import datetime
 import os
-import socket
 import sys
 import threading
 import weakref
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from tpagent_rank import owned
+from tpagent_rank import nccladdr, owned
 
 NAME = "tpagent"
 #: The backends that exist for each device type (what the user's spec named).
@@ -54,19 +53,6 @@ def nccl_ras() -> bool:
         return int(os.environ.get("NCCL_RAS_ENABLE", "1").strip(), 0) != 0
     except ValueError:  # (NCCL then keeps its default: on)
         return True
-
-
-def host_identity(as_nccl: bool = False) -> str:
-    """This host as NCCL tells hosts apart: its host name and boot id (``as_nccl``: the
-    NCCL_HOSTID of this process's environment instead, where it sets one)."""
-    if as_nccl and os.environ.get("NCCL_HOSTID"):
-        return "NCCL_HOSTID=" + os.environ["NCCL_HOSTID"]
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}|{boot}"
 
 
 #: The host identity this process's NCCL holds: read as its first NCCL backend was built, and
@@ -140,7 +126,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
                         made[backend] = c10d.ProcessGroupGloo(store, self._rank, self._size, self._timeout)
                     else:  # nccl (no GPU where this was written: see the GPU tests)
                         global NCCL_HOST
-                        NCCL_HOST = NCCL_HOST or host_identity(as_nccl=True)
+                        NCCL_HOST = NCCL_HOST or nccladdr.host_identity(as_nccl=True)
                         opts = c10d.ProcessGroupNCCL.Options()
                         opts._timeout = self._timeout
                         made[backend] = c10d.ProcessGroupNCCL(store, self._rank, self._size, opts)

@@ -1,4 +1,5 @@
-"""NCCL's own address, after the rank has moved to another node.
+"""What NCCL keeps of its host for the life of a process: its address, rewritten after the rank
+has moved to another node (:func:`follow`), and its host identity (:func:`host_identity`).
 
 NCCL picks the interface its bootstrap listens on once per process, at its first communicator,
 and keeps the address in a static variable (``bootstrapNetIfAddr``; the socket transport keeps
@@ -230,3 +231,16 @@ def follow(before: Addresses, store_host: str) -> str | None:
         return f"no loaded library defines NCCL's symbols: its addresses of the node it left ({pairs}) stay"
     n = rewrite(regions, table)
     return f"NCCL's addresses of the node it left rewritten to this node's ({pairs}), {n} in all"
+
+
+def host_identity(as_nccl: bool = False) -> str:
+    """This host as NCCL tells hosts apart: its host name and boot id (``as_nccl``: the
+    NCCL_HOSTID of this process's environment instead, where it sets one)."""
+    if as_nccl and os.environ.get("NCCL_HOSTID"):
+        return "NCCL_HOSTID=" + os.environ["NCCL_HOSTID"]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}|{boot}"

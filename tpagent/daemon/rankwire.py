@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 
 from tpagent.daemon.rpc import pb
 from tpagent.migration.api import Refused, Why
+from tpagent_rank import codec
 from tpagent_rank import protocol as P
 
 A = TypeVar("A", bound=P.Answer)
@@ -40,7 +41,7 @@ def _to_pb(obj: Any, message: type[M]) -> M:
 
 
 def _from_pb(message: Any, cls: type[Any], **given: Any) -> Any:
-    types = P.types_of(cls)
+    types = codec.types_of(cls)
     values = dict(given)
     for f in dataclasses.fields(cls):
         if f.name in given:
@@ -68,7 +69,7 @@ def request_of(message: pb.RankRequest) -> P.Request[Any]:
     if not 0 < message.timeout <= TIMEOUT_MAX:
         raise Refused(f"a Rank request's timeout must be between 0 and {TIMEOUT_MAX:.0f} s.", Why.INVALID)
     try:
-        P.request_line(0, request)  # (what a rank is passed must fit its line)
+        codec.request_line(0, request)  # (what a rank is passed must fit its line)
     except P.ProtocolError as e:
         raise Refused(f"a Rank request must fit in {P.LINE_MAX} bytes ({e}).", Why.INVALID) from e
     return request

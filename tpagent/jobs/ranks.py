@@ -37,6 +37,7 @@ from tpagent.common.threads import Threads
 from tpagent.migration.api import AgentError, Refused, Why
 from tpagent.migration.journal import write_durably
 from tpagent.workload import launch
+from tpagent_rank import codec
 from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
@@ -76,12 +77,12 @@ class _Conn:
             self.next_id += 1
             self.waiting[rid] = slot
         try:
-            self.send(P.request_line(rid, request))
+            self.send(codec.request_line(rid, request))
             if not slot[0].wait(timeout):
                 raise RankGone(f"it did not answer {request.OP.value!r} within {timeout:.0f} s")
             if slot[1] is None:
                 raise RankGone("its connection to this agent closed")
-            return P.decode_answer(request, slot[1])
+            return codec.decode_answer(request, slot[1])
         except P.ProtocolError as e:
             raise RankGone(f"its answer to {request.OP.value!r} is not one of the rank protocol ({e})") from e
         except OSError as e:
@@ -162,7 +163,7 @@ def _peer_pid(sock: socket.socket) -> int:
 
 
 def _check_hello(first: dict[str, Any]) -> P.Hello:
-    hello = P.decode(P.Hello, first) if P.is_said(first, P.LineOp.HELLO) else None
+    hello = codec.decode(P.Hello, first) if codec.is_said(first, P.LineOp.HELLO) else None
     if hello is None or not P.valid_job(hello.job) or not 0 <= hello.rank < hello.world <= P.RANK_MAX:
         raise ValueError("its hello is not valid")
     return hello
@@ -170,7 +171,7 @@ def _check_hello(first: dict[str, Any]) -> P.Hello:
 
 def _read_line(f: BinaryIO) -> dict[str, Any] | None:
     data = f.readline(P.LINE_MAX + 1)
-    return P.parse_line(data) if data else None
+    return codec.parse_line(data) if data else None
 
 
 class Ranks:
@@ -291,8 +292,8 @@ class Ranks:
             first = _read_line(f)
             if first is None:
                 raise ValueError("closed before it said hello")
-            if P.is_said(first, P.LineOp.EXIT):
-                self._exited(pid, P.decode(P.Exit, first))
+            if codec.is_said(first, P.LineOp.EXIT):
+                self._exited(pid, codec.decode(P.Exit, first))
                 sock.close()
                 return
             hello = _check_hello(first)
@@ -340,12 +341,12 @@ class Ranks:
             if time.monotonic() > deadline or self.threads.stopping.is_set():
                 log.warning("rank %s of job %s (PID %d) is not registered here: refused", key[1], key[0], pid)
                 with contextlib.suppress(OSError):
-                    sock.sendall(P.said(P.Refusal("this rank is not registered with the agent")))
+                    sock.sendall(codec.said(P.Refusal("this rank is not registered with the agent")))
                 sock.close()
                 return None
             time.sleep(0.1)
         try:
-            conn.send(P.said(P.Welcome(self.node_address)))
+            conn.send(codec.said(P.Welcome(self.node_address)))
         except OSError:
             conn.close()
             return None

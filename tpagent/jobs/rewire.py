@@ -121,10 +121,6 @@ class Rewire:
     def moving(self) -> dict[int, tuple[int, str]]:
         return self.record.moving
 
-    @property
-    def here(self) -> str:
-        return self.record.here
-
     def _write(self, phase: Phase, message: str = "") -> None:
         try:
             self.journal.move(self.record, phase, message)
@@ -206,7 +202,7 @@ class Rewire:
     def _agents(self) -> list[str]:
         """Where every rank's agent is, as the job's store says (asked of the first moving rank)."""
         first = min(self.moving)
-        answer = self.ask(self.here, self.job, first, P.Peers(), self.timeout)
+        answer = self.ask(self.record.here, self.job, first, P.Peers(), self.timeout)
         if not answer.ok or not answer.agents:
             raise RewireFailed(
                 f"rank {first} cannot tell where the job's other ranks run ({answer.error or 'no answer'})"
@@ -219,7 +215,7 @@ class Rewire:
             )
         agents = list(answer.agents)
         for r in sorted(self.moving):
-            if agents[r] != self.here:
+            if agents[r] != self.record.here:
                 raise RewireFailed(f"rank {r} runs on {agents[r]}, not on this node: ask its agent (--from)")
         return agents
 
@@ -353,7 +349,7 @@ class Rewire:
                 agents[r] = trial[r]
                 new_pid = result.new_pid
                 try:
-                    self.ask(self.here, self.job, r, P.Moved(to=trial[r]), self.timeout)
+                    self.ask(self.record.here, self.job, r, P.Moved(to=trial[r]), self.timeout)
                 except AgentError as e:  # (this agent's own registry: its stand-in may not follow it)
                     self.log.warning("rank %d moved to %s, but this agent could not note it: %s", r, trial[r], e)
             elif result.outcome is Outcome.UNRESOLVED:
@@ -376,7 +372,7 @@ class Rewire:
         down, reconnecting to this agent once released): a generation no rank has tried."""
         self.record.gen = gen
         self._write(Phase.TEARDOWN)
-        dropped = {r for r in held if agents[r] == self.here}
+        dropped = {r for r in held if agents[r] == self.record.here}
         others = [r for r in range(len(agents)) if r not in dropped]
         torn = self.ranks.all(agents, each(P.Teardown(leaving=False)), self.timeout, only=others)
         self._rebuild(agents, gen, "; ".join(fails(torn, "tear its communicators down")))
@@ -404,11 +400,11 @@ class Rewire:
     def _moved(self, r: int, target: str, pid: int) -> None:
         """Rank ``r`` runs on ``target`` now (its copy: ``pid`` there): both agents are told."""
         self.ask(target, self.job, r, P.Expect(pid=pid), self.timeout)
-        self.ask(self.here, self.job, r, P.Moved(to=target), self.timeout)
+        self.ask(self.record.here, self.job, r, P.Moved(to=target), self.timeout)
 
     def _resumed(self, agents: list[str], new_pid: int) -> tuple[Outcome, int]:
         ranks = sorted(self.moving)
-        moved = [r for r in ranks if agents[r] != self.here]
+        moved = [r for r in ranks if agents[r] != self.record.here]
         self.state = Phase.DONE.value if len(moved) == len(ranks) else Phase.ROLLED_BACK.value
         why = {r: f" (it stayed: {self.stayed[r]})" for r in self.stayed}
         where_now = ", ".join(f"rank {r} on {agents[r]}{why.get(r, '')}" for r in ranks)

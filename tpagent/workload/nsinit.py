@@ -25,7 +25,7 @@ from pathlib import Path
 
 from host import safefs
 from host.api import UsageError
-from tpagent_rank import protocol
+from tpagent_rank import codec, protocol
 
 
 def _open_log(path: Path) -> int:
@@ -120,7 +120,7 @@ def _report_exit(code: int) -> None:
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(2)
         s.connect("\0" + name)
-        s.sendall(protocol.said(protocol.Exit(code)))
+        s.sendall(codec.said(protocol.Exit(code)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,185 @@
+"""The rank protocol, typed once (tpagent_rank/protocol.py): every request and answer crosses both
+wires (the rank's line, the agents' gRPC Rank call) and comes back equal; what is not a message of
+the protocol is refused with a ProtocolError (on the line) or Refused (on gRPC), never taken as a
+wrong value."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+
+from tpagent.daemon import rankwire
+from tpagent.migration.api import Refused, Why
+from tpagent_rank import codec
+from tpagent_rank import protocol as P
+
+#: One request of each op, every field set to something other than its default.
+REQUESTS: list[P.Request[Any]] = [
+    P.Where(),
+    P.Peers(),
+    P.Pause(at=41, unit=P.Unit.COLLECTIVE.value),
+    P.Boundary(timeout=12.5),
+    P.Cancel(),
+    P.Teardown(leaving=True),
+    P.Rebuild(gen=3, timeout=7.0),
+    P.Resume(),
+    P.End(why="rank 2 is gone"),
+    P.Expect(pid=4242),
+    P.Moved(to="10.0.0.2:7400"),
+    P.Release(),
+    P.Locate(),
+    P.Signal(signum=15),
+    P.Output(fd=2, offset=1 << 33, max=4096),
+    P.Jobs(),
+]
+#: One answer of each kind, every field set.
+ANSWERS: list[P.Answer] = [
+    P.Answer(ok=False, error="no"),
+    P.Standing(
+        step=9,
+        collectives=27,
+        gen=2,
+        state=P.RankState.PAUSED.value,
+        rate=3.5,
+        collective_rate=10.5,
+        groups=2,
+        nccl_host="h|b",
+        nccl_ras=True,
+        host="h|b",
+        hosts_store="10.0.0.1:29500",
+        store_loopback="127.0.0.1:29500",
+    ),
+    P.Agents(agents=("10.0.0.1:7400", "", "10.0.0.3:7400")),
+    P.Paused(ok=False, error="past it", late=True),
+    P.AtBoundary(step=5, collectives=15),
+    P.TornDown(closed=2),
+    P.Located(state=P.Whereabouts.MOVED.value, pid=7, node="10.0.0.2:7400", code=3),
+    P.Written(data=bytes(range(256)), size=1 << 33),
+    P.Ranks(ranks=(P.RankRow("j", 1, world=4, pid=9, gen=2, step=8, connected=True, moved_to="x:1", state="running"),)),
+]
+
+
+def test_every_op_has_one_request_and_every_request_its_answer() -> None:
+    assert set(P.REQUESTS) == set(P.Op) and {type(r) for r in REQUESTS} == set(P.REQUESTS.values())
+    assert set(P.Op) > P.RUNTIME_OPS
+    kinds = {type(a) for a in ANSWERS}
+    assert all(cls.ANSWER in kinds for cls in P.REQUESTS.values())
+
+
+@pytest.mark.parametrize("request_", REQUESTS, ids=lambda r: r.OP.value)
+def test_a_request_crosses_the_line_and_grpc_unchanged(request_: P.Request[Any]) -> None:
+    body = codec.parse_line(codec.request_line(7, request_))
+    assert body["id"] == 7 and body["op"] == request_.OP.value
+    assert codec.decode_request(body) == request_
+    message = rankwire.request_pb("job", 3, request_, 30.0)
+    again = type(message).FromString(message.SerializeToString())
+    assert (again.job, again.rank, again.timeout) == ("job", 3, 30.0)
+    assert rankwire.request_of(again) == request_
+
+
+@pytest.mark.parametrize("answer", ANSWERS, ids=lambda a: type(a).__name__)
+def test_an_answer_crosses_the_line_and_grpc_unchanged(answer: P.Answer) -> None:
+    request = next(r for r in REQUESTS if r.ANSWER is type(answer))
+    body = codec.parse_line(codec.line(answer, id=7))
+    assert codec.decode_answer(request, body) == answer
+    reply = rankwire.reply_pb(answer)
+    again = type(reply).FromString(reply.SerializeToString())
+    assert rankwire.answer_of(request, again) == answer
+
+
+def test_an_error_answer_of_a_typed_kind_keeps_its_kind_with_defaults() -> None:
+    """A rank that fails a where (or a runtime that could not decode the request) answers only ok
+    and error: the agent still gets a Standing, every other field at its default."""
+    got = codec.decode_answer(P.Where(), {"id": 1, "ok": False, "error": "ValueError: x"})
+    assert got == P.Standing(ok=False, error="ValueError: x")
+    assert rankwire.answer_of(P.Where(), rankwire.reply_pb(P.failed("no"))) == P.Standing(ok=False, error="no")
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ({"op": "pause", "at": "5"}, "at is not an integer"),
+        ({"op": "pause", "at": True}, "at is not an integer"),
+        ({"op": "pause"}, "Pause lacks at"),
+        ({"op": "teardown", "leaving": 1}, "leaving is not true or false"),
+        ({"op": "boundary", "timeout": float("nan")}, "timeout is not a number"),
+        ({"op": "end", "why": ["x"]}, "why is not text"),
+        ({"op": "drop_tables"}, "is not an operation of the rank protocol"),
+        ({"at": 1}, "is not an operation of the rank protocol"),
+    ],
+)
+def test_what_is_not_a_request_is_refused_by_name(body: dict[str, Any], said: str) -> None:
+    with pytest.raises(P.ProtocolError, match=said):
+        codec.decode_request(body)
+
+
+def test_an_answer_with_a_field_of_the_wrong_type_is_refused() -> None:
+    with pytest.raises(P.ProtocolError, match="step is not an integer"):
+        codec.decode_answer(P.Where(), {"ok": True, "step": "lots"})
+    with pytest.raises(P.ProtocolError, match="agents.. is not text"):
+        codec.decode_answer(P.Peers(), {"ok": True, "agents": ["a:1", 5]})
+    with pytest.raises(P.ProtocolError, match="data is not base64"):
+        codec.decode_answer(P.Output(fd=1, offset=0), {"ok": True, "data": "not base64!"})
+
+
+def test_lines_are_bounded_and_objects() -> None:
+    with pytest.raises(P.ProtocolError, match="over the limit"):
+        codec.parse_line(b"{" + b" " * P.LINE_MAX + b"}\n")
+    with pytest.raises(P.ProtocolError, match="over the limit"):
+        codec.parse_line(b'{"op": "where"}')  # (no end of line: cut short)
+    with pytest.raises(P.ProtocolError, match="not a JSON object"):
+        codec.parse_line(b"[1, 2]\n")
+    with pytest.raises(P.ProtocolError, match="over the limit"):
+        codec.request_line(1, P.End(why="x" * P.LINE_MAX))
+
+
+def test_a_grpc_rank_request_is_checked_before_it_is_passed_on() -> None:
+    empty = rankwire.request_pb("job", 0, P.Where(), 5.0)
+    empty.ClearField("where")
+    with pytest.raises(Refused, match="must name one operation") as e:
+        rankwire.request_of(empty)
+    assert e.value.why is Why.INVALID
+    with pytest.raises(Refused, match="timeout must be between") as e:
+        rankwire.request_of(rankwire.request_pb("job", 0, P.Where(), 0.0))
+    with pytest.raises(Refused, match="must fit in") as e:
+        rankwire.request_of(rankwire.request_pb("job", 0, P.End(why="x" * P.LINE_MAX), 5.0))
+    other = rankwire.reply_pb(P.Agents(agents=("a:1",)))
+    with pytest.raises(Refused, match="answered 'where' with 'agents'") as e:
+        rankwire.answer_of(P.Where(), other)
+    assert e.value.why is Why.INTERNAL
+
+
+def test_the_line_protocols_own_messages_say_their_op() -> None:
+    hello = P.Hello("job", 1, 4, pid=9, gen=2, step=3, backend="gloo")
+    body = codec.parse_line(codec.said(hello))
+    assert codec.is_said(body, P.LineOp.HELLO) and not codec.is_said(body, P.LineOp.EXIT)
+    assert codec.decode(P.Hello, body) == hello
+    assert json.loads(codec.said(P.Exit(3))) == {"op": "exit", "code": 3}
+    with pytest.raises(P.ProtocolError, match="Hello lacks world"):
+        codec.decode(P.Hello, {"op": "hello", "job": "j", "rank": 0})
+
+
+def test_the_job_id_rule_is_one_for_the_stand_in_and_the_runtime() -> None:
+    assert P.job_id({}) == "job"
+    assert P.job_id({"SLURM_JOB_ID": "77"}) == "77"
+    assert P.job_id({"SLURM_JOB_ID": "77", "TORCHELASTIC_RUN_ID": "t"}) == "t"
+    assert P.job_id({"SLURM_JOB_ID": "77", "TORCHELASTIC_RUN_ID": "t", "TPAGENT_JOB": "mine"}) == "mine"
+    assert P.job_id({"TPAGENT_JOB": "", "TORCHELASTIC_RUN_ID": "t"}) == "t"  # (set but empty: not set)
+    assert P.valid_job("j" * P.JOB_MAX) and not P.valid_job("j" * (P.JOB_MAX + 1)) and not P.valid_job("a\nb")
+
+
+def test_every_field_of_a_message_is_on_the_grpc_wire() -> None:
+    """The proto's messages mirror the dataclasses field for field (a field added to one side only
+    would be dropped silently between agents)."""
+    for cls in P.REQUESTS.values():
+        message = getattr(rankwire.pb.RankRequest, cls.__name__)
+        assert {f.name for f in dataclasses.fields(cls)} == set(message.DESCRIPTOR.fields_by_name), cls
+    for answer in ANSWERS[1:]:
+        message = getattr(rankwire.pb.RankReply, type(answer).__name__)
+        own = {f.name for f in dataclasses.fields(answer)} - {"ok", "error"}
+        assert own == set(message.DESCRIPTOR.fields_by_name), type(answer)
+    row = rankwire.pb.RankReply.RankRow
+    assert {f.name for f in dataclasses.fields(P.RankRow)} == set(row.DESCRIPTOR.fields_by_name)
