@@ -15,7 +15,8 @@ from pathlib import Path
 from host import proc
 from host.safefs import private_dir
 from snapshot.held import wait_released
-from snapshot.restore import RestoreResult, kill_restored, start_restored, take_back_created
+from snapshot.putback import take_back_created
+from snapshot.restore import RestoreResult, kill_restored, start_restored
 from snapshot.restore import restore as restore_copy
 from tpagent.common import metrics
 from tpagent.migration.api import JournalError, PeerUnreachable, Refused, Role, SourceState, TargetState, Why, is_final
