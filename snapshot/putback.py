@@ -67,7 +67,8 @@ def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
         if lacking := sorted(str(wanted[n]) for n in set(wanted) - {mb.name for mb in members}):
             raise SnapshotInvalid(f"{directory}'s carried files lack {', '.join(lacking)}.")  # (no owner vouched)
         for member in members:
-            path, source = wanted[member.name], tar.extractfile(member)
+            path = wanted[member.name]
+            source = tar.extractfile(member)
             assert source is not None  # (a regular file: checked above)
             if safefs.write_file(
                 path, source, member.uid, member.gid, member.mode, member.mtime, created, leftovers.left_behind
