@@ -102,7 +102,8 @@ def private_dir(path: Path, empty: bool = False, create: bool = True) -> Path:
     try:
         at = Path("/")
         for i, name in enumerate(real.parts[1:], start=1):
-            at, last = at / name, i == len(real.parts) - 1
+            at = at / name
+            last = i == len(real.parts) - 1
             made = False
             try:
                 os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -140,7 +141,8 @@ def _trusted_realpath(path: Path, hops: int = 40) -> Path:
     """``path`` with its symlinks resolved, each of which must belong to root (as a Kubernetes
     Secret volume's ``tls.key -> ..data/tls.key`` chain does); a user's symlink is refused.
     What does not exist yet is kept as it is."""
-    todo, at = list(Path(os.path.abspath(path)).parts[1:]), Path("/")
+    todo = list(Path(os.path.abspath(path)).parts[1:])
+    at = Path("/")
     while todo:
         name = todo.pop(0)
         nxt = at.parent if name == ".." else at / name
@@ -239,7 +241,8 @@ def open_dir(path: Path, created: list[Path] | None = None, to: Path | None = No
             at = at / name
             if name in (".", ".."):
                 raise UsageError(f"{path} is not a normalised absolute path.")
-            exists, made = None, False
+            exists = None
+            made = False
             if created is not None:
                 try:
                     os.mkdir(name, CREATED_DIR, dir_fd=fd)
@@ -339,7 +342,8 @@ def _holds(dir_fd: int, path: Path, source: IO[bytes], owner: tuple[int, int, in
         if (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) != owner:
             return False
         while True:
-            a, b = f.read(_CHUNK), source.read(_CHUNK)
+            a = f.read(_CHUNK)
+            b = source.read(_CHUNK)
             if a != b:
                 return False
             if not a:
@@ -474,7 +478,8 @@ def check_socket_path(path: Path, uid: int) -> None:
     socket of another user be at ``path``.  A socket of root's is root's affair: not checked."""
     if uid == 0:
         return
-    fd, at = os.open("/", _DIR_FLAGS), Path("/")
+    fd = os.open("/", _DIR_FLAGS)
+    at = Path("/")
     try:
         for name in path.parts[1:-1]:
             refused = _way_refused(os.fstat(fd), at, path)

@@ -84,7 +84,8 @@ def _table(pid: int | str) -> list[tuple[tuple[str, int], tuple[str, int], str, 
             f = line.split()
             if len(f) < 10:
                 continue
-            (la, lp), (ra, rp) = f[1].split(":"), f[2].split(":")
+            la, lp = f[1].split(":")
+            ra, rp = f[2].split(":")
             out.append(((_address(la), int(lp, 16)), (_address(ra), int(rp, 16)), f[3], int(f[9])))
     return out
 

@@ -21,6 +21,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from contextlib import suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -28,7 +29,7 @@ import psutil
 from host import gpus, proc
 from host.api import UsageError
 from host.safefs import private_dir, private_opener
-from snapshot import hook, manifest
+from snapshot import hook, manifest, stages
 from snapshot.api import (
     CriuError,
     CudaError,
@@ -44,7 +45,7 @@ from snapshot.api import (
 from snapshot.criu import Criu, DumpOptions
 from snapshot.cuda import CudaDriver
 from snapshot.manifest import IMAGES_DIR, Manifest
-from snapshot.stages import LOG_DIR, CudaFactory, Timer, quiet, require_root, resume
+from snapshot.stages import LOG_DIR, CudaFactory, Step, Timer, quiet, require_root, resume
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,49 @@ def checkpoint(
     raise AssertionError("unreachable")
 
 
+@dataclass(frozen=True)
+class _Tree:
+    """What the examination of the tree found, before anything is done to it."""
+
+    namespace: bool
+    procs: list[proc.ProcInfo]
+    create_time: float
+    root_start: int
+    shell_job: bool
+
+
+@dataclass
+class _Dump:
+    """One attempt of a checkpoint, as its steps read and fill it in."""
+
+    pid: int
+    out: Path
+    mode: DumpMode
+    config: SnapshotConfig
+    criu: Criu
+    timer: Timer
+    tree: _Tree
+    #: ``out`` was not there: a failed attempt removes it again (else leaves it empty).
+    created: bool
+    pids: list[int]
+    cuda: CudaDriver | None
+    cuda_pids: list[int]
+    manifest: Manifest
+    #: The post-dump hook CRIU runs (:func:`snapshot.hook.install`).
+    script: Path | None = None
+    #: The CUDA processes a lock was asked for (each is given its GPU back on a rollback).
+    locked: list[int] = field(default_factory=list)
+    #: CRIU has finished: from then on the snapshot is the copy to keep.
+    dumped: bool = False
+    #: When criu dump started (monotonic): its stage's time is CRIU's, less the hook's checksum.
+    dump_started: float = 0.0
+    sealed: Manifest | None = None
+
+    @property
+    def log_dir(self) -> Path:
+        return self.out / LOG_DIR
+
+
 def _checkpoint(
     pid: int,
     out: Path,
@@ -135,9 +179,30 @@ def _checkpoint(
     carry: Sequence[Path],
     checked: float | None,
 ) -> Manifest:
-    """One attempt of :func:`checkpoint`."""
+    """One attempt of :func:`checkpoint`: look at the tree (nothing done yet: a refusal needs
+    no undo), prepare ``out``, then the steps of :data:`FREEZE_AND_DUMP`, then finish."""
     target = proc.validate_target(pid)
     criu = Criu(config.criu)
+    tree = _examine(target, checked)
+    job = _plan(tree, pid, out, mode, config, criu, progress, cuda_factory, carry)
+    _prepare_out(job)  # undo: _clear (on its own failure; else in _rolled_back)
+    script = hook.install()
+    job.script = script
+    try:
+        sealed = _freeze_and_dump(job)  # undo: _rolled_back, until CRIU has finished
+    finally:  # (the hook's script, and the manifest it was to seal, whatever happened)
+        shutil.rmtree(script.parent, ignore_errors=True)
+        (job.out / hook.PENDING).unlink(missing_ok=True)
+    _record_timings(job, sealed)
+    if mode is DumpMode.LEAVE_RUNNING and job.cuda is not None:
+        _give_gpu_back(job)
+    return sealed
+
+
+def _examine(target: psutil.Process, checked: float | None) -> _Tree:
+    """Look at the tree rooted at ``target``; refuse one CRIU cannot dump, or a root that is
+    no longer the process the caller checked (started at ``checked``)."""
+    pid = target.pid
     for attempt in range(5):  # (a child that exits as it is looked at, a worker ending: look again)
         try:
             namespace = _namespace_of(target)
@@ -161,113 +226,178 @@ def _checkpoint(
             f"PID {pid} is no longer the process that was checked (that one exited and its PID was reused); "
             "nothing was done."
         )
+    return _Tree(namespace, procs, create_time, root_start, shell_job)
+
+
+def _plan(
+    tree: _Tree,
+    pid: int,
+    out: Path,
+    mode: DumpMode,
+    config: SnapshotConfig,
+    criu: Criu,
+    progress: ProgressFn,
+    cuda_factory: CudaFactory,
+    carry: Sequence[Path],
+) -> _Dump:
+    """Refuse an ``out`` that is not ours and empty (before anything is done), find the CUDA
+    processes, and make the manifest the hook is to seal."""
     created = not out.exists()
     out = private_dir(out, empty=True, create=False)  # (refused before anything is done)
-    pids = [p.pid for p in procs]
-    candidates = [p.pid for p in procs if p.uses_cuda]
+    pids = [p.pid for p in tree.procs]
+    candidates = [p.pid for p in tree.procs if p.uses_cuda]
     cuda = cuda_factory() if candidates else None
     cuda_pids = [p for p in candidates if cuda is not None and _has_context(cuda, p)]
     m = Manifest(
         root_pid=pid,
-        namespace=namespace,
-        processes=procs,
+        namespace=tree.namespace,
+        processes=tree.procs,
         gpus=[g.to_dict() for g in gpus.gpus_of(set(pids))] if cuda_pids else [],
-        criu={"version": criu.version_str, "shell_job": shell_job, "tcp_established": proc.holds_inet_sockets(pids)},
+        criu={
+            "version": criu.version_str,
+            "shell_job": tree.shell_job,
+            "tcp_established": proc.holds_inet_sockets(pids),
+        },
         cuda={"driver_version": gpus.driver_version(), "pids": cuda_pids},
         tpagent_version=producer_version(),
-        origin={"mode": mode.value, "root_create_time": create_time},
+        origin={"mode": mode.value, "root_create_time": tree.create_time},
         carried=sorted({os.path.normpath(os.path.abspath(p)) for p in carry}),
     )
+    timer = Timer(progress, config.fail_after)
+    return _Dump(pid, out, mode, config, criu, timer, tree, created, pids, cuda, cuda_pids, m)
+
+
+def _prepare_out(job: _Dump) -> None:
+    """Make ``out``'s folders and write the pending manifest.  Undo: :func:`_clear` (here,
+    should this fail; in :func:`_rolled_back` once the hook's words are read)."""
+    out = job.out
     try:
         private_dir(out, empty=True)  # ours, 0700, empty: never a directory someone planted
         (out / IMAGES_DIR).mkdir(mode=0o700)
         (out / LOG_DIR).mkdir(mode=0o700)
         with open(out / hook.PENDING, "w", opener=private_opener) as f:
-            f.write(json.dumps(m.to_json()))
+            f.write(json.dumps(job.manifest.to_json()))
     except OSError as e:
-        _clear(out, created)
+        _clear(out, job.created)
         raise UsageError(f"cannot write to {out}: {e.strerror}.") from e
-    script = hook.install()
-    cancel = out / LOG_DIR / hook.CANCEL_FILE
-    timer = Timer(progress, config.fail_after)
-    locked: list[int] = []
-    t = config.timeouts
-    dumped = False  # CRIU has finished: from then on the snapshot is the copy to keep
+
+
+def _freeze_gpu(job: _Dump) -> None:
+    """CUDA lock, then CUDA checkpoint (GPU memory into host memory), of every CUDA process."""
+    if job.cuda is None:
+        return
+    with proc.deferred_sigint():  # never leave the driver half-way through a call
+        with job.timer.stage(Stage.CUDA_LOCK):
+            for p in job.cuda_pids:
+                job.locked.append(p)  # first: a lock that times out leaves it running, which resume() sees
+                job.cuda.lock(p, job.config.timeouts.cuda_lock)
+        with job.timer.stage(Stage.CUDA_CHECKPOINT):
+            for p in job.cuda_pids:
+                job.cuda.checkpoint(p)
+
+
+def _thaw(job: _Dump) -> None:
+    """Resume the tree (CRIU does so itself when it fails: this matters only if CRIU died) and
+    give each process whose GPU was locked its GPU back (CUDA restore, unlock)."""
+    resume(job.pids, job.locked, job.cuda)
+
+
+def _criu_dump(job: _Dump) -> None:
+    """criu dump; its post-dump hook checksums and fsyncs the images and seals the manifest
+    while the tree is still frozen, then CRIU ends the tree (or leaves it) by its mode."""
+    config = job.config
+    tree = job.tree
+    env = _hook_env(job)
+    job.timer.progress(Stage.CRIU_DUMP, "")
+    job.dump_started = time.monotonic()
+    tcp = bool(job.manifest.criu["tcp_established"])
+    opts = DumpOptions(job.mode, tree.shell_job, tcp, tree.namespace, job.script, env, config.ghost_limit)
+    # A Ctrl-C now asks the post-dump hook to fail, so that CRIU itself rolls back; once
+    # the hook has sealed the snapshot, CRIU finishes and the interrupt came too late.
+    with proc.deferred_sigint(on_interrupt=(job.log_dir / hook.CANCEL_FILE).touch) as interrupt:
+        try:
+            timeout = config.timeouts.dump if config.hold is None else None
+            job.criu.dump(job.pid, job.out / IMAGES_DIR, job.log_dir, opts, timeout)
+        except CriuError as e:
+            sealing = job.log_dir / hook.ERROR_FILE
+            if sealing.exists():
+                e.detail = f"sealing the snapshot failed: {sealing.read_text(errors='replace')}"
+            raise
+        job.dumped = True
+        if interrupt.consume():
+            log.warning("interrupted after the snapshot of %d was sealed: finishing it", job.pid)
+
+
+def _hook_env(job: _Dump) -> dict[str, str]:
+    """What the post-dump hook is told: where the snapshot goes, the root it must still find."""
+    env = {
+        "TPAGENT_HOOK_OUT": str(job.out.absolute()),
+        "TPAGENT_HOOK_ROOT": str(job.pid),
+        "TPAGENT_HOOK_ROOT_START": str(job.tree.root_start),
+    }
+    if job.config.fail_after is Stage.CHECKSUM:
+        env["TPAGENT_HOOK_FAIL"] = "1"
+    if job.config.hold is not None:
+        env["TPAGENT_HOOK_HOLD"] = str(job.config.hold)
+    return env
+
+
+def _read_back(job: _Dump) -> None:
+    """Load the manifest the hook sealed."""
+    job.sealed = manifest.load(job.out)
+
+
+#: A checkpoint once ``out`` is prepared, in order, each step with its undo: should any fail
+#: before CRIU finished, :func:`_rolled_back` undoes them all; after, the snapshot is kept.
+FREEZE_AND_DUMP: tuple[Step[_Dump], ...] = (
+    Step("freeze the GPU (CUDA lock, CUDA checkpoint)", _freeze_gpu, undo=_thaw),
+    # (undo: CRIU's own, on its failure: it resumes the tree and lifts its network lock)
+    Step("criu dump, its hook sealing the snapshot", _criu_dump),
+    Step("read the sealed manifest back", _read_back),
+)
+
+
+def _freeze_and_dump(job: _Dump) -> Manifest:
+    """The steps of :data:`FREEZE_AND_DUMP`; the sealed manifest."""
     try:
-        if cuda is not None:
-            with proc.deferred_sigint():  # never leave the driver half-way through a call
-                with timer.stage(Stage.CUDA_LOCK):
-                    for p in cuda_pids:
-                        locked.append(p)  # first: a lock that times out leaves it running, which resume() sees
-                        cuda.lock(p, t.cuda_lock)
-                with timer.stage(Stage.CUDA_CHECKPOINT):
-                    for p in cuda_pids:
-                        cuda.checkpoint(p)
-        env = {
-            "TPAGENT_HOOK_OUT": str(out.absolute()),
-            "TPAGENT_HOOK_ROOT": str(pid),
-            "TPAGENT_HOOK_ROOT_START": str(root_start),
-        }
-        if config.fail_after is Stage.CHECKSUM:
-            env["TPAGENT_HOOK_FAIL"] = "1"
-        if config.hold is not None:
-            env["TPAGENT_HOOK_HOLD"] = str(config.hold)
-        progress(Stage.CRIU_DUMP, "")
-        t0 = time.monotonic()
-        opts = DumpOptions(mode, shell_job, bool(m.criu["tcp_established"]), namespace, script, env, config.ghost_limit)
-        # A Ctrl-C now asks the post-dump hook to fail, so that CRIU itself rolls back; once
-        # the hook has sealed the snapshot, CRIU finishes and the interrupt came too late.
-        with proc.deferred_sigint(on_interrupt=cancel.touch) as interrupt:
-            try:
-                criu.dump(pid, out / IMAGES_DIR, out / LOG_DIR, opts, t.dump if config.hold is None else None)
-            except CriuError as e:
-                sealing = out / LOG_DIR / hook.ERROR_FILE
-                if sealing.exists():
-                    e.detail = f"sealing the snapshot failed: {sealing.read_text(errors='replace')}"
-                raise
-            dumped = True
-            if interrupt.consume():
-                log.warning("interrupted after the snapshot of %d was sealed: finishing it", pid)
-        sealed = manifest.load(out)
+        stages.run(FREEZE_AND_DUMP, job)
     except BaseException as e:
-        if dumped:  # the tree is ended (or left) by its mode: never delete the only copy
+        if job.dumped:  # the tree is ended (or left) by its mode: never delete the only copy
             raise ToolError(
-                f"CRIU finished the snapshot of PID {pid} (mode {mode.value}), but reading it back failed; "
-                f"the snapshot is kept in {out}",
+                f"CRIU finished the snapshot of PID {job.pid} (mode {job.mode.value}), but reading it back failed; "
+                f"the snapshot is kept in {job.out}",
                 detail=str(e),
             ) from e
-        raise _rolled_back(e, pid, out, pids, locked, cuda, created) from e
-    finally:
-        shutil.rmtree(script.parent, ignore_errors=True)
-        (out / hook.PENDING).unlink(missing_ok=True)
+        raise _rolled_back(e, job) from e
+    assert job.sealed is not None
+    return job.sealed
+
+
+def _record_timings(job: _Dump, sealed: Manifest) -> None:
+    """Add the stages' times to the sealed manifest (CRIU's own without the hook's checksum)."""
     checksum = sealed.timings.get("checksum", 0.0)
-    timer.record(Stage.CRIU_DUMP, time.monotonic() - t0 - checksum)
-    timer.record(Stage.CHECKSUM, checksum)
-    sealed.timings = timer.timings
+    job.timer.record(Stage.CRIU_DUMP, time.monotonic() - job.dump_started - checksum)
+    job.timer.record(Stage.CHECKSUM, checksum)
+    sealed.timings = job.timer.timings
     try:
-        sealed.write(out)
+        sealed.write(job.out)
     except OSError as e:  # the sealed manifest is in place; only the timings are missing
-        log.warning("could not add timings to %s: %s", out, e)
-    if mode is DumpMode.LEAVE_RUNNING and cuda is not None:
-        try:
-            with proc.deferred_sigint():
-                resume([], cuda_pids, cuda)  # CRIU resumed the CPU side itself
-        except CudaError as e:
-            raise CudaError(
-                f"the snapshot in {out} is complete, but PID {pid} could not be given its GPU back", detail=e.detail
-            ) from e
-    return sealed
+        log.warning("could not add timings to %s: %s", job.out, e)
 
 
-def _rolled_back(
-    e: BaseException,
-    pid: int,
-    out: Path,
-    pids: list[int],
-    locked: list[int],
-    cuda: CudaDriver | None,
-    created: bool,
-) -> BaseException:
+def _give_gpu_back(job: _Dump) -> None:
+    """Mode leave-running: CRIU resumed the CPU side itself; give the GPU back."""
+    try:
+        with proc.deferred_sigint():
+            resume([], job.cuda_pids, job.cuda)
+    except CudaError as e:
+        raise CudaError(
+            f"the snapshot in {job.out} is complete, but PID {job.pid} could not be given its GPU back",
+            detail=e.detail,
+        ) from e
+
+
+def _rolled_back(e: BaseException, job: _Dump) -> BaseException:
     """Undo a failed checkpoint; return the error to raise (``rolled_back`` says if it worked,
     ``transient`` that the same dump may work a moment later).
 
@@ -275,6 +405,8 @@ def _rolled_back(
     SIGCONT here only matters if CRIU itself died.  What is left is the GPU side, and ``out``:
     left as it was found (absent if ``created``, else empty), so that the same command can
     be run again."""
+    pid = job.pid
+    out = job.out
     if not proc.alive(pid) and (out / manifest.MANIFEST_NAME).exists():
         # CRIU failed after its hook had sealed the snapshot and the tree was ended: now the
         # snapshot is the only copy, and it is complete.
@@ -286,41 +418,48 @@ def _rolled_back(
     problem = None
     try:
         with proc.deferred_sigint():  # a second Ctrl-C must not cut the rollback short
-            resume(pids, locked, cuda)
+            stages.undo(FREEZE_AND_DUMP, job)
     except (CudaError, KeyboardInterrupt) as r:
         problem = str(r) or "interrupted"
-    said = f"{e} {_read(out / LOG_DIR / hook.ERROR_FILE)}"
-    cancelled = isinstance(e, KeyboardInterrupt) or (out / LOG_DIR / hook.CANCEL_FILE).exists()
-    let_go = cancelled or (out / LOG_DIR / hook.DECISION_FILE).exists()  # (a holder's abort)
+    said = f"{e} {_read(job.log_dir / hook.ERROR_FILE)}"
+    cancelled = isinstance(e, KeyboardInterrupt) or (job.log_dir / hook.CANCEL_FILE).exists()
+    let_go = cancelled or (job.log_dir / hook.DECISION_FILE).exists()  # (a holder's abort)
     wrote = any((out / IMAGES_DIR).glob("*"))  # (a sender following the images may have read them)
-    _clear(out, created)  # a partial snapshot must never look restorable
-    if cancelled:
-        err: SnapshotError = Interrupted(f"the checkpoint of PID {pid} was interrupted")
-    elif "No space left on device" in said or (isinstance(e, OSError) and e.errno == errno.ENOSPC):
-        err = CriuError(
-            f"the disk holding {out} ran out of space: the snapshot of PID {pid} needs about "
-            f"{_size(proc.dump_size_estimate(pids))}, and {_size(_free_bytes(out))} are free there; "
-            "free some space or give --out on a larger disk",
-            code=errno.ENOSPC,
-        )
-    elif hook.NOT_THE_PROCESS in said:
-        err = UsageError(
-            f"PID {pid} is no longer the process that was checked (that one exited and its PID was reused); "
-            "nothing was done."
-        )
-    elif isinstance(e, SnapshotError):
-        err = e
-    elif isinstance(e, OSError):
-        err = CriuError(f"writing the snapshot to {out} failed", detail=str(e), code=e.errno)
-    else:  # a bug, or a library raising what it should not: the rollback above still ran
-        log.exception("checkpoint of %d failed unexpectedly", pid)
-        err = ToolError(f"the checkpoint of PID {pid} failed unexpectedly ({type(e).__name__}: {e})")
+    _clear(out, job.created)  # a partial snapshot must never look restorable
+    err = _why(e, job, said, cancelled)
     if problem is not None:
         return ToolError(f"{err}; then resuming PID {pid} failed too: {problem}")
     err.rolled_back = proc.alive(pid)  # (it may also have exited on its own meanwhile)
     err.transient = err.rolled_back and not (let_go or wrote) and any(t in said for t in TRANSIENT)
     log.info("checkpoint of %d failed; the tree was %s", pid, "resumed where it stood" if err.rolled_back else "gone")
     return err
+
+
+def _why(e: BaseException, job: _Dump, said: str, cancelled: bool) -> SnapshotError:
+    """The error that says why the checkpoint failed: ``e``, or what CRIU or its hook ``said``."""
+    pid = job.pid
+    out = job.out
+    if cancelled:
+        return Interrupted(f"the checkpoint of PID {pid} was interrupted")
+    if "No space left on device" in said or (isinstance(e, OSError) and e.errno == errno.ENOSPC):
+        return CriuError(
+            f"the disk holding {out} ran out of space: the snapshot of PID {pid} needs about "
+            f"{_size(proc.dump_size_estimate(job.pids))}, and {_size(_free_bytes(out))} are free there; "
+            "free some space or give --out on a larger disk",
+            code=errno.ENOSPC,
+        )
+    if hook.NOT_THE_PROCESS in said:
+        return UsageError(
+            f"PID {pid} is no longer the process that was checked (that one exited and its PID was reused); "
+            "nothing was done."
+        )
+    if isinstance(e, SnapshotError):
+        return e
+    if isinstance(e, OSError):
+        return CriuError(f"writing the snapshot to {out} failed", detail=str(e), code=e.errno)
+    # a bug, or a library raising what it should not: the rollback above still ran
+    log.exception("checkpoint of %d failed unexpectedly", pid)
+    return ToolError(f"the checkpoint of PID {pid} failed unexpectedly ({type(e).__name__}: {e})")
 
 
 def _read(path: Path) -> str:

@@ -180,8 +180,11 @@ def _archive(out: Path, paths: list[str]) -> list[str]:
             with os.fdopen(fd, "rb") as f:
                 st = os.fstat(f.fileno())
                 info = tarfile.TarInfo(path.lstrip("/"))
-                info.size, info.mtime, info.mode = st.st_size, st.st_mtime, stat.S_IMODE(st.st_mode)
-                info.uid, info.gid = st.st_uid, st.st_gid
+                info.size = st.st_size
+                info.mtime = st.st_mtime
+                info.mode = stat.S_IMODE(st.st_mode)
+                info.uid = st.st_uid
+                info.gid = st.st_gid
                 tar.addfile(info, f)
                 ids[path] = identity(os.fstat(f.fileno()))
             kept.append(path)

@@ -184,7 +184,8 @@ class Manifest:
         timers = _rows(data, "timers", Timer)
         if not {t.pid for t in timers} <= {p.pid for p in procs}:
             raise ValueError("timers names a process not in processes")
-        sockets, dirs = _rows(data, "sockets", BoundSocket), _rows(data, "dirs", MadeDir)
+        sockets = _rows(data, "sockets", BoundSocket)
+        dirs = _rows(data, "dirs", MadeDir)
         paths = [*(b.path for b in sockets), *(d.path for d in dirs)]
         if not all(_absolute(p) for p in paths) or any(d.path == "/" for d in dirs):
             raise ValueError("sockets, dirs: not a normalised absolute path")

@@ -1,56 +1,47 @@
-"""Restore of a process tree (and what checkpoint and restore share: the stage timer, giving a
-tree and its GPU back); the checkpoint side is :mod:`snapshot.dump`.
+"""Restore of a process tree; the checkpoint side is :mod:`snapshot.dump`.
 
-Restore: verify manifest and checksums -> refuse if the original still runs here -> PIDs
-free -> carried files put back (as root, through no symlink: :mod:`host.safefs`) ->
-criu restore -> CUDA restore (GPU map) -> CUDA unlock.  A failure after CRIU started the
-tree kills that copy, and what was put back is removed: the snapshot, which restore never
-modifies, is the one to retry.
+Checks first, while nothing is done: verify manifest and checksums -> CRIU new enough ->
+refuse if the original, or a copy restored before (:mod:`snapshot.copies`), still runs
+here -> GPU map -> PIDs free.  Then the steps of :data:`RESTORE`, each with its undo: carried
+files put back (as root, through no symlink: :mod:`snapshot.putback`) -> criu restore ->
+CUDA restore (GPU map) -> CUDA unlock.  A failure after CRIU started the tree kills that
+copy, and what was put back is removed: the snapshot, which restore never modifies, is the
+one to retry.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
-import re
 import shutil
 import signal
-import stat
-import tarfile
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
 
 from host import gpus, proc, safefs
 from host.api import UsageError
-from host.safefs import private_dir, private_opener
-from snapshot import leftovers, manifest, timers
+from host.safefs import private_dir
+from snapshot import copies, manifest, putback, stages, timers
 from snapshot.api import (
     DumpMode,
     Interrupted,
     ProgressFn,
     SnapshotConfig,
     SnapshotError,
-    SnapshotInvalid,
     Stage,
     ToolError,
 )
 from snapshot.criu import PIDFILE, Criu, RestoreOptions
 from snapshot.cuda import CudaDriver, CudaState, uuid_bytes, uuid_text
-from snapshot.manifest import IMAGES_DIR, Manifest
-from snapshot.stages import CudaFactory, Timer, check_restore_thread, quiet, require_root
+from snapshot.manifest import IMAGES_DIR, BoundSocket, Manifest
+from snapshot.stages import CudaFactory, Step, Timer, check_restore_thread, quiet, require_root
 
 log = logging.getLogger(__name__)
-
-#: Root's notes of the copies restored on this node, one per snapshot (by its id): a snapshot
-#: restored twice would run twice.
-RESTORED = Path("/run/tpagent/restored")
 
 
 @dataclass(frozen=True)
@@ -124,9 +115,12 @@ def restore(
     GPU still locked (a CUDA process, whose driver restore needs it running) — until
     :func:`start_restored`; a migration lets it go only once the original is let go.
     ``clone``: restore although a copy restored from this snapshot still runs here (noted in
-    :data:`RESTORED`): two copies then run, on purpose.  ``created_note``: where to write down
-    what the restore made on this node (for :func:`take_back_created`, should the copy be
-    dropped later)."""
+    :data:`~snapshot.copies.RESTORED`): two copies then run, on purpose.  ``created_note``:
+    where to write down what the restore made on this node (for
+    :func:`~snapshot.putback.take_back_created`, should the copy be dropped later).
+
+    The checks come first (nothing is done yet: a refusal needs no undo), then the steps of
+    :data:`RESTORE`, each with its undo."""
     require_root()
     asked = {uuid_text(uuid_bytes(k)): uuid_text(uuid_bytes(v)) for k, v in (gpu_map or {}).items()}  # (syntax first)
     timer = Timer(progress, config.fail_after)
@@ -138,23 +132,8 @@ def restore(
         if not verified:
             manifest.verify(directory, m)
     criu = Criu(config.criu)
-    theirs = tuple(int(x) for x in str(m.criu["version"]).split("."))
-    if theirs[:2] > criu.version[:2]:
-        raise UsageError(
-            f"the snapshot was written by CRIU {m.criu['version']}, this node has CRIU "
-            f"{criu.version_str}, which cannot read it: install a newer CRIU here."
-        )
-    if _original_still_running(m):
-        raise UsageError(
-            f"the process this snapshot was taken from (PID {m.root_pid}, left {m.origin['mode']}) "
-            "still runs on this node; stop it first, or two copies would run."
-        )
-    copy = None if clone else _copy_still_running(m)
-    if copy is not None:
-        raise UsageError(
-            f"a copy restored from this snapshot still runs here as PID {copy}; stop it first, or pass --clone "
-            "to start another on purpose (two copies then run)."
-        )
+    _check_criu_reads(m, criu)
+    _check_not_running(m, clone)
     norm_map = _check_gpu_map(m, asked)
     cuda = cuda_factory() if m.cuda_pids else None
     if not m.namespace:
@@ -167,42 +146,19 @@ def restore(
         m.namespace,
         leave_stopped=not start and not m.cuda_pids,
     )
-    created: list[Path] = []
     fresh = [b for b in m.sockets if not os.path.lexists(b.path)]  # (CRIU makes them)
     if work is None:
         work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
     else:
         private_dir(work, empty=True)  # it is removed afterwards
+    job = _Restore(directory, m, config, criu, timer, cuda, norm_map, opts, start, created_note, fresh, work)
     try:
-        _put_back(directory, m, created)
-        if created_note is not None:  # (before CRIU: an agent that dies now still takes them back)
-            _note_created(created_note, created, [])
-        with timer.stage(Stage.CRIU_RESTORE):
-            root = criu.restore(directory / IMAGES_DIR, work, opts, config.timeouts.restore)
-        if created_note is not None:
-            _note_created(created_note, created, fresh)
-        for d in m.dirs:
-            if Path(d.path) in created:
-                safefs.hand_over(Path(d.path), d.uid, d.gid, d.mode)
-        mapping = _restored_pids(m, root)
-        _rearm_timers(m, mapping)
-        if cuda is not None:
-            with proc.deferred_sigint():
-                with timer.stage(Stage.CUDA_RESTORE):
-                    for p in m.cuda_pids:
-                        check_restore_thread(cuda, mapping[p])
-                        cuda.restore(mapping[p], _gpu_pairs(m, p, norm_map))
-                if start:
-                    with timer.stage(Stage.CUDA_UNLOCK):
-                        for p in m.cuda_pids:
-                            cuda.unlock(mapping[p])
+        stages.run(RESTORE, job)
     except BaseException as e:
         # Never leave a half-restored copy (e.g. CPU side up, GPU side still in host memory):
-        # kill what CRIU started; the snapshot, which restore does not modify, is the copy to retry.
-        kill_restored(work)
-        for b in fresh:
-            safefs.remove_socket(Path(b.path), b.uid)
-        _take_back(created)
+        # kill what CRIU started, take back what was put back; the snapshot, which restore
+        # does not modify, is the copy to retry.
+        stages.undo(RESTORE, job)
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(f"the restore of {directory} was interrupted; nothing was left running") from e
         if isinstance(e, SnapshotError):
@@ -213,13 +169,116 @@ def restore(
         ) from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    _note_copy(m, root)
-    return RestoreResult(root, tuple(mapping.values()), m, timer.timings)
+    copies.note_copy(m, job.root)
+    return RestoreResult(job.root, tuple(job.mapping.values()), m, timer.timings)
 
 
-def _rearm_timers(m: Manifest, mapping: Mapping[int, int]) -> None:
+def _check_criu_reads(m: Manifest, criu: Criu) -> None:
+    """Refuse a snapshot written by a newer CRIU than this node's."""
+    theirs = tuple(int(x) for x in str(m.criu["version"]).split("."))
+    if theirs[:2] > criu.version[:2]:
+        raise UsageError(
+            f"the snapshot was written by CRIU {m.criu['version']}, this node has CRIU "
+            f"{criu.version_str}, which cannot read it: install a newer CRIU here."
+        )
+
+
+def _check_not_running(m: Manifest, clone: bool) -> None:
+    """Refuse to start a second copy: the original left running here, or a copy restored here
+    before (unless ``clone``)."""
+    if _original_still_running(m):
+        raise UsageError(
+            f"the process this snapshot was taken from (PID {m.root_pid}, left {m.origin['mode']}) "
+            "still runs on this node; stop it first, or two copies would run."
+        )
+    copy = None if clone else copies.still_running(m)
+    if copy is not None:
+        raise UsageError(
+            f"a copy restored from this snapshot still runs here as PID {copy}; stop it first, or pass --clone "
+            "to start another on purpose (two copies then run)."
+        )
+
+
+@dataclass
+class _Restore:
+    """One restore, once its checks passed, as its steps read and fill it in."""
+
+    directory: Path
+    manifest: Manifest
+    config: SnapshotConfig
+    criu: Criu
+    timer: Timer
+    cuda: CudaDriver | None
+    #: Old -> new UUID of the GPUs mapped (checked: each new one is here).
+    gpu_map: dict[str, str]
+    opts: RestoreOptions
+    #: Let the copy run once restored (else :func:`start_restored` does).
+    start: bool
+    #: Where to write down what the restore made (for :func:`putback.take_back_created`).
+    created_note: Path | None
+    #: The unix sockets not on disk before the restore: CRIU binds them.
+    fresh: list[BoundSocket]
+    #: CRIU's work directory (its log, ``restore.pid``).
+    work: Path
+    #: What :func:`putback.put_back` made, in order (directories, files).
+    created: list[Path] = field(default_factory=list)
+    #: The restored tree's root, as seen from here; 0 until CRIU has restored it.
+    root: int = 0
+    #: Snapshot PID -> PID of the restored process, as seen from here.
+    mapping: dict[int, int] = field(default_factory=dict)
+
+
+def _put_back(job: _Restore) -> None:
+    """The carried files and the unix sockets' directories (:func:`putback.put_back`)."""
+    putback.put_back(job.directory, job.manifest, job.created)
+
+
+def _take_back(job: _Restore) -> None:
+    """Remove what :func:`_put_back` made, the last made first."""
+    putback.take_back(job.created)
+
+
+def _note_made(job: _Restore) -> None:
+    """Write down what was put back: an agent that dies from now on still takes it back."""
+    if job.created_note is not None:
+        putback.note_created(job.created_note, job.created, [])
+
+
+def _criu_restore(job: _Restore) -> None:
+    """criu restore: the tree comes back (its GPU memory still in host memory)."""
+    with job.timer.stage(Stage.CRIU_RESTORE):
+        job.root = job.criu.restore(job.directory / IMAGES_DIR, job.work, job.opts, job.config.timeouts.restore)
+
+
+def _stop_copy(job: _Restore) -> None:
+    """Kill the tree CRIU started (if it did), and remove the unix sockets it bound."""
+    kill_restored(job.work)
+    for b in job.fresh:
+        safefs.remove_socket(Path(b.path), b.uid)
+
+
+def _note_bound(job: _Restore) -> None:
+    """Add the unix sockets CRIU bound to the note of what the restore made."""
+    if job.created_note is not None:
+        putback.note_created(job.created_note, job.created, job.fresh)
+
+
+def _hand_over(job: _Restore) -> None:
+    """Give the directories made for the sockets to their owners, now that CRIU has bound them."""
+    for d in job.manifest.dirs:
+        if Path(d.path) in job.created:
+            safefs.hand_over(Path(d.path), d.uid, d.gid, d.mode)
+
+
+def _map_pids(job: _Restore) -> None:
+    """Find each snapshot PID's restored process (in a PID namespace, another PID here)."""
+    job.mapping = _restored_pids(job.manifest, job.root)
+
+
+def _rearm_timers(job: _Restore) -> None:
     """Arm again the periodic timers CRIU brought back disarmed (:mod:`snapshot.timers`)."""
-    for t in m.timers:
+    mapping = job.mapping
+    for t in job.manifest.timers:
         try:
             if timers.rearm(mapping[t.pid], t):
                 log.info("armed again the timerfd %d of PID %d (every %d ns)", t.fd, mapping[t.pid], t.interval_ns)
@@ -231,50 +290,35 @@ def _rearm_timers(m: Manifest, mapping: Mapping[int, int]) -> None:
             ) from e
 
 
-def _copy_path(m: Manifest) -> Path:
-    if not re.fullmatch(r"[0-9a-f]{1,64}", m.snapshot_id):
-        raise SnapshotInvalid(f"the snapshot's id {m.snapshot_id[:80]!r} is not hexadecimal.")
-    return RESTORED / f"{m.snapshot_id}.json"
+def _give_gpu_back(job: _Restore) -> None:
+    """CUDA restore (onto the GPUs mapped), then CUDA unlock unless the copy is held."""
+    if job.cuda is None:
+        return
+    m = job.manifest
+    with proc.deferred_sigint():
+        with job.timer.stage(Stage.CUDA_RESTORE):
+            for p in m.cuda_pids:
+                check_restore_thread(job.cuda, job.mapping[p])
+                job.cuda.restore(job.mapping[p], _gpu_pairs(m, p, job.gpu_map))
+        if job.start:
+            with job.timer.stage(Stage.CUDA_UNLOCK):
+                for p in m.cuda_pids:
+                    job.cuda.unlock(job.mapping[p])
 
 
-def _live_copies(m: Manifest) -> list[dict[str, Any]]:
-    """The notes of copies of ``m`` restored here before whose very process still runs."""
-    try:
-        notes = json.loads(_copy_path(m).read_text())
-    except (OSError, ValueError):
-        return []
-    live = []
-    for note in notes if isinstance(notes, list) else []:
-        try:
-            p = psutil.Process(int(note["pid"]))
-            if (
-                p.create_time() == float(note["create_time"])
-                and note["host"] == platform.node()
-                and p.status() != psutil.STATUS_ZOMBIE
-            ):
-                live.append(note)
-        except (ValueError, KeyError, TypeError, psutil.Error):
-            continue
-    return live
-
-
-def _copy_still_running(m: Manifest) -> int | None:
-    """The PID of a copy of ``m`` restored here before, if that very process still runs."""
-    live = _live_copies(m)
-    return int(live[0]["pid"]) if live else None
-
-
-def _note_copy(m: Manifest, root: int) -> None:
-    """Add the copy just restored (as PID ``root``) to the notes of ``m``'s live copies."""
-    try:
-        private_dir(RESTORED)
-        note = {"pid": root, "create_time": psutil.Process(root).create_time(), "host": platform.node()}
-        tmp = _copy_path(m).with_suffix(f".{os.getpid()}.tmp")
-        with open(tmp, "w", opener=private_opener) as f:
-            json.dump([*_live_copies(m), note], f)
-        tmp.rename(_copy_path(m))
-    except (OSError, psutil.Error, SnapshotError) as e:  # the copy runs; only the note of it is missing
-        log.warning("could not note the copy of %s restored as PID %d: %s", m.snapshot_id, root, e)
+#: A restore once its checks passed, in order, each step with its undo: should any fail, all
+#: are undone, last first (a step that did nothing leaves nothing to undo), and the error is
+#: raised: the snapshot, which a restore never modifies, is the copy to retry.
+RESTORE: tuple[Step[_Restore], ...] = (
+    Step("put back the carried files and the sockets' directories", _put_back, undo=_take_back),
+    Step("note what was put back", _note_made),
+    Step("criu restore", _criu_restore, undo=_stop_copy),
+    Step("note the sockets CRIU bound", _note_bound),
+    Step("hand the sockets' directories over", _hand_over),
+    Step("find the restored PIDs", _map_pids),
+    Step("arm the periodic timers again", _rearm_timers),
+    Step("give the GPU back (CUDA restore, CUDA unlock)", _give_gpu_back),
+)
 
 
 def start_restored(result: RestoreResult, cuda_factory: CudaFactory = CudaDriver) -> None:
@@ -289,106 +333,6 @@ def start_restored(result: RestoreResult, cuda_factory: CudaFactory = CudaDriver
                 cuda.unlock(mapping[p])
     else:
         proc.signal_tree(list(result.pids), signal.SIGCONT)
-
-
-def _put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
-    """Make the directories the unix sockets are bound in, where missing, and write the
-    carried files back where they were, adding what it creates to ``created``.
-    A file already there must hold the same bytes (the same file, or a copy): else the restore
-    stops.  As root, on paths users may control: no symlink is followed, the directory must
-    belong to root or to the file's owner, setuid/setgid are never restored (:mod:`host.safefs`)."""
-    try:
-        for b in m.sockets:
-            safefs.check_socket_path(Path(b.path), b.uid)
-        for d in m.dirs:  # (for CRIU to bind the unix sockets in: root's until it has)
-            safefs.make_dir(Path(d.path), created)
-        _write_carried(directory, m, created)
-    except (OSError, tarfile.TarError) as e:
-        what = getattr(e, "filename", None) or directory / IMAGES_DIR / manifest.CARRIED_NAME
-        raise ToolError(
-            f"putting back the files the process had open failed at {what}",
-            detail=getattr(e, "strerror", None) or str(e),
-        ) from e
-
-
-def _note_created(note: Path, made: list[Path], sockets: list[manifest.BoundSocket]) -> None:
-    """Write down ``made`` (the directories and files a restore made, in that order) and the
-    ``sockets`` CRIU bound, each as it is now (device, inode, owner; a socket only if it is
-    its owner's), with this boot's id: after a reboot, inode numbers on a tmpfs start again."""
-    entries = []
-    for path, uid in [*((p, None) for p in made), *((Path(b.path), b.uid) for b in sockets)]:
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if uid is None or (stat.S_ISSOCK(st.st_mode) and st.st_uid == uid):
-            entries.append({"path": str(path), "dev": st.st_dev, "ino": st.st_ino, "uid": st.st_uid})
-    tmp = note.with_name(f".{note.name}.{os.getpid()}")
-    with open(tmp, "w", opener=private_opener) as f:
-        json.dump({"boot": proc.boot_id(), "made": entries}, f)
-    tmp.rename(note)
-
-
-def take_back_created(note: Path) -> list[str]:
-    """Remove what the restore noted in ``note`` made (its copy was dropped: the files, sockets
-    and directories it would have found), each only if it is still that very one (a directory
-    only once empty), the last made first; the paths removed."""
-    if not os.path.lexists(note):
-        return []  # (the restore never got so far: it took back what it made itself)
-    try:
-        entries = json.loads(safefs.read_private_file(note, "the note of what a restore made"))
-    except (OSError, ValueError, SnapshotError) as e:
-        log.warning("could not read %s: what the dropped copy's restore made is left: %s", note, e)
-        return []
-    if not isinstance(entries, dict) or entries.get("boot") != proc.boot_id():
-        return []  # (made before a reboot: gone with a tmpfs, or another file by now)
-    made = entries.get("made")
-    removed = []
-    for entry in reversed(made if isinstance(made, list) else []):
-        try:
-            path = Path(str(entry["path"]))
-            if safefs.remove_same(path, (int(entry["dev"]), int(entry["ino"]), int(entry["uid"]))):
-                removed.append(str(path))
-        except (KeyError, TypeError, ValueError, OSError, SnapshotError) as e:
-            log.warning("could not remove %r, which a dropped copy's restore had made: %s", entry, e)
-    return removed
-
-
-def _take_back(created: list[Path]) -> None:
-    """Remove what :func:`_put_back` created (files, then the directories it made)."""
-    for path in reversed(created):
-        try:
-            safefs.remove(path)
-        except (OSError, SnapshotError) as e:  # (a directory someone has since put files in)
-            log.warning("could not remove %s, which the restore had put back: %s", path, e)
-
-
-def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
-    """Write the carried files back, once the archive is checked whole: the files the manifest
-    names, each (a directory made on the way to one must be its owner's or root's)."""
-    if not m.carried:
-        return
-    wanted = {p.lstrip("/"): Path(p) for p in m.carried}
-    with tarfile.open(directory / IMAGES_DIR / manifest.CARRIED_NAME) as tar:
-        members = tar.getmembers()
-        for member in members:
-            path = wanted.get(member.name)
-            if path is None or not member.isfile():
-                raise SnapshotInvalid(
-                    f"{directory}'s carried files hold {member.name!r}, which the manifest does not name."
-                )
-            if any(str(path).startswith(d.path + "/") and d.uid not in (0, member.uid) for d in m.dirs):
-                raise SnapshotInvalid(f"{directory}'s manifest gives a directory on the way to {path} to another user.")
-        if lacking := sorted(str(wanted[n]) for n in set(wanted) - {mb.name for mb in members}):
-            raise SnapshotInvalid(f"{directory}'s carried files lack {', '.join(lacking)}.")  # (no owner vouched)
-        for member in members:
-            path, source = wanted[member.name], tar.extractfile(member)
-            assert source is not None  # (a regular file: checked above)
-            if safefs.write_file(
-                path, source, member.uid, member.gid, member.mode, member.mtime, created, leftovers.left_behind
-            ):
-                log.info("%s replaced the stale copy a migration from this node had left behind", path)
-            leftovers.forget(path)  # (what is there now is the process's own file again)
 
 
 def kill_restored(work: Path) -> int:

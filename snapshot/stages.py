@@ -1,6 +1,6 @@
 """What the checkpoint (:mod:`snapshot.dump`) and the restore (:mod:`snapshot.restore`) share:
-the stage timer (with its test hook that fails after a stage), the root check, and giving a
-stopped tree and its GPU back."""
+their named steps and how they are undone (:class:`Step`), the stage timer (with its test hook
+that fails after a stage), the root check, and giving a stopped tree and its GPU back."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from host import proc
 from host.api import UsageError
@@ -20,6 +22,39 @@ log = logging.getLogger(__name__)
 
 CudaFactory = Callable[[], CudaDriver]
 LOG_DIR = "log"
+
+#: The state a sequence of steps reads and fills in (one checkpoint attempt, one restore).
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class Step(Generic[S]):
+    """One named step of a long sequence, as CRIU's CUDA plugin has one hook per step.
+
+    ``name`` says what the step does, so that the sequence reads as a list.  ``undo`` takes
+    back what ``do`` did: all of it, the part done (a step may fail half-way), or nothing,
+    judging by the state alone, so that a rollback need not know how far the sequence got.
+    None: the step leaves nothing to take back (or a tool takes it back itself)."""
+
+    name: str
+    do: Callable[[S], None]
+    undo: Callable[[S], None] | None = None
+
+
+def run(steps: Sequence[Step[S]], state: S) -> None:
+    """Do ``steps`` in order; should one fail, its error goes to the caller, which rolls back
+    with :func:`undo` (and says what failed in its own words)."""
+    for step in steps:
+        step.do(state)
+
+
+def undo(steps: Sequence[Step[S]], state: S) -> None:
+    """Roll ``steps`` back: every step's undo, the last step's first, whether or not the
+    sequence got that far (each undo finds in the state what there is to take back).  An undo
+    that fails ends the rollback with its error."""
+    for step in reversed(steps):
+        if step.undo is not None:
+            step.undo(state)
 
 
 class InjectedFault(ToolError):

@@ -61,7 +61,9 @@ def expired(pids: Sequence[int]) -> list[Timer]:
                     continue
                 with open(f"/proc/{pid}/fdinfo/{name}") as f:
                     info = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
-                value, interval, ticks = _pair(info["it_value"]), _pair(info["it_interval"]), int(info["ticks"])
+                value = _pair(info["it_value"])
+                interval = _pair(info["it_interval"])
+                ticks = int(info["ticks"])
             except (OSError, KeyError, ValueError):
                 continue
             if value == 0 and interval > 0 and ticks > 0:

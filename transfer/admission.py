@@ -39,7 +39,9 @@ class Entry:
 
 class Gate:
     def __init__(self, strangers: int, per_host: int, members: int) -> None:
-        self.max_strangers, self.per_host, self.max_members = strangers, per_host, members
+        self.max_strangers = strangers
+        self.per_host = per_host
+        self.max_members = members
         self._lock = threading.Lock()
         self._strangers: dict[Entry, None] = {}  # in order of arrival: the first is the oldest
         self._strangers_from: Counter[str | None] = Counter()

@@ -66,9 +66,13 @@ class _Codec:
     Every 32nd chunk is compressed anyway to keep c and r current."""
 
     def __init__(self, mode: Compress, level: int) -> None:
-        self.mode, self.level = mode, level
+        self.mode = mode
+        self.level = level
         self.lock = threading.Lock()
-        self.c, self.r, self.link, self.n = 0.0, 1.0, 0.0, 0
+        self.c = 0.0
+        self.r = 1.0
+        self.link = 0.0
+        self.n = 0
 
     def want(self) -> bool:
         if self.mode is not Compress.AUTO:
@@ -182,7 +186,8 @@ class _Files:
     """The snapshot's files, opened for reading; for a followed snapshot, how far each is queued."""
 
     def __init__(self, root: Path, chunk_size: int) -> None:
-        self.root, self.chunk_size = root, chunk_size
+        self.root = root
+        self.chunk_size = chunk_size
         self.follow = False  # chunks then say where they go (the receiver knows no layout)
         self.digested: set[int] = set()  # files whose chunks the receiver checks by SHA-256, not CRC
         self.names: list[str] = []
@@ -241,7 +246,11 @@ class _Control:
     streams still run (the receiver keeps the transfer for a grace period meanwhile)."""
 
     def __init__(self, sender: Sender, address: str, session: bytes, header: bytes, state: _SendState) -> None:
-        self.sender, self.address, self.session, self.header, self.state = sender, address, session, header, state
+        self.sender = sender
+        self.address = address
+        self.session = session
+        self.header = header
+        self.state = state
         self.lock = threading.Lock()
         self.ch: Channel | None = None
         self.trailer: bytes | None = None
@@ -279,7 +288,8 @@ class _Control:
                 time.sleep(min(0.1 * 2**attempts, 2.0))
 
     def _read(self, ch: Channel) -> None:
-        breaks, acked = 0, self.state.raw_acked
+        breaks = 0
+        acked = self.state.raw_acked
         while True:
             try:
                 kind, _, body = wire.recv_frame(ch, 4096)
@@ -297,7 +307,8 @@ class _Control:
                 if self.closed or self.ended.is_set():
                     return
                 # Each break counts against the retries, unless chunks got through since the last.
-                breaks, acked = (1 if self.state.raw_acked > acked else breaks + 1), self.state.raw_acked
+                breaks = 1 if self.state.raw_acked > acked else breaks + 1
+                acked = self.state.raw_acked
                 log.info("the control stream broke (%s); opening it again", e)
             ch.close()
             try:
@@ -313,14 +324,16 @@ class _Control:
                 if self.closed:
                     ch.close()
                     return
-                self.ch, trailer = ch, self.trailer
+                self.ch = ch
+                trailer = self.trailer
             if trailer is not None:
                 self._send(ch, Kind.TRAILER, trailer)
 
     def finish(self, trailer: bytes, timeout: float) -> bytes:
         """Send the trailer (again after a break) and return the receiver's DONE."""
         with self.lock:
-            self.trailer, ch = trailer, self.ch
+            self.trailer = trailer
+            ch = self.ch
         assert ch is not None
         self._send(ch, Kind.TRAILER, trailer)
         if not self.ended.wait(timeout):
@@ -354,7 +367,9 @@ class _Control:
 
 class Sender:
     def __init__(self, transport: Transport, config: TransferConfig, progress: SendProgress | None = None) -> None:
-        self.transport, self.config, self.progress = transport, config, progress
+        self.transport = transport
+        self.config = config
+        self.progress = progress
 
     def _open(self, address: str, role: Role, stream: int, session: bytes) -> Channel:
         ch = self.transport.connect(address, self.config.connect_timeout)
@@ -536,15 +551,18 @@ class Sender:
                 return
             crc = 0 if fi in files.digested else zlib.crc32(data)
             state.crcs[index] = crc
-            kind, payload = Codec.RAW, data
+            kind = Codec.RAW
+            payload = data
             if data == (zeros if length == len(zeros) else bytes(length)):
-                kind, payload = Codec.ZERO, b""
+                kind = Codec.ZERO
+                payload = b""
             elif codec.want():
                 t = time.monotonic()
                 packed = cctx.compress(data)
                 codec.saw_compress(length, len(packed), time.monotonic() - t)
                 if len(packed) < 0.9 * length:
-                    kind, payload = Codec.ZSTD, packed
+                    kind = Codec.ZSTD
+                    payload = packed
             inflight[index] = None
             t = time.monotonic()
             head = CHUNK.pack(index, length, crc)

@@ -123,13 +123,16 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         n = os.pwrite(fd, view, offset)
         if n == 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        view, offset = view[n:], offset + n
+        view = view[n:]
+        offset += n
 
 
 def sha256_back(fd: int, buf: bytearray, n: int, offset: int) -> str:
     """SHA-256 of the ``n`` bytes the file now holds at ``offset``: what was written, as the
     file has it, not as the buffer had it (read back through ``buf``, a piece at a time)."""
-    h, view, got = hashlib.sha256(), memoryview(buf), 0
+    h = hashlib.sha256()
+    view = memoryview(buf)
+    got = 0
     while got < n:
         k = os.preadv(fd, [view[: min(len(view), n - got)]], offset + got)
         if k == 0:

@@ -72,7 +72,8 @@ class TcpChannel(Channel):
         return view
 
     def _fill(self, view: memoryview) -> None:
-        got, n = 0, len(view)
+        got = 0
+        n = len(view)
         try:
             while got < n:
                 k = self._recv_into(view[got:])
@@ -131,7 +132,8 @@ class TlsChannel(TcpChannel):
 
     def handshake(self, timeout: float | None) -> None:
         """The TLS handshake, within ``timeout``; raises ssl.SSLError or OSError."""
-        saved, self._timeout = self._timeout, timeout
+        saved = self._timeout
+        self._timeout = timeout
         try:
             self._call(self.tls.do_handshake)
         finally:
@@ -247,7 +249,8 @@ class TcpTransport(Transport):
         self._client: ssl.SSLContext | None = None
         self._server: ssl.SSLContext | None = None
         if tls is not None:
-            self._client, self._server = _tls.client_context(tls), _tls.server_context(tls)
+            self._client = _tls.client_context(tls)
+            self._server = _tls.server_context(tls)
 
     def connect(self, address: str, timeout: float) -> Channel:
         host, port = parse_address(address)

@@ -72,7 +72,11 @@ def _ucxx() -> Any:
 
 class UcxChannel(Channel):
     def __init__(self, loop: _Loop, ep: Any, peer: str, timeout: float, done: asyncio.Event | None = None) -> None:
-        self._loop, self._ep, self.peer, self._timeout, self._done = loop, ep, peer, timeout, done
+        self._loop = loop
+        self._ep = ep
+        self.peer = peer
+        self._timeout = timeout
+        self._done = done
         self._np = _ucxx()[1]
         self._buf = bytearray()
         self._pos = 0
@@ -97,7 +101,8 @@ class UcxChannel(Channel):
 
             async def go() -> Any:  # (self._loop.run below ends it, or raises, before the loop goes on)
                 await self._ep.recv(header)  # noqa: B023
-                size, limit = int(header[0]), self._limit  # noqa: B023
+                size = int(header[0])  # noqa: B023
+                limit = self._limit
                 if size > limit:
                     before = " before authenticating" if limit < _MAX_MESSAGE else ""
                     raise TransferError(

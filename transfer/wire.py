@@ -109,7 +109,8 @@ def recv_frame(ch: Channel, limit: int, scratch: bool = False) -> tuple[Kind, Co
     if length > limit:
         raise TransferError(f"the peer sent a frame of {length} bytes, over the limit of {limit}")
     try:
-        k, c = Kind(kind), Codec(codec)
+        k = Kind(kind)
+        c = Codec(codec)
     except ValueError as e:
         raise TransferError(f"the peer sent an unknown frame (kind {kind}, codec {codec})") from e
     body = ch.recv_scratch(length) if scratch else ch.recv_exact(length)
@@ -135,7 +136,8 @@ def open_signed_json(secret: bytes, label: bytes, body: bytes | bytearray) -> di
     if len(body) < 4 + MAC_LEN:
         raise TransferError(f"a {label.decode()} frame is too short")
     (n,) = struct.unpack_from("<I", body)
-    data, tag = body[4 : 4 + n], body[4 + n :]
+    data = body[4 : 4 + n]
+    tag = body[4 + n :]
     if len(data) != n or not hmac.compare_digest(tag, mac(secret, label, data)):
         raise TransferError(f"the {label.decode()} failed authentication (damaged, or not from a holder of the secret)")
     obj = json.loads(data)

@@ -376,7 +376,6 @@ def test_gpu_process_without_the_checkpoint_api_is_refused_before_any_freeze(
     import mmap
     from types import SimpleNamespace
 
-    from host.api import UsageError as Usage
     from snapshot.dump import checkpoint
 
     lib = tmp_path / "libcuda.so.1"
@@ -394,7 +393,7 @@ def test_gpu_process_without_the_checkpoint_api_is_refused_before_any_freeze(
         )
         monkeypatch.setitem(sys.modules, "cuda.bindings", SimpleNamespace(driver=old))
         needle = "supports CUDA 12.6; the checkpoint API needs driver 570"
-    with pytest.raises(Usage, match=needle):
+    with pytest.raises(UsageError, match=needle):
         checkpoint(w.pid, tmp_path / "s")
     assert not (tmp_path / "s").exists()
     n = w.ticks()[-1][0]

@@ -262,6 +262,38 @@ def test_carried_file_that_cannot_be_put_back(workloads, tmp_path: Path) -> None
     _restores_and_writes_on(w, tmp_path / "snap", frozen, 5)
 
 
+def test_a_restore_failing_after_criu_takes_back_what_it_made(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The rollback of a restore that fails once CRIU has started the copy (a fault injected
+    after the CRIU stage): the copy is stopped, the carried file put back for it is removed
+    again, CRIU's work directory goes, and nothing the note of what it made names is left to
+    take back; the same snapshot then restores."""
+    from snapshot import putback
+    from snapshot.api import SnapshotConfig, Stage
+    from snapshot.dump import checkpoint
+    from snapshot.restore import restore
+    from snapshot.stages import InjectedFault
+
+    w = start(mib=16)
+    checkpoint(w.pid, tmp_path / "snap", carry=[w.log])
+    w.reap()
+    frozen = w.log.read_bytes()
+    w.log.unlink()
+    work = tmp_path / "work"
+    note = tmp_path / "made.json"
+    with pytest.raises(InjectedFault, match="fault injected after criu_restore"):
+        restore(tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CRIU_RESTORE), work=work, created_note=note)
+    wait_until(lambda: not alive(w.pid), "the copy CRIU started to be stopped")
+    assert not w.log.exists() and not work.exists()
+    assert str(w.log) in note.read_text() and putback.take_back_created(note) == []
+    result = restore(tmp_path / "snap")
+    w.pid = result.pid
+    assert w.log.read_bytes()[: len(frozen)] == frozen
+    stopped_at = int(frozen.decode().splitlines()[-1].split()[1])
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to write on into its log")
+    assert_continuous(w.ticks())
+    w.verify_state()
+
+
 def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A workload holds an 8 MiB file it deleted (as DataLoader workers' shared memory is):
     over a 4 MiB ghost limit the dump is refused in one sentence and the workload runs on;

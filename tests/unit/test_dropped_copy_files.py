@@ -1,5 +1,5 @@
 """What a restore made on a node, taken back when its copy is dropped
-(:func:`snapshot.restore.take_back_created`, :func:`host.safefs.remove_same`): only those very
+(:func:`snapshot.putback.take_back_created`, :func:`host.safefs.remove_same`): only those very
 files, sockets and directories, through no symlink, a directory only once empty.  As whoever
 runs them (the unit tier: nobody; the suite: root)."""
 
@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 
 from host import proc
-from snapshot import restore
+from snapshot import putback
 from snapshot.manifest import BoundSocket
 
 
@@ -30,13 +30,13 @@ def _made(tmp_path: Path) -> tuple[Path, list[Path]]:
         BoundSocket(str(d / "listener"), os.geteuid(), 0, 0, 0),
         BoundSocket(str(d / "scratch"), os.geteuid(), 0, 0, 0),
     ]
-    restore._note_created(note, made[:4], bound)  # (no socket at the second: not noted twice)
+    putback.note_created(note, made[:4], bound)  # (no socket at the second: not noted twice)
     return note, made
 
 
 def test_what_the_restore_made_goes_the_last_made_first(tmp_path: Path) -> None:
     note, made = _made(tmp_path)
-    assert restore.take_back_created(note) == [str(p) for p in reversed(made)]
+    assert putback.take_back_created(note) == [str(p) for p in reversed(made)]
     assert os.listdir(tmp_path / "local") == []
 
 
@@ -46,11 +46,11 @@ def test_a_file_replaced_since_and_one_put_there_since_stay_with_their_directory
     (d / "scratch.new").write_bytes(b"someone's")
     os.replace(d / "scratch.new", d / "scratch")  # (another file at the path now)
     (d / "sub" / "theirs").write_bytes(b"put there since")
-    assert restore.take_back_created(note) == [str(d / "listener"), str(d / "sub" / "shm")]
+    assert putback.take_back_created(note) == [str(d / "listener"), str(d / "sub" / "shm")]
     assert (d / "scratch").read_bytes() == b"someone's" and (d / "sub" / "theirs").exists()
     (d / "sub" / "theirs").unlink()
     (d / "scratch").unlink()
-    assert restore.take_back_created(note) == [str(d / "sub"), str(d)]  # (empty now: they go)
+    assert putback.take_back_created(note) == [str(d / "sub"), str(d)]  # (empty now: they go)
 
 
 def test_nothing_is_removed_through_a_directory_swapped_for_a_symlink(tmp_path: Path) -> None:
@@ -59,7 +59,7 @@ def test_nothing_is_removed_through_a_directory_swapped_for_a_symlink(tmp_path: 
     elsewhere = tmp_path / "elsewhere"
     d.rename(elsewhere)  # (the very files, their inodes unchanged, now reached through a symlink)
     d.symlink_to(elsewhere)
-    assert restore.take_back_created(note) == []
+    assert putback.take_back_created(note) == []
     assert sorted(os.listdir(elsewhere)) == ["listener", "scratch", "sub"]
     assert (elsewhere / "sub" / "shm").read_bytes() == b"mapped"
 
@@ -67,13 +67,13 @@ def test_nothing_is_removed_through_a_directory_swapped_for_a_symlink(tmp_path: 
 def test_a_missing_or_damaged_note_or_one_of_another_boot_removes_nothing(tmp_path: Path) -> None:
     note, made = _made(tmp_path)
     kept = note.read_text()
-    assert restore.take_back_created(tmp_path / "no note") == []
+    assert putback.take_back_created(tmp_path / "no note") == []
     boot = proc.boot_id()
     note.write_text(kept.replace(boot, "another boot"))  # (inode numbers start again after a reboot)
-    assert restore.take_back_created(note) == []
+    assert putback.take_back_created(note) == []
     bad = [{"path": "relative/x", "dev": 1, "ino": 2, "uid": 0}, {"path": 3}, "x"]
     note.write_text(json.dumps({"boot": boot, "made": bad}))
-    assert restore.take_back_created(note) == []
+    assert putback.take_back_created(note) == []
     note.write_text("not json")
-    assert restore.take_back_created(note) == []
+    assert putback.take_back_created(note) == []
     assert all(os.path.lexists(p) for p in made)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from host.proc import ProcInfo
-from snapshot import manifest, restore
+from snapshot import manifest, putback
 from snapshot.api import SnapshotInvalid
 from snapshot.manifest import Manifest
 
@@ -183,11 +183,11 @@ def test_a_directory_on_the_way_to_a_carried_file_reads_back_and_must_be_its_own
     assert manifest.load(snap).dirs == dirs
     created: list[Path] = []
     with pytest.raises(SnapshotInvalid, match=f"gives a directory on the way to {log} to another user"):
-        restore._write_carried(snap, m, created)
+        putback._write_carried(snap, m, created)
     m.dirs = dirs[:1]
     m.carried.append(str(where / "v" / "not-archived"))  # (no file of the archive vouches for its directory's owner)
     with pytest.raises(SnapshotInvalid, match=f"carried files lack {where}/v/not-archived"):
-        restore._write_carried(snap, m, created)
+        putback._write_carried(snap, m, created)
     assert created == [] and not (tmp_path / "node").exists()
 
 

@@ -16,7 +16,8 @@ from host import paths, proc
 from host.paths import created_note, restore_work
 from host.safefs import private_dir
 from snapshot.held import wait_released
-from snapshot.restore import RestoreResult, kill_restored, start_restored, take_back_created
+from snapshot.putback import take_back_created
+from snapshot.restore import RestoreResult, kill_restored, start_restored
 from snapshot.restore import restore as restore_copy
 from tpagent.common import metrics
 from tpagent.migration.api import JournalError, PeerUnreachable, Refused, Role, SourceState, TargetState, Why, is_final

@@ -1,0 +1,76 @@
+"""Root's notes of the copies restored on this node, one file per snapshot (by its id), so
+that a snapshot restored twice does not run twice (:func:`snapshot.restore.restore` refuses,
+unless asked for a clone)::
+
+    RESTORED/<snapshot id>.json ::= JSON list of { "pid": int, "create_time": float, "host": str }
+
+A note counts only while that very process (its PID and start time, on this host) still runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import re
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from host.safefs import private_dir, private_opener
+from snapshot.api import SnapshotError, SnapshotInvalid
+from snapshot.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+#: Root's notes of the copies restored on this node, one per snapshot (by its id): a snapshot
+#: restored twice would run twice.
+RESTORED = Path("/run/tpagent/restored")
+
+
+def _note_path(m: Manifest) -> Path:
+    if not re.fullmatch(r"[0-9a-f]{1,64}", m.snapshot_id):
+        raise SnapshotInvalid(f"the snapshot's id {m.snapshot_id[:80]!r} is not hexadecimal.")
+    return RESTORED / f"{m.snapshot_id}.json"
+
+
+def _live_copies(m: Manifest) -> list[dict[str, Any]]:
+    """The notes of copies of ``m`` restored here before whose very process still runs."""
+    try:
+        notes = json.loads(_note_path(m).read_text())
+    except (OSError, ValueError):
+        return []
+    live = []
+    for note in notes if isinstance(notes, list) else []:
+        try:
+            p = psutil.Process(int(note["pid"]))
+            if (
+                p.create_time() == float(note["create_time"])
+                and note["host"] == platform.node()
+                and p.status() != psutil.STATUS_ZOMBIE
+            ):
+                live.append(note)
+        except (ValueError, KeyError, TypeError, psutil.Error):
+            continue
+    return live
+
+
+def still_running(m: Manifest) -> int | None:
+    """The PID of a copy of ``m`` restored here before, if that very process still runs."""
+    live = _live_copies(m)
+    return int(live[0]["pid"]) if live else None
+
+
+def note_copy(m: Manifest, root: int) -> None:
+    """Add the copy just restored (as PID ``root``) to the notes of ``m``'s live copies."""
+    try:
+        private_dir(RESTORED)
+        note = {"pid": root, "create_time": psutil.Process(root).create_time(), "host": platform.node()}
+        tmp = _note_path(m).with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "w", opener=private_opener) as f:
+            json.dump([*_live_copies(m), note], f)
+        tmp.rename(_note_path(m))
+    except (OSError, psutil.Error, SnapshotError) as e:  # the copy runs; only the note of it is missing
+        log.warning("could not note the copy of %s restored as PID %d: %s", m.snapshot_id, root, e)
