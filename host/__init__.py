@@ -9,6 +9,6 @@
 * :mod:`host.sockets` -- a tree's sockets: TCP endpoints, unix sockets and their directories.
 * :mod:`host.gpus` -- the GPUs (NVML): inventory, which process uses which, pairing by bus id.
 
-It imports nothing of tpagent's other packages (but the stdlib-only rank protocol's constants,
-:mod:`tpagent_rank.protocol`, for the paths both sides share).
+It imports nothing of tpagent's other packages, but the stdlib-only rank protocol
+(:mod:`tpagent_rank.protocol`) for the one path both of its sides share, and only when asked.
 """

@@ -22,8 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpagent_rank import protocol
-
 ETC = Path("/etc/tpagent")
 CONFIG_FILE = ETC / "agent.toml"
 TLS_DIR = ETC / "tls"
@@ -34,9 +32,6 @@ LAUNCHED = RUN / "launched"
 #: Root's notes of the copies restored on this node, one per snapshot (by its id): a snapshot
 #: restored twice would run twice.
 RESTORED = RUN / "restored"
-#: Where a rank that let go of its agent to be frozen looks for the word to come back (a file
-#: named by :func:`tpagent_rank.protocol.go_name`; the rank protocol's, both sides read it there).
-RANK_GO = Path(protocol.GO_DIR)
 #: Where the rank runtime is written for the ranks' PYTHONPATH (root's, readable by the ranks).
 RANK_RUNTIME = RUN / "rank-runtime"
 #: The default work directory.
@@ -79,6 +74,18 @@ class WorkDir:
 
     def incoming(self, migration_id: str) -> Path:
         return self.root / "incoming" / migration_id
+
+
+def __getattr__(name: str) -> Path:
+    """``RANK_GO``: where a rank that let go of its agent to be frozen looks for the word to come
+    back (a file named by :func:`tpagent_rank.protocol.go_name`): the rank protocol's own constant,
+    both sides read it there.  Imported only when asked for: CRIU's post-dump hook reads this
+    module while a tree is frozen, and the protocol's classes take milliseconds to build."""
+    if name == "RANK_GO":
+        from tpagent_rank import protocol
+
+        return Path(protocol.GO_DIR)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def created_note(snapshot: Path) -> Path:

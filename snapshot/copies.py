@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from host import paths
 from host.safefs import private_dir, private_opener
 from snapshot.api import SnapshotError, SnapshotInvalid
 from snapshot.manifest import Manifest
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Root's notes of the copies restored on this node, one per snapshot (by its id): a snapshot
 #: restored twice would run twice.
-RESTORED = Path("/run/tpagent/restored")
+RESTORED = paths.RESTORED
 
 
 def _note_path(m: Manifest) -> Path:

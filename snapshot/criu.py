@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from host import paths
 from host.api import UsageError
 from host.proc import deferred_sigint
 from host.safefs import private_opener
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 
 MIN_VERSION = (4, 2)
 #: Where ``scripts/install-criu.sh`` puts its private CRIU.
-INSTALLED_CRIU = Path("/opt/tpagent/criu/bin/criu")
+INSTALLED_CRIU = paths.INSTALLED_CRIU
 INSTALL_HINT = (
     "run scripts/install-criu.sh (it installs Debian's CRIU 4.2 into /opt/tpagent/criu) "
     "or point TPAGENT_CRIU at a criu >= 4.2"

@@ -27,7 +27,7 @@ import logging
 import os
 from pathlib import Path
 
-from host import safefs
+from host import paths, safefs
 from host.safefs import private_dir, private_opener
 from snapshot import manifest
 from snapshot.api import SnapshotError
@@ -36,7 +36,7 @@ from snapshot.hook import CARRIED_IDS, identity
 log = logging.getLogger(__name__)
 
 #: Root's notes of the carried files this node let go (persistent: a return may come later).
-LEFT = Path("/var/lib/tpagent/left-behind")
+LEFT = paths.LEFT_BEHIND
 
 
 def _note_path(path: str, left: Path) -> Path:

@@ -14,6 +14,8 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from host import paths
+
 
 class TransferError(Exception):
     """The transport or the peer failed; ``str(e)`` is one sentence for the user."""
@@ -58,7 +60,7 @@ def read_secret(path: Path | None) -> bytes:
 
 
 #: Where a node's certificates live unless told otherwise.
-DEFAULT_TLS_DIR = Path("/etc/tpagent/tls")
+DEFAULT_TLS_DIR = paths.TLS_DIR
 
 
 @dataclass(frozen=True)
