@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from conftest import needs_criu
-from helpers import ROOT, tpagent, wait_until
+from support.helpers import ROOT, tpagent, wait_until
 
 pytestmark = needs_criu
 TRAIN = ROOT / "examples" / "train.py"

@@ -20,16 +20,16 @@ import psutil
 import pytest
 from test_transfer import _target, trickle
 
-from certs import node_certs
-from helpers import wait_until
 from host.api import UsageError
-from proxy import Proxy
+from support.certs import node_certs
+from support.helpers import wait_until
+from support.proxy import Proxy
+from support.transfer_support import SECRET, Receiving, _send, digests, make_snapshot
 from transfer.api import AuthError, TlsFiles, TransferConfig, TransferError, TransferStats, Transport
 from transfer.sender import Sender
 from transfer.tcp import TcpTransport
-from transfer_support import SECRET, Receiving, _send, digests, make_snapshot
 
-TRICKLE = Path(__file__).resolve().parent.parent / "trickle_peer.py"
+TRICKLE = Path(__file__).resolve().parent.parent / "attackers" / "trickle_peer.py"
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def strangers() -> Iterator[list[subprocess.Popen[str]]]:
 def _trickle(
     started: list[subprocess.Popen[str]], address: tuple[str, int], per_source: int, sources: list[str]
 ) -> None:
-    """tests/trickle_peer.py, as user nobody: connections that trickle a byte every 0.5 s."""
+    """tests/attackers/trickle_peer.py, as user nobody: connections that trickle a byte every 0.5 s."""
     cmd = [
         "setpriv",
         "--reuid=nobody",
