@@ -3,7 +3,7 @@
     python bench/migrate.py [--sizes-mib 1024,4096] [--repeats 3] [--dir /dev/shm] [--gpu] [--json-out F]
 
 Two nodes, each a network namespace of this machine with its agent (`tpagent serve`) and
-its work directory under --dir, joined by a bridge (tests/cluster.py).  For each size a fresh
+its work directory under --dir, joined by a bridge (tests/support/cluster.py).  For each size a fresh
 workload holding that much state is started on A under `tpagent launch` and moved to B with
 `tpagent migrate` (two agents in one namespace cannot move a CUDA process: it holds an
 abstract socket named after itself, which its copy cannot bind there while the original is
@@ -39,11 +39,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import common  # noqa: E402
 
-from cluster import Cluster, Node  # noqa: E402
-from helpers import kill_and_wait, wait_until  # noqa: E402
 from snapshot.api import CudaError  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
 from snapshot.cuda import CudaDriver  # noqa: E402
+from support.cluster import Cluster, Node  # noqa: E402
+from support.helpers import kill_and_wait, wait_until  # noqa: E402
 
 
 def launch(kind: str, size: int, work: Path, node: Node | None = None) -> int:

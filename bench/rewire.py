@@ -16,7 +16,7 @@ that never moves.
    without the runtime, in one process of world size 1 (what forwarding adds to a collective,
    undisturbed by the other ranks' scheduling), times the collectives a step issues (as the
    runtime counts them), over the plain step time.
-2. A move.  Four network-namespace nodes (tests/cluster.py), each running `tpagent serve`;
+2. A move.  Four network-namespace nodes (tests/support/cluster.py), each running `tpagent serve`;
    the job (tests/workloads/ddp_job.py, under `tpagent rank`) on A, B, C; rank 1 is moved to
    the spare D (`tpagent migrate --job --rank`).  Split as the agent times it: boundary (all
    ranks stopped at one step), teardown, migrate (freeze, stream, restore, confirm: the
@@ -246,8 +246,8 @@ def overhead(a: argparse.Namespace, work: Path) -> dict[str, object]:
 
 def move_once(tmp: Path) -> dict[str, float]:
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-    from cluster import Cluster
-    from rankjob import IFNAME, Job, rank_log, steps
+    from support.cluster import Cluster
+    from support.rankjob import IFNAME, Job, rank_log, steps
 
     c = Cluster(tmp, ["A", "B", "C", "D"], ifname=IFNAME)
     try:

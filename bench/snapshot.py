@@ -31,11 +31,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import common  # noqa: E402
 
-from helpers import kill_and_wait, wait_until  # noqa: E402
 from snapshot import restore  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
 from snapshot.cuda import CudaDriver  # noqa: E402
 from snapshot.dump import checkpoint  # noqa: E402
+from support.helpers import kill_and_wait, wait_until  # noqa: E402
 
 
 def start(kind: str, size_mib: int, log: Path) -> subprocess.Popen[bytes]:

@@ -36,9 +36,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import common  # noqa: E402
 
-from certs import node_certs  # noqa: E402
 from host.proc import ProcInfo  # noqa: E402
 from snapshot.manifest import Manifest, checksum_files  # noqa: E402
+from support.certs import node_certs  # noqa: E402
 from transfer.api import Compress, TlsFiles, TransferConfig, Transport  # noqa: E402
 from transfer.receiver import Receiver  # noqa: E402
 from transfer.sender import Sender  # noqa: E402

@@ -8,16 +8,56 @@ from pathlib import Path
 
 import pytest
 
-from helpers import Workload
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
+from support.helpers import Workload
 
 # A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so
 # would every command it starts (an ignored signal stays ignored across exec): the tests that
 # press Ctrl-C on a command need it to arrive.  A handler of our own is reset on exec instead.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-pytest_plugins = ["cluster_fixtures", "rankjob"]
+pytest_plugins = ["support.cluster_fixtures", "support.rankjob"]
+
+#: The tiers, each a mark of its own (pyproject.toml registers them), each run on its own by
+#: scripts/test.sh, which prints its wall time.  A test's tier is its directory's, marked
+#: here as it is collected (nobody has to remember), except that a test marked ``gpu`` is in the
+#: gpu tier wherever it stands:
+#:
+#:   unit     as nobody: no process, server or job is started; each test well under a second
+#:   rank     as nobody: the rank runtime and the rewire of ranks: torch jobs, processes, waits
+#:   cluster  as root: CRIU, processes, servers, network namespaces as nodes; root's own branches
+#:   gpu      as root: where there is an NVIDIA GPU (skipped elsewhere)
+TIER_OF_DIRECTORY = {
+    "unit": "unit",
+    "rank": "rank",
+    "host": "cluster",
+    "snapshot": "cluster",
+    "transfer": "cluster",
+    "agent": "cluster",
+    "cli": "cluster",
+}
+TIERS = ("unit", "rank", "cluster", "gpu")
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Mark each test with its tier, before -m selects by it."""
+    where = item.path.resolve().relative_to(TESTS)
+    marked = {m.name for m in item.iter_markers() if m.name in TIERS}
+    tier = "gpu" if "gpu" in marked else TIER_OF_DIRECTORY.get(where.parts[0])
+    if tier is None:
+        raise pytest.UsageError(
+            f"tests/{where} is in no tier: add its directory to TIER_OF_DIRECTORY in tests/conftest.py"
+        )
+    if marked - {tier}:
+        raise pytest.UsageError(
+            f"{item.nodeid} is marked {' and '.join(sorted(marked))}, but its tier is {tier}: "
+            "a test's tier is its directory's (only gpu is marked by hand)"
+        )
+    if tier not in marked:
+        item.add_marker(tier)
+
 
 #: Marks a test (or, as ``pytestmark``, a module) that needs root and a working CRIU >= 4.2.
 #: Such tests are skipped where CRIU cannot be used, unless TPAGENT_TESTS_NEED_CRIU is set

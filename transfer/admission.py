@@ -95,11 +95,15 @@ class Gate:
             return True
 
     def refuse(self, entry: Entry, reason: Refusal) -> bool:
-        """Record why a stranger's handshake failed; False if the gate had already dropped it
-        (and said why)."""
+        """Record why a stranger's handshake failed, and drop it: False if the gate had already
+        dropped it (and said why).  Whichever comes first, this or the gate's own deadline or
+        eviction, is the one refusal of the connection: dropped now, it is no longer a stranger
+        that :meth:`expired` or :meth:`admit` could refuse again before it is released."""
         with self._lock:
             if entry.refused is not None or self._closed:
                 return False
+            if entry in self._strangers:
+                self._drop(entry, reason)
             entry.refused = reason
             return True
 

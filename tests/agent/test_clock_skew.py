@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, Ticker
 from conftest import needs_criu
-from helpers import ROOT, kill_and_wait, wait_until
 from snapshot.criu import Criu
+from support.cluster import Cluster, Ticker
+from support.helpers import ROOT, kill_and_wait, wait_until
 
 pytestmark = needs_criu
 HOOK = "TPAGENT_TEST_CLOCK_OFFSET_FILE"

@@ -14,12 +14,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from certs import node_certs
-from cluster import Cluster, Node, Ticker
 from conftest import needs_criu
-from helpers import ROOT, STATEFUL, assert_one_sentence_error, kill_and_wait, wait_until
-from proxy import Proxy
 from snapshot.criu import Criu
+from support.certs import node_certs
+from support.cluster import Cluster, Node, Ticker
+from support.helpers import ROOT, STATEFUL, assert_one_sentence_error, kill_and_wait, wait_until
+from support.proxy import Proxy
 
 pytestmark = needs_criu
 
@@ -322,7 +322,7 @@ def test_target_agent_killed_while_restoring(cluster: Cluster, ticker: Ticker, t
 def test_a_held_copy_is_not_migrated_onward(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A target's copy waits, restored but held, for its source to commit; an agent asked to
     migrate it meanwhile refuses (the source may still roll back and resume its original)."""
-    from agents import node_of
+    from support.agents import node_of
     from tpagent.common.config import AgentConfig
     from tpagent.migration.api import Refused, Role, TargetState
     from tpagent.migration.journal import Record

@@ -15,10 +15,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster import Cluster, Node, Ticker
 from conftest import needs_criu
-from helpers import ROOT, kill_and_wait, wait_until
-from proxy import Proxy
+from support.cluster import Cluster, Node, Ticker
+from support.helpers import ROOT, kill_and_wait, wait_until
+from support.proxy import Proxy
 
 pytestmark = needs_criu
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, Node, Ticker
 from conftest import needs_criu
-from helpers import ROOT, STATEFUL, kill_and_wait, wait_until
+from support.cluster import Cluster, Node, Ticker
+from support.helpers import ROOT, STATEFUL, kill_and_wait, wait_until
 
 pytestmark = needs_criu
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agents import agent_config, node_of, serving
-from helpers import alive, kill_and_wait, wait_until
 from host.safefs import private_dir
+from support.agents import agent_config, node_of, serving
+from support.helpers import alive, kill_and_wait, wait_until
 from tpagent.common.config import AgentConfig
 from tpagent.daemon.client import GrpcPeer
 from tpagent.daemon.node import Node

@@ -16,11 +16,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster import Cluster, Node
 from conftest import needs_criu
-from helpers import ROOT
 from host import sockets
-from rankjob import FSDP_JOB, MESH_JOB, RUN, Job, steps
+from support.cluster import Cluster, Node
+from support.helpers import ROOT
+from support.rankjob import FSDP_JOB, MESH_JOB, RUN, Job, steps
 
 pytestmark = needs_criu
 

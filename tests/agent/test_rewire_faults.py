@@ -15,10 +15,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from cluster import Cluster
 from conftest import needs_criu
-from helpers import wait_until
-from rankjob import Job, steps
+from support.cluster import Cluster
+from support.helpers import wait_until
+from support.rankjob import Job, steps
 
 pytestmark = [needs_criu, pytest.mark.timeout(600)]
 

@@ -26,10 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster
 from conftest import needs_criu
 from host import gpus
-from rankjob import Job, _reference, serving
+from support.cluster import Cluster
+from support.rankjob import Job, _reference, serving
 
 HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
 pytestmark = [

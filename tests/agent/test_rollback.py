@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu
-from helpers import Workload, alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
 from snapshot.api import SnapshotConfig, SnapshotError, Stage
 from snapshot.dump import checkpoint
+from support.helpers import Workload, alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
 
 pytestmark = needs_criu
 
@@ -78,7 +78,7 @@ def test_failure_while_sealing_resumes_the_frozen_tree(start, tmp_path: Path, la
 def test_tcp_connection_survives_a_rolled_back_dump(tmp_path: Path) -> None:
     """CRIU locks the network and puts sockets in repair mode during a dump; its own rollback
     (not a bare SIGCONT) must give them back, or the connection would be dead after resume."""
-    from helpers import TcpEcho
+    from support.helpers import TcpEcho
 
     w = TcpEcho(tmp_path / "tcp.log").start()
     try:
@@ -96,7 +96,7 @@ def test_ctrl_c_during_dump(start, tmp_path: Path) -> None:  # type: ignore[no-u
     import signal
     import sys
 
-    from helpers import ROOT
+    from support.helpers import ROOT
 
     w = start(mib=768)
     out = tmp_path / "snap"

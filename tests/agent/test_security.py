@@ -21,14 +21,14 @@ import psutil
 import pytest
 from prometheus_client import REGISTRY
 
-from agents import agent_config, free_port, node_of, serving
-from certs import node_certs
 from conftest import needs_criu
-from helpers import ROOT, alive, assert_one_sentence_error, tpagent, wait_until
 from host.api import UsageError
 from host.safefs import private_dir
 from snapshot import criu, hook
 from snapshot.held import wait_released
+from support.agents import agent_config, free_port, node_of, serving
+from support.certs import node_certs
+from support.helpers import ROOT, alive, assert_one_sentence_error, tpagent, wait_until
 from tpagent.common.config import AgentConfig
 from tpagent.daemon import rpc
 from tpagent.daemon.client import GrpcPeer
@@ -202,9 +202,9 @@ def test_snapshot_files_are_root_only(start, tmp_path: Path) -> None:  # type: i
 def test_a_received_snapshot_is_root_only(tmp_path: Path, playground: Path) -> None:
     """The receiving side too, whatever the umask: the snapshot and its partial directory are
     0700 with files 0600; and it is never received into a directory of a user's."""
+    from support.transfer_support import Receiving, _send, digests, make_snapshot
     from transfer.api import TlsFiles, TransferError
     from transfer.tcp import TcpTransport
-    from transfer_support import Receiving, _send, digests, make_snapshot
 
     src = make_snapshot(tmp_path / "src", "random", 3)
     tls = TlsFiles.in_dir(node_certs(tmp_path, "n"))

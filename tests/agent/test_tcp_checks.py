@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, Node
 from conftest import needs_criu
-from helpers import ROOT, kill_and_wait, wait_until
+from support.cluster import Cluster, Node
+from support.helpers import ROOT, kill_and_wait, wait_until
 
 pytestmark = needs_criu
 PEER = ROOT / "tests" / "workloads" / "tcp_peer.py"
@@ -184,7 +184,7 @@ def test_a_name_a_copy_in_flight_will_bind_is_refused_to_a_second(tmp_path: Path
     """Two processes of two other nodes, each holding one name (a CUDA process's
     @cuda-uvmfd-NSINO-PID@), offered to one node at once: the second is refused while the first
     copy is in flight there (neither is bound there yet), and taken once the first is dropped."""
-    from agents import agent_config, node_of
+    from support.agents import agent_config, node_of
     from tpagent.migration.api import Offer
 
     node = node_of(agent_config(tmp_path, "C"))

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from certs import node_certs
 from conftest import needs_criu
-from helpers import ROOT, STATEFUL, kill_and_wait, wait_until
+from support.certs import node_certs
+from support.helpers import ROOT, STATEFUL, kill_and_wait, wait_until
 
 pytestmark = needs_criu
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, Node, Ticker
 from conftest import needs_criu
-from helpers import kill_and_wait, wait_until
 from snapshot.criu import Criu
+from support.cluster import Cluster, Node, Ticker
+from support.helpers import kill_and_wait, wait_until
 
 pytestmark = needs_criu
 GAUGES = ("tpagent_frozen_seconds", "tpagent_unresolved_migrations")

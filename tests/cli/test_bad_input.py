@@ -14,9 +14,9 @@ import psutil
 import pytest
 
 from conftest import needs_criu
-from helpers import alive, assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
 from host.api import UsageError
 from host.proc import wait_pids_free
+from support.helpers import alive, assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
 
 pytestmark = needs_criu
 
@@ -32,7 +32,7 @@ def _fake_old_criu(tmp_path: Path) -> Path:
 @pytest.fixture(scope="module")
 def snapshot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One real snapshot (of a short-lived workload) that the corruption tests copy and damage."""
-    from helpers import Workload
+    from support.helpers import Workload
 
     tmp = tmp_path_factory.mktemp("snap")
     w = Workload(tmp / "w.log", 16).start()

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from conftest import needs_criu
-from helpers import ROOT
+from support.helpers import ROOT
 
 
 def _run(*args: str) -> dict[str, object]:

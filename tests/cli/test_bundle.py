@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu
-from helpers import ROOT
+from support.helpers import ROOT
 
 pytestmark = [needs_criu, pytest.mark.timeout(600)]
 PY = f"{sys.version_info.major}.{sys.version_info.minor}"

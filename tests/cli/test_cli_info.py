@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from helpers import tpagent
 from host import gpus
+from support.helpers import tpagent
 
 
 def test_gpus_lists_this_nodes_gpus() -> None:

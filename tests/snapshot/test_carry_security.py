@@ -18,8 +18,8 @@ import psutil
 import pytest
 
 from conftest import needs_criu
-from helpers import Workload, alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
 from snapshot import restore
+from support.helpers import Workload, alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
 
 pytestmark = needs_criu
 

@@ -1,7 +1,7 @@
 """The CUDA calls around CRIU, in order, and their rollback (real CRIU; the driver faked).
 
 The workload maps a file named like the CUDA driver, so tpagent's real detection takes it
-for a CUDA process; the driver calls go to tests/fake_cuda.py.
+for a CUDA process; the driver calls go to tests/support/fake_cuda.py.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import psutil
 import pytest
 
 from conftest import needs_criu
-from fake_cuda import FakeCudaDriver
-from helpers import alive, assert_continuous, wait_until
 from host.api import UsageError
 from snapshot import restore
 from snapshot.api import CriuError, CudaError, DumpMode, SnapshotConfig, Stage
 from snapshot.cuda import CudaState
 from snapshot.dump import checkpoint
+from support.fake_cuda import FakeCudaDriver
+from support.helpers import alive, assert_continuous, wait_until
 
 pytestmark = needs_criu
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu
-from helpers import alive, kill_and_wait, wait_until
 from host import gpus
 from snapshot import restore
 from snapshot.api import Stage
 from snapshot.dump import checkpoint
+from support.helpers import alive, kill_and_wait, wait_until
 
 HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
 pytestmark = [needs_criu, pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine")]
@@ -101,7 +101,7 @@ def test_gpu_process_dump_restore_bit_exact(tmp_path: Path, gib: int) -> None:
 
 def _launch_hold(tmp_path: Path, gib: int) -> tuple[int, Path]:
     """gpu_hold.py under `tpagent launch`: the namespace's PID and the workload's log."""
-    from helpers import tpagent
+    from support.helpers import tpagent
 
     log = tmp_path / "gpu.log"
     proc = tpagent("launch", "--stdout", str(tmp_path / "gpu.out"), "--", sys.executable, str(HOLD), str(log), str(gib))
@@ -110,7 +110,7 @@ def _launch_hold(tmp_path: Path, gib: int) -> tuple[int, Path]:
 
 
 def test_gpu_process_in_launched_namespace(tmp_path: Path) -> None:
-    from helpers import tpagent
+    from support.helpers import tpagent
 
     root, log = _launch_hold(tmp_path, 1)
     try:
@@ -141,7 +141,7 @@ def test_gpu_process_migrates_between_two_agents(tmp_path: Path) -> None:
 
     import psutil
 
-    from cluster import Cluster
+    from support.cluster import Cluster
 
     c = Cluster(tmp_path, ["A", "B"])
     root = 0

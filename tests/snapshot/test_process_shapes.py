@@ -14,10 +14,10 @@ import psutil
 import pytest
 
 from conftest import needs_criu
-from helpers import STATEFUL, alive, assert_continuous, kill_and_wait, tpagent, wait_until
 from snapshot import restore
 from snapshot.api import DumpMode, SnapshotConfig, SnapshotError, Stage
 from snapshot.dump import checkpoint
+from support.helpers import STATEFUL, alive, assert_continuous, kill_and_wait, tpagent, wait_until
 
 pytestmark = needs_criu
 
@@ -122,7 +122,7 @@ def test_a_worker_exiting_as_the_tree_is_frozen_is_retried(loops, tmp_path: Path
 
 def test_the_cli_dump_retries_and_says_so(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """`tpagent dump` goes through the same retry, and says on stderr why it waits."""
-    from helpers import ROOT
+    from support.helpers import ROOT
 
     hold = tmp_path / "hold"
     hold.touch()

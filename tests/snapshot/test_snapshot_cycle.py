@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu
-from helpers import (
+from support.helpers import (
     ROOT,
     Workload,
     alive,
@@ -173,7 +173,7 @@ def test_leave_running_namespace_is_not_restored_twice(start, tmp_path: Path) ->
 
 def test_established_tcp_connection_survives(tmp_path: Path) -> None:
     """CRIU < 4.2 cannot dump TCP sockets on these kernels; with 4.2 the connection lives on."""
-    from helpers import TcpEcho
+    from support.helpers import TcpEcho
 
     w = TcpEcho(tmp_path / "tcp.log").start()
     try:
@@ -241,7 +241,7 @@ def test_leave_stopped(start, tmp_path: Path) -> None:  # type: ignore[no-untype
 def test_carried_file_that_cannot_be_put_back(workloads, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The node has a file where the carried file's directory must be: one sentence, nothing
     started, nothing half-written; once the path is free the same snapshot restores."""
-    from helpers import Workload
+    from support.helpers import Workload
 
     w = Workload(tmp_path / "logs" / "w.log", 16, launched=True)
     w.log.parent.mkdir()

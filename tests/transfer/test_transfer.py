@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from certs import node_certs
-from proxy import Proxy
 from snapshot.manifest import checksum_files, load
+from support.certs import node_certs
+from support.proxy import Proxy
+from support.transfer_support import SECRET, Receiving, _send, digests, make_snapshot
 from transfer.api import (
     AuthError,
     Channel,
@@ -35,7 +36,6 @@ from transfer.receiver import Receiver
 from transfer.sender import Sender
 from transfer.tcp import TcpTransport
 from transfer.ucx import UcxTransport
-from transfer_support import SECRET, Receiving, _send, digests, make_snapshot
 
 os.environ.setdefault("UCX_TLS", "tcp")  # no RDMA hardware here: UCX's own TCP transport
 TRANSPORTS = ["tcp", "tcp+tls", "ucx"]
@@ -312,7 +312,7 @@ def test_receiver_killed_mid_transfer(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from helpers import ROOT, tpagent
+    from support.helpers import ROOT, tpagent
 
     src = make_snapshot(tmp_path / "src", "random", 48)
     secret = tmp_path / "secret"

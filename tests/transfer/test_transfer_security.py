@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,16 +21,16 @@ import psutil
 import pytest
 from test_transfer import _target, trickle
 
-from certs import node_certs
-from helpers import wait_until
 from host.api import UsageError
-from proxy import Proxy
+from support.certs import node_certs
+from support.helpers import wait_until
+from support.proxy import Proxy
+from support.transfer_support import SECRET, Receiving, _send, digests, make_snapshot
 from transfer.api import AuthError, TlsFiles, TransferConfig, TransferError, TransferStats, Transport
 from transfer.sender import Sender
 from transfer.tcp import TcpTransport
-from transfer_support import SECRET, Receiving, _send, digests, make_snapshot
 
-TRICKLE = Path(__file__).resolve().parent.parent / "trickle_peer.py"
+TRICKLE = Path(__file__).resolve().parent.parent / "attackers" / "trickle_peer.py"
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def strangers() -> Iterator[list[subprocess.Popen[str]]]:
 def _trickle(
     started: list[subprocess.Popen[str]], address: tuple[str, int], per_source: int, sources: list[str]
 ) -> None:
-    """tests/trickle_peer.py, as user nobody: connections that trickle a byte every 0.5 s."""
+    """tests/attackers/trickle_peer.py, as user nobody: connections that trickle a byte every 0.5 s."""
     cmd = [
         "setpriv",
         "--reuid=nobody",
@@ -200,6 +201,35 @@ def test_a_stranger_that_never_finishes_tls_is_cut_off(
     _send(TcpTransport(tls=certs["sender"]), src, rx.receiver.address)
     assert isinstance(rx.join(), TransferStats)
     assert digests(tmp_path / "dst") == digests(src)
+    assert rx.refused == ["handshake_timeout"]
+
+
+def test_a_stranger_whose_handshake_times_out_as_its_deadline_passes_is_refused_once(
+    tmp_path: Path, certs: dict[str, TlsFiles], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two deadlines can end a stranger's handshake: its reads' (io_timeout) and the gate's
+    (HANDSHAKE_TIMEOUT), which the receiver's loop sweeps.  Here the read's comes first (0.5 s)
+    and the receiver is slow to let the connection go (its callback takes 2 s, as a thread may
+    on a busy machine) while the gate's passes (1.5 s): one connection, one refusal, one reason
+    (CI once counted ['handshake_timeout', 'handshake_timeout'] for one stranger)."""
+    from transfer import receiver
+
+    monkeypatch.setattr(receiver, "HANDSHAKE_TIMEOUT", 1.5)
+    calls: list[str] = []
+
+    def slow(reason: str) -> None:
+        calls.append(reason)
+        if len(calls) == 1:  # (the first: in the connection's own thread, which then lets it go)
+            time.sleep(2.0)
+
+    rx = Receiving(TcpTransport(tls=certs["receiver"]), tmp_path / "dst", timeout=4, io_timeout=0.5, on_refused=slow)
+    with socket.create_connection(_target(rx)) as s:
+        s.sendall(b"\x16\x03\x01\x40\x00")  # a TLS handshake record of 16 KiB whose body never comes
+        s.settimeout(30)
+        with contextlib.suppress(OSError):
+            while s.recv(4096):  # until the receiver closes it
+                pass
+    assert isinstance(rx.join(), TransferError)  # (no sender came)
     assert rx.refused == ["handshake_timeout"]
 
 

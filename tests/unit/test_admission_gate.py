@@ -127,6 +127,22 @@ def test_refuse_records_the_first_reason_only(connect: Connect) -> None:
     assert gate.refuse(second, Refusal.TLS_FAILED) is True and second.refused is Refusal.TLS_FAILED
 
 
+def test_a_stranger_refused_for_its_handshake_is_refused_once(connect: Connect) -> None:
+    """Its handshake failed (a read timed out at its deadline, say), and the receiver has not
+    let it go yet: neither the gate's deadline passing meanwhile nor a newcomer that needs its
+    place refuses it a second time.  One connection, one refusal, one reason."""
+    gate = Gate(strangers=1, per_host=1, members=1)
+    late, _ = gate.admit(connect("127.0.0.2"))
+    late.since -= 60  # (past the deadline too)
+    assert gate.refuse(late, Refusal.HANDSHAKE_TIMEOUT) is True
+    assert gate.expired(timeout=30) == []
+    newcomer, evicted = gate.admit(connect("127.0.0.2"))
+    assert evicted is None and newcomer.refused is None
+    assert gate.refuse(late, Refusal.HANDSHAKE_FAILED) is False and late.refused is Refusal.HANDSHAKE_TIMEOUT
+    gate.release(late)  # (the receiver lets it go: nothing more to say)
+    assert gate.promote(newcomer) is True
+
+
 def test_close_hands_back_every_open_connection_and_ends_refusals(connect: Connect) -> None:
     gate = Gate(strangers=5, per_host=5, members=5)
     stranger, _ = gate.admit(connect("127.0.0.2"))

@@ -1,18 +1,13 @@
 """The agent layer's contract (tpagent/migration/api.py, tpagent/migration/journal.py), without root: the two
-transition tables, the journal's format and its refusals, the timeouts' invariants, and the
-held copy's wait for its source (tpagent/migration/target.py) against an in-memory source."""
+transition tables, the journal's format and its refusals, the timeouts' invariants.  (The held
+copy's wait for its source, which takes seconds and real processes: tests/agent/test_held_copy.py.)"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import threading
-import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from protocol_fakes import sleeper, unit_context, wait
 
 from host.api import UsageError
 from tpagent.common.config import TIMEOUT_KEYS, Timeouts, load
@@ -21,24 +16,13 @@ from tpagent.migration.api import (
     SOURCE_TRANSITIONS,
     TARGET_FINAL,
     TARGET_TRANSITIONS,
-    Acceptance,
     BadTransition,
     JournalError,
-    Offer,
-    Peer,
-    PeerStatus,
-    PeerUnreachable,
-    Refused,
-    Restored,
     Role,
     SourceState,
     TargetState,
-    Versions,
-    Why,
 )
-from tpagent.migration.context import Context
-from tpagent.migration.journal import FORMAT, Journal, Record, note_process
-from tpagent.migration.target import await_source, confirm_held, finish_held, settle, watch_copy
+from tpagent.migration.journal import FORMAT, Journal, Record
 
 S, T = SourceState, TargetState
 
@@ -162,121 +146,3 @@ def test_the_configuration_checks_its_timeouts_at_load(tmp_path: Path) -> None:
     assert load(env={"TPAGENT_SECRET_FILE": "/s", "TPAGENT_TAKEOVER_AFTER": "0"}).timeouts.takeover_after == 0
     with pytest.raises(UsageError, match="io_timeout .* must be shorter than hold_timeout"):
         load(env={"TPAGENT_SECRET_FILE": "/s", "TPAGENT_IO_TIMEOUT": "90", "TPAGENT_HOLD_TIMEOUT": "60"})
-
-
-class _Source(Peer):
-    """A source agent in memory, for a held copy that asks it: reachable or not."""
-
-    def __init__(self) -> None:
-        self.address = "source.test:7400"
-        self.answer: str | None = "committing"  # None: unreachable; "refuse": answers no
-        self.asked = 0
-
-    def status(self, migration_id: str, timeout: float) -> PeerStatus:
-        self.asked += 1
-        if self.answer is None:
-            raise PeerUnreachable("unavailable")
-        if self.answer == "refuse":
-            raise Refused("refused the call: a stale timestamp", Why.UNAUTHENTICATED)
-        return PeerStatus(migration_id, self.answer)
-
-    def receive(self, offer: Offer, timeout: float) -> Acceptance:
-        raise AssertionError("a target never asks this")
-
-    def restore(self, migration_id: str, timeout: float) -> Restored:
-        raise AssertionError("a target never asks this")
-
-    def finish(self, migration_id: str, commit: bool, timeout: float, confirmed: bool = False) -> PeerStatus:
-        raise AssertionError("a target never asks this")
-
-    def versions(self, timeout: float) -> Versions:
-        raise AssertionError("a target never asks this")
-
-
-def _held(tmp_path: Path, source: _Source) -> tuple[object, list[tuple[str, bool, str]], threading.Thread]:
-    ctx = unit_context(tmp_path, source, rpc_timeout=0.1, takeover_after=1.0)
-    mid = "a" * 32
-    ctx.journal.write(Record(mid, Role.TARGET, T.READY, pid=1, peer="source", peer_agent=source.address))
-    decided: list[tuple[str, bool, str]] = []
-    t = threading.Thread(target=await_source, args=(ctx, mid, lambda *a: decided.append(a)), daemon=True)
-    t.start()
-    return ctx, decided, t
-
-
-def test_a_held_copy_waits_for_a_source_that_answers(tmp_path: Path) -> None:
-    source = _Source()
-    source.answer = "refuse"  # an answer, even a refusal, comes from an agent that is there
-    ctx, decided, t = _held(tmp_path, source)
-    assert wait(lambda: source.asked >= 8, 10) and not decided
-    ctx.threads.stopping.set()  # (an agent shutting down: the waiter returns, the journal keeps READY)
-    t.join(5)
-    assert not t.is_alive() and not decided
-
-
-def test_a_held_copy_starts_once_its_source_is_unreachable_for_takeover_after(tmp_path: Path) -> None:
-    source = _Source()
-    source.answer = None
-    _, decided, t = _held(tmp_path, source)
-    t.join(10)
-    assert decided and decided[0][:2] == ("a" * 32, True) and "unreachable for 1 s" in decided[0][2]
-
-
-def _running_held(tmp_path: Path, hold: float) -> tuple[Context, Record, subprocess.Popen[bytes], threading.Thread]:
-    """A started copy (a real process) that its source holds for its word (Offer.hold), watched."""
-    ctx = unit_context(tmp_path, _Source(), confirm_period=0.2)
-    copy = sleeper()
-    mid = "b" * 32
-    r = Record(mid, Role.TARGET, T.CONFIRMING, peer="source", snapshot=str(ctx.cfg.work_dir / mid), hold=hold)
-    note_process(r, copy.pid)
-    ctx.journal.write(r)
-
-    def settled(mid: str, ran: bool, why: str) -> None:
-        now = ctx.journal.read(mid)
-        assert now is not None
-        settle(ctx, now, ran, why)
-
-    t = threading.Thread(target=watch_copy, args=(ctx, replace(r), settled), daemon=True)
-    t.start()
-    return ctx, r, copy, t
-
-
-def _state(ctx: Context, mid: str) -> T:
-    r = ctx.journal.read(mid)
-    assert r is not None and isinstance(r.state, T)
-    return r.state
-
-
-def test_a_held_copy_is_final_only_once_its_source_confirms_it(tmp_path: Path) -> None:
-    """A rank's copy outlives the confirmation period unconfirmed (its job's communicators are
-    still being built): it stays CONFIRMING, then DONE on the source's word, and runs on."""
-    ctx, r, copy, t = _running_held(tmp_path, hold=60)
-    try:
-        time.sleep(1.0)  # five confirmation periods
-        assert _state(ctx, r.migration_id) is T.CONFIRMING
-        now = ctx.journal.read(r.migration_id)
-        assert now is not None
-        confirm_held(ctx, now, "confirmed by the source")
-        assert _state(ctx, r.migration_id) is T.DONE and copy.poll() is None
-        t.join(5)
-        assert not t.is_alive(), "the watcher goes once the source decided"
-    finally:
-        copy.kill()
-        copy.wait()
-
-
-def test_a_held_copy_the_source_drops_is_killed_and_one_it_never_confirms_is_final_after_hold(tmp_path: Path) -> None:
-    ctx, r, copy, _ = _running_held(tmp_path, hold=60)
-    now = ctx.journal.read(r.migration_id)
-    assert now is not None
-    finish_held(ctx, now, False, "the job's communicators could not be built with it", lambda *a: None)
-    assert _state(ctx, r.migration_id) is T.DISCARDED
-    assert copy.wait(5) is not None, "a dropped copy must not run on"
-    (tmp_path / "2").mkdir()
-    ctx, r, copy, t = _running_held(tmp_path / "2", hold=1.0)
-    try:
-        t.join(10)
-        assert _state(ctx, r.migration_id) is T.DONE and copy.poll() is None
-        assert "no word from the source for 1 s" in (ctx.journal.read(r.migration_id) or r).message
-    finally:
-        copy.kill()
-        copy.wait()

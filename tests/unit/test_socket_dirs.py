@@ -1,45 +1,23 @@
-"""Where a process's unix sockets are bound, and the directories a restore makes for them on
-another node (:func:`host.sockets.unix_bound`, the hook's ``_dirs_to``,
-:func:`host.safefs.make_dir`).  As whoever runs them (the unit tier: nobody; the suite: root)."""
+"""The directories a restore makes for a process's unix sockets on another node (the hook's
+``_dirs_to``, :func:`host.safefs.make_dir`), and the socket files it removes.  As whoever runs
+them (the unit tier: nobody).  Root's own branches: tests/host/test_socket_dirs_as_root.py; the
+sockets a real process has bound: tests/host/test_process_sockets.py."""
 
 from __future__ import annotations
 
 import os
 import socket
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from host import safefs, sockets
+from host import safefs
 from host.api import UsageError
 from snapshot import hook
 from snapshot.manifest import BoundSocket, MadeDir
 
 NOBODY = 65534
-
-
-def test_a_process_s_bound_sockets_are_found_and_its_abstract_or_unbound_ones_are_not(tmp_path: Path) -> None:
-    path = tmp_path / "run dir" / "app.sock"  # (a space in a path, as /proc/net/unix shows it)
-    path.parent.mkdir()
-    code = (
-        "import socket, sys\n"
-        "a = socket.socket(socket.AF_UNIX); a.bind(sys.argv[1]); a.listen()\n"
-        "b = socket.socket(socket.AF_UNIX); b.bind('\\0tpagent-test-abstract'); b.listen()\n"
-        "c, d = socket.socketpair()\n"
-        "print('ready', flush=True); sys.stdin.read()\n"
-    )
-    with subprocess.Popen(
-        [sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    ) as p:
-        try:
-            assert p.stdout is not None and p.stdout.readline() == "ready\n"
-            assert sockets.unix_bound([p.pid]) == [str(path)]
-            assert sockets.unix_bound([os.getpid()]) == []  # (another process's socket is not this one's)
-        finally:
-            p.kill()
 
 
 def test_the_directories_on_the_way_are_listed_parents_first_as_they_are(tmp_path: Path) -> None:
@@ -59,18 +37,6 @@ def test_a_path_through_a_symlink_gets_no_directories(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     assert hook._dirs_to([(str(tmp_path / "link" / "app.sock"), os.geteuid())]) == []
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a directory to another user")
-def test_only_the_directories_of_the_socket_s_owner_are_listed(tmp_path: Path) -> None:
-    """Root's directories on the way (/tmp, say) are every node's: a restore makes none of them
-    on a user's behalf."""
-    users = tmp_path / "shared" / "pymp-f"
-    users.mkdir(parents=True)
-    os.chmod(users, 0o755)  # (whatever the umask)
-    os.chown(users, NOBODY, NOBODY)
-    found = hook._dirs_to([(str(users / "listener"), NOBODY)])
-    assert found == [MadeDir(str(users), NOBODY, NOBODY, 0o755)]
 
 
 def test_a_missing_directory_is_made_private_then_handed_over_and_one_there_is_left_as_it_is(tmp_path: Path) -> None:
@@ -119,49 +85,6 @@ def test_a_directory_of_a_user_on_the_way_is_refused(tmp_path: Path, monkeypatch
     with pytest.raises(UsageError, match=rf"belongs to UID {uid}, who could change the way"):
         safefs.check_socket_path(users / "pymp-x" / "listener", uid)
     safefs.check_socket_path(users / "pymp-x" / "listener", 0)  # (root's own socket: root's affair)
-
-
-@pytest.fixture
-def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A directory of root's, 0755, under /tmp (sticky; fs.protected_symlinks taken as on)."""
-    if os.geteuid() != 0:
-        pytest.skip("only root has directories of root's to make")
-    monkeypatch.setattr(safefs, "_protected_symlinks", lambda: True)
-    d = tmp_path / "roots"
-    d.mkdir(mode=0o755)
-    for at in [d, *d.parents]:
-        if at.stat().st_uid == 0 and at.stat().st_mode & 0o022 and not at.stat().st_mode & stat.S_ISVTX:
-            pytest.skip(f"{at} may be written by others")
-    return d
-
-
-def test_a_way_of_root_s_directories_is_taken_and_a_socket_of_another_user_there_never_replaced(roots: Path) -> None:
-    """... and CRIU, as root, removes a socket file it finds where it binds one: a restore is
-    refused first when that file is someone else's (a user's process bound /tmp/.X11-unix/X0 on
-    its node; on this one, that is the display's)."""
-    safefs.check_socket_path(roots / "pymp-y" / "listener", NOBODY)  # (missing: made root's)
-    safefs.check_socket_path(roots / "app.sock", NOBODY)  # (nothing there)
-    theirs = roots / "theirs.sock"
-    _socket_file(theirs)
-    with pytest.raises(UsageError, match=r"is a socket of UID 0 on this node, where the process \(UID 65534\)"):
-        safefs.check_socket_path(theirs, NOBODY)
-    assert theirs.exists()
-    safefs.check_socket_path(theirs, 0)
-
-
-def test_a_world_writable_way_needs_the_sticky_bit_and_protected_symlinks(
-    roots: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    open_ = roots / "open"
-    open_.mkdir()
-    os.chmod(open_, 0o777)
-    with pytest.raises(UsageError, match="may be written by other users"):
-        safefs.check_socket_path(open_ / "app.sock", NOBODY)
-    os.chmod(open_, 0o1777)
-    safefs.check_socket_path(open_ / "app.sock", NOBODY)
-    monkeypatch.setattr(safefs, "_protected_symlinks", lambda: False)
-    with pytest.raises(UsageError, match="fs.protected_symlinks is off"):
-        safefs.check_socket_path(open_ / "app.sock", NOBODY)
 
 
 def test_only_a_socket_of_its_owner_is_removed(tmp_path: Path) -> None:

@@ -1,58 +1,13 @@
-"""host/sockets.py on this test's own sockets: what a process tree holds, what stays behind,
-what only a target can judge (real sockets, read back from /proc)."""
+"""host/sockets.py on this test's own sockets: what only a target can judge, abstract names
+(real sockets, read back from /proc).  What a process tree holds beside a loopback peer in
+another process: tests/host/test_process_sockets.py."""
 
 from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
-from collections.abc import Iterator
-
-import pytest
 
 from host import sockets
-
-_SERVER = (
-    "import socket,sys,time; s=socket.create_server(('127.0.0.1',0)); print(s.getsockname()[1], flush=True); "
-    "c,_=s.accept(); time.sleep(60)"
-)
-
-
-@pytest.fixture
-def outside() -> Iterator[int]:
-    """The port of a loopback server in another process (outside "the tree": this process)."""
-    with subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True) as p:
-        assert p.stdout is not None
-        yield int(p.stdout.readline())
-        p.kill()
-
-
-def test_both_ends_in_the_tree_stay_together_and_a_loopback_peer_outside_is_named(outside: int) -> None:
-    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as client:
-        accepted, _ = server.accept()
-        lone = socket.create_connection(("127.0.0.1", outside))
-        try:
-            port, near, far = server.getsockname()[1], client.getsockname()[1], lone.getsockname()[1]
-            # (only this test's sockets: earlier tests of the session may have left theirs open)
-            held = [s for s in sockets.tree_tcp([os.getpid()]) if {s.local[1], s.remote[1]} & {port, near, far}]
-            assert sorted(s.name for s in held) == sorted(
-                [
-                    f"127.0.0.1:{port} (listening)",
-                    f"127.0.0.1:{near} -> 127.0.0.1:{port}",
-                    f"127.0.0.1:{port} -> 127.0.0.1:{near}",
-                    f"127.0.0.1:{far} -> 127.0.0.1:{outside}",
-                ]
-            )
-            behind = sockets.left_behind(held)
-            assert len(behind) == 1 and f"127.0.0.1:{far} -> 127.0.0.1:{outside}" in behind[0]
-            # loopback connections need nothing of the target; the listener needs its port free there
-            assert [s.name for s in sockets.must_check_on_target(held)] == [f"127.0.0.1:{port} (listening)"]
-            taken = sockets.unusable_here("node-b", [(f"0.0.0.0:{port}", "")])  # (here: this machine)
-            assert len(taken) == 1 and f"needs port {port}, which is taken on node-b" in taken[0]
-        finally:
-            accepted.close()
-            lone.close()
 
 
 def test_an_address_the_node_lacks_is_named_and_garbage_is_refused_in_words() -> None:

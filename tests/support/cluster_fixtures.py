@@ -1,4 +1,4 @@
-"""The fixtures of the tests that run agents on "nodes" (tests/cluster.py), for every test
+"""The fixtures of the tests that run agents on "nodes" (tests/support/cluster.py), for every test
 module (a plugin named in tests/conftest.py): ``cluster`` (nodes A, B, C, each with its agent
 serving) and ``ticker`` (tests/workloads/stateful.py launched on A)."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster import Cluster, Ticker
-from helpers import kill_and_wait
+from support.cluster import Cluster, Ticker
+from support.helpers import kill_and_wait
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from helpers import ROOT
+from support.helpers import ROOT
 
 MAKE_CERTS = ROOT / "scripts" / "make-certs.sh"
 

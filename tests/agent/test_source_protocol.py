@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from protocol_fakes import FakeHeldDump, FakeTarget, sleeper, unit_context, wait
 
+from support.protocol_fakes import FakeHeldDump, FakeTarget, sleeper, unit_context, wait
 from tpagent.migration.api import Outcome, Role, SourceState, TargetState, allowed
 from tpagent.migration.journal import Journal, Record
 from tpagent.migration.resolve import resolve_source

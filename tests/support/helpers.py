@@ -15,8 +15,8 @@ import psutil
 
 from host.proc import alive
 
-ROOT = Path(__file__).resolve().parent.parent
-STATEFUL = Path(__file__).resolve().parent / "workloads" / "stateful.py"
+ROOT = Path(__file__).resolve().parents[2]
+STATEFUL = ROOT / "tests" / "workloads" / "stateful.py"
 _TICK = re.compile(r"^tick (\d+) counter (\d+) piped (\d+)$")
 
 

@@ -7,7 +7,7 @@ import socket
 import threading
 from pathlib import Path
 
-from certs import node_certs
+from support.certs import node_certs
 from tpagent.common.config import AgentConfig
 from tpagent.daemon.node import Node
 from tpagent.daemon.serve import context, serve

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -68,14 +69,23 @@ class Receiving:
         secret: bytes = SECRET,
         io_timeout: float = 10,
         listen: str = "127.0.0.1:0",
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_refused``: called after each refusal is noted in ``refused`` (in the receiver's
+        thread that refused it, as the agent's metrics are)."""
         self.refused: list[str] = []  # what on_refused was called with, in order
+        self._on_refused = on_refused
         self.receiver = Receiver(
-            transport, TransferConfig(secret=secret, io_timeout=io_timeout), listen, on_refused=self.refused.append
+            transport, TransferConfig(secret=secret, io_timeout=io_timeout), listen, on_refused=self._refusal
         )
         self.result: TransferStats | BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(out, timeout), daemon=True)
         self.thread.start()
+
+    def _refusal(self, reason: str) -> None:
+        self.refused.append(reason)
+        if self._on_refused is not None:
+            self._on_refused(reason)
 
     def _run(self, out: Path, timeout: float) -> None:
         try:

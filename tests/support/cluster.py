@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 
-from certs import node_certs
-from helpers import ROOT, STATEFUL, wait_until
+from support.certs import node_certs
+from support.helpers import ROOT, STATEFUL, wait_until
 
 
 def ip(*args: str) -> None:

@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import psutil
 import pytest
 
-from cluster import Cluster
-from helpers import ROOT, wait_until
+from support.cluster import Cluster
+from support.helpers import ROOT, wait_until
 from tpagent.common.credentials import Credentials
 from tpagent.daemon.client import GrpcPeer
 from tpagent_rank import protocol as P
