@@ -32,7 +32,7 @@ from host.api import UsageError
 log = logging.getLogger(__name__)
 
 PRIVATE = 0o700
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _changeable_by_others(st: os.stat_result) -> bool:
@@ -68,7 +68,7 @@ def _open_private_dir(at: Path, path: Path, empty: bool, created: bool, dir_fd: 
     written to (that ``created`` says we just made), and empty if ``empty``; its mode is
     made 0700 if it was looser."""
     try:
-        fd = os.open(at.name, _DIR_FLAGS, dir_fd=dir_fd)
+        fd = os.open(at.name, DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.ENOTDIR, errno.ELOOP):
             raise UsageError(f"{at} exists and is not a directory; give a new directory.") from e
@@ -98,7 +98,7 @@ def private_dir(path: Path, empty: bool = False, create: bool = True) -> Path:
     theirs in between.  ``create`` False: only check what exists (a refusal before anything
     is done).  Returns the path, made absolute, root's symlinks resolved."""
     real = _trusted_realpath(Path(os.path.abspath(path)))
-    fd = os.open("/", _DIR_FLAGS)
+    fd = os.open("/", DIR_FLAGS)
     try:
         at = Path("/")
         for i, name in enumerate(real.parts[1:], start=1):
@@ -121,7 +121,7 @@ def private_dir(path: Path, empty: bool = False, create: bool = True) -> Path:
                 child = _open_private_dir(at, real, empty and last, made, fd)
             else:
                 try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                    child = os.open(name, DIR_FLAGS, dir_fd=fd)
                 except OSError as e:
                     raise UsageError(
                         f"{at} is not a directory (or is a symlink); give a path through real directories."
@@ -214,7 +214,7 @@ def _symlink_refused(at: Path, path: Path) -> UsageError:
     )
 
 
-def _step_failed(e: OSError, dir_fd: int, name: str, at: Path, path: Path, exists: OSError | None) -> Exception:
+def step_failed(e: OSError, dir_fd: int, name: str, at: Path, path: Path, exists: OSError | None) -> Exception:
     """The error for a component ``name`` that O_NOFOLLOW|O_DIRECTORY would not open."""
     if e.errno in (errno.ENOTDIR, errno.ELOOP):
         try:
@@ -234,7 +234,7 @@ def open_dir(path: Path, created: list[Path] | None = None, to: Path | None = No
     Without ``created`` a missing component raises FileNotFoundError; with it, each missing
     one is made as root's ``mkdir -p`` would (owned by us, mode 755, never by a user) and
     appended to it."""
-    fd = os.open("/", _DIR_FLAGS)
+    fd = os.open("/", DIR_FLAGS)
     at = Path("/")
     try:
         for name in path.parts[1:]:
@@ -254,9 +254,9 @@ def open_dir(path: Path, created: list[Path] | None = None, to: Path | None = No
                     made = True
                     created.append(at)
             try:
-                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                child = os.open(name, DIR_FLAGS, dir_fd=fd)
             except OSError as e:
-                raise _step_failed(e, fd, name, at, to or path, exists) from e
+                raise step_failed(e, fd, name, at, to or path, exists) from e
             os.close(fd)
             fd = child
             if made:
@@ -446,121 +446,3 @@ def hand_over(path: Path, uid: int, gid: int, mode: int) -> None:
         os.fchmod(fd, mode & 0o1777)
     finally:
         os.close(fd)
-
-
-def _protected_symlinks() -> bool:
-    try:
-        return Path("/proc/sys/fs/protected_symlinks").read_text().strip() == "1"
-    except OSError:
-        return False
-
-
-def _way_refused(st: os.stat_result, at: Path, path: Path) -> UsageError | None:
-    if st.st_uid != 0:
-        return UsageError(
-            f"{at}, on the way to the socket {path}, belongs to UID {st.st_uid}, who could change the way while CRIU "
-            "binds the socket there as root; if it is a stale one (a copy of the process ran here), remove it."
-        )
-    if st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and _protected_symlinks()):
-        return UsageError(
-            f"{at}, on the way to the socket {path}, may be written by other users (not sticky, or "
-            "fs.protected_symlinks is off), who could change the way while CRIU binds the socket there as root."
-        )
-    return None
-
-
-def check_socket_path(path: Path, uid: int) -> None:
-    """Refuse a restore in which CRIU, as root and by name, would bind a socket of ``uid`` at
-    ``path`` (removing a socket file it finds there, then giving the new one its owner and
-    mode) where anyone but root could change the way meanwhile: each directory on the way that
-    exists must be root's, and one that others may write in sticky with fs.protected_symlinks
-    on (/tmp); those missing are made root's until CRIU is done (:func:`make_dir`).  Nor may a
-    socket of another user be at ``path``.  A socket of root's is root's affair: not checked."""
-    if uid == 0:
-        return
-    fd = os.open("/", _DIR_FLAGS)
-    at = Path("/")
-    try:
-        for name in path.parts[1:-1]:
-            refused = _way_refused(os.fstat(fd), at, path)
-            if refused is not None:
-                raise refused
-            at = at / name
-            try:
-                child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                return  # (the rest is made, root's while CRIU binds)
-            except OSError as e:
-                raise _step_failed(e, fd, name, at, path, None) from e
-            os.close(fd)
-            fd = child
-        refused = _way_refused(os.fstat(fd), at, path)
-        if refused is not None:
-            raise refused
-        try:
-            st = os.stat(path.name, dir_fd=fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return
-    finally:
-        os.close(fd)
-    if stat.S_ISSOCK(st.st_mode) and st.st_uid != uid:
-        raise UsageError(
-            f"{path} is a socket of UID {st.st_uid} on this node, where the process (UID {uid}) had a socket of its "
-            "own; restoring it would replace that one, so it is not restored here."
-        )
-
-
-def remove_socket(path: Path, uid: int, ident: tuple[int, int, int] | None = None) -> bool:
-    """Remove the socket file ``path`` (reached through no symlink) if it is one of ``uid``'s
-    (and, given ``ident``, that very file: its device, inode and change time, as an inode
-    number is soon reused)."""
-    return _remove_if(
-        path,
-        lambda st: (
-            stat.S_ISSOCK(st.st_mode) and st.st_uid == uid and ident in (None, (st.st_dev, st.st_ino, st.st_ctime_ns))
-        ),
-    )
-
-
-def remove_same(path: Path, ident: tuple[int, int, int]) -> bool:
-    """Remove ``path`` (a file, a socket, an empty directory; reached through no symlink) if it
-    is that very one: its device, inode and owner."""
-    return path.is_absolute() and _remove_if(path, lambda st: (st.st_dev, st.st_ino, st.st_uid) == ident)
-
-
-def _remove_if(path: Path, wanted: Callable[[os.stat_result], bool]) -> bool:
-    """Remove ``path`` (reached through no symlink) if its lstat is ``wanted``; whether it did
-    (not: gone, another file, a directory not empty)."""
-    try:
-        parent = open_dir(path.parent, to=path)
-    except (FileNotFoundError, UsageError):
-        return False
-    try:
-        st = os.stat(path.name, dir_fd=parent, follow_symlinks=False)
-        if not wanted(st):
-            return False
-        if stat.S_ISDIR(st.st_mode):
-            os.rmdir(path.name, dir_fd=parent)
-        else:
-            os.unlink(path.name, dir_fd=parent)
-        return True
-    except FileNotFoundError:
-        return False
-    except OSError as e:
-        if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            return False
-        raise
-    finally:
-        os.close(parent)
-
-
-def remove(path: Path) -> None:
-    """Remove the file or (empty) directory ``path`` without following any symlink to it."""
-    parent = open_dir(path.parent)
-    try:
-        try:
-            os.unlink(path.name, dir_fd=parent)
-        except IsADirectoryError:
-            os.rmdir(path.name, dir_fd=parent)
-    finally:
-        os.close(parent)

@@ -334,7 +334,7 @@ def _packed(node: ast.AST) -> bool:
     targets, value = node.targets[0].elts, node.value
     if not isinstance(value, ast.Tuple) or len(value.elts) != len(targets) or len(targets) < 2:
         return False
-    return sorted(map(ast.dump, targets)) != sorted(map(ast.dump, value.elts))
+    return sorted(map(ast.unparse, targets)) != sorted(map(ast.unparse, value.elts))
 
 
 def shape_problems(modules: dict[str, Module]) -> list[str]:

@@ -27,7 +27,7 @@ import logging
 import os
 from pathlib import Path
 
-from host import paths, safefs
+from host import paths, safefs, userdirs
 from host.safefs import private_dir, private_opener
 from snapshot import manifest
 from snapshot.api import SnapshotError
@@ -91,10 +91,10 @@ def clear_sockets(snapshot: Path) -> list[str]:
     except SnapshotError:
         return []
     # (that very file only: on a path all nodes share, the copy's socket is there now)
-    removed = [b.path for b in m.sockets if safefs.remove_socket(Path(b.path), b.uid, (b.dev, b.ino, b.ctime_ns))]
+    removed = [b.path for b in m.sockets if userdirs.remove_socket(Path(b.path), b.uid, (b.dev, b.ino, b.ctime_ns))]
     for d in sorted(m.dirs, key=lambda d: -d.path.count("/")):
         with contextlib.suppress(OSError, SnapshotError):  # (not empty, or gone: left as it is)
-            safefs.remove(Path(d.path))
+            userdirs.remove(Path(d.path))
             removed.append(d.path)
     return removed
 

@@ -19,7 +19,7 @@ import stat
 import tarfile
 from pathlib import Path
 
-from host import proc, safefs
+from host import proc, safefs, userdirs
 from host.safefs import private_opener
 from snapshot import leftovers, manifest
 from snapshot.api import SnapshotError, SnapshotInvalid, ToolError
@@ -36,7 +36,7 @@ def put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
     belong to root or to the file's owner, setuid/setgid are never restored (:mod:`host.safefs`)."""
     try:
         for b in m.sockets:
-            safefs.check_socket_path(Path(b.path), b.uid)
+            userdirs.check_socket_path(Path(b.path), b.uid)
         for d in m.dirs:  # (for CRIU to bind the unix sockets in: root's until it has)
             safefs.make_dir(Path(d.path), created)
         _write_carried(directory, m, created)
@@ -81,7 +81,7 @@ def take_back(created: list[Path]) -> None:
     """Remove what :func:`put_back` created (files, then the directories it made)."""
     for path in reversed(created):
         try:
-            safefs.remove(path)
+            userdirs.remove(path)
         except (OSError, SnapshotError) as e:  # (a directory someone has since put files in)
             log.warning("could not remove %s, which the restore had put back: %s", path, e)
 
@@ -122,7 +122,7 @@ def take_back_created(note: Path) -> list[str]:
     for entry in reversed(made if isinstance(made, list) else []):
         try:
             path = Path(str(entry["path"]))
-            if safefs.remove_same(path, (int(entry["dev"]), int(entry["ino"]), int(entry["uid"]))):
+            if userdirs.remove_same(path, (int(entry["dev"]), int(entry["ino"]), int(entry["uid"]))):
                 removed.append(str(path))
         except (KeyError, TypeError, ValueError, OSError, SnapshotError) as e:
             log.warning("could not remove %r, which a dropped copy's restore had made: %s", entry, e)

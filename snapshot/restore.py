@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from host import gpus, proc, safefs
+from host import gpus, proc, safefs, userdirs
 from host.api import UsageError
 from host.safefs import private_dir
 from snapshot import copies, manifest, putback, stages, timers
@@ -254,7 +254,7 @@ def _stop_copy(job: _Restore) -> None:
     """Kill the tree CRIU started (if it did), and remove the unix sockets it bound."""
     kill_restored(job.work)
     for b in job.fresh:
-        safefs.remove_socket(Path(b.path), b.uid)
+        userdirs.remove_socket(Path(b.path), b.uid)
 
 
 def _note_bound(job: _Restore) -> None:

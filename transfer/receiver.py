@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import logging
 import os
 import shutil
@@ -26,7 +25,7 @@ from host.api import UsageError
 from host.safefs import private_dir
 from snapshot import manifest as snapmanifest
 from snapshot.api import SnapshotError
-from transfer import wire
+from transfer import arrived, wire
 from transfer.admission import Entry, Gate
 from transfer.api import (
     MAX_STREAMS,
@@ -61,7 +60,8 @@ class Receiver:
     ) -> None:
         """``on_refused`` is called with a :class:`~transfer.api.Refusal` value for each
         connection closed before it could carry a transfer (for the agent's metrics)."""
-        self.transport, self.config = transport, config
+        self.transport = transport
+        self.config = config
         self._on_refused = on_refused
         self.listener = transport.listen(listen)
         self.address = self.listener.address
@@ -133,7 +133,8 @@ class Receiver:
         for entry in self._gate.expired(HANDSHAKE_TIMEOUT):
             entry.ch.interrupt()
             self._refused(entry, f"it did not complete its handshake within {HANDSHAKE_TIMEOUT:g} s")
-        grace, now = self.config.io_timeout, time.monotonic()
+        grace = self.config.io_timeout
+        now = time.monotonic()
         with self._ready:
             lapsed = [
                 s
@@ -249,7 +250,8 @@ class Receiver:
         try:
             chunk_size = int(header["chunk_size"])
             if header.get("follow") is True:
-                layout, sha = None, ""
+                layout = None
+                sha = ""
                 Layout((), chunk_size)  # checks the chunk size
             else:
                 layout = Layout(tuple((str(p), int(n)) for p, n in header["files"]), chunk_size)
@@ -268,7 +270,9 @@ class Receiver:
                 )
             else:
                 log.info("the control stream of transfer %s is back", session_id.hex()[:12])
-            old, s.control, s.orphaned = s.control, ch, None
+            old = s.control
+            s.control = ch
+            s.orphaned = None
             self._ready.notify_all()
         if old is not None:
             old.interrupt()  # the sender only uses its newest control stream
@@ -299,7 +303,8 @@ class Receiver:
         with self._ready:
             if s.control is not ch:  # a newer control stream has taken over
                 return
-            s.control, s.orphaned = None, time.monotonic()
+            s.control = None
+            s.orphaned = time.monotonic()
         log.info(
             "a control stream broke; the transfer waits %g s for the sender to open it again", self.config.io_timeout
         )
@@ -308,7 +313,8 @@ class Receiver:
         """Check and publish the snapshot, once: the first control stream with the trailer
         does it, one that comes back later waits for its outcome."""
         with self._ready:
-            first, s.verifying = not s.verifying, True
+            first = not s.verifying
+            s.verifying = True
             if not first:
                 if not self._ready.wait_for(lambda: s.outcome is not None, self.config.session_timeout):
                     raise TransferError("the snapshot's verification did not end in time")
@@ -318,18 +324,15 @@ class Receiver:
             self._check_and_publish(s, trailer)
         except (TransferError, SnapshotError, OSError, ValueError) as e:
             self._discard(s)
-            outcome, done = (
-                (e if isinstance(e, TransferError) else IntegrityError(str(e))),
-                b"\0" + str(e).encode()[:2000],
-            )
+            outcome = e if isinstance(e, TransferError) else IntegrityError(str(e))
+            done = b"\0" + str(e).encode()[:2000]
         else:
             assert s.layout is not None  # the check set it
-            outcome, done = (
-                TransferStats(s.layout.raw_bytes, s.bytes_wire, s.layout.count, time.monotonic() - s.started),
-                b"\1ok",
-            )
+            outcome = TransferStats(s.layout.raw_bytes, s.bytes_wire, s.layout.count, time.monotonic() - s.started)
+            done = b"\1ok"
         with self._ready:
-            s.outcome, s.done = outcome, done
+            s.outcome = outcome
+            s.done = done
             self._ready.notify_all()
 
     def _finish(self, result: TransferStats | TransferError) -> None:
@@ -340,103 +343,21 @@ class Receiver:
         self, session_id: bytes, layout: Layout | None, chunk_size: int, sha: str, expect: dict[int, list[str]]
     ) -> Session:
         partial = self._out.parent / f".{self._out.name}.partial-{session_id.hex()[:12]}"
-        private_dir(partial, empty=True)  # 0700: a partial snapshot is someone's memory too
-        s = Session(layout, chunk_size, partial, sha, expect=expect)
+        s = arrived.start(partial, layout, chunk_size, sha, expect)
         self._sessions[session_id] = s
-        if layout is None:
-            return s
-        for name, size in layout.files:
-            os.ftruncate(s.fds[s.open_file(name)], size)
-        s.where = dict(enumerate(layout.chunks()))
-        region = snapmanifest.CHUNK_SIZE
-        if not expect and region % layout.chunk_size == 0:  # hash regions as they complete
-            s.waiting = [[0] * max(1, -(-size // region)) for _, size in layout.files]
-            s.digests = [[""] * len(w) for w in s.waiting]
-            for fi, off, _ in s.where.values():
-                s.waiting[fi][off // region] += 1
-            for fi, (name, size) in enumerate(layout.files):
-                if size == 0:
-                    s.digests[fi][0] = snapmanifest.sha256_range((partial / name, 0, 0))
         return s
 
     def _discard(self, s: Session) -> None:
-        with s.lock:
-            s.discarded = True  # data streams store nothing more
-        deadline = time.monotonic() + self.config.io_timeout
-        while s.claimed and time.monotonic() < deadline:  # a chunk being written ends before its file closes
-            time.sleep(0.001)
-        for fd in s.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        s.fds = []
-        shutil.rmtree(s.partial, ignore_errors=True)
+        arrived.discard(s, self.config.io_timeout)
 
     def _check_and_publish(self, s: Session, trailer: dict[str, object]) -> None:
-        if s.layout is None:
-            self._settle_followed(s, trailer)
-        assert s.layout is not None
-        if len(s.have) != s.layout.count:
-            raise IntegrityError(f"{s.layout.count - len(s.have)} chunks never arrived")
-        if trailer.get("chunks") != s.layout.count or trailer.get("raw_bytes") != s.layout.raw_bytes:
-            raise IntegrityError("the trailer's totals do not match what arrived")
-        if trailer.get("digest") != wire.digest([s.crcs[i] for i in range(s.layout.count)]):
-            raise IntegrityError("the stream digest does not match: chunks were lost, reordered or altered")
-        try:
-            for fd in s.fds:
-                os.fsync(fd)  # (a disk that delays its allocation says ENOSPC here)
-        except OSError as e:
-            raise (self._disk_full() if e.errno == errno.ENOSPC else e) from e
-        for fd in s.fds:
-            os.close(fd)
-        s.fds = []
-        with open(s.partial / snapmanifest.MANIFEST_NAME, "rb") as f:
-            if hashlib.sha256(f.read()).hexdigest() != s.manifest_sha256:
-                raise IntegrityError("the manifest that arrived is not the one the sender announced")
-        early = None
-        if s.expect:  # every chunk was checked against these as it arrived
-            early = {s.layout.files[fi][0]: d for fi, d in s.expect.items()}
-        elif s.followed and s.chunk_size == snapmanifest.CHUNK_SIZE:
-            early = {}
-            for name, size in s.layout.files:
-                fi = s.names[name]
-                early[name] = [s.received_sha.get((fi, off), "") for off in range(0, size, s.chunk_size)] or [
-                    zero_sha256(0)
-                ]
-        elif s.digests:
-            early = {name: s.digests[fi] for fi, (name, _) in enumerate(s.layout.files)}
-        m = snapmanifest.load(s.partial)
-        if {name for name, _ in s.layout.files} != {snapmanifest.MANIFEST_NAME, *m.files}:
-            raise IntegrityError("the stream carried files that its manifest does not list")
-        snapmanifest.verify(s.partial, m, early)
+        arrived.check(s, trailer, self._disk_full)
         with self._publish:
             if self._closed:
                 raise TransferError("the receiver stopped waiting before the snapshot was verified")
             if self._out.exists():
                 self._out.rmdir()
             s.partial.rename(self._out)
-
-    @staticmethod
-    def _settle_followed(s: Session, trailer: dict[str, object]) -> None:
-        """The trailer of a followed snapshot names its files: what arrived must be exactly them."""
-        try:
-            files = trailer["files"]
-            assert isinstance(files, list)
-            layout = Layout(tuple((str(p), int(n)) for p, n in files), s.chunk_size)
-            s.manifest_sha256 = str(trailer["manifest_sha256"])
-        except (KeyError, TypeError, ValueError, AssertionError) as e:
-            raise TransferError(f"the trailer is malformed ({e!r})") from e
-        for name, _ in layout.files:
-            if name not in s.names:
-                s.open_file(name)  # an empty file: no chunk named it
-        order = [s.names[name] for name, _ in layout.files]
-        expected = {(order[fi], off, n) for fi, off, n in layout.chunks()}
-        if len(s.names) != len(layout.files) or set(s.where.values()) != expected or len(s.where) != layout.count:
-            raise IntegrityError("the chunks that arrived do not add up to the files the trailer names")
-        if sorted(s.where) != list(range(layout.count)):
-            raise IntegrityError("the chunks are not numbered 0..N-1")
-        for fi, (_, size) in zip(order, layout.files, strict=False):
-            os.ftruncate(s.fds[fi], size)  # a file that ends in zeros was left short (sparse)
-        s.layout, s.followed = layout, True
 
     def _data(self, ch: Channel, session_id: bytes) -> None:
         with self._ready:

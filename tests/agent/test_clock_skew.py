@@ -50,12 +50,14 @@ def _on_a(cluster: Cluster, *args: str) -> subprocess.Popen[str]:
 
 
 def _migrate_args(cluster: Cluster, pid: int, *extra: str) -> list[str]:
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     return ["migrate", str(pid), "--from", a.agent_address, "--to", b.agent_address, "--json", *extra]
 
 
 def test_a_migration_does_not_start_between_clocks_apart(cluster: Cluster, tmp_path: Path) -> None:
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     (tmp_path / "clock-A").write_text("100")  # A's clock runs 100 s ahead of B's
     for node in (a, b):
         node.start_agent()
@@ -83,8 +85,11 @@ def test_a_migration_does_not_start_between_clocks_apart(cluster: Cluster, tmp_p
 def test_a_clock_step_mid_migration_still_ends_with_one_copy(cluster: Cluster, tmp_path: Path) -> None:
     """A's clock steps 100 s ahead while B restores the copy: every call between the two is
     refused once for its timestamp, then signed on the other's clock; the migration commits."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
-    real, slow, started = Criu().path, tmp_path / "criu-slow-restore", tmp_path / "restore-started"
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
+    real = Criu().path
+    slow = tmp_path / "criu-slow-restore"
+    started = tmp_path / "restore-started"
     slow.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then touch {started}; sleep 3; fi\nexec {real} "$@"\n')
     slow.chmod(0o755)
     a.start_agent()

@@ -103,7 +103,8 @@ def test_link_cut_mid_transfer(cluster: Cluster, big: Ticker) -> None:
 
 def test_corrupted_chunk_is_fetched_again(cluster: Cluster, big: Ticker) -> None:
     """A byte flipped on the wire between the agents: caught by the chunk's SHA-256, sent again."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     proxy = Proxy((b.addr, 7411), flip_at=1 << 20, on=1, listen=(cluster.bridge_addr, 7412))
     try:
         a.kill_agent(signal.SIGTERM)
@@ -219,7 +220,10 @@ def test_dry_run_checks_both_sides_and_freezes_nothing(cluster: Cluster, ticker:
 def test_bad_requests_get_one_sentence_and_freeze_nothing(
     cluster: Cluster, ticker: Ticker, tmp_path: Path, case: str, needle: str
 ) -> None:
-    pid, src, dst, secret = ticker.pid, "A", "B", None
+    pid = ticker.pid
+    src = "A"
+    dst = "B"
+    secret = None
     if case == "unknown-pid":
         pid = 4194000
     elif case == "not-migratable":
@@ -359,7 +363,8 @@ def test_source_node_lost_after_the_restore_the_copy_takes_over(cluster: Cluster
     """The source's node goes silent right after the target restored (and holds) the copy: B
     hears nothing for takeover_after (3 s here) and starts the copy itself.  The original, frozen
     on A, never runs again: when A's agent comes back it finds the copy DONE and ends it."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     b.kill_agent(signal.SIGTERM)
     b.start_agent(takeover_after="3", aliases=cluster.bridge_addr)  # (A reaches it there, below)
     # A reaches B's agent through a proxy that swallows B's answers once B holds its copy: the
@@ -433,7 +438,8 @@ def test_dry_run_warns_of_an_inotify_queue_a_move_may_lose(cluster: Cluster, tmp
     """inotify events queued at the freeze can be lost on the way (issue 9, item 11): the
     dry run says so as a warning, not a failure, and freezes nothing."""
     a = cluster.nodes["A"]
-    watched, log = tmp_path / "watched", tmp_path / "loop.log"
+    watched = tmp_path / "watched"
+    log = tmp_path / "loop.log"
     watched.mkdir()
     pid = a.launch(
         tmp_path / "loop.out",

@@ -74,7 +74,8 @@ def test_the_source_node_reboots_while_the_target_holds_the_copy(
     (the journal was on tmpfs): A's agent answers "no such migration", which no longer
     resets B's takeover clock: the copy starts on its own.  Either way: one copy, on B,
     ticking on from where the original stood."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     b.kill_agent(signal.SIGTERM)
     # (lost: B must still be waiting when A is back and answers, or A's silence alone decides)
     b.start_agent(aliases=cluster.bridge_addr, **({"takeover_after": "15"} if journal == "lost" else {}))
@@ -110,7 +111,8 @@ def test_the_target_node_reboots_while_the_copy_is_being_confirmed(cluster: Clus
     frozen; then B reboots, taking the running copy with it.  B's agent, back, finds the copy
     gone and says so; A resumes its original where it stood.  Before, A asked a rebooted B
     forever, the original frozen (and with B's journal on tmpfs, B did not even know)."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     b.kill_agent(signal.SIGTERM)
     b.start_agent(confirm_period="30")
     mig = cluster.start_migrate(ticker.pid, "A", "B", "--json")
@@ -158,7 +160,8 @@ def test_a_copy_that_dies_right_after_it_started_leaves_the_original_running(
     copy dies at its first question, inside the confirmation period.  The original, frozen
     all along, runs on at A; the migration reports that, not "done" (before, the original was
     ended as the copy started, and the job was lost)."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     log = tmp_path / "asker.log"
     asker = ROOT / "tests" / "workloads" / "loopback_asker.py"
     t = Ticker(log, a.launch(tmp_path / "asker.out", sys.executable, str(asker), str(log), str(loopback_service)))
@@ -184,7 +187,8 @@ def test_criu_dying_while_it_holds_the_original_drops_the_copy(cluster: Cluster,
     """A's CRIU, holding the frozen original while B restores (and holds) its copy, is killed:
     the original runs again at once.  A must then drop B's copy, not start it: one copy, the
     original, its ticks continuous.  (Before, A still committed: the workload ran twice.)"""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     a.kill_agent(signal.SIGTERM)
     a.start_agent(rpc_timeout="5", restore_timeout="15")
     b.kill_agent(signal.SIGTERM)
@@ -223,7 +227,8 @@ def _resolve(cluster: Cluster, on: str, mid: str, how: str) -> subprocess.Comple
 def _unheard_once_ready(cluster: Cluster) -> Proxy:
     """A's agent asks again soon (rpc_timeout 5 s, restore_timeout 10 s); its calls to B go
     through the proxy returned, which swallows B's replies while B holds a copy (READY)."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     a.kill_agent(signal.SIGTERM)
     a.start_agent(rpc_timeout="5", restore_timeout="10")
     b.kill_agent(signal.SIGTERM)
@@ -241,7 +246,8 @@ def test_a_target_restarted_while_letting_its_copy_go_lets_it_go_and_the_source_
     an operator) when it starts again.  B lets the copy go again; A, whose restore call broke,
     asks B, hears the copy runs, and commits: one copy, on B, ticking on from the frozen point,
     never the original resumed over a copy that ran (which repeated ticks)."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     proxy = _unheard_once_ready(cluster)
     try:
         mig = _migrate_via(cluster, ticker.pid, proxy.address)
@@ -280,7 +286,8 @@ def test_an_operator_resolves_a_migration_whose_target_went_silent(cluster: Clus
     unresolved.  `tpagent resolve --discard` on A (the operator knows B's copy will not run)
     resumes the original; B, heard from again, drops its copy.  The same rule as the agents':
     a decision is refused wherever the peer still answers, and once the migration is final."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     proxy, mid, out = _held_unheard(cluster, ticker)
     try:
         assert _states(a) == ["restoring"] and _states(b) == ["ready"], out + a.agent_log()[-3000:]
@@ -305,7 +312,8 @@ def test_an_operator_commits_the_held_copy_once_the_source_node_is_gone(cluster:
     """B holds the copy; A went silent and then down for good (its original with it).  The
     operator, who knows A will not come back, `tpagent resolve --commit` on B: the copy goes
     on from where the original was frozen, the only copy."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     proxy, mid, out = _held_unheard(cluster, ticker)
     try:
         assert _states(b) == ["ready"], out

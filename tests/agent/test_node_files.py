@@ -130,13 +130,16 @@ def test_node_local_files_go_there_and_back(cluster: Cluster, tmp_path: Path) ->
     as shm_open segments are) live in A's own directory.  Both travel to B (the mapped one
     was once left behind: the restore failed), and back to A, where the stale copies the
     first move left behind (the mapped file has changed since) are replaced, not in the way."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     name = uuid.uuid4().hex[:6]
-    scratch, shm = LOCAL / f"scratch-{name}", LOCAL / f"shm-{name}"
+    scratch = LOCAL / f"scratch-{name}"
+    shm = LOCAL / f"shm-{name}"
     t = launch(a, tmp_path, 16, "--scratch", str(scratch), "4", "--shm", str(shm))
     try:
         wait_until(lambda: lines(t, "scratch") and lines(t, "shm"), "the workload to report its files")
-        scratch_digest, (_, shm_digest) = lines(t, "scratch")[0][0], lines(t, "shm")[0]
+        scratch_digest = lines(t, "scratch")[0][0]
+        _, shm_digest = lines(t, "shm")[0]
         migrate(cluster, t, "A", "B")
         verify(t)
         assert lines(t, "scratch")[-1][0] == scratch_digest
@@ -162,7 +165,8 @@ def test_a_socket_listening_in_a_node_local_directory_listens_there(cluster: Clu
     listens on a unix socket in a private directory it made in node-local storage.  Its copy
     listens at the same path on B, in a directory made as A's was (owner, mode), and answers
     there; and back on A, where the original's socket file was left behind."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     t = launch(a, tmp_path, 8, "--listen", str(LOCAL))
     try:
         wait_until(lambda: lines(t, "listen"), "the workload to listen")
@@ -191,9 +195,12 @@ def test_a_dropped_copy_takes_what_its_restore_made_and_the_next_move_goes_there
     file it was given, its socket and the directory it listens in (left there, the mapped file,
     which the original has written to since, would refuse the next move to B as "other
     content").  The next move to B then works, with the original's current bytes."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     name = uuid.uuid4().hex[:6]
-    scratch, shm, needed = LOCAL / f"scratch-{name}", LOCAL / f"shm-{name}", LOCAL / f"needed-{name}"
+    scratch = LOCAL / f"scratch-{name}"
+    shm = LOCAL / f"shm-{name}"
+    needed = LOCAL / f"needed-{name}"
     (local_dir(a) / needed.name).write_text("A's own\n")  # (the copy on B lacks it: it dies at once)
     t = launch(
         a,
@@ -230,7 +237,8 @@ def test_a_dropped_copy_takes_what_its_restore_made_and_the_next_move_goes_there
 def test_a_carried_file_is_put_back_in_a_directory_made_as_its_owner_s_was(cluster: Cluster, tmp_path: Path) -> None:
     """The scratch file is nobody's, in a directory of nobody's (mode 710) in node-local storage:
     on B that directory is made as it was on A (before, it was made root's, 755)."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     own = LOCAL / f"own-{uuid.uuid4().hex[:6]}"
     (local_dir(a) / own.name).mkdir()
     t = launch(a, tmp_path, 8, "--scratch", str(own / "scratch"), "1")
@@ -241,7 +249,8 @@ def test_a_carried_file_is_put_back_in_a_directory_made_as_its_owner_s_was(clust
         os.chmod(local_dir(a) / own.name, 0o710)
         migrate(cluster, t, "A", "B")
         verify(t)
-        made, put = os.lstat(local_dir(b) / own.name), os.lstat(local_dir(b) / own.name / "scratch")
+        made = os.lstat(local_dir(b) / own.name)
+        put = os.lstat(local_dir(b) / own.name / "scratch")
         assert (made.st_uid, made.st_gid, stat.S_IMODE(made.st_mode)) == (NOBODY, NOBODY, 0o710)
         assert (put.st_uid, put.st_gid) == (NOBODY, NOBODY)
     finally:
@@ -307,7 +316,8 @@ def test_a_large_carried_file_is_streamed_and_counted(cluster: Cluster, tmp_path
     """A 200 MiB node-local file: the target reserves room for it (the dry run says so), and
     receives and puts it back in bounded pieces: its agent's peak memory grows far less than
     the file."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     scratch = LOCAL / f"big-{uuid.uuid4().hex[:6]}"
     t = launch(a, tmp_path, 8, "--scratch", str(scratch), "200")
     try:
@@ -317,7 +327,8 @@ def test_a_large_carried_file_is_streamed_and_counted(cluster: Cluster, tmp_path
         reserved = re.search(r"reserves (\d+) MiB in .* with (\d+) carried file\(s\) of (\d+) MiB", dry.stderr)
         assert reserved is not None, dry.stderr
         assert int(reserved.group(3)) >= 200 and int(reserved.group(1)) >= 200  # the file is counted
-        before, source = vm_hwm(b), vm_hwm(a)
+        before = vm_hwm(b)
+        source = vm_hwm(a)
         migrate(cluster, t, "A", "B")
         grown = vm_hwm(b) - before
         print(f"peak memory grew by {grown >> 20} MiB on B, {(vm_hwm(a) - source) >> 20} MiB on A, for a 200 MiB file")
@@ -416,7 +427,8 @@ def test_a_fixed_transfer_port_is_freed_when_the_source_never_comes(cluster: Clu
     from tpagent.common.credentials import Credentials
     from tpagent.daemon.rpc import pb, stub
 
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     b.kill_agent(signal.SIGTERM)
     b.start_agent(transfer_port="7411", io_timeout="3")
     creds = Credentials.load(cluster.secret, a.tls)

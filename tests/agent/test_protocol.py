@@ -102,7 +102,8 @@ def test_a_damaged_target_journal_is_not_a_copy_gone(target: AgentConfig) -> Non
     (target.work_dir / "migrations" / f"{damaged}.json").write_text("{not json")
     stop = serving(target)
     try:
-        t, ctx = GrpcPeer(target.listen, target.credentials()), node_of(target).ctx
+        t = GrpcPeer(target.listen, target.credentials())
+        ctx = node_of(target).ctx
         assert target_state(ctx, t, damaged, 2.0) == (None, 0)  # not "discarded"
         assert target_dropped_copy(ctx, t, damaged, 2.0) is False
         assert target_state(ctx, t, "d" * 32, 2.0) == (TargetState.DISCARDED.value, 0)  # truly unknown there

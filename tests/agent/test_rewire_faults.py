@@ -64,7 +64,8 @@ def test_a_copy_that_cannot_join_the_new_communicators_is_dropped_and_the_rank_r
     final until they are up on every rank, so the copy is dropped (the target kills it), rank 1's
     original resumes on B where it stood, every rank builds them again there, and the job ends
     bit-identical.  (B's rewire deadline is 20 s here, so the copy gives up on the store soon.)"""
-    b, d = quad.nodes["B"], quad.nodes["D"]
+    b = quad.nodes["B"]
+    d = quad.nodes["D"]
     b.kill_agent(signal.SIGTERM)
     b.start_agent(rewire_timeout="20")
     a = quad.nodes["A"].addr

@@ -85,7 +85,8 @@ def test_a_planted_out_directory_is_refused_and_runs_nothing(
     there, and nothing of theirs runs as root."""
     w = start(mib=16)
     marker = tmp_path / "pwned"
-    out, named = playground / "out", playground
+    out = playground / "out"
+    named = playground
     if plant == "out-exists":
         _plant_module(out / "log", marker)
         _give_to_nobody(out)
@@ -110,7 +111,8 @@ def test_a_planted_out_directory_is_refused_and_runs_nothing(
 def test_the_hook_runs_isolated_from_where_criu_runs_it(tmp_path: Path) -> None:
     """CRIU runs the hook from inside the snapshot's log/: neither that directory nor
     PYTHONPATH can put a module of someone else's in its place."""
-    planted, marker = tmp_path / "planted", tmp_path / "pwned"
+    planted = tmp_path / "planted"
+    marker = tmp_path / "pwned"
     _plant_module(planted, marker)
     script = hook.install()
     try:
@@ -233,7 +235,8 @@ def test_agents_served_in_threads_leave_the_process_umask_as_it_was(tmp_path: Pa
     try:
         runs = []
         for name in ("a", "b"):
-            ready, stop = threading.Event(), threading.Event()
+            ready = threading.Event()
+            stop = threading.Event()
             t = threading.Thread(target=serve, args=(agent_config(tmp_path, name), ready, stop), daemon=True)
             t.start()
             assert ready.wait(30)
@@ -339,7 +342,8 @@ def _raw_info(cfg: AgentConfig, metadata: list[tuple[str, str]]) -> grpc.StatusC
 
 def test_captured_calls_cannot_be_replayed_or_sent_to_another_node(tmp_path: Path) -> None:
     cfg = agent_config(tmp_path, "n")
-    secret, method = cfg.credentials().secret, "/tpagent.v1.Agent/Info"
+    secret = cfg.credentials().secret
+    method = "/tpagent.v1.Agent/Info"
     stop = serving(cfg)
     captured = rpc.sign(secret, method, "127.0.0.1", pb.Empty())
     kept = rpc.sign(secret, method, "127.0.0.1", pb.Empty())  # captured, replayed only after a restart
@@ -370,9 +374,11 @@ def test_an_impostor_target_cannot_say_the_copy_is_gone(tmp_path: Path, playgrou
     gone" (after which it resumed its original: two copies).  Over mutual TLS the source never
     hears it: to the source the target does not answer, so it keeps the original frozen."""
     if impostor == "another-ca":
-        theirs, host = node_certs(tmp_path, "rogue", "127.0.0.2", ca="rogue-ca"), "127.0.0.2"
+        theirs = node_certs(tmp_path, "rogue", "127.0.0.2", ca="rogue-ca")
+        host = "127.0.0.2"
     else:
-        theirs, host = node_certs(tmp_path, "impostor", "127.0.0.9"), "127.0.0.2"  # its certificate names another node
+        theirs = node_certs(tmp_path, "impostor", "127.0.0.9")
+        host = "127.0.0.2"  # its certificate names another node
     theirs = _give_to_nobody(shutil.copytree(theirs, playground / "theirs"))
     address = f"{host}:{free_port()}"
     fake = as_nobody(sys.executable, str(ATTACKERS / "fake_target.py"), address, str(theirs), stdout=subprocess.PIPE)
@@ -383,7 +389,8 @@ def test_an_impostor_target_cannot_say_the_copy_is_gone(tmp_path: Path, playgrou
         with pytest.raises(grpc.RpcError) as e:
             target.Status(pb.MigrationRef(migration_id="a" * 32), timeout=10)
         assert e.value.code() is grpc.StatusCode.UNAVAILABLE  # (TLS failed: never NOT_FOUND)
-        peer, ctx = GrpcPeer(address, source.credentials()), node_of(source).ctx
+        peer = GrpcPeer(address, source.credentials())
+        ctx = node_of(source).ctx
         assert target_state(ctx, peer, "a" * 32, 2.0) == (None, 0)
         assert target_dropped_copy(ctx, peer, "a" * 32, 2.0) is False
     finally:
@@ -416,10 +423,11 @@ def test_streaming_calls_are_refused_by_default(tmp_path: Path) -> None:
         with grpc.secure_channel(
             f"127.0.0.1:{port}", grpc.ssl_channel_credentials(creds.ca, creds.key, creds.cert)
         ) as ch:
-            ask, codec = (
-                pb.NodeInfo(node="?"),
-                {"request_serializer": pb.NodeInfo.SerializeToString, "response_deserializer": pb.NodeInfo.FromString},
-            )
+            ask = pb.NodeInfo(node="?")
+            codec = {
+                "request_serializer": pb.NodeInfo.SerializeToString,
+                "response_deserializer": pb.NodeInfo.FromString,
+            }
             unary = ch.unary_unary("/t.T/Unary", **codec)(
                 ask, metadata=rpc.sign(creds.secret, "/t.T/Unary", "127.0.0.1", ask), timeout=10
             )
@@ -563,7 +571,8 @@ def test_launch_imports_nothing_from_its_directory_and_follows_no_symlink(tmp_pa
     """Root runs `tpagent launch` from a directory where nobody left a module of the standard
     library's name, and names a log behind nobody's symlink: nothing of theirs runs and
     nothing is written through the link; the workload gets the caller's umask, not 077."""
-    marker, vault = tmp_path / "pwned", tmp_path / "vault"
+    marker = tmp_path / "pwned"
+    vault = tmp_path / "vault"
     vault.mkdir(mode=0o700)
     (playground / "subprocess.py").write_text(f"open({str(marker)!r}, 'w').write('ran as root')\n")
     (playground / "logs").symlink_to(vault)

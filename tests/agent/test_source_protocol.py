@@ -199,7 +199,8 @@ def test_a_held_copy_is_kept_or_dropped_on_the_sources_word(
     target.confirm_does = "hold"
     m = SourceMigration(unit_context(tmp_path, target), original.pid, target.address, dry_run=False)
     verdict: list[bool | None] = [None]
-    m.hold, m.verdict = 30.0, lambda: verdict[0]
+    m.hold = 30.0
+    m.verdict = lambda: verdict[0]
     t = threading.Thread(target=m.run, daemon=True)
     t.start()
     assert m.copy_runs.wait(10) and m.new_pid == 4242
@@ -297,7 +298,9 @@ def _held_before_a_reboot(tmp_path: Path, target: FakeTarget, state: SourceState
     gone.wait()
     done = threading.Thread(target=lambda: None)
     done.start()
-    target.states[mid], target._received[mid], target._results[mid] = TargetState.RECEIVING, done, object()
+    target.states[mid] = TargetState.RECEIVING
+    target._received[mid] = done
+    target._results[mid] = object()
     r = Record(
         mid,
         Role.SOURCE,

@@ -80,7 +80,8 @@ def _pairs(log: Path) -> list[tuple[int, int]]:
 def test_a_socket_the_target_cannot_take_is_refused_at_check(
     cluster: Cluster, helpers: Helpers, tmp_path: Path, case: str
 ) -> None:
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     if case == "loopback-peer":  # its peer is a process beside it on A's loopback, not in its tree
         port = helpers.echo_server(a, "127.0.0.1")
         pid, log = _launch_client(a, tmp_path, f"127.0.0.1:{port}")
@@ -142,7 +143,8 @@ def test_an_abstract_unix_name_the_target_holds_is_refused_at_check(
     """What a CUDA process meets where a process moved from another node holds its driver's
     @cuda-uvmfd-NSINO-PID@: refused before anything is frozen, and the move works once the
     name is free there."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
     name = f"tpagent-test-{tmp_path.name}"
     holder = tmp_path / "holder.log"
     helpers.start(b.exec(sys.executable, "-c", ABSTRACT, str(holder), name))

@@ -27,7 +27,8 @@ def _ip(*args: str) -> None:
 @pytest.fixture
 def nodes() -> Iterator[tuple[str, str]]:
     tag = uuid.uuid4().hex[:6]
-    a, b = f"tpa-{tag}", f"tpb-{tag}"
+    a = f"tpa-{tag}"
+    b = f"tpb-{tag}"
     _ip("netns", "add", a)
     _ip("netns", "add", b)
     try:

@@ -51,8 +51,11 @@ def test_an_unresolved_migration_shows_survives_sigterm_and_ends_with_one_copy(
     its original stays frozen while A asks B.  A SIGTERM stops A at once, whether its migration
     still waits in the run (restore_timeout: an hour) or in a resolver, far inside the grace
     (shutdown_grace: 2 min here) that a migration's own work gets."""
-    a, b = cluster.nodes["A"], cluster.nodes["B"]
-    real, slow, started = Criu().path, tmp_path / "criu-slow-restore", tmp_path / "restore-started"
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
+    real = Criu().path
+    slow = tmp_path / "criu-slow-restore"
+    started = tmp_path / "restore-started"
     slow.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then touch {started}; sleep 4; fi\nexec {real} "$@"\n')
     slow.chmod(0o755)
     b.start_agent(criu=str(slow))

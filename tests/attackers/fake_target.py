@@ -17,7 +17,8 @@ from typing import Any
 
 import grpc
 
-address, cert_dir = sys.argv[1], Path(sys.argv[2])
+address = sys.argv[1]
+cert_dir = Path(sys.argv[2])
 
 
 class Anything(grpc.GenericRpcHandler):  # type: ignore[misc]
@@ -30,7 +31,8 @@ class Anything(grpc.GenericRpcHandler):  # type: ignore[misc]
 
 
 server = grpc.server(futures.ThreadPoolExecutor(4), handlers=[Anything()])
-key, cert = (cert_dir / "tls.key").read_bytes(), (cert_dir / "tls.crt").read_bytes()
+key = (cert_dir / "tls.key").read_bytes()
+cert = (cert_dir / "tls.crt").read_bytes()
 server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
 server.start()
 print("listening", flush=True)

@@ -18,7 +18,10 @@ from pathlib import Path
 
 import grpc
 
-address, cert_dir, n_tcp, n_calls = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+address = sys.argv[1]
+cert_dir = Path(sys.argv[2])
+n_tcp = int(sys.argv[3])
+n_calls = int(sys.argv[4])
 host, _, port = address.rpartition(":")
 held = []
 for _ in range(n_tcp):

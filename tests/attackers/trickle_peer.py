@@ -21,7 +21,10 @@ RECORD_HEADER = b"\x16\x03\x01\x40\x00"  # a TLS handshake record of 16 KiB: its
 
 
 def main() -> None:
-    host, port, interval, per_source = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    host = sys.argv[1]
+    port = int(sys.argv[2])
+    interval = float(sys.argv[3])
+    per_source = int(sys.argv[4])
     sources = sys.argv[5:]
     conns: dict[socket.socket, str] = {}
     closed: list[str] = []

@@ -89,7 +89,8 @@ def test_tpagent_installs_offline_from_a_bundle_and_its_doctor_runs(tmp_path: Pa
     assert all("--hash=sha256:" in ln for ln in listed) and any(ln.startswith("tpagent==") for ln in listed)
 
     checkout = _checkout(tmp_path / "checkout")
-    venv, prefix = tmp_path / "venv", tmp_path / "criu"
+    venv = tmp_path / "venv"
+    prefix = tmp_path / "criu"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV"))}
     env |= {"TPAGENT_VENV": str(venv), "TPAGENT_CRIU_PREFIX": str(prefix), "PATH": _node_path(tmp_path)}
     setup = _offline("bash", "scripts/setup.sh", "--bundle", str(bundle), cwd=checkout, env=env)

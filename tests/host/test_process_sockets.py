@@ -58,7 +58,9 @@ def test_both_ends_in_the_tree_stay_together_and_a_loopback_peer_outside_is_name
         accepted, _ = server.accept()
         lone = socket.create_connection(("127.0.0.1", outside))
         try:
-            port, near, far = server.getsockname()[1], client.getsockname()[1], lone.getsockname()[1]
+            port = server.getsockname()[1]
+            near = client.getsockname()[1]
+            far = lone.getsockname()[1]
             # (only this test's sockets: earlier tests of the session may have left theirs open)
             held = [s for s in sockets.tree_tcp([os.getpid()]) if {s.local[1], s.remote[1]} & {port, near, far}]
             assert sorted(s.name for s in held) == sorted(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from host import safefs
+from host import userdirs
 from host.api import UsageError
 from snapshot import hook
 from snapshot.manifest import MadeDir
@@ -42,7 +42,7 @@ def roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A directory of root's, 0755, under /tmp (sticky; fs.protected_symlinks taken as on)."""
     if os.geteuid() != 0:
         pytest.skip("only root has directories of root's to make")
-    monkeypatch.setattr(safefs, "_protected_symlinks", lambda: True)
+    monkeypatch.setattr(userdirs, "_protected_symlinks", lambda: True)
     d = tmp_path / "roots"
     d.mkdir(mode=0o755)
     for at in [d, *d.parents]:
@@ -55,14 +55,14 @@ def test_a_way_of_root_s_directories_is_taken_and_a_socket_of_another_user_there
     """... and CRIU, as root, removes a socket file it finds where it binds one: a restore is
     refused first when that file is someone else's (a user's process bound /tmp/.X11-unix/X0 on
     its node; on this one, that is the display's)."""
-    safefs.check_socket_path(roots / "pymp-y" / "listener", NOBODY)  # (missing: made root's)
-    safefs.check_socket_path(roots / "app.sock", NOBODY)  # (nothing there)
+    userdirs.check_socket_path(roots / "pymp-y" / "listener", NOBODY)  # (missing: made root's)
+    userdirs.check_socket_path(roots / "app.sock", NOBODY)  # (nothing there)
     theirs = roots / "theirs.sock"
     _socket_file(theirs)
     with pytest.raises(UsageError, match=r"is a socket of UID 0 on this node, where the process \(UID 65534\)"):
-        safefs.check_socket_path(theirs, NOBODY)
+        userdirs.check_socket_path(theirs, NOBODY)
     assert theirs.exists()
-    safefs.check_socket_path(theirs, 0)
+    userdirs.check_socket_path(theirs, 0)
 
 
 def test_a_world_writable_way_needs_the_sticky_bit_and_protected_symlinks(
@@ -72,12 +72,12 @@ def test_a_world_writable_way_needs_the_sticky_bit_and_protected_symlinks(
     open_.mkdir()
     os.chmod(open_, 0o777)
     with pytest.raises(UsageError, match="may be written by other users"):
-        safefs.check_socket_path(open_ / "app.sock", NOBODY)
+        userdirs.check_socket_path(open_ / "app.sock", NOBODY)
     os.chmod(open_, 0o1777)
-    safefs.check_socket_path(open_ / "app.sock", NOBODY)
-    monkeypatch.setattr(safefs, "_protected_symlinks", lambda: False)
+    userdirs.check_socket_path(open_ / "app.sock", NOBODY)
+    monkeypatch.setattr(userdirs, "_protected_symlinks", lambda: False)
     with pytest.raises(UsageError, match="fs.protected_symlinks is off"):
-        safefs.check_socket_path(open_ / "app.sock", NOBODY)
+        userdirs.check_socket_path(open_ / "app.sock", NOBODY)
 
 
 def test_a_directory_of_another_user_on_the_way_is_refused_to_root(
@@ -85,22 +85,23 @@ def test_a_directory_of_another_user_on_the_way_is_refused_to_root(
 ) -> None:
     """As root (the agent): a directory of nobody's on the way to nobody's socket is refused, as
     it is when nobody asks (tests/unit/test_socket_dirs.py), and root's own socket is root's affair."""
-    monkeypatch.setattr(safefs, "_protected_symlinks", lambda: True)
+    monkeypatch.setattr(userdirs, "_protected_symlinks", lambda: True)
     users = tmp_path / "users"
     users.mkdir()
     os.chown(users, NOBODY, NOBODY)
     with pytest.raises(UsageError, match=rf"belongs to UID {NOBODY}, who could change the way"):
-        safefs.check_socket_path(users / "pymp-x" / "listener", NOBODY)
-    safefs.check_socket_path(users / "pymp-x" / "listener", 0)
+        userdirs.check_socket_path(users / "pymp-x" / "listener", NOBODY)
+    userdirs.check_socket_path(users / "pymp-x" / "listener", 0)
 
 
 def test_root_removes_a_socket_only_for_its_owner(tmp_path: Path) -> None:
     """Root may remove any file: it removes a socket only on its owner's behalf."""
-    roots, theirs = tmp_path / "roots.sock", tmp_path / "theirs.sock"
+    roots = tmp_path / "roots.sock"
+    theirs = tmp_path / "theirs.sock"
     _socket_file(roots)
     _socket_file(theirs)
     os.lchown(theirs, NOBODY, NOBODY)
-    assert not safefs.remove_socket(roots, NOBODY) and roots.exists()
-    assert not safefs.remove_socket(theirs, 0) and theirs.exists()
-    assert safefs.remove_socket(theirs, NOBODY) and not theirs.exists()
-    assert safefs.remove_socket(roots, 0) and not roots.exists()
+    assert not userdirs.remove_socket(roots, NOBODY) and roots.exists()
+    assert not userdirs.remove_socket(theirs, 0) and theirs.exists()
+    assert userdirs.remove_socket(theirs, NOBODY) and not theirs.exists()
+    assert userdirs.remove_socket(roots, 0) and not roots.exists()

@@ -270,7 +270,8 @@ def test_an_op_whose_backend_gives_no_work_is_passed_through(tmp_path: Path) -> 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     group = backend.DelegatingGroup(store, 0, 1, datetime.timedelta(seconds=30), {"cpu": "gloo"})
     gloo = group._only
-    group._inner, group._only = {"cpu": SyncOnly(gloo)}, SyncOnly(gloo)
+    group._inner = {"cpu": SyncOnly(gloo)}
+    group._only = SyncOnly(gloo)
     t = torch.full((3,), 2.0)
     assert group.allreduce([t], dist.AllreduceOptions()) is None
     assert t.tolist() == [2.0, 2.0, 2.0] and not list(group._works)

@@ -19,7 +19,8 @@ from tpagent.migration.api import Event, MigrationResult, Outcome, Refused, Why
 from tpagent.migration.source import SourceMigration
 from tpagent_rank import protocol as P
 
-HERE, THERE = "10.0.0.1:7400", "10.0.0.9:7400"
+HERE = "10.0.0.1:7400"
+THERE = "10.0.0.9:7400"
 
 
 @dataclass
@@ -79,7 +80,8 @@ class FakeRank:
                     self.stops.append(self.step)
                 return P.Paused()
             if isinstance(request, P.Cancel):
-                self.stop_at, self.parked = None, False
+                self.stop_at = None
+                self.parked = False
                 return P.Answer()
             if isinstance(request, P.Teardown):
                 self.torn = True
@@ -87,10 +89,12 @@ class FakeRank:
             if isinstance(request, P.Rebuild):
                 if self.at == self.refuse_rebuild_at:
                     return P.failed("the store cannot be reached from here")
-                self.torn, self.gen = False, request.gen
+                self.torn = False
+                self.gen = request.gen
                 return P.Answer()
             if isinstance(request, P.Resume):
-                self.stop_at, self.parked = None, False
+                self.stop_at = None
+                self.parked = False
                 return P.Answer()
         if isinstance(request, P.Boundary):
             deadline = time.monotonic() + request.timeout
@@ -107,7 +111,8 @@ class FakeMove:
     (``outcome`` DONE) holds it for the coordinator's verdict, kept or dropped."""
 
     def __init__(self, pid: int, outcome: Outcome, hold: float, verdict: Callable[[], bool | None] | None) -> None:
-        self.pid, self.outcome = pid, outcome
+        self.pid = pid
+        self.outcome = outcome
         self.migration_id = f"m{pid}"
         self.events: queue.Queue[Event | None] = queue.Queue()
         self.result: MigrationResult | None = None
@@ -284,7 +289,8 @@ def test_a_copy_whose_nccl_would_take_ranks_on_another_host_for_neighbours_is_dr
     on one machine) nothing is wrong, and it moves."""
     job = Job()
     for r in job.ranks:
-        r.nccl_host, r.hosts = "here|boot1", {THERE: there}
+        r.nccl_host = "here|boot1"
+        r.hosts = {THERE: there}
     rw, result = job.rewire()
     said = _messages(rw)
     if there == "here|boot1":
@@ -342,8 +348,10 @@ def test_a_rank_that_never_said_where_its_agent_is_refuses_before_anything_stops
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_a_moving_rank_whose_nccl_runs_ras_is_refused_before_anything_stops(dry_run: bool) -> None:
     job = Job()
-    job.ranks[0].nccl_host, job.ranks[0].nccl_ras = "here|boot1", True
-    job.ranks[1].nccl_host, job.ranks[1].nccl_ras = "here|boot1", True  # (it stays: its RAS is no matter)
+    job.ranks[0].nccl_host = "here|boot1"
+    job.ranks[0].nccl_ras = True
+    job.ranks[1].nccl_host = "here|boot1"
+    job.ranks[1].nccl_ras = True  # (it stays: its RAS is no matter)
     rw = Rewire.start("j", {0: (777, THERE)}, HERE, job.ask, job.start_move, 5.0, Unwritten(), dry_run=dry_run)
     try:
         result = rw.run()

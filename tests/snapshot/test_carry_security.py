@@ -96,11 +96,13 @@ def test_dump_reads_nothing_through_a_planted_symlink(
     if swap == "directory":
         as_nobody("mv", str(x / "d"), str(x / "d.old"))
         as_nobody("ln", "-s", str(vault), str(x / "d"))
-        w.log, link = x / "d.old" / "log", x / "d"  # (where the workload's log now is)
+        w.log = x / "d.old" / "log"
+        link = x / "d"  # (where the workload's log now is)
     else:
         as_nobody("mv", str(carried), str(x / "d" / "log.old"))
         as_nobody("ln", "-s", str(vault / "log"), str(carried))
-        w.log, link = x / "d" / "log.old", carried
+        w.log = x / "d" / "log.old"
+        link = carried
     assert carried.read_bytes() == SECRET  # root, following the link, would read the secret
     out = tmp_path / "snap"
     proc = tpagent("dump", str(w.pid), "--out", str(out), "--carry", str(carried))

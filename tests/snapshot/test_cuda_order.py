@@ -146,7 +146,8 @@ def test_gpu_map_reaches_the_driver_as_uuid_pairs(
     from host.gpus import GpuInfo
     from snapshot.manifest import _body_digest
 
-    old, new = "GPU-11111111-2222-3333-4444-555555555555", "GPU-66666666-7777-8888-9999-000000000000"
+    old = "GPU-11111111-2222-3333-4444-555555555555"
+    new = "GPU-66666666-7777-8888-9999-000000000000"
     w = cuda_workload
     fake = FakeCudaDriver()
     checkpoint(w.pid, tmp_path / "snap", cuda_factory=lambda: fake)

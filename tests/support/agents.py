@@ -36,7 +36,8 @@ def agent_config(tmp: Path, name: str, **kw: object) -> AgentConfig:
 
 def serving(cfg: AgentConfig) -> threading.Event:
     """Serve ``cfg`` in a thread until the returned event is set."""
-    ready, stop = threading.Event(), threading.Event()
+    ready = threading.Event()
+    stop = threading.Event()
     threading.Thread(target=serve, args=(cfg, ready, stop), daemon=True).start()
     assert ready.wait(30)
     return stop

@@ -219,7 +219,9 @@ class Cluster:
         ip("addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge)
         ip("link", "set", self.bridge, "up")
         for i, name in enumerate(names, start=1):
-            ns, host_end, dev = f"tp{name}-{self.tag}", f"h{name}-{self.tag}", f"n{name}-{self.tag}"
+            ns = f"tp{name}-{self.tag}"
+            host_end = f"h{name}-{self.tag}"
+            dev = f"n{name}-{self.tag}"
             ip("netns", "add", ns)
             ip("link", "add", host_end, "type", "veth", "peer", "name", dev)
             ip("link", "set", dev, "netns", ns)

@@ -123,7 +123,9 @@ class FakeTarget(Peer):
 
     def __init__(self, tmp: Path, problems: tuple[str, ...] = (), restore_does: str = "ok") -> None:
         self.address = "target.test:7400"
-        self.tmp, self.problems, self.restore_does = tmp, problems, restore_does
+        self.tmp = tmp
+        self.problems = problems
+        self.restore_does = restore_does
         self.states: dict[str, TargetState] = {}
         self.history: list[tuple[str, TargetState]] = []
         self.calls: list[str] = []
@@ -231,7 +233,8 @@ def unit_context(tmp: Path, peer: Peer, **timeouts: float) -> Context:
         health_listen="",
         **settings,
     )  # type: ignore[arg-type]
-    FakeHeldDump.decisions, FakeHeldDump.lost = [], False
+    FakeHeldDump.decisions = []
+    FakeHeldDump.lost = False
     return Context(
         cfg=cfg,
         snapshot_config=SnapshotConfig(),

@@ -134,7 +134,11 @@ class Job:
         per_node: int = 1,
     ) -> None:
         assert per_node == 1 or not srun
-        self.c, self.tmp, self.logs, self.names, self.script = c, tmp, tmp / "logs", names, script
+        self.c = c
+        self.tmp = tmp
+        self.logs = tmp / "logs"
+        self.names = names
+        self.script = script
         self.nodes_of = [name for name in names for _ in range(per_node)]  # (rank -> the node it starts on)
         self.logs.mkdir()
         self.runs: dict[str, subprocess.Popen[bytes]] = {}
@@ -289,7 +293,8 @@ class Job:
         codes = self.wait()
         assert codes == dict.fromkeys(self.names, 0), "torchrun (or a stand-in) failed: " + self.output()
         for r in range(len(self.nodes_of)):
-            got, want = rank_log(self.logs, r), rank_log(reference, r)
+            got = rank_log(self.logs, r)
+            want = rank_log(reference, r)
             assert [ln.split()[1] for ln in got if ln.startswith("step ")] == [str(k) for k in range(STEPS)], (
                 f"rank {r}: steps repeated or skipped (the group restarted, or a copy went back)"
             )

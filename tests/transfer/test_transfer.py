@@ -128,8 +128,12 @@ class Harm(Transport):
     inside the sending process, on the same real UCX connections."""
 
     def __init__(self, inner: Transport, flip_at: int | None = None, cut_at: int | None = None) -> None:
-        self.inner, self.flip_at, self.cut_at = inner, flip_at, cut_at
-        self.name, self.connects, self.harmed = inner.name, 0, False
+        self.inner = inner
+        self.flip_at = flip_at
+        self.cut_at = cut_at
+        self.name = inner.name
+        self.connects = 0
+        self.harmed = False
 
     def listen(self, address: str) -> Listener:
         return self.inner.listen(address)
@@ -142,7 +146,9 @@ class Harm(Transport):
 
 class _HarmedChannel(Channel):
     def __init__(self, ch: Channel, harm: Harm) -> None:
-        self.ch, self.harm, self.sent = ch, harm, 0
+        self.ch = ch
+        self.harm = harm
+        self.sent = 0
 
     def send(self, *parts: bytes | memoryview) -> None:
         data = bytearray(b"".join(parts))
@@ -393,7 +399,9 @@ class Writer:
     def __init__(
         self, ref: Path, dst: Path, piece: int = 256 << 10, rewrite_first_after_send: Callable[[], bool] | None = None
     ) -> None:
-        self.ref, self.dst, self.piece = ref, dst, piece
+        self.ref = ref
+        self.dst = dst
+        self.piece = piece
         self.rewrite = rewrite_first_after_send
         self.done = threading.Event()
         self.error: BaseException | None = None

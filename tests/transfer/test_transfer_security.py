@@ -36,7 +36,8 @@ TRICKLE = Path(__file__).resolve().parent.parent / "attackers" / "trickle_peer.p
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsFiles]:
     """Two nodes of the cluster CA, and one of another CA (same names: only the CA differs)."""
-    cluster, other = tmp_path_factory.mktemp("cluster-ca"), tmp_path_factory.mktemp("other-ca")
+    cluster = tmp_path_factory.mktemp("cluster-ca")
+    other = tmp_path_factory.mktemp("other-ca")
     return {
         "sender": TlsFiles.in_dir(node_certs(cluster, "sender")),
         "receiver": TlsFiles.in_dir(node_certs(cluster, "receiver")),

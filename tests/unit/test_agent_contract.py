@@ -24,11 +24,13 @@ from tpagent.migration.api import (
 )
 from tpagent.migration.journal import FORMAT, Journal, Record
 
-S, T = SourceState, TargetState
+S = SourceState
+T = TargetState
 
 
 def _reachable(table: dict, start: object) -> set[object]:  # type: ignore[type-arg]
-    seen, todo = {start}, [start]
+    seen = {start}
+    todo = [start]
     while todo:
         for nxt in table[todo.pop()]:
             if nxt not in seen:

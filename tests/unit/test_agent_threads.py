@@ -10,7 +10,8 @@ from tpagent.common.threads import Threads
 
 
 def test_shutdown_waits_for_migrations_up_to_its_deadline_and_a_second_signal_cuts_it() -> None:
-    threads, release = Threads(), threading.Event()
+    threads = Threads()
+    release = threading.Event()
     threads.spawn("migration", "migrate-1", release.wait)
     threads.spawn("waiter", "resolve-1", lambda: threads.sleep(600))
     assert threads.running() == ["migrate-1", "resolve-1"]

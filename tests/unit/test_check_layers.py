@@ -89,7 +89,52 @@ def test_a_clean_tree_passes_and_is_summarised(
         "tpagent.daemon -> snapshot 1, tpagent.daemon -> transfer 1, transfer -> snapshot 1"
     )
     assert out[2] == "largest module: tpagent_rank/__init__.py, 7 lines"
-    assert out[3] == "lines over 120 characters: 1 in 1 files (most: cli/main.py 1)"
+    assert out[3] == "longest function: tpagent_rank/__init__.py:6 on_fault, 2 lines"
+    assert out[4] == "lines over 120 characters: 1 in 1 files (most: cli/main.py 1)"
+
+
+def _long_function(lines: int, said: str = "") -> str:
+    body = "".join(f"    x{i} = {i}\n" for i in range(lines - 1))
+    return f"def f() -> None:{said}\n{body}"
+
+
+@pytest.mark.parametrize(
+    ("files", "problem"),
+    [
+        (
+            {"transfer/big.py": "x = 1\n" * 501},
+            "transfer/big.py: 501 lines, over 500: split it along a real seam",
+        ),
+        (
+            {"snapshot/dump.py": _long_function(81)},
+            "snapshot/dump.py:1: f is 81 lines, over 80: make it named steps, or say why on its def line (# long: ...)",
+        ),
+        (
+            {"cli/main.py": "a = b = 0\nb, c = a + 1, a + 2  # two\n"},
+            "cli/main.py:2: several assignments on one line: one per line",
+        ),
+    ],
+    ids=["module", "function", "packed"],
+)
+def test_the_code_keeps_its_shape(
+    check_layers: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str], files: dict[str, str], problem: str
+) -> None:
+    code, _, err = _run(check_layers, _tree(tmp_path, CLEAN | files), capsys)
+    assert (code, err) == (1, [problem])
+
+
+def test_what_keeps_its_shape_passes(
+    check_layers: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """500 lines, 80 lines, a long function that says why, a swap and a call's result unpacked."""
+    files = {
+        "transfer/big.py": "x = 1\n" * 500,
+        "snapshot/dump.py": _long_function(80),
+        "snapshot/hook.py": _long_function(120, "  # long: one table, row by row"),
+        "cli/main.py": "a, b = 1, 2\nb, a = a, b\nq, r = divmod(7, 2)\n".replace("a, b = 1, 2", "a = 1\nb = 2"),
+    }
+    code, _, err = _run(check_layers, _tree(tmp_path, CLEAN | files), capsys)
+    assert (code, err) == (0, [])
 
 
 @pytest.mark.parametrize(

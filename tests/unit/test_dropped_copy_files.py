@@ -1,5 +1,5 @@
 """What a restore made on a node, taken back when its copy is dropped
-(:func:`snapshot.putback.take_back_created`, :func:`host.safefs.remove_same`): only those very
+(:func:`snapshot.putback.take_back_created`, :func:`host.userdirs.remove_same`): only those very
 files, sockets and directories, through no symlink, a directory only once empty.  As whoever
 runs them (the unit tier: nobody; the suite: root)."""
 

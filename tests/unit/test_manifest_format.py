@@ -169,13 +169,16 @@ def test_a_directory_on_the_way_to_a_carried_file_reads_back_and_must_be_its_own
     """A directory of a carried file's owner reads back; the restore refuses one the manifest
     gives to another user (the file's owner is in the carried archive), or one on the way to a
     file the archive lacks, before writing anything."""
-    snap, where = tmp_path / "snap", tmp_path / "node" / "scratch"
+    snap = tmp_path / "snap"
+    where = tmp_path / "node" / "scratch"
     images = snap / manifest.IMAGES_DIR
     images.mkdir(parents=True)
     log = where / "u" / "job" / "log"
     with tarfile.open(images / manifest.CARRIED_NAME, "w") as tar:
         info = tarfile.TarInfo(str(log).lstrip("/"))
-        info.size, info.uid, info.gid = 3, 1000, 1000
+        info.size = 3
+        info.uid = 1000
+        info.gid = 1000
         tar.addfile(info, io.BytesIO(b"log"))
     dirs = [manifest.MadeDir(str(where / "u"), 1000, 1000, 0o700), manifest.MadeDir(str(log.parent), 2000, 2000, 0o700)]
     m = _manifest(carried=[str(log)], files=manifest.checksum_files(snap), dirs=dirs)

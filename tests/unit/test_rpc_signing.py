@@ -101,7 +101,8 @@ def test_a_signed_call_is_answered(server: Server) -> None:
 
 
 def test_the_signature_is_versioned_and_has_a_fresh_nonce() -> None:
-    first, second = rpc.sign(SECRET, STATUS, "node-a", _ref()), rpc.sign(SECRET, STATUS, "node-a", _ref())
+    first = rpc.sign(SECRET, STATUS, "node-a", _ref())
+    second = rpc.sign(SECRET, STATUS, "node-a", _ref())
     assert [k for k, _ in first] == [rpc.HEADER, rpc.BODY_HEADER]
     version, ts, nonce, mac = first[0][1].split(".")
     assert (version, len(nonce), len(mac)) == ("v2", 24, 64)
@@ -143,7 +144,8 @@ def test_a_replayed_call_is_refused(server: Server) -> None:
 
 
 def test_a_call_signed_too_long_ago_or_before_the_server_started_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    request, now = _ref(), time.time()
+    request = _ref()
+    now = time.time()
     with monkeypatch.context() as m:
         m.setattr(time, "time", lambda: now - rpc.SKEW - 5)
         stale = rpc.sign(SECRET, STATUS, "node-a", request)
@@ -161,7 +163,8 @@ class _Outcome:
     """What a blocking unary call's continuation returns (grpc.Call): its code and trailing metadata."""
 
     def __init__(self, code: grpc.StatusCode, trailing: tuple[tuple[str, str], ...] = ()) -> None:
-        self._code, self._trailing = code, trailing
+        self._code = code
+        self._trailing = trailing
 
     def code(self) -> grpc.StatusCode:
         return self._code

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from host import safefs
+from host import safefs, userdirs
 from host.api import UsageError
 from transfer.api import MIN_SECRET, read_secret
 
@@ -182,7 +182,8 @@ def test_check_owner_wants_the_dir_of_root_or_of_the_files_owner(tmp_path: Path)
 def test_write_file_puts_a_file_back_without_setuid(tmp_path: Path) -> None:
     target = tmp_path / "new" / "deeper" / "state.bin"
     created: list[Path] = []
-    uid, gid = os.geteuid(), os.getegid()
+    uid = os.geteuid()
+    gid = os.getegid()
     safefs.write_file(target, io.BytesIO(b"state"), uid, gid, 0o4750, 1_000_000.0, created)
     assert created == [tmp_path / "new", tmp_path / "new" / "deeper", target]
     assert target.read_bytes() == b"state" and _mode(target) == 0o750 and target.stat().st_mtime == 1_000_000.0
@@ -193,5 +194,5 @@ def test_write_file_puts_a_file_back_without_setuid(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="exists on this node with other content, owner or mode"):
         safefs.write_file(target, io.BytesIO(b"other"), uid, gid, 0o750, 0.0, again)
     assert target.read_bytes() == b"state"
-    safefs.remove(target)
+    userdirs.remove(target)
     assert not target.exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from host import safefs
+from host import safefs, userdirs
 from host.api import UsageError
 from snapshot import hook
 from snapshot.manifest import BoundSocket, MadeDir
@@ -64,7 +64,7 @@ def test_a_planted_symlink_on_the_way_is_refused_and_nothing_is_made_where_it_po
     with pytest.raises(UsageError, match="is a symlink"):
         safefs.hand_over(tmp_path / "planted", NOBODY, NOBODY, 0o700)
     with pytest.raises(UsageError):  # (a user's directory on the way, or the symlink itself)
-        safefs.check_socket_path(tmp_path / "planted" / "app.sock", NOBODY)
+        userdirs.check_socket_path(tmp_path / "planted" / "app.sock", NOBODY)
     assert created == [] and list(elsewhere.iterdir()) == []
 
 
@@ -76,15 +76,15 @@ def _socket_file(path: Path) -> None:
 def test_a_directory_of_a_user_on_the_way_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """CRIU binds by name, as root: had a user a directory on the way, they could swap it for a
     symlink meanwhile (and have root remove and replace a socket anywhere, or chown a file)."""
-    monkeypatch.setattr(safefs, "_protected_symlinks", lambda: True)  # (/tmp passes: the user's own is refused)
+    monkeypatch.setattr(userdirs, "_protected_symlinks", lambda: True)  # (/tmp passes: the user's own is refused)
     users = tmp_path / "users"
     users.mkdir()
     uid = NOBODY if os.geteuid() == 0 else os.geteuid()
     if os.geteuid() == 0:
         os.chown(users, NOBODY, NOBODY)
     with pytest.raises(UsageError, match=rf"belongs to UID {uid}, who could change the way"):
-        safefs.check_socket_path(users / "pymp-x" / "listener", uid)
-    safefs.check_socket_path(users / "pymp-x" / "listener", 0)  # (root's own socket: root's affair)
+        userdirs.check_socket_path(users / "pymp-x" / "listener", uid)
+    userdirs.check_socket_path(users / "pymp-x" / "listener", 0)  # (root's own socket: root's affair)
 
 
 def test_only_a_socket_of_its_owner_is_removed(tmp_path: Path) -> None:
@@ -92,15 +92,15 @@ def test_only_a_socket_of_its_owner_is_removed(tmp_path: Path) -> None:
     _socket_file(mine)
     (tmp_path / "file").write_text("x")
     other = NOBODY if os.geteuid() == 0 else 0
-    assert not safefs.remove_socket(mine, other) and mine.exists()
-    assert not safefs.remove_socket(tmp_path / "file", os.geteuid()) and (tmp_path / "file").exists()
+    assert not userdirs.remove_socket(mine, other) and mine.exists()
+    assert not userdirs.remove_socket(tmp_path / "file", os.geteuid()) and (tmp_path / "file").exists()
     st = mine.lstat()
     ident = (st.st_dev, st.st_ino, st.st_ctime_ns)
-    assert not safefs.remove_socket(mine, os.geteuid(), (*ident[:2], ident[2] + 1)) and mine.exists()  # (another)
-    assert safefs.remove_socket(mine, os.geteuid(), ident) and not mine.exists()
+    assert not userdirs.remove_socket(mine, os.geteuid(), (*ident[:2], ident[2] + 1)) and mine.exists()  # (another)
+    assert userdirs.remove_socket(mine, os.geteuid(), ident) and not mine.exists()
     _socket_file(mine)
-    assert safefs.remove_socket(mine, os.geteuid()) and not mine.exists()
-    assert not safefs.remove_socket(tmp_path / "gone" / "x.sock", os.geteuid())
+    assert userdirs.remove_socket(mine, os.geteuid()) and not mine.exists()
+    assert not userdirs.remove_socket(tmp_path / "gone" / "x.sock", os.geteuid())
 
 
 def test_once_committed_the_original_s_sockets_and_their_empty_directories_go_but_not_a_copy_s(
@@ -112,7 +112,8 @@ def test_once_committed_the_original_s_sockets_and_their_empty_directories_go_bu
     from snapshot import leftovers, manifest
 
     me = os.geteuid()
-    gone, shared = tmp_path / "pymp-g", tmp_path / "pymp-s"
+    gone = tmp_path / "pymp-g"
+    shared = tmp_path / "pymp-s"
     gone.mkdir()
     shared.mkdir()
     for d in (gone, shared):

@@ -24,7 +24,8 @@ def pair() -> Iterator[tuple[TcpChannel, TcpChannel]]:
     with socket.create_server(("127.0.0.1", 0)) as server:
         client = socket.create_connection(server.getsockname(), timeout=5)
         accepted, _ = server.accept()
-    a, b = TcpChannel(client, timeout=5), TcpChannel(accepted, timeout=5)
+    a = TcpChannel(client, timeout=5)
+    b = TcpChannel(accepted, timeout=5)
     yield a, b
     a.close()
     b.close()

@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 def main() -> None:
     warnings.simplefilter("ignore", FutureWarning)  # (torch renames some of these calls)
-    store_file, r, w = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    store_file = sys.argv[1]
+    r = int(sys.argv[2])
+    w = int(sys.argv[3])
     dist.init_process_group("gloo", store=dist.FileStore(store_file, w), rank=r, world_size=w)
     out: dict[str, object] = {"backend": dist.get_backend()}
     f = float(r)

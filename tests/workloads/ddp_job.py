@@ -50,7 +50,8 @@ def main() -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (cuBLAS's deterministic mode)
         torch.use_deterministic_algorithms(True)
     dist.init_process_group(a.backend, device_id=dev if a.device_id else None)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     two = list(range(min(2, world)))
     pair = split_group(split_ranks=[two]) if a.device_id else dist.new_group(two)  # a subgroup: rebuilt too
     alone = dist.new_group([a.gpu_rank], backend="nccl") if a.gpu_rank >= 0 else None

@@ -27,14 +27,16 @@ threading.Thread(target=last_thread).start()
 ctypes.CDLL(None).syscall(60, 0)  # SYS_exit: the main thread alone ends; the process becomes a zombie with a thread
 """
 
-log_path, hold = sys.argv[1], sys.argv[2]
+log_path = sys.argv[1]
+hold = sys.argv[2]
 worker: subprocess.Popen[bytes] | None = None
 reaped = 0
 with open(log_path, "a", buffering=1) as log:
     tick = 0
     while True:
         if worker is not None and worker.poll() is not None:
-            worker, reaped = None, reaped + 1
+            worker = None
+            reaped = reaped + 1
         if worker is None and tick % 10 == 9:
             worker = subprocess.Popen([sys.executable, "-c", WORKER, hold], stdin=subprocess.DEVNULL)
         log.write(f"tick {tick} reaped {reaped}\n")

@@ -15,7 +15,9 @@ import select
 import struct
 import sys
 
-CLOCK_MONOTONIC, TFD_CLOEXEC, IN_CREATE = 1, 0o2000000, 0x100
+CLOCK_MONOTONIC = 1
+TFD_CLOEXEC = 0o2000000
+IN_CREATE = 0x100
 libc = ctypes.CDLL(None, use_errno=True)
 
 

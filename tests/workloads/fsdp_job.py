@@ -33,7 +33,8 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.0)
     a = p.parse_args()
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world = dist.get_world_size()
     g = torch.Generator().manual_seed(7)
     x = torch.randn(120 * world, 16, generator=g)
     data = TensorDataset(x, torch.sin(x.sum(dim=1, keepdim=True)))
@@ -47,7 +48,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
     log = a.log_dir / f"rank{rank}.log"
-    step, epoch = 0, 0
+    step = 0
+    epoch = 0
     while step < a.steps:
         sampler.set_epoch(epoch)
         for xb, yb in loader:

@@ -14,7 +14,8 @@ import time
 
 import torch
 
-log_path, gib = sys.argv[1], float(sys.argv[2])
+log_path = sys.argv[1]
+gib = float(sys.argv[2])
 n = int(gib * 2**30) // 4
 gen = torch.Generator(device="cuda").manual_seed(1234)
 data = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device="cuda", generator=gen)

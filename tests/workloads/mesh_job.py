@@ -33,8 +33,10 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.0)
     a = p.parse_args()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    replicas, shards = mesh.get_group("replicate"), mesh.get_group("shard")
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    replicas = mesh.get_group("replicate")
+    shards = mesh.get_group("shard")
     kinds = [type(g).__name__ for g in (dist.group.WORLD, replicas, shards)]
     print(f"rank {rank} groups {' '.join(kinds)}", flush=True)
     torch.manual_seed(0)

@@ -37,7 +37,8 @@ import tempfile
 import threading
 import time
 
-log_path, mib = sys.argv[1], int(sys.argv[2])
+log_path = sys.argv[1]
+mib = int(sys.argv[2])
 if "--io-uring" in sys.argv:
     params = ctypes.create_string_buffer(120)
     ring = ctypes.CDLL(None, use_errno=True).syscall(425, 4, params)  # io_uring_setup
@@ -73,7 +74,8 @@ if "--shm" in sys.argv:
             f.write(bytes(8) + os.urandom((1 << 20) - 8))
     fd = os.open(shm_path, os.O_RDWR)
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 4
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 4
     addr = libc.mmap(None, 1 << 20, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
     assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
     os.close(fd)  # only the mapping is left (Python's own mmap would keep a dup of the fd)
