@@ -62,7 +62,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 #: Marks a test (or, as ``pytestmark``, a module) that needs root and a working CRIU >= 4.2.
 #: Such tests are skipped where CRIU cannot be used, unless TPAGENT_TESTS_NEED_CRIU is set
 #: (scripts/test.sh, CI): there a missing CRIU fails the run instead.  CRIU is probed only
-#: when a collected test carries the mark, so the unit tier (tests/unit) runs unprivileged.
+#: when a collected test carries the mark, so the tiers run as nobody (unit, rank) never probe it.
 needs_criu = pytest.mark.criu
 
 

@@ -16,7 +16,7 @@ communicator: tpagent_rank.nccladdr rewrites it (first run on an H100: without i
 communicator built after the move failed to bind, and the rank went back).  Both nodes are on
 this one machine, so the host identity NCCL holds stays true and the GPU keeps its PCI bus id:
 the cross-host cases (cuda-checkpoint issue 48, NCCL issue 2348) are handled by mapping and
-checks tested without a GPU (tests/unit/test_gpu_pairing.py, tests/unit/test_rewire_protocol.py),
+checks tested without a GPU (tests/unit/test_gpu_pairing.py, tests/rank/test_rewire_protocol.py),
 not shown here."""
 
 from __future__ import annotations
