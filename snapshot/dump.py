@@ -425,8 +425,11 @@ def _rolled_back(e: BaseException, job: _Dump) -> BaseException:
     cancelled = isinstance(e, KeyboardInterrupt) or (job.log_dir / hook.CANCEL_FILE).exists()
     let_go = cancelled or (job.log_dir / hook.DECISION_FILE).exists()  # (a holder's abort)
     wrote = any((out / IMAGES_DIR).glob("*"))  # (a sender following the images may have read them)
+    # CRIU's log is in ``out`` too: the disk that ran out may have cut the very line that says so
+    # ("Unable to spice data: No", in its words), so what CRIU left free there says it as well.
+    full = _free_bytes(out) == 0
     _clear(out, job.created)  # a partial snapshot must never look restorable
-    err = _why(e, job, said, cancelled)
+    err = _why(e, job, said, cancelled, full)
     if problem is not None:
         return ToolError(f"{err}; then resuming PID {pid} failed too: {problem}")
     err.rolled_back = proc.alive(pid)  # (it may also have exited on its own meanwhile)
@@ -435,13 +438,14 @@ def _rolled_back(e: BaseException, job: _Dump) -> BaseException:
     return err
 
 
-def _why(e: BaseException, job: _Dump, said: str, cancelled: bool) -> SnapshotError:
-    """The error that says why the checkpoint failed: ``e``, or what CRIU or its hook ``said``."""
+def _why(e: BaseException, job: _Dump, said: str, cancelled: bool, full: bool) -> SnapshotError:
+    """The error that says why the checkpoint failed: ``e``, or what CRIU or its hook ``said``
+    (``full``: the disk holding the snapshot had no byte left when it failed)."""
     pid = job.pid
     out = job.out
     if cancelled:
         return Interrupted(f"the checkpoint of PID {pid} was interrupted")
-    if "No space left on device" in said or (isinstance(e, OSError) and e.errno == errno.ENOSPC):
+    if full or "No space left on device" in said or (isinstance(e, OSError) and e.errno == errno.ENOSPC):
         return CriuError(
             f"the disk holding {out} ran out of space: the snapshot of PID {pid} needs about "
             f"{_size(proc.dump_size_estimate(job.pids))}, and {_size(_free_bytes(out))} are free there; "

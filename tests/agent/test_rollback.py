@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import re
 import subprocess
 from pathlib import Path
@@ -9,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu
-from snapshot.api import SnapshotConfig, SnapshotError, Stage
+from snapshot import dump
+from snapshot.api import CriuError, DumpMode, SnapshotConfig, SnapshotError, Stage
 from snapshot.dump import checkpoint
 from support.helpers import Workload, alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
 
@@ -43,6 +46,39 @@ def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tpagent-test", str(mnt)], check=True)
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_full_disk_that_cut_criu_s_own_line_about_it_is_still_named(start, small_disk: Path) -> None:  # type: ignore[no-untyped-def]
+    """CRIU's log is in --out, on the disk that ran out: the line that says so may be cut short
+    where the disk ended (a run of test_output_disk_full once read "Unable to spice data: No", and
+    failed).  What CRIU left free there names the full disk all the same."""
+    w = start(mib=16)
+    out = small_disk / "snap"
+    (out / "images").mkdir(parents=True)
+    with open(out / "images" / "pages-1.img", "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while f.write(bytes(1 << 20)):  # until the disk is full, as CRIU left it
+            pass
+    cut = CriuError(
+        f"criu dump of PID {w.pid} failed", detail="Error (criu/page-xfer.c:263): page-xfer: Unable to spice data: No"
+    )
+    attempt = dump._Dump(  # (what _rolled_back reads of an attempt that got as far as criu dump)
+        w.pid,
+        out,
+        DumpMode.KILL,
+        SnapshotConfig(),
+        None,
+        None,
+        None,
+        True,
+        [w.pid],
+        None,
+        [],
+        None,  # type: ignore[arg-type]
+    )
+    err = dump._rolled_back(cut, attempt)
+    assert isinstance(err, CriuError) and err.code == errno.ENOSPC, err
+    assert f"the disk holding {out} ran out of space" in str(err) and "criu/" not in str(err), err
+    assert not out.exists() and alive(w.pid)
 
 
 def test_output_disk_full(start, small_disk: Path) -> None:  # type: ignore[no-untyped-def]
