@@ -2,7 +2,7 @@
 (issue 11), three times: rank 1 to the spare, rank 0 (whose node hosts torchrun's store) to
 the spare too, and rank 1 back.  Each rank's losses, step by step, and the final parameters
 must be bit-identical to the same job run by plain torchrun with no tpagent at all
-(:mod:`rankjob`).  A job with no optimizer (parameters updated by hand) stops between two
+(:mod:`support.rankjob`).  A job with no optimizer (parameters updated by hand) stops between two
 collectives instead."""
 
 from __future__ import annotations

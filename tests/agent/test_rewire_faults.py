@@ -1,7 +1,7 @@
 """Moving a rank of a running torchrun job when something fails on the way (issue 11): the
 spare dies while the rank is restored on it, a peer rank dies at the boundary, the person at
 the CLI presses Ctrl-C, the source agent is killed mid-migration.  Each time, either the job
-goes on and ends bit-identical to the uninterrupted run (:mod:`rankjob`), with exactly one
+goes on and ends bit-identical to the uninterrupted run (:mod:`support.rankjob`), with exactly one
 copy of every rank, or the failure is reported in one sentence and nothing waits forever."""
 
 from __future__ import annotations

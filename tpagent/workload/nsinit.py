@@ -25,7 +25,6 @@ from pathlib import Path
 
 from host import safefs
 from host.api import UsageError
-from tpagent_rank import codec, protocol
 
 
 def _open_log(path: Path) -> int:
@@ -117,6 +116,9 @@ def _report_exit(code: int) -> None:
     name = os.environ.get("TPAGENT_RANK_SOCKET", "")
     if not name or len(name) > 100:
         return
+    # (imported only now: this init is dumped with every launched workload, which need not carry them)
+    from tpagent_rank import codec, protocol
+
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(2)
         s.connect("\0" + name)
