@@ -6,6 +6,8 @@
 * :mod:`host.safefs` -- paths root reads or writes for someone else: private directories, no
   symlink followed, no directory another user could change, private secret files.
 * :mod:`host.proc` -- processes: trees, namespaces, start times, signals, deferred Ctrl-C.
+* :mod:`host.userdirs` -- what root binds or removes in directories users can reach: the way to
+  a unix socket CRIU binds as root; removing only that very file.
 * :mod:`host.sockets` -- a tree's sockets: TCP endpoints, unix sockets and their directories.
 * :mod:`host.gpus` -- the GPUs (NVML): inventory, which process uses which, pairing by bus id.
 

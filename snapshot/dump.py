@@ -12,7 +12,6 @@ The restore side is :mod:`snapshot.restore`.
 
 from __future__ import annotations
 
-import errno
 import itertools
 import json
 import logging
@@ -29,7 +28,7 @@ import psutil
 from host import gpus, proc
 from host.api import UsageError
 from host.safefs import private_dir, private_opener
-from snapshot import hook, manifest, stages
+from snapshot import failures, hook, manifest, stages
 from snapshot.api import (
     CriuError,
     CudaError,
@@ -421,56 +420,21 @@ def _rolled_back(e: BaseException, job: _Dump) -> BaseException:
             stages.undo(FREEZE_AND_DUMP, job)
     except (CudaError, KeyboardInterrupt) as r:
         problem = str(r) or "interrupted"
-    said = f"{e} {_read(job.log_dir / hook.ERROR_FILE)}"
+    said = f"{e} {failures.read(job.log_dir / hook.ERROR_FILE)}"
     cancelled = isinstance(e, KeyboardInterrupt) or (job.log_dir / hook.CANCEL_FILE).exists()
     let_go = cancelled or (job.log_dir / hook.DECISION_FILE).exists()  # (a holder's abort)
     wrote = any((out / IMAGES_DIR).glob("*"))  # (a sender following the images may have read them)
     # CRIU's log is in ``out`` too: the disk that ran out may have cut the very line that says so
     # ("Unable to spice data: No", in its words), so what CRIU left free there says it as well.
-    full = _free_bytes(out) == 0
+    full = isinstance(e, CriuError) and failures.free_bytes(out, as_root=True) == 0
     _clear(out, job.created)  # a partial snapshot must never look restorable
-    err = _why(e, job, said, cancelled, full)
+    err = failures.why(e, job.pid, out, job.pids, said, cancelled, full)
     if problem is not None:
         return ToolError(f"{err}; then resuming PID {pid} failed too: {problem}")
     err.rolled_back = proc.alive(pid)  # (it may also have exited on its own meanwhile)
     err.transient = err.rolled_back and not (let_go or wrote) and any(t in said for t in TRANSIENT)
     log.info("checkpoint of %d failed; the tree was %s", pid, "resumed where it stood" if err.rolled_back else "gone")
     return err
-
-
-def _why(e: BaseException, job: _Dump, said: str, cancelled: bool, full: bool) -> SnapshotError:
-    """The error that says why the checkpoint failed: ``e``, or what CRIU or its hook ``said``
-    (``full``: the disk holding the snapshot had no byte left when it failed)."""
-    pid = job.pid
-    out = job.out
-    if cancelled:
-        return Interrupted(f"the checkpoint of PID {pid} was interrupted")
-    if full or "No space left on device" in said or (isinstance(e, OSError) and e.errno == errno.ENOSPC):
-        return CriuError(
-            f"the disk holding {out} ran out of space: the snapshot of PID {pid} needs about "
-            f"{_size(proc.dump_size_estimate(job.pids))}, and {_size(_free_bytes(out))} are free there; "
-            "free some space or give --out on a larger disk",
-            code=errno.ENOSPC,
-        )
-    if hook.NOT_THE_PROCESS in said:
-        return UsageError(
-            f"PID {pid} is no longer the process that was checked (that one exited and its PID was reused); "
-            "nothing was done."
-        )
-    if isinstance(e, SnapshotError):
-        return e
-    if isinstance(e, OSError):
-        return CriuError(f"writing the snapshot to {out} failed", detail=str(e), code=e.errno)
-    # a bug, or a library raising what it should not: the rollback above still ran
-    log.exception("checkpoint of %d failed unexpectedly", pid)
-    return ToolError(f"the checkpoint of PID {pid} failed unexpectedly ({type(e).__name__}: {e})")
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
 
 
 def _clear(out: Path, created: bool) -> None:
@@ -482,15 +446,3 @@ def _clear(out: Path, created: bool) -> None:
     if created:
         with suppress(OSError):
             out.rmdir()
-
-
-def _free_bytes(out: Path) -> int:
-    """Free bytes on the file system ``out`` is (or would be) on."""
-    for at in (out, *out.parents):
-        with suppress(OSError):
-            return shutil.disk_usage(at).free
-    return 0
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB ({n:,} bytes)"

@@ -63,6 +63,18 @@ class Rank:
         self.addresses: dict[str, list[bytes]] = {}  # the node's it was told to leave, as it tore down
         self.park_timeout = float(os.environ.get("TPAGENT_RANK_PARK_TIMEOUT", "600"))
         self.pid = os.getpid()
+        #: What the agent asks of this rank (the rank protocol's runtime ops), by op.
+        self.handlers: dict[P.Op, Callable[[Any], P.Answer]] = {
+            P.Op.WHERE: self._where,
+            P.Op.PEERS: self._peers,
+            P.Op.PAUSE: self._pause,
+            P.Op.BOUNDARY: self._boundary,
+            P.Op.CANCEL: self._cancel,
+            P.Op.TEARDOWN: self._teardown,
+            P.Op.REBUILD: self._rebuild,
+            P.Op.RESUME: self._resume,
+            P.Op.END: self._end,
+        }
 
     # ---- the training thread ---------------------------------------------------------------
 
@@ -187,10 +199,14 @@ class Rank:
                 s.close()
 
     def _reply(self, rid: object, answer: P.Answer) -> None:
+        try:
+            data = codec.line(answer, id=rid)
+        except P.ProtocolError as e:  # (every request gets its answer: this one says why it has none)
+            data = codec.line(P.failed(f"its answer is not one of the rank protocol ({e})"), id=rid)
         with self.write_lock:
             if self.sock is not None:
-                with contextlib.suppress(OSError, P.ProtocolError):
-                    self.sock.sendall(codec.line(answer, id=rid))
+                with contextlib.suppress(OSError):
+                    self.sock.sendall(data)
 
     def _answer(self, rid: object, request: P.Request[Any]) -> None:
         try:
@@ -220,18 +236,7 @@ class Rank:
 
     def _do(self, request: P.Request[Any]) -> P.Answer:
         """The answer to one request (a dispatch over the runtime's ops)."""
-        handlers: dict[P.Op, Callable[[Any], P.Answer]] = {
-            P.Op.WHERE: self._where,
-            P.Op.PEERS: self._peers,
-            P.Op.PAUSE: self._pause,
-            P.Op.BOUNDARY: self._boundary,
-            P.Op.CANCEL: self._cancel,
-            P.Op.TEARDOWN: self._teardown,
-            P.Op.REBUILD: self._rebuild,
-            P.Op.RESUME: self._resume,
-            P.Op.END: self._end,
-        }
-        handler = handlers.get(request.OP)
+        handler = self.handlers.get(request.OP)
         if handler is None:
             return P.failed(f"{request.OP.value!r} is not a request a rank answers")
         return handler(request)

@@ -28,6 +28,9 @@ from tpagent_rank.protocol import (
 )
 
 T = TypeVar("T")
+#: The integers either wire carries (protobuf's int64).
+INT_MIN = -(1 << 63)
+INT_MAX = (1 << 63) - 1
 
 
 def said(message: Hello | Welcome | Refusal | Exit) -> bytes:
@@ -94,14 +97,16 @@ def _check(kind: Any, value: Any, name: str) -> Any:
             raise ProtocolError(f"{name} is not true or false")
         return value
     if kind is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ProtocolError(f"{name} is not an integer")
+        if not isinstance(value, int) or isinstance(value, bool) or not INT_MIN <= value <= INT_MAX:
+            raise ProtocolError(f"{name} is not an integer of 64 bits")
         return value
     if kind is float:
         if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
             raise ProtocolError(f"{name} is not a number")
         return float(value)
     if kind is str:
+        if value is None:  # (how the first runtime said "none": ranks started before the typed protocol)
+            return ""
         if not isinstance(value, str):
             raise ProtocolError(f"{name} is not text")
         return value

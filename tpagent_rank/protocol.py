@@ -30,8 +30,9 @@ Two wires carry it, each field for field:
   holds one message per op, a ``RankReply`` one per kind of answer, with these names and fields.
 
 Encoding and checked decoding are :mod:`tpagent_rank.codec`'s: whatever arrives is decoded
-against these classes, every field's type checked (and the line bounded), so that a peer's
-mistake is a :class:`ProtocolError`, never a wrong value in the agent.
+against these classes, every field's type checked (integers within 64 bits, numbers finite,
+the line bounded), so that a peer's mistake is a :class:`ProtocolError`, never a value of the
+wrong type in the agent; what a value means is for its handler to check.
 """
 
 from __future__ import annotations

@@ -25,11 +25,21 @@ from transfer.wire import Layout
 
 def start(partial: Path, layout: Layout | None, chunk_size: int, sha: str, expect: dict[int, list[str]]) -> Session:
     """A session receiving into ``partial`` (made here, 0700: a partial snapshot is someone's
-    memory too); its files sized and its regions counted when the layout is known."""
+    memory too); its files sized and its regions counted when the layout is known.  If that
+    fails part-way (no descriptor or inode left), what it opened and made is let go."""
     private_dir(partial, empty=True)
     s = Session(layout, chunk_size, partial, sha, expect=expect)
     if layout is None:
         return s
+    try:
+        _size_and_count(s, layout, expect)
+    except BaseException:
+        discard(s, 0.0)
+        raise
+    return s
+
+
+def _size_and_count(s: Session, layout: Layout, expect: dict[int, list[str]]) -> None:
     for name, size in layout.files:
         os.ftruncate(s.fds[s.open_file(name)], size)
     s.where = dict(enumerate(layout.chunks()))
@@ -41,8 +51,7 @@ def start(partial: Path, layout: Layout | None, chunk_size: int, sha: str, expec
             s.waiting[fi][off // region] += 1
         for fi, (name, size) in enumerate(layout.files):
             if size == 0:
-                s.digests[fi][0] = snapmanifest.sha256_range((partial / name, 0, 0))
-    return s
+                s.digests[fi][0] = snapmanifest.sha256_range((s.partial / name, 0, 0))
 
 
 def discard(s: Session, io_timeout: float) -> None:

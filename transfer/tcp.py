@@ -240,7 +240,7 @@ class TcpListener(Listener):
 
 class TcpTransport(Transport):
     """TCP, in mutual TLS when given the node's certificate files (``tls``).  Files that
-    cannot be used raise :class:`~snapshot.api.UsageError` here, in one sentence."""
+    cannot be used raise :class:`~host.api.UsageError` here, in one sentence."""
 
     name = "tcp"
 

@@ -36,7 +36,7 @@ _NOT_TLS = {
 
 def server_context(files: TlsFiles) -> ssl.SSLContext:
     """The receiver's side: its certificate, and a client certificate of the CA required.
-    Files that cannot be used raise :class:`~snapshot.api.UsageError` in one sentence."""
+    Files that cannot be used raise :class:`~host.api.UsageError` in one sentence."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.num_tickets = 0

@@ -5,7 +5,7 @@ into a :class:`~transfer.api.Transport`.
 
 ``"tcp"``
     :class:`~transfer.tcp.TcpTransport`: in mutual TLS with ``tls`` (this node's certificate
-    files, checked here: files that cannot be used raise :class:`~snapshot.api.UsageError`),
+    files, checked here: files that cannot be used raise :class:`~host.api.UsageError`),
     plain TCP when ``tls`` is None (still authenticated by the HMAC handshake, but readable
     on the wire).
 ``"ucx"``
@@ -14,7 +14,7 @@ into a :class:`~transfer.api.Transport`.
     UCX has no TLS: ``tls`` is ignored, the stream is authenticated but not encrypted (see
     :mod:`transfer.ucx`).
 
-Any other name raises :class:`~snapshot.api.UsageError` in one sentence: like unusable TLS
+Any other name raises :class:`~host.api.UsageError` in one sentence: like unusable TLS
 files it is a request that cannot be carried out as given, and callers already map that
 error (the CLI to its usage exit code).
 """

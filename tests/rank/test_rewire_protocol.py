@@ -9,14 +9,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
+from tpagent.jobs.api import Moving, RewireRecord
 from tpagent.jobs.journal import Unwritten
 from tpagent.jobs.rewire import Rewire
 from tpagent.migration.api import Event, MigrationResult, Outcome, Refused, Why
-from tpagent.migration.source import SourceMigration
 from tpagent_rank import protocol as P
 
 HERE = "10.0.0.1:7400"
@@ -189,13 +189,13 @@ class Job:
         dry_run: bool = False,
         hold: float = 0.0,
         verdict: Callable[[], bool | None] | None = None,
-    ) -> SourceMigration:
+    ) -> Moving:
         move = FakeMove(pid, Outcome.DRY_RUN if dry_run else self.outcome, hold, verdict)
         move.on_copy = lambda runs: self.where.__setitem__(0, target if runs else HERE)
-        return cast(SourceMigration, move)
+        return move
 
     def rewire(self, timeout: float = 5.0) -> tuple[Rewire, MigrationResult]:
-        rw = Rewire.start("j", {0: (777, THERE)}, HERE, self.ask, self.start_move, timeout, Unwritten())
+        rw = Rewire(RewireRecord.new("j", HERE, {0: (777, THERE)}), self.ask, self.start_move, timeout, Unwritten())
         try:
             return rw, rw.run()
         finally:
@@ -352,7 +352,8 @@ def test_a_moving_rank_whose_nccl_runs_ras_is_refused_before_anything_stops(dry_
     job.ranks[0].nccl_ras = True
     job.ranks[1].nccl_host = "here|boot1"
     job.ranks[1].nccl_ras = True  # (it stays: its RAS is no matter)
-    rw = Rewire.start("j", {0: (777, THERE)}, HERE, job.ask, job.start_move, 5.0, Unwritten(), dry_run=dry_run)
+    record = RewireRecord.new("j", HERE, {0: (777, THERE)})
+    rw = Rewire(record, job.ask, job.start_move, 5.0, Unwritten(), dry_run=dry_run)
     try:
         result = rw.run()
     finally:

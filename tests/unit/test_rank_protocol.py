@@ -103,6 +103,7 @@ def test_an_error_answer_of_a_typed_kind_keeps_its_kind_with_defaults() -> None:
     [
         ({"op": "pause", "at": "5"}, "at is not an integer"),
         ({"op": "pause", "at": True}, "at is not an integer"),
+        ({"op": "pause", "at": 1 << 63}, "at is not an integer of 64 bits"),
         ({"op": "pause"}, "Pause lacks at"),
         ({"op": "teardown", "leaving": 1}, "leaving is not true or false"),
         ({"op": "boundary", "timeout": float("nan")}, "timeout is not a number"),
@@ -119,6 +120,8 @@ def test_what_is_not_a_request_is_refused_by_name(body: dict[str, Any], said: st
 def test_an_answer_with_a_field_of_the_wrong_type_is_refused() -> None:
     with pytest.raises(P.ProtocolError, match="step is not an integer"):
         codec.decode_answer(P.Where(), {"ok": True, "step": "lots"})
+    with pytest.raises(P.ProtocolError, match="step is not an integer of 64 bits"):
+        codec.decode_answer(P.Where(), {"ok": True, "step": 1 << 64})  # (it could not be passed on between agents)
     with pytest.raises(P.ProtocolError, match="agents.. is not text"):
         codec.decode_answer(P.Peers(), {"ok": True, "agents": ["a:1", 5]})
     with pytest.raises(P.ProtocolError, match="data is not base64"):
@@ -144,8 +147,15 @@ def test_a_grpc_rank_request_is_checked_before_it_is_passed_on() -> None:
     assert e.value.why is Why.INVALID
     with pytest.raises(Refused, match="timeout must be between") as e:
         rankwire.request_of(rankwire.request_pb("job", 0, P.Where(), 0.0))
-    with pytest.raises(Refused, match="must fit in") as e:
+    with pytest.raises(Refused, match="over the limit") as e:
         rankwire.request_of(rankwire.request_pb("job", 0, P.End(why="x" * P.LINE_MAX), 5.0))
+    with pytest.raises(Refused, match="timeout is not a number"):
+        rankwire.request_of(rankwire.request_pb("job", 0, P.Boundary(timeout=float("nan")), 5.0))
+    with pytest.raises(Refused, match="a rank's own timeout must be between"):
+        rankwire.request_of(rankwire.request_pb("job", 0, P.Rebuild(gen=1, timeout=-1.0), 5.0))
+    for job, rank in (("j" * (P.JOB_MAX + 1), 0), ("a\nb", 0), ("job", -1)):
+        with pytest.raises(Refused, match="must name a job"):
+            rankwire.request_of(rankwire.request_pb(job, rank, P.Where(), 5.0))
     other = rankwire.reply_pb(P.Agents(agents=("a:1",)))
     with pytest.raises(Refused, match="answered 'where' with 'agents'") as e:
         rankwire.answer_of(P.Where(), other)
@@ -183,3 +193,53 @@ def test_every_field_of_a_message_is_on_the_grpc_wire() -> None:
         assert own == set(message.DESCRIPTOR.fields_by_name), type(answer)
     row = rankwire.pb.RankReply.RankRow
     assert {f.name for f in dataclasses.fields(P.RankRow)} == set(row.DESCRIPTOR.fields_by_name)
+
+
+def test_what_the_first_runtime_said_of_none_still_reads() -> None:
+    """A rank started before the protocol was typed says none as null (a where without NCCL, a
+    peer that has not said where its agent is): an agent upgraded under its running job still
+    reads it, as text that is empty."""
+    old_where = {
+        "id": 3,
+        "ok": True,
+        "step": 7,
+        "gen": 1,
+        "state": "running",
+        "rate": 2.0,
+        "collective_rate": 0.0,
+        "groups": 1,
+        "nccl_host": None,
+        "nccl_ras": False,
+        "host": "h|b",
+        "hosts_store": None,
+        "store_loopback": None,
+    }
+    assert codec.decode_answer(P.Where(), old_where) == P.Standing(step=7, gen=1, rate=2.0, groups=1, host="h|b")
+    old_peers = {"id": 4, "ok": True, "agents": ["10.0.0.1:7400", None]}
+    assert codec.decode_answer(P.Peers(), old_peers).agents == ("10.0.0.1:7400", "")
+
+
+def test_a_caller_older_than_the_typed_protocol_is_answered_in_its_own_form() -> None:
+    """A stand-in started before its node's agent was upgraded (it lives as long as its job) asks
+    in JSON: it is checked as every request is, and answered in JSON, as it reads."""
+    old = rankwire.pb.RankRequest(
+        job="job", rank=1, body=json.dumps({"op": "output", "fd": 2, "offset": 5}), timeout=10
+    )
+    assert rankwire.legacy(old) and rankwire.request_of(old) == P.Output(fd=2, offset=5)
+    reply = rankwire.reply_pb(P.Written(data=b"rank 1 said", size=16), as_json=True)
+    assert json.loads(reply.body) == {"ok": True, "error": "", "data": "cmFuayAxIHNhaWQ=", "size": 16}
+    assert not rankwire.legacy(rankwire.request_pb("job", 1, P.Locate(), 10.0))
+    for body in ('{"op": "drop_tables"}', "[1]", '{"op": "output", "fd": "x", "offset": 0}', "{" * 70000):
+        bad = rankwire.pb.RankRequest(job="job", rank=1, body=body, timeout=10)
+        with pytest.raises(Refused, match="not one of the rank protocol") as e:
+            rankwire.request_of(bad)
+        assert e.value.why is Why.INVALID
+
+
+def test_a_field_protobuf_leaves_at_zero_takes_the_protocols_default() -> None:
+    """Protobuf cannot tell a field left unset from its zero: a caller that sets only what it means
+    gets the protocol's defaults, not zeros (a pause in no unit, reads of one byte)."""
+    bare = rankwire.pb.RankRequest(job="job", rank=0, timeout=5, pause=rankwire.pb.RankRequest.Pause(at=9))
+    assert rankwire.request_of(bare) == P.Pause(at=9, unit="step")
+    bare = rankwire.pb.RankRequest(job="job", rank=0, timeout=5, output=rankwire.pb.RankRequest.Output(fd=1))
+    assert rankwire.request_of(bare) == P.Output(fd=1, offset=0, max=P.OUTPUT_MAX)

@@ -40,7 +40,7 @@
     rewire_timeout = 120.0            # a rank's rewire step (reach the boundary, rebuild) at most this long
 
 The variable for a key is TPAGENT_ and the key in capitals (lists: comma-separated).  The
-timeouts are checked against each other at load (:class:`tpagent.migration.api.Timeouts`).
+timeouts are checked against each other at load (:class:`Timeouts`).
 """
 
 from __future__ import annotations

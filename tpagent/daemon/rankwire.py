@@ -6,6 +6,7 @@ oneof ``answer`` under the answer's name in snake case, ``ok`` and ``error`` bes
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import typing
 from typing import Any, TypeVar
@@ -41,6 +42,8 @@ def _to_pb(obj: Any, message: type[M]) -> M:
 
 
 def _from_pb(message: Any, cls: type[Any], **given: Any) -> Any:
+    """A ``cls`` from the message of its name.  Protobuf cannot tell a field left unset from its
+    zero: a field that reads zero takes the dataclass's default (``unit`` "step", ``max`` 1 MiB)."""
     types = codec.types_of(cls)
     values = dict(given)
     for f in dataclasses.fields(cls):
@@ -51,6 +54,8 @@ def _from_pb(message: Any, cls: type[Any], **given: Any) -> Any:
             item = typing.get_args(types[f.name])[0]
             nested = typing.cast(type[Any], item)
             value = tuple(_from_pb(x, nested) if dataclasses.is_dataclass(nested) else x for x in value)
+        elif not value and f.default is not dataclasses.MISSING:
+            value = f.default
         values[f.name] = value
     return cls(**values)
 
@@ -61,25 +66,50 @@ def request_pb(job: str, rank: int, request: P.Request[Any], timeout: float) -> 
 
 
 def request_of(message: pb.RankRequest) -> P.Request[Any]:
-    """The request a Rank call carries; Refused (INVALID) for one that is not valid."""
+    """The request a Rank call carries, every field checked as the rank's line checks it (its
+    type, 64-bit integers, finite numbers, the line's size), its job, rank and timeouts bounded;
+    Refused (INVALID) for one that is not valid.  A caller older than the typed protocol sends
+    its request as JSON in ``body`` (:func:`legacy`)."""
     kind = message.WhichOneof("op")
-    if kind is None:
+    if kind is None and not message.body:
         raise Refused("a Rank request must name one operation of the rank protocol.", Why.INVALID)
-    request: P.Request[Any] = _from_pb(getattr(message, kind), P.REQUESTS[P.Op(kind)])
+    if not P.valid_job(message.job) or not 0 <= message.rank < P.RANK_MAX:
+        raise Refused("a Rank request must name a job (printable, at most 200 characters) and a rank.", Why.INVALID)
     if not 0 < message.timeout <= TIMEOUT_MAX:
         raise Refused(f"a Rank request's timeout must be between 0 and {TIMEOUT_MAX:.0f} s.", Why.INVALID)
     try:
-        codec.request_line(0, request)  # (what a rank is passed must fit its line)
-    except P.ProtocolError as e:
-        raise Refused(f"a Rank request must fit in {P.LINE_MAX} bytes ({e}).", Why.INVALID) from e
+        if kind is None:
+            data = json.loads(message.body) if len(message.body) <= P.LINE_MAX else None
+            if not isinstance(data, dict):
+                raise P.ProtocolError(f"its body is not one JSON object of at most {P.LINE_MAX} bytes")
+        else:
+            given = _from_pb(getattr(message, kind), P.REQUESTS[P.Op(kind)])
+            data = {**codec.parse_line(codec.request_line(0, given)), "op": kind}
+        request = codec.decode_request(data)  # (NaN, a 64-bit overflow, a line too long: refused here)
+    except (P.ProtocolError, ValueError) as e:
+        raise Refused(f"a Rank request is not one of the rank protocol ({e}).", Why.INVALID) from e
+    if not 0 < getattr(request, "timeout", 1.0) <= TIMEOUT_MAX:
+        raise Refused(f"a rank's own timeout must be between 0 and {TIMEOUT_MAX:.0f} s.", Why.INVALID)
     return request
 
 
-def reply_pb(answer: P.Answer) -> pb.RankReply:
+def legacy(message: pb.RankRequest) -> bool:
+    """Whether a Rank request comes from a caller older than the typed protocol (a stand-in that
+    started before its node's agent was upgraded): answer it in ``RankReply.body``, as JSON."""
+    return message.WhichOneof("op") is None and bool(message.body)
+
+
+def reply_pb(answer: P.Answer, as_json: bool = False) -> pb.RankReply:
+    """The reply that carries ``answer`` (``as_json``: to a caller older than the typed protocol)."""
+    if as_json:
+        return pb.RankReply(body=json.dumps(codec.fields_of(answer)))
     if type(answer) is P.Answer:
         return pb.RankReply(ok=answer.ok, error=answer.error)
     name = type(answer).__name__
-    message = _to_pb(answer, getattr(pb.RankReply, name))
+    try:
+        message = _to_pb(answer, getattr(pb.RankReply, name))
+    except ValueError as e:  # (an integer past 64 bits: the codec refuses what a rank says so)
+        raise Refused(f"the answer cannot be sent ({e})", Why.INTERNAL) from e
     return pb.RankReply(ok=answer.ok, error=answer.error, **{_snake(name): message})
 
 

@@ -159,12 +159,12 @@ class Service(AgentServicer):
         return pb.RestoreReply(pid=r.pid, timings=dict(r.timings))
 
     def Rank(self, request: pb.RankRequest, context: grpc.ServicerContext) -> pb.RankReply:
-        def call() -> P.Answer:
+        def call() -> pb.RankReply:
             asked = rankwire.request_of(request)
             answer: P.Answer = self.node.rank_request(str(request.job), int(request.rank), asked, request.timeout)
-            return answer
+            return rankwire.reply_pb(answer, as_json=rankwire.legacy(request))
 
-        return rankwire.reply_pb(_answer(context, call))
+        return _answer(context, call)
 
     def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.MigrationStatus:
         r = request

@@ -23,12 +23,15 @@ Each phase is written down (:mod:`tpagent.jobs.journal`) before it takes effect.
 from __future__ import annotations
 
 import enum
+import queue
+import threading
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
-from tpagent.migration.source import SourceMigration
+from tpagent.migration.api import Event, MigrationResult
 from tpagent_rank import protocol as P
 
 A = TypeVar("A", bound=P.Answer)
@@ -65,10 +68,6 @@ class RewireFailed(Exception):
     """A rewire cannot go on; the message says why, in one sentence for the user."""
 
 
-#: What a rank's step counts at the boundary (the rank protocol's :class:`~tpagent_rank.protocol.Unit`).
-UNITS = frozenset(u.value for u in P.Unit)
-
-
 @dataclass
 class RewireRecord:
     """What the journal keeps of one rewire (:mod:`tpagent.jobs.journal` says the format)."""
@@ -84,6 +83,11 @@ class RewireRecord:
     step: int = 0  # the boundary
     unit: str = P.Unit.STEP.value  # what ``step`` counts
     moves: dict[int, str] = field(default_factory=dict)  # rank -> its migration's id
+
+    @classmethod
+    def new(cls, job: str, here: str, moving: dict[int, tuple[int, str]]) -> RewireRecord:
+        """The record of a new rewire (its id a fresh one)."""
+        return cls(uuid.uuid4().hex, job, here, moving)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -132,6 +136,24 @@ class Ask(Protocol):
     def __call__(self, agent: str, job: str, rank: int, request: P.Request[A], timeout: float) -> A: ...
 
 
+class Moving(Protocol):
+    """One rank's migration, as a rewire follows it (:class:`tpagent.migration.source.SourceMigration`)."""
+
+    pid: int
+    events: queue.Queue[Event | None]  # (None ends them)
+    result: MigrationResult | None
+    copy_runs: threading.Event  # its copy runs on the target, its original still frozen here
+    new_pid: int
+    problems: list[str]  # a dry run's findings
+
+    @property
+    def migration_id(self) -> str: ...
+
+    def run(self) -> MigrationResult: ...
+
+    def cancel(self, reason: str) -> bool: ...
+
+
 class StartMove(Protocol):
     """Admit the ordinary migration of one rank's namespace (its init ``pid`` here) to ``target``.
     ``hold`` > 0: its copy, once started there, waits for ``verdict`` (True: kept, False: dropped,
@@ -145,7 +167,7 @@ class StartMove(Protocol):
         dry_run: bool = False,
         hold: float = 0.0,
         verdict: Callable[[], bool | None] | None = None,
-    ) -> SourceMigration: ...
+    ) -> Moving: ...
 
 
 class Settled(Protocol):

@@ -1,6 +1,8 @@
 """One ``Rank`` call, as the agent answers it: a request of the rank's runtime is passed on to the
 rank (:meth:`tpagent.jobs.ranks.Ranks.call`), the others are answered here, by a dispatch over the
-rank protocol's ops (:mod:`tpagent_rank.protocol`).  Every field is checked before it is used."""
+rank protocol's ops (:mod:`tpagent_rank.protocol`).  Each request comes decoded and checked by
+type and size (:mod:`tpagent_rank.codec`, :mod:`tpagent.daemon.rankwire`); what each means is
+checked here (an agent's address, a signal, an output's descriptor and offset)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from host import proc
-from tpagent.jobs.ranks import RankGone, Ranks
+from tpagent.jobs.connection import RankGone
+from tpagent.jobs.ranks import Ranks
 from tpagent.migration.api import AgentError, Refused, Why, is_agent_address
 from tpagent_rank import protocol as P
 

@@ -43,7 +43,7 @@ def _move(record: RewireRecord, to: Phase, message: str) -> tuple[Phase, str]:
 
 class RewireJournal:
     def __init__(self, directory: Path) -> None:
-        self.files = RecordFiles(directory, "rewire")
+        self.files = RecordFiles(directory, "rewire", create=False)  # (made at the first rewire)
 
     def move(self, record: RewireRecord, to: Phase, message: str = "") -> None:
         before = _move(record, to, message)

@@ -3,14 +3,16 @@ moving rank's migration, and the checks of the ranks' answers that keep a rank f
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from tpagent.jobs.api import Ask, RewireFailed
-from tpagent.migration.api import AgentError, Event, MigrationResult
-from tpagent.migration.source import SourceMigration
+from tpagent.jobs.api import Ask, Moving, RewireFailed
+from tpagent.migration.api import AgentError, Event, MigrationResult, Refused, Why
 from tpagent_rank import protocol as P
+
+log = logging.getLogger(__name__)
 
 #: One rank's answer, or the AgentError its agent gave instead.
 Reply = P.Answer | AgentError
@@ -47,6 +49,9 @@ class Asking:
                 return self.ask(agents[r], self.job, r, request(r), timeout)
             except AgentError as e:
                 return e
+            except Exception as e:  # (a bug, or a value no wire carries: this rank failed, the others go on)
+                log.exception("asking rank %d of job %s failed", r, self.job)
+                return Refused(f"{type(e).__name__}: {e}", Why.INTERNAL)
 
         out: dict[int, Reply] = {}
         if not ranks:
@@ -92,7 +97,7 @@ class Move:
     rewire's).  Once its copy runs on the target (held there for the rewire's word), ``verdict``
     keeps or drops it."""
 
-    def __init__(self, m: SourceMigration, verdict: Verdict, events: Callable[[Event], None]) -> None:
+    def __init__(self, m: Moving, verdict: Verdict, events: Callable[[Event], None]) -> None:
         self.m = m
         self.verdict = verdict
         self.on_event = events

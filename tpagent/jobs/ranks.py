@@ -26,7 +26,6 @@ import stat
 import struct
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -34,7 +33,8 @@ from typing import Any, BinaryIO, TypeVar
 from host import paths, proc
 from host.safefs import private_dir
 from tpagent.common.threads import Threads
-from tpagent.migration.api import AgentError, Refused, Why
+from tpagent.jobs.connection import Connection, RankGone
+from tpagent.migration.api import Refused, Why
 from tpagent.migration.journal import write_durably
 from tpagent.workload import launch
 from tpagent_rank import codec
@@ -43,69 +43,11 @@ from tpagent_rank import protocol as P
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=P.Answer)
 
-#: Connections waiting for their registration, at most (the oldest goes).
+#: Connections that wait for their registration, at most (more are refused at once), and how long each.
 PENDING_MAX = 64
 PENDING_FOR = 30.0
 #: Ranks that moved away or ended, remembered (for their stand-ins) at most.
 KEEP_ENDED = 1024
-
-
-class RankGone(AgentError):
-    """The rank's connection broke (or it never came) while the agent asked it something."""
-
-
-class _Conn:
-    """One rank's connection: requests written under a lock, answers matched by id."""
-
-    def __init__(self, sock: socket.socket, pid: int, hello: P.Hello) -> None:
-        self.sock = sock
-        self.pid = pid
-        self.hello = hello
-        self.lock = threading.Lock()
-        self.next_id = 1
-        self.waiting: dict[int, list[Any]] = {}  # id -> [Event, its answer's fields]
-        self.closed = threading.Event()
-
-    def send(self, data: bytes) -> None:
-        with self.lock:
-            self.sock.sendall(data)
-
-    def call(self, request: P.Request[A], timeout: float) -> A:
-        slot: list[Any] = [threading.Event(), None]
-        with self.lock:
-            rid = self.next_id
-            self.next_id += 1
-            self.waiting[rid] = slot
-        try:
-            self.send(codec.request_line(rid, request))
-            if not slot[0].wait(timeout):
-                raise RankGone(f"it did not answer {request.OP.value!r} within {timeout:.0f} s")
-            if slot[1] is None:
-                raise RankGone("its connection to this agent closed")
-            return codec.decode_answer(request, slot[1])
-        except P.ProtocolError as e:
-            raise RankGone(f"its answer to {request.OP.value!r} is not one of the rank protocol ({e})") from e
-        except OSError as e:
-            raise RankGone(f"its connection to this agent broke ({e.strerror or e})") from e
-        finally:
-            with self.lock:
-                self.waiting.pop(rid, None)
-
-    def answered(self, body: dict[str, Any]) -> None:
-        rid = body.get("id")
-        with self.lock:
-            slot = self.waiting.get(rid) if isinstance(rid, int) else None
-        if slot is not None:
-            slot[1] = body
-            slot[0].set()
-
-    def close(self) -> None:
-        self.closed.set()
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        with self.lock:
-            for slot in self.waiting.values():
-                slot[0].set()
 
 
 @dataclass
@@ -115,7 +57,7 @@ class RankEntry:
     init: int  # the PID (here) of its launched namespace's init
     init_start: int  # and its start, in clock ticks since boot
     world: int = 0
-    conn: _Conn | None = None
+    conn: Connection | None = None
     exit_code: int | None = None
     moved_to: str = ""  # the agent it migrated to
     seen: P.Hello | None = None  # its last hello
@@ -183,7 +125,7 @@ class Ranks:
         self.threads = threads
         self.lock = threading.Lock()
         self.entries: dict[tuple[str, int], RankEntry] = {}
-        self.pending: OrderedDict[int, tuple[float, socket.socket, int, dict[str, Any]]] = OrderedDict()
+        self.waiting = threading.BoundedSemaphore(PENDING_MAX)  # connections waiting for their registration
         self.server: socket.socket | None = None
         #: Where the registrations outlive the agent (a restart must not orphan running ranks).
         self.saved = saved
@@ -271,9 +213,6 @@ class Ranks:
             for e in self.entries.values():
                 if e.conn is not None:
                     e.conn.close()
-            for _t, sock, _pid, _h in self.pending.values():
-                sock.close()
-            self.pending.clear()
 
     def _accept(self) -> None:
         assert self.server is not None
@@ -317,10 +256,26 @@ class Ranks:
                     if entry.conn is conn:
                         entry.conn = None
 
-    def _attach(self, sock: socket.socket, pid: int, hello: P.Hello) -> _Conn | None:
-        """The connection, once its registration is there (it may come later: then it waits)."""
-        with contextlib.suppress(OSError):  # (it came back: the word it waited for is spent)
-            os.unlink(paths.RANK_GO / P.go_name(hello.job, hello.rank))
+    def _attach(self, sock: socket.socket, pid: int, hello: P.Hello) -> Connection | None:
+        """The connection, once its registration is there (it may come later: then it waits, as
+        at most :data:`PENDING_MAX` connections do; more are refused at once)."""
+        if not self.waiting.acquire(blocking=False):
+            log.warning(
+                "rank %s of job %s (PID %d): too many connections wait for their registration: refused",
+                hello.rank,
+                hello.job,
+                pid,
+            )
+            with contextlib.suppress(OSError):
+                sock.sendall(codec.said(P.Refusal("too many connections wait for their registration here")))
+            sock.close()
+            return None
+        try:
+            return self._wait_for_registration(sock, pid, hello)
+        finally:
+            self.waiting.release()
+
+    def _wait_for_registration(self, sock: socket.socket, pid: int, hello: P.Hello) -> Connection | None:
         init = proc.namespace_init(pid)
         key = (hello.job, hello.rank)
         deadline = time.monotonic() + PENDING_FOR
@@ -328,7 +283,9 @@ class Ranks:
             with self.lock:
                 entry = self.entries.get(key)
                 if entry is not None and init == entry.init and entry.alive():
-                    conn = _Conn(sock, pid, hello)
+                    with contextlib.suppress(OSError):  # (it came back: the word it waited for is spent)
+                        os.unlink(paths.RANK_GO / P.go_name(hello.job, hello.rank))
+                    conn = Connection(sock, pid, hello)
                     if entry.conn is not None:
                         entry.conn.close()
                     entry.conn = conn
@@ -349,6 +306,9 @@ class Ranks:
             conn.send(codec.said(P.Welcome(self.node_address)))
         except OSError:
             conn.close()
+            with self.lock:
+                if entry.conn is conn:  # (never left as if it were connected)
+                    entry.conn = None
             return None
         log.info("rank %s of job %s (PID %d) is connected", key[1], key[0], pid)
         return conn

@@ -30,26 +30,23 @@ where it now runs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
-from tpagent.jobs.api import Ask, Phase, RewireFailed, RewireLog, RewireRecord, Settled, StartMove
+from tpagent.jobs.api import Ask, Moving, Phase, RewireFailed, RewireLog, RewireRecord, Settled, StartMove
 from tpagent.jobs.moves import Asking, Move, Verdict, cannot_move, each, fails, nccl_strangers
-from tpagent.migration.api import HOLD_MAX, AgentError, Event, JournalError, MigrationResult, Outcome
-from tpagent.migration.source import SourceMigration
+from tpagent.migration.api import HOLD_MAX, AgentError, Event, JournalError, MigrationResult, Outcome, SourceState
 from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
 
 
 #: The states a rewire's run ends in, as its events say them.
-_ENDS = {Phase.DONE.value: Phase.DONE, Phase.ROLLED_BACK.value: Phase.ROLLED_BACK}
+_ENDS = {SourceState.DONE.value: Phase.DONE, SourceState.ROLLED_BACK.value: Phase.ROLLED_BACK}
 
 
 class Rewire:
@@ -76,38 +73,21 @@ class Rewire:
         self.journal = journal
         self.on_end = on_end
         self.dry_run = dry_run
-        self.recovering = settled
+        self.settled = settled
         self.events: queue.Queue[Event | None] = queue.Queue()
         self.result: MigrationResult | None = None
         self.timings: dict[str, float] = {}
         self.t0 = time.monotonic()
         self.cancelled = threading.Event()
         self.cancel_reason = ""
-        self.moves: dict[int, SourceMigration] = {}
+        self.moves: dict[int, Moving] = {}
         self.held: list[Move] = []  # the moves started: none is left holding its copy for a word never said
         self.released: set[tuple[int, str]] = set()  # (rank, agent): told to come back there
-        self.state = Phase.CHECKING.value  # what the events say (a migration's states while ranks move)
+        self.state = SourceState.CHECKING.value  # what the events say: a migration's states (SourceState)
         self.log = logging.LoggerAdapter(log, {"migration": record.rewire_id})
         self.last_said = ""
         self.stayed: dict[int, str] = {}  # rank -> why it did not move
         self.ranks = Asking(record.job, ask, timeout)
-
-    @classmethod
-    def start(
-        cls,
-        job: str,
-        moving: dict[int, tuple[int, str]],
-        here: str,
-        ask: Ask,
-        start_move: StartMove,
-        timeout: float,
-        journal: RewireLog,
-        on_end: Callable[[Rewire], None] = lambda _rw: None,
-        dry_run: bool = False,
-    ) -> Rewire:
-        """A new rewire of ``job`` run by the agent at ``here``."""
-        record = RewireRecord(uuid.uuid4().hex, job, here, moving)
-        return cls(record, ask, start_move, timeout, journal, on_end, dry_run)
 
     @property
     def migration_id(self) -> str:
@@ -125,7 +105,9 @@ class Rewire:
         try:
             self.journal.move(self.record, phase, message)
         except JournalError as e:
-            raise RewireFailed(f"where the rewire stands cannot be written down ({e})") from e
+            cause = e.__cause__
+            why = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(e)
+            raise RewireFailed(f"where the rewire stands cannot be written down ({why})") from e
 
     # ---- what the service sees ----------------------------------------------------------------
 
@@ -151,30 +133,34 @@ class Rewire:
         outcome = Outcome.FAILED
         new_pid = 0
         try:
-            outcome, new_pid = self._run() if self.recovering is None else self._finish()
+            outcome, new_pid = self._run() if self.settled is None else self._finish()
         except RewireFailed as e:
-            self.state = Phase.FAILED.value
+            self.state = SourceState.FAILED.value
             self.emit(f"job {self.job}: {e}")
         except Exception as e:  # a bug: said, and the ranks are told to go on where they are
             self.log.exception("rewire failed unexpectedly")
-            self.state = Phase.FAILED.value
+            self.state = SourceState.FAILED.value
             self.emit(f"job {self.job}: internal error: {e}")
         if self.result is None:
-            if not self.dry_run:
-                with contextlib.suppress(RewireFailed):
-                    self._write(_ENDS.get(self.state, Phase.FAILED), self.last_said or self.record.message)
-            self.on_end(self)
-            self.result = MigrationResult(self.migration_id, outcome, self.record.message, new_pid, dict(self.timings))
-            self.events.put(None)
+            message = self.record.message if self.dry_run else self.last_said or self.record.message
+            try:
+                if not self.dry_run:
+                    self._write(_ENDS.get(self.state, Phase.FAILED), message)
+            except (RewireFailed, AgentError) as e:  # (said; the rewire has ended all the same)
+                self.log.error("the end of the rewire cannot be written down: %s", e)
+            finally:
+                self.on_end(self)
+                self.result = MigrationResult(self.migration_id, outcome, message, new_pid, dict(self.timings))
+                self.events.put(None)
         return self.result
 
     def _finish(self) -> tuple[Outcome, int]:
         """Finish what a previous run of this agent left (see the module's text)."""
-        assert self.recovering is not None
+        assert self.settled is not None
         r = self.record
         if r.phase in (Phase.CHECKING, Phase.PAUSING):  # nothing was torn down: the job just goes on
             self.ranks.all(r.agents, each(P.Cancel()), self.timeout)
-            self.state = Phase.ROLLED_BACK.value
+            self.state = SourceState.ROLLED_BACK.value
             self.emit(
                 f"job {self.job}: the agent restarted before any rank stopped for good; the job goes on "
                 "as it was, no rank moved"
@@ -185,7 +171,7 @@ class Rewire:
         for rank in sorted(self.moving):
             mid = r.moves.get(rank)
             target = self.moving[rank][1]
-            pid = self.recovering(mid, target, self.timeout) if mid else 0
+            pid = self.settled(mid, target, self.timeout) if mid else 0
             if pid:
                 self._moved(rank, target, pid)
                 agents[rank] = target
@@ -235,7 +221,7 @@ class Rewire:
         self._write(Phase.PAUSING)
         step = self._boundary(agents, where)
         self._stage("boundary", t_request)
-        self.state = "freezing"
+        self.state = SourceState.FREEZING.value
         self.record.step = step
         self._write(Phase.TEARDOWN)
         self._teardown(agents, gen)
@@ -388,7 +374,7 @@ class Rewire:
             self._result(mv)
             problems += [f"rank {r}: {p}" for p in m.problems]
         steps = {r: a.step for r, a in where.items()}
-        self.state = Phase.FAILED.value if problems else Phase.DONE.value
+        self.state = SourceState.FAILED.value if problems else SourceState.DONE.value
         moving = ", ".join(f"rank {r} to {self.moving[r][1]}" for r in sorted(self.moving))
         verdict = "it would fail" if problems else "all checks pass"
         self.emit(
@@ -405,7 +391,7 @@ class Rewire:
     def _resumed(self, agents: list[str], new_pid: int) -> tuple[Outcome, int]:
         ranks = sorted(self.moving)
         moved = [r for r in ranks if agents[r] != self.record.here]
-        self.state = Phase.DONE.value if len(moved) == len(ranks) else Phase.ROLLED_BACK.value
+        self.state = SourceState.DONE.value if len(moved) == len(ranks) else SourceState.ROLLED_BACK.value
         why = {r: f" (it stayed: {self.stayed[r]})" for r in self.stayed}
         where_now = ", ".join(f"rank {r} on {agents[r]}{why.get(r, '')}" for r in ranks)
         self.emit(
@@ -413,7 +399,7 @@ class Rewire:
             f"(generation {self.record.gen}): {where_now}",
             new_pid=new_pid,
         )
-        return (Outcome.DONE if self.state == Phase.DONE.value else Outcome.ROLLED_BACK), new_pid
+        return (Outcome.DONE if self.state == SourceState.DONE.value else Outcome.ROLLED_BACK), new_pid
 
     def _boundary(self, agents: list[str], where: dict[int, P.Standing]) -> int:
         """Agree on a step every rank stops after, and wait until all have; that step.  The unit is
@@ -453,7 +439,7 @@ class Rewire:
     def _rebuild(self, agents: list[str], gen: int, failed: str = "", final: bool = True) -> list[str]:
         """Every rank builds its communicators under ``gen`` where ``agents`` say it runs, then
         (``final``) resumes.  Not ``final``: what failed (the ranks stay parked)."""
-        self.state = "restoring" if not failed else Phase.FAILED.value
+        self.state = SourceState.RESTORING.value if not failed else SourceState.FAILED.value
         t = time.monotonic()
         bad = self._release(agents)
         if not bad:

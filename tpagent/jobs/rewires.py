@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tpagent.jobs.api import REWIRE_FINAL, Ask, RewireFailed, StartMove
+from tpagent.jobs.api import REWIRE_FINAL, Ask, RewireFailed, RewireRecord, StartMove
 from tpagent.jobs.journal import RewireJournal, Unwritten
 from tpagent.jobs.rewire import Rewire
 from tpagent.migration.api import AgentError, JournalError, PeerStatus, Refused, SourceState, Why
@@ -42,9 +42,8 @@ class Rewires:
         (one per job at a time) unless it is a dry run; :attr:`run` it."""
         cfg = self.ctx.cfg
         log_to = Unwritten() if dry_run else self.journal
-        rw = Rewire.start(
-            job, moving, cfg.agent_address, self.ask, self.start_move, cfg.rewire_timeout, log_to, self._ended, dry_run
-        )
+        record = RewireRecord.new(job, cfg.agent_address, moving)
+        rw = Rewire(record, self.ask, self.start_move, cfg.rewire_timeout, log_to, self._ended, dry_run)
         if not dry_run:
             self._admit(rw)
         return rw

@@ -12,5 +12,8 @@ the protocol needs of the agent it runs in), never against gRPC:
 * :mod:`~tpagent.migration.decide` -- how a source decides with its target once a copy may exist;
 * :mod:`~tpagent.migration.resolve` -- ending a source migration after a restart, or on an
   operator's word;
-* :mod:`~tpagent.migration.admission` -- what a target checks and reserves per migration it takes.
+* :mod:`~tpagent.migration.eligible` -- what this node may migrate;
+* :mod:`~tpagent.migration.admission` -- what a target checks and reserves per migration it takes;
+  :mod:`~tpagent.migration.receivers` -- the migrations this node receives;
+* :mod:`~tpagent.migration.watch` -- what the agent's metrics show of them.
 """

@@ -46,6 +46,7 @@ from typing import Any
 import psutil
 
 from host import proc
+from host.api import UsageError
 from host.proc import boot_id
 from host.safefs import private_dir, private_opener
 from tpagent.migration.api import BadTransition, JournalError, Role, SourceState, State, TargetState, allowed, is_final
@@ -174,10 +175,13 @@ class RecordFiles:
     :mod:`tpagent.jobs.journal`.  Root's alone, 0700: a record is trusted to name processes.
     ``what`` names a record in messages ("migration", "rewire")."""
 
-    def __init__(self, directory: Path, what: str) -> None:
+    def __init__(self, directory: Path, what: str, create: bool = True) -> None:
+        """``create`` False: the directory is made (or checked) only as the first record is written."""
         self.directory = directory
         self.what = what
-        private_dir(directory)
+        self.made = create
+        if create:
+            private_dir(directory)
 
     def path(self, record_id: str) -> Path:
         if not valid_id(record_id):
@@ -186,9 +190,14 @@ class RecordFiles:
 
     def write(self, record_id: str, data: dict[str, Any]) -> None:
         try:
+            if not self.made:
+                private_dir(self.directory)
+                self.made = True
             write_durably(self.path(record_id), data)
         except OSError as e:
             raise JournalError(f"the journal of {self.what} {record_id} cannot be written: {e.strerror}") from e
+        except UsageError as e:  # (its directory is not one root may trust)
+            raise JournalError(f"the journal of {self.what} {record_id} cannot be written: {e}") from e
 
     def read(self, record_id: str) -> dict[str, Any] | None:
         """The record's JSON object, or None if there is none (JournalError: it cannot be read)."""

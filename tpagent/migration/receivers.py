@@ -21,7 +21,9 @@ T = TargetState
 
 class Receivers:
     """``sending(mid)``: whether this node is migration ``mid``'s source; ``closed()``: whether the
-    agent is shutting down (no new migration is taken)."""
+    agent is shutting down (no new migration is taken).  Its lock is its own (the node's guards
+    the migrations this node sends): it orders taking a migration, and deciding one known only
+    from the journal, against each other."""
 
     def __init__(self, ctx: Context, sending: Callable[[str], bool], closed: Callable[[], bool]) -> None:
         self.ctx = ctx

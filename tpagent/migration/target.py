@@ -28,9 +28,9 @@ from transfer.api import TransferError, TransferStats
 from transfer.receiver import Receiver
 
 T = TargetState
-#: finish(migration_id, commit, why): how a waiting copy is decided (:meth:`tpagent.daemon.node.Node.finish_target`).
+#: finish(migration_id, commit, why): how a waiting copy is decided (:meth:`.receivers.Receivers.finish`).
 Finisher = Callable[[str, bool, str], object]
-#: settle(migration_id, ran, why): how a confirmation ends (:meth:`tpagent.daemon.node.Node.settle_target`).
+#: settle(migration_id, ran, why): how a confirmation ends (:meth:`.receivers.Receivers.settle`).
 Settler = Callable[[str, bool, str], object]
 
 

@@ -8,5 +8,6 @@
   namespace, forwards signals, reaps orphans, and exits with the workload's status.
 
 Contract: a launched workload is dumpable by CRIU as a whole namespace; nothing here knows of
-migrations or jobs.  Below every other part of the agent.
+migrations or of moving jobs (an init whose workload is a rank only reports its exit to the
+agent, in the rank protocol's words).  Below every other part of the agent.
 """

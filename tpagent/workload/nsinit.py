@@ -116,13 +116,16 @@ def _report_exit(code: int) -> None:
     name = os.environ.get("TPAGENT_RANK_SOCKET", "")
     if not name or len(name) > 100:
         return
-    # (imported only now: this init is dumped with every launched workload, which need not carry them)
-    from tpagent_rank import codec, protocol
+    try:  # (imported only now: this init is dumped with every launched workload, which need not carry it)
+        from tpagent_rank import codec, protocol
 
+        said = codec.said(protocol.Exit(code))
+    except Exception:  # (restored where tpagent is another: the workload's own status comes first)
+        return
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(2)
         s.connect("\0" + name)
-        s.sendall(codec.said(protocol.Exit(code)))
+        s.sendall(said)
 
 
 if __name__ == "__main__":
