@@ -22,7 +22,7 @@ deadline (``rewire_timeout``), and a rank that died is named in one sentence.
 
 Where a rewire stands is written down before each phase (the phases and their table:
 :mod:`tpagent.jobs.api`; the journal: :mod:`tpagent.jobs.journal`), so that one killed half-way
-is finished when the agent starts again (:meth:`Rewire.recover`): before the teardown it cancels
+is finished when the agent starts again (:meth:`.rewires.Rewires.recover`): before the teardown it cancels
 the pause; after it, it waits for each moving rank's migration to be settled by the migrations'
 journal (its original resumed here, or its copy running on the target) and rebuilds every rank
 where it now runs.
@@ -53,7 +53,7 @@ class Rewire:
     """Moves ``record.moving`` (rank -> (init PID here, target agent)) of ``record.job``; quacks
     like a :class:`~tpagent.migration.source.SourceMigration` for the service (events, cancel,
     run).  ``journal`` writes down where it stands; ``on_end`` is called once it has ended.  With
-    ``settled`` it finishes what a previous run of this agent left (:meth:`recover`)."""
+    ``settled`` it finishes what a previous run of this agent left (:meth:`.rewires.Rewires.recover`)."""
 
     def __init__(
         self,
