@@ -153,9 +153,10 @@ def test_a_grpc_rank_request_is_checked_before_it_is_passed_on() -> None:
         rankwire.request_of(rankwire.request_pb("job", 0, P.Boundary(timeout=float("nan")), 5.0))
     with pytest.raises(Refused, match="a rank's own timeout must be between"):
         rankwire.request_of(rankwire.request_pb("job", 0, P.Rebuild(gen=1, timeout=-1.0), 5.0))
-    for job, rank in (("j" * (P.JOB_MAX + 1), 0), ("a\nb", 0), ("job", -1)):
+    for job, rank in (("j" * (P.JOB_MAX + 1), 0), ("a\nb", 0), ("job", -1), ("", 0)):
         with pytest.raises(Refused, match="must name a job"):
             rankwire.request_of(rankwire.request_pb(job, rank, P.Where(), 5.0))
+    assert rankwire.request_of(rankwire.request_pb("", 0, P.Jobs(), 5.0)) == P.Jobs()  # (`tpagent node`: no rank)
     other = rankwire.reply_pb(P.Agents(agents=("a:1",)))
     with pytest.raises(Refused, match="answered 'where' with 'agents'") as e:
         rankwire.answer_of(P.Where(), other)

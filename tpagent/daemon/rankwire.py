@@ -73,8 +73,6 @@ def request_of(message: pb.RankRequest) -> P.Request[Any]:
     kind = message.WhichOneof("op")
     if kind is None and not message.body:
         raise Refused("a Rank request must name one operation of the rank protocol.", Why.INVALID)
-    if not P.valid_job(message.job) or not 0 <= message.rank < P.RANK_MAX:
-        raise Refused("a Rank request must name a job (printable, at most 200 characters) and a rank.", Why.INVALID)
     if not 0 < message.timeout <= TIMEOUT_MAX:
         raise Refused(f"a Rank request's timeout must be between 0 and {TIMEOUT_MAX:.0f} s.", Why.INVALID)
     try:
@@ -88,6 +86,9 @@ def request_of(message: pb.RankRequest) -> P.Request[Any]:
         request = codec.decode_request(data)  # (NaN, a 64-bit overflow, a line too long: refused here)
     except (P.ProtocolError, ValueError) as e:
         raise Refused(f"a Rank request is not one of the rank protocol ({e}).", Why.INVALID) from e
+    names_a_rank = not isinstance(request, P.Jobs)  # (every rank of the node: none named)
+    if names_a_rank and (not P.valid_job(message.job) or not 0 <= message.rank < P.RANK_MAX):
+        raise Refused("a Rank request must name a job (printable, at most 200 characters) and a rank.", Why.INVALID)
     if not 0 < getattr(request, "timeout", 1.0) <= TIMEOUT_MAX:
         raise Refused(f"a rank's own timeout must be between 0 and {TIMEOUT_MAX:.0f} s.", Why.INVALID)
     return request
