@@ -129,6 +129,8 @@ def migrate(
     except grpc.RpcError as e:
         if e.code() is grpc.StatusCode.CANCELLED and last is not None:
             pass
+        elif e.code() is grpc.StatusCode.UNAVAILABLE and last is not None:
+            last = _source_lost(agent, pb, source, last, first, as_json)
         elif e.code() is grpc.StatusCode.UNAVAILABLE:
             die(_unreachable(source, e), EXIT_USAGE, as_json)
         elif e.code() is grpc.StatusCode.UNAUTHENTICATED:
@@ -209,6 +211,28 @@ def _unreachable(agent: str, e: grpc.RpcError) -> str:
     from tpagent.daemon.client import unreachable_reason
 
     return f"the agent at {agent} cannot be reached ({unreachable_reason(e)}); is `tpagent serve` running there?"
+
+
+def _source_lost(agent: Any, pb: Any, source: str, last: Any, migration_id: str, as_json: bool) -> Any:
+    """The source agent stopped answering in the middle of the migration (it died, or its node
+    did): it settles the migration from its journal as it starts again.  Its last word then,
+    or a sentence saying where things stand."""
+    if not as_json:
+        typer.echo(
+            f"\nthe agent at {source} stopped answering during migration {migration_id} ({last.state}); "
+            "waiting for it to settle the migration from its journal...",
+            err=True,
+        )
+    settled = _wait_final(agent, pb, last, migration_id)
+    if settled is last:
+        die(
+            f"the agent at {source} stopped answering during migration {migration_id} ({last.state}) and did not "
+            f"answer again; it settles the migration from its journal once it runs: tpagent status {migration_id} "
+            f"--agent {source}",
+            EXIT_FAILED,
+            as_json,
+        )
+    return settled
 
 
 def _refuse_if_unreachable(agent: str, creds: Any, as_json: bool) -> None:

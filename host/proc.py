@@ -220,6 +220,41 @@ def restore_warnings(pids: Sequence[int]) -> list[str]:
     return out
 
 
+def uncheckpointable(pids: Sequence[int]) -> list[str]:
+    """One sentence for each process of the tree that holds what CRIU cannot checkpoint, found
+    before anything is frozen (CRIU would find it only after): an io_uring instance, or SysV
+    shared memory in the node's own IPC namespace (CRIU saves SysV segments only with an IPC
+    namespace of the workload's, which `tpagent launch` gives it)."""
+    out = []
+    node_ipc = os.readlink("/proc/self/ns/ipc")
+    for pid in pids:
+        with suppress(OSError):
+            rings = [fd for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int) if _link(pid, fd) == _IO_URING]
+            if rings:
+                out.append(f"PID {pid} uses io_uring (fd {', '.join(rings)}), which CRIU cannot checkpoint.")
+            if os.readlink(f"/proc/{pid}/ns/ipc") == node_ipc and _maps_sysv(pid):
+                out.append(
+                    f"PID {pid} uses SysV shared memory in the node's IPC namespace, which CRIU cannot checkpoint; "
+                    "start the workload with `tpagent launch` (an IPC namespace of its own)."
+                )
+    return out
+
+
+_IO_URING = "anon_inode:[io_uring]"
+
+
+def _link(pid: int, fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def _maps_sysv(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any(" /SYSV" in line for line in f)
+
+
 def dump_size_estimate(pids: Sequence[int]) -> int:
     """About how many bytes CRIU writes for these processes: their resident anonymous and
     shared memory (file-backed pages it does not copy)."""

@@ -29,6 +29,9 @@ import psutil
 
 _LISTEN = "0A"
 _TIME_WAIT = "06"
+#: States in which the peer has already closed its end (its FIN came): nothing of it is left to
+#: reset, whether or not a socket of it still exists (an orphan in FIN-WAIT-2 belongs to no one).
+_PEER_CLOSED = {"08", "09", "0B"}  # CLOSE_WAIT, LAST_ACK, CLOSING
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class TcpSocket:
     remote: tuple[str, int]
     listening: bool
     pid: int
+    peer_closed: bool = False  # its peer has closed its end
 
     @property
     def name(self) -> str:
@@ -124,7 +128,10 @@ def tree_tcp(pids: Iterable[int]) -> list[TcpSocket]:
         for local, remote, state, inode in table:
             if inode in owner and state != _TIME_WAIT:
                 listening = state == _LISTEN
-                out.append(TcpSocket(local, ("", 0) if listening else remote, listening, owner.pop(inode)))
+                found = TcpSocket(
+                    local, ("", 0) if listening else remote, listening, owner.pop(inode), state in _PEER_CLOSED
+                )
+                out.append(found)
     return out
 
 
@@ -138,14 +145,14 @@ def _unspecified(host: str) -> bool:
 
 def left_behind(sockets: list[TcpSocket]) -> list[str]:
     """What cannot survive the move whatever the target: connections to a peer on this node's
-    loopback that is not in the tree (one sentence each)."""
+    loopback that is not in the tree and has not closed its end (one sentence each)."""
     ours = {(s.local, s.remote) for s in sockets if not s.listening}
     return [
         f"the TCP connection {s.name} (PID {s.pid}) goes to a peer on this node's loopback outside the process tree, "
         "which would stay behind here and reset the copy's connection: start both ends in one tree (one "
         "`tpagent launch`) so that they move together, or close the connection before migrating"
         for s in sockets
-        if not s.listening and is_loopback(s.remote[0]) and (s.remote, s.local) not in ours
+        if not s.listening and not s.peer_closed and is_loopback(s.remote[0]) and (s.remote, s.local) not in ours
     ]
 
 

@@ -16,7 +16,9 @@
 # OUT/requirements.txt   every wheel, pinned, with its sha256 (pip --require-hashes)
 # OUT/SHA256SUMS         every file of the bundle
 #
-# Install with `scripts/setup.sh --bundle OUT` (no network at all).  torch is not in it: the
+# It prints its seal, the sha256 of OUT/SHA256SUMS (also written beside it, as OUT.seal): give it
+# to the node by another way than the bundle.  Install with `scripts/setup.sh --bundle OUT --seal
+# SEAL` (no network at all): the bundle is checked against the seal and copied, only the copy used.  torch is not in it: the
 # GPU nodes have their own, which the bundle's venv sees.  The UCX transport is not in it
 # either (its wheels are large and need the node's RDMA stack): TCP (with TLS) is what moves.
 set -euo pipefail
@@ -87,4 +89,7 @@ rm -rf build
 ) >"$out/requirements.txt"
 echo "python=$py platforms=${platforms[*]} made=$(date -u +%FT%TZ) from=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" >"$out/BUNDLE"
 (cd "$out" && find . -type f ! -name SHA256SUMS -print0 | sort -z | xargs -0 sha256sum >SHA256SUMS)
+seal=$(sha256sum "$out/SHA256SUMS" | cut -d' ' -f1)
+echo "$seal" >"${out%/}.seal"
 echo "bundle: $out, $(du -sh "$out" | cut -f1) ($(du -sh "$out/wheels" | cut -f1) wheels, $(du -sh "$out/criu.tar.gz" | cut -f1) CRIU), for Python $py"
+echo "bundle: its seal is $seal (in ${out%/}.seal): scripts/setup.sh --bundle DIR --seal $seal"

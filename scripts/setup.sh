@@ -3,11 +3,13 @@
 # a virtual environment in .venv with tpagent, its dependencies and the test tools.  Idempotent.
 #
 #   scripts/setup.sh                  from the package registries (apt, PyPI)
-#   scripts/setup.sh --bundle DIR     from an offline bundle (scripts/bundle.sh), no network at all;
-#                                     the venv sees the node's own torch and cuda-bindings
+#   scripts/setup.sh --bundle DIR --seal SHA256
+#                                     from an offline bundle (scripts/bundle.sh), no network at all;
+#                                     the venv sees the node's own torch and cuda-bindings.  SEAL is
+#                                     what bundle.sh printed, given by another way than the bundle
 #
-# TPAGENT_BUNDLE=DIR is --bundle DIR; TPAGENT_VENV (default .venv) and TPAGENT_CRIU_PREFIX
-# (default /opt/tpagent/criu) say where things go.
+# TPAGENT_BUNDLE=DIR is --bundle DIR, TPAGENT_BUNDLE_SEAL is --seal; TPAGENT_VENV (default .venv)
+# and TPAGENT_CRIU_PREFIX (default /opt/tpagent/criu) say where things go.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,15 +19,29 @@ if [ "$(id -u)" != 0 ]; then
 fi
 bundle=${TPAGENT_BUNDLE:-}
 venv=${TPAGENT_VENV:-.venv}
-case ${1:-} in
-  --bundle) bundle=${2:?setup: --bundle takes the bundle directory} ;;
-  "") ;;
-  *) echo "usage: scripts/setup.sh [--bundle DIR]" >&2; exit 2 ;;
-esac
+seal=${TPAGENT_BUNDLE_SEAL:-}
+while [ $# -gt 0 ]; do
+  case $1 in
+    --bundle) bundle=${2:?setup: --bundle takes the bundle directory}; shift 2 ;;
+    --seal) seal=${2:?setup: --seal takes the sha256 bundle.sh printed}; shift 2 ;;
+    *) echo "usage: scripts/setup.sh [--bundle DIR --seal SHA256]" >&2; exit 2 ;;
+  esac
+done
 
 if [ -n "$bundle" ]; then
-  [ -f "$bundle/SHA256SUMS" ] || { echo "setup: $bundle is not a bundle (no SHA256SUMS): see scripts/bundle.sh" >&2; exit 2; }
-  (cd "$bundle" && sha256sum --quiet --strict -c SHA256SUMS) || { echo "setup: the bundle $bundle is damaged" >&2; exit 2; }
+  [[ $seal =~ ^[0-9a-fA-F]{64}$ ]] || {
+    echo "setup: give the bundle's seal (--seal, the sha256 scripts/bundle.sh printed): its own SHA256SUMS proves it whole, not whose it is" >&2
+    exit 2
+  }
+  # The node's python3 (never this venv's, even where it is first on PATH) runs as root: -I.
+  node_path=$(tr ':' '\n' <<<"$PATH" | grep -vxF "$(realpath -m "$venv/bin")" | grep -vxF "$venv/bin" | paste -sd:)
+  node_python=$(PATH=$node_path command -v python3) || { echo "setup: no python3 on this node" >&2; exit 2; }
+  # Checked against the seal, copied (symlinks and unlisted files refused), and only the copy used.
+  copy=$(mktemp -d /var/tmp/tpagent-bundle.XXXXXX)
+  trap 'rm -rf "$copy"' EXIT
+  "$node_python" -I scripts/bundle_check.py copy "$bundle" "$seal" "$copy/b"
+  sealed=$bundle
+  bundle=$copy/b
   for tool in unshare setpriv; do
     command -v $tool >/dev/null || echo "setup: warning: $tool is not on this node (a bundle brings no system packages)" >&2
   done
@@ -33,29 +49,13 @@ if [ -n "$bundle" ]; then
   # Nothing but the bundle: no index, no configured mirror.
   export PIP_CONFIG_FILE=/dev/null PIP_NO_INDEX=1 PIP_FIND_LINKS=$bundle/wheels PIP_DISABLE_PIP_VERSION_CHECK=1
   unset PIP_INDEX_URL PIP_EXTRA_INDEX_URL
-  [ -x "$venv/bin/python" ] || python3 -m venv --system-site-packages "$venv"
+  [ -x "$venv/bin/python" ] || "$node_python" -m venv --system-site-packages "$venv"
   # The node's python3 may itself be a virtual environment (its torch installed there, as on
   # the GPU nodes): a venv made from it sees its base interpreter's packages, not that
-  # environment's.  A .pth adds them (after the venv's own, which win), each only if root owns
-  # it and no one else may write to it (the agent runs as root and would import from there).
-  purelib=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  python3 - "$purelib/node-site-packages.pth" <<'PY'
-import os, site, stat, sys
-dirs = site.getsitepackages() if sys.prefix != sys.base_prefix else []
-safe = []
-for d in dirs:
-    try:
-        st = os.stat(d)
-    except FileNotFoundError:
-        continue  # (Debian's lists local/dist-packages whether or not it exists)
-    if st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        safe.append(d)
-    else:
-        print(f"setup: warning: not adding {d} (the node's python3's packages): root does not own it, "
-              "or others may write to it", file=sys.stderr)
-with open(sys.argv[1], "w") as pth:
-    pth.writelines(f"import site; site.addsitedir({d!r})\n" for d in safe)
-PY
+  # environment's.  A .pth adds them (after the venv's own, which win), each only if root alone
+  # can change it and every directory above it (the agent runs as root and imports from there).
+  purelib=$("$venv/bin/python" -I -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$node_python" -I scripts/bundle_check.py node-site "$purelib/node-site-packages.pth" "$venv"
   # ip and nft where the node has none: the bundle's (its machine's, with their libraries and
   # loader), root's, as the venv's bin/ip and bin/nft (the GPU proof puts that first on PATH)
   tools=$(realpath "$venv")/lib/tpagent-tools
@@ -85,7 +85,7 @@ PY
   grep -Ev "$skip" "$bundle/requirements.txt" >"$venv/bundle-requirements.txt"
   "$venv/bin/pip" install -q --require-hashes -r "$venv/bundle-requirements.txt"
   "$venv/bin/pip" install -q --no-deps --no-build-isolation -e .
-  echo "setup: tpagent installed from $bundle into $venv, offline"
+  echo "setup: tpagent installed from $sealed (checked against its seal, copied) into $venv, offline"
   exit 0
 fi
 need=()

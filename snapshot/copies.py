@@ -39,8 +39,12 @@ def _note_path(m: Manifest) -> Path:
 
 def _live_copies(m: Manifest) -> list[dict[str, Any]]:
     """The notes of copies of ``m`` restored here before whose very process still runs."""
+    return _live(_note_path(m))
+
+
+def _live(path: Path) -> list[dict[str, Any]]:
     try:
-        notes = json.loads(_note_path(m).read_text())
+        notes = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
     live = []
@@ -75,3 +79,6 @@ def note_copy(m: Manifest, root: int) -> None:
         tmp.rename(_note_path(m))
     except (OSError, psutil.Error, SnapshotError) as e:  # the copy runs; only the note of it is missing
         log.warning("could not note the copy of %s restored as PID %d: %s", m.snapshot_id, root, e)
+    for other in RESTORED.glob("*.json"):  # (the notes of copies that left or ended go)
+        if not _live(other):
+            other.unlink(missing_ok=True)

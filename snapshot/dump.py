@@ -215,6 +215,9 @@ def _examine(target: psutil.Process, checked: float | None) -> _Tree:
             if attempt == 4 or not target.is_running():
                 raise UsageError(f"PID {pid} exited while it was being examined; nothing was done.") from e
             time.sleep(0.05)
+    cannot = proc.uncheckpointable([p.pid for p in procs])
+    if cannot:
+        raise UsageError(f"{cannot[0]} Nothing was done.")
     if hidden:
         raise UsageError(
             f"PID {hidden[0]} belongs to a session whose leader is outside its PID namespace, which CRIU "

@@ -17,6 +17,7 @@ import functools
 import gc
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -63,6 +64,7 @@ class Rank:
         self.addresses: dict[str, list[bytes]] = {}  # the node's it was told to leave, as it tore down
         self.park_timeout = float(os.environ.get("TPAGENT_RANK_PARK_TIMEOUT", "600"))
         self.pid = os.getpid()
+        self.impostor_said = False
         #: What the agent asks of this rank (the rank protocol's runtime ops), by op.
         self.handlers: dict[P.Op, Callable[[Any], P.Answer]] = {
             P.Op.WHERE: self._where,
@@ -123,13 +125,23 @@ class Rank:
         threading.Thread(target=self._connection, name="tpagent-rank", daemon=True).start()
 
     def _connect(self) -> socket.socket | None:
+        """A connection to the agent, or None.  Whoever listens on the name is believed only if
+        it is root (the agent) or this rank's own user (who could do all it asks anyway): an
+        abstract name may be taken by anyone while no agent holds it."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             s.connect("\0" + self.socket_name)
-            return s
+            pid, uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         except OSError:
             s.close()
             return None
+        if uid not in (0, os.geteuid()):
+            s.close()
+            if not self.impostor_said:
+                say(f"@{self.socket_name} is held by PID {pid} of UID {uid}, not by the agent: not talked to")
+                self.impostor_said = True
+            return None
+        return s
 
     def _connection(self) -> None:
         warned = False

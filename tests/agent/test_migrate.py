@@ -169,16 +169,23 @@ def test_criu_restore_failing_on_target(cluster: Cluster, ticker: Ticker, tmp_pa
 
 
 def test_source_agent_killed_and_restarted_mid_migration(cluster: Cluster, big: Ticker) -> None:
-    mig = cluster.start_migrate(big.pid, "A", "B", "--json")
+    """The CLI's source agent dies in the middle (SIGKILL) and comes back, as systemd restarts
+    it: the restarted agent rolls the migration back from its journal, and the CLI, which
+    waited for it, names the migration and how it ended (not "is `tpagent serve` running?")."""
+    mig = cluster.start_migrate(big.pid, "A", "B")
     wait_until(lambda: cluster.receiving("B"), "the snapshot to start arriving on B")
     cluster.nodes["A"].kill_agent()  # CRIU, in its own session, holds the frozen original
-    mig.communicate(timeout=60)
     assert big.running_copies() == 0  # frozen, not lost
     cluster.nodes["A"].start_agent()  # finds the migration in its journal and rolls it back
+    out, err = mig.communicate(timeout=300)
     _only_the_original_runs(cluster, big)
     record = next((cluster.nodes["A"].work / "agent" / "migrations").glob("*.json"))
     # (the journal says so once the snapshot is removed, a moment after the original runs again)
     wait_until(lambda: "rolled back after the agent restarted" in record.read_text(), "A to journal the rollback", 60)
+    assert mig.returncode == 1, err
+    assert f"stopped answering during migration {record.stem} (" in err, err
+    assert "is `tpagent serve` running" not in err
+    assert "FAILED: " in out and "rolled back" in out, out
 
 
 def test_cli_interrupted(cluster: Cluster, big: Ticker) -> None:

@@ -80,3 +80,24 @@ def test_both_ends_in_the_tree_stay_together_and_a_loopback_peer_outside_is_name
         finally:
             accepted.close()
             lone.close()
+
+
+def test_a_connection_whose_loopback_peer_closed_and_left_stays_nothing_behind(tmp_path: Path) -> None:
+    """A server that never closed a connection its client closed (CLOSE-WAIT; the client's end
+    an orphan in FIN-WAIT-2 that no process owns, and then not even that): nothing of the peer is
+    left to reset, so nothing keeps the server from moving."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        client = subprocess.run(
+            [sys.executable, "-c", f"import socket; socket.create_connection(('127.0.0.1', {port})).close()"],
+            timeout=30,
+        )
+        assert client.returncode == 0
+        leaked, _ = server.accept()
+        try:
+            assert leaked.recv(1) == b""  # (its FIN came; the server keeps its end open)
+            held = [s for s in sockets.tree_tcp([os.getpid()]) if s.local[1] == port and not s.listening]
+            assert len(held) == 1 and held[0].peer_closed, held
+            assert sockets.left_behind(held) == []
+        finally:
+            leaked.close()

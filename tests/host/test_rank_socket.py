@@ -1,19 +1,30 @@
-"""The socket ranks reach their agent on (tpagent.jobs.ranks), as anyone on the node may reach it:
-a hello that names a rank is believed only once that rank's registration is there, and the
-connections that wait for one are bounded."""
+"""The socket ranks reach their agent on (tpagent.jobs.ranks, tpagent.jobs.door), as anyone on the
+node may reach it: a hello that names a rank is believed only once that rank's registration is
+there, from a process that still runs; what strangers open is bounded and costs no thread; the
+name is the agent's or nobody's (a rank believes only root or its own user there).  The attacks
+run as user nobody (tests/attackers/rank_channel.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import socket
+import subprocess
+import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from host import paths
+from host import paths, proc
+from host.api import UsageError
 from tpagent.common.threads import Threads
-from tpagent.jobs import ranks
+from tpagent.jobs import door, ranks
+from tpagent.workload import launch
 from tpagent_rank import codec
 from tpagent_rank import protocol as P
 
@@ -22,10 +33,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the word to come back
 
 @pytest.fixture
 def agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[ranks.Ranks]:
-    monkeypatch.setattr(ranks, "PENDING_FOR", 1.0)  # (how long a hello waits for its registration)
+    monkeypatch.setattr(door, "PENDING_FOR", 1.0)  # (how long a hello waits for its registration)
     threads = Threads()
     served = ranks.Ranks(f"tpagent-test-{uuid.uuid4().hex[:12]}", "10.0.0.1:7400", threads)
-    assert served.start()
+    served.start()
     yield served
     threads.stopping.set()
     served.close()
@@ -62,7 +73,7 @@ def test_a_hello_for_a_rank_not_registered_spends_no_word_to_come_back(agent: ra
 
 
 def test_the_connections_waiting_for_a_registration_are_bounded(agent: ranks.Ranks) -> None:
-    waiting = [_hello(agent, f"job-{i}") for i in range(ranks.PENDING_MAX)]
+    waiting = [_hello(agent, f"job-{i}") for i in range(door.PER_USER_MAX)]
     try:
         with _hello(agent, "one-too-many") as s:
             s.settimeout(0.5)  # (refused at once, not after the others' wait)
@@ -71,3 +82,146 @@ def test_the_connections_waiting_for_a_registration_are_bounded(agent: ranks.Ran
     finally:
         for s in waiting:
             s.close()
+
+
+# ---- attacks, as user nobody ------------------------------------------------------------------
+
+ATTACKER = Path(__file__).resolve().parent.parent / "attackers" / "rank_channel.py"
+NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
+
+
+def _attacker(*args: str) -> subprocess.Popen[str]:
+    cmd = [*NOBODY, sys.executable, "-I", "-S", str(ATTACKER), *args]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+
+
+def _end(p: subprocess.Popen[str]) -> str:
+    """What it printed once told to stop."""
+    out, _ = p.communicate("", timeout=30)
+    return out
+
+
+#: A rank's side, as root inside a launched namespace: hello as rank 0 of JOB, print the
+#: agent's first line, hold the connection.
+RANK_CLIENT = """
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\\0" + sys.argv[1])
+s.sendall(b'{"op": "hello", "job": "%s", "rank": 0, "world": 2}\\n' % sys.argv[2].encode())
+print(s.makefile("rb").readline().decode().strip(), flush=True)
+time.sleep(120)
+"""
+
+
+@contextlib.contextmanager
+def _launched_rank(tmp: Path, agent: ranks.Ranks, job: str) -> Iterator[Path]:
+    """Rank 0 of ``job``, launched (a PID namespace of its own) and registered: its stdout file."""
+    out = tmp / f"{job}.out"
+    init, holder = launch.start([sys.executable, "-I", "-c", RANK_CLIENT, agent.name, job], out, tmp / f"{job}.err")
+    try:
+        agent.expect(job, 0, init)
+        yield out
+    finally:
+        proc.kill_tree(init)
+        holder.wait(10)
+
+
+def _first_of(path: Path, within: float = 30.0) -> str:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if text.endswith("\n"):
+            return text.strip()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} got no line within {within:.0f} s")
+
+
+def test_a_user_holding_the_name_before_the_agent_is_no_agent_to_a_rank_and_stops_the_agent(tmp_path: Path) -> None:
+    """An abstract name is anyone's while no agent holds it (a restart, boot).  A rank must not
+    take its holder for the agent (answer it, be parked or torn down by it), and an agent that
+    finds the name taken must not start as if it served ranks."""
+    name = f"tpagent-test-{uuid.uuid4().hex[:12]}"
+    impostor = _attacker("pose", name)
+    assert impostor.stdout is not None and impostor.stdout.readline().strip() == "ready"
+    victim = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from tpagent_rank.agent import Rank; "
+            "Rank('job', 0, 2, None, None, sys.argv[1]).start(); time.sleep(60)",
+            name,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert victim.stderr is not None
+        said = victim.stderr.readline()
+        assert "not by the agent" in said and "UID 65534" in said, said
+        with pytest.raises(UsageError, match=f"rank socket @{name} is taken"):
+            ranks.Ranks(name, "10.0.0.1:7400", Threads()).start()
+    finally:
+        victim.kill()
+        victim.communicate()
+        printed = _end(impostor)
+    assert "answered" not in printed, f"the rank answered the impostor: {printed}"
+
+
+def test_a_flood_of_connections_costs_no_thread_and_a_rank_still_gets_in(agent: ranks.Ranks, tmp_path: Path) -> None:
+    """Hundreds of connections from one user, silent or with a hello that never ends: the agent
+    starts no thread for them, and a registered rank of another user is welcomed meanwhile."""
+    before = threading.active_count()
+    flood = _attacker("flood", agent.name, "600")
+    try:
+        assert flood.stdout is not None
+        opened = flood.stdout.readline().split()
+        assert opened[0] == "opened" and int(opened[1]) > door.PER_USER_MAX, opened
+        assert threading.active_count() <= before + 1, "threads were started for strangers' connections"
+        with _launched_rank(tmp_path, agent, f"job-{uuid.uuid4().hex[:8]}") as out:
+            first = json.loads(_first_of(out))
+            assert first["op"] == "welcome", first
+            assert threading.active_count() <= before + 2  # (the rank's reader, and no other)
+    finally:
+        _end(flood)
+
+
+def test_a_report_on_a_connection_whose_process_exited_is_not_believed_though_its_pid_now_is_an_init(
+    agent: ranks.Ranks, tmp_path: Path
+) -> None:
+    """The kernel names the process that connected as the peer for as long as the connection
+    lives, in whatever process holds it now.  Once that PID is reused by a launched workload's
+    init (here the test reuses it at once, as a user could by cycling PIDs), a report of that
+    init's end from the old connection must not end the rank that runs on."""
+    attacker = _attacker("stale", agent.name)
+    assert attacker.stdout is not None and attacker.stdin is not None
+    line = attacker.stdout.readline().split()
+    stale_pid = int(line[-1])
+    assert attacker.wait(10) == 0 and attacker.pid == stale_pid  # (exited, reaped: its PID is free)
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    recycled = _process_with_pid(stale_pid)
+    try:
+        launch.register(recycled.pid)
+        agent.expect(job, 0, recycled.pid)
+        attacker.stdin.write("go\n")
+        attacker.stdin.flush()
+        answer = attacker.stdout.readline().strip()
+        assert agent.entry(job, 0).exit_code is None, f"the rank was reported ended: {answer}"
+        assert agent.locate(job, 0).state == P.Whereabouts.HERE.value
+        assert "no launched workload's init" in answer, answer
+    finally:
+        recycled.kill()
+        recycled.wait()
+        (launch.RECORDS / f"{recycled.pid}.json").unlink(missing_ok=True)
+        _end(attacker)
+
+
+def _process_with_pid(pid: int) -> subprocess.Popen[bytes]:
+    """A process (``sleep``) whose PID is ``pid``, once free: the kernel's next PID set to it."""
+    for _ in range(50):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        p = subprocess.Popen(["sleep", "300"])
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    pytest.fail(f"PID {pid} could not be reused (other processes took it first)")

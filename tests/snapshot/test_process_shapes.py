@@ -293,3 +293,53 @@ def test_a_pid_reused_before_the_freeze_is_not_dumped(tmp_path: Path) -> None:
         assert not out.exists()
     finally:
         kill_and_wait(pid)
+
+
+def test_sysv_shared_memory_comes_back_under_launch_and_is_refused_in_one_sentence_without(
+    loops, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Two processes counting in one SysV segment: launched (an IPC namespace of its own), the
+    segment is saved and restored with its count, and both go on; started plainly, in the
+    node's IPC namespace, the dump says so in one sentence before anything is frozen."""
+    w = Loop("sysv_shm.py", tmp_path / "w.log", launched=True).start()
+    loops.append(w)
+    snap = tmp_path / "snap"
+    proc = tpagent("dump", str(w.pid), "--out", str(snap))
+    assert proc.returncode == 0, proc.stderr
+    w.reap()
+    stopped = w.numbers("tick")[-1]  # [tick, shared]
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    wait_until(lambda: w.numbers("tick")[-1][0] >= stopped[0] + 10, "the restored pair to tick on")
+    ticks = w.numbers("tick")
+    assert [t[0] for t in ticks] == list(range(len(ticks)))  # the parent went on from where it stood
+    shared = [t[1] for t in ticks]
+    assert shared == sorted(shared), "the segment's count fell back: it was not restored as it was"
+    assert shared[-1] > stopped[1], "the child no longer counts in the segment the parent reads"
+
+    plain = Loop("sysv_shm.py", tmp_path / "plain.log").start()
+    loops.append(plain)
+    proc = tpagent("dump", str(plain.pid), "--out", str(tmp_path / "plain-snap"))
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "SysV shared memory" in proc.stderr and "tpagent launch" in proc.stderr, proc.stderr
+    n = plain.numbers("tick")[-1][0]
+    wait_until(lambda: plain.numbers("tick")[-1][0] > n + 5, "the plain pair to run on, never frozen")
+
+
+def test_an_io_uring_instance_is_refused_in_one_sentence_before_anything_is_frozen(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """CRIU cannot checkpoint io_uring and finds it only once the tree is frozen; the dump says
+    so first, in one sentence, and the process never stops."""
+    disabled = Path("/proc/sys/kernel/io_uring_disabled")
+    if disabled.exists() and disabled.read_text().strip() != "0":
+        pytest.skip("this kernel gives no io_uring (kernel.io_uring_disabled)")
+    w = Loop("io_uring_loop.py", tmp_path / "w.log", launched=True).start()
+    loops.append(w)
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"))
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "uses io_uring (fd " in proc.stderr and "Nothing was done" in proc.stderr, proc.stderr
+    assert not (tmp_path / "snap").exists()
+    ticks = w.numbers("tick")
+    assert [t[0] for t in ticks] == list(range(len(ticks)))
+    n = ticks[-1][0]
+    wait_until(lambda: w.numbers("tick")[-1][0] > n + 5, "the loop to run on, never frozen")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import uuid
 from pathlib import Path
 
 from support.certs import node_certs
@@ -29,6 +30,7 @@ def agent_config(tmp: Path, name: str, **kw: object) -> AgentConfig:
         "metrics_listen": "",
         "health_listen": "",
         "listen": f"127.0.0.1:{free_port()}",
+        "rank_socket": f"tpagent-test-{uuid.uuid4().hex[:12]}",  # (agents in one network namespace)
         **kw,
     }
     return AgentConfig(secret_file=secret, node=name, work_dir=tmp / name, tls_dir=node_certs(tmp, name), **settings)  # type: ignore[arg-type]

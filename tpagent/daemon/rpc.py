@@ -325,11 +325,30 @@ def _options() -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
 
 
+#: A call in flight pings its agent this often, and a peer that does not answer a ping this long
+#: (a node gone, a partition) ends the call at once, not at its deadline (a restore's: an hour).
+KEEPALIVE_MS = 10_000
+#: A channel to an agent that was down tries again within this long (gRPC's own: up to 120 s).
+RECONNECT_MAX_MS = 5_000
+
+
+def _client_options() -> list[tuple[str, int]]:
+    return [
+        *_options(),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+        ("grpc.http2.max_pings_without_data", 0),  # (a long call sends nothing while it waits)
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
+    ]
+
+
 def channel(address: str, creds: Credentials) -> grpc.Channel:
     """A mutual-TLS channel to an agent, every call signed for that agent."""
     tls = grpc.ssl_channel_credentials(root_certificates=creds.ca, private_key=creds.key, certificate_chain=creds.cert)
     return grpc.intercept_channel(
-        grpc.secure_channel(address, tls, options=_options()), _ClientAuth(creds.secret, audience_of(address))
+        grpc.secure_channel(address, tls, options=_client_options()), _ClientAuth(creds.secret, audience_of(address))
     )
 
 
@@ -351,6 +370,8 @@ def server(
             *_options(),
             ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ("grpc.server_handshake_timeout_ms", 10_000),
+            # Callers ping while a call waits (KEEPALIVE_MS): allowed, not counted as abuse.
+            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ],
         maximum_concurrent_rpcs=workers + 8,  # (+ refusals and probes, brief)
     )

@@ -25,7 +25,6 @@ import signal
 import threading
 
 import grpc
-from prometheus_client import start_http_server
 
 from host import paths
 from host.api import UsageError
@@ -148,6 +147,7 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
     if server.add_secure_port(cfg.listen, tls) == 0:
         raise UsageError(f"cannot listen on {cfg.listen}; is another agent running there?")
     probes = None
+    scrapes = None
     if cfg.health_listen:
         # (no limit on calls: Check reads nothing and answers at once, so none can hold a place)
         probes = grpc.server(health.pool, interceptors=[HealthOnly(health)])
@@ -158,11 +158,18 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         metrics.UNRESOLVED.set_function(functools.partial(watch.unresolved, ctx, node.sources))
         host, _, port = cfg.metrics_listen.rpartition(":")
         try:
-            start_http_server(int(port), addr=host or "0.0.0.0")
+            scrapes = metrics.MetricsServer(host.strip("[]") or "0.0.0.0", int(port))
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot serve metrics on {cfg.metrics_listen}: {e}") from e
+    try:
+        node.ranks.start()  # (first: a rank socket someone else holds stops the agent here)
+    except UsageError:
+        if scrapes is not None:
+            scrapes.server_close()
+        raise
+    if scrapes is not None:
+        threading.Thread(target=scrapes.serve_forever, name="metrics", daemon=True).start()
     server.start()
-    node.ranks.start()
     if probes is not None:
         probes.start()
     health.serving = True
@@ -190,4 +197,7 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         ctx.threads.join(5.0)
         if probes is not None:
             probes.stop(0)
+        if scrapes is not None:
+            scrapes.shutdown()
+            scrapes.server_close()
         log.info("stopped", extra={"node": cfg.node})

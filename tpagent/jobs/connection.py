@@ -9,6 +9,7 @@ import socket
 import threading
 from typing import Any, TypeVar
 
+from host import peers
 from tpagent.migration.api import AgentError
 from tpagent_rank import codec
 from tpagent_rank import protocol as P
@@ -23,9 +24,9 @@ class RankGone(AgentError):
 class Connection:
     """One rank's connection: requests written under a lock, answers matched by id."""
 
-    def __init__(self, sock: socket.socket, pid: int, hello: P.Hello) -> None:
+    def __init__(self, sock: socket.socket, peer: peers.Peer, hello: P.Hello) -> None:
         self.sock = sock
-        self.pid = pid
+        self.peer = peer  # (its pidfd is closed with the connection)
         self.hello = hello
         self.lock = threading.Lock()
         self.next_id = 1
@@ -68,7 +69,10 @@ class Connection:
     def close(self) -> None:
         self.closed.set()
         with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # (its reader, blocked in a read, returns)
+        with contextlib.suppress(OSError):
             self.sock.close()
         with self.lock:
+            self.peer.close()
             for slot in self.waiting.values():
                 slot[0].set()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from tpagent.jobs.api import REWIRE_FINAL, Phase, RewireRecord, phase_allowed
 from tpagent.migration.api import BadTransition, JournalError
@@ -41,6 +42,13 @@ def _move(record: RewireRecord, to: Phase, message: str) -> tuple[Phase, str]:
     return before
 
 
+def _over(data: dict[str, Any]) -> bool:
+    try:
+        return RewireRecord.from_json(data).phase in REWIRE_FINAL
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 class RewireJournal:
     def __init__(self, directory: Path) -> None:
         self.files = RecordFiles(directory, "rewire", create=False)  # (made at the first rewire)
@@ -52,6 +60,8 @@ class RewireJournal:
         except JournalError:  # (the record in memory says what the journal says: nothing moved)
             record.phase, record.message = before
             raise
+        if to in REWIRE_FINAL:
+            self.files.prune(_over)
 
     def read(self, rewire_id: str) -> RewireRecord | None:
         """The record (None: there is none, or ``rewire_id`` is no rewire's id); JournalError if

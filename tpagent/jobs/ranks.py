@@ -23,16 +23,17 @@ import logging
 import os
 import socket
 import stat
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
-from host import paths, proc
+from host import paths, peers, proc
+from host.api import UsageError
 from host.safefs import private_dir
 from tpagent.common.threads import Threads
+from tpagent.jobs import door
 from tpagent.jobs.connection import Connection, RankGone
 from tpagent.migration.api import Refused, Why
 from tpagent.migration.journal import write_durably
@@ -43,9 +44,6 @@ from tpagent_rank import protocol as P
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=P.Answer)
 
-#: Connections that wait for their registration, at most (more are refused at once), and how long each.
-PENDING_MAX = 64
-PENDING_FOR = 30.0
 #: Ranks that moved away or ended, remembered (for their stand-ins) at most.
 KEEP_ENDED = 1024
 
@@ -99,18 +97,6 @@ def _close_outputs(e: RankEntry) -> None:
     e.outputs.clear()
 
 
-def _peer_pid(sock: socket.socket) -> int:
-    pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    return int(pid)
-
-
-def _check_hello(first: dict[str, Any]) -> P.Hello:
-    hello = codec.decode(P.Hello, first) if codec.is_said(first, P.LineOp.HELLO) else None
-    if hello is None or not P.valid_job(hello.job) or not 0 <= hello.rank < hello.world <= P.RANK_MAX:
-        raise ValueError("its hello is not valid")
-    return hello
-
-
 def _read_line(f: BinaryIO) -> dict[str, Any] | None:
     data = f.readline(P.LINE_MAX + 1)
     return codec.parse_line(data) if data else None
@@ -125,7 +111,6 @@ class Ranks:
         self.threads = threads
         self.lock = threading.Lock()
         self.entries: dict[tuple[str, int], RankEntry] = {}
-        self.waiting = threading.BoundedSemaphore(PENDING_MAX)  # connections waiting for their registration
         self.server: socket.socket | None = None
         #: Where the registrations outlive the agent (a restart must not orphan running ranks).
         self.saved = saved
@@ -188,21 +173,26 @@ class Ranks:
 
     # ---- serving ---------------------------------------------------------------------------
 
-    def start(self) -> bool:
-        """Listen; False (said in the log) if the name is taken in this network namespace."""
+    def start(self) -> None:
+        """Listen (if a name is set).  A name already taken in this network namespace is an
+        error: whoever holds it would be the agent to every rank (their runtime believes only
+        root or their own user there, but ranks of root would believe it), so the agent does not
+        start without it."""
         if not self.name:
-            return False
+            return
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             s.bind("\0" + self.name)
             s.listen(64)
         except OSError as e:
             s.close()
-            log.warning("ranks cannot reach this agent: the socket @%s is taken (%s)", self.name, e.strerror)
-            return False
+            raise UsageError(
+                f"the rank socket @{self.name} is taken ({e.strerror}): another agent, or a process posing "
+                "as one, serves it in this network namespace; stop it, or set rank_socket to another name."
+            ) from e
         self.server = s
-        self.threads.spawn("server", "ranks-accept", self._accept)
-        return True
+        d = door.Door(s, self.name, self.threads, self._admit, self._exited)
+        self.threads.spawn("server", "ranks-door", d.run)
 
     def close(self) -> None:
         if self.server is not None:
@@ -214,111 +204,67 @@ class Ranks:
                 if e.conn is not None:
                     e.conn.close()
 
-    def _accept(self) -> None:
-        assert self.server is not None
-        while not self.threads.stopping.is_set():
-            try:
-                sock, _ = self.server.accept()
-            except OSError:
-                return
-            self.threads.spawn("server", "rank-conn", self._serve, sock)
-
-    def _serve(self, sock: socket.socket) -> None:
-        sock.settimeout(10)
-        f = sock.makefile("rb")
+    def _admit(self, sock: socket.socket, peer: peers.Peer, hello: P.Hello) -> bool:
+        """(The door's.)  True once the caller is the connection of its registered rank: its
+        process, alive, lives in the namespace registered for that job and rank; False while
+        no such registration is here."""
+        init = proc.namespace_init(peer.pid)
+        if not peer.alive():
+            raise door.Refuse("the process that connected has exited")
+        key = (hello.job, hello.rank)
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None or init != entry.init or not entry.alive():
+                return False
+            with contextlib.suppress(OSError):  # (it came back: the word it waited for is spent)
+                os.unlink(paths.RANK_GO / P.go_name(hello.job, hello.rank))
+            conn = Connection(sock, peer, hello)
+            if entry.conn is not None:
+                entry.conn.close()
+            entry.conn = conn
+            entry.seen = hello
+            entry.world = hello.world
+            entry.exit_code = None
+            entry.moved_to = ""
+            self._save()
         try:
-            pid = _peer_pid(sock)
-            first = _read_line(f)
-            if first is None:
-                raise ValueError("closed before it said hello")
-            if codec.is_said(first, P.LineOp.EXIT):
-                self._exited(pid, codec.decode(P.Exit, first))
-                sock.close()
-                return
-            hello = _check_hello(first)
-        except (OSError, ValueError) as e:
-            log.warning("a connection on @%s was refused: %s", self.name, e)
-            sock.close()
-            return
-        sock.settimeout(None)
-        conn = self._attach(sock, pid, hello)
-        if conn is None:
-            return
+            sock.settimeout(10)
+            conn.send(codec.said(P.Welcome(self.node_address)))
+            sock.settimeout(None)
+        except OSError:
+            self._gone(conn)
+            return True
+        log.info("rank %s of job %s (PID %d) is connected", hello.rank, hello.job, peer.pid)
+        self.threads.spawn("server", "rank-conn", self._read_answers, conn)
+        return True
+
+    def _read_answers(self, conn: Connection) -> None:
+        f = conn.sock.makefile("rb")
         try:
             while (body := _read_line(f)) is not None:
                 conn.answered(body)
         except (OSError, ValueError) as e:
-            log.warning("rank %s of job %s: its connection broke: %s", hello.rank, hello.job, e)
+            log.warning("rank %s of job %s: its connection broke: %s", conn.hello.rank, conn.hello.job, e)
         finally:
-            conn.close()
-            with self.lock:
-                for entry in self.entries.values():
-                    if entry.conn is conn:
-                        entry.conn = None
-
-    def _attach(self, sock: socket.socket, pid: int, hello: P.Hello) -> Connection | None:
-        """The connection, once its registration is there (it may come later: then it waits, as
-        at most :data:`PENDING_MAX` connections do; more are refused at once)."""
-        if not self.waiting.acquire(blocking=False):
-            log.warning(
-                "rank %s of job %s (PID %d): too many connections wait for their registration: refused",
-                hello.rank,
-                hello.job,
-                pid,
-            )
             with contextlib.suppress(OSError):
-                sock.sendall(codec.said(P.Refusal("too many connections wait for their registration here")))
-            sock.close()
-            return None
-        try:
-            return self._wait_for_registration(sock, pid, hello)
-        finally:
-            self.waiting.release()
+                f.close()
+            self._gone(conn)
 
-    def _wait_for_registration(self, sock: socket.socket, pid: int, hello: P.Hello) -> Connection | None:
-        init = proc.namespace_init(pid)
-        key = (hello.job, hello.rank)
-        deadline = time.monotonic() + PENDING_FOR
-        while True:
-            with self.lock:
-                entry = self.entries.get(key)
-                if entry is not None and init == entry.init and entry.alive():
-                    with contextlib.suppress(OSError):  # (it came back: the word it waited for is spent)
-                        os.unlink(paths.RANK_GO / P.go_name(hello.job, hello.rank))
-                    conn = Connection(sock, pid, hello)
-                    if entry.conn is not None:
-                        entry.conn.close()
-                    entry.conn = conn
-                    entry.seen = hello
-                    entry.world = hello.world
-                    entry.exit_code = None
-                    entry.moved_to = ""
-                    self._save()
-                    break
-            if time.monotonic() > deadline or self.threads.stopping.is_set():
-                log.warning("rank %s of job %s (PID %d) is not registered here: refused", key[1], key[0], pid)
-                with contextlib.suppress(OSError):
-                    sock.sendall(codec.said(P.Refusal("this rank is not registered with the agent")))
-                sock.close()
-                return None
-            time.sleep(0.1)
-        try:
-            conn.send(codec.said(P.Welcome(self.node_address)))
-        except OSError:
-            conn.close()
-            with self.lock:
+    def _gone(self, conn: Connection) -> None:
+        conn.close()
+        with self.lock:
+            for entry in self.entries.values():
                 if entry.conn is conn:  # (never left as if it were connected)
                     entry.conn = None
-            return None
-        log.info("rank %s of job %s (PID %d) is connected", key[1], key[0], pid)
-        return conn
 
-    def _exited(self, pid: int, said: P.Exit) -> None:
-        if launch.launched(pid) is None:
-            raise ValueError(f"an exit report from PID {pid}, which is no launched workload's init")
+    def _exited(self, peer: peers.Peer, said: P.Exit) -> None:
+        """(The door's.)  The init of a launched namespace says its workload ended: believed
+        only from that init, still alive as it says so (it reports, then exits)."""
+        if launch.launched(peer.pid) is None or not peer.alive():
+            raise door.Refuse(f"an exit report from PID {peer.pid}, which is no launched workload's init")
         with self.lock:
             for e in self.entries.values():
-                if e.init == pid:
+                if e.init == peer.pid:
                     e.exit_code = said.code
                     log.info("rank %s of job %s exited with status %d", e.rank, e.job, said.code)
             self._save()

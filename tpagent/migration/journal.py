@@ -39,6 +39,8 @@ import logging
 import os
 import re
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,9 @@ from tpagent.migration.api import BadTransition, JournalError, Role, SourceState
 
 log = logging.getLogger(__name__)
 
+#: Records of migrations and rewires that are over are kept this many seconds, and at most this many.
+KEEP_FOR = 30 * 86400.0
+KEEP_FINAL = 1000
 FORMAT = 3  # 1: start_ticks, 2: boot_id, 3: hold (an older agent must refuse what it cannot read)
 _ID = re.compile(r"[0-9a-f]{32}")
 
@@ -218,6 +223,32 @@ class RecordFiles:
     def ids(self) -> list[str]:
         return [p.stem for p in sorted(self.directory.glob("*.json")) if valid_id(p.stem)]
 
+    def prune(self, final: Callable[[dict[str, Any]], bool]) -> None:
+        """Forget the records that ``final`` says are over, once older than :data:`KEEP_FOR`
+        seconds or past the newest :data:`KEEP_FINAL` of them; never one still going on, or one
+        that cannot be read (left for an operator)."""
+        ended: list[tuple[float, Path]] = []
+        for record_id in self.ids():
+            try:
+                data = self.read(record_id)
+                when = self.path(record_id).stat().st_mtime
+            except (JournalError, OSError):
+                continue
+            if data is not None and final(data):
+                ended.append((when, self.path(record_id)))
+        ended.sort(reverse=True)  # (newest first)
+        now = time.time()
+        for i, (when, path) in enumerate(ended):
+            if i >= KEEP_FINAL or now - when > KEEP_FOR:
+                path.unlink(missing_ok=True)
+
+
+def _over(data: dict[str, Any]) -> bool:
+    try:
+        return is_final(Record.from_json(data).state)
+    except (ValueError, KeyError, TypeError):
+        return False
+
 
 class Journal:
     """The migrations' journal (see the grammar above)."""
@@ -247,6 +278,8 @@ class Journal:
         except JournalError:  # (the record in memory says what the journal says: nothing moved)
             record.state, record.message = before
             raise
+        if is_final(to):
+            self.files.prune(_over)
 
     def read(self, migration_id: str) -> Record | None:
         """The record, or None if there is none.  A record that exists but cannot be read raises

@@ -263,7 +263,7 @@ class SourceMigration:
         carried = tuple(f"{f}:{_size(str(f))}" for f in self.carry)
         uncarriable = _uncarriable(self.carry)  # refused now, in a sentence, not by the hook once frozen
         tcp = [] if self.communicators_rebuilt else sockets.tree_tcp(sorted(pids))
-        stay = sockets.left_behind(tcp)  # (what no target can take: known here)
+        stay = [*proc.uncheckpointable(sorted(pids)), *sockets.left_behind(tcp)]  # (what no target can take)
         if (uncarriable or stay) and not self.dry_run:
             raise _Failure("; ".join([*uncarriable, *stay]))
         cfg = self.ctx.cfg

@@ -1,8 +1,9 @@
-"""``tpagent launch``: start a workload in its own PID and mount namespace.
+"""``tpagent launch``: start a workload in its own PID, mount and IPC namespaces.
 
 Like a container runtime, each workload gets a fresh PID namespace, so the PIDs CRIU must
 give back on restore can never collide with processes on the target node; the namespace
-gets its own /proc (hence a mount namespace), which CUDA needs to initialise inside it.
+gets its own /proc (hence a mount namespace), which CUDA needs to initialise inside it, and
+its own IPC namespace, without which CRIU cannot save its SysV shared memory or semaphores.
 The namespace's init is :mod:`tpagent.workload.nsinit`.  The command returns once the init has
 started the workload (or says why it could not) and reports the init's PID (as seen from the
 node), which is what ``tpagent dump`` takes.
@@ -111,6 +112,7 @@ def start(
     argv = [
         unshare,
         "--pid",
+        "--ipc",  # (CRIU saves SysV shared memory and semaphores only with an IPC namespace of their own)
         "--fork",
         "--mount-proc",
         "--propagation",
