@@ -22,7 +22,7 @@ import os
 import struct
 
 from transfer import wire
-from transfer.api import AuthError, Channel, TransferError
+from transfer.api import AuthError, Channel
 from transfer.wire import HELLO, Kind, Role
 
 HANDSHAKE_TIMEOUT = 10.0
@@ -36,7 +36,7 @@ def client_handshake(ch: Channel, secret: bytes, role: Role, stream: int, sessio
     ch.send(wire.mac(secret, b"client", session, sid, nonce_s, nonce_c))
     try:
         _, proof = wire.expect(ch, Kind.WELCOME, wire.MAC_LEN)
-    except TransferError as e:
+    except wire.PeerError as e:  # (said on purpose; a connection that closed or broke is tried again)
         raise AuthError(f"the receiver refused this sender ({e}); is the cluster secret the same on both nodes?") from e
     if not hmac.compare_digest(proof, wire.mac(secret, b"server", session, sid, nonce_c, nonce_s)):
         raise AuthError("the receiver could not prove it holds the cluster secret; refusing to send to it")
