@@ -77,6 +77,14 @@ class TlsFiles:
         return cls(directory / "ca.crt", directory / "tls.crt", directory / "tls.key")
 
 
+#: The longest pause between a sender's attempts to open a broken stream again (0.2 s, doubling).
+RETRY_PAUSE_MAX = 2.0
+
+
+def retry_pause(attempt: int) -> float:
+    return min(0.1 * 2.0**attempt, RETRY_PAUSE_MAX)
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     secret: bytes = field(repr=False)
@@ -95,6 +103,15 @@ class TransferConfig:
     chunk_retries: int = 3
     #: Longest wait on the control stream (for the trailer, for the receiver's verification).
     session_timeout: float = 3600.0
+
+    @property
+    def reconnect_window(self) -> float:
+        """How long a sender goes on opening a broken stream again (a silence, then its retries:
+        each a connect and a pause of at most :data:`RETRY_PAUSE_MAX`), and so how long a
+        receiver keeps a transfer whose control stream broke: a partition that heals within it
+        resumes the transfer."""
+        return self.io_timeout + self.retries * (self.connect_timeout + RETRY_PAUSE_MAX)
+
     #: A receiver gives up (and frees its address) if no sender has begun within this long
     #: (None: it waits its whole timeout, as `tpagent receive` does for a person to send).
     start_timeout: float | None = None

@@ -3,7 +3,8 @@ they arrive, the trailer checked, the snapshot verified before it appears under 
 
 Connections are admitted by :class:`transfer.admission.Gate`: peers still in their handshakes
 cannot crowd out those that passed them.  A transfer whose control stream breaks is kept for
-``io_timeout`` seconds for the sender to open it again; then it is given up.
+as long as the sender goes on opening it again (``reconnect_window``: a partition that heals
+within it resumes the transfer); then it is given up.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class Receiver:
         for entry in self._gate.expired(HANDSHAKE_TIMEOUT):
             entry.ch.interrupt()
             self._refused(entry, f"it did not complete its handshake within {HANDSHAKE_TIMEOUT:g} s")
-        grace = self.config.io_timeout
+        grace = self.config.reconnect_window
         now = time.monotonic()
         with self._ready:
             lapsed = [
@@ -306,7 +307,8 @@ class Receiver:
             s.control = None
             s.orphaned = time.monotonic()
         log.info(
-            "a control stream broke; the transfer waits %g s for the sender to open it again", self.config.io_timeout
+            "a control stream broke; the transfer waits %g s for the sender to open it again",
+            self.config.reconnect_window,
         )
 
     def _verify(self, s: Session, trailer: dict[str, object]) -> None:

@@ -27,6 +27,7 @@ from transfer.api import (
     TransferError,
     TransferStats,
     Transport,
+    retry_pause,
 )
 from transfer.chunks import Files, SendState
 from transfer.stream import client_handshake
@@ -140,7 +141,7 @@ class _Control:
                 if attempts > cfg.retries or self.closed:
                     raise TransferError(f"the control stream failed {attempts} times, last: {e}") from e
                 log.info("the control stream failed (%s); connecting again", e)
-                time.sleep(min(0.1 * 2**attempts, 2.0))
+                time.sleep(retry_pause(attempts))
 
     def _read(self, ch: Channel) -> None:
         breaks = 0
@@ -347,7 +348,7 @@ class Sender:
                     state.fail(TransferError(f"stream {stream} failed {attempts} times, last: {e}"))
                     return
                 log.info("stream %d broke (%s); reconnecting", stream, e)
-                time.sleep(min(0.1 * 2**attempts, 2.0))
+                time.sleep(retry_pause(attempts))
 
     def _pump(
         self,

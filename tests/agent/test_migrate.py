@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,6 +100,27 @@ def test_link_cut_mid_transfer(cluster: Cluster, big: Ticker) -> None:
         lambda: not list(incoming.glob(".*.partial-*")), "B to drop its partial snapshot once A reaches it again", 60
     )
     _only_the_original_runs(cluster, big)
+
+
+def test_a_partition_during_the_transfer_is_survived_and_the_move_completes(cluster: Cluster, big: Ticker) -> None:
+    """The link goes down in the middle of the transfer for several times the streams' silence
+    limit (2 s here) and comes back: the sender's streams reconnect (the receiver cutting their
+    unfinished handshakes as the link heals is no refusal) and the move completes."""
+    for node in (cluster.nodes["A"], cluster.nodes["B"]):
+        node.kill_agent(signal.SIGTERM)
+        node.start_agent(io_timeout="2")
+    mig = cluster.start_migrate(big.pid, "A", "B", "--json")
+    wait_until(lambda: cluster.receiving("B"), "the snapshot to start arriving on B")
+    cluster.nodes["B"].link(up=False)
+    time.sleep(6)  # (the partition itself)
+    cluster.nodes["B"].link(up=True)
+    out, err = mig.communicate(timeout=300)
+    assert mig.returncode == 0, err + out
+    doc = json.loads(out)
+    assert doc["state"] == "done", doc
+    big.pid = doc["new_pid"]
+    big.assert_one_copy_continuous()
+    big.verify_state()
 
 
 def test_corrupted_chunk_is_fetched_again(cluster: Cluster, big: Ticker) -> None:

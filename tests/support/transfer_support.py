@@ -7,6 +7,7 @@ import hashlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -70,13 +71,18 @@ class Receiving:
         io_timeout: float = 10,
         listen: str = "127.0.0.1:0",
         on_refused: Callable[[str], None] | None = None,
+        **settings: Any,
     ) -> None:
         """``on_refused``: called after each refusal is noted in ``refused`` (in the receiver's
-        thread that refused it, as the agent's metrics are)."""
+        thread that refused it, as the agent's metrics are); ``settings``: more of its
+        TransferConfig."""
         self.refused: list[str] = []  # what on_refused was called with, in order
         self._on_refused = on_refused
         self.receiver = Receiver(
-            transport, TransferConfig(secret=secret, io_timeout=io_timeout), listen, on_refused=self._refusal
+            transport,
+            TransferConfig(secret=secret, io_timeout=io_timeout, **settings),
+            listen,
+            on_refused=self._refusal,
         )
         self.result: TransferStats | BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(out, timeout), daemon=True)
