@@ -222,16 +222,23 @@ def restore_warnings(pids: Sequence[int]) -> list[str]:
 
 def uncheckpointable(pids: Sequence[int]) -> list[str]:
     """One sentence for each process of the tree that holds what CRIU cannot checkpoint, found
-    before anything is frozen (CRIU would find it only after): an io_uring instance, or SysV
-    shared memory in the node's own IPC namespace (CRIU saves SysV segments only with an IPC
-    namespace of the workload's, which `tpagent launch` gives it)."""
+    before anything is frozen (CRIU would find it only after): a descriptor of a kind of
+    anonymous inode CRIU has no dumper for (io_uring, perf events, ...), or SysV shared memory
+    in the node's own IPC namespace (CRIU saves SysV segments only with an IPC namespace of the
+    workload's, which `tpagent launch` gives it)."""
     out = []
     node_ipc = os.readlink("/proc/self/ns/ipc")
     for pid in pids:
         with suppress(OSError):
-            rings = [fd for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int) if _link(pid, fd) == _IO_URING]
-            if rings:
-                out.append(f"PID {pid} uses io_uring (fd {', '.join(rings)}), which CRIU cannot checkpoint.")
+            held: dict[str, list[str]] = {}
+            for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+                kind = _link(pid, fd).removeprefix("anon_inode:")
+                if kind != _link(pid, fd) and kind not in CRIU_ANON_INODES:
+                    held.setdefault(kind, []).append(fd)
+            for kind, fds in held.items():
+                out.append(
+                    f"PID {pid} uses {_ANON_NAMES.get(kind, kind)} (fd {', '.join(fds)}), which CRIU cannot checkpoint."
+                )
             if os.readlink(f"/proc/{pid}/ns/ipc") == node_ipc and _maps_sysv(pid):
                 out.append(
                     f"PID {pid} uses SysV shared memory in the node's IPC namespace, which CRIU cannot checkpoint; "
@@ -240,7 +247,12 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     return out
 
 
-_IO_URING = "anon_inode:[io_uring]"
+#: The kinds of anonymous inode CRIU dumps (criu/files.c: each has its dump ops; any other is
+#: refused once the tree is frozen).
+CRIU_ANON_INODES = frozenset(
+    {"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]", "bpf-map"}
+)
+_ANON_NAMES = {"[io_uring]": "io_uring", "[perf_event]": "a perf event", "[userfaultfd]": "userfaultfd"}
 
 
 def _link(pid: int, fd: str) -> str:

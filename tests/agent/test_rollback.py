@@ -30,8 +30,9 @@ def _assert_resumed(w: Workload, out: Path) -> None:
 
 
 def test_criu_dump_refuses(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """An io_uring instance is something CRIU cannot dump: a real refusal, after the freeze."""
-    w = start(extra=("--io-uring",))
+    """An open /dev/fuse is something CRIU cannot dump (no dumper for that device, and none
+    of its plugins takes it): a real refusal, found only after the freeze."""
+    w = start(extra=("--device", "/dev/fuse"))
     out = tmp_path / "snap"
     proc = tpagent("dump", str(w.pid), "--out", str(out))
     assert_one_sentence_error(proc, "criu dump", "Error (", "nothing was lost")

@@ -327,17 +327,21 @@ def test_sysv_shared_memory_comes_back_under_launch_and_is_refused_in_one_senten
     wait_until(lambda: plain.numbers("tick")[-1][0] > n + 5, "the plain pair to run on, never frozen")
 
 
-def test_an_io_uring_instance_is_refused_in_one_sentence_before_anything_is_frozen(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """CRIU cannot checkpoint io_uring and finds it only once the tree is frozen; the dump says
-    so first, in one sentence, and the process never stops."""
+@pytest.mark.parametrize("kind, said", [("io_uring", "uses io_uring (fd "), ("perf_event", "uses a perf event (fd ")])
+def test_a_descriptor_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_frozen(  # type: ignore[no-untyped-def]
+    loops, tmp_path: Path, kind: str, said: str
+) -> None:
+    """CRIU cannot checkpoint an io_uring instance or a perf event (no dumper for those
+    anonymous inodes) and finds out only once the tree is frozen; the dump says so first, in one
+    sentence, and the process never stops."""
     disabled = Path("/proc/sys/kernel/io_uring_disabled")
-    if disabled.exists() and disabled.read_text().strip() != "0":
+    if kind == "io_uring" and disabled.exists() and disabled.read_text().strip() != "0":
         pytest.skip("this kernel gives no io_uring (kernel.io_uring_disabled)")
-    w = Loop("io_uring_loop.py", tmp_path / "w.log", launched=True).start()
+    w = Loop("anon_inode_loop.py", tmp_path / "w.log", (kind,), launched=True).start()
     loops.append(w)
     proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"))
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "uses io_uring (fd " in proc.stderr and "Nothing was done" in proc.stderr, proc.stderr
+    assert said in proc.stderr and "Nothing was done" in proc.stderr, proc.stderr
     assert not (tmp_path / "snap").exists()
     ticks = w.numbers("tick")
     assert [t[0] for t in ticks] == list(range(len(ticks)))

@@ -1,13 +1,14 @@
 """Test workload: memory, threads, an open file and a pipe, each checkable after a restore.
 
-    python stateful.py LOG MIB [--io-uring] [--map FILE]
+    python stateful.py LOG MIB [--device PATH] [--map FILE]
 
 Writes to LOG (opened once, kept open):
     digest HEX                   at start: SHA-256 of its MIB MiB of state
     tick N counter C piped P     every 20 ms: N counts up by one, C is a thread's counter,
                                  P the last value another thread read from an internal pipe
     verify HEX                   on SIGUSR1: the state's SHA-256 computed afresh
---io-uring also holds an io_uring instance, which CRIU cannot dump (a real dump failure).
+--device PATH also holds PATH open (a character device CRIU cannot dump, such as /dev/fuse: a
+real dump failure, found only once the tree is frozen).
 --map FILE keeps FILE mapped (tests name it like the CUDA driver library).
 --ghost FILE MIB writes MIB MiB of random bytes to FILE, keeps it open and deletes it (a
 deleted-but-open file, as DataLoader workers' shared memory is); ``ghost HEX`` at start and on
@@ -39,10 +40,8 @@ import time
 
 log_path = sys.argv[1]
 mib = int(sys.argv[2])
-if "--io-uring" in sys.argv:
-    params = ctypes.create_string_buffer(120)
-    ring = ctypes.CDLL(None, use_errno=True).syscall(425, 4, params)  # io_uring_setup
-    assert ring >= 0, ctypes.get_errno()
+if "--device" in sys.argv:
+    device = os.open(sys.argv[sys.argv.index("--device") + 1], os.O_RDWR)
 
 if "--map" in sys.argv:
     with open(sys.argv[sys.argv.index("--map") + 1], "rb") as f:

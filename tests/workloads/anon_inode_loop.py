@@ -1,0 +1,44 @@
+"""Test workload: a loop that holds a descriptor of a kind CRIU cannot checkpoint.
+
+    python anon_inode_loop.py LOG KIND      KIND: io_uring (an async I/O ring) or perf_event
+                                            (a counter of its own CPU time, as profilers hold)
+
+Writes ``tick N`` to LOG every 20 ms; exits with status 3 if the kernel gives no such descriptor.
+"""
+
+import ctypes
+import os
+import struct
+import sys
+import time
+
+SYS_IO_URING_SETUP = 425  # (x86_64 and arm64 alike)
+SYS_PERF_EVENT_OPEN = 298  # (x86_64)
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _open(kind: str) -> int:
+    if kind == "io_uring":
+        params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
+        return int(libc.syscall(SYS_IO_URING_SETUP, 8, params))
+    attr = ctypes.create_string_buffer(128)  # struct perf_event_attr
+    struct.pack_into("IIQ", attr, 0, 1, 128, 0)  # PERF_TYPE_SOFTWARE, its size, PERF_COUNT_SW_CPU_CLOCK
+    struct.pack_into("Q", attr, 40, 1 | 1 << 5 | 1 << 6)  # disabled, exclude_kernel, exclude_hv
+    return int(libc.syscall(SYS_PERF_EVENT_OPEN, attr, 0, -1, -1, 0))
+
+
+def main() -> None:
+    fd = _open(sys.argv[2])
+    if fd < 0:
+        print(f"no {sys.argv[2]}: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+        sys.exit(3)
+    with open(sys.argv[1], "a", buffering=1) as log:
+        n = 0
+        while True:
+            log.write(f"tick {n}\n")
+            n += 1
+            time.sleep(0.02)
+
+
+if __name__ == "__main__":
+    main()
