@@ -247,6 +247,22 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     return out
 
 
+def file_locks(pids: Sequence[int]) -> list[tuple[int, str, str]]:
+    """The file locks the processes hold through their descriptors, as (PID, kind, path): kind
+    ``FLOCK``, ``POSIX`` (fcntl, lockf) or ``OFDLCK``; each file once."""
+    out: dict[str, tuple[int, str, str]] = {}
+    for pid in pids:
+        with suppress(OSError):
+            for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+                with suppress(OSError):
+                    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                        kinds = [ln.split()[2] for ln in f if ln.startswith("lock:") and len(ln.split()) > 2]
+                    path = _link(pid, fd)
+                    if kinds and path.startswith("/") and path not in out:
+                        out[path] = (pid, kinds[0], path)
+    return list(out.values())
+
+
 #: The kinds of anonymous inode CRIU dumps (criu/files.c: each has its dump ops; any other is
 #: refused once the tree is frozen).
 CRIU_ANON_INODES = frozenset(

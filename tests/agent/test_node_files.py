@@ -411,6 +411,34 @@ def test_a_growing_log_on_a_shared_path_does_not_fail_the_check(cluster: Cluster
         kill_and_wait(t.pid)
 
 
+def test_a_lock_on_a_shared_file_is_refused_in_one_sentence_before_anything_stops(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The workload holds a flock on a file of a shared path, which the target sees too: its
+    copy's restore would wait for ever behind the frozen original's lock (both journals once
+    stayed `restoring` for over 12 minutes).  The dry run names the file and the holder, the
+    move is refused the same way, and the workload never stops."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for node in cluster.nodes.values():
+        node.kill_agent(signal.SIGTERM)
+        node.start_agent(shared_paths=str(shared))
+    lock = shared / "checkpoint.lock"
+    t = launch(cluster.nodes["A"], tmp_path, 16, "--lock", str(lock))
+    try:
+        for extra in (("--dry-run",), ()):
+            proc = cluster.migrate(t.pid, "A", "B", "--json", *extra)
+            assert proc.returncode == 1, proc.stdout + proc.stderr
+            said = " ".join([json.loads(proc.stdout)["message"], *json.loads(proc.stdout)["problems"]])
+            assert f"holds a flock lock on {lock}" in said and "release it before migrating" in said, said
+        t.assert_one_copy_continuous()
+        assert cluster.nodes["B"].processes() == [
+            p for p in cluster.nodes["B"].processes() if "cli.main" in " ".join(p.cmdline())
+        ]
+    finally:
+        kill_and_wait(t.pid)
+
+
 def _listening(address: str) -> bool:
     host, port = address.rsplit(":", 1)
     try:

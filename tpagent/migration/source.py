@@ -63,6 +63,9 @@ log = logging.getLogger(__name__)
 S = SourceState
 
 
+_LOCKS = {"FLOCK": "flock", "POSIX": "POSIX (fcntl)", "OFDLCK": "open-file (fcntl)"}
+
+
 class _Failure(Exception):
     """Before COMMITTING: roll back (the message says why)."""
 
@@ -263,7 +266,7 @@ class SourceMigration:
         carried = tuple(f"{f}:{_size(str(f))}" for f in self.carry)
         uncarriable = _uncarriable(self.carry)  # refused now, in a sentence, not by the hook once frozen
         tcp = [] if self.communicators_rebuilt else sockets.tree_tcp(sorted(pids))
-        stay = [*proc.uncheckpointable(sorted(pids)), *sockets.left_behind(tcp)]  # (what no target can take)
+        stay = self._what_stays(sorted(pids), tcp)
         if (uncarriable or stay) and not self.dry_run:
             raise _Failure("; ".join([*uncarriable, *stay]))
         cfg = self.ctx.cfg
@@ -317,6 +320,20 @@ class SourceMigration:
             raise _Failure("the target refused: " + "; ".join(self.problems))
         self._check_cancel()
         return acceptance
+
+    def _what_stays(self, pids: list[int], tcp: list[sockets.TcpSocket]) -> list[str]:
+        """What no target can take, one sentence each: what CRIU cannot checkpoint, a loopback
+        peer outside the tree, a lock on a file the target sees as well."""
+        return [
+            *proc.uncheckpointable(pids),
+            *sockets.left_behind(tcp),
+            *(
+                f"PID {pid} holds a {_LOCKS.get(kind, kind)} lock on {path}, which the target sees as well (a shared "
+                "path): its copy would wait for ever behind the frozen original's lock; release it before migrating"
+                for pid, kind, path in proc.file_locks(pids)
+                if self._is_shared(path)
+            ),
+        ]
 
     def _is_shared(self, path: str) -> bool:
         return any(path == s or path.startswith(s.rstrip("/") + "/") for s in self.ctx.cfg.shared_paths)
