@@ -306,6 +306,25 @@ def alive(pid: int) -> bool:
         return False
 
 
+def signal_exact(pid: int, ticks: int, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` only if it is still the process that started at ``ticks`` (clock
+    ticks since boot): through a pidfd opened first, so that no process that took its PID since
+    can get it.  False if that process is gone."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        if start_ticks(pid) != ticks:  # (the pidfd names whatever held the PID as it was opened)
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except (OSError, IndexError, ValueError):
+        return False
+    finally:
+        os.close(fd)
+
+
 def signal_tree(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         with suppress(ProcessLookupError):

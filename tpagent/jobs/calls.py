@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import signal
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -78,8 +77,8 @@ class RankCalls:
             return P.failed(f"rank {rank} of job {job} does not run on {self.node}")
         if request.signum == signal.SIGKILL:
             proc.kill_tree(entry.init)
-        else:
-            os.kill(entry.init, request.signum)  # (its init passes it on to the rank)
+        elif not proc.signal_exact(entry.init, entry.init_start, request.signum):  # (its init passes it on)
+            return P.failed(f"rank {rank} of job {job} does not run on {self.node}")
         return P.Answer()
 
     def _output(self, job: str, rank: int, request: P.Output) -> P.Written:

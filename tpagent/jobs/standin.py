@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import tpagent_rank
-from host import paths
+from host import paths, proc
 from host.api import UsageError
 from tpagent.migration.api import AgentError, Peer, PeerUnreachable
 from tpagent.workload import launch
@@ -218,6 +218,7 @@ class StandIn:
         self.socket_name = socket_name
         self.umask = umask
         self.signals: list[int] = []
+        self.init_ticks = 0  # (its init's start, once launched)
         self.wake = threading.Event()
         #: What is relayed: the rank's stdout (and stderr, if a file of its own).
         self.relays: dict[int, _Relay] = {}
@@ -247,6 +248,7 @@ class StandIn:
 
     def _run(self, job: str, rank: int, renv: dict[str, str]) -> int:
         init, holder = launch.start(self.cmd, self.stdout, self.stderr, umask=self.umask, env=renv)
+        self.init_ticks = proc.start_ticks(init)  # (signals reach that very process, never its PID's next)
         for sig in FORWARDED:
             signal.signal(sig, self._on_signal)
         try:
@@ -325,8 +327,7 @@ class StandIn:
         while self.signals:
             sig = self.signals.pop(0)
             if where is self.agent:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(init, sig)  # (its init passes it on)
+                proc.signal_exact(init, self.init_ticks, sig)  # (its init passes it on)
                 continue
             try:
                 where.rank(job, rank, P.Signal(signum=int(sig)), 10)
