@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -167,12 +168,37 @@ def detach(store: Any) -> list[tuple[int, str, int]]:
     return out
 
 
+#: A store that refuses every connection this long has ended (its launcher did): said at once,
+#: where a TCPStore client would try again for its whole timeout.
+REFUSED_FOR = 3.0
+
+
+def _refuses(host: str, port: int, timeout: float) -> bool:
+    """Whether the store at ``host``:``port`` refuses connections for :data:`REFUSED_FOR`
+    seconds on end (anything else, an answer or silence, is left to the client's own wait)."""
+    deadline = time.monotonic() + min(REFUSED_FOR, timeout)
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(REFUSED_FOR, timeout)).close()
+            return False
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                return True
+            time.sleep(0.2)
+        except OSError:
+            return False
+
+
 def reattach(detached: list[tuple[int, str, int]], timeout: float = 60.0) -> list[Any]:
     """Connect each detached descriptor to its store again; the clients to keep alive."""
     from torch._C import _distributed_c10d as c10d
 
     kept = []
     for fd, host, port in detached:
+        if _refuses(host, port, timeout):
+            raise RuntimeError(
+                f"the job's store at {host}:{port} refuses connections: it has ended (with its launcher?)"
+            )
         before = set(connections())
         client = c10d.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
         new = [f for f, remote in connections().items() if f not in before and remote.endswith(f":{port}")]
