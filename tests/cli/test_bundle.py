@@ -1,8 +1,9 @@
 """The offline bundle (issue 12): ``scripts/bundle.sh`` writes one, and ``scripts/setup.sh
 --bundle`` installs tpagent from it in a network namespace of its own (no interface but its
 loopback: nothing can be fetched), into a fresh venv, with CRIU in a fresh prefix;
-then the installed ``tpagent doctor`` runs.  A damaged bundle is refused before anything is
-installed.  The bundle is made for this machine's Python (the GPU nodes' 3.12 is the default).
+then the installed ``tpagent doctor`` runs.  A bundle is used only with its seal (given apart
+from it), and a damaged one is refused before anything is installed.  The bundle is made for
+this machine's Python (the GPU nodes' 3.12 is the default).
 The node is made like the GPU image met on an H100: its python3 a virtual environment holding
 its own packages (torch there), and no ``ip`` or ``nft`` on its PATH."""
 
@@ -93,7 +94,11 @@ def test_tpagent_installs_offline_from_a_bundle_and_its_doctor_runs(tmp_path: Pa
     prefix = tmp_path / "criu"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV"))}
     env |= {"TPAGENT_VENV": str(venv), "TPAGENT_CRIU_PREFIX": str(prefix), "PATH": _node_path(tmp_path)}
-    setup = _offline("bash", "scripts/setup.sh", "--bundle", str(bundle), cwd=checkout, env=env)
+    seal = (tmp_path / "bundle.seal").read_text().strip()  # (given to the node by another way than the bundle)
+    assert f"its seal is {seal}" in made.stdout
+    unsealed = _offline("bash", "scripts/setup.sh", "--bundle", str(bundle), cwd=checkout, env=env)
+    assert unsealed.returncode == 2 and "give the bundle's seal" in unsealed.stderr, unsealed.stderr
+    setup = _offline("bash", "scripts/setup.sh", "--bundle", str(bundle), "--seal", seal, cwd=checkout, env=env)
     assert setup.returncode == 0, setup.stdout + setup.stderr
     assert "offline" in setup.stdout
     seen = subprocess.run(
@@ -132,5 +137,5 @@ def test_tpagent_installs_offline_from_a_bundle_and_its_doctor_runs(tmp_path: Pa
         byte = f.read(1)
         f.seek(1000)
         f.write(bytes([byte[0] ^ 0xFF]))
-    again = _offline("bash", "scripts/setup.sh", "--bundle", str(bundle), cwd=checkout, env=env)
+    again = _offline("bash", "scripts/setup.sh", "--bundle", str(bundle), "--seal", seal, cwd=checkout, env=env)
     assert again.returncode == 2 and "damaged" in again.stderr, again.stdout + again.stderr
