@@ -50,11 +50,13 @@ class Caller:
     deadline: float
     data: bytearray = field(default_factory=bytearray)
     hello: P.Hello | None = None
+    #: What the admitter found out about the caller once (it is asked again at every tick).
+    known: dict[str, Any] = field(default_factory=dict)
 
 
-#: Given a caller's hello: True once it is a rank's connection (the socket is its), False while
-#: its registration is not there; raises :class:`Refuse`.
-Admit = Callable[[socket.socket, peers.Peer, P.Hello], bool]
+#: Given a caller that said hello: True once it is a rank's connection (its socket and pidfd are
+#: that connection's), False while its registration is not there; raises :class:`Refuse`.
+Admit = Callable[[Caller], bool]
 #: Given an init's exit report; raises :class:`Refuse`.
 Exited = Callable[[peers.Peer, P.Exit], None]
 
@@ -148,8 +150,7 @@ class Door:
         self._try(c)
 
     def _try(self, c: Caller) -> None:
-        assert c.hello is not None
-        if self.admit(c.sock, c.peer, c.hello):
+        if self.admit(c):
             self._forget(c)
 
     def _look_again(self) -> None:

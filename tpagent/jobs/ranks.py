@@ -204,18 +204,26 @@ class Ranks:
                 if e.conn is not None:
                     e.conn.close()
 
-    def _admit(self, sock: socket.socket, peer: peers.Peer, hello: P.Hello) -> bool:
+    def _admit(self, caller: door.Caller) -> bool:
         """(The door's.)  True once the caller is the connection of its registered rank: its
         process, alive, lives in the namespace registered for that job and rank; False while
         no such registration is here."""
-        init = proc.namespace_init(peer.pid)
-        if not peer.alive():
-            raise door.Refuse("the process that connected has exited")
+        sock = caller.sock
+        peer = caller.peer
+        hello = caller.hello
+        assert hello is not None
+        if "init" not in caller.known:  # (once: the door asks at every tick while it waits)
+            caller.known["init"] = proc.namespace_init(peer.pid)
+            if not peer.alive():
+                raise door.Refuse("the process that connected has exited")
+        init = caller.known["init"]
         key = (hello.job, hello.rank)
         with self.lock:
             entry = self.entries.get(key)
             if entry is None or init != entry.init or not entry.alive():
                 return False
+            if not peer.alive():  # (what was found of it is the word of a process gone since)
+                raise door.Refuse("the process that connected has exited")
             with contextlib.suppress(OSError):  # (it came back: the word it waited for is spent)
                 os.unlink(paths.RANK_GO / P.go_name(hello.job, hello.rank))
             conn = Connection(sock, peer, hello)
