@@ -8,8 +8,9 @@ asks a rank's runtime, and what stand-ins and agents ask an agent about a rank) 
 in :mod:`tpagent_rank.protocol`, which both sides import.
 
 * :mod:`~tpagent.jobs.ranks` -- the ranks of this node: the abstract socket they reach their
-  agent on, who is believed (``SO_PEERCRED`` against a stand-in's registration), what is known
-  of each (kept across restarts); :mod:`~tpagent.jobs.connection` -- one rank's connection;
+  agent on, who is believed (the peer's pidfd against a stand-in's registration), what is known
+  of each (kept across restarts); :mod:`~tpagent.jobs.door` -- every connection until it is a
+  rank's (one thread, bounded); :mod:`~tpagent.jobs.connection` -- one rank's connection;
 * :mod:`~tpagent.jobs.calls` -- one ``Rank`` call: passed on to the rank, or answered here;
 * :mod:`~tpagent.jobs.rewire` -- moving ranks of a running job, phase by phase;
   :mod:`~tpagent.jobs.moves` -- asking every rank at once, and each moving rank's migration;

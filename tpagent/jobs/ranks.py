@@ -7,11 +7,12 @@ The wire is the rank protocol's line protocol (:mod:`tpagent_rank.protocol`): th
 hello first, the agent welcomes it, then the agent sends requests and the rank answers each
 once, matched by id.  The init of a launched namespace says exit, with its status, as it ends.
 
-Nobody is believed on their word: a connection counts only if its peer (``SO_PEERCRED``, the
-kernel's) lives in a ``tpagent launch`` namespace whose init a stand-in (or a migration that
-restored it here) registered for that job and rank, with :meth:`Ranks.expect`; both come
-through the agent's authenticated API.  A hello that arrives before its registration waits
-for it (bounded).
+Nobody is believed on their word: a connection counts only if its peer (the kernel's, as a
+pidfd: :mod:`host.peers`) still runs and lives in a ``tpagent launch`` namespace whose init a
+stand-in (or a migration that restored it here) registered for that job and rank, with
+:meth:`Ranks.expect`; both come through the agent's authenticated API.  Until then a
+connection is the door's (:mod:`tpagent.jobs.door`: one thread for all, bounded in number and
+time); a hello that arrives before its registration waits there for it.
 """
 
 from __future__ import annotations
