@@ -80,9 +80,10 @@ class Door:
                 for key, _ in self.selector.select(TICK):
                     if key.fileobj is self.server:
                         self._accept()
-                    else:
-                        self._read(self.callers[key.fd])
-                self._look_again()
+                    elif (c := self.callers.get(key.fd)) is not None and c.sock is key.fileobj:
+                        self._guarded(self._read, c)
+                for c in list(self.callers.values()):
+                    self._guarded(self._look_again, c)
         except OSError as e:  # (the server socket closed under us: the agent stops)
             if not self.threads.stopping.is_set():
                 log.error("the rank socket @%s stopped: %s", self.name, e)
@@ -131,9 +132,9 @@ class Door:
                 self._refuse(c, "its first line is too long")
             return
         try:
-            self._first(c, codec.parse_line(line + sep))
             if rest:
-                raise Refuse("it said more than hello before it was welcomed")
+                raise Refuse("it said more than its first line before it was answered")
+            self._first(c, codec.parse_line(line + sep))
         except (Refuse, ValueError) as e:
             self._refuse(c, str(e))
 
@@ -153,32 +154,43 @@ class Door:
         if self.admit(c):
             self._forget(c)
 
-    def _look_again(self) -> None:
-        now = time.monotonic()
-        for c in list(self.callers.values()):
-            try:
-                if c.hello is not None:
-                    self._try(c)
-                if c.sock.fileno() in self.callers and now > c.deadline:
-                    if c.hello is None:
-                        raise Refuse(f"it said no hello within {HELLO_WITHIN:.0f} s")
-                    log.warning(
-                        "rank %s of job %s (PID %d) is not registered here", c.hello.rank, c.hello.job, c.peer.pid
-                    )
-                    raise Refuse("this rank is not registered with the agent")
-            except Refuse as e:
-                self._refuse(c, str(e))
+    def _guarded(self, step: Callable[[Caller], None], c: Caller) -> None:
+        """One caller's step: whatever goes wrong with it ends that caller, never the door."""
+        try:
+            step(c)
+        except Refuse as e:
+            self._refuse(c, str(e))
+        except Exception:
+            log.exception("a connection from PID %d on @%s failed; it is closed", c.peer.pid, self.name)
+            if self.callers.get(c.sock.fileno()) is c:
+                self._drop(c)
+
+    def _look_again(self, c: Caller) -> None:
+        """A caller that waits: its registration, if it came; its deadline, if it passed."""
+        if self.callers.get(c.sock.fileno()) is not c:
+            return  # (gone since the round began)
+        if c.hello is not None:
+            self._try(c)
+        if self.callers.get(c.sock.fileno()) is c and time.monotonic() > c.deadline:
+            if c.hello is None:
+                raise Refuse(f"it said no hello within {HELLO_WITHIN:.0f} s")
+            log.warning("rank %s of job %s (PID %d) is not registered here", c.hello.rank, c.hello.job, c.peer.pid)
+            raise Refuse("this rank is not registered with the agent")
 
     def _refuse(self, c: Caller, why: str) -> None:
+        if self.callers.get(c.sock.fileno()) is not c:
+            return  # (no longer the door's to refuse)
         log.warning("a connection from PID %d (UID %d) on @%s was refused: %s", c.peer.pid, c.peer.uid, self.name, why)
         _tell(c.sock, why)
         self._drop(c)
 
     def _forget(self, c: Caller) -> None:
-        """No longer the door's (the socket and the pidfd are the connection's now)."""
+        """No longer the door's (the socket and the pidfd are the connection's now); once."""
+        if self.callers.get(c.sock.fileno()) is not c:
+            return
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(c.sock)
-        self.callers.pop(c.sock.fileno(), None)
+        del self.callers[c.sock.fileno()]
         self.per_user[c.peer.uid] -= 1
         if self.per_user[c.peer.uid] <= 0:
             del self.per_user[c.peer.uid]
