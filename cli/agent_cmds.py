@@ -213,6 +213,11 @@ def _unreachable(agent: str, e: grpc.RpcError) -> str:
     return f"the agent at {agent} cannot be reached ({unreachable_reason(e)}); is `tpagent serve` running there?"
 
 
+#: How long the CLI waits for a source agent that stopped answering mid-migration to come back
+#: (systemd restarts it in seconds) and say how the migration ended.
+SOURCE_BACK_WITHIN = 30.0
+
+
 def _source_lost(agent: Any, pb: Any, source: str, last: Any, migration_id: str, as_json: bool) -> Any:
     """The source agent stopped answering in the middle of the migration (it died, or its node
     did): it settles the migration from its journal as it starts again.  Its last word then,
@@ -223,12 +228,12 @@ def _source_lost(agent: Any, pb: Any, source: str, last: Any, migration_id: str,
             "waiting for it to settle the migration from its journal...",
             err=True,
         )
-    settled = _wait_final(agent, pb, last, migration_id)
+    settled = _wait_final(agent, pb, last, migration_id, SOURCE_BACK_WITHIN)
     if settled is last:
         die(
             f"the agent at {source} stopped answering during migration {migration_id} ({last.state}) and did not "
-            f"answer again; it settles the migration from its journal once it runs: tpagent status {migration_id} "
-            f"--agent {source}",
+            f"answer again within {SOURCE_BACK_WITHIN:.0f} s; it settles the migration from its journal once it runs: "
+            f"tpagent status {migration_id} --agent {source}",
             EXIT_FAILED,
             as_json,
         )

@@ -422,8 +422,9 @@ def test_source_node_lost_after_the_restore_the_copy_takes_over(cluster: Cluster
         )
         wait_until(lambda: proxy.swallowed > 0, "B to hold its copy and answer Restore", 120)
         a.kill_agent()  # its CRIU, in its own session, keeps the original frozen
-        mig.communicate(timeout=60)
         assert ticker.running_copies() == 0  # the copy is held, the original frozen: none runs yet
+        mig.kill()  # (the CLI would wait for A to come back: A stays down here)
+        mig.communicate(timeout=60)
         wait_until(lambda: "done" in _journal_states(b), "B to start its copy on its own", 60)
         assert "has been unreachable for 3 s" in b.agent_log()
         proxy.swallow_replies = lambda: False

@@ -85,6 +85,7 @@ def test_the_source_node_reboots_while_the_target_holds_the_copy(
         mig = _migrate_via(cluster, ticker.pid, proxy.address)
         wait_until(lambda: proxy.swallowed > 0, "B to hold its copy", 120)
         a.reboot()
+        mig.kill()  # (the CLI ran on A: it went with the reboot)
         mig.communicate(timeout=60)
         assert not psutil.pid_exists(ticker.pid) and ticker.running_copies() == 0  # the original died with A
         if journal == "lost":
