@@ -262,6 +262,20 @@ def drop_network_lock(work: Path) -> None:
         log.warning("could not remove CRIU's network lock %s: %s", found.group(1), done.stderr.strip())
 
 
+def stop_in(work: Path) -> bool:
+    """Kill the CRIU that was started with ``work`` as its work directory, if that very process
+    still runs (PID and start time); whether it did."""
+    try:
+        pid_text, started = (work / PIDFILE).read_text().split()
+        p = psutil.Process(int(pid_text))
+        if p.create_time() != float(started):
+            return False
+        p.kill()
+        return True
+    except (OSError, ValueError, psutil.Error):
+        return False
+
+
 def running_in(work: Path) -> bool:
     """Whether the CRIU that was started with ``work`` as its work directory still runs: that
     very process (PID and start time), not any process that mentions the path."""

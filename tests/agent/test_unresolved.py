@@ -89,3 +89,41 @@ def test_an_unresolved_migration_shows_survives_sigterm_and_ends_with_one_copy(
         assert _journal_states(b) == ["discarded"]
     finally:
         kill_and_wait(ticker.pid)
+
+
+def test_a_target_restarted_under_a_stuck_restore_serves_at_once_and_ends_it_at_its_deadline(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """B's agent dies while its CRIU restore is stuck (as one waiting behind a lock is). Started
+    again, B serves at once: it does not wait for that CRIU before it answers anyone, it says the
+    migration is still restoring, and once a restore's time (restore_timeout, 20 s here) has
+    passed it stops that CRIU and drops the copy. A, which kept its original frozen and asked,
+    then resumes it: one copy, intact."""
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
+    real = Criu().path
+    stuck = tmp_path / "criu-stuck-restore"
+    started = tmp_path / "restore-started"
+    stuck.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then touch {started}; sleep 600; fi\nexec {real} "$@"\n')
+    stuck.chmod(0o755)
+    settings = {"criu": str(stuck), "rpc_timeout": "5", "restore_timeout": "20"}
+    b.start_agent(**settings)
+    a.start_agent()
+    ticker = Ticker.launch(a, tmp_path, mib=16)
+    try:
+        mig = cluster.start_migrate(ticker.pid, "A", "B", "--json")
+        wait_until(lambda: started.exists() or mig.poll() is not None, "B's CRIU to start restoring", 120)
+        assert started.exists(), mig.communicate()
+        b.kill_agent()
+        mig.kill()  # (its answer is not what this test watches)
+        mig.communicate(timeout=60)
+        b.start_agent(**settings)  # (it must serve within start_agent's minute, the CRIU sleeping on)
+        assert _journal_states(b) == ["restoring"]
+        assert ticker.running_copies() == 0  # frozen at A, restoring at B: none runs yet
+        wait_until(lambda: _journal_states(b) == ["discarded"], "B to stop the stuck restore at its deadline", 120)
+        assert "its CRIU was stopped" in b.agent_log()
+        wait_until(lambda: "rolled_back" in _journal_states(a), "A to resume its original", 120)
+        ticker.assert_one_copy_continuous()
+        ticker.verify_state()
+    finally:
+        kill_and_wait(ticker.pid)

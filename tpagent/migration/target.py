@@ -15,6 +15,7 @@ from pathlib import Path
 from host import paths, proc
 from host.paths import created_note, restore_work
 from host.safefs import private_dir
+from snapshot import criu
 from snapshot.held import wait_released
 from snapshot.putback import take_back_created
 from snapshot.restore import RestoreResult, kill_restored, start_restored
@@ -404,14 +405,27 @@ def recover_target(ctx: Context, r: Record, finish: Finisher, settle: Settler) -
             return
         ctx.log.warning("migration %s: the held copy (PID %d) is gone", r.migration_id, r.pid)
         why = "the held copy did not outlive a restart of this node"  # (a reboot): never start a stranger
-    if r.state is T.RESTORING:
-        work = restore_work(Path(r.snapshot))
-        wait_released(work, None)
-        copy = kill_restored(work)
-        if copy:
-            ctx.log.warning(
-                "migration %s: stopping the copy (PID %d) a restore finished while the agent was down",
-                r.migration_id,
-                copy,
-            )
+    if r.state is T.RESTORING:  # (in a thread: the agent serves meanwhile, answering "restoring")
+        ctx.threads.spawn("waiter", f"end-restore-{r.migration_id[:8]}", _end_restore, ctx, r, why)
+        return
+    drop_copy(ctx, r, why)
+
+
+def _end_restore(ctx: Context, r: Record, why: str) -> None:
+    """The restore a previous run of the agent started: waited for (no longer than a restore
+    may take: a CRIU blocked for ever, behind a lock, is killed then), its copy stopped, dropped."""
+    work = restore_work(Path(r.snapshot))
+    wait_released(work, ctx.timeouts.restore)
+    if criu.stop_in(work):
+        ctx.log.warning(
+            "migration %s: the restore still ran %.0f s after the agent restarted; its CRIU was stopped",
+            r.migration_id,
+            ctx.timeouts.restore,
+        )
+        wait_released(work, 30.0)
+    copy = kill_restored(work)
+    if copy:
+        ctx.log.warning(
+            "migration %s: stopping the copy (PID %d) a restore finished while the agent was down", r.migration_id, copy
+        )
     drop_copy(ctx, r, why)
