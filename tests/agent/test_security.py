@@ -503,12 +503,12 @@ def test_a_command_line_naming_a_snapshot_does_not_block_the_agent(tmp_path: Pat
     lookalike = as_nobody("bash", "-c", f"exec -a 'criu restore -D {snap}/images -W {work}' sleep 600")
     try:
         wait_until(lambda: str(work) in " ".join(psutil.Process(lookalike.pid).cmdline()), "the look-alike to run")
-        recovering = threading.Thread(target=node_of(cfg).recover, daemon=True)
-        recovering.start()
-        recovering.join(30)
-        assert not recovering.is_alive()
-        r = journal.read(mid)
-        assert r is not None and r.state is TargetState.DISCARDED
+        node_of(cfg).recover()  # (the restore it finds is settled in a thread: the agent serves meanwhile)
+        wait_until(
+            lambda: (r := journal.read(mid)) is not None and r.state is TargetState.DISCARDED,
+            "the restore the agent left to be settled, the look-alike not waited for",
+            30,
+        )
         assert lookalike.poll() is None  # and it was left alone
     finally:
         lookalike.kill()
