@@ -206,12 +206,10 @@ def restore_warnings(pids: Sequence[int]) -> list[str]:
     out = []
     for pid in pids:
         held: dict[str, list[str]] = {}
-        with suppress(OSError):
-            for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
-                with suppress(OSError):
-                    api = _EVENT_QUEUES.get(os.readlink(f"/proc/{pid}/fd/{fd}"))
-                    if api is not None:
-                        held.setdefault(api, []).append(fd)
+        for fd, link in fd_links(pid):
+            api = _EVENT_QUEUES.get(link)
+            if api is not None:
+                held.setdefault(api, []).append(fd)
         for api, fds in held.items():
             out.append(
                 f"PID {pid} watches files with {api} (fd {', '.join(fds)}): events queued when it is frozen can be "
@@ -231,9 +229,9 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     for pid in pids:
         with suppress(OSError):
             held: dict[str, list[str]] = {}
-            for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
-                kind = _link(pid, fd).removeprefix("anon_inode:")
-                if kind != _link(pid, fd) and kind not in CRIU_ANON_INODES:
+            for fd, link in fd_links(pid):
+                kind = link.removeprefix("anon_inode:")
+                if kind != link and kind not in CRIU_ANON_INODES:
                     held.setdefault(kind, []).append(fd)
             for kind, fds in held.items():
                 out.append(
@@ -252,14 +250,13 @@ def file_locks(pids: Sequence[int]) -> list[tuple[int, str, str]]:
     ``FLOCK``, ``POSIX`` (fcntl, lockf) or ``OFDLCK``; each file once."""
     out: dict[str, tuple[int, str, str]] = {}
     for pid in pids:
-        with suppress(OSError):
-            for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
-                with suppress(OSError):
-                    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-                        kinds = [ln.split()[2] for ln in f if ln.startswith("lock:") and len(ln.split()) > 2]
-                    path = _link(pid, fd)
-                    if kinds and path.startswith("/") and path not in out:
-                        out[path] = (pid, kinds[0], path)
+        for fd, path in fd_links(pid):
+            if not path.startswith("/") or path in out:
+                continue
+            with suppress(OSError), open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                kinds = [ln.split()[2] for ln in f if ln.startswith("lock:") and len(ln.split()) > 2]
+                if kinds:
+                    out[path] = (pid, kinds[0], path)
     return list(out.values())
 
 
@@ -271,11 +268,19 @@ CRIU_ANON_INODES = frozenset(
 _ANON_NAMES = {"[io_uring]": "io_uring", "[perf_event]": "a perf event", "[userfaultfd]": "userfaultfd"}
 
 
-def _link(pid: int, fd: str) -> str:
+def fd_links(pid: int) -> list[tuple[str, str]]:
+    """Each descriptor of ``pid`` (in order) and what it names (``/proc/PID/fd/N``'s link: a
+    path, ``socket:[INODE]``, ``anon_inode:KIND``...); those that close as they are read, or a
+    process that is gone, are left out."""
     try:
-        return os.readlink(f"/proc/{pid}/fd/{fd}")
+        fds = sorted(os.listdir(f"/proc/{pid}/fd"), key=int)
     except OSError:
-        return ""
+        return []
+    out = []
+    for fd in fds:
+        with suppress(OSError):
+            out.append((fd, os.readlink(f"/proc/{pid}/fd/{fd}")))
+    return out
 
 
 def _maps_sysv(pid: int) -> bool:

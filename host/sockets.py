@@ -27,6 +27,8 @@ from pathlib import Path
 
 import psutil
 
+from host.proc import fd_links
+
 _LISTEN = "0A"
 _TIME_WAIT = "06"
 #: States in which the peer has already closed its end (its FIN came): nothing of it is left to
@@ -95,19 +97,7 @@ def _table(pid: int | str) -> list[tuple[tuple[str, int], tuple[str, int], str, 
 
 
 def _socket_inodes(pid: int) -> set[int]:
-    out: set[int] = set()
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return out
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            out.add(int(link[8:-1]))
-    return out
+    return {int(link[8:-1]) for _, link in fd_links(pid) if link.startswith("socket:[")}
 
 
 def tree_tcp(pids: Iterable[int]) -> list[TcpSocket]:

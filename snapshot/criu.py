@@ -7,6 +7,7 @@ carried in :class:`~snapshot.api.CriuError` so the user sees CRIU's own words.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -262,25 +263,30 @@ def drop_network_lock(work: Path) -> None:
         log.warning("could not remove CRIU's network lock %s: %s", found.group(1), done.stderr.strip())
 
 
-def stop_in(work: Path) -> bool:
-    """Kill the CRIU that was started with ``work`` as its work directory, if that very process
-    still runs (PID and start time); whether it did."""
+def _started_in(work: Path) -> psutil.Process | None:
+    """The CRIU that was started with ``work`` as its work directory, if it still runs: that
+    very process (PID and start time, from its :data:`PIDFILE`), not any process that mentions
+    the path."""
     try:
         pid_text, started = (work / PIDFILE).read_text().split()
         p = psutil.Process(int(pid_text))
-        if p.create_time() != float(started):
-            return False
+        return p if p.create_time() == float(started) else None
+    except (OSError, ValueError, psutil.Error):
+        return None
+
+
+def stop_in(work: Path) -> bool:
+    """Kill the CRIU that was started with ``work`` as its work directory, if it still runs;
+    whether it did."""
+    p = _started_in(work)
+    if p is None:
+        return False
+    with contextlib.suppress(psutil.Error):
         p.kill()
         return True
-    except (OSError, ValueError, psutil.Error):
-        return False
+    return False
 
 
 def running_in(work: Path) -> bool:
-    """Whether the CRIU that was started with ``work`` as its work directory still runs: that
-    very process (PID and start time), not any process that mentions the path."""
-    try:
-        pid_text, started = (work / PIDFILE).read_text().split()
-        return psutil.Process(int(pid_text)).create_time() == float(started)
-    except (OSError, ValueError, psutil.Error):
-        return False
+    """Whether the CRIU that was started with ``work`` as its work directory still runs."""
+    return _started_in(work) is not None

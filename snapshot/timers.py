@@ -20,6 +20,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from host.proc import fd_links
+
 _SYS_PIDFD_GETFD = 438  # (x86_64 and arm64 alike: the generic syscall table)
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -51,14 +53,10 @@ def expired(pids: Sequence[int]) -> list[Timer]:
     """The periodic timerfds of these processes that have expired unread: those CRIU restores disarmed."""
     found = []
     for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for name in fds:
+        for name, link in fd_links(pid):
+            if link != "anon_inode:[timerfd]":
+                continue
             try:
-                if os.readlink(f"/proc/{pid}/fd/{name}") != "anon_inode:[timerfd]":
-                    continue
                 with open(f"/proc/{pid}/fdinfo/{name}") as f:
                     info = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
                 value = _pair(info["it_value"])

@@ -90,6 +90,8 @@ class MetricsServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            peer = str(client_address[0])
             with self.lock:
-                self.serving[str(client_address[0])] -= 1
-                self.serving += Counter()  # (drops the zeros)
+                self.serving[peer] -= 1
+                if self.serving[peer] <= 0:
+                    del self.serving[peer]
