@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,3 +109,13 @@ def start(tmp_path: Path, workloads: list[Workload]):  # type: ignore[no-untyped
         return w.start()
 
     return _start
+
+
+@pytest.fixture
+def playground() -> Iterator[Path]:
+    """A directory in /tmp that belongs to user nobody (as a user's own directory there would)."""
+    d = Path("/tmp") / f"tp-attack-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    os.chown(d, 65534, 65534)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu
-from snapshot.criu import Criu
 from support.cluster import Cluster, Ticker
-from support.helpers import ROOT, kill_and_wait, wait_until
+from support.helpers import ROOT, kill_and_wait, slow_restore_criu, wait_until
 
 pytestmark = needs_criu
 HOOK = "TPAGENT_TEST_CLOCK_OFFSET_FILE"
@@ -87,11 +86,7 @@ def test_a_clock_step_mid_migration_still_ends_with_one_copy(cluster: Cluster, t
     refused once for its timestamp, then signed on the other's clock; the migration commits."""
     a = cluster.nodes["A"]
     b = cluster.nodes["B"]
-    real = Criu().path
-    slow = tmp_path / "criu-slow-restore"
-    started = tmp_path / "restore-started"
-    slow.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then touch {started}; sleep 3; fi\nexec {real} "$@"\n')
-    slow.chmod(0o755)
+    slow, started = slow_restore_criu(tmp_path, 3)
     a.start_agent()
     b.start_agent(criu=str(slow), takeover_after="0")  # (B never starts its copy on its own here)
     ticker = Ticker.launch(a, tmp_path, mib=64)

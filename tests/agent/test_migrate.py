@@ -19,7 +19,7 @@ from conftest import needs_criu
 from snapshot.criu import Criu
 from support.certs import node_certs
 from support.cluster import Cluster, Node, Ticker
-from support.helpers import ROOT, STATEFUL, assert_one_sentence_error, kill_and_wait, wait_until
+from support.helpers import ROOT, STATEFUL, assert_one_sentence_error, kill_and_wait, slow_restore_criu, wait_until
 from support.proxy import Proxy
 
 pytestmark = needs_criu
@@ -330,11 +330,7 @@ def test_target_agent_killed_while_restoring(cluster: Cluster, ticker: Ticker, t
     copy: the source cannot know whether the copy runs, so the original stays frozen; B,
     restarted, waits for that CRIU, stops the copy it made, and only then does A resume the
     original.  At no moment do two copies run."""
-    real = Criu().path
-    slow = tmp_path / "criu-slow-restore"
-    started = tmp_path / "restore-started"
-    slow.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then touch {started}; sleep 4; fi\nexec {real} "$@"\n')
-    slow.chmod(0o755)
+    slow, started = slow_restore_criu(tmp_path, 4)
     b = cluster.nodes["B"]
     b.kill_agent(signal.SIGTERM)
     b.start_agent(criu=str(slow))

@@ -12,8 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -45,16 +43,6 @@ UID_NOBODY = 65534
 
 def as_nobody(*args: str, **kw: object) -> subprocess.Popen[str]:
     return subprocess.Popen([*NOBODY, *args], text=True, cwd="/", **kw)  # type: ignore[call-overload, no-any-return]
-
-
-@pytest.fixture
-def playground() -> Iterator[Path]:
-    """A directory in /tmp that belongs to nobody (as a user's own directory there would)."""
-    d = Path("/tmp") / f"tp-attack-{uuid.uuid4().hex[:8]}"
-    d.mkdir()
-    os.chown(d, UID_NOBODY, UID_NOBODY)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _give_to_nobody(directory: Path) -> Path:

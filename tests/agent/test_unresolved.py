@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu
-from snapshot.criu import Criu
 from support.cluster import Cluster, Node, Ticker
-from support.helpers import kill_and_wait, wait_until
+from support.helpers import kill_and_wait, slow_restore_criu, wait_until
 
 pytestmark = needs_criu
 GAUGES = ("tpagent_frozen_seconds", "tpagent_unresolved_migrations")
@@ -53,11 +52,7 @@ def test_an_unresolved_migration_shows_survives_sigterm_and_ends_with_one_copy(
     (shutdown_grace: 2 min here) that a migration's own work gets."""
     a = cluster.nodes["A"]
     b = cluster.nodes["B"]
-    real = Criu().path
-    slow = tmp_path / "criu-slow-restore"
-    started = tmp_path / "restore-started"
-    slow.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then touch {started}; sleep 4; fi\nexec {real} "$@"\n')
-    slow.chmod(0o755)
+    slow, started = slow_restore_criu(tmp_path, 4)
     b.start_agent(criu=str(slow))
     a_settings = {"shutdown_grace": "120", "metrics_listen": f"{a.addr}:9400"}
     a.start_agent(**a_settings)
@@ -101,11 +96,7 @@ def test_a_target_restarted_under_a_stuck_restore_serves_at_once_and_ends_it_at_
     then resumes it: one copy, intact."""
     a = cluster.nodes["A"]
     b = cluster.nodes["B"]
-    real = Criu().path
-    stuck = tmp_path / "criu-stuck-restore"
-    started = tmp_path / "restore-started"
-    stuck.write_text(f'#!/bin/sh\nif [ "$1" = restore ]; then touch {started}; sleep 600; fi\nexec {real} "$@"\n')
-    stuck.chmod(0o755)
+    stuck, started = slow_restore_criu(tmp_path, 600)
     settings = {"criu": str(stuck), "rpc_timeout": "5", "restore_timeout": "20"}
     b.start_agent(**settings)
     a.start_agent()

@@ -16,7 +16,15 @@ import pytest
 from conftest import needs_criu
 from host.api import UsageError
 from host.proc import wait_pids_free
-from support.helpers import alive, assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
+from support.helpers import (
+    alive,
+    assert_continuous,
+    assert_one_sentence_error,
+    kill_and_wait,
+    process_with_pid,
+    tpagent,
+    wait_until,
+)
 
 pytestmark = needs_criu
 
@@ -293,18 +301,6 @@ def test_gpu_process_without_a_usable_driver_is_refused_before_any_freeze(start,
     assert not (tmp_path / "s").exists()  # nothing was started, nothing written
 
 
-def _take_pid(pid: int) -> subprocess.Popen[bytes]:
-    """A `sleep` that has exactly ``pid`` (the kernel's next PID is steered through ns_last_pid)."""
-    for _ in range(100):
-        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
-        holder = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
-        if holder.pid == pid:
-            return holder
-        holder.kill()
-        holder.wait()
-    raise AssertionError(f"could not start a process with PID {pid}")
-
-
 @pytest.mark.parametrize("held", ["pid", "thread-id"])
 def test_restore_while_the_original_ids_are_taken(start, tmp_path: Path, held: str) -> None:  # type: ignore[no-untyped-def]
     """A plain process comes back under its own PID and thread IDs: while another process holds
@@ -317,7 +313,7 @@ def test_restore_while_the_original_ids_are_taken(start, tmp_path: Path, held: s
     m = json.loads((snap / "manifest.json").read_text())
     assert m["processes"][0]["tids"], "the workload's threads are in the manifest"
     wanted = w.pid if held == "pid" else m["processes"][0]["tids"][0]
-    holder = _take_pid(wanted)
+    holder = process_with_pid(wanted)
     try:
         proc = tpagent("restore", str(snap), "--pid-wait", "1")
         kind = "PID" if held == "pid" else "thread ID"

@@ -12,8 +12,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,16 +38,6 @@ def _bundle(d: Path) -> str:
         lines.append(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  ./{f.relative_to(d)}\n")
     (d / "SHA256SUMS").write_text("".join(lines))
     return hashlib.sha256((d / "SHA256SUMS").read_bytes()).hexdigest()
-
-
-@pytest.fixture
-def user_dir() -> Iterator[Path]:
-    """A directory of user nobody's, as a user's own under /tmp would be."""
-    d = Path("/tmp") / f"tp-bundle-{uuid.uuid4().hex[:8]}"
-    d.mkdir()
-    os.chown(d, UID_NOBODY, UID_NOBODY)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_a_bundle_is_copied_whole_and_only_against_its_seal(tmp_path: Path) -> None:
@@ -84,12 +72,12 @@ def test_a_bundle_whose_list_a_user_made_whole_again_is_refused_without_the_seal
     assert out.stderr.count("\n") == 1
 
 
-def test_a_symlink_or_an_unlisted_file_in_a_bundle_is_refused(tmp_path: Path, user_dir: Path) -> None:
+def test_a_symlink_or_an_unlisted_file_in_a_bundle_is_refused(tmp_path: Path, playground: Path) -> None:
     """A symlinked tools/lib/ld.so pointing at a user's file (its hash the listed one) and a file
     the list does not name are refused, and nothing is left of the copy's files."""
     seal = _bundle(tmp_path / "b")
     ld = tmp_path / "b" / "tools" / "lib" / "ld.so"
-    planted = user_dir / "ld.so"
+    planted = playground / "ld.so"
     planted.write_bytes(ld.read_bytes())  # (the same bytes now; the user's to change later)
     os.chown(planted, UID_NOBODY, UID_NOBODY)
     ld.unlink()
@@ -112,17 +100,17 @@ def _node_venv(parent: Path) -> Path:
 
 
 def test_the_node_pythons_packages_are_added_only_where_root_alone_can_change_what_is_above(
-    tmp_path: Path, user_dir: Path
+    tmp_path: Path, playground: Path
 ) -> None:
     """A user owning a directory above the node environment could swap in a tree whose code root
     then runs from every agent Python (-I included): its packages are not added.  Under root's
     directories they are; and never the venv's own (setup run from an activated venv)."""
-    planted = _node_venv(user_dir)
+    planted = _node_venv(playground)
     venv = tmp_path / "venv"
     pth = tmp_path / "node-site-packages.pth"
     out = _check("node-site", pth, venv, python=str(planted / "bin" / "python"))
     assert out.returncode == 0, out.stderr
-    assert f"{user_dir} belongs to UID {UID_NOBODY}" in out.stderr, out.stderr
+    assert f"{playground} belongs to UID {UID_NOBODY}" in out.stderr, out.stderr
     assert pth.read_text() == ""
 
     safe_parent = Path(tempfile.mkdtemp(dir="/run", prefix="tp-node-"))  # (/run: root's alone)

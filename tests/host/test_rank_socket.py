@@ -22,6 +22,7 @@ import pytest
 
 from host import paths, proc
 from host.api import UsageError
+from support.helpers import process_with_pid
 from tpagent.common.threads import Threads
 from tpagent.jobs import door, ranks
 from tpagent.workload import launch
@@ -198,7 +199,7 @@ def test_a_report_on_a_connection_whose_process_exited_is_not_believed_though_it
     stale_pid = int(line[-1])
     assert attacker.wait(10) == 0 and attacker.pid == stale_pid  # (exited, reaped: its PID is free)
     job = f"job-{uuid.uuid4().hex[:8]}"
-    recycled = _process_with_pid(stale_pid)
+    recycled = process_with_pid(stale_pid)
     try:
         launch.register(recycled.pid)
         agent.expect(job, 0, recycled.pid)
@@ -213,15 +214,3 @@ def test_a_report_on_a_connection_whose_process_exited_is_not_believed_though_it
         recycled.wait()
         (launch.RECORDS / f"{recycled.pid}.json").unlink(missing_ok=True)
         _end(attacker)
-
-
-def _process_with_pid(pid: int) -> subprocess.Popen[bytes]:
-    """A process (``sleep``) whose PID is ``pid``, once free: the kernel's next PID set to it."""
-    for _ in range(50):
-        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
-        p = subprocess.Popen(["sleep", "300"])
-        if p.pid == pid:
-            return p
-        p.kill()
-        p.wait()
-    pytest.fail(f"PID {pid} could not be reused (other processes took it first)")

@@ -9,24 +9,13 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from host import proc
+from support.helpers import process_with_pid
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the test reuses a PID on purpose (ns_last_pid: root's)")
-
-
-def _process_with_pid(pid: int) -> subprocess.Popen[bytes]:
-    for _ in range(50):
-        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
-        p = subprocess.Popen(["sleep", "300"])
-        if p.pid == pid:
-            return p
-        p.kill()
-        p.wait()
-    pytest.fail(f"PID {pid} could not be reused (other processes took it first)")
 
 
 def test_a_signal_for_an_exited_process_spares_the_one_that_took_its_pid() -> None:
@@ -35,7 +24,7 @@ def test_a_signal_for_an_exited_process_spares_the_one_that_took_its_pid() -> No
     time.sleep(0.05)  # (a rank's init started well before its PID is reused: a clock tick is 10 ms)
     assert proc.signal_exact(first.pid, ticks, signal.SIGTERM)  # (the very process: it gets it)
     assert first.wait(10) == -signal.SIGTERM
-    second = _process_with_pid(first.pid)
+    second = process_with_pid(first.pid)
     try:
         assert not proc.signal_exact(first.pid, ticks, signal.SIGTERM)
         assert second.poll() is None, "the signal reached the process that took the PID"

@@ -52,6 +52,34 @@ def assert_one_sentence_error(proc: subprocess.CompletedProcess[str], *needles: 
         assert needle in lines[0], lines[0]
 
 
+def process_with_pid(pid: int) -> subprocess.Popen[bytes]:
+    """A `sleep` that has exactly ``pid``, once it is free (the kernel's next PID is steered
+    through ns_last_pid, as root; a user gets there by cycling PIDs)."""
+    for _ in range(100):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        holder = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL)
+        if holder.pid == pid:
+            return holder
+        holder.kill()
+        holder.wait()
+    raise AssertionError(f"could not start a process with PID {pid} (other processes took it first)")
+
+
+def slow_restore_criu(tmp: Path, seconds: float) -> tuple[Path, Path]:
+    """A CRIU (the real one behind a wrapper) whose restores wait ``seconds`` first: the wrapper,
+    and the file it touches as a restore begins."""
+    from snapshot.criu import Criu
+
+    wrapper = tmp / "criu-slow-restore"
+    started = tmp / "restore-started"
+    real = Criu().path
+    wrapper.write_text(
+        f'#!/bin/sh\nif [ "$1" = restore ]; then touch {started}; sleep {seconds:g}; fi\nexec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return wrapper, started
+
+
 def kill_and_wait(pid: int, timeout: float = 10.0) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
