@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import hashlib
 import os
+import secrets
 import socket
 import struct
 import sys
@@ -65,6 +67,7 @@ class Rank:
         self.park_timeout = float(os.environ.get("TPAGENT_RANK_PARK_TIMEOUT", "600"))
         self.pid = os.getpid()
         self.impostor_said = False
+        self.key: str | None = None  # the job's identity, agreed in its store (JOB_KEY) before the first hello
         #: What the agent asks of this rank (the rank protocol's runtime ops), by op.
         self.handlers: dict[P.Op, Callable[[Any], P.Answer]] = {
             P.Op.WHERE: self._where,
@@ -157,6 +160,8 @@ class Rank:
                 time.sleep(0.1 if self.torn else 1.0)
                 continue
             warned = False
+            if self.key is None:
+                self.key = self._job_key()
             self._serve(s)
             time.sleep(0.1)
 
@@ -173,6 +178,7 @@ class Rank:
                     step=self.step,
                     state=self._state(),
                     backend=str(self.spec),
+                    key=self.key or "",
                 )
             s.sendall(codec.said(hello))
             first = codec.parse_line(f.readline(P.LINE_MAX + 1) or b"{}\n")
@@ -239,6 +245,20 @@ class Rank:
     def _state(self) -> str:
         state = P.RankState.TORN_DOWN if self.torn else P.RankState.PAUSED if self.parked else P.RankState.RUNNING
         return state.value
+
+    def _job_key(self) -> str:
+        """The job's identity: the value at JOB_KEY, which the first rank to ask puts there (a
+        fresh random one), with the address of the store it is kept in, as this rank reaches it
+        (its own word, which a store's writer cannot change): every rank of the job has the same,
+        and no other job, even one whose store was given this one's value, has it."""
+        from tpagent_rank import store
+
+        try:
+            agreed = bytes(self.store.compare_set(P.JOB_KEY, "", secrets.token_hex(16))).decode()
+        except Exception as e:  # (a store without compare_set, or gone: a rank its agent cannot tell apart)
+            say(f"the job's identity cannot be agreed in its store ({type(e).__name__}: {e})")
+            return ""
+        return hashlib.sha256(f"{agreed}\0{store.address(self.store)}".encode()).hexdigest()[:32]
 
     def _tell_store(self) -> None:
         with contextlib.suppress(Exception):

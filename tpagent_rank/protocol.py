@@ -57,6 +57,9 @@ RANK_MAX = 1 << 20
 GO_DIR = "/run/tpagent/rank-go"
 #: Where a job's rank keeps its agent's address in the job's store (``KEY + str(rank)``).
 AGENT_KEY = "tpagent/agent/"
+#: Where the job's identity is agreed in its store: the first rank to connect to its agent puts a
+#: fresh random value there, every rank reads the one that stands (see :data:`ASKED_FREELY`).
+JOB_KEY = "tpagent/job-key"
 #: The environment variables a job's id is read from, in order (else :data:`DEFAULT_JOB`).
 JOB_VARIABLES = ("TPAGENT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 DEFAULT_JOB = "job"
@@ -103,6 +106,12 @@ class Op(str, enum.Enum):
 RUNTIME_OPS = frozenset(
     {Op.WHERE, Op.PEERS, Op.PAUSE, Op.BOUNDARY, Op.CANCEL, Op.TEARDOWN, Op.REBUILD, Op.RESUME, Op.END}
 )
+#: What an agent asks of a rank without naming the job's identity (only reads).  Every other
+#: request of a rank names it (``RankRequest.job_key``: its user and the value agreed at
+#: :data:`JOB_KEY`, as the moving rank's own agent saw them), and a rank whose identity differs
+#: refuses it: a job's store, which anyone who reaches it may write, says where each rank's
+#: agent is, and must not be able to steer a rewire onto an unrelated job of the same name.
+ASKED_FREELY = frozenset({Op.WHERE, Op.PEERS})
 
 
 class Unit(str, enum.Enum):
@@ -164,6 +173,7 @@ class Standing(Answer):
 @dataclass(frozen=True)
 class Agents(Answer):
     agents: tuple[str, ...] = ()  # rank -> its agent's address ("": it has not said)
+    key: str = ""  # the identity of the rank asked (its agent's word: its user, its JOB_KEY)
 
 
 @dataclass(frozen=True)
@@ -381,6 +391,7 @@ class Hello:
     step: int = 0
     state: str = RankState.RUNNING.value
     backend: str = ""
+    key: str = ""  # the value agreed at JOB_KEY ("": it could not be)
 
 
 @dataclass(frozen=True)

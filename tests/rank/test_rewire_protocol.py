@@ -147,6 +147,10 @@ class FakeMove:
         return False
 
 
+#: The job's identity, as the moving rank's agent vouches for it (every rank of the job has it).
+KEY = "0:5eed"
+
+
 class Job:
     def __init__(self, world: int = 3, outcome: Outcome = Outcome.DONE, stepping: bool = True) -> None:
         self.ranks = [FakeRank(r) for r in range(world)]
@@ -165,11 +169,13 @@ class Job:
                 r.tick()
             time.sleep(0.002)
 
-    def ask(self, address: str, job: str, rank: int, request: P.Request[Any], timeout: float) -> Any:
+    def ask(self, address: str, job: str, rank: int, request: P.Request[Any], timeout: float, key: str = "") -> Any:
         op = request.OP.value
         self.asked.append((address, rank, op))
+        if request.OP in (P.RUNTIME_OPS | {P.Op.RELEASE}) - P.ASKED_FREELY:
+            assert key == KEY, f"{op} of rank {rank} asked without the job's identity ({key!r})"
         if isinstance(request, P.Peers):
-            return P.Agents(agents=tuple(self.where))
+            return P.Agents(agents=tuple(self.where), key=KEY)
         if isinstance(request, (P.Expect, P.Moved, P.Release)):
             # (a rank is expected and released where it runs, its move noted where it was)
             assert address == (HERE if op == "moved" else self.where[rank]), (request, address, self.where)

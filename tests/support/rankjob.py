@@ -114,10 +114,10 @@ def three_nodes(tmp_path: Path) -> Iterator[Cluster]:
 
 
 class Job:
-    """The job on nodes A, B, C, ranks r * per_node ... on the r-th of them.  torchrun (its store
-    on A, in torchrun's agent), or as srun starts one (``srun=True``: a stand-in per rank,
+    """The job on nodes A, B, C (or ``names``), ranks r * per_node ... on the r-th of them.  torchrun
+    (its store on the first node, in torchrun's agent), or as srun starts one (``srun=True``: a stand-in per rank,
     SLURM_PROCID and SLURM_NTASKS set, the script's own ``env://`` rendezvous at
-    MASTER_ADDR:MASTER_PORT on A, whose store rank 0 would serve); ``wrap`` goes before the rank's
+    MASTER_ADDR:MASTER_PORT on the first, whose store rank 0 would serve); ``wrap`` goes before the rank's
     Python on its command line.  Each rank's own output is in ``tmp/job1-rankR.log`` (the stand-in's
     default, in torchrun's working directory) or, one rank per node, ``tmp/rank-on-NODE.out``."""
 
@@ -142,7 +142,7 @@ class Job:
         self.nodes_of = [name for name in names for _ in range(per_node)]  # (rank -> the node it starts on)
         self.logs.mkdir()
         self.runs: dict[str, subprocess.Popen[bytes]] = {}
-        host = c.nodes["A"].addr
+        host = c.nodes[names[0]].addr  # (its store: torchrun's on the first node, or rank 0's there)
         tpagent = Path(sys.executable).parent / "tpagent"
         for r, name in enumerate(names):
             node = c.nodes[name]
@@ -194,7 +194,7 @@ class Job:
                     "--rdzv-id",
                     RUN,
                     "--rdzv-conf",
-                    f"is_host={int(name == 'A')}",
+                    f"is_host={int(name == names[0])}",
                     "--local-addr",
                     node.addr,
                     "--max-restarts",

@@ -244,3 +244,32 @@ def test_a_field_protobuf_leaves_at_zero_takes_the_protocols_default() -> None:
     assert rankwire.request_of(bare) == P.Pause(at=9, unit="step")
     bare = rankwire.pb.RankRequest(job="job", rank=0, timeout=5, output=rankwire.pb.RankRequest.Output(fd=1))
     assert rankwire.request_of(bare) == P.Output(fd=1, offset=0, max=P.OUTPUT_MAX)
+
+
+class _Store:
+    """A job's store as the runtime sees it (its address, compare-and-set), holding ``agreed``."""
+
+    def __init__(self, host: str, port: int, agreed: str = "") -> None:
+        self.host = host
+        self.port = port
+        self.agreed = agreed
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        assert key == P.JOB_KEY and expected == ""
+        self.agreed = self.agreed or desired
+        return self.agreed.encode()
+
+
+def test_a_jobs_key_is_agreed_once_and_bound_to_its_stores_address() -> None:
+    from tpagent_rank.agent import Rank
+
+    def key(store: _Store) -> str | None:
+        return Rank("job", 0, 2, store, None, "s")._job_key()
+
+    store = _Store("10.0.0.1", 29500)
+    first = key(store)
+    assert first and key(store) == first  # (every rank of the job: the value the first put there)
+    # Another job's store, given this one's value by whoever can write it: still another job.
+    assert key(_Store("10.0.0.2", 29500, store.agreed)) != first
+    assert key(_Store("10.0.0.1", 29501, store.agreed)) != first
+    assert key(_Store("10.0.0.1", 29500)) != first  # (a fresh job on the same address)

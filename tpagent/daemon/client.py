@@ -86,8 +86,8 @@ class GrpcPeer(Peer):
             self._call(lambda: self._stub.Status(pb.MigrationRef(migration_id=migration_id), timeout=timeout))
         )
 
-    def rank(self, job: str, rank: int, request: P.Request[A], timeout: float) -> A:
-        message = rankwire.request_pb(job, rank, request, timeout)
+    def rank(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
+        message = rankwire.request_pb(job, rank, request, timeout, key)
         reply = self._call(lambda: self._stub.Rank(message, timeout=timeout + 10))
         return rankwire.answer_of(request, reply)
 

@@ -159,15 +159,15 @@ class Node:
 
     # ---- ranks of distributed jobs ---------------------------------------------------------
 
-    def ask(self, agent: str, job: str, rank: int, request: P.Request[A], timeout: float) -> A:
-        """Ask the agent at ``agent`` (this one: directly) about a rank of ``job``."""
+    def ask(self, agent: str, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
+        """Ask the agent at ``agent`` (this one: directly) about a rank of ``job`` (``key``: its identity)."""
         if agent == self.cfg.agent_address:
-            return self.rank_request(job, rank, request, timeout)
-        return self.ctx.peer(agent).rank(job, rank, request, timeout)
+            return self.rank_request(job, rank, request, timeout, key)
+        return self.ctx.peer(agent).rank(job, rank, request, timeout, key)
 
-    def rank_request(self, job: str, rank: int, request: P.Request[A], timeout: float) -> A:
+    def rank_request(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
         """One ``Rank`` call: passed on to the rank's runtime, or answered here."""
-        return self.rank_calls(job, rank, request, timeout)
+        return self.rank_calls(job, rank, request, timeout, key)
 
     # ---- a migration's status, an operator's word -------------------------------------------
 

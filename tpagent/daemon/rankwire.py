@@ -60,9 +60,9 @@ def _from_pb(message: Any, cls: type[Any], **given: Any) -> Any:
     return cls(**values)
 
 
-def request_pb(job: str, rank: int, request: P.Request[Any], timeout: float) -> pb.RankRequest:
+def request_pb(job: str, rank: int, request: P.Request[Any], timeout: float, key: str = "") -> pb.RankRequest:
     message = _to_pb(request, getattr(pb.RankRequest, type(request).__name__))
-    return pb.RankRequest(job=job, rank=rank, timeout=timeout, **{request.OP.value: message})
+    return pb.RankRequest(job=job, rank=rank, timeout=timeout, job_key=key, **{request.OP.value: message})
 
 
 def request_of(message: pb.RankRequest) -> P.Request[Any]:

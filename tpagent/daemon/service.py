@@ -161,7 +161,8 @@ class Service(AgentServicer):
     def Rank(self, request: pb.RankRequest, context: grpc.ServicerContext) -> pb.RankReply:
         def call() -> pb.RankReply:
             asked = rankwire.request_of(request)
-            answer: P.Answer = self.node.rank_request(str(request.job), int(request.rank), asked, request.timeout)
+            job = str(request.job)
+            answer: P.Answer = self.node.rank_request(job, int(request.rank), asked, request.timeout, request.job_key)
             return rankwire.reply_pb(answer, as_json=rankwire.legacy(request))
 
         return _answer(context, call)

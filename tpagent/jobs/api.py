@@ -83,6 +83,7 @@ class RewireRecord:
     step: int = 0  # the boundary
     unit: str = P.Unit.STEP.value  # what ``step`` counts
     moves: dict[int, str] = field(default_factory=dict)  # rank -> its migration's id
+    key: str = ""  # the job's identity, as the first moving rank's agent (this one) vouches for it
 
     @classmethod
     def new(cls, job: str, here: str, moving: dict[int, tuple[int, str]]) -> RewireRecord:
@@ -103,6 +104,7 @@ class RewireRecord:
             "unit": self.unit,
             "moving": {str(r): [init, target] for r, (init, target) in self.moving.items()},
             "moves": {str(r): m for r, m in self.moves.items()},
+            "key": self.key,
         }
 
     @classmethod
@@ -118,6 +120,7 @@ class RewireRecord:
         r.step = int(data["step"])
         r.unit = P.Unit.COLLECTIVE.value if data.get("unit") == P.Unit.COLLECTIVE.value else P.Unit.STEP.value
         r.moves = {int(rank): str(m) for rank, m in dict(data.get("moves", {})).items()}
+        r.key = str(data.get("key", ""))
         if not r.moving or len(r.agents) <= max(r.moving):
             raise ValueError(f"rewire {r.rewire_id}: not a record this agent can finish")
         return r
@@ -133,7 +136,7 @@ class RewireLog(Protocol):
 class Ask(Protocol):
     """Ask the agent at ``agent`` (this one: directly) a request of the rank protocol about a rank."""
 
-    def __call__(self, agent: str, job: str, rank: int, request: P.Request[A], timeout: float) -> A: ...
+    def __call__(self, agent: str, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A: ...
 
 
 class Moving(Protocol):

@@ -14,13 +14,15 @@ from typing import Any, TypeVar, cast
 
 from host import proc
 from tpagent.jobs.connection import RankGone
-from tpagent.jobs.ranks import Ranks
+from tpagent.jobs.ranks import NotTheJob, Ranks
 from tpagent.migration.api import AgentError, Refused, Why, is_agent_address
 from tpagent_rank import protocol as P
 
 A = TypeVar("A", bound=P.Answer)
 #: The signals a stand-in passes on to its rank (SIGKILL: its launcher gave up on it).
 PASSED_ON = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL})
+#: The longest job's key (``RankRequest.job_key``) an agent compares.
+KEY_MAX = 128
 
 
 class RankCalls:
@@ -41,13 +43,32 @@ class RankCalls:
             P.Op.JOBS: self._jobs,
         }
 
-    def __call__(self, job: str, rank: int, request: P.Request[A], timeout: float) -> A:
+    def __call__(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
+        """``key``: the job's identity as the asking agent knows it (:meth:`.ranks.Ranks.identity`
+        of its own rank); every request but a read (:data:`~tpagent_rank.protocol.ASKED_FREELY`)
+        that reaches a rank must name it."""
+        if len(key) > KEY_MAX:
+            raise Refused(f"a job's key has at most {KEY_MAX} characters.", Why.INVALID)
+        if request.OP == P.Op.RELEASE and self.ranks.identity(job, rank) not in ("", key):  # ("": restored here)
+            raise Refused(self._not_it(job, rank), Why.CONFLICT)
         if request.OP in P.RUNTIME_OPS:
+            confirm = key if key or request.OP not in P.ASKED_FREELY else None
             try:
-                return self.ranks.call(job, rank, request, timeout)
+                answer = self.ranks.call(job, rank, request, timeout, confirm)
+            except NotTheJob as e:
+                raise Refused(self._not_it(job, rank), Why.CONFLICT) from e
             except RankGone as e:
                 raise Refused(str(e), Why.NOT_FOUND) from e
+            if isinstance(answer, P.Agents):  # (the identity its agent vouches for, not the rank's word)
+                return cast(A, dataclasses.replace(answer, key=self.ranks.identity(job, rank)))
+            return answer
         return cast(A, self._handlers[request.OP](job, rank, request))
+
+    def _not_it(self, job: str, rank: int) -> str:
+        return (
+            f"rank {rank} of job {job} on {self.node} is not the rank asked for: its job is another "
+            "(its user, or the job's key and store, differ), so the job's store names the wrong node for it"
+        )
 
     def _expect(self, job: str, rank: int, request: P.Expect) -> P.Answer:
         self.ranks.expect(job, rank, request.pid)

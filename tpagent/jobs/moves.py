@@ -26,10 +26,11 @@ def each(request: P.Request[P.Answer]) -> Callable[[int], P.Request[P.Answer]]:
 class Asking:
     """The ranks of ``job``, asked through their agents (``ask``), all at once."""
 
-    def __init__(self, job: str, ask: Ask, timeout: float) -> None:
+    def __init__(self, job: str, ask: Ask, timeout: float, key: str = "") -> None:
         self.job = job
         self.ask = ask
         self.timeout = timeout
+        self.key = key  # the job's identity (RewireRecord.key): every rank asked must have it
 
     def all(
         self,
@@ -46,7 +47,7 @@ class Asking:
 
         def one(r: int) -> Reply:
             try:
-                return self.ask(agents[r], self.job, r, request(r), timeout)
+                return self.ask(agents[r], self.job, r, request(r), timeout, self.key)
             except AgentError as e:
                 return e
             except Exception as e:  # (a bug, or a value no wire carries: this rank failed, the others go on)

@@ -49,6 +49,10 @@ A = TypeVar("A", bound=P.Answer)
 KEEP_ENDED = 1024
 
 
+class NotTheJob(Exception):
+    """The rank asked for is of another job of the same name (:meth:`Ranks.identity`)."""
+
+
 @dataclass
 class RankEntry:
     job: str
@@ -60,6 +64,7 @@ class RankEntry:
     exit_code: int | None = None
     moved_to: str = ""  # the agent it migrated to
     seen: P.Hello | None = None  # its last hello
+    uid: int = -1  # the user its runtime runs as (the kernel's word, as it last connected)
     outputs: dict[int, int] = field(default_factory=dict)  # 1, 2 -> our descriptor of its stdout, stderr file
 
     def alive(self) -> bool:
@@ -232,6 +237,7 @@ class Ranks:
                 entry.conn.close()
             entry.conn = conn
             entry.seen = hello
+            entry.uid = peer.uid
             entry.world = hello.world
             entry.exit_code = None
             entry.moved_to = ""
@@ -313,9 +319,16 @@ class Ranks:
             raise Refused(f"rank {rank} of job {job} is not known on this node.", Why.NOT_FOUND)
         return e
 
-    def call(self, job: str, rank: int, request: P.Request[A], timeout: float) -> A:
+    def identity(self, job: str, rank: int) -> str:
+        """Which job the rank here is, across nodes: its user and the job's key (P.JOB_KEY), as it
+        last said hello ("" before it has)."""
+        e = self.entry(job, rank)
+        return f"{e.uid}:{e.seen.key}" if e.seen is not None else ""
+
+    def call(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str | None = None) -> A:
         """Ask the rank's runtime; its answer.  Waits (up to ``timeout``) for a rank that is
-        reconnecting (a restored copy, a rolled-back original)."""
+        reconnecting (a restored copy, a rolled-back original).  ``key``: the job's identity the
+        rank must have (:meth:`identity`), or NotTheJob; None: any."""
         if request.OP not in P.RUNTIME_OPS:
             raise Refused(f"{request.OP.value!r} is not something a rank is asked.", Why.INVALID)
         deadline = time.monotonic() + timeout
@@ -329,6 +342,8 @@ class Ranks:
             if time.monotonic() > deadline:
                 raise RankGone(f"rank {rank} of job {job} did not connect to this agent within {timeout:.0f} s")
             time.sleep(0.05)
+        if key is not None and f"{conn.peer.uid}:{conn.hello.key}" != key:
+            raise NotTheJob(f"rank {rank} of job {job} here is of another job")
         leaving = isinstance(request, P.Teardown) and request.leaving
         if leaving:  # (it comes back only once told again)
             with contextlib.suppress(FileNotFoundError):

@@ -87,7 +87,7 @@ class Rewire:
         self.log = logging.LoggerAdapter(log, {"migration": record.rewire_id})
         self.last_said = ""
         self.stayed: dict[int, str] = {}  # rank -> why it did not move
-        self.ranks = Asking(record.job, ask, timeout)
+        self.ranks = Asking(record.job, ask, timeout, record.key)
 
     @property
     def migration_id(self) -> str:
@@ -186,7 +186,9 @@ class Rewire:
         self.timings[name] = round(time.monotonic() - t0, 4)
 
     def _agents(self) -> list[str]:
-        """Where every rank's agent is, as the job's store says (asked of the first moving rank)."""
+        """Where every rank's agent is, as the job's store says (asked of the first moving rank), and
+        which job this is (its identity, as this agent vouches for it), which every rank asked
+        after must confirm: what the store says is anyone's word who can reach it."""
         first = min(self.moving)
         answer = self.ask(self.record.here, self.job, first, P.Peers(), self.timeout)
         if not answer.ok or not answer.agents:
@@ -200,6 +202,7 @@ class Rewire:
                 "is every rank started with `tpagent rank`?"
             )
         agents = list(answer.agents)
+        self.record.key = self.ranks.key = answer.key
         for r in sorted(self.moving):
             if agents[r] != self.record.here:
                 raise RewireFailed(f"rank {r} runs on {agents[r]}, not on this node: ask its agent (--from)")
@@ -470,7 +473,7 @@ class Rewire:
             if (r, agents[r]) in self.released:
                 continue
             try:
-                self.ask(agents[r], self.job, r, P.Release(), self.timeout)
+                self.ask(agents[r], self.job, r, P.Release(), self.timeout, self.record.key)
                 self.released.add((r, agents[r]))
             except AgentError as e:
                 bad.append(f"rank {r} cannot be told to come back to {agents[r]} ({e})")

@@ -375,7 +375,8 @@ class Peer(ABC):
     @abstractmethod
     def versions(self, timeout: float) -> Versions: ...
 
-    def rank(self, job: str, rank: int, request: P.Request[A], timeout: float) -> A:
+    def rank(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
         """Ask the peer about (or pass on to) a rank of a distributed job on its node (the rank
-        protocol: :mod:`tpagent_rank.protocol`); its answer.  Only agents over gRPC have ranks."""
+        protocol: :mod:`tpagent_rank.protocol`; ``key``: the job's identity, ``RankRequest.job_key``);
+        its answer.  Only agents over gRPC have ranks."""
         raise Refused("this peer has no ranks", Why.PRECONDITION)
