@@ -10,8 +10,8 @@ with the rank's own status.  The launcher never sees the rank leave (torchrun wo
 the whole worker group if a child exited).
 
 Where no launcher hosts the job's store (srun and ``env://``: rank 0 would serve it), the stand-in
-of rank 0 serves it on this node, outside the rank, with the rank's own Python
-(:func:`host_store`): a rank that served it could not move, as its peers reach it at this
+of rank 0 serves it on this node, outside the rank, with the rank's own Python and no privilege
+(:func:`host_store`, :func:`store_user`): a rank that served it could not move, as its peers reach it at this
 node's address.  The store lives as long as the stand-in, as it would have lived as long as rank 0.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import pwd
 import re
 import select
 import shutil
@@ -50,6 +51,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 LOST_AFTER = 600.0
 #: How long the store server may take to listen (its Python imports torch first).
 STORE_READY_TIMEOUT = 120.0
+#: nobody's UID and GID where the system has no such user in its password file.
+NOBODY = 65534
 #: The store server: the rank's Python runs it, and it ends when its stdin does (the stand-in
 #: exited, or was killed).  argv: host, port.
 STORE_SERVER = """\
@@ -149,10 +152,45 @@ def _local(host: str) -> bool:
     return False
 
 
+def store_user(env: dict[str, str]) -> tuple[int, int] | None:
+    """Whom the store server runs as (UID, GID; None: this process's user): it needs no
+    privilege, so a stand-in of root's runs it as the user who started it through sudo
+    (``SUDO_UID``, ``SUDO_GID``), else as nobody, with no supplementary group."""
+    if os.geteuid() != 0:
+        return None
+    uid = env.get("SUDO_UID", "")
+    gid = env.get("SUDO_GID", "")
+    if uid.isdigit() and gid.isdigit() and int(uid) != 0:
+        return int(uid), int(gid)
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        return NOBODY, NOBODY
+    return nobody.pw_uid, nobody.pw_gid
+
+
+def _serve(
+    argv: list[str], env: dict[str, str], errors: BinaryIO, user: tuple[int, int] | None
+) -> subprocess.Popen[bytes]:
+    uid, gid = user if user is not None else (None, None)
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=errors,
+        env={**env, "HOME": "/"},
+        cwd="/",
+        start_new_session=True,
+        user=uid,
+        group=gid,
+        extra_groups=[] if user is not None else None,
+    )
+
+
 def host_store(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes] | None, str]:
     """Serve the job's store here, outside the rank, if rank ``env`` would serve it (rank 0 of
-    an ``env://`` job that no launcher hosts a store for): the server, or None and why not ("" if
-    the rank serves none)."""
+    an ``env://`` job that no launcher hosts a store for), as :func:`store_user`: the server (and
+    what its stand-in says of it, if anything), or None and why not ("" if the rank serves none)."""
     host = env.get("MASTER_ADDR", "")
     port = env.get("MASTER_PORT", "")
     if env.get("RANK") != "0" or not host or not port.isdigit() or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -162,24 +200,36 @@ def host_store(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[by
     python = python_of(cmd, env)
     if python is None:
         return None, f"{cmd[0]} is not a Python interpreter (nor a script one runs) to serve it with"
+    argv = [python, "-c", STORE_SERVER, host, port]
+    user = store_user(env)
+    server, why = _started(argv, env, user)
+    if server is not None or user is None:
+        return server, "" if server is not None else f"serving it on port {port} failed: {why}"
+    server, last = _started(argv, env, None)  # (a Python, or a torch, only root may run: root serves it, said)
+    if server is None:
+        return None, f"serving it on port {port} failed: {last}"
+    return server, (
+        f"the job's store is served as root: as UID {user[0]} it did not start ({why}); "
+        "a Python (and torch) that any user can run keeps root out of it"
+    )
+
+
+def _started(
+    argv: list[str], env: dict[str, str], user: tuple[int, int] | None
+) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """The store server, listening, or None and the last line it said."""
     with tempfile.TemporaryFile() as errors:
-        server = subprocess.Popen(
-            [python, "-c", STORE_SERVER, host, port],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=errors,
-            env=env,
-            cwd="/",
-            start_new_session=True,
-        )
+        try:
+            server = _serve(argv, env, errors, user)
+        except OSError as e:
+            return None, f"{argv[0]}: {e.strerror}"
         assert server.stdout is not None
         ready, _, _ = select.select([server.stdout], [], [], STORE_READY_TIMEOUT)
         if ready and server.stdout.readline() == b"ready\n":
             return server, ""
         stop_store(server)
         errors.seek(0)
-        last = (errors.read().decode(errors="replace").strip().splitlines() or ["it did not start in time"])[-1]
-    return None, f"serving it on port {port} failed: {last}"
+        return None, (errors.read().decode(errors="replace").strip().splitlines() or ["it did not start in time"])[-1]
 
 
 def stop_store(server: subprocess.Popen[bytes]) -> None:
@@ -238,6 +288,8 @@ class StandIn:
         store, why = host_store(self.cmd, launcher_env(env))  # (not the runtime's environment)
         if store is not None:
             renv[HOSTED] = renv["MASTER_PORT"]
+            if why:
+                self.say(why)
         elif why:
             self.say(f"rank {rank} of job {job} serves the job's store itself, so it cannot be moved: {why}")
         try:
