@@ -276,13 +276,17 @@ def _started_in(work: Path) -> psutil.Process | None:
 
 
 def stop_in(work: Path) -> bool:
-    """Kill the CRIU that was started with ``work`` as its work directory, if it still runs;
-    whether it did."""
+    """Kill the CRIU that was started with ``work`` as its work directory, if it still runs,
+    and what it had started (a tree half restored); whether it ran."""
     p = _started_in(work)
     if p is None:
         return False
     with contextlib.suppress(psutil.Error):
-        p.kill()
+        below = p.children(recursive=True)
+        p.kill()  # (first: it restores no more)
+        for child in below:
+            with contextlib.suppress(psutil.Error):
+                child.kill()
         return True
     return False
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -194,5 +195,74 @@ def test_the_source_agent_killed_mid_migration(quad: Cluster, tmp_path: Path, re
         where = job.copies(1)
         assert where == (["B"] if record["phase"] == "rolled_back" else ["D"]), where
         job.finishes_as(reference)
+    finally:
+        job.close()
+
+
+NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
+STORE_WRITER = Path(__file__).parents[1] / "attackers" / "store_writer.py"
+
+
+def test_a_jobs_store_cannot_steer_a_rewire_onto_another_job_of_the_same_name(
+    quad: Cluster, tmp_path: Path, reference: Path
+) -> None:
+    """Two jobs of one name (job1, ranks 0-2, the same user): the first on A, B, C, the other all
+    on D.  A local user (nobody, on A) rewrites in the first job's store that its rank 2's agent
+    is D's.  Moving the first job's rank 1 is then refused before any rank stops (no generation
+    begun), in a sentence that names D and why; the other job is never asked to stop, and both
+    end bit-identical to the uninterrupted run."""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "other").mkdir()
+    job = Job(quad, tmp_path / "first")
+    other = Job(quad, tmp_path / "other", names="D", per_node=3)
+    try:
+        job.at_step(1, 20)
+        other.at_step(2, 20)
+        env = next(p.environ() for p in quad.nodes["A"].processes() if job._script(p) and p.environ()["RANK"] == "0")
+        d = quad.nodes["D"].agent_address
+        forged = subprocess.run(
+            [*quad.nodes["A"].exec(*NOBODY, sys.executable, str(STORE_WRITER)), env["MASTER_ADDR"], env["MASTER_PORT"]]
+            + ["2", d],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert forged.returncode == 0 and f"was {quad.nodes['C'].agent_address}" in forged.stdout, (
+            forged.stdout + forged.stderr[-3000:]
+        )
+        moved = quad.migrate(0, "B", "C", "--job", "job1", "--rank", "1", timeout=240)
+        said = moved.stdout + moved.stderr
+        assert moved.returncode != 0, said
+        assert f"rank 2 of job job1 on {quad.nodes['D'].name} is not the rank asked for" in said, said
+        assert "store names the wrong node" in said and "nothing was changed" in said, said
+        assert job.rewire_record("B").get("gen", 0) == 0, job.rewire_record("B")  # (no rank was asked to stop)
+        job.finishes_as(reference)
+        other.finishes_as(reference)
+    finally:
+        job.close()
+        other.close()
+
+
+def test_torchrun_killed_on_the_stores_node_mid_move_ends_the_move_in_one_sentence(
+    quad: Cluster, tmp_path: Path
+) -> None:
+    """torchrun's agent on A, which serves the job's store, is killed once rank 1 is on its way
+    to D (every communicator down): no rank can rebuild without the store, which refuses at once
+    (nothing listens on its port), and the other torchruns end their ranks: the move ends saying
+    so in one sentence, well inside one rewire deadline (60 s here; it once took two), and rank 1
+    runs in one place at most, never two."""
+    job = Job(quad, tmp_path)
+    try:
+        job.at_step(1, 20)
+        mig = job.start_move(1, "D", "--json")
+        wait_until(lambda: _moving(job, "B"), "the rewire to move rank 1", 120)
+        job.runs["A"].kill()  # (`ip netns exec` execs torchrun: this is it)
+        out, err = mig.communicate(timeout=100)
+        doc = json.loads(out)
+        assert mig.returncode == 1, out + err
+        said = doc["message"]
+        # (the store refuses the rebuild, or the other torchruns, having lost their rendezvous, end their ranks first)
+        assert "refuses connections: it has ended" in said or "the job cannot go on" in said, said
+        assert "\n" not in said and len(job.copies(1)) <= 1
     finally:
         job.close()

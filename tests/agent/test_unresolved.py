@@ -4,13 +4,16 @@ and it ends with exactly one running copy once the target is back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import needs_criu
@@ -118,3 +121,92 @@ def test_a_target_restarted_under_a_stuck_restore_serves_at_once_and_ends_it_at_
         ticker.verify_state()
     finally:
         kill_and_wait(ticker.pid)
+
+
+class _Stuck:
+    """A workload on A migrating to B, whose CRIU restore never returns (as one waiting behind a
+    lock does): ``mig`` is the `tpagent migrate` of it, waiting in B's restore."""
+
+    def __init__(self, cluster: Cluster, tmp_path: Path, **b_settings: str) -> None:
+        self.cluster = cluster
+        self.a = cluster.nodes["A"]
+        self.b = cluster.nodes["B"]
+        self.wrapper, started = slow_restore_criu(tmp_path, 600)
+        self.b.start_agent(criu=str(self.wrapper), **b_settings)
+        self.a.start_agent()
+        self.ticker = Ticker.launch(self.a, tmp_path, mib=16)
+        self.mig = cluster.start_migrate(self.ticker.pid, "A", "B", "--json")
+        wait_until(lambda: started.exists() or self.mig.poll() is not None, "B's CRIU to start restoring", 120)
+        assert started.exists(), self.mig.communicate()
+
+    def cancel(self) -> None:
+        (mid,) = [p.stem for p in (self.a.work / "agent" / "migrations").glob("*.json")]
+        cancel = [sys.executable, "-m", "cli.main", "cancel", mid, "--agent", self.a.agent_address]
+        said = subprocess.run(cancel, env=self.cluster.cli_env("A"), capture_output=True, text=True, timeout=60)
+        assert said.returncode == 0, said.stdout + said.stderr
+
+    def rolled_back(self, why: str) -> None:
+        """The migration rolled back (saying ``why``), nothing of the restore is left on B, and
+        the original runs on at A: one copy, intact."""
+        out, err = self.mig.communicate(timeout=120)
+        doc = json.loads(out)
+        assert doc["state"] == "rolled_back" and why in doc["message"], out + err
+        assert _journal_states(self.b) == ["discarded"]
+        left = []
+        for p in self.b.processes():
+            with contextlib.suppress(psutil.Error):
+                if str(self.wrapper) in " ".join(p.cmdline()) or p.cmdline()[:2] == ["sleep", "600"]:
+                    left.append(p)
+        assert not left, left
+        self.ticker.assert_one_copy_continuous()
+        self.ticker.verify_state()
+
+
+def test_a_cancel_while_the_targets_restore_is_stuck_stops_it_and_resumes_the_original(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`tpagent cancel` at A, the source, is taken although the restore was already asked for:
+    B stops that CRIU and what it started, drops the copy, and A resumes its original where it
+    stood; the migration says it was cancelled."""
+    stuck = _Stuck(cluster, tmp_path)
+    try:
+        stuck.cancel()
+        stuck.rolled_back("cancelled by the operator")
+    finally:
+        kill_and_wait(stuck.ticker.pid)
+
+
+def test_sigterm_stops_a_target_whose_restore_is_stuck_and_the_source_resumes(cluster: Cluster, tmp_path: Path) -> None:
+    """B's agent is told to stop (SIGTERM) while its restore is stuck: after its grace (5 s
+    here) it stops that CRIU, drops the copy (the source's Restore call hears so) and exits,
+    where a CRIU blocked for ever once kept it running.  A resumes the original."""
+    stuck = _Stuck(cluster, tmp_path, shutdown_grace="5")
+    try:
+        stuck.b.kill_agent(signal.SIGTERM)  # (waits for it to exit: 30 s at most, or this fails)
+        assert "stopped" in stuck.b.agent_log().splitlines()[-1]
+        stuck.rolled_back("its agent stopped")
+    finally:
+        kill_and_wait(stuck.ticker.pid)
+
+
+def test_a_target_that_goes_silent_mid_restore_is_noticed_by_keepalive_and_the_move_can_be_cancelled(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """B's agent freezes (SIGSTOP: its connections stay up, nothing answers) while A waits in its
+    Restore call, whose deadline is an hour (restore_timeout): A's keepalive ends the call and A
+    says so, then asks B how the restore stands.  B thaws, its restore still stuck; a cancel at A
+    stops it there, and A resumes the original."""
+    stuck = _Stuck(cluster, tmp_path)
+    assert stuck.b.agent is not None
+    try:
+        os.kill(stuck.b.agent.pid, signal.SIGSTOP)
+        try:
+            notice = "stopped answering its restore call"
+            wait_until(lambda: notice in stuck.a.agent_log(), "A to notice B is silent", 120)
+        finally:
+            os.kill(stuck.b.agent.pid, signal.SIGCONT)
+        assert stuck.mig.poll() is None and stuck.ticker.running_copies() == 0  # (frozen: B may yet have a copy)
+        stuck.cancel()
+        stuck.rolled_back("cancelled by the operator")
+    finally:
+        kill_and_wait(stuck.ticker.pid)

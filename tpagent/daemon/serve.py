@@ -10,7 +10,8 @@ for probes, and Prometheus metrics.
 Shutdown (SIGTERM or SIGINT), as uvicorn does it: health NOT_SERVING and no new migration
 admitted; every wait on a peer gives up at once (an unresolved migration, frozen original and
 all, is in the journal: it never holds up a stop); the running migrations get
-``shutdown_grace`` seconds to end (a second signal cuts that short); then the waiters (a
+``shutdown_grace`` seconds to end, and so do the restores of copies here (then their CRIU is
+stopped and each copy dropped: its original runs on at its source); a second signal cuts that short; then the waiters (a
 source asking its target, a held copy asking its source) are told to stop and the server
 stops.  Whatever was cut short is in the journal, and the next start takes it up from there.
 """
@@ -23,6 +24,7 @@ import logging
 import os
 import signal
 import threading
+import time
 
 import grpc
 
@@ -183,7 +185,11 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         node.closed = True  # no new migration, as source or target; the running ones go on
         ctx.threads.draining.set()  # but none waits on a peer that does not answer: the journal keeps it
         grace = cfg.timeouts.shutdown_grace
+        deadline = time.monotonic() + grace
         left = ctx.threads.join(grace, "migration", give_up=force)
+        while node.targets.restoring() and time.monotonic() < deadline and not force.is_set():
+            time.sleep(0.05)
+        node.targets.stop_restores("its agent stopped")  # (a CRIU blocked for ever would keep it from exiting)
         if left:
             log.warning(
                 "stopping with migrations still running (%s); the next start takes them up from the journal",

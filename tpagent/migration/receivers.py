@@ -69,6 +69,16 @@ class Receivers:
         result = inc.restore(self.finish)
         return Restored(result.pid, dict(result.timings))
 
+    def restoring(self) -> list[str]:
+        """The migrations whose copy is being restored here now."""
+        return [mid for mid, inc in list(self.incoming.items()) if inc.record.state is T.RESTORING]
+
+    def stop_restores(self, why: str) -> None:
+        """Stop every restore under way here (the agent stops): each copy is dropped, its source
+        told so by the Restore call it waits in, and its original runs on there."""
+        for mid in self.restoring():
+            self.finish(mid, False, why)
+
     def finish(self, mid: str, commit: bool, why: str, confirmed: bool = False) -> Record:
         """Start (commit) or drop the copy a migration restored and holds here, or confirm a held
         one that runs (``confirmed``); nothing once decided."""

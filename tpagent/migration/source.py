@@ -12,7 +12,6 @@ import functools
 import logging
 import os
 import queue
-import stat
 import threading
 import time
 import uuid
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from host import gpus, paths, proc, safefs, sockets
+from host import files, gpus, paths, proc, safefs, sockets
 from host.api import UsageError
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig, SnapshotError
@@ -111,9 +110,11 @@ class SourceMigration:
         self.cancelled = threading.Event()
         self.cancel_reason = ""
         self.cancel_lock = threading.Lock()
-        self.pinned = False  # past this, a cancel is refused: a copy may be starting
+        self.pinned = False  # past this, a cancel must also make the target drop what it restores
+        self.committing = False  # past this, a cancel is refused: the copy starts
         self.dump: HeldDump | None = None
         self.target_told = False
+        self.copy_gone = False  # the target said, answering the restore, that it has no copy
         self.problems: list[str] = []  # a dry run's findings
         self.copy_runs = threading.Event()  # the copy runs there, its original still frozen here
         self.new_pid = 0
@@ -156,11 +157,17 @@ class SourceMigration:
         self.emit(message)
 
     def cancel(self, reason: str) -> bool:
-        """Cancel unless past the point of no return; whether it was taken."""
+        """Cancel unless past the point of no return (the copy starting); whether it was taken.
+        While the target restores, it is told to stop that restore (a CRIU blocked behind a
+        lock, say, is killed there), and the migration rolls back once it confirms."""
         with self.cancel_lock:
-            if not self.pinned and not is_final(self.record.state) and not self.cancelled.is_set():
+            if not self.committing and not is_final(self.record.state) and not self.cancelled.is_set():
                 self.cancel_reason = reason
                 self.cancelled.set()
+                if self.pinned:
+                    target = self.ctx.peer(self.target)
+                    name = f"cancel-{self.migration_id[:8]}"
+                    self.ctx.threads.spawn("waiter", name, tell_target_abort, target, self.migration_id)
             return self.cancelled.is_set()
 
     def _check_cancel(self) -> None:
@@ -198,6 +205,10 @@ class SourceMigration:
             self.move(S.RESTORING, "restoring on the target")
             t = time.monotonic()
             new_pid, target_timings = self._restore(target)
+            with self.cancel_lock:  # (a cancel now: the copy held there is dropped, the original resumed)
+                if self.cancelled.is_set():
+                    raise _Failure(self.cancel_reason)
+                self.committing = True
             self.new_pid = new_pid
             self._stage("restore", t)
             self.timings.update({f"target_{k}": v for k, v in target_timings.items()})
@@ -259,7 +270,7 @@ class SourceMigration:
         used = [g for g in gpus.inventory() if pids & set(g.pids)]
         self.record.cuda_pids = sorted(pids & {pid for g in used for pid in g.pids})  # to give back on a restart
         need += sum(g.memory_used for g in used)
-        open_files = _open_files(tree)
+        open_files = files.open_in(tree)
         # A file the process writes grows while it runs: the target checks only that it is there.
         shared = tuple(f"{f}:{'*' if w else _size(f)}" for f, w in sorted(open_files.items()) if self._is_shared(f))
         self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
@@ -381,14 +392,21 @@ class SourceMigration:
             return restored.pid, dict(restored.timings)
         except Refused as e:
             why = str(e)
-            if e.why in _TARGET_REFUSED:  # its own answer: it kept no copy
+            self.copy_gone = e.why in _TARGET_REFUSED  # its own answer: it kept no copy (nothing to confirm)
+            if self.cancelled.is_set():
+                raise _Failure(self.cancel_reason) from e
+            if self.copy_gone:
                 raise _Failure(f"the target could not restore: {why}") from e
         except PeerUnreachable as e:
             why = str(e)
+            self.log.warning("the target stopped answering its restore call (%s); asking how the restore stands", why)
+            self.emit("the target stopped answering its restore call; asking it how the restore stands")
         # The call broke: did the copy start before the target went quiet?  Ask it.
         state, pid = target_state(self.ctx, target, self.migration_id, self.ctx.timeouts.restore)
         if state in HAS_COPY:  # (held, or already let go: it took over, or its agent restarted)
             return pid, {}
+        if self.cancelled.is_set():
+            raise _Failure(self.cancel_reason)
         if state is None:
             raise Unresolved(f"the target stopped answering while restoring ({why})")
         raise _Failure(f"the target could not restore ({why}); it reports {state}")
@@ -406,7 +424,7 @@ class SourceMigration:
             return Outcome.FAILED
         _journal_best_effort(ctx, self.record, S.ROLLING_BACK, why)
         self.emit(why)
-        if self.record.restore_sent:
+        if self.record.restore_sent and not self.copy_gone:
             if not target_dropped_copy(ctx, target, self.migration_id, ctx.timeouts.abort_confirm):
                 unresolved = f"{why}; the target does not confirm its copy is gone"
                 self.emit(f"{unresolved}: the original stays frozen and the agent keeps asking")
@@ -425,38 +443,6 @@ class SourceMigration:
         _journal_best_effort(ctx, self.record, S.ROLLED_BACK, f"{why}; {how}")
         self.emit(self.record.message)
         return Outcome.ROLLED_BACK
-
-
-def _open_files(tree: list[psutil.Process]) -> dict[str, bool]:
-    """The regular files the tree has open or mapped shared, and whether it writes to each.
-
-    A file mapped shared (``shm_open`` + ``mmap`` + ``close``, as C libraries do) has no fd
-    left, only a line in /proc/PID/maps; CRIU needs it on the target as it needs an open one.
-    Private mappings (libraries, the interpreter) are the node's own files, never carried."""
-    out: dict[str, bool] = {}
-    for p in tree:
-        try:
-            for f in p.open_files():
-                out[f.path] = out.get(f.path, False) or f.mode != "r"
-            maps = Path(f"/proc/{p.pid}/maps").read_text()
-        except (psutil.Error, OSError):
-            continue
-        for line in maps.splitlines():
-            fields = line.split(maxsplit=5)
-            if (
-                len(fields) < 6
-                or fields[1][3] != "s"
-                or not fields[5].startswith("/")
-                or fields[5].endswith(" (deleted)")
-            ):
-                continue  # (private, anonymous, or deleted: CRIU keeps a deleted file's bytes itself)
-            try:
-                if not stat.S_ISREG(os.stat(fields[5]).st_mode):
-                    continue  # (a device: /dev/nvidia*, /dev/zero)
-            except OSError:
-                continue
-            out[fields[5]] = out.get(fields[5], False) or fields[1][1] == "w"
-    return out
 
 
 def _uncarriable(paths: list[Path]) -> list[str]:

@@ -66,6 +66,7 @@ class Incoming:
         self.done = threading.Event()
         self.lock = threading.Lock()
         self.abort_requested = False
+        self.abort_why = ""
         self.restored: RestoreResult | None = None
         ctx.threads.spawn("waiter", f"receive-{mid[:8]}", self._receive)
 
@@ -109,8 +110,9 @@ class Incoming:
             )
         except Exception as e:  # the engine leaves no copy behind on failure
             with self.lock:
-                self._drop(f"restore failed: {e}")
-            raise Refused(f"restoring on {node} failed: {e}") from e
+                why = f"the restore was stopped: {self.abort_why}" if self.abort_requested else f"restore failed: {e}"
+                self._drop(why)
+            raise Refused(f"restoring on {node} failed: {e}" if not self.abort_requested else why) from e
         with self.lock:
             if not note_process(self.record, result.pid):
                 self.abort_requested = True  # (the copy died as it was restored)
@@ -138,7 +140,10 @@ class Incoming:
                 elif confirmed:
                     confirm_held(self.ctx, self.record, why)
             elif self.record.state is T.RESTORING:
-                self.abort_requested = True  # restore() stops its copy as it returns
+                self.abort_requested = True  # restore() stops its copy as it returns,
+                self.abort_why = why or "the source rolled back"
+                if criu.stop_in(restore_work(self.dir)):  # (which it may never do: CRIU blocked on a lock)
+                    self.ctx.log.warning("migration %s: its restore was stopped (%s)", self.record.migration_id, why)
             else:
                 self._drop(why or "the source rolled back")
 
