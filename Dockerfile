@@ -1,6 +1,7 @@
-# tpagent as a node agent / Kubernetes sidecar image.
+# tpagent as a node agent / Kubernetes sidecar image: scripts/image.sh builds it as tpagent:VERSION
+# (buildah, no Docker engine needed; `docker build -t tpagent:0.1.0 .` works as well).
 # Run it privileged with the host's PID namespace (CRIU must see and ptrace the workload):
-#   docker run --privileged --pid=host tpagent doctor
+#   docker run --privileged --pid=host tpagent:0.1.0 doctor
 # As a Kubernetes sidecar: deploy/kubernetes-sidecar.yaml.
 FROM debian:trixie-slim
 
@@ -22,7 +23,12 @@ COPY transfer transfer
 COPY cli cli
 COPY host host
 COPY tpagent_rank tpagent_rank
-RUN python3 -m venv /opt/tpagent/venv && /opt/tpagent/venv/bin/pip install --no-cache-dir .
+# PIP_CERT: a CA bundle for pip where the build machine reaches PyPI through its own (scripts/image.sh).
+ARG PIP_CERT
+RUN python3 -m venv /opt/tpagent/venv && /opt/tpagent/venv/bin/pip install --no-cache-dir . \
+ && /opt/tpagent/venv/bin/pip uninstall -q -y pip \
+ && rm -rf /opt/tpagent/src
+WORKDIR /
 
 ENV PATH=/opt/tpagent/venv/bin:$PATH
 # The agent's work directory (journal, snapshots in flight): root's alone.

@@ -88,9 +88,20 @@ def _emit(as_json: bool, data: dict[str, Any], text: str) -> None:
     typer.echo(json.dumps(data, indent=2) if as_json else text)
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        import tpagent
+
+        typer.echo(f"tpagent {tpagent.__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def main(
     verbose: Annotated[bool, typer.Option("-v", "--verbose", envvar="TPAGENT_VERBOSE")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
 ) -> None:
     """Checkpoint and restore running (GPU) processes with CRIU and the CUDA driver."""
     logging.basicConfig(

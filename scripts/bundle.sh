@@ -63,13 +63,13 @@ abi=cp${py/./}
 pip_for_target=(.venv/bin/pip download -q --disable-pip-version-check --only-binary=:all: -d "$out/wheels"
   --python-version "$py" --implementation cp --abi "$abi")
 for p in "${platforms[@]}"; do pip_for_target+=(--platform "$p"); done
-# What tpagent needs at run time (pyproject's dependencies, cuda-python aside: its cuda-bindings
+# What tpagent needs at run time (pyproject's dependencies, cuda-bindings aside: it
 # is fetched alone, as nodes with a CUDA stack have their own), what a checkout's `pip install -e .`
 # builds with (pyproject's build-system), and the proof's test runner.
 runtime=$(.venv/bin/python - <<'PY'
 import tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-print("\n".join(d.split("#")[0].strip() for d in deps if not d.startswith("cuda-python")))
+print("\n".join(d.split("#")[0].strip() for d in deps if not d.startswith("cuda-bindings")))
 PY
 )
 build=$(.venv/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml","rb"))["build-system"]["requires"]))')

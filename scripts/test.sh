@@ -5,6 +5,8 @@
 #   unit     tests/unit, as nobody: no process, server or job; each test well under a second
 #   rank     tests/rank, as nobody: the rank runtime and the rewire of ranks (torch jobs)
 #   gpu      as root: tests marked gpu (skipped without an NVIDIA GPU)
+#   image    as root: the container image, built from the Dockerfile (scripts/image.sh:
+#            buildah, a debootstrap base kept between runs) and run (tests/image)
 #   cluster  as root: real CRIU, processes, network namespaces as nodes (tests/snapshot,
 #            transfer, agent, cli), and root's own branches (tests/host)
 #
@@ -74,4 +76,5 @@ export TPAGENT_TESTS_NEED_CRIU=1
 tier unit "${as_nobody[@]}" -m unit tests/unit --timeout=60
 tier rank "${as_nobody[@]}" -m rank tests/rank
 tier gpu .venv/bin/pytest -m gpu
+tier image .venv/bin/pytest -m image tests/image
 tier cluster .venv/bin/pytest -m cluster "$@"

@@ -30,6 +30,7 @@ pytest_plugins = ["support.cluster_fixtures", "support.rankjob"]
 #:   rank     as nobody: the rank runtime and the rewire of ranks: torch jobs, processes, waits
 #:   cluster  as root: CRIU, processes, servers, network namespaces as nodes; root's own branches
 #:   gpu      as root: where there is an NVIDIA GPU (skipped elsewhere)
+#:   image    as root: the container image built (scripts/image.sh) and run in a chroot of it
 TIER_OF_DIRECTORY = {
     "unit": "unit",
     "rank": "rank",
@@ -38,8 +39,9 @@ TIER_OF_DIRECTORY = {
     "transfer": "cluster",
     "agent": "cluster",
     "cli": "cluster",
+    "image": "image",
 }
-TIERS = ("unit", "rank", "cluster", "gpu")
+TIERS = ("unit", "rank", "cluster", "gpu", "image")
 TESTS = Path(__file__).resolve().parent
 
 
