@@ -1,5 +1,5 @@
 """The regular files a process tree uses: what a migration must find on the target (shared
-paths) or take along (the node's own files)."""
+paths) or take along (the node's own files), and which of those cannot be taken."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import stat
 from pathlib import Path
 
 import psutil
+
+from host import safefs
+from host.api import UsageError
 
 
 def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
@@ -40,3 +43,29 @@ def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
                 continue
             out[fields[5]] = out.get(fields[5], False) or fields[1][1] == "w"
     return out
+
+
+def uncarriable(paths: list[Path]) -> list[str]:
+    """Why node-local files could not be taken along: the checks the post-dump hook makes as
+    root when it archives them (no symlink on the path, the directory's owner), made now."""
+    out = []
+    for path in paths:
+        try:
+            fd = safefs.open_to_read(path)
+        except UsageError as e:
+            out.append(str(e).rstrip("."))
+            continue
+        except OSError as e:
+            out.append(f"{path}, which the process has open, cannot be read to take it along ({e.strerror})")
+            continue
+        if fd is not None:
+            os.close(fd)
+    return out
+
+
+def size(path: str) -> int:
+    """Its size now (0: gone, or not readable)."""
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return 0

@@ -282,11 +282,15 @@ def stop_in(work: Path) -> bool:
     if p is None:
         return False
     with contextlib.suppress(psutil.Error):
-        below = p.children(recursive=True)
-        p.kill()  # (first: it restores no more)
-        for child in below:
-            with contextlib.suppress(psutil.Error):
-                child.kill()
+        p.suspend()  # (first: it starts no more of the tree while the tree is killed)
+        for _ in range(10):
+            below = p.children(recursive=True)
+            for child in below:
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+            if not below:
+                break
+        p.kill()
         return True
     return False
 

@@ -62,6 +62,13 @@ class HeldDump:
         """The handle on a dump an earlier run of the agent started (its CRIU may be gone)."""
         return cls(out)
 
+    def failure(self, within: float) -> BaseException | None:
+        """Why the dump failed, waiting up to ``within`` for a dump that is failing to say so
+        (its files are taken back before it does); None if it has not."""
+        if self._thread is not None and self.error is None:
+            self._thread.join(within)
+        return self.error
+
     def running(self) -> bool:
         """Whether CRIU still works on the dump (it holds the tree, or is still dumping)."""
         if self._thread is not None:

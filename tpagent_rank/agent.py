@@ -67,6 +67,7 @@ class Rank:
         self.park_timeout = float(os.environ.get("TPAGENT_RANK_PARK_TIMEOUT", "600"))
         self.pid = os.getpid()
         self.impostor_said = False
+        self.key_said = False
         self.key: str | None = None  # the job's identity, agreed in its store (JOB_KEY) before the first hello
         #: What the agent asks of this rank (the rank protocol's runtime ops), by op.
         self.handlers: dict[P.Op, Callable[[Any], P.Answer]] = {
@@ -246,7 +247,7 @@ class Rank:
         state = P.RankState.TORN_DOWN if self.torn else P.RankState.PAUSED if self.parked else P.RankState.RUNNING
         return state.value
 
-    def _job_key(self) -> str:
+    def _job_key(self) -> str | None:
         """The job's identity: the value at JOB_KEY, which the first rank to ask puts there (a
         fresh random one), with the address of the store it is kept in, as this rank reaches it
         (its own word, which a store's writer cannot change): every rank of the job has the same,
@@ -255,9 +256,14 @@ class Rank:
 
         try:
             agreed = bytes(self.store.compare_set(P.JOB_KEY, "", secrets.token_hex(16))).decode()
-        except Exception as e:  # (a store without compare_set, or gone: a rank its agent cannot tell apart)
-            say(f"the job's identity cannot be agreed in its store ({type(e).__name__}: {e})")
-            return ""
+        except Exception as e:  # (a store without compare_set, or gone: asked again at the next connection)
+            if not self.key_said:
+                say(
+                    f"the job's identity cannot be agreed in its store ({type(e).__name__}: {e}): "
+                    "it cannot be moved until it is"
+                )
+                self.key_said = True
+            return None
         return hashlib.sha256(f"{agreed}\0{store.address(self.store)}".encode()).hexdigest()[:32]
 
     def _tell_store(self) -> None:

@@ -40,7 +40,8 @@ def _anyones_python() -> tuple[str, dict[str, str]]:
 
 def _serves(python: str, env: dict[str, str]) -> tuple[psutil.Process, str, object]:
     port = _free_port()
-    env = {**os.environ, **env, "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    mine = {k: v for k, v in os.environ.items() if not k.startswith("SUDO_")}  # (under sudo: only what a case sets)
+    env = {**mine, **env, "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     server, said = standin.host_store([python, "train.py"], env)
     assert server is not None, said
     client = torch_distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))

@@ -44,6 +44,7 @@ from tpagent.daemon.service import Service
 from tpagent.migration import watch
 from tpagent.migration.context import Context
 from tpagent.migration.journal import Journal, on_tmpfs
+from tpagent.migration.receivers import Receivers
 from transfer.api import MAX_STREAMS, Compress, TlsFiles, TransferConfig
 from transfer.transports import make_transport
 
@@ -128,6 +129,19 @@ def serve(cfg: AgentConfig, ready: threading.Event | None = None, stop: threadin
         os.umask(umask)
 
 
+def _end_restores(targets: Receivers, deadline: float, force: threading.Event) -> None:
+    """The restores of copies here get until ``deadline``; then their CRIU is stopped (one
+    blocked for ever would keep the agent from exiting) and each copy dropped, and each answers
+    its source's Restore call (up to 30 s more) before the server stops: the source resumes its
+    original."""
+    while targets.restoring() and time.monotonic() < deadline and not force.is_set():
+        time.sleep(0.05)
+    targets.stop_restores("its agent stopped")
+    answered = time.monotonic() + 30.0
+    while targets.restoring() and time.monotonic() < answered and not force.is_set():
+        time.sleep(0.05)
+
+
 def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Event, force: threading.Event) -> None:
     private_dir(cfg.work_dir)
     creds = cfg.credentials()
@@ -187,9 +201,7 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         grace = cfg.timeouts.shutdown_grace
         deadline = time.monotonic() + grace
         left = ctx.threads.join(grace, "migration", give_up=force)
-        while node.targets.restoring() and time.monotonic() < deadline and not force.is_set():
-            time.sleep(0.05)
-        node.targets.stop_restores("its agent stopped")  # (a CRIU blocked for ever would keep it from exiting)
+        _end_restores(node.targets, deadline, force)
         if left:
             log.warning(
                 "stopping with migrations still running (%s); the next start takes them up from the journal",

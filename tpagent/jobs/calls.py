@@ -53,6 +53,12 @@ class RankCalls:
             raise Refused(self._not_it(job, rank), Why.CONFLICT)
         if request.OP in P.RUNTIME_OPS:
             confirm = key if key or request.OP not in P.ASKED_FREELY else None
+            if confirm == "":
+                raise Refused(
+                    f"asking rank {rank} of job {job} to {request.OP.value} needs the job's identity, which the "
+                    "asking agent did not give (is it an older tpagent? every node moving ranks needs this version)",
+                    Why.PRECONDITION,
+                )
             try:
                 answer = self.ranks.call(job, rank, request, timeout, confirm)
             except NotTheJob as e:

@@ -124,7 +124,8 @@ class Rewire:
         self.cancel_reason = reason
         self.cancelled.set()  # (no rank that has not started moving will)
         if self.moves:  # past the teardown, the migrations decide (they may already be pinned)
-            return all(m.cancel(reason) for m in self.moves.values())
+            taken = [m.cancel(reason) for m in self.moves.values()]  # (every one asked, whatever the first says)
+            return all(taken)
         return True
 
     # ---- the run ------------------------------------------------------------------------------
@@ -158,6 +159,8 @@ class Rewire:
         """Finish what a previous run of this agent left (see the module's text)."""
         assert self.settled is not None
         r = self.record
+        if not r.key:  # (journaled by a tpagent before jobs had keys: the job's, from the first rank that says)
+            self._learn_key(r.agents)
         if r.phase in (Phase.CHECKING, Phase.PAUSING):  # nothing was torn down: the job just goes on
             self.ranks.all(r.agents, each(P.Cancel()), self.timeout)
             self.state = SourceState.ROLLED_BACK.value
@@ -181,6 +184,14 @@ class Rewire:
         self._write(r.phase)
         self._rebuild(agents, r.gen)
         return self._resumed(agents, new_pid)
+
+    def _learn_key(self, agents: list[str]) -> None:
+        for rank, agent in enumerate(agents):
+            try:
+                self.record.key = self.ranks.key = self.ask(agent, self.job, rank, P.Peers(), self.timeout).key
+                return
+            except AgentError:
+                continue
 
     def _stage(self, name: str, t0: float) -> None:
         self.timings[name] = round(time.monotonic() - t0, 4)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import queue
 import threading
 import time
@@ -20,12 +19,12 @@ from pathlib import Path
 
 import psutil
 
-from host import files, gpus, paths, proc, safefs, sockets
-from host.api import UsageError
+from host import files, gpus, paths, proc, sockets
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
 from snapshot.held import HeldDump
+from snapshot.manifest import IMAGES_DIR
 from tpagent import __version__
 from tpagent.common import clock, metrics
 from tpagent.migration.api import (
@@ -40,6 +39,7 @@ from tpagent.migration.api import (
     PeerUnreachable,
     Refused,
     SourceState,
+    TargetState,
     Why,
     is_final,
 )
@@ -70,6 +70,13 @@ class _Failure(Exception):
 
 
 _TARGET_REFUSED = {Why.PRECONDITION, Why.NOT_FOUND, Why.INVALID}
+#: A target's states in which its copy has not been let go: a cancel may have it dropped.
+_DROPPABLE = {
+    TargetState.RECEIVING.value,
+    TargetState.RECEIVED.value,
+    TargetState.RESTORING.value,
+    TargetState.READY.value,
+}
 
 
 class SourceMigration:
@@ -165,10 +172,19 @@ class SourceMigration:
                 self.cancel_reason = reason
                 self.cancelled.set()
                 if self.pinned:
-                    target = self.ctx.peer(self.target)
                     name = f"cancel-{self.migration_id[:8]}"
-                    self.ctx.threads.spawn("waiter", name, tell_target_abort, target, self.migration_id)
+                    self.ctx.threads.spawn("waiter", name, self._drop_held, self.ctx.peer(self.target))
             return self.cancelled.is_set()
+
+    def _drop_held(self, target: Peer) -> None:
+        """(A cancel's.)  Tell the target to drop its copy, but only one not yet let go (still
+        arriving, being restored, or held): a copy that took over on its own runs on."""
+        try:
+            state = target.status(self.migration_id, self.ctx.timeouts.rpc).state
+        except AgentError:
+            return  # (the run asks again, and decides)
+        if state in _DROPPABLE:
+            tell_target_abort(target, self.migration_id)
 
     def _check_cancel(self) -> None:
         if self.cancelled.is_set():
@@ -206,7 +222,7 @@ class SourceMigration:
             t = time.monotonic()
             new_pid, target_timings = self._restore(target)
             with self.cancel_lock:  # (a cancel now: the copy held there is dropped, the original resumed)
-                if self.cancelled.is_set():
+                if self.cancelled.is_set() and not self.committing:
                     raise _Failure(self.cancel_reason)
                 self.committing = True
             self.new_pid = new_pid
@@ -272,10 +288,12 @@ class SourceMigration:
         need += sum(g.memory_used for g in used)
         open_files = files.open_in(tree)
         # A file the process writes grows while it runs: the target checks only that it is there.
-        shared = tuple(f"{f}:{'*' if w else _size(f)}" for f, w in sorted(open_files.items()) if self._is_shared(f))
+        shared = tuple(
+            f"{f}:{'*' if w else files.size(f)}" for f, w in sorted(open_files.items()) if self._is_shared(f)
+        )
         self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
-        carried = tuple(f"{f}:{_size(str(f))}" for f in self.carry)
-        uncarriable = _uncarriable(self.carry)  # refused now, in a sentence, not by the hook once frozen
+        carried = tuple(f"{f}:{files.size(str(f))}" for f in self.carry)
+        uncarriable = files.uncarriable(self.carry)  # refused now, in a sentence, not by the hook once frozen
         tcp = [] if self.communicators_rebuilt else sockets.tree_tcp(sorted(pids))
         stay = self._what_stays(sorted(pids), tcp)
         if (uncarriable or stay) and not self.dry_run:
@@ -378,6 +396,11 @@ class SourceMigration:
         try:
             stats = Sender(ctx.transport(), ctx.transfer_config, progress).send(self.snapshot, address, sealed=sealed)
         except TransferError as e:
+            # A dump that fails takes its files back first: the sender may find them gone before
+            # the dump says why.  Its reason is the one to give.
+            failed = dump.failure(within=30.0 if not (self.snapshot / IMAGES_DIR).is_dir() else 0.0)
+            if failed is not None:
+                raise _Failure(f"the dump failed: {failed}") from e
             raise _Failure(f"the transfer to {address} failed: {e}") from e
         self._stage("freeze_and_send", t0)
         metrics.BYTES.labels("sent").inc(stats.bytes_wire)
@@ -404,6 +427,9 @@ class SourceMigration:
         # The call broke: did the copy start before the target went quiet?  Ask it.
         state, pid = target_state(self.ctx, target, self.migration_id, self.ctx.timeouts.restore)
         if state in HAS_COPY:  # (held, or already let go: it took over, or its agent restarted)
+            if state != TargetState.READY.value:
+                with self.cancel_lock:  # (it runs there: only committing is right now, cancel or not)
+                    self.committing = True
             return pid, {}
         if self.cancelled.is_set():
             raise _Failure(self.cancel_reason)
@@ -443,31 +469,6 @@ class SourceMigration:
         _journal_best_effort(ctx, self.record, S.ROLLED_BACK, f"{why}; {how}")
         self.emit(self.record.message)
         return Outcome.ROLLED_BACK
-
-
-def _uncarriable(paths: list[Path]) -> list[str]:
-    """Why node-local files could not be taken along: the checks the post-dump hook makes as
-    root when it archives them (no symlink on the path, the directory's owner), made now."""
-    out = []
-    for path in paths:
-        try:
-            fd = safefs.open_to_read(path)
-        except UsageError as e:
-            out.append(str(e).rstrip("."))
-            continue
-        except OSError as e:
-            out.append(f"{path}, which the process has open, cannot be read to take it along ({e.strerror})")
-            continue
-        if fd is not None:
-            os.close(fd)
-    return out
-
-
-def _size(path: str) -> int:
-    try:
-        return Path(path).stat().st_size
-    except OSError:
-        return 0
 
 
 def _journal_best_effort(ctx: Context, r: Record, to: SourceState, message: str) -> None:

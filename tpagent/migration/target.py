@@ -142,10 +142,19 @@ class Incoming:
             elif self.record.state is T.RESTORING:
                 self.abort_requested = True  # restore() stops its copy as it returns,
                 self.abort_why = why or "the source rolled back"
-                if criu.stop_in(restore_work(self.dir)):  # (which it may never do: CRIU blocked on a lock)
-                    self.ctx.log.warning("migration %s: its restore was stopped (%s)", self.record.migration_id, why)
+                name = f"stop-restore-{self.record.migration_id[:8]}"  # (which it may never do: CRIU blocked on a lock)
+                self.ctx.threads.spawn("waiter", name, self._stop_restore, why)
             else:
                 self._drop(why or "the source rolled back")
+
+    def _stop_restore(self, why: str) -> None:
+        """Stop this copy's CRIU restore, once it has started (it may be about to), while the
+        copy is still being restored."""
+        while self.record.state is T.RESTORING and not self.ctx.threads.stopping.is_set():
+            if criu.stop_in(restore_work(self.dir)):
+                self.ctx.log.warning("migration %s: its restore was stopped (%s)", self.record.migration_id, why)
+                return
+            time.sleep(0.1)
 
     def _drop(self, why: str) -> None:
         self.receiver.close()

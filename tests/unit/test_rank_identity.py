@@ -1,0 +1,82 @@
+"""Which requests of a rank must name the job's identity, as the agent's ``Rank`` call answers
+them (:class:`tpagent.jobs.calls.RankCalls`), against a node whose rank 0 of job ``j`` is
+``0:k``.  (The comparison itself, and a real store's writer steering a move: the rank's
+connection, tests/agent/test_rewire_faults.py.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tpagent.jobs.calls import KEY_MAX, RankCalls
+from tpagent.jobs.ranks import NotTheJob
+from tpagent.migration.api import Refused, Why
+from tpagent_rank import protocol as P
+
+IDENTITY = "0:k"
+
+
+class _Ranks:
+    """This node's one rank, as RankCalls sees it: its identity, and what it was asked with."""
+
+    def __init__(self, identity: str = IDENTITY) -> None:
+        self.id = identity
+        self.asked: list[tuple[str, str | None]] = []
+        self.released = 0
+
+    def identity(self, job: str, rank: int) -> str:
+        return self.id
+
+    def call(self, job: str, rank: int, request: P.Request[Any], timeout: float, key: str | None = None) -> P.Answer:
+        self.asked.append((request.OP.value, key))
+        if key is not None and key != self.id:
+            raise NotTheJob("another job")
+        return P.Agents(agents=("a",), key="the rank's own word") if isinstance(request, P.Peers) else P.Answer()
+
+    def release(self, job: str, rank: int) -> None:
+        self.released += 1
+
+
+def _calls(ranks: _Ranks) -> RankCalls:
+    return RankCalls(ranks, "node-1", lambda _job: False)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("request_", [P.Pause(at=5), P.Teardown(), P.Rebuild(gen=2), P.Resume(), P.End(), P.Cancel()])
+def test_what_changes_a_rank_must_name_its_jobs_identity(request_: P.Request[Any]) -> None:
+    ranks = _Ranks()
+    calls = _calls(ranks)
+    with pytest.raises(Refused, match="needs the job's identity") as no_key:
+        calls("j", 0, request_, 1.0)
+    assert no_key.value.why is Why.PRECONDITION and ranks.asked == []  # (never passed on)
+    with pytest.raises(Refused, match="is not the rank asked for: its job is another") as other:
+        calls("j", 0, request_, 1.0, "0:another")
+    assert other.value.why is Why.CONFLICT
+    assert calls("j", 0, request_, 1.0, IDENTITY).ok
+    assert ranks.asked[-1] == (request_.OP.value, IDENTITY)
+
+
+def test_a_read_needs_no_identity_and_peers_says_the_one_its_agent_vouches_for() -> None:
+    ranks = _Ranks()
+    calls = _calls(ranks)
+    assert calls("j", 0, P.Where(), 1.0).ok and ranks.asked[-1] == ("where", None)
+    answer = calls("j", 0, P.Peers(), 1.0)
+    assert isinstance(answer, P.Agents) and answer.key == IDENTITY  # (not the rank's own word)
+    with pytest.raises(Refused, match="its job is another"):
+        calls("j", 0, P.Where(), 1.0, "0:another")  # (one that names it is held to it)
+
+
+def test_release_is_refused_for_another_job_but_not_for_a_copy_not_yet_connected() -> None:
+    ranks = _Ranks()
+    with pytest.raises(Refused, match="its job is another"):
+        _calls(ranks)("j", 0, P.Release(), 1.0, "0:another")
+    assert ranks.released == 0
+    assert _calls(ranks)("j", 0, P.Release(), 1.0, IDENTITY).ok
+    restored = _Ranks(identity="")  # (restored here, it has not said hello yet)
+    assert _calls(restored)("j", 0, P.Release(), 1.0, IDENTITY).ok and restored.released == 1
+
+
+def test_a_key_is_bounded() -> None:
+    with pytest.raises(Refused, match="at most") as long:
+        _calls(_Ranks())("j", 0, P.Pause(at=5), 1.0, "k" * (KEY_MAX + 1))
+    assert long.value.why is Why.INVALID
