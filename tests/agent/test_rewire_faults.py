@@ -18,7 +18,7 @@ import pytest
 
 from conftest import needs_criu
 from support.cluster import Cluster
-from support.helpers import wait_until
+from support.helpers import NOBODY, wait_until
 from support.rankjob import Job, steps
 
 pytestmark = [needs_criu, pytest.mark.timeout(600)]
@@ -199,7 +199,6 @@ def test_the_source_agent_killed_mid_migration(quad: Cluster, tmp_path: Path, re
         job.close()
 
 
-NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
 STORE_WRITER = Path(__file__).parents[1] / "attackers" / "store_writer.py"
 
 

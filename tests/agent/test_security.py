@@ -26,7 +26,7 @@ from snapshot import criu, hook
 from snapshot.held import wait_released
 from support.agents import agent_config, free_port, node_of, serving
 from support.certs import node_certs
-from support.helpers import ROOT, alive, assert_one_sentence_error, tpagent, wait_until
+from support.helpers import NOBODY, ROOT, alive, assert_one_sentence_error, tpagent, wait_until
 from tpagent.common.config import AgentConfig
 from tpagent.daemon import rpc
 from tpagent.daemon.client import GrpcPeer
@@ -36,7 +36,6 @@ from tpagent.migration.decide import target_dropped_copy, target_state
 from tpagent.migration.journal import Record
 from tpagent.workload import launch
 
-NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
 ATTACKERS = Path(__file__).resolve().parent.parent / "attackers"
 UID_NOBODY = 65534
 

@@ -16,10 +16,10 @@ import psutil
 import pytest
 
 from support.agents import agent_config, free_port, serving
+from support.helpers import NOBODY
 from tpagent.common import metrics
 
 TRICKLE = Path(__file__).resolve().parent.parent / "attackers" / "trickle_peer.py"
-NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
 
 
 @pytest.fixture

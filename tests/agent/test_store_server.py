@@ -5,7 +5,6 @@ rank's own Python, which is the user's choice.  As root here, as a stand-in runs
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -16,16 +15,11 @@ import psutil
 import pytest
 from torch import distributed as torch_distributed
 
+from support.agents import free_port
 from tpagent.jobs import standin
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a stand-in runs as root")
 NOBODY = 65534
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _anyones_python() -> tuple[str, dict[str, str]]:
@@ -39,7 +33,7 @@ def _anyones_python() -> tuple[str, dict[str, str]]:
 
 
 def _serves(python: str, env: dict[str, str]) -> tuple[psutil.Process, str, object]:
-    port = _free_port()
+    port = free_port()
     mine = {k: v for k, v in os.environ.items() if not k.startswith("SUDO_")}  # (under sudo: only what a case sets)
     env = {**mine, **env, "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     server, said = standin.host_store([python, "train.py"], env)

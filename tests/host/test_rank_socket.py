@@ -22,7 +22,7 @@ import pytest
 
 from host import paths, proc
 from host.api import UsageError
-from support.helpers import process_with_pid
+from support.helpers import NOBODY, process_with_pid
 from tpagent.common.threads import Threads
 from tpagent.jobs import door, ranks
 from tpagent.workload import launch
@@ -88,7 +88,6 @@ def test_the_connections_waiting_for_a_registration_are_bounded(agent: ranks.Ran
 # ---- attacks, as user nobody ------------------------------------------------------------------
 
 ATTACKER = Path(__file__).resolve().parent.parent / "attackers" / "rank_channel.py"
-NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
 
 
 def _attacker(*args: str) -> subprocess.Popen[str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tomllib
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from support.agents import free_port
 from support.certs import node_certs
 from support.helpers import ROOT
 
@@ -41,12 +41,6 @@ CHROOT = (
     'cd "$r"; pivot_root . .host; cd /; umount -l /.host; '
     'exec /usr/bin/env PATH=/opt/tpagent/venv/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root "$@"'
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +66,7 @@ def seen(image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
         check = root / "opt" / "tpagent-check"
         check.mkdir()
         shutil.copy(Path(__file__).parent / "in_image.py", check)
-        cmd = ["/opt/tpagent/venv/bin/python", "/opt/tpagent-check/in_image.py", str(_free_port()), *PACKAGES]
+        cmd = ["/opt/tpagent/venv/bin/python", "/opt/tpagent-check/in_image.py", str(free_port()), *PACKAGES]
         ran = subprocess.run(
             ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", CHROOT, str(root), *cmd],
             capture_output=True,

@@ -18,6 +18,8 @@ from host.proc import alive
 ROOT = Path(__file__).resolve().parents[2]
 STATEFUL = ROOT / "tests" / "workloads" / "stateful.py"
 _TICK = re.compile(r"^tick (\d+) counter (\d+) piped (\d+)$")
+#: Put before a command to run it as user nobody, as an attacker with no privilege (no groups).
+NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
 
 
 def wait_until(pred, what: str, timeout: float = 60.0, interval: float = 0.05):  # type: ignore[no-untyped-def]

@@ -52,15 +52,14 @@ class RankCalls:
         if request.OP == P.Op.RELEASE and self.ranks.identity(job, rank) not in ("", key):  # ("": restored here)
             raise Refused(self._not_it(job, rank), Why.CONFLICT)
         if request.OP in P.RUNTIME_OPS:
-            confirm = key if key or request.OP not in P.ASKED_FREELY else None
-            if confirm == "":
+            if not key and request.OP not in P.ASKED_FREELY:
                 raise Refused(
                     f"asking rank {rank} of job {job} to {request.OP.value} needs the job's identity, which the "
                     "asking agent did not give (is it an older tpagent? every node moving ranks needs this version)",
                     Why.PRECONDITION,
                 )
             try:
-                answer = self.ranks.call(job, rank, request, timeout, confirm)
+                answer = self.ranks.call(job, rank, request, timeout, key or None)
             except NotTheJob as e:
                 raise Refused(self._not_it(job, rank), Why.CONFLICT) from e
             except RankGone as e:

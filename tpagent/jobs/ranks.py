@@ -53,6 +53,12 @@ class NotTheJob(Exception):
     """The rank asked for is of another job of the same name (:meth:`Ranks.identity`)."""
 
 
+def identity_of(uid: int, hello: P.Hello) -> str:
+    """A rank's job across nodes: the user its runtime runs as (the kernel's word) and the job's
+    key it said hello with."""
+    return f"{uid}:{hello.key}"
+
+
 @dataclass
 class RankEntry:
     job: str
@@ -323,7 +329,7 @@ class Ranks:
         """Which job the rank here is, across nodes: its user and the job's key (P.JOB_KEY), as it
         last said hello ("" before it has)."""
         e = self.entry(job, rank)
-        return f"{e.uid}:{e.seen.key}" if e.seen is not None else ""
+        return identity_of(e.uid, e.seen) if e.seen is not None else ""
 
     def call(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str | None = None) -> A:
         """Ask the rank's runtime; its answer.  Waits (up to ``timeout``) for a rank that is
@@ -342,7 +348,7 @@ class Ranks:
             if time.monotonic() > deadline:
                 raise RankGone(f"rank {rank} of job {job} did not connect to this agent within {timeout:.0f} s")
             time.sleep(0.05)
-        if key is not None and f"{conn.peer.uid}:{conn.hello.key}" != key:
+        if key is not None and identity_of(conn.peer.uid, conn.hello) != key:
             raise NotTheJob(f"rank {rank} of job {job} here is of another job")
         leaving = isinstance(request, P.Teardown) and request.leaving
         if leaving:  # (it comes back only once told again)
