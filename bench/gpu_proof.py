@@ -5,7 +5,8 @@
 1. the GPU tests (tests/snapshot/test_gpu.py: dump/restore of 1 and 8 GiB bit-exact, a
    `tpagent launch` workload, a migration between two agents; tests/agent/test_rewire_gpu.py:
    a world-size-1 NCCL job and a rank with an NCCL group beside a CPU rank, each moved with
-   its job rewired, bit-identical);
+   its job rewired, bit-identical; tests/orchestrator/test_gpu_health_nvml.py: GPU health read
+   from NVML, XID events registered, a low temperature threshold a finding);
 2. bench/rewire.py --gpu: what the rank runtime adds to the steps of a job that never moves
    (one NCCL rank, DDP on the GPU, with and without the runtime; target < 1 %);
 3. bench/snapshot.py --gpu and bench/migrate.py --gpu, one round per size that fits (GPU memory
@@ -50,7 +51,11 @@ sys.path[:0] = [str(ROOT)]
 from host import gpus  # noqa: E402
 
 # (the snapshot path on the GPU; a rank with NCCL and GPU memory moved with its job rewired)
-TESTS = ("tests/agent/test_rewire_gpu.py", "tests/snapshot/test_gpu.py")
+TESTS = (
+    "tests/agent/test_rewire_gpu.py",
+    "tests/snapshot/test_gpu.py",
+    "tests/orchestrator/test_gpu_health_nvml.py",
+)
 NAMED = " ".join(TESTS)
 
 

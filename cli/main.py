@@ -20,7 +20,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from cli import agent_cmds
+from cli import agent_cmds, orchestrator_cmds
 from cli.common import (
     EXIT_FAILED,
     CompressOpt,
@@ -451,6 +451,11 @@ command(app)(agent_cmds.cancel)
 command(app)(agent_cmds.resolve)
 command(app)(agent_cmds.node)
 command(app, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(agent_cmds.rank)
+command(app)(orchestrator_cmds.orchestrator)
+command(app)(orchestrator_cmds.taint)
+command(app)(orchestrator_cmds.untaint)
+command(app)(orchestrator_cmds.cluster)
+command(app)(orchestrator_cmds.events)
 
 
 def run() -> None:

@@ -39,6 +39,7 @@ TIER_OF_DIRECTORY = {
     "transfer": "cluster",
     "agent": "cluster",
     "cli": "cluster",
+    "orchestrator": "cluster",
     "image": "image",
 }
 TIERS = ("unit", "rank", "cluster", "gpu", "image")

@@ -113,3 +113,11 @@ def test_gpu_proof_packs_the_text_its_runs_left_and_no_snapshot(tmp_path: Path) 
     pack(work, tmp_path / "logs.tar.gz")
     with tarfile.open(tmp_path / "logs.tar.gz") as t:
         assert sorted(t.getnames()) == ["snapshot-1g.json", "tests/t0/A/agent.log"]
+
+
+@needs_criu
+def test_orchestrator_benchmark_runs() -> None:
+    doc = _run("bench/orchestrator.py", "--repeats", "1")
+    med = doc["median"]
+    assert isinstance(med, dict) and med["resumed"] > med["migrate"] > 0 and med["planning"] >= 0
+    assert doc["floor_typed_migrate_s"] > 0 and doc["naive_cold_start_s"] > 0  # type: ignore[operator]

@@ -38,6 +38,12 @@
     rank_socket = "tpagent-ranks"     # abstract unix socket (one per network namespace) where the
                                       # ranks of `tpagent rank` jobs reach this agent; "" turns it off
     rewire_timeout = 120.0            # a rank's rewire step (reach the boundary, rebuild) at most this long
+    orchestrator = ""                 # HOST:PORT of `tpagent orchestrator`: reported to every
+                                      # report_period seconds ("": no orchestrator)
+    report_period = 2.0
+    temperature_c = 0                 # a GPU this hot is unhealthy (0: its slowdown temperature
+    temperature_margin_c = 5          #   less temperature_margin_c)
+    ecc_rise = 1                      # uncorrectable ECC errors since the agent started: unhealthy
 
 The variable for a key is TPAGENT_ and the key in capitals (lists: comma-separated).  The
 timeouts are checked against each other at load (:class:`Timeouts`).
@@ -152,6 +158,11 @@ class AgentConfig:
     compress: str = "auto"
     rank_socket: str = "tpagent-ranks"
     rewire_timeout: float = 120.0
+    orchestrator: str = ""
+    report_period: float = 2.0
+    temperature_c: int = 0
+    temperature_margin_c: int = 5
+    ecc_rise: int = 1
 
     @property
     def advertised_host(self) -> str:
@@ -165,6 +176,12 @@ class AgentConfig:
         self.timeouts  # noqa: B018 (checked now, at load, not at the first migration)
         if not 0 < self.rewire_timeout < float("inf"):
             raise UsageError(f"the setting rewire_timeout = {self.rewire_timeout} is not valid: give seconds > 0.")
+        if not 0.1 <= self.report_period <= 3600:
+            raise UsageError(f"the setting report_period = {self.report_period} is not valid: give 0.1 to 3600 s.")
+        if self.temperature_c < 0 or self.temperature_margin_c < 0 or self.ecc_rise < 1:
+            raise UsageError(
+                "give temperature_c and temperature_margin_c >= 0 and ecc_rise >= 1 (in degrees C, errors)."
+            )
         if len(self.rank_socket) > 100 or "\0" in self.rank_socket:
             raise UsageError(f"the setting rank_socket = {self.rank_socket!r} is not valid: at most 100 characters.")
         if self.transport not in NAMES:
@@ -212,7 +229,7 @@ class AgentConfig:
         return {h.lower() for h in hosts if h and h not in ("0.0.0.0", "::")}
 
 
-def _convert(name: str, kind: Any, value: Any) -> Any:
+def convert_setting(name: str, kind: Any, value: Any) -> Any:
     try:
         if kind is Path or kind == "Path":
             return Path(value)
@@ -228,20 +245,24 @@ def _convert(name: str, kind: Any, value: Any) -> Any:
         raise UsageError(f"the setting {name} = {value!r} is not valid ({e}).") from e
 
 
+def read_toml(path: Path | None, default: Path) -> dict[str, Any]:
+    """The settings in ``path`` (else in ``default``, if it exists; else none)."""
+    if path is None and not default.exists():
+        return {}
+    file = path or default
+    try:
+        return tomllib.loads(file.read_text())
+    except OSError as e:
+        raise UsageError(f"cannot read the configuration {file}: {e.strerror}.") from e
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"the configuration {file} is not valid TOML: {e}.") from e
+
+
 def load(path: Path | None = None, env: dict[str, str] | None = None, **overrides: Any) -> AgentConfig:
     """The file (``path``, else TPAGENT_CONFIG, else /etc/tpagent/agent.toml if present),
     then the environment, then ``overrides`` (command-line flags)."""
     env = dict(os.environ) if env is None else env
-    path = path or (Path(env["TPAGENT_CONFIG"]) if "TPAGENT_CONFIG" in env else None)
-    values: dict[str, Any] = {}
-    if path is not None or DEFAULT_FILE.exists():
-        file = path or DEFAULT_FILE
-        try:
-            values.update(tomllib.loads(file.read_text()))
-        except OSError as e:
-            raise UsageError(f"cannot read the configuration {file}: {e.strerror}.") from e
-        except tomllib.TOMLDecodeError as e:
-            raise UsageError(f"the configuration {file} is not valid TOML: {e}.") from e
+    values = read_toml(path or (Path(env["TPAGENT_CONFIG"]) if "TPAGENT_CONFIG" in env else None), DEFAULT_FILE)
     fields = {f.name: f.type for f in dataclasses.fields(AgentConfig)}
     unknown = set(values) - set(fields)
     if unknown:
@@ -252,4 +273,4 @@ def load(path: Path | None = None, env: dict[str, str] | None = None, **override
     values.update({k: v for k, v in overrides.items() if v is not None})
     if "secret_file" not in values:
         raise UsageError("no cluster secret: set secret_file in the configuration or TPAGENT_SECRET_FILE.")
-    return AgentConfig(**{k: _convert(k, fields[k], v) for k, v in values.items()})
+    return AgentConfig(**{k: convert_setting(k, fields[k], v) for k, v in values.items()})

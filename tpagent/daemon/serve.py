@@ -36,6 +36,7 @@ from tpagent.common import metrics
 from tpagent.common.config import AgentConfig
 from tpagent.common.credentials import Credentials
 from tpagent.common.threads import Threads
+from tpagent.daemon import report
 from tpagent.daemon.client import GrpcPeer
 from tpagent.daemon.node import Node
 from tpagent.daemon.rpc import AuthInterceptor, Health, HealthOnly, pb_grpc
@@ -62,7 +63,7 @@ class JsonLines(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for key in ("node", "migration"):
+        for key in ("node", "migration", "job", "rank", "move"):
             if hasattr(record, key):
                 doc[key] = getattr(record, key)
         if record.exc_info:
@@ -189,6 +190,7 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
     if probes is not None:
         probes.start()
     health.serving = True
+    reporting = report.start(node, creds)
     log.info("serving on %s (mutual TLS)", cfg.listen, extra={"node": cfg.node})
     if ready is not None:
         ready.set()
@@ -196,6 +198,7 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         stop.wait()
     finally:
         health.serving = False
+        reporting.set()
         node.closed = True  # no new migration, as source or target; the running ones go on
         ctx.threads.draining.set()  # but none waits on a peer that does not answer: the journal keeps it
         grace = cfg.timeouts.shutdown_grace

@@ -1,0 +1,206 @@
+"""Bad input to the orchestrator (issue 24, item 8), with a real orchestrator served on loopback:
+its CLI, an agent's report, and Alertmanager's webhook over HTTPS.  Each is refused in one
+sentence (the webhook: 401 or 400 with the reason) and nothing changes."""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from support.agents import free_port
+from support.certs import node_certs
+from support.helpers import NOBODY, ROOT, assert_one_sentence_error, wait_until
+from tpagent import __version__
+from tpagent.common.credentials import Credentials
+from tpagent.daemon.rpc import channel, pb, pb_grpc
+from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.serve import serve
+
+
+class Served:
+    def __init__(self, tmp: Path, **settings: object) -> None:
+        self.secret = tmp / "secret"
+        self.secret.write_text(os.urandom(24).hex())
+        self.secret.chmod(0o600)
+        self.token = tmp / "token"
+        self.token.write_text(os.urandom(16).hex())
+        self.token.chmod(0o600)
+        self.client_tls = node_certs(tmp, "client")
+        self.address = f"127.0.0.1:{free_port()}"
+        self.webhook = f"127.0.0.1:{free_port()}"
+        self.cfg = OrchestratorConfig(
+            secret_file=self.secret,
+            node="orchestrator",
+            listen=self.address,
+            tls_dir=node_certs(tmp, "orchestrator"),
+            state=tmp / "db" / "state.db",
+            **{"metrics_listen": "", **settings},  # type: ignore[arg-type]
+            webhook_listen=self.webhook,
+            webhook_token_file=self.token,
+        )
+        self.stop = threading.Event()
+        ready = threading.Event()
+        threading.Thread(target=serve, args=(self.cfg, ready, self.stop), daemon=True).start()
+        assert ready.wait(30)
+        creds = Credentials.load(self.secret, self.client_tls)
+        self.stub = pb_grpc.OrchestratorStub(channel(self.address, creds))
+
+    def env(self, secret: Path | None = None) -> dict[str, str]:
+        return {
+            **os.environ,
+            "TPAGENT_ORCHESTRATOR": self.address,
+            "TPAGENT_SECRET_FILE": str(secret or self.secret),
+            "TPAGENT_TLS_DIR": str(self.client_tls),
+        }
+
+    def cli(self, *args: str, secret: Path | None = None) -> subprocess.CompletedProcess[str]:
+        env = self.env(secret)
+        cmd = [sys.executable, "-m", "cli.main", *args]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+    def hook(self, body: bytes, token: str | None) -> tuple[int, str]:
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        tls = ssl.create_default_context(cafile=str(self.cfg.tls_dir / "ca.crt"))
+        request = urllib.request.Request(f"https://{self.webhook}/alertmanager", body, headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=10, context=tls) as r:
+                return r.status, json.loads(r.read())["message"]
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())["message"]
+
+    def taints(self) -> list[tuple[str, str, str]]:
+        v = self.stub.Cluster(pb.Empty(), timeout=10)
+        return [(t.node, t.gpu, t.source) for t in v.taints]
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    s = Served(tmp_path)
+    yield s
+    s.stop.set()
+
+
+def report(version: str = __version__, agent: str = "127.0.0.1:7400") -> pb.NodeReport:
+    gpu = pb.Gpu(uuid="GPU-1", name="NVIDIA H100", memory_total=80 << 30)
+    return pb.NodeReport(node="n1", agent=agent, version=version, gpus=[gpu], driver_version="580.1")
+
+
+def test_reports_of_another_version_or_from_another_address_are_refused(served: Served) -> None:
+    with pytest.raises(grpc.RpcError) as e:
+        served.stub.Report(report(version="0.0.1"), timeout=10)
+    assert e.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "is tpagent 0.0.1 and this orchestrator" in str(e.value.details())
+    with pytest.raises(grpc.RpcError) as e:
+        served.stub.Report(report(agent="10.9.9.9:7400"), timeout=10)
+    assert "names agent 10.9.9.9:7400, but came from 127.0.0.1" in str(e.value.details())
+    assert served.stub.Cluster(pb.Empty(), timeout=10).nodes == []  # (neither was taken)
+    assert served.stub.Report(report(), timeout=10).period == served.cfg.report_period
+    assert [n.name for n in served.stub.Cluster(pb.Empty(), timeout=10).nodes] == ["n1"]
+
+
+def test_bad_taints_and_untaints_are_one_sentence_and_change_nothing(served: Served, tmp_path: Path) -> None:
+    served.stub.Report(report(), timeout=10)
+    assert_one_sentence_error(served.cli("taint", "nope", "--reason", "x"), "no node 'nope' has reported", "known: n1")
+    assert_one_sentence_error(served.cli("taint", "n1", "--gpu", "GPU-9", "--reason", "x"), "has no GPU 'GPU-9'")
+    assert_one_sentence_error(served.cli("taint", "n1"), "--reason")
+    assert_one_sentence_error(served.cli("untaint", "n1"), "n1 is not tainted")
+    other = tmp_path / "other-secret"
+    other.write_text(os.urandom(24).hex())
+    other.chmod(0o600)
+    assert_one_sentence_error(served.cli("taint", "n1", "--reason", "x", secret=other), "refused the call")
+    assert served.taints() == []
+    ok = served.cli("taint", "n1", "--gpu", "GPU-1", "--reason", "fan failing")
+    assert ok.returncode == 0 and "tainted n1 GPU GPU-1" in ok.stdout, ok
+    assert_one_sentence_error(served.cli("taint", "n1", "--gpu", "GPU-1", "--reason", "y"), "tainted already")
+    assert served.taints() == [("n1", "GPU-1", "operator")]
+
+
+def test_the_webhook_refuses_what_is_not_authenticated_or_malformed_then_taints_and_untaints(served: Served) -> None:
+    served.stub.Report(report(), timeout=10)
+    token = served.token.read_text().strip()
+    firing = {"status": "firing", "labels": {"alertname": "Xid", "node": "n1", "UUID": "GPU-1"}, "fingerprint": "f1"}
+    body = json.dumps({"version": "4", "status": "firing", "alerts": [firing]}).encode()
+    assert served.hook(body, None)[0] == 401
+    assert served.hook(body, token + "x") == (401, served.hook(body, "wrong")[1])
+    assert served.hook(b"{", token)[0] == 400
+    unknown = {**firing, "labels": {"alertname": "Xid", "node": "n2"}}
+    both = json.dumps({"version": "4", "status": "firing", "alerts": [firing, unknown]}).encode()
+    code, text = served.hook(both, token)
+    assert code == 400 and "no node 'n2' has reported" in text, text
+    assert served.taints() == []  # (the known node's alert was not taken either)
+    assert served.hook(body, token) == (200, "tainted n1")
+    assert served.hook(body, token) == (200, "nothing to change")  # (repeated by Alertmanager: once)
+    assert served.taints() == [("n1", "GPU-1", "alert:f1")]
+    resolved = json.dumps({"version": "4", "status": "resolved", "alerts": [{**firing, "status": "resolved"}]})
+    assert served.hook(resolved.encode(), token) == (200, "untainted n1")
+    assert served.taints() == []
+
+
+def test_health_findings_taint_silence_is_reported_and_the_metrics_and_events_say_so(tmp_path: Path) -> None:
+    """A report's health finding becomes a pre-emptive taint naming the GPU and the reading; an agent
+    that stops reporting is marked unreachable (and said so), never moved from; `tpagent events
+    --follow` shows each as it happens; the metrics count taints by kind and the spares free."""
+    s = Served(tmp_path, unreachable_after=1.0, report_period=0.2, metrics_listen=f"127.0.0.1:{free_port()}")
+    try:
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "events", "--follow"],
+            cwd=ROOT,
+            env=s.env(),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        hot = pb.Finding(gpu="GPU-1", what="temperature", reading="88 C, at or over 82 C")
+        r = report()
+        r.findings.append(hot)
+        s.stub.Report(r, timeout=10)
+        view = s.stub.Cluster(pb.Empty(), timeout=10)
+        assert [(t.node, t.gpu, t.kind, t.source, t.reason) for t in view.taints] == [
+            ("n1", "GPU-1", "preemptive", "health:temperature", "88 C, at or over 82 C")
+        ]
+        s.stub.Report(r, timeout=10)  # (the same finding again: still one taint)
+        assert len(s.stub.Cluster(pb.Empty(), timeout=10).taints) == 1
+        wait_until(lambda: not s.stub.Cluster(pb.Empty(), timeout=10).nodes[0].reachable, "n1 to be unreachable", 10)
+        with urllib.request.urlopen(f"http://{s.cfg.metrics_listen}/metrics", timeout=10) as page:
+            scraped = page.read().decode()
+        assert 'tpagent_orchestrator_taints{kind="preemptive"} 1.0' in scraped
+        assert "tpagent_orchestrator_spares_free 0.0" in scraped
+        seen: list[str] = []
+        assert follow.stdout is not None
+        for line in follow.stdout:
+            seen.append(line)
+            if "unreachable" in line:
+                break
+        assert any("n1 reports" in ln for ln in seen) and any("tainted by its health: 88 C" in ln for ln in seen), seen
+        follow.kill()
+        follow.wait()
+        follow.stdout.close()
+    finally:
+        s.stop.set()
+
+
+def test_a_user_without_the_cluster_secret_is_refused(served: Served) -> None:
+    """User nobody on the orchestrator's own host: the secret is root's, so the CLI cannot sign."""
+    env = {**served.env(), "HOME": "/"}
+    proc = subprocess.run(
+        [*NOBODY, sys.executable, "-m", "cli.main", "taint", "n1", "--reason", "x"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert_one_sentence_error(proc)
+    assert served.taints() == []

@@ -1,0 +1,130 @@
+"""The orchestrator's policy (a pure function) and its database's reservations, on made-up views
+of a cluster: which ranks move where, and what is never done (a spare given twice, two moves of
+one job, a move off a silent node, a rank sent where it does not fit)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from tpagent.orchestrator.api import Away, Gpu, Move, MoveKind, MoveState, NodeSeen, RankSeen, Taint, TaintKind, View
+from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.policy import NewMove, plan
+from tpagent.orchestrator.state import State
+
+H100 = ("NVIDIA H100 80GB HBM3", 80 << 30)
+
+
+def cfg(**kw: object) -> OrchestratorConfig:
+    return OrchestratorConfig(secret_file=Path("/dev/null"), **kw)  # type: ignore[arg-type]
+
+
+def node(
+    name: str, ranks: tuple[RankSeen, ...] = (), gpus: int = 0, model: tuple[str, int] = H100, **kw: object
+) -> NodeSeen:
+    g = tuple(Gpu(f"GPU-{name}-{i}", *model) for i in range(gpus))
+    return NodeSeen(name, f"{name}:7400", seen=100.0, gpus=g, ranks=ranks, driver="580.1" if gpus else "", **kw)  # type: ignore[arg-type]
+
+
+def rank(r: int, job: str = "j", gpus: tuple[str, ...] = ()) -> RankSeen:
+    return RankSeen(job, r, world=4, gpus=gpus)
+
+
+def taint(tid: int, node: str, gpu: str = "") -> Taint:
+    return Taint(tid, node, gpu, TaintKind.PLANNED, "maintenance", "operator", 0.0)
+
+
+def cpu_cluster() -> View:
+    nodes = [node("a", (rank(0),)), node("b", (rank(1),)), node("c", (rank(2), rank(3))), node("d"), node("e")]
+    return View({n.name: n for n in nodes})
+
+
+def no_failures(job: str, source: str, taint: int | None) -> list[Move]:
+    return []
+
+
+def test_a_tainted_nodes_ranks_go_to_the_dedicated_spare_first_together() -> None:
+    p = plan(cpu_cluster(), [taint(1, "c")], [], [], no_failures, cfg(dedicated_spares=("e",)))
+    assert p.moves == [NewMove("j", (2, 3), "c", "e", MoveKind.AWAY, 1, 1)]
+    assert p.waiting == {1: ""}
+
+
+def test_two_taints_take_two_spares_and_a_third_finds_none_and_says_why() -> None:
+    view = cpu_cluster()
+    taints = [taint(1, "a"), taint(2, "b")]
+    p = plan(view, taints, [], [], no_failures, cfg(dedicated_spares=("d",)))
+    assert [m.target for m in p.moves] == ["d"]  # (one move of a job at a time)
+    running = [Move(1, "j", (0,), "a", "d", MoveKind.AWAY, MoveState.RUNNING, 1)]
+    p = plan(view, taints, running, [], no_failures, cfg(dedicated_spares=("d",)))
+    assert p.moves == []  # the job is moving: b's rank waits for that move, not for another spare
+    other = View({**view.nodes, "b": node("b", (rank(0, job="k"),))})
+    p = plan(other, taints, running, [], no_failures, cfg(dedicated_spares=("d",)))
+    assert p.moves == [NewMove("k", (0,), "b", "e", MoveKind.AWAY, 2, 1)]  # floating, the dedicated one held
+    full = View({**other.nodes, "e": node("e", (rank(9, job="z"),))})
+    p = plan(full, taints, running, [], no_failures, cfg(dedicated_spares=("d",)))
+    assert p.moves == [] and "no spare fits: none is free" in p.waiting[2], p.waiting
+
+
+def test_a_gpu_taint_moves_only_the_ranks_on_that_gpu_to_gpus_like_theirs() -> None:
+    src = node("a", (rank(0, gpus=("GPU-a-0",)), rank(1, gpus=("GPU-a-1",))), gpus=2)
+    small = node("b", gpus=2, model=("NVIDIA A100 40GB", 40 << 30))
+    spare = node("c", (rank(7, job="k", gpus=("GPU-c-0",)),), gpus=2)
+    view = View({n.name: n for n in (src, small, spare)})
+    p = plan(view, [taint(1, "a", "GPU-a-1")], [], [], no_failures, cfg())
+    assert p.moves == [NewMove("j", (1,), "a", "c", MoveKind.AWAY, 1, 1)]  # c's free GPU; b's are another model
+    old_driver = View({**view.nodes, "c": dataclasses.replace(spare, driver="550.0")})
+    p = plan(old_driver, [taint(1, "a", "GPU-a-1")], [], [], no_failures, cfg())
+    assert p.moves == [] and "driver 550.0, not 580.1" in p.waiting[1], p.waiting
+
+
+def test_a_silent_node_is_neither_moved_from_nor_moved_to() -> None:
+    view = View(cpu_cluster().nodes, unreachable=frozenset({"b", "d"}))
+    p = plan(view, [taint(1, "b"), taint(2, "c")], [], [], no_failures, cfg(dedicated_spares=("d",)))
+    assert p.moves == [NewMove("j", (2, 3), "c", "e", MoveKind.AWAY, 2, 1)]
+    assert "has not reported" in p.waiting[1]
+
+
+def test_a_failed_move_is_tried_on_another_spare_then_reported() -> None:
+    failed = [Move(1, "j", (1,), "b", "d", MoveKind.AWAY, MoveState.FAILED, 1, message="restore refused")]
+    p = plan(cpu_cluster(), [taint(1, "b")], [], [], lambda *a: failed, cfg(dedicated_spares=("d",), retries=1))
+    assert p.moves == [NewMove("j", (1,), "b", "e", MoveKind.AWAY, 1, 2)]
+    twice = [*failed, Move(2, "j", (1,), "b", "e", MoveKind.AWAY, MoveState.FAILED, 1, attempt=2, message="no room")]
+    p = plan(cpu_cluster(), [taint(1, "b")], [], [], lambda *a: twice, cfg(dedicated_spares=("d",), retries=1))
+    assert p.moves == [] and "failed 2 times (last: no room)" in p.waiting[1]
+
+
+def test_ranks_return_home_once_untainted_unless_their_job_stays() -> None:
+    view = View({**cpu_cluster().nodes, "b": node("b"), "d": node("d", (rank(1),))})
+    away = [Away("j", 1, "b", "d", 1)]
+    p = plan(view, [], [], away, no_failures, cfg())
+    assert p.moves == [NewMove("j", (1,), "d", "b", MoveKind.HOME, 1, 1)]
+    assert plan(view, [taint(1, "b")], [], away, no_failures, cfg()).moves == []  # still tainted
+    assert plan(view, [], [], away, no_failures, cfg(return_home=False)).moves == []
+    assert plan(view, [], [], away, no_failures, cfg(return_home_jobs={"j": False})).moves == []
+    assert not any(s.node == "b" for s in plan(view, [], [], away, no_failures, cfg()).spares)  # (its home)
+
+
+def test_a_planned_move_whose_taint_went_is_cancelled() -> None:
+    planned = [Move(4, "j", (1,), "b", "d", MoveKind.AWAY, MoveState.PLANNED, 1)]
+    p = plan(cpu_cluster(), [], planned, [], no_failures, cfg())
+    assert p.cancels == [(4, "its taint was removed before it started")]
+
+
+def test_the_database_never_gives_a_spare_twice_nor_moves_a_job_twice(tmp_path: Path) -> None:
+    s = State(tmp_path / "db" / "state.db")
+    first = s.plan("j", (1,), "b", "d", MoveKind.AWAY, 1, 1)
+    assert first is not None
+    assert s.plan("k", (0,), "c", "d", MoveKind.AWAY, 2, 1) is None  # d is held
+    assert s.plan("j", (2,), "c", "e", MoveKind.AWAY, 2, 1) is None  # j moves already
+    assert s.start(first.id) and not s.start(first.id)
+    s.end(first.id, MoveState.DONE, "resumed")
+    assert s.plan("k", (0,), "c", "d", MoveKind.AWAY, 2, 1) is not None  # free again
+    assert [(a.job, a.rank, a.home, a.on) for a in s.away()] == [("j", 1, "b", "d")]
+    t = s.taint("b", "", TaintKind.PLANNED, "maintenance", "operator")
+    assert t is not None and s.taint("b", "", TaintKind.PLANNED, "again", "operator") is None
+    s.close()
+    again = State(tmp_path / "db" / "state.db")  # what a restarted orchestrator reads
+    assert [m.state for m in again.moves()] == [MoveState.DONE, MoveState.PLANNED]
+    assert [x.reason for x in again.taints()] == ["maintenance"]
+    assert (tmp_path / "db" / "state.db").stat().st_mode & 0o777 == 0o600
+    again.close()

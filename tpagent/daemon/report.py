@@ -1,0 +1,105 @@
+"""The agent's reports to the orchestrator (``orchestrator`` in its configuration): every
+``report_period`` seconds one ``Report`` call, signed and over mutual TLS as every call between
+agents is, saying what runs on this node now: its GPUs and their health findings
+(:mod:`host.gpuhealth`), the ranks of jobs here (with the GPUs each uses), and the migrations and
+rewires it runs.  The orchestrator keeps no state an agent would need: a report that does not
+arrive is only logged (once while the orchestrator stays away), and the agent carries on."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from host import gpus, proc
+from host.gpuhealth import Nvml, Thresholds, Watch
+from tpagent import __version__
+from tpagent.common.credentials import Credentials
+from tpagent.daemon.client import rpc_text
+from tpagent.daemon.node import Node
+from tpagent.daemon.rpc import channel, pb, pb_grpc
+from tpagent.migration.api import is_final
+
+log = logging.getLogger(__name__)
+
+
+def cuda_version() -> str:
+    """The CUDA version the driver supports ("12.8"; "" without NVML)."""
+    try:
+        import pynvml as nv
+
+        nv.nvmlInit()
+        try:
+            v = int(nv.nvmlSystemGetCudaDriverVersion())
+        finally:
+            nv.nvmlShutdown()
+    except Exception:  # noqa: BLE001 (no driver here)
+        return ""
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
+    """What runs on this node now."""
+    found = gpus.inventory()
+    ranks = []
+    for row in node.ranks.jobs():
+        if row.moved_to:
+            continue
+        tree = set(proc.tree_pids(row.pid))
+        used = [g.uuid for g in found if tree & set(g.pids)]
+        ranks.append(
+            pb.RankReport(
+                job=row.job, rank=row.rank, world=row.world, step=row.step, gen=row.gen, pid=row.pid, gpus=used
+            )
+        )
+    with node.lock:
+        migrations = [mid for mid, m in node.sources.items() if not is_final(m.record.state)]
+    return pb.NodeReport(
+        node=node.cfg.node,
+        agent=node.cfg.agent_address,
+        version=__version__,
+        gpus=[pb.Gpu(uuid=g.uuid, name=g.name, memory_total=g.memory_total, memory_used=g.memory_used) for g in found],
+        ranks=ranks,
+        migrations=migrations,
+        findings=[pb.Finding(gpu=f.gpu, what=f.what.value, reading=f.reading) for f in health.findings()],
+        driver_version=gpus.driver_version() or "",
+        cuda_version=cuda,
+        rewiring=sorted({r.job for r in ranks if node.rewires.rewiring(r.job)}),
+    )
+
+
+def run(node: Node, creds: Credentials, health: Watch, stop: threading.Event) -> None:
+    """Report until ``stop`` is set (the agent's ``orchestrator`` setting says where)."""
+    cfg = node.cfg
+    orchestrator = pb_grpc.OrchestratorStub(channel(cfg.orchestrator, creds))
+    cuda = cuda_version()
+    period = cfg.report_period
+    failing = ""
+    while not stop.is_set():
+        try:
+            reply = orchestrator.Report(build(node, health, cuda), timeout=max(5.0, period))
+            period = min(max(reply.period or cfg.report_period, 0.1), 3600.0)
+            if failing:
+                log.info("reporting to the orchestrator at %s again", cfg.orchestrator, extra={"node": cfg.node})
+            failing = ""
+        except grpc.RpcError as e:
+            if rpc_text(e) != failing:
+                log.warning(
+                    "the orchestrator at %s did not take this node's report: %s",
+                    cfg.orchestrator,
+                    rpc_text(e),
+                    extra={"node": cfg.node},
+                )
+            failing = rpc_text(e)
+        stop.wait(period)
+
+
+def start(node: Node, creds: Credentials) -> threading.Event:
+    """Report in a thread of its own where the agent has an orchestrator; set the event to stop."""
+    stop = threading.Event()
+    cfg = node.cfg
+    if cfg.orchestrator:
+        health = Watch(Nvml(), Thresholds(cfg.temperature_c, cfg.temperature_margin_c, cfg.ecc_rise))
+        threading.Thread(target=run, args=(node, creds, health, stop), name="report", daemon=True).start()
+    return stop

@@ -1,0 +1,150 @@
+"""The orchestrator's contract: what it holds (taints, moves, ranks away from home), what it
+knows of each node (from the agents' reports), and its one refusal."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class TaintKind(str, enum.Enum):
+    PLANNED = "planned"  # an operator's (maintenance)
+    PREEMPTIVE = "preemptive"  # a health signal's, or a site's alert
+
+
+class MoveKind(str, enum.Enum):
+    AWAY = "away"  # off a tainted node, to a spare
+    HOME = "home"  # back to where the ranks ran before, once it is untainted
+
+
+class MoveState(str, enum.Enum):
+    """PLANNED -> RUNNING -> DONE | FAILED | INTERRUPTED; PLANNED -> CANCELLED (its taint went
+    first).  A planned or running move holds its spare: no other move is planned onto it."""
+
+    PLANNED = "planned"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"  # the source agent rolled it back: the ranks run where they were
+    INTERRUPTED = "interrupted"  # the orchestrator stopped (or lost its call) mid-move; rolled back as FAILED,
+    # but not the spare's doing: it is neither a try counted against retries nor a spare to avoid
+    CANCELLED = "cancelled"
+
+
+ACTIVE = frozenset({MoveState.PLANNED, MoveState.RUNNING})
+
+
+class Why(str, enum.Enum):
+    INVALID = "invalid"
+    NOT_FOUND = "not_found"
+    PRECONDITION = "precondition"
+
+
+class Refused(Exception):
+    """A request the orchestrator will not carry out; ``str()`` is one sentence, nothing changed."""
+
+    def __init__(self, sentence: str, why: Why = Why.INVALID) -> None:
+        super().__init__(sentence)
+        self.why = why
+
+
+@dataclass(frozen=True)
+class Taint:
+    id: int
+    node: str
+    gpu: str  # "": the whole node
+    kind: TaintKind
+    reason: str
+    source: str  # "operator", "health", "alert:FINGERPRINT"
+    created: float  # Unix seconds
+    waiting: str = ""  # why its ranks did not move (yet)
+
+    def covers(self, node: str, gpus: tuple[str, ...]) -> bool:
+        """Whether a rank on ``node`` using ``gpus`` is on what this taints."""
+        return node == self.node and (not self.gpu or self.gpu in gpus)
+
+
+@dataclass(frozen=True)
+class Move:
+    id: int
+    job: str
+    ranks: tuple[int, ...]
+    source: str  # node names
+    target: str
+    kind: MoveKind
+    state: MoveState
+    taint: int | None  # what it moves the ranks away from (or back after)
+    attempt: int = 1
+    message: str = ""
+    migration: str = ""  # the source agent's id of it, once it said
+    created: float = 0.0
+    started: float | None = None
+    ended: float | None = None
+
+
+@dataclass(frozen=True)
+class Away:
+    """A rank moved away from ``home`` because of ``taint``, now on ``on``."""
+
+    job: str
+    rank: int
+    home: str
+    on: str
+    taint: int
+
+
+@dataclass(frozen=True)
+class Gpu:
+    uuid: str
+    name: str
+    memory_total: int
+
+
+@dataclass(frozen=True)
+class RankSeen:
+    job: str
+    rank: int
+    world: int = 0
+    step: int = 0
+    gen: int = 0
+    gpus: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finding:
+    gpu: str
+    what: str
+    reading: str
+
+
+@dataclass(frozen=True)
+class NodeSeen:
+    """A node as its agent last reported it."""
+
+    name: str
+    agent: str  # HOST:PORT
+    seen: float  # monotonic time of the last report
+    reports: int = 1  # since this orchestrator started
+    gpus: tuple[Gpu, ...] = ()
+    ranks: tuple[RankSeen, ...] = ()
+    busy: frozenset[str] = frozenset()  # jobs the agent moves ranks of now
+    migrations: tuple[str, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    driver: str = ""
+    cuda: str = ""
+
+
+@dataclass(frozen=True)
+class View:
+    """What the policy decides on: every node's last report, and which of them answer."""
+
+    nodes: dict[str, NodeSeen] = field(default_factory=dict)
+    unreachable: frozenset[str] = frozenset()
+    #: Nodes a move just ended on, whose last report may be older than the move's end: not acted on.
+    stale: frozenset[str] = frozenset()
+
+    def reachable(self, node: str) -> bool:
+        return node in self.nodes and node not in self.unreachable
+
+    def current(self, node: str) -> bool:
+        """Reachable, and its last report is newer than any move's end there."""
+        return self.reachable(node) and node not in self.stale

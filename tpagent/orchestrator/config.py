@@ -1,0 +1,138 @@
+"""The orchestrator's configuration: a TOML file, then ``TPAGENT_ORCHESTRATOR_*`` variables, then flags.
+
+# /etc/tpagent/orchestrator.toml (every key optional but secret_file)
+node = "orchestrator"             # its name: agents and the CLI sign their calls for it (and
+                                  # for advertise); also in logs
+listen = "0.0.0.0:7410"           # its gRPC API: the agents' reports, taints, the cluster's view
+advertise = ""                    # the address agents and the CLI reach it by (signed for)
+secret_file = "/etc/tpagent/secret"  # the cluster secret, as on every agent
+tls_dir = "/etc/tpagent/tls"      # ca.crt, tls.crt, tls.key: mutual TLS, the cluster's CA
+state = "/var/lib/tpagent-orchestrator/state.db"  # SQLite (WAL): taints, moves, events
+health_listen = ""                # plain-text gRPC health Check only (probes); "" turns it off
+metrics_listen = "127.0.0.1:9410" # Prometheus text format; "" turns it off
+webhook_listen = ""               # Alertmanager's webhook (HTTPS with tls_dir's certificate); "" off
+webhook_token_file = ""           # the bearer token it must send (mode 600); needed with webhook_listen
+webhook_plaintext = false         # HTTP instead of HTTPS (behind a TLS proxy only)
+alert_node_labels = ["node", "hostname", "Hostname", "instance"]  # an alert's label naming the node
+alert_gpu_labels = ["gpu_uuid", "UUID", "uuid"]  # and the GPU (none: the whole node)
+dedicated_spares = []             # "NODE" or "NODE/GPU-UUID": reserved, used before floating ones
+return_home = true                # ranks moved off a taint go back once it is removed
+return_home_jobs = {}             # per job: { "job1" = false }
+max_parallel = 4                  # moves of different jobs at once
+retries = 2                       # a failed move is tried again on another spare this many times
+unreachable_after = 30.0          # a node silent this long is unreachable (its ranks are not moved)
+report_period = 2.0               # what agents are told: report this often
+move_timeout = 1800.0             # one move, its dry run included, at most this long
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from host.api import UsageError
+from tpagent.common.config import convert_setting, read_toml
+from tpagent.common.credentials import Credentials
+from tpagent.migration.api import is_agent_address
+from transfer.api import DEFAULT_TLS_DIR
+
+DEFAULT_FILE = Path("/etc/tpagent/orchestrator.toml")
+ENV = "TPAGENT_ORCHESTRATOR_"
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    secret_file: Path
+    node: str = field(default_factory=socket.gethostname)
+    listen: str = "0.0.0.0:7410"
+    advertise: str = ""
+    tls_dir: Path = DEFAULT_TLS_DIR
+    state: Path = Path("/var/lib/tpagent-orchestrator/state.db")
+    health_listen: str = ""
+    metrics_listen: str = "127.0.0.1:9410"
+    webhook_listen: str = ""
+    webhook_token_file: Path | None = None
+    webhook_plaintext: bool = False
+    alert_node_labels: tuple[str, ...] = ("node", "hostname", "Hostname", "instance")
+    alert_gpu_labels: tuple[str, ...] = ("gpu_uuid", "UUID", "uuid")
+    dedicated_spares: tuple[str, ...] = ()
+    return_home: bool = True
+    return_home_jobs: dict[str, bool] = field(default_factory=dict)
+    max_parallel: int = 4
+    retries: int = 2
+    unreachable_after: float = 30.0
+    report_period: float = 2.0
+    move_timeout: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if not is_agent_address(self.listen):
+            raise UsageError(f"the setting listen = {self.listen!r} is not valid: give HOST:PORT.")
+        if self.webhook_listen and not self.webhook_token_file:
+            raise UsageError("webhook_listen needs webhook_token_file: the bearer token Alertmanager sends.")
+        if not 1 <= self.max_parallel <= 1000 or not 0 <= self.retries <= 100:
+            raise UsageError("max_parallel must be 1 to 1000 and retries 0 to 100.")
+        if not 0.1 <= self.report_period < self.unreachable_after:
+            raise UsageError("report_period must be at least 0.1 s and shorter than unreachable_after.")
+        if self.move_timeout <= 0:
+            raise UsageError("move_timeout must be a positive number of seconds.")
+
+    def returns_home(self, job: str) -> bool:
+        return self.return_home_jobs.get(job, self.return_home)
+
+    def dedicated(self) -> dict[str, frozenset[str]]:
+        """node -> the GPUs of it reserved as spares (empty: the whole node)."""
+        out: dict[str, set[str]] = {}
+        for s in self.dedicated_spares:
+            node, _, gpu = s.partition("/")
+            out.setdefault(node, set()).update({gpu} if gpu else set())
+        return {n: frozenset(g) for n, g in out.items()}
+
+    @property
+    def audiences(self) -> set[str]:
+        host = self.listen.rpartition(":")[0].strip("[]")
+        names = {self.node, self.advertise, host, socket.gethostname(), "localhost", "127.0.0.1", "::1"}
+        return {h.lower() for h in names if h and h not in ("0.0.0.0", "::")}
+
+    def credentials(self) -> Credentials:
+        return Credentials.load(self.secret_file, self.tls_dir)
+
+
+def _value(name: str, kind: Any, value: Any) -> Any:
+    if "dict" in str(kind):
+        if isinstance(value, dict) and all(isinstance(v, bool) for v in value.values()):
+            return {str(k): v for k, v in value.items()}
+        raise UsageError(f"the setting {name} is not valid: give a table of job = true/false.")
+    if "bool" in str(kind):
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return str(value).lower() in ("1", "true", "yes", "on")
+        raise UsageError(f"the setting {name} = {value!r} is not valid: give true or false.")
+    if "Path | None" in str(kind):
+        return Path(value) if value else None
+    return convert_setting(name, kind, value)
+
+
+def load(path: Path | None = None, env: dict[str, str] | None = None, **overrides: Any) -> OrchestratorConfig:
+    """The file (``path``, else TPAGENT_ORCHESTRATOR_CONFIG, else /etc/tpagent/orchestrator.toml if
+    present), then ``TPAGENT_ORCHESTRATOR_<KEY>`` variables, then ``overrides`` (flags)."""
+    env = dict(os.environ) if env is None else env
+    values = read_toml(path or (Path(env[ENV + "CONFIG"]) if ENV + "CONFIG" in env else None), DEFAULT_FILE)
+    kinds = {f.name: f.type for f in dataclasses.fields(OrchestratorConfig)}
+    unknown = set(values) - set(kinds)
+    if unknown:
+        raise UsageError(f"unknown setting(s) in the configuration: {', '.join(sorted(unknown))}.")
+    for name in kinds:
+        if ENV + name.upper() in env and name != "return_home_jobs":
+            values[name] = env[ENV + name.upper()]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if "secret_file" not in values:
+        raise UsageError("no cluster secret: set secret_file in the configuration or TPAGENT_ORCHESTRATOR_SECRET_FILE.")
+    try:
+        return OrchestratorConfig(**{k: _value(k, kinds[k], v) for k, v in values.items()})
+    except TypeError as e:
+        raise UsageError(f"the configuration is not valid: {e}.") from e

@@ -1,0 +1,266 @@
+"""The orchestrator itself: what the agents report, the taints, and the loop that turns the
+policy's plan into moves (each written down before it is asked of its source agent).
+
+After a restart it knows the taints, moves and ranks away from home from its database, and the
+nodes again from their next reports.  A move that was running when it stopped (or whose call to
+its source agent broke) is *settled* from the agents' reports: once both nodes reported after
+the settling began, the ranks on the target alone make it done; on the source alone, with no
+migration of the job under way there, failed (the source agent rolled it back, or never began
+it), and the policy plans it again.  The agents stay the authority: nothing here ever ends a
+process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from tpagent import __version__
+from tpagent.common.credentials import Credentials
+from tpagent.orchestrator import mover, policy
+from tpagent.orchestrator.api import Move, MoveKind, MoveState, NodeSeen, Refused, Taint, TaintKind, View, Why
+from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.state import State
+
+log = logging.getLogger(__name__)
+
+TAINTS = Gauge("tpagent_orchestrator_taints", "Taints in force, by kind.", ["kind"])
+SPARES = Gauge("tpagent_orchestrator_spares_free", "Spare nodes (or nodes with free GPUs) no move holds.")
+MOVES = Counter("tpagent_orchestrator_moves", "Moves ended, by kind and outcome.", ["kind", "outcome"])
+RESUMED = Histogram(
+    "tpagent_orchestrator_taint_to_resumed_seconds",
+    "From a taint to its ranks' job running again on the spare.",
+    buckets=(1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800),
+)
+#: Text of a taint's reason, a node's or GPU's name: at most this long.
+NAME_MAX = 256
+REASON_MAX = 1000
+#: A node's report received this soon after a move there ended may have been made before it: not used.
+STALE_WITHIN = 0.25
+
+
+class Orchestrator:
+    def __init__(self, cfg: OrchestratorConfig, state: State, creds: Credentials) -> None:
+        self.cfg = cfg
+        self.state = state
+        self.creds = creds
+        self.lock = threading.Lock()
+        self.nodes: dict[str, NodeSeen] = {}
+        self.unreachable: set[str] = set()
+        self.ended: dict[str, float] = {}  # node -> when a move touching it last ended (monotonic)
+        self.running: dict[int, threading.Thread] = {}
+        self.settling = {m.id: time.monotonic() for m in state.moves(active=True) if m.state is MoveState.RUNNING}
+        self.no_spare = False  # (warned once, as the last spare goes)
+        self.wake = threading.Event()
+        self.stop = threading.Event()
+        for mid in self.settling:
+            self.event("settling", f"move {mid} was running when the orchestrator stopped: settling it", move=mid)
+
+    def event(
+        self, kind: str, text: str, job: str = "", node: str = "", move: int = 0, level: int = logging.INFO
+    ) -> None:
+        """Written down (``tpagent events``) and logged, naming the job, node and move."""
+        self.state.event(kind, text, job, node, move)
+        extra = {k: v for k, v in (("job", job), ("node", node), ("move", move)) if v}
+        log.log(level, "%s", text, extra=extra)
+
+    # ---- what comes in -------------------------------------------------------------------
+
+    def report(self, seen: NodeSeen, version: str) -> None:
+        if version != __version__:
+            raise Refused(
+                f"the agent on {seen.name} is tpagent {version or '(unknown)'} and this orchestrator {__version__}: "
+                "run one version across the cluster.",
+                Why.PRECONDITION,
+            )
+        with self.lock:
+            before = self.nodes.get(seen.name)
+            reports = before.reports + 1 if before else 1
+            self.nodes[seen.name] = dataclasses.replace(seen, reports=reports)
+            back = seen.name in self.unreachable
+            self.unreachable.discard(seen.name)
+        if before is None or before.gpus != seen.gpus or before.agent != seen.agent:
+            self.state.node_seen(seen.name, seen.agent, seen.gpus)
+        if before is None or back:
+            self.event("node", f"{seen.name} reports ({seen.agent}, {len(seen.gpus)} GPU(s))", node=seen.name)
+        for f in seen.findings:
+            t = self.state.taint(seen.name, f.gpu, TaintKind.PREEMPTIVE, f.reading, f"health:{f.what}")
+            if t is not None:
+                self.event("taint", f"{seen.name} GPU {f.gpu} tainted by its health: {f.reading}", node=seen.name)
+        self.wake.set()
+
+    def check(self, node: str, gpu: str) -> None:
+        known = self.state.known()
+        if node not in known:
+            names = ", ".join(sorted(known)[:20]) or "none yet"
+            raise Refused(f"no node {node!r} has reported to this orchestrator (known: {names}).", Why.NOT_FOUND)
+        if gpu and gpu not in known[node]:
+            raise Refused(
+                f"node {node} has no GPU {gpu!r} (it has: {', '.join(known[node]) or 'none'}).", Why.NOT_FOUND
+            )
+
+    def taint(
+        self, node: str, gpu: str, reason: str, kind: TaintKind = TaintKind.PLANNED, source: str = "operator"
+    ) -> Taint:
+        if not reason.strip() or len(reason) > REASON_MAX or len(node) > NAME_MAX or len(gpu) > NAME_MAX:
+            raise Refused(f"give a reason of 1 to {REASON_MAX} characters (--reason) and a node's name.")
+        self.check(node, gpu)
+        t = self.state.taint(node, gpu, kind, reason.strip(), source)
+        what = f"{node} GPU {gpu}" if gpu else node
+        if t is None:
+            raise Refused(
+                f"{what} is tainted already ({source}); untaint it first to give another reason.", Why.PRECONDITION
+            )
+        self.event("taint", f"{what} tainted ({kind.value}, {source}): {t.reason}", node=node)
+        self.wake.set()
+        return t
+
+    def untaint(self, node: str, gpu: str, source: str | None = None) -> list[Taint]:
+        self.check(node, gpu)
+        gone = self.state.untaint(node, gpu, source)
+        what = f"{node} GPU {gpu}" if gpu else node
+        if not gone:
+            raise Refused(f"{what} is not tainted{f' by {source}' if source else ''}.", Why.PRECONDITION)
+        for t in gone:
+            self.event("untaint", f"{what} untainted ({t.source}: {t.reason})", node=node)
+        self.wake.set()
+        return gone
+
+    def view(self) -> View:
+        with self.lock:
+            stale = {
+                n
+                for n, at in self.ended.items()
+                if n in self.nodes and n not in self.unreachable and self.nodes[n].seen < at + STALE_WITHIN
+            }
+            return View(dict(self.nodes), frozenset(self.unreachable), frozenset(stale))
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # a bug must not stop the loop unseen; the database has the state
+                log.exception("the orchestrator's loop failed; trying again")
+            self.wake.wait(1.0)
+            self.wake.clear()
+
+    def tick(self) -> None:
+        self._reachability()
+        self._settle()
+        taints = self.state.taints()
+        moves = self.state.moves(active=True)
+        view = self.view()
+        if view.stale:  # (a move just ended: plan on reports made after it, within a report period)
+            return
+        p = policy.plan(view, taints, moves, self.state.away(), self.state.failed, self.cfg)
+        for mid, why in p.cancels:
+            gone = self.state.end(mid, MoveState.CANCELLED, why)
+            self.event("cancelled", f"move {mid} of job {gone.job} cancelled: {why}", gone.job, gone.source, mid)
+        for tid, why in p.waiting.items():
+            if self.state.waiting(tid, why) and why:
+                self.event("waiting", f"taint {tid}: nothing moves: {why}")
+        for n in p.moves:
+            m = self.state.plan(n.job, n.ranks, n.source, n.target, n.kind, n.taint, n.attempt)
+            if m is not None:
+                ranks = ", ".join(map(str, m.ranks))
+                text = f"move {m.id}: job {m.job} rank(s) {ranks} {m.source} -> {m.target}"
+                text += f" ({m.kind.value}, try {m.attempt})"
+                self.event("planned", text, m.job, m.source, m.id)
+        away = sum(n.kind is MoveKind.AWAY for n in p.moves)
+        self._gauges(taints, len(p.spares) - away, bool(view.nodes))
+        self._start()
+
+    def _gauges(self, taints: list[Taint], free: int, known: bool) -> None:
+        for kind in TaintKind:
+            TAINTS.labels(kind.value).set(sum(t.kind is kind for t in taints))
+        SPARES.set(max(free, 0))
+        if free <= 0 and not self.no_spare and known:
+            self.event("spares", "no spare is left: a new taint's ranks cannot move", level=logging.WARNING)
+        self.no_spare = free <= 0 and known
+
+    def _reachability(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            silent = {n for n, s in self.nodes.items() if now - s.seen > self.cfg.unreachable_after}
+            new = silent - self.unreachable
+            self.unreachable |= silent
+        for n in sorted(new):
+            self.event("unreachable", f"{n} has not reported for {self.cfg.unreachable_after:g} s: unreachable", node=n)
+
+    def _start(self) -> None:
+        active = self.state.moves(active=True)
+        slots = self.cfg.max_parallel - sum(m.state is MoveState.RUNNING for m in active)
+        view = self.view()
+        for m in active:
+            if slots <= 0:
+                break
+            if m.state is not MoveState.PLANNED or not (view.reachable(m.source) and view.reachable(m.target)):
+                continue
+            if not self.state.start(m.id):
+                continue
+            slots -= 1
+            agents = (view.nodes[m.source].agent, view.nodes[m.target].agent)
+            t = threading.Thread(target=self._execute, args=(m, *agents), name=f"move-{m.id}", daemon=True)
+            with self.lock:
+                self.running[m.id] = t
+            t.start()
+
+    def _execute(self, m: Move, source: str, target: str) -> None:
+        self.event("moving", f"move {m.id}: asking {m.source} to move job {m.job} to {m.target}", m.job, m.source, m.id)
+        try:
+            out = mover.run(
+                m, source, target, self.creds, self.cfg.move_timeout, lambda mid: self.state.migration(m.id, mid)
+            )
+        except Exception as e:  # noqa: BLE001 (settled from the reports, as a broken call is)
+            log.exception("move %d failed unexpectedly", m.id)
+            out = mover.Outcome(None, f"the orchestrator failed while it ran ({e})")
+        with self.lock:
+            self.running.pop(m.id, None)
+            if out.state is None:
+                self.settling[m.id] = time.monotonic()
+        if out.state is None:
+            self.event("settling", f"move {m.id}: {out.message}; settling it from the reports", m.job, m.source, m.id)
+        else:
+            self._ended(m, out.state, out.message, out.timings)
+        self.wake.set()
+
+    def _ended(self, m: Move, state: MoveState, message: str, timings: dict[str, float] | None = None) -> None:
+        m = self.state.end(m.id, state, message, timings)
+        with self.lock:
+            self.ended.update(dict.fromkeys((m.source, m.target), time.monotonic()))
+        MOVES.labels(m.kind.value, state.value).inc()
+        where = m.target if state is MoveState.DONE else m.source
+        text = f"move {m.id} {state.value}: job {m.job} rank(s) {', '.join(map(str, m.ranks))} run on {where}"
+        self.event(state.value, f"{text}: {message}" if message else text, m.job, where, m.id)
+        taint = self.state.taint_by_id(m.taint) if m.taint else None
+        if state is MoveState.DONE and m.kind is MoveKind.AWAY and taint is not None and m.ended is not None:
+            RESUMED.observe(m.ended - taint.created)
+
+    def _settle(self) -> None:
+        view = self.view()
+        with self.lock:
+            settling = dict(self.settling)
+        for mid, since in settling.items():
+            m = self.state.move(mid)
+            src = view.nodes.get(m.source)
+            dst = view.nodes.get(m.target)
+            fresh = since + self.cfg.report_period
+            if src is None or dst is None or src.seen < fresh or dst.seen < fresh:
+                continue
+            there = {r.rank for r in dst.ranks if r.job == m.job}
+            here = {r.rank for r in src.ranks if r.job == m.job}
+            if set(m.ranks) <= there and not set(m.ranks) & here:
+                outcome = (MoveState.DONE, f"settled: the ranks run on {m.target}")
+            elif set(m.ranks) <= here and m.job not in src.busy and not src.migrations:
+                outcome = (MoveState.INTERRUPTED, f"settled: the ranks run on at {m.source}")
+            else:
+                continue
+            with self.lock:
+                self.settling.pop(mid, None)
+            self._ended(m, *outcome)

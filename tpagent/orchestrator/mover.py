@@ -1,0 +1,59 @@
+"""One move, asked of its source agent as ``tpagent migrate --job J --rank R --to T`` asks it:
+a dry run first (nothing stops), then the move itself.  The source agent runs it with its journal
+and decides; this only hears how it ended.  A call that breaks in the middle of the move leaves
+the outcome to the agents' next reports (:meth:`tpagent.orchestrator.core.Orchestrator.settle`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from tpagent.common.credentials import Credentials
+from tpagent.daemon.client import UNREACHABLE, rpc_text
+from tpagent.daemon.rpc import pb, stub
+from tpagent.orchestrator.api import Move, MoveState
+
+
+@dataclass(frozen=True)
+class Outcome:
+    state: MoveState | None  # None: not known (the call broke mid-move): the reports will say
+    message: str
+    migration: str = ""
+    timings: dict[str, float] = field(default_factory=dict)  # dry_run, request; the rewire's own
+
+
+def run(m: Move, source: str, target: str, creds: Credentials, timeout: float, began: Callable[[str], None]) -> Outcome:
+    """Move ``m`` from the agent at ``source`` to the one at ``target``; ``began(migration_id)``
+    is told the source agent's id of the move as soon as it says it."""
+    agent = stub(source, creds)
+    last = None
+    timings: dict[str, float] = {}
+    for dry in (True, False):
+        last = None
+        t0 = time.monotonic()
+        request = pb.MigrateRequest(target=target, dry_run=dry, job=m.job, ranks=list(m.ranks))
+        try:
+            for event in agent.Migrate(request, timeout=timeout):
+                if last is None and not dry:
+                    began(event.migration_id)
+                last = event
+        except grpc.RpcError as e:
+            if not dry and last is not None:  # (it ran: the source agent settles it, the reports tell)
+                return Outcome(None, f"the call to the source agent broke mid-move ({rpc_text(e)})", last.migration_id)
+            said = "cannot be reached" if e.code() in UNREACHABLE else "refused"
+            return Outcome(
+                MoveState.FAILED, f"{'its dry run: ' if dry else ''}the agent at {source} {said}: {rpc_text(e)}"
+            )
+        if last is None or last.state != "done":
+            why = (last.message or last.state) if last is not None else "no word from the source agent"
+            problems = "; ".join(last.problems) if last is not None else ""
+            prefix = "its dry run: " if dry else ""
+            mid = last.migration_id if last is not None and not dry else ""
+            return Outcome(MoveState.FAILED, prefix + why + (f" ({problems})" if problems else ""), mid)
+        timings["dry_run" if dry else "request"] = round(time.monotonic() - t0, 4)
+    assert last is not None
+    timings.update({k: v for k, v in last.timings.items() if not k.startswith("rank")})
+    return Outcome(MoveState.DONE, last.message, last.migration_id, timings)

@@ -1,0 +1,178 @@
+"""What the orchestrator does next: a pure function of its taints, moves and ranks away from
+home, and the nodes as their agents last reported them.
+
+* On a taint, the ranks on the tainted node (a GPU's taint: those using that GPU) move, each
+  job's together (one boundary), to one spare that fits them: dedicated spares first, in the
+  configuration's order, then floating capacity.  A node that is tainted, silent, a move's
+  target already, or the home some moved ranks will return to is no spare.
+* A move that failed (the ranks run where they were) is planned again on another spare, up to
+  ``retries`` times; then the taint says why its ranks stay.
+* Once the taint that moved ranks away is removed, ranks whose job returns home go back there,
+  if it is reachable, untainted and free.
+* A planned move whose taint was removed before it started is cancelled.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tpagent.orchestrator.api import Away, Gpu, Move, MoveKind, MoveState, NodeSeen, Taint, View
+from tpagent.orchestrator.config import OrchestratorConfig
+
+#: The failed moves of (job, source node, taint).
+Failed = Callable[[str, str, "int | None"], list[Move]]
+
+
+@dataclass(frozen=True)
+class NewMove:
+    job: str
+    ranks: tuple[int, ...]
+    source: str
+    target: str
+    kind: MoveKind
+    taint: int | None
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Spare:
+    node: str
+    free: tuple[Gpu, ...]  # its GPUs no rank uses and no taint covers
+    dedicated: bool
+    empty: bool  # no rank runs there
+
+
+@dataclass
+class Plan:
+    moves: list[NewMove] = field(default_factory=list)
+    cancels: list[tuple[int, str]] = field(default_factory=list)
+    waiting: dict[int, str] = field(default_factory=dict)  # taint id -> why its ranks stay ("": they do not)
+    spares: list[Spare] = field(default_factory=list)  # free before this plan
+
+
+def spares(
+    view: View, taints: list[Taint], active: list[Move], away: list[Away], cfg: OrchestratorConfig
+) -> list[Spare]:
+    """The capacity free now, dedicated spares first."""
+    dedicated = cfg.dedicated()
+    blocked = {t.node for t in taints if not t.gpu} | {m.target for m in active} | {m.source for m in active}
+    blocked |= {a.home for a in away}
+    out = []
+    for name, n in view.nodes.items():
+        if name in blocked or not view.current(name):
+            continue
+        used = {g for r in n.ranks for g in r.gpus} | {t.gpu for t in taints if t.node == name}
+        free = tuple(g for g in n.gpus if g.uuid not in used)
+        if name in dedicated and dedicated[name]:
+            free = tuple(g for g in free if g.uuid in dedicated[name])
+        if free or not n.ranks:
+            out.append(Spare(name, free, name in dedicated, not n.ranks))
+    order = list(dedicated)
+    return sorted(out, key=lambda s: (not s.dedicated, order.index(s.node) if s.dedicated else 0, s.node))
+
+
+def misfit(source: NodeSeen, ranks: tuple[int, ...], spare: Spare, node: NodeSeen) -> str:
+    """Why ``spare`` cannot take ``ranks`` of ``source`` ("": it can)."""
+    wanted = {g for r in source.ranks if r.rank in ranks for g in r.gpus}
+    if not wanted:
+        return "" if spare.empty else "runs ranks already"
+    models = [g for g in source.gpus if g.uuid in wanted]
+    if source.driver != node.driver:
+        return f"driver {node.driver or 'none'}, not {source.driver}"
+    fit = [g for g in spare.free if all(g.name == m.name and g.memory_total >= m.memory_total for m in models)]
+    if len(fit) < len(wanted):
+        return f"{len(fit)} free GPU(s) like {models[0].name if models else 'the source'}'s, needs {len(wanted)}"
+    return ""
+
+
+def _choose(
+    view: View, source: NodeSeen, ranks: tuple[int, ...], free: list[Spare], tried: set[str]
+) -> tuple[Spare | None, str]:
+    why = []
+    for s in free:
+        if s.node in tried:
+            why.append(f"{s.node} failed before")
+            continue
+        reason = misfit(source, ranks, s, view.nodes[s.node])
+        if not reason:
+            return s, ""
+        why.append(f"{s.node} {reason}")
+    return None, "no spare fits" + (f" ({'; '.join(why)})" if why else ": none is free")
+
+
+def plan(
+    view: View, taints: list[Taint], moves: list[Move], away: list[Away], failed: Failed, cfg: OrchestratorConfig
+) -> Plan:
+    active = [m for m in moves if m.state in (MoveState.PLANNED, MoveState.RUNNING)]
+    out = Plan(spares=spares(view, taints, active, away, cfg))
+    free = list(out.spares)
+    moving = {m.job for m in active}
+    live = {t.id for t in taints}
+    for m in active:
+        if m.state is MoveState.PLANNED and m.kind is MoveKind.AWAY and m.taint not in live:
+            out.cancels.append((m.id, "its taint was removed before it started"))
+    reasons: dict[int, list[str]] = defaultdict(list)
+    for t in taints:
+        node = view.nodes.get(t.node)
+        if node is None or not view.reachable(t.node):
+            reasons[t.id].append(f"{t.node} has not reported (lately): its ranks are not moved while it is silent")
+            continue
+        if not view.current(t.node):
+            continue
+        groups: dict[str, list[int]] = defaultdict(list)
+        for r in node.ranks:
+            if t.covers(node.name, r.gpus):
+                groups[r.job].append(r.rank)
+        for job, ranks in sorted(groups.items()):
+            if job in moving:
+                continue
+            if job in node.busy:
+                reasons[t.id].append(f"job {job} is being moved by someone else")
+                continue
+            done = failed(job, node.name, t.id)
+            if len(done) > cfg.retries:
+                reasons[t.id].append(f"moving job {job}'s ranks failed {len(done)} times (last: {done[-1].message})")
+                continue
+            spare, why = _choose(view, node, tuple(ranks), free, {m.target for m in done})
+            if spare is None:
+                reasons[t.id].append(f"job {job} rank(s) {', '.join(map(str, ranks))}: {why}")
+                continue
+            free.remove(spare)
+            moving.add(job)
+            out.moves.append(NewMove(job, tuple(ranks), node.name, spare.node, MoveKind.AWAY, t.id, len(done) + 1))
+    out.waiting = {t.id: "; ".join(reasons[t.id]) for t in taints}
+    _home(view, taints, away, failed, cfg, moving, out)
+    return out
+
+
+def _home(
+    view: View,
+    taints: list[Taint],
+    away: list[Away],
+    failed: Failed,
+    cfg: OrchestratorConfig,
+    moving: set[str],
+    out: Plan,
+) -> None:
+    live = {t.id for t in taints}
+    tainted = {t.node for t in taints if not t.gpu}
+    groups: dict[tuple[str, str, str, int], list[int]] = defaultdict(list)
+    for a in away:
+        if a.taint not in live and cfg.returns_home(a.job):
+            groups[a.job, a.on, a.home, a.taint].append(a.rank)
+    for (job, on, home, taint), ranks in sorted(groups.items()):
+        node = view.nodes.get(on)
+        if job in moving or node is None or not view.current(on) or not view.current(home) or home in tainted:
+            continue
+        if not {r.rank for r in node.ranks if r.job == job} >= set(ranks) or job in node.busy:
+            continue
+        done = failed(job, on, taint)
+        target = view.nodes[home]
+        used = {g for r in target.ranks for g in r.gpus} | {t.gpu for t in taints if t.node == home}
+        spare = Spare(home, tuple(g for g in target.gpus if g.uuid not in used), False, not target.ranks)
+        if len(done) > cfg.retries or misfit(node, tuple(ranks), spare, target):
+            continue
+        moving.add(job)
+        out.moves.append(NewMove(job, tuple(ranks), on, home, MoveKind.HOME, taint, len(done) + 1))

@@ -1,0 +1,112 @@
+"""``tpagent orchestrator``: run the orchestrator until SIGTERM/SIGINT.
+
+It opens its database (creating it, in a directory of root's alone), settles what a previous run
+left running (:mod:`.core`), then serves its gRPC API (mutual TLS, every call signed, as the
+agents'), the Alertmanager webhook and Prometheus metrics where configured, and runs its loop.
+Shutdown: health NOT_SERVING, the loop stops planning, the server stops.  A move running then
+goes on in its source agent, which decides it; the next start settles it from the reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import ssl
+import threading
+
+import grpc
+
+from host.api import UsageError
+from host.safefs import read_private_file
+from tpagent.common.metrics import MetricsServer
+from tpagent.daemon.rpc import AuthInterceptor, Health, HealthOnly, pb_grpc
+from tpagent.daemon.rpc import server as rpc_server
+from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.core import Orchestrator
+from tpagent.orchestrator.service import Service
+from tpagent.orchestrator.state import State
+from tpagent.orchestrator.webhook import Webhook
+from transfer.api import TlsFiles
+
+log = logging.getLogger(__name__)
+
+
+def _host_port(address: str, what: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    try:
+        return host.strip("[]") or "0.0.0.0", int(port)
+    except ValueError as e:
+        raise UsageError(f"{what} {address!r} is not HOST:PORT.") from e
+
+
+def _webhook(cfg: OrchestratorConfig, o: Orchestrator) -> Webhook | None:
+    if not cfg.webhook_listen or cfg.webhook_token_file is None:
+        return None
+    token = read_private_file(cfg.webhook_token_file, "the webhook's bearer token").decode().strip()
+    if len(token) < 16:
+        raise UsageError(f"the bearer token in {cfg.webhook_token_file} is shorter than 16 characters.")
+    tls = None
+    if not cfg.webhook_plaintext:
+        files = TlsFiles.in_dir(cfg.tls_dir)
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.load_cert_chain(files.cert, files.key)
+    try:
+        return Webhook(_host_port(cfg.webhook_listen, "webhook_listen"), o, token, tls)
+    except OSError as e:
+        raise UsageError(f"cannot serve the webhook on {cfg.webhook_listen}: {e.strerror}.") from e
+
+
+def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())  # only a flag: shutdown happens below
+        os.umask(0o077)
+    creds = cfg.credentials()
+    state = State(cfg.state)
+    o = Orchestrator(cfg, state, creds)
+    health = Health()
+    server, tls = rpc_server(creds, AuthInterceptor(creds.secret, cfg.audiences, health))
+    pb_grpc.add_OrchestratorServicer_to_server(Service(o), server)
+    if server.add_secure_port(cfg.listen, tls) == 0:
+        raise UsageError(f"cannot listen on {cfg.listen}; is another orchestrator running there?")
+    probes = None
+    if cfg.health_listen:
+        probes = grpc_probes(health, cfg.health_listen)
+    hook = _webhook(cfg, o)
+    scrapes = MetricsServer(*_host_port(cfg.metrics_listen, "metrics_listen")) if cfg.metrics_listen else None
+    for http in (hook, scrapes):
+        if http is not None:
+            threading.Thread(target=http.serve_forever, name="http", daemon=True).start()
+    loop = threading.Thread(target=o.run, name="orchestrator", daemon=True)
+    loop.start()
+    server.start()
+    health.serving = True
+    log.info("orchestrator serving on %s (mutual TLS)", cfg.listen)
+    if ready is not None:
+        ready.set()
+    try:
+        stop.wait()
+    finally:
+        health.serving = False
+        o.stop.set()
+        o.wake.set()
+        server.stop(1.0).wait(10)
+        loop.join(10)
+        for http in (hook, scrapes):
+            if http is not None:
+                http.shutdown()
+                http.server_close()
+        if probes is not None:
+            probes.stop(0)
+        state.close()
+        log.info("orchestrator stopped")
+
+
+def grpc_probes(health: Health, address: str) -> grpc.Server:
+    probes = grpc.server(health.pool, interceptors=[HealthOnly(health)])
+    if probes.add_insecure_port(address) == 0:
+        raise UsageError(f"cannot serve health checks on {address}.")
+    probes.start()
+    return probes

@@ -1,0 +1,161 @@
+"""The Orchestrator gRPC service (mutual TLS, every call signed with the cluster secret, as the
+agents' API: :mod:`tpagent.daemon.rpc`): a thin adapter over :class:`~.core.Orchestrator`.
+Everything that comes from the network is bounded and checked here before it is used; a node's
+report is taken only from the address it names (its agent's host is the caller's)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import NoReturn
+
+import grpc
+
+from tpagent.daemon.rpc import audience_of, pb, pb_grpc
+from tpagent.migration.api import is_agent_address
+from tpagent.orchestrator import policy
+from tpagent.orchestrator.api import Finding, Gpu, RankSeen, Refused, TaintKind, Why
+from tpagent.orchestrator.api import NodeSeen as Seen
+from tpagent.orchestrator.core import NAME_MAX, Orchestrator
+
+CODES = {
+    Why.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Why.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Why.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+}
+MAX_RANKS = 4096
+MAX_GPUS = 64
+MAX_FINDINGS = 256
+
+
+def _abort(context: grpc.ServicerContext, e: Refused) -> NoReturn:
+    context.abort(CODES[e.why], str(e))
+    raise AssertionError("unreachable")
+
+
+def _peer_host(context: grpc.ServicerContext) -> str:
+    """The caller's IP ("ipv4:10.0.0.1:5555" -> "10.0.0.1", "ipv6:[::1]:5555" -> "::1")."""
+    peer = str(context.peer())
+    return audience_of(peer.partition(":")[2]) if peer.startswith(("ipv4:", "ipv6:")) else ""
+
+
+def seen_of(r: pb.NodeReport) -> Seen:
+    """The report, checked: one sentence (:class:`Refused`) if it is out of bounds."""
+    if not 0 < len(r.node) <= NAME_MAX or not r.node.isprintable() or not is_agent_address(r.agent):
+        raise Refused("a report must name its node (1 to 256 printable characters) and agent (HOST:PORT).")
+    if len(r.ranks) > MAX_RANKS or len(r.gpus) > MAX_GPUS or len(r.findings) > MAX_FINDINGS:
+        raise Refused(f"a report holds at most {MAX_RANKS} ranks, {MAX_GPUS} GPUs and {MAX_FINDINGS} findings.")
+    gpus = {g.uuid for g in r.gpus}
+    if any(f.gpu not in gpus for f in r.findings):
+        raise Refused("a report's finding names a GPU the report does not list.")
+    return Seen(
+        name=r.node,
+        agent=r.agent,
+        seen=time.monotonic(),
+        gpus=tuple(Gpu(g.uuid[:NAME_MAX], g.name[:NAME_MAX], int(g.memory_total)) for g in r.gpus),
+        ranks=tuple(
+            RankSeen(x.job[:NAME_MAX], int(x.rank), int(x.world), int(x.step), int(x.gen), tuple(x.gpus[:MAX_GPUS]))
+            for x in r.ranks
+        ),
+        busy=frozenset(j[:NAME_MAX] for j in r.rewiring[:MAX_RANKS]),
+        migrations=tuple(m[:NAME_MAX] for m in r.migrations[:MAX_RANKS]),
+        findings=tuple(Finding(f.gpu, f.what[:64], f.reading[:NAME_MAX]) for f in r.findings),
+        driver=r.driver_version[:64],
+        cuda=r.cuda_version[:64],
+    )
+
+
+class Service(pb_grpc.OrchestratorServicer):
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.o = orchestrator
+
+    def Report(self, request: pb.NodeReport, context: grpc.ServicerContext) -> pb.ReportReply:
+        try:
+            seen = seen_of(request)
+            host = _peer_host(context)
+            if host and audience_of(seen.agent) != host:
+                raise Refused(f"a report for {seen.name} names agent {seen.agent}, but came from {host}.", Why.INVALID)
+            self.o.report(seen, request.version)
+        except Refused as e:
+            _abort(context, e)
+        return pb.ReportReply(period=self.o.cfg.report_period)
+
+    def Taint(self, request: pb.TaintRequest, context: grpc.ServicerContext) -> pb.TaintReply:
+        try:
+            t = self.o.taint(request.node, request.gpu, request.reason, TaintKind.PLANNED)
+        except Refused as e:
+            _abort(context, e)
+        return pb.TaintReply(message=f"tainted {t.node}{' GPU ' + t.gpu if t.gpu else ''} (taint {t.id}): {t.reason}")
+
+    def Untaint(self, request: pb.TaintRequest, context: grpc.ServicerContext) -> pb.TaintReply:
+        try:
+            gone = self.o.untaint(request.node, request.gpu)
+        except Refused as e:
+            _abort(context, e)
+        what = f"{request.node}{' GPU ' + request.gpu if request.gpu else ''}"
+        return pb.TaintReply(message=f"untainted {what} ({', '.join(f'taint {t.id}: {t.reason}' for t in gone)})")
+
+    def Cluster(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.ClusterView:
+        return cluster_pb(self.o)
+
+    def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[pb.OrchestratorEvent]:
+        after = max(0, int(request.after))
+        while context.is_active() and not self.o.stop.is_set():
+            for seq, ts, kind, text, job, node, move in self.o.state.events(after):
+                after = seq
+                yield pb.OrchestratorEvent(seq=seq, ts=ts, kind=kind, text=text, job=job, node=node, move=move)
+            if not request.follow:
+                return
+            self.o.state.wait_event(after, 1.0)
+
+
+def cluster_pb(o: Orchestrator) -> pb.ClusterView:
+    view = o.view()
+    now = time.monotonic()
+    dedicated = o.cfg.dedicated()
+    taints = o.state.taints()
+    spare_nodes = {s.node for s in _free(o)}
+    out = pb.ClusterView()
+    for name, n in sorted(view.nodes.items()):
+        role = "dedicated spare" if name in dedicated else ("spare" if name in spare_nodes else "")
+        out.nodes.append(
+            pb.ClusterView.Node(
+                name=name,
+                agent=n.agent,
+                seen=now - n.seen,
+                reachable=view.reachable(name),
+                gpus=[pb.Gpu(uuid=g.uuid, name=g.name, memory_total=g.memory_total) for g in n.gpus],
+                findings=[pb.Finding(gpu=f.gpu, what=f.what, reading=f.reading) for f in n.findings],
+                role=role,
+                driver_version=n.driver,
+            )
+        )
+    for t in taints:
+        out.taints.append(
+            pb.ClusterView.Taint(
+                id=t.id, node=t.node, gpu=t.gpu, kind=t.kind.value, reason=t.reason, source=t.source,
+                since=t.created, waiting=t.waiting,
+            )
+        )  # fmt: skip
+    homes = {(a.job, a.rank): a.home for a in o.state.away()}
+    for name, n in sorted(view.nodes.items()):
+        for r in n.ranks:
+            home = homes.get((r.job, r.rank), "")
+            out.ranks.append(pb.ClusterView.Rank(job=r.job, rank=r.rank, node=name, step=r.step, gen=r.gen, home=home))
+    for m in o.state.moves(last=100):
+        end = m.ended or time.time()
+        taint = o.state.taint_by_id(m.taint) if m.taint else None
+        out.moves.append(
+            pb.ClusterView.Move(
+                id=m.id, job=m.job, ranks=list(m.ranks), source=m.source, target=m.target, kind=m.kind.value,
+                state=m.state.value, message=m.message, started=m.started or 0.0,
+                seconds=end - m.started if m.started else 0.0, attempt=m.attempt, timings=o.state.timings(m.id),
+                created=m.created, tainted=taint.created if taint else 0.0,
+            )
+        )  # fmt: skip
+    out.spares_free = len(spare_nodes)
+    return out
+
+
+def _free(o: Orchestrator) -> list[policy.Spare]:
+    return list(policy.spares(o.view(), o.state.taints(), o.state.moves(active=True), o.state.away(), o.cfg))

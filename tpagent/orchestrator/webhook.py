@@ -1,0 +1,149 @@
+"""Prometheus Alertmanager's webhook (``webhook_configs`` of a receiver, its JSON format version 4):
+a site's own alerts taint and untaint nodes and GPUs.
+
+    POST /alertmanager   Authorization: Bearer TOKEN    (the token in webhook_token_file)
+    {"version": "4", "status": "firing", "alerts": [
+        {"status": "firing" | "resolved", "labels": {"node": "gpu-17", "UUID": "GPU-...", ...},
+         "annotations": {"summary": "..."}, "fingerprint": "..."}, ...]}
+
+An alert names its node by the first of ``alert_node_labels`` it has (``instance``'s port is
+dropped) and, optionally, a GPU by one of ``alert_gpu_labels``.  A firing alert taints what it
+names (pre-emptive; the taint's source is the alert's fingerprint, so that each alert taints
+once and its resolution removes its own taint only); a resolved one removes that taint.  The
+whole message is checked before anything changes: a message that is not authenticated gets 401,
+one that is malformed or names a node or GPU the orchestrator does not know gets 400, each with
+one sentence saying why.  HTTPS with the orchestrator's certificate unless ``webhook_plaintext``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import ssl
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from tpagent.orchestrator.api import Refused, TaintKind
+from tpagent.orchestrator.core import Orchestrator
+
+log = logging.getLogger(__name__)
+PATH = "/alertmanager"
+BODY_MAX = 1 << 20
+ALERTS_MAX = 1000
+READ_WITHIN = 10.0
+
+
+@dataclass(frozen=True)
+class Alert:
+    firing: bool
+    node: str
+    gpu: str
+    source: str  # "alert:FINGERPRINT"
+    reason: str
+
+
+def alerts_of(body: bytes, node_labels: tuple[str, ...], gpu_labels: tuple[str, ...]) -> list[Alert]:
+    """The alerts of one webhook message; :class:`Refused` (one sentence) if it is malformed."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Refused(f"the message is not JSON ({e}).") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("alerts"), list):
+        raise Refused("the message is not Alertmanager's webhook JSON: it has no list of alerts.")
+    if str(doc.get("version", "")) != "4":
+        raise Refused(f"Alertmanager webhook version {doc.get('version')!r} is not known; version 4 is.")
+    if len(doc["alerts"]) > ALERTS_MAX:
+        raise Refused(f"the message holds more than {ALERTS_MAX} alerts.")
+    out = []
+    for i, a in enumerate(doc["alerts"]):
+        labels = a.get("labels") if isinstance(a, dict) else None
+        if not isinstance(labels, dict) or a.get("status") not in ("firing", "resolved"):
+            raise Refused(f"alert {i} has no labels or no status firing or resolved.")
+        node = next((str(labels[k]) for k in node_labels if labels.get(k)), "")
+        if not node:
+            raise Refused(
+                f"alert {i} ({labels.get('alertname', '?')}) names no node (labels: {', '.join(node_labels)})."
+            )
+        if labels.get("instance") == node and ":" in node:
+            node = node.rpartition(":")[0]  # (instance is HOST:PORT)
+        gpu = next((str(labels[k]) for k in gpu_labels if labels.get(k)), "")
+        fingerprint = str(a.get("fingerprint") or labels.get("alertname", ""))[:64]
+        notes = a.get("annotations") if isinstance(a.get("annotations"), dict) else {}
+        summary = str(notes.get("summary") or notes.get("description") or "")
+        reason = f"alert {labels.get('alertname', '?')}" + (f": {summary}" if summary else "")
+        out.append(Alert(a["status"] == "firing", node, gpu, f"alert:{fingerprint}", reason[:500]))
+    return out
+
+
+def apply(o: Orchestrator, alerts: list[Alert]) -> list[str]:
+    """Taint and untaint as the alerts say (each checked first: nothing changes if one is wrong)."""
+    for a in alerts:
+        o.check(a.node, a.gpu)
+    done = []
+    taints = {(t.node, t.gpu, t.source) for t in o.state.taints()}
+    for a in alerts:
+        if a.firing and (a.node, a.gpu, a.source) not in taints:
+            o.taint(a.node, a.gpu, a.reason, TaintKind.PREEMPTIVE, a.source)
+            done.append(f"tainted {a.node}")
+        elif not a.firing and (a.node, a.gpu, a.source) in taints:
+            o.untaint(a.node, a.gpu, a.source)
+            done.append(f"untainted {a.node}")
+    return done
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: Webhook
+    timeout = READ_WITHIN
+
+    def _answer(self, code: int, text: str) -> None:
+        body = (json.dumps({"message": text}) + "\n").encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        if self.path.partition("?")[0] != PATH:
+            self._answer(404, f"the webhook is at {PATH}.")
+            return
+        given = self.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.server.token}".encode()):
+            log.warning("refused a webhook call from %s: no or a wrong bearer token", self.client_address[0])
+            self._answer(401, "refused: no or a wrong bearer token (Authorization: Bearer, webhook_token_file).")
+            return
+        try:
+            size = int(self.headers.get("Content-Length", "-1"))
+        except ValueError:
+            size = -1
+        if not 0 <= size <= BODY_MAX:
+            self._answer(400, f"give the message's Content-Length, at most {BODY_MAX} bytes.")
+            return
+        o = self.server.orchestrator
+        try:
+            alerts = alerts_of(self.rfile.read(size), o.cfg.alert_node_labels, o.cfg.alert_gpu_labels)
+            with self.server.lock:  # (one message at a time: its check and its changes together)
+                done = apply(o, alerts)
+        except Refused as e:
+            log.warning("refused a webhook message: %s", e)
+            self._answer(400, str(e))
+            return
+        self._answer(200, "; ".join(done) or "nothing to change")
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
+        pass
+
+
+class Webhook(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], orchestrator: Orchestrator, token: str, tls: ssl.SSLContext | None):
+        self.orchestrator = orchestrator
+        self.token = token
+        self.lock = threading.Lock()
+        super().__init__(address, _Handler)
+        if tls is not None:
+            self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
