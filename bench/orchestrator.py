@@ -43,7 +43,10 @@ def _watch(logs: Path, rank: int, seen: dict[int, float], stop: threading.Event)
 
 
 def _first_step_after(seen: dict[int, float], resumed: int, since: float) -> float:
-    return min(t for n, t in seen.items() if n >= resumed) - since
+    from support.helpers import wait_until
+
+    wait_until(lambda: any(n >= resumed for n in list(seen)), f"step {resumed} to be seen", 30, 0.005)
+    return min(t for n, t in list(seen.items()) if n >= resumed) - since
 
 
 def run(tmp: Path, repeats: int) -> dict[str, object]:
@@ -100,6 +103,9 @@ def run(tmp: Path, repeats: int) -> dict[str, object]:
                 back = c.migrate(0, "D", "B", "--job", RUN, "--rank", "1", timeout=300)
                 assert back.returncode == 0, back.stdout + back.stderr
             stop.set()
+        except Exception:  # (what the orchestrator saw, for whoever reads the failure)
+            print(o.cli("events").stdout[-4000:], o.log()[-4000:], sep="\n", file=sys.stderr)
+            raise
         finally:
             job.close()
     finally:

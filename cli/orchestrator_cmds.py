@@ -12,7 +12,7 @@ import grpc
 import typer
 from google.protobuf.json_format import MessageToDict
 
-from cli.common import EXIT_USAGE, JsonOpt, SecretOpt, TlsDirOpt, credentials, die, rpc_exit_code
+from cli.common import EXIT_FAILED, EXIT_USAGE, JsonOpt, SecretOpt, TlsDirOpt, credentials, die
 from host.api import UsageError
 from transfer.api import DEFAULT_TLS_DIR
 
@@ -61,13 +61,17 @@ def _call(address: str, call: Any, as_json: bool = False) -> Any:
     try:
         return call()
     except grpc.RpcError as e:
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        if e.code() is grpc.StatusCode.UNAVAILABLE:
             die(
                 f"the orchestrator at {address} cannot be reached; is `tpagent orchestrator` running?",
                 EXIT_USAGE,
                 as_json,
             )
-        die(f"the orchestrator at {address}: {e.details()}", rpc_exit_code(e.code()), as_json)
+        if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            die(f"the orchestrator at {address} did not answer in time.", EXIT_FAILED, as_json)
+        # (a refusal is the request's: EXIT_USAGE; only the orchestrator's own failure is EXIT_FAILED)
+        code = EXIT_FAILED if e.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else EXIT_USAGE
+        die(f"the orchestrator at {address}: {e.details()}", code, as_json)
 
 
 def taint(

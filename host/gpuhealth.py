@@ -133,17 +133,24 @@ class Nvml:
         except Exception:  # noqa: BLE001 (no driver, no GPU: nothing to read)
             return None
         self._nv = nv
-        self._uuids = [
-            _text(nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(i))) for i in range(nv.nvmlDeviceGetCount())
-        ]
+        for i in range(_optional(nv.nvmlDeviceGetCount) or 0):
+            uuid = _optional(lambda i=i: _text(nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(i))))
+            if uuid is None:
+                log.warning("GPU %d does not answer NVML: its health is not watched", i)
+            else:
+                self._uuids.append(uuid)
         try:
             self._events = nv.nvmlEventSetCreate()
-            for uuid in self._uuids:
+        except nv.NVMLError as e:
+            log.warning("XID events cannot be watched: %s", e)
+            return nv
+        for uuid in self._uuids:
+            try:
                 handle = nv.nvmlDeviceGetHandleByUUID(uuid)
                 nv.nvmlDeviceRegisterEvents(handle, nv.nvmlEventTypeXidCriticalError, self._events)
                 self.registered.append(uuid)
-        except nv.NVMLError as e:
-            log.warning("XID events cannot be watched: %s", e)
+            except nv.NVMLError as e:
+                log.warning("XID events of GPU %s cannot be watched: %s", uuid, e)
         return nv
 
     def readings(self) -> list[Reading]:
@@ -160,7 +167,9 @@ class Nvml:
                 e = nv.nvmlEventSetWait_v2(self._events, 0)
             except nv.NVMLError:  # (NVML_ERROR_TIMEOUT: none waiting)
                 break
-            out.setdefault(_text(nv.nvmlDeviceGetUUID(e.device)), []).append(int(e.eventData))
+            uuid = _optional(lambda e=e: _text(nv.nvmlDeviceGetUUID(e.device)))
+            for u in [uuid] if uuid else self._uuids:  # (a GPU that no longer says its UUID: each may be it)
+                out.setdefault(u, []).append(int(e.eventData))
         return out
 
     def _one(self, nv: Any, uuid: str, xids: tuple[int, ...]) -> Reading:

@@ -62,8 +62,14 @@ def inventory() -> list[GpuInfo]:
     if nv is None:
         return []
     try:
-        return [_one(nv, i) for i in range(nv.nvmlDeviceGetCount())]
-    except Exception as e:  # NVMLError: a GPU fell off the bus, the driver is wedged...
+        out = []
+        for i in range(nv.nvmlDeviceGetCount()):
+            try:
+                out.append(_one(nv, i))
+            except Exception as e:  # NVMLError: this GPU fell off the bus...: the others are still listed
+                log.warning("NVML could not read GPU %d: %s", i, e)
+        return out
+    except Exception as e:  # the driver is wedged...
         log.warning("NVML could not list the GPUs: %s", e)
         return []
     finally:

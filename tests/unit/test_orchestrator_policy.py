@@ -7,8 +7,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
+from host.api import UsageError
 from tpagent.orchestrator.api import Away, Gpu, Move, MoveKind, MoveState, NodeSeen, RankSeen, Taint, TaintKind, View
 from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.core import outcome_of
 from tpagent.orchestrator.policy import NewMove, plan
 from tpagent.orchestrator.state import State
 
@@ -88,6 +92,9 @@ def test_a_failed_move_is_tried_on_another_spare_then_reported() -> None:
     failed = [Move(1, "j", (1,), "b", "d", MoveKind.AWAY, MoveState.FAILED, 1, message="restore refused")]
     p = plan(cpu_cluster(), [taint(1, "b")], [], [], lambda *a: failed, cfg(dedicated_spares=("d",), retries=1))
     assert p.moves == [NewMove("j", (1,), "b", "e", MoveKind.AWAY, 1, 2)]
+    only_d = View({**cpu_cluster().nodes, "e": node("e", (rank(5, job="k"),))})
+    p = plan(only_d, [taint(1, "b")], [], [], lambda *a: failed, cfg(dedicated_spares=("d",), retries=1))
+    assert p.moves == [NewMove("j", (1,), "b", "d", MoveKind.AWAY, 1, 2)]  # (no other: the same one again)
     twice = [*failed, Move(2, "j", (1,), "b", "e", MoveKind.AWAY, MoveState.FAILED, 1, attempt=2, message="no room")]
     p = plan(cpu_cluster(), [taint(1, "b")], [], [], lambda *a: twice, cfg(dedicated_spares=("d",), retries=1))
     assert p.moves == [] and "failed 2 times (last: no room)" in p.waiting[1]
@@ -128,3 +135,50 @@ def test_the_database_never_gives_a_spare_twice_nor_moves_a_job_twice(tmp_path: 
     assert [x.reason for x in again.taints()] == ["maintenance"]
     assert (tmp_path / "db" / "state.db").stat().st_mode & 0o777 == 0o600
     again.close()
+
+
+def test_a_planned_move_onto_a_spare_tainted_or_silent_since_is_cancelled() -> None:
+    planned = [Move(4, "j", (1,), "b", "d", MoveKind.AWAY, MoveState.PLANNED, 1)]
+    p = plan(cpu_cluster(), [taint(1, "b"), taint(2, "d")], planned, [], no_failures, cfg())
+    assert p.cancels == [(4, "d was tainted before it started")]
+    silent = View(cpu_cluster().nodes, unreachable=frozenset({"d"}))
+    assert plan(silent, [taint(1, "b")], planned, [], no_failures, cfg()).cancels == [
+        (4, "d stopped reporting before it started")
+    ]
+
+
+def test_an_interrupted_try_counts_but_its_spare_is_not_avoided() -> None:
+    cut = [Move(1, "j", (1,), "b", "d", MoveKind.AWAY, MoveState.INTERRUPTED, 1)]
+    p = plan(cpu_cluster(), [taint(1, "b")], [], [], lambda *a: cut, cfg(dedicated_spares=("d",)))
+    assert p.moves == [NewMove("j", (1,), "b", "d", MoveKind.AWAY, 1, 2)]
+
+
+def test_a_home_is_kept_only_for_ranks_that_will_return() -> None:
+    view = View({**cpu_cluster().nodes, "b": node("b"), "d": node("d", (rank(1),))})
+    away = [Away("j", 1, "b", "d", 1)]
+    assert not any(s.node == "b" for s in plan(view, [taint(1, "x")], [], away, no_failures, cfg()).spares)
+    stays = cfg(return_home_jobs={"j": False})
+    assert any(s.node == "b" for s in plan(view, [taint(1, "x")], [], away, no_failures, stays).spares)
+    ended = View({**view.nodes, "a": node("a"), "c": node("c"), "d": node("d")})  # (job j reports no rank)
+    assert any(s.node == "b" for s in plan(ended, [taint(1, "x")], [], away, no_failures, cfg()).spares)
+
+
+def test_a_move_is_settled_only_from_reports_made_after_it_stopped() -> None:
+    m = Move(1, "j", (1,), "b", "d", MoveKind.AWAY, MoveState.RUNNING, 1)
+    moved = View({**cpu_cluster().nodes, "b": node("b"), "d": node("d", (rank(1),))})
+    assert outcome_of(m, moved, {"b"}) is None  # (d's report may be from before)
+    assert outcome_of(m, moved, {"b", "d"}) == (MoveState.DONE, "settled: the ranks run on d")
+    gone = View(moved.nodes, unreachable=frozenset({"b"}))
+    assert outcome_of(m, gone, {"d"}) == (MoveState.DONE, "settled: the ranks run on d")  # (its source fell silent)
+    stayed = cpu_cluster()
+    assert outcome_of(m, stayed, {"b", "d"}) == (MoveState.INTERRUPTED, "settled: the ranks still run on b")
+    busy = View({**stayed.nodes, "b": node("b", (rank(1),), busy=frozenset({"j"}))})
+    assert outcome_of(m, busy, {"b", "d"}) is None  # (the source agent still moves it)
+
+
+def test_one_orchestrator_to_a_database(tmp_path: Path) -> None:
+    first = State(tmp_path / "db" / "state.db")
+    with pytest.raises(UsageError, match="another orchestrator uses"):
+        State(tmp_path / "db" / "state.db")
+    first.close()
+    State(tmp_path / "db" / "state.db").close()

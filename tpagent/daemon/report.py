@@ -55,14 +55,17 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
         )
     with node.lock:
         migrations = [mid for mid, m in node.sources.items() if not is_final(m.record.state)]
+    findings = health.findings()
+    listed = [pb.Gpu(uuid=g.uuid, name=g.name, memory_total=g.memory_total, memory_used=g.memory_used) for g in found]
+    lost = sorted({f.gpu for f in findings} - {g.uuid for g in found})  # (NVML no longer lists them)
     return pb.NodeReport(
         node=node.cfg.node,
         agent=node.cfg.agent_address,
         version=__version__,
-        gpus=[pb.Gpu(uuid=g.uuid, name=g.name, memory_total=g.memory_total, memory_used=g.memory_used) for g in found],
+        gpus=[*listed, *(pb.Gpu(uuid=u, name="(not answering)") for u in lost)],
         ranks=ranks,
         migrations=migrations,
-        findings=[pb.Finding(gpu=f.gpu, what=f.what.value, reading=f.reading) for f in health.findings()],
+        findings=[pb.Finding(gpu=f.gpu, what=f.what.value, reading=f.reading) for f in findings],
         driver_version=gpus.driver_version() or "",
         cuda_version=cuda,
         rewiring=sorted({r.job for r in ranks if node.rewires.rewiring(r.job)}),
@@ -92,6 +95,8 @@ def run(node: Node, creds: Credentials, health: Watch, stop: threading.Event) ->
                     extra={"node": cfg.node},
                 )
             failing = rpc_text(e)
+        except Exception:  # (NVML, the ranks' registry: this report is lost, not the next ones)
+            log.exception("this node's report could not be made", extra={"node": cfg.node})
         stop.wait(period)
 
 

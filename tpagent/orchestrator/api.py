@@ -148,3 +148,9 @@ class View:
     def current(self, node: str) -> bool:
         """Reachable, and its last report is newer than any move's end there."""
         return self.reachable(node) and node not in self.stale
+
+
+def printable(text: str, limit: int = 500) -> str:
+    """``text`` at most ``limit`` characters long, each one that does not print (a newline, an
+    escape sequence's ESC) shown as "?": what comes from the network is shown to operators as is."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])

@@ -22,7 +22,19 @@ from prometheus_client import Counter, Gauge, Histogram
 from tpagent import __version__
 from tpagent.common.credentials import Credentials
 from tpagent.orchestrator import mover, policy
-from tpagent.orchestrator.api import Move, MoveKind, MoveState, NodeSeen, Refused, Taint, TaintKind, View, Why
+from tpagent.orchestrator.api import (
+    Move,
+    MoveKind,
+    MoveState,
+    NodeSeen,
+    RankSeen,
+    Refused,
+    Taint,
+    TaintKind,
+    View,
+    Why,
+    printable,
+)
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.state import State
 
@@ -39,8 +51,9 @@ RESUMED = Histogram(
 #: Text of a taint's reason, a node's or GPU's name: at most this long.
 NAME_MAX = 256
 REASON_MAX = 1000
-#: A node's report received this soon after a move there ended may have been made before it: not used.
-STALE_WITHIN = 0.25
+#: Reports a node must send after a move there ended before it is planned on again: the first may
+#: have been made before the end, the second was made after the first was answered.
+FRESH_AFTER = 2
 
 
 class Orchestrator:
@@ -49,11 +62,14 @@ class Orchestrator:
         self.state = state
         self.creds = creds
         self.lock = threading.Lock()
-        self.nodes: dict[str, NodeSeen] = {}
+        self.nodes: dict[str, NodeSeen] = {}  # (from reports since this orchestrator started)
         self.unreachable: set[str] = set()
-        self.ended: dict[str, float] = {}  # node -> when a move touching it last ended (monotonic)
+        self.ended: dict[str, int] = {}  # node -> its reports when a move touching it last ended
         self.running: dict[int, threading.Thread] = {}
-        self.settling = {m.id: time.monotonic() for m in state.moves(active=True) if m.state is MoveState.RUNNING}
+        #: Moves whose outcome the reports will tell: since when, and each node's reports then.
+        self.settling: dict[int, tuple[float, dict[str, int]]] = {
+            m.id: (time.monotonic(), {}) for m in state.moves(active=True) if m.state is MoveState.RUNNING
+        }
         self.no_spare = False  # (warned once, as the last spare goes)
         self.wake = threading.Event()
         self.stop = threading.Event()
@@ -79,8 +95,14 @@ class Orchestrator:
             )
         with self.lock:
             before = self.nodes.get(seen.name)
+            if before is not None and before.agent != seen.agent and seen.name not in self.unreachable:
+                raise Refused(
+                    f"node {seen.name} reports from {before.agent}; a report naming it from {seen.agent} is refused "
+                    "while it does (two agents with one node name?).",
+                    Why.PRECONDITION,
+                )
             reports = before.reports + 1 if before else 1
-            self.nodes[seen.name] = dataclasses.replace(seen, reports=reports)
+            self.nodes[seen.name] = dataclasses.replace(seen, reports=reports, ranks=_kept_gpus(seen, before))
             back = seen.name in self.unreachable
             self.unreachable.discard(seen.name)
         if before is None or before.gpus != seen.gpus or before.agent != seen.agent:
@@ -108,6 +130,8 @@ class Orchestrator:
     ) -> Taint:
         if not reason.strip() or len(reason) > REASON_MAX or len(node) > NAME_MAX or len(gpu) > NAME_MAX:
             raise Refused(f"give a reason of 1 to {REASON_MAX} characters (--reason) and a node's name.")
+        if printable(reason, REASON_MAX) != reason:
+            raise Refused("give a reason of printable characters only (no newline, no escape sequence).")
         self.check(node, gpu)
         t = self.state.taint(node, gpu, kind, reason.strip(), source)
         what = f"{node} GPU {gpu}" if gpu else node
@@ -123,6 +147,9 @@ class Orchestrator:
         self.check(node, gpu)
         gone = self.state.untaint(node, gpu, source)
         what = f"{node} GPU {gpu}" if gpu else node
+        others = sorted({t.gpu for t in self.state.taints() if t.node == node and t.gpu})
+        if not gone and not gpu and others:
+            raise Refused(f"{node} is not tainted, its GPU(s) {', '.join(others)} are: untaint each with --gpu.")
         if not gone:
             raise Refused(f"{what} is not tainted{f' by {source}' if source else ''}.", Why.PRECONDITION)
         for t in gone:
@@ -135,9 +162,13 @@ class Orchestrator:
             stale = {
                 n
                 for n, at in self.ended.items()
-                if n in self.nodes and n not in self.unreachable and self.nodes[n].seen < at + STALE_WITHIN
+                if n in self.nodes and n not in self.unreachable and self.nodes[n].reports < at + FRESH_AFTER
             }
             return View(dict(self.nodes), frozenset(self.unreachable), frozenset(stale))
+
+    def _reports(self, *nodes: str) -> dict[str, int]:
+        with self.lock:
+            return {n: self.nodes[n].reports if n in self.nodes else 0 for n in nodes}
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -156,9 +187,9 @@ class Orchestrator:
         taints = self.state.taints()
         moves = self.state.moves(active=True)
         view = self.view()
-        if view.stale:  # (a move just ended: plan on reports made after it, within a report period)
-            return
         p = policy.plan(view, taints, moves, self.state.away(), self.state.failed, self.cfg)
+        if view.stale:  # (a move just ended there: no new move until its nodes report what came after)
+            p.moves.clear()
         for mid, why in p.cancels:
             gone = self.state.end(mid, MoveState.CANCELLED, why)
             self.event("cancelled", f"move {mid} of job {gone.job} cancelled: {why}", gone.job, gone.source, mid)
@@ -212,28 +243,31 @@ class Orchestrator:
             t.start()
 
     def _execute(self, m: Move, source: str, target: str) -> None:
-        self.event("moving", f"move {m.id}: asking {m.source} to move job {m.job} to {m.target}", m.job, m.source, m.id)
+        out = mover.Outcome(None, "the orchestrator failed while it ran")
         try:
+            text = f"move {m.id}: asking {m.source} to move job {m.job} to {m.target}"
+            self.event("moving", text, m.job, m.source, m.id)
             out = mover.run(
                 m, source, target, self.creds, self.cfg.move_timeout, lambda mid: self.state.migration(m.id, mid)
             )
-        except Exception as e:  # noqa: BLE001 (settled from the reports, as a broken call is)
-            log.exception("move %d failed unexpectedly", m.id)
-            out = mover.Outcome(None, f"the orchestrator failed while it ran ({e})")
-        with self.lock:
-            self.running.pop(m.id, None)
-            if out.state is None:
-                self.settling[m.id] = time.monotonic()
+            if out.state is not None:
+                self._ended(m, out.state, out.message, out.timings)
+        except Exception:  # the move is settled from the reports, as one whose call broke
+            log.exception("move %d: the orchestrator failed while it ran", m.id)
+            out = mover.Outcome(None, "the orchestrator failed while it ran")
+        finally:
+            with self.lock:
+                self.running.pop(m.id, None)
+                if out.state is None:
+                    self.settling[m.id] = (time.monotonic(), {})
+            self.wake.set()
         if out.state is None:
             self.event("settling", f"move {m.id}: {out.message}; settling it from the reports", m.job, m.source, m.id)
-        else:
-            self._ended(m, out.state, out.message, out.timings)
-        self.wake.set()
 
     def _ended(self, m: Move, state: MoveState, message: str, timings: dict[str, float] | None = None) -> None:
+        with self.lock:  # (first: the loop must not plan on these nodes' reports from before the end)
+            self.ended.update({n: self.nodes[n].reports if n in self.nodes else 0 for n in (m.source, m.target)})
         m = self.state.end(m.id, state, message, timings)
-        with self.lock:
-            self.ended.update(dict.fromkeys((m.source, m.target), time.monotonic()))
         MOVES.labels(m.kind.value, state.value).inc()
         where = m.target if state is MoveState.DONE else m.source
         text = f"move {m.id} {state.value}: job {m.job} rank(s) {', '.join(map(str, m.ranks))} run on {where}"
@@ -243,24 +277,48 @@ class Orchestrator:
             RESUMED.observe(m.ended - taint.created)
 
     def _settle(self) -> None:
+        """End each settling move as the agents' reports, made after it stopped, show it."""
         view = self.view()
         with self.lock:
             settling = dict(self.settling)
-        for mid, since in settling.items():
+        for mid, (since, then) in settling.items():
             m = self.state.move(mid)
-            src = view.nodes.get(m.source)
-            dst = view.nodes.get(m.target)
-            fresh = since + self.cfg.report_period
-            if src is None or dst is None or src.seen < fresh or dst.seen < fresh:
-                continue
-            there = {r.rank for r in dst.ranks if r.job == m.job}
-            here = {r.rank for r in src.ranks if r.job == m.job}
-            if set(m.ranks) <= there and not set(m.ranks) & here:
-                outcome = (MoveState.DONE, f"settled: the ranks run on {m.target}")
-            elif set(m.ranks) <= here and m.job not in src.busy and not src.migrations:
-                outcome = (MoveState.INTERRUPTED, f"settled: the ranks run on at {m.source}")
-            else:
+            if not then:
+                then = self._reports(m.source, m.target)
+                with self.lock:
+                    self.settling[mid] = (since, then)
+            now = self._reports(m.source, m.target)
+            fresh = {n for n in (m.source, m.target) if now[n] >= then[n] + FRESH_AFTER}
+            outcome = outcome_of(m, view, fresh)
+            if outcome is None and time.monotonic() - since > self.cfg.move_timeout:
+                outcome = (MoveState.INTERRUPTED, f"not settled in {self.cfg.move_timeout:g} s: its nodes say nothing")
+            if outcome is None:
                 continue
             with self.lock:
                 self.settling.pop(mid, None)
             self._ended(m, *outcome)
+
+
+def _kept_gpus(seen: NodeSeen, before: NodeSeen | None) -> tuple[RankSeen, ...]:
+    """``seen``'s ranks; one whose GPU no longer answers NVML (its processes are no longer listed)
+    keeps the GPUs it used before, so that a taint of that GPU still covers it."""
+    old = {(r.job, r.rank): r.gpus for r in before.ranks} if before is not None else {}
+    return tuple(r if r.gpus else dataclasses.replace(r, gpus=old.get((r.job, r.rank), ())) for r in seen.ranks)
+
+
+def outcome_of(m: Move, view: View, fresh: set[str]) -> tuple[MoveState, str] | None:
+    """How move ``m`` ended, from the reports of its ``fresh`` nodes (made after it stopped); None: not yet."""
+    src = view.nodes.get(m.source)
+    dst = view.nodes.get(m.target)
+    ranks = set(m.ranks)
+    if dst is None or m.target not in fresh:
+        return None
+    there = {r.rank for r in dst.ranks if r.job == m.job}
+    if src is not None and m.source not in fresh and view.reachable(m.source):
+        return None
+    here = {r.rank for r in src.ranks if r.job == m.job} if src is not None and m.source in fresh else set()
+    if ranks <= there and not ranks & here:
+        return MoveState.DONE, f"settled: the ranks run on {m.target}"
+    if src is not None and ranks <= here and m.job not in src.busy and not src.migrations:
+        return MoveState.INTERRUPTED, f"settled: the ranks still run on {m.source}"
+    return None

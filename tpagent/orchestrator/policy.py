@@ -5,8 +5,8 @@ home, and the nodes as their agents last reported them.
   job's together (one boundary), to one spare that fits them: dedicated spares first, in the
   configuration's order, then floating capacity.  A node that is tainted, silent, a move's
   target already, or the home some moved ranks will return to is no spare.
-* A move that failed (the ranks run where they were) is planned again on another spare, up to
-  ``retries`` times; then the taint says why its ranks stay.
+* A move that failed (the ranks run where they were) is planned again on another spare where
+  there is one (else on the same), up to ``retries`` times; then the taint says why its ranks stay.
 * Once the taint that moved ranks away is removed, ranks whose job returns home go back there,
   if it is reachable, untainted and free.
 * A planned move whose taint was removed before it started is cancelled.
@@ -58,7 +58,8 @@ def spares(
     """The capacity free now, dedicated spares first."""
     dedicated = cfg.dedicated()
     blocked = {t.node for t in taints if not t.gpu} | {m.target for m in active} | {m.source for m in active}
-    blocked |= {a.home for a in away}
+    running = {r.job for n in view.nodes.values() for r in n.ranks}
+    blocked |= {a.home for a in away if cfg.returns_home(a.job) and a.job in running}  # (kept for their return)
     out = []
     for name, n in view.nodes.items():
         if name in blocked or not view.current(name):
@@ -90,15 +91,17 @@ def misfit(source: NodeSeen, ranks: tuple[int, ...], spare: Spare, node: NodeSee
 def _choose(
     view: View, source: NodeSeen, ranks: tuple[int, ...], free: list[Spare], tried: set[str]
 ) -> tuple[Spare | None, str]:
+    """The first spare of ``free`` that fits, one not ``tried`` before if there is one."""
     why = []
+    fits = []
     for s in free:
-        if s.node in tried:
-            why.append(f"{s.node} failed before")
-            continue
         reason = misfit(source, ranks, s, view.nodes[s.node])
-        if not reason:
-            return s, ""
-        why.append(f"{s.node} {reason}")
+        if reason:
+            why.append(f"{s.node} {reason}")
+        else:
+            fits.append(s)
+    if fits:  # (a stable sort: dedicated ones first still)
+        return sorted(fits, key=lambda s: s.node in tried)[0], ""
     return None, "no spare fits" + (f" ({'; '.join(why)})" if why else ": none is free")
 
 
@@ -110,9 +113,16 @@ def plan(
     free = list(out.spares)
     moving = {m.job for m in active}
     live = {t.id for t in taints}
+    node_taints = {t.node for t in taints if not t.gpu}
     for m in active:
-        if m.state is MoveState.PLANNED and m.kind is MoveKind.AWAY and m.taint not in live:
+        if m.state is not MoveState.PLANNED:
+            continue
+        if m.kind is MoveKind.AWAY and m.taint not in live:
             out.cancels.append((m.id, "its taint was removed before it started"))
+        elif m.target in node_taints:
+            out.cancels.append((m.id, f"{m.target} was tainted before it started"))
+        elif m.target in view.unreachable:
+            out.cancels.append((m.id, f"{m.target} stopped reporting before it started"))
     reasons: dict[int, list[str]] = defaultdict(list)
     for t in taints:
         node = view.nodes.get(t.node)
@@ -135,7 +145,10 @@ def plan(
             if len(done) > cfg.retries:
                 reasons[t.id].append(f"moving job {job}'s ranks failed {len(done)} times (last: {done[-1].message})")
                 continue
-            spare, why = _choose(view, node, tuple(ranks), free, {m.target for m in done})
+            avoid = {
+                m.target for m in done if m.state is MoveState.FAILED
+            }  # (an interrupted try: not the spare's doing)
+            spare, why = _choose(view, node, tuple(ranks), free, avoid)
             if spare is None:
                 reasons[t.id].append(f"job {job} rank(s) {', '.join(map(str, ranks))}: {why}")
                 continue

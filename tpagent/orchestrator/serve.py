@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sqlite3
 import ssl
 import threading
 
@@ -64,7 +65,10 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
             signal.signal(sig, lambda *_: stop.set())  # only a flag: shutdown happens below
         os.umask(0o077)
     creds = cfg.credentials()
-    state = State(cfg.state)
+    try:
+        state = State(cfg.state)
+    except sqlite3.Error as e:
+        raise UsageError(f"the orchestrator's database {cfg.state} cannot be used: {e}.") from e
     o = Orchestrator(cfg, state, creds)
     health = Health()
     server, tls = rpc_server(creds, AuthInterceptor(creds.secret, cfg.audiences, health))

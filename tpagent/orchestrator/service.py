@@ -5,6 +5,7 @@ report is taken only from the address it names (its agent's host is the caller's
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from typing import NoReturn
@@ -14,7 +15,7 @@ import grpc
 from tpagent.daemon.rpc import audience_of, pb, pb_grpc
 from tpagent.migration.api import is_agent_address
 from tpagent.orchestrator import policy
-from tpagent.orchestrator.api import Finding, Gpu, RankSeen, Refused, TaintKind, Why
+from tpagent.orchestrator.api import Finding, Gpu, RankSeen, Refused, TaintKind, Why, printable
 from tpagent.orchestrator.api import NodeSeen as Seen
 from tpagent.orchestrator.core import NAME_MAX, Orchestrator
 
@@ -26,6 +27,7 @@ CODES = {
 MAX_RANKS = 4096
 MAX_GPUS = 64
 MAX_FINDINGS = 256
+MAX_FOLLOWERS = 8
 
 
 def _abort(context: grpc.ServicerContext, e: Refused) -> NoReturn:
@@ -33,10 +35,18 @@ def _abort(context: grpc.ServicerContext, e: Refused) -> NoReturn:
     raise AssertionError("unreachable")
 
 
-def _peer_host(context: grpc.ServicerContext) -> str:
-    """The caller's IP ("ipv4:10.0.0.1:5555" -> "10.0.0.1", "ipv6:[::1]:5555" -> "::1")."""
+def _caller_names(context: grpc.ServicerContext) -> set[str]:
+    """What the caller is: its IP ("ipv4:10.0.0.1:5555" -> "10.0.0.1", "ipv6:[::1]:5555" -> "::1")
+    and the names and addresses its certificate (the cluster CA's) was issued for."""
     peer = str(context.peer())
-    return audience_of(peer.partition(":")[2]) if peer.startswith(("ipv4:", "ipv6:")) else ""
+    names = {audience_of(peer.partition(":")[2])} if peer.startswith(("ipv4:", "ipv6:")) else set()
+    for n in context.auth_context().get("x509_subject_alternative_name", []):
+        names.add((n.decode() if isinstance(n, bytes) else str(n)).lower())
+    return names
+
+
+def _p(text: str, limit: int = NAME_MAX) -> str:
+    return printable(text, limit)
 
 
 def seen_of(r: pb.NodeReport) -> Seen:
@@ -52,29 +62,37 @@ def seen_of(r: pb.NodeReport) -> Seen:
         name=r.node,
         agent=r.agent,
         seen=time.monotonic(),
-        gpus=tuple(Gpu(g.uuid[:NAME_MAX], g.name[:NAME_MAX], int(g.memory_total)) for g in r.gpus),
+        gpus=tuple(Gpu(_p(g.uuid), _p(g.name), int(g.memory_total)) for g in r.gpus),
         ranks=tuple(
-            RankSeen(x.job[:NAME_MAX], int(x.rank), int(x.world), int(x.step), int(x.gen), tuple(x.gpus[:MAX_GPUS]))
+            RankSeen(_p(x.job), int(x.rank), int(x.world), int(x.step), int(x.gen), tuple(map(_p, x.gpus[:MAX_GPUS])))
             for x in r.ranks
         ),
-        busy=frozenset(j[:NAME_MAX] for j in r.rewiring[:MAX_RANKS]),
-        migrations=tuple(m[:NAME_MAX] for m in r.migrations[:MAX_RANKS]),
-        findings=tuple(Finding(f.gpu, f.what[:64], f.reading[:NAME_MAX]) for f in r.findings),
-        driver=r.driver_version[:64],
-        cuda=r.cuda_version[:64],
+        busy=frozenset(map(_p, r.rewiring[:MAX_RANKS])),
+        migrations=tuple(map(_p, r.migrations[:MAX_RANKS])),
+        findings=tuple(Finding(_p(f.gpu), _p(f.what, 64), _p(f.reading)) for f in r.findings),
+        driver=_p(r.driver_version, 64),
+        cuda=_p(r.cuda_version, 64),
     )
 
 
 class Service(pb_grpc.OrchestratorServicer):
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.o = orchestrator
+        #: Each follower holds one of the server's threads for as long as it follows: bounded, so
+        #: that followers never starve the agents' reports.
+        self.followers = threading.BoundedSemaphore(MAX_FOLLOWERS)
 
     def Report(self, request: pb.NodeReport, context: grpc.ServicerContext) -> pb.ReportReply:
         try:
             seen = seen_of(request)
-            host = _peer_host(context)
-            if host and audience_of(seen.agent) != host:
-                raise Refused(f"a report for {seen.name} names agent {seen.agent}, but came from {host}.", Why.INVALID)
+            callers = _caller_names(context)
+            if audience_of(seen.agent) not in callers:
+                came = ", ".join(sorted(callers)) or "an unknown caller"
+                raise Refused(
+                    f"a report for {seen.name} names agent {seen.agent}, but came from {came} "
+                    "(its address and certificate's names).",
+                    Why.INVALID,
+                )
             self.o.report(seen, request.version)
         except Refused as e:
             _abort(context, e)
@@ -99,14 +117,24 @@ class Service(pb_grpc.OrchestratorServicer):
         return cluster_pb(self.o)
 
     def Events(self, request: pb.EventsRequest, context: grpc.ServicerContext) -> Iterator[pb.OrchestratorEvent]:
-        after = max(0, int(request.after))
+        if request.follow and not self.followers.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{MAX_FOLLOWERS} callers follow the events already.")
+        try:
+            yield from self._events(max(0, int(request.after)), request.follow, context)
+        finally:
+            if request.follow:
+                self.followers.release()
+
+    def _events(self, after: int, follow: bool, context: grpc.ServicerContext) -> Iterator[pb.OrchestratorEvent]:
         while context.is_active() and not self.o.stop.is_set():
-            for seq, ts, kind, text, job, node, move in self.o.state.events(after):
+            page = self.o.state.events(after)
+            for seq, ts, kind, text, job, node, move in page:
                 after = seq
                 yield pb.OrchestratorEvent(seq=seq, ts=ts, kind=kind, text=text, job=job, node=node, move=move)
-            if not request.follow:
+            if not page and not follow:
                 return
-            self.o.state.wait_event(after, 1.0)
+            if not page:
+                self.o.state.wait_event(after, 1.0)
 
 
 def cluster_pb(o: Orchestrator) -> pb.ClusterView:

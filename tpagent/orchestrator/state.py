@@ -16,7 +16,9 @@ SQLite itself, whatever the orchestrator believed.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -24,6 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from host.api import UsageError
 from host.safefs import private_dir
 from tpagent.orchestrator.api import ACTIVE, Away, Gpu, Move, MoveKind, MoveState, Taint, TaintKind
 
@@ -81,6 +84,13 @@ class State:
     def __init__(self, path: Path) -> None:
         private_dir(path.parent)
         self.path = path
+        # One orchestrator to a database: a second one (another port, another host sharing it) is refused.
+        self._held = os.open(path.parent / (path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._held)
+            raise UsageError(f"another orchestrator uses {path}; stop it first.") from None
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # notified on every new event
         self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
@@ -94,6 +104,7 @@ class State:
     def close(self) -> None:
         with self.lock:
             self.db.close()
+            os.close(self._held)
 
     def _write(self, sql: str, args: Iterable[Any] = ()) -> sqlite3.Cursor:
         with self.lock, self.db:
@@ -195,9 +206,10 @@ class State:
         return [_move(r) for r in rows]
 
     def failed(self, job: str, source: str, taint: int | None) -> list[Move]:
+        """The tries of (job, source, taint) that failed or were interrupted."""
         rows = self._read(
-            f"SELECT {_MOVE} FROM moves WHERE job = ? AND source = ? AND taint IS ? AND state = ? ORDER BY id",
-            (job, source, taint, MoveState.FAILED.value),
+            f"SELECT {_MOVE} FROM moves WHERE job = ? AND source = ? AND taint IS ? AND state IN (?, ?) ORDER BY id",
+            (job, source, taint, MoveState.FAILED.value, MoveState.INTERRUPTED.value),
         )
         return [_move(r) for r in rows]
 
@@ -213,17 +225,19 @@ class State:
         self._write("UPDATE moves SET migration = ? WHERE id = ?", (migration, mid))
 
     def end(self, mid: int, state: MoveState, message: str, timings: dict[str, float] | None = None) -> Move:
-        """The move's outcome (and, done, where its ranks now are: :class:`Away` kept in step)."""
+        """The move's outcome (and, done, where its ranks now are: :class:`Away` kept in step); a move
+        that has one already keeps it."""
         m = self.move(mid)
         with self.lock, self.db:
             self.db.execute("BEGIN IMMEDIATE")
-            self.db.execute(
-                "UPDATE moves SET state = ?, message = ?, ended = ?, timings = ? WHERE id = ?",
-                (state.value, message, time.time(), json.dumps(timings or {}), mid),
+            cur = self.db.execute(
+                "UPDATE moves SET state = ?, message = ?, ended = ?, timings = ? WHERE id = ? AND state IN (?, ?)",
+                (state.value, message, time.time(), json.dumps(timings or {}), mid, *(s.value for s in ACTIVE)),
             )
-            if state is MoveState.DONE and m.kind is MoveKind.HOME:
+            done = cur.rowcount == 1 and state is MoveState.DONE
+            if done and m.kind is MoveKind.HOME:
                 self.db.executemany("DELETE FROM away WHERE job = ? AND rank = ?", [(m.job, r) for r in m.ranks])
-            elif state is MoveState.DONE:
+            elif done:
                 for r in m.ranks:
                     self.db.execute(
                         "INSERT INTO away VALUES (?, ?, ?, ?, ?) ON CONFLICT (job, rank) DO UPDATE SET on_node = ?",

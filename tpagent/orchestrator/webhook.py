@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from tpagent.orchestrator.api import Refused, TaintKind
+from tpagent.orchestrator.api import Refused, TaintKind, printable
 from tpagent.orchestrator.core import Orchestrator
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,8 @@ PATH = "/alertmanager"
 BODY_MAX = 1 << 20
 ALERTS_MAX = 1000
 READ_WITHIN = 10.0
+#: Connections served at once (each a thread until its message is read and answered); more are closed.
+CONNECTIONS_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -70,21 +72,29 @@ def alerts_of(body: bytes, node_labels: tuple[str, ...], gpu_labels: tuple[str, 
         if labels.get("instance") == node and ":" in node:
             node = node.rpartition(":")[0]  # (instance is HOST:PORT)
         gpu = next((str(labels[k]) for k in gpu_labels if labels.get(k)), "")
-        fingerprint = str(a.get("fingerprint") or labels.get("alertname", ""))[:64]
+        fingerprint = printable(str(a.get("fingerprint") or labels.get("alertname", "")), 64)
         notes = a.get("annotations") if isinstance(a.get("annotations"), dict) else {}
         summary = str(notes.get("summary") or notes.get("description") or "")
         reason = f"alert {labels.get('alertname', '?')}" + (f": {summary}" if summary else "")
-        out.append(Alert(a["status"] == "firing", node, gpu, f"alert:{fingerprint}", reason[:500]))
+        out.append(
+            Alert(a["status"] == "firing", printable(node), printable(gpu), f"alert:{fingerprint}", printable(reason))
+        )
     return out
 
 
 def apply(o: Orchestrator, alerts: list[Alert]) -> list[str]:
-    """Taint and untaint as the alerts say (each checked first: nothing changes if one is wrong)."""
-    for a in alerts:
-        o.check(a.node, a.gpu)
+    """Taint and untaint as the alerts say.  An alert naming a node (or GPU) that never reported
+    changes nothing and is named in the answer: Alertmanager groups alerts of several hosts in one
+    message and never sends again what was refused, so the others are taken."""
     done = []
     taints = {(t.node, t.gpu, t.source) for t in o.state.taints()}
     for a in alerts:
+        try:
+            o.check(a.node, a.gpu)
+        except Refused as e:
+            log.warning("an alert was not taken: %s", e)
+            done.append(f"ignored: {str(e).rstrip('.')}")
+            continue
         if a.firing and (a.node, a.gpu, a.source) not in taints:
             o.taint(a.node, a.gpu, a.reason, TaintKind.PREEMPTIVE, a.source)
             done.append(f"tainted {a.node}")
@@ -144,6 +154,16 @@ class Webhook(ThreadingHTTPServer):
         self.orchestrator = orchestrator
         self.token = token
         self.lock = threading.Lock()
+        self.slots = threading.BoundedSemaphore(CONNECTIONS_MAX)
         super().__init__(address, _Handler)
         if tls is not None:
             self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return self.slots.acquire(blocking=False)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
