@@ -1,15 +1,22 @@
 """GPU health from NVML itself (skipped on machines without an NVIDIA GPU): every GPU is read,
 its XID critical-error events are registered, and a temperature threshold under its current
-temperature is a finding naming it and the reading."""
+temperature is a finding naming it and the reading; in an agent, that finding taints the GPU and
+the orchestrator moves the rank on it to a spare (issue 24)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from conftest import needs_criu
 from host import gpus
 from host.gpuhealth import Nvml, Signal, Thresholds, Watch
+from support.cluster import Cluster
+from support.orchestrator import Orchestrator
+from support.rankjob import IFNAME, RUN, Job, _reference
 
-HAS_GPU = bool(gpus.inventory())
+HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine")]
 
 
@@ -26,3 +33,38 @@ def test_nvml_readings_xid_events_and_a_low_threshold_taint() -> None:
     assert sorted(f.gpu for f in found if f.what is Signal.TEMPERATURE) == sorted(uuids)
     assert all("at or over 1 C" in f.reading for f in found if f.what is Signal.TEMPERATURE)
     assert not [f for f in Watch(source).findings() if f.what is Signal.TEMPERATURE]  # (a healthy, idle GPU)
+
+
+@needs_criu
+@pytest.mark.timeout(900)
+def test_a_gpu_over_its_temperature_threshold_moves_its_rank_to_the_spare(tmp_path: Path) -> None:
+    """A's agent holds its GPU against a temperature threshold under the GPU's reading: the health
+    taint names that GPU, and the world-size-1 NCCL job's rank on it moves to the spare namespace B
+    (the same GPU, seen from another node: free there) without anyone asking; it ends bit-identical."""
+    extra = ("--cuda", "--backend", "nccl")
+    (tmp_path / "reference").mkdir()
+    (tmp_path / "run").mkdir()
+    reference = _reference(tmp_path / "reference", *extra, nproc=1)
+    c = Cluster(tmp_path, ["A", "B"], ifname=IFNAME)
+    o = Orchestrator(c, tmp_path, dedicated_spares=[c.nodes["B"].name])
+    try:
+        o.start()
+        reporting = {"rewire_timeout": "120", "orchestrator": o.address, "report_period": "0.5"}
+        c.nodes["A"].start_agent(**reporting, temperature_c="1")
+        c.nodes["B"].start_agent(**reporting)
+        job = Job(c, tmp_path / "run", extra=extra, names="A")
+        try:
+            job.at_step(0, 10)
+            o.wait_rank_on(RUN, 0, c.nodes["B"].name, 300)
+            taints = o.cluster()["taints"]
+            assert [(t["node"], t["kind"], t["source"]) for t in taints] == [
+                (c.nodes["A"].name, "preemptive", "health:temperature")
+            ], taints
+            assert taints[0]["gpu"] in {g.uuid for g in gpus.inventory()} and "at or over 1 C" in taints[0]["reason"]
+            assert job.copies(0) == ["B"]
+            job.finishes_as(reference)
+        finally:
+            job.close()
+    finally:
+        o.close()
+        c.close()

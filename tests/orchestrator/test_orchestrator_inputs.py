@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import ssl
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ from support.helpers import NOBODY, ROOT, assert_one_sentence_error, wait_until
 from tpagent import __version__
 from tpagent.common.credentials import Credentials
 from tpagent.daemon.rpc import channel, pb, pb_grpc
+from tpagent.orchestrator import webhook
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.serve import serve
 
@@ -214,3 +217,40 @@ def test_a_user_without_the_cluster_secret_is_refused(served: Served) -> None:
     )
     assert_one_sentence_error(proc)
     assert served.taints() == []
+
+
+def test_the_webhook_is_not_held_by_callers_that_trickle_or_crowd(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A caller sending its request a byte at a time is cut off at the request's deadline; more than
+    CONNECTIONS_MAX at once are closed at once; Alertmanager's message then still gets through."""
+    monkeypatch.setattr(webhook, "REQUEST_WITHIN", 1.0)
+    host, _, port = served.webhook.rpartition(":")
+    tls = ssl.create_default_context(cafile=str(served.cfg.tls_dir / "ca.crt"))
+
+    def connect() -> ssl.SSLSocket:
+        return tls.wrap_socket(socket.create_connection((host, int(port)), timeout=10), server_hostname=host)
+
+    slow = connect()
+    started = time.monotonic()
+    with pytest.raises(OSError):  # (the server shuts the connection: a send fails, or a read sees its end)
+        for byte in b"POST /alertmanager HTTP/1.1\r\nHost: x\r\n":
+            slow.sendall(bytes([byte]))
+            time.sleep(0.2)
+        if not slow.recv(1):
+            raise ConnectionResetError
+    assert time.monotonic() - started < 6
+    slow.close()
+    monkeypatch.setattr(webhook, "REQUEST_WITHIN", 8.0)  # (the crowd holds its places that long)
+    crowd = [connect() for _ in range(webhook.CONNECTIONS_MAX)]
+    extra = socket.create_connection((host, int(port)), timeout=10)
+    started = time.monotonic()
+    assert extra.recv(1) == b""
+    assert time.monotonic() - started < 4  # (closed at once, not at a deadline)
+    extra.close()
+    for s in crowd:
+        s.close()
+    served.stub.Report(report(), timeout=10)
+    alert = {"status": "firing", "labels": {"alertname": "Xid", "node": "n1"}, "fingerprint": "f9"}
+    body = json.dumps({"version": "4", "alerts": [alert]}).encode()
+    wait_until(lambda: served.hook(body, served.token.read_text().strip()) == (200, "tainted n1"), "the webhook", 15)

@@ -71,6 +71,7 @@ class Orchestrator:
             m.id: (time.monotonic(), {}) for m in state.moves(active=True) if m.state is MoveState.RUNNING
         }
         self.no_spare = False  # (warned once, as the last spare goes)
+        self.started = time.monotonic()
         self.wake = threading.Event()
         self.stop = threading.Event()
         for mid in self.settling:
@@ -79,9 +80,11 @@ class Orchestrator:
     def event(
         self, kind: str, text: str, job: str = "", node: str = "", move: int = 0, level: int = logging.INFO
     ) -> None:
-        """Written down (``tpagent events``) and logged, naming the job, node and move."""
+        """Written down (``tpagent events``) and logged, naming the job, node, move and its ranks."""
         self.state.event(kind, text, job, node, move)
-        extra = {k: v for k, v in (("job", job), ("node", node), ("move", move)) if v}
+        extra: dict[str, object] = {k: v for k, v in (("job", job), ("node", node), ("move", move)) if v}
+        if move:
+            extra["rank"] = ",".join(map(str, self.state.move(move).ranks))
         log.log(level, "%s", text, extra=extra)
 
     # ---- what comes in -------------------------------------------------------------------
@@ -204,7 +207,11 @@ class Orchestrator:
                 text += f" ({m.kind.value}, try {m.attempt})"
                 self.event("planned", text, m.job, m.source, m.id)
         away = sum(n.kind is MoveKind.AWAY for n in p.moves)
-        self._gauges(taints, len(p.spares) - away, bool(view.nodes))
+        # (just after a start, until every node known reported again or could have: no false alarm)
+        heard = (
+            set(self.state.known()) <= set(view.nodes) or time.monotonic() - self.started > self.cfg.unreachable_after
+        )
+        self._gauges(taints, len(p.spares) - away, heard and bool(view.nodes))
         self._start()
 
     def _gauges(self, taints: list[Taint], free: int, known: bool) -> None:

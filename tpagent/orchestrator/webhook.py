@@ -17,9 +17,11 @@ one sentence saying why.  HTTPS with the orchestrator's certificate unless ``web
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
+import socket
 import ssl
 import threading
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ PATH = "/alertmanager"
 BODY_MAX = 1 << 20
 ALERTS_MAX = 1000
 READ_WITHIN = 10.0
+REQUEST_WITHIN = 30.0
 #: Connections served at once (each a thread until its message is read and answered); more are closed.
 CONNECTIONS_MAX = 16
 
@@ -107,6 +110,20 @@ def apply(o: Orchestrator, alerts: list[Alert]) -> list[str]:
 class _Handler(BaseHTTPRequestHandler):
     server: Webhook
     timeout = READ_WITHIN
+
+    def handle(self) -> None:
+        # Each read has READ_WITHIN; the whole request, REQUEST_WITHIN: one sent a byte at a time
+        # holds its place no longer.
+        cut = threading.Timer(REQUEST_WITHIN, self._cut)
+        cut.start()
+        try:
+            super().handle()
+        finally:
+            cut.cancel()
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
 
     def _answer(self, code: int, text: str) -> None:
         body = (json.dumps({"message": text}) + "\n").encode()
