@@ -212,8 +212,10 @@ def test_a_jobs_store_cannot_steer_a_rewire_onto_another_job_of_the_same_name(
     end bit-identical to the uninterrupted run."""
     (tmp_path / "first").mkdir()
     (tmp_path / "other").mkdir()
-    job = Job(quad, tmp_path / "first")
-    other = Job(quad, tmp_path / "other", names="D", per_node=3)
+    # (steps slow enough that both jobs still run when the move is asked, on a busy machine too: at
+    # 0.05 s a step the other job once ended first, and its rank 2 was "no longer running")
+    job = Job(quad, tmp_path / "first", step_time=0.3)
+    other = Job(quad, tmp_path / "other", names="D", per_node=3, step_time=0.3)
     try:
         job.at_step(1, 20)
         other.at_step(2, 20)
