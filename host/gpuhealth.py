@@ -23,6 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from host.gpus import _optional, _text  # (NVML's answers read as host.gpus reads them)
+
 log = logging.getLogger(__name__)
 
 #: XIDs that mean the GPU (or its memory, or its link) needs to be taken out of service: double-bit
@@ -190,14 +192,3 @@ class Nvml:
             remap_pending=bool(remap[2]) if remap else False,
             xids=xids,
         )
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _optional(fn: Any, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except Exception:  # noqa: BLE001 (not supported on this GPU)
-        return None

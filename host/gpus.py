@@ -57,6 +57,21 @@ def driver_version() -> str | None:
         nv.nvmlShutdown()
 
 
+def cuda_version() -> str:
+    """The CUDA version the driver supports ("12.8"; "" without NVML)."""
+    nv = _nvml()
+    if nv is None:
+        return ""
+    try:
+        v = int(nv.nvmlSystemGetCudaDriverVersion())
+    except Exception as e:
+        log.warning("NVML could not report the CUDA version: %s", e)
+        return ""
+    finally:
+        nv.nvmlShutdown()
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
 def inventory() -> list[GpuInfo]:
     nv = _nvml()
     if nv is None:

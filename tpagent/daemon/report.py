@@ -24,21 +24,6 @@ from tpagent.migration.api import is_final
 log = logging.getLogger(__name__)
 
 
-def cuda_version() -> str:
-    """The CUDA version the driver supports ("12.8"; "" without NVML)."""
-    try:
-        import pynvml as nv
-
-        nv.nvmlInit()
-        try:
-            v = int(nv.nvmlSystemGetCudaDriverVersion())
-        finally:
-            nv.nvmlShutdown()
-    except Exception:  # noqa: BLE001 (no driver here)
-        return ""
-    return f"{v // 1000}.{v % 1000 // 10}"
-
-
 def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
     """What runs on this node now."""
     found = gpus.inventory()
@@ -76,7 +61,7 @@ def run(node: Node, creds: Credentials, health: Watch, stop: threading.Event) ->
     """Report until ``stop`` is set (the agent's ``orchestrator`` setting says where)."""
     cfg = node.cfg
     orchestrator = pb_grpc.OrchestratorStub(channel(cfg.orchestrator, creds))
-    cuda = cuda_version()
+    cuda = gpus.cuda_version()
     period = cfg.report_period
     failing = ""
     while not stop.is_set():
