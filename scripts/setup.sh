@@ -99,6 +99,7 @@ command -v setpriv >/dev/null || need+=(util-linux)  # the security tests attack
 command -v mksquashfs >/dev/null || need+=(squashfs-tools)  # a test mounts a squashfs, as GPU nodes' driver files are
 command -v cc >/dev/null || need+=(gcc)  # a test builds a library that keeps its address as NCCL does
 command -v prometheus-alertmanager >/dev/null || need+=(prometheus-alertmanager)  # the orchestrator's webhook test
+command -v slurmctld >/dev/null || need+=(slurmctld slurmd slurm-client munge)  # the Slurm adapter's tests
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 [ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
 if [ ${#need[@]} -gt 0 ]; then

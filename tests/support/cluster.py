@@ -59,7 +59,9 @@ class Node:
         assert out.returncode == 0, out.stderr
         return int(out.stdout)
 
-    def start_agent(self, **settings: str) -> None:
+    def start_agent(self, listen: str = "", **settings: str) -> None:
+        """``listen``: where it serves (default: its address, port 7400; "0.0.0.0:7400": the loopback too,
+        where `tpagent rank` finds it by default)."""
         settings = {"metrics_listen": "", **settings}  # (no metrics unless a test asks)
         env = {**os.environ, **self.env, **{f"TPAGENT_{k.upper()}": v for k, v in settings.items()}}
         with open(self.work / "agent.log", "ab") as log:
@@ -70,7 +72,7 @@ class Node:
                     "cli.main",
                     "serve",
                     "--listen",
-                    self.agent_address,
+                    listen or self.agent_address,
                     "--advertise",
                     self.addr,
                     "--node",

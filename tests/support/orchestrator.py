@@ -18,8 +18,10 @@ from support.helpers import ROOT, wait_until
 
 
 class Orchestrator:
-    def __init__(self, c: Cluster, tmp: Path, **settings: Any) -> None:
+    def __init__(self, c: Cluster, tmp: Path, env: dict[str, str] | None = None, **settings: Any) -> None:
+        """``env``: variables it runs with beside this process's (SLURM_CONF)."""
         self.c = c
+        self.env = {**os.environ, **(env or {})}
         self.work = tmp / "orchestrator"
         self.work.mkdir()
         self.tls = node_certs(tmp, "orchestrator", c.bridge_addr)
@@ -47,7 +49,7 @@ class Orchestrator:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "cli.main", "orchestrator", "--config", str(self.config())]
         with open(self.work / "orchestrator.log", "ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=self.env)
         wait_until(lambda: self._up(), "the orchestrator to serve", 60)
 
     def _up(self) -> bool:

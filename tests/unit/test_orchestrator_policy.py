@@ -13,7 +13,9 @@ from host.api import UsageError
 from tpagent.orchestrator.api import Away, Gpu, Move, MoveKind, MoveState, NodeSeen, RankSeen, Taint, TaintKind, View
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.core import outcome_of
-from tpagent.orchestrator.policy import NewMove, plan
+from tpagent.orchestrator.policy import NewMove, Plan
+from tpagent.orchestrator.policy import plan as plan_with
+from tpagent.orchestrator.scheduler import Pool, Static
 from tpagent.orchestrator.state import State
 
 H100 = ("NVIDIA H100 80GB HBM3", 80 << 30)
@@ -41,6 +43,13 @@ def taint(tid: int, node: str, gpu: str = "") -> Taint:
 def cpu_cluster() -> View:
     nodes = [node("a", (rank(0),)), node("b", (rank(1),)), node("c", (rank(2), rank(3))), node("d"), node("e")]
     return View({n.name: n for n in nodes})
+
+
+def plan(
+    view: View, taints: list[Taint], moves: list[Move], away: list[Away], failed: object, c: OrchestratorConfig
+) -> Plan:
+    """The plan with no scheduler but the configuration (the static one)."""
+    return plan_with(view, taints, moves, away, failed, c, Static(c).pool)  # type: ignore[arg-type]
 
 
 def no_failures(job: str, source: str, taint: int | None) -> list[Move]:
@@ -182,3 +191,24 @@ def test_one_orchestrator_to_a_database(tmp_path: Path) -> None:
         State(tmp_path / "db" / "state.db")
     first.close()
     State(tmp_path / "db" / "state.db").close()
+
+
+def test_the_schedulers_pool_decides_which_nodes_are_spares_and_taken_ones_come_last() -> None:
+    view = cpu_cluster()  # (d and e run nothing the agents know of)
+    c = cfg()
+
+    def pools(floating: frozenset[str] | None, taken: frozenset[str] = frozenset(), why: str = "") -> object:
+        return lambda job: Pool(floating=floating, taken=taken, why=why)
+
+    p = plan_with(view, [taint(1, "b")], [], [], no_failures, c, pools(frozenset({"e"})))  # type: ignore[arg-type]
+    assert [(m.ranks, m.target) for m in p.moves] == [((1,), "e")]  # (d: busy as far as the scheduler knows)
+    both = pools(frozenset({"e"}), frozenset({"d"}))
+    p = plan_with(view, [taint(1, "b")], [], [], no_failures, c, both)  # type: ignore[arg-type]
+    assert [m.target for m in p.moves] == ["e"]  # (a free spare before one freed by requeueing work)
+    p = plan_with(view, [taint(1, "b")], [], [], no_failures, c, pools(frozenset(), frozenset({"d"})))  # type: ignore[arg-type]
+    assert [m.target for m in p.moves] == ["d"]
+    p = plan_with(view, [taint(1, "b")], [], [], no_failures, c, pools(frozenset()))  # type: ignore[arg-type]
+    assert not p.moves and "none is free" in p.waiting[1]
+    down = pools(frozenset(), why="Slurm has not answered lately: no spare is taken")
+    p = plan_with(view, [taint(1, "b")], [], [], no_failures, c, down)  # type: ignore[arg-type]
+    assert not p.moves and p.waiting[1] == "job j rank(s) 1: Slurm has not answered lately: no spare is taken"

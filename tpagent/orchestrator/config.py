@@ -23,12 +23,19 @@ retries = 2                       # a failed move is tried again on another spar
 unreachable_after = 30.0          # a node silent this long is unreachable (its ranks are not moved)
 report_period = 2.0               # what agents are told: report this often
 move_timeout = 1800.0             # one move, its dry run included, at most this long
+scheduler = "static"              # "static" (spares from dedicated_spares) or "slurm"
+slurm_spare_partition = ""        # Slurm: its idle nodes are dedicated spares (after dedicated_spares')
+slurm_preempt_below = 0           # Slurm: with no spare free, a node whose jobs all have a priority
+                                  # below this (and below the moving job's) is taken, its jobs
+                                  # requeued; 0: never
+slurm_hold_timeout = 120.0        # Slurm: how long a spare's placeholder job may wait to be allocated
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +49,7 @@ from transfer.api import DEFAULT_TLS_DIR
 
 DEFAULT_FILE = Path("/etc/tpagent/orchestrator.toml")
 ENV = "TPAGENT_ORCHESTRATOR_"
+SCHEDULERS = ("static", "slurm")
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,10 @@ class OrchestratorConfig:
     unreachable_after: float = 30.0
     report_period: float = 2.0
     move_timeout: float = 1800.0
+    scheduler: str = "static"
+    slurm_spare_partition: str = ""
+    slurm_preempt_below: int = 0
+    slurm_hold_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if not is_agent_address(self.listen):
@@ -77,8 +89,14 @@ class OrchestratorConfig:
             raise UsageError("max_parallel must be 1 to 1000 and retries 0 to 100.")
         if not 0.1 <= self.report_period < self.unreachable_after:
             raise UsageError("report_period must be at least 0.1 s and shorter than unreachable_after.")
-        if self.move_timeout <= 0:
-            raise UsageError("move_timeout must be a positive number of seconds.")
+        if self.move_timeout <= 0 or self.slurm_hold_timeout <= 0:
+            raise UsageError("move_timeout and slurm_hold_timeout must be positive numbers of seconds.")
+        if self.scheduler not in SCHEDULERS:
+            raise UsageError(
+                f"the setting scheduler = {self.scheduler!r} is not valid: give one of {', '.join(SCHEDULERS)}."
+            )
+        if self.slurm_preempt_below < 0 or not re.fullmatch(r"[A-Za-z0-9_.-]{0,64}", self.slurm_spare_partition):
+            raise UsageError("slurm_preempt_below must be 0 or more, slurm_spare_partition a partition's name.")
 
     def returns_home(self, job: str) -> bool:
         return self.return_home_jobs.get(job, self.return_home)

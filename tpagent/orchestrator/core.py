@@ -13,6 +13,7 @@ process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -36,6 +37,8 @@ from tpagent.orchestrator.api import (
     printable,
 )
 from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.scheduler import Scheduler, SchedulerError, Static, Wanted
+from tpagent.orchestrator.slurm import Slurm
 from tpagent.orchestrator.state import State
 
 log = logging.getLogger(__name__)
@@ -54,13 +57,22 @@ REASON_MAX = 1000
 #: Reports a node must send after a move there ended before it is planned on again: the first may
 #: have been made before the end, the second was made after the first was answered.
 FRESH_AFTER = 2
+#: The scheduler is brought in step this often (:meth:`Orchestrator.keep_in_step`) ...
+IN_STEP_EVERY = 2.0
+#: ... and no move starts for this long after it did not answer a hold.
+SCHEDULER_BACKOFF = 10.0
 
 
 class Orchestrator:
-    def __init__(self, cfg: OrchestratorConfig, state: State, creds: Credentials) -> None:
+    def __init__(
+        self, cfg: OrchestratorConfig, state: State, creds: Credentials, scheduler: Scheduler | None = None
+    ) -> None:
         self.cfg = cfg
         self.state = state
         self.creds = creds
+        self.scheduler = scheduler or (Slurm(cfg) if cfg.scheduler == "slurm" else Static(cfg))
+        self.scheduler_down = ""  # why the scheduler did not answer last ("": it did)
+        self.backoff_until = 0.0  # (monotonic) no move starts before
         self.lock = threading.Lock()
         self.nodes: dict[str, NodeSeen] = {}  # (from reports since this orchestrator started)
         self.unreachable: set[str] = set()
@@ -190,7 +202,8 @@ class Orchestrator:
         taints = self.state.taints()
         moves = self.state.moves(active=True)
         view = self.view()
-        p = policy.plan(view, taints, moves, self.state.away(), self.state.failed, self.cfg)
+        pools = functools.cache(self.scheduler.pool)
+        p = policy.plan(view, taints, moves, self.state.away(), self.state.failed, self.cfg, pools)
         if view.stale:  # (a move just ended there: no new move until its nodes report what came after)
             p.moves.clear()
         for mid, why in p.cancels:
@@ -234,6 +247,8 @@ class Orchestrator:
     def _start(self) -> None:
         active = self.state.moves(active=True)
         slots = self.cfg.max_parallel - sum(m.state is MoveState.RUNNING for m in active)
+        if time.monotonic() < self.backoff_until:
+            return
         view = self.view()
         for m in active:
             if slots <= 0:
@@ -252,6 +267,9 @@ class Orchestrator:
     def _execute(self, m: Move, source: str, target: str) -> None:
         out = mover.Outcome(None, "the orchestrator failed while it ran")
         try:
+            if not self._held(m):
+                out = mover.Outcome(MoveState.CANCELLED, "")  # (ended already)
+                return
             text = f"move {m.id}: asking {m.source} to move job {m.job} to {m.target}"
             self.event("moving", text, m.job, m.source, m.id)
             out = mover.run(
@@ -270,6 +288,60 @@ class Orchestrator:
             self.wake.set()
         if out.state is None:
             self.event("settling", f"move {m.id}: {out.message}; settling it from the reports", m.job, m.source, m.id)
+
+    def _held(self, m: Move) -> bool:
+        """Whether the scheduler holds ``m``'s target for it; if not, ``m`` is ended, saying why."""
+        source = self.view().nodes.get(m.source)
+        ranks = source.ranks if source is not None else ()
+        gpus = len({g for r in ranks if r.job == m.job and r.rank in m.ranks for g in r.gpus})
+        try:
+            held = self.scheduler.hold(m, gpus)
+        except SchedulerError as e:
+            if e.down:  # (not the spare's doing: planned again once the scheduler answers)
+                self.backoff_until = time.monotonic() + SCHEDULER_BACKOFF
+                self._ended(m, MoveState.CANCELLED, f"{e} It is planned again once {self.scheduler.name} answers.")
+            else:
+                self._ended(m, MoveState.FAILED, str(e))
+            return False
+        for text in held.said:
+            self.event("scheduler", text, m.job, m.target, m.id)
+        if held.handle:
+            text = f"move {m.id}: {m.target} held for job {m.job} by {self.scheduler.name} job {held.handle}"
+            self.event("held", text, m.job, m.target, m.id)
+        return True
+
+    def wanted(self) -> Wanted:
+        """What the scheduler must be in step with: taints drained, holds where ranks are away
+        or moves go, each job's record of where its ranks run."""
+        drains: dict[str, str] = {}
+        for t in self.state.taints():
+            drains.setdefault(t.node, (f"GPU {t.gpu}: " if t.gpu else "") + t.reason)
+        away = self.state.away()
+        where: dict[str, dict[int, str]] = {}
+        for a in away:
+            where.setdefault(a.job, {})[a.rank] = a.on
+        moving = frozenset((m.job, m.target) for m in self.state.moves(active=True))
+        running = frozenset(r.job for n in self.view().nodes.values() for r in n.ranks)
+        return Wanted(drains, frozenset((a.job, a.on) for a in away), moving, where, running)
+
+    def keep_in_step(self) -> None:
+        """Bring the scheduler in step every :data:`IN_STEP_EVERY` seconds until stopped."""
+        while not self.stop.wait(IN_STEP_EVERY):
+            try:
+                said = self.scheduler.reconcile(self.wanted())
+            except SchedulerError as e:
+                if not self.scheduler_down:
+                    self.event("scheduler", f"{e} No move starts until it answers.", level=logging.WARNING)
+                self.scheduler_down = str(e)
+                continue
+            except Exception:  # (as the loop: a bug must not stop it unseen)
+                log.exception("bringing %s in step failed; trying again", self.scheduler.name)
+                continue
+            if self.scheduler_down:
+                self.event("scheduler", f"{self.scheduler.name} answers again")
+            self.scheduler_down = ""
+            for text in said:
+                self.event("scheduler", text)
 
     def _ended(self, m: Move, state: MoveState, message: str, timings: dict[str, float] | None = None) -> None:
         with self.lock:  # (first: the loop must not plan on these nodes' reports from before the end)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from tpagent.orchestrator.api import Away, Gpu, Move, MoveKind, MoveState, NodeSeen, Taint, View
 from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.scheduler import Pool
 
 #: The failed moves of (job, source node, taint).
 Failed = Callable[[str, str, "int | None"], list[Move]]
@@ -53,10 +54,14 @@ class Plan:
 
 
 def spares(
-    view: View, taints: list[Taint], active: list[Move], away: list[Away], cfg: OrchestratorConfig
+    view: View,
+    taints: list[Taint],
+    active: list[Move],
+    away: list[Away],
+    cfg: OrchestratorConfig,
+    dedicated: dict[str, frozenset[str]],
 ) -> list[Spare]:
-    """The capacity free now, dedicated spares first."""
-    dedicated = cfg.dedicated()
+    """The capacity free now, ``dedicated`` spares (node -> its GPUs reserved, empty: all) first."""
     blocked = {t.node for t in taints if not t.gpu} | {m.target for m in active} | {m.source for m in active}
     running = {r.job for n in view.nodes.values() for r in n.ranks}
     blocked |= {a.home for a in away if cfg.returns_home(a.job) and a.job in running}  # (kept for their return)
@@ -89,27 +94,39 @@ def misfit(source: NodeSeen, ranks: tuple[int, ...], spare: Spare, node: NodeSee
 
 
 def _choose(
-    view: View, source: NodeSeen, ranks: tuple[int, ...], free: list[Spare], tried: set[str]
+    view: View, source: NodeSeen, ranks: tuple[int, ...], free: list[Spare], tried: set[str], pool: Pool
 ) -> tuple[Spare | None, str]:
-    """The first spare of ``free`` that fits, one not ``tried`` before if there is one."""
+    """The first spare of ``free`` the scheduler's ``pool`` allows that fits: one not ``tried``
+    before if there is one, one taken from lower-priority work only if no other fits."""
+    if pool.why:
+        return None, pool.why
     why = []
     fits = []
     for s in free:
+        if not (s.dedicated or pool.floating is None or s.node in pool.floating or s.node in pool.taken):
+            continue
         reason = misfit(source, ranks, s, view.nodes[s.node])
         if reason:
             why.append(f"{s.node} {reason}")
         else:
             fits.append(s)
     if fits:  # (a stable sort: dedicated ones first still)
-        return sorted(fits, key=lambda s: s.node in tried)[0], ""
+        return sorted(fits, key=lambda s: (s.node in pool.taken, s.node in tried))[0], ""
     return None, "no spare fits" + (f" ({'; '.join(why)})" if why else ": none is free")
 
 
 def plan(
-    view: View, taints: list[Taint], moves: list[Move], away: list[Away], failed: Failed, cfg: OrchestratorConfig
+    view: View,
+    taints: list[Taint],
+    moves: list[Move],
+    away: list[Away],
+    failed: Failed,
+    cfg: OrchestratorConfig,
+    pools: Callable[[str], Pool],
 ) -> Plan:
+    """``pools(job)``: where the scheduler lets ``job``'s ranks go (its dedicated spares are every job's)."""
     active = [m for m in moves if m.state in (MoveState.PLANNED, MoveState.RUNNING)]
-    out = Plan(spares=spares(view, taints, active, away, cfg))
+    out = Plan(spares=spares(view, taints, active, away, cfg, pools("").dedicated))
     free = list(out.spares)
     moving = {m.job for m in active}
     live = {t.id for t in taints}
@@ -148,7 +165,7 @@ def plan(
             avoid = {
                 m.target for m in done if m.state is MoveState.FAILED
             }  # (an interrupted try: not the spare's doing)
-            spare, why = _choose(view, node, tuple(ranks), free, avoid)
+            spare, why = _choose(view, node, tuple(ranks), free, avoid, pools(job))
             if spare is None:
                 reasons[t.id].append(f"job {job} rank(s) {', '.join(map(str, ranks))}: {why}")
                 continue

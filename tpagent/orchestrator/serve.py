@@ -70,6 +70,7 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
     except sqlite3.Error as e:
         raise UsageError(f"the orchestrator's database {cfg.state} cannot be used: {e}.") from e
     o = Orchestrator(cfg, state, creds)
+    o.scheduler.check()
     health = Health()
     server, tls = rpc_server(creds, AuthInterceptor(creds.secret, cfg.audiences, health))
     pb_grpc.add_OrchestratorServicer_to_server(Service(o), server)
@@ -85,6 +86,8 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
             threading.Thread(target=http.serve_forever, name="http", daemon=True).start()
     loop = threading.Thread(target=o.run, name="orchestrator", daemon=True)
     loop.start()
+    in_step = threading.Thread(target=o.keep_in_step, name="scheduler", daemon=True)
+    in_step.start()
     server.start()
     health.serving = True
     log.info("orchestrator serving on %s (mutual TLS)", cfg.listen)
@@ -98,6 +101,7 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
         o.wake.set()
         server.stop(1.0).wait(10)
         loop.join(10)
+        in_step.join(10)
         for http in (hook, scrapes):
             if http is not None:
                 http.shutdown()

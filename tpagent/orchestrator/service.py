@@ -186,4 +186,5 @@ def cluster_pb(o: Orchestrator) -> pb.ClusterView:
 
 
 def _free(o: Orchestrator) -> list[policy.Spare]:
-    return list(policy.spares(o.view(), o.state.taints(), o.state.moves(active=True), o.state.away(), o.cfg))
+    dedicated = o.scheduler.pool("").dedicated
+    return list(policy.spares(o.view(), o.state.taints(), o.state.moves(active=True), o.state.away(), o.cfg, dedicated))

@@ -1,0 +1,191 @@
+"""The orchestrator with a real Slurm (issue 26): six network-namespace nodes, five of them Slurm
+nodes with their own slurmd and hostname (partition ``train``: A, B, C, E; ``spares``: D), F an
+agent Slurm does not know.  The 3-rank job of the rewire tests is submitted with sbatch, its ranks
+started as the README says (``srun tpagent rank -- python train.py``); a low-priority job holds E.
+Slurm must agree with every move: tainted nodes drained, spares held by placeholder jobs, the
+job's record saying where its ranks run, the low-priority job requeued to free a spare and run
+again, everything released at the end; the job ends bit-identical to plain torchrun."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import needs_criu
+from support.cluster import Cluster
+from support.helpers import ROOT, wait_until
+from support.orchestrator import Orchestrator
+from support.rankjob import IFNAME, JOB, STEPS, rank_log, steps
+from support.slurm import Slurm, have_slurm
+
+pytestmark = [
+    needs_criu,
+    pytest.mark.skipif(not have_slurm(), reason="Slurm (slurmctld, slurmd, munged) is not installed"),
+]
+
+LOW_PRIORITY = 10
+JOB_PRIORITY = 1000
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path: Path) -> Iterator[tuple[Cluster, Slurm]]:
+    c = Cluster(tmp_path, list("ABCDEF"), ifname=IFNAME)
+    s = None
+    try:
+        s = Slurm(c, tmp_path, {"train": list("ABCE"), "spares": ["D"]})
+        yield c, s
+    finally:
+        if s is not None:
+            s.close()
+        c.close()
+
+
+def _ns(c: Cluster, name: str) -> str:
+    return c.nodes[name].name
+
+
+def _events(o: Orchestrator) -> str:
+    return o.ok("events")
+
+
+def _submit(c: Cluster, s: Slurm, tmp: Path) -> tuple[str, Path]:
+    logs = tmp / "logs"
+    logs.mkdir()
+    script = tmp / "train.sbatch"
+    tpagent = Path(sys.executable).parent / "tpagent"
+    train = f"{sys.executable} {JOB} --steps {STEPS} --log-dir {logs} --step-time 0.75"
+    script.write_text(f"#!/bin/bash\nsrun {tpagent} rank -- {train}\n")
+    env = {
+        **c.cli_env(),
+        "GLOO_SOCKET_IFNAME": IFNAME,
+        "USE_LIBUV": "0",
+        "MASTER_ADDR": c.nodes["A"].addr,
+        "MASTER_PORT": "29500",
+    }
+    nodes = ",".join(_ns(c, n) for n in "ABC")
+    args = ["--nodes=3", "--ntasks-per-node=1", f"--nodelist={nodes}", "--partition=train"]
+    args += [f"--priority={JOB_PRIORITY}", f"--output={tmp / 'job-%j.out'}", f"--chdir={tmp}", str(script)]
+    return s.sbatch(*args, env=env), logs
+
+
+def _holds(s: Slurm, state: str = "RUNNING") -> dict[str, str]:
+    """node -> the placeholder job holding it."""
+    return {j["nodes"]: str(j["job_id"]) for j in s.jobs("tpagent-hold") if j["job_state"] == state}
+
+
+def _node_state(s: Slurm, node: str) -> tuple[bool, str]:
+    n = s.nodes()[node]
+    return "DRAIN" in n["state_flags"] or n["state"].startswith("drain"), n["reason"]
+
+
+def test_a_bad_spare_partition_is_refused_in_one_sentence(slurm_cluster: tuple[Cluster, Slurm], tmp_path: Path) -> None:
+    c, s = slurm_cluster
+    o = Orchestrator(c, tmp_path, env=s.env(), scheduler="slurm", slurm_spare_partition="nope")
+    out = subprocess.run(
+        [sys.executable, "-m", "cli.main", "orchestrator", "--config", str(o.config())],
+        cwd=ROOT,
+        env=o.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0
+    assert out.stderr.strip().endswith("Slurm has no partition 'nope' (slurm_spare_partition; it has: train, spares).")
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(900)
+def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
+    slurm_cluster: tuple[Cluster, Slurm], tmp_path: Path, reference: Path
+) -> None:
+    c, s = slurm_cluster
+    o = Orchestrator(
+        c, tmp_path, env=s.env(), scheduler="slurm", slurm_spare_partition="spares", slurm_preempt_below=100
+    )
+    o.start()
+    for node in c.nodes.values():
+        node.start_agent(listen="0.0.0.0:7400", rewire_timeout="60", orchestrator=o.address, report_period="0.5")
+    low = s.sbatch(
+        "--partition=train", f"--nodelist={_ns(c, 'E')}", f"--priority={LOW_PRIORITY}", "--wrap", "sleep 3600"
+    )
+    wait_until(lambda: s.job(low).get("job_state") == "RUNNING", "the low-priority job to run on E", 60)
+    job, logs = _submit(c, s, tmp_path)
+    try:
+        wait_until(lambda: all(o.rank_on(job, r) for r in range(3)), "the orchestrator to see every rank", 120, 0.5)
+        wait_until(lambda: steps(logs, 1) >= 5, "the job to step", 120)
+
+        # Slurm stops answering: a taint moves nothing (no rank on a spare Slurm does not know is used).
+        s.stop_ctld()
+        o.ok("taint", _ns(c, "B"), "--reason", "maintenance")
+        wait_until(lambda: "does not answer" in _events(o), "the orchestrator to see Slurm down", 60, 0.5)
+        at = steps(logs, 1)
+        wait_until(lambda: steps(logs, 1) >= at + 3, "rank 1 to step on", 60)
+        assert o.rank_on(job, 1) == _ns(c, "B")
+        s.start_ctld()
+
+        # It answers again: B drained with the reason, D held by a placeholder, rank 1 runs there.
+        o.wait_rank_on(job, 1, _ns(c, "D"))
+        assert _node_state(s, _ns(c, "B")) == (True, "tpagent: maintenance")
+        held = _holds(s)
+        assert list(held) == [_ns(c, "D")], held
+        hold_d = s.job(held[_ns(c, "D")])
+        assert hold_d["admin_comment"] == hold_d["comment"] == f"tpagent hold job={job} node={_ns(c, 'D')}"
+        assert hold_d["user_name"] == "root" and hold_d["partition"] == "spares"
+        wait_until(lambda: s.job(job)["admin_comment"], "the job's record", 30, 0.5)
+        assert s.job(job)["admin_comment"] == f"tpagent: rank 1 on {_ns(c, 'D')} (hold {held[_ns(c, 'D')]})"
+        shown = s.cmd("scontrol", "show", "job", job).stdout
+        assert f"AdminComment=tpagent: rank 1 on {_ns(c, 'D')}" in shown
+
+        # No spare left but E, whose only job has a lower priority: it is requeued, rank 2 goes to E.
+        # F (an agent Slurm does not know) is never a spare; its taint says Slurm knows it not.
+        o.ok("taint", _ns(c, "F"), "--reason", "not in Slurm")
+        o.ok("taint", _ns(c, "C"), "--reason", "a fan")
+        o.wait_rank_on(job, 2, _ns(c, "E"))
+        events = _events(o)
+        assert f"Slurm job {low} (wrap, priority {LOW_PRIORITY}) requeued to free {_ns(c, 'E')}" in events, events
+        assert f"Slurm knows no node {_ns(c, 'F')}" in events, events
+        assert s.job(low)["job_state"] in ("PENDING", "REQUEUED", "REQUEUE_HOLD"), s.job(low)
+        assert _ns(c, "E") in _holds(s)
+        record = s.job(job)["admin_comment"]
+        assert f"rank 1 on {_ns(c, 'D')}" in record and f"rank 2 on {_ns(c, 'E')}" in record, record
+
+        # C untainted: rank 2 goes home, E's placeholder goes, C is resumed; the low job runs again on E.
+        o.ok("untaint", _ns(c, "C"))
+        o.wait_rank_on(job, 2, _ns(c, "C"))
+        wait_until(lambda: _ns(c, "E") not in _holds(s), "E's placeholder to be cancelled", 60, 0.5)
+        wait_until(lambda: not _node_state(s, _ns(c, "C"))[0], "C to be resumed", 30, 0.5)
+        wait_until(lambda: s.job(low).get("job_state") == "RUNNING", "the requeued job to run again", 300, 1)
+        assert s.job(low)["nodes"] == _ns(c, "E")
+
+        # The job ends with rank 1 still on D: its placeholder is released; B stays drained until untainted.
+        for r in range(3):
+            wait_until(lambda r=r: steps(logs, r) >= STEPS, f"rank {r} to finish", 400)
+        wait_until(lambda: s.job(job).get("job_state") == "COMPLETED", "the job to complete", 120, 0.5)
+        assert s.job(job)["exit_code"] == 0 or s.job(job)["exit_code"].get("return_code", 0) == 0
+        wait_until(lambda: not _holds(s), "D's placeholder to be released", 60, 0.5)
+        assert "the job ended" in _events(o)
+        assert _node_state(s, _ns(c, "B"))[0]
+        o.ok("untaint", _ns(c, "B"))
+        wait_until(lambda: not _node_state(s, _ns(c, "B"))[0], "B to be resumed", 30, 0.5)
+        assert _node_state(s, _ns(c, "D")) == (False, "")
+
+        for r in range(3):
+            got = rank_log(logs, r)
+            assert [ln.split()[1] for ln in got if ln.startswith("step ")] == [str(k) for k in range(STEPS)]
+            assert got == rank_log(reference, r), f"rank {r}: its losses or final parameters differ"
+        printed = (tmp_path / f"job-{job}.out").read_text()
+        for r in range(3):
+            assert printed.count(f"rank {r} step {STEPS - 1} loss") == 1, printed[-2000:]
+        moves = [(m["kind"], m["ranks"], m["state"]) for m in o.cluster()["moves"]]
+        assert ("away", [1], "done") in moves and ("away", [2], "done") in moves and ("home", [2], "done") in moves
+        assert json.loads(o.ok("cluster", "--json"))["taints"] == [
+            t for t in o.cluster()["taints"] if t["node"] == _ns(c, "F")
+        ]
+    finally:
+        s.cmd("scancel", job, check=False)
+        o.close()

@@ -1,0 +1,158 @@
+"""A real Slurm (Debian's slurm-wlm) over a test cluster's namespace nodes: a private ``munged``,
+``slurmctld`` on the host's end of the bridge, and one ``slurmd`` in each node's network
+namespace with a UTS namespace of its own whose hostname is the node's name (as its agent's
+``node``).  The daemons are entered with ``nsenter --net`` rather than ``ip netns exec``, which
+remounts /sys and so hides the cgroup file systems slurmd needs.  Every file is under the test's
+directory; ``SLURM_CONF`` points the commands (and the orchestrator) at it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from support.agents import free_port
+from support.cluster import Cluster
+from support.helpers import wait_until
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+
+
+def have_slurm() -> bool:
+    return all(shutil.which(d) or Path(f"/usr/sbin/{d}").exists() for d in DAEMONS)
+
+
+class Slurm:
+    def __init__(self, c: Cluster, tmp: Path, partitions: dict[str, list[str]]) -> None:
+        """``partitions``: name -> the cluster's nodes (by their short names) in it; the first is the default."""
+        self.c = c
+        self.members = [c.nodes[m] for m in dict.fromkeys(m for ms in partitions.values() for m in ms)]
+        self.dir = tmp / "slurm"
+        self.dir.mkdir(mode=0o711)
+        self.conf = self.dir / "slurm.conf"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.ctld: subprocess.Popen[bytes] | None = None
+        key = self.dir / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o600)
+        self.socket = self.dir / "munge.sock"
+        self._start(
+            "munged",
+            "/usr/sbin/munged",
+            "-F",
+            "-f",
+            f"--socket={self.socket}",
+            f"--key-file={key}",
+            f"--log-file={self.dir / 'munged.log'}",
+            f"--pid-file={self.dir / 'munged.pid'}",
+            f"--seed-file={self.dir / 'munged.seed'}",
+        )
+        wait_until(self.socket.exists, "munged to listen", 30)
+        self.ctld_port = free_port()
+        self._write_conf(partitions)
+        self.start_ctld()
+        for node in self.members:
+            (self.dir / f"spool-{node.name}").mkdir()
+            boot = f"hostname {node.name} && exec /usr/sbin/slurmd -D -f {self.conf}"
+            self._start(
+                f"slurmd-{node.name}", "nsenter", f"--net=/run/netns/{node.name}", "unshare", "--uts", "sh", "-c", boot
+            )
+        wait_until(lambda: all(n["state"] == "idle" for n in self.nodes().values()), "every slurmd to register", 60)
+
+    def _write_conf(self, partitions: dict[str, list[str]]) -> None:
+        d = self.dir
+        lines = [
+            "ClusterName=tptest",
+            f"SlurmctldHost={socket.gethostname()}({self.c.bridge_addr})",
+            f"SlurmctldPort={self.ctld_port}",
+            f"SlurmdPort={free_port()}",
+            "AuthType=auth/munge",
+            "CryptoType=crypto/munge",
+            f"AuthInfo=socket={self.socket}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"StateSaveLocation={d / 'state'}",
+            f"SlurmdSpoolDir={d / 'spool-%n'}",
+            f"SlurmctldPidFile={d / 'slurmctld.pid'}",
+            f"SlurmdPidFile={d / 'slurmd-%n.pid'}",
+            f"SlurmctldLogFile={d / 'slurmctld.log'}",
+            f"SlurmdLogFile={d / 'slurmd-%n.log'}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "SchedulerType=sched/backfill",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "PriorityType=priority/basic",
+            "MpiDefault=none",
+            "ReturnToService=2",
+            "SlurmdTimeout=300",
+            "InactiveLimit=0",
+            "KillWait=5",
+            "MessageTimeout=5",
+        ]
+        for node in self.members:
+            lines.append(f"NodeName={node.name} NodeAddr={node.addr} CPUs=2 RealMemory=1000 State=UNKNOWN")
+        for i, (name, members) in enumerate(partitions.items()):
+            nodes = ",".join(self.c.nodes[m].name for m in members)
+            lines.append(f"PartitionName={name} Nodes={nodes} Default={'YES' if i == 0 else 'NO'} MaxTime=INFINITE")
+        (d / "state").mkdir(exist_ok=True)
+        self.conf.write_text("\n".join(lines) + "\n")
+
+    def _start(self, log: str, *cmd: str) -> None:
+        with open(self.dir / f"{log}.out", "ab") as out:
+            self.procs.append(
+                subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, env=self.env(os.environ))
+            )
+
+    def env(self, base: Any = None) -> dict[str, str]:
+        return {**(base if base is not None else os.environ), "SLURM_CONF": str(self.conf)}
+
+    def start_ctld(self) -> None:
+        with open(self.dir / "slurmctld.out", "ab") as out:
+            cmd = ["/usr/sbin/slurmctld", "-D", "-f", str(self.conf)]
+            self.ctld = subprocess.Popen(cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, env=self.env())
+        wait_until(lambda: self.cmd("sinfo", check=False).returncode == 0, "slurmctld to answer", 60, 0.2)
+
+    def stop_ctld(self) -> None:
+        if self.ctld is not None and self.ctld.poll() is None:
+            self.ctld.send_signal(signal.SIGKILL)
+            self.ctld.wait(30)
+
+    def cmd(
+        self, *args: str, check: bool = True, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(list(args), env=self.env(env), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 or not check, f"{' '.join(args)}: {out.stderr}"
+        return out
+
+    def sbatch(self, *args: str, env: dict[str, str] | None = None) -> str:
+        return self.cmd("sbatch", "--parsable", *args, env=env).stdout.strip().split(";")[0]
+
+    def job(self, jobid: str) -> dict[str, Any]:
+        jobs = json.loads(self.cmd("squeue", "--all", "--json").stdout)["jobs"]
+        found = [j for j in jobs if str(j["job_id"]) == jobid]
+        return dict(found[0]) if found else {}
+
+    def jobs(self, name: str = "") -> list[dict[str, Any]]:
+        jobs = json.loads(self.cmd("squeue", "--all", "--json").stdout)["jobs"]
+        return [j for j in jobs if not name or j["name"] == name]
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        return {n["name"]: n for n in json.loads(self.cmd("sinfo", "--json").stdout)["nodes"]}
+
+    def log(self) -> str:
+        return (self.dir / "slurmctld.log").read_text(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        """Every daemon killed at once (what their jobs left in the nodes goes with the cluster)."""
+        for p in [*self.procs, *([self.ctld] if self.ctld else [])]:
+            if p.poll() is None:
+                p.kill()
+            p.wait()

@@ -1,0 +1,121 @@
+"""The Slurm adapter's reading of Slurm (``sinfo --json`` and ``squeue --json`` as Slurm 22.05
+prints them) and the spares it gives a job from what it read; its commands run against a real
+Slurm in tests/orchestrator/test_slurm.py."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.slurm import SJob, Slurm, SNode, _job, _node
+
+
+def cfg(**kw: object) -> OrchestratorConfig:
+    return OrchestratorConfig(secret_file=Path("/dev/null"), scheduler="slurm", **kw)  # type: ignore[arg-type]
+
+
+def node(name: str, part: str, state: str = "idle", cpus: int = 0, gres: str = "", used: str = "", **kw: Any) -> SNode:
+    d = {"name": name, "state": state, "partitions": [part], "gres": gres, "gres_used": used, "alloc_cpus": cpus}
+    return _node({**d, **kw})
+
+
+def job(jid: int, nodes: list[str], priority: int, name: str = "train", part: str = "train", **kw: Any) -> SJob:
+    d = {
+        "job_id": jid,
+        "name": name,
+        "job_state": "RUNNING",
+        "partition": part,
+        "priority": priority,
+        "user_id": 1000,
+        "account": "ml",
+        "job_resources": {"allocated_nodes": [{"nodename": n} for n in nodes]},
+    }
+    return _job({**d, **kw})
+
+
+def adapter(nodes: list[SNode], jobs: list[SJob], **kw: object) -> Slurm:
+    s = Slurm(cfg(**kw))
+    s.read = (time.monotonic(), {n.name: n for n in nodes}, jobs)
+    return s
+
+
+def test_what_sinfo_and_squeue_print_is_read() -> None:
+    n = _node(
+        {
+            "name": "gpu7",
+            "state": "mixed",
+            "state_flags": ["DRAIN"],
+            "partitions": ["train", "all"],
+            "reason": "tpagent: ECC",
+            "gres": "gpu:h100:8(S:0-1),gpu:a100:2",
+            "gres_used": "gpu:h100:3(IDX:0-2)",
+            "alloc_cpus": 12,
+        }
+    )
+    assert (n.gpus, n.gpus_used, n.cpus_used, n.drained, n.usable) == (10, 3, 12, True, False)
+    assert n.partitions == ("train", "all") and n.reason == "tpagent: ECC"
+    j = job(42, ["a", "b"], 7, admin_comment="tpagent hold job=9 node=b")
+    assert (j.id, j.nodes, j.priority, j.active, j.hold_of()) == ("42", ("a", "b"), 7, True, None)  # (its name)
+    assert job(43, ["b"], 1, name="tpagent-hold", admin_comment="tpagent hold job=9 node=b").hold_of() == ("9", "b")
+    assert not job(44, [], 1, job_state="COMPLETED").active
+
+
+def test_a_users_job_named_and_commented_as_a_placeholder_is_not_one() -> None:
+    forged = job(50, ["d"], 1, name="tpagent-hold", comment="tpagent hold job=7 node=d")
+    assert forged.hold_of() is None
+    s = adapter([node("d", "spares")], [forged], slurm_spare_partition="spares")
+    assert s.job_of("50", s.read[2]) is not None  # (it is a job like any other: not a spare's hold)
+
+
+def test_dedicated_spares_are_the_spare_partitions_idle_nodes_after_the_configured_ones() -> None:
+    nodes = [
+        node("s2", "spares"),
+        node("s1", "spares"),
+        node("s3", "spares", state="allocated", cpus=2),  # (another job runs there)
+        node("s4", "spares", state_flags=["DRAIN"]),
+        node("s5", "spares"),  # (held for a move already)
+        node("x9", "other"),
+        node("a", "train", state="allocated", cpus=2),
+    ]
+    hold = job(9, ["s5"], 1, name="tpagent-hold", admin_comment="tpagent hold job=7 node=s5")
+    s = adapter(nodes, [job(7, ["a"], 100), hold], slurm_spare_partition="spares", dedicated_spares=("x9",))
+    p = s.pool("7")
+    assert list(p.dedicated) == ["x9", "s1", "s2"]
+    assert p.floating == frozenset() and p.taken == frozenset()  # (train has no idle node)
+
+
+def test_floating_spares_are_idle_or_gpu_free_nodes_of_the_jobs_own_partition() -> None:
+    nodes = [
+        node("a", "train", state="allocated", cpus=2, gres="gpu:8", used="gpu:8"),
+        node("b", "train"),
+        node("c", "train", state="mixed", cpus=1, gres="gpu:8", used="gpu:4"),
+        node("d", "train", state="mixed", cpus=1, gres="gpu:8", used="gpu:8"),
+        node("e", "other"),
+        node("f", "train", state="down"),
+    ]
+    s = adapter(nodes, [job(7, ["a"], 100)])
+    assert s.pool("7").floating == frozenset({"b", "c"})
+    assert s.pool("job-not-in-slurm").floating == frozenset()  # (an unknown job gets dedicated spares only)
+
+
+def test_a_node_is_taken_only_from_jobs_below_the_threshold_and_the_moving_jobs_priority() -> None:
+    nodes = [node(n, "train", state="allocated", cpus=2) for n in ("a", "l", "m", "h")]
+    jobs = [
+        job(7, ["a"], 100),
+        job(8, ["l"], 5),
+        job(9, ["m"], 5),
+        job(10, ["m"], 60),  # (m also runs a job the threshold protects)
+        job(11, ["h"], 150),
+    ]
+    assert adapter(nodes, jobs, slurm_preempt_below=50).pool("7").taken == frozenset({"l"})
+    assert adapter(nodes, jobs, slurm_preempt_below=1000).pool("7").taken == frozenset({"l", "m"})  # (h: above job 7)
+    assert adapter(nodes, jobs).pool("7").taken == frozenset()  # (0: never)
+
+
+def test_with_nothing_read_lately_no_spare_is_given() -> None:
+    s = Slurm(cfg())
+    assert s.pool("7").why and s.pool("7").floating == frozenset()
+    s.read = (time.monotonic() - 3600, {}, [])
+    assert "has not answered" in s.pool("7").why
