@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -181,20 +182,29 @@ def rank(
     import os
 
     from tpagent.daemon.client import GrpcPeer
-    from tpagent.jobs.standin import StandIn, rank_of
+    from tpagent.jobs.local import LocalAgent
+    from tpagent.jobs.local import socket_name as local_name
+    from tpagent.jobs.standin import RankAgent, StandIn, rank_of
     from tpagent_rank.protocol import job_id
 
     cmd = list(ctx.args)
     if not cmd:
         die("give the rank's command after `--`, e.g. tpagent rank -- python train.py.", EXIT_USAGE)
     try:
-        creds = credentials(secret_file, tls_dir)
         env = dict(os.environ)
         out = stdout or Path(f"{job_id(env)}-rank{rank_of(env)}.log").absolute()
+        if os.geteuid() == 0:
+            creds = credentials(secret_file, tls_dir)
+            here: RankAgent = GrpcPeer(agent, creds)
+            connect: Callable[[str], RankAgent] = lambda a: GrpcPeer(a, creds)  # noqa: E731
+        else:  # (a user's stand-in: its node's agent starts the rank as this user, over the local channel)
+            local = LocalAgent(local_name(socket_name))
+            here = local
+            connect = local.to
         stand_in = StandIn(
             cmd,
-            GrpcPeer(agent, creds),
-            lambda a: GrpcPeer(a, creds),
+            here,
+            connect,
             out,
             stderr or out,
             socket_name,

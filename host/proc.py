@@ -130,6 +130,33 @@ def _status_field(pid: int, key: str) -> int | None:
     return values[-1] if values else None
 
 
+#: The capability CRIU needs to read (and restore) the resource limits of another user's process.
+CAP_SYS_RESOURCE = 24
+
+
+def has_capability(cap: int) -> bool:
+    """Whether this process holds capability ``cap`` in its effective set (some VMs' root lacks some)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> cap & 1)
+    return False
+
+
+def other_users(pid: int) -> set[int]:
+    """The UIDs (real, effective, saved) other than this process's own that ``pid`` and its
+    descendants run as."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return set()
+    out: set[int] = set()
+    for p in procs:
+        with suppress(psutil.Error):
+            out.update(p.uids())
+    return out - {os.geteuid()}
+
+
 def thread_ids(pid: int) -> tuple[int, ...]:
     """The IDs of the process's threads other than its main one."""
     try:

@@ -8,20 +8,25 @@ again, everything released at the end; the job ends bit-identical to plain torch
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import needs_criu
+from host.proc import CAP_SYS_RESOURCE, has_capability
 from support.cluster import Cluster
 from support.helpers import ROOT, wait_until
 from support.orchestrator import Orchestrator
 from support.rankjob import IFNAME, JOB, STEPS, rank_log, steps
 from support.slurm import Slurm, have_slurm
+from support.users import NOBODY, user_dir, user_python
 
 pytestmark = [
     needs_criu,
@@ -53,15 +58,25 @@ def _events(o: Orchestrator) -> str:
     return o.ok("events")
 
 
-def _submit(c: Cluster, s: Slurm, tmp: Path) -> tuple[str, Path]:
-    logs = tmp / "logs"
+def _submit(
+    c: Cluster, s: Slurm, home: Path, user: tuple[int, int] | None = None, step_time: float = 0.75
+) -> tuple[str, Path]:
+    """The job, submitted from ``home`` by root, or by ``user`` (their directory):
+    `srun tpagent rank -- python ...` (a user's `tpagent` is `python -m cli.main`: the .venv's entry
+    point may be root's alone)."""
+    logs = home / "logs"
     logs.mkdir()
-    script = tmp / "train.sbatch"
-    tpagent = Path(sys.executable).parent / "tpagent"
-    train = f"{sys.executable} {JOB} --steps {STEPS} --log-dir {logs} --step-time 0.75"
+    script = home / "train.sbatch"
+    python, paths = user_python() if user else (sys.executable, {})
+    tpagent = f"{python} -m cli.main" if user else str(Path(sys.executable).parent / "tpagent")
+    train = f"{python} {JOB} --steps {STEPS} --log-dir {logs} --step-time {step_time}"
     script.write_text(f"#!/bin/bash\nsrun {tpagent} rank -- {train}\n")
+    if user:
+        for f in (logs, script):
+            os.chown(f, *user)
     env = {
-        **c.cli_env(),
+        **(c.cli_env() if not user else {"PATH": os.environ["PATH"], "HOME": str(home)}),
+        **paths,
         "GLOO_SOCKET_IFNAME": IFNAME,
         "USE_LIBUV": "0",
         "MASTER_ADDR": c.nodes["A"].addr,
@@ -69,8 +84,20 @@ def _submit(c: Cluster, s: Slurm, tmp: Path) -> tuple[str, Path]:
     }
     nodes = ",".join(_ns(c, n) for n in "ABC")
     args = ["--nodes=3", "--ntasks-per-node=1", f"--nodelist={nodes}", "--partition=train"]
-    args += [f"--priority={JOB_PRIORITY}", f"--output={tmp / 'job-%j.out'}", f"--chdir={tmp}", str(script)]
-    return s.sbatch(*args, env=env), logs
+    args += [f"--priority={JOB_PRIORITY}", f"--output={home / 'job-%j.out'}", f"--chdir={home}", str(script)]
+    job = s.sbatch(*args, env=env, user=user)
+    return job, logs
+
+
+def _ranks(c: Cluster) -> list[psutil.Process]:
+    """The training scripts running on any node (wherever they were moved)."""
+    out = []
+    for node in c.nodes.values():
+        for p in node.processes():
+            with contextlib.suppress(psutil.Error):
+                if str(JOB) in p.cmdline()[1:2] and p.parent().cmdline()[1:2] != [str(JOB)]:
+                    out.append(p)
+    return out
 
 
 def _holds(s: Slurm, state: str = "RUNNING") -> dict[str, str]:
@@ -111,7 +138,12 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
     for node in c.nodes.values():
         node.start_agent(listen="0.0.0.0:7400", rewire_timeout="60", orchestrator=o.address, report_period="0.5")
     low = s.sbatch(
-        "--partition=train", f"--nodelist={_ns(c, 'E')}", f"--priority={LOW_PRIORITY}", "--wrap", "sleep 3600"
+        "--partition=train",
+        f"--nodelist={_ns(c, 'E')}",
+        f"--priority={LOW_PRIORITY}",
+        "--output=/dev/null",
+        "--wrap",
+        "sleep 3600",
     )
     wait_until(lambda: s.job(low).get("job_state") == "RUNNING", "the low-priority job to run on E", 60)
     job, logs = _submit(c, s, tmp_path)
@@ -130,7 +162,7 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
 
         # It answers again: B drained with the reason, D held by a placeholder, rank 1 runs there.
         o.wait_rank_on(job, 1, _ns(c, "D"))
-        assert _node_state(s, _ns(c, "B")) == (True, "tpagent: maintenance")
+        wait_until(lambda: _node_state(s, _ns(c, "B")) == (True, "tpagent: maintenance"), "B to be drained", 30, 0.5)
         held = _holds(s)
         assert list(held) == [_ns(c, "D")], held
         hold_d = s.job(held[_ns(c, "D")])
@@ -148,11 +180,13 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
         o.wait_rank_on(job, 2, _ns(c, "E"))
         events = _events(o)
         assert f"Slurm job {low} (wrap, priority {LOW_PRIORITY}) requeued to free {_ns(c, 'E')}" in events, events
-        assert f"Slurm knows no node {_ns(c, 'F')}" in events, events
+        wait_until(
+            lambda: f"Slurm knows no node {_ns(c, 'F')}" in _events(o), "F's taint to be said undrained", 30, 0.5
+        )
         assert s.job(low)["job_state"] in ("PENDING", "REQUEUED", "REQUEUE_HOLD"), s.job(low)
         assert _ns(c, "E") in _holds(s)
-        record = s.job(job)["admin_comment"]
-        assert f"rank 1 on {_ns(c, 'D')}" in record and f"rank 2 on {_ns(c, 'E')}" in record, record
+        both = (f"rank 1 on {_ns(c, 'D')}", f"rank 2 on {_ns(c, 'E')}")
+        wait_until(lambda: all(w in s.job(job)["admin_comment"] for w in both), "the record of both ranks", 30, 0.5)
 
         # C untainted: rank 2 goes home, E's placeholder goes, C is resumed; the low job runs again on E.
         o.ok("untaint", _ns(c, "C"))
@@ -168,7 +202,7 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
         wait_until(lambda: s.job(job).get("job_state") == "COMPLETED", "the job to complete", 120, 0.5)
         assert s.job(job)["exit_code"] == 0 or s.job(job)["exit_code"].get("return_code", 0) == 0
         wait_until(lambda: not _holds(s), "D's placeholder to be released", 60, 0.5)
-        assert "the job ended" in _events(o)
+        assert f"on {_ns(c, 'D')} cancelled: job {job} ended" in _events(o)
         assert _node_state(s, _ns(c, "B"))[0]
         o.ok("untaint", _ns(c, "B"))
         wait_until(lambda: not _node_state(s, _ns(c, "B"))[0], "B to be resumed", 30, 0.5)
@@ -189,3 +223,46 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
     finally:
         s.cmd("scancel", job, check=False)
         o.close()
+
+
+@pytest.mark.timeout(600)
+def test_an_ordinary_users_sbatch_job_runs_its_ranks_as_that_user(
+    slurm_cluster: tuple[Cluster, Slurm], tmp_path: Path, reference: Path
+) -> None:
+    """User nobody's job: its stand-ins (srun's tasks, as nobody) have the node's agent start each
+    rank as nobody; the rank runtime loads (the agents report each rank's step); a taint of B
+    moves rank 1 where the agent may checkpoint another user's process (CAP_SYS_RESOURCE), and is
+    refused before anything stops where it may not (these VMs); either way the job ends
+    bit-identical and its output is relayed to srun's."""
+    c, s = slurm_cluster
+    o = Orchestrator(c, tmp_path, env=s.env(), scheduler="slurm", slurm_spare_partition="spares")
+    o.start()
+    for node in c.nodes.values():
+        node.start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
+    with user_dir(NOBODY) as home:
+        job, logs = _submit(c, s, home, NOBODY, step_time=0.5)
+        try:
+            assert s.job(job)["user_name"] == "nobody"
+            wait_until(lambda: all(o.rank_on(job, r) for r in range(3)), "the orchestrator to see every rank", 120, 0.5)
+            for r, name in enumerate("ABC"):  # (the rank runtime loaded, and reached its agent: nobody can read it)
+                said = f"rank {r} of job {job} ("
+                log = c.nodes[name].agent_log
+                wait_until(lambda s=said, g=log: s in g(), f"rank {r}'s runtime to reach its agent", 60, 0.5)
+            assert {p.uids().real for p in _ranks(c)} == {NOBODY[0]} and len(_ranks(c)) == 3
+            o.ok("taint", _ns(c, "B"), "--reason", "maintenance")
+            if has_capability(CAP_SYS_RESOURCE):
+                o.wait_rank_on(job, 1, _ns(c, "D"))
+            else:
+                wait_until(lambda: "lacks CAP_SYS_RESOURCE" in _events(o), "the move to be refused", 120, 0.5)
+                assert o.rank_on(job, 1) == _ns(c, "B")
+            for r in range(3):
+                wait_until(lambda r=r: steps(logs, r) >= STEPS, f"rank {r} to finish", 300)
+            wait_until(lambda: s.job(job).get("job_state") == "COMPLETED", "the job to complete", 120, 0.5)
+            for r in range(3):
+                assert rank_log(logs, r) == rank_log(reference, r), f"rank {r}: its losses or final parameters differ"
+            printed = (home / f"job-{job}.out").read_text()
+            for r in range(3):
+                assert printed.count(f"rank {r} step {STEPS - 1} loss") == 1, printed[-2000:]
+        finally:
+            s.cmd("scancel", job, check=False)
+            o.close()

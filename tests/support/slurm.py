@@ -13,12 +13,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from support.agents import free_port
 from support.cluster import Cluster
 from support.helpers import wait_until
+from support.users import as_user
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
@@ -32,8 +34,9 @@ class Slurm:
         """``partitions``: name -> the cluster's nodes (by their short names) in it; the first is the default."""
         self.c = c
         self.members = [c.nodes[m] for m in dict.fromkeys(m for ms in partitions.values() for m in ms)]
-        self.dir = tmp / "slurm"
-        self.dir.mkdir(mode=0o711)
+        # (in /tmp: users' sbatch and srun read slurm.conf and reach munge's socket)
+        self.dir = Path(tempfile.mkdtemp(prefix="tpagent-slurm-", dir="/tmp"))
+        self.dir.chmod(0o755)
         self.conf = self.dir / "slurm.conf"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.ctld: subprocess.Popen[bytes] | None = None
@@ -102,8 +105,9 @@ class Slurm:
         for i, (name, members) in enumerate(partitions.items()):
             nodes = ",".join(self.c.nodes[m].name for m in members)
             lines.append(f"PartitionName={name} Nodes={nodes} Default={'YES' if i == 0 else 'NO'} MaxTime=INFINITE")
-        (d / "state").mkdir(exist_ok=True)
+        (d / "state").mkdir(exist_ok=True, mode=0o700)
         self.conf.write_text("\n".join(lines) + "\n")
+        self.conf.chmod(0o644)
 
     def _start(self, log: str, *cmd: str) -> None:
         with open(self.dir / f"{log}.out", "ab") as out:
@@ -126,14 +130,16 @@ class Slurm:
             self.ctld.wait(30)
 
     def cmd(
-        self, *args: str, check: bool = True, env: dict[str, str] | None = None
+        self, *args: str, check: bool = True, env: dict[str, str] | None = None, user: tuple[int, int] | None = None
     ) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run(list(args), env=self.env(env), capture_output=True, text=True, timeout=60)
+        """A Slurm command (as ``user``, else root)."""
+        argv = [*(as_user(user) if user else []), *args]
+        out = subprocess.run(argv, env=self.env(env), capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 or not check, f"{' '.join(args)}: {out.stderr}"
         return out
 
-    def sbatch(self, *args: str, env: dict[str, str] | None = None) -> str:
-        return self.cmd("sbatch", "--parsable", *args, env=env).stdout.strip().split(";")[0]
+    def sbatch(self, *args: str, env: dict[str, str] | None = None, user: tuple[int, int] | None = None) -> str:
+        return self.cmd("sbatch", "--parsable", *args, env=env, user=user).stdout.strip().split(";")[0]
 
     def job(self, jobid: str) -> dict[str, Any]:
         jobs = json.loads(self.cmd("squeue", "--all", "--json").stdout)["jobs"]
@@ -156,3 +162,4 @@ class Slurm:
             if p.poll() is None:
                 p.kill()
             p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)

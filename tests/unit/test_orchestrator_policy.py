@@ -49,7 +49,7 @@ def plan(
     view: View, taints: list[Taint], moves: list[Move], away: list[Away], failed: object, c: OrchestratorConfig
 ) -> Plan:
     """The plan with no scheduler but the configuration (the static one)."""
-    return plan_with(view, taints, moves, away, failed, c, Static(c).pool)  # type: ignore[arg-type]
+    return plan_with(view, taints, moves, away, failed, c, lambda job: Static(c).pool(job, frozenset()))  # type: ignore[arg-type]
 
 
 def no_failures(job: str, source: str, taint: int | None) -> list[Move]:

@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from tpagent.orchestrator.config import OrchestratorConfig
-from tpagent.orchestrator.slurm import SJob, Slurm, SNode, _job, _node
+from tpagent.orchestrator.slurm import SJob, Slurm, SNode, _job, _node, expand
+
+NOONE: frozenset[int] = frozenset()  # (ranks of root's alone)
 
 
 def cfg(**kw: object) -> OrchestratorConfig:
@@ -66,7 +68,7 @@ def test_a_users_job_named_and_commented_as_a_placeholder_is_not_one() -> None:
     forged = job(50, ["d"], 1, name="tpagent-hold", comment="tpagent hold job=7 node=d")
     assert forged.hold_of() is None
     s = adapter([node("d", "spares")], [forged], slurm_spare_partition="spares")
-    assert s.job_of("50", s.read[2]) is not None  # (it is a job like any other: not a spare's hold)
+    assert s.job_of("50", s.read[2], frozenset()) is not None  # (it is a job like any other: not a spare's hold)
 
 
 def test_dedicated_spares_are_the_spare_partitions_idle_nodes_after_the_configured_ones() -> None:
@@ -81,7 +83,7 @@ def test_dedicated_spares_are_the_spare_partitions_idle_nodes_after_the_configur
     ]
     hold = job(9, ["s5"], 1, name="tpagent-hold", admin_comment="tpagent hold job=7 node=s5")
     s = adapter(nodes, [job(7, ["a"], 100), hold], slurm_spare_partition="spares", dedicated_spares=("x9",))
-    p = s.pool("7")
+    p = s.pool("7", NOONE)
     assert list(p.dedicated) == ["x9", "s1", "s2"]
     assert p.floating == frozenset() and p.taken == frozenset()  # (train has no idle node)
 
@@ -96,8 +98,8 @@ def test_floating_spares_are_idle_or_gpu_free_nodes_of_the_jobs_own_partition() 
         node("f", "train", state="down"),
     ]
     s = adapter(nodes, [job(7, ["a"], 100)])
-    assert s.pool("7").floating == frozenset({"b", "c"})
-    assert s.pool("job-not-in-slurm").floating == frozenset()  # (an unknown job gets dedicated spares only)
+    assert s.pool("7", NOONE).floating == frozenset({"b", "c"})
+    assert s.pool("job-not-in-slurm", NOONE).floating == frozenset()  # (an unknown job gets dedicated spares only)
 
 
 def test_a_node_is_taken_only_from_jobs_below_the_threshold_and_the_moving_jobs_priority() -> None:
@@ -109,13 +111,46 @@ def test_a_node_is_taken_only_from_jobs_below_the_threshold_and_the_moving_jobs_
         job(10, ["m"], 60),  # (m also runs a job the threshold protects)
         job(11, ["h"], 150),
     ]
-    assert adapter(nodes, jobs, slurm_preempt_below=50).pool("7").taken == frozenset({"l"})
-    assert adapter(nodes, jobs, slurm_preempt_below=1000).pool("7").taken == frozenset({"l", "m"})  # (h: above job 7)
-    assert adapter(nodes, jobs).pool("7").taken == frozenset()  # (0: never)
+    assert adapter(nodes, jobs, slurm_preempt_below=50).pool("7", NOONE).taken == frozenset({"l"})
+    assert adapter(nodes, jobs, slurm_preempt_below=1000).pool("7", NOONE).taken == frozenset(
+        {"l", "m"}
+    )  # (h: above job 7)
+    assert adapter(nodes, jobs).pool("7", NOONE).taken == frozenset()  # (0: never)
 
 
 def test_with_nothing_read_lately_no_spare_is_given() -> None:
     s = Slurm(cfg())
-    assert s.pool("7").why and s.pool("7").floating == frozenset()
+    assert s.pool("7", NOONE).why and s.pool("7", NOONE).floating == frozenset()
     s.read = (time.monotonic() - 3600, {}, [])
-    assert "has not answered" in s.pool("7").why
+    assert "has not answered" in s.pool("7", NOONE).why
+
+
+def test_what_later_slurms_print_is_read_too() -> None:
+    """Slurm 23.02 and later: states as lists, numbers as objects, a job's nodes as a host list."""
+    n = _node({"name": "g1", "state": ["IDLE", "DRAIN"], "partitions": ["train"], "alloc_cpus": 0})
+    assert (n.state, n.drained, n.usable) == ("idle", True, False)
+    j = _job(
+        {
+            "job_id": 9,
+            "name": "t",
+            "job_state": ["RUNNING"],
+            "priority": {"set": True, "infinite": False, "number": 4294},
+            "nodes": "gpu[01-03,7],cpu1",
+            "job_resources": {"nodes": {"count": 5}},
+        }
+    )
+    assert (j.state, j.priority, j.nodes) == ("RUNNING", 4294, ("gpu01", "gpu02", "gpu03", "gpu7", "cpu1"))
+    assert expand("n[8-10]") == ("n8", "n9", "n10") and expand("a,b") == ("a", "b")
+
+
+def test_a_users_ranks_naming_another_users_slurm_job_are_not_that_job() -> None:
+    """A rank's job name is its user's to choose (TPAGENT_JOB): ranks of UID 2000 naming job 7,
+    which is UID 1000's, get none of job 7's partition, priority, record or allocation."""
+    nodes = [node("a", "train", state="allocated", cpus=2), node("b", "train")]
+    s = adapter(nodes, [job(7, ["a"], 100)])
+    assert s.job_of("7", s.read[2], frozenset({1000})) is not None
+    assert s.job_of("7", s.read[2], frozenset()) is not None  # (root's ranks: root may be anyone's)
+    assert s.job_of("7", s.read[2], frozenset({2000})) is None
+    assert s.job_of("7", s.read[2], frozenset({1000, 2000})) is None
+    assert s.pool("7", frozenset({2000})).floating == frozenset()
+    assert s.pool("7", frozenset({1000})).floating == frozenset({"b"})

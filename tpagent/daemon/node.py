@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from host import paths, proc
+from host.api import UsageError
 from tpagent.daemon import doctor
 from tpagent.jobs.calls import RankCalls
 from tpagent.jobs.journal import RewireJournal
+from tpagent.jobs.local import Caller, StandInDoor, Start, socket_name
 from tpagent.jobs.ranks import Ranks
 from tpagent.jobs.rewire import Rewire
 from tpagent.jobs.rewires import Rewires
+from tpagent.jobs.standin import runtime_dir
 from tpagent.migration import eligible
 from tpagent.migration.api import (
     Acceptance,
@@ -45,6 +50,8 @@ from tpagent.migration.journal import Record, valid_id
 from tpagent.migration.receivers import Receivers
 from tpagent.migration.resolve import operator_decides, resolve_source
 from tpagent.migration.source import SourceMigration
+from tpagent.workload import launch
+from tpagent.workload.launch import RunAs
 from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
@@ -72,6 +79,13 @@ class Node:
         journal = RewireJournal(work.rewires)
         self.rewires = Rewires(ctx, journal, self.ask, self._start_rank, self.run)
         self.rank_calls = RankCalls(self.ranks, self.cfg.node, self.rewires.rewiring)
+        self.stand_ins = StandInDoor(
+            socket_name(self.cfg.rank_socket),
+            ctx.threads,
+            self.start_for,
+            self.ranks.owner_of,
+            lambda via, job, rank, req, timeout: self.ask(via or self.cfg.agent_address, job, rank, req, timeout),
+        )
 
     # ---- the node ------------------------------------------------------------------------
 
@@ -168,6 +182,31 @@ class Node:
     def rank_request(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
         """One ``Rank`` call: passed on to the rank's runtime, or answered here."""
         return self.rank_calls(job, rank, request, timeout, key)
+
+    def open_sockets(self) -> None:
+        """The ranks' socket and the stand-ins' (UsageError if another agent holds either)."""
+        self.ranks.start()
+        try:
+            self.stand_ins.start()
+        except UsageError:
+            self.ranks.close()
+            raise
+
+    def close_sockets(self) -> None:
+        self.ranks.close()
+        self.stand_ins.close()
+
+    def start_for(self, s: Start, caller: Caller) -> int:
+        """Rank ``s.rank`` of ``s.job`` started for an unprivileged stand-in, as its user
+        (:mod:`tpagent.jobs.local`): its init's PID, registered as that rank's."""
+        env = dict(s.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(runtime_dir()), env.get("PYTHONPATH", "")) if p)
+        env["TPAGENT_RANK_SOCKET"] = self.cfg.rank_socket
+        who = RunAs(caller.uid, caller.gid, caller.groups, s.cwd, env, caller.cgroups)
+        init, holder = launch.start(list(s.cmd), Path(s.stdout), Path(s.stderr), umask=s.umask, run_as=who)
+        self.ctx.threads.spawn("stand-ins", f"holder-{init}", holder.wait)  # (reaped: its status is the init's)
+        self.ranks.expect(s.job, s.rank, init, owner=caller.uid)
+        return init
 
     # ---- a migration's status, an operator's word -------------------------------------------
 

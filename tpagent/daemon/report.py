@@ -33,9 +33,17 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
             continue
         tree = set(proc.tree_pids(row.pid))
         used = [g.uuid for g in found if tree & set(g.pids)]
+        users = sorted(proc.other_users(row.pid))
         ranks.append(
             pb.RankReport(
-                job=row.job, rank=row.rank, world=row.world, step=row.step, gen=row.gen, pid=row.pid, gpus=used
+                job=row.job,
+                rank=row.rank,
+                world=row.world,
+                step=row.step,
+                gen=row.gen,
+                pid=row.pid,
+                gpus=used,
+                users=users,
             )
         )
     with node.lock:

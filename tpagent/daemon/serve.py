@@ -179,7 +179,7 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot serve metrics on {cfg.metrics_listen}: {e}") from e
     try:
-        node.ranks.start()  # (first: a rank socket someone else holds stops the agent here)
+        node.open_sockets()  # (first: a rank socket someone else holds stops the agent here)
     except UsageError:
         if scrapes is not None:
             scrapes.server_close()
@@ -212,7 +212,7 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
                 extra={"node": cfg.node},
             )
         ctx.threads.stopping.set()  # the waiters return; what they wait for is journaled
-        node.ranks.close()
+        node.close_sockets()
         server.stop(0 if force.is_set() else 1.0)
         server.wait_for_termination(grace)
         ctx.threads.join(5.0)

@@ -71,6 +71,7 @@ class RankEntry:
     moved_to: str = ""  # the agent it migrated to
     seen: P.Hello | None = None  # its last hello
     uid: int = -1  # the user its runtime runs as (the kernel's word, as it last connected)
+    owner: int = -1  # the user whose stand-in had it started here (tpagent.jobs.local; -1: root's stand-in)
     outputs: dict[int, int] = field(default_factory=dict)  # 1, 2 -> our descriptor of its stdout, stderr file
 
     def alive(self) -> bool:
@@ -153,6 +154,7 @@ class Ranks:
                     None,
                     code,
                     str(d["moved_to"]),
+                    owner=int(d.get("owner", -1)),
                 )
             except (KeyError, TypeError, ValueError):
                 continue
@@ -175,6 +177,7 @@ class Ranks:
                 "world": e.world,
                 "exit_code": e.exit_code,
                 "moved_to": e.moved_to,
+                "owner": e.owner,
             }
             for e in self.entries.values()
         ]
@@ -292,15 +295,18 @@ class Ranks:
 
     # ---- what the agent asks ---------------------------------------------------------------
 
-    def expect(self, job: str, rank: int, init: int) -> None:
-        """Register the rank of ``job`` whose namespace's init is ``init`` (here)."""
+    def expect(self, job: str, rank: int, init: int, owner: int = -1) -> None:
+        """Register the rank of ``job`` whose namespace's init is ``init`` (here); ``owner``: the
+        user whose stand-in had it started (through the local channel)."""
         if not P.valid_job(job) or not 0 <= rank < P.RANK_MAX:
             raise Refused(f"job {job!r} rank {rank} is not a valid job and rank.", Why.INVALID)
         if launch.launched(init) is None:
             raise Refused(f"PID {init} is not the init of a `tpagent launch` namespace on this node.", Why.INVALID)
-        entry = RankEntry(job, rank, init, proc.start_ticks(init))
+        entry = RankEntry(job, rank, init, proc.start_ticks(init), owner=owner)
         with self.lock:
             old = self.entries.get((job, rank))
+            if old is not None and owner < 0 and old.owner >= 0 and old.moved_to:
+                entry.owner = old.owner  # (a user's rank come back, restored here: still its stand-in's)
             if old is not None and old.init == init and old.init_start == entry.init_start and not old.moved_to:
                 return  # (said again, e.g. by a rewire finishing after a restart: nothing changes)
             if old is not None and old.alive() and old.init != init and not old.moved_to:
@@ -324,6 +330,13 @@ class Ranks:
         if e is None:
             raise Refused(f"rank {rank} of job {job} is not known on this node.", Why.NOT_FOUND)
         return e
+
+    def owner_of(self, job: str, rank: int) -> tuple[int, str, bool] | None:
+        """Whose stand-in had ``rank`` of ``job`` started here (-1: root's), the agent it moved
+        to, and whether it runs here still; None if it is not known here."""
+        with self.lock:
+            e = self.entries.get((job, rank))
+            return None if e is None else (e.owner, e.moved_to, e.alive() and e.exit_code is None)
 
     def identity(self, job: str, rank: int) -> str:
         """Which job the rank here is, across nodes: its user and the job's key (P.JOB_KEY), as it

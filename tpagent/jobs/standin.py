@@ -9,6 +9,10 @@ it from agent to agent, passes SIGTERM/SIGINT/SIGHUP on to it wherever it runs, 
 with the rank's own status.  The launcher never sees the rank leave (torchrun would restart
 the whole worker group if a child exited).
 
+A stand-in that is not root (Slurm starts tasks as the job's user) cannot start the namespace
+or read the cluster secret: it asks its node's agent over the local channel of
+:mod:`tpagent.jobs.local` to start the rank as its own user, and follows it through that agent.
+
 Where no launcher hosts the job's store (srun and ``env://``: rank 0 would serve it), the stand-in
 of rank 0 serves it on this node, outside the rank, with the rank's own Python and no privilege
 (:func:`host_store`, :func:`store_user`): a rank that served it could not move, as its peers reach it at this
@@ -34,15 +38,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol, TypeVar
 
 import tpagent_rank
 from host import paths, proc
 from host.api import UsageError
-from tpagent.migration.api import AgentError, Peer, PeerUnreachable
+from tpagent.jobs.local import LocalAgent, Start, runtime_readable
+from tpagent.migration.api import AgentError, PeerUnreachable
 from tpagent.workload import launch
 from tpagent_rank import protocol as P
 from tpagent_rank.store import HOSTED
+
+A = TypeVar("A", bound=P.Answer)
+
+
+class RankAgent(Protocol):
+    """What a stand-in asks of an agent: an agent over gRPC (root's), or through the local channel."""
+
+    address: str
+
+    def rank(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A: ...
+
 
 #: Where the runtime directory is written (root's, readable by the ranks): one per version.
 RUNTIME_ROOT = paths.RANK_RUNTIME
@@ -79,9 +95,11 @@ def runtime_dir(root: Path = RUNTIME_ROOT) -> Path:
     digest = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(package.glob("*.py")))).hexdigest()[:16]
     dest = root / f"{tpagent_rank.__version__}-{digest}"  # (an upgrade gets a directory of its own)
     if (dest / "sitecustomize.py").is_file():
+        runtime_readable(root)
         return dest
     root.mkdir(parents=True, exist_ok=True, mode=0o755)
     os.chmod(root, 0o755)
+    runtime_readable(root)  # (ranks run as users too)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".new-"))
     os.chmod(tmp, 0o755)
     layout.write_runtime_dir(tmp)
@@ -102,9 +120,11 @@ def launcher_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def rank_env(env: dict[str, str], socket_name: str, job: str) -> dict[str, str]:
+def rank_env(env: dict[str, str], socket_name: str, job: str, runtime: bool = True) -> dict[str, str]:
+    """The rank's environment; with the runtime on its PYTHONPATH (``runtime``: else the agent puts it there)."""
     out = launcher_env(env)
-    out["PYTHONPATH"] = os.pathsep.join(p for p in (str(runtime_dir()), env.get("PYTHONPATH", "")) if p)
+    if runtime:
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (str(runtime_dir()), env.get("PYTHONPATH", "")) if p)
     out["TPAGENT_RANK_SOCKET"] = socket_name
     out["TPAGENT_JOB"] = job
     out.setdefault("USE_LIBUV", "0")  # a store a rank hosts must be dumpable (libuv's uses io_uring)
@@ -252,8 +272,8 @@ class StandIn:
     def __init__(
         self,
         cmd: list[str],
-        agent: Peer,
-        connect: Callable[[str], Peer],
+        agent: RankAgent,
+        connect: Callable[[str], RankAgent],
         stdout: Path,
         stderr: Path,
         socket_name: str,
@@ -284,7 +304,7 @@ class StandIn:
         env = dict(os.environ)
         job = P.job_id(env)
         rank = rank_of(env)
-        renv = rank_env(env, self.socket_name, job)
+        renv = rank_env(env, self.socket_name, job, runtime=not isinstance(self.agent, LocalAgent))
         store, why = host_store(self.cmd, launcher_env(env))  # (not the runtime's environment)
         if store is not None:
             renv[HOSTED] = renv["MASTER_PORT"]
@@ -298,21 +318,34 @@ class StandIn:
             if store is not None:
                 stop_store(store)
 
-    def _run(self, job: str, rank: int, renv: dict[str, str]) -> int:
+    def _launch(self, job: str, rank: int, renv: dict[str, str]) -> tuple[int, subprocess.Popen[bytes] | None]:
+        """The rank's init, and the process holding its namespace (None: the agent holds it)."""
+        if isinstance(self.agent, LocalAgent):
+            out, err = (str(f.absolute()) for f in (self.stdout, self.stderr))
+            start = Start(job, rank, tuple(self.cmd), renv, os.getcwd(), self.umask, out, err)
+            return self.agent.start(start), None
         init, holder = launch.start(self.cmd, self.stdout, self.stderr, umask=self.umask, env=renv)
         self.init_ticks = proc.start_ticks(init)  # (signals reach that very process, never its PID's next)
-        for sig in FORWARDED:
-            signal.signal(sig, self._on_signal)
         try:
             self.agent.rank(job, rank, P.Expect(pid=init), 30)
         except AgentError as e:
             self.say(f"the agent does not know rank {rank} of job {job}, so it cannot be moved ({e})")
-        where: Peer = self.agent
+        return init, holder
+
+    def _run(self, job: str, rank: int, renv: dict[str, str]) -> int:
+        try:
+            init, holder = self._launch(job, rank, renv)
+        except AgentError as e:
+            self.say(f"rank {rank} of job {job} could not be started: {e}")
+            return 1
+        for sig in FORWARDED:
+            signal.signal(sig, self._on_signal)
+        where: RankAgent = self.agent
         last_heard = time.monotonic()
         while True:
             self._forward(where, job, rank, init, holder)
             self._relay(where, job, rank)
-            if where is self.agent and holder.poll() is None:
+            if where is self.agent and holder is not None and holder.poll() is None:
                 self.wake.wait(0.5)
                 self.wake.clear()
                 continue
@@ -329,7 +362,7 @@ class StandIn:
                 time.sleep(1)
                 continue
             except AgentError as e:
-                if where is self.agent:  # (the agent never knew it: the rank ran and ended here)
+                if where is self.agent and holder is not None:  # (the agent never knew it: it ran and ended here)
                     return self._ended(where, job, rank, _status(holder.wait()))
                 self.say(f"the agent at {where.address} lost track of rank {rank} of job {job} ({e})")
                 return 1
@@ -343,16 +376,16 @@ class StandIn:
                 self.wake.wait(0.5)
                 self.wake.clear()
                 continue
-            if where is self.agent:
+            if where is self.agent and holder is not None:
                 return self._ended(where, job, rank, _status(holder.wait()))
             self.say(f"rank {rank} of job {job} is gone from {where.address} without an exit status")
             return 1
 
-    def _ended(self, where: Peer, job: str, rank: int, code: int) -> int:
+    def _ended(self, where: RankAgent, job: str, rank: int, code: int) -> int:
         self._relay(where, job, rank)  # (the last of what it wrote)
         return code
 
-    def _relay(self, where: Peer, job: str, rank: int) -> None:
+    def _relay(self, where: RankAgent, job: str, rank: int) -> None:
         """Write what the rank wrote since the last time to this process's own stdout (stderr),
         which its launcher shows: read through the agent of the node it runs on."""
         for which, relay in self.relays.items():
@@ -368,17 +401,17 @@ class StandIn:
                     relay.out.flush()
                 relay.offset += len(data)
 
-    def _peer(self, address: str) -> Peer:
+    def _peer(self, address: str) -> RankAgent:
         return self.connect(address)
 
     def _on_signal(self, signum: int, _frame: object) -> None:  # (only flags)
         self.signals.append(signum)
         self.wake.set()
 
-    def _forward(self, where: Peer, job: str, rank: int, init: int, holder: object) -> None:
+    def _forward(self, where: RankAgent, job: str, rank: int, init: int, holder: object) -> None:
         while self.signals:
             sig = self.signals.pop(0)
-            if where is self.agent:
+            if where is self.agent and holder is not None:
                 proc.signal_exact(init, self.init_ticks, sig)  # (its init passes it on)
                 continue
             try:

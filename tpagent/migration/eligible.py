@@ -51,3 +51,11 @@ def check_migratable(cfg: AgentConfig, pid: int) -> None:
             "`tpagent launch`, and runs no program named in allow_executables.",
             Why.DENIED,
         )
+    users = proc.other_users(pid)
+    if users and not proc.has_capability(proc.CAP_SYS_RESOURCE):
+        raise Refused(
+            f"PID {pid} runs as UID {min(users)}, and the agent on {cfg.node} lacks CAP_SYS_RESOURCE, without "
+            "which CRIU cannot read another user's resource limits: give the agent that capability "
+            "(a container: add SYS_RESOURCE).",
+            Why.PRECONDITION,
+        )

@@ -107,6 +107,7 @@ class RankSeen:
     step: int = 0
     gen: int = 0
     gpus: tuple[str, ...] = ()
+    users: tuple[int, ...] = ()  # the UIDs its processes run as, root's aside
 
 
 @dataclass(frozen=True)

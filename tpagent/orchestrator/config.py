@@ -23,12 +23,17 @@ retries = 2                       # a failed move is tried again on another spar
 unreachable_after = 30.0          # a node silent this long is unreachable (its ranks are not moved)
 report_period = 2.0               # what agents are told: report this often
 move_timeout = 1800.0             # one move, its dry run included, at most this long
-scheduler = "static"              # "static" (spares from dedicated_spares) or "slurm"
+scheduler = "static"              # "static" (spares from dedicated_spares), "slurm" or "kubernetes"
 slurm_spare_partition = ""        # Slurm: its idle nodes are dedicated spares (after dedicated_spares')
 slurm_preempt_below = 0           # Slurm: with no spare free, a node whose jobs all have a priority
                                   # below this (and below the moving job's) is taken, its jobs
                                   # requeued; 0: never
-slurm_hold_timeout = 120.0        # Slurm: how long a spare's placeholder job may wait to be allocated
+spare_hold_timeout = 120.0        # how long a spare's placeholder (job, pod) may wait to run
+kubernetes_namespace = "tpagent"  # Kubernetes (not yet proven): where placeholder pods go
+kubernetes_spare_label = "tpagent.io/spare"  # nodes with this label are dedicated spares
+kubernetes_hold_priority_class = "tpagent-hold"  # the placeholder pods' PriorityClass
+kubernetes_hold_image = "registry.k8s.io/pause:3.10"
+kubernetes_preempt_below = 0      # pods below this priority give way (the placeholder preempts them)
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from transfer.api import DEFAULT_TLS_DIR
 
 DEFAULT_FILE = Path("/etc/tpagent/orchestrator.toml")
 ENV = "TPAGENT_ORCHESTRATOR_"
-SCHEDULERS = ("static", "slurm")
+SCHEDULERS = ("static", "slurm", "kubernetes")
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,12 @@ class OrchestratorConfig:
     scheduler: str = "static"
     slurm_spare_partition: str = ""
     slurm_preempt_below: int = 0
-    slurm_hold_timeout: float = 120.0
+    spare_hold_timeout: float = 120.0
+    kubernetes_namespace: str = "tpagent"
+    kubernetes_spare_label: str = "tpagent.io/spare"
+    kubernetes_hold_priority_class: str = "tpagent-hold"
+    kubernetes_hold_image: str = "registry.k8s.io/pause:3.10"
+    kubernetes_preempt_below: int = 0
 
     def __post_init__(self) -> None:
         if not is_agent_address(self.listen):
@@ -89,8 +99,8 @@ class OrchestratorConfig:
             raise UsageError("max_parallel must be 1 to 1000 and retries 0 to 100.")
         if not 0.1 <= self.report_period < self.unreachable_after:
             raise UsageError("report_period must be at least 0.1 s and shorter than unreachable_after.")
-        if self.move_timeout <= 0 or self.slurm_hold_timeout <= 0:
-            raise UsageError("move_timeout and slurm_hold_timeout must be positive numbers of seconds.")
+        if self.move_timeout <= 0 or self.spare_hold_timeout <= 0:
+            raise UsageError("move_timeout and spare_hold_timeout must be positive numbers of seconds.")
         if self.scheduler not in SCHEDULERS:
             raise UsageError(
                 f"the setting scheduler = {self.scheduler!r} is not valid: give one of {', '.join(SCHEDULERS)}."

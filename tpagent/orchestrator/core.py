@@ -37,6 +37,7 @@ from tpagent.orchestrator.api import (
     printable,
 )
 from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.kubernetes import Kubernetes
 from tpagent.orchestrator.scheduler import Scheduler, SchedulerError, Static, Wanted
 from tpagent.orchestrator.slurm import Slurm
 from tpagent.orchestrator.state import State
@@ -70,7 +71,7 @@ class Orchestrator:
         self.cfg = cfg
         self.state = state
         self.creds = creds
-        self.scheduler = scheduler or (Slurm(cfg) if cfg.scheduler == "slurm" else Static(cfg))
+        self.scheduler = scheduler or _scheduler(cfg)
         self.scheduler_down = ""  # why the scheduler did not answer last ("": it did)
         self.backoff_until = 0.0  # (monotonic) no move starts before
         self.lock = threading.Lock()
@@ -202,7 +203,8 @@ class Orchestrator:
         taints = self.state.taints()
         moves = self.state.moves(active=True)
         view = self.view()
-        pools = functools.cache(self.scheduler.pool)
+        users = users_of(view)
+        pools = functools.cache(lambda job: self.scheduler.pool(job, users.get(job, frozenset())))
         p = policy.plan(view, taints, moves, self.state.away(), self.state.failed, self.cfg, pools)
         if view.stale:  # (a move just ended there: no new move until its nodes report what came after)
             p.moves.clear()
@@ -220,12 +222,14 @@ class Orchestrator:
                 text += f" ({m.kind.value}, try {m.attempt})"
                 self.event("planned", text, m.job, m.source, m.id)
         away = sum(n.kind is MoveKind.AWAY for n in p.moves)
-        # (just after a start, until every node known reported again or could have: no false alarm)
-        heard = (
-            set(self.state.known()) <= set(view.nodes) or time.monotonic() - self.started > self.cfg.unreachable_after
-        )
-        self._gauges(taints, len(p.spares) - away, heard and bool(view.nodes))
+        self._gauges(taints, len(p.spares) - away, self._heard() and bool(view.nodes))
         self._start()
+
+    def _heard(self) -> bool:
+        """Whether every node known has reported since this start, or could have."""
+        with self.lock:
+            seen = set(self.nodes)
+        return set(self.state.known()) <= seen or time.monotonic() - self.started > self.cfg.unreachable_after
 
     def _gauges(self, taints: list[Taint], free: int, known: bool) -> None:
         for kind in TaintKind:
@@ -267,13 +271,16 @@ class Orchestrator:
     def _execute(self, m: Move, source: str, target: str) -> None:
         out = mover.Outcome(None, "the orchestrator failed while it ran")
         try:
-            if not self._held(m):
-                out = mover.Outcome(MoveState.CANCELLED, "")  # (ended already)
-                return
             text = f"move {m.id}: asking {m.source} to move job {m.job} to {m.target}"
             self.event("moving", text, m.job, m.source, m.id)
             out = mover.run(
-                m, source, target, self.creds, self.cfg.move_timeout, lambda mid: self.state.migration(m.id, mid)
+                m,
+                source,
+                target,
+                self.creds,
+                self.cfg.move_timeout,
+                lambda mid: self.state.migration(m.id, mid),
+                lambda: self._held(m),  # (after its dry run: nothing held, nor requeued, for a move that cannot be)
             )
             if out.state is not None:
                 self._ended(m, out.state, out.message, out.timings)
@@ -289,26 +296,28 @@ class Orchestrator:
         if out.state is None:
             self.event("settling", f"move {m.id}: {out.message}; settling it from the reports", m.job, m.source, m.id)
 
-    def _held(self, m: Move) -> bool:
-        """Whether the scheduler holds ``m``'s target for it; if not, ``m`` is ended, saying why."""
+    def _held(self, m: Move) -> mover.Outcome | None:
+        """None once the scheduler holds ``m``'s target for it; else how ``m`` ends, and why."""
         source = self.view().nodes.get(m.source)
         ranks = source.ranks if source is not None else ()
         gpus = len({g for r in ranks if r.job == m.job and r.rank in m.ranks for g in r.gpus})
+        t0 = time.monotonic()
         try:
-            held = self.scheduler.hold(m, gpus)
+            held = self.scheduler.hold(m, gpus, users_of(self.view()).get(m.job, frozenset()))
         except SchedulerError as e:
             if e.down:  # (not the spare's doing: planned again once the scheduler answers)
                 self.backoff_until = time.monotonic() + SCHEDULER_BACKOFF
-                self._ended(m, MoveState.CANCELLED, f"{e} It is planned again once {self.scheduler.name} answers.")
-            else:
-                self._ended(m, MoveState.FAILED, str(e))
-            return False
+                return mover.Outcome(
+                    MoveState.CANCELLED, f"{e} It is planned again once {self.scheduler.name} answers."
+                )
+            return mover.Outcome(MoveState.FAILED, str(e))
         for text in held.said:
             self.event("scheduler", text, m.job, m.target, m.id)
         if held.handle:
             text = f"move {m.id}: {m.target} held for job {m.job} by {self.scheduler.name} job {held.handle}"
+            text += f" ({time.monotonic() - t0:.2f} s)"
             self.event("held", text, m.job, m.target, m.id)
-        return True
+        return None
 
     def wanted(self) -> Wanted:
         """What the scheduler must be in step with: taints drained, holds where ranks are away
@@ -316,19 +325,23 @@ class Orchestrator:
         drains: dict[str, str] = {}
         for t in self.state.taints():
             drains.setdefault(t.node, (f"GPU {t.gpu}: " if t.gpu else "") + t.reason)
+        # (moves before the ranks away: a move that ends between the two reads is in both, not neither)
+        moving = frozenset((m.job, m.target) for m in self.state.moves(active=True))
         away = self.state.away()
         where: dict[str, dict[int, str]] = {}
         for a in away:
             where.setdefault(a.job, {})[a.rank] = a.on
-        moving = frozenset((m.job, m.target) for m in self.state.moves(active=True))
-        running = frozenset(r.job for n in self.view().nodes.values() for r in n.ranks)
-        return Wanted(drains, frozenset((a.job, a.on) for a in away), moving, where, running)
+        view = self.view()
+        running = frozenset(r.job for n in view.nodes.values() for r in n.ranks)
+        return Wanted(drains, frozenset((a.job, a.on) for a in away), moving, where, running, users_of(view))
 
     def keep_in_step(self) -> None:
         """Bring the scheduler in step every :data:`IN_STEP_EVERY` seconds until stopped."""
         while not self.stop.wait(IN_STEP_EVERY):
+            if not self._heard():  # (just after a start: which jobs run is not known yet)
+                continue
             try:
-                said = self.scheduler.reconcile(self.wanted())
+                said = self.scheduler.reconcile(self.wanted)
             except SchedulerError as e:
                 if not self.scheduler_down:
                     self.event("scheduler", f"{e} No move starts until it answers.", level=logging.WARNING)
@@ -376,6 +389,23 @@ class Orchestrator:
             with self.lock:
                 self.settling.pop(mid, None)
             self._ended(m, *outcome)
+
+
+def users_of(view: View) -> dict[str, frozenset[int]]:
+    """job -> the UIDs its ranks run as (root's aside), as the agents report them."""
+    out: dict[str, set[int]] = {}
+    for n in view.nodes.values():
+        for r in n.ranks:
+            out.setdefault(r.job, set()).update(r.users)
+    return {job: frozenset(u) for job, u in out.items()}
+
+
+def _scheduler(cfg: OrchestratorConfig) -> Scheduler:
+    if cfg.scheduler == "slurm":
+        return Slurm(cfg)
+    if cfg.scheduler == "kubernetes":
+        return Kubernetes(cfg)
+    return Static(cfg)
 
 
 def _kept_gpus(seen: NodeSeen, before: NodeSeen | None) -> tuple[RankSeen, ...]:

@@ -25,9 +25,18 @@ class Outcome:
     timings: dict[str, float] = field(default_factory=dict)  # dry_run, request; the rewire's own
 
 
-def run(m: Move, source: str, target: str, creds: Credentials, timeout: float, began: Callable[[str], None]) -> Outcome:
+def run(
+    m: Move,
+    source: str,
+    target: str,
+    creds: Credentials,
+    timeout: float,
+    began: Callable[[str], None],
+    between: Callable[[], Outcome | None] = lambda: None,
+) -> Outcome:
     """Move ``m`` from the agent at ``source`` to the one at ``target``; ``began(migration_id)``
-    is told the source agent's id of the move as soon as it says it."""
+    is told the source agent's id of the move as soon as it says it; ``between()``, asked after a
+    dry run that passed, may stop it there (the scheduler did not hold the target): its outcome."""
     agent = stub(source, creds)
     last = None
     timings: dict[str, float] = {}
@@ -54,6 +63,9 @@ def run(m: Move, source: str, target: str, creds: Credentials, timeout: float, b
             mid = last.migration_id if last is not None and not dry else ""
             return Outcome(MoveState.FAILED, prefix + why + (f" ({problems})" if problems else ""), mid)
         timings["dry_run" if dry else "request"] = round(time.monotonic() - t0, 4)
+        stopped = between() if dry else None
+        if stopped is not None:
+            return stopped
     assert last is not None
     timings.update({k: v for k, v in last.timings.items() if not k.startswith("rank")})
     return Outcome(MoveState.DONE, last.message, last.migration_id, timings)

@@ -19,6 +19,7 @@ changes, and no move starts until it answers again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,6 +68,7 @@ class Wanted:
     moving: frozenset[tuple[str, str]] = frozenset()
     where: dict[str, dict[int, str]] = field(default_factory=dict)  # job -> rank -> node, ranks away from home
     running: frozenset[str] = frozenset()  # the jobs whose ranks the agents report
+    users: dict[str, frozenset[int]] = field(default_factory=dict)  # job -> the UIDs its ranks run as (root's aside)
 
 
 class Scheduler(Protocol):
@@ -75,14 +77,17 @@ class Scheduler(Protocol):
     def check(self) -> None:
         """Raise :class:`host.api.UsageError` if the configuration names what the scheduler lacks."""
 
-    def pool(self, job: str) -> Pool: ...
+    def pool(self, job: str, users: frozenset[int]) -> Pool:
+        """Where ``job``'s ranks may go; ``users``: the UIDs its ranks run as, root's aside (a job
+        of the scheduler's is the tpagent job only if it is those users')."""
 
-    def hold(self, move: Move, gpus: int) -> Held:
+    def hold(self, move: Move, gpus: int, users: frozenset[int]) -> Held:
         """Hold ``move``'s target for it (``gpus``: how many GPUs its ranks use); raises
         :class:`SchedulerError` if the scheduler does not give it."""
 
-    def reconcile(self, want: Wanted) -> list[str]:
-        """Bring the scheduler in step with ``want``; what it changed or could not, as sentences."""
+    def reconcile(self, want: Callable[[], Wanted]) -> list[str]:
+        """Bring the scheduler in step with ``want()`` (asked once the scheduler has been read: a
+        hold made before that belongs to a move under way); what it changed, as sentences."""
 
 
 class Static:
@@ -96,11 +101,11 @@ class Static:
     def check(self) -> None:
         return None
 
-    def pool(self, job: str) -> Pool:
+    def pool(self, job: str, users: frozenset[int]) -> Pool:
         return Pool(self.cfg.dedicated())
 
-    def hold(self, move: Move, gpus: int) -> Held:
+    def hold(self, move: Move, gpus: int, users: frozenset[int]) -> Held:
         return Held()
 
-    def reconcile(self, want: Wanted) -> list[str]:
+    def reconcile(self, want: Callable[[], Wanted]) -> list[str]:
         return []

@@ -64,7 +64,15 @@ def seen_of(r: pb.NodeReport) -> Seen:
         seen=time.monotonic(),
         gpus=tuple(Gpu(_p(g.uuid), _p(g.name), int(g.memory_total)) for g in r.gpus),
         ranks=tuple(
-            RankSeen(_p(x.job), int(x.rank), int(x.world), int(x.step), int(x.gen), tuple(map(_p, x.gpus[:MAX_GPUS])))
+            RankSeen(
+                _p(x.job),
+                int(x.rank),
+                int(x.world),
+                int(x.step),
+                int(x.gen),
+                tuple(map(_p, x.gpus[:MAX_GPUS])),
+                tuple(int(u) for u in x.users[:MAX_GPUS]),
+            )
             for x in r.ranks
         ),
         busy=frozenset(map(_p, r.rewiring[:MAX_RANKS])),
@@ -186,5 +194,5 @@ def cluster_pb(o: Orchestrator) -> pb.ClusterView:
 
 
 def _free(o: Orchestrator) -> list[policy.Spare]:
-    dedicated = o.scheduler.pool("").dedicated
+    dedicated = o.scheduler.pool("", frozenset()).dedicated
     return list(policy.spares(o.view(), o.state.taints(), o.state.moves(active=True), o.state.away(), o.cfg, dedicated))

@@ -30,11 +30,12 @@ import re
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from host.api import UsageError
-from tpagent.orchestrator.api import Move, printable
+from tpagent.orchestrator.api import Move, MoveKind, printable
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.scheduler import Held, Pool, SchedulerError, Wanted
 
@@ -80,6 +81,7 @@ class SJob:
     nodes: tuple[str, ...]
     partition: str
     priority: int
+    user_id: int
     comment: str
     admin_comment: str
 
@@ -98,11 +100,38 @@ def _gpus(gres: str) -> int:
     return sum(int(n) for n in _GPUS.findall(gres or ""))
 
 
+def _number(value: Any) -> int:
+    """An integer as Slurm prints it: a number, or (23.02 and later) {"set", "number"}."""
+    if isinstance(value, dict):
+        value = value.get("number", 0) if value.get("set", True) else 0
+    return int(value or 0)
+
+
+def _states(value: Any) -> list[str]:
+    """A state as Slurm prints it: a string (22.05), or a list of the state and its flags (later)."""
+    return [str(v) for v in value] if isinstance(value, list) else [str(value or "")]
+
+
+def expand(hostlist: str) -> tuple[str, ...]:
+    """The node names of a Slurm host list: ``gpu[01-03,7],cpu1`` -> gpu01, gpu02, gpu03, gpu7, cpu1."""
+    out: list[str] = []
+    for m in re.finditer(r"([^,\[]*)\[([^\]]*)\]|([^,\[\]]+)", hostlist):
+        if m.group(3):
+            out.append(m.group(3))
+            continue
+        for part in m.group(2).split(","):
+            lo, _, hi = part.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                out.append(f"{m.group(1)}{i:0{len(lo)}d}")
+    return tuple(out)
+
+
 def _node(d: dict[str, Any]) -> SNode:
+    state = _states(d.get("state"))
     return SNode(
         str(d["name"]),
-        str(d.get("state", "")).lower(),
-        frozenset(str(f).upper() for f in d.get("state_flags") or ()),
+        state[0].lower(),
+        frozenset(str(f).upper() for f in [*(d.get("state_flags") or ()), *state[1:]]),
         tuple(str(p) for p in d.get("partitions") or ()),
         str(d.get("reason") or ""),
         _gpus(str(d.get("gres") or "")),
@@ -113,13 +142,17 @@ def _node(d: dict[str, Any]) -> SNode:
 
 def _job(d: dict[str, Any]) -> SJob:
     allocated = (d.get("job_resources") or {}).get("allocated_nodes") or ()
+    nodes = tuple(str(n["nodename"]) for n in allocated if isinstance(n, dict) and "nodename" in n)
+    if not nodes and isinstance(d.get("nodes"), str):  # (Slurm 23.02 and later: the host list)
+        nodes = expand(d["nodes"])
     return SJob(
         str(d["job_id"]),
         str(d.get("name") or ""),
-        str(d.get("job_state") or "").upper(),
-        tuple(str(n["nodename"]) for n in allocated if "nodename" in n),
+        _states(d.get("job_state"))[0].upper(),
+        nodes,
         str(d.get("partition") or ""),
-        int(d.get("priority") or 0),
+        _number(d.get("priority")),
+        int(d.get("user_id") or 0),
         str(d.get("comment") or ""),
         str(d.get("admin_comment") or ""),
     )
@@ -188,10 +221,13 @@ class Slurm:
             return self.read[1], self.read[2]
 
     @staticmethod
-    def job_of(job: str, jobs: list[SJob]) -> SJob | None:
+    def job_of(job: str, jobs: list[SJob], users: frozenset[int]) -> SJob | None:
         """The Slurm job of a tpagent job: the one whose ID it is (``srun ... tpagent rank``'s
-        default); never found by name, which any user can give their own jobs."""
-        return next((j for j in jobs if j.id == job and j.hold_of() is None), None)
+        default) if its ranks run as that job's user (``users``, root's aside); never found by
+        name, which any user can give their own jobs, nor for another user's ranks (a job name
+        is theirs to choose: TPAGENT_JOB)."""
+        found = next((j for j in jobs if j.id == job and j.hold_of() is None), None)
+        return found if found is not None and all(u == found.user_id for u in users) else None
 
     def check(self) -> None:
         part = self.cfg.slurm_spare_partition
@@ -208,12 +244,12 @@ class Slurm:
 
     # ---- the port ------------------------------------------------------------------------
 
-    def pool(self, job: str) -> Pool:
+    def pool(self, job: str, users: frozenset[int]) -> Pool:
         last = self._last()
         if last is None:
             return Pool(floating=frozenset(), why="Slurm has not answered lately: no spare is taken")
         nodes, jobs = last
-        mine = self.job_of(job, jobs)
+        mine = self.job_of(job, jobs, users)
         held = {h[1] for j in jobs if j.active and (h := j.hold_of())}
         spare = self.cfg.slurm_spare_partition
         idle = {n.name for n in nodes.values() if n.usable and n.cpus_used == 0 and n.name not in held}
@@ -236,9 +272,11 @@ class Slurm:
                     taken.add(n.name)
         return Pool(dedicated, frozenset(floating), frozenset(taken))
 
-    def hold(self, move: Move, gpus: int) -> Held:
+    def hold(self, move: Move, gpus: int, users: frozenset[int]) -> Held:
+        if move.kind is MoveKind.HOME:
+            return Held()  # (back where the job ran: its own allocation, or a node it held before)
         nodes, jobs = self.refresh()
-        mine = self.job_of(move.job, jobs)
+        mine = self.job_of(move.job, jobs, users)
         if mine is not None and move.target in mine.nodes:
             return Held()  # (its own allocation: Slurm counts it as the job's already)
         node = nodes.get(move.target)
@@ -249,9 +287,9 @@ class Slurm:
         if found:
             handle = found[0].id
         else:
-            said = self._give_way(move, node, jobs, mine)
+            said = self._give_way(move, node, jobs, mine, gpus)
             handle = self._submit(move, node, gpus, mine)
-        deadline = time.monotonic() + self.cfg.slurm_hold_timeout
+        deadline = time.monotonic() + self.cfg.spare_hold_timeout
         while True:
             state = next((j for j in self.refresh()[1] if j.id == handle), None)
             if state is not None and state.state == "RUNNING":
@@ -261,14 +299,14 @@ class Slurm:
                 how = state.state.lower() if state is not None else "gone"
                 raise SchedulerError(
                     f"Slurm did not allocate {move.target} to placeholder job {handle} "
-                    f"in {self.cfg.slurm_hold_timeout:g} s (it is {how})."
+                    f"in {self.cfg.spare_hold_timeout:g} s (it is {how})."
                 )
             time.sleep(0.5)
 
-    def _give_way(self, move: Move, node: SNode, jobs: list[SJob], mine: SJob | None) -> tuple[str, ...]:
+    def _give_way(self, move: Move, node: SNode, jobs: list[SJob], mine: SJob | None, gpus: int) -> tuple[str, ...]:
         there = [j for j in jobs if j.state == "RUNNING" and node.name in j.nodes and j.hold_of() is None]
-        if not there or node.cpus_used == 0:
-            return ()
+        if not there or node.cpus_used == 0 or gpus and node.gpus - node.gpus_used >= gpus:
+            return ()  # (free, or GPUs enough free beside what runs there: the placeholder asks for those)
         below = min(self.cfg.slurm_preempt_below, mine.priority if mine is not None else 0)
         for j in there:
             if not self.cfg.slurm_preempt_below or j.priority >= below:
@@ -315,24 +353,25 @@ class Slurm:
         except SchedulerError as e:
             log.warning("placeholder job %s not cancelled: %s", handle, e)
 
-    def reconcile(self, want: Wanted) -> list[str]:
+    def reconcile(self, wanted: Callable[[], Wanted]) -> list[str]:
         nodes, jobs = self.refresh()
+        want = wanted()
         said = self._drains(want, nodes)
         for j in jobs:
             key = j.hold_of()
             if key is None or not j.active or key in want.moving:
                 continue
-            owner = self.job_of(key[0], jobs)
+            owner = self.job_of(key[0], jobs, want.users.get(key[0], frozenset()))
             alive = key[0] in want.running or (owner is not None and owner.active)
             if key in want.away and alive:
                 continue
             run("scancel", j.id)
-            why = f"job {key[0]}'s ranks left it" if alive else f"job {key[0]} ended"
+            why = f"no rank of job {key[0]} runs there" if alive else f"job {key[0]} ended"
             said.append(f"placeholder job {j.id} on {key[1]} cancelled: {why}")
         holds = {h: j.id for j in jobs if j.active and (h := j.hold_of())}
         recorded = set()
         for job, ranks in want.where.items():
-            mine = self.job_of(job, jobs)
+            mine = self.job_of(job, jobs, want.users.get(job, frozenset()))
             if mine is None or not mine.active:
                 continue
             recorded.add(mine.id)

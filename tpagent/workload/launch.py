@@ -36,6 +36,23 @@ RECORDS = paths.LAUNCHED
 
 
 @dataclass(frozen=True)
+class RunAs:
+    """A workload run as a user (its stand-in's): who, where, with what environment.  Only the
+    workload itself gets ``env``; ``unshare`` and the namespace's init, root's, run with none of it."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    cwd: str
+    env: dict[str, str]
+    cgroups: tuple[str, ...] = ()  # the cgroup.procs files of the groups it joins (its stand-in's)
+
+
+#: The variable naming the descriptor of a :class:`RunAs` (JSON) for the init (:mod:`.nsinit`).
+RUN_AS = "TPAGENT_NSINIT_AS"
+
+
+@dataclass(frozen=True)
 class LaunchRecord:
     pid: int
     create_time: float
@@ -93,21 +110,27 @@ def start(
     timeout: float = 10.0,
     umask: int = 0o022,
     env: dict[str, str] | None = None,
+    run_as: RunAs | None = None,
 ) -> tuple[int, subprocess.Popen[bytes]]:
-    """As :func:`launch`, with the environment ``env``; also the process that holds the
-    namespace (``unshare``: it ends with the workload's status, as long as it runs here)."""
+    """As :func:`launch`, with the environment ``env`` (or as ``run_as``, who must be able to
+    run the command and write the output files: nothing is looked at here as root); also the
+    process that holds the namespace (``unshare``: it ends with the workload's status, as long as
+    it runs here)."""
     if not cmd:
         raise UsageError("give the command to launch after `--`, e.g. tpagent launch -- python train.py.")
     if os.geteuid() != 0:
         raise UsageError("launching into new namespaces needs root; run as root.")
-    if shutil.which(cmd[0]) is None and not Path(cmd[0]).is_file():
+    if run_as is None and shutil.which(cmd[0]) is None and not Path(cmd[0]).is_file():
         raise UsageError(f"{cmd[0]} was not found; give a program on PATH or a path to it.")
     unshare = shutil.which("unshare")
     if unshare is None:
         raise UsageError("the unshare program (util-linux) is missing; install util-linux.")
-    for path in (stdout, stderr):
+    for path in (stdout, stderr) if run_as is None else ():
         if not path.parent.is_dir():
             raise UsageError(f"the directory for {path} does not exist.")
+    spec = -1
+    if run_as is not None:
+        spec, env = _as_user(run_as)
     read_end, write_end = os.pipe()
     argv = [
         unshare,
@@ -134,12 +157,14 @@ def start(
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            pass_fds=(write_end,),
+            pass_fds=(write_end,) if spec < 0 else (write_end, spec),
             umask=umask,
             env=env,
         )
     finally:
         os.close(write_end)
+        if spec >= 0:
+            os.close(spec)
     try:
         # One read: nsinit writes its whole answer at once, and unshare keeps the pipe open.
         ready, _, _ = select.select([read_end], [], [], timeout)
@@ -154,5 +179,19 @@ def start(
     children = psutil.Process(holder.pid).children()
     if not children:
         raise UsageError("the workload exited at once; see its --stdout/--stderr files.")
-    register(children[0].pid, owner=int(os.environ.get("SUDO_UID", os.getuid())))
+    owner = run_as.uid if run_as is not None else int(os.environ.get("SUDO_UID", os.getuid()))
+    register(children[0].pid, owner=owner)
     return children[0].pid, holder
+
+
+def _as_user(run_as: RunAs) -> tuple[int, dict[str, str]]:
+    """The descriptor of ``run_as`` for the init, and the environment root's processes get."""
+    spec = os.memfd_create("tpagent-run-as", 0)
+    os.write(spec, json.dumps(asdict(run_as)).encode())
+    return spec, {"PATH": os.defpath, RUN_AS: str(spec), **_kept(run_as.env)}
+
+
+def _kept(env: dict[str, str]) -> dict[str, str]:
+    """What root's init takes of a user's environment: the rank socket it reports its end to."""
+    name = env.get("TPAGENT_RANK_SOCKET", "")
+    return {"TPAGENT_RANK_SOCKET": name} if name else {}

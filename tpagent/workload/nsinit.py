@@ -7,6 +7,10 @@ SIGTERM/SIGINT/SIGHUP to it, reaps every orphan (PID 1's duty) and exits with it
     python -m tpagent.workload.nsinit READY_FD STDOUT STDERR CMD [ARG ...]
 
 It reports on READY_FD (then closes it): ``ok`` once the workload started, else the reason.
+With ``TPAGENT_NSINIT_AS`` naming a descriptor (a :class:`tpagent.workload.launch.RunAs` as
+JSON) the workload runs as that user, its groups, in its directory, with its environment; the
+output files are opened as that user too.  The init itself stays root's (CRIU's parasite and the
+agent's signals reach it), and takes nothing of that environment.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import re
 import signal
@@ -21,7 +26,9 @@ import socket
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from host import safefs
 from host.api import UsageError
@@ -64,9 +71,69 @@ def _drop_namespace_handles() -> None:
         libc.umount2(target, MNT_DETACH)  # (best effort: one that will not go stays)
 
 
+@contextlib.contextmanager
+def _as_user(run_as: dict[str, Any] | None) -> Iterator[None]:
+    """Within: file access as ``run_as`` (its effective IDs and groups), back to root after."""
+    if run_as is None:
+        yield
+        return
+    os.setgroups(run_as["groups"])
+    os.setegid(run_as["gid"])
+    os.seteuid(run_as["uid"])
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+        os.setgroups([])
+
+
+def _run_as() -> dict[str, Any] | None:
+    fd = os.environ.pop("TPAGENT_NSINIT_AS", "")
+    if not fd.isdigit():
+        return None
+    with os.fdopen(int(fd), "rb") as f:
+        f.seek(0)
+        spec: dict[str, Any] = json.loads(f.read())
+    return spec
+
+
+def _join(files: list[str]) -> None:
+    """Join (this init, and so the workload) the control groups whose cgroup.procs are ``files``:
+    those mounted here; one that is and cannot be joined is an error (the rank would escape it)."""
+    for name in files:
+        if not os.path.exists(os.path.dirname(name)):
+            continue  # (that hierarchy is not mounted in this namespace: ip netns exec's fresh /sys)
+        with open(name, "w") as f:
+            f.write("0")
+
+
+def _start(cmd: list[str], run_as: dict[str, Any] | None) -> subprocess.Popen[bytes]:
+    if run_as is None:
+        return subprocess.Popen(cmd, close_fds=True)
+    try:
+        _join(list(run_as.get("cgroups", ())))
+    except OSError as e:
+        raise OSError(e.errno, f"cannot join the stand-in's control group ({e.strerror})", e.filename) from e
+    cwd = run_as["cwd"]
+    try:
+        return subprocess.Popen(
+            cmd,
+            close_fds=True,
+            env=run_as["env"],
+            user=run_as["uid"],
+            group=run_as["gid"],
+            extra_groups=run_as["groups"],
+            preexec_fn=lambda: os.chdir(cwd),  # (as the user, after the IDs changed: not root's chdir)
+        )
+    except subprocess.SubprocessError as e:
+        raise OSError(errno.EACCES, f"cannot enter the directory as the user ({e})", cwd) from e
+
+
 def main(argv: list[str]) -> int:
     ready_fd, stdout_path, stderr_path, *cmd = argv
     ready = int(ready_fd)
+    run_as = _run_as()
     _drop_namespace_handles()
     # Every descriptor inherited from outside points at the parent's mounts, which CRIU
     # cannot look up from inside the namespace: keep none of them (but the report pipe).
@@ -78,10 +145,11 @@ def main(argv: list[str]) -> int:
         os.dup2(devnull, 0)
         os.close(devnull)
         for fd, path in ((1, stdout_path), (2, stderr_path)):
-            target = _open_log(Path(path))
+            with _as_user(run_as):
+                target = _open_log(Path(path))
             os.dup2(target, fd)
             os.close(target)
-        child = subprocess.Popen(cmd, close_fds=True)
+        child = _start(cmd, run_as)
     except OSError as e:
         os.write(ready, f"cannot start {cmd[0]}: {e.strerror} ({e.filename or cmd[0]})".encode())
         return 127

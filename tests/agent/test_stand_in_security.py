@@ -1,0 +1,163 @@
+"""Ranks of ordinary users (issue 26): a stand-in that is not root asks its node's agent, over the
+local stand-in channel, to start its rank as itself.  Attacks as a second user (daemon) against
+the first's (nobody's) rank, by the wire itself: nothing reaches another user's rank, files or
+directory, and nothing runs with more than the caller's own rights (an LD_PRELOAD is never loaded
+by root's processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from conftest import needs_criu
+from support.cluster import Cluster
+from support.helpers import ROOT, wait_until
+from support.users import DAEMON, NOBODY, as_user, user_dir, user_python
+
+pytestmark = needs_criu
+
+CLIENT = ROOT / "tests" / "attackers" / "stand_in_client.py"
+WHO = ROOT / "tests" / "workloads" / "who.py"
+CHANNEL = "tpagent-ranks-standin"  # (the agents' default rank_socket, "-standin")
+PRELOAD = r"""
+#include <stdio.h>
+#include <unistd.h>
+__attribute__((constructor)) static void said(void) {
+    FILE *f = fopen(LOG, "a");
+    if (f) { fprintf(f, "%d\n", (int)geteuid()); fclose(f); }
+}
+"""
+
+
+@pytest.fixture
+def node_a(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, ["A"])
+    try:
+        c.nodes["A"].start_agent()
+        yield c
+    finally:
+        c.close()
+
+
+def _ask(c: Cluster, user: tuple[int, int], request: dict[str, Any]) -> dict[str, Any]:
+    python, env = user_python()
+    argv = c.nodes["A"].exec(*as_user(user), python, str(CLIENT), CHANNEL, json.dumps(request))
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))
+
+
+def _start(job: str, home: Path, n: int = 400, **kw: Any) -> dict[str, Any]:
+    python, env = user_python()
+    return {
+        "op": "start",
+        "job": job,
+        "rank": 0,
+        "cmd": [python, str(WHO), str(n)],
+        "env": {"PATH": os.defpath, **env},
+        "cwd": str(home),
+        "umask": 0o022,
+        "stdout": str(home / f"{job}.out"),
+        "stderr": str(home / f"{job}.out"),
+        **kw,
+    }
+
+
+def _refused(answer: dict[str, Any], words: str) -> None:
+    assert answer.get("ok") is False and words in answer["error"], answer
+    assert "\n" not in answer["error"] and "Traceback" not in answer["error"]
+
+
+def _workload(init: int) -> psutil.Process:
+    return wait_until(lambda: (psutil.Process(init).children() or [None])[0], "the workload to start", 30)
+
+
+@pytest.mark.timeout(300)
+def test_a_users_rank_runs_as_that_user_and_no_other_user_reaches_it(node_a: Cluster) -> None:
+    c = node_a
+    python, env = user_python()
+    with user_dir(NOBODY) as victim_home, user_dir(DAEMON) as home:
+        out = victim_home / "rank.out"
+        stand_in = subprocess.Popen(
+            c.nodes["A"].exec(*as_user(NOBODY), python, "-m", "cli.main", "rank", "--stdout", str(out), "--",
+                              python, str(WHO), "400"),
+            cwd=victim_home,
+            env={"PATH": os.defpath, "HOME": str(victim_home), "RANK": "0", "TPAGENT_JOB": "victim", **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            wait_until(lambda: out.exists() and "tick 1 " in out.read_text(), "the victim's rank to tick", 60)
+            line = out.read_text().splitlines()[0]
+            assert f"uid {NOBODY[0]} euid {NOBODY[0]} gid {NOBODY[1]} groups [] cwd {victim_home}" in line, line
+            # Another user reaches nothing of it.
+            for request in ({"op": "locate"}, {"op": "signal", "signum": 9}, {"op": "output", "fd": 1, "offset": 0}):
+                asked = {"op": "rank", "job": "victim", "rank": 0, "request": request}
+                _refused(_ask(c, DAEMON, asked), "rank 0 of job victim was not started here by you")
+            _refused(_ask(c, DAEMON, _start("victim", home)), "was started here by another user")
+            before = out.read_text()
+            _refused(_ask(c, DAEMON, _start("a1", home, stdout=str(out))), "Permission denied")
+            assert out.read_text().startswith(before) and f"uid {DAEMON[0]} " not in out.read_text()
+            _refused(_ask(c, DAEMON, _start("a2", home, stdout="/root/tpagent-attack.out")), "Permission denied")
+            assert not Path("/root/tpagent-attack.out").exists()
+            _refused(_ask(c, DAEMON, _start("a3", home, cwd=str(victim_home))), "cannot enter the directory")
+
+            # Its own rank runs with its own rights alone; an LD_PRELOAD reaches only its own process.
+            preload = _evil_library(home)
+            env_preload = {"LD_PRELOAD": str(preload), "PATH": os.defpath, **env}
+            started = _ask(c, DAEMON, _start("mine", home, env=env_preload))
+            assert started["ok"], started
+            who = _workload(started["pid"])
+            assert who.uids().real == who.uids().effective == DAEMON[0] and who.gids().real == DAEMON[1]
+            assert Path(f"/proc/{who.pid}/status").read_text().split("Groups:")[1].split("\n")[0].strip() == ""
+            assert psutil.Process(started["pid"]).uids().real == 0  # (the namespace's init: root's, as ever)
+            wait_until(lambda: (home / "preload.log").exists(), "its own process to load its library", 30)
+            assert set((home / "preload.log").read_text().split()) == {str(DAEMON[0])}
+            asked = {"op": "rank", "job": "mine", "rank": 0, "via": "10.233.0.99:7400", "request": {"op": "locate"}}
+            _refused(_ask(c, DAEMON, asked), "never moved to 10.233.0.99:7400")
+            mine = _ask(c, DAEMON, {"op": "rank", "job": "mine", "rank": 0, "request": {"op": "locate"}})
+            assert mine["ok"] and mine["answer"]["state"] == "here", mine
+            _refused(
+                _ask(c, DAEMON, {"op": "rank", "job": "mine", "rank": 0, "request": {"op": "end"}}), "may only ask"
+            )
+            asked = {"op": "rank", "job": "mine", "rank": 0, "request": {"op": "signal", "signum": 15}}
+            assert _ask(c, DAEMON, asked)["ok"]  # (its own rank: it may)
+            wait_until(lambda: not who.is_running() or who.status() == psutil.STATUS_ZOMBIE, "its rank to end", 30)
+
+            # The victim's rank ran on untouched; its stand-in passes SIGTERM on, and ends with its status.
+            assert stand_in.poll() is None
+            stand_in.send_signal(signal.SIGTERM)
+            relayed, said = stand_in.communicate(timeout=60)
+            assert stand_in.returncode == 128 + signal.SIGTERM, said
+            ticks = [ln.split()[1] for ln in out.read_text().splitlines() if ln.startswith("tick ")]
+            assert len(ticks) > 2 and ticks == [str(i) for i in range(len(ticks))]
+            assert f"tick {len(ticks) - 1} " in relayed  # (relayed to its launcher, to the last line)
+        finally:
+            if stand_in.poll() is None:
+                stand_in.send_signal(signal.SIGKILL)
+            stand_in.communicate()
+
+
+def _evil_library(home: Path) -> Path:
+    """A library that appends the effective UID of whoever loads it to ``home/preload.log``."""
+    cc = shutil.which("cc")
+    assert cc is not None, "no C compiler (scripts/setup.sh installs gcc)"
+    src = home / "evil.c"
+    src.write_text(PRELOAD.replace("LOG", json.dumps(str(home / "preload.log"))))
+    lib = home / "evil.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+    os.chown(lib, *DAEMON)
+    (home / "preload.log").touch()
+    os.chown(home / "preload.log", *DAEMON)
+    (home / "preload.log").unlink()  # (created by whoever loads the library: as itself)
+    return lib
