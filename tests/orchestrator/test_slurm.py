@@ -172,6 +172,12 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
         assert s.job(job)["admin_comment"] == f"tpagent: rank 1 on {_ns(c, 'D')} (hold {held[_ns(c, 'D')]})"
         shown = s.cmd("scontrol", "show", "job", job).stdout
         assert f"AdminComment=tpagent: rank 1 on {_ns(c, 'D')}" in shown
+        # Someone cancels the placeholder while rank 1 runs on D: it is made again.
+        s.cmd("scancel", held[_ns(c, "D")])
+        wait_until(
+            lambda: _ns(c, "D") in _holds(s) and held[_ns(c, "D")] not in _holds(s).values(), "D held again", 60, 0.5
+        )
+        assert f"to hold {_ns(c, 'D')} again: job {job}'s ranks run there" in _events(o)
 
         # No spare left but E, whose only job has a lower priority: it is requeued, rank 2 goes to E.
         # F (an agent Slurm does not know) is never a spare; its taint says Slurm knows it not.

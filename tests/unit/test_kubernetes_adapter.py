@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tpagent.orchestrator.config import OrchestratorConfig
-from tpagent.orchestrator.kubernetes import KNode, KPod, hold_name, node_of, pod_of, pool_of
+from tpagent.orchestrator.kubernetes import KNode, KPod, hold_name, node_of, pod_of, pool_of, taint_value
 
 
 def cfg(**kw: object) -> OrchestratorConfig:
@@ -79,3 +79,8 @@ def test_a_placeholders_name_is_a_dns_label() -> None:
     name = hold_name("Job_1.with/odd chars" + "x" * 80, "gpu-node-07.cluster.local")
     assert len(name) <= 63 and name.startswith("tpagent-hold-job-1-with-odd-chars")
     assert all(ch.isalnum() and ch.islower() or ch.isdigit() or ch == "-" for ch in name)
+
+
+def test_a_taints_value_is_a_label_value() -> None:
+    assert taint_value("GPU GPU-8a1f: 91 C, at or over 85 C") == "GPU_GPU-8a1f__91_C__at_or_over_85_C"
+    assert taint_value("::") == "tainted" and len(taint_value("x" * 200)) == 63

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from host.api import UsageError
-from tpagent.orchestrator.api import Move, MoveKind, printable
+from tpagent.orchestrator.api import Move, MoveKind
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.scheduler import Held, Pool, SchedulerError, Wanted
 
@@ -117,6 +117,12 @@ def pod_of(d: dict[str, Any]) -> KPod:
 
 def _count(value: Any) -> int:
     return int(value) if isinstance(value, int | str) and str(value).isdigit() else 0
+
+
+def taint_value(reason: str) -> str:
+    """A taint's value (a label value: 63 characters of [A-Za-z0-9_.-], alphanumeric at both ends)."""
+    value = re.sub(r"[^A-Za-z0-9_.-]", "_", reason)[:63].strip("_.-")
+    return value or "tainted"
 
 
 def hold_name(job: str, node: str) -> str:
@@ -243,7 +249,7 @@ class Kubernetes:
         api = self.api()
         said = []
         for n in nodes:
-            reason = printable(want.drains.get(n.name, ""), 63).replace(" ", "_")
+            reason = taint_value(want.drains.get(n.name, ""))
             if n.name in want.drains and not n.taint:
                 taints = [*self._taints(n.name), {"key": TAINT, "value": reason, "effect": "NoSchedule"}]
                 self._call("taint a node", api.patch_node, n.name, {"spec": {"taints": taints}})

@@ -288,7 +288,7 @@ class Slurm:
             handle = found[0].id
         else:
             said = self._give_way(move, node, jobs, mine, gpus)
-            handle = self._submit(move, node, gpus, mine)
+            handle = self._submit(move.job, node, gpus, mine)
         deadline = time.monotonic() + self.cfg.spare_hold_timeout
         while True:
             state = next((j for j in self.refresh()[1] if j.id == handle), None)
@@ -323,7 +323,7 @@ class Slurm:
             )
         return tuple(said)
 
-    def _submit(self, move: Move, node: SNode, gpus: int, mine: SJob | None) -> str:
+    def _submit(self, job: str, node: SNode, gpus: int, mine: SJob | None) -> str:
         spare = self.cfg.slurm_spare_partition
         if spare and spare in node.partitions:
             partition = spare
@@ -331,7 +331,7 @@ class Slurm:
             partition = mine.partition
         else:
             partition = node.partitions[0] if node.partitions else ""
-        marker = f"tpagent hold job={move.job} node={node.name}"
+        marker = f"tpagent hold job={job} node={node.name}"
         args = ["sbatch", "--parsable", "--hold", "--job-name", HOLD_NAME, "--nodes", "1", "--nodelist", node.name]
         args += ["--comment", marker, "--output", "/dev/null", "--no-requeue"]
         args += ["--partition", partition] if partition else []
@@ -368,6 +368,7 @@ class Slurm:
             run("scancel", j.id)
             why = f"no rank of job {key[0]} runs there" if alive else f"job {key[0]} ended"
             said.append(f"placeholder job {j.id} on {key[1]} cancelled: {why}")
+        said += self._remade(want, nodes, jobs)
         holds = {h: j.id for j in jobs if j.active and (h := j.hold_of())}
         recorded = set()
         for job, ranks in want.where.items():
@@ -384,6 +385,20 @@ class Slurm:
         for j in jobs:
             if j.active and j.id not in recorded and j.admin_comment.startswith(PREFIX):
                 run("scontrol", "update", f"JobId={j.id}", "AdminComment=")
+        return said
+
+    def _remade(self, want: Wanted, nodes: dict[str, SNode], jobs: list[SJob]) -> list[str]:
+        """Placeholders made again where ranks of a running job are away with none (someone else
+        cancelled it): held as a whole node, not waited for."""
+        holds = {h for j in jobs if j.active and (h := j.hold_of())}
+        said = []
+        for job, name in sorted(want.away - holds - want.moving):
+            mine = self.job_of(job, jobs, want.users.get(job, frozenset()))
+            alive = job in want.running or mine is not None and mine.active
+            if not alive or name not in nodes or mine is not None and name in mine.nodes:
+                continue
+            handle = self._submit(job, nodes[name], 0, mine)
+            said.append(f"placeholder job {handle} submitted to hold {name} again: job {job}'s ranks run there")
         return said
 
     def _drains(self, want: Wanted, nodes: dict[str, SNode]) -> list[str]:
