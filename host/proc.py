@@ -6,7 +6,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,18 +142,13 @@ def has_capability(cap: int) -> bool:
     return False
 
 
-def other_users(pid: int) -> set[int]:
-    """The UIDs (real, effective, saved) other than this process's own that ``pid`` and its
-    descendants run as."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return set()
+def other_users(pids: Iterable[int]) -> set[int]:
+    """The UIDs (real, effective, saved) other than this process's own that ``pids`` (a
+    :func:`tree_pids`) run as."""
     out: set[int] = set()
-    for p in procs:
+    for pid in pids:
         with suppress(psutil.Error):
-            out.update(p.uids())
+            out.update(psutil.Process(pid).uids())
     return out - {os.geteuid()}
 
 

@@ -42,7 +42,7 @@ def slurm_cluster(tmp_path: Path) -> Iterator[tuple[Cluster, Slurm]]:
     c = Cluster(tmp_path, list("ABCDEF"), ifname=IFNAME)
     s = None
     try:
-        s = Slurm(c, tmp_path, {"train": list("ABCE"), "spares": ["D"]})
+        s = Slurm(c, {"train": list("ABCE"), "spares": ["D"]})
         yield c, s
     finally:
         if s is not None:

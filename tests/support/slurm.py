@@ -30,7 +30,7 @@ def have_slurm() -> bool:
 
 
 class Slurm:
-    def __init__(self, c: Cluster, tmp: Path, partitions: dict[str, list[str]]) -> None:
+    def __init__(self, c: Cluster, partitions: dict[str, list[str]]) -> None:
         """``partitions``: name -> the cluster's nodes (by their short names) in it; the first is the default."""
         self.c = c
         self.members = [c.nodes[m] for m in dict.fromkeys(m for ms in partitions.values() for m in ms)]

@@ -33,7 +33,7 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
             continue
         tree = set(proc.tree_pids(row.pid))
         used = [g.uuid for g in found if tree & set(g.pids)]
-        users = sorted(proc.other_users(row.pid))
+        users = sorted(proc.other_users(tree))
         ranks.append(
             pb.RankReport(
                 job=row.job,

@@ -51,7 +51,7 @@ def check_migratable(cfg: AgentConfig, pid: int) -> None:
             "`tpagent launch`, and runs no program named in allow_executables.",
             Why.DENIED,
         )
-    users = proc.other_users(pid)
+    users = proc.other_users(proc.tree_pids(pid))
     if users and not proc.has_capability(proc.CAP_SYS_RESOURCE):
         raise Refused(
             f"PID {pid} runs as UID {min(users)}, and the agent on {cfg.node} lacks CAP_SYS_RESOURCE, without "

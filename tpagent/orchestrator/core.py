@@ -298,12 +298,13 @@ class Orchestrator:
 
     def _held(self, m: Move) -> mover.Outcome | None:
         """None once the scheduler holds ``m``'s target for it; else how ``m`` ends, and why."""
-        source = self.view().nodes.get(m.source)
+        view = self.view()
+        source = view.nodes.get(m.source)
         ranks = source.ranks if source is not None else ()
         gpus = len({g for r in ranks if r.job == m.job and r.rank in m.ranks for g in r.gpus})
         t0 = time.monotonic()
         try:
-            held = self.scheduler.hold(m, gpus, users_of(self.view()).get(m.job, frozenset()))
+            held = self.scheduler.hold(m, gpus, users_of(view).get(m.job, frozenset()))
         except SchedulerError as e:
             if e.down:  # (not the spare's doing: planned again once the scheduler answers)
                 self.backoff_until = time.monotonic() + SCHEDULER_BACKOFF
@@ -331,9 +332,7 @@ class Orchestrator:
         where: dict[str, dict[int, str]] = {}
         for a in away:
             where.setdefault(a.job, {})[a.rank] = a.on
-        view = self.view()
-        running = frozenset(r.job for n in view.nodes.values() for r in n.ranks)
-        return Wanted(drains, frozenset((a.job, a.on) for a in away), moving, where, running, users_of(view))
+        return Wanted(drains, frozenset((a.job, a.on) for a in away), moving, where, users_of(self.view()))
 
     def keep_in_step(self) -> None:
         """Bring the scheduler in step every :data:`IN_STEP_EVERY` seconds until stopped."""

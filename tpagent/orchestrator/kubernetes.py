@@ -60,7 +60,12 @@ class KNode:
     schedulable: bool
     labels: dict[str, str]
     gpus: int  # allocatable nvidia.com/gpu
-    taint: str  # tpagent's taint's value ("": none)
+    taints: tuple[dict[str, Any], ...]  # every taint of it, as the API listed it
+
+    @property
+    def taint(self) -> str:
+        """tpagent's taint's value ("": none)."""
+        return next((t.get("value") or "" for t in self.taints if t.get("key") == TAINT), "")
 
 
 @dataclass(frozen=True)
@@ -85,14 +90,13 @@ def node_of(d: dict[str, Any]) -> KNode:
     spec = d.get("spec") or {}
     status = d.get("status") or {}
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
-    ours = [t.get("value") or "" for t in spec.get("taints") or () if t.get("key") == TAINT]
     return KNode(
         str(meta.get("name", "")),
         ready,
         not spec.get("unschedulable", False),
         dict(meta.get("labels") or {}),
         _count((status.get("allocatable") or {}).get(GPU)),
-        ours[0] if ours else "",
+        tuple(spec.get("taints") or ()),
     )
 
 
@@ -251,11 +255,11 @@ class Kubernetes:
         for n in nodes:
             reason = taint_value(want.drains.get(n.name, ""))
             if n.name in want.drains and not n.taint:
-                taints = [*self._taints(n.name), {"key": TAINT, "value": reason, "effect": "NoSchedule"}]
+                taints = [*n.taints, {"key": TAINT, "value": reason, "effect": "NoSchedule"}]
                 self._call("taint a node", api.patch_node, n.name, {"spec": {"taints": taints}})
                 said.append(f"{n.name} tainted NoSchedule in Kubernetes")
             elif n.name not in want.drains and n.taint:
-                taints = [t for t in self._taints(n.name) if t.get("key") != TAINT]
+                taints = [t for t in n.taints if t.get("key") != TAINT]
                 self._call("untaint a node", api.patch_node, n.name, {"spec": {"taints": taints}})
                 said.append(f"{n.name}'s NoSchedule taint removed in Kubernetes (tpagent's own)")
         running = set(want.running) | {p.labels[JOB_LABEL] for p in pods if JOB_LABEL in p.labels and p.active}
@@ -274,8 +278,3 @@ class Kubernetes:
                 body = {"metadata": {"annotations": {RECORD: text or None}}}
                 self._call("annotate a pod", api.patch_namespaced_pod, p.name, p.namespace, body)
         return said
-
-    def _taints(self, node: str) -> list[dict[str, Any]]:
-        api = self.api()
-        obj = api.api_client.sanitize_for_serialization(self._call("read a node", api.read_node, node))
-        return list((obj.get("spec") or {}).get("taints") or [])

@@ -67,8 +67,13 @@ class Wanted:
     #: ... and moves under way there (held whatever else).
     moving: frozenset[tuple[str, str]] = frozenset()
     where: dict[str, dict[int, str]] = field(default_factory=dict)  # job -> rank -> node, ranks away from home
-    running: frozenset[str] = frozenset()  # the jobs whose ranks the agents report
-    users: dict[str, frozenset[int]] = field(default_factory=dict)  # job -> the UIDs its ranks run as (root's aside)
+    #: job -> the UIDs its ranks run as (root's aside), for every job whose ranks the agents report.
+    users: dict[str, frozenset[int]] = field(default_factory=dict)
+
+    @property
+    def running(self) -> frozenset[str]:
+        """The jobs whose ranks the agents report."""
+        return frozenset(self.users)
 
 
 class Scheduler(Protocol):

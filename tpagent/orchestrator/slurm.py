@@ -253,8 +253,8 @@ class Slurm:
         held = {h[1] for j in jobs if j.active and (h := j.hold_of())}
         spare = self.cfg.slurm_spare_partition
         idle = {n.name for n in nodes.values() if n.usable and n.cpus_used == 0 and n.name not in held}
-        order = [*self.cfg.dedicated(), *sorted(n for n in idle if spare and spare in nodes[n].partitions)]
         cfg_gpus = self.cfg.dedicated()
+        order = [*cfg_gpus, *sorted(n for n in idle if spare and spare in nodes[n].partitions)]
         dedicated = {n: cfg_gpus.get(n, frozenset()) for n in dict.fromkeys(order) if n in idle}
         floating: set[str] = set()
         taken: set[str] = set()
