@@ -1,7 +1,9 @@
 """The GPU proof: on a GPU node, in one command, whether tpagent's GPU path works and how fast.
 
-    scripts/gpu-proof.sh [--out DIR] [--sizes-gib 1,8,16] [--budget-s 540] [--tests-s S]
+    scripts/gpu-proof.sh [--out DIR] [--sizes-gib 1,8,16] [--budget-s 540] [--jobs-s S] [--tests-s S]
 
+0. the jobs (bench/gpu_jobs.py): ordinary training jobs, one shape each (DataLoader workers
+   first), dumped, restored and moved between two nodes, each bit-identical to an uninterrupted run;
 1. the GPU tests (tests/snapshot/test_gpu.py: dump/restore of 1 and 8 GiB bit-exact, a
    `tpagent launch` workload, a migration between two agents; tests/agent/test_rewire_gpu.py:
    a world-size-1 NCCL job and a rank with an NCCL group beside a CPU rank, each moved with
@@ -13,11 +15,13 @@
    free and host memory for the images; sizes dropped in order once the time budget would be
    passed: each is said, with why).
 
-Writes four files to DIR (default ./gpu-proof; a GPU machine that hands back few files takes
-them all): gpu-proof.json, gpu-proof.md, gpu-tests.log (the tests' output, as they run) and
+Writes five files to DIR (default ./gpu-proof; a GPU machine that hands back few files takes
+them all): gpu-proof.json, gpu-proof.md, gpu-jobs.log and gpu-tests.log (the jobs' and the
+tests' output, as they run) and
 gpu-proof-logs.tar.gz (every bench's JSON and output, the tests' JUnit XML, and the small text
 files the tests' runs left: agents' logs, ranks' output, CRIU's logs).  The JSON:
-``{"machine": {...}, "tests": [{"name", "outcome": passed|failed|skipped, "detail"}],
+``{"machine": {...}, "jobs": [{"shape", "outcome", "detail", "image_bytes", "dump_s", "restore_s",
+"downtime_s", ...}], "tests": [{"name", "outcome": passed|failed|skipped, "detail"}],
 "benchmarks": [{"bench", "size_gib", "outcome", "detail", "result"}], "summary": {...}}``.
 A benchmark's ``result`` is the bench's own JSON row plus, for the snapshot bench, ``floor_s`` =
 the driver's checkpoint + restore alone, ``tpagent_s`` = tpagent's dump + restore, their ratio,
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -48,13 +53,26 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT)]
 
+
 from host import gpus  # noqa: E402
+
+
+def _beside(name: str) -> Any:
+    """The module ``name`` of bench/ (by its file: bench/ on sys.path would shadow the packages)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_jobs = _beside("gpu_jobs")
 
 # (the snapshot path on the GPU; a rank with NCCL and GPU memory moved with its job rewired)
 TESTS = (
+    "tests/orchestrator/test_gpu_health_nvml.py",
     "tests/agent/test_rewire_gpu.py",
     "tests/snapshot/test_gpu.py",
-    "tests/orchestrator/test_gpu_health_nvml.py",
 )
 NAMED = " ".join(TESTS)
 
@@ -108,12 +126,20 @@ def pack(work: Path, tar: Path) -> None:
 _TEXT = {".log", ".out", ".err", ".json", ".xml", ".txt"}
 
 
-def run_tests(out: Path, work: Path, budget: float) -> list[dict[str, Any]]:
-    """The GPU tests, their output written to DIR/gpu-tests.log as they run.  Past ``budget`` they
+def run_tests(
+    out: Path,
+    work: Path,
+    budget: float,
+    tests: tuple[str, ...] = TESTS,
+    name: str = "gpu-tests",
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """The GPU tests, their output written to DIR/NAME.log as they run.  Past ``budget`` they
     are interrupted as Ctrl-C would (each test's clean-up runs, finished tests keep their outcome,
     the one running fails); a minute later whatever is left of them (agents, workloads) is killed."""
-    xml = work / "gpu-tests.xml"
-    log = out / "gpu-tests.log"
+    xml = work / f"{name}.xml"
+    log = out / f"{name}.log"
+    named = " ".join(tests)
     interrupted = False
     cmd = [
         sys.executable,
@@ -122,14 +148,14 @@ def run_tests(out: Path, work: Path, budget: float) -> list[dict[str, Any]]:
         "-q",
         "-p",
         "no:cacheprovider",
-        *TESTS,
+        *tests,
         f"--junitxml={xml}",
         "-rA",
         f"--basetemp={work / 'tests'}",
     ]
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, cwd=ROOT, env={**_env(), **(env or {})}, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
             proc.wait(timeout=budget)
@@ -144,9 +170,9 @@ def run_tests(out: Path, work: Path, budget: float) -> list[dict[str, Any]]:
         with contextlib.suppress(ProcessLookupError):  # (what it started and left, in its session)
             os.killpg(proc.pid, signal.SIGKILL)
     if interrupted and not xml.exists():
-        return [{"name": NAMED, "outcome": "failed", "detail": f"the GPU tests ran past {budget:.0f} s"}]
+        return [{"name": named, "outcome": "failed", "detail": f"the GPU tests ran past {budget:.0f} s"}]
     if not xml.exists():
-        return [{"name": NAMED, "outcome": "failed", "detail": log.read_text()[-500:]}]
+        return [{"name": named, "outcome": "failed", "detail": log.read_text()[-500:]}]
     rows = []
     for case in ET.parse(xml).getroot().iter("testcase"):
         if not case.get("name"):  # (what an interrupt during collection leaves: no test)
@@ -164,7 +190,7 @@ def run_tests(out: Path, work: Path, budget: float) -> list[dict[str, Any]]:
         rows.append({"name": name, "outcome": outcome, "detail": detail})
     if interrupted:
         why = f"interrupted at {budget:.0f} s: the test then running and those after it did not end"
-        rows.append({"name": NAMED, "outcome": "failed", "detail": why})
+        rows.append({"name": named, "outcome": "failed", "detail": why})
     return rows
 
 
@@ -237,6 +263,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"Machine: {gpu}; driver {m['driver']}; kernel {m['kernel']}; CRIU {m['criu']}; "
         f"transparent huge pages {m['transparent_hugepages']}; Python {m['python']}.",
+        "",
+        *gpu_jobs.table(doc["jobs"])[1:],
         "",
         "## Tests",
         "",
@@ -316,14 +344,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("gpu-proof"))
     ap.add_argument("--sizes-gib", default="1,8,16")
     ap.add_argument("--budget-s", type=float, default=540.0, help="the whole proof's time (default: 9 minutes)")
-    ap.add_argument("--tests-s", type=float, help="the tests' share of it (default: 40%%)")
+    ap.add_argument("--jobs-s", type=float, help="the jobs section's share of it (default: 50%%)")
+    ap.add_argument("--tests-s", type=float, help="the tests' share of it (default: 30%%)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     sizes = [int(s) for s in args.sizes_gib.split(",")]
-    doc: dict[str, Any] = {"machine": machine(), "tests": [], "benchmarks": []}
+    doc: dict[str, Any] = {"machine": machine(), "jobs": [], "tests": [], "benchmarks": []}
     if not doc["machine"]["gpus"] or not Path("/dev/nvidiactl").exists():
         sentence = "No NVIDIA GPU on this machine: every GPU check was skipped, none passed."
+        doc["jobs"] = gpu_jobs.skipped("no NVIDIA GPU")
         doc["tests"] = [{"name": NAMED, "outcome": "skipped", "detail": "no NVIDIA GPU"}]
         doc["benchmarks"] = [
             {"bench": b, "size_gib": s, "outcome": "skipped", "detail": "no NVIDIA GPU", "result": {}}
@@ -341,7 +371,8 @@ def main() -> int:
             pack(work, args.out / "gpu-proof-logs.tar.gz")
             shutil.rmtree(work, ignore_errors=True)
         counts = {
-            o: sum(r["outcome"] == o for r in doc["tests"] + doc["benchmarks"]) for o in ("passed", "failed", "skipped")
+            o: sum(r["outcome"] == o for r in doc["jobs"] + doc["tests"] + doc["benchmarks"])
+            for o in ("passed", "failed", "skipped")
         }
         sentence = (
             f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
@@ -352,12 +383,14 @@ def main() -> int:
     (args.out / "gpu-proof.md").write_text(markdown(doc))
     print(sentence)
     print(f"report: {args.out / 'gpu-proof.md'} and {args.out / 'gpu-proof.json'}")
-    return 1 if any(r["outcome"] == "failed" for r in doc["tests"] + doc["benchmarks"]) else 0
+    return 1 if any(r["outcome"] == "failed" for r in doc["jobs"] + doc["tests"] + doc["benchmarks"]) else 0
 
 
 def run_all(doc: dict[str, Any], args: argparse.Namespace, sizes: list[int], work: Path, t0: float) -> None:
-    """The tests, then each bench at each size while the budget lasts, into ``doc``."""
-    doc["tests"] = run_tests(args.out, work, args.tests_s or args.budget_s * 0.4)
+    """The jobs, the tests, then each bench at each size while the budget lasts, into ``doc``."""
+    doc["jobs"] = gpu_jobs.run_jobs(run_tests, args.out, work, args.jobs_s or args.budget_s * 0.5)
+    left = args.budget_s - (time.monotonic() - t0)
+    doc["tests"] = run_tests(args.out, work, min(left, args.tests_s or args.budget_s * 0.3))
     left = args.budget_s - (time.monotonic() - t0)
     if left < 120:  # (six jobs started under torchrun and six single processes, each importing torch)
         doc["benchmarks"].append(

@@ -294,6 +294,11 @@ def inspect(
     ]
     lines += [f"  pid {p.pid:>7}  {'cuda ' if p.uses_cuda else '     '}{' '.join(p.cmdline)[:90]}" for p in m.processes]
     lines += [f"  gpu {g['uuid']}  {g['name']}  {int(g['memory_used']) / 2**30:.1f} GiB used" for g in m.gpus]
+    lines += [
+        f"  forked child {f['pid']} ({f['name']}): no CUDA context; {len(f['mappings'])} mapping(s) and "
+        f"{len(f['fds'])} descriptor(s) of the GPU driver left from its fork, removed before the freeze"
+        for f in m.cuda.get("forked", [])
+    ]
     lines += ["  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in m.timings.items())]
     lines += [f"  warning: {w}" for w in m.warnings]
     _emit(as_json, m.to_json(), "\n".join(lines))

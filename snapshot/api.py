@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from host import forked
 from host.api import HostError
 
 #: Base of the snapshot layer's errors: the host floor's family (:mod:`host.api`), so that a
@@ -70,12 +71,14 @@ class DumpMode(str, enum.Enum):
 class Stage(str, enum.Enum):
     """The stages of a checkpoint and of a restore, in order.
 
-    Checkpoint: CUDA_LOCK -> CUDA_CHECKPOINT -> CRIU_DUMP -> CHECKSUM -> (finish by mode).
+    Checkpoint: FORKED_CHILDREN -> CUDA_LOCK -> CUDA_CHECKPOINT -> CRIU_DUMP -> CHECKSUM -> (finish by mode).
     Restore:    VERIFY -> CRIU_RESTORE -> CUDA_RESTORE -> CUDA_UNLOCK.
     A failure before the checkpoint has finished rolls back: CUDA_RESTORE/UNLOCK of what was
     frozen and SIGCONT of the stopped tree.
     """
 
+    #: The GPU driver's leftovers removed from children forked after CUDA started (:mod:`host.forked`).
+    FORKED_CHILDREN = "forked_children"
     CUDA_LOCK = "cuda_lock"
     CUDA_CHECKPOINT = "cuda_checkpoint"
     CRIU_DUMP = "criu_dump"
@@ -116,6 +119,9 @@ class SnapshotConfig:
     #: How many times a dump CRIU refused for a passing reason is tried again (see
     #: :data:`snapshot.dump.TRANSIENT`).
     dump_retries: int = 3
+    #: The device files whose mappings and descriptors a forked child without a CUDA context
+    #: gives up before the freeze (:mod:`host.forked`); tests name a stand-in file.
+    gpu_devices: tuple[str, ...] = forked.DEVICES
 
 
 #: Called as a stage starts (``msg`` empty) and ends (``msg`` says how it went).

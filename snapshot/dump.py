@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from host import gpus, proc
+from host import forked, gpus, proc
 from host.api import UsageError
 from host.safefs import private_dir, private_opener
 from snapshot import failures, hook, manifest, stages
@@ -49,8 +49,9 @@ from snapshot.stages import LOG_DIR, CudaFactory, Step, Timer, quiet, require_ro
 log = logging.getLogger(__name__)
 
 #: CRIU's words for a refusal that may not recur a moment later: a worker process (a
-#: DataLoader's at an epoch's end) that was exiting as the tree was seized.
-TRANSIENT = ("Zombies with threads are not supported",)
+#: DataLoader's at an epoch's end) that was exiting as the tree was seized; one forked from a
+#: CUDA process between the removal of the driver's leftovers and CRIU's seizing of the tree.
+TRANSIENT = ("Zombies with threads are not supported", "Can't handle non-regular mapping")
 #: Seconds before the first retry of such a dump; doubled for each further one.
 RETRY_BACKOFF = 0.5
 
@@ -153,6 +154,8 @@ class _Dump:
     cuda: CudaDriver | None
     cuda_pids: list[int]
     manifest: Manifest
+    #: Processes without a CUDA context holding the driver's mappings (forked after CUDA started).
+    leftovers: list[forked.Leftover]
     #: The post-dump hook CRIU runs (:func:`snapshot.hook.install`).
     script: Path | None = None
     #: The CUDA processes a lock was asked for (each is given its GPU back on a rollback).
@@ -250,6 +253,10 @@ def _plan(
     candidates = [p.pid for p in tree.procs if p.uses_cuda]
     cuda = cuda_factory() if candidates else None
     cuda_pids = [p for p in candidates if cuda is not None and _has_context(cuda, p)]
+    leftovers = forked.find(pids, cuda_pids, config.gpu_devices)
+    refused = forked.refusals(leftovers, cuda_pids, config.gpu_devices)
+    if refused:
+        raise UsageError(f"{refused[0]} Nothing was done.")
     m = Manifest(
         root_pid=pid,
         namespace=tree.namespace,
@@ -260,13 +267,17 @@ def _plan(
             "shell_job": tree.shell_job,
             "tcp_established": proc.holds_inet_sockets(pids),
         },
-        cuda={"driver_version": gpus.driver_version(), "pids": cuda_pids},
+        cuda={
+            "driver_version": gpus.driver_version(),
+            "pids": cuda_pids,
+            "forked": [left.to_dict() for left in leftovers],
+        },
         tpagent_version=producer_version(),
         origin={"mode": mode.value, "root_create_time": tree.create_time},
         carried=sorted({os.path.normpath(os.path.abspath(p)) for p in carry}),
     )
     timer = Timer(progress, config.fail_after)
-    return _Dump(pid, out, mode, config, criu, timer, tree, created, pids, cuda, cuda_pids, m)
+    return _Dump(pid, out, mode, config, criu, timer, tree, created, pids, cuda, cuda_pids, m, leftovers)
 
 
 def _prepare_out(job: _Dump) -> None:
@@ -282,6 +293,32 @@ def _prepare_out(job: _Dump) -> None:
     except OSError as e:
         _clear(out, job.created)
         raise UsageError(f"cannot write to {out}: {e.strerror}.") from e
+
+
+def _strip_forked(job: _Dump) -> None:
+    """Unmap and close, inside each forked child without a CUDA context, what it kept of the GPU
+    driver (:mod:`host.forked`: nothing it may still use; a child that used it was refused).
+    Done once the GPU is frozen, just before CRIU, on the tree as it is then: a parent may have
+    forked workers meanwhile (a DataLoader's next epoch; once locked, its next CUDA call waits,
+    so it forks no more).  A child new since the plan that has used such memory fails the
+    checkpoint, which rolls back.  Nothing to undo: the children run on without them."""
+    devices = job.config.gpu_devices
+    now = forked.find(proc.tree_pids(job.pid), job.cuda_pids, devices) if job.cuda is not None else []
+    if not now:
+        return
+    with job.timer.stage(Stage.FORKED_CHILDREN):
+        seen = {left.pid for left in job.leftovers}
+        # (the CUDA processes hold no descriptors now: whose a new child's are can no longer be told)
+        refused = forked.refusals([n for n in now if n.pid not in seen], job.cuda_pids, devices, own_fds=False)
+        if refused:
+            raise UsageError(refused[0])
+        for left in now:
+            try:
+                forked.remove(left, devices)
+            except OSError as e:
+                if proc.alive(left.pid):
+                    why = f"the GPU driver's leftovers in PID {left.pid} could not be removed"
+                    raise ToolError(why, detail=str(e)) from e
 
 
 def _freeze_gpu(job: _Dump) -> None:
@@ -353,6 +390,7 @@ def _read_back(job: _Dump) -> None:
 #: before CRIU finished, :func:`_rolled_back` undoes them all; after, the snapshot is kept.
 FREEZE_AND_DUMP: tuple[Step[_Dump], ...] = (
     Step("freeze the GPU (CUDA lock, CUDA checkpoint)", _freeze_gpu, undo=_thaw),
+    Step("remove the GPU driver's leftovers from forked children", _strip_forked),
     # (undo: CRIU's own, on its failure: it resumes the tree and lifts its network lock)
     Step("criu dump, its hook sealing the snapshot", _criu_dump),
     Step("read the sealed manifest back", _read_back),

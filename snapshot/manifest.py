@@ -8,7 +8,7 @@
                      "root_pid": INT, "namespace": BOOL,
                      "processes": [ PROCESS ], "gpus": [ GPU ],
                      "criu": {"version", "shell_job", "tcp_established"},
-                     "cuda": {"driver_version", "pids": [INT]},
+                     "cuda": {"driver_version", "pids": [INT], "forked": [FORKED] (optional)},
                      "files": { RELPATH: {"size": INT, "chunk_size": INT, "sha256": [HEX]} },
                      "total_bytes": INT, "timings": { STAGE: SECONDS },
                      "carried": [ ABSPATH ],                 (optional: files kept in images/tpagent-files.tar)
@@ -23,6 +23,8 @@
     PROCESS    ::= {"pid", "ppid", "cmdline": [STR], "ns_pids": [INT], "uses_cuda": BOOL,
                      "tids": [INT]}                         (optional: its other threads' IDs)
     GPU        ::= {"index", "uuid", "name", "memory_total", "memory_used", ...}
+    FORKED     ::= {"pid", "name", "mappings": [[HEX, HEX, PATH]], "fds": [[INT, PATH]]}
+                     (a child forked after CUDA started: the GPU driver's leftovers removed from it)
 
 RELPATH is relative to the snapshot directory.  Each file is hashed in CHUNK_SIZE pieces
 (one SHA-256 per piece, in order) so that all cores hash a large page image at once.  A reader

@@ -25,13 +25,8 @@ PEER = ROOT / "tests" / "workloads" / "tcp_peer.py"
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, ["A", "B"])
-    try:
-        for node in c.nodes.values():
-            node.start_agent()
+    with Cluster.with_agents(tmp_path, ["A", "B"]) as c:
         yield c
-    finally:
-        c.close()
 
 
 class Helpers:

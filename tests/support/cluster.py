@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,6 +241,18 @@ class Cluster:
             work.mkdir()
             # (the bridge's address too: test proxies listen there)
             self.nodes[name] = Node(ns, addr, dev, work, self.secret, node_certs(tmp, ns, addr, self.bridge_addr))
+
+    @classmethod
+    @contextlib.contextmanager
+    def with_agents(cls, tmp: Path, names: list[str]) -> Iterator[Cluster]:
+        """Nodes ``names``, each with its agent started; all closed on leaving."""
+        c = cls(tmp, names)
+        try:
+            for node in c.nodes.values():
+                node.start_agent()
+            yield c
+        finally:
+            c.close()
 
     def close(self) -> None:
         for node in self.nodes.values():

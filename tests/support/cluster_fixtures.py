@@ -15,13 +15,8 @@ from support.helpers import kill_and_wait
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, ["A", "B", "C"])
-    try:
-        for node in c.nodes.values():
-            node.start_agent()
+    with Cluster.with_agents(tmp_path, ["A", "B", "C"]) as c:
         yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture

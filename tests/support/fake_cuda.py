@@ -22,8 +22,10 @@ _MOVES = {
 
 
 class FakeCudaDriver:
-    def __init__(self, fail_on: str | None = None) -> None:
+    def __init__(self, fail_on: str | None = None, contexts: set[int] | None = None) -> None:
         self.states: dict[int, CudaState] = {}
+        #: The processes with a CUDA context (None: every process asked about has one).
+        self.contexts = contexts
         self.calls: list[tuple[str, int]] = []
         self.gpu_maps: list[Mapping[str, str] | None] = []
         self.fail_on = fail_on
@@ -41,6 +43,8 @@ class FakeCudaDriver:
         self.states[pid] = after
 
     def state(self, pid: int) -> CudaState:
+        if self.contexts is not None and pid not in self.contexts:
+            raise CudaError(f"CUDA state query of PID {pid} failed", detail="CUDA_ERROR_NOT_FOUND", code=500)
         return self.states.get(pid, CudaState.RUNNING)
 
     def lock(self, pid: int, timeout: float) -> None:

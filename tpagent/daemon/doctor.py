@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from host import gpus
+from host import forked, gpus
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
 from tpagent import __version__
@@ -168,11 +168,22 @@ def process_checks(pid: int) -> list[Check]:
                 f"PID {pid} is a client of an MPS server on {', '.join(mps)}: the driver cannot checkpoint MPS clients",
             )
         )
+    out += _forked_checks(sorted(tree), sorted(pid for g in gpus.inventory() for pid in g.pids if pid in tree))
     unseen = (
         "CUDA IPC handles and managed (UVM) memory cannot be seen from outside a process: if it holds them "
         "the driver refuses the checkpoint and the process is resumed"
     )
     out.append(Check("not visible", Verdict.OK, unseen))
+    return out
+
+
+def _forked_checks(tree: list[int], cuda_pids: list[int]) -> list[Check]:
+    """Each child forked after CUDA started (no context, the driver's mappings kept): what a
+    checkpoint does with it, or why it refuses the tree (:mod:`host.forked`)."""
+    leftovers = forked.find(tree, cuda_pids)
+    refused = forked.refusals(leftovers, cuda_pids)
+    out = [Check("forked child", Verdict.OK, left.describe()) for left in leftovers]
+    out += [Check("forked child", Verdict.FAIL, why) for why in refused]
     return out
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from host import files, gpus, paths, proc, sockets
+from host import files, forked, gpus, paths, proc, sockets
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
@@ -353,8 +353,10 @@ class SourceMigration:
     def _what_stays(self, pids: list[int], tcp: list[sockets.TcpSocket]) -> list[str]:
         """What no target can take, one sentence each: what CRIU cannot checkpoint, a loopback
         peer outside the tree, a lock on a file the target sees as well."""
+        cuda_pids = self.record.cuda_pids
         return [
             *proc.uncheckpointable(pids),
+            *forked.refusals(forked.find(pids, cuda_pids), cuda_pids),
             *sockets.left_behind(tcp),
             *(
                 f"PID {pid} holds a {_LOCKS.get(kind, kind)} lock on {path}, which the target sees as well (a shared "

@@ -1,0 +1,206 @@
+"""What a child forked (without exec) after its parent started CUDA keeps of the GPU driver, and
+its removal before a checkpoint.
+
+``fork`` copies the parent's ``/dev/nvidia*`` mappings and descriptors into the child (a
+DataLoader worker, a ``multiprocessing`` fork pool): the drivers do not mark them do-not-copy.
+The child has no CUDA context (the driver's checkpoint does not know it) and CRIU cannot dump a
+device mapping it has no plugin for, so the whole tree could not be checkpointed.  What the child
+can still legally do with them, by mapping:
+
+* ``/dev/nvidia-uvm``: nothing; the UVM driver makes the child's copy of a range unusable (a
+  touch is SIGBUS).
+* ``/dev/nvidiaN``: nothing; they are the GPU's own memory and registers, driven through a context
+  the child does not have (CUDA refuses to start again after a fork).
+* ``/dev/nvidiactl``: memory the driver allocated in host RAM (pinned host memory among it) is
+  shared with the parent: a child may read or write what its parent put there.  Once the parent
+  is checkpointed that sharing ends anyway (the driver moves the parent's side into ordinary
+  memory), and no snapshot can carry the child's side.
+* the descriptors: nothing without a context; closing the child's copy leaves the parent's open.
+
+So each such mapping and descriptor is removed inside the child (``munmap``, ``close``, made in
+it through :mod:`host.ptrace`) just before the freeze, and the child runs on without them.  A
+child that has touched such a mapping since its fork (the kernel's referenced bits: a fork copies
+a shared mapping's page entries as not yet referenced) really uses it, and its tree is refused
+in one sentence before anything is frozen; so is a process holding a descriptor of its own (not
+one its CUDA parent holds too: it drives the GPU without a context, as NVML does), and one that
+shares its memory with a CUDA process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from collections.abc import Iterable, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from host import ptrace
+
+#: The device files of NVIDIA's drivers, by prefix.
+DEVICES = ("/dev/nvidia",)
+_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \d+ *(.*)$")
+_SYS_KCMP = 312  # x86-64
+_KCMP_FILE = 0
+_KCMP_VM = 1
+
+
+@dataclass(frozen=True)
+class DeviceMapping:
+    start: int
+    end: int
+    path: str
+    #: KiB of it the process referenced since its fork (``Referenced:`` of its smaps).
+    touched_kib: int
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A process of the tree without a CUDA context that holds the driver's mappings or descriptors."""
+
+    pid: int
+    name: str
+    maps: tuple[DeviceMapping, ...]
+    fds: tuple[tuple[int, str], ...]
+
+    def describe(self) -> str:
+        files = sorted({m.path for m in self.maps} | {p for _, p in self.fds})
+        size = sum(m.end - m.start for m in self.maps)
+        return (
+            f"PID {self.pid} ({self.name}) has no CUDA context but {len(self.maps)} mapping(s) "
+            f"({size / 2**20:.1f} MiB of address space) and {len(self.fds)} descriptor(s) of "
+            f"{', '.join(files)} left from a fork: they are removed from it before the freeze"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "name": self.name,
+            "mappings": [[f"{m.start:#x}", f"{m.end:#x}", m.path] for m in self.maps],
+            "fds": [[fd, path] for fd, path in self.fds],
+        }
+
+
+def _is_device(path: str, devices: Sequence[str]) -> bool:
+    return any(path.startswith(d) for d in devices)
+
+
+def device_mappings(pid: int, devices: Sequence[str] = DEVICES) -> list[DeviceMapping]:
+    out: list[DeviceMapping] = []
+    current: list[Any] | None = None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = _HEADER.match(line)
+        if head:
+            if current is not None:
+                out.append(DeviceMapping(*current))
+            path = head.group(3).removesuffix(" (deleted)")
+            current = [int(head.group(1), 16), int(head.group(2), 16), path, 0] if _is_device(path, devices) else None
+        elif current is not None and line.startswith("Referenced:"):
+            current[3] = int(line.split()[1])
+    if current is not None:
+        out.append(DeviceMapping(*current))
+    return out
+
+
+def device_fds(pid: int, devices: Sequence[str] = DEVICES) -> list[tuple[int, str]]:
+    out = []
+    for fd in sorted(int(f) for f in os.listdir(f"/proc/{pid}/fd")):
+        with suppress(OSError):
+            path = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if _is_device(path, devices):
+                out.append((fd, path))
+    return out
+
+
+def find(pids: Iterable[int], cuda_pids: Iterable[int], devices: Sequence[str] = DEVICES) -> list[Leftover]:
+    """The processes of ``pids`` outside ``cuda_pids`` that hold the driver's mappings or descriptors."""
+    cuda = set(cuda_pids)
+    out = []
+    for pid in pids:
+        if pid in cuda:
+            continue
+        with suppress(OSError):
+            maps = device_mappings(pid, devices)
+            fds = device_fds(pid, devices)
+            if maps or fds:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+                out.append(Leftover(pid, name, tuple(maps), tuple(fds)))
+    return out
+
+
+def _kcmp(pid1: int, pid2: int, kind: int, idx1: int = 0, idx2: int = 0) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.syscall(_SYS_KCMP, pid1, pid2, kind, idx1, idx2))
+
+
+def refusals(
+    leftovers: Sequence[Leftover], cuda_pids: Sequence[int], devices: Sequence[str] = DEVICES, own_fds: bool = True
+) -> list[str]:
+    """One sentence for each leftover that cannot simply be removed (see the module's docstring).
+    ``own_fds`` False: descriptors are not checked (once the CUDA processes were checkpointed
+    they hold none to compare with)."""
+    if leftovers and not ptrace.supported():
+        return [
+            f"{leftovers[0].describe()}; removing them is implemented for x86-64 only, so it cannot be checkpointed."
+        ]
+    theirs = [(c, fd) for c in cuda_pids for fd, _ in _quiet_fds(c, devices)]
+    out = []
+    for left in leftovers:
+        shared = next((c for c in cuda_pids if _kcmp(left.pid, c, _KCMP_VM) == 0), None)
+        if shared is not None:
+            out.append(
+                f"PID {left.pid} ({left.name}) shares its memory with CUDA process {shared} without being one of "
+                "its threads, which cannot be checkpointed."
+            )
+            continue
+        touched = [m for m in left.maps if m.touched_kib]
+        if touched:
+            m = touched[0]
+            kib = sum(t.touched_kib for t in touched)
+            out.append(
+                f"PID {left.pid} ({left.name}) has used {kib} KiB of memory its CUDA parent allocated through "
+                f"{m.path} (at {m.start:#x}, pinned host memory) since it was forked; no snapshot can "
+                "carry that sharing, so it cannot be checkpointed: let workers copy such data, not share it, or start "
+                "them with the spawn or forkserver method."
+            )
+            continue
+        own = [
+            (fd, p) for fd, p in left.fds if own_fds and not any(_same_file(left.pid, fd, c, cfd) for c, cfd in theirs)
+        ]
+        if own:
+            out.append(
+                f"PID {left.pid} ({left.name}) has {own[0][1]} open (fd {own[0][0]}) by itself, not from its CUDA "
+                "parent: it drives the GPU without a CUDA context (as NVML does), which cannot be checkpointed."
+            )
+    return out
+
+
+def _same_file(pid: int, fd: int, other: int, other_fd: int) -> bool:
+    """Whether the two descriptors are one open file (``fork`` shares them; an ``open`` does not)."""
+    return _kcmp(pid, other, _KCMP_FILE, fd, other_fd) == 0
+
+
+def _quiet_fds(pid: int, devices: Sequence[str]) -> list[tuple[int, str]]:
+    with suppress(OSError):
+        return device_fds(pid, devices)
+    return []
+
+
+def remove(left: Leftover, devices: Sequence[str] = DEVICES) -> int:
+    """Unmap and close, inside ``left.pid``, the driver's mappings and descriptors it holds now;
+    the bytes of address space given up."""
+    maps = device_mappings(left.pid, devices)
+    fds = device_fds(left.pid, devices)
+    if not maps and not fds:
+        return 0
+    todo: list[tuple[int, tuple[int, ...]]] = [(ptrace.SYS_MUNMAP, (m.start, m.end - m.start)) for m in maps]
+    todo += [(ptrace.SYS_CLOSE, (fd,)) for fd, _ in fds]
+    results = ptrace.calls(left.pid, todo)
+    failed = [(call, r) for call, r in zip(todo, results, strict=True) if r < 0]
+    if failed:
+        (number, args), r = failed[0]
+        what = "munmap" if number == ptrace.SYS_MUNMAP else "close"
+        raise ptrace.PtraceError(-r, f"{what}{args} inside PID {left.pid} failed: {os.strerror(-r)}")
+    return sum(m.end - m.start for m in maps)

@@ -1,0 +1,173 @@
+"""System calls made inside another process, through ptrace (x86-64).
+
+The process is seized whole (every thread stopped, nothing else runs in it meanwhile); its main
+thread is pointed at a ``syscall`` instruction already in its own code (its vDSO, else another
+executable mapping: nothing is written into it), stepped over that one instruction once per call,
+and put back exactly as it stood; its threads are let go with any signal that arrived meanwhile.
+A thread that was blocked in a system call restarts it as it would after any stop: the injected
+state has no system call to restart (``orig_rax`` -1), the restored state has its own.
+
+CRIU's parasite does the same with code of its own; this needs nothing but root (CAP_SYS_PTRACE)
+and a tracee that nothing else traces.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import signal
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+from host.api import UsageError
+
+_PTRACE_GETREGS = 12
+_PTRACE_SETREGS = 13
+_PTRACE_SINGLESTEP = 9
+_PTRACE_DETACH = 17
+_PTRACE_SEIZE = 0x4206
+_PTRACE_INTERRUPT = 0x4207
+_WALL = 0x40000000
+_SYSCALL = b"\x0f\x05"
+#: Steps of one call before it is given up on (a signal-delivery stop can come first).
+_TRIES = 8
+
+SYS_CLOSE = 3
+SYS_MUNMAP = 11
+
+
+_REGS = (
+    *("r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx", "rsi", "rdi"),
+    *("orig_rax", "rip", "cs", "eflags", "rsp", "ss", "fs_base", "gs_base", "ds", "es", "fs", "gs"),
+)
+
+
+class _Regs(ctypes.Structure):
+    """``struct user_regs_struct`` of x86-64."""
+
+    _fields_ = [(name, ctypes.c_ulonglong) for name in _REGS]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+_libc.ptrace.restype = ctypes.c_long
+
+
+class PtraceError(OSError):
+    """A ptrace request failed (the process exited, is traced by another, or refused a call)."""
+
+
+def supported() -> bool:
+    return platform.machine() == "x86_64"
+
+
+def _ptrace(request: int, tid: int, addr: int = 0, data: object = None) -> int:
+    ctypes.set_errno(0)
+    ret = int(_libc.ptrace(request, tid, ctypes.c_void_p(addr), data))
+    err = ctypes.get_errno()
+    if ret == -1 and err:
+        raise PtraceError(err, f"ptrace({request}) of thread {tid}: {os.strerror(err)}")
+    return ret
+
+
+def _wait_stop(tid: int) -> int:
+    """The signal of ``tid``'s next stop (SIGTRAP for a ptrace event stop)."""
+    while True:
+        _, status = os.waitpid(tid, _WALL)
+        if os.WIFSTOPPED(status):
+            return os.WSTOPSIG(status)
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            raise PtraceError(errno.ESRCH, f"thread {tid} exited while it was being worked on")
+
+
+def _tids(pid: int) -> set[int]:
+    return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def _syscall_site(pid: int) -> int:
+    """The address of a ``syscall`` instruction in the process's own executable memory."""
+    spans = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split()
+        if "x" not in fields[1]:
+            continue
+        start, end = (int(a, 16) for a in fields[0].split("-"))
+        name = fields[5] if len(fields) > 5 else ""
+        spans.append((name != "[vdso]", end - start, start, end))
+    with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        for _, _, start, end in sorted(spans):  # the vDSO first, then the smallest
+            with suppress(OSError):
+                mem.seek(start)
+                at = mem.read(min(end - start, 8 << 20)).find(_SYSCALL)
+                if at >= 0:
+                    return start + at
+    raise PtraceError(errno.ENOEXEC, f"PID {pid} has no syscall instruction in its executable memory")
+
+
+class Tracee:
+    """A seized, stopped process whose main thread makes the calls; see :func:`seized`."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.saved = _Regs()
+        self.site = 0
+
+    def call(self, number: int, *args: int) -> int:
+        """System call ``number`` with ``args`` in the process: its result (a negative errno)."""
+        regs = _Regs.from_buffer_copy(self.saved)
+        regs.rax = number
+        regs.orig_rax = 2**64 - 1  # (no system call of its own to restart)
+        for name, value in zip(("rdi", "rsi", "rdx", "r10", "r8", "r9"), args, strict=False):
+            setattr(regs, name, value % 2**64)
+        regs.rip = self.site
+        _ptrace(_PTRACE_SETREGS, self.pid, 0, ctypes.byref(regs))
+        for _ in range(_TRIES):
+            _ptrace(_PTRACE_SINGLESTEP, self.pid, 0, None)
+            _wait_stop(self.pid)
+            _ptrace(_PTRACE_GETREGS, self.pid, 0, ctypes.byref(regs))
+            if regs.rip == self.site + len(_SYSCALL):
+                return ctypes.c_longlong(regs.rax).value
+        raise PtraceError(errno.EINTR, f"PID {self.pid} did not make the call in {_TRIES} steps")
+
+
+@contextmanager
+def seized(pid: int) -> Iterator[Tracee]:
+    """Every thread of ``pid`` stopped under ptrace; all put back and let go on leaving."""
+    if not supported():
+        raise UsageError(f"calls inside another process are implemented for x86-64 only, not {platform.machine()}.")
+    pending: dict[int, int] = {}  # thread -> a signal that stopped it first: given back at the end
+    held: list[int] = []
+    tracee = Tracee(pid)
+    restored = False
+    try:
+        todo = _tids(pid)
+        while todo:  # (threads started meanwhile are seized too)
+            for tid in sorted(todo):
+                _ptrace(_PTRACE_SEIZE, tid, 0, None)
+                held.append(tid)
+                _ptrace(_PTRACE_INTERRUPT, tid, 0, None)
+                sig = _wait_stop(tid)
+                if sig != signal.SIGTRAP:
+                    pending[tid] = sig
+            todo = _tids(pid) - set(held)
+        _ptrace(_PTRACE_GETREGS, pid, 0, ctypes.byref(tracee.saved))
+        tracee.site = _syscall_site(pid)
+        yield tracee
+        _ptrace(_PTRACE_SETREGS, pid, 0, ctypes.byref(tracee.saved))
+        restored = True
+    finally:
+        if not restored and pid in held:
+            with suppress(PtraceError):
+                _ptrace(_PTRACE_SETREGS, pid, 0, ctypes.byref(tracee.saved))
+        for tid in held:
+            with suppress(PtraceError):
+                _ptrace(_PTRACE_DETACH, tid, 0, ctypes.c_void_p(pending.get(tid, 0)))
+
+
+def calls(pid: int, todo: Sequence[tuple[int, tuple[int, ...]]]) -> list[int]:
+    """Each ``(number, args)`` of ``todo`` made inside ``pid``, in order: their results."""
+    with seized(pid) as tracee:
+        return [tracee.call(number, *args) for number, args in todo]

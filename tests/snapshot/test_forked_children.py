@@ -1,0 +1,159 @@
+"""Children forked (without exec) after their parent started CUDA: what they kept of the driver is
+removed inside them before the freeze, and a child that really uses it is refused first.
+
+Without a GPU the driver's device files are a stand-in file (tests/workloads/forked_workers.py
+maps it shared before it forks its batch workers, as a CUDA process's ``/dev/nvidia*`` mappings
+are inherited) and the driver's checkpoint calls are faked (only the parent has a context).  CRIU
+could dump a mapping of an ordinary file, so what these show is the detection, the removal (made
+inside the workers through ptrace, real), the refusals, and workers that still serve batches
+after the restore; that CRIU then dumps a real DataLoader job is shown on a GPU
+(tests/snapshot/test_gpu_jobs.py).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import suppress
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import needs_criu
+from host import forked
+from host.api import UsageError
+from snapshot import restore
+from snapshot.api import SnapshotConfig
+from snapshot.dump import checkpoint
+from support.fake_cuda import FakeCudaDriver
+from support.helpers import alive, kill_and_wait, wait_until
+
+WORKLOAD = Path(__file__).resolve().parent.parent / "workloads" / "forked_workers.py"
+
+
+class Job:
+    def __init__(self, tmp: Path, *flags: str) -> None:
+        self.log = tmp / "job.log"
+        self.device = Path("/dev/shm") / f"tpagent-standin-nvidia-{tmp.name}"
+        lib = tmp / "libcuda.so.1"
+        lib.write_bytes(b"\0" * mmap.PAGESIZE)
+        with open(tmp / "job.out", "ab") as out:
+            self.popen = subprocess.Popen(
+                [sys.executable, str(WORKLOAD), str(self.log), str(lib), str(self.device), *flags],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+            )
+        self.pid = self.popen.pid
+        self.group = self.pid
+        wait_until(lambda: len(self.ticks()) >= 5 or self.popen.poll() is not None, "the job to serve batches")
+        assert self.popen.poll() is None, (tmp / "job.out").read_text()[-2000:]
+
+    def lines(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def ticks(self) -> list[tuple[int, int]]:
+        return [(int(ln.split()[1]), int(ln.split()[5])) for ln in self.lines() if ln.startswith("tick ")]
+
+    def workers(self) -> list[int]:
+        return sorted(c.pid for c in psutil.Process(self.pid).children())
+
+    def serves_on(self, what: str) -> None:
+        """More batches, each checked by the job, from both workers; never a broken one."""
+        n = self.ticks()[-1][0]
+        wait_until(lambda: self.ticks()[-1][0] > n + 6, f"the job to serve batches {what}")
+        assert not [ln for ln in self.lines() if ln.startswith("broken")], self.lines()[-3:]
+        ticks = self.ticks()
+        assert [k for k, _ in ticks] == list(range(len(ticks))), "a batch was skipped or served twice"
+        assert {w for _, w in ticks[-4:]} == set(self.workers()), "a worker stopped serving"
+
+    def holds_device(self, pid: int) -> bool:
+        return bool(forked.device_mappings(pid, self.stand_in) or forked.device_fds(pid, self.stand_in))
+
+    @property
+    def stand_in(self) -> tuple[str, ...]:
+        return (str(self.device),)
+
+    def close(self) -> None:
+        with suppress(ProcessLookupError):  # (the job and its workers: one process group, restored as it was)
+            os.killpg(self.group, signal.SIGKILL)
+        if alive(self.pid):
+            kill_and_wait(self.pid)
+        self.popen.wait(timeout=30)
+        self.device.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def job_factory(tmp_path: Path) -> Iterator[type]:
+    made: list[Job] = []
+
+    def make(*flags: str) -> Job:
+        made.append(Job(tmp_path, *flags))
+        return made[-1]
+
+    yield make  # type: ignore[misc]
+    for j in made:
+        j.close()
+
+
+def test_removal_inside_a_running_worker_leaves_it_serving(job_factory) -> None:  # type: ignore[no-untyped-def]
+    """Each worker is blocked reading its next request when the calls are made inside it: it goes
+    on as before (its read restarted), without the device; its parent keeps its own mapping."""
+    job = job_factory()
+    found = forked.find(job.workers(), [job.pid], job.stand_in)
+    assert [left.pid for left in found] == job.workers()
+    assert all(len(left.maps) == 1 and left.fds for left in found), found
+    assert forked.refusals(found, [job.pid], job.stand_in) == []
+    for left in found:
+        assert forked.remove(left, job.stand_in) == 1 << 20
+    assert not any(job.holds_device(w) for w in job.workers())
+    assert forked.device_mappings(job.pid, job.stand_in), "the parent lost its own mapping"
+    job.serves_on("after the removal")
+
+
+def test_forked_workers_dump_restore_and_serve_on(job_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    job = job_factory()
+    workers = job.workers()
+    fake = FakeCudaDriver(contexts={job.pid})
+    config = SnapshotConfig(gpu_devices=job.stand_in)
+    m = checkpoint(job.pid, tmp_path / "snap", config=config, cuda_factory=lambda: fake)
+    job.popen.wait(timeout=30)
+    assert m.cuda_pids == [job.pid]
+    assert sorted(f["pid"] for f in m.cuda["forked"]) == workers
+    assert "forked_children" in m.timings
+    result = restore.restore(tmp_path / "snap", config=config, cuda_factory=lambda: fake)
+    job.pid = result.pid
+    assert job.workers() == workers
+    assert not any(job.holds_device(w) for w in workers)
+    assert job.holds_device(job.pid), "the CUDA process came back without its own mapping"
+    job.serves_on("after the restore")
+
+
+@pytest.mark.parametrize(
+    ("flag", "said"),
+    [
+        ("--touch", r"has used \d+ KiB of memory its CUDA parent allocated through .* since it was forked"),
+        ("--own", r"open \(fd \d+\) by itself, not from its CUDA parent"),
+    ],
+)
+def test_a_worker_that_uses_the_device_is_refused_before_anything(  # type: ignore[no-untyped-def]
+    job_factory, tmp_path: Path, flag: str, said: str
+) -> None:
+    job = job_factory(flag)
+    fake = FakeCudaDriver(contexts={job.pid})
+    config = SnapshotConfig(gpu_devices=job.stand_in)
+    with pytest.raises(UsageError, match=said + r".* Nothing was done\.$"):
+        checkpoint(job.pid, tmp_path / "snap", config=config, cuda_factory=lambda: fake)
+    assert fake.calls == [], "the GPU was touched before the refusal"
+    assert all(job.holds_device(w) for w in job.workers()), "something was removed before the refusal"
+    assert not (tmp_path / "snap").exists()
+    job.serves_on("after the refusal")
+
+
+pytestmark = needs_criu
