@@ -8,7 +8,9 @@ For each size a workload holding that much state is started, then, in one run:
   * naive:   bare `criu dump` / `criu restore` of the same workload, no manifest, no checks
              (a GPU workload: the driver's lock+checkpoint before, restore+unlock after, as
              `cuda-checkpoint` and criu run by hand would do);
-  * floor:   writing / reading the same number of bytes to / from the same directory.
+  * floor:   writing / reading the same number of bytes to / from the same directory;
+  * the seal: the same images hashed again with SHA-256 (what format 1 sealed with) and with
+             BLAKE3 (what the checkpoint's own ``checksum`` stage uses now), side by side.
 Medians over --repeats, after one untimed warm-up round, tpagent and naive taking turns at
 going first; the table's ratios are tpagent's time over the naive and floor times.
 --gpu holds the state on the GPU (tests/workloads/gpu_hold.py, sizes in GiB of GPU memory).
@@ -31,7 +33,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import common  # noqa: E402
 
-from snapshot import restore  # noqa: E402
+from snapshot import manifest, restore  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
 from snapshot.cuda import CudaDriver  # noqa: E402
 from snapshot.dump import checkpoint  # noqa: E402
@@ -93,6 +95,10 @@ def tpagent_round(kind: str, size: int, work: Path, out: dict[str, float]) -> No
     out["tpagent_restore_s"] = time.monotonic() - t0
     out.update({f"{k}_s": v for k, v in {**m.timings, **r.timings}.items()})
     out["image_bytes"] = m.total_bytes
+    for digest in ("sha256", manifest.DIGEST):  # (the same images sealed as format 1 did, and as now)
+        t0 = time.monotonic()
+        manifest.checksum_files(work / "snap", digest=digest)
+        out[f"seal_{digest}_s"] = time.monotonic() - t0
     kill_and_wait(r.pid)
     shutil.rmtree(work / "snap")
     log.unlink()
@@ -151,6 +157,8 @@ def main() -> None:
         "cuda_checkpoint_s",
         "criu_dump_s",
         "checksum_s",
+        "seal_sha256_s",
+        "seal_blake3_s",
         "tpagent_dump_s",
         "naive_dump_s",
         "floor_write_s",

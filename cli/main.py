@@ -328,7 +328,11 @@ def doctor(
     criu: CriuOpt = None,
     as_json: JsonOpt = False,
     pid: Annotated[
-        int | None, typer.Option("--pid", help="Also check this process: CUDA features the driver cannot checkpoint.")
+        int | None,
+        typer.Option(
+            "--pid",
+            help="Also check this process: CUDA features the driver cannot checkpoint, children forked after CUDA.",
+        ),
     ] = None,
 ) -> None:
     """Check that this node can checkpoint and restore; one line per check."""

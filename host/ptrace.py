@@ -114,6 +114,8 @@ class Tracee:
         self.pid = pid
         self.saved = _Regs()
         self.site = 0
+        #: A signal that stopped the main thread meanwhile: given back when it is let go.
+        self.pending = 0
 
     def call(self, number: int, *args: int) -> int:
         """System call ``number`` with ``args`` in the process: its result (a negative errno)."""
@@ -126,7 +128,9 @@ class Tracee:
         _ptrace(_PTRACE_SETREGS, self.pid, 0, ctypes.byref(regs))
         for _ in range(_TRIES):
             _ptrace(_PTRACE_SINGLESTEP, self.pid, 0, None)
-            _wait_stop(self.pid)
+            sig = _wait_stop(self.pid)
+            if sig != signal.SIGTRAP:  # (a signal arrived first: held back, given back at the end)
+                self.pending = sig
             _ptrace(_PTRACE_GETREGS, self.pid, 0, ctypes.byref(regs))
             if regs.rip == self.site + len(_SYSCALL):
                 return ctypes.c_longlong(regs.rax).value
@@ -140,19 +144,26 @@ def seized(pid: int) -> Iterator[Tracee]:
         raise UsageError(f"calls inside another process are implemented for x86-64 only, not {platform.machine()}.")
     pending: dict[int, int] = {}  # thread -> a signal that stopped it first: given back at the end
     held: list[int] = []
+    gone: set[int] = set()
     tracee = Tracee(pid)
     restored = False
     try:
         todo = _tids(pid)
         while todo:  # (threads started meanwhile are seized too)
             for tid in sorted(todo):
-                _ptrace(_PTRACE_SEIZE, tid, 0, None)
+                try:
+                    _ptrace(_PTRACE_SEIZE, tid, 0, None)
+                except PtraceError as e:
+                    if e.errno == errno.ESRCH and tid != pid:  # (a thread that just ended)
+                        gone.add(tid)
+                        continue
+                    raise
                 held.append(tid)
                 _ptrace(_PTRACE_INTERRUPT, tid, 0, None)
                 sig = _wait_stop(tid)
                 if sig != signal.SIGTRAP:
                     pending[tid] = sig
-            todo = _tids(pid) - set(held)
+            todo = _tids(pid) - set(held) - gone
         _ptrace(_PTRACE_GETREGS, pid, 0, ctypes.byref(tracee.saved))
         tracee.site = _syscall_site(pid)
         yield tracee
@@ -162,6 +173,7 @@ def seized(pid: int) -> Iterator[Tracee]:
         if not restored and pid in held:
             with suppress(PtraceError):
                 _ptrace(_PTRACE_SETREGS, pid, 0, ctypes.byref(tracee.saved))
+        pending[pid] = tracee.pending or pending.get(pid, 0)
         for tid in held:
             with suppress(PtraceError):
                 _ptrace(_PTRACE_DETACH, tid, 0, ctypes.c_void_p(pending.get(tid, 0)))

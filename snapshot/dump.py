@@ -155,7 +155,7 @@ class _Dump:
     cuda_pids: list[int]
     manifest: Manifest
     #: Processes without a CUDA context holding the driver's mappings (forked after CUDA started).
-    leftovers: list[forked.Leftover]
+    leftovers: list[forked.Leftover] = field(default_factory=list)
     #: The post-dump hook CRIU runs (:func:`snapshot.hook.install`).
     script: Path | None = None
     #: The CUDA processes a lock was asked for (each is given its GPU back on a rollback).

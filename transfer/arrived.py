@@ -19,16 +19,18 @@ from host.safefs import private_dir
 from snapshot import manifest as snapmanifest
 from transfer import wire
 from transfer.api import IntegrityError, TransferError
-from transfer.session import Session, zero_sha256
+from transfer.session import Session, zero_digest
 from transfer.wire import Layout
 
 
-def start(partial: Path, layout: Layout | None, chunk_size: int, sha: str, expect: dict[int, list[str]]) -> Session:
+def start(
+    partial: Path, layout: Layout | None, chunk_size: int, sha: str, expect: dict[int, list[str]], digest: str
+) -> Session:
     """A session receiving into ``partial`` (made here, 0700: a partial snapshot is someone's
     memory too); its files sized and its regions counted when the layout is known.  If that
     fails part-way (no descriptor or inode left), what it opened and made is let go."""
     private_dir(partial, empty=True)
-    s = Session(layout, chunk_size, partial, sha, expect=expect)
+    s = Session(layout, chunk_size, partial, sha, expect=expect, digest=digest)
     if layout is None:
         return s
     try:
@@ -51,7 +53,7 @@ def _size_and_count(s: Session, layout: Layout, expect: dict[int, list[str]]) ->
             s.waiting[fi][off // region] += 1
         for fi, (name, size) in enumerate(layout.files):
             if size == 0:
-                s.digests[fi][0] = snapmanifest.sha256_range((s.partial / name, 0, 0))
+                s.digests[fi][0] = snapmanifest.chunk_digest((s.partial / name, 0, 0), s.digest)
 
 
 def discard(s: Session, io_timeout: float) -> None:
@@ -94,7 +96,7 @@ def check(s: Session, trailer: dict[str, object], disk_full: Callable[[], Transf
     m = snapmanifest.load(s.partial)
     if {name for name, _ in s.layout.files} != {snapmanifest.MANIFEST_NAME, *m.files}:
         raise IntegrityError("the stream carried files that its manifest does not list")
-    snapmanifest.verify(s.partial, m, _early_digests(s))
+    snapmanifest.verify(s.partial, m, _early_digests(s), s.digest)
 
 
 def _early_digests(s: Session) -> dict[str, list[str]] | None:
@@ -107,7 +109,7 @@ def _early_digests(s: Session) -> dict[str, list[str]] | None:
         for name, size in s.layout.files:
             fi = s.names[name]
             taken = [s.received_sha.get((fi, off), "") for off in range(0, size, s.chunk_size)]
-            early[name] = taken or [zero_sha256(0)]
+            early[name] = taken or [zero_digest(0, s.digest)]
         return early
     if s.digests:
         return {name: s.digests[fi] for fi, (name, _) in enumerate(s.layout.files)}

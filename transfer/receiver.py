@@ -39,7 +39,7 @@ from transfer.api import (
     TransferStats,
     Transport,
 )
-from transfer.session import Session, expected_digests, pwrite_all, sha256_back, zero_sha256
+from transfer.session import Session, digest_back, expected_digests, pwrite_all, zero_digest
 from transfer.stream import HANDSHAKE_TIMEOUT, server_handshake
 from transfer.wire import ACK, CHUNK, Codec, Kind, Layout, Role
 
@@ -257,13 +257,16 @@ class Receiver:
             else:
                 layout = Layout(tuple((str(p), int(n)) for p, n in header["files"]), chunk_size)
                 sha = str(header["manifest_sha256"])
-            expect = expected_digests(layout, header.get("sha256"))
+            digest = str(header.get("digest", "sha256"))  # (a sender older than format 2: SHA-256)
+            if digest not in snapmanifest.DIGESTS:
+                raise ValueError(f"unknown digest {digest!r}")
+            expect = expected_digests(layout, header.get("digests", header.get("sha256")))
         except (KeyError, TypeError, ValueError) as e:
             raise TransferError(f"the header is malformed ({e!r})") from e
         with self._ready:
             s = self._sessions.get(session_id)
             if s is None:
-                s = self._open_session(session_id, layout, chunk_size, sha, expect)
+                s = self._open_session(session_id, layout, chunk_size, sha, expect, digest)
                 s.header = header
             elif s.discarded or s.header != header:
                 raise TransferError(
@@ -342,10 +345,16 @@ class Receiver:
             self._result = result
 
     def _open_session(
-        self, session_id: bytes, layout: Layout | None, chunk_size: int, sha: str, expect: dict[int, list[str]]
+        self,
+        session_id: bytes,
+        layout: Layout | None,
+        chunk_size: int,
+        sha: str,
+        expect: dict[int, list[str]],
+        digest: str,
     ) -> Session:
         partial = self._out.parent / f".{self._out.name}.partial-{session_id.hex()[:12]}"
-        s = arrived.start(partial, layout, chunk_size, sha, expect)
+        s = arrived.start(partial, layout, chunk_size, sha, expect, digest)
         self._sessions[session_id] = s
         return s
 
@@ -421,7 +430,8 @@ class Receiver:
         if complete and s.layout is not None:
             start = region * snapmanifest.CHUNK_SIZE
             length = min(snapmanifest.CHUNK_SIZE, s.layout.files[fi][1] - start)
-            s.digests[fi][region] = snapmanifest.sha256_range((s.partial / s.layout.files[fi][0], start, length))
+            where_ = (s.partial / s.layout.files[fi][0], start, length)
+            s.digests[fi][region] = snapmanifest.chunk_digest(where_, s.digest)
 
     @staticmethod
     def _store(
@@ -450,13 +460,13 @@ class Receiver:
             if index in s.rewrite:  # damaged bytes were written there: zeros must replace them
                 pwrite_all(s.fds[fi], bytes(raw_len), off)
             if want is not None:
-                return want == zero_sha256(raw_len)  # the file was created sparse: zeros are already there
+                return want == zero_digest(raw_len, s.digest)  # the file was created sparse: zeros are already there
             if raw_len not in zero_crcs:
                 zero_crcs[raw_len] = zlib.crc32(bytes(raw_len))
             if zero_crcs[raw_len] != crc:
                 return False
             if s.hash_as_received:
-                s.received_sha[(fi, off)] = zero_sha256(raw_len)
+                s.received_sha[(fi, off)] = zero_digest(raw_len, s.digest)
             return True
         if codec is Codec.ZSTD:
             try:
@@ -470,7 +480,7 @@ class Receiver:
         pwrite_all(s.fds[fi], data, off)
         if want is None and not s.hash_as_received:
             return True  # (its region is hashed from the file once complete: _region_done)
-        sha = sha256_back(s.fds[fi], back, raw_len, off)
+        sha = digest_back(s.fds[fi], back, raw_len, off, s.digest)
         if want is not None and sha != want:
             with s.lock:
                 s.rewrite.add(index)

@@ -258,13 +258,19 @@ class Sender:
                     "files": [list(f) for f in layout.files],
                     "manifest_sha256": files.manifest_sha256(),
                 }
-                if cfg.chunk_size == snapmanifest.CHUNK_SIZE:  # the manifest's SHA-256s check each chunk
-                    digests = {name: e["sha256"] for name, e in snapmanifest.load(snapshot).files.items()}
-                    header["sha256"] = digests
+                if cfg.chunk_size == snapmanifest.CHUNK_SIZE:  # the manifest's digests check each chunk
+                    m = snapmanifest.load(snapshot)
+                    digests = {name: e["digests"] for name, e in m.files.items()}
+                    header |= {"digest": m.digest, "digests": digests}
                     files.digested = {fi for fi, name in enumerate(files.names) if name in digests}
             else:
                 files.follow = True
-                header = {"snapshot_id": snapshot.name, "chunk_size": cfg.chunk_size, "follow": True}
+                header = {
+                    "snapshot_id": snapshot.name,
+                    "chunk_size": cfg.chunk_size,
+                    "follow": True,
+                    "digest": snapmanifest.DIGEST,  # (the dump followed is sealed with it)
+                }
             control = _Control(self, address, session, wire.signed_json(cfg.secret, b"header", header), state)
             try:
                 control.open()

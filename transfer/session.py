@@ -1,12 +1,11 @@
 """One transfer as a receiver holds it: where its chunks go, what has arrived and been
 checked, and how a chunk is written so that what is verified is what the file holds
-(:func:`pwrite_all`, :func:`sha256_back`).  :mod:`transfer.receiver` drives it."""
+(:func:`pwrite_all`, :func:`digest_back`).  :mod:`transfer.receiver` drives it."""
 
 from __future__ import annotations
 
 import errno
 import functools
-import hashlib
 import os
 import re
 import threading
@@ -49,6 +48,8 @@ class Session:
     followed: bool = False
     #: Chunks written once and then found damaged: a resend of zeros must overwrite them.
     rewrite: set[int] = field(default_factory=set)
+    #: The algorithm of the digests above (the sender's header says; an older one's: SHA-256).
+    digest: str = "sha256"
 
     @property
     def hash_as_received(self) -> bool:
@@ -127,10 +128,10 @@ def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         offset += n
 
 
-def sha256_back(fd: int, buf: bytearray, n: int, offset: int) -> str:
-    """SHA-256 of the ``n`` bytes the file now holds at ``offset``: what was written, as the
-    file has it, not as the buffer had it (read back through ``buf``, a piece at a time)."""
-    h = hashlib.sha256()
+def digest_back(fd: int, buf: bytearray, n: int, offset: int, digest: str) -> str:
+    """The ``digest`` of the ``n`` bytes the file now holds at ``offset``: what was written, as
+    the file has it, not as the buffer had it (read back through ``buf``, a piece at a time)."""
+    h = snapmanifest.DIGESTS[digest]()
     view = memoryview(buf)
     got = 0
     while got < n:
@@ -139,27 +140,27 @@ def sha256_back(fd: int, buf: bytearray, n: int, offset: int) -> str:
             raise OSError(errno.EIO, f"{n - got} bytes just written at {offset + got} read back as missing")
         h.update(view[:k])
         got += k
-    return h.hexdigest()
+    return str(h.hexdigest())
 
 
 @functools.lru_cache(maxsize=8)
-def zero_sha256(n: int) -> str:
-    return hashlib.sha256(bytes(n)).hexdigest()
+def zero_digest(n: int, digest: str) -> str:
+    return str(snapmanifest.DIGESTS[digest](bytes(n)).hexdigest())
 
 
 def expected_digests(layout: Layout | None, given: object) -> dict[int, list[str]]:
-    """The header's per-chunk SHA-256s by file index, checked against the layout's shape."""
+    """The header's per-chunk digests by file index, checked against the layout's shape."""
     if given is None:
         return {}
     if layout is None or not isinstance(given, dict) or layout.chunk_size != snapmanifest.CHUNK_SIZE:
-        raise ValueError("sha256 does not fit the layout")
+        raise ValueError("digests do not fit the layout")
     index = {name: fi for fi, (name, _) in enumerate(layout.files)}
     out = {}
     for name, digests in given.items():
         size = layout.files[index[name]][1]
         if not isinstance(digests, list) or len(digests) != max(1, -(-size // layout.chunk_size)):
-            raise ValueError(f"sha256 of {name} has the wrong number of chunks")
+            raise ValueError(f"digests of {name} have the wrong number of chunks")
         if not all(isinstance(d, str) and re.fullmatch("[0-9a-f]{64}", d) for d in digests):
-            raise ValueError(f"sha256 of {name} is not hex")
+            raise ValueError(f"digests of {name} are not hex")
         out[index[name]] = digests
     return out

@@ -12,8 +12,10 @@ carries frames.  Integers are little-endian.
                                                      or the receiver cannot go on, as with a full disk)
     DATA       ::= HAVE { CHUNK ACK }                (ROLE 1: STREAM 1..N, in parallel)
     FRAME      ::= KIND:u8 CODEC:u8 0:u16 LENGTH:u32 BODY[LENGTH]
-    HEADER     ::= LEN:u32 JSON{snapshot_id, chunk_size, files: [[PATH, SIZE]], manifest_sha256} MAC:32B
-                 | LEN:u32 JSON{snapshot_id, chunk_size, follow: true} MAC:32B   (a snapshot still being written)
+    HEADER     ::= LEN:u32 JSON{snapshot_id, chunk_size, files: [[PATH, SIZE]], manifest_sha256
+                                 [, digest, digests: {PATH: [HEX]}]} MAC:32B   (the manifest's chunk digests)
+                 | LEN:u32 JSON{snapshot_id, chunk_size, follow: true, digest} MAC:32B   (a snapshot being written)
+                                                     (digest: "blake3" or "sha256", absent from older senders: sha256)
     HAVE       ::= { u8 }                            (one per chunk: 1 = received and checked; none when following)
     CHUNK      ::= INDEX:u64 RAW_LEN:u32 CRC32:u32 [ OFFSET:u64 PATH_LEN:u8 PATH ] PAYLOAD
                                                      (CODEC 0 raw, 1 zstd, 2 zeros: no payload; [..] when following)

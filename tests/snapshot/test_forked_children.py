@@ -135,6 +135,27 @@ def test_forked_workers_dump_restore_and_serve_on(job_factory, tmp_path: Path) -
     job.serves_on("after the restore")
 
 
+def test_a_worker_forked_while_the_gpu_is_frozen_is_stripped_too(job_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A DataLoader forks its next epoch's workers whenever it gets there, the CUDA freeze
+    included: the tree is looked at again just before CRIU, and the new worker is stripped too."""
+    job = job_factory()
+    fake = FakeCudaDriver(contexts={job.pid})
+
+    def fork_one_more(pid: int) -> None:
+        os.kill(pid, signal.SIGUSR1)
+        wait_until(lambda: len(job.workers()) == 3, "the third worker")
+
+    fake.on_checkpoint = fork_one_more
+    config = SnapshotConfig(gpu_devices=job.stand_in)
+    m = checkpoint(job.pid, tmp_path / "snap", config=config, cuda_factory=lambda: fake)
+    job.popen.wait(timeout=30)
+    assert len(m.cuda["forked"]) == 2  # (the plan saw two)
+    job.pid = restore.restore(tmp_path / "snap", config=config, cuda_factory=lambda: fake).pid
+    assert len(job.workers()) == 3
+    assert not any(job.holds_device(w) for w in job.workers())
+    job.serves_on("from three workers after the restore")
+
+
 @pytest.mark.parametrize(
     ("flag", "said"),
     [

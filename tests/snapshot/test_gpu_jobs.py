@@ -46,6 +46,8 @@ SHAPES = [
     "two-gpus",
 ]
 STEPS = 150
+#: The shapes whose workers are forked after CUDA started.
+FORKS = ("dataloader", "dataloader-persistent", "fork-pool")
 
 
 def _lines(log: Path) -> list[str]:
@@ -138,6 +140,8 @@ def test_job_shape_dumped_restored_and_moved_bit_identical(
         wait_until(lambda: _steps(log) >= 20, f"{shape} to step", 300)
         doctor = _on_a(nodes, "doctor", "--pid", str(root))
         row["doctor"] = [ln for ln in doctor.stdout.splitlines() if "forked" in ln]
+        if shape in FORKS:  # (doctor names each child forked after CUDA started, and what is done with it)
+            assert any("left from a fork: they are removed" in ln for ln in row["doctor"]), doctor.stdout
         children = [c.pid for c in psutil.Process(root).children(recursive=True)]
         row["processes"] = len(children) + 1
         t0 = time.monotonic()

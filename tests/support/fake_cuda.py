@@ -31,6 +31,8 @@ class FakeCudaDriver:
         self.fail_on = fail_on
         #: Called as the engine asks for a process's restore thread (a test's way to stop it).
         self.on_restore_thread: Callable[[int], None] | None = None
+        #: Called once a process is checkpointed (a test's way to act while the GPU is frozen).
+        self.on_checkpoint: Callable[[int], None] | None = None
 
     def _move(self, op: str, pid: int) -> None:
         self.calls.append((op, pid))
@@ -53,6 +55,8 @@ class FakeCudaDriver:
 
     def checkpoint(self, pid: int) -> None:
         self._move("checkpoint", pid)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(pid)
 
     def restore(self, pid: int, gpu_map: Mapping[str, str] | None = None) -> None:
         self.gpu_maps.append(gpu_map)

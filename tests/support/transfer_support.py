@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from host.proc import ProcInfo
-from snapshot.manifest import Manifest, checksum_files
+from snapshot.manifest import DIGEST, Manifest, checksum_files
 from transfer.api import TransferConfig, TransferStats, Transport
 from transfer.receiver import Receiver
 from transfer.sender import Sender
@@ -20,9 +20,9 @@ from transfer.sender import Sender
 SECRET = b"0123456789abcdef-cluster-secret"
 
 
-def make_snapshot(directory: Path, kind: str, mib: float, seed: int = 0) -> Path:
+def make_snapshot(directory: Path, kind: str, mib: float, seed: int = 0, digest: str = DIGEST) -> Path:
     """A snapshot-shaped directory: model-like (bf16/fp32 weights randn*0.02, Adam moments,
-    zero regions) or random bytes, with a real manifest."""
+    zero regions) or random bytes, with a real manifest (its chunk digests ``digest``'s)."""
     rng = np.random.default_rng(seed)
     n = int(mib * 2**20)
     (directory / "images").mkdir(parents=True)
@@ -47,8 +47,9 @@ def make_snapshot(directory: Path, kind: str, mib: float, seed: int = 0) -> Path
         criu={"version": "4.2.1", "shell_job": False, "tcp_established": False},
         cuda={"driver_version": None, "pids": []},
         tpagent_version="test",
+        digest=digest,
     )
-    m.files = checksum_files(directory)
+    m.files = checksum_files(directory, digest=digest)
     m.write(directory)
     return directory
 

@@ -79,12 +79,17 @@ def test_arrives_byte_identical(
         assert stats.bytes_wire <= stats.bytes_raw + 64 * stats.chunks  # incompressible chunks go raw: never larger
 
 
-@pytest.mark.parametrize("chunk_mib", [1, 8], ids=["crc32-chunks", "manifest-sha256-chunks"])
+@pytest.mark.parametrize(
+    ("chunk_mib", "digest"),
+    [(1, "blake3"), (8, "blake3"), (8, "sha256")],
+    ids=["crc32-chunks", "manifest-blake3-chunks", "manifest-sha256-chunks"],
+)
 def test_flipped_byte_is_caught_and_fetched_again(
-    tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path, chunk_mib: int
+    tcp: Transport, make_proxy: Callable[..., Proxy], tmp_path: Path, chunk_mib: int, digest: str
 ) -> None:
-    """Chunks of the manifest's size are checked against its SHA-256s, others by CRC-32."""
-    src = make_snapshot(tmp_path / "src", "random", 6)
+    """Chunks of the manifest's size are checked against its digests (BLAKE3, or SHA-256 for a
+    snapshot of the first format), others by CRC-32."""
+    src = make_snapshot(tmp_path / "src", "random", 6, digest=digest)
     rx = Receiving(tcp, tmp_path / "dst")
     proxy = make_proxy(_target(rx), flip_at=3 << 20, on=1)  # one data stream: it carries every chunk
     stats = _send(tcp, src, proxy.address, compress=Compress.NONE, streams=1, chunk_size=chunk_mib << 20)

@@ -26,7 +26,7 @@ def test_a_session_that_fails_to_open_its_files_leaves_nothing(tmp_path: Path) -
     resource.setrlimit(resource.RLIMIT_NOFILE, (len(before) + 8, hard))  # (the agent out of descriptors)
     try:
         with pytest.raises(OSError, match="Too many open files"):
-            arrived.start(partial, layout, 1 << 20, "0" * 64, {})
+            arrived.start(partial, layout, 1 << 20, "0" * 64, {}, "blake3")
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert _fds() == before, "descriptors of the files it had opened were left open"
@@ -36,7 +36,7 @@ def test_a_session_that_fails_to_open_its_files_leaves_nothing(tmp_path: Path) -
 def test_a_session_that_starts_holds_its_files_sized(tmp_path: Path) -> None:
     partial = tmp_path / ".snap.partial-4567"
     layout = Layout((("manifest.json", 10), ("images/a.img", 3 << 20)), 1 << 20)
-    s = arrived.start(partial, layout, 1 << 20, "0" * 64, {})
+    s = arrived.start(partial, layout, 1 << 20, "0" * 64, {}, "blake3")
     try:
         assert [os.fstat(fd).st_size for fd in s.fds] == [10, 3 << 20]
         assert len(s.where) == layout.count == 4 and (partial.stat().st_mode & 0o777) == 0o700

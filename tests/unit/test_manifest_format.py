@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -9,6 +10,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 
 from host.proc import ProcInfo
@@ -242,5 +244,51 @@ def test_checksums_are_per_chunk(tmp_path: Path) -> None:
     (images / "big.img").write_bytes(b"\0" * size)
     files = manifest.checksum_files(tmp_path, workers=2)
     entry = files["images/big.img"]
-    assert (entry["size"], entry["chunk_size"], len(entry["sha256"])) == (size, manifest.CHUNK_SIZE, 2)
-    assert entry["sha256"][1] == manifest.sha256_range((images / "big.img", manifest.CHUNK_SIZE, 5))
+    assert (entry["size"], entry["chunk_size"], len(entry["digests"])) == (size, manifest.CHUNK_SIZE, 2)
+    assert entry["digests"] == [
+        blake3.blake3(b"\0" * manifest.CHUNK_SIZE).hexdigest(),
+        blake3.blake3(b"\0" * 5).hexdigest(),
+    ]
+    assert (
+        manifest.chunk_digest((images / "big.img", manifest.CHUNK_SIZE, 5), "sha256")
+        == hashlib.sha256(b"\0" * 5).hexdigest()
+    )
+
+
+def _as_format_1(data: dict[str, Any], snap: Path) -> None:
+    """What tpagent wrote before format 2: SHA-256 chunk digests under "sha256", no "digest"."""
+    del data["digest"]
+    data["format_version"] = 1
+    sha = manifest.checksum_files(snap, digest="sha256")
+    for rel, entry in data["files"].items():
+        entry["sha256"] = sha[rel]["digests"]
+        del entry["digests"]
+    _reseal(data)
+
+
+def _reseal(data: dict[str, Any]) -> None:
+    """The manifest's own checksum made again over its edited body."""
+    data.pop("manifest_sha256", None)
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    data["manifest_sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def test_a_format_1_snapshot_is_still_read_and_verified_with_sha256(snap: Path) -> None:
+    assert manifest.load(snap).digest == "blake3"
+    _rewrite(snap, lambda d: _as_format_1(d, snap))
+    m = manifest.load(snap)
+    assert m.digest == "sha256" and m.files["images/pages-1.img"]["size"] == 3000
+    manifest.verify(snap, m)
+    blake = {k: v["digests"] for k, v in manifest.checksum_files(snap).items()}
+    manifest.verify(snap, m, blake, "blake3")  # (digests of another algorithm: hashed again, not compared)
+    with open(snap / "images" / "pages-1.img", "r+b") as f:
+        f.seek(1000)
+        f.write(b"\xff" if f.read(1) != b"\xff" else b"\0")
+    with pytest.raises(SnapshotInvalid, match="images/pages-1.img does not match its checksum"):
+        manifest.verify(snap, m)
+
+
+def test_an_unknown_digest_is_refused(snap: Path) -> None:
+    _rewrite(snap, lambda d: (d.update(digest="md5"), _reseal(d)))
+    with pytest.raises(SnapshotInvalid, match="field digest is missing or malformed"):
+        manifest.load(snap)

@@ -5,19 +5,25 @@ a device, as DataLoader workers are forked after CUDA started.
 
 It maps LIB (a file named like the CUDA driver library, so that tpagent's detection takes it
 for a CUDA process), opens DEVICE and maps 1 MiB of it shared (the stand-in of the driver's
-mappings), fills it, and forks N workers (default 2).  Every 20 ms it asks worker ``k % N`` for
-batch ``k`` over a pipe and writes ``tick K batch HEX from PID`` to LOG, having checked the batch
-(the SHA-256 of ``batch K``); a wrong or missing batch writes ``broken K ...`` and exits 1.
+mappings), fills it, and forks N workers (default 2; each runs a second thread).  Every 20 ms it
+asks worker ``k % N`` for batch ``k`` over a pipe and writes ``tick K batch HEX from PID`` to
+LOG, having checked the batch (the SHA-256 of ``batch K``); a wrong or missing batch writes
+``broken K ...`` and exits 1.
 With ``--touch`` each worker reads the shared device memory into every batch (a worker that
 really uses such memory: the batch is then the SHA-256 of ``batch K`` and that memory); with
 ``--own`` each worker also opens DEVICE itself (as a process driving the GPU through NVML would).
+SIGUSR1 makes it fork one more worker at its next batch (``forked N`` in LOG), as a DataLoader
+forks its next epoch's.
 """
 
 import argparse
 import hashlib
+import io
 import mmap
 import os
+import signal
 import sys
+import threading
 import time
 
 ap = argparse.ArgumentParser()
@@ -42,31 +48,48 @@ def batch(k: int, shared: bytes) -> str:
     return hashlib.sha256(f"batch {k}".encode() + shared).hexdigest()[:16]
 
 
+def ticking() -> None:
+    while True:
+        time.sleep(0.002)
+
+
 def serve(requests: int, replies: int) -> None:
+    threading.Thread(target=ticking, daemon=True).start()  # (a worker of two threads, both seized)
     with os.fdopen(requests, "rb", buffering=0) as inp, os.fdopen(replies, "wb", buffering=0) as out:
         while line := inp.readline():
             k = int(line)
             out.write(f"{batch(k, bytes(dev[:]) if args.touch else b'')} {os.getpid()}\n".encode())
 
 
-workers = []
-for _ in range(args.workers):
+def start_worker() -> None:
     req_r, req_w = os.pipe()
     rep_r, rep_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(req_w)
         os.close(rep_r)
-        own = os.open(args.device, os.O_RDONLY) if args.own else None
+        if args.own:
+            os.open(args.device, os.O_RDONLY)  # (kept open: the worker's own descriptor)
         serve(req_r, rep_w)
         os._exit(0)
     os.close(req_r)
     os.close(rep_w)
     workers.append((os.fdopen(req_w, "wb", buffering=0), os.fdopen(rep_r, "rb", buffering=0)))
 
+
+workers: list[tuple[io.RawIOBase, io.RawIOBase]] = []
+for _ in range(args.workers):
+    start_worker()
+more = threading.Event()
+signal.signal(signal.SIGUSR1, lambda *_: more.set())  # one more worker, forked at once (a new epoch's)
+
 with open(args.log, "a", buffering=1) as log:
     k = 0
     while True:
+        if more.is_set():
+            more.clear()
+            start_worker()
+            log.write(f"forked {len(workers)}\n")
         ask, answer = workers[k % len(workers)]
         ask.write(f"{k}\n".encode())
         reply = answer.readline().split()

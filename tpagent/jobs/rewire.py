@@ -12,7 +12,7 @@ one of the rank protocol's (:mod:`tpagent_rank.protocol`)::
               (a job with no optimizer step yet: after the default group's S-th collective instead)
     boundary  all parked at S (device synchronized, nothing in flight)      -- "boundary" timing
     teardown  every rank destroys its communicators; the moving ones also let go of the store
-    migrate   each moving rank: freeze, stream, restore, confirm              -- "migrate" timing
+    migrate   the moving ranks at once: freeze, stream, restore, confirm      -- "migrate" timing
     rebuild   every rank, at once, under generation G+1 (on the node each now runs on)
     resume    step S+1      (a rank that cannot rebuild, e.g. dead: every other rank is told to end)
 
@@ -262,10 +262,10 @@ class Rewire:
             self._rebuild(agents, gen, "; ".join(bad))
 
     def _move_all(self, ranks: list[int]) -> dict[int, Move]:
-        """Each moving rank in turn, by the ordinary migration (nothing lost on any failure), up to
-        its copy running on its target, held there while its original stays frozen here; the
-        ranks whose copies wait so for the job's new communicators."""
-        held: dict[int, Move] = {}
+        """Every moving rank at once by the ordinary migration (nothing lost on any failure), in
+        parallel (CUDA checkpoints of different GPUs too), up to its copy running on its target,
+        held there while its original stays frozen here; those whose copies wait so."""
+        started: dict[int, Move] = {}
         for r in ranks:
             init, target = self.moving[r]
             if self.cancelled.is_set():
@@ -278,20 +278,23 @@ class Rewire:
             self.moves[r] = m
             self.record.moves[r] = m.migration_id
             self._write(Phase.TEARDOWN)
-            mv = Move(m, verdict, self._pass_on)
-            self.held.append(mv)
-            if mv.wait_running():
-                held[r] = mv
-                continue
+            started[r] = Move(m, verdict, self._pass_on)
+            self.held.append(started[r])
+        held = {r: mv for r, mv in started.items() if mv.wait_running()}  # (all waited for: none left in flight)
+        unresolved = []
+        for r, mv in ((r, mv) for r, mv in started.items() if r not in held):
             result = self._result(mv)
             assert result is not None
             if result.outcome is Outcome.UNRESOLVED:
-                raise RewireFailed(
-                    f"rank {r}'s migration {m.migration_id} is unresolved (its original stays "
-                    "frozen until its target answers); the job waits at its boundary"
-                )
-            self.stayed[r] = result.message.rstrip(".")
-            self.emit(f"rank {r} stays on this node: {self.stayed[r]}")
+                unresolved.append(f"rank {r}'s migration {mv.m.migration_id}")
+            else:
+                self.stayed[r] = result.message.rstrip(".")
+                self.emit(f"rank {r} stays on this node: {self.stayed[r]}")
+        if unresolved:
+            raise RewireFailed(
+                f"{', '.join(unresolved)} is unresolved (its original stays frozen until its target "
+                "answers); the job waits at its boundary"
+            )
         return held
 
     def _pass_on(self, event: Event) -> None:
