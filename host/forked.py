@@ -88,6 +88,10 @@ def _is_device(path: str, devices: Sequence[str]) -> bool:
 
 
 def device_mappings(pid: int, devices: Sequence[str] = DEVICES) -> list[DeviceMapping]:
+    """The process's mappings of ``devices``, with what it touched of each.  Its maps are read
+    first: smaps (which walks the page tables) only for a process that has such a mapping."""
+    if not any(d in Path(f"/proc/{pid}/maps").read_text() for d in devices):
+        return []
     out: list[DeviceMapping] = []
     current: list[Any] | None = None
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
@@ -130,9 +134,11 @@ def find(pids: Iterable[int], cuda_pids: Iterable[int], devices: Sequence[str] =
     return out
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
 def _kcmp(pid1: int, pid2: int, kind: int, idx1: int = 0, idx2: int = 0) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    return int(libc.syscall(_SYS_KCMP, pid1, pid2, kind, idx1, idx2))
+    return int(_libc.syscall(_SYS_KCMP, pid1, pid2, kind, idx1, idx2))
 
 
 def refusals(
@@ -188,19 +194,15 @@ def _quiet_fds(pid: int, devices: Sequence[str]) -> list[tuple[int, str]]:
     return []
 
 
-def remove(left: Leftover, devices: Sequence[str] = DEVICES) -> int:
-    """Unmap and close, inside ``left.pid``, the driver's mappings and descriptors it holds now;
-    the bytes of address space given up."""
-    maps = device_mappings(left.pid, devices)
-    fds = device_fds(left.pid, devices)
-    if not maps and not fds:
-        return 0
-    todo: list[tuple[int, tuple[int, ...]]] = [(ptrace.SYS_MUNMAP, (m.start, m.end - m.start)) for m in maps]
-    todo += [(ptrace.SYS_CLOSE, (fd,)) for fd, _ in fds]
+def remove(left: Leftover) -> int:
+    """Unmap and close, inside ``left.pid``, the driver's mappings and descriptors ``left`` found
+    (just now: :func:`find`); the bytes of address space given up."""
+    todo: list[tuple[int, tuple[int, ...]]] = [(ptrace.SYS_MUNMAP, (m.start, m.end - m.start)) for m in left.maps]
+    todo += [(ptrace.SYS_CLOSE, (fd,)) for fd, _ in left.fds]
     results = ptrace.calls(left.pid, todo)
     failed = [(call, r) for call, r in zip(todo, results, strict=True) if r < 0]
     if failed:
         (number, args), r = failed[0]
         what = "munmap" if number == ptrace.SYS_MUNMAP else "close"
         raise ptrace.PtraceError(-r, f"{what}{args} inside PID {left.pid} failed: {os.strerror(-r)}")
-    return sum(m.end - m.start for m in maps)
+    return sum(m.end - m.start for m in left.maps)

@@ -314,7 +314,7 @@ def _strip_forked(job: _Dump) -> None:
             raise UsageError(refused[0])
         for left in now:
             try:
-                forked.remove(left, devices)
+                forked.remove(left)
             except OSError as e:
                 if proc.alive(left.pid):
                     why = f"the GPU driver's leftovers in PID {left.pid} could not be removed"

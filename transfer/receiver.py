@@ -430,8 +430,8 @@ class Receiver:
         if complete and s.layout is not None:
             start = region * snapmanifest.CHUNK_SIZE
             length = min(snapmanifest.CHUNK_SIZE, s.layout.files[fi][1] - start)
-            where_ = (s.partial / s.layout.files[fi][0], start, length)
-            s.digests[fi][region] = snapmanifest.chunk_digest(where_, s.digest)
+            piece = (s.partial / s.layout.files[fi][0], start, length)
+            s.digests[fi][region] = snapmanifest.chunk_digest(piece, s.digest)
 
     @staticmethod
     def _store(

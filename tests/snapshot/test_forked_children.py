@@ -111,7 +111,7 @@ def test_removal_inside_a_running_worker_leaves_it_serving(job_factory) -> None:
     assert all(len(left.maps) == 1 and left.fds for left in found), found
     assert forked.refusals(found, [job.pid], job.stand_in) == []
     for left in found:
-        assert forked.remove(left, job.stand_in) == 1 << 20
+        assert forked.remove(left) == 1 << 20
     assert not any(job.holds_device(w) for w in job.workers())
     assert forked.device_mappings(job.pid, job.stand_in), "the parent lost its own mapping"
     job.serves_on("after the removal")

@@ -148,7 +148,8 @@ def process_checks(pid: int) -> list[Check]:
         tree = {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
     except psutil.Error as e:
         return [Check("process", Verdict.FAIL, f"PID {pid} cannot be read: {e}")]
-    on = [g.uuid for g in gpus.inventory() if tree & set(g.pids)]
+    found = gpus.inventory()
+    on = [g.uuid for g in found if tree & set(g.pids)]
     out = [Check("process", Verdict.OK, f"PID {pid}: {len(tree)} process(es), on {len(on)} GPU(s)")]
     if len(on) > 1:
         out.append(
@@ -168,7 +169,7 @@ def process_checks(pid: int) -> list[Check]:
                 f"PID {pid} is a client of an MPS server on {', '.join(mps)}: the driver cannot checkpoint MPS clients",
             )
         )
-    out += _forked_checks(sorted(tree), sorted(pid for g in gpus.inventory() for pid in g.pids if pid in tree))
+    out += _forked_checks(sorted(tree), sorted(pid for g in found for pid in g.pids if pid in tree))
     unseen = (
         "CUDA IPC handles and managed (UVM) memory cannot be seen from outside a process: if it holds them "
         "the driver refuses the checkpoint and the process is resumed"
