@@ -151,7 +151,7 @@ def run_tests(
         *tests,
         f"--junitxml={xml}",
         "-rA",
-        f"--basetemp={work / 'tests'}",
+        f"--basetemp={work / name}",  # (one per run: pytest empties its basetemp as it starts)
     ]
     with log.open("w") as sink:
         proc = subprocess.Popen(

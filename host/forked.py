@@ -11,19 +11,21 @@ can still legally do with them, by mapping:
   touch is SIGBUS).
 * ``/dev/nvidiaN``: nothing; they are the GPU's own memory and registers, driven through a context
   the child does not have (CUDA refuses to start again after a fork).
-* ``/dev/nvidiactl``: memory the driver allocated in host RAM (pinned host memory among it) is
-  shared with the parent: a child may read or write what its parent put there.  Once the parent
-  is checkpointed that sharing ends anyway (the driver moves the parent's side into ordinary
-  memory), and no snapshot can carry the child's side.
+* ``/dev/nvidiactl``: the driver's own structures in host RAM (its channels, semaphores,
+  notifiers), shared with the parent and meaningless without a context.  Pinned host memory is
+  not among them with driver 580 (measured on an H100: ``cudaHostAlloc`` gives ordinary anonymous
+  memory, which a fork copies and CRIU dumps like any other).
 * the descriptors: nothing without a context; closing the child's copy leaves the parent's open.
 
 So each such mapping and descriptor is removed inside the child (``munmap``, ``close``, made in
-it through :mod:`host.ptrace`) just before the freeze, and the child runs on without them.  A
-child that has touched such a mapping since its fork (the kernel's referenced bits: a fork copies
-a shared mapping's page entries as not yet referenced) really uses it, and its tree is refused
-in one sentence before anything is frozen; so is a process holding a descriptor of its own (not
-one its CUDA parent holds too: it drives the GPU without a context, as NVML does), and one that
-shares its memory with a CUDA process.
+it through :mod:`host.ptrace`) just before the freeze, and the child runs on without them.  Whether
+a child used such a mapping since its fork cannot be seen from outside it: the ``Referenced:`` of
+its smaps counts the page's own flag, shared with the parent (an H100's DataLoader workers that
+never touch CUDA memory show up to 74 MiB of it), so it is not asked.  A child that did read one
+after the removal would fault.  Refused in one
+sentence before anything is frozen: a process holding a descriptor of its own (not one its CUDA
+parent holds too: it drives the GPU without a context, as NVML does), and one that shares its
+memory with a CUDA process.
 """
 
 from __future__ import annotations
@@ -52,8 +54,6 @@ class DeviceMapping:
     start: int
     end: int
     path: str
-    #: KiB of it the process referenced since its fork (``Referenced:`` of its smaps).
-    touched_kib: int
 
 
 @dataclass(frozen=True)
@@ -88,23 +88,13 @@ def _is_device(path: str, devices: Sequence[str]) -> bool:
 
 
 def device_mappings(pid: int, devices: Sequence[str] = DEVICES) -> list[DeviceMapping]:
-    """The process's mappings of ``devices``, with what it touched of each.  Its maps are read
-    first: smaps (which walks the page tables) only for a process that has such a mapping."""
-    if not any(d in Path(f"/proc/{pid}/maps").read_text() for d in devices):
-        return []
-    out: list[DeviceMapping] = []
-    current: list[Any] | None = None
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+    """The process's mappings of ``devices``."""
+    out = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         head = _HEADER.match(line)
-        if head:
-            if current is not None:
-                out.append(DeviceMapping(*current))
-            path = head.group(3).removesuffix(" (deleted)")
-            current = [int(head.group(1), 16), int(head.group(2), 16), path, 0] if _is_device(path, devices) else None
-        elif current is not None and line.startswith("Referenced:"):
-            current[3] = int(line.split()[1])
-    if current is not None:
-        out.append(DeviceMapping(*current))
+        path = head.group(3).removesuffix(" (deleted)") if head else ""
+        if head and _is_device(path, devices):
+            out.append(DeviceMapping(int(head.group(1), 16), int(head.group(2), 16), path))
     return out
 
 
@@ -159,17 +149,6 @@ def refusals(
             out.append(
                 f"PID {left.pid} ({left.name}) shares its memory with CUDA process {shared} without being one of "
                 "its threads, which cannot be checkpointed."
-            )
-            continue
-        touched = [m for m in left.maps if m.touched_kib]
-        if touched:
-            m = touched[0]
-            kib = sum(t.touched_kib for t in touched)
-            out.append(
-                f"PID {left.pid} ({left.name}) has used {kib} KiB of memory its CUDA parent allocated through "
-                f"{m.path} (at {m.start:#x}, pinned host memory) since it was forked; no snapshot can "
-                "carry that sharing, so it cannot be checkpointed: let workers copy such data, not share it, or start "
-                "them with the spawn or forkserver method."
             )
             continue
         own = [

@@ -138,8 +138,11 @@ def test_job_shape_dumped_restored_and_moved_bit_identical(
         cmd = (sys.executable, str(JOB), shape, str(log), "--steps", str(STEPS))
         root = nodes.nodes["A"].launch(tmp_path / "job.out", *cmd)
         wait_until(lambda: _steps(log) >= 20, f"{shape} to step", 300)
-        doctor = _on_a(nodes, "doctor", "--pid", str(root))
-        row["doctor"] = [ln for ln in doctor.stdout.splitlines() if "forked" in ln]
+        for _ in range(10):  # (a DataLoader without persistent workers has none between its epochs)
+            doctor = _on_a(nodes, "doctor", "--pid", str(root))
+            row["doctor"] = [ln for ln in doctor.stdout.splitlines() if "forked" in ln]
+            if shape not in FORKS or row["doctor"]:
+                break
         if shape in FORKS:  # (doctor names each child forked after CUDA started, and what is done with it)
             assert any("left from a fork: they are removed" in ln for ln in row["doctor"]), doctor.stdout
         children = [c.pid for c in psutil.Process(root).children(recursive=True)]
@@ -175,13 +178,12 @@ def test_job_shape_dumped_restored_and_moved_bit_identical(
             kill_and_wait(root)
 
 
-def test_workers_reading_pinned_memory_are_refused_before_anything(nodes: Cluster, tmp_path: Path) -> None:
+def test_workers_reading_a_pinned_dataset_move_with_it(nodes: Cluster, tmp_path: Path) -> None:
     """DataLoader workers that read a dataset in pinned memory their parent allocated before the
-    fork really use the driver's mapping: the dry run says so, the dump refuses in one sentence
-    before anything is frozen, and the job runs on (while workers that never touch it, those of
-    the shapes above, are stripped and moved).  Where the driver gives pinned memory as ordinary
-    anonymous memory instead (the workload says which), the workers' reads are of their own copy
-    and nothing is refused: then the job must simply move."""
+    fork.  The driver gives pinned memory as ordinary anonymous memory (the workload says where it
+    lies), which a fork copies: the workers read their own copy, keep it through the strip of the
+    driver's mappings, and the job moves and steps on with its data.  Were it in a driver mapping
+    (another driver), the strip would take it from the workers: said, as a failure."""
     log = tmp_path / "job.log"
     cmd = (sys.executable, str(JOB), "pinned-dataset", str(log), "--steps", "100000")
     root = nodes.nodes["A"].launch(tmp_path / "job.out", *cmd)
@@ -189,20 +191,13 @@ def test_workers_reading_pinned_memory_are_refused_before_anything(nodes: Cluste
         wait_until(lambda: _steps(log) >= 20, "the job to step", 300)
         where = next(ln.split()[1] for ln in _lines(log) if ln.startswith("pinned-in "))
         _report({"shape": "pinned-dataset", "pinned_in": where})
-        if not where.startswith("/dev/nvidia"):
-            mig = nodes.migrate(root, "A", "B", "--json", timeout=600)
-            assert mig.returncode == 0, mig.stderr + mig.stdout
-            root = json.loads(mig.stdout)["new_pid"]
-            at = _steps(log)
-            wait_until(lambda: _steps(log) >= at + 10, "the moved job to step on", 120)
-            return
-        dry = nodes.migrate(root, "A", "B", "--dry-run", "--json", timeout=300)
-        assert "of memory its CUDA parent allocated through /dev/nvidia" in dry.stdout + dry.stderr, dry.stdout
-        dump = _on_a(nodes, "dump", str(root), "--out", str(tmp_path / "snap"))
-        assert dump.returncode != 0 and "since it was forked" in dump.stderr and "Nothing was done." in dump.stderr
-        assert "Traceback" not in dump.stderr
+        assert not where.startswith("/dev/nvidia"), f"pinned memory lies in {where} with this driver: not handled"
+        mig = nodes.migrate(root, "A", "B", "--json", timeout=600)
+        assert mig.returncode == 0, mig.stderr + mig.stdout
+        root = json.loads(mig.stdout)["new_pid"]
         at = _steps(log)
-        wait_until(lambda: _steps(log) >= at + 10, "the refused job to step on", 120)
+        wait_until(lambda: _steps(log) >= at + 10 or not alive(root), "the moved job to step on", 120)
+        assert _steps(log) >= at + 10, (tmp_path / "job.out").read_text()[-2000:]
     finally:
         if alive(root):
             kill_and_wait(root)

@@ -1,7 +1,7 @@
 """Test workload: a trainer whose batch workers are forked (no exec) after it opened and mapped
 a device, as DataLoader workers are forked after CUDA started.
 
-    python forked_workers.py LOG LIB DEVICE [--touch] [--workers N]
+    python forked_workers.py LOG LIB DEVICE [--own] [--workers N]
 
 It maps LIB (a file named like the CUDA driver library, so that tpagent's detection takes it
 for a CUDA process), opens DEVICE and maps 1 MiB of it shared (the stand-in of the driver's
@@ -9,9 +9,8 @@ mappings), fills it, and forks N workers (default 2; each runs a second thread).
 asks worker ``k % N`` for batch ``k`` over a pipe and writes ``tick K batch HEX from PID`` to
 LOG, having checked the batch (the SHA-256 of ``batch K``); a wrong or missing batch writes
 ``broken K ...`` and exits 1.
-With ``--touch`` each worker reads the shared device memory into every batch (a worker that
-really uses such memory: the batch is then the SHA-256 of ``batch K`` and that memory); with
-``--own`` each worker also opens DEVICE itself (as a process driving the GPU through NVML would).
+With ``--own`` each worker also opens DEVICE itself (as a process driving the GPU through NVML
+would).
 SIGUSR1 makes it fork one more worker at its next batch (``forked N`` in LOG), as a DataLoader
 forks its next epoch's.
 """
@@ -30,7 +29,6 @@ ap = argparse.ArgumentParser()
 ap.add_argument("log")
 ap.add_argument("lib")
 ap.add_argument("device")
-ap.add_argument("--touch", action="store_true")
 ap.add_argument("--own", action="store_true")
 ap.add_argument("--workers", type=int, default=2)
 args = ap.parse_args()
@@ -41,11 +39,10 @@ dev_fd = os.open(args.device, os.O_RDWR | os.O_CREAT, 0o600)
 os.ftruncate(dev_fd, 1 << 20)
 dev = mmap.mmap(dev_fd, 1 << 20, mmap.MAP_SHARED)
 dev[:] = bytes(range(256)) * 4096
-pattern = bytes(dev[:])
 
 
-def batch(k: int, shared: bytes) -> str:
-    return hashlib.sha256(f"batch {k}".encode() + shared).hexdigest()[:16]
+def batch(k: int) -> str:
+    return hashlib.sha256(f"batch {k}".encode()).hexdigest()[:16]
 
 
 def ticking() -> None:
@@ -58,7 +55,7 @@ def serve(requests: int, replies: int) -> None:
     with os.fdopen(requests, "rb", buffering=0) as inp, os.fdopen(replies, "wb", buffering=0) as out:
         while line := inp.readline():
             k = int(line)
-            out.write(f"{batch(k, bytes(dev[:]) if args.touch else b'')} {os.getpid()}\n".encode())
+            out.write(f"{batch(k)} {os.getpid()}\n".encode())
 
 
 def start_worker() -> None:
@@ -93,7 +90,7 @@ with open(args.log, "a", buffering=1) as log:
         ask, answer = workers[k % len(workers)]
         ask.write(f"{k}\n".encode())
         reply = answer.readline().split()
-        want = batch(k, pattern if args.touch else b"")
+        want = batch(k)
         if len(reply) != 2 or reply[0].decode() != want:
             log.write(f"broken {k} {reply}\n")
             sys.exit(1)

@@ -11,8 +11,8 @@ CUDA started (pinned, persistent or not, re-forked each epoch), a fork pool, pin
 copies on side streams with events, CUDA graphs (captured by hand, and by
 ``torch.compile(mode="reduce-overhead")``), ``torch.compile`` with inductor's compile workers,
 bf16 autocast and fp16 GradScaler, the caching allocator's expandable segments, a Hugging Face
-model built from a config, and one process on two GPUs; and one that cannot move: DataLoader
-workers reading a dataset held in pinned memory allocated before they forked.
+model built from a config, and one process on two GPUs; and DataLoader workers reading a dataset
+held in pinned memory allocated before they forked.
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ SHAPES = {
     "expandable": lambda: simple(mlp(), fixed()),
     "hf": hugging_face,
     "two-gpus": two_gpus,
-    "pinned-dataset": pinned_dataset,  # (refused: its workers read pinned memory they share with it)
+    "pinned-dataset": pinned_dataset,  # (its workers read pinned memory allocated before they forked)
 }
 
 if __name__ == "__main__":
