@@ -89,6 +89,20 @@ def _submit(
     return job, logs
 
 
+def _every_rank_seen(c: Cluster, s: Slurm, o: Orchestrator, job: str, home: Path) -> None:
+    """Until the orchestrator sees all three ranks (Slurm's scheduling, srun's steps, three ranks
+    importing torch and meeting, on a busy machine: minutes at worst); else where each part stood."""
+
+    def where() -> str:
+        out = home / f"job-{job}.out"
+        ranks = [(r["rank"], r["node"]) for r in o.cluster()["ranks"] if r["job"] == job]
+        agents = "\n".join(f"{n}: {node.agent_log()[-600:]}" for n, node in c.nodes.items())
+        printed = out.read_text(errors="replace")[-1500:] if out.exists() else "(no output yet)"
+        return f"{s.where(job)}\norchestrator sees {ranks}\njob output: {printed}\n{agents}"
+
+    wait_until(lambda: all(o.rank_on(job, r) for r in range(3)), "the orchestrator to see every rank", 300, 0.5, where)
+
+
 def _ranks(c: Cluster) -> list[psutil.Process]:
     """The training scripts running on any node (wherever they were moved)."""
     out = []
@@ -148,7 +162,7 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
     wait_until(lambda: s.job(low).get("job_state") == "RUNNING", "the low-priority job to run on E", 60)
     job, logs = _submit(c, s, tmp_path)
     try:
-        wait_until(lambda: all(o.rank_on(job, r) for r in range(3)), "the orchestrator to see every rank", 120, 0.5)
+        _every_rank_seen(c, s, o, job, tmp_path)
         wait_until(lambda: steps(logs, 1) >= 5, "the job to step", 120)
 
         # Slurm stops answering: a taint moves nothing (no rank on a spare Slurm does not know is used).
@@ -249,7 +263,7 @@ def test_an_ordinary_users_sbatch_job_runs_its_ranks_as_that_user(
         job, logs = _submit(c, s, home, NOBODY, step_time=0.5)
         try:
             assert s.job(job)["user_name"] == "nobody"
-            wait_until(lambda: all(o.rank_on(job, r) for r in range(3)), "the orchestrator to see every rank", 120, 0.5)
+            _every_rank_seen(c, s, o, job, home)
             for r, name in enumerate("ABC"):  # (the rank runtime loaded, and reached its agent: nobody can read it)
                 said = f"rank {r} of job {job} ("
                 log = c.nodes[name].agent_log

@@ -22,14 +22,17 @@ _TICK = re.compile(r"^tick (\d+) counter (\d+) piped (\d+)$")
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--"]
 
 
-def wait_until(pred, what: str, timeout: float = 60.0, interval: float = 0.05):  # type: ignore[no-untyped-def]
+def wait_until(pred, what: str, timeout: float = 60.0, interval: float = 0.05, where=None):  # type: ignore[no-untyped-def]
+    """``pred()`` once it is true; past ``timeout`` an AssertionError naming ``what`` (and, with
+    ``where``, a callable, what it says of where things stood)."""
     deadline = time.monotonic() + timeout
     while True:
         value = pred()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            said = f"\n{where()}" if where is not None else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}{said}")
         time.sleep(interval)
 
 

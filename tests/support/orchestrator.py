@@ -64,7 +64,12 @@ class Orchestrator:
     def kill(self, sig: signal.Signals = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
-            self.proc.wait(30)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()  # (never left running, nor its Popen to the garbage collector)
+                self.proc.wait()
+                raise AssertionError(f"the orchestrator did not stop on {sig.name}: {self.log()[-3000:]}") from None
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         env = {**self.c.cli_env(), "TPAGENT_ORCHESTRATOR": self.address}

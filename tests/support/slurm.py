@@ -156,10 +156,21 @@ class Slurm:
     def log(self) -> str:
         return (self.dir / "slurmctld.log").read_text(errors="replace")[-3000:]
 
+    def where(self, job: str) -> str:
+        """Where ``job`` stands, for a failure's message: its state and reason, the nodes'."""
+        j = self.job(job)
+        nodes = {n: f"{v['state']} {v.get('reason', '')}".strip() for n, v in self.nodes().items()}
+        return f"Slurm job {job}: {j.get('job_state')} ({j.get('state_reason')}) on {j.get('nodes')}; nodes: {nodes}"
+
     def close(self) -> None:
-        """Every daemon killed at once (what their jobs left in the nodes goes with the cluster)."""
+        """Every daemon killed at once (what their jobs left in the nodes goes with the cluster);
+        their logs kept in the cluster's directory."""
         for p in [*self.procs, *([self.ctld] if self.ctld else [])]:
             if p.poll() is None:
                 p.kill()
             p.wait()
+        kept = self.c.tmp / "slurm-logs"
+        kept.mkdir(exist_ok=True)
+        for f in [*self.dir.glob("*.log"), *self.dir.glob("*.out")]:
+            shutil.copy(f, kept / f.name)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import ssl
 import threading
+import time
 
 import grpc
 
@@ -58,6 +59,11 @@ def _webhook(cfg: OrchestratorConfig, o: Orchestrator) -> Webhook | None:
         raise UsageError(f"cannot serve the webhook on {cfg.webhook_listen}: {e.strerror}.") from e
 
 
+#: Seconds a stop (SIGTERM) waits for the loops to finish what they are doing; past it the process
+#: exits anyway (a systemd or Kubernetes stop does not wait on a slow agent or scheduler call).
+STOP_S = 5.0
+
+
 def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -99,17 +105,22 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
         health.serving = False
         o.stop.set()
         o.wake.set()
-        server.stop(1.0).wait(10)
-        loop.join(10)
-        in_step.join(10)
+        deadline = time.monotonic() + STOP_S
+        server.stop(1.0).wait(STOP_S)
         for http in (hook, scrapes):
             if http is not None:
                 http.shutdown()
                 http.server_close()
         if probes is not None:
             probes.stop(0)
-        state.close()
-        log.info("orchestrator stopped")
+        for thread in (loop, in_step):
+            thread.join(max(0.0, deadline - time.monotonic()))
+        busy = [t.name for t in (loop, in_step) if t.is_alive()]
+        if busy:  # (a call to an agent or to the scheduler under way: the database has every decision)
+            log.info("orchestrator stopped with %s still waiting on a call; its next start resumes", busy)
+        else:
+            state.close()
+            log.info("orchestrator stopped")
 
 
 def grpc_probes(health: Health, address: str) -> grpc.Server:
