@@ -90,6 +90,16 @@ def test_a_gpu_taint_moves_only_the_ranks_on_that_gpu_to_gpus_like_theirs() -> N
     assert p.moves == [] and "driver 550.0, not 580.1" in p.waiting[1], p.waiting
 
 
+def test_a_rank_needs_only_its_own_jobs_gpus_where_two_jobs_share_rank_numbers() -> None:
+    """Rank 0 of job j and rank 0 of job k on one node, each on its own GPU: moving j's needs one
+    GPU, not the two that carry a rank 0."""
+    src = node("a", (rank(0, gpus=("GPU-a-0",)), rank(0, job="k", gpus=("GPU-a-1",))), gpus=2)
+    spare = node("b", (rank(7, job="z", gpus=("GPU-b-0",)),), gpus=2)  # (one GPU of two free)
+    view = View({n.name: n for n in (src, spare)})
+    p = plan(view, [taint(1, "a", "GPU-a-0")], [], [], no_failures, cfg())
+    assert p.moves == [NewMove("j", (0,), "a", "b", MoveKind.AWAY, 1, 1)], p.waiting
+
+
 def test_a_silent_node_is_neither_moved_from_nor_moved_to() -> None:
     view = View(cpu_cluster().nodes, unreachable=frozenset({"b", "d"}))
     p = plan(view, [taint(1, "b"), taint(2, "c")], [], [], no_failures, cfg(dedicated_spares=("d",)))

@@ -79,9 +79,9 @@ def spares(
     return sorted(out, key=lambda s: (not s.dedicated, order.index(s.node) if s.dedicated else 0, s.node))
 
 
-def misfit(source: NodeSeen, ranks: tuple[int, ...], spare: Spare, node: NodeSeen) -> str:
-    """Why ``spare`` cannot take ``ranks`` of ``source`` ("": it can)."""
-    wanted = {g for r in source.ranks if r.rank in ranks for g in r.gpus}
+def misfit(source: NodeSeen, job: str, ranks: tuple[int, ...], spare: Spare, node: NodeSeen) -> str:
+    """Why ``spare`` cannot take ``ranks`` of ``job`` on ``source`` ("": it can)."""
+    wanted = {g for r in source.ranks if r.job == job and r.rank in ranks for g in r.gpus}
     if not wanted:
         return "" if spare.empty else "runs ranks already"
     models = [g for g in source.gpus if g.uuid in wanted]
@@ -94,7 +94,7 @@ def misfit(source: NodeSeen, ranks: tuple[int, ...], spare: Spare, node: NodeSee
 
 
 def _choose(
-    view: View, source: NodeSeen, ranks: tuple[int, ...], free: list[Spare], tried: set[str], pool: Pool
+    view: View, source: NodeSeen, job: str, ranks: tuple[int, ...], free: list[Spare], tried: set[str], pool: Pool
 ) -> tuple[Spare | None, str]:
     """The first spare of ``free`` the scheduler's ``pool`` allows that fits: one not ``tried``
     before if there is one, one taken from lower-priority work only if no other fits."""
@@ -105,7 +105,7 @@ def _choose(
     for s in free:
         if not (s.dedicated or pool.floating is None or s.node in pool.floating or s.node in pool.taken):
             continue
-        reason = misfit(source, ranks, s, view.nodes[s.node])
+        reason = misfit(source, job, ranks, s, view.nodes[s.node])
         if reason:
             why.append(f"{s.node} {reason}")
         else:
@@ -165,7 +165,7 @@ def plan(
             avoid = {
                 m.target for m in done if m.state is MoveState.FAILED
             }  # (an interrupted try: not the spare's doing)
-            spare, why = _choose(view, node, tuple(ranks), free, avoid, pools(job))
+            spare, why = _choose(view, node, job, tuple(ranks), free, avoid, pools(job))
             if spare is None:
                 reasons[t.id].append(f"job {job} rank(s) {', '.join(map(str, ranks))}: {why}")
                 continue
@@ -202,7 +202,7 @@ def _home(
         target = view.nodes[home]
         used = {g for r in target.ranks for g in r.gpus} | {t.gpu for t in taints if t.node == home}
         spare = Spare(home, tuple(g for g in target.gpus if g.uuid not in used), False, not target.ranks)
-        if len(done) > cfg.retries or misfit(node, tuple(ranks), spare, target):
+        if len(done) > cfg.retries or misfit(node, job, tuple(ranks), spare, target):
             continue
         moving.add(job)
         out.moves.append(NewMove(job, tuple(ranks), on, home, MoveKind.HOME, taint, len(done) + 1))
