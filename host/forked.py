@@ -31,6 +31,7 @@ memory with a CUDA process.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from host import ptrace
+from host import proc, ptrace
 
 #: The device files of NVIDIA's drivers, by prefix.
 DEVICES = ("/dev/nvidia",)
@@ -64,6 +65,8 @@ class Leftover:
     name: str
     maps: tuple[DeviceMapping, ...]
     fds: tuple[tuple[int, str], ...]
+    #: Its start, in clock ticks since boot: the process :func:`remove` acts on must be this one.
+    started: int = 0
 
     def describe(self) -> str:
         files = sorted({m.path for m in self.maps} | {p for _, p in self.fds})
@@ -120,7 +123,7 @@ def find(pids: Iterable[int], cuda_pids: Iterable[int], devices: Sequence[str] =
             fds = device_fds(pid, devices)
             if maps or fds:
                 name = Path(f"/proc/{pid}/comm").read_text().strip()
-                out.append(Leftover(pid, name, tuple(maps), tuple(fds)))
+                out.append(Leftover(pid, name, tuple(maps), tuple(fds), proc.start_ticks(pid)))
     return out
 
 
@@ -175,13 +178,33 @@ def _quiet_fds(pid: int, devices: Sequence[str]) -> list[tuple[int, str]]:
 
 def remove(left: Leftover) -> int:
     """Unmap and close, inside ``left.pid``, the driver's mappings and descriptors ``left`` found
-    (just now: :func:`find`); the bytes of address space given up."""
-    todo: list[tuple[int, tuple[int, ...]]] = [(ptrace.SYS_MUNMAP, (m.start, m.end - m.start)) for m in left.maps]
-    todo += [(ptrace.SYS_CLOSE, (fd,)) for fd, _ in left.fds]
-    results = ptrace.calls(left.pid, todo)
+    (just now: :func:`find`); the bytes of address space given up.  Once it is stopped, each is
+    looked at again: only the very process examined (not one that took its PID since), and only
+    what it still maps and holds as found, are acted on (0: it is gone)."""
+    try:
+        with ptrace.seized(left.pid) as tracee:
+            if left.started and proc.start_ticks(left.pid) != left.started:
+                return 0
+            still = set(device_mappings(left.pid, sorted({m.path for m in left.maps})))
+            maps = [m for m in left.maps if m in still]
+            fds = [(fd, path) for fd, path in left.fds if _fd_path(left.pid, fd) == path]
+            todo: list[tuple[int, tuple[int, ...]]] = [(ptrace.SYS_MUNMAP, (m.start, m.end - m.start)) for m in maps]
+            todo += [(ptrace.SYS_CLOSE, (fd,)) for fd, _ in fds]
+            results = [tracee.call(number, *args) for number, args in todo]
+    except ptrace.PtraceError as e:
+        if e.errno == errno.ESRCH and not proc.alive(left.pid):  # (it ended first)
+            return 0
+        raise
     failed = [(call, r) for call, r in zip(todo, results, strict=True) if r < 0]
     if failed:
         (number, args), r = failed[0]
         what = "munmap" if number == ptrace.SYS_MUNMAP else "close"
         raise ptrace.PtraceError(-r, f"{what}{args} inside PID {left.pid} failed: {os.strerror(-r)}")
-    return sum(m.end - m.start for m in left.maps)
+    return sum(m.end - m.start for m in maps)
+
+
+def _fd_path(pid: int, fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""

@@ -297,11 +297,12 @@ def _prepare_out(job: _Dump) -> None:
 
 def _strip_forked(job: _Dump) -> None:
     """Unmap and close, inside each forked child without a CUDA context, what it kept of the GPU
-    driver (:mod:`host.forked`: nothing it may still use; a child that used it was refused).
+    driver (:mod:`host.forked`: nothing it may still use).
     Done once the GPU is frozen, just before CRIU, on the tree as it is then: a parent may have
     forked workers meanwhile (a DataLoader's next epoch; once locked, its next CUDA call waits,
-    so it forks no more).  A child new since the plan that has used such memory fails the
-    checkpoint, which rolls back.  Nothing to undo: the children run on without them."""
+    so it forks no more).  A child new since the plan that is refused (one sharing a CUDA
+    process's memory) fails the checkpoint, which rolls back.  Nothing to undo: the children run
+    on without them."""
     devices = job.config.gpu_devices
     now = forked.find(proc.tree_pids(job.pid), job.cuda_pids, devices) if job.cuda is not None else []
     if not now:

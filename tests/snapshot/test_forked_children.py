@@ -12,6 +12,7 @@ after the restore; that CRIU then dumps a real DataLoader job is shown on a GPU
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import signal
@@ -115,6 +116,22 @@ def test_removal_inside_a_running_worker_leaves_it_serving(job_factory) -> None:
     assert not any(job.holds_device(w) for w in job.workers())
     assert forked.device_mappings(job.pid, job.stand_in), "the parent lost its own mapping"
     job.serves_on("after the removal")
+
+
+def test_removal_acts_only_on_the_process_and_mappings_that_were_found(job_factory) -> None:  # type: ignore[no-untyped-def]
+    """Between the look and the removal a worker may end and its PID go to another process, or
+    its mappings change: once it is stopped it is looked at again, and nothing else is touched."""
+    job = job_factory()
+    first, second = forked.find(job.workers(), [job.pid], job.stand_in)
+    reused = dataclasses.replace(first, started=first.started + 1)  # (as if the PID now named another process)
+    assert forked.remove(reused) == 0
+    assert job.holds_device(first.pid)
+    (m,) = second.maps
+    moved = dataclasses.replace(second, maps=(dataclasses.replace(m, start=m.start + mmap.PAGESIZE),), fds=())
+    assert forked.remove(moved) == 0  # (a mapping it no longer has as found: left alone)
+    assert forked.device_mappings(second.pid, job.stand_in) == [m]
+    assert forked.remove(first) == 1 << 20 and not job.holds_device(first.pid)
+    job.serves_on("after a removal that found nothing to do")
 
 
 def test_forked_workers_dump_restore_and_serve_on(job_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
