@@ -18,14 +18,15 @@ can still legally do with them, by mapping:
 * the descriptors: nothing without a context; closing the child's copy leaves the parent's open.
 
 So each such mapping and descriptor is removed inside the child (``munmap``, ``close``, made in
-it through :mod:`host.ptrace`) just before the freeze, and the child runs on without them.  Whether
-a child used such a mapping since its fork cannot be seen from outside it: the ``Referenced:`` of
-its smaps counts the page's own flag, shared with the parent (an H100's DataLoader workers that
-never touch CUDA memory show up to 74 MiB of it), so it is not asked.  A child that did read one
-after the removal would fault.  Refused in one
-sentence before anything is frozen: a process holding a descriptor of its own (not one its CUDA
-parent holds too: it drives the GPU without a context, as NVML does), and one that shares its
-memory with a CUDA process.
+it through :mod:`host.ptrace`) just before the freeze, and the child runs on without them.
+
+Whether a child used such a mapping since its fork cannot be seen from outside it: the
+``Referenced:`` of its smaps counts the page's own flag, shared with the parent (an H100's
+DataLoader workers that never touch CUDA memory show up to 74 MiB of it), so it is not asked.  A
+child that did read one after the removal would fault.  Refused in one sentence before anything
+is frozen: a process holding a descriptor of its own (not one its CUDA parent holds too: it
+drives the GPU without a context, as NVML does), and one that shares its memory with a CUDA
+process.
 """
 
 from __future__ import annotations
