@@ -67,7 +67,7 @@ class Leftover:
     maps: tuple[DeviceMapping, ...]
     fds: tuple[tuple[int, str], ...]
     #: Its start, in clock ticks since boot: the process :func:`remove` acts on must be this one.
-    started: int = 0
+    started: int
 
     def describe(self) -> str:
         files = sorted({m.path for m in self.maps} | {p for _, p in self.fds})
@@ -96,8 +96,7 @@ def device_mappings(pid: int, devices: Sequence[str] = DEVICES) -> list[DeviceMa
     out = []
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         head = _HEADER.match(line)
-        path = head.group(3).removesuffix(" (deleted)") if head else ""
-        if head and _is_device(path, devices):
+        if head and _is_device(path := head.group(3).removesuffix(" (deleted)"), devices):
             out.append(DeviceMapping(int(head.group(1), 16), int(head.group(2), 16), path))
     return out
 
@@ -184,11 +183,12 @@ def remove(left: Leftover) -> int:
     what it still maps and holds as found, are acted on (0: it is gone)."""
     try:
         with ptrace.seized(left.pid) as tracee:
-            if left.started and proc.start_ticks(left.pid) != left.started:
+            if proc.start_ticks(left.pid) != left.started:
                 return 0
             still = set(device_mappings(left.pid, sorted({m.path for m in left.maps})))
             maps = [m for m in left.maps if m in still]
-            fds = [(fd, path) for fd, path in left.fds if _fd_path(left.pid, fd) == path]
+            held = set(device_fds(left.pid, sorted({path for _, path in left.fds})))
+            fds = [fd for fd in left.fds if fd in held]
             todo: list[tuple[int, tuple[int, ...]]] = [(ptrace.SYS_MUNMAP, (m.start, m.end - m.start)) for m in maps]
             todo += [(ptrace.SYS_CLOSE, (fd,)) for fd, _ in fds]
             results = [tracee.call(number, *args) for number, args in todo]
@@ -202,10 +202,3 @@ def remove(left: Leftover) -> int:
         what = "munmap" if number == ptrace.SYS_MUNMAP else "close"
         raise ptrace.PtraceError(-r, f"{what}{args} inside PID {left.pid} failed: {os.strerror(-r)}")
     return sum(m.end - m.start for m in maps)
-
-
-def _fd_path(pid: int, fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/{pid}/fd/{fd}")
-    except OSError:
-        return ""

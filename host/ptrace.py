@@ -18,7 +18,7 @@ import errno
 import os
 import platform
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -177,9 +177,3 @@ def seized(pid: int) -> Iterator[Tracee]:
         for tid in held:
             with suppress(PtraceError):
                 _ptrace(_PTRACE_DETACH, tid, 0, ctypes.c_void_p(pending.get(tid, 0)))
-
-
-def calls(pid: int, todo: Sequence[tuple[int, tuple[int, ...]]]) -> list[int]:
-    """Each ``(number, args)`` of ``todo`` made inside ``pid``, in order: their results."""
-    with seized(pid) as tracee:
-        return [tracee.call(number, *args) for number, args in todo]
