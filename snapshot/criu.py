@@ -93,6 +93,9 @@ class DumpOptions:
     env: Mapping[str, str] = field(default_factory=dict)
     #: Largest deleted-but-open file CRIU keeps in the images (CRIU's own default: 1 MiB).
     ghost_limit: int = 1 << 20
+    #: Hand the images over pipes to a :class:`snapshot.streamer.Capture` listening in the
+    #: images directory instead of writing them there.
+    stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,7 @@ class Criu:
         args += ["--external", "mnt[]"] if opts.namespace else []
         args += ["--action-script", str(opts.action_script)] if opts.action_script else []
         args += ["--ghost-limit", str(opts.ghost_limit)]
+        args += ["--stream"] if opts.stream else []
         proc = self._run(args, timeout, opts.env, work)
         if proc.returncode != 0:
             detail = log_errors(work / "dump.log") or proc.stderr.strip()

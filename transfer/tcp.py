@@ -192,7 +192,21 @@ class TlsChannel(TcpChannel):
             sent += self._call(lambda: self.tls.send(part))  # noqa: B023 (_call runs it before the loop goes on)
 
     def _recv_into(self, view: memoryview) -> int:
-        return self._call(lambda: self.tls.recv_into(view))
+        return self._call(lambda: self._records_into(view))
+
+    def _records_into(self, view: memoryview) -> int:
+        """One SSL read yields at most one TLS record (16 KiB): read on while records are
+        already here, so a large receive costs one call (and one lock) per wait, not per record."""
+        got = self.tls.recv_into(view)
+        while 0 < got < len(view):
+            try:
+                k = self.tls.recv_into(view[got:])
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            if k == 0:
+                break
+            got += k
+        return got
 
     def _failed(self, what: str, e: OSError) -> TransferError:
         return _tls.refused_by_peer(e) or super()._failed(what, e)

@@ -1,0 +1,83 @@
+"""CRIU's images streamed (``criu dump --stream``) into :class:`snapshot.streamer.Capture`: a
+snapshot that restores, hashed chunk by chunk on the way, and a consumer that fails leaves the
+workload running where it stood."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import needs_criu
+from snapshot import manifest
+from snapshot.api import CriuError
+from snapshot.criu import Criu, DumpOptions, RestoreOptions
+from snapshot.streamer import Capture, StreamError
+from support.helpers import assert_continuous, wait_until
+
+pytestmark = needs_criu
+
+
+def test_streamed_images_restore_the_workload(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The chunks, written where they say (as a target would), are a snapshot CRIU restores:
+    the workload goes on from its last tick with its memory byte-identical; and each chunk's
+    digest is the one its bytes have (the seal's digest, chunk by chunk)."""
+    w = start(64)
+    w.verify_state()
+    (tmp_path / "images").mkdir()
+    (tmp_path / "out").mkdir()
+    written: dict[str, bytearray] = {}
+
+    def write(name: str, offset: int, chunk: memoryview) -> None:
+        data = written.setdefault(name, bytearray())
+        assert offset == len(data)
+        data += chunk
+
+    capture = Capture(tmp_path / "images", write, chunk_size=1 << 20)
+    Criu().dump(w.pid, tmp_path / "images", tmp_path, DumpOptions(stream=True), 120)
+    streamed = capture.close(60)
+    w.reap()
+    stopped_at = w.ticks()[-1][0]
+
+    assert not [p for p in (tmp_path / "images").iterdir() if p.name.endswith(".img")]  # nothing written here
+    assert {"inventory.img", "pstree.img"} <= set(streamed) and set(written) == {
+        n for n in streamed if streamed[n].size
+    }
+    assert sum(streamed[n].size for n in streamed if n.startswith("pages-")) >= 64 << 20
+    mib = 1 << 20
+    for name, data in written.items():
+        assert streamed[name].size == len(data)
+        digest = manifest.DIGESTS[manifest.DIGEST]
+        assert streamed[name].digests == [digest(data[o : o + mib]).hexdigest() for o in range(0, len(data), mib)]
+        (tmp_path / "out" / name).write_bytes(data)
+    for name in set(streamed) - set(written):
+        (tmp_path / "out" / name).touch()
+
+    w.pid = Criu().restore(tmp_path / "out", tmp_path, RestoreOptions(), 120)
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
+    assert_continuous(w.ticks())
+    w.verify_state()
+
+
+@pytest.mark.parametrize("how", ["sink fails", "aborted"])
+def test_a_consumer_that_gives_up_fails_the_dump_and_the_workload_runs_on(start, tmp_path: Path, how: str) -> None:  # type: ignore[no-untyped-def]
+    w = start(256)
+    (tmp_path / "images").mkdir()
+    capture: Capture
+
+    def give_up(name: str, offset: int, chunk: memoryview) -> None:
+        if name.startswith("pages-") and offset >= 16 << 20:
+            if how == "aborted":
+                capture.abort()
+            else:
+                raise OSError("the peer went away")
+
+    capture = Capture(tmp_path / "images", give_up)
+    with pytest.raises(CriuError):
+        Criu().dump(w.pid, tmp_path / "images", tmp_path, DumpOptions(stream=True), 120)
+    with pytest.raises(StreamError, match="the peer went away" if how == "sink fails" else "aborted"):
+        capture.close(60)
+    before = len(w.ticks())
+    wait_until(lambda: len(w.ticks()) > before + 3, "the workload to tick on")
+    assert_continuous(w.ticks())
+    w.verify_state()
