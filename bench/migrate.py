@@ -8,7 +8,9 @@ workload holding that much state is started on A under `tpagent launch` and move
 `tpagent migrate` (two agents in one namespace cannot move a CUDA process: it holds an
 abstract socket named after itself, which its copy cannot bind there while the original is
 held).  The downtime is from the freeze until the copy runs on the target (the agent's
-``downtime`` timing), next to each stage.
+``downtime`` timing), next to each stage.  ``tpagent``: CRIU's images streamed straight into
+the transfer (``stream_buffer_mib`` 256 on A and B); ``files``: the same between two more nodes
+C and D whose agents write them on the source first (``stream_buffer_mib`` 0, the default).
 In the same run, the naive route on the same workload: bare `criu dump` into a directory,
 `cp -a` of that directory, bare `criu restore` (its downtime is the sum).  Medians over
 --repeats, each route after the same memory warm-up (see ``warm``).  Beside the times, each
@@ -85,18 +87,24 @@ def tree_cpu_seconds(p: psutil.Process) -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def tpagent_round(kind: str, size: int, work: Path, c: Cluster) -> dict[str, float]:
-    pid = launch(kind, size, work, c.nodes["A"])
-    agents = [psutil.Process(node.agent.pid) for node in c.nodes.values() if node.agent is not None]
+STREAM_BUFFER_MIB = 256
+
+
+def tpagent_round(kind: str, size: int, work: Path, c: Cluster, route: str = "tpagent") -> dict[str, float]:
+    """A migration from A to B (``route`` "tpagent": the images streamed from CRIU), or from C to
+    D ("files": agents with ``stream_buffer_mib`` 0, the images written on the source first)."""
+    src, dst = ("A", "B") if route == "tpagent" else ("C", "D")
+    pid = launch(kind, size, work, c.nodes[src])
+    agents = [psutil.Process(c.nodes[n].agent.pid) for n in (src, dst)]  # type: ignore[union-attr]
     before = sum(map(tree_cpu_seconds, agents))
-    out = c.migrate(pid, "A", "B", "--json", timeout=3600)
+    out = c.migrate(pid, src, dst, "--json", timeout=3600)
     cpu = sum(map(tree_cpu_seconds, agents)) - before
     assert out.returncode == 0, out.stderr + out.stdout
     doc = json.loads(out.stdout)
     kill_and_wait(doc["new_pid"])
-    return {"tpagent_" + k: v for k, v in doc["timings"].items()} | {
-        "tpagent_total": doc["seconds"],
-        "tpagent_cpu": cpu,
+    return {f"{route}_{k}": v for k, v in doc["timings"].items()} | {
+        f"{route}_total": doc["seconds"],
+        f"{route}_cpu": cpu,
     }
 
 
@@ -157,15 +165,19 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="tpagent-bench-") as d:
         work = Path(d)
-        c = Cluster(work, ["A", "B"])
+        # (a GPU job's images are never streamed: no "files" route beside it)
+        c = Cluster(work, ["A", "B", "C", "D"] if kind == "cpu" else ["A", "B"])
         try:
-            for node in c.nodes.values():
-                node.start_agent()
+            for name, node in c.nodes.items():
+                node.start_agent(stream_buffer_mib="0" if name in "CD" else str(STREAM_BUFFER_MIB))
             for size in (int(x) for x in args.sizes_mib.split(",")):
                 rounds = []
                 for _ in range(args.repeats):  # interleaved: drift hits both routes alike
                     warm(size)
                     t = tpagent_round(kind, size, work, c)
+                    if kind == "cpu":
+                        warm(size)
+                        t |= tpagent_round(kind, size, work, c, "files")
                     warm(size)
                     rounds.append(t | naive_round(kind, size, work))
                 keys = sorted({k for r in rounds for k in r})
@@ -177,6 +189,7 @@ def main() -> None:
                         "repeats": args.repeats,
                         **med,
                         "downtime_ratio_to_naive": med["tpagent_downtime"] / med["naive_downtime"],
+                        "files_ratio_to_naive": med.get("files_downtime", 0.0) / med["naive_downtime"],
                     }
                 )
         finally:
@@ -186,19 +199,22 @@ def main() -> None:
         "tpagent_freeze_and_send",
         "tpagent_restore",
         "tpagent_downtime",
+        "files_freeze",
+        "files_downtime",
         "naive_dump",
         "naive_copy",
         "naive_restore",
         "naive_downtime",
         "tpagent_cpu",
+        "files_cpu",
         "naive_cpu",
     ]
-    print(f"{'size':>8} " + " ".join(f"{c:>24}" for c in cols) + f" {'x naive':>8}")
+    print(f"{'size':>8} " + " ".join(f"{c:>24}" for c in cols) + f" {'x naive':>8} {'files x naive':>14}")
     for r in results:
         print(
             f"{r['size_mib']:>6}Mi "
             + " ".join(f"{r.get(c, 0.0):>24.2f}" for c in cols)
-            + f" {r['downtime_ratio_to_naive']:>8.2f}"
+            + f" {r['downtime_ratio_to_naive']:>8.2f} {r['files_ratio_to_naive']:>14.2f}"
         )
     doc = {"benchmark": "migrate", "dir": str(args.dir), "results": results}
     common.emit(args, doc)

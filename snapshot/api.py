@@ -102,6 +102,11 @@ class Timeouts:
 DEFAULT_GHOST_LIMIT = 1 << 30
 
 
+#: Takes an image's name, the offset of a chunk in it and the chunk, valid during the call only
+#: (an image that ended empty: one call with an empty chunk).
+ImageSink = Callable[[str, int, memoryview], None]
+
+
 @dataclass(frozen=True)
 class SnapshotConfig:
     """How the layer runs.  ``criu`` None means: TPAGENT_CRIU, then the installed prefix, then PATH."""
@@ -122,6 +127,10 @@ class SnapshotConfig:
     #: The device files whose mappings and descriptors a forked child without a CUDA context
     #: gives up before the freeze (:mod:`host.forked`); tests name a stand-in file.
     gpu_devices: tuple[str, ...] = forked.DEVICES
+    #: Where CRIU's images go instead of into files (:mod:`snapshot.streamer`): called with
+    #: each image's name, a chunk's offset and the chunk (valid during the call), from
+    #: threads of the dump.  Trees with a CUDA context are still dumped into files.
+    stream: ImageSink | None = field(default=None, compare=False)
 
 
 #: Called as a stage starts (``msg`` empty) and ends (``msg`` says how it went).

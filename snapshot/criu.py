@@ -125,7 +125,12 @@ class Criu:
         return ".".join(map(str, self.version))
 
     def _run(
-        self, args: list[str], timeout: float | None, env: Mapping[str, str] | None = None, work: Path | None = None
+        self,
+        args: list[str],
+        timeout: float | None,
+        env: Mapping[str, str] | None = None,
+        work: Path | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run criu to completion.  A Ctrl-C is held back until CRIU is done: a CRIU killed
         while its parasite code runs inside the workload would take the workload down, and
@@ -146,6 +151,7 @@ class Criu:
                     start_new_session=True,
                     env={**os.environ, **env} if env else None,
                     umask=0o077,
+                    cwd=cwd,
                 )
             except OSError as e:
                 raise CriuError(f"could not run {self.path}", detail=str(e), code=e.errno) from e
@@ -179,7 +185,11 @@ class Criu:
 
     def dump(self, pid: int, images: Path, work: Path, opts: DumpOptions, timeout: float | None) -> None:
         """Dump the tree of ``pid`` into ``images``; CRIU's log and stats go to ``work``."""
-        args = ["dump", "-t", str(pid), "-D", str(images), "-W", str(work), "-o", "dump.log", "-v4"]
+        # Streamed, CRIU connects to its images directory's socket by the -D path, which must fit
+        # a socket's name (108 bytes): it runs there, told ".".
+        cwd = images if opts.stream else None
+        args = ["dump", "-t", str(pid), "-D", "." if opts.stream else str(images), "-W", str(work)]
+        args += ["-o", "dump.log", "-v4"]
         args += [] if opts.finish is DumpMode.KILL else [f"--{opts.finish.value}"]  # --leave-running / --leave-stopped
         args += self._common(opts.shell_job, opts.tcp_established)
         # The namespace's mounts are the node's own: declare them all external.
@@ -187,7 +197,7 @@ class Criu:
         args += ["--action-script", str(opts.action_script)] if opts.action_script else []
         args += ["--ghost-limit", str(opts.ghost_limit)]
         args += ["--stream"] if opts.stream else []
-        proc = self._run(args, timeout, opts.env, work)
+        proc = self._run(args, timeout, opts.env, work, cwd)
         if proc.returncode != 0:
             detail = log_errors(work / "dump.log") or proc.stderr.strip()
             if "Can't dump ghost file" in detail:

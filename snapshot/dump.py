@@ -45,6 +45,7 @@ from snapshot.criu import Criu, DumpOptions
 from snapshot.cuda import CudaDriver
 from snapshot.manifest import IMAGES_DIR, Manifest
 from snapshot.stages import LOG_DIR, CudaFactory, Step, Timer, quiet, require_root, resume
+from snapshot.streamer import Capture
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,8 @@ class _Dump:
     #: When criu dump started (monotonic): its stage's time is CRIU's, less the hook's checksum.
     dump_started: float = 0.0
     sealed: Manifest | None = None
+    #: CRIU's images went to ``config.stream`` (:mod:`snapshot.streamer`), some of them already.
+    streamed: bool = False
 
     @property
     def log_dir(self) -> Path:
@@ -344,14 +347,18 @@ def _thaw(job: _Dump) -> None:
 
 def _criu_dump(job: _Dump) -> None:
     """criu dump; its post-dump hook checksums and fsyncs the images and seals the manifest
-    while the tree is still frozen, then CRIU ends the tree (or leaves it) by its mode."""
+    while the tree is still frozen, then CRIU ends the tree (or leaves it) by its mode.  With
+    ``config.stream`` CRIU hands its images to a :class:`~snapshot.streamer.Capture` instead
+    (not a tree with a CUDA context: not yet tried on a GPU)."""
     config = job.config
-    tree = job.tree
-    env = _hook_env(job)
+    stream = config.stream is not None and not job.cuda_pids
+    capture = Capture(job.out / IMAGES_DIR, config.stream, log_dir=job.log_dir) if stream else None
+    env = _hook_env(job) | ({"TPAGENT_HOOK_STREAMED": "1"} if capture is not None else {})
     job.timer.progress(Stage.CRIU_DUMP, "")
     job.dump_started = time.monotonic()
     tcp = bool(job.manifest.criu["tcp_established"])
-    opts = DumpOptions(job.mode, tree.shell_job, tcp, tree.namespace, job.script, env, config.ghost_limit)
+    t = job.tree
+    opts = DumpOptions(job.mode, t.shell_job, tcp, t.namespace, job.script, env, config.ghost_limit, stream)
     # A Ctrl-C now asks the post-dump hook to fail, so that CRIU itself rolls back; once
     # the hook has sealed the snapshot, CRIU finishes and the interrupt came too late.
     with proc.deferred_sigint(on_interrupt=(job.log_dir / hook.CANCEL_FILE).touch) as interrupt:
@@ -359,10 +366,13 @@ def _criu_dump(job: _Dump) -> None:
             timeout = config.timeouts.dump if config.hold is None else None
             job.criu.dump(job.pid, job.out / IMAGES_DIR, job.log_dir, opts, timeout)
         except CriuError as e:
-            sealing = job.log_dir / hook.ERROR_FILE
-            if sealing.exists():
+            if (sealing := job.log_dir / hook.ERROR_FILE).exists():
                 e.detail = f"sealing the snapshot failed: {sealing.read_text(errors='replace')}"
+            elif capture is not None and capture.error is not None:
+                e.detail = f"{e.detail}; streaming its images failed: {capture.error}"
             raise
+        finally:
+            job.streamed = capture is not None and capture.finish(30)
         job.dumped = True
         if interrupt.consume():
             log.warning("interrupted after the snapshot of %d was sealed: finishing it", job.pid)
@@ -465,7 +475,7 @@ def _rolled_back(e: BaseException, job: _Dump) -> BaseException:
     said = f"{e} {failures.read(job.log_dir / hook.ERROR_FILE)}"
     cancelled = isinstance(e, KeyboardInterrupt) or (job.log_dir / hook.CANCEL_FILE).exists()
     let_go = cancelled or (job.log_dir / hook.DECISION_FILE).exists()  # (a holder's abort)
-    wrote = any((out / IMAGES_DIR).glob("*"))  # (a sender following the images may have read them)
+    wrote = job.streamed or any((out / IMAGES_DIR).glob("*"))  # (a sender may have read or sent them)
     # CRIU's log is in ``out`` too: the disk that ran out may have cut the very line that says so
     # ("Unable to spice data: No", in its words), so what CRIU left free there says it as well.
     full = isinstance(e, CriuError) and failures.free_bytes(out, as_root=True) == 0

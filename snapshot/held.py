@@ -20,8 +20,8 @@ from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
 
-from snapshot import criu, hook, leftovers, stages
-from snapshot.api import DumpMode, SnapshotConfig
+from snapshot import criu, hook, leftovers, manifest, stages
+from snapshot.api import DumpMode, SnapshotConfig, SnapshotError
 from snapshot.dump import checkpoint
 
 
@@ -84,6 +84,14 @@ class HeldDump:
         """Whether the snapshot is complete on disk and the hook holds the frozen tree."""
         return (self.log_dir / hook.HELD_FILE).exists()
 
+    def whole_here(self) -> bool:
+        """Whether every image the seal names is here (a streamed dump's went to its target only)."""
+        try:
+            files = manifest.load(self.out).files
+        except SnapshotError:
+            return False
+        return all(_size(self.out / name) == entry.get("size") for name, entry in files.items())
+
     def sealed_at(self) -> float | None:
         """When the snapshot was sealed (the tree frozen and held since), in Unix seconds; None if not."""
         try:
@@ -132,6 +140,13 @@ class HeldDump:
         """Remove the nftables lock CRIU left on the original's TCP connections (they live on
         elsewhere now; here the lock would drop their packets if the workload came back)."""
         criu.drop_network_lock(self.log_dir)
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 def wait_released(work: Path, timeout: float | None = 30.0) -> None:

@@ -10,7 +10,8 @@ fails, CRIU rolls the dump back itself: it resumes the tree and lifts its networ
 
 Inputs come through the environment, never through the command line CRIU hands to sh:
 TPAGENT_HOOK_OUT (the snapshot directory), TPAGENT_HOOK_ROOT (the dumped PID),
-TPAGENT_HOOK_ROOT_START (its start, see :func:`seal`), TPAGENT_HOOK_FAIL (tests: fail after the
+TPAGENT_HOOK_ROOT_START (its start, see :func:`seal`), TPAGENT_HOOK_STREAMED (CRIU streamed its
+images: their digests come from the capture), TPAGENT_HOOK_FAIL (tests: fail after the
 checksums).  Errors go to ``log/hook.err``.
 
 With TPAGENT_HOOK_HOLD (seconds), the hook then holds the sealed, frozen tree until a
@@ -38,11 +39,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from host import proc, safefs, sockets
-from snapshot import manifest, timers
+from snapshot import manifest, streamer, timers
 from snapshot.criu import PIDFILE
 
 PENDING = "manifest.pending.json"
@@ -240,10 +242,28 @@ def _dirs_to(files: list[tuple[str, int]]) -> list[manifest.MadeDir]:
     return sorted(out.values(), key=lambda d: (d.path.count("/"), d.path))
 
 
-def seal(out: Path, root: int, fail: bool, root_start: int | None = None) -> None:
+def _streamed(out: Path, seconds: float = 120.0) -> dict[str, dict[str, Any]]:
+    """The images CRIU streamed (:mod:`snapshot.streamer`), as the capture read and hashed
+    them: it is told that CRIU has written them all, and says so once it has read them."""
+    (out / "log" / streamer.END_FILE).touch()
+    said = out / "log" / streamer.STREAMED_FILE
+    deadline = time.monotonic() + seconds
+    while not said.exists():
+        _check_cancel(out)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the streamed images were not all read within {seconds:.0f} s")
+        time.sleep(0.005)
+    data = json.loads(said.read_text())
+    if "error" in data:
+        raise RuntimeError(data["error"])
+    return {f"{manifest.IMAGES_DIR}/{name}": entry for name, entry in data["images"].items()}
+
+
+def seal(out: Path, root: int, fail: bool, root_start: int | None = None, streamed: bool = False) -> None:
     """Seal the snapshot in ``out`` of the frozen tree of ``root``; ``root_start``: the start
     time (in clock ticks since boot, as /proc says: never shifted by the wall clock) of the
-    process that was examined under that PID."""
+    process that was examined under that PID; ``streamed``: CRIU's images went to a
+    :class:`snapshot.streamer.Capture`, whose digests they are sealed with."""
     t0 = time.monotonic()
     _check_cancel(out)
     pending = json.loads((out / PENDING).read_text())
@@ -251,7 +271,7 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None) -> Non
         raise NotTheProcess(f"PID {root} was started after the process that was examined (its PID was reused)")
     if pending.get("carried"):
         pending["carried"] = _archive(out, pending["carried"])
-    files = manifest.checksum_files(out)
+    files = manifest.checksum_files(out) | (_streamed(out) if streamed else {})
     _fsync_tree(out / manifest.IMAGES_DIR)
     if fail:
         raise RuntimeError("fault injected after the checksums")
@@ -278,6 +298,7 @@ def main() -> int:
             int(os.environ["TPAGENT_HOOK_ROOT"]),
             bool(os.environ.get("TPAGENT_HOOK_FAIL")),
             int(start) if start else None,
+            bool(os.environ.get("TPAGENT_HOOK_STREAMED")),
         )
         if "TPAGENT_HOOK_HOLD" in os.environ:
             hold(out, float(os.environ["TPAGENT_HOOK_HOLD"]))

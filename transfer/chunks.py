@@ -36,6 +36,8 @@ class SendState:
     raw_total: int = 0
     raw_acked: int = 0
     wire_bytes: int = 0
+    #: Told each chunk that the receiver now has (its memory may go: a :class:`Feed`'s).
+    on_acked: Callable[[int], None] | None = None
 
     def add(self, chunks: list[tuple[int, int, int]]) -> None:
         with self.cond:
@@ -63,8 +65,7 @@ class SendState:
                 raise TransferError("the receiver's HAVE does not match this snapshot")
             for i, h in enumerate(have):
                 if h and not self.acked[i]:
-                    self.acked[i] = 1
-                    self.raw_acked += self.chunks[i][2]
+                    self._acked(i)
             self.cond.notify_all()
 
     def next(self, broken: Callable[[], bool]) -> int | None:
@@ -82,14 +83,19 @@ class SendState:
         with self.cond:
             if ok:
                 if not self.acked[index]:
-                    self.acked[index] = 1
-                    self.raw_acked += self.chunks[index][2]
+                    self._acked(index)
             else:
                 self.naks[index] = self.naks.get(index, 0) + 1
                 if self.naks[index] > self.chunk_retries:
                     self.fail(IntegrityError(f"chunk {index} arrived damaged {self.naks[index]} times; giving up"))
                 self.pending.appendleft(index)
             self.cond.notify_all()
+
+    def _acked(self, index: int) -> None:
+        self.acked[index] = 1
+        self.raw_acked += self.chunks[index][2]
+        if self.on_acked is not None:
+            self.on_acked(index)
 
     def requeue(self, indices: list[int]) -> None:
         with self.cond:
@@ -108,9 +114,10 @@ class SendState:
 class Files:
     """The snapshot's files, opened for reading; for a followed snapshot, how far each is queued."""
 
-    def __init__(self, root: Path, chunk_size: int) -> None:
+    def __init__(self, root: Path, chunk_size: int, feed: Feed | None = None) -> None:
         self.root = root
         self.chunk_size = chunk_size
+        self.feed = feed  # images that are no files here: their chunks come from it (fds -1)
         self.follow = False  # chunks then say where they go (the receiver knows no layout)
         self.digested: set[int] = set()  # files whose chunks the receiver checks by SHA-256, not CRC
         self.names: list[str] = []
@@ -131,7 +138,8 @@ class Files:
     def grown(self, final: bool) -> list[tuple[int, int, int]]:
         """New chunks: whole ones written since the last call, and with ``final`` the tails."""
         try:
-            names = [f"{snapmanifest.IMAGES_DIR}/{e.name}" for e in os.scandir(self.root / snapmanifest.IMAGES_DIR)]
+            images = os.scandir(self.root / snapmanifest.IMAGES_DIR)
+            names = [f"{snapmanifest.IMAGES_DIR}/{e.name}" for e in images if e.is_file(follow_symlinks=False)]
         except FileNotFoundError:  # not started yet
             names = []
         if final:
@@ -146,7 +154,41 @@ class Files:
                 raise IntegrityError(f"{name} shrank while it was being sent")
             out += [(fi, off, min(self.chunk_size, end - off)) for off in range(self.queued[fi], end, self.chunk_size)]
             self.queued[fi] = end
+        return out + self._fed(index)
+
+    def _fed(self, index: dict[str, int]) -> list[tuple[int, int, int]]:
+        """The chunks the feed took since the last call (an empty image: none, but its name)."""
+        out = []
+        for image, off, length in self.feed.take() if self.feed is not None else []:
+            name = f"{snapmanifest.IMAGES_DIR}/{image}"
+            if name not in index:
+                index[name] = len(self.names)
+                self.names.append(name)
+                self.fds.append(-1)
+                self.queued.append(0)
+            fi = index[name]
+            if length:
+                out.append((fi, off, length))
+            self.queued[fi] = max(self.queued[fi], off + length)
         return out
+
+    def read(self, fi: int, off: int, length: int, buf: bytearray) -> bytes | bytearray | memoryview | None:
+        """A chunk's bytes: from its file (into ``buf`` when it fits it exactly), or copied from
+        the feed into ``buf`` (the feed reuses its memory once the chunk is acknowledged: None
+        if that happened meanwhile, on another stream)."""
+        if self.fds[fi] < 0:
+            assert self.feed is not None
+            got = self.feed.read_into(self.names[fi].removeprefix(f"{snapmanifest.IMAGES_DIR}/"), off, buf)
+            return None if got is None else buf if got == len(buf) else memoryview(buf)[:got]
+        if length == len(buf):  # read into the stream's buffer: sent before it is reused
+            got = os.preadv(self.fds[fi], [buf], off)
+            return buf if got == length else buf[:got]
+        return os.pread(self.fds[fi], length, off)
+
+    def release(self, fi: int, off: int) -> None:
+        """The receiver has this chunk: a fed one's memory goes back to the feed."""
+        if self.fds[fi] < 0 and self.feed is not None:
+            self.feed.release(self.names[fi].removeprefix(f"{snapmanifest.IMAGES_DIR}/"), off)
 
     def layout(self) -> Layout:
         return Layout(tuple(zip(self.names, self.queued, strict=False)), self.chunk_size)
@@ -157,5 +199,77 @@ class Files:
 
     def close(self) -> None:
         for fd in self.fds:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.fds = []
+
+
+class Feed:
+    """Chunks of a snapshot's images handed to a sender from memory as a dump produces them
+    (:class:`snapshot.streamer.Capture`'s sink: they never become files on this node).  Each
+    is kept until the receiver has it, at most ``limit`` bytes at once: past that, :meth:`put`
+    waits (and CRIU behind it) for acknowledgements to free room.  Buffers are reused, so a
+    transfer touches ``limit`` bytes of fresh memory however large the images."""
+
+    def __init__(self, chunk_size: int, limit: int) -> None:
+        self.chunk_size = chunk_size
+        self.limit = max(limit, chunk_size)
+        self.cond = threading.Condition()
+        self.kept: dict[tuple[str, int], memoryview] = {}
+        self.new: list[tuple[str, int, int]] = []
+        self.spare: list[bytearray] = []
+        self.held = 0
+        self.fed = 0  # bytes put, in all
+        self.error = ""
+
+    def put(self, name: str, offset: int, chunk: memoryview) -> None:
+        """Keep a chunk (the sink's call); raises TransferError once the transfer has ended."""
+        if len(chunk) > self.chunk_size:
+            raise TransferError(f"a chunk of {len(chunk)} bytes is larger than the transfer's chunks")
+        buf = None
+        if len(chunk):
+            with self.cond:
+                while not self.error and self.held + self.chunk_size > self.limit:
+                    self.cond.wait()
+                if not self.error:
+                    buf = self.spare.pop() if self.spare else bytearray(self.chunk_size)
+                    self.held += self.chunk_size
+            if buf is not None:
+                buf[: len(chunk)] = chunk
+        with self.cond:
+            if self.error:
+                raise TransferError(self.error)
+            if buf is not None:
+                self.kept[(name, offset)] = memoryview(buf)[: len(chunk)]
+            self.new.append((name, offset, len(chunk)))
+            self.fed += len(chunk)
+
+    def take(self) -> list[tuple[str, int, int]]:
+        """The chunks (image, offset, length) put since the last call."""
+        with self.cond:
+            new = self.new
+            self.new = []
+            return new
+
+    def read_into(self, name: str, offset: int, buf: bytearray) -> int | None:
+        """Copy a chunk into ``buf``: its length, or None if it has been released."""
+        with self.cond:
+            view = self.kept.get((name, offset))
+            if view is None:
+                return None
+            buf[: len(view)] = view
+            return len(view)
+
+    def release(self, name: str, offset: int) -> None:
+        with self.cond:
+            view = self.kept.pop((name, offset), None)
+            if view is not None:
+                self.spare.append(view.obj)  # type: ignore[arg-type]
+                self.held -= self.chunk_size
+                self.cond.notify_all()
+
+    def fail(self, why: str) -> None:
+        """No more chunks are taken: a waiting or later :meth:`put` raises ``why``."""
+        with self.cond:
+            self.error = self.error or why
+            self.cond.notify_all()

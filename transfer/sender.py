@@ -29,7 +29,7 @@ from transfer.api import (
     Transport,
     retry_pause,
 )
-from transfer.chunks import Files, SendState
+from transfer.chunks import Feed, Files, SendState
 from transfer.stream import client_handshake
 from transfer.wire import ACK, CHUNK, Codec, Kind, Layout, Role
 
@@ -236,14 +236,19 @@ class Sender:
             raise
         return ch
 
-    def send(self, snapshot: Path, address: str, sealed: Callable[[], bool] | None = None) -> TransferStats:
+    def send(
+        self, snapshot: Path, address: str, sealed: Callable[[], bool] | None = None, feed: Feed | None = None
+    ) -> TransferStats:
         """Send ``snapshot``.  With ``sealed``, the snapshot is still being written: its
         files are sent as they grow, and it is complete once ``sealed()`` returns True
-        (it raises to give up: the receiver then keeps nothing)."""
+        (it raises to give up: the receiver then keeps nothing).  With ``feed`` too, images
+        that are no files here come from it (a streamed dump); it is failed once the send
+        ends, so that a dump still streaming into it fails too."""
         cfg = self.config
         session = os.urandom(16)
+        files = Files(snapshot, cfg.chunk_size, feed)
         state = SendState(cfg.chunk_size, cfg.chunk_retries)
-        files = Files(snapshot, cfg.chunk_size)
+        state.on_acked = lambda i: files.release(*state.chunks[i][:2])
         codec = _Codec(cfg.compress, cfg.zstd_level)
         t0 = time.monotonic()
         try:
@@ -306,6 +311,8 @@ class Sender:
                 state.fail(TransferError("the transfer ended"))  # stops a worker still waiting for chunks
                 control.close()
         finally:
+            if feed is not None:
+                feed.fail("the transfer ended before the dump did")
             files.close()
         return TransferStats(state.raw_total, state.wire_bytes, len(state.chunks), time.monotonic() - t0)
 
@@ -400,13 +407,11 @@ class Sender:
                     raise broken[0]
                 return
             fi, off, length = state.chunks[index]
-            if length == len(buf):  # read into this stream's buffer: sent before it is reused
-                data: bytes | bytearray = buf
-                got = os.preadv(files.fds[fi], [buf], off)
-            else:
-                data = os.pread(files.fds[fi], length, off)
-                got = len(data)
-            if got != length:
+            data = files.read(fi, off, length, buf)
+            if data is None:  # (fed, and acknowledged meanwhile through another stream)
+                window.release()
+                continue
+            if len(data) != length:
                 state.fail(IntegrityError(f"{files.names[fi]} shrank while it was being sent"))
                 return
             crc = 0 if fi in files.digested else zlib.crc32(data)

@@ -42,6 +42,9 @@ class Proxy:
         threading.Thread(target=self._accept, daemon=True).start()
 
     def close(self) -> None:
+        # (shut down first: closing alone leaves the accepting thread's socket bound to the address)
+        with contextlib.suppress(OSError):
+            self.server.shutdown(socket.SHUT_RDWR)
         self.server.close()
 
     def _accept(self) -> None:

@@ -34,6 +34,10 @@
     transport = "tcp"                 # or "ucx"
     streams = 4                       # parallel connections per transfer
     ghost_limit_mib = 1024            # largest deleted-but-open file a dump keeps (CRIU's --ghost-limit)
+    stream_buffer_mib = 0             # > 0: a migration's images go from CRIU straight to the transfer,
+                                      # never written on this node, at most this much of them held in
+                                      # memory (trees with a CUDA context are always written first).
+                                      # Off by default: slower than files on a 2-core VM (README)
     compress = "auto"
     rank_socket = "tpagent-ranks"     # abstract unix socket (one per network namespace) where the
                                       # ranks of `tpagent rank` jobs reach this agent; "" turns it off
@@ -155,6 +159,7 @@ class AgentConfig:
     transport: str = "tcp"
     streams: int = 4
     ghost_limit_mib: int = DEFAULT_GHOST_LIMIT >> 20
+    stream_buffer_mib: int = 0
     compress: str = "auto"
     rank_socket: str = "tpagent-ranks"
     rewire_timeout: float = 120.0

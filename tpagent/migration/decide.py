@@ -210,7 +210,7 @@ def rolled_back_without_original(ctx: Context, r: Record, dump: HeldDump) -> str
     if same_process_alive(r):
         ctx.remove(r.snapshot)
         return "the original was resumed where it stood"
-    if dump.sealed():  # the last whole image of the job: never removed by the agent
+    if dump.sealed() and dump.whole_here():  # the last whole image of the job: never removed by the agent
         return (
             f"the original did not survive (a restart of this node?) and no copy runs on {r.peer}; its "
             f"snapshot is kept: `tpagent restore {r.snapshot}` brings it back"

@@ -24,7 +24,7 @@ from host.safefs import private_dir
 from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
 from snapshot.held import HeldDump
-from snapshot.manifest import IMAGES_DIR
+from snapshot.manifest import CHUNK_SIZE, IMAGES_DIR
 from tpagent import __version__
 from tpagent.common import clock, metrics
 from tpagent.migration.api import (
@@ -56,6 +56,7 @@ from tpagent.migration.decide import (
 from tpagent.migration.journal import Record, note_process, source_record
 from tpagent.migration.resolve import resolve_source
 from transfer.api import TransferError, TransferStats
+from transfer.chunks import Feed
 from transfer.sender import Sender
 
 log = logging.getLogger(__name__)
@@ -372,8 +373,15 @@ class SourceMigration:
     def _freeze_and_send(self, acceptance: Acceptance) -> TransferStats:
         cfg = self.ctx.cfg
         ctx = self.ctx
+        # CRIU's images go straight to the transfer (snapshot.streamer), never into files here
+        # (the transfer's chunks must be the seal's for that)
+        streams = cfg.stream_buffer_mib > 0 and ctx.transfer_config.chunk_size == CHUNK_SIZE
+        feed = Feed(CHUNK_SIZE, cfg.stream_buffer_mib << 20) if streams else None
         config = SnapshotConfig(
-            criu=ctx.snapshot_config.criu, timeouts=ctx.snapshot_config.timeouts, ghost_limit=cfg.ghost_limit_mib << 20
+            criu=ctx.snapshot_config.criu,
+            timeouts=ctx.snapshot_config.timeouts,
+            ghost_limit=cfg.ghost_limit_mib << 20,
+            stream=feed.put if feed is not None else None,
         )
         private_dir(self.snapshot.parent)
         t0 = self.freeze_t0 = time.monotonic()
@@ -396,15 +404,21 @@ class SourceMigration:
 
         address = acceptance.transfer_address
         try:
-            stats = Sender(ctx.transport(), ctx.transfer_config, progress).send(self.snapshot, address, sealed=sealed)
+            sender = Sender(ctx.transport(), ctx.transfer_config, progress)
+            stats = sender.send(self.snapshot, address, sealed=sealed, feed=feed)
         except TransferError as e:
             # A dump that fails takes its files back first: the sender may find them gone before
             # the dump says why.  Its reason is the one to give.
-            failed = dump.failure(within=30.0 if not (self.snapshot / IMAGES_DIR).is_dir() else 0.0)
+            failed = dump.failure(within=30.0 if feed is not None or not (self.snapshot / IMAGES_DIR).is_dir() else 0.0)
             if failed is not None:
                 raise _Failure(f"the dump failed: {failed}") from e
             raise _Failure(f"the transfer to {address} failed: {e}") from e
+        finally:
+            if feed is not None:  # (never a CRIU left waiting on a transfer that is not there)
+                feed.fail("the transfer ended before the dump did")
         self._stage("freeze_and_send", t0)
+        if feed is not None and feed.fed:
+            self.log.info("%.0f MiB of images went from CRIU straight to the transfer", feed.fed / 2**20)
         metrics.BYTES.labels("sent").inc(stats.bytes_wire)
         self._check_cancel()
         return stats
