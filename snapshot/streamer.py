@@ -160,7 +160,7 @@ class Capture:
                     t = threading.Thread(target=self._read, args=(name, fds[0]), name=f"stream {name}", daemon=True)
                     t.start()
                     readers.append(t)
-        except (OSError, StreamError) as e:
+        except Exception as e:  # (whatever it was, the hook must hear of it, never of a partial success)
             self._fail(e)
         finally:
             for t in readers:
