@@ -52,12 +52,7 @@ def launch(kind: str, size: int, work: Path, node: Node | None = None) -> int:
     """A fresh workload of ``size`` MiB under `tpagent launch` (on ``node``, or here): its PID."""
     log = work / "w.log"
     log.unlink(missing_ok=True)
-    if kind == "gpu":
-        cmd = [sys.executable, str(ROOT / "tests/workloads/gpu_hold.py"), str(log), str(size / 1024)]
-        ready = "step "
-    else:
-        cmd = [sys.executable, str(ROOT / "tests/workloads/stateful.py"), str(log), str(size)]
-        ready = "tick "
+    cmd, ready = common.workload(kind, size, log)
     if node is not None:
         pid = node.launch(work / "w.out", *cmd, timeout=600)
     else:

@@ -49,7 +49,6 @@ from transfer.receiver import Receiver  # noqa: E402
 from transfer.sender import Sender  # noqa: E402
 from transfer.tcp import TcpTransport  # noqa: E402
 
-start = _bench("snapshot").start
 naive = _bench("transfer").naive
 
 CFG = TransferConfig(secret=os.urandom(32))
@@ -69,7 +68,7 @@ def receiving(dst: Path) -> tuple[str, Callable[[], None]]:
 
 
 def route(name: str, size: int, work: Path) -> float:
-    p = start("cpu", size, work / "w.log")
+    p = common.start("cpu", size, work / "w.log")
     snap = work / "snap"
     dst = work / "dst"
     t0 = time.monotonic()

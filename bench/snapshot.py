@@ -19,10 +19,8 @@ Must run as root.  Prints a table, then one JSON object.
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,39 +35,7 @@ from snapshot import manifest, restore  # noqa: E402
 from snapshot.criu import Criu, DumpOptions, RestoreOptions  # noqa: E402
 from snapshot.cuda import CudaDriver  # noqa: E402
 from snapshot.dump import checkpoint  # noqa: E402
-from support.helpers import kill_and_wait, wait_until  # noqa: E402
-
-
-def start(kind: str, size_mib: int, log: Path) -> subprocess.Popen[bytes]:
-    if kind == "gpu":
-        cmd = [sys.executable, str(ROOT / "tests/workloads/gpu_hold.py"), str(log), str(size_mib / 1024)]
-        ready = "step "
-    else:
-        cmd = [sys.executable, str(ROOT / "tests/workloads/stateful.py"), str(log), str(size_mib)]
-        ready = "tick "
-    p = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    wait_until(lambda: log.exists() and ready in log.read_text(), "the workload to start", 600)
-    return p
-
-
-def floor(nbytes: int, directory: Path) -> tuple[float, float]:
-    """Seconds to write then read ``nbytes`` in 64 MiB blocks to/from a new file in ``directory``."""
-    block = os.urandom(64 << 20)
-    path = directory / "floor.bin"
-    t0 = time.monotonic()
-    with open(path, "wb") as f:
-        for _ in range(max(1, nbytes // len(block))):
-            f.write(block)
-    t_write = time.monotonic() - t0
-    t0 = time.monotonic()
-    with open(path, "rb") as f:
-        while f.readinto(bytearray(len(block))):  # a fresh buffer each time: first-touch like restore
-            pass
-    t_read = time.monotonic() - t0
-    path.unlink()
-    return t_write, t_read
+from support.helpers import kill_and_wait  # noqa: E402
 
 
 def one_round(kind: str, size: int, work: Path, naive_first: bool) -> dict[str, float]:
@@ -79,13 +45,13 @@ def one_round(kind: str, size: int, work: Path, naive_first: bool) -> dict[str, 
     tpagent_round(kind, size, work, out)
     if not naive_first:
         naive_round(kind, size, work, out)
-    out["floor_write_s"], out["floor_read_s"] = floor(int(out["image_bytes"]), work)
+    out["floor_write_s"], out["floor_read_s"] = common.floor(int(out["image_bytes"]), work)
     return out
 
 
 def tpagent_round(kind: str, size: int, work: Path, out: dict[str, float]) -> None:
     log = work / "w.log"
-    p = start(kind, size, log)
+    p = common.start(kind, size, log)
     t0 = time.monotonic()
     m = checkpoint(p.pid, work / "snap")
     out["tpagent_dump_s"] = time.monotonic() - t0
@@ -108,7 +74,7 @@ def naive_round(kind: str, size: int, work: Path, out: dict[str, float]) -> None
     """The same workload, bare criu (and, on a GPU, the driver's calls) with no checks."""
     log = work / "w.log"
     criu = Criu()
-    p = start(kind, size, log)
+    p = common.start(kind, size, log)
     images = work / "naive"
     images.mkdir()
     cuda = CudaDriver() if kind == "gpu" else None

@@ -22,7 +22,6 @@ into a new file in ``--dir``).  Must run as root.  Prints a table, then one JSON
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import statistics
@@ -41,7 +40,7 @@ import common  # noqa: E402
 from snapshot import manifest  # noqa: E402
 from snapshot.criu import Criu  # noqa: E402
 from snapshot.streamer import Capture  # noqa: E402
-from support.helpers import kill_and_wait, wait_until  # noqa: E402
+from support.helpers import kill_and_wait  # noqa: E402
 
 
 def _dump_args(criu: Criu, pid: int, images: Path, work: Path) -> list[str]:
@@ -103,32 +102,11 @@ def route_page_server(criu: Criu, pid: int, work: Path) -> dict[str, float]:
     return {"dump_s": t1 - t0, "hash_s": 0.0, "bytes": size}
 
 
-def start(size_mib: int, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, str(ROOT / "tests/workloads/stateful.py"), str(log), str(size_mib)]
-    p = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    wait_until(lambda: log.exists() and "tick " in log.read_text(), "the workload to start", 600)
-    return p
-
-
 def _read(path: Path) -> str:
     try:
         return path.read_text(errors="replace").lower()
     except FileNotFoundError:
         return ""
-
-
-def floor_write(nbytes: int, directory: Path) -> float:
-    block = os.urandom(64 << 20)
-    path = directory / "floor.bin"
-    t0 = time.monotonic()
-    with open(path, "wb", buffering=0) as f:
-        for _ in range(0, nbytes, len(block)):
-            f.write(block)
-    took = time.monotonic() - t0
-    path.unlink()
-    return took
 
 
 ROUTES: dict[str, Callable[[Criu, int, Path], dict[str, float]]] = {
@@ -148,7 +126,7 @@ def main() -> None:
         floors = []
         with tempfile.TemporaryDirectory(dir=args.dir, prefix="tpagent-bench-") as d:
             log = Path(d) / "w.log"
-            p = start(size, log)
+            p = common.start("cpu", size, log)
             try:
                 names = list(ROUTES)
                 for i in range(args.repeats + 1):  # round 0: untimed, this VM's first touch
@@ -161,7 +139,7 @@ def main() -> None:
                         if i:
                             runs[name].append(r)
                     if i:
-                        floors.append(floor_write(size << 20, Path(d)))
+                        floors.append(common.floor(size << 20, Path(d))[0])
             finally:
                 kill_and_wait(p.pid)
         floor_s = statistics.median(floors)

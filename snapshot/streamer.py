@@ -53,8 +53,6 @@ STREAMED_FILE = "streamed.json"
 PIPE_SIZE = 1 << 20
 _MAX_REQUEST = 4096  # an image's name, as CRIU frames it
 
-Sink = ImageSink
-
 
 class StreamError(SnapshotError):
     """Reading CRIU's stream failed, or its consumer gave up."""
@@ -74,7 +72,7 @@ class Capture:
     def __init__(
         self,
         images: Path,
-        sink: Sink | None = None,
+        sink: ImageSink | None = None,
         chunk_size: int = CHUNK_SIZE,
         digest: str = DIGEST,
         log_dir: Path | None = None,

@@ -64,6 +64,15 @@ def test_migrate_benchmark_runs() -> None:
     doc = _run("bench/migrate.py", "--sizes-mib", "16", "--repeats", "1")
     (row,) = doc["results"]  # type: ignore[misc]
     assert row["tpagent_downtime"] > 0 and row["naive_downtime"] > 0 and row["tpagent_restore"] > 0
+    assert row["files_downtime"] > 0  # (the same migration with the images written on the source)
+
+
+@needs_criu
+def test_stream_benchmark_runs() -> None:
+    doc = _run("bench/stream.py", "--sizes-mib", "16", "--repeats", "1")
+    rows = {r["route"]: r for r in doc["results"]}  # type: ignore[attr-defined]
+    assert set(rows) == {"files", "stream", "page-server"}
+    assert all(r["total_s"] > 0 and r["bytes"] > 16 << 20 for r in rows.values())
 
 
 def test_gpu_proof_says_what_it_could_not_check(tmp_path: Path) -> None:
