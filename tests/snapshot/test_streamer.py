@@ -4,6 +4,11 @@ workload running where it stood."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,7 @@ from snapshot.criu import Criu, DumpOptions, RestoreOptions
 from snapshot.dump import checkpoint
 from snapshot.restore import restore
 from snapshot.streamer import Capture, StreamError
-from support.helpers import alive, assert_continuous, wait_until
+from support.helpers import NOBODY, alive, assert_continuous, wait_until
 
 pytestmark = needs_criu
 
@@ -117,3 +122,44 @@ def test_a_streamed_checkpoint_is_sealed_with_what_went_by(start, tmp_path: Path
     wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
     assert_continuous(w.ticks())
     w.verify_state()
+
+
+_CONNECT = """
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(sys.argv[1])
+except OSError as e:
+    print("refused", e.errno)
+    sys.exit(0)
+s.sendall(b"\\x05\\x00\\x00\\x00\\x0a\\x03abc")
+try:
+    print("connected", s.recv(1))
+except ConnectionResetError:
+    print("connected, reset")
+"""
+
+
+def test_another_user_cannot_feed_the_capture() -> None:
+    """The capture's socket lies in the dump's images (root's, 0700): another user cannot reach
+    it; and were the directory open, the capture would still take only a peer of its own UID."""
+    top = Path(tempfile.mkdtemp(prefix="tp-stream-"))  # (in /tmp: pytest's own folders are root's alone)
+    try:
+        images = top / "images"
+        images.mkdir(mode=0o700)
+        os.chmod(top, 0o755)
+        capture = Capture(images)
+        sock = str(images / "streamer-capture.sock")
+        connect = [*NOBODY, sys.executable, "-c", _CONNECT, sock]
+        out = subprocess.run(connect, capture_output=True, text=True, timeout=30)
+        assert out.stdout.startswith("refused 13"), out.stdout + out.stderr  # EACCES: the directory stops it
+
+        os.chmod(images, 0o777)
+        os.chmod(sock, 0o777)
+        out = subprocess.run(connect, capture_output=True, text=True, timeout=30)
+        assert out.stdout.startswith("connected"), out.stdout + out.stderr  # taken, then dropped unread
+        with pytest.raises(StreamError, match="UID 65534, not CRIU"):
+            capture.close(10)
+        assert capture.images == {}
+    finally:
+        shutil.rmtree(top)
