@@ -12,6 +12,7 @@ else runs in this module's threads.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import gc
@@ -67,6 +68,9 @@ class Rank:
         self.park_timeout = float(os.environ.get("TPAGENT_RANK_PARK_TIMEOUT", "600"))
         self.pid = os.getpid()
         self.impostor_said = False
+        self.closing = threading.Event()  # set at exit: the connection's thread ends (see stop)
+        self.thread: threading.Thread | None = None
+        self.conn: socket.socket | None = None  # the connection being served (welcomed or not)
         self.key_said = False
         self.key: str | None = None  # the job's identity, agreed in its store (JOB_KEY) before the first hello
         #: What the agent asks of this rank (the rank protocol's runtime ops), by op.
@@ -126,7 +130,23 @@ class Rank:
     # ---- the connection --------------------------------------------------------------------
 
     def start(self) -> None:
-        threading.Thread(target=self._connection, name="tpagent-rank", daemon=True).start()
+        self.thread = threading.Thread(target=self._connection, name="tpagent-rank", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """At exit, while the interpreter is whole: the connection's thread is ended and waited
+        for (a little).  A daemon thread still running as the interpreter finalizes is ended by
+        it wherever it stands, and one standing in torch's C++ code (a store call) then aborts
+        the process ("terminate called without an active exception", pytorch/pytorch#38228):
+        the job would end with SIGABRT after its last step."""
+        if os.getpid() != self.pid or self.thread is None:
+            return
+        self.closing.set()
+        with self.write_lock:
+            if self.conn is not None:
+                with contextlib.suppress(OSError):
+                    self.conn.shutdown(socket.SHUT_RDWR)  # (its readline returns)
+        self.thread.join(timeout=2.0)
 
     def _connect(self) -> socket.socket | None:
         """A connection to the agent, or None.  Whoever listens on the name is believed only if
@@ -149,26 +169,31 @@ class Rank:
 
     def _connection(self) -> None:
         warned = False
-        while os.getpid() == self.pid:
+        while os.getpid() == self.pid and not self.closing.is_set():
             if self.leaving and not os.path.exists(os.path.join(P.GO_DIR, P.go_name(self.job, self.rank))):
-                time.sleep(0.1)  # (no socket until an agent says so: it may be freezing us)
+                self.closing.wait(0.1)  # (no socket until an agent says so: it may be freezing us)
                 continue
             s = self._connect()
             if s is None:
                 if not warned and not self.torn:
                     say(f"no agent answers on @{self.socket_name}; this rank cannot be moved until one does")
                     warned = True
-                time.sleep(0.1 if self.torn else 1.0)
+                self.closing.wait(0.1 if self.torn else 1.0)
                 continue
             warned = False
             if self.key is None:
                 self.key = self._job_key()
             self._serve(s)
-            time.sleep(0.1)
+            self.closing.wait(0.1)
 
     def _serve(self, s: socket.socket) -> None:
         f = s.makefile("rb")
+        with self.write_lock:
+            self.conn = s  # (stop sets closing, then shuts what it finds here: one of them sees the other)
+            closing = self.closing.is_set()
         try:
+            if closing:
+                return
             with self.cond:
                 hello = P.Hello(
                     self.job,
@@ -184,7 +209,7 @@ class Rank:
             s.sendall(codec.said(hello))
             first = codec.parse_line(f.readline(P.LINE_MAX + 1) or b"{}\n")
             if not codec.is_said(first, P.LineOp.WELCOME):
-                time.sleep(0.5)  # (not registered yet: the agent says so; ask again)
+                self.closing.wait(0.5)  # (not registered yet: the agent says so; ask again)
                 return
             self.node = codec.decode(P.Welcome, first).node
             if not self.torn:
@@ -212,6 +237,7 @@ class Rank:
             with self.write_lock:
                 if self.sock is s:
                     self.sock = None
+                self.conn = None
             with contextlib.suppress(OSError):
                 f.close()
             with contextlib.suppress(OSError):
@@ -444,6 +470,7 @@ def group_created(group: Any, store: Any, rank: int, size: int, spec: str | None
     register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step())
     backend.BEFORE.append(_before_collective)
     os.register_at_fork(after_in_child=_forget)
+    atexit.register(RANK.stop)  # (registered after the backends' release_all: it runs before it)
     RANK.start()
 
 

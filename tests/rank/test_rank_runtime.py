@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def _run(tmp_path: Path, **env: str) -> tuple[dict[str, object], str]:
     (tmp_path / "job.py").write_text(SCRIPT)
     base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
     done = subprocess.run(
-        [sys.executable, str(tmp_path / "job.py")],
+        [sys.executable, "-X", "faulthandler", str(tmp_path / "job.py")],  # (an abort says where each thread stood)
         # (what the caller has on PYTHONPATH stays, after ours: as nobody, it is how torch is found)
         env={
             **base,
@@ -71,8 +72,18 @@ def _run(tmp_path: Path, **env: str) -> tuple[dict[str, object], str]:
         timeout=120,
         cwd=tmp_path,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0 or _torchs_exit_race(env, done.returncode, done.stderr), done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+def _torchs_exit_race(env: dict[str, str], returncode: int | None, stderr: str) -> bool:
+    """Whether a run *without the runtime* (a baseline: only what it printed is used) aborted as
+    the interpreter finalized, by torch's own race at exit: a gloo worker thread, its backend
+    never destroyed (torch keeps the default group's after destroy_process_group), takes the GIL
+    then (pytorch/pytorch#179291, #38228).  Seen once in CI in a plain run of SCRIPT.  Never
+    accepted of a run under the runtime, which lets go of its backends at exit for this reason."""
+    aborted = returncode == -signal.SIGABRT and "terminate called without an active exception" in stderr
+    return aborted and "TPAGENT_RANK_SOCKET" not in env
 
 
 def test_inert_without_the_agents_socket(tmp_path: Path) -> None:
@@ -91,6 +102,57 @@ def test_on_a_rank_groups_delegate_and_the_step_is_the_same(tmp_path: Path) -> N
     assert seen["loss"] == plain["loss"], "the delegating backend changed the result"
     assert seen["site"] == "yes", "the environment's own sitecustomize did not run after ours"
     assert "no agent answers" in err, "a rank without an agent should say it cannot be moved"
+
+
+AT_EXIT = textwrap.dedent(
+    """
+    import atexit, json, tempfile, threading
+    import torch, torch.distributed as dist
+    # (registered first, so run last: after every exit handler of the runtime)
+    atexit.register(lambda: print(json.dumps(sorted(
+        t.name for t in threading.enumerate() if t is not threading.main_thread())), flush=True))
+    dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(t.item(), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("agent", ["none", "silent"])
+def test_no_thread_of_the_runtime_outlives_the_exit_handlers(tmp_path: Path, agent: str) -> None:
+    """A daemon thread still running when the interpreter finalizes is ended wherever it stands;
+    in torch's C++ code (a store call) that aborts the process, and a job that trained to its end
+    exits with SIGABRT.  So the runtime ends its threads at exit, whether no agent answers (it
+    waits to ask again) or an agent holds its connection and says nothing (it waits to read)."""
+    name = f"tpagent-test-{os.getpid()}-{agent}"
+    (tmp_path / "job.py").write_text(AT_EXIT)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    write_runtime_dir(runtime)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
+    env = {**base, "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), base.get("PYTHONPATH")]))}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        if agent == "silent":
+            listener.bind("\0" + name)
+            listener.listen()
+        done = subprocess.run(
+            [sys.executable, "-X", "faulthandler", str(tmp_path / "job.py")],
+            env={**env, "TPAGENT_RANK_SOCKET": name, "TPAGENT_JOB": "j"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        if agent == "silent":
+            listener.settimeout(0)
+            conn, _ = listener.accept()  # (the rank did connect, and said hello)
+            with conn:
+                assert b"hello" in conn.recv(65536)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.strip().splitlines()
+    assert out[0] == "1.0", out
+    assert "tpagent-rank" not in json.loads(out[-1]), "the runtime's connection thread outlived the exit handlers"
 
 
 COLLECTIVES = Path(__file__).resolve().parent.parent / "workloads" / "collectives_job.py"
@@ -118,7 +180,7 @@ def _launch(tmp_path: Path, argvs: list[list[str]], **env: str) -> tuple[list[di
     ]
     outs = [p.communicate(timeout=200) for p in ranks]
     for p, (_, err) in zip(ranks, outs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+        assert p.returncode == 0 or _torchs_exit_race(env, p.returncode, err), err[-3000:]
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs], "".join(err for _, err in outs)
 
 
