@@ -445,7 +445,8 @@ def node(
             {"pid": p.pid, "why": p.why, "uid": p.uid, "owner": p.owner, "rss": p.rss, "cmdline": list(p.cmdline)}
             for p in procs.processes
         ],
-        # of distributed jobs (`tpagent rank`): job, rank, world, generation, step, collectives, where it moved
+        # of distributed jobs (`tpagent rank`): job, rank, world, generation, step, collectives, where it moved,
+        # whether it registered its training state and its replicas (model-aware mode)
         "ranks": [codec.fields_of(r) for r in ranks.ranks],
     }
     typer.echo(json.dumps(doc, indent=2))

@@ -12,7 +12,6 @@ else runs in this module's threads.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import gc
@@ -96,6 +95,8 @@ class Rank:
                 self._park(f"step {self.step}")
 
     def before_collective(self) -> None:
+        if self.ended:  # (its communicators were broken off: no collective can complete)
+            raise RuntimeError(f"{PREFIX}rank {self.rank} of job {self.job} cannot go on: {self.ended}")
         if self.stop_at is None:  # (the common case, without the lock: only the training thread counts;
             self.collectives += 1  # a pause set meanwhile is seen at the next collective)
             self.ctimes.append(time.monotonic())
@@ -306,8 +307,9 @@ class Rank:
         return handler(request)
 
     def _where(self, _: P.Where) -> P.Standing:
-        from tpagent_rank import backend, nccladdr
+        from tpagent_rank import aware, backend, nccladdr
 
+        replicas = aware.replica_ranks()  # (resolved once, outside the lock: it may scan the heap)
         with self.cond:
             return P.Standing(
                 step=self.step,
@@ -322,6 +324,9 @@ class Rank:
                 host=nccladdr.host_identity(),
                 hosts_store=self.store_facts[0],
                 store_loopback=self.store_facts[1],
+                aware=aware.registration() is not None,
+                replicas=replicas or (),
+                no_replicas=aware.why_no_replicas() if replicas is None else "",
             )
 
     def _peers(self, _: P.Peers) -> P.Agents:
@@ -432,10 +437,35 @@ class Rank:
         return P.Answer()
 
     def _end(self, request: P.End) -> P.Answer:
-        """The job cannot go on (a rank is gone for good): better now than at a deadline."""
+        """The job cannot go on (a rank is gone for good): better now than at a deadline.  With a
+        grace, a rank that makes no progress (issues no collective, ends no step) for that long
+        breaks off the collective it waits in: its communicators' connections are shut and the
+        collective raises, where it would wait for its timeout (half an hour, gloo's by
+        default).  A rank that goes on meanwhile is left alone: what was believed lost is not
+        what it waits on."""
+        why = request.why or "its agent ended the job"
+        if request.grace > 0:
+            came = time.monotonic()
+            while not self.parked:
+                last = max(self.ctimes[-1] if self.ctimes else 0.0, self.times[-1] if self.times else 0.0)
+                if last > came:
+                    return P.failed(f"rank {self.rank} of job {self.job} goes on: it is not waiting on {why}")
+                left = last + request.grace - time.monotonic()
+                if left <= 0:
+                    break
+                if self.closing.wait(min(left, 0.5)):
+                    return P.failed("the rank is exiting")
+            say(f"rank {self.rank} of job {self.job} stops: {why}")
         with self.cond:
-            self.ended = request.why or "its agent ended the job"
+            self.ended = why
             self.cond.notify_all()
+            parked = self.parked
+        if request.grace > 0 and not parked:
+            from tpagent_rank import backend
+
+            with self.write_lock:
+                keep = self.conn.fileno() if self.conn is not None else -1
+            backend.break_off(keep)  # (not the agent's connection: it is answered on it)
         return P.Answer()
 
 
@@ -447,47 +477,3 @@ def _synchronize() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-
-
-RANK: Rank | None = None
-
-
-def group_created(group: Any, store: Any, rank: int, size: int, spec: str | None) -> None:
-    """Called for every delegating group; the first (the default group) starts the rank."""
-    global RANK
-    if RANK is not None:
-        return
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    from tpagent_rank import backend, owned
-    from tpagent_rank import store as stores
-
-    owned.note(stores.held(store))  # (a forked child lets go of them)
-    name = os.environ.get("TPAGENT_RANK_SOCKET", "")
-    job = P.job_id(os.environ)
-    RANK = Rank(job, rank, size, store, spec, name)
-    RANK.group = group
-    register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step())
-    backend.BEFORE.append(_before_collective)
-    os.register_at_fork(after_in_child=_forget)
-    atexit.register(RANK.stop)  # (registered after the backends' release_all: it runs before it)
-    RANK.start()
-
-
-def _after_step() -> None:
-    if RANK is not None and RANK.pid == os.getpid():
-        RANK.after_step()
-
-
-def _before_collective(group: Any) -> None:
-    if RANK is not None and group is RANK.group:  # (a forked child has no RANK: _forget)
-        RANK.before_collective()
-
-
-def _forget() -> None:
-    """In a forked child (a DataLoader worker): none of this is its own."""
-    global RANK
-    if RANK is not None and RANK.sock is not None:
-        with contextlib.suppress(OSError):
-            os.close(RANK.sock.detach())
-    RANK = None

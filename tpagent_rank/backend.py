@@ -371,49 +371,6 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         return self._pick([]).monitored_barrier(timeout, wait_all_ranks)
 
 
-def split_group(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """torch's ``split_group`` (what a DeviceMesh calls once the default group is bound to a
-    GPU) of a delegating group: the subgroup of this rank made by ``new_group``, with only its
-    members taking part, as a split has it, and its communicators its own (a split's would
-    belong to the parent's generation).  Nothing is shared with the parent, so unlike torch's
-    it needs no device bound to the default group.  Any other group torch splits itself."""
-    import inspect
-
-    c = sys.modules["torch.distributed.distributed_c10d"]
-    a = inspect.signature(original).bind(*args, **kwargs).arguments
-    parent = a.get("parent_pg") or c._get_default_group()
-    if not isinstance(parent, DelegatingGroup) or getattr(c, "_use_torchcomms_enabled", lambda: False)():
-        return original(*args, **kwargs)  # (torchcomms: its new_group splits, through this very call)
-    ranks = c.get_process_group_ranks(parent)  # (the parent's group ranks, as global ranks)
-    splits = a.get("split_ranks")
-    if not splits:
-        raise ValueError("split_ranks cannot be None or empty")
-    for split in splits:
-        if not split or len(set(split)) != len(split) or not all(0 <= r < len(ranks) for r in split):
-            raise ValueError(f"{split!r} is not a split of a group of {len(ranks)} ranks")
-    if len({r for split in splits for r in split}) != sum(len(split) for split in splits):
-        raise ValueError(f"the splits {splits!r} overlap")
-    # Every rank of the world makes every split of the world (as a DeviceMesh does without
-    # split_group): the groups' names, which torch numbers in the order they are made, agree.  A
-    # subgroup's members make only their own, named by its ranks (torch's names of groups made
-    # by their members alone: they agree while the members have made the same groups before).
-    world = parent is c._get_default_group()
-    made = None
-    for split in splits:
-        member = parent.rank() in split
-        if world or member:
-            group = c.new_group(
-                [ranks[r] for r in sorted(split)],
-                timeout=a.get("timeout"),
-                backend=a.get("backend") or parent.user_backend(),
-                pg_options=a.get("pg_options"),
-                group_desc=a.get("group_desc"),
-                use_local_synchronization=not world,
-            )
-            made = group if member else made
-    return made
-
-
 def name_groups() -> None:
     """Have ``torch.distributed.get_backend`` name each delegating group's backend as the user
     did (their script may branch on it; torch's monitored_barrier takes only "gloo")."""
@@ -479,6 +436,19 @@ def register() -> None:
         devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
         dist.Backend.register_backend(NAME, create, devices=devices)
         atexit.register(release_all)
+
+
+def break_off(keep: int = -1) -> None:
+    """Make every collective in flight raise now, never to complete: NCCL's communicators are
+    aborted; every connected socket of the communicators and the store (as noted: :mod:`owned`)
+    is shut but ``keep`` (a listener is left: gloo's own thread would fail on it, and abort the
+    process)."""
+    for g in GROUPS.live():
+        for b in {id(b): b for b in list(g._inner.values())}.values():
+            if "NCCL" in type(b).__name__ and hasattr(b, "abort"):
+                with contextlib.suppress(Exception):
+                    b.abort()
+    owned.shut_connections(keep)
 
 
 def release_all() -> None:

@@ -44,9 +44,9 @@ def _with_backend(fn: Callable[..., Any], index: int, default: bool) -> Callable
             return fn(*args, **kwargs)
         b.register()
         if not b.ON_GROUP:
-            from tpagent_rank import agent
+            from tpagent_rank import hooks
 
-            b.ON_GROUP.append(agent.group_created)
+            b.ON_GROUP.append(hooks.group_created)
         if len(args_l) > index:
             args_l[index] = b.NAME
         else:
@@ -69,13 +69,14 @@ def _with_backend(fn: Callable[..., Any], index: int, default: bool) -> Callable
 
 def _split_with_backend(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``split_group``, of a delegating group: made by ``new_group`` (see
-    :func:`tpagent_rank.backend.split_group`); of any other, torch's own."""
+    :func:`tpagent_rank.splits.split_group`); of any other, torch's own."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from tpagent_rank import backend as b
 
-        return b.split_group(fn, *args, **kwargs)
+        from tpagent_rank import splits
+
+        return splits.split_group(fn, *args, **kwargs)
 
     wrapper.__tpagent__ = True  # type: ignore[attr-defined]
     return wrapper

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import stat
 import threading
 from collections.abc import Iterator
@@ -74,6 +75,29 @@ def noting() -> Iterator[None]:
         yield
     finally:
         note_since(before)
+
+
+def shut_connections(keep: int = -1) -> None:
+    """Shut (both ways) each noted socket still open as noted that is connected, not listening,
+    but the descriptor ``keep``: whatever waits on one of them (a collective, a store call) fails
+    at once."""
+    with _lock:
+        noted = dict(_OWNED)
+    now = sockets()
+    for fd, ino in noted.items():
+        if now.get(fd) != ino or fd == keep:
+            continue
+        try:
+            s = socket.socket(fileno=fd)  # (closed meanwhile: OSError)
+        except OSError:
+            continue
+        try:
+            if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.detach()  # (the descriptor stays its owner's)
 
 
 def release_in_child() -> None:

@@ -92,7 +92,7 @@ class Op(str, enum.Enum):
     TEARDOWN = "teardown"  # destroy the communicators; ``leaving``: also let go of the store and the agent
     REBUILD = "rebuild"  # build them again under generation ``gen``, where it now runs
     RESUME = "resume"  # go on after a rebuild
-    END = "end"  # the job cannot go on: end with ``why``
+    END = "end"  # the job cannot go on: end with ``why`` (``grace``: also break off a collective stalled that long)
     # Answered by the agent.
     EXPECT = "expect"  # the rank's launched namespace here has its init at ``pid`` (registers it)
     MOVED = "moved"  # the rank went to the agent at ``to``
@@ -101,6 +101,7 @@ class Op(str, enum.Enum):
     SIGNAL = "signal"  # pass ``signum`` on to the rank
     OUTPUT = "output"  # what the rank wrote to ``fd`` from ``offset``
     JOBS = "jobs"  # every rank of every job on the node
+    LOST = "lost"  # a node running ranks of the job is lost: each rank of it here ends if it waits on it
 
 
 RUNTIME_OPS = frozenset(
@@ -168,6 +169,9 @@ class Standing(Answer):
     host: str = ""  # the host it runs on (name|boot id)
     hosts_store: str = ""  # HOST:PORT of the job's store if it serves it itself ("": it does not)
     store_loopback: str = ""  # HOST:PORT of the store if reached at a loopback address
+    aware: bool = False  # it registered its training state (tpagent_rank.register)
+    replicas: tuple[int, ...] = ()  # the global ranks holding the same state, itself included (): none known
+    no_replicas: str = ""  # why none are known
 
 
 @dataclass(frozen=True)
@@ -220,6 +224,8 @@ class RankRow:
     moved_to: str = ""
     collectives: int = 0
     state: str = ""
+    aware: bool = False  # it registered its training state
+    replicas: tuple[int, ...] = ()  # the global ranks holding the same state, itself included (): none known
 
 
 @dataclass(frozen=True)
@@ -294,8 +300,14 @@ class Resume(Request[Answer]):
 
 @dataclass(frozen=True)
 class End(Request[Answer]):
+    """A parked rank raises ``why``.  With ``grace`` > 0, a rank waiting in a collective (one it
+    issued before this came, still not complete ``grace`` s later) breaks it off too: its
+    communicators' connections are shut, the collective raises; a rank whose collectives complete
+    is left alone (the job runs: whatever was believed lost is not what it waits on)."""
+
     OP = Op.END
     why: str = ""
+    grace: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -342,6 +354,17 @@ class Jobs(Request[Ranks]):
     ANSWER = Ranks
 
 
+@dataclass(frozen=True)
+class Lost(Request[Answer]):
+    """(The orchestrator's.)  ``node`` (an agent's address), which ran ranks of the job, is lost:
+    each rank of the job here is told :class:`End` with ``why`` and ``grace``."""
+
+    OP = Op.LOST
+    node: str
+    why: str
+    grace: float
+
+
 REQUESTS: Mapping[Op, type[Request[Any]]] = {
     cls.OP: cls
     for cls in (
@@ -361,6 +384,7 @@ REQUESTS: Mapping[Op, type[Request[Any]]] = {
         Signal,
         Output,
         Jobs,
+        Lost,
     )
 }
 

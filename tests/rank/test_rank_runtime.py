@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tpagent_rank.layout import write_runtime_dir
+from support.runtime import runtime_env
 
 pytest.importorskip("torch")
 
@@ -50,23 +50,13 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path: Path, **env: str) -> tuple[dict[str, object], str]:
-    runtime = tmp_path / "runtime"
-    runtime.mkdir(exist_ok=True)
-    if not (runtime / "sitecustomize.py").exists():
-        write_runtime_dir(runtime)
     user = tmp_path / "user"
     user.mkdir(exist_ok=True)
     (user / "sitecustomize.py").write_text("import os\nos.environ['USER_SITE_RAN'] = 'yes'\n")
     (tmp_path / "job.py").write_text(SCRIPT)
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
     done = subprocess.run(
         [sys.executable, "-X", "faulthandler", str(tmp_path / "job.py")],  # (an abort says where each thread stood)
-        # (what the caller has on PYTHONPATH stays, after ours: as nobody, it is how torch is found)
-        env={
-            **base,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), str(user), base.get("PYTHONPATH")])),
-            **env,
-        },
+        env=runtime_env(tmp_path, user, **env),
         capture_output=True,
         text=True,
         timeout=120,
@@ -127,11 +117,7 @@ def test_no_thread_of_the_runtime_outlives_the_exit_handlers(tmp_path: Path, age
     waits to ask again) or an agent holds its connection and says nothing (it waits to read)."""
     name = f"tpagent-test-{os.getpid()}-{agent}"
     (tmp_path / "job.py").write_text(AT_EXIT)
-    runtime = tmp_path / "runtime"
-    runtime.mkdir()
-    write_runtime_dir(runtime)
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
-    env = {**base, "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), base.get("PYTHONPATH")]))}
+    env = runtime_env(tmp_path)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         if agent == "silent":
             listener.bind("\0" + name)
@@ -161,17 +147,7 @@ COLLECTIVES = Path(__file__).resolve().parent.parent / "workloads" / "collective
 def _launch(tmp_path: Path, argvs: list[list[str]], **env: str) -> tuple[list[dict[str, Any]], str]:
     """Each of ``argvs`` as a rank (the runtime's directory on its PYTHONPATH, ``env`` added):
     the JSON line each printed last, and all they wrote to stderr."""
-    runtime = tmp_path / "runtime"
-    if not runtime.exists():
-        runtime.mkdir()
-        write_runtime_dir(runtime)
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TPAGENT_")}
-    full = {
-        **base,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(runtime), base.get("PYTHONPATH")])),
-        "OMP_NUM_THREADS": "1",
-        **env,
-    }
+    full = runtime_env(tmp_path, OMP_NUM_THREADS="1", **env)
     ranks = [
         subprocess.Popen(
             [sys.executable, *argv], env=full, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -26,7 +26,7 @@ REQUESTS: list[P.Request[Any]] = [
     P.Teardown(leaving=True),
     P.Rebuild(gen=3, timeout=7.0),
     P.Resume(),
-    P.End(why="rank 2 is gone"),
+    P.End(why="rank 2 is gone", grace=2.5),
     P.Expect(pid=4242),
     P.Moved(to="10.0.0.2:7400"),
     P.Release(),
@@ -34,6 +34,7 @@ REQUESTS: list[P.Request[Any]] = [
     P.Signal(signum=15),
     P.Output(fd=2, offset=1 << 33, max=4096),
     P.Jobs(),
+    P.Lost(node="10.0.0.2:7400", why="node b stopped reporting", grace=10.0),
 ]
 #: One answer of each kind, every field set.
 ANSWERS: list[P.Answer] = [
@@ -51,6 +52,9 @@ ANSWERS: list[P.Answer] = [
         host="h|b",
         hosts_store="10.0.0.1:29500",
         store_loopback="127.0.0.1:29500",
+        aware=True,
+        replicas=(1, 3),
+        no_replicas="",
     ),
     P.Agents(agents=("10.0.0.1:7400", "", "10.0.0.3:7400")),
     P.Paused(ok=False, error="past it", late=True),
@@ -58,7 +62,23 @@ ANSWERS: list[P.Answer] = [
     P.TornDown(closed=2),
     P.Located(state=P.Whereabouts.MOVED.value, pid=7, node="10.0.0.2:7400", code=3),
     P.Written(data=bytes(range(256)), size=1 << 33),
-    P.Ranks(ranks=(P.RankRow("j", 1, world=4, pid=9, gen=2, step=8, connected=True, moved_to="x:1", state="running"),)),
+    P.Ranks(
+        ranks=(
+            P.RankRow(
+                "j",
+                1,
+                world=4,
+                pid=9,
+                gen=2,
+                step=8,
+                connected=True,
+                moved_to="x:1",
+                state="running",
+                aware=True,
+                replicas=(0, 1),
+            ),
+        )
+    ),
 ]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import signal
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -18,11 +19,14 @@ from tpagent.jobs.ranks import NotTheJob, Ranks
 from tpagent.migration.api import AgentError, Refused, Why, is_agent_address
 from tpagent_rank import protocol as P
 
+log = logging.getLogger(__name__)
 A = TypeVar("A", bound=P.Answer)
 #: The signals a stand-in passes on to its rank (SIGKILL: its launcher gave up on it).
 PASSED_ON = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL})
 #: The longest job's key (``RankRequest.job_key``) an agent compares.
 KEY_MAX = 128
+#: The longest a rank told its job lost a node waits for its collectives before it breaks off.
+LOST_GRACE_MAX = 3600.0
 
 
 class RankCalls:
@@ -41,6 +45,7 @@ class RankCalls:
             P.Op.SIGNAL: self._signal,
             P.Op.OUTPUT: self._output,
             P.Op.JOBS: self._jobs,
+            P.Op.LOST: self._lost,
         }
 
     def __call__(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
@@ -113,6 +118,27 @@ class RankCalls:
             raise Refused("output needs fd 1 or 2 and an offset of at least 0.", Why.INVALID)
         return self.ranks.output(job, rank, request.fd, request.offset, max(1, request.max))
 
+    def _lost(self, job: str, rank: int, request: P.Lost) -> P.Answer:
+        """(The orchestrator's.)  A node that ran ranks of ``job`` is lost: each rank of it here
+        is told to end, and to break off a collective it has waited in for ``grace`` seconds
+        (:class:`~tpagent_rank.protocol.End`).  Answered at once; the ranks are told meanwhile."""
+        if not is_agent_address(request.node) or not 0 < request.grace <= LOST_GRACE_MAX:
+            raise Refused(f"lost needs the lost node's agent and a grace of 0 to {LOST_GRACE_MAX:.0f} s.", Why.INVALID)
+        why = f"{request.why} (the node of agent {request.node})"
+        told = [r.rank for r in self.ranks.jobs() if r.job == job and r.connected and not r.moved_to]
+        for r in told:
+            end = P.End(why=why, grace=request.grace)
+            self.ranks.threads.spawn("lost", f"lost-{job}-{r}", self._tell, job, r, end)
+        return P.Answer(ok=bool(told), error="" if told else f"no rank of job {job} runs on {self.node}")
+
+    def _tell(self, job: str, rank: int, end: P.End) -> None:
+        try:
+            answer = self.ranks.call(job, rank, end, end.grace + 60)
+        except (AgentError, Refused) as e:
+            log.info("rank %d of job %s was not told its job lost a node: %s", rank, job, e)
+            return
+        log.warning("rank %d of job %s, told its job lost a node: %s", rank, job, answer.error or "it stops")
+
     def _jobs(self, job: str, rank: int, _: P.Jobs) -> P.Ranks:
         """Every rank here, each connected one with its step and generation now."""
         rows = []
@@ -121,7 +147,13 @@ class RankCalls:
                 with contextlib.suppress(AgentError):
                     now = self.ranks.call(row.job, row.rank, P.Where(), 2)
                     row = dataclasses.replace(
-                        row, step=now.step, gen=now.gen, collectives=now.collectives, state=now.state
+                        row,
+                        step=now.step,
+                        gen=now.gen,
+                        collectives=now.collectives,
+                        state=now.state,
+                        aware=now.aware,
+                        replicas=now.replicas,
                     )
             rows.append(row)
         return P.Ranks(ranks=tuple(rows))

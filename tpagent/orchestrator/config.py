@@ -21,6 +21,9 @@ return_home_jobs = {}             # per job: { "job1" = false }
 max_parallel = 4                  # moves of different jobs at once
 retries = 2                       # a failed move is tried again on another spare this many times
 unreachable_after = 30.0          # a node silent this long is unreachable (its ranks are not moved)
+lost_grace = 60.0                 # then the other ranks of its jobs that make no progress this long
+                                  # break off the collective they wait in (the job ends at once
+                                  # rather than at its collectives' timeout); 0: never
 report_period = 2.0               # what agents are told: report this often
 move_timeout = 1800.0             # one move, its dry run included, at most this long
 scheduler = "static"              # "static" (spares from dedicated_spares), "slurm" or "kubernetes"
@@ -78,6 +81,7 @@ class OrchestratorConfig:
     max_parallel: int = 4
     retries: int = 2
     unreachable_after: float = 30.0
+    lost_grace: float = 60.0
     report_period: float = 2.0
     move_timeout: float = 1800.0
     scheduler: str = "static"
@@ -99,6 +103,8 @@ class OrchestratorConfig:
             raise UsageError("max_parallel must be 1 to 1000 and retries 0 to 100.")
         if not 0.1 <= self.report_period < self.unreachable_after:
             raise UsageError("report_period must be at least 0.1 s and shorter than unreachable_after.")
+        if not 0 <= self.lost_grace <= 3600:
+            raise UsageError("lost_grace must be 0 (never) to 3600 seconds.")
         if self.move_timeout <= 0 or self.spare_hold_timeout <= 0:
             raise UsageError("move_timeout and spare_hold_timeout must be positive numbers of seconds.")
         if self.scheduler not in SCHEDULERS:

@@ -18,10 +18,14 @@ import logging
 import threading
 import time
 
+import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from tpagent import __version__
 from tpagent.common.credentials import Credentials
+from tpagent.daemon import rankwire
+from tpagent.daemon.client import rpc_text
+from tpagent.daemon.rpc import stub
 from tpagent.orchestrator import mover, policy
 from tpagent.orchestrator.api import (
     Move,
@@ -41,6 +45,7 @@ from tpagent.orchestrator.kubernetes import Kubernetes
 from tpagent.orchestrator.scheduler import Scheduler, SchedulerError, Static, Wanted
 from tpagent.orchestrator.slurm import Slurm
 from tpagent.orchestrator.state import State
+from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +252,38 @@ class Orchestrator:
             self.unreachable |= silent
         for n in sorted(new):
             self.event("unreachable", f"{n} has not reported for {self.cfg.unreachable_after:g} s: unreachable", node=n)
+            if self.cfg.lost_grace > 0:
+                self._lost(n)
+
+    def _lost(self, node: str) -> None:
+        """``node`` is unreachable: the agents running other ranks of its jobs tell them, and each
+        that makes no progress for ``lost_grace`` breaks off the collective it waits in, where it
+        would wait for its timeout (:class:`tpagent_rank.protocol.End`).  A job that runs on (the
+        node is cut off from us, not from its peers) is left alone by its ranks."""
+        view = self.view()
+        lost = view.nodes[node]
+        why = f"node {node} running rank(s) of the job stopped reporting ({self.cfg.unreachable_after:g} s)"
+        for job in sorted({r.job for r in lost.ranks}):
+            others = sorted(
+                n
+                for n, seen in view.nodes.items()
+                if n != node and view.reachable(n) and any(r.job == job for r in seen.ranks)
+            )
+            if not others:
+                continue
+            ranks = ", ".join(str(r.rank) for r in lost.ranks if r.job == job)
+            text = f"job {job} lost rank(s) {ranks} with {node}: its ranks on {', '.join(others)} are told"
+            self.event("lost", f"{text} (each stops once it waits {self.cfg.lost_grace:g} s)", job, node)
+            request = P.Lost(node=lost.agent, why=why, grace=self.cfg.lost_grace)
+            for n in others:
+                agent = view.nodes[n].agent
+                threading.Thread(target=self._tell_lost, args=(agent, job, request), daemon=True).start()
+
+    def _tell_lost(self, agent: str, job: str, request: P.Lost) -> None:
+        try:
+            stub(agent, self.creds).Rank(rankwire.request_pb(job, 0, request, 30.0), timeout=40)
+        except grpc.RpcError as e:
+            log.warning("the agent at %s was not told job %s lost a node: %s", agent, job, rpc_text(e))
 
     def _start(self) -> None:
         active = self.state.moves(active=True)

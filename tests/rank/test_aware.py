@@ -1,0 +1,119 @@
+"""Model-aware mode's registration (tpagent_rank.register, issue 27 item 1) in real torch jobs:
+the replicas the runtime derives from DDP and FSDP2 meshes, and a registered state that
+rebuilds a rank in a fresh process, from its own save or a replica's, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.runtime import runtime_env
+
+pytest.importorskip("torch")
+
+JOB = Path(__file__).resolve().parent.parent / "workloads" / "aware_job.py"
+
+
+def _ranks(tmp_path: Path, tag: str, mode: str | list[str], world: int, steps: int = 6) -> list[dict[str, Any]]:
+    """aware_job.py as ``world`` ranks under the runtime (no agent answers: it is not needed)."""
+    env = runtime_env(
+        tmp_path, OMP_NUM_THREADS="1", TPAGENT_RANK_SOCKET=f"tpagent-test-{os.getpid()}-none", TPAGENT_JOB="j"
+    )
+    modes = mode if isinstance(mode, list) else [mode] * world
+    store = tmp_path / f"store-{tag}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-X",
+                "faulthandler",
+                str(JOB),
+                str(store),
+                str(r),
+                str(world),
+                m,
+                str(steps),
+                str(tmp_path),
+            ],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r, m in enumerate(modes)
+    ]
+    outs = [p.communicate(timeout=200) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
+def test_replicas_are_derived_from_ddp_and_from_an_hsdp_mesh_and_plain_fsdp_has_none(tmp_path: Path) -> None:
+    ddp = _ranks(tmp_path, "ddp", "ddp", 2, steps=1)
+    assert [r["replicas"] for r in ddp] == [[0, 1], [0, 1]]
+    hsdp = _ranks(tmp_path, "hsdp", "hsdp", 4)
+    # (mesh (2, 2), replicate x shard: rank r holds shard r % 2, replicated on the ranks of that shard)
+    assert [r["replicas"] for r in hsdp] == [[0, 2], [1, 3], [0, 2], [1, 3]], hsdp
+    given = _ranks(tmp_path, "given", "hsdp-mesh", 4)
+    assert [r["replicas"] for r in given] == [r["replicas"] for r in hsdp]
+    fsdp = _ranks(tmp_path, "fsdp", "fsdp", 2)
+    assert [r["replicas"] for r in fsdp] == [None, None]
+    assert all("no other rank holds its training state" in r["why"] for r in fsdp), fsdp
+
+
+def test_a_fresh_process_loading_the_state_of_itself_or_of_a_replica_trains_on_bit_identical(tmp_path: Path) -> None:
+    """Both ranks of a DDP job stop at step 3 and write their registered state; fresh processes
+    of the same script (seeded differently: nothing of them is left to chance) load it, rank 0
+    from rank 1's state (its replica's) and rank 1 from its own, and train on to step 6: every
+    loss and the final parameters are those of the job run through without stopping."""
+    whole = _ranks(tmp_path, "whole", "ddp", 2, steps=6)
+    saved = _ranks(tmp_path, "saved", "save", 2, steps=3)
+    assert all(r["bytes"] > 0 for r in saved)
+    resumed = _ranks(tmp_path, "resumed", ["resume-1", "resume-1"], 2, steps=6)
+    for r in range(2):
+        assert saved[r]["losses"] == {k: v for k, v in whole[r]["losses"].items() if int(k) <= 3}
+        assert resumed[r]["losses"] == {k: v for k, v in whole[r]["losses"].items() if int(k) > 3}, r
+        assert resumed[r]["params"] == whole[r]["params"]
+    assert whole[0]["losses"] != whole[1]["losses"]  # (each rank its own data: the check can fail)
+
+
+EVIL = """
+import os, sys, torch
+sys.path[:0] = [sys.argv[1]]
+from tpagent_rank import aware
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch " + sys.argv[2],))
+with open(sys.argv[3], "wb") as f:
+    torch.save({"step": 1, "x": Evil()}, f)
+aware.register(save=dict, load=lambda s: print("loaded", s))
+try:
+    with open(sys.argv[3], "rb") as f:
+        aware.read_state(f)
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_state_that_would_run_code_as_it_is_read_is_refused(tmp_path: Path) -> None:
+    """A state comes from another process (a replica, over the network): it is read by torch's
+    safe loader, so one whose unpickling would run a command is refused, and nothing runs."""
+    runtime_env(tmp_path)
+    runtime = tmp_path / "runtime"
+    marker = tmp_path / "ran"
+    out = subprocess.run(
+        [sys.executable, "-c", EVIL, str(runtime), str(marker), str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "refused: the training state cannot be read safely" in out.stdout, out.stdout
+    assert "loaded" not in out.stdout and not marker.exists()

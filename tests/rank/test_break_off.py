@@ -1,0 +1,136 @@
+"""A rank whose job lost a node (:class:`tpagent_rank.protocol.End` with a grace, as its agent
+passes on the orchestrator's word): waiting in a collective on a peer that says nothing, it
+breaks off and ends with one sentence, where it would wait for the collective's timeout; a rank
+whose collectives complete is left alone.  The test plays the rank's agent on its socket."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from support.runtime import runtime_env
+from tpagent_rank import codec
+from tpagent_rank import protocol as P
+
+pytest.importorskip("torch")
+
+JOB = textwrap.dedent(
+    """
+    import datetime, sys, time
+    import torch, torch.distributed as dist
+    store, rank, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=900))
+    for step in range(steps):
+        t = torch.full((2,), float(step))
+        dist.all_reduce(t)
+        print("step", step, t.tolist(), flush=True)
+        time.sleep(0.05)
+    print("done", t.tolist(), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+class Agent:
+    """The agent of rank 0, as far as the runtime sees one: it welcomes the rank, then asks."""
+
+    def __init__(self, name: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + name)
+        self.listener.listen()
+        self.listener.settimeout(120)
+        self.conn: socket.socket | None = None
+
+    def welcome(self) -> None:
+        self.conn, _ = self.listener.accept()
+        self.conn.settimeout(120)
+        self.f = self.conn.makefile("rb")
+        assert codec.is_said(codec.parse_line(self.f.readline()), P.LineOp.HELLO)
+        self.conn.sendall(codec.said(P.Welcome(node="10.0.0.1:7400")))
+
+    def ask(self, request: P.Request[P.Answer]) -> P.Answer:
+        assert self.conn is not None
+        self.conn.sendall(codec.request_line(1, request))
+        while True:
+            body = codec.parse_line(self.f.readline())
+            if body.get("id") == 1:
+                return codec.decode_answer(request, body)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.f.close()
+            self.conn.close()
+        self.listener.close()
+
+
+def _start(tmp_path: Path, steps: int) -> tuple[list[subprocess.Popen[str]], Agent]:
+    (tmp_path / "job.py").write_text(JOB)
+    env = runtime_env(tmp_path)
+    name = f"tpagent-test-{os.getpid()}-break"
+    agent = Agent(name)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", tmp_path / "job.py", tmp_path / "store", str(r), str(steps)],
+            env={**env, "TPAGENT_JOB": "j", "TPAGENT_RANK_SOCKET": name if r == 0 else f"{name}-none"},
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    agent.welcome()
+    return ranks, agent
+
+
+def _stepped(rank: subprocess.Popen[str], n: int) -> None:
+    """Read ``rank``'s output until its step ``n``."""
+    assert rank.stdout is not None
+    for line in rank.stdout:
+        if line.startswith(f"step {n} "):
+            return
+    raise AssertionError(f"the rank ended before step {n}: {rank.wait()}")
+
+
+def test_a_rank_waiting_on_a_silent_peer_breaks_off_and_says_why(tmp_path: Path) -> None:
+    ranks, agent = _start(tmp_path, steps=100000)
+    try:
+        _stepped(ranks[0], 5)
+        os.kill(ranks[1].pid, signal.SIGSTOP)  # (its node is lost: not a word, no connection closed)
+        time.sleep(0.5)  # (rank 0 waits in its next all-reduce: nothing else to assert it by)
+        answer = agent.ask(P.End(why="node b stopped reporting", grace=2.0))
+        assert answer.ok, answer
+        _, err = ranks[0].communicate(timeout=120)  # (its collective's timeout is 900 s)
+        assert "rank 0 of job j stops: node b stopped reporting" in err, err[-3000:]
+        assert ranks[0].returncode != 0
+    finally:
+        agent.close()
+        for r in ranks:
+            r.kill()
+            r.communicate()
+
+
+def test_a_rank_whose_collectives_complete_goes_on(tmp_path: Path) -> None:
+    ranks, agent = _start(tmp_path, steps=120)
+    try:
+        _stepped(ranks[0], 5)
+        answer = agent.ask(P.End(why="node b stopped reporting", grace=2.0))
+        assert not answer.ok and "goes on: it is not waiting on node b" in answer.error, answer
+        outs = [r.communicate(timeout=120) for r in ranks]
+        assert [r.returncode for r in ranks] == [0, 0], outs[0][1][-3000:]
+        assert all(out.strip().splitlines()[-1] == "done [238.0, 238.0]" for out, _ in outs), outs
+        assert "stops" not in outs[0][1]
+    finally:
+        agent.close()
+        for r in ranks:
+            r.kill()
+            r.communicate()

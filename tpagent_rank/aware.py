@@ -1,0 +1,197 @@
+"""Model-aware mode: what a training script registers of its training state (issue 27, item 1).
+
+One import and one call, once the model and optimizer exist::
+
+    import tpagent_rank
+
+    tpagent_rank.register(
+        save=lambda: {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                      "rng": torch.get_rng_state()},
+        load=lambda state: ...,  # puts such a value back in place
+        replicas=model,          # optional: see below
+    )
+
+``save`` returns the rank's training state as it stands at a step boundary; ``load`` takes such
+a value (from this rank or from a replica of it) and puts it in place.  The runtime calls both on
+the training thread, at a step boundary only.  The state is made of tensors, numbers, strings,
+``None``, and lists, tuples and dicts of them: what torch's safe loader reads (a state from
+another process is never unpickled as arbitrary objects).
+
+``replicas`` says which ranks hold the same training state as this one (its data-parallel
+replicas, itself included): a process group; a ``DistributedDataParallel`` module (its group); a
+``(DeviceMesh, dimension name)`` pair, the dimension it replicates over; or the global ranks.
+Left out, the runtime derives it: from the ``DistributedDataParallel`` module of the process, or
+from a ``fully_shard``-ed (FSDP2) module's mesh (HSDP's replicate dimension; plain FSDP keeps no
+replica).  Where it cannot, the rank has no replicas the runtime knows of, and says so.
+
+A script that registers nothing runs as before; so does one that registers while no agent runs
+(the runtime off, or this package imported outside ``tpagent rank``): the registration is checked
+and kept, and nothing calls it.  Standard library only at import, as all of :mod:`tpagent_rank`.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+#: The value ``save`` returns and ``load`` takes.
+State = Any
+
+
+@dataclass
+class Registration:
+    save: Callable[[], State]
+    load: Callable[[State], None]
+    replicas: Any = None  # as given (resolved by replica_ranks)
+    resolved: tuple[int, ...] | None = field(default=None, repr=False)
+    why_none: str = ""  # why no replicas are known ("" once resolved to some)
+
+
+_lock = threading.Lock()
+_REGISTERED: Registration | None = None
+
+
+def register(save: Callable[[], State], load: Callable[[State], None], *, replicas: Any = None) -> None:
+    """Register how this rank's training state is saved and loaded (see the module's text).  A
+    second call replaces the first (a script that rebuilds its model registers again)."""
+    global _REGISTERED
+    if not callable(save):
+        raise TypeError(f"tpagent_rank.register: save must be a function returning the training state, not {save!r}")
+    if not callable(load):
+        raise TypeError(f"tpagent_rank.register: load must be a function taking a training state, not {load!r}")
+    if isinstance(replicas, str | bytes):
+        raise TypeError(f"tpagent_rank.register: replicas {replicas!r} are not global ranks (a list of them)")
+    # (a mesh and its dimension is checked as it is resolved, once the mesh's groups exist)
+    mesh = isinstance(replicas, tuple) and len(replicas) == 2 and isinstance(replicas[1], str)
+    ranks = isinstance(replicas, Sequence) and not mesh
+    if ranks and not (replicas and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in replicas)):
+        raise TypeError(f"tpagent_rank.register: replicas {replicas!r} are not global ranks")
+    with _lock:
+        _REGISTERED = Registration(save, load, replicas)
+
+
+def registration() -> Registration | None:
+    with _lock:
+        return _REGISTERED
+
+
+def replica_ranks() -> tuple[int, ...] | None:
+    """The global ranks holding the same training state as this one, itself included, in order;
+    None where none are known (nothing registered, or nothing to derive them from: see
+    :func:`why_no_replicas`).  Resolved once, on first asking, once groups exist."""
+    reg = registration()
+    if reg is None:
+        return None
+    if reg.resolved is None and not reg.why_none:
+        try:
+            reg.resolved = _resolve(reg.replicas)
+        except Exception as e:  # (the user's objects: whatever they raise is said, once)
+            reg.why_none = f"its replicas could not be found: {e}"
+        if reg.resolved is not None and len(reg.resolved) < 2:
+            reg.why_none = "no other rank holds its training state"
+    return reg.resolved if not reg.why_none else None
+
+
+def why_no_replicas() -> str:
+    reg = registration()
+    if reg is None:
+        return "it registered no training state (tpagent_rank.register)"
+    replica_ranks()
+    return reg.why_none
+
+
+def _resolve(given: Any) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    if given is None:
+        given = _derived()
+    if isinstance(given, tuple) and len(given) == 2 and isinstance(given[1], str):
+        mesh, dim = given
+        given = mesh.get_group(dim)
+    elif hasattr(given, "process_group") and not hasattr(given, "rank"):  # (a DDP module)
+        given = given.process_group
+    if isinstance(given, Sequence) and not isinstance(given, str | bytes):
+        ranks = tuple(sorted(set(given)))
+    else:
+        ranks = tuple(sorted(dist.get_process_group_ranks(given)))
+    if me not in ranks:
+        raise ValueError(f"rank {me} is not among its replicas {list(ranks)}")
+    return ranks
+
+
+def _derived() -> Any:
+    """This process's DistributedDataParallel module's group, or its FSDP2 modules' replicate
+    group (HSDP), or its own rank alone (plain FSDP, or nothing found)."""
+    import torch
+    import torch.distributed as dist
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    found = None
+    for o in gc.get_objects():
+        if isinstance(o, ddp):
+            return o.process_group
+        if found is None and fsdp is not None and isinstance(o, fsdp):
+            found = o
+    if found is None:
+        raise LookupError("no DistributedDataParallel or fully_shard module was found (say replicas=)")
+    info = found._get_fsdp_state()._fsdp_param_group.mesh_info  # (torch's own, not public: checked)
+    dim = getattr(info, "replicate_mesh_dim", None)
+    if dim is None:
+        return [dist.get_rank()]  # (sharded without replicas: the shard is this rank's alone)
+    return info.mesh.get_group(dim)
+
+
+def write_state(out: BinaryIO) -> int:
+    """The registered state, as ``save`` returns it now, serialized into ``out`` (streamed: a
+    GPU tensor is copied to host memory as it is written, never to a file unless ``out`` is one).
+    The bytes written."""
+    reg = registration()
+    if reg is None:
+        raise LookupError("this rank registered no training state (tpagent_rank.register)")
+    import torch
+
+    counted = _Counted(out)
+    torch.save(reg.save(), counted)  # type: ignore[arg-type]  # (any writer will do)
+    return counted.n
+
+
+def read_state(inp: BinaryIO) -> None:
+    """A state written by :func:`write_state` (this rank's or a replica's), loaded with torch's
+    safe loader onto this process's device, then given to the registered ``load``."""
+    reg = registration()
+    if reg is None:
+        raise LookupError("this rank registered no training state (tpagent_rank.register)")
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def here(storage: Any, where: str) -> Any:
+        return storage.to(device) if where.startswith("cuda") else storage
+
+    try:
+        state = torch.load(inp, map_location=here, weights_only=True)
+    except Exception as e:
+        raise ValueError(f"the training state cannot be read safely: {str(e).splitlines()[0]}") from None
+    reg.load(state)
+
+
+class _Counted:
+    """A writer that counts what passes (torch.save writes to any object with ``write``)."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out = out
+        self.n = 0
+
+    def write(self, data: bytes) -> int:
+        self.out.write(data)
+        self.n += len(data)
+        return len(data)
+
+    def flush(self) -> None:
+        self.out.flush()

@@ -1,0 +1,57 @@
+"""Where the rank runtime meets the training process: the first delegating group (the default
+group) starts this process's :class:`~tpagent_rank.agent.Rank`; torch's optimizer step
+post-hook and each collective of the default group reach it from the training thread; a forked
+child (a DataLoader worker) forgets it; at exit its connection's thread is ended."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from typing import Any
+
+from tpagent_rank import protocol as P
+from tpagent_rank.agent import Rank
+
+RANK: Rank | None = None
+
+
+def group_created(group: Any, store: Any, rank: int, size: int, spec: str | None) -> None:
+    """Called for every delegating group; the first (the default group) starts the rank."""
+    global RANK
+    if RANK is not None:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from tpagent_rank import backend, owned
+    from tpagent_rank import store as stores
+
+    owned.note(stores.held(store))  # (a forked child lets go of them)
+    name = os.environ.get("TPAGENT_RANK_SOCKET", "")
+    job = P.job_id(os.environ)
+    RANK = Rank(job, rank, size, store, spec, name)
+    RANK.group = group
+    register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step())
+    backend.BEFORE.append(_before_collective)
+    os.register_at_fork(after_in_child=_forget)
+    atexit.register(RANK.stop)  # (registered after the backends' release_all: it runs before it)
+    RANK.start()
+
+
+def _after_step() -> None:
+    if RANK is not None and RANK.pid == os.getpid():
+        RANK.after_step()
+
+
+def _before_collective(group: Any) -> None:
+    if RANK is not None and group is RANK.group:  # (a forked child has no RANK: _forget)
+        RANK.before_collective()
+
+
+def _forget() -> None:
+    """In a forked child (a DataLoader worker): none of this is its own."""
+    global RANK
+    if RANK is not None and RANK.sock is not None:
+        with contextlib.suppress(OSError):
+            os.close(RANK.sock.detach())
+    RANK = None
