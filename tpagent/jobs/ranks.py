@@ -352,17 +352,34 @@ class Ranks:
             raise Refused(f"{request.OP.value!r} is not something a rank is asked.", Why.INVALID)
         deadline = time.monotonic() + timeout
         while True:
+            conn = self._connected(job, rank, deadline, timeout)
+            if key is not None and identity_of(conn.peer.uid, conn.hello) != key:
+                raise NotTheJob(f"rank {rank} of job {job} here is of another job")
+            if request.OP not in P.ASKED_FREELY:
+                return self._ask(job, rank, conn, request, deadline)
+            try:
+                return conn.call(request, max(0.1, deadline - time.monotonic()))
+            except RankGone:
+                # A read is asked again of the rank's next connection: one restored (or let go
+                # for a freeze and told to come back) may connect, be refused until registered
+                # here, and connect again, while it is asked.
+                if not conn.closed.is_set() or time.monotonic() >= deadline:
+                    raise
+
+    def _connected(self, job: str, rank: int, deadline: float, timeout: float) -> Connection:
+        """The rank's connection, once it has one (up to ``deadline``)."""
+        while True:
             e = self.entry(job, rank)
             conn = e.conn
-            if conn is not None:
-                break
+            if conn is not None and not conn.closed.is_set():
+                return conn
             if e.exit_code is not None or not e.alive():
                 raise RankGone(f"rank {rank} of job {job} is no longer running on this node")
             if time.monotonic() > deadline:
                 raise RankGone(f"rank {rank} of job {job} did not connect to this agent within {timeout:.0f} s")
             time.sleep(0.05)
-        if key is not None and identity_of(conn.peer.uid, conn.hello) != key:
-            raise NotTheJob(f"rank {rank} of job {job} here is of another job")
+
+    def _ask(self, job: str, rank: int, conn: Connection, request: P.Request[A], deadline: float) -> A:
         leaving = isinstance(request, P.Teardown) and request.leaving
         if leaving:  # (it comes back only once told again)
             with contextlib.suppress(FileNotFoundError):
