@@ -80,3 +80,19 @@ def test_a_key_is_bounded() -> None:
     with pytest.raises(Refused, match="at most") as long:
         _calls(_Ranks())("j", 0, P.Pause(at=5), 1.0, "k" * (KEY_MAX + 1))
     assert long.value.why is Why.INVALID
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        P.Lost(node="nowhere", why="node b stopped reporting", grace=5.0),
+        P.Lost(node="10.0.0.2:7400", why="node b stopped reporting", grace=0.0),
+        P.Lost(node="10.0.0.2:7400", why="node b stopped reporting", grace=3601.0),
+    ],
+)
+def test_a_lost_node_is_named_by_its_agent_with_a_bounded_grace(request_: P.Lost) -> None:
+    """(The orchestrator's word.)  Anything else is refused before a rank is told."""
+    ranks = _Ranks()
+    with pytest.raises(Refused, match="lost needs the lost node's agent and a grace") as bad:
+        _calls(ranks)("j", 0, request_, 1.0)
+    assert bad.value.why is Why.INVALID and ranks.asked == []
