@@ -58,6 +58,7 @@ class Rank:
         self.leaving = False
         self.times: deque[float] = deque(maxlen=20)
         self.ctimes: deque[float] = deque(maxlen=20)
+        self.progress = 0.0  # when a collective of any of its groups was last issued (monotonic)
         self.group: Any = None  # the default group (its collectives are counted)
         self.sock: socket.socket | None = None
         self.write_lock = threading.Lock()
@@ -143,10 +144,13 @@ class Rank:
         if os.getpid() != self.pid or self.thread is None:
             return
         self.closing.set()
-        with self.write_lock:
-            if self.conn is not None:
-                with contextlib.suppress(OSError):
-                    self.conn.shutdown(socket.SHUT_RDWR)  # (its readline returns)
+        if self.write_lock.acquire(timeout=1.0):  # (a reply stuck sending holds it: then the thread stays)
+            try:
+                if self.conn is not None:
+                    with contextlib.suppress(OSError):
+                        self.conn.shutdown(socket.SHUT_RDWR)  # (its readline returns)
+            finally:
+                self.write_lock.release()
         self.thread.join(timeout=2.0)
 
     def _connect(self) -> socket.socket | None:
@@ -446,11 +450,13 @@ class Rank:
         why = request.why or "its agent ended the job"
         if request.grace > 0:
             came = time.monotonic()
-            while not self.parked:
-                last = max(self.ctimes[-1] if self.ctimes else 0.0, self.times[-1] if self.times else 0.0)
+            while True:
+                if self.parked:  # (for a move: its agent decides, not a stall)
+                    return P.failed(f"rank {self.rank} of job {self.job} is parked for a move")
+                last = max(self.progress, self.times[-1] if self.times else 0.0)
                 if last > came:
                     return P.failed(f"rank {self.rank} of job {self.job} goes on: it is not waiting on {why}")
-                left = last + request.grace - time.monotonic()
+                left = max(last, came) + request.grace - time.monotonic()
                 if left <= 0:
                     break
                 if self.closing.wait(min(left, 0.5)):
@@ -459,8 +465,7 @@ class Rank:
         with self.cond:
             self.ended = why
             self.cond.notify_all()
-            parked = self.parked
-        if request.grace > 0 and not parked:
+        if request.grace > 0:
             from tpagent_rank import backend
 
             with self.write_lock:

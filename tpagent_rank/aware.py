@@ -49,6 +49,7 @@ class Registration:
     replicas: Any = None  # as given (resolved by replica_ranks)
     resolved: tuple[int, ...] | None = field(default=None, repr=False)
     why_none: str = ""  # why no replicas are known ("" once resolved to some)
+    lookup: str = ""  # why none were found when last asked (asked again: they may exist later)
 
 
 _lock = threading.Lock()
@@ -89,6 +90,9 @@ def replica_ranks() -> tuple[int, ...] | None:
     if reg.resolved is None and not reg.why_none:
         try:
             reg.resolved = _resolve(reg.replicas)
+        except LookupError as e:  # (not yet: a model wrapped after register; asked again later)
+            reg.lookup = f"its replicas could not be found: {e}"
+            return None
         except Exception as e:  # (the user's objects: whatever they raise is said, once)
             reg.why_none = f"its replicas could not be found: {e}"
         if reg.resolved is not None and len(reg.resolved) < 2:
@@ -101,7 +105,7 @@ def why_no_replicas() -> str:
     if reg is None:
         return "it registered no training state (tpagent_rank.register)"
     replica_ranks()
-    return reg.why_none
+    return reg.why_none or reg.lookup
 
 
 def _resolve(given: Any) -> tuple[int, ...]:
@@ -133,11 +137,17 @@ def _derived() -> Any:
     ddp = torch.nn.parallel.DistributedDataParallel
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     found = None
+    groups = []
     for o in gc.get_objects():
         if isinstance(o, ddp):
-            return o.process_group
-        if found is None and fsdp is not None and isinstance(o, fsdp):
+            groups.append(o.process_group)
+        elif found is None and fsdp is not None and isinstance(o, fsdp):
             found = o
+    if groups:
+        ranks = {tuple(dist.get_process_group_ranks(g)) for g in groups}
+        if len(ranks) > 1:
+            raise ValueError(f"its DistributedDataParallel modules are over different groups {sorted(ranks)}")
+        return groups[0]
     if found is None:
         raise LookupError("no DistributedDataParallel or fully_shard module was found (say replicas=)")
     info = found._get_fsdp_state()._fsdp_param_group.mesh_info  # (torch's own, not public: checked)
@@ -172,7 +182,7 @@ def read_state(inp: BinaryIO) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def here(storage: Any, where: str) -> Any:
-        return storage.to(device) if where.startswith("cuda") else storage
+        return storage.to(device=device) if where.startswith("cuda") else storage
 
     try:
         state = torch.load(inp, map_location=here, weights_only=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import time
 from typing import Any
 
 from tpagent_rank import protocol as P
@@ -44,7 +45,10 @@ def _after_step() -> None:
 
 
 def _before_collective(group: Any) -> None:
-    if RANK is not None and group is RANK.group:  # (a forked child has no RANK: _forget)
+    if RANK is None:  # (a forked child has none: _forget)
+        return
+    RANK.progress = time.monotonic()  # (any group's: a rank issuing collectives waits on no one)
+    if group is RANK.group:
         RANK.before_collective()
 
 

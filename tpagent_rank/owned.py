@@ -92,7 +92,7 @@ def shut_connections(keep: int = -1) -> None:
         except OSError:
             continue
         try:
-            if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            if os.fstat(fd).st_ino == ino and not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 s.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass

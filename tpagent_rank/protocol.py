@@ -357,12 +357,14 @@ class Jobs(Request[Ranks]):
 @dataclass(frozen=True)
 class Lost(Request[Answer]):
     """(The orchestrator's.)  ``node`` (an agent's address), which ran ranks of the job, is lost:
-    each rank of the job here is told :class:`End` with ``why`` and ``grace``."""
+    each rank of the job here, of one of ``users``, is told :class:`End` with ``why`` and
+    ``grace``; unless that agent answers this one, or this one moves ranks of the job."""
 
     OP = Op.LOST
     node: str
     why: str
     grace: float
+    users: tuple[int, ...] = ()  # the UIDs the job's ranks there ran as (none: root); only their ranks are told
 
 
 REQUESTS: Mapping[Op, type[Request[Any]]] = {

@@ -26,7 +26,7 @@ pytestmark = needs_criu
 @pytest.mark.timeout(600)
 def test_the_ranks_of_a_lost_nodes_job_stop_waiting_and_say_why(tmp_path: Path) -> None:
     c = Cluster(tmp_path, list("ABC"), ifname=IFNAME)
-    o = Orchestrator(c, tmp_path, unreachable_after=3.0, lost_grace=2.0)
+    o = Orchestrator(c, tmp_path, lost_grace=2.0)  # (unreachable after 10 s)
     job: Job | None = None
     lost: list[psutil.Process] = []
     try:

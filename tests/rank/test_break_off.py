@@ -92,6 +92,18 @@ def _start(tmp_path: Path, steps: int) -> tuple[list[subprocess.Popen[str]], Age
     return ranks, agent
 
 
+def _waiting(agent: Agent) -> None:
+    """Until rank 0 waits in a collective: its count of them stays put a whole second."""
+    seen = -1
+    while True:
+        now = agent.ask(P.Where())
+        assert isinstance(now, P.Standing)
+        if now.collectives == seen:
+            return
+        seen = now.collectives
+        time.sleep(1.0)
+
+
 def _stepped(rank: subprocess.Popen[str], n: int) -> None:
     """Read ``rank``'s output until its step ``n``."""
     assert rank.stdout is not None
@@ -106,7 +118,7 @@ def test_a_rank_waiting_on_a_silent_peer_breaks_off_and_says_why(tmp_path: Path)
     try:
         _stepped(ranks[0], 5)
         os.kill(ranks[1].pid, signal.SIGSTOP)  # (its node is lost: not a word, no connection closed)
-        time.sleep(0.5)  # (rank 0 waits in its next all-reduce: nothing else to assert it by)
+        _waiting(agent)
         answer = agent.ask(P.End(why="node b stopped reporting", grace=2.0))
         assert answer.ok, answer
         _, err = ranks[0].communicate(timeout=120)  # (its collective's timeout is 900 s)

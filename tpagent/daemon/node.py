@@ -33,10 +33,12 @@ from tpagent.jobs.standin import runtime_dir
 from tpagent.migration import eligible
 from tpagent.migration.api import (
     Acceptance,
+    AgentError,
     JournalError,
     NodeInfo,
     Offer,
     PeerStatus,
+    PeerUnreachable,
     ProcessInfo,
     Refused,
     Restored,
@@ -78,7 +80,7 @@ class Node:
         self.ranks = Ranks(self.cfg.rank_socket, self.cfg.agent_address, ctx.threads, work.ranks)
         journal = RewireJournal(work.rewires)
         self.rewires = Rewires(ctx, journal, self.ask, self._start_rank, self.run)
-        self.rank_calls = RankCalls(self.ranks, self.cfg.node, self.rewires.rewiring)
+        self.rank_calls = RankCalls(self.ranks, self.cfg.node, self.rewires.rewiring, self._answers)
         self.stand_ins = StandInDoor(
             socket_name(self.cfg.rank_socket),
             ctx.threads,
@@ -172,6 +174,16 @@ class Node:
                     self.active.pop(pid, None)
 
     # ---- ranks of distributed jobs ---------------------------------------------------------
+
+    def _answers(self, agent: str) -> bool:
+        """Whether the agent at ``agent`` answers this one now (a word, even a refusal)."""
+        try:
+            self.ctx.peer(agent).versions(3.0)
+        except PeerUnreachable:
+            return False
+        except AgentError:
+            return True
+        return True
 
     def ask(self, agent: str, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
         """Ask the agent at ``agent`` (this one: directly) about a rank of ``job`` (``key``: its identity)."""

@@ -33,10 +33,17 @@ class RankCalls:
     """The ``Rank`` calls of this node's agent.  ``rewiring(job)``: whether the agent is moving
     ranks of ``job`` now (a rank that ended here is then on its way, not gone)."""
 
-    def __init__(self, ranks: Ranks, node: str, rewiring: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        ranks: Ranks,
+        node: str,
+        rewiring: Callable[[str], bool],
+        answers: Callable[[str], bool] = lambda _agent: False,
+    ) -> None:
         self.ranks = ranks
         self.node = node
         self.rewiring = rewiring
+        self.answers = answers  # whether the agent at an address answers this one now
         self._handlers: dict[P.Op, Callable[[str, int, Any], P.Answer]] = {
             P.Op.EXPECT: self._expect,
             P.Op.MOVED: self._moved,
@@ -124,8 +131,20 @@ class RankCalls:
         (:class:`~tpagent_rank.protocol.End`).  Answered at once; the ranks are told meanwhile."""
         if not is_agent_address(request.node) or not 0 < request.grace <= LOST_GRACE_MAX:
             raise Refused(f"lost needs the lost node's agent and a grace of 0 to {LOST_GRACE_MAX:.0f} s.", Why.INVALID)
+        if self.rewiring(job):
+            return P.failed(f"ranks of job {job} are being moved by {self.node}: its rewire decides")
+        if self.answers(request.node):  # (cut off from the orchestrator, not from its peers)
+            return P.failed(f"the agent at {request.node} answers {self.node}: its node is not lost")
         why = f"{request.why} (the node of agent {request.node})"
-        told = [r.rank for r in self.ranks.jobs() if r.job == job and r.connected and not r.moved_to]
+        users = {str(u) for u in request.users} or {"0"}  # (of the job's ranks that were there; none: root's)
+        told = [
+            r.rank
+            for r in self.ranks.jobs()
+            if r.job == job
+            and r.connected
+            and not r.moved_to
+            and self.ranks.identity(job, r.rank).partition(":")[0] in users
+        ]
         for r in told:
             end = P.End(why=why, grace=request.grace)
             self.ranks.threads.spawn("lost", f"lost-{job}-{r}", self._tell, job, r, end)

@@ -269,12 +269,16 @@ class Orchestrator:
                 for n, seen in view.nodes.items()
                 if n != node and view.reachable(n) and any(r.job == job for r in seen.ranks)
             )
-            if not others:
+            moving = any(job in seen.busy for seen in view.nodes.values()) or any(
+                m.job == job for m in self.state.moves(active=True)
+            )
+            if not others or moving:  # (a move of it, its agents decide: it may be what saves the job)
                 continue
             ranks = ", ".join(str(r.rank) for r in lost.ranks if r.job == job)
             text = f"job {job} lost rank(s) {ranks} with {node}: its ranks on {', '.join(others)} are told"
             self.event("lost", f"{text} (each stops once it waits {self.cfg.lost_grace:g} s)", job, node)
-            request = P.Lost(node=lost.agent, why=why, grace=self.cfg.lost_grace)
+            users = tuple(sorted({u for r in lost.ranks if r.job == job for u in r.users}))
+            request = P.Lost(node=lost.agent, why=why, grace=self.cfg.lost_grace, users=users)
             for n in others:
                 agent = view.nodes[n].agent
                 threading.Thread(target=self._tell_lost, args=(agent, job, request), daemon=True).start()
