@@ -96,3 +96,49 @@ def test_a_lost_node_is_named_by_its_agent_with_a_bounded_grace(request_: P.Lost
     with pytest.raises(Refused, match="lost needs the lost node's agent and a grace") as bad:
         _calls(ranks)("j", 0, request_, 1.0)
     assert bad.value.why is Why.INVALID and ranks.asked == []
+
+
+class _Node(_Ranks):
+    """Four ranks of job ``j`` here: 0 (UID 1000) and 1 (UID 2000) connected, 2 moved away, 3
+    not connected; and a thread pool that runs at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads = self
+
+    def jobs(self) -> list[P.RankRow]:
+        return [
+            P.RankRow("j", 0, connected=True),
+            P.RankRow("j", 1, connected=True),
+            P.RankRow("j", 2, moved_to="10.0.0.9:7400"),
+            P.RankRow("j", 3),
+            P.RankRow("other", 0, connected=True),
+        ]
+
+    def identity(self, job: str, rank: int) -> str:
+        return f"{2000 if rank == 1 else 1000}:k"
+
+    def spawn(self, kind: str, name: str, fn: Any, *args: Any) -> None:
+        fn(*args)
+
+    def call(self, job: str, rank: int, request: P.Request[Any], timeout: float, key: str | None = None) -> P.Answer:
+        self.asked.append((f"{job}/{rank}/{request.OP.value}", key))
+        assert isinstance(request, P.End) and request.grace == 5.0 and timeout > request.grace
+        return P.Answer()
+
+
+def test_a_lost_node_ends_only_the_ranks_here_of_the_users_whose_ranks_ran_there() -> None:
+    node = _Node()
+    lost = P.Lost(node="10.0.0.2:7400", why="node b stopped reporting", grace=5.0, users=(1000,))
+    assert RankCalls(node, "node-1", lambda _job: False)("j", 0, lost, 1.0).ok  # type: ignore[arg-type]
+    assert node.asked == [("j/0/end", None)]
+
+
+def test_a_lost_node_that_answers_here_or_a_job_being_moved_ends_nothing() -> None:
+    node = _Node()
+    lost = P.Lost(node="10.0.0.2:7400", why="node b stopped reporting", grace=5.0, users=(1000,))
+    answers = RankCalls(node, "node-1", lambda _job: False, lambda _agent: True)("j", 0, lost, 1.0)  # type: ignore[arg-type]
+    assert not answers.ok and "answers node-1: its node is not lost" in answers.error
+    moving = RankCalls(node, "node-1", lambda _job: True)("j", 0, lost, 1.0)  # type: ignore[arg-type]
+    assert not moving.ok and "being moved" in moving.error
+    assert node.asked == []
