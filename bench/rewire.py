@@ -87,8 +87,8 @@ def worker(a: argparse.Namespace) -> None:
         dist.all_reduce(one)
         _sync(a.gpu)
         calls.append(time.perf_counter() - t)
-    rank = sys.modules.get("tpagent_rank.agent")
-    counted = rank.RANK.collectives if rank is not None and rank.RANK is not None else 0
+    hooks = sys.modules.get("tpagent_rank.hooks")  # (where the runtime keeps this process's rank)
+    counted = hooks.RANK.collectives if hooks is not None and hooks.RANK is not None else 0
     if dist.get_rank() == 0:
         a.out.write_text(
             json.dumps(
