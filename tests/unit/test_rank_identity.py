@@ -5,6 +5,7 @@ connection, tests/agent/test_rewire_faults.py.)"""
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -115,8 +116,8 @@ class _Node(_Ranks):
             P.RankRow("other", 0, connected=True),
         ]
 
-    def identity(self, job: str, rank: int) -> str:
-        return f"{2000 if rank == 1 else 1000}:k"
+    def entry(self, job: str, rank: int) -> Any:
+        return types.SimpleNamespace(uid=2000 if rank == 1 else 1000)
 
     def spawn(self, kind: str, name: str, fn: Any, *args: Any) -> None:
         fn(*args)

@@ -135,25 +135,21 @@ class RankCalls:
             return P.failed(f"ranks of job {job} are being moved by {self.node}: its rewire decides")
         if self.answers(request.node):  # (cut off from the orchestrator, not from its peers)
             return P.failed(f"the agent at {request.node} answers {self.node}: its node is not lost")
-        why = f"{request.why} (the node of agent {request.node})"
-        users = {str(u) for u in request.users} or {"0"}  # (of the job's ranks that were there; none: root's)
+        users = set(request.users) or {0}  # (of the job's ranks that were there; none: root's)
         told = [
             r.rank
             for r in self.ranks.jobs()
-            if r.job == job
-            and r.connected
-            and not r.moved_to
-            and self.ranks.identity(job, r.rank).partition(":")[0] in users
+            if r.job == job and r.connected and not r.moved_to and self.ranks.entry(job, r.rank).uid in users
         ]
+        end = P.End(why=f"{request.why} (the node of agent {request.node})", grace=request.grace)
         for r in told:
-            end = P.End(why=why, grace=request.grace)
             self.ranks.threads.spawn("lost", f"lost-{job}-{r}", self._tell, job, r, end)
         return P.Answer(ok=bool(told), error="" if told else f"no rank of job {job} runs on {self.node}")
 
     def _tell(self, job: str, rank: int, end: P.End) -> None:
         try:
             answer = self.ranks.call(job, rank, end, end.grace + 60)
-        except (AgentError, Refused) as e:
+        except AgentError as e:  # (Refused, RankGone)
             log.info("rank %d of job %s was not told its job lost a node: %s", rank, job, e)
             return
         log.warning("rank %d of job %s, told its job lost a node: %s", rank, job, answer.error or "it stops")
