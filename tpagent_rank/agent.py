@@ -15,9 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import hashlib
 import os
-import secrets
 import socket
 import struct
 import sys
@@ -27,15 +25,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from tpagent_rank import codec
+from tpagent_rank import codec, ending, join
 from tpagent_rank import protocol as P
-
-#: What the rank says when it cannot keep a rule of the protocol (stderr, one line).
-PREFIX = "tpagent_rank: "
-
-
-def say(text: str) -> None:
-    print(PREFIX + text, file=sys.stderr, flush=True)
+from tpagent_rank.notice import PREFIX, say
 
 
 class Rank:
@@ -56,6 +48,11 @@ class Rank:
         self.ended = ""  # why the job cannot go on (the agent said so): a parked rank raises it
         self.torn = False
         self.leaving = False
+        self.join = join.Joining() if join.joining() else None  # a fresh process taking a rank's place
+        self.quiet = self.join is not None  # its output goes nowhere until its first collective in the job
+        self.retired = False  # its joiner has its place: it ends at its next collective or step
+        self.chore: Callable[[], object] | None = None  # to run on the parked training thread
+        self.chore_error: str | None = None
         self.times: deque[float] = deque(maxlen=20)
         self.ctimes: deque[float] = deque(maxlen=20)
         self.progress = 0.0  # when a collective of any of its groups was last issued (monotonic)
@@ -83,17 +80,23 @@ class Rank:
             P.Op.TEARDOWN: self._teardown,
             P.Op.REBUILD: self._rebuild,
             P.Op.RESUME: self._resume,
-            P.Op.END: self._end,
+            P.Op.END: lambda r: ending.end(self, r),
+            P.Op.RETIRE: lambda _r: join.retire(self),
         }
 
     # ---- the training thread ---------------------------------------------------------------
 
     def after_step(self) -> None:
+        if self.join is not None:
+            self.join.stepped(self)
+            return
+        if self.retired:
+            join.leave(self)
         with self.cond:
             self.step += 1
             self.times.append(time.monotonic())
             if self.stop_at is not None and self.unit == P.Unit.STEP and self.step >= self.stop_at:
-                self._park(f"step {self.step}")
+                self.park(f"step {self.step}")
 
     def before_collective(self) -> None:
         if self.ended:  # (its communicators were broken off: no collective can complete)
@@ -104,18 +107,28 @@ class Rank:
             return
         with self.cond:
             if self.stop_at is not None and self.unit == P.Unit.COLLECTIVE and self.collectives >= self.stop_at:
-                self._park(f"collective {self.collectives}")
+                self.park(f"collective {self.collectives}")
             self.collectives += 1
             self.ctimes.append(time.monotonic())
 
-    def _park(self, where: str) -> None:
-        """Wait here (``cond`` held) until the agent says go on, or its deadline passes."""
+    def park(self, where: str) -> None:
+        """Wait here (``cond`` held) until the agent says go on, or its deadline passes; run
+        what is asked of the training thread meanwhile (:meth:`on_training_thread`)."""
         _synchronize()
         self.parked = True
         self.cond.notify_all()
         deadline = time.monotonic() + self.park_timeout
         while self.parked:
             self.cond.wait(0.5)
+            if self.chore is not None:
+                chore = self.chore
+                self.chore = None
+                try:
+                    chore()
+                    self.chore_error = ""
+                except Exception as e:  # (the user's code: said to the agent)
+                    self.chore_error = f"{type(e).__name__}: {e}"
+                self.cond.notify_all()
             if self.ended:
                 self.parked = False
                 raise RuntimeError(f"{PREFIX}rank {self.rank} of job {self.job} stopped after {where}: {self.ended}")
@@ -128,6 +141,21 @@ class Rank:
                 say(f"no word from the agent for {self.park_timeout:.0f} s after {where}: going on")
                 self.parked = False
                 self.stop_at = None
+
+    def on_training_thread(self, chore: Callable[[], object]) -> str:
+        """Run ``chore`` on the parked training thread (the user's code runs there, on its CUDA
+        device); why it failed, or ""."""
+        with self.cond:
+            if not self.parked or self.chore is not None:
+                return "it is not stopped at a boundary"
+            self.chore = chore
+            self.chore_error = None
+            self.cond.notify_all()
+            while self.chore_error is None:
+                if not self.parked:
+                    return "it went on before it was done"
+                self.cond.wait(0.5)
+            return str(self.chore_error)
 
     # ---- the connection --------------------------------------------------------------------
 
@@ -217,7 +245,7 @@ class Rank:
                 self.closing.wait(0.5)  # (not registered yet: the agent says so; ask again)
                 return
             self.node = codec.decode(P.Welcome, first).node
-            if not self.torn:
+            if not self.torn and self.join is None:  # (a joiner says so once it is in: rebuild)
                 self._tell_store()
             with self.write_lock:
                 self.sock = s
@@ -227,6 +255,10 @@ class Rank:
                     request = codec.decode_request(body)
                 except P.ProtocolError as e:
                     self._reply(body.get("id"), P.failed(str(e)))
+                    continue
+                if isinstance(request, P.Load):  # (its state follows the line)
+                    payload = join.exactly(f, request.size)
+                    threading.Thread(target=self._load, args=(body.get("id"), request, payload), daemon=True).start()
                     continue
                 if isinstance(request, P.Teardown) and request.leaving:
                     # Answered here, then this thread closes the connection itself (nothing blocked
@@ -248,22 +280,34 @@ class Rank:
             with contextlib.suppress(OSError):
                 s.close()
 
-    def _reply(self, rid: object, answer: P.Answer) -> None:
+    def _reply(self, rid: object, answer: P.Answer, tail: bytes = b"") -> None:
+        """``answer``'s line, then ``tail`` (a saved state: its answer says its size)."""
         try:
             data = codec.line(answer, id=rid)
         except P.ProtocolError as e:  # (every request gets its answer: this one says why it has none)
             data = codec.line(P.failed(f"its answer is not one of the rank protocol ({e})"), id=rid)
+            tail = b""
         with self.write_lock:
             if self.sock is not None:
                 with contextlib.suppress(OSError):
                     self.sock.sendall(data)
+                    self.sock.sendall(tail)
 
     def _answer(self, rid: object, request: P.Request[Any]) -> None:
+        tail = b""
+        answer: P.Answer
         try:
-            answer = self._do(request)
+            if isinstance(request, P.Save):
+                answer, tail = join.save(self)
+            else:
+                answer = self._do(request)
         except Exception as e:  # every request gets its answer
             answer = P.failed(f"{type(e).__name__}: {e}")
-        self._reply(rid, answer)
+        self._reply(rid, answer, tail)
+
+    def _load(self, rid: object, request: P.Load, payload: bytes) -> None:
+        joining = self.join
+        self._reply(rid, joining.load(self, request, payload) if joining else P.failed("it is not a joiner"))
 
     @functools.cached_property
     def store_facts(self) -> tuple[str, str]:
@@ -276,26 +320,22 @@ class Rank:
 
     def _state(self) -> str:
         state = P.RankState.TORN_DOWN if self.torn else P.RankState.PAUSED if self.parked else P.RankState.RUNNING
+        if self.join is not None:
+            state = P.RankState.WAITING if self.join.waiting else P.RankState.JOINING
         return state.value
 
     def _job_key(self) -> str | None:
-        """The job's identity: the value at JOB_KEY, which the first rank to ask puts there (a
-        fresh random one), with the address of the store it is kept in, as this rank reaches it
-        (its own word, which a store's writer cannot change): every rank of the job has the same,
-        and no other job, even one whose store was given this one's value, has it."""
+        """The job's identity (:func:`tpagent_rank.store.job_key`), or None while it cannot be agreed."""
         from tpagent_rank import store
 
         try:
-            agreed = bytes(self.store.compare_set(P.JOB_KEY, "", secrets.token_hex(16))).decode()
+            return store.job_key(self.store)
         except Exception as e:  # (a store without compare_set, or gone: asked again at the next connection)
             if not self.key_said:
-                say(
-                    f"the job's identity cannot be agreed in its store ({type(e).__name__}: {e}): "
-                    "it cannot be moved until it is"
-                )
+                why = f"{type(e).__name__}: {e}"
+                say(f"the job's identity cannot be agreed in its store ({why}): it cannot be moved until it is")
                 self.key_said = True
             return None
-        return hashlib.sha256(f"{agreed}\0{store.address(self.store)}".encode()).hexdigest()[:32]
 
     def _tell_store(self) -> None:
         with contextlib.suppress(Exception):
@@ -344,6 +384,8 @@ class Rank:
         if request.unit not in (P.Unit.STEP.value, P.Unit.COLLECTIVE.value):
             return P.Paused(ok=False, error=f"{request.unit!r} is not a unit a rank stops at")
         with self.cond:
+            if self.join is not None:
+                return P.Paused(ok=False, error="it is a process started to take a rank's place, not yet in the job")
             if (self.step if request.unit == P.Unit.STEP.value else self.collectives) >= request.at:
                 return P.Paused(ok=False, late=True, error=f"it is past {request.unit} {request.at}")
             self.stop_at = request.at
@@ -438,39 +480,6 @@ class Rank:
             self.gen = gen
             self.torn = False
             self.leaving = False
-        return P.Answer()
-
-    def _end(self, request: P.End) -> P.Answer:
-        """The job cannot go on (a rank is gone for good): better now than at a deadline.  With a
-        grace, a rank that makes no progress (issues no collective, ends no step) for that long
-        breaks off the collective it waits in: its communicators' connections are shut and the
-        collective raises, where it would wait for its timeout (half an hour, gloo's by
-        default).  A rank that goes on meanwhile is left alone: what was believed lost is not
-        what it waits on."""
-        why = request.why or "its agent ended the job"
-        if request.grace > 0:
-            came = time.monotonic()
-            while True:
-                if self.parked:  # (for a move: its agent decides, not a stall)
-                    return P.failed(f"rank {self.rank} of job {self.job} is parked for a move")
-                last = max(self.progress, self.times[-1] if self.times else 0.0)
-                if last > came:
-                    return P.failed(f"rank {self.rank} of job {self.job} goes on: it is not waiting on {why}")
-                left = max(last, came) + request.grace - time.monotonic()
-                if left <= 0:
-                    break
-                if self.closing.wait(min(left, 0.5)):
-                    return P.failed("the rank is exiting")
-            say(f"rank {self.rank} of job {self.job} stops: {why}")
-        with self.cond:
-            self.ended = why
-            self.cond.notify_all()
-        if request.grace > 0:
-            from tpagent_rank import backend
-
-            with self.write_lock:
-                keep = self.conn.fileno() if self.conn is not None else -1
-            backend.break_off(keep)  # (not the agent's connection: it is answered on it)
         return P.Answer()
 
 

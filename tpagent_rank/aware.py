@@ -17,6 +17,13 @@ the training thread, at a step boundary only.  The state is made of tensors, num
 ``None``, and lists, tuples and dicts of them: what torch's safe loader reads (a state from
 another process is never unpickled as arbitrary objects).
 
+``warmup`` is how many optimizer steps a fresh process of the script runs on its own before it
+takes a rank's state in a model-aware move (:mod:`tpagent_rank.join`): enough for the wrappers
+it builds to set themselves up as they are in the running job (DDP rebuilds its buckets in its
+second step).  The script's loop must run on what it registers (its step, its data position), as
+it would to resume from a checkpoint: the state is taken at an optimizer step's post-hook, and
+the rest of that step runs on it.
+
 ``replicas`` says which ranks hold the same training state as this one (its data-parallel
 replicas, itself included): a process group; a ``DistributedDataParallel`` module (its group); a
 ``(DeviceMesh, dimension name)`` pair, the dimension it replicates over; or the global ranks.
@@ -40,6 +47,9 @@ from typing import Any, BinaryIO
 
 #: The value ``save`` returns and ``load`` takes.
 State = Any
+#: The optimizer steps a fresh process runs on its own, by default, before it takes a rank's
+#: state in a model-aware move (DDP rebuilds its buckets in its second).
+WARMUP = 2
 
 
 @dataclass
@@ -47,6 +57,7 @@ class Registration:
     save: Callable[[], State]
     load: Callable[[State], None]
     replicas: Any = None  # as given (resolved by replica_ranks)
+    warmup: int = 2  # the steps a joiner runs on its own before it takes a state
     resolved: tuple[int, ...] | None = field(default=None, repr=False)
     why_none: str = ""  # why no replicas are known ("" once resolved to some)
     lookup: str = ""  # why none were found when last asked (asked again: they may exist later)
@@ -56,7 +67,9 @@ _lock = threading.Lock()
 _REGISTERED: Registration | None = None
 
 
-def register(save: Callable[[], State], load: Callable[[State], None], *, replicas: Any = None) -> None:
+def register(
+    save: Callable[[], State], load: Callable[[State], None], *, replicas: Any = None, warmup: int = WARMUP
+) -> None:
     """Register how this rank's training state is saved and loaded (see the module's text).  A
     second call replaces the first (a script that rebuilds its model registers again)."""
     global _REGISTERED
@@ -71,8 +84,10 @@ def register(save: Callable[[], State], load: Callable[[State], None], *, replic
     ranks = isinstance(replicas, Sequence) and not mesh
     if ranks and not (replicas and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in replicas)):
         raise TypeError(f"tpagent_rank.register: replicas {replicas!r} are not global ranks")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or not 1 <= warmup <= 1000:
+        raise TypeError(f"tpagent_rank.register: warmup {warmup!r} is not a number of steps (1 to 1000)")
     with _lock:
-        _REGISTERED = Registration(save, load, replicas)
+        _REGISTERED = Registration(save, load, replicas, warmup)
 
 
 def registration() -> Registration | None:
@@ -155,6 +170,21 @@ def _derived() -> Any:
     if dim is None:
         return [dist.get_rank()]  # (sharded without replicas: the shard is this rank's alone)
     return info.mesh.get_group(dim)
+
+
+def settling() -> bool:
+    """Whether a DistributedDataParallel module of this process has yet to rebuild its buckets
+    (it does so in its second step, over its group, unless it looks for unused parameters): a
+    joiner warms up until none has, whatever its ``warmup`` says, as the job's ranks did."""
+    ddp = getattr(sys.modules.get("torch.nn.parallel"), "DistributedDataParallel", None)
+    if ddp is None:
+        return False
+    return any(
+        isinstance(o, ddp)
+        and not getattr(o, "_has_rebuilt_buckets", True)
+        and (getattr(o, "static_graph", False) or not getattr(o, "find_unused_parameters", True))
+        for o in gc.get_objects()
+    )
 
 
 def write_state(out: BinaryIO) -> int:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from tpagent_rank import nccladdr, owned
+from tpagent_rank import protocol as P
 
 NAME = "tpagent"
 #: The backends that exist for each device type (what the user's spec named).
@@ -110,7 +111,14 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         self._works: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._wanted = GROUPS.gen  # the generation its inner backends are to be (-1: none, torn down)
-        self._build(GROUPS.gen)
+        self._solo: Any = None  # a joiner's, while it warms up: its collectives are its own alone
+        if SOLO:
+            from tpagent_rank.solo import Solo
+
+            self._solo = Solo(rank, size)
+            self._wanted = -1
+        else:
+            self._build(GROUPS.gen)
         GROUPS.add(self)
 
     # ---- the inner backends ------------------------------------------------------------------
@@ -185,6 +193,8 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
     def _pick(self, tensors: Any) -> Any:
         if BEFORE:  # (each collective starts here: the rank may park before it)
             BEFORE[0](self)
+        if self._solo is not None:
+            return self._solo
         only = self._only  # (one reference read: swapped whole by _build and teardown)
         if only is not None:
             self._armed = self._first is not None
@@ -202,6 +212,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         """The inner backend for device type ``kind``: its own, else the CPU one, else any."""
         with self._lock:
             inner = self._inner.get(kind) or self._inner.get("cpu") or next(iter(self._inner.values()), None)
+        inner = inner or self._solo
         if inner is None:
             raise RuntimeError(f"tpagent_rank: {what} was called while the communicators were torn down")
         return inner
@@ -211,7 +222,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         ProcessGroup over the inner backends, as torch would run it."""
         self._pick(tensors)  # (the boundary, and torn down?)
         with self._lock:
-            front = self._front
+            front = self._solo or self._front
         if front is None or not hasattr(front, name):
             raise RuntimeError(f"tpagent_rank: {name} cannot be forwarded with this torch")
         return self._track(getattr(front, name)(*args))
@@ -423,6 +434,18 @@ def create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Del
     if ON_GROUP:  # (the default group is the first: the rank says hello then)
         ON_GROUP[0](group, store, rank, size, spec)
     return group
+
+
+#: Whether the groups made now are a joiner's while it warms up (:mod:`tpagent_rank.join`).
+SOLO: list[bool] = [True] if os.environ.get(P.JOIN_VARIABLE) == "1" else []
+
+
+def joined() -> None:
+    """The joiner took a rank's state: its groups are torn down, to be built (``rebuild``) with
+    the job's other ranks; those it makes from now on are the job's."""
+    SOLO.clear()
+    for g in GROUPS.live():
+        g._solo = None
 
 
 #: Called with the group as each collective starts, before it is forwarded.

@@ -10,11 +10,15 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
+
+from tpagent_rank import join
+from tpagent_rank import protocol as P
 
 TARGET = "torch.distributed"
 _DEFAULT_SPEC: list[Any] = [None]
@@ -38,7 +42,7 @@ def _with_backend(fn: Callable[..., Any], index: int, default: bool) -> Callable
             return fn(*args, **kwargs)
         why = b.unsupported(spec)
         if why is not None:
-            from tpagent_rank.agent import say
+            from tpagent_rank.notice import say
 
             say(f"{why}: this process group cannot be rewired")
             return fn(*args, **kwargs)
@@ -165,3 +169,5 @@ def install() -> None:
 
 
 install()
+if os.environ.get(P.JOIN_VARIABLE) == "1":  # (a joiner: its output is not the job's until it is in)
+    join.quiet()

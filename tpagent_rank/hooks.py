@@ -48,6 +48,13 @@ def _before_collective(group: Any) -> None:
     if RANK is None:  # (a forked child has none: _forget)
         return
     RANK.progress = time.monotonic()  # (any group's: a rank issuing collectives waits on no one)
+    if RANK.retired or (RANK.quiet and RANK.join is None):  # (a move's leaving rank, or its joiner, now in)
+        from tpagent_rank import join
+
+        if RANK.retired:
+            join.leave(RANK)
+        RANK.quiet = False
+        join.speak()
     if group is RANK.group:
         RANK.before_collective()
 

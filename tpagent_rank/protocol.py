@@ -61,6 +61,9 @@ AGENT_KEY = "tpagent/agent/"
 #: fresh random value there, every rank reads the one that stands (see :data:`ASKED_FREELY`).
 JOB_KEY = "tpagent/job-key"
 #: The environment variables a job's id is read from, in order (else :data:`DEFAULT_JOB`).
+#: Set to "1" in the environment of a fresh process of a rank's command that is to take the
+#: rank's place with its training state (a model-aware move: :mod:`tpagent_rank.join`).
+JOIN_VARIABLE = "TPAGENT_RANK_JOIN"
 JOB_VARIABLES = ("TPAGENT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 DEFAULT_JOB = "job"
 
@@ -93,6 +96,9 @@ class Op(str, enum.Enum):
     REBUILD = "rebuild"  # build them again under generation ``gen``, where it now runs
     RESUME = "resume"  # go on after a rebuild
     END = "end"  # the job cannot go on: end with ``why`` (``grace``: also break off a collective stalled that long)
+    SAVE = "save"  # a parked rank's registered training state: ``size`` bytes follow the answer's line
+    LOAD = "load"  # a joining rank takes that state (``size`` bytes follow the request's line) as step ``step``
+    RETIRE = "retire"  # a rank whose joiner took its place: finish the step, end at its next collective
     # Answered by the agent.
     EXPECT = "expect"  # the rank's launched namespace here has its init at ``pid`` (registers it)
     MOVED = "moved"  # the rank went to the agent at ``to``
@@ -105,8 +111,14 @@ class Op(str, enum.Enum):
 
 
 RUNTIME_OPS = frozenset(
-    {Op.WHERE, Op.PEERS, Op.PAUSE, Op.BOUNDARY, Op.CANCEL, Op.TEARDOWN, Op.REBUILD, Op.RESUME, Op.END}
+    {Op.WHERE, Op.PEERS, Op.PAUSE, Op.BOUNDARY, Op.CANCEL, Op.TEARDOWN, Op.REBUILD, Op.RESUME, Op.END, Op.RETIRE}
 )
+#: Answered by the rank's runtime, asked only by the rank's own agent on its line, where the
+#: training state follows the line as raw bytes (:data:`STATE_MAX` at most); between agents the
+#: state travels by a stream of its own, never inside a Rank call.
+STATE_OPS = frozenset({Op.SAVE, Op.LOAD})
+#: The largest training state one rank hands over (a bound on what a line's tail may announce).
+STATE_MAX = 1 << 40
 #: What an agent asks of a rank without naming the job's identity (only reads).  Every other
 #: request of a rank names it (``RankRequest.job_key``: its user and the value agreed at
 #: :data:`JOB_KEY`, as the moving rank's own agent saw them), and a rank whose identity differs
@@ -128,6 +140,8 @@ class RankState(str, enum.Enum):
     RUNNING = "running"
     PAUSED = "paused"
     TORN_DOWN = "torn_down"
+    JOINING = "joining"  # a fresh process of a rank's command, warming up on its own (model-aware move)
+    WAITING = "waiting"  # that process, warmed up, waiting at a step boundary for a rank's state
 
 
 class Whereabouts(str, enum.Enum):
@@ -194,6 +208,15 @@ class AtBoundary(Answer):
 @dataclass(frozen=True)
 class TornDown(Answer):
     closed: int = 0  # store connections let go (leaving)
+
+
+@dataclass(frozen=True)
+class Saved(Answer):
+    """On the line, ``size`` bytes of the state (:func:`tpagent_rank.aware.write_state`) follow."""
+
+    size: int = 0
+    step: int = 0  # where it stands: its optimizer steps, its default group's collectives
+    collectives: int = 0
 
 
 @dataclass(frozen=True)
@@ -311,6 +334,32 @@ class End(Request[Answer]):
 
 
 @dataclass(frozen=True)
+class Save(Request[Saved]):
+    OP = Op.SAVE
+    ANSWER = Saved
+
+
+@dataclass(frozen=True)
+class Load(Request[Answer]):
+    """On the line, ``size`` bytes of a state follow; the rank takes them with its own ``load``
+    once warmed up, and stands as the rank it replaces stood (``step``, ``collectives``): parked,
+    its communicators to be built (``rebuild``)."""
+
+    OP = Op.LOAD
+    size: int
+    step: int
+    collectives: int = 0
+
+
+@dataclass(frozen=True)
+class Retire(Request[Answer]):
+    """A parked rank whose joiner has its place: it runs the rest of its step (what it prints
+    stands), and ends at its next collective or step, before any of it runs."""
+
+    OP = Op.RETIRE
+
+
+@dataclass(frozen=True)
 class Expect(Request[Answer]):
     OP = Op.EXPECT
     pid: int
@@ -379,6 +428,9 @@ REQUESTS: Mapping[Op, type[Request[Any]]] = {
         Rebuild,
         Resume,
         End,
+        Save,
+        Load,
+        Retire,
         Expect,
         Moved,
         Release,

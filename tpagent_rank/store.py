@@ -16,7 +16,9 @@ rank a client of it.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
 import socket
 import struct
 import time
@@ -145,6 +147,17 @@ def _ips(host: str) -> set[str]:
 def host(store: Any) -> str:
     """The host name or address the job's store is reached at."""
     return str(getattr(_underlying(store), "host", ""))
+
+
+def job_key(store: Any) -> str:
+    """The job's identity: the value at JOB_KEY, which the first rank to ask puts there (a fresh
+    random one), with the address of the store it is kept in, as this rank reaches it (its own
+    word, which a store's writer cannot change): every rank of the job has the same, and no other
+    job, even one whose store was given this one's value, has it.  Whatever the store raises."""
+    from tpagent_rank.protocol import JOB_KEY
+
+    agreed = bytes(store.compare_set(JOB_KEY, "", secrets.token_hex(16))).decode()
+    return hashlib.sha256(f"{agreed}\0{address(store)}".encode()).hexdigest()[:32]
 
 
 def address(store: Any) -> str:

@@ -43,7 +43,9 @@ def _calls(ranks: _Ranks) -> RankCalls:
     return RankCalls(ranks, "node-1", lambda _job: False)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("request_", [P.Pause(at=5), P.Teardown(), P.Rebuild(gen=2), P.Resume(), P.End(), P.Cancel()])
+@pytest.mark.parametrize(
+    "request_", [P.Pause(at=5), P.Teardown(), P.Rebuild(gen=2), P.Resume(), P.End(), P.Cancel(), P.Retire()]
+)
 def test_what_changes_a_rank_must_name_its_jobs_identity(request_: P.Request[Any]) -> None:
     ranks = _Ranks()
     calls = _calls(ranks)
@@ -75,6 +77,16 @@ def test_release_is_refused_for_another_job_but_not_for_a_copy_not_yet_connected
     assert _calls(ranks)("j", 0, P.Release(), 1.0, IDENTITY).ok
     restored = _Ranks(identity="")  # (restored here, it has not said hello yet)
     assert _calls(restored)("j", 0, P.Release(), 1.0, IDENTITY).ok and restored.released == 1
+
+
+@pytest.mark.parametrize("request_", [P.Save(), P.Load(size=10, step=3)])
+def test_a_training_state_is_never_asked_for_or_given_in_a_rank_call(request_: P.Request[Any]) -> None:
+    """Only a rank's own agent asks it on its line, the state beside the line: a Rank call has no
+    room for it, and is refused, whoever names the job's identity."""
+    ranks = _Ranks()
+    with pytest.raises(Refused, match="only by its own agent") as refused:
+        _calls(ranks)("j", 0, request_, 1.0, IDENTITY)
+    assert refused.value.why is Why.INVALID and ranks.asked == []
 
 
 def test_a_key_is_bounded() -> None:

@@ -27,6 +27,9 @@ REQUESTS: list[P.Request[Any]] = [
     P.Rebuild(gen=3, timeout=7.0),
     P.Resume(),
     P.End(why="rank 2 is gone", grace=2.5),
+    P.Save(),
+    P.Load(size=1 << 33, step=12, collectives=40),
+    P.Retire(),
     P.Expect(pid=4242),
     P.Moved(to="10.0.0.2:7400"),
     P.Release(),
@@ -60,6 +63,7 @@ ANSWERS: list[P.Answer] = [
     P.Paused(ok=False, error="past it", late=True),
     P.AtBoundary(step=5, collectives=15),
     P.TornDown(closed=2),
+    P.Saved(size=1 << 33, step=12, collectives=40),
     P.Located(state=P.Whereabouts.MOVED.value, pid=7, node="10.0.0.2:7400", code=3),
     P.Written(data=bytes(range(256)), size=1 << 33),
     P.Ranks(

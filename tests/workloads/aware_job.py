@@ -5,12 +5,15 @@ lines of model-aware mode), gloo on CPU, a FileStore: no launcher needed.
 
 MODE:
   ddp        DDP over the world; runs to STEPS; prints each step's loss (hex) and the replicas
+  steps      as ddp, and prints a line per step as it goes ("step N LOSS"), a few each second
   save       as ddp, then writes its registered state to STATE_DIR/state-RANK (write_state)
   resume-N   a fresh process of the same script: loads STATE_DIR/state-N (rank N's state, a
              replica's for another rank), then trains on to STEPS
   hsdp       FSDP2 on a 2x2 mesh (replicate, shard): prints the replicas derived
   hsdp-mesh  the same, the replicas given as (mesh, "replicate")
   fsdp       FSDP2 on a 1-D mesh (shards only): prints that no replicas are known
+
+AWARE_WARMUP in the environment: the warm-up it registers (a joiner's steps on its own).
 
 Each step's batch is drawn from a generator seeded by (step, rank): a step redone anywhere
 draws the same batch.  The loop runs on the registered step, so a loaded state resumes it.
@@ -19,7 +22,9 @@ draws the same batch.  The loop runs on the registered step, so a loaded state r
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -62,7 +67,9 @@ def main() -> None:
         state["step"] = int(saved["step"])  # type: ignore[call-overload]
 
     tpagent_rank.register(
-        save=lambda: {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"]}, load=load
+        save=lambda: {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"]},
+        load=load,
+        warmup=int(os.environ.get("AWARE_WARMUP", aware.WARMUP)),
     )
     if mode.startswith("resume-"):
         with open(Path(state_dir) / f"state-{mode.split('-')[1]}", "rb") as f:
@@ -76,6 +83,9 @@ def main() -> None:
         opt.step()
         state["step"] += 1
         losses[state["step"]] = loss.item().hex()
+        if mode == "steps":
+            print("step", state["step"], losses[state["step"]], flush=True)
+            time.sleep(0.05)
     out: dict[str, object] = {"losses": losses, "replicas": aware.replica_ranks()}
     out["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
     if mode == "save":

@@ -63,6 +63,12 @@ class RankCalls:
             raise Refused(f"a job's key has at most {KEY_MAX} characters.", Why.INVALID)
         if request.OP == P.Op.RELEASE and self.ranks.identity(job, rank) not in ("", key):  # ("": restored here)
             raise Refused(self._not_it(job, rank), Why.CONFLICT)
+        if request.OP in P.STATE_OPS:
+            raise Refused(
+                f"{request.OP.value} is asked of a rank only by its own agent: a training state moves between "
+                "agents by a stream of its own, not in a Rank call",
+                Why.INVALID,
+            )
         if request.OP in P.RUNTIME_OPS:
             if not key and request.OP not in P.ASKED_FREELY:
                 raise Refused(

@@ -1,0 +1,221 @@
+"""A model-aware move as the ranks see it (issue 27, item 2; :mod:`tpagent_rank.join`): a fresh
+process of a rank's command warms up on its own, takes the rank's registered state at the
+agreed boundary, and goes on in its place; the rank it replaced ends at its next collective.
+The test plays every rank's agent on its socket, in the order a moving agent asks.  Four DDP
+ranks (gloo, a FileStore); what each prints per step, and the final parameters, must equal an
+uninterrupted run's bit for bit, with no line printed twice or lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.helpers import ROOT, wait_until
+from support.runtime import PlayedAgent, runtime_env
+from tpagent_rank import protocol as P
+
+pytest.importorskip("torch")
+
+JOB = ROOT / "tests" / "workloads" / "aware_job.py"
+WORLD = 4
+STEPS = 60
+MOVED = 1
+
+
+def _rank(tmp: Path, store: str, rank: int, env: dict[str, str]) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-X", "faulthandler", str(JOB), store, str(rank), str(WORLD), "steps", str(STEPS), str(tmp)]
+    return subprocess.Popen(argv, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _outputs(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str, str]]:
+    """Each one's status, standard output and error, once it ended."""
+    ended = [p.communicate(timeout=300) for p in procs]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, ended, strict=True)]
+
+
+def _steps(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.startswith("step ")]
+
+
+def _final(out: str) -> dict[str, Any]:
+    last = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert last, out
+    return dict(json.loads(last[-1]))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Each rank's output, uninterrupted, with no agent (the runtime off)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    env = runtime_env(tmp)
+    procs = [_rank(tmp, str(tmp / "store"), r, env) for r in range(WORLD)]
+    outs = _outputs(procs)
+    assert all(p.wait() == 0 for p in procs), outs
+    return [out for _code, out, _err in outs]
+
+
+class Job:
+    """Four ranks under the runtime, each with its agent played here, and a joiner for rank 1."""
+
+    def __init__(self, tmp: Path, warmup: int) -> None:
+        self.tmp = tmp
+        name = f"tpagent-test-{os.getpid()}-aware"
+        self.agents = [PlayedAgent(f"{name}-{r}") for r in range(WORLD)]
+        self.joiner_agent = PlayedAgent(f"{name}-joiner")
+        self.envs = [runtime_env(tmp, TPAGENT_JOB="j", TPAGENT_RANK_SOCKET=f"{name}-{r}") for r in range(WORLD)]
+        store = str(tmp / "store")
+        self.procs = [_rank(tmp, store, r, self.envs[r]) for r in range(WORLD)]
+        for a in self.agents:
+            a.welcome()
+        joiner_env = {
+            **self.envs[MOVED],
+            "TPAGENT_RANK_SOCKET": f"{name}-joiner",
+            P.JOIN_VARIABLE: "1",
+            "AWARE_WARMUP": str(warmup),
+        }
+        self.joiner = _rank(tmp, store, MOVED, joiner_env)
+
+    def all(self, agents: list[PlayedAgent], request: P.Request[Any]) -> list[P.Answer]:
+        """``request`` asked of every one at once (a rebuild waits for its peers)."""
+        answers: list[P.Answer] = [P.failed("no answer")] * len(agents)
+
+        def one(i: int) -> None:
+            try:
+                answers[i] = agents[i].ask(request)
+            except (OSError, P.ProtocolError) as e:
+                answers[i] = P.failed(f"its connection failed: {e}")
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(agents))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        return answers
+
+    def stop_all(self, ahead: int = 8) -> int:
+        """Every rank parked ``ahead`` steps past the furthest one (the boundary S)."""
+        at_step = max(a.ask(P.Where()).step for a in self.agents) + ahead
+        assert all(a.ok for a in self.all(self.agents, P.Pause(at=at_step))), self.ended()
+        at = self.all(self.agents, P.Boundary(timeout=120))
+        assert all(isinstance(a, P.AtBoundary) and a.ok and a.step == at_step for a in at), (at, self.ended())
+        return at_step
+
+    def hold(self) -> None:
+        """The job held at an early step while the joiner starts (a loaded machine may take
+        longer to start it than the job takes to end), then on again."""
+        self.stop_all(ahead=3)
+        self.joiner_agent.welcome()
+        _waiting(self.joiner_agent)
+        assert all(a.ok for a in self.all(self.agents, P.Cancel()))
+
+    def ended(self) -> list[str]:
+        """What each process that ended said last (for a failure's message)."""
+        return [
+            f"{p.args[4]}: {p.returncode}: {p.communicate()[1][-2000:]}"
+            for p in [*self.procs, self.joiner]
+            if p.poll() is not None
+        ]
+
+    def close(self) -> None:
+        for p in [*self.procs, self.joiner]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for a in [*self.agents, self.joiner_agent]:
+            a.close()
+
+
+@pytest.fixture
+def warmup() -> int:
+    """The warm-up the joiner registers (a test parametrizes it)."""
+    return 2
+
+
+@pytest.fixture
+def job(tmp_path: Path, warmup: int) -> Iterator[Job]:
+    j = Job(tmp_path, warmup)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def _waiting(agent: PlayedAgent) -> P.Standing:
+    seen: list[P.Standing] = []
+
+    def ready() -> bool:
+        seen.append(agent.ask(P.Where()))
+        return seen[-1].state == P.RankState.WAITING.value
+
+    wait_until(ready, "the joiner to warm up and wait for a state", timeout=180, interval=0.2)
+    return seen[-1]
+
+
+# (one step: its DDP rebuilds its buckets in its 2nd, and the joiner warms up until it has)
+@pytest.mark.parametrize("warmup", [1])
+def test_a_fresh_process_takes_a_ranks_state_and_place_and_the_job_runs_on_bit_identical(
+    job: Job, reference: list[str]
+) -> None:
+    running = job.agents[0]
+    assert running.ask(P.Retire()).error == "it is not stopped at a boundary"
+    junk = b"x" * 1000  # (a state for a rank that is not a joiner: its bytes are read all the same)
+    assert running.ask(P.Load(size=len(junk), step=1), junk).error == "it is not a joiner"
+    assert running.ask(P.Where()).ok  # (the line is where it was)
+    job.hold()
+    assert job.joiner_agent.hello["state"] == P.RankState.JOINING.value and job.joiner_agent.hello["rank"] == MOVED
+    assert job.joiner_agent.ask(P.Pause(at=1)).error.startswith("it is a process started to take")
+    standing = job.joiner_agent.ask(P.Where())
+    assert standing.aware and standing.step == 0  # (its warm-up steps are not the job's)
+
+    step = job.stop_all()
+    torn = job.all(job.agents, P.Teardown())
+    assert all(a.ok for a in torn), torn
+    saved, state = job.agents[MOVED].asked(P.Save())
+    assert saved.ok and saved.step == step and len(state) == saved.size > 0, saved
+    loaded = job.joiner_agent.ask(P.Load(size=len(state), step=saved.step, collectives=saved.collectives), state)
+    assert loaded.ok, loaded
+    after = job.joiner_agent.ask(P.Where())
+    assert (after.step, after.state) == (step, P.RankState.TORN_DOWN.value)
+
+    now = [a for r, a in enumerate(job.agents) if r != MOVED] + [job.joiner_agent]
+    built = job.all(now, P.Rebuild(gen=1, timeout=120))
+    assert all(a.ok for a in built), built
+    assert job.agents[MOVED].ask(P.Retire()).ok
+    assert all(a.ok for a in job.all(now, P.Resume()))
+
+    outs = _outputs([*job.procs, job.joiner])
+    for r, (code, out, err) in enumerate(outs[:WORLD]):
+        assert code == 0, (r, err[-3000:])
+        if r != MOVED:
+            assert out == reference[r], r  # every line, the final parameters too
+    left, joined = outs[MOVED][1], outs[WORLD][1]
+    assert _steps(left) == _steps(reference[MOVED])[:step]  # up to its boundary, its own step's line included
+    assert not [ln for ln in left.splitlines() if ln.startswith("{")]  # it ended before the end
+    assert outs[WORLD][0] == 0, outs[WORLD][2][-3000:]
+    assert _steps(joined) == _steps(reference[MOVED])[step:]  # nothing of its warm-up
+    assert _final(joined)["params"] == _final(reference[MOVED])["params"]
+
+
+def test_a_joiner_whose_load_fails_leaves_the_rank_where_it_was(job: Job, reference: list[str]) -> None:
+    """A state the joiner cannot take (here: not a state at all): it says why and ends; the rank
+    it was to replace rebuilds with its peers and the job runs on as if nothing happened."""
+    job.hold()
+    job.stop_all()
+    assert all(a.ok for a in job.all(job.agents, P.Teardown()))
+    junk = b"not a state" * 10
+    loaded = job.joiner_agent.ask(P.Load(size=len(junk), step=1), junk)
+    assert not loaded.ok and "cannot be read safely" in loaded.error, loaded
+    assert all(a.ok for a in job.all(job.agents, P.Rebuild(gen=1, timeout=120)))
+    assert all(a.ok for a in job.all(job.agents, P.Resume()))
+    outs = _outputs(job.procs)
+    assert [out for _c, out, _e in outs] == reference
+    job.joiner.wait(60)
+    assert job.joiner.returncode != 0 and "could not take the state" in job.joiner.communicate()[1]

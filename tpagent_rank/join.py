@@ -1,0 +1,190 @@
+"""A model-aware move, as the ranks see it (issue 27, item 2): a fresh process of a rank's
+command takes the place of the rank, with the rank's registered training state
+(:mod:`tpagent_rank.aware`) in place of its process image.
+
+* **The joiner** is started by an agent with ``TPAGENT_RANK_JOIN=1`` beside the usual rank
+  environment.  It runs the script from its start, on its own: its groups are local
+  (:mod:`tpagent_rank.solo`: no peer is reached, the job's store is only read), and its
+  standard output goes nowhere (what it computes is not the job's).  So its wrappers set
+  themselves up by the script's own code (DDP builds its buckets in its first step and rebuilds
+  them in its second).  After ``warmup`` optimizer steps it waits at its step post-hook
+  (:data:`~tpagent_rank.protocol.RankState.WAITING`) for a state (``load``), takes it on the
+  training thread with the script's ``load``, and then stands as the rank it replaces stood,
+  parked at the boundary with its communicators to be built (``rebuild``, ``resume``).  Its
+  output is its own again from its first collective in the job.
+* **The leaving rank**, parked at the agreed boundary, gives its state (``save``: its
+  ``save``, on the training thread) and, once the joiner is in, is told to ``retire``: it runs
+  the rest of its step (what it prints there is the job's, as the joiner's is not yet), and
+  ends before its next collective or step, before any of it runs.
+
+The state and the script's position meet at the optimizer step post-hook: the script's loop
+must run on what it registers (its step, its data position), as it would to resume from a
+checkpoint.  Standard library only at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+import time
+from typing import Any
+
+from tpagent_rank import protocol as P
+from tpagent_rank.notice import PREFIX
+
+#: A rank is a :class:`tpagent_rank.agent.Rank` (not imported: that module imports this one).
+Rank = Any
+
+#: The joiner's own standard output while it is quiet (None: it is not).
+_STDOUT: list[int | None] = [None]
+
+
+def joining() -> bool:
+    return os.environ.get(P.JOIN_VARIABLE) == "1"
+
+
+def quiet() -> None:
+    """The joiner's standard output goes nowhere until :func:`speak` (called at start-up)."""
+    if _STDOUT[0] is not None:
+        return
+    try:
+        saved = os.dup(1)
+        devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:  # (no standard output to speak of)
+        return
+    os.set_inheritable(saved, False)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    _STDOUT[0] = saved
+
+
+def speak() -> None:
+    """Its standard output is its own again (what was buffered while quiet is dropped)."""
+    saved = _STDOUT[0]
+    if saved is None:
+        return
+    _STDOUT[0] = None
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    os.dup2(saved, 1)
+    os.close(saved)
+
+
+class Joining:
+    """A joiner's warm-up and the state it waits for (the training thread and the connection's
+    thread meet here, under the rank's ``cond``)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.waiting = False
+        self.request: P.Load | None = None
+        self.payload: bytes | None = None
+        self.outcome: str | None = None  # "" taken; else why not
+
+    def stepped(self, rank: Rank) -> None:
+        """The training thread, at an optimizer step post-hook of the joiner."""
+        from tpagent_rank import aware
+
+        self.steps += 1
+        reg = aware.registration()
+        if self.steps < (reg.warmup if reg is not None else aware.WARMUP) or aware.settling():
+            return
+        with rank.cond:
+            self.waiting = True
+            rank.cond.notify_all()
+            deadline = time.monotonic() + rank.park_timeout
+            while self.payload is None:
+                if rank.ended or time.monotonic() > deadline:
+                    why = rank.ended or f"no state came in {rank.park_timeout:.0f} s"
+                    raise RuntimeError(f"{PREFIX}it was started to take a rank's place, but {why}")
+                rank.cond.wait(0.5)
+            request = self.request
+            payload = self.payload
+        assert request is not None
+        try:
+            aware.read_state(io.BytesIO(payload))
+            error = ""
+        except Exception as e:  # (the user's load, or a state it cannot read: said to the agent)
+            error = f"{type(e).__name__}: {e}"
+        with rank.cond:
+            self.outcome = error
+            rank.cond.notify_all()
+            if error:
+                raise RuntimeError(f"{PREFIX}it could not take the state of rank {rank.rank}: {error}")
+            self._stand(rank, request)
+
+    @staticmethod
+    def _stand(rank: Rank, request: P.Load) -> None:
+        """Stand as the rank replaced stood: parked at its step, communicators to be built."""
+        from tpagent_rank import backend
+
+        rank.join = None
+        rank.step = request.step
+        rank.collectives = request.collectives
+        rank.stop_at = request.step
+        rank.unit = P.Unit.STEP.value
+        rank.torn = True
+        backend.joined()
+        rank.park(f"step {rank.step}")
+
+    def load(self, rank: Rank, request: P.Load, payload: bytes) -> P.Answer:
+        """The connection's thread: hand the state over, and wait until it is taken."""
+        with rank.cond:
+            if self.payload is not None:
+                return P.failed("it was given a state already")
+            self.request = request
+            self.payload = payload
+            rank.cond.notify_all()
+            deadline = time.monotonic() + rank.park_timeout
+            while self.outcome is None:
+                if time.monotonic() > deadline or rank.closing.is_set():
+                    return P.failed(f"it did not take the state in {rank.park_timeout:.0f} s")
+                rank.cond.wait(0.5)
+        return P.failed(self.outcome) if self.outcome else P.Answer()
+
+
+def save(rank: Rank) -> tuple[P.Saved, bytes]:
+    """A parked rank's registered state (its ``save``, run on the training thread)."""
+    from tpagent_rank import aware
+
+    if aware.registration() is None:
+        return P.Saved(ok=False, error="it registered no training state (tpagent_rank.register)"), b""
+    out = io.BytesIO()
+    error = rank.on_training_thread(lambda: aware.write_state(out))
+    if error:
+        return P.Saved(ok=False, error=error), b""
+    with rank.cond:
+        return P.Saved(size=out.tell(), step=rank.step, collectives=rank.collectives), out.getvalue()
+
+
+def retire(rank: Rank) -> P.Answer:
+    """A parked rank whose joiner has its place: on with the rest of its step, then ended."""
+    with rank.cond:
+        if not rank.parked:
+            return P.failed("it is not stopped at a boundary")
+        rank.retired = True
+        rank.stop_at = None
+        rank.parked = False
+        rank.cond.notify_all()
+    return P.Answer()
+
+
+def leave(rank: Rank) -> None:
+    """A retired rank, at its next collective or step: ended before any of it runs.  Its output
+    is flushed; nothing else of it is the job's any more (its communicators are gone)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(0)
+
+
+def exactly(f: Any, size: int) -> bytes:
+    """The ``size`` bytes that follow a line (a state), within :data:`~P.STATE_MAX`."""
+    if not 0 <= size <= P.STATE_MAX:
+        raise ValueError(f"a state of {size} bytes")
+    data = f.read(size)
+    if len(data) != size:
+        raise ValueError("the connection closed inside a state")
+    return bytes(data)
