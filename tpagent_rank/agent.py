@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import os
 import socket
 import struct
@@ -25,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from tpagent_rank import codec, ending, join
+from tpagent_rank import codec, ending, env, join, lines, rewire
 from tpagent_rank import protocol as P
 from tpagent_rank.notice import PREFIX, say
 
@@ -48,9 +47,10 @@ class Rank:
         self.ended = ""  # why the job cannot go on (the agent said so): a parked rank raises it
         self.torn = False
         self.leaving = False
-        self.join = join.Joining() if join.joining() else None  # a fresh process taking a rank's place
+        self.join = join.Joining() if env.JOIN else None  # a fresh process taking a rank's place
         self.quiet = self.join is not None  # its output goes nowhere until its first collective in the job
         self.retired = False  # its joiner has its place: it ends at its next collective or step
+        self.retire_answered = threading.Event()
         self.chore: Callable[[], object] | None = None  # to run on the parked training thread
         self.chore_error: str | None = None
         self.times: deque[float] = deque(maxlen=20)
@@ -77,8 +77,8 @@ class Rank:
             P.Op.PAUSE: self._pause,
             P.Op.BOUNDARY: self._boundary,
             P.Op.CANCEL: self._cancel,
-            P.Op.TEARDOWN: self._teardown,
-            P.Op.REBUILD: self._rebuild,
+            P.Op.TEARDOWN: lambda r: rewire.teardown(self, r),
+            P.Op.REBUILD: lambda r: rewire.rebuild(self, r),
             P.Op.RESUME: self._resume,
             P.Op.END: lambda r: ending.end(self, r),
             P.Op.RETIRE: lambda _r: join.retire(self),
@@ -153,6 +153,7 @@ class Rank:
             self.cond.notify_all()
             while self.chore_error is None:
                 if not self.parked:
+                    self.chore = None  # (never run at a later stop)
                     return "it went on before it was done"
                 self.cond.wait(0.5)
             return str(self.chore_error)
@@ -228,7 +229,7 @@ class Rank:
             if closing:
                 return
             with self.cond:
-                hello = P.Hello(
+                hello = lines.Hello(
                     self.job,
                     self.rank,
                     self.world,
@@ -241,34 +242,37 @@ class Rank:
                 )
             s.sendall(codec.said(hello))
             first = codec.parse_line(f.readline(P.LINE_MAX + 1) or b"{}\n")
-            if not codec.is_said(first, P.LineOp.WELCOME):
+            if not codec.is_said(first, lines.LineOp.WELCOME):
                 self.closing.wait(0.5)  # (not registered yet: the agent says so; ask again)
                 return
-            self.node = codec.decode(P.Welcome, first).node
+            self.node = codec.decode(lines.Welcome, first).node
             if not self.torn and self.join is None:  # (a joiner says so once it is in: rebuild)
-                self._tell_store()
+                self.tell_store()
             with self.write_lock:
                 self.sock = s
             while data := f.readline(P.LINE_MAX + 1):
                 body = codec.parse_line(data)
+                rid = body.get("id")
                 try:
                     request = codec.decode_request(body)
                 except P.ProtocolError as e:
-                    self._reply(body.get("id"), P.failed(str(e)))
+                    self._reply(rid, P.failed(str(e)), on=s)
+                    if body.get("op") == P.Op.LOAD.value:  # (what follows it cannot be told from lines)
+                        break
                     continue
-                if isinstance(request, P.Load):  # (its state follows the line)
-                    payload = join.exactly(f, request.size)
-                    threading.Thread(target=self._load, args=(body.get("id"), request, payload), daemon=True).start()
+                if isinstance(request, P.Load):  # (its state follows the line, or is fetched)
+                    payload = None if request.source else join.exactly(f, request.size)
+                    threading.Thread(target=self._load, args=(rid, request, payload, s), daemon=True).start()
                     continue
                 if isinstance(request, P.Teardown) and request.leaving:
                     # Answered here, then this thread closes the connection itself (nothing blocked
                     # on it): the agent freezes the rank only once it has seen it closed.
-                    self._answer(body.get("id"), request)
+                    self._answer(rid, request, s)
                     if self.leaving:
                         break
                     continue
-                threading.Thread(target=self._answer, args=(body.get("id"), request), daemon=True).start()
-        except (OSError, ValueError):
+                threading.Thread(target=self._answer, args=(rid, request, s), daemon=True).start()
+        except (OSError, ValueError, MemoryError):  # (MemoryError: a state announced too large to hold)
             pass
         finally:
             with self.write_lock:
@@ -280,34 +284,46 @@ class Rank:
             with contextlib.suppress(OSError):
                 s.close()
 
-    def _reply(self, rid: object, answer: P.Answer, tail: bytes = b"") -> None:
-        """``answer``'s line, then ``tail`` (a saved state: its answer says its size)."""
+    def _reply(self, rid: object, answer: P.Answer, tail: bytes = b"", on: socket.socket | None = None) -> None:
+        """``answer``'s line, then ``tail`` (a saved state: its answer says its size), on the
+        connection the request came on (``on``; never on a later one, which did not ask)."""
         try:
             data = codec.line(answer, id=rid)
         except P.ProtocolError as e:  # (every request gets its answer: this one says why it has none)
             data = codec.line(P.failed(f"its answer is not one of the rank protocol ({e})"), id=rid)
             tail = b""
         with self.write_lock:
-            if self.sock is not None:
+            if self.sock is not None and self.sock is on:
                 with contextlib.suppress(OSError):
                     self.sock.sendall(data)
                     self.sock.sendall(tail)
 
-    def _answer(self, rid: object, request: P.Request[Any]) -> None:
+    def _answer(self, rid: object, request: P.Request[Any], on: socket.socket) -> None:
         tail = b""
         answer: P.Answer
         try:
-            if isinstance(request, P.Save):
-                answer, tail = join.save(self)
+            if self.join is not None and request.OP not in join.ASKED_OF_A_JOINER:
+                answer = P.failed("it is a process started to take a rank's place, not yet in the job")
+            elif isinstance(request, P.Save):
+                answer, tail = join.save(self, request)
             else:
                 answer = self._do(request)
         except Exception as e:  # every request gets its answer
             answer = P.failed(f"{type(e).__name__}: {e}")
-        self._reply(rid, answer, tail)
+        self._reply(rid, answer, tail, on)
+        if isinstance(request, P.Retire):
+            self.retire_answered.set()  # (it ends only once its agent has this)
 
-    def _load(self, rid: object, request: P.Load, payload: bytes) -> None:
+    def _load(self, rid: object, request: P.Load, payload: bytes | None, on: socket.socket) -> None:
         joining = self.join
-        self._reply(rid, joining.load(self, request, payload) if joining else P.failed("it is not a joiner"))
+        if joining is None:
+            return self._reply(rid, P.failed("it is not a joiner"), on=on)
+        try:
+            payload = join.fetched(request) if payload is None else payload
+        except (OSError, ValueError) as e:
+            return self._reply(rid, P.failed(f"its state could not be fetched from {request.source}: {e}"), on=on)
+        self._reply(rid, joining.load(self, request, payload), on=on)
+        joining.answered.set()
 
     @functools.cached_property
     def store_facts(self) -> tuple[str, str]:
@@ -337,7 +353,7 @@ class Rank:
                 self.key_said = True
             return None
 
-    def _tell_store(self) -> None:
+    def tell_store(self) -> None:
         with contextlib.suppress(Exception):
             self.store.set(f"{P.AGENT_KEY}{self.rank}", self.node)
 
@@ -384,8 +400,6 @@ class Rank:
         if request.unit not in (P.Unit.STEP.value, P.Unit.COLLECTIVE.value):
             return P.Paused(ok=False, error=f"{request.unit!r} is not a unit a rank stops at")
         with self.cond:
-            if self.join is not None:
-                return P.Paused(ok=False, error="it is a process started to take a rank's place, not yet in the job")
             if (self.step if request.unit == P.Unit.STEP.value else self.collectives) >= request.at:
                 return P.Paused(ok=False, late=True, error=f"it is past {request.unit} {request.at}")
             self.stop_at = request.at
@@ -415,71 +429,6 @@ class Rank:
             self.stop_at = None
             self.parked = False
             self.cond.notify_all()
-        return P.Answer()
-
-    def _teardown(self, request: P.Teardown) -> P.TornDown:
-        from tpagent_rank import backend
-
-        with self.cond:
-            if not self.parked:
-                return P.TornDown(ok=False, error="it is not stopped at a boundary")
-        for g in backend.GROUPS.live():
-            g.teardown()
-        gc.collect()
-        closed = 0
-        if request.leaving:
-            from tpagent_rank import nccladdr, store
-
-            try:  # (where NCCL's address came from: see the rebuild)
-                self.addresses = nccladdr.local_addresses()
-            except OSError as e:
-                self.addresses = {}
-                say(f"this node's addresses could not be read ({e}): NCCL's will not follow the move")
-
-            self.detached = store.detach(self.store)
-            closed = len(self.detached)
-            if not closed:
-                found = store.connections()
-                error = f"no connection to the job's store ({store.address(self.store)}) was found among {found}"
-                return P.TornDown(ok=False, error=error)
-        with self.cond:
-            self.torn = True
-            self.leaving = request.leaving
-        return P.TornDown(closed=closed)
-
-    def _rebuild(self, request: P.Rebuild) -> P.Answer:
-        from tpagent_rank import backend
-
-        gen = request.gen
-        if self.detached:
-            from tpagent_rank import owned, store
-
-            with owned.noting():  # (a forked child lets go of them)
-                self.kept.extend(store.reattach(self.detached, min(60.0, request.timeout)))
-            self.detached = []
-        self._tell_store()
-        if self.leaving and backend.NCCL_HOST is not None and self.addresses:  # (NCCL keeps its node's address)
-            from tpagent_rank import nccladdr, store
-
-            try:
-                said = nccladdr.follow(self.addresses, store.host(self.store))
-            except (OSError, ValueError) as e:
-                return P.failed(f"NCCL's address of the node it left could not be rewritten: {e}")
-            if said:
-                say(said)
-        backend.GROUPS.gen = gen
-        with self.cond:
-            torn = self.torn
-        for g in backend.GROUPS.live():
-            if not torn:  # (a rewire finished after its agent restarted: this rank had not got so far)
-                g.teardown()
-            g.rebuild(gen)
-        with self.cond:
-            if backend.GROUPS.gen != gen:  # (a later one was asked for meanwhile: it says)
-                return P.failed(f"generation {gen} was given up while it was being built")
-            self.gen = gen
-            self.torn = False
-            self.leaving = False
         return P.Answer()
 
 

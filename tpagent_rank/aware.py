@@ -22,7 +22,8 @@ takes a rank's state in a model-aware move (:mod:`tpagent_rank.join`): enough fo
 it builds to set themselves up as they are in the running job (DDP rebuilds its buckets in its
 second step).  The script's loop must run on what it registers (its step, its data position), as
 it would to resume from a checkpoint: the state is taken at an optimizer step's post-hook, and
-the rest of that step runs on it.
+the rest of that step runs on it (so it issues no collective on what the step computed, such as
+an all-reduce of its loss, before the next step's first).
 
 ``replicas`` says which ranks hold the same training state as this one (its data-parallel
 replicas, itself included): a process group; a ``DistributedDataParallel`` module (its group); a

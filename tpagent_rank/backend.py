@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from tpagent_rank import nccladdr, owned
-from tpagent_rank import protocol as P
+from tpagent_rank import env, nccladdr, owned
 
 NAME = "tpagent"
 #: The backends that exist for each device type (what the user's spec named).
@@ -247,7 +246,9 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
 
     def _get_backend(self, device: Any) -> Any:
         """This generation's inner backend for ``device`` (torch asks for it by the group's
-        devices: to set a timeout, to allocate a tensor for FSDP)."""
+        devices: to set a timeout, to allocate a tensor for FSDP); a warming joiner's: its own."""
+        if self._solo is not None:
+            return self._solo
         kind = torch.device(device).type
         with self._lock:
             inner = self._inner.get(kind)
@@ -437,7 +438,7 @@ def create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Del
 
 
 #: Whether the groups made now are a joiner's while it warms up (:mod:`tpagent_rank.join`).
-SOLO: list[bool] = [True] if os.environ.get(P.JOIN_VARIABLE) == "1" else []
+SOLO: list[bool] = [True] if env.JOIN else []
 
 
 def joined() -> None:

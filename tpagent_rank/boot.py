@@ -10,15 +10,13 @@ import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from tpagent_rank import join
-from tpagent_rank import protocol as P
+from tpagent_rank import env, join
 
 TARGET = "torch.distributed"
 _DEFAULT_SPEC: list[Any] = [None]
@@ -169,5 +167,5 @@ def install() -> None:
 
 
 install()
-if os.environ.get(P.JOIN_VARIABLE) == "1":  # (a joiner: its output is not the job's until it is in)
+if env.JOIN:  # (a joiner: its output is not the job's until it is in)
     join.quiet()

@@ -13,19 +13,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from tpagent_rank.protocol import (
-    LINE_MAX,
-    REQUESTS,
-    A,
-    Exit,
-    Hello,
-    LineOp,
-    Op,
-    ProtocolError,
-    Refusal,
-    Request,
-    Welcome,
-)
+from tpagent_rank.lines import Exit, Hello, LineOp, Refusal, Welcome
+from tpagent_rank.protocol import LINE_MAX, REQUESTS, A, Op, ProtocolError, Request
 
 T = TypeVar("T")
 #: The integers either wire carries (protobuf's int64).

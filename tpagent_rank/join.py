@@ -25,9 +25,11 @@ checkpoint.  Standard library only at import.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -37,12 +39,13 @@ from tpagent_rank.notice import PREFIX
 #: A rank is a :class:`tpagent_rank.agent.Rank` (not imported: that module imports this one).
 Rank = Any
 
+#: What a joiner answers before it is in the job (the rest would act on a rank it is not yet).
+ASKED_OF_A_JOINER = frozenset({P.Op.WHERE, P.Op.PEERS, P.Op.END})
+#: The most steps a joiner warms up past its ``warmup`` waiting for its DDP to rebuild its
+#: buckets (a module only ever run without gradients never does: then it goes on without).
+SETTLE_MAX = 20
 #: The joiner's own standard output while it is quiet (None: it is not).
 _STDOUT: list[int | None] = [None]
-
-
-def joining() -> bool:
-    return os.environ.get(P.JOIN_VARIABLE) == "1"
 
 
 def quiet() -> None:
@@ -82,6 +85,7 @@ class Joining:
         self.request: P.Load | None = None
         self.payload: bytes | None = None
         self.outcome: str | None = None  # "" taken; else why not
+        self.answered = threading.Event()  # its agent has the answer to its load
 
     def stepped(self, rank: Rank) -> None:
         """The training thread, at an optimizer step post-hook of the joiner."""
@@ -89,7 +93,8 @@ class Joining:
 
         self.steps += 1
         reg = aware.registration()
-        if self.steps < (reg.warmup if reg is not None else aware.WARMUP) or aware.settling():
+        warmup = reg.warmup if reg is not None else aware.WARMUP
+        if self.steps < warmup or (self.steps < warmup + SETTLE_MAX and aware.settling()):
             return
         with rank.cond:
             self.waiting = True
@@ -104,16 +109,19 @@ class Joining:
             payload = self.payload
         assert request is not None
         try:
-            aware.read_state(io.BytesIO(payload))
-            error = ""
+            error = _other_groups(request)
+            if not error:
+                aware.read_state(io.BytesIO(payload))
         except Exception as e:  # (the user's load, or a state it cannot read: said to the agent)
             error = f"{type(e).__name__}: {e}"
         with rank.cond:
             self.outcome = error
             rank.cond.notify_all()
-            if error:
-                raise RuntimeError(f"{PREFIX}it could not take the state of rank {rank.rank}: {error}")
-            self._stand(rank, request)
+            if not error:
+                self._stand(rank, request)
+                return
+        self.answered.wait(10.0)  # (its agent hears why before the process ends)
+        raise RuntimeError(f"{PREFIX}it could not take the state of rank {rank.rank}: {error}")
 
     @staticmethod
     def _stand(rank: Rank, request: P.Load) -> None:
@@ -140,30 +148,57 @@ class Joining:
             deadline = time.monotonic() + rank.park_timeout
             while self.outcome is None:
                 if time.monotonic() > deadline or rank.closing.is_set():
+                    if self.outcome is None and self.payload is payload:  # (not taken: never taken later)
+                        self.payload = None
+                        self.request = None
                     return P.failed(f"it did not take the state in {rank.park_timeout:.0f} s")
                 rank.cond.wait(0.5)
         return P.failed(self.outcome) if self.outcome else P.Answer()
 
 
-def save(rank: Rank) -> tuple[P.Saved, bytes]:
-    """A parked rank's registered state (its ``save``, run on the training thread)."""
-    from tpagent_rank import aware
+def save(rank: Rank, request: P.Save) -> tuple[P.Saved, bytes]:
+    """A parked rank's registered state (its ``save``, run on the training thread): offered to
+    its joiner (:mod:`tpagent_rank.handover`), or returned to follow the answer's line."""
+    from tpagent_rank import aware, handover
 
+    if request.listen and not handover.valid_secret(request.secret):
+        return P.Saved(ok=False, error="a state offered on the network needs a secret of 32 to 128 hex digits"), b""
     if aware.registration() is None:
         return P.Saved(ok=False, error="it registered no training state (tpagent_rank.register)"), b""
+    if rank.unit != P.Unit.STEP.value:
+        return P.Saved(ok=False, error="a state is taken at an optimizer step; it stopped at a collective"), b""
     out = io.BytesIO()
     error = rank.on_training_thread(lambda: aware.write_state(out))
     if error:
         return P.Saved(ok=False, error=error), b""
+    from tpagent_rank import backend
+
+    groups = len(backend.GROUPS.live())
     with rank.cond:
-        return P.Saved(size=out.tell(), step=rank.step, collectives=rank.collectives), out.getvalue()
+        saved = P.Saved(size=out.tell(), step=rank.step, collectives=rank.collectives, groups=groups)
+    if not request.listen:
+        return saved, out.getvalue()
+    try:
+        offer = handover.Offer(out.getvalue(), request.listen, request.secret, request.timeout)
+    except OSError as e:
+        return P.Saved(ok=False, error=f"it cannot offer its state on {request.listen} ({e.strerror or e})"), b""
+    return dataclasses.replace(saved, port=offer.port), b""
+
+
+def fetched(request: P.Load) -> bytes:
+    """The state a joiner is told to fetch (:mod:`tpagent_rank.handover`); ValueError or OSError."""
+    from tpagent_rank import handover
+
+    if not handover.valid_secret(request.secret) or request.source.count(":") < 1:
+        raise ValueError("a state fetched from the network needs its HOST:PORT and a secret of 32 to 128 hex digits")
+    return handover.fetch(request.source, request.secret, request.size, timeout=60.0)
 
 
 def retire(rank: Rank) -> P.Answer:
     """A parked rank whose joiner has its place: on with the rest of its step, then ended."""
     with rank.cond:
-        if not rank.parked:
-            return P.failed("it is not stopped at a boundary")
+        if not rank.parked or rank.unit != P.Unit.STEP.value:
+            return P.failed("it is not stopped at an optimizer step's boundary")
         rank.retired = True
         rank.stop_at = None
         rank.parked = False
@@ -171,9 +206,22 @@ def retire(rank: Rank) -> P.Answer:
     return P.Answer()
 
 
+def _other_groups(request: P.Load) -> str:
+    """Why the joiner's groups are not the rank's (a script that makes groups as it goes, later
+    than the joiner's warm-up reached), or ""."""
+    from tpagent_rank import backend
+
+    have = len(backend.GROUPS.live())
+    if request.groups and have != request.groups:
+        return f"it made {have} process groups in its warm-up, where the rank it replaces has {request.groups}"
+    return ""
+
+
 def leave(rank: Rank) -> None:
-    """A retired rank, at its next collective or step: ended before any of it runs.  Its output
-    is flushed; nothing else of it is the job's any more (its communicators are gone)."""
+    """A retired rank, at its next collective or step: ended before any of it runs (once its
+    agent has its answer to ``retire``).  Its output is flushed; nothing else of it is the job's
+    any more (its communicators are gone)."""
+    rank.retire_answered.wait(10.0)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()

@@ -24,7 +24,9 @@ Two wires carry it, each field for field:
       REQUEST  ::= {"id": INT, "op": OP, FIELDS of its request}
       ANSWER   ::= {"id": INT, "ok": BOOL, "error": STR, FIELDS of its answer}
 
-  where ``bytes`` travel as base64 text and an answer is matched to its request by ``id``;
+  where ``bytes`` travel as base64 text and an answer is matched to its request by ``id``
+  (HELLO, WELCOME, REFUSED and EXIT are :mod:`tpagent_rank.lines`'); a training state (``save``,
+  ``load``) follows its line as raw bytes, or goes from rank to rank (:mod:`tpagent_rank.handover`);
 
 * the agents' gRPC ``Rank`` call (``tpagent/daemon/proto/agent.proto``): a ``RankRequest``
   holds one message per op, a ``RankReply`` one per kind of answer, with these names and fields.
@@ -212,11 +214,14 @@ class TornDown(Answer):
 
 @dataclass(frozen=True)
 class Saved(Answer):
-    """On the line, ``size`` bytes of the state (:func:`tpagent_rank.aware.write_state`) follow."""
+    """The state (:func:`tpagent_rank.aware.write_state`), ``size`` bytes: offered at ``port``
+    (:mod:`tpagent_rank.handover`), or, asked with no ``listen``, following the answer's line."""
 
     size: int = 0
     step: int = 0  # where it stands: its optimizer steps, its default group's collectives
     collectives: int = 0
+    port: int = 0
+    groups: int = 0  # its live process groups (a joiner must have made as many)
 
 
 @dataclass(frozen=True)
@@ -335,20 +340,30 @@ class End(Request[Answer]):
 
 @dataclass(frozen=True)
 class Save(Request[Saved]):
+    """A parked rank's state, offered once on ``listen`` (its node's address) to whoever proves
+    ``secret`` (hex) within ``timeout``; no ``listen``: sent after the answer's line."""
+
     OP = Op.SAVE
     ANSWER = Saved
+    listen: str = ""
+    secret: str = ""
+    timeout: float = 60.0
 
 
 @dataclass(frozen=True)
 class Load(Request[Answer]):
-    """On the line, ``size`` bytes of a state follow; the rank takes them with its own ``load``
-    once warmed up, and stands as the rank it replaces stood (``step``, ``collectives``): parked,
-    its communicators to be built (``rebuild``)."""
+    """A state of ``size`` bytes, fetched from ``source`` (HOST:PORT, proving ``secret``), or
+    following the request's line; the rank takes it with its own ``load`` once warmed up, and
+    stands as the rank it replaces stood (``step``, ``collectives``): parked, its communicators
+    to be built (``rebuild``)."""
 
     OP = Op.LOAD
     size: int
     step: int
     collectives: int = 0
+    source: str = ""
+    secret: str = ""
+    groups: int = 0  # the rank's live process groups (0: not checked)
 
 
 @dataclass(frozen=True)
@@ -441,56 +456,3 @@ REQUESTS: Mapping[Op, type[Request[Any]]] = {
         Lost,
     )
 }
-
-
-# ---- the line protocol's own messages --------------------------------------------------------
-
-
-class LineOp(str, enum.Enum):
-    """The line protocol's messages that are not requests (each says its ``op``)."""
-
-    HELLO = "hello"
-    WELCOME = "welcome"
-    REFUSED = "refused"
-    EXIT = "exit"
-
-
-@dataclass(frozen=True)
-class Hello:
-    """A rank's runtime, as it connects: who it is and where it stands."""
-
-    OP: ClassVar[LineOp] = LineOp.HELLO
-    job: str
-    rank: int
-    world: int
-    v: int = 1
-    pid: int = 0
-    gen: int = 0
-    step: int = 0
-    state: str = RankState.RUNNING.value
-    backend: str = ""
-    key: str = ""  # the value agreed at JOB_KEY ("": it could not be)
-
-
-@dataclass(frozen=True)
-class Welcome:
-    """The agent took the rank's hello (it is registered here)."""
-
-    OP: ClassVar[LineOp] = LineOp.WELCOME
-    node: str = ""  # the agent's own address
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """The agent did not take the rank's hello."""
-
-    OP: ClassVar[LineOp] = LineOp.REFUSED
-    error: str = ""
-
-
-@dataclass(frozen=True)
-class Exit:
-    """The init of a launched namespace, as it ends: the workload's status."""
-
-    OP: ClassVar[LineOp] = LineOp.EXIT
-    code: int

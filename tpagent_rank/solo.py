@@ -32,9 +32,24 @@ class Solo:
     """The inner backend of every group of a joiner while it warms up: it answers each
     collective a delegating group forwards (:class:`tpagent_rank.backend.DelegatingGroup`)."""
 
+    #: What torch asks of a group's backend beside its collectives (a split, a tensor of its own).
+    supports_splitting = False
+
     def __init__(self, rank: int, size: int) -> None:
         self.rank = rank
         self.size = size
+
+    def name(self) -> str:
+        return "tpagent-solo"
+
+    def supports_tensor_alloc(self, _device: Any) -> bool:
+        return False
+
+    def _set_default_timeout(self, _timeout: Any) -> None:
+        return None
+
+    def eager_connect_single_device(self, _device: Any) -> None:
+        return None
 
     # the reductions, broadcasts, point to point and barriers: tensors as they are
     def allreduce(self, tensors: Any, _opts: Any = None) -> Any:
@@ -77,8 +92,11 @@ class Solo:
                 slot.copy_(value)
         return _done(outputs)
 
-    def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
-        return self.allgather(outputs, inputs, opts)
+    def allgather_coalesced(self, outputs: Any, inputs: Any, _opts: Any = None) -> Any:
+        for slots in outputs:  # (one list per rank, of one slot per input)
+            for slot, value in zip(slots, inputs, strict=False):
+                slot.copy_(value)
+        return _done(outputs)
 
     def _allgather_base(self, output: Any, input: Any, _opts: Any = None) -> Any:  # noqa: A002
         _fill(output, input)
@@ -120,11 +138,9 @@ class Solo:
 
     def alltoall(self, outputs: Any, inputs: Any, _opts: Any = None) -> Any:
         for output, value in zip(outputs, inputs, strict=False):
-            if output.shape == value.shape:
-                output.copy_(value)
+            output.copy_(value) if output.shape == value.shape else output.zero_()
         return _done(outputs)
 
     def alltoall_base(self, output: Any, input: Any, *_splits_and_opts: Any) -> Any:  # noqa: A002
-        if output.shape == input.shape:
-            output.copy_(input)
+        output.copy_(input) if output.shape == input.shape else output.zero_()
         return _done([output])

@@ -26,7 +26,7 @@ from support.helpers import NOBODY, process_with_pid
 from tpagent.common.threads import Threads
 from tpagent.jobs import door, ranks
 from tpagent.workload import launch
-from tpagent_rank import codec
+from tpagent_rank import codec, lines
 from tpagent_rank import protocol as P
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the word to come back is root's, in /run/tpagent")
@@ -48,7 +48,7 @@ def _hello(agent: ranks.Ranks, job: str, rank: int = 1) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)
     s.connect("\0" + agent.name)
-    s.sendall(codec.said(P.Hello(job, rank, 4)))
+    s.sendall(codec.said(lines.Hello(job, rank, 4)))
     return s
 
 
@@ -67,7 +67,7 @@ def test_a_hello_for_a_rank_not_registered_spends_no_word_to_come_back(agent: ra
     try:
         with _hello(agent, job) as s:
             said = _first_line(s)
-        assert codec.is_said(said, P.LineOp.REFUSED) and "not registered" in str(said["error"]), said
+        assert codec.is_said(said, lines.LineOp.REFUSED) and "not registered" in str(said["error"]), said
         assert go.exists(), "a stranger's hello took the word the rank waits for"
     finally:
         go.unlink(missing_ok=True)
@@ -79,7 +79,7 @@ def test_the_connections_waiting_for_a_registration_are_bounded(agent: ranks.Ran
         with _hello(agent, "one-too-many") as s:
             s.settimeout(0.5)  # (refused at once, not after the others' wait)
             said = _first_line(s)
-        assert codec.is_said(said, P.LineOp.REFUSED) and "too many connections" in str(said["error"]), said
+        assert codec.is_said(said, lines.LineOp.REFUSED) and "too many connections" in str(said["error"]), said
     finally:
         for s in waiting:
             s.close()

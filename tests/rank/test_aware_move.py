@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ import pytest
 
 from support.helpers import ROOT, wait_until
 from support.runtime import PlayedAgent, runtime_env
+from tpagent_rank import handover
 from tpagent_rank import protocol as P
 
 pytest.importorskip("torch")
@@ -165,7 +167,7 @@ def test_a_fresh_process_takes_a_ranks_state_and_place_and_the_job_runs_on_bit_i
     job: Job, reference: list[str]
 ) -> None:
     running = job.agents[0]
-    assert running.ask(P.Retire()).error == "it is not stopped at a boundary"
+    assert running.ask(P.Retire()).error == "it is not stopped at an optimizer step's boundary"
     junk = b"x" * 1000  # (a state for a rank that is not a joiner: its bytes are read all the same)
     assert running.ask(P.Load(size=len(junk), step=1), junk).error == "it is not a joiner"
     assert running.ask(P.Where()).ok  # (the line is where it was)
@@ -178,10 +180,25 @@ def test_a_fresh_process_takes_a_ranks_state_and_place_and_the_job_runs_on_bit_i
     step = job.stop_all()
     torn = job.all(job.agents, P.Teardown())
     assert all(a.ok for a in torn), torn
-    saved, state = job.agents[MOVED].asked(P.Save())
-    assert saved.ok and saved.step == step and len(state) == saved.size > 0, saved
-    loaded = job.joiner_agent.ask(P.Load(size=len(state), step=saved.step, collectives=saved.collectives), state)
+    secret = secrets.token_hex(32)
+    saved = job.agents[MOVED].ask(P.Save(listen="127.0.0.1", secret=secret))
+    assert saved.ok and saved.step == step and saved.size > 0 and saved.port > 0, saved
+    source = f"127.0.0.1:{saved.port}"
+    with pytest.raises(ConnectionError):  # (a peer without the secret is refused, and the offer stands)
+        handover.fetch(source, secrets.token_hex(32), saved.size, timeout=30)
+    assert saved.groups == standing.groups > 0  # (the joiner made the groups the rank has)
+    load = P.Load(
+        size=saved.size,
+        step=saved.step,
+        collectives=saved.collectives,
+        source=source,
+        secret=secret,
+        groups=saved.groups,
+    )
+    loaded = job.joiner_agent.ask(load)
     assert loaded.ok, loaded
+    with pytest.raises(OSError):  # (served once: it listens no more)
+        handover.fetch(source, secret, saved.size, timeout=30)
     after = job.joiner_agent.ask(P.Where())
     assert (after.step, after.state) == (step, P.RankState.TORN_DOWN.value)
 
@@ -219,3 +236,32 @@ def test_a_joiner_whose_load_fails_leaves_the_rank_where_it_was(job: Job, refere
     assert [out for _c, out, _e in outs] == reference
     job.joiner.wait(60)
     assert job.joiner.returncode != 0 and "could not take the state" in job.joiner.communicate()[1]
+
+
+def test_a_joiner_warms_up_alone_each_collective_answered_here_with_its_shapes(tmp_path: Path) -> None:
+    """Rank 1 of 4 with no peer running: every collective completes at once, outputs of the
+    right shapes (its own input in each slot, its own chunk); groups, timeouts and barriers
+    work; it prints nothing; a process it starts is no joiner."""
+    env = runtime_env(tmp_path, TPAGENT_JOB="j", TPAGENT_RANK_SOCKET=f"tpagent-test-{os.getpid()}-none")
+    env[P.JOIN_VARIABLE] = "1"
+    out = tmp_path / "out.json"
+    argv = [
+        sys.executable,
+        str(ROOT / "tests" / "workloads" / "solo_job.py"),
+        str(tmp_path / "store"),
+        "1",
+        "4",
+        str(out),
+    ]
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == ""
+    assert json.loads(out.read_text()) == {
+        "environment": False,
+        "all_reduce": [2.0, 2.0, 2.0],
+        "all_gather": [[5.0] * 3] * 4,
+        "all_gather_into_tensor": [1.0, 2.0] * 4,
+        "reduce_scatter_tensor": [2.0, 3.0],
+        "all_to_all_single_uneven": [0.0] * 5,
+        "new_group": 4,
+    }

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from support.runtime import runtime_env
-from tpagent_rank import codec
+from tpagent_rank import codec, lines
 from tpagent_rank import protocol as P
 
 pytest.importorskip("torch")
@@ -54,8 +54,8 @@ class Agent:
         self.conn, _ = self.listener.accept()
         self.conn.settimeout(120)
         self.f = self.conn.makefile("rb")
-        assert codec.is_said(codec.parse_line(self.f.readline()), P.LineOp.HELLO)
-        self.conn.sendall(codec.said(P.Welcome(node="10.0.0.1:7400")))
+        assert codec.is_said(codec.parse_line(self.f.readline()), lines.LineOp.HELLO)
+        self.conn.sendall(codec.said(lines.Welcome(node="10.0.0.1:7400")))
 
     def ask(self, request: P.Request[P.Answer]) -> P.Answer:
         assert self.conn is not None

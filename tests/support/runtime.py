@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tpagent_rank import codec
+from tpagent_rank import codec, lines
 from tpagent_rank import protocol as P
 from tpagent_rank.layout import write_runtime_dir
 
@@ -51,8 +51,8 @@ class PlayedAgent:
         self.conn.settimeout(self.timeout)
         self.f = self.conn.makefile("rb")
         self.hello = codec.parse_line(self.f.readline())
-        assert codec.is_said(self.hello, P.LineOp.HELLO), self.hello
-        self.conn.sendall(codec.said(P.Welcome(node="10.0.0.1:7400")))
+        assert codec.is_said(self.hello, lines.LineOp.HELLO), self.hello
+        self.conn.sendall(codec.said(lines.Welcome(node="10.0.0.1:7400")))
         return self.hello
 
     def ask(self, request: P.Request[A], payload: bytes = b"") -> A:
@@ -68,7 +68,8 @@ class PlayedAgent:
                 body = codec.parse_line(self.f.readline())
                 if body.get("id") == self.rid:
                     answer = codec.decode_answer(request, body)
-                    tail = self.f.read(answer.size) if isinstance(answer, P.Saved) and answer.ok else b""
+                    follows = isinstance(answer, P.Saved) and answer.ok and not answer.port
+                    tail = self.f.read(answer.size) if follows else b""
                     return answer, tail
 
     def close(self) -> None:

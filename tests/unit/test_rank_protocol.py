@@ -13,7 +13,7 @@ import pytest
 
 from tpagent.daemon import rankwire
 from tpagent.migration.api import Refused, Why
-from tpagent_rank import codec
+from tpagent_rank import codec, lines
 from tpagent_rank import protocol as P
 
 #: One request of each op, every field set to something other than its default.
@@ -27,8 +27,8 @@ REQUESTS: list[P.Request[Any]] = [
     P.Rebuild(gen=3, timeout=7.0),
     P.Resume(),
     P.End(why="rank 2 is gone", grace=2.5),
-    P.Save(),
-    P.Load(size=1 << 33, step=12, collectives=40),
+    P.Save(listen="10.0.0.1", secret="ab" * 16, timeout=30.0),
+    P.Load(size=1 << 33, step=12, collectives=40, source="10.0.0.1:4000", secret="ab" * 16, groups=3),
     P.Retire(),
     P.Expect(pid=4242),
     P.Moved(to="10.0.0.2:7400"),
@@ -63,7 +63,7 @@ ANSWERS: list[P.Answer] = [
     P.Paused(ok=False, error="past it", late=True),
     P.AtBoundary(step=5, collectives=15),
     P.TornDown(closed=2),
-    P.Saved(size=1 << 33, step=12, collectives=40),
+    P.Saved(size=1 << 33, step=12, collectives=40, port=4000, groups=3),
     P.Located(state=P.Whereabouts.MOVED.value, pid=7, node="10.0.0.2:7400", code=3),
     P.Written(data=bytes(range(256)), size=1 << 33),
     P.Ranks(
@@ -188,13 +188,13 @@ def test_a_grpc_rank_request_is_checked_before_it_is_passed_on() -> None:
 
 
 def test_the_line_protocols_own_messages_say_their_op() -> None:
-    hello = P.Hello("job", 1, 4, pid=9, gen=2, step=3, backend="gloo")
+    hello = lines.Hello("job", 1, 4, pid=9, gen=2, step=3, backend="gloo")
     body = codec.parse_line(codec.said(hello))
-    assert codec.is_said(body, P.LineOp.HELLO) and not codec.is_said(body, P.LineOp.EXIT)
-    assert codec.decode(P.Hello, body) == hello
-    assert json.loads(codec.said(P.Exit(3))) == {"op": "exit", "code": 3}
+    assert codec.is_said(body, lines.LineOp.HELLO) and not codec.is_said(body, lines.LineOp.EXIT)
+    assert codec.decode(lines.Hello, body) == hello
+    assert json.loads(codec.said(lines.Exit(3))) == {"op": "exit", "code": 3}
     with pytest.raises(P.ProtocolError, match="Hello lacks world"):
-        codec.decode(P.Hello, {"op": "hello", "job": "j", "rank": 0})
+        codec.decode(lines.Hello, {"op": "hello", "job": "j", "rank": 0})
 
 
 def test_the_job_id_rule_is_one_for_the_stand_in_and_the_runtime() -> None:

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from host import peers
 from tpagent.migration.api import AgentError
-from tpagent_rank import codec
+from tpagent_rank import codec, lines
 from tpagent_rank import protocol as P
 
 A = TypeVar("A", bound=P.Answer)
@@ -24,7 +24,7 @@ class RankGone(AgentError):
 class Connection:
     """One rank's connection: requests written under a lock, answers matched by id."""
 
-    def __init__(self, sock: socket.socket, peer: peers.Peer, hello: P.Hello) -> None:
+    def __init__(self, sock: socket.socket, peer: peers.Peer, hello: lines.Hello) -> None:
         self.sock = sock
         self.peer = peer  # (its pidfd is closed with the connection)
         self.hello = hello

@@ -23,7 +23,7 @@ from typing import Any
 
 from host import peers
 from tpagent.common.threads import Threads
-from tpagent_rank import codec
+from tpagent_rank import codec, lines
 from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Caller:
     peer: peers.Peer
     deadline: float
     data: bytearray = field(default_factory=bytearray)
-    hello: P.Hello | None = None
+    hello: lines.Hello | None = None
     #: What the admitter found out about the caller once (it is asked again at every tick).
     known: dict[str, Any] = field(default_factory=dict)
 
@@ -58,7 +58,7 @@ class Caller:
 #: that connection's), False while its registration is not there; raises :class:`Refuse`.
 Admit = Callable[[Caller], bool]
 #: Given an init's exit report; raises :class:`Refuse`.
-Exited = Callable[[peers.Peer, P.Exit], None]
+Exited = Callable[[peers.Peer, lines.Exit], None]
 
 
 class Door:
@@ -139,11 +139,11 @@ class Door:
             self._refuse(c, str(e))
 
     def _first(self, c: Caller, first: dict[str, Any]) -> None:
-        if codec.is_said(first, P.LineOp.EXIT):
-            self.exited(c.peer, codec.decode(P.Exit, first))
+        if codec.is_said(first, lines.LineOp.EXIT):
+            self.exited(c.peer, codec.decode(lines.Exit, first))
             self._drop(c)
             return
-        hello = codec.decode(P.Hello, first) if codec.is_said(first, P.LineOp.HELLO) else None
+        hello = codec.decode(lines.Hello, first) if codec.is_said(first, lines.LineOp.HELLO) else None
         if hello is None or not P.valid_job(hello.job) or not 0 <= hello.rank < hello.world <= P.RANK_MAX:
             raise Refuse("its hello is not valid")
         c.hello = hello
@@ -206,4 +206,4 @@ def _tell(sock: socket.socket, why: str) -> None:
     holds nobody up)."""
     with contextlib.suppress(OSError):
         sock.setblocking(False)
-        sock.send(codec.said(P.Refusal(why)))
+        sock.send(codec.said(lines.Refusal(why)))

@@ -39,7 +39,7 @@ from tpagent.jobs.connection import Connection, RankGone
 from tpagent.migration.api import Refused, Why
 from tpagent.migration.journal import write_durably
 from tpagent.workload import launch
-from tpagent_rank import codec
+from tpagent_rank import codec, lines
 from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class NotTheJob(Exception):
     """The rank asked for is of another job of the same name (:meth:`Ranks.identity`)."""
 
 
-def identity_of(uid: int, hello: P.Hello) -> str:
+def identity_of(uid: int, hello: lines.Hello) -> str:
     """A rank's job across nodes: the user its runtime runs as (the kernel's word) and the job's
     key it said hello with."""
     return f"{uid}:{hello.key}"
@@ -69,7 +69,7 @@ class RankEntry:
     conn: Connection | None = None
     exit_code: int | None = None
     moved_to: str = ""  # the agent it migrated to
-    seen: P.Hello | None = None  # its last hello
+    seen: lines.Hello | None = None  # its last hello
     uid: int = -1  # the user its runtime runs as (the kernel's word, as it last connected)
     owner: int = -1  # the user whose stand-in had it started here (tpagent.jobs.local; -1: root's stand-in)
     outputs: dict[int, int] = field(default_factory=dict)  # 1, 2 -> our descriptor of its stdout, stderr file
@@ -253,7 +253,7 @@ class Ranks:
             self._save()
         try:
             sock.settimeout(10)
-            conn.send(codec.said(P.Welcome(self.node_address)))
+            conn.send(codec.said(lines.Welcome(self.node_address)))
             sock.settimeout(None)
         except OSError:
             self._gone(conn)
@@ -281,7 +281,7 @@ class Ranks:
                 if entry.conn is conn:  # (never left as if it were connected)
                     entry.conn = None
 
-    def _exited(self, peer: peers.Peer, said: P.Exit) -> None:
+    def _exited(self, peer: peers.Peer, said: lines.Exit) -> None:
         """(The door's.)  The init of a launched namespace says its workload ended: believed
         only from that init, still alive as it says so (it reports, then exits)."""
         if launch.launched(peer.pid) is None or not peer.alive():

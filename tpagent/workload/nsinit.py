@@ -185,9 +185,9 @@ def _report_exit(code: int) -> None:
     if not name or len(name) > 100:
         return
     try:  # (imported only now: this init is dumped with every launched workload, which need not carry it)
-        from tpagent_rank import codec, protocol
+        from tpagent_rank import codec, lines
 
-        said = codec.said(protocol.Exit(code))
+        said = codec.said(lines.Exit(code))
     except Exception:  # (restored where tpagent is another: the workload's own status comes first)
         return
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

@@ -1,0 +1,124 @@
+"""A training state handed from the rank that leaves to the process that takes its place, peer
+to peer over TCP (a model-aware move: :mod:`tpagent_rank.join`): no agent, no disk between them.
+
+The leaving rank listens (on its node's address, as its agent says) and serves the state once,
+to the first peer that proves the move's one-time secret; each side's agent gave it that secret
+over its own authenticated channel.  The wire::
+
+    leaver -> joiner   MAGIC NONCE                          NONCE: 32 random bytes
+    joiner -> leaver   HMAC(secret, "load" NONCE)           (else the leaver closes, and waits on)
+    leaver -> joiner   SIZE DATA HMAC(secret, "state" NONCE SHA256(DATA))     SIZE: 8 bytes, big-endian
+
+The state crosses the job's network in clear, as its collectives do (its gradients and, with
+FSDP, its parameters); the MACs keep any other peer from taking it or passing off another.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import secrets
+import socket
+import struct
+import threading
+import time
+
+MAGIC = b"tpagent-state/1\n"
+NONCE = 32
+MAC = 32
+#: How long one peer may take to prove the secret (a stranger who says nothing is let go).
+PROOF_TIMEOUT = 10.0
+
+
+def valid_secret(secret: str) -> bool:
+    """A move's secret: 32 to 128 hex digits."""
+    return 32 <= len(secret) <= 128 and all(c in "0123456789abcdef" for c in secret)
+
+
+def _mac(secret: str, *parts: bytes) -> bytes:
+    return hmac.new(bytes.fromhex(secret), b"".join(parts), hashlib.sha256).digest()
+
+
+def _exactly(s: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = s.recv_into(view[got:], min(n - got, 1 << 24))
+        if not k:
+            raise ConnectionError("the peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+class Offer:
+    """``data`` served once, from ``host``, until ``timeout`` passes; ``port`` is where."""
+
+    def __init__(self, data: bytes, host: str, secret: str, timeout: float) -> None:
+        self.data = data
+        self.secret = secret
+        self.deadline = time.monotonic() + timeout
+        self.taken = threading.Event()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.listener = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self.listener.bind((host, 0))
+            self.listener.listen(4)
+        except OSError:
+            self.listener.close()
+            raise
+        self.port: int = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, name="tpagent-handover", daemon=True).start()
+
+    def _serve(self) -> None:
+        try:
+            while not self.taken.is_set() and (left := self.deadline - time.monotonic()) > 0:
+                self.listener.settimeout(left)
+                try:
+                    conn, _ = self.listener.accept()
+                except OSError:
+                    return  # (its time is up, or the listener was closed)
+                with conn, contextlib.suppress(OSError, ConnectionError):
+                    self._one(conn)
+        finally:
+            self.listener.close()
+            self.data = b""
+
+    def _one(self, conn: socket.socket) -> None:
+        conn.settimeout(PROOF_TIMEOUT)
+        nonce = secrets.token_bytes(NONCE)
+        conn.sendall(MAGIC + nonce)
+        if not hmac.compare_digest(_exactly(conn, MAC), _mac(self.secret, b"load", nonce)):
+            return
+        conn.settimeout(max(1.0, self.deadline - time.monotonic()))
+        data = self.data
+        conn.sendall(struct.pack(">Q", len(data)))
+        conn.sendall(data)
+        conn.sendall(_mac(self.secret, b"state", nonce, hashlib.sha256(data).digest()))
+        self.taken.set()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+
+
+def fetch(source: str, secret: str, size: int, timeout: float) -> bytes:
+    """The state offered at ``source`` (HOST:PORT), ``size`` bytes, once its MAC holds."""
+    host, _, port = source.rpartition(":")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
+        s.settimeout(timeout)
+        head = _exactly(s, len(MAGIC) + NONCE)
+        if not head.startswith(MAGIC):
+            raise ValueError(f"{source} does not offer a training state")
+        nonce = head[len(MAGIC) :]
+        s.sendall(_mac(secret, b"load", nonce))
+        (n,) = struct.unpack(">Q", _exactly(s, 8))
+        if n != size:
+            raise ValueError(f"{source} offers {n} bytes, not the {size} its agent said")
+        data = _exactly(s, n)
+        if not hmac.compare_digest(_exactly(s, MAC), _mac(secret, b"state", nonce, hashlib.sha256(data).digest())):
+            raise ValueError(f"the state from {source} is not the one offered (its MAC does not hold)")
+        return data
