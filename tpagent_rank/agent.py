@@ -314,12 +314,12 @@ class Rank:
         if isinstance(request, P.Retire):
             self.retire_answered.set()  # (it ends only once its agent has this)
 
-    def _load(self, rid: object, request: P.Load, payload: bytes | None, on: socket.socket) -> None:
+    def _load(self, rid: object, request: P.Load, given: bytes | None, on: socket.socket) -> None:
         joining = self.join
         if joining is None:
             return self._reply(rid, P.failed("it is not a joiner"), on=on)
         try:
-            payload = join.fetched(request) if payload is None else payload
+            payload = join.fetched(request) if given is None else given
         except (OSError, ValueError) as e:
             return self._reply(rid, P.failed(f"its state could not be fetched from {request.source}: {e}"), on=on)
         self._reply(rid, joining.load(self, request, payload), on=on)

@@ -24,10 +24,13 @@ import socket
 import struct
 import threading
 import time
+from typing import Any
 
 MAGIC = b"tpagent-state/1\n"
 NONCE = 32
 MAC = 32
+#: Sent and hashed a piece at a time: one side hashes a piece while the other moves the next.
+PIECE = 8 << 20
 #: How long one peer may take to prove the secret (a stranger who says nothing is let go).
 PROOF_TIMEOUT = 10.0
 
@@ -37,20 +40,23 @@ def valid_secret(secret: str) -> bool:
     return 32 <= len(secret) <= 128 and all(c in "0123456789abcdef" for c in secret)
 
 
-def _mac(secret: str, *parts: bytes) -> bytes:
+def _mac(secret: str, *parts: bytes | bytearray) -> bytes:
     return hmac.new(bytes.fromhex(secret), b"".join(parts), hashlib.sha256).digest()
 
 
-def _exactly(s: socket.socket, n: int) -> bytes:
+def _exactly(s: socket.socket, n: int, digest: Any = None) -> bytearray:
+    """``n`` bytes from ``s`` (each piece added to ``digest`` as it comes)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = s.recv_into(view[got:], min(n - got, 1 << 24))
+        k = s.recv_into(view[got:], min(n - got, PIECE))
         if not k:
             raise ConnectionError("the peer closed the connection")
+        if digest is not None:
+            digest.update(view[got : got + k])
         got += k
-    return bytes(buf)
+    return buf
 
 
 class Offer:
@@ -93,10 +99,14 @@ class Offer:
         if not hmac.compare_digest(_exactly(conn, MAC), _mac(self.secret, b"load", nonce)):
             return
         conn.settimeout(max(1.0, self.deadline - time.monotonic()))
-        data = self.data
-        conn.sendall(struct.pack(">Q", len(data)))
-        conn.sendall(data)
-        conn.sendall(_mac(self.secret, b"state", nonce, hashlib.sha256(data).digest()))
+        view = memoryview(self.data)
+        conn.sendall(struct.pack(">Q", len(view)))
+        digest = hashlib.sha256()
+        for at in range(0, len(view), PIECE):
+            piece = view[at : at + PIECE]
+            conn.sendall(piece)
+            digest.update(piece)
+        conn.sendall(_mac(self.secret, b"state", nonce, digest.digest()))
         self.taken.set()
 
     def close(self) -> None:
@@ -105,7 +115,7 @@ class Offer:
         self.listener.close()
 
 
-def fetch(source: str, secret: str, size: int, timeout: float) -> bytes:
+def fetch(source: str, secret: str, size: int, timeout: float) -> bytearray:
     """The state offered at ``source`` (HOST:PORT), ``size`` bytes, once its MAC holds."""
     host, _, port = source.rpartition(":")
     with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
@@ -118,7 +128,8 @@ def fetch(source: str, secret: str, size: int, timeout: float) -> bytes:
         (n,) = struct.unpack(">Q", _exactly(s, 8))
         if n != size:
             raise ValueError(f"{source} offers {n} bytes, not the {size} its agent said")
-        data = _exactly(s, n)
-        if not hmac.compare_digest(_exactly(s, MAC), _mac(secret, b"state", nonce, hashlib.sha256(data).digest())):
+        digest = hashlib.sha256()
+        data = _exactly(s, n, digest)
+        if not hmac.compare_digest(_exactly(s, MAC), _mac(secret, b"state", nonce, digest.digest())):
             raise ValueError(f"the state from {source} is not the one offered (its MAC does not hold)")
         return data

@@ -83,7 +83,7 @@ class Joining:
         self.steps = 0
         self.waiting = False
         self.request: P.Load | None = None
-        self.payload: bytes | None = None
+        self.payload: bytes | bytearray | None = None
         self.outcome: str | None = None  # "" taken; else why not
         self.answered = threading.Event()  # its agent has the answer to its load
 
@@ -137,7 +137,7 @@ class Joining:
         backend.joined()
         rank.park(f"step {rank.step}")
 
-    def load(self, rank: Rank, request: P.Load, payload: bytes) -> P.Answer:
+    def load(self, rank: Rank, request: P.Load, payload: bytes | bytearray) -> P.Answer:
         """The connection's thread: hand the state over, and wait until it is taken."""
         with rank.cond:
             if self.payload is not None:
@@ -185,7 +185,7 @@ def save(rank: Rank, request: P.Save) -> tuple[P.Saved, bytes]:
     return dataclasses.replace(saved, port=offer.port), b""
 
 
-def fetched(request: P.Load) -> bytes:
+def fetched(request: P.Load) -> bytearray:
     """The state a joiner is told to fetch (:mod:`tpagent_rank.handover`); ValueError or OSError."""
     from tpagent_rank import handover
 

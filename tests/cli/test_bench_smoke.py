@@ -130,3 +130,11 @@ def test_orchestrator_benchmark_runs() -> None:
     med = doc["median"]
     assert isinstance(med, dict) and med["resumed"] > med["migrate"] > 0 and med["planning"] >= 0
     assert doc["floor_typed_migrate_s"] > 0 and doc["naive_cold_start_s"] > 0  # type: ignore[operator]
+
+
+def test_aware_benchmark_hands_the_whole_state_over(tmp_path: Path) -> None:
+    doc = _run("bench/aware.py", "--sizes-mib", "8", "--repeats", "1", "--dir", str(tmp_path))
+    (row,) = doc["rows"]  # type: ignore[misc]
+    assert row["state_bytes"] > 3 * (8 << 20) * 0.9  # (the parameters and Adam's two moments)
+    assert row["process_anonymous_bytes"] > row["state_bytes"]
+    assert row["aware_s"]["hand-over"] > 0 and row["naive_s"]["total"] > 0 and row["floor_s"]["socket"] > 0
