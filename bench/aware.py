@@ -11,8 +11,8 @@ in this process (the leaving rank's model, and a second one as the joiner's):
   host as they are written), ``hand-over`` (offered once on loopback TCP and fetched by proving
   the move's secret, MAC checked: tpagent_rank.handover), ``load`` (torch's safe loader, then
   the script's load_state_dict).  The part of a move's downtime that grows with the model.
-* **naive**: the checkpoint route: torch.save to a file in --dir, fsync, torch.load back,
-  load_state_dict.
+* **naive**: the checkpoint route: torch.save to a file in --dir, fsync, the file copied through a
+  loopback socket to another file there (the target's disk), fsync, torch.load, load_state_dict.
 * **floor**: the same bytes copied once in memory, and sent through a loopback socket unframed:
   the least any hand-over of them does.
 
@@ -23,7 +23,7 @@ GPU memory on top with --gpu).  Medians over --repeats.  Prints a table, then on
 
 from __future__ import annotations
 
-import io
+import mmap
 import os
 import secrets
 import socket
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import arguments, emit  # noqa: E402
-from tpagent_rank import aware, handover  # noqa: E402
+from tpagent_rank import aware, handover, join  # noqa: E402
 
 
 def _model(size_mib: int, device: str) -> tuple[Any, Any]:
@@ -78,39 +78,62 @@ def _anonymous() -> int:
 
 
 def _aware(device: str) -> dict[str, float]:
+    """As the ranks do it (tpagent_rank.join): saved into a file in memory, offered from a map
+    of it, fetched into another, loaded from that one mapped."""
     t0 = time.perf_counter()
-    out = io.BytesIO()
-    aware.write_state(out)
-    data = out.getvalue()
+    with join.memory_file() as out:
+        n = aware.write_state(out)
+        out.flush()
+        data = mmap.mmap(out.fileno(), n, prot=mmap.PROT_READ)
     t1 = time.perf_counter()
     secret = secrets.token_hex(32)
     offer = handover.Offer(data, "127.0.0.1", secret, timeout=600)
-    got = handover.fetch(f"127.0.0.1:{offer.port}", secret, len(data), timeout=600)
-    t2 = time.perf_counter()
-    aware.read_state(io.BytesIO(got))
+    with join.memory_file() as got:
+        handover.fetch(f"127.0.0.1:{offer.port}", secret, n, got, timeout=600)
+        got.flush()
+        t2 = time.perf_counter()
+        aware.read_state(got)
     _sync(device)
     t3 = time.perf_counter()
-    return {"save": t1 - t0, "hand-over": t2 - t1, "load": t3 - t2, "total": t3 - t0, "bytes": float(len(data))}
+    return {"save": t1 - t0, "hand-over": t2 - t1, "load": t3 - t2, "total": t3 - t0, "bytes": float(n)}
 
 
 def _naive(device: str, where: Path, net: Any, opt: Any) -> dict[str, float]:
+    """A checkpoint written to disk, copied to the target's disk through a socket, read there."""
     import torch
 
     path = where / f"aware-bench-{os.getpid()}.pt"
+    there = where / f"aware-bench-{os.getpid()}-there.pt"
     try:
         t0 = time.perf_counter()
         torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "step": 1}, path)
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
         t1 = time.perf_counter()
-        state = torch.load(path, map_location=device, weights_only=True)
+        a, b = _loopback_pair()
+        with a, b, open(path, "rb") as src, open(there, "wb") as dst:
+            reader = threading.Thread(target=lambda: _drain_into(b, dst))
+            reader.start()
+            a.sendfile(src)
+            a.shutdown(socket.SHUT_WR)
+            reader.join()
+            dst.flush()
+            os.fsync(dst.fileno())
+        t2 = time.perf_counter()
+        state = torch.load(there, map_location=device, weights_only=True)
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         _sync(device)
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
     finally:
         path.unlink(missing_ok=True)
-    return {"save": t1 - t0, "load": t2 - t1, "total": t2 - t0}
+        there.unlink(missing_ok=True)
+    return {"save": t1 - t0, "copy": t2 - t1, "load": t3 - t2, "total": t3 - t0}
+
+
+def _drain_into(s: socket.socket, dst: Any) -> None:
+    while chunk := s.recv(1 << 22):
+        dst.write(chunk)
 
 
 def _floor(n: int) -> dict[str, float]:

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 from tpagent_rank import codec, ending, env, join, lines, rewire
 from tpagent_rank import protocol as P
@@ -314,9 +314,11 @@ class Rank:
         if isinstance(request, P.Retire):
             self.retire_answered.set()  # (it ends only once its agent has this)
 
-    def _load(self, rid: object, request: P.Load, given: bytes | None, on: socket.socket) -> None:
+    def _load(self, rid: object, request: P.Load, given: BinaryIO | None, on: socket.socket) -> None:
         joining = self.join
         if joining is None:
+            if given is not None:
+                given.close()
             return self._reply(rid, P.failed("it is not a joiner"), on=on)
         try:
             payload = join.fetched(request) if given is None else given

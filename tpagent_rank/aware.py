@@ -40,6 +40,7 @@ and kept, and nothing calls it.  Standard library only at import, as all of :mod
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -216,10 +217,31 @@ def read_state(inp: BinaryIO) -> None:
         return storage.to(device=device) if where.startswith("cuda") else storage
 
     try:
-        state = torch.load(inp, map_location=here, weights_only=True)
+        state = _load(torch, inp, here)
     except Exception as e:
         raise ValueError(f"the training state cannot be read safely: {str(e).splitlines()[0]}") from None
     reg.load(state)
+
+
+def _load(torch: Any, inp: BinaryIO, here: Any) -> Any:
+    """``torch.load`` of ``inp``, safely; a file in memory (a memfd, as a state handed over is
+    kept) is mapped, not read and copied."""
+    path = f"/proc/self/fd/{inp.fileno()}" if _a_file(inp) else None
+    if path is not None:
+        try:
+            return torch.load(path, map_location=here, weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):  # (an older format cannot be mapped: read below)
+                raise
+    inp.seek(0)
+    return torch.load(inp, map_location=here, weights_only=True)
+
+
+def _a_file(inp: BinaryIO) -> bool:
+    try:
+        return os.path.exists(f"/proc/self/fd/{inp.fileno()}") and inp.seekable()
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is both)
+        return False
 
 
 class _Counted:

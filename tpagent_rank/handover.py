@@ -24,7 +24,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from typing import Any, BinaryIO
 
 MAGIC = b"tpagent-state/1\n"
 NONCE = 32
@@ -44,25 +44,40 @@ def _mac(secret: str, *parts: bytes | bytearray) -> bytes:
     return hmac.new(bytes.fromhex(secret), b"".join(parts), hashlib.sha256).digest()
 
 
-def _exactly(s: socket.socket, n: int, digest: Any = None) -> bytearray:
-    """``n`` bytes from ``s`` (each piece added to ``digest`` as it comes)."""
+def _exactly(s: socket.socket, n: int) -> bytes:
+    """``n`` bytes from ``s`` (a few: the wire's heads and MACs)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = s.recv_into(view[got:], min(n - got, PIECE))
+        k = s.recv_into(view[got:])
         if not k:
             raise ConnectionError("the peer closed the connection")
-        if digest is not None:
-            digest.update(view[got : got + k])
         got += k
-    return buf
+    return bytes(buf)
+
+
+def _copy(s: socket.socket, n: int, into: BinaryIO) -> bytes:
+    """``n`` bytes from ``s`` written to ``into`` a piece at a time; their SHA-256."""
+    digest = hashlib.sha256()
+    piece = bytearray(min(n, PIECE) or 1)
+    view = memoryview(piece)
+    left = n
+    while left:
+        k = s.recv_into(view[: min(left, PIECE)])
+        if not k:
+            raise ConnectionError("the peer closed the connection")
+        digest.update(view[:k])
+        into.write(view[:k])
+        left -= k
+    return digest.digest()
 
 
 class Offer:
-    """``data`` served once, from ``host``, until ``timeout`` passes; ``port`` is where."""
+    """``data`` (bytes, or a map of a file: closed once served) served once, from ``host``,
+    until ``timeout`` passes; ``port`` is where."""
 
-    def __init__(self, data: bytes, host: str, secret: str, timeout: float) -> None:
+    def __init__(self, data: Any, host: str, secret: str, timeout: float) -> None:
         self.data = data
         self.secret = secret
         self.deadline = time.monotonic() + timeout
@@ -90,7 +105,10 @@ class Offer:
                     self._one(conn)
         finally:
             self.listener.close()
+            data = self.data
             self.data = b""
+            if hasattr(data, "close"):
+                data.close()
 
     def _one(self, conn: socket.socket) -> None:
         conn.settimeout(PROOF_TIMEOUT)
@@ -99,13 +117,13 @@ class Offer:
         if not hmac.compare_digest(_exactly(conn, MAC), _mac(self.secret, b"load", nonce)):
             return
         conn.settimeout(max(1.0, self.deadline - time.monotonic()))
-        view = memoryview(self.data)
-        conn.sendall(struct.pack(">Q", len(view)))
         digest = hashlib.sha256()
-        for at in range(0, len(view), PIECE):
-            piece = view[at : at + PIECE]
-            conn.sendall(piece)
-            digest.update(piece)
+        with memoryview(self.data) as view:
+            conn.sendall(struct.pack(">Q", len(view)))
+            for at in range(0, len(view), PIECE):
+                piece = view[at : at + PIECE]
+                conn.sendall(piece)
+                digest.update(piece)
         conn.sendall(_mac(self.secret, b"state", nonce, digest.digest()))
         self.taken.set()
 
@@ -115,8 +133,9 @@ class Offer:
         self.listener.close()
 
 
-def fetch(source: str, secret: str, size: int, timeout: float) -> bytearray:
-    """The state offered at ``source`` (HOST:PORT), ``size`` bytes, once its MAC holds."""
+def fetch(source: str, secret: str, size: int, into: BinaryIO, timeout: float) -> None:
+    """The state offered at ``source`` (HOST:PORT), ``size`` bytes, written to ``into``; its
+    MAC checked (ValueError: what was written is not the state offered)."""
     host, _, port = source.rpartition(":")
     with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
         s.settimeout(timeout)
@@ -128,8 +147,6 @@ def fetch(source: str, secret: str, size: int, timeout: float) -> bytearray:
         (n,) = struct.unpack(">Q", _exactly(s, 8))
         if n != size:
             raise ValueError(f"{source} offers {n} bytes, not the {size} its agent said")
-        digest = hashlib.sha256()
-        data = _exactly(s, n, digest)
-        if not hmac.compare_digest(_exactly(s, MAC), _mac(secret, b"state", nonce, digest.digest())):
+        digest = _copy(s, n, into)
+        if not hmac.compare_digest(_exactly(s, MAC), _mac(secret, b"state", nonce, digest)):
             raise ValueError(f"the state from {source} is not the one offered (its MAC does not hold)")
-        return data

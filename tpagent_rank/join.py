@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
+import mmap
 import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, BinaryIO
 
 from tpagent_rank import protocol as P
 from tpagent_rank.notice import PREFIX
@@ -83,7 +83,7 @@ class Joining:
         self.steps = 0
         self.waiting = False
         self.request: P.Load | None = None
-        self.payload: bytes | bytearray | None = None
+        self.payload: BinaryIO | None = None  # (a file in memory: closed once read)
         self.outcome: str | None = None  # "" taken; else why not
         self.answered = threading.Event()  # its agent has the answer to its load
 
@@ -111,9 +111,11 @@ class Joining:
         try:
             error = _other_groups(request)
             if not error:
-                aware.read_state(io.BytesIO(payload))
+                aware.read_state(payload)
         except Exception as e:  # (the user's load, or a state it cannot read: said to the agent)
             error = f"{type(e).__name__}: {e}"
+        finally:
+            payload.close()
         with rank.cond:
             self.outcome = error
             rank.cond.notify_all()
@@ -137,10 +139,11 @@ class Joining:
         backend.joined()
         rank.park(f"step {rank.step}")
 
-    def load(self, rank: Rank, request: P.Load, payload: bytes | bytearray) -> P.Answer:
+    def load(self, rank: Rank, request: P.Load, payload: BinaryIO) -> P.Answer:
         """The connection's thread: hand the state over, and wait until it is taken."""
         with rank.cond:
             if self.payload is not None:
+                payload.close()
                 return P.failed("it was given a state already")
             self.request = request
             self.payload = payload
@@ -151,6 +154,7 @@ class Joining:
                     if self.outcome is None and self.payload is payload:  # (not taken: never taken later)
                         self.payload = None
                         self.request = None
+                        payload.close()
                     return P.failed(f"it did not take the state in {rank.park_timeout:.0f} s")
                 rank.cond.wait(0.5)
         return P.failed(self.outcome) if self.outcome else P.Answer()
@@ -167,31 +171,49 @@ def save(rank: Rank, request: P.Save) -> tuple[P.Saved, bytes]:
         return P.Saved(ok=False, error="it registered no training state (tpagent_rank.register)"), b""
     if rank.unit != P.Unit.STEP.value:
         return P.Saved(ok=False, error="a state is taken at an optimizer step; it stopped at a collective"), b""
-    out = io.BytesIO()
-    error = rank.on_training_thread(lambda: aware.write_state(out))
-    if error:
-        return P.Saved(ok=False, error=error), b""
     from tpagent_rank import backend
 
-    groups = len(backend.GROUPS.live())
-    with rank.cond:
-        saved = P.Saved(size=out.tell(), step=rank.step, collectives=rank.collectives, groups=groups)
-    if not request.listen:
-        return saved, out.getvalue()
+    with memory_file() as out:  # (in memory, never on a disk; mapped, not copied, to be sent)
+        error = rank.on_training_thread(lambda: aware.write_state(out))
+        if error:
+            return P.Saved(ok=False, error=error), b""
+        out.flush()
+        groups = len(backend.GROUPS.live())
+        with rank.cond:
+            saved = P.Saved(size=out.tell(), step=rank.step, collectives=rank.collectives, groups=groups)
+        if not request.listen:
+            out.seek(0)
+            return saved, out.read()
+        data = mmap.mmap(out.fileno(), saved.size, prot=mmap.PROT_READ) if saved.size else b""
     try:
-        offer = handover.Offer(out.getvalue(), request.listen, request.secret, request.timeout)
+        offer = handover.Offer(data, request.listen, request.secret, request.timeout)
     except OSError as e:
+        if isinstance(data, mmap.mmap):
+            data.close()
         return P.Saved(ok=False, error=f"it cannot offer its state on {request.listen} ({e.strerror or e})"), b""
     return dataclasses.replace(saved, port=offer.port), b""
 
 
-def fetched(request: P.Load) -> bytearray:
-    """The state a joiner is told to fetch (:mod:`tpagent_rank.handover`); ValueError or OSError."""
+def memory_file() -> BinaryIO:
+    """A file in memory (a memfd), read and written from its start."""
+    return os.fdopen(os.memfd_create("tpagent-state", os.MFD_CLOEXEC), "w+b")
+
+
+def fetched(request: P.Load) -> BinaryIO:
+    """The state a joiner is told to fetch (:mod:`tpagent_rank.handover`), in a file in memory;
+    ValueError or OSError."""
     from tpagent_rank import handover
 
     if not handover.valid_secret(request.secret) or request.source.count(":") < 1:
         raise ValueError("a state fetched from the network needs its HOST:PORT and a secret of 32 to 128 hex digits")
-    return handover.fetch(request.source, request.secret, request.size, timeout=60.0)
+    into = memory_file()
+    try:
+        handover.fetch(request.source, request.secret, request.size, into, timeout=60.0)
+        into.flush()
+    except BaseException:
+        into.close()
+        raise
+    return into
 
 
 def retire(rank: Rank) -> P.Answer:
@@ -228,11 +250,19 @@ def leave(rank: Rank) -> None:
     os._exit(0)
 
 
-def exactly(f: Any, size: int) -> bytes:
-    """The ``size`` bytes that follow a line (a state), within :data:`~P.STATE_MAX`."""
+def exactly(f: Any, size: int) -> BinaryIO:
+    """The ``size`` bytes that follow a line (a state, within :data:`~P.STATE_MAX`), in a file
+    in memory, read a piece at a time."""
     if not 0 <= size <= P.STATE_MAX:
         raise ValueError(f"a state of {size} bytes")
-    data = f.read(size)
-    if len(data) != size:
-        raise ValueError("the connection closed inside a state")
-    return bytes(data)
+    into = memory_file()
+    left = size
+    while left:
+        piece = f.read(min(left, 8 << 20))
+        if not piece:
+            into.close()
+            raise ValueError("the connection closed inside a state")
+        into.write(piece)
+        left -= len(piece)
+    into.flush()
+    return into

@@ -7,6 +7,7 @@ uninterrupted run's bit for bit, with no line printed twice or lost."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import secrets
@@ -185,7 +186,7 @@ def test_a_fresh_process_takes_a_ranks_state_and_place_and_the_job_runs_on_bit_i
     assert saved.ok and saved.step == step and saved.size > 0 and saved.port > 0, saved
     source = f"127.0.0.1:{saved.port}"
     with pytest.raises(ConnectionError):  # (a peer without the secret is refused, and the offer stands)
-        handover.fetch(source, secrets.token_hex(32), saved.size, timeout=30)
+        handover.fetch(source, secrets.token_hex(32), saved.size, io.BytesIO(), timeout=30)
     assert saved.groups == standing.groups > 0  # (the joiner made the groups the rank has)
     load = P.Load(
         size=saved.size,
@@ -198,7 +199,7 @@ def test_a_fresh_process_takes_a_ranks_state_and_place_and_the_job_runs_on_bit_i
     loaded = job.joiner_agent.ask(load)
     assert loaded.ok, loaded
     with pytest.raises(OSError):  # (served once: it listens no more)
-        handover.fetch(source, secret, saved.size, timeout=30)
+        handover.fetch(source, secret, saved.size, io.BytesIO(), timeout=30)
     after = job.joiner_agent.ask(P.Where())
     assert (after.step, after.state) == (step, P.RankState.TORN_DOWN.value)
 
