@@ -104,9 +104,16 @@ class Job:
         return answers
 
     def stop_all(self, ahead: int = 8) -> int:
-        """Every rank parked ``ahead`` steps past the furthest one (the boundary S)."""
-        at_step = max(a.ask(P.Where()).step for a in self.agents) + ahead
-        assert all(a.ok for a in self.all(self.agents, P.Pause(at=at_step))), self.ended()
+        """Every rank parked ``ahead`` steps past the furthest one (the boundary S); as a rewire
+        does, further ahead while some rank is past it already (a busy machine)."""
+        for _attempt in range(4):
+            at_step = max(a.ask(P.Where()).step for a in self.agents) + ahead
+            paused = self.all(self.agents, P.Pause(at=at_step))
+            if all(a.ok for a in paused):
+                break
+            assert all(a.ok or (isinstance(a, P.Paused) and a.late) for a in paused), (paused, self.ended())
+            assert all(a.ok for a in self.all(self.agents, P.Cancel()))
+            ahead *= 4
         at = self.all(self.agents, P.Boundary(timeout=120))
         assert all(isinstance(a, P.AtBoundary) and a.ok and a.step == at_step for a in at), (at, self.ended())
         return at_step
