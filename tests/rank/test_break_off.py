@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from support.runtime import runtime_env
-from tpagent_rank import codec, lines
+from support.runtime import PlayedAgent, runtime_env
 from tpagent_rank import protocol as P
 
 pytest.importorskip("torch")
@@ -40,43 +38,11 @@ JOB = textwrap.dedent(
 )
 
 
-class Agent:
-    """The agent of rank 0, as far as the runtime sees one: it welcomes the rank, then asks."""
-
-    def __init__(self, name: str) -> None:
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind("\0" + name)
-        self.listener.listen()
-        self.listener.settimeout(120)
-        self.conn: socket.socket | None = None
-
-    def welcome(self) -> None:
-        self.conn, _ = self.listener.accept()
-        self.conn.settimeout(120)
-        self.f = self.conn.makefile("rb")
-        assert codec.is_said(codec.parse_line(self.f.readline()), lines.LineOp.HELLO)
-        self.conn.sendall(codec.said(lines.Welcome(node="10.0.0.1:7400")))
-
-    def ask(self, request: P.Request[P.Answer]) -> P.Answer:
-        assert self.conn is not None
-        self.conn.sendall(codec.request_line(1, request))
-        while True:
-            body = codec.parse_line(self.f.readline())
-            if body.get("id") == 1:
-                return codec.decode_answer(request, body)
-
-    def close(self) -> None:
-        if self.conn is not None:
-            self.f.close()
-            self.conn.close()
-        self.listener.close()
-
-
-def _start(tmp_path: Path, steps: int) -> tuple[list[subprocess.Popen[str]], Agent]:
+def _start(tmp_path: Path, steps: int) -> tuple[list[subprocess.Popen[str]], PlayedAgent]:
     (tmp_path / "job.py").write_text(JOB)
     env = runtime_env(tmp_path)
     name = f"tpagent-test-{os.getpid()}-break"
-    agent = Agent(name)
+    agent = PlayedAgent(name)
     ranks = [
         subprocess.Popen(
             [sys.executable, "-X", "faulthandler", tmp_path / "job.py", tmp_path / "store", str(r), str(steps)],
@@ -92,7 +58,7 @@ def _start(tmp_path: Path, steps: int) -> tuple[list[subprocess.Popen[str]], Age
     return ranks, agent
 
 
-def _waiting(agent: Agent) -> None:
+def _waiting(agent: PlayedAgent) -> None:
     """Until rank 0 waits in a collective: its count of them stays put a whole second."""
     seen = -1
     while True:
