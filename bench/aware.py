@@ -2,6 +2,7 @@
 route and the floor, at a few model sizes.
 
     python bench/aware.py [--sizes-mib 16,128,512] [--repeats 3] [--dir /var/tmp] [--json-out F] [--gpu]
+    python bench/aware.py --agents [--widths 64,65536,1048576] [--repeats 3]   (as root)
 
 For a model of about SIZE MiB of fp32 parameters (Linear layers) with its Adam state (twice as
 much again, taken after one step), registered as a script registers it (tpagent_rank.register),
@@ -15,6 +16,9 @@ in this process (the leaving rank's model, and a second one as the joiner's):
   loopback socket to another file there (the target's disk), fsync, torch.load, load_state_dict.
 * **floor**: the same bytes copied once in memory, and sent through a loopback socket unframed:
   the least any hand-over of them does.
+
+With ``--agents``: whole moves between agents on namespace nodes instead, model-aware beside
+transparent, of the same rank of a running torchrun job (``bench/aware_moves.py`` says how).
 
 Bytes: the state handed over, beside what a transparent move of the same rank would carry at
 the least: the process's anonymous memory as it holds the model (smaps_rollup ``Anonymous``;
@@ -176,7 +180,15 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
 def main() -> None:
     ap = arguments(__doc__ or "", "16,128,512", gpu=True)
     ap.set_defaults(dir=Path("/var/tmp"))
+    ap.add_argument("--agents", action="store_true", help="whole moves between agents, aware beside transparent")
+    ap.add_argument("--widths", default="64,65536,1048576", help="with --agents: the job's MLP widths")
     args = ap.parse_args()
+    if args.agents:
+        from bench import aware_moves
+
+        rows = aware_moves.run([int(w) for w in args.widths.split(",")], args.repeats)
+        emit(args, {"bench": "aware-moves", "repeats": args.repeats, "rows": rows})
+        return
     device = "cuda" if args.gpu else "cpu"
     rows = []
     for size in (int(s) for s in args.sizes_mib.split(",")):

@@ -74,6 +74,19 @@ def serve(
         die(str(e), EXIT_USAGE)
 
 
+def _check_migrate(pid: int, to: str, job: str, ranks: list[int], mode: str, as_json: bool) -> None:
+    if not to:
+        die("give the target node's agent with --to HOST:PORT.", EXIT_USAGE, as_json)
+    if bool(job) != bool(ranks) or (job and pid):
+        die("give either a PID, or --job with its --rank(s).", EXIT_USAGE, as_json)
+    if not job and pid <= 0:
+        die("give the PID to move (or --job and --rank).", EXIT_USAGE, as_json)
+    if mode not in ("transparent", "aware", "auto"):
+        die(f"--mode is transparent, aware or auto, not {mode!r}.", EXIT_USAGE, as_json)
+    if mode == "aware" and not job:
+        die("--mode aware moves ranks of a job: give --job and --rank.", EXIT_USAGE, as_json)
+
+
 def migrate(
     pid: Annotated[
         int, typer.Argument(help="The process (a `tpagent launch` namespace, a rank) to move; 0 with --job.")
@@ -89,6 +102,14 @@ def migrate(
     rank: Annotated[
         list[int] | None, typer.Option("--rank", help="A rank of --job that runs on --from (repeat for several).")
     ] = None,
+    mode: Annotated[
+        str,
+        typer.Option(
+            "--mode",
+            help="How ranks of --job move: transparent (the process image), aware (the training state the "
+            "script registered, to a fresh process of its command), auto (aware where registered).",
+        ),
+    ] = "auto",
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
     as_json: JsonOpt = False,
@@ -96,16 +117,12 @@ def migrate(
     """Move a running process to another node: frozen, streamed, restored there, and only
     then ended here; on any failure it runs on here where it stood.  A rank of a distributed
     job (started with `tpagent rank`) moves with its job: every rank stops at one step, the
-    communicators are rebuilt, and the job goes on at the next step."""
+    communicators are rebuilt, and the job goes on at the next step.  A rank whose script
+    registered its training state (tpagent_rank.register) moves only that state, by default."""
     from tpagent.daemon.rpc import pb, stub
 
     ranks = list(rank or [])
-    if not to:
-        die("give the target node's agent with --to HOST:PORT.", EXIT_USAGE, as_json)
-    if bool(job) != bool(ranks) or (job and pid):
-        die("give either a PID, or --job with its --rank(s).", EXIT_USAGE, as_json)
-    if not job and pid <= 0:
-        die("give the PID to move (or --job and --rank).", EXIT_USAGE, as_json)
+    _check_migrate(pid, to, job, ranks, mode, as_json)
 
     try:
         creds = credentials(secret_file, tls_dir)
@@ -114,7 +131,7 @@ def migrate(
     if source == to:
         die(f"--from and --to are the same agent ({to}); give another node as --to.", EXIT_USAGE, as_json)
     agent = stub(source, creds)
-    call = agent.Migrate(pb.MigrateRequest(pid=pid, target=to, dry_run=dry_run, job=job, ranks=ranks))
+    call = agent.Migrate(pb.MigrateRequest(pid=pid, target=to, dry_run=dry_run, job=job, ranks=ranks, mode=mode))
     last: Any = None
     first = ""  # the migration's id (a rewire's: its ranks' own migrations have ids of their own)
     shown = ""
@@ -321,8 +338,12 @@ def _report(last: Any, as_json: bool, dry_run: bool, said: list[str] | None = No
         if dry_run:
             for p in last.problems:
                 typer.echo(f"  would fail: {p}")
-        for stage, seconds in sorted(dict(last.timings).items(), key=lambda kv: kv[1], reverse=True):
-            typer.echo(f"  {stage:<24} {seconds:8.2f} s")
+        timings = dict(last.timings)
+        for stage, seconds in sorted(timings.items(), key=lambda kv: kv[1], reverse=True):
+            if not stage.endswith("_bytes"):
+                typer.echo(f"  {stage:<24} {seconds:8.2f} s")
+        for stage, size in sorted((k, v) for k, v in timings.items() if k.endswith("_bytes")):
+            typer.echo(f"  {stage:<24} {size / 2**20:8.1f} MiB")
         typer.echo(("ok: " if ok else "FAILED: ") + (last.message or last.state))
     return EXIT_OK if ok else EXIT_FAILED
 

@@ -18,6 +18,7 @@ Contract (checked by scripts/check_layers.py and tests/unit/test_rank_isolation.
 from __future__ import annotations
 
 from tpagent_rank.aware import register
+from tpagent_rank.join import joining
 
-__all__ = ["register"]
+__all__ = ["joining", "register"]
 __version__ = "0.1.0"

@@ -46,10 +46,22 @@ ASKED_OF_A_JOINER = frozenset({P.Op.WHERE, P.Op.PEERS, P.Op.END})
 SETTLE_MAX = 20
 #: The joiner's own standard output while it is quiet (None: it is not).
 _STDOUT: list[int | None] = [None]
+#: Whether this process is a joiner not yet in the job (quiet until :func:`speak`).
+_JOINING = [False]
+
+
+def joining() -> bool:
+    """Whether this process is a fresh one taking a rank's place in a model-aware move, not yet in
+    the job: it runs the script's first steps on its own, and the rest of the step at which it
+    takes the state on its own values.  What it does meanwhile is not the job's: its standard
+    output goes nowhere, and a script skips its other side effects (its own log files, a metrics
+    service) while this is true."""
+    return _JOINING[0]
 
 
 def quiet() -> None:
     """The joiner's standard output goes nowhere until :func:`speak` (called at start-up)."""
+    _JOINING[0] = True
     if _STDOUT[0] is not None:
         return
     try:
@@ -65,6 +77,7 @@ def quiet() -> None:
 
 def speak() -> None:
     """Its standard output is its own again (what was buffered while quiet is dropped)."""
+    _JOINING[0] = False
     saved = _STDOUT[0]
     if saved is None:
         return

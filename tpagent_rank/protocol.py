@@ -110,6 +110,7 @@ class Op(str, enum.Enum):
     OUTPUT = "output"  # what the rank wrote to ``fd`` from ``offset``
     JOBS = "jobs"  # every rank of every job on the node
     LOST = "lost"  # a node running ranks of the job is lost: each rank of it here ends if it waits on it
+    JOIN = "join"  # start a fresh process of the rank's command here, to take its state (model-aware move)
 
 
 RUNTIME_OPS = frozenset(
@@ -431,6 +432,28 @@ class Lost(Request[Answer]):
     users: tuple[int, ...] = ()  # the UIDs the job's ranks there ran as (none: root); only their ranks are told
 
 
+@dataclass(frozen=True)
+class Join(Request[Located]):
+    """(A moving rank's source agent's.)  Start, on this node, a fresh process of the rank's command
+    (:data:`JOIN_VARIABLE` set) as the rank ran it: ``cmd`` with ``env`` (``NAME=value``; the rank
+    runtime's own variables are this agent's), in ``cwd`` with ``umask``, as ``uid``/``gid`` with
+    ``groups``, writing to ``stdout`` and ``stderr``; ``owner``: the user whose stand-in had the
+    rank started (-1: root's).  Answered with its namespace's init, registered as the rank's."""
+
+    OP = Op.JOIN
+    ANSWER = Located
+    cmd: tuple[str, ...]
+    env: tuple[str, ...]
+    cwd: str
+    umask: int
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    stdout: str
+    stderr: str
+    owner: int = -1
+
+
 REQUESTS: Mapping[Op, type[Request[Any]]] = {
     cls.OP: cls
     for cls in (
@@ -454,5 +477,6 @@ REQUESTS: Mapping[Op, type[Request[Any]]] = {
         Output,
         Jobs,
         Lost,
+        Join,
     )
 }

@@ -45,8 +45,9 @@ def test_ranks_move_and_the_job_carries_on_bit_identical(quad: Cluster, tmp_path
 def test_a_job_without_an_optimizer_stops_between_two_collectives(
     quad: Cluster, tmp_path: Path, reference_no_optimizer: Path
 ) -> None:
-    """... and, with it: a dry run checks each moving rank's own migration and stops nothing;
-    two ranks on one node move together, in one command."""
+    """... and, with it: a dry run checks each moving rank's own migration and stops nothing; a
+    model-aware move of a script that registered no state is refused before anything stops; two
+    ranks on one node move together, in one command."""
     job = Job(quad, tmp_path, extra=("--no-optimizer",))
     try:
         job.at_step(2, 20)
@@ -54,6 +55,10 @@ def test_a_job_without_an_optimizer_stops_between_two_collectives(
         out = dry.stdout + dry.stderr
         assert dry.returncode == 0 and "all checks pass" in out, out
         assert job.copies(2) == ["C"]
+        aware = job.c.migrate(0, "C", "D", "--job", RUN, "--rank", "2", "--mode", "aware", timeout=120)
+        out = aware.stdout + aware.stderr
+        assert aware.returncode != 0 and "rank 2 registered no training state" in out, out  # (its script did not)
+        assert "nothing was changed" in out and job.copies(2) == ["C"]
         job.at_step(2, steps(job.logs, 2) + 3)  # (it was not stopped)
 
         moved = job.move(2, "D")

@@ -81,6 +81,12 @@ def reference_no_optimizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def reference_aware(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job registering its training state with tpagent_rank (``--aware``: model-aware mode)."""
+    return _reference(tmp_path_factory.mktemp("reference-aware"), "--aware")
+
+
+@pytest.fixture(scope="session")
 def reference_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The FSDP2 script fed by DataLoader workers (``tests/workloads/fsdp_job.py``)."""
     return _reference(tmp_path_factory.mktemp("reference-fsdp"), script=FSDP_JOB)

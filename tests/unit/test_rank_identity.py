@@ -79,14 +79,32 @@ def test_release_is_refused_for_another_job_but_not_for_a_copy_not_yet_connected
     assert _calls(restored)("j", 0, P.Release(), 1.0, IDENTITY).ok and restored.released == 1
 
 
-@pytest.mark.parametrize("request_", [P.Save(), P.Load(size=10, step=3)])
-def test_a_training_state_is_never_asked_for_or_given_in_a_rank_call(request_: P.Request[Any]) -> None:
-    """Only a rank's own agent asks it on its line, the state beside the line: a Rank call has no
-    room for it, and is refused, whoever names the job's identity."""
+@pytest.mark.parametrize(
+    "request_", [P.Save(), P.Save(listen="10.0.0.1"), P.Load(size=10, step=3), P.Load(size=10, step=3, secret="ab")]
+)
+def test_a_training_state_is_never_given_in_a_rank_call(request_: P.Request[Any]) -> None:
+    """A state follows a request's line only on a rank's own line: a Rank call has no room for
+    it, and a save or load that does not name a hand-over from rank to rank (where, and the
+    move's secret) is refused, whoever names the job's identity."""
     ranks = _Ranks()
-    with pytest.raises(Refused, match="only by its own agent") as refused:
+    with pytest.raises(Refused, match="never travels inside a Rank call") as refused:
         _calls(ranks)("j", 0, request_, 1.0, IDENTITY)
     assert refused.value.why is Why.INVALID and ranks.asked == []
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [P.Save(listen="10.0.0.1", secret="ab" * 16), P.Load(size=10, step=3, source="10.0.0.1:5000", secret="ab" * 16)],
+)
+def test_a_hand_over_from_rank_to_rank_is_asked_as_a_rank_call_with_the_jobs_identity(
+    request_: P.Request[Any],
+) -> None:
+    ranks = _Ranks()
+    with pytest.raises(Refused, match="needs the job's identity"):
+        _calls(ranks)("j", 0, request_, 1.0)
+    assert ranks.asked == []
+    assert _calls(ranks)("j", 0, request_, 1.0, IDENTITY).ok
+    assert ranks.asked == [(request_.OP.value, IDENTITY)]
 
 
 def test_a_key_is_bounded() -> None:

@@ -38,6 +38,18 @@ REQUESTS: list[P.Request[Any]] = [
     P.Output(fd=2, offset=1 << 33, max=4096),
     P.Jobs(),
     P.Lost(node="10.0.0.2:7400", why="node b stopped reporting", grace=10.0),
+    P.Join(
+        cmd=("python3", "train.py", "--steps", "9"),
+        env=("RANK=1", "WORLD_SIZE=4"),
+        cwd="/home/u",
+        umask=0o022,
+        uid=1000,
+        gid=1000,
+        groups=(27, 1000),
+        stdout="/home/u/out",
+        stderr="/home/u/err",
+        owner=1000,
+    ),
 ]
 #: One answer of each kind, every field set.
 ANSWERS: list[P.Answer] = [

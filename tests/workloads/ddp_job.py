@@ -13,6 +13,13 @@ subgroup is split from it (``split_group``), as a DeviceMesh makes its groups th
 With ``--gpu-rank R`` rank R also keeps a sum on the GPU, all-reduced each step over an NCCL
 group of its own (one GPU: NCCL takes no two ranks on one), beside the CPU job.
 
+With ``--aware`` it registers its training state with tpagent_rank (model-aware mode: a model,
+an optimizer, its step and its data generator), loops on the registered step, and all-reduces its
+metrics and writes its log line before ``opt.step()``: what runs after the optimizer step runs,
+in a model-aware move, in the rank that leaves and (quietly, on its own values) in the process
+taking its place, so it issues no collective; and it writes its log only while
+``tpagent_rank.joining()`` is false (a print is silenced there by the runtime).
+
 Each rank appends "step K <its loss> <global loss> <subgroup loss>" (floats in hex: exact) to
 DIR/rank{R}.log, one open per line, and "done <sha256 of the parameters>" at the end; and
 prints "rank R step K loss L" to stdout, as training scripts do.
@@ -45,6 +52,7 @@ def main() -> None:
     p.add_argument("--backend", default="gloo")
     p.add_argument("--device-id", action="store_true")
     p.add_argument("--gpu-rank", type=int, default=-1)
+    p.add_argument("--aware", action="store_true")
     a = p.parse_args()
     dev = torch.device("cuda", 0) if a.cuda else torch.device("cpu")
     if a.cuda:
@@ -62,6 +70,10 @@ def main() -> None:
     opt = None if a.no_optimizer else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(1000 + rank)
     log = a.log_dir / f"rank{rank}.log"
+    if a.aware:
+        assert opt is not None and gpu_sum is None, "--aware trains with an optimizer, on the CPU"
+        _aware(a, model, opt, data, log, pair)
+        return
     for step in range(a.steps):
         x = torch.randn(32, 16, generator=data).to(dev)
         y = torch.sin(x.sum(dim=1, keepdim=True))
@@ -88,10 +100,60 @@ def main() -> None:
             f.write(f"step {step} {loss.item().hex()} {(total.item() / world).hex()} {sub.item().hex()}{gpu}\n")
         print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
         time.sleep(a.step_time)
+    _done(model, log)
+
+
+def _done(model: nn.Module, log: Path) -> None:
     digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in model.parameters())).hexdigest()
     with open(log, "a") as f:
         f.write(f"done {digest}\n")
     dist.destroy_process_group()
+
+
+def _aware(
+    a: argparse.Namespace,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    data: torch.Generator,
+    log: Path,
+    pair: dist.ProcessGroup,
+) -> None:
+    """The same training, its state registered (``--aware``)."""
+    import tpagent_rank
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = {"step": 0}
+
+    def save() -> dict[str, object]:
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"], "data": data.get_state()}
+
+    def load(saved: dict[str, object]) -> None:
+        model.load_state_dict(saved["model"])  # type: ignore[arg-type]
+        opt.load_state_dict(saved["opt"])  # type: ignore[arg-type]
+        data.set_state(saved["data"])  # type: ignore[arg-type]
+        state["step"] = int(saved["step"])  # type: ignore[call-overload]
+
+    tpagent_rank.register(save=save, load=load)
+    while state["step"] < a.steps:
+        step = state["step"]
+        x = torch.randn(32, 16, generator=data)
+        y = torch.sin(x.sum(dim=1, keepdim=True))
+        model.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        sub = loss.detach().clone()
+        if rank in (0, 1):
+            dist.all_reduce(sub, group=pair)
+        if not tpagent_rank.joining():  # (a process warming up to take a rank's place writes nothing)
+            with open(log, "a") as f:
+                f.write(f"step {step} {loss.item().hex()} {(total.item() / world).hex()} {sub.item().hex()}\n")
+        opt.step()  # (the step boundary: what follows runs on the registered state alone)
+        state["step"] += 1
+        print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
+        time.sleep(a.step_time)
+    _done(model, log)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from typing import TypeVar
 from host import paths, proc
 from host.api import UsageError
 from tpagent.daemon import doctor
+from tpagent.jobs import joiners
+from tpagent.jobs.awaremove import AUTO
 from tpagent.jobs.calls import RankCalls
 from tpagent.jobs.journal import RewireJournal
 from tpagent.jobs.local import Caller, StandInDoor, Start, socket_name
@@ -79,8 +81,8 @@ class Node:
         work = paths.WorkDir(self.cfg.work_dir)
         self.ranks = Ranks(self.cfg.rank_socket, self.cfg.agent_address, ctx.threads, work.ranks)
         journal = RewireJournal(work.rewires)
-        self.rewires = Rewires(ctx, journal, self.ask, self._start_rank, self.run)
-        self.rank_calls = RankCalls(self.ranks, self.cfg.node, self.rewires.rewiring, self._answers)
+        self.rewires = Rewires(ctx, journal, self.ask, self._start_rank, self.run, joiners.Leaving(self.ranks))
+        self.rank_calls = RankCalls(self.ranks, self.cfg.node, self.rewires.rewiring, self._answers, self.start_joiner)
         self.stand_ins = StandInDoor(
             socket_name(self.cfg.rank_socket),
             ctx.threads,
@@ -100,10 +102,11 @@ class Node:
     # ---- source --------------------------------------------------------------------------
 
     def start_migration(
-        self, pid: int, target: str, dry_run: bool, job: str = "", ranks: tuple[int, ...] = ()
+        self, pid: int, target: str, dry_run: bool, job: str = "", ranks: tuple[int, ...] = (), mode: str = ""
     ) -> SourceMigration | Rewire:
         """Admit a migration of ``pid`` (or of ``ranks`` of ``job``) to the agent at ``target``
-        (run it with :meth:`run`).  A rank of a distributed job is moved with its job rewired."""
+        (run it with :meth:`run`).  A rank of a distributed job is moved with its job rewired, in
+        ``mode`` ("transparent", "aware"; "": aware where every moving rank registered its state)."""
         if self.closed:
             raise Refused(f"the agent on {self.cfg.node} is shutting down; try again once it is back", Why.PRECONDITION)
         if not is_agent_address(target):
@@ -113,14 +116,17 @@ class Node:
             entries = [found]
         if not entries and job:
             raise Refused("give the ranks of the job to move (--rank).", Why.INVALID)
+        if not entries and mode == "aware":
+            raise Refused("only ranks of a job (--job, --rank) move in aware mode.", Why.INVALID)
         if not entries:
             return self._start_plain(pid, target, dry_run)
         for e in entries:
             if not e.alive() or e.moved_to or e.exit_code is not None:
                 raise Refused(f"rank {e.rank} of job {e.job} does not run on {self.cfg.node}.", Why.NOT_FOUND)
-        for e in entries:  # every namespace must pass the ordinary checks before anything stops
+        for e in entries if mode != "aware" else ():  # every namespace must pass the ordinary checks first
             eligible.check_migratable(self.cfg, e.init)
-        return self.rewires.start(entries[0].job, {e.rank: (e.init, target) for e in entries}, dry_run)
+        moving = {e.rank: (e.init, target) for e in entries}
+        return self.rewires.start(entries[0].job, moving, dry_run, mode or AUTO)
 
     def _start_rank(
         self,
@@ -219,6 +225,13 @@ class Node:
         self.ctx.threads.spawn("stand-ins", f"holder-{init}", holder.wait)  # (reaped: its status is the init's)
         self.ranks.expect(s.job, s.rank, init, owner=caller.uid)
         return init
+
+    def start_joiner(self, job: str, rank: int, request: P.Join) -> int:
+        """A fresh process of rank ``rank`` of ``job``'s command, to take its state (a model-aware
+        move's ``join``): its namespace init's PID, registered as that rank's."""
+        if self.closed:
+            raise Refused(f"the agent on {self.cfg.node} is shutting down", Why.PRECONDITION)
+        return joiners.start(self.ranks, self.ctx.threads, self.cfg.rank_socket, job, rank, request)
 
     # ---- a migration's status, an operator's word -------------------------------------------
 

@@ -108,6 +108,7 @@ class Service(AgentServicer):
                 bool(request.dry_run),
                 str(request.job),
                 tuple(int(r) for r in request.ranks),
+                str(request.mode),
             ),
         )
 

@@ -4,12 +4,13 @@ keeps of a rewire, how a rewire fails, and what it needs from the agent it runs 
 A rewire moves ranks of a running job (:mod:`tpagent.jobs.rewire`)::
 
     CHECKING ──> PAUSING ──> TEARDOWN ──> DONE
-        │           │        │    ↺
+        │           │ ↺      │    ↺
         └───────────┴────────┴──────> ROLLED_BACK, FAILED
 
   CHECKING   every rank is asked where it stands; nothing is stopped.
   PAUSING    every rank is asked to stop at one step boundary, and waited for there: a failure
-             (or a restart of the agent) cancels the pause, and the job goes on untouched.
+             (or a restart of the agent) cancels the pause, and the job goes on untouched.  Written
+             again (the same phase) as a model-aware move starts each joiner (they are dropped).
   TEARDOWN   the communicators are torn down (or being): the moving ranks migrate, every rank
              builds new ones where it runs.  Written again (the same phase) as each move starts and
              as the generation changes; after a restart the journal of each move settles where its
@@ -50,7 +51,7 @@ _P = Phase
 REWIRE_TRANSITIONS: Mapping[Phase, frozenset[Phase]] = MappingProxyType(
     {
         _P.CHECKING: frozenset({_P.PAUSING, _P.ROLLED_BACK, _P.FAILED}),
-        _P.PAUSING: frozenset({_P.TEARDOWN, _P.ROLLED_BACK, _P.FAILED}),
+        _P.PAUSING: frozenset({_P.PAUSING, _P.TEARDOWN, _P.ROLLED_BACK, _P.FAILED}),
         _P.TEARDOWN: frozenset({_P.TEARDOWN, _P.DONE, _P.ROLLED_BACK, _P.FAILED}),
         _P.DONE: frozenset(),
         _P.ROLLED_BACK: frozenset(),
@@ -84,6 +85,9 @@ class RewireRecord:
     unit: str = P.Unit.STEP.value  # what ``step`` counts
     moves: dict[int, str] = field(default_factory=dict)  # rank -> its migration's id
     key: str = ""  # the job's identity, as the first moving rank's agent (this one) vouches for it
+    mode: str = "transparent"  # the moving ranks' process images move, or ("aware") their training state
+    joiners: dict[int, int] = field(default_factory=dict)  # aware: rank -> its joiner's init on the target
+    kept: list[int] = field(default_factory=list)  # aware: the ranks whose joiners took their places
 
     @classmethod
     def new(cls, job: str, here: str, moving: dict[int, tuple[int, str]]) -> RewireRecord:
@@ -105,6 +109,9 @@ class RewireRecord:
             "moving": {str(r): [init, target] for r, (init, target) in self.moving.items()},
             "moves": {str(r): m for r, m in self.moves.items()},
             "key": self.key,
+            "mode": self.mode,
+            "joiners": {str(r): pid for r, pid in self.joiners.items()},
+            "kept": self.kept,
         }
 
     @classmethod
@@ -121,6 +128,9 @@ class RewireRecord:
         r.unit = P.Unit.COLLECTIVE.value if data.get("unit") == P.Unit.COLLECTIVE.value else P.Unit.STEP.value
         r.moves = {int(rank): str(m) for rank, m in dict(data.get("moves", {})).items()}
         r.key = str(data.get("key", ""))
+        r.mode = "aware" if data.get("mode") == "aware" else "transparent"
+        r.joiners = {int(rank): int(pid) for rank, pid in dict(data.get("joiners", {})).items()}
+        r.kept = [int(rank) for rank in data.get("kept", [])]
         if not r.moving or len(r.agents) <= max(r.moving):
             raise ValueError(f"rewire {r.rewire_id}: not a record this agent can finish")
         return r
@@ -171,6 +181,16 @@ class StartMove(Protocol):
         hold: float = 0.0,
         verdict: Callable[[], bool | None] | None = None,
     ) -> Moving: ...
+
+
+class Leaving(Protocol):
+    """The moving ranks of a model-aware move, on their source node (:mod:`tpagent.jobs.joiners`)."""
+
+    def spec(self, job: str, rank: int) -> P.Join:
+        """How the rank runs here, as the request that starts its joiner elsewhere."""
+
+    def gone(self, job: str, rank: int, timeout: float) -> bool:
+        """Wait until the rank's process here has ended (True); past ``timeout`` it is killed (False)."""
 
 
 class Settled(Protocol):

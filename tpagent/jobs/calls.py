@@ -29,6 +29,14 @@ KEY_MAX = 128
 LOST_GRACE_MAX = 3600.0
 
 
+def _peer_to_peer(request: P.Request[Any]) -> bool:
+    """Whether a save or load names the hand-over from rank to rank (:mod:`tpagent_rank.handover`)
+    rather than bytes on the rank's line, which a Rank call cannot carry."""
+    if isinstance(request, P.Save):
+        return bool(request.listen and request.secret)
+    return isinstance(request, P.Load) and bool(request.source and request.secret)
+
+
 class RankCalls:
     """The ``Rank`` calls of this node's agent.  ``rewiring(job)``: whether the agent is moving
     ranks of ``job`` now (a rank that ended here is then on its way, not gone)."""
@@ -39,11 +47,13 @@ class RankCalls:
         node: str,
         rewiring: Callable[[str], bool],
         answers: Callable[[str], bool] = lambda _agent: False,
+        join: Callable[[str, int, P.Join], int] | None = None,
     ) -> None:
         self.ranks = ranks
         self.node = node
         self.rewiring = rewiring
         self.answers = answers  # whether the agent at an address answers this one now
+        self.join = join  # start a joiner here (:mod:`tpagent.jobs.joiners`): its init's PID
         self._handlers: dict[P.Op, Callable[[str, int, Any], P.Answer]] = {
             P.Op.EXPECT: self._expect,
             P.Op.MOVED: self._moved,
@@ -53,6 +63,7 @@ class RankCalls:
             P.Op.OUTPUT: self._output,
             P.Op.JOBS: self._jobs,
             P.Op.LOST: self._lost,
+            P.Op.JOIN: self._join,
         }
 
     def __call__(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
@@ -63,13 +74,13 @@ class RankCalls:
             raise Refused(f"a job's key has at most {KEY_MAX} characters.", Why.INVALID)
         if request.OP == P.Op.RELEASE and self.ranks.identity(job, rank) not in ("", key):  # ("": restored here)
             raise Refused(self._not_it(job, rank), Why.CONFLICT)
-        if request.OP in P.STATE_OPS:
+        if request.OP in P.STATE_OPS and not _peer_to_peer(request):
             raise Refused(
-                f"{request.OP.value} is asked of a rank only by its own agent: a training state moves between "
-                "agents by a stream of its own, not in a Rank call",
+                f"{request.OP.value} in a Rank call names where the state goes from rank to rank (listen or "
+                "source, and the move's secret): a training state never travels inside a Rank call",
                 Why.INVALID,
             )
-        if request.OP in P.RUNTIME_OPS:
+        if request.OP in P.RUNTIME_OPS | P.STATE_OPS:
             if not key and request.OP not in P.ASKED_FREELY:
                 raise Refused(
                     f"asking rank {rank} of job {job} to {request.OP.value} needs the job's identity, which the "
@@ -159,6 +170,11 @@ class RankCalls:
             log.info("rank %d of job %s was not told its job lost a node: %s", rank, job, e)
             return
         log.warning("rank %d of job %s, told its job lost a node: %s", rank, job, answer.error or "it stops")
+
+    def _join(self, job: str, rank: int, request: P.Join) -> P.Located:
+        if self.join is None:
+            raise Refused(f"the agent on {self.node} does not start joiners", Why.PRECONDITION)
+        return P.Located(state=P.Whereabouts.HERE.value, pid=self.join(job, rank, request))
 
     def _jobs(self, job: str, rank: int, _: P.Jobs) -> P.Ranks:
         """Every rank here, each connected one with its step and generation now."""

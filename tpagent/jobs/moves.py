@@ -142,8 +142,9 @@ def fails(answers: Mapping[int, Reply], what: str) -> list[str]:
     return out
 
 
-def cannot_move(ranks: list[int], where: Mapping[int, P.Standing]) -> list[str]:
-    """Why the moving ``ranks`` cannot move, from where each stands (empty: nothing keeps them)."""
+def cannot_move(ranks: list[int], where: Mapping[int, P.Standing], image: bool = True) -> list[str]:
+    """Why the moving ``ranks`` cannot move, from where each stands (empty: nothing keeps them);
+    ``image``: their process images move (not only their training state)."""
     out = [_hosts_store(r, where[r].hosts_store) for r in ranks if where[r].hosts_store]
     out += [
         f"rank {r} reaches the job's store at a loopback address ({where[r].store_loopback}), which "
@@ -156,7 +157,7 @@ def cannot_move(ranks: list[int], where: Mapping[int, P.Standing]) -> list[str]:
         "on this node's address for the life of the process, past every communicator: it cannot move "
         "(start the job without NCCL_RAS_ENABLE: tpagent rank turns RAS off where it is not set)"
         for r in ranks
-        if where[r].nccl_ras
+        if where[r].nccl_ras and image
     ]
     return out
 

@@ -288,7 +288,7 @@ class Ranks:
             raise door.Refuse(f"an exit report from PID {peer.pid}, which is no launched workload's init")
         with self.lock:
             for e in self.entries.values():
-                if e.init == peer.pid:
+                if e.init == peer.pid and not e.moved_to:  # (one that moved on ends here: not the rank)
                     e.exit_code = said.code
                     log.info("rank %s of job %s exited with status %d", e.rank, e.job, said.code)
             self._save()
@@ -348,7 +348,7 @@ class Ranks:
         """Ask the rank's runtime; its answer.  Waits (up to ``timeout``) for a rank that is
         reconnecting (a restored copy, a rolled-back original).  ``key``: the job's identity the
         rank must have (:meth:`identity`), or NotTheJob; None: any."""
-        if request.OP not in P.RUNTIME_OPS:
+        if request.OP not in P.RUNTIME_OPS | P.STATE_OPS:
             raise Refused(f"{request.OP.value!r} is not something a rank is asked.", Why.INVALID)
         deadline = time.monotonic() + timeout
         while True:

@@ -2,10 +2,9 @@
 their communicators down, the moving ranks migrate (the ordinary path: :mod:`tpagent.migration.source`),
 and all build new communicators under a new generation before step S+1 runs.
 
-The agent that runs this is the moving ranks' source agent; it reaches every rank through the
-rank's own agent (the ``Rank`` call; its own ranks directly), and learns where those agents are
-from the job itself (each rank keeps its agent's address in the job's store).  Every request is
-one of the rank protocol's (:mod:`tpagent_rank.protocol`)::
+The moving ranks' source agent runs it; it reaches every rank through the rank's own agent (the
+``Rank`` call), found in the job's store (each rank keeps its agent's address there), with the rank
+protocol's requests (:mod:`tpagent_rank.protocol`; a model-aware move: :mod:`.awaremove`)::
 
     where     every rank: its step K, generation G, step rate
     pause     every rank stops after step S = max(K) + margin (a rank already past S: all cancel, retry)
@@ -50,10 +49,10 @@ _ENDS = {SourceState.DONE.value: Phase.DONE, SourceState.ROLLED_BACK.value: Phas
 
 
 class Rewire:
-    """Moves ``record.moving`` (rank -> (init PID here, target agent)) of ``record.job``; quacks
-    like a :class:`~tpagent.migration.source.SourceMigration` for the service (events, cancel,
-    run).  ``journal`` writes down where it stands; ``on_end`` is called once it has ended.  With
-    ``settled`` it finishes what a previous run of this agent left (:meth:`.rewires.Rewires.recover`)."""
+    """Moves ``record.moving`` (rank -> (init PID here, target agent)) of ``record.job``; quacks like a
+    :class:`~tpagent.migration.source.SourceMigration` for the service (events, cancel, run).  ``journal``
+    writes down where it stands; ``on_end`` is called once it has ended; with ``settled`` it finishes
+    what a previous run of this agent left (:meth:`.rewires.Rewires.recover`)."""
 
     def __init__(
         self,
@@ -254,7 +253,8 @@ class Rewire:
     def _teardown(self, agents: list[str], gen: int) -> None:
         """Every rank tears its communicators down; the moving ones also let go of the store."""
         t = time.monotonic()
-        torn = self.ranks.all(agents, lambda r: P.Teardown(leaving=r in self.moving), self.timeout)
+        leaving = set(self.moving) if self.record.mode != "aware" else set()  # (aware: none is frozen)
+        torn = self.ranks.all(agents, lambda r: P.Teardown(leaving=r in leaving), self.timeout)
         bad = fails(torn, "tear its communicators down")
         self._stage("teardown", t)
         if bad:

@@ -8,7 +8,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from tpagent.jobs.api import REWIRE_FINAL, Ask, RewireFailed, RewireRecord, StartMove
+from tpagent.jobs.api import REWIRE_FINAL, Ask, Leaving, RewireFailed, RewireRecord, StartMove
+from tpagent.jobs.awaremove import AUTO, MODES, AwareRewire
 from tpagent.jobs.journal import RewireJournal, Unwritten
 from tpagent.jobs.rewire import Rewire
 from tpagent.migration.api import AgentError, JournalError, PeerStatus, Refused, SourceState, Why
@@ -19,12 +20,19 @@ log = logging.getLogger(__name__)
 
 class Rewires:
     """``ask`` reaches a rank through its agent; ``start_move`` admits one rank's migration;
-    ``run`` runs a rewire in a thread of the agent's."""
+    ``leaving`` the ranks here a model-aware move replaces; ``run`` runs a rewire in a thread of the agent's."""
 
     def __init__(
-        self, ctx: Context, journal: RewireJournal, ask: Ask, start_move: StartMove, run: Callable[[Rewire], None]
+        self,
+        ctx: Context,
+        journal: RewireJournal,
+        ask: Ask,
+        start_move: StartMove,
+        run: Callable[[Rewire], None],
+        leaving: Leaving,
     ) -> None:
         self.ctx = ctx
+        self.leaving = leaving
         self.journal = journal
         self.ask = ask
         self.start_move = start_move
@@ -37,13 +45,19 @@ class Rewires:
         with self.lock:
             return any(rw.job == job for rw in self.running.values())
 
-    def start(self, job: str, moving: dict[int, tuple[int, str]], dry_run: bool) -> Rewire:
-        """A rewire moving ``moving`` (rank -> (init PID here, target agent)) of ``job``, admitted
-        (one per job at a time) unless it is a dry run; :attr:`run` it."""
+    def start(self, job: str, moving: dict[int, tuple[int, str]], dry_run: bool, mode: str = AUTO) -> Rewire:
+        """A rewire moving ``moving`` (rank -> (init PID here, target agent)) of ``job`` in ``mode``
+        (:data:`~tpagent.jobs.awaremove.MODES`), admitted (one per job at a time) unless it is a dry
+        run; :attr:`run` it."""
+        if mode not in MODES:
+            raise Refused(f"{mode!r} is not a mode of moving ranks (give {', '.join(MODES)})", Why.INVALID)
         cfg = self.ctx.cfg
         log_to = Unwritten() if dry_run else self.journal
         record = RewireRecord.new(job, cfg.agent_address, moving)
-        rw = Rewire(record, self.ask, self.start_move, cfg.rewire_timeout, log_to, self._ended, dry_run)
+        record.mode = mode
+        rw = AwareRewire(
+            record, self.ask, self.start_move, cfg.rewire_timeout, log_to, self._ended, dry_run, leaving=self.leaving
+        )
         if not dry_run:
             self._admit(rw)
         return rw
@@ -81,7 +95,7 @@ class Rewires:
         """Finish each rewire a previous run of this agent left (see :mod:`tpagent.jobs.rewire`)."""
         cfg = self.ctx.cfg
         for record in self.journal.unfinished():
-            rw = Rewire(
+            rw = AwareRewire(
                 record,
                 self.ask,
                 self.start_move,
@@ -89,6 +103,7 @@ class Rewires:
                 self.journal,
                 self._ended,
                 settled=self.settled,
+                leaving=self.leaving,
             )
             try:
                 self._admit(rw)

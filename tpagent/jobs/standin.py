@@ -30,6 +30,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -292,6 +293,9 @@ class StandIn:
         self.wake = threading.Event()
         #: What is relayed: the rank's stdout (and stderr, if a file of its own).
         self.relays: dict[int, _Relay] = {}
+        #: Our own descriptors of the files the rank writes (1, 2): what its agent could not relay
+        #: (restarting as the rank ended) is read from them at the end.
+        self.files: dict[int, int] = {}
         if relay:
             self.relays[1] = _Relay(_size(stdout), sys.stdout.buffer)
             if stderr.absolute() != stdout.absolute():
@@ -323,9 +327,12 @@ class StandIn:
         if isinstance(self.agent, LocalAgent):
             out, err = (str(f.absolute()) for f in (self.stdout, self.stderr))
             start = Start(job, rank, tuple(self.cmd), renv, os.getcwd(), self.umask, out, err)
-            return self.agent.start(start), None
+            init = self.agent.start(start)
+            self._hold_files({1: out, 2: err})  # (the caller's own files, opened as the caller)
+            return init, None
         init, holder = launch.start(self.cmd, self.stdout, self.stderr, umask=self.umask, env=renv)
         self.init_ticks = proc.start_ticks(init)  # (signals reach that very process, never its PID's next)
+        self._hold_files({w: f"/proc/{init}/fd/{w}" for w in (1, 2)})  # (what its init holds: never a path)
         try:
             self.agent.rank(job, rank, P.Expect(pid=init), 30)
         except AgentError as e:
@@ -381,8 +388,25 @@ class StandIn:
             self.say(f"rank {rank} of job {job} is gone from {where.address} without an exit status")
             return 1
 
+    def _hold_files(self, names: dict[int, str]) -> None:
+        for which in self.relays:
+            with contextlib.suppress(OSError):
+                fd = os.open(names[which], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    self.files[which] = fd
+                else:
+                    os.close(fd)
+
     def _ended(self, where: RankAgent, job: str, rank: int, code: int) -> int:
         self._relay(where, job, rank)  # (the last of what it wrote)
+        if where is self.agent:  # (it ended on this node: what its agent did not relay is in its files)
+            for which, relay in self.relays.items():
+                fd = self.files.get(which)
+                while fd is not None and (data := os.pread(fd, 1 << 20, relay.offset)):
+                    with contextlib.suppress(OSError):
+                        relay.out.write(data)
+                        relay.out.flush()
+                    relay.offset += len(data)
         return code
 
     def _relay(self, where: RankAgent, job: str, rank: int) -> None:

@@ -420,6 +420,8 @@ class SourceMigration:
         if feed is not None and feed.fed:
             self.log.info("%.0f MiB of images went from CRIU straight to the transfer", feed.fed / 2**20)
         metrics.BYTES.labels("sent").inc(stats.bytes_wire)
+        self.timings["sent_bytes"] = float(stats.bytes_wire)  # (not a time: what crossed the network)
+        self.timings["image_bytes"] = float(stats.bytes_raw)
         self._check_cancel()
         return stats
 
