@@ -47,6 +47,7 @@ class Rank:
         self.ended = ""  # why the job cannot go on (the agent said so): a parked rank raises it
         self.torn = False
         self.leaving = False
+        self.came_back = False  # leaving, it was told to come back and did (a broken line reconnects at once)
         self.join = join.Joining() if env.JOIN else None  # a fresh process taking a rank's place
         self.quiet = self.join is not None  # its output goes nowhere until its first collective in the job
         self.retired = False  # its joiner has its place: it ends at its next collective or step
@@ -204,7 +205,8 @@ class Rank:
     def _connection(self) -> None:
         warned = False
         while os.getpid() == self.pid and not self.closing.is_set():
-            if self.leaving and not os.path.exists(os.path.join(P.GO_DIR, P.go_name(self.job, self.rank))):
+            go = os.path.join(P.GO_DIR, P.go_name(self.job, self.rank))
+            if self.leaving and not self.came_back and not os.path.exists(go):
                 self.closing.wait(0.1)  # (no socket until an agent says so: it may be freezing us)
                 continue
             s = self._connect()
@@ -246,6 +248,7 @@ class Rank:
                 self.closing.wait(0.5)  # (not registered yet: the agent says so; ask again)
                 return
             self.node = codec.decode(lines.Welcome, first).node
+            self.came_back = self.leaving  # (its agent spent the word that let it come: a break does not strand it)
             if not self.torn and self.join is None:  # (a joiner says so once it is in: rebuild)
                 self.tell_store()
             with self.write_lock:

@@ -33,6 +33,8 @@ MAC = 32
 PIECE = 8 << 20
 #: How long one peer may take to prove the secret (a stranger who says nothing is let go).
 PROOF_TIMEOUT = 10.0
+#: Peers proving the secret at once; more are turned away as they connect.
+PROVERS = 16
 
 
 def valid_secret(secret: str) -> bool:
@@ -75,18 +77,22 @@ def _copy(s: socket.socket, n: int, into: BinaryIO) -> bytes:
 
 class Offer:
     """``data`` (bytes, or a map of a file: closed once served) served once, from ``host``,
-    until ``timeout`` passes; ``port`` is where."""
+    until ``timeout`` passes; ``port`` is where.  Peers prove the secret in parallel (at most
+    :data:`PROVERS` at once, each within :data:`PROOF_TIMEOUT`): a crowd of silent ones does not
+    hold the rightful one back."""
 
     def __init__(self, data: Any, host: str, secret: str, timeout: float) -> None:
         self.data = data
         self.secret = secret
         self.deadline = time.monotonic() + timeout
         self.taken = threading.Event()
+        self.sending = threading.Lock()  # (one peer at a time sends; the data is closed only after)
+        self.closed = False
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.listener = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             self.listener.bind((host, 0))
-            self.listener.listen(4)
+            self.listener.listen(64)
         except OSError:
             self.listener.close()
             raise
@@ -94,21 +100,35 @@ class Offer:
         threading.Thread(target=self._serve, name="tpagent-handover", daemon=True).start()
 
     def _serve(self) -> None:
+        provers = threading.BoundedSemaphore(PROVERS)
         try:
             while not self.taken.is_set() and (left := self.deadline - time.monotonic()) > 0:
-                self.listener.settimeout(left)
+                self.listener.settimeout(min(left, 1.0))
                 try:
                     conn, _ = self.listener.accept()
+                except TimeoutError:
+                    continue
                 except OSError:
-                    return  # (its time is up, or the listener was closed)
-                with conn, contextlib.suppress(OSError, ConnectionError):
-                    self._one(conn)
+                    return  # (the listener was closed: served, or given up)
+                if not provers.acquire(blocking=False):
+                    conn.close()  # (too many at once: a rightful peer is one of few)
+                    continue
+                threading.Thread(target=self._prove, args=(conn, provers), daemon=True).start()
         finally:
             self.listener.close()
-            data = self.data
-            self.data = b""
+            with self.sending:  # (a state being sent is sent whole first)
+                self.closed = True
+                data = self.data
+                self.data = b""
             if hasattr(data, "close"):
                 data.close()
+
+    def _prove(self, conn: socket.socket, provers: threading.BoundedSemaphore) -> None:
+        try:
+            with conn, contextlib.suppress(OSError, ConnectionError):
+                self._one(conn)
+        finally:
+            provers.release()
 
     def _one(self, conn: socket.socket) -> None:
         conn.settimeout(PROOF_TIMEOUT)
@@ -116,16 +136,24 @@ class Offer:
         conn.sendall(MAGIC + nonce)
         if not hmac.compare_digest(_exactly(conn, MAC), _mac(self.secret, b"load", nonce)):
             return
-        conn.settimeout(max(1.0, self.deadline - time.monotonic()))
-        digest = hashlib.sha256()
-        with memoryview(self.data) as view:
-            conn.sendall(struct.pack(">Q", len(view)))
-            for at in range(0, len(view), PIECE):
-                piece = view[at : at + PIECE]
-                conn.sendall(piece)
-                digest.update(piece)
-        conn.sendall(_mac(self.secret, b"state", nonce, digest.digest()))
-        self.taken.set()
+        if not self.sending.acquire(blocking=False):
+            return  # (another peer that proved it is being sent the state)
+        try:
+            if self.taken.is_set() or self.closed:
+                return
+            conn.settimeout(max(1.0, self.deadline - time.monotonic()))
+            digest = hashlib.sha256()
+            with memoryview(self.data) as view:
+                conn.sendall(struct.pack(">Q", len(view)))
+                for at in range(0, len(view), PIECE):
+                    with view[at : at + PIECE] as piece:  # (released here: the map is closed after)
+                        conn.sendall(piece)
+                        digest.update(piece)
+            conn.sendall(_mac(self.secret, b"state", nonce, digest.digest()))
+            self.taken.set()
+        finally:
+            self.sending.release()
+        self.close()  # (served once: it listens no more)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

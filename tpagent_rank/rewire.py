@@ -42,6 +42,7 @@ def teardown(rank: Rank, request: P.Teardown) -> P.TornDown:
     with rank.cond:
         rank.torn = True
         rank.leaving = request.leaving
+        rank.came_back = False  # (leaving: it connects again only once its agent says so)
     return P.TornDown(closed=closed)
 
 

@@ -138,3 +138,11 @@ def test_aware_benchmark_hands_the_whole_state_over(tmp_path: Path) -> None:
     assert row["state_bytes"] > 3 * (8 << 20) * 0.9  # (the parameters and Adam's two moments)
     assert row["process_anonymous_bytes"] > row["state_bytes"]
     assert row["aware_s"]["hand-over"] > 0 and row["naive_s"]["total"] > 0 and row["floor_s"]["socket"] > 0
+
+
+@needs_criu
+def test_aware_benchmark_moves_a_rank_between_agents_both_ways() -> None:
+    doc = _run("bench/aware.py", "--agents", "--widths", "64", "--repeats", "1")
+    (row,) = doc["rows"]  # type: ignore[misc]
+    assert 0 < row["aware_bytes"] < row["transparent_image_bytes"]
+    assert row["aware_stood_still_s"] > 0 and row["transparent_stood_still_s"] > 0 and row["aware_warmup_s"] > 0

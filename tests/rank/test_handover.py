@@ -1,7 +1,8 @@
 """The peer-to-peer hand-over of a training state (tpagent_rank.handover), attacked on loopback:
 only a peer that proves the move's secret gets the state, once; a state altered on the way, or
 of another size than its agent said, is refused; a peer that says nothing is let go and the
-offer stands; an offer nobody takes ends at its deadline."""
+offer stands, and a crowd of them does not hold the rightful peer back; an offer nobody takes
+ends at its deadline."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 
 import pytest
 
+from support.helpers import wait_until
 from tpagent_rank import handover, join
 
 STATE = secrets.token_bytes(3 * handover.PIECE + 12345)  # (several pieces, and a part of one)
@@ -53,6 +55,44 @@ def test_a_silent_peer_is_let_go_and_the_offer_stands(monkeypatch: pytest.Monkey
     with socket.create_connection((host, int(port))) as silent:
         silent.recv(len(handover.MAGIC) + handover.NONCE)
         assert _fetch(source, secret, len(STATE)) == STATE  # (once the silent one is let go)
+
+
+def test_a_crowd_of_silent_peers_does_not_hold_the_rightful_one_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Silent peers each hold their proof for as long as it may take (here 10 minutes): the
+    rightful peer is served beside them, not after them; past :data:`handover.PROVERS` at once
+    a peer is turned away as it connects, never queued behind the crowd."""
+    monkeypatch.setattr(handover, "PROOF_TIMEOUT", 600.0)
+    _offer_, secret, source = _offer()
+    host, port = source.split(":")
+    crowd = [socket.create_connection((host, int(port))) for _ in range(handover.PROVERS - 1)]
+    try:
+        for s in crowd:
+            _read(s, len(handover.MAGIC) + handover.NONCE)  # (each is being asked for its proof)
+        assert _fetch(source, secret, len(STATE), timeout=60) == STATE
+    finally:
+        for s in crowd:
+            s.close()
+    _offer_, secret, source = _offer()
+    host, port = source.split(":")
+    crowd = [socket.create_connection((host, int(port))) for _ in range(handover.PROVERS)]
+    try:
+        for s in crowd:
+            _read(s, len(handover.MAGIC) + handover.NONCE)
+        with pytest.raises(ConnectionError):  # (turned away at once; the crowd gives up...)
+            _fetch(source, secret, len(STATE), timeout=600)
+        for s in crowd:
+            s.close()
+        wait_until(lambda: _fetched(source, secret), "the offer to serve once the crowd left", 30)  # (...and it stands)
+    finally:
+        for s in crowd:
+            s.close()
+
+
+def _fetched(source: str, secret: str) -> bool:
+    try:
+        return _fetch(source, secret, len(STATE), timeout=30) == STATE
+    except ConnectionError:
+        return False
 
 
 def test_another_size_than_its_agent_said_is_refused() -> None:

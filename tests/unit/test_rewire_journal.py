@@ -54,6 +54,27 @@ def test_each_phase_is_written_before_it_takes_effect_and_read_back_whole(tmp_pa
     assert journal.unfinished() == []
 
 
+def test_a_model_aware_moves_joiners_and_the_ranks_it_kept_are_read_back(tmp_path: Path) -> None:
+    """What a restart needs to finish one (tpagent/jobs/awaremove.py): its mode, each joiner as it
+    started (written again in the same phase), the ranks whose joiners took their places."""
+    journal = RewireJournal(tmp_path / "rewires")
+    r = _record()
+    r.mode = "aware"
+    journal.move(r, Phase.PAUSING)
+    r.joiners = {1: 777}
+    journal.move(r, Phase.PAUSING, "rank 1 started on 10.0.0.2:7400")
+    assert phase_allowed(Phase.PAUSING, Phase.PAUSING)
+    journal.move(r, Phase.TEARDOWN)
+    r.kept = [1]
+    journal.move(r, Phase.TEARDOWN)
+    again = journal.read(RID)
+    assert again == r and (again.mode, again.joiners, again.kept) == ("aware", {1: 777}, [1])
+    older = _record().to_json()
+    for key in ("mode", "joiners", "kept"):
+        older.pop(key)  # (written by a tpagent before model-aware moves: a transparent one)
+    assert (RewireRecord.from_json(older).mode, RewireRecord.from_json(older).joiners) == ("transparent", {})
+
+
 def test_a_move_the_table_does_not_allow_is_refused_and_nothing_changes(tmp_path: Path) -> None:
     journal = RewireJournal(tmp_path / "rewires")
     r = _record()
