@@ -103,7 +103,7 @@ class AwareRewire(Rewire):
             self._start_joiners(specs)
             self._stage("warmup", t_request)
             step = self._boundary(agents, where)
-        except (RewireFailed, AgentError):
+        except Exception:  # (whatever it is, no joiner is left waiting for a state)
             self._drop_joiners()
             raise
         self._stage("boundary", t_request)
@@ -116,10 +116,14 @@ class AwareRewire(Rewire):
         for r in ranks:
             trial[r] = self.moving[r][1]
         t = time.monotonic()
-        bad = self._hand_over(agents, trial, step)
-        self._stage("handover", t)
-        if not bad:
-            bad = self._rebuild(trial, gen, final=False)
+        try:
+            bad = self._hand_over(agents, trial, step)
+            self._stage("handover", t)
+            if not bad:
+                bad = self._rebuild(trial, gen, final=False)
+        except Exception as e:  # (a bug: the ranks are parked, torn down; they rebuild where they stood)
+            self.log.exception("the hand-over failed unexpectedly")
+            bad = [f"internal error: {e}"]
         if bad:
             return self._stay(agents, gen, bad)
         self.record.kept = ranks
