@@ -63,12 +63,13 @@ class AwareRewire(Rewire):
 
     def _run(self) -> tuple[Outcome, int]:
         agents = self._agents()
+        t_request = time.monotonic()
         where = self.ranks.where(agents, "; nothing was changed")
         if self.record.mode == AUTO:
             self.record.mode = "aware" if all(where[r].aware for r in self.moving) else "transparent"
         if not self.aware:
-            return super()._run()
-        return self._run_aware(agents, where)
+            return self._move_images(agents, where, t_request)  # (the ranks asked once, whichever mode)
+        return self._run_aware(agents, where, t_request)
 
     def _problems(self, where: dict[int, P.Standing]) -> tuple[list[str], dict[int, P.Join]]:
         ranks = sorted(self.moving)
@@ -87,8 +88,7 @@ class AwareRewire(Rewire):
                 problems.append(f"rank {r} cannot be started elsewhere: {str(e).rstrip('.')}")
         return problems, specs
 
-    def _run_aware(self, agents: list[str], where: dict[int, P.Standing]) -> tuple[Outcome, int]:
-        t_request = time.monotonic()
+    def _run_aware(self, agents: list[str], where: dict[int, P.Standing], t_request: float) -> tuple[Outcome, int]:
         ranks = sorted(self.moving)
         problems, specs = self._problems(where)
         if self.dry_run:

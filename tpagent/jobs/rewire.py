@@ -1,6 +1,6 @@
-"""Moving ranks of a running distributed job: every rank stops at one step boundary, all tear
-their communicators down, the moving ranks migrate (the ordinary path: :mod:`tpagent.migration.source`),
-and all build new communicators under a new generation before step S+1 runs.
+"""Moving ranks of a running distributed job: every rank stops at one step boundary, all tear their
+communicators down, the moving ranks migrate (the ordinary path: :mod:`tpagent.migration.source`), and all
+build new communicators under a new generation before step S+1 runs.
 
 The moving ranks' source agent runs it; it reaches every rank through the rank's own agent (the
 ``Rank`` call), found in the job's store (each rank keeps its agent's address there), with the rank
@@ -15,16 +15,15 @@ protocol's requests (:mod:`tpagent_rank.protocol`; a model-aware move: :mod:`.aw
     rebuild   every rank, at once, under generation G+1 (on the node each now runs on)
     resume    step S+1      (a rank that cannot rebuild, e.g. dead: every other rank is told to end)
 
-Nothing is lost: before the teardown a failure cancels the pause (the job goes on untouched);
-after it, a moving rank whose migration rolled back rebuilds where it was; every wait has a
-deadline (``rewire_timeout``), and a rank that died is named in one sentence.
+Nothing is lost: before the teardown a failure cancels the pause (the job goes on untouched); after it, a moving
+rank whose migration rolled back rebuilds where it was; every wait has a deadline (``rewire_timeout``), and a rank
+that died is named in one sentence.
 
-Where a rewire stands is written down before each phase (the phases and their table:
-:mod:`tpagent.jobs.api`; the journal: :mod:`tpagent.jobs.journal`), so that one killed half-way
-is finished when the agent starts again (:meth:`.rewires.Rewires.recover`): before the teardown it cancels
-the pause; after it, it waits for each moving rank's migration to be settled by the migrations'
-journal (its original resumed here, or its copy running on the target) and rebuilds every rank
-where it now runs.
+Where a rewire stands is written down before each phase (the phases and their table: :mod:`tpagent.jobs.api`;
+the journal: :mod:`tpagent.jobs.journal`), so that one killed half-way is finished when the agent starts
+again (:meth:`.rewires.Rewires.recover`): before the teardown it cancels the pause; after it, it waits for
+each moving rank's migration to be settled by the migrations' journal (its original resumed here, or its
+copy running on the target) and rebuilds every rank where it now runs.
 """
 
 from __future__ import annotations
@@ -122,10 +121,9 @@ class Rewire:
     def cancel(self, reason: str) -> bool:
         self.cancel_reason = reason
         self.cancelled.set()  # (no rank that has not started moving will)
-        if self.moves:  # past the teardown, the migrations decide (they may already be pinned)
-            taken = [m.cancel(reason) for m in self.moves.values()]  # (every one asked, whatever the first says)
-            return all(taken)
-        return True
+        # Past the teardown the migrations decide (they may already be pinned): every one is asked
+        # (a list, not a generator: whatever the first says), and none started means taken.
+        return all([m.cancel(reason) for m in self.moves.values()])
 
     # ---- the run ------------------------------------------------------------------------------
 
@@ -219,10 +217,12 @@ class Rewire:
         return agents
 
     def _run(self) -> tuple[Outcome, int]:
-        ranks = sorted(self.moving)
         agents = self._agents()
         t_request = time.monotonic()
-        where = self.ranks.where(agents, "; nothing was changed")
+        return self._move_images(agents, self.ranks.where(agents, "; nothing was changed"), t_request)
+
+    def _move_images(self, agents: list[str], where: dict[int, P.Standing], t_request: float) -> tuple[Outcome, int]:
+        ranks = sorted(self.moving)
         problems = cannot_move(ranks, where)
         if self.dry_run:
             return self._dry_run(agents, where, problems)
