@@ -3,6 +3,7 @@ route and the floor, at a few model sizes.
 
     python bench/aware.py [--sizes-mib 16,128,512] [--repeats 3] [--dir /var/tmp] [--json-out F] [--gpu]
     python bench/aware.py --agents [--widths 64,65536,1048576] [--repeats 3]   (as root)
+    python bench/aware.py --lost [--widths 64,65536,1048576] [--repeats 3]     (as root)
 
 For a model of about SIZE MiB of fp32 parameters (Linear layers) with its Adam state (twice as
 much again, taken after one step), registered as a script registers it (tpagent_rank.register),
@@ -19,6 +20,8 @@ in this process (the leaving rank's model, and a second one as the joiner's):
 
 With ``--agents``: whole moves between agents on namespace nodes instead, model-aware beside
 transparent, of the same rank of a running torchrun job (``bench/aware_moves.py`` says how).
+With ``--lost``: unplanned recovery, a node of a running job killed outright and the job rebuilt
+from its replicas, its time split into stages beside the naive relaunch (``bench/aware_lost.py``).
 
 Bytes: the state handed over, beside what a transparent move of the same rank would carry at
 the least: the process's anonymous memory as it holds the model (smaps_rollup ``Anonymous``;
@@ -42,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import arguments, emit  # noqa: E402
-from tpagent_rank import aware, handover, join  # noqa: E402
+from tpagent_rank import aware, handover  # noqa: E402
 
 
 def _model(size_mib: int, device: str) -> tuple[Any, Any]:
@@ -85,14 +88,14 @@ def _aware(device: str) -> dict[str, float]:
     """As the ranks do it (tpagent_rank.join): saved into a file in memory, offered from a map
     of it, fetched into another, loaded from that one mapped."""
     t0 = time.perf_counter()
-    with join.memory_file() as out:
+    with aware.memory_file() as out:
         n = aware.write_state(out)
         out.flush()
         data = mmap.mmap(out.fileno(), n, prot=mmap.PROT_READ)
     t1 = time.perf_counter()
     secret = secrets.token_hex(32)
     offer = handover.Offer(data, "127.0.0.1", secret, timeout=600)
-    with join.memory_file() as got:
+    with aware.memory_file() as got:
         handover.fetch(f"127.0.0.1:{offer.port}", secret, n, got, timeout=600)
         got.flush()
         t2 = time.perf_counter()
@@ -181,8 +184,15 @@ def main() -> None:
     ap = arguments(__doc__ or "", "16,128,512", gpu=True)
     ap.set_defaults(dir=Path("/var/tmp"))
     ap.add_argument("--agents", action="store_true", help="whole moves between agents, aware beside transparent")
-    ap.add_argument("--widths", default="64,65536,1048576", help="with --agents: the job's MLP widths")
+    ap.add_argument("--lost", action="store_true", help="unplanned recovery: a node killed, the job rebuilt")
+    ap.add_argument("--widths", default="64,65536,1048576", help="with --agents, --lost: the job's MLP widths")
     args = ap.parse_args()
+    if args.lost:
+        from bench import aware_lost
+
+        rows = aware_lost.run([int(w) for w in args.widths.split(",")], args.repeats)
+        emit(args, {"bench": "aware-lost", "repeats": args.repeats, "rows": rows})
+        return
     if args.agents:
         from bench import aware_moves
 

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from tpagent_rank import codec, ending, env, join, lines, rewire
+from tpagent_rank import codec, ending, env, join, lines, recover, rewire
 from tpagent_rank import protocol as P
 from tpagent_rank.notice import PREFIX, say
 
@@ -52,6 +52,9 @@ class Rank:
         self.quiet = self.join is not None  # its output goes nowhere until its first collective in the job
         self.retired = False  # its joiner has its place: it ends at its next collective or step
         self.retire_answered = threading.Event()
+        self.held: recover.Held | None = None  # the state of its last step boundary (a registered rank's)
+        self.in_step = False  # the training thread is inside an optimizer step
+        self.restarting = False  # its held state is being taken: it enters no optimizer step
         self.chore: Callable[[], object] | None = None  # to run on the parked training thread
         self.chore_error: str | None = None
         self.times: deque[float] = deque(maxlen=20)
@@ -83,6 +86,7 @@ class Rank:
             P.Op.RESUME: self._resume,
             P.Op.END: lambda r: ending.end(self, r),
             P.Op.RETIRE: lambda _r: join.retire(self),
+            P.Op.RESTART: self._restart,
         }
 
     # ---- the training thread ---------------------------------------------------------------
@@ -96,6 +100,10 @@ class Rank:
         with self.cond:
             self.step += 1
             self.times.append(time.monotonic())
+        from tpagent_rank import backend
+
+        recover.capture(self, len(backend.GROUPS.live()))
+        with self.cond:
             if self.stop_at is not None and self.unit == P.Unit.STEP and self.step >= self.stop_at:
                 self.park(f"step {self.step}")
 
@@ -316,6 +324,8 @@ class Rank:
         self._reply(rid, answer, tail, on)
         if isinstance(request, P.Retire):
             self.retire_answered.set()  # (it ends only once its agent has this)
+        if isinstance(request, P.Restart) and answer.ok:
+            recover.restart(self)
 
     def _load(self, rid: object, request: P.Load, given: BinaryIO | None, on: socket.socket) -> None:
         joining = self.join
@@ -392,6 +402,8 @@ class Rank:
                 aware=aware.registration() is not None,
                 replicas=replicas or (),
                 no_replicas=aware.why_no_replicas() if replicas is None else "",
+                held=self.held.step if self.held is not None else -1,
+                broken=recover.BROKEN.why,
             )
 
     def _peers(self, _: P.Peers) -> P.Agents:
@@ -420,6 +432,10 @@ class Rank:
                     error = f"it did not reach {self.unit} {self.stop_at} in time (at {at})"
                     return P.AtBoundary(ok=False, error=error)
             return P.AtBoundary(step=self.step, collectives=self.collectives)
+
+    def _restart(self, _: P.Restart) -> P.Answer:
+        taken = recover.held_file(self)
+        return P.failed(taken) if isinstance(taken, str) else P.Answer()
 
     def _cancel(self, _: P.Cancel) -> P.Answer:
         return self._go_on()

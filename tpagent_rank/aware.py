@@ -12,7 +12,10 @@ One import and one call, once the model and optimizer exist::
     )
 
 ``save`` returns the rank's training state as it stands at a step boundary; ``load`` takes such
-a value (from this rank or from a replica of it) and puts it in place.  The runtime calls both on
+a value (from this rank or from a replica of it) and puts it in place.  A lost rank is rebuilt
+from a replica's (unplanned recovery, :mod:`tpagent_rank.recover`), so the state is what the
+replicas share (model, optimizer, step): the rank's own data position and RNG draw from its step
+and its rank, as after a checkpoint rank 0 wrote.  The runtime calls both on
 the training thread, at a step boundary only.  The state is made of tensors, numbers, strings,
 ``None``, and lists, tuples and dicts of them: what torch's safe loader reads (a state from
 another process is never unpickled as arbitrary objects).
@@ -189,6 +192,11 @@ def settling() -> bool:
     )
 
 
+def memory_file() -> BinaryIO:
+    """A file in memory (a memfd), read and written from its start."""
+    return os.fdopen(os.memfd_create("tpagent-state", os.MFD_CLOEXEC), "w+b")
+
+
 def write_state(out: BinaryIO) -> int:
     """The registered state, as ``save`` returns it now, serialized into ``out`` (streamed: a
     GPU tensor is copied to host memory as it is written, never to a file unless ``out`` is one).
@@ -196,10 +204,15 @@ def write_state(out: BinaryIO) -> int:
     reg = registration()
     if reg is None:
         raise LookupError("this rank registered no training state (tpagent_rank.register)")
+    return write_state_of(reg.save(), out)
+
+
+def write_state_of(state: State, out: BinaryIO) -> int:
+    """``state`` (as ``save`` returned it) serialized into ``out``; the bytes written."""
     import torch
 
     counted = _Counted(out)
-    torch.save(reg.save(), counted)  # type: ignore[arg-type]  # (any writer will do)
+    torch.save(state, counted)  # type: ignore[arg-type]  # (any writer will do)
     return counted.n
 
 

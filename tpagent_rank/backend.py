@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from tpagent_rank import env, nccladdr, owned
+from tpagent_rank import aware, env, nccladdr, owned, recover
 
 NAME = "tpagent"
 #: The backends that exist for each device type (what the user's spec named).
@@ -107,6 +107,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         self._front: Any = None  # a plain ProcessGroup over the inner backends (see _front_over)
         self._first: dict[int, int] | None = None  # the sockets before an NCCL backend's first collective
         self._armed = False  # the collective being forwarded is NCCL's (then _first is used)
+        self._gloo = False  # the collective being forwarded is gloo's (a failure is held: recover)
         self._works: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._wanted = GROUPS.gen  # the generation its inner backends are to be (-1: none, torn down)
@@ -193,10 +194,12 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         if BEFORE:  # (each collective starts here: the rank may park before it)
             BEFORE[0](self)
         if self._solo is not None:
+            self._gloo = False
             return self._solo
         only = self._only  # (one reference read: swapped whole by _build and teardown)
         if only is not None:
             self._armed = self._first is not None
+            self._gloo = "gloo" in self._spec.values()  # (one backend for all: gloo, or NCCL)
             return only
         t = tensors
         while isinstance(t, list | tuple):
@@ -205,6 +208,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
             t = t[0]
         kind = t.device.type if isinstance(t, torch.Tensor) else "cpu"
         self._armed = self._first is not None and kind == "cuda"
+        self._gloo = self._spec.get(kind, self._spec.get("cpu")) == "gloo"
         return self._inner_for(kind)
 
     def _inner_for(self, kind: str, what: str = "a collective") -> Any:
@@ -234,6 +238,8 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
             self._first = None
             self._armed = False
             owned.note_since(first)
+        if work is not None and self._gloo and aware.registration() is not None:
+            return recover.holding(work)  # (its failure is held from the script while the job may recover)
         return work
 
     # ---- collectives: each forwarded as it is -------------------------------------------------

@@ -38,6 +38,9 @@ def end(rank: Rank, request: P.End) -> P.Answer:
     with rank.cond:
         rank.ended = why
         rank.cond.notify_all()
+    from tpagent_rank import recover
+
+    recover.BROKEN.give_up(why)  # (a collective held for a recovery that does not come raises)
     if request.grace > 0:
         from tpagent_rank import backend
 

@@ -22,9 +22,9 @@ def group_created(group: Any, store: Any, rank: int, size: int, spec: str | None
     global RANK
     if RANK is not None:
         return
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    from tpagent_rank import backend, owned
+    from tpagent_rank import backend, owned, recover
     from tpagent_rank import store as stores
 
     owned.note(stores.held(store))  # (a forked child lets go of them)
@@ -32,11 +32,20 @@ def group_created(group: Any, store: Any, rank: int, size: int, spec: str | None
     job = P.job_id(os.environ)
     RANK = Rank(job, rank, size, store, spec, name)
     RANK.group = group
+    recover.BROKEN.rank = RANK
+    register_optimizer_step_pre_hook(lambda opt, args, kwargs: _before_step())
     register_optimizer_step_post_hook(lambda opt, args, kwargs: _after_step())
     backend.BEFORE.append(_before_collective)
     os.register_at_fork(after_in_child=_forget)
     atexit.register(RANK.stop)  # (registered after the backends' release_all: it runs before it)
     RANK.start()
+
+
+def _before_step() -> None:
+    if RANK is not None and RANK.pid == os.getpid() and RANK.join is None:
+        from tpagent_rank import recover
+
+        recover.before_step(RANK)
 
 
 def _after_step() -> None:
@@ -66,3 +75,6 @@ def _forget() -> None:
         with contextlib.suppress(OSError):
             os.close(RANK.sock.detach())
     RANK = None
+    from tpagent_rank import recover
+
+    recover.BROKEN.rank = None

@@ -99,6 +99,11 @@ class Joining:
         self.payload: BinaryIO | None = None  # (a file in memory: closed once read)
         self.outcome: str | None = None  # "" taken; else why not
         self.answered = threading.Event()  # its agent has the answer to its load
+        from tpagent_rank import recover
+
+        inherited = recover.inherited()  # (a rank restarted in its own process: the state it held)
+        if inherited is not None:
+            self.request, self.payload = inherited
 
     def stepped(self, rank: Rank) -> None:
         """The training thread, at an optimizer step post-hook of the joiner."""
@@ -141,7 +146,7 @@ class Joining:
     @staticmethod
     def _stand(rank: Rank, request: P.Load) -> None:
         """Stand as the rank replaced stood: parked at its step, communicators to be built."""
-        from tpagent_rank import backend
+        from tpagent_rank import backend, recover
 
         rank.join = None
         rank.step = request.step
@@ -150,6 +155,8 @@ class Joining:
         rank.unit = P.Unit.STEP.value
         rank.torn = True
         backend.joined()
+        # What it took is the state it holds, should its job lose a rank again.
+        recover.capture(rank, len(backend.GROUPS.live()))
         rank.park(f"step {rank.step}")
 
     def load(self, rank: Rank, request: P.Load, payload: BinaryIO) -> P.Answer:
@@ -174,19 +181,26 @@ class Joining:
 
 
 def save(rank: Rank, request: P.Save) -> tuple[P.Saved, bytes]:
-    """A parked rank's registered state (its ``save``, run on the training thread): offered to
+    """A parked rank's registered state (its ``save``, run on the training thread), or
+    (``held``) the state it holds of its last boundary (:mod:`tpagent_rank.recover`): offered to
     its joiner (:mod:`tpagent_rank.handover`), or returned to follow the answer's line."""
-    from tpagent_rank import aware, handover
+    from tpagent_rank import aware, backend, handover, recover
 
     if request.listen and not handover.valid_secret(request.secret):
         return P.Saved(ok=False, error="a state offered on the network needs a secret of 32 to 128 hex digits"), b""
     if aware.registration() is None:
         return P.Saved(ok=False, error="it registered no training state (tpagent_rank.register)"), b""
+    if request.held:
+        taken = recover.held_file(rank)
+        if isinstance(taken, str):
+            return P.Saved(ok=False, error=taken), b""
+        held, out = taken  # (kept open: the process it restarts as takes it too)
+        size = os.fstat(out.fileno()).st_size
+        saved = P.Saved(size=size, step=held.step, collectives=held.collectives, groups=held.groups)
+        return _offered(saved, out, request)
     if rank.unit != P.Unit.STEP.value:
         return P.Saved(ok=False, error="a state is taken at an optimizer step; it stopped at a collective"), b""
-    from tpagent_rank import backend
-
-    with memory_file() as out:  # (in memory, never on a disk; mapped, not copied, to be sent)
+    with aware.memory_file() as out:  # (in memory, never on a disk; mapped, not copied, to be sent)
         error = rank.on_training_thread(lambda: aware.write_state(out))
         if error:
             return P.Saved(ok=False, error=error), b""
@@ -194,10 +208,16 @@ def save(rank: Rank, request: P.Save) -> tuple[P.Saved, bytes]:
         groups = len(backend.GROUPS.live())
         with rank.cond:
             saved = P.Saved(size=out.tell(), step=rank.step, collectives=rank.collectives, groups=groups)
-        if not request.listen:
-            out.seek(0)
-            return saved, out.read()
-        data = mmap.mmap(out.fileno(), saved.size, prot=mmap.PROT_READ) if saved.size else b""
+        return _offered(saved, out, request)
+
+
+def _offered(saved: P.Saved, out: BinaryIO, request: P.Save) -> tuple[P.Saved, bytes]:
+    """The state in ``out`` offered on ``request.listen``, or to follow the answer's line."""
+    from tpagent_rank import handover
+
+    if not request.listen:
+        return saved, os.pread(out.fileno(), saved.size, 0)
+    data = mmap.mmap(out.fileno(), saved.size, prot=mmap.PROT_READ) if saved.size else b""
     try:
         offer = handover.Offer(data, request.listen, request.secret, request.timeout)
     except OSError as e:
@@ -207,11 +227,6 @@ def save(rank: Rank, request: P.Save) -> tuple[P.Saved, bytes]:
     return dataclasses.replace(saved, port=offer.port), b""
 
 
-def memory_file() -> BinaryIO:
-    """A file in memory (a memfd), read and written from its start."""
-    return os.fdopen(os.memfd_create("tpagent-state", os.MFD_CLOEXEC), "w+b")
-
-
 def fetched(request: P.Load) -> BinaryIO:
     """The state a joiner is told to fetch (:mod:`tpagent_rank.handover`), in a file in memory;
     ValueError or OSError."""
@@ -219,7 +234,9 @@ def fetched(request: P.Load) -> BinaryIO:
 
     if not handover.valid_secret(request.secret) or request.source.count(":") < 1:
         raise ValueError("a state fetched from the network needs its HOST:PORT and a secret of 32 to 128 hex digits")
-    into = memory_file()
+    from tpagent_rank import aware
+
+    into = aware.memory_file()
     try:
         handover.fetch(request.source, request.secret, request.size, into, timeout=60.0)
         into.flush()
@@ -268,7 +285,9 @@ def exactly(f: Any, size: int) -> BinaryIO:
     in memory, read a piece at a time."""
     if not 0 <= size <= P.STATE_MAX:
         raise ValueError(f"a state of {size} bytes")
-    into = memory_file()
+    from tpagent_rank import aware
+
+    into = aware.memory_file()
     left = size
     while left:
         piece = f.read(min(left, 8 << 20))

@@ -45,6 +45,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
+# isort: off
+from tpagent_rank.answers import (  # the answers, re-exported
+    Agents as Agents,
+    Answer as Answer,
+    AtBoundary as AtBoundary,
+    Located as Located,
+    Paused as Paused,
+    RankRow as RankRow,
+    Ranks as Ranks,
+    RankState as RankState,
+    Recovered as Recovered,
+    Saved as Saved,
+    Standing as Standing,
+    TornDown as TornDown,
+    Unit as Unit,
+    Whereabouts as Whereabouts,
+    Written as Written,
+    failed as failed,
+)
+# isort: on
+
 #: The longest line either side sends or reads.
 LINE_MAX = 64 * 1024
 #: The most of a rank's output one ``output`` request reads.
@@ -62,10 +83,13 @@ AGENT_KEY = "tpagent/agent/"
 #: Where the job's identity is agreed in its store: the first rank to connect to its agent puts a
 #: fresh random value there, every rank reads the one that stands (see :data:`ASKED_FREELY`).
 JOB_KEY = "tpagent/job-key"
-#: The environment variables a job's id is read from, in order (else :data:`DEFAULT_JOB`).
 #: Set to "1" in the environment of a fresh process of a rank's command that is to take the
 #: rank's place with its training state (a model-aware move: :mod:`tpagent_rank.join`).
 JOIN_VARIABLE = "TPAGENT_RANK_JOIN"
+#: Set by a rank restarting in its own process (:class:`Restart`) for the process it becomes: where
+#: the state it held is (a descriptor it keeps open across ``exec``) and where it stood.
+STATE_VARIABLE = "TPAGENT_RANK_STATE"
+#: The environment variables a job's id is read from, in order (else :data:`DEFAULT_JOB`).
 JOB_VARIABLES = ("TPAGENT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 DEFAULT_JOB = "job"
 
@@ -101,6 +125,7 @@ class Op(str, enum.Enum):
     SAVE = "save"  # a parked rank's registered training state: ``size`` bytes follow the answer's line
     LOAD = "load"  # a joining rank takes that state (``size`` bytes follow the request's line) as step ``step``
     RETIRE = "retire"  # a rank whose joiner took its place: finish the step, end at its next collective
+    RESTART = "restart"  # a rank whose job lost a rank: its command again, in its process, from its last boundary
     # Answered by the agent.
     EXPECT = "expect"  # the rank's launched namespace here has its init at ``pid`` (registers it)
     MOVED = "moved"  # the rank went to the agent at ``to``
@@ -111,11 +136,14 @@ class Op(str, enum.Enum):
     JOBS = "jobs"  # every rank of every job on the node
     LOST = "lost"  # a node running ranks of the job is lost: each rank of it here ends if it waits on it
     JOIN = "join"  # start a fresh process of the rank's command here, to take its state (model-aware move)
+    RECOVER = "recover"  # ranks of the job were lost with a node: rebuild them on a spare from their replicas
 
 
-RUNTIME_OPS = frozenset(
-    {Op.WHERE, Op.PEERS, Op.PAUSE, Op.BOUNDARY, Op.CANCEL, Op.TEARDOWN, Op.REBUILD, Op.RESUME, Op.END, Op.RETIRE}
+#: Answered by the agent itself (the rest by the rank's runtime, or its state's: :data:`STATE_OPS`).
+AGENT_OPS = frozenset(
+    {Op.EXPECT, Op.MOVED, Op.RELEASE, Op.LOCATE, Op.SIGNAL, Op.OUTPUT, Op.JOBS, Op.LOST, Op.JOIN, Op.RECOVER}
 )
+RUNTIME_OPS = frozenset(Op) - AGENT_OPS - {Op.SAVE, Op.LOAD}
 #: Answered by the rank's runtime, asked only by the rank's own agent on its line, where the
 #: training state follows the line as raw bytes (:data:`STATE_MAX` at most); between agents the
 #: state travels by a stream of its own, never inside a Rank call.
@@ -128,138 +156,6 @@ STATE_MAX = 1 << 40
 #: refuses it: a job's store, which anyone who reaches it may write, says where each rank's
 #: agent is, and must not be able to steer a rewire onto an unrelated job of the same name.
 ASKED_FREELY = frozenset({Op.WHERE, Op.PEERS})
-
-
-class Unit(str, enum.Enum):
-    """What a pause's ``at`` counts."""
-
-    STEP = "step"  # optimizer steps (once any rank has taken one)
-    COLLECTIVE = "collective"  # the default group's collectives (a job with no optimizer)
-
-
-class RankState(str, enum.Enum):
-    """Where a rank's runtime stands."""
-
-    RUNNING = "running"
-    PAUSED = "paused"
-    TORN_DOWN = "torn_down"
-    JOINING = "joining"  # a fresh process of a rank's command, warming up on its own (model-aware move)
-    WAITING = "waiting"  # that process, warmed up, waiting at a step boundary for a rank's state
-
-
-class Whereabouts(str, enum.Enum):
-    """Where a rank is, as its agent knows (:class:`Located`)."""
-
-    HERE = "here"  # it runs on this node (``pid``: its namespace's init)
-    MOVED = "moved"  # it went to ``node`` (an agent address)
-    EXITED = "exited"  # it ended here with ``code``
-    MOVING = "moving"  # it ended here while its job is being rewired (its copy is not yet known)
-    GONE = "gone"  # it ended without a status
-
-
-# ---- answers ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Answer:
-    """Every answer: whether it was done, and if not, why (one clause)."""
-
-    ok: bool = True
-    error: str = ""
-
-
-def failed(error: str) -> Answer:
-    return Answer(ok=False, error=error)
-
-
-@dataclass(frozen=True)
-class Standing(Answer):
-    step: int = 0
-    collectives: int = 0
-    gen: int = 0
-    state: str = RankState.RUNNING.value
-    rate: float = 0.0  # optimizer steps per second, lately
-    collective_rate: float = 0.0
-    groups: int = 0  # live delegating groups
-    nccl_host: str = ""  # the host identity its NCCL read once ("": no NCCL)
-    nccl_ras: bool = False  # its NCCL runs the RAS thread (it cannot move)
-    host: str = ""  # the host it runs on (name|boot id)
-    hosts_store: str = ""  # HOST:PORT of the job's store if it serves it itself ("": it does not)
-    store_loopback: str = ""  # HOST:PORT of the store if reached at a loopback address
-    aware: bool = False  # it registered its training state (tpagent_rank.register)
-    replicas: tuple[int, ...] = ()  # the global ranks holding the same state, itself included (): none known
-    no_replicas: str = ""  # why none are known
-
-
-@dataclass(frozen=True)
-class Agents(Answer):
-    agents: tuple[str, ...] = ()  # rank -> its agent's address ("": it has not said)
-    key: str = ""  # the identity of the rank asked (its agent's word: its user, its JOB_KEY)
-
-
-@dataclass(frozen=True)
-class Paused(Answer):
-    late: bool = False  # it is past the step asked for (then not ok)
-
-
-@dataclass(frozen=True)
-class AtBoundary(Answer):
-    step: int = 0
-    collectives: int = 0
-
-
-@dataclass(frozen=True)
-class TornDown(Answer):
-    closed: int = 0  # store connections let go (leaving)
-
-
-@dataclass(frozen=True)
-class Saved(Answer):
-    """The state (:func:`tpagent_rank.aware.write_state`), ``size`` bytes: offered at ``port``
-    (:mod:`tpagent_rank.handover`), or, asked with no ``listen``, following the answer's line."""
-
-    size: int = 0
-    step: int = 0  # where it stands: its optimizer steps, its default group's collectives
-    collectives: int = 0
-    port: int = 0
-    groups: int = 0  # its live process groups (a joiner must have made as many)
-
-
-@dataclass(frozen=True)
-class Located(Answer):
-    state: str = Whereabouts.GONE.value
-    pid: int = 0  # here: its namespace's init
-    node: str = ""  # moved: the agent it went to
-    code: int = 0  # exited: its status
-
-
-@dataclass(frozen=True)
-class Written(Answer):
-    data: bytes = b""
-    size: int = 0  # the file's size now (-1: it is not read here, having moved on or ended)
-
-
-@dataclass(frozen=True)
-class RankRow:
-    """One rank on a node, for ``tpagent node``."""
-
-    job: str
-    rank: int
-    world: int = 0
-    pid: int = 0
-    gen: int = 0
-    step: int = 0
-    connected: bool = False
-    moved_to: str = ""
-    collectives: int = 0
-    state: str = ""
-    aware: bool = False  # it registered its training state
-    replicas: tuple[int, ...] = ()  # the global ranks holding the same state, itself included (): none known
-
-
-@dataclass(frozen=True)
-class Ranks(Answer):
-    ranks: tuple[RankRow, ...] = ()
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -349,6 +245,7 @@ class Save(Request[Saved]):
     listen: str = ""
     secret: str = ""
     timeout: float = 60.0
+    held: bool = False  # the state held at its last step boundary (Standing.held), not parked: unplanned recovery
 
 
 @dataclass(frozen=True)
@@ -373,6 +270,16 @@ class Retire(Request[Answer]):
     stands), and ends at its next collective or step, before any of it runs."""
 
     OP = Op.RETIRE
+
+
+@dataclass(frozen=True)
+class Restart(Request[Answer]):
+    """A rank whose job lost a rank (unplanned recovery, :mod:`tpagent_rank.recover`): its process
+    runs its command again from its start (``exec``, the same PID), takes the state it held at its
+    last step boundary (``Standing.held``) once warmed up, and stands there, its communicators to be
+    built (``rebuild``): the step in flight is dropped, and done again."""
+
+    OP = Op.RESTART
 
 
 @dataclass(frozen=True)
@@ -454,6 +361,22 @@ class Join(Request[Located]):
     owner: int = -1
 
 
+@dataclass(frozen=True)
+class Recover(Request[Recovered]):
+    """(The orchestrator's, of the agent of a rank of the job.)  Ranks ``ranks`` of the job were
+    lost with the node of agent ``node``: this agent rebuilds the job from their replicas
+    (:mod:`tpagent.jobs.recovery`), each lost rank's command started on the agent at ``spare``.
+    Answered once the job runs on; failed with why (then the job's ranks are told to end, as
+    :class:`Lost` would have them: one stalled ``grace`` seconds breaks off)."""
+
+    OP = Op.RECOVER
+    ANSWER = Recovered
+    node: str
+    ranks: tuple[int, ...]
+    spare: str
+    grace: float
+
+
 REQUESTS: Mapping[Op, type[Request[Any]]] = {
     cls.OP: cls
     for cls in (
@@ -469,6 +392,7 @@ REQUESTS: Mapping[Op, type[Request[Any]]] = {
         Save,
         Load,
         Retire,
+        Restart,
         Expect,
         Moved,
         Release,
@@ -478,5 +402,6 @@ REQUESTS: Mapping[Op, type[Request[Any]]] = {
         Jobs,
         Lost,
         Join,
+        Recover,
     )
 }

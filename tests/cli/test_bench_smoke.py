@@ -146,3 +146,11 @@ def test_aware_benchmark_moves_a_rank_between_agents_both_ways() -> None:
     (row,) = doc["rows"]  # type: ignore[misc]
     assert 0 < row["aware_bytes"] < row["transparent_image_bytes"]
     assert row["aware_stood_still_s"] > 0 and row["transparent_stood_still_s"] > 0 and row["aware_warmup_s"] > 0
+
+
+@needs_criu
+def test_aware_benchmark_rebuilds_a_job_that_lost_a_node() -> None:
+    doc = _run("bench/aware.py", "--lost", "--widths", "64", "--repeats", "1")
+    (row,) = doc["rows"]  # type: ignore[misc]
+    assert row["state_bytes"] > 0 and row["detection"] > 0 and row["replacement"] > 0
+    assert row["stood_still"] > row["total"] >= row["replacement"] + row["state"] + row["rebuild"]

@@ -13,7 +13,6 @@ import os
 import secrets
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 
 from support.helpers import ROOT, wait_until
-from support.runtime import PlayedAgent, runtime_env
+from support.runtime import PlayedAgent, ask_all, runtime_env
 from tpagent_rank import handover
 from tpagent_rank import protocol as P
 
@@ -86,22 +85,9 @@ class Job:
         }
         self.joiner = _rank(tmp, store, MOVED, joiner_env)
 
-    def all(self, agents: list[PlayedAgent], request: P.Request[Any]) -> list[P.Answer]:
-        """``request`` asked of every one at once (a rebuild waits for its peers)."""
-        answers: list[P.Answer] = [P.failed("no answer")] * len(agents)
-
-        def one(i: int) -> None:
-            try:
-                answers[i] = agents[i].ask(request)
-            except (OSError, P.ProtocolError) as e:
-                answers[i] = P.failed(f"its connection failed: {e}")
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(agents))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        return answers
+    @staticmethod
+    def all(agents: list[PlayedAgent], request: P.Request[Any]) -> list[P.Answer]:
+        return ask_all(agents, request)
 
     def stop_all(self, ahead: int = 8) -> int:
         """Every rank parked ``ahead`` steps past the furthest one (the boundary S); as a rewire

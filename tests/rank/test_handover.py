@@ -17,7 +17,7 @@ import time
 import pytest
 
 from support.helpers import wait_until
-from tpagent_rank import handover, join
+from tpagent_rank import aware, handover
 
 STATE = secrets.token_bytes(3 * handover.PIECE + 12345)  # (several pieces, and a part of one)
 
@@ -25,7 +25,7 @@ STATE = secrets.token_bytes(3 * handover.PIECE + 12345)  # (several pieces, and 
 def _offer(timeout: float = 30.0) -> tuple[handover.Offer, str, str]:
     """STATE offered from a map of a file in memory, as a leaving rank offers its own."""
     secret = secrets.token_hex(32)
-    with join.memory_file() as f:
+    with aware.memory_file() as f:
         f.write(STATE)
         f.flush()
         data = mmap.mmap(f.fileno(), len(STATE), prot=mmap.PROT_READ)

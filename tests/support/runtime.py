@@ -30,6 +30,24 @@ def runtime_env(tmp: Path, *before: Path, **extra: str) -> dict[str, str]:
     return {**base, "PYTHONPATH": os.pathsep.join(filter(None, path)), **extra}
 
 
+def ask_all(agents: list[PlayedAgent], request: P.Request[Any]) -> list[P.Answer]:
+    """``request`` asked of every one at once (a rebuild waits for its peers)."""
+    answers: list[P.Answer] = [P.failed("no answer")] * len(agents)
+
+    def one(i: int) -> None:
+        try:
+            answers[i] = agents[i].ask(request)
+        except (OSError, P.ProtocolError) as e:
+            answers[i] = P.failed(f"its connection failed: {e}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(agents))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    return answers
+
+
 class PlayedAgent:
     """A rank's agent, as far as the runtime sees one (the test plays it): it listens on the
     rank's socket name, welcomes the rank's hello, then asks; a saved state is read after its
@@ -47,6 +65,11 @@ class PlayedAgent:
         self.rid = 0
 
     def welcome(self) -> dict[str, Any]:
+        """The rank's next connection, welcomed (one before it is closed: a rank restarted in its
+        own process connects again)."""
+        if self.conn is not None:
+            self.f.close()
+            self.conn.close()
         self.conn, _ = self.listener.accept()
         self.conn.settimeout(self.timeout)
         self.f = self.conn.makefile("rb")

@@ -27,9 +27,10 @@ REQUESTS: list[P.Request[Any]] = [
     P.Rebuild(gen=3, timeout=7.0),
     P.Resume(),
     P.End(why="rank 2 is gone", grace=2.5),
-    P.Save(listen="10.0.0.1", secret="ab" * 16, timeout=30.0),
+    P.Save(listen="10.0.0.1", secret="ab" * 16, timeout=30.0, held=True),
     P.Load(size=1 << 33, step=12, collectives=40, source="10.0.0.1:4000", secret="ab" * 16, groups=3),
     P.Retire(),
+    P.Restart(),
     P.Expect(pid=4242),
     P.Moved(to="10.0.0.2:7400"),
     P.Release(),
@@ -50,6 +51,7 @@ REQUESTS: list[P.Request[Any]] = [
         stderr="/home/u/err",
         owner=1000,
     ),
+    P.Recover(node="10.0.0.2:7400", ranks=(2, 3), spare="10.0.0.9:7400", grace=60.0),
 ]
 #: One answer of each kind, every field set.
 ANSWERS: list[P.Answer] = [
@@ -70,6 +72,8 @@ ANSWERS: list[P.Answer] = [
         aware=True,
         replicas=(1, 3),
         no_replicas="",
+        held=9,
+        broken="Connection reset by peer",
     ),
     P.Agents(agents=("10.0.0.1:7400", "", "10.0.0.3:7400")),
     P.Paused(ok=False, error="past it", late=True),
@@ -95,6 +99,7 @@ ANSWERS: list[P.Answer] = [
             ),
         )
     ),
+    P.Recovered(step=12, gen=3, stages=("detection=10.5", "rebuild=0.25")),
 ]
 
 

@@ -14,11 +14,13 @@ With ``--gpu-rank R`` rank R also keeps a sum on the GPU, all-reduced each step 
 group of its own (one GPU: NCCL takes no two ranks on one), beside the CPU job.
 
 With ``--aware`` it registers its training state with tpagent_rank (model-aware mode: a model,
-an optimizer, its step and its data generator), loops on the registered step, and all-reduces its
-metrics and writes its log line before ``opt.step()``: what runs after the optimizer step runs,
-in a model-aware move, in the rank that leaves and (quietly, on its own values) in the process
-taking its place, so it issues no collective; and it writes its log only while
-``tpagent_rank.joining()`` is false (a print is silenced there by the runtime).
+an optimizer and its step, what its replicas share; each step's batch is drawn from the step and
+the rank), loops on the registered step, and all-reduces its metrics and writes its log line
+before ``opt.step()``: what runs after the optimizer step runs, in a model-aware move, in the rank
+that leaves and (quietly, on its own values) in the process taking its place, so it issues no
+collective; and it writes its log only while
+``tpagent_rank.joining()`` is false (a print is silenced there by the runtime).  With
+``--aware-alone`` each rank registers itself as its only replica (as plain FSDP shards would).
 
 Each rank appends "step K <its loss> <global loss> <subgroup loss>" (floats in hex: exact) to
 DIR/rank{R}.log, one open per line, and "done <sha256 of the parameters>" at the end; and
@@ -53,6 +55,7 @@ def main() -> None:
     p.add_argument("--device-id", action="store_true")
     p.add_argument("--gpu-rank", type=int, default=-1)
     p.add_argument("--aware", action="store_true")
+    p.add_argument("--aware-alone", action="store_true")
     a = p.parse_args()
     dev = torch.device("cuda", 0) if a.cuda else torch.device("cpu")
     if a.cuda:
@@ -70,7 +73,7 @@ def main() -> None:
     opt = None if a.no_optimizer else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(1000 + rank)
     log = a.log_dir / f"rank{rank}.log"
-    if a.aware:
+    if a.aware or a.aware_alone:
         assert opt is not None and gpu_sum is None, "--aware trains with an optimizer, on the CPU"
         _aware(a, model, opt, data, log, pair)
         return
@@ -124,18 +127,20 @@ def _aware(
     rank, world = dist.get_rank(), dist.get_world_size()
     state = {"step": 0}
 
+    # What its replicas share: a replica's state may rebuild this rank (unplanned recovery), so
+    # the rank's own data position is not in it: each step's batch is drawn from (step, rank).
     def save() -> dict[str, object]:
-        return {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"], "data": data.get_state()}
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"]}
 
     def load(saved: dict[str, object]) -> None:
         model.load_state_dict(saved["model"])  # type: ignore[arg-type]
         opt.load_state_dict(saved["opt"])  # type: ignore[arg-type]
-        data.set_state(saved["data"])  # type: ignore[arg-type]
         state["step"] = int(saved["step"])  # type: ignore[call-overload]
 
-    tpagent_rank.register(save=save, load=load)
+    tpagent_rank.register(save=save, load=load, replicas=[rank] if a.aware_alone else None)
     while state["step"] < a.steps:
         step = state["step"]
+        data.manual_seed(1000 * (1000 + step) + rank)
         x = torch.randn(32, 16, generator=data)
         y = torch.sin(x.sum(dim=1, keepdim=True))
         model.zero_grad()

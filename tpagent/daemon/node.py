@@ -23,7 +23,7 @@ from typing import TypeVar
 from host import paths, proc
 from host.api import UsageError
 from tpagent.daemon import doctor
-from tpagent.jobs import joiners
+from tpagent.jobs import joiners, recovery
 from tpagent.jobs.awaremove import AUTO
 from tpagent.jobs.calls import RankCalls
 from tpagent.jobs.journal import RewireJournal
@@ -82,7 +82,9 @@ class Node:
         self.ranks = Ranks(self.cfg.rank_socket, self.cfg.agent_address, ctx.threads, work.ranks)
         journal = RewireJournal(work.rewires)
         self.rewires = Rewires(ctx, journal, self.ask, self._start_rank, self.run, joiners.Leaving(self.ranks))
-        self.rank_calls = RankCalls(self.ranks, self.cfg.node, self.rewires.rewiring, self._answers, self.start_joiner)
+        self.rank_calls = RankCalls(
+            self.ranks, self.cfg.node, self.rewires.rewiring, self._answers, self.start_joiner, self.rebuild_lost
+        )
         self.stand_ins = StandInDoor(
             socket_name(self.cfg.rank_socket),
             ctx.threads,
@@ -190,6 +192,10 @@ class Node:
         except AgentError:
             return True
         return True
+
+    def rebuild_lost(self, job: str, rank: int, request: P.Recover) -> P.Recovered:
+        """Rebuild the lost ranks of ``job`` (whose rank ``rank`` runs here) from their replicas."""
+        return recovery.recover(job, rank, request, self.ask, self.cfg.agent_address, joiners.Leaving(self.ranks))
 
     def ask(self, agent: str, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
         """Ask the agent at ``agent`` (this one: directly) about a rank of ``job`` (``key``: its identity)."""

@@ -48,12 +48,14 @@ class RankCalls:
         rewiring: Callable[[str], bool],
         answers: Callable[[str], bool] = lambda _agent: False,
         join: Callable[[str, int, P.Join], int] | None = None,
+        recover: Callable[[str, int, P.Recover], P.Recovered] | None = None,
     ) -> None:
         self.ranks = ranks
         self.node = node
         self.rewiring = rewiring
         self.answers = answers  # whether the agent at an address answers this one now
         self.join = join  # start a joiner here (:mod:`tpagent.jobs.joiners`): its init's PID
+        self.recover = recover  # rebuild a job's lost ranks (:mod:`tpagent.jobs.recovery`)
         self._handlers: dict[P.Op, Callable[[str, int, Any], P.Answer]] = {
             P.Op.EXPECT: self._expect,
             P.Op.MOVED: self._moved,
@@ -64,6 +66,7 @@ class RankCalls:
             P.Op.JOBS: self._jobs,
             P.Op.LOST: self._lost,
             P.Op.JOIN: self._join,
+            P.Op.RECOVER: self._recover,
         }
 
     def __call__(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
@@ -175,6 +178,21 @@ class RankCalls:
         if self.join is None:
             raise Refused(f"the agent on {self.node} does not start joiners", Why.PRECONDITION)
         return P.Located(state=P.Whereabouts.HERE.value, pid=self.join(job, rank, request))
+
+    def _recover(self, job: str, rank: int, request: P.Recover) -> P.Recovered:
+        """(The orchestrator's.)  Rebuild the job's lost ranks; asked about a rank of it here."""
+        if self.recover is None:
+            raise Refused(f"the agent on {self.node} does not rebuild lost ranks", Why.PRECONDITION)
+        if not is_agent_address(request.node) or not 0 < request.grace <= LOST_GRACE_MAX:
+            raise Refused(
+                f"recover needs the lost node's agent and a grace of 0 to {LOST_GRACE_MAX:.0f} s.", Why.INVALID
+            )
+        if self.rewiring(job):
+            raise Refused(f"ranks of job {job} are being moved by {self.node}: its rewire decides", Why.CONFLICT)
+        if self.answers(request.node):  # (cut off from the orchestrator, not from its peers)
+            raise Refused(f"the agent at {request.node} answers {self.node}: its node is not lost", Why.CONFLICT)
+        self.ranks.entry(job, rank)  # (a rank of the job runs here)
+        return self.recover(job, rank, request)
 
     def _jobs(self, job: str, rank: int, _: P.Jobs) -> P.Ranks:
         """Every rank here, each connected one with its step and generation now."""

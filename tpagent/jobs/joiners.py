@@ -36,7 +36,7 @@ from tpagent.workload.launch import RunAs
 from tpagent_rank import protocol as P
 
 #: The rank runtime's own variables: the agent where a process runs sets them.
-RUNTIME_VARIABLES = ("TPAGENT_RANK_SOCKET", P.JOIN_VARIABLE)
+RUNTIME_VARIABLES = ("TPAGENT_RANK_SOCKET", P.JOIN_VARIABLE, P.STATE_VARIABLE)
 #: The most supplementary groups a process has (NGROUPS_MAX) that a join may name.
 GROUPS_MAX = 65536
 #: How long a joiner's namespace may take to start.

@@ -24,6 +24,8 @@ unreachable_after = 30.0          # a node silent this long is unreachable (its 
 lost_grace = 60.0                 # then the other ranks of its jobs that make no progress this long
                                   # break off the collective they wait in (the job ends at once
                                   # rather than at its collectives' timeout); 0: never
+recover_lost = true               # a job whose ranks registered their training state is rebuilt
+                                  # instead: its lost ranks on a free spare, from their replicas
 report_period = 2.0               # what agents are told: report this often
 move_timeout = 1800.0             # one move, its dry run included, at most this long
 scheduler = "static"              # "static" (spares from dedicated_spares), "slurm" or "kubernetes"
@@ -82,6 +84,7 @@ class OrchestratorConfig:
     retries: int = 2
     unreachable_after: float = 30.0
     lost_grace: float = 60.0
+    recover_lost: bool = True
     report_period: float = 2.0
     move_timeout: float = 1800.0
     scheduler: str = "static"

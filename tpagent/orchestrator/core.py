@@ -18,15 +18,11 @@ import logging
 import threading
 import time
 
-import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from tpagent import __version__
 from tpagent.common.credentials import Credentials
-from tpagent.daemon import rankwire
-from tpagent.daemon.client import rpc_text
-from tpagent.daemon.rpc import stub
-from tpagent.orchestrator import mover, policy
+from tpagent.orchestrator import lost, mover, policy
 from tpagent.orchestrator.api import (
     Move,
     MoveKind,
@@ -45,7 +41,6 @@ from tpagent.orchestrator.kubernetes import Kubernetes
 from tpagent.orchestrator.scheduler import Scheduler, SchedulerError, Static, Wanted
 from tpagent.orchestrator.slurm import Slurm
 from tpagent.orchestrator.state import State
-from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +87,7 @@ class Orchestrator:
         self.started = time.monotonic()
         self.wake = threading.Event()
         self.stop = threading.Event()
+        self.lost_nodes = lost.LostNodes(cfg, creds, self.event, self._spare_for)
         for mid in self.settling:
             self.event("settling", f"move {mid} was running when the orchestrator stopped: settling it", move=mid)
 
@@ -256,38 +252,23 @@ class Orchestrator:
                 self._lost(n)
 
     def _lost(self, node: str) -> None:
-        """``node`` is unreachable: the agents running other ranks of its jobs tell them, and each
-        that makes no progress for ``lost_grace`` breaks off the collective it waits in, where it
-        would wait for its timeout (:class:`tpagent_rank.protocol.End`).  A job that runs on (the
-        node is cut off from us, not from its peers) is left alone by its ranks."""
-        view = self.view()
-        lost = view.nodes[node]
-        why = f"node {node} running rank(s) of the job stopped reporting ({self.cfg.unreachable_after:g} s)"
-        for job in sorted({r.job for r in lost.ranks}):
-            others = sorted(
-                n
-                for n, seen in view.nodes.items()
-                if n != node and view.reachable(n) and any(r.job == job for r in seen.ranks)
-            )
-            moving = any(job in seen.busy for seen in view.nodes.values()) or any(
+        """``node`` is unreachable: its jobs rebuilt, or their other ranks told (:mod:`.lost`)."""
+
+        def moving(job: str) -> bool:
+            return any(job in seen.busy for seen in view.nodes.values()) or any(
                 m.job == job for m in self.state.moves(active=True)
             )
-            if not others or moving:  # (a move of it, its agents decide: it may be what saves the job)
-                continue
-            ranks = ", ".join(str(r.rank) for r in lost.ranks if r.job == job)
-            text = f"job {job} lost rank(s) {ranks} with {node}: its ranks on {', '.join(others)} are told"
-            self.event("lost", f"{text} (each stops once it waits {self.cfg.lost_grace:g} s)", job, node)
-            users = tuple(sorted({u for r in lost.ranks if r.job == job for u in r.users}))
-            request = P.Lost(node=lost.agent, why=why, grace=self.cfg.lost_grace, users=users)
-            for n in others:
-                agent = view.nodes[n].agent
-                threading.Thread(target=self._tell_lost, args=(agent, job, request), daemon=True).start()
 
-    def _tell_lost(self, agent: str, job: str, request: P.Lost) -> None:
-        try:
-            stub(agent, self.creds).Rank(rankwire.request_pb(job, 0, request, 30.0), timeout=40)
-        except grpc.RpcError as e:
-            log.warning("the agent at %s was not told job %s lost a node: %s", agent, job, rpc_text(e))
+        view = self.view()
+        self.lost_nodes.lost(view, node, moving)
+
+    def _spare_for(self, job: str, lost: str) -> tuple[str, str] | None:
+        """A free spare, empty, for ``job``'s ranks lost with ``lost`` (its name and agent); None if none."""
+        view = self.view()
+        pool = self.scheduler.pool(job, users_of(view).get(job, frozenset()))
+        active = [m for m in self.state.moves(active=True) if m.state in (MoveState.PLANNED, MoveState.RUNNING)]
+        free = policy.spares(view, self.state.taints(), active, self.state.away(), self.cfg, pool.dedicated)
+        return next(((s.node, view.nodes[s.node].agent) for s in free if s.empty and s.node != lost), None)
 
     def _start(self) -> None:
         active = self.state.moves(active=True)

@@ -1,0 +1,105 @@
+"""The unplanned-recovery part of ``bench/aware.py --lost``: a node of a running job killed
+outright, and the job rebuilt from its replicas, its time split into its stages, at a few model
+widths.
+
+Four network-namespace nodes (tests/support/cluster.py) with agents and an orchestrator
+(unreachable after 10 s); the job is tests/workloads/ddp_job.py --aware (3 DDP ranks as srun
+starts them, gloo, CPU, its state registered), its MLP ``--width`` wide.  Node C (rank 2) is
+SIGKILLed whole mid-run; D is the spare.  Split:
+
+* **detection**: from the kill to the orchestrator's decision (its ``recovering`` event): the node
+  silent for ``unreachable_after``, then a tick;
+* the agent's stages (its ``recovered`` event): **rollback** (the survivors told to restart from
+  their held boundary), **replacement** (the lost rank's command started on the spare, warmed up),
+  **state** (the replica's held state handed over), **standing** (every rank warmed up at the
+  boundary), **rebuild**, **resume**;
+* **stood still**: detection plus the agent's total (the job made no step meanwhile).
+
+Beside it, the naive route: without tpagent the survivors' collectives fail at once and the job
+ends; its relaunch from a checkpoint costs at least a fresh start of every rank to its first step
+(measured here, as this job starts: **restart**), plus loading the checkpoint, plus the work since
+it (on average half the checkpoint interval; not counted).  The floor is the state's bytes handed
+over (**state**) once the lost rank's process stands ready.  Must run as root.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("rollback", "replacement", "state", "standing", "rebuild", "resume", "total")
+
+
+def once(width: int, tmp: Path) -> dict[str, float]:
+    """One job of ``width`` started, C killed, the job rebuilt and finished."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    import contextlib
+    import json
+    import signal
+
+    import psutil
+
+    from support.cluster import Cluster
+    from support.helpers import wait_until
+    from support.orchestrator import Orchestrator
+    from support.rankjob import IFNAME, RUN, Job, steps
+
+    c = Cluster(tmp, ["A", "B", "C", "D"], ifname=IFNAME)
+    o = Orchestrator(c, tmp, lost_grace=2.0)
+    try:
+        o.start()
+        for node in c.nodes.values():
+            node.start_agent(rewire_timeout="300", orchestrator=o.address, report_period="0.5")
+        t0 = time.monotonic()
+        job = Job(c, tmp, srun=True, extra=("--aware", "--width", str(width)))
+        try:
+            wait_until(lambda: steps(job.logs, 2) >= 1, "the job's first step", 300, 0.05)
+            restart = time.monotonic() - t0
+            job.at_step(2, 20)
+            wait_until(lambda: all(o.rank_on(RUN, r) for r in range(3)), "the orchestrator to see every rank", 60)
+            killed = time.time()
+            for p in c.nodes["C"].processes_and_children():
+                with contextlib.suppress(psutil.Error):
+                    p.send_signal(signal.SIGKILL)
+            assert job.runs["A"].wait(timeout=900) == 0, job.output()
+            events = [json.loads(line) for line in o.ok("events", "--json").splitlines()]
+        finally:
+            job.close()
+    finally:
+        o.close()
+        c.close()
+    deciding = next(e for e in events if e["kind"] == "recovering")
+    done = next(e for e in events if e["kind"] == "recovered")
+    stages = dict(re.findall(r"(\w+)=([0-9.]+)", done["text"]))
+    out = {"detection": float(deciding["ts"]) - killed, **{k: float(stages[k]) for k in STAGES}}
+    out["state_bytes"] = float(stages["rank2_state_bytes"])
+    out["stood_still"] = out["detection"] + out["total"]
+    out["restart"] = restart
+    return out
+
+
+def run(widths: list[int], repeats: int) -> list[dict[str, Any]]:
+    """Medians over ``repeats`` at each width; prints the table."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-aware-lost-") as d:
+        for width in widths:
+            runs = [once(width, Path(tempfile.mkdtemp(dir=d))) for _ in range(repeats)]
+            med = {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
+            rows.append({"width": width, **med})
+    print(f"\nnode C (rank 2 of 3) killed outright, the job rebuilt on D; medians of {repeats} (seconds; MiB)")
+    heads = ("width", "state", "detect", "rollbk", "replace", "copy", "stand", "rebuild", "agent", "still", "restart")
+    print(" ".join(f"{h:>8}" for h in heads))
+    for r in rows:
+        cells = [r["detection"], r["rollback"], r["replacement"], r["state"], r["standing"], r["rebuild"], r["total"]]
+        print(
+            f"{r['width']:>8} {r['state_bytes'] / 2**20:>8.2f} "
+            + " ".join(f"{v:>8.3f}" for v in cells)
+            + f" {r['stood_still']:>8.2f} {r['restart']:>8.2f}"
+        )
+    return rows

@@ -1,0 +1,207 @@
+"""Unplanned recovery as the ranks see it (issue 27, item 3; :mod:`tpagent_rank.recover`): a rank
+of a registered DDP job is killed outright mid-run.  Its peers' collectives fail, and are held
+from the script (no traceback, no exit); each holds the state of its last step boundary.  A fresh
+process of the dead rank's command takes that state from one of them (its replica), each survivor
+restarts in its own process from the state it held, and all rebuild their communicators: every
+rank's per-step losses and final parameters equal an uninterrupted run's, bit for bit (the step
+that was in flight is done again).  The test plays every rank's agent on its socket, in the order
+a recovering agent asks."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.helpers import ROOT, wait_until
+from support.runtime import PlayedAgent, ask_all, runtime_env
+from tpagent_rank import protocol as P
+
+pytest.importorskip("torch")
+
+JOB = ROOT / "tests" / "workloads" / "aware_job.py"
+WORLD = 4
+STEPS = 60
+DEAD = 3
+
+
+def _start(tmp: Path, rank: int, env: dict[str, str]) -> subprocess.Popen[str]:
+    argv = [
+        sys.executable,
+        "-X",
+        "faulthandler",
+        str(JOB),
+        str(tmp / "store"),
+        str(rank),
+        str(WORLD),
+        "steps",
+        str(STEPS),
+        str(tmp),
+    ]
+    return subprocess.Popen(argv, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _steps(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.startswith("step ")]
+
+
+def _params(out: str) -> Any:
+    import json
+
+    last = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert last, out
+    return json.loads(last[-1])["params"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Each rank's output, uninterrupted, with no agent (the runtime off)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    env = runtime_env(tmp)
+    procs = [_start(tmp, r, env) for r in range(WORLD)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    return [out for out, _err in outs]
+
+
+class Job:
+    """Four ranks under the runtime, each with its agent played here."""
+
+    def __init__(self, tmp: Path, hold: int = 240) -> None:
+        self.tmp = tmp
+        self.name = f"tpagent-test-{os.getpid()}-recover"
+        self.agents = [PlayedAgent(f"{self.name}-{r}") for r in range(WORLD)]
+        self.envs = [
+            runtime_env(tmp, TPAGENT_JOB="j", TPAGENT_RANK_SOCKET=f"{self.name}-{r}", TPAGENT_RANK_HOLD=str(hold))
+            for r in range(WORLD)
+        ]
+        self.procs = [_start(tmp, r, self.envs[r]) for r in range(WORLD)]
+        for a in self.agents:
+            a.welcome()
+        self.spare_agent: PlayedAgent | None = None
+        self.spare: subprocess.Popen[str] | None = None
+
+    def start_spare(self) -> PlayedAgent:
+        """A fresh process of the dead rank's command, to take its place."""
+        self.spare_agent = PlayedAgent(f"{self.name}-spare")
+        env = {**self.envs[DEAD], "TPAGENT_RANK_SOCKET": f"{self.name}-spare", P.JOIN_VARIABLE: "1"}
+        self.spare = _start(self.tmp, DEAD, env)
+        self.spare_agent.welcome()
+        return self.spare_agent
+
+    @staticmethod
+    def all(agents: list[PlayedAgent], request: P.Request[Any]) -> list[P.Answer]:
+        return ask_all(agents, request)
+
+    def close(self) -> None:
+        for p in [*self.procs, self.spare]:
+            if p is not None and p.poll() is None:
+                p.kill()
+            if p is not None:
+                p.communicate()
+        for a in [*self.agents, self.spare_agent]:
+            if a is not None:
+                a.close()
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    j = Job(tmp_path)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def _standing(agent: PlayedAgent, ready: Any, what: str) -> P.Standing:
+    seen: list[P.Standing] = []
+
+    def check() -> bool:
+        seen.append(agent.ask(P.Where()))
+        return bool(ready(seen[-1]))
+
+    wait_until(check, what, timeout=180, interval=0.1)
+    return seen[-1]
+
+
+def test_a_rank_killed_outright_is_rebuilt_from_a_replica_and_the_job_runs_on_bit_identical(
+    job: Job, reference: list[str]
+) -> None:
+    survivors = [r for r in range(WORLD) if r != DEAD]
+    _standing(job.agents[0], lambda s: s.step >= 5 and s.held == s.step, "the job to take a few steps")
+    job.procs[DEAD].send_signal(signal.SIGKILL)
+    before = _steps(job.procs[DEAD].communicate(timeout=60)[0])
+    # Its ring neighbour's collective fails (the others wait on peers that wait): held, not raised.
+    said = _standing(job.agents[0], lambda s: s.broken, "rank 0 to hold its failed collective").broken
+    assert "Connection" in said or "closed" in said, said
+    standing: list[P.Standing] = []
+
+    def agreed() -> bool:  # (a rank may be inside its last optimizer step yet)
+        standing[:] = [job.agents[r].ask(P.Where()) for r in survivors]
+        return len({s.held for s in standing}) == 1
+
+    wait_until(agreed, "the survivors to hold the same boundary", timeout=60, interval=0.1)
+    boundary = standing[0].held
+    assert boundary >= 5 and all(s.replicas == tuple(range(WORLD)) for s in standing), standing
+    assert all(job.procs[r].poll() is None for r in survivors)  # (held: the script saw no error)
+
+    spare = job.start_spare()
+    _standing(spare, lambda s: s.state == P.RankState.WAITING.value, "the spare to warm up")
+    secret = secrets.token_hex(32)
+    saved = job.agents[0].ask(P.Save(listen="127.0.0.1", secret=secret, held=True))
+    assert saved.ok and saved.step == boundary and saved.port > 0, saved
+    load = P.Load(
+        size=saved.size,
+        step=saved.step,
+        collectives=saved.collectives,
+        source=f"127.0.0.1:{saved.port}",
+        secret=secret,
+        groups=saved.groups,
+    )
+    assert spare.ask(load).ok
+    for r in survivors:
+        assert job.agents[r].ask(P.Restart()).ok
+        assert job.agents[r].welcome()["state"] == P.RankState.JOINING.value  # (the process it became)
+    everyone = [*(job.agents[r] for r in survivors), spare]
+    for a in everyone:
+        s = _standing(a, lambda s: s.state == P.RankState.TORN_DOWN.value, "each to stand at the boundary")
+        assert s.step == boundary
+    assert all(a.ok for a in job.all(everyone, P.Rebuild(gen=1, timeout=120)))
+    assert all(a.ok for a in job.all(everyone, P.Resume()))
+
+    assert job.spare is not None
+    procs = {**{r: job.procs[r] for r in survivors}, DEAD: job.spare}
+    outs = {r: p.communicate(timeout=300) for r, p in procs.items()}
+    for r, (out, err) in outs.items():
+        assert procs[r].returncode == 0, (r, err[-3000:])
+        assert _params(out) == _params(reference[r]), r
+    for r in survivors:  # (the same PID throughout: what it printed before and after the restart)
+        assert _steps(outs[r][0]) == _steps(reference[r]), r
+        assert outs[r][1].count("Traceback") == 0
+    # What the dead rank printed, then its replacement from the boundary on: the run's, bit for bit.
+    assert before == _steps(reference[DEAD])[: len(before)] and boundary - 1 <= len(before) <= boundary + 1
+    assert _steps(outs[DEAD][0]) == _steps(reference[DEAD])[boundary:]
+
+
+def test_a_held_collective_raises_once_no_recovery_comes_and_the_script_ends_as_it_would_have(tmp_path: Path) -> None:
+    """No word from the agent within the hold (``TPAGENT_RANK_HOLD``): each survivor's failed
+    collective raises in its script, which ends with the error it would have had without tpagent."""
+    job = Job(tmp_path, hold=3)
+    try:
+        _standing(job.agents[0], lambda s: s.step >= 3, "the job to take a few steps")
+        job.procs[DEAD].send_signal(signal.SIGKILL)
+        for r in range(WORLD):
+            out, err = job.procs[r].communicate(timeout=120)
+            if r == DEAD:
+                continue
+            assert job.procs[r].returncode == 1, (r, job.procs[r].returncode, err[-3000:])
+            assert "tpagent_rank: no recovery came in 3 s after a collective failed (" in err, err[-3000:]
+    finally:
+        job.close()

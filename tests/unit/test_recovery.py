@@ -1,0 +1,73 @@
+"""A lost rank's command, as unplanned recovery starts it on the spare (:func:`tpagent.jobs.recovery.for_rank`):
+a surviving replica's, with the launcher's rank variables set to the lost rank's and its output
+in files of its own; and what the orchestrator's ``recover`` names is checked before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpagent.jobs.calls import RankCalls
+from tpagent.jobs.recovery import Failed, for_rank
+from tpagent.migration.api import Refused
+from tpagent_rank import protocol as P
+
+
+def _spec(*env: str, stderr: str = "/w/out/rank0.err") -> P.Join:
+    return P.Join(
+        cmd=("python3", "train.py"),
+        env=env,
+        cwd="/w",
+        umask=0o022,
+        uid=1000,
+        gid=1000,
+        groups=(1000,),
+        stdout="/w/out/rank0.out",
+        stderr=stderr,
+        owner=1000,
+    )
+
+
+def test_the_lost_ranks_command_is_its_replicas_with_its_own_rank_and_output() -> None:
+    spec = _spec("RANK=0", "SLURM_PROCID=0", "LOCAL_RANK=0", "WORLD_SIZE=3", "OTHER=0")
+    got = for_rank(spec, 0, 2, "job1")
+    env = dict(e.split("=", 1) for e in got.env)
+    assert env == {"RANK": "2", "SLURM_PROCID": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "OTHER": "0"}
+    assert (got.stdout, got.stderr) == ("/w/out/job1.rank2.recovered.out", "/w/out/job1.rank2.recovered.err")
+    assert (got.cmd, got.cwd, got.uid, got.gid, got.groups, got.owner) == (
+        spec.cmd,
+        spec.cwd,
+        1000,
+        1000,
+        (1000,),
+        1000,
+    )
+    same = for_rank(_spec("RANK=0", stderr="/w/out/rank0.out"), 0, 2, "job1")
+    assert same.stderr == same.stdout  # (one file for both, as the replica had)
+
+
+def test_a_command_that_names_its_rank_in_no_known_variable_cannot_be_rebuilt() -> None:
+    with pytest.raises(Failed, match="names its rank in none of RANK"):
+        for_rank(_spec("WORLD_SIZE=3", "MY_RANK=0"), 0, 2, "job1")
+    with pytest.raises(Failed):  # (a variable holding another number is not the rank)
+        for_rank(_spec("RANK=1"), 0, 2, "job1")
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        P.Recover(node="not an address", ranks=(2,), spare="10.0.0.9:7400", grace=60.0),
+        P.Recover(node="10.0.0.2:7400", ranks=(2,), spare="10.0.0.9:7400", grace=0.0),
+        P.Recover(node="10.0.0.2:7400", ranks=(2,), spare="10.0.0.9:7400", grace=1e9),
+    ],
+)
+def test_a_recover_naming_no_lost_agent_or_no_grace_is_refused_before_anything_runs(request_: P.Recover) -> None:
+    called: list[P.Recover] = []
+
+    def recover(job: str, rank: int, r: P.Recover) -> P.Recovered:
+        called.append(r)
+        return P.Recovered()
+
+    calls = RankCalls(None, "n", lambda _job: False, recover=recover)  # type: ignore[arg-type]
+    with pytest.raises(Refused, match="recover needs the lost node's agent"):
+        calls("job1", 0, request_, 10.0)
+    assert not called

@@ -1,0 +1,273 @@
+"""Unplanned recovery (issue 27, item 3), as the agent of a surviving rank runs it: ranks of a
+job were lost with their node (no process image is left to move), and the job is rebuilt from
+their data-parallel replicas, on a spare, without a restart from its checkpoint.  The ranks'
+side is :mod:`tpagent_rank.recover`::
+
+    where      every surviving rank: each registered its state, holds its last step boundary's
+               (one boundary S for all), and says which ranks are its replicas
+    join       each lost rank's command is started on the spare, as a surviving replica of it
+               runs here (its rank's variables set to the lost rank's)          -- "replacement"
+    restart    every survivor runs its command again in its own process, from the state it held
+               (the step in flight is dropped); a replica that gives a lost rank its state does
+               so once its state has been fetched                                -- "rollback"
+    save/load  that replica offers its held state once, rank to rank, under a fresh secret; the
+               lost rank's new process fetches it                                 -- "state"
+    stand      every rank stands at S, warmed up, its state taken                -- "standing"
+    rebuild    every rank's communicators, under a new generation               -- "rebuild"
+    resume     step S+1, done again where it was in flight
+
+The orchestrator asks it (:class:`~tpagent_rank.protocol.Recover`) of one agent of the job.  Where
+the job cannot be rebuilt (a lost rank has no surviving replica, a rank registered nothing, a
+step fails), every rank of it still running is told to end with one sentence, as it would have
+ended without tpagent, and its launcher can restart it from its checkpoint.  Nothing here is
+written down: an agent that restarts mid-way leaves ranks that end at their hold's deadline
+(:data:`tpagent_rank.recover.HOLD`), as the job would have.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import time
+
+from tpagent.jobs.api import Ask, Leaving
+from tpagent.jobs.moves import Asking, each, fails
+from tpagent.migration.api import AgentError, Refused, Why, is_agent_address
+from tpagent_rank import protocol as P
+
+log = logging.getLogger(__name__)
+
+#: The environment variables that give a rank its number, as launchers set them (torchrun, srun,
+#: MPI, PMIx): a lost rank's command is a replica's with these set to its own.
+RANK_VARIABLES = ("RANK", "ROLE_RANK", "SLURM_PROCID", "PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK")
+#: How long a fresh process may take to warm up and stand at the boundary.
+WARM_TIMEOUT = 300.0
+#: How long one rank is given to answer one request.
+TIMEOUT = 60.0
+
+
+class Failed(Exception):
+    """The job cannot be rebuilt: why, in a clause."""
+
+
+def for_rank(spec: P.Join, source: int, rank: int, job: str) -> P.Join:
+    """``spec`` (how rank ``source`` runs) as rank ``rank`` runs: its rank's variables set, its
+    output in files of its own beside the source's; Failed if no variable names the rank."""
+    env = dict(e.split("=", 1) for e in spec.env)
+    named = [k for k in RANK_VARIABLES if env.get(k) == str(source)]
+    if not named:
+        raise Failed(
+            f"rank {source}'s command names its rank in none of {', '.join(RANK_VARIABLES)}, "
+            f"so it cannot be started as rank {rank}"
+        )
+    env.update(dict.fromkeys(named, str(rank)))
+    out = os.path.join(os.path.dirname(spec.stdout), f"{job}.rank{rank}.recovered.out")
+    err = out if spec.stderr == spec.stdout else out[: -len(".out")] + ".err"
+    return P.Join(
+        cmd=spec.cmd,
+        env=tuple(f"{k}={v}" for k, v in sorted(env.items())),
+        cwd=spec.cwd,
+        umask=spec.umask,
+        uid=spec.uid,
+        gid=spec.gid,
+        groups=spec.groups,
+        stdout=out,
+        stderr=err,
+        owner=spec.owner,
+    )
+
+
+class Recovery:
+    """One recovery of ``job``, asked of this agent (at ``here``) about its rank ``local``."""
+
+    def __init__(self, job: str, local: int, request: P.Recover, ask: Ask, here: str, leaving: Leaving) -> None:
+        self.job = job
+        self.local = local
+        self.request = request
+        self.ask = ask
+        self.here = here
+        self.leaving = leaving
+        self.timeout = TIMEOUT
+        self.asking = Asking(job, ask, TIMEOUT)
+        self.lost = sorted(set(request.ranks))
+        self.started: list[int] = []  # the lost ranks whose new processes were started on the spare
+        self.restarted: set[int] = set()  # the survivors restarted (parked at the boundary since)
+        self.stages: dict[str, float] = {}
+
+    def run(self) -> P.Recovered:
+        """The job rebuilt, or every rank of it told to end (then Failed: why)."""
+        if not is_agent_address(self.request.spare) or not self.lost:
+            raise Refused("recover needs the lost ranks and the spare's agent (HOST:PORT).", Why.INVALID)
+        agents = self._agents()
+        try:
+            return self._rebuild(agents)
+        except Failed as e:
+            self._end(agents, str(e))
+            raise
+        except Exception as e:  # (a bug: the job ends as it would have, said)
+            log.exception("the recovery of job %s failed unexpectedly", self.job)
+            self._end(agents, f"internal error: {e}")
+            raise Failed(f"internal error: {e}") from e
+
+    def _agents(self) -> list[str]:
+        """Every rank's agent, as the job's store says (a lost rank's: its lost node's)."""
+        peers = self.ask(self.here, self.job, self.local, P.Peers(), self.timeout)
+        self.asking.key = peers.key  # (the job's identity, as this agent vouches for its rank)
+        agents = list(peers.agents)
+        if any(r >= len(agents) for r in self.lost) or not all(agents):
+            raise Refused(f"the job's store does not say where every rank of job {self.job} runs", Why.PRECONDITION)
+        return agents
+
+    def _stage(self, name: str, t0: float) -> float:
+        now = time.monotonic()
+        self.stages[name] = round(now - t0, 4)
+        return now
+
+    def _rebuild(self, agents: list[str]) -> P.Recovered:
+        t0 = time.monotonic()
+        survivors = [r for r in range(len(agents)) if r not in self.lost]
+        where = self._where(agents, survivors)
+        boundary = where[survivors[0]].held
+        sources = self._sources(agents, where)
+        specs = {d: for_rank(self._spec(s), s, d, self.job) for d, s in sources.items()}
+        gen = max(w.gen for w in where.values()) + 1
+        t = time.monotonic()
+        for d, spec in sorted(specs.items()):
+            self._call(self.request.spare, d, spec, f"start rank {d} on {self.request.spare}")
+            self.started.append(d)
+        others = [r for r in survivors if r not in sources.values()]
+        self._all(agents, P.Restart(), others, "restart from its last step boundary")
+        t = self._stage("rollback", t)
+        trial = [self.request.spare if r in self.lost else a for r, a in enumerate(agents)]
+        self._stand(trial, self.lost, P.RankState.WAITING, None, WARM_TIMEOUT)
+        t = self._stage("replacement", t)
+        self._hand_over(agents, trial, sources, boundary)
+        self._all(agents, P.Restart(), sorted(set(sources.values())), "restart from its last step boundary")
+        t = self._stage("state", t)
+        self._stand(trial, list(range(len(agents))), P.RankState.TORN_DOWN, boundary, WARM_TIMEOUT)
+        t = self._stage("standing", t)
+        self._all(trial, P.Rebuild(gen=gen, timeout=self.timeout), None, "build its communicators")
+        t = self._stage("rebuild", t)
+        self._all(trial, P.Resume(), None, "go on")
+        self._stage("resume", t)
+        self.stages["total"] = round(time.monotonic() - t0, 4)
+        lost = ", ".join(map(str, self.lost))
+        log.info(
+            "job %s: rank(s) %s rebuilt on %s from step %d (%s)",
+            self.job,
+            lost,
+            self.request.spare,
+            boundary,
+            self.stages,
+        )
+        return P.Recovered(step=boundary, gen=gen, stages=tuple(f"{k}={v}" for k, v in self.stages.items()))
+
+    def _where(self, agents: list[str], survivors: list[int]) -> dict[int, P.Standing]:
+        answers = self.asking.all(agents, each(P.Where()), self.timeout, only=survivors)
+        bad = fails(answers, "say where it stands")
+        if bad:
+            raise Failed("; ".join(bad))
+        where = {r: a for r, a in answers.items() if isinstance(a, P.Standing)}
+        unregistered = [r for r, w in where.items() if not w.aware or w.held < 0]
+        if unregistered:
+            ranks = ", ".join(map(str, unregistered))
+            raise Failed(f"rank(s) {ranks} hold no training state to rebuild from (tpagent_rank.register)")
+        held = {w.held for w in where.values()}
+        if len(held) > 1:
+            raise Failed(f"its ranks hold different step boundaries ({sorted(held)})")
+        return where
+
+    def _sources(self, agents: list[str], where: dict[int, P.Standing]) -> dict[int, int]:
+        """Each lost rank -> the surviving replica on this node that gives it its state."""
+        out = {}
+        for d in self.lost:
+            replicas = [r for r, w in sorted(where.items()) if d in w.replicas]
+            if not replicas:
+                raise Failed(f"no replica of rank {d}'s training state survives")
+            here = [r for r in replicas if agents[r] == self.here]
+            if not here:
+                raise Failed(f"rank {d}'s surviving replicas ({replicas}) run on other nodes than {self.here}")
+            out[d] = here[0]
+        return out
+
+    def _spec(self, rank: int) -> P.Join:
+        try:
+            return self.leaving.spec(self.job, rank)
+        except AgentError as e:
+            raise Failed(f"how rank {rank} runs cannot be read ({str(e).rstrip('.')})") from e
+
+    def _call(self, agent: str, rank: int, request: P.Request[P.Answer], what: str) -> P.Answer:
+        try:
+            answer = self.ask(agent, self.job, rank, request, self.timeout, self.asking.key)
+        except AgentError as e:
+            raise Failed(f"rank {rank} could not {what} ({str(e).rstrip('.')})") from e
+        if not answer.ok:
+            raise Failed(f"rank {rank} could not {what} ({answer.error.rstrip('.')})")
+        return answer
+
+    def _all(self, agents: list[str], request: P.Request[P.Answer], only: list[int] | None, what: str) -> None:
+        answers = self.asking.all(agents, each(request), self.timeout, only=only)
+        if isinstance(request, P.Restart):
+            self.restarted |= {r for r, a in answers.items() if not isinstance(a, AgentError) and a.ok}
+        bad = fails(answers, what)
+        if bad:
+            raise Failed("; ".join(bad))
+
+    def _hand_over(self, agents: list[str], trial: list[str], sources: dict[int, int], boundary: int) -> None:
+        """Each source's held state offered on this node's address, fetched by the lost rank's new process."""
+        host = self.here.rsplit(":", 1)[0]
+        for d, s in sorted(sources.items()):
+            secret = secrets.token_hex(32)
+            saved = self._call(agents[s], s, P.Save(host, secret, self.timeout, held=True), "give its held state")
+            assert isinstance(saved, P.Saved)
+            if saved.step != boundary:
+                raise Failed(f"rank {s} holds step {saved.step}, not {boundary}")
+            # (its process groups are not checked against the replica's: a rank may be in fewer)
+            load = P.Load(saved.size, saved.step, saved.collectives, f"{host}:{saved.port}", secret)
+            self._call(trial[d], d, load, "take its state in its new process")
+            self.stages[f"rank{d}_state_bytes"] = float(saved.size)
+
+    def _stand(self, trial: list[str], ranks: list[int], state: P.RankState, step: int | None, timeout: float) -> None:
+        """Wait until each of ``ranks`` stands at ``state`` (and ``step``)."""
+        deadline = time.monotonic() + timeout
+        left = set(ranks)
+        while left:
+            for r in sorted(left):
+                seen = self._call(trial[r], r, P.Where(), f"say where it stands ({state.value} awaited)")
+                assert isinstance(seen, P.Standing)
+                if seen.state == state.value and step in (None, seen.step):
+                    left.discard(r)
+            if left and time.monotonic() > deadline:
+                raise Failed(f"rank(s) {sorted(left)} did not stand {state.value} within {timeout:.0f} s")
+            if left:
+                time.sleep(0.2)
+
+    def _end(self, agents: list[str], why: str) -> None:
+        """The job cannot go on: the new processes are ended, every other rank told why."""
+        lost = ", ".join(map(str, self.lost))
+        sentence = f"rank(s) {lost} of job {self.job} were lost with {self.request.node} and cannot be rebuilt: {why}"
+        log.warning("%s", sentence)
+        for d in self.started:
+            try:
+                self.ask(self.request.spare, self.job, d, P.Signal(signum=int(signal.SIGKILL)), self.timeout)
+            except AgentError as e:
+                log.warning("rank %d's new process on %s could not be ended: %s", d, self.request.spare, e)
+        survivors = [r for r in range(len(agents)) if r not in self.lost]
+
+        def end(r: int) -> P.End:  # (one held, or stalled that long, breaks off; one restarted is parked)
+            return P.End(why=sentence, grace=0.0 if r in self.restarted else self.request.grace)
+
+        told = self.asking.all(agents, end, self.request.grace + self.timeout, only=survivors)
+        for r, answer in told.items():
+            if isinstance(answer, AgentError) or not answer.ok:
+                log.warning("rank %d of job %s was not told it ends: %s", r, self.job, answer)
+
+
+def recover(job: str, rank: int, request: P.Recover, ask: Ask, here: str, leaving: Leaving) -> P.Recovered:
+    """(The ``recover`` call.)  The job rebuilt, or Refused with why (its ranks told to end)."""
+    try:
+        return Recovery(job, rank, request, ask, here, leaving).run()
+    except Failed as e:
+        raise Refused(f"job {job} cannot be rebuilt: {e}", Why.PRECONDITION) from e

@@ -1,0 +1,254 @@
+"""Unplanned recovery, as a rank sees it (issue 27, item 3): a rank of its job died without
+warning, and the job goes on from its last step boundary without a restart from a checkpoint.
+
+* **The held state.**  A rank that registered its training state (:mod:`tpagent_rank.aware`)
+  calls its ``save`` at each optimizer step post-hook and holds what it returns: its numbers,
+  RNG states and data positions as they were; its tensors are the live ones, which nothing
+  changes until the next optimizer step (the step's collectives fill gradients, not weights).
+  So the rank can give the state of its last boundary at any time but inside an optimizer step,
+  and the training thread is held from entering one while the state is taken.
+* **A failed collective is held.**  A gloo collective of a registered rank connected to its
+  agent that fails (a peer's process is gone: its connections are reset) does not raise in the
+  script: the training thread waits in it (``Standing.broken`` says why) until its agent says what
+  comes next, or for :data:`HOLD` seconds, after which it raises as it would have.  An NCCL
+  collective waits by itself (its peer never answers).
+* **Restart.**  Told ``restart``, the rank runs its command again in its own process (``exec``:
+  the same PID, the same place under its agent and stand-in, its GPU memory given back), with the
+  state it held in a file in memory that stays open across the ``exec``.  The process it becomes
+  is a joiner (:mod:`tpagent_rank.join`): it warms up on its own, takes that state, and stands at
+  that boundary with its communicators to be built: the step that was in flight is done again.
+
+Standard library only at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tpagent_rank import env
+from tpagent_rank import protocol as P
+from tpagent_rank.notice import PREFIX
+
+#: A rank is a :class:`tpagent_rank.agent.Rank` (not imported: that module imports this one).
+Rank = Any
+#: How long a failed collective is held from the script for its job to recover (seconds).
+HOLD = float(os.environ.get("TPAGENT_RANK_HOLD", "300"))
+
+
+@dataclass
+class Held:
+    """The registered state as ``save`` returned it at a step boundary, and where the rank stood."""
+
+    step: int
+    collectives: int
+    groups: int
+    state: Any
+    saved: Any = None  # that state written into a file in memory (once asked for)
+
+
+def capture(rank: Rank, groups: int) -> None:
+    """The training thread, at an optimizer step post-hook (the step counted; ``groups``: its live
+    process groups): the state of this boundary held, and the thread out of the step only then
+    (never a new step's tensors beside the numbers of the last)."""
+    from tpagent_rank import aware
+
+    reg = aware.registration()
+    state = reg.save() if reg is not None else None
+    with rank.cond:
+        if reg is not None:
+            rank.held = Held(rank.step, rank.collectives, groups, state)
+        rank.in_step = False
+        rank.cond.notify_all()
+
+
+def before_step(rank: Rank) -> None:
+    """The training thread, at an optimizer step pre-hook: into the step, unless the state it
+    holds is being taken (then it waits for its process to be replaced, or for the word that the
+    job cannot go on, or :data:`HOLD` seconds)."""
+    deadline = time.monotonic() + HOLD
+    with rank.cond:
+        while rank.restarting and not rank.ended and not BROKEN.given_up and time.monotonic() < deadline:
+            rank.cond.wait(1.0)
+        rank.in_step = True
+
+
+def held_file(rank: Rank) -> tuple[Held, Any] | str:
+    """The state of the rank's last boundary, written into a file in memory (once: asked again,
+    the same), the training thread kept out of its next optimizer step from now on; or why not."""
+    from tpagent_rank import aware
+
+    with rank.cond:
+        if rank.held is None:
+            return "it holds no state of a step boundary (it registered none, or has taken no optimizer step)"
+        rank.restarting = True
+        deadline = time.monotonic() + 60.0
+        while rank.in_step and time.monotonic() < deadline:
+            rank.cond.wait(0.5)
+        if rank.in_step:
+            return "it is inside an optimizer step that does not end"
+        held = rank.held
+    if held.saved is None:
+        out = aware.memory_file()
+        try:
+            aware.write_state_of(held.state, out)
+            out.flush()
+        except Exception as e:  # (the user's state: whatever torch says of it)
+            out.close()
+            return f"its state cannot be written: {type(e).__name__}: {e}"
+        held.saved = out
+    return held, held.saved
+
+
+def restart(rank: Rank) -> None:
+    """(After the agent has its answer.)  This process becomes a fresh one of its command, with
+    the state it held; its own children (DataLoader workers) end first."""
+    taken = held_file(rank)
+    if isinstance(taken, str):  # (checked as it was asked: not here)
+        return
+    held, out = taken
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    _end_children()
+    fd = out.fileno()
+    os.set_inheritable(fd, True)
+    size = os.fstat(fd).st_size
+    environ = {**env.START_ENV, P.JOIN_VARIABLE: "1"}
+    environ[P.STATE_VARIABLE] = f"{fd}:{size}:{held.step}:{held.collectives}:{held.groups}"
+    with contextlib.suppress(OSError):
+        os.chdir(env.START_CWD or "/")
+    os.execve(sys.executable, list(sys.orig_argv), environ)
+
+
+def _end_children() -> None:
+    me = os.getpid()
+    for task in os.listdir(f"/proc/{me}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{me}/task/{task}/children") as f:
+            for pid in f.read().split():
+                with contextlib.suppress(OSError):
+                    os.kill(int(pid), 9)
+
+
+def inherited() -> tuple[P.Load, Any] | None:
+    """In a process a restart became: the state it held and where it stood, else None."""
+    if not env.STATE:
+        return None
+    try:
+        fd, size, step, collectives, groups = (int(x) for x in env.STATE.split(":"))
+        os.set_inheritable(fd, False)
+        payload = os.fdopen(fd, "r+b")
+    except (ValueError, OSError) as e:
+        raise RuntimeError(f"{PREFIX}it was restarted with a state it cannot find ({e})") from None
+    return P.Load(size=size, step=step, collectives=collectives, groups=groups), payload
+
+
+class Broken:
+    """The failed collectives held from the script (see the module's text)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.why = ""
+        self.given_up = ""
+        self.released = threading.Event()  # set once the job cannot go on: the held ones raise
+        self.rank: Rank = None  # this process's rank (:mod:`tpagent_rank.hooks` sets it)
+
+    def hold(self, error: BaseException) -> str:
+        """(On the thread completing the collective that failed with ``error``.)  "" at once where
+        it is not held; else, once the job cannot go on, why (its collective raises that)."""
+        from tpagent_rank import aware
+
+        rank = self.rank
+        if rank is None or rank.sock is None or rank.ended or aware.registration() is None:
+            return ""
+        with self.lock:
+            first = not self.why
+            self.why = self.why or (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
+        if first:
+            threading.Thread(target=self._timeout, name="tpagent-hold", daemon=True).start()
+        self.released.wait()
+        return self.given_up
+
+    def _timeout(self) -> None:
+        time.sleep(HOLD)
+        self.give_up(f"no recovery came in {HOLD:.0f} s after a collective failed ({self.why})")
+
+    def give_up(self, why: str) -> None:
+        """The job cannot go on: every collective held raises ``why``."""
+        with self.lock:
+            self.given_up = self.given_up or why
+        self.released.set()
+
+
+BROKEN = Broken()
+
+
+def holding(work: Any) -> Any:
+    """``work`` (a gloo collective's), or a work whose failure is held (see :class:`Broken`): its
+    future is its own's, completed once that one is, or, failed, once the job cannot go on."""
+    try:
+        inner = work.get_future()
+    except (RuntimeError, AttributeError):  # (a work without a future: as it is)
+        return work
+    return _holding_class()(inner.then(_settled))
+
+
+def _settled(f: Any) -> Any:
+    """(``then``'s: what it raises fails the future it makes, as torch's C++ waiters see it.)"""
+    try:
+        return f.value()
+    except Exception as e:
+        why = BROKEN.hold(e)
+        if not why:
+            raise
+        raise RuntimeError(f"{PREFIX}{why}") from e
+
+
+_HOLDING: list[type] = []
+
+
+def _holding_class() -> type:
+    """The work a held collective gives (made once torch is imported: it subclasses torch's)."""
+    if _HOLDING:
+        return _HOLDING[0]
+    import torch.distributed as dist
+
+    class Holding(dist.Work):
+        def __init__(self, future: Any) -> None:
+            super().__init__()
+            self.future = future
+
+        def wait(self, timeout: Any = None) -> bool:
+            self.future.wait()
+            return True
+
+        def get_future(self) -> Any:
+            return self.future
+
+        def is_completed(self) -> bool:
+            return bool(self.future.done())
+
+        def is_success(self) -> bool:
+            return bool(self.future.done()) and not _failed(self.future)
+
+        def result(self) -> Any:
+            return self.future.value()
+
+        def synchronize(self) -> None:
+            self.future.wait()
+
+    _HOLDING.append(Holding)
+    return Holding
+
+
+def _failed(future: Any) -> bool:
+    try:
+        future.value()
+    except Exception:
+        return True
+    return False
