@@ -100,9 +100,7 @@ class Rank:
         with self.cond:
             self.step += 1
             self.times.append(time.monotonic())
-        from tpagent_rank import backend
-
-        recover.capture(self, len(backend.GROUPS.live()))
+        recover.capture(self, _live_groups)
         with self.cond:
             if self.stop_at is not None and self.unit == P.Unit.STEP and self.step >= self.stop_at:
                 self.park(f"step {self.step}")
@@ -451,6 +449,12 @@ class Rank:
             self.parked = False
             self.cond.notify_all()
         return P.Answer()
+
+
+def _live_groups() -> int:
+    from tpagent_rank import backend
+
+    return len(backend.GROUPS.live())
 
 
 def _rate(times: deque[float]) -> float:

@@ -156,7 +156,7 @@ class Joining:
         rank.torn = True
         backend.joined()
         # What it took is the state it holds, should its job lose a rank again.
-        recover.capture(rank, len(backend.GROUPS.live()))
+        recover.capture(rank, lambda: len(backend.GROUPS.live()))
         rank.park(f"step {rank.step}")
 
     def load(self, rank: Rank, request: P.Load, payload: BinaryIO) -> P.Answer:

@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,17 +53,17 @@ class Held:
     saved: Any = None  # that state written into a file in memory (once asked for)
 
 
-def capture(rank: Rank, groups: int) -> None:
-    """The training thread, at an optimizer step post-hook (the step counted; ``groups``: its live
-    process groups): the state of this boundary held, and the thread out of the step only then
-    (never a new step's tensors beside the numbers of the last)."""
+def capture(rank: Rank, groups: Callable[[], int]) -> None:
+    """The training thread, at an optimizer step post-hook (the step counted; ``groups``: how many
+    process groups it has, asked only of a registered rank): the state of this boundary held, and
+    the thread out of the step only then (never a new step's tensors beside the numbers of the last)."""
     from tpagent_rank import aware
 
     reg = aware.registration()
     state = reg.save() if reg is not None else None
     with rank.cond:
         if reg is not None:
-            rank.held = Held(rank.step, rank.collectives, groups, state)
+            rank.held = Held(rank.step, rank.collectives, groups(), state)
         rank.in_step = False
         rank.cond.notify_all()
 

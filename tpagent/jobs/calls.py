@@ -149,12 +149,9 @@ class RankCalls:
         """(The orchestrator's.)  A node that ran ranks of ``job`` is lost: each rank of it here
         is told to end, and to break off a collective it has waited in for ``grace`` seconds
         (:class:`~tpagent_rank.protocol.End`).  Answered at once; the ranks are told meanwhile."""
-        if not is_agent_address(request.node) or not 0 < request.grace <= LOST_GRACE_MAX:
-            raise Refused(f"lost needs the lost node's agent and a grace of 0 to {LOST_GRACE_MAX:.0f} s.", Why.INVALID)
-        if self.rewiring(job):
-            return P.failed(f"ranks of job {job} are being moved by {self.node}: its rewire decides")
-        if self.answers(request.node):  # (cut off from the orchestrator, not from its peers)
-            return P.failed(f"the agent at {request.node} answers {self.node}: its node is not lost")
+        why = self._not_lost(job, request)
+        if why:
+            return P.failed(why)
         users = set(request.users) or {0}  # (of the job's ranks that were there; none: root's)
         told = [
             r.rank
@@ -165,6 +162,18 @@ class RankCalls:
         for r in told:
             self.ranks.threads.spawn("lost", f"lost-{job}-{r}", self._tell, job, r, end)
         return P.Answer(ok=bool(told), error="" if told else f"no rank of job {job} runs on {self.node}")
+
+    def _not_lost(self, job: str, request: P.Lost | P.Recover) -> str:
+        """Why the orchestrator's word that ``request.node`` is lost is not acted on here ("": it
+        is); Refused if the word names no agent or no grace."""
+        if not is_agent_address(request.node) or not 0 < request.grace <= LOST_GRACE_MAX:
+            op = request.OP.value
+            raise Refused(f"{op} needs the lost node's agent and a grace of 0 to {LOST_GRACE_MAX:.0f} s.", Why.INVALID)
+        if self.rewiring(job):
+            return f"ranks of job {job} are being moved by {self.node}: its rewire decides"
+        if self.answers(request.node):  # (cut off from the orchestrator, not from its peers)
+            return f"the agent at {request.node} answers {self.node}: its node is not lost"
+        return ""
 
     def _tell(self, job: str, rank: int, end: P.End) -> None:
         try:
@@ -183,14 +192,9 @@ class RankCalls:
         """(The orchestrator's.)  Rebuild the job's lost ranks; asked about a rank of it here."""
         if self.recover is None:
             raise Refused(f"the agent on {self.node} does not rebuild lost ranks", Why.PRECONDITION)
-        if not is_agent_address(request.node) or not 0 < request.grace <= LOST_GRACE_MAX:
-            raise Refused(
-                f"recover needs the lost node's agent and a grace of 0 to {LOST_GRACE_MAX:.0f} s.", Why.INVALID
-            )
-        if self.rewiring(job):
-            raise Refused(f"ranks of job {job} are being moved by {self.node}: its rewire decides", Why.CONFLICT)
-        if self.answers(request.node):  # (cut off from the orchestrator, not from its peers)
-            raise Refused(f"the agent at {request.node} answers {self.node}: its node is not lost", Why.CONFLICT)
+        why = self._not_lost(job, request)
+        if why:
+            raise Refused(why, Why.CONFLICT)
         self.ranks.entry(job, rank)  # (a rank of the job runs here)
         return self.recover(job, rank, request)
 

@@ -26,6 +26,7 @@ written down: an agent that restarts mid-way leaves ranks that end at their hold
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -65,18 +66,8 @@ def for_rank(spec: P.Join, source: int, rank: int, job: str) -> P.Join:
     env.update(dict.fromkeys(named, str(rank)))
     out = os.path.join(os.path.dirname(spec.stdout), f"{job}.rank{rank}.recovered.out")
     err = out if spec.stderr == spec.stdout else out[: -len(".out")] + ".err"
-    return P.Join(
-        cmd=spec.cmd,
-        env=tuple(f"{k}={v}" for k, v in sorted(env.items())),
-        cwd=spec.cwd,
-        umask=spec.umask,
-        uid=spec.uid,
-        gid=spec.gid,
-        groups=spec.groups,
-        stdout=out,
-        stderr=err,
-        owner=spec.owner,
-    )
+    named_env = tuple(f"{k}={v}" for k, v in sorted(env.items()))
+    return dataclasses.replace(spec, env=named_env, stdout=out, stderr=err)
 
 
 class Recovery:
