@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from support.awarejob import WORLD, final, outputs, start, steps
 from support.helpers import ROOT, wait_until
 from support.runtime import PlayedAgent, ask_all, runtime_env
 from tpagent_rank import handover
@@ -26,42 +27,7 @@ from tpagent_rank import protocol as P
 
 pytest.importorskip("torch")
 
-JOB = ROOT / "tests" / "workloads" / "aware_job.py"
-WORLD = 4
-STEPS = 60
 MOVED = 1
-
-
-def _rank(tmp: Path, store: str, rank: int, env: dict[str, str]) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-X", "faulthandler", str(JOB), store, str(rank), str(WORLD), "steps", str(STEPS), str(tmp)]
-    return subprocess.Popen(argv, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _outputs(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str, str]]:
-    """Each one's status, standard output and error, once it ended."""
-    ended = [p.communicate(timeout=300) for p in procs]
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, ended, strict=True)]
-
-
-def _steps(out: str) -> list[str]:
-    return [ln for ln in out.splitlines() if ln.startswith("step ")]
-
-
-def _final(out: str) -> dict[str, Any]:
-    last = [ln for ln in out.splitlines() if ln.startswith("{")]
-    assert last, out
-    return dict(json.loads(last[-1]))
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """Each rank's output, uninterrupted, with no agent (the runtime off)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    env = runtime_env(tmp)
-    procs = [_rank(tmp, str(tmp / "store"), r, env) for r in range(WORLD)]
-    outs = _outputs(procs)
-    assert all(p.wait() == 0 for p in procs), outs
-    return [out for _code, out, _err in outs]
 
 
 class Job:
@@ -73,8 +39,7 @@ class Job:
         self.agents = [PlayedAgent(f"{name}-{r}") for r in range(WORLD)]
         self.joiner_agent = PlayedAgent(f"{name}-joiner")
         self.envs = [runtime_env(tmp, TPAGENT_JOB="j", TPAGENT_RANK_SOCKET=f"{name}-{r}") for r in range(WORLD)]
-        store = str(tmp / "store")
-        self.procs = [_rank(tmp, store, r, self.envs[r]) for r in range(WORLD)]
+        self.procs = [start(tmp, r, self.envs[r]) for r in range(WORLD)]
         for a in self.agents:
             a.welcome()
         joiner_env = {
@@ -83,7 +48,7 @@ class Job:
             P.JOIN_VARIABLE: "1",
             "AWARE_WARMUP": str(warmup),
         }
-        self.joiner = _rank(tmp, store, MOVED, joiner_env)
+        self.joiner = start(tmp, MOVED, joiner_env)
 
     @staticmethod
     def all(agents: list[PlayedAgent], request: P.Request[Any]) -> list[P.Answer]:
@@ -158,7 +123,7 @@ def _waiting(agent: PlayedAgent) -> P.Standing:
 # (one step: its DDP rebuilds its buckets in its 2nd, and the joiner warms up until it has)
 @pytest.mark.parametrize("warmup", [1])
 def test_a_fresh_process_takes_a_ranks_state_and_place_and_the_job_runs_on_bit_identical(
-    job: Job, reference: list[str]
+    job: Job, aware_reference: list[str]
 ) -> None:
     running = job.agents[0]
     assert running.ask(P.Retire()).error == "it is not stopped at an optimizer step's boundary"
@@ -202,20 +167,20 @@ def test_a_fresh_process_takes_a_ranks_state_and_place_and_the_job_runs_on_bit_i
     assert job.agents[MOVED].ask(P.Retire()).ok
     assert all(a.ok for a in job.all(now, P.Resume()))
 
-    outs = _outputs([*job.procs, job.joiner])
+    outs = outputs([*job.procs, job.joiner])
     for r, (code, out, err) in enumerate(outs[:WORLD]):
         assert code == 0, (r, err[-3000:])
         if r != MOVED:
-            assert out == reference[r], r  # every line, the final parameters too
+            assert out == aware_reference[r], r  # every line, the final parameters too
     left, joined = outs[MOVED][1], outs[WORLD][1]
-    assert _steps(left) == _steps(reference[MOVED])[:step]  # up to its boundary, its own step's line included
+    assert steps(left) == steps(aware_reference[MOVED])[:step]  # up to its boundary, its own step's line included
     assert not [ln for ln in left.splitlines() if ln.startswith("{")]  # it ended before the end
     assert outs[WORLD][0] == 0, outs[WORLD][2][-3000:]
-    assert _steps(joined) == _steps(reference[MOVED])[step:]  # nothing of its warm-up
-    assert _final(joined)["params"] == _final(reference[MOVED])["params"]
+    assert steps(joined) == steps(aware_reference[MOVED])[step:]  # nothing of its warm-up
+    assert final(joined)["params"] == final(aware_reference[MOVED])["params"]
 
 
-def test_a_joiner_whose_load_fails_leaves_the_rank_where_it_was(job: Job, reference: list[str]) -> None:
+def test_a_joiner_whose_load_fails_leaves_the_rank_where_it_was(job: Job, aware_reference: list[str]) -> None:
     """A state the joiner cannot take (here: not a state at all): it says why and ends; the rank
     it was to replace rebuilds with its peers and the job runs on as if nothing happened."""
     job.hold()
@@ -226,8 +191,8 @@ def test_a_joiner_whose_load_fails_leaves_the_rank_where_it_was(job: Job, refere
     assert not loaded.ok and "cannot be read safely" in loaded.error, loaded
     assert all(a.ok for a in job.all(job.agents, P.Rebuild(gen=1, timeout=120)))
     assert all(a.ok for a in job.all(job.agents, P.Resume()))
-    outs = _outputs(job.procs)
-    assert [out for _c, out, _e in outs] == reference
+    outs = outputs(job.procs)
+    assert [out for _c, out, _e in outs] == aware_reference
     job.joiner.wait(60)
     assert job.joiner.returncode != 0 and "could not take the state" in job.joiner.communicate()[1]
 

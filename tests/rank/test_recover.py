@@ -13,62 +13,20 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from support.helpers import ROOT, wait_until
+from support.awarejob import WORLD, final, start, steps
+from support.helpers import wait_until
 from support.runtime import PlayedAgent, ask_all, runtime_env
 from tpagent_rank import protocol as P
 
 pytest.importorskip("torch")
 
-JOB = ROOT / "tests" / "workloads" / "aware_job.py"
-WORLD = 4
-STEPS = 60
 DEAD = 3
-
-
-def _start(tmp: Path, rank: int, env: dict[str, str]) -> subprocess.Popen[str]:
-    argv = [
-        sys.executable,
-        "-X",
-        "faulthandler",
-        str(JOB),
-        str(tmp / "store"),
-        str(rank),
-        str(WORLD),
-        "steps",
-        str(STEPS),
-        str(tmp),
-    ]
-    return subprocess.Popen(argv, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _steps(out: str) -> list[str]:
-    return [ln for ln in out.splitlines() if ln.startswith("step ")]
-
-
-def _params(out: str) -> Any:
-    import json
-
-    last = [ln for ln in out.splitlines() if ln.startswith("{")]
-    assert last, out
-    return json.loads(last[-1])["params"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """Each rank's output, uninterrupted, with no agent (the runtime off)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    env = runtime_env(tmp)
-    procs = [_start(tmp, r, env) for r in range(WORLD)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
-    return [out for out, _err in outs]
 
 
 class Job:
@@ -82,7 +40,7 @@ class Job:
             runtime_env(tmp, TPAGENT_JOB="j", TPAGENT_RANK_SOCKET=f"{self.name}-{r}", TPAGENT_RANK_HOLD=str(hold))
             for r in range(WORLD)
         ]
-        self.procs = [_start(tmp, r, self.envs[r]) for r in range(WORLD)]
+        self.procs = [start(tmp, r, self.envs[r]) for r in range(WORLD)]
         for a in self.agents:
             a.welcome()
         self.spare_agent: PlayedAgent | None = None
@@ -92,7 +50,7 @@ class Job:
         """A fresh process of the dead rank's command, to take its place."""
         self.spare_agent = PlayedAgent(f"{self.name}-spare")
         env = {**self.envs[DEAD], "TPAGENT_RANK_SOCKET": f"{self.name}-spare", P.JOIN_VARIABLE: "1"}
-        self.spare = _start(self.tmp, DEAD, env)
+        self.spare = start(self.tmp, DEAD, env)
         self.spare_agent.welcome()
         return self.spare_agent
 
@@ -132,12 +90,12 @@ def _standing(agent: PlayedAgent, ready: Any, what: str) -> P.Standing:
 
 
 def test_a_rank_killed_outright_is_rebuilt_from_a_replica_and_the_job_runs_on_bit_identical(
-    job: Job, reference: list[str]
+    job: Job, aware_reference: list[str]
 ) -> None:
     survivors = [r for r in range(WORLD) if r != DEAD]
     _standing(job.agents[0], lambda s: s.step >= 5 and s.held == s.step, "the job to take a few steps")
     job.procs[DEAD].send_signal(signal.SIGKILL)
-    before = _steps(job.procs[DEAD].communicate(timeout=60)[0])
+    before = steps(job.procs[DEAD].communicate(timeout=60)[0])
     # Its ring neighbour's collective fails (the others wait on peers that wait): held, not raised.
     said = _standing(job.agents[0], lambda s: s.broken, "rank 0 to hold its failed collective").broken
     assert "Connection" in said or "closed" in said, said
@@ -181,13 +139,13 @@ def test_a_rank_killed_outright_is_rebuilt_from_a_replica_and_the_job_runs_on_bi
     outs = {r: p.communicate(timeout=300) for r, p in procs.items()}
     for r, (out, err) in outs.items():
         assert procs[r].returncode == 0, (r, err[-3000:])
-        assert _params(out) == _params(reference[r]), r
+        assert final(out)["params"] == final(aware_reference[r])["params"], r
     for r in survivors:  # (the same PID throughout: what it printed before and after the restart)
-        assert _steps(outs[r][0]) == _steps(reference[r]), r
+        assert steps(outs[r][0]) == steps(aware_reference[r]), r
         assert outs[r][1].count("Traceback") == 0
     # What the dead rank printed, then its replacement from the boundary on: the run's, bit for bit.
-    assert before == _steps(reference[DEAD])[: len(before)] and boundary - 1 <= len(before) <= boundary + 1
-    assert _steps(outs[DEAD][0]) == _steps(reference[DEAD])[boundary:]
+    assert before == steps(aware_reference[DEAD])[: len(before)] and boundary - 1 <= len(before) <= boundary + 1
+    assert steps(outs[DEAD][0]) == steps(aware_reference[DEAD])[boundary:]
 
 
 def test_a_held_collective_raises_once_no_recovery_comes_and_the_script_ends_as_it_would_have(tmp_path: Path) -> None:
