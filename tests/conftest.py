@@ -122,3 +122,13 @@ def playground() -> Iterator[Path]:
     os.chown(d, 65534, 65534)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def aware_reference(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Each rank's output of ``tests/workloads/aware_job.py``, uninterrupted, run once (the rank
+    tier's model-aware move and recovery tests compare with it)."""
+    pytest.importorskip("torch")
+    from support.awarejob import uninterrupted
+
+    return uninterrupted(tmp_path_factory.mktemp("aware-reference"))
