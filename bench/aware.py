@@ -3,7 +3,7 @@ route and the floor, at a few model sizes.
 
     python bench/aware.py [--sizes-mib 16,128,512] [--repeats 3] [--dir /var/tmp] [--json-out F] [--gpu]
     python bench/aware.py --agents [--widths 64,65536,1048576] [--repeats 3]   (as root)
-    python bench/aware.py --lost [--widths 64,65536,1048576] [--repeats 3]     (as root)
+    python bench/aware.py --lost [--widths 64,65536,1048576] [--repeats 3] [--lost-nodes C,A]     (as root)
 
 For a model of about SIZE MiB of fp32 parameters (Linear layers) with its Adam state (twice as
 much again, taken after one step), registered as a script registers it (tpagent_rank.register),
@@ -186,11 +186,14 @@ def main() -> None:
     ap.add_argument("--agents", action="store_true", help="whole moves between agents, aware beside transparent")
     ap.add_argument("--lost", action="store_true", help="unplanned recovery: a node killed, the job rebuilt")
     ap.add_argument("--widths", default="64,65536,1048576", help="with --agents, --lost: the job's MLP widths")
+    ap.add_argument(
+        "--lost-nodes", default="C", help="with --lost: the nodes killed, each in runs of its own (A: the store's)"
+    )
     args = ap.parse_args()
     if args.lost:
         from bench import aware_lost
 
-        rows = aware_lost.run([int(w) for w in args.widths.split(",")], args.repeats)
+        rows = aware_lost.run([int(w) for w in args.widths.split(",")], args.repeats, args.lost_nodes.split(","))
         emit(args, {"bench": "aware-lost", "repeats": args.repeats, "rows": rows})
         return
     if args.agents:

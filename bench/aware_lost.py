@@ -5,11 +5,13 @@ widths.
 Four network-namespace nodes (tests/support/cluster.py) with agents and an orchestrator
 (unreachable after 10 s); the job is tests/workloads/ddp_job.py --aware (3 DDP ranks as srun
 starts them, gloo, CPU, its state registered), its MLP ``--width`` wide.  Node C (rank 2) is
-SIGKILLed whole mid-run; D is the spare.  Split:
+SIGKILLed whole mid-run (``--lost-nodes``: or A, rank 0 and the job's store its stand-in serves);
+D is the spare.  Split:
 
 * **detection**: from the kill to the orchestrator's decision (its ``recovering`` event): the node
   silent for ``unreachable_after``, then a tick;
-* the agent's stages (its ``recovered`` event): **rollback** (the survivors told to restart from
+* the agent's stages (its ``recovered`` event): **store** (served anew, where it was lost),
+  **rollback** (the survivors told to restart from
   their held boundary), **replacement** (the lost rank's command started on the spare, warmed up),
   **state** (the replica's held state handed over), **standing** (every rank warmed up at the
   boundary), **rebuild**, **resume**;
@@ -33,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("rollback", "replacement", "state", "standing", "rebuild", "resume", "total")
+STAGES = ("store", "rollback", "replacement", "state", "standing", "rebuild", "resume", "total")
 
 
-def once(width: int, tmp: Path) -> dict[str, float]:
-    """One job of ``width`` started, C killed, the job rebuilt and finished."""
+def once(width: int, tmp: Path, node: str) -> dict[str, float]:
+    """One job of ``width`` started, ``node`` (A, B or C) killed, the job rebuilt and finished."""
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import contextlib
     import json
@@ -64,10 +66,10 @@ def once(width: int, tmp: Path) -> dict[str, float]:
             job.at_step(2, 20)
             wait_until(lambda: all(o.rank_on(RUN, r) for r in range(3)), "the orchestrator to see every rank", 60)
             killed = time.time()
-            for p in c.nodes["C"].processes_and_children():
+            for p in c.nodes[node].processes_and_children():
                 with contextlib.suppress(psutil.Error):
                     p.send_signal(signal.SIGKILL)
-            assert job.runs["A"].wait(timeout=900) == 0, job.output()
+            assert job.runs["B" if node != "B" else "A"].wait(timeout=900) == 0, job.output()
             events = [json.loads(line) for line in o.ok("events", "--json").splitlines()]
         finally:
             job.close()
@@ -78,27 +80,31 @@ def once(width: int, tmp: Path) -> dict[str, float]:
     done = next(e for e in events if e["kind"] == "recovered")
     stages = dict(re.findall(r"(\w+)=([0-9.]+)", done["text"]))
     out = {"detection": float(deciding["ts"]) - killed, **{k: float(stages[k]) for k in STAGES}}
-    out["state_bytes"] = float(stages["rank2_state_bytes"])
+    out["state_bytes"] = float(stages[f"rank{'ABC'.index(node)}_state_bytes"])
     out["stood_still"] = out["detection"] + out["total"]
     out["restart"] = restart
     return out
 
 
-def run(widths: list[int], repeats: int) -> list[dict[str, Any]]:
-    """Medians over ``repeats`` at each width; prints the table."""
+def run(widths: list[int], repeats: int, nodes: list[str]) -> list[dict[str, Any]]:
+    """Medians over ``repeats`` at each width, for each node killed; prints the table."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-aware-lost-") as d:
-        for width in widths:
-            runs = [once(width, Path(tempfile.mkdtemp(dir=d))) for _ in range(repeats)]
-            med = {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
-            rows.append({"width": width, **med})
-    print(f"\nnode C (rank 2 of 3) killed outright, the job rebuilt on D; medians of {repeats} (seconds; MiB)")
-    heads = ("width", "state", "detect", "rollbk", "replace", "copy", "stand", "rebuild", "agent", "still", "restart")
-    print(" ".join(f"{h:>8}" for h in heads))
+        for node in nodes:
+            for width in widths:
+                runs = [once(width, Path(tempfile.mkdtemp(dir=d)), node) for _ in range(repeats)]
+                med = {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
+                rows.append({"node": node, "width": width, **med})
+    print(
+        f"\na node of 3 killed outright (A: rank 0 and the store), the job rebuilt on D; medians of {repeats} (s; MiB)"
+    )
+    heads = ("node", "width", "state", "detect", "store", "rollbk", "replace", "copy", "stand", "rebuild", "agent")
+    print(" ".join(f"{h:>8}" for h in (*heads, "still", "restart")))
     for r in rows:
-        cells = [r["detection"], r["rollback"], r["replacement"], r["state"], r["standing"], r["rebuild"], r["total"]]
+        cells = [r["detection"], r["store"], r["rollback"], r["replacement"], r["state"], r["standing"], r["rebuild"]]
+        cells.append(r["total"])
         print(
-            f"{r['width']:>8} {r['state_bytes'] / 2**20:>8.2f} "
+            f"{r['node']:>8} {r['width']:>8} {r['state_bytes'] / 2**20:>8.2f} "
             + " ".join(f"{v:>8.3f}" for v in cells)
             + f" {r['stood_still']:>8.2f} {r['restart']:>8.2f}"
         )

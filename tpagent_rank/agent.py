@@ -28,6 +28,9 @@ from tpagent_rank import codec, ending, env, join, lines, recover, rewire
 from tpagent_rank import protocol as P
 from tpagent_rank.notice import PREFIX, say
 
+#: How long the job's store is given to accept a connection before it is taken as gone.
+STORE_PROBE = 2.0
+
 
 class Rank:
     def __init__(self, job: str, rank: int, world: int, store: Any, spec: str | None, socket_name: str) -> None:
@@ -323,7 +326,7 @@ class Rank:
         if isinstance(request, P.Retire):
             self.retire_answered.set()  # (it ends only once its agent has this)
         if isinstance(request, P.Restart) and answer.ok:
-            recover.restart(self)
+            recover.restart(self, request.store)
 
     def _load(self, rid: object, request: P.Load, given: BinaryIO | None, on: socket.socket) -> None:
         joining = self.join
@@ -339,13 +342,13 @@ class Rank:
         joining.answered.set()
 
     @functools.cached_property
-    def store_facts(self) -> tuple[str, str]:
+    def store_facts(self) -> tuple[str, str, str]:
         """Where this rank stands with the job's store, which do not change while it runs: the
-        store's address if it serves the store itself, and if it reaches it at a loopback address
-        ("": no)."""
+        store's address if it serves the store itself, if it reaches it at a loopback address
+        ("": no), and where it reaches it ("": not over TCP)."""
         from tpagent_rank import store
 
-        return store.hosted_here(self.store) or "", store.loopback(self.store) or ""
+        return store.hosted_here(self.store) or "", store.loopback(self.store) or "", store.tcp_address(self.store)
 
     def _state(self) -> str:
         state = P.RankState.TORN_DOWN if self.torn else P.RankState.PAUSED if self.parked else P.RankState.RUNNING
@@ -380,7 +383,7 @@ class Rank:
         return handler(request)
 
     def _where(self, _: P.Where) -> P.Standing:
-        from tpagent_rank import aware, backend, nccladdr
+        from tpagent_rank import aware, backend, nccladdr, store
 
         replicas = aware.replica_ranks()  # (resolved once, outside the lock: it may scan the heap)
         with self.cond:
@@ -402,9 +405,18 @@ class Rank:
                 no_replicas=aware.why_no_replicas() if replicas is None else "",
                 held=self.held.step if self.held is not None else -1,
                 broken=recover.BROKEN.why,
+                store=self.store_facts[2],
+                agreed=store.NAMED.get("agreed", ""),
             )
 
     def _peers(self, _: P.Peers) -> P.Agents:
+        """Where each rank's agent is, as the job's store says; nothing where the store does not
+        answer (lost with its node: a client would wait for its whole timeout)."""
+        from tpagent_rank import store
+
+        address = self.store_facts[2]
+        if address and not store.reachable(address, STORE_PROBE):
+            return P.Agents(agents=("",) * self.world)
         agents = []
         for r in range(self.world):
             key = f"{P.AGENT_KEY}{r}"
@@ -431,7 +443,10 @@ class Rank:
                     return P.AtBoundary(ok=False, error=error)
             return P.AtBoundary(step=self.step, collectives=self.collectives)
 
-    def _restart(self, _: P.Restart) -> P.Answer:
+    def _restart(self, request: P.Restart) -> P.Answer:
+        host, _, port = request.store.rpartition(":")
+        if request.store and not (host and port.isdigit() and 0 < int(port) < 65536):
+            return P.failed(f"{request.store!r} is not a store's HOST:PORT")
         taken = recover.held_file(self)
         return P.failed(taken) if isinstance(taken, str) else P.Answer()
 

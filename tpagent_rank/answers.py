@@ -68,6 +68,8 @@ class Standing(Answer):
     no_replicas: str = ""  # why none are known
     held: int = -1  # the step boundary whose state it holds to recover from (-1: none; see Restart)
     broken: str = ""  # why a collective of its failed, held from its script while its job may recover
+    store: str = ""  # HOST:PORT at which it reaches the job's store ("": not a TCP store)
+    agreed: str = ""  # the value its job's identity was agreed on in the store (P.JOB_KEY; "": not yet)
 
 
 @dataclass(frozen=True)
@@ -148,3 +150,5 @@ class Recovered(Answer):
     step: int = 0
     gen: int = 0
     stages: tuple[str, ...] = ()  # "name=seconds"
+    store: str = ""  # HOST:PORT at which the job's store is served from now on, if it was lost too
+    ranks: tuple[int, ...] = ()  # the ranks rebuilt (those asked, and any lost with them)

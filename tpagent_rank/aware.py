@@ -158,10 +158,10 @@ def _derived() -> Any:
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     found = None
     groups = []
-    for o in gc.get_objects():
-        if isinstance(o, ddp):
+    for o in gc.get_objects():  # (by type(o): an isinstance asks o.__class__, which some objects warn of)
+        if issubclass(type(o), ddp):
             groups.append(o.process_group)
-        elif found is None and fsdp is not None and isinstance(o, fsdp):
+        elif found is None and fsdp is not None and issubclass(type(o), fsdp):
             found = o
     if groups:
         ranks = {tuple(dist.get_process_group_ranks(g)) for g in groups}

@@ -89,6 +89,10 @@ JOIN_VARIABLE = "TPAGENT_RANK_JOIN"
 #: Set by a rank restarting in its own process (:class:`Restart`) for the process it becomes: where
 #: the state it held is (a descriptor it keeps open across ``exec``) and where it stood.
 STATE_VARIABLE = "TPAGENT_RANK_STATE"
+#: ``HOST:PORT`` at which a job's store is served since the node that served it was lost (unplanned
+#: recovery): a ``tcp://`` or ``env://`` rendezvous is made a client of it, whatever address the
+#: script names, and the job's identity is still agreed with the address the script names.
+STORE_VARIABLE = "TPAGENT_RANK_STORE"
 #: The environment variables a job's id is read from, in order (else :data:`DEFAULT_JOB`).
 JOB_VARIABLES = ("TPAGENT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")
 DEFAULT_JOB = "job"
@@ -277,9 +281,11 @@ class Restart(Request[Answer]):
     """A rank whose job lost a rank (unplanned recovery, :mod:`tpagent_rank.recover`): its process
     runs its command again from its start (``exec``, the same PID), takes the state it held at its
     last step boundary (``Standing.held``) once warmed up, and stands there, its communicators to be
-    built (``rebuild``): the step in flight is dropped, and done again."""
+    built (``rebuild``): the step in flight is dropped, and done again.  ``store``: ``HOST:PORT``
+    at which the job's store is served from now on (:data:`STORE_VARIABLE`; "": where it was)."""
 
     OP = Op.RESTART
+    store: str = ""
 
 
 @dataclass(frozen=True)
@@ -375,6 +381,7 @@ class Recover(Request[Recovered]):
     ranks: tuple[int, ...]
     spare: str
     grace: float
+    agents: tuple[str, ...] = ()  # each rank's agent as the orchestrator saw it ("": not seen)
 
 
 REQUESTS: Mapping[Op, type[Request[Any]]] = {

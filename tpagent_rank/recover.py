@@ -106,9 +106,10 @@ def held_file(rank: Rank) -> tuple[Held, Any] | str:
     return held, held.saved
 
 
-def restart(rank: Rank) -> None:
+def restart(rank: Rank, store: str = "") -> None:
     """(After the agent has its answer.)  This process becomes a fresh one of its command, with
-    the state it held; its own children (DataLoader workers) end first."""
+    the state it held; its own children (DataLoader workers) end first.  ``store``: where the job's
+    store is served from now on ("": where it was)."""
     taken = held_file(rank)
     if isinstance(taken, str):  # (checked as it was asked: not here)
         return
@@ -122,6 +123,8 @@ def restart(rank: Rank) -> None:
     size = os.fstat(fd).st_size
     environ = {**env.START_ENV, P.JOIN_VARIABLE: "1"}
     environ[P.STATE_VARIABLE] = f"{fd}:{size}:{held.step}:{held.collectives}:{held.groups}"
+    if store:
+        environ[P.STORE_VARIABLE] = store
     with contextlib.suppress(OSError):
         os.chdir(env.START_CWD or "/")
     os.execve(sys.executable, list(sys.orig_argv), environ)

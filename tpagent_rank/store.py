@@ -11,7 +11,9 @@ unused, so that nothing ever closes that descriptor number.
 A rank that hosts the store itself (``env://`` rank 0, where no launcher hosts it) cannot move:
 its peers reach the store at this node's address.  Its stand-in hosts the store instead, outside
 the rank (:data:`HOSTED`, see ``tpagent/jobs/standin.py``), and :func:`patch_rendezvous` makes the
-rank a client of it.
+rank a client of it.  Where the node serving a job's store was lost, its recovery serves it anew
+elsewhere (:data:`~tpagent_rank.protocol.STORE_VARIABLE`), and every rendezvous is made a client
+of that one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from tpagent_rank import owned
 
 #: Set in a rank's environment by its stand-in: the port of the store it hosts on this node.
 HOSTED = "TPAGENT_STORE_HOSTED"
+#: The address of the store the script named, once a rendezvous was made a client of the store
+#: served in its place (:data:`~tpagent_rank.protocol.STORE_VARIABLE`), as :func:`address` says it;
+#: and the value the job's identity was agreed on (:func:`job_key`).
+NAMED: dict[str, str] = {}
 
 
 def _underlying(store: Any) -> Any:
@@ -120,15 +126,27 @@ def loopback(store: Any) -> str | None:
 def patch_rendezvous(module: Any) -> None:
     """Where the stand-in hosts the store (:data:`HOSTED`), the rank that would have served it
     on that port (``env://``, ``tcp://`` rank 0) is made a client of it, as torchrun's ranks are
-    of its agent's store; nothing else changes."""
+    of its agent's store; where the store is served elsewhere since its node was lost
+    (:data:`~tpagent_rank.protocol.STORE_VARIABLE`), every rank is made a client of that one.
+    Nothing else changes."""
+    from tpagent_rank.protocol import STORE_VARIABLE
+
     port = os.environ.get(HOSTED, "")
+    moved = os.environ.get(STORE_VARIABLE, "").rpartition(":")
     create = getattr(module, "_create_c10d_store", None)
-    if not port.isdigit() or create is None or getattr(create, "__tpagent__", False):
+    if not (port.isdigit() or moved[2].isdigit()) or create is None or getattr(create, "__tpagent__", False):
         return
 
     def _create_c10d_store(
         hostname: str, port_: int, rank: int, world_size: int, timeout: Any, *args: Any, **kwargs: Any
     ) -> Any:
+        if moved[2].isdigit():
+            host = moved[0].strip("[]")
+            NAMED["address"] = f"{hostname}:{port_} (TCPStore)"  # (as a client of the named store says it)
+            NAMED["served"] = f"{host}:{moved[2]}"
+            return module.TCPStore(
+                host_name=host, port=int(moved[2]), world_size=world_size, is_master=False, timeout=timeout
+            )
         if int(port_) != int(port):
             return create(hostname, port_, rank, world_size, timeout, *args, **kwargs)
         return module.TCPStore(host_name=hostname, port=port_, world_size=world_size, is_master=False, timeout=timeout)
@@ -156,8 +174,34 @@ def job_key(store: Any) -> str:
     job, even one whose store was given this one's value, has it.  Whatever the store raises."""
     from tpagent_rank.protocol import JOB_KEY
 
-    agreed = bytes(store.compare_set(JOB_KEY, "", secrets.token_hex(16))).decode()
-    return hashlib.sha256(f"{agreed}\0{address(store)}".encode()).hexdigest()[:32]
+    # (in the store itself, not under a prefix the script's group or a launcher put over it: a
+    # store served anew holds the value there, :mod:`tpagent.jobs.storeserver`)
+    agreed = bytes(_underlying(store).compare_set(JOB_KEY, "", secrets.token_hex(16))).decode()
+    NAMED["agreed"] = agreed
+    named = NAMED.get("address", "") if served_elsewhere(store) else ""
+    return hashlib.sha256(f"{agreed}\0{named or address(store)}".encode()).hexdigest()[:32]
+
+
+def served_elsewhere(store: Any) -> bool:
+    """Whether ``store`` is the one served in place of the store the script named."""
+    return bool(NAMED.get("served")) and tcp_address(store) == NAMED["served"]
+
+
+def tcp_address(store: Any) -> str:
+    """``HOST:PORT`` at which ``store`` is reached, if it is a TCP store ("" otherwise)."""
+    base = _underlying(store)
+    port = getattr(base, "port", None)
+    return f"{base.host}:{port}" if isinstance(port, int) and type(base).__name__ == "TCPStore" else ""
+
+
+def reachable(host_port: str, timeout: float) -> bool:
+    """Whether a TCP connection to ``host_port`` is accepted within ``timeout`` seconds."""
+    host, _, port = host_port.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def address(store: Any) -> str:

@@ -150,7 +150,8 @@ def test_aware_benchmark_moves_a_rank_between_agents_both_ways() -> None:
 
 @needs_criu
 def test_aware_benchmark_rebuilds_a_job_that_lost_a_node() -> None:
-    doc = _run("bench/aware.py", "--lost", "--widths", "64", "--repeats", "1")
+    doc = _run("bench/aware.py", "--lost", "--widths", "64", "--repeats", "1", "--lost-nodes", "A")
     (row,) = doc["rows"]  # type: ignore[misc]
     assert row["state_bytes"] > 0 and row["detection"] > 0 and row["replacement"] > 0
+    assert row["node"] == "A" and row["store"] > 0  # (the store, lost with rank 0's node, served anew)
     assert row["stood_still"] > row["total"] >= row["replacement"] + row["state"] + row["rebuild"]

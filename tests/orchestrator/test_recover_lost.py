@@ -1,4 +1,4 @@
-"""A node killed outright mid-step (issue 27, item 3, checks (b) and (d)): every process of its
+"""A node killed outright mid-step (issue 27, items 3 and 4, checks (b), (c) and (d)): every process of its
 network namespace SIGKILLed at once, its agent too.  The job is DDP over nodes A, B, C, as srun
 starts it (a stand-in per rank, rank 0's serving the job's store on A), its script registering its
 training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
@@ -7,9 +7,17 @@ training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
     reporting, the orchestrator has A's agent rebuild rank 2 on D from a replica's held state,
     every survivor restarts in its own process from its last step boundary, and the job runs on.
     Every rank's losses, step by step, and final parameters equal the uninterrupted run's, bit for
-    bit (the step that was in flight is done again); no line is written twice.
+    bit (the step that was in flight is done again); no line is written twice.  The rebuilt
+    rank's exit status, which its launcher (lost with C) cannot see, is written down by the
+    orchestrator.
+(c) A is killed: rank 0 and the job's store its stand-in served are lost together.  The store is
+    served anew on B, whose agent rebuilds rank 0 on D, every rank from then on told to reach
+    the store there; the job runs on, bit-identical, as in (b).
 (d) The same job with each rank its own shard (``--aware-alone``: no replica of rank 2 survives):
-    it cannot be rebuilt, and every rank ends with one sentence saying so; nothing hangs."""
+    it cannot be rebuilt, and every rank ends with one sentence saying so; nothing hangs.
+(e) B and C are killed together: ranks 1 and 2 are rebuilt together on D from rank 0's held
+    state (the rebuild asked about one node finds the other's rank does not answer either), and
+    the job runs on, bit-identical."""
 
 from __future__ import annotations
 
@@ -43,6 +51,10 @@ def _events(o: Orchestrator) -> list[dict[str, str]]:
     return [json.loads(line) for line in o.ok("events", "--json").splitlines()]
 
 
+def _ended(o: Orchestrator) -> list[str]:
+    return [e["text"] for e in _events(o) if e["kind"] == "ended"]
+
+
 def _running(tmp_path: Path, extra: tuple[str, ...]) -> tuple[Cluster, Orchestrator, Job]:
     c = Cluster(tmp_path, list("ABCD"), ifname=IFNAME)
     o = Orchestrator(c, tmp_path, lost_grace=2.0)
@@ -60,6 +72,23 @@ def _running(tmp_path: Path, extra: tuple[str, ...]) -> tuple[Cluster, Orchestra
     return c, o, job
 
 
+def _ran_on(c: Cluster, o: Orchestrator, job: Job, reference: Path, survivors: str, rebuilt: str) -> str:
+    """Once the surviving nodes' launchers end: each ended 0, every rank's output (each step once,
+    its losses and final parameters) is the uninterrupted run's, and one rebuild put ``rebuilt``
+    on D; that rebuild's event."""
+    codes = {name: job.runs[name].wait(timeout=600) for name in survivors}
+    assert codes == dict.fromkeys(survivors, 0), job.output()
+    for r in range(3):
+        got = rank_log(job.logs, r)
+        assert [ln.split()[1] for ln in got if ln.startswith("step ")] == [str(k) for k in range(STEPS)], r
+        assert got == rank_log(reference, r), f"rank {r}: its losses or final parameters differ"
+    assert "Traceback" not in job.output()
+    recovered = [e["text"] for e in _events(o) if e["kind"] == "recovered"]
+    assert len(recovered) == 1 and f"rank(s) {rebuilt} rebuilt on {c.nodes['D'].name}" in recovered[0], recovered
+    print(recovered[0])
+    return recovered[0]
+
+
 @pytest.mark.timeout(900)
 def test_a_node_killed_mid_step_is_rebuilt_on_the_spare_and_the_job_runs_on_bit_identical(
     tmp_path: Path, reference_aware: Path
@@ -67,17 +96,43 @@ def test_a_node_killed_mid_step_is_rebuilt_on_the_spare_and_the_job_runs_on_bit_
     c, o, job = _running(tmp_path, ("--aware",))
     try:
         _lose(c, "C")
-        codes = {name: job.runs[name].wait(timeout=600) for name in "AB"}
-        assert codes == {"A": 0, "B": 0}, job.output()
-        for r in range(3):
-            got = rank_log(job.logs, r)
-            assert [ln.split()[1] for ln in got if ln.startswith("step ")] == [str(k) for k in range(STEPS)], r
-            assert got == rank_log(reference_aware, r), f"rank {r}: its losses or final parameters differ"
-        recovered = [e for e in _events(o) if e["kind"] == "recovered"]
-        assert len(recovered) == 1 and f"rank(s) 2 rebuilt on {c.nodes['D'].name}" in recovered[0]["text"], recovered
-        print(recovered[0]["text"])
+        _ran_on(c, o, job, reference_aware, "AB", "2")
         assert not [e for e in _events(o) if e["kind"] == "lost"]
-        assert "Traceback" not in job.output()
+        # Its launcher on C went with C: the rebuilt rank's end is the orchestrator's to write down.
+        wait_until(lambda: _ended(o), "the orchestrator to write the rebuilt rank's end down", 60, 0.5)
+        assert _ended(o) == [f"rank 2 of job {RUN} (rebuilt) exited with status 0"]
+    finally:
+        job.close()
+        o.close()
+        c.close()
+
+
+@pytest.mark.timeout(900)
+def test_the_node_serving_the_jobs_store_killed_mid_step_is_rebuilt_and_its_store_served_anew(
+    tmp_path: Path, reference_aware: Path
+) -> None:
+    c, o, job = _running(tmp_path, ("--aware",))
+    try:
+        _lose(c, "A")
+        recovered = _ran_on(c, o, job, reference_aware, "BC", "0")
+        assert f"its store, lost with {c.nodes['A'].name}, is served at {c.nodes['B'].addr}:" in recovered
+    finally:
+        job.close()
+        o.close()
+        c.close()
+
+
+@pytest.mark.timeout(900)
+def test_two_nodes_killed_together_are_rebuilt_together_and_the_job_runs_on_bit_identical(
+    tmp_path: Path, reference_aware: Path
+) -> None:
+    c, o, job = _running(tmp_path, ("--aware",))
+    try:
+        _lose(c, "B")
+        _lose(c, "C")
+        _ran_on(c, o, job, reference_aware, "A", "1, 2")
+        wait_until(lambda: len(_ended(o)) == 2, "the orchestrator to write both rebuilt ranks' ends down", 60, 0.5)
+        assert sorted(_ended(o)) == [f"rank {r} of job {RUN} (rebuilt) exited with status 0" for r in (1, 2)]
     finally:
         job.close()
         o.close()

@@ -30,7 +30,7 @@ REQUESTS: list[P.Request[Any]] = [
     P.Save(listen="10.0.0.1", secret="ab" * 16, timeout=30.0, held=True),
     P.Load(size=1 << 33, step=12, collectives=40, source="10.0.0.1:4000", secret="ab" * 16, groups=3),
     P.Retire(),
-    P.Restart(),
+    P.Restart(store="10.0.0.2:41234"),
     P.Expect(pid=4242),
     P.Moved(to="10.0.0.2:7400"),
     P.Release(),
@@ -51,7 +51,7 @@ REQUESTS: list[P.Request[Any]] = [
         stderr="/home/u/err",
         owner=1000,
     ),
-    P.Recover(node="10.0.0.2:7400", ranks=(2, 3), spare="10.0.0.9:7400", grace=60.0),
+    P.Recover(node="10.0.0.2:7400", ranks=(2, 3), spare="10.0.0.9:7400", grace=60.0, agents=("10.0.0.1:7400", "", "")),
 ]
 #: One answer of each kind, every field set.
 ANSWERS: list[P.Answer] = [
@@ -74,6 +74,8 @@ ANSWERS: list[P.Answer] = [
         no_replicas="",
         held=9,
         broken="Connection reset by peer",
+        store="10.0.0.1:29500",
+        agreed="0f" * 16,
     ),
     P.Agents(agents=("10.0.0.1:7400", "", "10.0.0.3:7400")),
     P.Paused(ok=False, error="past it", late=True),
@@ -99,7 +101,7 @@ ANSWERS: list[P.Answer] = [
             ),
         )
     ),
-    P.Recovered(step=12, gen=3, stages=("detection=10.5", "rebuild=0.25")),
+    P.Recovered(step=12, gen=3, stages=("detection=10.5", "rebuild=0.25"), store="10.0.0.2:41234", ranks=(2, 3)),
 ]
 
 

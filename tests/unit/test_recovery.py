@@ -45,6 +45,14 @@ def test_the_lost_ranks_command_is_its_replicas_with_its_own_rank_and_output() -
     assert same.stderr == same.stdout  # (one file for both, as the replica had)
 
 
+def test_a_lost_rank_whose_store_is_served_anew_is_told_where() -> None:
+    got = for_rank(_spec("RANK=1", "MASTER_ADDR=10.0.0.1", "MASTER_PORT=29500"), 1, 0, "job1", "10.0.0.2:41234")
+    env = dict(e.split("=", 1) for e in got.env)
+    assert env[P.STORE_VARIABLE] == "10.0.0.2:41234" and env["RANK"] == "0"
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "29500")  # (as its script names it)
+    assert P.STORE_VARIABLE not in dict(e.split("=", 1) for e in for_rank(_spec("RANK=1"), 1, 0, "job1").env)
+
+
 def test_a_command_that_names_its_rank_in_no_known_variable_cannot_be_rebuilt() -> None:
     with pytest.raises(Failed, match="names its rank in none of RANK"):
         for_rank(_spec("WORLD_SIZE=3", "MY_RANK=0"), 0, 2, "job1")

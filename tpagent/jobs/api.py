@@ -192,6 +192,9 @@ class Leaving(Protocol):
     def gone(self, job: str, rank: int, timeout: float) -> bool:
         """Wait until the rank's process here has ended (True); past ``timeout`` it is killed (False)."""
 
+    def here(self, job: str) -> bool:
+        """Whether a rank of ``job`` runs on this node, or left it for another."""
+
 
 class Settled(Protocol):
     """After a restart: the copy's PID on ``target`` once migration ``migration_id`` is done, 0

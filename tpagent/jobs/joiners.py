@@ -183,3 +183,6 @@ class Leaving:
     def gone(self, job: str, rank: int, timeout: float) -> bool:
         e = self.ranks.entry(job, rank)
         return wait_gone(e.init, e.init_start, timeout)
+
+    def here(self, job: str) -> bool:
+        return any(row.job == job for row in self.ranks.jobs())

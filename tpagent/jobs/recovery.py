@@ -4,7 +4,12 @@ their data-parallel replicas, on a spare, without a restart from its checkpoint.
 side is :mod:`tpagent_rank.recover`::
 
     where      every surviving rank: each registered its state, holds its last step boundary's
-               (one boundary S for all), and says which ranks are its replicas
+               (one boundary S for all), and says which ranks are its replicas; a rank whose
+               agent does not answer either was lost too (nodes lost together), and is rebuilt
+               with the others
+    store      where the job's store no longer answers (it was served on the lost node), it is
+               served anew on this node, holding the job's identity, and every rank started
+               from here on is told where (:mod:`tpagent.jobs.storeserver`)      -- "store"
     join       each lost rank's command is started on the spare, as a surviving replica of it
                runs here (its rank's variables set to the lost rank's)          -- "replacement"
     restart    every survivor runs its command again in its own process, from the state it held
@@ -31,12 +36,15 @@ import logging
 import os
 import secrets
 import signal
+import subprocess
 import time
 
+from tpagent.jobs import storeserver
 from tpagent.jobs.api import Ask, Leaving
 from tpagent.jobs.moves import Asking, each, fails
-from tpagent.migration.api import AgentError, Refused, Why, is_agent_address
+from tpagent.migration.api import AgentError, PeerUnreachable, Refused, Why, is_agent_address
 from tpagent_rank import protocol as P
+from tpagent_rank.store import reachable
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +55,18 @@ RANK_VARIABLES = ("RANK", "ROLE_RANK", "SLURM_PROCID", "PMI_RANK", "PMIX_RANK", 
 WARM_TIMEOUT = 300.0
 #: How long one rank is given to answer one request.
 TIMEOUT = 60.0
+#: How long the job's store is given to accept a connection before it is taken as lost.
+STORE_PROBE = 3.0
 
 
 class Failed(Exception):
     """The job cannot be rebuilt: why, in a clause."""
 
 
-def for_rank(spec: P.Join, source: int, rank: int, job: str) -> P.Join:
+def for_rank(spec: P.Join, source: int, rank: int, job: str, store: str = "") -> P.Join:
     """``spec`` (how rank ``source`` runs) as rank ``rank`` runs: its rank's variables set, its
-    output in files of its own beside the source's; Failed if no variable names the rank."""
+    output in files of its own beside the source's, told where the job's store is served anew
+    (``store``, if it is); Failed if no variable names the rank."""
     env = dict(e.split("=", 1) for e in spec.env)
     named = [k for k in RANK_VARIABLES if env.get(k) == str(source)]
     if not named:
@@ -64,6 +75,8 @@ def for_rank(spec: P.Join, source: int, rank: int, job: str) -> P.Join:
             f"so it cannot be started as rank {rank}"
         )
     env.update(dict.fromkeys(named, str(rank)))
+    if store:
+        env[P.STORE_VARIABLE] = store
     out = os.path.join(os.path.dirname(spec.stdout), f"{job}.rank{rank}.recovered.out")
     err = out if spec.stderr == spec.stdout else out[: -len(".out")] + ".err"
     named_env = tuple(f"{k}={v}" for k, v in sorted(env.items()))
@@ -86,12 +99,15 @@ class Recovery:
         self.started: list[int] = []  # the lost ranks whose new processes were started on the spare
         self.restarted: set[int] = set()  # the survivors restarted (parked at the boundary since)
         self.stages: dict[str, float] = {}
+        self.store = ""  # HOST:PORT of the job's store served anew here ("": it was not lost)
+        self.server: subprocess.Popen[bytes] | None = None
 
     def run(self) -> P.Recovered:
         """The job rebuilt, or every rank of it told to end (then Failed: why)."""
         if not is_agent_address(self.request.spare) or not self.lost:
             raise Refused("recover needs the lost ranks and the spare's agent (HOST:PORT).", Why.INVALID)
         agents = self._agents()
+        self._not_running(agents)
         try:
             return self._rebuild(agents)
         except Failed as e:
@@ -103,13 +119,26 @@ class Recovery:
             raise Failed(f"internal error: {e}") from e
 
     def _agents(self) -> list[str]:
-        """Every rank's agent, as the job's store says (a lost rank's: its lost node's)."""
+        """Every rank's agent, as the job's store says (a lost rank's: its lost node's); where it
+        does not (it was lost with its node), as the orchestrator saw them."""
         peers = self.ask(self.here, self.job, self.local, P.Peers(), self.timeout)
         self.asking.key = peers.key  # (the job's identity, as this agent vouches for its rank)
-        agents = list(peers.agents)
+        seen = self.request.agents
+        agents = [a or (seen[r] if r < len(seen) else "") for r, a in enumerate(peers.agents)]
         if any(r >= len(agents) for r in self.lost) or not all(agents):
             raise Refused(f"the job's store does not say where every rank of job {self.job} runs", Why.PRECONDITION)
         return agents
+
+    def _not_running(self, agents: list[str]) -> None:
+        """Refused (nothing done) if a rank asked for runs after all: the job's store names another
+        node than the lost one for it, whose agent has it (rebuilt already, with a node lost
+        together with that one)."""
+        moved = [d for d in self.lost if agents[d] != self.request.node]
+        answers = self.asking.all(agents, each(P.Where()), self.timeout, only=moved)
+        running = sorted(r for r, a in answers.items() if not isinstance(a, AgentError) and a.ok)
+        if running:
+            where = ", ".join(f"rank {r} at {agents[r]}" for r in running)
+            raise Refused(f"job {self.job} runs on: {where}, not lost", Why.CONFLICT)
 
     def _stage(self, name: str, t0: float) -> float:
         now = time.monotonic()
@@ -118,24 +147,26 @@ class Recovery:
 
     def _rebuild(self, agents: list[str]) -> P.Recovered:
         t0 = time.monotonic()
-        survivors = [r for r in range(len(agents)) if r not in self.lost]
-        where = self._where(agents, survivors)
+        where = self._where(agents, [r for r in range(len(agents)) if r not in self.lost])
+        survivors = sorted(where)
         boundary = where[survivors[0]].held
         sources = self._sources(agents, where)
-        specs = {d: for_rank(self._spec(s), s, d, self.job) for d, s in sources.items()}
-        gen = max(w.gen for w in where.values()) + 1
         t = time.monotonic()
+        self.store = self._store_anew(where)
+        t = self._stage("store", t)
+        specs = {d: for_rank(self._spec(s), s, d, self.job, self.store) for d, s in sources.items()}
+        gen = max(w.gen for w in where.values()) + 1
         for d, spec in sorted(specs.items()):
             self._call(self.request.spare, d, spec, f"start rank {d} on {self.request.spare}")
             self.started.append(d)
         others = [r for r in survivors if r not in sources.values()]
-        self._all(agents, P.Restart(), others, "restart from its last step boundary")
+        self._all(agents, P.Restart(self.store), others, "restart from its last step boundary")
         t = self._stage("rollback", t)
         trial = [self.request.spare if r in self.lost else a for r, a in enumerate(agents)]
         self._stand(trial, self.lost, P.RankState.WAITING, None, WARM_TIMEOUT)
         t = self._stage("replacement", t)
         self._hand_over(agents, trial, sources, boundary)
-        self._all(agents, P.Restart(), sorted(set(sources.values())), "restart from its last step boundary")
+        self._all(agents, P.Restart(self.store), sorted(set(sources.values())), "restart from its last step boundary")
         t = self._stage("state", t)
         self._stand(trial, list(range(len(agents))), P.RankState.TORN_DOWN, boundary, WARM_TIMEOUT)
         t = self._stage("standing", t)
@@ -153,10 +184,16 @@ class Recovery:
             boundary,
             self.stages,
         )
-        return P.Recovered(step=boundary, gen=gen, stages=tuple(f"{k}={v}" for k, v in self.stages.items()))
+        stages = tuple(f"{k}={v}" for k, v in self.stages.items())
+        return P.Recovered(step=boundary, gen=gen, stages=stages, store=self.store, ranks=tuple(self.lost))
 
     def _where(self, agents: list[str], survivors: list[int]) -> dict[int, P.Standing]:
         answers = self.asking.all(agents, each(P.Where()), self.timeout, only=survivors)
+        gone = sorted(r for r, a in answers.items() if isinstance(a, PeerUnreachable))
+        if gone and len(gone) < len(answers):  # (lost with their nodes too, as the asked ones were)
+            log.warning("job %s: rank(s) %s do not answer either: rebuilt too", self.job, ", ".join(map(str, gone)))
+            self.lost = sorted({*self.lost, *gone})
+            answers = {r: a for r, a in answers.items() if r not in gone}
         bad = fails(answers, "say where it stands")
         if bad:
             raise Failed("; ".join(bad))
@@ -169,6 +206,29 @@ class Recovery:
         if len(held) > 1:
             raise Failed(f"its ranks hold different step boundaries ({sorted(held)})")
         return where
+
+    def _store_anew(self, where: dict[int, P.Standing]) -> str:
+        """Where the job's store is served from now on: "" where it answers still (or is no TCP
+        store: a FileStore is on a filesystem); else served anew on this node (see the module)."""
+        stores = {w.store for w in where.values()}
+        if len(stores) != 1 or "" in stores or reachable(next(iter(stores)), STORE_PROBE):
+            return ""
+        lost = stores.pop()
+        agreed = {w.agreed for w in where.values()}
+        if len(agreed) != 1 or "" in agreed:
+            raise Failed(f"its store ({lost}) is lost, and its ranks do not say one value its identity was agreed on")
+        try:
+            address, self.server = storeserver.serve_anew(
+                self.job,
+                self._spec(self.local),
+                self.here.rsplit(":", 1)[0],
+                agreed.pop(),
+                lambda: self.leaving.here(self.job),
+            )
+        except RuntimeError as e:
+            raise Failed(f"its store ({lost}) is lost, and it could not be served anew on {self.here} ({e})") from e
+        log.warning("job %s: its store (%s) is lost; it is served anew at %s", self.job, lost, address)
+        return address
 
     def _sources(self, agents: list[str], where: dict[int, P.Standing]) -> dict[int, int]:
         """Each lost rank -> the surviving replica on this node that gives it its state."""
@@ -240,6 +300,8 @@ class Recovery:
         lost = ", ".join(map(str, self.lost))
         sentence = f"rank(s) {lost} of job {self.job} were lost with {self.request.node} and cannot be rebuilt: {why}"
         log.warning("%s", sentence)
+        if self.server is not None:
+            storeserver.stop_store(self.server)
         for d in self.started:
             try:
                 self.ask(self.request.spare, self.job, d, P.Signal(signum=int(signal.SIGKILL)), self.timeout)

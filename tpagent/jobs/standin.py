@@ -15,8 +15,9 @@ or read the cluster secret: it asks its node's agent over the local channel of
 
 Where no launcher hosts the job's store (srun and ``env://``: rank 0 would serve it), the stand-in
 of rank 0 serves it on this node, outside the rank, with the rank's own Python and no privilege
-(:func:`host_store`, :func:`store_user`): a rank that served it could not move, as its peers reach it at this
-node's address.  The store lives as long as the stand-in, as it would have lived as long as rank 0.
+(:func:`host_store`, :mod:`tpagent.jobs.storeserver`): a rank that served it could not move, as its
+peers reach it at this node's address.  The store lives as long as the stand-in, as it would have
+lived as long as rank 0.
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import pwd
-import re
-import select
 import shutil
 import signal
 import socket
@@ -45,6 +43,7 @@ import tpagent_rank
 from host import paths, proc
 from host.api import UsageError
 from tpagent.jobs.local import LocalAgent, Start, runtime_readable
+from tpagent.jobs.storeserver import python_of, serve, stop_store, store_user
 from tpagent.migration.api import AgentError, PeerUnreachable
 from tpagent.workload import launch
 from tpagent_rank import protocol as P
@@ -66,19 +65,6 @@ RUNTIME_ROOT = paths.RANK_RUNTIME
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: How long the stand-in keeps asking an agent that does not answer before it gives the rank up.
 LOST_AFTER = 600.0
-#: How long the store server may take to listen (its Python imports torch first).
-STORE_READY_TIMEOUT = 120.0
-#: nobody's UID and GID where the system has no such user in its password file.
-NOBODY = 65534
-#: The store server: the rank's Python runs it, and it ends when its stdin does (the stand-in
-#: exited, or was killed).  argv: host, port.
-STORE_SERVER = """\
-import sys
-from torch.distributed import TCPStore
-store = TCPStore(sys.argv[1], int(sys.argv[2]), None, True, wait_for_workers=False)
-print("ready", flush=True)
-sys.stdin.read()
-"""
 
 
 def rank_of(env: dict[str, str]) -> int:
@@ -136,27 +122,6 @@ def rank_env(env: dict[str, str], socket_name: str, job: str, runtime: bool = Tr
     return out
 
 
-def python_of(cmd: list[str], env: dict[str, str]) -> str | None:
-    """The Python interpreter that runs ``cmd``: the command itself, or what its ``#!`` names."""
-    path = env.get("PATH", os.defpath)
-    exe = cmd[0] if "/" in cmd[0] else shutil.which(cmd[0], path=path)
-    for _ in range(2):
-        if exe is None:
-            return None
-        if re.fullmatch(r"python[0-9.]*", Path(exe).name):
-            return exe
-        try:
-            with open(exe, "rb") as f:
-                line = f.readline(256)
-        except OSError:
-            return None
-        words = line[2:].decode(errors="replace").split() if line.startswith(b"#!") else []
-        if len(words) > 1 and Path(words[0]).name == "env":  # #!/usr/bin/env python3
-            words = words[1:]
-        exe = (words[0] if "/" in words[0] else shutil.which(words[0], path=path)) if words else None
-    return None
-
-
 def _local(host: str) -> bool:
     """Whether ``host`` names an address of this node."""
     try:
@@ -173,41 +138,6 @@ def _local(host: str) -> bool:
     return False
 
 
-def store_user(env: dict[str, str]) -> tuple[int, int] | None:
-    """Whom the store server runs as (UID, GID; None: this process's user): it needs no
-    privilege, so a stand-in of root's runs it as the user who started it through sudo
-    (``SUDO_UID``, ``SUDO_GID``), else as nobody, with no supplementary group."""
-    if os.geteuid() != 0:
-        return None
-    uid = env.get("SUDO_UID", "")
-    gid = env.get("SUDO_GID", "")
-    if uid.isdigit() and gid.isdigit() and int(uid) != 0:
-        return int(uid), int(gid)
-    try:
-        nobody = pwd.getpwnam("nobody")
-    except KeyError:
-        return NOBODY, NOBODY
-    return nobody.pw_uid, nobody.pw_gid
-
-
-def _serve(
-    argv: list[str], env: dict[str, str], errors: BinaryIO, user: tuple[int, int] | None
-) -> subprocess.Popen[bytes]:
-    uid, gid = user if user is not None else (None, None)
-    return subprocess.Popen(
-        argv,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=errors,
-        env={**env, "HOME": "/"},
-        cwd="/",
-        start_new_session=True,
-        user=uid,
-        group=gid,
-        extra_groups=[] if user is not None else None,
-    )
-
-
 def host_store(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes] | None, str]:
     """Serve the job's store here, outside the rank, if rank ``env`` would serve it (rank 0 of
     an ``env://`` job that no launcher hosts a store for), as :func:`store_user`: the server (and
@@ -221,44 +151,8 @@ def host_store(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[by
     python = python_of(cmd, env)
     if python is None:
         return None, f"{cmd[0]} is not a Python interpreter (nor a script one runs) to serve it with"
-    argv = [python, "-c", STORE_SERVER, host, port]
-    user = store_user(env)
-    server, why = _started(argv, env, user)
-    if server is not None or user is None:
-        return server, "" if server is not None else f"serving it on port {port} failed: {why}"
-    server, last = _started(argv, env, None)  # (a Python, or a torch, only root may run: root serves it, said)
-    if server is None:
-        return None, f"serving it on port {port} failed: {last}"
-    return server, (
-        f"the job's store is served as root: as UID {user[0]} it did not start ({why}); "
-        "a Python (and torch) that any user can run keeps root out of it"
-    )
-
-
-def _started(
-    argv: list[str], env: dict[str, str], user: tuple[int, int] | None
-) -> tuple[subprocess.Popen[bytes] | None, str]:
-    """The store server, listening, or None and the last line it said."""
-    with tempfile.TemporaryFile() as errors:
-        try:
-            server = _serve(argv, env, errors, user)
-        except OSError as e:
-            return None, f"{argv[0]}: {e.strerror}"
-        assert server.stdout is not None
-        ready, _, _ = select.select([server.stdout], [], [], STORE_READY_TIMEOUT)
-        if ready and server.stdout.readline() == b"ready\n":
-            return server, ""
-        stop_store(server)
-        errors.seek(0)
-        return None, (errors.read().decode(errors="replace").strip().splitlines() or ["it did not start in time"])[-1]
-
-
-def stop_store(server: subprocess.Popen[bytes]) -> None:
-    server.kill()
-    server.wait()
-    for pipe in (server.stdin, server.stdout):
-        if pipe is not None:
-            pipe.close()
+    server, _port, said = serve(python, host, int(port), env, store_user(env), {})
+    return server, said
 
 
 @dataclass

@@ -5,7 +5,10 @@ their next collective for its timeout, every GPU of the job idle).
 * A job whose ranks registered their training state is rebuilt (``recover_lost``): one agent of
   its surviving ranks is asked to rebuild the lost ranks on a free spare from their data-parallel
   replicas (:class:`~tpagent_rank.protocol.Recover`, :mod:`tpagent.jobs.recovery`); the job goes
-  on from its last step boundary.
+  on from its last step boundary.  Nodes lost together are rebuilt together: the rebuild takes
+  every rank whose agent does not answer, and a node found lost while a rebuild of its job runs
+  is left to that rebuild.  Its launcher lost the lost ranks with their node, so their
+  ends are written down here: each rebuilt rank's exit status (event ``ended``) once it exits.
 * Where it is not (nothing registered, no replica of a lost rank survives, no spare is free, the
   rebuild fails), the agents running its other ranks tell them (:class:`~tpagent_rank.protocol.Lost`),
   and each that makes no progress for ``lost_grace`` breaks off the collective it waits in and
@@ -28,7 +31,7 @@ from tpagent.common.credentials import Credentials
 from tpagent.daemon import rankwire
 from tpagent.daemon.client import rpc_text
 from tpagent.daemon.rpc import stub
-from tpagent.orchestrator.api import View
+from tpagent.orchestrator.api import RankSeen, View
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent_rank import protocol as P
 
@@ -47,6 +50,10 @@ class Event(Protocol):
 SpareFor = Callable[[str, str], "tuple[str, str] | None"]
 #: The longest a rebuild may take, its fresh processes' warm-up included.
 RECOVER_TIMEOUT = 900.0
+#: How often a rebuilt rank's agent is asked whether it has ended.
+FOLLOW_PERIOD = 2.0
+#: How long a rebuilt rank's agent may not answer before its end is given up on.
+FOLLOW_LOST = 600.0
 
 
 class LostNodes:
@@ -55,6 +62,8 @@ class LostNodes:
         self.creds = creds
         self.event = event
         self.spare_for = spare_for
+        self.lock = threading.Lock()
+        self.rebuilding: dict[str, set[int]] = {}  # job -> ranks found lost since its rebuild began
 
     def lost(self, view: View, node: str, moving: Callable[[str], bool]) -> None:
         """``node`` is unreachable: each job of it rebuilt, or its other ranks told (see the module)."""
@@ -65,9 +74,13 @@ class LostNodes:
                 for n, seen in view.nodes.items()
                 if n != node and view.reachable(n) and any(r.job == job for r in seen.ranks)
             )
-            if not others or moving(job):  # (a move of it, its agents decide: it may be what saves the job)
+            ranks = tuple(sorted(r.rank for r in lost.ranks if r.job == job and not _elsewhere(view, node, r)))
+            if not ranks or not others or moving(job):  # (a move of it, its agents decide: it may save the job)
                 continue
-            ranks = tuple(sorted(r.rank for r in lost.ranks if r.job == job))
+            with self.lock:
+                if job in self.rebuilding:  # (that rebuild takes every rank that does not answer)
+                    self.rebuilding[job].update(ranks)
+                    continue
             users = tuple(sorted({u for r in lost.ranks if r.job == job for u in r.users}))
             tell = P.Lost(node=lost.agent, why=self._why(node), grace=self.cfg.lost_grace, users=users)
             agents = [view.nodes[n].agent for n in others]
@@ -77,9 +90,11 @@ class LostNodes:
                 continue
             # (asked of the agent of the lowest surviving rank: a replica there gives its state)
             first = min((r.rank, view.nodes[n].agent) for n in others for r in view.nodes[n].ranks if r.job == job)
-            rebuild = P.Recover(node=lost.agent, ranks=ranks, spare=spare[1], grace=self.cfg.lost_grace)
+            rebuild = P.Recover(lost.agent, ranks, spare[1], self.cfg.lost_grace, _agents(view, job))
             text = f"job {job} lost rank(s) {_listed(ranks)} with {node}: rebuilding them on {spare[0]} from replicas"
             self.event("recovering", text, job, node, level=logging.WARNING)
+            with self.lock:
+                self.rebuilding[job] = set()
             args = (job, first, rebuild, (node, spare[0]), agents, tell)
             threading.Thread(target=self._rebuild, args=args, name=f"recover-{job}", daemon=True).start()
 
@@ -106,13 +121,52 @@ class LostNodes:
             done = rankwire.answer_of(rebuild, reply)
         except grpc.RpcError as e:
             done = P.Recovered(ok=False, error=rpc_text(e))
+        with self.lock:
+            meanwhile = self.rebuilding.pop(job, set()) - set(done.ranks)
+        if done.ok and meanwhile:  # (their agents answered the rebuild: they run on, as far as it saw)
+            text = f"job {job}: rank(s) {_listed(tuple(sorted(meanwhile)))} were found lost while it was rebuilt, "
+            self.event("lost", text + "but answered its rebuild: left as they are", job, level=logging.WARNING)
         if done.ok:
             stages = ", ".join(done.stages)
-            text = f"job {job} runs on from step {done.step}, rank(s) {_listed(rebuild.ranks)} rebuilt on "
+            text = f"job {job} runs on from step {done.step}, rank(s) {_listed(done.ranks)} rebuilt on "
             text += f"{spare} in {time.monotonic() - t0:.1f} s ({stages})"
+            text += f"; its store, lost with {node}, is served at {done.store}" if done.store else ""
             self.event("recovered", text, job, node, level=logging.WARNING)
+            for r in done.ranks:
+                args = (job, r, rebuild.spare)
+                threading.Thread(target=self._follow, args=args, name=f"follow-{job}-{r}", daemon=True).start()
             return
         self._tell(job, rebuild.ranks, node, agents, tell, done.error)
+
+    def _follow(self, job: str, rank: int, agent: str) -> None:
+        """Wait for rank ``rank`` of ``job``, rebuilt at ``agent``, to end (following it where it
+        moves), and write its exit status down: its launcher, lost with its node, cannot."""
+        where = agent
+        heard = time.monotonic()
+        while True:
+            try:
+                reply = stub(where, self.creds).Rank(rankwire.request_pb(job, rank, P.Locate(), 10.0), timeout=20)
+                loc = rankwire.answer_of(P.Locate(), reply)
+                heard = time.monotonic()
+            except grpc.RpcError as e:
+                if time.monotonic() - heard > FOLLOW_LOST:
+                    self.event(
+                        "ended", f"rank {rank} of job {job} (rebuilt) is not heard of at {where}: {rpc_text(e)}", job
+                    )
+                    return
+                loc = P.Located(state=P.Whereabouts.HERE.value)
+            if loc.state == P.Whereabouts.EXITED.value:
+                code = loc.code if loc.code >= 0 else 128 - loc.code
+                self.event("ended", f"rank {rank} of job {job} (rebuilt) exited with status {code}", job)
+                return
+            if loc.state == P.Whereabouts.MOVED.value and loc.node:
+                where = loc.node
+                continue
+            if not loc.ok or loc.state == P.Whereabouts.GONE.value:
+                why = loc.error or f"its process is gone from {where} without an exit status"
+                self.event("ended", f"rank {rank} of job {job} (rebuilt) ended: {why}", job, level=logging.WARNING)
+                return
+            time.sleep(FOLLOW_PERIOD)
 
     def _tell(self, job: str, ranks: tuple[int, ...], node: str, agents: list[str], tell: P.Lost, why: str) -> None:
         """Every agent of the job's other ranks tells them its node is lost."""
@@ -128,6 +182,22 @@ class LostNodes:
             stub(agent, self.creds).Rank(rankwire.request_pb(job, 0, request, 30.0), timeout=40)
         except grpc.RpcError as e:
             log.warning("the agent at %s was not told job %s lost a node: %s", agent, job, rpc_text(e))
+
+
+def _elsewhere(view: View, node: str, rank: RankSeen) -> bool:
+    """Whether ``rank`` (as ``node`` last reported it) runs on another node that reports (rebuilt
+    already, with another node lost together)."""
+    return any(
+        n != node and view.reachable(n) and any(r.job == rank.job and r.rank == rank.rank for r in seen.ranks)
+        for n, seen in view.nodes.items()
+    )
+
+
+def _agents(view: View, job: str) -> tuple[str, ...]:
+    """Each rank of ``job`` -> its agent, as the nodes last reported them ("": none did)."""
+    placed = {r.rank: seen.agent for seen in view.nodes.values() for r in seen.ranks if r.job == job}
+    world = max([*placed, *(r.world - 1 for seen in view.nodes.values() for r in seen.ranks if r.job == job)]) + 1
+    return tuple(placed.get(r, "") for r in range(world))
 
 
 def _listed(ranks: tuple[int, ...]) -> str:

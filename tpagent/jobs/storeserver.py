@@ -1,0 +1,186 @@
+"""A job's store served outside its ranks, with a rank's own Python (torch's ``TCPStore``), as
+a user with no privilege: it needs none.
+
+* Rank 0's stand-in serves it on ``MASTER_ADDR:MASTER_PORT`` where no launcher does (srun,
+  ``env://``): a rank that served it could not move (:func:`tpagent.jobs.standin.host_store`).
+* The agent that rebuilds a job whose store was lost with its node serves it anew on its own node
+  (:func:`serve_anew`, unplanned recovery): at a free port, holding the value the job's identity
+  was agreed on (so that every rank, old or new, has the identity it had), until no rank of the
+  job runs on this node or left from it.  Its ranks are told where it is
+  (:data:`tpagent_rank.protocol.STORE_VARIABLE`).
+
+Either ends when its standard input does (the stand-in, or the agent, exited or was killed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import re
+import select
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from tpagent_rank import protocol as P
+
+log = logging.getLogger(__name__)
+
+#: How long the store server may take to listen (its Python imports torch first).
+STORE_READY_TIMEOUT = 120.0
+#: nobody's UID and GID where the system has no such user in its password file.
+NOBODY = 65534
+#: How often a store served anew looks whether a rank of its job is still on this node.
+KEEP_CHECK = 5.0
+#: The store server.  argv: host, port (0: a free one), then keys and values it starts with; it
+#: says "ready PORT" once it listens.
+STORE_SERVER = """\
+import sys
+from torch.distributed import TCPStore
+store = TCPStore(sys.argv[1], int(sys.argv[2]), None, True, wait_for_workers=False)
+for key, value in zip(sys.argv[3::2], sys.argv[4::2]):
+    store.set(key, value)
+print("ready", store.port, flush=True)
+sys.stdin.read()
+"""
+
+
+def python_of(cmd: list[str], env: dict[str, str]) -> str | None:
+    """The Python interpreter that runs ``cmd``: the command itself, or what its ``#!`` names."""
+    path = env.get("PATH", os.defpath)
+    exe = cmd[0] if "/" in cmd[0] else shutil.which(cmd[0], path=path)
+    for _ in range(2):
+        if exe is None:
+            return None
+        if re.fullmatch(r"python[0-9.]*", Path(exe).name):
+            return exe
+        try:
+            with open(exe, "rb") as f:
+                line = f.readline(256)
+        except OSError:
+            return None
+        words = line[2:].decode(errors="replace").split() if line.startswith(b"#!") else []
+        if len(words) > 1 and Path(words[0]).name == "env":  # #!/usr/bin/env python3
+            words = words[1:]
+        exe = (words[0] if "/" in words[0] else shutil.which(words[0], path=path)) if words else None
+    return None
+
+
+def store_user(env: dict[str, str]) -> tuple[int, int] | None:
+    """Whom the store server runs as (UID, GID; None: this process's user): it needs no
+    privilege, so a stand-in of root's runs it as the user who started it through sudo
+    (``SUDO_UID``, ``SUDO_GID``), else as nobody, with no supplementary group."""
+    if os.geteuid() != 0:
+        return None
+    uid = env.get("SUDO_UID", "")
+    gid = env.get("SUDO_GID", "")
+    if uid.isdigit() and gid.isdigit() and int(uid) != 0:
+        return int(uid), int(gid)
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        return NOBODY, NOBODY
+    return nobody.pw_uid, nobody.pw_gid
+
+
+def _serve(
+    argv: list[str], env: dict[str, str], errors: BinaryIO, user: tuple[int, int] | None
+) -> subprocess.Popen[bytes]:
+    uid, gid = user if user is not None else (None, None)
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=errors,
+        env={**env, "HOME": "/"},
+        cwd="/",
+        start_new_session=True,
+        user=uid,
+        group=gid,
+        extra_groups=[] if user is not None else None,
+    )
+
+
+def _started(
+    argv: list[str], env: dict[str, str], user: tuple[int, int] | None
+) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """The store server, listening, and its port; or None and the last line it said."""
+    with tempfile.TemporaryFile() as errors:
+        try:
+            server = _serve(argv, env, errors, user)
+        except OSError as e:
+            return None, f"{argv[0]}: {e.strerror}"
+        assert server.stdout is not None
+        ready, _, _ = select.select([server.stdout], [], [], STORE_READY_TIMEOUT)
+        said = server.stdout.readline().split() if ready else []
+        if len(said) == 2 and said[0] == b"ready" and said[1].isdigit():
+            return server, said[1].decode()
+        stop_store(server)
+        errors.seek(0)
+        return None, (errors.read().decode(errors="replace").strip().splitlines() or ["it did not start in time"])[-1]
+
+
+def stop_store(server: subprocess.Popen[bytes]) -> None:
+    server.kill()
+    server.wait()
+    for pipe in (server.stdin, server.stdout):
+        if pipe is not None:
+            pipe.close()
+
+
+def serve(
+    python: str, host: str, port: int, env: dict[str, str], user: tuple[int, int] | None, seed: dict[str, str]
+) -> tuple[subprocess.Popen[bytes] | None, str, str]:
+    """The store served at ``host``:``port`` by ``python`` as ``user`` (None: this process's),
+    holding ``seed``: the server, its port and what is to be said of it ("": nothing); or None,
+    "" and why not.  Where ``user`` cannot run that Python (or its torch), root serves it, said."""
+    argv = [python, "-c", STORE_SERVER, host, str(port), *(x for kv in sorted(seed.items()) for x in kv)]
+    server, said = _started(argv, env, user)
+    if server is not None:
+        return server, said, ""
+    if user is None:
+        return None, "", f"serving it on port {port} failed: {said}"
+    server, last = _started(argv, env, None)
+    if server is None:
+        return None, "", f"serving it on port {port} failed: {last}"
+    return (
+        server,
+        last,
+        (
+            f"the job's store is served as root: as UID {user[0]} it did not start ({said}); "
+            "a Python (and torch) that any user can run keeps root out of it"
+        ),
+    )
+
+
+def serve_anew(
+    job: str, spec: P.Join, host: str, agreed: str, running: Callable[[], bool]
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """Serve the store of ``job``, lost with its node, on this node at ``host`` (see the module),
+    with the Python and as the user of the rank ``spec`` (root's rank: as nobody); ``agreed``: the
+    value its identity was agreed on.  ``HOST:PORT`` and the server; RuntimeError: why not."""
+    env = dict(e.split("=", 1) for e in spec.env if "=" in e)
+    python = python_of(list(spec.cmd), env)
+    if python is None:
+        raise RuntimeError(f"{spec.cmd[0]} is not a Python interpreter (nor a script one runs) to serve it with")
+    user = None if os.geteuid() != 0 else (spec.uid, spec.gid) if spec.uid != 0 else store_user({})
+    seed = {P.JOB_KEY: agreed} if agreed else {}
+    server, port, said = serve(python, host, 0, env, user, seed)
+    if server is None:
+        raise RuntimeError(said)
+    if said:
+        log.warning("job %s: %s", job, said)
+    threading.Thread(target=_keep, args=(server, running), name=f"store-{job}", daemon=True).start()
+    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}"), server
+
+
+def _keep(server: subprocess.Popen[bytes], running: Callable[[], bool]) -> None:
+    while server.poll() is None and running():
+        time.sleep(KEEP_CHECK)
+    stop_store(server)
