@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("store", "rollback", "replacement", "state", "standing", "rebuild", "resume", "total")
 
 
-def once(width: int, tmp: Path, node: str) -> dict[str, float]:
-    """One job of ``width`` started, ``node`` (A, B or C) killed, the job rebuilt and finished."""
+def once(width: int, tmp: Path, lose: str) -> dict[str, float]:
+    """One job of ``width`` started, node ``lose`` (A, B or C) killed, the job rebuilt and finished."""
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import contextlib
     import json
@@ -66,10 +66,10 @@ def once(width: int, tmp: Path, node: str) -> dict[str, float]:
             job.at_step(2, 20)
             wait_until(lambda: all(o.rank_on(RUN, r) for r in range(3)), "the orchestrator to see every rank", 60)
             killed = time.time()
-            for p in c.nodes[node].processes_and_children():
+            for p in c.nodes[lose].processes_and_children():
                 with contextlib.suppress(psutil.Error):
                     p.send_signal(signal.SIGKILL)
-            assert job.runs["B" if node != "B" else "A"].wait(timeout=900) == 0, job.output()
+            assert job.runs["B" if lose != "B" else "A"].wait(timeout=900) == 0, job.output()
             events = [json.loads(line) for line in o.ok("events", "--json").splitlines()]
         finally:
             job.close()
@@ -80,7 +80,7 @@ def once(width: int, tmp: Path, node: str) -> dict[str, float]:
     done = next(e for e in events if e["kind"] == "recovered")
     stages = dict(re.findall(r"(\w+)=([0-9.]+)", done["text"]))
     out = {"detection": float(deciding["ts"]) - killed, **{k: float(stages[k]) for k in STAGES}}
-    out["state_bytes"] = float(stages[f"rank{'ABC'.index(node)}_state_bytes"])
+    out["state_bytes"] = float(stages[f"rank{'ABC'.index(lose)}_state_bytes"])
     out["stood_still"] = out["detection"] + out["total"]
     out["restart"] = restart
     return out

@@ -112,6 +112,7 @@ class Located(Answer):
     pid: int = 0  # here: its namespace's init
     node: str = ""  # moved: the agent it went to
     code: int = 0  # exited: its status
+    anew: bool = False  # moved: it runs there as a new process (rebuilt), its output read from the start
 
 
 @dataclass(frozen=True)

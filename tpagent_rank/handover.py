@@ -103,8 +103,8 @@ class Offer:
         provers = threading.BoundedSemaphore(PROVERS)
         try:
             while not self.taken.is_set() and (left := self.deadline - time.monotonic()) > 0:
-                self.listener.settimeout(min(left, 1.0))
                 try:
+                    self.listener.settimeout(min(left, 1.0))  # (closed since the loop's test: served)
                     conn, _ = self.listener.accept()
                 except TimeoutError:
                     continue

@@ -141,11 +141,24 @@ class Op(str, enum.Enum):
     LOST = "lost"  # a node running ranks of the job is lost: each rank of it here ends if it waits on it
     JOIN = "join"  # start a fresh process of the rank's command here, to take its state (model-aware move)
     RECOVER = "recover"  # ranks of the job were lost with a node: rebuild them on a spare from their replicas
+    REBUILT = "rebuilt"  # a rank that died here: rebuilt at ``to`` ("": its rebuild runs ``hold`` s more, or failed)
 
 
 #: Answered by the agent itself (the rest by the rank's runtime, or its state's: :data:`STATE_OPS`).
 AGENT_OPS = frozenset(
-    {Op.EXPECT, Op.MOVED, Op.RELEASE, Op.LOCATE, Op.SIGNAL, Op.OUTPUT, Op.JOBS, Op.LOST, Op.JOIN, Op.RECOVER}
+    {
+        Op.EXPECT,
+        Op.MOVED,
+        Op.RELEASE,
+        Op.LOCATE,
+        Op.SIGNAL,
+        Op.OUTPUT,
+        Op.JOBS,
+        Op.LOST,
+        Op.JOIN,
+        Op.RECOVER,
+        Op.REBUILT,
+    }
 )
 RUNTIME_OPS = frozenset(Op) - AGENT_OPS - {Op.SAVE, Op.LOAD}
 #: Answered by the rank's runtime, asked only by the rank's own agent on its line, where the
@@ -343,6 +356,7 @@ class Lost(Request[Answer]):
     why: str
     grace: float
     users: tuple[int, ...] = ()  # the UIDs the job's ranks there ran as (none: root); only their ranks are told
+    died: bool = False  # ranks of the job died on ``node``, whose agent lives (it said so): not a node lost
 
 
 @dataclass(frozen=True)
@@ -382,6 +396,19 @@ class Recover(Request[Recovered]):
     spare: str
     grace: float
     agents: tuple[str, ...] = ()  # each rank's agent as the orchestrator saw it ("": not seen)
+    died: bool = False  # the ranks died on ``node``, whose agent lives (it said so): not a node lost
+
+
+@dataclass(frozen=True)
+class Rebuilt(Request[Answer]):
+    """(The orchestrator's, of the agent of a node where a rank died by a signal: its end is held
+    from its stand-in, :meth:`tpagent.jobs.ranks.Ranks.locate`.)  ``to``: the rank was rebuilt at
+    that agent, a new process (its stand-in follows it there, its output read from the start);
+    "": its rebuild runs, its end held ``hold`` seconds more, or (0) it failed: its end stands."""
+
+    OP = Op.REBUILT
+    to: str = ""
+    hold: float = 0.0
 
 
 REQUESTS: Mapping[Op, type[Request[Any]]] = {
@@ -410,5 +437,6 @@ REQUESTS: Mapping[Op, type[Request[Any]]] = {
         Lost,
         Join,
         Recover,
+        Rebuilt,
     )
 }

@@ -17,7 +17,11 @@ training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
     it cannot be rebuilt, and every rank ends with one sentence saying so; nothing hangs.
 (e) B and C are killed together: ranks 1 and 2 are rebuilt together on D from rank 0's held
     state (the rebuild asked about one node finds the other's rank does not answer either), and
-    the job runs on, bit-identical."""
+    the job runs on, bit-identical.
+(f) Rank 1's training process alone is SIGKILLed (its node, its agent and its stand-in live on):
+    B's agent holds its end from its stand-in and reports it; the orchestrator has it rebuilt on
+    D as in (b), and B's stand-in follows it there, so that every launcher ends as the script
+    does (0), rank 1's too, and the job is bit-identical."""
 
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from conftest import needs_criu
 from support.cluster import Cluster
 from support.helpers import wait_until
 from support.orchestrator import Orchestrator
-from support.rankjob import IFNAME, RUN, STEPS, Job, rank_log
+from support.rankjob import IFNAME, JOB, RUN, STEPS, Job, rank_log
 
 pytestmark = needs_criu
 
@@ -51,8 +55,20 @@ def _events(o: Orchestrator) -> list[dict[str, str]]:
     return [json.loads(line) for line in o.ok("events", "--json").splitlines()]
 
 
+def _runs(p: psutil.Process, script: Path) -> bool:
+    """Whether ``p`` is the training script's process (not its stand-in, nor its namespace's init)."""
+    try:
+        return p.cmdline()[1:2] == [str(script)]
+    except psutil.Error:
+        return False
+
+
+def _events_of(o: Orchestrator, kind: str) -> list[str]:
+    return [e["text"] for e in _events(o) if e["kind"] == kind]
+
+
 def _ended(o: Orchestrator) -> list[str]:
-    return [e["text"] for e in _events(o) if e["kind"] == "ended"]
+    return _events_of(o, "ended")
 
 
 def _running(tmp_path: Path, extra: tuple[str, ...]) -> tuple[Cluster, Orchestrator, Job]:
@@ -133,6 +149,25 @@ def test_two_nodes_killed_together_are_rebuilt_together_and_the_job_runs_on_bit_
         _ran_on(c, o, job, reference_aware, "A", "1, 2")
         wait_until(lambda: len(_ended(o)) == 2, "the orchestrator to write both rebuilt ranks' ends down", 60, 0.5)
         assert sorted(_ended(o)) == [f"rank {r} of job {RUN} (rebuilt) exited with status 0" for r in (1, 2)]
+    finally:
+        job.close()
+        o.close()
+        c.close()
+
+
+@pytest.mark.timeout(900)
+def test_a_rank_killed_alone_is_rebuilt_on_the_spare_and_its_stand_in_follows_it(
+    tmp_path: Path, reference_aware: Path
+) -> None:
+    c, o, job = _running(tmp_path, ("--aware",))
+    try:
+        (training,) = [p for p in c.nodes["B"].processes_and_children() if _runs(p, JOB)]
+        training.send_signal(signal.SIGKILL)
+        recovered = _ran_on(c, o, job, reference_aware, "ABC", "1")  # (B's launcher too: its rank's end, 0)
+        assert "died on" in _events_of(o, "recovering")[0] and "their stand-ins follow them there" in recovered
+        said = (tmp_path / "torchrun-B.out").read_text()
+        assert f"rank 1 of job {RUN} now runs on {c.nodes['D'].agent_address} (rebuilt)" in said, said[-3000:]
+        assert not _events_of(o, "lost")
     finally:
         job.close()
         o.close()

@@ -38,7 +38,7 @@ REQUESTS: list[P.Request[Any]] = [
     P.Signal(signum=15),
     P.Output(fd=2, offset=1 << 33, max=4096),
     P.Jobs(),
-    P.Lost(node="10.0.0.2:7400", why="node b stopped reporting", grace=10.0),
+    P.Lost(node="10.0.0.2:7400", why="node b stopped reporting", grace=10.0, users=(1000,), died=True),
     P.Join(
         cmd=("python3", "train.py", "--steps", "9"),
         env=("RANK=1", "WORLD_SIZE=4"),
@@ -51,7 +51,15 @@ REQUESTS: list[P.Request[Any]] = [
         stderr="/home/u/err",
         owner=1000,
     ),
-    P.Recover(node="10.0.0.2:7400", ranks=(2, 3), spare="10.0.0.9:7400", grace=60.0, agents=("10.0.0.1:7400", "", "")),
+    P.Recover(
+        node="10.0.0.2:7400",
+        ranks=(2, 3),
+        spare="10.0.0.9:7400",
+        grace=60.0,
+        agents=("10.0.0.1:7400", "", ""),
+        died=True,
+    ),
+    P.Rebuilt(to="10.0.0.9:7400", hold=960.0),
 ]
 #: One answer of each kind, every field set.
 ANSWERS: list[P.Answer] = [
@@ -82,7 +90,7 @@ ANSWERS: list[P.Answer] = [
     P.AtBoundary(step=5, collectives=15),
     P.TornDown(closed=2),
     P.Saved(size=1 << 33, step=12, collectives=40, port=4000, groups=3),
-    P.Located(state=P.Whereabouts.MOVED.value, pid=7, node="10.0.0.2:7400", code=3),
+    P.Located(state=P.Whereabouts.MOVED.value, pid=7, node="10.0.0.2:7400", code=3, anew=True),
     P.Written(data=bytes(range(256)), size=1 << 33),
     P.Ranks(
         ranks=(

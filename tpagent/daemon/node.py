@@ -80,6 +80,7 @@ class Node:
         self.targets = Receivers(ctx, lambda mid: mid in self.sources, lambda: self.closed)
         work = paths.WorkDir(self.cfg.work_dir)
         self.ranks = Ranks(self.cfg.rank_socket, self.cfg.agent_address, ctx.threads, work.ranks)
+        self.ranks.hold_deaths = bool(self.cfg.orchestrator)
         journal = RewireJournal(work.rewires)
         self.rewires = Rewires(ctx, journal, self.ask, self._start_rank, self.run, joiners.Leaving(self.ranks))
         self.rank_calls = RankCalls(

@@ -67,6 +67,7 @@ class RankCalls:
             P.Op.LOST: self._lost,
             P.Op.JOIN: self._join,
             P.Op.RECOVER: self._recover,
+            P.Op.REBUILT: self._rebuilt,
         }
 
     def __call__(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
@@ -115,6 +116,12 @@ class RankCalls:
         if not is_agent_address(request.to):
             raise Refused("moved needs the agent the rank went to.", Why.INVALID)
         self.ranks.moved(job, rank, request.to)
+        return P.Answer()
+
+    def _rebuilt(self, job: str, rank: int, request: P.Rebuilt) -> P.Answer:
+        if (request.to and not is_agent_address(request.to)) or not 0 <= request.hold <= LOST_GRACE_MAX:
+            raise Refused("rebuilt needs the agent the rank was rebuilt at, or a hold of its end.", Why.INVALID)
+        self.ranks.rebuilt(job, rank, request.to, request.hold)
         return P.Answer()
 
     def _release(self, job: str, rank: int, _: P.Release) -> P.Answer:
@@ -171,7 +178,8 @@ class RankCalls:
             raise Refused(f"{op} needs the lost node's agent and a grace of 0 to {LOST_GRACE_MAX:.0f} s.", Why.INVALID)
         if self.rewiring(job):
             return f"ranks of job {job} are being moved by {self.node}: its rewire decides"
-        if self.answers(request.node):  # (cut off from the orchestrator, not from its peers)
+        if not request.died and self.answers(request.node):
+            # (cut off from the orchestrator, not from its peers; a rank that died: its agent said so)
             return f"the agent at {request.node} answers {self.node}: its node is not lost"
         return ""
 

@@ -47,6 +47,19 @@ A = TypeVar("A", bound=P.Answer)
 
 #: Ranks that moved away or ended, remembered (for their stand-ins) at most.
 KEEP_ENDED = 1024
+#: The statuses of a process killed outright (a crash, the OOM killer), not ended by its script or
+#: its launcher: a rank of a job of several that ends so has its end held from its stand-in
+#: (:meth:`Ranks.locate`: moving) for its job to rebuild it elsewhere, where the agent reports to
+#: an orchestrator (:mod:`tpagent.orchestrator.lost`).
+DIED = frozenset({-9, -11, -7, -6, -4, -8})  # SIGKILL, SIGSEGV, SIGBUS, SIGABRT, SIGILL, SIGFPE
+#: How long such an end is held before the orchestrator says its rebuild runs.
+DIED_HOLD = 60.0
+
+
+def died(code: int, world: int) -> bool:
+    """Whether a rank that ended with ``code`` (a signal's: negative) died, in a job of ``world``
+    ranks its job may rebuild it from (:data:`DIED`)."""
+    return code in DIED and world > 1
 
 
 class NotTheJob(Exception):
@@ -73,6 +86,8 @@ class RankEntry:
     uid: int = -1  # the user its runtime runs as (the kernel's word, as it last connected)
     owner: int = -1  # the user whose stand-in had it started here (tpagent.jobs.local; -1: root's stand-in)
     outputs: dict[int, int] = field(default_factory=dict)  # 1, 2 -> our descriptor of its stdout, stderr file
+    held_until: float = 0.0  # (monotonic) its end (DIED) is held from its stand-in until then
+    anew: bool = False  # moved_to runs a new process of it (rebuilt after it died here)
 
     def alive(self) -> bool:
         try:
@@ -125,6 +140,7 @@ class Ranks:
         self.lock = threading.Lock()
         self.entries: dict[tuple[str, int], RankEntry] = {}
         self.server: socket.socket | None = None
+        self.hold_deaths = False  # (an agent reporting to an orchestrator: it may rebuild them)
         #: Where the registrations outlive the agent (a restart must not orphan running ranks).
         self.saved = saved
         if saved is not None:
@@ -155,6 +171,7 @@ class Ranks:
                     code,
                     str(d["moved_to"]),
                     owner=int(d.get("owner", -1)),
+                    anew=bool(d.get("anew", False)),
                 )
             except (KeyError, TypeError, ValueError):
                 continue
@@ -178,6 +195,7 @@ class Ranks:
                 "exit_code": e.exit_code,
                 "moved_to": e.moved_to,
                 "owner": e.owner,
+                "anew": e.anew,
             }
             for e in self.entries.values()
         ]
@@ -291,6 +309,8 @@ class Ranks:
                 if e.init == peer.pid and not e.moved_to:  # (one that moved on ends here: not the rank)
                     e.exit_code = said.code
                     log.info("rank %s of job %s exited with status %d", e.rank, e.job, said.code)
+                    if self.hold_deaths and died(said.code, e.world):
+                        e.held_until = time.monotonic() + DIED_HOLD
             self._save()
 
     # ---- what the agent asks ---------------------------------------------------------------
@@ -407,6 +427,25 @@ class Ranks:
                 _close_outputs(e)  # (it writes on there: everything it wrote here went with it)
                 self._save()
 
+    def died(self) -> list[RankEntry]:
+        """The ranks that died here whose ends are held (for the orchestrator: to rebuild)."""
+        now = time.monotonic()
+        with self.lock:
+            return [e for e in self.entries.values() if not e.moved_to and now < e.held_until]
+
+    def rebuilt(self, job: str, rank: int, to: str, hold: float) -> None:
+        """(The orchestrator's word on a rank that died here, :class:`~tpagent_rank.protocol.Rebuilt`.)"""
+        e = self.entry(job, rank)
+        with self.lock:
+            if e.exit_code is None or e.moved_to:
+                raise Refused(f"rank {rank} of job {job} did not die on this node.", Why.PRECONDITION)
+            e.held_until = time.monotonic() + hold if hold > 0 and not to else 0.0
+            if to:
+                e.moved_to = to
+                e.anew = True
+                _close_outputs(e)
+            self._save()
+
     def output(self, job: str, rank: int, which: int, offset: int, size: int) -> P.Written:
         """Up to ``size`` bytes from ``offset`` of the rank's stdout (1) or stderr (2) file, and
         the file's size now (-1: it is not read here, having moved on or ended unread)."""
@@ -422,10 +461,12 @@ class Ranks:
     def locate(self, job: str, rank: int) -> P.Located:
         """For a stand-in: where its rank is."""
         e = self.entry(job, rank)
+        if e.moved_to:
+            return P.Located(state=P.Whereabouts.MOVED.value, node=e.moved_to, anew=e.anew)
+        if e.exit_code is not None and time.monotonic() < e.held_until:
+            return P.Located(state=P.Whereabouts.MOVING.value)
         if e.exit_code is not None:
             return P.Located(state=P.Whereabouts.EXITED.value, code=e.exit_code)
-        if e.moved_to:
-            return P.Located(state=P.Whereabouts.MOVED.value, node=e.moved_to)
         if e.alive():
             return P.Located(state=P.Whereabouts.HERE.value, pid=e.init)
         return P.Located(state=P.Whereabouts.GONE.value)

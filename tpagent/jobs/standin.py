@@ -270,8 +270,10 @@ class StandIn:
             if loc.state == P.Whereabouts.EXITED.value:
                 return self._ended(where, job, rank, _status(loc.code))
             if loc.state == P.Whereabouts.MOVED.value:
-                self.say(f"rank {rank} of job {job} now runs on {loc.node}")
+                self.say(f"rank {rank} of job {job} now runs on {loc.node}" + (" (rebuilt)" if loc.anew else ""))
                 where = self._peer(loc.node)
+                for relay in self.relays.values() if loc.anew else ():  # (a new process: files of its own)
+                    relay.offset = 0
                 continue
             if loc.state in (P.Whereabouts.HERE.value, P.Whereabouts.MOVING.value):
                 self.wake.wait(0.5)

@@ -127,6 +127,7 @@ class NodeSeen:
     reports: int = 1  # since this orchestrator started
     gpus: tuple[Gpu, ...] = ()
     ranks: tuple[RankSeen, ...] = ()
+    died: tuple[RankSeen, ...] = ()  # ranks killed there by a signal, their ends held for a rebuild
     busy: frozenset[str] = frozenset()  # jobs the agent moves ranks of now
     migrations: tuple[str, ...] = ()
     findings: tuple[Finding, ...] = ()

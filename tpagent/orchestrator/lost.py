@@ -15,6 +15,11 @@ their next collective for its timeout, every GPU of the job idle).
   ends with one sentence: the job ends at once, and its launcher can restart it from its
   checkpoint.  A job that runs on (the node is cut off from us, not from its peers) is left alone
   by its ranks.
+* A rank that died alone, its node's agent alive (killed by a signal: a crash, the OOM killer),
+  is rebuilt the same way: its agent holds its end from its stand-in and reports it
+  (:meth:`LostNodes.died`); once it is rebuilt, its agent says where
+  (:class:`~tpagent_rank.protocol.Rebuilt`) and its stand-in follows it there, so that its
+  launcher sees it end as its script does; where it is not, its end stands.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ class Event(Protocol):
 SpareFor = Callable[[str, str], "tuple[str, str] | None"]
 #: The longest a rebuild may take, its fresh processes' warm-up included.
 RECOVER_TIMEOUT = 900.0
+#: How long a rank that died is not rebuilt again once its rebuild ended (its agent's reports may
+#: still name it for a moment).
+SETTLED = 60.0
 #: How often a rebuilt rank's agent is asked whether it has ended.
 FOLLOW_PERIOD = 2.0
 #: How long a rebuilt rank's agent may not answer before its end is given up on.
@@ -64,39 +72,60 @@ class LostNodes:
         self.spare_for = spare_for
         self.lock = threading.Lock()
         self.rebuilding: dict[str, set[int]] = {}  # job -> ranks found lost since its rebuild began
+        self.settled: dict[tuple[str, int, str], float] = {}  # (job, rank, node) died there: when its rebuild ended
 
     def lost(self, view: View, node: str, moving: Callable[[str], bool]) -> None:
         """``node`` is unreachable: each job of it rebuilt, or its other ranks told (see the module)."""
         lost = view.nodes[node]
         for job in sorted({r.job for r in lost.ranks}):
-            others = sorted(
-                n
-                for n, seen in view.nodes.items()
-                if n != node and view.reachable(n) and any(r.job == job for r in seen.ranks)
-            )
             ranks = tuple(sorted(r.rank for r in lost.ranks if r.job == job and not _elsewhere(view, node, r)))
-            if not ranks or not others or moving(job):  # (a move of it, its agents decide: it may save the job)
-                continue
-            with self.lock:
-                if job in self.rebuilding:  # (that rebuild takes every rank that does not answer)
-                    self.rebuilding[job].update(ranks)
-                    continue
             users = tuple(sorted({u for r in lost.ranks if r.job == job for u in r.users}))
             tell = P.Lost(node=lost.agent, why=self._why(node), grace=self.cfg.lost_grace, users=users)
-            agents = [view.nodes[n].agent for n in others]
-            spare = self.spare_for(job, node) if self.cfg.recover_lost else None
-            if spare is None:
-                self._tell(job, ranks, node, agents, tell, "no spare is free" if self.cfg.recover_lost else "")
-                continue
-            # (asked of the agent of the lowest surviving rank: a replica there gives its state)
-            first = min((r.rank, view.nodes[n].agent) for n in others for r in view.nodes[n].ranks if r.job == job)
-            rebuild = P.Recover(lost.agent, ranks, spare[1], self.cfg.lost_grace, _agents(view, job))
-            text = f"job {job} lost rank(s) {_listed(ranks)} with {node}: rebuilding them on {spare[0]} from replicas"
-            self.event("recovering", text, job, node, level=logging.WARNING)
+            if ranks and not moving(job):  # (a move of it, its agents decide: it may save the job)
+                self._recover(view, node, job, ranks, tell)
+
+    def died(self, view: View, node: str) -> None:
+        """Ranks died on ``node`` by a signal, its agent holding their ends from their stand-ins
+        (it reports them): each job of them rebuilt as a lost node's is, and that agent told how it
+        went (:class:`~tpagent_rank.protocol.Rebuilt`: their stand-ins follow them)."""
+        seen = view.nodes[node]
+        now = time.monotonic()
+        with self.lock:  # (a report made before its agent heard how its rebuild went says them again)
+            fresh = [r for r in seen.died if now - self.settled.get((r.job, r.rank, node), -SETTLED) >= SETTLED]
+        for job in sorted({r.job for r in fresh}):
+            ranks = tuple(sorted(r.rank for r in fresh if r.job == job))
+            why = f"rank(s) {_listed(ranks)} of the job died on {node}, killed by a signal"
+            tell = P.Lost(node=seen.agent, why=why, grace=self.cfg.lost_grace, died=True)
+            self._recover(view, node, job, ranks, tell)
+
+    def _recover(self, view: View, node: str, job: str, ranks: tuple[int, ...], tell: P.Lost) -> None:
+        others = sorted(
+            n
+            for n, seen in view.nodes.items()
+            if (n != node or tell.died) and view.reachable(n) and any(r.job == job for r in seen.ranks)
+        )
+        if not others:
+            return
+        with self.lock:
+            if job in self.rebuilding:  # (that rebuild takes every rank that does not answer)
+                self.rebuilding[job].update(ranks)
+                return
+            self.rebuilding[job] = set()
+        agents = [view.nodes[n].agent for n in others]
+        spare = self.spare_for(job, node) if self.cfg.recover_lost else None
+        if spare is None:
             with self.lock:
-                self.rebuilding[job] = set()
-            args = (job, first, rebuild, (node, spare[0]), agents, tell)
-            threading.Thread(target=self._rebuild, args=args, name=f"recover-{job}", daemon=True).start()
+                self.rebuilding.pop(job, None)
+            self._tell(job, ranks, node, agents, tell, "no spare is free" if self.cfg.recover_lost else "")
+            return
+        # (asked of the agent of the lowest surviving rank: a replica there gives its state)
+        first = min((r.rank, view.nodes[n].agent) for n in others for r in view.nodes[n].ranks if r.job == job)
+        rebuild = P.Recover(tell.node, ranks, spare[1], self.cfg.lost_grace, _agents(view, job), tell.died)
+        how = "died on" if tell.died else "lost with"
+        text = f"job {job}: rank(s) {_listed(ranks)} {how} {node}: rebuilding them on {spare[0]} from replicas"
+        self.event("recovering", text, job, node, level=logging.WARNING)
+        args = (job, first, rebuild, (node, spare[0]), agents, tell)
+        threading.Thread(target=self._rebuild, args=args, name=f"recover-{job}", daemon=True).start()
 
     def _why(self, node: str) -> str:
         return f"node {node} running rank(s) of the job stopped reporting ({self.cfg.unreachable_after:g} s)"
@@ -114,6 +143,8 @@ class LostNodes:
         rank, agent = first
         node, spare = nodes
         t0 = time.monotonic()
+        for r in rebuild.ranks if rebuild.died else ():  # (their ends held while it runs)
+            self._rebuilt(job, r, rebuild.node, P.Rebuilt(hold=RECOVER_TIMEOUT + 60))
         try:
             reply = stub(agent, self.creds).Rank(
                 rankwire.request_pb(job, rank, rebuild, RECOVER_TIMEOUT), timeout=RECOVER_TIMEOUT + 60
@@ -121,7 +152,11 @@ class LostNodes:
             done = rankwire.answer_of(rebuild, reply)
         except grpc.RpcError as e:
             done = P.Recovered(ok=False, error=rpc_text(e))
+        for r in rebuild.ranks if rebuild.died else ():  # (each rebuilt one's stand-in follows it)
+            to = rebuild.spare if done.ok and r in done.ranks else ""
+            self._rebuilt(job, r, rebuild.node, P.Rebuilt(to=to))
         with self.lock:
+            self.settled.update({(job, r, node): time.monotonic() for r in rebuild.ranks if rebuild.died})
             meanwhile = self.rebuilding.pop(job, set()) - set(done.ranks)
         if done.ok and meanwhile:  # (their agents answered the rebuild: they run on, as far as it saw)
             text = f"job {job}: rank(s) {_listed(tuple(sorted(meanwhile)))} were found lost while it was rebuilt, "
@@ -131,12 +166,20 @@ class LostNodes:
             text = f"job {job} runs on from step {done.step}, rank(s) {_listed(done.ranks)} rebuilt on "
             text += f"{spare} in {time.monotonic() - t0:.1f} s ({stages})"
             text += f"; its store, lost with {node}, is served at {done.store}" if done.store else ""
+            text += "" if not rebuild.died else "; their stand-ins follow them there"
             self.event("recovered", text, job, node, level=logging.WARNING)
             for r in done.ranks:
                 args = (job, r, rebuild.spare)
                 threading.Thread(target=self._follow, args=args, name=f"follow-{job}-{r}", daemon=True).start()
             return
         self._tell(job, rebuild.ranks, node, agents, tell, done.error)
+
+    def _rebuilt(self, job: str, rank: int, agent: str, word: P.Rebuilt) -> None:
+        """Tell the agent where rank ``rank`` died how its rebuild goes."""
+        try:
+            stub(agent, self.creds).Rank(rankwire.request_pb(job, rank, word, 30.0), timeout=40)
+        except grpc.RpcError as e:
+            log.warning("the agent at %s was not told of rank %d of job %s: %s", agent, rank, job, rpc_text(e))
 
     def _follow(self, job: str, rank: int, agent: str) -> None:
         """Wait for rank ``rank`` of ``job``, rebuilt at ``agent``, to end (following it where it
@@ -169,11 +212,14 @@ class LostNodes:
             time.sleep(FOLLOW_PERIOD)
 
     def _tell(self, job: str, ranks: tuple[int, ...], node: str, agents: list[str], tell: P.Lost, why: str) -> None:
-        """Every agent of the job's other ranks tells them its node is lost."""
+        """Every agent of the job's other ranks tells them its node is lost (or its ranks died)."""
         text = f"job {job} lost rank(s) {_listed(ranks)} with {node}"
+        text = f"job {job}: rank(s) {_listed(ranks)} died on {node}" if tell.died else text
         text += f" and cannot be rebuilt ({why.rstrip('.')})" if why else ""
         text += f": its other ranks are told (each stops once it waits {self.cfg.lost_grace:g} s)"
         self.event("lost", text, job, node, level=logging.WARNING)
+        for r in ranks if tell.died else ():  # (their stand-ins end as they did)
+            self._rebuilt(job, r, tell.node, P.Rebuilt())
         for agent in agents:
             threading.Thread(target=self._tell_lost, args=(agent, job, tell), daemon=True).start()
 

@@ -53,7 +53,7 @@ def seen_of(r: pb.NodeReport) -> Seen:
     """The report, checked: one sentence (:class:`Refused`) if it is out of bounds."""
     if not 0 < len(r.node) <= NAME_MAX or not r.node.isprintable() or not is_agent_address(r.agent):
         raise Refused("a report must name its node (1 to 256 printable characters) and agent (HOST:PORT).")
-    if len(r.ranks) > MAX_RANKS or len(r.gpus) > MAX_GPUS or len(r.findings) > MAX_FINDINGS:
+    if len(r.ranks) + len(r.died) > MAX_RANKS or len(r.gpus) > MAX_GPUS or len(r.findings) > MAX_FINDINGS:
         raise Refused(f"a report holds at most {MAX_RANKS} ranks, {MAX_GPUS} GPUs and {MAX_FINDINGS} findings.")
     gpus = {g.uuid for g in r.gpus}
     if any(f.gpu not in gpus for f in r.findings):
@@ -75,6 +75,7 @@ def seen_of(r: pb.NodeReport) -> Seen:
             )
             for x in r.ranks
         ),
+        died=tuple(RankSeen(_p(x.job), int(x.rank), int(x.world)) for x in r.died),
         busy=frozenset(map(_p, r.rewiring[:MAX_RANKS])),
         migrations=tuple(map(_p, r.migrations[:MAX_RANKS])),
         findings=tuple(Finding(_p(f.gpu), _p(f.what, 64), _p(f.reading)) for f in r.findings),
