@@ -176,10 +176,15 @@ class LostNodes:
 
     def _rebuilt(self, job: str, rank: int, agent: str, word: P.Rebuilt) -> None:
         """Tell the agent where rank ``rank`` died how its rebuild goes."""
+        self._say(agent, job, rank, word)
+
+    def _say(self, agent: str, job: str, rank: int, request: P.Request[P.Answer]) -> None:
+        """Ask ``request`` of ``agent`` about rank ``rank`` of ``job``, once: a failure is logged."""
         try:
-            stub(agent, self.creds).Rank(rankwire.request_pb(job, rank, word, 30.0), timeout=40)
+            stub(agent, self.creds).Rank(rankwire.request_pb(job, rank, request, 30.0), timeout=40)
         except grpc.RpcError as e:
-            log.warning("the agent at %s was not told of rank %d of job %s: %s", agent, rank, job, rpc_text(e))
+            what = request.OP.value
+            log.warning("the agent at %s was not told %s (job %s, rank %d): %s", agent, what, job, rank, rpc_text(e))
 
     def _follow(self, job: str, rank: int, agent: str) -> None:
         """Wait for rank ``rank`` of ``job``, rebuilt at ``agent``, to end (following it where it
@@ -221,13 +226,7 @@ class LostNodes:
         for r in ranks if tell.died else ():  # (their stand-ins end as they did)
             self._rebuilt(job, r, tell.node, P.Rebuilt())
         for agent in agents:
-            threading.Thread(target=self._tell_lost, args=(agent, job, tell), daemon=True).start()
-
-    def _tell_lost(self, agent: str, job: str, request: P.Lost) -> None:
-        try:
-            stub(agent, self.creds).Rank(rankwire.request_pb(job, 0, request, 30.0), timeout=40)
-        except grpc.RpcError as e:
-            log.warning("the agent at %s was not told job %s lost a node: %s", agent, job, rpc_text(e))
+            threading.Thread(target=self._say, args=(agent, job, 0, tell), daemon=True).start()
 
 
 def _elsewhere(view: View, node: str, rank: RankSeen) -> bool:
