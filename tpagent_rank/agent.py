@@ -326,7 +326,7 @@ class Rank:
         if isinstance(request, P.Retire):
             self.retire_answered.set()  # (it ends only once its agent has this)
         if isinstance(request, P.Restart) and answer.ok:
-            recover.restart(self, request.store)
+            recover.restart(self, request.store, request.fresh)
 
     def _load(self, rid: object, request: P.Load, given: BinaryIO | None, on: socket.socket) -> None:
         joining = self.join
@@ -447,6 +447,8 @@ class Rank:
         host, _, port = request.store.rpartition(":")
         if request.store and not (host and port.isdigit() and 0 < int(port) < 65536):
             return P.failed(f"{request.store!r} is not a store's HOST:PORT")
+        if request.fresh:  # (what it holds is dropped: nothing to take)
+            return P.Answer()
         taken = recover.held_file(self)
         return P.failed(taken) if isinstance(taken, str) else P.Answer()
 

@@ -295,10 +295,13 @@ class Restart(Request[Answer]):
     runs its command again from its start (``exec``, the same PID), takes the state it held at its
     last step boundary (``Standing.held``) once warmed up, and stands there, its communicators to be
     built (``rebuild``): the step in flight is dropped, and done again.  ``store``: ``HOST:PORT``
-    at which the job's store is served from now on (:data:`STORE_VARIABLE`; "": where it was)."""
+    at which the job's store is served from now on (:data:`STORE_VARIABLE`; "": where it was).
+    ``fresh``: a rank that got a step further than others (its held state is of a later boundary):
+    it drops what it holds and, warmed up, waits for the state of the job's boundary (``load``)."""
 
     OP = Op.RESTART
     store: str = ""
+    fresh: bool = False
 
 
 @dataclass(frozen=True)

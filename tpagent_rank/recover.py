@@ -106,23 +106,24 @@ def held_file(rank: Rank) -> tuple[Held, Any] | str:
     return held, held.saved
 
 
-def restart(rank: Rank, store: str = "") -> None:
+def restart(rank: Rank, store: str = "", fresh: bool = False) -> None:
     """(After the agent has its answer.)  This process becomes a fresh one of its command, with
-    the state it held; its own children (DataLoader workers) end first.  ``store``: where the job's
-    store is served from now on ("": where it was)."""
-    taken = held_file(rank)
-    if isinstance(taken, str):  # (checked as it was asked: not here)
-        return
-    held, out = taken
+    the state it held (``fresh``: with none, to be given one); its own children (DataLoader
+    workers) end first.  ``store``: where the job's store is served from now on ("": where it was)."""
+    environ = {**env.START_ENV, P.JOIN_VARIABLE: "1"}
+    if not fresh:
+        taken = held_file(rank)
+        if isinstance(taken, str):  # (checked as it was asked: not here)
+            return
+        held, out = taken
+        fd = out.fileno()
+        os.set_inheritable(fd, True)
+        size = os.fstat(fd).st_size
+        environ[P.STATE_VARIABLE] = f"{fd}:{size}:{held.step}:{held.collectives}:{held.groups}"
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     _end_children()
-    fd = out.fileno()
-    os.set_inheritable(fd, True)
-    size = os.fstat(fd).st_size
-    environ = {**env.START_ENV, P.JOIN_VARIABLE: "1"}
-    environ[P.STATE_VARIABLE] = f"{fd}:{size}:{held.step}:{held.collectives}:{held.groups}"
     if store:
         environ[P.STORE_VARIABLE] = store
     with contextlib.suppress(OSError):

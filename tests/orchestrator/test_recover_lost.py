@@ -7,7 +7,8 @@ training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
     reporting, the orchestrator has A's agent rebuild rank 2 on D from a replica's held state,
     every survivor restarts in its own process from its last step boundary, and the job runs on.
     Every rank's losses, step by step, and final parameters equal the uninterrupted run's, bit for
-    bit (the step that was in flight is done again); no line is written twice.  The rebuilt
+    bit (the step that was in flight is done again); no line is written twice, but by a survivor
+    taken back to the others' boundary (as in (g), where the node died decides).  The rebuilt
     rank's exit status, which its launcher (lost with C) cannot see, is written down by the
     orchestrator.
 (c) A is killed: rank 0 and the job's store its stand-in served are lost together.  The store is
@@ -21,12 +22,17 @@ training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
 (f) Rank 1's training process alone is SIGKILLed (its node, its agent and its stand-in live on):
     B's agent holds its end from its stand-in and reports it; the orchestrator has it rebuilt on
     D as in (b), and B's stand-in follows it there, so that every launcher ends as the script
-    does (0), rank 1's too, and the job is bit-identical."""
+    does (0), rank 1's too, and the job is bit-identical.
+(g) Rank 0 dies alone once rank 2 has finished the step rank 1 is caught in (``--die-at``): the
+    job goes on from rank 1's boundary, rank 2 taken back to it with a replica's state.
+(h) With lost ranks left to their jobs (``lost_grace`` 0), a rank killed alone ends at once: its
+    end is not held for a rebuild that will not come."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -37,7 +43,7 @@ from conftest import needs_criu
 from support.cluster import Cluster
 from support.helpers import wait_until
 from support.orchestrator import Orchestrator
-from support.rankjob import IFNAME, JOB, RUN, STEPS, Job, rank_log
+from support.rankjob import IFNAME, JOB, RUN, Job, rank_log
 
 pytestmark = needs_criu
 
@@ -71,9 +77,9 @@ def _ended(o: Orchestrator) -> list[str]:
     return _events_of(o, "ended")
 
 
-def _running(tmp_path: Path, extra: tuple[str, ...]) -> tuple[Cluster, Orchestrator, Job]:
+def _running(tmp_path: Path, extra: tuple[str, ...], grace: float = 2.0) -> tuple[Cluster, Orchestrator, Job]:
     c = Cluster(tmp_path, list("ABCD"), ifname=IFNAME)
-    o = Orchestrator(c, tmp_path, lost_grace=2.0)
+    o = Orchestrator(c, tmp_path, lost_grace=grace)
     try:
         o.start()
         for node in c.nodes.values():
@@ -88,19 +94,33 @@ def _running(tmp_path: Path, extra: tuple[str, ...]) -> tuple[Cluster, Orchestra
     return c, o, job
 
 
+def _twice(lines: list[str], step: int) -> list[str]:
+    """``lines`` with the line of ``step`` written again right after itself (the step done again)."""
+    return [x for ln in lines for x in ([ln, ln] if ln.startswith(f"step {step} ") else [ln])]
+
+
 def _ran_on(c: Cluster, o: Orchestrator, job: Job, reference: Path, survivors: str, rebuilt: str) -> str:
-    """Once the surviving nodes' launchers end: each ended 0, every rank's output (each step once,
-    its losses and final parameters) is the uninterrupted run's, and one rebuild put ``rebuilt``
-    on D; that rebuild's event."""
+    """Once the surviving nodes' launchers end: each ended 0, one rebuild put ``rebuilt`` on D, and
+    every rank's output (each step once, its losses and final parameters) is the uninterrupted
+    run's, but for a survivor that had finished the step the others were caught in (where the
+    node died decides): taken back, it did that step again, and wrote its line of it again, the
+    same; that rebuild's event."""
     codes = {name: job.runs[name].wait(timeout=600) for name in survivors}
     assert codes == dict.fromkeys(survivors, 0), job.output()
-    for r in range(3):
-        got = rank_log(job.logs, r)
-        assert [ln.split()[1] for ln in got if ln.startswith("step ")] == [str(k) for k in range(STEPS)], r
-        assert got == rank_log(reference, r), f"rank {r}: its losses or final parameters differ"
-    assert "Traceback" not in job.output()
     recovered = [e["text"] for e in _events(o) if e["kind"] == "recovered"]
     assert len(recovered) == 1 and f"rank(s) {rebuilt} rebuilt on {c.nodes['D'].name}" in recovered[0], recovered
+    found = re.search(r"runs on from step (\d+),", recovered[0])
+    assert found, recovered[0]
+    back = re.search(r"rank\(s\) ([\d, ]+), a step further, taken back to it", recovered[0])
+    again = {int(r) for r in back.group(1).split(", ")} if back else set()
+    for r in range(3):
+        want = _twice(rank_log(reference, r), int(found.group(1))) if r in again else rank_log(reference, r)
+        got = rank_log(job.logs, r)
+        assert [ln.split()[1] for ln in got if ln.startswith("step ")] == [
+            ln.split()[1] for ln in want if ln.startswith("step ")
+        ], r
+        assert got == want, f"rank {r}: its losses or final parameters differ"
+    assert "Traceback" not in job.output()
     print(recovered[0])
     return recovered[0]
 
@@ -168,6 +188,42 @@ def test_a_rank_killed_alone_is_rebuilt_on_the_spare_and_its_stand_in_follows_it
         said = (tmp_path / "torchrun-B.out").read_text()
         assert f"rank 1 of job {RUN} now runs on {c.nodes['D'].agent_address} (rebuilt)" in said, said[-3000:]
         assert not _events_of(o, "lost")
+    finally:
+        job.close()
+        o.close()
+        c.close()
+
+
+@pytest.mark.timeout(900)
+def test_a_rank_that_finished_the_step_the_others_were_caught_in_is_taken_back_to_theirs(
+    tmp_path: Path, reference_aware: Path
+) -> None:
+    """Rank 0 dies in step 80 once rank 2, in no collective with it from there on, has finished
+    that step, while rank 1 is caught in the all-reduce it shares with rank 0: rank 2 holds step 81,
+    rank 1 step 80.  Rank 2 is taken back to 80 from a replica's state and does step 80 again (its
+    line of it written twice, the same); the job is otherwise bit-identical."""
+    c, o, job = _running(tmp_path, ("--aware", "--die-at", "80"))
+    try:
+        recovered = _ran_on(c, o, job, reference_aware, "ABC", "0")
+        assert "runs on from step 80," in recovered and "rank(s) 2, a step further, taken back to it" in recovered
+    finally:
+        job.close()
+        o.close()
+        c.close()
+
+
+@pytest.mark.timeout(600)
+def test_with_lost_ranks_left_to_their_jobs_a_rank_killed_alone_ends_at_once_as_it_did(tmp_path: Path) -> None:
+    """``lost_grace`` 0: B's agent holds rank 1's end as ever (it cannot know), and the orchestrator
+    has it passed on at once, not after the hold (a minute): B's launcher ends as its rank did."""
+    c, o, job = _running(tmp_path, ("--aware",), grace=0.0)
+    try:
+        (training,) = [p for p in c.nodes["B"].processes_and_children() if _runs(p, JOB)]
+        training.send_signal(signal.SIGKILL)
+        assert job.runs["B"].wait(timeout=40) not in (0, None), job.output()  # (the hold: 60 s)
+        died = _events_of(o, "died")
+        assert len(died) == 1 and f"rank(s) 1 died on {c.nodes['B'].name}, not rebuilt" in died[0], died
+        assert not _events_of(o, "recovering") and not _events_of(o, "lost")
     finally:
         job.close()
         o.close()

@@ -1,13 +1,17 @@
 """A lost rank's command, as unplanned recovery starts it on the spare (:func:`tpagent.jobs.recovery.for_rank`):
 a surviving replica's, with the launcher's rank variables set to the lost rank's and its output
-in files of its own; and what the orchestrator's ``recover`` names is checked before anything runs."""
+in files of its own; what the orchestrator's ``recover`` names is checked before anything runs; and
+which surviving replica gives each rank rebuilt, or taken back to the job's boundary, its state."""
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 
+from tpagent.jobs.api import Ask, Leaving
 from tpagent.jobs.calls import RankCalls
-from tpagent.jobs.recovery import Failed, for_rank
+from tpagent.jobs.recovery import Failed, Recovery, for_rank
 from tpagent.migration.api import Refused
 from tpagent_rank import protocol as P
 
@@ -79,3 +83,34 @@ def test_a_recover_naming_no_lost_agent_or_no_grace_is_refused_before_anything_r
     with pytest.raises(Refused, match="recover needs the lost node's agent"):
         calls("job1", 0, request_, 10.0)
     assert not called
+
+
+def _recovery(lost: tuple[int, ...], back: list[int]) -> Recovery:
+    request = P.Recover(node="10.0.0.3:7400", ranks=lost, spare="10.0.0.4:7400", grace=5.0)
+    out = Recovery("job1", 0, request, typing.cast(Ask, None), "10.0.0.2:7400", typing.cast(Leaving, None))
+    out.back = back
+    return out
+
+
+def _at(held: int, replicas: tuple[int, ...] = (0, 1, 2, 3)) -> P.Standing:
+    return P.Standing(aware=True, held=held, replicas=replicas)
+
+
+AGENTS = ["10.0.0.1:7400", "10.0.0.2:7400", "10.0.0.3:7400", "10.0.0.2:7400"]
+
+
+def test_a_lost_rank_and_one_a_step_further_take_the_state_of_a_replica_at_the_jobs_boundary() -> None:
+    # Rank 2 lost; rank 0 finished the step ranks 1 and 3 hold; this agent runs on rank 1's and 3's node.
+    where = {0: _at(81), 1: _at(80), 3: _at(80)}
+    assert _recovery((2,), [0])._sources(AGENTS, where, 80) == {2: 1, 0: 1}
+    # None here holds it: one elsewhere gives it (its offer on its own node).
+    where = {0: _at(80), 1: _at(81), 3: _at(81)}
+    assert _recovery((2,), [1, 3])._sources(AGENTS, where, 80) == {2: 0, 1: 0, 3: 0}
+
+
+def test_a_rank_none_of_whose_replicas_holds_the_jobs_boundary_cannot_be_rebuilt() -> None:
+    where = {0: _at(80, (0,)), 1: _at(81, (1, 2, 3)), 3: _at(81, (1, 2, 3))}
+    with pytest.raises(Failed, match=r"none of rank 2's surviving replicas \(\[1, 3\]\) holds step 80"):
+        _recovery((2,), [1, 3])._sources(AGENTS, where, 80)
+    with pytest.raises(Failed, match="no replica of rank 2's training state survives"):
+        _recovery((2,), [])._sources(AGENTS, {0: _at(80, (0,)), 1: _at(80, (1,))}, 80)

@@ -21,6 +21,9 @@ that leaves and (quietly, on its own values) in the process taking its place, so
 collective; and it writes its log only while
 ``tpagent_rank.joining()`` is false (a print is silenced there by the runtime).  With
 ``--aware-alone`` each rank registers itself as its only replica (as plain FSDP shards would).
+With ``--die-at K`` (and ``--aware``), rank 0 SIGKILLs itself once, in step K, after the job-wide
+all-reduce and once rank 2 has written its line of step K: rank 2, in no collective with rank 0
+from there on, finishes step K, while rank 1 is caught in the subgroup's all-reduce.
 
 Each rank appends "step K <its loss> <global loss> <subgroup loss>" (floats in hex: exact) to
 DIR/rank{R}.log, one open per line, and "done <sha256 of the parameters>" at the end; and
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -56,6 +60,7 @@ def main() -> None:
     p.add_argument("--gpu-rank", type=int, default=-1)
     p.add_argument("--aware", action="store_true")
     p.add_argument("--aware-alone", action="store_true")
+    p.add_argument("--die-at", type=int, default=-1)
     a = p.parse_args()
     dev = torch.device("cuda", 0) if a.cuda else torch.device("cpu")
     if a.cuda:
@@ -149,6 +154,8 @@ def _aware(
         total = loss.detach().clone()
         dist.all_reduce(total)
         sub = loss.detach().clone()
+        if rank == 0 and step == a.die_at and not tpagent_rank.joining():
+            _die_once(a.log_dir, step)
         if rank in (0, 1):
             dist.all_reduce(sub, group=pair)
         if not tpagent_rank.joining():  # (a process warming up to take a rank's place writes nothing)
@@ -159,6 +166,19 @@ def _aware(
         print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
         time.sleep(a.step_time)
     _done(model, log)
+
+
+def _die_once(log_dir: Path, step: int) -> None:
+    """(``--die-at``.)  SIGKILLed, unless it was once: the rank rebuilt goes on."""
+    marker = log_dir / "rank0.died"
+    if marker.exists():
+        return
+    marker.touch()
+    theirs = log_dir / "rank2.log"
+    deadline = time.monotonic() + 60
+    while f"step {step} " not in (theirs.read_text() if theirs.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

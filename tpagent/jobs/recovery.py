@@ -3,10 +3,12 @@ job were lost with their node (no process image is left to move), and the job is
 their data-parallel replicas, on a spare, without a restart from its checkpoint.  The ranks'
 side is :mod:`tpagent_rank.recover`::
 
-    where      every surviving rank: each registered its state, holds its last step boundary's
-               (one boundary S for all), and says which ranks are its replicas; a rank whose
-               agent does not answer either was lost too (nodes lost together), and is rebuilt
-               with the others
+    where      every surviving rank: each registered its state, holds its last step boundary's,
+               and says which ranks are its replicas; a rank whose agent does not answer either
+               was lost too (nodes lost together), and is rebuilt with the others.  The job goes
+               on from the earliest boundary held, S: a rank in no collective with a lost one may
+               have finished the step the others were caught in; it is taken back to S, as a lost
+               rank is rebuilt (its step done again, its lines written again)
     store      where the job's store no longer answers (it was served on the lost node), it is
                served anew on this node, holding the job's identity, and every rank started
                from here on is told where (:mod:`tpagent.jobs.storeserver`)      -- "store"
@@ -14,9 +16,9 @@ side is :mod:`tpagent_rank.recover`::
                runs here (its rank's variables set to the lost rank's)          -- "replacement"
     restart    every survivor runs its command again in its own process, from the state it held
                (the step in flight is dropped); a replica that gives a lost rank its state does
-               so once its state has been fetched                                -- "rollback"
+               so once its state has been fetched; one taken back, with none  -- "rollback"
     save/load  that replica offers its held state once, rank to rank, under a fresh secret; the
-               lost rank's new process fetches it                                 -- "state"
+               lost rank's new process (or the one taken back) fetches it        -- "state"
     stand      every rank stands at S, warmed up, its state taken                -- "standing"
     rebuild    every rank's communicators, under a new generation               -- "rebuild"
     resume     step S+1, done again where it was in flight
@@ -98,6 +100,7 @@ class Recovery:
         self.lost = sorted(set(request.ranks))
         self.started: list[int] = []  # the lost ranks whose new processes were started on the spare
         self.restarted: set[int] = set()  # the survivors restarted (parked at the boundary since)
+        self.back: list[int] = []  # the survivors at a later boundary than the others (taken back)
         self.stages: dict[str, float] = {}
         self.store = ""  # HOST:PORT of the job's store served anew here ("": it was not lost)
         self.server: subprocess.Popen[bytes] | None = None
@@ -149,8 +152,12 @@ class Recovery:
         t0 = time.monotonic()
         where = self._where(agents, [r for r in range(len(agents)) if r not in self.lost])
         survivors = sorted(where)
-        boundary = where[survivors[0]].held
-        sources = self._sources(agents, where)
+        boundary = min(w.held for w in where.values())
+        self.back = [r for r in survivors if where[r].held > boundary]
+        if self.back:  # (a rank in no collective with a lost one finished the step the others hold)
+            ahead = ", ".join(f"rank {r} at {where[r].held}" for r in self.back)
+            log.warning("job %s: %s, the others at %d: taken back to it from a replica", self.job, ahead, boundary)
+        sources = self._sources(agents, where, boundary)
         t = time.monotonic()
         self.store = self._store_anew(where)
         t = self._stage("store", t)
@@ -159,11 +166,12 @@ class Recovery:
         for d, spec in sorted(specs.items()):
             self._call(self.request.spare, d, spec, f"start rank {d} on {self.request.spare}")
             self.started.append(d)
-        others = [r for r in survivors if r not in sources.values()]
+        others = [r for r in survivors if r not in sources.values() and r not in self.back]
         self._all(agents, P.Restart(self.store), others, "restart from its last step boundary")
+        self._all(agents, P.Restart(self.store, fresh=True), self.back, f"restart to take step {boundary}'s state")
         t = self._stage("rollback", t)
         trial = [self.request.spare if r in self.lost else a for r, a in enumerate(agents)]
-        self._stand(trial, self.lost, P.RankState.WAITING, None, WARM_TIMEOUT)
+        self._stand(trial, sorted(sources), P.RankState.WAITING, None, WARM_TIMEOUT)
         t = self._stage("replacement", t)
         self._hand_over(agents, trial, sources, boundary)
         self._all(agents, P.Restart(self.store), sorted(set(sources.values())), "restart from its last step boundary")
@@ -185,7 +193,8 @@ class Recovery:
             self.stages,
         )
         stages = tuple(f"{k}={v}" for k, v in self.stages.items())
-        return P.Recovered(step=boundary, gen=gen, stages=stages, store=self.store, ranks=tuple(self.lost))
+        back = tuple(self.back)
+        return P.Recovered(step=boundary, gen=gen, stages=stages, store=self.store, ranks=tuple(self.lost), back=back)
 
     def _where(self, agents: list[str], survivors: list[int]) -> dict[int, P.Standing]:
         answers = self.asking.all(agents, each(P.Where()), self.timeout, only=survivors)
@@ -202,9 +211,6 @@ class Recovery:
         if unregistered:
             ranks = ", ".join(map(str, unregistered))
             raise Failed(f"rank(s) {ranks} hold no training state to rebuild from (tpagent_rank.register)")
-        held = {w.held for w in where.values()}
-        if len(held) > 1:
-            raise Failed(f"its ranks hold different step boundaries ({sorted(held)})")
         return where
 
     def _store_anew(self, where: dict[int, P.Standing]) -> str:
@@ -230,17 +236,18 @@ class Recovery:
         log.warning("job %s: its store (%s) is lost; it is served anew at %s", self.job, lost, address)
         return address
 
-    def _sources(self, agents: list[str], where: dict[int, P.Standing]) -> dict[int, int]:
-        """Each lost rank -> the surviving replica on this node that gives it its state."""
+    def _sources(self, agents: list[str], where: dict[int, P.Standing], boundary: int) -> dict[int, int]:
+        """Each lost rank, and each survivor taken back -> a surviving replica of it that holds
+        ``boundary`` and gives it its state (one on this node first)."""
         out = {}
-        for d in self.lost:
-            replicas = [r for r, w in sorted(where.items()) if d in w.replicas]
+        for d in [*self.lost, *self.back]:
+            replicas = [r for r, w in sorted(where.items()) if d in w.replicas and r != d]
             if not replicas:
                 raise Failed(f"no replica of rank {d}'s training state survives")
-            here = [r for r in replicas if agents[r] == self.here]
-            if not here:
-                raise Failed(f"rank {d}'s surviving replicas ({replicas}) run on other nodes than {self.here}")
-            out[d] = here[0]
+            at = [r for r in replicas if where[r].held == boundary]
+            if not at:
+                raise Failed(f"none of rank {d}'s surviving replicas ({replicas}) holds step {boundary}, the job's")
+            out[d] = min(at, key=lambda r: (agents[r] != self.here, r))
         return out
 
     def _spec(self, rank: int) -> P.Join:
@@ -267,9 +274,10 @@ class Recovery:
             raise Failed("; ".join(bad))
 
     def _hand_over(self, agents: list[str], trial: list[str], sources: dict[int, int], boundary: int) -> None:
-        """Each source's held state offered on this node's address, fetched by the lost rank's new process."""
-        host = self.here.rsplit(":", 1)[0]
+        """Each source's held state offered on its node's address, fetched by the new process of the
+        rank it gives its state to."""
         for d, s in sorted(sources.items()):
+            host = agents[s].rsplit(":", 1)[0]
             secret = secrets.token_hex(32)
             saved = self._call(agents[s], s, P.Save(host, secret, self.timeout, held=True), "give its held state")
             assert isinstance(saved, P.Saved)

@@ -126,8 +126,8 @@ class Orchestrator:
             self.state.node_seen(seen.name, seen.agent, seen.gpus)
         if before is None or back:
             self.event("node", f"{seen.name} reports ({seen.agent}, {len(seen.gpus)} GPU(s))", node=seen.name)
-        if seen.died and seen.name not in self.unreachable and self.cfg.lost_grace > 0:
-            self.lost_nodes.died(self.view(), seen.name)
+        if seen.died and seen.name not in self.unreachable:
+            self.lost_nodes.died(self.view(), seen.name, rebuild=self.cfg.lost_grace > 0)
         for f in seen.findings:
             t = self.state.taint(seen.name, f.gpu, TaintKind.PREEMPTIVE, f.reading, f"health:{f.what}")
             if t is not None:

@@ -19,7 +19,8 @@ their next collective for its timeout, every GPU of the job idle).
   is rebuilt the same way: its agent holds its end from its stand-in and reports it
   (:meth:`LostNodes.died`); once it is rebuilt, its agent says where
   (:class:`~tpagent_rank.protocol.Rebuilt`) and its stand-in follows it there, so that its
-  launcher sees it end as its script does; where it is not, its end stands.
+  launcher sees it end as its script does; where it is not, its end stands.  Where lost ranks are
+  left to their jobs (``lost_grace`` 0), its end is passed on at once (event ``died``).
 """
 
 from __future__ import annotations
@@ -84,10 +85,11 @@ class LostNodes:
             if ranks and not moving(job):  # (a move of it, its agents decide: it may save the job)
                 self._recover(view, node, job, ranks, tell)
 
-    def died(self, view: View, node: str) -> None:
+    def died(self, view: View, node: str, rebuild: bool = True) -> None:
         """Ranks died on ``node`` by a signal, its agent holding their ends from their stand-ins
         (it reports them): each job of them rebuilt as a lost node's is, and that agent told how it
-        went (:class:`~tpagent_rank.protocol.Rebuilt`: their stand-ins follow them)."""
+        went (:class:`~tpagent_rank.protocol.Rebuilt`: their stand-ins follow them).  Not
+        ``rebuild`` (``lost_grace`` 0: lost ranks are left to their jobs), their ends are let go at once."""
         seen = view.nodes[node]
         now = time.monotonic()
         with self.lock:  # (a report made before its agent heard how its rebuild went says them again)
@@ -96,7 +98,24 @@ class LostNodes:
             ranks = tuple(sorted(r.rank for r in fresh if r.job == job))
             why = f"rank(s) {_listed(ranks)} of the job died on {node}, killed by a signal"
             tell = P.Lost(node=seen.agent, why=why, grace=self.cfg.lost_grace, died=True)
-            self._recover(view, node, job, ranks, tell)
+            if rebuild:
+                self._recover(view, node, job, ranks, tell)
+            else:
+                self._let_go(job, ranks, node, tell.node, "lost ranks are left to their jobs (lost_grace 0)")
+
+    def _let_go(self, job: str, ranks: tuple[int, ...], node: str, agent: str, why: str) -> None:
+        """The died ``ranks``' ends given to their stand-ins (by another thread: their agent's
+        report waits for none of it), once."""
+        with self.lock:
+            self.settled.update({(job, r, node): time.monotonic() for r in ranks})
+        text = f"job {job}: rank(s) {_listed(ranks)} died on {node}, not rebuilt: {why}; their ends are passed on"
+        self.event("died", text, job, node, level=logging.WARNING)
+
+        def let_go() -> None:
+            for r in ranks:
+                self._rebuilt(job, r, agent, P.Rebuilt())
+
+        threading.Thread(target=let_go, name=f"let-go-{job}", daemon=True).start()
 
     def _recover(self, view: View, node: str, job: str, ranks: tuple[int, ...], tell: P.Lost) -> None:
         others = sorted(
@@ -104,7 +123,9 @@ class LostNodes:
             for n, seen in view.nodes.items()
             if (n != node or tell.died) and view.reachable(n) and any(r.job == job for r in seen.ranks)
         )
-        if not others:
+        if not others:  # (no other rank of it reports: nothing to rebuild from, no one to tell)
+            if tell.died:
+                self._let_go(job, ranks, node, tell.node, "no other rank of the job reports")
             return
         with self.lock:
             if job in self.rebuilding:  # (that rebuild takes every rank that does not answer)
@@ -166,6 +187,7 @@ class LostNodes:
             text = f"job {job} runs on from step {done.step}, rank(s) {_listed(done.ranks)} rebuilt on "
             text += f"{spare} in {time.monotonic() - t0:.1f} s ({stages})"
             text += f"; its store, lost with {node}, is served at {done.store}" if done.store else ""
+            text += f"; rank(s) {_listed(done.back)}, a step further, taken back to it" if done.back else ""
             text += "" if not rebuild.died else "; their stand-ins follow them there"
             self.event("recovered", text, job, node, level=logging.WARNING)
             for r in done.ranks:
