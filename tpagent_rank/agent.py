@@ -310,6 +310,13 @@ class Rank:
                     self.sock.sendall(data)
                     self.sock.sendall(tail)
 
+    def say_broke(self, why: str) -> None:
+        """Tell the agent, unasked, that a collective failed (:class:`tpagent_rank.lines.Broke`)."""
+        with self.write_lock:
+            if self.sock is not None:
+                with contextlib.suppress(OSError):
+                    self.sock.sendall(codec.said(lines.Broke(why)))
+
     def _answer(self, rid: object, request: P.Request[Any], on: socket.socket) -> None:
         tail = b""
         answer: P.Answer

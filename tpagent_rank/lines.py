@@ -17,6 +17,7 @@ class LineOp(str, enum.Enum):
     WELCOME = "welcome"
     REFUSED = "refused"
     EXIT = "exit"
+    BROKE = "broke"
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,12 @@ class Exit:
 
     OP: ClassVar[LineOp] = LineOp.EXIT
     code: int
+
+
+@dataclass(frozen=True)
+class Broke:
+    """A collective of the rank failed (a peer's process, or its node, is gone): said once, unasked,
+    so that its agent reports it at once and a lost node is looked for now, not after its silence."""
+
+    OP: ClassVar[LineOp] = LineOp.BROKE
+    why: str = ""

@@ -10,7 +10,8 @@ warning, and the job goes on from its last step boundary without a restart from 
 * **A failed collective is held.**  A gloo collective of a registered rank connected to its
   agent that fails (a peer's process is gone: its connections are reset) does not raise in the
   script: the training thread waits in it (``Standing.broken`` says why) until its agent says what
-  comes next, or for :data:`HOLD` seconds, after which it raises as it would have.  An NCCL
+  comes next, or for :data:`HOLD` seconds, after which it raises as it would have.  Its agent is
+  told at once, unasked (:class:`tpagent_rank.lines.Broke`): a lost node is looked for now.  An NCCL
   collective waits by itself (its peer never answers).
 * **Restart.**  Told ``restart``, the rank runs its command again in its own process (``exec``:
   the same PID, the same place under its agent and stand-in, its GPU memory given back), with the
@@ -176,6 +177,7 @@ class Broken:
             self.why = self.why or (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
         if first:
             threading.Thread(target=self._timeout, name="tpagent-hold", daemon=True).start()
+            threading.Thread(target=rank.say_broke, args=(self.why,), name="tpagent-broke", daemon=True).start()
         self.released.wait()
         return self.given_up
 

@@ -26,7 +26,10 @@ training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
 (g) Rank 0 dies alone once rank 2 has finished the step rank 1 is caught in (``--die-at``): the
     job goes on from rank 1's boundary, rank 2 taken back to it with a replica's state.
 (h) With lost ranks left to their jobs (``lost_grace`` 0), a rank killed alone ends at once: its
-    end is not held for a rebuild that will not come."""
+    end is not held for a rebuild that will not come.
+(i) The orchestrator is set to take a silent node as unreachable only after an hour: C killed,
+    its peers' collectives fail, each says so to its agent, which reports at once, and the
+    orchestrator asks C's agent, which does not answer; C is taken as lost then, and (b) follows."""
 
 from __future__ import annotations
 
@@ -77,9 +80,11 @@ def _ended(o: Orchestrator) -> list[str]:
     return _events_of(o, "ended")
 
 
-def _running(tmp_path: Path, extra: tuple[str, ...], grace: float = 2.0) -> tuple[Cluster, Orchestrator, Job]:
+def _running(
+    tmp_path: Path, extra: tuple[str, ...], grace: float = 2.0, **settings: float
+) -> tuple[Cluster, Orchestrator, Job]:
     c = Cluster(tmp_path, list("ABCD"), ifname=IFNAME)
-    o = Orchestrator(c, tmp_path, lost_grace=grace)
+    o = Orchestrator(c, tmp_path, lost_grace=grace, **settings)
     try:
         o.start()
         for node in c.nodes.values():
@@ -137,6 +142,23 @@ def test_a_node_killed_mid_step_is_rebuilt_on_the_spare_and_the_job_runs_on_bit_
         # Its launcher on C went with C: the rebuilt rank's end is the orchestrator's to write down.
         wait_until(lambda: _ended(o), "the orchestrator to write the rebuilt rank's end down", 60, 0.5)
         assert _ended(o) == [f"rank 2 of job {RUN} (rebuilt) exited with status 0"]
+    finally:
+        job.close()
+        o.close()
+        c.close()
+
+
+@pytest.mark.timeout(900)
+def test_a_node_killed_is_looked_for_as_soon_as_its_peers_collectives_fail(
+    tmp_path: Path, reference_aware: Path
+) -> None:
+    c, o, job = _running(tmp_path, ("--aware",), unreachable_after=3600.0)  # (its silence: never, here)
+    try:
+        _lose(c, "C")
+        _ran_on(c, o, job, reference_aware, "AB", "2")
+        found = _events_of(o, "unreachable")
+        assert len(found) == 1 and found[0].startswith(f"{c.nodes['C'].name} does not answer (2 s, twice)"), found
+        assert f"while ranks of job {RUN} saw a collective fail" in found[0]
     finally:
         job.close()
         o.close()

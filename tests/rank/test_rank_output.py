@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tpagent.jobs.ranks import _open_output
+from tpagent.jobs.rankentry import open_output
 from tpagent.migration.api import Refused
 
 
@@ -20,7 +20,7 @@ def test_the_file_the_process_writes_is_read_even_once_its_path_names_another(tm
     with open(log, "wb") as out:
         child = subprocess.Popen(["sh", "-c", "echo first; sleep 30"], stdout=out)
     try:
-        fd = _open_output(child.pid, 1)
+        fd = open_output(child.pid, 1)
         try:
             deadline = time.monotonic() + 10
             while os.fstat(fd).st_size < 6 and time.monotonic() < deadline:
@@ -39,7 +39,7 @@ def test_a_pipe_is_not_read(tmp_path: Path) -> None:
     child = subprocess.Popen(["sleep", "30"], stdout=subprocess.PIPE)
     try:
         with pytest.raises(Refused, match="is not a file"):
-            _open_output(child.pid, 1)
+            open_output(child.pid, 1)
     finally:
         child.kill()
         child.wait()

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from tpagent.common.threads import Threads
-from tpagent.jobs.ranks import DIED_HOLD, RankEntry, Ranks, died
+from tpagent.jobs.rankentry import RankEntry, died
+from tpagent.jobs.ranks import DIED_HOLD, Ranks
 from tpagent.migration.api import Refused
 from tpagent_rank import protocol as P
 

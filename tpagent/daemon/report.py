@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import grpc
 
@@ -22,12 +23,15 @@ from tpagent.daemon.rpc import channel, pb, pb_grpc
 from tpagent.migration.api import is_final
 
 log = logging.getLogger(__name__)
+#: How often a report's wait looks whether the agent stops.
+SLICE = 0.25
 
 
 def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
     """What runs on this node now."""
     found = gpus.inventory()
     ranks = []
+    broken = node.ranks.broken()
     for row in node.ranks.jobs():
         if row.moved_to:
             continue
@@ -44,6 +48,7 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
                 pid=row.pid,
                 gpus=used,
                 users=users,
+                broke=broken.get((row.job, row.rank), ""),
             )
         )
     with node.lock:
@@ -91,7 +96,17 @@ def run(node: Node, creds: Credentials, health: Watch, stop: threading.Event) ->
             failing = rpc_text(e)
         except Exception:  # (NVML, the ranks' registry: this report is lost, not the next ones)
             log.exception("this node's report could not be made", extra={"node": cfg.node})
-        stop.wait(period)
+        _wait(node, stop, period)
+
+
+def _wait(node: Node, stop: threading.Event, period: float) -> None:
+    """Until the next report: ``period`` seconds, or less once a rank here says a collective of it
+    failed (its peers' node may be lost: the orchestrator looks for it at once)."""
+    deadline = time.monotonic() + period
+    while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+        if node.ranks.report_soon.wait(min(left, SLICE)):
+            break
+    node.ranks.report_soon.clear()
 
 
 def start(node: Node, creds: Credentials) -> threading.Event:

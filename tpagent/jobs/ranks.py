@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import socket
-import stat
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -34,8 +31,9 @@ from host import paths, peers, proc
 from host.api import UsageError
 from host.safefs import private_dir
 from tpagent.common.threads import Threads
-from tpagent.jobs import door
+from tpagent.jobs import door, rankentry
 from tpagent.jobs.connection import Connection, RankGone
+from tpagent.jobs.rankentry import RankEntry, close_outputs, died, open_output
 from tpagent.migration.api import Refused, Why
 from tpagent.migration.journal import write_durably
 from tpagent.workload import launch
@@ -45,21 +43,8 @@ from tpagent_rank import protocol as P
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=P.Answer)
 
-#: Ranks that moved away or ended, remembered (for their stand-ins) at most.
-KEEP_ENDED = 1024
-#: The statuses of a process killed outright (a crash, the OOM killer), not ended by its script or
-#: its launcher: a rank of a job of several that ends so has its end held from its stand-in
-#: (:meth:`Ranks.locate`: moving) for its job to rebuild it elsewhere, where the agent reports to
-#: an orchestrator (:mod:`tpagent.orchestrator.lost`).
-DIED = frozenset({-9, -11, -7, -6, -4, -8})  # SIGKILL, SIGSEGV, SIGBUS, SIGABRT, SIGILL, SIGFPE
 #: How long such an end is held before the orchestrator says its rebuild runs.
 DIED_HOLD = 60.0
-
-
-def died(code: int, world: int) -> bool:
-    """Whether a rank that ended with ``code`` (a signal's: negative) died, in a job of ``world``
-    ranks its job may rebuild it from (:data:`DIED`)."""
-    return code in DIED and world > 1
 
 
 class NotTheJob(Exception):
@@ -70,59 +55,6 @@ def identity_of(uid: int, hello: lines.Hello) -> str:
     """A rank's job across nodes: the user its runtime runs as (the kernel's word) and the job's
     key it said hello with."""
     return f"{uid}:{hello.key}"
-
-
-@dataclass
-class RankEntry:
-    job: str
-    rank: int
-    init: int  # the PID (here) of its launched namespace's init
-    init_start: int  # and its start, in clock ticks since boot
-    world: int = 0
-    conn: Connection | None = None
-    exit_code: int | None = None
-    moved_to: str = ""  # the agent it migrated to
-    seen: lines.Hello | None = None  # its last hello
-    uid: int = -1  # the user its runtime runs as (the kernel's word, as it last connected)
-    owner: int = -1  # the user whose stand-in had it started here (tpagent.jobs.local; -1: root's stand-in)
-    outputs: dict[int, int] = field(default_factory=dict)  # 1, 2 -> our descriptor of its stdout, stderr file
-    held_until: float = 0.0  # (monotonic) its end (DIED) is held from its stand-in until then
-    anew: bool = False  # moved_to runs a new process of it (rebuilt after it died here)
-
-    def alive(self) -> bool:
-        try:
-            return proc.start_ticks(self.init) == self.init_start
-        except (OSError, IndexError, ValueError):
-            return False
-
-
-def _open_output(init: int, which: int) -> int:
-    """Our own descriptor of the file the init of a rank's namespace has as stdout (1) or stderr
-    (2), where the rank writes: opened through the init's descriptor, never a path (what a path
-    names can be changed; what the init has open cannot), and only if it is a regular file."""
-    link = f"/proc/{init}/fd/{which}"
-    try:
-        st = os.stat(link)
-        if not stat.S_ISREG(st.st_mode):
-            raise Refused(f"the rank's {_STREAMS[which]} is not a file, so it is not relayed.", Why.INVALID)
-        fd = os.open(link, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise Refused(f"the rank's {_STREAMS[which]} cannot be read ({e.strerror}).", Why.NOT_FOUND) from e
-    now = os.fstat(fd)
-    if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-        os.close(fd)
-        raise Refused(f"the rank's {_STREAMS[which]} changed while it was opened.", Why.CONFLICT)
-    return fd
-
-
-_STREAMS = {1: "stdout", 2: "stderr"}
-
-
-def _close_outputs(e: RankEntry) -> None:
-    for fd in e.outputs.values():
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    e.outputs.clear()
 
 
 def _read_line(f: BinaryIO) -> dict[str, Any] | None:
@@ -141,6 +73,7 @@ class Ranks:
         self.entries: dict[tuple[str, int], RankEntry] = {}
         self.server: socket.socket | None = None
         self.hold_deaths = False  # (an agent reporting to an orchestrator: it may rebuild them)
+        self.report_soon = threading.Event()  # a rank said a collective of it failed: report now
         #: Where the registrations outlive the agent (a restart must not orphan running ranks).
         self.saved = saved
         if saved is not None:
@@ -149,58 +82,18 @@ class Ranks:
     # ---- kept across restarts ----------------------------------------------------------------
 
     def _load(self, path: Path) -> None:
-        """The registrations a previous run of this agent saved: those whose namespace still
-        runs (the same init: PID and start), moved away, or ended with a status to report."""
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError) as e:
-            log.error("the ranks saved in %s cannot be read (%s): ranks started before are not known", path, e)
-            return
-        for d in data.get("ranks", []) if isinstance(data, dict) else []:
-            try:
-                code = d["exit_code"] if isinstance(d["exit_code"], int) else None
-                entry = RankEntry(
-                    str(d["job"]),
-                    int(d["rank"]),
-                    int(d["init"]),
-                    int(d["init_start"]),
-                    int(d["world"]),
-                    None,
-                    code,
-                    str(d["moved_to"]),
-                    owner=int(d.get("owner", -1)),
-                    anew=bool(d.get("anew", False)),
-                )
-            except (KeyError, TypeError, ValueError):
-                continue
-            if P.valid_job(entry.job) and (entry.alive() or entry.moved_to or entry.exit_code is not None):
-                self.entries[(entry.job, entry.rank)] = entry
+        """The registrations a previous run of this agent saved (:func:`rankentry.load`)."""
+        self.entries.update(((e.job, e.rank), e) for e in rankentry.load(path))
 
     def _save(self) -> None:
-        """(Called with the lock held.)  Entries beyond :data:`KEEP_ENDED` that no longer run go first."""
+        """(Called with the lock held.)  Entries beyond :data:`~rankentry.KEEP_ENDED` that no longer run go first."""
         if self.saved is None:
             return
         ended = [k for k, e in self.entries.items() if e.exit_code is not None or e.moved_to]
-        for k in ended[: max(0, len(ended) - KEEP_ENDED)]:
-            _close_outputs(self.entries.pop(k))
-        rows = [
-            {
-                "job": e.job,
-                "rank": e.rank,
-                "init": e.init,
-                "init_start": e.init_start,
-                "world": e.world,
-                "exit_code": e.exit_code,
-                "moved_to": e.moved_to,
-                "owner": e.owner,
-                "anew": e.anew,
-            }
-            for e in self.entries.values()
-        ]
+        for k in ended[: max(0, len(ended) - rankentry.KEEP_ENDED)]:
+            close_outputs(self.entries.pop(k))
         try:
-            write_durably(self.saved, {"format": 1, "ranks": rows})
+            write_durably(self.saved, {"format": 1, "ranks": rankentry.rows(self.entries.values())})
         except OSError as e:
             log.error("the ranks of this node cannot be saved in %s: %s", self.saved, e.strerror)
 
@@ -268,6 +161,7 @@ class Ranks:
             entry.world = hello.world
             entry.exit_code = None
             entry.moved_to = ""
+            entry.broke = ""
             self._save()
         try:
             sock.settimeout(10)
@@ -284,13 +178,30 @@ class Ranks:
         f = conn.sock.makefile("rb")
         try:
             while (body := _read_line(f)) is not None:
-                conn.answered(body)
+                if codec.is_said(body, lines.LineOp.BROKE):
+                    self._broke(conn, codec.decode(lines.Broke, body).why)
+                else:
+                    conn.answered(body)
         except (OSError, ValueError) as e:
             log.warning("rank %s of job %s: its connection broke: %s", conn.hello.rank, conn.hello.job, e)
         finally:
             with contextlib.suppress(OSError):
                 f.close()
             self._gone(conn)
+
+    def _broke(self, conn: Connection, why: str) -> None:
+        """A rank said a collective of it failed: reported at once (its node's report says it)."""
+        with self.lock:
+            for entry in self.entries.values():
+                if entry.conn is conn:
+                    entry.broke = why[:500] or "a collective failed"
+        log.warning("rank %s of job %s: a collective failed: %s", conn.hello.rank, conn.hello.job, why[:500])
+        self.report_soon.set()
+
+    def broken(self) -> dict[tuple[str, int], str]:
+        """(job, rank) -> why a collective of it failed, for each rank here connected that said so."""
+        with self.lock:
+            return {k: e.broke for k, e in self.entries.items() if e.broke and e.conn is not None}
 
     def _gone(self, conn: Connection) -> None:
         conn.close()
@@ -334,7 +245,7 @@ class Ranks:
             if old is not None and old.conn is not None:
                 old.conn.close()
             if old is not None:
-                _close_outputs(old)
+                close_outputs(old)
             self.entries[(job, rank)] = entry
             self._save()
 
@@ -424,7 +335,7 @@ class Ranks:
             e = self.entries.get((job, rank))
             if e is not None:
                 e.moved_to = to
-                _close_outputs(e)  # (it writes on there: everything it wrote here went with it)
+                close_outputs(e)  # (it writes on there: everything it wrote here went with it)
                 self._save()
 
     def died(self) -> list[RankEntry]:
@@ -443,7 +354,7 @@ class Ranks:
             if to:
                 e.moved_to = to
                 e.anew = True
-                _close_outputs(e)
+                close_outputs(e)
             self._save()
 
     def output(self, job: str, rank: int, which: int, offset: int, size: int) -> P.Written:
@@ -455,7 +366,7 @@ class Ranks:
             if fd is None:
                 if e.moved_to or e.exit_code is not None or not e.alive():
                     return P.Written(size=-1)
-                fd = e.outputs[which] = _open_output(e.init, which)
+                fd = e.outputs[which] = open_output(e.init, which)
             return P.Written(data=os.pread(fd, min(size, P.OUTPUT_MAX), offset), size=os.fstat(fd).st_size)
 
     def locate(self, job: str, rank: int) -> P.Located:

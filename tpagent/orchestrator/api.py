@@ -108,6 +108,7 @@ class RankSeen:
     gen: int = 0
     gpus: tuple[str, ...] = ()
     users: tuple[int, ...] = ()  # the UIDs its processes run as, root's aside
+    broke: str = ""  # why a collective of it failed, as it told its agent ("": none did)
 
 
 @dataclass(frozen=True)

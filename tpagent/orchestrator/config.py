@@ -20,7 +20,9 @@ return_home = true                # ranks moved off a taint go back once it is r
 return_home_jobs = {}             # per job: { "job1" = false }
 max_parallel = 4                  # moves of different jobs at once
 retries = 2                       # a failed move is tried again on another spare this many times
-unreachable_after = 30.0          # a node silent this long is unreachable (its ranks are not moved)
+unreachable_after = 30.0          # a node silent this long is unreachable (its ranks are not moved);
+                                  # sooner, where ranks of its jobs elsewhere saw a collective fail
+                                  # and its agent does not answer (2 s, twice)
 lost_grace = 60.0                 # then the other ranks of its jobs that make no progress this long
                                   # break off the collective they wait in (the job ends at once
                                   # rather than at its collectives' timeout); 0: never

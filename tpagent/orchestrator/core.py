@@ -128,6 +128,8 @@ class Orchestrator:
             self.event("node", f"{seen.name} reports ({seen.agent}, {len(seen.gpus)} GPU(s))", node=seen.name)
         if seen.died and seen.name not in self.unreachable:
             self.lost_nodes.died(self.view(), seen.name, rebuild=self.cfg.lost_grace > 0)
+        if any(r.broke for r in seen.ranks) and self.cfg.lost_grace > 0:
+            self.lost_nodes.broke(self.view(), seen.name, self._declare)
         for f in seen.findings:
             t = self.state.taint(seen.name, f.gpu, TaintKind.PREEMPTIVE, f.reading, f"health:{f.what}")
             if t is not None:
@@ -245,13 +247,19 @@ class Orchestrator:
     def _reachability(self) -> None:
         now = time.monotonic()
         with self.lock:
-            silent = {n for n, s in self.nodes.items() if now - s.seen > self.cfg.unreachable_after}
-            new = silent - self.unreachable
-            self.unreachable |= silent
-        for n in sorted(new):
-            self.event("unreachable", f"{n} has not reported for {self.cfg.unreachable_after:g} s: unreachable", node=n)
-            if self.cfg.lost_grace > 0:
-                self._lost(n)
+            silent = sorted(n for n, s in self.nodes.items() if now - s.seen > self.cfg.unreachable_after)
+        for n in silent:
+            self._declare(n, f"has not reported for {self.cfg.unreachable_after:g} s")
+
+    def _declare(self, node: str, why: str) -> None:
+        """``node`` taken as unreachable (``why``, a clause), once until it reports again."""
+        with self.lock:
+            if node in self.unreachable or node not in self.nodes:
+                return
+            self.unreachable.add(node)
+        self.event("unreachable", f"{node} {why}: unreachable", node=node)
+        if self.cfg.lost_grace > 0:
+            self._lost(node)
 
     def _lost(self, node: str) -> None:
         """``node`` is unreachable: its jobs rebuilt, or their other ranks told (:mod:`.lost`)."""

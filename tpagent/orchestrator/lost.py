@@ -1,6 +1,9 @@
 """A node lost without a word (issue 27, item 3), as the orchestrator acts on it: it stopped
 reporting, and the ranks of its jobs there are taken as gone (their peers would otherwise wait in
-their next collective for its timeout, every GPU of the job idle).
+their next collective for its timeout, every GPU of the job idle).  It is looked for before its
+silence has lasted ``unreachable_after``: a rank whose collective fails says so to its agent,
+which reports at once, and each other node of that job whose agent does not answer then is
+taken as unreachable (:meth:`LostNodes.broke`).
 
 * A job whose ranks registered their training state is rebuilt (``recover_lost``): one agent of
   its surviving ranks is asked to rebuild the lost ranks on a free spare from their data-parallel
@@ -29,6 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import grpc
@@ -36,7 +40,7 @@ import grpc
 from tpagent.common.credentials import Credentials
 from tpagent.daemon import rankwire
 from tpagent.daemon.client import rpc_text
-from tpagent.daemon.rpc import stub
+from tpagent.daemon.rpc import pb, stub
 from tpagent.orchestrator.api import RankSeen, View
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent_rank import protocol as P
@@ -59,6 +63,12 @@ RECOVER_TIMEOUT = 900.0
 #: How long a rank that died is not rebuilt again once its rebuild ended (its agent's reports may
 #: still name it for a moment).
 SETTLED = 60.0
+#: How long an agent is given to answer, twice, when ranks of its job elsewhere saw a collective fail.
+PROBE = 2.0
+#: A job's nodes are looked for so at most this often.
+PROBE_EVERY = 10.0
+#: Agents asked at once.
+PROBES = 32
 #: How often a rebuilt rank's agent is asked whether it has ended.
 FOLLOW_PERIOD = 2.0
 #: How long a rebuilt rank's agent may not answer before its end is given up on.
@@ -74,6 +84,7 @@ class LostNodes:
         self.lock = threading.Lock()
         self.rebuilding: dict[str, set[int]] = {}  # job -> ranks found lost since its rebuild began
         self.settled: dict[tuple[str, int, str], float] = {}  # (job, rank, node) died there: when its rebuild ended
+        self.probed: dict[str, float] = {}  # job -> when its nodes were last looked for (broke)
 
     def lost(self, view: View, node: str, moving: Callable[[str], bool]) -> None:
         """``node`` is unreachable: each job of it rebuilt, or its other ranks told (see the module)."""
@@ -116,6 +127,44 @@ class LostNodes:
                 self._rebuilt(job, r, agent, P.Rebuilt())
 
         threading.Thread(target=let_go, name=f"let-go-{job}", daemon=True).start()
+
+    def broke(self, view: View, node: str, declare: Callable[[str, str], None]) -> None:
+        """Ranks on ``node`` said a collective of theirs failed (a peer's process or node is gone):
+        each other node of their jobs whose agent does not answer (:data:`PROBE` s, twice) is
+        ``declare``d unreachable now, not once its silence has lasted ``unreachable_after``.  (The
+        agent that rebuilds its ranks asks it again before it does: it must not answer it either.)"""
+        jobs = sorted({r.job for r in view.nodes[node].ranks if r.broke})
+        now = time.monotonic()
+        with self.lock:
+            fresh = [j for j in jobs if now - self.probed.get(j, -PROBE_EVERY) >= PROBE_EVERY]
+            self.probed.update(dict.fromkeys(fresh, now))
+        for job in fresh:
+            args = (view, job, node, declare)
+            threading.Thread(target=self._look_for, args=args, name=f"probe-{job}", daemon=True).start()
+
+    def _look_for(self, view: View, job: str, by: str, declare: Callable[[str, str], None]) -> None:
+        nodes = sorted(
+            n
+            for n, seen in view.nodes.items()
+            if n != by and view.reachable(n) and any(r.job == job for r in seen.ranks)
+        )
+        with ThreadPoolExecutor(max_workers=PROBES, thread_name_prefix="probe") as pool:
+            answered = list(pool.map(self._answers, [view.nodes[n].agent for n in nodes]))
+        for n in (n for n, ok in zip(nodes, answered, strict=True) if not ok):
+            declare(n, f"does not answer ({PROBE:g} s, twice) while ranks of job {job} saw a collective fail")
+
+    def _answers(self, agent: str) -> bool:
+        """Whether the agent at ``agent`` says anything (a refusal too) within :data:`PROBE` s, twice:
+        asked of a migration of no id, which it says at once it has not (Info would read its GPUs,
+        which may be what hangs)."""
+        for _ in range(2):
+            try:
+                stub(agent, self.creds).Status(pb.MigrationRef(migration_id=""), timeout=PROBE)
+                return True
+            except grpc.RpcError as e:
+                if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                    return True
+        return False
 
     def _recover(self, view: View, node: str, job: str, ranks: tuple[int, ...], tell: P.Lost) -> None:
         others = sorted(

@@ -72,6 +72,7 @@ def seen_of(r: pb.NodeReport) -> Seen:
                 int(x.gen),
                 tuple(map(_p, x.gpus[:MAX_GPUS])),
                 tuple(int(u) for u in x.users[:MAX_GPUS]),
+                _p(x.broke),
             )
             for x in r.ranks
         ),
