@@ -116,6 +116,8 @@ def _started(
             server = _serve(argv, env, errors, user)
         except OSError as e:
             return None, f"{argv[0]}: {e.strerror}"
+        except subprocess.SubprocessError as e:  # (its child died before it said why: "Bad exception data")
+            return None, f"{argv[0]}: {e}"
         assert server.stdout is not None
         ready, _, _ = select.select([server.stdout], [], [], STORE_READY_TIMEOUT)
         said = server.stdout.readline().split() if ready else []
