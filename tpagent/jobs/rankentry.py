@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 KEEP_ENDED = 1024
 #: The statuses of a process killed outright (a crash, the OOM killer), not ended by its script or
 #: its launcher: a rank of a job of several that ends so has its end held from its stand-in
-#: (:meth:`tpagent.jobs.ranks.Ranks.locate`: moving) for its job to rebuild it elsewhere, where the agent reports to
-#: an orchestrator (:mod:`tpagent.orchestrator.lost`).
+#: (:meth:`tpagent.jobs.ranks.Ranks.locate`: moving) for its job to rebuild it elsewhere, where
+#: the agent reports to an orchestrator (:mod:`tpagent.orchestrator.lost`).
 DIED = frozenset({-9, -11, -7, -6, -4, -8})  # SIGKILL, SIGSEGV, SIGBUS, SIGABRT, SIGILL, SIGFPE
 
 

@@ -192,9 +192,9 @@ class Ranks:
     def _broke(self, conn: Connection, why: str) -> None:
         """A rank said a collective of it failed: reported at once (its node's report says it)."""
         with self.lock:
-            for entry in self.entries.values():
-                if entry.conn is conn:
-                    entry.broke = why[:500] or "a collective failed"
+            entry = self.entries.get((conn.hello.job, conn.hello.rank))
+            if entry is not None and entry.conn is conn:
+                entry.broke = why[:500] or "a collective failed"
         log.warning("rank %s of job %s: a collective failed: %s", conn.hello.rank, conn.hello.job, why[:500])
         self.report_soon.set()
 
