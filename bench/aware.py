@@ -3,7 +3,7 @@ route and the floor, at a few model sizes.
 
     python bench/aware.py [--sizes-mib 16,128,512] [--repeats 3] [--dir /var/tmp] [--json-out F] [--gpu]
     python bench/aware.py --agents [--widths 64,65536,1048576] [--repeats 3]   (as root)
-    python bench/aware.py --lost [--widths 64,65536,1048576] [--repeats 3] [--lost-nodes C,A]     (as root)
+    python bench/aware.py --lost [--widths 64,65536,1048576] [--repeats 3] [--lost-nodes C,A,C/quiet]  (as root)
 
 For a model of about SIZE MiB of fp32 parameters (Linear layers) with its Adam state (twice as
 much again, taken after one step), registered as a script registers it (tpagent_rank.register),
@@ -187,7 +187,12 @@ def main() -> None:
     ap.add_argument("--lost", action="store_true", help="unplanned recovery: a node killed, the job rebuilt")
     ap.add_argument("--widths", default="64,65536,1048576", help="with --agents, --lost: the job's MLP widths")
     ap.add_argument(
-        "--lost-nodes", default="C", help="with --lost: the nodes killed, each in runs of its own (A: the store's)"
+        "--lost-nodes",
+        default="C",
+        help=(
+            "with --lost: the nodes killed, each in runs of its own (A: the store's; "
+            "C/quiet: its link cut first; C/silent: so, and quiet_after 0)"
+        ),
     )
     args = ap.parse_args()
     if args.lost:

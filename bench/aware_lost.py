@@ -5,11 +5,13 @@ widths.
 Four network-namespace nodes (tests/support/cluster.py) with agents and an orchestrator
 (unreachable after 10 s); the job is tests/workloads/ddp_job.py --aware (3 DDP ranks as srun
 starts them, gloo, CPU, its state registered), its MLP ``--width`` wide.  Node C (rank 2) is
-SIGKILLed whole mid-run (``--lost-nodes``: or A, rank 0 and the job's store its stand-in serves);
-D is the spare.  Split:
+SIGKILLed whole mid-run (``--lost-nodes``: or A, rank 0 and the job's store its stand-in serves;
+or ``C/quiet``, its link cut first: its peers see no reset; ``C/silent``, the same found by its
+silence alone); D is the spare.  Split:
 
-* **detection**: from the kill to the orchestrator's decision (its ``recovering`` event): the node
-  silent for ``unreachable_after``, then a tick;
+* **detection**: from the kill to the orchestrator's decision (its ``recovering`` event): the
+  survivors' failed collectives said and the node's agent asked; or (``/quiet``) the node silent
+  for ``quiet_after`` and its host asked;
 * the agent's stages (its ``recovered`` event): **store** (served anew, where it was lost),
   **rollback** (the survivors told to restart from
   their held boundary), **replacement** (the lost rank's command started on the spare, warmed up),
@@ -39,7 +41,11 @@ STAGES = ("store", "rollback", "replacement", "state", "standing", "rebuild", "r
 
 
 def once(width: int, tmp: Path, lose: str) -> dict[str, float]:
-    """One job of ``width`` started, node ``lose`` (A, B or C) killed, the job rebuilt and finished."""
+    """One job of ``width`` started, node ``lose`` (A, B or C) killed, the job rebuilt and finished;
+    ``C/quiet``: its link cut first, as a power loss leaves its peers hearing nothing (the
+    orchestrator's defaults then: ``quiet_after`` 6 s, ``unreachable_after`` 30 s); ``C/silent``:
+    the same with ``quiet_after`` 0 (found by its silence alone, as before it)."""
+    lose, _, how = lose.partition("/")
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import contextlib
     import json
@@ -53,7 +59,8 @@ def once(width: int, tmp: Path, lose: str) -> dict[str, float]:
     from support.rankjob import IFNAME, RUN, Job, steps
 
     c = Cluster(tmp, ["A", "B", "C", "D"], ifname=IFNAME)
-    o = Orchestrator(c, tmp, lost_grace=2.0)
+    quiet = {"quiet": 6.0, "silent": 0.0}
+    o = Orchestrator(c, tmp, lost_grace=2.0, **({"unreachable_after": 30.0, "quiet_after": quiet[how]} if how else {}))
     try:
         o.start()
         for node in c.nodes.values():
@@ -66,6 +73,8 @@ def once(width: int, tmp: Path, lose: str) -> dict[str, float]:
             job.at_step(2, 20)
             wait_until(lambda: all(o.rank_on(RUN, r) for r in range(3)), "the orchestrator to see every rank", 60)
             killed = time.time()
+            if how:
+                c.nodes[lose].link(up=False)
             for p in c.nodes[lose].processes_and_children():
                 with contextlib.suppress(psutil.Error):
                     p.send_signal(signal.SIGKILL)

@@ -48,6 +48,7 @@ class WorkDir:
     WORK_DIR/migrations/ID.json          the journal: one record per migration
     WORK_DIR/rewires/ID.json             where each rewire of a job's ranks stands
     WORK_DIR/ranks.json                  the ranks of this node (kept across restarts)
+    WORK_DIR/stores.json                 the jobs' stores this node serves anew (unplanned recovery)
     WORK_DIR/outgoing/ID/                a snapshot this node sends (source)
     WORK_DIR/incoming/ID/                a snapshot this node receives (target), and beside it
     WORK_DIR/incoming/ID.created           what its restore made on this node (for a drop)
@@ -68,6 +69,10 @@ class WorkDir:
     @property
     def ranks(self) -> Path:
         return self.root / "ranks.json"
+
+    @property
+    def stores(self) -> Path:
+        return self.root / "stores.json"
 
     def outgoing(self, migration_id: str) -> Path:
         return self.root / "outgoing" / migration_id

@@ -13,7 +13,8 @@ training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
     orchestrator.
 (c) A is killed: rank 0 and the job's store its stand-in served are lost together.  The store is
     served anew on B, whose agent rebuilds rank 0 on D, every rank from then on told to reach
-    the store there; the job runs on, bit-identical, as in (b).
+    the store there; the job runs on, bit-identical, as in (b).  B's agent restarted meanwhile,
+    the store outlives it, and ends once the job has.
 (d) The same job with each rank its own shard (``--aware-alone``: no replica of rank 2 survives):
     it cannot be rebuilt, and every rank ends with one sentence saying so; nothing hangs.
 (e) B and C are killed together: ranks 1 and 2 are rebuilt together on D from rank 0's held
@@ -29,7 +30,11 @@ training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
     end is not held for a rebuild that will not come.
 (i) The orchestrator is set to take a silent node as unreachable only after an hour: C killed,
     its peers' collectives fail, each says so to its agent, which reports at once, and the
-    orchestrator asks C's agent, which does not answer; C is taken as lost then, and (b) follows."""
+    orchestrator asks C's agent, which does not answer; C is taken as lost then, and (b) follows.
+(j) C's link goes down before its processes are killed, as at a power loss: its peers see no
+    reset, their collectives wait in silence; C has missed its reports for ``quiet_after`` and
+    its host takes no connection: it is taken as lost then, and (b) follows.  A node whose agent
+    alone is down (its host refuses the connection at once) is not: its ranks run on."""
 
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ import contextlib
 import json
 import re
 import signal
+import socket
 from pathlib import Path
 
 import psutil
@@ -46,7 +52,8 @@ from conftest import needs_criu
 from support.cluster import Cluster
 from support.helpers import wait_until
 from support.orchestrator import Orchestrator
-from support.rankjob import IFNAME, JOB, RUN, Job, rank_log
+from support.rankjob import IFNAME, JOB, RUN, Job, rank_log, steps
+from tpagent.jobs.storeserver import STORE_SERVER
 
 pytestmark = needs_criu
 
@@ -58,6 +65,15 @@ def _lose(c: Cluster, name: str) -> list[psutil.Process]:
         with contextlib.suppress(psutil.Error):
             p.send_signal(signal.SIGKILL)
     return lost
+
+
+def _store_servers(c: Cluster, name: str) -> list[psutil.Process]:
+    out = []
+    for p in c.nodes[name].processes_and_children():
+        with contextlib.suppress(psutil.Error):
+            if STORE_SERVER in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
 
 
 def _events(o: Orchestrator) -> list[dict[str, str]]:
@@ -172,8 +188,18 @@ def test_the_node_serving_the_jobs_store_killed_mid_step_is_rebuilt_and_its_stor
     c, o, job = _running(tmp_path, ("--aware",))
     try:
         _lose(c, "A")
+        wait_until(lambda: _events_of(o, "recovered"), "the job to be rebuilt", 300, 0.5)
+        served = re.search(r"is served at ([\d.]+):(\d+)", _events_of(o, "recovered")[0])
+        assert served and served.group(1) == c.nodes["B"].addr, _events_of(o, "recovered")
+        # It outlives the agent that serves it, restarted (its ranks run on, and need it to move).
+        c.nodes["B"].kill_agent()
+        c.nodes["B"].start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
+        socket.create_connection((served.group(1), int(served.group(2))), timeout=5).close()
+        assert "kept again" in c.nodes["B"].agent_log()
         recovered = _ran_on(c, o, job, reference_aware, "BC", "0")
         assert f"its store, lost with {c.nodes['A'].name}, is served at {c.nodes['B'].addr}:" in recovered
+        # ... until no rank of its job is left there.
+        wait_until(lambda: not _store_servers(c, "B"), "the store served anew on B to end with its job", 60, 0.5)
     finally:
         job.close()
         o.close()
@@ -265,6 +291,44 @@ def test_a_lost_rank_with_no_surviving_replica_ends_the_job_in_one_sentence(tmp_
         assert "cannot be rebuilt: no replica of rank 2's training state survives" in said
         lost = [e for e in _events(o) if e["kind"] == "lost"]
         assert lost and "cannot be rebuilt" in lost[0]["text"], lost
+    finally:
+        job.close()
+        o.close()
+        c.close()
+
+
+@pytest.mark.timeout(900)
+def test_a_node_whose_peers_hear_nothing_is_found_by_its_quiet_and_the_job_runs_on_bit_identical(
+    tmp_path: Path, reference_aware: Path
+) -> None:
+    c, o, job = _running(tmp_path, ("--aware",), unreachable_after=3600.0, quiet_after=2.0)
+    try:
+        c.nodes["C"].link(up=False)  # (first: nothing C's processes' ends send reaches its peers)
+        _lose(c, "C")
+        _ran_on(c, o, job, reference_aware, "AB", "2")
+        found = _events_of(o, "unreachable")
+        assert len(found) == 1 and found[0].startswith(f"{c.nodes['C'].name} has not reported for "), found
+        assert found[0].endswith("and its host does not answer (2 s, twice): unreachable"), found
+    finally:
+        job.close()
+        o.close()
+        c.close()
+
+
+@pytest.mark.timeout(600)
+def test_a_quiet_node_whose_agent_alone_is_down_is_not_taken_as_lost(tmp_path: Path) -> None:
+    """Its host takes connections: its ranks may run on (they do), so it is left to
+    ``unreachable_after`` (an hour here), and nothing is rebuilt."""
+    c, o, job = _running(tmp_path, ("--aware",), unreachable_after=3600.0, quiet_after=2.0)
+    try:
+        c.nodes["C"].kill_agent()
+        wait_until(lambda: "its host answers" in o.log(), "the orchestrator to ask C's host", 60, 0.5)
+        at = steps(job.logs, 2)
+        wait_until(lambda: steps(job.logs, 2) > at + 5, "rank 2 to go on", 60, 0.2)
+        assert not _events_of(o, "unreachable") and not _events_of(o, "recovering")
+        c.nodes["C"].start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
+        assert {name: job.runs[name].wait(timeout=300) for name in "ABC"} == dict.fromkeys("ABC", 0)
+        assert not _events_of(o, "unreachable") and not _events_of(o, "recovering")
     finally:
         job.close()
         o.close()

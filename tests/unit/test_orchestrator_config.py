@@ -34,6 +34,7 @@ def test_the_file_then_the_environment(tmp_path: Path) -> None:
         ("max_parallel = 0\n", "max_parallel must be 1 to 1000"),
         ("report_period = 60.0\n", "shorter than unreachable_after"),
         ("lost_grace = -1\n", "lost_grace must be 0 (never) to 3600 seconds"),
+        ("quiet_after = -2\n", "quiet_after must be 0 (never) to 3600 seconds"),
         ('listen = "nowhere"\n', "give HOST:PORT"),
         ("colour = 1\n", "unknown setting(s) in the configuration: colour"),
         ("[return_home_jobs]\njob1 = 2\n", "a table of job = true/false"),

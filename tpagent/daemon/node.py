@@ -23,7 +23,7 @@ from typing import TypeVar
 from host import paths, proc
 from host.api import UsageError
 from tpagent.daemon import doctor
-from tpagent.jobs import joiners, recovery
+from tpagent.jobs import joiners, recovery, storeserver
 from tpagent.jobs.awaremove import AUTO
 from tpagent.jobs.calls import RankCalls
 from tpagent.jobs.journal import RewireJournal
@@ -81,6 +81,7 @@ class Node:
         work = paths.WorkDir(self.cfg.work_dir)
         self.ranks = Ranks(self.cfg.rank_socket, self.cfg.agent_address, ctx.threads, work.ranks)
         self.ranks.hold_deaths = bool(self.cfg.orchestrator)
+        storeserver.adopt(work.stores, joiners.Leaving(self.ranks).here)
         journal = RewireJournal(work.rewires)
         self.rewires = Rewires(ctx, journal, self.ask, self._start_rank, self.run, joiners.Leaving(self.ranks))
         self.rank_calls = RankCalls(
@@ -196,7 +197,9 @@ class Node:
 
     def rebuild_lost(self, job: str, rank: int, request: P.Recover) -> P.Recovered:
         """Rebuild the lost ranks of ``job`` (whose rank ``rank`` runs here) from their replicas."""
-        return recovery.recover(job, rank, request, self.ask, self.cfg.agent_address, joiners.Leaving(self.ranks))
+        here = self.cfg.agent_address
+        kept = paths.WorkDir(self.cfg.work_dir).stores
+        return recovery.recover(job, rank, request, self.ask, here, joiners.Leaving(self.ranks), kept)
 
     def ask(self, agent: str, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
         """Ask the agent at ``agent`` (this one: directly) about a rank of ``job`` (``key``: its identity)."""

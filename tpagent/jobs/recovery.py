@@ -28,7 +28,8 @@ the job cannot be rebuilt (a lost rank has no surviving replica, a rank register
 step fails), every rank of it still running is told to end with one sentence, as it would have
 ended without tpagent, and its launcher can restart it from its checkpoint.  Nothing here is
 written down: an agent that restarts mid-way leaves ranks that end at their hold's deadline
-(:data:`tpagent_rank.recover.HOLD`), as the job would have.
+(:data:`tpagent_rank.recover.HOLD`), as the job would have; a store it served anew outlives it
+(:func:`tpagent.jobs.storeserver.adopt`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ import logging
 import os
 import secrets
 import signal
-import subprocess
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from tpagent.jobs import storeserver
 from tpagent.jobs.api import Ask, Leaving
@@ -88,8 +90,11 @@ def for_rank(spec: P.Join, source: int, rank: int, job: str, store: str = "") ->
 class Recovery:
     """One recovery of ``job``, asked of this agent (at ``here``) about its rank ``local``."""
 
-    def __init__(self, job: str, local: int, request: P.Recover, ask: Ask, here: str, leaving: Leaving) -> None:
+    def __init__(
+        self, job: str, local: int, request: P.Recover, ask: Ask, here: str, leaving: Leaving, kept: Path | None = None
+    ) -> None:
         self.job = job
+        self.kept = kept  # where a store served anew is written down (storeserver.Kept)
         self.local = local
         self.request = request
         self.ask = ask
@@ -103,7 +108,7 @@ class Recovery:
         self.back: list[int] = []  # the survivors at a later boundary than the others (taken back)
         self.stages: dict[str, float] = {}
         self.store = ""  # HOST:PORT of the job's store served anew here ("": it was not lost)
-        self.server: subprocess.Popen[bytes] | None = None
+        self.stop_store: Callable[[], None] | None = None  # (of the store served anew here)
 
     def run(self) -> P.Recovered:
         """The job rebuilt, or every rank of it told to end (then Failed: why)."""
@@ -224,12 +229,13 @@ class Recovery:
         if len(agreed) != 1 or "" in agreed:
             raise Failed(f"its store ({lost}) is lost, and its ranks do not say one value its identity was agreed on")
         try:
-            address, self.server = storeserver.serve_anew(
+            address, self.stop_store = storeserver.serve_anew(
                 self.job,
                 self._spec(self.local),
                 self.here.rsplit(":", 1)[0],
                 agreed.pop(),
                 lambda: self.leaving.here(self.job),
+                self.kept,
             )
         except RuntimeError as e:
             raise Failed(f"its store ({lost}) is lost, and it could not be served anew on {self.here} ({e})") from e
@@ -308,8 +314,8 @@ class Recovery:
         lost = ", ".join(map(str, self.lost))
         sentence = f"rank(s) {lost} of job {self.job} were lost with {self.request.node} and cannot be rebuilt: {why}"
         log.warning("%s", sentence)
-        if self.server is not None:
-            storeserver.stop_store(self.server)
+        if self.stop_store is not None:
+            self.stop_store()
         for d in self.started:
             try:
                 self.ask(self.request.spare, self.job, d, P.Signal(signum=int(signal.SIGKILL)), self.timeout)
@@ -326,9 +332,11 @@ class Recovery:
                 log.warning("rank %d of job %s was not told it ends: %s", r, self.job, answer)
 
 
-def recover(job: str, rank: int, request: P.Recover, ask: Ask, here: str, leaving: Leaving) -> P.Recovered:
+def recover(
+    job: str, rank: int, request: P.Recover, ask: Ask, here: str, leaving: Leaving, kept: Path | None = None
+) -> P.Recovered:
     """(The ``recover`` call.)  The job rebuilt, or Refused with why (its ranks told to end)."""
     try:
-        return Recovery(job, rank, request, ask, here, leaving).run()
+        return Recovery(job, rank, request, ask, here, leaving, kept).run()
     except Failed as e:
         raise Refused(f"job {job} cannot be rebuilt: {e}", Why.PRECONDITION) from e

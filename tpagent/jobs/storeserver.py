@@ -9,11 +9,16 @@ a user with no privilege: it needs none.
   job runs on this node or left from it.  Its ranks are told where it is
   (:data:`tpagent_rank.protocol.STORE_VARIABLE`).
 
-Either ends when its standard input does (the stand-in, or the agent, exited or was killed).
+The stand-in's ends when its standard input does (the stand-in exited or was killed): it lives as
+rank 0 would have.  One served anew outlives the agent that started it, as the job's ranks do:
+it is written down (``WORK_DIR/stores.json``), and the agent's next run keeps it
+(:func:`adopt`) until no rank of its job is left here, then ends it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import pwd
@@ -28,6 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+import psutil
+
+from tpagent.migration.journal import write_durably
 from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
@@ -38,16 +46,16 @@ STORE_READY_TIMEOUT = 120.0
 NOBODY = 65534
 #: How often a store served anew looks whether a rank of its job is still on this node.
 KEEP_CHECK = 5.0
-#: The store server.  argv: host, port (0: a free one), then keys and values it starts with; it
-#: says "ready PORT" once it listens.
+#: The store server.  argv: host, port (0: a free one), until ("stdin": its standard input ends;
+#: "killed"), then keys and values it starts with; it says "ready PORT" once it listens.
 STORE_SERVER = """\
-import sys
+import sys, threading
 from torch.distributed import TCPStore
 store = TCPStore(sys.argv[1], int(sys.argv[2]), None, True, wait_for_workers=False)
-for key, value in zip(sys.argv[3::2], sys.argv[4::2]):
+for key, value in zip(sys.argv[4::2], sys.argv[5::2]):
     store.set(key, value)
 print("ready", store.port, flush=True)
-sys.stdin.read()
+sys.stdin.read() if sys.argv[3] == "stdin" else threading.Event().wait()
 """
 
 
@@ -95,7 +103,7 @@ def _serve(
     uid, gid = user if user is not None else (None, None)
     return subprocess.Popen(
         argv,
-        stdin=subprocess.PIPE,
+        stdin=subprocess.PIPE if argv[5] == "stdin" else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=errors,
         env={**env, "HOME": "/"},
@@ -137,12 +145,19 @@ def stop_store(server: subprocess.Popen[bytes]) -> None:
 
 
 def serve(
-    python: str, host: str, port: int, env: dict[str, str], user: tuple[int, int] | None, seed: dict[str, str]
+    python: str,
+    host: str,
+    port: int,
+    env: dict[str, str],
+    user: tuple[int, int] | None,
+    seed: dict[str, str],
+    until: str = "stdin",
 ) -> tuple[subprocess.Popen[bytes] | None, str, str]:
     """The store served at ``host``:``port`` by ``python`` as ``user`` (None: this process's),
-    holding ``seed``: the server, its port and what is to be said of it ("": nothing); or None,
-    "" and why not.  Where ``user`` cannot run that Python (or its torch), root serves it, said."""
-    argv = [python, "-c", STORE_SERVER, host, str(port), *(x for kv in sorted(seed.items()) for x in kv)]
+    holding ``seed`` until its standard input ends (or ``until`` "killed"): the server, its port
+    and what is to be said of it ("": nothing); or None, "" and why not.  Where ``user`` cannot
+    run that Python (or its torch), root serves it, said."""
+    argv = [python, "-c", STORE_SERVER, host, str(port), until, *(x for kv in sorted(seed.items()) for x in kv)]
     server, said = _started(argv, env, user)
     if server is not None:
         return server, said, ""
@@ -162,27 +177,118 @@ def serve(
 
 
 def serve_anew(
-    job: str, spec: P.Join, host: str, agreed: str, running: Callable[[], bool]
-) -> tuple[str, subprocess.Popen[bytes]]:
+    job: str, spec: P.Join, host: str, agreed: str, running: Callable[[], bool], kept: Path | None = None
+) -> tuple[str, Callable[[], None]]:
     """Serve the store of ``job``, lost with its node, on this node at ``host`` (see the module),
     with the Python and as the user of the rank ``spec`` (root's rank: as nobody); ``agreed``: the
-    value its identity was agreed on.  ``HOST:PORT`` and the server; RuntimeError: why not."""
+    value its identity was agreed on; written down in ``kept``.  ``HOST:PORT`` and what ends it;
+    RuntimeError: why not."""
     env = dict(e.split("=", 1) for e in spec.env if "=" in e)
     python = python_of(list(spec.cmd), env)
     if python is None:
         raise RuntimeError(f"{spec.cmd[0]} is not a Python interpreter (nor a script one runs) to serve it with")
     user = None if os.geteuid() != 0 else (spec.uid, spec.gid) if spec.uid != 0 else store_user({})
     seed = {P.JOB_KEY: agreed} if agreed else {}
-    server, port, said = serve(python, host, 0, env, user, seed)
+    server, port, said = serve(python, host, 0, env, user, seed, until="killed")
     if server is None:
         raise RuntimeError(said)
     if said:
         log.warning("job %s: %s", job, said)
-    threading.Thread(target=_keep, args=(server, running), name=f"store-{job}", daemon=True).start()
-    return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}"), server
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    store = Kept(job, address, psutil.Process(server.pid), kept, server)
+    store.note()
+    threading.Thread(target=store.keep, args=(running,), name=f"store-{job}", daemon=True).start()
+    return address, store.end
 
 
-def _keep(server: subprocess.Popen[bytes], running: Callable[[], bool]) -> None:
-    while server.poll() is None and running():
-        time.sleep(KEEP_CHECK)
-    stop_store(server)
+def adopt(kept: Path, running: Callable[[str], bool]) -> None:
+    """The stores a previous run of this agent served anew (written down in ``kept``), kept again
+    until no rank of their jobs is left here; those that ended meanwhile forgotten."""
+    try:
+        rows = json.loads(kept.read_text())["stores"] if kept.exists() else []
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.error("the stores served anew, written down in %s, cannot be read (%s): none is kept", kept, e)
+        return
+    for row in (r for r in rows if isinstance(r, dict)):
+        try:
+            p = psutil.Process(int(row["pid"]))
+            ours = abs(p.create_time() - float(row["started"])) < 0.01 and STORE_SERVER in p.cmdline()
+        except (psutil.Error, KeyError, TypeError, ValueError):
+            ours = False
+        store = Kept(str(row.get("job", "")), str(row.get("address", "")), p if ours else None, kept)
+        if not ours:
+            store.forget()
+            continue
+        log.info("job %s: its store served anew at %s is kept again", store.job, store.address)
+        threading.Thread(target=store.keep, args=(lambda j=store.job: running(j),), daemon=True).start()
+
+
+class Kept:
+    """A store served anew (see the module): its server, and where it is written down."""
+
+    lock = threading.Lock()  # (one file for every job's)
+
+    def __init__(
+        self,
+        job: str,
+        address: str,
+        server: psutil.Process | None,
+        kept: Path | None,
+        child: subprocess.Popen[bytes] | None = None,
+    ) -> None:
+        self.job = job
+        self.address = address
+        self.server = server  # (None: it is not running, or not the one written down)
+        self.kept = kept
+        self.child = child  # (its Popen, where this run of the agent started it: it reaps it)
+
+    def _rows(self) -> list[dict[str, object]]:
+        assert self.kept is not None
+        try:
+            rows = json.loads(self.kept.read_text())["stores"] if self.kept.exists() else []
+        except (OSError, ValueError, KeyError, TypeError):
+            rows = []
+        return [r for r in rows if isinstance(r, dict) and r.get("job") != self.job]
+
+    def _write(self, rows: list[dict[str, object]]) -> None:
+        assert self.kept is not None
+        try:
+            write_durably(self.kept, {"format": 1, "stores": rows})
+        except OSError as e:
+            log.error("the stores served anew cannot be written down in %s: %s", self.kept, e.strerror)
+
+    def note(self) -> None:
+        if self.kept is None or self.server is None:
+            return
+        row = {"job": self.job, "address": self.address, "pid": self.server.pid, "started": self.server.create_time()}
+        with self.lock:
+            self._write([*self._rows(), row])
+
+    def forget(self) -> None:
+        if self.kept is None:
+            return
+        with self.lock:
+            self._write(self._rows())
+
+    def keep(self, running: Callable[[], bool]) -> None:
+        """Until the server ends, or no rank of the job is left here (then it is ended)."""
+        while self.server is not None and self._alive() and running():
+            time.sleep(KEEP_CHECK)
+        self.end()
+
+    def _alive(self) -> bool:
+        if self.child is not None:
+            return self.child.poll() is None
+        try:
+            return self.server is not None and self.server.is_running() and self.server.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def end(self) -> None:
+        if self.child is not None:
+            stop_store(self.child)
+        elif self.server is not None:  # (a previous run's: its parent now reaps it)
+            with contextlib.suppress(psutil.Error):
+                self.server.kill()
+                self.server.wait(10)
+        self.forget()

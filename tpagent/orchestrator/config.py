@@ -23,6 +23,9 @@ retries = 2                       # a failed move is tried again on another spar
 unreachable_after = 30.0          # a node silent this long is unreachable (its ranks are not moved);
                                   # sooner, where ranks of its jobs elsewhere saw a collective fail
                                   # and its agent does not answer (2 s, twice)
+quiet_after = 6.0                 # a node running ranks silent this long (and two report periods)
+                                  # whose host takes no connection (2 s, twice) is unreachable then
+                                  # (a power loss, a panic: its peers hear nothing); 0: never
 lost_grace = 60.0                 # then the other ranks of its jobs that make no progress this long
                                   # break off the collective they wait in (the job ends at once
                                   # rather than at its collectives' timeout); 0: never
@@ -85,6 +88,7 @@ class OrchestratorConfig:
     max_parallel: int = 4
     retries: int = 2
     unreachable_after: float = 30.0
+    quiet_after: float = 6.0
     lost_grace: float = 60.0
     recover_lost: bool = True
     report_period: float = 2.0
@@ -108,6 +112,8 @@ class OrchestratorConfig:
             raise UsageError("max_parallel must be 1 to 1000 and retries 0 to 100.")
         if not 0.1 <= self.report_period < self.unreachable_after:
             raise UsageError("report_period must be at least 0.1 s and shorter than unreachable_after.")
+        if not 0 <= self.quiet_after <= 3600:
+            raise UsageError("quiet_after must be 0 (never) to 3600 seconds.")
         if not 0 <= self.lost_grace <= 3600:
             raise UsageError("lost_grace must be 0 (never) to 3600 seconds.")
         if self.move_timeout <= 0 or self.spare_hold_timeout <= 0:

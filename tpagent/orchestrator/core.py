@@ -247,9 +247,13 @@ class Orchestrator:
     def _reachability(self) -> None:
         now = time.monotonic()
         with self.lock:
-            silent = sorted(n for n, s in self.nodes.items() if now - s.seen > self.cfg.unreachable_after)
-        for n in silent:
+            silence = {n: now - s.seen for n, s in self.nodes.items() if n not in self.unreachable}
+        for n in sorted(n for n, s in silence.items() if s > self.cfg.unreachable_after):
             self._declare(n, f"has not reported for {self.cfg.unreachable_after:g} s")
+        after = max(self.cfg.quiet_after, 2 * self.cfg.report_period)  # (one late report is no silence)
+        quiet = sorted(n for n, s in silence.items() if after < s <= self.cfg.unreachable_after)
+        if quiet and self.cfg.quiet_after and self.cfg.lost_grace > 0:
+            self.lost_nodes.quiet(self.view(), quiet, self._declare)
 
     def _declare(self, node: str, why: str) -> None:
         """``node`` taken as unreachable (``why``, a clause), once until it reports again."""

@@ -3,7 +3,9 @@ reporting, and the ranks of its jobs there are taken as gone (their peers would 
 their next collective for its timeout, every GPU of the job idle).  It is looked for before its
 silence has lasted ``unreachable_after``: a rank whose collective fails says so to its agent,
 which reports at once, and each other node of that job whose agent does not answer then is
-taken as unreachable (:meth:`LostNodes.broke`).
+taken as unreachable (:meth:`LostNodes.broke`); and a node running ranks that has missed its
+reports for ``quiet_after`` (a power loss, a panic: no peer of it saw a connection reset) is
+taken as unreachable if its host takes no connection (:meth:`LostNodes.quiet`).
 
 * A job whose ranks registered their training state is rebuilt (``recover_lost``): one agent of
   its surviving ranks is asked to rebuild the lost ranks on a free spare from their data-parallel
@@ -29,6 +31,7 @@ taken as unreachable (:meth:`LostNodes.broke`).
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +59,8 @@ class Event(Protocol):
     ) -> None: ...
 
 
+#: A node taken as unreachable, and why (a clause): the orchestrator's.
+Declare = Callable[[str, str], None]
 #: A free spare for a job's lost ranks (not ``lost``): its name and its agent; or None.
 SpareFor = Callable[[str, str], "tuple[str, str] | None"]
 #: The longest a rebuild may take, its fresh processes' warm-up included.
@@ -85,6 +90,7 @@ class LostNodes:
         self.rebuilding: dict[str, set[int]] = {}  # job -> ranks found lost since its rebuild began
         self.settled: dict[tuple[str, int, str], float] = {}  # (job, rank, node) died there: when its rebuild ended
         self.probed: dict[str, float] = {}  # job -> when its nodes were last looked for (broke)
+        self.asked: dict[str, float] = {}  # node -> when its agent was last asked, as it was quiet
 
     def lost(self, view: View, node: str, moving: Callable[[str], bool]) -> None:
         """``node`` is unreachable: each job of it rebuilt, or its other ranks told (see the module)."""
@@ -128,7 +134,7 @@ class LostNodes:
 
         threading.Thread(target=let_go, name=f"let-go-{job}", daemon=True).start()
 
-    def broke(self, view: View, node: str, declare: Callable[[str, str], None]) -> None:
+    def broke(self, view: View, node: str, declare: Declare) -> None:
         """Ranks on ``node`` said a collective of theirs failed (a peer's process or node is gone):
         each other node of their jobs whose agent does not answer (:data:`PROBE` s, twice) is
         ``declare``d unreachable now, not once its silence has lasted ``unreachable_after``.  (The
@@ -142,7 +148,7 @@ class LostNodes:
             args = (view, job, node, declare)
             threading.Thread(target=self._look_for, args=args, name=f"probe-{job}", daemon=True).start()
 
-    def _look_for(self, view: View, job: str, by: str, declare: Callable[[str, str], None]) -> None:
+    def _look_for(self, view: View, job: str, by: str, declare: Declare) -> None:
         nodes = sorted(
             n
             for n, seen in view.nodes.items()
@@ -152,6 +158,26 @@ class LostNodes:
             answered = list(pool.map(self._answers, [view.nodes[n].agent for n in nodes]))
         for n in (n for n, ok in zip(nodes, answered, strict=True) if not ok):
             declare(n, f"does not answer ({PROBE:g} s, twice) while ranks of job {job} saw a collective fail")
+
+    def quiet(self, view: View, nodes: list[str], declare: Declare) -> None:
+        """``nodes`` have missed their reports for ``quiet_after``: each that runs ranks, whose
+        host does not answer (:data:`PROBE` s, twice), is ``declare``d unreachable now, not once
+        its silence has lasted ``unreachable_after`` (each asked at most every :data:`PROBE_EVERY` s)."""
+        now = time.monotonic()
+        with self.lock:
+            fresh = [n for n in nodes if view.nodes[n].ranks and now - self.asked.get(n, -PROBE_EVERY) >= PROBE_EVERY]
+            self.asked.update(dict.fromkeys(fresh, now))
+        for n in fresh:
+            threading.Thread(target=self._ask, args=(view, n, declare), name=f"ask-{n}", daemon=True).start()
+
+    def _ask(self, view: View, node: str, declare: Declare) -> None:
+        """``node`` declared if its host is gone (its agent cannot answer then): an agent that is
+        down or stuck on a live host (its ranks may run on) is left to ``unreachable_after``."""
+        silent = time.monotonic() - view.nodes[node].seen
+        if not _host_answers(view.nodes[node].agent):
+            declare(node, f"has not reported for {silent:.0f} s, and its host does not answer ({PROBE:g} s, twice)")
+        else:
+            log.info("node %s has not reported for %.0f s, but its host answers: its ranks may run on", node, silent)
 
     def _answers(self, agent: str) -> bool:
         """Whether the agent at ``agent`` says anything (a refusal too) within :data:`PROBE` s, twice:
@@ -298,6 +324,21 @@ class LostNodes:
             self._rebuilt(job, r, tell.node, P.Rebuilt())
         for agent in agents:
             threading.Thread(target=self._say, args=(agent, job, 0, tell), daemon=True).start()
+
+
+def _host_answers(agent: str) -> bool:
+    """Whether the host of the agent at ``agent`` (HOST:PORT) takes or refuses a connection
+    within :data:`PROBE` s, twice: its kernel runs (no answer: powered off, panicked, cut off)."""
+    host, _, port = agent.rpartition(":")
+    for _ in range(2):
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE):
+                return True
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # (timed out; no route to it)
+            continue
+    return False
 
 
 def _elsewhere(view: View, node: str, rank: RankSeen) -> bool:
