@@ -113,7 +113,7 @@ def test_a_store_served_anew_is_joined_whatever_address_the_script_names_and_the
         stdout="",
         stderr="",
     )
-    address, anew = storeserver.serve_anew("j", spec, "127.0.0.1", said["agreed"], lambda: True)
+    address, end = storeserver.serve_anew("j", spec, "127.0.0.1", said["agreed"], lambda: True)
     try:
         assert address != f"127.0.0.1:{port}"
         lost = _rank0(tmp_path, port)  # (as the script names it: it would serve the port itself, a new store)
@@ -127,4 +127,4 @@ def test_a_store_served_anew_is_joined_whatever_address_the_script_names_and_the
         client = torch_distributed.TCPStore(host, int(served), is_master=False, timeout=timedelta(seconds=10))
         assert client.get("from-rank-0") == b"hello"  # (it wrote into the store served anew)
     finally:
-        storeserver.stop_store(anew)
+        end()
