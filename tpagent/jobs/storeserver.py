@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import psutil
 
@@ -205,11 +205,11 @@ def adopt(kept: Path, running: Callable[[str], bool]) -> None:
     """The stores a previous run of this agent served anew (written down in ``kept``), kept again
     until no rank of their jobs is left here; those that ended meanwhile forgotten."""
     try:
-        rows = json.loads(kept.read_text())["stores"] if kept.exists() else []
+        rows = _read(kept)
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.error("the stores served anew, written down in %s, cannot be read (%s): none is kept", kept, e)
         return
-    for row in (r for r in rows if isinstance(r, dict)):
+    for row in rows:
         try:
             p = psutil.Process(int(row["pid"]))
             ours = abs(p.create_time() - float(row["started"])) < 0.01 and STORE_SERVER in p.cmdline()
@@ -221,6 +221,14 @@ def adopt(kept: Path, running: Callable[[str], bool]) -> None:
             continue
         log.info("job %s: its store served anew at %s is kept again", store.job, store.address)
         threading.Thread(target=store.keep, args=(lambda j=store.job: running(j),), daemon=True).start()
+
+
+def _read(kept: Path) -> list[dict[str, Any]]:
+    """The records in ``kept`` (none if it is not there); ValueError if it holds no list of them."""
+    rows = json.loads(kept.read_text())["stores"] if kept.exists() else []
+    if not isinstance(rows, list):
+        raise ValueError("its stores are not a list")
+    return [r for r in rows if isinstance(r, dict)]
 
 
 class Kept:
@@ -243,12 +251,13 @@ class Kept:
         self.child = child  # (its Popen, where this run of the agent started it: it reaps it)
 
     def _rows(self) -> list[dict[str, object]]:
+        """The other jobs' records."""
         assert self.kept is not None
         try:
-            rows = json.loads(self.kept.read_text())["stores"] if self.kept.exists() else []
+            rows = _read(self.kept)
         except (OSError, ValueError, KeyError, TypeError):
             rows = []
-        return [r for r in rows if isinstance(r, dict) and r.get("job") != self.job]
+        return [r for r in rows if r.get("job") != self.job]
 
     def _write(self, rows: list[dict[str, object]]) -> None:
         assert self.kept is not None
