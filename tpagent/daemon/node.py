@@ -81,7 +81,8 @@ class Node:
         work = paths.WorkDir(self.cfg.work_dir)
         self.ranks = Ranks(self.cfg.rank_socket, self.cfg.agent_address, ctx.threads, work.ranks)
         self.ranks.hold_deaths = bool(self.cfg.orchestrator)
-        storeserver.adopt(work.stores, joiners.Leaving(self.ranks).here)
+        self.stores = work.stores  # (the jobs' stores this node serves anew: storeserver.Kept)
+        storeserver.adopt(self.stores, joiners.Leaving(self.ranks).here)
         journal = RewireJournal(work.rewires)
         self.rewires = Rewires(ctx, journal, self.ask, self._start_rank, self.run, joiners.Leaving(self.ranks))
         self.rank_calls = RankCalls(
@@ -198,8 +199,7 @@ class Node:
     def rebuild_lost(self, job: str, rank: int, request: P.Recover) -> P.Recovered:
         """Rebuild the lost ranks of ``job`` (whose rank ``rank`` runs here) from their replicas."""
         here = self.cfg.agent_address
-        kept = paths.WorkDir(self.cfg.work_dir).stores
-        return recovery.recover(job, rank, request, self.ask, here, joiners.Leaving(self.ranks), kept)
+        return recovery.recover(job, rank, request, self.ask, here, joiners.Leaving(self.ranks), self.stores)
 
     def ask(self, agent: str, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
         """Ask the agent at ``agent`` (this one: directly) about a rank of ``job`` (``key``: its identity)."""

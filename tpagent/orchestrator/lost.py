@@ -90,7 +90,7 @@ class LostNodes:
         self.rebuilding: dict[str, set[int]] = {}  # job -> ranks found lost since its rebuild began
         self.settled: dict[tuple[str, int, str], float] = {}  # (job, rank, node) died there: when its rebuild ended
         self.probed: dict[str, float] = {}  # job -> when its nodes were last looked for (broke)
-        self.asked: dict[str, float] = {}  # node -> when its agent was last asked, as it was quiet
+        self.asked: dict[str, float] = {}  # node -> when its host was last asked, as it was quiet
 
     def lost(self, view: View, node: str, moving: Callable[[str], bool]) -> None:
         """``node`` is unreachable: each job of it rebuilt, or its other ranks told (see the module)."""
