@@ -7,7 +7,10 @@
 1. the GPU tests (tests/snapshot/test_gpu.py: dump/restore of 1 and 8 GiB bit-exact, a
    `tpagent launch` workload, a migration between two agents; tests/agent/test_rewire_gpu.py:
    a world-size-1 NCCL job and a rank with an NCCL group beside a CPU rank, each moved with
-   its job rewired, bit-identical; tests/orchestrator/test_gpu_health_nvml.py: GPU health read
+   its job rewired, bit-identical; tests/agent/test_aware_rewire_gpu.py and
+   tests/orchestrator/test_recover_lost_gpu.py: ranks each with an NCCL group and GPU state of its
+   own, one moved as its training state, one rebuilt from a replica once its node is killed,
+   bit-identical; tests/orchestrator/test_gpu_health_nvml.py: GPU health read
    from NVML, XID events registered, a low temperature threshold a finding);
 2. bench/rewire.py --gpu: what the rank runtime adds to the steps of a job that never moves
    (one NCCL rank, DDP on the GPU, with and without the runtime; target < 1 %);
@@ -68,10 +71,13 @@ def _beside(name: str) -> Any:
 
 gpu_jobs = _beside("gpu_jobs")
 
-# (the snapshot path on the GPU; a rank with NCCL and GPU memory moved with its job rewired)
+# (the snapshot path on the GPU; a rank with NCCL and GPU memory moved with its job rewired,
+# moved as its training state, and rebuilt from a replica once its node is lost)
 TESTS = (
     "tests/orchestrator/test_gpu_health_nvml.py",
     "tests/agent/test_rewire_gpu.py",
+    "tests/agent/test_aware_rewire_gpu.py",
+    "tests/orchestrator/test_recover_lost_gpu.py",
     "tests/snapshot/test_gpu.py",
 )
 NAMED = " ".join(TESTS)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from host import gpus
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
 from support.helpers import Workload
@@ -69,6 +70,11 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 #: (scripts/test.sh, CI): there a missing CRIU fails the run instead.  CRIU is probed only
 #: when a collected test carries the mark, so the tiers run as nobody (unit, rank) never probe it.
 needs_criu = pytest.mark.criu
+
+#: Marks a module (``pytestmark``) of the gpu tier: its tests need an NVIDIA GPU and are skipped,
+#: never passed, where there is none.
+HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
+needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine")]
 
 
 @functools.cache

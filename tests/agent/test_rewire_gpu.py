@@ -26,16 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import needs_criu
-from host import gpus
+from conftest import needs_criu, needs_gpu
 from support.cluster import Cluster
 from support.rankjob import Job, _reference, serving
 
-HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
 pytestmark = [
     needs_criu,
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine"),
+    *needs_gpu,
     pytest.mark.timeout(900),
 ]
 

@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import needs_criu
+from conftest import needs_criu, needs_gpu
 from host import gpus
 from host.gpuhealth import Nvml, Signal, Thresholds, Watch
 from support.cluster import Cluster
 from support.orchestrator import Orchestrator
 from support.rankjob import IFNAME, RUN, Job, _reference
 
-HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine")]
+pytestmark = needs_gpu
 
 
 def test_nvml_readings_xid_events_and_a_low_threshold_taint() -> None:

@@ -43,6 +43,7 @@ import json
 import re
 import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -96,23 +97,28 @@ def _ended(o: Orchestrator) -> list[str]:
     return _events_of(o, "ended")
 
 
+@contextlib.contextmanager
 def _running(
     tmp_path: Path, extra: tuple[str, ...], grace: float = 2.0, **settings: float
-) -> tuple[Cluster, Orchestrator, Job]:
+) -> Iterator[tuple[Cluster, Orchestrator, Job]]:
+    """Nodes A-D with agents and an orchestrator, and the job running on A, B, C (D the spare),
+    every rank seen by the orchestrator; all of it ended on the way out."""
     c = Cluster(tmp_path, list("ABCD"), ifname=IFNAME)
     o = Orchestrator(c, tmp_path, lost_grace=grace, **settings)
+    job: Job | None = None
     try:
         o.start()
         for node in c.nodes.values():
             node.start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
         job = Job(c, tmp_path, srun=True, extra=extra)  # (ranks 0, 1, 2 on A, B, C; D the spare)
-    except BaseException:
+        job.at_step(2, 20)
+        wait_until(lambda: all(o.rank_on(RUN, r) for r in range(3)), "the orchestrator to see every rank", 60, 0.5)
+        yield c, o, job
+    finally:
+        if job is not None:
+            job.close()
         o.close()
         c.close()
-        raise
-    job.at_step(2, 20)
-    wait_until(lambda: all(o.rank_on(RUN, r) for r in range(3)), "the orchestrator to see every rank", 60, 0.5)
-    return c, o, job
 
 
 def _twice(lines: list[str], step: int) -> list[str]:
@@ -150,43 +156,33 @@ def _ran_on(c: Cluster, o: Orchestrator, job: Job, reference: Path, survivors: s
 def test_a_node_killed_mid_step_is_rebuilt_on_the_spare_and_the_job_runs_on_bit_identical(
     tmp_path: Path, reference_aware: Path
 ) -> None:
-    c, o, job = _running(tmp_path, ("--aware",))
-    try:
+    with _running(tmp_path, ("--aware",)) as (c, o, job):
         _lose(c, "C")
         _ran_on(c, o, job, reference_aware, "AB", "2")
         assert not [e for e in _events(o) if e["kind"] == "lost"]
         # Its launcher on C went with C: the rebuilt rank's end is the orchestrator's to write down.
         wait_until(lambda: _ended(o), "the orchestrator to write the rebuilt rank's end down", 60, 0.5)
         assert _ended(o) == [f"rank 2 of job {RUN} (rebuilt) exited with status 0"]
-    finally:
-        job.close()
-        o.close()
-        c.close()
 
 
 @pytest.mark.timeout(900)
 def test_a_node_killed_is_looked_for_as_soon_as_its_peers_collectives_fail(
     tmp_path: Path, reference_aware: Path
 ) -> None:
-    c, o, job = _running(tmp_path, ("--aware",), unreachable_after=3600.0)  # (its silence: never, here)
-    try:
+    # (unreachable_after an hour: its silence alone never makes it lost here)
+    with _running(tmp_path, ("--aware",), unreachable_after=3600.0) as (c, o, job):
         _lose(c, "C")
         _ran_on(c, o, job, reference_aware, "AB", "2")
         found = _events_of(o, "unreachable")
         assert len(found) == 1 and found[0].startswith(f"{c.nodes['C'].name} does not answer (2 s, twice)"), found
         assert f"while ranks of job {RUN} saw a collective fail" in found[0]
-    finally:
-        job.close()
-        o.close()
-        c.close()
 
 
 @pytest.mark.timeout(900)
 def test_the_node_serving_the_jobs_store_killed_mid_step_is_rebuilt_and_its_store_served_anew(
     tmp_path: Path, reference_aware: Path
 ) -> None:
-    c, o, job = _running(tmp_path, ("--aware",))
-    try:
+    with _running(tmp_path, ("--aware",)) as (c, o, job):
         _lose(c, "A")
         wait_until(lambda: _events_of(o, "recovered"), "the job to be rebuilt", 300, 0.5)
         served = re.search(r"is served at ([\d.]+):(\d+)", _events_of(o, "recovered")[0])
@@ -200,35 +196,25 @@ def test_the_node_serving_the_jobs_store_killed_mid_step_is_rebuilt_and_its_stor
         assert f"its store, lost with {c.nodes['A'].name}, is served at {c.nodes['B'].addr}:" in recovered
         # ... until no rank of its job is left there.
         wait_until(lambda: not _store_servers(c, "B"), "the store served anew on B to end with its job", 60, 0.5)
-    finally:
-        job.close()
-        o.close()
-        c.close()
 
 
 @pytest.mark.timeout(900)
 def test_two_nodes_killed_together_are_rebuilt_together_and_the_job_runs_on_bit_identical(
     tmp_path: Path, reference_aware: Path
 ) -> None:
-    c, o, job = _running(tmp_path, ("--aware",))
-    try:
+    with _running(tmp_path, ("--aware",)) as (c, o, job):
         _lose(c, "B")
         _lose(c, "C")
         _ran_on(c, o, job, reference_aware, "A", "1, 2")
         wait_until(lambda: len(_ended(o)) == 2, "the orchestrator to write both rebuilt ranks' ends down", 60, 0.5)
         assert sorted(_ended(o)) == [f"rank {r} of job {RUN} (rebuilt) exited with status 0" for r in (1, 2)]
-    finally:
-        job.close()
-        o.close()
-        c.close()
 
 
 @pytest.mark.timeout(900)
 def test_a_rank_killed_alone_is_rebuilt_on_the_spare_and_its_stand_in_follows_it(
     tmp_path: Path, reference_aware: Path
 ) -> None:
-    c, o, job = _running(tmp_path, ("--aware",))
-    try:
+    with _running(tmp_path, ("--aware",)) as (c, o, job):
         (training,) = [p for p in c.nodes["B"].processes_and_children() if _runs(p, JOB)]
         training.send_signal(signal.SIGKILL)
         recovered = _ran_on(c, o, job, reference_aware, "ABC", "1")  # (B's launcher too: its rank's end, 0)
@@ -236,10 +222,6 @@ def test_a_rank_killed_alone_is_rebuilt_on_the_spare_and_its_stand_in_follows_it
         said = (tmp_path / "torchrun-B.out").read_text()
         assert f"rank 1 of job {RUN} now runs on {c.nodes['D'].agent_address} (rebuilt)" in said, said[-3000:]
         assert not _events_of(o, "lost")
-    finally:
-        job.close()
-        o.close()
-        c.close()
 
 
 @pytest.mark.timeout(900)
@@ -250,38 +232,27 @@ def test_a_rank_that_finished_the_step_the_others_were_caught_in_is_taken_back_t
     that step, while rank 1 is caught in the all-reduce it shares with rank 0: rank 2 holds step 81,
     rank 1 step 80.  Rank 2 is taken back to 80 from a replica's state and does step 80 again (its
     line of it written twice, the same); the job is otherwise bit-identical."""
-    c, o, job = _running(tmp_path, ("--aware", "--die-at", "80"))
-    try:
+    with _running(tmp_path, ("--aware", "--die-at", "80")) as (c, o, job):
         recovered = _ran_on(c, o, job, reference_aware, "ABC", "0")
         assert "runs on from step 80," in recovered and "rank(s) 2, a step further, taken back to it" in recovered
-    finally:
-        job.close()
-        o.close()
-        c.close()
 
 
 @pytest.mark.timeout(600)
 def test_with_lost_ranks_left_to_their_jobs_a_rank_killed_alone_ends_at_once_as_it_did(tmp_path: Path) -> None:
     """``lost_grace`` 0: B's agent holds rank 1's end as ever (it cannot know), and the orchestrator
     has it passed on at once, not after the hold (a minute): B's launcher ends as its rank did."""
-    c, o, job = _running(tmp_path, ("--aware",), grace=0.0)
-    try:
+    with _running(tmp_path, ("--aware",), grace=0.0) as (c, o, job):
         (training,) = [p for p in c.nodes["B"].processes_and_children() if _runs(p, JOB)]
         training.send_signal(signal.SIGKILL)
         assert job.runs["B"].wait(timeout=40) not in (0, None), job.output()  # (the hold: 60 s)
         died = _events_of(o, "died")
         assert len(died) == 1 and f"rank(s) 1 died on {c.nodes['B'].name}, not rebuilt" in died[0], died
         assert not _events_of(o, "recovering") and not _events_of(o, "lost")
-    finally:
-        job.close()
-        o.close()
-        c.close()
 
 
 @pytest.mark.timeout(600)
 def test_a_lost_rank_with_no_surviving_replica_ends_the_job_in_one_sentence(tmp_path: Path) -> None:
-    c, o, job = _running(tmp_path, ("--aware-alone",))
-    try:
+    with _running(tmp_path, ("--aware-alone",)) as (c, o, job):
         _lose(c, "C")
         for name in "AB":
             assert job.runs[name].wait(timeout=300) != 0
@@ -291,36 +262,26 @@ def test_a_lost_rank_with_no_surviving_replica_ends_the_job_in_one_sentence(tmp_
         assert "cannot be rebuilt: no replica of rank 2's training state survives" in said
         lost = [e for e in _events(o) if e["kind"] == "lost"]
         assert lost and "cannot be rebuilt" in lost[0]["text"], lost
-    finally:
-        job.close()
-        o.close()
-        c.close()
 
 
 @pytest.mark.timeout(900)
 def test_a_node_whose_peers_hear_nothing_is_found_by_its_quiet_and_the_job_runs_on_bit_identical(
     tmp_path: Path, reference_aware: Path
 ) -> None:
-    c, o, job = _running(tmp_path, ("--aware",), unreachable_after=3600.0, quiet_after=2.0)
-    try:
+    with _running(tmp_path, ("--aware",), unreachable_after=3600.0, quiet_after=2.0) as (c, o, job):
         c.nodes["C"].link(up=False)  # (first: nothing C's processes' ends send reaches its peers)
         _lose(c, "C")
         _ran_on(c, o, job, reference_aware, "AB", "2")
         found = _events_of(o, "unreachable")
         assert len(found) == 1 and found[0].startswith(f"{c.nodes['C'].name} has not reported for "), found
         assert found[0].endswith("and its host does not answer (2 s, twice): unreachable"), found
-    finally:
-        job.close()
-        o.close()
-        c.close()
 
 
 @pytest.mark.timeout(600)
 def test_a_quiet_node_whose_agent_alone_is_down_is_not_taken_as_lost(tmp_path: Path) -> None:
     """Its host takes connections: its ranks may run on (they do), so it is left to
     ``unreachable_after`` (an hour here), and nothing is rebuilt."""
-    c, o, job = _running(tmp_path, ("--aware",), unreachable_after=3600.0, quiet_after=2.0)
-    try:
+    with _running(tmp_path, ("--aware",), unreachable_after=3600.0, quiet_after=2.0) as (c, o, job):
         c.nodes["C"].kill_agent()
         wait_until(lambda: "its host answers" in o.log(), "the orchestrator to ask C's host", 60, 0.5)
         at = steps(job.logs, 2)
@@ -329,7 +290,3 @@ def test_a_quiet_node_whose_agent_alone_is_down_is_not_taken_as_lost(tmp_path: P
         c.nodes["C"].start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
         assert {name: job.runs[name].wait(timeout=300) for name in "ABC"} == dict.fromkeys("ABC", 0)
         assert not _events_of(o, "unreachable") and not _events_of(o, "recovering")
-    finally:
-        job.close()
-        o.close()
-        c.close()

@@ -15,15 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import needs_criu
-from host import gpus
+from conftest import needs_criu, needs_gpu
 from snapshot import restore
 from snapshot.api import Stage
 from snapshot.dump import checkpoint
 from support.helpers import alive, kill_and_wait, wait_until
 
-HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
-pytestmark = [needs_criu, pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine")]
+pytestmark = [needs_criu, *needs_gpu]
 HOLD = Path(__file__).resolve().parent.parent / "workloads" / "gpu_hold.py"
 
 

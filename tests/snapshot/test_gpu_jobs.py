@@ -23,13 +23,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import needs_criu
-from host import gpus
+from conftest import needs_criu, needs_gpu
 from support.cluster import Cluster
 from support.helpers import alive, kill_and_wait, wait_until
 
-HAS_GPU = Path("/dev/nvidiactl").exists() and bool(gpus.inventory())
-pytestmark = [needs_criu, pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no NVIDIA GPU on this machine")]
+pytestmark = [needs_criu, *needs_gpu]
 JOB = Path(__file__).resolve().parent.parent / "workloads" / "gpu_job.py"
 #: In the order the proof drops them when its time is short (from the end).
 SHAPES = [

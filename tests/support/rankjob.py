@@ -86,6 +86,17 @@ def reference_aware(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _reference(tmp_path_factory.mktemp("reference-aware"), "--aware")
 
 
+#: ``--aware`` where each rank also keeps GPU state reduced over an NCCL group of its own (world
+#: size 1: one GPU takes no two ranks of one NCCL communicator), registered with its training state.
+AWARE_ON_GPU = ("--aware", "--own-groups", "nccl")
+
+
+@pytest.fixture(scope="session")
+def reference_aware_gpu(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job of :data:`AWARE_ON_GPU` (the gpu tier's model-aware move and unplanned recovery)."""
+    return _reference(tmp_path_factory.mktemp("reference-aware-gpu"), *AWARE_ON_GPU)
+
+
 @pytest.fixture(scope="session")
 def reference_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The FSDP2 script fed by DataLoader workers (``tests/workloads/fsdp_job.py``)."""

@@ -4,6 +4,7 @@ own generator, so every rank's losses and the final parameters are the same on e
 
     ddp_job.py --steps N --log-dir DIR [--step-time S] [--width W] [--no-optimizer]
                [--cuda [--backend nccl] [--device-id]] [--gpu-rank R]
+               [--aware | --aware-alone] [--own-groups BACKEND] [--die-at K]
 
 With ``--no-optimizer`` it updates its parameters by hand (no torch.optim: the rank runtime
 never sees an optimizer step, so a rewire stops it between two collectives).  With ``--cuda``
@@ -21,6 +22,11 @@ that leaves and (quietly, on its own values) in the process taking its place, so
 collective; and it writes its log only while
 ``tpagent_rank.joining()`` is false (a print is silenced there by the runtime).  With
 ``--aware-alone`` each rank registers itself as its only replica (as plain FSDP shards would).
+With ``--own-groups BACKEND`` (and ``--aware``) every rank also keeps an average of its
+parameters (float64, on the GPU where BACKEND is nccl), updated each step before the optimizer
+step into a new tensor and all-reduced over a group of its own on BACKEND (world size 1: one GPU
+takes no two ranks of one NCCL communicator, but a communicator each), registered with its
+training state, its sum written on each line ("... avg <hex>").
 With ``--die-at K`` (and ``--aware``), rank 0 SIGKILLs itself once, in step K, after the job-wide
 all-reduce and once rank 2 has written its line of step K: rank 2, in no collective with rank 0
 from there on, finishes step K, while rank 1 is caught in the subgroup's all-reduce.
@@ -45,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import split_group
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.nn.utils import parameters_to_vector
 
 
 def main() -> None:
@@ -61,6 +68,7 @@ def main() -> None:
     p.add_argument("--aware", action="store_true")
     p.add_argument("--aware-alone", action="store_true")
     p.add_argument("--die-at", type=int, default=-1)
+    p.add_argument("--own-groups", default="")
     a = p.parse_args()
     dev = torch.device("cuda", 0) if a.cuda else torch.device("cpu")
     if a.cuda:
@@ -72,6 +80,7 @@ def main() -> None:
     two = list(range(min(2, world)))
     pair = split_group(split_ranks=[two]) if a.device_id else dist.new_group(two)  # a subgroup: rebuilt too
     alone = dist.new_group([a.gpu_rank], backend="nccl") if a.gpu_rank >= 0 else None
+    own = [dist.new_group([r], backend=a.own_groups) for r in range(world)][rank] if a.own_groups else None
     gpu_sum = torch.zeros(1, dtype=torch.float64, device="cuda") if rank == a.gpu_rank else None
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(16, a.width), nn.Tanh(), nn.Linear(a.width, 1)).to(dev))
@@ -80,7 +89,7 @@ def main() -> None:
     log = a.log_dir / f"rank{rank}.log"
     if a.aware or a.aware_alone:
         assert opt is not None and gpu_sum is None, "--aware trains with an optimizer, on the CPU"
-        _aware(a, model, opt, data, log, pair)
+        _aware(a, model, opt, data, log, pair, own)
         return
     for step in range(a.steps):
         x = torch.randn(32, 16, generator=data).to(dev)
@@ -125,22 +134,28 @@ def _aware(
     data: torch.Generator,
     log: Path,
     pair: dist.ProcessGroup,
+    own: dist.ProcessGroup | None,
 ) -> None:
     """The same training, its state registered (``--aware``)."""
     import tpagent_rank
 
     rank, world = dist.get_rank(), dist.get_world_size()
     state = {"step": 0}
+    where = torch.device("cuda", 0) if a.own_groups == "nccl" else torch.device("cpu")
+    # (a new tensor each step: the one held at the last boundary is never changed mid-step)
+    avg = {"average": parameters_to_vector(model.parameters()).detach().double().to(where)} if own else {}
 
     # What its replicas share: a replica's state may rebuild this rank (unplanned recovery), so
     # the rank's own data position is not in it: each step's batch is drawn from (step, rank).
     def save() -> dict[str, object]:
-        return {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"]}
+        return {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"], **avg}
 
     def load(saved: dict[str, object]) -> None:
         model.load_state_dict(saved["model"])  # type: ignore[arg-type]
         opt.load_state_dict(saved["opt"])  # type: ignore[arg-type]
         state["step"] = int(saved["step"])  # type: ignore[call-overload]
+        if own is not None:
+            avg["average"] = saved["average"]  # type: ignore[assignment]
 
     tpagent_rank.register(save=save, load=load, replicas=[rank] if a.aware_alone else None)
     while state["step"] < a.steps:
@@ -158,9 +173,15 @@ def _aware(
             _die_once(a.log_dir, step)
         if rank in (0, 1):
             dist.all_reduce(sub, group=pair)
+        said = ""
+        if own is not None:
+            new = 0.9 * avg["average"] + 0.1 * parameters_to_vector(model.parameters()).detach().double().to(where)
+            dist.all_reduce(new, group=own)
+            avg["average"] = new
+            said = f" avg {new.sum().item().hex()}"
         if not tpagent_rank.joining():  # (a process warming up to take a rank's place writes nothing)
             with open(log, "a") as f:
-                f.write(f"step {step} {loss.item().hex()} {(total.item() / world).hex()} {sub.item().hex()}\n")
+                f.write(f"step {step} {loss.item().hex()} {(total.item() / world).hex()} {sub.item().hex()}{said}\n")
         opt.step()  # (the step boundary: what follows runs on the registered state alone)
         state["step"] += 1
         print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
