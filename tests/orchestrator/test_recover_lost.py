@@ -17,6 +17,8 @@ training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
     the store outlives it, and ends once the job has.
 (d) The same job with each rank its own shard (``--aware-alone``: no replica of rank 2 survives):
     it cannot be rebuilt, and every rank ends with one sentence saying so; nothing hangs.
+(k) Rank 2's only surviving replica is rank 1 (``--replicas 0;1,2``): A's agent rebuilds it from
+    rank 1's state on B, as in (b).
 (e) B and C are killed together: ranks 1 and 2 are rebuilt together on D from rank 0's held
     state (the rebuild asked about one node finds the other's rank does not answer either), and
     the job runs on, bit-identical.
@@ -99,7 +101,7 @@ def _ended(o: Orchestrator) -> list[str]:
 
 @contextlib.contextmanager
 def _running(
-    tmp_path: Path, extra: tuple[str, ...], grace: float = 2.0, **settings: float
+    tmp_path: Path, extra: tuple[str, ...], grace: float = 2.0, step_time: float = 0.05, **settings: float
 ) -> Iterator[tuple[Cluster, Orchestrator, Job]]:
     """Nodes A-D with agents and an orchestrator, and the job running on A, B, C (D the spare),
     every rank seen by the orchestrator; all of it ended on the way out."""
@@ -110,7 +112,7 @@ def _running(
         o.start()
         for node in c.nodes.values():
             node.start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
-        job = Job(c, tmp_path, srun=True, extra=extra)  # (ranks 0, 1, 2 on A, B, C; D the spare)
+        job = Job(c, tmp_path, srun=True, extra=extra, step_time=step_time)  # (ranks 0-2 on A-C; D the spare)
         job.at_step(2, 20)
         wait_until(lambda: all(o.rank_on(RUN, r) for r in range(3)), "the orchestrator to see every rank", 60, 0.5)
         yield c, o, job
@@ -196,6 +198,19 @@ def test_the_node_serving_the_jobs_store_killed_mid_step_is_rebuilt_and_its_stor
         assert f"its store, lost with {c.nodes['A'].name}, is served at {c.nodes['B'].addr}:" in recovered
         # ... until no rank of its job is left there.
         wait_until(lambda: not _store_servers(c, "B"), "the store served anew on B to end with its job", 60, 0.5)
+
+
+@pytest.mark.timeout(900)
+def test_a_lost_rank_whose_only_replica_runs_on_another_node_than_the_rebuilding_agent_is_rebuilt_from_it(
+    tmp_path: Path, reference_aware: Path
+) -> None:
+    """Rank 0 registers itself alone, ranks 1 and 2 each other (``--replicas 0;1,2``, as HSDP's
+    replica groups would): C is killed, and A's agent (rank 0's, the lowest surviving rank's)
+    rebuilds rank 2 from rank 1's state on B, its command rank 0's renumbered."""
+    with _running(tmp_path, ("--aware", "--replicas", "0;1,2")) as (c, o, job):
+        _lose(c, "C")
+        _ran_on(c, o, job, reference_aware, "AB", "2")
+        assert "rank(s) 2 rebuilt on" in c.nodes["A"].agent_log()
 
 
 @pytest.mark.timeout(900)

@@ -4,7 +4,7 @@ own generator, so every rank's losses and the final parameters are the same on e
 
     ddp_job.py --steps N --log-dir DIR [--step-time S] [--width W] [--no-optimizer]
                [--cuda [--backend nccl] [--device-id]] [--gpu-rank R]
-               [--aware | --aware-alone] [--own-groups BACKEND] [--die-at K]
+               [--aware | --aware-alone] [--replicas GROUPS] [--own-groups BACKEND] [--die-at K]
 
 With ``--no-optimizer`` it updates its parameters by hand (no torch.optim: the rank runtime
 never sees an optimizer step, so a rewire stops it between two collectives).  With ``--cuda``
@@ -21,7 +21,9 @@ before ``opt.step()``: what runs after the optimizer step runs, in a model-aware
 that leaves and (quietly, on its own values) in the process taking its place, so it issues no
 collective; and it writes its log only while
 ``tpagent_rank.joining()`` is false (a print is silenced there by the runtime).  With
-``--aware-alone`` each rank registers itself as its only replica (as plain FSDP shards would).
+``--aware-alone`` each rank registers itself as its only replica (as plain FSDP shards would);
+with ``--replicas GROUPS`` (``0;1,2``: groups of ranks, ``;`` between them) each rank registers
+its group as its replicas (as HSDP's replica groups would: fewer than DDP's, the same training).
 With ``--own-groups BACKEND`` (and ``--aware``) every rank also keeps an average of its
 parameters (float64, on the GPU where BACKEND is nccl), updated each step before the optimizer
 step into a new tensor and all-reduced over a group of its own on BACKEND (world size 1: one GPU
@@ -69,6 +71,7 @@ def main() -> None:
     p.add_argument("--aware-alone", action="store_true")
     p.add_argument("--die-at", type=int, default=-1)
     p.add_argument("--own-groups", default="")
+    p.add_argument("--replicas", default="")
     a = p.parse_args()
     dev = torch.device("cuda", 0) if a.cuda else torch.device("cpu")
     if a.cuda:
@@ -157,7 +160,9 @@ def _aware(
         if own is not None:
             avg["average"] = saved["average"]  # type: ignore[assignment]
 
-    tpagent_rank.register(save=save, load=load, replicas=[rank] if a.aware_alone else None)
+    groups = [[int(r) for r in g.split(",")] for g in a.replicas.split(";")] if a.replicas else []
+    replicas = [rank] if a.aware_alone else next((g for g in groups if rank in g), None)
+    tpagent_rank.register(save=save, load=load, replicas=replicas)
     while state["step"] < a.steps:
         step = state["step"]
         data.manual_seed(1000 * (1000 + step) + rank)
