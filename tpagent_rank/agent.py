@@ -62,6 +62,7 @@ class Rank:
         self.chore_error: str | None = None
         self.times: deque[float] = deque(maxlen=20)
         self.ctimes: deque[float] = deque(maxlen=20)
+        self.stepped_said = 0.0  # when its step was last said to its agent (lines.Stepped)
         self.progress = 0.0  # when a collective of any of its groups was last issued (monotonic)
         self.group: Any = None  # the default group (its collectives are counted)
         self.sock: socket.socket | None = None
@@ -102,7 +103,12 @@ class Rank:
             join.leave(self)
         with self.cond:
             self.step += 1
-            self.times.append(time.monotonic())
+            now = time.monotonic()
+            self.times.append(now)
+        if now - self.stepped_said >= lines.STEPPED_EVERY and self.sock is not None:
+            self.stepped_said = now  # (said by a thread of its own: a write never holds up training)
+            args = (lines.Stepped(self.step),)
+            threading.Thread(target=self.say, args=args, name="tpagent-stepped", daemon=True).start()
         recover.capture(self, _live_groups)
         with self.cond:
             if self.stop_at is not None and self.unit == P.Unit.STEP and self.step >= self.stop_at:
@@ -310,12 +316,12 @@ class Rank:
                     self.sock.sendall(data)
                     self.sock.sendall(tail)
 
-    def say_broke(self, why: str) -> None:
-        """Tell the agent, unasked, that a collective failed (:class:`tpagent_rank.lines.Broke`)."""
+    def say(self, message: lines.Broke | lines.Stepped) -> None:
+        """Tell the agent, unasked: a collective failed, or how far the rank stepped."""
         with self.write_lock:
             if self.sock is not None:
                 with contextlib.suppress(OSError):
-                    self.sock.sendall(codec.said(lines.Broke(why)))
+                    self.sock.sendall(codec.said(message))
 
     def _answer(self, rid: object, request: P.Request[Any], on: socket.socket) -> None:
         tail = b""

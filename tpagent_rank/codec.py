@@ -13,7 +13,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from tpagent_rank.lines import Broke, Exit, Hello, LineOp, Refusal, Welcome
+from tpagent_rank.lines import Broke, Exit, Hello, LineOp, Refusal, Stepped, Welcome
 from tpagent_rank.protocol import LINE_MAX, REQUESTS, A, Op, ProtocolError, Request
 
 T = TypeVar("T")
@@ -22,7 +22,7 @@ INT_MIN = -(1 << 63)
 INT_MAX = (1 << 63) - 1
 
 
-def said(message: Hello | Welcome | Refusal | Exit | Broke) -> bytes:
+def said(message: Hello | Welcome | Refusal | Exit | Broke | Stepped) -> bytes:
     """One of the line protocol's own messages, as a line."""
     return line(message, op=message.OP.value)
 

@@ -18,6 +18,7 @@ class LineOp(str, enum.Enum):
     REFUSED = "refused"
     EXIT = "exit"
     BROKE = "broke"
+    STEPPED = "stepped"
 
 
 @dataclass(frozen=True)
@@ -68,3 +69,16 @@ class Broke:
 
     OP: ClassVar[LineOp] = LineOp.BROKE
     why: str = ""
+
+
+@dataclass(frozen=True)
+class Stepped:
+    """The rank's optimizer steps so far: said unasked, at most every :data:`STEPPED_EVERY` s, so that
+    its agent's reports show its job going on (a silent node whose jobs go on still runs its ranks)."""
+
+    OP: ClassVar[LineOp] = LineOp.STEPPED
+    step: int = 0
+
+
+#: How often a rank says how far it stepped (seconds).
+STEPPED_EVERY = 1.0

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tpagent_rank import env
+from tpagent_rank import env, lines
 from tpagent_rank import protocol as P
 from tpagent_rank.notice import PREFIX
 
@@ -177,7 +177,7 @@ class Broken:
             self.why = self.why or (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
         if first:
             threading.Thread(target=self._timeout, name="tpagent-hold", daemon=True).start()
-            threading.Thread(target=rank.say_broke, args=(self.why,), name="tpagent-broke", daemon=True).start()
+            threading.Thread(target=rank.say, args=(lines.Broke(self.why),), name="tpagent-broke", daemon=True).start()
         self.released.wait()
         return self.given_up
 

@@ -36,7 +36,10 @@ training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
 (j) C's link goes down before its processes are killed, as at a power loss: its peers see no
     reset, their collectives wait in silence; C has missed its reports for ``quiet_after`` and
     its host takes no connection: it is taken as lost then, and (b) follows.  A node whose agent
-    alone is down (its host refuses the connection at once) is not: its ranks run on."""
+    alone is down is not, whether its host refuses the connection or drops it: its ranks run on,
+    and its job goes on without word from it.
+(l) C's reports do not reach the orchestrator, but its job goes on: C is unreachable, its ranks
+    not lost; once C is killed and the job stands still, they are taken as lost, and (b) follows."""
 
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ import json
 import re
 import signal
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -293,15 +297,51 @@ def test_a_node_whose_peers_hear_nothing_is_found_by_its_quiet_and_the_job_runs_
 
 
 @pytest.mark.timeout(600)
-def test_a_quiet_node_whose_agent_alone_is_down_is_not_taken_as_lost(tmp_path: Path) -> None:
-    """Its host takes connections: its ranks may run on (they do), so it is left to
-    ``unreachable_after`` (an hour here), and nothing is rebuilt."""
-    with _running(tmp_path, ("--aware",), unreachable_after=3600.0, quiet_after=2.0) as (c, o, job):
-        c.nodes["C"].kill_agent()
-        wait_until(lambda: "its host answers" in o.log(), "the orchestrator to ask C's host", 60, 0.5)
-        at = steps(job.logs, 2)
-        wait_until(lambda: steps(job.logs, 2) > at + 5, "rank 2 to go on", 60, 0.2)
-        assert not _events_of(o, "unreachable") and not _events_of(o, "recovering")
+@pytest.mark.parametrize("host", ["refuses", "drops"])
+def test_a_quiet_node_whose_agent_alone_is_down_is_not_taken_as_lost(tmp_path: Path, host: str) -> None:
+    """Its ranks run on, and its job with them: it is not taken as lost, whether its host refuses
+    the connection to its agent (nothing listens) or drops it (a firewall: as a host that is gone
+    would), and nothing is rebuilt."""
+    with _running(tmp_path, ("--aware",), unreachable_after=3600.0, quiet_after=2.0, step_time=0.1) as (c, o, job):
+        with _dropping(c, "C", "input", "tcp dport 7400") if host == "drops" else contextlib.nullcontext():
+            c.nodes["C"].kill_agent()
+            wait_until(lambda: "its ranks run" in o.log(), "the orchestrator to see C's job go on", 60, 0.5)
+            at = steps(job.logs, 2)
+            wait_until(lambda: steps(job.logs, 2) > at + 5, "rank 2 to go on", 60, 0.2)
+            assert not _events_of(o, "unreachable") and not _events_of(o, "recovering")
         c.nodes["C"].start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
         assert {name: job.runs[name].wait(timeout=300) for name in "ABC"} == dict.fromkeys("ABC", 0)
         assert not _events_of(o, "unreachable") and not _events_of(o, "recovering")
+
+
+@pytest.mark.timeout(900)
+def test_a_node_cut_off_from_the_orchestrator_alone_runs_on_and_is_rebuilt_once_it_dies(
+    tmp_path: Path, reference_aware: Path
+) -> None:
+    """C's reports do not reach the orchestrator (its firewall drops them), but its ranks, and the
+    job, run on: C is taken as unreachable, not as lost, and nothing is rebuilt.  Once C is killed,
+    the job stands still: its ranks are taken as lost then, and rebuilt as in (b)."""
+    with _running(tmp_path, ("--aware",), unreachable_after=4.0, quiet_after=0.0, step_time=0.2) as (c, o, job):
+        name = c.nodes["C"].name
+        with _dropping(c, "C", "output", f"ip daddr {c.bridge_addr} tcp dport {o.port}"):
+            wait_until(lambda: _events_of(o, "unreachable"), "C to be taken as unreachable", 60, 0.5)
+            (cut,) = _events_of(o, "unreachable")
+            assert cut.startswith(f"{name} has not reported for 4 s, but rank ") and "went on from step" in cut, cut
+            assert cut.endswith("since: its ranks run, and are not taken as lost: unreachable"), cut
+            at = steps(job.logs, 2)
+            wait_until(lambda: steps(job.logs, 2) > at + 5, "rank 2 to go on", 60, 0.2)
+            assert not _events_of(o, "recovering") and not _events_of(o, "lost")
+            _lose(c, "C")
+            _ran_on(c, o, job, reference_aware, "AB", "2")
+        assert f"{name}: its jobs stand still now: its ranks are taken as lost" in _events_of(o, "unreachable")
+
+
+@contextlib.contextmanager
+def _dropping(c: Cluster, node: str, hook: str, match: str) -> Iterator[None]:
+    """Node ``node``'s kernel drops the packets ``match`` (nft) matches at ``hook``, while in the block."""
+    rules = f"table inet tp-test {{\n chain cut {{\n  type filter hook {hook} priority 0;\n  {match} drop;\n }}\n}}\n"
+    subprocess.run([*c.nodes[node].exec("nft", "-f", "-")], input=rules, text=True, check=True)
+    try:
+        yield
+    finally:
+        subprocess.run([*c.nodes[node].exec("nft", "delete", "table", "inet", "tp-test")], check=True)

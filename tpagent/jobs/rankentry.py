@@ -55,6 +55,7 @@ class RankEntry:
     held_until: float = 0.0  # (monotonic) its end (DIED) is held from its stand-in until then
     anew: bool = False  # moved_to runs a new process of it (rebuilt after it died here)
     broke: str = ""  # why a collective of it failed, as it said unasked on its connection (lines.Broke)
+    step: int = 0  # its optimizer steps, as it last said (its hello, then lines.Stepped)
 
     def alive(self) -> bool:
         try:

@@ -162,6 +162,7 @@ class Ranks:
             entry.exit_code = None
             entry.moved_to = ""
             entry.broke = ""
+            entry.step = hello.step
             self._save()
         try:
             sock.settimeout(10)
@@ -180,6 +181,8 @@ class Ranks:
             while (body := _read_line(f)) is not None:
                 if codec.is_said(body, lines.LineOp.BROKE):
                     self._broke(conn, codec.decode(lines.Broke, body).why)
+                elif codec.is_said(body, lines.LineOp.STEPPED):
+                    self._stepped(conn, codec.decode(lines.Stepped, body).step)
                 else:
                     conn.answered(body)
         except (OSError, ValueError) as e:
@@ -197,6 +200,12 @@ class Ranks:
                 entry.broke = why[:500] or "a collective failed"
         log.warning("rank %s of job %s: a collective failed: %s", conn.hello.rank, conn.hello.job, why[:500])
         self.report_soon.set()
+
+    def _stepped(self, conn: Connection, step: int) -> None:
+        with self.lock:
+            entry = self.entries.get((conn.hello.job, conn.hello.rank))
+            if entry is not None and entry.conn is conn:
+                entry.step = step
 
     def broken(self) -> dict[tuple[str, int], str]:
         """(job, rank) -> why a collective of it failed, for each rank here connected that said so."""
@@ -396,7 +405,7 @@ class Ranks:
                     world=e.world,
                     pid=e.init,
                     gen=e.seen.gen if e.seen else 0,
-                    step=e.seen.step if e.seen else 0,
+                    step=e.step,
                     connected=e.conn is not None,
                     moved_to=e.moved_to,
                 )

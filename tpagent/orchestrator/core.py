@@ -77,6 +77,7 @@ class Orchestrator:
         self.lock = threading.Lock()
         self.nodes: dict[str, NodeSeen] = {}  # (from reports since this orchestrator started)
         self.unreachable: set[str] = set()
+        self.unlost: set[str] = set()  # unreachable nodes whose ranks ran on then: not yet acted on
         self.ended: dict[str, int] = {}  # node -> its reports when a move touching it last ended
         self.running: dict[int, threading.Thread] = {}
         #: Moves whose outcome the reports will tell: since when, and each node's reports then.
@@ -122,6 +123,8 @@ class Orchestrator:
             self.nodes[seen.name] = dataclasses.replace(seen, reports=reports, ranks=_kept_gpus(seen, before))
             back = seen.name in self.unreachable
             self.unreachable.discard(seen.name)
+            self.unlost.discard(seen.name)
+        self.lost_nodes.steps.note(seen)
         if before is None or before.gpus != seen.gpus or before.agent != seen.agent:
             self.state.node_seen(seen.name, seen.agent, seen.gpus)
         if before is None or back:
@@ -249,20 +252,34 @@ class Orchestrator:
         with self.lock:
             silence = {n: now - s.seen for n, s in self.nodes.items() if n not in self.unreachable}
         for n in sorted(n for n, s in silence.items() if s > self.cfg.unreachable_after):
-            self._declare(n, f"has not reported for {self.cfg.unreachable_after:g} s")
+            why = self.lost_nodes.running(self.view(), n)  # (its ranks run: the network failed, not they)
+            said = f", but {why} since: its ranks run, and are not taken as lost" if why else ""
+            self._declare(n, f"has not reported for {self.cfg.unreachable_after:g} s{said}", lose=why is None)
+        with self.lock:
+            unlost = sorted(self.unlost & self.unreachable)
+        for n in unlost:
+            if self.lost_nodes.running(self.view(), n) is None:
+                with self.lock:
+                    self.unlost.discard(n)
+                self.event("unreachable", f"{n}: its jobs stand still now: its ranks are taken as lost", node=n)
+                if self.cfg.lost_grace > 0:
+                    self._lost(n)
         after = max(self.cfg.quiet_after, 2 * self.cfg.report_period)  # (one late report is no silence)
         quiet = sorted(n for n, s in silence.items() if after < s <= self.cfg.unreachable_after)
         if quiet and self.cfg.quiet_after and self.cfg.lost_grace > 0:
             self.lost_nodes.quiet(self.view(), quiet, self._declare)
 
-    def _declare(self, node: str, why: str) -> None:
-        """``node`` taken as unreachable (``why``, a clause), once until it reports again."""
+    def _declare(self, node: str, why: str, lose: bool = True) -> None:
+        """``node`` taken as unreachable (``why``, a clause), once until it reports again; its ranks
+        as lost unless not ``lose`` (then once its jobs stand still: :meth:`_reachability`)."""
         with self.lock:
             if node in self.unreachable or node not in self.nodes:
                 return
             self.unreachable.add(node)
+            if not lose:
+                self.unlost.add(node)
         self.event("unreachable", f"{node} {why}: unreachable", node=node)
-        if self.cfg.lost_grace > 0:
+        if lose and self.cfg.lost_grace > 0:
             self._lost(node)
 
     def _lost(self, node: str) -> None:

@@ -5,7 +5,10 @@ silence has lasted ``unreachable_after``: a rank whose collective fails says so 
 which reports at once, and each other node of that job whose agent does not answer then is
 taken as unreachable (:meth:`LostNodes.broke`); and a node running ranks that has missed its
 reports for ``quiet_after`` (a power loss, a panic: no peer of it saw a connection reset) is
-taken as unreachable if its host takes no connection (:meth:`LostNodes.quiet`).
+taken as unreachable if its host takes no connection (:meth:`LostNodes.quiet`).  Neither it nor a
+node silent for ``unreachable_after`` is taken as lost while a job of its ranks goes on without
+it (:class:`Steps`): its ranks run, whatever the network says of the node (its agent down behind
+a firewall that drops what it would refuse, the orchestrator cut off from it alone).
 
 * A job whose ranks registered their training state is rebuilt (``recover_lost``): one agent of
   its surviving ranks is asked to rebuild the lost ranks on a free spare from their data-parallel
@@ -34,7 +37,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -44,8 +47,9 @@ from tpagent.common.credentials import Credentials
 from tpagent.daemon import rankwire
 from tpagent.daemon.client import rpc_text
 from tpagent.daemon.rpc import pb, stub
-from tpagent.orchestrator.api import RankSeen, View
+from tpagent.orchestrator.api import NodeSeen, RankSeen, View
 from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent_rank import lines
 from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
@@ -78,6 +82,61 @@ PROBES = 32
 FOLLOW_PERIOD = 2.0
 #: How long a rebuilt rank's agent may not answer before its end is given up on.
 FOLLOW_LOST = 600.0
+#: Steps a job's ranks must have gone on by, past the last moment a silent node's ranks could have
+#: died, for those to be taken as running (one may be the step a rank in no collective with a
+#: dead one was finishing; a second needs every rank of a job that all-reduces once a step).
+WENT_ON = 2
+
+
+class Steps:
+    """Each rank's step as its node's reports gave it, and when it changed: whether a job went on
+    without a node.  The changes of the last ``horizon`` seconds are kept, and the one before them."""
+
+    def __init__(self, horizon: float) -> None:
+        self.horizon = horizon
+        self.lock = threading.Lock()
+        self.changes: dict[tuple[str, int], list[tuple[float, int]]] = {}  # (job, rank) -> [(when, step)]
+        self.heard: dict[tuple[str, int], float] = {}
+        self.forgot = 0.0
+
+    def note(self, seen: NodeSeen) -> None:
+        """A report: its ranks' steps (a rank not heard of for ``horizon`` s forgotten)."""
+        now = seen.seen
+        with self.lock:
+            for r in seen.ranks:
+                key = (r.job, r.rank)
+                self.heard[key] = now
+                changes = self.changes.setdefault(key, [])
+                if not changes or changes[-1][1] != r.step:
+                    changes.append((now, r.step))
+                    old = sum(t < now - self.horizon for t, _ in changes)
+                    del changes[: max(old - 1, 0)]
+            if now - self.forgot > self.horizon:
+                self.forgot = now
+                for key in [k for k, t in self.heard.items() if t < now - self.horizon]:
+                    del self.heard[key], self.changes[key]
+
+    def went_on(self, job: str, ranks: Iterable[int], since: float) -> str | None:
+        """Which of ``ranks`` of ``job`` went on by :data:`WENT_ON` steps or more from the first
+        step it was seen at after ``since`` (a clause), or None: a node whose ranks of the job
+        had died by ``since`` stops every such rank within a step."""
+        with self.lock:
+            for r in sorted(ranks):
+                after = [step for t, step in self.changes.get((job, r), []) if t > since]
+                if after and after[-1] - after[0] >= WENT_ON:
+                    return f"rank {r} of job {job} went on from step {after[0]} to {after[-1]}"
+        return None
+
+    def pace(self, job: str, ranks: Iterable[int], before: float) -> float | None:
+        """How long the slowest of ``ranks`` of ``job`` took a step, as seen until ``before``
+        (seconds); None if none was seen to step."""
+        paces = []
+        with self.lock:
+            for r in ranks:
+                seen = [(t, step) for t, step in self.changes.get((job, r), []) if t <= before]
+                if len(seen) > 1 and seen[-1][1] > seen[0][1]:
+                    paces.append((seen[-1][0] - seen[0][0]) / (seen[-1][1] - seen[0][1]))
+        return max(paces, default=None)
 
 
 class LostNodes:
@@ -91,6 +150,19 @@ class LostNodes:
         self.settled: dict[tuple[str, int, str], float] = {}  # (job, rank, node) died there: when its rebuild ended
         self.probed: dict[str, float] = {}  # job -> when its nodes were last looked for (broke)
         self.asked: dict[str, float] = {}  # node -> when its host was last asked, as it was quiet
+        self.steps = Steps(cfg.unreachable_after + 2 * cfg.report_period)
+
+    def running(self, view: View, node: str) -> str | None:
+        """Why ``node``'s ranks run, though it is silent: a job of them went on without it since
+        its ranks could last have died (a report period after its last report, and no earlier than
+        ``unreachable_after`` ago: a job that stopped since then stopped with them); or None."""
+        silent = view.nodes[node]
+        since = max(silent.seen + self.cfg.report_period, time.monotonic() - self.cfg.unreachable_after)
+        for job in sorted({r.job for r in silent.ranks}):
+            went = self.steps.went_on(job, _others(view, node, job), since)
+            if went is not None:
+                return went
+        return None
 
     def lost(self, view: View, node: str, moving: Callable[[str], bool]) -> None:
         """``node`` is unreachable: each job of it rebuilt, or its other ranks told (see the module)."""
@@ -171,10 +243,31 @@ class LostNodes:
             threading.Thread(target=self._ask, args=(view, n, declare), name=f"ask-{n}", daemon=True).start()
 
     def _ask(self, view: View, node: str, declare: Declare) -> None:
-        """``node`` declared if its host is gone (its agent cannot answer then): an agent that is
-        down or stuck on a live host (its ranks may run on) is left to ``unreachable_after``."""
-        silent = time.monotonic() - view.nodes[node].seen
-        if not _host_answers(view.nodes[node].agent):
+        """``node`` declared if its host is gone (its agent cannot answer then) and its jobs stand
+        still: an agent that is down or stuck on a live host (its ranks may run on) is left to
+        ``unreachable_after``, and so is a node of a job that still steps, or that has not stood
+        still for two of its steps yet."""
+        seen = view.nodes[node]
+        silent = time.monotonic() - seen.seen
+        if (why := self.running(view, node)) is not None:
+            log.info("node %s has not reported for %.0f s, but %s since: its ranks run", node, silent, why)
+            return
+        since = seen.seen + self.cfg.report_period
+        paces = [self.steps.pace(j, _others(view, node, j), since) for j in {r.job for r in seen.ranks}]
+        slowest = max((p for p in paces if p is not None), default=0.0)
+        # (two of its steps, each as its ranks say them, and the reports that carry them: stood still)
+        due = since + 2 * max(slowest, lines.STEPPED_EVERY) + 2 * self.cfg.report_period
+        if time.monotonic() < due:
+            log.info(
+                "node %s has not reported for %.0f s: its jobs step every %.1f s, too few yet", node, silent, slowest
+            )
+            with self.lock:  # (asked again once that is due, not in PROBE_EVERY s)
+                self.asked[node] = due - PROBE_EVERY
+            return
+        if not _host_answers(seen.agent):
+            if (why := self.running(view, node)) is not None:  # (what was reported meanwhile)
+                log.info("node %s has not reported for %.0f s, but %s since: its ranks run", node, silent, why)
+                return
             declare(node, f"has not reported for {silent:.0f} s, and its host does not answer ({PROBE:g} s, twice)")
         else:
             log.info("node %s has not reported for %.0f s, but its host answers: its ranks may run on", node, silent)
@@ -348,6 +441,13 @@ def _elsewhere(view: View, node: str, rank: RankSeen) -> bool:
         n != node and view.reachable(n) and any(r.job == rank.job and r.rank == rank.rank for r in seen.ranks)
         for n, seen in view.nodes.items()
     )
+
+
+def _others(view: View, node: str, job: str) -> list[int]:
+    """The ranks of ``job`` on other nodes than ``node`` that report."""
+    return [
+        r.rank for n, seen in view.nodes.items() if n != node and view.reachable(n) for r in seen.ranks if r.job == job
+    ]
 
 
 def _agents(view: View, job: str) -> tuple[str, ...]:
