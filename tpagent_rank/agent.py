@@ -63,6 +63,7 @@ class Rank:
         self.times: deque[float] = deque(maxlen=20)
         self.ctimes: deque[float] = deque(maxlen=20)
         self.stepped_said = 0.0  # when its step was last said to its agent (lines.Stepped)
+        self.saying: threading.Thread | None = None  # (saying it: one at a time, never a pile)
         self.progress = 0.0  # when a collective of any of its groups was last issued (monotonic)
         self.group: Any = None  # the default group (its collectives are counted)
         self.sock: socket.socket | None = None
@@ -107,8 +108,10 @@ class Rank:
             self.times.append(now)
         if now - self.stepped_said >= lines.STEPPED_EVERY and self.sock is not None:
             self.stepped_said = now  # (said by a thread of its own: a write never holds up training)
-            args = (lines.Stepped(self.step),)
-            threading.Thread(target=self.say, args=args, name="tpagent-stepped", daemon=True).start()
+            if self.saying is None or not self.saying.is_alive():  # (an agent that stops reading)
+                args = (lines.Stepped(self.step),)
+                self.saying = threading.Thread(target=self.say, args=args, name="tpagent-stepped", daemon=True)
+                self.saying.start()
         recover.capture(self, _live_groups)
         with self.cond:
             if self.stop_at is not None and self.unit == P.Unit.STEP and self.step >= self.stop_at:

@@ -7,12 +7,16 @@ Nor is a silent node taken as lost while a job of its ranks goes on without it
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+import time
+from pathlib import Path
 
 import pytest
 
-from tpagent.orchestrator.api import NodeSeen, RankSeen
-from tpagent.orchestrator.lost import Steps, _host_answers
+from tpagent.orchestrator.api import NodeSeen, RankSeen, View
+from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.lost import LostNodes, Steps, _host_answers
 
 pytestmark = pytest.mark.unit
 
@@ -84,3 +88,48 @@ def test_only_the_horizon_and_the_change_before_it_are_kept_and_ranks_no_longer_
     steps.heard[("short", 1)] = 5.0
     steps.note(_seen(41.0, {0: 41}, job="long"))  # (... is forgotten by the next report past the horizon)
     assert ("short", 1) not in steps.changes and ("long", 0) in steps.changes
+
+
+def test_a_step_seen_to_fall_takes_back_none_seen_before_it() -> None:
+    """Its agent restarted (it says 0 until the rank connects again): the steps seen went on."""
+    steps = Steps(horizon=30.0)
+    for at, step in ((1.0, 1000), (2.0, 1001), (3.0, 1003), (4.0, 0)):
+        steps.note(_seen(at, {0: step}))
+    assert steps.went_on("j", [0], since=1.5) == "rank 0 of job j went on from step 1001 to 1003"
+
+
+def _lost_nodes(unreachable_after: float = 30.0) -> LostNodes:
+    cfg = OrchestratorConfig(Path("/nonexistent"), report_period=1.0, unreachable_after=unreachable_after)
+    return LostNodes(cfg, None, lambda *a, **k: None, lambda job, lost: None)  # type: ignore[arg-type]
+
+
+def test_a_silent_node_of_a_slow_job_is_taken_as_running_until_two_of_its_steps_have_passed() -> None:
+    """Its job stepped every 16 s before C fell silent: C's ranks are taken as lost only once the
+    job has stood still for two of its steps (and the reports that carry them), not after 30 s."""
+    nodes = _lost_nodes()
+    now = time.monotonic()
+    for k in range(5):  # (B's rank 1 steps every 16 s until C's last report)
+        nodes.steps.note(_seen(now - 80 + 16 * k, {1: k}))
+    c = NodeSeen("C", "10.0.0.3:7400", now - 30, ranks=(RankSeen("j", 2, 3, 4),))
+    b = NodeSeen("B", "10.0.0.2:7400", now, ranks=(RankSeen("j", 1, 3, 4),))
+    view = View({"B": b, "C": c})
+    got = nodes.running(view, "C")
+    assert got is not None and got[0] == "job j steps every 16.0 s: too few of its steps have passed", got
+    assert got[1] == pytest.approx(now - 30 + 1 + 2 * 16 + 2)  # (look again then)
+    view = View({"B": b, "C": dataclasses.replace(c, seen=now - 40)})
+    assert nodes.running(view, "C") is None  # (35 s after its last moment, twice 16 s and two reports)
+
+
+def test_a_silent_node_whose_job_went_on_is_taken_as_running_and_lost_once_its_job_stands_still() -> None:
+    nodes = _lost_nodes(unreachable_after=10.0)
+    now = time.monotonic()
+    c = NodeSeen("C", "10.0.0.3:7400", now - 60, ranks=(RankSeen("j", 2, 3, 0),))
+    b = NodeSeen("B", "10.0.0.2:7400", now, ranks=(RankSeen("j", 1, 3, 0),))
+    for k in range(30):  # (B's rank 1 stepped on for 30 s after C fell silent, then stopped)
+        nodes.steps.note(_seen(now - 59 + k, {1: 100 + k}))
+    view = View({"B": b, "C": c})
+    assert nodes.running(view, "C") is None  # (stood still for the last 29 s: longer than 10 s)
+    nodes.steps.note(_seen(now - 1, {1: 140}))
+    nodes.steps.note(_seen(now, {1: 142}))
+    got = nodes.running(view, "C")
+    assert got is not None and got[0] == "rank 1 of job j went on from step 140 to 142", got

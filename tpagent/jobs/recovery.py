@@ -167,9 +167,10 @@ class Recovery:
         self.store = self._store_anew(where)
         t = self._stage("store", t)
         # (how a lost rank runs: as its source does, or, where that runs on another node, as the
-        # rank asked about here does: a job's ranks run one command, but for their numbers)
-        like = {d: s if agents[s] == self.here else self.local for d, s in sources.items()}
-        specs = {d: for_rank(self._spec(like[d]), like[d], d, self.job, self.store) for d in sources}
+        # rank asked about here does: a job's ranks run one command, but for their numbers; a
+        # survivor taken back restarts where it runs)
+        like = {d: s if agents[s] == self.here else self.local for d, s in sources.items() if d in self.lost}
+        specs = {d: for_rank(self._spec(s), s, d, self.job, self.store) for d, s in like.items()}
         gen = max(w.gen for w in where.values()) + 1
         for d, spec in sorted(specs.items()):
             self._call(self.request.spare, d, spec, f"start rank {d} on {self.request.spare}")

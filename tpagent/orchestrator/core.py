@@ -252,14 +252,16 @@ class Orchestrator:
         with self.lock:
             silence = {n: now - s.seen for n, s in self.nodes.items() if n not in self.unreachable}
         for n in sorted(n for n, s in silence.items() if s > self.cfg.unreachable_after):
-            why = self.lost_nodes.running(self.view(), n)  # (its ranks run: the network failed, not they)
-            said = f", but {why} since: its ranks run, and are not taken as lost" if why else ""
-            self._declare(n, f"has not reported for {self.cfg.unreachable_after:g} s{said}", lose=why is None)
+            got = self.lost_nodes.running(self.view(), n)  # (its ranks run: the network failed, not they)
+            said = f", but {got[0]}: its ranks are taken as running, not lost" if got else ""
+            self._declare(n, f"has not reported for {self.cfg.unreachable_after:g} s{said}", lose=got is None)
         with self.lock:
             unlost = sorted(self.unlost & self.unreachable)
         for n in unlost:
             if self.lost_nodes.running(self.view(), n) is None:
                 with self.lock:
+                    if n not in self.unlost or n not in self.unreachable:  # (it reported meanwhile)
+                        continue
                     self.unlost.discard(n)
                 self.event("unreachable", f"{n}: its jobs stand still now: its ranks are taken as lost", node=n)
                 if self.cfg.lost_grace > 0:

@@ -119,12 +119,13 @@ class Steps:
     def went_on(self, job: str, ranks: Iterable[int], since: float) -> str | None:
         """Which of ``ranks`` of ``job`` went on by :data:`WENT_ON` steps or more from the first
         step it was seen at after ``since`` (a clause), or None: a node whose ranks of the job
-        had died by ``since`` stops every such rank within a step."""
+        had died by ``since`` stops every such rank within a step.  (A step seen to fall, its
+        agent restarted or the rank restarted from a boundary, takes back none seen before it.)"""
         with self.lock:
             for r in sorted(ranks):
                 after = [step for t, step in self.changes.get((job, r), []) if t > since]
-                if after and after[-1] - after[0] >= WENT_ON:
-                    return f"rank {r} of job {job} went on from step {after[0]} to {after[-1]}"
+                if after and max(after) - after[0] >= WENT_ON:
+                    return f"rank {r} of job {job} went on from step {after[0]} to {max(after)}"
         return None
 
     def pace(self, job: str, ranks: Iterable[int], before: float) -> float | None:
@@ -150,19 +151,32 @@ class LostNodes:
         self.settled: dict[tuple[str, int, str], float] = {}  # (job, rank, node) died there: when its rebuild ended
         self.probed: dict[str, float] = {}  # job -> when its nodes were last looked for (broke)
         self.asked: dict[str, float] = {}  # node -> when its host was last asked, as it was quiet
-        self.steps = Steps(cfg.unreachable_after + 2 * cfg.report_period)
+        #: The longest a job is watched for two of its steps (a slower job's silent node is lost
+        #: once silent that long) and how long the steps of its ranks are kept for it.
+        self.window = 4 * cfg.unreachable_after
+        self.steps = Steps(self.window + 2 * cfg.report_period)
 
-    def running(self, view: View, node: str) -> str | None:
-        """Why ``node``'s ranks run, though it is silent: a job of them went on without it since
-        its ranks could last have died (a report period after its last report, and no earlier than
-        ``unreachable_after`` ago: a job that stopped since then stopped with them); or None."""
+    def running(self, view: View, node: str) -> tuple[str, float] | None:
+        """Why ``node``'s ranks are taken as running though it is silent, and when to look again:
+        a job of them went on without it since its ranks could last have run (a report period
+        after its last report), or too few of a job's steps have passed since then to tell (two,
+        at its pace before, as its ranks say them and the reports carry them).  None once every
+        job of them has stood still that long: a job that stops stops with its ranks (the window
+        slides, no longer than ``unreachable_after`` or two of its steps)."""
         silent = view.nodes[node]
-        since = max(silent.seen + self.cfg.report_period, time.monotonic() - self.cfg.unreachable_after)
+        last = silent.seen + self.cfg.report_period
+        now = time.monotonic()
+        early: tuple[str, float] | None = None
         for job in sorted({r.job for r in silent.ranks}):
-            went = self.steps.went_on(job, _others(view, node, job), since)
+            others = _others(view, node, job)
+            pace = self.steps.pace(job, others, last) or 0.0
+            span = min(2 * max(pace, lines.STEPPED_EVERY) + 2 * self.cfg.report_period, self.window)
+            went = self.steps.went_on(job, others, max(last, now - max(span, self.cfg.unreachable_after)))
             if went is not None:
-                return went
-        return None
+                return went, now + PROBE_EVERY
+            if now < last + span and early is None:
+                early = f"job {job} steps every {pace:.1f} s: too few of its steps have passed", last + span
+        return early
 
     def lost(self, view: View, node: str, moving: Callable[[str], bool]) -> None:
         """``node`` is unreachable: each job of it rebuilt, or its other ranks told (see the module)."""
@@ -249,28 +263,26 @@ class LostNodes:
         still for two of its steps yet."""
         seen = view.nodes[node]
         silent = time.monotonic() - seen.seen
-        if (why := self.running(view, node)) is not None:
-            log.info("node %s has not reported for %.0f s, but %s since: its ranks run", node, silent, why)
-            return
-        since = seen.seen + self.cfg.report_period
-        paces = [self.steps.pace(j, _others(view, node, j), since) for j in {r.job for r in seen.ranks}]
-        slowest = max((p for p in paces if p is not None), default=0.0)
-        # (two of its steps, each as its ranks say them, and the reports that carry them: stood still)
-        due = since + 2 * max(slowest, lines.STEPPED_EVERY) + 2 * self.cfg.report_period
-        if time.monotonic() < due:
-            log.info(
-                "node %s has not reported for %.0f s: its jobs step every %.1f s, too few yet", node, silent, slowest
-            )
-            with self.lock:  # (asked again once that is due, not in PROBE_EVERY s)
-                self.asked[node] = due - PROBE_EVERY
+        if self._runs(view, node, silent):
             return
         if not _host_answers(seen.agent):
-            if (why := self.running(view, node)) is not None:  # (what was reported meanwhile)
-                log.info("node %s has not reported for %.0f s, but %s since: its ranks run", node, silent, why)
+            if self._runs(view, node, silent):  # (what was reported meanwhile)
                 return
             declare(node, f"has not reported for {silent:.0f} s, and its host does not answer ({PROBE:g} s, twice)")
         else:
             log.info("node %s has not reported for %.0f s, but its host answers: its ranks may run on", node, silent)
+
+    def _runs(self, view: View, node: str, silent: float) -> bool:
+        """Whether quiet ``node``'s ranks are taken as running (:meth:`running`): said, and asked
+        again once it is worth it."""
+        got = self.running(view, node)
+        if got is not None:
+            log.info(
+                "node %s has not reported for %.0f s, but %s: its ranks are taken as running", node, silent, got[0]
+            )
+            with self.lock:
+                self.asked[node] = got[1] - PROBE_EVERY
+        return got is not None
 
     def _answers(self, agent: str) -> bool:
         """Whether the agent at ``agent`` says anything (a refusal too) within :data:`PROBE` s, twice:
