@@ -342,8 +342,8 @@ def test_a_node_cut_off_from_the_orchestrator_alone_runs_on_and_is_rebuilt_once_
 def _dropping(c: Cluster, node: str, hook: str, match: str) -> Iterator[None]:
     """Node ``node``'s kernel drops the packets ``match`` (nft) matches at ``hook``, while in the block."""
     rules = f"table inet tp-test {{\n chain cut {{\n  type filter hook {hook} priority 0;\n  {match} drop;\n }}\n}}\n"
-    subprocess.run([*c.nodes[node].exec("nft", "-f", "-")], input=rules, text=True, check=True)
+    subprocess.run(c.nodes[node].exec("nft", "-f", "-"), input=rules, text=True, check=True)
     try:
         yield
     finally:
-        subprocess.run([*c.nodes[node].exec("nft", "delete", "table", "inet", "tp-test")], check=True)
+        subprocess.run(c.nodes[node].exec("nft", "delete", "table", "inet", "tp-test"), check=True)
