@@ -55,6 +55,8 @@ State = Any
 #: The optimizer steps a fresh process runs on its own, by default, before it takes a rank's
 #: state in a model-aware move (DDP rebuilds its buckets in its second).
 WARMUP = 2
+#: GPU ordinals a saved state's CUDA tensors may name (each is mapped to this process's device).
+_CUDA_DEVICES = 64
 
 
 @dataclass
@@ -224,11 +226,9 @@ def read_state(inp: BinaryIO) -> None:
         raise LookupError("this rank registered no training state (tpagent_rank.register)")
     import torch
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-    def here(storage: Any, where: str) -> Any:
-        return storage.to(device=device) if where.startswith("cuda") else storage
-
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    # (a table, not a function: torch maps a tensor subclass's, a DTensor's, only by a table)
+    here = {"cuda": device} | {f"cuda:{i}": device for i in range(_CUDA_DEVICES)}
     try:
         state = _load(torch, inp, here)
     except Exception as e:
@@ -236,7 +236,7 @@ def read_state(inp: BinaryIO) -> None:
     reg.load(state)
 
 
-def _load(torch: Any, inp: BinaryIO, here: Any) -> Any:
+def _load(torch: Any, inp: BinaryIO, here: dict[str, str]) -> Any:
     """``torch.load`` of ``inp``, safely; a file in memory (a memfd, as a state handed over is
     kept) is mapped, not read and copied."""
     path = f"/proc/self/fd/{inp.fileno()}" if _a_file(inp) else None

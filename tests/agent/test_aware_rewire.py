@@ -71,6 +71,25 @@ def test_a_registered_rank_moves_as_its_training_state_and_the_job_runs_on_bit_i
         job.close()
 
 
+@pytest.mark.timeout(600)
+def test_a_rank_of_an_hsdp_job_moves_as_its_shard_of_the_state(
+    quad: Cluster, tmp_path: Path, reference_aware_hsdp: Path
+) -> None:
+    """Four ranks, two a node on A and B, FSDP2 on a 2 x 2 mesh (``--hsdp``: its state holds
+    DTensors, each rank's shard of the parameters and of the optimizer's state): rank 3 moves to D
+    as its training state, and the job runs on bit-identical."""
+    job = Job(quad, tmp_path, extra=("--aware", "--hsdp"), step_time=0.1, names="AB", per_node=2)
+    try:
+        job.at_step(3, 20)
+        before = job.rank_pid(3)
+        moved = _moved(job, 3, "D", "aware")
+        assert "resumed at step" in moved["message"] and moved["timings"]["rank3_state_bytes"] > 0, moved
+        assert not psutil.pid_exists(before)
+        job.finishes_as(reference_aware_hsdp)
+    finally:
+        job.close()
+
+
 def _killed_while_warming_up(job: Job, first: str) -> None:
     """The fresh process on D killed while it warms up: the move fails in one sentence, nothing
     was changed, and the job runs on with rank 1 where it was."""

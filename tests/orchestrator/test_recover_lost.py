@@ -17,6 +17,8 @@ training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
     the store outlives it, and ends once the job has.
 (d) The same job with each rank its own shard (``--aware-alone``: no replica of rank 2 survives):
     it cannot be rebuilt, and every rank ends with one sentence saying so; nothing hangs.
+(m) The job is HSDP's, four ranks (two replicas of two shards): B is killed, and its rank is
+    rebuilt from the replica of its own shard, on D; the job runs on, bit-identical.
 (k) Rank 2's only surviving replica is rank 1 (``--replicas 0;1,2``): A's agent rebuilds it from
     rank 1's state on B, as in (b).
 (e) B and C are killed together: ranks 1 and 2 are rebuilt together on D from rank 0's held
@@ -105,20 +107,27 @@ def _ended(o: Orchestrator) -> list[str]:
 
 @contextlib.contextmanager
 def _running(
-    tmp_path: Path, extra: tuple[str, ...], grace: float = 2.0, step_time: float = 0.05, **settings: float
+    tmp_path: Path,
+    extra: tuple[str, ...],
+    grace: float = 2.0,
+    step_time: float = 0.05,
+    names: str = "ABC",
+    **settings: float,
 ) -> Iterator[tuple[Cluster, Orchestrator, Job]]:
-    """Nodes A-D with agents and an orchestrator, and the job running on A, B, C (D the spare),
-    every rank seen by the orchestrator; all of it ended on the way out."""
-    c = Cluster(tmp_path, list("ABCD"), ifname=IFNAME)
+    """Nodes ``names`` and one more, the spare (D, after A-C), with agents and an orchestrator,
+    and the job running a rank on each of ``names``, every rank seen by the orchestrator; all of
+    it ended on the way out."""
+    c = Cluster(tmp_path, [*names, chr(ord(names[-1]) + 1)], ifname=IFNAME)
     o = Orchestrator(c, tmp_path, lost_grace=grace, **settings)
     job: Job | None = None
     try:
         o.start()
         for node in c.nodes.values():
             node.start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
-        job = Job(c, tmp_path, srun=True, extra=extra, step_time=step_time)  # (ranks 0-2 on A-C; D the spare)
-        job.at_step(2, 20)
-        wait_until(lambda: all(o.rank_on(RUN, r) for r in range(3)), "the orchestrator to see every rank", 60, 0.5)
+        job = Job(c, tmp_path, srun=True, extra=extra, step_time=step_time, names=names)
+        job.at_step(len(names) - 1, 20)
+        every = range(len(names))
+        wait_until(lambda: all(o.rank_on(RUN, r) for r in every), "the orchestrator to see every rank", 60, 0.5)
         yield c, o, job
     finally:
         if job is not None:
@@ -141,12 +150,13 @@ def _ran_on(c: Cluster, o: Orchestrator, job: Job, reference: Path, survivors: s
     codes = {name: job.runs[name].wait(timeout=600) for name in survivors}
     assert codes == dict.fromkeys(survivors, 0), job.output()
     recovered = [e["text"] for e in _events(o) if e["kind"] == "recovered"]
-    assert len(recovered) == 1 and f"rank(s) {rebuilt} rebuilt on {c.nodes['D'].name}" in recovered[0], recovered
+    (spare,) = (node for name, node in c.nodes.items() if name not in job.names)
+    assert len(recovered) == 1 and f"rank(s) {rebuilt} rebuilt on {spare.name}" in recovered[0], recovered
     found = re.search(r"runs on from step (\d+),", recovered[0])
     assert found, recovered[0]
     back = re.search(r"rank\(s\) ([\d, ]+), a step further, taken back to it", recovered[0])
     again = {int(r) for r in back.group(1).split(", ")} if back else set()
-    for r in range(3):
+    for r in range(len(job.names)):
         want = _twice(rank_log(reference, r), int(found.group(1))) if r in again else rank_log(reference, r)
         got = rank_log(job.logs, r)
         assert [ln.split()[1] for ln in got if ln.startswith("step ")] == [
@@ -215,6 +225,21 @@ def test_a_lost_rank_whose_only_replica_runs_on_another_node_than_the_rebuilding
         _lose(c, "C")
         _ran_on(c, o, job, reference_aware, "AB", "2")
         assert "rank(s) 2 rebuilt on" in c.nodes["A"].agent_log()
+
+
+@pytest.mark.timeout(900)
+def test_an_hsdp_job_loses_a_node_and_its_rank_is_rebuilt_from_the_replica_of_its_own_shard(
+    tmp_path: Path, reference_aware_hsdp: Path
+) -> None:
+    """Four ranks, FSDP2 on a 2 x 2 mesh (two replicas of two shards; the replicas derived from the
+    mesh), on A-D, E the spare: B (rank 1, shard 1) is killed.  A's agent rebuilds rank 1 on E
+    from rank 3's state on D, the other replica of shard 1 (ranks 0 and 2 hold shard 0), and the
+    job, every rank restarted from its boundary with its state's DTensors, runs on bit-identical."""
+    with _running(tmp_path, ("--aware", "--hsdp"), names="ABCD") as (c, o, job):
+        _lose(c, "B")
+        _ran_on(c, o, job, reference_aware_hsdp, "ACD", "1")
+        assert "rank(s) 1 rebuilt on" in c.nodes["A"].agent_log()
+        assert "state rank 1's from rank 3 (" in c.nodes["A"].agent_log()
 
 
 @pytest.mark.timeout(900)

@@ -68,16 +68,28 @@ def test_replicas_are_derived_from_ddp_and_from_an_hsdp_mesh_and_plain_fsdp_has_
     assert all("no other rank holds its training state" in r["why"] for r in fsdp), fsdp
 
 
-def test_a_fresh_process_loading_the_state_of_itself_or_of_a_replica_trains_on_bit_identical(tmp_path: Path) -> None:
-    """Both ranks of a DDP job stop at step 3 and write their registered state; fresh processes
-    of the same script (seeded differently: nothing of them is left to chance) load it, rank 0
-    from rank 1's state (its replica's) and rank 1 from its own, and train on to step 6: every
-    loss and the final parameters are those of the job run through without stopping."""
-    whole = _ranks(tmp_path, "whole", "ddp", 2, steps=6)
-    saved = _ranks(tmp_path, "saved", "save", 2, steps=3)
+@pytest.mark.parametrize(
+    ("kind", "sources"),
+    [
+        ("", [1, 1]),  # DDP of 2: rank 0 from rank 1's state, rank 1 from its own
+        ("sharded-", [2, 1, 0, 3]),  # HSDP 2 x 2: ranks 0 and 2 from each other's (same shard)
+    ],
+    ids=["ddp", "hsdp"],
+)
+def test_a_fresh_process_loading_the_state_of_itself_or_of_a_replica_trains_on_bit_identical(
+    tmp_path: Path, kind: str, sources: list[int]
+) -> None:
+    """Every rank of a job stops at step 3 and writes its registered state; fresh processes of the
+    same script (seeded differently: nothing of them is left to chance) load it, some from a
+    replica's state, the others from their own, and train on to step 6: every loss and the final
+    parameters are those of the job run through without stopping.  Under HSDP the state holds
+    DTensors (each rank's shard of the parameters and of Adam's moments)."""
+    world = len(sources)
+    whole = _ranks(tmp_path, "whole", kind + "ddp", world, steps=6)
+    saved = _ranks(tmp_path, "saved", kind + "save", world, steps=3)
     assert all(r["bytes"] > 0 for r in saved)
-    resumed = _ranks(tmp_path, "resumed", ["resume-1", "resume-1"], 2, steps=6)
-    for r in range(2):
+    resumed = _ranks(tmp_path, "resumed", [f"{kind}resume-{s}" for s in sources], world, steps=6)
+    for r in range(world):
         assert saved[r]["losses"] == {k: v for k, v in whole[r]["losses"].items() if int(k) <= 3}
         assert resumed[r]["losses"] == {k: v for k, v in whole[r]["losses"].items() if int(k) > 3}, r
         assert resumed[r]["params"] == whole[r]["params"]

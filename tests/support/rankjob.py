@@ -86,6 +86,12 @@ def reference_aware(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _reference(tmp_path_factory.mktemp("reference-aware"), "--aware")
 
 
+@pytest.fixture(scope="session")
+def reference_aware_hsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``--aware`` with FSDP2 on a 2 x 2 mesh, four ranks (``--hsdp``: two replicas of two shards)."""
+    return _reference(tmp_path_factory.mktemp("reference-aware-hsdp"), "--aware", "--hsdp", nproc=4)
+
+
 #: ``--aware`` where each rank also keeps GPU state reduced over an NCCL group of its own (world
 #: size 1: one GPU takes no two ranks of one NCCL communicator), registered with its training state.
 AWARE_ON_GPU = ("--aware", "--own-groups", "nccl")

@@ -10,6 +10,9 @@ MODE:
   resume-N   a fresh process of the same script: loads STATE_DIR/state-N (rank N's state, a
              replica's for another rank), then trains on to STEPS
   hsdp       FSDP2 on a 2x2 mesh (replicate, shard): prints the replicas derived
+  sharded-ddp, sharded-save, sharded-resume-N
+             ddp, save and resume-N of the same training with FSDP2 on that mesh (HSDP: each
+             rank holds a shard, replicated on the other half; its state holds DTensors)
   hsdp-mesh  the same, the replicas given as (mesh, "replicate")
   fsdp       FSDP2 on a 1-D mesh (shards only): prints that no replicas are known
 
@@ -44,8 +47,15 @@ def main() -> None:
     store_file, r, w, mode, steps, state_dir = sys.argv[1:7]
     rank, world, last = int(r), int(w), int(steps)
     dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank, world_size=world)
-    torch.manual_seed(7 if mode.startswith("resume") else 0)  # (a fresh process starts elsewhere)
+    torch.manual_seed(7 if "resume" in mode else 0)  # (a fresh process starts elsewhere)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    sharded = mode.startswith("sharded")
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(net, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+        mode = mode.removeprefix("sharded-")
     if mode.startswith(("hsdp", "fsdp")):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -57,7 +67,7 @@ def main() -> None:
         print(json.dumps({"replicas": aware.replica_ranks(), "why": aware.why_no_replicas()}), flush=True)
         dist.destroy_process_group()
         return
-    model = torch.nn.parallel.DistributedDataParallel(net)
+    model = net if sharded else torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     state = {"step": 0}
 
@@ -87,7 +97,8 @@ def main() -> None:
             print("step", state["step"], losses[state["step"]], flush=True)
             time.sleep(0.05)
     out: dict[str, object] = {"losses": losses, "replicas": aware.replica_ranks()}
-    out["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+    whole = [p.full_tensor() if sharded else p for p in model.parameters()]  # type: ignore[operator]
+    out["params"] = [p.detach().flatten().tolist() for p in whole]
     if mode == "save":
         with open(Path(state_dir) / f"state-{rank}", "wb") as f:
             out["bytes"] = aware.write_state(f)

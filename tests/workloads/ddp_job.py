@@ -5,6 +5,7 @@ own generator, so every rank's losses and the final parameters are the same on e
     ddp_job.py --steps N --log-dir DIR [--step-time S] [--width W] [--no-optimizer]
                [--cuda [--backend nccl] [--device-id]] [--gpu-rank R]
                [--aware | --aware-alone] [--replicas GROUPS] [--own-groups BACKEND] [--die-at K]
+               [--hsdp]
 
 With ``--no-optimizer`` it updates its parameters by hand (no torch.optim: the rank runtime
 never sees an optimizer step, so a rewire stops it between two collectives).  With ``--cuda``
@@ -32,6 +33,10 @@ training state, its sum written on each line ("... avg <hex>").
 With ``--die-at K`` (and ``--aware``), rank 0 SIGKILLs itself once, in step K, after the job-wide
 all-reduce and once rank 2 has written its line of step K: rank 2, in no collective with rank 0
 from there on, finishes step K, while rank 1 is caught in the subgroup's all-reduce.
+With ``--hsdp`` (an even number of ranks) the model is FSDP2's on a (world / 2, 2) DeviceMesh
+(replicate x shard) instead of DDP: each rank holds half of every parameter, its optimizer state
+too, replicated on the ranks of the same shard (rank r's replicas hold shard r % 2: with
+``--aware`` the runtime derives them from the mesh).
 
 Each rank appends "step K <its loss> <global loss> <subgroup loss>" (floats in hex: exact) to
 DIR/rank{R}.log, one open per line, and "done <sha256 of the parameters>" at the end; and
@@ -51,7 +56,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.distributed_c10d import split_group
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils import parameters_to_vector
 
@@ -72,6 +80,7 @@ def main() -> None:
     p.add_argument("--die-at", type=int, default=-1)
     p.add_argument("--own-groups", default="")
     p.add_argument("--replicas", default="")
+    p.add_argument("--hsdp", action="store_true")
     a = p.parse_args()
     dev = torch.device("cuda", 0) if a.cuda else torch.device("cpu")
     if a.cuda:
@@ -86,7 +95,12 @@ def main() -> None:
     own = [dist.new_group([r], backend=a.own_groups) for r in range(world)][rank] if a.own_groups else None
     gpu_sum = torch.zeros(1, dtype=torch.float64, device="cuda") if rank == a.gpu_rank else None
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(16, a.width), nn.Tanh(), nn.Linear(a.width, 1)).to(dev))
+    net = nn.Sequential(nn.Linear(16, a.width), nn.Tanh(), nn.Linear(a.width, 1)).to(dev)
+    if a.hsdp:
+        mesh = init_device_mesh(dev.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        model: nn.Module = fully_shard(net, mesh=mesh)
+    else:
+        model = DDP(net)
     opt = None if a.no_optimizer else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = torch.Generator().manual_seed(1000 + rank)
     log = a.log_dir / f"rank{rank}.log"
@@ -124,7 +138,8 @@ def main() -> None:
 
 
 def _done(model: nn.Module, log: Path) -> None:
-    digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in model.parameters())).hexdigest()
+    whole = [t.full_tensor() if isinstance(t, DTensor) else t for t in model.parameters()]  # (sharded: gathered)
+    digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in whole)).hexdigest()
     with open(log, "a") as f:
         f.write(f"done {digest}\n")
     dist.destroy_process_group()

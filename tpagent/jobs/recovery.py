@@ -193,12 +193,14 @@ class Recovery:
         self._stage("resume", t)
         self.stages["total"] = round(time.monotonic() - t0, 4)
         lost = ", ".join(map(str, self.lost))
+        given = ", ".join(f"rank {d}'s from rank {s}" for d, s in sorted(sources.items()))
         log.info(
-            "job %s: rank(s) %s rebuilt on %s from step %d (%s)",
+            "job %s: rank(s) %s rebuilt on %s from step %d, state %s (%s)",
             self.job,
             lost,
             self.request.spare,
             boundary,
+            given,
             self.stages,
         )
         stages = tuple(f"{k}={v}" for k, v in self.stages.items())
