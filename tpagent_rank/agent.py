@@ -416,7 +416,7 @@ class Rank:
                 host=nccladdr.host_identity(),
                 hosts_store=self.store_facts[0],
                 store_loopback=self.store_facts[1],
-                aware=aware.registration() is not None,
+                aware=aware.usable(),
                 replicas=replicas or (),
                 no_replicas=aware.why_no_replicas() if replicas is None else "",
                 held=self.held.step if self.held is not None else -1,

@@ -17,8 +17,10 @@ from a replica's (unplanned recovery, :mod:`tpagent_rank.recover`), so the state
 replicas share (model, optimizer, step): the rank's own data position and RNG draw from its step
 and its rank, as after a checkpoint rank 0 wrote.  The runtime calls both on
 the training thread, at a step boundary only.  The state is made of tensors, numbers, strings,
-``None``, and lists, tuples and dicts of them: what torch's safe loader reads (a state from
-another process is never unpickled as arbitrary objects).
+``None``, numpy arrays, and lists, tuples and dicts of them: what torch's safe loader reads (a
+state from another process is never unpickled as arbitrary objects).  The first state ``save``
+returns is checked for that (:func:`check`): a rank whose state holds anything else is said, once,
+to move only as its process image.
 
 ``warmup`` is how many optimizer steps a fresh process of the script runs on its own before it
 takes a rank's state in a model-aware move (:mod:`tpagent_rank.join`): enough for the wrappers
@@ -43,12 +45,18 @@ and kept, and nothing calls it.  Standard library only at import, as all of :mod
 from __future__ import annotations
 
 import gc
+import io
 import os
+import re
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
+
+from tpagent_rank.notice import say
+from tpagent_rank.protocol import UNREADABLE
 
 #: The value ``save`` returns and ``load`` takes.
 State = Any
@@ -68,6 +76,7 @@ class Registration:
     resolved: tuple[int, ...] | None = field(default=None, repr=False)
     why_none: str = ""  # why no replicas are known ("" once resolved to some)
     lookup: str = ""  # why none were found when last asked (asked again: they may exist later)
+    unreadable: str | None = None  # why a state it saved cannot be read back ("": it can; None: not yet seen)
 
 
 _lock = threading.Lock()
@@ -107,7 +116,7 @@ def replica_ranks() -> tuple[int, ...] | None:
     None where none are known (nothing registered, or nothing to derive them from: see
     :func:`why_no_replicas`).  Resolved once, on first asking, once groups exist."""
     reg = registration()
-    if reg is None:
+    if reg is None or reg.unreadable:
         return None
     if reg.resolved is None and not reg.why_none:
         try:
@@ -127,7 +136,61 @@ def why_no_replicas() -> str:
     if reg is None:
         return "it registered no training state (tpagent_rank.register)"
     replica_ranks()
-    return reg.why_none or reg.lookup
+    return reg.unreadable or reg.why_none or reg.lookup
+
+
+def usable() -> bool:
+    """Whether this rank registered a training state that another process can read back (as far
+    as the first one it saved shows: see :func:`check`)."""
+    reg = registration()
+    return reg is not None and not reg.unreadable
+
+
+def check(reg: Registration, state: State) -> str:
+    """(Once, with the first state ``save`` returns.)  Why a fresh process could not read such a
+    state back, or "": ``state`` written and read with torch's safe loader, every tensor in it
+    emptied first (no data is copied).  Said once on standard error: such a rank moves only as
+    its process image, and is rebuilt from no replica."""
+    if reg.unreadable is None:
+        import torch
+
+        out = io.BytesIO()
+        try:
+            torch.save(_emptied(torch, state, 0), out)
+            out.seek(0)
+            with torch.serialization.safe_globals(_numpy_globals()):
+                torch.load(out, weights_only=True)
+            reg.unreadable = ""
+        except Exception as e:  # (the user's objects: whatever torch says of them)
+            reg.unreadable = f"{UNREADABLE}: {_why(e)}"
+            say(f"{reg.unreadable}: it can move only as its process image, and cannot be rebuilt from a replica")
+    return reg.unreadable
+
+
+def _emptied(torch: Any, value: Any, depth: int) -> Any:
+    """``value`` with each tensor in its dicts, lists and tuples replaced by an empty one of its dtype."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty(0, dtype=value.dtype)
+    kind = type(value)
+    if depth > 64:
+        return value
+    if kind is dict or kind is OrderedDict:
+        return kind((k, _emptied(torch, v, depth + 1)) for k, v in value.items())
+    if kind is list or kind is tuple:
+        return kind(_emptied(torch, v, depth + 1) for v in value)
+    return value
+
+
+def _why(error: BaseException) -> str:
+    """What torch's safe loader refused, in a few words."""
+    text = str(error)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        return (
+            f"it holds {found.group(1)}, which torch's safe loader does not read "
+            "(a class of plain data may be allowed with torch.serialization.add_safe_globals)"
+        )
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _resolve(given: Any) -> tuple[int, ...]:
@@ -232,7 +295,7 @@ def read_state(inp: BinaryIO) -> None:
     try:
         state = _load(torch, inp, here)
     except Exception as e:
-        raise ValueError(f"the training state cannot be read safely: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"the training state cannot be read safely: {_why(e)}") from None
     reg.load(state)
 
 
@@ -240,14 +303,26 @@ def _load(torch: Any, inp: BinaryIO, here: dict[str, str]) -> Any:
     """``torch.load`` of ``inp``, safely; a file in memory (a memfd, as a state handed over is
     kept) is mapped, not read and copied."""
     path = f"/proc/self/fd/{inp.fileno()}" if _a_file(inp) else None
-    if path is not None:
-        try:
-            return torch.load(path, map_location=here, weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):  # (an older format cannot be mapped: read below)
-                raise
-    inp.seek(0)
-    return torch.load(inp, map_location=here, weights_only=True)
+    with torch.serialization.safe_globals(_numpy_globals()):
+        if path is not None:
+            try:
+                return torch.load(path, map_location=here, weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):  # (an older format cannot be mapped: read below)
+                    raise
+        inp.seek(0)
+        return torch.load(inp, map_location=here, weights_only=True)
+
+
+def _numpy_globals() -> list[Any]:
+    """What a numpy array, scalar or dtype is rebuilt with (a state often holds numpy's RNG
+    state): data, not code; an array of objects holds only what the safe loader read itself."""
+    np = sys.modules.get("numpy")  # (torch imports it where it is installed)
+    if np is None:
+        return []
+    core = getattr(np, "_core", None) or np.core  # (numpy 2 renamed it)
+    dtypes = [t for t in vars(getattr(np, "dtypes", object)).values() if isinstance(t, type)]
+    return [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype, *dtypes]
 
 
 def _a_file(inp: BinaryIO) -> bool:

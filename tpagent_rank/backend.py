@@ -238,7 +238,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
             self._first = None
             self._armed = False
             owned.note_since(first)
-        if work is not None and self._gloo and aware.registration() is not None:
+        if work is not None and self._gloo and aware.usable():
             return recover.holding(work)  # (its failure is held from the script while the job may recover)
         return work
 

@@ -83,6 +83,9 @@ AGENT_KEY = "tpagent/agent/"
 #: Where the job's identity is agreed in its store: the first rank to connect to its agent puts a
 #: fresh random value there, every rank reads the one that stands (see :data:`ASKED_FREELY`).
 JOB_KEY = "tpagent/job-key"
+#: How a registered rank whose state another process could not read back (``Standing.aware``
+#: false) begins to say why in ``Standing.no_replicas``.
+UNREADABLE = "its training state cannot be read safely"
 #: Set to "1" in the environment of a fresh process of a rank's command that is to take the
 #: rank's place with its training state (a model-aware move: :mod:`tpagent_rank.join`).
 JOIN_VARIABLE = "TPAGENT_RANK_JOIN"

@@ -62,6 +62,8 @@ def capture(rank: Rank, groups: Callable[[], int]) -> None:
 
     reg = aware.registration()
     state = reg.save() if reg is not None else None
+    if reg is not None and aware.check(reg, state):
+        reg = None  # (one another process cannot read back is never held)
     with rank.cond:
         if reg is not None:
             rank.held = Held(rank.step, rank.collectives, groups(), state)
@@ -170,7 +172,7 @@ class Broken:
         from tpagent_rank import aware
 
         rank = self.rank
-        if rank is None or rank.sock is None or rank.ended or aware.registration() is None:
+        if rank is None or rank.sock is None or rank.ended or not aware.usable():
             return ""
         with self.lock:
             first = not self.why

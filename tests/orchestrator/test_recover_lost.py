@@ -16,7 +16,8 @@ training state (``tests/workloads/ddp_job.py --aware``); D is a free spare.
     the store there; the job runs on, bit-identical, as in (b).  B's agent restarted meanwhile,
     the store outlives it, and ends once the job has.
 (d) The same job with each rank its own shard (``--aware-alone``: no replica of rank 2 survives):
-    it cannot be rebuilt, and every rank ends with one sentence saying so; nothing hangs.
+    it cannot be rebuilt, and every rank ends with one sentence saying so; nothing hangs.  The
+    same where both replicas of one shard of an HSDP job (below, (m)) are killed together.
 (m) The job is HSDP's, four ranks (two replicas of two shards): B is killed, and its rank is
     rebuilt from the replica of its own shard, on D; the job runs on, bit-identical.
 (k) Rank 2's only surviving replica is rank 1 (``--replicas 0;1,2``): A's agent rebuilds it from
@@ -308,6 +309,22 @@ def test_a_lost_rank_with_no_surviving_replica_ends_the_job_in_one_sentence(tmp_
         assert "cannot be rebuilt: no replica of rank 2's training state survives" in said
         lost = [e for e in _events(o) if e["kind"] == "lost"]
         assert lost and "cannot be rebuilt" in lost[0]["text"], lost
+
+
+@pytest.mark.timeout(600)
+def test_both_replicas_of_a_shard_lost_end_the_hsdp_job_in_one_sentence(tmp_path: Path) -> None:
+    """The four-rank HSDP job of (m): B and D, ranks 1 and 3, both replicas of shard 1, are killed
+    together: nothing holds that shard any more, and every rank left ends with one sentence."""
+    with _running(tmp_path, ("--aware", "--hsdp"), names="ABCD") as (c, o, job):
+        _lose(c, "B")
+        _lose(c, "D")
+        for name in "AC":
+            assert job.runs[name].wait(timeout=300) != 0
+        said = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.out"))
+        for rank in (0, 2):
+            assert f"rank {rank} of job {RUN} stops: rank(s) " in said, said[-3000:]
+        assert "cannot be rebuilt: no replica of rank 1's training state survives" in said, said[-3000:]
+        assert not _events_of(o, "recovered")
 
 
 @pytest.mark.timeout(900)

@@ -96,6 +96,43 @@ def test_a_fresh_process_loading_the_state_of_itself_or_of_a_replica_trains_on_b
     assert whole[0]["losses"] != whole[1]["losses"]  # (each rank its own data: the check can fail)
 
 
+CHECK = """
+import collections, sys, numpy, torch
+sys.path[:0] = [sys.argv[1]]
+from tpagent_rank import aware
+big = torch.ones(1 << 26)  # (256 MiB: emptied, not copied, to be checked)
+plain = {"w": big, "opt": {"state": {0: {"m": big}}}, "np": numpy.random.get_state(), "o": collections.OrderedDict(a=1)}
+print("plain", repr(aware.check(aware.Registration(dict, print), plain)))
+reg = aware.Registration(dict, print)
+print("counter", repr(aware.check(reg, {"w": big, "seen": collections.defaultdict(int)})))
+print("again", repr(aware.check(reg, {})))
+aware.register(save=dict, load=print)
+aware.registration().unreadable = reg.unreadable
+print("usable", aware.usable(), aware.replica_ranks(), repr(aware.why_no_replicas()))
+"""
+
+
+def test_a_state_another_process_could_not_read_back_is_said_once_and_the_rank_counts_as_unregistered(
+    tmp_path: Path,
+) -> None:
+    """The first state a rank saves is written and read back as a fresh process would, its tensors
+    emptied: numpy's RNG state and plain containers pass; a defaultdict (not what torch's safe
+    loader reads) is said once, on standard error, with what it is, and the rank is then neither
+    movable as its state nor a replica to rebuild from."""
+    runtime_env(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", CHECK, str(tmp_path / "runtime")], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    said = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    assert said["plain"] == "''", said
+    why = "its training state cannot be read safely: it holds collections.defaultdict, which torch's safe loader"
+    assert said["counter"].startswith(repr(why)[:-1]) and said["again"] == said["counter"], said
+    assert said["usable"].startswith("False None " + repr(why)[:-1]), said
+    warned = [line for line in out.stderr.splitlines() if line.startswith("tpagent_rank: ")]
+    assert len(warned) == 1 and why in warned[0] and "only as its process image" in warned[0], out.stderr
+
+
 EVIL = """
 import os, sys, torch
 sys.path[:0] = [sys.argv[1]]

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -75,9 +76,15 @@ def main() -> None:
         model.load_state_dict(saved["model"])  # type: ignore[arg-type]
         opt.load_state_dict(saved["opt"])  # type: ignore[arg-type]
         state["step"] = int(saved["step"])  # type: ignore[call-overload]
+        numpy.random.set_state(saved["numpy"])  # type: ignore[arg-type]
 
-    tpagent_rank.register(
-        save=lambda: {"model": model.state_dict(), "opt": opt.state_dict(), "step": state["step"]},
+    tpagent_rank.register(  # (numpy's RNG state too, as scripts keep it: numpy arrays in a tuple)
+        save=lambda: {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "step": state["step"],
+            "numpy": numpy.random.get_state(),
+        },
         load=load,
         warmup=int(os.environ.get("AWARE_WARMUP", aware.WARMUP)),
     )

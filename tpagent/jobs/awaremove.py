@@ -74,7 +74,9 @@ class AwareRewire(Rewire):
     def _problems(self, where: dict[int, P.Standing]) -> tuple[list[str], dict[int, P.Join]]:
         ranks = sorted(self.moving)
         problems = [
-            f"rank {r} registered no training state (tpagent_rank.register), so only its process image "
+            f"rank {r}: {where[r].no_replicas}, so only its process image can move (--mode transparent)"
+            if where[r].no_replicas.startswith(P.UNREADABLE)
+            else f"rank {r} registered no training state (tpagent_rank.register), so only its process image "
             "can move (--mode transparent)"
             for r in ranks
             if not where[r].aware

@@ -218,6 +218,9 @@ class Recovery:
         if bad:
             raise Failed("; ".join(bad))
         where = {r: a for r, a in answers.items() if isinstance(a, P.Standing)}
+        unreadable = [f"rank {r}: {w.no_replicas}" for r, w in where.items() if w.no_replicas.startswith(P.UNREADABLE)]
+        if unreadable:
+            raise Failed("; ".join(unreadable))
         unregistered = [r for r, w in where.items() if not w.aware or w.held < 0]
         if unregistered:
             ranks = ", ".join(map(str, unregistered))
