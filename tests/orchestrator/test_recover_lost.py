@@ -301,12 +301,7 @@ def test_with_lost_ranks_left_to_their_jobs_a_rank_killed_alone_ends_at_once_as_
 def test_a_lost_rank_with_no_surviving_replica_ends_the_job_in_one_sentence(tmp_path: Path) -> None:
     with _running(tmp_path, ("--aware-alone",)) as (c, o, job):
         _lose(c, "C")
-        for name in "AB":
-            assert job.runs[name].wait(timeout=300) != 0
-        said = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.out"))
-        for rank in (0, 1):
-            assert f"rank {rank} of job {RUN} stops: rank(s) 2 of job {RUN} were lost with" in said, said[-3000:]
-        assert "cannot be rebuilt: no replica of rank 2's training state survives" in said
+        _ended_in_one_sentence(job, tmp_path, "AB", lost=2)
         lost = [e for e in _events(o) if e["kind"] == "lost"]
         assert lost and "cannot be rebuilt" in lost[0]["text"], lost
 
@@ -318,13 +313,20 @@ def test_both_replicas_of_a_shard_lost_end_the_hsdp_job_in_one_sentence(tmp_path
     with _running(tmp_path, ("--aware", "--hsdp"), names="ABCD") as (c, o, job):
         _lose(c, "B")
         _lose(c, "D")
-        for name in "AC":
-            assert job.runs[name].wait(timeout=300) != 0
-        said = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.out"))
-        for rank in (0, 2):
-            assert f"rank {rank} of job {RUN} stops: rank(s) " in said, said[-3000:]
-        assert "cannot be rebuilt: no replica of rank 1's training state survives" in said, said[-3000:]
+        _ended_in_one_sentence(job, tmp_path, "AC", lost=1)
         assert not _events_of(o, "recovered")
+
+
+def _ended_in_one_sentence(job: Job, tmp_path: Path, survivors: str, lost: int) -> None:
+    """The launchers of ``survivors`` end (not 0), each rank of them having said in one line that
+    the job cannot be rebuilt: rank ``lost`` has no replica left."""
+    for name in survivors:
+        assert job.runs[name].wait(timeout=300) != 0
+    said = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.out"))
+    for rank in map(job.names.index, survivors):
+        assert f"rank {rank} of job {RUN} stops: rank(s) " in said, said[-3000:]
+    assert f"of job {RUN} were lost with" in said, said[-3000:]
+    assert f"cannot be rebuilt: no replica of rank {lost}'s training state survives" in said, said[-3000:]
 
 
 @pytest.mark.timeout(900)
