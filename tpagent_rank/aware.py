@@ -168,10 +168,14 @@ def check(reg: Registration, state: State) -> str:
 
 
 def _emptied(torch: Any, value: Any, depth: int) -> Any:
-    """``value`` with each tensor in its dicts, lists and tuples replaced by an empty one of its dtype."""
+    """``value`` with each tensor (and numpy array of numbers) in its dicts, lists and tuples
+    replaced by an empty one of its dtype."""
     if isinstance(value, torch.Tensor):
         return torch.empty(0, dtype=value.dtype)
     kind = type(value)
+    np = sys.modules.get("numpy")
+    if np is not None and kind is np.ndarray and not value.dtype.hasobject:
+        return np.empty(0, dtype=value.dtype)
     if depth > 64:
         return value
     if kind is dict or kind is OrderedDict:
@@ -316,13 +320,14 @@ def _load(torch: Any, inp: BinaryIO, here: dict[str, str]) -> Any:
 
 def _numpy_globals() -> list[Any]:
     """What a numpy array, scalar or dtype is rebuilt with (a state often holds numpy's RNG
-    state): data, not code; an array of objects holds only what the safe loader read itself."""
+    state), and empty bytes (an empty array's data): data, not code; an array of objects holds
+    only what the safe loader read itself."""
     np = sys.modules.get("numpy")  # (torch imports it where it is installed)
     if np is None:
-        return []
+        return [bytes]  # (as pickle's protocol 2 makes b"")
     core = getattr(np, "_core", None) or np.core  # (numpy 2 renamed it)
     dtypes = [t for t in vars(getattr(np, "dtypes", object)).values() if isinstance(t, type)]
-    return [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype, *dtypes]
+    return [bytes, core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype, *dtypes]
 
 
 def _a_file(inp: BinaryIO) -> bool:

@@ -102,6 +102,7 @@ sys.path[:0] = [sys.argv[1]]
 from tpagent_rank import aware
 big = torch.ones(1 << 26)  # (256 MiB: emptied, not copied, to be checked)
 plain = {"w": big, "opt": {"state": {0: {"m": big}}}, "np": numpy.random.get_state(), "o": collections.OrderedDict(a=1)}
+plain["order"] = numpy.arange(1 << 25).reshape(2, -1)  # (a data order, 256 MiB: emptied too)
 print("plain", repr(aware.check(aware.Registration(dict, print), plain)))
 reg = aware.Registration(dict, print)
 print("counter", repr(aware.check(reg, {"w": big, "seen": collections.defaultdict(int)})))
@@ -116,7 +117,7 @@ def test_a_state_another_process_could_not_read_back_is_said_once_and_the_rank_c
     tmp_path: Path,
 ) -> None:
     """The first state a rank saves is written and read back as a fresh process would, its tensors
-    emptied: numpy's RNG state and plain containers pass; a defaultdict (not what torch's safe
+    and numpy arrays emptied: numpy's RNG state, arrays and plain containers pass; a defaultdict (not what torch's safe
     loader reads) is said once, on standard error, with what it is, and the rank is then neither
     movable as its state nor a replica to rebuild from."""
     runtime_env(tmp_path)
