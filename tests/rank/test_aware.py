@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from support.runtime import runtime_env
+from support.helpers import wait_until
+from support.runtime import PlayedAgent, runtime_env
+from tpagent_rank import protocol as P
 
 pytest.importorskip("torch")
 
@@ -132,6 +134,32 @@ def test_a_state_another_process_could_not_read_back_is_said_once_and_the_rank_c
     assert said["usable"].startswith("False None " + repr(why)[:-1]), said
     warned = [line for line in out.stderr.splitlines() if line.startswith("tpagent_rank: ")]
     assert len(warned) == 1 and why in warned[0] and "only as its process image" in warned[0], out.stderr
+
+
+def test_a_rank_whose_state_cannot_be_read_back_trains_on_and_tells_its_agent_it_moves_only_as_its_image(
+    tmp_path: Path,
+) -> None:
+    """A rank whose registered state holds a defaultdict, under its agent (played here): it says
+    so once, trains on as ever, holds no state to rebuild from, and its agent hears why."""
+    name = f"tpagent-test-{os.getpid()}-unreadable"
+    agent = PlayedAgent(name)
+    env = runtime_env(tmp_path, TPAGENT_JOB="j", TPAGENT_RANK_SOCKET=name, AWARE_DEFAULTDICT="1", OMP_NUM_THREADS="1")
+    argv = [sys.executable, str(JOB), str(tmp_path / "store"), "0", "1", "steps", "40", str(tmp_path)]
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        agent.welcome()
+        wait_until(lambda: agent.ask(P.Where()).step >= 2, "the rank to take two steps", 60, 0.1)
+        standing = agent.ask(P.Where())
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        agent.close()
+    assert not standing.aware and standing.held == -1 and not standing.replicas, standing
+    assert standing.no_replicas.startswith(P.UNREADABLE + ": it holds collections.defaultdict"), standing
+    assert proc.returncode == 0 and len(json.loads(out.splitlines()[-1])["losses"]) == 40, err[-2000:]
+    assert err.count(P.UNREADABLE) == 1, err[-2000:]
 
 
 EVIL = """

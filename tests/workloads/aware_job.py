@@ -17,6 +17,7 @@ MODE:
   fsdp       FSDP2 on a 1-D mesh (shards only): prints that no replicas are known
 
 AWARE_WARMUP in the environment: the warm-up it registers (a joiner's steps on its own).
+AWARE_DEFAULTDICT: its state also holds a defaultdict (not what torch's safe loader reads).
 
 Each step's batch is drawn from a generator seeded by (step, rank): a step redone anywhere
 draws the same batch.  The loop runs on the registered step, so a loaded state resumes it.
@@ -24,6 +25,7 @@ draws the same batch.  The loop runs on the registered step, so a loaded state r
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -78,12 +80,14 @@ def main() -> None:
         state["step"] = int(saved["step"])  # type: ignore[call-overload]
         numpy.random.set_state(saved["numpy"])  # type: ignore[arg-type]
 
+    unreadable = {"seen": collections.defaultdict(int)} if os.environ.get("AWARE_DEFAULTDICT") else {}
     tpagent_rank.register(  # (numpy's RNG state too, as scripts keep it: numpy arrays in a tuple)
         save=lambda: {
             "model": model.state_dict(),
             "opt": opt.state_dict(),
             "step": state["step"],
             "numpy": numpy.random.get_state(),
+            **unreadable,
         },
         load=load,
         warmup=int(os.environ.get("AWARE_WARMUP", aware.WARMUP)),
