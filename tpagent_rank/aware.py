@@ -293,17 +293,23 @@ def read_state(inp: BinaryIO) -> None:
         raise LookupError("this rank registered no training state (tpagent_rank.register)")
     import torch
 
-    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    # (a table, not a function: torch maps a tensor subclass's, a DTensor's, only by a table)
-    here = {"cuda": device} | {f"cuda:{i}": device for i in range(_CUDA_DEVICES)}
     try:
-        state = _load(torch, inp, here)
+        state = _load(torch, inp, device_table(torch))
     except Exception as e:
         raise ValueError(f"the training state cannot be read safely: {_why(e)}") from None
     reg.load(state)
 
 
-def _load(torch: Any, inp: BinaryIO, here: dict[str, str]) -> Any:
+def device_table(torch: Any) -> dict[Any, str]:
+    """Every CUDA device a saved state may name -> this process's device, as ``map_location``: a
+    table, not a function (torch maps a tensor subclass's device, a DTensor's, only by a table,
+    and looks it up by its ``torch.device``, a storage's by its name)."""
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    names = ["cuda", *(f"cuda:{i}" for i in range(_CUDA_DEVICES))]
+    return {key: device for name in names for key in (name, torch.device(name))}
+
+
+def _load(torch: Any, inp: BinaryIO, here: dict[Any, str]) -> Any:
     """``torch.load`` of ``inp``, safely; a file in memory (a memfd, as a state handed over is
     kept) is mapped, not read and copied."""
     path = f"/proc/self/fd/{inp.fileno()}" if _a_file(inp) else None

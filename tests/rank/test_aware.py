@@ -162,6 +162,19 @@ def test_a_rank_whose_state_cannot_be_read_back_trains_on_and_tells_its_agent_it
     assert err.count(P.UNREADABLE) == 1, err[-2000:]
 
 
+def test_a_states_cuda_devices_map_to_this_process_s_whether_named_or_given_as_devices() -> None:
+    """A storage's location is looked up by name, a DTensor's device by its ``torch.device``:
+    both map to this process's device (here the CPU, which has no GPU to take them)."""
+    import torch
+
+    from tpagent_rank import aware
+
+    table = aware.device_table(torch)
+    for key in ("cuda", "cuda:0", "cuda:7", torch.device("cuda", 7), torch.device("cuda")):
+        assert table[key] == (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"), key
+    assert torch.device("cpu") not in table and "cpu" not in table
+
+
 EVIL = """
 import os, sys, torch
 sys.path[:0] = [sys.argv[1]]
