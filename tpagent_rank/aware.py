@@ -157,9 +157,7 @@ def check(reg: Registration, state: State) -> str:
         out = io.BytesIO()
         try:
             torch.save(_emptied(torch, state, 0), out)
-            out.seek(0)
-            with torch.serialization.safe_globals(_numpy_globals()):
-                torch.load(out, weights_only=True)
+            _load(torch, out, device_table(torch))  # (read as a replica's state would be)
             reg.unreadable = ""
         except Exception as e:  # (the user's objects: whatever torch says of them)
             reg.unreadable = f"{UNREADABLE}: {_why(e)}"

@@ -74,10 +74,7 @@ class AwareRewire(Rewire):
     def _problems(self, where: dict[int, P.Standing]) -> tuple[list[str], dict[int, P.Join]]:
         ranks = sorted(self.moving)
         problems = [
-            f"rank {r}: {where[r].no_replicas}, so only its process image can move (--mode transparent)"
-            if where[r].no_replicas.startswith(P.UNREADABLE)
-            else f"rank {r} registered no training state (tpagent_rank.register), so only its process image "
-            "can move (--mode transparent)"
+            f"rank {r}{_unmovable(where[r])}, so only its process image can move (--mode transparent)"
             for r in ranks
             if not where[r].aware
         ]
@@ -282,3 +279,10 @@ class AwareRewire(Rewire):
         self._write(r.phase)
         self._rebuild(agents, r.gen)
         return self._resumed(agents, r.joiners[r.kept[-1]] if r.kept else 0)
+
+
+def _unmovable(seen: P.Standing) -> str:
+    """Why a rank cannot move as its state: its state cannot be read back, or it registered none."""
+    if seen.no_replicas.startswith(P.UNREADABLE):
+        return f": {seen.no_replicas}"
+    return " registered no training state (tpagent_rank.register)"
