@@ -2,13 +2,11 @@
 agent's side is ``tpagent/jobs/ranks.py``), and what the agent asks of the rank: stop at a step,
 tear the communicators down, let go of the store, rebuild, go on.
 
-The training thread is only ever touched in the optimizer step post-hook (:func:`_after_step`)
-and, for a job with no optimizer, as it enters a collective of the default group
-(:func:`_before_collective`): each counts, and parks there when asked.  The agent picks the unit
-(see ``tpagent/jobs/rewire.py``): optimizer steps once any rank has taken one, else the default
-group's collectives, which every rank of an SPMD job issues in the same order.  Everything
-else runs in this module's threads.
-"""
+The training thread is only ever touched in the optimizer step post-hook (:func:`_after_step`) and,
+for a job with no optimizer, as it enters a collective of the default group (:func:`_before_collective`):
+each counts, and parks there when asked.  The agent picks the unit (``tpagent/jobs/rewire.py``):
+optimizer steps once any rank has taken one, else the default group's collectives, which every rank
+of an SPMD job issues in the same order.  Everything else runs in this module's threads."""
 
 from __future__ import annotations
 
@@ -48,6 +46,7 @@ class Rank:
         self.unit = P.Unit.STEP.value  # what stop_at counts
         self.parked = False
         self.ended = ""  # why the job cannot go on (the agent said so): a parked rank raises it
+        self.ending = ""  # why it is to end (told first: End's hold), raised at the next End or the deadline
         self.torn = False
         self.leaving = False
         self.came_back = False  # leaving, it was told to come back and did (a broken line reconnects at once)
@@ -148,9 +147,10 @@ class Rank:
                 except Exception as e:  # (the user's code: said to the agent)
                     self.chore_error = f"{type(e).__name__}: {e}"
                 self.cond.notify_all()
-            if self.ended:
+            if self.ended or (self.ending and time.monotonic() > deadline):  # (ending: told, not yet ended)
                 self.parked = False
-                raise RuntimeError(f"{PREFIX}rank {self.rank} of job {self.job} stopped after {where}: {self.ended}")
+                why = self.ended or self.ending
+                raise RuntimeError(f"{PREFIX}rank {self.rank} of job {self.job} stopped after {where}: {why}")
             if self.parked and time.monotonic() > deadline:
                 if self.torn:
                     raise RuntimeError(

@@ -21,6 +21,13 @@ def end(rank: Rank, request: P.End) -> P.Answer:
     default).  A rank that goes on meanwhile is left alone: what was believed lost is not
     what it waits on."""
     why = request.why or "its agent ended the job"
+    if request.hold:  # (told first; one not parked is left to the End that follows, its grace)
+        with rank.cond:
+            first = rank.parked and not rank.ending
+            rank.ending = why if rank.parked else rank.ending
+        if first:
+            say(f"rank {rank.rank} of job {rank.job} stops: {why}")
+        return P.Answer()
     if request.grace > 0:
         came = time.monotonic()
         while True:

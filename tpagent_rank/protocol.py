@@ -248,11 +248,16 @@ class End(Request[Answer]):
     """A parked rank raises ``why``.  With ``grace`` > 0, a rank waiting in a collective (one it
     issued before this came, still not complete ``grace`` s later) breaks it off too: its
     communicators' connections are shut, the collective raises; a rank whose collectives complete
-    is left alone (the job runs: whatever was believed lost is not what it waits on)."""
+    is left alone (the job runs: whatever was believed lost is not what it waits on).  With
+    ``hold``, a parked rank only says ``why`` on its stderr and keeps it: it raises at the next
+    End, or at its park's deadline (one not parked is left as it is).  Every rank is told so
+    first, then each is ended: one ending first may take the others down with its launcher
+    before they have heard why."""
 
     OP = Op.END
     why: str = ""
     grace: float = 0.0
+    hold: bool = False
 
 
 @dataclass(frozen=True)

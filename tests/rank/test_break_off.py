@@ -5,12 +5,14 @@ whose collectives complete is left alone.  The test plays the rank's agent on it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,9 @@ JOB = textwrap.dedent(
 )
 
 
-def _start(tmp_path: Path, steps: int) -> tuple[list[subprocess.Popen[str]], PlayedAgent]:
+@contextlib.contextmanager
+def _job(tmp_path: Path, steps: int) -> Iterator[tuple[list[subprocess.Popen[str]], PlayedAgent]]:
+    """Two gloo ranks, rank 0's agent played by the test; both ended (killed if need be) after."""
     (tmp_path / "job.py").write_text(JOB)
     env = runtime_env(tmp_path)
     name = f"tpagent-test-{os.getpid()}-break"
@@ -54,8 +58,14 @@ def _start(tmp_path: Path, steps: int) -> tuple[list[subprocess.Popen[str]], Pla
         )
         for r in range(2)
     ]
-    agent.welcome()
-    return ranks, agent
+    try:
+        agent.welcome()
+        yield ranks, agent
+    finally:
+        agent.close()
+        for r in ranks:
+            r.kill()
+            r.communicate()
 
 
 def _waiting(agent: PlayedAgent) -> None:
@@ -80,8 +90,7 @@ def _stepped(rank: subprocess.Popen[str], n: int) -> None:
 
 
 def test_a_rank_waiting_on_a_silent_peer_breaks_off_and_says_why(tmp_path: Path) -> None:
-    ranks, agent = _start(tmp_path, steps=100000)
-    try:
+    with _job(tmp_path, steps=100000) as (ranks, agent):
         _stepped(ranks[0], 5)
         os.kill(ranks[1].pid, signal.SIGSTOP)  # (its node is lost: not a word, no connection closed)
         _waiting(agent)
@@ -90,25 +99,38 @@ def test_a_rank_waiting_on_a_silent_peer_breaks_off_and_says_why(tmp_path: Path)
         _, err = ranks[0].communicate(timeout=120)  # (its collective's timeout is 900 s)
         assert "rank 0 of job j stops: node b stopped reporting" in err, err[-3000:]
         assert ranks[0].returncode != 0
-    finally:
-        agent.close()
-        for r in ranks:
-            r.kill()
-            r.communicate()
 
 
 def test_a_rank_whose_collectives_complete_goes_on(tmp_path: Path) -> None:
-    ranks, agent = _start(tmp_path, steps=120)
-    try:
+    with _job(tmp_path, steps=120) as (ranks, agent):
         _stepped(ranks[0], 5)
+        assert agent.ask(P.End(why="node b stopped reporting", hold=True)).ok  # (not parked: left as it is)
         answer = agent.ask(P.End(why="node b stopped reporting", grace=2.0))
         assert not answer.ok and "goes on: it is not waiting on node b" in answer.error, answer
         outs = [r.communicate(timeout=120) for r in ranks]
         assert [r.returncode for r in ranks] == [0, 0], outs[0][1][-3000:]
         assert all(out.strip().splitlines()[-1] == "done [238.0, 238.0]" for out, _ in outs), outs
         assert "stops" not in outs[0][1]
-    finally:
-        agent.close()
-        for r in ranks:
-            r.kill()
-            r.communicate()
+
+
+def test_a_parked_rank_told_first_says_why_and_ends_only_at_the_next_word(tmp_path: Path) -> None:
+    """The job cannot go on (a rewire failed): every rank is told why first (End with hold) and
+    says so on its stderr at once, still parked; only the next End ends it, with the reason."""
+    with _job(tmp_path, steps=100000) as (ranks, agent):
+        _stepped(ranks[0], 3)
+        now = agent.ask(P.Where())
+        assert isinstance(now, P.Standing)
+        at = now.collectives + 5
+        assert agent.ask(P.Pause(at=at, unit=P.Unit.COLLECTIVE.value)).ok
+        assert agent.ask(P.Boundary(timeout=60)).ok
+        why = "rank 1 could not build its communicators; the job cannot go on"
+        assert agent.ask(P.End(why=why, hold=True)).ok
+        assert agent.ask(P.End(why=why, hold=True)).ok  # (said again: said once)
+        still = agent.ask(P.Where())
+        assert isinstance(still, P.Standing) and still.collectives == at, still  # (parked there, not ended)
+        assert ranks[0].poll() is None
+        assert agent.ask(P.End(why=why)).ok
+        _, err = ranks[0].communicate(timeout=120)
+        assert err.count(f"rank 0 of job j stops: {why}") == 1, err[-3000:]
+        assert f"rank 0 of job j stopped after collective {at}: {why}" in err, err[-3000:]
+        assert ranks[0].returncode != 0

@@ -32,6 +32,7 @@ class FakeRank:
     parked: bool = False
     torn: bool = False
     dead: bool = False
+    dies_after: str = ""  # the op it dies right after answering (a peer killed mid-rewire)
     refuse_rebuild_at: str = ""  # it cannot build its communicators on this node (its agent's address)
     at: str = ""  # where it was asked last
     nccl_host: str | None = None  # the host identity its NCCL holds (None: no NCCL)
@@ -57,6 +58,9 @@ class FakeRank:
         if self.dead:
             raise Refused(f"rank {self.rank} is no longer running", Why.NOT_FOUND)
         self.log.append(request.OP.value)
+        self.dead = request.OP.value == self.dies_after
+        if isinstance(request, P.End):
+            return P.Answer()
         with self.lock:
             if isinstance(request, P.Where):
                 # (the fake counts one collective per step: either unit stops it at the same place)
@@ -157,6 +161,7 @@ class Job:
         self.where = [HERE] + [f"10.0.0.{r + 1}:7400" for r in range(1, world)]
         self.outcome = outcome
         self.asked: list[tuple[str, int, str]] = []
+        self.ends: list[tuple[int, bool]] = []  # (rank, hold) of each End, in the order asked
         self.released: list[tuple[int, str]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._train, daemon=True)
@@ -172,6 +177,8 @@ class Job:
     def ask(self, address: str, job: str, rank: int, request: P.Request[Any], timeout: float, key: str = "") -> Any:
         op = request.OP.value
         self.asked.append((address, rank, op))
+        if isinstance(request, P.End):
+            self.ends.append((rank, request.hold))
         if request.OP in (P.RUNTIME_OPS | {P.Op.RELEASE}) - P.ASKED_FREELY:
             assert key == KEY, f"{op} of rank {rank} asked without the job's identity ({key!r})"
         if isinstance(request, P.Peers):
@@ -339,6 +346,21 @@ def test_a_rank_that_dies_at_the_boundary_is_named_and_the_others_go_on() -> Non
     assert "rank 1" in said and "no longer running" in said, said
     assert not any(r.parked or r.torn for r in job.ranks if not r.dead), "a live rank was left stopped"
     assert all(op != "teardown" for _a, _r, op in job.asked)
+
+
+def test_a_peer_dead_after_the_teardown_ends_every_rank_once_all_were_told_why() -> None:
+    """Rank 2 dies once the communicators are down: the job cannot go on.  Every live rank is told
+    why (End with hold) before any is ended: one ended first may take the others down with its
+    launcher (the store's node) before they have heard it."""
+    job = Job()
+    job.ranks[2].dies_after = "teardown"
+    rw, result = job.rewire(timeout=1.0)
+    assert result.outcome is Outcome.FAILED and "the job cannot go on" in result.message, result.message
+    assert "rank 2 could not build its communicators" in result.message, result.message
+    told = [r for r, hold in job.ends if hold]
+    ended = [r for r, hold in job.ends if not hold]
+    assert sorted(told) == sorted(ended) == [0, 1, 2], job.ends  # (rank 2's agent was asked too: it said gone)
+    assert job.ends.index((ended[0], False)) == len(told), f"a rank was ended before all were told: {job.ends}"
 
 
 @pytest.mark.parametrize("missing", [1, 2])

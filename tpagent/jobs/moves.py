@@ -69,6 +69,14 @@ class Asking:
             pool.shutdown(wait=not until_one_fails, cancel_futures=True)
         return out
 
+    def end(self, agents: list[str], why: str) -> None:
+        """The job cannot go on: every rank that still answers is told ``why`` first (one let go
+        for a freeze is waited for as it reconnects), then each is ended, so that none ends (and
+        takes the others down with its launcher, the store's node) before all have heard why."""
+        timeout = min(self.timeout, 30)
+        self.all(agents, each(P.End(why=why, hold=True)), timeout)
+        self.all(agents, each(P.End(why=why)), timeout)
+
     def where(self, agents: list[str], why: str = "") -> dict[int, P.Standing]:
         """Where every rank stands; RewireFailed (with ``why`` after) if any cannot say."""
         answers = self.all(agents, each(P.Where()), self.timeout)
