@@ -4,13 +4,19 @@ paths) or take along (the node's own files), and which of those cannot be taken.
 from __future__ import annotations
 
 import os
+import re
 import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from host import safefs
+from host import proc, safefs
 from host.api import UsageError
+
+#: The name CRIU gives a relinked file beside where it was (``--link-remap``; criu/files-reg.c).
+LINK_REMAP = re.compile(r"link_remap\.[0-9]+")
 
 
 def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
@@ -69,3 +75,62 @@ def size(path: str) -> int:
         return Path(path).stat().st_size
     except OSError:
         return 0
+
+
+@dataclass(frozen=True)
+class Relinked:
+    """A file a process has open or mapped under a name that is gone while the file still has
+    another (its link count is above 0): a POSIX semaphore as glibc makes one (created under a
+    temporary name, linked to its own, the temporary one removed: every lock and queue of
+    Python's spawn and forkserver multiprocessing), or a file linked elsewhere, then removed.
+    CRIU dumps it by naming it again (``--link-remap``: ``link_remap.N`` beside where it was),
+    as root; the restore opens that name, then removes it."""
+
+    pid: int
+    path: str  # the name it was opened under (" (deleted)" taken off)
+    dev: int
+    ino: int
+
+
+def relinked(pids: Sequence[int]) -> list[Relinked]:
+    """The relinked files of the processes (:class:`Relinked`), each file and name once.  Its
+    mappings are read through ``/proc/PID/map_files``, which only root may follow: others see
+    only the descriptors."""
+    out: dict[tuple[int, int, str], Relinked] = {}
+    for pid in pids:
+        named = [(f"/proc/{pid}/fd/{fd}", link) for fd, link in proc.fd_links(pid)]
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            maps = ""
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6:
+                named.append((f"/proc/{pid}/map_files/{fields[0]}", fields[5]))
+        for at, link in named:
+            path = link.removesuffix(" (deleted)")
+            if path == link or not path.startswith("/"):
+                continue
+            try:
+                st = os.stat(at)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 0:
+                out.setdefault((st.st_dev, st.st_ino, path), Relinked(pid, path, st.st_dev, st.st_ino))
+    return list(out.values())
+
+
+def relink_refusals(pids: Sequence[int]) -> list[str]:
+    """One sentence for each relinked file CRIU would name again, as root, in a directory a user
+    could change meanwhile (redirect, with a symlink, where root writes): refused before anything
+    is frozen.  /dev/shm and /tmp, root's and sticky, are safe."""
+    out = []
+    for r in relinked(pids):
+        why = safefs.changeable_dir(Path(r.path).parent)
+        if why:
+            out.append(
+                f"PID {r.pid} has {r.path} open under a name removed while the file still has another, and CRIU "
+                f"would name it again in its directory, which {why}: root does not write there; keep such files "
+                "in a directory only root can change (/dev/shm, /tmp)."
+            )
+    return out

@@ -267,6 +267,46 @@ def open_dir(path: Path, created: list[Path] | None = None, to: Path | None = No
     return fd
 
 
+def changeable_dir(path: Path) -> str:
+    """How a user could change what the directory ``path`` (absolute) holds under a root that
+    writes a name into it ("" if none can): a symlink on the way, a directory on the way that is
+    another user's, or one writable by others without the sticky bit; or it is gone."""
+    at = Path("/")
+    for name in ("", *path.parts[1:]):
+        at = at / name
+        try:
+            st = os.lstat(at)
+        except OSError as e:
+            return f"cannot be looked at ({at}: {e.strerror})"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"is reached through {at}, a {'symlink' if stat.S_ISLNK(st.st_mode) else 'file'}"
+        if st.st_uid != 0 or _changeable_by_others(st):
+            mode = stat.S_IMODE(st.st_mode)
+            return f"is reached through {at} (owner UID {st.st_uid}, mode {mode:o}), which others can change"
+    return ""
+
+
+def link_back(path: Path, to: Path, created: list[Path]) -> None:
+    """Give the regular file ``to`` the name ``path`` too, in the same directory (a hard link,
+    reached through no symlink, appended to ``created``); a name already there must be that
+    very file (as on the node the snapshot was taken on), or UsageError."""
+    fd = open_dir(path.parent, to=path)
+    try:
+        st = os.stat(to.name, dir_fd=fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{to} is no regular file, so it cannot be given the name {path} too.")
+        try:
+            os.link(to.name, path.name, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+        except FileExistsError:
+            there = os.stat(path.name, dir_fd=fd, follow_symlinks=False)
+            if (there.st_dev, there.st_ino) != (st.st_dev, st.st_ino):
+                raise UsageError(f"{path} is there as another file than {to}, which it is to name.") from None
+            return
+        created.append(path)
+    finally:
+        os.close(fd)
+
+
 def open_regular(dir_fd: int, name: str, path: Path) -> int | None:
     """A read-only fd of the regular file ``name`` in the directory ``dir_fd`` (``path`` names
     it in errors), or None if there is none: no such name, or something else there (a FIFO

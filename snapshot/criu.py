@@ -195,7 +195,9 @@ class Criu:
         # The namespace's mounts are the node's own: declare them all external.
         args += ["--external", "mnt[]"] if opts.namespace else []
         args += ["--action-script", str(opts.action_script)] if opts.action_script else []
-        args += ["--ghost-limit", str(opts.ghost_limit)]
+        # A file open under a name removed while it has another (a POSIX semaphore of Python's
+        # spawn multiprocessing) is named again beside where it was (host.files.Relinked).
+        args += ["--ghost-limit", str(opts.ghost_limit), "--link-remap"]
         args += ["--stream"] if opts.stream else []
         proc = self._run(args, timeout, opts.env, work, cwd)
         if proc.returncode != 0:

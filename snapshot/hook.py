@@ -43,7 +43,7 @@ from typing import Any
 
 import psutil
 
-from host import proc, safefs, sockets
+from host import files, proc, safefs, sockets
 from snapshot import manifest, streamer, timers
 from snapshot.criu import PIDFILE
 
@@ -194,6 +194,51 @@ def _archive(out: Path, paths: list[str]) -> list[str]:
     return kept
 
 
+def _relinks(pids: list[int]) -> tuple[list[str], dict[str, str]]:
+    """The names CRIU gave the frozen tree's relinked files (``link_remap.N`` beside where each
+    was: :class:`host.files.Relinked`), made node-independent: each becomes a link to the
+    file's other name in that directory, carried with it (a POSIX semaphore's own name, which
+    its other processes map); one with no other name there is carried itself.  The paths to
+    carry, and the links (CRIU's name -> the other)."""
+    carry: list[str] = []
+    links: dict[str, str] = {}
+    for r in files.relinked(pids):
+        d = Path(r.path).parent
+        fd = safefs.open_dir(d, to=Path(r.path))
+        try:
+            names = [n for n in os.listdir(fd) if _same(fd, n, r.dev, r.ino)]
+        finally:
+            os.close(fd)
+        others = sorted(n for n in names if not files.LINK_REMAP.fullmatch(n))
+        for name in (n for n in names if files.LINK_REMAP.fullmatch(n)):
+            if others:
+                links[str(d / name)] = str(d / others[0])
+            carry.append(str(d / (others[0] if others else name)))
+    return carry, links
+
+
+def _same(dir_fd: int, name: str, dev: int, ino: int) -> bool:
+    with contextlib.suppress(OSError):
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (dev, ino)
+    return False
+
+
+def _unlinked(links: dict[str, str]) -> dict[str, str]:
+    """CRIU's names of ``links`` taken off this node (the snapshot makes each again wherever it
+    is restored, here too; kept here, a name would outlive a move for good): each only if it is
+    still that very file.  ``links``."""
+    for path, other in links.items():
+        fd = safefs.open_dir(Path(path).parent, to=Path(path))
+        try:
+            st = os.stat(os.path.basename(other), dir_fd=fd, follow_symlinks=False)
+            if _same(fd, os.path.basename(path), st.st_dev, st.st_ino):
+                os.unlink(os.path.basename(path), dir_fd=fd)
+        finally:
+            os.close(fd)
+    return links
+
+
 def _bound(paths: list[str], pids: list[int]) -> list[manifest.BoundSocket]:
     """The socket files at ``paths`` with their owners: only those a process of the tree could
     have made (owned by one of their UIDs; /proc/net/unix prints names as they are, and a name
@@ -269,8 +314,10 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     pending = json.loads((out / PENDING).read_text())
     if root_start is not None and proc.start_ticks(root) != root_start:  # frozen now: the process CRIU dumped
         raise NotTheProcess(f"PID {root} was started after the process that was examined (its PID was reused)")
-    if pending.get("carried"):
-        pending["carried"] = _archive(out, pending["carried"])
+    carry, links = _relinks([root, *(c.pid for c in psutil.Process(root).children(recursive=True))])
+    if pending.get("carried") or carry:
+        pending["carried"] = _archive(out, sorted({*pending.get("carried", ()), *carry}))
+    pending["links"] = _unlinked({k: v for k, v in links.items() if v in pending.get("carried", ())})
     files = manifest.checksum_files(out) | (_streamed(out) if streamed else {})
     _fsync_tree(out / manifest.IMAGES_DIR)
     if fail:

@@ -13,6 +13,7 @@
                      "files": { RELPATH: {"size": INT, "chunk_size": INT, "digests": [HEX]} },
                      "total_bytes": INT, "timings": { STAGE: SECONDS },
                      "carried": [ ABSPATH ],                 (optional: files kept in images/tpagent-files.tar)
+                     "links": { ABSPATH: ABSPATH },          (optional: CRIU's link_remap.N -> a carried file)
                      "timers": [ TIMER ],                    (optional: timerfds to arm again on restore)
                      "sockets": [ SOCKET ],                  (optional: where unix sockets are bound)
                      "dirs": [ DIR ],                        (optional: the directories on their way)
@@ -55,6 +56,7 @@ from typing import Any, TypeVar
 
 import blake3
 
+from host.files import LINK_REMAP
 from host.proc import ProcInfo
 from host.safefs import private_opener
 from snapshot.api import SnapshotInvalid
@@ -121,6 +123,9 @@ class Manifest:
     #: Absolute paths of node-local files the processes had open, archived (as they were
     #: while frozen) in images/CARRIED_NAME and put back in place before a restore.
     carried: list[str] = field(default_factory=list)
+    #: The names CRIU gave relinked files (``link_remap.N``: :class:`host.files.Relinked`), each
+    #: to be made again, before the restore opens it, as a hard link to a carried file beside it.
+    links: dict[str, str] = field(default_factory=dict)
     #: Periodic timerfds that had expired unread while frozen: CRIU restores them disarmed,
     #: the restore arms them again (:mod:`snapshot.timers`).
     timers: list[Timer] = field(default_factory=list)
@@ -191,6 +196,7 @@ class Manifest:
             raise ValueError("carried: not a normalised absolute path")
         if carried and f"{IMAGES_DIR}/{CARRIED_NAME}" not in files:
             raise ValueError(f"carried: names files but {IMAGES_DIR}/{CARRIED_NAME} is not among the files")
+        links = _links(data, carried)
         timers = _rows(data, "timers", Timer)
         if not {t.pid for t in timers} <= {p.pid for p in procs}:
             raise ValueError("timers names a process not in processes")
@@ -225,6 +231,7 @@ class Manifest:
             digest=digest,
             timings={str(k): float(v) for k, v in _get(data, "timings", dict, "manifest").items()},
             carried=carried,
+            links=links,
             timers=timers,
             sockets=sockets,
             dirs=dirs,
@@ -258,6 +265,23 @@ def _rows(data: Any, key: str, cls: type[T]) -> list[T]:
     named = [(f.name, types[str(f.type)]) for f in fields(cls)]  # type: ignore[arg-type]
     items = _list(data, key, dict, "manifest") if key in data else []
     return [cls(*(_get(x, name, typ, f"{key}[]") for name, typ in named)) for x in items]
+
+
+def _links(data: Any, carried: list[str]) -> dict[str, str]:
+    """``links``: only ever CRIU's name of a relinked file (``link_remap.N``) to a carried file
+    beside it, which is all a restore makes of it (a hard link, as root)."""
+    links = _get(data, "links", dict, "manifest") if "links" in data else {}
+    for path, other in links.items():
+        if not (
+            isinstance(other, str)
+            and other in carried
+            and _absolute(path)
+            and path not in carried
+            and os.path.dirname(path) == os.path.dirname(other)
+            and LINK_REMAP.fullmatch(os.path.basename(path))
+        ):
+            raise ValueError("links: not a link_remap.N beside a carried file")
+    return {str(k): str(v) for k, v in links.items()}
 
 
 def _absolute(path: str) -> bool:

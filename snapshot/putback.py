@@ -40,6 +40,8 @@ def put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
         for d in m.dirs:  # (for CRIU to bind the unix sockets in: root's until it has)
             safefs.make_dir(Path(d.path), created)
         _write_carried(directory, m, created)
+        for path, other in sorted(m.links.items()):  # (CRIU's names of relinked files: it opens them)
+            safefs.link_back(Path(path), Path(other), created)
     except (OSError, tarfile.TarError) as e:
         what = getattr(e, "filename", None) or directory / IMAGES_DIR / manifest.CARRIED_NAME
         raise ToolError(

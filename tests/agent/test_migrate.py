@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -451,21 +451,34 @@ def test_a_tcp_pair_migrates_there_and_back(cluster: Cluster, tmp_path: Path) ->
     log = tmp_path / "echo.log"
     pid = a.launch(tmp_path / "echo.out", sys.executable, str(ROOT / "tests" / "workloads" / "tcp_echo.py"), str(log))
     pairs = lambda: [tuple(map(int, ln.split()[1::2])) for ln in log.read_text().splitlines()] if log.exists() else []  # noqa: E731
+    pids = [pid]
+
+    def unlocked(src: str) -> None:
+        tables = subprocess.run(cluster.nodes[src].exec("nft", "list", "tables"), capture_output=True, text=True)
+        assert "CRIU-" not in tables.stdout, f"CRIU's network lock stayed on {src}"
+
     try:
         wait_until(lambda: len(pairs()) > 5, "the TCP workload to run")
-        for src, dst in (("A", "B"), ("B", "A")):
-            proc = cluster.migrate(pid, src, dst, "--json")
-            assert proc.returncode == 0, proc.stderr + proc.stdout
-            pid = json.loads(proc.stdout)["new_pid"]
-            tables = subprocess.run(cluster.nodes[src].exec("nft", "list", "tables"), capture_output=True, text=True)
-            assert "CRIU-" not in tables.stdout, f"CRIU's network lock stayed on {src}"
-            n = len(pairs())
-            # (B023: wait_until calls the lambda now, in this iteration)
-            wait_until(lambda: len(pairs()) > n + 10, f"the workload to exchange data on {dst}", 30)  # noqa: B023
+        _there_and_back(cluster, pids, lambda: len(pairs()), unlocked)
         seq = pairs()
         assert all(echo == tick for tick, echo in seq) and [t for t, _ in seq] == list(range(len(seq)))
     finally:
-        kill_and_wait(pid)
+        kill_and_wait(pids[-1])
+
+
+def _there_and_back(
+    cluster: Cluster, pids: list[int], count: Callable[[], int], each: Callable[[str], None] = lambda _src: None
+) -> None:
+    """The workload (its PID last in ``pids``, each new one added) moved A -> B -> A, its work
+    (``count``) seen to go on after each move; ``each`` checks the node it left."""
+    for src, dst in (("A", "B"), ("B", "A")):
+        proc = cluster.migrate(pids[-1], src, dst, "--json")
+        assert proc.returncode == 0, proc.stderr + proc.stdout
+        pids.append(json.loads(proc.stdout)["new_pid"])
+        each(src)
+        n = count()
+        # (B023: wait_until calls the lambda now, in this iteration)
+        wait_until(lambda: count() > n + 10, f"the workload to go on on {dst}", 30)  # noqa: B023
 
 
 def test_dry_run_warns_of_an_inotify_queue_a_move_may_lose(cluster: Cluster, tmp_path: Path) -> None:
@@ -518,3 +531,21 @@ def test_the_agents_ghost_limit_setting_refuses_a_larger_deleted_file(cluster: C
         assert psutil.pid_exists(pid)
     finally:
         kill_and_wait(pid)
+
+
+def test_a_spawn_multiprocessing_pair_moves_and_passes_numbers_on(cluster: Cluster, tmp_path: Path) -> None:
+    """A parent and its spawn worker on POSIX semaphores (a DataLoader with spawn workers, in
+    miniature) move A -> B -> A: CRIU's names of the semaphores travel as links to their own
+    names, the pair goes on in lockstep on one semaphore, and no name is left on any node."""
+    before = sorted(n for n in os.listdir("/dev/shm") if n.startswith("link_remap."))
+    log = tmp_path / "w.log"
+    script = str(ROOT / "tests" / "workloads" / "mp_sync.py")
+    pids = [cluster.nodes["A"].launch(tmp_path / "w.out", sys.executable, script, str(log), "spawn")]
+    ticks = lambda: [int(ln.split()[1]) for ln in log.read_text().splitlines()] if log.exists() else []  # noqa: E731
+    try:
+        wait_until(lambda: len(ticks()) > 5, "the pair to pass numbers")
+        _there_and_back(cluster, pids, lambda: len(ticks()))
+        assert ticks() == list(range(len(ticks())))
+        assert sorted(n for n in os.listdir("/dev/shm") if n.startswith("link_remap.")) == before
+    finally:
+        kill_and_wait(pids[-1])

@@ -93,17 +93,26 @@ def test_a_job_without_an_optimizer_stops_between_two_collectives(
 
 
 @pytest.mark.timeout(600)
-def test_an_fsdp_job_fed_by_dataloader_workers_moves_too(quad: Cluster, tmp_path: Path, reference_fsdp: Path) -> None:
+def _workers(pid: int) -> int:
+    """How many DataLoader workers the rank has (spawned ones beside multiprocessing's resource tracker)."""
+    return sum("resource_tracker" not in " ".join(c.cmdline()) for c in psutil.Process(pid).children())
+
+
+@pytest.mark.parametrize("workers", ["fork", "spawn"])
+def test_an_fsdp_job_fed_by_dataloader_workers_moves_too(
+    quad: Cluster, tmp_path: Path, reference_fsdp: Path, workers: str
+) -> None:
     """Another shape of script (tests/workloads/fsdp_job.py): FSDP2, AdamW with a schedule and
-    gradient clipping, a metric all-gathered, and two DataLoader worker processes per rank.
+    gradient clipping, a metric all-gathered, and two DataLoader worker processes per rank,
+    forked or spawned (their queues then on POSIX semaphores: :class:`host.files.Relinked`).
     Rank 1 moves to the spare with its workers, and back; every loss is bit-identical."""
-    job = Job(quad, tmp_path, script=FSDP_JOB)
+    job = Job(quad, tmp_path, script=FSDP_JOB, extra=("--workers", workers))
     try:
         job.at_step(1, 20)
         first = job.where(1)
-        assert len(psutil.Process(job.rank_pid(1)).children()) == 2  # its DataLoader workers
+        assert _workers(job.rank_pid(1)) == 2
         job.moves(1, "D")
-        assert len(psutil.Process(job.rank_pid(1)).children()) == 2  # they came along
+        assert _workers(job.rank_pid(1)) == 2  # they came along
         job.at_step(1, steps(job.logs, 1) + 20)
         job.moves(1, first)
         job.finishes_as(reference_fsdp)

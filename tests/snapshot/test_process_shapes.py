@@ -4,6 +4,8 @@ event loops on timerfds, inotify watches, a reused PID."""
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import re
 import subprocess
 import sys
@@ -347,3 +349,92 @@ def test_a_descriptor_criu_cannot_dump_is_refused_in_one_sentence_before_anythin
     assert [t[0] for t in ticks] == list(range(len(ticks)))
     n = ticks[-1][0]
     wait_until(lambda: w.numbers("tick")[-1][0] > n + 5, "the loop to run on, never frozen")
+
+
+def _named_again() -> list[str]:
+    """The names CRIU gave relinked files in /dev/shm (``link_remap.N``) that are still there."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("link_remap."))
+
+
+@pytest.mark.parametrize("where", ["here", "elsewhere"])
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_spawn_and_forkserver_multiprocessing_comes_back_its_semaphores_shared(  # type: ignore[no-untyped-def]
+    loops, tmp_path: Path, method: str, where: str
+) -> None:
+    """Every lock and queue of Python's spawn and forkserver multiprocessing (torch's DataLoader
+    with such workers, Python 3.14's default) is a POSIX semaphore the parent maps under a name
+    glibc removed, the file keeping its own name, which the worker maps: CRIU refused such a tree
+    ("Can't create link remap").  It is dumped, leaves no name behind, and comes back with parent
+    and worker still on one semaphore: here, and "elsewhere", where the semaphores' files are
+    not (they come from the snapshot, linked as they were)."""
+    before = _named_again()
+    w = Loop("mp_sync.py", tmp_path / "w.log", (method,), launched=True).start()
+    loops.append(w)
+    snap = tmp_path / "snap"
+    proc = tpagent("dump", str(w.pid), "--out", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.reap()
+    assert _named_again() == before, "CRIU's names of the semaphores stayed on the node"
+    m = json.loads((snap / "manifest.json").read_text())
+    assert m["links"] and set(m["links"].values()) <= set(m["carried"]), m
+    if where == "elsewhere":
+        for path in m["carried"]:
+            os.unlink(path)
+    stopped = w.numbers("tick")[-1][0]
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    wait_until(lambda: w.numbers("tick")[-1][0] >= stopped + 30, "the restored pair to pass numbers on")
+    ticks = [t[0] for t in w.numbers("tick")]
+    assert ticks == list(range(len(ticks))), "a number was lost or read twice"
+    assert _named_again() == before, "the restore left CRIU's names of the semaphores"
+    assert all(os.path.exists(p) for p in m["carried"]), "a semaphore's own name is gone (a worker opens it so)"
+
+
+@pytest.mark.parametrize("other", ["beside", "elsewhere"])
+def test_a_file_open_under_a_removed_name_stays_one_file_with_its_other_name(  # type: ignore[no-untyped-def]
+    loops, tmp_path: Path, other: str
+) -> None:
+    """A file the process has open under a name since removed, the file linked again in that
+    directory (or in another, so that the snapshot carries CRIU's name of it as a file of its
+    own): after a restore here, what the process writes through its descriptor is still what
+    the other name shows (one file, not a copy), and no name of CRIU's is left once restored."""
+    d = tmp_path / "relink"
+    kept = tmp_path / "kept-in" if other == "elsewhere" else d
+    kept.mkdir(parents=True, exist_ok=True)
+    d.mkdir(exist_ok=True)
+    args = ("fork", "--relink", str(d), "--kept-in", str(kept))
+    w = Loop("mp_sync.py", tmp_path / "w.log", args, launched=True).start()
+    loops.append(w)
+    snap = tmp_path / "snap"
+    proc = tpagent("dump", str(w.pid), "--out", str(snap))
+    assert proc.returncode == 0, proc.stderr
+    w.reap()
+    names = json.loads((snap / "manifest.json").read_text())
+    assert bool(names["links"]) == (other == "beside"), names
+    stopped = w.numbers("tick")[-1][0]
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    wait_until(lambda: int((kept / "kept").read_text()) >= stopped + 20, "the other name to show the restored writes")
+    assert sorted(os.listdir(d)) == ([] if other == "elsewhere" else ["kept"]), "a name of CRIU's was left"
+
+
+def test_a_removed_name_in_a_directory_users_can_change_is_refused_in_one_sentence(  # type: ignore[no-untyped-def]
+    loops, tmp_path: Path
+) -> None:
+    """CRIU names such a file again, as root, in its directory: in one a user can change (swap
+    for a symlink meanwhile) that is refused before anything is frozen, and the process runs on."""
+    d = tmp_path / "users"
+    d.mkdir()
+    nobody = pwd.getpwnam("nobody")
+    os.chown(d, nobody.pw_uid, nobody.pw_gid)
+    w = Loop("mp_sync.py", tmp_path / "w.log", ("fork", "--relink", str(d)), launched=True).start()
+    loops.append(w)
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"))
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"has {d}/opened open under a name removed" in proc.stderr and "Nothing was done" in proc.stderr
+    assert f"{d} (owner UID {nobody.pw_uid}" in proc.stderr, proc.stderr
+    assert not (tmp_path / "snap").exists() and sorted(os.listdir(d)) == ["kept"]
+    n = w.numbers("tick")[-1][0]
+    wait_until(lambda: w.numbers("tick")[-1][0] > n + 10, "the process to run on, never frozen")

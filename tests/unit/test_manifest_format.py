@@ -32,6 +32,18 @@ def _manifest(**changes: Any) -> Manifest:
     return Manifest(**(fields | changes))
 
 
+#: A manifest's carried file (its archive among the files), for links to name.
+_CARRIED: dict[str, Any] = {
+    "carried": ["/dev/shm/sem.a"],
+    "files": {f"{manifest.IMAGES_DIR}/{manifest.CARRIED_NAME}": {"size": 0, "chunk_size": 1, "digests": []}},
+}
+
+
+def test_a_link_to_a_carried_file_reads_back(tmp_path: Path) -> None:
+    _manifest(**_CARRIED, links={"/dev/shm/link_remap.3": "/dev/shm/sem.a"}).write(tmp_path)
+    assert manifest.load(tmp_path).links == {"/dev/shm/link_remap.3": "/dev/shm/sem.a"}
+
+
 @pytest.fixture
 def snap(tmp_path: Path) -> Path:
     """A snapshot directory: two image files and the manifest of their checksums."""
@@ -122,6 +134,11 @@ def test_garbage_missing_and_non_directories_are_refused(tmp_path: Path, snap: P
         ({"carried": ["/a/../etc/shadow"]}, "carried: not a normalised absolute path"),
         ({"carried": ["/home/u/data"]}, "carried: names files but images/tpagent-files.tar is not among the files"),
         ({"origin": {"mode": "kill"}}, "origin.root_create_time"),
+        ({**_CARRIED, "links": {"/dev/shm/link_remap.3": "/dev/shm/sem.b"}}, "links: not a link_remap.N beside"),
+        ({**_CARRIED, "links": {"/dev/shm/authorized_keys": "/dev/shm/sem.a"}}, "links: not a link_remap.N beside"),
+        ({**_CARRIED, "links": {"/etc/link_remap.3": "/dev/shm/sem.a"}}, "links: not a link_remap.N beside"),
+        ({**_CARRIED, "links": {"/dev/shm/sem.a": "/dev/shm/sem.a"}}, "links: not a link_remap.N beside"),
+        ({**_CARRIED, "links": {"/dev/shm/link_remap.3": 7}}, "links: not a link_remap.N beside"),
         (
             {"sockets": [manifest.BoundSocket("run/app.sock", 0, 1, 2, 3)]},
             "sockets, dirs: not a normalised absolute path",

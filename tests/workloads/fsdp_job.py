@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--log-dir", type=Path, required=True)
     p.add_argument("--step-time", type=float, default=0.0)
+    p.add_argument("--workers", default="fork", help="how its DataLoader starts its workers (fork, spawn, forkserver)")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -41,7 +42,9 @@ def main() -> None:
     x = torch.randn(120 * world, 16, generator=g)
     data = TensorDataset(x, torch.sin(x.sum(dim=1, keepdim=True)))
     sampler = DistributedSampler(data, shuffle=True, seed=3)
-    loader = DataLoader(data, batch_size=8, sampler=sampler, num_workers=2, persistent_workers=True)
+    loader = DataLoader(
+        data, batch_size=8, sampler=sampler, num_workers=2, persistent_workers=True, multiprocessing_context=a.workers
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 48), nn.GELU(), nn.Linear(48, 1))
     for layer in (model[0], model[2], model[4]):

@@ -357,6 +357,7 @@ class SourceMigration:
         cuda_pids = self.record.cuda_pids
         return [
             *proc.uncheckpointable(pids),
+            *files.relink_refusals(pids),
             *forked.refusals(forked.find(pids, cuda_pids), cuda_pids),
             *sockets.left_behind(tcp),
             *(

@@ -1,0 +1,37 @@
+"""Files a process holds under a name since removed while the file keeps another
+(:func:`host.files.relinked`), and the directories CRIU may name them again in."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from host import files, safefs
+
+
+def test_a_file_open_under_a_removed_name_with_another_is_found_once(tmp_path: Path) -> None:
+    (tmp_path / "opened").write_bytes(b"x")
+    fd = os.open(tmp_path / "opened", os.O_RDWR)
+    again = os.open(tmp_path / "opened", os.O_RDONLY)
+    gone = os.open(tmp_path / "gone", os.O_RDWR | os.O_CREAT)
+    try:
+        os.link(tmp_path / "opened", tmp_path / "kept")
+        os.unlink(tmp_path / "opened")
+        os.unlink(tmp_path / "gone")  # (no other name: CRIU keeps its bytes itself, a ghost file)
+        found = [r for r in files.relinked([os.getpid()]) if r.path.startswith(str(tmp_path))]
+        st = os.stat(tmp_path / "kept")
+        assert found == [files.Relinked(os.getpid(), str(tmp_path / "opened"), st.st_dev, st.st_ino)]
+    finally:
+        for f in (fd, again, gone):
+            os.close(f)
+
+
+def test_only_directories_no_user_can_change_take_a_name_from_root(tmp_path: Path) -> None:
+    assert safefs.changeable_dir(Path("/tmp")) == ""  # (root's, sticky)
+    assert safefs.changeable_dir(Path("/dev/shm")) == ""
+    mine = tmp_path / "d"
+    mine.mkdir()
+    if os.geteuid() != 0:  # (the unit tier runs as nobody, in a directory of its own: a user's)
+        assert "which others can change" in safefs.changeable_dir(mine)
+    assert safefs.changeable_dir(Path("/dev/fd")) == "is reached through /dev/fd, a symlink"
+    assert "cannot be looked at (/tpagent-nothing:" in safefs.changeable_dir(Path("/tpagent-nothing/d"))
