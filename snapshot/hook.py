@@ -200,28 +200,35 @@ def _relinks(pids: list[int]) -> tuple[list[str], dict[str, str]]:
     file's other name in that directory, carried with it (a POSIX semaphore's own name, which
     its other processes map); one with no other name there is carried itself.  The paths to
     carry, and the links (CRIU's name -> the other)."""
+    by_dir: dict[Path, set[tuple[int, int]]] = {}
+    for r in files.relinked(pids):
+        by_dir.setdefault(Path(r.path).parent, set()).add((r.dev, r.ino))
     carry: list[str] = []
     links: dict[str, str] = {}
-    for r in files.relinked(pids):
-        d = Path(r.path).parent
-        fd = safefs.open_dir(d, to=Path(r.path))
+    for d, wanted in by_dir.items():
+        fd = safefs.open_dir(d)
         try:
-            names = [n for n in os.listdir(fd) if _same(fd, n, r.dev, r.ino)]
+            names: dict[tuple[int, int], list[str]] = {}
+            for name in sorted(os.listdir(fd)):  # (one look at the directory for all its files)
+                if (key := _identity(fd, name)) in wanted:
+                    names.setdefault(key, []).append(name)
         finally:
             os.close(fd)
-        others = sorted(n for n in names if not files.LINK_REMAP.fullmatch(n))
-        for name in (n for n in names if files.LINK_REMAP.fullmatch(n)):
-            if others:
-                links[str(d / name)] = str(d / others[0])
-            carry.append(str(d / (others[0] if others else name)))
+        for found in names.values():
+            others = [n for n in found if not files.LINK_REMAP.fullmatch(n)]
+            for name in (n for n in found if files.LINK_REMAP.fullmatch(n)):
+                if others:
+                    links[str(d / name)] = str(d / others[0])
+                carry.append(str(d / (others[0] if others else name)))
     return carry, links
 
 
-def _same(dir_fd: int, name: str, dev: int, ino: int) -> bool:
+def _identity(dir_fd: int, name: str) -> tuple[int, int] | None:
+    """(device, inode) of the regular file ``name`` in ``dir_fd`` (None: none there)."""
     with contextlib.suppress(OSError):
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (dev, ino)
-    return False
+        return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+    return None
 
 
 def _unlinked(links: dict[str, str]) -> dict[str, str]:
@@ -231,9 +238,10 @@ def _unlinked(links: dict[str, str]) -> dict[str, str]:
     for path, other in links.items():
         fd = safefs.open_dir(Path(path).parent, to=Path(path))
         try:
-            st = os.stat(os.path.basename(other), dir_fd=fd, follow_symlinks=False)
-            if _same(fd, os.path.basename(path), st.st_dev, st.st_ino):
-                os.unlink(os.path.basename(path), dir_fd=fd)
+            name = os.path.basename(path)
+            mine = _identity(fd, name)
+            if mine is not None and mine == _identity(fd, os.path.basename(other)):
+                os.unlink(name, dir_fd=fd)
         finally:
             os.close(fd)
     return links
@@ -318,11 +326,11 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     if pending.get("carried") or carry:
         pending["carried"] = _archive(out, sorted({*pending.get("carried", ()), *carry}))
     pending["links"] = _unlinked({k: v for k, v in links.items() if v in pending.get("carried", ())})
-    files = manifest.checksum_files(out) | (_streamed(out) if streamed else {})
+    sums = manifest.checksum_files(out) | (_streamed(out) if streamed else {})
     _fsync_tree(out / manifest.IMAGES_DIR)
     if fail:
         raise RuntimeError("fault injected after the checksums")
-    m = manifest.Manifest.from_json({**pending, "files": files, "timings": {}})
+    m = manifest.Manifest.from_json({**pending, "files": sums, "timings": {}})
     m.processes = proc.tree(psutil.Process(root), cuda_pids=set(m.cuda_pids))
     pids = [p.pid for p in m.processes]
     m.sockets = _bound(sockets.unix_bound(pids), pids)

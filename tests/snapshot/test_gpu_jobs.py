@@ -33,6 +33,7 @@ JOB = Path(__file__).resolve().parent.parent / "workloads" / "gpu_job.py"
 SHAPES = [
     "dataloader",
     "dataloader-persistent",
+    "dataloader-spawn",
     "fork-pool",
     "streams",
     "graph",

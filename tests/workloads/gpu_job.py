@@ -7,7 +7,8 @@ sleeping S seconds between steps (default 0.04), then ``final SHA256`` of every 
 and exits 0.  A shape that cannot run here writes ``skip WHY`` and exits 0.  Two runs of one
 shape write the same lines unless something changed the job's state: a moved copy must match an
 uninterrupted run line for line.  Shapes (see :data:`SHAPES`): DataLoader workers forked after
-CUDA started (pinned, persistent or not, re-forked each epoch), a fork pool, pinned ``non_blocking``
+CUDA started (pinned, persistent or not, re-forked each epoch), spawned ones (queues on POSIX
+semaphores, :class:`host.files.Relinked`), a fork pool, pinned ``non_blocking``
 copies on side streams with events, CUDA graphs (captured by hand, and by
 ``torch.compile(mode="reduce-overhead")``), ``torch.compile`` with inductor's compile workers,
 bf16 autocast and fp16 GradScaler, the caching allocator's expandable segments, a Hugging Face
@@ -104,7 +105,7 @@ def fixed():  # type: ignore[no-untyped-def]
         i += 1
 
 
-def loader(persistent: bool) -> None:
+def loader(persistent: bool, context: str | None = None) -> None:
     dl = torch.utils.data.DataLoader(
         Synthetic(),
         batch_size=32,
@@ -113,6 +114,7 @@ def loader(persistent: bool) -> None:
         num_workers=2,
         pin_memory=True,
         persistent_workers=persistent,
+        multiprocessing_context=context,  # (spawn: fresh interpreters, their queues on POSIX semaphores)
     )
     simple(mlp(), batches(dl))
 
@@ -298,6 +300,7 @@ def two_gpus() -> None:
 SHAPES = {
     "dataloader": lambda: loader(persistent=False),
     "dataloader-persistent": lambda: loader(persistent=True),
+    "dataloader-spawn": lambda: loader(persistent=True, context="spawn"),
     "fork-pool": fork_pool,
     "streams": streams,
     "graph": graph,
