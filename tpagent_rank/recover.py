@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from tpagent_rank import env, lines
 from tpagent_rank import protocol as P
@@ -202,8 +202,8 @@ def holding(work: Any) -> Any:
     future is its own's, completed once that one is, or, failed, once the job cannot go on."""
     try:
         inner = work.get_future()
-    except (RuntimeError, AttributeError):  # (a work without a future: as it is)
-        return work
+    except (RuntimeError, AttributeError):  # (a work without a future, gloo's reduce-scatter: held as waited for)
+        return _holding_class()(None, work)
     return _holding_class()(inner.then(_settled))
 
 
@@ -212,10 +212,16 @@ def _settled(f: Any) -> Any:
     try:
         return f.value()
     except Exception as e:
-        why = BROKEN.hold(e)
-        if not why:
-            raise
-        raise RuntimeError(f"{PREFIX}{why}") from e
+        _held(e)
+
+
+def _held(error: Exception) -> NoReturn:
+    """A collective failed with ``error``: raised at once where it is not held, else once the job
+    cannot go on (see :class:`Broken`)."""
+    why = BROKEN.hold(error)
+    if not why:
+        raise error
+    raise RuntimeError(f"{PREFIX}{why}") from error
 
 
 _HOLDING: list[type] = []
@@ -228,28 +234,37 @@ def _holding_class() -> type:
     import torch.distributed as dist
 
     class Holding(dist.Work):
-        def __init__(self, future: Any) -> None:
+        def __init__(self, future: Any, work: Any = None) -> None:
             super().__init__()
             self.future = future
+            self.work = work  # (one without a future: its failure is held as it is waited for)
 
         def wait(self, timeout: Any = None) -> bool:
-            self.future.wait()
+            if self.future is not None:
+                self.future.wait()
+                return True
+            try:
+                self.work.wait()
+            except Exception as e:
+                _held(e)
             return True
 
         def get_future(self) -> Any:
-            return self.future
+            return self.future if self.future is not None else self.work.get_future()  # (that raises, as it did)
 
         def is_completed(self) -> bool:
-            return bool(self.future.done())
+            return bool(self.future.done()) if self.future is not None else bool(self.work.is_completed())
 
         def is_success(self) -> bool:
+            if self.future is None:
+                return bool(self.work.is_success())
             return bool(self.future.done()) and not _failed(self.future)
 
         def result(self) -> Any:
-            return self.future.value()
+            return self.future.value() if self.future is not None else self.work.result()
 
         def synchronize(self) -> None:
-            self.future.wait()
+            self.wait()
 
     _HOLDING.append(Holding)
     return Holding

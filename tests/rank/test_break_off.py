@@ -41,10 +41,13 @@ JOB = textwrap.dedent(
 
 
 @contextlib.contextmanager
-def _job(tmp_path: Path, steps: int) -> Iterator[tuple[list[subprocess.Popen[str]], PlayedAgent]]:
-    """Two gloo ranks, rank 0's agent played by the test; both ended (killed if need be) after."""
-    (tmp_path / "job.py").write_text(JOB)
-    env = runtime_env(tmp_path)
+def _job(
+    tmp_path: Path, steps: int, script: str = JOB, **settings: str
+) -> Iterator[tuple[list[subprocess.Popen[str]], PlayedAgent]]:
+    """Two gloo ranks of ``script``, rank 0's agent played by the test (``settings``: the runtime's
+    environment); both ended (killed if need be) after."""
+    (tmp_path / "job.py").write_text(script)
+    env = {**runtime_env(tmp_path), **settings}
     name = f"tpagent-test-{os.getpid()}-break"
     agent = PlayedAgent(name)
     ranks = [
@@ -133,4 +136,40 @@ def test_a_parked_rank_told_first_says_why_and_ends_only_at_the_next_word(tmp_pa
         _, err = ranks[0].communicate(timeout=120)
         assert err.count(f"rank 0 of job j stops: {why}") == 1, err[-3000:]
         assert f"rank 0 of job j stopped after collective {at}: {why}" in err, err[-3000:]
+        assert ranks[0].returncode != 0
+
+
+SCATTER = textwrap.dedent(
+    """
+    import datetime, sys, time
+    import torch, torch.distributed as dist
+    import tpagent_rank
+    store, rank, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=900))
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    tpagent_rank.register(save=lambda: {"w": w.detach().clone()}, load=lambda s: w.data.copy_(s["w"]),
+                          replicas=[0, 1])
+    for step in range(steps):
+        out = torch.zeros(1)
+        dist.reduce_scatter_tensor(out, torch.full((2,), float(step)))  # (FSDP2's gradients go so)
+        w.grad = out.repeat(2)
+        opt.step()
+        print("step", step, out.tolist(), flush=True)
+        time.sleep(0.05)
+    """
+)
+
+
+def test_a_failed_reduce_scatter_is_held_like_any_collective(tmp_path: Path) -> None:
+    """gloo's reduce-scatter (every FSDP2 backward's) gives a work without a future: its failure,
+    its peer killed outright, is held from the script as every other collective's (it raised at
+    once, and the rank a recovery would restart was gone); with no recovery in the hold, it raises
+    saying so."""
+    with _job(tmp_path, 100000, SCATTER, TPAGENT_RANK_HOLD="3") as (ranks, agent):
+        _stepped(ranks[0], 5)
+        ranks[1].kill()
+        _, err = ranks[0].communicate(timeout=120)
+        assert "tpagent_rank: no recovery came in 3 s after a collective failed (" in err, err[-3000:]
         assert ranks[0].returncode != 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 import uuid
@@ -15,9 +16,21 @@ from tpagent.daemon.serve import context, serve
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now on 127.0.0.1, below the kernel's ephemeral range: one from that range, once
+    let go, may become any connection's own port before the server it is for binds it (CI saw a
+    metrics server refused so)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(10000, low)
+        if 29000 <= port < 30000:  # (torchrun's and the jobs' stores, at their fixed ports)
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port between 10000 and {low} on 127.0.0.1")
 
 
 def agent_config(tmp: Path, name: str, **kw: object) -> AgentConfig:
