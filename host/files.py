@@ -30,18 +30,11 @@ def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
         try:
             for f in p.open_files():
                 out[f.path] = out.get(f.path, False) or f.mode != "r"
-            maps = Path(f"/proc/{p.pid}/maps").read_text()
-        except (psutil.Error, OSError):
+        except psutil.Error:
             continue
-        for line in maps.splitlines():
-            fields = line.split(maxsplit=5)
-            if (
-                len(fields) < 6
-                or fields[1][3] != "s"
-                or not fields[5].startswith("/")
-                or fields[5].endswith(" (deleted)")
-            ):
-                continue  # (private, anonymous, or deleted: CRIU keeps a deleted file's bytes itself)
+        for fields in _mappings(p.pid):
+            if fields[1][3] != "s" or not fields[5].startswith("/") or fields[5].endswith(" (deleted)"):
+                continue  # (private, anonymous, or deleted: CRIU keeps its bytes, or names it again: Relinked)
             try:
                 if not stat.S_ISREG(os.stat(fields[5]).st_mode):
                     continue  # (a device: /dev/nvidia*, /dev/zero)
@@ -49,6 +42,16 @@ def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
                 continue
             out[fields[5]] = out.get(fields[5], False) or fields[1][1] == "w"
     return out
+
+
+def _mappings(pid: int) -> list[list[str]]:
+    """The fields of each of ``pid``'s mappings of a file (``/proc/PID/maps``: range, mode,
+    offset, device, inode, path); none if it is gone."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return []
+    return [fields for line in maps.splitlines() if len(fields := line.split(maxsplit=5)) == 6]
 
 
 def uncarriable(paths: list[Path]) -> list[str]:
@@ -99,14 +102,7 @@ def relinked(pids: Sequence[int]) -> list[Relinked]:
     out: dict[tuple[int, int, str], Relinked] = {}
     for pid in pids:
         named = [(f"/proc/{pid}/fd/{fd}", link) for fd, link in proc.fd_links(pid)]
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            maps = ""
-        for line in maps.splitlines():
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6:
-                named.append((f"/proc/{pid}/map_files/{fields[0]}", fields[5]))
+        named += [(f"/proc/{pid}/map_files/{fields[0]}", fields[5]) for fields in _mappings(pid)]
         for at, link in named:
             path = link.removesuffix(" (deleted)")
             if path == link or not path.startswith("/"):

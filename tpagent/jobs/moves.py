@@ -69,13 +69,22 @@ class Asking:
             pool.shutdown(wait=not until_one_fails, cancel_futures=True)
         return out
 
-    def end(self, agents: list[str], why: str) -> None:
-        """The job cannot go on: every rank that still answers is told ``why`` first (one let go
-        for a freeze is waited for as it reconnects), then each is ended, so that none ends (and
-        takes the others down with its launcher, the store's node) before all have heard why."""
-        timeout = min(self.timeout, 30)
-        self.all(agents, each(P.End(why=why, hold=True)), timeout)
-        self.all(agents, each(P.End(why=why)), timeout)
+    def end(
+        self,
+        agents: list[str],
+        why: str,
+        timeout: float,
+        ending: Callable[[int], P.Request[P.Answer]] | None = None,
+        only: list[int] | None = None,
+        then: float | None = None,
+    ) -> dict[int, Reply]:
+        """The job cannot go on: every rank that still answers (or ``only`` these) is told ``why``
+        first, within ``timeout`` (one let go for a freeze is waited for as it reconnects), then
+        each is ended with ``ending`` (default: End with ``why``) within ``then`` (default:
+        ``timeout``), so that none ends (and takes the others down with its launcher, the store's
+        node) before all have heard why.  The answers to the ending."""
+        self.all(agents, each(P.End(why=why, hold=True)), timeout, only=only)
+        return self.all(agents, ending or each(P.End(why=why)), timeout if then is None else then, only=only)
 
     def where(self, agents: list[str], why: str = "") -> dict[int, P.Standing]:
         """Where every rank stands; RewireFailed (with ``why`` after) if any cannot say."""

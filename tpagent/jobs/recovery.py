@@ -335,9 +335,7 @@ class Recovery:
         def end(r: int) -> P.End:  # (one held, or stalled that long, breaks off; one restarted is parked)
             return P.End(why=sentence, grace=0.0 if r in self.restarted else self.request.grace)
 
-        # Each parked one is told first (see P.End's hold): none ends, taking others down, unheard.
-        self.asking.all(agents, lambda _r: P.End(why=sentence, hold=True), self.timeout, only=survivors)
-        told = self.asking.all(agents, end, self.request.grace + self.timeout, only=survivors)
+        told = self.asking.end(agents, sentence, self.timeout, end, survivors, self.request.grace + self.timeout)
         for r, answer in told.items():
             if isinstance(answer, AgentError) or not answer.ok:
                 log.warning("rank %d of job %s was not told it ends: %s", r, self.job, answer)

@@ -473,7 +473,7 @@ class Rewire:
             # Every rank that still answers is told, and ends now with the reason, rather than wait
             # parked for a peer that will not come (its own deadline, or the group's timeout).
             why = "; ".join([failed, *bad] if failed else bad) + "; the job cannot go on"
-            self.ranks.end(agents, why[:2000])
+            self.ranks.end(agents, why[:2000], min(self.timeout, 30))
             raise RewireFailed(why)
         if final:
             self._resume(agents, failed)
