@@ -266,7 +266,7 @@ class Rank:
                 self.closing.wait(0.5)  # (not registered yet: the agent says so; ask again)
                 return
             self.node = codec.decode(lines.Welcome, first).node
-            self.came_back = self.leaving  # (its agent spent the word that let it come: a break does not strand it)
+            self.came_back = self.leaving  # (welcomed back: a break reconnects at once, whatever becomes of the word)
             if not self.torn and self.join is None:  # (a joiner says so once it is in: rebuild)
                 self.tell_store()
             with self.write_lock:

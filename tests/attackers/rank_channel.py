@@ -64,15 +64,16 @@ def flood(name: str, n: int) -> None:
 def stale(name: str) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect("\0" + name)
-    parent = os.getpid()
+    print(f"connected as PID {os.getpid()}", flush=True)
+    if sys.stdin.readline().strip() != "leave":  # (once the agent has taken the connection)
+        return
     if os.fork():
         os._exit(0)  # the PID that connected is free: the kernel still names it as the peer
-    print(f"connected as PID {parent}", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
     s.settimeout(10)
-    s.sendall(json.dumps({"op": "exit", "code": 42}).encode() + b"\n")
     try:
+        s.sendall(json.dumps({"op": "exit", "code": 42}).encode() + b"\n")
         line = s.makefile("rb").readline()
     except OSError:
         line = b""

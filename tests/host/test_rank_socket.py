@@ -22,7 +22,7 @@ import pytest
 
 from host import paths, proc
 from host.api import UsageError
-from support.helpers import NOBODY, process_with_pid
+from support.helpers import NOBODY, process_with_pid, wait_until
 from tpagent.common.threads import Threads
 from tpagent.jobs import door, ranks
 from tpagent.workload import launch
@@ -71,6 +71,56 @@ def test_a_hello_for_a_rank_not_registered_spends_no_word_to_come_back(agent: ra
         assert go.exists(), "a stranger's hello took the word the rank waits for"
     finally:
         go.unlink(missing_ok=True)
+
+
+#: A rank's runtime as a restored copy stands: it let go of its agent to be frozen, and connects
+#: again only once its word to come back is there.
+LEAVING_RANK = """
+import sys, time
+from tpagent_rank.agent import Rank
+r = Rank(sys.argv[2], 0, 2, None, None, sys.argv[1])
+r.torn = r.leaving = True
+r.start()
+time.sleep(120)
+"""
+
+
+def test_a_released_rank_whose_line_breaks_before_its_welcome_comes_back(
+    agent: ranks.Ranks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A released rank's first connection breaks after the agent took it in, before its welcome
+    reached it (the line broke, the agent restarted).  It must still come back: with the word it
+    waits for already spent it would wait for good, and its job with it.  (The door, whose caller's
+    socket was closed under it, must take the next one: it kept the first by a descriptor the
+    next connection reuses, and stopped.)"""
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    welcomes = []
+    send = ranks.Connection.send
+
+    def breaks_first(conn: ranks.Connection, data: bytes) -> None:
+        welcomes.append(conn.peer.pid)
+        if len(welcomes) == 1:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        send(conn, data)
+
+    monkeypatch.setattr(ranks.Connection, "send", breaks_first)
+    init, holder = launch.start(
+        [sys.executable, "-c", LEAVING_RANK, agent.name, job], tmp_path / "out", tmp_path / "err"
+    )
+    try:
+        agent.expect(job, 0, init)
+        agent.release(job, 0)
+        deadline = time.monotonic() + 20
+        while len(welcomes) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(welcomes) == 2, f"the rank did not come back after its first line broke (welcomes: {welcomes})"
+        conn = agent.entry(job, 0).conn
+        assert conn is not None and not conn.closed.is_set(), "the rank's second connection did not hold"
+        assert conn.hello.state == P.RankState.TORN_DOWN.value, conn.hello
+    finally:
+        proc.kill_tree(init)
+        holder.wait(10)
+        (paths.RANK_GO / P.go_name(job, 0)).unlink(missing_ok=True)
 
 
 def test_the_connections_waiting_for_a_registration_are_bounded(agent: ranks.Ranks) -> None:
@@ -185,6 +235,15 @@ def test_a_flood_of_connections_costs_no_thread_and_a_rank_still_gets_in(agent: 
         _end(flood)
 
 
+def _taken(agent: ranks.Ranks, pid: int) -> bool:
+    """Whether the agent's door has taken a connection from ``pid`` (and holds it, waiting)."""
+    assert agent.door is not None
+    try:
+        return any(c.peer.pid == pid for c in list(agent.door.callers.values()))
+    except RuntimeError:  # (the door's thread changed them meanwhile: look again)
+        return False
+
+
 def test_a_report_on_a_connection_whose_process_exited_is_not_believed_though_its_pid_now_is_an_init(
     agent: ranks.Ranks, tmp_path: Path
 ) -> None:
@@ -196,6 +255,9 @@ def test_a_report_on_a_connection_whose_process_exited_is_not_believed_though_it
     assert attacker.stdout is not None and attacker.stdin is not None
     line = attacker.stdout.readline().split()
     stale_pid = int(line[-1])
+    wait_until(lambda: _taken(agent, stale_pid), "the agent to take the connection")  # (while its process runs)
+    attacker.stdin.write("leave\n")
+    attacker.stdin.flush()
     assert attacker.wait(10) == 0 and attacker.pid == stale_pid  # (exited, reaped: its PID is free)
     job = f"job-{uuid.uuid4().hex[:8]}"
     recycled = process_with_pid(stale_pid)

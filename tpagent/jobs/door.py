@@ -48,6 +48,9 @@ class Caller:
     sock: socket.socket
     peer: peers.Peer
     deadline: float
+    #: Its socket's descriptor as accepted, its key here: the admitter may have closed the socket
+    #: (a welcome that could not be sent) by the time the door forgets it.
+    fd: int = -1
     data: bytearray = field(default_factory=bytearray)
     hello: lines.Hello | None = None
     #: What the admitter found out about the caller once (it is asked again at every tick).
@@ -110,8 +113,8 @@ class Door:
             peer.close()
             return
         sock.setblocking(False)
-        caller = Caller(sock, peer, time.monotonic() + HELLO_WITHIN)
-        self.callers[sock.fileno()] = caller
+        caller = Caller(sock, peer, time.monotonic() + HELLO_WITHIN, fd=sock.fileno())
+        self.callers[caller.fd] = caller
         self.per_user[peer.uid] += 1
         self.selector.register(sock, selectors.EVENT_READ)
 
@@ -162,23 +165,23 @@ class Door:
             self._refuse(c, str(e))
         except Exception:
             log.exception("a connection from PID %d on @%s failed; it is closed", c.peer.pid, self.name)
-            if self.callers.get(c.sock.fileno()) is c:
+            if self.callers.get(c.fd) is c:
                 self._drop(c)
 
     def _look_again(self, c: Caller) -> None:
         """A caller that waits: its registration, if it came; its deadline, if it passed."""
-        if self.callers.get(c.sock.fileno()) is not c:
+        if self.callers.get(c.fd) is not c:
             return  # (gone since the round began)
         if c.hello is not None:
             self._try(c)
-        if self.callers.get(c.sock.fileno()) is c and time.monotonic() > c.deadline:
+        if self.callers.get(c.fd) is c and time.monotonic() > c.deadline:
             if c.hello is None:
                 raise Refuse(f"it said no hello within {HELLO_WITHIN:.0f} s")
             log.warning("rank %s of job %s (PID %d) is not registered here", c.hello.rank, c.hello.job, c.peer.pid)
             raise Refuse("this rank is not registered with the agent")
 
     def _refuse(self, c: Caller, why: str) -> None:
-        if self.callers.get(c.sock.fileno()) is not c:
+        if self.callers.get(c.fd) is not c:
             return  # (no longer the door's to refuse)
         log.warning("a connection from PID %d (UID %d) on @%s was refused: %s", c.peer.pid, c.peer.uid, self.name, why)
         _tell(c.sock, why)
@@ -186,11 +189,11 @@ class Door:
 
     def _forget(self, c: Caller) -> None:
         """No longer the door's (the socket and the pidfd are the connection's now); once."""
-        if self.callers.get(c.sock.fileno()) is not c:
+        if self.callers.get(c.fd) is not c:
             return
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(c.sock)
-        del self.callers[c.sock.fileno()]
+        del self.callers[c.fd]
         self.per_user[c.peer.uid] -= 1
         if self.per_user[c.peer.uid] <= 0:
             del self.per_user[c.peer.uid]

@@ -72,6 +72,7 @@ class Ranks:
         self.lock = threading.Lock()
         self.entries: dict[tuple[str, int], RankEntry] = {}
         self.server: socket.socket | None = None
+        self.door: door.Door | None = None
         self.hold_deaths = False  # (an agent reporting to an orchestrator: it may rebuild them)
         self.report_soon = threading.Event()  # a rank said a collective of it failed: report now
         #: Where the registrations outlive the agent (a restart must not orphan running ranks).
@@ -117,8 +118,8 @@ class Ranks:
                 "as one, serves it in this network namespace; stop it, or set rank_socket to another name."
             ) from e
         self.server = s
-        d = door.Door(s, self.name, self.threads, self._admit, self._exited)
-        self.threads.spawn("server", "ranks-door", d.run)
+        self.door = door.Door(s, self.name, self.threads, self._admit, self._exited)
+        self.threads.spawn("server", "ranks-door", self.door.run)
 
     def close(self) -> None:
         if self.server is not None:
@@ -150,8 +151,6 @@ class Ranks:
                 return False
             if not peer.alive():  # (what was found of it is the word of a process gone since)
                 raise door.Refuse("the process that connected has exited")
-            with contextlib.suppress(OSError):  # (it came back: the word it waited for is spent)
-                os.unlink(paths.RANK_GO / P.go_name(hello.job, hello.rank))
             conn = Connection(sock, peer, hello)
             if entry.conn is not None:
                 entry.conn.close()
@@ -322,8 +321,7 @@ class Ranks:
     def _ask(self, job: str, rank: int, conn: Connection, request: P.Request[A], deadline: float) -> A:
         leaving = isinstance(request, P.Teardown) and request.leaving
         if leaving:  # (it comes back only once told again)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(paths.RANK_GO / P.go_name(job, rank))
+            _spend(job, rank)
         answer = conn.call(request, max(0.1, deadline - time.monotonic()))
         # It is about to be frozen: it must hold no connection to us by then.
         if leaving and answer.ok and not conn.closed.wait(max(1.0, deadline - time.monotonic())):
@@ -345,6 +343,7 @@ class Ranks:
             if e is not None:
                 e.moved_to = to
                 close_outputs(e)  # (it writes on there: everything it wrote here went with it)
+                _spend(job, rank)  # (nothing here is to come back)
                 self._save()
 
     def died(self) -> list[RankEntry]:
@@ -411,3 +410,12 @@ class Ranks:
                 )
                 out.append(row)
             return out
+
+
+def _spend(job: str, rank: int) -> None:
+    """Take back the word that lets a rank that let go of its agent connect again (made by
+    :meth:`Ranks.release`).  Only its leaving again, or its move away, spends it, never its
+    coming back: a line broken before its welcome then costs it a reconnection, not its job
+    (it would wait for a word already spent, and never come back)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(paths.RANK_GO / P.go_name(job, rank))
