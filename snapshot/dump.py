@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from host import files, forked, gpus, proc
+from host import ends, forked, gpus, proc
 from host.api import UsageError
 from host.safefs import private_dir, private_opener
 from snapshot import failures, hook, manifest, stages
@@ -221,7 +221,7 @@ def _examine(target: psutil.Process, checked: float | None) -> _Tree:
             if attempt == 4 or not target.is_running():
                 raise UsageError(f"PID {pid} exited while it was being examined; nothing was done.") from e
             time.sleep(0.05)
-    cannot = [*proc.uncheckpointable([p.pid for p in procs]), *files.relink_refusals([p.pid for p in procs])]
+    cannot = ends.unmovable([p.pid for p in procs])
     if cannot:
         raise UsageError(f"{cannot[0]} Nothing was done.")
     if hidden:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from host import sockets
+from host import ends, sockets
 
 
 def test_a_process_s_bound_sockets_are_found_and_its_abstract_or_unbound_ones_are_not(tmp_path: Path) -> None:
@@ -101,3 +101,43 @@ def test_a_connection_whose_loopback_peer_closed_and_left_stays_nothing_behind(t
             assert sockets.left_behind(held) == []
         finally:
             leaked.close()
+
+
+_CONNECTS = (
+    "import socket,sys,time; s=socket.socket(socket.AF_UNIX); s.connect(chr(0)+sys.argv[1]); s.send(b'r'); "
+    "time.sleep(60)"
+)
+
+
+@pytest.mark.parametrize(
+    "agent, runtime", [(True, True), (False, True), (False, False)], ids=["its-agent", "a-stranger", "no-runtime"]
+)
+def test_a_connection_out_of_the_tree_is_a_tie_but_a_rank_runtimes_to_its_agent(agent: bool, runtime: bool) -> None:
+    """A unix connection to a process outside the tree cannot be dumped (CRIU takes no half of
+    one), and is refused before the freeze; but not the one a rank's runtime holds to its agent
+    (the name its TPAGENT_RANK_SOCKET says), which it lets go of before any freeze."""
+    name = f"tpagent-test-{os.getpid()}-{agent}-{runtime}"
+    env = {k: v for k, v in os.environ.items() if k != "TPAGENT_RANK_SOCKET"}
+    if runtime:
+        env["TPAGENT_RANK_SOCKET"] = name if agent else "tpagent-another"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.settimeout(30)
+        listener.bind("\0" + name)
+        listener.listen()
+        with subprocess.Popen(
+            [sys.executable, "-c", _CONNECTS, name], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+        ) as p:
+            try:
+                accepted, _ = listener.accept()
+                with accepted:
+                    assert accepted.recv(1) == b"r"
+                    said = ends.refusals([p.pid])
+                    if agent:
+                        assert said == []
+                    else:
+                        assert (
+                            len(said) == 1
+                            and f"PID {p.pid} holds a unix socket (fd 3) connected to PID {os.getpid()} (" in said[0]
+                        ), said
+            finally:
+                p.kill()

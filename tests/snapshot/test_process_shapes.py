@@ -3,10 +3,12 @@ event loops on timerfds, inotify watches, a reused PID."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
 import re
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ class Loop:
     log: Path
     args: tuple[str, ...] = ()
     launched: bool = False  # under `tpagent launch` (pid: its namespace's init)
+    pass_fds: tuple[int, ...] = ()  # (not launched) descriptors it inherits
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     pid: int = 0
 
@@ -46,7 +49,12 @@ class Loop:
         else:
             with open(self.log.with_suffix(".out"), "ab") as out:
                 self.popen = subprocess.Popen(
-                    cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=out,
+                    start_new_session=True,
+                    pass_fds=self.pass_fds,
                 )
             self.pid = self.popen.pid
         wait_until(lambda: len(self.numbers("tick")) >= 5, f"{self.script} to start ticking")
@@ -329,26 +337,77 @@ def test_sysv_shared_memory_comes_back_under_launch_and_is_refused_in_one_senten
     wait_until(lambda: plain.numbers("tick")[-1][0] > n + 5, "the plain pair to run on, never frozen")
 
 
-@pytest.mark.parametrize("kind, said", [("io_uring", "uses io_uring (fd "), ("perf_event", "uses a perf event (fd ")])
-def test_a_descriptor_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_frozen(  # type: ignore[no-untyped-def]
+#: A tracer as gdb, strace or py-spy is one: it seizes the process it is given, and holds it.
+TRACER = """
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.ptrace(0x4206, int(sys.argv[1]), 0, 0) == 0, ctypes.get_errno()  # (PTRACE_SEIZE)
+print("seized", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    "kind, said",
+    [
+        ("io_uring", "uses io_uring (fd "),
+        ("perf_event", "uses a perf event (fd "),
+        ("traced", "is traced by PID "),
+        ("pipe", "writes to a pipe (fd "),
+        ("unix", "holds a unix socket (fd "),
+    ],
+)
+def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_frozen(  # type: ignore[no-untyped-def]
     loops, tmp_path: Path, kind: str, said: str
 ) -> None:
     """CRIU cannot checkpoint an io_uring instance or a perf event (no dumper for those
-    anonymous inodes) and finds out only once the tree is frozen; the dump says so first, in one
-    sentence, and the process never stops."""
+    anonymous inodes), nor seize a process a debugger or tracer holds, nor take one end of a
+    unix connection whose other end is outside the tree; given one end of such a pipe
+    (``python train.py | tee log``), it dumps it, and the copy's pipe has nobody at the other
+    end.  It finds the first ones out only once the tree is frozen (a page of its errors), the
+    last not at all; the dump says so first, in one sentence, and the process never stops;
+    `doctor --pid` names it."""
     disabled = Path("/proc/sys/kernel/io_uring_disabled")
     if kind == "io_uring" and disabled.exists() and disabled.read_text().strip() != "0":
         pytest.skip("this kernel gives no io_uring (kernel.io_uring_disabled)")
-    w = Loop("anon_inode_loop.py", tmp_path / "w.log", (kind,), launched=True).start()
-    loops.append(w)
-    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"))
+    with contextlib.ExitStack() as held:
+        theirs = _outside_end(kind, held)
+        args = (kind if kind in ("io_uring", "perf_event") else "none",)
+        w = Loop("anon_inode_loop.py", tmp_path / "w.log", args, launched=not theirs, pass_fds=theirs)
+        loops.append(w.start())
+        for fd in theirs:
+            os.close(fd)  # (the test holds only the other end)
+        if kind == "traced":
+            (loop,) = psutil.Process(w.pid).children()
+            tracer = held.enter_context(
+                subprocess.Popen([sys.executable, "-c", TRACER, str(loop.pid)], stdout=subprocess.PIPE, text=True)
+            )
+            held.callback(tracer.kill)
+            assert tracer.stdout is not None and tracer.stdout.readline() == "seized\n"
+        proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"))
+        doctor = json.loads(tpagent("doctor", "--json", "--pid", str(w.pid)).stdout)["checks"]
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+    assert [c["verdict"] for c in doctor if said in c["message"]] == ["FAIL"], doctor  # (doctor --pid says it too)
     assert said in proc.stderr and "Nothing was done" in proc.stderr, proc.stderr
     assert not (tmp_path / "snap").exists()
     ticks = w.numbers("tick")
     assert [t[0] for t in ticks] == list(range(len(ticks)))
     n = ticks[-1][0]
     wait_until(lambda: w.numbers("tick")[-1][0] > n + 5, "the loop to run on, never frozen")
+
+
+def _outside_end(kind: str, held: contextlib.ExitStack) -> tuple[int, ...]:
+    """For "pipe" and "unix": the end of a pipe (its writing end) or of a unix connection to give
+    the loop, the test keeping the other (until ``held`` closes); none for the other kinds."""
+    if kind == "pipe":
+        ours, theirs = os.pipe()
+        held.callback(os.close, ours)
+        return (theirs,)
+    if kind == "unix":
+        a, b = socket.socketpair()
+        held.callback(a.close)
+        return (b.detach(),)
+    return ()
 
 
 def _named_again() -> list[str]:

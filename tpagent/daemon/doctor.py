@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from host import forked, gpus
+from host import ends, forked, gpus
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
 from tpagent import __version__
@@ -170,6 +170,7 @@ def process_checks(pid: int) -> list[Check]:
             )
         )
     out += _forked_checks(sorted(tree), sorted(pid for g in found for pid in g.pids if pid in tree))
+    out += [Check("cannot dump", Verdict.FAIL, why.rstrip(".")) for why in ends.unmovable(sorted(tree))]
     unseen = (
         "CUDA IPC handles and managed (UVM) memory cannot be seen from outside a process: if it holds them "
         "the driver refuses the checkpoint and the process is resumed"

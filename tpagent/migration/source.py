@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from host import files, forked, gpus, paths, proc, sockets
+from host import ends, files, forked, gpus, paths, proc, sockets
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
@@ -356,8 +356,7 @@ class SourceMigration:
         peer outside the tree, a lock on a file the target sees as well."""
         cuda_pids = self.record.cuda_pids
         return [
-            *proc.uncheckpointable(pids),
-            *files.relink_refusals(pids),
+            *ends.unmovable(pids),
             *forked.refusals(forked.find(pids, cuda_pids), cuda_pids),
             *sockets.left_behind(tcp),
             *(

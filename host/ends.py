@@ -1,0 +1,229 @@
+"""What ties a process tree to processes outside it that no checkpoint can take along, found
+before anything is frozen (CRIU finds it only with the tree frozen, in a page of its errors, or
+not at all):
+
+- a tracer (gdb, ``strace -p``, py-spy) holding one of its threads: CRIU cannot seize it;
+- a pipe whose other end only a process outside the tree holds (``python train.py | tee log``
+  run without ``tpagent launch``): CRIU gives the copy a new pipe with nobody at that end, so
+  its writes fail (EPIPE) or its reads end (EOF) as soon as it runs;
+- a unix stream connection to a process outside the tree (a local daemon, journald as a
+  service's stdout): CRIU cannot dump half of one.  (A rank runtime's to its agent is let go of
+  before any freeze, and is no tie.)
+
+The other end is found by its inode: a pipe's from each process's ``/proc/PID/fd`` (and which
+way each descriptor goes from its ``fdinfo`` flags), a unix socket's peer from the kernel's
+sock_diag (netlink), in the reader's network namespace::
+
+    REQUEST ::= NLMSGHDR(SOCK_DIAG_BY_FAMILY, REQUEST|DUMP) UNIX_DIAG_REQ(AF_UNIX, all states, SHOW_PEER)
+    ANSWER  ::= { NLMSGHDR UNIX_DIAG_MSG(family type state pad ino cookie[2]) { RTATTR } } NLMSGHDR(DONE)
+    RTATTR  ::= len:u16 type:u16 value (padded to 4)     UNIX_DIAG_PEER: the peer's inode, u32;
+                                                         UNIX_DIAG_NAME: its sun_path (a listener's,
+                                                         for a connection it accepted)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Iterable, Sequence
+from contextlib import suppress
+from pathlib import Path
+
+from host import files, proc
+from host.proc import fd_links
+
+_NETLINK_SOCK_DIAG = 4
+_SOCK_DIAG_BY_FAMILY = 20
+_NLM_F_REQUEST = 0x1
+_NLM_F_DUMP = 0x300
+_NLMSG_ERROR = 2
+_NLMSG_DONE = 3
+_UDIAG_SHOW_NAME = 0x1
+_UDIAG_SHOW_PEER = 0x4
+_UNIX_DIAG_NAME = 0
+_UNIX_DIAG_PEER = 2
+_ESTABLISHED = 1
+_STREAMS = frozenset({socket.SOCK_STREAM, socket.SOCK_SEQPACKET})
+
+
+def unmovable(pids: Sequence[int]) -> list[str]:
+    """One sentence for each thing of the tree a checkpoint would refuse, all found before
+    anything is frozen: what CRIU cannot dump (:func:`host.proc.uncheckpointable`), a tie to a
+    process outside the tree (:func:`refusals`), a file CRIU would name again where users can
+    change its directory (:func:`host.files.relink_refusals`)."""
+    return [*proc.uncheckpointable(pids), *refusals(pids), *files.relink_refusals(pids)]
+
+
+def refusals(pids: Sequence[int]) -> list[str]:
+    """One sentence for each tie of the tree's processes to a process outside it."""
+    tree = set(pids)
+    out = [
+        f"PID {pid} is traced by PID {tracer} ({_comm(tracer)}): a debugger or tracer (gdb, strace, py-spy) "
+        "holds it, and CRIU cannot freeze a traced process; detach it and try again."
+        for pid in pids
+        if (tracer := _tracer(pid))
+    ]
+    pipes: dict[str, list[tuple[int, str, int]]] = {}  # pipe:[INODE] -> (PID, fd, access mode) in the tree
+    sockets: dict[str, tuple[int, str]] = {}  # socket:[INODE] -> (PID, fd), the first in the tree
+    for pid in pids:
+        for fd, link in fd_links(pid):
+            if link.startswith("pipe:"):
+                pipes.setdefault(link, []).append((pid, fd, _access(pid, fd)))
+            elif link.startswith("socket:"):
+                sockets.setdefault(link, (pid, fd))
+    # A pipe the tree holds only one way of (it only writes it, or only reads it).
+    one_way = [link for link, held in pipes.items() if {m for *_, m in held} in ({os.O_RDONLY}, {os.O_WRONLY})]
+    peers = {
+        link: peer for link, (peer, name) in _outside_peers(pids, sockets).items() if name != _agent(sockets[link][0])
+    }
+    outside = _holders(tree, {*one_way, *peers.values()})
+    for link in one_way:
+        pid, fd, mode = pipes[link][0]
+        other = [(p, m) for p, f, m in outside.get(link, []) if m != mode]
+        if other:
+            verb, their = ("writes to", "reads") if mode == os.O_WRONLY else ("reads", "writes")
+            out.append(
+                f"PID {pid} {verb} a pipe (fd {fd}) that PID {other[0][0]} ({_comm(other[0][0])}) outside its tree "
+                f"{their}: the copy's pipe would have nobody at that end; give it a file instead (for its output, "
+                "`tpagent launch --stdout FILE`), or start the other end inside the tree."
+            )
+    for link, peer in peers.items():
+        pid, fd = sockets[link]
+        holder = outside.get(peer, [])
+        who = f"PID {holder[0][0]} ({_comm(holder[0][0])})" if holder else "a process"
+        out.append(
+            f"PID {pid} holds a unix socket (fd {fd}) connected to {who} outside its tree, and CRIU cannot "
+            "checkpoint one end of a connection; close it, or start that process inside the tree."
+        )
+    return out
+
+
+def _tracer(pid: int) -> int:
+    """The PID (as this node sees it) of whatever ptraces a thread of ``pid``; 0: none."""
+    with suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with suppress(OSError, ValueError):
+                for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+                    if line.startswith("TracerPid:") and int(line.split()[1]):
+                        return int(line.split()[1])
+    return 0
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone since"
+
+
+def _access(pid: int, fd: str) -> int:
+    """Which way the descriptor goes: os.O_RDONLY, os.O_WRONLY or os.O_RDWR (-1: unreadable)."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            flags = next(int(ln.split()[1], 8) for ln in f if ln.startswith("flags:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return -1
+    return flags & os.O_ACCMODE
+
+
+def _holders(tree: set[int], links: set[str]) -> dict[str, list[tuple[int, str, int]]]:
+    """For each of ``links``, the processes outside ``tree`` that hold it: (PID, fd, access mode)."""
+    found: dict[str, list[tuple[int, str, int]]] = {}
+    if not links:
+        return found
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) in tree:
+            continue
+        pid = int(entry.name)
+        for fd, link in fd_links(pid):
+            if link in links:
+                found.setdefault(link, []).append((pid, fd, _access(pid, fd)))
+    return found
+
+
+def _agent(pid: int) -> bytes | None:
+    """The abstract name of the agent's rank socket, as the rank runtime in ``pid`` connects to
+    it (``TPAGENT_RANK_SOCKET``; None: no runtime).  That connection the runtime lets go of
+    before any freeze: it is no tie."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    name = next((v[len(b"TPAGENT_RANK_SOCKET=") :] for v in environ if v.startswith(b"TPAGENT_RANK_SOCKET=")), b"")
+    return b"\0" + name if name else None
+
+
+def _outside_peers(pids: Sequence[int], sockets: dict[str, tuple[int, str]]) -> dict[str, tuple[str, bytes]]:
+    """socket:[INODE] of the tree's connected unix stream sockets whose peer is not the tree's ->
+    the peer's socket:[INODE] and the name it has (a listener's, for a connection it accepted).
+    Only where the tree shares this process's network namespace (sock_diag answers for its own)."""
+    here = os.readlink("/proc/self/ns/net")
+    if not sockets or any(_netns(pid) not in ("", here) for pid in pids):
+        return {}
+    try:
+        table = _unix_peers()
+    except OSError:
+        return {}
+    peers, names = table
+    out = {}
+    for link in sockets:
+        peer = peers.get(int(link[len("socket:[") : -1]))
+        if peer is not None and f"socket:[{peer}]" not in sockets:
+            out[link] = (f"socket:[{peer}]", names.get(peer, b""))
+    return out
+
+
+def _netns(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return ""
+
+
+def _unix_peers() -> tuple[dict[int, int], dict[int, bytes]]:
+    """INODE -> its peer's INODE, for each connected unix stream or seqpacket socket of this
+    network namespace; and INODE -> the name of each socket that has one (the module's grammar)."""
+    show = _UDIAG_SHOW_NAME | _UDIAG_SHOW_PEER
+    request = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
+    header = struct.pack("=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
+    peers: dict[int, int] = {}
+    names: dict[int, bytes] = {}
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, _NETLINK_SOCK_DIAG) as s:
+        s.settimeout(5)
+        s.sendto(header + request, (0, 0))
+        while True:
+            data = s.recv(1 << 20)
+            for kind, body in _messages(data):
+                if kind == _NLMSG_DONE:
+                    return peers, names
+                if kind == _NLMSG_ERROR or len(body) < 16:
+                    raise OSError("sock_diag did not answer the request")
+                _family, kind_, state, _pad, inode = struct.unpack_from("=BBBBI", body)
+                for atype, value in _attributes(body[16:]):
+                    if atype == _UNIX_DIAG_NAME:  # (a path ends at its NUL; an abstract name has none)
+                        names[inode] = value if value.startswith(b"\0") else value.split(b"\0")[0]
+                    elif atype == _UNIX_DIAG_PEER and len(value) >= 4 and kind_ in _STREAMS and state == _ESTABLISHED:
+                        peers[inode] = struct.unpack_from("=I", value)[0]
+            if not data:
+                return peers, names
+
+
+def _messages(data: bytes) -> Iterable[tuple[int, bytes]]:
+    off = 0
+    while off + 16 <= len(data):
+        length, kind = struct.unpack_from("=IH", data, off)
+        if length < 16 or off + length > len(data):  # (not one the kernel wrote: read no further)
+            return
+        yield kind, data[off + 16 : off + length]
+        off += (length + 3) & ~3
+
+
+def _attributes(data: bytes) -> Iterable[tuple[int, bytes]]:
+    off = 0
+    while off + 4 <= len(data):
+        length, kind = struct.unpack_from("=HH", data, off)
+        if length < 4 or off + length > len(data):
+            return
+        yield kind, data[off + 4 : off + length]
+        off += (length + 3) & ~3

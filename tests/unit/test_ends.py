@@ -1,0 +1,55 @@
+"""The ties of a tree to processes outside it (:mod:`host.ends`), read as anyone may: the
+kernel's table of connected unix sockets, and the pipes and sockets a process holds."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from host import ends
+
+
+def _inode(s: socket.socket) -> int:
+    return os.fstat(s.fileno()).st_ino
+
+
+def test_the_kernels_table_pairs_each_connected_unix_stream_with_its_peer(tmp_path: os.PathLike[str]) -> None:
+    a, b = socket.socketpair()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dgram_a, dgram_b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with a, b, listener, dgram_a, dgram_b:
+        listener.bind(os.path.join(tmp_path, "l"))
+        listener.listen()
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(os.path.join(tmp_path, "l"))
+        served, _ = listener.accept()
+        with client, served:
+            peers, names = ends._unix_peers()
+            assert names[_inode(served)] == names[_inode(listener)] == os.path.join(tmp_path, "l").encode()
+            assert peers[_inode(a)] == _inode(b) and peers[_inode(b)] == _inode(a)
+            assert peers[_inode(client)] == _inode(served)
+            assert _inode(listener) not in peers  # (listening: connected to nobody)
+            assert _inode(dgram_a) not in peers  # (a datagram pair: CRIU takes it, and it is not refused)
+
+
+def test_what_the_process_holds_both_ends_of_ties_it_to_nothing() -> None:
+    a, b = socket.socketpair()
+    r, w = os.pipe()
+    try:
+        assert ends.refusals([os.getpid()]) == []
+    finally:
+        a.close()
+        b.close()
+        os.close(r)
+        os.close(w)
+
+
+def test_a_truncated_answer_is_read_no_further_than_it_goes() -> None:
+    def message(length: int, body: bytes) -> bytes:
+        return length.to_bytes(4, "little") + (20).to_bytes(2, "little") + bytes(10) + body
+
+    whole = message(20, b"abcd")
+    assert list(ends._messages(whole)) == [(20, b"abcd")]
+    assert list(ends._messages(whole + message(40, b"efgh"))) == [(20, b"abcd")]  # (says 40 bytes: 20 are there)
+    assert list(ends._attributes((2).to_bytes(2, "little") + bytes(6))) == []  # (a length under 4: stop)
+    assert list(ends._attributes((9).to_bytes(2, "little") + bytes(4))) == []  # (longer than what is there)
