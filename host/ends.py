@@ -7,14 +7,14 @@ not at all):
   run without ``tpagent launch``): CRIU gives the copy a new pipe with nobody at that end, so
   its writes fail (EPIPE) or its reads end (EOF) as soon as it runs;
 - a unix stream connection to a process outside the tree (a local daemon, journald as a
-  service's stdout): CRIU cannot dump half of one.  (A rank runtime's to its agent is let go of
-  before any freeze, and is no tie.)
+  service's stdout): CRIU cannot dump half of one.  (A rank runtime's to its agent it lets go
+  of before its job's move, and is no tie there.)
 
 The other end is found by its inode: a pipe's from each process's ``/proc/PID/fd`` (and which
 way each descriptor goes from its ``fdinfo`` flags), a unix socket's peer from the kernel's
 sock_diag (netlink), in the reader's network namespace::
 
-    REQUEST ::= NLMSGHDR(SOCK_DIAG_BY_FAMILY, REQUEST|DUMP) UNIX_DIAG_REQ(AF_UNIX, all states, SHOW_PEER)
+    REQUEST ::= NLMSGHDR(SOCK_DIAG_BY_FAMILY, REQUEST|DUMP) UNIX_DIAG_REQ(AF_UNIX, ESTABLISHED, NAME|PEER)
     ANSWER  ::= { NLMSGHDR UNIX_DIAG_MSG(family type state pad ino cookie[2]) { RTATTR } } NLMSGHDR(DONE)
     RTATTR  ::= len:u16 type:u16 value (padded to 4)     UNIX_DIAG_PEER: the peer's inode, u32;
                                                          UNIX_DIAG_NAME: its sun_path (a listener's,
@@ -23,15 +23,24 @@ sock_diag (netlink), in the reader's network namespace::
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
 from pathlib import Path
 
 from host import files, proc
 from host.proc import fd_links
+
+log = logging.getLogger(__name__)
+
+#: Seconds the processes of the node are read for the other ends of the tree's pipes and sockets.
+HOLDERS_WITHIN = 2.0
+#: (In :func:`_holders`' wanted: a socket, held either way.)
+_SOCKET = -2
 
 _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
@@ -47,54 +56,62 @@ _ESTABLISHED = 1
 _STREAMS = frozenset({socket.SOCK_STREAM, socket.SOCK_SEQPACKET})
 
 
-def unmovable(pids: Sequence[int]) -> list[str]:
+def unmovable(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:
     """One sentence for each thing of the tree a checkpoint would refuse, all found before
     anything is frozen: what CRIU cannot dump (:func:`host.proc.uncheckpointable`), a tie to a
     process outside the tree (:func:`refusals`), a file CRIU would name again where users can
     change its directory (:func:`host.files.relink_refusals`)."""
-    return [*proc.uncheckpointable(pids), *refusals(pids), *files.relink_refusals(pids)]
+    return [*proc.uncheckpointable(pids), *refusals(pids, agent_let_go), *files.relink_refusals(pids)]
 
 
-def refusals(pids: Sequence[int]) -> list[str]:
-    """One sentence for each tie of the tree's processes to a process outside it."""
-    tree = set(pids)
+def refusals(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:
+    """One sentence for each tie of the tree's processes to a process outside it.
+    ``agent_let_go``: a rank's runtime lets go of its connection to its agent before the freeze
+    (its job's move, and its dry run): that one is no tie."""
     out = [
         f"PID {pid} is traced by PID {tracer} ({_comm(tracer)}): a debugger or tracer (gdb, strace, py-spy) "
         "holds it, and CRIU cannot freeze a traced process; detach it and try again."
         for pid in pids
         if (tracer := _tracer(pid))
     ]
-    pipes: dict[str, list[tuple[int, str, int]]] = {}  # pipe:[INODE] -> (PID, fd, access mode) in the tree
+    pipes: dict[str, tuple[int, str, int]] = {}  # pipe:[INODE] -> (PID, fd, access mode), the first in the tree
+    modes: dict[str, set[int]] = {}  # pipe:[INODE] -> the ways the tree holds it
     sockets: dict[str, tuple[int, str]] = {}  # socket:[INODE] -> (PID, fd), the first in the tree
     for pid in pids:
         for fd, link in fd_links(pid):
             if link.startswith("pipe:"):
-                pipes.setdefault(link, []).append((pid, fd, _access(pid, fd)))
+                mode = _access(pid, fd)
+                pipes.setdefault(link, (pid, fd, mode))
+                modes.setdefault(link, set()).add(mode)
             elif link.startswith("socket:"):
                 sockets.setdefault(link, (pid, fd))
     # A pipe the tree holds only one way of (it only writes it, or only reads it).
-    one_way = [link for link, held in pipes.items() if {m for *_, m in held} in ({os.O_RDONLY}, {os.O_WRONLY})]
-    peers = {
-        link: peer for link, (peer, name) in _outside_peers(pids, sockets).items() if name != _agent(sockets[link][0])
-    }
-    outside = _holders(tree, {*one_way, *peers.values()})
-    for link in one_way:
-        pid, fd, mode = pipes[link][0]
-        other = [(p, m) for p, f, m in outside.get(link, []) if m != mode]
-        if other:
+    wanted = {link: pipes[link][2] for link, m in modes.items() if m in ({os.O_RDONLY}, {os.O_WRONLY})}
+    peers = _outside_peers(pids, sockets)
+    wanted.update(dict.fromkeys((peer for peer, _ in peers.values()), _SOCKET))
+    outside = _holders(set(pids), wanted)
+    for link, (pid, fd, mode) in pipes.items():
+        if (other := outside.get(link)) is not None:
             verb, their = ("writes to", "reads") if mode == os.O_WRONLY else ("reads", "writes")
             out.append(
-                f"PID {pid} {verb} a pipe (fd {fd}) that PID {other[0][0]} ({_comm(other[0][0])}) outside its tree "
+                f"PID {pid} {verb} a pipe (fd {fd}) that PID {other[0]} ({_comm(other[0])}) outside its tree "
                 f"{their}: the copy's pipe would have nobody at that end; give it a file instead (for its output, "
                 "`tpagent launch --stdout FILE`), or start the other end inside the tree."
             )
-    for link, peer in peers.items():
+    for link, (peer, name) in peers.items():
         pid, fd = sockets[link]
-        holder = outside.get(peer, [])
-        who = f"PID {holder[0][0]} ({_comm(holder[0][0])})" if holder else "a process"
+        if name == _agent(pid):
+            if not agent_let_go:
+                out.append(
+                    f"PID {pid} is a rank whose runtime is connected to its agent (fd {fd}), which CRIU cannot dump: "
+                    "it lets go of it only for its job's move; move it with `tpagent migrate --job JOB --rank R`."
+                )
+            continue
+        who = f"PID {outside[peer][0]} ({_comm(outside[peer][0])})" if peer in outside else "a process"
         out.append(
             f"PID {pid} holds a unix socket (fd {fd}) connected to {who} outside its tree, and CRIU cannot "
-            "checkpoint one end of a connection; close it, or start that process inside the tree."
+            "checkpoint one end of a connection; close it, or start that process inside the tree (a service's "
+            "output to the journal: `tpagent launch --stdout FILE`)."
         )
     return out
 
@@ -127,19 +144,44 @@ def _access(pid: int, fd: str) -> int:
     return flags & os.O_ACCMODE
 
 
-def _holders(tree: set[int], links: set[str]) -> dict[str, list[tuple[int, str, int]]]:
-    """For each of ``links``, the processes outside ``tree`` that hold it: (PID, fd, access mode)."""
-    found: dict[str, list[tuple[int, str, int]]] = {}
-    if not links:
+def _holders(tree: set[int], wanted: dict[str, int]) -> dict[str, tuple[int, str]]:
+    """For each of ``wanted`` (pipe:[INODE] -> the way the tree holds it; socket:[INODE] ->
+    :data:`_SOCKET`), the first process outside ``tree`` found holding it the other way (any
+    way, a socket): (PID, fd).  Every process of the node may have to be read: the tree's own
+    session first (a shell pipeline's other end), and for :data:`HOLDERS_WITHIN` seconds at most
+    (what is not found by then is taken as held by nobody, and said in the log)."""
+    found: dict[str, tuple[int, str]] = {}
+    if not wanted:
         return found
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) in tree:
-            continue
-        pid = int(entry.name)
+    session = _session(min(tree))
+    others = sorted(
+        (int(e.name) for e in os.scandir("/proc") if e.name.isdigit() and int(e.name) not in tree),
+        key=lambda pid: _session(pid) != session,
+    )
+    deadline = time.monotonic() + HOLDERS_WITHIN
+    for pid in others:
+        if len(found) == len(wanted):
+            break
+        if time.monotonic() > deadline:
+            log.warning(
+                "the holders of %d pipe(s) or socket(s) of PID %d were not all found within %.0f s",
+                len(wanted) - len(found),
+                min(tree),
+                HOLDERS_WITHIN,
+            )
+            break
         for fd, link in fd_links(pid):
-            if link in links:
-                found.setdefault(link, []).append((pid, fd, _access(pid, fd)))
+            way = wanted.get(link)
+            if way is not None and link not in found and (way == _SOCKET or _access(pid, fd) not in (way, -1)):
+                found[link] = (pid, fd)
     return found
+
+
+def _session(pid: int) -> int:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return -1
 
 
 def _agent(pid: int) -> bytes | None:
@@ -157,19 +199,20 @@ def _agent(pid: int) -> bytes | None:
 def _outside_peers(pids: Sequence[int], sockets: dict[str, tuple[int, str]]) -> dict[str, tuple[str, bytes]]:
     """socket:[INODE] of the tree's connected unix stream sockets whose peer is not the tree's ->
     the peer's socket:[INODE] and the name it has (a listener's, for a connection it accepted).
-    Only where the tree shares this process's network namespace (sock_diag answers for its own)."""
+    Only the tree's processes in this process's network namespace (sock_diag answers for its own)."""
     here = os.readlink("/proc/self/ns/net")
-    if not sockets or any(_netns(pid) not in ("", here) for pid in pids):
+    mine = {link: at for link, at in sockets.items() if _netns(at[0]) == here}
+    if not mine:
         return {}
     try:
-        table = _unix_peers()
-    except OSError:
+        peers, names = _unix_peers()
+    except OSError as e:
+        log.warning("the kernel's table of unix sockets cannot be read (%s): their peers are not checked", e)
         return {}
-    peers, names = table
     out = {}
-    for link in sockets:
+    for link in mine:
         peer = peers.get(int(link[len("socket:[") : -1]))
-        if peer is not None and f"socket:[{peer}]" not in sockets:
+        if peer and f"socket:[{peer}]" not in sockets:  # (0: the other end closed, which CRIU dumps)
             out[link] = (f"socket:[{peer}]", names.get(peer, b""))
     return out
 
@@ -183,9 +226,11 @@ def _netns(pid: int) -> str:
 
 def _unix_peers() -> tuple[dict[int, int], dict[int, bytes]]:
     """INODE -> its peer's INODE, for each connected unix stream or seqpacket socket of this
-    network namespace; and INODE -> the name of each socket that has one (the module's grammar)."""
+    network namespace; and INODE -> the name of each connected socket that has one (the
+    module's grammar)."""
     show = _UDIAG_SHOW_NAME | _UDIAG_SHOW_PEER
-    request = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
+    states = 1 << _ESTABLISHED  # (a connection a listener accepted has its name)
+    request = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, states, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
     header = struct.pack("=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
     peers: dict[int, int] = {}
     names: dict[int, bytes] = {}

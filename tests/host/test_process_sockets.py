@@ -114,8 +114,9 @@ _CONNECTS = (
 )
 def test_a_connection_out_of_the_tree_is_a_tie_but_a_rank_runtimes_to_its_agent(agent: bool, runtime: bool) -> None:
     """A unix connection to a process outside the tree cannot be dumped (CRIU takes no half of
-    one), and is refused before the freeze; but not the one a rank's runtime holds to its agent
-    (the name its TPAGENT_RANK_SOCKET says), which it lets go of before any freeze."""
+    one), and is refused before the freeze; the one a rank's runtime holds to its agent (the name
+    its TPAGENT_RANK_SOCKET says) it lets go of before its job's move, so only a move of the
+    rank alone is refused for it (named as such)."""
     name = f"tpagent-test-{os.getpid()}-{agent}-{runtime}"
     env = {k: v for k, v in os.environ.items() if k != "TPAGENT_RANK_SOCKET"}
     if runtime:
@@ -132,8 +133,9 @@ def test_a_connection_out_of_the_tree_is_a_tie_but_a_rank_runtimes_to_its_agent(
                 with accepted:
                     assert accepted.recv(1) == b"r"
                     said = ends.refusals([p.pid])
-                    if agent:
-                        assert said == []
+                    if agent:  # (let go of for its job's move, and for that only)
+                        assert ends.refusals([p.pid], agent_let_go=True) == []
+                        assert len(said) == 1 and "is a rank whose runtime is connected to its agent (fd 3)" in said[0]
                     else:
                         assert (
                             len(said) == 1

@@ -25,21 +25,24 @@ def test_the_kernels_table_pairs_each_connected_unix_stream_with_its_peer(tmp_pa
         served, _ = listener.accept()
         with client, served:
             peers, names = ends._unix_peers()
-            assert names[_inode(served)] == names[_inode(listener)] == os.path.join(tmp_path, "l").encode()
+            assert names[_inode(served)] == os.path.join(tmp_path, "l").encode()  # (its listener's name)
             assert peers[_inode(a)] == _inode(b) and peers[_inode(b)] == _inode(a)
             assert peers[_inode(client)] == _inode(served)
             assert _inode(listener) not in peers  # (listening: connected to nobody)
             assert _inode(dgram_a) not in peers  # (a datagram pair: CRIU takes it, and it is not refused)
 
 
-def test_what_the_process_holds_both_ends_of_ties_it_to_nothing() -> None:
+def test_what_the_process_holds_both_ends_of_ties_it_to_nothing_nor_a_connection_whose_other_end_closed() -> None:
     a, b = socket.socketpair()
+    half, gone = socket.socketpair()
+    gone.close()  # (CRIU dumps what is left of it: one end, closed at the other)
     r, w = os.pipe()
     try:
+        assert ends._unix_peers()[0].get(_inode(half)) in (None, 0)
         assert ends.refusals([os.getpid()]) == []
     finally:
-        a.close()
-        b.close()
+        for s in (a, b, half):
+            s.close()
         os.close(r)
         os.close(w)
 

@@ -170,7 +170,9 @@ def process_checks(pid: int) -> list[Check]:
             )
         )
     out += _forked_checks(sorted(tree), sorted(pid for g in found for pid in g.pids if pid in tree))
-    out += [Check("cannot dump", Verdict.FAIL, why.rstrip(".")) for why in ends.unmovable(sorted(tree))]
+    out += [
+        Check("cannot dump", Verdict.FAIL, why.rstrip(".")) for why in ends.unmovable(sorted(tree), agent_let_go=True)
+    ]
     unseen = (
         "CUDA IPC handles and managed (UVM) memory cannot be seen from outside a process: if it holds them "
         "the driver refuses the checkpoint and the process is resumed"

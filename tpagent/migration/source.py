@@ -356,7 +356,7 @@ class SourceMigration:
         peer outside the tree, a lock on a file the target sees as well."""
         cuda_pids = self.record.cuda_pids
         return [
-            *ends.unmovable(pids),
+            *ends.unmovable(pids, agent_let_go=self.communicators_rebuilt),
             *forked.refusals(forked.find(pids, cuda_pids), cuda_pids),
             *sockets.left_behind(tcp),
             *(
