@@ -5,6 +5,7 @@ the transfer streams: test_transfer_security.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -464,7 +465,7 @@ def test_a_forged_command_line_does_not_make_a_process_migratable(start, tmp_pat
         # A record names one process: the same PID number, started anew, is not launched.
         record = launch.launched(w.pid)
         assert record is not None
-        stale = launch.LaunchRecord(honest.pid, record.create_time, record.pidns, record.owner, record.uid)
+        stale = dataclasses.replace(record, pid=honest.pid)
         (launch.RECORDS / f"{honest.pid}.json").write_text(json.dumps(stale.__dict__))
         assert launch.launched(honest.pid) is None
     finally:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from host import paths
+from host import paths, proc
 from host.api import UsageError
 from host.safefs import private_dir
 
@@ -59,6 +59,9 @@ class LaunchRecord:
     pidns: int  # the inode of its PID namespace (/proc/PID/ns/pid)
     owner: int  # the UID that launched it (SUDO_UID under sudo), -1 if unknown
     uid: int  # the UID it runs as
+    #: When it started, in clock ticks since boot (-1 in a record of an earlier tpagent): what
+    #: names it, ``create_time`` being the wall clock's, which a step of the clock shifts.
+    start: int = -1
 
 
 def _pidns(pid: int) -> int:
@@ -68,7 +71,7 @@ def _pidns(pid: int) -> int:
 def register(pid: int, owner: int = -1, records: Path = RECORDS) -> LaunchRecord:
     """Record ``pid`` (a namespace init we started, or restored) as a launched workload."""
     p = psutil.Process(pid)
-    rec = LaunchRecord(pid, p.create_time(), _pidns(pid), owner, p.uids().real)
+    rec = LaunchRecord(pid, p.create_time(), _pidns(pid), owner, p.uids().real, proc.start_ticks(pid))
     directory = private_dir(records)
     tmp = directory / f".{pid}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -90,10 +93,15 @@ def launched(pid: int, records: Path = RECORDS) -> LaunchRecord | None:
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             return None  # (not ours: planted, never trusted)
         rec = LaunchRecord(**json.loads(path.read_text()))
-        if rec.pid != pid or psutil.Process(pid).create_time() != rec.create_time or _pidns(pid) != rec.pidns:
+        started = (
+            proc.start_ticks(pid) == rec.start
+            if rec.start >= 0
+            else psutil.Process(pid).create_time() == rec.create_time
+        )
+        if rec.pid != pid or not started or _pidns(pid) != rec.pidns:
             return None
         return rec
-    except (OSError, ValueError, TypeError, psutil.Error):
+    except (OSError, ValueError, TypeError, IndexError, psutil.Error):
         return None
 
 
