@@ -28,11 +28,11 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 
-from host import files, proc
+from host import criu_limits, files
 from host.proc import fd_links
 
 log = logging.getLogger(__name__)
@@ -58,10 +58,10 @@ _STREAMS = frozenset({socket.SOCK_STREAM, socket.SOCK_SEQPACKET})
 
 def unmovable(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:
     """One sentence for each thing of the tree a checkpoint would refuse, all found before
-    anything is frozen: what CRIU cannot dump (:func:`host.proc.uncheckpointable`), a tie to a
+    anything is frozen: what CRIU cannot dump (:func:`host.criu_limits.uncheckpointable`), a tie to a
     process outside the tree (:func:`refusals`), a file CRIU would name again where users can
     change its directory (:func:`host.files.relink_refusals`)."""
-    return [*proc.uncheckpointable(pids), *refusals(pids, agent_let_go), *files.relink_refusals(pids)]
+    return [*criu_limits.uncheckpointable(pids), *refusals(pids, agent_let_go), *files.relink_refusals(pids)]
 
 
 def refusals(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:
@@ -116,6 +116,35 @@ def refusals(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:
     return out
 
 
+def shared_maps(pids: Sequence[int], carried: Sequence[Path]) -> list[str]:
+    """One sentence for each node-local file a migration would take along (``carried``) that
+    the tree maps shared and a process outside it maps shared too, either side writing (a
+    segment in /dev/shm, a POSIX semaphore, a memory-mapped file): the copy on the target would
+    map a copy of it, its writes and theirs no longer meeting (a semaphore they post never
+    reaching it).  Only a move refuses it: a restore on the node maps the same file again."""
+    names = {str(p) for p in carried}
+    mine: dict[tuple[str, str], tuple[int, str, bool]] = {}  # (device, inode) -> (PID, path, written)
+    for pid in pids:
+        for fields in files.mappings(pid):
+            if fields[1][3] == "s" and fields[5] in names:
+                first = mine.setdefault((fields[3], fields[4]), (pid, fields[5], False))
+                mine[(fields[3], fields[4])] = (*first[:2], first[2] or fields[1][1] == "w")
+    out = []
+    for other in _others(set(pids), "the processes mapping the files") if mine else ():
+        for fields in files.mappings(other):
+            held = mine.get((fields[3], fields[4]))
+            if held is not None and fields[1][3] == "s" and (held[2] or fields[1][1] == "w"):
+                del mine[(fields[3], fields[4])]
+                out.append(
+                    f"PID {held[0]} maps {held[1]} shared with PID {other} ({_comm(other)}) outside its tree, and one "
+                    "of them writes it: its copy on the target would map a copy of this node-local file, their "
+                    "writes no longer meeting; end that process, or start it inside the tree."
+                )
+        if not mine:
+            break
+    return out
+
+
 def _tracer(pid: int) -> int:
     """The PID (as this node sees it) of whatever ptraces a thread of ``pid``; 0: none."""
     with suppress(OSError):
@@ -151,30 +180,31 @@ def _holders(tree: set[int], wanted: dict[str, int]) -> dict[str, tuple[int, str
     session first (a shell pipeline's other end), and for :data:`HOLDERS_WITHIN` seconds at most
     (what is not found by then is taken as held by nobody, and said in the log)."""
     found: dict[str, tuple[int, str]] = {}
-    if not wanted:
-        return found
-    session = _session(min(tree))
-    others = sorted(
-        (int(e.name) for e in os.scandir("/proc") if e.name.isdigit() and int(e.name) not in tree),
-        key=lambda pid: _session(pid) != session,
-    )
-    deadline = time.monotonic() + HOLDERS_WITHIN
-    for pid in others:
+    for pid in _others(tree, "the holders of the pipes and sockets") if wanted else ():
         if len(found) == len(wanted):
-            break
-        if time.monotonic() > deadline:
-            log.warning(
-                "the holders of %d pipe(s) or socket(s) of PID %d were not all found within %.0f s",
-                len(wanted) - len(found),
-                min(tree),
-                HOLDERS_WITHIN,
-            )
             break
         for fd, link in fd_links(pid):
             way = wanted.get(link)
             if way is not None and link not in found and (way == _SOCKET or _access(pid, fd) not in (way, -1)):
                 found[link] = (pid, fd)
     return found
+
+
+def _others(tree: set[int], looked_for: str) -> Iterator[int]:
+    """The node's processes outside ``tree``, those of its session first, for
+    :data:`HOLDERS_WITHIN` seconds at most (the rest are left out, and the log says so)."""
+    session = _session(min(tree))
+    others = sorted(
+        (int(e.name) for e in os.scandir("/proc") if e.name.isdigit() and int(e.name) not in tree),
+        key=lambda pid: _session(pid) != session,
+    )
+    deadline = time.monotonic() + HOLDERS_WITHIN
+    said = (looked_for, min(tree), HOLDERS_WITHIN)
+    for pid in others:
+        if time.monotonic() > deadline:
+            log.warning("%s of PID %d were looked for among part of the node's processes only (%.0f s)", *said)
+            return
+        yield pid
 
 
 def _session(pid: int) -> int:

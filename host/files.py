@@ -32,7 +32,7 @@ def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
                 out[f.path] = out.get(f.path, False) or f.mode != "r"
         except psutil.Error:
             continue
-        for fields in _mappings(p.pid):
+        for fields in mappings(p.pid):
             if fields[1][3] != "s" or not fields[5].startswith("/") or fields[5].endswith(" (deleted)"):
                 continue  # (private, anonymous, or deleted: CRIU keeps its bytes, or names it again: Relinked)
             try:
@@ -44,7 +44,7 @@ def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
     return out
 
 
-def _mappings(pid: int) -> list[list[str]]:
+def mappings(pid: int) -> list[list[str]]:
     """The fields of each of ``pid``'s mappings of a file (``/proc/PID/maps``: range, mode,
     offset, device, inode, path); none if it is gone."""
     try:
@@ -102,7 +102,7 @@ def relinked(pids: Sequence[int]) -> list[Relinked]:
     out: dict[tuple[int, int, str], Relinked] = {}
     for pid in pids:
         named = [(f"/proc/{pid}/fd/{fd}", link) for fd, link in proc.fd_links(pid)]
-        named += [(f"/proc/{pid}/map_files/{fields[0]}", fields[5]) for fields in _mappings(pid)]
+        named += [(f"/proc/{pid}/map_files/{fields[0]}", fields[5]) for fields in mappings(pid)]
         for at, link in named:
             path = link.removesuffix(" (deleted)")
             if path == link or not path.startswith("/"):

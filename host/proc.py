@@ -217,56 +217,6 @@ def holds_inet_sockets(pids: list[int]) -> bool:
     return False
 
 
-#: Descriptors whose queued events a checkpoint may lose (what /proc shows their fd as -> the API).
-_EVENT_QUEUES = {"anon_inode:inotify": "inotify", "anon_inode:[fanotify]": "fanotify"}
-
-
-def restore_warnings(pids: Sequence[int]) -> list[str]:
-    """One sentence for each process of the tree that holds state a restore may not bring back
-    as it was: an inotify or fanotify instance, whose events queued at the freeze can be lost
-    (CRIU brings back the watches, not the queue).  For ``inspect``, a dump's output, a dry run."""
-    out = []
-    for pid in pids:
-        held: dict[str, list[str]] = {}
-        for fd, link in fd_links(pid):
-            api = _EVENT_QUEUES.get(link)
-            if api is not None:
-                held.setdefault(api, []).append(fd)
-        for api, fds in held.items():
-            out.append(
-                f"PID {pid} watches files with {api} (fd {', '.join(fds)}): events queued when it is frozen can be "
-                "lost, so it should rescan what it watches after a restore."
-            )
-    return out
-
-
-def uncheckpointable(pids: Sequence[int]) -> list[str]:
-    """One sentence for each process of the tree that holds what CRIU cannot checkpoint, found
-    before anything is frozen (CRIU would find it only after): a descriptor of a kind of
-    anonymous inode CRIU has no dumper for (io_uring, perf events, ...), or SysV shared memory
-    in the node's own IPC namespace (CRIU saves SysV segments only with an IPC namespace of the
-    workload's, which `tpagent launch` gives it)."""
-    out = []
-    node_ipc = os.readlink("/proc/self/ns/ipc")
-    for pid in pids:
-        with suppress(OSError):
-            held: dict[str, list[str]] = {}
-            for fd, link in fd_links(pid):
-                kind = link.removeprefix("anon_inode:")
-                if kind != link and kind not in CRIU_ANON_INODES:
-                    held.setdefault(kind, []).append(fd)
-            for kind, fds in held.items():
-                out.append(
-                    f"PID {pid} uses {_ANON_NAMES.get(kind, kind)} (fd {', '.join(fds)}), which CRIU cannot checkpoint."
-                )
-            if os.readlink(f"/proc/{pid}/ns/ipc") == node_ipc and _maps_sysv(pid):
-                out.append(
-                    f"PID {pid} uses SysV shared memory in the node's IPC namespace, which CRIU cannot checkpoint; "
-                    "start the workload with `tpagent launch` (an IPC namespace of its own)."
-                )
-    return out
-
-
 def file_locks(pids: Sequence[int]) -> list[tuple[int, str, str]]:
     """The file locks the processes hold through their descriptors, as (PID, kind, path): kind
     ``FLOCK``, ``POSIX`` (fcntl, lockf) or ``OFDLCK``; each file once."""
@@ -282,14 +232,6 @@ def file_locks(pids: Sequence[int]) -> list[tuple[int, str, str]]:
     return list(out.values())
 
 
-#: The kinds of anonymous inode CRIU dumps (criu/files.c: each has its dump ops; any other is
-#: refused once the tree is frozen).
-CRIU_ANON_INODES = frozenset(
-    {"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]", "bpf-map"}
-)
-_ANON_NAMES = {"[io_uring]": "io_uring", "[perf_event]": "a perf event", "[userfaultfd]": "userfaultfd"}
-
-
 def fd_links(pid: int) -> list[tuple[str, str]]:
     """Each descriptor of ``pid`` (in order) and what it names (``/proc/PID/fd/N``'s link: a
     path, ``socket:[INODE]``, ``anon_inode:KIND``...); those that close as they are read, or a
@@ -303,11 +245,6 @@ def fd_links(pid: int) -> list[tuple[str, str]]:
         with suppress(OSError):
             out.append((fd, os.readlink(f"/proc/{pid}/fd/{fd}")))
     return out
-
-
-def _maps_sysv(pid: int) -> bool:
-    with open(f"/proc/{pid}/maps") as f:
-        return any(" /SYSV" in line for line in f)
 
 
 def dump_size_estimate(pids: Sequence[int]) -> int:

@@ -23,7 +23,7 @@ die meanwhile (it let the tree go as it died), the hook ends too: no decision ca
 
 While the tree is frozen the hook also checks that its root is the very process the dump was
 asked for (its start time: a PID reused meanwhile is refused, and CRIU rolls back), and notes
-what CRIU does not bring back intact (:mod:`snapshot.timers`, :func:`host.proc.restore_warnings`).
+what CRIU does not bring back intact (:mod:`snapshot.timers`, :func:`host.criu_limits.restore_warnings`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 
 import psutil
 
-from host import files, proc, safefs, sockets
+from host import criu_limits, files, proc, safefs, sockets
 from snapshot import manifest, streamer, timers
 from snapshot.criu import PIDFILE
 
@@ -336,7 +336,7 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     m.sockets = _bound(sockets.unix_bound(pids), pids)
     m.dirs = _dirs_to([(b.path, b.uid) for b in m.sockets] + [(p, uid) for p in m.carried if (uid := _owner(p)) >= 0])
     m.timers = timers.expired(pids)
-    m.warnings = proc.restore_warnings(pids)
+    m.warnings = criu_limits.restore_warnings(pids)
     m.timings = {"checksum": round(time.monotonic() - t0, 4)}
     _check_cancel(out)  # the last moment at which CRIU can still roll back
     m.write(out)

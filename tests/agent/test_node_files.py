@@ -306,6 +306,49 @@ def test_a_file_that_cannot_be_taken_along_is_refused_before_the_freeze(cluster:
         kill_and_wait(t.pid)
 
 
+_MAPS_IT = (
+    "import mmap, sys\n"
+    "with open(sys.argv[1], 'r+b') as f:\n"
+    "    m = mmap.mmap(f.fileno(), 4096)\n"  # (shared, and writable: a consumer posting back)
+    "print('mapped', flush=True); sys.stdin.read()\n"
+)
+
+
+def test_a_node_local_file_mapped_shared_with_a_process_outside_is_refused_before_the_freeze(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The workload's shared mapping of a node-local file (a /dev/shm segment) is mapped by a
+    process outside its tree too: the copy on B would map a copy of the file, the two no longer
+    meeting.  The move is refused in one sentence naming both (the dry run lists it), before
+    anything is frozen; once that process is gone the same workload moves."""
+    a = cluster.nodes["A"]
+    assert a.agent is not None
+    shm = LOCAL / f"shm-{uuid.uuid4().hex[:6]}"
+    t = launch(a, tmp_path, 16, "--shm", str(shm))
+    try:
+        with subprocess.Popen(
+            ["nsenter", "-t", str(a.agent.pid), "-m", sys.executable, "-c", _MAPS_IT, str(shm)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        ) as other:
+            try:
+                assert other.stdout is not None and other.stdout.readline() == "mapped\n"
+                said = f"maps {shm} shared with PID {other.pid} (python"
+                dry = cluster.migrate(t.pid, "A", "B", "--dry-run", "--json")
+                assert dry.returncode == 1 and any(said in p for p in json.loads(dry.stdout)["problems"]), dry.stdout
+                proc = cluster.migrate(t.pid, "A", "B", "--json")
+                doc = json.loads(proc.stdout)
+                assert proc.returncode == 1 and doc["state"] == "failed" and said in doc["message"], doc
+                t.assert_one_copy_continuous()  # never frozen
+            finally:
+                other.kill()
+        migrate(cluster, t, "A", "B")  # (that process gone)
+        verify(t)
+    finally:
+        kill_and_wait(t.pid)
+
+
 def vm_hwm(node: Node) -> int:
     assert node.agent is not None
     status = Path(f"/proc/{node.agent.pid}/status").read_text()

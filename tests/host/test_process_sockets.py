@@ -5,6 +5,7 @@ tests/unit/test_tcp_sockets.py.)"""
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import subprocess
@@ -143,3 +144,41 @@ def test_a_connection_out_of_the_tree_is_a_tie_but_a_rank_runtimes_to_its_agent(
                         ), said
             finally:
                 p.kill()
+
+
+_MAPS = (
+    "import mmap, sys\n"
+    "with open(sys.argv[1], 'r+b') as f:\n"
+    "    m = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ | (mmap.PROT_WRITE if sys.argv[2] == 'w' else 0))\n"
+    "print('mapped', flush=True); sys.stdin.read()\n"
+)
+
+
+@pytest.mark.parametrize("tree, theirs", [("r", "r"), ("w", "r"), ("r", "w"), ("w", "w")])
+def test_a_node_local_file_mapped_shared_outside_the_tree_ties_it_when_either_side_writes(
+    tmp_path: Path, tree: str, theirs: str
+) -> None:
+    """The tree (a process of its own) and this test's process map one file shared, each
+    writable or not: taken along (carried), the file ties the tree to this process if either
+    writes it; a file not taken along, or only read on both sides, is no tie."""
+    seg = tmp_path / "seg"
+    seg.write_bytes(bytes(4096))
+    with (
+        open(seg, "r+b") as f,
+        subprocess.Popen(
+            [sys.executable, "-c", _MAPS, str(seg), tree], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        ) as p,
+    ):
+        ours = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ | (mmap.PROT_WRITE if theirs == "w" else 0))
+        try:
+            assert p.stdout is not None and p.stdout.readline() == "mapped\n"
+            said = ends.shared_maps([p.pid], [seg])
+            if "w" in (tree, theirs):
+                assert len(said) == 1 and said[0].startswith(f"PID {p.pid} maps {seg} shared with PID "), said
+                assert f"PID {os.getpid()} (" in said[0]  # (this process, the first found outside)
+            else:
+                assert said == []
+            assert ends.shared_maps([p.pid], []) == []  # (not taken along: the restore maps the same file)
+        finally:
+            ours.close()
+            p.kill()

@@ -206,9 +206,9 @@ def test_a_periodic_timerfd_fires_on_after_a_restore(loops, tmp_path: Path, laun
 
 def test_an_inotify_watch_is_warned_about_and_still_watches_after_a_restore(loops, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Events an inotify instance had queued at the freeze can be lost: the snapshot layer
-    says so (the dump's output, `inspect`, :func:`host.proc.restore_warnings` for a dry
+    says so (the dump's output, `inspect`, :func:`host.criu_limits.restore_warnings` for a dry
     run), and the restored loop still gets the events of its watch."""
-    from host.proc import restore_warnings
+    from host.criu_limits import restore_warnings
 
     watched = tmp_path / "watched"
     watched.mkdir()
@@ -352,6 +352,7 @@ time.sleep(600)
     [
         ("io_uring", "uses io_uring (fd "),
         ("perf_event", "uses a perf event (fd "),
+        ("mqueue", "uses a POSIX message queue (fd "),
         ("traced", "is traced by PID "),
         ("pipe", "writes to a pipe (fd "),
         ("unix", "holds a unix socket (fd "),
@@ -361,8 +362,9 @@ def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_fro
     loops, tmp_path: Path, kind: str, said: str
 ) -> None:
     """CRIU cannot checkpoint an io_uring instance or a perf event (no dumper for those
-    anonymous inodes), nor seize a process a debugger or tracer holds, nor take one end of a
-    unix connection whose other end is outside the tree; given one end of such a pipe
+    anonymous inodes) or a POSIX message queue (none for its filesystem), nor seize a process
+    a debugger or tracer holds, nor take one end of a unix connection whose other end is
+    outside the tree; given one end of such a pipe
     (``python train.py | tee log``), it dumps it, and the copy's pipe has nobody at the other
     end.  It finds the first ones out only once the tree is frozen (a page of its errors), the
     last not at all; the dump says so first, in one sentence, and the process never stops;
@@ -372,7 +374,7 @@ def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_fro
         pytest.skip("this kernel gives no io_uring (kernel.io_uring_disabled)")
     with contextlib.ExitStack() as held:
         theirs = _outside_end(kind, held)
-        args = (kind if kind in ("io_uring", "perf_event") else "none",)
+        args = (kind if kind in ("io_uring", "perf_event", "mqueue") else "none",)
         w = Loop("anon_inode_loop.py", tmp_path / "w.log", args, launched=not theirs, pass_fds=theirs)
         loops.append(w.start())
         for fd in theirs:

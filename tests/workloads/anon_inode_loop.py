@@ -2,7 +2,7 @@
 
     python anon_inode_loop.py LOG KIND      KIND: io_uring (an async I/O ring), perf_event
                                             (a counter of its own CPU time, as profilers hold),
-                                            or none
+                                            mqueue (a POSIX message queue, mq_open), or none
 
 Writes ``tick N`` to LOG every 20 ms; exits with status 3 if the kernel gives no such descriptor.
 """
@@ -19,6 +19,9 @@ libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _open(kind: str) -> int:
+    if kind == "mqueue":
+        libc.mq_open.restype = ctypes.c_int
+        return int(libc.mq_open(f"/tpagent-loop-{os.getpid()}".encode(), os.O_CREAT | os.O_RDWR, 0o600, None))
     if kind == "io_uring":
         params = ctypes.create_string_buffer(120)  # struct io_uring_params, zeroed
         return int(libc.syscall(SYS_IO_URING_SETUP, 8, params))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from host import ends, files, forked, gpus, paths, proc, sockets
+from host import criu_limits, ends, files, forked, gpus, paths, proc, sockets
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
@@ -282,7 +282,7 @@ class SourceMigration:
         except (SnapshotError, psutil.Error) as e:
             raise _Failure(str(e)) from e
         pids = {p.pid for p in tree}
-        for warning in proc.restore_warnings(sorted(pids)):  # (said, not refused: the move still works)
+        for warning in criu_limits.restore_warnings(sorted(pids)):  # (said, not refused: the move still works)
             self.emit(f"warning: {warning}")
         used = [g for g in gpus.inventory() if pids & set(g.pids)]
         self.record.cuda_pids = sorted(pids & {pid for g in used for pid in g.pids})  # to give back on a restart
@@ -353,10 +353,11 @@ class SourceMigration:
 
     def _what_stays(self, pids: list[int], tcp: list[sockets.TcpSocket]) -> list[str]:
         """What no target can take, one sentence each: what CRIU cannot checkpoint, a loopback
-        peer outside the tree, a lock on a file the target sees as well."""
+        peer outside the tree, a node-local file shared with one, a lock on a file the target sees."""
         cuda_pids = self.record.cuda_pids
         return [
             *ends.unmovable(pids, agent_let_go=self.communicators_rebuilt),
+            *ends.shared_maps(pids, self.carry),
             *forked.refusals(forked.find(pids, cuda_pids), cuda_pids),
             *sockets.left_behind(tcp),
             *(

@@ -1,0 +1,99 @@
+"""What CRIU cannot checkpoint in a live tree, or cannot bring back as it was, found in its
+processes' descriptors and mappings before anything is frozen (CRIU finds the first only once
+the tree is frozen, in a page of its errors)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import struct
+from collections.abc import Sequence
+from contextlib import suppress
+
+from host.proc import fd_links
+
+
+def uncheckpointable(pids: Sequence[int]) -> list[str]:
+    """One sentence for each process of the tree that holds what CRIU cannot checkpoint, found
+    before anything is frozen (CRIU would find it only after): a descriptor of a kind of
+    anonymous inode CRIU has no dumper for (io_uring, perf events, ...), or SysV shared memory
+    in the node's own IPC namespace (CRIU saves SysV segments only with an IPC namespace of the
+    workload's, which `tpagent launch` gives it), or a POSIX message queue (``mq_open``: CRIU
+    has no dumper for its filesystem, and fails on it as on a file whose mount it cannot find)."""
+    out = []
+    node_ipc = os.readlink("/proc/self/ns/ipc")
+    for pid in pids:
+        with suppress(OSError):
+            held: dict[str, list[str]] = {}
+            for fd, link in fd_links(pid):
+                kind = link.removeprefix("anon_inode:")
+                if kind != link and kind not in CRIU_ANON_INODES:
+                    held.setdefault(kind, []).append(fd)
+                elif _MQUEUE_NAME.fullmatch(link) and _filesystem(f"/proc/{pid}/fd/{fd}") == _MQUEUE_MAGIC:
+                    held.setdefault("mqueue", []).append(fd)
+            for kind, fds in held.items():
+                out.append(
+                    f"PID {pid} uses {_ANON_NAMES.get(kind, kind)} (fd {', '.join(fds)}), which CRIU cannot checkpoint."
+                )
+            if os.readlink(f"/proc/{pid}/ns/ipc") == node_ipc and _maps_sysv(pid):
+                out.append(
+                    f"PID {pid} uses SysV shared memory in the node's IPC namespace, which CRIU cannot checkpoint; "
+                    "start the workload with `tpagent launch` (an IPC namespace of its own)."
+                )
+    return out
+
+
+#: The kinds of anonymous inode CRIU dumps (criu/files.c: each has its dump ops; any other is
+#: refused once the tree is frozen).
+CRIU_ANON_INODES = frozenset(
+    {"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]", "bpf-map"}
+)
+_ANON_NAMES = {
+    "[io_uring]": "io_uring",
+    "[perf_event]": "a perf event",
+    "[userfaultfd]": "userfaultfd",
+    "mqueue": "a POSIX message queue",
+}
+#: How /proc shows a message queue's descriptor: its name, one slash first (" (deleted)" after
+#: mq_unlink).  Only such links are asked their filesystem (a statfs): a file's at the root of
+#: ``/`` is the only other of that shape, and no mount of a network filesystem is asked.
+_MQUEUE_NAME = re.compile(r"/(?!memfd:)[^/]+")
+_MQUEUE_MAGIC = 0x19800202  # (linux/magic.h)
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _filesystem(path: str) -> int | None:
+    """The type of the filesystem ``path`` is on (statfs's f_type), or None if it cannot be read."""
+    buf = ctypes.create_string_buffer(256)  # (struct statfs: 120 bytes on x86-64 and arm64)
+    if _libc.statfs(os.fsencode(path), buf) != 0:
+        return None
+    return int(struct.unpack_from("l", buf)[0])  # (f_type is its first field)
+
+
+def _maps_sysv(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any(" /SYSV" in line for line in f)
+
+
+#: Descriptors whose queued events a checkpoint may lose (what /proc shows their fd as -> the API).
+_EVENT_QUEUES = {"anon_inode:inotify": "inotify", "anon_inode:[fanotify]": "fanotify"}
+
+
+def restore_warnings(pids: Sequence[int]) -> list[str]:
+    """One sentence for each process of the tree that holds state a restore may not bring back
+    as it was: an inotify or fanotify instance, whose events queued at the freeze can be lost
+    (CRIU brings back the watches, not the queue).  For ``inspect``, a dump's output, a dry run."""
+    out = []
+    for pid in pids:
+        held: dict[str, list[str]] = {}
+        for fd, link in fd_links(pid):
+            api = _EVENT_QUEUES.get(link)
+            if api is not None:
+                held.setdefault(api, []).append(fd)
+        for api, fds in held.items():
+            out.append(
+                f"PID {pid} watches files with {api} (fd {', '.join(fds)}): events queued when it is frozen can be "
+                "lost, so it should rescan what it watches after a restore."
+            )
+    return out
