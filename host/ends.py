@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import struct
 import time
@@ -32,7 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 
-from host import criu_limits, files
+from host import criu_limits, files, proc
 from host.proc import fd_links
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,70 @@ def refusals(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:
             "checkpoint one end of a connection; close it, or start that process inside the tree (a service's "
             "output to the journal: `tpagent launch --stdout FILE`)."
         )
-    return out
+    return [*out, *_terminals(pids)]
+
+
+def _terminals(pids: Sequence[int]) -> list[str]:
+    """One sentence for each pseudo-terminal the tree holds the slave of (``/dev/pts/N``, or
+    ``/dev/tty`` for its controlling one) while no process of it holds the master: a terminal
+    window, tmux, screen or sshd outside the tree does (CRIU: 'Found slave peer index N without
+    correspond master peer', once the tree is frozen)."""
+    slaves: dict[int, tuple[int, list[str]]] = {}  # index -> (PID, its fds), the first in the tree
+    masters: set[int] = set()
+    for pid in pids:
+        for fd, link in fd_links(pid):
+            slave = _pts_index(pid, link)
+            if slave is not None:
+                first = slaves.setdefault(slave, (pid, []))
+                if first[0] == pid:
+                    first[1].append(fd)
+            elif link in _PTMX:
+                masters.add(_tty_index(pid, fd))
+    lone = {index: held for index, held in slaves.items() if index not in masters}
+    holders: dict[int, int] = {}
+    for other in _others(set(pids), "the holders of the terminals") if lone else ():
+        for fd, link in fd_links(other):
+            if link in _PTMX and (index := _tty_index(other, fd)) in lone:
+                holders.setdefault(index, other)
+        if len(holders) == len(lone):
+            break
+    return [
+        f"PID {pid}'s terminal (/dev/pts/{index}, fd {', '.join(fds)}) is held at its other end by "
+        f"{f'PID {holders[index]} ({_comm(holders[index])})' if index in holders else 'a process'} outside its "
+        "tree (a terminal window, tmux, screen, ssh), and CRIU cannot take one end of a terminal; start it with "
+        "`tpagent launch --stdout FILE`, or with its output and input redirected (nohup CMD > FILE 2>&1 < /dev/null)."
+        for index, (pid, fds) in sorted(lone.items())
+    ]
+
+
+#: How /proc names the master side of a pseudo-terminal (its slave is /dev/pts/N).
+_PTMX = frozenset({"/dev/ptmx", "/dev/pts/ptmx"})
+_PTS = re.compile(r"/dev/pts/([0-9]+)")
+_PTS_MAJORS = range(136, 144)  # (Unix98 pty slaves: index = (major - 136) * 256 + minor)
+
+
+def _pts_index(pid: int, link: str) -> int | None:
+    """The index of the pty slave ``link`` names (``/dev/tty``: ``pid``'s controlling terminal), or None."""
+    if (m := _PTS.fullmatch(link)) is not None:
+        return int(m.group(1))
+    if link != "/dev/tty":
+        return None
+    try:
+        tty = proc.controlling_tty(pid)
+    except (OSError, ValueError, IndexError):
+        return None
+    major = (tty >> 8) & 0xFFF
+    minor = (tty & 0xFF) | ((tty >> 12) & 0xFFF00)
+    return (major - 136) * 256 + minor if major in _PTS_MAJORS else None
+
+
+def _tty_index(pid: int, fd: str) -> int:
+    """The index of the terminal a master descriptor (``/dev/ptmx``) drives (its fdinfo); -1: unreadable."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("tty-index:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return -1
 
 
 def shared_maps(pids: Sequence[int], carried: Sequence[Path]) -> list[str]:

@@ -48,6 +48,11 @@ def start_ticks(pid: int) -> int:
     return int(_stat_fields(pid)[19])
 
 
+def controlling_tty(pid: int) -> int:
+    """The device number of the process's controlling terminal (0: none; /proc/PID/stat's tty_nr)."""
+    return int(_stat_fields(pid)[4])
+
+
 def validate_target(pid: int) -> psutil.Process:
     """The process a user asked to dump, or one sentence on why it cannot be."""
     if pid <= 1:

@@ -182,3 +182,36 @@ def test_a_node_local_file_mapped_shared_outside_the_tree_ties_it_when_either_si
         finally:
             ours.close()
             p.kill()
+
+
+_CONTROLLED = (
+    "import os, sys\n"
+    "os.setsid()\n"
+    "fd = os.open(sys.argv[1], os.O_RDWR)\n"  # (a session leader's first terminal: its controlling one)
+    "tty = os.open('/dev/tty', os.O_RDWR); os.close(fd)\n"
+    "print(tty, flush=True); sys.stdin.read()\n"
+)
+
+
+def test_a_terminal_whose_master_is_outside_the_tree_ties_it_even_as_dev_tty() -> None:
+    """The tree holds its controlling terminal only as /dev/tty; this test's process holds the
+    master (as tmux does): a tie, named with the terminal's own name.  A tree that holds the
+    master too (this process, with both ends) is not tied by it."""
+    master, slave = os.openpty()
+    name = os.ttyname(slave)
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-c", _CONTROLLED, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        ) as p:
+            try:
+                assert p.stdout is not None
+                tty = int(p.stdout.readline())
+                said = [s for s in ends.refusals([p.pid]) if "terminal" in s]
+                assert len(said) == 1 and said[0].startswith(f"PID {p.pid}'s terminal ({name}, fd {tty}) "), said
+                assert f"other end by PID {os.getpid()} (" in said[0]
+            finally:
+                p.kill()
+        assert [s for s in ends.refusals([os.getpid()]) if f"terminal ({name}," in s] == []
+    finally:
+        os.close(master)
+        os.close(slave)

@@ -356,6 +356,7 @@ time.sleep(600)
         ("traced", "is traced by PID "),
         ("pipe", "writes to a pipe (fd "),
         ("unix", "holds a unix socket (fd "),
+        ("terminal", "'s terminal (/dev/pts/"),
     ],
 )
 def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_frozen(  # type: ignore[no-untyped-def]
@@ -364,9 +365,9 @@ def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_fro
     """CRIU cannot checkpoint an io_uring instance or a perf event (no dumper for those
     anonymous inodes) or a POSIX message queue (none for its filesystem), nor seize a process
     a debugger or tracer holds, nor take one end of a unix connection whose other end is
-    outside the tree; given one end of such a pipe
-    (``python train.py | tee log``), it dumps it, and the copy's pipe has nobody at the other
-    end.  It finds the first ones out only once the tree is frozen (a page of its errors), the
+    outside the tree, or the slave of a terminal whose master is (a shell's in tmux); given one
+    end of such a pipe (``python train.py | tee log``), it dumps it, and the copy's pipe has
+    nobody at the other end.  It finds the first ones out only once the tree is frozen (a page of its errors), the
     last not at all; the dump says so first, in one sentence, and the process never stops;
     `doctor --pid` names it."""
     disabled = Path("/proc/sys/kernel/io_uring_disabled")
@@ -399,8 +400,9 @@ def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_fro
 
 
 def _outside_end(kind: str, held: contextlib.ExitStack) -> tuple[int, ...]:
-    """For "pipe" and "unix": the end of a pipe (its writing end) or of a unix connection to give
-    the loop, the test keeping the other (until ``held`` closes); none for the other kinds."""
+    """For "pipe", "unix" and "terminal": the end of a pipe (its writing end), of a unix
+    connection or of a pseudo-terminal (its slave) to give the loop, the test keeping the other
+    (until ``held`` closes); none for the other kinds."""
     if kind == "pipe":
         ours, theirs = os.pipe()
         held.callback(os.close, ours)
@@ -409,6 +411,10 @@ def _outside_end(kind: str, held: contextlib.ExitStack) -> tuple[int, ...]:
         a, b = socket.socketpair()
         held.callback(a.close)
         return (b.detach(),)
+    if kind == "terminal":  # (as a terminal window, tmux or sshd holds the master of a shell's terminal)
+        master, slave = os.openpty()
+        held.callback(os.close, master)
+        return (slave,)
     return ()
 
 
