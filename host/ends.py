@@ -29,7 +29,7 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 
@@ -114,7 +114,7 @@ def refusals(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:
             "checkpoint one end of a connection; close it, or start that process inside the tree (a service's "
             "output to the journal: `tpagent launch --stdout FILE`)."
         )
-    return [*out, *_terminals(pids)]
+    return [*out, *_terminals(pids), *_shared_memory(pids)]
 
 
 def _terminals(pids: Sequence[int]) -> list[str]:
@@ -187,23 +187,48 @@ def shared_maps(pids: Sequence[int], carried: Sequence[Path]) -> list[str]:
     map a copy of it, its writes and theirs no longer meeting (a semaphore they post never
     reaching it).  Only a move refuses it: a restore on the node maps the same file again."""
     names = {str(p) for p in carried}
+    return [
+        f"PID {pid} maps {path} shared with PID {other} ({_comm(other)}) outside its tree, and one of them "
+        "writes it: its copy on the target would map a copy of this node-local file, their writes no longer "
+        "meeting; end that process, or start it inside the tree."
+        for pid, path, other in _mapped_outside(pids, names.__contains__, "the processes mapping the files")
+    ]
+
+
+#: How /proc/PID/maps names shared anonymous memory (mmap MAP_SHARED | MAP_ANONYMOUS): a
+#: parent's, shared with the children it forked.
+_SHARED_ANONYMOUS = "/dev/zero (deleted)"
+
+
+def _shared_memory(pids: Sequence[int]) -> list[str]:
+    """One sentence for each piece of shared anonymous memory the tree shares with a process
+    outside it, either side writing (a child checkpointed without the parent it was forked
+    from): the copy would have memory of its own, theirs no longer meeting."""
+    return [
+        f"PID {pid} shares memory (a shared anonymous mapping) with PID {other} ({_comm(other)}) outside its "
+        "tree, and one of them writes it: its copy would have memory of its own, no longer shared; checkpoint "
+        "the tree that holds both."
+        for pid, _, other in _mapped_outside(pids, _SHARED_ANONYMOUS.__eq__, "the processes sharing its memory")
+    ]
+
+
+def _mapped_outside(pids: Sequence[int], wanted: Callable[[str], bool], looked_for: str) -> list[tuple[int, str, int]]:
+    """(PID, path, other PID) for each mapping of the tree, shared, of a path ``wanted`` takes,
+    that a process outside it maps shared too (the same device and inode), either side writing;
+    the first such process found, each mapping once."""
     mine: dict[tuple[str, str], tuple[int, str, bool]] = {}  # (device, inode) -> (PID, path, written)
     for pid in pids:
         for fields in files.mappings(pid):
-            if fields[1][3] == "s" and fields[5] in names:
+            if fields[1][3] == "s" and wanted(fields[5]):
                 first = mine.setdefault((fields[3], fields[4]), (pid, fields[5], False))
                 mine[(fields[3], fields[4])] = (*first[:2], first[2] or fields[1][1] == "w")
     out = []
-    for other in _others(set(pids), "the processes mapping the files") if mine else ():
+    for other in _others(set(pids), looked_for) if mine else ():
         for fields in files.mappings(other):
             held = mine.get((fields[3], fields[4]))
             if held is not None and fields[1][3] == "s" and (held[2] or fields[1][1] == "w"):
                 del mine[(fields[3], fields[4])]
-                out.append(
-                    f"PID {held[0]} maps {held[1]} shared with PID {other} ({_comm(other)}) outside its tree, and one "
-                    "of them writes it: its copy on the target would map a copy of this node-local file, their "
-                    "writes no longer meeting; end that process, or start it inside the tree."
-                )
+                out.append((held[0], held[1], other))
         if not mine:
             break
     return out

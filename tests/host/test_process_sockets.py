@@ -215,3 +215,34 @@ def test_a_terminal_whose_master_is_outside_the_tree_ties_it_even_as_dev_tty() -
     finally:
         os.close(master)
         os.close(slave)
+
+
+_FORKS_SHARING = (
+    "import mmap, os, sys, time\n"
+    "m = mmap.mmap(-1, 4096, flags=mmap.MAP_SHARED)\n"  # (shared anonymous memory, then a child)
+    "child = os.fork()\n"
+    "if child == 0:\n"
+    "    time.sleep(600); os._exit(0)\n"
+    "print(child, flush=True); sys.stdin.read(); os.kill(child, 9)\n"
+)
+
+
+def test_memory_shared_with_a_parent_outside_the_tree_ties_it() -> None:
+    """A child checkpointed without the parent it shares anonymous memory with (mmap
+    MAP_SHARED, then fork): a tie, naming the parent; the tree of both is not tied by it."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _FORKS_SHARING], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as p:
+        try:
+            assert p.stdout is not None
+            child = int(p.stdout.readline())
+            said = [s for s in ends.refusals([child]) if "shares memory" in s]
+            comm = Path(f"/proc/{p.pid}/comm").read_text().strip()
+            assert said == [
+                f"PID {child} shares memory (a shared anonymous mapping) with PID {p.pid} ({comm}) outside its tree, "
+                "and one of them writes it: its copy would have memory of its own, no longer shared; checkpoint the "
+                "tree that holds both."
+            ]
+            assert [s for s in ends.refusals([p.pid, child]) if "shares memory" in s] == []
+        finally:
+            p.kill()
