@@ -7,10 +7,12 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import stat
 import struct
 from collections.abc import Sequence
 from contextlib import suppress
 
+from host import files
 from host.proc import fd_links
 
 
@@ -42,6 +44,42 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
                     "start the workload with `tpagent launch` (an IPC namespace of its own)."
                 )
     return out
+
+
+def large_ghosts(pids: Sequence[int], limit: int) -> list[str]:
+    """One sentence for each file the tree holds open or mapped that was deleted, no other
+    name of it left, with more than ``limit`` bytes of data: CRIU would have to copy it into
+    the snapshot (a ghost file), and refuses one over its ghost limit once the tree is frozen.
+    A library replaced under a running job (pip upgrading torch) is one.  Its data is its
+    blocks (CRIU copies a sparse file's holes as holes); memfds and shared anonymous memory,
+    which CRIU dumps as memory, are not ghosts."""
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for pid in pids:
+        held = [(f"/proc/{pid}/fd/{fd}", link) for fd, link in fd_links(pid)]
+        held += [(f"/proc/{pid}/map_files/{fields[0]}", fields[5]) for fields in files.mappings(pid)]
+        for path, name in held:
+            if not name.endswith(" (deleted)") or name.startswith(_NOT_GHOSTS):
+                continue
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                if st.st_blocks * 512 > limit:
+                    out.append(
+                        f"PID {pid} holds {name.removesuffix(' (deleted)')}, deleted while in use, with "
+                        f"{st.st_blocks * 512 / 2**20:.0f} MiB of data: more than the ghost limit ({limit / 2**20:.0f} "
+                        "MiB), which CRIU would have to copy into the snapshot; raise it with --ghost-limit-mib "
+                        "(TPAGENT_GHOST_LIMIT_MIB, the agent's ghost_limit_mib)."
+                    )
+    return out
+
+
+#: Deleted names in /proc that are no ghost files: a memfd's, shared anonymous memory's, SysV
+#: shared memory's.
+_NOT_GHOSTS = ("/memfd:", "/dev/zero ", "/SYSV")
 
 
 #: The kinds of anonymous inode CRIU dumps (criu/files.c: each has its dump ops; any other is

@@ -57,12 +57,18 @@ _ESTABLISHED = 1
 _STREAMS = frozenset({socket.SOCK_STREAM, socket.SOCK_SEQPACKET})
 
 
-def unmovable(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:
+def unmovable(pids: Sequence[int], agent_let_go: bool = False, ghost_limit: int | None = None) -> list[str]:
     """One sentence for each thing of the tree a checkpoint would refuse, all found before
-    anything is frozen: what CRIU cannot dump (:func:`host.criu_limits.uncheckpointable`), a tie to a
-    process outside the tree (:func:`refusals`), a file CRIU would name again where users can
-    change its directory (:func:`host.files.relink_refusals`)."""
-    return [*criu_limits.uncheckpointable(pids), *refusals(pids, agent_let_go), *files.relink_refusals(pids)]
+    anything is frozen: what CRIU cannot dump (:func:`host.criu_limits.uncheckpointable`), a tie
+    to a process outside the tree (:func:`refusals`), a file CRIU would name again where users
+    can change its directory (:func:`host.files.relink_refusals`), and with ``ghost_limit``, a
+    deleted file it would have to copy over that limit (:func:`host.criu_limits.large_ghosts`)."""
+    return [
+        *criu_limits.uncheckpointable(pids),
+        *refusals(pids, agent_let_go),
+        *files.relink_refusals(pids),
+        *(criu_limits.large_ghosts(pids, ghost_limit) if ghost_limit is not None else ()),
+    ]
 
 
 def refusals(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:

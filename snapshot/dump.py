@@ -188,7 +188,7 @@ def _checkpoint(
     no undo), prepare ``out``, then the steps of :data:`FREEZE_AND_DUMP`, then finish."""
     target = proc.validate_target(pid)
     criu = Criu(config.criu)
-    tree = _examine(target, checked)
+    tree = _examine(target, checked, config.ghost_limit)
     job = _plan(tree, pid, out, mode, config, criu, progress, cuda_factory, carry)
     _prepare_out(job)  # undo: _clear (on its own failure; else in _rolled_back)
     script = hook.install()
@@ -204,7 +204,7 @@ def _checkpoint(
     return sealed
 
 
-def _examine(target: psutil.Process, checked: float | None) -> _Tree:
+def _examine(target: psutil.Process, checked: float | None, ghost_limit: int) -> _Tree:
     """Look at the tree rooted at ``target``; refuse one CRIU cannot dump, or a root that is
     no longer the process the caller checked (started at ``checked``)."""
     pid = target.pid
@@ -221,7 +221,7 @@ def _examine(target: psutil.Process, checked: float | None) -> _Tree:
             if attempt == 4 or not target.is_running():
                 raise UsageError(f"PID {pid} exited while it was being examined; nothing was done.") from e
             time.sleep(0.05)
-    cannot = ends.unmovable([p.pid for p in procs])
+    cannot = ends.unmovable([p.pid for p in procs], ghost_limit=ghost_limit)
     if cannot:
         raise UsageError(f"{cannot[0]} Nothing was done.")
     if hidden:

@@ -296,14 +296,16 @@ def test_a_restore_failing_after_criu_takes_back_what_it_made(start, tmp_path: P
 
 def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A workload holds an 8 MiB file it deleted (as DataLoader workers' shared memory is):
-    over a 4 MiB ghost limit the dump is refused in one sentence and the workload runs on;
-    under the default limit it is dumped and restored with the file's bytes intact."""
+    over a 4 MiB ghost limit the dump is refused in one sentence before anything is frozen
+    (once CRIU found it with the tree frozen), naming the file, and the workload runs on; under
+    the default limit it is dumped and restored with the file's bytes intact."""
     w = start(mib=16, extra=("--ghost", str(tmp_path / "shm-batch"), "8"))
     ghosts = lambda: [ln.split()[1] for ln in w.lines() if ln.startswith("ghost ")]  # noqa: E731
     wait_until(lambda: ghosts(), "the workload to hash its deleted file")
     proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "refused"), "--ghost-limit-mib", "4")
-    assert_one_sentence_error(proc, "deleted-but-open file larger than the ghost limit (4 MiB)", "--ghost-limit-mib")
-    assert proc.returncode == 1
+    deleted = f"holds {tmp_path / 'shm-batch'}, deleted while in use, with 8 MiB of data"
+    assert_one_sentence_error(proc, deleted, "more than the ghost limit (4 MiB)", "--ghost-limit-mib")
+    assert proc.returncode == 2 and "Nothing was done" in proc.stderr
     by_env = subprocess.run(
         [sys.executable, "-m", "cli.main", "dump", str(w.pid), "--out", str(tmp_path / "env")],
         cwd=ROOT,
@@ -312,9 +314,10 @@ def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None
         text=True,
         timeout=300,
     )
-    assert_one_sentence_error(by_env, "larger than the ghost limit (6 MiB)", "TPAGENT_GHOST_LIMIT_MIB")
+    assert_one_sentence_error(by_env, "more than the ghost limit (6 MiB)", "TPAGENT_GHOST_LIMIT_MIB")
     n = len(w.ticks())
     wait_until(lambda: len(w.ticks()) > n + 3, "the workload to run on")
+    assert_continuous(w.ticks())  # (it ran on from where it stood)
     _dump_restore_cycle(w, tmp_path / "snap")
     before = len(ghosts())
     os.kill(w.worker_pid, signal.SIGUSR1)

@@ -17,7 +17,8 @@ from pathlib import Path
 import psutil
 
 from host import ends, forked, gpus
-from snapshot.api import SnapshotError
+from host.criu_limits import large_ghosts
+from snapshot.api import DEFAULT_GHOST_LIMIT, SnapshotError
 from snapshot.criu import Criu
 from tpagent import __version__
 from tpagent.common import clock
@@ -172,6 +173,9 @@ def process_checks(pid: int) -> list[Check]:
     out += _forked_checks(sorted(tree), sorted(pid for g in found for pid in g.pids if pid in tree))
     out += [
         Check("cannot dump", Verdict.FAIL, why.rstrip(".")) for why in ends.unmovable(sorted(tree), agent_let_go=True)
+    ]
+    out += [  # (a warning: the limit is the dump's or the agent's, the default here)
+        Check("ghost files", Verdict.WARN, why.rstrip(".")) for why in large_ghosts(sorted(tree), DEFAULT_GHOST_LIMIT)
     ]
     unseen = (
         "CUDA IPC handles and managed (UVM) memory cannot be seen from outside a process: if it holds them "

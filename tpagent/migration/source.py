@@ -356,7 +356,7 @@ class SourceMigration:
         peer outside the tree, a node-local file shared with one, a lock on a file the target sees."""
         cuda_pids = self.record.cuda_pids
         return [
-            *ends.unmovable(pids, agent_let_go=self.communicators_rebuilt),
+            *ends.unmovable(pids, self.communicators_rebuilt, self.ctx.cfg.ghost_limit_mib << 20),
             *ends.shared_maps(pids, self.carry),
             *forked.refusals(forked.find(pids, cuda_pids), cuda_pids),
             *sockets.left_behind(tcp),
