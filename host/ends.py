@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import socket
 import struct
 import time
@@ -33,7 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 
-from host import criu_limits, files, proc
+from host import criu_limits, files, proc, ptrace
 from host.proc import fd_links
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,40 @@ def refusals(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:
             "checkpoint one end of a connection; close it, or start that process inside the tree (a service's "
             "output to the journal: `tpagent launch --stdout FILE`)."
         )
-    return [*out, *_terminals(pids), *_shared_memory(pids)]
+    return [*out, *_terminals(pids), *_shared_memory(pids), *_parent_death(pids)]
+
+
+def _parent_death(pids: Sequence[int]) -> list[str]:
+    """One sentence for each root of the tree (a process whose parent is outside it) that asked
+    to be killed when its parent dies (PR_SET_PDEATHSIG, as vLLM's and torchelastic's workers
+    do): its copy is restored as another process's child (CRIU's, which leaves), so the signal
+    would kill it as it starts.  Read inside it, through ptrace (nothing outside shows it)."""
+    out = []
+    tree = set(pids)
+    for pid in pids:
+        try:
+            parent = proc.parent_pid(pid)
+            if parent in tree or parent == 0 or not ptrace.supported():
+                continue
+            sig = ptrace.parent_death_signal(pid)
+        except (OSError, ValueError, IndexError):  # (gone, or not to be seized: its own refusal says why)
+            continue
+        if sig:
+            out.append(
+                f"PID {pid} asks to be killed when its parent dies ({_signal_name(sig)}, PR_SET_PDEATHSIG) and its "
+                f"parent, PID {parent} ({_comm(parent)}), is outside its tree: its copy, restored as another "
+                f"process's child, would be killed as it starts; "
+                f"{f'checkpoint the tree from PID {parent}, or ' if parent != 1 else ''}start the workload with "
+                "`tpagent launch`."
+            )
+    return out
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
 
 
 def _terminals(pids: Sequence[int]) -> list[str]:

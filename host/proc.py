@@ -48,6 +48,11 @@ def start_ticks(pid: int) -> int:
     return int(_stat_fields(pid)[19])
 
 
+def parent_pid(pid: int) -> int:
+    """Its parent's PID (/proc/PID/stat's ppid; 0: none)."""
+    return int(_stat_fields(pid)[1])
+
+
 def controlling_tty(pid: int) -> int:
     """The device number of the process's controlling terminal (0: none; /proc/PID/stat's tty_nr)."""
     return int(_stat_fields(pid)[4])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from host import ends, sockets
+from host import ends, ptrace, sockets
 
 
 def test_a_process_s_bound_sockets_are_found_and_its_abstract_or_unbound_ones_are_not(tmp_path: Path) -> None:
@@ -244,5 +244,44 @@ def test_memory_shared_with_a_parent_outside_the_tree_ties_it() -> None:
                 "tree that holds both."
             ]
             assert [s for s in ends.refusals([p.pid, child]) if "shares memory" in s] == []
+        finally:
+            p.kill()
+
+
+_ASKS_PARENT_DEATH = (
+    "import ctypes, sys\n"
+    "ctypes.CDLL(None).prctl(1, int(sys.argv[1]))\n"  # (PR_SET_PDEATHSIG)
+    "for line in sys.stdin:\n"
+    "    print(sum(range(int(line))), flush=True)\n"  # (it computes on, as it stood)
+)
+
+
+@pytest.mark.parametrize("sig", [0, 12])
+def test_a_root_that_asked_to_die_with_its_parent_outside_the_tree_is_a_tie(sig: int) -> None:
+    """Its parent-death signal is read inside it (ptrace, nothing outside shows it), twice, and
+    it computes on as before; asked for (SIGUSR2), its parent (this test) outside the tree ties
+    it."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _ASKS_PARENT_DEATH, str(sig)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as p:
+        assert p.stdin is not None and p.stdout is not None
+        try:
+            p.stdin.write("1000\n")
+            p.stdin.flush()
+            assert p.stdout.readline() == f"{sum(range(1000))}\n"
+            assert ptrace.parent_death_signal(p.pid) == ptrace.parent_death_signal(p.pid) == sig
+            p.stdin.write("2000\n")
+            p.stdin.flush()
+            assert p.stdout.readline() == f"{sum(range(2000))}\n"
+            said = [s for s in ends.refusals([p.pid]) if "parent dies" in s]
+            if sig:
+                assert said == [
+                    f"PID {p.pid} asks to be killed when its parent dies (SIGUSR2, PR_SET_PDEATHSIG) and its parent, "
+                    f"PID {os.getpid()} ({Path('/proc/self/comm').read_text().strip()}), is outside its tree: its "
+                    "copy, restored as another process's child, would be killed as it starts; checkpoint the tree "
+                    f"from PID {os.getpid()}, or start the workload with `tpagent launch`."
+                ]
+            else:
+                assert said == []
         finally:
             p.kill()

@@ -357,6 +357,7 @@ time.sleep(600)
         ("pipe", "writes to a pipe (fd "),
         ("unix", "holds a unix socket (fd "),
         ("terminal", "'s terminal (/dev/pts/"),
+        ("pdeathsig", "asks to be killed when its parent dies (SIGTERM, PR_SET_PDEATHSIG) and its parent, PID "),
     ],
 )
 def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_frozen(  # type: ignore[no-untyped-def]
@@ -365,18 +366,21 @@ def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_fro
     """CRIU cannot checkpoint an io_uring instance or a perf event (no dumper for those
     anonymous inodes) or a POSIX message queue (none for its filesystem), nor seize a process
     a debugger or tracer holds, nor take one end of a unix connection whose other end is
-    outside the tree, or the slave of a terminal whose master is (a shell's in tmux); given one
-    end of such a pipe (``python train.py | tee log``), it dumps it, and the copy's pipe has
-    nobody at the other end.  It finds the first ones out only once the tree is frozen (a page of its errors), the
-    last not at all; the dump says so first, in one sentence, and the process never stops;
-    `doctor --pid` names it."""
+    outside the tree, or the slave of a terminal whose master is (a shell's in tmux).  Given
+    one end of such a pipe (``python train.py | tee log``) it dumps it, and the copy's pipe
+    has nobody at the other end; given a root that asked to be killed when its parent (outside
+    the tree) dies, it restores that too, as its own child, and leaves: the copy is killed as
+    it starts.  It finds the first ones out only once the tree is frozen (a page of its
+    errors), the last two not at all; the dump says so first, in one sentence, and the process
+    never stops; `doctor --pid` names it."""
     disabled = Path("/proc/sys/kernel/io_uring_disabled")
     if kind == "io_uring" and disabled.exists() and disabled.read_text().strip() != "0":
         pytest.skip("this kernel gives no io_uring (kernel.io_uring_disabled)")
     with contextlib.ExitStack() as held:
         theirs = _outside_end(kind, held)
-        args = (kind if kind in ("io_uring", "perf_event", "mqueue") else "none",)
-        w = Loop("anon_inode_loop.py", tmp_path / "w.log", args, launched=not theirs, pass_fds=theirs)
+        args = (kind if kind in ("io_uring", "perf_event", "mqueue", "pdeathsig") else "none",)
+        plain = bool(theirs) or kind == "pdeathsig"  # (its parent outside its tree: this test)
+        w = Loop("anon_inode_loop.py", tmp_path / "w.log", args, launched=not plain, pass_fds=theirs)
         loops.append(w.start())
         for fd in theirs:
             os.close(fd)  # (the test holds only the other end)

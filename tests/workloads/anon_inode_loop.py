@@ -2,7 +2,9 @@
 
     python anon_inode_loop.py LOG KIND      KIND: io_uring (an async I/O ring), perf_event
                                             (a counter of its own CPU time, as profilers hold),
-                                            mqueue (a POSIX message queue, mq_open), or none
+                                            mqueue (a POSIX message queue, mq_open), pdeathsig
+                                            (no descriptor: SIGTERM asked for when its parent
+                                            dies, PR_SET_PDEATHSIG, as vLLM's workers do), or none
 
 Writes ``tick N`` to LOG every 20 ms; exits with status 3 if the kernel gives no such descriptor.
 """
@@ -19,6 +21,8 @@ libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _open(kind: str) -> int:
+    if kind == "pdeathsig":
+        return int(libc.prctl(1, 15))  # (PR_SET_PDEATHSIG, SIGTERM: 0 on success)
     if kind == "mqueue":
         libc.mq_open.restype = ctypes.c_int
         return int(libc.mq_open(f"/tpagent-loop-{os.getpid()}".encode(), os.O_CREAT | os.O_RDWR, 0o600, None))
