@@ -301,28 +301,36 @@ def test_gpu_process_without_a_usable_driver_is_refused_before_any_freeze(start,
     assert not (tmp_path / "s").exists()  # nothing was started, nothing written
 
 
-@pytest.mark.parametrize("held", ["pid", "thread-id"])
+@pytest.mark.parametrize("held", ["pid", "thread-id", "unreaped"])
 def test_restore_while_the_original_ids_are_taken(start, tmp_path: Path, held: str) -> None:  # type: ignore[no-untyped-def]
     """A plain process comes back under its own PID and thread IDs: while another process holds
-    one, the restore waits (--pid-wait), names the holder, starts nothing; once it is gone the
-    same snapshot restores and the workload goes on where it stood."""
+    one (or the dumped process itself, ended, its parent not having reaped it), the restore
+    waits (--pid-wait), names the holder, starts nothing; once it is gone the same snapshot
+    restores and the workload goes on where it stood."""
     w = start(mib=16)
     snap = tmp_path / "snap"
     assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
+    if held == "unreaped":  # (this test is its parent)
+        proc = tpagent("restore", str(snap), "--pid-wait", "1")
+        said = f"held by process {w.pid} (", f"), ended but not yet reaped by its parent, PID {os.getpid()}"
+        assert_one_sentence_error(proc, f"PID {w.pid}", *said)
+        assert proc.returncode == 2
     w.reap()
     m = json.loads((snap / "manifest.json").read_text())
     assert m["processes"][0]["tids"], "the workload's threads are in the manifest"
     wanted = w.pid if held == "pid" else m["processes"][0]["tids"][0]
-    holder = process_with_pid(wanted)
+    holder = process_with_pid(wanted) if held != "unreaped" else None
     try:
-        proc = tpagent("restore", str(snap), "--pid-wait", "1")
-        kind = "PID" if held == "pid" else "thread ID"
-        assert_one_sentence_error(proc, f"{kind} {wanted}", f"held by process {wanted} (sleep)")
-        assert proc.returncode == 2
-        assert holder.poll() is None and len(w.ticks()) == w.ticks()[-1][0] + 1  # nothing started
+        if holder is not None:
+            proc = tpagent("restore", str(snap), "--pid-wait", "1")
+            kind = "PID" if held == "pid" else "thread ID"
+            assert_one_sentence_error(proc, f"{kind} {wanted}", f"held by process {wanted} (sleep)")
+            assert proc.returncode == 2
+            assert holder.poll() is None and len(w.ticks()) == w.ticks()[-1][0] + 1  # nothing started
     finally:
-        holder.kill()
-        holder.wait()
+        if holder is not None:
+            holder.kill()
+            holder.wait()
     proc = tpagent("restore", str(snap), "--json")
     assert proc.returncode == 0, proc.stderr
     stopped_at = w.ticks()[-1][0]
