@@ -22,21 +22,35 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     anonymous inode CRIU has no dumper for (io_uring, perf events, ...), or SysV shared memory
     in the node's own IPC namespace (CRIU saves SysV segments only with an IPC namespace of the
     workload's, which `tpagent launch` gives it), or a POSIX message queue (``mq_open``: CRIU
-    has no dumper for its filesystem, and fails on it as on a file whose mount it cannot find)."""
+    has no dumper for its filesystem), or a file on a mount none of the tree's mount namespaces
+    has (opened before its process entered its namespace, or passed to it from another: CRIU
+    cannot find that mount)."""
     out = []
     node_ipc = os.readlink("/proc/self/ns/ipc")
+    known: set[int | None] = {None, *_mount_ids(pids)}  # (None: a descriptor gone since)
     for pid in pids:
         with suppress(OSError):
             held: dict[str, list[str]] = {}
+            elsewhere: list[tuple[str, str]] = []
             for fd, link in fd_links(pid):
                 kind = link.removeprefix("anon_inode:")
                 if kind != link and kind not in CRIU_ANON_INODES:
                     held.setdefault(kind, []).append(fd)
                 elif _MQUEUE_NAME.fullmatch(link) and _filesystem(f"/proc/{pid}/fd/{fd}") == _MQUEUE_MAGIC:
                     held.setdefault("mqueue", []).append(fd)
+                elif link.startswith("/") and not link.startswith(_OWN_MOUNTS) and _mount_id(pid, fd) not in known:
+                    elsewhere.append((fd, link))
             for kind, fds in held.items():
                 out.append(
                     f"PID {pid} uses {_ANON_NAMES.get(kind, kind)} (fd {', '.join(fds)}), which CRIU cannot checkpoint."
+                )
+            if elsewhere:
+                fd, link = elsewhere[0]
+                out.append(
+                    f"PID {pid} holds {link} (fd {', '.join(fd for fd, _ in elsewhere)}) from a mount outside its "
+                    "mount namespace (opened before it entered the namespace, or passed to it from another: "
+                    "`unshare -m`, a container's runtime), which CRIU cannot find; start the workload with "
+                    "`tpagent launch`, or have it open the file inside its namespace."
                 )
             if os.readlink(f"/proc/{pid}/ns/ipc") == node_ipc and _maps_sysv(pid):
                 out.append(
@@ -44,6 +58,35 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
                     "start the workload with `tpagent launch` (an IPC namespace of its own)."
                 )
     return out
+
+
+#: Descriptors whose path is on a mount of the kernel's own, in no mount namespace, which CRIU
+#: dumps by their kind (a memfd, a terminal) and not as files on a mount.
+_OWN_MOUNTS = ("/memfd:", "/dev/pts/", "/dev/ptmx", "/dev/tty", "/dev/console")
+
+
+def _mount_ids(pids: Sequence[int]) -> set[int]:
+    """The IDs of the mounts of every mount namespace the processes are in (what CRIU collects)."""
+    seen: set[str] = set()
+    ids: set[int] = set()
+    for pid in pids:
+        with suppress(OSError, ValueError):
+            ns = os.readlink(f"/proc/{pid}/ns/mnt")
+            if ns not in seen:
+                seen.add(ns)
+                with open(f"/proc/{pid}/mountinfo") as f:
+                    ids.update(int(line.split(maxsplit=1)[0]) for line in f)
+    return ids
+
+
+def _mount_id(pid: int, fd: str) -> int | None:
+    """The ID of the mount a descriptor's file is on (its fdinfo's mnt_id); None if it cannot be
+    read (a descriptor closed since: no mount of its own to miss)."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("mnt_id:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
 
 
 def large_ghosts(pids: Sequence[int], limit: int) -> list[str]:

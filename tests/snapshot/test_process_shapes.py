@@ -37,6 +37,7 @@ class Loop:
     args: tuple[str, ...] = ()
     launched: bool = False  # under `tpagent launch` (pid: its namespace's init)
     pass_fds: tuple[int, ...] = ()  # (not launched) descriptors it inherits
+    wrap: tuple[str, ...] = ()  # (not launched) a command it is started under (unshare -m)
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     pid: int = 0
 
@@ -49,7 +50,7 @@ class Loop:
         else:
             with open(self.log.with_suffix(".out"), "ab") as out:
                 self.popen = subprocess.Popen(
-                    cmd,
+                    [*self.wrap, *cmd],
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=out,
@@ -358,6 +359,7 @@ time.sleep(600)
         ("unix", "holds a unix socket (fd "),
         ("terminal", "'s terminal (/dev/pts/"),
         ("pdeathsig", "asks to be killed when its parent dies (SIGTERM, PR_SET_PDEATHSIG) and its parent, PID "),
+        ("foreign-mount", ") from a mount outside its mount namespace (opened before it entered the namespace"),
     ],
 )
 def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_frozen(  # type: ignore[no-untyped-def]
@@ -366,7 +368,8 @@ def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_fro
     """CRIU cannot checkpoint an io_uring instance or a perf event (no dumper for those
     anonymous inodes) or a POSIX message queue (none for its filesystem), nor seize a process
     a debugger or tracer holds, nor take one end of a unix connection whose other end is
-    outside the tree, or the slave of a terminal whose master is (a shell's in tmux).  Given
+    outside the tree, or the slave of a terminal whose master is (a shell's in tmux), nor find
+    the mount of a file opened before its process entered a mount namespace.  Given
     one end of such a pipe (``python train.py | tee log``) it dumps it, and the copy's pipe
     has nobody at the other end; given a root that asked to be killed when its parent (outside
     the tree) dies, it restores that too, as its own child, and leaves: the copy is killed as
@@ -379,8 +382,10 @@ def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_fro
     with contextlib.ExitStack() as held:
         theirs = _outside_end(kind, held)
         args = (kind if kind in ("io_uring", "perf_event", "mqueue", "pdeathsig") else "none",)
-        plain = bool(theirs) or kind == "pdeathsig"  # (its parent outside its tree: this test)
-        w = Loop("anon_inode_loop.py", tmp_path / "w.log", args, launched=not plain, pass_fds=theirs)
+        plain = bool(theirs) or kind in ("pdeathsig", "foreign-mount")  # (its parent outside its tree: this test)
+        # (foreign-mount: its descriptors, this test's files among them, opened before it entered its namespace)
+        wrap = ("unshare", "--mount", "--propagation", "private") if kind == "foreign-mount" else ()
+        w = Loop("anon_inode_loop.py", tmp_path / "w.log", args, launched=not plain, pass_fds=theirs, wrap=wrap)
         loops.append(w.start())
         for fd in theirs:
             os.close(fd)  # (the test holds only the other end)
