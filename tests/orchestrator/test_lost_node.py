@@ -31,8 +31,7 @@ def test_the_ranks_of_a_lost_nodes_job_stop_waiting_and_say_why(tmp_path: Path) 
     lost: list[psutil.Process] = []
     try:
         o.start()
-        for node in c.nodes.values():
-            node.start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
+        c.start_agents(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
         job = Job(c, tmp_path)  # (ranks 0, 1, 2 on A, B, C; the store on A)
         job.at_step(2, 5)
         wait_until(lambda: all(o.rank_on(RUN, r) for r in range(3)), "the orchestrator to see every rank", 60, 0.5)

@@ -34,8 +34,7 @@ def five(tmp_path: Path) -> Iterator[tuple[Cluster, Orchestrator]]:
     o = Orchestrator(c, tmp_path, dedicated_spares=[c.nodes["D"].name])
     try:
         o.start()
-        for node in c.nodes.values():
-            node.start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
+        c.start_agents(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
         yield c, o
     finally:
         o.close()

@@ -123,8 +123,7 @@ def _running(
     job: Job | None = None
     try:
         o.start()
-        for node in c.nodes.values():
-            node.start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
+        c.start_agents(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
         job = Job(c, tmp_path, srun=True, extra=extra, step_time=step_time, names=names)
         job.at_step(len(names) - 1, 20)
         every = range(len(names))

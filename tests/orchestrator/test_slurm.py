@@ -149,8 +149,7 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
         c, tmp_path, env=s.env(), scheduler="slurm", slurm_spare_partition="spares", slurm_preempt_below=100
     )
     o.start()
-    for node in c.nodes.values():
-        node.start_agent(listen="0.0.0.0:7400", rewire_timeout="60", orchestrator=o.address, report_period="0.5")
+    c.start_agents(listen="0.0.0.0:7400", rewire_timeout="60", orchestrator=o.address, report_period="0.5")
     low = s.sbatch(
         "--partition=train",
         f"--nodelist={_ns(c, 'E')}",
@@ -257,8 +256,7 @@ def test_an_ordinary_users_sbatch_job_runs_its_ranks_as_that_user(
     c, s = slurm_cluster
     o = Orchestrator(c, tmp_path, env=s.env(), scheduler="slurm", slurm_spare_partition="spares")
     o.start()
-    for node in c.nodes.values():
-        node.start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
+    c.start_agents(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
     with user_dir(NOBODY) as home:
         job, logs = _submit(c, s, home, NOBODY, step_time=0.5)
         try:

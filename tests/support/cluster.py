@@ -16,7 +16,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from support.certs import node_certs
 from support.helpers import ROOT, STATEFUL, wait_until
@@ -63,6 +65,11 @@ class Node:
     def start_agent(self, listen: str = "", **settings: str) -> None:
         """``listen``: where it serves (default: its address, port 7400; "0.0.0.0:7400": the loopback too,
         where `tpagent rank` finds it by default)."""
+        self.spawn_agent(listen, **settings)
+        self.wait_serving()
+
+    def spawn_agent(self, listen: str = "", **settings: str) -> None:
+        """The agent started, not waited for (:meth:`wait_serving`): several nodes' start at once."""
         settings = {"metrics_listen": "", **settings}  # (no metrics unless a test asks)
         env = {**os.environ, **self.env, **{f"TPAGENT_{k.upper()}": v for k, v in settings.items()}}
         with open(self.work / "agent.log", "ab") as log:
@@ -93,31 +100,33 @@ class Node:
                 stderr=log,
                 stdin=subprocess.DEVNULL,
             )
+
+    def wait_serving(self) -> None:
         wait_until(self._serving, f"the agent of {self.name} to serve", 60)
 
     def _serving(self) -> bool:
         assert self.agent is not None
         if self.agent.poll() is not None:
             raise AssertionError(f"the agent of {self.name} exited: {(self.work / 'agent.log').read_text()[-3000:]}")
-        probe = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                f"import grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; "
-                f"print(g.HealthStub(grpc.insecure_channel('{self.health_address}'))"
-                ".Check(h.HealthCheckRequest(), timeout=2).status)",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-        )
-        return probe.stdout.strip() == "1"
+        # (asked from this process: a probe process of its own each time cost more than the agent's start)
+        with grpc.insecure_channel(self.health_address) as channel:
+            try:
+                answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.RpcError:
+                return False
+        return bool(answer.status == health_pb2.HealthCheckResponse.SERVING)
 
-    def kill_agent(self, sig: signal.Signals = signal.SIGKILL) -> None:
-        """Only the agent's own process, as a crash would: CRIU runs in a session of its own."""
+    def kill_agent(self, sig: signal.Signals = signal.SIGKILL, wait: bool = True) -> None:
+        """Only the agent's own process, as a crash would: CRIU runs in a session of its own.
+        ``wait``: until it has exited (else the caller waits, :meth:`wait_agent`)."""
         if self.agent is not None and self.agent.poll() is None:
             # `ip netns exec` execs the agent: the Popen PID is the agent itself.
             os.kill(self.agent.pid, sig)
+        if wait:
+            self.wait_agent()
+
+    def wait_agent(self) -> None:
+        if self.agent is not None:
             self.agent.wait(30)
 
     def processes(self) -> list[psutil.Process]:
@@ -248,15 +257,23 @@ class Cluster:
         """Nodes ``names``, each with its agent started; all closed on leaving."""
         c = cls(tmp, names)
         try:
-            for node in c.nodes.values():
-                node.start_agent()
+            c.start_agents()
             yield c
         finally:
             c.close()
 
-    def close(self) -> None:
+    def start_agents(self, listen: str = "", **settings: str) -> None:
+        """Every node's agent, with the same settings, started at once, then waited for."""
         for node in self.nodes.values():
-            node.kill_agent(signal.SIGTERM)
+            node.spawn_agent(listen, **settings)
+        for node in self.nodes.values():
+            node.wait_serving()
+
+    def close(self) -> None:
+        for node in self.nodes.values():  # (all told at once, then waited for)
+            node.kill_agent(signal.SIGTERM, wait=False)
+        for node in self.nodes.values():
+            node.wait_agent()
         for node in self.nodes.values():  # what a failed test left there (a CRIU holding a tree ...) dies too
             for p in node.processes_and_children():
                 with contextlib.suppress(psutil.Error):

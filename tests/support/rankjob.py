@@ -119,8 +119,7 @@ def serving(tmp_path: Path, names: str, rewire_timeout: str) -> Iterator[Cluster
     """Nodes ``names``, each running `tpagent serve` (for a fixture to yield from)."""
     c = Cluster(tmp_path, list(names), ifname=IFNAME)
     try:
-        for node in c.nodes.values():
-            node.start_agent(rewire_timeout=rewire_timeout)
+        c.start_agents(rewire_timeout=rewire_timeout)
         yield c
     finally:
         c.close()
