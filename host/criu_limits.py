@@ -27,19 +27,10 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     cannot find that mount)."""
     out = []
     node_ipc = os.readlink("/proc/self/ns/ipc")
-    known: set[int | None] = {None, *_mount_ids(pids)}  # (None: a descriptor gone since)
+    mounts = _Mounts(pids)
     for pid in pids:
         with suppress(OSError):
-            held: dict[str, list[str]] = {}
-            elsewhere: list[tuple[str, str]] = []
-            for fd, link in fd_links(pid):
-                kind = link.removeprefix("anon_inode:")
-                if kind != link and kind not in CRIU_ANON_INODES:
-                    held.setdefault(kind, []).append(fd)
-                elif _MQUEUE_NAME.fullmatch(link) and _filesystem(f"/proc/{pid}/fd/{fd}") == _MQUEUE_MAGIC:
-                    held.setdefault("mqueue", []).append(fd)
-                elif link.startswith("/") and not link.startswith(_OWN_MOUNTS) and _mount_id(pid, fd) not in known:
-                    elsewhere.append((fd, link))
+            held, elsewhere = _descriptors(pid, mounts)
             for kind, fds in held.items():
                 out.append(
                     f"PID {pid} uses {_ANON_NAMES.get(kind, kind)} (fd {', '.join(fds)}), which CRIU cannot checkpoint."
@@ -65,18 +56,54 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
 _OWN_MOUNTS = ("/memfd:", "/dev/pts/", "/dev/ptmx", "/dev/tty", "/dev/console")
 
 
-def _mount_ids(pids: Sequence[int]) -> set[int]:
-    """The IDs of the mounts of every mount namespace the processes are in (what CRIU collects)."""
-    seen: set[str] = set()
-    ids: set[int] = set()
-    for pid in pids:
-        with suppress(OSError, ValueError):
-            ns = os.readlink(f"/proc/{pid}/ns/mnt")
-            if ns not in seen:
-                seen.add(ns)
-                with open(f"/proc/{pid}/mountinfo") as f:
-                    ids.update(int(line.split(maxsplit=1)[0]) for line in f)
-    return ids
+def _descriptors(pid: int, mounts: _Mounts) -> tuple[dict[str, list[str]], list[tuple[str, str]]]:
+    """``pid``'s descriptors CRIU cannot dump: by kind (an anonymous inode's, "mqueue"), and
+    (fd, path) of those on a mount none of the tree's mount namespaces has."""
+    held: dict[str, list[str]] = {}
+    elsewhere: list[tuple[str, str]] = []
+    for fd, link in fd_links(pid):
+        kind = link.removeprefix("anon_inode:")
+        if kind != link:
+            if kind not in CRIU_ANON_INODES:
+                held.setdefault(kind, []).append(fd)
+            continue
+        if _MQUEUE_NAME.fullmatch(link) and _filesystem(f"/proc/{pid}/fd/{fd}") == _MQUEUE_MAGIC:
+            held.setdefault("mqueue", []).append(fd)  # (opened with mq_open: the namespace's own mount)
+        elif link.startswith("/") and not link.startswith(_OWN_MOUNTS) and (mnt := _mount_id(pid, fd)) is not None:
+            fs = mounts.type_of(mnt)
+            if fs == "mqueue":  # (opened under a mount of the queues' filesystem, /dev/mqueue)
+                held.setdefault("mqueue", []).append(fd)
+            elif fs is None and mounts.types:  # (none known: unread, no refusal)
+                elsewhere.append((fd, link))
+    return held, elsewhere
+
+
+class _Mounts:
+    """The mounts of every mount namespace of a tree (what CRIU collects), their filesystem
+    types by ID; read again once on a miss (a mount made since they were read)."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = list(pids)
+        self.types = self._read()
+        self.read_again = True
+
+    def type_of(self, mnt_id: int) -> str | None:
+        if mnt_id not in self.types and self.read_again:
+            self.read_again = False
+            self.types = self._read()
+        return self.types.get(mnt_id)
+
+    def _read(self) -> dict[int, str]:
+        seen: set[str] = set()
+        types: dict[int, str] = {}
+        for pid in self.pids:
+            with suppress(OSError, ValueError, IndexError):
+                ns = os.readlink(f"/proc/{pid}/ns/mnt")
+                if ns not in seen:
+                    seen.add(ns)
+                    with open(f"/proc/{pid}/mountinfo") as f:  # (ID ... - FSTYPE SOURCE OPTIONS)
+                        types.update((int(ln.split(maxsplit=1)[0]), ln.split(" - ", 1)[1].split()[0]) for ln in f)
+        return types
 
 
 def _mount_id(pid: int, fd: str) -> int | None:
@@ -120,9 +147,9 @@ def large_ghosts(pids: Sequence[int], limit: int) -> list[str]:
     return out
 
 
-#: Deleted names in /proc that are no ghost files: a memfd's, shared anonymous memory's, SysV
-#: shared memory's.
-_NOT_GHOSTS = ("/memfd:", "/dev/zero ", "/SYSV")
+#: Deleted names in /proc that are no ghost files: a memfd's, anonymous memory's (shared, or
+#: in huge pages: MAP_HUGETLB), SysV shared memory's.
+_NOT_GHOSTS = ("/memfd:", "/dev/zero ", "/anon_hugepage ", "/SYSV")
 
 
 #: The kinds of anonymous inode CRIU dumps (criu/files.c: each has its dump ops; any other is

@@ -235,20 +235,25 @@ def shared_maps(pids: Sequence[int], carried: Sequence[Path]) -> list[str]:
     ]
 
 
-#: How /proc/PID/maps names shared anonymous memory (mmap MAP_SHARED | MAP_ANONYMOUS): a
-#: parent's, shared with the children it forked.
-_SHARED_ANONYMOUS = "/dev/zero (deleted)"
+#: How /proc/PID/maps names anonymous memory a mapping shares (mmap MAP_SHARED | MAP_ANONYMOUS,
+#: in huge pages too: a parent's, shared with the children it forked) and a memfd (passed to
+#: another process over a unix socket).
+_SHARED_ANONYMOUS = ("/dev/zero (deleted)", "/anon_hugepage (deleted)")
+
+
+def _anonymous(path: str) -> bool:
+    return path in _SHARED_ANONYMOUS or path.startswith("/memfd:")
 
 
 def _shared_memory(pids: Sequence[int]) -> list[str]:
-    """One sentence for each piece of shared anonymous memory the tree shares with a process
-    outside it, either side writing (a child checkpointed without the parent it was forked
-    from): the copy would have memory of its own, theirs no longer meeting."""
+    """One sentence for each piece of shared anonymous memory (or memfd) the tree shares with a
+    process outside it, either side writing (a child checkpointed without the parent it was
+    forked from): the copy would have memory of its own, theirs no longer meeting."""
     return [
-        f"PID {pid} shares memory (a shared anonymous mapping) with PID {other} ({_comm(other)}) outside its "
-        "tree, and one of them writes it: its copy would have memory of its own, no longer shared; checkpoint "
-        "the tree that holds both."
-        for pid, _, other in _mapped_outside(pids, _SHARED_ANONYMOUS.__eq__, "the processes sharing its memory")
+        f"PID {pid} shares memory ({'a memfd' if path.startswith('/memfd:') else 'a shared anonymous mapping'}) "
+        f"with PID {other} ({_comm(other)}) outside its tree, and one of them writes it: its copy would have "
+        "memory of its own, no longer shared; checkpoint the tree that holds both."
+        for pid, path, other in _mapped_outside(pids, _anonymous, "the processes sharing its memory")
     ]
 
 

@@ -354,7 +354,7 @@ def pid_holder(pid: int, groups: dict[int, str] | None = None) -> str | None:
             name = psutil.Process(pid).name()
             if tgid is not None and tgid != pid:
                 return f"a thread ({name}) of process {tgid}"
-            if _stat_fields(pid)[0] == "Z":  # (ended, its parent not having asked how: it keeps its PID till then)
+            if _stat_fields(pid)[0] == "Z" and _status_field(pid, "Threads") == 1:  # (ended, not reaped: its PID kept)
                 return f"process {pid} ({name}), ended but not yet reaped by its parent, PID {parent_pid(pid)}"
             return f"process {pid} ({name})"
         except (psutil.NoSuchProcess, OSError):

@@ -17,7 +17,9 @@ import ctypes
 import errno
 import os
 import platform
+import queue
 import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -179,25 +181,88 @@ def seized(pid: int) -> Iterator[Tracee]:
                 _ptrace(_PTRACE_DETACH, tid, 0, ctypes.c_void_p(pending.get(tid, 0)))
 
 
+SYS_MMAP = 9
 SYS_PRCTL = 157
 _PR_GET_PDEATHSIG = 2
-#: Below the stack pointer, past the ABI's red zone (128 bytes): where a call's result is put.
-_SCRATCH_BELOW = 1024
+_PAGE = 4096
+_PROT_READ_WRITE = 0x3
+_MAP_PRIVATE_ANONYMOUS = 0x22
+#: Seconds a read inside another process waits for it to stop; past them it is given up on, and
+#: the thread making it lets the process go once it does stop (see :func:`parent_death_signal`).
+READ_WITHIN = 2.0
 
 
-def parent_death_signal(pid: int) -> int:
+def parent_death_signal(pid: int, within: float = READ_WITHIN) -> int | None:
     """The signal ``pid``'s main thread asked for when its parent dies (PR_SET_PDEATHSIG; 0:
-    none), read inside it (nothing outside shows it); its stack bytes used for the answer are
-    put back."""
-    with seized(pid) as tracee, open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
-        at = (tracee.saved.rsp - _SCRATCH_BELOW) & ~7
-        mem.seek(at)
-        kept = mem.read(8)
-        r = tracee.call(SYS_PRCTL, _PR_GET_PDEATHSIG, at)
-        mem.seek(at)
-        answer = mem.read(4)
-        mem.seek(at)
-        mem.write(kept)
+    none), read inside it (nothing outside shows it), into a page it is made to map for the
+    answer and unmap after: none of its own memory is touched.
+
+    None where it is not asked: a thread of it in uninterruptible sleep (a vfork's parent, a
+    request to a hung network or FUSE filesystem) or a frozen control group would not stop, and
+    a seccomp filter could kill it for a call it does not expect.  A process that does not stop
+    within ``within`` seconds is given up on too (None): the thread that seized it stays, out of
+    the caller's way, until it stops, and lets it go then."""
+    if not _may_seize(pid):
+        return None
+    answer: queue.Queue[int | BaseException] = queue.Queue()
+
+    def read() -> None:
+        try:
+            answer.put(_read_parent_death_signal(pid))
+        except BaseException as e:  # (handed to the caller)
+            answer.put(e)
+
+    threading.Thread(target=read, name=f"ptrace-{pid}", daemon=True).start()  # (the tracer: it must detach)
+    try:
+        got = answer.get(timeout=within)
+    except queue.Empty:
+        return None
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+def _read_parent_death_signal(pid: int) -> int:
+    with seized(pid) as tracee:
+        page = tracee.call(SYS_MMAP, 0, _PAGE, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
+        if -_PAGE < page < 0:
+            raise PtraceError(-page, f"mmap inside PID {pid} failed: {os.strerror(-page)}")
+        try:
+            r = tracee.call(SYS_PRCTL, _PR_GET_PDEATHSIG, page)
+            with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+                mem.seek(page)
+                raw = mem.read(4)
+        finally:
+            tracee.call(SYS_MUNMAP, page, _PAGE)
     if r < 0:
         raise PtraceError(-r, f"prctl(PR_GET_PDEATHSIG) inside PID {pid} failed: {os.strerror(-r)}")
-    return int.from_bytes(answer, "little")
+    return int.from_bytes(raw, "little")
+
+
+def _may_seize(pid: int) -> bool:
+    """Whether ``pid`` can be seized and made to call without waiting on, or killing, it."""
+    with suppress(OSError, ValueError):
+        status = Path(f"/proc/{pid}/status").read_text()
+        if any(ln.split()[1:2] != ["0"] for ln in status.splitlines() if ln.startswith("Seccomp:")):
+            return False
+        for tid in _tids(pid):
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            if stat[stat.rindex(")") + 2 :].startswith("D"):
+                return False
+        return not _frozen(pid)
+    return False
+
+
+def _frozen(pid: int) -> bool:
+    """Whether the process's control group is frozen (cgroup v2 ``cgroup.freeze``, v1 freezer)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            events = Path(f"/sys/fs/cgroup{path}/cgroup.events")
+            if events.exists() and "frozen 1" in events.read_text().splitlines():
+                return True
+        elif "freezer" in controllers.split(","):
+            state = Path(f"/sys/fs/cgroup/freezer{path}/freezer.state")
+            if state.exists() and state.read_text().strip() != "THAWED":
+                return True
+    return False

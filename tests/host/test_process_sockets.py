@@ -285,3 +285,29 @@ def test_a_root_that_asked_to_die_with_its_parent_outside_the_tree_is_a_tie(sig:
                 assert said == []
         finally:
             p.kill()
+
+
+_FILTERED = (
+    "import ctypes, struct, sys\n"
+    "libc = ctypes.CDLL(None)\n"
+    "libc.prctl(1, 12)\n"  # (PR_SET_PDEATHSIG, SIGUSR2)
+    "allow = ctypes.create_string_buffer(struct.pack('HBBI', 0x06, 0, 0, 0x7FFF0000))\n"  # (BPF: return ALLOW)
+    "prog = ctypes.create_string_buffer(struct.pack('HxxxxxxQ', 1, ctypes.addressof(allow)))\n"
+    "assert libc.prctl(38, 1, 0, 0, 0) == 0\n"  # (PR_SET_NO_NEW_PRIVS)
+    "assert libc.prctl(22, 2, ctypes.c_ulong(ctypes.addressof(prog)), 0, 0) == 0\n"  # (PR_SET_SECCOMP, FILTER)
+    "print('filtered', flush=True); sys.stdin.read()\n"
+)
+
+
+def test_a_process_under_a_seccomp_filter_is_not_made_to_call() -> None:
+    """A filter could kill it for a call it does not expect: its parent-death signal is not
+    asked (None), and it runs on."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _FILTERED], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as p:
+        try:
+            assert p.stdout is not None and p.stdout.readline() == "filtered\n"
+            assert ptrace.parent_death_signal(p.pid) is None
+            assert p.poll() is None
+        finally:
+            p.kill()
