@@ -221,14 +221,14 @@ def _examine(target: psutil.Process, checked: float | None, ghost_limit: int) ->
             if attempt == 4 or not target.is_running():
                 raise UsageError(f"PID {pid} exited while it was being examined; nothing was done.") from e
             time.sleep(0.05)
-    cannot = ends.unmovable([p.pid for p in procs], ghost_limit=ghost_limit)
-    if cannot:
-        raise UsageError(f"{cannot[0]} Nothing was done.")
     if hidden:
         raise UsageError(
             f"PID {hidden[0]} belongs to a session whose leader is outside its PID namespace, which CRIU "
             "cannot checkpoint; start the workload with `tpagent launch` (or under setsid) instead."
         )
+    cannot = ends.unmovable([p.pid for p in procs], ghost_limit=ghost_limit)
+    if cannot:
+        raise UsageError(f"{cannot[0]} Nothing was done.")
     if checked is not None and create_time != checked:
         raise UsageError(
             f"PID {pid} is no longer the process that was checked (that one exited and its PID was reused); "
