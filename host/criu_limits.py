@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from contextlib import suppress
 
 from host import files
-from host.proc import fd_links
+from host.proc import fd_links, fdinfo_int
 
 
 def uncheckpointable(pids: Sequence[int]) -> list[str]:
@@ -69,7 +69,10 @@ def _descriptors(pid: int, mounts: _Mounts) -> tuple[dict[str, list[str]], list[
             continue
         if _MQUEUE_NAME.fullmatch(link) and _filesystem(f"/proc/{pid}/fd/{fd}") == _MQUEUE_MAGIC:
             held.setdefault("mqueue", []).append(fd)  # (opened with mq_open: the namespace's own mount)
-        elif link.startswith("/") and not link.startswith(_OWN_MOUNTS) and (mnt := _mount_id(pid, fd)) is not None:
+        elif link.startswith("/") and not link.startswith(_OWN_MOUNTS):
+            mnt = fdinfo_int(pid, fd, "mnt_id")
+            if mnt is None:
+                continue  # (a descriptor closed since)
             fs = mounts.type_of(mnt)
             if fs == "mqueue":  # (opened under a mount of the queues' filesystem, /dev/mqueue)
                 held.setdefault("mqueue", []).append(fd)
@@ -106,16 +109,6 @@ class _Mounts:
         return types
 
 
-def _mount_id(pid: int, fd: str) -> int | None:
-    """The ID of the mount a descriptor's file is on (its fdinfo's mnt_id); None if it cannot be
-    read (a descriptor closed since: no mount of its own to miss)."""
-    try:
-        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("mnt_id:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-
-
 def large_ghosts(pids: Sequence[int], limit: int) -> list[str]:
     """One sentence for each file the tree holds open or mapped that was deleted, no other
     name of it left, with more than ``limit`` bytes of data: CRIU would have to copy it into
@@ -126,9 +119,7 @@ def large_ghosts(pids: Sequence[int], limit: int) -> list[str]:
     seen: set[tuple[int, int]] = set()
     out = []
     for pid in pids:
-        held = [(f"/proc/{pid}/fd/{fd}", link) for fd, link in fd_links(pid)]
-        held += [(f"/proc/{pid}/map_files/{fields[0]}", fields[5]) for fields in files.mappings(pid)]
-        for path, name in held:
+        for path, name in files.held(pid):
             if not name.endswith(" (deleted)") or name.startswith(_NOT_GHOSTS):
                 continue
             try:

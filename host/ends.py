@@ -213,11 +213,8 @@ def _pts_index(pid: int, link: str) -> int | None:
 
 def _tty_index(pid: int, fd: str) -> int:
     """The index of the terminal a master descriptor (``/dev/ptmx``) drives (its fdinfo); -1: unreadable."""
-    try:
-        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("tty-index:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return -1
+    index = proc.fdinfo_int(pid, fd, "tty-index")
+    return -1 if index is None else index
 
 
 def shared_maps(pids: Sequence[int], carried: Sequence[Path]) -> list[str]:
@@ -299,12 +296,8 @@ def _comm(pid: int) -> str:
 
 def _access(pid: int, fd: str) -> int:
     """Which way the descriptor goes: os.O_RDONLY, os.O_WRONLY or os.O_RDWR (-1: unreadable)."""
-    try:
-        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
-            flags = next(int(ln.split()[1], 8) for ln in f if ln.startswith("flags:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return -1
-    return flags & os.O_ACCMODE
+    flags = proc.fdinfo_int(pid, fd, "flags", 8)
+    return -1 if flags is None else flags & os.O_ACCMODE
 
 
 def _holders(tree: set[int], wanted: dict[str, int]) -> dict[str, tuple[int, str]]:

@@ -54,6 +54,13 @@ def mappings(pid: int) -> list[list[str]]:
     return [fields for line in maps.splitlines() if len(fields := line.split(maxsplit=5)) == 6]
 
 
+def held(pid: int) -> list[tuple[str, str]]:
+    """What ``pid`` holds open or mapped: a path that reaches each (``/proc/PID/fd/N``,
+    ``/proc/PID/map_files/RANGE``) and the name /proc shows for it."""
+    named = [(f"/proc/{pid}/fd/{fd}", link) for fd, link in proc.fd_links(pid)]
+    return named + [(f"/proc/{pid}/map_files/{fields[0]}", fields[5]) for fields in mappings(pid)]
+
+
 def uncarriable(paths: list[Path]) -> list[str]:
     """Why node-local files could not be taken along: the checks the post-dump hook makes as
     root when it archives them (no symlink on the path, the directory's owner), made now."""
@@ -101,9 +108,7 @@ def relinked(pids: Sequence[int]) -> list[Relinked]:
     only the descriptors."""
     out: dict[tuple[int, int, str], Relinked] = {}
     for pid in pids:
-        named = [(f"/proc/{pid}/fd/{fd}", link) for fd, link in proc.fd_links(pid)]
-        named += [(f"/proc/{pid}/map_files/{fields[0]}", fields[5]) for fields in mappings(pid)]
-        for at, link in named:
+        for at, link in held(pid):
             path = link.removesuffix(" (deleted)")
             if path == link or not path.startswith("/"):
                 continue

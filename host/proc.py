@@ -257,6 +257,16 @@ def fd_links(pid: int) -> list[tuple[str, str]]:
     return out
 
 
+def fdinfo_int(pid: int, fd: str, key: str, base: int = 10) -> int | None:
+    """A number of ``/proc/PID/fdinfo/FD`` (``flags`` in octal, ``mnt_id``, ``tty-index``...);
+    None if the descriptor, or that line, is not there to read."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            return next(int(ln.split()[1], base) for ln in f if ln.startswith(f"{key}:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def dump_size_estimate(pids: Sequence[int]) -> int:
     """About how many bytes CRIU writes for these processes: their resident anonymous and
     shared memory (file-backed pages it does not copy)."""

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from host import proc
 from host.api import UsageError
 
 _PTRACE_GETREGS = 12
@@ -245,10 +246,8 @@ def _may_seize(pid: int) -> bool:
         status = Path(f"/proc/{pid}/status").read_text()
         if any(ln.split()[1:2] != ["0"] for ln in status.splitlines() if ln.startswith("Seccomp:")):
             return False
-        for tid in _tids(pid):
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            if stat[stat.rindex(")") + 2 :].startswith("D"):
-                return False
+        if any(proc.thread_state(pid, tid) == "D" for tid in _tids(pid)):
+            return False
         return not _frozen(pid)
     return False
 
