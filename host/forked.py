@@ -18,7 +18,8 @@ can still legally do with them, by mapping:
 * the descriptors: nothing without a context; closing the child's copy leaves the parent's open.
 
 So each such mapping and descriptor is removed inside the child (``munmap``, ``close``, made in
-it through :mod:`host.ptrace`) just before the freeze, and the child runs on without them.
+it through :mod:`host.ptrace`) just before the freeze, and the child runs on without them.  A child
+that does not stop for it in time is let go untouched (:func:`remove`).
 
 Whether a child used such a mapping since its fork cannot be seen from outside it: the
 ``Referenced:`` of its smaps counts the page's own flag, shared with the parent (an H100's
@@ -35,6 +36,7 @@ import ctypes
 import errno
 import os
 import re
+import threading
 from collections.abc import Iterable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -176,22 +178,19 @@ def _quiet_fds(pid: int, devices: Sequence[str]) -> list[tuple[int, str]]:
     return []
 
 
-def remove(left: Leftover) -> int:
+#: Seconds a child is waited for to stop before what it kept of the driver is removed inside it.
+STOP_WITHIN = 10.0
+
+
+def remove(left: Leftover, within: float = STOP_WITHIN) -> int:
     """Unmap and close, inside ``left.pid``, the driver's mappings and descriptors ``left`` found
     (just now: :func:`find`); the bytes of address space given up.  Once it is stopped, each is
     looked at again: only the very process examined (not one that took its PID since), and only
-    what it still maps and holds as found, are acted on (0: it is gone)."""
+    what it still maps and holds as found, are acted on (0: it is gone).  A child that does not
+    stop within ``within`` seconds is given up on (PtraceError ETIMEDOUT) and let go untouched
+    (:func:`host.ptrace.bounded`)."""
     try:
-        with ptrace.seized(left.pid) as tracee:
-            if proc.start_ticks(left.pid) != left.started:
-                return 0
-            still = set(device_mappings(left.pid, sorted({m.path for m in left.maps})))
-            maps = [m for m in left.maps if m in still]
-            held = set(device_fds(left.pid, sorted({path for _, path in left.fds})))
-            fds = [fd for fd in left.fds if fd in held]
-            todo: list[tuple[int, tuple[int, ...]]] = [(ptrace.SYS_MUNMAP, (m.start, m.end - m.start)) for m in maps]
-            todo += [(ptrace.SYS_CLOSE, (fd,)) for fd, _ in fds]
-            results = [tracee.call(number, *args) for number, args in todo]
+        maps, results, todo = ptrace.bounded(left.pid, lambda gave_up: _remove(left, gave_up), within)
     except ptrace.PtraceError as e:
         if e.errno == errno.ESRCH and not proc.alive(left.pid):  # (it ended first)
             return 0
@@ -202,3 +201,39 @@ def remove(left: Leftover) -> int:
         what = "munmap" if number == ptrace.SYS_MUNMAP else "close"
         raise ptrace.PtraceError(-r, f"{what}{args} inside PID {left.pid} failed: {os.strerror(-r)}")
     return sum(m.end - m.start for m in maps)
+
+
+def remove_all(leftovers: Sequence[Leftover], within: float = STOP_WITHIN) -> str | None:
+    """Each of ``leftovers`` removed (:func:`remove`) in turn; the sentence of the first that could not be
+    (one that ended meanwhile has nothing left to remove), or None."""
+    for left in leftovers:
+        try:
+            remove(left, within)
+        except OSError as e:
+            if e.errno == errno.ETIMEDOUT:
+                return (
+                    f"PID {left.pid} ({left.name}), forked after CUDA started, did not stop within {within:g} s "
+                    "for what it kept of the GPU driver to be removed inside it (a thread of it in uninterruptible "
+                    "sleep, as on a hung network filesystem, or its control group frozen)"
+                )
+            if proc.alive(left.pid):
+                return f"the GPU driver's leftovers in PID {left.pid} could not be removed: {e}"
+    return None
+
+
+_Calls = list[tuple[int, tuple[int, ...]]]
+
+
+def _remove(left: Leftover, gave_up: threading.Event) -> tuple[list[DeviceMapping], list[int], _Calls]:
+    """:func:`remove`'s calls, in the thread that seizes the child: what was unmapped, each call's
+    result, the calls."""
+    with ptrace.seized(left.pid, gave_up) as tracee:
+        if gave_up.is_set() or proc.start_ticks(left.pid) != left.started:  # (too late, or another process)
+            return [], [], []
+        still = set(device_mappings(left.pid, sorted({m.path for m in left.maps})))
+        maps = [m for m in left.maps if m in still]
+        held = set(device_fds(left.pid, sorted({path for _, path in left.fds})))
+        fds = [fd for fd in left.fds if fd in held]
+        todo: _Calls = [(ptrace.SYS_MUNMAP, (m.start, m.end - m.start)) for m in maps]
+        todo += [(ptrace.SYS_CLOSE, (fd,)) for fd, _ in fds]
+        return maps, [tracee.call(number, *args) for number, args in todo], todo

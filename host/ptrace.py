@@ -20,9 +20,10 @@ import platform
 import queue
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import TypeVar
 
 from host import proc
 from host.api import UsageError
@@ -37,6 +38,8 @@ _WALL = 0x40000000
 _SYSCALL = b"\x0f\x05"
 #: Steps of one call before it is given up on (a signal-delivery stop can come first).
 _TRIES = 8
+
+T = TypeVar("T")
 
 SYS_CLOSE = 3
 SYS_MUNMAP = 11
@@ -76,10 +79,18 @@ def _ptrace(request: int, tid: int, addr: int = 0, data: object = None) -> int:
     return ret
 
 
-def _wait_stop(tid: int) -> int:
-    """The signal of ``tid``'s next stop (SIGTRAP for a ptrace event stop)."""
+def _wait_stop(tid: int, gave_up: threading.Event | None = None) -> int:
+    """The signal of ``tid``'s next stop (SIGTRAP for a ptrace event stop); PtraceError ETIMEDOUT
+    once ``gave_up`` is set first."""
+    pause = 0.0005
     while True:
-        _, status = os.waitpid(tid, _WALL)
+        got, status = os.waitpid(tid, _WALL | (os.WNOHANG if gave_up is not None else 0))
+        if got == 0:  # (not stopped yet)
+            assert gave_up is not None
+            if gave_up.wait(pause):
+                raise PtraceError(errno.ETIMEDOUT, f"thread {tid} did not stop")
+            pause = min(2 * pause, 0.05)
+            continue
         if os.WIFSTOPPED(status):
             return os.WSTOPSIG(status)
         if os.WIFEXITED(status) or os.WIFSIGNALED(status):
@@ -141,8 +152,10 @@ class Tracee:
 
 
 @contextmanager
-def seized(pid: int) -> Iterator[Tracee]:
-    """Every thread of ``pid`` stopped under ptrace; all put back and let go on leaving."""
+def seized(pid: int, gave_up: threading.Event | None = None) -> Iterator[Tracee]:
+    """Every thread of ``pid`` stopped under ptrace; all put back and let go on leaving.  Once
+    ``gave_up`` is set, waiting for a thread to stop ends (PtraceError ETIMEDOUT): the stopped
+    ones are let go, and one seized that never stopped is let go when the calling thread ends."""
     if not supported():
         raise UsageError(f"calls inside another process are implemented for x86-64 only, not {platform.machine()}.")
     pending: dict[int, int] = {}  # thread -> a signal that stopped it first: given back at the end
@@ -163,7 +176,7 @@ def seized(pid: int) -> Iterator[Tracee]:
                     raise
                 held.append(tid)
                 _ptrace(_PTRACE_INTERRUPT, tid, 0, None)
-                sig = _wait_stop(tid)
+                sig = _wait_stop(tid, gave_up)
                 if sig != signal.SIGTRAP:
                     pending[tid] = sig
             todo = _tids(pid) - set(held) - gone
@@ -193,6 +206,33 @@ _MAP_PRIVATE_ANONYMOUS = 0x22
 READ_WITHIN = 2.0
 
 
+def bounded(pid: int, work: Callable[[threading.Event], T], within: float) -> T:
+    """What ``work`` returns, run in a thread of its own (the tracer: it must also detach), waited
+    for ``within`` seconds.  A process that does not stop meanwhile (a thread of it in
+    uninterruptible sleep, as on a hung network filesystem, or its control group frozen) is
+    given up on: PtraceError ETIMEDOUT, and the event ``work`` is given is set, so that once the
+    process does stop, ``work`` lets it go without acting (given to :func:`seized`, the event
+    lets go at once the threads already stopped)."""
+    answer: queue.Queue[tuple[T] | BaseException] = queue.Queue()
+    gave_up = threading.Event()
+
+    def run() -> None:
+        try:
+            answer.put((work(gave_up),))
+        except BaseException as e:  # (handed to the caller)
+            answer.put(e)
+
+    threading.Thread(target=run, name=f"ptrace-{pid}", daemon=True).start()
+    try:
+        got = answer.get(timeout=within)
+    except queue.Empty:
+        gave_up.set()
+        raise PtraceError(errno.ETIMEDOUT, f"PID {pid} did not stop within {within:g} s") from None
+    if isinstance(got, BaseException):
+        raise got
+    return got[0]
+
+
 def parent_death_signal(pid: int, within: float = READ_WITHIN) -> int | None:
     """The signal ``pid``'s main thread asked for when its parent dies (PR_SET_PDEATHSIG; 0:
     none), read inside it (nothing outside shows it), into a page it is made to map for the
@@ -201,30 +241,19 @@ def parent_death_signal(pid: int, within: float = READ_WITHIN) -> int | None:
     None where it is not asked: a thread of it in uninterruptible sleep (a vfork's parent, a
     request to a hung network or FUSE filesystem) or a frozen control group would not stop, and
     a seccomp filter could kill it for a call it does not expect.  A process that does not stop
-    within ``within`` seconds is given up on too (None): the thread that seized it stays, out of
-    the caller's way, until it stops, and lets it go then."""
+    within ``within`` seconds is given up on too (None; see :func:`bounded`)."""
     if not _may_seize(pid):
         return None
-    answer: queue.Queue[int | BaseException] = queue.Queue()
-
-    def read() -> None:
-        try:
-            answer.put(_read_parent_death_signal(pid))
-        except BaseException as e:  # (handed to the caller)
-            answer.put(e)
-
-    threading.Thread(target=read, name=f"ptrace-{pid}", daemon=True).start()  # (the tracer: it must detach)
     try:
-        got = answer.get(timeout=within)
-    except queue.Empty:
-        return None
-    if isinstance(got, BaseException):
-        raise got
-    return got
+        return bounded(pid, lambda gave_up: _read_parent_death_signal(pid, gave_up), within)
+    except PtraceError as e:
+        if e.errno == errno.ETIMEDOUT:
+            return None
+        raise
 
 
-def _read_parent_death_signal(pid: int) -> int:
-    with seized(pid) as tracee:
+def _read_parent_death_signal(pid: int, gave_up: threading.Event) -> int:
+    with seized(pid, gave_up) as tracee:
         page = tracee.call(SYS_MMAP, 0, _PAGE, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
         if -_PAGE < page < 0:
             raise PtraceError(-page, f"mmap inside PID {pid} failed: {os.strerror(-page)}")

@@ -97,6 +97,8 @@ class Timeouts:
     dump: float = 1800.0
     restore: float = 1800.0
     pid_wait: float = 10.0
+    #: A process of the tree waited for to stop under ptrace (the GPU driver's leftovers removed).
+    stop: float = 10.0
 
 
 DEFAULT_GHOST_LIMIT = 1 << 30

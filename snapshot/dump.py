@@ -316,13 +316,9 @@ def _strip_forked(job: _Dump) -> None:
         refused = forked.refusals([n for n in now if n.pid not in seen], job.cuda_pids, devices, own_fds=False)
         if refused:
             raise UsageError(refused[0])
-        for left in now:
-            try:
-                forked.remove(left)
-            except OSError as e:
-                if proc.alive(left.pid):
-                    why = f"the GPU driver's leftovers in PID {left.pid} could not be removed"
-                    raise ToolError(why, detail=str(e)) from e
+        failed = forked.remove_all(now, job.config.timeouts.stop)
+        if failed is not None:
+            raise ToolError(failed)
 
 
 def _freeze_gpu(job: _Dump) -> None:

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import psutil
@@ -29,7 +29,8 @@ from conftest import needs_criu
 from host import forked
 from host.api import UsageError
 from snapshot import restore
-from snapshot.api import SnapshotConfig
+from snapshot.api import SnapshotConfig, Timeouts, ToolError
+from snapshot.cuda import CudaState
 from snapshot.dump import checkpoint
 from support.fake_cuda import FakeCudaDriver
 from support.helpers import alive, kill_and_wait, wait_until
@@ -171,6 +172,72 @@ def test_a_worker_forked_while_the_gpu_is_frozen_is_stripped_too(job_factory, tm
     assert len(job.workers()) == 3
     assert not any(job.holds_device(w) for w in job.workers())
     job.serves_on("from three workers after the restore")
+
+
+def _tracer(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return int(next(ln.split()[1] for ln in status if ln.startswith("TracerPid:")))
+
+
+@contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """``pid`` held in a frozen control group (cgroup v1's freezer, else v2's ``cgroup.freeze``):
+    it cannot stop under ptrace until thawed, as a thread in uninterruptible sleep cannot."""
+    v1 = Path("/sys/fs/cgroup/freezer")
+    v2 = next(
+        (d for d in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")) if (d / "cgroup.procs").exists()), None
+    )
+    if v1.is_dir():
+        group, state, freeze, thaw, is_frozen = (
+            v1 / f"tpagent-test-{pid}",
+            "freezer.state",
+            "FROZEN",
+            "THAWED",
+            "FROZEN",
+        )
+        root = v1
+    elif v2 is not None:
+        group, state, freeze, thaw, is_frozen = v2 / f"tpagent-test-{pid}", "cgroup.freeze", "1", "0", "frozen 1"
+        root = v2
+    else:
+        pytest.skip("no cgroup freezer on this machine")
+    group.mkdir()
+    try:
+        (group / "cgroup.procs").write_text(str(pid))
+        (group / state).write_text(freeze)
+        events = group / ("freezer.state" if root == v1 else "cgroup.events")
+        wait_until(lambda: is_frozen in events.read_text(), "the control group to freeze")
+        yield
+    finally:
+        (group / state).write_text(thaw)
+        with suppress(OSError):
+            (root / "cgroup.procs").write_text(str(pid))
+        group.rmdir()
+
+
+def test_a_worker_that_does_not_stop_fails_the_dump_before_criu_and_is_let_go_untouched(  # type: ignore[no-untyped-def]
+    job_factory, tmp_path: Path
+) -> None:
+    """A worker that cannot be stopped for the removal (a thread of it in uninterruptible sleep on
+    a hung network filesystem; here its control group frozen, which holds it the same way) is
+    waited for no longer than the stop timeout: the checkpoint fails in one sentence before CRIU
+    ran, the GPU is given back, and the worker, let go at once (not left traced), keeps what it
+    had and serves on once it can run again."""
+    job = job_factory()
+    worker = job.workers()[0]
+    fake = FakeCudaDriver(contexts={job.pid})
+    config = SnapshotConfig(gpu_devices=job.stand_in, timeouts=Timeouts(stop=1.0))
+    with frozen(worker):
+        with pytest.raises(ToolError) as e:
+            checkpoint(job.pid, tmp_path / "snap", config=config, cuda_factory=lambda: fake)
+        said = str(e.value)
+        assert f"PID {worker} (python" in said and "did not stop within 1 s" in said, said
+        assert getattr(e.value, "rolled_back", False), said
+        assert fake.states[job.pid] is CudaState.RUNNING and ("unlock", job.pid) in fake.calls
+        assert not (tmp_path / "snap").exists()
+        wait_until(lambda: _tracer(worker) == 0, "the worker to be let go")
+    assert job.holds_device(worker), "the worker given up on was changed"
+    job.serves_on("after a dump that gave up on a worker")
 
 
 def test_a_worker_that_opened_the_device_itself_is_refused_before_anything(  # type: ignore[no-untyped-def]
