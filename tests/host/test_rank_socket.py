@@ -123,6 +123,34 @@ def test_a_released_rank_whose_line_breaks_before_its_welcome_comes_back(
         (paths.RANK_GO / P.go_name(job, 0)).unlink(missing_ok=True)
 
 
+def test_a_released_rank_that_ends_leaves_no_word_to_come_back(agent: ranks.Ranks, tmp_path: Path) -> None:
+    """A rank told to come back (its word, a file in /run/tpagent/rank-go) that ends instead (its
+    job finished or failed first) takes its word with it when its init reports the end: none is
+    left behind, on a node whose agent runs for months, for another rank of that name to take."""
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    ends = tmp_path / "end"
+    wait = f"import os, time\nwhile not os.path.exists({str(ends)!r}): time.sleep(0.02)"
+    init, holder = launch.start(
+        [sys.executable, "-c", wait],
+        tmp_path / "out",
+        tmp_path / "err",
+        env={**os.environ, "TPAGENT_RANK_SOCKET": agent.name},
+    )
+    go = paths.RANK_GO / P.go_name(job, 0)
+    try:
+        agent.expect(job, 0, init)
+        agent.release(job, 0)
+        assert go.exists()
+        ends.touch()
+        assert holder.wait(30) == 0
+        wait_until(lambda: agent.entry(job, 0).exit_code == 0, "the init to report the rank's end")
+        assert not go.exists(), "the word to come back of a rank that ended was left behind"
+    finally:
+        proc.kill_tree(init)
+        holder.wait(10)
+        go.unlink(missing_ok=True)
+
+
 def test_the_connections_waiting_for_a_registration_are_bounded(agent: ranks.Ranks) -> None:
     waiting = [_hello(agent, f"job-{i}") for i in range(door.PER_USER_MAX)]
     try:

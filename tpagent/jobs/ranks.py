@@ -93,6 +93,7 @@ class Ranks:
         ended = [k for k, e in self.entries.items() if e.exit_code is not None or e.moved_to]
         for k in ended[: max(0, len(ended) - rankentry.KEEP_ENDED)]:
             close_outputs(self.entries.pop(k))
+            _spend(*k)  # (a word to come back left from before: gone with it)
         try:
             write_durably(self.saved, {"format": 1, "ranks": rankentry.rows(self.entries.values())})
         except OSError as e:
@@ -227,6 +228,7 @@ class Ranks:
             for e in self.entries.values():
                 if e.init == peer.pid and not e.moved_to:  # (one that moved on ends here: not the rank)
                     e.exit_code = said.code
+                    _spend(e.job, e.rank)  # (a word to come back that nobody will take)
                     log.info("rank %s of job %s exited with status %d", e.rank, e.job, said.code)
                     if self.hold_deaths and died(said.code, e.world):
                         e.held_until = time.monotonic() + DIED_HOLD
