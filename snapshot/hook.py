@@ -44,7 +44,7 @@ from typing import Any
 import psutil
 
 from host import criu_limits, files, proc, safefs, sockets
-from snapshot import manifest, streamer, timers
+from snapshot import affinity, manifest, streamer, timers
 from snapshot.criu import PIDFILE
 
 PENDING = "manifest.pending.json"
@@ -336,6 +336,7 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     m.sockets = _bound(sockets.unix_bound(pids), pids)
     m.dirs = _dirs_to([(b.path, b.uid) for b in m.sockets] + [(p, uid) for p in m.carried if (uid := _owner(p)) >= 0])
     m.timers = timers.expired(pids)
+    m.bindings = affinity.bound(pids)
     m.warnings = criu_limits.restore_warnings(pids)
     m.timings = {"checksum": round(time.monotonic() - t0, 4)}
     _check_cancel(out)  # the last moment at which CRIU can still roll back

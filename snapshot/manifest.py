@@ -15,10 +15,12 @@
                      "carried": [ ABSPATH ],                 (optional: files kept in images/tpagent-files.tar)
                      "links": { ABSPATH: ABSPATH },          (optional: CRIU's link_remap.N -> a carried file)
                      "timers": [ TIMER ],                    (optional: timerfds to arm again on restore)
+                     "bindings": [ BINDING ],                (optional: threads to bind to their CPUs again)
                      "sockets": [ SOCKET ],                  (optional: where unix sockets are bound)
                      "dirs": [ DIR ],                        (optional: the directories on their way)
                      "warnings": [ STR ] }                   (optional: what a restore may not bring back)
     TIMER      ::= {"pid": INT, "fd": INT, "interval_ns": INT}   (see snapshot.timers)
+    BINDING    ::= {"pid": INT, "tid": INT, "cpus": "0-3,8"}     (see snapshot.affinity)
     SOCKET     ::= {"path": ABSPATH, "uid": INT, "dev": INT, "ino": INT, "ctime_ns": INT}
                                                         (its file's owner, and which file it is)
     DIR        ::= {"path": ABSPATH, "uid": INT, "gid": INT, "mode": INT}   (parents first)
@@ -59,6 +61,8 @@ import blake3
 from host.files import LINK_REMAP
 from host.proc import ProcInfo
 from host.safefs import private_opener
+from snapshot.affinity import Binding
+from snapshot.affinity import parse as parse_cpus
 from snapshot.api import SnapshotInvalid
 from snapshot.timers import Timer
 
@@ -129,6 +133,9 @@ class Manifest:
     #: Periodic timerfds that had expired unread while frozen: CRIU restores them disarmed,
     #: the restore arms them again (:mod:`snapshot.timers`).
     timers: list[Timer] = field(default_factory=list)
+    #: Threads bound to some of their CPUs, which CRIU does not keep: bound again on restore
+    #: (:mod:`snapshot.affinity`).
+    bindings: list[Binding] = field(default_factory=list)
     #: Where the processes' unix sockets are bound (CRIU binds them there again), and the
     #: directories on the way to them as they were (made where missing before a restore).
     sockets: list[BoundSocket] = field(default_factory=list)
@@ -148,6 +155,7 @@ class Manifest:
         body = asdict(self)
         body["processes"] = [asdict(p) for p in self.processes]
         body["timers"] = [asdict(t) for t in self.timers]
+        body["bindings"] = [asdict(b) for b in self.bindings]
         body["sockets"] = [asdict(b) for b in self.sockets]
         body["dirs"] = [asdict(d) for d in self.dirs]
         body = {"format": FORMAT, "format_version": FORMAT_VERSION, **body, "total_bytes": self.total_bytes}
@@ -200,6 +208,7 @@ class Manifest:
         timers = _rows(data, "timers", Timer)
         if not {t.pid for t in timers} <= {p.pid for p in procs}:
             raise ValueError("timers names a process not in processes")
+        bindings = _bindings(data, procs)
         sockets = _rows(data, "sockets", BoundSocket)
         dirs = _rows(data, "dirs", MadeDir)
         paths = [*(b.path for b in sockets), *(d.path for d in dirs)]
@@ -233,6 +242,7 @@ class Manifest:
             carried=carried,
             links=links,
             timers=timers,
+            bindings=bindings,
             sockets=sockets,
             dirs=dirs,
             warnings=_list(data, "warnings", str, "manifest") if "warnings" in data else [],
@@ -265,6 +275,16 @@ def _rows(data: Any, key: str, cls: type[T]) -> list[T]:
     named = [(f.name, types[str(f.type)]) for f in fields(cls)]  # type: ignore[arg-type]
     items = _list(data, key, dict, "manifest") if key in data else []
     return [cls(*(_get(x, name, typ, f"{key}[]") for name, typ in named)) for x in items]
+
+
+def _bindings(data: Any, procs: list[ProcInfo]) -> list[Binding]:
+    """``bindings``: threads of the processes, each to a list of CPUs."""
+    bindings = _rows(data, "bindings", Binding)
+    if not {b.pid for b in bindings} <= {p.pid for p in procs}:
+        raise ValueError("bindings names a process not in processes")
+    for b in bindings:
+        parse_cpus(b.cpus)  # (ValueError: not a list of CPUs)
+    return bindings
 
 
 def _links(data: Any, carried: list[str]) -> dict[str, str]:

@@ -26,7 +26,7 @@ import psutil
 from host import gpus, proc, safefs, userdirs
 from host.api import UsageError
 from host.safefs import private_dir
-from snapshot import copies, manifest, putback, stages, timers
+from snapshot import affinity, copies, manifest, putback, stages, timers
 from snapshot.api import (
     DumpMode,
     Interrupted,
@@ -290,6 +290,11 @@ def _rearm_timers(job: _Restore) -> None:
             ) from e
 
 
+def _rebind(job: _Restore) -> None:
+    """Bind the threads CRIU brought back unbound to their CPUs again (:mod:`snapshot.affinity`)."""
+    affinity.rebind(job.manifest.bindings, job.mapping)
+
+
 def _give_gpu_back(job: _Restore) -> None:
     """CUDA restore (onto the GPUs mapped), then CUDA unlock unless the copy is held."""
     if job.cuda is None:
@@ -317,6 +322,7 @@ RESTORE: tuple[Step[_Restore], ...] = (
     Step("hand the sockets' directories over", _hand_over),
     Step("find the restored PIDs", _map_pids),
     Step("arm the periodic timers again", _rearm_timers),
+    Step("bind the threads to their CPUs again", _rebind),
     Step("give the GPU back (CUDA restore, CUDA unlock)", _give_gpu_back),
 )
 

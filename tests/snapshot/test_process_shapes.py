@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from conftest import needs_criu
-from snapshot import restore
+from snapshot import affinity, restore
 from snapshot.api import DumpMode, SnapshotConfig, SnapshotError, Stage
 from snapshot.dump import checkpoint
 from support.helpers import STATEFUL, alive, assert_continuous, kill_and_wait, tpagent, wait_until
@@ -514,3 +514,26 @@ def test_a_removed_name_in_a_directory_users_can_change_is_refused_in_one_senten
     assert not (tmp_path / "snap").exists() and sorted(os.listdir(d)) == ["kept"]
     n = w.numbers("tick")[-1][0]
     wait_until(lambda: w.numbers("tick")[-1][0] > n + 10, "the process to run on, never frozen")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to bind threads to")
+@pytest.mark.parametrize("launched", [False, True], ids=["plain", "launched"])
+def test_threads_bound_to_cpus_come_back_bound(loops, tmp_path: Path, launched: bool) -> None:  # type: ignore[no-untyped-def]
+    """CRIU keeps no thread's CPU affinity: a copy's threads came back on every CPU, each
+    binding lost (Slurm's --cpu-bind, taskset, NUMA binding).  Each bound thread is bound again
+    to the same CPUs; one that was free stays free."""
+    cpus = sorted(os.sched_getaffinity(0))
+    everything = sum(1 << c for c in cpus)
+    one = cpus[-1]
+    loop = Loop("bound_threads.py", tmp_path / "loop.log", (str(one),), launched=launched).start()
+    loops.append(loop)
+    before = loop.numbers("tick")[-1]
+    assert before[1:] == [1 << one, everything & ~(1 << one), everything], before
+    m = checkpoint(loop.pid, tmp_path / "snap")
+    loop.reap()
+    assert sorted(sorted(affinity.parse(b.cpus)) for b in m.bindings) == sorted([[one], cpus[:-1]]), m.bindings
+    n = len(loop.numbers("tick"))
+    loop.pid = restore.restore(tmp_path / "snap").pid
+    wait_until(lambda: len(loop.numbers("tick")) > n + 5, "the copy to tick")
+    after = loop.numbers("tick")[-1]
+    assert after[1:] == before[1:], f"the copy's threads' CPUs: {after[1:]}, before the dump: {before[1:]}"
