@@ -299,6 +299,7 @@ def inspect(
         f"{len(f['fds'])} descriptor(s) of the GPU driver left from its fork, removed before the freeze"
         for f in m.cuda.get("forked", [])
     ]
+    lines += [f"  thread {b.tid} of pid {b.pid}: bound to CPUs {b.cpus}, bound again on restore" for b in m.bindings]
     lines += ["  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in m.timings.items())]
     lines += [f"  warning: {w}" for w in m.warnings]
     _emit(as_json, m.to_json(), "\n".join(lines))

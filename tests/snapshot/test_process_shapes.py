@@ -532,6 +532,8 @@ def test_threads_bound_to_cpus_come_back_bound(loops, tmp_path: Path, launched: 
     m = checkpoint(loop.pid, tmp_path / "snap")
     loop.reap()
     assert sorted(sorted(affinity.parse(b.cpus)) for b in m.bindings) == sorted([[one], cpus[:-1]]), m.bindings
+    shown = tpagent("inspect", str(tmp_path / "snap")).stdout
+    assert f"bound to CPUs {m.bindings[0].cpus}, bound again on restore" in shown, shown
     n = len(loop.numbers("tick"))
     loop.pid = restore.restore(tmp_path / "snap").pid
     wait_until(lambda: len(loop.numbers("tick")) > n + 5, "the copy to tick")

@@ -155,12 +155,31 @@ def host_store(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[by
     return server, said
 
 
+#: Bytes of a line held back at most, waiting for its end (output that is not lines goes on past it).
+LINE_HELD_MAX = 64 << 10
+
+
 @dataclass
 class _Relay:
-    """How far the rank's stdout or stderr file has been relayed, and where to."""
+    """How far the rank's stdout or stderr file has been relayed, and where to.  Only whole
+    lines are written: its launcher's output is shared with the node's other ranks, whose lines
+    a piece of one (read as the rank was writing it) would cut in two."""
 
     offset: int
     out: BinaryIO
+    #: The start of a line whose end the rank has not written yet.
+    held: bytes = b""
+
+    def write(self, data: bytes, final: bool = False) -> None:
+        """Relay ``data``, read at ``offset``, up to its last whole line (all of it if ``final``)."""
+        self.offset += len(data)
+        text = self.held + data
+        cut = len(text) if final or len(text) > LINE_HELD_MAX else text.rfind(b"\n") + 1
+        self.held = text[cut:]
+        if cut:
+            with contextlib.suppress(OSError):
+                self.out.write(text[:cut])
+                self.out.flush()
 
 
 class StandIn:
@@ -273,6 +292,7 @@ class StandIn:
                 self.say(f"rank {rank} of job {job} now runs on {loc.node}" + (" (rebuilt)" if loc.anew else ""))
                 where = self._peer(loc.node)
                 for relay in self.relays.values() if loc.anew else ():  # (a new process: files of its own)
+                    relay.write(b"", final=True)
                     relay.offset = 0
                 continue
             if loc.state in (P.Whereabouts.HERE.value, P.Whereabouts.MOVING.value):
@@ -299,10 +319,9 @@ class StandIn:
             for which, relay in self.relays.items():
                 fd = self.files.get(which)
                 while fd is not None and (data := os.pread(fd, 1 << 20, relay.offset)):
-                    with contextlib.suppress(OSError):
-                        relay.out.write(data)
-                        relay.out.flush()
-                    relay.offset += len(data)
+                    relay.write(data)
+        for relay in self.relays.values():
+            relay.write(b"", final=True)  # (a last line without its end)
         return code
 
     def _relay(self, where: RankAgent, job: str, rank: int) -> None:
@@ -316,10 +335,7 @@ class StandIn:
                     break  # (asked again next round; a rank the agent cannot read is not relayed)
                 if not data:
                     break
-                with contextlib.suppress(OSError):
-                    relay.out.write(data)
-                    relay.out.flush()
-                relay.offset += len(data)
+                relay.write(data)
 
     def _peer(self, address: str) -> RankAgent:
         return self.connect(address)
