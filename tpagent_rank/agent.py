@@ -84,13 +84,14 @@ class Rank:
             P.Op.PEERS: self._peers,
             P.Op.PAUSE: self._pause,
             P.Op.BOUNDARY: self._boundary,
-            P.Op.CANCEL: self._cancel,
+            P.Op.CANCEL: lambda _r: self._go_on(),
             P.Op.TEARDOWN: lambda r: rewire.teardown(self, r),
             P.Op.REBUILD: lambda r: rewire.rebuild(self, r),
-            P.Op.RESUME: self._resume,
+            P.Op.RESUME: lambda _r: self._go_on(),
             P.Op.END: lambda r: ending.end(self, r),
             P.Op.RETIRE: lambda _r: join.retire(self),
             P.Op.RESTART: self._restart,
+            P.Op.SETTLE: lambda r: recover.settle(self, r),
         }
 
     # ---- the training thread ---------------------------------------------------------------
@@ -467,12 +468,6 @@ class Rank:
             return P.Answer()
         taken = recover.held_file(self)
         return P.failed(taken) if isinstance(taken, str) else P.Answer()
-
-    def _cancel(self, _: P.Cancel) -> P.Answer:
-        return self._go_on()
-
-    def _resume(self, _: P.Resume) -> P.Answer:
-        return self._go_on()
 
     def _go_on(self) -> P.Answer:
         with self.cond:

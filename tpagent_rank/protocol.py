@@ -133,6 +133,7 @@ class Op(str, enum.Enum):
     LOAD = "load"  # a joining rank takes that state (``size`` bytes follow the request's line) as step ``step``
     RETIRE = "retire"  # a rank whose joiner took its place: finish the step, end at its next collective
     RESTART = "restart"  # a rank whose job lost a rank: its command again, in its process, from its last boundary
+    SETTLE = "settle"  # a rank whose job lost a rank: no new optimizer step; where it stands once out of its own
     # Answered by the agent.
     EXPECT = "expect"  # the rank's launched namespace here has its init at ``pid`` (registers it)
     MOVED = "moved"  # the rank went to the agent at ``to``
@@ -313,6 +314,18 @@ class Restart(Request[Answer]):
 
 
 @dataclass(frozen=True)
+class Settle(Request[Standing]):
+    """A rank whose job lost a rank (unplanned recovery), asked first: its training thread enters
+    no optimizer step from now on (as once its held state is taken for a :class:`Restart`), and it
+    answers where it stands once out of the step it may be in.  So the boundary it says it holds
+    (``Standing.held``) is the one it restarts from: a rank in no collective with the lost one,
+    which trains on until it waits on a peer, moves no further once asked."""
+
+    OP = Op.SETTLE
+    ANSWER = Standing
+
+
+@dataclass(frozen=True)
 class Expect(Request[Answer]):
     OP = Op.EXPECT
     pid: int
@@ -438,6 +451,7 @@ REQUESTS: Mapping[Op, type[Request[Any]]] = {
         Load,
         Retire,
         Restart,
+        Settle,
         Expect,
         Moved,
         Release,

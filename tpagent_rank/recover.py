@@ -41,6 +41,7 @@ from tpagent_rank.notice import PREFIX
 Rank = Any
 #: How long a failed collective is held from the script for its job to recover (seconds).
 HOLD = float(os.environ.get("TPAGENT_RANK_HOLD", "300"))
+IN_STEP = "it is inside an optimizer step that does not end"
 
 
 @dataclass
@@ -82,6 +83,26 @@ def before_step(rank: Rank) -> None:
         rank.in_step = True
 
 
+def settle(rank: Rank, _: P.Settle) -> P.Answer:
+    """The answer to :class:`~tpagent_rank.protocol.Settle`: where the rank stands, once its
+    training thread is out of its optimizer step and kept out of the next."""
+    with rank.cond:
+        if not _kept_out(rank):
+            return P.failed(IN_STEP)
+    answer: P.Answer = rank.handlers[P.Op.WHERE](P.Where())
+    return answer
+
+
+def _kept_out(rank: Rank) -> bool:
+    """(Under ``rank.cond``.)  The training thread kept out of its next optimizer step from now on;
+    whether it is out of the one it may be in (waited for a minute at most)."""
+    rank.restarting = True
+    deadline = time.monotonic() + 60.0
+    while rank.in_step and time.monotonic() < deadline:
+        rank.cond.wait(0.5)
+    return not rank.in_step
+
+
 def held_file(rank: Rank) -> tuple[Held, Any] | str:
     """The state of the rank's last boundary, written into a file in memory (once: asked again,
     the same), the training thread kept out of its next optimizer step from now on; or why not."""
@@ -90,12 +111,8 @@ def held_file(rank: Rank) -> tuple[Held, Any] | str:
     with rank.cond:
         if rank.held is None:
             return "it holds no state of a step boundary (it registered none, or has taken no optimizer step)"
-        rank.restarting = True
-        deadline = time.monotonic() + 60.0
-        while rank.in_step and time.monotonic() < deadline:
-            rank.cond.wait(0.5)
-        if rank.in_step:
-            return "it is inside an optimizer step that does not end"
+        if not _kept_out(rank):
+            return IN_STEP
         held = rank.held
     if held.saved is None:
         out = aware.memory_file()

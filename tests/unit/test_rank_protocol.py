@@ -31,6 +31,7 @@ REQUESTS: list[P.Request[Any]] = [
     P.Load(size=1 << 33, step=12, collectives=40, source="10.0.0.1:4000", secret="ab" * 16, groups=3),
     P.Retire(),
     P.Restart(store="10.0.0.2:41234"),
+    P.Settle(),
     P.Expect(pid=4242),
     P.Moved(to="10.0.0.2:7400"),
     P.Release(),

@@ -3,12 +3,13 @@ job were lost with their node (no process image is left to move), and the job is
 their data-parallel replicas, on a spare, without a restart from its checkpoint.  The ranks'
 side is :mod:`tpagent_rank.recover`::
 
-    where      every surviving rank: each registered its state, holds its last step boundary's,
-               and says which ranks are its replicas; a rank whose agent does not answer either
-               was lost too (nodes lost together), and is rebuilt with the others.  The job goes
-               on from the earliest boundary held, S: a rank in no collective with a lost one may
-               have finished the step the others were caught in; it is taken back to S, as a lost
-               rank is rebuilt (its step done again, its lines written again)
+    where      every surviving rank, settled (it enters no new optimizer step from now on):
+               each registered its state, holds its last step boundary's, and says which ranks
+               are its replicas; a rank whose agent does not answer either was lost too (nodes
+               lost together), and is rebuilt with the others.  The job goes on from the earliest
+               boundary held, S: a rank in no collective with a lost one may have finished the
+               step the others were caught in; it is taken back to S, as a lost rank is rebuilt
+               (its step done again, its lines written again)
     store      where the job's store no longer answers (it was served on the lost node), it is
                served anew on this node, holding the job's identity, and every rank started
                from here on is told where (:mod:`tpagent.jobs.storeserver`)      -- "store"
@@ -208,7 +209,10 @@ class Recovery:
         return P.Recovered(step=boundary, gen=gen, stages=stages, store=self.store, ranks=tuple(self.lost), back=back)
 
     def _where(self, agents: list[str], survivors: list[int]) -> dict[int, P.Standing]:
-        answers = self.asking.all(agents, each(P.Where()), self.timeout, only=survivors)
+        """Where each survivor stands, settled (:class:`~tpagent_rank.protocol.Settle`): the
+        boundary it holds is the one it restarts from, though it was in no collective with a lost
+        rank and trained on."""
+        answers = self.asking.all(agents, each(P.Settle()), self.timeout, only=survivors)
         gone = sorted(r for r, a in answers.items() if isinstance(a, PeerUnreachable))
         if gone and len(gone) < len(answers):  # (lost with their nodes too, as the asked ones were)
             log.warning("job %s: rank(s) %s do not answer either: rebuilt too", self.job, ", ".join(map(str, gone)))
