@@ -184,6 +184,25 @@ def thread_state(pid: int, tid: int) -> str | None:
         return None
 
 
+def own_tid(pid: int, tid: int) -> int:
+    """Thread ``tid`` of ``pid`` (as named here): its ID in its own PID namespace."""
+    inner = ns_pids_of(f"/proc/{pid}/task/{tid}/status")
+    return inner[-1] if inner else tid
+
+
+def cgroup_files(pid: int, v2: str, controller: str, v1: str) -> list[tuple[int, Path]]:
+    """The process's control group files: ``v2`` in its cgroup v2 group, ``v1`` in its
+    ``controller`` hierarchy of cgroup v1; each with its version, as /proc/PID/cgroup lists them."""
+    out = []
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            out.append((2, Path(f"/sys/fs/cgroup{path}/{v2}")))
+        elif controller in controllers.split(","):
+            out.append((1, Path(f"/sys/fs/cgroup/{controller}{path}/{v1}")))
+    return out
+
+
 def ns_pids(pid: int) -> tuple[int, ...]:
     return ns_pids_of(f"/proc/{pid}/status") or (pid,)
 

@@ -283,14 +283,10 @@ def _may_seize(pid: int) -> bool:
 
 def _frozen(pid: int) -> bool:
     """Whether the process's control group is frozen (cgroup v2 ``cgroup.freeze``, v1 freezer)."""
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            events = Path(f"/sys/fs/cgroup{path}/cgroup.events")
-            if events.exists() and "frozen 1" in events.read_text().splitlines():
-                return True
-        elif "freezer" in controllers.split(","):
-            state = Path(f"/sys/fs/cgroup/freezer{path}/freezer.state")
-            if state.exists() and state.read_text().strip() != "THAWED":
-                return True
+    for version, path in proc.cgroup_files(pid, "cgroup.events", "freezer", "freezer.state"):
+        if not path.exists():
+            continue
+        said = path.read_text()
+        if ("frozen 1" in said.splitlines()) if version == 2 else said.strip() != "THAWED":
+            return True
     return False

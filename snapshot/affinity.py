@@ -58,24 +58,12 @@ def _node_cpus() -> set[int]:
 
 def _allowed(pid: int) -> set[int]:
     """The CPUs ``pid``'s control group lets it use (its cpuset), else the node's online ones."""
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            candidate = Path(f"/sys/fs/cgroup{path}/cpuset.cpus.effective")
-        elif "cpuset" in controllers.split(","):
-            candidate = Path(f"/sys/fs/cgroup/cpuset{path}/cpuset.effective_cpus")
-        else:
-            continue
+    for _, path in proc.cgroup_files(pid, "cpuset.cpus.effective", "cpuset", "cpuset.effective_cpus"):
         try:
-            return parse(candidate.read_text())
+            return parse(path.read_text())
         except (OSError, ValueError):
             continue
     return _node_cpus()
-
-
-def _cpus_of(pid: int, tid: int) -> str:
-    status = Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
-    return next(ln.split(":", 1)[1].strip() for ln in status if ln.startswith("Cpus_allowed_list:"))
 
 
 def bound(pids: Sequence[int]) -> list[Binding]:
@@ -85,10 +73,10 @@ def bound(pids: Sequence[int]) -> list[Binding]:
         try:
             allowed = _allowed(pid)
             for tid in (pid, *proc.thread_ids(pid)):
-                cpus = _cpus_of(pid, tid)
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
+                cpus = next(ln.split(":", 1)[1].strip() for ln in status if ln.startswith("Cpus_allowed_list:"))
                 if parse(cpus) < allowed:
-                    inner = proc.ns_pids_of(f"/proc/{pid}/task/{tid}/status")
-                    found.append(Binding(pid, inner[-1] if inner else tid, cpus))
+                    found.append(Binding(pid, proc.own_tid(pid, tid), cpus))
         except (OSError, ValueError, StopIteration, IndexError):  # (a thread that ended as it was looked at)
             continue
     return found
@@ -96,11 +84,7 @@ def bound(pids: Sequence[int]) -> list[Binding]:
 
 def _threads(pid: int) -> dict[int, int]:
     """Each thread of ``pid``: its ID in its own PID namespace -> its ID here."""
-    out = {}
-    for name in os.listdir(f"/proc/{pid}/task"):
-        inner = proc.ns_pids_of(f"/proc/{pid}/task/{name}/status")
-        out[inner[-1] if inner else int(name)] = int(name)
-    return out
+    return {proc.own_tid(pid, int(name)): int(name) for name in os.listdir(f"/proc/{pid}/task")}
 
 
 def rebind(bindings: Sequence[Binding], mapping: Mapping[int, int]) -> None:
