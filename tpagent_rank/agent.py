@@ -464,10 +464,11 @@ class Rank:
         host, _, port = request.store.rpartition(":")
         if request.store and not (host and port.isdigit() and 0 < int(port) < 65536):
             return P.failed(f"{request.store!r} is not a store's HOST:PORT")
-        if request.fresh:  # (what it holds is dropped: nothing to take)
-            return P.Answer()
-        taken = recover.held_file(self)
-        return P.failed(taken) if isinstance(taken, str) else P.Answer()
+        taken = None if request.fresh else recover.held_file(self)  # (fresh: what it holds is dropped)
+        if isinstance(taken, str):
+            return P.failed(taken)
+        busy = recover.quiet(recover.QUIET)  # (before the answer: after it comes the exec)
+        return P.failed(busy) if busy else P.Answer()
 
     def _go_on(self) -> P.Answer:
         with self.cond:

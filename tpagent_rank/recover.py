@@ -13,7 +13,8 @@ warning, and the job goes on from its last step boundary without a restart from 
   comes next, or for :data:`HOLD` seconds, after which it raises as it would have.  Its agent is
   told at once, unasked (:class:`tpagent_rank.lines.Broke`): a lost node is looked for now.  An NCCL
   collective waits by itself (its peer never answers).
-* **Restart.**  Told ``restart``, the rank runs its command again in its own process (``exec``:
+* **Restart.**  Told ``restart``, the rank (once nothing is being written to a file by it or its
+  children, :func:`quiet`) runs its command again in its own process (``exec``:
   the same PID, the same place under its agent and stand-in, its GPU memory given back), with the
   state it held in a file in memory that stays open across the ``exec``.  The process it becomes
   is a joiner (:mod:`tpagent_rank.join`): it warms up on its own, takes that state, and stands at
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import sys
 import threading
 import time
@@ -42,6 +44,10 @@ Rank = Any
 #: How long a failed collective is held from the script for its job to recover (seconds).
 HOLD = float(os.environ.get("TPAGENT_RANK_HOLD", "300"))
 IN_STEP = "it is inside an optimizer step that does not end"
+#: How long a restart waits for the files its process writes to be written (:func:`quiet`).
+QUIET = 120.0
+#: How long a file's offset must stay where it is to count as not being written (seconds).
+LOOK = 0.1
 
 
 @dataclass
@@ -152,12 +158,62 @@ def restart(rank: Rank, store: str = "", fresh: bool = False) -> None:
 
 
 def _end_children() -> None:
+    for pid in _children():
+        with contextlib.suppress(OSError):
+            os.kill(pid, 9)
+
+
+def _children() -> list[int]:
     me = os.getpid()
+    out = []
     for task in os.listdir(f"/proc/{me}/task"):
         with contextlib.suppress(OSError), open(f"/proc/{me}/task/{task}/children") as f:
-            for pid in f.read().split():
-                with contextlib.suppress(OSError):
-                    os.kill(int(pid), 9)
+            out += [int(pid) for pid in f.read().split()]
+    return out
+
+
+def quiet(within: float) -> str:
+    """ "" once nothing is being written to a file by this process or its children, which the
+    ``exec`` of a restart (and the end of its children) would cut short: a checkpoint that
+    ``torch.save`` writes after a step, on the training thread or another, while the others wait
+    in a failed collective.  Written: a regular file open for writing, not appending (its log),
+    whose offset moved in :data:`LOOK` seconds.  Past ``within`` seconds, which ones."""
+    deadline = time.monotonic() + within
+    before = _writing()
+    while True:
+        time.sleep(LOOK)
+        now = _writing()
+        if now == before:
+            return ""
+        if time.monotonic() > deadline:
+            moving = sorted({path for key, (path, at) in now.items() if before.get(key) != (path, at)})
+            files = ", ".join(moving[:3]) or "a file"
+            return f"{files} was still being written {within:.0f} s on: restarted now, the write would be cut short"
+        before = now
+
+
+def _writing() -> dict[tuple[int, int], tuple[str, int]]:
+    """(PID, fd) -> (path, offset) of each regular file this process or a child has open for
+    writing, not appending, but its standard output and error and files in memory."""
+    out = {}
+    for pid in (os.getpid(), *_children()):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # (a child that ended)
+            continue
+        for fd in fds:
+            with contextlib.suppress(OSError, ValueError, StopIteration):
+                path = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if fd in ("1", "2") or not path.startswith("/") or path.startswith("/memfd:"):
+                    continue
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    info = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+                flags = int(info["flags"], 8)
+                if flags & os.O_ACCMODE == os.O_RDONLY or flags & os.O_APPEND:
+                    continue
+                if stat.S_ISREG(os.stat(f"/proc/{pid}/fd/{fd}").st_mode):
+                    out[(pid, int(fd))] = (path, int(info["pos"]))
+    return out
 
 
 def inherited() -> tuple[P.Load, Any] | None:

@@ -27,17 +27,24 @@ from tpagent_rank import protocol as P
 pytest.importorskip("torch")
 
 DEAD = 3
+WRITTEN = 160  # lines, one each 50 ms (AWARE_WRITE)
 
 
 class Job:
     """Four ranks under the runtime, each with its agent played here."""
 
-    def __init__(self, tmp: Path, hold: int = 240) -> None:
+    def __init__(self, tmp: Path, hold: int = 240, extra: dict[int, dict[str, str]] | None = None) -> None:
         self.tmp = tmp
         self.name = f"tpagent-test-{os.getpid()}-recover"
         self.agents = [PlayedAgent(f"{self.name}-{r}") for r in range(WORLD)]
         self.envs = [
-            runtime_env(tmp, TPAGENT_JOB="j", TPAGENT_RANK_SOCKET=f"{self.name}-{r}", TPAGENT_RANK_HOLD=str(hold))
+            runtime_env(
+                tmp,
+                TPAGENT_JOB="j",
+                TPAGENT_RANK_SOCKET=f"{self.name}-{r}",
+                TPAGENT_RANK_HOLD=str(hold),
+                **(extra or {}).get(r, {}),
+            )
             for r in range(WORLD)
         ]
         self.procs = [start(tmp, r, self.envs[r]) for r in range(WORLD)]
@@ -50,8 +57,7 @@ class Job:
         """A fresh process of the dead rank's command, to take its place."""
         self.spare_agent = PlayedAgent(f"{self.name}-spare")
         env = {**self.envs[DEAD], "TPAGENT_RANK_SOCKET": f"{self.name}-spare", P.JOIN_VARIABLE: "1"}
-        self.spare = start(self.tmp, DEAD, env)
-        self.spare_agent.welcome()
+        self.spare = start(self.tmp, DEAD, env)  # (welcomed once its runtime connects)
         return self.spare_agent
 
     @staticmethod
@@ -105,13 +111,19 @@ def test_a_rank_killed_outright_is_rebuilt_from_a_replica_and_the_job_runs_on_bi
     """Where the rank was killed decides whether a survivor had finished the step the others are
     caught in (the dead rank had sent it all it needed): settled, it is a boundary ahead, and is
     taken back to the others' with a replica's state, as a recovering agent does."""
-    survivors = [r for r in range(WORLD) if r != DEAD]
     _standing(job.agents[0], lambda s: s.step >= 5 and s.held == s.step, "the job to take a few steps")
     job.procs[DEAD].send_signal(signal.SIGKILL)
     before = steps(job.procs[DEAD].communicate(timeout=60)[0])
     # A ring neighbour's collective fails (the others wait on peers that wait): held, not raised.
     said = _standing(job.agents[0], lambda s: s.broken, "rank 0 to hold its failed collective").broken
     assert "Connection" in said or "closed" in said, said
+    _recover(job, aware_reference, before)
+
+
+def _recover(job: Job, aware_reference: list[str], before: list[str]) -> None:
+    """The job rebuilt as a recovering agent does it, once rank DEAD (which printed ``before``)
+    was killed; then every rank's output is the uninterrupted run's."""
+    survivors = [r for r in range(WORLD) if r != DEAD]
     standing = {r: job.agents[r].ask(P.Settle()) for r in survivors}
     assert all(s.ok and s.replicas == tuple(range(WORLD)) for s in standing.values()), standing
     boundary = min(s.held for s in standing.values())
@@ -126,6 +138,7 @@ def test_a_rank_killed_outright_is_rebuilt_from_a_replica_and_the_job_runs_on_bi
     spare = job.start_spare()
     for r in [*(r for r in survivors if r != source), source]:  # (the source once its state is taken)
         if r == source:
+            spare.welcome()
             for a in [spare, *(job.agents[b] for b in back)]:
                 _standing(a, lambda s: s.state == P.RankState.WAITING.value, "a fresh process to warm up")
                 assert _offer(job.agents[source], a) == boundary
@@ -152,6 +165,27 @@ def test_a_rank_killed_outright_is_rebuilt_from_a_replica_and_the_job_runs_on_bi
     # What the dead rank printed, then its replacement from the boundary on: the run's, bit for bit.
     assert before == steps(aware_reference[DEAD])[: len(before)] and boundary - 1 <= len(before) <= boundary + 1
     assert steps(outs[DEAD][0]) == steps(aware_reference[DEAD])[boundary:]
+
+
+def test_a_file_a_survivors_script_writes_is_written_whole_before_it_restarts(
+    tmp_path: Path, aware_reference: list[str]
+) -> None:
+    """Rank 1's script writes a file of its own after step 8, over 8 s (as a checkpoint is written
+    after a step), and rank 3 is killed as it begins: the others wait in step 9's collectives, and
+    rank 1 is told to restart while it writes (its node's loss seen by the orchestrator, not in a
+    collective).  Its restart waits for the write to end (then rank 1 waits in a failed collective
+    too): the file is whole, and the job runs on bit-identical."""
+    job = Job(tmp_path, extra={1: {"AWARE_WRITE": f"8:{WRITTEN}"}})
+    try:
+        written = tmp_path / "written-1"
+        wait_until(written.exists, "rank 1 to begin writing its file", timeout=180, interval=0.02)
+        job.procs[DEAD].send_signal(signal.SIGKILL)
+        before = steps(job.procs[DEAD].communicate(timeout=60)[0])
+        assert len(written.read_text().splitlines()) < WRITTEN  # (it writes yet: its agent asks now)
+        _recover(job, aware_reference, before)
+        assert written.read_text() == "".join(f"line {i}\n" for i in range(WRITTEN))
+    finally:
+        job.close()
 
 
 def test_a_held_collective_raises_once_no_recovery_comes_and_the_script_ends_as_it_would_have(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ MODE:
 
 AWARE_WARMUP in the environment: the warm-up it registers (a joiner's steps on its own).
 AWARE_DEFAULTDICT: its state also holds a defaultdict (not what torch's safe loader reads).
+AWARE_WRITE=K:N: after step K it writes N lines to STATE_DIR/written-RANK, one each 50 ms
+(where that file is not there yet).
 
 Each step's batch is drawn from a generator seeded by (step, rank): a step redone anywhere
 draws the same batch.  The loop runs on the registered step, so a loaded state resumes it.
@@ -44,6 +46,15 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, 8, generator=g)
     return x, x.sum(dim=1, keepdim=True) * 0.5
+
+
+def write_slowly(path: Path, lines: int) -> None:
+    """A file of the script's own, written a line each 50 ms (as a checkpoint is, after a step)."""
+    with open(path, "w") as f:
+        for i in range(lines):
+            f.write(f"line {i}\n")
+            f.flush()
+            time.sleep(0.05)
 
 
 def main() -> None:
@@ -107,6 +118,9 @@ def main() -> None:
         if mode == "steps":
             print("step", state["step"], losses[state["step"]], flush=True)
             time.sleep(0.05)
+        after, _, lines = os.environ.get("AWARE_WRITE", "-1:0").partition(":")
+        if state["step"] == int(after) and not (Path(state_dir) / f"written-{rank}").exists():
+            write_slowly(Path(state_dir) / f"written-{rank}", int(lines))  # (once: not again in a warm-up)
     out: dict[str, object] = {"losses": losses, "replicas": aware.replica_ranks()}
     whole = [p.full_tensor() if sharded else p for p in model.parameters()]  # type: ignore[operator]
     out["params"] = [p.detach().flatten().tolist() for p in whole]

@@ -49,6 +49,7 @@ from tpagent.jobs.api import Ask, Leaving
 from tpagent.jobs.moves import Asking, each, fails
 from tpagent.migration.api import AgentError, PeerUnreachable, Refused, Why, is_agent_address
 from tpagent_rank import protocol as P
+from tpagent_rank.recover import QUIET
 from tpagent_rank.store import reachable
 
 log = logging.getLogger(__name__)
@@ -285,7 +286,9 @@ class Recovery:
         return answer
 
     def _all(self, agents: list[str], request: P.Request[P.Answer], only: list[int] | None, what: str) -> None:
-        answers = self.asking.all(agents, each(request), self.timeout, only=only)
+        # (a restart waits first for the files its rank writes: tpagent_rank.recover.quiet)
+        timeout = self.timeout + QUIET if isinstance(request, P.Restart) else self.timeout
+        answers = self.asking.all(agents, each(request), timeout, only=only)
         if isinstance(request, P.Restart):
             self.restarted |= {r for r, a in answers.items() if not isinstance(a, AgentError) and a.ok}
         bad = fails(answers, what)
