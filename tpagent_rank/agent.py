@@ -468,6 +468,7 @@ class Rank:
         if isinstance(taken, str):
             return P.failed(taken)
         busy = recover.quiet(recover.QUIET)  # (before the answer: after it comes the exec)
+        busy = busy or ("it was told to end meanwhile" if self.ended else "")
         return P.failed(busy) if busy else P.Answer()
 
     def _go_on(self) -> P.Answer:
