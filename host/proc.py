@@ -48,6 +48,34 @@ def start_ticks(pid: int) -> int:
     return int(_stat_fields(pid)[19])
 
 
+def started(pid: int) -> str:
+    """The process's identity over time, as stored beside its PID: ``TICKS@BOOT`` (its start in
+    clock ticks since boot, and this boot's id).  psutil's ``create_time`` is no such identity: it
+    adds the kernel's boot time, in whole seconds and read anew each call, which a slewed or
+    stepped clock moves by a second or more between two readings of the same process.
+    OSError where it is gone."""
+    try:
+        return f"{start_ticks(pid)}@{boot_id()}"
+    except (IndexError, ValueError) as e:  # (a /proc file cut short: it ended as it was read)
+        raise ProcessLookupError(f"PID {pid} ended as it was read") from e
+
+
+def is_started(pid: int, token: object) -> bool:
+    """Whether ``pid`` is still the process ``token`` (:func:`started`) named, in this boot: not
+    one that took its PID again, nor any after a reboot.  A wall-clock start time (a float, or its
+    text, as older tpagent wrote) is compared with psutil's ``create_time`` within 1.5 s (its
+    boot time moves by whole seconds)."""
+    try:
+        if isinstance(token, str) and "@" in token:
+            ticks, _, boot = token.partition("@")
+            return boot == boot_id() and start_ticks(pid) == int(ticks)
+        if isinstance(token, (int, float, str)) and not isinstance(token, bool):
+            return abs(psutil.Process(pid).create_time() - float(token)) < 1.5
+    except (OSError, ValueError, IndexError, psutil.Error):
+        return False
+    return False
+
+
 def parent_pid(pid: int) -> int:
     """Its parent's PID (/proc/PID/stat's ppid; 0: none)."""
     return int(_stat_fields(pid)[1])

@@ -2,9 +2,11 @@
 that a snapshot restored twice does not run twice (:func:`snapshot.restore.restore` refuses,
 unless asked for a clone)::
 
-    RESTORED/<snapshot id>.json ::= JSON list of { "pid": int, "create_time": float, "host": str }
+    RESTORED/<snapshot id>.json ::= JSON list of { "pid": int, "started": STARTED, "host": str }
+    STARTED ::= TICKS "@" BOOT_ID           (host.proc.started; older notes: "create_time": float)
 
-A note counts only while that very process (its PID and start time, on this host) still runs.
+A note counts only while that very process (its PID and start, on this host, in this boot) still
+runs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from host import paths
+from host import paths, proc
 from host.safefs import private_dir, private_opener
 from snapshot.api import SnapshotError, SnapshotInvalid
 from snapshot.manifest import Manifest
@@ -52,7 +54,7 @@ def _live(path: Path) -> list[dict[str, Any]]:
         try:
             p = psutil.Process(int(note["pid"]))
             if (
-                p.create_time() == float(note["create_time"])
+                proc.is_started(p.pid, note.get("started", note.get("create_time")))
                 and note["host"] == platform.node()
                 and p.status() != psutil.STATUS_ZOMBIE
             ):
@@ -72,7 +74,7 @@ def note_copy(m: Manifest, root: int) -> None:
     """Add the copy just restored (as PID ``root``) to the notes of ``m``'s live copies."""
     try:
         private_dir(RESTORED)
-        note = {"pid": root, "create_time": psutil.Process(root).create_time(), "host": platform.node()}
+        note = {"pid": root, "started": proc.started(root), "host": platform.node()}
         tmp = _note_path(m).with_suffix(f".{os.getpid()}.tmp")
         with open(tmp, "w", opener=private_opener) as f:
             json.dump([*_live_copies(m), note], f)

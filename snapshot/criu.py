@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from host import paths
+from host import proc as host_proc
 from host.api import UsageError
 from host.proc import deferred_sigint
 from host.safefs import private_opener
@@ -247,13 +248,23 @@ class Criu:
 
 def _write_pidfile(path: Path, pid: int) -> None:
     try:
-        started = psutil.Process(pid).create_time()
-    except psutil.NoSuchProcess:
+        started = host_proc.started(pid)
+    except OSError:
         return  # (it is done already)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", opener=private_opener) as f:
-        f.write(f"{pid} {started!r}")
+        f.write(f"{pid} {started}")
     tmp.rename(path)
+
+
+def pidfile(work: Path) -> tuple[int, str] | None:
+    """The PID and start (:func:`host.proc.started`) of the CRIU started with ``work`` as its work
+    directory, from its :data:`PIDFILE` there; None where there is none or it cannot be read."""
+    try:
+        pid_text, started = (work / PIDFILE).read_text().split()
+        return int(pid_text), started
+    except (OSError, ValueError):
+        return None
 
 
 _LOCK_TABLE = re.compile(r"inet (CRIU-[0-9A-Za-z-]+) ")
@@ -279,22 +290,23 @@ def drop_network_lock(work: Path) -> None:
         log.warning("could not remove CRIU's network lock %s: %s", found.group(1), done.stderr.strip())
 
 
-def _started_in(work: Path) -> psutil.Process | None:
+def started_in(work: Path) -> psutil.Process | None:
     """The CRIU that was started with ``work`` as its work directory, if it still runs: that
-    very process (PID and start time, from its :data:`PIDFILE`), not any process that mentions
-    the path."""
+    very process (PID and start, from its :data:`PIDFILE`), not any process that mentions the
+    path."""
+    written = pidfile(work)
+    if written is None or not host_proc.is_started(*written):
+        return None
     try:
-        pid_text, started = (work / PIDFILE).read_text().split()
-        p = psutil.Process(int(pid_text))
-        return p if p.create_time() == float(started) else None
-    except (OSError, ValueError, psutil.Error):
+        return psutil.Process(written[0])
+    except psutil.Error:
         return None
 
 
 def stop_in(work: Path) -> bool:
     """Kill the CRIU that was started with ``work`` as its work directory, if it still runs,
     and what it had started (a tree half restored); whether it ran."""
-    p = _started_in(work)
+    p = started_in(work)
     if p is None:
         return False
     with contextlib.suppress(psutil.Error):
@@ -313,4 +325,4 @@ def stop_in(work: Path) -> bool:
 
 def running_in(work: Path) -> bool:
     """Whether the CRIU that was started with ``work`` as its work directory still runs."""
-    return _started_in(work) is not None
+    return started_in(work) is not None

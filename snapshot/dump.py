@@ -94,27 +94,27 @@ def checkpoint(
     progress: ProgressFn = quiet,
     cuda_factory: CudaFactory = CudaDriver,
     carry: Sequence[Path] = (),
-    create_time: float | None = None,
+    started: str | None = None,
 ) -> Manifest:
     """Snapshot the tree rooted at ``pid`` into ``out``; see the module docstring.
     ``carry``: files (absolute) to archive with it, as they are while it is frozen.
-    ``create_time``: the start time of the process the caller checked under ``pid``; should
-    the PID now be another's (reused), nothing is done.  CRIU's post-dump hook checks it
-    again while the tree is frozen.
+    ``started``: the start of the process the caller checked under ``pid``
+    (:func:`host.proc.started`); should the PID now be another's (reused), nothing is done.
+    CRIU's post-dump hook checks it again while the tree is frozen.
 
     A dump that CRIU refuses for a passing reason (:data:`TRANSIENT`) before it wrote
     anything is tried again, once the tree runs again, up to ``config.dump_retries`` times."""
     require_root()
     for attempt in itertools.count(1):
         try:
-            return _checkpoint(pid, out, mode, config, progress, cuda_factory, carry, create_time)
+            return _checkpoint(pid, out, mode, config, progress, cuda_factory, carry, started)
         except SnapshotError as e:
             if not e.transient or attempt > config.dump_retries:
                 raise
             delay = RETRY_BACKOFF * 2 ** (attempt - 1)
-            if create_time is None:  # the tree was just resumed: the PID is still its root's
-                with suppress(psutil.Error):
-                    create_time = psutil.Process(pid).create_time()
+            if started is None:  # the tree was just resumed: the PID is still its root's
+                with suppress(OSError):
+                    started = proc.started(pid)
             why = next((t for t in TRANSIENT if t in str(e)), str(e))
             log.info("CRIU refused to dump PID %d for now (%s); retry %d in %.1f s", pid, e, attempt, delay)
             progress(Stage.CRIU_DUMP, f"refused for now ({why}); retry {attempt} in {delay:.1f} s")
@@ -133,7 +133,7 @@ class _Tree:
 
     namespace: bool
     procs: list[proc.ProcInfo]
-    create_time: float
+    create_time: float  # (the wall clock's: shown, never compared)
     root_start: int
     shell_job: bool
 
@@ -182,7 +182,7 @@ def _checkpoint(
     progress: ProgressFn,
     cuda_factory: CudaFactory,
     carry: Sequence[Path],
-    checked: float | None,
+    checked: str | None,
 ) -> Manifest:
     """One attempt of :func:`checkpoint`: look at the tree (nothing done yet: a refusal needs
     no undo), prepare ``out``, then the steps of :data:`FREEZE_AND_DUMP`, then finish."""
@@ -204,9 +204,9 @@ def _checkpoint(
     return sealed
 
 
-def _examine(target: psutil.Process, checked: float | None, ghost_limit: int) -> _Tree:
+def _examine(target: psutil.Process, checked: str | None, ghost_limit: int) -> _Tree:
     """Look at the tree rooted at ``target``; refuse one CRIU cannot dump, or a root that is
-    no longer the process the caller checked (started at ``checked``)."""
+    no longer the process the caller checked (``checked``: its :func:`host.proc.started`)."""
     pid = target.pid
     for attempt in range(5):  # (a child that exits as it is looked at, a worker ending: look again)
         try:
@@ -229,7 +229,7 @@ def _examine(target: psutil.Process, checked: float | None, ghost_limit: int) ->
     cannot = ends.unmovable([p.pid for p in procs], ghost_limit=ghost_limit)
     if cannot:
         raise UsageError(f"{cannot[0]} Nothing was done.")
-    if checked is not None and create_time != checked:
+    if checked is not None and not proc.is_started(pid, checked):
         raise UsageError(
             f"PID {pid} is no longer the process that was checked (that one exited and its PID was reused); "
             "nothing was done."
@@ -276,7 +276,11 @@ def _plan(
             "forked": [left.to_dict() for left in leftovers],
         },
         tpagent_version=producer_version(),
-        origin={"mode": mode.value, "root_create_time": tree.create_time},
+        origin={
+            "mode": mode.value,
+            "root_create_time": tree.create_time,
+            "root_started": f"{tree.root_start}@{proc.boot_id()}",
+        },
         carried=sorted({os.path.normpath(os.path.abspath(p)) for p in carry}),
     )
     timer = Timer(progress, config.fail_after)

@@ -40,16 +40,17 @@ class HeldDump:
         config: SnapshotConfig,
         hold: float,
         carry: Sequence[Path] = (),
-        create_time: float | None = None,
+        started: str | None = None,
     ) -> HeldDump:
         """Freeze and dump ``pid`` into ``out``; the sealed tree is then held up to ``hold``
-        seconds (until pinned: then until a decision, however long).  ``create_time``: of the
-        process that was checked under ``pid`` (another one there now is refused)."""
+        seconds (until pinned: then until a decision, however long).  ``started``: the start
+        (:func:`host.proc.started`) of the process that was checked under ``pid`` (another one
+        there now is refused)."""
         dump = cls(out)
 
         def run() -> None:
             try:
-                checkpoint(pid, out, DumpMode.KILL, replace(config, hold=hold), carry=carry, create_time=create_time)
+                checkpoint(pid, out, DumpMode.KILL, replace(config, hold=hold), carry=carry, started=started)
             except BaseException as e:  # handed to whoever holds the handle
                 dump.error = e
 

@@ -45,7 +45,7 @@ import psutil
 
 from host import criu_limits, files, proc, safefs, sockets
 from snapshot import affinity, manifest, streamer, timers
-from snapshot.criu import PIDFILE
+from snapshot.criu import started_in
 
 PENDING = "manifest.pending.json"
 ERROR_FILE = "hook.err"
@@ -94,7 +94,7 @@ def hold(out: Path, seconds: float) -> None:
     (out / "log" / HELD_FILE).touch()
     decision = out / "log" / DECISION_FILE
     deadline = time.monotonic() + seconds
-    criu = _criu_of(out)
+    criu = started_in(out / "log")  # (the CRIU that runs this hook; None if it cannot be told)
     while not decision.exists():
         if criu is not None and _gone(criu):  # (killed: the tree was let go with it; no decision can reach it)
             raise RuntimeError("CRIU, which held the frozen tree, is gone: nothing left to hold")
@@ -107,17 +107,6 @@ def hold(out: Path, seconds: float) -> None:
         time.sleep(0.02)
     if decision.read_text() != "commit":
         raise RuntimeError("the migration was aborted: rolled back")
-
-
-def _criu_of(out: Path) -> psutil.Process | None:
-    """The CRIU that runs this hook (its pidfile in ``log/``: PID and start time); None if it
-    cannot be told."""
-    try:
-        pid_text, started = (out / "log" / PIDFILE).read_text().split()
-        p = psutil.Process(int(pid_text))
-        return p if p.create_time() == float(started) else None
-    except (OSError, ValueError, psutil.Error):
-        return None
 
 
 def _gone(p: psutil.Process) -> bool:

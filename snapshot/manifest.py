@@ -12,6 +12,9 @@
                      "digest": "blake3" | "sha256",
                      "files": { RELPATH: {"size": INT, "chunk_size": INT, "digests": [HEX]} },
                      "total_bytes": INT, "timings": { STAGE: SECONDS },
+                     "origin": {"mode": MODE, "root_create_time": FLOAT,
+                                "root_started": TICKS "@" BOOT_ID},  (optional, host.proc.started: the
+                                                        root's identity; the wall clock's is shown only)
                      "carried": [ ABSPATH ],                 (optional: files kept in images/tpagent-files.tar)
                      "links": { ABSPATH: ABSPATH },          (optional: CRIU's link_remap.N -> a carried file)
                      "timers": [ TIMER ],                    (optional: timerfds to arm again on restore)
@@ -19,6 +22,7 @@
                      "sockets": [ SOCKET ],                  (optional: where unix sockets are bound)
                      "dirs": [ DIR ],                        (optional: the directories on their way)
                      "warnings": [ STR ] }                   (optional: what a restore may not bring back)
+    MODE       ::= "kill" | "leave-running" | "leave-stopped"   (how the original was left)
     TIMER      ::= {"pid": INT, "fd": INT, "interval_ns": INT}   (see snapshot.timers)
     BINDING    ::= {"pid": INT, "tid": INT, "cpus": "0-3,8"}     (see snapshot.affinity)
     SOCKET     ::= {"path": ABSPATH, "uid": INT, "dev": INT, "ino": INT, "ctime_ns": INT}

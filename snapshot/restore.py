@@ -36,7 +36,7 @@ from snapshot.api import (
     Stage,
     ToolError,
 )
-from snapshot.criu import PIDFILE, Criu, RestoreOptions
+from snapshot.criu import Criu, RestoreOptions, pidfile
 from snapshot.cuda import CudaDriver, CudaState, uuid_bytes, uuid_text
 from snapshot.manifest import IMAGES_DIR, BoundSocket, Manifest
 from snapshot.stages import CudaFactory, Step, Timer, check_restore_thread, quiet, require_root
@@ -81,9 +81,10 @@ def _original_still_running(m: Manifest) -> bool:
     if m.origin["mode"] == DumpMode.KILL.value or m.host["hostname"] != platform.node():
         return False
     try:
-        return abs(psutil.Process(m.root_pid).create_time() - float(m.origin["root_create_time"])) < 0.01
-    except psutil.NoSuchProcess:
+        started = m.origin.get("root_started") or m.origin["root_create_time"]  # (older: the wall clock's)
+    except KeyError:
         return False
+    return proc.is_started(m.root_pid, started)
 
 
 def _restored_pids(m: Manifest, root: int) -> dict[int, int]:
@@ -349,10 +350,13 @@ def kill_restored(work: Path) -> int:
         return 0
     if not proc.alive(root):
         return 0
-    try:  # that very tree: started by the CRIU that ran there, in this boot (else its PID is someone else's now)
-        criu_started = float((work / PIDFILE).read_text().split()[1])
-        ours = psutil.boot_time() <= criu_started <= psutil.Process(root).create_time()
-    except (OSError, ValueError, IndexError, psutil.Error):
+    # That very tree: started by the CRIU that ran there, in this boot, and after it (else its PID
+    # is someone else's now).
+    written = pidfile(work)
+    ticks, _, boot = written[1].partition("@") if written else ("", "", "")
+    try:
+        ours = boot == proc.boot_id() and ticks.isdigit() and int(ticks) <= proc.start_ticks(root)
+    except (OSError, ValueError, IndexError):
         ours = False
     if not ours:
         log.warning("not stopping PID %d: it is not the tree CRIU restored in %s", root, work)

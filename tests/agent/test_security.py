@@ -21,6 +21,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from conftest import needs_criu
+from host import proc as host_proc
 from host.api import UsageError
 from host.safefs import private_dir
 from snapshot import criu, hook
@@ -507,7 +508,7 @@ def test_a_running_criu_is_recognised_by_pid_and_start_time(tmp_path: Path) -> N
     work = private_dir(tmp_path / "work")
     stand_in = subprocess.Popen(["sleep", "600"])
     try:
-        (work / criu.PIDFILE).write_text(f"{stand_in.pid} {psutil.Process(stand_in.pid).create_time()!r}")
+        (work / criu.PIDFILE).write_text(f"{stand_in.pid} {host_proc.started(stand_in.pid)}")
         assert criu.running_in(work)
         released = threading.Thread(target=wait_released, args=(work, None), daemon=True)
         released.start()
@@ -648,15 +649,14 @@ def test_a_restore_left_from_before_a_reboot_kills_nothing(tmp_path: Path) -> No
     bystander = subprocess.Popen(["sleep", "600"])
     try:
         (work / "restore.pid").write_text(str(bystander.pid))
-        (work / criu.PIDFILE).write_text(f"12345 {psutil.boot_time() - 3600!r}")  # that CRIU ran in an earlier boot
+        ticks = host_proc.start_ticks(bystander.pid)
+        (work / criu.PIDFILE).write_text(f"12345 {ticks}@an-earlier-boot")  # that CRIU ran in an earlier boot
         assert restore.kill_restored(work) == 0 and bystander.poll() is None
-        (work / criu.PIDFILE).write_text(
-            f"12345 {psutil.Process(bystander.pid).create_time() + 5!r}"
-        )  # it started after the process
+        (work / criu.PIDFILE).write_text(f"12345 {ticks + 500}@{host_proc.boot_id()}")  # it started after the process
         assert restore.kill_restored(work) == 0 and bystander.poll() is None
-        (work / criu.PIDFILE).write_text(
-            f"12345 {psutil.Process(bystander.pid).create_time()!r}"
-        )  # the tree that CRIU started
+        (work / criu.PIDFILE).write_text(f"12345 {psutil.boot_time() - 3600!r}")  # (an older tpagent's: unknown)
+        assert restore.kill_restored(work) == 0 and bystander.poll() is None
+        (work / criu.PIDFILE).write_text(f"12345 {ticks}@{host_proc.boot_id()}")  # the tree that CRIU started
         assert restore.kill_restored(work) == bystander.pid
         assert bystander.wait(10) is not None
     finally:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from psutil import _pslinux
 
+from host import proc
 from support.helpers import wait_until
 from tpagent.jobs import storeserver
 
@@ -41,8 +43,9 @@ def test_a_kept_store_lives_while_its_job_has_ranks_here_then_ends(
 ) -> None:
     monkeypatch.setattr(storeserver, "KEEP_CHECK", 0.05)
     kept = tmp_path / "stores.json"
-    started = psutil.Process(server.pid).create_time()
-    _write(kept, {"job": "job1", "address": "10.0.0.2:4000", "pid": server.pid, "started": started})
+    _write(kept, {"job": "job1", "address": "10.0.0.2:4000", "pid": server.pid, "started": proc.started(server.pid)})
+    then = _pslinux.boot_time()  # (the kernel's boot time, in whole seconds, read a second later: a
+    monkeypatch.setattr(_pslinux, "boot_time", lambda: then + 1.0)  # slewed clock; CI once forgot it so)
     here = {"job1": True}
     storeserver.adopt(kept, lambda job: here.get(job, False))
     with pytest.raises(subprocess.TimeoutExpired):

@@ -48,7 +48,7 @@ def _workload(init: int) -> psutil.Process:
     children = [c for c in psutil.Process(init).children() if c.status() != psutil.STATUS_ZOMBIE]
     if not children:
         raise Refused("its namespace runs no command any more", Why.NOT_FOUND)
-    return min(children, key=lambda c: (c.create_time(), c.pid))
+    return min(children, key=lambda c: (proc.start_ticks(c.pid), c.pid))
 
 
 def _output(init: int, which: int) -> str:
@@ -85,7 +85,7 @@ def spec_of(init: int, init_ticks: int, owner: int) -> P.Join:
     ``join`` request; :class:`Refused` in one sentence if it cannot be told."""
     try:
         work = _workload(init)
-        before = work.create_time()
+        before = proc.start_ticks(work.pid)
         groups = tuple(int(g) for g in _status(work.pid, "Groups"))
         umask = _status(init, "Umask")
         spec = P.Join(
@@ -100,7 +100,7 @@ def spec_of(init: int, init_ticks: int, owner: int) -> P.Join:
             stderr=_output(init, 2),
             owner=owner,
         )
-        if work.create_time() != before or proc.start_ticks(init) != init_ticks:
+        if proc.start_ticks(work.pid) != before or proc.start_ticks(init) != init_ticks:
             raise Refused("it ended while it was read", Why.NOT_FOUND)
     except (psutil.Error, OSError, ValueError) as e:
         raise Refused(f"how it runs cannot be read ({e})", Why.NOT_FOUND) from e

@@ -35,6 +35,7 @@ from typing import Any, BinaryIO
 
 import psutil
 
+from host import proc
 from tpagent.migration.journal import write_durably
 from tpagent_rank import protocol as P
 
@@ -212,7 +213,7 @@ def adopt(kept: Path, running: Callable[[str], bool]) -> None:
     for row in rows:
         try:
             p = psutil.Process(int(row["pid"]))
-            ours = abs(p.create_time() - float(row["started"])) < 0.01 and STORE_SERVER in p.cmdline()
+            ours = proc.is_started(p.pid, row["started"]) and STORE_SERVER in p.cmdline()
         except (psutil.Error, KeyError, TypeError, ValueError):
             ours = False
         store = Kept(str(row.get("job", "")), str(row.get("address", "")), p if ours else None, kept)
@@ -269,7 +270,12 @@ class Kept:
     def note(self) -> None:
         if self.kept is None or self.server is None:
             return
-        row = {"job": self.job, "address": self.address, "pid": self.server.pid, "started": self.server.create_time()}
+        row = {
+            "job": self.job,
+            "address": self.address,
+            "pid": self.server.pid,
+            "started": proc.started(self.server.pid),
+        }
         with self.lock:
             self._write([*self._rows(), row])
 

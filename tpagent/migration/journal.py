@@ -90,6 +90,13 @@ class Record:
         """Whether this node was rebooted since the record was made (unknown: no)."""
         return bool(self.boot_id) and self.boot_id != boot_id()
 
+    def started(self) -> str | None:
+        """The start of the record's process (:func:`host.proc.started`; an older record's wall
+        clock start time), for a check that it is still that process; None: no process."""
+        if self.start_ticks:
+            return f"{self.start_ticks}@{self.boot_id}"
+        return repr(self.create_time) if self.create_time else None
+
     def to_json(self) -> dict[str, Any]:
         # (the oldest format that holds it: an agent of the version before reads every other record)
         body = asdict(self)

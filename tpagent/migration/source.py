@@ -386,9 +386,9 @@ class SourceMigration:
         )
         private_dir(self.snapshot.parent)
         t0 = self.freeze_t0 = time.monotonic()
-        # (the process checked, by its start time: a PID reused since is refused while frozen)
+        # (the process checked, by its start: a PID reused since is refused while frozen)
         dump = self.dump = ctx.held.start(
-            self.pid, self.snapshot, config, ctx.timeouts.hold, self.carry, self.record.create_time or None
+            self.pid, self.snapshot, config, ctx.timeouts.hold, self.carry, self.record.started()
         )
 
         def sealed() -> bool:  # the sender ends once the snapshot is whole
