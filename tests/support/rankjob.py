@@ -311,7 +311,9 @@ class Job:
 
     def finishes_as(self, reference: Path) -> None:
         """Every torchrun ends well, never restarting its group, and every rank's losses, step
-        by step, and final parameters are those of the uninterrupted run."""
+        by step, and final parameters are those of the uninterrupted run.  (The moves are over:
+        the steps left run unpaced.)"""
+        (self.logs / "hurry").touch()
         codes = self.wait()
         assert codes == dict.fromkeys(self.names, 0), "torchrun (or a stand-in) failed: " + self.output()
         for r in range(len(self.nodes_of)):

@@ -76,7 +76,8 @@ class Slurm:
             f"SlurmdPort={free_port()}",
             "AuthType=auth/munge",
             "CryptoType=crypto/munge",
-            f"AuthInfo=socket={self.socket}",
+            # (a credential lives 30 s, not 120: a requeued job may start again that much sooner)
+            f"AuthInfo=socket={self.socket},cred_expire=30",
             "SlurmUser=root",
             "SlurmdUser=root",
             f"StateSaveLocation={d / 'state'}",
