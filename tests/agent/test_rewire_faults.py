@@ -19,7 +19,7 @@ import pytest
 from conftest import needs_criu
 from support.cluster import Cluster
 from support.helpers import NOBODY, wait_until
-from support.rankjob import Job, steps
+from support.rankjob import Job, hurry, steps
 
 pytestmark = [needs_criu, pytest.mark.timeout(600)]
 
@@ -237,7 +237,7 @@ def test_a_jobs_store_cannot_steer_a_rewire_onto_another_job_of_the_same_name(
         assert f"rank 2 of job job1 on {quad.nodes['D'].name} is not the rank asked for" in said, said
         assert "store names the wrong node" in said and "nothing was changed" in said, said
         assert job.rewire_record("B").get("gen", 0) == 0, job.rewire_record("B")  # (no rank was asked to stop)
-        (other.logs / "hurry").touch()  # (while the first job ends, the other's last steps run unpaced too)
+        hurry(other.logs)  # (while the first job ends, the other's last steps run unpaced too)
         job.finishes_as(reference)
         other.finishes_as(reference)
     finally:

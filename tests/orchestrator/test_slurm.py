@@ -24,7 +24,7 @@ from host.proc import CAP_SYS_RESOURCE, has_capability
 from support.cluster import Cluster
 from support.helpers import ROOT, wait_until
 from support.orchestrator import Orchestrator
-from support.rankjob import IFNAME, JOB, STEPS, rank_log, steps
+from support.rankjob import IFNAME, JOB, STEPS, hurry, rank_log, steps
 from support.slurm import Slurm, have_slurm
 from support.users import NOBODY, user_dir, user_python
 
@@ -216,7 +216,7 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
         assert s.job(low)["nodes"] == _ns(c, "E")
 
         # The job ends with rank 1 still on D: its placeholder is released; B stays drained until untainted.
-        (logs / "hurry").touch()  # (the moves are over: the steps left run unpaced)
+        hurry(logs)
         for r in range(3):
             wait_until(lambda r=r: steps(logs, r) >= STEPS, f"rank {r} to finish", 400)
         wait_until(lambda: s.job(job).get("job_state") == "COMPLETED", "the job to complete", 120, 0.5)
@@ -274,7 +274,7 @@ def test_an_ordinary_users_sbatch_job_runs_its_ranks_as_that_user(
             else:
                 wait_until(lambda: "lacks CAP_SYS_RESOURCE" in _events(o), "the move to be refused", 120, 0.5)
                 assert o.rank_on(job, 1) == _ns(c, "B")
-            (logs / "hurry").touch()  # (the steps left run unpaced)
+            hurry(logs)
             for r in range(3):
                 wait_until(lambda r=r: steps(logs, r) >= STEPS, f"rank {r} to finish", 300)
             wait_until(lambda: s.job(job).get("job_state") == "COMPLETED", "the job to complete", 120, 0.5)

@@ -43,6 +43,12 @@ def steps(d: Path, rank: int) -> int:
     return sum(ln.startswith("step ") for ln in rank_log(d, rank))
 
 
+def hurry(d: Path) -> None:
+    """The job logging into ``d`` runs its steps left unpaced (its ``--step-time`` sleep goes, its
+    losses stay): a test's moves are over, and it waits only for the end."""
+    (d / "hurry").touch()
+
+
 def _reference(d: Path, *extra: str, nproc: int = 3, script: Path = JOB) -> Path:
     subprocess.run(
         [
@@ -313,7 +319,7 @@ class Job:
         """Every torchrun ends well, never restarting its group, and every rank's losses, step
         by step, and final parameters are those of the uninterrupted run.  (The moves are over:
         the steps left run unpaced.)"""
-        (self.logs / "hurry").touch()
+        hurry(self.logs)
         codes = self.wait()
         assert codes == dict.fromkeys(self.names, 0), "torchrun (or a stand-in) failed: " + self.output()
         for r in range(len(self.nodes_of)):
