@@ -241,8 +241,11 @@ def _unreachable(agent: str, e: grpc.RpcError) -> str:
 
 
 #: How long the CLI waits for a source agent that stopped answering mid-migration to come back
-#: (systemd restarts it in seconds) and say how the migration ended.
+#: (systemd restarts it in seconds), and how long it then follows the migration it settles from
+#: its journal (a rewire's ranks rebuild within their own deadlines) before it leaves it to
+#: `tpagent status`.
 SOURCE_BACK_WITHIN = 30.0
+SETTLED_WITHIN = 600.0
 
 
 def _source_lost(agent: Any, pb: Any, source: str, last: Any, migration_id: str, as_json: bool) -> Any:
@@ -255,12 +258,18 @@ def _source_lost(agent: Any, pb: Any, source: str, last: Any, migration_id: str,
             "waiting for it to settle the migration from its journal...",
             err=True,
         )
-    settled = _wait_final(agent, pb, last, migration_id, SOURCE_BACK_WITHIN)
-    if settled is last:
+    settled, answered = _final(agent, pb, migration_id, SETTLED_WITHIN, SOURCE_BACK_WITHIN)
+    if settled is None:
+        see = f"tpagent status {migration_id} --agent {source}"
+        if answered:
+            why = f"answers again but has not settled it within {SETTLED_WITHIN:.0f} s; it goes on: {see}"
+        else:
+            why = (
+                f"did not answer again within {SOURCE_BACK_WITHIN:.0f} s; it settles the migration from its "
+                f"journal once it runs: {see}"
+            )
         die(
-            f"the agent at {source} stopped answering during migration {migration_id} ({last.state}) and did not "
-            f"answer again within {SOURCE_BACK_WITHIN:.0f} s; it settles the migration from its journal once it runs: "
-            f"tpagent status {migration_id} --agent {source}",
+            f"the agent at {source} stopped answering during migration {migration_id} ({last.state}) and {why}",
             EXIT_FAILED,
             as_json,
         )
@@ -303,17 +312,30 @@ def _show(event: Any, shown: str) -> str:
 def _wait_final(agent: Any, pb: Any, last: Any, migration_id: str, seconds: float = 120.0) -> Any:
     if last is None:
         return None
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    settled, _ = _final(agent, pb, migration_id, seconds)
+    return last if settled is None else settled
+
+
+def _final(
+    agent: Any, pb: Any, migration_id: str, seconds: float, answer_within: float | None = None
+) -> tuple[Any, bool]:
+    """The migration's last event once ``agent`` says it has ended (None: not within ``seconds``,
+    nor within ``answer_within`` while the agent does not answer at all), and whether it answered."""
+    start = time.monotonic()
+    answered = False
+    while True:
+        waited = time.monotonic() - start
+        if waited >= seconds or (not answered and answer_within is not None and waited >= answer_within):
+            return None, answered
         try:
             status = agent.Status(pb.MigrationRef(migration_id=migration_id), timeout=10)
         except grpc.RpcError:
             time.sleep(0.5)
             continue
+        answered = True
         if status.state in ("done", "rolled_back", "failed"):
-            return pb.MigrationEvent(migration_id=status.migration_id, state=status.state, message=status.message)
+            return pb.MigrationEvent(migration_id=status.migration_id, state=status.state, message=status.message), True
         time.sleep(0.2)
-    return last
 
 
 def _report(last: Any, as_json: bool, dry_run: bool, said: list[str] | None = None) -> int:

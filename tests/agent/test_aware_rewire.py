@@ -114,19 +114,21 @@ def test_the_source_agent_killed_while_the_new_process_warms_up(
 ) -> None:
     """The moving rank's agent is killed once its joiner runs on D.  Started again, it finishes the
     rewire from its journal: the joiner written down is ended, the pause is cancelled, and the job,
-    never stopped, ends bit-identical with rank 1 where it was (or has ended there meanwhile)."""
+    never stopped, ends bit-identical with rank 1 where it was (or has ended there meanwhile).  The
+    CLI waits for the agent to come back and says the rewire was rolled back."""
     job = Job(quad, tmp_path, extra=("--aware",))
     try:
         job.at_step(1, 20)
         first = job.where(1)
-        moving = job.start_move(1, "D", "--mode", "aware")
+        moving = job.start_move(1, "D", "--mode", "aware", "--json")
         wait_until(lambda: "D" in job.copies(1), "rank 1 to start on D", 120)
         wait_until(lambda: job.rewire_record(first).get("joiners"), "the joiner to be written down", 30)
         node = quad.nodes[first]
         node.kill_agent()
-        moving.communicate(timeout=60)
         node.start_agent(rewire_timeout="60")
+        out, err = moving.communicate(timeout=300)
         wait_until(lambda: job.rewire_record(first).get("phase") == "rolled_back", "the rewire to be finished", 120)
+        assert json.loads(out)["state"] == "rolled_back", out + err
         assert "finishing what the agent left" in node.agent_log()
         wait_until(lambda: "D" not in job.copies(1), "the joiner on D to end", 60)
         job.finishes_as(reference_aware)

@@ -171,7 +171,8 @@ def test_the_source_agent_killed_mid_migration(quad: Cluster, tmp_path: Path, re
     """B's agent, which runs the rewire, is killed once rank 1's migration has started (the
     other ranks wait at the boundary with their communicators down).  Started again, it
     settles the migration from its journal and finishes the rewire from what it wrote down:
-    every rank rebuilds where it now runs, and the job ends bit-identical."""
+    every rank rebuilds where it now runs, and the job ends bit-identical.  The CLI, which lost
+    its agent mid-migration, waits for it to come back and says how the rewire ended."""
     job = Job(quad, tmp_path)
     try:
         job.at_step(1, 20)
@@ -179,11 +180,12 @@ def test_the_source_agent_killed_mid_migration(quad: Cluster, tmp_path: Path, re
         wait_until(lambda: _moving(job, "B"), "rank 1's migration to start", 120)
         b = quad.nodes["B"]
         b.kill_agent()
-        mig.communicate(timeout=60)
         stopped = {r: steps(job.logs, r) for r in range(3)}
         time.sleep(2)
         assert {r: steps(job.logs, r) for r in range(3)} == stopped, "a rank went on with its communicators down"
+        assert mig.poll() is None, "the CLI gave up on its agent at once"
         b.start_agent(rewire_timeout="60")
+        out, err = mig.communicate(timeout=300)
         wait_until(
             lambda: job.rewire_record("B").get("phase") in ("rolled_back", "done", "failed"),
             "B to finish the rewire it was running",
@@ -191,6 +193,7 @@ def test_the_source_agent_killed_mid_migration(quad: Cluster, tmp_path: Path, re
         )
         record = job.rewire_record("B")
         assert record["phase"] in ("rolled_back", "done"), record
+        assert json.loads(out)["state"] == record["phase"], out + err
         assert "finishing what the agent left" in b.agent_log()
         where = job.copies(1)
         assert where == (["B"] if record["phase"] == "rolled_back" else ["D"]), where

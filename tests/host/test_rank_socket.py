@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -180,22 +181,26 @@ def _end(p: subprocess.Popen[str]) -> str:
 
 
 #: A rank's side, as root inside a launched namespace: hello as rank 0 of JOB, print the
-#: agent's first line, hold the connection.
+#: agent's first LINES lines, hold the connection.
 RANK_CLIENT = """
 import socket, sys, time
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect("\\0" + sys.argv[1])
 s.sendall(b'{"op": "hello", "job": "%s", "rank": 0, "world": 2}\\n' % sys.argv[2].encode())
-print(s.makefile("rb").readline().decode().strip(), flush=True)
+f = s.makefile("rb")
+for _ in range(int(sys.argv[3])):
+    print(f.readline().decode().strip(), flush=True)
 time.sleep(120)
 """
 
 
 @contextlib.contextmanager
-def _launched_rank(tmp: Path, agent: ranks.Ranks, job: str) -> Iterator[Path]:
-    """Rank 0 of ``job``, launched (a PID namespace of its own) and registered: its stdout file."""
+def _launched_rank(tmp: Path, agent: ranks.Ranks, job: str, printed: int = 1) -> Iterator[Path]:
+    """Rank 0 of ``job``, launched (a PID namespace of its own) and registered: its stdout file,
+    where it prints the first ``printed`` lines the agent sends it."""
     out = tmp / f"{job}.out"
-    init, holder = launch.start([sys.executable, "-I", "-c", RANK_CLIENT, agent.name, job], out, tmp / f"{job}.err")
+    cmd = [sys.executable, "-I", "-c", RANK_CLIENT, agent.name, job, str(printed)]
+    init, holder = launch.start(cmd, out, tmp / f"{job}.err")
     try:
         agent.expect(job, 0, init)
         yield out
@@ -261,6 +266,38 @@ def test_a_flood_of_connections_costs_no_thread_and_a_rank_still_gets_in(agent: 
             assert threading.active_count() <= before + 2  # (the rank's reader, and no other)
     finally:
         _end(flood)
+
+
+def test_a_call_waiting_for_a_rank_is_written_after_its_welcome(
+    agent: ranks.Ranks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call that waits for a rank to connect (a rewire's rebuild, asked of a rank just told to
+    come back) is written on the rank's connection only after its welcome, however long the door
+    takes between taking the rank in and welcoming it (here half a second, as on a busy machine).
+    A rank whose first line is not its welcome takes itself as not registered and hangs up, the
+    request unread: the rebuild failed and the job ended (the spare-dies rewire test, under load)."""
+    said = codec.said
+
+    def slow_welcome(message: Any) -> bytes:
+        if isinstance(message, lines.Welcome):
+            time.sleep(0.5)
+        return said(message)
+
+    monkeypatch.setattr(codec, "said", slow_welcome)
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    with _launched_rank(tmp_path, agent, job, printed=2) as out:
+
+        def ask() -> None:
+            with contextlib.suppress(Exception):  # (the client never answers: how the call ends is not the point)
+                agent.call(job, 0, P.Where(), 5.0)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        wait_until(lambda: out.exists() and out.read_text().count("\n") == 2, "the rank to print two lines", 30)
+        first, second = (json.loads(ln) for ln in out.read_text().splitlines())
+        asking.join(30)
+    assert first["op"] == "welcome", f"the rank's first line is not its welcome: {first}"
+    assert second["op"] == P.Op.WHERE.value, second
 
 
 def _taken(agent: ranks.Ranks, pid: int) -> bool:

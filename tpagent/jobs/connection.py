@@ -28,7 +28,7 @@ class Connection:
         self.sock = sock
         self.peer = peer  # (its pidfd is closed with the connection)
         self.hello = hello
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # (held across its welcome: Ranks._admit)
         self.next_id = 1
         self.waiting: dict[int, list[Any]] = {}  # id -> [Event, its answer's fields]
         self.closed = threading.Event()

@@ -146,29 +146,36 @@ class Ranks:
                 raise door.Refuse("the process that connected has exited")
         init = caller.known["init"]
         key = (hello.job, hello.rank)
-        with self.lock:
-            entry = self.entries.get(key)
-            if entry is None or init != entry.init or not entry.alive():
-                return False
-            if not peer.alive():  # (what was found of it is the word of a process gone since)
-                raise door.Refuse("the process that connected has exited")
-            conn = Connection(sock, peer, hello)
-            if entry.conn is not None:
-                entry.conn.close()
-            entry.conn = conn
-            entry.seen = hello
-            entry.uid = peer.uid
-            entry.world = hello.world
-            entry.exit_code = None
-            entry.moved_to = ""
-            entry.broke = ""
-            entry.step = hello.step
-            self._save()
-        try:
-            sock.settimeout(10)
-            conn.send(codec.said(lines.Welcome(self.node_address)))
-            sock.settimeout(None)
-        except OSError:
+        conn = Connection(sock, peer, hello)
+        # Its welcome is the first line on it: a call already waiting for the rank (a rebuild asked
+        # of a rank told to come back) finds it once it is the entry's, and waits for this lock.  A
+        # rank whose first line is anything else takes itself as not registered and hangs up.
+        with conn.lock:
+            with self.lock:
+                entry = self.entries.get(key)
+                if entry is None or init != entry.init or not entry.alive():
+                    return False
+                if not peer.alive():  # (what was found of it is the word of a process gone since)
+                    raise door.Refuse("the process that connected has exited")
+                if entry.conn is not None:
+                    entry.conn.close()
+                entry.conn = conn
+                entry.seen = hello
+                entry.uid = peer.uid
+                entry.world = hello.world
+                entry.exit_code = None
+                entry.moved_to = ""
+                entry.broke = ""
+                entry.step = hello.step
+                self._save()
+            try:
+                sock.settimeout(10)
+                conn.send(codec.said(lines.Welcome(self.node_address)))
+                sock.settimeout(None)
+                welcomed = True
+            except OSError:
+                welcomed = False
+        if not welcomed:
             self._gone(conn)
             return True
         log.info("rank %s of job %s (PID %d) is connected", hello.rank, hello.job, peer.pid)
