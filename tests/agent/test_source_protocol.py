@@ -361,3 +361,9 @@ def test_a_process_is_known_by_its_start_in_ticks_not_by_the_wall_clock(original
     r.start_ticks -= 1
     r.boot_id = "another-boot"
     assert not same_process_alive(r)
+    # an earlier tpagent's record (no ticks) by the wall clock, which a step moves by a second
+    legacy = Record("e" * 32, Role.SOURCE, SourceState.FREEZING, pid=original.pid)
+    legacy.create_time = psutil.Process(original.pid).create_time() + 1.0
+    assert same_process_alive(legacy)
+    legacy.create_time += 4.0
+    assert not same_process_alive(legacy)

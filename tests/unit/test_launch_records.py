@@ -22,5 +22,7 @@ def test_a_record_still_names_its_process_after_the_wall_clock_stepped(tmp_path:
     old = {k: v for k, v in written.items() if k != "start"}  # (an earlier tpagent's: by its wall-clock start)
     path.write_text(json.dumps(old))
     assert launch.launched(os.getpid(), records) is not None
-    path.write_text(json.dumps({**old, "create_time": old["create_time"] + 1.0}))
+    path.write_text(json.dumps({**old, "create_time": old["create_time"] + 1.0}))  # (its clock read a second on)
+    assert launch.launched(os.getpid(), records) is not None
+    path.write_text(json.dumps({**old, "create_time": old["create_time"] + 5.0}))  # (another process)
     assert launch.launched(os.getpid(), records) is None

@@ -132,13 +132,14 @@ def same_process_alive(r: Record) -> bool:
     and is the same one, not a process that reused its PID.  A record without a start time
     names no process: it is never trusted to (the agent signals what this says is there).
     Compared by start ticks since boot (a stepped wall clock moves create_time), within the
-    boot the record was made in."""
+    boot the record was made in; an earlier tpagent's record, with no ticks, by its wall-clock
+    start within 1.5 s (host.proc.is_started)."""
     if not r.pid or r.rebooted():
         return False
     try:
         if r.start_ticks:
             return proc.start_ticks(r.pid) == r.start_ticks
-        return bool(r.create_time) and psutil.Process(r.pid).create_time() == r.create_time
+        return bool(r.create_time) and proc.is_started(r.pid, r.create_time)
     except (OSError, ValueError, IndexError, psutil.Error):
         return False
 

@@ -93,11 +93,7 @@ def launched(pid: int, records: Path = RECORDS) -> LaunchRecord | None:
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             return None  # (not ours: planted, never trusted)
         rec = LaunchRecord(**json.loads(path.read_text()))
-        started = (
-            proc.start_ticks(pid) == rec.start
-            if rec.start >= 0
-            else psutil.Process(pid).create_time() == rec.create_time
-        )
+        started = proc.start_ticks(pid) == rec.start if rec.start >= 0 else proc.is_started(pid, rec.create_time)
         if rec.pid != pid or not started or _pidns(pid) != rec.pidns:
             return None
         return rec
