@@ -92,12 +92,12 @@ def test_a_job_without_an_optimizer_stops_between_two_collectives(
         job.close()
 
 
-@pytest.mark.timeout(600)
 def _workers(pid: int) -> int:
     """How many DataLoader workers the rank has (spawned ones beside multiprocessing's resource tracker)."""
     return sum("resource_tracker" not in " ".join(c.cmdline()) for c in psutil.Process(pid).children())
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("workers", ["fork", "spawn"])
 def test_an_fsdp_job_fed_by_dataloader_workers_moves_too(
     quad: Cluster, tmp_path: Path, reference_fsdp: Path, workers: str

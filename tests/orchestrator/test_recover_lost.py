@@ -62,7 +62,7 @@ from conftest import needs_criu
 from support.cluster import Cluster
 from support.helpers import wait_until
 from support.orchestrator import Orchestrator
-from support.rankjob import IFNAME, JOB, RUN, Job, rank_log, steps
+from support.rankjob import IFNAME, JOB, RUN, Job, hurry, rank_log, steps
 from tpagent.jobs.storeserver import STORE_SERVER
 
 pytestmark = needs_criu
@@ -146,7 +146,9 @@ def _ran_on(c: Cluster, o: Orchestrator, job: Job, reference: Path, survivors: s
     every rank's output (each step once, its losses and final parameters) is the uninterrupted
     run's, but for a survivor that had finished the step the others were caught in (where the
     node died decides): taken back, it did that step again, and wrote its line of it again, the
-    same; that rebuild's event."""
+    same; that rebuild's event.  (Once it is rebuilt, the steps left run unpaced.)"""
+    wait_until(lambda: _events_of(o, "recovered"), "the job to be rebuilt", 300, 0.5)
+    hurry(job.logs)
     codes = {name: job.runs[name].wait(timeout=600) for name in survivors}
     assert codes == dict.fromkeys(survivors, 0), job.output()
     recovered = [e["text"] for e in _events(o) if e["kind"] == "recovered"]
@@ -360,6 +362,7 @@ def test_a_quiet_node_whose_agent_alone_is_down_is_not_taken_as_lost(tmp_path: P
             wait_until(lambda: steps(job.logs, 2) > at + 5, "rank 2 to go on", 60, 0.2)
             assert not _events_of(o, "unreachable") and not _events_of(o, "recovering")
         c.nodes["C"].start_agent(rewire_timeout="60", orchestrator=o.address, report_period="0.5")
+        hurry(job.logs)
         assert {name: job.runs[name].wait(timeout=300) for name in "ABC"} == dict.fromkeys("ABC", 0)
         assert not _events_of(o, "unreachable") and not _events_of(o, "recovering")
 
