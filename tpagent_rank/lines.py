@@ -56,7 +56,8 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Exit:
-    """The init of a launched namespace, as it ends: the workload's status."""
+    """The init of a launched namespace, as it ends: the workload's status.  It is the
+    connection's only line; the init ends once the agent closes it (having taken the word)."""
 
     OP: ClassVar[LineOp] = LineOp.EXIT
     code: int

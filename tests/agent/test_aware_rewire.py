@@ -41,9 +41,10 @@ def _moved(job: Job, rank: int, to: str, mode: str) -> dict[str, Any]:
 def test_a_registered_rank_moves_as_its_training_state_and_the_job_runs_on_bit_identical(
     quad: Cluster, tmp_path: Path, reference_aware: Path
 ) -> None:
-    # (Three moves and a warm-up in 160 steps: at 0.1 s a step, a busy machine's slow warm-up
-    # still leaves the last move steps to stop at.)
-    job = Job(quad, tmp_path, extra=("--aware",), step_time=0.1)
+    # (A dry run, two warm-ups, the job stepping on through each, and two moves in 160 steps: at
+    # 0.2 s a step, a busy machine's slow warm-ups (12 s seen) still leave the last move steps to
+    # stop at.)
+    job = Job(quad, tmp_path, extra=("--aware",), step_time=0.2)
     try:
         job.at_step(1, 20)
         first = job.where(1)
@@ -57,7 +58,7 @@ def test_a_registered_rank_moves_as_its_training_state_and_the_job_runs_on_bit_i
         state_bytes = aware["timings"]["rank1_state_bytes"]
         assert state_bytes > 0 and {"warmup", "boundary", "handover", "rebuild"} <= set(aware["timings"])
 
-        job.at_step(1, steps(job.logs, 1) + 20)
+        job.at_step(1, steps(job.logs, 1) + 10)
         image = _moved(job, 1, first, "transparent")
         image_bytes = sum(v for k, v in image["timings"].items() if k.endswith("_image_bytes"))
         assert image_bytes > 10 * state_bytes  # (a process image against a 64-wide MLP's state)

@@ -48,7 +48,9 @@ def test_a_job_without_an_optimizer_stops_between_two_collectives(
     """... and, with it: a dry run checks each moving rank's own migration and stops nothing; a
     model-aware move of a script that registered no state is refused before anything stops; two
     ranks on one node move together, in one command."""
-    job = Job(quad, tmp_path, extra=("--no-optimizer",))
+    # (A dry run, a refusal and three moves, the job stepping on through each one's checks, then
+    # a look at the node: at 0.1 s a step, a busy machine's slow commands still leave it running.)
+    job = Job(quad, tmp_path, extra=("--no-optimizer",), step_time=0.1)
     try:
         job.at_step(2, 20)
         dry = job.c.migrate(0, "C", "D", "--job", RUN, "--rank", "2", "--dry-run", timeout=120)

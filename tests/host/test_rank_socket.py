@@ -152,6 +152,41 @@ def test_a_released_rank_that_ends_leaves_no_word_to_come_back(agent: ranks.Rank
         go.unlink(missing_ok=True)
 
 
+def test_a_ranks_end_is_known_to_the_agent_once_its_namespace_is_gone(
+    agent: ranks.Ranks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stand-in that sees its rank's namespace end asks the agent at once how the rank ended
+    (or whether its death is held for a rebuild).  The init reports the end before it ends, but a
+    busy agent may read that word late: the init waits until the agent has taken it, or the
+    stand-in would hear "gone without a status" (and the agent, finding the init gone, would not
+    believe the word at all).  Here the agent takes half a second to read the report."""
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    ends = tmp_path / "end"
+    wait = f"import os, time\nwhile not os.path.exists({str(ends)!r}): time.sleep(0.02)\nos._exit(3)"
+    init, holder = launch.start(
+        [sys.executable, "-c", wait],
+        tmp_path / "out",
+        tmp_path / "err",
+        env={**os.environ, "TPAGENT_RANK_SOCKET": agent.name},
+    )
+    try:
+        agent.expect(job, 0, init)
+        launched = launch.launched
+
+        def slowly(pid: int, *args: Any) -> launch.LaunchRecord | None:
+            time.sleep(0.5)
+            return launched(pid, *args)
+
+        monkeypatch.setattr(launch, "launched", slowly)
+        ends.touch()
+        assert holder.wait(30) == 3
+        where = agent.locate(job, 0)
+        assert where == P.Located(state=P.Whereabouts.EXITED.value, code=3), f"once the namespace ended: {where}"
+    finally:
+        proc.kill_tree(init)
+        holder.wait(10)
+
+
 def test_the_connections_waiting_for_a_registration_are_bounded(agent: ranks.Ranks) -> None:
     waiting = [_hello(agent, f"job-{i}") for i in range(door.PER_USER_MAX)]
     try:

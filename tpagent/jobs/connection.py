@@ -69,10 +69,10 @@ class Connection:
     def close(self) -> None:
         self.closed.set()
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)  # (its reader, blocked in a read, returns)
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        with self.lock:
+            self.sock.shutdown(socket.SHUT_RDWR)  # (its reader, blocked in a read, returns; a send fails)
+        with self.lock:  # (its descriptor is never closed under a send, to be taken by another's)
+            with contextlib.suppress(OSError):
+                self.sock.close()
             self.peer.close()
             for slot in self.waiting.values():
                 slot[0].set()

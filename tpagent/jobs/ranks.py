@@ -179,7 +179,11 @@ class Ranks:
             self._gone(conn)
             return True
         log.info("rank %s of job %s (PID %d) is connected", hello.rank, hello.job, peer.pid)
-        self.threads.spawn("server", "rank-conn", self._read_answers, conn)
+        try:
+            self.threads.spawn("server", "rank-conn", self._read_answers, conn)
+        except BaseException:  # (no thread to be had: never left as if it were connected)
+            self._gone(conn)
+            raise
         return True
 
     def _read_answers(self, conn: Connection) -> None:
@@ -228,7 +232,8 @@ class Ranks:
 
     def _exited(self, peer: peers.Peer, said: lines.Exit) -> None:
         """(The door's.)  The init of a launched namespace says its workload ended: believed
-        only from that init, still alive as it says so (it reports, then exits)."""
+        only from that init, still alive as it says so (it reports, waits for the word to be taken,
+        then exits)."""
         if launch.launched(peer.pid) is None or not peer.alive():
             raise door.Refuse(f"an exit report from PID {peer.pid}, which is no launched workload's init")
         with self.lock:
@@ -290,7 +295,8 @@ class Ranks:
         """Which job the rank here is, across nodes: its user and the job's key (P.JOB_KEY), as it
         last said hello ("" before it has)."""
         e = self.entry(job, rank)
-        return identity_of(e.uid, e.seen) if e.seen is not None else ""
+        with self.lock:  # (both as one hello left them)
+            return identity_of(e.uid, e.seen) if e.seen is not None else ""
 
     def call(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str | None = None) -> A:
         """Ask the rank's runtime; its answer.  Waits (up to ``timeout``) for a rank that is
@@ -389,15 +395,16 @@ class Ranks:
     def locate(self, job: str, rank: int) -> P.Located:
         """For a stand-in: where its rank is."""
         e = self.entry(job, rank)
-        if e.moved_to:
-            return P.Located(state=P.Whereabouts.MOVED.value, node=e.moved_to, anew=e.anew)
-        if e.exit_code is not None and time.monotonic() < e.held_until:
-            return P.Located(state=P.Whereabouts.MOVING.value)
-        if e.exit_code is not None:
-            return P.Located(state=P.Whereabouts.EXITED.value, code=e.exit_code)
-        if e.alive():
-            return P.Located(state=P.Whereabouts.HERE.value, pid=e.init)
-        return P.Located(state=P.Whereabouts.GONE.value)
+        with self.lock:  # (an end and its hold, a rebuild's hold and its move: each seen whole)
+            if e.moved_to:
+                return P.Located(state=P.Whereabouts.MOVED.value, node=e.moved_to, anew=e.anew)
+            if e.exit_code is not None and time.monotonic() < e.held_until:
+                return P.Located(state=P.Whereabouts.MOVING.value)
+            if e.exit_code is not None:
+                return P.Located(state=P.Whereabouts.EXITED.value, code=e.exit_code)
+            if e.alive():
+                return P.Located(state=P.Whereabouts.HERE.value, pid=e.init)
+            return P.Located(state=P.Whereabouts.GONE.value)
 
     def jobs(self) -> list[P.RankRow]:
         """The ranks that run here or moved away (as each last said hello)."""

@@ -180,7 +180,11 @@ def main(argv: list[str]) -> int:
 
 def _report_exit(code: int) -> None:
     """A rank's init tells the agent of the node it ends on (it may have been migrated: its
-    stand-in asks that agent): the abstract socket of its network namespace, best effort."""
+    stand-in asks that agent): the abstract socket of its network namespace, best effort.  It
+    ends only once the agent has taken the word (closed the connection; 2 s at most): the agent
+    believes it only from an init still alive, and a stand-in that sees this namespace gone and
+    asks where its rank is must hear how it ended (or that its death is held for a rebuild),
+    which a busy agent that read the word late would not yet know."""
     name = os.environ.get("TPAGENT_RANK_SOCKET", "")
     if not name or len(name) > 100:
         return
@@ -194,6 +198,8 @@ def _report_exit(code: int) -> None:
         s.settimeout(2)
         s.connect("\0" + name)
         s.sendall(said)
+        s.shutdown(socket.SHUT_WR)
+        s.recv(1)  # (b"": taken; a refusal's first byte: read, and refused)
 
 
 if __name__ == "__main__":
