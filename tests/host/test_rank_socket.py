@@ -129,27 +129,33 @@ def test_a_released_rank_that_ends_leaves_no_word_to_come_back(agent: ranks.Rank
     job finished or failed first) takes its word with it when its init reports the end: none is
     left behind, on a node whose agent runs for months, for another rank of that name to take."""
     job = f"job-{uuid.uuid4().hex[:8]}"
-    ends = tmp_path / "end"
-    wait = f"import os, time\nwhile not os.path.exists({str(ends)!r}): time.sleep(0.02)"
-    init, holder = launch.start(
-        [sys.executable, "-c", wait],
-        tmp_path / "out",
-        tmp_path / "err",
-        env={**os.environ, "TPAGENT_RANK_SOCKET": agent.name},
-    )
     go = paths.RANK_GO / P.go_name(job, 0)
     try:
+        with _ending_rank(agent, job, tmp_path, 0) as (ends, holder):
+            agent.release(job, 0)
+            assert go.exists()
+            ends.touch()
+            assert holder.wait(30) == 0
+            wait_until(lambda: agent.entry(job, 0).exit_code == 0, "the init to report the rank's end")
+            assert not go.exists(), "the word to come back of a rank that ended was left behind"
+    finally:
+        go.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _ending_rank(agent: ranks.Ranks, job: str, tmp: Path, code: int) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+    """Rank 0 of ``job``, launched and registered, that ends with ``code`` once the file it is
+    given is there; and its namespace's holder."""
+    ends = tmp / "end"
+    wait = f"import os, time\nwhile not os.path.exists({str(ends)!r}): time.sleep(0.02)\nos._exit({code})"
+    env = {**os.environ, "TPAGENT_RANK_SOCKET": agent.name}
+    init, holder = launch.start([sys.executable, "-c", wait], tmp / "out", tmp / "err", env=env)
+    try:
         agent.expect(job, 0, init)
-        agent.release(job, 0)
-        assert go.exists()
-        ends.touch()
-        assert holder.wait(30) == 0
-        wait_until(lambda: agent.entry(job, 0).exit_code == 0, "the init to report the rank's end")
-        assert not go.exists(), "the word to come back of a rank that ended was left behind"
+        yield ends, holder
     finally:
         proc.kill_tree(init)
         holder.wait(10)
-        go.unlink(missing_ok=True)
 
 
 def test_a_ranks_end_is_known_to_the_agent_once_its_namespace_is_gone(
@@ -161,16 +167,7 @@ def test_a_ranks_end_is_known_to_the_agent_once_its_namespace_is_gone(
     stand-in would hear "gone without a status" (and the agent, finding the init gone, would not
     believe the word at all).  Here the agent takes half a second to read the report."""
     job = f"job-{uuid.uuid4().hex[:8]}"
-    ends = tmp_path / "end"
-    wait = f"import os, time\nwhile not os.path.exists({str(ends)!r}): time.sleep(0.02)\nos._exit(3)"
-    init, holder = launch.start(
-        [sys.executable, "-c", wait],
-        tmp_path / "out",
-        tmp_path / "err",
-        env={**os.environ, "TPAGENT_RANK_SOCKET": agent.name},
-    )
-    try:
-        agent.expect(job, 0, init)
+    with _ending_rank(agent, job, tmp_path, 3) as (ends, holder):
         launched = launch.launched
 
         def slowly(pid: int, *args: Any) -> launch.LaunchRecord | None:
@@ -182,9 +179,6 @@ def test_a_ranks_end_is_known_to_the_agent_once_its_namespace_is_gone(
         assert holder.wait(30) == 3
         where = agent.locate(job, 0)
         assert where == P.Located(state=P.Whereabouts.EXITED.value, code=3), f"once the namespace ended: {where}"
-    finally:
-        proc.kill_tree(init)
-        holder.wait(10)
 
 
 def test_the_connections_waiting_for_a_registration_are_bounded(agent: ranks.Ranks) -> None:
