@@ -151,7 +151,7 @@ def _ran_on(c: Cluster, o: Orchestrator, job: Job, reference: Path, survivors: s
     hurry(job.logs)
     codes = {name: job.runs[name].wait(timeout=600) for name in survivors}
     assert codes == dict.fromkeys(survivors, 0), job.output()
-    recovered = [e["text"] for e in _events(o) if e["kind"] == "recovered"]
+    recovered = _events_of(o, "recovered")
     (spare,) = (node for name, node in c.nodes.items() if name not in job.names)
     assert len(recovered) == 1 and f"rank(s) {rebuilt} rebuilt on {spare.name}" in recovered[0], recovered
     found = re.search(r"runs on from step (\d+),", recovered[0])

@@ -41,14 +41,15 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])  # (closed again as this returns: nothing listens there)
 
 
-def _gives_up(agent: Any, capsys: pytest.CaptureFixture[str]) -> tuple[str, dict[str, Any]]:
+def _gives_up(agent: Any, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """The CLI's JSON error once it gives up on the source agent (its sentence on stderr, alone)."""
     with pytest.raises(typer.Exit) as ended:
         agent_cmds._source_lost(agent, pb, "node-a:7070", LAST, MID, as_json=True)
     assert ended.value.exit_code == agent_cmds.EXIT_FAILED
     said = capsys.readouterr()
     error = json.loads(said.out)
     assert said.err.count("\n") == 1 and said.err == f"tpagent: {error['error']}\n"  # (one sentence)
-    return error["error"], error
+    return error
 
 
 def test_an_agent_that_never_answers_again_is_said_to_be_silent(
@@ -56,7 +57,8 @@ def test_an_agent_that_never_answers_again_is_said_to_be_silent(
 ) -> None:
     monkeypatch.setattr(agent_cmds, "SOURCE_BACK_WITHIN", 0.2)
     with grpc.insecure_channel(f"127.0.0.1:{_closed_port()}") as channel:
-        sentence, error = _gives_up(pb_grpc.AgentStub(channel), capsys)
+        error = _gives_up(pb_grpc.AgentStub(channel), capsys)
+    sentence = error["error"]
     assert "did not answer again within 0 s" in sentence and "answers again" not in sentence
     assert f"tpagent status {MID} --agent node-a:7070" in sentence and "(restoring)" in sentence
     assert error["rolled_back"] is False
@@ -68,7 +70,7 @@ def test_an_agent_that_answers_but_has_not_settled_is_said_to_go_on(
     monkeypatch.setattr(agent_cmds, "SOURCE_BACK_WITHIN", 60.0)  # (it answers at once: not this wait)
     monkeypatch.setattr(agent_cmds, "SETTLED_WITHIN", 0.3)
     agent = _Settling()
-    sentence, _ = _gives_up(agent, capsys)
+    sentence = _gives_up(agent, capsys)["error"]
     assert agent.asked >= 2  # (followed, not asked once)
     assert "answers again but has not settled it within 0 s; it goes on" in sentence
     assert "did not answer" not in sentence and f"tpagent status {MID} --agent node-a:7070" in sentence
