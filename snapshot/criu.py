@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from host import paths
+from host import paths, sockets
 from host import proc as host_proc
 from host.api import UsageError
 from host.proc import deferred_sigint
@@ -228,7 +228,7 @@ class Criu:
         proc = self._run(args, timeout, work=work)
         if proc.returncode != 0:
             raise CriuError(
-                "criu restore failed",
+                _port_taken(work / "restore.log") or "criu restore failed",
                 detail=log_errors(work / "restore.log") or proc.stderr.strip(),
                 code=proc.returncode,
             )
@@ -244,6 +244,43 @@ class Criu:
         # No iptables on these nodes: nftables for the network lock, none when no TCP is held.
         args += ["--tcp-established", "--network-lock", "nftables"] if tcp else ["--network-lock", "skip"]
         return args
+
+
+#: CRIU's log of an inet socket it restores, and of its bind failing (the lines of one process:
+#: ``(TIME) PID: inet: Restore: family F type T proto P port N state S src_addr A``).
+_INET_RESTORE = re.compile(r"\(\s*[\d.]+\)\s+(\d+): inet:\s+Restore: .*\btype (\S+)\s.*\bport (\d+) .*\bsrc_addr (\S+)")
+_BIND_TAKEN = re.compile(r"\(\s*[\d.]+\)\s+(\d+): Error \(criu/sk-inet\.c:\d+\): inet: Can't bind inet socket .*in use")
+
+
+def _port_taken(log_file: Path) -> str | None:
+    """Why a restore failed, in one sentence, where CRIU could not bind a socket of the tree's
+    again because its port is taken here (the very node it was dumped on, or one where another
+    process has it): None for any other failure."""
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    restoring: dict[str, tuple[str, str, int]] = {}  # each process's last socket restored
+    for line in lines:
+        if m := _INET_RESTORE.fullmatch(line):
+            restoring[m[1]] = (m[2], m[4], int(m[3]))
+        elif (m := _BIND_TAKEN.fullmatch(line)) and m[1] in restoring:
+            kind, host, port = restoring[m[1]]
+            where = sockets.endpoint(host, port)
+            if kind != "SOCK_STREAM":
+                return f"criu restore failed: port {where}, which the process had bound, is taken here; CRIU said"
+            listener = sockets.listener_on(host, port)
+            why = (
+                f"a socket listens on {listener} here"
+                if listener
+                else "connections closed on that port wait out TIME_WAIT, a minute at most, and the process had "
+                "not set SO_REUSEADDR"
+            )
+            return (
+                f"criu restore failed: TCP port {where}, which the process had bound, is taken on this node ({why}); "
+                "nothing was restored, and the snapshot can be restored once the port is free; CRIU said"
+            )
+    return None
 
 
 def _write_pidfile(path: Path, pid: int) -> None:

@@ -21,7 +21,15 @@ from conftest import needs_criu
 from snapshot import affinity, restore
 from snapshot.api import DumpMode, SnapshotConfig, SnapshotError, Stage
 from snapshot.dump import checkpoint
-from support.helpers import STATEFUL, alive, assert_continuous, kill_and_wait, tpagent, wait_until
+from support.helpers import (
+    STATEFUL,
+    alive,
+    assert_continuous,
+    assert_one_sentence_error,
+    kill_and_wait,
+    tpagent,
+    wait_until,
+)
 
 pytestmark = needs_criu
 
@@ -539,3 +547,36 @@ def test_threads_bound_to_cpus_come_back_bound(loops, tmp_path: Path, launched: 
     wait_until(lambda: len(loop.numbers("tick")) > n + 5, "the copy to tick")
     after = loop.numbers("tick")[-1]
     assert after[1:] == before[1:], f"the copy's threads' CPUs: {after[1:]}, before the dump: {before[1:]}"
+
+
+@pytest.mark.parametrize("who", ["client", "server"])
+def test_a_restore_whose_listening_port_is_taken_says_so_and_restores_once_it_is_free(  # type: ignore[no-untyped-def]
+    loops, tmp_path: Path, who: str
+) -> None:
+    """A server restored on the node it was dumped on finds its port taken if another socket
+    listens there meanwhile, or if it closed connections first (``who``: they wait out
+    TIME_WAIT for a minute) with no SO_REUSEADDR set, as ``socket.socket()`` leaves it: CRIU
+    cannot bind it again.  The restore says which port, and why, in one sentence (CRIU's words
+    after it); nothing is restored, and the snapshot is restored once the port is free."""
+    w = Loop("tcp_server.py", tmp_path / "w.log", (who,), launched=True).start()
+    loops.append(w)
+    snap = tmp_path / "snap"
+    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
+    n, port, _ = w.numbers("tick")[-1]
+    with contextlib.ExitStack() as held:
+        if who == "client":  # (nothing of it is left on its port: another process listens there)
+            squatter = held.enter_context(socket.socket())
+            squatter.bind(("127.0.0.1", port))
+            squatter.listen()
+        proc = tpagent("restore", str(snap))
+    why = f"a socket listens on 127.0.0.1:{port} here" if who == "client" else "wait out TIME_WAIT"
+    taken = f"TCP port 127.0.0.1:{port}, which the process had bound, is taken on this node ("
+    assert_one_sentence_error(proc, taken, why, "nothing was restored")
+    assert w.numbers("tick")[-1][0] == n  # (nothing of it runs)
+    if who == "client":
+        proc = tpagent("restore", str(snap), "--json")
+        assert proc.returncode == 0, proc.stderr
+        w.pid = json.loads(proc.stdout)["pid"]
+        wait_until(lambda: w.numbers("tick")[-1][0] >= n + 10, "the restored server to take connections again")
+        ticks = w.numbers("tick")
+        assert ticks == [[i, port, i] for i in range(len(ticks))]  # the same listener, from where it stood
