@@ -98,6 +98,13 @@ def store_user(env: dict[str, str]) -> tuple[int, int] | None:
     return nobody.pw_uid, nobody.pw_gid
 
 
+#: What of a rank's environment its store server gets: where its Python and torch are found, no
+#: more (a rank's tokens and keys stay with the rank; the server may run as another user).
+STORE_ENVIRONMENT = frozenset(
+    {"PATH", "PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "LANG", "LC_ALL", "TMPDIR"}
+)
+
+
 def _serve(
     argv: list[str], env: dict[str, str], errors: BinaryIO, user: tuple[int, int] | None
 ) -> subprocess.Popen[bytes]:
@@ -107,7 +114,7 @@ def _serve(
         stdin=subprocess.PIPE if argv[5] == "stdin" else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=errors,
-        env={**env, "HOME": "/"},
+        env={**{k: v for k, v in env.items() if k in STORE_ENVIRONMENT}, "HOME": "/"},
         cwd="/",
         start_new_session=True,
         user=uid,
@@ -153,16 +160,18 @@ def serve(
     user: tuple[int, int] | None,
     seed: dict[str, str],
     until: str = "stdin",
+    roots: bool = True,
 ) -> tuple[subprocess.Popen[bytes] | None, str, str]:
     """The store served at ``host``:``port`` by ``python`` as ``user`` (None: this process's),
     holding ``seed`` until its standard input ends (or ``until`` "killed"): the server, its port
     and what is to be said of it ("": nothing); or None, "" and why not.  Where ``user`` cannot
-    run that Python (or its torch), root serves it, said."""
+    run that Python (or its torch), root serves it, said, if ``python`` and ``env`` are root's
+    own (``roots``): never a user's, which would run the user's code as root."""
     argv = [python, "-c", STORE_SERVER, host, str(port), until, *(x for kv in sorted(seed.items()) for x in kv)]
     server, said = _started(argv, env, user)
     if server is not None:
         return server, said, ""
-    if user is None:
+    if user is None or not roots:
         return None, "", f"serving it on port {port} failed: {said}"
     server, last = _started(argv, env, None)
     if server is None:
@@ -181,16 +190,16 @@ def serve_anew(
     job: str, spec: P.Join, host: str, agreed: str, running: Callable[[], bool], kept: Path | None = None
 ) -> tuple[str, Callable[[], None]]:
     """Serve the store of ``job``, lost with its node, on this node at ``host`` (see the module),
-    with the Python and as the user of the rank ``spec`` (root's rank: as nobody); ``agreed``: the
-    value its identity was agreed on; written down in ``kept``.  ``HOST:PORT`` and what ends it;
-    RuntimeError: why not."""
+    with the Python and as the user of the rank ``spec`` (root's rank: as nobody, or as root where
+    nobody cannot run its Python; a user's rank never as root); ``agreed``: the value its identity
+    was agreed on; written down in ``kept``.  ``HOST:PORT`` and what ends it; RuntimeError: why not."""
     env = dict(e.split("=", 1) for e in spec.env if "=" in e)
     python = python_of(list(spec.cmd), env)
     if python is None:
         raise RuntimeError(f"{spec.cmd[0]} is not a Python interpreter (nor a script one runs) to serve it with")
     user = None if os.geteuid() != 0 else (spec.uid, spec.gid) if spec.uid != 0 else store_user({})
     seed = {P.JOB_KEY: agreed} if agreed else {}
-    server, port, said = serve(python, host, 0, env, user, seed, until="killed")
+    server, port, said = serve(python, host, 0, env, user, seed, until="killed", roots=spec.uid == 0)
     if server is None:
         raise RuntimeError(said)
     if said:
