@@ -19,9 +19,11 @@ import psutil
 import pytest
 
 from conftest import needs_criu
+from host import proc
 from support.cluster import Cluster
 from support.helpers import ROOT, wait_until
 from support.users import DAEMON, NOBODY, as_user, user_dir, user_python
+from tpagent.jobs import joiners
 
 pytestmark = needs_criu
 
@@ -121,6 +123,9 @@ def test_a_users_rank_runs_as_that_user_and_no_other_user_reaches_it(node_a: Clu
             assert who.uids().real == who.uids().effective == DAEMON[0] and who.gids().real == DAEMON[1]
             assert Path(f"/proc/{who.pid}/status").read_text().split("Groups:")[1].split("\n")[0].strip() == ""
             assert psutil.Process(started["pid"]).uids().real == 0  # (the namespace's init: root's, as ever)
+            # A fresh process of it (a model-aware move's, a rebuild's) starts where it did, not in the agent's.
+            spec = joiners.spec_of(started["pid"], proc.start_ticks(started["pid"]), DAEMON[0])
+            assert spec.cwd == str(home) and (spec.uid, spec.gid) == DAEMON, spec
             wait_until(lambda: (home / "preload.log").exists(), "its own process to load its library", 30)
             assert set((home / "preload.log").read_text().split()) == {str(DAEMON[0])}
             asked = {"op": "rank", "job": "mine", "rank": 0, "via": "10.233.0.99:7400", "request": {"op": "locate"}}

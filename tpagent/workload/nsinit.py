@@ -117,7 +117,7 @@ def _start(cmd: list[str], run_as: dict[str, Any] | None) -> subprocess.Popen[by
         raise OSError(e.errno, f"cannot join the stand-in's control group ({e.strerror})", e.filename) from e
     cwd = run_as["cwd"]
     try:
-        return subprocess.Popen(
+        child = subprocess.Popen(
             cmd,
             close_fds=True,
             env=run_as["env"],
@@ -128,6 +128,12 @@ def _start(cmd: list[str], run_as: dict[str, Any] | None) -> subprocess.Popen[by
         )
     except subprocess.SubprocessError as e:
         raise OSError(errno.EACCES, f"cannot enter the directory as the user ({e})", cwd) from e
+    # This init works where its workload started (the very directory the user entered: no path
+    # is looked up as root), as a launch's by root's own caller does: what its rank's fresh
+    # processes (a model-aware move's, a rebuild's) are started in, read from here.
+    with contextlib.suppress(OSError):
+        os.chdir(f"/proc/{child.pid}/cwd")
+    return child
 
 
 def main(argv: list[str]) -> int:
