@@ -166,3 +166,32 @@ def _evil_library(home: Path) -> Path:
     os.chown(home / "preload.log", *DAEMON)
     (home / "preload.log").unlink()  # (created by whoever loads the library: as itself)
     return lib
+
+
+def _roots_rank(c: Cluster, job: str, tmp: Path, script: str) -> subprocess.CompletedProcess[str]:
+    """``sh -c script`` as rank 0 of ``job`` under a stand-in of root's (the agent's API), to its end."""
+    argv = c.nodes["A"].exec(
+        str(Path(os.sys.executable).parent / "tpagent"), "rank", "--agent", c.nodes["A"].agent_address,
+        "--stdout", str(tmp / f"{job}.out"), "--", "sh", "-c", script,
+    )  # fmt: skip
+    env = {**c.cli_env("A"), "TPAGENT_JOB": job, "RANK": "0", "WORLD_SIZE": "1"}
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_of_roots_is_never_followed_into_another_users_of_its_name(node_a: Cluster, tmp_path: Path) -> None:
+    """Another user's rank of the same job and rank, started first, is the agent's; root's own
+    then runs unknown to the agent (it cannot move), and its stand-in relays its output and
+    its status, never the other's.  Once root's has ended, its name stays root's a while (its
+    stand-in may yet ask how it ended): another user's start of it is refused."""
+    c = node_a
+    with user_dir(DAEMON) as home:
+        first = _ask(c, DAEMON, _start("taken", home))
+        assert first["ok"], first
+        ran = _roots_rank(c, "taken", tmp_path, "echo root rank; exit 3")
+        assert ran.returncode == 3, ran.stderr
+        assert "cannot be moved" in ran.stderr and "root rank" in ran.stdout and "tick " not in ran.stdout, ran
+
+        ended = _roots_rank(c, "ends", tmp_path, "echo root rank; exit 3")
+        assert ended.returncode == 3 and "root rank" in ended.stdout, ended
+        _refused(_ask(c, DAEMON, _start("ends", home)), "was started here by another user")

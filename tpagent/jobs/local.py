@@ -131,7 +131,7 @@ class StandInDoor:
         name: str,
         threads: Threads,
         launch: Callable[[Start, Caller], int],
-        owner_of: Callable[[str, int], tuple[int, str, bool] | None],
+        owner_of: Callable[[str, int], tuple[int, str, bool, bool] | None],
         ask: Callable[[str, str, int, P.Request[Any], float], Any],
     ) -> None:
         self.name = name
@@ -225,7 +225,7 @@ class StandInDoor:
         key = (s.job, s.rank)
         known = self.owner_of(*key)
         with self.lock:
-            if key in self.starting or known is not None and (known[2] or known[1]) and known[0] != caller.uid:
+            if key in self.starting or known is not None and known[3] and known[0] != caller.uid:
                 raise Refused(f"rank {s.rank} of job {s.job} was started here by another user", Why.PRECONDITION)
             if known is not None and known[2]:
                 raise Refused(f"rank {s.rank} of job {s.job} runs here already", Why.PRECONDITION)

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 
 #: Ranks that moved away or ended, remembered (for their stand-ins) at most.
 KEEP_ENDED = 1024
+#: How long the name of a rank that ended here stays its user's (its stand-in asks how it ended,
+#: or waits out its hold): another user's rank of that name is refused until then.
+ENDED_CLAIM = 60.0
 #: The statuses of a process killed outright (a crash, the OOM killer), not ended by its script or
 #: its launcher: a rank of a job of several that ends so has its end held from its stand-in
 #: (:meth:`tpagent.jobs.ranks.Ranks.locate`: moving) for its job to rebuild it elsewhere, where
@@ -53,6 +56,7 @@ class RankEntry:
     owner: int = -1  # the user whose stand-in had it started here (tpagent.jobs.local; -1: root's stand-in)
     outputs: dict[int, int] = field(default_factory=dict)  # 1, 2 -> our descriptor of its stdout, stderr file
     held_until: float = 0.0  # (monotonic) its end (DIED) is held from its stand-in until then
+    ended_at: float = 0.0  # (monotonic) when its end was reported here (0: not in this run)
     anew: bool = False  # moved_to runs a new process of it (rebuilt after it died here)
     broke: str = ""  # why a collective of it failed, as it said unasked on its connection (lines.Broke)
     step: int = 0  # its optimizer steps, as it last said (its hello, then lines.Stepped)

@@ -209,6 +209,9 @@ class StandIn:
         #: Our own descriptors of the files the rank writes (1, 2): what its agent could not relay
         #: (restarting as the rank ended) is read from them at the end.
         self.files: dict[int, int] = {}
+        #: The agent refused to know the rank (another's of that name runs there): it is run and
+        #: followed here alone, never asked of the agent, which would answer of the other's.
+        self.alone = False
         if relay:
             self.relays[1] = _Relay(_size(stdout), sys.stdout.buffer)
             if stderr.absolute() != stdout.absolute():
@@ -250,6 +253,7 @@ class StandIn:
             self.agent.rank(job, rank, P.Expect(pid=init), 30)
         except AgentError as e:
             self.say(f"the agent does not know rank {rank} of job {job}, so it cannot be moved ({e})")
+            self.alone = True
         return init, holder
 
     def _run(self, job: str, rank: int, renv: dict[str, str]) -> int:
@@ -269,6 +273,8 @@ class StandIn:
                 self.wake.wait(0.5)
                 self.wake.clear()
                 continue
+            if self.alone and holder is not None:
+                return self._ended(where, job, rank, _status(holder.wait()))
             try:
                 loc = where.rank(job, rank, P.Locate(), 10)
                 last_heard = time.monotonic()
@@ -316,17 +322,18 @@ class StandIn:
     def _ended(self, where: RankAgent, job: str, rank: int, code: int) -> int:
         self._relay(where, job, rank)  # (the last of what it wrote)
         if where is self.agent:  # (it ended on this node: what its agent did not relay is in its files)
-            for which, relay in self.relays.items():
-                fd = self.files.get(which)
-                while fd is not None and (data := os.pread(fd, 1 << 20, relay.offset)):
-                    relay.write(data)
+            self._relay_files()
         for relay in self.relays.values():
             relay.write(b"", final=True)  # (a last line without its end)
         return code
 
     def _relay(self, where: RankAgent, job: str, rank: int) -> None:
         """Write what the rank wrote since the last time to this process's own stdout (stderr),
-        which its launcher shows: read through the agent of the node it runs on."""
+        which its launcher shows: read through the agent of the node it runs on (or from its
+        files, where the agent does not know it)."""
+        if self.alone:
+            self._relay_files()
+            return
         for which, relay in self.relays.items():
             for _ in range(16):  # (at most 16 MiB a round: signals are passed on meanwhile)
                 try:
@@ -335,6 +342,12 @@ class StandIn:
                     break  # (asked again next round; a rank the agent cannot read is not relayed)
                 if not data:
                     break
+                relay.write(data)
+
+    def _relay_files(self) -> None:
+        for which, relay in self.relays.items():
+            fd = self.files.get(which)
+            while fd is not None and (data := os.pread(fd, 1 << 20, relay.offset)):
                 relay.write(data)
 
     def _peer(self, address: str) -> RankAgent:
