@@ -602,6 +602,22 @@ def test_launch_imports_nothing_from_its_directory_and_follows_no_symlink(tmp_pa
 
 
 @needs_criu
+def test_launch_writes_no_log_a_user_planted_where_anyone_may_write(tmp_path: Path) -> None:
+    """In a directory of root's that anyone may write in (sticky, as /tmp), nobody leaves a log
+    of theirs, readable by all, where root's workload would write: root's `tpagent launch`
+    refuses it in one sentence, and nothing of the workload's output reaches it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    planted = shared / "job.log"
+    planted.touch(mode=0o666)
+    os.chown(planted, UID_NOBODY, UID_NOBODY)
+    proc = tpagent("launch", "--stdout", str(planted), "--", "sh", "-c", "echo root secret")
+    assert_one_sentence_error(proc, f"a file of UID {UID_NOBODY}'s in a directory others may write in", str(planted))
+    assert planted.read_text() == ""
+
+
+@needs_criu
 def test_a_snapshot_in_a_users_directory_is_not_restored(start, tmp_path: Path, playground: Path) -> None:  # type: ignore[no-untyped-def]
     """Root verifies a snapshot, then CRIU reads its images again by name: from a directory
     nobody could swap (theirs, or one under theirs) it is refused in one sentence, before

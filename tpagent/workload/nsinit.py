@@ -34,16 +34,21 @@ from host import safefs
 from host.api import UsageError
 
 
-def _open_log(path: Path) -> int:
+def _open_log(path: Path, uid: int) -> int:
     """The log, opened for appending as root: through no symlink (safefs's walk), and never an
     existing file with other links or one that someone else than its directory's owner (or
-    root) could have put there (a hard link to a root file, say)."""
+    root) could have put there (a hard link to a root file, say; a user's file in /tmp, which
+    they would read root's workload's output from): ``uid`` is whom the workload runs as."""
     parent = safefs.open_dir(path.parent, to=path)
     try:
         fd = os.open(
             path.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY, 0o644, dir_fd=parent
         )
         st = os.fstat(safefs.owned_fd(parent, fd, path))
+        where = os.fstat(parent)
+        if st.st_uid not in (0, uid, where.st_uid) and where.st_mode & 0o022:  # (/tmp: root's, sticky)
+            os.close(fd)
+            raise OSError(errno.EPERM, f"a file of UID {st.st_uid}'s in a directory others may write in", str(path))
         if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode) and path != Path(os.devnull):
             os.close(fd)
             raise OSError(errno.EPERM, "not a plain file of its own (other links, or not a regular file)", str(path))
@@ -152,7 +157,7 @@ def main(argv: list[str]) -> int:
         os.close(devnull)
         for fd, path in ((1, stdout_path), (2, stderr_path)):
             with _as_user(run_as):
-                target = _open_log(Path(path))
+                target = _open_log(Path(path), run_as["uid"] if run_as is not None else 0)
             os.dup2(target, fd)
             os.close(target)
         child = _start(cmd, run_as)
