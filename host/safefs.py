@@ -81,11 +81,15 @@ def _open_private_dir(at: Path, path: Path, empty: bool, created: bool, dir_fd: 
             "a directory of its own that no one else could write to (they could plant files in it): "
             "remove it or give a new one."
         )
-    if stat.S_IMODE(st.st_mode) != PRIVATE:
-        os.fchmod(fd, PRIVATE)  # ours: shut it before looking inside (the umask may have taken bits too)
-    if empty and os.listdir(fd):
+    if empty and os.listdir(fd):  # (first: a directory refused is left as it was, /etc's mode too)
         os.close(fd)
         raise UsageError(f"output directory {path} is not empty; give an empty or new directory.")
+    if stat.S_IMODE(st.st_mode) != PRIVATE:
+        try:
+            os.fchmod(fd, PRIVATE)  # ours (no one else may write in it): shut (the umask may have taken bits too)
+        except OSError as e:
+            os.close(fd)
+            raise UsageError(f"{at} cannot be made private ({e.strerror}); give a new directory.") from e
     return fd
 
 

@@ -47,6 +47,18 @@ def test_private_dir_takes_an_own_looser_dir_and_shuts_it(tmp_path: Path) -> Non
     assert _mode(mine) == 0o700
 
 
+def test_a_non_empty_dir_refused_keeps_its_mode(tmp_path: Path) -> None:
+    """A dump's --out (or a restore's snapshot) refused as not empty is left as it was: a dump
+    told --out /etc made /etc 0700 before it refused it."""
+    d = tmp_path / "etc"
+    d.mkdir()
+    (d / "passwd").touch()
+    d.chmod(0o755)
+    with pytest.raises(UsageError, match="is not empty"):
+        safefs.private_dir(d, empty=True)
+    assert stat.S_IMODE(d.stat().st_mode) == 0o755
+
+
 @pytest.mark.parametrize("mode", [0o770, 0o707, 0o1777], ids=["group-writable", "other-writable", "sticky-shared"])
 def test_private_dir_refuses_an_existing_dir_others_could_write(tmp_path: Path, mode: int) -> None:
     shared = tmp_path / "shared"
