@@ -12,6 +12,7 @@ import pytest
 from tpagent.common.threads import Threads
 from tpagent.jobs import local
 from tpagent.jobs.local import Caller, StandInDoor, Start
+from tpagent.jobs.rankentry import Owned
 from tpagent_rank import protocol as P
 
 ALICE = Caller(pid=100, uid=1000, gid=1000)
@@ -22,12 +23,12 @@ class Agents:
     """The agent around the door: ranks it knows (whose, moved where, running) and what it was asked."""
 
     def __init__(self) -> None:
-        self.ranks: dict[tuple[str, int], tuple[int, str, bool, bool]] = {}  # owner, moved to, here, claimed
+        self.ranks: dict[tuple[str, int], Owned] = {}
         self.moves: dict[str, str] = {}  # agent -> the agent the rank moved on to from there
         self.asked: list[tuple[str, str]] = []
 
     def launch(self, s: Start, c: Caller) -> int:
-        self.ranks[s.job, s.rank] = (c.uid, "", True, True)
+        self.ranks[s.job, s.rank] = Owned(c.uid, "", True, True)
         return 4242
 
     def ask(self, via: str, job: str, rank: int, request: P.Request[Any], timeout: float) -> Any:
@@ -74,9 +75,9 @@ def test_a_start_is_checked_and_a_rank_is_its_starters_alone() -> None:
     assert "may only ask" in d._answer(rank({"op": "end"}), ALICE)["error"]
     assert "may only ask" in d._answer(rank({"op": "expect", "pid": 1}), ALICE)["error"]
     assert a.asked == [("", "locate")]
-    a.ranks["j", 0] = (ALICE.uid, "", False, True)  # (it ended: its stand-in may yet ask how)
+    a.ranks["j", 0] = Owned(ALICE.uid, "", False, True)  # (it ended: its stand-in may yet ask how)
     assert "another user" in d._answer(start(), MALLORY)["error"]
-    a.ranks["j", 0] = (ALICE.uid, "", False, False)  # (long since)
+    a.ranks["j", 0] = Owned(ALICE.uid, "", False, False)  # (long since)
     assert d._answer(start(), MALLORY)["ok"]
 
 
@@ -84,14 +85,14 @@ def test_a_stand_in_follows_its_rank_only_where_it_went() -> None:
     d, a = door()
     d._answer(start(), ALICE)
     assert "never moved to" in d._answer(rank({"op": "locate"}, via="10.0.0.9:7400"), ALICE)["error"]
-    a.ranks["j", 0] = (ALICE.uid, "10.0.0.2:7400", False, True)  # (moved from here to .2, and on from .2 to .3)
+    a.ranks["j", 0] = Owned(ALICE.uid, "10.0.0.2:7400", False, True)  # (moved from here to .2, and on from .2 to .3)
     a.moves["10.0.0.2:7400"] = "10.0.0.3:7400"
     assert d._answer(rank({"op": "locate"}, via="10.0.0.2:7400"), ALICE)["ok"]
     del a.moves["10.0.0.2:7400"]
     assert d._answer(rank({"op": "locate"}, via="10.0.0.3:7400"), ALICE)["ok"]  # (learned from .2's answer)
     assert "never moved to" in d._answer(rank({"op": "locate"}, via="10.0.0.4:7400"), ALICE)["error"]
     fresh, b = door()  # (an agent restarted: it knows the first hop from its registry, and follows it)
-    b.ranks["j", 0] = (ALICE.uid, "10.0.0.2:7400", False, True)
+    b.ranks["j", 0] = Owned(ALICE.uid, "10.0.0.2:7400", False, True)
     b.moves["10.0.0.2:7400"] = "10.0.0.3:7400"
     assert fresh._answer(rank({"op": "locate"}, via="10.0.0.3:7400"), ALICE)["ok"]
     assert "not started here by you" in fresh._answer(rank({"op": "locate"}, via="10.0.0.3:7400"), MALLORY)["error"]
@@ -103,5 +104,5 @@ def test_a_user_has_a_bounded_number_of_ranks_running_on_a_node(monkeypatch: pyt
     assert d._answer(start("j1"), ALICE)["ok"] and d._answer(start("j2"), ALICE)["ok"]
     assert "2 ranks running on this node already" in d._answer(start("j3"), ALICE)["error"]
     assert d._answer(start("m1"), MALLORY)["ok"]  # (another user's own count)
-    a.ranks["j1", 0] = (ALICE.uid, "", False, True)  # (one of them ended)
+    a.ranks["j1", 0] = Owned(ALICE.uid, "", False, True)  # (one of them ended)
     assert d._answer(start("j3"), ALICE)["ok"]

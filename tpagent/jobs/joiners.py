@@ -134,7 +134,7 @@ def start(ranks: Ranks, threads: Threads, rank_socket: str, job: str, rank: int,
     (its owner's, if a user's stand-in had the rank started); its namespace init's PID."""
     env = _checked(job, rank, j)
     known = ranks.owner_of(job, rank)
-    if known is not None and known[2]:
+    if known is not None and known.here:
         raise Refused(f"rank {rank} of job {job} runs here already", Why.CONFLICT)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(runtime_dir()), env.get("PYTHONPATH", "")) if p)
     env["TPAGENT_RANK_SOCKET"] = rank_socket

@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 from host import cgroups, peers
 from host.api import UsageError
 from tpagent.common.threads import Threads
+from tpagent.jobs.rankentry import Owned
 from tpagent.migration.api import AgentError, PeerUnreachable, Refused, Why
 from tpagent_rank import codec
 from tpagent_rank import protocol as P
@@ -131,7 +132,7 @@ class StandInDoor:
         name: str,
         threads: Threads,
         launch: Callable[[Start, Caller], int],
-        owner_of: Callable[[str, int], tuple[int, str, bool, bool] | None],
+        owner_of: Callable[[str, int], Owned | None],
         ask: Callable[[str, str, int, P.Request[Any], float], Any],
     ) -> None:
         self.name = name
@@ -225,12 +226,12 @@ class StandInDoor:
         key = (s.job, s.rank)
         known = self.owner_of(*key)
         with self.lock:
-            if key in self.starting or known is not None and known[3] and known[0] != caller.uid:
+            if key in self.starting or known is not None and known.claimed and known.owner != caller.uid:
                 raise Refused(f"rank {s.rank} of job {s.job} was started here by another user", Why.PRECONDITION)
-            if known is not None and known[2]:
+            if known is not None and known.here:
                 raise Refused(f"rank {s.rank} of job {s.job} runs here already", Why.PRECONDITION)
             mine = self.started.setdefault(caller.uid, set())
-            mine -= {k for k in mine if not ((o := self.owner_of(*k)) and o[2])}
+            mine -= {k for k in mine if not ((o := self.owner_of(*k)) and o.here)}
             if len(mine) + sum(u == caller.uid for u in self.starting.values()) >= RANKS_PER_USER:
                 raise Refused(f"you have {RANKS_PER_USER} ranks running on this node already", Why.PRECONDITION)
             self.starting[key] = caller.uid  # (two callers racing: one starts it)
@@ -252,9 +253,9 @@ class StandInDoor:
             raise Refused(f"a stand-in may only ask {', '.join(sorted(o.value for o in RELAYED))}", Why.INVALID)
         key = (job, rank)
         known = self.owner_of(job, rank)
-        if known is None or known[0] != caller.uid or caller.uid < 0:
+        if known is None or known.owner != caller.uid or caller.uid < 0:
             raise Refused(f"rank {rank} of job {job} was not started here by you", Why.NOT_FOUND)
-        if via and not self._followed(key, known[1], via):
+        if via and not self._followed(key, known.moved_to, via):
             raise Refused(f"rank {rank} of job {job} never moved to {via}", Why.NOT_FOUND)
         timeout = d.get("timeout", 10.0)
         timeout = min(max(float(timeout), 0.1), 60.0) if isinstance(timeout, int | float) else 10.0

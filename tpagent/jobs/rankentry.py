@@ -13,7 +13,7 @@ import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from host import proc
 from tpagent.jobs.connection import Connection
@@ -39,6 +39,15 @@ def died(code: int, world: int) -> bool:
     """Whether a rank that ended with ``code`` (a signal's: negative) died, in a job of ``world``
     ranks its job may rebuild it from (:data:`DIED`)."""
     return code in DIED and world > 1
+
+
+class Owned(NamedTuple):
+    """Whose a rank known here is (:meth:`tpagent.jobs.ranks.Ranks.owner_of`)."""
+
+    owner: int  # the user whose stand-in had it started here (-1: root's)
+    moved_to: str  # the agent it moved to ("": none)
+    here: bool  # it runs here still
+    claimed: bool  # its name is still that user's: it runs here or moved, or ended lately or held
 
 
 @dataclass

@@ -285,11 +285,10 @@ class Ranks:
             raise Refused(f"rank {rank} of job {job} is not known on this node.", Why.NOT_FOUND)
         return e
 
-    def owner_of(self, job: str, rank: int) -> tuple[int, str, bool, bool] | None:
-        """Whose stand-in had ``rank`` of ``job`` started here (-1: root's), the agent it moved
-        to, whether it runs here still, and whether its name is still that user's (it runs here
-        or moved, or ended here less than :data:`~rankentry.ENDED_CLAIM` ago or its end is held:
-        its stand-in may yet ask of it); None if it is not known here."""
+    def owner_of(self, job: str, rank: int) -> rankentry.Owned | None:
+        """Whose stand-in had ``rank`` of ``job`` started here, and whether its name is still that
+        user's (it runs here or moved, or ended here less than :data:`~rankentry.ENDED_CLAIM` ago
+        or its end is held: its stand-in may yet ask of it); None if it is not known here."""
         now = time.monotonic()
         with self.lock:
             e = self.entries.get((job, rank))
@@ -297,7 +296,7 @@ class Ranks:
                 return None
             here = e.alive() and e.exit_code is None
             ended = e.exit_code is not None and (now < e.held_until or now < e.ended_at + rankentry.ENDED_CLAIM)
-            return e.owner, e.moved_to, here, here or bool(e.moved_to) or ended
+            return rankentry.Owned(e.owner, e.moved_to, here, here or bool(e.moved_to) or ended)
 
     def identity(self, job: str, rank: int) -> str:
         """Which job the rank here is, across nodes: its user and the job's key (P.JOB_KEY), as it
