@@ -23,7 +23,7 @@ import typer
 from host.api import UsageError
 from snapshot.api import Interrupted, SnapshotError, SnapshotInvalid
 from tpagent.common.credentials import Credentials
-from transfer.api import Compress, TransferError
+from transfer.api import BadAddress, Compress, TransferError
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # CRIU, the CUDA driver or the disk failed; the process was resumed
@@ -114,7 +114,7 @@ def die(msg: str, code: int, as_json: bool = False, rolled_back: bool = False) -
 
 def exit_code(e: SnapshotError | TransferError) -> int:
     """The exit code for an error of the snapshot or transfer layer."""
-    if isinstance(e, UsageError):
+    if isinstance(e, UsageError | BadAddress):
         return EXIT_USAGE
     if isinstance(e, SnapshotInvalid):
         return EXIT_INVALID

@@ -29,6 +29,10 @@ class IntegrityError(TransferError):
     """Data failed verification and could not be repaired by fetching it again."""
 
 
+class BadAddress(TransferError):
+    """A peer's address that is no ``HOST:PORT``: the request as given, never retried."""
+
+
 class Compress(str, enum.Enum):
     AUTO = "auto"  # compress while it pays (the link is slower than the compressor)
     ZSTD = "zstd"  # always try zstd (a chunk that does not shrink still goes raw)
@@ -208,5 +212,5 @@ def parse_address(address: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port), or TransferError in one sentence."""
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise TransferError(f"{address!r} is not HOST:PORT.")
+        raise BadAddress(f"{address!r} is not HOST:PORT.")
     return host.strip("[]") or "0.0.0.0", int(port)

@@ -27,6 +27,7 @@ from transfer.api import (
     TransferError,
     TransferStats,
     Transport,
+    parse_address,
     retry_pause,
 )
 from transfer.chunks import Feed, Files, SendState
@@ -244,6 +245,7 @@ class Sender:
         (it raises to give up: the receiver then keeps nothing).  With ``feed`` too, images
         that are no files here come from it (a streamed dump); it is failed once the send
         ends, so that a dump still streaming into it fails too."""
+        parse_address(address)  # (one that is no address is said once, before anything: never retried)
         cfg = self.config
         session = os.urandom(16)
         files = Files(snapshot, cfg.chunk_size, feed)

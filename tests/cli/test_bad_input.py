@@ -414,3 +414,27 @@ def test_criu_not_installed_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(UsageError, match="CRIU is not installed; run scripts/install-criu.sh"):
         criu.Criu()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1", "[::1]:x"])
+def test_a_malformed_send_to_address_is_refused_before_anything_is_frozen(  # type: ignore[no-untyped-def]
+    start, snapshot_dir: Path, tmp_path: Path, address: str
+) -> None:
+    """A mistyped --send-to is said once, before the freeze (it was found by the sender only,
+    which retried it six times while the dump, in its kill mode, ended the process); `send` says
+    it once too, never retried."""
+    from transfer.api import MIN_SECRET
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(MIN_SECRET))
+    secret.chmod(0o600)
+    w = start(mib=16)
+    out = tmp_path / "s"
+    said = tpagent(
+        "dump", str(w.pid), "--out", str(out), "--secret-file", str(secret), "--plaintext", "--send-to", address
+    )
+    assert_one_sentence_error(said, f"{address!r} is not HOST:PORT")
+    assert said.returncode == 2 and alive(w.pid) and not out.exists()
+    said = tpagent("send", str(snapshot_dir), address, "--secret-file", str(secret), "--plaintext")
+    assert_one_sentence_error(said, f"{address!r} is not HOST:PORT")
+    assert said.returncode == 2 and "failed" not in said.stderr
