@@ -194,8 +194,14 @@ class Manifest:
         if not re.fullmatch(r"\d+\.\d+(\.\d+)?", _get(criu, "version", str, "criu")):
             raise ValueError("criu.version")
         _get(criu, "shell_job", bool, "criu"), _get(criu, "tcp_established", bool, "criu")
+        pids = {p.pid for p in procs}
+        root_pid = _get(data, "root_pid", int, "manifest")
+        if root_pid not in pids:  # (whose copy still running here a restore looks for)
+            raise ValueError("root_pid names a process not in processes")
+        if not all(p.ns_pids for p in procs):
+            raise ValueError("processes[].ns_pids is empty")
         cuda = _get(data, "cuda", dict, "manifest")
-        if not set(_list(cuda, "pids", int, "cuda")) <= {p.pid for p in procs}:
+        if not set(_list(cuda, "pids", int, "cuda")) <= pids:
             raise ValueError("cuda.pids names a process not in processes")
         host = _get(data, "host", dict, "manifest")
         for key in ("hostname", "kernel", "machine"):
@@ -210,7 +216,7 @@ class Manifest:
             raise ValueError(f"carried: names files but {IMAGES_DIR}/{CARRIED_NAME} is not among the files")
         links = _links(data, carried)
         timers = _rows(data, "timers", Timer)
-        if not {t.pid for t in timers} <= {p.pid for p in procs}:
+        if not {t.pid for t in timers} <= pids:
             raise ValueError("timers names a process not in processes")
         bindings = _bindings(data, procs)
         sockets = _rows(data, "sockets", BoundSocket)
@@ -229,7 +235,7 @@ class Manifest:
         ):
             raise ValueError("dirs: one is not on the way to a socket of its owner or a carried file")
         return cls(
-            root_pid=_get(data, "root_pid", int, "manifest"),
+            root_pid=root_pid,
             namespace=_get(data, "namespace", bool, "manifest"),
             processes=procs,
             gpus=gpus,

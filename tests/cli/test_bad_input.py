@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -167,6 +168,8 @@ def test_restore_dir_without_manifest(tmp_path: Path) -> None:
         (lambda d: _edit(d, format_version=99), "newer tpagent"),
         (lambda d: _edit(d, processes=None), "malformed"),
         (lambda d: _edit(d, root_pid=1, rehash=False), "its own checksum"),
+        (lambda d: _edit(d, root_pid=2**40), "root_pid names a process not in processes"),
+        (lambda d: _edit(d, processes=[{**p, "ns_pids": []} for p in _manifest(d)["processes"]]), "ns_pids is empty"),
         (
             lambda d: _edit(d, files={"../../etc/passwd": {"size": 1, "chunk_size": 1, "sha256": []}}),
             "directly under images/",
@@ -183,6 +186,8 @@ def test_restore_dir_without_manifest(tmp_path: Path) -> None:
         "newer-format",
         "malformed",
         "edited",
+        "root-elsewhere",
+        "no-ns-pids",
         "traversal",
         "symlink",
         "truncated",
@@ -254,6 +259,10 @@ def _edit(d: Path, rehash: bool = True, **fields: object) -> None:
     if rehash:
         data["manifest_sha256"] = _body_digest(data)
     (d / "manifest.json").write_text(json.dumps(data))
+
+
+def _manifest(d: Path) -> dict[str, Any]:
+    return dict(json.loads((d / "manifest.json").read_text()))
 
 
 def _swap_for_symlink(d: Path) -> None:
