@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -129,6 +130,19 @@ def _serve_cli(cfg: AgentConfig, work_dir: Path) -> subprocess.CompletedProcess[
         str(cfg.tls_dir),
         timeout=60,
     )
+
+
+def test_an_agent_whose_port_is_taken_or_no_port_says_so_in_one_sentence(tmp_path: Path) -> None:
+    """Another process listens on its port (this gRPC raised, a traceback), or the port is over
+    65535 (gRPC took it wrapped, 99999 as 34463): one sentence, exit 2."""
+    cfg = agent_config(tmp_path, "n")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        for listen in (f"127.0.0.1:{held.getsockname()[1]}", "127.0.0.1:99999"):
+            proc = _serve_cli(dataclasses.replace(cfg, listen=listen), tmp_path / "work")
+            assert_one_sentence_error(proc, f"cannot listen on {listen}; is another agent running there?")
+            assert proc.returncode == 2
 
 
 def test_an_agent_refuses_a_work_dir_someone_else_prepared(tmp_path: Path, playground: Path) -> None:

@@ -356,6 +356,19 @@ def stub(address: str, creds: Credentials) -> Any:
     return pb_grpc.AgentStub(channel(address, creds))
 
 
+def listens(srv: grpc.Server, address: str, tls: grpc.ServerCredentials | None = None) -> bool:
+    """Whether ``srv`` now listens on ``address`` (with ``tls``; None: plain text), HOST:PORT:
+    gRPC says no by 0 or, in later releases, by RuntimeError, and takes a port over 65535 as
+    that number wrapped."""
+    port = address.rpartition(":")[2]
+    if not port.isdigit() or int(port) > 65535:
+        return False
+    try:
+        return (srv.add_secure_port(address, tls) if tls is not None else srv.add_insecure_port(address)) != 0
+    except RuntimeError:
+        return False
+
+
 def server(
     creds: Credentials, interceptor: AuthInterceptor, workers: int = 32
 ) -> tuple[grpc.Server, grpc.ServerCredentials]:

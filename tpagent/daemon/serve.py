@@ -39,7 +39,7 @@ from tpagent.common.threads import Threads
 from tpagent.daemon import report
 from tpagent.daemon.client import GrpcPeer
 from tpagent.daemon.node import Node
-from tpagent.daemon.rpc import AuthInterceptor, Health, HealthOnly, pb_grpc
+from tpagent.daemon.rpc import AuthInterceptor, Health, HealthOnly, listens, pb_grpc
 from tpagent.daemon.rpc import server as rpc_server
 from tpagent.daemon.service import Service
 from tpagent.migration import watch
@@ -161,14 +161,14 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
     )
     server, tls = rpc_server(creds, interceptor)
     pb_grpc.add_AgentServicer_to_server(Service(node), server)
-    if server.add_secure_port(cfg.listen, tls) == 0:
+    if not listens(server, cfg.listen, tls):
         raise UsageError(f"cannot listen on {cfg.listen}; is another agent running there?")
     probes = None
     scrapes = None
     if cfg.health_listen:
         # (no limit on calls: Check reads nothing and answers at once, so none can hold a place)
         probes = grpc.server(health.pool, interceptors=[HealthOnly(health)])
-        if probes.add_insecure_port(cfg.health_listen) == 0:
+        if not listens(probes, cfg.health_listen):
             raise UsageError(f"cannot serve health checks on {cfg.health_listen}; is another agent running there?")
     if cfg.metrics_listen:
         metrics.FROZEN.set_function(functools.partial(watch.frozen_seconds, ctx, node.sources))

@@ -22,7 +22,7 @@ import grpc
 from host.api import UsageError
 from host.safefs import read_private_file
 from tpagent.common.metrics import MetricsServer
-from tpagent.daemon.rpc import AuthInterceptor, Health, HealthOnly, pb_grpc
+from tpagent.daemon.rpc import AuthInterceptor, Health, HealthOnly, listens, pb_grpc
 from tpagent.daemon.rpc import server as rpc_server
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.core import Orchestrator
@@ -80,7 +80,7 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
     health = Health()
     server, tls = rpc_server(creds, AuthInterceptor(creds.secret, cfg.audiences, health))
     pb_grpc.add_OrchestratorServicer_to_server(Service(o), server)
-    if server.add_secure_port(cfg.listen, tls) == 0:
+    if not listens(server, cfg.listen, tls):
         raise UsageError(f"cannot listen on {cfg.listen}; is another orchestrator running there?")
     probes = None
     if cfg.health_listen:
@@ -125,7 +125,7 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
 
 def grpc_probes(health: Health, address: str) -> grpc.Server:
     probes = grpc.server(health.pool, interceptors=[HealthOnly(health)])
-    if probes.add_insecure_port(address) == 0:
+    if not listens(probes, address):
         raise UsageError(f"cannot serve health checks on {address}.")
     probes.start()
     return probes
