@@ -195,11 +195,7 @@ class Manifest:
             raise ValueError("criu.version")
         _get(criu, "shell_job", bool, "criu"), _get(criu, "tcp_established", bool, "criu")
         pids = {p.pid for p in procs}
-        root_pid = _get(data, "root_pid", int, "manifest")
-        if root_pid not in pids:  # (whose copy still running here a restore looks for)
-            raise ValueError("root_pid names a process not in processes")
-        if not all(p.ns_pids for p in procs):
-            raise ValueError("processes[].ns_pids is empty")
+        root_pid = _root(data, procs)
         cuda = _get(data, "cuda", dict, "manifest")
         if not set(_list(cuda, "pids", int, "cuda")) <= pids:
             raise ValueError("cuda.pids names a process not in processes")
@@ -257,6 +253,17 @@ class Manifest:
             dirs=dirs,
             warnings=_list(data, "warnings", str, "manifest") if "warnings" in data else [],
         )
+
+
+def _root(data: Any, procs: list[ProcInfo]) -> int:
+    """The root's PID: one of ``procs`` (whose copy still running here a restore looks for),
+    each of which has its PIDs in its namespaces."""
+    root_pid = _get(data, "root_pid", int, "manifest")
+    if root_pid not in {p.pid for p in procs}:
+        raise ValueError("root_pid names a process not in processes")
+    if not all(p.ns_pids for p in procs):
+        raise ValueError("processes[].ns_pids is empty")
+    return int(root_pid)
 
 
 def _files(data: Any) -> tuple[dict[str, dict[str, Any]], str]:
