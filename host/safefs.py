@@ -154,6 +154,8 @@ def _trusted_realpath(path: Path, hops: int = 40) -> Path:
             st = os.lstat(nxt)
         except FileNotFoundError:
             return nxt.joinpath(*todo)  # (the rest does not exist yet: no symlink there)
+        except NotADirectoryError as e:
+            raise UsageError(f"{at} is not a directory, so {path} cannot be under it; give another path.") from e
         if not stat.S_ISLNK(st.st_mode):
             at = nxt
             continue

@@ -47,6 +47,12 @@ def test_private_dir_takes_an_own_looser_dir_and_shuts_it(tmp_path: Path) -> Non
     assert _mode(mine) == 0o700
 
 
+def test_a_path_under_a_file_is_refused_in_one_sentence(tmp_path: Path) -> None:
+    (tmp_path / "afile").touch()
+    with pytest.raises(UsageError, match=r"afile is not a directory, so .*afile/x/y cannot be under it"):
+        safefs.private_dir(tmp_path / "afile" / "x" / "y", empty=True)
+
+
 def test_a_non_empty_dir_refused_keeps_its_mode(tmp_path: Path) -> None:
     """A dump's --out (or a restore's snapshot) refused as not empty is left as it was: a dump
     told --out /etc made /etc 0700 before it refused it."""
