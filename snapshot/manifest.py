@@ -189,16 +189,16 @@ class Manifest:
         ]
         gpus = _list(data, "gpus", dict, "manifest")
         for g in gpus:
-            _get(g, "uuid", str, "gpus[]"), _get(g, "name", str, "gpus[]"), _get(g, "memory_used", int, "gpus[]")
+            _get(g, "uuid", str, "gpus[]"), _get(g, "name", str, "gpus[]")
+            if not 0 <= _get(g, "memory_used", int, "gpus[]") < 1 << 63:
+                raise ValueError("gpus[].memory_used")
         criu = _get(data, "criu", dict, "manifest")
         if not re.fullmatch(r"\d+\.\d+(\.\d+)?", _get(criu, "version", str, "criu")):
             raise ValueError("criu.version")
         _get(criu, "shell_job", bool, "criu"), _get(criu, "tcp_established", bool, "criu")
         pids = {p.pid for p in procs}
         root_pid = _root(data, procs)
-        cuda = _get(data, "cuda", dict, "manifest")
-        if not set(_list(cuda, "pids", int, "cuda")) <= pids:
-            raise ValueError("cuda.pids names a process not in processes")
+        cuda = _cuda(data, pids)
         host = _get(data, "host", dict, "manifest")
         for key in ("hostname", "kernel", "machine"):
             _get(host, key, str, "host")
@@ -253,6 +253,17 @@ class Manifest:
             dirs=dirs,
             warnings=_list(data, "warnings", str, "manifest") if "warnings" in data else [],
         )
+
+
+def _cuda(data: Any, pids: set[int]) -> dict[str, Any]:
+    """The ``cuda`` table: its processes among ``pids``, each forked child's row as described."""
+    cuda = _get(data, "cuda", dict, "manifest")
+    if not set(_list(cuda, "pids", int, "cuda")) <= pids:
+        raise ValueError("cuda.pids names a process not in processes")
+    for f in _list(cuda, "forked", dict, "cuda") if "forked" in cuda else []:
+        _get(f, "pid", int, "cuda.forked[]"), _get(f, "name", str, "cuda.forked[]")
+        _list(f, "mappings", list, "cuda.forked[]"), _list(f, "fds", list, "cuda.forked[]")
+    return dict(cuda)
 
 
 def _root(data: Any, procs: list[ProcInfo]) -> int:
@@ -413,7 +424,7 @@ def load(directory: Path) -> Manifest:
         raise SnapshotInvalid(f"{directory} is not a tpagent snapshot: it has no {MANIFEST_NAME}.")
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise SnapshotInvalid(f"{path} is corrupt: it is not valid JSON ({e}).") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise SnapshotInvalid(f"{path} is not a tpagent snapshot manifest (wrong or missing 'format').")
