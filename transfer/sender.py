@@ -49,7 +49,10 @@ def snapshot_layout(snapshot: Path, chunk_size: int) -> Layout:
     names = [snapmanifest.MANIFEST_NAME, *sorted(m.files)]
     files = []
     for name in names:
-        size = (snapshot / name).lstat().st_size
+        try:
+            size = (snapshot / name).lstat().st_size
+        except OSError as e:
+            raise TransferError(f"{snapshot / name}, which its manifest lists, cannot be read ({e.strerror})") from e
         if name in m.files and size != m.files[name]["size"]:
             raise TransferError(
                 f"{snapshot / name} does not have the size its manifest says; not sending a damaged snapshot"

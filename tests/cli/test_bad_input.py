@@ -438,11 +438,7 @@ def test_a_malformed_send_to_address_is_refused_before_anything_is_frozen(  # ty
     """A mistyped --send-to is said once, before the freeze (it was found by the sender only,
     which retried it six times while the dump, in its kill mode, ended the process); `send` says
     it once too, never retried."""
-    from transfer.api import MIN_SECRET
-
-    secret = tmp_path / "secret"
-    secret.write_bytes(os.urandom(MIN_SECRET))
-    secret.chmod(0o600)
+    secret = _secret(tmp_path)
     w = start(mib=16)
     out = tmp_path / "s"
     said = tpagent(
@@ -453,3 +449,20 @@ def test_a_malformed_send_to_address_is_refused_before_anything_is_frozen(  # ty
     said = tpagent("send", str(snapshot_dir), address, "--secret-file", str(secret), "--plaintext")
     assert_one_sentence_error(said, f"{address!r} is not HOST:PORT")
     assert said.returncode == 2 and "failed" not in said.stderr
+
+
+def test_send_of_a_snapshot_missing_an_image_says_so(snapshot_dir: Path, tmp_path: Path) -> None:
+    snap = _copy(snapshot_dir, tmp_path)
+    gone = _largest(snap)
+    gone.unlink()
+    said = tpagent("send", str(snap), "127.0.0.1:9", "--secret-file", str(_secret(tmp_path)), "--plaintext")
+    assert_one_sentence_error(said, f"{gone}, which its manifest lists, cannot be read (No such file or directory)")
+
+
+def _secret(tmp_path: Path) -> Path:
+    from transfer.api import MIN_SECRET
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(MIN_SECRET))
+    secret.chmod(0o600)
+    return secret
