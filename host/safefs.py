@@ -177,11 +177,15 @@ def open_private_file(path: Path, what: str) -> int:
     try:
         real = _trusted_realpath(path)
         _safe_ancestors(real)
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # (O_NONBLOCK: a FIFO's open would wait for a writer; a device's read might never end)
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as e:
         raise UsageError(f"cannot read {what} from {path}: {e.strerror}.") from e
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UsageError(f"{what} in {path} must be a regular file, and {path} is not one.")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
         os.close(fd)
         owner = "root" if os.geteuid() == 0 else f"UID {os.geteuid()}"
         raise UsageError(

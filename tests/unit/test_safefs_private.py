@@ -131,6 +131,10 @@ def test_a_private_file_is_read_only_if_ours_and_0600(tmp_path: Path) -> None:
         UsageError, match="the cluster secret in .* must be a file owned by .* with mode 600 or stricter"
     ):
         safefs.read_private_file(secret, "the cluster secret")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)  # (its open waited for a writer, for ever)
+    with pytest.raises(UsageError, match=r"the cluster secret in .*fifo must be a regular file, and .* is not one"):
+        safefs.read_private_file(fifo, "the cluster secret")
 
 
 def test_a_private_file_is_refused_behind_a_users_symlink_or_a_shared_dir(tmp_path: Path) -> None:
