@@ -148,6 +148,7 @@ class Criu:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
+                    errors="replace",  # (a program that is no CRIU may print anything)
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
                     env={**os.environ, **env} if env else None,
@@ -162,7 +163,9 @@ class Criu:
                 out, err = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired as e:
                 proc.kill()
-                proc.communicate()
+                with contextlib.suppress(subprocess.TimeoutExpired):  # (a child of its may hold its output)
+                    proc.communicate(timeout=5)
+                proc.wait()
                 raise CriuError(f"criu {args[0]} did not finish within {timeout:.0f} s") from e
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 

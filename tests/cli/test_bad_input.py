@@ -363,10 +363,14 @@ def test_a_thread_id_is_not_a_pid(start, tmp_path: Path) -> None:  # type: ignor
     assert not (tmp_path / "s").exists() and psutil.Process(w.pid).status() != psutil.STATUS_STOPPED
 
 
-def test_a_program_that_is_not_criu(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("prints", ["", "Version: \\377"], ids=["nothing", "not-utf8"])
+def test_a_program_that_is_not_criu(start, tmp_path: Path, prints: str) -> None:  # type: ignore[no-untyped-def]
     w = start(mib=16)
-    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "s"), "--criu", "/bin/true")
-    assert_one_sentence_error(proc, "/bin/true does not look like CRIU")
+    fake = tmp_path / "criu"
+    fake.write_text(f"#!/bin/sh\nprintf '{prints}\\n'\n")
+    fake.chmod(0o755)
+    proc = tpagent("dump", str(w.pid), "--out", str(tmp_path / "s"), "--criu", str(fake))
+    assert_one_sentence_error(proc, f"{fake} does not look like CRIU")
     assert proc.returncode == 2 and alive(w.pid)
 
 
