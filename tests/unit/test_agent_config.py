@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,13 @@ def test_an_unreadable_or_invalid_file_is_refused(tmp_path: Path) -> None:
     bad.write_text("streams = = 4\n")
     with pytest.raises(UsageError, match="is not valid TOML"):
         config.load(bad, env={})
+    bad.write_bytes(b"\xff\xfe = 1\n")
+    with pytest.raises(UsageError, match="is not valid TOML"):
+        config.load(bad, env={})
+    bad.write_bytes(b"#" * (config.CONFIG_MAX + 1))
+    with pytest.raises(UsageError, match="is larger than 1 MiB"):
+        config.load(bad, env={})
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)  # (its open waited for a writer; /dev/zero, read for ever)
+    with pytest.raises(UsageError, match="fifo.toml is not a regular file"):
+        config.load(fifo, env={})

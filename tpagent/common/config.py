@@ -60,6 +60,7 @@ import functools
 import math
 import os
 import socket
+import stat
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -250,16 +251,29 @@ def convert_setting(name: str, kind: Any, value: Any) -> Any:
         raise UsageError(f"the setting {name} = {value!r} is not valid ({e}).") from e
 
 
+#: The most of a configuration file read (far more than any holds).
+CONFIG_MAX = 1 << 20
+
+
 def read_toml(path: Path | None, default: Path) -> dict[str, Any]:
     """The settings in ``path`` (else in ``default``, if it exists; else none)."""
     if path is None and not default.exists():
         return {}
     file = path or default
     try:
-        return tomllib.loads(file.read_text())
+        # (O_NONBLOCK: a FIFO's open would wait for a writer; /dev/zero would be read for ever)
+        with os.fdopen(os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise UsageError(f"the configuration {file} is not a regular file.")
+            text = f.read(CONFIG_MAX + 1)
+        if len(text) > CONFIG_MAX:
+            raise UsageError(
+                f"the configuration {file} is larger than {CONFIG_MAX >> 20} MiB, which no configuration is."
+            )
+        return tomllib.loads(text.decode())
     except OSError as e:
         raise UsageError(f"cannot read the configuration {file}: {e.strerror}.") from e
-    except tomllib.TOMLDecodeError as e:
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise UsageError(f"the configuration {file} is not valid TOML: {e}.") from e
 
 
