@@ -80,14 +80,13 @@ class Receiver:
             entry.ch.interrupt()
 
     def receive(self, out: Path, timeout: float) -> TransferStats:
+        if not timeout > 0:  # (nan too)
+            raise UsageError(f"the time to wait for a snapshot is a number of seconds above 0, not {timeout}.")
         # Root writes someone's whole memory here: only where no other user can plant or swap
         # a directory (checked now, before anyone connects), and only into directories of its own.
-        try:
-            out = private_dir(out, empty=True, create=False)
-            if not out.parent.exists():
-                private_dir(out.parent)
-        except UsageError as e:
-            raise TransferError(str(e)) from e
+        out = private_dir(out, empty=True, create=False)
+        if not out.parent.exists():
+            private_dir(out.parent)
         for stale in out.parent.glob(f".{out.name}.partial-*"):
             if stale.lstat().st_uid == os.geteuid():  # (ours: left by an earlier try)
                 shutil.rmtree(stale, ignore_errors=True)

@@ -470,3 +470,18 @@ def _secret(tmp_path: Path) -> Path:
     secret.write_bytes(os.urandom(MIN_SECRET))
     secret.chmod(0o600)
     return secret
+
+
+@pytest.mark.parametrize("case", ["not-empty", "nan", "negative"])
+def test_receive_given_what_it_cannot_do_says_so_with_exit_2(tmp_path: Path, case: str) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    if case == "not-empty":
+        (out / "keep").write_text("x")
+    timeout = {"not-empty": "5", "nan": "nan", "negative": "-1"}[case]
+    said = tpagent(
+        "receive", "--listen", "127.0.0.1:0", "--out", str(out), "--timeout", timeout,
+        "--secret-file", str(_secret(tmp_path)), "--plaintext",
+    )  # fmt: skip
+    assert_one_sentence_error(said, "is not empty" if case == "not-empty" else "a number of seconds above 0")
+    assert said.returncode == 2

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from host.api import UsageError
 from snapshot.manifest import checksum_files, load
 from support.certs import node_certs
 from support.proxy import Proxy
@@ -254,8 +255,10 @@ def test_receiver_refuses_a_non_empty_output(transport: Transport, tmp_path: Pat
     (tmp_path / "dst" / "keep").write_text("x")
     receiver = Receiver(transport, TransferConfig(secret=SECRET), "127.0.0.1:0")
     try:
-        with pytest.raises(TransferError, match="not empty"):
+        with pytest.raises(UsageError, match="not empty"):  # (the request as given: exit 2)
             receiver.receive(tmp_path / "dst", 1)
+        with pytest.raises(UsageError, match="above 0, not nan"):
+            receiver.receive(tmp_path / "new", float("nan"))
     finally:
         receiver.close()
 
