@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -37,11 +38,22 @@ def test_doctor_reports_each_check() -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="doctor's CRIU check needs root")
 def test_doctor_checks_a_process_and_names_one_that_is_not_there() -> None:
-    here = tpagent("doctor", "--json", "--pid", str(os.getpid()))
+    with subprocess.Popen(["sleep", "60"]) as sleeper:
+        here = tpagent("doctor", "--json", "--pid", str(sleeper.pid))
+        sleeper.kill()
     checks = {c["name"]: c for c in json.loads(here.stdout)["checks"]}
-    assert checks["process"]["verdict"] == "OK" and f"PID {os.getpid()}" in checks["process"]["message"]
+    assert checks["process"]["verdict"] == "OK" and f"PID {sleeper.pid}" in checks["process"]["message"]
     assert "cannot be seen from outside" in checks["not visible"]["message"]  # (what doctor cannot tell, said)
     if not gpus.inventory():
         assert "on 0 GPU(s)" in checks["process"]["message"]
     gone = tpagent("doctor", "--pid", "999999999")
     assert gone.returncode == 1 and "there is no process with PID 999999999" in gone.stdout
+    # What a dump refuses before anything, doctor says too (it said OK of each; a traceback of the last).
+    for pid, said in (
+        (1, "PID 1 is the system's init"),
+        (2, "PID 2 is a kernel thread"),
+        (os.getpid(), f"PID {os.getpid()} is tpagent itself or its parent"),
+        (10**20, f"there is no process with PID {10**20}"),
+    ):
+        refused = tpagent("doctor", "--pid", str(pid))
+        assert refused.returncode == 1 and said in refused.stdout and "Traceback" not in refused.stderr, refused

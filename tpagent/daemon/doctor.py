@@ -16,7 +16,8 @@ from pathlib import Path
 
 import psutil
 
-from host import ends, forked, gpus
+from host import ends, forked, gpus, proc
+from host.api import UsageError
 from host.criu_limits import large_ghosts
 from snapshot.api import DEFAULT_GHOST_LIMIT, SnapshotError
 from snapshot.criu import Criu
@@ -143,8 +144,10 @@ CHECKPOINT_CALLS = (
 def process_checks(pid: int) -> list[Check]:
     """For one process: the CUDA features the driver cannot checkpoint, where they can be seen
     from outside it (several GPUs, MPS); what cannot be seen is said too."""
-    if not psutil.pid_exists(pid):
-        return [Check("process", Verdict.FAIL, f"there is no process with PID {pid}")]
+    try:
+        proc.validate_target(pid)  # (what a dump refuses before anything: doctor says it too)
+    except UsageError as e:
+        return [Check("process", Verdict.FAIL, str(e).rstrip("."))]
     try:
         tree = {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
     except psutil.Error as e:
