@@ -86,15 +86,11 @@ def controlling_tty(pid: int) -> int:
     return int(_stat_fields(pid)[4])
 
 
-#: The kernel's highest PID, whatever pid_max says (PID_MAX_LIMIT on 64-bit Linux).
-PID_MAX_LIMIT = 1 << 22
-
-
 def validate_target(pid: int) -> psutil.Process:
     """The process a user asked to dump, or one sentence on why it cannot be."""
     if pid <= 1:
         raise UsageError(f"PID {pid} is the system's init (or invalid) and cannot be checkpointed.")
-    if pid > PID_MAX_LIMIT:
+    if pid > 1 << 22:  # (the kernel's highest PID on 64-bit, PID_MAX_LIMIT, whatever pid_max says)
         raise UsageError(f"there is no process with PID {pid}.")
     try:
         proc = psutil.Process(pid)
