@@ -459,8 +459,7 @@ def _rolled_back(e: BaseException, job: _Dump) -> BaseException:
     pid = job.pid
     out = job.out
     if not proc.alive(pid) and (out / manifest.MANIFEST_NAME).exists():
-        # CRIU failed after its hook had sealed the snapshot and the tree was ended: now the
-        # snapshot is the only copy, and it is complete.
+        # CRIU failed after its hook sealed the snapshot and the tree ended: the only copy, and complete.
         return ToolError(
             f"CRIU reported a failure after PID {pid} had been checkpointed and ended; "
             f"its sealed snapshot is kept in {out}: restore it from there",
@@ -494,7 +493,8 @@ def _clear(out: Path, created: bool) -> None:
     for name in (IMAGES_DIR, LOG_DIR):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in (hook.PENDING, manifest.MANIFEST_NAME, manifest.MANIFEST_NAME + ".tmp"):
-        (out / name).unlink(missing_ok=True)
+        with suppress(OSError):  # (nothing there, or a filesystem that takes no change: a read-only one)
+            (out / name).unlink()
     if created:
         with suppress(OSError):
             out.rmdir()

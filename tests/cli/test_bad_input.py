@@ -485,3 +485,19 @@ def test_receive_given_what_it_cannot_do_says_so_with_exit_2(tmp_path: Path, cas
     )  # fmt: skip
     assert_one_sentence_error(said, "is not empty" if case == "not-empty" else "a number of seconds above 0")
     assert said.returncode == 2
+
+
+def test_an_out_on_a_read_only_filesystem_is_said_in_one_sentence(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """(The undo of what it could not write, a file removed on a filesystem that takes no change, was a traceback.)"""
+    w = start(mib=16)
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=700", "tmpfs", str(mount)], check=True)
+    try:
+        (mount / "e").mkdir(mode=0o700)
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        said = tpagent("dump", str(w.pid), "--out", str(mount / "e"))
+        assert_one_sentence_error(said, f"cannot write to {mount / 'e'}: Read-only file system")
+        assert alive(w.pid)
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
