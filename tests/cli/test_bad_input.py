@@ -467,7 +467,7 @@ def _secret(tmp_path: Path) -> Path:
     from transfer.api import MIN_SECRET
 
     secret = tmp_path / "secret"
-    secret.write_bytes(os.urandom(MIN_SECRET))
+    secret.write_text(os.urandom(MIN_SECRET).hex())  # (text: a secret is read stripped of whitespace)
     secret.chmod(0o600)
     return secret
 
