@@ -89,7 +89,7 @@ def _check_migrate(pid: int, to: str, job: str, ranks: list[int], mode: str, as_
 
 def migrate(
     pid: Annotated[
-        int, typer.Argument(help="The process (a `tpagent launch` namespace, a rank) to move; 0 with --job.")
+        int, typer.Argument(min=0, max=1 << 22, help="The process (a launch namespace, a rank) to move; 0 with --job.")
     ] = 0,
     to: Annotated[str, typer.Option("--to", envvar="TPAGENT_TO", help="HOST:PORT of the target node's agent.")] = "",
     source: Annotated[
@@ -100,7 +100,7 @@ def migrate(
         str, typer.Option("--job", envvar="TPAGENT_JOB", help="A distributed job (its rdzv id) whose --rank to move.")
     ] = "",
     rank: Annotated[
-        list[int] | None, typer.Option("--rank", help="A rank of --job that runs on --from (repeat for several).")
+        list[int] | None, typer.Option("--rank", min=0, max=2**31 - 1, help="A rank of --job on --from (repeat it).")
     ] = None,
     mode: Annotated[
         str,

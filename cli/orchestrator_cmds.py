@@ -154,7 +154,9 @@ def cluster(
 
 def events(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Then wait for new ones (until Ctrl-C).")] = False,
-    after: Annotated[int, typer.Option("--after", help="Only the events after this sequence number.")] = 0,
+    after: Annotated[
+        int, typer.Option("--after", help="Only the events after this sequence number.", min=0, max=(1 << 63) - 1)
+    ] = 0,
     address: OrchestratorOpt = "127.0.0.1:7410",
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,

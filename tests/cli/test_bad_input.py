@@ -501,3 +501,20 @@ def test_an_out_on_a_read_only_filesystem_is_said_in_one_sentence(start, tmp_pat
         assert alive(w.pid)
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("migrate", str(10**20), "--to", "127.0.0.1:2", "--from", "127.0.0.1:1"),
+        ("migrate", "--job", "j", "--rank", str(10**20), "--to", "127.0.0.1:2", "--from", "127.0.0.1:1"),
+        ("events", "--after", str(10**23), "--orchestrator", "127.0.0.1:1"),
+    ],
+    ids=["pid", "rank", "after"],
+)
+def test_a_number_too_large_for_the_call_is_refused_as_given(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """(A number past what the call carries was a protobuf ValueError, a traceback.)"""
+    from support.certs import node_certs
+
+    said = tpagent(*args, "--secret-file", str(_secret(tmp_path)), "--tls-dir", str(node_certs(tmp_path, "n")))
+    assert said.returncode == 2 and "Traceback" not in said.stderr and "Invalid value" in said.stderr, said.stderr
