@@ -518,3 +518,17 @@ def test_a_number_too_large_for_the_call_is_refused_as_given(tmp_path: Path, arg
 
     said = tpagent(*args, "--secret-file", str(_secret(tmp_path)), "--tls-dir", str(node_certs(tmp_path, "n")))
     assert said.returncode == 2 and "Traceback" not in said.stderr and "Invalid value" in said.stderr, said.stderr
+
+
+@pytest.mark.parametrize(
+    "agent", ["h\udcff:1", "127.0.0.1:99999", "localhost", ":7400"], ids=["not-utf8", "port", "no-port", "no-host"]
+)
+def test_an_agent_address_that_is_no_host_port_is_refused_as_given(tmp_path: Path, agent: str) -> None:
+    """(Bytes of no encoding were a UnicodeEncodeError traceback; gRPC took 99999 as port 34463,
+    and no port as 443.)"""
+    from support.certs import node_certs
+
+    tls = str(node_certs(tmp_path, "n"))
+    said = tpagent("node", "--agent", agent, "--secret-file", str(_secret(tmp_path)), "--tls-dir", tls)
+    assert_one_sentence_error(said, "is not HOST:PORT")
+    assert said.returncode == 2

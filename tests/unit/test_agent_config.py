@@ -96,3 +96,10 @@ def test_an_unreadable_or_invalid_file_is_refused(tmp_path: Path) -> None:
     os.mkfifo(fifo)  # (its open waited for a writer; /dev/zero, read for ever)
     with pytest.raises(UsageError, match="fifo.toml is not a regular file"):
         config.load(fifo, env={})
+
+
+@pytest.mark.parametrize("orchestrator", ["localhost", "10.0.0.1:99999", ":7410"])
+def test_an_orchestrator_that_is_no_host_port_is_refused(tmp_path: Path, orchestrator: str) -> None:
+    """(Its reports would have gone to port 443, or 99999 wrapped.)"""
+    with pytest.raises(UsageError, match=f"the setting orchestrator = '{orchestrator}' is not valid: give HOST:PORT"):
+        config.load(None, env={"TPAGENT_SECRET_FILE": str(tmp_path / "s"), "TPAGENT_ORCHESTRATOR": orchestrator})

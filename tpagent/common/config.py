@@ -190,6 +190,8 @@ class AgentConfig:
             )
         if len(self.rank_socket) > 100 or "\0" in self.rank_socket:
             raise UsageError(f"the setting rank_socket = {self.rank_socket!r} is not valid: at most 100 characters.")
+        if self.orchestrator and (not self.orchestrator.rpartition(":")[0] or port_of(self.orchestrator) is None):
+            raise UsageError(f"the setting orchestrator = {self.orchestrator!r} is not valid: give HOST:PORT.")
         if self.transport not in NAMES:
             raise UsageError(
                 f"the setting transport = {self.transport!r} is not valid: choose one of {', '.join(NAMES)}."
@@ -233,6 +235,12 @@ class AgentConfig:
             *self.aliases,
         }
         return {h.lower() for h in hosts if h and h not in ("0.0.0.0", "::")}
+
+
+def port_of(address: str) -> int | None:
+    """The port of HOST:PORT, if it is one (0 to 65535; gRPC takes a larger one wrapped)."""
+    port = address.rpartition(":")[2]
+    return int(port) if port.isascii() and port.isdigit() and int(port) <= 65535 else None
 
 
 def convert_setting(name: str, kind: Any, value: Any) -> Any:

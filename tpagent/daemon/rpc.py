@@ -41,7 +41,9 @@ from typing import Any
 
 import grpc
 
+from host.api import UsageError
 from tpagent.common import clock
+from tpagent.common.config import port_of
 from tpagent.common.credentials import Credentials
 from tpagent.daemon.proto import agent_pb2 as pb
 from tpagent.daemon.proto import agent_pb2_grpc as pb_grpc
@@ -345,7 +347,10 @@ def _client_options() -> list[tuple[str, int]]:
 
 
 def channel(address: str, creds: Credentials) -> grpc.Channel:
-    """A mutual-TLS channel to an agent, every call signed for that agent."""
+    """A mutual-TLS channel to an agent, every call signed for that agent; UsageError if
+    ``address`` is no HOST:PORT (gRPC would take a port over 65535 wrapped, none as 443)."""
+    if not audience_of(address) or port_of(address) is None or not address.isprintable() or not _text(address):
+        raise UsageError(f"{address!r} is not HOST:PORT.")
     tls = grpc.ssl_channel_credentials(root_certificates=creds.ca, private_key=creds.key, certificate_chain=creds.cert)
     return grpc.intercept_channel(
         grpc.secure_channel(address, tls, options=_client_options()), _ClientAuth(creds.secret, audience_of(address))
@@ -356,12 +361,20 @@ def stub(address: str, creds: Credentials) -> Any:
     return pb_grpc.AgentStub(channel(address, creds))
 
 
+def _text(address: str) -> bool:
+    """Whether ``address`` is text (not bytes of no encoding, as a mistyped argument can be)."""
+    try:
+        address.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def listens(srv: grpc.Server, address: str, tls: grpc.ServerCredentials | None = None) -> bool:
     """Whether ``srv`` now listens on ``address`` (with ``tls``; None: plain text), HOST:PORT:
     gRPC says no by 0 or, in later releases, by RuntimeError, and takes a port over 65535 as
     that number wrapped."""
-    port = address.rpartition(":")[2]
-    if not port.isdigit() or int(port) > 65535:
+    if port_of(address) is None:
         return False
     try:
         return (srv.add_secure_port(address, tls) if tls is not None else srv.add_insecure_port(address)) != 0
