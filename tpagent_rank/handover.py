@@ -26,14 +26,17 @@ import threading
 import time
 from typing import Any, BinaryIO
 
+from tpagent_rank.strangers import Strangers
+
 MAGIC = b"tpagent-state/1\n"
 NONCE = 32
 MAC = 32
 #: Sent and hashed a piece at a time: one side hashes a piece while the other moves the next.
 PIECE = 8 << 20
-#: How long one peer may take to prove the secret (a stranger who says nothing is let go).
+#: How long one peer may take to prove the secret, in all (one who says nothing, or trickles, is cut).
 PROOF_TIMEOUT = 10.0
-#: Peers proving the secret at once; more are turned away as they connect.
+#: Peers proving the secret at once; a newcomer past them cuts the oldest of the address holding
+#: most (:mod:`tpagent_rank.strangers`): a crowd, or a trickle, never keeps the rightful one out.
 PROVERS = 16
 
 
@@ -78,8 +81,8 @@ def _copy(s: socket.socket, n: int, into: BinaryIO) -> bytes:
 class Offer:
     """``data`` (bytes, or a map of a file: closed once served) served once, from ``host``,
     until ``timeout`` passes; ``port`` is where.  Peers prove the secret in parallel (at most
-    :data:`PROVERS` at once, each within :data:`PROOF_TIMEOUT`): a crowd of silent ones does not
-    hold the rightful one back."""
+    :data:`PROVERS` at once, each within :data:`PROOF_TIMEOUT` in all): a crowd of silent or
+    trickling ones does not hold the rightful one back."""
 
     def __init__(self, data: Any, host: str, secret: str, timeout: float) -> None:
         self.data = data
@@ -88,6 +91,7 @@ class Offer:
         self.taken = threading.Event()
         self.sending = threading.Lock()  # (one peer at a time sends; the data is closed only after)
         self.closed = False
+        self.provers = Strangers(PROVERS, PROOF_TIMEOUT)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.listener = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
@@ -100,20 +104,18 @@ class Offer:
         threading.Thread(target=self._serve, name="tpagent-handover", daemon=True).start()
 
     def _serve(self) -> None:
-        provers = threading.BoundedSemaphore(PROVERS)
         try:
             while not self.taken.is_set() and (left := self.deadline - time.monotonic()) > 0:
+                self.provers.expire()
                 try:
-                    self.listener.settimeout(min(left, 1.0))  # (closed since the loop's test: served)
-                    conn, _ = self.listener.accept()
+                    self.listener.settimeout(min(left, 0.5))  # (closed since the loop's test: served)
+                    conn, peer = self.listener.accept()
                 except TimeoutError:
                     continue
                 except OSError:
                     return  # (the listener was closed: served, or given up)
-                if not provers.acquire(blocking=False):
-                    conn.close()  # (too many at once: a rightful peer is one of few)
-                    continue
-                threading.Thread(target=self._prove, args=(conn, provers), daemon=True).start()
+                self.provers.admit(conn, peer[0])
+                threading.Thread(target=self._prove, args=(conn,), daemon=True).start()
         finally:
             self.listener.close()
             with self.sending:  # (a state being sent is sent whole first)
@@ -123,12 +125,13 @@ class Offer:
             if hasattr(data, "close"):
                 data.close()
 
-    def _prove(self, conn: socket.socket, provers: threading.BoundedSemaphore) -> None:
+    def _prove(self, conn: socket.socket) -> None:
         try:
-            with conn, contextlib.suppress(OSError, ConnectionError):
+            with contextlib.suppress(OSError, ConnectionError):
                 self._one(conn)
         finally:
-            provers.release()
+            self.provers.leave(conn)  # (before it is closed: the crowd's cuts touch held ones only)
+            conn.close()
 
     def _one(self, conn: socket.socket) -> None:
         conn.settimeout(PROOF_TIMEOUT)
@@ -136,6 +139,8 @@ class Offer:
         conn.sendall(MAGIC + nonce)
         if not hmac.compare_digest(_exactly(conn, MAC), _mac(self.secret, b"load", nonce)):
             return
+        if not self.provers.leave(conn):
+            return  # (cut meanwhile: it took too long)
         if not self.sending.acquire(blocking=False):
             return  # (another peer that proved it is being sent the state)
         try:

@@ -227,8 +227,9 @@ def test_a_user_without_the_cluster_secret_is_refused(served: Served) -> None:
 def test_the_webhook_is_not_held_by_callers_that_trickle_or_crowd(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A caller sending its request a byte at a time is cut off at the request's deadline; more than
-    CONNECTIONS_MAX at once are closed at once; Alertmanager's message then still gets through."""
+    """A caller sending its request a byte at a time is cut off at the request's deadline; a
+    crowd of CONNECTIONS_MAX callers that hold their places without a word does not keep
+    Alertmanager's message out while they hold them (before: it was closed at once)."""
     monkeypatch.setattr(webhook, "REQUEST_WITHIN", 1.0)
     host, _, port = served.webhook.rpartition(":")
     tls = ssl.create_default_context(cafile=str(served.cfg.tls_dir / "ca.crt"))
@@ -237,25 +238,19 @@ def test_the_webhook_is_not_held_by_callers_that_trickle_or_crowd(
         return tls.wrap_socket(socket.create_connection((host, int(port)), timeout=10), server_hostname=host)
 
     slow = connect()
-    started = time.monotonic()
     with pytest.raises(OSError):  # (the server shuts the connection: a send fails, or a read sees its end)
-        for byte in b"POST /alertmanager HTTP/1.1\r\nHost: x\r\n":
+        for byte in b"POST /alertmanager HTTP/1.1\r\nHost: x\r\nX-Trickle: " + b"x" * 100:  # (28 s at its pace)
             slow.sendall(bytes([byte]))
             time.sleep(0.2)
-        if not slow.recv(1):
-            raise ConnectionResetError
-    assert time.monotonic() - started < 6
+        pytest.fail("a caller trickling its request was never cut")
     slow.close()
-    monkeypatch.setattr(webhook, "REQUEST_WITHIN", 8.0)  # (the crowd holds its places that long)
+    monkeypatch.setattr(webhook, "REQUEST_WITHIN", 600.0)  # (the crowd holds its places all through)
     crowd = [connect() for _ in range(webhook.CONNECTIONS_MAX)]
-    extra = socket.create_connection((host, int(port)), timeout=10)
-    started = time.monotonic()
-    assert extra.recv(1) == b""
-    assert time.monotonic() - started < 4  # (closed at once, not at a deadline)
-    extra.close()
-    for s in crowd:
-        s.close()
     served.stub.Report(report(), timeout=10)
     alert = {"status": "firing", "labels": {"alertname": "Xid", "node": "n1"}, "fingerprint": "f9"}
     body = json.dumps({"version": "4", "alerts": [alert]}).encode()
-    wait_until(lambda: served.hook(body, served.token.read_text().strip()) == (200, "tainted n1"), "the webhook", 15)
+    try:
+        assert served.hook(body, served.token.read_text().strip()) == (200, "tainted n1")
+    finally:
+        for s in crowd:
+            s.close()

@@ -11,14 +11,18 @@ import mmap
 import secrets
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from support.helpers import wait_until
 from tpagent_rank import aware, handover
 
+TRICKLE = Path(__file__).resolve().parent.parent / "attackers" / "trickle_peer.py"
 STATE = secrets.token_bytes(3 * handover.PIECE + 12345)  # (several pieces, and a part of one)
 
 
@@ -59,33 +63,61 @@ def test_a_silent_peer_is_let_go_and_the_offer_stands(monkeypatch: pytest.Monkey
 
 def test_a_crowd_of_silent_peers_does_not_hold_the_rightful_one_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """Silent peers each hold their proof for as long as it may take (here 10 minutes): the
-    rightful peer is served beside them, not after them; past :data:`handover.PROVERS` at once
-    a peer is turned away as it connects, never queued behind the crowd."""
+    rightful peer is served beside them, not after them; and with every place taken, it is
+    served still (the oldest of the crowd is cut to make room), never turned away."""
     monkeypatch.setattr(handover, "PROOF_TIMEOUT", 600.0)
+    for crowd_size in (handover.PROVERS - 1, 3 * handover.PROVERS):
+        _offer_, secret, source = _offer()
+        host, port = source.split(":")
+        crowd = [socket.create_connection((host, int(port))) for _ in range(crowd_size)]
+        try:
+            for s in crowd[-handover.PROVERS + 1 :]:
+                _read(s, len(handover.MAGIC) + handover.NONCE)  # (each is being asked for its proof)
+            assert _fetch(source, secret, len(STATE), timeout=60) == STATE
+        finally:
+            for s in crowd:
+                s.close()
+
+
+def test_a_peer_that_trickles_its_proof_is_cut_at_the_deadline_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One byte every 0.2 s would keep a per-read timeout of 1 s waiting until the MAC's 32nd;
+    the proof's second is counted in all, so the peer is cut long before its 31st."""
+    monkeypatch.setattr(handover, "PROOF_TIMEOUT", 1.0)
+    _offer_, _secret, source = _offer()
+    host, port = source.split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        _read(s, len(handover.MAGIC) + handover.NONCE)
+        s.settimeout(0.2)  # (the trickle's pace)
+        cut = False
+        for _ in range(handover.MAC - 1):  # (never the whole MAC: that would be judged, not cut)
+            try:
+                s.sendall(b"\0")
+                cut = s.recv(1) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                cut = True
+            if cut:
+                break
+        assert cut, "a peer trickling its proof was never cut"
+
+
+def test_a_crowd_that_comes_back_as_it_is_cut_does_not_keep_the_rightful_peer_out() -> None:
+    """Another user's process keeps four times :data:`handover.PROVERS` connections open from
+    four loopback addresses, trickling a byte now and then and opening again each one that is
+    cut: the rightful peer is served all the same, at once (before: 16 places held for as long
+    as the trickle lasted, and the rightful peer was turned away as it connected)."""
     _offer_, secret, source = _offer()
     host, port = source.split(":")
-    crowd = [socket.create_connection((host, int(port))) for _ in range(handover.PROVERS - 1)]
+    sources = [f"127.0.0.{i}" for i in range(2, 6)]
+    cmd = [sys.executable, "-I", "-S", str(TRICKLE), host, port, "0.2", str(handover.PROVERS), *sources]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        for s in crowd:
-            _read(s, len(handover.MAGIC) + handover.NONCE)  # (each is being asked for its proof)
-        assert _fetch(source, secret, len(STATE), timeout=60) == STATE
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        time.sleep(0.5)  # (two rounds of its trickle and of its coming back)
+        assert _fetch(source, secret, len(STATE), timeout=30) == STATE
     finally:
-        for s in crowd:
-            s.close()
-    _offer_, secret, source = _offer()
-    host, port = source.split(":")
-    crowd = [socket.create_connection((host, int(port))) for _ in range(handover.PROVERS)]
-    try:
-        for s in crowd:
-            _read(s, len(handover.MAGIC) + handover.NONCE)
-        with pytest.raises(ConnectionError):  # (turned away at once; the crowd gives up...)
-            _fetch(source, secret, len(STATE), timeout=600)
-        for s in crowd:
-            s.close()
-        wait_until(lambda: _fetched(source, secret), "the offer to serve once the crowd left", 30)  # (...and it stands)
-    finally:
-        for s in crowd:
-            s.close()
+        p.communicate("", timeout=30)
 
 
 def _fetched(source: str, secret: str) -> bool:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import socket
-import threading
-from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, Histogram, generate_latest
 from prometheus_client import Counter as Metric
+
+from tpagent_rank.strangers import Strangers
 
 MIGRATIONS = Metric("tpagent_migrations", "Migrations run by this agent as the source, by outcome.", ["outcome"])
 BYTES = Metric("tpagent_transfer_bytes", "Snapshot bytes moved on the wire, by direction.", ["direction"])
@@ -37,15 +37,15 @@ UNRESOLVED = Gauge(
 )
 
 
-#: Scrapes served at once, at most; from one address, at most; seconds each may take to be read
-#: (a connection that says nothing, or trickles, holds a place no longer).
+#: Scrapes served at once, at most (a newcomer past them cuts the oldest of the address holding
+#: most: :mod:`tpagent_rank.strangers`); seconds each may take in all, from its connection to its
+#: answer's last byte (a connection that says nothing, or trickles, holds a place no longer).
 SCRAPES_MAX = 16
-SCRAPES_PER_PEER = 4
 SCRAPE_WITHIN = 5.0
 
 
 class _Scrape(BaseHTTPRequestHandler):
-    timeout = SCRAPE_WITHIN  # (each read of the request)
+    timeout = SCRAPE_WITHIN  # (each read of the request; the whole of it: MetricsServer.service_actions)
 
     def do_GET(self) -> None:
         if self.path.partition("?")[0] not in ("/", "/metrics"):
@@ -63,35 +63,28 @@ class _Scrape(BaseHTTPRequestHandler):
 
 
 class MetricsServer(ThreadingHTTPServer):
-    """The metrics port: a thread per scrape, but at most :data:`SCRAPES_MAX` of them and
-    :data:`SCRAPES_PER_PEER` per address (more are closed at once), each read within
-    :data:`SCRAPE_WITHIN` seconds."""
+    """The metrics port: a thread per scrape, but at most :data:`SCRAPES_MAX` of them, each
+    served within :data:`SCRAPE_WITHIN` seconds in all; a crowd or a trickle from some
+    addresses never keeps another's scrape out."""
 
     daemon_threads = True
     request_queue_size = 64
 
     def __init__(self, host: str, port: int) -> None:
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.lock = threading.Lock()
-        self.serving: Counter[str] = Counter()
+        self.scrapes = Strangers(SCRAPES_MAX, SCRAPE_WITHIN)
         super().__init__((host, port), _Scrape)
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
-        peer = str(client_address[0])
-        with self.lock:
-            if self.serving.total() >= SCRAPES_MAX or self.serving[peer] >= SCRAPES_PER_PEER:
-                REFUSED.labels("metrics", "too many").inc()
-                return False
-            self.serving[peer] += 1
+        if self.scrapes.admit(request, str(client_address[0])):
+            REFUSED.labels("metrics", "cut for a newcomer").inc()
         request.settimeout(SCRAPE_WITHIN)
         return True
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            peer = str(client_address[0])
-            with self.lock:
-                self.serving[peer] -= 1
-                if self.serving[peer] <= 0:
-                    del self.serving[peer]
+    def service_actions(self) -> None:  # (serve_forever's loop: twice a second)
+        if cut := self.scrapes.expire():
+            REFUSED.labels("metrics", "too slow").inc(cut)
+
+    def shutdown_request(self, request: Any) -> None:  # (each scrape's end, served or not)
+        self.scrapes.leave(request)
+        super().shutdown_request(request)

@@ -30,6 +30,7 @@ from typing import Any
 
 from tpagent.orchestrator.api import Refused, TaintKind, printable
 from tpagent.orchestrator.core import Orchestrator
+from tpagent_rank.strangers import Strangers
 
 log = logging.getLogger(__name__)
 PATH = "/alertmanager"
@@ -37,7 +38,8 @@ BODY_MAX = 1 << 20
 ALERTS_MAX = 1000
 READ_WITHIN = 10.0
 REQUEST_WITHIN = 30.0
-#: Connections served at once (each a thread until its message is read and answered); more are closed.
+#: Connections held at once before their bearer token is read (each a thread); a newcomer past
+#: them cuts the oldest of the address holding most (:mod:`tpagent_rank.strangers`).
 CONNECTIONS_MAX = 16
 
 
@@ -142,6 +144,8 @@ class _Handler(BaseHTTPRequestHandler):
             log.warning("refused a webhook call from %s: no or a wrong bearer token", self.client_address[0])
             self._answer(401, "refused: no or a wrong bearer token (Authorization: Bearer, webhook_token_file).")
             return
+        if not self.server.strangers.leave(self.connection):
+            return  # (cut meanwhile, for a newcomer: its peer is told nothing more)
         try:
             size = int(self.headers.get("Content-Length", "-1"))
         except ValueError:
@@ -171,16 +175,15 @@ class Webhook(ThreadingHTTPServer):
         self.orchestrator = orchestrator
         self.token = token
         self.lock = threading.Lock()
-        self.slots = threading.BoundedSemaphore(CONNECTIONS_MAX)
+        self.strangers = Strangers(CONNECTIONS_MAX, REQUEST_WITHIN)  # (each _Handler's timer cuts it in time)
         super().__init__(address, _Handler)
         if tls is not None:
             self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
-        return self.slots.acquire(blocking=False)
+        self.strangers.admit(request, str(client_address[0]))
+        return True
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+    def shutdown_request(self, request: Any) -> None:  # (each call's end, answered or not)
+        self.strangers.leave(request)
+        super().shutdown_request(request)
