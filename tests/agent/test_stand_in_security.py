@@ -6,11 +6,13 @@ by root's processes)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -195,3 +197,37 @@ def test_a_rank_of_roots_is_never_followed_into_another_users_of_its_name(node_a
         ended = _roots_rank(c, "ends", tmp_path, "echo root rank; exit 3")
         assert ended.returncode == 3 and "root rank" in ended.stdout, ended
         _refused(_ask(c, DAEMON, _start("ends", home)), "was started here by another user")
+
+
+@pytest.mark.timeout(300)
+def test_a_users_rank_output_is_not_read_back_from_a_file_it_may_only_write(node_a: Cluster) -> None:
+    """The agent reads a rank's stdout as root, for its stand-in: a user who gives their rank a
+    root file that anyone may write but only root read (mode 0622) as its stdout gets none of it
+    back through the output request (before: the whole file).  Their own file is read."""
+    c = node_a
+    with user_dir(DAEMON) as home, tempfile.TemporaryDirectory(dir="/tmp") as roots:
+        os.chmod(roots, 0o755)  # (root's, which anyone may pass through)
+        secret = Path(roots) / "root.log"
+        secret.write_text("root's secret line\n")
+        os.chmod(secret, 0o622)  # (root's: DAEMON may append, not read)
+        started = _ask(c, DAEMON, _start("peek", home, stdout=str(secret)))
+        assert started["ok"], started
+        wait_until(lambda: "tick 1 " in secret.read_text(), "the rank to write into the file", 30)
+        asked = {"op": "rank", "job": "peek", "rank": 0, "request": {"op": "output", "fd": 1, "offset": 0}}
+        answer = wait_until(lambda: _judged(c, asked), "the output request to be judged", 30)
+        _refused(answer, "is a file its user may not read")
+        own = _ask(c, DAEMON, _start("own", home))
+        assert own["ok"], own
+        asked = {"op": "rank", "job": "own", "rank": 0, "request": {"op": "output", "fd": 1, "offset": 0}}
+        wait_until(
+            lambda: b"tick 0 " in base64.b64decode((_judged(c, asked) or {}).get("answer", {}).get("data", "")),
+            "its own file to be read",
+            30,
+        )
+
+
+def _judged(c: Cluster, asked: dict[str, Any]) -> dict[str, Any] | None:
+    """DAEMON's answer to ``asked``, once it is not "not yet" (a rank that has not yet said who
+    it runs as is not read)."""
+    answer = _ask(c, DAEMON, asked)
+    return None if not answer.get("ok") and "yet" in answer["error"] else answer

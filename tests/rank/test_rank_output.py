@@ -9,8 +9,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from support.helpers import wait_until
 from tpagent.jobs.rankentry import open_output
 from tpagent.migration.api import Refused
 
@@ -18,8 +20,9 @@ from tpagent.migration.api import Refused
 def test_the_file_the_process_writes_is_read_even_once_its_path_names_another(tmp_path: Path) -> None:
     log = tmp_path / "rank.log"
     with open(log, "wb") as out:
-        child = subprocess.Popen(["sh", "-c", "echo first; sleep 30"], stdout=out)
+        child = subprocess.Popen(["sh", "-c", "echo first; sleep 30 & wait"], stdout=out)  # (its "workload": sleep)
     try:
+        wait_until(lambda: psutil.Process(child.pid).children(), "the child to start its own", 10)
         fd = open_output(child.pid, 1)
         try:
             deadline = time.monotonic() + 10
@@ -31,6 +34,8 @@ def test_the_file_the_process_writes_is_read_even_once_its_path_names_another(tm
         finally:
             os.close(fd)
     finally:
+        for p in psutil.Process(child.pid).children():
+            p.kill()
         child.kill()
         child.wait()
 

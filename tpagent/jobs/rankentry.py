@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -80,20 +80,59 @@ class RankEntry:
 def open_output(init: int, which: int) -> int:
     """Our own descriptor of the file the init of a rank's namespace has as stdout (1) or stderr
     (2), where the rank writes: opened through the init's descriptor, never a path (what a path
-    names can be changed; what the init has open cannot), and only if it is a regular file."""
+    names can be changed; what the init has open cannot), and only if it is a regular file that
+    the rank's user may read itself (:func:`readable_by`, of :func:`user_of` the init): a file
+    it may only write to (a root's log of mode 0622) is not read back to it."""
     link = f"/proc/{init}/fd/{which}"
+    name = _STREAMS[which]
     try:
         st = os.stat(link)
         if not stat.S_ISREG(st.st_mode):
-            raise Refused(f"the rank's {_STREAMS[which]} is not a file, so it is not relayed.", Why.INVALID)
+            raise Refused(f"the rank's {name} is not a file, so it is not relayed.", Why.INVALID)
         fd = os.open(link, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise Refused(f"the rank's {_STREAMS[which]} cannot be read ({e.strerror}).", Why.NOT_FOUND) from e
+        raise Refused(f"the rank's {name} cannot be read ({e.strerror}).", Why.NOT_FOUND) from e
     now = os.fstat(fd)
     if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
         os.close(fd)
-        raise Refused(f"the rank's {_STREAMS[which]} changed while it was opened.", Why.CONFLICT)
+        raise Refused(f"the rank's {name} changed while it was opened.", Why.CONFLICT)
+    uid, groups = user_of(init)
+    if uid < 0:
+        os.close(fd)
+        raise Refused(f"the rank's process is not there to say whose its {name} is.", Why.NOT_FOUND)
+    if not readable_by(now, uid, groups):
+        os.close(fd)
+        raise Refused(f"the rank's {name} is a file its user may not read, so it is not relayed.", Why.DENIED)
     return fd
+
+
+def user_of(init: int) -> tuple[int, tuple[int, ...]]:
+    """The user (real UID) and groups (real GID, then the supplementary ones) of the workload
+    the init of a rank's namespace started: its child, as one read of the child's status says
+    (-1 and none where it has no child now)."""
+    try:
+        children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
+        status = Path(f"/proc/{children[0]}/status").read_text() if children else ""
+    except OSError:
+        return -1, ()
+    fields = dict(line.partition(":")[::2] for line in status.splitlines())
+    try:
+        if int(fields["PPid"]) != init:  # (the child ended and its PID is another's now)
+            return -1, ()
+        return int(fields["Uid"].split()[0]), (int(fields["Gid"].split()[0]), *map(int, fields["Groups"].split()))
+    except (KeyError, IndexError, ValueError):
+        return -1, ()
+
+
+def readable_by(st: os.stat_result, uid: int, groups: Collection[int]) -> bool:
+    """Whether user ``uid``, of ``groups`` (its group and supplementary ones), may read a file of
+    ``st`` by its mode, as the kernel judges (ACLs aside: a file they alone allow is not read).
+    Root may; so may the file's owner (who may make it readable anyway)."""
+    if uid in (0, st.st_uid):
+        return True
+    if st.st_gid in groups:
+        return bool(st.st_mode & stat.S_IRGRP)
+    return bool(st.st_mode & stat.S_IROTH)
 
 
 _STREAMS = {1: "stdout", 2: "stderr"}
