@@ -20,11 +20,13 @@ from cli.common import (
     USAGE_STATUSES,
     AgentOpt,
     JsonOpt,
+    MigrationIdArg,
     SecretOpt,
     TlsDirOpt,
     credentials,
     die,
     rpc_exit_code,
+    utf8,
 )
 from host.api import UsageError
 from tpagent.migration.api import SOURCE_FINAL, TARGET_FINAL
@@ -87,6 +89,9 @@ def _check_migrate(pid: int, to: str, job: str, ranks: list[int], mode: str, as_
         die("--mode aware moves ranks of a job: give --job and --rank.", EXIT_USAGE, as_json)
 
 
+JOB_HELP = "A distributed job (its rdzv id) whose --rank to move."
+
+
 def migrate(
     pid: Annotated[
         int, typer.Argument(min=0, max=1 << 22, help="The process (a launch namespace, a rank) to move; 0 with --job.")
@@ -96,9 +101,7 @@ def migrate(
         str, typer.Option("--from", envvar="TPAGENT_AGENT", help="HOST:PORT of the source node's agent.")
     ] = "127.0.0.1:7400",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only check both sides; freeze nothing.")] = False,
-    job: Annotated[
-        str, typer.Option("--job", envvar="TPAGENT_JOB", help="A distributed job (its rdzv id) whose --rank to move.")
-    ] = "",
+    job: Annotated[str, typer.Option("--job", envvar="TPAGENT_JOB", callback=utf8, help=JOB_HELP)] = "",
     rank: Annotated[
         list[int] | None, typer.Option("--rank", min=0, max=2**31 - 1, help="A rank of --job on --from (repeat it).")
     ] = None,
@@ -382,7 +385,7 @@ def _call(agent: str, secret_file: Path | None, tls_dir: Path, method: str, requ
 
 
 def status(
-    migration_id: Annotated[str, typer.Argument(help="The migration's id (tpagent migrate prints it with --json).")],
+    migration_id: MigrationIdArg,
     agent: AgentOpt = "127.0.0.1:7400",
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
@@ -397,9 +400,7 @@ def status(
 
 
 def cancel(
-    migration_id: Annotated[
-        str, typer.Argument(help="The migration to stop (rolled back if not yet past the point of no return).")
-    ],
+    migration_id: MigrationIdArg,
     agent: AgentOpt = "127.0.0.1:7400",
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
@@ -415,7 +416,7 @@ FINAL_STATES = frozenset({*(s.value for s in SOURCE_FINAL), *(t.value for t in T
 
 
 def resolve(
-    migration_id: Annotated[str, typer.Argument(help="The migration its agent cannot finish (`tpagent status ID`).")],
+    migration_id: MigrationIdArg,
     commit: Annotated[
         bool | None,
         typer.Option(

@@ -83,6 +83,31 @@ CompressOpt = Annotated[
 ]
 AgentOpt = Annotated[str, typer.Option("--agent", envvar="TPAGENT_AGENT", help="HOST:PORT of the agent to ask.")]
 
+
+def utf8(value: str | None) -> str | None:
+    """(A typer callback.)  A name or text that travels in a call (protobuf's strings are UTF-8):
+    bytes of no encoding, which a shell can pass, are refused in one sentence, exit 2."""
+    if value is not None:
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise typer.BadParameter("it is not UTF-8 text.") from None
+    return value
+
+
+def migration_id(value: str) -> str:
+    """(A typer callback.)  A migration's id: 32 hex digits, as ``tpagent migrate --json`` prints."""
+    from tpagent.migration.journal import valid_id
+
+    if not valid_id(value):
+        raise typer.BadParameter("a migration's id is 32 hex digits, as `tpagent migrate --json` prints it.")
+    return value
+
+
+MigrationIdArg = Annotated[
+    str, typer.Argument(callback=migration_id, help="The migration's id (tpagent migrate prints it with --json).")
+]
+
 CommandFunction = TypeVar("CommandFunction", bound=Callable[..., Any])
 
 

@@ -12,7 +12,7 @@ import grpc
 import typer
 from google.protobuf.json_format import MessageToDict
 
-from cli.common import EXIT_FAILED, EXIT_USAGE, JsonOpt, SecretOpt, TlsDirOpt, credentials, die
+from cli.common import EXIT_FAILED, EXIT_USAGE, JsonOpt, SecretOpt, TlsDirOpt, credentials, die, utf8
 from host.api import UsageError
 from transfer.api import DEFAULT_TLS_DIR
 
@@ -20,7 +20,9 @@ OrchestratorOpt = Annotated[
     str,
     typer.Option("--orchestrator", envvar="TPAGENT_ORCHESTRATOR", help="HOST:PORT of `tpagent orchestrator`."),
 ]
-GpuOpt = Annotated[str, typer.Option("--gpu", envvar="TPAGENT_GPU", help="Only this GPU of the node (its UUID).")]
+GpuOpt = Annotated[
+    str, typer.Option("--gpu", envvar="TPAGENT_GPU", callback=utf8, help="Only this GPU of the node (its UUID).")
+]
 
 
 def orchestrator(
@@ -75,8 +77,12 @@ def _call(address: str, call: Any, as_json: bool = False) -> Any:
 
 
 def taint(
-    node: Annotated[str, typer.Argument(help="The node to move every rank off (its agent's node name).")],
-    reason: Annotated[str, typer.Option("--reason", envvar="TPAGENT_REASON", help="Why, for the record.")] = "",
+    node: Annotated[
+        str, typer.Argument(callback=utf8, help="The node to move every rank off (its agent's node name).")
+    ],
+    reason: Annotated[
+        str, typer.Option("--reason", envvar="TPAGENT_REASON", callback=utf8, help="Why, for the record.")
+    ] = "",
     gpu: GpuOpt = "",
     address: OrchestratorOpt = "127.0.0.1:7410",
     secret_file: SecretOpt = None,
@@ -93,7 +99,7 @@ def taint(
 
 
 def untaint(
-    node: Annotated[str, typer.Argument(help="The node to untaint.")],
+    node: Annotated[str, typer.Argument(callback=utf8, help="The node to untaint.")],
     gpu: GpuOpt = "",
     address: OrchestratorOpt = "127.0.0.1:7410",
     secret_file: SecretOpt = None,

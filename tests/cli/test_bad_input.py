@@ -532,3 +532,27 @@ def test_an_agent_address_that_is_no_host_port_is_refused_as_given(tmp_path: Pat
     said = tpagent("node", "--agent", agent, "--secret-file", str(_secret(tmp_path)), "--tls-dir", tls)
     assert_one_sentence_error(said, "is not HOST:PORT")
     assert said.returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("status", "\udcff"), "32 hex digits"),
+        (("cancel", "a" * 100_000), "32 hex digits"),
+        (("resolve", "0" * 31 + "G", "--commit"), "32 hex digits"),
+        (("taint", "n\udcff", "--reason", "x", "--orchestrator", "127.0.0.1:1"), "not UTF-8"),
+        (("taint", "n", "--reason", "\udcff", "--orchestrator", "127.0.0.1:1"), "not UTF-8"),
+        (("untaint", "n", "--gpu", "GPU-\udcff", "--orchestrator", "127.0.0.1:1"), "not UTF-8"),
+        (("migrate", "--job", "j\udcff", "--rank", "0", "--to", "127.0.0.1:2", "--from", "127.0.0.1:1"), "not UTF-8"),
+    ],
+    ids=["status", "cancel-100k", "resolve-not-hex", "taint-node", "taint-reason", "untaint-gpu", "migrate-job"],
+)
+def test_a_name_or_id_the_call_cannot_carry_is_refused_as_given(
+    tmp_path: Path, args: tuple[str, ...], said: str
+) -> None:
+    """(Bytes of no encoding, which a shell passes as they are, were a protobuf ValueError
+    traceback; so was any id not a migration's, and 100 000 characters went to the agent.)"""
+    from support.certs import node_certs
+
+    out = tpagent(*args, "--secret-file", str(_secret(tmp_path)), "--tls-dir", str(node_certs(tmp_path, "n")))
+    assert out.returncode == 2 and "Traceback" not in out.stderr and said in out.stderr, out.stderr
