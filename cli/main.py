@@ -23,6 +23,7 @@ import typer
 from cli import agent_cmds, orchestrator_cmds
 from cli.common import (
     EXIT_FAILED,
+    EXIT_USAGE,
     CompressOpt,
     CriuOpt,
     JsonOpt,
@@ -32,6 +33,7 @@ from cli.common import (
     TransportName,
     TransportOpt,
     command,
+    die,
     die_of,
 )
 from host.api import UsageError
@@ -171,6 +173,7 @@ def dump(
     then kill it (or leave it running)."""
     mode = DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL
     config = SnapshotConfig(criu=criu, timeouts=Timeouts(cuda_lock=lock_timeout), ghost_limit=ghost_limit_mib << 20)
+    _carriable(carry or [], as_json)
     try:
         if send_to is None:
             m = checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ())
@@ -185,6 +188,18 @@ def dump(
     except (SnapshotError, TransferError) as e:
         _fail(e, as_json)
     _dumped(pid, out, mode, m, shipped, send_to, overlap, as_json)
+
+
+def _carriable(paths: list[Path], as_json: bool) -> None:
+    """--carry's files, checked before anything is frozen: each a regular file here that the
+    dump's hook may take along (it skips one gone by then: CRIU keeps a file deleted while open)."""
+    from host import files
+
+    for path in paths:
+        if not path.is_file():
+            die(f"--carry {path}: there is no regular file there to take along; nothing was done.", EXIT_USAGE, as_json)
+    if why := files.uncarriable([Path(os.path.abspath(p)) for p in paths]):
+        die(f"--carry: {why[0]}; nothing was done.", EXIT_USAGE, as_json)
 
 
 def _dumped(

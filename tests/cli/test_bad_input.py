@@ -556,3 +556,22 @@ def test_a_name_or_id_the_call_cannot_carry_is_refused_as_given(
 
     out = tpagent(*args, "--secret-file", str(_secret(tmp_path)), "--tls-dir", str(node_certs(tmp_path, "n")))
     assert out.returncode == 2 and "Traceback" not in out.stderr and said in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("carry", ["missing", "directory", "symlink"])
+def test_a_carry_that_cannot_be_taken_along_is_refused_before_anything_is_frozen(  # type: ignore[no-untyped-def]
+    start, tmp_path: Path, carry: str
+) -> None:
+    """(A --carry naming no file was left out without a word: the process was frozen and moved
+    without the file its user had asked to take along.)"""
+    w = start(mib=16)
+    named = {"missing": tmp_path / "nope.txt", "directory": tmp_path, "symlink": tmp_path / "link"}[carry]
+    if carry == "symlink":
+        (tmp_path / "real.txt").write_text("x")
+        named.symlink_to(tmp_path / "real.txt")
+    out = tmp_path / "s"
+    said = tpagent("dump", str(w.pid), "--out", str(out), "--carry", str(named))
+    assert_one_sentence_error(said, "--carry", str(named), "nothing was done")
+    assert said.returncode == 2 and alive(w.pid) and not out.exists()
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] > n, "the workload to keep running")
