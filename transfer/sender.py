@@ -234,7 +234,17 @@ class Sender:
     def _open(self, address: str, role: Role, stream: int, session: bytes) -> Channel:
         ch = self.transport.connect(address, self.config.connect_timeout)
         try:
+            # A receiver answers the handshake at once (its gate gives a stranger 10 s in all); a
+            # port that says nothing is no receiver's: each try of it costs this, not io_timeout.
+            ch.set_timeout(self.config.connect_timeout)
             client_handshake(ch, self.config.secret, role, stream, session)
+            ch.set_timeout(self.config.io_timeout)
+        except TransferError as e:
+            ch.close()
+            if isinstance(e, AuthError):
+                raise
+            said = f"{address} took the connection but not tpagent's handshake ({e}); is a receiver there?"
+            raise TransferError(said) from e
         except BaseException:
             ch.close()
             raise

@@ -397,6 +397,34 @@ def test_control_stream_that_never_comes_back_is_given_up(tmp_path: Path) -> Non
     assert _nothing_kept(tmp_path)
 
 
+@pytest.mark.timeout(120)
+def test_a_port_that_takes_the_connection_and_says_nothing_is_given_up_on_its_connect_timeout(
+    tmp_path: Path,
+) -> None:
+    """No receiver, only a listener that never speaks: each try waits out the connect timeout
+    for the handshake, not the streams' silence of io_timeout (here 10 minutes: before, this
+    send took 20 minutes; with the CLI's defaults, 6), and the sentence says what was there."""
+    src = make_snapshot(tmp_path / "src", "random", 2)
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):  # (closed at the end)
+            while True:
+                held.append(silent.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    config = TransferConfig(secret=SECRET, io_timeout=600, connect_timeout=1, retries=2)
+    try:
+        with pytest.raises(TransferError, match="took the connection but not tpagent's handshake"):
+            Sender(TcpTransport(), config).send(src, f"127.0.0.1:{silent.getsockname()[1]}")
+    finally:
+        silent.close()
+        for s in held:
+            s.close()
+    assert len(held) == 3  # (the first try, and its two retries)
+
+
 # --- UCX before authentication ---------------------------------------------------------------
 
 
