@@ -381,6 +381,8 @@ def _call(agent: str, secret_file: Path | None, tls_dir: Path, method: str, requ
     except UsageError as e:
         die(str(e), EXIT_USAGE)
     except grpc.RpcError as e:
+        if e.code() is grpc.StatusCode.UNAVAILABLE:
+            die(_unreachable(agent, e), EXIT_USAGE)
         die(f"the agent at {agent}: {e.details()}", rpc_exit_code(e.code()))
 
 

@@ -64,8 +64,11 @@ def _call(address: str, call: Any, as_json: bool = False) -> Any:
         return call()
     except grpc.RpcError as e:
         if e.code() is grpc.StatusCode.UNAVAILABLE:
+            from tpagent.daemon.client import unreachable_reason
+
+            why = unreachable_reason(e)
             die(
-                f"the orchestrator at {address} cannot be reached; is `tpagent orchestrator` running?",
+                f"the orchestrator at {address} cannot be reached ({why}); is `tpagent orchestrator` running?",
                 EXIT_USAGE,
                 as_json,
             )

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
+import ssl
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -575,3 +579,34 @@ def test_a_carry_that_cannot_be_taken_along_is_refused_before_anything_is_frozen
     assert said.returncode == 2 and alive(w.pid) and not out.exists()
     n = w.ticks()[-1][0]
     wait_until(lambda: w.ticks()[-1][0] > n, "the workload to keep running")
+
+
+@pytest.mark.parametrize("command", [("node", "--agent"), ("cluster", "--orchestrator")])
+def test_a_peer_whose_certificate_is_another_cas_is_said_once(tmp_path: Path, command: tuple[str, str]) -> None:
+    """A server whose certificate this cluster's CA did not sign (another cluster's agent, a
+    stale certificate): one sentence that says so (before: gRPC's C core printed its own INFO
+    line of the handshake first, and the sentence ended in gRPC's "failed to connect to all
+    addresses; last error: UNKNOWN: ... : OK")."""
+    from support.certs import node_certs
+
+    theirs = node_certs(tmp_path / "theirs", "x")
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(theirs / "tls.crt", theirs / "tls.key")
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):  # (closed at the end)
+            while True:
+                conn, _ = listener.accept()
+                with contextlib.suppress(OSError), conn:
+                    server.wrap_socket(conn, server_side=True).close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        tls = str(node_certs(tmp_path / "ours", "n"))
+        said = tpagent(*command, address, "--secret-file", str(_secret(tmp_path)), "--tls-dir", tls)
+    finally:
+        listener.close()
+    assert_one_sentence_error(said, address, "not one this cluster's CA signed")
+    assert said.returncode == 2 and said.stderr.count("\n") == 1, said.stderr

@@ -33,7 +33,12 @@ def unreachable_reason(e: grpc.RpcError) -> str:
     Failed to connect to remote host: Connection refused" becomes "connection refused")."""
     if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
         return "no answer in time"
-    last = rpc_text(e).rsplit(": ", 1)[-1].strip().rstrip(".")
+    text = rpc_text(e)
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return "its TLS certificate is not one this cluster's CA signed (--tls-dir)"
+    if "handshake failed" in text.lower():
+        return "the TLS handshake failed: it does not trust this cluster's CA, or speaks no TLS"
+    last = text.rsplit(": ", 1)[-1].strip().rstrip(".")
     return (last[:1].lower() + last[1:])[:120] or "unavailable"
 
 
