@@ -106,9 +106,9 @@ def main(
     ] = False,
 ) -> None:
     """Checkpoint and restore running (GPU) processes with CRIU and the CUDA driver."""
-    logging.basicConfig(
+    logging.basicConfig(  # (what a command's parts warn of, said plainly; with -v, when and where)
         level=logging.DEBUG if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s" if verbose else "%(levelname)s: %(message)s",
     )
 
 
