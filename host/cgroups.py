@@ -51,5 +51,8 @@ def procs_files(cgroup: str, mountinfo: str) -> tuple[str, ...]:
 
 
 def of_process(pid: int) -> tuple[str, ...]:
-    """:func:`procs_files` of process ``pid``, as this process sees the hierarchies."""
-    return procs_files(Path(f"/proc/{pid}/cgroup").read_text(), Path("/proc/self/mountinfo").read_text())
+    """:func:`procs_files` of process ``pid``, as this process sees the hierarchies.  A group's
+    name is any bytes but a newline (its owner chose it): read as the file system's names are,
+    bytes of no encoding kept as they are (``surrogateescape``)."""
+    cgroup = Path(f"/proc/{pid}/cgroup").read_text(errors="surrogateescape")
+    return procs_files(cgroup, Path("/proc/self/mountinfo").read_text(errors="surrogateescape"))

@@ -231,3 +231,41 @@ def _judged(c: Cluster, asked: dict[str, Any]) -> dict[str, Any] | None:
     it runs as is not read)."""
     answer = _ask(c, DAEMON, asked)
     return None if not answer.get("ok") and "yet" in answer["error"] else answer
+
+
+@pytest.mark.timeout(300)
+def test_a_caller_in_a_control_group_named_in_no_encoding_does_not_shut_the_channel(node_a: Cluster) -> None:
+    """A user with a control group of their own (systemd delegates one to each session) names a
+    group in bytes of no encoding, enters it and connects: the agent reads its groups as they
+    are, and the channel answers everyone after it (before: its one accepting thread died on a
+    UnicodeDecodeError, and every stand-in on the node hung until the agent restarted)."""
+    c = node_a
+    v2 = next(
+        line.split(" - ")[0].split()[4]
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if " - cgroup2 " in line
+    )
+    group = os.path.join(os.fsencode(v2), f"tpagent-test-{os.getpid()}".encode(), b"x\xff")
+    os.makedirs(group)
+    python, env = user_python()
+    go = "import sys; sys.stdin.readline(); print('connecting', flush=True)"
+    request = json.dumps({"op": "rank", "job": "x", "rank": 0, "request": {"op": "locate"}})
+    attacker = subprocess.Popen(  # (ip and setpriv exec: its PID is the shell's, which execs the client)
+        c.nodes["A"].exec(*as_user(NOBODY), "sh", "-c", 'read go && exec "$0" "$1" "$2" "$3"',
+                          python, str(CLIENT), CHANNEL, request),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **env},
+    )  # fmt: skip
+    try:
+        with open(os.path.join(group, b"cgroup.procs"), "w") as procs:
+            procs.write(str(attacker.pid))
+        said, _ = attacker.communicate("go\n", timeout=60)
+        assert said.strip(), "the attacker's connection was not answered"
+        asked = {"op": "rank", "job": "victim", "rank": 0, "request": {"op": "locate"}}
+        _refused(_ask(c, DAEMON, asked), "rank 0 of job victim was not started here by you")  # (an answer)
+        _refused(_ask(c, NOBODY, asked), "rank 0 of job victim was not started here by you")
+    finally:
+        if attacker.poll() is None:
+            attacker.kill()
+            attacker.wait()
+        os.rmdir(group)
+        os.rmdir(os.path.dirname(group))

@@ -106,3 +106,20 @@ def test_a_user_has_a_bounded_number_of_ranks_running_on_a_node(monkeypatch: pyt
     assert d._answer(start("m1"), MALLORY)["ok"]  # (another user's own count)
     a.ranks["j1", 0] = Owned(ALICE.uid, "", False, True)  # (one of them ended)
     assert d._answer(start("j3"), ALICE)["ok"]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"[" * 200_000,  # (RecursionError in the JSON parser)
+        json.dumps({"op": "rank", "job": "j", "rank": 0, "request": [1]}).encode(),  # (AttributeError)
+        b'{"op": "rank", "job": "j", "rank": 0, "request": {"op": "locate"}, "timeout": 1' + b"0" * 400 + b"}",
+    ],
+    ids=["deep", "request-list", "timeout-overflow"],
+)
+def test_a_request_of_another_shape_is_answered_in_a_sentence(line: bytes) -> None:
+    """(These ended their connection's thread with a traceback in the agent's log.)"""
+    d, a = door()
+    a.ranks["j", 0] = Owned(ALICE.uid, "", True, True)
+    answer = d._answer(line, ALICE)
+    assert answer["ok"] is False and answer["error"].startswith("the request is not valid"), answer

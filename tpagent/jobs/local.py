@@ -174,24 +174,31 @@ class StandInDoor:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            pid, uid, gid = peers.credentials(conn)
             try:
-                groups = peer_groups(conn)
-                cgroups = _cgroups_of(conn)
-            except (OSError, peers.PeerGone) as e:
-                log.info("a stand-in's connection from PID %d (UID %d) was dropped: %s", pid, uid, e)
+                self._admit(conn)
+            except Exception as e:  # (one caller's trouble is never the door's: it is dropped, the door stays)
+                log.warning("a stand-in's connection was dropped: %r", e)
                 conn.close()
-                continue
-            with self.lock:
-                full = sum(self.serving.values()) >= CONNECTIONS or self.serving[uid] >= PER_USER
-                if not full:
-                    self.serving[uid] += 1
-            if full:
-                log.warning("a stand-in's connection from PID %d (UID %d) was refused: too many", pid, uid)
-                conn.close()
-                continue
-            caller = Caller(pid, uid, gid, groups, cgroups)
-            self.threads.spawn("stand-ins", f"stand-in {pid}", self._serve, conn, caller)
+
+    def _admit(self, conn: socket.socket) -> None:
+        pid, uid, gid = peers.credentials(conn)
+        try:
+            groups = peer_groups(conn)
+            cgroups = _cgroups_of(conn)
+        except (OSError, peers.PeerGone) as e:
+            log.info("a stand-in's connection from PID %d (UID %d) was dropped: %s", pid, uid, e)
+            conn.close()
+            return
+        with self.lock:
+            full = sum(self.serving.values()) >= CONNECTIONS or self.serving[uid] >= PER_USER
+            if not full:
+                self.serving[uid] += 1
+        if full:
+            log.warning("a stand-in's connection from PID %d (UID %d) was refused: too many", pid, uid)
+            conn.close()
+            return
+        caller = Caller(pid, uid, gid, groups, cgroups)
+        self.threads.spawn("stand-ins", f"stand-in {pid}", self._serve, conn, caller)
 
     def _serve(self, conn: socket.socket, caller: Caller) -> None:
         try:
@@ -221,6 +228,8 @@ class StandInDoor:
             return {"ok": False, "error": f"the request is not valid: {e}"}
         except (AgentError, UsageError) as e:
             return {"ok": False, "error": str(e).rstrip(".")}
+        except (RecursionError, OverflowError, TypeError, AttributeError, KeyError) as e:  # (JSON of another shape)
+            return {"ok": False, "error": f"the request is not valid: {type(e).__name__}: {str(e)[:200]}"}
 
     def _start(self, s: Start, caller: Caller) -> int:
         key = (s.job, s.rank)
