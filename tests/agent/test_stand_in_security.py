@@ -248,7 +248,6 @@ def test_a_caller_in_a_control_group_named_in_no_encoding_does_not_shut_the_chan
     group = os.path.join(os.fsencode(v2), f"tpagent-test-{os.getpid()}".encode(), b"x\xff")
     os.makedirs(group)
     python, env = user_python()
-    go = "import sys; sys.stdin.readline(); print('connecting', flush=True)"
     request = json.dumps({"op": "rank", "job": "x", "rank": 0, "request": {"op": "locate"}})
     attacker = subprocess.Popen(  # (ip and setpriv exec: its PID is the shell's, which execs the client)
         c.nodes["A"].exec(*as_user(NOBODY), "sh", "-c", 'read go && exec "$0" "$1" "$2" "$3"',
