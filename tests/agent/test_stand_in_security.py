@@ -268,3 +268,23 @@ def test_a_caller_in_a_control_group_named_in_no_encoding_does_not_shut_the_chan
             attacker.wait()
         os.rmdir(group)
         os.rmdir(os.path.dirname(group))
+
+
+@pytest.mark.timeout(300)
+def test_a_start_whose_output_is_a_fifo_leaves_no_root_process_behind(node_a: Cluster) -> None:
+    """A FIFO nobody reads, given as a rank's stdout, held the namespace's root init in its
+    open() for good: the start was refused after 10 s, but the init stayed, unkillable by the
+    user, one more for each such start.  Now it is refused at once, and nothing of it is left."""
+    c = node_a
+    with user_dir(DAEMON) as home:
+        fifo = home / "out.fifo"
+        os.mkfifo(fifo)
+        os.chown(fifo, *DAEMON)
+        answer = _ask(c, DAEMON, _start("fifo", home, stdout=str(fifo)))
+        _refused(answer, "not a plain file")
+        left = [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if "tpagent.workload.nsinit" in (p.info["cmdline"] or []) and str(fifo) in (p.info["cmdline"] or [])
+        ]
+        assert left == [], f"root processes left of the refused start: {left}"

@@ -176,7 +176,7 @@ def start(
     finally:
         os.close(read_end)
     if answer != "ok":
-        holder.kill()
+        proc.kill_tree(holder.pid)  # (and the init it forked, whatever it was stuck on: no root process is left)
         holder.wait()
         reason = answer or f"it did not start within {timeout:.0f} s"
         raise UsageError(f"the workload could not be launched: {reason}.")

@@ -40,10 +40,15 @@ def _open_log(path: Path, uid: int) -> int:
     root) could have put there (a hard link to a root file, say; a user's file in /tmp, which
     they would read root's workload's output from): ``uid`` is whom the workload runs as."""
     parent = safefs.open_dir(path.parent, to=path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK
     try:
-        fd = os.open(
-            path.name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY, 0o644, dir_fd=parent
-        )
+        try:  # (not blocking: a FIFO nobody reads, a file someone holds a lease on, would hold root here)
+            fd = os.open(path.name, flags, 0o644, dir_fd=parent)
+        except OSError as e:
+            if e.errno not in (errno.ENXIO, errno.EWOULDBLOCK):
+                raise
+            raise OSError(e.errno, "not a plain file of its own (a FIFO, or a file under a lease)", str(path)) from e
+        os.set_blocking(fd, True)
         st = os.fstat(safefs.owned_fd(parent, fd, path))
         where = os.fstat(parent)
         if st.st_uid not in (0, uid, where.st_uid) and where.st_mode & 0o022:  # (/tmp: root's, sticky)
