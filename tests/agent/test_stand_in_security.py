@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -216,6 +217,15 @@ def test_a_users_rank_output_is_not_read_back_from_a_file_it_may_only_write(node
         asked = {"op": "rank", "job": "peek", "rank": 0, "request": {"op": "output", "fd": 1, "offset": 0}}
         answer = wait_until(lambda: _judged(c, asked), "the output request to be judged", 30)
         _refused(answer, "is a file its user may not read")
+        # Anyone may read this one by its mode, but its access list lets DAEMON only write to it.
+        listed = Path(roots) / "listed.log"
+        listed.write_text("root's secret line\n")
+        os.chmod(listed, 0o664)
+        os.setxattr(listed, "system.posix_acl_access", _acl(user_obj=6, daemon=2, group_obj=4, mask=6, other=4))
+        assert subprocess.run([*as_user(DAEMON), "cat", str(listed)], capture_output=True).returncode != 0
+        assert _ask(c, DAEMON, _start("acl", home, stdout=str(listed)))["ok"]
+        asked = {"op": "rank", "job": "acl", "rank": 0, "request": {"op": "output", "fd": 1, "offset": 0}}
+        _refused(wait_until(lambda: _judged(c, asked), "the output request to be judged", 30), "may not read")
         own = _ask(c, DAEMON, _start("own", home))
         assert own["ok"], own
         asked = {"op": "rank", "job": "own", "rank": 0, "request": {"op": "output", "fd": 1, "offset": 0}}
@@ -288,3 +298,11 @@ def test_a_start_whose_output_is_a_fifo_leaves_no_root_process_behind(node_a: Cl
             if "tpagent.workload.nsinit" in (p.info["cmdline"] or []) and str(fifo) in (p.info["cmdline"] or [])
         ]
         assert left == [], f"root processes left of the refused start: {left}"
+
+
+def _acl(user_obj: int, daemon: int, group_obj: int, mask: int, other: int) -> bytes:
+    """A POSIX access list as the kernel's xattr holds it (version 2; tag, permissions, id)."""
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, user_obj, undefined), (0x02, daemon, DAEMON[0]), (0x04, group_obj, undefined)]
+    entries += [(0x10, mask, undefined), (0x20, other, undefined)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)

@@ -100,7 +100,7 @@ def open_output(init: int, which: int) -> int:
     if uid < 0:
         os.close(fd)
         raise Refused(f"the rank's process is not there to say whose its {name} is.", Why.NOT_FOUND)
-    if not readable_by(now, uid, groups):
+    if not readable_by(now, uid, groups) or uid not in (0, now.st_uid) and _has_acl(fd):
         os.close(fd)
         raise Refused(f"the rank's {name} is a file its user may not read, so it is not relayed.", Why.DENIED)
     return fd
@@ -124,9 +124,18 @@ def user_of(init: int) -> tuple[int, tuple[int, ...]]:
         return -1, ()
 
 
+def _has_acl(fd: int) -> bool:
+    """Whether the file has an access control list beyond its mode (which may deny what the mode
+    allows: such a file of another's is not read for a user, whatever the list says)."""
+    try:
+        return bool(os.getxattr(fd, "system.posix_acl_access"))
+    except OSError:  # (none, or a file system without them)
+        return False
+
+
 def readable_by(st: os.stat_result, uid: int, groups: Collection[int]) -> bool:
     """Whether user ``uid``, of ``groups`` (its group and supplementary ones), may read a file of
-    ``st`` by its mode, as the kernel judges (ACLs aside: a file they alone allow is not read).
+    ``st`` by its mode, as the kernel judges (a file with an access list is not judged here).
     Root may; so may the file's owner (who may make it readable anyway)."""
     if uid in (0, st.st_uid):
         return True
