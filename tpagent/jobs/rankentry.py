@@ -70,6 +70,12 @@ class RankEntry:
     broke: str = ""  # why a collective of it failed, as it said unasked on its connection (lines.Broke)
     step: int = 0  # its optimizer steps, as it last said (its hello, then lines.Stepped)
 
+    def claimed(self, now: float) -> bool:
+        """Whether its name is still its user's though it runs here no more (``now``: monotonic):
+        it moved on, or ended less than :data:`ENDED_CLAIM` ago, or its end is held."""
+        ended = self.exit_code is not None and (now < self.held_until or now < self.ended_at + ENDED_CLAIM)
+        return bool(self.moved_to) or ended
+
     def alive(self) -> bool:
         try:
             return proc.start_ticks(self.init) == self.init_start

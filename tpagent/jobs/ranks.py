@@ -24,6 +24,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -91,13 +92,29 @@ class Ranks:
         if self.saved is None:
             return
         ended = [k for k, e in self.entries.items() if e.exit_code is not None or e.moved_to]
-        for k in ended[: max(0, len(ended) - rankentry.KEEP_ENDED)]:
+        for k in self._forgotten(ended, len(ended) - rankentry.KEEP_ENDED):
             close_outputs(self.entries.pop(k))
             _spend(*k)  # (a word to come back left from before: gone with it)
         try:
             write_durably(self.saved, {"format": 1, "ranks": rankentry.rows(self.entries.values())})
         except OSError as e:
             log.error("the ranks of this node cannot be saved in %s: %s", self.saved, e.strerror)
+
+    def _forgotten(self, ended: list[tuple[str, int]], n: int) -> list[tuple[str, int]]:
+        """Which ``n`` of the ``ended`` ranks (oldest first) to forget: those whose name no user
+        holds any more, then the oldest of the user who holds most.  A user who starts and ends
+        ranks by the thousand forgets their own, never another's a stand-in still asks about."""
+        now = time.monotonic()
+        out = [k for k in ended if not self.entries[k].claimed(now)][: max(0, n)]
+        rest = [k for k in ended if k not in set(out)]
+        held = Counter(self.entries[k].owner for k in rest)
+        while len(out) < n:
+            most = max(held.values())
+            k = next(k for k in rest if held[self.entries[k].owner] == most)
+            rest.remove(k)
+            held[self.entries[k].owner] -= 1
+            out.append(k)
+        return out
 
     # ---- serving ---------------------------------------------------------------------------
 
@@ -295,8 +312,7 @@ class Ranks:
             if e is None:
                 return None
             here = e.alive() and e.exit_code is None
-            ended = e.exit_code is not None and (now < e.held_until or now < e.ended_at + rankentry.ENDED_CLAIM)
-            return rankentry.Owned(e.owner, e.moved_to, here, here or bool(e.moved_to) or ended)
+            return rankentry.Owned(e.owner, e.moved_to, here, here or e.claimed(now))
 
     def identity(self, job: str, rank: int) -> str:
         """Which job the rank here is, across nodes: its user and the job's key (P.JOB_KEY), as it
