@@ -9,10 +9,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import pwd
 import select
 import socket
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 #: ``SO_PEERPIDFD`` (Linux 6.5; Python names it from 3.13).
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
@@ -49,6 +51,29 @@ def credentials(sock: socket.socket) -> tuple[int, int, int]:
     """PID, UID and GID of the process that connected (or listened, seen from a client)."""
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     return int(pid), int(uid), int(gid)
+
+
+#: Where each user's subordinate UIDs are given (shadow-utils: ``NAME:FIRST:COUNT`` a line).
+SUBUID = Path("/etc/subuid")
+
+
+def account(uid: int) -> int:
+    """The user a UID acts for: the owner of the subordinate range it falls in (a process in a
+    user namespace of theirs, ``newuidmap``, is seen as one of those UIDs), else the UID itself.
+    One user with 65 536 subordinate UIDs is one user to whoever counts what users hold."""
+    try:
+        lines = SUBUID.read_text(errors="replace").splitlines()
+    except OSError:
+        return uid
+    for line in lines:
+        name, _, rest = line.partition(":")
+        first, _, count = rest.partition(":")
+        if first.isdigit() and count.isdigit() and int(first) <= uid < int(first) + int(count):
+            try:
+                return int(name) if name.isdigit() else pwd.getpwnam(name).pw_uid
+            except KeyError:
+                return uid
+    return uid
 
 
 def peer(sock: socket.socket) -> Peer:

@@ -27,6 +27,7 @@ import contextlib
 import enum
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -51,8 +52,13 @@ log = logging.getLogger(__name__)
 A = TypeVar("A", bound=P.Answer)
 REQUEST_MAX = 1 << 20
 ANSWER_MAX = 4 << 20  # (an output's MiB, in base64)
+#: Connections served at once, and of one user (:func:`host.peers.account`: their subordinate
+#: UIDs counted as theirs); a newcomer past either is never turned away: the connection idle
+#: longest of the user who holds most (or of its own user, at theirs) is cut.
 CONNECTIONS = 256
 PER_USER = 64
+#: A connection must ask its first request this soon (a stand-in asks as it connects).
+FIRST_WITHIN = 10.0
 #: Ranks one user's stand-ins may have running on a node at once (each costs root two processes).
 RANKS_PER_USER = 256
 #: A request must arrive whole within this long of its first byte (a stand-in idles between them).
@@ -144,7 +150,8 @@ class StandInDoor:
         self.starting: dict[tuple[str, int], int] = {}  # (job, rank) -> the UID whose start is under way
         self.started: dict[int, set[tuple[str, int]]] = {}  # UID -> the ranks started for it here
         self.learned: dict[tuple[str, int], set[str]] = {}  # (job, rank) -> agents it moved on to
-        self.serving: Counter[int] = Counter()
+        self.serving: Counter[int] = Counter()  # user (peers.account) -> their connections open
+        self.open: dict[socket.socket, list[Any]] = {}  # connection -> [its user, when it last asked]
         self.sock: socket.socket | None = None
 
     def start(self) -> None:
@@ -189,30 +196,52 @@ class StandInDoor:
             log.info("a stand-in's connection from PID %d (UID %d) was dropped: %s", pid, uid, e)
             conn.close()
             return
+        user = peers.account(uid)
         with self.lock:
-            full = sum(self.serving.values()) >= CONNECTIONS or self.serving[uid] >= PER_USER
-            if not full:
-                self.serving[uid] += 1
-        if full:
-            log.warning("a stand-in's connection from PID %d (UID %d) was refused: too many", pid, uid)
-            conn.close()
-            return
+            if len(self.open) >= CONNECTIONS or self.serving[user] >= PER_USER:
+                self._cut(user if self.serving[user] >= PER_USER else max(self.serving, key=self.serving.__getitem__))
+            self.open[conn] = [user, time.monotonic()]
+            self.serving[user] += 1
         caller = Caller(pid, uid, gid, groups, cgroups)
         self.threads.spawn("stand-ins", f"stand-in {pid}", self._serve, conn, caller)
 
+    def _cut(self, user: int) -> None:
+        """(With the lock held.)  Cut ``user``'s connection that asked nothing for longest: its
+        thread sees its end and forgets it (a stand-in connects again at its next request)."""
+        conn = min((c for c, (u, _) in self.open.items() if u == user), key=lambda c: self.open[c][1])
+        log.warning("a stand-in's connection of UID %d was cut for a newcomer: too many", user)
+        self._forget(conn)
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+
+    def _forget(self, conn: socket.socket) -> None:
+        """(With the lock held.)"""
+        user, _ = self.open.pop(conn)
+        self.serving[user] -= 1
+        if not self.serving[user]:
+            del self.serving[user]
+
     def _serve(self, conn: socket.socket, caller: Caller) -> None:
         try:
-            with conn:
-                while True:
-                    line = _read_line(conn, REQUEST_MAX, first_wait=IDLE_MAX)
-                    if line is None:
+            wait = FIRST_WITHIN
+            while (line := _read_line(conn, REQUEST_MAX, first_wait=wait)) is not None:
+                with self.lock:
+                    if conn not in self.open:  # (cut meanwhile)
                         return
-                    conn.sendall(_line(self._answer(line, caller)))
+                    self.open[conn][1] = math.inf  # (busy: never the one cut)
+                answer = _line(self._answer(line, caller))
+                with self.lock:
+                    if conn in self.open:
+                        self.open[conn][1] = time.monotonic()
+                conn.sendall(answer)
+                wait = IDLE_MAX
         except (OSError, ValueError) as e:
             log.info("a stand-in's connection (PID %d, UID %d) ended: %s", caller.pid, caller.uid, e)
         finally:
             with self.lock:
-                self.serving[caller.uid] -= 1
+                if conn in self.open:
+                    self._forget(conn)
+            conn.close()
 
     def _answer(self, line: bytes, caller: Caller) -> dict[str, Any]:
         try:

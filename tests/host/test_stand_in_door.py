@@ -1,0 +1,77 @@
+"""The stand-in channel's door (tpagent.jobs.local.StandInDoor) against users who hold its
+connections: real sockets and processes of other UIDs.  A user's subordinate UIDs (a user
+namespace of theirs) are that user; a newcomer is never turned away while the one who holds
+most has a connection that idles."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from host import peers
+from support.helpers import ROOT
+from support.users import NOBODY, as_user, user_python
+from tpagent.common.threads import Threads
+from tpagent.jobs import local
+
+HOLD = ROOT / "tests" / "attackers" / "held_connections.py"
+CLIENT = ROOT / "tests" / "attackers" / "stand_in_client.py"
+
+
+@pytest.fixture
+def door(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A door of its own (no agent behind it: nothing is started here), its limits small."""
+    (tmp_path / "subuid").write_text("daemon:100000:65536\n")
+    monkeypatch.setattr(peers, "SUBUID", tmp_path / "subuid")
+    monkeypatch.setattr(local, "CONNECTIONS", 16)
+    monkeypatch.setattr(local, "PER_USER", 8)
+    name = f"tpagent-test-door-{os.getpid()}"
+    threads = Threads()
+    d = local.StandInDoor(name, threads, _no_launch, lambda job, rank: None, _no_ask)
+    d.start()
+    yield name
+    threads.stopping.set()
+    d.close()
+
+
+def _no_launch(start: local.Start, caller: local.Caller) -> int:
+    raise AssertionError("nothing is started here")
+
+
+def _no_ask(*args: Any) -> Any:
+    raise AssertionError("nothing is asked of an agent here")
+
+
+def test_one_users_subordinate_uids_cannot_fill_the_channel(door: str) -> None:
+    """Four UIDs of daemon's subordinate range each hold 8 connections (32: twice the channel's
+    16): as daemon's they are one user, who keeps 8 at most, cutting its own idlest; nobody,
+    connecting after, is answered (before: 16 places held, nobody's connection closed at once)."""
+    python, env = user_python()
+    holders = [
+        subprocess.Popen(
+            [*as_user((100000 + i, 100000)), python, "-I", str(HOLD), door, "8"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env},
+        )  # fmt: skip
+        for i in range(4)
+    ]
+    try:
+        for h in holders:
+            assert h.stdout is not None and h.stdout.readline() == "ready\n"
+        request = json.dumps({"op": "rank", "job": "x", "rank": 0, "request": {"op": "locate"}})
+        said = subprocess.run(
+            [*as_user(NOBODY), python, "-I", str(CLIENT), door, request],
+            capture_output=True, text=True, timeout=60, env={**os.environ, **env},
+        )  # fmt: skip
+        assert "was not started here by you" in said.stdout, (said.stdout, said.stderr)  # (answered)
+    finally:
+        cut = [int(h.communicate("", timeout=60)[0].split()[-1]) for h in holders]
+    assert sum(cut) >= 32 - local.PER_USER, cut  # (daemon's own, all but its newest 8)
