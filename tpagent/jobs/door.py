@@ -51,6 +51,8 @@ class Caller:
     #: Its socket's descriptor as accepted, its key here: the admitter may have closed the socket
     #: (a welcome that could not be sent) by the time the door forgets it.
     fd: int = -1
+    #: The user it counts against (:func:`host.peers.account`: a subordinate UID is its owner's).
+    user: int = -1
     data: bytearray = field(default_factory=bytearray)
     hello: lines.Hello | None = None
     #: What the admitter found out about the caller once (it is asked again at every tick).
@@ -106,16 +108,17 @@ class Door:
             log.warning("a connection on @%s was refused: %s", self.name, e)
             sock.close()
             return
-        if len(self.callers) >= PENDING_MAX or self.per_user[peer.uid] >= PER_USER_MAX:
+        user = peers.account(peer.uid)
+        if len(self.callers) >= PENDING_MAX or self.per_user[user] >= PER_USER_MAX:
             log.warning("a connection from PID %d (UID %d) on @%s was refused: too many", peer.pid, peer.uid, self.name)
             _tell(sock, "too many connections wait for their registration here")
             sock.close()
             peer.close()
             return
         sock.setblocking(False)
-        caller = Caller(sock, peer, time.monotonic() + HELLO_WITHIN, fd=sock.fileno())
+        caller = Caller(sock, peer, time.monotonic() + HELLO_WITHIN, fd=sock.fileno(), user=user)
         self.callers[caller.fd] = caller
-        self.per_user[peer.uid] += 1
+        self.per_user[user] += 1
         self.selector.register(sock, selectors.EVENT_READ)
 
     def _read(self, c: Caller) -> None:
@@ -194,9 +197,9 @@ class Door:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(c.sock)
         del self.callers[c.fd]
-        self.per_user[c.peer.uid] -= 1
-        if self.per_user[c.peer.uid] <= 0:
-            del self.per_user[c.peer.uid]
+        self.per_user[c.user] -= 1
+        if self.per_user[c.user] <= 0:
+            del self.per_user[c.user]
 
     def _drop(self, c: Caller) -> None:
         self._forget(c)
