@@ -26,6 +26,10 @@ def test_the_python_that_runs_a_command(tmp_path: Path) -> None:
     assert standin.python_of([str(script)], env) is None
     assert standin.python_of(["env", "python3", "train.py"], env) is None  # (what env runs is not looked into)
     assert standin.python_of(["no-such-program"], env) is None
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # (nobody writes: opened to read, it would block for good)
+    assert standin.python_of([str(fifo)], env) is None
+    assert standin.python_of(["/dev/null"], env) is None  # (a device is not opened at all)
 
 
 def test_srun_ranks_get_what_env_rendezvous_reads() -> None:

@@ -25,6 +25,7 @@ import pwd
 import re
 import select
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -69,16 +70,31 @@ def python_of(cmd: list[str], env: dict[str, str]) -> str | None:
             return None
         if re.fullmatch(r"python[0-9.]*", Path(exe).name):
             return exe
-        try:
-            with open(exe, "rb") as f:
-                line = f.readline(256)
-        except OSError:
-            return None
+        line = _first_line(exe)
         words = line[2:].decode(errors="replace").split() if line.startswith(b"#!") else []
         if len(words) > 1 and Path(words[0]).name == "env":  # #!/usr/bin/env python3
             words = words[1:]
         exe = (words[0] if "/" in words[0] else shutil.which(words[0], path=path)) if words else None
     return None
+
+
+def _first_line(path: str) -> bytes:
+    """The first line of ``path`` if it is a regular file (else, or unreadable, nothing).  The
+    path is the user's: it is opened first with no access (O_PATH: a FIFO does not block, a
+    device is not opened), and read only once that names a regular file."""
+    try:
+        handle = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        if not stat.S_ISREG(os.fstat(handle).st_mode):
+            return b""
+        with open(f"/proc/self/fd/{handle}", "rb") as f:  # (the very file looked at)
+            return f.readline(256)
+    except OSError:
+        return b""
+    finally:
+        os.close(handle)
 
 
 def store_user(env: dict[str, str]) -> tuple[int, int] | None:
