@@ -412,7 +412,11 @@ class Ranks:
             if fd is None:
                 if e.moved_to or e.exit_code is not None or not e.alive():
                     return P.Written(size=-1)
-                fd = e.outputs[which] = open_output(e.init, which)
+                fd = open_output(e.init, which)
+                if not e.alive():  # (its PID another's by the time it was opened: not its file)
+                    os.close(fd)
+                    return P.Written(size=-1)
+                e.outputs[which] = fd
             return P.Written(data=os.pread(fd, min(size, P.OUTPUT_MAX), offset), size=os.fstat(fd).st_size)
 
     def locate(self, job: str, rank: int) -> P.Located:
