@@ -104,7 +104,9 @@ class _Mounts:
                 ns = os.readlink(f"/proc/{pid}/ns/mnt")
                 if ns not in seen:
                     seen.add(ns)
-                    with open(f"/proc/{pid}/mountinfo") as f:  # (ID ... - FSTYPE SOURCE OPTIONS)
+                    with open(
+                        f"/proc/{pid}/mountinfo", errors="surrogateescape"
+                    ) as f:  # (ID ... - FSTYPE SOURCE OPTIONS)
                         types.update((int(ln.split(maxsplit=1)[0]), ln.split(" - ", 1)[1].split()[0]) for ln in f)
         return types
 
@@ -171,7 +173,7 @@ def _filesystem(path: str) -> int | None:
 
 
 def _maps_sysv(pid: int) -> bool:
-    with open(f"/proc/{pid}/maps") as f:
+    with open(f"/proc/{pid}/maps", errors="surrogateescape") as f:
         return any(" /SYSV" in line for line in f)
 
 

@@ -281,7 +281,7 @@ def _tracer(pid: int) -> int:
     with suppress(OSError):
         for tid in os.listdir(f"/proc/{pid}/task"):
             with suppress(OSError, ValueError):
-                for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+                for line in Path(f"/proc/{pid}/task/{tid}/status").read_text(errors="surrogateescape").splitlines():
                     if line.startswith("TracerPid:") and int(line.split()[1]):
                         return int(line.split()[1])
     return 0
@@ -289,7 +289,7 @@ def _tracer(pid: int) -> int:
 
 def _comm(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
+        return Path(f"/proc/{pid}/comm").read_text(errors="surrogateescape").strip()
     except OSError:
         return "gone since"
 

@@ -48,7 +48,7 @@ def mappings(pid: int) -> list[list[str]]:
     """The fields of each of ``pid``'s mappings of a file (``/proc/PID/maps``: range, mode,
     offset, device, inode, path); none if it is gone."""
     try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text(errors="surrogateescape")
     except OSError:
         return []
     return [fields for line in maps.splitlines() if len(fields := line.split(maxsplit=5)) == 6]

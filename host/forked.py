@@ -96,7 +96,7 @@ def _is_device(path: str, devices: Sequence[str]) -> bool:
 def device_mappings(pid: int, devices: Sequence[str] = DEVICES) -> list[DeviceMapping]:
     """The process's mappings of ``devices``."""
     out = []
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/maps").read_text(errors="surrogateescape").splitlines():
         head = _HEADER.match(line)
         if head and _is_device(path := head.group(3).removesuffix(" (deleted)"), devices):
             out.append(DeviceMapping(int(head.group(1), 16), int(head.group(2), 16), path))
@@ -124,7 +124,7 @@ def find(pids: Iterable[int], cuda_pids: Iterable[int], devices: Sequence[str] =
             maps = device_mappings(pid, devices)
             fds = device_fds(pid, devices)
             if maps or fds:
-                name = Path(f"/proc/{pid}/comm").read_text().strip()
+                name = Path(f"/proc/{pid}/comm").read_text(errors="surrogateescape").strip()
                 out.append(Leftover(pid, name, tuple(maps), tuple(fds), proc.start_ticks(pid)))
     return out
 

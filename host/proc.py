@@ -37,7 +37,7 @@ def _stat_fields(pid: int) -> list[str]:
 
 
 def _stat_fields_of(path: str) -> list[str]:
-    raw = Path(path).read_text()
+    raw = Path(path).read_text(errors="surrogateescape")  # (its name is any bytes its process chose)
     # The command name sits in parentheses and may itself contain spaces or parentheses.
     return raw[raw.rindex(")") + 2 :].split()
 
@@ -138,7 +138,7 @@ def inside_namespace(pid: int, init: int, verb: str) -> str:
 def uses_cuda(pid: int) -> bool:
     """True if the process has the CUDA driver mapped or a /dev/nvidia* device open."""
     try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text(errors="surrogateescape")
     except OSError:
         return False
     if any(marker in maps for marker in _CUDA_MARKERS):
@@ -158,7 +158,7 @@ def uses_cuda(pid: int) -> bool:
 
 def _status_ints(status: str, key: str) -> tuple[int, ...]:
     """The numbers of one field of a /proc status file (several for the NS* fields, outermost first)."""
-    for line in Path(status).read_text().splitlines():
+    for line in Path(status).read_text(errors="surrogateescape").splitlines():  # (Name: any bytes)
         if line.startswith(key + ":"):
             return tuple(int(x) for x in line.split()[1:])
     return ()
@@ -224,7 +224,7 @@ def cgroup_files(pid: int, v2: str, controller: str, v1: str) -> list[tuple[int,
     """The process's control group files: ``v2`` in its cgroup v2 group, ``v1`` in its
     ``controller`` hierarchy of cgroup v1; each with its version, as /proc/PID/cgroup lists them."""
     out = []
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/cgroup").read_text(errors="surrogateescape").splitlines():
         _, controllers, path = line.split(":", 2)
         if controllers == "":
             out.append((2, Path(f"/sys/fs/cgroup{path}/{v2}")))
@@ -322,7 +322,7 @@ def dump_size_estimate(pids: Sequence[int]) -> int:
     total = 0
     for pid in pids:
         with suppress(OSError, ValueError):
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            for line in Path(f"/proc/{pid}/status").read_text(errors="surrogateescape").splitlines():
                 if line.startswith(("RssAnon:", "RssShmem:")):
                     total += int(line.split()[1]) << 10  # (in kB)
     return total

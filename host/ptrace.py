@@ -104,7 +104,7 @@ def _tids(pid: int) -> set[int]:
 def _syscall_site(pid: int) -> int:
     """The address of a ``syscall`` instruction in the process's own executable memory."""
     spans = []
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/maps").read_text(errors="surrogateescape").splitlines():
         fields = line.split()
         if "x" not in fields[1]:
             continue
@@ -272,7 +272,7 @@ def _read_parent_death_signal(pid: int, gave_up: threading.Event) -> int:
 def _may_seize(pid: int) -> bool:
     """Whether ``pid`` can be seized and made to call without waiting on, or killing, it."""
     with suppress(OSError, ValueError):
-        status = Path(f"/proc/{pid}/status").read_text()
+        status = Path(f"/proc/{pid}/status").read_text(errors="surrogateescape")
         if any(ln.split()[1:2] != ["0"] for ln in status.splitlines() if ln.startswith("Seccomp:")):
             return False
         if any(proc.thread_state(pid, tid) == "D" for tid in _tids(pid)):

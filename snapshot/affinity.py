@@ -73,7 +73,7 @@ def bound(pids: Sequence[int]) -> list[Binding]:
         try:
             allowed = _allowed(pid)
             for tid in (pid, *proc.thread_ids(pid)):
-                status = Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text(errors="surrogateescape").splitlines()
                 cpus = next(ln.split(":", 1)[1].strip() for ln in status if ln.startswith("Cpus_allowed_list:"))
                 if parse(cpus) < allowed:
                     found.append(Binding(pid, proc.own_tid(pid, tid), cpus))

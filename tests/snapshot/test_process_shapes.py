@@ -580,3 +580,21 @@ def test_a_restore_whose_listening_port_is_taken_says_so_and_restores_once_it_is
         wait_until(lambda: w.numbers("tick")[-1][0] >= n + 10, "the restored server to take connections again")
         ticks = w.numbers("tick")
         assert ticks == [[i, port, i] for i in range(len(ticks))]  # the same listener, from where it stood
+
+
+@pytest.mark.parametrize("launched", [False, True], ids=["plain", "launched"])
+def test_names_of_no_encoding_are_dumped_and_come_back(loops, tmp_path: Path, launched: bool) -> None:  # type: ignore[no-untyped-def]
+    """A process's own name, a thread's, a mapped file's and an open file's may be any bytes
+    (prctl, pthread_setname_np, open): a dump read them as UTF-8 and ended in a traceback
+    (UnicodeDecodeError), the process frozen no more but never dumped.  Now it is dumped, and its
+    copy counts on from where it stood."""
+    loop = Loop("odd_names.py", tmp_path / "loop.log", launched=launched).start()
+    loops.append(loop)
+    checkpoint(loop.pid, tmp_path / "snap")
+    loop.reap()
+    n = len(loop.numbers("tick"))
+    loop.pid = restore.restore(tmp_path / "snap").pid
+    wait_until(lambda: len(loop.numbers("tick")) > n + 5, "the copy to tick")
+    ticks = loop.numbers("tick")
+    assert [t[0] for t in ticks] == list(range(len(ticks))), "the copy did not count on from where it stood"
+    assert all(t[0] == t[1] for t in ticks), "the mapped file's count is not the copy's"

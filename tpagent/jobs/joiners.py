@@ -63,7 +63,7 @@ def _output(init: int, which: int) -> str:
 
 def _status(pid: int, key: str) -> list[str]:
     """The values of one field of /proc/PID/status."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/status").read_text(errors="surrogateescape").splitlines():
         if line.startswith(key + ":"):
             return line.split()[1:]
     return []

@@ -118,7 +118,7 @@ def user_of(init: int) -> tuple[int, tuple[int, ...]]:
     (-1 and none where it has no child now)."""
     try:
         children = Path(f"/proc/{init}/task/{init}/children").read_text().split()
-        status = Path(f"/proc/{children[0]}/status").read_text() if children else ""
+        status = Path(f"/proc/{children[0]}/status").read_text(errors="surrogateescape") if children else ""
     except OSError:
         return -1, ()
     fields = dict(line.partition(":")[::2] for line in status.splitlines())

@@ -60,7 +60,7 @@ def on_tmpfs(path: Path) -> bool:
     kind = ""
     target = str(path.resolve())
     try:
-        lines = Path("/proc/self/mounts").read_text().splitlines()
+        lines = Path("/proc/self/mounts").read_text(errors="surrogateescape").splitlines()
     except OSError:
         return False
     for line in lines:
