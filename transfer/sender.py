@@ -12,9 +12,11 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zstandard
 
+from host.safefs import private_dir
 from snapshot import manifest as snapmanifest
 from snapshot.api import SnapshotError
 from transfer import wire
@@ -257,8 +259,11 @@ class Sender:
         files are sent as they grow, and it is complete once ``sealed()`` returns True
         (it raises to give up: the receiver then keeps nothing).  With ``feed`` too, images
         that are no files here come from it (a streamed dump); it is failed once the send
-        ends, so that a dump still streaming into it fails too."""
+        ends, so that a dump still streaming into it fails too.  Only from a directory no other
+        user could have written to: what arrives is a verified snapshot of root's, which a
+        restore trusts (a user's made-up images and carried files would be put back as root's)."""
         parse_address(address)  # (one that is no address is said once, before anything: never retried)
+        snapshot = private_dir(snapshot, create=False)
         cfg = self.config
         session = os.urandom(16)
         files = Files(snapshot, cfg.chunk_size, feed)
@@ -267,30 +272,7 @@ class Sender:
         codec = _Codec(cfg.compress, cfg.zstd_level)
         t0 = time.monotonic()
         try:
-            if sealed is None:
-                layout = snapshot_layout(snapshot, cfg.chunk_size)
-                files.open_all(layout)
-                state.add(layout.chunks())
-                state.close()
-                header = {
-                    "snapshot_id": snapshot.name,
-                    "chunk_size": cfg.chunk_size,
-                    "files": [list(f) for f in layout.files],
-                    "manifest_sha256": files.manifest_sha256(),
-                }
-                if cfg.chunk_size == snapmanifest.CHUNK_SIZE:  # the manifest's digests check each chunk
-                    m = snapmanifest.load(snapshot)
-                    digests = {name: e["digests"] for name, e in m.files.items()}
-                    header |= {"digest": m.digest, "digests": digests}
-                    files.digested = {fi for fi, name in enumerate(files.names) if name in digests}
-            else:
-                files.follow = True
-                header = {
-                    "snapshot_id": snapshot.name,
-                    "chunk_size": cfg.chunk_size,
-                    "follow": True,
-                    "digest": snapmanifest.DIGEST,  # (the dump followed is sealed with it)
-                }
+            header = self._header(snapshot, files, state, follow=sealed is not None)
             control = _Control(self, address, session, wire.signed_json(cfg.secret, b"header", header), state)
             try:
                 control.open()
@@ -330,6 +312,34 @@ class Sender:
                 feed.fail("the transfer ended before the dump did")
             files.close()
         return TransferStats(state.raw_total, state.wire_bytes, len(state.chunks), time.monotonic() - t0)
+
+    def _header(self, snapshot: Path, files: Files, state: SendState, follow: bool) -> dict[str, Any]:
+        """The transfer's header; a complete snapshot's files opened and its chunks queued."""
+        cfg = self.config
+        if follow:
+            files.follow = True
+            return {
+                "snapshot_id": snapshot.name,
+                "chunk_size": cfg.chunk_size,
+                "follow": True,
+                "digest": snapmanifest.DIGEST,  # (the dump followed is sealed with it)
+            }
+        layout = snapshot_layout(snapshot, cfg.chunk_size)
+        files.open_all(layout)
+        state.add(layout.chunks())
+        state.close()
+        header = {
+            "snapshot_id": snapshot.name,
+            "chunk_size": cfg.chunk_size,
+            "files": [list(f) for f in layout.files],
+            "manifest_sha256": files.manifest_sha256(),
+        }
+        if cfg.chunk_size == snapmanifest.CHUNK_SIZE:  # the manifest's digests check each chunk
+            m = snapmanifest.load(snapshot)
+            digests = {name: e["digests"] for name, e in m.files.items()}
+            header |= {"digest": m.digest, "digests": digests}
+            files.digested = {fi for fi, name in enumerate(files.names) if name in digests}
+        return header
 
     def _follow(self, files: Files, state: SendState, sealed: Callable[[], bool]) -> None:
         """Queue each file's bytes as they are written; once sealed, the tails too."""

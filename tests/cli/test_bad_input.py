@@ -610,3 +610,32 @@ def test_a_peer_whose_certificate_is_another_cas_is_said_once(tmp_path: Path, co
         listener.close()
     assert_one_sentence_error(said, address, "not one this cluster's CA signed")
     assert said.returncode == 2 and said.stderr.count("\n") == 1, said.stderr
+
+
+@pytest.mark.parametrize("whose", ["owned", "writable"])
+def test_a_snapshot_another_user_could_have_written_is_not_sent(snapshot_dir: Path, tmp_path: Path, whose: str) -> None:
+    """A user who wrote a snapshot of their own making (its manifest's checksum is no secret;
+    its carried files root's, say /etc/ld.so.preload) had an operator's `send` make it a
+    verified snapshot of root's on the receiving node, which a restore put back as root: the
+    user's code ran as root.  `send` now takes only a directory no other user could have
+    written to, as `restore` does, and connects to nothing otherwise."""
+    snap = _copy(snapshot_dir, tmp_path / "theirs")
+    os.chmod(tmp_path / "theirs", 0o755)
+    if whose == "owned":
+        for p in [snap, *snap.rglob("*")]:
+            os.chown(p, 65534, 65534)
+    else:
+        os.chmod(snap, 0o777)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.5)
+    try:
+        said = tpagent(
+            "send", str(snap), f"127.0.0.1:{listener.getsockname()[1]}",
+            "--secret-file", str(_secret(tmp_path)), "--plaintext",
+        )  # fmt: skip
+        assert_one_sentence_error(said, str(snap), "no one else could write to")
+        assert said.returncode == 2
+        with pytest.raises(TimeoutError):
+            listener.accept()  # (nobody connected)
+    finally:
+        listener.close()
