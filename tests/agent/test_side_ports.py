@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 
@@ -20,6 +21,7 @@ from support.helpers import NOBODY
 from tpagent.common import metrics
 
 TRICKLE = Path(__file__).resolve().parent.parent / "attackers" / "trickle_peer.py"
+H2_STREAMS = TRICKLE.parent / "h2_streams.py"
 
 
 @pytest.fixture
@@ -64,3 +66,34 @@ def test_idle_and_trickling_connections_to_the_metrics_port_are_bounded(metrics_
             assert "tpagent_migrations" in _scrape(metrics_port, source), f"a scrape from {source} was not served"
     finally:
         p.communicate("", timeout=30)
+
+
+def test_streams_a_stranger_never_ends_on_the_probe_port_hold_no_memory(tmp_path: Path) -> None:
+    """nobody opens 200 000 Health/Check streams on four plain-text connections (15 bytes each,
+    never ended, their answers never read): gRPC's core held each, and the agent grew by about
+    250 MB (52 MB to 539 MB for twice as many).  The probe port now lets a connection have 4
+    streams at once and refuses calls past 8; the agent grows by little, and a probe is answered."""
+    cfg = agent_config(tmp_path, "a", health_listen=f"127.0.0.1:{free_port()}")
+    stop = serving(cfg)
+    me = psutil.Process()
+    before = me.memory_info().rss
+    host, port = cfg.health_listen.split(":")
+    cmd = [*NOBODY, "/usr/bin/python3", "-I", "-S", str(H2_STREAMS), host, port, "4", "10", "400000"]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        sent = p.stdout.readline().split()
+        assert sent[0] == "sent" and int(sent[2]) >= 100_000, sent
+        grown = (me.memory_info().rss - before) >> 20
+        assert grown < 100, f"the agent grew by {grown} MB for a stranger's never-ended streams"
+        assert _health(cfg.health_listen) == 1  # SERVING
+    finally:
+        p.communicate("", timeout=30)
+        stop.set()
+
+
+def _health(address: str) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status)

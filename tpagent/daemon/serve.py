@@ -26,8 +26,6 @@ import signal
 import threading
 import time
 
-import grpc
-
 from host import paths
 from host.api import UsageError
 from host.safefs import private_dir
@@ -39,7 +37,7 @@ from tpagent.common.threads import Threads
 from tpagent.daemon import report
 from tpagent.daemon.client import GrpcPeer
 from tpagent.daemon.node import Node
-from tpagent.daemon.rpc import AuthInterceptor, Health, HealthOnly, listens, pb_grpc
+from tpagent.daemon.rpc import AuthInterceptor, Health, listens, pb_grpc, probe_server
 from tpagent.daemon.rpc import server as rpc_server
 from tpagent.daemon.service import Service
 from tpagent.migration import watch
@@ -166,8 +164,7 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
     probes = None
     scrapes = None
     if cfg.health_listen:
-        # (no limit on calls: Check reads nothing and answers at once, so none can hold a place)
-        probes = grpc.server(health.pool, interceptors=[HealthOnly(health)])
+        probes = probe_server(health)
         if not listens(probes, cfg.health_listen):
             raise UsageError(f"cannot serve health checks on {cfg.health_listen}; is another agent running there?")
     if cfg.metrics_listen:

@@ -22,7 +22,7 @@ import grpc
 from host.api import UsageError
 from host.safefs import read_private_file
 from tpagent.common.metrics import MetricsServer
-from tpagent.daemon.rpc import AuthInterceptor, Health, HealthOnly, listens, pb_grpc
+from tpagent.daemon.rpc import AuthInterceptor, Health, listens, pb_grpc, probe_server
 from tpagent.daemon.rpc import server as rpc_server
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.core import Orchestrator
@@ -124,7 +124,7 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
 
 
 def grpc_probes(health: Health, address: str) -> grpc.Server:
-    probes = grpc.server(health.pool, interceptors=[HealthOnly(health)])
+    probes = probe_server(health)
     if not listens(probes, address):
         raise UsageError(f"cannot serve health checks on {address}.")
     probes.start()
