@@ -43,6 +43,7 @@ from snapshot.dump import checkpoint
 from snapshot.manifest import Manifest, load
 from snapshot.restore import restore as restore_snapshot
 from tpagent.daemon import doctor as doctor_mod
+from tpagent.orchestrator.api import printable
 from tpagent.workload.launch import launch as launch_workload
 from tpagent.workload.launch import register as register_launched
 from transfer import pipeline
@@ -317,7 +318,9 @@ def inspect(
     lines += [f"  thread {b.tid} of pid {b.pid}: bound to CPUs {b.cpus}, bound again on restore" for b in m.bindings]
     lines += ["  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in m.timings.items())]
     lines += [f"  warning: {w}" for w in m.warnings]
-    _emit(as_json, m.to_json(), "\n".join(lines))
+    # (its user chose the command lines, and anyone may have written the directory: no escape
+    # sequence of theirs reaches the operator's terminal)
+    _emit(as_json, m.to_json(), "\n".join(printable(line, 4000) for line in lines))
 
 
 @command(app)

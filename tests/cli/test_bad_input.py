@@ -639,3 +639,15 @@ def test_a_snapshot_another_user_could_have_written_is_not_sent(snapshot_dir: Pa
             listener.accept()  # (nobody connected)
     finally:
         listener.close()
+
+
+def test_inspect_shows_no_escape_sequence_a_user_put_in_a_command_line(snapshot_dir: Path, tmp_path: Path) -> None:
+    """A process's command line is its user's choice (`exec -a`): an escape sequence in it (here
+    one that sets the terminal's title) reached root's terminal as it was."""
+    snap = _copy(snapshot_dir, tmp_path)
+    processes = _manifest(snap)["processes"]
+    processes[0]["cmdline"] = ["python", "\x1b]0;pwned\x07train.py", "\x1b[2J"]
+    _edit(snap, processes=processes)
+    said = tpagent("inspect", str(snap))
+    assert said.returncode == 0, said.stderr
+    assert "\x1b" not in said.stdout and "\x07" not in said.stdout and "train.py" in said.stdout, said.stdout
