@@ -651,3 +651,15 @@ def test_inspect_shows_no_escape_sequence_a_user_put_in_a_command_line(snapshot_
     said = tpagent("inspect", str(snap))
     assert said.returncode == 0, said.stderr
     assert "\x1b" not in said.stdout and "\x07" not in said.stdout and "train.py" in said.stdout, said.stdout
+
+
+def test_a_launch_log_refused_in_a_users_directory_leaves_nothing_of_roots_there(tmp_path: Path) -> None:
+    """Root does not write its workload's log in a directory another user owns (they could swap
+    the file); it refused only once it had made the file, and the empty root file stayed."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chmod(tmp_path, 0o755)
+    os.chown(theirs, 65534, 65534)
+    said = tpagent("launch", "--stdout", str(theirs / "new.log"), "--", "sleep", "1")
+    assert_one_sentence_error(said, str(theirs / "new.log"))
+    assert list(theirs.iterdir()) == []

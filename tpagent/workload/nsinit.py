@@ -40,26 +40,42 @@ def _open_log(path: Path, uid: int) -> int:
     root) could have put there (a hard link to a root file, say; a user's file in /tmp, which
     they would read root's workload's output from): ``uid`` is whom the workload runs as."""
     parent = safefs.open_dir(path.parent, to=path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK
+    created = False
     try:
         try:  # (not blocking: a FIFO nobody reads, a file someone holds a lease on, would hold root here)
-            fd = os.open(path.name, flags, 0o644, dir_fd=parent)
+            try:
+                fd = os.open(path.name, flags | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=parent)
+                created = True
+            except FileExistsError:
+                fd = os.open(path.name, flags, dir_fd=parent)
         except OSError as e:
             if e.errno not in (errno.ENXIO, errno.EWOULDBLOCK):
                 raise
             raise OSError(e.errno, "not a plain file of its own (a FIFO, or a file under a lease)", str(path)) from e
-        os.set_blocking(fd, True)
-        st = os.fstat(safefs.owned_fd(parent, fd, path))
-        where = os.fstat(parent)
-        if st.st_uid not in (0, uid, where.st_uid) and where.st_mode & 0o022:  # (/tmp: root's, sticky)
-            os.close(fd)
-            raise OSError(errno.EPERM, f"a file of UID {st.st_uid}'s in a directory others may write in", str(path))
-        if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode) and path != Path(os.devnull):
-            os.close(fd)
-            raise OSError(errno.EPERM, "not a plain file of its own (other links, or not a regular file)", str(path))
-        return fd
+        try:
+            return _checked_log(fd, parent, path, uid)
+        except BaseException:
+            if created:  # (refused: what was made for it goes too, nothing of root's left in their directory)
+                with contextlib.suppress(OSError):
+                    os.unlink(path.name, dir_fd=parent)
+            raise
     finally:
         os.close(parent)
+
+
+def _checked_log(fd: int, parent: int, path: Path, uid: int) -> int:
+    """``fd`` once :func:`_open_log`'s checks pass; else it is closed and OSError raised."""
+    os.set_blocking(fd, True)
+    st = os.fstat(safefs.owned_fd(parent, fd, path))
+    where = os.fstat(parent)
+    if st.st_uid not in (0, uid, where.st_uid) and where.st_mode & 0o022:  # (/tmp: root's, sticky)
+        os.close(fd)
+        raise OSError(errno.EPERM, f"a file of UID {st.st_uid}'s in a directory others may write in", str(path))
+    if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode) and path != Path(os.devnull):
+        os.close(fd)
+        raise OSError(errno.EPERM, "not a plain file of its own (other links, or not a regular file)", str(path))
+    return fd
 
 
 MNT_DETACH = 2
