@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -49,6 +51,32 @@ def test_workload_moves_a_to_b_to_c_and_goes_on(cluster: Cluster, ticker: Ticker
         ticker.verify_state()
     ns_c = Path(f"/run/netns/{cluster.nodes['C'].name}").stat().st_ino
     assert Path(f"/proc/{ticker.pid}/ns/net").stat().st_ino == ns_c  # it runs on node C now
+
+
+def test_another_users_process_named_in_no_encoding_does_not_stop_a_migration(
+    cluster: Cluster, ticker: Ticker, tmp_path: Path
+) -> None:
+    """A source looks through every process of its node for one that maps a file of the
+    workload's; a process of nobody's that maps a file named in bytes of no encoding (any user
+    may) made every migration on the node fail with an internal error (UnicodeDecodeError)."""
+    odd = Path(tempfile.mkdtemp(prefix="tpagent-odd-", dir="/tmp"))  # (one nobody reaches)
+    os.chown(odd, 65534, 65534)
+    stranger = subprocess.Popen(
+        ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--", "/usr/bin/python3", "-I",
+         str(STATEFUL.parent / "odd_names.py"), str(odd / "log")],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: (odd / "log").exists() and "tick 2 " in (odd / "log").read_text(), "the stranger to run")
+        proc = cluster.migrate(ticker.pid, "A", "B", "--json")
+        assert proc.returncode == 0, proc.stderr + cluster.nodes["A"].agent_log()[-3000:]
+        ticker.pid = json.loads(proc.stdout)["new_pid"]
+        ticker.assert_one_copy_continuous()
+        ticker.verify_state()
+    finally:
+        kill_and_wait(stranger.pid)
+        stranger.wait()
+        shutil.rmtree(odd)
 
 
 @pytest.fixture
