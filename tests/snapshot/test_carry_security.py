@@ -19,6 +19,8 @@ import pytest
 
 from conftest import needs_criu
 from snapshot import restore
+from snapshot.api import SnapshotError
+from snapshot.dump import checkpoint
 from support.helpers import Workload, alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
 
 pytestmark = needs_criu
@@ -105,12 +107,22 @@ def test_dump_reads_nothing_through_a_planted_symlink(
         link = carried
     assert carried.read_bytes() == SECRET  # root, following the link, would read the secret
     out = tmp_path / "snap"
-    proc = tpagent("dump", str(w.pid), "--out", str(out), "--carry", str(carried))
-    assert_one_sentence_error(proc, f"{link} is a symlink", "follows no symlink", "nothing was lost")
-    assert proc.returncode == 1
+    _refused_before_and_at_the_freeze(w, out, carried, f"{link} is a symlink", "follows no symlink")
     assert not (out / "images" / "tpagent-files.tar").exists() and not (out / "manifest.json").exists()
     _nothing_holds(SECRET, out)
     _runs_where_it_stood(w)
+
+
+def _refused_before_and_at_the_freeze(w: Workload, out: Path, carried: Path, *said: str) -> None:
+    """`dump --carry` refuses ``carried`` in one sentence before anything is frozen; and the
+    dump's own hook, which checks it again while the process is frozen (what the CLI saw may
+    have changed since), refuses it too and rolls the dump back."""
+    proc = tpagent("dump", str(w.pid), "--out", str(out), "--carry", str(carried))
+    assert_one_sentence_error(proc, *said, "nothing was done")
+    assert proc.returncode == 2 and not out.exists()
+    with pytest.raises(SnapshotError) as refused:
+        checkpoint(w.pid, out, carry=[carried])  # (no check before: the hook's alone)
+    assert all(words in str(refused.value) for words in said), refused.value
 
 
 def test_restore_writes_nothing_through_a_planted_symlink(workloads, arena: Path, vault: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -208,11 +220,10 @@ def test_a_file_in_another_users_directory_is_refused(workloads, arena: Path, tm
     uid = pwd.getpwnam(owner).pw_uid
     os.chown(w.log, uid, -1)
     out = tmp_path / "snap"
-    proc = tpagent("dump", str(w.pid), "--out", str(out), "--carry", str(w.log))
-    assert_one_sentence_error(
-        proc, f"{w.log} belongs to UID {uid} but its directory to UID {NOBODY.pw_uid}", "nothing was lost"
+    _refused_before_and_at_the_freeze(
+        w, out, w.log, f"{w.log} belongs to UID {uid} but its directory to UID {NOBODY.pw_uid}"
     )
-    assert proc.returncode == 1 and not (out / "manifest.json").exists()
+    assert not (out / "manifest.json").exists()
     _runs_where_it_stood(w)
 
 
