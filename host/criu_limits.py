@@ -104,9 +104,8 @@ class _Mounts:
                 ns = os.readlink(f"/proc/{pid}/ns/mnt")
                 if ns not in seen:
                     seen.add(ns)
-                    with open(
-                        f"/proc/{pid}/mountinfo", errors="surrogateescape"
-                    ) as f:  # (ID ... - FSTYPE SOURCE OPTIONS)
+                    # (ID ... - FSTYPE SOURCE OPTIONS; a mount point is any bytes)
+                    with open(f"/proc/{pid}/mountinfo", errors="surrogateescape") as f:
                         types.update((int(ln.split(maxsplit=1)[0]), ln.split(" - ", 1)[1].split()[0]) for ln in f)
         return types
 

@@ -150,8 +150,7 @@ class StandInDoor:
         self.starting: dict[tuple[str, int], int] = {}  # (job, rank) -> the UID whose start is under way
         self.started: dict[int, set[tuple[str, int]]] = {}  # UID -> the ranks started for it here
         self.learned: dict[tuple[str, int], set[str]] = {}  # (job, rank) -> agents it moved on to
-        self.serving: Counter[int] = Counter()  # user (peers.account) -> their connections open
-        self.open: dict[socket.socket, list[Any]] = {}  # connection -> [its user, when it last asked]
+        self.open: dict[socket.socket, list[Any]] = {}  # connection -> [its user (peers.account), when it last asked]
         self.sock: socket.socket | None = None
 
     def start(self) -> None:
@@ -198,10 +197,10 @@ class StandInDoor:
             return
         user = peers.account(uid)
         with self.lock:
-            if len(self.open) >= CONNECTIONS or self.serving[user] >= PER_USER:
-                self._cut(user if self.serving[user] >= PER_USER else max(self.serving, key=self.serving.__getitem__))
+            held = Counter(u for u, _ in self.open.values())
+            if len(self.open) >= CONNECTIONS or held[user] >= PER_USER:
+                self._cut(user if held[user] >= PER_USER else held.most_common(1)[0][0])
             self.open[conn] = [user, time.monotonic()]
-            self.serving[user] += 1
         caller = Caller(pid, uid, gid, groups, cgroups)
         self.threads.spawn("stand-ins", f"stand-in {pid}", self._serve, conn, caller)
 
@@ -210,16 +209,9 @@ class StandInDoor:
         thread sees its end and forgets it (a stand-in connects again at its next request)."""
         conn = min((c for c, (u, _) in self.open.items() if u == user), key=lambda c: self.open[c][1])
         log.warning("a stand-in's connection of UID %d was cut for a newcomer: too many", user)
-        self._forget(conn)
+        del self.open[conn]
         with contextlib.suppress(OSError):
             conn.shutdown(socket.SHUT_RDWR)
-
-    def _forget(self, conn: socket.socket) -> None:
-        """(With the lock held.)"""
-        user, _ = self.open.pop(conn)
-        self.serving[user] -= 1
-        if not self.serving[user]:
-            del self.serving[user]
 
     def _serve(self, conn: socket.socket, caller: Caller) -> None:
         try:
@@ -239,8 +231,7 @@ class StandInDoor:
             log.info("a stand-in's connection (PID %d, UID %d) ended: %s", caller.pid, caller.uid, e)
         finally:
             with self.lock:
-                if conn in self.open:
-                    self._forget(conn)
+                self.open.pop(conn, None)
             conn.close()
 
     def _answer(self, line: bytes, caller: Caller) -> dict[str, Any]:

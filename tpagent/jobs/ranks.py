@@ -106,7 +106,8 @@ class Ranks:
         ranks by the thousand forgets their own, never another's a stand-in still asks about."""
         now = time.monotonic()
         out = [k for k in ended if not self.entries[k].claimed(now)][: max(0, n)]
-        rest = [k for k in ended if k not in set(out)]
+        forgotten = set(out)
+        rest = [k for k in ended if k not in forgotten]
         held = Counter(self.entries[k].owner for k in rest)
         while len(out) < n:
             most = max(held.values())
