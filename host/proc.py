@@ -339,31 +339,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def signal_exact(pid: int, ticks: int, sig: int) -> bool:
-    """Send ``sig`` to ``pid`` only if it is still the process that started at ``ticks`` (clock
-    ticks since boot): through a pidfd opened first, so that no process that took its PID since
-    can get it.  False if that process is gone."""
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        return False
-    try:
-        if start_ticks(pid) != ticks:  # (the pidfd names whatever held the PID as it was opened)
-            return False
-        signal.pidfd_send_signal(fd, sig)
-        return True
-    except (OSError, IndexError, ValueError):
-        return False
-    finally:
-        os.close(fd)
-
-
-def signal_tree(pids: list[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
 def tree_pids(pid: int) -> list[int]:
     """``pid`` and all its descendants, root first; empty if it is gone."""
     try:
@@ -371,15 +346,6 @@ def tree_pids(pid: int) -> list[int]:
         return [pid, *(c.pid for c in root.children(recursive=True))]
     except psutil.NoSuchProcess:
         return []
-
-
-def kill_tree(pid: int, timeout: float = 10.0) -> None:
-    """SIGKILL ``pid`` and its descendants, and wait (bounded) until none is alive."""
-    pids = tree_pids(pid)
-    signal_tree(pids, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.02)
 
 
 def _group_and_session_ids() -> dict[int, str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from host import gpus, proc, safefs, userdirs
+from host import gpus, proc, safefs, signals, userdirs
 from host.api import UsageError
 from host.safefs import private_dir
 from snapshot import affinity, copies, manifest, putback, stages, timers
@@ -339,7 +339,7 @@ def start_restored(result: RestoreResult, cuda_factory: CudaFactory = CudaDriver
             if cuda.state(mapping[p]) is CudaState.LOCKED:
                 cuda.unlock(mapping[p])
     else:
-        proc.signal_tree(list(result.pids), signal.SIGCONT)
+        signals.signal_listed(list(result.pids), signal.SIGCONT)
 
 
 def kill_restored(work: Path) -> int:
@@ -361,5 +361,5 @@ def kill_restored(work: Path) -> int:
     if not ours:
         log.warning("not stopping PID %d: it is not the tree CRIU restored in %s", root, work)
         return 0
-    proc.kill_tree(root)
+    signals.kill_tree(root)
     return root

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from host import proc
+from host import proc, signals
 from host.api import UsageError
 from snapshot.api import CudaError, ProgressFn, Stage, ToolError
 from snapshot.cuda import CudaDriver
@@ -111,7 +111,7 @@ def resume(pids: list[int], cuda_pids: list[int], cuda: CudaDriver | None) -> No
     """Resume a tree left stopped and give each CUDA process its GPU back.
 
     Tries every process even when one fails, then raises one CudaError naming all failures."""
-    proc.signal_tree(pids, signal.SIGCONT)
+    signals.signal_listed(pids, signal.SIGCONT)
     failures = []
     for pid in cuda_pids:
         assert cuda is not None

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from host import paths, proc
+from host import paths, signals
 from host.api import UsageError
 from support.helpers import NOBODY, process_with_pid, wait_until
 from tpagent.common.threads import Threads
@@ -119,7 +119,7 @@ def test_a_released_rank_whose_line_breaks_before_its_welcome_comes_back(
         assert conn is not None and not conn.closed.is_set(), "the rank's second connection did not hold"
         assert conn.hello.state == P.RankState.TORN_DOWN.value, conn.hello
     finally:
-        proc.kill_tree(init)
+        signals.kill_tree(init)
         holder.wait(10)
         (paths.RANK_GO / P.go_name(job, 0)).unlink(missing_ok=True)
 
@@ -154,7 +154,7 @@ def _ending_rank(agent: ranks.Ranks, job: str, tmp: Path, code: int) -> Iterator
         agent.expect(job, 0, init)
         yield ends, holder
     finally:
-        proc.kill_tree(init)
+        signals.kill_tree(init)
         holder.wait(10)
 
 
@@ -234,7 +234,7 @@ def _launched_rank(tmp: Path, agent: ranks.Ranks, job: str, printed: int = 1) ->
         agent.expect(job, 0, init)
         yield out
     finally:
-        proc.kill_tree(init)
+        signals.kill_tree(init)
         holder.wait(10)
 
 

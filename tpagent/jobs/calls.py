@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from host import proc
+from host import signals
 from tpagent.jobs.connection import RankGone
 from tpagent.jobs.ranks import NotTheJob, Ranks
 from tpagent.migration.api import AgentError, Refused, Why, is_agent_address
@@ -141,8 +141,8 @@ class RankCalls:
         if not entry.alive() or entry.moved_to:
             return P.failed(f"rank {rank} of job {job} does not run on {self.node}")
         if request.signum == signal.SIGKILL:
-            proc.kill_tree(entry.init)
-        elif not proc.signal_exact(entry.init, entry.init_start, request.signum):  # (its init passes it on)
+            signals.kill_tree(entry.init, entry.init_start)
+        elif not signals.signal_exact(entry.init, entry.init_start, request.signum):  # (its init passes it on)
             return P.failed(f"rank {rank} of job {job} does not run on {self.node}")
         return P.Answer()
 

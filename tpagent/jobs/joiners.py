@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from host import proc
+from host import proc, signals
 from host.api import UsageError
 from tpagent.common.threads import Threads
 from tpagent.jobs.local import ARGS_MAX, ENV_MAX
@@ -150,7 +150,7 @@ def start(ranks: Ranks, threads: Threads, rank_socket: str, job: str, rank: int,
     try:
         ranks.expect(job, rank, init, owner=j.owner)
     except Refused:
-        proc.kill_tree(init)
+        signals.kill_tree(init)
         raise
     return init
 
@@ -166,7 +166,7 @@ def wait_gone(init: int, init_ticks: int, timeout: float) -> bool:
         except (OSError, IndexError, ValueError):
             return True
         time.sleep(0.05)
-    proc.kill_tree(init)
+    signals.kill_tree(init)
     return False
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol, TypeVar
 
 import tpagent_rank
-from host import paths, proc
+from host import paths, proc, signals
 from host.api import UsageError
 from tpagent.jobs.local import LocalAgent, Start, runtime_readable
 from tpagent.jobs.storeserver import python_of, serve, stop_store, store_user
@@ -361,7 +361,7 @@ class StandIn:
         while self.signals:
             sig = self.signals.pop(0)
             if where is self.agent and holder is not None:
-                proc.signal_exact(init, self.init_ticks, sig)  # (its init passes it on)
+                signals.signal_exact(init, self.init_ticks, sig)  # (its init passes it on)
                 continue
             try:
                 where.rank(job, rank, P.Signal(signum=int(sig)), 10)

@@ -10,7 +10,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from host import proc
+from host import proc, signals
 from snapshot.held import HeldDump
 from tpagent.migration.api import Outcome, Peer, PeerUnreachable, Refused, SourceState, TargetState, Why
 from tpagent.migration.context import Context
@@ -160,7 +160,7 @@ def commit(
             raise Stopping("the agent is shutting down while the target starts its copy")
     dump.commit()
     if same_process_alive(r):  # CRIU could not end it (it died at the last moment): end it here
-        proc.kill_tree(r.pid)
+        signals.kill_tree(r.pid, r.start_ticks or None)
     dump.drop_network_lock()
     ctx.remove(r.snapshot)
     if r.state is not S.DONE:
@@ -185,7 +185,7 @@ def _holder_lost(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> Outco
     is stopped again at once (its copy may be running), then: its copy is dropped and it goes
     on, or, if the copy is final already, it is ended.  Never both for longer than that."""
     why = "the CRIU holding the original ended without a decision (the original ran again)"
-    proc.signal_tree(proc.tree_pids(r.pid), signal.SIGSTOP)
+    signals.signal_tree(r.pid, signal.SIGSTOP, r.start_ticks or None)
     log.error("migration %s: %s; it is stopped again while its copy is asked about", r.migration_id, why)
     if target_dropped_copy(ctx, target, r.migration_id, ctx.timeouts.abort_confirm):
         ctx.journal.move(r, S.ROLLING_BACK, f"{why}; its copy on {r.peer} was dropped")
@@ -196,7 +196,7 @@ def _holder_lost(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> Outco
         return Outcome.ROLLED_BACK
     state, _ = target_state(ctx, target, r.migration_id, ctx.timeouts.rpc)
     if state == TargetState.DONE.value:  # the copy is final: the original is the one to end
-        proc.kill_tree(r.pid)
+        signals.kill_tree(r.pid, r.start_ticks or None)
         dump.drop_network_lock()
         ctx.remove(r.snapshot)
         ctx.journal.move(r, S.DONE, f"migrated to {r.peer}; {why}, so it was ended")
@@ -223,10 +223,8 @@ def resume_leftovers(r: Record) -> None:
     """What a dead CRIU may have left stopped runs again; the GPU side is given back."""
     if not same_process_alive(r):
         return  # gone (or its PID now someone else's): nothing of ours to resume
-    pids = proc.tree_pids(r.pid)
-    if not pids:
+    if not signals.signal_tree(r.pid, signal.SIGCONT, r.start_ticks or None):
         return
-    proc.signal_tree(pids, signal.SIGCONT)
     if r.cuda_pids:  # CRIU gave back the CPU side; the GPU side waits in host memory
         from snapshot import stages
         from snapshot.cuda import CudaDriver

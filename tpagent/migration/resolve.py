@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from host import proc
+from host import signals
 from snapshot.held import HeldDump
 from tpagent.migration.api import HAS_COPY, AgentError, Peer, Refused, Role, SourceState, TargetState, Why, is_final
 from tpagent.migration.context import Context
@@ -136,7 +136,7 @@ def _carry_out(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> None:
             ctx.journal.move(r, S.COMMITTING, who)
         dump.commit()
         if same_process_alive(r):
-            proc.kill_tree(r.pid)
+            signals.kill_tree(r.pid, r.start_ticks or None)
         dump.drop_network_lock()
         ctx.remove(r.snapshot)
         ctx.journal.move(r, S.DONE, f"{who}: the original was ended, its copy runs on {r.peer}")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from host import paths, proc
+from host import paths, proc, signals
 from host.paths import created_note, restore_work
 from host.safefs import private_dir
 from snapshot import criu
@@ -167,7 +167,7 @@ def drop_copy(ctx: Context, r: Record, why: str) -> None:
     and what its restore made on this node (the copy's own files, sockets and directories:
     left, they would stand in the way of the next migration here)."""
     if same_process_alive(r):
-        proc.kill_tree(r.pid)
+        signals.kill_tree(r.pid, r.start_ticks or None)
     snap = Path(r.snapshot)
     if ctx.inside_work_dir(snap):  # (before the source hears of the drop: then this node is as it was)
         for path in take_back_created(created_note(snap)):

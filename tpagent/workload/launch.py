@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from host import paths, proc
+from host import paths, proc, signals
 from host.api import UsageError
 from host.safefs import private_dir
 
@@ -176,7 +176,7 @@ def start(
     finally:
         os.close(read_end)
     if answer != "ok":
-        proc.kill_tree(holder.pid)  # (and the init it forked, whatever it was stuck on: no root process is left)
+        signals.kill_tree(holder.pid)  # (and the init it forked, whatever it was stuck on: no root process is left)
         holder.wait()
         reason = answer or f"it did not start within {timeout:.0f} s"
         raise UsageError(f"the workload could not be launched: {reason}.")

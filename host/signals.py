@@ -1,0 +1,128 @@
+"""Signals to a process, or to it and its descendants, through pidfds (pidfd_open(2)).
+
+A process is held by a pidfd opened while it was still the one meant: the one that started at a
+given clock tick, or a child of a process already held.  So a PID that another process took
+since it was listed (a child that ended and was reaped, a root that ended) is never signalled
+nor waited for: on a busy node PIDs come round again, and a stray SIGKILL would end someone
+else's work.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+import psutil
+
+from host import proc
+
+#: Rounds of listing a tree's new children; a tree that still grows after them is a fork bomb,
+#: and what was found of it is what is signalled.
+_ROUNDS = 64
+
+
+def signal_exact(pid: int, ticks: int, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` only if it is still the process that started at ``ticks`` (clock
+    ticks since boot).  False if that process is gone."""
+    fd = _hold(pid, ticks=ticks)
+    if fd is None:
+        return False
+    try:
+        return _send(fd, sig)
+    finally:
+        os.close(fd)
+
+
+def signal_tree(pid: int, sig: int, ticks: int | None = None) -> list[int]:
+    """Send ``sig`` to ``pid`` (only if it started at ``ticks``, when given) and to each of its
+    descendants, each as soon as it is found; the PIDs signalled, root first.  With SIGSTOP, a
+    process is stopped before its children are listed, so none escapes by a fork meanwhile."""
+    with _tree(pid, ticks, sig) as held:
+        return list(held)
+
+
+def kill_tree(pid: int, ticks: int | None = None, timeout: float = 10.0) -> None:
+    """SIGKILL ``pid`` (only if it started at ``ticks``, when given) and its descendants, and
+    wait (bounded) until none is alive.  The whole tree is stopped first, so no child forked while
+    it is being killed is left behind (reparented, it would be out of reach)."""
+    with _tree(pid, ticks, signal.SIGSTOP) as held:
+        for fd in held.values():
+            _send(fd, signal.SIGKILL)
+        waiting = select.poll()
+        for fd in held.values():
+            waiting.register(fd, select.POLLIN)  # (readable once the process has ended)
+        left = len(held)
+        deadline = time.monotonic() + timeout
+        while left and (remaining := deadline - time.monotonic()) > 0:
+            for fd, _ in waiting.poll(remaining * 1000):
+                waiting.unregister(fd)
+                left -= 1
+
+
+def signal_listed(pids: list[int], sig: int) -> None:
+    """Send ``sig`` to each of ``pids``, listed by the caller and kept from ending meanwhile (a
+    tree it stopped itself, or processes CRIU made): those that are gone are passed over."""
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+@contextmanager
+def _tree(pid: int, ticks: int | None, sig: int) -> Iterator[dict[int, int]]:
+    """The tree of ``pid``, each process held by a pidfd and sent ``sig`` as it is found."""
+    held: dict[int, int] = {}
+    try:
+        root = _hold(pid, ticks=ticks)
+        if root is not None:
+            held[pid] = root
+            _send(root, sig)
+        for _ in range(_ROUNDS if held else 0):
+            found = [(c, p) for c, p in _parents().items() if p in held and c not in held]
+            for child, parent in found:
+                fd = _hold(child, parent=parent)
+                if fd is not None:
+                    held[child] = fd
+                    _send(fd, sig)
+            if not found:
+                break
+        yield held
+    finally:
+        for fd in held.values():
+            os.close(fd)
+
+
+def _hold(pid: int, *, ticks: int | None = None, parent: int | None = None) -> int | None:
+    """A pidfd for ``pid``, if what holds that PID now is the process meant: the one started at
+    ``ticks``, or a child of ``parent``.  None if it is gone."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:  # (read after the open: the pidfd names whatever held the PID then)
+        if (ticks is None or proc.start_ticks(pid) == ticks) and (parent is None or proc.parent_pid(pid) == parent):
+            return fd
+    except (OSError, ValueError, IndexError):
+        pass
+    os.close(fd)
+    return None
+
+
+def _parents() -> dict[int, int]:
+    """Every process here -> its parent's PID."""
+    out: dict[int, int] = {}
+    for p in psutil.process_iter(["ppid"]):
+        with suppress(KeyError, TypeError):
+            out[p.pid] = int(p.info["ppid"])
+    return out
+
+
+def _send(fd: int, sig: int) -> bool:
+    try:
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except OSError:  # (it has ended)
+        return False
