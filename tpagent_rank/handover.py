@@ -38,6 +38,9 @@ PROOF_TIMEOUT = 10.0
 #: Peers proving the secret at once; a newcomer past them cuts the oldest of the address holding
 #: most (:mod:`tpagent_rank.strangers`): a crowd, or a trickle, never keeps the rightful one out.
 PROVERS = 16
+#: Connections a joiner makes at most (one cut is made again), and its pause between two.
+ATTEMPTS = 5
+RETRY_PAUSE = 0.1
 
 
 def valid_secret(secret: str) -> bool:
@@ -167,8 +170,25 @@ class Offer:
 
 
 def fetch(source: str, secret: str, size: int, into: BinaryIO, timeout: float) -> None:
-    """The state offered at ``source`` (HOST:PORT), ``size`` bytes, written to ``into``; its
-    MAC checked (ValueError: what was written is not the state offered)."""
+    """The state offered at ``source`` (HOST:PORT), ``size`` bytes, written to ``into`` (from its
+    start); its MAC checked (ValueError: what was written is not the state offered).  A connection
+    cut (a crowd from the joiner's own address cuts its oldest, a link drops) is made again, up to
+    :data:`ATTEMPTS` in all within ``timeout``; one refused means the offer is gone."""
+    deadline = time.monotonic() + timeout
+    for attempt in range(1, ATTEMPTS + 1):
+        into.seek(0)
+        into.truncate()
+        try:
+            return _fetch_once(source, secret, size, into, max(1.0, deadline - time.monotonic()))
+        except ConnectionRefusedError:
+            raise
+        except ConnectionError:
+            if attempt == ATTEMPTS or deadline - time.monotonic() < RETRY_PAUSE:
+                raise
+        time.sleep(RETRY_PAUSE)
+
+
+def _fetch_once(source: str, secret: str, size: int, into: BinaryIO, timeout: float) -> None:
     host, _, port = source.rpartition(":")
     with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
         s.settimeout(timeout)

@@ -120,6 +120,65 @@ def test_a_crowd_that_comes_back_as_it_is_cut_does_not_keep_the_rightful_peer_ou
         p.communicate("", timeout=30)
 
 
+def test_a_joiner_whose_connections_are_cut_connects_again_and_gets_the_state_whole() -> None:
+    """A link that cuts the joiner's first connections (as a crowd from its own address cuts its
+    oldest): once before its proof, once in the middle of the state.  It connects again, and what
+    it keeps is the state, whole, once (before: the first cut failed the move)."""
+    offer, secret, source = _offer()
+    link = _CuttingLink(source, cuts=[len(handover.MAGIC) + handover.NONCE, 2 * handover.PIECE])
+    assert _fetch(link.address, secret, len(STATE)) == STATE
+    assert link.connections == 3 and offer.taken.is_set()
+
+
+def test_a_joiner_gives_up_after_its_attempts_and_says_the_connection_was_cut() -> None:
+    _offer_, secret, source = _offer()
+    link = _CuttingLink(source, cuts=[len(handover.MAGIC) + handover.NONCE] * handover.ATTEMPTS)
+    with pytest.raises(ConnectionError):
+        _fetch(link.address, secret, len(STATE))
+    assert link.connections == handover.ATTEMPTS
+
+
+class _CuttingLink:
+    """A TCP relay to ``source`` that cuts its first connections, both ways, once ``cuts[i]``
+    bytes of the offer's side have gone through, and relays the rest whole."""
+
+    def __init__(self, source: str, cuts: list[int]) -> None:
+        host, port = source.split(":")
+        self.upstream = (host, int(port))
+        self.cuts = list(cuts)
+        self.connections = 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            conn, _ = self.listener.accept()
+            self.connections += 1
+            cut = self.cuts.pop(0) if self.cuts else None
+            up = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pipe, args=(conn, up, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, conn, cut), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, cut: int | None) -> None:
+        passed = 0
+        try:
+            while data := src.recv(65536 if cut is None else min(65536, cut - passed)):
+                dst.sendall(data)
+                passed += len(data)
+                if cut is not None and passed >= cut:
+                    for s in (src, dst):  # (shut first: the other direction's thread waits in recv)
+                        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        s.shutdown(socket.SHUT_RDWR)
+                        s.close()
+                    return
+        except OSError:
+            pass
+        for s in (src, dst):
+            s.close()
+
+
 def _fetched(source: str, secret: str) -> bool:
     try:
         return _fetch(source, secret, len(STATE), timeout=30) == STATE
