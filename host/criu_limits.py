@@ -12,6 +12,8 @@ import struct
 from collections.abc import Sequence
 from contextlib import suppress
 
+import psutil
+
 from host import files
 from host.proc import fd_links, fdinfo_int
 
@@ -19,14 +21,15 @@ from host.proc import fd_links, fdinfo_int
 def uncheckpointable(pids: Sequence[int]) -> list[str]:
     """One sentence for each process of the tree that holds what CRIU cannot checkpoint, found
     before anything is frozen (CRIU would find it only after): a descriptor of a kind of
-    anonymous inode CRIU has no dumper for (io_uring, perf events, ...), or SysV shared memory
-    in the node's own IPC namespace (CRIU saves SysV segments only with an IPC namespace of the
-    workload's, which `tpagent launch` gives it), or a POSIX message queue (``mq_open``: CRIU
-    has no dumper for its filesystem), or a file on a mount none of the tree's mount namespaces
-    has (opened before its process entered its namespace, or passed to it from another: CRIU
-    cannot find that mount)."""
+    anonymous inode CRIU has no dumper for (io_uring, perf events, ...), or SysV shared memory,
+    semaphores or message queues in the node's own IPC namespace (CRIU saves SysV objects only
+    with an IPC namespace of the workload's, which `tpagent launch` gives it), or a POSIX
+    message queue (``mq_open``: CRIU has no dumper for its filesystem), or a file on a mount
+    none of the tree's mount namespaces has (opened before its process entered its namespace,
+    or passed to it from another: CRIU cannot find that mount)."""
     out = []
     node_ipc = os.readlink("/proc/self/ns/ipc")
+    sysv = _sysv_users()
     mounts = _Mounts(pids)
     for pid in pids:
         with suppress(OSError):
@@ -43,12 +46,55 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
                     "`unshare -m`, a container's runtime), which CRIU cannot find; start the workload with "
                     "`tpagent launch`, or have it open the file inside its namespace."
                 )
-            if os.readlink(f"/proc/{pid}/ns/ipc") == node_ipc and _maps_sysv(pid):
+            if os.readlink(f"/proc/{pid}/ns/ipc") != node_ipc:
+                continue
+            used = ["SysV shared memory"] if _maps_sysv(pid) else []
+            used += [what for what, pids in sysv.items() if pid in pids]
+            if used:
                 out.append(
-                    f"PID {pid} uses SysV shared memory in the node's IPC namespace, which CRIU cannot checkpoint; "
-                    "start the workload with `tpagent launch` (an IPC namespace of its own)."
+                    f"PID {pid} uses {' and '.join(used)} in the node's IPC namespace, which CRIU cannot "
+                    "checkpoint; start the workload with `tpagent launch` (an IPC namespace of its own)."
                 )
     return out
+
+
+def _sysv_users() -> dict[str, set[int]]:
+    """The processes the node's IPC namespace names as the last to operate on one of its SysV
+    semaphores (semctl GETPID) or message queues (the last to send and to receive): such objects
+    belong to the namespace, which CRIU saves only as a whole, so a tree in the node's own comes
+    back without them (on this node it finds them again; on another, an ID that names nothing,
+    or another's).  A PID named is kept only if its process now started before that operation
+    (the kernel names an ended process's PID on, which another may have taken since)."""
+    out: dict[str, set[int]] = {"SysV semaphores": set(), "SysV message queues": set()}
+    for semid, nsems, when in _table("/proc/sysvipc/sem", "semid", "nsems", "otime"):
+        for num in range(min(nsems, 32_000)):  # (SEMMSL: a set holds at most 32 000)
+            last = _libc.semctl(semid, num, _GETPID)
+            if last < 0:
+                break  # (the set is gone meanwhile)
+            if _started_by(last, when):
+                out["SysV semaphores"].add(last)
+    for sent, received, sent_at, received_at in _table("/proc/sysvipc/msg", "lspid", "lrpid", "stime", "rtime"):
+        out["SysV message queues"] |= {
+            p for p, when in ((sent, sent_at), (received, received_at)) if _started_by(p, when)
+        }
+    return out
+
+
+def _started_by(pid: int, when: int) -> bool:
+    """Whether process ``pid`` started by ``when`` (seconds since the epoch, as /proc/sysvipc says)."""
+    try:
+        return pid > 0 and psutil.Process(pid).create_time() <= when + 1  # (a second for the clocks' rounding)
+    except psutil.Error:
+        return False
+
+
+def _table(path: str, *columns: str) -> list[tuple[int, ...]]:
+    """``columns`` of each row of a /proc/sysvipc table (read by the names of its header)."""
+    with suppress(OSError), open(path) as f:
+        head = f.readline().split()
+        at = [head.index(c) for c in columns]
+        return [tuple(int(row[i]) for i in at) for row in map(str.split, f) if len(row) == len(head)]
+    return []
 
 
 #: Descriptors whose path is on a mount of the kernel's own, in no mount namespace, which CRIU
@@ -161,6 +207,7 @@ _ANON_NAMES = {
 _MQUEUE_NAME = re.compile(r"/(?!memfd:)[^/]+")
 _MQUEUE_MAGIC = 0x19800202  # (linux/magic.h)
 _libc = ctypes.CDLL(None, use_errno=True)
+_GETPID = 11  # (semctl's command: the last process to operate on a semaphore)
 
 
 def _filesystem(path: str) -> int | None:

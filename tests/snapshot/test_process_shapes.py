@@ -346,6 +346,44 @@ def test_sysv_shared_memory_comes_back_under_launch_and_is_refused_in_one_senten
     wait_until(lambda: plain.numbers("tick")[-1][0] > n + 5, "the plain pair to run on, never frozen")
 
 
+def test_sysv_semaphores_and_message_queues_come_back_under_launch_and_are_refused_without(
+    loops, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """A count kept in a SysV message queue and a semaphore alone: launched, both come back with
+    it and it counts on.  Started plainly, in the node's IPC namespace, the dump refused it in one
+    sentence before anything is frozen (before: it was dumped without them, and restored on
+    another node its queue's ID named nothing there, or another user's queue)."""
+    w = Loop("sysv_sem_msg.py", tmp_path / "w.log", launched=True).start()
+    loops.append(w)
+    snap = tmp_path / "snap"
+    proc = tpagent("dump", str(w.pid), "--out", str(snap))
+    assert proc.returncode == 0, proc.stderr
+    stopped = w.numbers("tick")[-1][0]
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    wait_until(lambda: w.numbers("tick")[-1][0] >= stopped + 10, "the restored count to go on")
+    ticks = w.numbers("tick")
+    assert [n for n, _ in ticks] == list(range(len(ticks))), (
+        "the count kept in the queue did not go on from where it stood"
+    )
+    assert all(v == n + 1 for n, v in ticks), "the semaphore did not come back with its value"
+
+    plain = Loop("sysv_sem_msg.py", tmp_path / "plain.log").start()
+    loops.append(plain)
+    try:
+        proc = tpagent("dump", str(plain.pid), "--out", str(tmp_path / "plain-snap"))
+        assert_one_sentence_error(proc)
+        assert "SysV semaphores and SysV message queues in the node's IPC namespace" in proc.stderr, proc.stderr
+        assert "tpagent launch" in proc.stderr and not (tmp_path / "plain-snap").exists()
+        n = plain.numbers("tick")[-1][0]
+        wait_until(lambda: plain.numbers("tick")[-1][0] > n + 5, "the plain count to go on, never frozen")
+    finally:
+        plain.stop()
+        ((sem, queue),) = plain.numbers("ids")
+        subprocess.run(["ipcrm", "-s", str(sem), "-q", str(queue)], check=True)
+
+
 #: A tracer as gdb, strace or py-spy is one: it seizes the process it is given, and holds it.
 TRACER = """
 import ctypes, sys, time
