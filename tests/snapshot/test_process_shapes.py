@@ -339,11 +339,16 @@ def test_sysv_shared_memory_comes_back_under_launch_and_is_refused_in_one_senten
 
     plain = Loop("sysv_shm.py", tmp_path / "plain.log").start()
     loops.append(plain)
-    proc = tpagent("dump", str(plain.pid), "--out", str(tmp_path / "plain-snap"))
-    assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "SysV shared memory" in proc.stderr and "tpagent launch" in proc.stderr, proc.stderr
-    n = plain.numbers("tick")[-1][0]
-    wait_until(lambda: plain.numbers("tick")[-1][0] > n + 5, "the plain pair to run on, never frozen")
+    try:
+        proc = tpagent("dump", str(plain.pid), "--out", str(tmp_path / "plain-snap"))
+        assert proc.returncode != 0 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "SysV shared memory" in proc.stderr and "tpagent launch" in proc.stderr, proc.stderr
+        n = plain.numbers("tick")[-1][0]
+        wait_until(lambda: plain.numbers("tick")[-1][0] > n + 5, "the plain pair to run on, never frozen")
+    finally:
+        plain.stop()
+        ((segment,),) = plain.numbers("shm")  # (the node's: it outlives the pair)
+        subprocess.run(["ipcrm", "-m", str(segment)], check=True)
 
 
 def test_sysv_semaphores_and_message_queues_come_back_under_launch_and_are_refused_without(

@@ -32,6 +32,7 @@ def main() -> None:
             time.sleep(0.02)
         os._exit(0)
     with open(sys.argv[1], "a", buffering=1) as log:
+        log.write(f"shm {shmid}\n")  # (for the test to remove the segment once it is done)
         n = 0
         while True:
             log.write(f"tick {n} shared {counter.value}\n")
