@@ -45,10 +45,10 @@ def signal_tree(pid: int, sig: int, ticks: int | None = None) -> list[int]:
         return list(held)
 
 
-def kill_tree(pid: int, ticks: int | None = None, timeout: float = 10.0) -> None:
+def kill_tree(pid: int, ticks: int | None = None, timeout: float = 10.0) -> bool:
     """SIGKILL ``pid`` (only if it started at ``ticks``, when given) and its descendants, and
-    wait (bounded) until none is alive.  The whole tree is stopped first, so no child forked while
-    it is being killed is left behind (reparented, it would be out of reach)."""
+    wait (bounded) until none is alive; whether it was there.  The whole tree is stopped first, so
+    no child forked while it is being killed is left behind (reparented, it would be out of reach)."""
     with _tree(pid, ticks, signal.SIGSTOP) as held:
         for fd in held.values():
             _send(fd, signal.SIGKILL)
@@ -61,6 +61,7 @@ def kill_tree(pid: int, ticks: int | None = None, timeout: float = 10.0) -> None
             for fd, _ in waiting.poll(remaining * 1000):
                 waiting.unregister(fd)
                 left -= 1
+        return bool(held)
 
 
 def signal_listed(pids: list[int], sig: int) -> None:

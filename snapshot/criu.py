@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from host import paths, sockets
+from host import paths, signals, sockets
 from host import proc as host_proc
 from host.api import UsageError
 from host.proc import deferred_sigint
@@ -345,10 +345,14 @@ def started_in(work: Path) -> psutil.Process | None:
 
 def stop_in(work: Path) -> bool:
     """Kill the CRIU that was started with ``work`` as its work directory, if it still runs,
-    and what it had started (a tree half restored); whether it ran."""
+    and what it had started (a tree half restored: stopped first, so it starts no more of it,
+    then killed whole); whether it ran."""
     p = started_in(work)
-    if p is None:
+    written = pidfile(work)
+    if p is None or written is None:
         return False
+    ticks, _, _ = written[1].partition("@")
+    return signals.kill_tree(p.pid, int(ticks) if ticks.isdigit() else None)
     with contextlib.suppress(psutil.Error):
         p.suspend()  # (first: it starts no more of the tree while the tree is killed)
         for _ in range(10):
