@@ -43,7 +43,7 @@ from typing import Any
 
 import psutil
 
-from host import criu_limits, files, proc, safefs, sockets
+from host import criu_limits, files, proc, reopened, safefs, sockets
 from snapshot import affinity, manifest, streamer, timers
 from snapshot.criu import started_in
 
@@ -327,6 +327,7 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     m.timers = timers.expired(pids)
     m.bindings = affinity.bound(pids)
     m.warnings = criu_limits.restore_warnings(pids)
+    m.reopened = reopened.note(pids)
     m.timings = {"checksum": round(time.monotonic() - t0, 4)}
     _check_cancel(out)  # the last moment at which CRIU can still roll back
     m.write(out)

@@ -62,8 +62,10 @@ from typing import Any, TypeVar
 
 import blake3
 
+from host import reopened
 from host.files import LINK_REMAP
 from host.proc import ProcInfo
+from host.reopened import Reopened
 from host.safefs import private_opener
 from snapshot.affinity import Binding
 from snapshot.affinity import parse as parse_cpus
@@ -146,6 +148,9 @@ class Manifest:
     dirs: list[MadeDir] = field(default_factory=list)
     #: One sentence each: state of the processes that a restore may not bring back as it was.
     warnings: list[str] = field(default_factory=list)
+    #: The paths CRIU opens again by name, and the directories on the way, as they were: a
+    #: restore refuses one whose copy it finds is not to be trusted (:mod:`host.reopened`).
+    reopened: list[Reopened] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -162,6 +167,7 @@ class Manifest:
         body["bindings"] = [asdict(b) for b in self.bindings]
         body["sockets"] = [asdict(b) for b in self.sockets]
         body["dirs"] = [asdict(d) for d in self.dirs]
+        body["reopened"] = [asdict(r) for r in self.reopened]
         body = {"format": FORMAT, "format_version": FORMAT_VERSION, **body, "total_bytes": self.total_bytes}
         return {**body, "manifest_sha256": _body_digest(body)}
 
@@ -252,6 +258,7 @@ class Manifest:
             sockets=sockets,
             dirs=dirs,
             warnings=_list(data, "warnings", str, "manifest") if "warnings" in data else [],
+            reopened=_reopened(data),
         )
 
 
@@ -330,6 +337,15 @@ def _links(data: Any, carried: list[str]) -> dict[str, str]:
         ):
             raise ValueError("links: not a link_remap.N beside a carried file")
     return {str(k): str(v) for k, v in links.items()}
+
+
+def _reopened(data: Any) -> list[Reopened]:
+    rows = _rows(data, "reopened", Reopened)
+    if len(rows) > reopened.MOST or not all(
+        _absolute(r.path) and min(r.uid, r.gid) >= 0 and 0 <= r.mode < 1 << 32 for r in rows
+    ):
+        raise ValueError("reopened: not a normalised absolute path, a user, a group or a mode")
+    return rows
 
 
 def _absolute(path: str) -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from host import gpus, proc, safefs, signals, userdirs
+from host import gpus, proc, reopened, safefs, signals, userdirs
 from host.api import UsageError
 from host.safefs import private_dir
 from snapshot import affinity, copies, manifest, putback, stages, timers
@@ -135,6 +135,7 @@ def restore(
     criu = Criu(config.criu)
     _check_criu_reads(m, criu)
     _check_not_running(m, clone)
+    _check_reopened(m)
     norm_map = _check_gpu_map(m, asked)
     cuda = cuda_factory() if m.cuda_pids else None
     if not m.namespace:
@@ -197,6 +198,20 @@ def _check_not_running(m: Manifest, clone: bool) -> None:
         raise UsageError(
             f"a copy restored from this snapshot still runs here as PID {copy}; stop it first, or pass --clone "
             "to start another on purpose (two copies then run)."
+        )
+
+
+def _check_reopened(m: Manifest) -> None:
+    """Refuse a copy that would open again, by name, a file or directory missing here, or one
+    that someone may have put here who could not have where it was dumped (:mod:`host.reopened`)."""
+    made = {*m.carried, *m.links, *(b.path for b in m.sockets)}
+    problems = reopened.untrusted(m.reopened, made, {d.path for d in m.dirs}, "this node")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UsageError(
+            f"{problems[0]}{more}; the copy would open it again by name as it was (its working directory, "
+            "executable, libraries and open files must be found as they were, through directories no other "
+            "user could change): nothing was restored."
         )
 
 

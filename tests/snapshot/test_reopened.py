@@ -1,0 +1,141 @@
+"""A restore runs as root and opens again, by name, what the process held: its working
+directory, its executable and libraries, the files it maps and has open.  Where such a path is
+missing, anyone who may write to a directory above it can put their own there first: a
+directory of theirs as the copy's working directory (root's relative writes then land where they
+choose), their file mapped as its data or code.  The attacker here is a real unprivileged user
+(``nobody``), on a node whose directory went (a cleaner of /tmp, another node's local disk)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import needs_criu
+from support.helpers import STATEFUL, alive, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
+from support.users import NOBODY, as_user
+
+pytestmark = needs_criu
+
+WORKLOAD = STATEFUL.parent / "cwd_mapped.py"
+
+
+def as_nobody(*cmd: str) -> None:
+    subprocess.run([*as_user(NOBODY), *cmd], check=True, capture_output=True, timeout=30)
+
+
+SIZE = 4096
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A directory anyone may make things in, as /tmp is (root's, 1777), holding the job's
+    directory (root's, 0755) with the file it maps."""
+    d = Path(tempfile.mkdtemp(prefix="tpagent-reopened-", dir="/tmp"))
+    d.chmod(0o1777)
+    _job_dir(d / "job", b"A")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _job_dir(job: Path, byte: bytes) -> None:
+    job.mkdir(mode=0o755)
+    (job / "data.bin").write_bytes(byte * SIZE)
+
+
+def _dumped(shared: Path, tmp_path: Path) -> tuple[Path, Path, int]:
+    """The workload, run as root in ``shared``/job, dumped (and so ended): its log, snapshot, PID."""
+    log = tmp_path / "w.log"
+    with open(tmp_path / "w.out", "wb") as out:
+        p = subprocess.Popen(
+            [sys.executable, str(WORKLOAD), str(log), str(shared / "job")],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+    wait_until(lambda: log.exists() and log.read_text().count("\n") >= 5, "the workload to tick")
+    snap = tmp_path / "snap"
+    proc = tpagent("dump", str(p.pid), "--out", str(snap))
+    assert proc.returncode == 0, proc.stderr
+    p.wait(30)
+    noted = {r["path"] for r in json.loads((snap / "manifest.json").read_text())["reopened"]}
+    assert {str(shared), str(shared / "job"), str(shared / "job" / "data.bin")} <= noted
+    return log, snap, p.pid
+
+
+def _refused(snap: Path, pid: int, said: str) -> None:
+    proc = tpagent("restore", str(snap))
+    if proc.returncode == 0:  # (restored all the same: the copy is not left running after the test)
+        kill_and_wait(pid)
+    assert_one_sentence_error(proc, said, "nothing was restored")
+    assert proc.returncode == 2
+    assert not alive(pid)
+    assert not any(str(WORKLOAD) in (p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
+
+
+def test_a_working_directory_and_mapped_file_someone_else_put_there_are_refused(shared: Path, tmp_path: Path) -> None:
+    """The job's directory is gone; nobody makes one of theirs in its place, with their own
+    data.bin of the same size.  Restored, root's copy would work in nobody's directory (its
+    progress.txt written there, or through nobody's symlink to any of root's files) and read
+    nobody's bytes as its own.  Refused in one sentence, nothing started, nothing written; once
+    the directory is root's again, the same snapshot comes back and reads its own data."""
+    log, snap, pid = _dumped(shared, tmp_path)
+    shutil.rmtree(shared / "job")
+    as_nobody("mkdir", "-m", "755", str(shared / "job"))
+    as_nobody("sh", "-c", f"head -c {SIZE} /dev/zero | tr '\\0' Z > {shared / 'job' / 'data.bin'}")
+    _refused(snap, pid, f"{shared / 'job'} belongs to UID 65534 on this node, to UID 0 where it was dumped")
+    assert sorted(os.listdir(shared / "job")) == ["data.bin"]  # (no progress.txt of root's in it)
+
+    shutil.rmtree(shared / "job")
+    _job_dir(shared / "job", b"A")
+    proc = tpagent("restore", str(snap))
+    assert proc.returncode == 0, proc.stderr
+    try:
+        at = log.read_text().count("\n")
+        wait_until(lambda: log.read_text().count("\n") >= at + 5, "the restored copy to tick on")
+        ticks = [line.split() for line in log.read_text().splitlines()]
+        assert [int(t[1]) for t in ticks] == list(range(len(ticks)))
+        assert {t[3] for t in ticks} == {str(ord("A"))}, "the copy read another data.bin than its own"
+    finally:
+        kill_and_wait(pid)
+
+
+@pytest.mark.parametrize(
+    "plant, said",
+    [
+        ("symlink", "is a symbolic link on this node, a directory where it was dumped"),
+        ("file", "is a file on this node, a directory where it was dumped"),
+    ],
+)
+def test_a_symlink_or_a_file_where_the_directory_was_is_refused(
+    shared: Path, tmp_path: Path, plant: str, said: str
+) -> None:
+    """nobody puts a symlink to a directory of root's that holds a data.bin of the same size (so
+    CRIU would open it), or a file, where the job's directory was."""
+    _log, snap, pid = _dumped(shared, tmp_path)
+    shutil.rmtree(shared / "job")
+    elsewhere = tmp_path / "elsewhere"
+    _job_dir(elsewhere, b"A")
+    if plant == "symlink":
+        as_nobody("ln", "-s", str(elsewhere), str(shared / "job"))
+    else:
+        as_nobody("touch", str(shared / "job"))
+    _refused(snap, pid, f"{shared / 'job'} {said}")
+    assert sorted(os.listdir(elsewhere)) == ["data.bin"]
+
+
+def test_a_directory_others_may_now_write_to_is_refused(shared: Path, tmp_path: Path) -> None:
+    """The job's directory is root's still, but anyone may now write to it (a careless chmod):
+    anyone could have swapped the file the copy maps."""
+    _log, snap, pid = _dumped(shared, tmp_path)
+    (shared / "job").chmod(0o777)
+    _refused(snap, pid, f"{shared / 'job'} may be written to by anyone on this node, not where it was dumped")
