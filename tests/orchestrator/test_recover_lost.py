@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import signal
 import socket
@@ -63,9 +64,12 @@ from support.cluster import Cluster
 from support.helpers import wait_until
 from support.orchestrator import Orchestrator
 from support.rankjob import IFNAME, JOB, RUN, Job, hurry, rank_log, steps
+from support.users import NOBODY, as_user, user_dir, user_python
 from tpagent.jobs.storeserver import STORE_SERVER
 
 pytestmark = needs_criu
+
+DYING = Path(__file__).resolve().parent.parent / "attackers" / "dying_rank.py"
 
 
 def _lose(c: Cluster, name: str) -> list[psutil.Process]:
@@ -301,6 +305,35 @@ def test_with_lost_ranks_left_to_their_jobs_a_rank_killed_alone_ends_at_once_as_
         died = _events_of(o, "died")
         assert len(died) == 1 and f"rank(s) 1 died on {c.nodes['B'].name}, not rebuilt" in died[0], died
         assert not _events_of(o, "recovering") and not _events_of(o, "lost")
+
+
+@pytest.mark.timeout(600)
+def test_another_users_rank_named_after_the_job_dying_tells_none_of_its_ranks(tmp_path: Path) -> None:
+    """nobody starts on the spare, through its agent's stand-in channel, a "rank 1" of a job named
+    as root's job, which says hello and dies by SIGKILL: its agent holds its end and reports it
+    died, and the orchestrator, which knows jobs by name, cannot rebuild it and tells the job's
+    other ranks.  Only the ranks of the dead rank's user are told: root's hear nothing and the job
+    runs to its end (before: every root rank of the job was told to end, and one that stood still
+    for ``lost_grace``, as in a checkpoint's save, ended the job)."""
+    python, env = user_python()
+    with _running(tmp_path, ("--aware",)) as (c, o, job), user_dir(NOBODY) as home:
+        fake = subprocess.run(
+            c.nodes["D"].exec(*as_user(NOBODY), python, "-m", "cli.main", "rank", "--stdout", str(home / "out"), "--",
+                              python, str(DYING)),
+            cwd=home,
+            env={"PATH": os.defpath, "HOME": str(home), "RANK": "1", "TPAGENT_JOB": RUN, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert fake.returncode == -signal.SIGKILL or fake.returncode == 128 + signal.SIGKILL, fake
+        died = wait_until(lambda: [e for e in _events_of(o, "lost") if "died on" in e], "the died rank's tell", 60, 0.5)
+        assert f"rank(s) 1 died on {c.nodes['D'].name}" in died[0], died
+        hurry(job.logs)
+        codes = {name: job.runs[name].wait(timeout=300) for name in "ABC"}
+        assert codes == dict.fromkeys("ABC", 0), job.output()
+        told = [n for n in "ABC" if "told its job lost a node" in c.nodes[n].agent_log()]
+        assert not told, f"root's ranks on {told} were told of nobody's rank"
 
 
 @pytest.mark.timeout(600)

@@ -67,7 +67,10 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
         driver_version=gpus.driver_version() or "",
         cuda_version=cuda,
         rewiring=sorted({r.job for r in ranks if node.rewires.rewiring(r.job)}),
-        died=[pb.RankReport(job=e.job, rank=e.rank, world=e.world) for e in node.ranks.died()],
+        died=[
+            pb.RankReport(job=e.job, rank=e.rank, world=e.world, users=[e.uid] if e.uid > 0 else [])
+            for e in node.ranks.died()
+        ],
     )
 
 

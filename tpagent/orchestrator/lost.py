@@ -200,7 +200,9 @@ class LostNodes:
         for job in sorted({r.job for r in fresh}):
             ranks = tuple(sorted(r.rank for r in fresh if r.job == job))
             why = f"rank(s) {_listed(ranks)} of the job died on {node}, killed by a signal"
-            tell = P.Lost(node=seen.agent, why=why, grace=self.cfg.lost_grace, died=True)
+            # (told to the ranks of its users alone: another user's job of that name is not theirs)
+            users = tuple(sorted({u for r in fresh if r.job == job for u in r.users}))
+            tell = P.Lost(node=seen.agent, why=why, grace=self.cfg.lost_grace, died=True, users=users)
             if rebuild:
                 self._recover(view, node, job, ranks, tell)
             else:

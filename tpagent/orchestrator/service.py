@@ -76,7 +76,10 @@ def seen_of(r: pb.NodeReport) -> Seen:
             )
             for x in r.ranks
         ),
-        died=tuple(RankSeen(_p(x.job), int(x.rank), int(x.world)) for x in r.died),
+        died=tuple(
+            RankSeen(_p(x.job), int(x.rank), int(x.world), users=tuple(int(u) for u in x.users[:MAX_GPUS]))
+            for x in r.died
+        ),
         busy=frozenset(map(_p, r.rewiring[:MAX_RANKS])),
         migrations=tuple(map(_p, r.migrations[:MAX_RANKS])),
         findings=tuple(Finding(_p(f.gpu), _p(f.what, 64), _p(f.reading)) for f in r.findings),

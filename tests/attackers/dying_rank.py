@@ -1,0 +1,21 @@
+"""A "rank" another user starts through the agent's stand-in channel (``tpagent rank``): it says
+hello to its agent as rank RANK of the job named TPAGENT_JOB (another user's job, running on
+other nodes), then dies by SIGKILL, so that its agent holds its end and reports it as died.
+
+    python dying_rank.py          (its environment as its stand-in gives it)
+"""
+
+import os
+import signal
+import socket
+import time
+
+from tpagent_rank import codec, lines
+
+name = os.environ.get("TPAGENT_RANK_SOCKET", "tpagent-ranks")
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\0" + name)
+s.sendall(codec.said(lines.Hello(os.environ["TPAGENT_JOB"], int(os.environ["RANK"]), 3, pid=os.getpid())))
+print("its agent said:", s.makefile("rb").readline().decode().strip(), flush=True)
+time.sleep(1)
+os.kill(os.getpid(), signal.SIGKILL)
