@@ -15,7 +15,7 @@ from contextlib import suppress
 import psutil
 
 from host import files
-from host.proc import fd_links, fdinfo_int
+from host.proc import CAP_SYS_RESOURCE, fd_links, fdinfo_int, has_capability, other_users
 
 
 def uncheckpointable(pids: Sequence[int]) -> list[str]:
@@ -28,6 +28,13 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     none of the tree's mount namespaces has (opened before its process entered its namespace,
     or passed to it from another: CRIU cannot find that mount)."""
     out = []
+    if not has_capability(CAP_SYS_RESOURCE):
+        out += [
+            f"PID {pid} runs as UID {min(users)}, and tpagent here lacks CAP_SYS_RESOURCE, without which CRIU "
+            "cannot read another user's resource limits: give it that capability (a container: add SYS_RESOURCE)."
+            for pid in pids
+            if (users := other_users([pid]))
+        ][:1]
     node_ipc = os.readlink("/proc/self/ns/ipc")
     sysv = _sysv_users()
     mounts = _Mounts(pids)

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from conftest import needs_criu
+from host.proc import CAP_SYS_RESOURCE, has_capability
 from snapshot import affinity, restore
 from snapshot.api import DumpMode, SnapshotConfig, SnapshotError, Stage
 from snapshot.dump import checkpoint
@@ -30,6 +31,7 @@ from support.helpers import (
     tpagent,
     wait_until,
 )
+from support.users import NOBODY, as_user, user_dir, user_python
 
 pytestmark = needs_criu
 
@@ -387,6 +389,39 @@ def test_sysv_semaphores_and_message_queues_come_back_under_launch_and_are_refus
         plain.stop()
         ((sem, queue),) = plain.numbers("ids")
         subprocess.run(["ipcrm", "-s", str(sem), "-q", str(queue)], check=True)
+
+
+def test_another_users_process_is_refused_before_the_freeze_where_criu_could_not_read_its_limits(
+    tmp_path: Path,
+) -> None:  # type: ignore[no-untyped-def]
+    """CRIU reads each process's resource limits, which takes CAP_SYS_RESOURCE for another
+    user's (a container's root without SYS_RESOURCE, this CI's root).  Without it, a dump of
+    nobody's process is refused in one sentence before anything is frozen (before: frozen, then
+    CRIU's own lines, ``Can't get rlimit 0``); with it, the process is dumped and restored."""
+    python, env = user_python()
+    with user_dir(NOBODY) as home:
+        log = home / "w.log"
+        p = subprocess.Popen(
+            [*as_user(NOBODY), python, str(STATEFUL), str(log), "16"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, cwd=home, env={"PATH": os.defpath, **env},
+        )  # fmt: skip
+        try:
+            wait_until(lambda: log.exists() and log.read_text().count("\n") >= 3, "nobody's workload to run")
+            proc = tpagent("dump", str(p.pid), "--out", str(tmp_path / "snap"))
+            if has_capability(CAP_SYS_RESOURCE):
+                assert proc.returncode == 0, proc.stderr
+                proc = tpagent("restore", str(tmp_path / "snap"))
+                assert proc.returncode == 0, proc.stderr
+                assert psutil.Process(p.pid).uids().real == NOBODY[0]
+            else:
+                assert_one_sentence_error(proc, f"PID {p.pid} runs as UID {NOBODY[0]}", "lacks CAP_SYS_RESOURCE")
+                assert "Nothing was done" in proc.stderr and not (tmp_path / "snap").exists()
+                n = log.read_text().count("\n")
+                wait_until(lambda: log.read_text().count("\n") > n + 2, "nobody's workload to run on, never frozen")
+        finally:
+            kill_and_wait(p.pid)
+            p.wait(10)
 
 
 #: A tracer as gdb, strace or py-spy is one: it seizes the process it is given, and holds it.
