@@ -30,6 +30,9 @@ class ProcInfo:
     uses_cuda: bool
     #: Its other threads' IDs (CRIU gives them back too, so they must be free on restore).
     tids: tuple[int, ...] = ()
+    #: Stopped by a signal (SIGSTOP, a terminal's ^Z) when it was looked at, before any freeze:
+    #: a rollback and a restore leave it stopped, never continue it.
+    stopped: bool = False
 
 
 def _stat_fields(pid: int) -> list[str]:
@@ -259,7 +262,8 @@ def tree(root: psutil.Process, cuda_pids: set[int] | None = None) -> list[ProcIn
     for p in [root, *root.children(recursive=True)]:
         try:
             cuda = p.pid in cuda_pids if cuda_pids is not None else uses_cuda(p.pid)
-            out.append(ProcInfo(p.pid, p.ppid(), tuple(p.cmdline()), ns_pids(p.pid), cuda, thread_ids(p.pid)))
+            stopped = _stat_fields(p.pid)[0] == "T"
+            out.append(ProcInfo(p.pid, p.ppid(), tuple(p.cmdline()), ns_pids(p.pid), cuda, thread_ids(p.pid), stopped))
         except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
             continue
     return out

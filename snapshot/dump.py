@@ -340,9 +340,9 @@ def _freeze_gpu(job: _Dump) -> None:
 
 
 def _thaw(job: _Dump) -> None:
-    """Resume the tree (CRIU does so itself when it fails: this matters only if CRIU died) and
-    give each process whose GPU was locked its GPU back (CUDA restore, unlock)."""
-    resume(job.pids, job.locked, job.cuda)
+    """Resume the tree but what was stopped before (CRIU does so itself when it fails: this
+    matters only if CRIU died) and give each process whose GPU was locked its GPU back."""
+    resume([p.pid for p in job.tree.procs if not p.stopped], job.locked, job.cuda)
 
 
 def _criu_dump(job: _Dump) -> None:

@@ -38,6 +38,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -320,7 +321,8 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     if fail:
         raise RuntimeError("fault injected after the checksums")
     m = manifest.Manifest.from_json({**pending, "files": sums, "timings": {}})
-    m.processes = proc.tree(psutil.Process(root), cuda_pids=set(m.cuda_pids))
+    was = {p.pid for p in m.processes if p.stopped}  # (seen before the freeze: frozen, all are stopped)
+    m.processes = [replace(p, stopped=p.pid in was) for p in proc.tree(psutil.Process(root), set(m.cuda_pids))]
     pids = [p.pid for p in m.processes]
     m.sockets = _bound(sockets.unix_bound(pids), pids)
     m.dirs = _dirs_to([(b.path, b.uid) for b in m.sockets] + [(p, uid) for p in m.carried if (uid := _owner(p)) >= 0])

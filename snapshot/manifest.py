@@ -161,13 +161,7 @@ class Manifest:
         return [int(p) for p in self.cuda.get("pids", [])]
 
     def to_json(self) -> dict[str, Any]:
-        body = asdict(self)
-        body["processes"] = [asdict(p) for p in self.processes]
-        body["timers"] = [asdict(t) for t in self.timers]
-        body["bindings"] = [asdict(b) for b in self.bindings]
-        body["sockets"] = [asdict(b) for b in self.sockets]
-        body["dirs"] = [asdict(d) for d in self.dirs]
-        body["reopened"] = [asdict(r) for r in self.reopened]
+        body = asdict(self)  # (the rows of its lists too)
         body = {"format": FORMAT, "format_version": FORMAT_VERSION, **body, "total_bytes": self.total_bytes}
         return {**body, "manifest_sha256": _body_digest(body)}
 
@@ -182,17 +176,7 @@ class Manifest:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
         """Build from parsed JSON, checking every field's type; ValueError names a bad one."""
-        procs = [
-            ProcInfo(
-                pid=_get(p, "pid", int, "processes[]"),
-                ppid=_get(p, "ppid", int, "processes[]"),
-                cmdline=tuple(_list(p, "cmdline", str, "processes[]")),
-                ns_pids=tuple(_list(p, "ns_pids", int, "processes[]")),
-                uses_cuda=_get(p, "uses_cuda", bool, "processes[]"),
-                tids=tuple(_list(p, "tids", int, "processes[]")) if "tids" in p else (),
-            )
-            for p in _list(data, "processes", dict, "manifest")
-        ]
+        procs = _processes(data)
         gpus = _list(data, "gpus", dict, "manifest")
         for g in gpus:
             _get(g, "uuid", str, "gpus[]"), _get(g, "name", str, "gpus[]")
@@ -260,6 +244,22 @@ class Manifest:
             warnings=_list(data, "warnings", str, "manifest") if "warnings" in data else [],
             reopened=_reopened(data),
         )
+
+
+def _processes(data: Any) -> list[ProcInfo]:
+    """``processes``: each row a :class:`host.proc.ProcInfo`, its fields checked."""
+    return [
+        ProcInfo(
+            pid=_get(p, "pid", int, "processes[]"),
+            ppid=_get(p, "ppid", int, "processes[]"),
+            cmdline=tuple(_list(p, "cmdline", str, "processes[]")),
+            ns_pids=tuple(_list(p, "ns_pids", int, "processes[]")),
+            uses_cuda=_get(p, "uses_cuda", bool, "processes[]"),
+            tids=tuple(_list(p, "tids", int, "processes[]")) if "tids" in p else (),
+            stopped=_get(p, "stopped", bool, "processes[]") if "stopped" in p else False,
+        )
+        for p in _list(data, "processes", dict, "manifest")
+    ]
 
 
 def _cuda(data: Any, pids: set[int]) -> dict[str, Any]:

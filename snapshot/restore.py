@@ -353,8 +353,10 @@ def start_restored(result: RestoreResult, cuda_factory: CudaFactory = CudaDriver
         for p in m.cuda_pids:
             if cuda.state(mapping[p]) is CudaState.LOCKED:
                 cuda.unlock(mapping[p])
-    else:
-        signals.signal_listed(list(result.pids), signal.SIGCONT)
+    else:  # (not one that was stopped before the dump: it stays so)
+        mapping = _restored_pids(m, result.pid)
+        going = [mapping[p.pid] for p in m.processes if not p.stopped and p.pid in mapping]
+        signals.signal_listed(going, signal.SIGCONT)
 
 
 def kill_restored(work: Path) -> int:

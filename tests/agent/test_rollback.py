@@ -5,16 +5,29 @@ from __future__ import annotations
 import contextlib
 import errno
 import re
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import needs_criu
-from snapshot import dump
+from host import proc
+from snapshot import dump, restore
 from snapshot.api import CriuError, DumpMode, SnapshotConfig, SnapshotError, Stage
 from snapshot.dump import checkpoint
-from support.helpers import Workload, alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
+from support.helpers import (
+    STATEFUL,
+    Workload,
+    alive,
+    assert_continuous,
+    assert_one_sentence_error,
+    kill_and_wait,
+    tpagent,
+    wait_until,
+)
 
 pytestmark = needs_criu
 
@@ -69,7 +82,7 @@ def test_a_full_disk_that_cut_criu_s_own_line_about_it_is_still_named(start, sma
         SnapshotConfig(),
         None,
         None,
-        None,
+        dump._Tree(False, proc.tree(psutil.Process(w.pid)), 0.0, 0, False),
         True,
         [w.pid],
         None,
@@ -110,6 +123,45 @@ def test_failure_while_sealing_resumes_the_frozen_tree(start, tmp_path: Path, la
         checkpoint(w.pid, out, config=SnapshotConfig(fail_after=Stage.CHECKSUM))
     assert err.value.rolled_back
     _assert_resumed(w, out)
+
+
+@pytest.mark.parametrize("how", ["rolled-back", "restored-held"])
+def test_a_child_stopped_before_the_dump_stays_stopped(tmp_path: Path, how: str) -> None:
+    """A child the user stopped (SIGSTOP, ^Z) before the dump: a dump rolled back, and a copy
+    restored held then let go (a migration's), continue the rest of the tree, never it (before:
+    every process of the tree was sent SIGCONT, and the child ran again)."""
+    log = tmp_path / "w.log"
+    with open(tmp_path / "w.out", "wb") as out:
+        parent = subprocess.Popen(
+            [sys.executable, str(STATEFUL.parent / "stopped_child.py"), str(log)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_until(lambda: psutil.Process(parent.pid).children(), "the child to start")
+        (child,) = psutil.Process(parent.pid).children()
+        wait_until(lambda: _count(log, "child") >= 5, "the child to tick")
+        child.send_signal(signal.SIGSTOP)
+        wait_until(lambda: child.status() == psutil.STATUS_STOPPED, "the child to stop")
+        if how == "rolled-back":
+            with pytest.raises(SnapshotError):
+                checkpoint(parent.pid, tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CHECKSUM))
+        else:
+            checkpoint(parent.pid, tmp_path / "snap")
+            parent.wait(30)
+            restore.start_restored(restore.restore(tmp_path / "snap", start=False))
+        ticks, stood = _count(log, "tick"), _count(log, "child")
+        wait_until(lambda: _count(log, "tick") >= ticks + 10, "the parent to tick on")
+        assert _count(log, "child") == stood and psutil.Process(child.pid).status() == psutil.STATUS_STOPPED
+    finally:
+        kill_and_wait(parent.pid)
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(child.pid).kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            parent.wait(10)
+
+
+def _count(log: Path, key: str) -> int:
+    return sum(line.startswith(key + " ") for line in log.read_text().splitlines()) if log.exists() else 0
 
 
 def test_tcp_connection_survives_a_rolled_back_dump(tmp_path: Path) -> None:
