@@ -237,11 +237,13 @@ _EVENT_QUEUES = {"anon_inode:inotify": "inotify", "anon_inode:[fanotify]": "fano
 def restore_warnings(pids: Sequence[int]) -> list[str]:
     """One sentence for each process of the tree that holds state a restore may not bring back
     as it was: an inotify or fanotify instance, whose events queued at the freeze can be lost
-    (CRIU brings back the watches, not the queue).  For ``inspect``, a dump's output, a dry run."""
+    (CRIU brings back the watches, not the queue); a UDP socket with datagrams queued unread
+    (CRIU saves no inet socket's queue).  For ``inspect``, a dump's output, a dry run."""
     out = []
     for pid in pids:
         held: dict[str, list[str]] = {}
-        for fd, link in fd_links(pid):
+        links = fd_links(pid)
+        for fd, link in links:
             api = _EVENT_QUEUES.get(link)
             if api is not None:
                 held.setdefault(api, []).append(fd)
@@ -250,4 +252,23 @@ def restore_warnings(pids: Sequence[int]) -> list[str]:
                 f"PID {pid} watches files with {api} (fd {', '.join(fds)}): events queued when it is frozen can be "
                 "lost, so it should rescan what it watches after a restore."
             )
+        queued = _udp_queued(pid) if any(link.startswith("socket:") for _, link in links) else {}
+        out += [
+            f"PID {pid} has datagrams queued unread on a UDP socket (fd {fd}): CRIU saves no inet socket's "
+            "queue, so a restore loses them."
+            for fd, link in links
+            if link in queued
+        ]
+    return out
+
+
+def _udp_queued(pid: int) -> dict[str, int]:
+    """``socket:[INODE]`` -> what is queued unread (the kernel's bytes of it), of each UDP socket of
+    ``pid``'s network namespace that has any (/proc/PID/net/udp and udp6: rx_queue, in hex)."""
+    out = {}
+    for table in ("udp", "udp6"):
+        with suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/net/{table}") as f:
+            for row in map(str.split, list(f)[1:]):
+                if queued := int(row[4].partition(":")[2], 16):
+                    out[f"socket:[{row[9]}]"] = queued
     return out

@@ -424,6 +424,44 @@ def test_another_users_process_is_refused_before_the_freeze_where_criu_could_not
             p.wait(10)
 
 
+#: Binds a UDP socket, has a datagram sent to it, never reads it.
+UNREAD_DATAGRAM = """
+import socket, sys, time
+a = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+a.bind(("127.0.0.1", 0))
+socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"queued", a.getsockname())
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(a.fileno()))
+import os; os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+
+
+def test_a_datagram_queued_unread_is_warned_about(tmp_path: Path) -> None:
+    """CRIU saves no inet socket's receive queue: a datagram that arrived but was not read is
+    lost at a restore.  The dump says so (and ``inspect``, and a dry run), naming the socket."""
+    from host.criu_limits import restore_warnings
+
+    said_fd = tmp_path / "fd"
+    p = subprocess.Popen(
+        [sys.executable, "-c", UNREAD_DATAGRAM, str(said_fd)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_until(said_fd.exists, "the socket to be bound and sent to")
+        fd = said_fd.read_text()
+        said = f"PID {p.pid} has datagrams queued unread on a UDP socket (fd {fd})"
+        warned = restore_warnings([p.pid])
+        assert len(warned) == 1 and warned[0].startswith(said), warned
+        proc = tpagent("dump", str(p.pid), "--out", str(tmp_path / "snap"), "--leave-running")
+        assert proc.returncode == 0 and f"warning: {said}" in proc.stderr, proc.stderr
+        shown = tpagent("inspect", str(tmp_path / "snap"))
+        assert f"  warning: {warned[0]}" in shown.stdout.splitlines(), shown.stdout
+    finally:
+        kill_and_wait(p.pid)
+        p.wait(10)
+
+
 #: A tracer as gdb, strace or py-spy is one: it seizes the process it is given, and holds it.
 TRACER = """
 import ctypes, sys, time
