@@ -76,13 +76,13 @@ def signal_listed(pids: list[int], sig: int) -> None:
 def _tree(pid: int, ticks: int | None, sig: int) -> Iterator[dict[int, int]]:
     """The tree of ``pid``, each process held by a pidfd and sent ``sig`` as it is found."""
     held: dict[int, int] = {}
-    try:
-        root = _hold(pid, ticks=ticks)
+    try:  # (never this process itself: stopped, it would wait on itself for ever)
+        root = _hold(pid, ticks=ticks) if pid != os.getpid() else None
         if root is not None:
             held[pid] = root
             _send(root, sig)
         for _ in range(_ROUNDS if held else 0):
-            found = [(c, p) for c, p in _parents().items() if p in held and c not in held]
+            found = [(c, p) for c, p in _parents().items() if p in held and c not in held and c != os.getpid()]
             for child, parent in found:
                 fd = _hold(child, parent=parent)
                 if fd is not None:

@@ -97,3 +97,11 @@ def _wait_states(pids: list[int], state: str) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"not every process of the tree became {state}")
+
+
+def test_the_caller_is_never_stopped_or_killed_as_part_of_a_tree() -> None:
+    """A tree named by mistake as one holding the agent itself: it would stop itself first, and
+    wait on itself for ever.  It passes itself over."""
+    assert signals.signal_tree(os.getpid(), signal.SIGSTOP) == []
+    assert not signals.kill_tree(os.getpid(), timeout=1)
+    assert psutil.Process().status() != psutil.STATUS_STOPPED
