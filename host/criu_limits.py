@@ -27,16 +27,9 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     message queue (``mq_open``: CRIU has no dumper for its filesystem), or a file on a mount
     none of the tree's mount namespaces has (opened before its process entered its namespace,
     or passed to it from another: CRIU cannot find that mount)."""
-    out = []
-    if not has_capability(CAP_SYS_RESOURCE):
-        out += [
-            f"PID {pid} runs as UID {min(users)}, and tpagent here lacks CAP_SYS_RESOURCE, without which CRIU "
-            "cannot read another user's resource limits: give it that capability (a container: add SYS_RESOURCE)."
-            for pid in pids
-            if (users := other_users([pid]))
-        ][:1]
+    out = [why] if (why := limits_unreadable(pids)) else []
     node_ipc = os.readlink("/proc/self/ns/ipc")
-    sysv = _sysv_users()
+    sysv: dict[str, set[int]] | None = None  # (read once, if a process is in the node's namespace)
     mounts = _Mounts(pids)
     for pid in pids:
         with suppress(OSError):
@@ -55,6 +48,7 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
                 )
             if os.readlink(f"/proc/{pid}/ns/ipc") != node_ipc:
                 continue
+            sysv = _sysv_users() if sysv is None else sysv
             used = ["SysV shared memory"] if _maps_sysv(pid) else []
             used += [what for what, pids in sysv.items() if pid in pids]
             if used:
@@ -63,6 +57,20 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
                     "checkpoint; start the workload with `tpagent launch` (an IPC namespace of its own)."
                 )
     return out
+
+
+def limits_unreadable(pids: Sequence[int], who: str = "tpagent here") -> str:
+    """Why CRIU could not read the resource limits of a process of ``pids`` (one of another
+    user's, ``who`` lacking CAP_SYS_RESOURCE); "" where it could."""
+    if has_capability(CAP_SYS_RESOURCE):
+        return ""
+    for pid in pids:
+        if users := other_users([pid]):
+            return (
+                f"PID {pid} runs as UID {min(users)}, and {who} lacks CAP_SYS_RESOURCE, without which CRIU cannot "
+                "read another user's resource limits: give it that capability (a container: add SYS_RESOURCE)."
+            )
+    return ""
 
 
 def _sysv_users() -> dict[str, set[int]]:

@@ -45,7 +45,7 @@ def note(pids: Sequence[int]) -> list[Reopened]:
     each path and each directory on the way to it, as the process sees it (through its root)."""
     seen: dict[str, Reopened] = {}
     for pid in pids:
-        for path in _held(pid):
+        for path in filter(_by_name, _held(pid)):
             for at in (path, *(str(p) for p in PurePosixPath(path).parents[:-1])):
                 if at in seen or len(seen) >= MOST:
                     continue
@@ -58,26 +58,23 @@ def note(pids: Sequence[int]) -> list[Reopened]:
 
 
 def _held(pid: int) -> Iterator[str]:
-    """The absolute paths ``pid`` holds by name: cwd, root, exe, mapped files, open files."""
+    """What ``pid`` holds, as /proc names it: cwd, root, exe, mapped files, open descriptors."""
     for link in ("cwd", "root", "exe"):
         try:
-            yield from _named(os.readlink(f"/proc/{pid}/{link}"))
+            name = os.readlink(f"/proc/{pid}/{link}")
         except OSError:
             continue
-    for fields in files.mappings(pid):
-        yield from _named(fields[5])
-    for _, link in proc.fd_links(pid):
-        yield from _named(link)
+        yield name
+    yield from (fields[5] for fields in files.mappings(pid))
+    yield from (link for _, link in proc.fd_links(pid))
 
 
-def _named(path: str) -> Iterator[str]:
-    """``path`` if it is a file a restore finds by its name (not a deleted one, whose bytes
-    CRIU keeps; not one of the kernel's)."""
+def _by_name(path: str) -> bool:
+    """Whether ``path`` names a file a restore finds by that name (not a deleted one, whose bytes
+    CRIU keeps; not one of the kernel's; not a socket or pipe, which /proc names otherwise)."""
     if not path.startswith("/") or path.endswith(" (deleted)") or path == "/":
-        return
-    if path.startswith(_KERNELS) and not path.startswith(_ANYONES):
-        return
-    yield path
+        return False
+    return not path.startswith(_KERNELS) or path.startswith(_ANYONES)
 
 
 def untrusted(noted: Sequence[Reopened], made: Collection[str], missing: Collection[str], node: str) -> list[str]:

@@ -347,24 +347,11 @@ def stop_in(work: Path) -> bool:
     """Kill the CRIU that was started with ``work`` as its work directory, if it still runs,
     and what it had started (a tree half restored: stopped first, so it starts no more of it,
     then killed whole); whether it ran."""
-    p = started_in(work)
     written = pidfile(work)
-    if p is None or written is None:
+    if written is None or not host_proc.is_started(*written):
         return False
     ticks, _, _ = written[1].partition("@")
-    return signals.kill_tree(p.pid, int(ticks) if ticks.isdigit() else None)
-    with contextlib.suppress(psutil.Error):
-        p.suspend()  # (first: it starts no more of the tree while the tree is killed)
-        for _ in range(10):
-            below = p.children(recursive=True)
-            for child in below:
-                with contextlib.suppress(psutil.Error):
-                    child.kill()
-            if not below:
-                break
-        p.kill()
-        return True
-    return False
+    return signals.kill_tree(written[0], int(ticks) if ticks.isdigit() else None)
 
 
 def running_in(work: Path) -> bool:

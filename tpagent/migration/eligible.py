@@ -8,7 +8,7 @@ import os
 
 import psutil
 
-from host import gpus, proc
+from host import criu_limits, gpus, proc
 from tpagent.common.config import AgentConfig
 from tpagent.migration.api import ProcessInfo, Refused, Why
 from tpagent.workload import launch
@@ -51,11 +51,6 @@ def check_migratable(cfg: AgentConfig, pid: int) -> None:
             "`tpagent launch`, and runs no program named in allow_executables.",
             Why.DENIED,
         )
-    users = proc.other_users(proc.tree_pids(pid))
-    if users and not proc.has_capability(proc.CAP_SYS_RESOURCE):
-        raise Refused(
-            f"PID {pid} runs as UID {min(users)}, and the agent on {cfg.node} lacks CAP_SYS_RESOURCE, without "
-            "which CRIU cannot read another user's resource limits: give the agent that capability "
-            "(a container: add SYS_RESOURCE).",
-            Why.PRECONDITION,
-        )
+    why = criu_limits.limits_unreadable(proc.tree_pids(pid), f"the agent on {cfg.node}")
+    if why:
+        raise Refused(why, Why.PRECONDITION)
