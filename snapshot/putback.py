@@ -79,11 +79,26 @@ def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
             leftovers.forget(path)  # (what is there now is the process's own file again)
 
 
-def take_back(created: list[Path]) -> None:
-    """Remove what :func:`put_back` created (files, then the directories it made)."""
+def identities(created: list[Path]) -> dict[Path, tuple[int, int, int]]:
+    """What :func:`put_back` made, each as it is now (device, inode, owner), read as soon as it is made."""
+    out = {}
+    for path in created:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        out[path] = (st.st_dev, st.st_ino, st.st_uid)
+    return out
+
+
+def take_back(created: list[Path], made: dict[Path, tuple[int, int, int]]) -> None:
+    """Remove what :func:`put_back` created (files, then the directories it made), each only if it
+    is still that very one (``made``: :func:`identities`): its owner may have put another in its
+    place since, or replaced it and left the name to someone else, in a shared directory."""
     for path in reversed(created):
         try:
-            userdirs.remove(path)
+            if path in made and not userdirs.remove_same(path, made[path]):
+                log.warning("left %s, which the restore had put back: another is there now, or it is not empty", path)
         except (OSError, SnapshotError) as e:  # (a directory someone has since put files in)
             log.warning("could not remove %s, which the restore had put back: %s", path, e)
 

@@ -238,6 +238,8 @@ class _Restore:
     work: Path
     #: What :func:`putback.put_back` made, in order (directories, files).
     created: list[Path] = field(default_factory=list)
+    #: Each of them as it was made (:func:`putback.identities`).
+    made: dict[Path, tuple[int, int, int]] = field(default_factory=dict)
     #: The restored tree's root, as seen from here; 0 until CRIU has restored it.
     root: int = 0
     #: Snapshot PID -> PID of the restored process, as seen from here.
@@ -246,12 +248,15 @@ class _Restore:
 
 def _put_back(job: _Restore) -> None:
     """The carried files and the unix sockets' directories (:func:`putback.put_back`)."""
-    putback.put_back(job.directory, job.manifest, job.created)
+    try:
+        putback.put_back(job.directory, job.manifest, job.created)
+    finally:
+        job.made = putback.identities(job.created)
 
 
 def _take_back(job: _Restore) -> None:
     """Remove what :func:`_put_back` made, the last made first."""
-    putback.take_back(job.created)
+    putback.take_back(job.created, job.made)
 
 
 def _note_made(job: _Restore) -> None:

@@ -77,3 +77,19 @@ def test_a_missing_or_damaged_note_or_one_of_another_boot_removes_nothing(tmp_pa
     note.write_text("not json")
     assert putback.take_back_created(note) == []
     assert all(os.path.lexists(p) for p in made)
+
+
+def test_a_failed_restore_takes_back_only_what_it_made_as_it_made_it(tmp_path: Path) -> None:
+    """:func:`putback.take_back` (a restore that failed after putting files back): a file its
+    owner replaced since, and a directory someone put a file in, stay; the rest goes."""
+    _, made = _made(tmp_path)
+    d = made[0]
+    ids = putback.identities(made)
+    (d / "scratch.new").write_bytes(b"someone's")
+    os.replace(d / "scratch.new", d / "scratch")
+    putback.take_back(made, ids)
+    assert os.listdir(tmp_path / "local") == ["pymp-x"]
+    assert os.listdir(d) == ["scratch"] and (d / "scratch").read_bytes() == b"someone's"
+    (d / "scratch").unlink()
+    putback.take_back(made, ids)
+    assert os.listdir(tmp_path / "local") == []
