@@ -150,9 +150,15 @@ def cluster(
         if t.waiting:
             typer.echo(f"       nothing moved: {t.waiting}")
     typer.echo("ranks:")
+    # (jobs of one name, their identities told apart: another user's, or another run)
+    identities: dict[str, set[str]] = {}
+    for r in v.ranks:
+        identities.setdefault(r.job, set()).add(r.identity)
+    shared = {job for job, ids in identities.items() if len(ids) > 1}
     for r in v.ranks:
         home = f" (home: {r.home})" if r.home else ""
-        typer.echo(f"  job {r.job} rank {r.rank:<4} on {r.node}{home}, step {r.step}, generation {r.gen}")
+        job = f"{r.job} [{r.identity[:8] or 'unknown'}]" if r.job in shared else r.job
+        typer.echo(f"  job {job} rank {r.rank:<4} on {r.node}{home}, step {r.step}, generation {r.gen}")
     typer.echo("moves:" if v.moves else "moves: none")
     for m in v.moves:
         ranks = ",".join(map(str, m.ranks))

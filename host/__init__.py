@@ -10,6 +10,7 @@
   a unix socket CRIU binds as root; removing only that very file.
 * :mod:`host.sockets` -- a tree's sockets: TCP endpoints, unix sockets and their directories.
 * :mod:`host.gpus` -- the GPUs (NVML): inventory, which process uses which, pairing by bus id.
+* :mod:`host.hushed` -- warnings a flood may repeat (refused connections), said once a second.
 
 It imports nothing of tpagent's other packages, but the stdlib-only rank protocol
 (:mod:`tpagent_rank.protocol`) for the one path both of its sides share, and only when asked.

@@ -23,6 +23,7 @@ from pathlib import Path
 import zstandard
 
 from host.api import UsageError
+from host.hushed import Hushed
 from host.safefs import private_dir
 from snapshot import manifest as snapmanifest
 from snapshot.api import SnapshotError
@@ -44,6 +45,8 @@ from transfer.stream import HANDSHAKE_TIMEOUT, server_handshake
 from transfer.wire import ACK, CHUNK, Codec, Kind, Layout, Role
 
 log = logging.getLogger(__name__)
+#: Refused connections (anyone on the network may open them): logged at most once a second.
+REFUSED = Hushed(log)
 
 #: Connections still in their handshakes (TLS + HMAC) at once: in all, and from one host.
 MAX_STRANGERS = 2 * MAX_STREAMS
@@ -162,7 +165,7 @@ class Receiver:
 
     def _refused(self, entry: Entry, detail: str) -> None:
         assert entry.refused is not None
-        log.warning("refused a stream from %s (%s): %s", entry.ch.peer, entry.refused.value, detail)
+        REFUSED.warning("refused a stream from %s (%s): %s", entry.ch.peer, entry.refused.value, detail)
         if self._on_refused is not None:
             try:
                 self._on_refused(entry.refused.value)

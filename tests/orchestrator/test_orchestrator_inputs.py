@@ -4,6 +4,7 @@ sentence (the webhook: 401 or 400 with the reason) and nothing changes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -160,6 +161,29 @@ def test_the_webhook_refuses_what_is_not_authenticated_or_malformed_then_taints_
     weird = {**firing, "fingerprint": "f2", "annotations": {"summary": "line\n\x1b[31mred"}}
     assert served.hook(json.dumps({"version": "4", "alerts": [weird]}).encode(), token) == (200, "tainted n1")
     assert "alert Xid: line??[31mred" in [t.reason for t in served.stub.Cluster(pb.Empty(), timeout=10).taints]
+
+
+def test_bytes_that_are_not_tls_or_json_this_deep_get_one_line_not_a_traceback_each(
+    served: Served, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """60 connections to the webhook send plain HTTP or bytes that are no TLS record: each broke
+    in its handler, said in at most a line a second, never socketserver's 27-line traceback on
+    stderr (before: 200 of them wrote 5 400 lines); a body nested deeper than the JSON parser
+    goes is refused in one sentence, not dropped with a traceback."""
+    host, _, port = served.webhook.rpartition(":")
+    for i in range(60):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /alertmanager HTTP/1.1\r\nHost: x\r\n\r\n" if i % 2 else b"\x16\x03\x01\x00\x05hello")
+            with contextlib.suppress(OSError):
+                s.recv(100)
+    token = served.token.read_text().strip()
+    assert served.hook(b"[" * 100_000, token) == (
+        400,
+        "the message is not JSON this webhook reads: it is nested too deeply.",
+    )
+    assert "Traceback" not in capfd.readouterr().err
+    broke = [r for r in caplog.records if "a webhook connection from 127.0.0.1 broke" in r.getMessage()]
+    assert 1 <= len(broke) <= 5, [r.getMessage() for r in broke]
 
 
 def test_health_findings_taint_silence_is_reported_and_the_metrics_and_events_say_so(tmp_path: Path) -> None:

@@ -55,7 +55,9 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import grpc
 import psutil
 import pytest
 
@@ -65,6 +67,7 @@ from support.helpers import wait_until
 from support.orchestrator import Orchestrator
 from support.rankjob import IFNAME, JOB, RUN, Job, hurry, rank_log, steps
 from support.users import NOBODY, as_user, user_dir, user_python
+from tpagent.daemon.rpc import pb, stub
 from tpagent.jobs.storeserver import STORE_SERVER
 
 pytestmark = needs_criu
@@ -307,33 +310,74 @@ def test_with_lost_ranks_left_to_their_jobs_a_rank_killed_alone_ends_at_once_as_
         assert not _events_of(o, "recovering") and not _events_of(o, "lost")
 
 
+def _nobodys_rank(c: Cluster, node: str, home: Path, *how: str) -> dict[str, Any]:
+    """How nobody starts on ``node``, through its agent's stand-in channel, a "rank 1" of a job
+    named as root's job (``tests/attackers/dying_rank.py``, told ``how``): subprocess's arguments."""
+    python, env = user_python()
+    return {
+        "args": c.nodes[node].exec(*as_user(NOBODY), python, "-m", "cli.main", "rank", "--stdout", str(home / "out"),
+                                   "--", python, str(DYING), *how),
+        "cwd": home,
+        "env": {"PATH": os.defpath, "HOME": str(home), "RANK": "1", "TPAGENT_JOB": RUN, **env},
+    }  # fmt: skip
+
+
 @pytest.mark.timeout(600)
 def test_another_users_rank_named_after_the_job_dying_tells_none_of_its_ranks(tmp_path: Path) -> None:
     """nobody starts on the spare, through its agent's stand-in channel, a "rank 1" of a job named
     as root's job, which says hello and dies by SIGKILL: its agent holds its end and reports it
-    died, and the orchestrator, which knows jobs by name, cannot rebuild it and tells the job's
-    other ranks.  Only the ranks of the dead rank's user are told: root's hear nothing and the job
-    runs to its end (before: every root rank of the job was told to end, and one that stood still
-    for ``lost_grace``, as in a checkpoint's save, ended the job)."""
-    python, env = user_python()
+    died.  To the orchestrator it is a job of its own (another identity) with no other rank: it is
+    not rebuilt, its end is passed on, and root's ranks hear nothing; the job runs to its end
+    (before: every root rank of the job was told to end, and one that stood still for
+    ``lost_grace``, as in a checkpoint's save, ended the job)."""
     with _running(tmp_path, ("--aware",)) as (c, o, job), user_dir(NOBODY) as home:
-        fake = subprocess.run(
-            c.nodes["D"].exec(*as_user(NOBODY), python, "-m", "cli.main", "rank", "--stdout", str(home / "out"), "--",
-                              python, str(DYING)),
-            cwd=home,
-            env={"PATH": os.defpath, "HOME": str(home), "RANK": "1", "TPAGENT_JOB": RUN, **env},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )  # fmt: skip
+        fake = subprocess.run(**_nobodys_rank(c, "D", home), capture_output=True, text=True, timeout=120)
         assert fake.returncode == -signal.SIGKILL or fake.returncode == 128 + signal.SIGKILL, fake
-        died = wait_until(lambda: [e for e in _events_of(o, "lost") if "died on" in e], "the died rank's tell", 60, 0.5)
-        assert f"rank(s) 1 died on {c.nodes['D'].name}" in died[0], died
+        died = wait_until(lambda: _events_of(o, "died"), "the died rank's end passed on", 60, 0.5)
+        assert f"rank(s) 1 died on {c.nodes['D'].name}, not rebuilt: no other rank of the job reports" in died[0]
+        assert not _events_of(o, "lost") and not _events_of(o, "recovering")
         hurry(job.logs)
         codes = {name: job.runs[name].wait(timeout=300) for name in "ABC"}
         assert codes == dict.fromkeys("ABC", 0), job.output()
         told = [n for n in "ABC" if "told its job lost a node" in c.nodes[n].agent_log()]
         assert not told, f"root's ranks on {told} were told of nobody's rank"
+
+
+@pytest.mark.timeout(900)
+def test_another_users_live_rank_named_as_a_lost_one_does_not_stop_its_rebuild(
+    tmp_path: Path, reference_aware: Path
+) -> None:
+    """nobody starts on A, through its agent's stand-in channel, a "rank 1" of a job named as
+    root's job, which says hello and stays: the orchestrator sees two jobs of that name (their
+    identities differ), not rank 1 running twice.  B is killed: root's rank 1 is rebuilt on D as
+    in (b) and the job runs on, bit-identical (before: the orchestrator, which knew jobs by name,
+    took rank 1 as running on A, rebuilt nothing, and the job ended with B)."""
+    with _running(tmp_path, ("--aware",)) as (c, o, job), user_dir(NOBODY) as home:
+        fake = subprocess.Popen(**_nobodys_rank(c, "A", home, "stay"))
+        try:
+
+            def ones() -> list[dict[str, str]]:
+                return [r for r in o.cluster()["ranks"] if r["job"] == RUN and r["rank"] == 1]
+
+            both = wait_until(lambda: len(ones()) == 2 and ones(), "the orchestrator to see nobody's rank 1", 60, 0.5)
+            assert sorted(r["node"] for r in both) == sorted(c.nodes[n].name for n in "AB")
+            assert len({r["identity"] for r in both}) == 2, both
+            # A's agent, asked to move rank 1 of root's job (by its identity), finds another job's.
+            (roots,) = [r["identity"] for r in both if r["node"] == c.nodes["B"].name]
+            shown = o.ok("cluster")  # (the two told apart)
+            assert f"job {RUN} [{roots[:8]}] rank 1    on {c.nodes['B'].name}," in shown, shown
+            asked = pb.MigrateRequest(
+                target=c.nodes["D"].agent_address, dry_run=True, job=RUN, ranks=[1], job_identity=roots
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub(c.nodes["A"].agent_address, job.creds).Migrate(asked, timeout=30))
+            assert "is of another job of that name" in str(refused.value.details())
+            _lose(c, "B")
+            _ran_on(c, o, job, reference_aware, "AC", "1")
+            assert fake.poll() is None  # (nobody's "rank" is nobody's: left as it is)
+        finally:
+            fake.kill()
+            fake.wait(timeout=30)
 
 
 @pytest.mark.timeout(600)

@@ -179,7 +179,9 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
         held = _holds(s)
         assert list(held) == [_ns(c, "D")], held
         hold_d = s.job(held[_ns(c, "D")])
-        assert hold_d["admin_comment"] == hold_d["comment"] == f"tpagent hold job={job} node={_ns(c, 'D')}"
+        (identity,) = {r["identity"] for r in o.cluster()["ranks"] if r["job"] == job}  # (the job's, as its key)
+        marker = f"tpagent hold job={job}#{identity} node={_ns(c, 'D')}"
+        assert hold_d["admin_comment"] == hold_d["comment"] == marker
         assert hold_d["user_name"] == "root" and hold_d["partition"] == "spares"
         wait_until(lambda: s.job(job)["admin_comment"], "the job's record", 30, 0.5)
         assert s.job(job)["admin_comment"] == f"tpagent: rank 1 on {_ns(c, 'D')} (hold {held[_ns(c, 'D')]})"

@@ -107,11 +107,19 @@ class Node:
     # ---- source --------------------------------------------------------------------------
 
     def start_migration(
-        self, pid: int, target: str, dry_run: bool, job: str = "", ranks: tuple[int, ...] = (), mode: str = ""
+        self,
+        pid: int,
+        target: str,
+        dry_run: bool,
+        job: str = "",
+        ranks: tuple[int, ...] = (),
+        mode: str = "",
+        identity: str = "",
     ) -> SourceMigration | Rewire:
         """Admit a migration of ``pid`` (or of ``ranks`` of ``job``) to the agent at ``target``
         (run it with :meth:`run`).  A rank of a distributed job is moved with its job rewired, in
-        ``mode`` ("transparent", "aware"; "": aware where every moving rank registered its state)."""
+        ``mode`` ("transparent", "aware"; "": aware where every moving rank registered its state).
+        ``identity``: which job of that name (:func:`~tpagent.jobs.ranks.digest_of`; "": any)."""
         if self.closed:
             raise Refused(f"the agent on {self.cfg.node} is shutting down; try again once it is back", Why.PRECONDITION)
         if not is_agent_address(target):
@@ -128,6 +136,10 @@ class Node:
         for e in entries:
             if not e.alive() or e.moved_to or e.exit_code is not None:
                 raise Refused(f"rank {e.rank} of job {e.job} does not run on {self.cfg.node}.", Why.NOT_FOUND)
+        digests = self.ranks.digests() if identity else {}
+        if other := [e.rank for e in entries if identity and digests.get((e.job, e.rank)) != identity]:
+            text = f"rank {other[0]} of job {job} on {self.cfg.node} is of another job of that name (or not yet known)."
+            raise Refused(text, Why.NOT_FOUND)
         for e in entries if mode != "aware" else ():  # every namespace must pass the ordinary checks first
             eligible.check_migratable(self.cfg, e.init)
         moving = {e.rank: (e.init, target) for e in entries}
@@ -270,7 +282,7 @@ class Node:
             log.error("%s", e)
             raise Refused(str(e), Why.INTERNAL) from e
         if r is None:
-            raise Refused(f"no migration {migration_id!r} on {self.cfg.node}", Why.NOT_FOUND)
+            raise Refused(f"no migration {migration_id[:64]!r} on {self.cfg.node}", Why.NOT_FOUND)
         return r
 
     # ---- target (:class:`tpagent.migration.receivers.Receivers`) ---------------------------

@@ -32,6 +32,7 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
     found = gpus.inventory()
     ranks = []
     broken = node.ranks.broken()
+    digests = node.ranks.digests()
     for row in node.ranks.jobs():
         if row.moved_to:
             continue
@@ -49,6 +50,7 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
                 gpus=used,
                 users=users,
                 broke=broken.get((row.job, row.rank), ""),
+                identity=digests.get((row.job, row.rank), ""),
             )
         )
     with node.lock:
@@ -68,7 +70,13 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
         cuda_version=cuda,
         rewiring=sorted({r.job for r in ranks if node.rewires.rewiring(r.job)}),
         died=[
-            pb.RankReport(job=e.job, rank=e.rank, world=e.world, users=[e.uid] if e.uid > 0 else [])
+            pb.RankReport(
+                job=e.job,
+                rank=e.rank,
+                world=e.world,
+                users=[e.uid] if e.uid > 0 else [],
+                identity=digests.get((e.job, e.rank), ""),
+            )
             for e in node.ranks.died()
         ],
     )

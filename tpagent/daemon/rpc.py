@@ -42,6 +42,7 @@ from typing import Any
 import grpc
 
 from host.api import UsageError
+from host.hushed import Hushed
 from tpagent.common import clock
 from tpagent.common.config import port_of
 from tpagent.common.credentials import Credentials
@@ -186,6 +187,7 @@ class HealthOnly(grpc.ServerInterceptor):
 #: and never ends (each ~15 bytes on the wire) each held memory in gRPC's core, unbounded:
 #: 400 000 of them in 15 s took an agent from 52 MB to 539 MB.
 PROBE_OPTIONS = (
+    ("grpc.max_allowed_incoming_connections", 64),  # (see MAX_CONNECTIONS)
     ("grpc.max_concurrent_streams", 4),  # per connection
     ("grpc.max_connection_idle_ms", 30_000),
     ("grpc.max_connection_age_ms", 120_000),
@@ -220,9 +222,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self.refused = refused
         self.replays = _Replays()
         self.started = time.monotonic()  # (read on the wall clock at each check: a step moves it too)
-        self.log_lock = threading.Lock()
-        self.last_log = -1.0
-        self.unlogged = 0
+        self.said = Hushed(log)  # (a flood is counted in full, but logged at most once a second)
         # Refusals run on a pool of their own: they never wait for the busy API pool.
         self.reject_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpc-refuse")
 
@@ -248,15 +248,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         return None
 
     def _refuse(self, method: str, reason: str, context: grpc.ServicerContext, sentence: str = "") -> None:
-        with self.log_lock:  # a flood is counted in full, but logged at most once a second
-            now = time.monotonic()
-            unlogged = self.unlogged
-            quiet = now - self.last_log < 1.0
-            self.unlogged = unlogged + 1 if quiet else 0
-            self.last_log = self.last_log if quiet else now
-        if not quiet:
-            more = f" (and {unlogged} more refused calls not logged)" if unlogged else ""
-            log.warning("refused %s from %s: %s%s", method, context.peer(), sentence or REASONS[reason], more)
+        self.said.warning("refused %s from %s: %s", method, context.peer(), sentence or REASONS[reason])
         self.refused(reason)
         if reason in ("stale", "before_start"):  # (the caller then signs on this clock: tpagent/common/clock.py)
             context.set_trailing_metadata(((CLOCK_HEADER, str(int(clock.now() * 1000))),))
@@ -407,12 +399,20 @@ def listens(srv: grpc.Server, address: str, tls: grpc.ServerCredentials | None =
         return False
 
 
+#: The connections an agent's API holds at once, TLS handshakes under way too: past it gRPC closes
+#: a new one at once.  Unbounded, 15 000 connections that never sent a byte (anyone on the network
+#: may open them) took an agent from 69 MB to 617 MB while they lasted (10 s each) and to 858 MB
+#: after; an agent's callers are its CLI, the orchestrator and the agents of its jobs' ranks.
+MAX_CONNECTIONS = 4096
+
+
 def server(
-    creds: Credentials, interceptor: AuthInterceptor, workers: int = 32
+    creds: Credentials, interceptor: AuthInterceptor, workers: int = 32, connections: int = 0
 ) -> tuple[grpc.Server, grpc.ServerCredentials]:
     """The agent's gRPC server (not started) and its TLS credentials (client certificates
     of the cluster CA required).  At most ``workers`` calls run at once; more are refused
-    at once (RESOURCE_EXHAUSTED), never queued."""
+    at once (RESOURCE_EXHAUSTED), never queued; at most ``connections`` connections are held
+    (0: :data:`MAX_CONNECTIONS`)."""
     srv = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
         interceptors=[interceptor],
@@ -421,6 +421,7 @@ def server(
             *_options(),
             ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ("grpc.server_handshake_timeout_ms", 10_000),
+            ("grpc.max_allowed_incoming_connections", connections or MAX_CONNECTIONS),
             # Callers ping while a call waits (KEEPALIVE_MS): allowed, not counted as abuse.
             ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ],

@@ -19,9 +19,15 @@ from tpagent_rank import protocol as P
 R = TypeVar("R")
 
 
+#: The longest refusal sent back (gRPC's metadata, which carries it, holds 16 KiB at most: a
+#: longer one reached the caller as that limit's error, not as the refusal).
+DETAILS_MAX = 4096
+
+
 def _abort(context: grpc.ServicerContext, e: AgentError) -> NoReturn:
     why = e.why if isinstance(e, Refused) else Why.INTERNAL
-    context.abort(CODES[why], str(e))
+    text = str(e)
+    context.abort(CODES[why], text if len(text) <= DETAILS_MAX else text[: DETAILS_MAX - 3] + "...")
     raise AssertionError("unreachable")  # (abort raises)
 
 
@@ -109,6 +115,7 @@ class Service(AgentServicer):
                 str(request.job),
                 tuple(int(r) for r in request.ranks),
                 str(request.mode),
+                str(request.job_identity),
             ),
         )
 

@@ -22,11 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from host import peers
+from host.hushed import Hushed
 from tpagent.common.threads import Threads
 from tpagent_rank import codec, lines
 from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
+#: Refused connections (any local user may open them): logged at most once a second.
+REFUSED = Hushed(log)
 
 #: Connections not yet welcomed, at most (more are refused at once); of one user, at most.
 PENDING_MAX = 128
@@ -105,12 +108,14 @@ class Door:
         try:
             peer = peers.peer(sock)
         except (OSError, peers.PeerGone) as e:
-            log.warning("a connection on @%s was refused: %s", self.name, e)
+            REFUSED.warning("a connection on @%s was refused: %s", self.name, e)
             sock.close()
             return
         user = peers.account(peer.uid)
         if len(self.callers) >= PENDING_MAX or self.per_user[user] >= PER_USER_MAX:
-            log.warning("a connection from PID %d (UID %d) on @%s was refused: too many", peer.pid, peer.uid, self.name)
+            REFUSED.warning(
+                "a connection from PID %d (UID %d) on @%s was refused: too many", peer.pid, peer.uid, self.name
+            )
             _tell(sock, "too many connections wait for their registration here")
             sock.close()
             peer.close()
@@ -180,13 +185,15 @@ class Door:
         if self.callers.get(c.fd) is c and time.monotonic() > c.deadline:
             if c.hello is None:
                 raise Refuse(f"it said no hello within {HELLO_WITHIN:.0f} s")
-            log.warning("rank %s of job %s (PID %d) is not registered here", c.hello.rank, c.hello.job, c.peer.pid)
+            REFUSED.warning("rank %s of job %s (PID %d) is not registered here", c.hello.rank, c.hello.job, c.peer.pid)
             raise Refuse("this rank is not registered with the agent")
 
     def _refuse(self, c: Caller, why: str) -> None:
         if self.callers.get(c.fd) is not c:
             return  # (no longer the door's to refuse)
-        log.warning("a connection from PID %d (UID %d) on @%s was refused: %s", c.peer.pid, c.peer.uid, self.name, why)
+        REFUSED.warning(
+            "a connection from PID %d (UID %d) on @%s was refused: %s", c.peer.pid, c.peer.uid, self.name, why
+        )
         _tell(c.sock, why)
         self._drop(c)
 

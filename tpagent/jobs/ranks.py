@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import socket
@@ -56,6 +57,12 @@ def identity_of(uid: int, hello: lines.Hello) -> str:
     """A rank's job across nodes: the user its runtime runs as (the kernel's word) and the job's
     key it said hello with."""
     return f"{uid}:{hello.key}"
+
+
+def digest_of(identity: str) -> str:
+    """An identity (:func:`identity_of`) as the agent tells the orchestrator of it (16 hex digits):
+    jobs of one name and two identities are two jobs; the job's key itself stays on its nodes."""
+    return hashlib.sha256(identity.encode()).hexdigest()[:16]
 
 
 def _read_line(f: BinaryIO) -> dict[str, Any] | None:
@@ -321,6 +328,11 @@ class Ranks:
         e = self.entry(job, rank)
         with self.lock:  # (both as one hello left them)
             return identity_of(e.uid, e.seen) if e.seen is not None else ""
+
+    def digests(self) -> dict[tuple[str, int], str]:
+        """(job, rank) -> its identity's digest (:func:`digest_of`), of each that said hello."""
+        with self.lock:
+            return {k: digest_of(identity_of(e.uid, e.seen)) for k, e in self.entries.items() if e.seen is not None}
 
     def call(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str | None = None) -> A:
         """Ask the rank's runtime; its answer.  Waits (up to ``timeout``) for a rank that is

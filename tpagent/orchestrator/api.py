@@ -1,10 +1,35 @@
 """The orchestrator's contract: what it holds (taints, moves, ranks away from home), what it
-knows of each node (from the agents' reports), and its one refusal."""
+knows of each node (from the agents' reports), and its one refusal.
+
+A job, to the orchestrator, is its name and its identity (``RankReport.identity``: a digest of its
+user and its key, which the agents vouch for): anyone may name a job as another's, and two such
+jobs must not share a move, a rebuild or a count of ranks.  Its key (:func:`job_key`) is the name,
+``#`` and the identity's 16 hex digits (``-`` before the rank said hello); agents and schedulers
+are given its name (:func:`job_name`)."""
 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
+
+IDENTITY = re.compile(r"[0-9a-f]{16}")
+_KEYED = re.compile(r"#(?:[0-9a-f]{16}|-{16})")
+
+
+def job_key(name: str, identity: str) -> str:
+    """The orchestrator's key of a job: ``name``, of ``identity`` ("": not yet known)."""
+    return f"{name}#{identity or '-' * 16}"
+
+
+def job_name(key: str) -> str:
+    """The job's name (a key of no identity, as a schedule from before keys, is one)."""
+    return key[:-17] if _KEYED.fullmatch(key[-17:]) else key
+
+
+def job_identity(key: str) -> str:
+    """The job's identity ("": not known)."""
+    return key[-16:] if _KEYED.fullmatch(key[-17:]) and IDENTITY.fullmatch(key[-16:]) else ""
 
 
 class TaintKind(str, enum.Enum):
@@ -129,7 +154,7 @@ class NodeSeen:
     gpus: tuple[Gpu, ...] = ()
     ranks: tuple[RankSeen, ...] = ()
     died: tuple[RankSeen, ...] = ()  # ranks killed there by a signal, their ends held for a rebuild
-    busy: frozenset[str] = frozenset()  # jobs the agent moves ranks of now
+    busy: frozenset[str] = frozenset()  # jobs (keys) the agent moves ranks of now
     migrations: tuple[str, ...] = ()
     findings: tuple[Finding, ...] = ()
     driver: str = ""

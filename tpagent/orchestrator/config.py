@@ -19,6 +19,7 @@ dedicated_spares = []             # "NODE" or "NODE/GPU-UUID": reserved, used be
 return_home = true                # ranks moved off a taint go back once it is removed
 return_home_jobs = {}             # per job: { "job1" = false }
 max_parallel = 4                  # moves of different jobs at once
+max_connections = 8192            # held at once by its API (TLS handshakes too): more than the nodes
 retries = 2                       # a failed move is tried again on another spare this many times
 unreachable_after = 30.0          # a node silent this long is unreachable (its ranks are not moved);
                                   # sooner, where ranks of its jobs elsewhere saw a collective fail
@@ -60,6 +61,7 @@ from host.api import UsageError
 from tpagent.common.config import convert_setting, read_toml
 from tpagent.common.credentials import Credentials
 from tpagent.migration.api import is_agent_address
+from tpagent.orchestrator.api import job_name
 from transfer.api import DEFAULT_TLS_DIR
 
 DEFAULT_FILE = Path("/etc/tpagent/orchestrator.toml")
@@ -86,6 +88,7 @@ class OrchestratorConfig:
     return_home: bool = True
     return_home_jobs: dict[str, bool] = field(default_factory=dict)
     max_parallel: int = 4
+    max_connections: int = 8192
     retries: int = 2
     unreachable_after: float = 30.0
     quiet_after: float = 6.0
@@ -110,6 +113,8 @@ class OrchestratorConfig:
             raise UsageError("webhook_listen needs webhook_token_file: the bearer token Alertmanager sends.")
         if not 1 <= self.max_parallel <= 1000 or not 0 <= self.retries <= 100:
             raise UsageError("max_parallel must be 1 to 1000 and retries 0 to 100.")
+        if not 64 <= self.max_connections <= 1 << 20:
+            raise UsageError("max_connections must be 64 to 1048576 (more than the cluster's nodes).")
         if not 0.1 <= self.report_period < self.unreachable_after:
             raise UsageError("report_period must be at least 0.1 s and shorter than unreachable_after.")
         if not 0 <= self.quiet_after <= 3600:
@@ -126,7 +131,8 @@ class OrchestratorConfig:
             raise UsageError("slurm_preempt_below must be 0 or more, slurm_spare_partition a partition's name.")
 
     def returns_home(self, job: str) -> bool:
-        return self.return_home_jobs.get(job, self.return_home)
+        """Whether ranks of ``job`` (its key or name) moved off a taint return once it is gone."""
+        return self.return_home_jobs.get(job_name(job), self.return_home)
 
     def dedicated(self) -> dict[str, frozenset[str]]:
         """node -> the GPUs of it reserved as spares (empty: the whole node)."""

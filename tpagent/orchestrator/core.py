@@ -34,6 +34,7 @@ from tpagent.orchestrator.api import (
     TaintKind,
     View,
     Why,
+    job_name,
     printable,
 )
 from tpagent.orchestrator.config import OrchestratorConfig
@@ -218,7 +219,9 @@ class Orchestrator:
             p.moves.clear()
         for mid, why in p.cancels:
             gone = self.state.end(mid, MoveState.CANCELLED, why)
-            self.event("cancelled", f"move {mid} of job {gone.job} cancelled: {why}", gone.job, gone.source, mid)
+            self.event(
+                "cancelled", f"move {mid} of job {job_name(gone.job)} cancelled: {why}", gone.job, gone.source, mid
+            )
         for tid, why in p.waiting.items():
             if self.state.waiting(tid, why) and why:
                 self.event("waiting", f"taint {tid}: nothing moves: {why}")
@@ -226,7 +229,7 @@ class Orchestrator:
             m = self.state.plan(n.job, n.ranks, n.source, n.target, n.kind, n.taint, n.attempt)
             if m is not None:
                 ranks = ", ".join(map(str, m.ranks))
-                text = f"move {m.id}: job {m.job} rank(s) {ranks} {m.source} -> {m.target}"
+                text = f"move {m.id}: job {job_name(m.job)} rank(s) {ranks} {m.source} -> {m.target}"
                 text += f" ({m.kind.value}, try {m.attempt})"
                 self.event("planned", text, m.job, m.source, m.id)
         away = sum(n.kind is MoveKind.AWAY for n in p.moves)
@@ -326,7 +329,7 @@ class Orchestrator:
     def _execute(self, m: Move, source: str, target: str) -> None:
         out = mover.Outcome(None, "the orchestrator failed while it ran")
         try:
-            text = f"move {m.id}: asking {m.source} to move job {m.job} to {m.target}"
+            text = f"move {m.id}: asking {m.source} to move job {job_name(m.job)} to {m.target}"
             self.event("moving", text, m.job, m.source, m.id)
             out = mover.run(
                 m,
@@ -370,7 +373,7 @@ class Orchestrator:
         for text in held.said:
             self.event("scheduler", text, m.job, m.target, m.id)
         if held.handle:
-            text = f"move {m.id}: {m.target} held for job {m.job} by {self.scheduler.name} job {held.handle}"
+            text = f"move {m.id}: {m.target} held for job {job_name(m.job)} by {self.scheduler.name} job {held.handle}"
             text += f" ({time.monotonic() - t0:.2f} s)"
             self.event("held", text, m.job, m.target, m.id)
         return None
@@ -416,7 +419,7 @@ class Orchestrator:
         m = self.state.end(m.id, state, message, timings)
         MOVES.labels(m.kind.value, state.value).inc()
         where = m.target if state is MoveState.DONE else m.source
-        text = f"move {m.id} {state.value}: job {m.job} rank(s) {', '.join(map(str, m.ranks))} run on {where}"
+        text = f"move {m.id} {state.value}: job {job_name(m.job)} rank(s) {', '.join(map(str, m.ranks))} run on {where}"
         self.event(state.value, f"{text}: {message}" if message else text, m.job, where, m.id)
         taint = self.state.taint_by_id(m.taint) if m.taint else None
         if state is MoveState.DONE and m.kind is MoveKind.AWAY and taint is not None and m.ended is not None:

@@ -11,7 +11,8 @@ built); only its reading of the API's objects is tested (tests/unit/test_kuberne
   to the spare by a ``nodeSelector`` on its hostname (kube-scheduler places it, and so preempts),
   requesting the GPUs the ranks use, of priority class
   ``kubernetes_hold_priority_class`` (cluster-wide, created by the operator), labelled
-  ``tpagent.io/hold`` and ``tpagent.io/hold-node``, the job in its annotation ``tpagent.io/job``;
+  ``tpagent.io/hold`` and ``tpagent.io/hold-node``, the job's key (its name and identity,
+  :mod:`~tpagent.orchestrator.api`) in its annotation ``tpagent.io/job``;
   the move starts once it runs.
 * A taint is the node taint ``tpagent.io/tainted=<reason>:NoSchedule`` (running pods stay); an
   untaint removes only that key, tpagent's own.
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from host.api import UsageError
-from tpagent.orchestrator.api import Move, MoveKind
+from tpagent.orchestrator.api import Move, MoveKind, job_name
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.scheduler import Held, Pool, SchedulerError, Wanted
 
@@ -211,7 +212,7 @@ class Kubernetes:
         if move.kind is MoveKind.HOME:
             return Held()
         nodes, pods = self.refresh()
-        if move.target in {p.node for p in pods if p.labels.get(JOB_LABEL) == move.job and p.active}:
+        if move.target in {p.node for p in pods if p.labels.get(JOB_LABEL) == job_name(move.job) and p.active}:
             return Held()  # (a node of the job's own pods)
         name = hold_name(move.job, move.target)
         ns = self.cfg.kubernetes_namespace
@@ -262,18 +263,24 @@ class Kubernetes:
                 taints = [t for t in n.taints if t.get("key") != TAINT]
                 self._call("untaint a node", api.patch_node, n.name, {"spec": {"taints": taints}})
                 said.append(f"{n.name}'s NoSchedule taint removed in Kubernetes (tpagent's own)")
-        running = set(want.running) | {p.labels[JOB_LABEL] for p in pods if JOB_LABEL in p.labels and p.active}
+        # (by name: a pod's label names its job)
+        running = {job_name(j) for j in want.running} | {
+            p.labels[JOB_LABEL] for p in pods if JOB_LABEL in p.labels and p.active
+        }
+        where: dict[str, dict[int, str]] = {}
+        for job, ranks in want.where.items():
+            where.setdefault(job_name(job), {}).update(ranks)
         for p in pods:
             if HOLD_NODE not in p.labels or not p.active:
                 continue
             key = (p.annotations.get("tpagent.io/job", ""), p.labels[HOLD_NODE])
-            if key in want.moving or key in want.away and key[0] in running:
+            if key in want.moving or key in want.away and job_name(key[0]) in running:
                 continue
             self._delete(p.namespace, p.name)
-            said.append(f"placeholder pod {p.namespace}/{p.name} deleted: job {key[0]}'s ranks left {key[1]}")
+            said.append(f"placeholder pod {p.namespace}/{p.name} deleted: job {job_name(key[0])}'s ranks left {key[1]}")
         for p in pods:
             job = p.labels.get(JOB_LABEL, "")
-            text = "; ".join(f"rank {r} on {n}" for r, n in sorted(want.where.get(job, {}).items()))
+            text = "; ".join(f"rank {r} on {n}" for r, n in sorted(where.get(job, {}).items()))
             if job and p.active and p.annotations.get(RECORD, "") != text:
                 body = {"metadata": {"annotations": {RECORD: text or None}}}
                 self._call("annotate a pod", api.patch_namespaced_pod, p.name, p.namespace, body)

@@ -47,7 +47,7 @@ from tpagent.common.credentials import Credentials
 from tpagent.daemon import rankwire
 from tpagent.daemon.client import rpc_text
 from tpagent.daemon.rpc import pb, stub
-from tpagent.orchestrator.api import NodeSeen, RankSeen, View
+from tpagent.orchestrator.api import NodeSeen, RankSeen, View, job_name
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent_rank import lines
 from tpagent_rank import protocol as P
@@ -125,7 +125,7 @@ class Steps:
             for r in sorted(ranks):
                 after = [step for t, step in self.changes.get((job, r), []) if t > since]
                 if after and max(after) - after[0] >= WENT_ON:
-                    return f"rank {r} of job {job} went on from step {after[0]} to {max(after)}"
+                    return f"rank {r} of job {job_name(job)} went on from step {after[0]} to {max(after)}"
         return None
 
     def pace(self, job: str, ranks: Iterable[int], before: float) -> float | None:
@@ -175,7 +175,7 @@ class LostNodes:
             if went is not None:
                 return went, now + PROBE_EVERY
             if now < last + span and early is None:
-                early = f"job {job} steps every {pace:.1f} s: too few of its steps have passed", last + span
+                early = f"job {job_name(job)} steps every {pace:.1f} s: too few of its steps have passed", last + span
         return early
 
     def lost(self, view: View, node: str, moving: Callable[[str], bool]) -> None:
@@ -213,7 +213,8 @@ class LostNodes:
         report waits for none of it), once."""
         with self.lock:
             self.settled.update({(job, r, node): time.monotonic() for r in ranks})
-        text = f"job {job}: rank(s) {_listed(ranks)} died on {node}, not rebuilt: {why}; their ends are passed on"
+        text = f"job {job_name(job)}: rank(s) {_listed(ranks)} died on {node}, not rebuilt: {why}; "
+        text += "their ends are passed on"
         self.event("died", text, job, node, level=logging.WARNING)
 
         def let_go() -> None:
@@ -245,7 +246,7 @@ class LostNodes:
         with ThreadPoolExecutor(max_workers=PROBES, thread_name_prefix="probe") as pool:
             answered = list(pool.map(self._answers, [view.nodes[n].agent for n in nodes]))
         for n in (n for n, ok in zip(nodes, answered, strict=True) if not ok):
-            declare(n, f"does not answer ({PROBE:g} s, twice) while ranks of job {job} saw a collective fail")
+            declare(n, f"does not answer ({PROBE:g} s, twice) while ranks of job {job_name(job)} saw a collective fail")
 
     def quiet(self, view: View, nodes: list[str], declare: Declare) -> None:
         """``nodes`` have missed their reports for ``quiet_after``: each that runs ranks, whose
@@ -325,7 +326,9 @@ class LostNodes:
         first = min((r.rank, view.nodes[n].agent) for n in others for r in view.nodes[n].ranks if r.job == job)
         rebuild = P.Recover(tell.node, ranks, spare[1], self.cfg.lost_grace, _agents(view, job), tell.died)
         how = "died on" if tell.died else "lost with"
-        text = f"job {job}: rank(s) {_listed(ranks)} {how} {node}: rebuilding them on {spare[0]} from replicas"
+        text = (
+            f"job {job_name(job)}: rank(s) {_listed(ranks)} {how} {node}: rebuilding them on {spare[0]} from replicas"
+        )
         self.event("recovering", text, job, node, level=logging.WARNING)
         args = (job, first, rebuild, (node, spare[0]), agents, tell)
         threading.Thread(target=self._rebuild, args=args, name=f"recover-{job}", daemon=True).start()
@@ -350,7 +353,7 @@ class LostNodes:
             self._rebuilt(job, r, rebuild.node, P.Rebuilt(hold=RECOVER_TIMEOUT + 60))
         try:
             reply = stub(agent, self.creds).Rank(
-                rankwire.request_pb(job, rank, rebuild, RECOVER_TIMEOUT), timeout=RECOVER_TIMEOUT + 60
+                rankwire.request_pb(job_name(job), rank, rebuild, RECOVER_TIMEOUT), timeout=RECOVER_TIMEOUT + 60
             )
             done = rankwire.answer_of(rebuild, reply)
         except grpc.RpcError as e:
@@ -362,11 +365,12 @@ class LostNodes:
             self.settled.update({(job, r, node): time.monotonic() for r in rebuild.ranks if rebuild.died})
             meanwhile = self.rebuilding.pop(job, set()) - set(done.ranks)
         if done.ok and meanwhile:  # (their agents answered the rebuild: they run on, as far as it saw)
-            text = f"job {job}: rank(s) {_listed(tuple(sorted(meanwhile)))} were found lost while it was rebuilt, "
+            text = f"job {job_name(job)}: rank(s) {_listed(tuple(sorted(meanwhile)))} were found lost "
+            text += "while it was rebuilt, "
             self.event("lost", text + "but answered its rebuild: left as they are", job, level=logging.WARNING)
         if done.ok:
             stages = ", ".join(done.stages)
-            text = f"job {job} runs on from step {done.step}, rank(s) {_listed(done.ranks)} rebuilt on "
+            text = f"job {job_name(job)} runs on from step {done.step}, rank(s) {_listed(done.ranks)} rebuilt on "
             text += f"{spare} in {time.monotonic() - t0:.1f} s ({stages})"
             text += f"; its store, lost with {node}, is served at {done.store}" if done.store else ""
             text += f"; rank(s) {_listed(done.back)}, a step further, taken back to it" if done.back else ""
@@ -385,7 +389,7 @@ class LostNodes:
     def _say(self, agent: str, job: str, rank: int, request: P.Request[P.Answer]) -> None:
         """Ask ``request`` of ``agent`` about rank ``rank`` of ``job``, once: a failure is logged."""
         try:
-            stub(agent, self.creds).Rank(rankwire.request_pb(job, rank, request, 30.0), timeout=40)
+            stub(agent, self.creds).Rank(rankwire.request_pb(job_name(job), rank, request, 30.0), timeout=40)
         except grpc.RpcError as e:
             what = request.OP.value
             log.warning("the agent at %s was not told %s (job %s, rank %d): %s", agent, what, job, rank, rpc_text(e))
@@ -397,33 +401,39 @@ class LostNodes:
         heard = time.monotonic()
         while True:
             try:
-                reply = stub(where, self.creds).Rank(rankwire.request_pb(job, rank, P.Locate(), 10.0), timeout=20)
+                reply = stub(where, self.creds).Rank(
+                    rankwire.request_pb(job_name(job), rank, P.Locate(), 10.0), timeout=20
+                )
                 loc = rankwire.answer_of(P.Locate(), reply)
                 heard = time.monotonic()
             except grpc.RpcError as e:
                 if time.monotonic() - heard > FOLLOW_LOST:
                     self.event(
-                        "ended", f"rank {rank} of job {job} (rebuilt) is not heard of at {where}: {rpc_text(e)}", job
+                        "ended",
+                        f"rank {rank} of job {job_name(job)} (rebuilt) is not heard of at {where}: {rpc_text(e)}",
+                        job,
                     )
                     return
                 loc = P.Located(state=P.Whereabouts.HERE.value)
             if loc.state == P.Whereabouts.EXITED.value:
                 code = loc.code if loc.code >= 0 else 128 - loc.code
-                self.event("ended", f"rank {rank} of job {job} (rebuilt) exited with status {code}", job)
+                self.event("ended", f"rank {rank} of job {job_name(job)} (rebuilt) exited with status {code}", job)
                 return
             if loc.state == P.Whereabouts.MOVED.value and loc.node:
                 where = loc.node
                 continue
             if not loc.ok or loc.state == P.Whereabouts.GONE.value:
                 why = loc.error or f"its process is gone from {where} without an exit status"
-                self.event("ended", f"rank {rank} of job {job} (rebuilt) ended: {why}", job, level=logging.WARNING)
+                self.event(
+                    "ended", f"rank {rank} of job {job_name(job)} (rebuilt) ended: {why}", job, level=logging.WARNING
+                )
                 return
             time.sleep(FOLLOW_PERIOD)
 
     def _tell(self, job: str, ranks: tuple[int, ...], node: str, agents: list[str], tell: P.Lost, why: str) -> None:
         """Every agent of the job's other ranks tells them its node is lost (or its ranks died)."""
-        text = f"job {job} lost rank(s) {_listed(ranks)} with {node}"
-        text = f"job {job}: rank(s) {_listed(ranks)} died on {node}" if tell.died else text
+        text = f"job {job_name(job)} lost rank(s) {_listed(ranks)} with {node}"
+        text = f"job {job_name(job)}: rank(s) {_listed(ranks)} died on {node}" if tell.died else text
         text += f" and cannot be rebuilt ({why.rstrip('.')})" if why else ""
         text += f": its other ranks are told (each stops once it waits {self.cfg.lost_grace:g} s)"
         self.event("lost", text, job, node, level=logging.WARNING)

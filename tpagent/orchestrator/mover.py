@@ -14,7 +14,7 @@ import grpc
 from tpagent.common.credentials import Credentials
 from tpagent.daemon.client import UNREACHABLE, rpc_text
 from tpagent.daemon.rpc import pb, stub
-from tpagent.orchestrator.api import Move, MoveState
+from tpagent.orchestrator.api import Move, MoveState, job_identity, job_name
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,9 @@ def run(
     for dry in (True, False):
         last = None
         t0 = time.monotonic()
-        request = pb.MigrateRequest(target=target, dry_run=dry, job=m.job, ranks=list(m.ranks))
+        request = pb.MigrateRequest(
+            target=target, dry_run=dry, job=job_name(m.job), ranks=list(m.ranks), job_identity=job_identity(m.job)
+        )
         try:
             for event in agent.Migrate(request, timeout=timeout):
                 if last is None and not dry:

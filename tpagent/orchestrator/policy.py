@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tpagent.orchestrator.api import Away, Gpu, Move, MoveKind, MoveState, NodeSeen, Taint, View
+from tpagent.orchestrator.api import Away, Gpu, Move, MoveKind, MoveState, NodeSeen, Taint, View, job_name
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.scheduler import Pool
 
@@ -156,18 +156,20 @@ def plan(
             if job in moving:
                 continue
             if job in node.busy:
-                reasons[t.id].append(f"job {job} is being moved by someone else")
+                reasons[t.id].append(f"job {job_name(job)} is being moved by someone else")
                 continue
             done = failed(job, node.name, t.id)
             if len(done) > cfg.retries:
-                reasons[t.id].append(f"moving job {job}'s ranks failed {len(done)} times (last: {done[-1].message})")
+                reasons[t.id].append(
+                    f"moving job {job_name(job)}'s ranks failed {len(done)} times (last: {done[-1].message})"
+                )
                 continue
             avoid = {
                 m.target for m in done if m.state is MoveState.FAILED
             }  # (an interrupted try: not the spare's doing)
             spare, why = _choose(view, node, job, tuple(ranks), free, avoid, pools(job))
             if spare is None:
-                reasons[t.id].append(f"job {job} rank(s) {', '.join(map(str, ranks))}: {why}")
+                reasons[t.id].append(f"job {job_name(job)} rank(s) {', '.join(map(str, ranks))}: {why}")
                 continue
             free.remove(spare)
             moving.add(job)

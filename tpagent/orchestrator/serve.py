@@ -78,7 +78,9 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
     o = Orchestrator(cfg, state, creds)
     o.scheduler.check()
     health = Health()
-    server, tls = rpc_server(creds, AuthInterceptor(creds.secret, cfg.audiences, health))
+    server, tls = rpc_server(
+        creds, AuthInterceptor(creds.secret, cfg.audiences, health), connections=cfg.max_connections
+    )
     pb_grpc.add_OrchestratorServicer_to_server(Service(o), server)
     if not listens(server, cfg.listen, tls):
         raise UsageError(f"cannot listen on {cfg.listen}; is another orchestrator running there?")

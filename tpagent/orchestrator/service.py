@@ -15,7 +15,19 @@ import grpc
 from tpagent.daemon.rpc import audience_of, pb, pb_grpc
 from tpagent.migration.api import is_agent_address
 from tpagent.orchestrator import policy
-from tpagent.orchestrator.api import Finding, Gpu, RankSeen, Refused, TaintKind, Why, printable
+from tpagent.orchestrator.api import (
+    IDENTITY,
+    Finding,
+    Gpu,
+    RankSeen,
+    Refused,
+    TaintKind,
+    Why,
+    job_identity,
+    job_key,
+    job_name,
+    printable,
+)
 from tpagent.orchestrator.api import NodeSeen as Seen
 from tpagent.orchestrator.core import NAME_MAX, Orchestrator
 
@@ -58,6 +70,9 @@ def seen_of(r: pb.NodeReport) -> Seen:
     gpus = {g.uuid for g in r.gpus}
     if any(f.gpu not in gpus for f in r.findings):
         raise Refused("a report's finding names a GPU the report does not list.")
+    if any(x.identity and not IDENTITY.fullmatch(x.identity) for x in (*r.ranks, *r.died)):
+        raise Refused("a rank's identity in a report is 16 hex digits, or none.")
+    rewiring = set(r.rewiring[:MAX_RANKS])  # (by name: the jobs of its ranks of those names)
     return Seen(
         name=r.node,
         agent=r.agent,
@@ -65,7 +80,7 @@ def seen_of(r: pb.NodeReport) -> Seen:
         gpus=tuple(Gpu(_p(g.uuid), _p(g.name), int(g.memory_total)) for g in r.gpus),
         ranks=tuple(
             RankSeen(
-                _p(x.job),
+                job_key(_p(x.job), x.identity),
                 int(x.rank),
                 int(x.world),
                 int(x.step),
@@ -77,10 +92,15 @@ def seen_of(r: pb.NodeReport) -> Seen:
             for x in r.ranks
         ),
         died=tuple(
-            RankSeen(_p(x.job), int(x.rank), int(x.world), users=tuple(int(u) for u in x.users[:MAX_GPUS]))
+            RankSeen(
+                job_key(_p(x.job), x.identity),
+                int(x.rank),
+                int(x.world),
+                users=tuple(int(u) for u in x.users[:MAX_GPUS]),
+            )
             for x in r.died
         ),
-        busy=frozenset(map(_p, r.rewiring[:MAX_RANKS])),
+        busy=frozenset(job_key(_p(x.job), x.identity) for x in r.ranks if x.job in rewiring),
         migrations=tuple(map(_p, r.migrations[:MAX_RANKS])),
         findings=tuple(Finding(_p(f.gpu), _p(f.what, 64), _p(f.reading)) for f in r.findings),
         driver=_p(r.driver_version, 64),
@@ -143,7 +163,10 @@ class Service(pb_grpc.OrchestratorServicer):
             page = self.o.state.events(after)
             for seq, ts, kind, text, job, node, move in page:
                 after = seq
-                yield pb.OrchestratorEvent(seq=seq, ts=ts, kind=kind, text=text, job=job, node=node, move=move)
+                yield pb.OrchestratorEvent(
+                    seq=seq, ts=ts, kind=kind, text=text, job=job_name(job), node=node, move=move,
+                    identity=job_identity(job),
+                )  # fmt: skip
             if not page and not follow:
                 return
             if not page:
@@ -182,13 +205,19 @@ def cluster_pb(o: Orchestrator) -> pb.ClusterView:
     for name, n in sorted(view.nodes.items()):
         for r in n.ranks:
             home = homes.get((r.job, r.rank), "")
-            out.ranks.append(pb.ClusterView.Rank(job=r.job, rank=r.rank, node=name, step=r.step, gen=r.gen, home=home))
+            out.ranks.append(
+                pb.ClusterView.Rank(
+                    job=job_name(r.job), rank=r.rank, node=name, step=r.step, gen=r.gen, home=home,
+                    identity=job_identity(r.job),
+                )
+            )  # fmt: skip
     for m in o.state.moves(last=100):
         end = m.ended or time.time()
         taint = o.state.taint_by_id(m.taint) if m.taint else None
         out.moves.append(
             pb.ClusterView.Move(
-                id=m.id, job=m.job, ranks=list(m.ranks), source=m.source, target=m.target, kind=m.kind.value,
+                id=m.id, job=job_name(m.job), identity=job_identity(m.job), ranks=list(m.ranks), source=m.source,
+                target=m.target, kind=m.kind.value,
                 state=m.state.value, message=m.message, started=m.started or 0.0,
                 seconds=end - m.started if m.started else 0.0, attempt=m.attempt, timings=o.state.timings(m.id),
                 created=m.created, tainted=taint.created if taint else 0.0,

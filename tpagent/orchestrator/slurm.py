@@ -12,8 +12,9 @@ nodes, holds them for other users' jobs and writes jobs' admin comments).
   ``slurm_preempt_below`` and the moving job's own are taken, their jobs requeued first.
 * A hold is a placeholder batch job named ``tpagent-hold`` on the spare, submitted as the
   orchestrator's user (root: a spare partition users cannot submit to takes it), exclusive (or
-  the GPUs the ranks use), its comment and admin comment ``tpagent hold job=J node=N``.  The move
-  starts only once Slurm has allocated it.
+  the GPUs the ranks use), its comment and admin comment ``tpagent hold job=K node=N`` (K: the
+  job's key, its name and identity, :mod:`~tpagent.orchestrator.api`).  The move starts only
+  once Slurm has allocated it.
 * A taint drains its node with the reason ``tpagent: ...``; only a node drained so is resumed.
 * The job's admin comment says where its moved ranks run: ``tpagent: rank 1 on N (hold 42)``.
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from host.api import UsageError
-from tpagent.orchestrator.api import Move, MoveKind, printable
+from tpagent.orchestrator.api import Move, MoveKind, job_name, printable
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.scheduler import Held, Pool, SchedulerError, Wanted
 
@@ -226,7 +227,7 @@ class Slurm:
         default) if its ranks run as that job's user (``users``, root's aside); never found by
         name, which any user can give their own jobs, nor for another user's ranks (a job name
         is theirs to choose: TPAGENT_JOB)."""
-        found = next((j for j in jobs if j.id == job and j.hold_of() is None), None)
+        found = next((j for j in jobs if j.id == job_name(job) and j.hold_of() is None), None)
         return found if found is not None and all(u == found.user_id for u in users) else None
 
     def check(self) -> None:
@@ -312,14 +313,14 @@ class Slurm:
             if not self.cfg.slurm_preempt_below or j.priority >= below:
                 raise SchedulerError(
                     f"{node.name} runs Slurm job {j.id} (priority {j.priority}), which does not give way "
-                    f"to job {move.job} (slurm_preempt_below = {self.cfg.slurm_preempt_below})."
+                    f"to job {job_name(move.job)} (slurm_preempt_below = {self.cfg.slurm_preempt_below})."
                 )
         said = []
         for j in there:
             run("scontrol", "requeue", j.id)
             said.append(
                 f"Slurm job {j.id} ({j.name}, priority {j.priority}) requeued to free {node.name} "
-                f"for job {move.job} rank(s) {', '.join(map(str, move.ranks))}"
+                f"for job {job_name(move.job)} rank(s) {', '.join(map(str, move.ranks))}"
             )
         return tuple(said)
 
@@ -366,7 +367,7 @@ class Slurm:
             if key in want.away and alive:
                 continue
             run("scancel", j.id)
-            why = f"no rank of job {key[0]} runs there" if alive else f"job {key[0]} ended"
+            why = f"no rank of job {job_name(key[0])} runs there" if alive else f"job {job_name(key[0])} ended"
             said.append(f"placeholder job {j.id} on {key[1]} cancelled: {why}")
         said += self._remade(want, nodes, jobs)
         holds = {h: j.id for j in jobs if j.active and (h := j.hold_of())}
@@ -398,7 +399,9 @@ class Slurm:
             if not alive or name not in nodes or mine is not None and name in mine.nodes:
                 continue
             handle = self._submit(job, nodes[name], 0, mine)
-            said.append(f"placeholder job {handle} submitted to hold {name} again: job {job}'s ranks run there")
+            said.append(
+                f"placeholder job {handle} submitted to hold {name} again: job {job_name(job)}'s ranks run there"
+            )
         return said
 
     def _drains(self, want: Wanted, nodes: dict[str, SNode]) -> list[str]:

@@ -23,16 +23,20 @@ import json
 import logging
 import socket
 import ssl
+import sys
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from host.hushed import Hushed
 from tpagent.orchestrator.api import Refused, TaintKind, printable
 from tpagent.orchestrator.core import Orchestrator
 from tpagent_rank.strangers import Strangers
 
 log = logging.getLogger(__name__)
+#: Connections that broke in their handler (anyone may send bytes that are not TLS): once a second.
+BROKE = Hushed(log)
 PATH = "/alertmanager"
 BODY_MAX = 1 << 20
 ALERTS_MAX = 1000
@@ -58,6 +62,8 @@ def alerts_of(body: bytes, node_labels: tuple[str, ...], gpu_labels: tuple[str, 
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise Refused(f"the message is not JSON ({e}).") from e
+    except RecursionError as e:  # ("[" * 100000: nested deeper than the parser goes)
+        raise Refused("the message is not JSON this webhook reads: it is nested too deeply.") from e
     if not isinstance(doc, dict) or not isinstance(doc.get("alerts"), list):
         raise Refused("the message is not Alertmanager's webhook JSON: it has no list of alerts.")
     if str(doc.get("version", "")) != "4":
@@ -183,6 +189,11 @@ class Webhook(ThreadingHTTPServer):
     def verify_request(self, request: Any, client_address: Any) -> bool:
         self.strangers.admit(request, str(client_address[0]))
         return True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that broke in its handler (not TLS, a broken TLS record, reset): one
+        line, at most once a second, not socketserver's traceback on stderr for each."""
+        BROKE.warning("a webhook connection from %s broke: %s", client_address[0], sys.exc_info()[1])
 
     def shutdown_request(self, request: Any) -> None:  # (each call's end, answered or not)
         self.strangers.leave(request)

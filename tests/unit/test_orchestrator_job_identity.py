@@ -1,0 +1,110 @@
+"""Jobs of one name are two jobs to the orchestrator where their identities differ (anyone may
+name a job as another's): their ranks are not counted together, a move of one does not hold up
+the other's, a rank of one is not taken as the other's running elsewhere; agents and schedulers
+are given the name (:func:`job_name`), the source agent the identity too (``job_identity``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tpagent.daemon.rpc import pb
+from tpagent.jobs.ranks import digest_of, identity_of
+from tpagent.orchestrator import lost
+from tpagent.orchestrator.api import (
+    Move,
+    MoveKind,
+    MoveState,
+    Refused,
+    Taint,
+    TaintKind,
+    View,
+    job_identity,
+    job_key,
+    job_name,
+)
+from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.core import outcome_of, users_of
+from tpagent.orchestrator.policy import plan
+from tpagent.orchestrator.scheduler import Static
+from tpagent.orchestrator.service import seen_of
+from tpagent_rank import lines
+
+ROOTS = digest_of(identity_of(0, lines.Hello("train", 1, 3, key="k1")))
+NOBODYS = digest_of(identity_of(65534, lines.Hello("train", 1, 3, key="k1")))
+
+
+def report(node: str, *ranks: tuple[str, int, str], died: tuple[tuple[str, int, str], ...] = ()) -> pb.NodeReport:
+    """A node's report: ranks (job, rank, identity) running there, and ``died`` ones."""
+    return pb.NodeReport(
+        node=node,
+        agent=f"{node}:7400",
+        ranks=[pb.RankReport(job=j, rank=r, world=3, identity=i, users=[65534] * (i == NOBODYS)) for j, r, i in ranks],
+        died=[pb.RankReport(job=j, rank=r, world=3, identity=i) for j, r, i in died],
+    )
+
+
+def cluster(*reports: pb.NodeReport) -> View:
+    return View({r.node: seen_of(r) for r in reports})
+
+
+def two_of_one_name() -> View:
+    """Root's job "train", ranks 0 on a and 1 on b; nobody's "train", rank 1 on c."""
+    return cluster(
+        report("a", ("train", 0, ROOTS)), report("b", ("train", 1, ROOTS)), report("c", ("train", 1, NOBODYS))
+    )
+
+
+def test_a_users_identity_differs_from_anothers_with_the_same_key() -> None:
+    assert ROOTS != NOBODYS and len(ROOTS) == 16 and int(ROOTS, 16) >= 0
+
+
+def test_a_key_gives_back_its_name_and_identity_whatever_the_name_holds() -> None:
+    for name in ("train", "x#0123456789abcdef", "a#" + "-" * 16, "", "#"):
+        key = job_key(name, ROOTS)
+        assert (job_name(key), job_identity(key)) == (name, ROOTS)
+        assert (job_name(job_key(name, "")), job_identity(job_key(name, ""))) == (name, "")
+    assert job_key("x#0123456789abcdef", "") != job_key("x", "0123456789abcdef")
+    assert (job_name("j"), job_identity("j")) == ("j", "")  # (a key of no identity: a move from before keys)
+
+
+def test_two_identities_of_one_name_are_two_jobs_with_their_own_users() -> None:
+    view = cluster(
+        report("a", ("train", 0, ROOTS)), report("b", ("train", 1, ROOTS)), report("c", ("train", 1, NOBODYS))
+    )
+    assert {r.job for n in view.nodes.values() for r in n.ranks} == {job_key("train", ROOTS), job_key("train", NOBODYS)}
+    assert users_of(view) == {job_key("train", ROOTS): frozenset(), job_key("train", NOBODYS): frozenset({65534})}
+
+
+def test_a_rank_of_another_job_of_that_name_is_not_the_lost_one_running_elsewhere() -> None:
+    view = cluster(
+        report("a", ("train", 0, ROOTS)), report("b", ("train", 1, ROOTS)), report("c", ("train", 1, NOBODYS))
+    )
+    (lost_one,) = view.nodes["b"].ranks
+    assert not lost._elsewhere(view, "b", lost_one)
+    assert lost._others(view, "b", lost_one.job) == [0]
+    assert lost._agents(view, lost_one.job) == ("a:7400", "b:7400", "")
+
+
+def test_a_move_of_another_job_of_that_name_holds_up_no_move_of_this_one() -> None:
+    view = cluster(report("a", ("train", 0, ROOTS)), report("b", ("train", 0, NOBODYS)), report("d"), report("e"))
+    theirs = Move(1, job_key("train", NOBODYS), (0,), "b", "d", MoveKind.AWAY, MoveState.RUNNING, 2)
+    taints = [Taint(1, "a", "", TaintKind.PLANNED, "maintenance", "operator", 0.0)]
+    c = OrchestratorConfig(secret_file=Path("/dev/null"), dedicated_spares=("d", "e"))
+    p = plan(view, taints, [theirs], [], lambda *_: [], c, lambda job: Static(c).pool(job, frozenset()))
+    assert [(m.job, m.source, m.target) for m in p.moves] == [(job_key("train", ROOTS), "a", "e")]
+
+
+def test_a_move_is_not_settled_by_another_job_of_that_name_on_its_target() -> None:
+    m = Move(1, job_key("train", ROOTS), (1,), "b", "d", MoveKind.AWAY, MoveState.RUNNING, 1)
+    view = cluster(report("b", ("train", 1, ROOTS)), report("d", ("train", 1, NOBODYS)))
+    assert outcome_of(m, view, {"b", "d"}) == (MoveState.INTERRUPTED, "settled: the ranks still run on b")
+
+
+def test_a_report_with_a_malformed_identity_is_refused_in_one_sentence() -> None:
+    for bad in ("0123", "0123456789ABCDEF", "0123456789abcdeg", "-" * 16):
+        with pytest.raises(Refused, match="16 hex digits"):
+            seen_of(report("a", ("train", 0, bad)))
+        with pytest.raises(Refused, match="16 hex digits"):
+            seen_of(report("a", died=(("train", 0, bad),)))
