@@ -286,13 +286,23 @@ def file_locks(pids: Sequence[int]) -> list[tuple[int, str, str]]:
     out: dict[str, tuple[int, str, str]] = {}
     for pid in pids:
         for fd, path in fd_links(pid):
-            if not path.startswith("/") or path in out:
-                continue
-            with suppress(OSError), open(f"/proc/{pid}/fdinfo/{fd}") as f:
-                kinds = [ln.split()[2] for ln in f if ln.startswith("lock:") and len(ln.split()) > 2]
-                if kinds:
-                    out[path] = (pid, kinds[0], path)
+            if path.startswith("/") and path not in out and (held := fd_locks(pid, fd)):
+                out[path] = (pid, held[0].split()[0], path)
     return list(out.values())
+
+
+def fd_locks(pid: int, fd: str) -> list[str]:
+    """The locks ``pid`` holds on the file of its descriptor ``fd``, each ``KIND MODE START END``
+    (``FLOCK WRITE 0 EOF``, ``POSIX READ 0 99``: END inclusive, or EOF), as its fdinfo says them;
+    none if it cannot be read."""
+    out = []
+    with suppress(OSError), open(f"/proc/{pid}/fdinfo/{fd}") as f:
+        for ln in f:
+            # lock:\t1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF  (a waiter's: "1: -> FLOCK ...")
+            fields = ln.split()
+            if fields[:1] == ["lock:"] and len(fields) == 9 and fields[2] != "->":
+                out.append(" ".join((fields[2], fields[4], fields[7], fields[8])))
+    return out
 
 
 def fd_links(pid: int) -> list[tuple[str, str]]:

@@ -9,12 +9,20 @@ library, a symlink to root's files, a directory of theirs as the copy's working 
 there.  So the dump notes, for every such path and every directory on the way to it, its owner,
 group and mode; the restore refuses a path whose copy here is missing, or that someone could
 have put there who could not have put it where it was dumped.
+
+It notes too the locks the tree holds on each (flock, fcntl, OFD): CRIU takes them again as it
+restores, and waits for ever, saying nothing, behind another process that holds one here (the
+original left running, a second instance that took it once the original was ended).  The restore
+refuses such a copy in one sentence instead (:func:`locked`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import stat
+import struct
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -27,6 +35,8 @@ _ANYONES = ("/dev/shm/",)
 #: The paths noted at most (each directory on the way counts): a bound on a manifest's size.
 MOST = 100_000
 _WRITERS = 0o022
+_LOCK = r"(?:FLOCK|POSIX|OFDLCK) (?:READ|WRITE) \d{1,20} (?:\d{1,20}|EOF)"
+_LOCKS = re.compile(rf"(?:{_LOCK}(?:, {_LOCK}){{0,63}})?")
 
 
 @dataclass(frozen=True)
@@ -38,13 +48,25 @@ class Reopened:
     uid: int
     gid: int
     mode: int  # (st_mode: its type and permissions)
+    #: The locks the tree held on it: ``KIND MODE START END`` each (:func:`host.proc.fd_locks`),
+    #: joined by ", " ("": none).
+    lock: str = ""
+
+    def valid(self) -> bool:
+        """Whether its fields are in their bounds (it is read from a manifest)."""
+        return min(self.uid, self.gid) >= 0 and 0 <= self.mode < 1 << 32 and bool(_LOCKS.fullmatch(self.lock))
 
 
 def note(pids: Sequence[int]) -> list[Reopened]:
     """What the tree of ``pids`` (frozen: what it holds does not change) will have reopened:
     each path and each directory on the way to it, as the process sees it (through its root)."""
     seen: dict[str, Reopened] = {}
+    locks: dict[str, list[str]] = {}
     for pid in pids:
+        for fd, path in proc.fd_links(pid):
+            if _by_name(path) and (held := proc.fd_locks(pid, fd)):
+                known = locks.setdefault(path, [])
+                known += [h for h in held if h not in known]
         for path in filter(_by_name, _held(pid)):
             for at in (path, *(str(p) for p in PurePosixPath(path).parents[:-1])):
                 if at in seen or len(seen) >= MOST:
@@ -53,7 +75,7 @@ def note(pids: Sequence[int]) -> list[Reopened]:
                     st = os.lstat(f"/proc/{pid}/root{at}")
                 except OSError:
                     continue
-                seen[at] = Reopened(at, st.st_uid, st.st_gid, st.st_mode)
+                seen[at] = Reopened(at, st.st_uid, st.st_gid, st.st_mode, ", ".join(locks.get(at, ())))
     return sorted(seen.values(), key=lambda r: r.path)
 
 
@@ -127,3 +149,50 @@ def _kind(mode: int) -> str:
         if test(mode):
             return name
     return "a device"
+
+
+#: struct flock (fcntl(2)) on Linux's 64-bit ABIs: l_type, l_whence, l_start, l_len, l_pid.
+_FLOCK = "@hhqqi4x"
+
+
+def locked(noted: Sequence[Reopened], node: str) -> list[str]:
+    """One phrase for each noted file that another process here holds a lock on that conflicts
+    with one the tree held (CRIU would wait for it); checked, not taken (a flock is taken and let
+    go at once: nothing else tells whether one is held)."""
+    out = []
+    for was in noted:
+        for lock in filter(None, was.lock.split(", ")):
+            kind, mode, start, end = lock.split()
+            holder = _holder(was.path, kind, mode == "WRITE", int(start), end)
+            if holder:
+                out.append(f"{was.path} is locked by {holder} on {node} ({kind} {mode}, as the tree held it)")
+                break
+    return out
+
+
+def _holder(path: str, kind: str, write: bool, start: int, end: str) -> str:
+    """Who holds a lock on ``path`` that a ``kind`` lock (``write`` or read) from ``start`` to
+    ``end`` would wait for: ``PID N``, ``another process``, or "" (none; not a regular file here)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return ""  # (a missing one is untrusted()'s to say)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        if kind == "FLOCK":
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if write else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return "another process"  # (flock says not whom)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return ""
+        length = 0 if end == "EOF" else int(end) - start + 1
+        asked = struct.pack(_FLOCK, fcntl.F_WRLCK if write else fcntl.F_RDLCK, os.SEEK_SET, start, length, 0)
+        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK if kind == "OFDLCK" else fcntl.F_GETLK, asked)
+        found, _, _, _, pid = struct.unpack(_FLOCK, answer)
+        if found == fcntl.F_UNLCK:
+            return ""
+        return f"PID {pid}" if pid > 0 else "another process"
+    finally:
+        os.close(fd)

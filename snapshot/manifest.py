@@ -55,7 +55,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -305,11 +305,12 @@ def _files(data: Any) -> tuple[dict[str, dict[str, Any]], str]:
 
 def _rows(data: Any, key: str, cls: type[T]) -> list[T]:
     """The optional list ``key`` of ``data``, each item made a ``cls`` (a dataclass of int and
-    str fields) from its fields of those names and types."""
+    str fields) from its fields of those names and types (a field with a default may be missing:
+    one added since)."""
     types: dict[str, type[Any]] = {"int": int, "str": str}
-    named = [(f.name, types[str(f.type)]) for f in fields(cls)]  # type: ignore[arg-type]
+    named = [(f.name, types[str(f.type)], f.default) for f in fields(cls)]  # type: ignore[arg-type]
     items = _list(data, key, dict, "manifest") if key in data else []
-    return [cls(*(_get(x, name, typ, f"{key}[]") for name, typ in named)) for x in items]
+    return [cls(**{n: _get(x, n, t, f"{key}[]") for n, t, d in named if n in x or d is MISSING}) for x in items]
 
 
 def _bindings(data: Any, procs: list[ProcInfo]) -> list[Binding]:
@@ -341,10 +342,8 @@ def _links(data: Any, carried: list[str]) -> dict[str, str]:
 
 def _reopened(data: Any) -> list[Reopened]:
     rows = _rows(data, "reopened", Reopened)
-    if len(rows) > reopened.MOST or not all(
-        _absolute(r.path) and min(r.uid, r.gid) >= 0 and 0 <= r.mode < 1 << 32 for r in rows
-    ):
-        raise ValueError("reopened: not a normalised absolute path, a user, a group or a mode")
+    if len(rows) > reopened.MOST or not all(_absolute(r.path) and r.valid() for r in rows):
+        raise ValueError("reopened: not a normalised absolute path, a user, a group, a mode or locks")
     return rows
 
 

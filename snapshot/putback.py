@@ -80,7 +80,8 @@ def _write_carried(directory: Path, m: Manifest, created: list[Path]) -> None:
 
 
 def identities(created: list[Path]) -> dict[Path, tuple[int, int, int]]:
-    """What :func:`put_back` made, each as it is now (device, inode, owner), read as soon as it is made."""
+    """What :func:`put_back` made, each as it is now (device, inode, owner): read once it is done
+    (root's, or its file's owner's, in a directory of root's or of that owner's)."""
     out = {}
     for path in created:
         try:

@@ -213,6 +213,12 @@ def _check_reopened(m: Manifest) -> None:
             "executable, libraries and open files must be found as they were, through directories no other "
             "user could change): nothing was restored."
         )
+    if held := reopened.locked(m.reopened, "this node"):
+        more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
+        raise UsageError(
+            f"{held[0]}{more}: the copy would take that lock again and wait for it, for ever; nothing was "
+            "restored (end that process, or let it release the lock, and restore again)."
+        )
 
 
 @dataclass
@@ -285,10 +291,15 @@ def _note_bound(job: _Restore) -> None:
 
 
 def _hand_over(job: _Restore) -> None:
-    """Give the directories made for the sockets to their owners, now that CRIU has bound them."""
+    """Give the directories made for the sockets to their owners, now that CRIU has bound them
+    (each still that very one to take back, should a later step fail, and in the note)."""
     for d in job.manifest.dirs:
-        if Path(d.path) in job.created:
-            safefs.hand_over(Path(d.path), d.uid, d.gid, d.mode)
+        path = Path(d.path)
+        if path in job.created:
+            safefs.hand_over(path, d.uid, d.gid, d.mode)
+            if path in job.made:
+                job.made[path] = (*job.made[path][:2], d.uid)
+    _note_bound(job)
 
 
 def _map_pids(job: _Restore) -> None:

@@ -291,6 +291,40 @@ def test_a_restore_failing_after_criu_takes_back_what_it_made(start, tmp_path: P
     w.verify_state()
 
 
+@pytest.mark.parametrize("how", ["failed later", "copy dropped"])
+def test_a_socket_directory_handed_to_its_user_is_still_taken_back(tmp_path: Path, playground: Path, how: str) -> None:
+    """A restore makes a directory of nobody's for a unix socket (a DataLoader worker's private
+    one), root's until CRIU has bound it, then hands it to nobody: should a later step fail, or
+    its copy be dropped, that directory is still taken back (before: it was noted as root's, and
+    nobody's was left).  The steps themselves, without CRIU (nobody's process cannot be dumped
+    here without CAP_SYS_RESOURCE)."""
+    from types import SimpleNamespace
+
+    from host import safefs
+    from snapshot import putback, restore
+    from snapshot.manifest import MadeDir
+
+    made = playground / "pymp-x"
+    created: list[Path] = []
+    safefs.make_dir(made, created)
+    note = tmp_path / "made.json"
+    job = SimpleNamespace(
+        manifest=SimpleNamespace(dirs=[MadeDir(str(made), 65534, 65534, 0o700)]),
+        created=created,
+        made=putback.identities(created),
+        created_note=note,
+        fresh=[],
+    )
+    restore._note_made(job)  # type: ignore[arg-type]
+    restore._hand_over(job)  # type: ignore[arg-type]
+    assert made.stat().st_uid == 65534
+    if how == "failed later":
+        restore._take_back(job)  # type: ignore[arg-type]
+    else:
+        assert putback.take_back_created(note) == [str(made)]
+    assert not made.exists()
+
+
 def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A workload holds an 8 MiB file it deleted (as DataLoader workers' shared memory is):
     over a 4 MiB ghost limit the dump is refused in one sentence before anything is frozen

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tpagent.orchestrator.api import job_key
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.kubernetes import KNode, KPod, hold_name, node_of, pod_of, pool_of, taint_value
 
@@ -79,6 +80,10 @@ def test_a_placeholders_name_is_a_dns_label() -> None:
     name = hold_name("Job_1.with/odd chars" + "x" * 80, "gpu-node-07.cluster.local")
     assert len(name) <= 63 and name.startswith("tpagent-hold-job-1-with-odd-chars")
     assert all(ch.isalnum() and ch.islower() or ch.isdigit() or ch == "-" for ch in name)
+    # Each hold its own, however long the names: another node, or another job of that name.
+    long = "j" * 60
+    names = {hold_name(job_key(long, i), n) for i in ("0" * 16, "1" * 16) for n in ("node-a", "node-b")}
+    assert len(names) == 4 and all(len(n) <= 63 for n in names)
 
 
 def test_a_taints_value_is_a_label_value() -> None:

@@ -22,7 +22,8 @@ into its first 8 bytes; ``shm N HEX`` on SIGUSR1: that number and the SHA-256 of
 DataLoader worker's multiprocessing does (DIR/pymp-XXXX/listener-XXXX: it hands batches' shared
 memory over it); ``listen PATH`` at start; on SIGUSR1 it connects to it and ``listened PATH N``
 is what came back: N counts the connections it has accepted.
---lock FILE holds an exclusive flock on FILE (opened to append) for its whole life.
+--lock FILE holds an exclusive flock on FILE (opened to append) for its whole life; --lockf FILE
+an exclusive fcntl (POSIX) lock on its first 100 bytes.
 --needs FILE exits (status 3) at the first tick FILE is missing, writing no tick: a process
 that needs something of its node (a copy restored on a node without it dies at once).
 """
@@ -45,6 +46,9 @@ mib = int(sys.argv[2])
 if "--lock" in sys.argv:
     locked = open(sys.argv[sys.argv.index("--lock") + 1], "a")  # noqa: SIM115 (held for its whole life)
     fcntl.flock(locked, fcntl.LOCK_EX)
+if "--lockf" in sys.argv:
+    lockf = open(sys.argv[sys.argv.index("--lockf") + 1], "a")  # noqa: SIM115 (held for its whole life)
+    fcntl.lockf(lockf, fcntl.LOCK_EX, 100, 0)
 
 if "--device" in sys.argv:
     device = os.open(sys.argv[sys.argv.index("--device") + 1], os.O_RDWR)

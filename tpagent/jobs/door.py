@@ -30,6 +30,7 @@ from tpagent_rank import protocol as P
 log = logging.getLogger(__name__)
 #: Refused connections (any local user may open them): logged at most once a second.
 REFUSED = Hushed(log)
+UNREGISTERED = Hushed(log)  # (its own: a flood of the others hides none of these)
 
 #: Connections not yet welcomed, at most (more are refused at once); of one user, at most.
 PENDING_MAX = 128
@@ -185,7 +186,9 @@ class Door:
         if self.callers.get(c.fd) is c and time.monotonic() > c.deadline:
             if c.hello is None:
                 raise Refuse(f"it said no hello within {HELLO_WITHIN:.0f} s")
-            REFUSED.warning("rank %s of job %s (PID %d) is not registered here", c.hello.rank, c.hello.job, c.peer.pid)
+            UNREGISTERED.warning(
+                "rank %s of job %s (PID %d) is not registered here", c.hello.rank, c.hello.job, c.peer.pid
+            )
             raise Refuse("this rank is not registered with the agent")
 
     def _refuse(self, c: Caller, why: str) -> None:

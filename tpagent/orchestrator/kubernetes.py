@@ -29,6 +29,7 @@ runs there, and everything is released when the rank returns or the job's pods e
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
 import re
@@ -131,8 +132,11 @@ def taint_value(reason: str) -> str:
 
 
 def hold_name(job: str, node: str) -> str:
-    """A pod name (a DNS label) for the hold of ``job`` on ``node``."""
-    return re.sub(r"[^a-z0-9-]", "-", f"tpagent-hold-{job}-{node}".lower())[:63].rstrip("-")
+    """A pod name (a DNS label) for the hold of ``job`` (its key) on ``node``: its name, cut
+    short, and a digest of the key and the node (each hold its own, however long the names)."""
+    readable = re.sub(r"[^a-z0-9-]", "-", f"tpagent-hold-{job_name(job)}".lower())[:46].rstrip("-")
+    digest = hashlib.sha256(f"{job}\n{node}".encode()).hexdigest()[:16]
+    return f"{readable}-{digest}"
 
 
 def pool_of(cfg: OrchestratorConfig, job: str, nodes: list[KNode], pods: list[KPod]) -> Pool:

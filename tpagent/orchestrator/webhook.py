@@ -192,8 +192,13 @@ class Webhook(ThreadingHTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that broke in its handler (not TLS, a broken TLS record, reset): one
-        line, at most once a second, not socketserver's traceback on stderr for each."""
-        BROKE.warning("a webhook connection from %s broke: %s", client_address[0], sys.exc_info()[1])
+        line, at most once a second, not socketserver's traceback on stderr for each; anything
+        else (a fault of the orchestrator's own) logged with its traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):  # (ssl.SSLError is one)
+            BROKE.warning("a webhook connection from %s broke: %s", client_address[0], error)
+        else:
+            log.error("the webhook failed a call from %s", client_address[0], exc_info=error)
 
     def shutdown_request(self, request: Any) -> None:  # (each call's end, answered or not)
         self.strangers.leave(request)

@@ -1,0 +1,63 @@
+"""A process that holds a lock (flock, fcntl): CRIU takes it again as it restores it, and waits
+for ever, saying nothing, behind another process that holds it on the node (the original left
+running, a second instance that took it once the original was ended).  The dump notes the locks
+the tree holds (``reopened`` in the manifest); the restore refuses in one sentence, naming the
+file and, for an fcntl lock, its holder.  Once that process lets it go, the copy is restored and
+holds the lock again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import needs_criu
+from host import proc
+from support.helpers import assert_continuous, assert_one_sentence_error, tpagent, wait_until
+
+pytestmark = needs_criu
+
+TAKE = """
+import fcntl, sys, time
+f = open(sys.argv[1], "a")
+if sys.argv[2] == "flock":
+    fcntl.flock(f, fcntl.LOCK_EX)
+else:
+    fcntl.lockf(f, fcntl.LOCK_EX, 10, 50)  # (bytes 50-59: within the 100 the workload held)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["flock", "posix"])
+def test_a_lock_another_process_holds_here_stops_the_restore_in_one_sentence(  # type: ignore[no-untyped-def]
+    start, tmp_path: Path, how: str
+) -> None:
+    lock = tmp_path / "checkpoint.lock"
+    w = start(mib=16, extra=("--lock" if how == "flock" else "--lockf", str(lock)))
+    wait_until(lambda: len(w.ticks()) >= 5, "the workload to tick")
+    snap = tmp_path / "snap"
+    done = tpagent("dump", str(w.pid), "--out", str(snap))
+    assert done.returncode == 0, done.stderr
+    assert w.popen is not None and w.popen.wait(30) is not None  # (ended by the dump; reaped)
+    held = "FLOCK WRITE 0 EOF" if how == "flock" else "POSIX WRITE 0 99"
+    noted = {r["path"]: r["lock"] for r in json.loads((snap / "manifest.json").read_text())["reopened"]}
+    assert noted[str(lock)] == held and noted[str(tmp_path)] == ""
+    with subprocess.Popen([sys.executable, "-c", TAKE, str(lock), how], stdout=subprocess.PIPE, text=True) as other:
+        try:
+            assert other.stdout is not None and other.stdout.readline() == "held\n"
+            refused = tpagent("restore", str(snap), timeout=120)  # (before: CRIU waited, for ever)
+            holder = "another process" if how == "flock" else f"PID {other.pid}"
+            assert_one_sentence_error(refused, f"{lock} is locked by {holder} on this node", "nothing was restored")
+        finally:
+            other.kill()
+    restored = tpagent("restore", str(snap), "--json")
+    assert restored.returncode == 0, restored.stderr
+    w.pid = json.loads(restored.stdout)["pid"]
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] >= n + 5, "the restored copy to tick on")
+    assert_continuous(w.ticks())
+    assert any(path == str(lock) for _, _, path in proc.file_locks([w.pid]))  # (held again)
