@@ -108,3 +108,28 @@ def test_a_report_with_a_malformed_identity_is_refused_in_one_sentence() -> None
             seen_of(report("a", ("train", 0, bad)))
         with pytest.raises(Refused, match="16 hex digits"):
             seen_of(report("a", died=(("train", 0, bad),)))
+
+
+def test_moves_and_ranks_away_from_before_identities_are_adopted_by_the_one_job_of_their_name(
+    tmp_path: Path,
+) -> None:
+    """An orchestrator's database written before jobs had identities names them bare: each such
+    row is given the key of the one job of that name the agents report (two of that name: none,
+    until one ends), so that its ranks still come home and its move still holds its place."""
+    from tpagent.orchestrator.state import State
+
+    old = State(tmp_path / "state.db")
+    done = old.plan("train", (1,), "a", "d", MoveKind.AWAY, 1, 1)
+    assert done is not None
+    old.end(done.id, MoveState.DONE, "moved")
+    assert old.plan("train", (2,), "b", "e", MoveKind.AWAY, 1, 1) is not None
+    old.close()
+    s = State(tmp_path / "state.db")
+    assert s.legacy == {"train"}
+    roots, nobodys = job_key("train", ROOTS), job_key("train", NOBODYS)
+    assert s.adopt([roots, nobodys]) == [] and s.adopt([]) == []
+    assert s.adopt([roots, roots, job_key("other", NOBODYS)]) == [("train", roots)]
+    assert [(a.job, a.rank, a.on) for a in s.away()] == [(roots, 1, "d")]
+    assert [(m.job, m.ranks) for m in s.moves(active=True)] == [(roots, (2,))]
+    assert s.plan(roots, (3,), "c", "f", MoveKind.AWAY, 1, 1) is None  # (one move of a job at a time)
+    assert s.legacy == set() and s.adopt([nobodys]) == []

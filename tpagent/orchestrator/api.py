@@ -27,6 +27,11 @@ def job_name(key: str) -> str:
     return key[:-17] if _KEYED.fullmatch(key[-17:]) else key
 
 
+def is_key(job: str) -> bool:
+    """Whether ``job`` is a key (:func:`job_key`), not a bare name (a row from before keys)."""
+    return bool(_KEYED.fullmatch(job[-17:]))
+
+
 def job_identity(key: str) -> str:
     """The job's identity ("": not known)."""
     return key[-16:] if _KEYED.fullmatch(key[-17:]) and IDENTITY.fullmatch(key[-16:]) else ""

@@ -28,7 +28,7 @@ from typing import Any
 
 from host.api import UsageError
 from host.safefs import private_dir
-from tpagent.orchestrator.api import ACTIVE, Away, Gpu, Move, MoveKind, MoveState, Taint, TaintKind
+from tpagent.orchestrator.api import ACTIVE, Away, Gpu, Move, MoveKind, MoveState, Taint, TaintKind, is_key, job_name
 
 SCHEMA = 1
 _TABLES = """
@@ -100,6 +100,12 @@ class State:
         with self.db:
             self.db.executescript(_TABLES)
             self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
+        marks = ", ".join("?" * len(ACTIVE))
+        rows = self.db.execute(
+            f"SELECT job FROM moves WHERE state IN ({marks}) UNION SELECT job FROM away", [s.value for s in ACTIVE]
+        )
+        #: Jobs of active moves and ranks away named as before jobs had keys (:meth:`adopt`).
+        self.legacy = {job for (job,) in rows if not is_key(job)}
 
     def close(self) -> None:
         with self.lock:
@@ -250,6 +256,31 @@ class State:
 
     def away(self) -> list[Away]:
         return [Away(*r) for r in self._read("SELECT job, rank, home, on_node, taint FROM away ORDER BY job, rank")]
+
+    def adopt(self, keys: Iterable[str]) -> list[tuple[str, str]]:
+        """The rows of :attr:`legacy` jobs (a bare name: written before jobs had identities)
+        given the key of the one job of that name of ``keys`` (those reported now); (name, key)
+        of each adopted.  With two jobs of that name (which one was it?), none is, until one ends."""
+        if not self.legacy:
+            return []
+        found: dict[str, set[str]] = {}
+        for key in keys:
+            found.setdefault(job_name(key), set()).add(key)
+        out = []
+        for name in sorted(self.legacy):
+            if len(found.get(name, ())) != 1:
+                continue
+            (key,) = found[name]
+            try:
+                with self.lock, self.db:
+                    self.db.execute("BEGIN IMMEDIATE")
+                    self.db.execute("UPDATE moves SET job = ? WHERE job = ?", (key, name))
+                    self.db.execute("UPDATE away SET job = ? WHERE job = ?", (key, name))
+            except sqlite3.IntegrityError:  # (the key moves already, or has that rank away: left as it is)
+                continue
+            self.legacy.discard(name)
+            out.append((name, key))
+        return out
 
     # ---- events --------------------------------------------------------------------------
 
