@@ -381,6 +381,7 @@ class Lost(Request[Answer]):
     grace: float
     users: tuple[int, ...] = ()  # the UIDs the job's ranks there ran as (none: root); only their ranks are told
     died: bool = False  # ranks of the job died on ``node``, whose agent lives (it said so): not a node lost
+    identity: str = ""  # which job of that name (an agent's report's RankReport.identity): only its ranks are told
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ connection, tests/agent/test_rewire_faults.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -149,6 +150,10 @@ class _Node(_Ranks):
     def entry(self, job: str, rank: int) -> Any:
         return types.SimpleNamespace(uid=2000 if rank == 1 else 1000)
 
+    def digests(self) -> dict[tuple[str, int], str]:
+        """Ranks 0 and 3 of one job "j", rank 1 of another of that name (another run)."""
+        return {("j", 0): "a" * 16, ("j", 1): "b" * 16, ("j", 3): "a" * 16, ("other", 0): "c" * 16}
+
     def spawn(self, kind: str, name: str, fn: Any, *args: Any) -> None:
         fn(*args)
 
@@ -163,6 +168,19 @@ def test_a_lost_node_ends_only_the_ranks_here_of_the_users_whose_ranks_ran_there
     lost = P.Lost(node="10.0.0.2:7400", why="node b stopped reporting", grace=5.0, users=(1000,))
     assert RankCalls(node, "node-1", lambda _job: False)("j", 0, lost, 1.0).ok  # type: ignore[arg-type]
     assert node.asked == [("j/0/end", None)]
+
+
+def test_a_lost_node_ends_only_the_ranks_here_of_the_job_of_that_name_it_ran() -> None:
+    """The orchestrator names the job's identity: another job of that name here (of one of those
+    users, too: another run) is not told; without one, every rank of those users is."""
+    node = _Node()
+    lost = P.Lost(node="10.0.0.2:7400", why="lost", grace=5.0, users=(1000, 2000), identity="a" * 16)
+    assert RankCalls(node, "node-1", lambda _job: False)("j", 0, lost, 1.0).ok  # type: ignore[arg-type]
+    assert node.asked == [("j/0/end", None)]
+    node.asked.clear()
+    anyone = dataclasses.replace(lost, identity="")
+    assert RankCalls(node, "node-1", lambda _job: False)("j", 0, anyone, 1.0).ok  # type: ignore[arg-type]
+    assert sorted(node.asked) == [("j/0/end", None), ("j/1/end", None)]
 
 
 def test_a_lost_node_that_answers_here_or_a_job_being_moved_ends_nothing() -> None:

@@ -160,10 +160,15 @@ class RankCalls:
         if why:
             return P.failed(why)
         users = set(request.users) or {0}  # (of the job's ranks that were there; none: root's)
+        digests = self.ranks.digests()  # (another job of that name, even of those users, is not told)
         told = [
             r.rank
             for r in self.ranks.jobs()
-            if r.job == job and r.connected and not r.moved_to and self.ranks.entry(job, r.rank).uid in users
+            if r.job == job
+            and r.connected
+            and not r.moved_to
+            and self.ranks.entry(job, r.rank).uid in users
+            and request.identity in ("", digests.get((job, r.rank)))
         ]
         end = P.End(why=f"{request.why} (the node of agent {request.node})", grace=request.grace)
         for r in told:

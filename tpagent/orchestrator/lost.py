@@ -47,7 +47,7 @@ from tpagent.common.credentials import Credentials
 from tpagent.daemon import rankwire
 from tpagent.daemon.client import rpc_text
 from tpagent.daemon.rpc import pb, stub
-from tpagent.orchestrator.api import NodeSeen, RankSeen, View, job_name
+from tpagent.orchestrator.api import NodeSeen, RankSeen, View, job_identity, job_name
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent_rank import lines
 from tpagent_rank import protocol as P
@@ -184,7 +184,7 @@ class LostNodes:
         for job in sorted({r.job for r in lost.ranks}):
             ranks = tuple(sorted(r.rank for r in lost.ranks if r.job == job and not _elsewhere(view, node, r)))
             users = tuple(sorted({u for r in lost.ranks if r.job == job for u in r.users}))
-            tell = P.Lost(node=lost.agent, why=self._why(node), grace=self.cfg.lost_grace, users=users)
+            tell = P.Lost(lost.agent, self._why(node), self.cfg.lost_grace, users, identity=job_identity(job))
             if ranks and not moving(job):  # (a move of it, its agents decide: it may save the job)
                 self._recover(view, node, job, ranks, tell)
 
@@ -202,7 +202,7 @@ class LostNodes:
             why = f"rank(s) {_listed(ranks)} of the job died on {node}, killed by a signal"
             # (told to the ranks of its users alone: another user's job of that name is not theirs)
             users = tuple(sorted({u for r in fresh if r.job == job for u in r.users}))
-            tell = P.Lost(node=seen.agent, why=why, grace=self.cfg.lost_grace, died=True, users=users)
+            tell = P.Lost(seen.agent, why, self.cfg.lost_grace, users, died=True, identity=job_identity(job))
             if rebuild:
                 self._recover(view, node, job, ranks, tell)
             else:
