@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,11 @@ def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
                 continue
             out[fields[5]] = out.get(fields[5], False) or fields[1][1] == "w"
     return out
+
+
+def under(path: str, tops: Iterable[str]) -> bool:
+    """Whether ``path`` is one of ``tops`` or in one of them."""
+    return any(path == t or path.startswith(t.rstrip("/") + "/") for t in tops)
 
 
 def mappings(pid: int) -> list[list[str]]:

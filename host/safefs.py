@@ -487,17 +487,6 @@ def make_dir(path: Path, created: list[Path]) -> None:
     created.append(path)
 
 
-def read_only_mode(path: Path, mode: int) -> None:
-    """Give the directory ``path`` (root's, reached through no symlink) ``mode`` but for what
-    would let anyone else write to it: as CRIU wants to find a working directory it restores,
-    while nobody may yet put anything in it (:func:`hand_over` gives the rest)."""
-    fd = open_dir(path)
-    try:
-        os.fchmod(fd, mode & 0o755)
-    finally:
-        os.close(fd)
-
-
 def hand_over(path: Path, uid: int, gid: int, mode: int) -> None:
     """Give the directory ``path`` (reached through no symlink) to ``uid``:``gid`` with ``mode``,
     never setuid/setgid."""

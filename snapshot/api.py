@@ -133,6 +133,11 @@ class SnapshotConfig:
     #: each image's name, a chunk's offset and the chunk (valid during the call), from
     #: threads of the dump.  Trees with a CUDA context are still dumped into files.
     stream: ImageSink | None = field(default=None, compare=False)
+    #: Carry too, as the tree is frozen, every regular file it has open or maps shared then, but
+    #: those under these paths (shared: every node sees them); None: only the files named.  A
+    #: migration's: what the tree opened since it was checked (a checkpoint's temporary file,
+    #: a tensor's /dev/shm segment) must travel as well.
+    carry_opened: tuple[str, ...] | None = None
 
 
 #: Called as a stage starts (``msg`` empty) and ends (``msg`` says how it went).

@@ -67,6 +67,8 @@ class NotTheProcess(RuntimeError):
 
 #: Written (in log/) as the carried files are archived: each one's :func:`identity`.
 CARRIED_IDS = "carried.json"
+#: The pending manifest's key for :attr:`~snapshot.api.SnapshotConfig.carry_opened`.
+OPENED = "carry_opened"
 
 
 def decide(out: Path, commit: bool) -> None:
@@ -312,7 +314,11 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     pending = json.loads((out / PENDING).read_text())
     if root_start is not None and proc.start_ticks(root) != root_start:  # frozen now: the process CRIU dumped
         raise NotTheProcess(f"PID {root} was started after the process that was examined (its PID was reused)")
-    carry, links = _relinks([root, *(c.pid for c in psutil.Process(root).children(recursive=True))])
+    tree = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    carry, links = _relinks([p.pid for p in tree])
+    shared = pending.pop(OPENED, None)
+    if shared is not None:  # (what it opened since it was checked: node-local ones travel too)
+        carry += [f for f in files.open_in(tree) if not files.under(f, shared)]
     if pending.get("carried") or carry:
         pending["carried"] = _archive(out, sorted({*pending.get("carried", ()), *carry}))
     pending["links"] = _unlinked({k: v for k, v in links.items() if v in pending.get("carried", ())})

@@ -325,6 +325,32 @@ def test_a_socket_directory_handed_to_its_user_is_still_taken_back(tmp_path: Pat
     assert not made.exists()
 
 
+def test_a_migrations_dump_carries_the_node_local_files_the_tree_has_open_once_frozen(  # type: ignore[no-untyped-def]
+    start, tmp_path: Path
+) -> None:
+    """A migration checks the tree's open files before it freezes it; a file opened since (a
+    checkpoint's temporary file, a tensor's /dev/shm segment) was neither carried nor on the
+    target, and every such migration rolled back.  Its dump carries, as the tree is frozen,
+    every file it has open then but those on shared paths; a plain dump only those named."""
+    from snapshot.api import SnapshotConfig
+    from snapshot.dump import checkpoint
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    scratch = tmp_path / "local" / "ckpt.pt.tmp"
+    scratch.parent.mkdir()
+    w = start(mib=16, extra=("--scratch", str(scratch), "1", "--lock", str(shared / "job.lock")))
+    wait_until(lambda: len(w.ticks()) >= 3, "the workload to tick")
+    m = checkpoint(w.pid, tmp_path / "snap", config=SnapshotConfig(carry_opened=(str(shared),)))
+    w.reap()
+    assert str(scratch) in m.carried and str(shared / "job.lock") not in m.carried, m.carried
+    assert str(w.log) in m.carried  # (its log too: open, node-local)
+    v = start(mib=16, extra=("--scratch", str(tmp_path / "local" / "other.tmp"), "1"))
+    wait_until(lambda: len(v.ticks()) >= 3, "the other workload to tick")
+    assert checkpoint(v.pid, tmp_path / "plain").carried == []
+    v.reap()
+
+
 def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A workload holds an 8 MiB file it deleted (as DataLoader workers' shared memory is):
     over a 4 MiB ghost limit the dump is refused in one sentence before anything is frozen

@@ -288,11 +288,12 @@ class SourceMigration:
         self.record.cuda_pids = sorted(pids & {pid for g in used for pid in g.pids})  # to give back on a restart
         need += sum(g.memory_used for g in used)
         open_files = files.open_in(tree)
+        on = self.ctx.cfg.shared_paths
         # A file the process writes grows while it runs: the target checks only that it is there.
         shared = tuple(
-            f"{f}:{'*' if w else files.size(f)}" for f, w in sorted(open_files.items()) if self._is_shared(f)
+            f"{f}:{'*' if w else files.size(f)}" for f, w in sorted(open_files.items()) if files.under(f, on)
         )
-        self.carry = sorted(Path(f) for f in open_files if not self._is_shared(f))  # node-local: they travel
+        self.carry = sorted(Path(f) for f in open_files if not files.under(f, on))  # node-local: they travel
         carried = tuple(f"{f}:{files.size(str(f))}" for f in self.carry)
         uncarriable = files.uncarriable(self.carry)  # refused now, in a sentence, not by the hook once frozen
         tcp = [] if self.communicators_rebuilt else sockets.tree_tcp(sorted(pids))
@@ -364,12 +365,9 @@ class SourceMigration:
                 f"PID {pid} holds a {_LOCKS.get(kind, kind)} lock on {path}, which the target sees as well (a shared "
                 "path): its copy would wait for ever behind the frozen original's lock; release it before migrating"
                 for pid, kind, path in proc.file_locks(pids)
-                if self._is_shared(path)
+                if files.under(path, self.ctx.cfg.shared_paths)
             ),
         ]
-
-    def _is_shared(self, path: str) -> bool:
-        return any(path == s or path.startswith(s.rstrip("/") + "/") for s in self.ctx.cfg.shared_paths)
 
     def _freeze_and_send(self, acceptance: Acceptance) -> TransferStats:
         cfg = self.ctx.cfg
@@ -383,6 +381,7 @@ class SourceMigration:
             timeouts=ctx.snapshot_config.timeouts,
             ghost_limit=cfg.ghost_limit_mib << 20,
             stream=feed.put if feed is not None else None,
+            carry_opened=tuple(cfg.shared_paths),
         )
         private_dir(self.snapshot.parent)
         t0 = self.freeze_t0 = time.monotonic()
