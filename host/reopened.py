@@ -61,13 +61,15 @@ def note(pids: Sequence[int]) -> list[Reopened]:
     """What the tree of ``pids`` (frozen: what it holds does not change) will have reopened:
     each path and each directory on the way to it, as the process sees it (through its root)."""
     seen: dict[str, Reopened] = {}
-    locks: dict[str, list[str]] = {}
-    for pid in pids:
-        for fd, path in proc.fd_links(pid):
+    links = {pid: proc.fd_links(pid) for pid in pids}
+    locks: dict[str, list[str]] = {}  # (of every process first: one that holds the path lock-free may come first)
+    for pid, fds in links.items():
+        for fd, path in fds:
             if _by_name(path) and (held := proc.fd_locks(pid, fd)):
                 known = locks.setdefault(path, [])
                 known += [h for h in held if h not in known]
-        for path in filter(_by_name, _held(pid)):
+    for pid in pids:
+        for path in filter(_by_name, _held(pid, links[pid])):
             for at in (path, *(str(p) for p in PurePosixPath(path).parents[:-1])):
                 if at in seen or len(seen) >= MOST:
                     continue
@@ -79,8 +81,9 @@ def note(pids: Sequence[int]) -> list[Reopened]:
     return sorted(seen.values(), key=lambda r: r.path)
 
 
-def _held(pid: int) -> Iterator[str]:
-    """What ``pid`` holds, as /proc names it: cwd, root, exe, mapped files, open descriptors."""
+def _held(pid: int, fds: list[tuple[str, str]]) -> Iterator[str]:
+    """What ``pid`` holds, as /proc names it: cwd, root, exe, mapped files, open descriptors
+    (``fds``: :func:`host.proc.fd_links`, read once)."""
     for link in ("cwd", "root", "exe"):
         try:
             name = os.readlink(f"/proc/{pid}/{link}")
@@ -88,7 +91,7 @@ def _held(pid: int) -> Iterator[str]:
             continue
         yield name
     yield from (fields[5] for fields in files.mappings(pid))
-    yield from (link for _, link in proc.fd_links(pid))
+    yield from (link for _, link in fds)
 
 
 def _by_name(path: str) -> bool:

@@ -8,6 +8,7 @@ holds the lock again."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,23 @@ def test_a_lock_another_process_holds_here_stops_the_restore_in_one_sentence(  #
     wait_until(lambda: w.ticks()[-1][0] >= n + 5, "the restored copy to tick on")
     assert_continuous(w.ticks())
     assert any(path == str(lock) for _, _, path in proc.file_locks([w.pid]))  # (held again)
+
+
+def test_a_lock_is_noted_whichever_process_of_the_tree_comes_first(tmp_path: Path) -> None:
+    """One process holds the file open without a lock, another holds a lock on it: the lock is
+    noted, whichever of the two is read first (before: the first one's lock-free entry stood)."""
+    from host import reopened
+
+    lock = tmp_path / "shared.lock"
+    lock.touch()
+    with (
+        open(lock),  # (held lock-free by this process)
+        subprocess.Popen([sys.executable, "-c", TAKE, str(lock), "flock"], stdout=subprocess.PIPE, text=True) as other,
+    ):
+        try:
+            assert other.stdout is not None and other.stdout.readline() == "held\n"
+            for pids in ([os.getpid(), other.pid], [other.pid, os.getpid()]):
+                noted = {r.path: r.lock for r in reopened.note(pids)}
+                assert noted[str(lock)] == "FLOCK WRITE 0 EOF", (pids, noted[str(lock)])
+        finally:
+            other.kill()
