@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from host import files
+
 #: Mount options of a cgroup v1 hierarchy that are not controllers.
 _NOT_CONTROLLERS = frozenset({"rw", "ro", "nosuid", "nodev", "noexec", "relatime", "noatime", "clone_children"})
 
@@ -41,7 +43,7 @@ def procs_files(cgroup: str, mountinfo: str) -> tuple[str, ...]:
         if mount is None or path in ("", "/"):
             continue
         point, root = mount
-        if root != "/" and not (path == root or path.startswith(root.rstrip("/") + "/")):
+        if root != "/" and not files.under(path, (root,)):
             continue
         rel = path[len(root) :] if root != "/" else path
         if ".." in rel.split("/"):

@@ -136,8 +136,8 @@ class Node:
         for e in entries:
             if not e.alive() or e.moved_to or e.exit_code is not None:
                 raise Refused(f"rank {e.rank} of job {e.job} does not run on {self.cfg.node}.", Why.NOT_FOUND)
-        digests = self.ranks.digests() if identity else {}
-        if other := [e.rank for e in entries if identity and digests.get((e.job, e.rank)) != identity]:
+        digests = self.ranks.digests()
+        if identity and (other := [e.rank for e in entries if digests.get((e.job, e.rank)) != identity]):
             text = f"rank {other[0]} of job {job} on {self.cfg.node} is of another job of that name (or not yet known)."
             raise Refused(text, Why.NOT_FOUND)
         for e in entries if mode != "aware" else ():  # every namespace must pass the ordinary checks first

@@ -207,10 +207,9 @@ class Orchestrator:
             self.wake.clear()
 
     def tick(self) -> None:
-        for name, key in self.state.adopt(r.job for n in self.view().nodes.values() for r in n.ranks):
-            self.event(
-                "adopted", f"job {name}'s moves and ranks away, from before jobs had identities, are now its", key
-            )
+        if self.state.legacy:  # (rows from before jobs had identities: a view only while there are some)
+            for name, key in self.state.adopt(r.job for n in self.view().nodes.values() for r in n.ranks):
+                self.event("adopted", f"job {name}: its moves and ranks away from before identities are its own", key)
         self._reachability()
         self._settle()
         taints = self.state.taints()
