@@ -138,6 +138,9 @@ class SnapshotConfig:
     #: migration's: what the tree opened since it was checked (a checkpoint's temporary file,
     #: a tensor's /dev/shm segment) must travel as well.
     carry_opened: tuple[str, ...] | None = None
+    #: Mount points of a `tpagent launch` workload's namespace to leave out of the dump, and
+    #: so of its restore (the restore's node lacks them; the tree holds nothing in them).
+    skip_mounts: tuple[str, ...] = ()
 
 
 #: Called as a stage starts (``msg`` empty) and ends (``msg`` says how it went).

@@ -97,6 +97,8 @@ class DumpOptions:
     #: Hand the images over pipes to a :class:`snapshot.streamer.Capture` listening in the
     #: images directory instead of writing them there.
     stream: bool = False
+    #: Mount points of the namespace left out of the dump (``--skip-mnt``): see :mod:`host.mounts`.
+    skip_mounts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,7 @@ class Criu:
         args += self._common(opts.shell_job, opts.tcp_established)
         # The namespace's mounts are the node's own: declare them all external.
         args += ["--external", "mnt[]"] if opts.namespace else []
+        args += [arg for path in opts.skip_mounts for arg in ("--skip-mnt", path)]
         args += ["--action-script", str(opts.action_script)] if opts.action_script else []
         # A file open under a name removed while it has another (a POSIX semaphore of Python's
         # spawn multiprocessing) is named again beside where it was (host.files.Relinked).
@@ -231,7 +234,7 @@ class Criu:
         proc = self._run(args, timeout, work=work)
         if proc.returncode != 0:
             raise CriuError(
-                _port_taken(work / "restore.log") or "criu restore failed",
+                _port_taken(work / "restore.log") or _mount_missing(work / "restore.log") or "criu restore failed",
                 detail=log_errors(work / "restore.log") or proc.stderr.strip(),
                 code=proc.returncode,
             )
@@ -284,6 +287,31 @@ def _port_taken(log_file: Path) -> str | None:
                 "nothing was restored, and the snapshot can be restored once the port is free; CRIU said"
             )
     return None
+
+
+#: CRIU's log of a mount point of the namespace it rebuilds that the node lacks (mount-v2.c:
+#: its own path for the parent mount, then the rest), and of where each of its paths stands in
+#: the namespace (``Will mount ID @ ITS_PATH PATH``).
+_NO_MOUNTPOINT = re.compile(r".*Can't stat mountpoint (/\S*?/mnt-\d+)(/.*): No such file or directory")
+_WILL_MOUNT = re.compile(r".*Will mount \d+ @ (/\S*/mnt-\d+) (/.*)")
+
+
+def _mount_missing(log_file: Path) -> str | None:
+    """Why a restore failed, in one sentence, where a mount point of the snapshot's namespace is
+    missing on this node (a container's or a session's mount gone since the dump, or on the
+    node it was dumped on only): None for any other failure."""
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+        found = next(filter(None, map(_NO_MOUNTPOINT.fullmatch, lines)))
+    except (OSError, StopIteration):
+        return None
+    paths = {m[1]: m[2] for m in map(_WILL_MOUNT.fullmatch, lines) if m}
+    path = paths.get(found[1], "").rstrip("/") + found[2]
+    return (
+        f"criu restore failed: the process's namespace had a mount at {path}, which is missing on this node "
+        "(CRIU binds each mount back at its path); nothing was restored: make that directory (an empty one does "
+        "if the process used nothing in it) and restore again; CRIU said"
+    )
 
 
 def _write_pidfile(path: Path, pid: int) -> None:

@@ -7,7 +7,6 @@ tree is killed only by CRIU and only once the snapshot is sealed; any failure be
 makes CRIU roll back (resume the tree, lift its network lock), and we give the GPU back
 (CUDA restore, unlock), so a failed checkpoint never loses the workload.  A refusal CRIU
 may not repeat a moment later (:data:`TRANSIENT`) is retried, the tree running meanwhile.
-The restore side is :mod:`snapshot.restore`.
 """
 
 from __future__ import annotations
@@ -346,10 +345,9 @@ def _thaw(job: _Dump) -> None:
 
 
 def _criu_dump(job: _Dump) -> None:
-    """criu dump; its post-dump hook checksums and fsyncs the images and seals the manifest
-    while the tree is still frozen, then CRIU ends the tree (or leaves it) by its mode.  With
-    ``config.stream`` CRIU hands its images to a :class:`~snapshot.streamer.Capture` instead
-    (not a tree with a CUDA context: not yet tried on a GPU)."""
+    """criu dump; its post-dump hook checksums, fsyncs and seals the images while the tree is
+    still frozen, then CRIU ends the tree (or leaves it) by its mode.  With ``config.stream`` CRIU
+    hands its images to a :class:`~snapshot.streamer.Capture` (not a tree with a CUDA context)."""
     config = job.config
     stream = config.stream is not None and not job.cuda_pids
     capture = Capture(job.out / IMAGES_DIR, config.stream, log_dir=job.log_dir) if stream else None
@@ -358,7 +356,8 @@ def _criu_dump(job: _Dump) -> None:
     job.dump_started = time.monotonic()
     tcp = bool(job.manifest.criu["tcp_established"])
     t = job.tree
-    opts = DumpOptions(job.mode, t.shell_job, tcp, t.namespace, job.script, env, config.ghost_limit, stream)
+    skip = config.skip_mounts if t.namespace else ()
+    opts = DumpOptions(job.mode, t.shell_job, tcp, t.namespace, job.script, env, config.ghost_limit, stream, skip)
     # A Ctrl-C now asks the post-dump hook to fail, so that CRIU itself rolls back; once
     # the hook has sealed the snapshot, CRIU finishes and the interrupt came too late.
     with proc.deferred_sigint(on_interrupt=(job.log_dir / hook.CANCEL_FILE).touch) as interrupt:

@@ -59,7 +59,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         c.close()
 
 
-def launch(node: Node, tmp: Path, mib: int, *extra: str) -> Ticker:
+def launch(node: Node, tmp: Path, mib: int, *extra: str, cwd: Path | None = None) -> Ticker:
+    """A stateful workload launched on ``node`` (working in ``cwd``, a path on the node)."""
     t = Ticker(tmp / f"w-{uuid.uuid4().hex[:6]}.log")
     assert node.agent is not None
     # Launched where its agent runs (its network and mount namespaces), without the machine's
@@ -78,7 +79,7 @@ def launch(node: Node, tmp: Path, mib: int, *extra: str) -> Ticker:
             "private",
             "sh",
             "-c",
-            'umount -l /run/netns 2>/dev/null; exec "$@"',
+            'umount -l /run/netns 2>/dev/null; cd "$WORK" && exec "$@"',
             "sh",
             sys.executable,
             "-m",
@@ -94,6 +95,7 @@ def launch(node: Node, tmp: Path, mib: int, *extra: str) -> Ticker:
             *extra,
         ],
         cwd=ROOT,
+        env={**os.environ, "WORK": str(cwd or ROOT), "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=120,
@@ -123,6 +125,18 @@ def migrate(cluster: Cluster, t: Ticker, src: str, dst: str) -> None:
     assert doc["state"] == "done", doc
     t.pid = doc["new_pid"]
     t.assert_one_copy_continuous()
+
+
+def refused_before_the_freeze(cluster: Cluster, t: Ticker, said: str) -> None:
+    """The move of ``t`` from A to B is refused in one sentence holding ``said``, as its dry run
+    says too, and the workload was never frozen."""
+    dry = cluster.migrate(t.pid, "A", "B", "--dry-run", "--json")
+    assert dry.returncode == 1 and any(said in p for p in json.loads(dry.stdout)["problems"]), dry.stdout
+    proc = cluster.migrate(t.pid, "A", "B", "--json")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 1 and doc["state"] == "failed" and said in doc["message"], doc
+    assert "\n" not in doc["message"]
+    t.assert_one_copy_continuous()  # never frozen
 
 
 def test_node_local_files_go_there_and_back(cluster: Cluster, tmp_path: Path) -> None:
@@ -294,14 +308,76 @@ def test_a_file_that_cannot_be_taken_along_is_refused_before_the_freeze(cluster:
     scratch = LOCAL / "nobodys" / "scratch"
     t = launch(a, tmp_path, 16, "--scratch", str(scratch), "1")
     try:
+        refused_before_the_freeze(cluster, t, f"{scratch} belongs to UID 0 but its directory to UID")
+    finally:
+        kill_and_wait(t.pid)
+
+
+def _mount_on(node: Node, vol: Path, lib: bool) -> None:
+    """A tmpfs at ``vol`` on ``node`` alone (in its own filesystem, its agent's mount namespace),
+    another beneath it (as a container's overlay has its /dev), and in it, with ``lib``, a file."""
+    assert node.agent is not None
+    script = f"mkdir {vol} && mount -t tmpfs pod {vol} && mkdir {vol}/dev && mount -t tmpfs pod-dev {vol}/dev"
+    script += f" && head -c 65536 /dev/urandom > {vol}/lib.so" if lib else ""
+    subprocess.run(["nsenter", "-t", str(node.agent.pid), "-m", "sh", "-c", script], check=True, timeout=30)
+
+
+def test_a_mount_the_target_lacks_is_left_behind_when_the_workload_holds_nothing_in_it(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A's own mounts (a container's overlay, a pod's volume, a session's /run/user) are in the
+    namespace of a workload launched there; CRIU binds each back at its path, so a restore on B,
+    which lacks them, failed and every such move rolled back, though its dry run passed.  The
+    dump leaves out those B lacks that the workload holds nothing in, and says so; on B it runs on
+    without them."""
+    vol = LOCAL / f"pod-{uuid.uuid4().hex[:6]}"
+    _mount_on(cluster.nodes["A"], vol, lib=False)
+    t = launch(cluster.nodes["A"], tmp_path, 16)
+    try:
+        assert f" {vol}/dev " in Path(f"/proc/{t.pid}/mountinfo").read_text()
         dry = cluster.migrate(t.pid, "A", "B", "--dry-run", "--json")
-        assert dry.returncode == 1
-        problems = json.loads(dry.stdout)["problems"]
-        assert any(f"{scratch} belongs to UID 0 but its directory to UID" in p for p in problems), problems
-        proc = cluster.migrate(t.pid, "A", "B", "--json")
-        doc = json.loads(proc.stdout)
-        assert proc.returncode == 1 and doc["state"] == "failed" and f"{scratch} belongs to UID 0" in doc["message"]
-        t.assert_one_copy_continuous()  # never frozen
+        assert dry.returncode == 0, dry.stdout + dry.stderr
+        said = " ".join(json.loads(dry.stdout)["checked"])
+        assert (
+            "goes without 2 mount(s) of the process's namespace that the target lacks" in said and str(vol) in said
+        ), said
+        migrate(cluster, t, "A", "B")
+        verify(t)
+        assert str(vol) not in Path(f"/proc/{t.pid}/mountinfo").read_text()
+    finally:
+        kill_and_wait(t.pid)
+
+
+def test_a_mount_the_target_lacks_holding_a_file_the_move_carries_is_made_there(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The workload maps a file shared from a mount B lacks: the file is carried, and put back on
+    B in directories made for it, where CRIU binds the mount point; the mount beneath, which the
+    workload holds nothing in, is left out."""
+    vol = LOCAL / f"pod-{uuid.uuid4().hex[:6]}"
+    _mount_on(cluster.nodes["A"], vol, lib=True)
+    t = launch(cluster.nodes["A"], tmp_path, 16, "--map", str(vol / "lib.so"))
+    try:
+        lib = (local_dir(cluster.nodes["A"]) / vol.name / "lib.so").read_bytes()
+        migrate(cluster, t, "A", "B")
+        verify(t)
+        assert (local_dir(cluster.nodes["B"]) / vol.name / "lib.so").read_bytes() == lib
+        mounted = Path(f"/proc/{t.pid}/mountinfo").read_text()
+        assert f" {vol} " in mounted and f" {vol}/dev " not in mounted, mounted
+    finally:
+        kill_and_wait(t.pid)
+
+
+def test_a_mount_the_target_lacks_that_the_workload_works_in_is_refused_before_the_freeze(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The workload's working directory is in a mount B lacks (nothing a migration carries): the
+    move is refused in one sentence naming it before anything stops, as its dry run says."""
+    vol = LOCAL / f"pod-{uuid.uuid4().hex[:6]}"
+    _mount_on(cluster.nodes["A"], vol, lib=False)
+    t = launch(cluster.nodes["A"], tmp_path, 16, cwd=vol)
+    try:
+        refused_before_the_freeze(cluster, t, f"the process holds {vol} in the mount at {vol}, which the target lacks")
     finally:
         kill_and_wait(t.pid)
 
@@ -334,13 +410,7 @@ def test_a_node_local_file_mapped_shared_with_a_process_outside_is_refused_befor
         ) as other:
             try:
                 assert other.stdout is not None and other.stdout.readline() == "mapped\n"
-                said = f"maps {shm} shared with PID {other.pid} (python"
-                dry = cluster.migrate(t.pid, "A", "B", "--dry-run", "--json")
-                assert dry.returncode == 1 and any(said in p for p in json.loads(dry.stdout)["problems"]), dry.stdout
-                proc = cluster.migrate(t.pid, "A", "B", "--json")
-                doc = json.loads(proc.stdout)
-                assert proc.returncode == 1 and doc["state"] == "failed" and said in doc["message"], doc
-                t.assert_one_copy_continuous()  # never frozen
+                refused_before_the_freeze(cluster, t, f"maps {shm} shared with PID {other.pid} (python")
             finally:
                 other.kill()
         migrate(cluster, t, "A", "B")  # (that process gone)

@@ -119,6 +119,64 @@ def test_a_network_namespace_of_the_node_that_goes_away_does_not_stop_the_restor
     w.verify_state()
 
 
+@pytest.fixture
+def pod_volume(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A tmpfs mounted on the node with another beneath it, as a container's overlay and its /dev
+    are, or a pod's volume: mounts that come and go with what they belong to."""
+    mnt = tmp_path / "pod-volume"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "pod", str(mnt)], check=True)
+    (mnt / "dev").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "pod-dev", str(mnt / "dev")], check=True)
+    yield mnt
+    subprocess.run(["umount", "-R", "-l", str(mnt)], check=False)
+
+
+def test_a_mount_gone_since_the_dump_is_named_and_one_left_out_of_it_is_not_needed(  # type: ignore[no-untyped-def]
+    start, pod_volume: Path, tmp_path: Path
+) -> None:
+    """Two workloads launched while the node has a mount: one dumped with it, one without it
+    (``skip_mounts``, as a migration's dump leaves out what its target lacks).  The mount then
+    goes.  The first's restore fails in one sentence naming it, starting nothing, and succeeds
+    once its directories are there again (the workload held nothing in it); the second's
+    restores at once, without the mount."""
+    from snapshot.api import SnapshotConfig
+    from snapshot.dump import checkpoint
+
+    kept = start(mib=16, launched=True)
+    left = start(mib=16, launched=True)
+    assert str(pod_volume / "dev") in Path(f"/proc/{left.pid}/mountinfo").read_text()
+    assert tpagent("dump", str(kept.pid), "--out", str(tmp_path / "kept")).returncode == 0
+    skip = (str(pod_volume), str(pod_volume / "dev"))
+    checkpoint(left.pid, tmp_path / "left", config=SnapshotConfig(skip_mounts=skip))
+    for w in (kept, left):
+        w.reap()
+    subprocess.run(["umount", "-R", str(pod_volume)], check=True)
+    pod_volume.rmdir()
+    stopped_at = kept.ticks()[-1][0]
+
+    proc = tpagent("restore", str(tmp_path / "kept"), "--json")
+    assert_one_sentence_error(
+        proc, f"had a mount at {pod_volume}, which is missing on this node", "nothing was restored"
+    )
+    assert kept.ticks()[-1][0] == stopped_at
+    pod_volume.mkdir()  # (empty directories do: it held nothing there; this one is a mount's)
+    proc = tpagent("restore", str(tmp_path / "kept"), "--json")
+    assert_one_sentence_error(proc, f"had a mount at {pod_volume}/dev, which is missing on this node")
+    (pod_volume / "dev").mkdir()
+    for w, snap in ((kept, "kept"), (left, "left")):
+        if snap == "left":
+            shutil.rmtree(pod_volume)
+        stopped_at = w.ticks()[-1][0]
+        proc = tpagent("restore", str(tmp_path / snap), "--json")
+        assert proc.returncode == 0, proc.stderr
+        w.pid = json.loads(proc.stdout)["pid"]
+        wait_until(lambda w=w, at=stopped_at: w.ticks()[-1][0] >= at + 10, "the restored workload to tick on")
+        assert_continuous(w.ticks())
+        w.verify_state()
+    assert str(pod_volume) not in Path(f"/proc/{left.pid}/mountinfo").read_text()
+
+
 def test_launched_namespace_survives_restore_while_pids_busy(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Inside its own PID namespace, a workload restores even where its inner PIDs are taken."""
     a = start(launched=True)

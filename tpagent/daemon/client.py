@@ -72,11 +72,11 @@ class GrpcPeer(Peer):
             hold=offer.hold,
             gpu_bus_ids=list(offer.gpu_bus_ids),
             abstract_sockets=list(offer.abstract_sockets),
+            mounts=list(offer.mounts),
         )
         r = self._call(lambda: self._stub.Receive(request, timeout=timeout))
-        return Acceptance(
-            r.transfer_address, dict(r.gpu_map), tuple(r.problems), reserved=r.reserved, clock=float(r.clock)
-        )
+        missing = tuple(m for m in r.missing_mounts if m in offer.mounts)  # (never one it was not asked of)
+        return Acceptance(r.transfer_address, dict(r.gpu_map), tuple(r.problems), r.reserved, float(r.clock), missing)
 
     def restore(self, migration_id: str, timeout: float) -> Restored:
         r = self._call(lambda: self._stub.Restore(pb.RestoreRequest(migration_id=migration_id), timeout=timeout))

@@ -10,6 +10,7 @@ from typing import NoReturn, TypeVar
 
 import grpc
 
+from host import mounts
 from tpagent.daemon import rankwire
 from tpagent.daemon.node import Node
 from tpagent.daemon.rpc import CODES, AgentServicer, pb
@@ -152,6 +153,7 @@ class Service(AgentServicer):
             float(request.hold),
             tuple(str(b)[:64] for b in request.gpu_bus_ids[:64]),
             tuple(str(n) for n in request.abstract_sockets[:10_000]),
+            tuple(str(m) for m in request.mounts[: mounts.MOST]),
         )
         a = _answer(context, lambda: self.node.receive(offer))
         return pb.ReceiveReply(
@@ -160,6 +162,7 @@ class Service(AgentServicer):
             problems=list(a.problems),
             reserved=a.reserved,
             clock=a.clock,
+            missing_mounts=list(a.missing_mounts),
         )
 
     def Restore(self, request: pb.RestoreRequest, context: grpc.ServicerContext) -> pb.RestoreReply:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from host import gpus, sockets
+from host import gpus, mounts, sockets
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
 from tpagent.common import clock
@@ -193,13 +193,16 @@ class Admission:
                 node, offer.bytes_estimate, sized(offer.carried_files)
             )
             problems += more
+            missing = tuple(mounts.absent(offer.mounts))  # (left out of the dump if the tree holds nothing there)
             if problems or offer.dry_run:
-                return Acceptance(problems=tuple(problems), reserved=reserved, clock=clock.now())
+                return Acceptance(
+                    problems=tuple(problems), reserved=reserved, clock=clock.now(), missing_mounts=missing
+                )
             gpu_map = self.gpu_map(list(offer.gpu_uuids), list(offer.gpu_bus_ids))
             address, snapshot = take(gpu_map)
             names = frozenset(offer.abstract_sockets)
             self.reservations.reserve(offer.migration_id, replace(reservation, snapshot=snapshot, abstract=names))
-        return Acceptance(address, dict(gpu_map), reserved=reserved, clock=clock.now())
+        return Acceptance(address, dict(gpu_map), reserved=reserved, clock=clock.now(), missing_mounts=missing)
 
     def problems(self, offer: Offer) -> list[str]:
         """What would keep this node from taking the migration (empty: nothing)."""

@@ -316,6 +316,8 @@ class Offer:
     gpu_bus_ids: tuple[str, ...] = ()  # each of gpu_uuids's PCI bus id, in order ("": not known)
     #: The abstract names ("@NAME") the tree's unix sockets are bound to: none may be bound on the target.
     abstract_sockets: tuple[str, ...] = ()
+    #: The mount points of the tree's namespace (a `tpagent launch` workload's; :mod:`host.mounts`).
+    mounts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -327,6 +329,7 @@ class Acceptance:
     problems: tuple[str, ...] = ()
     reserved: str = ""  # what the target sets aside for it (work dir, memory), in words
     clock: float = 0.0  # the target's wall clock when it answered (Unix seconds; 0: not said)
+    missing_mounts: tuple[str, ...] = ()  # those of the offer's mounts the target lacks
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import psutil
 
-from host import criu_limits, gpus, proc
+from host import criu_limits, ends, files, forked, gpus, proc, sockets
 from tpagent.common.config import AgentConfig
 from tpagent.migration.api import ProcessInfo, Refused, Why
 from tpagent.workload import launch
@@ -54,3 +55,31 @@ def check_migratable(cfg: AgentConfig, pid: int) -> None:
     why = criu_limits.limits_unreadable(proc.tree_pids(pid), f"the agent on {cfg.node}")
     if why:
         raise Refused(why, Why.PRECONDITION)
+
+
+_LOCKS = {"FLOCK": "flock", "POSIX": "POSIX (fcntl)", "OFDLCK": "open-file (fcntl)"}
+
+
+def stays(
+    cfg: AgentConfig,
+    pids: list[int],
+    tcp: list[sockets.TcpSocket],
+    carry: list[Path],
+    cuda_pids: list[int],
+    communicators_rebuilt: bool,
+) -> list[str]:
+    """What no target can take of the tree, one sentence each: what CRIU cannot checkpoint, a
+    loopback peer outside the tree, a node-local file (``carry``) shared with one, a lock on a file
+    the target sees.  ``communicators_rebuilt`` (a rank's): its TCP connections are not judged."""
+    return [
+        *ends.unmovable(pids, communicators_rebuilt, cfg.ghost_limit_mib << 20),
+        *ends.shared_maps(pids, carry),
+        *forked.refusals(forked.find(pids, cuda_pids), cuda_pids),
+        *sockets.left_behind(tcp),
+        *(
+            f"PID {pid} holds a {_LOCKS.get(kind, kind)} lock on {path}, which the target sees as well (a shared "
+            "path): its copy would wait for ever behind the frozen original's lock; release it before migrating"
+            for pid, kind, path in proc.file_locks(pids)
+            if files.under(path, cfg.shared_paths)
+        ),
+    ]

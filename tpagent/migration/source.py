@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from host import criu_limits, ends, files, forked, gpus, paths, proc, sockets
+from host import criu_limits, files, gpus, mounts, paths, proc, sockets
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
@@ -27,6 +28,7 @@ from snapshot.held import HeldDump
 from snapshot.manifest import CHUNK_SIZE, IMAGES_DIR
 from tpagent import __version__
 from tpagent.common import clock, metrics
+from tpagent.migration import eligible
 from tpagent.migration.api import (
     HAS_COPY,
     Acceptance,
@@ -61,9 +63,6 @@ from transfer.sender import Sender
 
 log = logging.getLogger(__name__)
 S = SourceState
-
-
-_LOCKS = {"FLOCK": "flock", "POSIX": "POSIX (fcntl)", "OFDLCK": "open-file (fcntl)"}
 
 
 class _Failure(Exception):
@@ -127,6 +126,7 @@ class SourceMigration:
         self.copy_runs = threading.Event()  # the copy runs there, its original still frozen here
         self.new_pid = 0
         self.carry: list[Path] = []
+        self.skip_mounts: list[str] = []  # of the tree's namespace, lacking on the target (host.mounts)
         self.freeze_t0 = 0.0
         self.log = logging.LoggerAdapter(log, {"node": ctx.cfg.node, "migration": mid})
         if not dry_run:
@@ -297,11 +297,13 @@ class SourceMigration:
         carried = tuple(f"{f}:{files.size(str(f))}" for f in self.carry)
         uncarriable = files.uncarriable(self.carry)  # refused now, in a sentence, not by the hook once frozen
         tcp = [] if self.communicators_rebuilt else sockets.tree_tcp(sorted(pids))
-        stay = self._what_stays(sorted(pids), tcp)
+        stay = eligible.stays(
+            self.ctx.cfg, sorted(pids), tcp, self.carry, self.record.cuda_pids, self.communicators_rebuilt
+        )
+        mounted = mounts.points(root.pid) if proc.pid_namespace(root.pid) != proc.pid_namespace(os.getpid()) else []
         if (uncarriable or stay) and not self.dry_run:
             raise _Failure("; ".join([*uncarriable, *stay]))
         cfg = self.ctx.cfg
-        t = self.ctx.timeouts
         offer = Offer(
             self.migration_id,
             cfg.node,
@@ -318,14 +320,20 @@ class SourceMigration:
             self.hold,
             tuple(g.pci_bus_id for g in used),
             tuple(sockets.abstract_bound(sorted(pids))),
+            tuple(mounted),
         )
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
         asked = clock.now()
         try:
-            acceptance = target.receive(offer, t.rpc)
+            acceptance = target.receive(offer, self.ctx.timeouts.rpc)
         except AgentError as e:
             raise _Failure(f"the target agent {self.target} cannot be used: {e}") from e
-        self.problems = [*uncarriable, *stay, *acceptance.problems]
+        held = mounts.used(sorted(pids))
+        missing = acceptance.missing_mounts
+        self.skip_mounts, stuck, said = mounts.for_node(mounted, missing, held, map(str, self.carry), "the target")
+        self.problems = [*uncarriable, *stay, *acceptance.problems, *stuck]
+        if said:
+            self.emit(said)
         if self.dry_run and acceptance.reserved:
             self.emit(acceptance.reserved)
         skew = acceptance.clock - (asked + clock.now()) / 2 if acceptance.clock else 0.0
@@ -338,36 +346,21 @@ class SourceMigration:
                 raise _Failure(apart)
             self.problems.append(apart)
         if self.dry_run:
-            try:
-                versions = target.versions(t.rpc)
-                mine = Criu(self.ctx.snapshot_config.criu).version_str
-                if versions.criu != mine:
-                    self.problems.append(f"CRIU differs: {mine} here, {versions.criu or 'none'} on the target")
-                if versions.agent != __version__:
-                    self.problems.append(f"tpagent differs: {__version__} here, {versions.agent} on the target")
-            except (AgentError, SnapshotError) as e:
-                self.problems.append(str(e))
+            self.problems += self._versions_differ(target)
         elif self.problems:
-            raise _Failure("the target refused: " + "; ".join(self.problems))
+            raise _Failure(("" if stuck else "the target refused: ") + "; ".join(self.problems))
         self._check_cancel()
         return acceptance
 
-    def _what_stays(self, pids: list[int], tcp: list[sockets.TcpSocket]) -> list[str]:
-        """What no target can take, one sentence each: what CRIU cannot checkpoint, a loopback
-        peer outside the tree, a node-local file shared with one, a lock on a file the target sees."""
-        cuda_pids = self.record.cuda_pids
-        return [
-            *ends.unmovable(pids, self.communicators_rebuilt, self.ctx.cfg.ghost_limit_mib << 20),
-            *ends.shared_maps(pids, self.carry),
-            *forked.refusals(forked.find(pids, cuda_pids), cuda_pids),
-            *sockets.left_behind(tcp),
-            *(
-                f"PID {pid} holds a {_LOCKS.get(kind, kind)} lock on {path}, which the target sees as well (a shared "
-                "path): its copy would wait for ever behind the frozen original's lock; release it before migrating"
-                for pid, kind, path in proc.file_locks(pids)
-                if files.under(path, self.ctx.cfg.shared_paths)
-            ),
-        ]
+    def _versions_differ(self, target: Peer) -> list[str]:
+        """(A dry run's.)  How CRIU and tpagent differ between the nodes, one sentence each."""
+        try:
+            versions = target.versions(self.ctx.timeouts.rpc)
+            mine = Criu(self.ctx.snapshot_config.criu).version_str
+        except (AgentError, SnapshotError) as e:
+            return [str(e)]
+        pairs = [("CRIU", mine, versions.criu or "none"), ("tpagent", __version__, versions.agent)]
+        return [f"{what} differs: {here} here, {there} on the target" for what, here, there in pairs if here != there]
 
     def _freeze_and_send(self, acceptance: Acceptance) -> TransferStats:
         cfg = self.ctx.cfg
@@ -382,6 +375,7 @@ class SourceMigration:
             ghost_limit=cfg.ghost_limit_mib << 20,
             stream=feed.put if feed is not None else None,
             carry_opened=tuple(cfg.shared_paths),
+            skip_mounts=tuple(self.skip_mounts),
         )
         private_dir(self.snapshot.parent)
         t0 = self.freeze_t0 = time.monotonic()
