@@ -294,13 +294,14 @@ def file_locks(pids: Sequence[int]) -> list[tuple[int, str, str]]:
 def fd_locks(pid: int, fd: str) -> list[str]:
     """The locks ``pid`` holds on the file of its descriptor ``fd``, each ``KIND MODE START END``
     (``FLOCK WRITE 0 EOF``, ``POSIX READ 0 99``: END inclusive, or EOF), as its fdinfo says them;
-    none if it cannot be read."""
+    none if it cannot be read.  Kinds FLOCK, POSIX (fcntl, lockf) and OFDLCK only (not a lease,
+    nor a waiter's)."""
     out = []
     with suppress(OSError), open(f"/proc/{pid}/fdinfo/{fd}") as f:
         for ln in f:
             # lock:\t1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF  (a waiter's: "1: -> FLOCK ...")
             fields = ln.split()
-            if fields[:1] == ["lock:"] and len(fields) == 9 and fields[2] != "->":
+            if fields[:1] == ["lock:"] and len(fields) == 9 and fields[2] in ("FLOCK", "POSIX", "OFDLCK"):
                 out.append(" ".join((fields[2], fields[4], fields[7], fields[8])))
     return out
 

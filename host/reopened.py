@@ -18,11 +18,9 @@ refuses such a copy in one sentence instead (:func:`locked`).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import stat
-import struct
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -34,9 +32,12 @@ _KERNELS = ("/proc/", "/sys/", "/dev/")
 _ANYONES = ("/dev/shm/",)
 #: The paths noted at most (each directory on the way counts): a bound on a manifest's size.
 MOST = 100_000
+#: The locks noted at most on one path (many readers of an LMDB each lock a byte of its own):
+#: one past them, if another process here holds it, CRIU waits for until its restore times out.
+LOCKS_MOST = 64
 _WRITERS = 0o022
 _LOCK = r"(?:FLOCK|POSIX|OFDLCK) (?:READ|WRITE) \d{1,20} (?:\d{1,20}|EOF)"
-_LOCKS = re.compile(rf"(?:{_LOCK}(?:, {_LOCK}){{0,63}})?")
+_LOCKS = re.compile(rf"(?:{_LOCK}(?:, {_LOCK}){{0,{LOCKS_MOST - 1}}})?")
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def note(pids: Sequence[int]) -> list[Reopened]:
         for fd, path in fds:
             if _by_name(path) and (held := proc.fd_locks(pid, fd)):
                 known = locks.setdefault(path, [])
-                known += [h for h in held if h not in known]
+                known += [h for h in held if h not in known][: LOCKS_MOST - len(known)]
     for pid in pids:
         for path in filter(_by_name, _held(pid, links[pid])):
             for at in (path, *(str(p) for p in PurePosixPath(path).parents[:-1])):
@@ -154,48 +155,52 @@ def _kind(mode: int) -> str:
     return "a device"
 
 
-#: struct flock (fcntl(2)) on Linux's 64-bit ABIs: l_type, l_whence, l_start, l_len, l_pid.
-_FLOCK = "@hhqqi4x"
+#: A lock /proc/locks lists (not a waiter's, "N: -> ..."): KIND ADVISORY|MANDATORY MODE PID
+#: MAJOR:MINOR:INODE (hex, hex, decimal) START END.
+_HELD = re.compile(
+    r"\d+: (FLOCK|POSIX|OFDLCK)\s+\S+\s+(READ|WRITE)\s+(-?\d+)\s+([0-9a-f]+):([0-9a-f]+):(\d+)\s+(\d+)\s+(\d+|EOF)"
+)
+#: Lock kinds that wait for each other: flock with flock; fcntl (POSIX) and OFD with either.
+_FAMILY = {"FLOCK": "flock", "POSIX": "fcntl", "OFDLCK": "fcntl"}
+_ALL = 1 << 64
 
 
-def locked(noted: Sequence[Reopened], node: str) -> list[str]:
-    """One phrase for each noted file that another process here holds a lock on that conflicts
-    with one the tree held (CRIU would wait for it); checked, not taken (a flock is taken and let
-    go at once: nothing else tells whether one is held)."""
+def locked(noted: Sequence[Reopened], node: str, skip: Collection[str] = ()) -> list[str]:
+    """One phrase for each noted file (but those in ``skip``: files the restore puts in place
+    anew) that another process here holds a lock on that conflicts with one the tree held, CRIU
+    would wait for it.  Read from /proc/locks: nothing is opened, and no lock is taken."""
+    try:
+        with open("/proc/locks") as f:
+            held = [m for m in map(_HELD.match, f) if m]
+    except OSError:
+        return []
     out = []
     for was in noted:
-        for lock in filter(None, was.lock.split(", ")):
+        if not was.lock or was.path in skip:
+            continue
+        try:
+            st = os.stat(was.path)
+        except OSError:
+            continue  # (a missing one is untrusted()'s to say)
+        key = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+        theirs = [h for h in held if (int(h[4], 16), int(h[5], 16), int(h[6])) == key]
+        for lock in was.lock.split(", "):
             kind, mode, start, end = lock.split()
-            holder = _holder(was.path, kind, mode == "WRITE", int(start), end)
-            if holder:
+            hit = next((h for h in theirs if _conflicts(kind, mode, int(start), _end(end), h)), None)
+            if hit is not None:
+                holder = f"PID {hit[3]}" if int(hit[3]) > 0 and hit[1] != "FLOCK" else "another process"
                 out.append(f"{was.path} is locked by {holder} on {node} ({kind} {mode}, as the tree held it)")
                 break
     return out
 
 
-def _holder(path: str, kind: str, write: bool, start: int, end: str) -> str:
-    """Who holds a lock on ``path`` that a ``kind`` lock (``write`` or read) from ``start`` to
-    ``end`` would wait for: ``PID N``, ``another process``, or "" (none; not a regular file here)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError:
-        return ""  # (a missing one is untrusted()'s to say)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return ""
-        if kind == "FLOCK":
-            try:
-                fcntl.flock(fd, (fcntl.LOCK_EX if write else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return "another process"  # (flock says not whom)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return ""
-        length = 0 if end == "EOF" else int(end) - start + 1
-        asked = struct.pack(_FLOCK, fcntl.F_WRLCK if write else fcntl.F_RDLCK, os.SEEK_SET, start, length, 0)
-        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK if kind == "OFDLCK" else fcntl.F_GETLK, asked)
-        found, _, _, _, pid = struct.unpack(_FLOCK, answer)
-        if found == fcntl.F_UNLCK:
-            return ""
-        return f"PID {pid}" if pid > 0 else "another process"
-    finally:
-        os.close(fd)
+def _end(end: str) -> int:
+    return _ALL if end == "EOF" else int(end)
+
+
+def _conflicts(kind: str, mode: str, start: int, end: int, held: re.Match[str]) -> bool:
+    """Whether a ``kind`` lock (``mode`` READ or WRITE) of bytes ``start``..``end`` would wait
+    for the lock ``held`` (a line of /proc/locks)."""
+    if _FAMILY[kind] != _FAMILY[held[1]] or "WRITE" not in (mode, held[2]):
+        return False
+    return kind == "FLOCK" or (start <= _end(held[8]) and int(held[7]) <= end)

@@ -338,6 +338,10 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     m.reopened = reopened.note(pids)
     m.timings = {"checksum": round(time.monotonic() - t0, 4)}
     _check_cancel(out)  # the last moment at which CRIU can still roll back
+    try:  # (what no restore could read must not end the tree: CRIU rolls back)
+        manifest.Manifest.from_json(json.loads(json.dumps(m.to_json())))
+    except (KeyError, TypeError, ValueError) as e:
+        raise RuntimeError(f"the snapshot's manifest would not read back (field {e}), a bug of tpagent's") from e
     m.write(out)
 
 

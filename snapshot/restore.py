@@ -213,7 +213,7 @@ def _check_reopened(m: Manifest) -> None:
             "executable, libraries and open files must be found as they were, through directories no other "
             "user could change): nothing was restored."
         )
-    if held := reopened.locked(m.reopened, "this node"):
+    if held := reopened.locked(m.reopened, "this node", made):
         more = f" (and {len(held) - 1} more)" if len(held) > 1 else ""
         raise UsageError(
             f"{held[0]}{more}: the copy would take that lock again and wait for it, for ever; nothing was "

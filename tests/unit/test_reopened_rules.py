@@ -3,12 +3,15 @@ could have put there than could where it was dumped."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
-from host.reopened import Reopened, _differs
+from host import proc
+from host.reopened import _HELD, Reopened, _conflicts, _differs, _end
 
 DIR = stat.S_IFDIR
 WAS = Reopened("/scratch/job", 1000, 100, DIR | 0o755)
@@ -54,3 +57,36 @@ def test_a_copy_someone_else_could_have_put_there_is_not(
     was: Reopened, here: os.stat_result, said: tuple[str, str]
 ) -> None:
     assert _differs(was, here) == said
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "waits"),
+    [
+        ("FLOCK WRITE 0 EOF", "1: FLOCK  ADVISORY  READ 7 fe:00:12 0 EOF", True),
+        ("FLOCK READ 0 EOF", "1: FLOCK  ADVISORY  READ 7 fe:00:12 0 EOF", False),  # (two readers)
+        ("FLOCK WRITE 0 EOF", "1: POSIX  ADVISORY  WRITE 7 fe:00:12 0 EOF", False),  # (flock and fcntl: apart)
+        ("POSIX WRITE 0 99", "1: OFDLCK ADVISORY  READ -1 fe:00:12 50 59", True),  # (fcntl and OFD: one family)
+        ("POSIX WRITE 0 99", "1: POSIX  ADVISORY  WRITE 7 fe:00:12 100 EOF", False),  # (bytes apart)
+        ("POSIX READ 200 EOF", "1: POSIX  ADVISORY  WRITE 7 fe:00:12 100 300", True),
+        ("OFDLCK READ 0 0", "1: POSIX  ADVISORY  READ 7 fe:00:12 0 EOF", False),
+    ],
+)
+def test_which_lock_held_here_a_restored_one_would_wait_for(ours: str, theirs: str, waits: bool) -> None:
+    kind, mode, start, end = ours.split()
+    held = _HELD.match(theirs)
+    assert held is not None
+    assert _conflicts(kind, mode, int(start), _end(end), held) is waits
+
+
+def test_a_lease_or_a_waiter_is_no_lock_the_tree_holds(tmp_path: Path) -> None:
+    """A lease is noted as no lock (the manifest's notes hold flock, fcntl and OFD locks only:
+    one noted as "LEASE" once made a manifest no restore could read); nor is a waiter's line."""
+    path = tmp_path / "leased"
+    path.write_text("x")
+    with open(path) as f:
+        fcntl.fcntl(f, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        assert "LEASE" in Path(f"/proc/self/fdinfo/{f.fileno()}").read_text()
+        assert proc.fd_locks(os.getpid(), str(f.fileno())) == []
+        fcntl.flock(f, fcntl.LOCK_SH)
+        assert proc.fd_locks(os.getpid(), str(f.fileno())) == ["FLOCK READ 0 EOF"]
+    assert _HELD.match("1: -> FLOCK  ADVISORY  WRITE 7 fe:00:12 0 EOF") is None
