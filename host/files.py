@@ -15,6 +15,9 @@ import psutil
 from host import proc, safefs
 from host.api import UsageError
 
+#: What the kernel makes, not files anyone puts in place (devices are root's; /dev/shm is not).
+_KERNELS = ("/proc/", "/sys/", "/dev/")
+_ANYONES = ("/dev/shm/",)
 #: The name CRIU gives a relinked file beside where it was (``--link-remap``; criu/files-reg.c).
 LINK_REMAP = re.compile(r"link_remap\.[0-9]+")
 
@@ -24,16 +27,23 @@ def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
 
     A file mapped shared (``shm_open`` + ``mmap`` + ``close``, as C libraries do) has no fd
     left, only a line in /proc/PID/maps; CRIU needs it on the target as it needs an open one.
-    Private mappings (libraries, the interpreter) are the node's own files, never carried."""
+    Private mappings (libraries, the interpreter) are the node's own files, never carried; nor
+    are the kernel's (/proc/PID/stat a sampler reads: CRIU opens it again by name)."""
     out: dict[str, bool] = {}
     for p in tree:
         try:
             for f in p.open_files():
-                out[f.path] = out.get(f.path, False) or f.mode != "r"
+                if not kernels(f.path):
+                    out[f.path] = out.get(f.path, False) or f.mode != "r"
         except psutil.Error:
             continue
         for fields in mappings(p.pid):
-            if fields[1][3] != "s" or not fields[5].startswith("/") or fields[5].endswith(" (deleted)"):
+            if (
+                fields[1][3] != "s"
+                or not fields[5].startswith("/")
+                or fields[5].endswith(" (deleted)")
+                or kernels(fields[5])
+            ):
                 continue  # (private, anonymous, or deleted: CRIU keeps its bytes, or names it again: Relinked)
             try:
                 if not stat.S_ISREG(os.stat(fields[5]).st_mode):
@@ -42,6 +52,11 @@ def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
                 continue
             out[fields[5]] = out.get(fields[5], False) or fields[1][1] == "w"
     return out
+
+
+def kernels(path: str) -> bool:
+    """Whether ``path`` is the kernel's (/proc, /sys, a device), no file of a node's to carry."""
+    return path.startswith(_KERNELS) and not path.startswith(_ANYONES)
 
 
 def under(path: str, tops: Iterable[str]) -> bool:

@@ -27,9 +27,6 @@ from pathlib import PurePosixPath
 
 from host import files, proc
 
-#: What the kernel makes, not files anyone puts in place (devices are root's; /dev/shm is not).
-_KERNELS = ("/proc/", "/sys/", "/dev/")
-_ANYONES = ("/dev/shm/",)
 #: The paths noted at most (each directory on the way counts): a bound on a manifest's size.
 MOST = 100_000
 #: The locks noted at most on one path (many readers of an LMDB each lock a byte of its own):
@@ -100,7 +97,7 @@ def _by_name(path: str) -> bool:
     CRIU keeps; not one of the kernel's; not a socket or pipe, which /proc names otherwise)."""
     if not path.startswith("/") or path.endswith(" (deleted)") or path == "/":
         return False
-    return not path.startswith(_KERNELS) or path.startswith(_ANYONES)
+    return not files.kernels(path)
 
 
 def untrusted(noted: Sequence[Reopened], made: Collection[str], missing: Collection[str], node: str) -> list[str]:

@@ -489,10 +489,10 @@ def make_dir(path: Path, created: list[Path]) -> None:
 
 def hand_over(path: Path, uid: int, gid: int, mode: int) -> None:
     """Give the directory ``path`` (reached through no symlink) to ``uid``:``gid`` with ``mode``,
-    never setuid/setgid."""
+    never setuid (setgid, on a directory, gives what is made in it its group: a project's 2775)."""
     fd = open_dir(path)
     try:
         os.fchown(fd, uid, gid)  # first: never a moment with its final mode while root owns it
-        os.fchmod(fd, mode & 0o1777)
+        os.fchmod(fd, mode & 0o3777)
     finally:
         os.close(fd)

@@ -44,7 +44,7 @@ from typing import Any
 
 import psutil
 
-from host import criu_limits, files, proc, reopened, safefs, sockets
+from host import criu_limits, ends, files, proc, reopened, safefs, sockets
 from snapshot import affinity, manifest, streamer, timers
 from snapshot.criu import started_in
 
@@ -318,7 +318,11 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     carry, links = _relinks([p.pid for p in tree])
     shared = pending.pop(OPENED, None)
     if shared is not None:  # (what it opened since it was checked: node-local ones travel too)
-        carry += [f for f in files.open_in(tree) if not files.under(f, shared)]
+        since = [f for f in files.open_in(tree) if not files.under(f, shared)]
+        new = [Path(f) for f in since if f not in pending.get("carried", ())]
+        if new and (outside := ends.shared_maps([p.pid for p in tree], new)):
+            raise RuntimeError(outside[0])  # (as its check would have said: one it mapped since)
+        carry += since
     if pending.get("carried") or carry:
         pending["carried"] = _archive(out, sorted({*pending.get("carried", ()), *carry}))
     pending["links"] = _unlinked({k: v for k, v in links.items() if v in pending.get("carried", ())})

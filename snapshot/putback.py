@@ -42,9 +42,9 @@ def put_back(directory: Path, m: Manifest, created: list[Path]) -> None:
         _write_carried(directory, m, created)
         for path, other in sorted(m.links.items()):  # (CRIU's names of relinked files: it opens them)
             safefs.link_back(Path(path), Path(other), created)
-        for d in m.dirs:  # (CRIU checks a restored working directory's mode: root's, none may write yet)
+        for d in m.dirs:  # (CRIU checks a restored working directory's whole mode: root's, others may not write)
             if Path(d.path) in created:
-                safefs.hand_over(Path(d.path), 0, 0, d.mode & 0o755)
+                safefs.hand_over(Path(d.path), 0, 0, d.mode & ~0o002)
     except (OSError, tarfile.TarError) as e:
         what = getattr(e, "filename", None) or directory / IMAGES_DIR / manifest.CARRIED_NAME
         raise ToolError(

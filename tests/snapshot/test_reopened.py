@@ -141,14 +141,16 @@ def test_a_directory_others_may_now_write_to_is_refused(shared: Path, tmp_path: 
     _refused(snap, pid, f"{shared / 'job'} may be written to by anyone on this node, not where it was dumped")
 
 
-def test_a_working_directory_made_again_for_its_carried_file_is_restored(tmp_path: Path) -> None:
-    """The job's directory (0755) held its data file, carried with the snapshot, and was its
-    working directory: gone from the node, the restore makes it again to put the file back, and
-    CRIU restores the copy's working directory there (before: the directory was made 0700 until
-    CRIU was done, and CRIU refused a working directory of another mode than it had)."""
+@pytest.mark.parametrize("mode", [0o755, 0o775, 0o2775], ids=oct)
+def test_a_working_directory_made_again_for_its_carried_file_is_restored(tmp_path: Path, mode: int) -> None:
+    """The job's directory (0755; 0775 under a user's umask 002; a project's 2775) held its data
+    file, carried with the snapshot, and was its working directory: gone from the node, the
+    restore makes it again to put the file back, and CRIU restores the copy's working directory
+    there (before: the directory was made 0700 until CRIU was done, then 0755, and CRIU refused a
+    working directory of another mode than it had)."""
     job = tmp_path / "local" / "job"
     job.mkdir(parents=True)
-    job.chmod(0o755)
+    job.chmod(mode)
     (job / "data.bin").write_bytes(b"A" * SIZE)
     log = tmp_path / "w.log"
     p = subprocess.Popen([sys.executable, str(WORKLOAD), str(log), str(job)], stdin=subprocess.DEVNULL,
@@ -165,7 +167,7 @@ def test_a_working_directory_made_again_for_its_carried_file_is_restored(tmp_pat
     try:
         progress = job / "progress.txt"  # (gone with its directory: the copy writes it anew)
         wait_until(lambda: progress.exists() and progress.read_text().count("\n") >= 5, "the copy to work there")
-        assert (job.stat().st_mode & 0o7777, job.stat().st_uid) == (0o755, 0)
+        assert (job.stat().st_mode & 0o7777, job.stat().st_uid) == (mode, 0)
         assert log.read_text().splitlines()[-1].endswith(f"byte {ord('A')}")
     finally:
         kill_and_wait(pid)

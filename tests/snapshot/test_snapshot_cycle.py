@@ -409,6 +409,48 @@ def test_a_migrations_dump_carries_the_node_local_files_the_tree_has_open_once_f
     v.reap()
 
 
+_MAPS_IT = (
+    "import mmap, sys\n"
+    "f = open(sys.argv[1], 'r+b')\n"
+    "m = mmap.mmap(f.fileno(), 4096)\n"
+    "print('mapped', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_migrations_dump_refuses_a_file_it_carries_that_a_process_outside_maps_shared(  # type: ignore[no-untyped-def]
+    start, tmp_path: Path
+) -> None:
+    """A node-local file the tree maps shared, with a process outside mapping it too: a
+    migration's check refuses it (its copy would map a copy, their writes no longer meeting).
+    One the tree mapped since the check was carried as it was frozen, unchecked; its dump now
+    refuses it, and the tree runs on.  What the kernel makes (/proc/self/stat, open as a sampler
+    keeps it) is never carried."""
+    from snapshot.api import SnapshotConfig, SnapshotError
+    from snapshot.dump import checkpoint
+
+    seg = tmp_path / "local" / "segment"
+    seg.parent.mkdir()
+    w = start(mib=16, extra=("--shm", str(seg)))
+    wait_until(lambda: len(w.ticks()) >= 3, "the workload to tick")
+    run = [sys.executable, "-c", _MAPS_IT, str(seg)]
+    with subprocess.Popen(run, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as other:
+        try:
+            assert other.stdout is not None and other.stdout.readline() == "mapped\n"
+            with pytest.raises(SnapshotError, match=f"maps {seg} shared with PID {other.pid}"):
+                checkpoint(w.pid, tmp_path / "snap", config=SnapshotConfig(carry_opened=()))
+        finally:
+            other.kill()
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] >= n + 5, "the workload to tick on")
+    with open("/proc/self/stat"):
+        import psutil
+
+        from host import files
+
+        assert not [f for f in files.open_in([psutil.Process()]) if f.startswith("/proc/")]
+
+
 def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A workload holds an 8 MiB file it deleted (as DataLoader workers' shared memory is):
     over a 4 MiB ghost limit the dump is refused in one sentence before anything is frozen

@@ -46,7 +46,8 @@ def test_a_missing_directory_is_made_private_then_handed_over_and_one_there_is_l
     assert created == [made] and stat.S_IMODE(made.lstat().st_mode) == 0o700  # (root's, while CRIU binds)
     safefs.hand_over(made, os.geteuid(), os.getegid(), 0o6750)
     st = made.lstat()
-    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), os.getegid(), 0o750)  # no set-id
+    # never setuid; setgid, a directory's, gives what is made in it its group (a project's 2775)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), os.getegid(), 0o2750)
     there = tmp_path / "there"
     there.mkdir()
     os.chmod(there, 0o755)  # (whatever the umask)
