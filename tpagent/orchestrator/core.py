@@ -207,7 +207,7 @@ class Orchestrator:
             self.wake.clear()
 
     def tick(self) -> None:
-        if self.state.legacy:  # (rows from before jobs had identities: a view only while there are some)
+        if self.state.legacy and self._heard():  # (rows from before identities: once every node could say its jobs)
             for name, key in self.state.adopt(r.job for n in self.view().nodes.values() for r in n.ranks):
                 self.event("adopted", f"job {name}: its moves and ranks away from before identities are its own", key)
         self._reachability()

@@ -28,7 +28,19 @@ from typing import Any
 
 from host.api import UsageError
 from host.safefs import private_dir
-from tpagent.orchestrator.api import ACTIVE, Away, Gpu, Move, MoveKind, MoveState, Taint, TaintKind, is_key, job_name
+from tpagent.orchestrator.api import (
+    ACTIVE,
+    Away,
+    Gpu,
+    Move,
+    MoveKind,
+    MoveState,
+    Taint,
+    TaintKind,
+    is_key,
+    job_identity,
+    job_name,
+)
 
 SCHEMA = 1
 _TABLES = """
@@ -260,11 +272,12 @@ class State:
     def adopt(self, keys: Iterable[str]) -> list[tuple[str, str]]:
         """The rows of :attr:`legacy` jobs (a bare name: written before jobs had identities)
         given the key of the one job of that name of ``keys`` (those reported now); (name, key)
-        of each adopted.  With two jobs of that name (which one was it?), none is, until one ends."""
+        of each adopted.  With two jobs of that name (which one was it?), none is, until one ends;
+        a rank whose identity is not known yet (before its hello) names no job."""
         if not self.legacy:
             return []
         found: dict[str, set[str]] = {}
-        for key in keys:
+        for key in filter(job_identity, keys):
             found.setdefault(job_name(key), set()).add(key)
         out = []
         for name in sorted(self.legacy):
