@@ -7,6 +7,7 @@ import os
 import re
 import stat
 from collections.abc import Iterable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,12 @@ def mappings(pid: int) -> list[list[str]]:
         maps = Path(f"/proc/{pid}/maps").read_text(errors="surrogateescape")
     except OSError:
         return []
-    return [fields for line in maps.splitlines() if len(fields := line.split(maxsplit=5)) == 6]
+    out = [fields for line in maps.splitlines() if len(fields := line.split(maxsplit=5)) == 6]
+    for fields in out:
+        if "\\012" in fields[5]:  # (a newline in a name, which maps escapes: its link says it whole)
+            with suppress(OSError):
+                fields[5] = os.readlink(f"/proc/{pid}/map_files/{fields[0]}")
+    return out
 
 
 def held(pid: int) -> list[tuple[str, str]]:

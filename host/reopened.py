@@ -21,7 +21,8 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -100,13 +101,20 @@ def _by_name(path: str) -> bool:
     return not files.kernels(path)
 
 
-def untrusted(noted: Sequence[Reopened], made: Collection[str], missing: Collection[str], node: str) -> list[str]:
+def untrusted(
+    noted: Sequence[Reopened],
+    made: Collection[str],
+    missing: Collection[str],
+    node: str,
+    seen: dict[str, tuple[int, int]] | None = None,
+) -> list[str]:
     """One phrase for each noted path whose copy on this node is missing, or could have been put
     there by someone who could not have put it where it was dumped: a symlink where there was
     none, of another kind, owned by another than root or its owner there, writable by others,
     or by another group, than it was there (or a sticky directory that is not sticky here).
     Parents first.  ``made``: the paths the restore puts in place itself, with checks of its
-    own (carried files, sockets); ``missing``: those it makes where missing (directories)."""
+    own (carried files, sockets); ``missing``: those it makes where missing (directories).
+    ``seen``: filled with each one trusted, by its device and inode as checked (:func:`strangers`)."""
     out = []
     for was in noted:
         if was.path in made:
@@ -120,7 +128,44 @@ def untrusted(noted: Sequence[Reopened], made: Collection[str], missing: Collect
         here, there = _differs(was, st)
         if here:
             out.append(f"{was.path} {here} on {node}, {there} where it was dumped")
+        elif seen is not None:
+            seen[was.path] = (st.st_dev, st.st_ino)
     return out
+
+
+def strangers(pids: Sequence[int], known: Mapping[str, tuple[int, int]]) -> list[str]:
+    """One phrase for each restored process (``pids``, still stopped) that holds a file or
+    directory by a name ``known`` lacks (path -> device and inode, as checked before CRIU opened
+    it by that name), or another than the one checked: CRIU opened it as root, by name, and the
+    name led elsewhere (a directory its owner swapped for a symlink since the check, a name
+    renamed as the tree was frozen).  The kernel's files, deleted ones and memory are not named."""
+    out = []
+    for pid in pids:
+        for via, name in _restored(pid):
+            if name == "/" or not _by_name(name) or name.startswith("/memfd:"):
+                continue
+            try:
+                st = os.stat(via)
+            except OSError:
+                continue
+            if known.get(name) != (st.st_dev, st.st_ino):
+                out.append(f"PID {pid} holds {ascii(name)[1:-1] if not name.isprintable() else name}")
+                break
+    return out
+
+
+def _restored(pid: int) -> Iterator[tuple[str, str]]:
+    """What ``pid`` holds: a /proc path that reaches each (its root, working directory and
+    executable, descriptors and mapped files) and the name the kernel gives it, unescaped."""
+    entries = [f"/proc/{pid}/{link}" for link in ("root", "cwd", "exe")]
+    entries += [f"/proc/{pid}/fd/{fd}" for fd, _ in proc.fd_links(pid)]
+    with suppress(OSError):
+        entries += [f"/proc/{pid}/map_files/{r}" for r in os.listdir(f"/proc/{pid}/map_files")]
+    for via in entries:
+        try:
+            yield via, os.readlink(via)
+        except OSError:
+            continue
 
 
 def _differs(was: Reopened, st: os.stat_result) -> tuple[str, str]:

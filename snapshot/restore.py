@@ -135,7 +135,7 @@ def restore(
     criu = Criu(config.criu)
     _check_criu_reads(m, criu)
     _check_not_running(m, clone)
-    _check_reopened(m)
+    trusted = _check_reopened(m)
     norm_map = _check_gpu_map(m, asked)
     cuda = cuda_factory() if m.cuda_pids else None
     if not m.namespace:
@@ -146,14 +146,14 @@ def restore(
         bool(m.criu["shell_job"]),
         bool(m.criu["tcp_established"]),
         m.namespace,
-        leave_stopped=not start and not m.cuda_pids,
+        leave_stopped=not m.cuda_pids,  # (checked before it runs: _check_opened; a CUDA process's runs at once)
     )
     fresh = [b for b in m.sockets if not os.path.lexists(b.path)]  # (CRIU makes them)
     if work is None:
         work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
     else:
         private_dir(work, empty=True)  # it is removed afterwards
-    job = _Restore(directory, m, config, criu, timer, cuda, norm_map, opts, start, created_note, fresh, work)
+    job = _Restore(directory, m, config, criu, timer, cuda, norm_map, opts, start, created_note, fresh, work, trusted)
     try:
         stages.run(RESTORE, job)
     except BaseException as e:
@@ -201,11 +201,13 @@ def _check_not_running(m: Manifest, clone: bool) -> None:
         )
 
 
-def _check_reopened(m: Manifest) -> None:
+def _check_reopened(m: Manifest) -> dict[str, tuple[int, int]]:
     """Refuse a copy that would open again, by name, a file or directory missing here, or one
-    that someone may have put here who could not have where it was dumped (:mod:`host.reopened`)."""
+    that someone may have put here who could not have where it was dumped (:mod:`host.reopened`).
+    Each path trusted, by its device and inode as checked."""
     made = {*m.carried, *m.links, *(b.path for b in m.sockets)}
-    problems = reopened.untrusted(m.reopened, made, {d.path for d in m.dirs}, "this node")
+    seen: dict[str, tuple[int, int]] = {}
+    problems = reopened.untrusted(m.reopened, made, {d.path for d in m.dirs}, "this node", seen)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise UsageError(
@@ -219,6 +221,7 @@ def _check_reopened(m: Manifest) -> None:
             f"{held[0]}{more}: the copy would take that lock again and wait for it, for ever; nothing was "
             "restored (end that process, or let it release the lock, and restore again)."
         )
+    return seen
 
 
 @dataclass
@@ -242,6 +245,8 @@ class _Restore:
     fresh: list[BoundSocket]
     #: CRIU's work directory (its log, ``restore.pid``).
     work: Path
+    #: The paths the copy reopens, each trusted by its device and inode as checked.
+    trusted: dict[str, tuple[int, int]]
     #: What :func:`putback.put_back` made, in order (directories, files).
     created: list[Path] = field(default_factory=list)
     #: Each of them as it was made (:func:`putback.identities`).
@@ -253,11 +258,17 @@ class _Restore:
 
 
 def _put_back(job: _Restore) -> None:
-    """The carried files and the unix sockets' directories (:func:`putback.put_back`)."""
+    """The carried files and the unix sockets' directories (:func:`putback.put_back`); a carried
+    file found there already, the same, is checked for locks as the others were."""
     try:
         putback.put_back(job.directory, job.manifest, job.created)
     finally:
         job.made = putback.identities(job.created)
+    kept = [r for r in job.manifest.reopened if r.path in job.manifest.carried and Path(r.path) not in job.made]
+    if held := reopened.locked(kept, "this node"):
+        raise UsageError(
+            f"{held[0]}: the copy would take that lock again and wait for it, for ever; nothing was restored."
+        )
 
 
 def _take_back(job: _Restore) -> None:
@@ -307,6 +318,24 @@ def _map_pids(job: _Restore) -> None:
     job.mapping = _restored_pids(job.manifest, job.root)
 
 
+def _check_opened(job: _Restore) -> None:
+    """Refuse a copy CRIU gave, as it opened them by name as root, another file or directory
+    than the one checked (:func:`host.reopened.strangers`); it has not run (but a CUDA one)."""
+    known = job.trusted | {str(p): (dev, ino) for p, (dev, ino, _) in job.made.items()}
+    if strangers := reopened.strangers(list(job.mapping.values()), known):
+        raise UsageError(
+            f"{strangers[0]}, which is not the file checked by that name before CRIU opened it (it was replaced, "
+            "or a directory on its way swapped, as it was restored): that copy was stopped before it ran."
+        )
+
+
+def _let_run(job: _Restore) -> None:
+    """Resume the copy, restored stopped, unless it is held (but a process stopped when dumped)."""
+    if job.start and job.cuda is None:
+        m = job.manifest
+        signals.signal_listed([job.mapping[p.pid] for p in m.processes if not p.stopped], signal.SIGCONT)
+
+
 def _rearm_timers(job: _Restore) -> None:
     """Arm again the periodic timers CRIU brought back disarmed (:mod:`snapshot.timers`)."""
     mapping = job.mapping
@@ -353,9 +382,11 @@ RESTORE: tuple[Step[_Restore], ...] = (
     Step("note the sockets CRIU bound", _note_bound),
     Step("hand the sockets' directories over", _hand_over),
     Step("find the restored PIDs", _map_pids),
+    Step("check what it opened by name", _check_opened),
     Step("arm the periodic timers again", _rearm_timers),
     Step("bind the threads to their CPUs again", _rebind),
     Step("give the GPU back (CUDA restore, CUDA unlock)", _give_gpu_back),
+    Step("let the copy run", _let_run),
 )
 
 

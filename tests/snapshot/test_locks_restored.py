@@ -17,7 +17,7 @@ import pytest
 
 from conftest import needs_criu
 from host import proc
-from support.helpers import assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
+from support.helpers import alive, assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
 
 pytestmark = needs_criu
 
@@ -135,3 +135,25 @@ def _locks_held(root: int, lock: Path) -> int:
     pids = {str(pid) for pid in proc.tree_pids(root)}
     ino = f":{lock.stat().st_ino} "
     return sum(1 for ln in Path("/proc/locks").read_text().splitlines() if ln.split()[4] in pids and ino in ln)
+
+
+def test_a_lock_on_a_carried_file_found_there_the_same_stops_the_restore(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A carried file the restore finds on the node with the same bytes is kept, not made anew:
+    a lock another process holds on it was not checked (carried files were left out, as new),
+    and CRIU waited behind it.  It is checked once the files are put back."""
+    scratch = tmp_path / "scratch.bin"
+    w = start(mib=16, extra=("--scratch", str(scratch), "1", "--lock", str(scratch)))
+    wait_until(lambda: len(w.ticks()) >= 5, "the workload to tick")
+    done = tpagent("dump", str(w.pid), "--out", str(tmp_path / "snap"), "--carry", str(scratch))
+    assert done.returncode == 0, done.stderr
+    assert w.popen is not None and w.popen.wait(30) is not None
+    with subprocess.Popen(
+        [sys.executable, "-c", TAKE, str(scratch), "flock"], stdout=subprocess.PIPE, text=True
+    ) as other:
+        try:
+            assert other.stdout is not None and other.stdout.readline() == "held\n"
+            refused = tpagent("restore", str(tmp_path / "snap"), timeout=120)
+            assert_one_sentence_error(refused, f"{scratch} is locked by another process on this node")
+        finally:
+            other.kill()
+    assert not alive(w.pid) and scratch.exists()  # (nothing started; the file, not made by it, stays)

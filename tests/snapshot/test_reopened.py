@@ -171,3 +171,31 @@ def test_a_working_directory_made_again_for_its_carried_file_is_restored(tmp_pat
         assert log.read_text().splitlines()[-1].endswith(f"byte {ord('A')}")
     finally:
         kill_and_wait(pid)
+
+
+def test_a_name_that_leads_elsewhere_once_checked_is_refused_before_the_copy_runs(shared: Path, tmp_path: Path) -> None:
+    """CRIU opens what the process held by name, as root, after the restore's checks: a name
+    whose directory its owner swapped for a symlink since the check (a loop of renames wins the
+    race), or one the manifest does not note (a directory renamed as the tree was frozen, after
+    CRIU took its names: the notes then name the new one), led CRIU to another's files, and the
+    copy ran holding them.  Simulated here without the race: the notes lose the job's directory
+    and its file, which then lead to root's.  The copy, restored stopped, is checked: it holds
+    another file than the one checked, and is ended before it runs a step."""
+    from snapshot import manifest
+
+    log, snap, pid = _dumped(shared, tmp_path)
+    doc = json.loads((snap / "manifest.json").read_text())
+    doc["reopened"] = [r for r in doc["reopened"] if not r["path"].startswith(str(shared / "job"))]
+    doc["manifest_sha256"] = manifest._body_digest(doc)
+    (snap / "manifest.json").write_text(json.dumps(doc))
+    (shared / "job").rename(shared / "job.old")
+    roots = shared / "roots"
+    _job_dir(roots, b"R")  # (root's: the same mode and size, as CRIU checks)
+    (shared / "job").symlink_to(roots)
+    ticks = log.read_text().count("\n")
+    proc = tpagent("restore", str(snap))
+    if proc.returncode == 0:  # (restored all the same: the copy is not left running after the test)
+        kill_and_wait(pid)
+    assert_one_sentence_error(proc, f"holds {roots}", "that copy was stopped before it ran")
+    assert log.read_text().count("\n") == ticks and "byte 82" not in log.read_text()
+    assert not alive(pid) and not (roots / "progress.txt").exists()
