@@ -105,6 +105,39 @@ def uncarriable(paths: list[Path]) -> list[str]:
     return out
 
 
+def survey(tree: list[psutil.Process], on: Sequence[str]) -> tuple[tuple[str, ...], list[Path], list[str]]:
+    """What a migration tells its target of the tree's open files (:func:`open_in`), and what it
+    refuses: those on the shared paths ``on`` ("PATH:SIZE"; "PATH:*" for one the tree writes: it
+    grows as it runs, the target checks only that it is there), the node-local ones it carries,
+    and one sentence for each it could not (its name not UTF-8, no safe way to read it)."""
+    found = open_in(tree)
+    problems = unnamed(found)
+    found = {f: w for f, w in found.items() if utf8(f)}
+    shared = tuple(f"{f}:{'*' if w else size(f)}" for f, w in sorted(found.items()) if under(f, on))
+    carry = sorted(Path(f) for f in found if not under(f, on))
+    return shared, carry, [*problems, *uncarriable(carry)]
+
+
+def unnamed(paths: Iterable[str]) -> list[str]:
+    """One sentence for each file whose name is not UTF-8: a migration names the files it
+    checks and carries to the target in UTF-8 (gRPC's strings), and could not name it."""
+    return [
+        f"the process has open {ascii(p)[1:-1]}, whose name is not UTF-8, which a migration cannot name to the "
+        "target; rename it"
+        for p in paths
+        if not utf8(p)
+    ]
+
+
+def utf8(text: str) -> bool:
+    """Whether ``text`` (a name read with surrogateescape) is UTF-8."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def size(path: str) -> int:
     """Its size now (0: gone, or not readable)."""
     try:

@@ -122,13 +122,15 @@ def _remove_if(path: Path, wanted: Callable[[os.stat_result], bool]) -> bool:
         os.close(parent)
 
 
-def remove(path: Path) -> None:
-    """Remove the file or (empty) directory ``path`` without following any symlink to it."""
+def remove_dir(path: Path, uid: int) -> bool:
+    """Remove the directory ``path`` if it is one (not a symlink to one, nor a file), of ``uid``'s,
+    and empty, reached without following any symlink; whether it was."""
     parent = open_dir(path.parent)
     try:
-        try:
-            os.unlink(path.name, dir_fd=parent)
-        except IsADirectoryError:
-            os.rmdir(path.name, dir_fd=parent)
+        st = os.stat(path.name, dir_fd=parent, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            return False  # (another's now, or a file: never removed)
+        os.rmdir(path.name, dir_fd=parent)
+        return True
     finally:
         os.close(parent)

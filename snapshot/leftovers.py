@@ -94,8 +94,8 @@ def clear_sockets(snapshot: Path) -> list[str]:
     removed = [b.path for b in m.sockets if userdirs.remove_socket(Path(b.path), b.uid, (b.dev, b.ino, b.ctime_ns))]
     for d in sorted(m.dirs, key=lambda d: -d.path.count("/")):
         with contextlib.suppress(OSError, SnapshotError):  # (not empty, or gone: left as it is)
-            userdirs.remove(Path(d.path))
-            removed.append(d.path)
+            if userdirs.remove_dir(Path(d.path), d.uid):
+                removed.append(d.path)
     return removed
 
 

@@ -18,6 +18,7 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -264,6 +265,9 @@ def _put_back(job: _Restore) -> None:
         putback.put_back(job.directory, job.manifest, job.created)
     finally:
         job.made = putback.identities(job.created)
+    for path in job.manifest.carried:  # (each made, or found the same: the file CRIU is to open)
+        with suppress(OSError):
+            job.trusted[path] = (st := os.lstat(path)).st_dev, st.st_ino
     kept = [r for r in job.manifest.reopened if r.path in job.manifest.carried and Path(r.path) not in job.made]
     if held := reopened.locked(kept, "this node"):
         raise UsageError(

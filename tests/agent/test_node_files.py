@@ -390,6 +390,19 @@ _MAPS_IT = (
 )
 
 
+def test_a_file_whose_name_is_not_utf8_is_refused_before_the_freeze(cluster: Cluster, tmp_path: Path) -> None:
+    """A migration names the files it checks and carries in UTF-8: one whose name is not (bytes
+    a Latin-1 tool wrote) failed the move with "internal error: surrogates not allowed", and a
+    sentence naming it could not reach the command.  It is refused in one sentence, the name
+    escaped, before anything stops."""
+    scratch = LOCAL / os.fsdecode(b"scratch-\xe9t\xe9")
+    t = launch(cluster.nodes["A"], tmp_path, 16, "--scratch", str(scratch), "1")
+    try:
+        refused_before_the_freeze(cluster, t, "scratch-\\udce9t\\udce9, whose name is not UTF-8")
+    finally:
+        kill_and_wait(t.pid)
+
+
 def test_a_node_local_file_mapped_shared_with_a_process_outside_is_refused_before_the_freeze(
     cluster: Cluster, tmp_path: Path
 ) -> None:

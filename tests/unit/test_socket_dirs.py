@@ -138,3 +138,19 @@ def test_once_committed_the_original_s_sockets_and_their_empty_directories_go_bu
     m.write(snap)
     assert leftovers.clear_sockets(snap) == [str(gone / "listener"), str(gone)]
     assert not gone.exists() and (shared / "listener").exists()
+
+
+def test_a_recorded_directory_is_removed_only_if_it_is_still_its_owner_s_and_a_directory(tmp_path: Path) -> None:
+    """Once the original is ended its empty directories go; a name someone else took since (a
+    file, another's directory, a symlink) is never removed (once root unlinked a file there)."""
+    from host import userdirs
+
+    me = os.geteuid()
+    (tmp_path / "theirs").write_text("another's file, at a recorded directory's name")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "mine").mkdir()
+    assert not userdirs.remove_dir(tmp_path / "theirs", me) and (tmp_path / "theirs").exists()
+    assert not userdirs.remove_dir(tmp_path / "link", me) and (tmp_path / "elsewhere").is_dir()
+    assert not userdirs.remove_dir(tmp_path / "mine", me + 1) and (tmp_path / "mine").is_dir()
+    assert userdirs.remove_dir(tmp_path / "mine", me) and not (tmp_path / "mine").exists()

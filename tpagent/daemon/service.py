@@ -25,9 +25,14 @@ R = TypeVar("R")
 DETAILS_MAX = 4096
 
 
+def said(text: str) -> str:
+    """``text`` as gRPC can carry it: a name in it that is not UTF-8 escaped (``\\udcff``)."""
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
 def _abort(context: grpc.ServicerContext, e: AgentError) -> NoReturn:
     why = e.why if isinstance(e, Refused) else Why.INTERNAL
-    text = str(e)
+    text = said(str(e))
     context.abort(CODES[why], text if len(text) <= DETAILS_MAX else text[: DETAILS_MAX - 3] + "...")
     raise AssertionError("unreachable")  # (abort raises)
 
@@ -40,17 +45,17 @@ def _answer(context: grpc.ServicerContext, call: Callable[[], R]) -> R:
 
 
 def status_pb(s: PeerStatus) -> pb.MigrationStatus:
-    return pb.MigrationStatus(migration_id=s.migration_id, state=s.state, message=s.message, pid=s.pid)
+    return pb.MigrationStatus(migration_id=s.migration_id, state=s.state, message=said(s.message), pid=s.pid)
 
 
 def event_pb(e: Event) -> pb.MigrationEvent:
     return pb.MigrationEvent(
         migration_id=e.migration_id,
         state=e.state,
-        message=e.message,
+        message=said(e.message),
         seconds=e.seconds,
         timings=dict(e.timings),
-        problems=list(e.problems),
+        problems=[said(p) for p in e.problems],
         bytes_done=e.bytes_done,
         bytes_total=e.bytes_total,
         new_pid=e.new_pid,

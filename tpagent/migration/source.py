@@ -287,20 +287,16 @@ class SourceMigration:
         used = [g for g in gpus.inventory() if pids & set(g.pids)]
         self.record.cuda_pids = sorted(pids & {pid for g in used for pid in g.pids})  # to give back on a restart
         need += sum(g.memory_used for g in used)
-        open_files = files.open_in(tree)
-        on = self.ctx.cfg.shared_paths
-        # A file the process writes grows while it runs: the target checks only that it is there.
-        shared = tuple(
-            f"{f}:{'*' if w else files.size(f)}" for f, w in sorted(open_files.items()) if files.under(f, on)
-        )
-        self.carry = sorted(Path(f) for f in open_files if not files.under(f, on))  # node-local: they travel
+        shared, self.carry, uncarriable = files.survey(
+            tree, self.ctx.cfg.shared_paths
+        )  # (refused now, not once frozen)
         carried = tuple(f"{f}:{files.size(str(f))}" for f in self.carry)
-        uncarriable = files.uncarriable(self.carry)  # refused now, in a sentence, not by the hook once frozen
         tcp = [] if self.communicators_rebuilt else sockets.tree_tcp(sorted(pids))
         stay = eligible.stays(
             self.ctx.cfg, sorted(pids), tcp, self.carry, self.record.cuda_pids, self.communicators_rebuilt
         )
         mounted = mounts.points(root.pid) if proc.pid_namespace(root.pid) != proc.pid_namespace(os.getpid()) else []
+        mounted = [m for m in mounted if files.utf8(m)]  # (one whose name is not is left unchecked)
         if (uncarriable or stay) and not self.dry_run:
             raise _Failure("; ".join([*uncarriable, *stay]))
         cfg = self.ctx.cfg
