@@ -138,6 +138,9 @@ class SnapshotConfig:
     #: migration's: what the tree opened since it was checked (a checkpoint's temporary file,
     #: a tensor's /dev/shm segment) must travel as well.
     carry_opened: tuple[str, ...] | None = None
+    #: The most bytes the carried files may hold once the tree is frozen (what a migration's
+    #: target made room for); None: no bound.
+    carry_most: int | None = None
     #: Mount points of a `tpagent launch` workload's namespace to leave out of the dump, and
     #: so of its restore (the restore's node lacks them; the tree holds nothing in them).
     skip_mounts: tuple[str, ...] = ()

@@ -295,7 +295,8 @@ def _prepare_out(job: _Dump) -> None:
         (out / IMAGES_DIR).mkdir(mode=0o700)
         (out / LOG_DIR).mkdir(mode=0o700)
         with open(out / hook.PENDING, "w", opener=private_opener) as f:
-            f.write(json.dumps({**job.manifest.to_json(), hook.OPENED: job.config.carry_opened}))
+            c = job.config
+            f.write(json.dumps({**job.manifest.to_json(), hook.OPENED: c.carry_opened, hook.MOST: c.carry_most}))
     except OSError as e:
         _clear(out, job.created)
         raise UsageError(f"cannot write to {out}: {e.strerror}.") from e

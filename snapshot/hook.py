@@ -69,6 +69,8 @@ class NotTheProcess(RuntimeError):
 CARRIED_IDS = "carried.json"
 #: The pending manifest's key for :attr:`~snapshot.api.SnapshotConfig.carry_opened`.
 OPENED = "carry_opened"
+#: The pending manifest's key of the most bytes the carried files may hold (SnapshotConfig.carry_most).
+MOST = "carry_most"
 
 
 def decide(out: Path, commit: bool) -> None:
@@ -157,14 +159,17 @@ def identity(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns]
 
 
-def _archive(out: Path, paths: list[str]) -> list[str]:
-    """Copy the carried files, as they are while the tree is frozen, into the images.
+def _archive(out: Path, paths: list[str], most: int | None = None) -> list[str]:
+    """Copy the carried files, as they are while the tree is frozen, into the images: ``most``
+    bytes at most (what a migration's target made room for: one grown or opened since its
+    check, a file made sparse and huge, is refused rather than filling its disks).
 
     Each is opened without following any symlink and checked (:func:`safefs.open_to_read`),
     then archived from that same fd: what goes in is exactly the file that was checked.  A
     symlink on its path, or a directory owned by neither root nor the file's owner, raises:
     the dump is refused and rolled back."""
     kept = []
+    total = 0
     ids: dict[str, list[int]] = {}  # as archived: how a committed migration knows what it left behind
     with tarfile.open(out / manifest.IMAGES_DIR / manifest.CARRIED_NAME, "w") as tar:
         for path in paths:
@@ -173,6 +178,13 @@ def _archive(out: Path, paths: list[str]) -> list[str]:
                 continue
             with os.fdopen(fd, "rb") as f:
                 st = os.fstat(f.fileno())
+                total += st.st_size  # (as it is written out there: whole, holes and all)
+                if most is not None and total > most:
+                    raise RuntimeError(
+                        f"the files the process has open on this node, to take along, hold {total >> 20} MiB once it "
+                        f"is frozen (with {path}), more than the {most >> 20} MiB the target made room for as it was "
+                        "checked (a file grew, or was opened, since)"
+                    )
                 info = tarfile.TarInfo(path.lstrip("/"))
                 info.size = st.st_size
                 info.mtime = st.st_mtime
@@ -317,6 +329,7 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     tree = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
     carry, links = _relinks([p.pid for p in tree])
     shared = pending.pop(OPENED, None)
+    most = pending.pop(MOST, None)
     if shared is not None:  # (what it opened since it was checked: node-local ones travel too)
         since = [f for f in files.open_in(tree) if not files.under(f, shared)]
         new = [Path(f) for f in since if f not in pending.get("carried", ())]
@@ -324,7 +337,7 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
             raise RuntimeError(outside[0])  # (as its check would have said: one it mapped since)
         carry += since
     if pending.get("carried") or carry:
-        pending["carried"] = _archive(out, sorted({*pending.get("carried", ()), *carry}))
+        pending["carried"] = _archive(out, sorted({*pending.get("carried", ()), *carry}), most)
     pending["links"] = _unlinked({k: v for k, v in links.items() if v in pending.get("carried", ())})
     sums = manifest.checksum_files(out) | (_streamed(out) if streamed else {})
     _fsync_tree(out / manifest.IMAGES_DIR)

@@ -451,6 +451,28 @@ def test_a_migrations_dump_refuses_a_file_it_carries_that_a_process_outside_maps
         assert not [f for f in files.open_in([psutil.Process()]) if f.startswith("/proc/")]
 
 
+def test_carried_files_grown_past_the_room_made_for_them_are_refused_as_the_tree_is_frozen(  # type: ignore[no-untyped-def]
+    start, tmp_path: Path
+) -> None:
+    """A migration's target makes room for the carried files as they were at its check: one made
+    huge since (truncated to 2 GiB, sparse: written out whole) was archived as the tree was
+    frozen, filling the source's work directory and then the target's disk.  Past the bound the
+    dump is refused in one sentence, and the tree runs on."""
+    from snapshot.api import SnapshotConfig, SnapshotError
+    from snapshot.dump import checkpoint
+
+    scratch = tmp_path / "local" / "run.log"
+    scratch.parent.mkdir()
+    w = start(mib=16, extra=("--scratch", str(scratch), "1"))
+    wait_until(lambda: len(w.ticks()) >= 3, "the workload to tick")
+    os.truncate(scratch, 2 << 30)
+    config = SnapshotConfig(carry_opened=(), carry_most=64 << 20)
+    with pytest.raises(SnapshotError, match=r"hold 2\d{3} MiB once it is frozen .* more than the 64 MiB the target"):
+        checkpoint(w.pid, tmp_path / "snap", config=config)
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] >= n + 5, "the workload to tick on")
+
+
 def test_a_deleted_but_open_file_over_crius_limit(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A workload holds an 8 MiB file it deleted (as DataLoader workers' shared memory is):
     over a 4 MiB ghost limit the dump is refused in one sentence before anything is frozen

@@ -29,6 +29,7 @@ from snapshot.manifest import CHUNK_SIZE, IMAGES_DIR
 from tpagent import __version__
 from tpagent.common import clock, metrics
 from tpagent.migration import eligible
+from tpagent.migration.admission import MARGIN
 from tpagent.migration.api import (
     HAS_COPY,
     Acceptance,
@@ -127,6 +128,7 @@ class SourceMigration:
         self.new_pid = 0
         self.carry: list[Path] = []
         self.skip_mounts: list[str] = []  # of the tree's namespace, lacking on the target (host.mounts)
+        self.carry_most = 0  # the most bytes its carried files may hold once frozen (_check)
         self.freeze_t0 = 0.0
         self.log = logging.LoggerAdapter(log, {"node": ctx.cfg.node, "migration": mid})
         if not dry_run:
@@ -290,7 +292,9 @@ class SourceMigration:
         shared, self.carry, uncarriable = files.survey(
             tree, self.ctx.cfg.shared_paths
         )  # (refused now, not once frozen)
-        carried = tuple(f"{f}:{files.size(str(f))}" for f in self.carry)
+        sizes = {str(f): files.size(str(f)) for f in self.carry}
+        carried = tuple(f"{f}:{n}" for f, n in sizes.items())
+        self.carry_most = sum(sizes.values()) + int(MARGIN * (need + sum(sizes.values())))  # (the target's room)
         tcp = [] if self.communicators_rebuilt else sockets.tree_tcp(sorted(pids))
         stay = eligible.stays(
             self.ctx.cfg, sorted(pids), tcp, self.carry, self.record.cuda_pids, self.communicators_rebuilt
@@ -372,6 +376,7 @@ class SourceMigration:
             stream=feed.put if feed is not None else None,
             carry_opened=tuple(cfg.shared_paths),
             skip_mounts=tuple(self.skip_mounts),
+            carry_most=self.carry_most,
         )
         private_dir(self.snapshot.parent)
         t0 = self.freeze_t0 = time.monotonic()
