@@ -33,8 +33,12 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
     ranks = []
     broken = node.ranks.broken()
     digests = node.ranks.digests()
+    # The ranks that died first: one whose end is taken between the two reads is in one list
+    # at most (it was in both, running and died, and its node counted as running its job still).
+    died = node.ranks.died()
+    dead = {(e.job, e.rank) for e in died}
     for row in node.ranks.jobs():
-        if row.moved_to:
+        if row.moved_to or (row.job, row.rank) in dead:
             continue
         tree = set(proc.tree_pids(row.pid))
         used = [g.uuid for g in found if tree & set(g.pids)]
@@ -77,7 +81,7 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
                 users=[e.uid] if e.uid > 0 else [],
                 identity=digests.get((e.job, e.rank), ""),
             )
-            for e in node.ranks.died()
+            for e in died
         ],
     )
 

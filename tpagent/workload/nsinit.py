@@ -210,10 +210,16 @@ def main(argv: list[str]) -> int:
             return code & 0xFF
 
 
+#: Seconds a rank's init waits for its agent to take the word of its end (then it ends all the same).
+EXIT_WORD_WAIT = 30.0
+
+
 def _report_exit(code: int) -> None:
     """A rank's init tells the agent of the node it ends on (it may have been migrated: its
     stand-in asks that agent): the abstract socket of its network namespace, best effort.  It
-    ends only once the agent has taken the word (closed the connection; 2 s at most): the agent
+    ends only once the agent has taken the word (closed the connection; within
+    :data:`EXIT_WORD_WAIT`: a busy agent, on a loaded node, took more than the 2 s it once had,
+    and the death of a rank it then refused to hear of was never rebuilt nor passed on): the agent
     believes it only from an init still alive, and a stand-in that sees this namespace gone and
     asks where its rank is must hear how it ended (or that its death is held for a rebuild),
     which a busy agent that read the word late would not yet know."""
@@ -227,7 +233,7 @@ def _report_exit(code: int) -> None:
     except Exception:  # (restored where tpagent is another: the workload's own status comes first)
         return
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(2)
+        s.settimeout(EXIT_WORD_WAIT)
         s.connect("\0" + name)
         s.sendall(said)
         s.shutdown(socket.SHUT_WR)
