@@ -7,8 +7,10 @@ holds the lock again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 
 from conftest import needs_criu
 from host import proc
-from support.helpers import alive, assert_continuous, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
+from support.helpers import alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
 
 pytestmark = needs_criu
 
@@ -110,12 +112,14 @@ def test_a_tree_holding_more_locks_on_a_file_than_are_noted_is_dumped_and_restor
     lock, log = tmp_path / "lock.mdb", tmp_path / "ticks.log"
     run = [sys.executable, "-c", READERS, str(lock), str(log), "70"]
     with subprocess.Popen(run, start_new_session=True, stdin=subprocess.DEVNULL) as tree:
-        wait_until(lambda: log.exists() and len(log.read_text().split()) > 5, "the tree to tick")
-        wait_until(lambda: len(proc.tree_pids(tree.pid)) == 71, "the readers to start")
-        wait_until(lambda: _locks_held(tree.pid, lock) == 70, "the readers to lock")
-        done = tpagent("dump", str(tree.pid), "--out", str(tmp_path / "snap"))
-        assert done.returncode == 0, done.stderr
-        tree.wait(30)
+        try:
+            wait_until(lambda: log.exists() and len(log.read_text().split()) > 5, "the tree to tick")
+            wait_until(lambda: len(proc.tree_pids(tree.pid)) == 71, "the readers to start")
+            wait_until(lambda: _locks_held(tree.pid, lock) == 70, "the readers to lock")
+            done = tpagent("dump", str(tree.pid), "--out", str(tmp_path / "snap"))
+            assert done.returncode == 0, done.stderr
+        finally:
+            _end_group(tree.pid)  # (ended by the dump; all of it, should the dump have failed)
     noted = {r["path"]: r["lock"] for r in json.loads((tmp_path / "snap" / "manifest.json").read_text())["reopened"]}
     assert noted[str(lock)].count("POSIX WRITE") == 64, noted[str(lock)]
     restored = tpagent("restore", str(tmp_path / "snap"), "--json")
@@ -126,7 +130,13 @@ def test_a_tree_holding_more_locks_on_a_file_than_are_noted_is_dumped_and_restor
         wait_until(lambda: int(log.read_text().split()[-1]) >= n + 5, "the restored tree to tick on")
         assert _locks_held(root, lock) == 70
     finally:
-        kill_and_wait(root)
+        _end_group(root)
+
+
+def _end_group(leader: int) -> None:
+    """End the tree's process group (the readers are in it, wherever they were reparented)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader, signal.SIGKILL)
 
 
 def _locks_held(root: int, lock: Path) -> int:
