@@ -16,8 +16,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
-import psutil
-
 from host import proc
 
 #: Rounds of listing a tree's new children; a tree that still grows after them is a fork bomb,
@@ -113,11 +111,15 @@ def _hold(pid: int, *, ticks: int | None = None, parent: int | None = None) -> i
 
 
 def _parents() -> dict[int, int]:
-    """Every process here -> its parent's PID."""
+    """Every process here -> its parent's PID, read from /proc now.  (Not psutil's process_iter:
+    it keeps the processes it saw, and a tree restored under PIDs this process had seen before,
+    as CRIU restores a plain process, came back from it with no children: killing the root left
+    them all running, reparented.)"""
     out: dict[int, int] = {}
-    for p in psutil.process_iter(["ppid"]):
-        with suppress(KeyError, TypeError):
-            out[p.pid] = int(p.info["ppid"])
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with suppress(OSError, ValueError, IndexError):
+                out[int(name)] = proc.parent_pid(int(name))
     return out
 
 

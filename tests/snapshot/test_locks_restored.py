@@ -15,10 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import needs_criu
-from host import proc
+from host import proc, signals
 from support.helpers import alive, assert_continuous, assert_one_sentence_error, tpagent, wait_until
 
 pytestmark = needs_criu
@@ -119,7 +120,8 @@ def test_a_tree_holding_more_locks_on_a_file_than_are_noted_is_dumped_and_restor
             done = tpagent("dump", str(tree.pid), "--out", str(tmp_path / "snap"))
             assert done.returncode == 0, done.stderr
         finally:
-            _end_group(tree.pid)  # (ended by the dump; all of it, should the dump have failed)
+            signals.kill_tree(tree.pid)  # (ended by the dump; as an agent ends an original, should it not have)
+            _end_group(tree.pid)
     noted = {r["path"]: r["lock"] for r in json.loads((tmp_path / "snap" / "manifest.json").read_text())["reopened"]}
     assert noted[str(lock)].count("POSIX WRITE") == 64, noted[str(lock)]
     restored = tpagent("restore", str(tmp_path / "snap"), "--json")
@@ -129,8 +131,25 @@ def test_a_tree_holding_more_locks_on_a_file_than_are_noted_is_dumped_and_restor
         n = int(log.read_text().split()[-1])
         wait_until(lambda: int(log.read_text().split()[-1]) >= n + 5, "the restored tree to tick on")
         assert _locks_held(root, lock) == 70
+        # As an agent drops a copy: all of it ends (its readers were left running once, reparented:
+        # the tree's children were looked up through psutil, which remembered the original's)
+        assert signals.kill_tree(root)
+        assert not _locks_held(1, lock), "a reader outlived its tree"
+        wait_until(lambda: not _in_group(root), "the ended readers to be reaped", 10)
     finally:
         _end_group(root)
+
+
+def _in_group(leader: int) -> list[int]:
+    """The processes of ``leader``'s process group."""
+    return [p.pid for p in psutil.process_iter() if _pgid(p.pid) == leader]
+
+
+def _pgid(pid: int) -> int:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return -1
 
 
 def _end_group(leader: int) -> None:
