@@ -122,6 +122,7 @@ def migrate(
     job (started with `tpagent rank`) moves with its job: every rank stops at one step, the
     communicators are rebuilt, and the job goes on at the next step.  A rank whose script
     registered its training state (tpagent_rank.register) moves only that state, by default."""
+    from tpagent.daemon.client import broke
     from tpagent.daemon.rpc import pb, stub
 
     ranks = list(rank or [])
@@ -150,7 +151,7 @@ def migrate(
     except grpc.RpcError as e:
         if e.code() is grpc.StatusCode.CANCELLED and last is not None:
             pass
-        elif e.code() is grpc.StatusCode.UNAVAILABLE and last is not None:
+        elif last is not None and broke(e):
             last = _source_lost(agent, pb, source, last, first, as_json)
         elif e.code() is grpc.StatusCode.UNAVAILABLE:
             die(_unreachable(source, e), EXIT_USAGE, as_json)

@@ -22,6 +22,12 @@ _WHY = {code: why for why, code in CODES.items()}
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
+def broke(e: grpc.RpcError) -> bool:
+    """Whether a call ended because its connection did (the agent died mid-call): UNAVAILABLE, or
+    the UNKNOWN "Stream removed" some gRPC versions say for the same (grpc/grpc#34076)."""
+    return e.code() is grpc.StatusCode.UNAVAILABLE or rpc_text(e).startswith("Stream removed")
+
+
 def rpc_text(e: grpc.RpcError) -> str:
     details = e.details() if hasattr(e, "details") else ""
     return str(details or e.code().name.lower())

@@ -131,6 +131,10 @@ class Service(AgentServicer):
 
         if not context.add_callback(went_away):
             m.cancel("the tpagent migrate command went away before it started")
+        # The first word, at once: the migration's id.  A caller whose call breaks later (this agent
+        # killed) follows the migration by it (Status) as this agent settles it from its journal;
+        # one that had no word yet could only say this agent cannot be reached.
+        m.emit()
         self.node.run(m)
         while (event := m.events.get()) is not None:
             yield event_pb(event)
