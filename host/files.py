@@ -23,6 +23,25 @@ _ANYONES = ("/dev/shm/",)
 LINK_REMAP = re.compile(r"link_remap\.[0-9]+")
 
 
+#: What /proc adds to the name of a file removed while in use.
+DELETED = " (deleted)"
+
+
+def removed(pid: int, via: str, name: str) -> bool:
+    """Whether ``name``, what /proc shows for a file ``pid`` holds (reached through ``via``: its
+    ``/proc/PID/fd/N`` or ``map_files`` entry), names a file since removed: it ends in the kernel's
+    " (deleted)", and the name itself, as ``pid`` sees it, does not lead to that file (a live file
+    may be named so; CRIU tells the two apart the same way)."""
+    if not name.endswith(DELETED):
+        return False
+    try:
+        held = os.stat(via)
+        named = os.stat(f"/proc/{pid}/root{name}")
+    except OSError:
+        return True
+    return (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino)
+
+
 def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
     """The regular files the tree has open or mapped shared, and whether it writes to each.
 
@@ -42,7 +61,7 @@ def open_in(tree: list[psutil.Process]) -> dict[str, bool]:
             if (
                 fields[1][3] != "s"
                 or not fields[5].startswith("/")
-                or fields[5].endswith(" (deleted)")
+                or removed(p.pid, f"/proc/{p.pid}/map_files/{fields[0]}", fields[5])
                 or kernels(fields[5])
             ):
                 continue  # (private, anonymous, or deleted: CRIU keeps its bytes, or names it again: Relinked)
@@ -156,7 +175,7 @@ class Relinked:
     as root; the restore opens that name, then removes it."""
 
     pid: int
-    path: str  # the name it was opened under (" (deleted)" taken off)
+    path: str  # the name it was opened under (DELETED taken off)
     dev: int
     ino: int
 
@@ -168,8 +187,8 @@ def relinked(pids: Sequence[int]) -> list[Relinked]:
     out: dict[tuple[int, int, str], Relinked] = {}
     for pid in pids:
         for at, link in held(pid):
-            path = link.removesuffix(" (deleted)")
-            if path == link or not path.startswith("/"):
+            path = link.removesuffix(DELETED)
+            if not path.startswith("/") or not removed(pid, at, link):
                 continue
             try:
                 st = os.stat(at)

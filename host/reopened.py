@@ -64,11 +64,11 @@ def note(pids: Sequence[int]) -> list[Reopened]:
     locks: dict[str, list[str]] = {}  # (of every process first: one that holds the path lock-free may come first)
     for pid, fds in links.items():
         for fd, path in fds:
-            if _by_name(path) and (held := proc.fd_locks(pid, fd)):
+            if _by_name(pid, f"/proc/{pid}/fd/{fd}", path) and (held := proc.fd_locks(pid, fd)):
                 known = locks.setdefault(path, [])
                 known += [h for h in held if h not in known][: LOCKS_MOST - len(known)]
     for pid in pids:
-        for path in filter(_by_name, _held(pid, links[pid])):
+        for path in (name for via, name in _held(pid, links[pid]) if _by_name(pid, via, name)):
             for at in (path, *(str(p) for p in PurePosixPath(path).parents[:-1])):
                 if at in seen or len(seen) >= MOST:
                     continue
@@ -80,25 +80,26 @@ def note(pids: Sequence[int]) -> list[Reopened]:
     return sorted(seen.values(), key=lambda r: r.path)
 
 
-def _held(pid: int, fds: list[tuple[str, str]]) -> Iterator[str]:
-    """What ``pid`` holds, as /proc names it: cwd, root, exe, mapped files, open descriptors
-    (``fds``: :func:`host.proc.fd_links`, read once)."""
+def _held(pid: int, fds: list[tuple[str, str]]) -> Iterator[tuple[str, str]]:
+    """What ``pid`` holds: a /proc path that reaches each (cwd, root, exe, mapped files, open
+    descriptors: ``fds``, :func:`host.proc.fd_links`, read once) and the name /proc gives it."""
     for link in ("cwd", "root", "exe"):
         try:
             name = os.readlink(f"/proc/{pid}/{link}")
         except OSError:
             continue
-        yield name
-    yield from (fields[5] for fields in files.mappings(pid))
-    yield from (link for _, link in fds)
+        yield f"/proc/{pid}/{link}", name
+    yield from ((f"/proc/{pid}/map_files/{fields[0]}", fields[5]) for fields in files.mappings(pid))
+    yield from ((f"/proc/{pid}/fd/{fd}", link) for fd, link in fds)
 
 
-def _by_name(path: str) -> bool:
-    """Whether ``path`` names a file a restore finds by that name (not a deleted one, whose bytes
-    CRIU keeps; not one of the kernel's; not a socket or pipe, which /proc names otherwise)."""
-    if not path.startswith("/") or path.endswith(" (deleted)") or path == "/":
+def _by_name(pid: int, via: str, name: str) -> bool:
+    """Whether ``name``, what /proc calls a file ``pid`` holds (reached through ``via``), is one a
+    restore finds by that name (not a removed one, whose bytes CRIU keeps; not one of the
+    kernel's; not a socket or pipe, which /proc names otherwise)."""
+    if not name.startswith("/") or name == "/" or files.removed(pid, via, name):
         return False
-    return not files.kernels(path)
+    return not files.kernels(name)
 
 
 def untrusted(
@@ -142,7 +143,7 @@ def strangers(pids: Sequence[int], known: Mapping[str, tuple[int, int]]) -> list
     out = []
     for pid in pids:
         for via, name in _restored(pid):
-            if name == "/" or not _by_name(name) or name.startswith("/memfd:"):
+            if not _by_name(pid, via, name) or name.startswith("/memfd:"):
                 continue
             try:
                 st = os.stat(via)
