@@ -248,7 +248,7 @@ def _unreachable(agent: str, e: grpc.RpcError) -> str:
 #: (systemd restarts it in seconds), and how long it then follows the migration it settles from
 #: its journal (a rewire's ranks rebuild within their own deadlines) before it leaves it to
 #: `tpagent status`.
-SOURCE_BACK_WITHIN = 30.0
+SOURCE_BACK_WITHIN = 120.0
 SETTLED_WITHIN = 600.0
 
 
@@ -333,7 +333,8 @@ def _final(
             return None, answered
         try:
             status = agent.Status(pb.MigrationRef(migration_id=migration_id), timeout=10)
-        except grpc.RpcError:
+        except grpc.RpcError as e:
+            answered = answered or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
             time.sleep(0.5)
             continue
         answered = True

@@ -74,3 +74,23 @@ def test_an_agent_that_answers_but_has_not_settled_is_said_to_go_on(
     assert agent.asked >= 2  # (followed, not asked once)
     assert "answers again but has not settled it within 0 s; it goes on" in sentence
     assert "did not answer" not in sentence and f"tpagent status {MID} --agent node-a:7070" in sentence
+
+
+class _Refusing:
+    """An agent that answers each Status with an error of its own (too busy for another call)."""
+
+    class Busy(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def Status(self, ref: Any, timeout: float) -> Any:  # noqa: N802 (the gRPC method's name)
+        raise self.Busy()
+
+
+def test_an_agent_that_answers_with_an_error_is_no_silent_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(agent_cmds, "SOURCE_BACK_WITHIN", 0.2)
+    monkeypatch.setattr(agent_cmds, "SETTLED_WITHIN", 1.0)
+    sentence = _gives_up(_Refusing(), capsys)["error"]
+    assert "answers again but has not settled it within 1 s" in sentence and "did not answer" not in sentence

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from host import paths
 from tpagent.common.threads import Threads
 from tpagent.jobs import rankentry
 from tpagent.jobs.rankentry import RankEntry
@@ -29,6 +30,9 @@ def test_a_user_who_churns_ranks_forgets_their_own_never_anothers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(rankentry, "KEEP_ENDED", 4)
+    monkeypatch.setattr(
+        paths, "RANK_GO", tmp_path / "rank-go", raising=False
+    )  # (not this node's: an agent's may be there)
     ranks = Ranks("tpagent-test-ended", "10.0.0.1:7400", Threads(), saved=tmp_path / "ranks.json")
     _ended(ranks, "long-ago", VICTIM, ago=3600)  # (its name is no one's now: the first to go)
     _ended(ranks, "victim", VICTIM)  # (ended just now: its stand-in may yet ask how)

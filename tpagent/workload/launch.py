@@ -48,6 +48,10 @@ class RunAs:
     cgroups: tuple[str, ...] = ()  # the cgroup.procs files of the groups it joins (its stand-in's)
 
 
+#: How long a launched init may take to say it started its command (a Python interpreter starting
+#: on a node busy with its other ranks' work).
+START_WITHIN = 30.0
+
 #: The variable naming the descriptor of a :class:`RunAs` (JSON) for the init (:mod:`.nsinit`).
 RUN_AS = "TPAGENT_NSINIT_AS"
 
@@ -101,7 +105,7 @@ def launched(pid: int, records: Path = RECORDS) -> LaunchRecord | None:
         return None
 
 
-def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = 10.0, umask: int = 0o022) -> int:
+def launch(cmd: list[str], stdout: Path, stderr: Path, timeout: float = START_WITHIN, umask: int = 0o022) -> int:
     """Start ``cmd`` in new PID+mount namespaces, with ``umask`` (the user's, not tpagent's
     own 077); return the namespace init's PID."""
     return start(cmd, stdout, stderr, timeout, umask)[0]
@@ -111,7 +115,7 @@ def start(
     cmd: list[str],
     stdout: Path,
     stderr: Path,
-    timeout: float = 10.0,
+    timeout: float = START_WITHIN,
     umask: int = 0o022,
     env: dict[str, str] | None = None,
     run_as: RunAs | None = None,
