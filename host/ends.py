@@ -39,8 +39,9 @@ from host.proc import fd_links
 
 log = logging.getLogger(__name__)
 
-#: Seconds the processes of the node are read for the other ends of the tree's pipes and sockets.
-HOLDERS_WITHIN = 2.0
+#: Seconds the processes of the node are read for the other ends of the tree's pipes, sockets,
+#: terminals and shared memory, each time (a node of a few thousand processes takes well under one).
+HOLDERS_WITHIN = 30.0
 #: (In :func:`_holders`' wanted: a socket, held either way.)
 _SOCKET = -2
 
@@ -72,10 +73,30 @@ def unmovable(pids: Sequence[int], agent_let_go: bool = False, ghost_limit: int 
     ]
 
 
+class Unread(Exception):
+    """The node's processes could not all be read in time (:data:`HOLDERS_WITHIN`): a tie to one
+    of those left unread may be there, so the tree is refused, not taken as tied to nobody."""
+
+    def __init__(self, root: int, looked_for: str) -> None:
+        super().__init__(
+            f"PID {root}'s tree could not be checked for {looked_for} outside it: not all of this node's "
+            f"processes were read within {HOLDERS_WITHIN:.0f} s (the node is too busy, or runs too many), and a "
+            "tie to one left unseen would break its copy; try again."
+        )
+
+
 def refusals(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:
     """One sentence for each tie of the tree's processes to a process outside it.
     ``agent_let_go``: a rank's runtime lets go of its connection to its agent before the freeze
-    (its job's move, and its dry run): that one is no tie."""
+    (its job's move, and its dry run): that one is no tie.  Where the node's processes could not
+    all be read in time, that sentence alone."""
+    try:
+        return _refusals(pids, agent_let_go)
+    except Unread as e:
+        return [str(e)]
+
+
+def _refusals(pids: Sequence[int], agent_let_go: bool) -> list[str]:
     out = [
         f"PID {pid} is traced by PID {tracer} ({_comm(tracer)}): a debugger or tracer (gdb, strace, py-spy) "
         "holds it, and CRIU cannot freeze a traced process; detach it and try again."
@@ -224,11 +245,15 @@ def shared_maps(pids: Sequence[int], carried: Sequence[Path]) -> list[str]:
     map a copy of it, its writes and theirs no longer meeting (a semaphore they post never
     reaching it).  Only a move refuses it: a restore on the node maps the same file again."""
     names = {str(p) for p in carried}
+    try:
+        mapped = _mapped_outside(pids, names.__contains__, "the processes mapping the files")
+    except Unread as e:
+        return [str(e)]
     return [
         f"PID {pid} maps {path} shared with PID {other} ({_comm(other)}) outside its tree, and one of them "
         "writes it: its copy on the target would map a copy of this node-local file, their writes no longer "
         "meeting; end that process, or start it inside the tree."
-        for pid, path, other in _mapped_outside(pids, names.__contains__, "the processes mapping the files")
+        for pid, path, other in mapped
     ]
 
 
@@ -304,8 +329,7 @@ def _holders(tree: set[int], wanted: dict[str, int]) -> dict[str, tuple[int, str
     """For each of ``wanted`` (pipe:[INODE] -> the way the tree holds it; socket:[INODE] ->
     :data:`_SOCKET`), the first process outside ``tree`` found holding it the other way (any
     way, a socket): (PID, fd).  Every process of the node may have to be read: the tree's own
-    session first (a shell pipeline's other end), and for :data:`HOLDERS_WITHIN` seconds at most
-    (what is not found by then is taken as held by nobody, and said in the log)."""
+    session first (a shell pipeline's other end)."""
     found: dict[str, tuple[int, str]] = {}
     for pid in _others(tree, "the holders of the pipes and sockets") if wanted else ():
         if len(found) == len(wanted):
@@ -319,18 +343,16 @@ def _holders(tree: set[int], wanted: dict[str, int]) -> dict[str, tuple[int, str
 
 def _others(tree: set[int], looked_for: str) -> Iterator[int]:
     """The node's processes outside ``tree``, those of its session first, for
-    :data:`HOLDERS_WITHIN` seconds at most (the rest are left out, and the log says so)."""
+    :data:`HOLDERS_WITHIN` seconds at most: then :class:`Unread`, for ``looked_for``."""
     session = _session(min(tree))
     others = sorted(
         (int(e.name) for e in os.scandir("/proc") if e.name.isdigit() and int(e.name) not in tree),
         key=lambda pid: _session(pid) != session,
     )
     deadline = time.monotonic() + HOLDERS_WITHIN
-    said = (looked_for, min(tree), HOLDERS_WITHIN)
     for pid in others:
         if time.monotonic() > deadline:
-            log.warning("%s of PID %d were looked for among part of the node's processes only (%.0f s)", *said)
-            return
+            raise Unread(min(tree), looked_for)
         yield pid
 
 
