@@ -46,8 +46,12 @@ HOLD = float(os.environ.get("TPAGENT_RANK_HOLD", "300"))
 IN_STEP = "it is inside an optimizer step that does not end"
 #: How long a restart waits for the files its process writes to be written (:func:`quiet`).
 QUIET = 120.0
-#: How long a file's offset must stay where it is to count as not being written (seconds).
+#: How often the files being written are looked at (seconds).
 LOOK = 0.1
+#: How long ago a file must have last been written to count as written (seconds): a writer's
+#: pauses between its writes (torch.save pickling, its thread waiting for the interpreter) are
+#: shorter.
+STILL = 2.0
 
 
 @dataclass
@@ -177,24 +181,27 @@ def quiet(within: float) -> str:
     ``exec`` of a restart (and the end of its children) would cut short: a checkpoint that
     ``torch.save`` writes after a step, on the training thread or another, while the others wait
     in a failed collective.  Written: a regular file open for writing, not appending (its log),
-    whose offset moved in :data:`LOOK` seconds.  Past ``within`` seconds, which ones."""
+    whose offset or modification time moved in :data:`LOOK` seconds, or that was modified in the
+    last :data:`STILL` seconds.  Past ``within`` seconds, which ones."""
     deadline = time.monotonic() + within
     before = _writing()
     while True:
         time.sleep(LOOK)
         now = _writing()
-        if now == before:
+        recent = time.time_ns() - int(STILL * 1e9)
+        if now == before and all(modified < recent for _, _, modified in now.values()):
             return ""
         if time.monotonic() > deadline:
-            moving = sorted({path for key, (path, at) in now.items() if before.get(key) != (path, at)})
+            moving = sorted({at[0] for key, at in now.items() if before.get(key) != at or at[2] >= recent})
             files = ", ".join(moving[:3]) or "a file"
             return f"{files} was still being written {within:.0f} s on: restarted now, the write would be cut short"
         before = now
 
 
-def _writing() -> dict[tuple[int, int], tuple[str, int]]:
-    """(PID, fd) -> (path, offset) of each regular file this process or a child has open for
-    writing, not appending, but its standard output and error and files in memory."""
+def _writing() -> dict[tuple[int, int], tuple[str, int, int]]:
+    """(PID, fd) -> (path, offset, modification time in ns) of each regular file this process or
+    a child has open for writing, not appending, but its standard output and error, files in
+    memory and removed files."""
     out = {}
     for pid in (os.getpid(), *_children()):
         try:
@@ -211,8 +218,9 @@ def _writing() -> dict[tuple[int, int], tuple[str, int]]:
                 flags = int(info["flags"], 8)
                 if flags & os.O_ACCMODE == os.O_RDONLY or flags & os.O_APPEND:
                     continue
-                if stat.S_ISREG(os.stat(f"/proc/{pid}/fd/{fd}").st_mode):
-                    out[(pid, int(fd))] = (path, int(info["pos"]))
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                if stat.S_ISREG(st.st_mode) and st.st_nlink:  # (a removed one: nobody reads it after)
+                    out[(pid, int(fd))] = (path, int(info["pos"]), st.st_mtime_ns)
     return out
 
 

@@ -10,12 +10,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+import pytest
+
 from tpagent_rank import recover
 
 
+@pytest.fixture(autouse=True)
+def _still(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recover, "STILL", 0.5, raising=False)  # (2 s in a rank: these tests' writers pause less)
+
+
 @contextmanager
-def writing(f: BinaryIO, pieces: int | None = None) -> Iterator[Callable[[], None]]:
-    """``f`` written 4 KiB each 10 ms, by another thread (``pieces`` of them, else until the end)."""
+def writing(f: BinaryIO, pieces: int | None = None, pause: float = 0.01) -> Iterator[Callable[[], None]]:
+    """``f`` written 4 KiB each ``pause`` seconds, by another thread (``pieces`` of them, else
+    until the end)."""
     stop = threading.Event()
 
     def write() -> None:
@@ -24,7 +32,7 @@ def writing(f: BinaryIO, pieces: int | None = None) -> Iterator[Callable[[], Non
             f.write(b"x" * 4096)
             f.flush()
             n += 1
-            time.sleep(0.01)
+            time.sleep(pause)
 
     t = threading.Thread(target=write)
     t.start()
@@ -57,3 +65,13 @@ def test_logs_appended_to_and_files_read_are_not_waited_for(tmp_path: Path) -> N
     with open(tmp_path / "train.log", "ab") as log, open(tmp_path / "data", "rb") as data, writing(log):
         data.read(100)
         assert recover.quiet(5.0) == ""
+
+
+def test_a_writer_that_pauses_between_its_writes_is_waited_for(tmp_path: Path) -> None:
+    """Its pauses (pickling the next tensor, its thread waiting for the interpreter) are longer
+    than a look at its offset, shorter than STILL."""
+    path = tmp_path / "checkpoint.pt"
+    with open(path, "wb") as f, writing(f, pieces=3, pause=0.25) as joined:
+        assert recover.quiet(30.0) == ""
+        assert path.stat().st_size == 3 * 4096
+        joined()
