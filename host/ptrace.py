@@ -203,7 +203,7 @@ _PROT_READ_WRITE = 0x3
 _MAP_PRIVATE_ANONYMOUS = 0x22
 #: Seconds a read inside another process waits for it to stop; past them it is given up on, and
 #: the thread making it lets the process go once it does stop (see :func:`parent_death_signal`).
-READ_WITHIN = 2.0
+READ_WITHIN = 10.0
 
 
 def bounded(pid: int, work: Callable[[threading.Event], T], within: float) -> T:

@@ -19,6 +19,9 @@ from support.helpers import ROOT
 from support.users import NOBODY, as_user, user_python
 from tpagent.common.threads import Threads
 from tpagent.jobs import local
+from tpagent.jobs.rankentry import Owned
+from tpagent.migration.api import PeerUnreachable
+from tpagent_rank import protocol as P
 
 HOLD = ROOT / "tests" / "attackers" / "held_connections.py"
 CLIENT = ROOT / "tests" / "attackers" / "stand_in_client.py"
@@ -75,3 +78,31 @@ def test_one_users_subordinate_uids_cannot_fill_the_channel(door: str) -> None:
     finally:
         cut = [int(h.communicate("", timeout=60)[0].split()[-1]) for h in holders]
     assert sum(cut) >= 32 - local.PER_USER, cut  # (daemon's own, all but its newest 8)
+
+
+def test_a_moved_ranks_agent_that_gives_no_answer_is_unreachable_to_the_stand_in_not_a_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stand-in follows its moved rank through its node's agent; that agent's word that the
+    rank's new agent gave no answer (busy, or restarting) reaches the stand-in as such, which
+    asks again, and not as a refusal, on which it gave its rank up ("lost track of rank")."""
+    monkeypatch.setattr(peers, "SUBUID", tmp_path / "subuid")
+    there = "10.0.0.2:7400"
+
+    def unreachable(*args: Any) -> Any:
+        raise PeerUnreachable(f"unreachable, {there} gave no answer in time")
+
+    owned = Owned(owner=os.getuid(), moved_to=there, here=False, claimed=True)
+    name = f"tpagent-test-door-moved-{os.getpid()}"
+    threads = Threads()
+    d = local.StandInDoor(name, threads, _no_launch, lambda job, rank: owned, unreachable)
+    d.start()
+    agent = local.LocalAgent(name)
+    try:
+        with pytest.raises(PeerUnreachable, match="gave no answer in time"):
+            agent.to(there).rank("job", 1, P.Locate(), 5)
+    finally:
+        if agent.conn is not None:
+            agent.conn.close()
+        threads.stopping.set()
+        d.close()

@@ -158,7 +158,9 @@ class AwareRewire(Rewire):
                 raise RewireFailed(f"cancelled ({self.cancel_reason}); nothing was changed")
             left = deadline - time.monotonic()
             try:
-                seen = self.ask(target, self.job, r, P.Where(), max(1.0, min(10.0, left)), self.record.key)
+                # (its process answers at once once connected to its agent; until then the agent
+                # waits for it, importing its libraries on a busy node, as long as it may warm up)
+                seen = self.ask(target, self.job, r, P.Where(), max(1.0, left), self.record.key)
             except AgentError as e:
                 raise RewireFailed(
                     f"rank {r}'s new process on {target} ended or stopped answering as it warmed up "

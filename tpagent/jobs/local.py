@@ -246,6 +246,8 @@ class StandInDoor:
             raise Refused(f"{str(d.get('op'))[:40]!r} is not a stand-in's request", Why.INVALID)
         except (ValueError, P.ProtocolError) as e:
             return {"ok": False, "error": f"the request is not valid: {e}"}
+        except PeerUnreachable as e:  # (the agent asked gave no answer: its stand-in may ask again)
+            return {"ok": False, "error": str(e).rstrip("."), "unreachable": True}
         except (AgentError, UsageError) as e:
             return {"ok": False, "error": str(e).rstrip(".")}
         except (RecursionError, OverflowError, TypeError, AttributeError, KeyError) as e:  # (JSON of another shape)
@@ -391,6 +393,8 @@ class LocalAgent:
             raise PeerUnreachable("this node's agent closed the connection")
         answer = json.loads(line)
         if not answer.get("ok"):
+            if answer.get("unreachable") is True:
+                raise PeerUnreachable(str(answer.get("error", "unreachable")))
             raise Refused(str(answer.get("error", "refused")), Why.PRECONDITION)
         return dict(answer)
 
