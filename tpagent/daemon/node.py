@@ -60,6 +60,9 @@ from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=P.Answer)
+#: How long an agent whose node is said to be lost is given to answer before that node's ranks are
+#: rebuilt (the orchestrator's probe gave it 5 s, twice): a busy one answers well within it.
+ANSWER_WITHIN = 10.0
 
 
 def status_of(r: Record) -> PeerStatus:
@@ -199,9 +202,10 @@ class Node:
     # ---- ranks of distributed jobs ---------------------------------------------------------
 
     def _answers(self, agent: str) -> bool:
-        """Whether the agent at ``agent`` answers this one now (a word, even a refusal)."""
+        """Whether the agent at ``agent`` answers this one now (a word, even a refusal), given
+        :data:`ANSWER_WITHIN` s: the last look before its ranks are rebuilt elsewhere."""
         try:
-            self.ctx.peer(agent).versions(3.0)
+            self.ctx.peer(agent).versions(ANSWER_WITHIN)
         except PeerUnreachable:
             return False
         except AgentError:

@@ -72,12 +72,19 @@ RECOVER_TIMEOUT = 900.0
 #: How long a rank that died is not rebuilt again once its rebuild ended (its agent's reports may
 #: still name it for a moment).
 SETTLED = 60.0
-#: How long an agent is given to answer, twice, when ranks of its job elsewhere saw a collective fail.
-PROBE = 2.0
+#: How long an agent is given to answer, twice, when ranks of its job elsewhere saw a collective
+#: fail (and a quiet node's host to take a connection): one that is alive but busy (its node's
+#: CPUs all taken, its Python threads waiting their turn) answers well within it.
+PROBE = 5.0
 #: A job's nodes are looked for so at most this often.
 PROBE_EVERY = 10.0
 #: Agents asked at once.
 PROBES = 32
+#: How many times an agent is told how a rebuild goes, or that a node is lost, while its answer
+#: says the call was not heard (:data:`UNHEARD`).
+SAY_TRIES = 4
+#: What a call ends with when the agent did not act on it: not reached, or too busy to take it.
+UNHEARD = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 #: How often a rebuilt rank's agent is asked whether it has ended.
 FOLLOW_PERIOD = 2.0
 #: How long a rebuilt rank's agent may not answer before its end is given up on.
@@ -387,12 +394,20 @@ class LostNodes:
         self._say(agent, job, rank, word)
 
     def _say(self, agent: str, job: str, rank: int, request: P.Request[P.Answer]) -> None:
-        """Ask ``request`` of ``agent`` about rank ``rank`` of ``job``, once: a failure is logged."""
-        try:
-            stub(agent, self.creds).Rank(rankwire.request_pb(job_name(job), rank, request, 30.0), timeout=40)
-        except grpc.RpcError as e:
-            what = request.OP.value
-            log.warning("the agent at %s was not told %s (job %s, rank %d): %s", agent, what, job, rank, rpc_text(e))
+        """Ask ``request`` of ``agent`` about rank ``rank`` of ``job``: asked again, :data:`SAY_TRIES`
+        times at most, while the agent was not reached or turned the call away unheard (too busy);
+        never after a call that may have been heard.  A failure is logged."""
+        for tried in range(1, SAY_TRIES + 1):
+            try:
+                stub(agent, self.creds).Rank(rankwire.request_pb(job_name(job), rank, request, 30.0), timeout=40)
+                return
+            except grpc.RpcError as e:
+                if tried < SAY_TRIES and e.code() in UNHEARD:
+                    time.sleep(tried)
+                    continue
+                said = (agent, request.OP.value, job, rank, rpc_text(e))
+                log.warning("the agent at %s was not told %s (job %s, rank %d): %s", *said)
+                return
 
     def _follow(self, job: str, rank: int, agent: str) -> None:
         """Wait for rank ``rank`` of ``job``, rebuilt at ``agent``, to end (following it where it
