@@ -343,6 +343,15 @@ def dump_size_estimate(pids: Sequence[int]) -> int:
     return total
 
 
+def waited_to_run(pid: int) -> float:
+    """Seconds ``pid``'s main thread has spent ready to run but waiting for a CPU (the kernel's
+    schedstat); 0.0 where it cannot be read."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def is_session_leader(pid: int) -> bool:
     return os.getsid(pid) == pid
 

@@ -6,11 +6,15 @@ so this is no unit test (tests/unit/test_agent_contract.py holds the contract it
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+
+import pytest
 
 from support.protocol_fakes import sleeper, unit_context, wait
 from tpagent.migration.api import (
@@ -28,6 +32,7 @@ from tpagent.migration.api import (
 )
 from tpagent.migration.context import Context
 from tpagent.migration.journal import Record, note_process
+from tpagent.migration import target
 from tpagent.migration.target import await_source, confirm_held, finish_held, settle, watch_copy
 
 T = TargetState
@@ -149,3 +154,49 @@ def test_a_held_copy_the_source_drops_is_killed_and_one_it_never_confirms_is_fin
     finally:
         copy.kill()
         copy.wait()
+
+
+def _spinner() -> subprocess.Popen[bytes]:
+    """A process always ready to run, on the first CPU only."""
+    code = "import os\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\nwhile True:\n    pass\n"
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def _ran(pid: int) -> float:
+    """The CPU seconds ``pid`` has had (user and system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_copy_is_confirmed_once_it_has_run_for_the_period_not_waited_for_a_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy on a node whose CPUs are taken (here: two other processes always ready to run on
+    its one CPU) must have run for the confirmation period before its original is ended: time
+    spent waiting for a CPU gave it no chance to fail (a copy that fails soon after it starts)."""
+    monkeypatch.setattr(target, "STARVED_MOST", 1000.0, raising=False)  # (however busy the machine: never cut short)
+    period = 0.5
+    ctx = unit_context(tmp_path, _Source(), confirm_period=period)
+    rivals = [_spinner() for _ in range(2)]
+    copy = _spinner()
+    mid = "c" * 32
+    r = Record(mid, Role.TARGET, T.CONFIRMING, peer="source", snapshot=str(ctx.cfg.work_dir / mid))
+    note_process(r, copy.pid)
+    ctx.journal.write(r)
+    ran_by: list[float] = []
+
+    def settled(mid: str, ran: bool, why: str) -> None:
+        ran_by.append(_ran(copy.pid))
+        now = ctx.journal.read(mid)
+        assert now is not None
+        settle(ctx, now, ran, why)
+
+    try:
+        t0 = time.monotonic()
+        watch_copy(ctx, replace(r), settled)
+        assert _state(ctx, mid) is T.DONE and copy.poll() is None
+        assert ran_by[0] >= 0.8 * period, (ran_by, time.monotonic() - t0)  # (its ticks: 10 ms each)
+    finally:
+        for p in (copy, *rivals):
+            p.kill()
+            p.wait()

@@ -33,6 +33,9 @@ T = TargetState
 Finisher = Callable[[str, bool, str], object]
 #: settle(migration_id, ran, why): how a confirmation ends (:meth:`.receivers.Receivers.settle`).
 Settler = Callable[[str, bool, str], object]
+#: How much of a copy's wait for a CPU is taken off its confirmation period, in periods: a copy on
+#: a node whose CPUs stay taken is confirmed after ten periods at most.
+STARVED_MOST = 9.0
 
 
 class Incoming:
@@ -264,8 +267,10 @@ def _runs(r: Record) -> bool:
 def watch_copy(ctx: Context, probe: Record, settle: Settler) -> None:
     """CONFIRMING: the copy must run ``confirm_period`` seconds.  Once it has, the migration
     is DONE; if it ends sooner (a peer it needed stayed behind, a device is missing here ...),
-    it is dropped and the source's original, frozen all along, runs on.  A held copy
-    (``Offer.hold``) waits for the source's confirmation instead, ``hold`` seconds at most."""
+    it is dropped and the source's original, frozen all along, runs on.  Time its main thread
+    spent waiting for a CPU (a node whose CPUs are all taken) does not count, up to
+    :data:`STARVED_MOST` times the period: it must have run.  A held copy (``Offer.hold``)
+    waits for the source's confirmation instead, ``hold`` seconds at most."""
     period = probe.hold or ctx.timeouts.confirm
     t0 = time.monotonic()
     try:
@@ -278,9 +283,14 @@ def _watch(ctx: Context, probe: Record, settle: Settler, period: float, t0: floa
     mid = probe.migration_id
     pid = probe.pid
     looked = t0
+    waited = proc.waited_to_run(pid)
     while True:
         elapsed = time.monotonic() - t0
-        silent = time.monotonic() - max(t0, _HEARD.get(mid, t0)) if probe.hold else elapsed
+        if probe.hold:
+            silent = time.monotonic() - max(t0, _HEARD.get(mid, t0))
+        else:  # (how long it ran: its wait for a CPU taken off, once the period is over)
+            starved = proc.waited_to_run(pid) - waited if elapsed >= period else 0.0
+            silent = max(elapsed - starved, elapsed - STARVED_MOST * period)
         if not _runs(probe):
             when = "before the source confirmed it" if probe.hold else f"inside the {period:g} s confirmation period"
             settle(
