@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from support.protocol_fakes import sleeper, unit_context, wait
+from tpagent.migration import target
 from tpagent.migration.api import (
     Acceptance,
     Offer,
@@ -32,7 +33,6 @@ from tpagent.migration.api import (
 )
 from tpagent.migration.context import Context
 from tpagent.migration.journal import Record, note_process
-from tpagent.migration import target
 from tpagent.migration.target import await_source, confirm_held, finish_held, settle, watch_copy
 
 T = TargetState

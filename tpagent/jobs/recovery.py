@@ -276,11 +276,9 @@ class Recovery:
         except AgentError as e:
             raise Failed(f"how rank {rank} runs cannot be read ({str(e).rstrip('.')})") from e
 
-    def _call(
-        self, agent: str, rank: int, request: P.Request[P.Answer], what: str, timeout: float | None = None
-    ) -> P.Answer:
+    def _call(self, agent: str, rank: int, request: P.Request[P.Answer], what: str) -> P.Answer:
         try:
-            answer = self.ask(agent, self.job, rank, request, timeout or self.timeout, self.asking.key)
+            answer = self.ask(agent, self.job, rank, request, self.timeout, self.asking.key)
         except AgentError as e:
             raise Failed(f"rank {rank} could not {what} ({str(e).rstrip('.')})") from e
         if not answer.ok:
@@ -313,15 +311,12 @@ class Recovery:
             self.stages[f"rank{d}_state_bytes"] = float(saved.size)
 
     def _stand(self, trial: list[str], ranks: list[int], state: P.RankState, step: int | None, timeout: float) -> None:
-        """Wait until each of ``ranks`` stands at ``state`` (and ``step``).  A rank's process that
-        is not connected to its agent yet (restarted, or just started: importing its libraries)
-        is waited for as long."""
+        """Wait until each of ``ranks`` stands at ``state`` (and ``step``)."""
         deadline = time.monotonic() + timeout
         left = set(ranks)
         while left:
             for r in sorted(left):
-                within = max(self.timeout, deadline - time.monotonic())
-                seen = self._call(trial[r], r, P.Where(), f"say where it stands ({state.value} awaited)", within)
+                seen = self._call(trial[r], r, P.Where(), f"say where it stands ({state.value} awaited)")
                 assert isinstance(seen, P.Standing)
                 if seen.state == state.value and step in (None, seen.step):
                     left.discard(r)
