@@ -36,6 +36,8 @@ def removed(pid: int, via: str, name: str) -> bool:
         return False
     try:
         held = os.stat(via)
+        if not held.st_nlink:
+            return True  # (no name leads to it: not looked up by one, which anyone could plant)
         named = os.stat(f"/proc/{pid}/root{name}")
     except OSError:
         return True
@@ -180,16 +182,18 @@ class Relinked:
     ino: int
 
 
-def relinked(pids: Sequence[int]) -> list[Relinked]:
+def relinked(pids: Sequence[int], named_so: bool = False) -> list[Relinked]:
     """The relinked files of the processes (:class:`Relinked`), each file and name once.  Its
     mappings are read through ``/proc/PID/map_files``, which only root may follow: others see
-    only the descriptors."""
+    only the descriptors.  ``named_so``: with the files whose live name ends as a removed one's
+    does (its name may be removed before CRIU looks)."""
     out: dict[tuple[int, int, str], Relinked] = {}
     for pid in pids:
         for at, link in held(pid):
-            path = link.removesuffix(DELETED)
-            if not path.startswith("/") or not removed(pid, at, link):
+            gone = removed(pid, at, link)
+            if not link.startswith("/") or not (gone or named_so and link.endswith(DELETED)):
                 continue
+            path = link.removesuffix(DELETED) if gone else link
             try:
                 st = os.stat(at)
             except OSError:
@@ -204,7 +208,7 @@ def relink_refusals(pids: Sequence[int]) -> list[str]:
     could change meanwhile (redirect, with a symlink, where root writes): refused before anything
     is frozen.  /dev/shm and /tmp, root's and sticky, are safe."""
     out = []
-    for r in relinked(pids):
+    for r in relinked(pids, named_so=True):
         why = safefs.changeable_dir(Path(r.path).parent)
         if why:
             out.append(

@@ -39,9 +39,10 @@ def test_only_directories_no_user_can_change_take_a_name_from_root(tmp_path: Pat
 
 def test_a_live_file_named_as_the_kernel_names_removed_ones_is_no_removed_one(tmp_path: Path) -> None:
     """/proc shows a removed file's name with " (deleted)" after it, and a live file may be named
-    so: it is no relinked file (a dump refused it in a user's directory) and a restore finds it by
-    that name (it went unnoted, so its check of what CRIU reopened skipped it).  A removed file
-    whose old name now leads to another file of that name is still a removed one."""
+    so: it is no relinked file and a restore finds it by that name (it went unnoted, so its check
+    of what CRIU reopened skipped it).  A removed file whose old name now leads to another file of
+    that name is still a removed one.  In a directory a user can change, the live one is refused
+    still: its name may be removed before CRIU looks, which would then name it again there."""
     live = tmp_path / "live (deleted)"
     live.write_bytes(b"x")
     (tmp_path / "opened").write_bytes(b"y")
@@ -55,6 +56,20 @@ def test_a_live_file_named_as_the_kernel_names_removed_ones_is_no_removed_one(tm
         noted = [r.path for r in reopened.note([os.getpid()])]
         assert str(live) in noted and str(tmp_path / "opened (deleted)") not in noted
         assert not files.removed(os.getpid(), f"/proc/self/fd/{fds[0]}", str(live))
+        refused = [why for why in files.relink_refusals([os.getpid()]) if f"has {live} open" in why]
+        assert len(refused) == (1 if safefs.changeable_dir(tmp_path) else 0), refused
     finally:
         for f in fds:
             os.close(f)
+
+
+def test_a_removed_file_is_never_looked_up_by_a_name_someone_planted(tmp_path: Path) -> None:
+    """A file with no name left is a removed one, whatever its old name with " (deleted)" after it
+    leads to: a symlink planted there to the file itself (through /proc) is not followed."""
+    fd = os.open(tmp_path / "gone", os.O_RDWR | os.O_CREAT)
+    try:
+        os.unlink(tmp_path / "gone")
+        (tmp_path / "gone (deleted)").symlink_to(f"/proc/{os.getpid()}/fd/{fd}")
+        assert files.removed(os.getpid(), f"/proc/self/fd/{fd}", str(tmp_path / "gone (deleted)"))
+    finally:
+        os.close(fd)
