@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import grpc
 import typer
 
+from cli import following
 from cli.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -152,7 +153,7 @@ def migrate(
         if e.code() is grpc.StatusCode.CANCELLED and last is not None:
             pass
         elif last is not None and broke(e):
-            last = _source_lost(agent, pb, source, last, first, as_json)
+            last = following.source_lost(agent, pb, source, last, first, as_json)
         elif e.code() is grpc.StatusCode.UNAVAILABLE:
             die(_unreachable(source, e), EXIT_USAGE, as_json)
         elif e.code() is grpc.StatusCode.UNAUTHENTICATED:
@@ -164,7 +165,7 @@ def migrate(
     except KeyboardInterrupt:
         call.cancel()
         typer.echo("\ninterrupted: the agent rolls the migration back...", err=True)
-        last = _wait_final(agent, pb, last, first)
+        last = following.wait_final(agent, pb, last, first)
         _report(last, as_json, dry_run)
         raise typer.Exit(EXIT_INTERRUPTED) from None
     if last is not None and last.state in ("failed", "checking"):  # it ended in its checks (a dry run's: "checking")
@@ -244,42 +245,6 @@ def _unreachable(agent: str, e: grpc.RpcError) -> str:
     return f"the agent at {agent} cannot be reached ({unreachable_reason(e)}); is `tpagent serve` running there?"
 
 
-#: How long the CLI waits for a source agent that stopped answering mid-migration to come back
-#: (systemd restarts it in seconds), and how long it then follows the migration it settles from
-#: its journal (a rewire's ranks rebuild within their own deadlines) before it leaves it to
-#: `tpagent status`.
-SOURCE_BACK_WITHIN = 120.0
-SETTLED_WITHIN = 600.0
-
-
-def _source_lost(agent: Any, pb: Any, source: str, last: Any, migration_id: str, as_json: bool) -> Any:
-    """The source agent stopped answering in the middle of the migration (it died, or its node
-    did): it settles the migration from its journal as it starts again.  Its last word then,
-    or a sentence saying where things stand."""
-    if not as_json:
-        typer.echo(
-            f"\nthe agent at {source} stopped answering during migration {migration_id} ({last.state}); "
-            "waiting for it to settle the migration from its journal...",
-            err=True,
-        )
-    settled, answered = _final(agent, pb, migration_id, SETTLED_WITHIN, SOURCE_BACK_WITHIN)
-    if settled is None:
-        see = f"tpagent status {migration_id} --agent {source}"
-        if answered:
-            why = f"answers again but has not settled it within {SETTLED_WITHIN:.0f} s; it goes on: {see}"
-        else:
-            why = (
-                f"did not answer again within {SOURCE_BACK_WITHIN:.0f} s; it settles the migration from its "
-                f"journal once it runs: {see}"
-            )
-        die(
-            f"the agent at {source} stopped answering during migration {migration_id} ({last.state}) and {why}",
-            EXIT_FAILED,
-            as_json,
-        )
-    return settled
-
-
 def _refuse_if_unreachable(agent: str, creds: Any, as_json: bool) -> None:
     """A migration that failed before anything was frozen, because its target cannot be
     reached, is bad input as an unreachable --from is: the same sentence, the same exit code."""
@@ -311,36 +276,6 @@ def _show(event: Any, shown: str) -> str:
         )
         return str(event.message)
     return shown
-
-
-def _wait_final(agent: Any, pb: Any, last: Any, migration_id: str, seconds: float = 120.0) -> Any:
-    if last is None:
-        return None
-    settled, _ = _final(agent, pb, migration_id, seconds)
-    return last if settled is None else settled
-
-
-def _final(
-    agent: Any, pb: Any, migration_id: str, seconds: float, answer_within: float | None = None
-) -> tuple[Any, bool]:
-    """The migration's last event once ``agent`` says it has ended (None: not within ``seconds``,
-    nor within ``answer_within`` while the agent does not answer at all), and whether it answered."""
-    start = time.monotonic()
-    answered = False
-    while True:
-        waited = time.monotonic() - start
-        if waited >= seconds or (not answered and answer_within is not None and waited >= answer_within):
-            return None, answered
-        try:
-            status = agent.Status(pb.MigrationRef(migration_id=migration_id), timeout=10)
-        except grpc.RpcError as e:
-            answered = answered or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-            time.sleep(0.5)
-            continue
-        answered = True
-        if status.state in ("done", "rolled_back", "failed"):
-            return pb.MigrationEvent(migration_id=status.migration_id, state=status.state, message=status.message), True
-        time.sleep(0.2)
 
 
 def _report(last: Any, as_json: bool, dry_run: bool, said: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """A `tpagent migrate` whose source agent stopped answering mid-migration waits for it to come
 back and settle the migration from its journal; when it gives up, its one sentence says which
 way: the agent never answered again, or it answers but has not settled the migration yet
-(cli.agent_cmds._source_lost, with its two waits cut short).
+(cli.following.source_lost, with its two waits cut short).
 
 The agent that never answers is a real gRPC channel to a port nobody listens on; the one that
 answers without settling is a stand-in with the agent's Status call alone (a real agent's
@@ -17,7 +17,7 @@ import grpc
 import pytest
 import typer
 
-from cli import agent_cmds
+from cli import following
 from tpagent.daemon.proto import agent_pb2 as pb
 from tpagent.daemon.proto import agent_pb2_grpc as pb_grpc
 
@@ -44,8 +44,8 @@ def _closed_port() -> int:
 def _gives_up(agent: Any, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
     """The CLI's JSON error once it gives up on the source agent (its sentence on stderr, alone)."""
     with pytest.raises(typer.Exit) as ended:
-        agent_cmds._source_lost(agent, pb, "node-a:7070", LAST, MID, as_json=True)
-    assert ended.value.exit_code == agent_cmds.EXIT_FAILED
+        following.source_lost(agent, pb, "node-a:7070", LAST, MID, as_json=True)
+    assert ended.value.exit_code == following.EXIT_FAILED
     said = capsys.readouterr()
     error = json.loads(said.out)
     assert said.err.count("\n") == 1 and said.err == f"tpagent: {error['error']}\n"  # (one sentence)
@@ -55,7 +55,7 @@ def _gives_up(agent: Any, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
 def test_an_agent_that_never_answers_again_is_said_to_be_silent(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(agent_cmds, "SOURCE_BACK_WITHIN", 0.2)
+    monkeypatch.setattr(following, "SOURCE_BACK_WITHIN", 0.2)
     with grpc.insecure_channel(f"127.0.0.1:{_closed_port()}") as channel:
         error = _gives_up(pb_grpc.AgentStub(channel), capsys)
     sentence = error["error"]
@@ -67,8 +67,8 @@ def test_an_agent_that_never_answers_again_is_said_to_be_silent(
 def test_an_agent_that_answers_but_has_not_settled_is_said_to_go_on(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(agent_cmds, "SOURCE_BACK_WITHIN", 60.0)  # (it answers at once: not this wait)
-    monkeypatch.setattr(agent_cmds, "SETTLED_WITHIN", 0.3)
+    monkeypatch.setattr(following, "SOURCE_BACK_WITHIN", 60.0)  # (it answers at once: not this wait)
+    monkeypatch.setattr(following, "SETTLED_WITHIN", 0.3)
     agent = _Settling()
     sentence = _gives_up(agent, capsys)["error"]
     assert agent.asked >= 2  # (followed, not asked once)
@@ -90,7 +90,34 @@ class _Refusing:
 def test_an_agent_that_answers_with_an_error_is_no_silent_one(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(agent_cmds, "SOURCE_BACK_WITHIN", 0.2)
-    monkeypatch.setattr(agent_cmds, "SETTLED_WITHIN", 1.0)
+    monkeypatch.setattr(following, "SOURCE_BACK_WITHIN", 0.2)
+    monkeypatch.setattr(following, "SETTLED_WITHIN", 1.0)
     sentence = _gives_up(_Refusing(), capsys)["error"]
     assert "answers again but has not settled it within 1 s" in sentence and "did not answer" not in sentence
+
+
+class _NotKnowing:
+    """An agent back without the migration (its journal lost with its disk): it says so."""
+
+    class Unknown(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.NOT_FOUND
+
+        def details(self) -> str:
+            return f"no migration {MID} here."
+
+    asked = 0
+
+    def Status(self, ref: Any, timeout: float) -> Any:  # noqa: N802 (the gRPC method's name)
+        self.asked += 1
+        raise self.Unknown()
+
+
+def test_an_agent_that_answers_it_knows_no_such_migration_is_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(following, "SETTLED_WITHIN", 600.0)  # (not waited for at all: its word stands)
+    agent = _NotKnowing()
+    sentence = _gives_up(agent, capsys)["error"]
+    assert agent.asked == 1
+    assert f"answers again, but not about it: no migration {MID} here; see tpagent status {MID}" in sentence
