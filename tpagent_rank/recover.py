@@ -50,8 +50,9 @@ QUIET = 120.0
 LOOK = 0.1
 #: How long ago a file must have last been written to count as written (seconds): a writer's
 #: pauses between its writes (torch.save pickling, its thread waiting for the interpreter) are
-#: shorter.
-STILL = 2.0
+#: shorter; a file written more often than this (a log opened for writing, not appending, and
+#: written each second) is never quiet, and its restart refused after ``within``.
+STILL = 1.0
 
 
 @dataclass
@@ -188,11 +189,12 @@ def quiet(within: float) -> str:
     while True:
         time.sleep(LOOK)
         now = _writing()
-        recent = time.time_ns() - int(STILL * 1e9)
-        if now == before and all(modified < recent for _, _, modified in now.values()):
+        wall = time.time_ns()
+        recent = wall - int(STILL * 1e9)  # (a time ahead of now is no write's: copied with the file, -p)
+        if now == before and not any(recent <= modified <= wall for _, _, modified in now.values()):
             return ""
         if time.monotonic() > deadline:
-            moving = sorted({at[0] for key, at in now.items() if before.get(key) != at or at[2] >= recent})
+            moving = sorted({at[0] for key, at in now.items() if before.get(key) != at or recent <= at[2] <= wall})
             files = ", ".join(moving[:3]) or "a file"
             return f"{files} was still being written {within:.0f} s on: restarted now, the write would be cut short"
         before = now

@@ -158,10 +158,11 @@ class AwareRewire(Rewire):
                 raise RewireFailed(f"cancelled ({self.cancel_reason}); nothing was changed")
             left = deadline - time.monotonic()
             try:
-                # (its process answers at once once connected to its agent; until then the agent
-                # waits for it, importing its libraries on a busy node, as long as it may warm up)
-                seen = self.ask(target, self.job, r, P.Where(), max(1.0, left), self.record.key)
+                seen = self.ask(target, self.job, r, P.Where(), max(1.0, min(10.0, left)), self.record.key)
             except AgentError as e:
+                if left > 0 and self._runs_there(r):  # (not connected to its agent yet: importing its libraries)
+                    time.sleep(0.2)
+                    continue
                 raise RewireFailed(
                     f"rank {r}'s new process on {target} ended or stopped answering as it warmed up "
                     f"({str(e).rstrip('.')}); nothing was changed"
@@ -174,6 +175,14 @@ class AwareRewire(Rewire):
                     f"(it stands at {seen.state}); nothing was changed"
                 )
             time.sleep(0.2)
+
+    def _runs_there(self, r: int) -> bool:
+        """Whether rank ``r``'s new process runs still, as its agent says (not its runtime)."""
+        try:
+            seen = self.ask(self.moving[r][1], self.job, r, P.Locate(), 10.0, self.record.key)
+        except AgentError:
+            return False
+        return seen.state == P.Whereabouts.HERE.value and seen.pid == self.record.joiners.get(r)
 
     def _hand_over(self, agents: list[str], trial: list[str], step: int) -> list[str]:
         """Each moving rank's state, offered here, fetched by its joiner there; what failed."""
