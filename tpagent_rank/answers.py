@@ -153,4 +153,4 @@ class Recovered(Answer):
     stages: tuple[str, ...] = ()  # "name=seconds"
     store: str = ""  # HOST:PORT at which the job's store is served from now on, if it was lost too
     ranks: tuple[int, ...] = ()  # the ranks rebuilt (those asked, and any lost with them)
-    back: tuple[int, ...] = ()  # survivors that had got further, taken back to ``step`` from a replica
+    back: tuple[int, ...] = ()  # survivors at another boundary, given ``step``'s state from a replica

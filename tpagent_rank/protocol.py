@@ -305,8 +305,9 @@ class Restart(Request[Answer]):
     last step boundary (``Standing.held``) once warmed up, and stands there, its communicators to be
     built (``rebuild``): the step in flight is dropped, and done again.  ``store``: ``HOST:PORT``
     at which the job's store is served from now on (:data:`STORE_VARIABLE`; "": where it was).
-    ``fresh``: a rank that got a step further than others (its held state is of a later boundary):
-    it drops what it holds and, warmed up, waits for the state of the job's boundary (``load``)."""
+    ``fresh``: a rank whose held state is of another boundary than the job's (a step further than
+    others, or behind the only replicas of a lost rank): it drops what it holds and, warmed up,
+    waits for the state of the job's boundary (``load``)."""
 
     OP = Op.RESTART
     store: str = ""

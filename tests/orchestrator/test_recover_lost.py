@@ -164,16 +164,18 @@ def _ran_on(c: Cluster, o: Orchestrator, job: Job, reference: Path, survivors: s
     assert len(recovered) == 1 and f"rank(s) {rebuilt} rebuilt on {spare.name}" in recovered[0], recovered
     found = re.search(r"runs on from step (\d+),", recovered[0])
     assert found, recovered[0]
-    back = re.search(r"rank\(s\) ([\d, ]+), a step further, taken back to it", recovered[0])
+    back = re.search(r"rank\(s\) ([\d, ]+), at another step, given it from a replica", recovered[0])
     again = {int(r) for r in back.group(1).split(", ")} if back else set()
     lost = {int(r) for r in rebuilt.split(", ")}
     for r in range(len(job.names)):
-        want = _twice(rank_log(reference, r), int(found.group(1))) if r in again else rank_log(reference, r)
         got = rank_log(job.logs, r)
-        if r in lost and not any(ln.startswith(f"step {int(found.group(1)) - 1} ") for ln in got):
+        before = any(ln.startswith(f"step {int(found.group(1)) - 1} ") for ln in got)
+        want = _twice(rank_log(reference, r), int(found.group(1))) if r in again else rank_log(reference, r)
+        if r in lost | again and not before:
             # (the lost rank was killed once it had done its part of the step before the one the
-            # job runs on from, but before it wrote that step's line: its new process starts past it)
-            want = [ln for ln in want if not ln.startswith(f"step {int(found.group(1)) - 1} ")]
+            # job runs on from, but before it wrote that step's line: its new process starts past
+            # it; a rank brought forward to the job's step, from a replica, starts past it too)
+            want = [ln for ln in rank_log(reference, r) if not ln.startswith(f"step {int(found.group(1)) - 1} ")]
         assert [ln.split()[1] for ln in got if ln.startswith("step ")] == [
             ln.split()[1] for ln in want if ln.startswith("step ")
         ], r
@@ -293,7 +295,9 @@ def test_a_rank_that_finished_the_step_the_others_were_caught_in_is_taken_back_t
     line of it written twice, the same); the job is otherwise bit-identical."""
     with _running(tmp_path, ("--aware", "--die-at", "80")) as (c, o, job):
         recovered = _ran_on(c, o, job, reference_aware, "ABC", "0")
-        assert "runs on from step 80," in recovered and "rank(s) 2, a step further, taken back to it" in recovered
+        assert (
+            "runs on from step 80," in recovered and "rank(s) 2, at another step, given it from a replica" in recovered
+        )
         # Rank 2 was taken back where it ran: no copy of it was started on the spare.
         assert "rank 2 of job" not in c.nodes["D"].agent_log()
 

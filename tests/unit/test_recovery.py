@@ -114,3 +114,19 @@ def test_a_rank_none_of_whose_replicas_holds_the_jobs_boundary_cannot_be_rebuilt
         _recovery((2,), [1, 3])._sources(AGENTS, where, 80)
     with pytest.raises(Failed, match="no replica of rank 2's training state survives"):
         _recovery((2,), [])._sources(AGENTS, {0: _at(80, (0,)), 1: _at(80, (1,))}, 80)
+
+
+def test_where_a_lost_ranks_only_replicas_got_a_step_further_the_others_are_brought_forward() -> None:
+    """HSDP, two shards of two replicas: rank 1 lost once its replica, rank 3, and rank 2 had
+    finished step 45, but rank 0 had not.  Rank 1's state at 44 survives nowhere, at 45 on rank 3:
+    the job goes on from 45, rank 0 given it by its replica, rank 2 (before: 44, and none held rank
+    1's state there, so the job could not be rebuilt)."""
+    shard = {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}
+    where = {r: _at(held, shard[r]) for r, held in ((0, 44), (2, 45), (3, 45))}
+    recovery = _recovery((1,), [])
+    assert recovery._boundary(where) == 45
+    recovery.back = [0]
+    assert recovery._sources(AGENTS, where, 45) == {1: 3, 0: 2}
+    # Where the earliest serves, it is the one: a rank a step further is taken back.
+    where = {r: _at(held, shard[r]) for r, held in ((0, 44), (2, 45), (3, 44))}
+    assert recovery._boundary(where) == 44

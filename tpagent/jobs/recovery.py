@@ -9,7 +9,8 @@ side is :mod:`tpagent_rank.recover`::
                lost together), and is rebuilt with the others.  The job goes on from the earliest
                boundary held, S: a rank in no collective with a lost one may have finished the
                step the others were caught in; it is taken back to S, as a lost rank is rebuilt
-               (its step done again, its lines written again)
+               (its step done again, its lines written again).  Where a lost rank's replicas all
+               did so, S is theirs, and the others are brought forward to it from a replica
     store      where the job's store no longer answers (it was served on the lost node), it is
                served anew on this node, holding the job's identity, and every rank started
                from here on is told where (:mod:`tpagent.jobs.storeserver`)      -- "store"
@@ -159,11 +160,11 @@ class Recovery:
         t0 = time.monotonic()
         where = self._where(agents, [r for r in range(len(agents)) if r not in self.lost])
         survivors = sorted(where)
-        boundary = min(w.held for w in where.values())
-        self.back = [r for r in survivors if where[r].held > boundary]
+        boundary = self._boundary(where)
+        self.back = [r for r in survivors if where[r].held != boundary]
         if self.back:  # (a rank in no collective with a lost one finished the step the others hold)
-            ahead = ", ".join(f"rank {r} at {where[r].held}" for r in self.back)
-            log.warning("job %s: %s, the others at %d: taken back to it from a replica", self.job, ahead, boundary)
+            off = ", ".join(f"rank {r} at {where[r].held}" for r in self.back)
+            log.warning("job %s: %s, the others at %d: given its state from a replica", self.job, off, boundary)
         sources = self._sources(agents, where, boundary)
         t = time.monotonic()
         self.store = self._store_anew(where)
@@ -255,6 +256,19 @@ class Recovery:
             raise Failed(f"its store ({lost}) is lost, and it could not be served anew on {self.here} ({e})") from e
         log.warning("job %s: its store (%s) is lost; it is served anew at %s", self.job, lost, address)
         return address
+
+    def _boundary(self, where: dict[int, P.Standing]) -> int:
+        """The boundary the job goes on from: the earliest held from which every lost rank, and
+        every survivor at another, has a surviving replica holding it.  Ranks in no collective
+        with a lost one may have finished the step the others were caught in (taken back to
+        them), and where the lost rank's only replicas did so, the others are brought forward
+        to theirs.  None such: the earliest (:meth:`_sources` says why it cannot be)."""
+        held = sorted({w.held for w in where.values()})
+        for b in held:
+            given = [*self.lost, *(r for r, w in where.items() if w.held != b)]
+            if all(any(w.held == b and d in w.replicas and r != d for r, w in where.items()) for d in given):
+                return b
+        return held[0]
 
     def _sources(self, agents: list[str], where: dict[int, P.Standing], boundary: int) -> dict[int, int]:
         """Each lost rank, and each survivor taken back -> a surviving replica of it that holds

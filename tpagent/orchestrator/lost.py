@@ -380,7 +380,7 @@ class LostNodes:
             text = f"job {job_name(job)} runs on from step {done.step}, rank(s) {_listed(done.ranks)} rebuilt on "
             text += f"{spare} in {time.monotonic() - t0:.1f} s ({stages})"
             text += f"; its store, lost with {node}, is served at {done.store}" if done.store else ""
-            text += f"; rank(s) {_listed(done.back)}, a step further, taken back to it" if done.back else ""
+            text += f"; rank(s) {_listed(done.back)}, at another step, given it from a replica" if done.back else ""
             text += "" if not rebuild.died else "; their stand-ins follow them there"
             self.event("recovered", text, job, node, level=logging.WARNING)
             for r in done.ranks:
