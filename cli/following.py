@@ -64,7 +64,7 @@ def _final(
     nor within ``answer_within`` while the agent does not answer at all, nor once it refuses to
     say), and what it said: None, nothing yet; "", that it goes on (or is too busy to say); else
     its refusal (no such migration, not yours), which waiting does not change."""
-    from tpagent.daemon.client import broke, rpc_text
+    from tpagent.daemon.client import UNREACHABLE, broke, rpc_text
 
     start = time.monotonic()
     said: str | None = None
@@ -75,10 +75,12 @@ def _final(
         try:
             status = agent.Status(pb.MigrationRef(migration_id=migration_id), timeout=10)
         except grpc.RpcError as e:
-            if e.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE) and not broke(e):
-                if e.code() not in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED):
-                    return None, rpc_text(e) or e.code().name
-                said = ""
+            if e.code() in UNREACHABLE or broke(e):
+                pass  # (not back yet)
+            elif e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED):
+                said = ""  # (back, too busy to say)
+            else:
+                return None, rpc_text(e)
             time.sleep(0.5)
             continue
         said = ""

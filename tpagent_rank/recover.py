@@ -191,10 +191,10 @@ def quiet(within: float) -> str:
         now = _writing()
         wall = time.time_ns()
         recent = wall - int(STILL * 1e9)  # (a time ahead of now is no write's: copied with the file, -p)
-        if now == before and not any(recent <= modified <= wall for _, _, modified in now.values()):
+        moving = sorted({at[0] for key, at in now.items() if before.get(key) != at or recent <= at[2] <= wall})
+        if not moving and now.keys() == before.keys():
             return ""
         if time.monotonic() > deadline:
-            moving = sorted({at[0] for key, at in now.items() if before.get(key) != at or recent <= at[2] <= wall})
             files = ", ".join(moving[:3]) or "a file"
             return f"{files} was still being written {within:.0f} s on: restarted now, the write would be cut short"
         before = now
