@@ -16,19 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from support.protocol_fakes import sleeper, unit_context, wait
+from support.protocol_fakes import StatusOnly, sleeper, unit_context, wait
 from tpagent.migration import target
 from tpagent.migration.api import (
-    Acceptance,
-    Offer,
-    Peer,
     PeerStatus,
     PeerUnreachable,
     Refused,
-    Restored,
     Role,
     TargetState,
-    Versions,
     Why,
 )
 from tpagent.migration.context import Context
@@ -38,33 +33,19 @@ from tpagent.migration.target import await_source, confirm_held, finish_held, se
 T = TargetState
 
 
-class _Source(Peer):
+class _Source(StatusOnly):
     """A source agent in memory, for a held copy that asks it: reachable or not."""
 
     def __init__(self) -> None:
-        self.address = "source.test:7400"
-        self.answer: str | None = "committing"  # None: unreachable; "refuse": answers no
-        self.asked = 0
+        super().__init__("source.test:7400", self._says)
+        self.answer_is: str | None = "committing"  # None: unreachable; "refuse": answers no
 
-    def status(self, migration_id: str, timeout: float) -> PeerStatus:
-        self.asked += 1
-        if self.answer is None:
+    def _says(self, migration_id: str) -> PeerStatus:
+        if self.answer_is is None:
             raise PeerUnreachable("unavailable")
-        if self.answer == "refuse":
+        if self.answer_is == "refuse":
             raise Refused("refused the call: a stale timestamp", Why.UNAUTHENTICATED)
-        return PeerStatus(migration_id, self.answer)
-
-    def receive(self, offer: Offer, timeout: float) -> Acceptance:
-        raise AssertionError("a target never asks this")
-
-    def restore(self, migration_id: str, timeout: float) -> Restored:
-        raise AssertionError("a target never asks this")
-
-    def finish(self, migration_id: str, commit: bool, timeout: float, confirmed: bool = False) -> PeerStatus:
-        raise AssertionError("a target never asks this")
-
-    def versions(self, timeout: float) -> Versions:
-        raise AssertionError("a target never asks this")
+        return PeerStatus(migration_id, self.answer_is)
 
 
 def _held(tmp_path: Path, source: _Source) -> tuple[object, list[tuple[str, bool, str]], threading.Thread]:
@@ -79,9 +60,9 @@ def _held(tmp_path: Path, source: _Source) -> tuple[object, list[tuple[str, bool
 
 def test_a_held_copy_waits_for_a_source_that_answers(tmp_path: Path) -> None:
     source = _Source()
-    source.answer = "refuse"  # an answer, even a refusal, comes from an agent that is there
+    source.answer_is = "refuse"  # an answer, even a refusal, comes from an agent that is there
     ctx, decided, t = _held(tmp_path, source)
-    assert wait(lambda: source.asked >= 8, 10) and not decided
+    assert wait(lambda: len(source.asked) >= 8, 10) and not decided
     ctx.threads.stopping.set()  # (an agent shutting down: the waiter returns, the journal keeps READY)
     t.join(5)
     assert not t.is_alive() and not decided
@@ -89,7 +70,7 @@ def test_a_held_copy_waits_for_a_source_that_answers(tmp_path: Path) -> None:
 
 def test_a_held_copy_starts_once_its_source_is_unreachable_for_takeover_after(tmp_path: Path) -> None:
     source = _Source()
-    source.answer = None
+    source.answer_is = None
     _, decided, t = _held(tmp_path, source)
     t.join(10)
     assert decided and decided[0][:2] == ("a" * 32, True) and "unreachable for 1 s" in decided[0][2]

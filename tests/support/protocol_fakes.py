@@ -114,6 +114,33 @@ class FakeHeldDump(HeldDump):
         pass
 
 
+class StatusOnly(Peer):
+    """An agent asked only how migrations stand: each Status call is noted in ``asked`` and
+    answered by ``answer(migration_id)`` (which may raise, as the agent's refusal or silence);
+    any other call fails the test."""
+
+    def __init__(self, address: str, answer: Callable[[str], PeerStatus]) -> None:
+        self.address = address
+        self.answer = answer
+        self.asked: list[tuple[str, float]] = []
+
+    def status(self, migration_id: str, timeout: float) -> PeerStatus:
+        self.asked.append((migration_id, timeout))
+        return self.answer(migration_id)
+
+    def receive(self, offer: Offer, timeout: float) -> Acceptance:
+        raise AssertionError(f"{self.address} was asked to receive a snapshot")
+
+    def restore(self, migration_id: str, timeout: float) -> Restored:
+        raise AssertionError(f"{self.address} was asked to restore")
+
+    def finish(self, migration_id: str, commit: bool, timeout: float, confirmed: bool = False) -> PeerStatus:
+        raise AssertionError(f"{self.address} was asked to finish a migration")
+
+    def versions(self, timeout: float) -> Versions:
+        raise AssertionError(f"{self.address} was asked for its versions (Info)")
+
+
 class FakeTarget(Peer):
     """A target agent in memory.  ``restore_does`` scripts its Restore: "ok", "refuse" (it
     drops the copy: PRECONDITION), "vanish" (the call breaks after the copy is READY) or

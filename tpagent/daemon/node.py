@@ -39,6 +39,7 @@ from tpagent.migration.api import (
     JournalError,
     NodeInfo,
     Offer,
+    Peer,
     PeerStatus,
     PeerUnreachable,
     ProcessInfo,
@@ -63,6 +64,21 @@ A = TypeVar("A", bound=P.Answer)
 #: How long an agent whose node is said to be lost is given to answer before that node's ranks are
 #: rebuilt (the orchestrator's probe gave it 5 s, twice): a busy one answers well within it.
 ANSWER_WITHIN = 10.0
+
+
+def answers(peer: Peer) -> bool:
+    """Whether the agent behind ``peer`` answers this one now (a word, even a refusal), given
+    :data:`ANSWER_WITHIN` s: the last look before its ranks are rebuilt elsewhere.  It is asked
+    how a migration of no id stands, which it says at once it has none of: its node's description
+    (Info) would read its GPUs through NVML and run CRIU, which on a node whose GPU is failing
+    may take longer than that, and a rank that runs on there would be rebuilt a second time."""
+    try:
+        peer.status("", ANSWER_WITHIN)
+    except PeerUnreachable:
+        return False
+    except AgentError:
+        pass
+    return True
 
 
 def status_of(r: Record) -> PeerStatus:
@@ -202,15 +218,7 @@ class Node:
     # ---- ranks of distributed jobs ---------------------------------------------------------
 
     def _answers(self, agent: str) -> bool:
-        """Whether the agent at ``agent`` answers this one now (a word, even a refusal), given
-        :data:`ANSWER_WITHIN` s: the last look before its ranks are rebuilt elsewhere."""
-        try:
-            self.ctx.peer(agent).versions(ANSWER_WITHIN)
-        except PeerUnreachable:
-            return False
-        except AgentError:
-            return True
-        return True
+        return answers(self.ctx.peer(agent))
 
     def rebuild_lost(self, job: str, rank: int, request: P.Recover) -> P.Recovered:
         """Rebuild the lost ranks of ``job`` (whose rank ``rank`` runs here) from their replicas."""
