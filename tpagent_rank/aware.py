@@ -5,8 +5,7 @@ One import and one call, once the model and optimizer exist::
     import tpagent_rank
 
     tpagent_rank.register(
-        save=lambda: {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                      "rng": torch.get_rng_state()},
+        save=lambda: {"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
         load=lambda state: ...,  # puts such a value back in place
         replicas=model,          # optional: see below
     )
@@ -15,7 +14,8 @@ One import and one call, once the model and optimizer exist::
 a value (from this rank or from a replica of it) and puts it in place.  A lost rank is rebuilt
 from a replica's (unplanned recovery, :mod:`tpagent_rank.recover`), so the state is what the
 replicas share (model, optimizer, step): the rank's own data position and RNG draw from its step
-and its rank, as after a checkpoint rank 0 wrote.  The runtime calls both on
+and its rank, as after a checkpoint rank 0 wrote (a rank's RNG state in it would be given to
+another rank, its replica, and that rank's draws would be the lost one's).  The runtime calls both on
 the training thread, at a step boundary only.  The state is made of tensors, numbers, strings,
 ``None``, numpy arrays, and lists, tuples and dicts of them: what torch's safe loader reads (a
 state from another process is never unpickled as arbitrary objects).  The first state ``save``

@@ -122,7 +122,9 @@ def test_a_rank_killed_outright_is_rebuilt_from_a_replica_and_the_job_runs_on_bi
 
 def _recover(job: Job, aware_reference: list[str], before: list[str]) -> None:
     """The job rebuilt as a recovering agent does it, once rank DEAD (which printed ``before``)
-    was killed; then every rank's output is the uninterrupted run's."""
+    was killed; then every rank's output is the uninterrupted run's.  DDP: every survivor is a
+    replica of every rank, so the job's boundary is the earliest held (the agent's rule,
+    :meth:`tpagent.jobs.recovery.Recovery._boundary`, gives it), and a rank at another is ahead."""
     survivors = [r for r in range(WORLD) if r != DEAD]
     standing = {r: job.agents[r].ask(P.Settle()) for r in survivors}
     assert all(s.ok and s.replicas == tuple(range(WORLD)) for s in standing.values()), standing

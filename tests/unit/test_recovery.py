@@ -102,18 +102,29 @@ AGENTS = ["10.0.0.1:7400", "10.0.0.2:7400", "10.0.0.3:7400", "10.0.0.2:7400"]
 def test_a_lost_rank_and_one_a_step_further_take_the_state_of_a_replica_at_the_jobs_boundary() -> None:
     # Rank 2 lost; rank 0 finished the step ranks 1 and 3 hold; this agent runs on rank 1's and 3's node.
     where = {0: _at(81), 1: _at(80), 3: _at(80)}
-    assert _recovery((2,), [0])._sources(AGENTS, where, 80) == {2: 1, 0: 1}
+    recovery = _recovery((2,), [])
+    assert recovery._boundary(where) == (80, [0])
+    recovery.back = [0]
+    assert recovery._sources(AGENTS, where, 80) == {2: 1, 0: 1}
     # None here holds it: one elsewhere gives it (its offer on its own node).
     where = {0: _at(80), 1: _at(81), 3: _at(81)}
-    assert _recovery((2,), [1, 3])._sources(AGENTS, where, 80) == {2: 0, 1: 0, 3: 0}
+    recovery = _recovery((2,), [])
+    assert recovery._boundary(where) == (80, [1, 3])
+    recovery.back = [1, 3]
+    assert recovery._sources(AGENTS, where, 80) == {2: 0, 1: 0, 3: 0}
 
 
-def test_a_rank_none_of_whose_replicas_holds_the_jobs_boundary_cannot_be_rebuilt() -> None:
+def test_a_job_whose_ranks_no_boundary_has_a_replica_for_cannot_be_rebuilt() -> None:
+    """Said in one sentence naming, at each boundary held, the ranks none of whose surviving
+    replicas holds it (a survivor too: one at another boundary with no replica there)."""
     where = {0: _at(80, (0,)), 1: _at(81, (1, 2, 3)), 3: _at(81, (1, 2, 3))}
-    with pytest.raises(Failed, match=r"none of rank 2's surviving replicas \(\[1, 3\]\) holds step 80"):
-        _recovery((2,), [1, 3])._sources(AGENTS, where, 80)
-    with pytest.raises(Failed, match="no replica of rank 2's training state survives"):
-        _recovery((2,), [])._sources(AGENTS, {0: _at(80, (0,)), 1: _at(80, (1,))}, 80)
+    with pytest.raises(Failed, match=r"\(at step 80, none for ranks 1, 2, 3; at step 81, none for rank 0\)$"):
+        _recovery((2,), [])._boundary(where)
+    with pytest.raises(Failed, match="^no replica of rank 2's training state survives$"):
+        _recovery((2,), [])._boundary({0: _at(80, (0,)), 1: _at(80, (1,))})
+    # FSDP, no replicas: nothing lost but a survivor ahead of the other, with no replica of it.
+    with pytest.raises(Failed, match=r"\(at step 80, none for rank 1; at step 81, none for ranks 0, 3\)$"):
+        _recovery((3,), [])._boundary({0: _at(80, (0, 3)), 1: _at(81, (1,))})
 
 
 def test_where_a_lost_ranks_only_replicas_got_a_step_further_the_others_are_brought_forward() -> None:
@@ -124,9 +135,9 @@ def test_where_a_lost_ranks_only_replicas_got_a_step_further_the_others_are_brou
     shard = {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}
     where = {r: _at(held, shard[r]) for r, held in ((0, 44), (2, 45), (3, 45))}
     recovery = _recovery((1,), [])
-    assert recovery._boundary(where) == 45
+    assert recovery._boundary(where) == (45, [0])  # (rank 0 is behind: brought forward, not left at 44)
     recovery.back = [0]
     assert recovery._sources(AGENTS, where, 45) == {1: 3, 0: 2}
     # Where the earliest serves, it is the one: a rank a step further is taken back.
     where = {r: _at(held, shard[r]) for r, held in ((0, 44), (2, 45), (3, 44))}
-    assert recovery._boundary(where) == 44
+    assert recovery._boundary(where) == (44, [2])

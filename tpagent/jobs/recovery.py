@@ -6,11 +6,14 @@ side is :mod:`tpagent_rank.recover`::
     where      every surviving rank, settled (it enters no new optimizer step from now on):
                each registered its state, holds its last step boundary's, and says which ranks
                are its replicas; a rank whose agent does not answer either was lost too (nodes
-               lost together), and is rebuilt with the others.  The job goes on from the earliest
-               boundary held, S: a rank in no collective with a lost one may have finished the
-               step the others were caught in; it is taken back to S, as a lost rank is rebuilt
-               (its step done again, its lines written again).  Where a lost rank's replicas all
-               did so, S is theirs, and the others are brought forward to it from a replica
+               lost together), and is rebuilt with the others.  A rank in no collective with a
+               lost one may have finished the step the others were caught in.  The job goes on
+               from the earliest boundary held, S, from which every lost rank and every survivor
+               at another has a surviving replica holding it: one a step further is taken back
+               to S (its step done again, its line written again), or, where a lost rank's state
+               survives only a step further, the others are brought forward to it (the step
+               they were caught in is a replica's: their line of it is never written); each
+               given its state by a replica, as a lost rank is
     store      where the job's store no longer answers (it was served on the lost node), it is
                served anew on this node, holding the job's identity, and every rank started
                from here on is told where (:mod:`tpagent.jobs.storeserver`)      -- "store"
@@ -108,7 +111,7 @@ class Recovery:
         self.lost = sorted(set(request.ranks))
         self.started: list[int] = []  # the lost ranks whose new processes were started on the spare
         self.restarted: set[int] = set()  # the survivors restarted (parked at the boundary since)
-        self.back: list[int] = []  # the survivors at a later boundary than the others (taken back)
+        self.back: list[int] = []  # the survivors at another boundary than the job's (given it by a replica)
         self.stages: dict[str, float] = {}
         self.store = ""  # HOST:PORT of the job's store served anew here ("": it was not lost)
         self.stop_store: Callable[[], None] | None = None  # (of the store served anew here)
@@ -160,9 +163,8 @@ class Recovery:
         t0 = time.monotonic()
         where = self._where(agents, [r for r in range(len(agents)) if r not in self.lost])
         survivors = sorted(where)
-        boundary = self._boundary(where)
-        self.back = [r for r in survivors if where[r].held != boundary]
-        if self.back:  # (a rank in no collective with a lost one finished the step the others hold)
+        boundary, self.back = self._boundary(where)
+        if self.back:  # (a rank in no collective with a lost one finished the step the others hold, or not)
             off = ", ".join(f"rank {r} at {where[r].held}" for r in self.back)
             log.warning("job %s: %s, the others at %d: given its state from a replica", self.job, off, boundary)
         sources = self._sources(agents, where, boundary)
@@ -257,32 +259,42 @@ class Recovery:
         log.warning("job %s: its store (%s) is lost; it is served anew at %s", self.job, lost, address)
         return address
 
-    def _boundary(self, where: dict[int, P.Standing]) -> int:
-        """The boundary the job goes on from: the earliest held from which every lost rank, and
-        every survivor at another, has a surviving replica holding it.  Ranks in no collective
-        with a lost one may have finished the step the others were caught in (taken back to
-        them), and where the lost rank's only replicas did so, the others are brought forward
-        to theirs.  None such: the earliest (:meth:`_sources` says why it cannot be)."""
-        held = sorted({w.held for w in where.values()})
-        for b in held:
-            given = [*self.lost, *(r for r, w in where.items() if w.held != b)]
-            if all(any(w.held == b and d in w.replicas and r != d for r, w in where.items()) for d in given):
-                return b
-        return held[0]
+    def _boundary(self, where: dict[int, P.Standing]) -> tuple[int, list[int]]:
+        """The boundary the job goes on from, and the survivors at another: the earliest held
+        from which every lost rank, and every survivor at another, has a surviving replica
+        holding it.  Ranks in no collective with a lost one may have finished the step the
+        others were caught in (taken back to the others'), and where the lost rank's only
+        replicas did so, the others are brought forward to theirs.  Failed where none serves."""
+        alone = [d for d in self.lost if not any(d in w.replicas and r != d for r, w in where.items())]
+        if alone:
+            raise Failed(f"no replica of rank {alone[0]}'s training state survives")
+        short = []
+        for b in sorted({w.held for w in where.values()}):
+            away = [r for r, w in sorted(where.items()) if w.held != b]
+            unheld = [
+                d
+                for d in [*self.lost, *away]
+                if not any(w.held == b and d in w.replicas and r != d for r, w in where.items())
+            ]
+            if not unheld:
+                return b, away
+            short.append(f"at step {b}, none for rank{'s' * (len(unheld) > 1)} {', '.join(map(str, sorted(unheld)))}")
+        raise Failed(
+            "its ranks stand at different step boundaries, and at none of them does every rank that needs one "
+            f"have a surviving replica holding it ({'; '.join(short)})"
+        )
 
     def _sources(self, agents: list[str], where: dict[int, P.Standing], boundary: int) -> dict[int, int]:
-        """Each lost rank, and each survivor taken back -> a surviving replica of it that holds
-        ``boundary`` and gives it its state (one on this node first)."""
-        out = {}
-        for d in [*self.lost, *self.back]:
-            replicas = [r for r, w in sorted(where.items()) if d in w.replicas and r != d]
-            if not replicas:
-                raise Failed(f"no replica of rank {d}'s training state survives")
-            at = [r for r in replicas if where[r].held == boundary]
-            if not at:
-                raise Failed(f"none of rank {d}'s surviving replicas ({replicas}) holds step {boundary}, the job's")
-            out[d] = min(at, key=lambda r: (agents[r] != self.here, r))
-        return out
+        """Each lost rank, and each survivor taken back or brought forward -> a surviving replica
+        of it that holds ``boundary`` (:meth:`_boundary` found one) and gives it its state (one on
+        this node first)."""
+        return {
+            d: min(
+                (r for r, w in where.items() if d in w.replicas and r != d and w.held == boundary),
+                key=lambda r: (agents[r] != self.here, r),
+            )
+            for d in [*self.lost, *self.back]
+        }
 
     def _spec(self, rank: int) -> P.Join:
         try:
