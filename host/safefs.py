@@ -102,6 +102,8 @@ def private_dir(path: Path, empty: bool = False, create: bool = True) -> Path:
     theirs in between.  ``create`` False: only check what exists (a refusal before anything
     is done).  Returns the path, made absolute, root's symlinks resolved."""
     real = _trusted_realpath(Path(os.path.abspath(path)))
+    if real == Path("/"):  # (no component to check: the root is nobody's private directory)
+        raise UsageError("/ cannot be a private directory; give a new directory.")
     fd = os.open("/", DIR_FLAGS)
     try:
         at = Path("/")

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -234,7 +235,9 @@ class Manifest:
             origin=origin,
             files=files,
             digest=digest,
-            timings={str(k): float(v) for k, v in _get(data, "timings", dict, "manifest").items()},
+            timings={
+                str(k): _get({k: v}, k, float, "timings") for k, v in _get(data, "timings", dict, "manifest").items()
+            },
             carried=carried,
             links=links,
             timers=timers,
@@ -355,12 +358,21 @@ _IMAGE_PATH = re.compile(IMAGES_DIR + r"/[A-Za-z0-9._-]+")
 
 
 def _get(d: Any, key: str, typ: type[T], where: str) -> T:
+    """Field ``key`` of ``d``, a ``typ`` (ValueError naming it otherwise); a number one a file, a
+    PID or a clock can hold: an integer in 64 bits, a float finite."""
     value = d.get(key) if isinstance(d, dict) else None
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+    if typ is float and isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**64:
         value = float(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)) or not _held(value):
         raise ValueError(f"{where}.{key}")
     return value
+
+
+def _held(value: object) -> bool:
+    """Whether a number is one a field can hold (anything else is: its type is checked apart)."""
+    if isinstance(value, int):
+        return -(2**63) <= value < 2**64
+    return math.isfinite(value) if isinstance(value, float) else True
 
 
 def _list(d: Any, key: str, typ: type[T], where: str) -> list[T]:
@@ -430,16 +442,38 @@ def checksum_files(directory: Path, workers: int | None = None, digest: str = DI
     return out
 
 
+#: The most a manifest may hold (it lists a tree's processes and files: a few MiB at most).
+MANIFEST_MOST = 64 << 20
+
+
+def present(directory: Path) -> None:
+    """SnapshotInvalid unless ``directory`` is a directory holding a manifest: checked before
+    anything is done to it (a directory given by mistake, a home, is left as it was)."""
+    for path, kind, missing in (
+        (directory, stat.S_ISDIR, "does not exist or is not a directory"),
+        (directory / MANIFEST_NAME, stat.S_ISREG, f"is not a tpagent snapshot: it has no {MANIFEST_NAME}"),
+    ):
+        try:
+            ok = kind(os.stat(path).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            ok = False
+        except OSError as e:
+            raise SnapshotInvalid(f"{directory} cannot be read as a tpagent snapshot: {e.strerror}.") from e
+        if not ok:
+            raise SnapshotInvalid(f"{directory} {missing}.")
+
+
 def load(directory: Path) -> Manifest:
     """Read the manifest of a snapshot directory, or say in one sentence why it is not one."""
-    if not directory.is_dir():
-        raise SnapshotInvalid(f"{directory} does not exist or is not a directory.")
+    present(directory)
     path = directory / MANIFEST_NAME
-    if not path.is_file():
-        raise SnapshotInvalid(f"{directory} is not a tpagent snapshot: it has no {MANIFEST_NAME}.")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        with open(path, "rb") as f:
+            text = f.read(MANIFEST_MOST + 1)
+        if len(text) > MANIFEST_MOST:
+            raise SnapshotInvalid(f"{path} is corrupt: it is larger than {MANIFEST_MOST >> 20} MiB.")
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # (ValueError: JSON's, or a number's)
         raise SnapshotInvalid(f"{path} is corrupt: it is not valid JSON ({e}).") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise SnapshotInvalid(f"{path} is not a tpagent snapshot manifest (wrong or missing 'format').")
@@ -455,7 +489,7 @@ def load(directory: Path) -> Manifest:
         )
     try:
         return Manifest.from_json(data)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise SnapshotInvalid(f"{path} is corrupt: field {e} is missing or malformed.") from e
 
 

@@ -128,6 +128,7 @@ def restore(
     timer = Timer(progress, config.fail_after)
     # Root verifies the images, then CRIU reads them again by name: only from a directory no
     # one else can write to or swap (its own 0700, through directories only root can change).
+    manifest.present(directory)  # (before private_dir makes it 0700: a directory given by mistake is left as it was)
     directory = private_dir(directory, create=False)
     with timer.stage(Stage.VERIFY):
         m = manifest.load(directory)

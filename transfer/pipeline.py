@@ -58,7 +58,7 @@ def dump_and_send(
         try:
             stats = sender.send(out, peer)
         except TransferError as e:
-            raise SendFailed(f"{e} (the snapshot is kept in {out})") from e
+            raise SendFailed(f"{e} ({_kept(out, mode)})") from e
         _sent_away(out, mode)
         return Shipped(m, stats, dump_s, time.monotonic() - t0)
 
@@ -90,9 +90,17 @@ def dump_and_send(
     thread.join()
     result = outcome[0]
     if isinstance(result, BaseException):
-        raise SendFailed(f"{result} (the snapshot is kept in {out})") from result
+        raise SendFailed(f"{result} ({_kept(out, mode)})") from result
     _sent_away(out, mode)
     return Shipped(m, result, dump_s, time.monotonic() - t0)
+
+
+def _kept(out: Path, mode: DumpMode) -> str:
+    """What a dump whose snapshot did not reach its peer left: the snapshot, and the process as
+    its mode left it (ended: brought back from the snapshot)."""
+    if mode is DumpMode.KILL:
+        return f"the process ended as it was dumped; its snapshot is kept in {out}: `tpagent restore {out}` brings it back"
+    return f"the snapshot is kept in {out}; the process was left {'running' if mode is DumpMode.LEAVE_RUNNING else 'stopped'}"
 
 
 def _sent_away(out: Path, mode: DumpMode) -> None:

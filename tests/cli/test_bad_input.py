@@ -164,6 +164,50 @@ def test_restore_dir_without_manifest(tmp_path: Path) -> None:
     assert_one_sentence_error(tpagent("restore", str(tmp_path)), "no manifest.json")
 
 
+@pytest.mark.parametrize("command", [("restore",), ("send", "127.0.0.1:9", "--plaintext"), ("inspect",)])
+def test_a_directory_that_is_no_snapshot_is_left_as_it_was(tmp_path: Path, command: tuple[str, ...]) -> None:
+    """A home or a project's directory given by mistake (`tpagent restore .`) is said to be no
+    snapshot, exit 3, and keeps its mode: it was made 0700 (its other users locked out) before."""
+    given = tmp_path / "project"
+    given.mkdir()
+    given.chmod(0o755)
+    (given / "notes.txt").write_text("mine")
+    secret = ("--secret-file", str(_secret(tmp_path))) if command[0] == "send" else ()
+    said = tpagent(command[0], str(given), *command[1:], *secret)
+    assert_one_sentence_error(said, f"{given} is not a tpagent snapshot: it has no manifest.json")
+    assert said.returncode == 3
+    assert stat.S_IMODE(given.stat().st_mode) == 0o755 and (given / "notes.txt").read_text() == "mine"
+    said = tpagent(command[0], str(given / "notes.txt"), *command[1:], *secret)  # (a file: no snapshot either)
+    assert_one_sentence_error(said, "does not exist or is not a directory")
+    assert said.returncode == 3
+
+
+@pytest.mark.parametrize(
+    "command", [("restore",), ("inspect",), ("receive", "--plaintext", "--listen", "127.0.0.1:0", "--out")]
+)
+def test_a_path_longer_than_the_system_takes_is_said_in_one_sentence(tmp_path: Path, command: tuple[str, ...]) -> None:
+    too_long = str(tmp_path / ("a" * 5000))
+    said = tpagent(*command, too_long, *(("--secret-file", str(_secret(tmp_path))) if command[0] == "receive" else ()))
+    assert_one_sentence_error(said, "File name too long")
+
+
+def test_the_root_directory_is_no_snapshot_directory(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`--out /` was taken for a new directory (no component of it was checked): the snapshot was
+    written into /, images/, log/ and manifest.json beside /etc."""
+    w = start(mib=16)
+    written = [Path("/manifest.json"), Path("/images"), Path("/log")]
+    assert not any(p.exists() for p in written)
+    try:
+        said = tpagent("dump", str(w.pid), "--out", "/", "--leave-running")
+        assert_one_sentence_error(said, "/ cannot be a private directory")
+        assert said.returncode == 2 and not any(p.exists() for p in written)
+        assert alive(w.pid)
+    finally:
+        for p in written:
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
 @pytest.mark.parametrize(
     "damage, needle",
     [
@@ -177,6 +221,10 @@ def test_restore_dir_without_manifest(tmp_path: Path) -> None:
         (lambda d: _edit(d, cuda={**_manifest(d)["cuda"], "forked": [1]}), "cuda.forked"),
         (lambda d: _edit(d, gpus=[{"uuid": "GPU-1", "name": "x", "memory_used": 10**400}]), "memory_used"),
         (lambda d: (d / "manifest.json").write_text("[" * 100_000 + "]" * 100_000), "not valid JSON"),
+        (lambda d: (d / "manifest.json").write_text('{"format": ' + "9" * 5000 + "}"), "not valid JSON"),
+        (lambda d: _edit(d, timings={"dump": 10**400}), "field timings.dump is missing or malformed"),
+        (lambda d: _edit(d, timings={"dump": float("nan")}), "field timings.dump is missing or malformed"),
+        (lambda d: _edit(d, files={k: {**f, "size": 10**400} for k, f in _manifest(d)["files"].items()}), ".size is"),
         (
             lambda d: _edit(d, files={"../../etc/passwd": {"size": 1, "chunk_size": 1, "sha256": []}}),
             "directly under images/",
@@ -198,6 +246,10 @@ def test_restore_dir_without_manifest(tmp_path: Path) -> None:
         "forked-not-rows",
         "huge-gpu-memory",
         "deeply-nested",
+        "number-of-5000-digits",
+        "time-past-a-float",
+        "time-not-a-number",
+        "size-past-64-bits",
         "traversal",
         "symlink",
         "truncated",
@@ -533,9 +585,11 @@ def test_an_agent_address_that_is_no_host_port_is_refused_as_given(tmp_path: Pat
     from support.certs import node_certs
 
     tls = str(node_certs(tmp_path, "n"))
-    said = tpagent("node", "--agent", agent, "--secret-file", str(_secret(tmp_path)), "--tls-dir", tls)
-    assert_one_sentence_error(said, "is not HOST:PORT")
-    assert said.returncode == 2
+    creds = ("--secret-file", str(_secret(tmp_path)), "--tls-dir", tls)
+    for command in (("node", "--agent", agent), ("migrate", "4242", "--to", "127.0.0.1:9", "--from", agent)):
+        said = tpagent(*command, *creds)  # (migrate --from: a traceback before)
+        assert_one_sentence_error(said, "is not HOST:PORT")
+        assert said.returncode == 2
 
 
 @pytest.mark.parametrize(
