@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
+import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
@@ -162,3 +164,29 @@ def rpc_exit_code(status: grpc.StatusCode) -> int:
 def credentials(secret_file: Path | None, tls_dir: Path) -> Credentials:
     """This node's credentials for calling agents (the secret and the TLS files, checked)."""
     return Credentials.load(secret_file, tls_dir)
+
+
+def guarded(command: Callable[[], None]) -> None:
+    """Run ``command`` (the app), saying what no check of a command foresaw in one line, never
+    as a traceback: a check below the command's own (an address, a path: exit 2), a path the
+    system refuses (too long: exit 2), anything else (exit 1; ``TPAGENT_DEBUG=1``: the traceback)."""
+    try:
+        command()
+    except UsageError as e:
+        _last_word(str(e), EXIT_USAGE)
+    except OSError as e:
+        _last_word(f"{e.strerror}: {e.filename}" if e.filename and e.strerror else str(e), EXIT_USAGE)
+    except Exception as e:
+        if os.environ.get("TPAGENT_DEBUG"):
+            raise
+        _last_word(f"unexpected error ({type(e).__name__}: {e}); TPAGENT_DEBUG=1 shows where.", EXIT_FAILED)
+
+
+def _last_word(msg: str, code: int) -> NoReturn:
+    """:func:`die` where no command's context is left: one printable line on stderr, and a JSON
+    error on stdout where --json (or TPAGENT_JSON) asked for one."""
+    msg = "".join(c if c.isprintable() else "?" for c in msg[:400])
+    print(f"tpagent: {msg}", file=sys.stderr)
+    if "--json" in sys.argv[1:] or os.environ.get("TPAGENT_JSON", "").lower() in ("1", "true", "yes", "on"):
+        print(json.dumps({"error": msg, "exit_code": code, "rolled_back": False}, indent=2))
+    sys.exit(code)

@@ -35,6 +35,7 @@ from cli.common import (
     command,
     die,
     die_of,
+    guarded,
 )
 from host.api import UsageError
 from host.gpus import inventory
@@ -489,26 +490,7 @@ command(app)(orchestrator_cmds.events)
 def run() -> None:
     global USER_UMASK
     USER_UMASK = os.umask(0o077)  # snapshots, logs and keys it writes are its user's alone
-    try:
-        app(prog_name="tpagent")
-    except UsageError as e:  # (a check below the command's own: an address, a path)
-        _last_word(str(e), EXIT_USAGE)
-    except OSError as e:  # (a path the system refuses where no check of ours named it: too long, ...)
-        _last_word(f"{e.strerror}: {e.filename}" if e.filename and e.strerror else str(e), EXIT_USAGE)
-    except Exception as e:  # (never a traceback: what no check foresaw, said in one line)
-        if os.environ.get("TPAGENT_DEBUG"):
-            raise
-        _last_word(f"unexpected error ({type(e).__name__}: {e}); TPAGENT_DEBUG=1 shows where.", EXIT_FAILED)
-
-
-def _last_word(msg: str, code: int) -> NoReturn:
-    """:func:`~cli.common.die` where no command's context is left: one printable line on stderr,
-    and a JSON error on stdout where --json (or TPAGENT_JSON) asked for one."""
-    msg = printable(msg, 400)
-    print(f"tpagent: {msg}", file=sys.stderr)
-    if "--json" in sys.argv[1:] or os.environ.get("TPAGENT_JSON", "").lower() in ("1", "true", "yes", "on"):
-        print(json.dumps({"error": msg, "exit_code": code, "rolled_back": False}, indent=2))
-    sys.exit(code)
+    guarded(lambda: app(prog_name="tpagent"))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import platform
 import re
@@ -56,10 +55,10 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import blake3
 
@@ -72,8 +71,8 @@ from snapshot.affinity import Binding
 from snapshot.affinity import parse as parse_cpus
 from snapshot.api import SnapshotInvalid
 from snapshot.timers import Timer
+from snapshot.typed import typed, typed_list, typed_rows
 
-T = TypeVar("T")
 FORMAT = "tpagent-snapshot"
 FORMAT_VERSION = 2
 #: The chunk digest new snapshots are sealed with, and those a reader knows.
@@ -178,36 +177,36 @@ class Manifest:
     def from_json(cls, data: dict[str, Any]) -> Manifest:
         """Build from parsed JSON, checking every field's type; ValueError names a bad one."""
         procs = _processes(data)
-        gpus = _list(data, "gpus", dict, "manifest")
+        gpus = typed_list(data, "gpus", dict, "manifest")
         for g in gpus:
-            _get(g, "uuid", str, "gpus[]"), _get(g, "name", str, "gpus[]")
-            if not 0 <= _get(g, "memory_used", int, "gpus[]") < 1 << 63:
+            typed(g, "uuid", str, "gpus[]"), typed(g, "name", str, "gpus[]")
+            if not 0 <= typed(g, "memory_used", int, "gpus[]") < 1 << 63:
                 raise ValueError("gpus[].memory_used")
-        criu = _get(data, "criu", dict, "manifest")
-        if not re.fullmatch(r"\d+\.\d+(\.\d+)?", _get(criu, "version", str, "criu")):
+        criu = typed(data, "criu", dict, "manifest")
+        if not re.fullmatch(r"\d+\.\d+(\.\d+)?", typed(criu, "version", str, "criu")):
             raise ValueError("criu.version")
-        _get(criu, "shell_job", bool, "criu"), _get(criu, "tcp_established", bool, "criu")
+        typed(criu, "shell_job", bool, "criu"), typed(criu, "tcp_established", bool, "criu")
         pids = {p.pid for p in procs}
         root_pid = _root(data, procs)
         cuda = _cuda(data, pids)
-        host = _get(data, "host", dict, "manifest")
+        host = typed(data, "host", dict, "manifest")
         for key in ("hostname", "kernel", "machine"):
-            _get(host, key, str, "host")
+            typed(host, key, str, "host")
         files, digest = _files(data)
-        origin = _get(data, "origin", dict, "manifest")
-        _get(origin, "mode", str, "origin"), _get(origin, "root_create_time", float, "origin")
-        carried = _list(data, "carried", str, "manifest") if "carried" in data else []
+        origin = typed(data, "origin", dict, "manifest")
+        typed(origin, "mode", str, "origin"), typed(origin, "root_create_time", float, "origin")
+        carried = typed_list(data, "carried", str, "manifest") if "carried" in data else []
         if not all(_absolute(p) for p in carried):
             raise ValueError("carried: not a normalised absolute path")
         if carried and f"{IMAGES_DIR}/{CARRIED_NAME}" not in files:
             raise ValueError(f"carried: names files but {IMAGES_DIR}/{CARRIED_NAME} is not among the files")
         links = _links(data, carried)
-        timers = _rows(data, "timers", Timer)
+        timers = typed_rows(data, "timers", Timer)
         if not {t.pid for t in timers} <= pids:
             raise ValueError("timers names a process not in processes")
         bindings = _bindings(data, procs)
-        sockets = _rows(data, "sockets", BoundSocket)
-        dirs = _rows(data, "dirs", MadeDir)
+        sockets = typed_rows(data, "sockets", BoundSocket)
+        dirs = typed_rows(data, "dirs", MadeDir)
         paths = [*(b.path for b in sockets), *(d.path for d in dirs)]
         if not all(_absolute(p) for p in paths) or any(d.path == "/" for d in dirs):
             raise ValueError("sockets, dirs: not a normalised absolute path")
@@ -223,20 +222,20 @@ class Manifest:
             raise ValueError("dirs: one is not on the way to a socket of its owner or a carried file")
         return cls(
             root_pid=root_pid,
-            namespace=_get(data, "namespace", bool, "manifest"),
+            namespace=typed(data, "namespace", bool, "manifest"),
             processes=procs,
             gpus=gpus,
             criu=criu,
             cuda=cuda,
-            tpagent_version=_get(data, "tpagent_version", str, "manifest"),
-            snapshot_id=_get(data, "snapshot_id", str, "manifest"),
-            created=_get(data, "created", str, "manifest"),
+            tpagent_version=typed(data, "tpagent_version", str, "manifest"),
+            snapshot_id=typed(data, "snapshot_id", str, "manifest"),
+            created=typed(data, "created", str, "manifest"),
             host=host,
             origin=origin,
             files=files,
             digest=digest,
             timings={
-                str(k): _get({k: v}, k, float, "timings") for k, v in _get(data, "timings", dict, "manifest").items()
+                str(k): typed({k: v}, k, float, "timings") for k, v in typed(data, "timings", dict, "manifest").items()
             },
             carried=carried,
             links=links,
@@ -244,7 +243,7 @@ class Manifest:
             bindings=bindings,
             sockets=sockets,
             dirs=dirs,
-            warnings=_list(data, "warnings", str, "manifest") if "warnings" in data else [],
+            warnings=typed_list(data, "warnings", str, "manifest") if "warnings" in data else [],
             reopened=_reopened(data),
         )
 
@@ -253,33 +252,33 @@ def _processes(data: Any) -> list[ProcInfo]:
     """``processes``: each row a :class:`host.proc.ProcInfo`, its fields checked."""
     return [
         ProcInfo(
-            pid=_get(p, "pid", int, "processes[]"),
-            ppid=_get(p, "ppid", int, "processes[]"),
-            cmdline=tuple(_list(p, "cmdline", str, "processes[]")),
-            ns_pids=tuple(_list(p, "ns_pids", int, "processes[]")),
-            uses_cuda=_get(p, "uses_cuda", bool, "processes[]"),
-            tids=tuple(_list(p, "tids", int, "processes[]")) if "tids" in p else (),
-            stopped=_get(p, "stopped", bool, "processes[]") if "stopped" in p else False,
+            pid=typed(p, "pid", int, "processes[]"),
+            ppid=typed(p, "ppid", int, "processes[]"),
+            cmdline=tuple(typed_list(p, "cmdline", str, "processes[]")),
+            ns_pids=tuple(typed_list(p, "ns_pids", int, "processes[]")),
+            uses_cuda=typed(p, "uses_cuda", bool, "processes[]"),
+            tids=tuple(typed_list(p, "tids", int, "processes[]")) if "tids" in p else (),
+            stopped=typed(p, "stopped", bool, "processes[]") if "stopped" in p else False,
         )
-        for p in _list(data, "processes", dict, "manifest")
+        for p in typed_list(data, "processes", dict, "manifest")
     ]
 
 
 def _cuda(data: Any, pids: set[int]) -> dict[str, Any]:
     """The ``cuda`` table: its processes among ``pids``, each forked child's row as described."""
-    cuda = _get(data, "cuda", dict, "manifest")
-    if not set(_list(cuda, "pids", int, "cuda")) <= pids:
+    cuda = typed(data, "cuda", dict, "manifest")
+    if not set(typed_list(cuda, "pids", int, "cuda")) <= pids:
         raise ValueError("cuda.pids names a process not in processes")
-    for f in _list(cuda, "forked", dict, "cuda") if "forked" in cuda else []:
-        _get(f, "pid", int, "cuda.forked[]"), _get(f, "name", str, "cuda.forked[]")
-        _list(f, "mappings", list, "cuda.forked[]"), _list(f, "fds", list, "cuda.forked[]")
+    for f in typed_list(cuda, "forked", dict, "cuda") if "forked" in cuda else []:
+        typed(f, "pid", int, "cuda.forked[]"), typed(f, "name", str, "cuda.forked[]")
+        typed_list(f, "mappings", list, "cuda.forked[]"), typed_list(f, "fds", list, "cuda.forked[]")
     return dict(cuda)
 
 
 def _root(data: Any, procs: list[ProcInfo]) -> int:
     """The root's PID: one of ``procs`` (whose copy still running here a restore looks for),
     each of which has its PIDs in its namespaces."""
-    root_pid = _get(data, "root_pid", int, "manifest")
+    root_pid = typed(data, "root_pid", int, "manifest")
     if root_pid not in {p.pid for p in procs}:
         raise ValueError("root_pid names a process not in processes")
     if not all(p.ns_pids for p in procs):
@@ -289,36 +288,26 @@ def _root(data: Any, procs: list[ProcInfo]) -> int:
 
 def _files(data: Any) -> tuple[dict[str, dict[str, Any]], str]:
     """The image files with their chunk digests, and the digests' algorithm (format 1's: SHA-256)."""
-    version = _get(data, "format_version", int, "manifest")
-    digest = _get(data, "digest", str, "manifest") if version >= 2 else "sha256"
+    version = typed(data, "format_version", int, "manifest")
+    digest = typed(data, "digest", str, "manifest") if version >= 2 else "sha256"
     if digest not in DIGESTS:
         raise ValueError("digest")
     listed = "digests" if version >= 2 else "sha256"
     files = {}
-    for rel, f in _get(data, "files", dict, "manifest").items():
+    for rel, f in typed(data, "files", dict, "manifest").items():
         if not _IMAGE_PATH.fullmatch(rel):
             raise ValueError(f"files: {rel!r} is not a file directly under {IMAGES_DIR}/")
         files[rel] = {
-            "size": _get(f, "size", int, rel),
-            "chunk_size": _get(f, "chunk_size", int, rel),
-            "digests": _list(f, listed, str, rel),
+            "size": typed(f, "size", int, rel),
+            "chunk_size": typed(f, "chunk_size", int, rel),
+            "digests": typed_list(f, listed, str, rel),
         }
     return files, digest
 
 
-def _rows(data: Any, key: str, cls: type[T]) -> list[T]:
-    """The optional list ``key`` of ``data``, each item made a ``cls`` (a dataclass of int and
-    str fields) from its fields of those names and types (a field with a default may be missing:
-    one added since)."""
-    types: dict[str, type[Any]] = {"int": int, "str": str}
-    named = [(f.name, types[str(f.type)], f.default) for f in fields(cls)]  # type: ignore[arg-type]
-    items = _list(data, key, dict, "manifest") if key in data else []
-    return [cls(**{n: _get(x, n, t, f"{key}[]") for n, t, d in named if n in x or d is MISSING}) for x in items]
-
-
 def _bindings(data: Any, procs: list[ProcInfo]) -> list[Binding]:
     """``bindings``: threads of the processes, each to a list of CPUs."""
-    bindings = _rows(data, "bindings", Binding)
+    bindings = typed_rows(data, "bindings", Binding)
     if not {b.pid for b in bindings} <= {p.pid for p in procs}:
         raise ValueError("bindings names a process not in processes")
     for b in bindings:
@@ -329,7 +318,7 @@ def _bindings(data: Any, procs: list[ProcInfo]) -> list[Binding]:
 def _links(data: Any, carried: list[str]) -> dict[str, str]:
     """``links``: only ever CRIU's name of a relinked file (``link_remap.N``) to a carried file
     beside it, which is all a restore makes of it (a hard link, as root)."""
-    links = _get(data, "links", dict, "manifest") if "links" in data else {}
+    links = typed(data, "links", dict, "manifest") if "links" in data else {}
     for path, other in links.items():
         if not (
             isinstance(other, str)
@@ -344,7 +333,7 @@ def _links(data: Any, carried: list[str]) -> dict[str, str]:
 
 
 def _reopened(data: Any) -> list[Reopened]:
-    rows = _rows(data, "reopened", Reopened)
+    rows = typed_rows(data, "reopened", Reopened)
     if len(rows) > reopened.MOST or not all(_absolute(r.path) and r.valid() for r in rows):
         raise ValueError("reopened: not a normalised absolute path, a user, a group, a mode or locks")
     return rows
@@ -355,31 +344,6 @@ def _absolute(path: str) -> bool:
 
 
 _IMAGE_PATH = re.compile(IMAGES_DIR + r"/[A-Za-z0-9._-]+")
-
-
-def _get(d: Any, key: str, typ: type[T], where: str) -> T:
-    """Field ``key`` of ``d``, a ``typ`` (ValueError naming it otherwise); a number one a file, a
-    PID or a clock can hold: an integer in 64 bits, a float finite."""
-    value = d.get(key) if isinstance(d, dict) else None
-    if typ is float and isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**64:
-        value = float(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)) or not _held(value):
-        raise ValueError(f"{where}.{key}")
-    return value
-
-
-def _held(value: object) -> bool:
-    """Whether a number is one a field can hold (anything else is: its type is checked apart)."""
-    if isinstance(value, int):
-        return -(2**63) <= value < 2**64
-    return math.isfinite(value) if isinstance(value, float) else True
-
-
-def _list(d: Any, key: str, typ: type[T], where: str) -> list[T]:
-    items = _get(d, key, list, where)
-    if not all(isinstance(x, typ) and not (typ is int and isinstance(x, bool)) for x in items):
-        raise ValueError(f"{where}.{key}[]")
-    return items
 
 
 def _body_digest(body: dict[str, Any]) -> str:

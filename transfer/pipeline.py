@@ -99,8 +99,11 @@ def _kept(out: Path, mode: DumpMode) -> str:
     """What a dump whose snapshot did not reach its peer left: the snapshot, and the process as
     its mode left it (ended: brought back from the snapshot)."""
     if mode is DumpMode.KILL:
-        return f"the process ended as it was dumped; its snapshot is kept in {out}: `tpagent restore {out}` brings it back"
-    return f"the snapshot is kept in {out}; the process was left {'running' if mode is DumpMode.LEAVE_RUNNING else 'stopped'}"
+        return (
+            f"the process ended as it was dumped; its snapshot is kept in {out}: `tpagent restore {out}` brings it back"
+        )
+    left = "running" if mode is DumpMode.LEAVE_RUNNING else "stopped"
+    return f"the snapshot is kept in {out}; the process was left {left}"
 
 
 def _sent_away(out: Path, mode: DumpMode) -> None:

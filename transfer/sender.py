@@ -264,7 +264,7 @@ class Sender:
         restore trusts (a user's made-up images and carried files would be put back as root's)."""
         parse_address(address)  # (one that is no address is said once, before anything: never retried)
         if sealed is None:  # (a snapshot still being written has its manifest last)
-            snapmanifest.present(snapshot)  # (before private_dir makes it 0700: a directory given by mistake is left so)
+            snapmanifest.present(snapshot)  # (before private_dir makes it 0700: a directory given by mistake is kept)
         snapshot = private_dir(snapshot, create=False)
         cfg = self.config
         session = os.urandom(16)

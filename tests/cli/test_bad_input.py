@@ -511,6 +511,39 @@ def test_a_malformed_send_to_address_is_refused_before_anything_is_frozen(  # ty
     assert said.returncode == 2 and "failed" not in said.stderr
 
 
+def test_a_dump_whose_peer_never_takes_it_says_the_process_ended_and_how_to_bring_it_back(  # type: ignore[no-untyped-def]
+    start, tmp_path: Path
+) -> None:
+    """--send-to a port nobody listens on, in dump's kill mode: the process ends as dumped (the
+    snapshot is whole), and the one sentence says so and how to bring it back (it said only that
+    the snapshot was kept, under an exit code read as 'the process was resumed'); it comes back
+    from there, its memory as it was."""
+    w = start(mib=16)
+    out = tmp_path / "s"
+    said = tpagent(
+        "dump",
+        str(w.pid),
+        "--out",
+        str(out),
+        "--send-to",
+        "127.0.0.1:1",
+        "--secret-file",
+        str(_secret(tmp_path)),
+        "--plaintext",
+    )
+    assert_one_sentence_error(
+        said,
+        f"the process ended as it was dumped; its snapshot is kept in {out}: `tpagent restore {out}` brings it back",
+    )
+    w.reap()
+    assert not alive(w.pid)
+    came_back = tpagent("restore", str(out))
+    assert came_back.returncode == 0, came_back.stderr
+    ticks = len(w.ticks())
+    wait_until(lambda: len(w.ticks()) > ticks, "the restored workload to tick on")
+    w.verify_state()
+
+
 def test_send_of_a_snapshot_missing_an_image_says_so(snapshot_dir: Path, tmp_path: Path) -> None:
     snap = _copy(snapshot_dir, tmp_path)
     gone = _largest(snap)
