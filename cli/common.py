@@ -131,9 +131,15 @@ def command(app: typer.Typer, **settings: Any) -> Callable[[CommandFunction], Co
     return register
 
 
+def shown(text: str) -> str:
+    """``text`` as a terminal may be given it: each character that does not print (an escape
+    sequence's ESC in another user's process name or path, a newline, bytes of no encoding) as "?"."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def die(msg: str, code: int, as_json: bool = False, rolled_back: bool = False) -> NoReturn:
     """Every command's error: one sentence on stderr (and, with --json, a JSON error on stdout)."""
-    typer.echo(f"tpagent: {msg}", err=True)
+    typer.echo(f"tpagent: {shown(msg)}", err=True)
     if as_json:
         typer.echo(json.dumps({"error": msg, "exit_code": code, "rolled_back": rolled_back}, indent=2))
     raise typer.Exit(code)
@@ -185,7 +191,7 @@ def guarded(command: Callable[[], None]) -> None:
 def _last_word(msg: str, code: int) -> NoReturn:
     """:func:`die` where no command's context is left: one printable line on stderr, and a JSON
     error on stdout where --json (or TPAGENT_JSON) asked for one."""
-    msg = "".join(c if c.isprintable() else "?" for c in msg[:400])
+    msg = shown(msg[:400])
     print(f"tpagent: {msg}", file=sys.stderr)
     if "--json" in sys.argv[1:] or os.environ.get("TPAGENT_JSON", "").lower() in ("1", "true", "yes", "on"):
         print(json.dumps({"error": msg, "exit_code": code, "rolled_back": False}, indent=2))

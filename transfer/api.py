@@ -214,3 +214,12 @@ def parse_address(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise BadAddress(f"{address!r} is not HOST:PORT.")
     return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def peer_address(address: str) -> tuple[str, int]:
+    """:func:`parse_address` of an address to connect to: its host given, its port above 0 (a
+    listener's ``:0``, any port, names no peer)."""
+    host, port = parse_address(address)
+    if not address.rpartition(":")[0].strip("[]") or port == 0:
+        raise BadAddress(f"{address!r} is not HOST:PORT.")
+    return host, port

@@ -23,7 +23,7 @@ from snapshot import criu, stages
 from snapshot.api import DumpMode, ProgressFn, SnapshotConfig
 from snapshot.dump import checkpoint
 from snapshot.manifest import Manifest
-from transfer.api import TransferError, TransferStats, parse_address
+from transfer.api import TransferError, TransferStats, peer_address
 from transfer.sender import Sender
 
 
@@ -50,7 +50,7 @@ def dump_and_send(
     overlap: bool = True,
     carry: Sequence[Path] = (),
 ) -> Shipped:
-    parse_address(peer)  # (before anything is frozen: a mistyped address never ends the process)
+    peer_address(peer)  # (before anything is frozen: a mistyped address never ends the process)
     t0 = time.monotonic()
     if not overlap:
         m = checkpoint(pid, out, mode, config, progress, carry=carry)

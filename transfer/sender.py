@@ -29,7 +29,7 @@ from transfer.api import (
     TransferError,
     TransferStats,
     Transport,
-    parse_address,
+    peer_address,
     retry_pause,
 )
 from transfer.chunks import Feed, Files, SendState
@@ -262,7 +262,7 @@ class Sender:
         ends, so that a dump still streaming into it fails too.  Only from a directory no other
         user could have written to: what arrives is a verified snapshot of root's, which a
         restore trusts (a user's made-up images and carried files would be put back as root's)."""
-        parse_address(address)  # (one that is no address is said once, before anything: never retried)
+        peer_address(address)  # (one that is no address is said once, before anything: never retried)
         if sealed is None:  # (a snapshot still being written has its manifest last)
             snapmanifest.present(snapshot)  # (before private_dir makes it 0700: a directory given by mistake is kept)
         snapshot = private_dir(snapshot, create=False)

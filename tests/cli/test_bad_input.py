@@ -491,7 +491,7 @@ def test_criu_not_installed_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         criu.Criu()
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1", "[::1]:x"])
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1", "[::1]:x", "127.0.0.1:0", ":7411"])
 def test_a_malformed_send_to_address_is_refused_before_anything_is_frozen(  # type: ignore[no-untyped-def]
     start, snapshot_dir: Path, tmp_path: Path, address: str
 ) -> None:
@@ -726,6 +726,35 @@ def test_a_snapshot_another_user_could_have_written_is_not_sent(snapshot_dir: Pa
             listener.accept()  # (nobody connected)
     finally:
         listener.close()
+
+
+def test_a_refusal_shows_no_escape_sequence_another_process_put_in_its_name(tmp_path: Path) -> None:
+    """A dump refused for a tie to another process names it, by the name that process gave
+    itself: an escape sequence in it reached root's terminal as it was (the colours, a title, or
+    worse); each character that does not print is now shown as "?"."""
+    writer = subprocess.Popen(
+        ["sleep", "600"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True
+    )
+    named = (
+        "import sys, time; open('/proc/self/comm', 'w').write('\\x1b]0;owned\\x07RED'); "
+        "print(1, flush=True); time.sleep(600)"
+    )
+    reader = subprocess.Popen(
+        [sys.executable, "-c", named], stdin=writer.stdout, stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert writer.stdout is not None and reader.stdout is not None
+        writer.stdout.close()  # (its reader is the named process alone)
+        reader.stdout.readline()
+        said = tpagent("dump", str(writer.pid), "--out", str(tmp_path / "s"))
+        assert_one_sentence_error(said, f"that PID {reader.pid} (?]0;owned?RED) outside its tree reads")
+        assert "\x1b" not in said.stderr and "\x07" not in said.stderr
+    finally:
+        for p in (writer, reader):
+            p.kill()
+            p.wait()
+        assert reader.stdout is not None
+        reader.stdout.close()
 
 
 def test_inspect_shows_no_escape_sequence_a_user_put_in_a_command_line(snapshot_dir: Path, tmp_path: Path) -> None:
