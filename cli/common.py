@@ -25,6 +25,7 @@ import typer
 from host.api import UsageError
 from snapshot.api import Interrupted, SnapshotError, SnapshotInvalid
 from tpagent.common.credentials import Credentials
+from tpagent.orchestrator.api import printable
 from transfer.api import BadAddress, Compress, TransferError
 
 EXIT_OK = 0
@@ -131,18 +132,18 @@ def command(app: typer.Typer, **settings: Any) -> Callable[[CommandFunction], Co
     return register
 
 
-def shown(text: str) -> str:
-    """``text`` as a terminal may be given it: each character that does not print (an escape
-    sequence's ESC in another user's process name or path, a newline, bytes of no encoding) as "?"."""
-    return "".join(c if c.isprintable() else "?" for c in text)
-
-
 def die(msg: str, code: int, as_json: bool = False, rolled_back: bool = False) -> NoReturn:
     """Every command's error: one sentence on stderr (and, with --json, a JSON error on stdout)."""
-    typer.echo(f"tpagent: {shown(msg)}", err=True)
+    _say(msg, code, as_json, rolled_back)
+    raise typer.Exit(code)
+
+
+def _say(msg: str, code: int, as_json: bool, rolled_back: bool = False) -> None:
+    """An error's sentence on stderr, each character that does not print (an escape sequence in
+    another user's process name or path) as "?"; with ``as_json``, the JSON error on stdout."""
+    typer.echo(f"tpagent: {printable(msg, None)}", err=True)
     if as_json:
         typer.echo(json.dumps({"error": msg, "exit_code": code, "rolled_back": rolled_back}, indent=2))
-    raise typer.Exit(code)
 
 
 def exit_code(e: SnapshotError | TransferError) -> int:
@@ -189,10 +190,8 @@ def guarded(command: Callable[[], None]) -> None:
 
 
 def _last_word(msg: str, code: int) -> NoReturn:
-    """:func:`die` where no command's context is left: one printable line on stderr, and a JSON
-    error on stdout where --json (or TPAGENT_JSON) asked for one."""
-    msg = shown(msg[:400])
-    print(f"tpagent: {msg}", file=sys.stderr)
-    if "--json" in sys.argv[1:] or os.environ.get("TPAGENT_JSON", "").lower() in ("1", "true", "yes", "on"):
-        print(json.dumps({"error": msg, "exit_code": code, "rolled_back": False}, indent=2))
+    """:func:`die` where no command's context is left (nor its --json flag, read from the
+    arguments and TPAGENT_JSON)."""
+    as_json = "--json" in sys.argv[1:] or os.environ.get("TPAGENT_JSON", "").lower() in ("1", "true", "yes", "on")
+    _say(msg[:400], code, as_json)
     sys.exit(code)

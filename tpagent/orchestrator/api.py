@@ -183,7 +183,8 @@ class View:
         return self.reachable(node) and node not in self.stale
 
 
-def printable(text: str, limit: int = 500) -> str:
-    """``text`` at most ``limit`` characters long, each one that does not print (a newline, an
-    escape sequence's ESC) shown as "?": what comes from the network is shown to operators as is."""
+def printable(text: str, limit: int | None = 500) -> str:
+    """``text`` at most ``limit`` characters long (None: whole), each one that does not print (a
+    newline, an escape sequence's ESC, bytes of no encoding) shown as "?": what comes from the
+    network, or names another user chose, is shown to operators as is."""
     return "".join(c if c.isprintable() else "?" for c in text[:limit])
