@@ -352,6 +352,95 @@ def test_connections_that_never_finish_tls_are_held_only_up_to_the_apis_bound(
         stop.set()
 
 
+def test_refusals_under_way_never_take_an_authenticated_callers_turn(tmp_path: Path) -> None:
+    """Calls without the secret, however many are being refused at once (as on a machine too busy
+    to refuse them quickly), never turn an authenticated call away: they were once counted with the
+    API's calls, and 64 of them failed a CI run.  An authenticated call past the API's bound is
+    refused at once (RESOURCE_EXHAUSTED), never queued; refusals past their own bound are turned
+    away by gRPC itself, with no thread, and each is still counted."""
+    creds = agent_config(tmp_path, "n").credentials()
+    slow = threading.Event()  # set: refusals go at once
+    slow.set()
+    refusals: list[str] = []
+
+    def refused(reason: str) -> None:  # (the refusal threads only are held: never gRPC's own)
+        refusals.append(reason)
+        if threading.current_thread().name.startswith("rpc-refuse"):
+            slow.wait(30)
+
+    held, entered = threading.Event(), threading.Semaphore(0)
+
+    def hold(request: pb.NodeInfo, ctx: grpc.ServicerContext) -> pb.NodeInfo:
+        entered.release()
+        held.wait(30)
+        return pb.NodeInfo(node="held")
+
+    codec = {"request_deserializer": pb.NodeInfo.FromString, "response_serializer": pb.NodeInfo.SerializeToString}
+    methods = {
+        "Unary": grpc.unary_unary_rpc_method_handler(lambda request, ctx: pb.NodeInfo(node="unary"), **codec),
+        "Hold": grpc.unary_unary_rpc_method_handler(hold, **codec),
+    }
+    interceptor = rpc.AuthInterceptor(creds.secret, {"127.0.0.1"}, rpc.Health(), refused, workers=2)
+    srv, tls = rpc.server(creds, interceptor)
+    srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.T", methods),))
+    port = srv.add_secure_port("127.0.0.1:0", tls)
+    srv.start()
+    ask = pb.NodeInfo(node="?")
+    with grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(creds.ca, creds.key, creds.cert)) as ch:
+        calls = {
+            name: ch.unary_unary(
+                f"/t.T/{name}",
+                request_serializer=pb.NodeInfo.SerializeToString,
+                response_deserializer=pb.NodeInfo.FromString,
+            )
+            for name in methods
+        }
+
+        def signed(name: str) -> dict[str, object]:
+            return {"metadata": rpc.sign(creds.secret, f"/t.T/{name}", "127.0.0.1", ask), "timeout": 10}
+
+        try:
+            # 20 refusals under way, more than the API's 2 calls and their old margin of 8 together
+            slow.clear()
+            unsigned = [calls["Unary"].future(ask, timeout=30) for _ in range(20)]
+            wait_until(lambda: interceptor.refusals.taken == 20, "the 20 refusals to be under way")
+            assert calls["Unary"](ask, **signed("Unary")).node == "unary"
+            slow.set()
+            assert [f.exception().code() for f in unsigned] == [grpc.StatusCode.UNAUTHENTICATED] * 20  # type: ignore[union-attr]
+
+            # the API's 2 calls under way: a third is refused at once, and answered once one ends
+            holding = [calls["Hold"].future(ask, **signed("Hold")) for _ in range(2)]
+            for _ in holding:
+                assert entered.acquire(timeout=10)
+            with pytest.raises(grpc.RpcError) as e:
+                calls["Unary"](ask, **signed("Unary"))
+            assert e.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "as many calls as this agent answers at once are under way" in str(e.value.details())
+            held.set()
+            assert [f.result().node for f in holding] == ["held", "held"]
+            assert calls["Unary"](ask, **signed("Unary")).node == "unary"
+
+            # refusals past their bound (made 2): gRPC's own, at once, counted
+            interceptor.refusals.bound = 2
+            slow.clear()
+            before = len(refusals)
+            waiting = [calls["Unary"].future(ask, timeout=30) for _ in range(2)]
+            wait_until(lambda: interceptor.refusals.taken == 2, "the 2 refusals to be under way")
+            with pytest.raises(grpc.RpcError) as e:
+                calls["Unary"](ask, timeout=10)
+            assert e.value.code() is grpc.StatusCode.UNIMPLEMENTED
+            slow.set()
+            assert [f.exception().code() for f in waiting] == [grpc.StatusCode.UNAUTHENTICATED] * 2  # type: ignore[union-attr]
+            assert refusals[before:] == ["no_credentials"] * 3
+            wait_until(
+                lambda: interceptor.refusals.taken == 0 and interceptor.calls.taken == 0, "every call given back"
+            )
+        finally:
+            slow.set()
+            held.set()
+            srv.stop(0)
+
+
 def _info_or_none(cfg: AgentConfig) -> pb.NodeInfo | None:
     try:
         return stub(cfg.listen, cfg.credentials()).Info(pb.Empty(), timeout=5)

@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -66,6 +66,7 @@ __all__ = [
     "stub",
 ]
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: How each refusal of the agent layer travels as a gRPC status (and back: tpagent/daemon/client.py).
 CODES = {
@@ -120,6 +121,7 @@ REASONS = {
     "replay": "a replayed call",
     "wrong_body": "a request that is not the one signed",
     "streaming": "a streaming request, which no method of this API takes",
+    "busy": "as many calls as this agent answers at once are under way; try again shortly",
 }
 
 
@@ -151,6 +153,41 @@ def _on_pool(behavior: Callable[..., Any], pool: futures.ThreadPoolExecutor) -> 
     return run
 
 
+#: Refusals (and the API port's health checks) under way at once.  Each is brief (the request is
+#: never read), but a flood of them must not take an authenticated caller's turn: they are
+#: counted apart from the API's calls.  Past this many, gRPC turns a call away by itself, at
+#: once and with no thread ("Method not found"); it is still counted and logged.
+REFUSALS_AT_ONCE = 256
+
+
+class Bounded(futures.ThreadPoolExecutor):
+    """A pool that takes at most ``bound`` calls at once: a call is counted from :meth:`take`
+    (in the interceptor, as gRPC hands it the call) until the run gRPC then submits here ends.
+    gRPC submits each handler it is given at once, so a call taken is always given back."""
+
+    def __init__(self, threads: int, bound: int, name: str) -> None:
+        super().__init__(max_workers=threads, thread_name_prefix=name)
+        self.bound = bound
+        self.taken = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.taken >= self.bound:
+                return False
+            self.taken += 1
+            return True
+
+    def _given_back(self, _: futures.Future[Any]) -> None:
+        with self._lock:
+            self.taken -= 1
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> futures.Future[T]:
+        future = super().submit(fn, *args, **kwargs)
+        future.add_done_callback(self._given_back)
+        return future
+
+
 class Health:
     """grpc.health.v1 Check, answered without reading the request: a probe that never sends
     one cannot hold a thread, and a busy API pool never delays a probe (a pool of its own)."""
@@ -159,7 +196,8 @@ class Health:
         self.serving = False
         self.pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="health")
 
-    def handler(self) -> Any:
+    def handler(self, pool: futures.ThreadPoolExecutor | None = None) -> Any:
+        """Check's handler, run on ``pool`` (default: the health pool)."""
         from grpc_health.v1 import health_pb2
 
         def check(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
@@ -169,7 +207,7 @@ class Health:
             return health_pb2.HealthCheckResponse(status=status)
 
         return grpc.stream_unary_rpc_method_handler(
-            _on_pool(check, self.pool), response_serializer=health_pb2.HealthCheckResponse.SerializeToString
+            _on_pool(check, pool or self.pool), response_serializer=health_pb2.HealthCheckResponse.SerializeToString
         )
 
 
@@ -211,10 +249,18 @@ def probe_server(health: Health) -> grpc.Server:
 
 class AuthInterceptor(grpc.ServerInterceptor):
     """See the module docstring.  ``audiences``: the names this agent answers to;
-    ``refused(reason)`` is called for each refusal (metrics)."""
+    ``refused(reason)`` is called for each refusal (metrics).  At most ``workers`` calls run at
+    once (:attr:`calls`, the server's pool); one more is refused at once (RESOURCE_EXHAUSTED),
+    never queued.  Refusals run on a pool of their own (:attr:`refusals`, bounded apart): they
+    never wait for a busy API, nor take an authenticated caller's turn."""
 
     def __init__(
-        self, secret: bytes, audiences: set[str], health: Health, refused: Callable[[str], None] = lambda reason: None
+        self,
+        secret: bytes,
+        audiences: set[str],
+        health: Health,
+        refused: Callable[[str], None] = lambda reason: None,
+        workers: int = 32,
     ) -> None:
         self.secret = secret
         self.audiences = {a.lower() for a in audiences if a}
@@ -223,8 +269,8 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self.replays = _Replays()
         self.started = time.monotonic()  # (read on the wall clock at each check: a step moves it too)
         self.said = Hushed(log)  # (a flood is counted in full, but logged at most once a second)
-        # Refusals run on a pool of their own: they never wait for the busy API pool.
-        self.reject_pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="rpc-refuse")
+        self.calls = Bounded(workers, workers, "rpc")
+        self.refusals = Bounded(2, REFUSALS_AT_ONCE, "rpc-refuse")
 
     def _check_call(self, method: str, metadata: dict[str, str]) -> tuple[str, str] | None:
         """Why the call is refused, and the sentence saying so; None if it is not."""
@@ -252,15 +298,21 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self.refused(reason)
         if reason in ("stale", "before_start"):  # (the caller then signs on this clock: tpagent/common/clock.py)
             context.set_trailing_metadata(((CLOCK_HEADER, str(int(clock.now() * 1000))),))
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"refused the call: {sentence or REASONS[reason]}")
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if reason == "busy" else grpc.StatusCode.UNAUTHENTICATED
+        context.abort(code, f"refused the call: {sentence or REASONS[reason]}")
 
     def _reject(self, method: str, reason: str, sentence: str) -> Any:
-        """A handler that refuses at once, never reading the request (which may never come)."""
+        """A handler that refuses at once, never reading the request (which may never come);
+        None (gRPC's own refusal, with no thread) past :data:`REFUSALS_AT_ONCE` under way."""
 
         def reject(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             self._refuse(method, reason, context, sentence)
 
-        return grpc.stream_unary_rpc_method_handler(_on_pool(reject, self.reject_pool))
+        if self.refusals.take():
+            return grpc.stream_unary_rpc_method_handler(_on_pool(reject, self.refusals))
+        self.said.warning("refused %s: %s (%d refusals under way)", method, sentence, REFUSALS_AT_ONCE)
+        self.refused(reason)
+        return None
 
     def _check_body(self, method: str, request: Any, context: grpc.ServicerContext) -> None:
         md = dict(context.invocation_metadata())
@@ -270,14 +322,18 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         method = details.method
-        if method == HEALTH_CHECK:
-            return self.health.handler()
+        if method == HEALTH_CHECK:  # (brief, its request never read: bounded as refusals are)
+            return self.health.handler(self.refusals) if self.refusals.take() else None
         refusal = self._check_call(method, dict(details.invocation_metadata or ()))
         if refusal is not None:
             return self._reject(method, *refusal)
         handler = continuation(details)
         if handler is None:
             return None
+        if handler.request_streaming:
+            return self._reject(method, "streaming", REASONS["streaming"])  # default: deny
+        if not self.calls.take():
+            return self._reject(method, "busy", REASONS["busy"])
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
 
@@ -285,16 +341,14 @@ class AuthInterceptor(grpc.ServerInterceptor):
                 self._check_body(method, request, context)
                 return inner_uu(request, context)
 
-            return handler._replace(unary_unary=uu)
-        if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
+            return handler._replace(unary_unary=_on_pool(uu, self.calls))
+        inner_us = handler.unary_stream
 
-            def us(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                self._check_body(method, request, context)
-                yield from inner_us(request, context)
+        def us(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            self._check_body(method, request, context)
+            yield from inner_us(request, context)
 
-            return handler._replace(unary_stream=us)
-        return self._reject(method, "streaming", REASONS["streaming"])  # default: deny
+        return handler._replace(unary_stream=_on_pool(us, self.calls))
 
 
 class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
@@ -407,14 +461,13 @@ MAX_CONNECTIONS = 4096
 
 
 def server(
-    creds: Credentials, interceptor: AuthInterceptor, workers: int = 32, connections: int = 0
+    creds: Credentials, interceptor: AuthInterceptor, connections: int = 0
 ) -> tuple[grpc.Server, grpc.ServerCredentials]:
     """The agent's gRPC server (not started) and its TLS credentials (client certificates
-    of the cluster CA required).  At most ``workers`` calls run at once; more are refused
-    at once (RESOURCE_EXHAUSTED), never queued; at most ``connections`` connections are held
-    (0: :data:`MAX_CONNECTIONS`)."""
+    of the cluster CA required).  The interceptor bounds the calls under way (see
+    :class:`AuthInterceptor`); at most ``connections`` connections are held (0: :data:`MAX_CONNECTIONS`)."""
     srv = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rpc"),
+        interceptor.calls,
         interceptors=[interceptor],
         # A connection that has not finished its TLS handshake in 10 s is closed.
         options=[
@@ -425,7 +478,7 @@ def server(
             # Callers ping while a call waits (KEEPALIVE_MS): allowed, not counted as abuse.
             ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
         ],
-        maximum_concurrent_rpcs=workers + 8,  # (+ refusals and probes, brief)
+        # (no maximum_concurrent_rpcs: it would count refusals with the calls; the interceptor bounds each)
     )
     tls = grpc.ssl_server_credentials([(creds.key, creds.cert)], root_certificates=creds.ca, require_client_auth=True)
     return srv, tls
