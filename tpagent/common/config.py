@@ -49,8 +49,10 @@
     temperature_margin_c = 5          #   less temperature_margin_c)
     ecc_rise = 1                      # uncorrectable ECC errors since the agent started: unhealthy
 
-The variable for a key is TPAGENT_ and the key in capitals (lists: comma-separated).  The
-timeouts are checked against each other at load (:class:`Timeouts`).
+The variable for a key is TPAGENT_ and the key in capitals (lists: comma-separated).  Every
+value is checked at load, the agent not started on a bad one: the timeouts against each other
+(:class:`Timeouts`), each number against its range (:data:`RANGES`; no seconds past
+:data:`MOST_SECONDS`, no NaN), each address as HOST:PORT and each name as a host's.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from host import paths
 from host.api import UsageError
 from snapshot.api import DEFAULT_GHOST_LIMIT
 from tpagent.common.credentials import Credentials
-from transfer.api import DEFAULT_TLS_DIR
+from transfer.api import DEFAULT_TLS_DIR, MAX_STREAMS, Compress
 from transfer.transports import NAMES
 
 #: The configuration key of each timeout (tpagent/common/config.py), for messages.
@@ -131,6 +133,21 @@ class Timeouts:
 
 DEFAULT_FILE = paths.CONFIG_FILE
 
+#: Each whole-number setting's range (inclusive) and what it counts, said in a refusal.
+RANGES = {
+    "memory_limit": (0, 1 << 62, "bytes (0: no limit)"),
+    "max_incoming": (0, 4096, "migrations (0: no limit)"),
+    "transfer_port": (0, 65535, "(a port; 0: any free one)"),
+    "streams": (1, MAX_STREAMS, "connections"),
+    "ghost_limit_mib": (0, 1 << 20, "MiB"),
+    "stream_buffer_mib": (0, 1 << 20, "MiB (0: off)"),
+    "temperature_c": (0, 150, "degrees C (0: the GPU's slowdown temperature less the margin)"),
+    "temperature_margin_c": (0, 100, "degrees C"),
+    "ecc_rise": (1, 1 << 31, "errors"),
+}
+#: The most seconds any setting takes (no wait is longer; far larger ones overflowed the waits).
+MOST_SECONDS = 1e9
+
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -184,14 +201,15 @@ class AgentConfig:
             raise UsageError(f"the setting rewire_timeout = {self.rewire_timeout} is not valid: give seconds > 0.")
         if not 0.1 <= self.report_period <= 3600:
             raise UsageError(f"the setting report_period = {self.report_period} is not valid: give 0.1 to 3600 s.")
-        if self.temperature_c < 0 or self.temperature_margin_c < 0 or self.ecc_rise < 1:
-            raise UsageError(
-                "give temperature_c and temperature_margin_c >= 0 and ecc_rise >= 1 (in degrees C, errors)."
-            )
+        for name, (lo, hi, what) in RANGES.items():
+            if not lo <= getattr(self, name) <= hi:
+                raise UsageError(f"the setting {name} = {getattr(self, name)} is not valid: give {lo} to {hi} {what}.")
+        check_hosts(self, ("listen", "health_listen", "metrics_listen", "transfer_address", "orchestrator"))
+        if self.compress not in {c.value for c in Compress}:
+            choices = ", ".join(c.value for c in Compress)
+            raise UsageError(f"the setting compress = {self.compress!r} is not valid: choose one of {choices}.")
         if len(self.rank_socket) > 100 or "\0" in self.rank_socket:
             raise UsageError(f"the setting rank_socket = {self.rank_socket!r} is not valid: at most 100 characters.")
-        if self.orchestrator and (not self.orchestrator.rpartition(":")[0] or port_of(self.orchestrator) is None):
-            raise UsageError(f"the setting orchestrator = {self.orchestrator!r} is not valid: give HOST:PORT.")
         if self.transport not in NAMES:
             raise UsageError(
                 f"the setting transport = {self.transport!r} is not valid: choose one of {', '.join(NAMES)}."
@@ -237,26 +255,56 @@ class AgentConfig:
         return {h.lower() for h in hosts if h and h not in ("0.0.0.0", "::")}
 
 
-def port_of(address: str) -> int | None:
-    """The port of HOST:PORT, if it is one (0 to 65535; gRPC takes a larger one wrapped)."""
-    port = address.rpartition(":")[2]
-    return int(port) if port.isascii() and port.isdigit() and int(port) <= 65535 else None
+def port_of(address: str, at_least: int = 0) -> int | None:
+    """The port of HOST:PORT, if it is one (``at_least`` to 65535; gRPC takes a larger one
+    wrapped) and HOST is not empty where ``at_least`` asks for a real port."""
+    host, _, port = address.rpartition(":")
+    if at_least and not is_name(host.strip("[]")):
+        return None
+    return int(port) if port.isascii() and port.isdigit() and at_least <= int(port) <= 65535 else None
+
+
+def is_name(text: str, empty: bool = False) -> bool:
+    """Whether ``text`` may name a host or node: printable, no space, at most 255 characters."""
+    return (empty or bool(text)) and len(text) <= 255 and text.isprintable() and not any(c.isspace() for c in text)
+
+
+def check_hosts(settings: object, addresses: tuple[str, ...], names: tuple[str, ...] = ("node", "advertise")) -> None:
+    """The settings ``addresses`` are HOST:PORT (a real port) and ``names`` host names; the
+    first of each must be given, the others may be "" (off, or the default)."""
+    for name in addresses:
+        value = getattr(settings, name)
+        if (value or name == addresses[0]) and not port_of(value, at_least=1):
+            raise UsageError(f"the setting {name} = {value!r} is not valid: give HOST:PORT, the port 1 to 65535.")
+    for name in names:
+        value = getattr(settings, name)
+        if not is_name(value, empty=name != names[0]):
+            raise UsageError(f"the setting {name} = {value!r} is not valid: give a host name.")
 
 
 def convert_setting(name: str, kind: Any, value: Any) -> Any:
+    """``value`` (from TOML, or a variable's text) as the setting's ``kind``; a number must be
+    one (not true or false), finite, whole where counted, and at most :data:`MOST_SECONDS` where
+    in seconds (every setting with a fraction is)."""
     try:
         if kind is Path or kind == "Path":
             return Path(value)
+        if kind in (int, "int", float, "float") and isinstance(value, bool):
+            raise ValueError("give a number")
         if kind in (int, "int"):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError("give a whole number")
             return int(value)
         if kind in (float, "float"):
+            if not -MOST_SECONDS <= float(value) <= MOST_SECONDS:  # (NaN too)
+                raise ValueError(f"give a number of seconds up to {MOST_SECONDS:g}")
             return float(value)
         if "tuple" in str(kind):
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(str(x).strip() for x in items if str(x).strip())
         return str(value)
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"the setting {name} = {value!r} is not valid ({e}).") from e
+    except (TypeError, ValueError, OverflowError) as e:
+        raise UsageError(f"the setting {name} = {str(value)[:40]!r} is not valid ({e}).") from e
 
 
 #: The most of a configuration file read (far more than any holds).
@@ -281,8 +329,11 @@ def read_toml(path: Path | None, default: Path) -> dict[str, Any]:
         return tomllib.loads(text.decode())
     except OSError as e:
         raise UsageError(f"cannot read the configuration {file}: {e.strerror}.") from e
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+    except tomllib.TOMLDecodeError as e:
         raise UsageError(f"the configuration {file} is not valid TOML: {e}.") from e
+    except (UnicodeDecodeError, ValueError) as e:  # (ValueError: an integer of thousands of digits)
+        why = "its text is not UTF-8" if isinstance(e, UnicodeDecodeError) else "a number in it has thousands of digits"
+        raise UsageError(f"the configuration {file} is not valid TOML: {why}.") from e
 
 
 def load(path: Path | None = None, env: dict[str, str] | None = None, **overrides: Any) -> AgentConfig:

@@ -58,9 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from host.api import UsageError
-from tpagent.common.config import convert_setting, read_toml
+from tpagent.common.config import check_hosts, convert_setting, read_toml
 from tpagent.common.credentials import Credentials
-from tpagent.migration.api import is_agent_address
 from tpagent.orchestrator.api import job_name
 from transfer.api import DEFAULT_TLS_DIR
 
@@ -107,8 +106,7 @@ class OrchestratorConfig:
     kubernetes_preempt_below: int = 0
 
     def __post_init__(self) -> None:
-        if not is_agent_address(self.listen):
-            raise UsageError(f"the setting listen = {self.listen!r} is not valid: give HOST:PORT.")
+        check_hosts(self, ("listen", "health_listen", "metrics_listen", "webhook_listen"))
         if self.webhook_listen and not self.webhook_token_file:
             raise UsageError("webhook_listen needs webhook_token_file: the bearer token Alertmanager sends.")
         if not 1 <= self.max_parallel <= 1000 or not 0 <= self.retries <= 100:
@@ -127,8 +125,12 @@ class OrchestratorConfig:
             raise UsageError(
                 f"the setting scheduler = {self.scheduler!r} is not valid: give one of {', '.join(SCHEDULERS)}."
             )
-        if self.slurm_preempt_below < 0 or not re.fullmatch(r"[A-Za-z0-9_.-]{0,64}", self.slurm_spare_partition):
-            raise UsageError("slurm_preempt_below must be 0 or more, slurm_spare_partition a partition's name.")
+        if not 0 <= self.kubernetes_preempt_below <= 1 << 31:
+            raise UsageError("kubernetes_preempt_below must be 0 (never) to 2147483648, a pod priority.")
+        if not 0 <= self.slurm_preempt_below <= 1 << 32:
+            raise UsageError("slurm_preempt_below must be 0 (never) to 4294967296, a job priority.")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{0,64}", self.slurm_spare_partition):
+            raise UsageError("slurm_spare_partition must be a partition's name.")
 
     def returns_home(self, job: str) -> bool:
         """Whether ranks of ``job`` (its key or name) moved off a taint return once it is gone."""
