@@ -173,12 +173,23 @@ def credentials(secret_file: Path | None, tls_dir: Path) -> Credentials:
     return Credentials.load(secret_file, tls_dir)
 
 
-def guarded(command: Callable[[], None]) -> None:
-    """Run ``command`` (the app), saying what no check of a command foresaw in one line, never
-    as a traceback: a check below the command's own (an address, a path: exit 2), a path the
+def guarded(command: Callable[[], object]) -> None:
+    """Run ``command`` (the app, not standalone: its exit code returned, typer's errors raised),
+    saying what no check of a command foresaw in one line, never as a traceback: arguments typer
+    refused (exit 2), a check below the command's own (an address, a path: exit 2), a path the
     system refuses (too long: exit 2), anything else (exit 1; ``TPAGENT_DEBUG=1``: the traceback)."""
     try:
-        command()
+        code = command()
+    except typer.TyperException as e:  # (its usage box was several lines, and no JSON under --json)
+        msg = e.format_message()
+        msg = msg[:1].lower() + msg[1:]
+        ctx = getattr(e, "ctx", None)
+        if ctx is not None:
+            see = f"'{ctx.command_path} --help'"
+            msg += f" See {see}." if msg.endswith((".", "?")) else f"; see {see}."
+        _last_word(msg, e.exit_code)
+    except typer.Abort:
+        _last_word("aborted.", EXIT_FAILED)
     except UsageError as e:
         _last_word(str(e), EXIT_USAGE)
     except OSError as e:
@@ -187,6 +198,8 @@ def guarded(command: Callable[[], None]) -> None:
         if os.environ.get("TPAGENT_DEBUG"):
             raise
         _last_word(f"unexpected error ({type(e).__name__}: {e}); TPAGENT_DEBUG=1 shows where.", EXIT_FAILED)
+    if isinstance(code, int):  # (--help, an interrupt: typer's typer.Exit)
+        sys.exit(code)
 
 
 def _last_word(msg: str, code: int) -> NoReturn:
@@ -195,3 +208,14 @@ def _last_word(msg: str, code: int) -> NoReturn:
     as_json = "--json" in sys.argv[1:] or os.environ.get("TPAGENT_JSON", "").lower() in ("1", "true", "yes", "on")
     _say(msg[:400], code, as_json)
     sys.exit(code)
+
+
+def gpu_map_of(pairs: list[str]) -> dict[str, str]:
+    """``--gpu-map OLD_UUID=NEW_UUID`` options as a map."""
+    out = {}
+    for pair in pairs:
+        old, sep, new = pair.partition("=")
+        if not sep or not old or not new:
+            raise UsageError(f"--gpu-map takes OLD_UUID=NEW_UUID, not {pair!r}.")
+        out[old] = new
+    return out

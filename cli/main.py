@@ -14,13 +14,12 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 
-from cli import agent_cmds, orchestrator_cmds
+from cli import agent_cmds, orchestrator_cmds, stages
 from cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
@@ -34,12 +33,19 @@ from cli.common import (
     TransportOpt,
     command,
     die,
-    die_of,
+    gpu_map_of,
     guarded,
 )
-from host.api import UsageError
+from host.api import MOST_SECONDS
 from host.gpus import inventory
-from snapshot.api import DEFAULT_GHOST_LIMIT, DumpMode, SnapshotConfig, SnapshotError, Stage, Timeouts
+from snapshot.api import (
+    CUDA_LOCK_MOST,
+    DEFAULT_GHOST_LIMIT,
+    DumpMode,
+    SnapshotConfig,
+    SnapshotError,
+    Timeouts,
+)
 from snapshot.dump import checkpoint
 from snapshot.manifest import Manifest, load
 from snapshot.restore import restore as restore_snapshot
@@ -53,39 +59,7 @@ from transfer.receiver import Receiver
 from transfer.sender import Sender
 from transfer.transports import make_transport
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
-
-
-_line_open = False  # a stage's name is on screen, waiting for its time
-
-
-def _fail(e: SnapshotError | TransferError, as_json: bool = False) -> NoReturn:
-    """:func:`~cli.common.die_of`, after ending a stage line left open on screen."""
-    global _line_open
-    if _line_open:
-        typer.echo("failed", err=True)
-        _line_open = False
-    die_of(e, as_json)
-
-
-def _progress(quiet: bool) -> Callable[[Stage, str], None]:
-    """Stage lines on stderr.  On a terminal a stage's name shows as it starts and its time
-    completes the line; elsewhere (logs, pipes) each stage is one whole line when it ends."""
-    live = sys.stderr.isatty()
-
-    def show(stage: Stage, msg: str) -> None:
-        global _line_open
-        if quiet or (not msg and not live):
-            return
-        if not msg:
-            typer.echo(f"  {stage.value:<16} ", err=True, nl=False)
-        elif _line_open:
-            typer.echo(msg, err=True)
-        else:
-            typer.echo(f"  {stage.value:<16} {msg}", err=True)
-        _line_open = not msg
-
-    return show
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
 def _emit(as_json: bool, data: dict[str, Any], text: str) -> None:
@@ -151,6 +125,7 @@ def dump(
             "--lock-timeout",
             envvar="TPAGENT_LOCK_TIMEOUT",
             min=0.001,
+            max=CUDA_LOCK_MOST,
             help="Seconds a GPU process may take to reach a lockable point.",
         ),
     ] = Timeouts().cuda_lock,
@@ -178,17 +153,17 @@ def dump(
     _carriable(carry or [], as_json)
     try:
         if send_to is None:
-            m = checkpoint(pid, out, mode, config, _progress(as_json), carry=carry or ())
+            m = checkpoint(pid, out, mode, config, stages.progress(as_json), carry=carry or ())
             shipped = None
         else:
             cfg = TransferConfig(secret=read_secret(secret_file), compress=compress)
             sender = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg)
             shipped = pipeline.dump_and_send(
-                pid, out, send_to, sender, mode, config, _progress(as_json), overlap, carry or ()
+                pid, out, send_to, sender, mode, config, stages.progress(as_json), overlap, carry or ()
             )
             m = shipped.manifest
     except (SnapshotError, TransferError) as e:
-        _fail(e, as_json)
+        stages.fail(e, as_json)
     _dumped(pid, out, mode, m, shipped, send_to, overlap, as_json)
 
 
@@ -240,16 +215,6 @@ def _dumped(
     _emit(as_json, doc, text)
 
 
-def _parse_map(pairs: list[str]) -> dict[str, str]:
-    out = {}
-    for pair in pairs:
-        old, sep, new = pair.partition("=")
-        if not sep or not old or not new:
-            raise UsageError(f"--gpu-map takes OLD_UUID=NEW_UUID, not {pair!r}.")
-        out[old] = new
-    return out
-
-
 @command(app)
 def restore(
     directory: Annotated[Path, typer.Argument(help="Snapshot directory written by `tpagent dump`.")],
@@ -260,7 +225,11 @@ def restore(
     pid_wait: Annotated[
         float,
         typer.Option(
-            "--pid-wait", envvar="TPAGENT_PID_WAIT", min=0, help="Seconds to wait for the snapshot's PIDs to be free."
+            "--pid-wait",
+            envvar="TPAGENT_PID_WAIT",
+            min=0,
+            max=MOST_SECONDS,
+            help="Seconds to wait for the snapshot's PIDs to be free.",
         ),
     ] = Timeouts().pid_wait,
     criu: CriuOpt = None,
@@ -275,11 +244,11 @@ def restore(
     """Verify a snapshot and bring its processes back to life on this node."""
     config = SnapshotConfig(criu=criu, timeouts=Timeouts(pid_wait=pid_wait))
     try:
-        result = restore_snapshot(directory, _parse_map(gpu_map or []), config, _progress(as_json), clone=clone)
+        result = restore_snapshot(directory, gpu_map_of(gpu_map or []), config, stages.progress(as_json), clone=clone)
         if result.manifest.namespace:
             register_launched(result.pid)  # still a launched workload, under its new PID
     except SnapshotError as e:
-        _fail(e, as_json)
+        stages.fail(e, as_json)
     _emit(
         as_json,
         {
@@ -301,7 +270,7 @@ def inspect(
     try:
         m = load(directory)
     except SnapshotError as e:
-        _fail(e, as_json)
+        stages.fail(e, as_json)
     lines = [
         f"snapshot {m.snapshot_id}  created {m.created} on {m.host['hostname']} (tpagent {m.tpagent_version})",
         (
@@ -380,7 +349,7 @@ def launch(
     try:
         pid = launch_workload(list(ctx.args), stdout, stderr or stdout, umask=USER_UMASK)
     except SnapshotError as e:
-        _fail(e)
+        stages.fail(e)
     typer.echo(pid)
 
 
@@ -424,7 +393,7 @@ def send(
         stats = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg, bar).send(directory, peer)
     except (SnapshotError, TransferError) as e:
         typer.echo("", err=True)
-        _fail(e, as_json)
+        stages.fail(e, as_json)
     if not as_json:
         typer.echo("", err=True)
     _emit(
@@ -465,7 +434,7 @@ def receive(
         finally:
             receiver.close()
     except (SnapshotError, TransferError) as e:
-        _fail(e, as_json)
+        stages.fail(e, as_json)
     _emit(
         as_json,
         {"out": str(out), "bytes_raw": stats.bytes_raw, "bytes_wire": stats.bytes_wire, "seconds": stats.seconds},
@@ -490,7 +459,7 @@ command(app)(orchestrator_cmds.events)
 def run() -> None:
     global USER_UMASK
     USER_UMASK = os.umask(0o077)  # snapshots, logs and keys it writes are its user's alone
-    guarded(lambda: app(prog_name="tpagent"))
+    guarded(lambda: app(args=sys.argv[1:] or ["--help"], prog_name="tpagent", standalone_mode=False))
 
 
 if __name__ == "__main__":

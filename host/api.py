@@ -8,6 +8,10 @@ so that such a refusal reaches the snapshot layer's callers as one of its own er
 
 from __future__ import annotations
 
+#: The most seconds any wait of the project takes (its settings and options are bounded by it):
+#: past ~9e9 Python's own waits overflow; no wait of a migration is near 30 years.
+MOST_SECONDS = 1e9
+
 
 class HostError(Exception):
     """Base of the host floor's errors and the snapshot layer's.  ``str(e)`` is one sentence fit

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from host import forked
-from host.api import HostError
+from host.api import MOST_SECONDS, HostError
 
 #: Base of the snapshot layer's errors: the host floor's family (:mod:`host.api`), so that a
 #: refusal of a host check (:class:`~host.api.UsageError`) is one of this layer's errors too.
@@ -99,6 +99,16 @@ class Timeouts:
     pid_wait: float = 10.0
     #: A process of the tree waited for to stop under ptrace (the GPU driver's leftovers removed).
     stop: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            low = 0.0 if name == "pid_wait" else 0.001
+            if not low <= value <= (CUDA_LOCK_MOST if name == "cuda_lock" else MOST_SECONDS):  # (NaN too)
+                raise ValueError(f"the {name} timeout {value} s is not a number of seconds this layer waits")
+
+
+#: The most seconds CUDA's lock waits: its milliseconds take 32 bits.
+CUDA_LOCK_MOST = float((1 << 32) // 1000 - 1)
 
 
 DEFAULT_GHOST_LIMIT = 1 << 30

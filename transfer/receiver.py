@@ -22,7 +22,7 @@ from pathlib import Path
 
 import zstandard
 
-from host.api import UsageError
+from host.api import MOST_SECONDS, UsageError
 from host.hushed import Hushed
 from host.safefs import private_dir
 from snapshot import manifest as snapmanifest
@@ -83,8 +83,11 @@ class Receiver:
             entry.ch.interrupt()
 
     def receive(self, out: Path, timeout: float) -> TransferStats:
-        if not timeout > 0:  # (nan too)
-            raise UsageError(f"the time to wait for a snapshot is a number of seconds above 0, not {timeout}.")
+        if not 0 < timeout <= MOST_SECONDS:  # (nan too)
+            raise UsageError(
+                f"the time to wait for a snapshot is a number of seconds above 0 (at most {MOST_SECONDS:g}), "
+                f"not {timeout}."
+            )
         # Root writes someone's whole memory here: only where no other user can plant or swap
         # a directory (checked now, before anyone connects), and only into directories of its own.
         out = private_dir(out, empty=True, create=False)

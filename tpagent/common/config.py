@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from host import paths
-from host.api import UsageError
+from host.api import MOST_SECONDS, UsageError
 from snapshot.api import DEFAULT_GHOST_LIMIT
 from tpagent.common.credentials import Credentials
 from transfer.api import DEFAULT_TLS_DIR, MAX_STREAMS, Compress
@@ -145,8 +145,6 @@ RANGES = {
     "temperature_margin_c": (0, 100, "degrees C"),
     "ecc_rise": (1, 1 << 31, "errors"),
 }
-#: The most seconds any setting takes (no wait is longer; far larger ones overflowed the waits).
-MOST_SECONDS = 1e9
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,39 @@
+"""What typer itself refuses (a missing argument, an unknown option or command, a value out of its
+range) is said as every other refusal is: one ``tpagent:`` line, exit 2, and under ``--json`` the
+JSON error on stdout.  (It was typer's box of several lines, with no JSON.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from support.helpers import assert_one_sentence_error, tpagent
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("dump",), "missing argument 'pid'. See 'tpagent dump --help'."),
+        (("dump", "1", "--bogus"), "no such option: --bogus"),
+        (("bogus",), "no such command 'bogus'"),
+        # seconds past what a wait takes (inf was taken: CUDA's lock then overflowed its 32 bits)
+        (("dump", "1", "--lock-timeout", "inf"), "invalid value for '--lock-timeout'"),
+        (("dump", "1", "--lock-timeout", "5000000"), "less than or equal to 4294966"),
+        (("restore", "/nowhere", "--pid-wait", "inf"), "invalid value for '--pid-wait'"),
+    ],
+    ids=["missing-argument", "unknown-option", "unknown-command", "lock-inf", "lock-32-bits", "pid-wait"],
+)
+def test_a_usage_error_is_one_sentence_and_json_under_json(args: tuple[str, ...], says: str) -> None:
+    said = tpagent(*args, "--json")
+    assert_one_sentence_error(said, says)
+    assert said.returncode == 2
+    doc = json.loads(said.stdout)
+    assert doc["exit_code"] == 2 and says in doc["error"]
+
+
+def test_no_arguments_show_the_help() -> None:
+    said = tpagent()
+    assert said.returncode == 0 and "Usage: tpagent" in said.stdout and "dump" in said.stdout
