@@ -132,9 +132,10 @@ def command(app: typer.Typer, **settings: Any) -> Callable[[CommandFunction], Co
     return register
 
 
-def die(msg: str, code: int, as_json: bool = False, rolled_back: bool = False) -> NoReturn:
-    """Every command's error: one sentence on stderr (and, with --json, a JSON error on stdout)."""
-    _say(msg, code, as_json, rolled_back)
+def die(msg: str, code: int, as_json: bool | None = None, rolled_back: bool = False) -> NoReturn:
+    """Every command's error: one sentence on stderr (and, with --json, a JSON error on stdout;
+    ``as_json`` None: whether the command line asked for it, :func:`json_asked`)."""
+    _say(msg, code, json_asked() if as_json is None else as_json, rolled_back)
     raise typer.Exit(code)
 
 
@@ -157,7 +158,7 @@ def exit_code(e: SnapshotError | TransferError) -> int:
     return EXIT_FAILED
 
 
-def die_of(e: SnapshotError | TransferError, as_json: bool = False) -> NoReturn:
+def die_of(e: SnapshotError | TransferError, as_json: bool | None = None) -> NoReturn:
     """:func:`die` with the error's own sentence and exit code (and whether it rolled back)."""
     rolled_back = isinstance(e, SnapshotError) and e.rolled_back
     die(str(e) + (ROLLED_BACK_NOTE if rolled_back else ""), exit_code(e), as_json, rolled_back)
@@ -202,11 +203,18 @@ def guarded(command: Callable[[], object]) -> None:
         sys.exit(code)
 
 
+def json_asked() -> bool:
+    """Whether the command line (or TPAGENT_JSON) asked for JSON, read where no command's
+    --json flag reaches (a refusal below the command, or before it ran)."""
+    args = sys.argv[1:]
+    ours = args[: args.index("--")] if "--" in args else args  # (a launched command's own --json is not ours)
+    return "--json" in ours or os.environ.get("TPAGENT_JSON", "").lower() in ("1", "true", "yes", "on")
+
+
 def _last_word(msg: str, code: int) -> NoReturn:
     """:func:`die` where no command's context is left (nor its --json flag, read from the
     arguments and TPAGENT_JSON)."""
-    as_json = "--json" in sys.argv[1:] or os.environ.get("TPAGENT_JSON", "").lower() in ("1", "true", "yes", "on")
-    _say(msg[:400], code, as_json)
+    _say(msg[:400], code, json_asked())
     sys.exit(code)
 
 

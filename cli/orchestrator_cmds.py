@@ -59,7 +59,7 @@ def _stub(address: str, secret_file: Path | None, tls_dir: Path) -> Any:
         die(str(e), EXIT_USAGE)
 
 
-def _call(address: str, call: Any, as_json: bool = False) -> Any:
+def _call(address: str, call: Any, as_json: bool | None = None) -> Any:
     try:
         return call()
     except grpc.RpcError as e:

@@ -15,7 +15,7 @@ from transfer.api import TransferError
 _line_open = False  # a stage's name is on screen, waiting for its time
 
 
-def fail(e: SnapshotError | TransferError, as_json: bool = False) -> NoReturn:
+def fail(e: SnapshotError | TransferError, as_json: bool | None = None) -> NoReturn:
     """:func:`~cli.common.die_of`, after ending a stage line left open on screen."""
     global _line_open
     if _line_open:

@@ -311,6 +311,16 @@ def test_launch_needs_a_command() -> None:
     assert_one_sentence_error(tpagent("launch", "--", "/no/such/program"), "was not found")
 
 
+@pytest.mark.parametrize("flag", ["--stdout", "--stderr"])
+def test_a_launch_log_that_cannot_be_written_is_named_not_the_command(tmp_path: Path, flag: str) -> None:
+    """(A directory given as the log was "cannot start sleep: Is a directory (d)": the command blamed.)"""
+    logs = tmp_path / "d"
+    logs.mkdir()
+    said = tpagent("launch", flag, str(logs), "--", "sh", "-c", f"touch {tmp_path / 'ran'}")
+    assert_one_sentence_error(said, f"cannot write its {flag} {logs}: Is a directory")
+    assert said.returncode == 2 and list(logs.iterdir()) == [] and not (tmp_path / "ran").exists()
+
+
 def _edit(d: Path, rehash: bool = True, **fields: object) -> None:
     """Change manifest fields; ``rehash`` keeps its self-checksum consistent, as a buggy or
     hostile writer would, so the field checks themselves are what must catch it."""

@@ -34,6 +34,17 @@ def test_a_usage_error_is_one_sentence_and_json_under_json(args: tuple[str, ...]
     assert doc["exit_code"] == 2 and says in doc["error"]
 
 
+@pytest.mark.parametrize("command", ["cluster", "events"])
+def test_a_refusal_before_the_orchestrator_is_called_is_json_under_json(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(cluster and events said "no cluster secret" with no JSON: they refused before --json reached them.)"""
+    monkeypatch.delenv("TPAGENT_SECRET_FILE", raising=False)
+    said = tpagent(command, "--orchestrator", "127.0.0.1:9", "--json")
+    assert_one_sentence_error(said, "no cluster secret")
+    assert json.loads(said.stdout)["exit_code"] == said.returncode == 2
+
+
 def test_no_arguments_show_the_help() -> None:
     said = tpagent()
     assert said.returncode == 0 and "Usage: tpagent" in said.stdout and "dump" in said.stdout

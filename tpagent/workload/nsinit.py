@@ -176,9 +176,13 @@ def main(argv: list[str]) -> int:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
-        for fd, path in ((1, stdout_path), (2, stderr_path)):
-            with _as_user(run_as):
-                target = _open_log(Path(path), run_as["uid"] if run_as is not None else 0)
+        for fd, flag, path in ((1, "--stdout", stdout_path), (2, "--stderr", stderr_path)):
+            try:
+                with _as_user(run_as):
+                    target = _open_log(Path(path), run_as["uid"] if run_as is not None else 0)
+            except OSError as e:  # (the log's fault, not the command's: a directory given, say)
+                os.write(ready, f"cannot write its {flag} {path}: {e.strerror}".encode())
+                return 127
             os.dup2(target, fd)
             os.close(target)
         child = _start(cmd, run_as)
