@@ -26,7 +26,7 @@ from host.api import UsageError
 from snapshot.api import Interrupted, SnapshotError, SnapshotInvalid
 from tpagent.common.credentials import Credentials
 from tpagent.orchestrator.api import printable
-from transfer.api import BadAddress, Compress, TransferError
+from transfer.api import BadAddress, Compress, SnapshotDamaged, TransferError
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # CRIU, the CUDA driver or the disk failed; the process was resumed
@@ -151,7 +151,7 @@ def exit_code(e: SnapshotError | TransferError) -> int:
     """The exit code for an error of the snapshot or transfer layer."""
     if isinstance(e, UsageError | BadAddress):
         return EXIT_USAGE
-    if isinstance(e, SnapshotInvalid):
+    if isinstance(e, SnapshotInvalid | SnapshotDamaged):
         return EXIT_INVALID
     if isinstance(e, Interrupted):
         return EXIT_INTERRUPTED

@@ -4,7 +4,8 @@ A :class:`Transport` makes byte channels between two nodes (TCP here, UCX beside
 sender and receiver (:mod:`transfer.sender`, :mod:`transfer.receiver`) speak the stream format of
 :mod:`transfer.wire` over any of them.  Errors: :class:`TransferError` for the transport or
 the peer, :class:`AuthError` for a peer that cannot prove the cluster secret,
-:class:`IntegrityError` for data that arrived damaged and could not be fetched again.
+:class:`IntegrityError` for data that arrived damaged and could not be fetched again
+(:class:`SnapshotDamaged` where it left damaged: the snapshot sent does not match its manifest).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ class AuthError(TransferError):
 
 class IntegrityError(TransferError):
     """Data failed verification and could not be repaired by fetching it again."""
+
+
+class SnapshotDamaged(IntegrityError):
+    """The snapshot being sent does not match its own manifest: sending it again cannot help."""
 
 
 class BadAddress(TransferError):

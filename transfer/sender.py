@@ -25,6 +25,7 @@ from transfer.api import (
     Channel,
     Compress,
     IntegrityError,
+    SnapshotDamaged,
     TransferConfig,
     TransferError,
     TransferStats,
@@ -40,6 +41,15 @@ log = logging.getLogger(__name__)
 
 #: Called with (raw bytes acknowledged, bytes on the wire, raw bytes in all).
 SendProgress = Callable[[int, int, int], None]
+
+
+def _refuse_if_damaged_here(snapshot: Path, e: IntegrityError) -> None:
+    """Where data kept arriving damaged, whether it left here so: a snapshot that does not match
+    its own manifest is said to be damaged (sending it again cannot help), not the network."""
+    try:
+        snapmanifest.verify(snapshot, snapmanifest.load(snapshot))
+    except SnapshotError as bad:
+        raise SnapshotDamaged(f"{bad} Not sent: the receiver refused it.") from e
 
 
 def snapshot_layout(snapshot: Path, chunk_size: int) -> Layout:
@@ -309,6 +319,10 @@ class Sender:
             finally:
                 state.fail(TransferError("the transfer ended"))  # stops a worker still waiting for chunks
                 control.close()
+        except IntegrityError as e:
+            if sealed is None:
+                _refuse_if_damaged_here(snapshot, e)
+            raise
         finally:
             if feed is not None:
                 feed.fail("the transfer ended before the dump did")

@@ -562,6 +562,33 @@ def test_send_of_a_snapshot_missing_an_image_says_so(snapshot_dir: Path, tmp_pat
     assert_one_sentence_error(said, f"{gone}, which its manifest lists, cannot be read (No such file or directory)")
 
 
+def test_send_of_a_snapshot_altered_here_says_it_is_damaged_not_the_network(snapshot_dir: Path, tmp_path: Path) -> None:
+    """An image altered in place (its size kept): the receiver refuses each resend of it, and the
+    sender blamed the network ("chunk N arrived damaged 4 times", exit 1).  It now says the
+    snapshot is damaged (exit 3, as restore and inspect do); the receiver keeps nothing."""
+    snap = _copy(snapshot_dir, tmp_path)
+    with open(_largest(snap), "r+b") as f:
+        f.seek(1000)
+        f.write(b"XXXX")
+    secret = str(_secret(tmp_path))
+    out = tmp_path / "received"
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "receive", "--listen", "127.0.0.1:0", "--out", str(out), "--timeout", "60",
+         "--secret-file", secret, "--plaintext"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert receiver.stderr is not None
+        address = receiver.stderr.readline().split()[-1]  # "listening on HOST:PORT"
+        said = tpagent("send", str(snap), address, "--secret-file", secret, "--plaintext", "--json")
+        assert_one_sentence_error(said, f"{snap} is damaged: images/{_largest(snap).name} does not match its checksum")
+        assert said.returncode == 3 and json.loads(said.stdout)["exit_code"] == 3
+        assert receiver.wait(timeout=60) != 0 and not out.exists()
+    finally:
+        receiver.kill()
+        receiver.communicate()
+
+
 def _secret(tmp_path: Path) -> Path:
     from transfer.api import MIN_SECRET
 
