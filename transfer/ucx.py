@@ -26,6 +26,8 @@ from typing import Any
 from transfer.api import Channel, Listener, TransferError, Transport, parse_address
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+# UCX logs to stdout unless told: a command's --json there is its result, never a log line.
+os.environ.setdefault("UCX_LOG_FILE", "stderr")
 _MAX_MESSAGE = 128 << 20
 #: The largest message a peer may send before it has authenticated (the handshake's are < 100 B).
 PRE_AUTH_MESSAGE = 4096

@@ -4,10 +4,12 @@ secret, a replay) is caught.  TLS itself and attacks on the receiver: test_trans
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +21,7 @@ import pytest
 from host.api import UsageError
 from snapshot.manifest import checksum_files, load
 from support.certs import node_certs
+from support.helpers import ROOT
 from support.proxy import Proxy
 from support.transfer_support import SECRET, Receiving, _send, digests, make_snapshot
 from transfer.api import (
@@ -372,6 +375,42 @@ def test_receiver_killed_mid_transfer(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".dst.partial-*"))  # ...is cleared by the next one
     assert digests(tmp_path / "dst") == digests(src)
     assert tpagent("inspect", str(tmp_path / "dst")).returncode == 0
+
+
+def test_ucx_logs_never_reach_a_json_result(tmp_path: Path) -> None:
+    """UCX writes its log to stdout unless told otherwise: with --json, send's and receive's
+    stdout is their JSON result alone (UCX's version and warnings were printed before it)."""
+    src = make_snapshot(tmp_path / "src", "random", 4)
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    env = {
+        **os.environ,
+        "TPAGENT_SECRET_FILE": str(secret),
+        "TPAGENT_TRANSPORT": "ucx",
+        "TPAGENT_PLAINTEXT": "1",
+        "UCX_LOG_LEVEL": "info",
+    }  # (info: UCX says at least its version)
+    env.pop("UCX_LOG_FILE", None)
+    rx = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "receive", "--listen", "127.0.0.1:0", "--out", str(tmp_path / "dst"),
+         "--json", "--timeout", "120"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert rx.stderr is not None
+        address = next(ln for ln in rx.stderr if ln.startswith("listening on")).split()[-1]
+        sent = subprocess.run(
+            [sys.executable, "-m", "cli.main", "send", str(src), address, "--json"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        received, said = rx.communicate(timeout=120)
+    finally:
+        rx.kill()
+    assert sent.returncode == 0 and rx.returncode == 0, sent.stderr
+    assert json.loads(sent.stdout)["bytes_raw"] == json.loads(received)["bytes_raw"] > 4 << 20
+    assert "UCX" in sent.stderr + said  # (the log went to stderr: it was there to go somewhere)
+    assert digests(tmp_path / "dst") == digests(src)
 
 
 def _wait_bytes(proxy: Proxy, n: int) -> None:
