@@ -10,6 +10,7 @@ agent and migrations); both import this module and nothing of each other, except
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -124,12 +125,24 @@ def flowed(text: str) -> str:
 
 
 def command(app: typer.Typer, **settings: Any) -> Callable[[CommandFunction], CommandFunction]:
-    """``app.command(**settings)``, the command's help its docstring :func:`flowed`."""
+    """``app.command(**settings)``, the command's help its docstring :func:`flowed`; as it runs,
+    whether it was asked for JSON is noted for :func:`json_asked` (none: a command with no --json)."""
 
     def register(fn: CommandFunction) -> CommandFunction:
-        return app.command(help=flowed(fn.__doc__ or ""), **settings)(fn)
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            global _command_json
+            _command_json = bool(kwargs.get("as_json", False))
+            return fn(*args, **kwargs)
+
+        app.command(help=flowed(fn.__doc__ or ""), **settings)(run)
+        return fn
 
     return register
+
+
+#: Whether the running command was asked for JSON; None before any command runs.
+_command_json: bool | None = None
 
 
 def die(msg: str, code: int, as_json: bool | None = None, rolled_back: bool = False) -> NoReturn:
@@ -204,8 +217,10 @@ def guarded(command: Callable[[], object]) -> None:
 
 
 def json_asked() -> bool:
-    """Whether the command line (or TPAGENT_JSON) asked for JSON, read where no command's
-    --json flag reaches (a refusal below the command, or before it ran)."""
+    """Whether the running command was asked for JSON; before one runs (its arguments refused),
+    whether the command line (or TPAGENT_JSON) asks for it."""
+    if _command_json is not None:
+        return _command_json
     args = sys.argv[1:]
     ours = args[: args.index("--")] if "--" in args else args  # (a launched command's own --json is not ours)
     return "--json" in ours or os.environ.get("TPAGENT_JSON", "").lower() in ("1", "true", "yes", "on")

@@ -39,7 +39,6 @@ from cli.common import (
 from host.api import MOST_SECONDS
 from host.gpus import inventory
 from snapshot.api import (
-    CUDA_LOCK_MOST,
     DEFAULT_GHOST_LIMIT,
     DumpMode,
     SnapshotConfig,
@@ -125,7 +124,7 @@ def dump(
             "--lock-timeout",
             envvar="TPAGENT_LOCK_TIMEOUT",
             min=0.001,
-            max=CUDA_LOCK_MOST,
+            max=MOST_SECONDS,
             help="Seconds a GPU process may take to reach a lockable point.",
         ),
     ] = Timeouts().cuda_lock,
@@ -135,6 +134,7 @@ def dump(
             "--ghost-limit-mib",
             envvar="TPAGENT_GHOST_LIMIT_MIB",
             min=0,
+            max=1 << 20,  # (as the agent's ghost_limit_mib)
             help="Largest deleted-but-open file to keep (MiB).",
         ),
     ] = DEFAULT_GHOST_LIMIT >> 20,

@@ -9,8 +9,9 @@ so that such a refusal reaches the snapshot layer's callers as one of its own er
 from __future__ import annotations
 
 #: The most seconds any wait of the project takes (its settings and options are bounded by it):
-#: past ~9e9 Python's own waits overflow; no wait of a migration is near 30 years.
-MOST_SECONDS = 1e9
+#: some are taken in milliseconds by a C int (``poll``, 24.8 days) or 32 bits (CUDA's lock); no
+#: wait of a migration is near 23 days.
+MOST_SECONDS = 2e6
 
 
 class HostError(Exception):

@@ -103,12 +103,8 @@ class Timeouts:
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             low = 0.0 if name == "pid_wait" else 0.001
-            if not low <= value <= (CUDA_LOCK_MOST if name == "cuda_lock" else MOST_SECONDS):  # (NaN too)
+            if not low <= value <= MOST_SECONDS:  # (NaN too)
                 raise ValueError(f"the {name} timeout {value} s is not a number of seconds this layer waits")
-
-
-#: The most seconds CUDA's lock waits: its milliseconds take 32 bits.
-CUDA_LOCK_MOST = float((1 << 32) // 1000 - 1)
 
 
 DEFAULT_GHOST_LIMIT = 1 << 30

@@ -30,6 +30,14 @@ class IntegrityError(TransferError):
     """Data failed verification and could not be repaired by fetching it again."""
 
 
+class ChunkRefused(IntegrityError):
+    """A chunk the receiver refused as damaged each time it was sent (the chunk's ``index``)."""
+
+    def __init__(self, index: int, times: int) -> None:
+        super().__init__(f"chunk {index} arrived damaged {times} times; giving up")
+        self.index = index
+
+
 class SnapshotDamaged(IntegrityError):
     """The snapshot being sent does not match its own manifest: sending it again cannot help."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from snapshot import manifest as snapmanifest
 from transfer import wire
-from transfer.api import IntegrityError, TransferError
+from transfer.api import ChunkRefused, IntegrityError, TransferError
 from transfer.wire import Layout
 
 
@@ -87,7 +87,7 @@ class SendState:
             else:
                 self.naks[index] = self.naks.get(index, 0) + 1
                 if self.naks[index] > self.chunk_retries:
-                    self.fail(IntegrityError(f"chunk {index} arrived damaged {self.naks[index]} times; giving up"))
+                    self.fail(ChunkRefused(index, self.naks[index]))
                 self.pending.appendleft(index)
             self.cond.notify_all()
 

@@ -23,6 +23,7 @@ from transfer import wire
 from transfer.api import (
     AuthError,
     Channel,
+    ChunkRefused,
     Compress,
     IntegrityError,
     SnapshotDamaged,
@@ -43,13 +44,25 @@ log = logging.getLogger(__name__)
 SendProgress = Callable[[int, int, int], None]
 
 
-def _refuse_if_damaged_here(snapshot: Path, e: IntegrityError) -> None:
-    """Where data kept arriving damaged, whether it left here so: a snapshot that does not match
-    its own manifest is said to be damaged (sending it again cannot help), not the network."""
+def _refuse_if_damaged_here(snapshot: Path, name: str, offset: int, length: int, e: ChunkRefused) -> None:
+    """A chunk (``length`` bytes of ``name`` from ``offset``) the receiver kept refusing: where
+    those bytes here do not match the snapshot's own manifest, the snapshot is said to be damaged
+    (sending it again cannot help), not the network.  Only those bytes are read again."""
     try:
-        snapmanifest.verify(snapshot, snapmanifest.load(snapshot))
-    except SnapshotError as bad:
-        raise SnapshotDamaged(f"{bad} Not sent: the receiver refused it.") from e
+        m = snapmanifest.load(snapshot)
+        if name not in m.files:
+            return
+        size = m.files[name]["size"]
+        want = m.files[name]["digests"]
+        step = snapmanifest.CHUNK_SIZE
+        for region in range(offset // step, (offset + max(length, 1) - 1) // step + 1):
+            piece = (snapshot / name, region * step, min(step, size - region * step))
+            if region >= len(want) or snapmanifest.chunk_digest(piece, m.digest) != want[region]:
+                raise SnapshotDamaged(
+                    f"{snapshot} is damaged: {name} does not match its checksum. Not sent: the receiver refused it."
+                ) from e
+    except (OSError, SnapshotError):
+        return  # (it cannot be told here: the receiver's refusal stands as it was)
 
 
 def snapshot_layout(snapshot: Path, chunk_size: int) -> Layout:
@@ -319,9 +332,10 @@ class Sender:
             finally:
                 state.fail(TransferError("the transfer ended"))  # stops a worker still waiting for chunks
                 control.close()
-        except IntegrityError as e:
+        except ChunkRefused as e:
             if sealed is None:
-                _refuse_if_damaged_here(snapshot, e)
+                fi, offset, length = state.chunks[e.index]
+                _refuse_if_damaged_here(snapshot, files.layout().files[fi][0], offset, length, e)
             raise
         finally:
             if feed is not None:

@@ -429,9 +429,19 @@ def test_refusals_under_way_never_take_an_authenticated_callers_turn(tmp_path: P
             with pytest.raises(grpc.RpcError) as e:
                 calls["Unary"](ask, timeout=10)
             assert e.value.code() is grpc.StatusCode.UNIMPLEMENTED
+            # ...but a caller that signed its call is told why even then (it acts on the answer)
+            held.clear()
+            holding = [calls["Hold"].future(ask, **signed("Hold")) for _ in range(2)]
+            for _ in holding:
+                assert entered.acquire(timeout=10)
+            busy = calls["Unary"].future(ask, **signed("Unary"))
+            wait_until(lambda: interceptor.refusals.taken == 3, "the busy refusal to be under way")
             slow.set()
+            assert busy.exception().code() is grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[union-attr]
             assert [f.exception().code() for f in waiting] == [grpc.StatusCode.UNAUTHENTICATED] * 2  # type: ignore[union-attr]
-            assert refusals[before:] == ["no_credentials"] * 3
+            held.set()
+            assert [f.result().node for f in holding] == ["held", "held"]
+            assert sorted(refusals[before:]) == ["busy"] + ["no_credentials"] * 3
             wait_until(
                 lambda: interceptor.refusals.taken == 0 and interceptor.calls.taken == 0, "every call given back"
             )

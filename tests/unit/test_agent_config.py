@@ -107,13 +107,26 @@ def test_an_orchestrator_that_is_no_host_port_is_refused(tmp_path: Path, orchest
 
 
 @pytest.mark.parametrize(
+    "text",
+    ['listen = "[::]:7400"', 'listen = "[fd00::1]:7400"', 'metrics_listen = ":9400"', 'advertise = "[fd00::17]"',
+     'node = "gpu-node-17.example.org"', "streams = 64", "transfer_port = 0", "hold_timeout = 2e6"],
+)  # fmt: skip
+def test_a_setting_at_its_bounds_or_of_every_form_is_taken(toml: Path, text: str) -> None:
+    """(Every interface of an HTTP listener is ":PORT", as it always was; IPv6 in brackets.)"""
+    toml.write_text(toml.read_text().replace("streams = 2\n", "") + text + "\n")
+    key, _, value = text.partition(" = ")
+    assert str(getattr(config.load(toml, env={}), key)) == value.strip('"').replace("2e6", "2000000.0")
+
+
+@pytest.mark.parametrize(
     ("text", "says"),
     [
         # numbers that are none, or past what any wait takes (each once started the agent, or was
         # "unexpected error")
-        ("io_timeout = nan", "io_timeout = 'nan' is not valid (give a number of seconds up to 1e+09)"),
+        ("io_timeout = nan", "io_timeout = 'nan' is not valid (give a number of seconds up to 2e+06)"),
         ("rewire_timeout = inf", "rewire_timeout = 'inf' is not valid"),
         ("hold_timeout = 1e300", "hold_timeout = '1e+300' is not valid"),
+        ("io_timeout = 3000000", "io_timeout = '3000000' is not valid"),  # (TLS's poll takes ms in a C int)
         ("streams = true", "streams = 'True' is not valid (give a number)"),
         ("streams = 2.5", "streams = '2.5' is not valid (give a whole number)"),
         ("memory_limit = 1" + "0" * 5000, "not valid TOML: a number in it has thousands of digits"),
@@ -137,6 +150,8 @@ def test_an_orchestrator_that_is_no_host_port_is_refused(tmp_path: Path, orchest
         ('node = ""', "node = '' is not valid: give a host name"),
         ('node = "n\\u001b[2J"', "node = 'n\\x1b[2J' is not valid: give a host name"),
         ('advertise = "a b"', "advertise = 'a b' is not valid: give a host name"),
+        ('advertise = "10.0.0.17:7400"', "advertise = '10.0.0.17:7400' is not valid: give a host name"),
+        ('listen = "h:7400:9"', "listen = 'h:7400:9' is not valid"),
     ],
 )
 def test_a_setting_out_of_its_range_is_refused_by_name(toml: Path, text: str, says: str) -> None:

@@ -5,6 +5,8 @@ JSON error on stdout.  (It was typer's box of several lines, with no JSON.)"""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,10 +23,19 @@ pytestmark = pytest.mark.unit
         (("bogus",), "no such command 'bogus'"),
         # seconds past what a wait takes (inf was taken: CUDA's lock then overflowed its 32 bits)
         (("dump", "1", "--lock-timeout", "inf"), "invalid value for '--lock-timeout'"),
-        (("dump", "1", "--lock-timeout", "5000000"), "less than or equal to 4294966"),
+        (("dump", "1", "--lock-timeout", "5000000"), "less than or equal to 2000000"),
         (("restore", "/nowhere", "--pid-wait", "inf"), "invalid value for '--pid-wait'"),
+        (("dump", "1", "--ghost-limit-mib", str(1 << 40)), "invalid value for '--ghost-limit-mib'"),
     ],
-    ids=["missing-argument", "unknown-option", "unknown-command", "lock-inf", "lock-32-bits", "pid-wait"],
+    ids=[
+        "missing-argument",
+        "unknown-option",
+        "unknown-command",
+        "lock-inf",
+        "lock-past-bound",
+        "pid-wait",
+        "ghost-limit",
+    ],
 )
 def test_a_usage_error_is_one_sentence_and_json_under_json(args: tuple[str, ...], says: str) -> None:
     said = tpagent(*args, "--json")
@@ -48,3 +59,11 @@ def test_a_refusal_before_the_orchestrator_is_called_is_json_under_json(
 def test_no_arguments_show_the_help() -> None:
     said = tpagent()
     assert said.returncode == 0 and "Usage: tpagent" in said.stdout and "dump" in said.stdout
+
+
+def test_a_launched_commands_own_json_flag_is_not_tpagents(tmp_path: Path) -> None:
+    """``tpagent launch ... python train.py --json`` (no ``--``): a refusal is one line, with no
+    JSON error on stdout, where a caller reads the workload's PID."""
+    said = tpagent("launch", "--stdout", str(tmp_path), sys.executable, "train.py", "--json")
+    assert_one_sentence_error(said)
+    assert said.stdout == ""

@@ -41,7 +41,7 @@ def test_the_file_then_the_environment(tmp_path: Path) -> None:
         ("[return_home_jobs]\njob1 = 2\n", "a table of job = true/false"),
         ("retries = [\n", "not valid TOML"),
         # numbers that are none, or past what any wait or count takes (each once started the orchestrator)
-        ("move_timeout = nan\n", "move_timeout = 'nan' is not valid (give a number of seconds up to 1e+09)"),
+        ("move_timeout = nan\n", "move_timeout = 'nan' is not valid (give a number of seconds up to 2e+06)"),
         ("spare_hold_timeout = inf\n", "spare_hold_timeout = 'inf' is not valid"),
         ("unreachable_after = 1e300\n", "unreachable_after = '1e+300' is not valid"),
         ("retries = true\n", "retries = 'True' is not valid (give a number)"),
@@ -56,8 +56,17 @@ def test_the_file_then_the_environment(tmp_path: Path) -> None:
         ('health_listen = "7401"\n', "health_listen = '7401' is not valid"),
         ('node = ""\n', "node = '' is not valid: give a host name"),
         ('advertise = "a b"\n', "advertise = 'a b' is not valid: give a host name"),
+        ('webhook_listen = "[::1]"\n', "webhook_listen = '[::1]' is not valid"),
     ],
 )
 def test_bad_settings_are_one_sentence(tmp_path: Path, text: str, says: str) -> None:
     with pytest.raises(UsageError, match=re.escape(says)):
         load(write(tmp_path, text), env={})
+
+
+def test_every_interface_of_an_http_listener_is_taken_as_it_always_was(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    cfg = load(
+        write(tmp_path, f'metrics_listen = ":9410"\nwebhook_listen = ":7412"\nwebhook_token_file = "{token}"\n'), env={}
+    )
+    assert (cfg.metrics_listen, cfg.webhook_listen) == (":9410", ":7412")

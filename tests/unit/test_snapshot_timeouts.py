@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from snapshot.api import CUDA_LOCK_MOST, Timeouts
+from host.api import MOST_SECONDS
+from snapshot.api import Timeouts
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize(
     "changes",
-    [{"cuda_lock": float("inf")}, {"cuda_lock": CUDA_LOCK_MOST + 1}, {"dump": float("nan")}, {"pid_wait": -1.0},
+    [{"cuda_lock": float("inf")}, {"cuda_lock": MOST_SECONDS + 1}, {"dump": float("nan")}, {"pid_wait": -1.0},
      {"stop": 0.0}, {"restore": 1e300}],
 )  # fmt: skip
 def test_a_wait_its_calls_cannot_make_is_refused(changes: dict[str, float]) -> None:
@@ -23,4 +24,4 @@ def test_a_wait_its_calls_cannot_make_is_refused(changes: dict[str, float]) -> N
 
 def test_the_defaults_and_the_bounds_are_taken() -> None:
     assert Timeouts().cuda_lock == 30.0
-    assert Timeouts(cuda_lock=CUDA_LOCK_MOST, pid_wait=0.0).pid_wait == 0.0
+    assert Timeouts(cuda_lock=MOST_SECONDS, pid_wait=0.0).pid_wait == 0.0

@@ -202,7 +202,7 @@ class AgentConfig:
         for name, (lo, hi, what) in RANGES.items():
             if not lo <= getattr(self, name) <= hi:
                 raise UsageError(f"the setting {name} = {getattr(self, name)} is not valid: give {lo} to {hi} {what}.")
-        check_hosts(self, ("listen", "health_listen", "metrics_listen", "transfer_address", "orchestrator"))
+        check_hosts(self, ("listen", "health_listen", "transfer_address", "orchestrator"), http=("metrics_listen",))
         if self.compress not in {c.value for c in Compress}:
             choices = ", ".join(c.value for c in Compress)
             raise UsageError(f"the setting compress = {self.compress!r} is not valid: choose one of {choices}.")
@@ -253,26 +253,36 @@ class AgentConfig:
         return {h.lower() for h in hosts if h and h not in ("0.0.0.0", "::")}
 
 
-def port_of(address: str, at_least: int = 0) -> int | None:
+def port_of(address: str, at_least: int = 0, any_host: bool = False) -> int | None:
     """The port of HOST:PORT, if it is one (``at_least`` to 65535; gRPC takes a larger one
-    wrapped) and HOST is not empty where ``at_least`` asks for a real port."""
+    wrapped); where ``at_least`` asks for a real port, HOST must be a host's name or address
+    (or, with ``any_host``, empty: every interface)."""
     host, _, port = address.rpartition(":")
-    if at_least and not is_name(host.strip("[]")):
+    if at_least and not is_name(host, empty=any_host):
         return None
     return int(port) if port.isascii() and port.isdigit() and at_least <= int(port) <= 65535 else None
 
 
 def is_name(text: str, empty: bool = False) -> bool:
-    """Whether ``text`` may name a host or node: printable, no space, at most 255 characters."""
+    """Whether ``text`` may name a host or node: printable, no space, at most 255 characters, a
+    colon only inside brackets ([::1]: a port is never part of it)."""
+    if ":" in text and not (text.startswith("[") and text.endswith("]")):
+        return False
     return (empty or bool(text)) and len(text) <= 255 and text.isprintable() and not any(c.isspace() for c in text)
 
 
-def check_hosts(settings: object, addresses: tuple[str, ...], names: tuple[str, ...] = ("node", "advertise")) -> None:
-    """The settings ``addresses`` are HOST:PORT (a real port) and ``names`` host names; the
-    first of each must be given, the others may be "" (off, or the default)."""
-    for name in addresses:
+def check_hosts(
+    settings: object,
+    addresses: tuple[str, ...],
+    http: tuple[str, ...] = (),
+    names: tuple[str, ...] = ("node", "advertise"),
+) -> None:
+    """The settings ``addresses`` (gRPC's, which needs a host) and ``http`` (an empty host: every
+    interface) are HOST:PORT with a real port, ``names`` host names; the first address and the
+    first name must be given, the others may be "" (off, or the default)."""
+    for name in (*addresses, *http):
         value = getattr(settings, name)
-        if (value or name == addresses[0]) and not port_of(value, at_least=1):
+        if (value or name == addresses[0]) and not port_of(value, at_least=1, any_host=name in http):
             raise UsageError(f"the setting {name} = {value!r} is not valid: give HOST:PORT, the port 1 to 65535.")
     for name in names:
         value = getattr(settings, name)

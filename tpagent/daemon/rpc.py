@@ -156,8 +156,12 @@ def _on_pool(behavior: Callable[..., Any], pool: futures.ThreadPoolExecutor) -> 
 #: Refusals (and the API port's health checks) under way at once.  Each is brief (the request is
 #: never read), but a flood of them must not take an authenticated caller's turn: they are
 #: counted apart from the API's calls.  Past this many, gRPC turns a call away by itself, at
-#: once and with no thread ("Method not found"); it is still counted and logged.
+#: once and with no thread ("Method not found"); it is still counted and logged.  But a caller
+#: that proved the secret (:data:`PROVEN`) is always told why: it acts on the answer.
 REFUSALS_AT_ONCE = 256
+#: Refusals of a call signed with the secret: busy (tried again), a clock apart (signed again on
+#: the agent's clock, which only this answer carries).
+PROVEN = frozenset({"busy", "stale", "before_start"})
 
 
 class Bounded(futures.ThreadPoolExecutor):
@@ -171,9 +175,10 @@ class Bounded(futures.ThreadPoolExecutor):
         self.taken = 0
         self._lock = threading.Lock()
 
-    def take(self) -> bool:
+    def take(self, always: bool = False) -> bool:
+        """Whether a call may be taken (``always``: taken past the bound too)."""
         with self._lock:
-            if self.taken >= self.bound:
+            if self.taken >= self.bound and not always:
                 return False
             self.taken += 1
             return True
@@ -308,7 +313,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         def reject(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             self._refuse(method, reason, context, sentence)
 
-        if self.refusals.take():
+        if self.refusals.take(always=reason in PROVEN):
             return grpc.stream_unary_rpc_method_handler(_on_pool(reject, self.refusals))
         self.said.warning("refused %s: %s (%d refusals under way)", method, sentence, REFUSALS_AT_ONCE)
         self.refused(reason)

@@ -106,7 +106,7 @@ class OrchestratorConfig:
     kubernetes_preempt_below: int = 0
 
     def __post_init__(self) -> None:
-        check_hosts(self, ("listen", "health_listen", "metrics_listen", "webhook_listen"))
+        check_hosts(self, ("listen", "health_listen"), http=("metrics_listen", "webhook_listen"))
         if self.webhook_listen and not self.webhook_token_file:
             raise UsageError("webhook_listen needs webhook_token_file: the bearer token Alertmanager sends.")
         if not 1 <= self.max_parallel <= 1000 or not 0 <= self.retries <= 100:
