@@ -181,6 +181,45 @@ def test_a_ranks_end_is_known_to_the_agent_once_its_namespace_is_gone(
         assert where == P.Located(state=P.Whereabouts.EXITED.value, code=3), f"once the namespace ended: {where}"
 
 
+#: A rank that connects, then, once told, prints its last lines and ends at once.
+FINISHING_RANK = """
+import os, sys, time
+from tpagent_rank.agent import Rank
+Rank(sys.argv[2], 0, 2, None, None, sys.argv[1]).start()
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.02)
+for step in range(32):
+    print("step", step, flush=True)
+os._exit(0)
+"""
+
+
+def test_what_a_rank_printed_before_it_ended_is_read_after_it_ended(agent: ranks.Ranks, tmp_path: Path) -> None:
+    """A rank that ends before its stand-in first asks for its output on this node (it moved
+    back here and finished its last steps at once) is read all the same: the agent holds its
+    files from its hello on (it opened them at the first ask, and a rank ended by then was never
+    read: its last lines missed its launcher's log)."""
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    ends = tmp_path / "end"
+    init, holder = launch.start(
+        [sys.executable, "-c", FINISHING_RANK, agent.name, job, str(ends)],
+        tmp_path / "out",
+        tmp_path / "err",
+        env={**os.environ, "TPAGENT_RANK_SOCKET": agent.name},  # (where the init reports the end)
+    )
+    try:
+        agent.expect(job, 0, init)
+        wait_until(lambda: agent.entry(job, 0).conn is not None, "the rank to connect")
+        ends.touch()
+        assert holder.wait(30) == 0
+        wait_until(lambda: agent.entry(job, 0).exit_code == 0, "the init to report the rank's end")
+        written = agent.output(job, 0, 1, 0, 1 << 20)
+        assert written.data.decode().splitlines() == [f"step {k}" for k in range(32)]
+    finally:
+        signals.kill_tree(init)
+        holder.wait(10)
+
+
 def test_the_connections_waiting_for_a_registration_are_bounded(agent: ranks.Ranks) -> None:
     waiting = [_hello(agent, f"job-{i}") for i in range(door.PER_USER_MAX)]
     try:

@@ -192,6 +192,7 @@ class Ranks:
                 entry.moved_to = ""
                 entry.broke = ""
                 entry.step = hello.step
+                _hold_outputs(entry)
                 self._save()
             try:
                 sock.settimeout(10)
@@ -466,6 +467,17 @@ class Ranks:
                 )
                 out.append(row)
             return out
+
+
+def _hold_outputs(e: RankEntry) -> None:
+    """Open the rank's stdout and stderr files now, while it runs (at its hello): a rank that
+    ends before its stand-in first asks for its output here (it came back and finished its last
+    steps at once) is read all the same.  A file not to be read is left to the stand-in's ask,
+    which then says why."""
+    for which in (1, 2):
+        if which not in e.outputs:
+            with contextlib.suppress(Refused):
+                e.outputs[which] = open_output(e.init, which)
 
 
 def _spend(job: str, rank: int) -> None:
