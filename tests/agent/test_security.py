@@ -113,11 +113,11 @@ def test_the_hook_runs_isolated_from_where_criu_runs_it(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
-def _serve_cli(cfg: AgentConfig, work_dir: Path) -> subprocess.CompletedProcess[str]:
+def _serve_cli(cfg: AgentConfig, work_dir: Path, listen: str = "") -> subprocess.CompletedProcess[str]:
     return tpagent(
         "serve",
         "--listen",
-        cfg.listen,
+        listen or cfg.listen,
         "--health-listen",
         "",
         "--metrics-listen",
@@ -139,9 +139,13 @@ def test_an_agent_whose_port_is_taken_or_no_port_says_so_in_one_sentence(tmp_pat
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
-        for listen in (f"127.0.0.1:{held.getsockname()[1]}", "127.0.0.1:99999"):
-            proc = _serve_cli(dataclasses.replace(cfg, listen=listen), tmp_path / "work")
-            assert_one_sentence_error(proc, f"cannot listen on {listen}; is another agent running there?")
+        taken = f"127.0.0.1:{held.getsockname()[1]}"
+        for listen, says in (
+            (taken, f"cannot listen on {taken}; is another agent running there?"),
+            ("127.0.0.1:99999", "the setting listen = '127.0.0.1:99999' is not valid: give HOST:PORT, the port 1"),
+        ):
+            proc = _serve_cli(cfg, tmp_path / "work", listen)
+            assert_one_sentence_error(proc, says)
             assert proc.returncode == 2
 
 

@@ -260,7 +260,7 @@ def test_receiver_refuses_a_non_empty_output(transport: Transport, tmp_path: Pat
     try:
         with pytest.raises(UsageError, match="not empty"):  # (the request as given: exit 2)
             receiver.receive(tmp_path / "dst", 1)
-        with pytest.raises(UsageError, match="above 0, not nan"):
+        with pytest.raises(UsageError, match=r"above 0 \(at most 2e\+06\), not nan"):
             receiver.receive(tmp_path / "new", float("nan"))
     finally:
         receiver.close()
