@@ -38,13 +38,7 @@ from cli.common import (
 )
 from host.api import MOST_SECONDS
 from host.gpus import inventory
-from snapshot.api import (
-    DEFAULT_GHOST_LIMIT,
-    DumpMode,
-    SnapshotConfig,
-    SnapshotError,
-    Timeouts,
-)
+from snapshot.api import DEFAULT_GHOST_LIMIT, DumpMode, SnapshotConfig, SnapshotError, Timeouts
 from snapshot.dump import checkpoint
 from snapshot.manifest import Manifest, load
 from snapshot.restore import restore as restore_snapshot
