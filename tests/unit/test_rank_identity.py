@@ -41,7 +41,7 @@ class _Ranks:
 
 
 def _calls(ranks: _Ranks) -> RankCalls:
-    return RankCalls(ranks, "node-1", lambda _job: False)  # type: ignore[arg-type]
+    return RankCalls(ranks, "node-1", lambda _job, _rank=None: False)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -166,7 +166,7 @@ class _Node(_Ranks):
 def test_a_lost_node_ends_only_the_ranks_here_of_the_users_whose_ranks_ran_there() -> None:
     node = _Node()
     lost = P.Lost(node="10.0.0.2:7400", why="node b stopped reporting", grace=5.0, users=(1000,))
-    assert RankCalls(node, "node-1", lambda _job: False)("j", 0, lost, 1.0).ok  # type: ignore[arg-type]
+    assert RankCalls(node, "node-1", lambda _job, _rank=None: False)("j", 0, lost, 1.0).ok  # type: ignore[arg-type]
     assert node.asked == [("j/0/end", None)]
 
 
@@ -175,19 +175,19 @@ def test_a_lost_node_ends_only_the_ranks_here_of_the_job_of_that_name_it_ran() -
     users, too: another run) is not told; without one, every rank of those users is."""
     node = _Node()
     lost = P.Lost(node="10.0.0.2:7400", why="lost", grace=5.0, users=(1000, 2000), identity="a" * 16)
-    assert RankCalls(node, "node-1", lambda _job: False)("j", 0, lost, 1.0).ok  # type: ignore[arg-type]
+    assert RankCalls(node, "node-1", lambda _job, _rank=None: False)("j", 0, lost, 1.0).ok  # type: ignore[arg-type]
     assert node.asked == [("j/0/end", None)]
     node.asked.clear()
     anyone = dataclasses.replace(lost, identity="")
-    assert RankCalls(node, "node-1", lambda _job: False)("j", 0, anyone, 1.0).ok  # type: ignore[arg-type]
+    assert RankCalls(node, "node-1", lambda _job, _rank=None: False)("j", 0, anyone, 1.0).ok  # type: ignore[arg-type]
     assert sorted(node.asked) == [("j/0/end", None), ("j/1/end", None)]
 
 
 def test_a_lost_node_that_answers_here_or_a_job_being_moved_ends_nothing() -> None:
     node = _Node()
     lost = P.Lost(node="10.0.0.2:7400", why="node b stopped reporting", grace=5.0, users=(1000,))
-    answers = RankCalls(node, "node-1", lambda _job: False, lambda _agent: True)("j", 0, lost, 1.0)  # type: ignore[arg-type]
+    answers = RankCalls(node, "node-1", lambda _job, _rank=None: False, lambda _agent: True)("j", 0, lost, 1.0)  # type: ignore[arg-type]
     assert not answers.ok and "answers node-1: its node is not lost" in answers.error
-    moving = RankCalls(node, "node-1", lambda _job: True)("j", 0, lost, 1.0)  # type: ignore[arg-type]
+    moving = RankCalls(node, "node-1", lambda _job, _rank=None: True)("j", 0, lost, 1.0)  # type: ignore[arg-type]
     assert not moving.ok and "being moved" in moving.error
     assert node.asked == []

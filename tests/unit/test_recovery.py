@@ -79,7 +79,7 @@ def test_a_recover_naming_no_lost_agent_or_no_grace_is_refused_before_anything_r
         called.append(r)
         return P.Recovered()
 
-    calls = RankCalls(None, "n", lambda _job: False, recover=recover)  # type: ignore[arg-type]
+    calls = RankCalls(None, "n", lambda _job, _rank=None: False, recover=recover)  # type: ignore[arg-type]
     with pytest.raises(Refused, match="recover needs the lost node's agent"):
         calls("job1", 0, request_, 10.0)
     assert not called

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import signal
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 from host import signals
 from tpagent.jobs.connection import RankGone
@@ -37,15 +37,19 @@ def _peer_to_peer(request: P.Request[Any]) -> bool:
     return isinstance(request, P.Load) and bool(request.source and request.secret)
 
 
+class Rewiring(Protocol):
+    def __call__(self, job: str, rank: int | None = None, /) -> bool: ...
+
+
 class RankCalls:
-    """The ``Rank`` calls of this node's agent.  ``rewiring(job)``: whether the agent is moving
-    ranks of ``job`` now (a rank that ended here is then on its way, not gone)."""
+    """The ``Rank`` calls of this node's agent.  ``rewiring(job, rank=None)``: whether the agent is
+    moving ranks of ``job`` (or that rank) now: a rank that ended here is then on its way, not gone."""
 
     def __init__(
         self,
         ranks: Ranks,
         node: str,
-        rewiring: Callable[[str], bool],
+        rewiring: Rewiring,
         answers: Callable[[str], bool] = lambda _agent: False,
         join: Callable[[str, int, P.Join], int] | None = None,
         recover: Callable[[str, int, P.Recover], P.Recovered] | None = None,
@@ -140,6 +144,10 @@ class RankCalls:
         entry = self.ranks.entry(job, rank)
         if not entry.alive() or entry.moved_to:
             return P.failed(f"rank {rank} of job {job} does not run on {self.node}")
+        if request.signum != signal.SIGKILL and self.rewiring(job, rank):  # (frozen, its signals may be taken already)
+            return P.failed(
+                f"rank {rank} of job {job} is being moved; its stand-in passes the signal on once it is there"
+            )
         if request.signum == signal.SIGKILL:
             signals.kill_tree(entry.init, entry.init_start)
         elif not signals.signal_exact(entry.init, entry.init_start, request.signum):  # (its init passes it on)

@@ -40,10 +40,10 @@ class Rewires:
         self.lock = threading.Lock()
         self.running: dict[str, Rewire] = {}  # by id
 
-    def rewiring(self, job: str) -> bool:
-        """Whether this agent is moving ranks of ``job`` now."""
+    def rewiring(self, job: str, rank: int | None = None) -> bool:
+        """Whether this agent is moving ranks of ``job`` now (``rank``: that one)."""
         with self.lock:
-            return any(rw.job == job for rw in self.running.values())
+            return any(rw.job == job and (rank is None or rank in rw.moving) for rw in self.running.values())
 
     def start(self, job: str, moving: dict[int, tuple[int, str]], dry_run: bool, mode: str = AUTO) -> Rewire:
         """A rewire moving ``moving`` (rank -> (init PID here, target agent)) of ``job`` in ``mode``

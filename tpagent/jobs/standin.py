@@ -65,6 +65,10 @@ RUNTIME_ROOT = paths.RANK_RUNTIME
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: How long the stand-in keeps asking an agent that does not answer before it gives the rank up.
 LOST_AFTER = 600.0
+#: A signal the rank's node cannot take yet (the rank moving) is passed on again this long.
+SIGNAL_KEPT = 600.0
+#: An agent silent this long is said to be (and again, if it answered meanwhile).
+SILENT_SAID = 30.0
 
 
 def rank_of(env: dict[str, str]) -> int:
@@ -202,6 +206,8 @@ class StandIn:
         self.socket_name = socket_name
         self.umask = umask
         self.signals: list[int] = []
+        self.kept: list[tuple[int, float]] = []  # (the signals not yet passed on, since when)
+        self.told = False  # (that the first of them waits)
         self.init_ticks = 0  # (its init's start, once launched)
         self.wake = threading.Event()
         #: What is relayed: the rank's stdout (and stderr, if a file of its own).
@@ -266,6 +272,7 @@ class StandIn:
             signal.signal(sig, self._on_signal)
         where: RankAgent = self.agent
         last_heard = time.monotonic()
+        said = False  # (that its agent has not answered for a while)
         while True:
             self._forward(where, job, rank, init, holder)
             self._relay(where, job, rank)
@@ -279,12 +286,16 @@ class StandIn:
                 loc = where.rank(job, rank, P.Locate(), 10)
                 last_heard = time.monotonic()
             except PeerUnreachable as e:
-                if time.monotonic() - last_heard > LOST_AFTER:
+                silent = time.monotonic() - last_heard
+                if silent > LOST_AFTER:
                     self.say(
                         f"the agent at {where.address} has not answered for {LOST_AFTER:.0f} s ({e}); "
                         f"rank {rank} of job {job} is given up"
                     )
                     return 1
+                if silent > SILENT_SAID and not said:
+                    self.say(f"the agent at {where.address} has not answered for {silent:.0f} s ({e}); asked on")
+                said = silent > SILENT_SAID
                 time.sleep(1)
                 continue
             except AgentError as e:
@@ -358,15 +369,40 @@ class StandIn:
         self.wake.set()
 
     def _forward(self, where: RankAgent, job: str, rank: int, init: int, holder: object) -> None:
+        """Pass the signals this process got on to the rank, in order.  One its node cannot take
+        now (the rank being moved, or moved on and this process not yet told) is kept, with those
+        after it, and passed on again each round (where the rank is then), for up to
+        :data:`SIGNAL_KEPT` seconds."""
+        now = time.monotonic()
         while self.signals:
-            sig = self.signals.pop(0)
-            if where is self.agent and holder is not None:
-                signals.signal_exact(init, self.init_ticks, sig)  # (its init passes it on)
-                continue
+            self.kept.append((self.signals.pop(0), now))
+        while self.kept:
+            sig, since = self.kept[0]
+            why = self._pass_on(where, job, rank, init, holder, sig)
+            if why and now - since < SIGNAL_KEPT:
+                if not self.told:
+                    self.say(f"signal {sig} waits to be passed on to rank {rank} of job {job}: {why}")
+                self.told = True
+                return
+            if why:
+                self.say(f"signal {sig} was not passed on to rank {rank} of job {job} in {SIGNAL_KEPT:.0f} s: {why}")
+            self.kept.pop(0)
+            self.told = False
+
+    def _pass_on(self, where: RankAgent, job: str, rank: int, init: int, holder: object, sig: int) -> str:
+        """Why ``sig`` could not be passed on to the rank now ("": it was).  Through the agent of
+        the node it runs on, which holds it while it moves the rank; a rank launched here goes
+        without its agent (not answering, or not knowing it): its init passes it on."""
+        local = where is self.agent and holder is not None
+        if not (local and self.alone):
             try:
-                where.rank(job, rank, P.Signal(signum=int(sig)), 10)
+                answer = where.rank(job, rank, P.Signal(signum=int(sig)), 10)
+                return "" if answer.ok else answer.error
             except AgentError as e:
-                self.say(f"signal {sig} could not be passed on to rank {rank} at {where.address}: {e}")
+                if not local:
+                    return f"the agent at {where.address}: {e}"
+        ok = signals.signal_exact(init, self.init_ticks, sig)
+        return "" if ok else f"it no longer runs as PID {init} here"
 
 
 def _size(path: Path) -> int:
