@@ -78,7 +78,11 @@ def once(width: int, tmp: Path, lose: str) -> dict[str, float]:
             for p in c.nodes[lose].processes_and_children():
                 with contextlib.suppress(psutil.Error):
                     p.send_signal(signal.SIGKILL)
-            assert job.runs["B" if lose != "B" else "A"].wait(timeout=900) == 0, job.output()
+            try:
+                assert job.runs["B" if lose != "B" else "A"].wait(timeout=900) == 0, job.output()
+            except BaseException:  # (it failed, hung, or was cut short: what was said, to see why)
+                _said(job.output(), o.cli("events").stdout, *(n.agent_log() for n in c.nodes.values()))
+                raise
             events = [json.loads(line) for line in o.ok("events", "--json").splitlines()]
         finally:
             job.close()
@@ -93,6 +97,11 @@ def once(width: int, tmp: Path, lose: str) -> dict[str, float]:
     out["stood_still"] = out["detection"] + out["total"]
     out["restart"] = restart
     return out
+
+
+def _said(*texts: str) -> None:
+    for text in texts:
+        print(text[-6000:], file=sys.stderr, flush=True)
 
 
 def run(widths: list[int], repeats: int, nodes: list[str]) -> list[dict[str, Any]]:

@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import needs_criu
 from support.helpers import ROOT
 
 
 def _run(*args: str) -> dict[str, object]:
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    """What a benchmark printed last (its JSON); one that runs too long is interrupted, so what it
+    says on its way out (a bench of jobs: their logs, its agents') shows why."""
+    bench = subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = bench.communicate(timeout=240)  # (the test's own bound: 300 s)
+    except subprocess.TimeoutExpired:
+        bench.send_signal(signal.SIGINT)
+        try:
+            out, err = bench.communicate(timeout=40)
+        finally:
+            bench.kill()
+        pytest.fail(f"{args[0]} ran past 240 s: {err[-20000:]}")
+    assert bench.returncode == 0, err[-6000:]
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 @needs_criu
