@@ -35,11 +35,12 @@ def signal_exact(pid: int, ticks: int, sig: int) -> bool:
         os.close(fd)
 
 
-def signal_tree(pid: int, sig: int, ticks: int | None = None) -> list[int]:
+def signal_tree(pid: int, sig: int, ticks: int | None = None, spare: frozenset[int] = frozenset()) -> list[int]:
     """Send ``sig`` to ``pid`` (only if it started at ``ticks``, when given) and to each of its
-    descendants, each as soon as it is found; the PIDs signalled, root first.  With SIGSTOP, a
-    process is stopped before its children are listed, so none escapes by a fork meanwhile."""
-    with _tree(pid, ticks, sig) as held:
+    descendants but those in ``spare``, each as soon as it is found; the PIDs found, root first.
+    With SIGSTOP, a process is stopped before its children are listed, so none escapes by a fork
+    meanwhile."""
+    with _tree(pid, ticks, sig, spare) as held:
         return list(held)
 
 
@@ -71,21 +72,24 @@ def signal_listed(pids: list[int], sig: int) -> None:
 
 
 @contextmanager
-def _tree(pid: int, ticks: int | None, sig: int) -> Iterator[dict[int, int]]:
-    """The tree of ``pid``, each process held by a pidfd and sent ``sig`` as it is found."""
+def _tree(pid: int, ticks: int | None, sig: int, spare: frozenset[int] = frozenset()) -> Iterator[dict[int, int]]:
+    """The tree of ``pid``, each process held by a pidfd and sent ``sig`` as it is found (but
+    those in ``spare``)."""
     held: dict[int, int] = {}
     try:  # (never this process itself: stopped, it would wait on itself for ever)
         root = _hold(pid, ticks=ticks) if pid != os.getpid() else None
         if root is not None:
             held[pid] = root
-            _send(root, sig)
+            if pid not in spare:
+                _send(root, sig)
         for _ in range(_ROUNDS if held else 0):
             found = [(c, p) for c, p in _parents().items() if p in held and c not in held and c != os.getpid()]
             for child, parent in found:
                 fd = _hold(child, parent=parent)
                 if fd is not None:
                     held[child] = fd
-                    _send(fd, sig)
+                    if child not in spare:
+                        _send(fd, sig)
             if not found:
                 break
         yield held

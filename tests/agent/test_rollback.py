@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import re
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import psutil
 import pytest
 
 from conftest import needs_criu
-from host import proc
+from host import proc, signals
 from snapshot import dump, restore
 from snapshot.api import CriuError, DumpMode, SnapshotConfig, SnapshotError, Stage
 from snapshot.dump import checkpoint
@@ -28,6 +29,8 @@ from support.helpers import (
     tpagent,
     wait_until,
 )
+from tpagent.migration import decide, journal
+from tpagent.migration.api import Role, SourceState
 
 pytestmark = needs_criu
 
@@ -125,10 +128,11 @@ def test_failure_while_sealing_resumes_the_frozen_tree(start, tmp_path: Path, la
     _assert_resumed(w, out)
 
 
-@pytest.mark.parametrize("how", ["rolled-back", "restored-held"])
+@pytest.mark.parametrize("how", ["rolled-back", "restored-held", "left-by-a-dead-criu"])
 def test_a_child_stopped_before_the_dump_stays_stopped(tmp_path: Path, how: str) -> None:
-    """A child the user stopped (SIGSTOP, ^Z) before the dump: a dump rolled back, and a copy
-    restored held then let go (a migration's), continue the rest of the tree, never it (before:
+    """A child the user stopped (SIGSTOP, ^Z) before the dump: a dump rolled back, a copy
+    restored held then let go (a migration's), and a tree a dead CRIU left stopped, resumed by a
+    restarted agent from its journal's record, continue the rest of the tree, never it (before:
     every process of the tree was sent SIGCONT, and the child ran again)."""
     log = tmp_path / "w.log"
     with open(tmp_path / "w.out", "wb") as out:
@@ -142,7 +146,14 @@ def test_a_child_stopped_before_the_dump_stays_stopped(tmp_path: Path, how: str)
         wait_until(lambda: _count(log, "child") >= 5, "the child to tick")
         child.send_signal(signal.SIGSTOP)
         wait_until(lambda: child.status() == psutil.STATUS_STOPPED, "the child to stop")
-        if how == "rolled-back":
+        if how == "left-by-a-dead-criu":
+            record = journal.Record("0" * 32, Role.SOURCE, SourceState.FREEZING, pid=parent.pid)
+            assert journal.note_process(record, parent.pid)
+            record.stopped = [child.pid]
+            record = journal.Record.from_json(json.loads(json.dumps(record.to_json())))  # (as journaled)
+            signals.signal_tree(parent.pid, signal.SIGSTOP)
+            decide.resume_leftovers(record)
+        elif how == "rolled-back":
             with pytest.raises(SnapshotError):
                 checkpoint(parent.pid, tmp_path / "snap", config=SnapshotConfig(fail_after=Stage.CHECKSUM))
         else:

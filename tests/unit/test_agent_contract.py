@@ -95,14 +95,19 @@ def test_the_journal_format_is_versioned(tmp_path: Path) -> None:
     r = Record("b" * 32, Role.TARGET, T.READY, pid=7, create_time=1.5, peer="a:1", snapshot="/x")
     j.write(r)
     doc = json.loads(j.path(r.migration_id).read_text())
-    # (the oldest format that holds the record: 2, unless it holds a copy for its source's word)
+    # (the oldest format that holds the record: 2, unless it holds a copy for its source's word, 3,
+    # or names processes stopped before its freeze, 4)
     assert doc["format"] == 2 and doc["role"] == "target" and doc["state"] == "ready"
     assert j.read(r.migration_id) == r
     held = Record("a" * 32, Role.TARGET, T.READY, pid=7, peer="a:1", snapshot="/x", hold=30.0)
     j2 = Journal(tmp_path / "held")
     j2.write(held)
-    assert json.loads(j2.path(held.migration_id).read_text())["format"] == FORMAT == 3
+    assert json.loads(j2.path(held.migration_id).read_text())["format"] == 3
     assert j2.read(held.migration_id) == held
+    stopped = Record("f" * 32, Role.SOURCE, S.FREEZING, pid=7, peer="b:1", stopped=[8, 9])
+    j2.write(stopped)  # (a source whose tree had processes stopped before its freeze: kept so)
+    assert json.loads(j2.path(stopped.migration_id).read_text())["format"] == FORMAT == 4
+    assert j2.read(stopped.migration_id) == stopped
     # A record of tpagent 0.1 (no format field) is still read ...
     del doc["format"]
     j.path("c" * 32).write_text(json.dumps({**doc, "migration_id": "c" * 32}))

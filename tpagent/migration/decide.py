@@ -220,10 +220,11 @@ def rolled_back_without_original(ctx: Context, r: Record, dump: HeldDump) -> str
 
 
 def resume_leftovers(r: Record) -> None:
-    """What a dead CRIU may have left stopped runs again; the GPU side is given back."""
+    """What a dead CRIU may have left stopped runs again (what was stopped before the freeze
+    stays stopped); the GPU side is given back."""
     if not same_process_alive(r):
         return  # gone (or its PID now someone else's): nothing of ours to resume
-    if not signals.signal_tree(r.pid, signal.SIGCONT, r.start_ticks or None):
+    if not signals.signal_tree(r.pid, signal.SIGCONT, r.start_ticks or None, frozenset(r.stopped)):
         return
     if r.cuda_pids:  # CRIU gave back the CPU side; the GPU side waits in host memory
         from snapshot import stages

@@ -19,6 +19,8 @@
                   "snapshot": PATH,                           inside WORK_DIR (anything else is left alone)
                   "message": STR,
                   "cuda_pids": [INT, ...],                    source: to give the GPU back after a restart
+                  "stopped": [INT, ...],                      source: its processes stopped before the freeze,
+                                                              left stopped after a restart (format 4)
                   "restore_sent": BOOL,                       source: a copy may exist on the target
                   "boot_id": STR,                             the node's boot when the record was made
                                                               (/proc/sys/kernel/random/boot_id)
@@ -58,7 +60,7 @@ log = logging.getLogger(__name__)
 #: Records of migrations and rewires that are over are kept this many seconds, and at most this many.
 KEEP_FOR = 30 * 86400.0
 KEEP_FINAL = 1000
-FORMAT = 3  # 1: start_ticks, 2: boot_id, 3: hold (an older agent must refuse what it cannot read)
+FORMAT = 4  # 1: start_ticks, 2: boot_id, 3: hold, 4: stopped (an older agent must refuse what it cannot read)
 _ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -85,6 +87,7 @@ class Record:
     boot_id: str = field(default_factory=lambda: boot_id())
     operator: str = ""
     hold: float = 0.0  # a target's copy the source confirms itself, within this many seconds (Offer.hold)
+    stopped: list[int] = field(default_factory=list)  # source: its processes stopped before the freeze
 
     def rebooted(self) -> bool:
         """Whether this node was rebooted since the record was made (unknown: no)."""
@@ -100,9 +103,11 @@ class Record:
     def to_json(self) -> dict[str, Any]:
         # (the oldest format that holds it: an agent of the version before reads every other record)
         body = asdict(self)
-        if not body["hold"]:
-            del body["hold"]
-        return {"format": FORMAT if self.hold else 2, **body, "role": self.role.value, "state": self.state.value}
+        for newer in ("hold", "stopped"):
+            if not body[newer]:
+                del body[newer]
+        version = 4 if self.stopped else 3 if self.hold else 2
+        return {"format": version, **body, "role": self.role.value, "state": self.state.value}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Record:

@@ -284,6 +284,7 @@ class SourceMigration:
         except (SnapshotError, psutil.Error) as e:
             raise _Failure(str(e)) from e
         pids = {p.pid for p in tree}
+        self.record.stopped = sorted(p.pid for p in tree if proc.thread_state(p.pid, p.pid) == "T")  # (kept so)
         for warning in criu_limits.restore_warnings(sorted(pids)):  # (said, not refused: the move still works)
             self.emit(f"warning: {warning}")
         used = [g for g in gpus.inventory() if pids & set(g.pids)]
