@@ -145,7 +145,12 @@ def test_a_users_rank_runs_as_that_user_and_no_other_user_reaches_it(node_a: Clu
             # The victim's rank ran on untouched; its stand-in passes SIGTERM on, and ends with its status.
             assert stand_in.poll() is None
             stand_in.send_signal(signal.SIGTERM)
-            relayed, said = stand_in.communicate(timeout=60)
+            try:
+                relayed, said = stand_in.communicate(timeout=60)
+            except subprocess.TimeoutExpired:  # (what it and its agent said, to see why)
+                stand_in.kill()
+                relayed, said = stand_in.communicate()
+                raise AssertionError(f"no end 60 s after SIGTERM: {said} {c.nodes['A'].agent_log()[-6000:]}") from None
             assert stand_in.returncode == 128 + signal.SIGTERM, said
             ticks = [ln.split()[1] for ln in out.read_text().splitlines() if ln.startswith("tick ")]
             assert len(ticks) > 2 and ticks == [str(i) for i in range(len(ticks))]
