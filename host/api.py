@@ -14,6 +14,12 @@ from __future__ import annotations
 MOST_SECONDS = 2e6
 
 
+def is_whole(text: str) -> bool:
+    """Whether ``text`` is a whole number of ASCII digits, as every number the project reads
+    from outside is (``str.isdigit`` takes "²", which ``int`` refuses, and "٣", which it reads)."""
+    return text.isascii() and text.isdigit()
+
+
 class HostError(Exception):
     """Base of the host floor's errors and the snapshot layer's.  ``str(e)`` is one sentence fit
     for a user."""

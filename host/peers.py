@@ -16,6 +16,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from host.api import is_whole
+
 #: ``SO_PEERPIDFD`` (Linux 6.5; Python names it from 3.13).
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 
@@ -68,9 +70,9 @@ def account(uid: int) -> int:
     for line in lines:
         name, _, rest = line.partition(":")
         first, _, count = rest.partition(":")
-        if first.isdigit() and count.isdigit() and int(first) <= uid < int(first) + int(count):
+        if is_whole(first) and is_whole(count) and int(first) <= uid < int(first) + int(count):
             try:
-                return int(name) if name.isdigit() else pwd.getpwnam(name).pw_uid
+                return int(name) if is_whole(name) else pwd.getpwnam(name).pw_uid
             except KeyError:
                 return uid
     return uid

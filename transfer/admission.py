@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from host.api import is_whole
 from transfer.api import Channel, Refusal
 
 
@@ -137,4 +138,4 @@ class Gate:
 def peer_host(peer: str) -> str | None:
     """The host of ``HOST:PORT``; None for a peer without one (UCX's)."""
     host, sep, port = peer.rpartition(":")
-    return host if sep and port.isdigit() else None
+    return host if sep and is_whole(port) else None

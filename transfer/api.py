@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from host import paths
+from host.api import is_whole
 
 
 class TransferError(Exception):
@@ -224,7 +225,7 @@ class Transport(abc.ABC):
 def parse_address(address: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port), or TransferError in one sentence."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not is_whole(port) or not 0 <= int(port) <= 65535:
         raise BadAddress(f"{address!r} is not HOST:PORT.")
     return host.strip("[]") or "0.0.0.0", int(port)
 

@@ -501,13 +501,16 @@ def test_criu_not_installed_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         criu.Criu()
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1", "[::1]:x", "127.0.0.1:0", ":7411"])
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1:99999", "127.0.0.1", "[::1]:x", "127.0.0.1:0", ":7411", "127.0.0.1:²", "127.0.0.1:٣"]
+)
 def test_a_malformed_send_to_address_is_refused_before_anything_is_frozen(  # type: ignore[no-untyped-def]
     start, snapshot_dir: Path, tmp_path: Path, address: str
 ) -> None:
     """A mistyped --send-to is said once, before the freeze (it was found by the sender only,
     which retried it six times while the dump, in its kill mode, ended the process); `send` says
-    it once too, never retried."""
+    it once too, never retried.  Digits are ASCII (before: "²" was "unexpected error", and "٣"
+    port 3)."""
     secret = _secret(tmp_path)
     w = start(mib=16)
     out = tmp_path / "s"

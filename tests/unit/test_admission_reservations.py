@@ -21,6 +21,7 @@ from tpagent.migration.admission import Reservation, Reservations, on_tmpfs, siz
 
 def test_offer_entries_are_parsed() -> None:
     assert sized(["/a/b:10", "/c:d:7", "/x:*", "junk"]) == [("/a/b", 10), ("/c:d", 7), ("/x", 0), ("", 0)]
+    assert sized(["/a:²", "/b:٣"]) == [("/a", 0), ("/b", 0)]  # (a peer's; before: ValueError, and 3)
 
 
 def test_tmpfs_is_known() -> None:

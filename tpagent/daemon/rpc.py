@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from host.api import UsageError
+from host.api import UsageError, is_whole
 from host.hushed import Hushed
 from tpagent.common import clock
 from tpagent.common.config import port_of
@@ -280,7 +280,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
     def _check_call(self, method: str, metadata: dict[str, str]) -> tuple[str, str] | None:
         """Why the call is refused, and the sentence saying so; None if it is not."""
         parts = str(metadata.get(HEADER, "")).split(".")
-        if len(parts) != 4 or parts[0] != VERSION or not parts[1].isdigit():
+        if len(parts) != 4 or parts[0] != VERSION or not is_whole(parts[1]):
             return "no_credentials", REASONS["no_credentials"]
         _, ts, nonce, mac = parts
         if not any(hmac.compare_digest(mac, _hmac(self.secret, "call", method, a, ts, nonce)) for a in self.audiences):
@@ -377,7 +377,7 @@ class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
     def _learn_clock(self, call: Any) -> bool:
         """Whether the agent refused the call for its timestamp and said what its clock reads."""
         theirs = str(dict(call.trailing_metadata() or ()).get(CLOCK_HEADER, ""))
-        if not theirs.isdigit():
+        if not is_whole(theirs):
             return False
         self.offset = int(theirs) / 1000 - clock.now()
         log.warning(

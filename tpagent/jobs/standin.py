@@ -41,7 +41,7 @@ from typing import BinaryIO, Protocol, TypeVar
 
 import tpagent_rank
 from host import paths, proc, signals
-from host.api import UsageError
+from host.api import UsageError, is_whole
 from tpagent.jobs.local import LocalAgent, Start, runtime_readable
 from tpagent.jobs.storeserver import python_of, serve, stop_store, store_user
 from tpagent.migration.api import AgentError, PeerUnreachable
@@ -73,7 +73,7 @@ SILENT_SAID = 30.0
 
 def rank_of(env: dict[str, str]) -> int:
     for key in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
-        if env.get(key, "").isdigit():
+        if is_whole(env.get(key, "")):
             return int(env[key])
     raise UsageError("the rank is not known: the launcher sets RANK (torchrun) or SLURM_PROCID (srun).")
 
@@ -106,7 +106,7 @@ def launcher_env(env: dict[str, str]) -> dict[str, str]:
     variables where the launcher did not set them."""
     out = dict(env)
     for key, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS"), ("LOCAL_RANK", "SLURM_LOCALID")):
-        if key not in out and out.get(slurm, "").isdigit():
+        if key not in out and is_whole(out.get(slurm, "")):
             out[key] = out[slurm]
     return out
 
@@ -148,7 +148,7 @@ def host_store(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[by
     what its stand-in says of it, if anything), or None and why not ("" if the rank serves none)."""
     host = env.get("MASTER_ADDR", "")
     port = env.get("MASTER_PORT", "")
-    if env.get("RANK") != "0" or not host or not port.isdigit() or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if env.get("RANK") != "0" or not host or not is_whole(port) or env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return None, ""
     if not _local(host):
         return None, f"MASTER_ADDR {host} is not an address of this node"

@@ -37,6 +37,7 @@ from typing import Any, BinaryIO
 import psutil
 
 from host import proc
+from host.api import is_whole
 from tpagent.migration.journal import write_durably
 from tpagent_rank import protocol as P
 
@@ -105,7 +106,7 @@ def store_user(env: dict[str, str]) -> tuple[int, int] | None:
         return None
     uid = env.get("SUDO_UID", "")
     gid = env.get("SUDO_GID", "")
-    if uid.isdigit() and gid.isdigit() and int(uid) != 0:
+    if is_whole(uid) and is_whole(gid) and int(uid) != 0:
         return int(uid), int(gid)
     try:
         nobody = pwd.getpwnam("nobody")

@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from host import gpus, mounts, sockets
+from host.api import is_whole
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
 from tpagent.common import clock
@@ -49,7 +50,7 @@ def sized(entries: Iterable[str]) -> list[tuple[str, int]]:
     out = []
     for entry in list(entries)[:10_000]:
         path, _, size = entry.rpartition(":")
-        out.append((path, int(size) if size.isdigit() else 0))
+        out.append((path, int(size) if is_whole(size) else 0))
     return out
 
 

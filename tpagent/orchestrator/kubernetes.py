@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from host.api import UsageError
+from host.api import UsageError, is_whole
 from tpagent.orchestrator.api import Move, MoveKind, job_name
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.scheduler import Held, Pool, SchedulerError, Wanted
@@ -122,7 +122,7 @@ def pod_of(d: dict[str, Any]) -> KPod:
 
 
 def _count(value: Any) -> int:
-    return int(value) if isinstance(value, int | str) and str(value).isdigit() else 0
+    return int(value) if isinstance(value, int | str) and is_whole(str(value)) else 0
 
 
 def taint_value(reason: str) -> str:
