@@ -78,3 +78,26 @@ def test_a_users_workload_runs_as_the_user_in_the_stand_ins_control_group(group:
     finally:
         stand_in.kill()
         stand_in.wait()
+
+
+@pytest.mark.parametrize(
+    "cmd, env, said",
+    [
+        (["x\ud800"], {}, "could not be launched: 'utf-8' codec can't encode"),
+        (["x" * (1 << 17)], {}, "could not be launched: Argument list too long"),
+        ([], {"A=B": "c"}, "could not be launched: cannot start"),
+    ],
+)
+def test_a_command_the_kernel_or_python_refuses_is_said_and_leaves_no_descriptor(
+    cmd: list[str], env: dict[str, str], said: str
+) -> None:
+    """(Each was a descriptor of root's agent leaked, asked of it by any user as often as they
+    liked, or a false "did not start within 30 s".)"""
+    python, user_env = user_python()
+    fds = len(os.listdir("/proc/self/fd"))
+    with user_dir(NOBODY) as home:
+        who = launch.RunAs(NOBODY[0], NOBODY[1], (), str(home), {**user_env, **env})
+        for _ in range(3):
+            with pytest.raises(UsageError, match=said):
+                launch.start([python, str(WHO), "4", *cmd], home / "out", home / "out", run_as=who)
+    assert len(os.listdir("/proc/self/fd")) == fds

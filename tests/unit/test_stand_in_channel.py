@@ -4,6 +4,7 @@ tests/agent/test_stand_in_security.py."""
 
 from __future__ import annotations
 
+import errno
 import json
 from typing import Any
 
@@ -11,8 +12,10 @@ import pytest
 
 from tpagent.common.threads import Threads
 from tpagent.jobs import local
+from tpagent.jobs.calls import RankCalls
 from tpagent.jobs.local import Caller, StandInDoor, Start
 from tpagent.jobs.rankentry import Owned
+from tpagent.migration.api import Refused
 from tpagent_rank import protocol as P
 
 ALICE = Caller(pid=100, uid=1000, gid=1000)
@@ -61,7 +64,23 @@ def test_a_start_is_checked_and_a_rank_is_its_starters_alone() -> None:
         (start(cmd=[]), "a command"),
         (start(job="x\n"), "a command"),
         (start(env={"A": "b\0c"}), "without NUL"),
-        (start(rank="zero"), "mangles"),
+        (start(rank="zero"), "in numbers"),
+        # Each of these was taken before, converted: rank 1, 1 and 3, umask 1, a list of pairs
+        # as the environment, a command of single characters (the agent ran "/").
+        (start(rank=1.9), "in numbers"),
+        (start(rank=True), "in numbers"),
+        (start(rank="3"), "in numbers"),
+        (start(umask=True), "in numbers"),
+        (start(env=[["A", "B"]]), "environment as an object"),
+        (start(cmd="/bin/sleep"), "command as a list"),
+        (start(stdout=None), "in text"),
+        # Refused by the kernel or Python at the launch (before: a descriptor of root's leaked at
+        # each, or a false "did not start within 30 s").
+        (start(cmd=["python", "\ud800"]), "without NUL"),
+        (start(stdout="/home/a/\udcff"), "without NUL"),
+        (start(cmd=["python", "x" * local.ARG_MOST]), f"at most {local.ARG_MOST} bytes"),
+        (start(env={"A=B": "c"}), "name must not be empty nor hold '='"),
+        (start(env={"": "c"}), "name must not be empty"),
         (b"[1]", "JSON object"),
         (b"{", "not valid"),
     ):
@@ -123,3 +142,45 @@ def test_a_request_of_another_shape_is_answered_in_a_sentence(line: bytes) -> No
     a.ranks["j", 0] = Owned(ALICE.uid, "", True, True)
     answer = d._answer(line, ALICE)
     assert answer["ok"] is False and answer["error"].startswith("the request is not valid"), answer
+
+
+def test_a_request_the_agent_fails_on_is_answered_never_cut_off() -> None:
+    """(Before: an OSError, as pread's of an output offset near 2**63, closed the connection with
+    no answer, and the stand-in said its agent had closed it.)"""
+    d, a = door()
+    d._answer(start(), ALICE)
+    for failure, said in ((OSError(22, "Invalid argument"), "could not do it: Invalid argument"),
+                          (RuntimeError("a bug"), "failed on the request (RuntimeError)")):  # fmt: skip
+
+        def failing(*_args: Any, e: Exception = failure) -> Any:
+            raise e
+
+        d.ask = failing
+        answer = d._answer(rank({"op": "output", "fd": 1, "offset": 0}), ALICE)
+        assert answer == {"ok": False, "error": f"the agent {said}"}, answer
+
+
+def test_an_output_offset_past_any_file_is_refused() -> None:
+    calls = RankCalls(None, "n", lambda _job, _rank=None: False)  # type: ignore[arg-type]
+    with pytest.raises(Refused, match="an offset from 0 below"):
+        calls("j", 0, P.Output(fd=1, offset=(1 << 63) - 1), 1.0)
+
+
+def test_the_door_outlasts_a_lack_of_descriptors() -> None:
+    """Out of descriptors (EMFILE), the door waits and takes connections again; it closed for
+    good at its first failed accept before."""
+    d, _ = door()
+    failures = [OSError(errno.EMFILE, "Too many open files"), OSError(errno.ENFILE, "Too many open files in system")]
+    waited: list[float] = []
+
+    class Socket:
+        def accept(self) -> Any:
+            if failures:
+                raise failures.pop(0)
+            d.sock = None  # (closed: the door ends)
+            raise OSError(errno.EBADF, "Bad file descriptor")
+
+    d.sock = Socket()  # type: ignore[assignment]
+    d.threads.sleep = lambda seconds: bool(waited.append(seconds))  # type: ignore[method-assign]
+    d._accept()
+    assert waited == [1.0, 1.0] and not failures

@@ -22,6 +22,8 @@ from tpagent_rank import protocol as P
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=P.Answer)
 #: The signals a stand-in passes on to its rank (SIGKILL: its launcher gave up on it).
+#: Where an output's offset ends (no file is near it; pread refuses an offset near 2**63).
+OFFSET_END = 1 << 62
 PASSED_ON = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL})
 #: The longest job's key (``RankRequest.job_key``) an agent compares.
 KEY_MAX = 128
@@ -156,8 +158,8 @@ class RankCalls:
 
     def _output(self, job: str, rank: int, request: P.Output) -> P.Written:
         """What its rank wrote, for a stand-in, wherever the rank runs."""
-        if request.fd not in (1, 2) or request.offset < 0:
-            raise Refused("output needs fd 1 or 2 and an offset of at least 0.", Why.INVALID)
+        if request.fd not in (1, 2) or not 0 <= request.offset < OFFSET_END:
+            raise Refused(f"output needs fd 1 or 2 and an offset from 0 below {OFFSET_END}.", Why.INVALID)
         return self.ranks.output(job, rank, request.fd, request.offset, max(1, request.max))
 
     def _lost(self, job: str, rank: int, request: P.Lost) -> P.Answer:

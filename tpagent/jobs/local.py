@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import json
 import logging
 import math
@@ -68,6 +69,8 @@ IDLE_MAX = 600.0
 #: What a caller may ask about a rank (the rest of the rank protocol is the agents' own).
 RELAYED = frozenset({P.Op.LOCATE, P.Op.SIGNAL, P.Op.OUTPUT})
 ARGS_MAX = 4096
+#: The most bytes of one argument or variable (the kernel's MAX_ARG_STRLEN, 32 pages, its NUL too).
+ARG_MOST = 131072
 ENV_MAX = 4096
 
 
@@ -106,20 +109,45 @@ def socket_name(rank_socket: str) -> str:
 
 def _start_of(d: dict[str, Any]) -> Start:
     """The ``start`` request in ``d``, checked; :class:`Refused` in one sentence."""
-    try:
-        cmd = tuple(d["cmd"])
-        env = dict(d["env"])
-        s = Start(str(d["job"]), int(d["rank"]), cmd, env, str(d["cwd"]), int(d["umask"]), d["stdout"], d["stderr"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise Refused(f"a start request lacks or mangles a field ({e})", Why.INVALID) from e
-    texts = [*s.cmd, *s.env, *s.env.values(), s.cwd, s.stdout, s.stderr]
+    fields: dict[str, Any] = {name: d.get(name) for name in Start.__dataclass_fields__}
+    cmd = fields["cmd"]
+    env = fields["env"]
+    texts = ("job", "cwd", "stdout", "stderr")
+    if not all(isinstance(fields[f], str) for f in texts) or not all(_whole(fields[f]) for f in ("rank", "umask")):
+        raise Refused(
+            "a start request names its job, cwd, stdout and stderr in text, its rank and umask in numbers", Why.INVALID
+        )
+    if not isinstance(cmd, list) or not isinstance(env, dict):
+        raise Refused("a start request gives its command as a list and its environment as an object", Why.INVALID)
+    s = Start(**{**fields, "cmd": tuple(cmd), "env": dict(env)})
     if not P.valid_job(s.job) or not 0 <= s.rank < 1 << 20 or not s.cmd or len(s.cmd) > ARGS_MAX:
         raise Refused("give a job's name, a rank from 0 and a command", Why.INVALID)
-    if len(s.env) > ENV_MAX or not all(isinstance(t, str) and "\0" not in t for t in texts):
-        raise Refused("the command, environment and paths must be text without NUL", Why.INVALID)
+    if len(s.env) > ENV_MAX or not all(
+        _argument(t) for t in (*s.cmd, *s.env, *s.env.values(), s.cwd, s.stdout, s.stderr)
+    ):
+        raise Refused(
+            f"the command, environment and paths must be text without NUL, each at most {ARG_MOST} bytes", Why.INVALID
+        )
+    if not all(name and "=" not in name for name in s.env):
+        raise Refused("an environment variable's name must not be empty nor hold '='", Why.INVALID)
     if not all(os.path.isabs(p) for p in (s.cwd, s.stdout, s.stderr)) or not 0 <= s.umask <= 0o777:
         raise Refused("the working directory and output files must be absolute paths", Why.INVALID)
     return s
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _argument(text: object) -> bool:
+    """Whether ``text`` can be one argument (or variable) of a program's: text, no NUL, in UTF-8
+    (a lone surrogate is not), within the kernel's bound of one."""
+    if not isinstance(text, str) or "\0" in text:
+        return False
+    try:
+        return len(text.encode()) < ARG_MOST
+    except UnicodeEncodeError:
+        return False
 
 
 #: How many agents a rank is followed through to check an address a stand-in names.
@@ -178,8 +206,13 @@ class StandInDoor:
         while self.sock is not None:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self.sock is None or e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    return
+                log.error("the stand-in door takes no connection now (%s); it tries again in a second", e.strerror)
+                if self.threads.sleep(1.0):
+                    return
+                continue
             try:
                 self._admit(conn)
             except Exception as e:  # (one caller's trouble is never the door's: it is dropped, the door stays)
@@ -252,6 +285,11 @@ class StandInDoor:
             return {"ok": False, "error": str(e).rstrip(".")}
         except (RecursionError, OverflowError, TypeError, AttributeError, KeyError) as e:  # (JSON of another shape)
             return {"ok": False, "error": f"the request is not valid: {type(e).__name__}: {str(e)[:200]}"}
+        except OSError as e:
+            return {"ok": False, "error": f"the agent could not do it: {e.strerror or e}"}
+        except Exception as e:  # (a bug of ours: logged whole, and the stand-in still told, never cut off)
+            log.exception("a stand-in's request failed")
+            return {"ok": False, "error": f"the agent failed on the request ({type(e).__name__})"}
 
     def _start(self, s: Start, caller: Caller) -> int:
         key = (s.job, s.rank)

@@ -263,13 +263,13 @@ class StandIn:
         return init, holder
 
     def _run(self, job: str, rank: int, renv: dict[str, str]) -> int:
+        for sig in FORWARDED:  # (first: one that comes while the rank starts is passed on once it runs)
+            signal.signal(sig, self._on_signal)
         try:
             init, holder = self._launch(job, rank, renv)
         except AgentError as e:
             self.say(f"rank {rank} of job {job} could not be started: {e}")
             return 1
-        for sig in FORWARDED:
-            signal.signal(sig, self._on_signal)
         where: RankAgent = self.agent
         last_heard = time.monotonic()
         said = False  # (that its agent has not answered for a while)

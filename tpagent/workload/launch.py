@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 
 from host import paths, proc, signals
-from host.api import UsageError
+from host.api import UsageError, is_whole
 from host.safefs import private_dir
 
 #: Where launch records live (root's, mode 700).
@@ -140,7 +140,32 @@ def start(
     if run_as is not None:
         spec, env = _as_user(run_as)
     read_end, write_end = os.pipe()
-    argv = [
+    try:
+        holder = _spawn(_argv(unshare, write_end, stdout, stderr, cmd), write_end, spec, umask, env)
+        # One read: nsinit writes its whole answer at once, and unshare keeps the pipe open.
+        ready, _, _ = select.select([read_end], [], [], timeout)
+        answer = os.read(read_end, 4096).decode(errors="replace") if ready else ""
+    finally:
+        os.close(read_end)
+    if answer != "ok":
+        signals.kill_tree(holder.pid)  # (and the init it forked, whatever it was stuck on: no root process is left)
+        holder.wait()
+        reason = answer or (
+            f"it did not start within {timeout:.0f} s" if not ready else "its init ended without saying why"
+        )
+        raise UsageError(f"the workload could not be launched: {reason}.")
+    children = psutil.Process(holder.pid).children()
+    if not children:
+        raise UsageError("the workload exited at once; see its --stdout/--stderr files.")
+    sudo = os.environ.get("SUDO_UID", "")
+    owner = run_as.uid if run_as is not None else int(sudo) if is_whole(sudo) else os.getuid()
+    register(children[0].pid, owner=owner)
+    return children[0].pid, holder
+
+
+def _argv(unshare: str, report: int, stdout: Path, stderr: Path, cmd: list[str]) -> list[str]:
+    """The command line of the namespace's holder, whose init reports on descriptor ``report``."""
+    return [
         unshare,
         "--pid",
         "--ipc",  # (CRIU saves SysV shared memory and semaphores only with an IPC namespace of their own)
@@ -150,46 +175,36 @@ def start(
         "private",
         "--",
         sys.executable,
-        "-I",
+        "-I",  # (nothing imported from the cwd)
         "-m",
         "tpagent.workload.nsinit",
-        str(write_end),  # -I: nothing imported from the cwd
+        str(report),
         str(stdout.absolute()),
         str(stderr.absolute()),
         *cmd,
     ]
+
+
+def _spawn(argv: list[str], report: int, spec: int, umask: int, env: dict[str, str] | None) -> subprocess.Popen[bytes]:
+    """The holder started (``report`` and ``spec`` closed here either way); a command the
+    kernel or Python refuses (an argument too long, text that is no file name) in one sentence."""
     try:
-        holder = subprocess.Popen(
+        return subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            pass_fds=(write_end,) if spec < 0 else (write_end, spec),
+            pass_fds=(report,) if spec < 0 else (report, spec),
             umask=umask,
             env=env,
         )
+    except (OSError, ValueError) as e:  # (UnicodeEncodeError too)
+        raise UsageError(f"the workload could not be launched: {getattr(e, 'strerror', None) or e}.") from e
     finally:
-        os.close(write_end)
+        os.close(report)
         if spec >= 0:
             os.close(spec)
-    try:
-        # One read: nsinit writes its whole answer at once, and unshare keeps the pipe open.
-        ready, _, _ = select.select([read_end], [], [], timeout)
-        answer = os.read(read_end, 4096).decode(errors="replace") if ready else ""
-    finally:
-        os.close(read_end)
-    if answer != "ok":
-        signals.kill_tree(holder.pid)  # (and the init it forked, whatever it was stuck on: no root process is left)
-        holder.wait()
-        reason = answer or f"it did not start within {timeout:.0f} s"
-        raise UsageError(f"the workload could not be launched: {reason}.")
-    children = psutil.Process(holder.pid).children()
-    if not children:
-        raise UsageError("the workload exited at once; see its --stdout/--stderr files.")
-    owner = run_as.uid if run_as is not None else int(os.environ.get("SUDO_UID", os.getuid()))
-    register(children[0].pid, owner=owner)
-    return children[0].pid, holder
 
 
 def _as_user(run_as: RunAs) -> tuple[int, dict[str, str]]:

@@ -192,6 +192,9 @@ def main(argv: list[str]) -> int:
     except UsageError as e:  # (a log path through a symlink, or in someone else's directory)
         os.write(ready, str(e).rstrip(".").encode())
         return 127
+    except ValueError as e:  # (an environment Python refuses to pass: a variable named with "=")
+        os.write(ready, f"cannot start {cmd[0]}: {e}".encode(errors="replace"))
+        return 127
     os.write(ready, b"ok")
     os.close(ready)
 
