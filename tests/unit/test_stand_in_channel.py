@@ -59,11 +59,13 @@ def rank(request: dict[str, Any], via: str = "", job: str = "j") -> bytes:
 def test_a_start_is_checked_and_a_rank_is_its_starters_alone() -> None:
     d, a = door()
     assert d._answer(start(), ALICE) == {"ok": True, "pid": 4242}
+    byte = start("b", cmd=["python", "t\udcff.py"])  # (a stand-in's argument of a byte that is no UTF-8)
+    assert d._answer(byte, ALICE) == {"ok": True, "pid": 4242}
     for bad, words in (
         (start(cwd="home"), "absolute paths"),
         (start(cmd=[]), "a command"),
         (start(job="x\n"), "a command"),
-        (start(env={"A": "b\0c"}), "without NUL"),
+        (start(env={"A": "b\0c"}), "no NUL, no lone surrogate"),
         (start(rank="zero"), "in numbers"),
         # Each of these was taken before, converted: rank 1, 1 and 3, umask 1, a list of pairs
         # as the environment, a command of single characters (the agent ran "/").
@@ -76,9 +78,9 @@ def test_a_start_is_checked_and_a_rank_is_its_starters_alone() -> None:
         (start(stdout=None), "in text"),
         # Refused by the kernel or Python at the launch (before: a descriptor of root's leaked at
         # each, or a false "did not start within 30 s").
-        (start(cmd=["python", "\ud800"]), "without NUL"),
-        (start(stdout="/home/a/\udcff"), "without NUL"),
-        (start(cmd=["python", "x" * local.ARG_MOST]), f"at most {local.ARG_MOST} bytes"),
+        (start(cmd=["python", "\ud800"]), "no NUL, no lone surrogate"),
+        (start(stdout="/home/a/\ud800"), "no NUL, no lone surrogate"),
+        (start(cmd=["python", "x" * local.ARG_MOST]), f"below {local.ARG_MOST} bytes"),
         (start(env={"A=B": "c"}), "name must not be empty nor hold '='"),
         (start(env={"": "c"}), "name must not be empty"),
         (b"[1]", "JSON object"),

@@ -126,7 +126,8 @@ def _start_of(d: dict[str, Any]) -> Start:
         _argument(t) for t in (*s.cmd, *s.env, *s.env.values(), s.cwd, s.stdout, s.stderr)
     ):
         raise Refused(
-            f"the command, environment and paths must be text without NUL, each at most {ARG_MOST} bytes", Why.INVALID
+            f"the command, environment and paths must be text (no NUL, no lone surrogate), each below {ARG_MOST} bytes",
+            Why.INVALID,
         )
     if not all(name and "=" not in name for name in s.env):
         raise Refused("an environment variable's name must not be empty nor hold '='", Why.INVALID)
@@ -140,12 +141,13 @@ def _whole(value: object) -> bool:
 
 
 def _argument(text: object) -> bool:
-    """Whether ``text`` can be one argument (or variable) of a program's: text, no NUL, in UTF-8
-    (a lone surrogate is not), within the kernel's bound of one."""
+    """Whether ``text`` can be one argument (or variable) of a program's: text, no NUL, bytes as
+    Python makes them of it (a byte that is no UTF-8 was read as a surrogate escape, which gives it
+    back; any other lone surrogate names none), within the kernel's bound of one."""
     if not isinstance(text, str) or "\0" in text:
         return False
     try:
-        return len(text.encode()) < ARG_MOST
+        return len(os.fsencode(text)) < ARG_MOST
     except UnicodeEncodeError:
         return False
 
