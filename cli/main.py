@@ -48,7 +48,7 @@ from tpagent.workload.launch import launch as launch_workload
 from tpagent.workload.launch import register as register_launched
 from transfer import pipeline
 from transfer.api import DEFAULT_TLS_DIR, Compress, TlsFiles, TransferConfig, TransferError, Transport, read_secret
-from transfer.receiver import Receiver
+from transfer.receiver import Receiver, checked_request
 from transfer.sender import Sender
 from transfer.transports import make_transport
 
@@ -366,10 +366,12 @@ def send(
 ) -> None:
     """Stream a snapshot to a receiving node, compressed where it pays, verified end to end."""
     t0 = time.monotonic()
+    shown: list[bool] = []  # (whether the bar is on screen: a line of its own to end)
 
     def bar(done: int, wire_bytes: int, total: int) -> None:
         if as_json:
             return
+        shown[:] = [True]
         rate = done / max(time.monotonic() - t0, 1e-6)
         eta = (total - done) / rate if rate else 0.0
         ratio = done / wire_bytes if wire_bytes else 1.0
@@ -386,9 +388,10 @@ def send(
         )
         stats = Sender(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg, bar).send(directory, peer)
     except (SnapshotError, TransferError) as e:
-        typer.echo("", err=True)
+        if shown:
+            typer.echo("", err=True)
         stages.fail(e, as_json)
-    if not as_json:
+    if shown:
         typer.echo("", err=True)
     _emit(
         as_json,
@@ -421,6 +424,7 @@ def receive(
     """Accept one authenticated snapshot stream and write it, verified, to --out."""
     try:
         cfg = TransferConfig(secret=read_secret(secret_file))
+        checked_request(out, timeout)  # (before it listens: a bad request is said alone)
         receiver = Receiver(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg, listen)
         typer.echo(f"listening on {receiver.address}", err=True)
         try:

@@ -65,7 +65,7 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     ipaddress.ip_address(host)  # (ValueError: not an address)
-    if not sep or not is_whole(port) or not 0 <= int(port) <= 65535:
+    if not sep or not is_whole(port) or len(port) > 5 or not 0 <= int(port) <= 65535:
         raise ValueError(f"{text!r} is not HOST:PORT")
     return host, int(port)
 

@@ -225,8 +225,8 @@ class Transport(abc.ABC):
 def parse_address(address: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port), or TransferError in one sentence."""
     host, sep, port = address.rpartition(":")
-    if not sep or not is_whole(port) or not 0 <= int(port) <= 65535:
-        raise BadAddress(f"{address!r} is not HOST:PORT.")
+    if not sep or not is_whole(port) or len(port) > 5 or not 0 <= int(port) <= 65535:
+        raise BadAddress(f"{address[:80]!r} is not HOST:PORT.")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
@@ -235,5 +235,5 @@ def peer_address(address: str) -> tuple[str, int]:
     listener's ``:0``, any port, names no peer)."""
     host, port = parse_address(address)
     if not address.rpartition(":")[0].strip("[]") or port == 0:
-        raise BadAddress(f"{address!r} is not HOST:PORT.")
+        raise BadAddress(f"{address[:80]!r} is not HOST:PORT.")
     return host, port

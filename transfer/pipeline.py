@@ -13,6 +13,7 @@ in a thread, the send in the migration's own thread: :mod:`tpagent.migration.sou
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from snapshot import criu, stages
 from snapshot.api import DumpMode, ProgressFn, SnapshotConfig
 from snapshot.dump import checkpoint
 from snapshot.manifest import Manifest
-from transfer.api import TransferError, TransferStats, peer_address
+from transfer.api import BadAddress, TransferError, TransferStats, peer_address
 from transfer.sender import Sender
 
 
@@ -39,6 +40,17 @@ class SendFailed(TransferError):
     """The snapshot was made (and is kept where it was written) but did not reach the peer."""
 
 
+def _known(peer: str) -> None:
+    """``peer`` is HOST:PORT, its host a name this node resolves (or an address); BadAddress if not."""
+    host, port = peer_address(peer)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise BadAddress(f"{peer!r} names no host this node knows ({e.strerror}); nothing was frozen.") from e
+    except UnicodeError as e:  # (a name no DNS label can be made of)
+        raise BadAddress(f"{peer!r} names no host this node knows ({e}); nothing was frozen.") from e
+
+
 def dump_and_send(
     pid: int,
     out: Path,
@@ -50,7 +62,7 @@ def dump_and_send(
     overlap: bool = True,
     carry: Sequence[Path] = (),
 ) -> Shipped:
-    peer_address(peer)  # (before anything is frozen: a mistyped address never ends the process)
+    _known(peer)  # (before anything is frozen: a mistyped address never ends the process)
     t0 = time.monotonic()
     if not overlap:
         m = checkpoint(pid, out, mode, config, progress, carry=carry)

@@ -56,6 +56,20 @@ MAX_STRANGERS_PER_HOST = 16
 MAX_MEMBERS = 2 * MAX_STREAMS + 1
 
 
+def checked_request(out: Path, timeout: float) -> Path:
+    """``out`` and ``timeout`` of a receive, checked (by a caller, before it listens, too): a wait
+    of seconds above 0; root writes someone's whole memory to ``out``, so only where no other user
+    can plant or swap a directory, and only into directories of its own (made here)."""
+    if not 0 < timeout <= MOST_SECONDS:  # (nan too)
+        raise UsageError(
+            f"the time to wait for a snapshot is a number of seconds above 0 (at most {MOST_SECONDS:g}), not {timeout}."
+        )
+    out = private_dir(out, empty=True, create=False)
+    if not out.parent.exists():
+        private_dir(out.parent)
+    return out
+
+
 class Receiver:
     """Listens on one address and accepts one snapshot (``receive``)."""
 
@@ -83,16 +97,7 @@ class Receiver:
             entry.ch.interrupt()
 
     def receive(self, out: Path, timeout: float) -> TransferStats:
-        if not 0 < timeout <= MOST_SECONDS:  # (nan too)
-            raise UsageError(
-                f"the time to wait for a snapshot is a number of seconds above 0 (at most {MOST_SECONDS:g}), "
-                f"not {timeout}."
-            )
-        # Root writes someone's whole memory here: only where no other user can plant or swap
-        # a directory (checked now, before anyone connects), and only into directories of its own.
-        out = private_dir(out, empty=True, create=False)
-        if not out.parent.exists():
-            private_dir(out.parent)
+        out = checked_request(out, timeout)
         for stale in out.parent.glob(f".{out.name}.partial-*"):
             if stale.lstat().st_uid == os.geteuid():  # (ours: left by an earlier try)
                 shutil.rmtree(stale, ignore_errors=True)

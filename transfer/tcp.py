@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from transfer import tls as _tls  # (TcpTransport's parameter is named tls)
-from transfer.api import Channel, Listener, TlsFiles, TransferError, Transport, parse_address
+from transfer.api import BadAddress, Channel, Listener, TlsFiles, TransferError, Transport, parse_address
 
 BUFFER = 8 << 20
 _SMALL = 65536  # parts below this are joined into one send; larger ones go as they are
@@ -225,8 +225,9 @@ class TcpListener(Listener):
         host, port = parse_address(address)
         try:
             self.sock = socket.create_server((host, port), reuse_port=False, backlog=64)
-        except OSError as e:
-            raise TransferError(f"cannot listen on {address}: {e.strerror or e}") from e
+        except OSError as e:  # (an address that is none of this node's: the request as given)
+            mistaken = e.errno == errno.EADDRNOTAVAIL or (e.errno or 0) < 0  # (< 0: getaddrinfo's, rewrapped)
+            raise (BadAddress if mistaken else TransferError)(f"cannot listen on {address}: {e.strerror or e}") from e
         self.io_timeout = io_timeout
         self.tls = tls_context
         self.address = "{}:{}".format(*self.sock.getsockname()[:2])

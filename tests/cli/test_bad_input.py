@@ -521,7 +521,33 @@ def test_a_malformed_send_to_address_is_refused_before_anything_is_frozen(  # ty
     assert said.returncode == 2 and alive(w.pid) and not out.exists()
     said = tpagent("send", str(snapshot_dir), address, "--secret-file", str(secret), "--plaintext")
     assert_one_sentence_error(said, f"{address!r} is not HOST:PORT")
-    assert said.returncode == 2 and "failed" not in said.stderr
+    assert (
+        said.returncode == 2 and "failed" not in said.stderr and said.stderr.startswith("tpagent:")
+    )  # (no blank line)
+
+
+@pytest.mark.parametrize(
+    ("address", "says"),
+    [
+        ("nosuchhost.invalid:7500", "names no host this node knows"),
+        ("256.1.1.1:7500", "names no host this node knows"),
+        ("127.0.0.1:" + "9" * 5000, "is not HOST:PORT"),  # (was "unexpected error": int() of 5000 digits)
+    ],
+)
+def test_a_send_to_naming_no_host_is_refused_before_anything_is_frozen(  # type: ignore[no-untyped-def]
+    start, tmp_path: Path, address: str, says: str
+) -> None:
+    """(A host no node resolves passed the check of its form: the dump ended the process, and
+    the sender then failed six times.)"""
+    w = start(mib=16)
+    out = tmp_path / "s"
+    for overlap in ("--overlap", "--no-overlap"):
+        said = tpagent(
+            "dump", str(w.pid), "--out", str(out), "--secret-file", str(_secret(tmp_path)), "--plaintext",
+            "--send-to", address, overlap,
+        )  # fmt: skip
+        assert_one_sentence_error(said, says)
+        assert said.returncode == 2 and alive(w.pid) and not out.exists() and len(said.stderr) < 400
 
 
 def test_a_dump_whose_peer_never_takes_it_says_the_process_ended_and_how_to_bring_it_back(  # type: ignore[no-untyped-def]
@@ -613,6 +639,17 @@ def test_receive_given_what_it_cannot_do_says_so_with_exit_2(tmp_path: Path, cas
         "--secret-file", str(_secret(tmp_path)), "--plaintext",
     )  # fmt: skip
     assert_one_sentence_error(said, "is not empty" if case == "not-empty" else "a number of seconds above 0")
+    assert said.returncode == 2 and said.stderr.count("\n") == 1, said.stderr  # (said before it listens)
+
+
+@pytest.mark.parametrize("listen", ["256.1.1.1:7500", "[zz]:1", "10.255.255.254:7500"])
+def test_receive_on_an_address_that_is_none_of_this_nodes_says_so_with_exit_2(tmp_path: Path, listen: str) -> None:
+    """(It was exit 1, as a failure of the moment.)"""
+    said = tpagent(
+        "receive", "--listen", listen, "--out", str(tmp_path / "out"), "--secret-file", str(_secret(tmp_path)),
+        "--plaintext",
+    )  # fmt: skip
+    assert_one_sentence_error(said, f"cannot listen on {listen}")
     assert said.returncode == 2
 
 

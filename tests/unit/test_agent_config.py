@@ -51,7 +51,18 @@ def test_an_unknown_setting_is_refused_by_name(toml: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("TPAGENT_STREAMS", "many"), ("TPAGENT_TRANSFER_PORT", "7400/tcp"), ("TPAGENT_HOLD_TIMEOUT", "1h")],
+    [
+        ("TPAGENT_STREAMS", "many"),
+        ("TPAGENT_TRANSFER_PORT", "7400/tcp"),
+        ("TPAGENT_HOLD_TIMEOUT", "1h"),
+        # (each was read as a number: 3, 80, 15, 1000, 7)
+        ("TPAGENT_MEMORY_LIMIT", "٣"),
+        ("TPAGENT_TRANSFER_PORT", "٨٠"),
+        ("TPAGENT_IO_TIMEOUT", "١٥"),
+        ("TPAGENT_ECC_RISE", "1_000"),
+        ("TPAGENT_MAX_INCOMING", " 7 "),
+        ("TPAGENT_STREAMS", "2.5"),
+    ],
 )
 def test_a_bad_value_is_refused_in_one_sentence(toml: Path, name: str, value: str) -> None:
     key = name.removeprefix("TPAGENT_").lower()
@@ -144,10 +155,16 @@ def test_a_setting_at_its_bounds_or_of_every_form_is_taken(toml: Path, text: str
         # addresses gRPC cannot listen on or peers cannot reach, names no node has
         ('listen = "127.0.0.1:0"', "listen = '127.0.0.1:0' is not valid: give HOST:PORT, the port 1 to 65535"),
         ('listen = ":7400"', "listen = ':7400' is not valid"),
+        ('listen = "127.0.0.1:' + "9" * 5000 + '"', "listen = '127.0.0.1:9999"),  # (was "unexpected error")
         ('health_listen = "x"', "health_listen = 'x' is not valid"),
         ('metrics_listen = "127.0.0.1:99999"', "metrics_listen = '127.0.0.1:99999' is not valid"),
         ('transfer_address = "10.0.0.1"', "transfer_address = '10.0.0.1' is not valid"),
         ('node = ""', "node = '' is not valid: give a host name"),
+        # lists of what is no name or path (each was taken as it came: "{'a': 1}" a path)
+        ('aliases = ["a b", ""]', "aliases = ['a b'] is not valid: give host names"),
+        ("shared_paths = [1, {a=1}]", "shared_paths = \"[1, {'a': 1}]\" is not valid (give a list of text)"),
+        ('shared_paths = ["data"]', "shared_paths = ['data'] is not valid: give absolute paths"),
+        ('rank_socket = "a\\u0000b"', "rank_socket = 'a\\x00b' is not valid: at most 100 characters, no NUL"),
         ('node = "n\\u001b[2J"', "node = 'n\\x1b[2J' is not valid: give a host name"),
         ('advertise = "a b"', "advertise = 'a b' is not valid: give a host name"),
         ('advertise = "10.0.0.17:7400"', "advertise = '10.0.0.17:7400' is not valid: give a host name"),
@@ -155,6 +172,8 @@ def test_a_setting_at_its_bounds_or_of_every_form_is_taken(toml: Path, text: str
     ],
 )
 def test_a_setting_out_of_its_range_is_refused_by_name(toml: Path, text: str, says: str) -> None:
-    toml.write_text(toml.read_text().replace("streams = 2\n", "") + text + "\n")
+    key = text.partition(" = ")[0]
+    kept = [line for line in toml.read_text().splitlines() if line.partition(" = ")[0] not in (key, "streams")]
+    toml.write_text("\n".join([*kept, text]) + "\n")
     with pytest.raises(UsageError, match=re.escape(says)):
         config.load(toml, env={})

@@ -61,6 +61,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import socket
 import stat
 import tomllib
@@ -69,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from host import paths
-from host.api import MOST_SECONDS, UsageError
+from host.api import MOST_SECONDS, UsageError, is_whole
 from snapshot.api import DEFAULT_GHOST_LIMIT
 from tpagent.common.credentials import Credentials
 from transfer.api import DEFAULT_TLS_DIR, MAX_STREAMS, Compress
@@ -207,7 +208,15 @@ class AgentConfig:
             choices = ", ".join(c.value for c in Compress)
             raise UsageError(f"the setting compress = {self.compress!r} is not valid: choose one of {choices}.")
         if len(self.rank_socket) > 100 or "\0" in self.rank_socket:
-            raise UsageError(f"the setting rank_socket = {self.rank_socket!r} is not valid: at most 100 characters.")
+            raise UsageError(
+                f"the setting rank_socket = {self.rank_socket[:60]!r} is not valid: at most 100 characters, no NUL."
+            )
+        if not all(is_name(f"[{a.strip('[]')}]" if ":" in a else a) for a in self.aliases):
+            raise UsageError(f"the setting aliases = {list(self.aliases)!r:.80} is not valid: give host names.")
+        if not all(os.path.isabs(p) for p in self.shared_paths):
+            raise UsageError(
+                f"the setting shared_paths = {list(self.shared_paths)!r:.80} is not valid: give absolute paths."
+            )
         if self.transport not in NAMES:
             raise UsageError(
                 f"the setting transport = {self.transport!r} is not valid: choose one of {', '.join(NAMES)}."
@@ -260,7 +269,7 @@ def port_of(address: str, at_least: int = 0, any_host: bool = False) -> int | No
     host, _, port = address.rpartition(":")
     if at_least and not is_name(host, empty=any_host):
         return None
-    return int(port) if port.isascii() and port.isdigit() and at_least <= int(port) <= 65535 else None
+    return int(port) if is_whole(port) and len(port) <= 5 and at_least <= int(port) <= 65535 else None
 
 
 def is_name(text: str, empty: bool = False) -> bool:
@@ -283,11 +292,15 @@ def check_hosts(
     for name in (*addresses, *http):
         value = getattr(settings, name)
         if (value or name == addresses[0]) and not port_of(value, at_least=1, any_host=name in http):
-            raise UsageError(f"the setting {name} = {value!r} is not valid: give HOST:PORT, the port 1 to 65535.")
+            raise UsageError(f"the setting {name} = {value[:60]!r} is not valid: give HOST:PORT, the port 1 to 65535.")
     for name in names:
         value = getattr(settings, name)
         if not is_name(value, empty=name != names[0]):
-            raise UsageError(f"the setting {name} = {value!r} is not valid: give a host name.")
+            raise UsageError(f"the setting {name} = {value[:60]!r} is not valid: give a host name.")
+
+
+#: A number as a setting's text (a variable's) is written.
+_NUMBER = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?")
 
 
 def convert_setting(name: str, kind: Any, value: Any) -> Any:
@@ -299,6 +312,10 @@ def convert_setting(name: str, kind: Any, value: Any) -> Any:
             return Path(value)
         if kind in (int, "int", float, "float") and isinstance(value, bool):
             raise ValueError("give a number")
+        if kind in (int, "int", float, "float") and isinstance(value, str) and not _NUMBER.fullmatch(value):
+            raise ValueError("give a number in ASCII digits")  # (int() and float() read "٣", " 7 " and "1_000")
+        if kind in (int, "int") and isinstance(value, str) and not value.lstrip("+-").isdigit():
+            raise ValueError("give a whole number")
         if kind in (int, "int"):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError("give a whole number")
@@ -309,6 +326,8 @@ def convert_setting(name: str, kind: Any, value: Any) -> Any:
             return float(value)
         if "tuple" in str(kind):
             items = value.split(",") if isinstance(value, str) else list(value)
+            if not all(isinstance(x, str) for x in items):
+                raise ValueError("give a list of text")
             return tuple(str(x).strip() for x in items if str(x).strip())
         return str(value)
     except (TypeError, ValueError, OverflowError) as e:
