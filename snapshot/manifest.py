@@ -454,7 +454,9 @@ def load(directory: Path) -> Manifest:
     try:
         return Manifest.from_json(data)
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-        raise SnapshotInvalid(f"{path} is corrupt: field {e} is missing or malformed.") from e
+        said = str(e).strip("'")  # (a field's name, or what is wrong with one, in words)
+        what = said if " " in said else f"field {said} is missing or malformed"
+        raise SnapshotInvalid(f"{path} is corrupt: {what}.") from e
 
 
 def verify(

@@ -216,7 +216,10 @@ def test_the_root_directory_is_no_snapshot_directory(start, tmp_path: Path) -> N
         (lambda d: _edit(d, format_version=99), "newer tpagent"),
         (lambda d: _edit(d, processes=None), "malformed"),
         (lambda d: _edit(d, root_pid=1, rehash=False), "its own checksum"),
-        (lambda d: _edit(d, root_pid=2**40), "root_pid names a process not in processes"),
+        (
+            lambda d: _edit(d, root_pid=2**40),
+            "is corrupt: root_pid names a process not in processes.",
+        ),  # (was "field root_pid names ... is missing or malformed")
         (lambda d: _edit(d, processes=[{**p, "ns_pids": []} for p in _manifest(d)["processes"]]), "ns_pids is empty"),
         (lambda d: _edit(d, cuda={**_manifest(d)["cuda"], "forked": [1]}), "cuda.forked"),
         (lambda d: _edit(d, gpus=[{"uuid": "GPU-1", "name": "x", "memory_used": 10**400}]), "memory_used"),

@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,7 @@ def test_a_self_consistent_but_malformed_manifest_is_refused(
     tmp_path: Path, changes: dict[str, Any], field: str
 ) -> None:
     _manifest(**changes).write(tmp_path)  # (written with a valid checksum over the bad field)
-    with pytest.raises(SnapshotInvalid, match=f"is corrupt: field .*{field}"):
+    with pytest.raises(SnapshotInvalid, match=f"is corrupt: (field )?.*{re.escape(field)}"):
         manifest.load(tmp_path)
 
 
