@@ -68,6 +68,8 @@ def parse_line(data: bytes) -> dict[str, Any]:
         body = json.loads(data)
     except ValueError as e:
         raise ProtocolError(f"a line that is not JSON ({e})") from e
+    except RecursionError as e:  # (arrays in arrays, thousands deep: well within a line's bytes)
+        raise ProtocolError("a line nested deeper than JSON is read here") from e
     if not isinstance(body, dict):
         raise ProtocolError("a line that is not a JSON object")
     return body
@@ -98,6 +100,10 @@ def _check(kind: Any, value: Any, name: str) -> Any:
             return ""
         if not isinstance(value, str):
             raise ProtocolError(f"{name} is not text")
+        try:
+            value.encode()
+        except UnicodeEncodeError as e:  # (JSON's "\\udc80" is read as a lone surrogate: no text)
+            raise ProtocolError(f"{name} is not text in UTF-8") from e
         return value
     if kind is bytes:
         if isinstance(value, bytes):

@@ -266,8 +266,14 @@ time.sleep(120)
 def _launched_rank(tmp: Path, agent: ranks.Ranks, job: str, printed: int = 1) -> Iterator[Path]:
     """Rank 0 of ``job``, launched (a PID namespace of its own) and registered: its stdout file,
     where it prints the first ``printed`` lines the agent sends it."""
+    with _registered(tmp, agent, job, [sys.executable, "-I", "-c", RANK_CLIENT, agent.name, job, str(printed)]) as out:
+        yield out
+
+
+@contextlib.contextmanager
+def _registered(tmp: Path, agent: ranks.Ranks, job: str, cmd: list[str]) -> Iterator[Path]:
+    """``cmd`` launched and registered as rank 0 of ``job``: its stdout file."""
     out = tmp / f"{job}.out"
-    cmd = [sys.executable, "-I", "-c", RANK_CLIENT, agent.name, job, str(printed)]
     init, holder = launch.start(cmd, out, tmp / f"{job}.err")
     try:
         agent.expect(job, 0, init)
@@ -408,3 +414,81 @@ def test_a_report_on_a_connection_whose_process_exited_is_not_believed_though_it
         recycled.wait()
         (launch.RECORDS / f"{recycled.pid}.json").unlink(missing_ok=True)
         _end(attacker)
+
+
+# ---- a user's rank that says what no rank should (a reviewer's attacks) --------------------------
+
+RANK_LINES = Path(__file__).resolve().parent.parent / "attackers" / "rank_lines.py"
+
+
+@contextlib.contextmanager
+def _lines_rank(tmp: Path, agent: ranks.Ranks, job: str, mode: str) -> Iterator[Path]:
+    """Rank 0 of ``job`` as nobody, launched and registered, saying ``mode``'s lines
+    (tests/attackers/rank_lines.py): its stdout file, where it prints the agent's first line."""
+    with _registered(
+        tmp, agent, job, [*NOBODY, sys.executable, "-I", "-S", str(RANK_LINES), agent.name, job, "0", mode]
+    ) as out:
+        yield out
+
+
+def test_text_that_is_no_utf8_never_reaches_the_nodes_report(agent: ranks.Ranks, tmp_path: Path) -> None:
+    """A job key or a failure's reason of a lone surrogate (JSON's "\\udc80") was taken, and every
+    report of the node failed from then on (its digest, its protobuf): every user's ranks unreported."""
+    from tpagent.daemon.rpc import pb
+
+    tmp_path.chmod(0o755)
+    with _lines_rank(tmp_path, agent, "sur", "surrogate") as out:
+        assert "refused" in _first_of(out) or _first_of(out) == "(closed)"
+        assert agent.entry("sur", 0).conn is None
+    with _lines_rank(tmp_path, agent, "brk", "broke") as out:
+        assert "welcome" in _first_of(out)
+        wait_until(lambda: agent.entry("brk", 0).conn is None, "its connection to be closed for the line", 10)
+    assert agent.digests() is not None and not agent.broken()
+    for (job, rank), why in agent.broken().items():
+        pb.RankReport(job=job, rank=rank, broke=why)
+
+
+def test_lines_nested_deep_or_said_again_cost_one_line_of_log(
+    agent: ranks.Ranks, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A line of arrays 20 000 deep was a RecursionError logged with its traceback each time (any
+    user, thousands a second); a "broke" said 500 times was 500 warnings and 500 reports at once."""
+    tmp_path.chmod(0o755)
+    with caplog.at_level("WARNING"), _lines_rank(tmp_path, agent, "deep", "deep") as out:
+        assert "welcome" in _first_of(out)
+        wait_until(lambda: agent.entry("deep", 0).conn is None, "its connection to be closed for the line", 10)
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level("WARNING"), _lines_rank(tmp_path, agent, "brokes", "brokes") as out:
+        assert "welcome" in _first_of(out)
+        wait_until(lambda: agent.broken().get(("brokes", 0)) == "x", "its failure to be taken", 10)
+        time.sleep(0.5)  # (the rest of its 500 lines read meanwhile: a condition with nothing to wait for)
+        said = [r for r in caplog.records if "a collective failed" in r.getMessage()]
+    assert len(said) == 1, len(said)
+
+
+def test_a_rank_that_reads_nothing_holds_no_call_past_its_send_bound(
+    agent: ranks.Ranks, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its buffer full, a write to it waited for ever under the connection's lock: every later call
+    to it, whatever its timeout (the node's job listing too), hung until it died."""
+    from tpagent.jobs import connection
+
+    monkeypatch.setattr(connection, "SEND_WITHIN", 1)
+    tmp_path.chmod(0o755)
+    with _lines_rank(tmp_path, agent, "mute", "mute") as out:
+        assert "welcome" in _first_of(out)
+        conn = agent.entry("mute", 0).conn
+        assert conn is not None
+
+        def ask() -> None:  # (each unanswered request fills its buffer a little more)
+            while not conn.closed.is_set():
+                with contextlib.suppress(connection.RankGone):
+                    agent.call("mute", 0, P.Where(), 0.001)
+
+        threading.Thread(target=ask, daemon=True).start()
+        wait_until(conn.closed.is_set, "its connection to be closed once a write to it waited 1 s", 30)
+        t0 = time.monotonic()
+        with pytest.raises(connection.RankGone):
+            agent.call("mute", 0, P.Where(), 2)
+        assert time.monotonic() - t0 < 5

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 from typing import Any, TypeVar
 
@@ -15,6 +16,8 @@ from tpagent_rank import codec, lines
 from tpagent_rank import protocol as P
 
 A = TypeVar("A", bound=P.Answer)
+#: Seconds a write to a rank may wait for it to read (its buffer full) before its connection is closed.
+SEND_WITHIN = 10
 
 
 class RankGone(AgentError):
@@ -25,6 +28,8 @@ class Connection:
     """One rank's connection: requests written under a lock, answers matched by id."""
 
     def __init__(self, sock: socket.socket, peer: peers.Peer, hello: lines.Hello) -> None:
+        # A rank that reads nothing holds no sender (and the lock, every other call) past this.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_WITHIN, 0))
         self.sock = sock
         self.peer = peer  # (its pidfd is closed with the connection)
         self.hello = hello
@@ -34,8 +39,13 @@ class Connection:
         self.closed = threading.Event()
 
     def send(self, data: bytes) -> None:
+        """``data`` written whole, or the connection closed (a line cut short ends its stream)."""
         with self.lock:
-            self.sock.sendall(data)
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.close()
+                raise
 
     def call(self, request: P.Request[A], timeout: float) -> A:
         slot: list[Any] = [threading.Event(), None]

@@ -233,8 +233,9 @@ class Ranks:
         """A rank said a collective of it failed: reported at once (its node's report says it)."""
         with self.lock:
             entry = self.entries.get((conn.hello.job, conn.hello.rank))
-            if entry is not None and entry.conn is conn:
-                entry.broke = why[:500] or "a collective failed"
+            if entry is None or entry.conn is not conn or entry.broke:
+                return  # (said once a connection: again, it changes nothing, nor hurries a report)
+            entry.broke = why[:500] or "a collective failed"
         log.warning("rank %s of job %s: a collective failed: %s", conn.hello.rank, conn.hello.job, why[:500])
         self.report_soon.set()
 
