@@ -474,7 +474,7 @@ def test_a_rank_that_reads_nothing_holds_no_call_past_its_send_bound(
     to it, whatever its timeout (the node's job listing too), hung until it died."""
     from tpagent.jobs import connection
 
-    monkeypatch.setattr(connection, "SEND_WITHIN", 1)
+    monkeypatch.setattr(connection, "SEND_WITHIN", 1, raising=False)
     tmp_path.chmod(0o755)
     with _lines_rank(tmp_path, agent, "mute", "mute") as out:
         assert "welcome" in _first_of(out)
@@ -484,7 +484,7 @@ def test_a_rank_that_reads_nothing_holds_no_call_past_its_send_bound(
         def ask() -> None:  # (each unanswered request fills its buffer a little more)
             while not conn.closed.is_set():
                 with contextlib.suppress(connection.RankGone):
-                    agent.call("mute", 0, P.Where(), 0.001)
+                    conn.call(P.Where(), 0)  # (not through agent.call: it waits 0.1 s at least)
 
         threading.Thread(target=ask, daemon=True).start()
         wait_until(conn.closed.is_set, "its connection to be closed once a write to it waited 1 s", 30)
