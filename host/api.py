@@ -20,6 +20,11 @@ def is_whole(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
+def port_number(text: str) -> int | None:
+    """The port ``text`` names (0 to 65535, in ASCII digits), or None."""
+    return int(text) if is_whole(text) and len(text) <= 5 and int(text) <= 65535 else None
+
+
 class HostError(Exception):
     """Base of the host floor's errors and the snapshot layer's.  ``str(e)`` is one sentence fit
     for a user."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from host.api import is_whole
+from host.api import port_number
 from host.proc import fd_links
 
 _LISTEN = "0A"
@@ -65,9 +65,10 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     ipaddress.ip_address(host)  # (ValueError: not an address)
-    if not sep or not is_whole(port) or len(port) > 5 or not 0 <= int(port) <= 65535:
+    number = port_number(port)
+    if not sep or number is None:
         raise ValueError(f"{text!r} is not HOST:PORT")
-    return host, int(port)
+    return host, number
 
 
 def _address(hex_addr: str) -> str:

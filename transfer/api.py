@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from host import paths
-from host.api import is_whole
+from host.api import port_number
 
 
 class TransferError(Exception):
@@ -225,9 +225,10 @@ class Transport(abc.ABC):
 def parse_address(address: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port), or TransferError in one sentence."""
     host, sep, port = address.rpartition(":")
-    if not sep or not is_whole(port) or len(port) > 5 or not 0 <= int(port) <= 65535:
+    number = port_number(port)
+    if not sep or number is None:
         raise BadAddress(f"{address[:80]!r} is not HOST:PORT.")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    return host.strip("[]") or "0.0.0.0", number
 
 
 def peer_address(address: str) -> tuple[str, int]:

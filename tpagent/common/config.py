@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from host import paths
-from host.api import MOST_SECONDS, UsageError, is_whole
+from host.api import MOST_SECONDS, UsageError, is_whole, port_number
 from snapshot.api import DEFAULT_GHOST_LIMIT
 from tpagent.common.credentials import Credentials
 from transfer.api import DEFAULT_TLS_DIR, MAX_STREAMS, Compress
@@ -269,7 +269,8 @@ def port_of(address: str, at_least: int = 0, any_host: bool = False) -> int | No
     host, _, port = address.rpartition(":")
     if at_least and not is_name(host, empty=any_host):
         return None
-    return int(port) if is_whole(port) and len(port) <= 5 and at_least <= int(port) <= 65535 else None
+    number = port_number(port)
+    return number if number is not None and number >= at_least else None
 
 
 def is_name(text: str, empty: bool = False) -> bool:
@@ -314,7 +315,7 @@ def convert_setting(name: str, kind: Any, value: Any) -> Any:
             raise ValueError("give a number")
         if kind in (int, "int", float, "float") and isinstance(value, str) and not _NUMBER.fullmatch(value):
             raise ValueError("give a number in ASCII digits")  # (int() and float() read "٣", " 7 " and "1_000")
-        if kind in (int, "int") and isinstance(value, str) and not value.lstrip("+-").isdigit():
+        if kind in (int, "int") and isinstance(value, str) and not is_whole(value.lstrip("+-")):
             raise ValueError("give a whole number")
         if kind in (int, "int"):
             if isinstance(value, float) and not value.is_integer():

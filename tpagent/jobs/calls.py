@@ -21,9 +21,9 @@ from tpagent_rank import protocol as P
 
 log = logging.getLogger(__name__)
 A = TypeVar("A", bound=P.Answer)
-#: The signals a stand-in passes on to its rank (SIGKILL: its launcher gave up on it).
 #: Where an output's offset ends (no file is near it; pread refuses an offset near 2**63).
 OFFSET_END = 1 << 62
+#: The signals a stand-in passes on to its rank (SIGKILL: its launcher gave up on it).
 PASSED_ON = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL})
 #: The longest job's key (``RankRequest.job_key``) an agent compares.
 KEY_MAX = 128
