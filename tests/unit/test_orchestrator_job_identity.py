@@ -125,13 +125,16 @@ def test_moves_and_ranks_away_from_before_identities_are_adopted_by_the_one_job_
     assert old.plan("train", (2,), "b", "e", MoveKind.AWAY, 1, 1) is not None
     old.close()
     s = State(tmp_path / "state.db")
-    assert s.legacy == {"train"}
-    roots, nobodys = job_key("train", ROOTS), job_key("train", NOBODYS)
-    assert s.adopt([roots, nobodys]) == [] and s.adopt([]) == []
-    # a rank not yet known by its identity (before its hello, after an upgrade) names no job
-    assert s.adopt([job_key("train", "")]) == [] and s.legacy == {"train"}
-    assert s.adopt([roots, roots, job_key("other", NOBODYS)]) == [("train", roots)]
-    assert [(a.job, a.rank, a.on) for a in s.away()] == [(roots, 1, "d")]
-    assert [(m.job, m.ranks) for m in s.moves(active=True)] == [(roots, (2,))]
-    assert s.plan(roots, (3,), "c", "f", MoveKind.AWAY, 1, 1) is None  # (one move of a job at a time)
-    assert s.legacy == set() and s.adopt([nobodys]) == []
+    try:
+        assert s.legacy == {"train"}
+        roots, nobodys = job_key("train", ROOTS), job_key("train", NOBODYS)
+        assert s.adopt([roots, nobodys]) == [] and s.adopt([]) == []
+        # a rank not yet known by its identity (before its hello, after an upgrade) names no job
+        assert s.adopt([job_key("train", "")]) == [] and s.legacy == {"train"}
+        assert s.adopt([roots, roots, job_key("other", NOBODYS)]) == [("train", roots)]
+        assert [(a.job, a.rank, a.on) for a in s.away()] == [(roots, 1, "d")]
+        assert [(m.job, m.ranks) for m in s.moves(active=True)] == [(roots, (2,))]
+        assert s.plan(roots, (3,), "c", "f", MoveKind.AWAY, 1, 1) is None  # (one move of a job at a time)
+        assert s.legacy == set() and s.adopt([nobodys]) == []
+    finally:
+        s.close()  # (its lock's descriptor, open for writing, is a write a later test's restart waits for)
