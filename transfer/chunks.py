@@ -1,6 +1,7 @@
 """What a sender (:mod:`transfer.sender`) keeps of a snapshot while it streams it: which chunks are
 still to send, which the receiver acknowledged or refused, and the snapshot's files (for a
-snapshot still being written, how far each has grown)."""
+snapshot still being written, how far each has grown); which files a stream of a snapshot
+carries, and whether a chunk the receiver kept refusing is damaged here."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from snapshot import manifest as snapmanifest
+from snapshot.api import SnapshotError
 from transfer import wire
-from transfer.api import ChunkRefused, IntegrityError, TransferError
+from transfer.api import ChunkRefused, IntegrityError, SnapshotDamaged, TransferError
 from transfer.wire import Layout
 
 
@@ -273,3 +275,45 @@ class Feed:
         with self.cond:
             self.error = self.error or why
             self.cond.notify_all()
+
+
+def refuse_if_damaged_here(snapshot: Path, name: str, offset: int, length: int, e: ChunkRefused) -> None:
+    """A chunk (``length`` bytes of ``name`` from ``offset``) the receiver kept refusing: where
+    those bytes here do not match the snapshot's own manifest, the snapshot is said to be damaged
+    (sending it again cannot help), not the network.  Only those bytes are read again."""
+    try:
+        m = snapmanifest.load(snapshot)
+        if name not in m.files:
+            return
+        size = m.files[name]["size"]
+        want = m.files[name]["digests"]
+        step = snapmanifest.CHUNK_SIZE
+        for region in range(offset // step, (offset + max(length, 1) - 1) // step + 1):
+            piece = (snapshot / name, region * step, min(step, size - region * step))
+            if region >= len(want) or snapmanifest.chunk_digest(piece, m.digest) != want[region]:
+                raise SnapshotDamaged(
+                    f"{snapshot} is damaged: {name} does not match its checksum. Not sent: the receiver refused it."
+                ) from e
+    except (OSError, SnapshotError):
+        return  # (it cannot be told here: the receiver's refusal stands as it was)
+
+
+def snapshot_layout(snapshot: Path, chunk_size: int) -> Layout:
+    """The files a snapshot stream carries: manifest.json and every image the manifest lists."""
+    try:
+        m = snapmanifest.load(snapshot)
+    except SnapshotError as e:
+        raise TransferError(str(e)) from e
+    names = [snapmanifest.MANIFEST_NAME, *sorted(m.files)]
+    files = []
+    for name in names:
+        try:
+            size = (snapshot / name).lstat().st_size
+        except OSError as e:
+            raise TransferError(f"{snapshot / name}, which its manifest lists, cannot be read ({e.strerror})") from e
+        if name in m.files and size != m.files[name]["size"]:
+            raise TransferError(
+                f"{snapshot / name} does not have the size its manifest says; not sending a damaged snapshot"
+            )
+        files.append((name, size))
+    return Layout(tuple(files), chunk_size)

@@ -63,6 +63,10 @@ def dump_and_send(
     carry: Sequence[Path] = (),
 ) -> Shipped:
     _known(peer)  # (before anything is frozen: a mistyped address never ends the process)
+    try:
+        sender.reach(peer)  # (nor a receiver that is not there, or holds another secret)
+    except TransferError as e:
+        raise TransferError(f"nothing was frozen: {e}") from e
     t0 = time.monotonic()
     if not overlap:
         m = checkpoint(pid, out, mode, config, progress, carry=carry)

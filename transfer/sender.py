@@ -18,7 +18,6 @@ import zstandard
 
 from host.safefs import private_dir
 from snapshot import manifest as snapmanifest
-from snapshot.api import SnapshotError
 from transfer import wire
 from transfer.api import (
     AuthError,
@@ -26,7 +25,6 @@ from transfer.api import (
     ChunkRefused,
     Compress,
     IntegrityError,
-    SnapshotDamaged,
     TransferConfig,
     TransferError,
     TransferStats,
@@ -34,56 +32,14 @@ from transfer.api import (
     peer_address,
     retry_pause,
 )
-from transfer.chunks import Feed, Files, SendState
+from transfer.chunks import Feed, Files, SendState, refuse_if_damaged_here, snapshot_layout
 from transfer.stream import client_handshake
-from transfer.wire import ACK, CHUNK, Codec, Kind, Layout, Role
+from transfer.wire import ACK, CHUNK, Codec, Kind, Role
 
 log = logging.getLogger(__name__)
 
 #: Called with (raw bytes acknowledged, bytes on the wire, raw bytes in all).
 SendProgress = Callable[[int, int, int], None]
-
-
-def _refuse_if_damaged_here(snapshot: Path, name: str, offset: int, length: int, e: ChunkRefused) -> None:
-    """A chunk (``length`` bytes of ``name`` from ``offset``) the receiver kept refusing: where
-    those bytes here do not match the snapshot's own manifest, the snapshot is said to be damaged
-    (sending it again cannot help), not the network.  Only those bytes are read again."""
-    try:
-        m = snapmanifest.load(snapshot)
-        if name not in m.files:
-            return
-        size = m.files[name]["size"]
-        want = m.files[name]["digests"]
-        step = snapmanifest.CHUNK_SIZE
-        for region in range(offset // step, (offset + max(length, 1) - 1) // step + 1):
-            piece = (snapshot / name, region * step, min(step, size - region * step))
-            if region >= len(want) or snapmanifest.chunk_digest(piece, m.digest) != want[region]:
-                raise SnapshotDamaged(
-                    f"{snapshot} is damaged: {name} does not match its checksum. Not sent: the receiver refused it."
-                ) from e
-    except (OSError, SnapshotError):
-        return  # (it cannot be told here: the receiver's refusal stands as it was)
-
-
-def snapshot_layout(snapshot: Path, chunk_size: int) -> Layout:
-    """The files a snapshot stream carries: manifest.json and every image the manifest lists."""
-    try:
-        m = snapmanifest.load(snapshot)
-    except SnapshotError as e:
-        raise TransferError(str(e)) from e
-    names = [snapmanifest.MANIFEST_NAME, *sorted(m.files)]
-    files = []
-    for name in names:
-        try:
-            size = (snapshot / name).lstat().st_size
-        except OSError as e:
-            raise TransferError(f"{snapshot / name}, which its manifest lists, cannot be read ({e.strerror})") from e
-        if name in m.files and size != m.files[name]["size"]:
-            raise TransferError(
-                f"{snapshot / name} does not have the size its manifest says; not sending a damaged snapshot"
-            )
-        files.append((name, size))
-    return Layout(tuple(files), chunk_size)
 
 
 class _Codec:
@@ -275,6 +231,25 @@ class Sender:
             raise
         return ch
 
+    def reach(self, address: str) -> None:
+        """A receiver that holds this node's secret listens at ``address`` (else TransferError,
+        AuthError for another secret): a control stream's handshake, tried again as a send tries
+        its streams, then closed (the receiver takes it for a stream that ended before its
+        header).  Before a dump whose snapshot goes there, so that a receiver not there (yet), or
+        another cluster's, is said before anything is frozen."""
+        attempts = 0
+        while True:
+            try:
+                self._open(address, Role.CONTROL, 0, os.urandom(16)).close()
+                return
+            except AuthError:
+                raise
+            except TransferError as e:
+                attempts += 1
+                if attempts > self.config.retries:
+                    raise TransferError(f"no receiver answered at {address} in {attempts} tries, last: {e}") from e
+                time.sleep(retry_pause(attempts))
+
     def send(
         self, snapshot: Path, address: str, sealed: Callable[[], bool] | None = None, feed: Feed | None = None
     ) -> TransferStats:
@@ -335,7 +310,7 @@ class Sender:
         except ChunkRefused as e:
             if sealed is None:
                 fi, offset, length = state.chunks[e.index]
-                _refuse_if_damaged_here(snapshot, files.layout().files[fi][0], offset, length, e)
+                refuse_if_damaged_here(snapshot, files.layout().files[fi][0], offset, length, e)
             raise
         finally:
             if feed is not None:

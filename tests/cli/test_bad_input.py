@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -553,26 +554,46 @@ def test_a_send_to_naming_no_host_is_refused_before_anything_is_frozen(  # type:
         assert said.returncode == 2 and alive(w.pid) and not out.exists() and len(said.stderr) < 400
 
 
-def test_a_dump_whose_peer_never_takes_it_says_the_process_ended_and_how_to_bring_it_back(  # type: ignore[no-untyped-def]
+def test_a_dump_whose_receiver_is_not_there_or_holds_another_secret_freezes_nothing(  # type: ignore[no-untyped-def]
     start, tmp_path: Path
 ) -> None:
-    """--send-to a port nobody listens on, in dump's kill mode: the process ends as dumped (the
-    snapshot is whole), and the one sentence says so and how to bring it back (it said only that
-    the snapshot was kept, under an exit code read as 'the process was resumed'); it comes back
-    from there, its memory as it was."""
+    """--send-to a port nobody listens on, or a receiver of another cluster's secret: said
+    before the freeze, the process runs on untouched (the dump, in its kill mode, ended it, and
+    kept its snapshot here: nobody then ran it until a `tpagent restore`)."""
     w = start(mib=16)
     out = tmp_path / "s"
     said = tpagent(
-        "dump",
-        str(w.pid),
-        "--out",
-        str(out),
-        "--send-to",
-        "127.0.0.1:1",
-        "--secret-file",
-        str(_secret(tmp_path)),
+        "dump", str(w.pid), "--out", str(out), "--send-to", "127.0.0.1:1", "--secret-file", str(_secret(tmp_path)),
         "--plaintext",
-    )
+    )  # fmt: skip
+    assert_one_sentence_error(said, "nothing was frozen: no receiver answered at 127.0.0.1:1 in 6 tries")
+    assert said.returncode == 1 and alive(w.pid) and not out.exists()
+    with _receiver(tmp_path / "theirs", tmp_path / "received") as address:
+        said = tpagent(
+            "dump", str(w.pid), "--out", str(out), "--send-to", address, "--secret-file", str(_secret(tmp_path)),
+            "--plaintext", "--no-overlap",
+        )  # fmt: skip
+    assert_one_sentence_error(said, "nothing was frozen: the receiver refused this sender")
+    assert said.returncode == 1 and alive(w.pid) and not out.exists() and not (tmp_path / "received").exists()
+    ticks = len(w.ticks())
+    wait_until(lambda: len(w.ticks()) > ticks, "the workload to tick on")
+    w.verify_state()
+
+
+def test_a_dump_whose_receiver_goes_away_says_the_process_ended_and_how_to_bring_it_back(  # type: ignore[no-untyped-def]
+    start, tmp_path: Path
+) -> None:
+    """A receiver that answers the dump's check of it, then is gone before the images go: in
+    dump's kill mode the process ends as dumped (the snapshot is whole), and the one sentence
+    says so and how to bring it back (it said only that the snapshot was kept, under an exit code
+    read as 'the process was resumed'); it comes back from there, its memory as it was."""
+    w = start(mib=16)
+    out = tmp_path / "s"
+    secret = _secret(tmp_path)
+    with _answering_once(secret) as address:
+        said = tpagent(
+            "dump", str(w.pid), "--out", str(out), "--send-to", address, "--secret-file", str(secret), "--plaintext"
+        )
     assert_one_sentence_error(
         said,
         f"the process ended as it was dumped; its snapshot is kept in {out}: `tpagent restore {out}` brings it back",
@@ -584,6 +605,47 @@ def test_a_dump_whose_peer_never_takes_it_says_the_process_ended_and_how_to_brin
     ticks = len(w.ticks())
     wait_until(lambda: len(w.ticks()) > ticks, "the restored workload to tick on")
     w.verify_state()
+
+
+@contextlib.contextmanager
+def _receiver(secret_dir: Path, out: Path) -> Iterator[str]:
+    """A `tpagent receive` (plaintext) of its own secret; its address."""
+    secret_dir.mkdir()
+    with subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "receive", "--listen", "127.0.0.1:0", "--out", str(out), "--timeout", "60",
+         "--secret-file", str(_secret(secret_dir)), "--plaintext"],
+        stderr=subprocess.PIPE, text=True,
+    ) as receiver:  # fmt: skip
+        try:
+            assert receiver.stderr is not None
+            yield receiver.stderr.readline().split()[-1]  # "listening on HOST:PORT"
+        finally:
+            receiver.kill()
+
+
+@contextlib.contextmanager
+def _answering_once(secret: Path) -> Iterator[str]:
+    """A receiver's port that answers one stream's handshake, then is closed; its address."""
+    from transfer.api import read_secret
+    from transfer.stream import server_handshake
+    from transfer.tcp import TcpListener
+
+    listener = TcpListener("127.0.0.1:0", 30.0)
+
+    def answer() -> None:
+        ch = listener.accept(60.0)
+        listener.close()
+        if ch is not None:
+            server_handshake(ch, read_secret(secret))
+            ch.close()
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        yield listener.address
+    finally:
+        listener.close()
+        t.join(60)
 
 
 def test_send_of_a_snapshot_missing_an_image_says_so(snapshot_dir: Path, tmp_path: Path) -> None:
