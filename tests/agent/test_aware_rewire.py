@@ -20,7 +20,7 @@ import pytest
 from conftest import needs_criu
 from support.cluster import Cluster
 from support.helpers import wait_until
-from support.rankjob import RUN, Job, steps
+from support.rankjob import NOT_UTF8, NOT_UTF8_VALUE, RUN, Job, steps
 
 pytestmark = needs_criu
 
@@ -54,6 +54,8 @@ def test_a_registered_rank_moves_as_its_training_state_and_the_job_runs_on_bit_i
         _killed_while_warming_up(job, first)
         aware = _moved(job, 1, "D", "aware")
         assert "resumed at step" in aware["message"], aware
+        environ = Path(f"/proc/{job.rank_pid(1)}/environ").read_bytes().split(b"\0")
+        assert NOT_UTF8.encode() + b"=" + NOT_UTF8_VALUE in environ  # (its bytes, through the agents' wire)
         assert not psutil.pid_exists(before)  # (the old process ended once the new one was in)
         state_bytes = aware["timings"]["rank1_state_bytes"]
         assert state_bytes > 0 and {"warmup", "boundary", "handover", "rebuild"} <= set(aware["timings"])

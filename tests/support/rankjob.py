@@ -31,6 +31,10 @@ FSDP_JOB = ROOT / "tests" / "workloads" / "fsdp_job.py"
 MESH_JOB = ROOT / "tests" / "workloads" / "mesh_job.py"
 RUN = "job1"
 STEPS = 160
+#: A variable of every rank's environment whose value is no UTF-8 (an environment is bytes): a rank
+#: started again from how another runs (a model-aware move, a rebuild) has it as it was.
+NOT_UTF8 = "TPAGENT_TEST_LATIN1"
+NOT_UTF8_VALUE = b"caf\xe9"
 IFNAME = "eth0"  # every node's interface has this name (GLOO_SOCKET_IFNAME holds wherever a rank runs)
 
 
@@ -174,7 +178,12 @@ class Job:
         tpagent = Path(sys.executable).parent / "tpagent"
         for r, name in enumerate(names):
             node = c.nodes[name]
-            env = {**c.cli_env(name), "GLOO_SOCKET_IFNAME": IFNAME, "USE_LIBUV": "0"}
+            env = {
+                **c.cli_env(name),
+                "GLOO_SOCKET_IFNAME": IFNAME,
+                "USE_LIBUV": "0",
+                NOT_UTF8: os.fsdecode(NOT_UTF8_VALUE),
+            }
             rank_out = ["--stdout", str(tmp / f"rank-on-{name}.out")] if per_node == 1 else []
             stand_in = [
                 str(tpagent),

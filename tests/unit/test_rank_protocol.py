@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 import pytest
@@ -130,6 +131,30 @@ def test_a_request_crosses_the_line_and_grpc_unchanged(request_: P.Request[Any])
     again = type(message).FromString(message.SerializeToString())
     assert (again.job, again.rank, again.timeout) == ("job", 3, 30.0)
     assert rankwire.request_of(again) == request_
+
+
+def test_a_join_of_a_command_environment_or_path_that_is_no_utf8_crosses_grpc_as_its_bytes() -> None:
+    """How a rank runs is bytes (read from /proc, as surrogate escapes), and protobuf's strings are
+    UTF-8: a join of one such byte could not be sent at all (its model-aware move, the rebuild of
+    a lost rank from it, failed).  It goes as its bytes and comes out as it went in; a join of
+    UTF-8 goes as before (an agent older than ``latin1`` reads it)."""
+    (join,) = [r for r in REQUESTS if isinstance(r, P.Join)]
+    odd = dataclasses.replace(
+        join,
+        cmd=("python3", os.fsdecode(b"caf\xe9.py"), "na\u00efve \u4e2d"),
+        env=("A=\u00e9", os.fsdecode(b"B=\xff\xfe")),
+        cwd=os.fsdecode(b"/home/\xe9"),
+        stdout=os.fsdecode(b"/tmp/\x80.out"),
+    )
+    message = rankwire.request_pb("job", 3, odd, 30.0)
+    again = type(message).FromString(message.SerializeToString())
+    assert again.join.latin1 and rankwire.request_of(again) == odd
+    plain = rankwire.request_pb("job", 3, join, 30.0)
+    assert not plain.join.latin1 and list(plain.join.cmd) == list(join.cmd)
+    again.join.cmd[0] = "\u4e2d"  # (no byte: a character past U+00FF)
+    with pytest.raises(Refused, match="not one of the rank protocol") as e:
+        rankwire.request_of(again)
+    assert e.value.why is Why.INVALID
 
 
 @pytest.mark.parametrize("answer", ANSWERS, ids=lambda a: type(a).__name__)

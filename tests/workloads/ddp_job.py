@@ -82,6 +82,10 @@ def main() -> None:
     p.add_argument("--replicas", default="")
     p.add_argument("--hsdp", action="store_true")
     a = p.parse_args()
+    # (tests/support/rankjob.py's variable of bytes that are no UTF-8: a process of this rank started
+    # again from how another ran, on another node, has it as it was)
+    if os.environb.get(b"TPAGENT_TEST_LATIN1", b"caf\xe9") != b"caf\xe9":
+        sys.exit(f"TPAGENT_TEST_LATIN1 is {os.environb[b'TPAGENT_TEST_LATIN1']!r}, not b'caf\\xe9'")
     dev = torch.device("cuda", 0) if a.cuda else torch.device("cpu")
     if a.cuda:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (cuBLAS's deterministic mode)

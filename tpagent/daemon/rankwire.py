@@ -61,6 +61,8 @@ def _from_pb(message: Any, cls: type[Any], **given: Any) -> Any:
 
 
 def request_pb(job: str, rank: int, request: P.Request[Any], timeout: float, key: str = "") -> pb.RankRequest:
+    if isinstance(request, P.Join):  # (protobuf's strings are UTF-8: a command that is none goes as bytes)
+        request = request.portable()
     message = _to_pb(request, getattr(pb.RankRequest, type(request).__name__))
     return pb.RankRequest(job=job, rank=rank, timeout=timeout, job_key=key, **{request.OP.value: message})
 
@@ -84,6 +86,8 @@ def request_of(message: pb.RankRequest) -> P.Request[Any]:
             given = _from_pb(getattr(message, kind), P.REQUESTS[P.Op(kind)])
             data = {**codec.parse_line(codec.request_line(0, given)), "op": kind}
         request = codec.decode_request(data)  # (NaN, a 64-bit overflow, a line too long: refused here)
+        if isinstance(request, P.Join):
+            request = request.native()
     except (P.ProtocolError, ValueError) as e:
         raise Refused(f"a Rank request is not one of the rank protocol ({e}).", Why.INVALID) from e
     names_a_rank = not isinstance(request, P.Jobs)  # (every rank of the node: none named)
