@@ -39,11 +39,9 @@ wrong type in the agent; what a value means is for its handler to check.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import hashlib
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -407,43 +405,8 @@ class Join(Request[Located]):
     stdout: str
     stderr: str
     owner: int = -1
-    #: (On the agents' wire.)  Each text is the bytes of one that is no UTF-8, a character each.
+    #: (On the agents' wire: :mod:`tpagent.daemon.rankwire`.)  Each text is bytes, a character each.
     latin1: bool = False
-
-    def portable(self) -> Join:
-        """This request as the agents' wire carries it: where a command, an environment or a path
-        is no UTF-8 (read from ``/proc``, its bytes as surrogate escapes), every text as its bytes
-        (``latin1``); else as it is."""
-        texts = (*self.cmd, *self.env, self.cwd, self.stdout, self.stderr)
-        if self.latin1 or not any(map(_escaped, texts)):
-            return self
-        return self._each(lambda t: os.fsencode(t).decode("latin-1"), latin1=True)
-
-    def native(self) -> Join:
-        """This request as :meth:`portable` sent it (ValueError for a text that is no bytes)."""
-        if not self.latin1:
-            return self
-        return self._each(lambda t: os.fsdecode(t.encode("latin-1")), latin1=False)
-
-    def _each(self, text: Callable[[str], str], latin1: bool) -> Join:
-        return dataclasses.replace(
-            self,
-            cmd=tuple(map(text, self.cmd)),
-            env=tuple(map(text, self.env)),
-            cwd=text(self.cwd),
-            stdout=text(self.stdout),
-            stderr=text(self.stderr),
-            latin1=latin1,
-        )
-
-
-def _escaped(text: str) -> bool:
-    """Whether ``text`` holds a surrogate (a byte that is no UTF-8, as Python reads such bytes)."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 @dataclass(frozen=True)

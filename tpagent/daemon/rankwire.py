@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message
@@ -20,6 +22,8 @@ from tpagent_rank import protocol as P
 
 A = TypeVar("A", bound=P.Answer)
 M = TypeVar("M", bound=Message)
+#: A byte that is no UTF-8, as Python reads such bytes (``os.fsdecode``).
+_ESCAPED = re.compile("[\udc80-\udcff]")
 #: The largest timeout a Rank call may ask the agent to wait for its rank.
 TIMEOUT_MAX = 3600.0
 
@@ -61,10 +65,37 @@ def _from_pb(message: Any, cls: type[Any], **given: Any) -> Any:
 
 
 def request_pb(job: str, rank: int, request: P.Request[Any], timeout: float, key: str = "") -> pb.RankRequest:
-    if isinstance(request, P.Join):  # (protobuf's strings are UTF-8: a command that is none goes as bytes)
-        request = request.portable()
+    if isinstance(request, P.Join):
+        request = _portable(request)
     message = _to_pb(request, getattr(pb.RankRequest, type(request).__name__))
     return pb.RankRequest(job=job, rank=rank, timeout=timeout, job_key=key, **{request.OP.value: message})
+
+
+def _portable(join: P.Join) -> P.Join:
+    """``join`` as protobuf's strings (UTF-8) carry it: where a command, an environment or a path
+    is no UTF-8 (read from ``/proc``, its bytes as surrogate escapes), every text as its bytes, a
+    character each (``latin1``); else as it is (as an agent older than ``latin1`` reads it)."""
+    texts = (*join.cmd, *join.env, join.cwd, join.stdout, join.stderr)
+    if join.latin1 or not any(map(_ESCAPED.search, texts)):
+        return join
+    return _each(join, lambda t: os.fsencode(t).decode("latin-1"), latin1=True)
+
+
+def _native(join: P.Join) -> P.Join:
+    """``join`` as :func:`_portable` sent it (ValueError for a text that is no bytes)."""
+    return _each(join, lambda t: os.fsdecode(t.encode("latin-1")), latin1=False) if join.latin1 else join
+
+
+def _each(join: P.Join, text: Callable[[str], str], latin1: bool) -> P.Join:
+    return dataclasses.replace(
+        join,
+        cmd=tuple(map(text, join.cmd)),
+        env=tuple(map(text, join.env)),
+        cwd=text(join.cwd),
+        stdout=text(join.stdout),
+        stderr=text(join.stderr),
+        latin1=latin1,
+    )
 
 
 def request_of(message: pb.RankRequest) -> P.Request[Any]:
@@ -87,7 +118,7 @@ def request_of(message: pb.RankRequest) -> P.Request[Any]:
             data = {**codec.parse_line(codec.request_line(0, given)), "op": kind}
         request = codec.decode_request(data)  # (NaN, a 64-bit overflow, a line too long: refused here)
         if isinstance(request, P.Join):
-            request = request.native()
+            request = _native(request)
     except (P.ProtocolError, ValueError) as e:
         raise Refused(f"a Rank request is not one of the rank protocol ({e}).", Why.INVALID) from e
     names_a_rank = not isinstance(request, P.Jobs)  # (every rank of the node: none named)
