@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from host.hushed import Hushed
 from support.agents import free_port
 from support.certs import node_certs
 from support.helpers import NOBODY, ROOT, assert_one_sentence_error, wait_until
@@ -161,6 +162,66 @@ def test_the_webhook_refuses_what_is_not_authenticated_or_malformed_then_taints_
     weird = {**firing, "fingerprint": "f2", "annotations": {"summary": "line\n\x1b[31mred"}}
     assert served.hook(json.dumps({"version": "4", "alerts": [weird]}).encode(), token) == (200, "tainted n1")
     assert "alert Xid: line??[31mred" in [t.reason for t in served.stub.Cluster(pb.Empty(), timeout=10).taints]
+
+
+def test_an_alert_said_twice_in_a_message_is_taken_once_and_the_others_with_it(served: Served) -> None:
+    """Alertmanager never sends again a message it got a 4xx for: one whose first alert came
+    twice tainted its node, then answered 400 at the second, and the alerts after it were lost."""
+    served.stub.Report(report(), timeout=10)
+    two = pb.NodeReport(node="n2", agent="127.0.0.1:7401", version=__version__, driver_version="580.1")
+    served.stub.Report(two, timeout=10)
+    token = served.token.read_text().strip()
+    f1 = {"status": "firing", "labels": {"alertname": "Xid", "node": "n1"}, "fingerprint": "f1"}
+    f2 = {"status": "firing", "labels": {"alertname": "Xid", "node": "n2"}, "fingerprint": "f2"}
+    body = json.dumps({"version": "4", "alerts": [f1, f1, f2]}).encode()
+    assert served.hook(body, token) == (200, "tainted n1; tainted n2")
+    assert sorted(served.taints()) == [("n1", "", "alert:f1"), ("n2", "", "alert:f2")]
+    gone = [{**f, "status": "resolved"} for f in (f1, f1, f2)]
+    assert served.hook(json.dumps({"version": "4", "alerts": gone}).encode(), token) == (
+        200,
+        "untainted n1; untainted n2",
+    )
+    assert served.taints() == []
+
+
+def test_what_the_webhook_says_back_of_a_message_is_bounded_and_printable(
+    served: Served, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anyone may call it without the token: each such call is counted, and said at most once a
+    second (it was a warning each: hundreds a second from one caller).  What a message holds is
+    said back short and printable (a version of a million characters was said back whole; an
+    alert's name was said with its newlines and escape sequences, in the answer and the log)."""
+    from prometheus_client import REGISTRY
+
+    monkeypatch.setattr(webhook, "UNKNOWN", Hushed(webhook.log))  # (none said in the last second)
+    counted = {"plane": "webhook", "reason": "token"}
+    before = REGISTRY.get_sample_value("tpagent_refused_total", counted) or 0.0
+    for _ in range(50):
+        assert served.hook(b"{}", "wrong")[0] == 401
+    assert REGISTRY.get_sample_value("tpagent_refused_total", counted) == before + 50
+    said = [r for r in caplog.records if "no or a wrong bearer token" in r.getMessage()]
+    assert 1 <= len(said) <= 5, len(said)
+    token = served.token.read_text().strip()
+    code, text = served.hook(json.dumps({"version": "v" * 1_000_000, "alerts": []}).encode(), token)
+    assert code == 400 and "is not known" in text and len(text) < 200, len(text)
+    odd = {"status": "firing", "labels": {"alertname": "Xid\nFAKE \x1b[2J"}}
+    code, text = served.hook(json.dumps({"version": "4", "alerts": [odd]}).encode(), token)
+    assert code == 400 and text.startswith("alert 0 (Xid?FAKE ?[2J) names no node"), text
+    assert not [r for r in caplog.records if "\x1b" in r.getMessage() or "\nFAKE" in r.getMessage()]
+
+
+def test_the_webhook_listens_on_an_ipv6_address_too() -> None:
+    """(An IPv6 webhook_listen passed the configuration's checks, then could never be served.)"""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as e:
+        pytest.skip(f"this node has no IPv6 loopback ({e})")
+    hook = webhook.Webhook(("::1", 0), None, "token", None)  # type: ignore[arg-type]
+    try:
+        assert hook.server_address[0] == "::1" and hook.socket.family == socket.AF_INET6
+    finally:
+        hook.server_close()
 
 
 def test_bytes_that_are_not_tls_or_json_this_deep_get_one_line_not_a_traceback_each(

@@ -11,8 +11,9 @@ dropped) and, optionally, a GPU by one of ``alert_gpu_labels``.  A firing alert 
 names (pre-emptive; the taint's source is the alert's fingerprint, so that each alert taints
 once and its resolution removes its own taint only); a resolved one removes that taint.  The
 whole message is checked before anything changes: a message that is not authenticated gets 401,
-one that is malformed or names a node or GPU the orchestrator does not know gets 400, each with
-one sentence saying why.  HTTPS with the orchestrator's certificate unless ``webhook_plaintext``.
+one that is malformed gets 400, each with one sentence saying why; an alert the orchestrator
+refuses (a node or GPU it does not know) changes nothing and is named in the answer, the others
+taken.  HTTPS with the orchestrator's certificate unless ``webhook_plaintext``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from host.hushed import Hushed
+from tpagent.common.metrics import REFUSED
 from tpagent.orchestrator.api import Refused, TaintKind, printable
 from tpagent.orchestrator.core import Orchestrator
 from tpagent_rank.strangers import Strangers
@@ -37,6 +39,8 @@ from tpagent_rank.strangers import Strangers
 log = logging.getLogger(__name__)
 #: Connections that broke in their handler (anyone may send bytes that are not TLS): once a second.
 BROKE = Hushed(log)
+#: Calls without the bearer token (anyone may make them): once a second, each counted.
+UNKNOWN = Hushed(log)
 PATH = "/alertmanager"
 BODY_MAX = 1 << 20
 ALERTS_MAX = 1000
@@ -67,7 +71,7 @@ def alerts_of(body: bytes, node_labels: tuple[str, ...], gpu_labels: tuple[str, 
     if not isinstance(doc, dict) or not isinstance(doc.get("alerts"), list):
         raise Refused("the message is not Alertmanager's webhook JSON: it has no list of alerts.")
     if str(doc.get("version", "")) != "4":
-        raise Refused(f"Alertmanager webhook version {doc.get('version')!r} is not known; version 4 is.")
+        raise Refused(f"Alertmanager webhook version {printable(repr(doc.get('version')), 64)} is not known; 4 is.")
     if len(doc["alerts"]) > ALERTS_MAX:
         raise Refused(f"the message holds more than {ALERTS_MAX} alerts.")
     out = []
@@ -75,18 +79,17 @@ def alerts_of(body: bytes, node_labels: tuple[str, ...], gpu_labels: tuple[str, 
         labels = a.get("labels") if isinstance(a, dict) else None
         if not isinstance(labels, dict) or a.get("status") not in ("firing", "resolved"):
             raise Refused(f"alert {i} has no labels or no status firing or resolved.")
+        name = printable(str(labels.get("alertname", "?")), 64)
         node = next((str(labels[k]) for k in node_labels if labels.get(k)), "")
         if not node:
-            raise Refused(
-                f"alert {i} ({labels.get('alertname', '?')}) names no node (labels: {', '.join(node_labels)})."
-            )
+            raise Refused(f"alert {i} ({name}) names no node (labels: {', '.join(node_labels)}).")
         if labels.get("instance") == node and ":" in node:
             node = node.rpartition(":")[0]  # (instance is HOST:PORT)
         gpu = next((str(labels[k]) for k in gpu_labels if labels.get(k)), "")
         fingerprint = printable(str(a.get("fingerprint") or labels.get("alertname", "")), 64)
         notes = a.get("annotations") if isinstance(a.get("annotations"), dict) else {}
         summary = str(notes.get("summary") or notes.get("description") or "")
-        reason = f"alert {labels.get('alertname', '?')}" + (f": {summary}" if summary else "")
+        reason = f"alert {name}" + (f": {summary}" if summary else "")
         out.append(
             Alert(a["status"] == "firing", printable(node), printable(gpu), f"alert:{fingerprint}", printable(reason))
         )
@@ -94,24 +97,28 @@ def alerts_of(body: bytes, node_labels: tuple[str, ...], gpu_labels: tuple[str, 
 
 
 def apply(o: Orchestrator, alerts: list[Alert]) -> list[str]:
-    """Taint and untaint as the alerts say.  An alert naming a node (or GPU) that never reported
-    changes nothing and is named in the answer: Alertmanager groups alerts of several hosts in one
-    message and never sends again what was refused, so the others are taken."""
+    """Taint and untaint as the alerts say, each alert once (one said twice in a message: the
+    second changes nothing).  An alert the orchestrator refuses (naming a node or GPU that never
+    reported) changes nothing and is named in the answer: Alertmanager groups alerts of several
+    hosts in one message and never sends again what was refused, so the others are taken."""
     done = []
     taints = {(t.node, t.gpu, t.source) for t in o.state.taints()}
     for a in alerts:
+        key = (a.node, a.gpu, a.source)
         try:
-            o.check(a.node, a.gpu)
+            if a.firing and key not in taints:
+                o.taint(a.node, a.gpu, a.reason, TaintKind.PREEMPTIVE, a.source)
+                taints.add(key)
+                done.append(f"tainted {a.node}")
+            elif not a.firing and key in taints:
+                o.untaint(a.node, a.gpu, a.source)
+                taints.discard(key)
+                done.append(f"untainted {a.node}")
+            else:
+                o.check(a.node, a.gpu)
         except Refused as e:
             log.warning("an alert was not taken: %s", e)
             done.append(f"ignored: {str(e).rstrip('.')}")
-            continue
-        if a.firing and (a.node, a.gpu, a.source) not in taints:
-            o.taint(a.node, a.gpu, a.reason, TaintKind.PREEMPTIVE, a.source)
-            done.append(f"tainted {a.node}")
-        elif not a.firing and (a.node, a.gpu, a.source) in taints:
-            o.untaint(a.node, a.gpu, a.source)
-            done.append(f"untainted {a.node}")
     return done
 
 
@@ -147,7 +154,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         given = self.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.server.token}".encode()):
-            log.warning("refused a webhook call from %s: no or a wrong bearer token", self.client_address[0])
+            UNKNOWN.warning("refused a webhook call from %s: no or a wrong bearer token", self.client_address[0])
+            REFUSED.labels("webhook", "token").inc()
             self._answer(401, "refused: no or a wrong bearer token (Authorization: Bearer, webhook_token_file).")
             return
         if not self.server.strangers.leave(self.connection):
@@ -182,6 +190,7 @@ class Webhook(ThreadingHTTPServer):
         self.token = token
         self.lock = threading.Lock()
         self.strangers = Strangers(CONNECTIONS_MAX, REQUEST_WITHIN)  # (each _Handler's timer cuts it in time)
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, _Handler)
         if tls is not None:
             self.socket = tls.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
