@@ -339,3 +339,29 @@ def test_the_webhook_is_not_held_by_callers_that_trickle_or_crowd(
     finally:
         for s in crowd:
             s.close()
+
+
+@pytest.mark.parametrize("setting", ["metrics_listen", "webhook_listen"])
+def test_a_port_taken_is_said_with_the_setting_that_names_it(tmp_path: Path, setting: str) -> None:
+    """(A metrics port another process held was "[Errno 98] Address already in use", naming nothing.)"""
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(24).hex())
+    secret.chmod(0o600)
+    token = tmp_path / "token"
+    token.write_text(os.urandom(16).hex())
+    token.chmod(0o600)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        config = tmp_path / "o.toml"
+        config.write_text(
+            f'listen = "127.0.0.1:{free_port()}"\nnode = "orchestrator"\nsecret_file = "{secret}"\n'
+            f'tls_dir = "{node_certs(tmp_path, "orchestrator")}"\nstate = "{tmp_path / "db" / "state.db"}"\n'
+            f'webhook_token_file = "{token}"\n{setting} = "127.0.0.1:{port}"\n'
+            + ('metrics_listen = ""\n' if setting != "metrics_listen" else "")
+        )
+        said = subprocess.run(
+            [sys.executable, "-m", "cli.main", "orchestrator", "--config", str(config)],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert_one_sentence_error(said, f"127.0.0.1:{port} ({setting}): Address already in use")
+    assert said.returncode == 2

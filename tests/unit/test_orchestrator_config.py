@@ -57,6 +57,8 @@ def test_the_file_then_the_environment(tmp_path: Path) -> None:
         ('node = ""\n', "node = '' is not valid: give a host name"),
         ('advertise = "a b"\n', "advertise = 'a b' is not valid: give a host name"),
         ('webhook_listen = "[::1]"\n', "webhook_listen = '[::1]' is not valid"),
+        # (every alert was refused as naming no node)
+        ("alert_node_labels = []\n", "alert_node_labels must name an alert's label"),
     ],
 )
 def test_bad_settings_are_one_sentence(tmp_path: Path, text: str, says: str) -> None:

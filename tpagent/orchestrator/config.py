@@ -109,6 +109,8 @@ class OrchestratorConfig:
         check_hosts(self, ("listen", "health_listen"), http=("metrics_listen", "webhook_listen"))
         if self.webhook_listen and not self.webhook_token_file:
             raise UsageError("webhook_listen needs webhook_token_file: the bearer token Alertmanager sends.")
+        if not self.alert_node_labels:
+            raise UsageError("alert_node_labels must name an alert's label, or no alert names a node.")
         if not 1 <= self.max_parallel <= 1000 or not 0 <= self.retries <= 100:
             raise UsageError("max_parallel must be 1 to 1000 and retries 0 to 100.")
         if not 64 <= self.max_connections <= 1 << 20:

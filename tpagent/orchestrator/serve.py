@@ -56,7 +56,16 @@ def _webhook(cfg: OrchestratorConfig, o: Orchestrator) -> Webhook | None:
     try:
         return Webhook(_host_port(cfg.webhook_listen, "webhook_listen"), o, token, tls)
     except OSError as e:
-        raise UsageError(f"cannot serve the webhook on {cfg.webhook_listen}: {e.strerror}.") from e
+        raise UsageError(f"cannot serve the webhook on {cfg.webhook_listen} (webhook_listen): {e.strerror}.") from e
+
+
+def _metrics(cfg: OrchestratorConfig) -> MetricsServer | None:
+    if not cfg.metrics_listen:
+        return None
+    try:
+        return MetricsServer(*_host_port(cfg.metrics_listen, "metrics_listen"))
+    except OSError as e:  # (its port taken: it was "[Errno 98] Address already in use", naming no setting)
+        raise UsageError(f"cannot serve metrics on {cfg.metrics_listen} (metrics_listen): {e.strerror}.") from e
 
 
 #: Seconds a stop (SIGTERM) waits for the loops to finish what they are doing; past it the process
@@ -88,7 +97,7 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
     if cfg.health_listen:
         probes = grpc_probes(health, cfg.health_listen)
     hook = _webhook(cfg, o)
-    scrapes = MetricsServer(*_host_port(cfg.metrics_listen, "metrics_listen")) if cfg.metrics_listen else None
+    scrapes = _metrics(cfg)
     for http in (hook, scrapes):
         if http is not None:
             threading.Thread(target=http.serve_forever, name="http", daemon=True).start()
