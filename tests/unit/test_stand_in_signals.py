@@ -6,16 +6,21 @@ rank (SIGHUP, which it records, is the signal passed on)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from host import proc
+from support.helpers import ROOT
 from tpagent.jobs import standin
 from tpagent.jobs.calls import RankCalls
 from tpagent_rank import protocol as P
@@ -90,3 +95,49 @@ def test_the_agent_holds_no_signal_for_a_rank_it_is_moving_and_passes_it_on_afte
     moving.clear()
     assert calls("j", 1, P.Signal(signum=int(signal.SIGHUP)), 1.0).ok
     assert hangups == [signal.SIGHUP]
+
+
+#: A stand-in whose rank (a sleep, run alone here: no agent) gets the launcher's SIGTERM while it
+#: starts; prints the rank's PID, then the stand-in's exit status.
+STARTING = """
+import os, signal, subprocess, sys
+from pathlib import Path
+from host import proc
+from tpagent.jobs import standin
+
+class Nobody:
+    address = "no agent"
+    def rank(self, *args, **kwargs):
+        raise AssertionError(args)
+
+out = Path(sys.argv[1])
+s = standin.StandIn(["true"], Nobody(), lambda _a: Nobody(), out, out, "socket", 0o022, relay=False)
+rank = subprocess.Popen(["sleep", "60"])
+print(rank.pid, flush=True)
+
+def launch(job, r, renv):
+    s.init_ticks = proc.start_ticks(rank.pid)
+    s.alone = True
+    os.kill(os.getpid(), signal.SIGTERM)  # (the launcher ends the job as its rank starts)
+    return rank.pid, rank
+
+s._launch = launch
+print(s._run("j", 1, {}), flush=True)
+"""
+
+
+def test_a_signal_that_comes_as_the_rank_starts_is_passed_on_once_it_runs(tmp_path: Path) -> None:
+    """(Its handlers were set once the rank had started: a SIGTERM then ended the stand-in, and
+    the rank ran on alone, its launcher told it had ended.)"""
+    with subprocess.Popen(
+        [sys.executable, "-c", STARTING, str(tmp_path / "out")], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    ) as stand_in:
+        assert stand_in.stdout is not None
+        rank = int(stand_in.stdout.readline())
+        try:
+            said = stand_in.stdout.read()
+            assert stand_in.wait(30) == 0 and said.split() == [str(128 + signal.SIGTERM)], (stand_in.returncode, said)
+            assert not psutil.pid_exists(rank) or psutil.Process(rank).status() == psutil.STATUS_ZOMBIE
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank, signal.SIGKILL)
