@@ -68,8 +68,8 @@ def note(pids: Sequence[int]) -> list[Reopened]:
                 known = locks.setdefault(path, [])
                 known += [h for h in held if h not in known][: LOCKS_MOST - len(known)]
     for pid in pids:
-        for path in (name for via, name in _held(pid, links[pid]) if _by_name(pid, via, name)):
-            for at in (path, *(str(p) for p in PurePosixPath(path).parents[:-1])):
+        for via, name in _held(pid, links[pid]):
+            for at in _on_the_way(pid, via, name):
                 if at in seen or len(seen) >= MOST:
                     continue
                 try:
@@ -91,6 +91,22 @@ def _held(pid: int, fds: list[tuple[str, str]]) -> Iterator[tuple[str, str]]:
         yield f"/proc/{pid}/{link}", name
     yield from ((f"/proc/{pid}/map_files/{fields[0]}", fields[5]) for fields in files.mappings(pid))
     yield from ((f"/proc/{pid}/fd/{fd}", link) for fd, link in fds)
+
+
+def _on_the_way(pid: int, via: str, name: str) -> list[str]:
+    """The paths a restore reaches by name for what ``pid`` holds as ``name``: the file and each
+    directory on the way to it; for a removed file, whose bytes CRIU keeps and puts back in its
+    directory under its old name (then removes it), each directory on the way to it."""
+    if _by_name(pid, via, name):
+        return [name, *(str(p) for p in PurePosixPath(name).parents[:-1])]
+    if _ghost(pid, via, name):
+        return [str(p) for p in PurePosixPath(name.removesuffix(files.DELETED)).parents[:-1]]
+    return []
+
+
+def _ghost(pid: int, via: str, name: str) -> bool:
+    """Whether ``name`` is a removed file of a node's, not one of the kernel's (memory, a device)."""
+    return name.startswith("/") and not files.kernels(name) and files.removed(pid, via, name)
 
 
 def _by_name(pid: int, via: str, name: str) -> bool:
@@ -139,17 +155,24 @@ def strangers(pids: Sequence[int], known: Mapping[str, tuple[int, int]]) -> list
     directory by a name ``known`` lacks (path -> device and inode, as checked before CRIU opened
     it by that name), or another than the one checked: CRIU opened it as root, by name, and the
     name led elsewhere (a directory its owner swapped for a symlink since the check, a name
-    renamed as the tree was frozen).  The kernel's files, deleted ones and memory are not named."""
+    renamed as the tree was frozen); a removed file put back, and removed again, in another
+    directory than the one checked.  The kernel's files and memory are not named."""
     out = []
     for pid in pids:
         for via, name in _restored(pid):
-            if not _by_name(pid, via, name) or name.startswith("/memfd:"):
+            if name.startswith("/memfd:"):
+                continue
+            if _by_name(pid, via, name):
+                at = name
+            elif _ghost(pid, via, name) and (at := os.path.dirname(name)) != "/":
+                pass  # (its directory, as checked: lstat)
+            else:
                 continue
             try:
-                st = os.stat(via)
+                st = os.stat(via) if at == name else os.lstat(at)
             except OSError:
                 continue
-            if known.get(name) != (st.st_dev, st.st_ino):
+            if known.get(at) != (st.st_dev, st.st_ino):
                 out.append(f"PID {pid} holds {ascii(name)[1:-1] if not name.isprintable() else name}")
                 break
     return out

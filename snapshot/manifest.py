@@ -45,6 +45,7 @@ The manifest's own checksum (``manifest_sha256``) is SHA-256 in every format.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -62,13 +63,11 @@ from typing import Any
 
 import blake3
 
-from host import reopened
-from host.files import LINK_REMAP
 from host.proc import ProcInfo
 from host.reopened import Reopened
 from host.safefs import private_opener
+from snapshot import typed as read
 from snapshot.affinity import Binding
-from snapshot.affinity import parse as parse_cpus
 from snapshot.api import SnapshotInvalid
 from snapshot.timers import Timer
 from snapshot.typed import typed, typed_list, typed_rows
@@ -176,7 +175,7 @@ class Manifest:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
         """Build from parsed JSON, checking every field's type; ValueError names a bad one."""
-        procs = _processes(data)
+        procs = read.processes(data)
         gpus = typed_list(data, "gpus", dict, "manifest")
         for g in gpus:
             typed(g, "uuid", str, "gpus[]"), typed(g, "name", str, "gpus[]")
@@ -187,8 +186,8 @@ class Manifest:
             raise ValueError("criu.version")
         typed(criu, "shell_job", bool, "criu"), typed(criu, "tcp_established", bool, "criu")
         pids = {p.pid for p in procs}
-        root_pid = _root(data, procs)
-        cuda = _cuda(data, pids)
+        root_pid = read.root_pid(data, procs)
+        cuda = read.cuda_table(data, pids)
         host = typed(data, "host", dict, "manifest")
         for key in ("hostname", "kernel", "machine"):
             typed(host, key, str, "host")
@@ -196,19 +195,19 @@ class Manifest:
         origin = typed(data, "origin", dict, "manifest")
         typed(origin, "mode", str, "origin"), typed(origin, "root_create_time", float, "origin")
         carried = typed_list(data, "carried", str, "manifest") if "carried" in data else []
-        if not all(_absolute(p) for p in carried):
+        if not all(read.absolute(p) for p in carried):
             raise ValueError("carried: not a normalised absolute path")
         if carried and f"{IMAGES_DIR}/{CARRIED_NAME}" not in files:
             raise ValueError(f"carried: names files but {IMAGES_DIR}/{CARRIED_NAME} is not among the files")
-        links = _links(data, carried)
+        links = read.links(data, carried)
         timers = typed_rows(data, "timers", Timer)
         if not {t.pid for t in timers} <= pids:
             raise ValueError("timers names a process not in processes")
-        bindings = _bindings(data, procs)
+        bindings = read.bindings(data, procs)
         sockets = typed_rows(data, "sockets", BoundSocket)
         dirs = typed_rows(data, "dirs", MadeDir)
         paths = [*(b.path for b in sockets), *(d.path for d in dirs)]
-        if not all(_absolute(p) for p in paths) or any(d.path == "/" for d in dirs):
+        if not all(read.absolute(p) for p in paths) or any(d.path == "/" for d in dirs):
             raise ValueError("sockets, dirs: not a normalised absolute path")
         if any(min(b.uid, b.dev, b.ino, b.ctime_ns) < 0 for b in sockets) or any(
             min(d.uid, d.gid) < 0 or not 0 <= d.mode <= 0o7777 for d in dirs
@@ -244,46 +243,8 @@ class Manifest:
             sockets=sockets,
             dirs=dirs,
             warnings=typed_list(data, "warnings", str, "manifest") if "warnings" in data else [],
-            reopened=_reopened(data),
+            reopened=read.reopened_rows(data),
         )
-
-
-def _processes(data: Any) -> list[ProcInfo]:
-    """``processes``: each row a :class:`host.proc.ProcInfo`, its fields checked."""
-    return [
-        ProcInfo(
-            pid=typed(p, "pid", int, "processes[]"),
-            ppid=typed(p, "ppid", int, "processes[]"),
-            cmdline=tuple(typed_list(p, "cmdline", str, "processes[]")),
-            ns_pids=tuple(typed_list(p, "ns_pids", int, "processes[]")),
-            uses_cuda=typed(p, "uses_cuda", bool, "processes[]"),
-            tids=tuple(typed_list(p, "tids", int, "processes[]")) if "tids" in p else (),
-            stopped=typed(p, "stopped", bool, "processes[]") if "stopped" in p else False,
-        )
-        for p in typed_list(data, "processes", dict, "manifest")
-    ]
-
-
-def _cuda(data: Any, pids: set[int]) -> dict[str, Any]:
-    """The ``cuda`` table: its processes among ``pids``, each forked child's row as described."""
-    cuda = typed(data, "cuda", dict, "manifest")
-    if not set(typed_list(cuda, "pids", int, "cuda")) <= pids:
-        raise ValueError("cuda.pids names a process not in processes")
-    for f in typed_list(cuda, "forked", dict, "cuda") if "forked" in cuda else []:
-        typed(f, "pid", int, "cuda.forked[]"), typed(f, "name", str, "cuda.forked[]")
-        typed_list(f, "mappings", list, "cuda.forked[]"), typed_list(f, "fds", list, "cuda.forked[]")
-    return dict(cuda)
-
-
-def _root(data: Any, procs: list[ProcInfo]) -> int:
-    """The root's PID: one of ``procs`` (whose copy still running here a restore looks for),
-    each of which has its PIDs in its namespaces."""
-    root_pid = typed(data, "root_pid", int, "manifest")
-    if root_pid not in {p.pid for p in procs}:
-        raise ValueError("root_pid names a process not in processes")
-    if not all(p.ns_pids for p in procs):
-        raise ValueError("processes[].ns_pids is empty")
-    return int(root_pid)
 
 
 def _files(data: Any) -> tuple[dict[str, dict[str, Any]], str]:
@@ -303,44 +264,6 @@ def _files(data: Any) -> tuple[dict[str, dict[str, Any]], str]:
             "digests": typed_list(f, listed, str, rel),
         }
     return files, digest
-
-
-def _bindings(data: Any, procs: list[ProcInfo]) -> list[Binding]:
-    """``bindings``: threads of the processes, each to a list of CPUs."""
-    bindings = typed_rows(data, "bindings", Binding)
-    if not {b.pid for b in bindings} <= {p.pid for p in procs}:
-        raise ValueError("bindings names a process not in processes")
-    for b in bindings:
-        parse_cpus(b.cpus)  # (ValueError: not a list of CPUs)
-    return bindings
-
-
-def _links(data: Any, carried: list[str]) -> dict[str, str]:
-    """``links``: only ever CRIU's name of a relinked file (``link_remap.N``) to a carried file
-    beside it, which is all a restore makes of it (a hard link, as root)."""
-    links = typed(data, "links", dict, "manifest") if "links" in data else {}
-    for path, other in links.items():
-        if not (
-            isinstance(other, str)
-            and other in carried
-            and _absolute(path)
-            and path not in carried
-            and os.path.dirname(path) == os.path.dirname(other)
-            and LINK_REMAP.fullmatch(os.path.basename(path))
-        ):
-            raise ValueError("links: not a link_remap.N beside a carried file")
-    return {str(k): str(v) for k, v in links.items()}
-
-
-def _reopened(data: Any) -> list[Reopened]:
-    rows = typed_rows(data, "reopened", Reopened)
-    if len(rows) > reopened.MOST or not all(_absolute(r.path) and r.valid() for r in rows):
-        raise ValueError("reopened: not a normalised absolute path, a user, a group, a mode or locks")
-    return rows
-
-
-def _absolute(path: str) -> bool:
-    return path.startswith("/") and os.path.normpath(path) == path and "\0" not in path
 
 
 _IMAGE_PATH = re.compile(IMAGES_DIR + r"/[A-Za-z0-9._-]+")
@@ -415,10 +338,10 @@ def present(directory: Path) -> None:
     anything is done to it (a directory given by mistake, a home, is left as it was)."""
     for path, kind, missing in (
         (directory, stat.S_ISDIR, "does not exist or is not a directory"),
-        (directory / MANIFEST_NAME, stat.S_ISREG, f"is not a tpagent snapshot: it has no {MANIFEST_NAME}"),
+        (directory / MANIFEST_NAME, stat.S_ISREG, _NO_MANIFEST),
     ):
-        try:
-            ok = kind(os.stat(path).st_mode)
+        try:  # (the manifest never through a link: one to /proc/kmsg hung a root's inspect)
+            ok = kind(os.stat(path, follow_symlinks=path == directory).st_mode)
         except (FileNotFoundError, NotADirectoryError):
             ok = False
         except OSError as e:
@@ -427,17 +350,27 @@ def present(directory: Path) -> None:
             raise SnapshotInvalid(f"{directory} {missing}.")
 
 
+_NO_MANIFEST = f"is not a tpagent snapshot: it has no {MANIFEST_NAME} file of its own"
+
+
 def load(directory: Path) -> Manifest:
     """Read the manifest of a snapshot directory, or say in one sentence why it is not one."""
     present(directory)
     path = directory / MANIFEST_NAME
+    try:  # (nor a FIFO, tty or link put there since: opening one does nothing, and it is refused)
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC), "rb") as f:
+            text = f.read(MANIFEST_MOST + 1) if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else None
+    except OSError as e:
+        raise SnapshotInvalid(
+            f"{directory} {_NO_MANIFEST}." if e.errno == errno.ELOOP else f"{path} cannot be read ({e.strerror})."
+        ) from e
+    if text is None:
+        raise SnapshotInvalid(f"{directory} {_NO_MANIFEST}.")
     try:
-        with open(path, "rb") as f:
-            text = f.read(MANIFEST_MOST + 1)
         if len(text) > MANIFEST_MOST:
             raise SnapshotInvalid(f"{path} is corrupt: it is larger than {MANIFEST_MOST >> 20} MiB.")
         data = json.loads(text)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:  # (ValueError: JSON's, or a number's)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # (ValueError: JSON's, or a number's)
         raise SnapshotInvalid(f"{path} is corrupt: it is not valid JSON ({e}).") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise SnapshotInvalid(f"{path} is not a tpagent snapshot manifest (wrong or missing 'format').")

@@ -199,3 +199,54 @@ def test_a_name_that_leads_elsewhere_once_checked_is_refused_before_the_copy_run
     assert_one_sentence_error(proc, f"holds {roots}", "that copy was stopped before it ran")
     assert log.read_text().count("\n") == ticks and "byte 82" not in log.read_text()
     assert not alive(pid) and not (roots / "progress.txt").exists()
+
+
+GHOST = """
+import os, sys, time
+fd = os.open(sys.argv[2], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+os.write(fd, b"kept bytes")
+os.unlink(sys.argv[2])
+with open(sys.argv[1], "a", buffering=1) as log:
+    for i in range(100000):
+        log.write(f"{i} {os.pread(fd, 64, 0).decode()}\\n")
+        time.sleep(0.05)
+"""
+
+
+def test_a_removed_files_directory_swapped_for_a_symlink_is_refused(shared: Path, tmp_path: Path) -> None:
+    """A process holds a file it removed, in a directory of nobody's: CRIU keeps its bytes and,
+    restoring, puts them back under the old name in that directory (as root), then removes it.
+    nobody swaps the directory for a symlink to a directory of root's: the file was made there,
+    as root, under nobody's name (and the copy ran).  Refused in one sentence, nothing made
+    there; with the directory back, the copy comes back holding its bytes."""
+    as_nobody("mkdir", "-m", "755", str(shared / "d"))
+    log = tmp_path / "w.log"
+    with open(tmp_path / "w.out", "wb") as out:
+        p = subprocess.Popen([sys.executable, "-c", GHOST, str(log), str(shared / "d" / "g")],
+                             stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)  # fmt: skip
+    wait_until(lambda: log.exists() and log.read_text().count("\n") >= 3, "the workload to tick")
+    snap = tmp_path / "snap"
+    proc = tpagent("dump", str(p.pid), "--out", str(snap))
+    assert proc.returncode == 0, proc.stderr
+    p.wait(30)
+    vault = tmp_path / "vault"
+    vault.mkdir()
+    as_nobody("mv", str(shared / "d"), str(shared / "d.old"))
+    as_nobody("ln", "-s", str(vault), str(shared / "d"))
+    proc = tpagent("restore", str(snap))
+    if proc.returncode == 0:
+        kill_and_wait(p.pid)
+    assert_one_sentence_error(proc, f"{shared / 'd'} is a symbolic link on this node, a directory where it was dumped")
+    assert proc.returncode == 2 and not alive(p.pid) and os.listdir(vault) == []
+
+    as_nobody("rm", str(shared / "d"))
+    as_nobody("mv", str(shared / "d.old"), str(shared / "d"))
+    proc = tpagent("restore", str(snap))
+    assert proc.returncode == 0, proc.stderr
+    try:
+        at = log.read_text().count("\n")
+        wait_until(lambda: log.read_text().count("\n") >= at + 3, "the restored copy to tick on")
+        assert {line.split(" ", 1)[1] for line in log.read_text().splitlines()} == {"kept bytes"}
+        assert os.listdir(shared / "d") == []  # (put back, then removed again)
+    finally:
+        kill_and_wait(p.pid)

@@ -121,6 +121,30 @@ def test_garbage_missing_and_non_directories_are_refused(tmp_path: Path, snap: P
         manifest.load(snap)
 
 
+def test_a_manifest_is_read_from_its_own_file_never_through_a_link_a_fifo_or_a_tty(
+    tmp_path: Path, snap: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory anyone may have written (``inspect``'s): a manifest.json that is a link (to
+    /proc/kmsg, whose read hung a root's inspect and took the kernel's log; to root's own files)
+    or a FIFO, tty or link put there after the check, is refused at once, nothing read through it."""
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / manifest.MANIFEST_NAME).symlink_to(snap / manifest.MANIFEST_NAME)  # (a good one, even)
+    with pytest.raises(SnapshotInvalid, match="it has no manifest.json file of its own"):
+        manifest.load(planted)
+    monkeypatch.setattr(manifest, "present", lambda directory: None)  # (swapped after the check)
+    with pytest.raises(SnapshotInvalid, match="it has no manifest.json file of its own"):
+        manifest.load(planted)
+    (planted / manifest.MANIFEST_NAME).unlink()
+    os.mkfifo(planted / manifest.MANIFEST_NAME)  # (opening it for reading waited for a writer)
+    with pytest.raises(SnapshotInvalid, match="it has no manifest.json file of its own"):
+        manifest.load(planted)
+    (planted / manifest.MANIFEST_NAME).unlink()
+    (planted / manifest.MANIFEST_NAME).symlink_to("/dev/tty")
+    with pytest.raises(SnapshotInvalid, match="it has no manifest.json file of its own"):
+        manifest.load(planted)
+
+
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
