@@ -50,10 +50,14 @@ class Reopened:
     #: The locks the tree held on it: ``KIND MODE START END`` each (:func:`host.proc.fd_locks`),
     #: joined by ", " ("": none).
     lock: str = ""
+    #: 1: only a directory on the way to a file the tree had removed, which CRIU makes where it is
+    #: missing (to put the file back and remove it again; then it removes the directory too).
+    removed: int = 0
 
     def valid(self) -> bool:
         """Whether its fields are in their bounds (it is read from a manifest)."""
-        return min(self.uid, self.gid) >= 0 and 0 <= self.mode < 1 << 32 and bool(_LOCKS.fullmatch(self.lock))
+        bounded = min(self.uid, self.gid) >= 0 and 0 <= self.mode < 1 << 32 and self.removed in (0, 1)
+        return bounded and bool(_LOCKS.fullmatch(self.lock))
 
 
 def note(pids: Sequence[int]) -> list[Reopened]:
@@ -69,14 +73,16 @@ def note(pids: Sequence[int]) -> list[Reopened]:
                 known += [h for h in held if h not in known][: LOCKS_MOST - len(known)]
     for pid in pids:
         for via, name in _held(pid, links[pid]):
+            removed = int(not _by_name(pid, via, name))
             for at in _on_the_way(pid, via, name):
-                if at in seen or len(seen) >= MOST:
+                noted = seen.get(at)
+                if (noted.removed <= removed) if noted else len(seen) >= MOST:
                     continue
                 try:
                     st = os.lstat(f"/proc/{pid}/root{at}")
                 except OSError:
                     continue
-                seen[at] = Reopened(at, st.st_uid, st.st_gid, st.st_mode, ", ".join(locks.get(at, ())))
+                seen[at] = Reopened(at, st.st_uid, st.st_gid, st.st_mode, ", ".join(locks.get(at, ())), removed)
     return sorted(seen.values(), key=lambda r: r.path)
 
 
@@ -139,7 +145,7 @@ def untrusted(
         try:
             st = os.lstat(was.path)
         except OSError:
-            if was.path not in missing:
+            if was.path not in missing and not was.removed:
                 out.append(f"{was.path} is not on {node}")
             continue
         here, there = _differs(was, st)

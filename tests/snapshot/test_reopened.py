@@ -218,7 +218,8 @@ def test_a_removed_files_directory_swapped_for_a_symlink_is_refused(shared: Path
     restoring, puts them back under the old name in that directory (as root), then removes it.
     nobody swaps the directory for a symlink to a directory of root's: the file was made there,
     as root, under nobody's name (and the copy ran).  Refused in one sentence, nothing made
-    there; with the directory back, the copy comes back holding its bytes."""
+    there.  With the directory gone (another node), the copy comes back holding its bytes: CRIU
+    makes the directory to put them back (a missing one is no stranger's)."""
     as_nobody("mkdir", "-m", "755", str(shared / "d"))
     log = tmp_path / "w.log"
     with open(tmp_path / "w.out", "wb") as out:
@@ -240,13 +241,11 @@ def test_a_removed_files_directory_swapped_for_a_symlink_is_refused(shared: Path
     assert proc.returncode == 2 and not alive(p.pid) and os.listdir(vault) == []
 
     as_nobody("rm", str(shared / "d"))
-    as_nobody("mv", str(shared / "d.old"), str(shared / "d"))
     proc = tpagent("restore", str(snap))
     assert proc.returncode == 0, proc.stderr
     try:
         at = log.read_text().count("\n")
         wait_until(lambda: log.read_text().count("\n") >= at + 3, "the restored copy to tick on")
         assert {line.split(" ", 1)[1] for line in log.read_text().splitlines()} == {"kept bytes"}
-        assert os.listdir(shared / "d") == []  # (put back, then removed again)
     finally:
         kill_and_wait(p.pid)

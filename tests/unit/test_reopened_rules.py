@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from host import proc
-from host.reopened import _HELD, Reopened, _conflicts, _differs, _end
+from host.reopened import _HELD, Reopened, _conflicts, _differs, _end, untrusted
 
 DIR = stat.S_IFDIR
 WAS = Reopened("/scratch/job", 1000, 100, DIR | 0o755)
@@ -90,3 +90,19 @@ def test_a_lease_or_a_waiter_is_no_lock_the_tree_holds(tmp_path: Path) -> None:
         fcntl.flock(f, fcntl.LOCK_SH)
         assert proc.fd_locks(os.getpid(), str(f.fileno())) == ["FLOCK READ 0 EOF"]
     assert _HELD.match("1: -> FLOCK  ADVISORY  WRITE 7 fe:00:12 0 EOF") is None
+
+
+def test_a_directory_only_on_the_way_to_a_removed_file_may_be_missing(tmp_path: Path) -> None:
+    """CRIU makes it where it is missing (to put the removed file back there, then remove it):
+    missing, it is no stranger's; there, it is checked as any other (and a row of it that says
+    anything else is no manifest's)."""
+    gone = str(tmp_path / "gone")
+    there = Reopened(str(tmp_path), os.getuid(), os.getgid(), DIR | 0o700, removed=1)
+    os.chmod(tmp_path, 0o700)
+    assert untrusted([Reopened(gone, 0, 0, DIR | 0o755, removed=1), there], (), (), "here") == []
+    assert untrusted([Reopened(gone, 0, 0, DIR | 0o755)], (), (), "here") == [f"{gone} is not on here"]
+    os.chmod(tmp_path, 0o777)
+    assert untrusted([there], (), (), "here") == [
+        f"{tmp_path} may be written to by anyone on here, not where it was dumped"
+    ]
+    assert not Reopened(gone, 0, 0, DIR | 0o755, removed=2).valid() and there.valid()
