@@ -157,6 +157,19 @@ def test_a_join_of_a_command_environment_or_path_that_is_no_utf8_crosses_grpc_as
     assert e.value.why is Why.INVALID
 
 
+def test_a_request_grpc_cannot_carry_is_refused_in_one_sentence_and_not_sent() -> None:
+    """(A join of bytes that were no UTF-8 raised protobuf's UnicodeEncodeError through the model-
+    aware move, which then waited in vain for its rank on the target.)"""
+    from tpagent.daemon.client import GrpcPeer
+
+    peer = GrpcPeer.__new__(GrpcPeer)
+    peer._stub = None  # (any call made on it fails this test)
+    for request in (P.End(why="caf\udce9"), P.Pause(at=1 << 64)):
+        with pytest.raises(Refused, match=r"^the request cannot be sent \(") as e:
+            peer.rank("job", 1, request, 5.0)
+        assert e.value.why is Why.INVALID
+
+
 @pytest.mark.parametrize("answer", ANSWERS, ids=lambda a: type(a).__name__)
 def test_an_answer_crosses_the_line_and_grpc_unchanged(answer: P.Answer) -> None:
     request = next(r for r in REQUESTS if r.ANSWER is type(answer))

@@ -98,7 +98,10 @@ class GrpcPeer(Peer):
         )
 
     def rank(self, job: str, rank: int, request: P.Request[A], timeout: float, key: str = "") -> A:
-        message = rankwire.request_pb(job, rank, request, timeout, key)
+        try:
+            message = rankwire.request_pb(job, rank, request, timeout, key)
+        except ValueError as e:  # (a text protobuf cannot carry, a number past 64 bits: nothing was sent)
+            raise Refused(f"the request cannot be sent ({e})", Why.INVALID) from e
         reply = self._call(lambda: self._stub.Rank(message, timeout=timeout + 10))
         return rankwire.answer_of(request, reply)
 
