@@ -40,6 +40,7 @@ def test_a_removed_file_is_known_by_the_directories_on_its_way_and_checked_there
         try:
             assert holder.stdout is not None and holder.stdout.readline() == b"removed\n"
             noted = reopened.note([holder.pid])
+            assert holder.poll() is None
             paths = {r.path for r in noted}
             assert str(ghost.parent) in paths and str(tmp_path) in paths and str(ghost) not in paths
             checked: dict[str, tuple[int, int]] = {}
@@ -53,9 +54,9 @@ def test_a_removed_file_is_known_by_the_directories_on_its_way_and_checked_there
 
 #: Holds the file argv[1] names, removed, until killed.
 HOLD = """
-import os, sys
+import os, signal, sys
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
 os.unlink(sys.argv[1])
 print("removed", flush=True)
-os.pause()
+signal.pause()
 """
