@@ -25,7 +25,8 @@ from tpagent.orchestrator.api import (
     job_name,
 )
 from tpagent.orchestrator.config import OrchestratorConfig
-from tpagent.orchestrator.core import outcome_of, users_of
+from tpagent.orchestrator.core import users_of
+from tpagent.orchestrator.mover import outcome_of
 from tpagent.orchestrator.policy import plan
 from tpagent.orchestrator.scheduler import Static
 from tpagent.orchestrator.service import seen_of

@@ -12,7 +12,7 @@ import pytest
 from host.api import UsageError
 from tpagent.orchestrator.api import Away, Gpu, Move, MoveKind, MoveState, NodeSeen, RankSeen, Taint, TaintKind, View
 from tpagent.orchestrator.config import OrchestratorConfig
-from tpagent.orchestrator.core import outcome_of
+from tpagent.orchestrator.mover import outcome_of
 from tpagent.orchestrator.policy import NewMove, Plan
 from tpagent.orchestrator.policy import plan as plan_with
 from tpagent.orchestrator.scheduler import Pool, Static

@@ -3,7 +3,7 @@ connection (:func:`tpagent.orchestrator.lost._host_answers`): a host whose agent
 down (the connection refused at once), runs, and its ranks may run on.  The host that does not
 answer (a link down) is the cluster test's (``tests/orchestrator/test_recover_lost.py``, (j)).
 Nor is a silent node taken as lost while a job of its ranks goes on without it
-(:class:`tpagent.orchestrator.lost.Steps`, from the reports of its ranks elsewhere)."""
+(:class:`tpagent.orchestrator.steps.Steps`, from the reports of its ranks elsewhere)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import pytest
 
 from tpagent.orchestrator.api import NodeSeen, RankSeen, View
 from tpagent.orchestrator.config import OrchestratorConfig
-from tpagent.orchestrator.lost import LostNodes, Steps, _host_answers
+from tpagent.orchestrator.lost import LostNodes, _host_answers
+from tpagent.orchestrator.steps import Steps
 
 pytestmark = pytest.mark.unit
 

@@ -62,6 +62,13 @@ def test_what_sinfo_and_squeue_print_is_read() -> None:
     assert (j.id, j.nodes, j.priority, j.active, j.hold_of()) == ("42", ("a", "b"), 7, True, None)  # (its name)
     assert job(43, ["b"], 1, name="tpagent-hold", admin_comment="tpagent hold job=9 node=b").hold_of() == ("9", "b")
     assert not job(44, [], 1, job_state="COMPLETED").active
+    # (a job's name may hold spaces: its placeholder was not known for its own, so never cancelled
+    # and made again at each pass)
+    key = "my run node=x#0123456789abcdef"
+    assert job(45, ["b"], 1, name="tpagent-hold", admin_comment=f"tpagent hold job={key} node=b").hold_of() == (
+        key,
+        "b",
+    )
 
 
 def test_a_users_job_named_and_commented_as_a_placeholder_is_not_one() -> None:

@@ -174,6 +174,15 @@ class View:
     unreachable: frozenset[str] = frozenset()
     #: Nodes a move just ended on, whose last report may be older than the move's end: not acted on.
     stale: frozenset[str] = frozenset()
+    #: Spares a rebuild of lost ranks under way holds: given to nothing else.
+    held: frozenset[str] = frozenset()
+    #: Every node known has reported since the orchestrator started, or could have: one that has
+    #: not is silent (a move to or from it is never started), and a job not seen has ended.
+    heard: bool = True
+
+    def gone(self, node: str) -> bool:
+        """Whether ``node`` stopped reporting, or has not reported though it could have."""
+        return node in self.unreachable or (self.heard and node not in self.nodes)
 
     def reachable(self, node: str) -> bool:
         return node in self.nodes and node not in self.unreachable

@@ -80,6 +80,8 @@ class Orchestrator:
         self.unreachable: set[str] = set()
         self.unlost: set[str] = set()  # unreachable nodes whose ranks ran on then: not yet acted on
         self.ended: dict[str, int] = {}  # node -> its reports when a move touching it last ended
+        self.held: dict[str, str] = {}  # job -> the spare its rebuild under way holds
+        self.choosing = threading.Lock()  # (a rebuild's spare chosen and held at once)
         self.running: dict[int, threading.Thread] = {}
         #: Moves whose outcome the reports will tell: since when, and each node's reports then.
         self.settling: dict[int, tuple[float, dict[str, int]]] = {
@@ -89,7 +91,7 @@ class Orchestrator:
         self.started = time.monotonic()
         self.wake = threading.Event()
         self.stop = threading.Event()
-        self.lost_nodes = lost.LostNodes(cfg, creds, self.event, self._spare_for)
+        self.lost_nodes = lost.LostNodes(cfg, creds, self.event, self._spare_for, self._spare_done)
         for mid in self.settling:
             self.event("settling", f"move {mid} was running when the orchestrator stopped: settling it", move=mid)
 
@@ -183,13 +185,15 @@ class Orchestrator:
         return gone
 
     def view(self) -> View:
+        heard = self._heard()
         with self.lock:
             stale = {
                 n
                 for n, at in self.ended.items()
                 if n in self.nodes and n not in self.unreachable and self.nodes[n].reports < at + FRESH_AFTER
             }
-            return View(dict(self.nodes), frozenset(self.unreachable), frozenset(stale))
+            held = frozenset(self.held.values())
+            return View(dict(self.nodes), frozenset(self.unreachable), frozenset(stale), held, heard)
 
     def _reports(self, *nodes: str) -> dict[str, int]:
         with self.lock:
@@ -302,12 +306,32 @@ class Orchestrator:
         self.lost_nodes.lost(view, node, moving)
 
     def _spare_for(self, job: str, lost: str) -> tuple[str, str] | None:
-        """A free spare, empty, for ``job``'s ranks lost with ``lost`` (its name and agent); None if none."""
-        view = self.view()
-        pool = self.scheduler.pool(job, users_of(view).get(job, frozenset()))
-        active = [m for m in self.state.moves(active=True) if m.state in (MoveState.PLANNED, MoveState.RUNNING)]
-        free = policy.spares(view, self.state.taints(), active, self.state.away(), self.cfg, pool.dedicated)
-        return next(((s.node, view.nodes[s.node].agent) for s in free if s.empty and s.node != lost), None)
+        """A spare for ``job``'s ranks lost with ``lost`` (its name and agent), chosen as a move's
+        is (the scheduler's pool, GPUs like theirs, none tainted), and held for the rebuild until
+        :meth:`_spare_done`, given to nothing else meanwhile; None if none is free."""
+        with self.choosing:
+            view = self.view()
+            source = view.nodes.get(lost)
+            if source is None:
+                return None
+            ranks = tuple(r.rank for r in source.ranks if r.job == job)
+            pool = self.scheduler.pool(job, users_of(view).get(job, frozenset()))
+            active = [m for m in self.state.moves(active=True) if m.state in (MoveState.PLANNED, MoveState.RUNNING)]
+            free = policy.spares(view, self.state.taints(), active, self.state.away(), self.cfg, pool.dedicated)
+            spare, _why = policy.choose(view, source, job, ranks, free, set(), pool)
+            if spare is None:
+                return None
+            with self.lock:
+                self.held[job] = spare.node
+            return spare.node, view.nodes[spare.node].agent
+
+    def _spare_done(self, job: str, node: str) -> None:
+        """The rebuild of ``job`` on ``node`` ended: the spare is no longer held, and nothing is
+        decided there until it reports what came of it (the ranks rebuilt on it)."""
+        with self.lock:
+            if self.held.get(job) == node:
+                del self.held[job]
+                self.ended[node] = self.nodes[node].reports if node in self.nodes else 0
 
     def _start(self) -> None:
         active = self.state.moves(active=True)
@@ -441,7 +465,7 @@ class Orchestrator:
                     self.settling[mid] = (since, then)
             now = self._reports(m.source, m.target)
             fresh = {n for n in (m.source, m.target) if now[n] >= then[n] + FRESH_AFTER}
-            outcome = outcome_of(m, view, fresh)
+            outcome = mover.outcome_of(m, view, fresh)
             if outcome is None and time.monotonic() - since > self.cfg.move_timeout:
                 outcome = (MoveState.INTERRUPTED, f"not settled in {self.cfg.move_timeout:g} s: its nodes say nothing")
             if outcome is None:
@@ -473,21 +497,3 @@ def _kept_gpus(seen: NodeSeen, before: NodeSeen | None) -> tuple[RankSeen, ...]:
     keeps the GPUs it used before, so that a taint of that GPU still covers it."""
     old = {(r.job, r.rank): r.gpus for r in before.ranks} if before is not None else {}
     return tuple(r if r.gpus else dataclasses.replace(r, gpus=old.get((r.job, r.rank), ())) for r in seen.ranks)
-
-
-def outcome_of(m: Move, view: View, fresh: set[str]) -> tuple[MoveState, str] | None:
-    """How move ``m`` ended, from the reports of its ``fresh`` nodes (made after it stopped); None: not yet."""
-    src = view.nodes.get(m.source)
-    dst = view.nodes.get(m.target)
-    ranks = set(m.ranks)
-    if dst is None or m.target not in fresh:
-        return None
-    there = {r.rank for r in dst.ranks if r.job == m.job}
-    if src is not None and m.source not in fresh and view.reachable(m.source):
-        return None
-    here = {r.rank for r in src.ranks if r.job == m.job} if src is not None and m.source in fresh else set()
-    if ranks <= there and not ranks & here:
-        return MoveState.DONE, f"settled: the ranks run on {m.target}"
-    if src is not None and ranks <= here and m.job not in src.busy and not src.migrations:
-        return MoveState.INTERRUPTED, f"settled: the ranks still run on {m.source}"
-    return None

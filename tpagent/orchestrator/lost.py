@@ -37,9 +37,9 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -47,8 +47,9 @@ from tpagent.common.credentials import Credentials
 from tpagent.daemon import rankwire
 from tpagent.daemon.client import rpc_text
 from tpagent.daemon.rpc import pb, stub
-from tpagent.orchestrator.api import NodeSeen, RankSeen, View, job_identity, job_name
+from tpagent.orchestrator.api import RankSeen, View, job_identity, job_name
 from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.steps import Steps
 from tpagent_rank import lines
 from tpagent_rank import protocol as P
 
@@ -89,70 +90,22 @@ UNHEARD = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAU
 FOLLOW_PERIOD = 2.0
 #: How long a rebuilt rank's agent may not answer before its end is given up on.
 FOLLOW_LOST = 600.0
-#: Steps a job's ranks must have gone on by, past the last moment a silent node's ranks could have
-#: died, for those to be taken as running (one may be the step a rank in no collective with a
-#: dead one was finishing; a second needs every rank of a job that all-reduces once a step).
-WENT_ON = 2
-
-
-class Steps:
-    """Each rank's step as its node's reports gave it, and when it changed: whether a job went on
-    without a node.  The changes of the last ``horizon`` seconds are kept, and the one before them."""
-
-    def __init__(self, horizon: float) -> None:
-        self.horizon = horizon
-        self.lock = threading.Lock()
-        self.changes: dict[tuple[str, int], list[tuple[float, int]]] = {}  # (job, rank) -> [(when, step)]
-        self.heard: dict[tuple[str, int], float] = {}
-        self.forgot = 0.0
-
-    def note(self, seen: NodeSeen) -> None:
-        """A report: its ranks' steps (a rank not heard of for ``horizon`` s forgotten)."""
-        now = seen.seen
-        with self.lock:
-            for r in seen.ranks:
-                key = (r.job, r.rank)
-                self.heard[key] = now
-                changes = self.changes.setdefault(key, [])
-                if not changes or changes[-1][1] != r.step:
-                    changes.append((now, r.step))
-                    old = sum(t < now - self.horizon for t, _ in changes)
-                    del changes[: max(old - 1, 0)]
-            if now - self.forgot > self.horizon:
-                self.forgot = now
-                for key in [k for k, t in self.heard.items() if t < now - self.horizon]:
-                    del self.heard[key], self.changes[key]
-
-    def went_on(self, job: str, ranks: Iterable[int], since: float) -> str | None:
-        """Which of ``ranks`` of ``job`` went on by :data:`WENT_ON` steps or more from the first
-        step it was seen at after ``since`` (a clause), or None: a node whose ranks of the job
-        had died by ``since`` stops every such rank within a step.  (A step seen to fall, its
-        agent restarted or the rank restarted from a boundary, takes back none seen before it.)"""
-        with self.lock:
-            for r in sorted(ranks):
-                after = [step for t, step in self.changes.get((job, r), []) if t > since]
-                if after and max(after) - after[0] >= WENT_ON:
-                    return f"rank {r} of job {job_name(job)} went on from step {after[0]} to {max(after)}"
-        return None
-
-    def pace(self, job: str, ranks: Iterable[int], before: float) -> float | None:
-        """How long the slowest of ``ranks`` of ``job`` took a step, as seen until ``before``
-        (seconds); None if none was seen to step."""
-        paces = []
-        with self.lock:
-            for r in ranks:
-                seen = [(t, step) for t, step in self.changes.get((job, r), []) if t <= before]
-                if len(seen) > 1 and seen[-1][1] > seen[0][1]:
-                    paces.append((seen[-1][0] - seen[0][0]) / (seen[-1][1] - seen[0][1]))
-        return max(paces, default=None)
 
 
 class LostNodes:
-    def __init__(self, cfg: OrchestratorConfig, creds: Credentials, event: Event, spare_for: SpareFor) -> None:
+    def __init__(
+        self,
+        cfg: OrchestratorConfig,
+        creds: Credentials,
+        event: Event,
+        spare_for: SpareFor,
+        spare_done: Callable[[str, str], None] = lambda job, spare: None,
+    ) -> None:
         self.cfg = cfg
         self.creds = creds
         self.event = event
-        self.spare_for = spare_for
+        self.spare_for = spare_for  # (which holds the spare it gives for the job's rebuild...)
+        self.spare_done = spare_done  # (... until this is told the rebuild ended)
         self.lock = threading.Lock()
         self.rebuilding: dict[str, set[int]] = {}  # job -> ranks found lost since its rebuild began
         self.settled: dict[tuple[str, int, str], float] = {}  # (job, rank, node) died there: when its rebuild ended
@@ -338,7 +291,20 @@ class LostNodes:
         )
         self.event("recovering", text, job, node, level=logging.WARNING)
         args = (job, first, rebuild, (node, spare[0]), agents, tell)
-        threading.Thread(target=self._rebuild, args=args, name=f"recover-{job}", daemon=True).start()
+        threading.Thread(target=self._rebuilding, args=args, name=f"recover-{job}", daemon=True).start()
+
+    def _rebuilding(
+        self, job: str, first: tuple[int, str], rebuild: P.Recover, nodes: tuple[str, str], *rest: Any
+    ) -> None:
+        """(A thread of its own.)  :meth:`_rebuild`, then its spare let go, whatever came of it."""
+        try:
+            self._rebuild(job, first, rebuild, nodes, *rest)
+        except BaseException:
+            with self.lock:
+                self.rebuilding.pop(job, None)  # (a failure of ours: the job may be rebuilt again)
+            raise
+        finally:
+            self.spare_done(job, nodes[1])
 
     def _why(self, node: str) -> str:
         return f"node {node} running rank(s) of the job stopped reporting ({self.cfg.unreachable_after:g} s)"

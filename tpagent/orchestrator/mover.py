@@ -14,7 +14,7 @@ import grpc
 from tpagent.common.credentials import Credentials
 from tpagent.daemon.client import UNREACHABLE, rpc_text
 from tpagent.daemon.rpc import pb, stub
-from tpagent.orchestrator.api import Move, MoveState, job_identity, job_name
+from tpagent.orchestrator.api import Move, MoveState, View, job_identity, job_name
 
 
 @dataclass(frozen=True)
@@ -71,3 +71,21 @@ def run(
     assert last is not None
     timings.update({k: v for k, v in last.timings.items() if not k.startswith("rank")})
     return Outcome(MoveState.DONE, last.message, last.migration_id, timings)
+
+
+def outcome_of(m: Move, view: View, fresh: set[str]) -> tuple[MoveState, str] | None:
+    """How move ``m`` ended, from the reports of its ``fresh`` nodes (made after it stopped); None: not yet."""
+    src = view.nodes.get(m.source)
+    dst = view.nodes.get(m.target)
+    ranks = set(m.ranks)
+    if dst is None or m.target not in fresh:
+        return None
+    there = {r.rank for r in dst.ranks if r.job == m.job}
+    if src is not None and m.source not in fresh and view.reachable(m.source):
+        return None
+    here = {r.rank for r in src.ranks if r.job == m.job} if src is not None and m.source in fresh else set()
+    if ranks <= there and not ranks & here:
+        return MoveState.DONE, f"settled: the ranks run on {m.target}"
+    if src is not None and ranks <= here and m.job not in src.busy and not src.migrations:
+        return MoveState.INTERRUPTED, f"settled: the ranks still run on {m.source}"
+    return None

@@ -64,7 +64,9 @@ def spares(
     """The capacity free now, ``dedicated`` spares (node -> its GPUs reserved, empty: all) first."""
     blocked = {t.node for t in taints if not t.gpu} | {m.target for m in active} | {m.source for m in active}
     running = {r.job for n in view.nodes.values() for r in n.ranks}
-    blocked |= {a.home for a in away if cfg.returns_home(a.job) and a.job in running}  # (kept for their return)
+    # (kept for their return: while their job runs, or may, its nodes not all heard from yet)
+    blocked |= {a.home for a in away if cfg.returns_home(a.job) and (a.job in running or not view.heard)}
+    blocked |= view.held
     out = []
     for name, n in view.nodes.items():
         if name in blocked or not view.current(name):
@@ -93,16 +95,19 @@ def misfit(source: NodeSeen, job: str, ranks: tuple[int, ...], spare: Spare, nod
     return ""
 
 
-def _choose(
+def choose(
     view: View, source: NodeSeen, job: str, ranks: tuple[int, ...], free: list[Spare], tried: set[str], pool: Pool
 ) -> tuple[Spare | None, str]:
     """The first spare of ``free`` the scheduler's ``pool`` allows that fits: one not ``tried``
-    before if there is one, one taken from lower-priority work only if no other fits."""
+    before if there is one, one taken from lower-priority work only if no other fits; never
+    ``source`` itself (its ranks would be moved onto their own node, then "home" from it to it)."""
     if pool.why:
         return None, pool.why
     why = []
     fits = []
     for s in free:
+        if s.node == source.name:
+            continue
         if not (s.dedicated or pool.floating is None or s.node in pool.floating or s.node in pool.taken):
             continue
         reason = misfit(source, job, ranks, s, view.nodes[s.node])
@@ -138,8 +143,10 @@ def plan(
             out.cancels.append((m.id, "its taint was removed before it started"))
         elif m.target in node_taints:
             out.cancels.append((m.id, f"{m.target} was tainted before it started"))
-        elif m.target in view.unreachable:
-            out.cancels.append((m.id, f"{m.target} stopped reporting before it started"))
+        elif gone := [n for n in (m.target, m.source) if view.gone(n)]:
+            out.cancels.append((m.id, f"{gone[0]} stopped reporting before it started"))
+        elif why := _unfit(view, taints, m):
+            out.cancels.append((m.id, f"{m.target} no longer fits before it started ({why})"))
     reasons: dict[int, list[str]] = defaultdict(list)
     for t in taints:
         node = view.nodes.get(t.node)
@@ -154,8 +161,10 @@ def plan(
                 groups[r.job].append(r.rank)
         for job, ranks in sorted(groups.items()):
             if job in moving:
+                if other := [m.id for m in active if m.job == job and m.taint != t.id]:
+                    reasons[t.id].append(f"job {job_name(job)} is being moved (move {other[0]}); one move at a time")
                 continue
-            if job in node.busy:
+            if any(job in n.busy for n in view.nodes.values()):
                 reasons[t.id].append(f"job {job_name(job)} is being moved by someone else")
                 continue
             done = failed(job, node.name, t.id)
@@ -167,7 +176,7 @@ def plan(
             avoid = {
                 m.target for m in done if m.state is MoveState.FAILED
             }  # (an interrupted try: not the spare's doing)
-            spare, why = _choose(view, node, job, tuple(ranks), free, avoid, pools(job))
+            spare, why = choose(view, node, job, tuple(ranks), free, avoid, pools(job))
             if spare is None:
                 reasons[t.id].append(f"job {job_name(job)} rank(s) {', '.join(map(str, ranks))}: {why}")
                 continue
@@ -196,15 +205,31 @@ def _home(
             groups[a.job, a.on, a.home, a.taint].append(a.rank)
     for (job, on, home, taint), ranks in sorted(groups.items()):
         node = view.nodes.get(on)
-        if job in moving or node is None or not view.current(on) or not view.current(home) or home in tainted:
+        if job in moving or node is None or on == home or not view.current(on) or not view.current(home):
             continue
-        if not {r.rank for r in node.ranks if r.job == job} >= set(ranks) or job in node.busy:
+        if home in tainted or not {r.rank for r in node.ranks if r.job == job} >= set(ranks):
+            continue
+        if any(job in n.busy for n in view.nodes.values()):
             continue
         done = failed(job, on, taint)
         target = view.nodes[home]
-        used = {g for r in target.ranks for g in r.gpus} | {t.gpu for t in taints if t.node == home}
-        spare = Spare(home, tuple(g for g in target.gpus if g.uuid not in used), False, not target.ranks)
-        if len(done) > cfg.retries or misfit(node, job, tuple(ranks), spare, target):
+        if len(done) > cfg.retries or misfit(node, job, tuple(ranks), _spare_of(target, taints), target):
             continue
         moving.add(job)
         out.moves.append(NewMove(job, tuple(ranks), on, home, MoveKind.HOME, taint, len(done) + 1))
+
+
+def _spare_of(node: NodeSeen, taints: list[Taint]) -> Spare:
+    """``node`` as a spare for ranks of its own choosing: its GPUs no rank uses and no taint covers."""
+    used = {g for r in node.ranks for g in r.gpus} | {t.gpu for t in taints if t.node == node.name}
+    return Spare(node.name, tuple(g for g in node.gpus if g.uuid not in used), False, not node.ranks)
+
+
+def _unfit(view: View, taints: list[Taint], m: Move) -> str:
+    """Why the target of planned move ``m`` no longer takes its ranks, as reported now (a GPU of
+    it tainted since, taken by a rank): "" if it does, or if either node's report is not current."""
+    source = view.nodes.get(m.source)
+    target = view.nodes.get(m.target)
+    if source is None or target is None or not (view.current(m.source) and view.current(m.target)):
+        return ""
+    return misfit(source, m.job, m.ranks, _spare_of(target, taints), target)

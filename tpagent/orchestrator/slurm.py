@@ -49,7 +49,7 @@ TIMEOUT = 30.0
 #: What the adapter read last is used by :meth:`Slurm.pool` for at most this long.
 FRESH_FOR = 10.0
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "REQUEUED"})
-_HOLD = re.compile(r"tpagent hold job=(\S+) node=(\S+)")
+_HOLD = re.compile(r"tpagent hold job=(.+) node=(\S+)")  # (a job's name may hold spaces; a node's none)
 _GPUS = re.compile(r"gpu(?::[^:(,]+)?:(\d+)")
 _DOWN = ("unable to contact slurm controller", "connection refused", "socket timed out", "timed out")
 
