@@ -56,7 +56,7 @@ class MoveState(str, enum.Enum):
     DONE = "done"
     FAILED = "failed"  # the source agent rolled it back: the ranks run where they were
     INTERRUPTED = "interrupted"  # the orchestrator stopped (or lost its call) mid-move; rolled back as FAILED,
-    # but not the spare's doing: it is neither a try counted against retries nor a spare to avoid
+    # but not the spare's doing: a try counted against retries, not a spare to avoid
     CANCELLED = "cancelled"
 
 
