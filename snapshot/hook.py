@@ -73,8 +73,17 @@ OPENED = "carry_opened"
 MOST = "carry_most"
 
 
+#: A decision's words, made (empty) as the hook begins to hold: :func:`decide` renames one into place.
+WORDS = {True: "decision.commit", False: "decision.abort"}
+
+
 def decide(out: Path, commit: bool) -> None:
-    """Tell a holding hook what to do with the frozen tree (atomic: written, then renamed)."""
+    """Tell a holding hook what to do with the frozen tree (atomic: renamed into place).  Its
+    word, made as the hook began to hold, needs no room on a disk full since (a decision written
+    then failed, and the original stayed frozen for ever); before the hold, one is written."""
+    with contextlib.suppress(FileNotFoundError):  # (not held yet, or that word said already)
+        os.rename(out / "log" / WORDS[commit], out / "log" / DECISION_FILE)
+        return
     tmp = out / "log" / (DECISION_FILE + ".tmp")
     tmp.write_text("commit" if commit else "abort")
     tmp.rename(out / "log" / DECISION_FILE)
@@ -96,6 +105,8 @@ def pin(out: Path, alive: Callable[[], bool], seconds: float = 30.0) -> bool:
 
 def hold(out: Path, seconds: float) -> None:
     """Wait for :func:`decide`; anything but a commit raises, which makes CRIU roll back."""
+    for word in WORDS.values():
+        (out / "log" / word).touch()
     (out / "log" / HELD_FILE).touch()
     decision = out / "log" / DECISION_FILE
     deadline = time.monotonic() + seconds
@@ -110,7 +121,8 @@ def hold(out: Path, seconds: float) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no decision within {seconds:.0f} s: rolled back")
         time.sleep(0.02)
-    if decision.read_text() != "commit":
+    said = decision.read_text() or ("abort" if (out / "log" / WORDS[True]).exists() else "commit")  # (a word)
+    if said != "commit":
         raise RuntimeError("the migration was aborted: rolled back")
 
 

@@ -407,7 +407,10 @@ def start_restored(result: RestoreResult, cuda_factory: CudaFactory = CudaDriver
                 cuda.unlock(mapping[p])
     else:  # (not one that was stopped before the dump: it stays so)
         mapping = _restored_pids(m, result.pid)
-        going = [mapping[p.pid] for p in m.processes if not p.stopped and p.pid in mapping]
+        kept = {mapping[p.pid] for p in m.processes if p.stopped and p.pid in mapping}
+        # (every one CRIU brought back, listed or not: one that died as the tree was sealed, after
+        # CRIU had its images, is in them but not in the manifest's list, and stayed stopped for ever)
+        going = [pid for pid in proc.tree_pids(result.pid) if pid not in kept]
         signals.signal_listed(going, signal.SIGCONT)
 
 

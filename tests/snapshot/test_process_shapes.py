@@ -272,6 +272,33 @@ def test_a_held_dumps_hook_ends_once_its_criu_is_killed(start, tmp_path: Path) -
     w.verify_state()
 
 
+def test_a_held_dump_is_let_go_on_a_disk_that_filled_since(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The snapshot's disk fills while its tree is held (the copy restored elsewhere meanwhile):
+    the abort, a file written then, failed for want of room, and the original stayed frozen for
+    ever (a reviewer's fault injection).  Its word, made as the hold began, is renamed into place:
+    CRIU rolls back and the workload runs on where it stood."""
+    from snapshot.held import HeldDump
+
+    w = start(mib=16)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tpagent-test", str(disk)], check=True)
+    try:
+        dump = HeldDump.start(w.pid, disk / "snap", SnapshotConfig(), hold=600)
+        wait_until(dump.sealed, "the snapshot to be sealed and its tree held")
+        assert dump.pin()
+        full = subprocess.run(["dd", "if=/dev/zero", f"of={disk / 'fill'}", "bs=1M"], capture_output=True, text=True)
+        assert "No space left on device" in full.stderr, full.stderr
+        dump.let_go(timeout=60)
+        assert dump.error is not None and dump.error.rolled_back, dump.error
+        n = w.ticks()[-1][0]
+        wait_until(lambda: w.ticks()[-1][0] > n + 10, "the workload to run on")
+        assert_continuous(w.ticks())
+        w.verify_state()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 _REUSE = """#!/bin/sh
 # Before CRIU freezes PID $3, end that process and start another under its very PID.
 if [ "$1" = dump ]; then

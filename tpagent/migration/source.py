@@ -253,13 +253,13 @@ class SourceMigration:
             outcome = Outcome.UNRESOLVED
             self.emit(f"{e}; the original stays frozen and the agent keeps asking the target")
             self._keep_resolving()
-        except Exception as e:  # a bug must still leave the workload running
+        except Exception as e:  # a bug must still leave the workload running (an AgentError says its own sentence)
             self.log.exception("migration failed unexpectedly")
             if self.record.state in (S.COMMITTING, S.DONE):
                 outcome = Outcome.UNRESOLVED
                 self._keep_resolving()
             else:
-                outcome = self._roll_back(target, f"internal error: {e}")
+                outcome = self._roll_back(target, str(e) if isinstance(e, AgentError) else f"internal error: {e}")
         return self._end(outcome, new_pid)
 
     def _end(self, outcome: Outcome, new_pid: int = 0) -> MigrationResult:
@@ -278,6 +278,12 @@ class SourceMigration:
 
     def _check(self, target: Peer) -> Acceptance:
         try:
+            return self._checks(target)
+        except (FileNotFoundError, ProcessLookupError, psutil.NoSuchProcess) as e:  # (no "internal error")
+            raise (e if proc.alive(self.pid) else _Failure(f"PID {self.pid} ended as it was checked")) from None
+
+    def _checks(self, target: Peer) -> Acceptance:
+        try:
             root = proc.validate_target(self.pid)
             tree = [root, *root.children(recursive=True)]
             need = sum(p.memory_info().rss for p in tree)
@@ -290,9 +296,8 @@ class SourceMigration:
         used = [g for g in gpus.inventory() if pids & set(g.pids)]
         self.record.cuda_pids = sorted(pids & {pid for g in used for pid in g.pids})  # to give back on a restart
         need += sum(g.memory_used for g in used)
-        shared, self.carry, uncarriable = files.survey(
-            tree, self.ctx.cfg.shared_paths
-        )  # (refused now, not once frozen)
+        # (refused now, not once frozen)
+        shared, self.carry, uncarriable = files.survey(tree, self.ctx.cfg.shared_paths)
         sizes = {str(f): files.size(str(f)) for f in self.carry}
         carried = tuple(f"{f}:{n}" for f, n in sizes.items())
         self.carry_most = sum(sizes.values()) + int(MARGIN * (need + sum(sizes.values())))  # (the target's room)
