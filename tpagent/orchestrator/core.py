@@ -318,7 +318,8 @@ class Orchestrator:
             pool = self.scheduler.pool(job, users_of(view).get(job, frozenset()))
             active = [m for m in self.state.moves(active=True) if m.state in (MoveState.PLANNED, MoveState.RUNNING)]
             free = policy.spares(view, self.state.taints(), active, self.state.away(), self.cfg, pool.dedicated)
-            spare, _why = policy.choose(view, source, job, ranks, free, set(), pool)
+            # (a node no rank uses: the rebuilt rank's command is started there as its replica's, on its GPUs)
+            spare, _why = policy.choose(view, source, job, ranks, [s for s in free if s.empty], set(), pool)
             if spare is None:
                 return None
             with self.lock:
