@@ -73,8 +73,8 @@ def note(pids: Sequence[int]) -> list[Reopened]:
                 known += [h for h in held if h not in known][: LOCKS_MOST - len(known)]
     for pid in pids:
         for via, name in _held(pid, links[pid]):
-            removed = int(not _by_name(pid, via, name))
-            for at in _on_the_way(pid, via, name):
+            ways, removed = _on_the_way(pid, via, name)
+            for at in ways:
                 noted = seen.get(at)
                 if (noted.removed <= removed) if noted else len(seen) >= MOST:
                     continue
@@ -99,15 +99,15 @@ def _held(pid: int, fds: list[tuple[str, str]]) -> Iterator[tuple[str, str]]:
     yield from ((f"/proc/{pid}/fd/{fd}", link) for fd, link in fds)
 
 
-def _on_the_way(pid: int, via: str, name: str) -> list[str]:
+def _on_the_way(pid: int, via: str, name: str) -> tuple[list[str], int]:
     """The paths a restore reaches by name for what ``pid`` holds as ``name``: the file and each
     directory on the way to it; for a removed file, whose bytes CRIU keeps and puts back in its
-    directory under its old name (then removes it), each directory on the way to it."""
+    directory under its old name (then removes it), each directory on the way to it (and 1)."""
     if _by_name(pid, via, name):
-        return [name, *(str(p) for p in PurePosixPath(name).parents[:-1])]
+        return [name, *(str(p) for p in PurePosixPath(name).parents[:-1])], 0
     if _ghost(pid, via, name):
-        return [str(p) for p in PurePosixPath(name.removesuffix(files.DELETED)).parents[:-1]]
-    return []
+        return [str(p) for p in PurePosixPath(name.removesuffix(files.DELETED)).parents[:-1]], 1
+    return [], 0
 
 
 def _ghost(pid: int, via: str, name: str) -> bool:

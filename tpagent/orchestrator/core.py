@@ -81,6 +81,7 @@ class Orchestrator:
         self.unlost: set[str] = set()  # unreachable nodes whose ranks ran on then: not yet acted on
         self.ended: dict[str, int] = {}  # node -> its reports when a move touching it last ended
         self.held: dict[str, str] = {}  # job -> the spare its rebuild under way holds
+        self.heard = False  # (see _heard)
         self.choosing = threading.Lock()  # (a rebuild's spare chosen and held at once)
         self.running: dict[int, threading.Thread] = {}
         #: Moves whose outcome the reports will tell: since when, and each node's reports then.
@@ -244,10 +245,12 @@ class Orchestrator:
         self._start()
 
     def _heard(self) -> bool:
-        """Whether every node known has reported since this start, or could have."""
-        with self.lock:
-            seen = set(self.nodes)
-        return set(self.state.known()) <= seen or time.monotonic() - self.started > self.cfg.unreachable_after
+        """Whether every node known has reported since this start, or could have (once so, always)."""
+        if not self.heard:
+            with self.lock:
+                seen = set(self.nodes)
+            self.heard = time.monotonic() - self.started > self.cfg.unreachable_after or set(self.state.known()) <= seen
+        return self.heard
 
     def _gauges(self, taints: list[Taint], free: int, known: bool) -> None:
         for kind in TaintKind:
@@ -306,9 +309,8 @@ class Orchestrator:
         self.lost_nodes.lost(view, node, moving)
 
     def _spare_for(self, job: str, lost: str) -> tuple[str, str] | None:
-        """A spare for ``job``'s ranks lost with ``lost`` (its name and agent), chosen as a move's
-        is (the scheduler's pool, GPUs like theirs, none tainted), and held for the rebuild until
-        :meth:`_spare_done`, given to nothing else meanwhile; None if none is free."""
+        """A node no rank uses for ``job``'s ranks lost with ``lost`` (its name, agent: their commands start
+        there as their replicas'), chosen as a move's spare is, held until :meth:`_spare_done`; None if none."""
         with self.choosing:
             view = self.view()
             source = view.nodes.get(lost)
@@ -318,7 +320,6 @@ class Orchestrator:
             pool = self.scheduler.pool(job, users_of(view).get(job, frozenset()))
             active = [m for m in self.state.moves(active=True) if m.state in (MoveState.PLANNED, MoveState.RUNNING)]
             free = policy.spares(view, self.state.taints(), active, self.state.away(), self.cfg, pool.dedicated)
-            # (a node no rank uses: the rebuilt rank's command is started there as its replica's, on its GPUs)
             spare, _why = policy.choose(view, source, job, ranks, [s for s in free if s.empty], set(), pool)
             if spare is None:
                 return None
@@ -327,8 +328,7 @@ class Orchestrator:
             return spare.node, view.nodes[spare.node].agent
 
     def _spare_done(self, job: str, node: str) -> None:
-        """The rebuild of ``job`` on ``node`` ended: the spare is no longer held, and nothing is
-        decided there until it reports what came of it (the ranks rebuilt on it)."""
+        """The rebuild of ``job`` on ``node`` ended: the spare is let go, nothing decided there till it reports."""
         with self.lock:
             if self.held.get(job) == node:
                 del self.held[job]

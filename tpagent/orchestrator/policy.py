@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tpagent.orchestrator.api import Away, Gpu, Move, MoveKind, MoveState, NodeSeen, Taint, View, job_name
 from tpagent.orchestrator.config import OrchestratorConfig
@@ -71,12 +71,10 @@ def spares(
     for name, n in view.nodes.items():
         if name in blocked or not view.current(name):
             continue
-        used = {g for r in n.ranks for g in r.gpus} | {t.gpu for t in taints if t.node == name}
-        free = tuple(g for g in n.gpus if g.uuid not in used)
-        if name in dedicated and dedicated[name]:
-            free = tuple(g for g in free if g.uuid in dedicated[name])
-        if free or not n.ranks:
-            out.append(Spare(name, free, name in dedicated, not n.ranks))
+        spare = _spare_of(n, taints)
+        free = tuple(g for g in spare.free if g.uuid in dedicated[name]) if dedicated.get(name) else spare.free
+        if free or spare.empty:
+            out.append(replace(spare, free=free, dedicated=name in dedicated))
     order = list(dedicated)
     return sorted(out, key=lambda s: (not s.dedicated, order.index(s.node) if s.dedicated else 0, s.node))
 
@@ -220,7 +218,7 @@ def _home(
 
 
 def _spare_of(node: NodeSeen, taints: list[Taint]) -> Spare:
-    """``node`` as a spare for ranks of its own choosing: its GPUs no rank uses and no taint covers."""
+    """``node`` as a spare: its GPUs no rank uses and no taint covers."""
     used = {g for r in node.ranks for g in r.gpus} | {t.gpu for t in taints if t.node == node.name}
     return Spare(node.name, tuple(g for g in node.gpus if g.uuid not in used), False, not node.ranks)
 
