@@ -133,3 +133,12 @@ class CudaDriver:
         value = self._d.CUuuid()
         ctypes.memmove(value.getPtr(), uuid_bytes(text), 16)
         return value
+
+
+def has_context(cuda: CudaDriver, pid: int) -> bool:
+    """Whether the driver knows the process: a forked worker that merely maps libcuda is not."""
+    try:
+        cuda.state(pid)
+    except CudaError:
+        return False
+    return True

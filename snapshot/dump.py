@@ -41,7 +41,7 @@ from snapshot.api import (
     producer_version,
 )
 from snapshot.criu import Criu, DumpOptions
-from snapshot.cuda import CudaDriver
+from snapshot.cuda import CudaDriver, has_context
 from snapshot.manifest import IMAGES_DIR, Manifest
 from snapshot.stages import LOG_DIR, CudaFactory, Step, Timer, quiet, require_root, resume
 from snapshot.streamer import Capture
@@ -73,15 +73,6 @@ def _namespace_of(target: psutil.Process) -> bool:
             f"PID {target.pid} lives inside a PID namespace; checkpoint the whole namespace "
             f"by giving the PID of its init{f' ({init})' if init else ''}."
         )
-    return True
-
-
-def _has_context(cuda: CudaDriver, pid: int) -> bool:
-    """Whether the driver knows the process: a forked worker that merely maps libcuda is not."""
-    try:
-        cuda.state(pid)
-    except CudaError:
-        return False
     return True
 
 
@@ -254,7 +245,7 @@ def _plan(
     pids = [p.pid for p in tree.procs]
     candidates = [p.pid for p in tree.procs if p.uses_cuda]
     cuda = cuda_factory() if candidates else None
-    cuda_pids = [p for p in candidates if cuda is not None and _has_context(cuda, p)]
+    cuda_pids = [p for p in candidates if cuda is not None and has_context(cuda, p)]
     leftovers = forked.find(pids, cuda_pids, config.gpu_devices)
     refused = forked.refusals(leftovers, cuda_pids, config.gpu_devices)
     if refused:
@@ -341,8 +332,10 @@ def _freeze_gpu(job: _Dump) -> None:
 
 def _thaw(job: _Dump) -> None:
     """Resume the tree but what was stopped before (CRIU does so itself when it fails: this
-    matters only if CRIU died) and give each process whose GPU was locked its GPU back."""
-    resume([p.pid for p in job.tree.procs if not p.stopped], job.locked, job.cuda)
+    matters only if CRIU died) and give each process whose GPU was locked its GPU back.  Not a
+    held tree once pinned (its copy may run elsewhere) but on an abort: its pinner resumes it."""
+    if hook.may_run(job.out):
+        resume([p.pid for p in job.tree.procs if not p.stopped], job.locked, job.cuda)
 
 
 def _criu_dump(job: _Dump) -> None:

@@ -102,7 +102,9 @@ class HeldDump:
 
     def pin(self, timeout: float = 30.0) -> bool:
         """From now on only a decision ends the hold (a copy may start elsewhere).  True once
-        the hook has seen it; False if CRIU let the tree go first: then no copy may start."""
+        the hook has seen it; False if CRIU let the tree go first: then no copy may start.
+        Pinned, the tree stays stopped should CRIU die without a decision (a queued SIGSTOP):
+        whoever pinned it sends SIGCONT once it knows the copy does not run."""
         return hook.pin(self.out, self.running, timeout)
 
     def let_go(self, timeout: float | None = None) -> None:

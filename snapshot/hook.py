@@ -17,9 +17,11 @@ checksums).  Errors go to ``log/hook.err``.
 With TPAGENT_HOOK_HOLD (seconds), the hook then holds the sealed, frozen tree until a
 decision appears in ``log/decision`` (:func:`decide`): ``commit`` lets CRIU finish the dump
 as asked, ``abort`` (or a cancel, or no decision in time) makes CRIU roll back.  Once
-once pinned (:func:`pin`: a copy may run elsewhere) only a decision ends the wait.  A migration
-holds the original this way until its copy runs elsewhere.  Should the CRIU that runs the hook
-die meanwhile (it let the tree go as it died), the hook ends too: no decision can reach it.
+pinned (:func:`pin`: a copy may run elsewhere) only a decision ends the wait, and a SIGSTOP
+queued to the tree keeps it from running should CRIU or the hook die (CRIU lets the tree go as
+it dies; the hook then ends too: no decision can reach it): the pinner, which knows whether the
+copy runs, resumes it or ends it.  A migration holds the original this way until its copy runs
+elsewhere.
 
 While the tree is frozen the hook also checks that its root is the very process the dump was
 asked for (its start time: a PID reused meanwhile is refused, and CRIU rolls back), and notes
@@ -32,6 +34,7 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import stat
 import sys
 import tarfile
@@ -44,7 +47,7 @@ from typing import Any
 
 import psutil
 
-from host import criu_limits, ends, files, proc, reopened, safefs, sockets
+from host import criu_limits, ends, files, proc, reopened, safefs, signals, sockets
 from snapshot import affinity, manifest, streamer, timers
 from snapshot.criu import started_in
 
@@ -103,26 +106,50 @@ def pin(out: Path, alive: Callable[[], bool], seconds: float = 30.0) -> bool:
     return False
 
 
-def hold(out: Path, seconds: float) -> None:
-    """Wait for :func:`decide`; anything but a commit raises, which makes CRIU roll back."""
+def decided(out: Path) -> str | None:
+    """The decision :func:`decide` made ("commit" or "abort"); None if none was made yet."""
+    try:
+        said = (out / "log" / DECISION_FILE).read_text()
+    except FileNotFoundError:
+        return None
+    return said or ("abort" if (out / "log" / WORDS[True]).exists() else "commit")  # (a word renamed)
+
+
+def may_run(out: Path) -> bool:
+    """Whether the tree of a dump that failed may run again: it was never pinned (no copy of it
+    can have started), or its pinner said abort."""
+    return not (out / "log" / PINNED_FILE).exists() or decided(out) == "abort"
+
+
+def hold(out: Path, seconds: float, root: int, start: int | None, spare: frozenset[int] = frozenset()) -> None:
+    """Wait for :func:`decide`; anything but a commit raises, which makes CRIU roll back.
+
+    Once pinned, a SIGSTOP is queued to every process of the frozen tree of ``root`` (started
+    at ``start``) but those stopped before the dump (``spare``): while CRIU holds them it waits,
+    and should CRIU or this hook die, the tree it lets go stops at once instead of running beside
+    its copy.  Only then is the pin acknowledged.  An abort takes the stop back (a SIGCONT, while
+    the tree is still held, removes it) before CRIU rolls back; a commit needs nothing."""
     for word in WORDS.values():
         (out / "log" / word).touch()
     (out / "log" / HELD_FILE).touch()
-    decision = out / "log" / DECISION_FILE
     deadline = time.monotonic() + seconds
     criu = started_in(out / "log")  # (the CRIU that runs this hook; None if it cannot be told)
-    while not decision.exists():
+    stopped = False
+    while (said := decided(out)) is None:
         if criu is not None and _gone(criu):  # (killed: the tree was let go with it; no decision can reach it)
             raise RuntimeError("CRIU, which held the frozen tree, is gone: nothing left to hold")
         if (out / "log" / PINNED_FILE).exists():
+            if not stopped:
+                stopped = bool(signals.signal_tree(root, signal.SIGSTOP, start, spare))
             (out / "log" / PINNED_ACK).touch()  # the pinner waits for this before a copy may start
         else:
             _check_cancel(out)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no decision within {seconds:.0f} s: rolled back")
         time.sleep(0.02)
-    said = decision.read_text() or ("abort" if (out / "log" / WORDS[True]).exists() else "commit")  # (a word)
     if said != "commit":
+        if stopped:
+            signals.signal_tree(root, signal.SIGCONT, start, spare)
         raise RuntimeError("the migration was aborted: rolled back")
 
 
@@ -328,7 +355,7 @@ def _streamed(out: Path, seconds: float = 120.0) -> dict[str, dict[str, Any]]:
     return {f"{manifest.IMAGES_DIR}/{name}": entry for name, entry in data["images"].items()}
 
 
-def seal(out: Path, root: int, fail: bool, root_start: int | None = None, streamed: bool = False) -> None:
+def seal(out: Path, root: int, fail: bool, root_start: int | None = None, streamed: bool = False) -> manifest.Manifest:
     """Seal the snapshot in ``out`` of the frozen tree of ``root``; ``root_start``: the start
     time (in clock ticks since boot, as /proc says: never shifted by the wall clock) of the
     process that was examined under that PID; ``streamed``: CRIU's images went to a
@@ -372,6 +399,7 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     except (KeyError, TypeError, ValueError) as e:
         raise RuntimeError(f"the snapshot's manifest would not read back (field {e}), a bug of tpagent's") from e
     m.write(out)
+    return m
 
 
 def main() -> int:
@@ -379,16 +407,14 @@ def main() -> int:
         return 0
     out = Path(os.environ["TPAGENT_HOOK_OUT"])
     try:
-        start = os.environ.get("TPAGENT_HOOK_ROOT_START")
-        seal(
-            out,
-            int(os.environ["TPAGENT_HOOK_ROOT"]),
-            bool(os.environ.get("TPAGENT_HOOK_FAIL")),
-            int(start) if start else None,
-            bool(os.environ.get("TPAGENT_HOOK_STREAMED")),
+        start = int(os.environ["TPAGENT_HOOK_ROOT_START"]) if os.environ.get("TPAGENT_HOOK_ROOT_START") else None
+        root = int(os.environ["TPAGENT_HOOK_ROOT"])
+        m = seal(
+            out, root, bool(os.environ.get("TPAGENT_HOOK_FAIL")), start, bool(os.environ.get("TPAGENT_HOOK_STREAMED"))
         )
         if "TPAGENT_HOOK_HOLD" in os.environ:
-            hold(out, float(os.environ["TPAGENT_HOOK_HOLD"]))
+            spare = frozenset(p.pid for p in m.processes if p.stopped)
+            hold(out, float(os.environ["TPAGENT_HOOK_HOLD"]), root, start, spare)
     except Exception as e:  # any failure must make CRIU roll back, and say why
         # (a full disk) CRIU still rolls back; the engine reports the failure
         with contextlib.suppress(OSError):

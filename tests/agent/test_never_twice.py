@@ -107,6 +107,19 @@ def test_the_source_node_reboots_while_the_target_holds_the_copy(
     ticker.verify_state()
 
 
+def _copy_running_on_b(cluster: Cluster, ticker: Ticker) -> tuple[subprocess.Popen[str], int]:
+    """The ticker's move from A to B, once B's copy runs (and ticks), watched for 30 s; the
+    migrate command, and a tick the original had reached as it was frozen (the copy is past it)."""
+    b = cluster.nodes["B"]
+    b.kill_agent(signal.SIGTERM)
+    b.start_agent(confirm_period="30")
+    mig = cluster.start_migrate(ticker.pid, "A", "B", "--json")
+    wait_until(lambda: "confirming" in _states(b), "B to start its copy", 120)
+    frozen_at = max(ticker.ticks(), default=-1)
+    wait_until(lambda: max(ticker.ticks()) > frozen_at + 5, "B's copy to tick", 30)
+    return mig, frozen_at
+
+
 def test_the_target_node_reboots_while_the_copy_is_being_confirmed(cluster: Cluster, ticker: Ticker) -> None:
     """B started its copy and watches it (30 s confirmation here) while A keeps the original
     frozen; then B reboots, taking the running copy with it.  B's agent, back, finds the copy
@@ -114,13 +127,8 @@ def test_the_target_node_reboots_while_the_copy_is_being_confirmed(cluster: Clus
     forever, the original frozen (and with B's journal on tmpfs, B did not even know)."""
     a = cluster.nodes["A"]
     b = cluster.nodes["B"]
-    b.kill_agent(signal.SIGTERM)
-    b.start_agent(confirm_period="30")
-    mig = cluster.start_migrate(ticker.pid, "A", "B", "--json")
-    wait_until(lambda: "confirming" in _states(b), "B to start its copy", 120)
+    mig, frozen_at = _copy_running_on_b(cluster, ticker)
     copy = int(_record(b)["pid"])  # type: ignore[call-overload]
-    frozen_at = max(ticker.ticks(), default=-1)
-    wait_until(lambda: max(ticker.ticks()) > frozen_at + 5, "B's copy to tick", 30)
     b.reboot()
     assert not psutil.pid_exists(copy)
     b.start_agent(confirm_period="30")
@@ -128,17 +136,22 @@ def test_the_target_node_reboots_while_the_copy_is_being_confirmed(cluster: Clus
     doc = json.loads(out)
     assert doc["state"] == "rolled_back" and "did not outlive a restart" in doc["message"], out + err
     assert _runs_on(ticker.pid, a) and _states(b) == ["discarded"] and _states(a) == ["rolled_back"]
-    # The copy ran for a while on B; the original then went on from where it was frozen:
-    # its ticks follow on from the last one it wrote before the freeze, and only it ticks now.
     assert not [p for p in b.processes() if b.agent is None or p.pid != b.agent.pid]  # the copy is gone
+    _copy_ran_then_the_original_went_on(ticker, frozen_at)
+
+
+def _copy_ran_then_the_original_went_on(ticker: Ticker, frozen_at: int) -> None:
+    """The copy ran for a while; the original then went on from where it was frozen (by
+    ``frozen_at``, a tick the copy had not passed): the ticks are one run up to the copy's last,
+    then one run from the original's next, never two at once, and only it ticks now."""
     n = len(ticker.ticks())
     wait_until(lambda: len(ticker.ticks()) > n + 20, "the original to tick on at A", 30)
     seq = ticker.ticks()
     restart = next(i for i in range(1, len(seq)) if seq[i] != seq[i - 1] + 1)
-    assert seq[:restart] == list(range(restart)), "the ticks before B's reboot are one run"
+    assert seq[:restart] == list(range(restart)), "the original, then its copy, are one run"
     assert seq[restart] <= frozen_at + 1, "the original resumed where it was frozen, not later"
     tail = seq[restart:]
-    assert tail == list(range(tail[0], tail[0] + len(tail))) and len(tail) > 10, "then one copy ticks on"
+    assert tail == list(range(tail[0], tail[0] + len(tail))), f"two copies ticked at once: {seq[restart - 8 :][:30]}"
     ticker.verify_state()
 
 
@@ -184,10 +197,17 @@ def _criu_of(node: Node) -> psutil.Process:
     return next(p for p in node.processes() if "dump" in (c := p.cmdline()) and any(a.endswith("/criu") for a in c))
 
 
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` and every process below it is stopped."""
+    root = psutil.Process(pid)
+    return all(p.status() == psutil.STATUS_STOPPED for p in [root, *root.children(recursive=True)])
+
+
 def test_criu_dying_while_it_holds_the_original_drops_the_copy(cluster: Cluster, ticker: Ticker) -> None:
     """A's CRIU, holding the frozen original while B restores (and holds) its copy, is killed:
-    the original runs again at once.  A must then drop B's copy, not start it: one copy, the
-    original, its ticks continuous.  (Before, A still committed: the workload ran twice.)"""
+    the original, let go as CRIU dies, stays stopped (before, it ran at once, for as long as A
+    waited for B's answer).  A must then drop B's copy, not start it, and resume the original:
+    one copy, its ticks continuous.  (Before that, A still committed: the workload ran twice.)"""
     a = cluster.nodes["A"]
     b = cluster.nodes["B"]
     a.kill_agent(signal.SIGTERM)
@@ -200,8 +220,11 @@ def test_criu_dying_while_it_holds_the_original_drops_the_copy(cluster: Cluster,
         mig = _migrate_via(cluster, ticker.pid, proxy.address)
         wait_until(lambda: proxy.swallowed > 0, "B to hold its copy", 120)
         frozen = ticker.ticks()
-        _criu_of(a).kill()
-        wait_until(lambda: len(ticker.ticks()) > len(frozen) + 5, "the original to run again as CRIU died", 30)
+        criu = _criu_of(a)
+        criu.kill()
+        criu.wait(30)
+        wait_until(lambda: _stopped(ticker.pid), "the original to be stopped, its CRIU gone")
+        assert ticker.ticks() == frozen, "the original ran again while its copy was held"
         proxy.swallow_replies = lambda: False
         out, err = mig.communicate(timeout=120)
     finally:
@@ -211,6 +234,28 @@ def test_criu_dying_while_it_holds_the_original_drops_the_copy(cluster: Cluster,
     assert _states(b) == ["discarded"] and _runs_on(ticker.pid, a)
     ticker.assert_one_copy_continuous()
     ticker.verify_state()
+
+
+def test_the_hook_holding_the_original_killed_while_its_copy_runs_never_lets_both_run(
+    cluster: Cluster, ticker: Ticker
+) -> None:
+    """B's copy runs (confirming, 30 s here) while CRIU's post-dump hook on A holds the frozen
+    original; the hook is killed, so CRIU rolls back and lets the original go.  Before, it ran
+    at once beside the running copy (their ticks interleaved) until A stopped it again (a
+    reviewer's fault injection).  Now it stays stopped: A has B drop its copy, then resumes the
+    original where it was frozen; at no moment do two copies tick."""
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
+    mig, frozen_at = _copy_running_on_b(cluster, ticker)
+    hooks = [p for p in _criu_of(a).children(recursive=True) if "hook" in " ".join(p.cmdline())]
+    assert hooks, "no post-dump hook holds the original"
+    for hook in hooks:
+        hook.kill()
+    out, err = mig.communicate(timeout=120)
+    doc = json.loads(out)
+    assert doc["state"] == "rolled_back" and "ended without a decision" in doc["message"], out + err
+    assert _runs_on(ticker.pid, a) and _states(b) == ["discarded"]
+    _copy_ran_then_the_original_went_on(ticker, frozen_at)
 
 
 def _resolve(cluster: Cluster, on: str, mid: str, how: str) -> subprocess.CompletedProcess[str]:

@@ -152,8 +152,7 @@ def commit(
         if state == TargetState.DISCARDED.value:
             why = message or "the target's copy is gone"
             ctx.journal.move(r, S.ROLLING_BACK, f"{why}; resuming the original")
-            dump.let_go(ctx.timeouts.rpc)
-            resume_leftovers(r)  # (stopped again if its CRIU had died: _holder_lost)
+            let_original_go(r, dump, ctx.timeouts.rpc)
             ctx.journal.move(r, S.ROLLED_BACK, f"{why}; {rolled_back_without_original(ctx, r, dump)}")
             return Outcome.ROLLED_BACK
         if _sleep_watching(ctx, r, dump, delay):
@@ -181,16 +180,16 @@ def _sleep_watching(ctx: Context, r: Record, dump: HeldDump, seconds: float) -> 
 
 
 def _holder_lost(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> Outcome:
-    """The CRIU holding the original ended without a decision and the original runs again.  It
-    is stopped again at once (its copy may be running), then: its copy is dropped and it goes
-    on, or, if the copy is final already, it is ended.  Never both for longer than that."""
-    why = "the CRIU holding the original ended without a decision (the original ran again)"
+    """The CRIU holding the original ended without a decision, letting it go: stopped (its hook
+    queued a SIGSTOP once pinned; sent again here, in case), it waits while its copy is asked
+    about: the copy is dropped and the original goes on, or, if the copy is final already, the
+    original is ended.  Never both running at once."""
+    why = "the CRIU holding the original ended without a decision"
     signals.signal_tree(r.pid, signal.SIGSTOP, r.start_ticks or None)
     log.error("migration %s: %s; it is stopped again while its copy is asked about", r.migration_id, why)
     if target_dropped_copy(ctx, target, r.migration_id, ctx.timeouts.abort_confirm):
         ctx.journal.move(r, S.ROLLING_BACK, f"{why}; its copy on {r.peer} was dropped")
-        dump.let_go(ctx.timeouts.rpc)
-        resume_leftovers(r)
+        let_original_go(r, dump, ctx.timeouts.rpc)
         ctx.remove(r.snapshot)
         ctx.journal.move(r, S.ROLLED_BACK, f"{why}; its copy on {r.peer} was dropped, the original runs on")
         return Outcome.ROLLED_BACK
@@ -217,6 +216,14 @@ def rolled_back_without_original(ctx: Context, r: Record, dump: HeldDump) -> str
         )
     ctx.remove(r.snapshot)
     return f"the original did not survive (a restart of this node?) and no copy of it runs on {r.peer}"
+
+
+def let_original_go(r: Record, dump: HeldDump, timeout: float | None = None) -> None:
+    """CRIU rolls the held original back (:meth:`HeldDump.let_go`), then what is left stopped
+    runs again (:func:`resume_leftovers`): a stop the hook queued once it was pinned, that it
+    did not live to take back, or one :func:`_holder_lost` sent."""
+    dump.let_go(timeout)
+    resume_leftovers(r)
 
 
 def resume_leftovers(r: Record) -> None:

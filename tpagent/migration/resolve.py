@@ -17,7 +17,7 @@ from tpagent.migration.decide import (
     Unresolved,
     commit,
     keep_telling,
-    resume_leftovers,
+    let_original_go,
     rolled_back_without_original,
     target_dropped_copy,
     target_state,
@@ -85,8 +85,7 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
                     if r.state in (S.FREEZING, S.HELD):
                         ctx.journal.move(r, S.ROLLING_BACK, "the agent restarted mid-migration")
                     tell_target_abort(target, r.migration_id)
-                    dump.let_go()  # the hook still holds the tree: CRIU rolls it back
-                    resume_leftovers(r)
+                    let_original_go(r, dump)  # the hook still holds the tree: CRIU rolls it back
                     ctx.journal.move(
                         r,
                         S.ROLLED_BACK,
@@ -127,8 +126,7 @@ def _carry_out(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> None:
         if r.state is not S.ROLLING_BACK:
             ctx.journal.move(r, S.ROLLING_BACK, who)
         ctx.threads.spawn("waiter", f"abort-{r.migration_id[:8]}", keep_telling, ctx, target, r.migration_id, False)
-        dump.let_go()
-        resume_leftovers(r)
+        let_original_go(r, dump)
         ctx.remove(r.snapshot)
         ctx.journal.move(r, S.ROLLED_BACK, f"{who}: the original runs on where it stood")
     else:

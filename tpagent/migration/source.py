@@ -52,6 +52,7 @@ from tpagent.migration.decide import (
     Unresolved,
     commit,
     keep_telling,
+    let_original_go,
     target_dropped_copy,
     target_state,
     tell_target_abort,
@@ -72,12 +73,7 @@ class _Failure(Exception):
 
 _TARGET_REFUSED = {Why.PRECONDITION, Why.NOT_FOUND, Why.INVALID}
 #: A target's states in which its copy has not been let go: a cancel may have it dropped.
-_DROPPABLE = {
-    TargetState.RECEIVING.value,
-    TargetState.RECEIVED.value,
-    TargetState.RESTORING.value,
-    TargetState.READY.value,
-}
+_DROPPABLE = {s.value for s in (TargetState.RECEIVING, TargetState.RECEIVED, TargetState.RESTORING, TargetState.READY)}
 
 
 class SourceMigration:
@@ -480,7 +476,9 @@ class SourceMigration:
             # Its copy never ran; it drops what it received once it hears from us again.
             name = f"abort-{self.migration_id[:8]}"
             ctx.threads.spawn("waiter", name, keep_telling, ctx, target, self.migration_id, False)
-        if self.dump is not None:
+        if self.dump is not None and self.pinned:  # (the hook may have queued a stop it did not take back)
+            let_original_go(self.record, self.dump)
+        elif self.dump is not None:
             self.dump.let_go()
         resumed = proc.alive(self.pid)
         ctx.remove(self.snapshot)
