@@ -210,3 +210,36 @@ def test_a_target_that_goes_silent_mid_restore_is_noticed_by_keepalive_and_the_m
         stuck.rolled_back("cancelled by the operator")
     finally:
         kill_and_wait(stuck.ticker.pid)
+
+
+def test_a_source_stopped_while_the_target_restores_leaves_the_move_to_its_journal(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A is stopped (SIGTERM, as `systemctl stop` does) while B's CRIU restores the copy, and
+    its grace (2 s here) passes first.  The migrate command's call ends as A's server stops:
+    that was taken for the command going away (a Ctrl-C), and the move was rolled back in its
+    name, though A said the next start would take it up from the journal (a reviewer's fault
+    injection).  Now the journal keeps it: started again, A settles it with B, whose copy
+    runs on; the original ends, and one copy ticks on from where it stood."""
+    a = cluster.nodes["A"]
+    b = cluster.nodes["B"]
+    slow, started = slow_restore_criu(tmp_path, 6)
+    b.start_agent(criu=str(slow))
+    a.start_agent(shutdown_grace="2")
+    ticker = Ticker.launch(a, tmp_path, mib=64)
+    try:
+        mig = cluster.start_migrate(ticker.pid, "A", "B", "--json")
+        wait_until(started.exists, "B's CRIU to start restoring", 120)
+        a.kill_agent(signal.SIGTERM)
+        assert _journal_states(a) in (["restoring"], ["committing"]), a.agent_log()[-2000:]  # (not rolled back)
+        a.start_agent(shutdown_grace="2")
+        wait_until(lambda: _journal_states(a) == ["done"], "A to settle the move with B", 120)
+        mig.communicate(timeout=120)
+        assert _journal_states(b) == ["done"]
+        wait_until(lambda: not psutil.pid_exists(ticker.pid), "the original to end")
+        (record,) = (b.work / "agent" / "migrations").glob("*.json")
+        ticker.pid = int(json.loads(record.read_text())["pid"])  # the copy, on B
+        ticker.assert_one_copy_continuous()
+        ticker.verify_state()
+    finally:
+        kill_and_wait(ticker.pid)

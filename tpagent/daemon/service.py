@@ -125,9 +125,11 @@ class Service(AgentServicer):
             ),
         )
 
-        # The CLI going away (Ctrl-C) cancels the migration, unless it is past the point of no return.
+        # The CLI going away (Ctrl-C) cancels the migration, unless it is past the point of no return;
+        # not the calls this agent ends as it stops (it settles its migrations itself, in its own words).
         def went_away() -> None:
-            m.cancel("the tpagent migrate command went away (interrupted)")
+            if not self.node.closed:
+                m.cancel("the tpagent migrate command went away (interrupted)")
 
         if not context.add_callback(went_away):
             m.cancel("the tpagent migrate command went away before it started")
