@@ -5,6 +5,7 @@ the tree is frozen, in a page of its errors)."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import re
 import stat
@@ -26,7 +27,9 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     with an IPC namespace of the workload's, which `tpagent launch` gives it), or a POSIX
     message queue (``mq_open``: CRIU has no dumper for its filesystem), or a file on a mount
     none of the tree's mount namespaces has (opened before its process entered its namespace,
-    or passed to it from another: CRIU cannot find that mount)."""
+    or passed to it from another: CRIU cannot find that mount), or a memfd mapped shared and
+    sealed against writes (CRIU dumps it and cannot restore it), or a pidfd of a process outside
+    the tree."""
     out = [why] if (why := limits_unreadable(pids)) else []
     node_ipc = os.readlink("/proc/self/ns/ipc")
     sysv: dict[str, set[int]] | None = None  # (read once, if a process is in the node's namespace)
@@ -38,6 +41,7 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
                 out.append(
                     f"PID {pid} uses {_ANON_NAMES.get(kind, kind)} (fd {', '.join(fds)}), which CRIU cannot checkpoint."
                 )
+            out += _sealed_shared(pid) + _pidfds_outside(pid, set(pids))
             if elsewhere:
                 fd, link = elsewhere[0]
                 out.append(
@@ -59,18 +63,73 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     return out
 
 
+_F_GET_SEALS = 1034
+#: Seals under which a memfd's shared mapping cannot be made again: CRIU's restore fails (EBUSY).
+_WRITE_SEALS = 0x8 | 0x10  # F_SEAL_WRITE, F_SEAL_FUTURE_WRITE
+
+
+def _sealed_shared(pid: int) -> list[str]:
+    """A sentence if ``pid`` maps a memfd shared that is sealed against writes: CRIU dumps it,
+    and its restore fails every time (it cannot seal it again with the mapping made)."""
+    with open(f"/proc/{pid}/maps", errors="surrogateescape") as f:
+        shared = [
+            (ln.split()[0], ln.split(maxsplit=5)[5].strip()) for ln in f if "/memfd:" in ln and ln.split()[1][3] == "s"
+        ]
+    for span, name in shared:
+        with suppress(OSError):  # (map_files needs CAP_SYS_ADMIN: unread, no refusal)
+            fd = os.open(f"/proc/{pid}/map_files/{span}", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                seals = fcntl.fcntl(fd, _F_GET_SEALS)
+            finally:
+                os.close(fd)
+            if seals & _WRITE_SEALS:
+                return [
+                    f"PID {pid} maps {name.removesuffix(' (deleted)')} (memfd_create) shared and sealed against "
+                    "writes, which CRIU checkpoints but cannot restore; map it private, or seal it after unmapping."
+                ]
+    return []
+
+
+def _pidfds_outside(pid: int, tree: set[int]) -> list[str]:
+    """A sentence if ``pid`` holds a pidfd of a live process outside ``tree`` (CRIU refuses it,
+    with the tree frozen)."""
+    for fd, link in fd_links(pid):
+        if (
+            link == "anon_inode:[pidfd]"
+            and (of := fdinfo_int(pid, fd, "Pid")) is not None
+            and of > 0
+            and of not in tree
+        ):
+            return [
+                f"PID {pid} holds a pidfd (fd {fd}) of PID {of}, a process outside its tree, which CRIU cannot "
+                "checkpoint; close it, or start that process inside the tree."
+            ]
+    return []
+
+
 def limits_unreadable(pids: Sequence[int], who: str = "tpagent here") -> str:
     """Why CRIU could not read the resource limits of a process of ``pids`` (one of another
     user's, ``who`` lacking CAP_SYS_RESOURCE); "" where it could."""
     if has_capability(CAP_SYS_RESOURCE):
         return ""
-    for pid in pids:
-        if users := other_users([pid]):
+    for pid in pids:  # (the kernel lets only a process of the very same UIDs and GIDs read them without)
+        users = other_users([pid])
+        groups = set() if users else _other_groups(pid)
+        if users or groups:
+            runs = f"UID {min(users)}" if users else f"group {min(groups)}"
             return (
-                f"PID {pid} runs as UID {min(users)}, and {who} lacks CAP_SYS_RESOURCE, without which CRIU cannot "
-                "read another user's resource limits: give it that capability (a container: add SYS_RESOURCE)."
+                f"PID {pid} runs as {runs}, and {who} lacks CAP_SYS_RESOURCE, without which CRIU cannot read the "
+                "resource limits of a process of another user or group: give it that capability (a container: "
+                "add SYS_RESOURCE)."
             )
     return ""
+
+
+def _other_groups(pid: int) -> set[int]:
+    """The GIDs (real, effective, saved) other than this process's own that ``pid`` runs as."""
+    with suppress(psutil.Error):
+        return set(psutil.Process(pid).gids()) - {os.getegid()}
+    return set()
 
 
 def _sysv_users() -> dict[str, set[int]]:

@@ -4,15 +4,16 @@ not at all):
 
 - a tracer (gdb, ``strace -p``, py-spy) holding one of its threads: CRIU cannot seize it;
 - a pipe whose other end only a process outside the tree holds (``python train.py | tee log``
-  run without ``tpagent launch``): CRIU gives the copy a new pipe with nobody at that end, so
-  its writes fail (EPIPE) or its reads end (EOF) as soon as it runs;
+  run without ``tpagent launch``), or a named pipe (FIFO) only it reads or writes: CRIU gives
+  the copy a pipe with nobody at that end, so its writes fail (EPIPE) or its reads end (EOF)
+  as soon as it runs;
 - a unix stream connection to a process outside the tree (a local daemon, journald as a
   service's stdout): CRIU cannot dump half of one.  (A rank runtime's to its agent it lets go
   of before its job's move, and is no tie there.)
 
-The other end is found by its inode: a pipe's from each process's ``/proc/PID/fd`` (and which
-way each descriptor goes from its ``fdinfo`` flags), a unix socket's peer from the kernel's
-sock_diag (netlink), in the reader's network namespace::
+The other end is found by its inode (a FIFO's by its path): a pipe's from each process's
+``/proc/PID/fd`` (and which way each descriptor goes from its ``fdinfo`` flags), a unix
+socket's peer from the kernel's sock_diag (netlink), in the reader's network namespace::
 
     REQUEST ::= NLMSGHDR(SOCK_DIAG_BY_FAMILY, REQUEST|DUMP) UNIX_DIAG_REQ(AF_UNIX, ESTABLISHED, NAME|PEER)
     ANSWER  ::= { NLMSGHDR UNIX_DIAG_MSG(family type state pad ino cookie[2]) { RTATTR } } NLMSGHDR(DONE)
@@ -28,6 +29,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -108,7 +110,7 @@ def _refusals(pids: Sequence[int], agent_let_go: bool) -> list[str]:
     sockets: dict[str, tuple[int, str]] = {}  # socket:[INODE] -> (PID, fd), the first in the tree
     for pid in pids:
         for fd, link in fd_links(pid):
-            if link.startswith("pipe:"):
+            if link.startswith("pipe:") or (link.startswith("/") and _fifo(pid, fd)):  # (a named one: its path)
                 mode = _access(pid, fd)
                 pipes.setdefault(link, (pid, fd, mode))
                 modes.setdefault(link, set()).add(mode)
@@ -122,8 +124,9 @@ def _refusals(pids: Sequence[int], agent_let_go: bool) -> list[str]:
     for link, (pid, fd, mode) in pipes.items():
         if (other := outside.get(link)) is not None:
             verb, their = ("writes to", "reads") if mode == os.O_WRONLY else ("reads", "writes")
+            what = "a pipe" if link.startswith("pipe:") else f"the named pipe {link}"
             out.append(
-                f"PID {pid} {verb} a pipe (fd {fd}) that PID {other[0]} ({_comm(other[0])}) outside its tree "
+                f"PID {pid} {verb} {what} (fd {fd}) that PID {other[0]} ({_comm(other[0])}) outside its tree "
                 f"{their}: the copy's pipe would have nobody at that end; give it a file instead (for its output, "
                 "`tpagent launch --stdout FILE`), or start the other end inside the tree."
             )
@@ -317,6 +320,14 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text(errors="surrogateescape").strip()
     except OSError:
         return "gone since"
+
+
+def _fifo(pid: int, fd: str) -> bool:
+    """Whether the descriptor is a named pipe (a FIFO: its other ends are those holding its path)."""
+    try:
+        return stat.S_ISFIFO(os.stat(f"/proc/{pid}/fd/{fd}").st_mode)
+    except OSError:
+        return False
 
 
 def _access(pid: int, fd: str) -> int:

@@ -428,34 +428,39 @@ def test_sysv_semaphores_and_message_queues_come_back_under_launch_and_are_refus
         subprocess.run(["ipcrm", "-s", str(sem), "-q", str(queue)], check=True)
 
 
+@pytest.mark.parametrize("who", ["user", "group"])
 def test_another_users_process_is_refused_before_the_freeze_where_criu_could_not_read_its_limits(
-    tmp_path: Path,
-) -> None:  # type: ignore[no-untyped-def]
-    """CRIU reads each process's resource limits, which takes CAP_SYS_RESOURCE for another
-    user's (a container's root without SYS_RESOURCE, this CI's root).  Without it, a dump of
-    nobody's process is refused in one sentence before anything is frozen (before: frozen, then
-    CRIU's own lines, ``Can't get rlimit 0``); with it, the process is dumped and restored."""
+    tmp_path: Path, who: str
+) -> None:
+    """CRIU reads each process's resource limits, which takes CAP_SYS_RESOURCE for a process
+    of another user, or group (the kernel lets one read them without only where all their UIDs
+    and GIDs are the same): a container's root without SYS_RESOURCE, this CI's root.  Without
+    it, a dump of nobody's process, or of root's under group nobody (``setpriv --regid``: a
+    reviewer's find), is refused in one sentence before anything is frozen (before: frozen,
+    then CRIU's own lines, ``Can't get rlimit 0``); with it, the process is dumped and restored."""
     python, env = user_python()
+    run_as = as_user(NOBODY) if who == "user" else ["setpriv", f"--regid={NOBODY[1]}", "--clear-groups", "--"]
     with user_dir(NOBODY) as home:
         log = home / "w.log"
         p = subprocess.Popen(
-            [*as_user(NOBODY), python, str(STATEFUL), str(log), "16"],
+            [*run_as, python, str(STATEFUL), str(log), "16"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True, cwd=home, env={"PATH": os.defpath, **env},
         )  # fmt: skip
         try:
-            wait_until(lambda: log.exists() and log.read_text().count("\n") >= 3, "nobody's workload to run")
+            wait_until(lambda: log.exists() and log.read_text().count("\n") >= 3, "the workload to run")
             proc = tpagent("dump", str(p.pid), "--out", str(tmp_path / "snap"))
             if has_capability(CAP_SYS_RESOURCE):
                 assert proc.returncode == 0, proc.stderr
                 proc = tpagent("restore", str(tmp_path / "snap"))
                 assert proc.returncode == 0, proc.stderr
-                assert psutil.Process(p.pid).uids().real == NOBODY[0]
+                assert psutil.Process(p.pid).gids().real == NOBODY[1]
             else:
-                assert_one_sentence_error(proc, f"PID {p.pid} runs as UID {NOBODY[0]}", "lacks CAP_SYS_RESOURCE")
+                runs = f"UID {NOBODY[0]}" if who == "user" else f"group {NOBODY[1]}"
+                assert_one_sentence_error(proc, f"PID {p.pid} runs as {runs}", "lacks CAP_SYS_RESOURCE")
                 assert "Nothing was done" in proc.stderr and not (tmp_path / "snap").exists()
                 n = log.read_text().count("\n")
-                wait_until(lambda: log.read_text().count("\n") > n + 2, "nobody's workload to run on, never frozen")
+                wait_until(lambda: log.read_text().count("\n") > n + 2, "the workload to run on, never frozen")
         finally:
             kill_and_wait(p.pid)
             p.wait(10)
@@ -521,6 +526,9 @@ time.sleep(600)
         ("terminal", "'s terminal (/dev/pts/"),
         ("pdeathsig", "asks to be killed when its parent dies (SIGTERM, PR_SET_PDEATHSIG) and its parent, PID "),
         ("foreign-mount", ") from a mount outside its mount namespace (opened before it entered the namespace"),
+        ("sealed-memfd", " (memfd_create) shared and sealed against writes, which CRIU checkpoints but cannot restore"),
+        ("pidfd", ", a process outside its tree, which CRIU cannot checkpoint"),
+        ("fifo", "writes to the named pipe "),
     ],
 )
 def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_frozen(  # type: ignore[no-untyped-def]
@@ -530,20 +538,22 @@ def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_fro
     anonymous inodes) or a POSIX message queue (none for its filesystem), nor seize a process
     a debugger or tracer holds, nor take one end of a unix connection whose other end is
     outside the tree, or the slave of a terminal whose master is (a shell's in tmux), nor find
-    the mount of a file opened before its process entered a mount namespace.  Given
-    one end of such a pipe (``python train.py | tee log``) it dumps it, and the copy's pipe
-    has nobody at the other end; given a root that asked to be killed when its parent (outside
-    the tree) dies, it restores that too, as its own child, and leaves: the copy is killed as
-    it starts.  It finds the first ones out only once the tree is frozen (a page of its
-    errors), the last two not at all; the dump says so first, in one sentence, and the process
-    never stops; `doctor --pid` names it."""
+    the mount of a file opened before its process entered a mount namespace, nor hold a pidfd
+    of a process outside the tree.  Given one end of such a pipe (``python train.py | tee log``),
+    or of a named pipe, it dumps it, and the copy's pipe has nobody at the other end; a memfd
+    sealed against writes and mapped shared it dumps, and no restore of it ever works; given a
+    root that asked to be killed when its parent (outside the tree) dies, it restores that too,
+    as its own child, and leaves: the copy is killed as it starts.  It finds the first ones out
+    only once the tree is frozen (a page of its errors), the last ones not at all; the dump
+    says so first, in one sentence, and the process never stops; `doctor --pid` names it."""
     disabled = Path("/proc/sys/kernel/io_uring_disabled")
     if kind == "io_uring" and disabled.exists() and disabled.read_text().strip() != "0":
         pytest.skip("this kernel gives no io_uring (kernel.io_uring_disabled)")
     with contextlib.ExitStack() as held:
         theirs = _outside_end(kind, held)
-        args = (kind if kind in ("io_uring", "perf_event", "mqueue", "pdeathsig") else "none",)
-        plain = bool(theirs) or kind in ("pdeathsig", "foreign-mount")  # (its parent outside its tree: this test)
+        own = ("io_uring", "perf_event", "mqueue", "pdeathsig", "sealed-memfd", "pidfd")
+        args = (kind if kind in own else _fifo(tmp_path, held) if kind == "fifo" else "none",)
+        plain = bool(theirs) or kind in ("pdeathsig", "foreign-mount", "pidfd", "fifo")  # (a parent or end: this test)
         # (foreign-mount: its descriptors, this test's files among them, opened before it entered its namespace)
         wrap = ("unshare", "--mount", "--propagation", "private") if kind == "foreign-mount" else ()
         w = Loop("anon_inode_loop.py", tmp_path / "w.log", args, launched=not plain, pass_fds=theirs, wrap=wrap)
@@ -586,6 +596,14 @@ def _outside_end(kind: str, held: contextlib.ExitStack) -> tuple[int, ...]:
         held.callback(os.close, master)
         return (slave,)
     return ()
+
+
+def _fifo(tmp_path: Path, held: contextlib.ExitStack) -> str:
+    """The loop's argument for a named pipe the test reads (as a log collector would)."""
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    held.callback(os.close, os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+    return f"fifo:{path}"
 
 
 def _named_again() -> list[str]:

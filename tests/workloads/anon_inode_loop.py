@@ -4,12 +4,17 @@
                                             (a counter of its own CPU time, as profilers hold),
                                             mqueue (a POSIX message queue, mq_open), pdeathsig
                                             (no descriptor: SIGTERM asked for when its parent
-                                            dies, PR_SET_PDEATHSIG, as vLLM's workers do), or none
+                                            dies, PR_SET_PDEATHSIG, as vLLM's workers do),
+                                            sealed-memfd (a memfd sealed against writes, mapped
+                                            shared, read-only), pidfd (a pidfd of its parent),
+                                            fifo:PATH (writes to the named pipe PATH), or none
 
 Writes ``tick N`` to LOG every 20 ms; exits with status 3 if the kernel gives no such descriptor.
 """
 
 import ctypes
+import fcntl
+import mmap
 import os
 import struct
 import sys
@@ -18,9 +23,20 @@ import time
 SYS_IO_URING_SETUP = 425  # (x86_64 and arm64 alike)
 SYS_PERF_EVENT_OPEN = 298  # (x86_64)
 libc = ctypes.CDLL(None, use_errno=True)
+kept: list[mmap.mmap] = []  # (mappings held for the loop's whole life)
 
 
 def _open(kind: str) -> int:
+    if kind == "sealed-memfd":
+        fd = os.memfd_create("tpagent-sealed", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, 1 << 16)
+        fcntl.fcntl(fd, 1033, 0x1 | 0x2 | 0x4 | 0x8)  # (F_ADD_SEALS: SEAL, SHRINK, GROW, WRITE)
+        kept.append(mmap.mmap(fd, 1 << 16, mmap.MAP_SHARED, mmap.PROT_READ))
+        return fd
+    if kind == "pidfd":
+        return os.pidfd_open(os.getppid())
+    if kind.startswith("fifo:"):
+        return os.open(kind.removeprefix("fifo:"), os.O_WRONLY)
     if kind == "pdeathsig":
         return int(libc.prctl(1, 15))  # (PR_SET_PDEATHSIG, SIGTERM: 0 on success)
     if kind == "mqueue":
