@@ -93,6 +93,14 @@ class HeldDump:
             return False
         return all(_size(self.out / name) == entry.get("size") for name, entry in files.items())
 
+    def stopped(self) -> list[int] | None:
+        """The processes stopped before the freeze, as the seal says (those its hook, and CRIU's
+        rollback, leave stopped); None if it cannot be read."""
+        try:
+            return [p.pid for p in manifest.load(self.out).processes if p.stopped]
+        except SnapshotError:
+            return None
+
     def sealed_at(self) -> float | None:
         """When the snapshot was sealed (the tree frozen and held since), in Unix seconds; None if not."""
         try:

@@ -5,6 +5,7 @@ root, no gRPC.  Each test asserts what became of the original and of the target'
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -86,6 +87,25 @@ def test_a_failed_restore_resumes_the_original_after_the_copy_is_gone(
     assert target.states[m.migration_id] is TargetState.DISCARDED and FakeHeldDump.decisions == ["abort"]
     assert wait(lambda: _status(original) != psutil.STATUS_STOPPED)  # runs on where it stood
     assert not m.snapshot.exists()
+
+
+@pytest.mark.parametrize("at_check, at_freeze", [(False, True), (True, False)])
+def test_what_a_rollback_leaves_stopped_is_what_was_stopped_as_the_tree_was_frozen(
+    tmp_path: Path, original: subprocess.Popen[bytes], at_check: bool, at_freeze: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the pin, a rollback resumes all but the processes stopped before the freeze: those
+    the seal names (and the hook, and CRIU's rollback, spare), not those stopped as the tree was
+    checked.  A process the user stopped between the two was resumed by a rollback, and one
+    continued between them stayed stopped for ever (a reviewer's fault injection)."""
+    monkeypatch.setattr(FakeHeldDump, "stopped_at_freeze", at_freeze)
+    if at_check:
+        original.send_signal(signal.SIGSTOP)
+        assert wait(lambda: _status(original) == psutil.STATUS_STOPPED)
+    target = FakeTarget(tmp_path, restore_does="refuse")
+    m, _ = _run(tmp_path, target, original.pid)
+    assert m.result is not None and m.result.outcome is Outcome.ROLLED_BACK
+    record = json.loads((m.ctx.cfg.work_dir / "migrations" / f"{m.migration_id}.json").read_text())
+    assert record.get("stopped", []) == ([original.pid] if at_freeze else [])
 
 
 def test_a_broken_restore_call_asks_the_target_and_commits_a_ready_copy(

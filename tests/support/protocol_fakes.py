@@ -51,6 +51,7 @@ class FakeHeldDump(HeldDump):
 
     decisions: list[str] = []
     lost = False
+    stopped_at_freeze = False  # (the seal's word on the original; a test sets it with monkeypatch)
 
     @classmethod
     def start(
@@ -70,7 +71,7 @@ class FakeHeldDump(HeldDump):
         m = Manifest(
             root_pid=pid,
             namespace=False,
-            processes=[ProcInfo(pid, 0, ("x",), (pid,), False)],
+            processes=[ProcInfo(pid, 0, ("x",), (pid,), False, stopped=cls.stopped_at_freeze)],
             gpus=[],
             criu={"version": "4.2.1", "shell_job": False, "tcp_established": False},
             cuda={"driver_version": None, "pids": []},
