@@ -4,7 +4,8 @@ CRIU runs this (through the wrapper :func:`install` writes) at each action of a 
 ``post-dump`` the images are complete and every task is still frozen.  It then archives the
 carried files (read as root, so never through a symlink and only from a directory owned by
 root or by the file's owner: see :mod:`host.safefs`), checksums and fsyncs the images,
-reads the frozen process tree and writes ``manifest.json``.  If it
+reads the frozen process tree and writes ``manifest.json``; a dump whose queued unix messages
+carry descriptors, which CRIU does not bring back whole, it refuses (:mod:`snapshot.skqueues`).  If it
 fails, CRIU rolls the dump back itself: it resumes the tree and lifts its network lock
 (which SIGCONT alone cannot do for TCP connections), so the workload runs on where it stood.
 
@@ -48,7 +49,7 @@ from typing import Any
 import psutil
 
 from host import criu_limits, ends, files, proc, reopened, safefs, signals, sockets
-from snapshot import affinity, manifest, streamer, timers
+from snapshot import affinity, manifest, skqueues, streamer, timers
 from snapshot.criu import started_in
 
 PENDING = "manifest.pending.json"
@@ -352,6 +353,8 @@ def _streamed(out: Path, seconds: float = 120.0) -> dict[str, dict[str, Any]]:
     data = json.loads(said.read_text())
     if "error" in data:
         raise RuntimeError(data["error"])
+    if data.get("descriptors_queued"):
+        raise RuntimeError(skqueues.refusal(data["descriptors_queued"]))
     return {f"{manifest.IMAGES_DIR}/{name}": entry for name, entry in data["images"].items()}
 
 
@@ -378,6 +381,8 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     if pending.get("carried") or carry:
         pending["carried"] = _archive(out, sorted({*pending.get("carried", ()), *carry}), most)
     pending["links"] = _unlinked({k: v for k, v in links.items() if v in pending.get("carried", ())})
+    if not streamed:
+        skqueues.check(out / manifest.IMAGES_DIR / skqueues.NAME)
     sums = manifest.checksum_files(out) | (_streamed(out) if streamed else {})
     _fsync_tree(out / manifest.IMAGES_DIR)
     if fail:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from snapshot import skqueues
 from snapshot.api import ImageSink, SnapshotError
 from snapshot.manifest import CHUNK_SIZE, DIGEST, DIGESTS
 
@@ -83,6 +84,7 @@ class Capture:
         self.hasher = DIGESTS[digest]
         self.images: dict[str, Streamed] = {}
         self.error: BaseException | None = None
+        self.queues = bytearray()  # (sk-queues.img, kept for the hook's check: snapshot.skqueues)
         self._lock = threading.Lock()
         self._conn: socket.socket | None = None
         self._aborted = False
@@ -214,6 +216,12 @@ class Capture:
                     for n, i in self.images.items()
                 }
             }
+            queues = self.images.get(skqueues.NAME)
+            try:
+                if queues is not None and queues.size == len(self.queues):  # (whole: not over MOST)
+                    said["descriptors_queued"] = skqueues.carrying_descriptors(bytes(self.queues))
+            except ValueError as e:
+                said = {"error": f"CRIU's {skqueues.NAME} could not be read: {e}"}
         tmp = log_dir / (STREAMED_FILE + ".tmp")
         tmp.write_text(json.dumps(said))
         tmp.rename(log_dir / STREAMED_FILE)
@@ -231,6 +239,8 @@ class Capture:
                 if got:
                     chunk = view[:got]
                     image.digests.append(self.hasher(chunk).hexdigest())
+                    if name == skqueues.NAME and image.size + got <= skqueues.MOST:
+                        self.queues += chunk
                     if self.sink is not None:
                         self.sink(name, image.size, chunk)
                     image.size += got

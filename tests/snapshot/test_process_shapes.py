@@ -598,6 +598,36 @@ def _outside_end(kind: str, held: contextlib.ExitStack) -> tuple[int, ...]:
     return ()
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_descriptors_queued_on_a_unix_socket_are_refused_with_the_tree_frozen_and_it_runs_on(  # type: ignore[no-untyped-def]
+    loops, tmp_path: Path, streamed: bool
+) -> None:
+    """A worker sent its parent descriptors it has not read yet (SCM_RIGHTS, as
+    torch.multiprocessing passes tensors): CRIU dumped them, and ended the tree, but its restore
+    lost them (memfds: the parent never got them) or failed (regular files), a reviewer found.
+    The hook reads CRIU's queues (from the images, or as they stream by) and refuses: CRIU rolls
+    back and the tree runs on, its queue intact; once read, the same dump works."""
+    w = Loop("queued_fds.py", tmp_path / "w.log", (), launched=True).start()
+    loops.append(w)
+    config = SnapshotConfig(stream=lambda name, offset, chunk: None) if streamed else SnapshotConfig()
+    said = r"3 message\(s\) queued on a unix socket of the tree carry descriptors \(SCM_RIGHTS"
+    with pytest.raises(SnapshotError, match=said) as refused:
+        checkpoint(w.pid, tmp_path / "refused", config=config)
+    assert refused.value.rolled_back
+    n = w.numbers("tick")[-1][0]
+    wait_until(lambda: w.numbers("tick")[-1][0] > n + 5, "the workload to run on")
+    (parent,) = psutil.Process(w.pid).children()
+    os.kill(parent.pid, signal.SIGUSR1)
+    wait_until(lambda: w.numbers("got"), "the parent to read what was queued")
+    assert w.numbers("got") == [[0, 0, 1, 1, 2, 2]]  # (each number, and its memfd's: all there, in order)
+    checkpoint(w.pid, tmp_path / "snap")
+    w.reap()
+    stopped = w.numbers("tick")[-1][0]
+    w.pid = restore.restore(tmp_path / "snap").pid
+    wait_until(lambda: w.numbers("tick")[-1][0] > stopped + 5, "the restored workload to tick on")
+    assert [t[0] for t in w.numbers("tick")] == list(range(len(w.numbers("tick"))))
+
+
 def _fifo(tmp_path: Path, held: contextlib.ExitStack) -> str:
     """The loop's argument for a named pipe the test reads (as a log collector would)."""
     path = tmp_path / "fifo"
