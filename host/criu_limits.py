@@ -305,9 +305,15 @@ def restore_warnings(pids: Sequence[int]) -> list[str]:
     """One sentence for each process of the tree that holds state a restore may not bring back
     as it was: an inotify or fanotify instance, whose events queued at the freeze can be lost
     (CRIU brings back the watches, not the queue); a UDP socket with datagrams queued unread
-    (CRIU saves no inet socket's queue).  For ``inspect``, a dump's output, a dry run."""
+    (CRIU saves no inet socket's queue); personality flags (``setarch -R``), which CRIU reads
+    wrongly and never puts back.  For ``inspect``, a dump's output, a dry run."""
     out = []
     for pid in pids:
+        if flags := _personality(pid):
+            out.append(
+                f"PID {pid} runs with personality flags {flags:#x} (setarch: ADDR_NO_RANDOMIZE is 0x40000), which "
+                "CRIU does not restore: its copy runs without them."
+            )
         held: dict[str, list[str]] = {}
         links = fd_links(pid)
         for fd, link in links:
@@ -327,6 +333,16 @@ def restore_warnings(pids: Sequence[int]) -> list[str]:
             if link in queued
         ]
     return out
+
+
+def _personality(pid: int) -> int:
+    """``pid``'s execution domain and flags (/proc/PID/personality, in hex; root's to read): 0 is
+    Linux's plain one (CRIU reads it, as decimal, and puts nothing back)."""
+    try:
+        with open(f"/proc/{pid}/personality") as f:
+            return int(f.read(), 16)
+    except (OSError, ValueError):
+        return 0
 
 
 def _udp_queued(pid: int) -> dict[str, int]:

@@ -504,6 +504,28 @@ def test_a_datagram_queued_unread_is_warned_about(tmp_path: Path) -> None:
         p.wait(10)
 
 
+def test_personality_flags_are_warned_about_and_what_a_restore_makes_of_them_is_seen(tmp_path: Path) -> None:
+    """A process started with ``setarch -R`` (ADDR_NO_RANDOMIZE, 0x40000): CRIU reads its
+    personality as a decimal number and never puts it back (a reviewer's find), so its copy
+    runs without it.  The dump says so; the restored process shows what it warned of."""
+    log = tmp_path / "w.log"
+    p = subprocess.Popen(
+        ["setarch", "-R", sys.executable, str(STATEFUL), str(log), "8"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: log.exists() and "tick " in log.read_text(), "the workload to run")
+        said = f"PID {p.pid} runs with personality flags 0x40000"
+        proc = tpagent("dump", str(p.pid), "--out", str(tmp_path / "snap"))
+        assert proc.returncode == 0 and f"warning: {said}" in proc.stderr, proc.stderr
+        p.wait(10)
+        proc = tpagent("restore", str(tmp_path / "snap"), "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert Path(f"/proc/{p.pid}/personality").read_text().strip() == "00000000"  # (as warned: lost)
+    finally:
+        kill_and_wait(p.pid)
+
+
 #: A tracer as gdb, strace or py-spy is one: it seizes the process it is given, and holds it.
 TRACER = """
 import ctypes, sys, time
