@@ -47,8 +47,9 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
                 out.append(
                     f"PID {pid} holds {link} (fd {', '.join(fd for fd, _ in elsewhere)}) from a mount outside its "
                     "mount namespace (opened before it entered the namespace, or passed to it from another: "
-                    "`unshare -m`, a container's runtime), which CRIU cannot find; start the workload with "
-                    "`tpagent launch`, or have it open the file inside its namespace."
+                    "`unshare -m`, a container's runtime; or a filesystem unmounted since, `umount -l`), which "
+                    "CRIU cannot find; have it open the file inside its namespace (`tpagent launch` gives it one), "
+                    "or close one whose filesystem is gone."
                 )
             if os.readlink(f"/proc/{pid}/ns/ipc") != node_ipc:
                 continue

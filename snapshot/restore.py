@@ -192,7 +192,7 @@ def _check_not_running(m: Manifest, clone: bool) -> None:
     before (unless ``clone``)."""
     if _original_still_running(m):
         raise UsageError(
-            f"the process this snapshot was taken from (PID {m.root_pid}, left {m.origin['mode']}) "
+            f"the process this snapshot was taken from (PID {m.root_pid}, dumped in mode {m.origin['mode']}) "
             "still runs on this node; stop it first, or two copies would run."
         )
     copy = None if clone else copies.still_running(m)
