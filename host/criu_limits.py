@@ -73,12 +73,15 @@ def _sealed_shared(pid: int) -> list[str]:
     """A sentence if ``pid`` maps a memfd shared that is sealed against writes: CRIU dumps it,
     and its restore fails every time (it cannot seal it again with the mapping made)."""
     with open(f"/proc/{pid}/maps", errors="surrogateescape") as f:
-        shared = [
-            (ln.split()[0], ln.split(maxsplit=5)[5].strip()) for ln in f if "/memfd:" in ln and ln.split()[1][3] == "s"
-        ]
+        rows = [ln.split(maxsplit=5) for ln in f]
+    # (a memfd's name is "/memfd:NAME (deleted)": no file of a user's is named so, at the root)
+    shared = [(r[0], r[5].strip()) for r in rows if len(r) == 6 and r[5].startswith("/memfd:") and r[1][3] == "s"]
     for span, name in shared:
+        at = f"/proc/{pid}/map_files/{span}"
         with suppress(OSError):  # (map_files needs CAP_SYS_ADMIN: unread, no refusal)
-            fd = os.open(f"/proc/{pid}/map_files/{span}", os.O_RDONLY | os.O_CLOEXEC)
+            if not stat.S_ISREG(os.stat(at).st_mode):  # (never opened as root unless a plain file's)
+                continue
+            fd = os.open(at, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
             try:
                 seals = fcntl.fcntl(fd, _F_GET_SEALS)
             finally:
