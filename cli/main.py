@@ -194,7 +194,7 @@ def _dumped(
         "warnings": m.warnings,
     }
     for warning in m.warnings:  # (what a restore may not bring back as it was)
-        typer.echo(f"warning: {warning}", err=True)
+        typer.echo(f"warning: {printable(warning, None)}", err=True)
     ended = "left running" if mode is DumpMode.LEAVE_RUNNING else "ended"
     text = f"snapshot of PID {pid} written to {out} ({gib:.2f} GiB); process {ended}"
     if shipped is not None:
@@ -281,7 +281,7 @@ def inspect(
     ]
     lines += [f"  thread {b.tid} of pid {b.pid}: bound to CPUs {b.cpus}, bound again on restore" for b in m.bindings]
     lines += ["  timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in m.timings.items())]
-    lines += [f"  warning: {w}" for w in m.warnings]
+    lines += [f"  warning: {printable(w, None)}" for w in m.warnings]
     # (its user chose the command lines, and anyone may have written the directory: no escape
     # sequence of theirs reaches the operator's terminal)
     _emit(as_json, m.to_json(), "\n".join(printable(line, 4000) for line in lines))
@@ -323,7 +323,7 @@ def doctor(
     _emit(
         as_json,
         {"checks": [{"name": c.name, "verdict": c.verdict.value, "message": c.message} for c in checks]},
-        "\n".join(f"{c.verdict.value:<5} {c.name:<14} {c.message}" for c in checks),
+        "\n".join(f"{c.verdict.value:<5} {c.name:<14} {printable(c.message, None)}" for c in checks),
     )
     if any(c.verdict is doctor_mod.Verdict.FAIL for c in checks):
         raise typer.Exit(EXIT_FAILED)

@@ -20,6 +20,13 @@ def is_whole(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
+def shown(path: str) -> str:
+    """A name another user chose (a path, a memfd's name) in one line of text: its control and
+    undecodable characters escaped, as Python writes them (a newline could forge a line of the
+    output, an escape sequence drive the terminal)."""
+    return path if path.isprintable() else ascii(path)[1:-1]
+
+
 def port_number(text: str) -> int | None:
     """The port ``text`` names (0 to 65535, in ASCII digits), or None."""
     return int(text) if is_whole(text) and len(text) <= 5 and int(text) <= 65535 else None

@@ -16,6 +16,7 @@ from contextlib import suppress
 import psutil
 
 from host import files
+from host.api import shown
 from host.proc import CAP_SYS_RESOURCE, fd_links, fdinfo_int, has_capability, other_users
 
 
@@ -44,8 +45,9 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
             out += _sealed_shared(pid) + _pidfds_outside(pid, set(pids))
             if elsewhere:
                 fd, link = elsewhere[0]
+                listed = ", ".join(fd for fd, _ in elsewhere)
                 out.append(
-                    f"PID {pid} holds {link} (fd {', '.join(fd for fd, _ in elsewhere)}) from a mount outside its "
+                    f"PID {pid} holds {shown(link)} (fd {listed}) from a mount outside its "
                     "mount namespace (opened before it entered the namespace, or passed to it from another: "
                     "`unshare -m`, a container's runtime; or a filesystem unmounted since, `umount -l`), which "
                     "CRIU cannot find; have it open the file inside its namespace (`tpagent launch` gives it one), "
@@ -77,33 +79,44 @@ def _sealed_shared(pid: int) -> list[str]:
     # (a memfd's name is "/memfd:NAME (deleted)": no file of a user's is named so, at the root)
     shared = [(r[0], r[5].strip()) for r in rows if len(r) == 6 and r[5].startswith("/memfd:") and r[1][3] == "s"]
     for span, name in shared:
-        at = f"/proc/{pid}/map_files/{span}"
         with suppress(OSError):  # (map_files needs CAP_SYS_ADMIN: unread, no refusal)
-            if not stat.S_ISREG(os.stat(at).st_mode):  # (never opened as root unless a plain file's)
-                continue
-            fd = os.open(at, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-            try:
-                seals = fcntl.fcntl(fd, _F_GET_SEALS)
-            finally:
-                os.close(fd)
-            if seals & _WRITE_SEALS:
+            if _sealed(f"/proc/{pid}/map_files/{span}") & _WRITE_SEALS:
                 return [
-                    f"PID {pid} maps {name.removesuffix(' (deleted)')} (memfd_create) shared and sealed against "
-                    "writes, which CRIU checkpoints but cannot restore; map it private, or seal it after unmapping."
+                    f"PID {pid} maps {shown(name.removesuffix(' (deleted)'))} (memfd_create) shared and sealed "
+                    "against writes, which CRIU checkpoints but cannot restore; map it private, or seal it after "
+                    "unmapping."
                 ]
     return []
+
+
+def _sealed(mapped: str) -> int:
+    """The seals of the file mapped at ``mapped`` (a /proc/PID/map_files entry), if it is a plain
+    file with no name left, as a memfd is: taken first without opening it (O_PATH), then, that
+    very file checked, opened again through that descriptor (never a device a user mapped under
+    a memfd's name, nor another file mapped there meanwhile); 0 for any other."""
+    path = os.open(mapped, os.O_PATH | os.O_CLOEXEC)
+    try:
+        st = os.fstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink:
+            return 0
+        fd = os.open(f"/proc/self/fd/{path}", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    finally:
+        os.close(path)
+    try:
+        return int(fcntl.fcntl(fd, _F_GET_SEALS))
+    finally:
+        os.close(fd)
 
 
 def _pidfds_outside(pid: int, tree: set[int]) -> list[str]:
     """A sentence if ``pid`` holds a pidfd of a live process outside ``tree`` (CRIU refuses it,
     with the tree frozen)."""
     for fd, link in fd_links(pid):
-        if (
-            link == "anon_inode:[pidfd]"
-            and (of := fdinfo_int(pid, fd, "Pid")) is not None
-            and of > 0
-            and of not in tree
-        ):
+        if link != "anon_inode:[pidfd]":
+            continue
+        if (fdinfo_int(pid, fd, "flags", 8) or 0) & os.O_EXCL:  # (PIDFD_THREAD: one thread's)
+            return [f"PID {pid} holds a pidfd of a thread (fd {fd}, PIDFD_THREAD), which CRIU cannot checkpoint."]
+        if (of := fdinfo_int(pid, fd, "Pid")) is not None and of > 0 and of not in tree:
             return [
                 f"PID {pid} holds a pidfd (fd {fd}) of PID {of}, a process outside its tree, which CRIU cannot "
                 "checkpoint; close it, or start that process inside the tree."

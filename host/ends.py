@@ -11,7 +11,7 @@ not at all):
   service's stdout): CRIU cannot dump half of one.  (A rank runtime's to its agent it lets go
   of before its job's move, and is no tie there.)
 
-The other end is found by its inode (a FIFO's by its path): a pipe's from each process's
+The other end is found by its inode: a pipe's (a FIFO's by its device too) from each process's
 ``/proc/PID/fd`` (and which way each descriptor goes from its ``fdinfo`` flags), a unix
 socket's peer from the kernel's sock_diag (netlink), in the reader's network namespace::
 
@@ -37,6 +37,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from host import criu_limits, files, proc, ptrace
+from host.api import shown
 from host.proc import fd_links
 
 log = logging.getLogger(__name__)
@@ -108,12 +109,15 @@ def _refusals(pids: Sequence[int], agent_let_go: bool) -> list[str]:
     pipes: dict[str, tuple[int, str, int]] = {}  # pipe:[INODE] -> (PID, fd, access mode), the first in the tree
     modes: dict[str, set[int]] = {}  # pipe:[INODE] -> the ways the tree holds it
     sockets: dict[str, tuple[int, str]] = {}  # socket:[INODE] -> (PID, fd), the first in the tree
+    names: dict[str, str] = {}  # a named pipe's key (:func:`_fifo`) -> its path, as the tree names it
     for pid in pids:
         for fd, link in fd_links(pid):
-            if link.startswith("pipe:") or (link.startswith("/") and _fifo(pid, fd)):  # (a named one: its path)
+            key = _fifo(pid, fd) if link.startswith("/") else link  # (a named pipe: by its inode, not its name)
+            if key and key.startswith(("pipe:", "fifo:")):
                 mode = _access(pid, fd)
-                pipes.setdefault(link, (pid, fd, mode))
-                modes.setdefault(link, set()).add(mode)
+                pipes.setdefault(key, (pid, fd, mode))
+                modes.setdefault(key, set()).add(mode)
+                names.setdefault(key, link)
             elif link.startswith("socket:"):
                 sockets.setdefault(link, (pid, fd))
     # A pipe the tree holds only one way of (it only writes it, or only reads it).
@@ -124,7 +128,7 @@ def _refusals(pids: Sequence[int], agent_let_go: bool) -> list[str]:
     for link, (pid, fd, mode) in pipes.items():
         if (other := outside.get(link)) is not None:
             verb, their = ("writes to", "reads") if mode == os.O_WRONLY else ("reads", "writes")
-            what = "a pipe" if link.startswith("pipe:") else f"the named pipe {link}"
+            what = "a pipe" if link.startswith("pipe:") else f"the named pipe {shown(names[link])}"
             out.append(
                 f"PID {pid} {verb} {what} (fd {fd}) that PID {other[0]} ({_comm(other[0])}) outside its tree "
                 f"{their}: the copy's pipe would have nobody at that end; give it a file instead (for its output, "
@@ -317,17 +321,19 @@ def _tracer(pid: int) -> int:
 
 def _comm(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/comm").read_text(errors="surrogateescape").strip()
+        return shown(Path(f"/proc/{pid}/comm").read_text(errors="surrogateescape").strip())  # (its own choice)
     except OSError:
         return "gone since"
 
 
-def _fifo(pid: int, fd: str) -> bool:
-    """Whether the descriptor is a named pipe (a FIFO: its other ends are those holding its path)."""
+def _fifo(pid: int, fd: str) -> str:
+    """``fifo:DEVICE:INODE`` if the descriptor is a named pipe (its other ends: whoever holds that
+    inode, by whatever name: a hard link, another namespace's path); else ""."""
     try:
-        return stat.S_ISFIFO(os.stat(f"/proc/{pid}/fd/{fd}").st_mode)
+        st = os.stat(f"/proc/{pid}/fd/{fd}")
     except OSError:
-        return False
+        return ""
+    return f"fifo:{st.st_dev}:{st.st_ino}" if stat.S_ISFIFO(st.st_mode) else ""
 
 
 def _access(pid: int, fd: str) -> int:
@@ -337,15 +343,17 @@ def _access(pid: int, fd: str) -> int:
 
 
 def _holders(tree: set[int], wanted: dict[str, int]) -> dict[str, tuple[int, str]]:
-    """For each of ``wanted`` (pipe:[INODE] -> the way the tree holds it; socket:[INODE] ->
-    :data:`_SOCKET`), the first process outside ``tree`` found holding it the other way (any
+    """For each of ``wanted`` (pipe:[INODE] or fifo:DEVICE:INODE -> the way the tree holds it;
+    socket:[INODE] -> :data:`_SOCKET`), the first process outside ``tree`` found holding it the other way (any
     way, a socket): (PID, fd).  Every process of the node may have to be read: the tree's own
     session first (a shell pipeline's other end)."""
     found: dict[str, tuple[int, str]] = {}
+    fifos = any(k.startswith("fifo:") for k in wanted)  # (then each path held is looked at: its inode)
     for pid in _others(tree, "the holders of the pipes and sockets") if wanted else ():
         if len(found) == len(wanted):
             break
-        for fd, link in fd_links(pid):
+        for fd, held in fd_links(pid):
+            link = (_fifo(pid, fd) or held) if fifos and held.startswith("/") else held
             way = wanted.get(link)
             if way is not None and link not in found and (way == _SOCKET or _access(pid, fd) not in (way, -1)):
                 found[link] = (pid, fd)

@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from host import files, proc
+from host.api import shown
 
 #: The most mount points a migration offer names (a node running many containers has
 #: thousands), and the longest path taken of one.
@@ -90,7 +91,7 @@ def for_node(
         lost = sorted(p for p in held if files.under(p, [m]) and p not in set(carried))
         if lost:
             stuck.append(
-                f"the process holds {_shown(lost[0])} in the mount at {_shown(m)}, which {node} lacks: its copy "
+                f"the process holds {shown(lost[0])} in the mount at {shown(m)}, which {node} lacks: its copy "
                 "could not find it there"
             )
     gone = [m for m in tops if m in skip]
@@ -99,11 +100,6 @@ def for_node(
         more = f" and {len(gone) - 3} more" if len(gone) > 3 else ""
         said = (
             f"the copy goes without {len(gone)} mount(s) of the process's namespace that {node} lacks and the process "
-            f"holds nothing in ({', '.join(map(_shown, gone[:3]))}{more}): it finds nothing at their paths there"
+            f"holds nothing in ({', '.join(map(shown, gone[:3]))}{more}): it finds nothing at their paths there"
         )
     return skip, stuck, said
-
-
-def _shown(path: str) -> str:
-    """A path in one line of text (its control and undecodable characters escaped)."""
-    return ascii(path)[1:-1] if not path.isprintable() else path

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from host import files, proc
+from host.api import shown
 
 #: The paths noted at most (each directory on the way counts): a bound on a manifest's size.
 MOST = 100_000
@@ -179,7 +180,7 @@ def strangers(pids: Sequence[int], known: Mapping[str, tuple[int, int]]) -> list
             except OSError:
                 continue
             if known.get(at) != (st.st_dev, st.st_ino):
-                out.append(f"PID {pid} holds {ascii(name)[1:-1] if not name.isprintable() else name}")
+                out.append(f"PID {pid} holds {shown(name)}")
                 break
     return out
 

@@ -84,7 +84,10 @@ WORDS = {True: "decision.commit", False: "decision.abort"}
 def decide(out: Path, commit: bool) -> None:
     """Tell a holding hook what to do with the frozen tree (atomic: renamed into place).  Its
     word, made as the hook began to hold, needs no room on a disk full since (a decision written
-    then failed, and the original stayed frozen for ever); before the hold, one is written."""
+    then failed, and the original stayed frozen for ever); before the hold, one is written.  A
+    decision made stands: a later one is not said (the hook acts on the first)."""
+    if decided(out) is not None:
+        return
     with contextlib.suppress(FileNotFoundError):  # (not held yet, or that word said already)
         os.rename(out / "log" / WORDS[commit], out / "log" / DECISION_FILE)
         return
@@ -122,14 +125,15 @@ def may_run(out: Path) -> bool:
     return not (out / "log" / PINNED_FILE).exists() or decided(out) == "abort"
 
 
-def hold(out: Path, seconds: float, root: int, start: int | None, spare: frozenset[int] = frozenset()) -> None:
+def hold(out: Path, seconds: float, root: int, start: int | None) -> None:
     """Wait for :func:`decide`; anything but a commit raises, which makes CRIU roll back.
 
     Once pinned, a SIGSTOP is queued to every process of the frozen tree of ``root`` (started
-    at ``start``) but those stopped before the dump (``spare``): while CRIU holds them it waits,
-    and should CRIU or this hook die, the tree it lets go stops at once instead of running beside
-    its copy.  Only then is the pin acknowledged.  An abort takes the stop back (a SIGCONT, while
-    the tree is still held, removes it) before CRIU rolls back; a commit needs nothing."""
+    at ``start``): while CRIU holds them it waits, and should CRIU or this hook die, the tree it
+    lets go stops at once instead of running beside its copy.  Only then is the pin acknowledged
+    (never, if the tree could not be held so: its pinner then starts no copy).  An abort takes
+    the stop back (a SIGCONT, while the tree is still held, removes it) before CRIU rolls back,
+    which stops again what it found stopped; a commit needs nothing."""
     for word in WORDS.values():
         (out / "log" / word).touch()
     (out / "log" / HELD_FILE).touch()
@@ -140,9 +144,9 @@ def hold(out: Path, seconds: float, root: int, start: int | None, spare: frozens
         if criu is not None and _gone(criu):  # (killed: the tree was let go with it; no decision can reach it)
             raise RuntimeError("CRIU, which held the frozen tree, is gone: nothing left to hold")
         if (out / "log" / PINNED_FILE).exists():
-            if not stopped:
-                stopped = bool(signals.signal_tree(root, signal.SIGSTOP, start, spare))
-            (out / "log" / PINNED_ACK).touch()  # the pinner waits for this before a copy may start
+            stopped = stopped or bool(signals.signal_tree(root, signal.SIGSTOP, start))
+            if stopped:
+                (out / "log" / PINNED_ACK).touch()  # the pinner waits for this before a copy may start
         else:
             _check_cancel(out)
             if time.monotonic() > deadline:
@@ -150,7 +154,7 @@ def hold(out: Path, seconds: float, root: int, start: int | None, spare: frozens
         time.sleep(0.02)
     if said != "commit":
         if stopped:
-            signals.signal_tree(root, signal.SIGCONT, start, spare)
+            signals.signal_tree(root, signal.SIGCONT, start)
         raise RuntimeError("the migration was aborted: rolled back")
 
 
@@ -358,7 +362,7 @@ def _streamed(out: Path, seconds: float = 120.0) -> dict[str, dict[str, Any]]:
     return {f"{manifest.IMAGES_DIR}/{name}": entry for name, entry in data["images"].items()}
 
 
-def seal(out: Path, root: int, fail: bool, root_start: int | None = None, streamed: bool = False) -> manifest.Manifest:
+def seal(out: Path, root: int, fail: bool, root_start: int | None = None, streamed: bool = False) -> None:
     """Seal the snapshot in ``out`` of the frozen tree of ``root``; ``root_start``: the start
     time (in clock ticks since boot, as /proc says: never shifted by the wall clock) of the
     process that was examined under that PID; ``streamed``: CRIU's images went to a
@@ -404,7 +408,6 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     except (KeyError, TypeError, ValueError) as e:
         raise RuntimeError(f"the snapshot's manifest would not read back (field {e}), a bug of tpagent's") from e
     m.write(out)
-    return m
 
 
 def main() -> int:
@@ -414,12 +417,9 @@ def main() -> int:
     try:
         start = int(os.environ["TPAGENT_HOOK_ROOT_START"]) if os.environ.get("TPAGENT_HOOK_ROOT_START") else None
         root = int(os.environ["TPAGENT_HOOK_ROOT"])
-        m = seal(
-            out, root, bool(os.environ.get("TPAGENT_HOOK_FAIL")), start, bool(os.environ.get("TPAGENT_HOOK_STREAMED"))
-        )
+        seal(out, root, bool(os.environ.get("TPAGENT_HOOK_FAIL")), start, bool(os.environ.get("TPAGENT_HOOK_STREAMED")))
         if "TPAGENT_HOOK_HOLD" in os.environ:
-            spare = frozenset(p.pid for p in m.processes if p.stopped)
-            hold(out, float(os.environ["TPAGENT_HOOK_HOLD"]), root, start, spare)
+            hold(out, float(os.environ["TPAGENT_HOOK_HOLD"]), root, start)
     except Exception as e:  # any failure must make CRIU roll back, and say why
         # (a full disk) CRIU still rolls back; the engine reports the failure
         with contextlib.suppress(OSError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 NAME = "sk-queues.img"
-#: The most of the image a streamed dump keeps to read (its queued data included); one over it is not checked.
+#: The most of the image a streamed dump keeps to read (its queued data included); one over it is refused.
 MOST = 64 << 20
 _MAGICS = 8
 _LENGTH = 2

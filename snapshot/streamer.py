@@ -218,10 +218,12 @@ class Capture:
             }
             queues = self.images.get(skqueues.NAME)
             try:
-                if queues is not None and queues.size == len(self.queues):  # (whole: not over MOST)
+                if queues is not None and queues.size > len(self.queues):
+                    raise ValueError(f"over {skqueues.MOST >> 20} MiB of queued messages, more than is read")
+                if queues is not None:
                     said["descriptors_queued"] = skqueues.carrying_descriptors(bytes(self.queues))
             except ValueError as e:
-                said = {"error": f"CRIU's {skqueues.NAME} could not be read: {e}"}
+                said = {"error": f"CRIU's {skqueues.NAME} could not be checked for descriptors: {e}"}
         tmp = log_dir / (STREAMED_FILE + ".tmp")
         tmp.write_text(json.dumps(said))
         tmp.rename(log_dir / STREAMED_FILE)

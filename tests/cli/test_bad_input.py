@@ -874,7 +874,7 @@ def test_a_snapshot_another_user_could_have_written_is_not_sent(snapshot_dir: Pa
 def test_a_refusal_shows_no_escape_sequence_another_process_put_in_its_name(tmp_path: Path) -> None:
     """A dump refused for a tie to another process names it, by the name that process gave
     itself: an escape sequence in it reached root's terminal as it was (the colours, a title, or
-    worse); each character that does not print is now shown as "?"."""
+    worse); each character that does not print is now shown escaped, as Python writes it."""
     writer = subprocess.Popen(
         ["sleep", "600"], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True
     )
@@ -890,7 +890,7 @@ def test_a_refusal_shows_no_escape_sequence_another_process_put_in_its_name(tmp_
         writer.stdout.close()  # (its reader is the named process alone)
         reader.stdout.readline()
         said = tpagent("dump", str(writer.pid), "--out", str(tmp_path / "s"))
-        assert_one_sentence_error(said, f"that PID {reader.pid} (?]0;owned?RED) outside its tree reads")
+        assert_one_sentence_error(said, f"that PID {reader.pid} (\\x1b]0;owned\\x07RED) outside its tree reads")
         assert "\x1b" not in said.stderr and "\x07" not in said.stderr
     finally:
         for p in (writer, reader):

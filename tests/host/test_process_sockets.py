@@ -311,3 +311,45 @@ def test_a_process_under_a_seccomp_filter_is_not_made_to_call() -> None:
             assert p.poll() is None
         finally:
             p.kill()
+
+
+_READS_FIFO = (
+    "import os, sys, time\n"
+    "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_NONBLOCK)\n"  # (only reads it: a one-way end)
+    "os.unlink(sys.argv[1]) if sys.argv[2] == 'unlink' else None\n"
+    "print(fd, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+@pytest.mark.parametrize("other", ["hard link", "a file of the same name"])
+def test_a_named_pipes_other_end_is_known_by_its_inode_not_its_name(tmp_path: Path, other: str) -> None:
+    """The tree reads a FIFO; outside it, this test holds "hard link": the same FIFO under another
+    name, for writing (a tie, missed when ends were matched by the path's text), or "a file of the
+    same name": a plain file named as /proc names the FIFO once removed ("NAME (deleted)"), for
+    writing (no tie: taken for one before, so that one user could keep another's job from moving,
+    as a reviewer showed)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    if other == "hard link":
+        os.link(fifo, tmp_path / "other-name")
+    how = "unlink" if other != "hard link" else "keep"
+    with subprocess.Popen(
+        [sys.executable, "-c", _READS_FIFO, str(fifo), how], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
+    ) as p:
+        try:
+            assert p.stdout is not None
+            fd = int(p.stdout.readline())
+            theirs = tmp_path / ("other-name" if other == "hard link" else "fifo (deleted)")
+            ours = os.open(theirs, os.O_WRONLY | os.O_NONBLOCK | (os.O_CREAT if other != "hard link" else 0), 0o600)
+            try:
+                said = [s for s in ends.refusals([p.pid]) if "named pipe" in s]
+            finally:
+                os.close(ours)
+            if other == "hard link":
+                assert said and said[0].startswith(f"PID {p.pid} reads the named pipe {fifo} (fd {fd}) that PID "), said
+                assert f"PID {os.getpid()} (" in said[0], said
+            else:
+                assert said == [], said
+        finally:
+            p.kill()

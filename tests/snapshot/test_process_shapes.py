@@ -282,6 +282,31 @@ def test_a_pinned_dump_whose_criu_or_hook_is_killed_leaves_its_tree_stopped(star
     w.verify_state()
 
 
+def test_a_pinned_dump_let_go_leaves_a_child_stopped_before_it_stopped_and_the_rest_running(  # type: ignore[no-untyped-def]
+    loops, tmp_path: Path
+) -> None:
+    """A child the user had stopped before the dump: the hook queues its stop to the whole tree
+    once pinned, and takes it back at the abort; CRIU's rollback then stops again what it
+    found stopped.  The parent runs on where it stood, the child stays stopped, each as it was."""
+    from snapshot.held import HeldDump
+
+    w = Loop("stopped_child.py", tmp_path / "w.log", ()).start()
+    loops.append(w)
+    (child,) = psutil.Process(w.pid).children()
+    os.kill(child.pid, signal.SIGSTOP)
+    wait_until(lambda: child.status() == psutil.STATUS_STOPPED, "the child to stop")
+    dump = HeldDump.start(w.pid, tmp_path / "snap", SnapshotConfig(), hold=600)
+    wait_until(dump.sealed, "the snapshot to be sealed and its tree held")
+    assert dump.pin() and dump.stopped() == [child.pid]
+    dump.let_go(timeout=60)
+    assert dump.error is not None and dump.error.rolled_back, dump.error
+    n = w.numbers("tick")[-1][0]
+    wait_until(lambda: w.numbers("tick")[-1][0] > n + 10, "the parent to run on")
+    assert child.status() == psutil.STATUS_STOPPED and psutil.Process(w.pid).status() != psutil.STATUS_STOPPED
+    ticks = [t[0] for t in w.numbers("tick")]
+    assert ticks == list(range(len(ticks)))
+
+
 def test_a_held_dump_is_let_go_on_a_disk_that_filled_since(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The snapshot's disk fills while its tree is held (the copy restored elsewhere meanwhile):
     the abort, a file written then, failed for want of room, and the original stayed frozen for
@@ -550,6 +575,7 @@ time.sleep(600)
         ("foreign-mount", ") from a mount outside its mount namespace (opened before it entered the namespace"),
         ("sealed-memfd", " (memfd_create) shared and sealed against writes, which CRIU checkpoints but cannot restore"),
         ("pidfd", ", a process outside its tree, which CRIU cannot checkpoint"),
+        ("pidfd-thread", "holds a pidfd of a thread (fd "),
         ("fifo", "writes to the named pipe "),
     ],
 )
@@ -573,7 +599,7 @@ def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_fro
         pytest.skip("this kernel gives no io_uring (kernel.io_uring_disabled)")
     with contextlib.ExitStack() as held:
         theirs = _outside_end(kind, held)
-        own = ("io_uring", "perf_event", "mqueue", "pdeathsig", "sealed-memfd", "pidfd")
+        own = ("io_uring", "perf_event", "mqueue", "pdeathsig", "sealed-memfd", "pidfd", "pidfd-thread")
         args = (kind if kind in own else _fifo(tmp_path, held) if kind == "fifo" else "none",)
         plain = bool(theirs) or kind in ("pdeathsig", "foreign-mount", "pidfd", "fifo")  # (a parent or end: this test)
         # (foreign-mount: its descriptors, this test's files among them, opened before it entered its namespace)

@@ -7,6 +7,7 @@
                                             dies, PR_SET_PDEATHSIG, as vLLM's workers do),
                                             sealed-memfd (a memfd sealed against writes, mapped
                                             shared, read-only), pidfd (a pidfd of its parent),
+                                            pidfd-thread (one of its own thread, PIDFD_THREAD),
                                             fifo:PATH (writes to the named pipe PATH), or none
 
 Writes ``tick N`` to LOG every 20 ms; exits with status 3 if the kernel gives no such descriptor.
@@ -35,6 +36,8 @@ def _open(kind: str) -> int:
         return fd
     if kind == "pidfd":
         return os.pidfd_open(os.getppid())
+    if kind == "pidfd-thread":
+        return os.pidfd_open(os.getpid(), os.O_EXCL)  # (PIDFD_THREAD: its own main thread's)
     if kind.startswith("fifo:"):
         return os.open(kind.removeprefix("fifo:"), os.O_WRONLY)
     if kind == "pdeathsig":

@@ -128,7 +128,7 @@ class Service(AgentServicer):
         # The CLI going away (Ctrl-C) cancels the migration, unless it is past the point of no return;
         # not the calls this agent ends as it stops (it settles its migrations itself, in its own words).
         def went_away() -> None:
-            if not self.node.closed:
+            if not self.node.ctx.threads.stopping.is_set():
                 m.cancel("the tpagent migrate command went away (interrupted)")
 
         if not context.add_callback(went_away):
