@@ -17,7 +17,7 @@ import psutil
 
 from host import files
 from host.api import shown
-from host.proc import CAP_SYS_RESOURCE, fd_links, fdinfo_int, has_capability, other_users
+from host.proc import CAP_SYS_RESOURCE, fd_links, fdinfo_int, has_capability, other_groups, other_users
 
 
 def uncheckpointable(pids: Sequence[int]) -> list[str]:
@@ -35,6 +35,7 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     node_ipc = os.readlink("/proc/self/ns/ipc")
     sysv: dict[str, set[int]] | None = None  # (read once, if a process is in the node's namespace)
     mounts = _Mounts(pids)
+    tree = set(pids)
     for pid in pids:
         with suppress(OSError):
             held, elsewhere = _descriptors(pid, mounts)
@@ -42,7 +43,7 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
                 out.append(
                     f"PID {pid} uses {_ANON_NAMES.get(kind, kind)} (fd {', '.join(fds)}), which CRIU cannot checkpoint."
                 )
-            out += _sealed_shared(pid) + _pidfds_outside(pid, set(pids))
+            out += _sealed_shared(pid) + _pidfds_outside(pid, tree)
             if elsewhere:
                 fd, link = elsewhere[0]
                 listed = ", ".join(fd for fd, _ in elsewhere)
@@ -74,10 +75,8 @@ _WRITE_SEALS = 0x8 | 0x10  # F_SEAL_WRITE, F_SEAL_FUTURE_WRITE
 def _sealed_shared(pid: int) -> list[str]:
     """A sentence if ``pid`` maps a memfd shared that is sealed against writes: CRIU dumps it,
     and its restore fails every time (it cannot seal it again with the mapping made)."""
-    with open(f"/proc/{pid}/maps", errors="surrogateescape") as f:
-        rows = [ln.split(maxsplit=5) for ln in f]
-    # (a memfd's name is "/memfd:NAME (deleted)": no file of a user's is named so, at the root)
-    shared = [(r[0], r[5].strip()) for r in rows if len(r) == 6 and r[5].startswith("/memfd:") and r[1][3] == "s"]
+    # (a memfd's name is "/memfd:NAME (deleted)"; a user's file shown so is taken by _sealed for no memfd)
+    shared = [(m[0], m[5]) for m in files.mappings(pid) if m[5].startswith("/memfd:") and m[1][3] == "s"]
     for span, name in shared:
         with suppress(OSError):  # (map_files needs CAP_SYS_ADMIN: unread, no refusal)
             if _sealed(f"/proc/{pid}/map_files/{span}") & _WRITE_SEALS:
@@ -131,7 +130,7 @@ def limits_unreadable(pids: Sequence[int], who: str = "tpagent here") -> str:
         return ""
     for pid in pids:  # (the kernel lets only a process of the very same UIDs and GIDs read them without)
         users = other_users([pid])
-        groups = set() if users else _other_groups(pid)
+        groups = set() if users else other_groups([pid])
         if users or groups:
             runs = f"UID {min(users)}" if users else f"group {min(groups)}"
             return (
@@ -140,13 +139,6 @@ def limits_unreadable(pids: Sequence[int], who: str = "tpagent here") -> str:
                 "add SYS_RESOURCE)."
             )
     return ""
-
-
-def _other_groups(pid: int) -> set[int]:
-    """The GIDs (real, effective, saved) other than this process's own that ``pid`` runs as."""
-    with suppress(psutil.Error):
-        return set(psutil.Process(pid).gids()) - {os.getegid()}
-    return set()
 
 
 def _sysv_users() -> dict[str, set[int]]:

@@ -195,6 +195,15 @@ def other_users(pids: Iterable[int]) -> set[int]:
     return out - {os.geteuid()}
 
 
+def other_groups(pids: Iterable[int]) -> set[int]:
+    """The GIDs (real, effective, saved) other than this process's own that ``pids`` run as."""
+    out: set[int] = set()
+    for pid in pids:
+        with suppress(psutil.Error):
+            out.update(psutil.Process(pid).gids())
+    return out - {os.getegid()}
+
+
 def thread_ids(pid: int) -> tuple[int, ...]:
     """The IDs of the process's threads other than its main one."""
     try:

@@ -94,8 +94,8 @@ class HeldDump:
         return all(_size(self.out / name) == entry.get("size") for name, entry in files.items())
 
     def stopped(self) -> list[int] | None:
-        """The processes stopped before the freeze, as the seal says (those its hook, and CRIU's
-        rollback, leave stopped); None if it cannot be read."""
+        """The processes stopped before the freeze, as the seal says (those a rollback leaves
+        stopped); None if it cannot be read."""
         try:
             return [p.pid for p in manifest.load(self.out).processes if p.stopped]
         except SnapshotError:

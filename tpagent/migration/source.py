@@ -209,7 +209,7 @@ class SourceMigration:
                 return self._end(outcome)
             self.move(S.FREEZING, f"freezing PID {self.pid} and streaming it to {self.target}")
             stats = self._freeze_and_send(acceptance)
-            sealed = self.dump.stopped() if self.dump is not None else None  # (as the hook spares them, held)
+            sealed = self.dump.stopped() if self.dump is not None else None  # (as sealed: CRIU keeps them so)
             self.record.stopped = self.record.stopped if sealed is None else sealed
             self.move(S.HELD, f"{stats.bytes_raw / 2**20:.1f} MiB arrived verified; the original is frozen, resumable")
             with self.cancel_lock:  # the last moment a cancel is taken
