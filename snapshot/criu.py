@@ -22,7 +22,7 @@ import psutil
 
 from host import paths, signals, sockets
 from host import proc as host_proc
-from host.api import UsageError
+from host.api import UsageError, shown
 from host.proc import deferred_sigint
 from host.safefs import private_opener
 from snapshot.api import CriuError, DumpMode
@@ -234,7 +234,10 @@ class Criu:
         proc = self._run(args, timeout, work=work)
         if proc.returncode != 0:
             raise CriuError(
-                _port_taken(work / "restore.log") or _mount_missing(work / "restore.log") or "criu restore failed",
+                _port_taken(work / "restore.log")
+                or _mount_missing(work / "restore.log")
+                or _file_changed(work / "restore.log")
+                or "criu restore failed",
                 detail=log_errors(work / "restore.log") or proc.stderr.strip(),
                 code=proc.returncode,
             )
@@ -385,3 +388,30 @@ def stop_in(work: Path) -> bool:
 def running_in(work: Path) -> bool:
     """Whether the CRIU that was started with ``work`` as its work directory still runs."""
     return started_in(work) is not None
+
+
+#: CRIU's check of a file the process held, reopened by its name (files-reg.c): the size (but
+#: of a file only appended to), the mode and, for an ELF file, the build-ID it had at the dump.
+_FILE_CHANGED = re.compile(r".*Error \(criu/files-reg\.c:\d+\): File (.+) has bad (size|mode|build-ID)\b(.*)")
+_EXPECTED = re.compile(r" (\d+) \(expect (\d+)\)")
+
+
+def _file_changed(log_file: Path) -> str | None:
+    """Why a restore failed, in one sentence, where a file the process held is not as it was at
+    the dump (written to, or replaced, since: CRIU reopens each one only as it was): None for
+    any other failure."""
+    try:
+        found = next(filter(None, map(_FILE_CHANGED.fullmatch, log_file.read_text(errors="replace").splitlines())))
+    except (OSError, StopIteration):
+        return None
+    path = "/" + found[1].lstrip("/")  # (CRIU's path is its mount namespace root's, without the "/")
+    what = {"size": "its size", "mode": "its mode", "build-ID": "its ELF build-ID (another build of it)"}[found[2]]
+    if (values := _EXPECTED.match(found[3])) and found[2] == "size":
+        what = f"its size ({int(values[1]):,} bytes here, {int(values[2]):,} when dumped)"
+    elif values and found[2] == "mode":
+        what = f"its mode ({values[1]} here, {values[2]} when dumped)"
+    return (
+        f"criu restore failed: {shown(path)}, which the process held, has changed since the dump: {what}; CRIU reopens "
+        "a file only as it was, so nothing was restored: put that file back as it was (or restore on a node that "
+        "has it so) and restore again; CRIU said"
+    )

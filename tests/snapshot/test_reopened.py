@@ -141,6 +141,46 @@ def test_a_directory_others_may_now_write_to_is_refused(shared: Path, tmp_path: 
     _refused(snap, pid, f"{shared / 'job'} may be written to by anyone on this node, not where it was dumped")
 
 
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ("size", f"its size ({SIZE + 1:,} bytes here, {SIZE:,} when dumped)"),
+        ("mode", "its mode (0100600 here, 0100644 when dumped)"),
+    ],
+)
+def test_a_file_the_copy_holds_changed_since_the_dump_is_named_and_restored_once_as_it_was(
+    shared: Path, tmp_path: Path, change: str, said: str
+) -> None:
+    """CRIU reopens a file the process held only at the size and mode it had (written to or
+    chmodded since: a shared file system's, or the same node's later): its restore failed in
+    CRIU's own lines.  Now one sentence names the file and what changed; nothing runs; once the
+    file is as it was, the same snapshot comes back and reads on from where it stood."""
+    log, snap, pid = _dumped(shared, tmp_path)
+    data = shared / "job" / "data.bin"
+    if change == "size":
+        data.write_bytes(b"A" * (SIZE + 1))
+    else:
+        data.chmod(0o600)
+    proc = tpagent("restore", str(snap))
+    if proc.returncode == 0:
+        kill_and_wait(pid)
+    assert_one_sentence_error(proc, f"{data}, which the process held, has changed since the dump: {said}")
+    assert "nothing was restored" in proc.stderr
+    assert not alive(pid)
+    stopped_at = log.read_text().count("\n")
+    data.write_bytes(b"A" * SIZE)
+    data.chmod(0o644)
+    proc = tpagent("restore", str(snap))
+    assert proc.returncode == 0, proc.stderr
+    try:
+        wait_until(lambda: log.read_text().count("\n") >= stopped_at + 5, "the restored copy to tick on")
+        ticks = [line.split() for line in log.read_text().splitlines()]
+        assert [int(t[1]) for t in ticks] == list(range(len(ticks)))
+        assert {t[3] for t in ticks} == {str(ord("A"))}
+    finally:
+        kill_and_wait(pid)
+
+
 @pytest.mark.parametrize("mode", [0o755, 0o775, 0o2775], ids=oct)
 def test_a_working_directory_made_again_for_its_carried_file_is_restored(tmp_path: Path, mode: int) -> None:
     """The job's directory (0755; 0775 under a user's umask 002; a project's 2775) held its data
