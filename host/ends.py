@@ -13,13 +13,10 @@ not at all):
 
 The other end is found by its inode: a pipe's (a FIFO's by its device too) from each process's
 ``/proc/PID/fd`` (and which way each descriptor goes from its ``fdinfo`` flags), a unix
-socket's peer from the kernel's sock_diag (netlink), in the reader's network namespace::
+socket's peer from the kernel's sock_diag (:mod:`host.unix_diag`).
 
-    REQUEST ::= NLMSGHDR(SOCK_DIAG_BY_FAMILY, REQUEST|DUMP) UNIX_DIAG_REQ(AF_UNIX, ESTABLISHED, NAME|PEER)
-    ANSWER  ::= { NLMSGHDR UNIX_DIAG_MSG(family type state pad ino cookie[2]) { RTATTR } } NLMSGHDR(DONE)
-    RTATTR  ::= len:u16 type:u16 value (padded to 4)     UNIX_DIAG_PEER: the peer's inode, u32;
-                                                         UNIX_DIAG_NAME: its sun_path (a listener's,
-                                                         for a connection it accepted)
+Said, not refused (:func:`shared_offsets`): an open file (not opened to append) the tree shares
+with a process outside it, one offset for both (a shell's ``>`` redirect both inherited).
 """
 
 from __future__ import annotations
@@ -28,15 +25,13 @@ import logging
 import os
 import re
 import signal
-import socket
 import stat
-import struct
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 
-from host import criu_limits, files, proc, ptrace
+from host import criu_limits, files, forked, proc, ptrace, unix_diag
 from host.api import shown
 from host.proc import fd_links
 
@@ -47,19 +42,6 @@ log = logging.getLogger(__name__)
 HOLDERS_WITHIN = 30.0
 #: (In :func:`_holders`' wanted: a socket, held either way.)
 _SOCKET = -2
-
-_NETLINK_SOCK_DIAG = 4
-_SOCK_DIAG_BY_FAMILY = 20
-_NLM_F_REQUEST = 0x1
-_NLM_F_DUMP = 0x300
-_NLMSG_ERROR = 2
-_NLMSG_DONE = 3
-_UDIAG_SHOW_NAME = 0x1
-_UDIAG_SHOW_PEER = 0x4
-_UNIX_DIAG_NAME = 0
-_UNIX_DIAG_PEER = 2
-_ESTABLISHED = 1
-_STREAMS = frozenset({socket.SOCK_STREAM, socket.SOCK_SEQPACKET})
 
 
 def unmovable(pids: Sequence[int], agent_let_go: bool = False, ghost_limit: int | None = None) -> list[str]:
@@ -97,6 +79,32 @@ def refusals(pids: Sequence[int], agent_let_go: bool = False) -> list[str]:
         return _refusals(pids, agent_let_go)
     except Unread as e:
         return [str(e)]
+
+
+def shared_offsets(pids: Sequence[int]) -> list[str]:
+    """One warning for each open file of the tree's (a node's file, not opened to append) that a
+    process outside it holds too, the very open file (fork shares it: a shell's ``>``): one offset
+    for both, which its copy no longer shares.  None where the node's processes could not all be read."""
+    opened: dict[str, list[tuple[int, str]]] = {}  # its path -> (PID, fd) of each such open file of the tree
+    for pid in pids:
+        for fd, link in fd_links(pid):
+            if _offset_kept(pid, fd, link):
+                opened.setdefault(link, []).append((pid, fd))
+    out: dict[str, str] = {}
+    with suppress(Unread):
+        for other in _others(set(pids), "the holders of its open files") if opened else ():
+            for ofd, link in fd_links(other):
+                held = next((h for h in opened.get(link, ()) if forked.same_file(*h, other, ofd)), None)
+                if held and link not in out:
+                    out[link] = (
+                        f"PID {held[0]} shares its open file {shown(link)} (fd {held[1]}) with PID {other} "
+                        f"({_comm(other)}) outside its tree, at one offset (a shell's `>` both inherited): its copy "
+                        "writes on from the offset it had, not theirs, so what both write after a restore overwrites "
+                        "the other's (and CRIU refuses the restore if they wrote while it was frozen); open it to "
+                        "append (`>>`) to keep both."
+                    )
+        return list(out.values())
+    return []
 
 
 def _refusals(pids: Sequence[int], agent_let_go: bool) -> list[str]:
@@ -336,10 +344,25 @@ def _fifo(pid: int, fd: str) -> str:
     return f"fifo:{st.st_dev}:{st.st_ino}" if stat.S_ISFIFO(st.st_mode) else ""
 
 
+def _regular(pid: int, fd: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(f"/proc/{pid}/fd/{fd}").st_mode)
+    except OSError:
+        return False
+
+
 def _access(pid: int, fd: str) -> int:
     """Which way the descriptor goes: os.O_RDONLY, os.O_WRONLY or os.O_RDWR (-1: unreadable)."""
     flags = proc.fdinfo_int(pid, fd, "flags", 8)
     return -1 if flags is None else flags & os.O_ACCMODE
+
+
+def _offset_kept(pid: int, fd: str, link: str) -> bool:
+    """Whether the descriptor is a node's regular file (not the kernel's, not a memfd) opened
+    without O_APPEND: where a process outside the tree holds that very open file, their offset is one."""
+    flags = proc.fdinfo_int(pid, fd, "flags", 8)
+    plain = link.startswith("/") and not files.kernels(link) and not link.startswith("/memfd:")
+    return plain and flags is not None and not flags & os.O_APPEND and _regular(pid, fd)
 
 
 def _holders(tree: set[int], wanted: dict[str, int]) -> dict[str, tuple[int, str]]:
@@ -403,7 +426,7 @@ def _outside_peers(pids: Sequence[int], sockets: dict[str, tuple[int, str]]) -> 
     if not mine:
         return {}
     try:
-        peers, names = _unix_peers()
+        peers, names = unix_diag.peers()
     except OSError as e:
         log.warning("the kernel's table of unix sockets cannot be read (%s): their peers are not checked", e)
         return {}
@@ -420,53 +443,3 @@ def _netns(pid: int) -> str:
         return os.readlink(f"/proc/{pid}/ns/net")
     except OSError:
         return ""
-
-
-def _unix_peers() -> tuple[dict[int, int], dict[int, bytes]]:
-    """INODE -> its peer's INODE, for each connected unix stream or seqpacket socket of this
-    network namespace; and INODE -> the name of each connected socket that has one (the
-    module's grammar)."""
-    show = _UDIAG_SHOW_NAME | _UDIAG_SHOW_PEER
-    states = 1 << _ESTABLISHED  # (a connection a listener accepted has its name)
-    request = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, states, 0, show, 0xFFFFFFFF, 0xFFFFFFFF)
-    header = struct.pack("=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
-    peers: dict[int, int] = {}
-    names: dict[int, bytes] = {}
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC, _NETLINK_SOCK_DIAG) as s:
-        s.settimeout(5)
-        s.sendto(header + request, (0, 0))
-        while True:
-            data = s.recv(1 << 20)
-            for kind, body in _messages(data):
-                if kind == _NLMSG_DONE:
-                    return peers, names
-                if kind == _NLMSG_ERROR or len(body) < 16:
-                    raise OSError("sock_diag did not answer the request")
-                _family, kind_, state, _pad, inode = struct.unpack_from("=BBBBI", body)
-                for atype, value in _attributes(body[16:]):
-                    if atype == _UNIX_DIAG_NAME:  # (a path ends at its NUL; an abstract name has none)
-                        names[inode] = value if value.startswith(b"\0") else value.split(b"\0")[0]
-                    elif atype == _UNIX_DIAG_PEER and len(value) >= 4 and kind_ in _STREAMS and state == _ESTABLISHED:
-                        peers[inode] = struct.unpack_from("=I", value)[0]
-            if not data:
-                return peers, names
-
-
-def _messages(data: bytes) -> Iterable[tuple[int, bytes]]:
-    off = 0
-    while off + 16 <= len(data):
-        length, kind = struct.unpack_from("=IH", data, off)
-        if length < 16 or off + length > len(data):  # (not one the kernel wrote: read no further)
-            return
-        yield kind, data[off + 16 : off + length]
-        off += (length + 3) & ~3
-
-
-def _attributes(data: bytes) -> Iterable[tuple[int, bytes]]:
-    off = 0
-    while off + 4 <= len(data):
-        length, kind = struct.unpack_from("=HH", data, off)
-        if length < 4 or off + length > len(data):
-            return
-        yield kind, data[off + 4 : off + length]
-        off += (length + 3) & ~3

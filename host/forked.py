@@ -157,7 +157,7 @@ def refusals(
             )
             continue
         own = [
-            (fd, p) for fd, p in left.fds if own_fds and not any(_same_file(left.pid, fd, c, cfd) for c, cfd in theirs)
+            (fd, p) for fd, p in left.fds if own_fds and not any(same_file(left.pid, fd, c, cfd) for c, cfd in theirs)
         ]
         if own:
             out.append(
@@ -167,9 +167,9 @@ def refusals(
     return out
 
 
-def _same_file(pid: int, fd: int, other: int, other_fd: int) -> bool:
+def same_file(pid: int, fd: int | str, other: int, other_fd: int | str) -> bool:
     """Whether the two descriptors are one open file (``fork`` shares them; an ``open`` does not)."""
-    return _kcmp(pid, other, _KCMP_FILE, fd, other_fd) == 0
+    return _kcmp(pid, other, _KCMP_FILE, int(fd), int(other_fd)) == 0
 
 
 def _quiet_fds(pid: int, devices: Sequence[str]) -> list[tuple[int, str]]:

@@ -126,6 +126,7 @@ class _Tree:
     create_time: float  # (the wall clock's: shown, never compared)
     root_start: int
     shell_job: bool
+    warnings: list[str]  # (found before the freeze: :func:`host.ends.shared_offsets`)
 
 
 @dataclass
@@ -224,7 +225,7 @@ def _examine(target: psutil.Process, checked: str | None, ghost_limit: int) -> _
             f"PID {pid} is no longer the process that was checked (that one exited and its PID was reused); "
             "nothing was done."
         )
-    return _Tree(namespace, procs, create_time, root_start, shell_job)
+    return _Tree(namespace, procs, create_time, root_start, shell_job, ends.shared_offsets([p.pid for p in procs]))
 
 
 def _plan(
@@ -272,6 +273,7 @@ def _plan(
             "root_started": f"{tree.root_start}@{proc.boot_id()}",
         },
         carried=sorted({os.path.normpath(os.path.abspath(p)) for p in carry}),
+        warnings=tree.warnings,
     )
     timer = Timer(progress, config.fail_after)
     return _Dump(pid, out, mode, config, criu, timer, tree, created, pids, cuda, cuda_pids, m, leftovers)

@@ -399,7 +399,7 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     m.dirs = _dirs_to([(b.path, b.uid) for b in m.sockets] + [(p, uid) for p in m.carried if (uid := _owner(p)) >= 0])
     m.timers = timers.expired(pids)
     m.bindings = affinity.bound(pids)
-    m.warnings = criu_limits.restore_warnings(pids)
+    m.warnings = [*m.warnings, *criu_limits.restore_warnings(pids)]  # (those found before the freeze first)
     m.reopened = reopened.note(pids)
     m.timings = {"checksum": round(time.monotonic() - t0, 4)}
     _check_cancel(out)  # the last moment at which CRIU can still roll back

@@ -5,6 +5,7 @@ tests/unit/test_tcp_sockets.py.)"""
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import socket
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from host import ends, ptrace, sockets
+from support.helpers import kill_and_wait, tpagent, wait_until
 
 
 def test_a_process_s_bound_sockets_are_found_and_its_abstract_or_unbound_ones_are_not(tmp_path: Path) -> None:
@@ -245,6 +247,62 @@ def test_memory_shared_with_a_parent_outside_the_tree_ties_it() -> None:
             ]
             assert [s for s in ends.refusals([p.pid, child]) if "shares memory" in s] == []
         finally:
+            p.kill()
+
+
+_FORKS_OPEN_FILES = (
+    "import os, sys, time\n"
+    "shared = open(sys.argv[1], 'w')\n"  # (as a shell's `>`: one offset for parent and child)
+    "appended = open(sys.argv[2], 'a')\n"  # (O_APPEND: every write at the end, whoever makes it)
+    "null = open(os.devnull, 'w')\n"  # (a device: no offset to keep)
+    "child = os.fork()\n"
+    "if child == 0:\n"
+    "    own = open(sys.argv[1])\n"  # (opened by itself: an offset of its own)
+    "    while True: time.sleep(1)\n"
+    "open(sys.argv[3], 'w').write(str(child))\n"
+    "os.wait()\n"
+)
+
+
+def _holding(pid: int, path: Path) -> list[str]:
+    return [fd for fd in os.listdir(f"/proc/{pid}/fd") if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path)]
+
+
+def test_an_open_file_shared_with_a_parent_outside_the_tree_at_one_offset_is_warned_about(tmp_path: Path) -> None:
+    """A child checkpointed without its parent, both holding one open file (opened without
+    O_APPEND, then fork: a shell's ``>`` redirect): its copy writes on from the offset it had,
+    over what the parent writes meanwhile.  Said, naming the file and the parent, by doctor and
+    in the snapshot's warnings; not the file the child opened itself, one opened to append, or
+    /dev/null; nor for the tree of both."""
+    log = tmp_path / "out.log"
+    pid_file = tmp_path / "child.pid"
+    argv = [sys.executable, "-c", _FORKS_OPEN_FILES, str(log), str(tmp_path / "appended.log"), str(pid_file)]
+    with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as p:
+        child = 0
+        try:
+            wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", "the child to be forked")
+            child = int(pid_file.read_text())
+            wait_until(lambda: len(_holding(child, log)) == 2, "the child to open the file itself")
+            comm = Path(f"/proc/{p.pid}/comm").read_text().strip()
+            (fd,) = _holding(p.pid, log)
+            said = (
+                f"PID {child} shares its open file {log} (fd {fd}) with PID {p.pid} ({comm}) outside its tree, at one "
+                "offset (a shell's `>` both inherited): its copy writes on from the offset it had, not theirs, so what "
+                "both write after a restore overwrites the other's (and CRIU refuses the restore if they wrote while "
+                "it was frozen); open it to append (`>>`) to keep both."
+            )
+            assert ends.shared_offsets([child]) == [said]
+            assert ends.shared_offsets([p.pid, child]) == []
+            assert ends.refusals([child]) == []  # (said, not refused)
+            doctor = tpagent("doctor", "--pid", str(child))
+            assert f"WARN  shared file    {said[:-1]}" in doctor.stdout
+            snap = tmp_path / "snap"
+            dumped = tpagent("dump", str(child), "--out", str(snap), "--leave-running")
+            assert dumped.returncode == 0, dumped.stderr
+            assert said in json.loads((snap / "manifest.json").read_text())["warnings"]
+        finally:
+            if child:
+                kill_and_wait(child)
             p.kill()
 
 

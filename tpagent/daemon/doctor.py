@@ -177,6 +177,7 @@ def process_checks(pid: int) -> list[Check]:
     out += [
         Check("cannot dump", Verdict.FAIL, why.rstrip(".")) for why in ends.unmovable(sorted(tree), agent_let_go=True)
     ]
+    out += [Check("shared file", Verdict.WARN, why.rstrip(".")) for why in ends.shared_offsets(sorted(tree))]
     out += [  # (a warning: the limit is the dump's or the agent's, the default here)
         Check("ghost files", Verdict.WARN, why.rstrip(".")) for why in large_ghosts(sorted(tree), DEFAULT_GHOST_LIMIT)
     ]

@@ -83,3 +83,10 @@ def stays(
             if files.under(path, cfg.shared_paths)
         ),
     ]
+
+
+def warnings(pids: list[int]) -> list[str]:
+    """What a move of the tree would not bring back as it was, one sentence each (said, not
+    refused: the move still works): :func:`host.criu_limits.restore_warnings`, and an open file
+    shared at one offset with a process outside it (:func:`host.ends.shared_offsets`)."""
+    return [*criu_limits.restore_warnings(pids), *ends.shared_offsets(pids)]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from host import criu_limits, files, gpus, mounts, paths, proc, sockets
+from host import files, gpus, mounts, paths, proc, sockets
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig, SnapshotError
 from snapshot.criu import Criu
@@ -289,7 +289,7 @@ class SourceMigration:
             raise _Failure(str(e)) from e
         pids = {p.pid for p in tree}
         self.record.stopped = sorted(p.pid for p in tree if proc.thread_state(p.pid, p.pid) == "T")  # (kept so)
-        for warning in criu_limits.restore_warnings(sorted(pids)):  # (said, not refused: the move still works)
+        for warning in eligible.warnings(sorted(pids)):
             self.emit(f"warning: {warning}")
         used = [g for g in gpus.inventory() if pids & set(g.pids)]
         self.record.cuda_pids = sorted(pids & {pid for g in used for pid in g.pids})  # to give back on a restart
