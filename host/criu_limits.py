@@ -8,6 +8,7 @@ import ctypes
 import fcntl
 import os
 import re
+import resource
 import stat
 import struct
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     or passed to it from another: CRIU cannot find that mount), or a memfd mapped shared and
     sealed against writes (CRIU dumps it and cannot restore it), or a pidfd of a process outside
     the tree."""
-    out = [why] if (why := limits_unreadable(pids)) else []
+    out = [why for why in (limits_unreadable(pids), descriptors_too_high(pids)) if why]
     node_ipc = os.readlink("/proc/self/ns/ipc")
     sysv: dict[str, set[int]] | None = None  # (read once, if a process is in the node's namespace)
     mounts = _Mounts(pids)
@@ -138,6 +139,33 @@ def limits_unreadable(pids: Sequence[int], who: str = "tpagent here") -> str:
                 "resource limits of a process of another user or group: give it that capability (a container: "
                 "add SYS_RESOURCE)."
             )
+    return ""
+
+
+#: The descriptors CRIU needs above a process's highest as it restores it, below its limit on
+#: open files rounded down to 128 (servicefd.c, choose_service_fd_base: its 17 service
+#: descriptors and a pad of 16; a few more kept spare).
+CRIU_FDS = 40
+
+
+def descriptors_too_high(pids: Sequence[int], who: str = "tpagent here") -> str:
+    """Why CRIU could not restore a process of ``pids`` here: it holds a descriptor too near the
+    hard limit on open files for CRIU's own above it, and ``who`` lacks CAP_SYS_RESOURCE, without
+    which CRIU cannot raise that limit (with it, CRIU raises it to fs.nr_open); "" where it could.
+    (Its soft limit CRIU is run with at the hard one: :func:`snapshot.criu.Criu`.)"""
+    if has_capability(CAP_SYS_RESOURCE):
+        return ""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    for pid in pids:
+        with suppress(OSError, ValueError):
+            top = max(map(int, os.listdir(f"/proc/{pid}/fd")), default=-1)
+            if top + CRIU_FDS > hard // 128 * 128:
+                return (
+                    f"PID {pid} holds descriptor {top}, too near this node's limit on open files (hard "
+                    f"RLIMIT_NOFILE {hard}) for the {CRIU_FDS} CRIU needs above a process's highest as it restores "
+                    f"it, and {who} lacks CAP_SYS_RESOURCE, without which CRIU cannot raise that limit: give it that "
+                    "capability (a container: add SYS_RESOURCE), or raise its hard limit (systemd: LimitNOFILE)."
+                )
     return ""
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 from host import proc, safefs
-from host.api import UsageError
+from host.api import UsageError, shown
 
 #: What the kernel makes, not files anyone puts in place (devices are root's; /dev/shm is not).
 _KERNELS = ("/proc/", "/sys/", "/dev/")
@@ -110,9 +110,15 @@ def held(pid: int) -> list[tuple[str, str]]:
 
 def uncarriable(paths: list[Path]) -> list[str]:
     """Why node-local files could not be taken along: the checks the post-dump hook makes as
-    root when it archives them (no symlink on the path, the directory's owner), made now."""
+    root when it archives them (no symlink on the path, the directory's owner), made now; and
+    none is the kernel's (its "files" are no node's: /proc/1/status)."""
     out = []
     for path in paths:
+        if kernels(str(path)):
+            out.append(
+                f"{shown(str(path))} is the kernel's (in /proc, /sys or /dev), no file of this node's to take along"
+            )
+            continue
         try:
             fd = safefs.open_to_read(path)
         except UsageError as e:

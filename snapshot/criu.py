@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -141,6 +142,7 @@ class Criu:
         ``work``, CRIU's PID and start time go to its :data:`PIDFILE` there."""
         cmd = [str(self.path), *args]
         log.debug("running %s", cmd)
+        _open_files_up_to_hard()
         with deferred_sigint():
             try:
                 # Its own session: a terminal's Ctrl-C goes to our process group, not to CRIU.
@@ -315,6 +317,16 @@ def _mount_missing(log_file: Path) -> str | None:
         "(CRIU binds each mount back at its path); nothing was restored: make that directory (an empty one does "
         "if the process used nothing in it) and restore again; CRIU said"
     )
+
+
+def _open_files_up_to_hard() -> None:
+    """Raise this process's soft limit on open files to its hard one, for the CRIU it runs (a shell's
+    1024 is a job's usual): CRIU puts its own descriptors above the tree's highest, under its soft
+    limit, which it cannot raise itself without CAP_SYS_RESOURCE (its restore of a job holding more
+    failed: "Can't chose service_fd_base"); raising the soft limit needs no privilege."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _write_pidfile(path: Path, pid: int) -> None:

@@ -268,6 +268,25 @@ def test_dry_run_checks_both_sides_and_freezes_nothing(cluster: Cluster, ticker:
     ticker.assert_one_copy_continuous()  # never frozen: no gap in its ticks
 
 
+def test_a_target_that_is_no_agent_address_is_refused_and_leaves_the_process_free(
+    cluster: Cluster, ticker: Ticker
+) -> None:
+    """A --to the agent took as an address (a colon in it) but no channel could (no host, no port,
+    a port over 65535, a control character): the migration's thread failed as it began and it
+    stayed "checking" for good, its process refused every later move ("already being migrated"),
+    a cancel changed nothing, and the agent's next start failed on it again.  Now refused in one
+    sentence as the request comes; the same process then moves."""
+    for bad in (":7400", "x:abc", "x:99999", "\x1b]0;X\x07:7400"):
+        cmd = [sys.executable, "-m", "cli.main", "migrate", str(ticker.pid), "--from"]
+        cmd += [cluster.nodes["A"].agent_address, "--to", bad, "--dry-run"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=cluster.cli_env("A"), capture_output=True, text=True, timeout=60)
+        assert_one_sentence_error(proc, f"{bad!r} is not an agent address (HOST:PORT)")
+        assert proc.returncode == 2 and "\x1b" not in proc.stderr
+    proc = cluster.migrate(ticker.pid, "A", "B", "--json")
+    assert proc.returncode == 0, proc.stderr
+    ticker.assert_one_copy_continuous()
+
+
 @pytest.mark.parametrize(
     "case, needle",
     [

@@ -792,14 +792,22 @@ def test_a_name_or_id_the_call_cannot_carry_is_refused_as_given(
     assert out.returncode == 2 and "Traceback" not in out.stderr and said in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("carry", ["missing", "directory", "symlink"])
+@pytest.mark.parametrize("carry", ["missing", "directory", "symlink", "proc", "sys"])
 def test_a_carry_that_cannot_be_taken_along_is_refused_before_anything_is_frozen(  # type: ignore[no-untyped-def]
     start, tmp_path: Path, carry: str
 ) -> None:
     """(A --carry naming no file was left out without a word: the process was frozen and moved
-    without the file its user had asked to take along.)"""
+    without the file its user had asked to take along.  One of the kernel's, /proc/1/status, was
+    taken: the process ended as dumped, and no restore could then put it back; /sys's failed
+    once the tree was frozen.)"""
     w = start(mib=16)
-    named = {"missing": tmp_path / "nope.txt", "directory": tmp_path, "symlink": tmp_path / "link"}[carry]
+    named = {
+        "missing": tmp_path / "nope.txt",
+        "directory": tmp_path,
+        "symlink": tmp_path / "link",
+        "proc": Path("/proc/1/status"),
+        "sys": Path("/sys/kernel/mm/transparent_hugepage/enabled"),
+    }[carry]
     if carry == "symlink":
         (tmp_path / "real.txt").write_text("x")
         named.symlink_to(tmp_path / "real.txt")

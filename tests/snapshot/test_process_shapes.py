@@ -8,6 +8,7 @@ import json
 import os
 import pwd
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -489,6 +490,45 @@ def test_another_users_process_is_refused_before_the_freeze_where_criu_could_not
         finally:
             kill_and_wait(p.pid)
             p.wait(10)
+
+
+@pytest.mark.parametrize("held", ["many", "high"])
+def test_a_job_holding_many_descriptors_is_restored_and_one_too_near_the_limit_refused(  # type: ignore[no-untyped-def]
+    loops, tmp_path: Path, held: str
+) -> None:
+    """A job that raised its own limit on open files and holds 1500 (``many``), dumped and
+    restored by a tpagent run from a shell whose soft limit is 1024: CRIU puts its descriptors
+    above the tree's highest, under its soft limit, which it could not raise without
+    CAP_SYS_RESOURCE: the dump ended the job and its restore failed ("Can't chose
+    service_fd_base").  Now tpagent runs CRIU at its hard limit, and the copy counts on with all
+    its descriptors.  One numbered 10 under the hard limit (``high``) leaves CRIU no room at all
+    without that capability: refused before the freeze, in one sentence; with it, restored."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = hard - 10
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))  # (tpagent's, and the job's to start with)
+    try:
+        loop = Loop("many_fds.py", tmp_path / "w.log", ("1500" if held == "many" else f"@{top}",)).start()
+        loops.append(loop)
+        fds = loop.numbers("tick")[-1][1]
+        proc = tpagent("dump", str(loop.pid), "--out", str(tmp_path / "snap"))
+        if held == "high" and not has_capability(CAP_SYS_RESOURCE):
+            assert_one_sentence_error(proc, f"PID {loop.pid} holds descriptor {top}, too near", "CAP_SYS_RESOURCE")
+            assert "Nothing was done" in proc.stderr and not (tmp_path / "snap").exists()
+            n = len(loop.numbers("tick"))
+            wait_until(lambda: len(loop.numbers("tick")) > n + 2, "the job to run on, never frozen")
+            return
+        assert proc.returncode == 0, proc.stderr
+        loop.reap()
+        n = len(loop.numbers("tick"))
+        proc = tpagent("restore", str(tmp_path / "snap"), "--json")
+        assert proc.returncode == 0, proc.stderr
+        loop.pid = json.loads(proc.stdout)["pid"]
+        wait_until(lambda: len(loop.numbers("tick")) > n + 5, "the copy to tick on")
+        ticks = loop.numbers("tick")
+        assert [t[0] for t in ticks] == list(range(len(ticks))), "the copy did not count on from where it stood"
+        assert {t[1] for t in ticks} == {fds}, "the copy does not hold the descriptors it had"
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 #: Binds a UDP socket, has a datagram sent to it, never reads it.

@@ -87,6 +87,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
 
+from tpagent.common.config import port_of
 from tpagent_rank import protocol as P
 
 A = TypeVar("A", bound=P.Answer)
@@ -171,8 +172,9 @@ def is_final(state: State) -> bool:
 
 
 def is_agent_address(text: str) -> bool:
-    """Whether ``text`` may be an agent's address (HOST:PORT, bounded): checked before it is used."""
-    return 0 < len(text) <= 300 and ":" in text
+    """Whether ``text`` may be an agent's address (HOST:PORT, a host named, the port 1 to 65535, the
+    rules of :func:`tpagent.daemon.rpc.channel`): checked before it is used."""
+    return 0 < len(text) <= 300 and port_of(text, at_least=1) is not None
 
 
 class Outcome(str, enum.Enum):
