@@ -164,10 +164,9 @@ def migrate(
             die(f"the migration failed: {e.details()}", EXIT_FAILED, as_json)
     except KeyboardInterrupt:
         call.cancel()
-        typer.echo("\ninterrupted: the agent rolls the migration back...", err=True)
+        typer.echo("\ninterrupted: the agent rolls the migration back, unless its copy already runs...", err=True)
         last = following.wait_final(agent, pb, last, first)
-        _report(last, as_json, dry_run)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        raise typer.Exit(EXIT_INTERRUPTED if _report(last, as_json, dry_run) else 0) from None  # (done: 0)
     if last is not None and last.state in ("failed", "checking"):  # it ended in its checks (a dry run's: "checking")
         _refuse_if_unreachable(to, creds, as_json)  # (was --to the cause?)
     code = _report(last, as_json, dry_run, [m for m in said if last is None or m != last.message])

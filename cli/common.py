@@ -145,6 +145,10 @@ def command(app: typer.Typer, **settings: Any) -> Callable[[CommandFunction], Co
 _command_json: bool | None = None
 
 
+#: Whether a command's error was said (:func:`_say`): an interrupt then needs no word of its own.
+_said = False
+
+
 def die(msg: str, code: int, as_json: bool | None = None, rolled_back: bool = False) -> NoReturn:
     """Every command's error: one sentence on stderr (and, with --json, a JSON error on stdout;
     ``as_json`` None: whether the command line asked for it, :func:`json_asked`)."""
@@ -155,6 +159,8 @@ def die(msg: str, code: int, as_json: bool | None = None, rolled_back: bool = Fa
 def _say(msg: str, code: int, as_json: bool, rolled_back: bool = False) -> None:
     """An error's sentence on stderr, each character that does not print (an escape sequence in
     another user's process name or path) as "?"; with ``as_json``, the JSON error on stdout."""
+    global _said
+    _said = True
     typer.echo(f"tpagent: {printable(msg, None)}", err=True)
     if as_json:
         typer.echo(json.dumps({"error": msg, "exit_code": code, "rolled_back": rolled_back}, indent=2))
@@ -212,6 +218,8 @@ def guarded(command: Callable[[], object]) -> None:
         if os.environ.get("TPAGENT_DEBUG"):
             raise
         _last_word(f"unexpected error ({type(e).__name__}: {e}); TPAGENT_DEBUG=1 shows where.", EXIT_FAILED)
+    if code == EXIT_INTERRUPTED and not _said:  # (a Ctrl-C no step of the command took: typer's exit 130)
+        _last_word("interrupted.", EXIT_INTERRUPTED)
     if isinstance(code, int):  # (--help, an interrupt: typer's typer.Exit)
         sys.exit(code)
 

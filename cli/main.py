@@ -38,6 +38,7 @@ from cli.common import (
 )
 from host.api import MOST_SECONDS
 from host.gpus import inventory
+from host.signals import terminate_as_interrupt
 from snapshot.api import DEFAULT_GHOST_LIMIT, DumpMode, SnapshotConfig, SnapshotError, Timeouts
 from snapshot.dump import checkpoint
 from snapshot.manifest import Manifest, load
@@ -145,6 +146,7 @@ def dump(
     mode = DumpMode.LEAVE_RUNNING if leave_running else DumpMode.KILL
     config = SnapshotConfig(criu=criu, timeouts=Timeouts(cuda_lock=lock_timeout), ghost_limit=ghost_limit_mib << 20)
     _carriable(carry or [], as_json)
+    terminate_as_interrupt()  # (a SIGTERM, a closed terminal: the frozen tree is resumed, as on a Ctrl-C)
     try:
         if send_to is None:
             m = checkpoint(pid, out, mode, config, stages.progress(as_json), carry=carry or ())
@@ -196,7 +198,7 @@ def _dumped(
     for warning in m.warnings:  # (what a restore may not bring back as it was)
         typer.echo(f"warning: {printable(warning, None)}", err=True)
     ended = "left running" if mode is DumpMode.LEAVE_RUNNING else "ended"
-    text = f"snapshot of PID {pid} written to {out} ({gib:.2f} GiB); process {ended}"
+    text = f"snapshot of PID {pid} written to {printable(str(out), None)} ({gib:.2f} GiB); process {ended}"
     if shipped is not None:
         doc |= {
             "sent_to": send_to,
@@ -237,6 +239,7 @@ def restore(
 ) -> None:
     """Verify a snapshot and bring its processes back to life on this node."""
     config = SnapshotConfig(criu=criu, timeouts=Timeouts(pid_wait=pid_wait))
+    terminate_as_interrupt()  # (a SIGTERM, a closed terminal: its undo runs, no stopped copy is left behind)
     try:
         result = restore_snapshot(directory, gpu_map_of(gpu_map or []), config, stages.progress(as_json), clone=clone)
         if result.manifest.namespace:
@@ -251,7 +254,7 @@ def restore(
             "snapshot_id": result.manifest.snapshot_id,
             "timings": result.timings,
         },
-        f"restored {directory}: running as PID {result.pid}",
+        f"restored {printable(str(directory), None)}: running as PID {result.pid}",
     )
 
 
@@ -402,7 +405,7 @@ def send(
             "seconds": stats.seconds,
             "ratio": stats.ratio,
         },
-        f"sent {directory} to {peer}: {stats.bytes_raw / 2**20:.1f} MiB in {stats.seconds:.2f} s "
+        f"sent {printable(str(directory), None)} to {peer}: {stats.bytes_raw / 2**20:.1f} MiB in {stats.seconds:.2f} s "
         f"({stats.bytes_raw / max(stats.seconds, 1e-9) / 1e9:.2f} GB/s, ratio {stats.ratio:.2f}), "
         "verified by the receiver",
     )
@@ -436,7 +439,7 @@ def receive(
     _emit(
         as_json,
         {"out": str(out), "bytes_raw": stats.bytes_raw, "bytes_wire": stats.bytes_wire, "seconds": stats.seconds},
-        f"received a verified snapshot into {out} ({stats.bytes_raw / 2**20:.1f} MiB)",
+        f"received a verified snapshot into {printable(str(out), None)} ({stats.bytes_raw / 2**20:.1f} MiB)",
     )
 
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Iterable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 
 import psutil
 
@@ -437,57 +434,6 @@ def wait_pids_free(pids: list[int], timeout: float, tids: Sequence[int] = ()) ->
                 "their own PID namespace) and retry."
             )
         time.sleep(0.1)
-
-
-class Deferral:
-    """What a :func:`deferred_sigint` region saw: ``interrupted``; ``consume()`` swallows it."""
-
-    def __init__(self) -> None:
-        self.interrupted = False
-        self.consumed = False
-
-    def consume(self) -> bool:
-        """Take the interrupt (if any) as handled; returns whether there was one."""
-        self.consumed = True
-        return self.interrupted
-
-
-_regions: list[tuple[Deferral, Callable[[], None] | None]] = []
-
-
-@contextmanager
-def deferred_sigint(on_interrupt: Callable[[], None] | None = None) -> Iterator[Deferral]:
-    """Hold back Ctrl-C (SIGINT) during a step that must not be cut short (a CRIU run whose
-    parasite sits inside the workload, a call into the CUDA driver, a rollback).
-
-    The interrupt is noted, ``on_interrupt`` callbacks of every open region run at once (a
-    way to ask CRIU's post-dump hook to cancel), and KeyboardInterrupt is raised when the
-    outermost region ends without an exception, unless a region ``consume()``d it.  Only the
-    main thread owns signal handlers; elsewhere (inside a server) this only yields."""
-    state = Deferral()
-    if threading.current_thread() is not threading.main_thread():
-        yield state
-        return
-    _regions.append((state, on_interrupt))
-    outermost = len(_regions) == 1
-
-    def note(signum: int, _frame: FrameType | None) -> None:
-        for region, callback in _regions:
-            region.interrupted = True
-            if callback is not None:
-                callback()
-
-    previous = signal.signal(signal.SIGINT, note) if outermost else None
-    failed = True
-    try:
-        yield state
-        failed = False
-    finally:
-        _regions.pop()
-        if outermost:
-            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-    if outermost and not failed and state.interrupted and not state.consumed:
-        raise KeyboardInterrupt
 
 
 def boot_id() -> str:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 import select
 import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from types import FrameType
 
 from host import proc
 
@@ -133,3 +135,69 @@ def _send(fd: int, sig: int) -> bool:
         return True
     except OSError:  # (it has ended)
         return False
+
+
+#: The signals a command may take as a Ctrl-C (:func:`terminate_as_interrupt`).
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def terminate_as_interrupt() -> None:
+    """Make SIGTERM (``kill``, a scheduler's end of a job step) and SIGHUP (a closed terminal) end
+    this command as a Ctrl-C does: its undo runs (a restore's copy, left stopped, is killed; a
+    dump's frozen tree resumed), and a :func:`deferred_sigint` region holds them back as it holds
+    a Ctrl-C.  By default they ended it at once, its undo never run.  (Main thread only.)"""
+    for sig in _INTERRUPTS[1:]:
+        signal.signal(sig, signal.default_int_handler)
+
+
+class Deferral:
+    """What a :func:`deferred_sigint` region saw: ``interrupted``; ``consume()`` swallows it."""
+
+    def __init__(self) -> None:
+        self.interrupted = False
+        self.consumed = False
+
+    def consume(self) -> bool:
+        """Take the interrupt (if any) as handled; returns whether there was one."""
+        self.consumed = True
+        return self.interrupted
+
+
+_regions: list[tuple[Deferral, Callable[[], None] | None]] = []
+
+
+@contextmanager
+def deferred_sigint(on_interrupt: Callable[[], None] | None = None) -> Iterator[Deferral]:
+    """Hold back Ctrl-C (SIGINT; SIGTERM and SIGHUP too, in a command that takes them as one:
+    :func:`terminate_as_interrupt`) during a step that must not be cut short (a CRIU run whose
+    parasite sits inside the workload, a call into the CUDA driver, a rollback).
+
+    The interrupt is noted, ``on_interrupt`` callbacks of every open region run at once (a
+    way to ask CRIU's post-dump hook to cancel), and KeyboardInterrupt is raised when the
+    outermost region ends without an exception, unless a region ``consume()``d it.  Only the
+    main thread owns signal handlers; elsewhere (inside a server) this only yields."""
+    state = Deferral()
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+    _regions.append((state, on_interrupt))
+    outermost = len(_regions) == 1
+
+    def note(signum: int, _frame: FrameType | None) -> None:
+        for region, callback in _regions:
+            region.interrupted = True
+            if callback is not None:
+                callback()
+
+    taken = [s for s in _INTERRUPTS if s == signal.SIGINT or signal.getsignal(s) is signal.default_int_handler]
+    previous = {s: signal.signal(s, note) for s in taken} if outermost else {}
+    failed = True
+    try:
+        yield state
+        failed = False
+    finally:
+        _regions.pop()
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    if outermost and not failed and state.interrupted and not state.consumed:
+        raise KeyboardInterrupt

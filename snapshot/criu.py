@@ -24,8 +24,8 @@ import psutil
 from host import paths, signals, sockets
 from host import proc as host_proc
 from host.api import UsageError, shown
-from host.proc import deferred_sigint
 from host.safefs import private_opener
+from host.signals import deferred_sigint
 from snapshot.api import CriuError, DumpMode
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from host import ends, forked, gpus, proc
+from host import ends, forked, gpus, proc, signals
 from host.api import UsageError
 from host.safefs import private_dir, private_opener
 from snapshot import failures, hook, manifest, stages
@@ -322,7 +322,7 @@ def _freeze_gpu(job: _Dump) -> None:
     """CUDA lock, then CUDA checkpoint (GPU memory into host memory), of every CUDA process."""
     if job.cuda is None:
         return
-    with proc.deferred_sigint():  # never leave the driver half-way through a call
+    with signals.deferred_sigint():  # never leave the driver half-way through a call
         with job.timer.stage(Stage.CUDA_LOCK):
             for p in job.cuda_pids:
                 job.locked.append(p)  # first: a lock that times out leaves it running, which resume() sees
@@ -356,7 +356,7 @@ def _criu_dump(job: _Dump) -> None:
     opts = DumpOptions(job.mode, t.shell_job, tcp, t.namespace, job.script, env, config.ghost_limit, stream, skip)
     # A Ctrl-C now asks the post-dump hook to fail, so that CRIU itself rolls back; once
     # the hook has sealed the snapshot, CRIU finishes and the interrupt came too late.
-    with proc.deferred_sigint(on_interrupt=(job.log_dir / hook.CANCEL_FILE).touch) as interrupt:
+    with signals.deferred_sigint(on_interrupt=(job.log_dir / hook.CANCEL_FILE).touch) as interrupt:
         try:
             timeout = config.timeouts.dump if config.hold is None else None
             job.criu.dump(job.pid, job.out / IMAGES_DIR, job.log_dir, opts, timeout)
@@ -434,7 +434,7 @@ def _record_timings(job: _Dump, sealed: Manifest) -> None:
 def _give_gpu_back(job: _Dump) -> None:
     """Mode leave-running: CRIU resumed the CPU side itself; give the GPU back."""
     try:
-        with proc.deferred_sigint():
+        with signals.deferred_sigint():
             resume([], job.cuda_pids, job.cuda)
     except CudaError as e:
         raise CudaError(
@@ -462,7 +462,7 @@ def _rolled_back(e: BaseException, job: _Dump) -> BaseException:
         )
     problem = None
     try:
-        with proc.deferred_sigint():  # a second Ctrl-C must not cut the rollback short
+        with signals.deferred_sigint():  # a second Ctrl-C must not cut the rollback short
             stages.undo(FREEZE_AND_DUMP, job)
     except (CudaError, KeyboardInterrupt) as r:
         problem = str(r) or "interrupted"

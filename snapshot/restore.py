@@ -366,7 +366,7 @@ def _give_gpu_back(job: _Restore) -> None:
     if job.cuda is None:
         return
     m = job.manifest
-    with proc.deferred_sigint():
+    with signals.deferred_sigint():
         with job.timer.stage(Stage.CUDA_RESTORE):
             for p in m.cuda_pids:
                 check_restore_thread(job.cuda, job.mapping[p])

@@ -75,6 +75,8 @@ def dump_and_send(
             stats = sender.send(out, peer)
         except TransferError as e:
             raise SendFailed(f"{e} ({_kept(out, mode)})") from e
+        except KeyboardInterrupt as e:
+            raise SendFailed(f"the send to {peer} was interrupted ({_kept(out, mode)})") from e
         _sent_away(out, mode)
         return Shipped(m, stats, dump_s, time.monotonic() - t0)
 
@@ -103,7 +105,10 @@ def dump_and_send(
         raise
     dump_s = time.monotonic() - t0
     sealed.set()
-    thread.join()
+    try:
+        thread.join()
+    except KeyboardInterrupt as e:  # (the snapshot is whole here; the receiver drops its part)
+        raise SendFailed(f"the send to {peer} was interrupted ({_kept(out, mode)})") from e
     result = outcome[0]
     if isinstance(result, BaseException):
         raise SendFailed(f"{result} ({_kept(out, mode)})") from result

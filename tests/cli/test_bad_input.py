@@ -23,6 +23,7 @@ from conftest import needs_criu
 from host.api import UsageError
 from host.proc import wait_pids_free
 from support.helpers import (
+    ROOT,
     alive,
     assert_continuous,
     assert_one_sentence_error,
@@ -528,6 +529,52 @@ def test_a_malformed_send_to_address_is_refused_before_anything_is_frozen(  # ty
     assert (
         said.returncode == 2 and "failed" not in said.stderr and said.stderr.startswith("tpagent:")
     )  # (no blank line)
+
+
+class _InterruptedSend:
+    """A sender whose send is cut short by a Ctrl-C (its timing is what is made up here: the
+    snapshot is real, sealed and kept)."""
+
+    def reach(self, peer: str) -> None:
+        pass
+
+    def send(self, snapshot: Path, peer: str, **_: Any) -> None:
+        raise KeyboardInterrupt
+
+
+def test_a_send_interrupted_once_the_snapshot_is_sealed_says_where_it_is_kept(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A Ctrl-C while `dump --send-to` sends a sealed snapshot (the process ended as dumped): the
+    command ended with exit 130 and not a word.  Now it says that the snapshot is kept, and how to
+    bring the process back, which then works."""
+    from transfer import pipeline
+
+    w = start(mib=16)
+    out = tmp_path / "s"
+    kept = f"the process ended as it was dumped; its snapshot is kept in {out}: `tpagent restore {out}` brings it back"
+    with pytest.raises(pipeline.SendFailed, match="the send to 127.0.0.1:9 was interrupted") as said:
+        pipeline.dump_and_send(w.pid, out, "127.0.0.1:9", _InterruptedSend(), overlap=False)  # type: ignore[arg-type]
+    assert kept in str(said.value)
+    w.reap()
+    stopped_at = w.ticks()[-1][0]
+    proc = tpagent("restore", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    wait_until(lambda: w.ticks()[-1][0] > stopped_at + 3, "the workload to run on from its snapshot")
+
+
+def test_a_ctrl_c_no_step_took_is_said_in_one_sentence() -> None:
+    """(typer made a Ctrl-C outside every step that handles one an exit 130 without a word.)"""
+    code = (
+        "import sys, typer\n"
+        "from cli.common import guarded\n"
+        "app = typer.Typer()\n"
+        "@app.command()\n"
+        "def x() -> None:\n"
+        "    raise KeyboardInterrupt\n"
+        "guarded(lambda: app(args=[], standalone_mode=False))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (130, "tpagent: interrupted.\n")
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import needs_criu
@@ -52,6 +53,39 @@ def test_plain_process_dump_kill_restore(start, tmp_path: Path, session_leader: 
     pid = w.pid
     _dump_restore_cycle(w, tmp_path / "snap")
     assert w.pid == pid  # a plain process comes back under its own PID
+
+
+def test_a_restore_ended_by_sigterm_once_criu_restored_the_tree_leaves_no_copy(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`kill` (SIGTERM) of `tpagent restore` once CRIU has restored the tree, stopped, and before
+    the copy was noted and let run: the command ended at once, its undo never run, and the copy
+    stayed stopped, noted nowhere, so a second restore started another beside it.  Now SIGTERM is
+    taken as a Ctrl-C: the copy is killed, the command says so, and the snapshot restores again."""
+    from snapshot.criu import Criu
+
+    w = start(mib=16)
+    snap = tmp_path / "snap"
+    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
+    w.reap()
+    stopped_at = w.ticks()[-1][0]
+    wrapper, restored = tmp_path / "criu-then-wait", tmp_path / "restored"
+    wrapper.write_text(
+        f'#!/bin/sh\n"{Criu().path}" "$@"; rc=$?\nif [ "$1" = restore ]; then touch {restored}; sleep 3; fi\nexit $rc\n'
+    )
+    wrapper.chmod(0o755)
+    cmd = [sys.executable, "-m", "cli.main", "restore", str(snap), "--criu", str(wrapper)]
+    cli = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(restored.exists, "CRIU to have restored the tree")
+    assert psutil.Process(w.pid).status() == psutil.STATUS_STOPPED  # (the copy, held stopped)
+    cli.send_signal(signal.SIGTERM)
+    _, err = cli.communicate(timeout=60)
+    assert cli.returncode == 130 and "was interrupted; nothing was left running" in err, err
+    wait_until(lambda: not alive(w.pid), "the stopped copy to be killed")
+    assert w.ticks()[-1][0] == stopped_at
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
+    assert_continuous(w.ticks())
 
 
 def test_launched_namespace_dump_restore_twice(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

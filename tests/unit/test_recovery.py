@@ -5,6 +5,7 @@ which surviving replica gives each rank rebuilt, or taken back to the job's boun
 
 from __future__ import annotations
 
+import re
 import typing
 
 import pytest
@@ -36,7 +37,9 @@ def test_the_lost_ranks_command_is_its_replicas_with_its_own_rank_and_output() -
     got = for_rank(spec, 0, 2, "job1")
     env = dict(e.split("=", 1) for e in got.env)
     assert env == {"RANK": "2", "SLURM_PROCID": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "OTHER": "0"}
-    assert (got.stdout, got.stderr) == ("/w/out/job1.rank2.recovered.out", "/w/out/job1.rank2.recovered.err")
+    assert re.fullmatch(r"/w/out/job1\.rank2\.recovered-\d{8}-\d{6}-[0-9a-f]{4}\.out", got.stdout), got.stdout
+    assert got.stderr == got.stdout.removesuffix(".out") + ".err"
+    assert for_rank(spec, 0, 2, "job1").stdout != got.stdout  # (each rebuild's own: a second one never appends)
     assert (got.cmd, got.cwd, got.uid, got.gid, got.groups, got.owner) == (
         spec.cmd,
         spec.cwd,

@@ -75,8 +75,9 @@ class Failed(Exception):
 
 def for_rank(spec: P.Join, source: int, rank: int, job: str, store: str = "") -> P.Join:
     """``spec`` (how rank ``source`` runs) as rank ``rank`` runs: its rank's variables set, its
-    output in files of its own beside the source's, told where the job's store is served anew
-    (``store``, if it is); Failed if no variable names the rank."""
+    output in new files of its own beside the source's (``JOB.rankR.recovered-WHEN-RANDOM.out``),
+    told where the job's store is served anew (``store``, if it is); Failed if no variable names
+    the rank."""
     env = dict(e.split("=", 1) for e in spec.env)
     named = [k for k in RANK_VARIABLES if env.get(k) == str(source)]
     if not named:
@@ -87,7 +88,10 @@ def for_rank(spec: P.Join, source: int, rank: int, job: str, store: str = "") ->
     env.update(dict.fromkeys(named, str(rank)))
     if store:
         env[P.STORE_VARIABLE] = store
-    out = os.path.join(os.path.dirname(spec.stdout), f"{job}.rank{rank}.recovered.out")
+    # (a name of each rebuild's own: a second one, on the same node or a shared file system, appended
+    # to the first's file, whose lines the stand-in then relayed again)
+    when = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = os.path.join(os.path.dirname(spec.stdout), f"{job}.rank{rank}.recovered-{when}-{secrets.token_hex(2)}.out")
     err = out if spec.stderr == spec.stdout else out[: -len(".out")] + ".err"
     named_env = tuple(f"{k}={v}" for k, v in sorted(env.items()))
     return dataclasses.replace(spec, env=named_env, stdout=out, stderr=err)
