@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 HOLDERS_WITHIN = 30.0
 #: (In :func:`_holders`' wanted: a socket, held either way.)
 _SOCKET = -2
+#: How /proc names an eventfd (one name for them all: which one is asked of kcmp).
+_EVENTFD = "anon_inode:[eventfd]"
 
 
 def unmovable(pids: Sequence[int], agent_let_go: bool = False, ghost_limit: int | None = None) -> list[str]:
@@ -118,6 +120,7 @@ def _refusals(pids: Sequence[int], agent_let_go: bool) -> list[str]:
     modes: dict[str, set[int]] = {}  # pipe:[INODE] -> the ways the tree holds it
     sockets: dict[str, tuple[int, str]] = {}  # socket:[INODE] -> (PID, fd), the first in the tree
     names: dict[str, str] = {}  # a named pipe's key (:func:`_fifo`) -> its path, as the tree names it
+    events: dict[str, tuple[int, str]] = {}  # anon_inode:[eventfd]PID:FD -> (PID, fd), each of the tree's eventfds
     for pid in pids:
         for fd, link in fd_links(pid):
             key = _fifo(pid, fd) if link.startswith("/") else link  # (a named pipe: by its inode, not its name)
@@ -128,11 +131,23 @@ def _refusals(pids: Sequence[int], agent_let_go: bool) -> list[str]:
                 names.setdefault(key, link)
             elif link.startswith("socket:"):
                 sockets.setdefault(link, (pid, fd))
+            elif link == _EVENTFD:
+                events[f"{_EVENTFD}{pid}:{fd}"] = (pid, fd)
     # A pipe the tree holds only one way of (it only writes it, or only reads it).
     wanted = {link: pipes[link][2] for link, m in modes.items() if m in ({os.O_RDONLY}, {os.O_WRONLY})}
     peers = _outside_peers(pids, sockets)
     wanted.update(dict.fromkeys((peer for peer, _ in peers.values()), _SOCKET))
-    outside = _holders(set(pids), wanted)
+    wanted.update(dict.fromkeys([*sockets, *events], _SOCKET))  # (the very socket or eventfd held outside too)
+    outside = _holders(set(pids), wanted, events)
+    for link, (pid, fd) in [*sockets.items(), *events.items()]:
+        if (other := outside.get(link)) is not None:
+            what = "an eventfd" if link in events else "a socket"
+            out.append(
+                f"PID {pid} holds {what} (fd {fd}) that PID {other[0]} ({_comm(other[0])}) outside its tree holds too "
+                "(inherited, or passed to it): its copy would have one of its own, apart from theirs (an eventfd's "
+                "counts never meeting; a socket's port or connection still theirs); checkpoint the tree that holds "
+                "both, or close it in one of them."
+            )
     for link, (pid, fd, mode) in pipes.items():
         if (other := outside.get(link)) is not None:
             verb, their = ("writes to", "reads") if mode == os.O_WRONLY else ("reads", "writes")
@@ -279,7 +294,9 @@ _SHARED_ANONYMOUS = ("/dev/zero (deleted)", "/anon_hugepage (deleted)")
 
 
 def _anonymous(path: str) -> bool:
-    return path in _SHARED_ANONYMOUS or path.startswith("/memfd:")
+    """Memory no other can map by name: anonymous, a memfd's, a removed file's (``multiprocessing.Value``:
+    a file of /dev/shm removed once mapped), which CRIU gives the copy a copy of."""
+    return path in _SHARED_ANONYMOUS or path.startswith("/memfd:") or path.endswith(" (deleted)")
 
 
 def _shared_memory(pids: Sequence[int]) -> list[str]:
@@ -287,11 +304,17 @@ def _shared_memory(pids: Sequence[int]) -> list[str]:
     process outside it, either side writing (a child checkpointed without the parent it was
     forked from): the copy would have memory of its own, theirs no longer meeting."""
     return [
-        f"PID {pid} shares memory ({'a memfd' if path.startswith('/memfd:') else 'a shared anonymous mapping'}) "
+        f"PID {pid} shares memory ({_kind_of(path)}) "
         f"with PID {other} ({_comm(other)}) outside its tree, and one of them writes it: its copy would have "
         "memory of its own, no longer shared; checkpoint the tree that holds both."
         for pid, path, other in _mapped_outside(pids, _anonymous, "the processes sharing its memory")
     ]
+
+
+def _kind_of(path: str) -> str:
+    if path.startswith("/memfd:"):
+        return "a memfd"
+    return "a shared anonymous mapping" if path in _SHARED_ANONYMOUS else f"the removed file {shown(path[:-10])}"
 
 
 def _mapped_outside(pids: Sequence[int], wanted: Callable[[str], bool], looked_for: str) -> list[tuple[int, str, int]]:
@@ -365,17 +388,25 @@ def _offset_kept(pid: int, fd: str, link: str) -> bool:
     return plain and flags is not None and not flags & os.O_APPEND and _regular(pid, fd)
 
 
-def _holders(tree: set[int], wanted: dict[str, int]) -> dict[str, tuple[int, str]]:
+def _holders(
+    tree: set[int], wanted: dict[str, int], events: dict[str, tuple[int, str]] | None = None
+) -> dict[str, tuple[int, str]]:
     """For each of ``wanted`` (pipe:[INODE] or fifo:DEVICE:INODE -> the way the tree holds it;
-    socket:[INODE] -> :data:`_SOCKET`), the first process outside ``tree`` found holding it the other way (any
-    way, a socket): (PID, fd).  Every process of the node may have to be read: the tree's own
-    session first (a shell pipeline's other end)."""
+    socket:[INODE] -> :data:`_SOCKET`; a key of ``events``, the tree's eventfds -> :data:`_SOCKET`), the
+    first process outside ``tree`` found holding it the other way (any way, a socket; an eventfd: that very
+    one, :func:`host.forked.same_file`): (PID, fd).  Every process of the node may have to be read: the
+    tree's own session first (a shell pipeline's other end)."""
     found: dict[str, tuple[int, str]] = {}
     fifos = any(k.startswith("fifo:") for k in wanted)  # (then each path held is looked at: its inode)
     for pid in _others(tree, "the holders of the pipes and sockets") if wanted else ():
         if len(found) == len(wanted):
             break
         for fd, held in fd_links(pid):
+            if held == _EVENTFD:
+                for key, (mine, my_fd) in (events or {}).items():
+                    if key not in found and forked.same_file(mine, my_fd, pid, fd):
+                        found[key] = (pid, fd)
+                continue
             link = (_fifo(pid, fd) or held) if fifos and held.startswith("/") else held
             way = wanted.get(link)
             if way is not None and link not in found and (way == _SOCKET or _access(pid, fd) not in (way, -1)):

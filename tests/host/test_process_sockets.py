@@ -250,6 +250,52 @@ def test_memory_shared_with_a_parent_outside_the_tree_ties_it() -> None:
             p.kill()
 
 
+_FORKS_SHARING_MORE = (
+    "import mmap, os, socket, sys, tempfile\n"
+    "f = tempfile.NamedTemporaryFile(dir='/dev/shm'); f.truncate(4096)\n"
+    "m = mmap.mmap(f.fileno(), 4096); f.close()\n"  # (removed once mapped: multiprocessing.Value)
+    "efd = os.eventfd(0)\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+    "child = os.fork()\n"
+    "if child == 0:\n"
+    "    sys.stdin.read(); os._exit(0)\n"
+    "print(child, f.name, efd, s.fileno(), flush=True); sys.stdin.read(); os.kill(child, 9)\n"
+)
+
+
+def test_a_removed_files_memory_an_eventfd_and_a_socket_shared_with_a_parent_outside_the_tree_tie_it() -> None:
+    """The other kinds of what a child forked from a parent outside the tree shares with it: a
+    removed file mapped shared (``multiprocessing.Value``: a /dev/shm file removed once mapped), an
+    eventfd, a listening socket.  Each was dumped and restored without a word: the copy's memory
+    and counts its own (the parent's posts never reaching it, its waits for ever), its port still
+    the parent's (its restore refused once the original had ended).  Each a tie now, naming the
+    parent; and the tree of both is not tied by them."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _FORKS_SHARING_MORE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as p:
+        try:
+            assert p.stdout is not None
+            child, name, efd, sock = p.stdout.readline().split()
+            comm = Path(f"/proc/{p.pid}/comm").read_text().strip()
+            said = ends.refusals([int(child)])
+            assert [s for s in said if "outside its tree" in s and "pipe" not in s] == [
+                f"PID {child} holds a socket (fd {sock}) that PID {p.pid} ({comm}) outside its tree holds too "
+                "(inherited, or passed to it): its copy would have one of its own, apart from theirs (an eventfd's "
+                "counts never meeting; a socket's port or connection still theirs); checkpoint the tree that holds "
+                "both, or close it in one of them.",
+                f"PID {child} holds an eventfd (fd {efd}) that PID {p.pid} ({comm}) outside its tree holds too "
+                "(inherited, or passed to it): its copy would have one of its own, apart from theirs (an eventfd's "
+                "counts never meeting; a socket's port or connection still theirs); checkpoint the tree that holds "
+                "both, or close it in one of them.",
+                f"PID {child} shares memory (the removed file {name}) with PID {p.pid} ({comm}) outside its tree, and "
+                "one of them writes it: its copy would have memory of its own, no longer shared; checkpoint the tree "
+                "that holds both.",
+            ]
+            assert [s for s in ends.refusals([p.pid, int(child)]) if "outside its tree" in s and "pipe" not in s] == []
+        finally:
+            p.kill()
+
+
 _FORKS_OPEN_FILES = (
     "import os, sys, time\n"
     "shared = open(sys.argv[1], 'w')\n"  # (as a shell's `>`: one offset for parent and child)
