@@ -31,6 +31,7 @@ from cli.common import (
 )
 from host.api import UsageError
 from tpagent.migration.api import SOURCE_FINAL, TARGET_FINAL
+from tpagent.orchestrator.api import printable
 from transfer.api import DEFAULT_TLS_DIR
 
 
@@ -327,8 +328,9 @@ def status(
     agent: AgentOpt = "127.0.0.1:7400",
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
+    as_json: JsonOpt = False,  # (JSON either way)
 ) -> None:
-    """Where a migration stands, as the agent's journal says."""
+    """Where a migration stands, as the agent's journal says (JSON)."""
     from tpagent.daemon.rpc import pb
 
     s = _call(agent, secret_file, tls_dir, "Status", pb.MigrationRef(migration_id=migration_id))
@@ -342,12 +344,22 @@ def cancel(
     agent: AgentOpt = "127.0.0.1:7400",
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
+    as_json: JsonOpt = False,
 ) -> None:
     """Cancel a migration on its source agent: the process runs on where it stood."""
     from tpagent.daemon.rpc import pb
 
-    s = _call(agent, secret_file, tls_dir, "Cancel", pb.MigrationRef(migration_id=migration_id))
-    typer.echo(f"migration {s.migration_id}: {s.state} {s.message}".rstrip())
+    _said(_call(agent, secret_file, tls_dir, "Cancel", pb.MigrationRef(migration_id=migration_id)), as_json)
+
+
+def _said(s: Any, as_json: bool) -> None:
+    """Where a migration stands (a MigrationStatus): a line, or with ``as_json`` its JSON."""
+    doc = {"migration_id": s.migration_id, "state": s.state, "message": s.message, "pid": s.pid}
+    typer.echo(
+        json.dumps(doc, indent=2)
+        if as_json
+        else printable(f"migration {s.migration_id}: {s.state} {s.message}".rstrip(), None)
+    )
 
 
 FINAL_STATES = frozenset({*(s.value for s in SOURCE_FINAL), *(t.value for t in TARGET_FINAL)})
@@ -366,6 +378,7 @@ def resolve(
     agent: AgentOpt = "127.0.0.1:7400",
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
+    as_json: JsonOpt = False,
 ) -> None:
     """Decide a migration whose peer gives no answer (its node lost, its agent down for good).
     Refused while the peer answers (the agents then decide it themselves).  Only you know the
@@ -381,16 +394,19 @@ def resolve(
             break
         time.sleep(1)
         s = _call(agent, secret_file, tls_dir, "Status", pb.MigrationRef(migration_id=migration_id))
-    typer.echo(f"migration {s.migration_id}: {s.state} {s.message}".rstrip())
+    _said(s, as_json)
     if s.state not in FINAL_STATES:
         die(f"the agent has not carried the decision out yet; `tpagent status {migration_id}` follows it", EXIT_FAILED)
 
 
 def node(
-    agent: AgentOpt = "127.0.0.1:7400", secret_file: SecretOpt = None, tls_dir: TlsDirOpt = DEFAULT_TLS_DIR
+    agent: AgentOpt = "127.0.0.1:7400",
+    secret_file: SecretOpt = None,
+    tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
+    as_json: JsonOpt = False,  # (JSON either way)
 ) -> None:
     """An agent's node: versions, health, GPUs, free memory, its clock's offset from this
-    machine's, and its migratable processes."""
+    machine's, and its migratable processes (JSON)."""
     from tpagent.common import clock
     from tpagent.daemon import rankwire
     from tpagent.daemon.rpc import pb

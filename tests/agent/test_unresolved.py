@@ -141,9 +141,10 @@ class _Stuck:
 
     def cancel(self) -> None:
         (mid,) = [p.stem for p in (self.a.work / "agent" / "migrations").glob("*.json")]
-        cancel = [sys.executable, "-m", "cli.main", "cancel", mid, "--agent", self.a.agent_address]
+        cancel = [sys.executable, "-m", "cli.main", "cancel", mid, "--agent", self.a.agent_address, "--json"]
         said = subprocess.run(cancel, env=self.cluster.cli_env("A"), capture_output=True, text=True, timeout=60)
         assert said.returncode == 0, said.stdout + said.stderr
+        assert json.loads(said.stdout)["migration_id"] == mid  # (--json, as the README says; it was refused)
 
     def rolled_back(self, why: str) -> None:
         """The migration rolled back (saying ``why``), nothing of the restore is left on B, and
