@@ -218,12 +218,17 @@ def _descriptors(pid: int, mounts: _Mounts) -> tuple[dict[str, list[str]], list[
     (fd, path) of those on a mount none of the tree's mount namespaces has."""
     held: dict[str, list[str]] = {}
     elsewhere: list[tuple[str, str]] = []
-    for fd, link in fd_links(pid):
+    links = fd_links(pid)
+    for fd, link in links:
         kind = link.removeprefix("anon_inode:")
+        if kind == "[eventpoll]" and _watches_closed(pid, fd):
+            held.setdefault(_STALE_EPOLL, []).append(fd)
         if kind != link:
             if kind not in CRIU_ANON_INODES:
                 held.setdefault(kind, []).append(fd)
             continue
+        if link.startswith("pipe:") and (fdinfo_int(pid, fd, "flags", 8) or 0) & os.O_DIRECT:
+            held.setdefault(_PACKET_PIPE, []).append(fd)
         if _MQUEUE_NAME.fullmatch(link) and _filesystem(f"/proc/{pid}/fd/{fd}") == _MQUEUE_MAGIC:
             held.setdefault("mqueue", []).append(fd)  # (opened with mq_open: the namespace's own mount)
         elif link.startswith("/") and not link.startswith(_OWN_MOUNTS):
@@ -236,6 +241,18 @@ def _descriptors(pid: int, mounts: _Mounts) -> tuple[dict[str, list[str]], list[
             elif fs is None and mounts.types:  # (none known: unread, no refusal)
                 elsewhere.append((fd, link))
     return held, elsewhere
+
+
+def _watches_closed(pid: int, fd: str) -> bool:
+    """Whether the epoll instance ``fd`` watches a descriptor ``pid`` has closed (the file another
+    process still holds, so the kernel keeps the watch), its number free or another file's since:
+    CRIU finds no file to dump the watch with."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            watched = [(m[1], int(m[2], 16)) for m in map(_TFD.match, f) if m]
+    except OSError:
+        return False
+    return any(fdinfo_int(pid, target, "ino") != ino for target, ino in watched)
 
 
 class _Mounts:
@@ -306,6 +323,9 @@ _NOT_GHOSTS = ("/memfd:", "/dev/zero ", "/anon_hugepage ", "/SYSV")
 CRIU_ANON_INODES = frozenset(
     {"[eventfd]", "[eventpoll]", "inotify", "[fanotify]", "[signalfd]", "[timerfd]", "[pidfd]", "bpf-map"}
 )
+_STALE_EPOLL = "an epoll instance watching a descriptor it has closed (another process still holding that file)"
+_PACKET_PIPE = "a pipe in packet mode (pipe2 with O_DIRECT)"
+_TFD = re.compile(r"tfd:\s*(\d+)\s.*\bino:([0-9a-f]+)\s")
 _ANON_NAMES = {
     "[io_uring]": "io_uring",
     "[perf_event]": "a perf event",

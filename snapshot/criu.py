@@ -219,6 +219,13 @@ class Criu:
                     detail=detail,
                     code=proc.returncode,
                 )
+            if "In-flight connection" in detail or "write queue on an in-flight socket" in detail:
+                raise CriuError(
+                    f"PID {pid}'s tree has a listening socket with connections queued that it has not accepted "
+                    "(in flight), which CRIU does not dump; once they are accepted (or given up), try again",
+                    detail=detail,
+                    code=proc.returncode,
+                )
             raise CriuError(f"criu dump of PID {pid} failed", detail=detail, code=proc.returncode)
 
     def restore(self, images: Path, work: Path, opts: RestoreOptions, timeout: float) -> int:

@@ -8,7 +8,10 @@
                                             sealed-memfd (a memfd sealed against writes, mapped
                                             shared, read-only), pidfd (a pidfd of its parent),
                                             pidfd-thread (one of its own thread, PIDFD_THREAD),
-                                            fifo:PATH (writes to the named pipe PATH), or none
+                                            fifo:PATH (writes to the named pipe PATH),
+                                            packet-pipe (a pipe in packet mode, O_DIRECT),
+                                            stale-epoll (an epoll instance watching a pipe it
+                                            closed, which a child it forked holds), or none
 
 Writes ``tick N`` to LOG every 20 ms; exits with status 3 if the kernel gives no such descriptor.
 """
@@ -17,6 +20,7 @@ import ctypes
 import fcntl
 import mmap
 import os
+import select
 import struct
 import sys
 import time
@@ -24,10 +28,22 @@ import time
 SYS_IO_URING_SETUP = 425  # (x86_64 and arm64 alike)
 SYS_PERF_EVENT_OPEN = 298  # (x86_64)
 libc = ctypes.CDLL(None, use_errno=True)
-kept: list[mmap.mmap] = []  # (mappings held for the loop's whole life)
+kept: list[object] = []  # (mappings, an epoll, held for the loop's whole life)
 
 
 def _open(kind: str) -> int:
+    if kind == "packet-pipe":
+        return os.pipe2(os.O_DIRECT)[1]
+    if kind == "stale-epoll":
+        ep = select.epoll()
+        kept.append(ep)
+        r, _ = os.pipe()
+        ep.register(r, select.EPOLLIN)
+        if os.fork() == 0:  # (it keeps the pipe's file, and so the watch, alive)
+            time.sleep(3600)
+            os._exit(0)
+        os.close(r)
+        return ep.fileno()
     if kind == "sealed-memfd":
         fd = os.memfd_create("tpagent-sealed", os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, 1 << 16)
