@@ -4,7 +4,9 @@ warning, and the job goes on from its last step boundary without a restart from 
 * **The held state.**  A rank that registered its training state (:mod:`tpagent_rank.aware`)
   calls its ``save`` at each optimizer step post-hook and holds what it returns: its numbers,
   RNG states and data positions as they were; its tensors are the live ones, which nothing
-  changes until the next optimizer step (the step's collectives fill gradients, not weights).
+  changes until the next optimizer step (the step's collectives fill gradients, not weights),
+  but for those the next step changes in place otherwise (a BatchNorm's running statistics),
+  copied as it starts (:mod:`tpagent_rank.inplace`).
   So the rank can give the state of its last boundary at any time but inside an optimizer step,
   and the training thread is held from entering one while the state is taken.
 * **A failed collective is held.**  A gloo collective of a registered rank connected to its
@@ -35,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from tpagent_rank import env, lines
+from tpagent_rank import env, inplace, lines
 from tpagent_rank import protocol as P
 from tpagent_rank.notice import PREFIX
 
@@ -81,6 +83,8 @@ def capture(rank: Rank, groups: Callable[[], int]) -> None:
             rank.held = Held(rank.step, rank.collectives, groups(), state)
         rank.in_step = False
         rank.cond.notify_all()
+    if reg is not None:  # (what the next step changes in place, but not by an optimizer, copied as it starts)
+        inplace.boundary(rank)
 
 
 def before_step(rank: Rank) -> None:

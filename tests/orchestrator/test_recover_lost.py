@@ -302,6 +302,21 @@ def test_a_rank_that_finished_the_step_the_others_were_caught_in_is_taken_back_t
         assert "rank 2 of job" not in c.nodes["D"].agent_log()
 
 
+def test_ranks_caught_after_their_forward_pass_keep_their_batchnorm_statistics_of_the_boundary(
+    tmp_path: Path, reference_aware_bn: Path
+) -> None:
+    """The model has a BatchNorm layer (``--batchnorm``), whose forward pass updates its running
+    statistics in place; rank 2 dies in step 80 right after its forward pass, and ranks 0 and 1,
+    theirs done, are caught in its gradients' all-reduce.  Their held state kept the live
+    statistics, already updated by step 80, and the step done again counted twice in them: the
+    losses and parameters were bit-identical, the statistics (and the final digest) not.  Now those
+    tensors are copied as each step starts (tpagent_rank.inplace): the job is bit-identical, its
+    buffers too."""
+    with _running(tmp_path, ("--aware", "--batchnorm", "--die-in-forward", "80")) as (c, o, job):
+        recovered = _ran_on(c, o, job, reference_aware_bn, "ABC", "2")
+        assert "runs on from step 80," in recovered
+
+
 @pytest.mark.timeout(600)
 def test_with_lost_ranks_left_to_their_jobs_a_rank_killed_alone_ends_at_once_as_it_did(tmp_path: Path) -> None:
     """``lost_grace`` 0: B's agent holds rank 1's end as ever (it cannot know), and the orchestrator

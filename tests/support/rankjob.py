@@ -97,6 +97,12 @@ def reference_aware(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def reference_aware_bn(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``--aware`` with a BatchNorm layer (``--batchnorm``: buffers its forward pass updates in place)."""
+    return _reference(tmp_path_factory.mktemp("reference-aware-bn"), "--aware", "--batchnorm")
+
+
+@pytest.fixture(scope="session")
 def reference_aware_hsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``--aware`` with FSDP2 on a 2 x 2 mesh, four ranks (``--hsdp``: two replicas of two shards)."""
     return _reference(tmp_path_factory.mktemp("reference-aware-hsdp"), "--aware", "--hsdp", nproc=4)

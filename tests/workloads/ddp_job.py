@@ -5,7 +5,8 @@ own generator, so every rank's losses and the final parameters are the same on e
     ddp_job.py --steps N --log-dir DIR [--step-time S] [--width W] [--no-optimizer]
                [--cuda [--backend nccl] [--device-id]] [--gpu-rank R]
                [--aware | --aware-alone] [--replicas GROUPS] [--own-groups BACKEND] [--die-at K]
-               [--hsdp]
+               [--die-in-forward K]
+               [--hsdp] [--batchnorm]
 
 With ``--no-optimizer`` it updates its parameters by hand (no torch.optim: the rank runtime
 never sees an optimizer step, so a rewire stops it between two collectives).  With ``--cuda``
@@ -33,13 +34,19 @@ training state, its sum written on each line ("... avg <hex>").
 With ``--die-at K`` (and ``--aware``), rank 0 SIGKILLs itself once, in step K, after the job-wide
 all-reduce and once rank 2 has written its line of step K: rank 2, in no collective with rank 0
 from there on, finishes step K, while rank 1 is caught in the subgroup's all-reduce.
+With ``--die-in-forward K`` (and ``--aware``), the last rank SIGKILLs itself once, in step K, right
+after its forward pass: the others, their forward passes of step K done, are caught in its
+gradients' all-reduce.
 With ``--hsdp`` (an even number of ranks) the model is FSDP2's on a (world / 2, 2) DeviceMesh
 (replicate x shard) instead of DDP: each rank holds half of every parameter, its optimizer state
 too, replicated on the ranks of the same shard (rank r's replicas hold shard r % 2: with
 ``--aware`` the runtime derives them from the mesh).
 
+With ``--batchnorm`` the model has a BatchNorm1d after its first layer: buffers (its running
+statistics and count) that each forward pass updates in place, not the optimizer step.
+
 Each rank appends "step K <its loss> <global loss> <subgroup loss>" (floats in hex: exact) to
-DIR/rank{R}.log, one open per line, and "done <sha256 of the parameters>" at the end; and
+DIR/rank{R}.log, one open per line, and "done <sha256 of the parameters and buffers>" at the end; and
 prints "rank R step K loss L" to stdout, as training scripts do.
 """
 
@@ -78,9 +85,11 @@ def main() -> None:
     p.add_argument("--aware", action="store_true")
     p.add_argument("--aware-alone", action="store_true")
     p.add_argument("--die-at", type=int, default=-1)
+    p.add_argument("--die-in-forward", type=int, default=-1)
     p.add_argument("--own-groups", default="")
     p.add_argument("--replicas", default="")
     p.add_argument("--hsdp", action="store_true")
+    p.add_argument("--batchnorm", action="store_true")
     a = p.parse_args()
     # (tests/support/rankjob.py's variable of bytes that are no UTF-8: a process of this rank started
     # again from how another ran, on another node, has it as it was)
@@ -99,7 +108,10 @@ def main() -> None:
     own = [dist.new_group([r], backend=a.own_groups) for r in range(world)][rank] if a.own_groups else None
     gpu_sum = torch.zeros(1, dtype=torch.float64, device="cuda") if rank == a.gpu_rank else None
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, a.width), nn.Tanh(), nn.Linear(a.width, 1)).to(dev)
+    if a.batchnorm:  # (its statistics summed by one thread: the same sums however many ranks a node runs)
+        torch.set_num_threads(1)
+    norm = [nn.BatchNorm1d(a.width)] if a.batchnorm else []  # (buffers its forward pass updates in place)
+    net = nn.Sequential(nn.Linear(16, a.width), *norm, nn.Tanh(), nn.Linear(a.width, 1)).to(dev)
     if a.hsdp:
         mesh = init_device_mesh(dev.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
         model: nn.Module = fully_shard(net, mesh=mesh)
@@ -142,7 +154,8 @@ def main() -> None:
 
 
 def _done(model: nn.Module, log: Path) -> None:
-    whole = [t.full_tensor() if isinstance(t, DTensor) else t for t in model.parameters()]  # (sharded: gathered)
+    tensors = list(model.parameters()) + list(model.buffers())  # (BatchNorm's running statistics too)
+    whole = [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]  # (sharded: gathered)
     digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in whole)).hexdigest()
     with open(log, "a") as f:
         f.write(f"done {digest}\n")
@@ -189,6 +202,8 @@ def _aware(
         y = torch.sin(x.sum(dim=1, keepdim=True))
         model.zero_grad()
         loss = ((model(x) - y) ** 2).mean()
+        if rank == world - 1 and step == a.die_in_forward and not tpagent_rank.joining():
+            _die_once(a.log_dir, step, wait=False)
         loss.backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -213,15 +228,18 @@ def _aware(
     _done(model, log)
 
 
-def _die_once(log_dir: Path, step: int) -> None:
-    """(``--die-at``.)  SIGKILLed, unless it was once: the rank rebuilt goes on."""
-    marker = log_dir / "rank0.died"
+def _die_once(log_dir: Path, step: int, wait: bool = True) -> None:
+    """(``--die-at``, ``--die-in-forward``: ``wait`` False.)  SIGKILLed, unless it was once: the rank
+    rebuilt goes on."""
+    marker = log_dir / "died"
     if marker.exists():
         return
     marker.touch()
     theirs = log_dir / "rank2.log"
     deadline = time.monotonic() + 60
-    while f"step {step} " not in (theirs.read_text() if theirs.exists() else "") and time.monotonic() < deadline:
+    while (
+        wait and f"step {step} " not in (theirs.read_text() if theirs.exists() else "") and time.monotonic() < deadline
+    ):
         time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
 
