@@ -26,6 +26,7 @@ from cli.common import (
     TlsDirOpt,
     credentials,
     die,
+    passed_on,
     rpc_exit_code,
     utf8,
 )
@@ -236,7 +237,7 @@ def rank(
         code = stand_in.run()
     except UsageError as e:
         die(str(e), EXIT_USAGE)
-    raise typer.Exit(code)
+    raise typer.Exit(passed_on(code))
 
 
 def _unreachable(agent: str, e: grpc.RpcError) -> str:
@@ -394,7 +395,8 @@ def resolve(
             break
         time.sleep(1)
         s = _call(agent, secret_file, tls_dir, "Status", pb.MigrationRef(migration_id=migration_id))
-    _said(s, as_json)
+    if s.state in FINAL_STATES or not as_json:  # (under --json, one document: the state, or the error)
+        _said(s, as_json)
     if s.state not in FINAL_STATES:
         die(f"the agent has not carried the decision out yet; `tpagent status {migration_id}` follows it", EXIT_FAILED)
 

@@ -145,8 +145,17 @@ def command(app: typer.Typer, **settings: Any) -> Callable[[CommandFunction], Co
 _command_json: bool | None = None
 
 
-#: Whether a command's error was said (:func:`_say`): an interrupt then needs no word of its own.
+#: Whether a command's error was said (:func:`_say`), or its exit status is another's
+#: (:func:`passed_on`): an exit 130 then needs no word of tpagent's own.
 _said = False
+
+
+def passed_on(code: int) -> int:
+    """``code``, another process's exit status that a command ends with (a rank's, 130 on its own
+    Ctrl-C): said by nothing of tpagent's."""
+    global _said
+    _said = True
+    return code
 
 
 def die(msg: str, code: int, as_json: bool | None = None, rolled_back: bool = False) -> NoReturn:

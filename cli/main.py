@@ -38,7 +38,7 @@ from cli.common import (
 )
 from host.api import MOST_SECONDS
 from host.gpus import inventory
-from host.signals import terminate_as_interrupt
+from host.signals import deferred_sigint, terminate_as_interrupt
 from snapshot.api import DEFAULT_GHOST_LIMIT, DumpMode, SnapshotConfig, SnapshotError, Timeouts
 from snapshot.dump import checkpoint
 from snapshot.manifest import Manifest, load
@@ -242,20 +242,18 @@ def restore(
     terminate_as_interrupt()  # (a SIGTERM, a closed terminal: its undo runs, no stopped copy is left behind)
     try:
         result = restore_snapshot(directory, gpu_map_of(gpu_map or []), config, stages.progress(as_json), clone=clone)
-        if result.manifest.namespace:
-            register_launched(result.pid)  # still a launched workload, under its new PID
     except SnapshotError as e:
         stages.fail(e, as_json)
-    _emit(
-        as_json,
-        {
-            "pid": result.pid,
-            "pids": list(result.pids),
-            "snapshot_id": result.manifest.snapshot_id,
-            "timings": result.timings,
-        },
-        f"restored {printable(str(directory), None)}: running as PID {result.pid}",
-    )
+    with deferred_sigint() as late:  # (the copy runs: it is registered, and said, whatever comes now)
+        if result.manifest.namespace:
+            register_launched(result.pid)  # still a launched workload, under its new PID
+        doc = {"pid": result.pid, "pids": list(result.pids), "snapshot_id": result.manifest.snapshot_id}
+        _emit(
+            as_json,
+            doc | {"timings": result.timings},
+            f"restored {printable(str(directory), None)}: running as PID {result.pid}",
+        )
+        late.consume()
 
 
 @command(app)

@@ -16,7 +16,7 @@ from contextlib import suppress
 
 import psutil
 
-from host import files
+from host import files, forked
 from host.api import shown
 from host.proc import CAP_SYS_RESOURCE, fd_links, fdinfo_int, has_capability, other_groups, other_users
 
@@ -37,9 +37,12 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     sysv: dict[str, set[int]] | None = None  # (read once, if a process is in the node's namespace)
     mounts = _Mounts(pids)
     tree = set(pids)
+    stale = _stale_epolls(pids)
     for pid in pids:
         with suppress(OSError):
             held, elsewhere = _descriptors(pid, mounts)
+            if stale.get(pid):
+                held[_STALE_EPOLL] = stale[pid]
             for kind, fds in held.items():
                 out.append(
                     f"PID {pid} uses {_ANON_NAMES.get(kind, kind)} (fd {', '.join(fds)}), which CRIU cannot checkpoint."
@@ -221,8 +224,6 @@ def _descriptors(pid: int, mounts: _Mounts) -> tuple[dict[str, list[str]], list[
     links = fd_links(pid)
     for fd, link in links:
         kind = link.removeprefix("anon_inode:")
-        if kind == "[eventpoll]" and _watches_closed(pid, fd):
-            held.setdefault(_STALE_EPOLL, []).append(fd)
         if kind != link:
             if kind not in CRIU_ANON_INODES:
                 held.setdefault(kind, []).append(fd)
@@ -243,16 +244,38 @@ def _descriptors(pid: int, mounts: _Mounts) -> tuple[dict[str, list[str]], list[
     return held, elsewhere
 
 
+def _stale_epolls(pids: Sequence[int]) -> dict[int, list[str]]:
+    """PID -> its epoll instances (fds) that watch a descriptor it has closed (the file another
+    process still holds, so the kernel keeps the watch): CRIU finds no file to dump such a watch
+    with.  An epoll instance several processes share (forked) is judged, as CRIU dumps it, in the
+    first of the tree that holds it: a worker that inherited it lacks what its parent opened since."""
+    out: dict[int, list[str]] = {}
+    seen: list[tuple[int, str]] = []  # (PID, fd) of each epoll instance judged
+    for pid in pids:
+        for fd, link in fd_links(pid):
+            if link != "anon_inode:[eventpoll]" or any(forked.same_file(p, f, pid, fd) for p, f in seen):
+                continue
+            seen.append((pid, fd))
+            if _watches_closed(pid, fd):
+                out.setdefault(pid, []).append(fd)
+    return out
+
+
 def _watches_closed(pid: int, fd: str) -> bool:
-    """Whether the epoll instance ``fd`` watches a descriptor ``pid`` has closed (the file another
-    process still holds, so the kernel keeps the watch), its number free or another file's since:
-    CRIU finds no file to dump the watch with."""
+    """Whether the epoll instance ``fd`` of ``pid`` watches a descriptor it no longer has, or has
+    as another file than the one watched (by its inode, where the kernel shows it: 5.14 on)."""
     try:
         with open(f"/proc/{pid}/fdinfo/{fd}") as f:
             watched = [(m[1], int(m[2], 16)) for m in map(_TFD.match, f) if m]
     except OSError:
         return False
-    return any(fdinfo_int(pid, target, "ino") != ino for target, ino in watched)
+    for target, ino in watched:
+        if not os.path.lexists(f"/proc/{pid}/fd/{target}"):
+            return True
+        now = fdinfo_int(pid, target, "ino")
+        if now is not None and now != ino:
+            return True
+    return False
 
 
 class _Mounts:

@@ -172,7 +172,7 @@ def _refusals(pids: Sequence[int], agent_let_go: bool) -> list[str]:
             "checkpoint one end of a connection; close it, or start that process inside the tree (a service's "
             "output to the journal: `tpagent launch --stdout FILE`)."
         )
-    return [*out, *_terminals(pids), *_shared_memory(pids), *_parent_death(pids)]
+    return [*out, *_terminals(pids), *_shared_memory(pids, not agent_let_go), *_parent_death(pids)]
 
 
 def _parent_death(pids: Sequence[int]) -> list[str]:
@@ -294,20 +294,28 @@ _SHARED_ANONYMOUS = ("/dev/zero (deleted)", "/anon_hugepage (deleted)")
 
 
 def _anonymous(path: str) -> bool:
-    """Memory no other can map by name: anonymous, a memfd's, a removed file's (``multiprocessing.Value``:
-    a file of /dev/shm removed once mapped), which CRIU gives the copy a copy of."""
-    return path in _SHARED_ANONYMOUS or path.startswith("/memfd:") or path.endswith(" (deleted)")
+    """Memory no other can map by name: anonymous, a memfd's, which CRIU gives the copy a copy of."""
+    return path in _SHARED_ANONYMOUS or path.startswith("/memfd:")
 
 
-def _shared_memory(pids: Sequence[int]) -> list[str]:
-    """One sentence for each piece of shared anonymous memory (or memfd) the tree shares with a
-    process outside it, either side writing (a child checkpointed without the parent it was
-    forked from): the copy would have memory of its own, theirs no longer meeting."""
+def _removed(path: str) -> bool:
+    """:func:`_anonymous`, or a removed file's (``multiprocessing.Value``: a file of /dev/shm removed
+    once mapped), which CRIU gives the copy a copy of too (SysV's are refused on their own)."""
+    return _anonymous(path) or (path.endswith(" (deleted)") and not path.startswith("/SYSV"))
+
+
+def _shared_memory(pids: Sequence[int], removed: bool) -> list[str]:
+    """One sentence for each piece of shared anonymous memory (or memfd; with ``removed``, a removed
+    file's) the tree shares with a process outside it, either side writing (a child checkpointed
+    without the parent it was forked from): the copy would have memory of its own, theirs no longer
+    meeting.  (A rank's move, ``removed`` False, tears its communicators down before the freeze:
+    NCCL's shared memory with the node's other ranks, /dev/shm files removed once mapped, goes.)"""
+    wanted = _removed if removed else _anonymous
     return [
         f"PID {pid} shares memory ({_kind_of(path)}) "
         f"with PID {other} ({_comm(other)}) outside its tree, and one of them writes it: its copy would have "
         "memory of its own, no longer shared; checkpoint the tree that holds both."
-        for pid, path, other in _mapped_outside(pids, _anonymous, "the processes sharing its memory")
+        for pid, path, other in _mapped_outside(pids, wanted, "the processes sharing its memory")
     ]
 
 

@@ -147,7 +147,8 @@ def terminate_as_interrupt() -> None:
     dump's frozen tree resumed), and a :func:`deferred_sigint` region holds them back as it holds
     a Ctrl-C.  By default they ended it at once, its undo never run.  (Main thread only.)"""
     for sig in _INTERRUPTS[1:]:
-        signal.signal(sig, signal.default_int_handler)
+        if signal.getsignal(sig) == signal.SIG_DFL:  # (``nohup``'s ignored SIGHUP stays ignored)
+            signal.signal(sig, signal.default_int_handler)
 
 
 class Deferral:

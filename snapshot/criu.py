@@ -15,7 +15,8 @@ import resource
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,23 +143,23 @@ class Criu:
         ``work``, CRIU's PID and start time go to its :data:`PIDFILE` there."""
         cmd = [str(self.path), *args]
         log.debug("running %s", cmd)
-        _open_files_up_to_hard()
         with deferred_sigint():
             try:
                 # Its own session: a terminal's Ctrl-C goes to our process group, not to CRIU.
                 # umask 077: its images are someone's whole memory, for root's eyes only.
-                proc = subprocess.Popen(
-                    cmd,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    errors="replace",  # (a program that is no CRIU may print anything)
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                    env={**os.environ, **env} if env else None,
-                    umask=0o077,
-                    cwd=cwd,
-                )
+                with _open_files_up_to_hard():
+                    proc = subprocess.Popen(
+                        cmd,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        errors="replace",  # (a program that is no CRIU may print anything)
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,
+                        env={**os.environ, **env} if env else None,
+                        umask=0o077,
+                        cwd=cwd,
+                    )
             except OSError as e:
                 raise CriuError(f"could not run {self.path}", detail=str(e), code=e.errno) from e
             if work is not None:
@@ -326,14 +327,23 @@ def _mount_missing(log_file: Path) -> str | None:
     )
 
 
-def _open_files_up_to_hard() -> None:
-    """Raise this process's soft limit on open files to its hard one, for the CRIU it runs (a shell's
-    1024 is a job's usual): CRIU puts its own descriptors above the tree's highest, under its soft
-    limit, which it cannot raise itself without CAP_SYS_RESOURCE (its restore of a job holding more
-    failed: "Can't chose service_fd_base"); raising the soft limit needs no privilege."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
+_LIMIT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _open_files_up_to_hard() -> Iterator[None]:
+    """This process's soft limit on open files at its hard one while it starts CRIU, which keeps it (a
+    shell's 1024 is a job's usual): CRIU puts its own descriptors above the tree's highest, under its
+    soft limit, which it cannot raise itself without CAP_SYS_RESOURCE (its restore of a job holding
+    more failed: "Can't chose service_fd_base"); raising a soft limit needs no privilege.  Put back
+    at once: what the agent starts otherwise (a rebuilt rank) has the limit it had."""
+    with _LIMIT_LOCK:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def _write_pidfile(path: Path, pid: int) -> None:

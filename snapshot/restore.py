@@ -158,11 +158,15 @@ def restore(
     job = _Restore(directory, m, config, criu, timer, cuda, norm_map, opts, start, created_note, fresh, work, trusted)
     try:
         stages.run(RESTORE, job)
+        with signals.deferred_sigint() as late:  # (one once it runs: too late, the copy is noted and stays)
+            copies.note_copy(m, job.root)
+            late.consume()
     except BaseException as e:
-        # Never leave a half-restored copy (e.g. CPU side up, GPU side still in host memory):
-        # kill what CRIU started, take back what was put back; the snapshot, which restore
-        # does not modify, is the copy to retry.
-        stages.undo(RESTORE, job)
+        # Never leave a half-restored copy (CPU side up, GPU side still in host memory): kill what
+        # CRIU started, take back what was put back; the snapshot, unmodified, is the copy to retry.
+        with signals.deferred_sigint() as again:  # (a second SIGHUP of a closed terminal never cuts it short)
+            stages.undo(RESTORE, job)
+            again.consume()
         if isinstance(e, KeyboardInterrupt):
             raise Interrupted(f"the restore of {directory} was interrupted; nothing was left running") from e
         if isinstance(e, SnapshotError):
@@ -173,7 +177,6 @@ def restore(
         ) from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    copies.note_copy(m, job.root)
     return RestoreResult(job.root, tuple(job.mapping.values()), m, timer.timings)
 
 

@@ -11,7 +11,6 @@ import os
 import time
 from typing import Any
 
-from tpagent_rank import inplace
 from tpagent_rank import protocol as P
 from tpagent_rank.agent import Rank
 
@@ -58,8 +57,6 @@ def _before_collective(group: Any) -> None:
     if RANK is None:  # (a forked child has none: _forget)
         return
     RANK.progress = time.monotonic()  # (any group's: a rank issuing collectives waits on no one)
-    if inplace.LEARNED.armed:  # (a step starting with a collective: before its forward pass)
-        inplace.step_starts(RANK)
     if RANK.retired or (RANK.quiet and RANK.join is None):  # (a move's leaving rank, or its joiner, now in)
         from tpagent_rank import join
 

@@ -1,92 +1,71 @@
 """What of a rank's held state (:mod:`tpagent_rank.recover`) a step changes in place other than by
-its optimizer step: the buffers its forward pass updates (BatchNorm's running statistics and count).
+its optimizer step: the buffers of its modules, which a forward pass updates (BatchNorm's running
+statistics and count).
 
 The held state keeps the live tensors, which the optimizer changes only in its step.  A buffer
 the next step's forward pass changes too: a survivor caught mid-step took it back changed, and the
 step done again counted twice in it (the losses and parameters bit-identical, the statistics
-not).  So as each step starts, at its first module call (the model, or its DDP or FSDP wrapper),
-before anything of it runs, the held state's tensors that are buffers of that module (and of its
-modules) are copied into it as they stand: a few small tensors.  A step that starts with a
-collective instead copies those of the module the last step started with.  The version counters
-of tensors cannot tell these apart: BatchNorm's kernel updates its statistics without counting.
-What changes after a boundary and before the next step (an average kept by an EMA, updated after
-the optimizer step) is no buffer of the model: it stays live, as it was left.  A tensor without
-storage of its own (a DTensor's shard, a sparse one) is left live.
+not).  So at each boundary the held state's tensors that are buffers of a module of the process
+are copied as they stand (a few small tensors: BatchNorm's), before the next step can change
+them.  The buffers are found among the process's modules (the garbage collector's objects), once,
+and again where the state holds another number of tensors than when they were: no hook in the
+training step's code, none in its forward pass (a model compiled in place, ``fullgraph=True``,
+fails on one).  A tensor without storage of its own (a DTensor's shard, a sparse one) is left live.
 
 Standard library only at import.
 """
 
 from __future__ import annotations
 
-import os
-import threading
+import copy
 from typing import Any
 
-#: A rank is a :class:`tpagent_rank.agent.Rank` (not imported: that module imports this one).
-Rank = Any
 #: A tensor as its storage, offset and size tell it (a state's tensors are new views each save).
 Key = tuple[int, int, int]
+_found: tuple[int, set[Key]] | None = None  # (the state's number of tensors then, every module's buffers)
 
 
-class _Learned:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.armed = False  # (set at a boundary: the next step's start copies)
-        self.moving: set[Key] = set()  # the buffers of the module the last step started with
-        self.hook: Any = None
+def held_copy(state: Any) -> Any:
+    """``state`` (saved at a boundary, by the training thread) with each of its tensors that is a
+    module's buffer copied as it stands (its containers new, of their kind; the rest as it was)."""
+    buffers = _buffers(_count(state))
+    return _copied(state, buffers) if buffers else state
 
 
-LEARNED = _Learned()
+def _buffers(tensors: int) -> set[Key]:
+    """The keys of the buffers of every module of the process, looked for again where the state
+    holds another number of tensors (a model built, or grown, since)."""
+    global _found
+    if _found is None or _found[0] != tensors:
+        import gc
+
+        import torch
+
+        modules = [o for o in gc.get_objects() if issubclass(type(o), torch.nn.Module)]  # (type: no __class__ asked)
+        _found = (tensors, {k for m in modules for b in m.buffers(recurse=False) if (k := _key(b))})
+    return _found[1]
 
 
-def boundary(rank: Rank) -> None:
-    """(The training thread, once this boundary's state is held.)  Its buffers are copied as the
-    next step starts (:func:`step_starts`)."""
-    from torch.nn.modules.module import register_module_forward_pre_hook
-
-    with LEARNED.lock:
-        LEARNED.armed = True
-        if LEARNED.hook is None:
-            LEARNED.hook = register_module_forward_pre_hook(lambda module, _args: step_starts(rank, module))
+def _count(state: Any) -> int:
+    if isinstance(state, dict):
+        return sum(map(_count, state.values()))
+    if isinstance(state, list | tuple):
+        return sum(map(_count, state))
+    return int(type(state).__name__ in ("Tensor", "Parameter"))
 
 
-def step_starts(rank: Rank, module: Any = None) -> None:
-    """(The training thread, at its first module call, ``module``, or collective after a boundary.)
-    The buffers of ``module`` (else of the last step's) copied into the held state as they stand."""
-    with LEARNED.lock:
-        if not LEARNED.armed or rank.pid != os.getpid():  # (a forked worker's inherited hook)
-            return
-        LEARNED.armed = False
-        hook = LEARNED.hook
-        LEARNED.hook = None
-    if hook is not None:
-        hook.remove()
-    if module is not None:
-        LEARNED.moving = {k for b in module.buffers() if (k := _key(b)) is not None}
-    held = rank.held
-    if held is None or not LEARNED.moving:
-        return
-    copied = _copied(held.state, LEARNED.moving)
-    with rank.cond:
-        if rank.held is held:
-            held.state = copied
-
-
-def _copied(state: Any, moving: set[Key]) -> Any:
-    """``state`` with each tensor of ``moving`` a copy of itself (its containers new, of their kind)."""
-    import copy
-
+def _copied(state: Any, buffers: set[Key]) -> Any:
     import torch
 
     if isinstance(state, torch.Tensor):
-        return state.detach().clone() if _key(state) in moving else state
+        return state.detach().clone() if _key(state) in buffers else state
     if isinstance(state, dict):
         out = copy.copy(state)  # (an OrderedDict's _metadata, which load_state_dict reads, kept)
         for k, v in state.items():
-            out[k] = _copied(v, moving)
+            out[k] = _copied(v, buffers)
         return out
     if isinstance(state, list | tuple) and not hasattr(state, "_fields"):
-        return type(state)(_copied(v, moving) for v in state)
+        return type(state)(_copied(v, buffers) for v in state)
     return state
 
 

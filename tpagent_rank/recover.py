@@ -5,8 +5,8 @@ warning, and the job goes on from its last step boundary without a restart from 
   calls its ``save`` at each optimizer step post-hook and holds what it returns: its numbers,
   RNG states and data positions as they were; its tensors are the live ones, which nothing
   changes until the next optimizer step (the step's collectives fill gradients, not weights),
-  but for those the next step changes in place otherwise (a BatchNorm's running statistics),
-  copied as it starts (:mod:`tpagent_rank.inplace`).
+  but for the buffers its forward pass changes in place (a BatchNorm's running statistics),
+  copied as they stand (:mod:`tpagent_rank.inplace`).
   So the rank can give the state of its last boundary at any time but inside an optimizer step,
   and the training thread is held from entering one while the state is taken.
 * **A failed collective is held.**  A gloo collective of a registered rank connected to its
@@ -78,13 +78,13 @@ def capture(rank: Rank, groups: Callable[[], int]) -> None:
     state = reg.save() if reg is not None else None
     if reg is not None and aware.check(reg, state):
         reg = None  # (one another process cannot read back is never held)
+    if reg is not None:  # (what the next step's forward pass changes in place, its buffers, copied as it stands)
+        state = inplace.held_copy(state)
     with rank.cond:
         if reg is not None:
             rank.held = Held(rank.step, rank.collectives, groups(), state)
         rank.in_step = False
         rank.cond.notify_all()
-    if reg is not None:  # (what the next step changes in place, but not by an optimizer, copied as it starts)
-        inplace.boundary(rank)
 
 
 def before_step(rank: Rank) -> None:

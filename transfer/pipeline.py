@@ -76,7 +76,7 @@ def dump_and_send(
         except TransferError as e:
             raise SendFailed(f"{e} ({_kept(out, mode)})") from e
         except KeyboardInterrupt as e:
-            raise SendFailed(f"the send to {peer} was interrupted ({_kept(out, mode)})") from e
+            raise SendFailed(f"the send to {peer} was interrupted ({_kept(out, mode)}; {_MAYBE_THERE})") from e
         _sent_away(out, mode)
         return Shipped(m, stats, dump_s, time.monotonic() - t0)
 
@@ -108,12 +108,16 @@ def dump_and_send(
     try:
         thread.join()
     except KeyboardInterrupt as e:  # (the snapshot is whole here; the receiver drops its part)
-        raise SendFailed(f"the send to {peer} was interrupted ({_kept(out, mode)})") from e
+        raise SendFailed(f"the send to {peer} was interrupted ({_kept(out, mode)}; {_MAYBE_THERE})") from e
     result = outcome[0]
     if isinstance(result, BaseException):
         raise SendFailed(f"{result} ({_kept(out, mode)})") from result
     _sent_away(out, mode)
     return Shipped(m, result, dump_s, time.monotonic() - t0)
+
+
+#: An interrupted send's receiver may have verified the snapshot whole just before.
+_MAYBE_THERE = "the receiver may have it whole too: restore one of the two, never both"
 
 
 def _kept(out: Path, mode: DumpMode) -> str:

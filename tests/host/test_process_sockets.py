@@ -296,6 +296,41 @@ def test_a_removed_files_memory_an_eventfd_and_a_socket_shared_with_a_parent_out
             p.kill()
 
 
+_EPOLL_SHARED_WITH_A_WORKER = (
+    "import os, select, sys\n"
+    "ep = select.epoll()\n"
+    "child = os.fork()\n"  # (a DataLoader worker: the epoll instance is its too)
+    "if child == 0:\n"
+    "    sys.stdin.read(); os._exit(0)\n"
+    "r, w = os.pipe(); ep.register(r, select.EPOLLIN)\n"  # (a watch of a descriptor the worker never had)
+    "print(child, ep.fileno(), flush=True); sys.stdin.read(); os.kill(child, 9)\n"
+)
+
+
+def test_an_epoll_instance_a_worker_shares_is_judged_where_its_watches_were_made() -> None:
+    """A parent's epoll instance, which a worker it forked holds too (gloo's, asyncio's, with
+    DataLoader workers): a watch the parent adds later names a descriptor only the parent has.
+    The tree of both is not refused (CRIU dumps the instance from the parent, the first that holds
+    it); the parent's watch of a descriptor it closed, as the worker holds it, is."""
+    from host import criu_limits
+
+    with subprocess.Popen(
+        [sys.executable, "-c", _EPOLL_SHARED_WITH_A_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as p:
+        try:
+            assert p.stdout is not None
+            child, ep = p.stdout.readline().split()
+            said = [s for s in criu_limits.uncheckpointable([p.pid, int(child)]) if "epoll" in s]
+            assert said == []
+            alone = [s for s in criu_limits.uncheckpointable([int(child)]) if "epoll" in s]
+            assert alone == [
+                f"PID {child} uses an epoll instance watching a descriptor it has closed (another process still "
+                f"holding that file) (fd {ep}), which CRIU cannot checkpoint."
+            ]
+        finally:
+            p.kill()
+
+
 _FORKS_OPEN_FILES = (
     "import os, sys, time\n"
     "shared = open(sys.argv[1], 'w')\n"  # (as a shell's `>`: one offset for parent and child)
