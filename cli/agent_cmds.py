@@ -334,10 +334,7 @@ def status(
     """Where a migration stands, as the agent's journal says (JSON)."""
     from tpagent.daemon.rpc import pb
 
-    s = _call(agent, secret_file, tls_dir, "Status", pb.MigrationRef(migration_id=migration_id))
-    typer.echo(
-        json.dumps({"migration_id": s.migration_id, "state": s.state, "message": s.message, "pid": s.pid}, indent=2)
-    )
+    _say_state(_call(agent, secret_file, tls_dir, "Status", pb.MigrationRef(migration_id=migration_id)), True)
 
 
 def cancel(
@@ -350,10 +347,10 @@ def cancel(
     """Cancel a migration on its source agent: the process runs on where it stood."""
     from tpagent.daemon.rpc import pb
 
-    _said(_call(agent, secret_file, tls_dir, "Cancel", pb.MigrationRef(migration_id=migration_id)), as_json)
+    _say_state(_call(agent, secret_file, tls_dir, "Cancel", pb.MigrationRef(migration_id=migration_id)), as_json)
 
 
-def _said(s: Any, as_json: bool) -> None:
+def _say_state(s: Any, as_json: bool) -> None:
     """Where a migration stands (a MigrationStatus): a line, or with ``as_json`` its JSON."""
     doc = {"migration_id": s.migration_id, "state": s.state, "message": s.message, "pid": s.pid}
     typer.echo(
@@ -396,7 +393,7 @@ def resolve(
         time.sleep(1)
         s = _call(agent, secret_file, tls_dir, "Status", pb.MigrationRef(migration_id=migration_id))
     if s.state in FINAL_STATES or not as_json:  # (under --json, one document: the state, or the error)
-        _said(s, as_json)
+        _say_state(s, as_json)
     if s.state not in FINAL_STATES:
         die(f"the agent has not carried the decision out yet; `tpagent status {migration_id}` follows it", EXIT_FAILED)
 

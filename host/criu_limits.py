@@ -37,12 +37,10 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     sysv: dict[str, set[int]] | None = None  # (read once, if a process is in the node's namespace)
     mounts = _Mounts(pids)
     tree = set(pids)
-    stale = _stale_epolls(pids)
+    epolls: list[tuple[int, str]] = []  # (PID, fd) of each epoll instance judged, in the tree's order
     for pid in pids:
         with suppress(OSError):
-            held, elsewhere = _descriptors(pid, mounts)
-            if stale.get(pid):
-                held[_STALE_EPOLL] = stale[pid]
+            held, elsewhere = _descriptors(pid, mounts, epolls)
             for kind, fds in held.items():
                 out.append(
                     f"PID {pid} uses {_ANON_NAMES.get(kind, kind)} (fd {', '.join(fds)}), which CRIU cannot checkpoint."
@@ -216,14 +214,22 @@ def _table(path: str, *columns: str) -> list[tuple[int, ...]]:
 _OWN_MOUNTS = ("/memfd:", "/dev/pts/", "/dev/ptmx", "/dev/tty", "/dev/console")
 
 
-def _descriptors(pid: int, mounts: _Mounts) -> tuple[dict[str, list[str]], list[tuple[str, str]]]:
+def _descriptors(
+    pid: int, mounts: _Mounts, epolls: list[tuple[int, str]]
+) -> tuple[dict[str, list[str]], list[tuple[str, str]]]:
     """``pid``'s descriptors CRIU cannot dump: by kind (an anonymous inode's, "mqueue"), and
     (fd, path) of those on a mount none of the tree's mount namespaces has."""
     held: dict[str, list[str]] = {}
     elsewhere: list[tuple[str, str]] = []
-    links = fd_links(pid)
-    for fd, link in links:
+    for fd, link in fd_links(pid):
         kind = link.removeprefix("anon_inode:")
+        # An epoll instance several processes share (forked) is judged, as CRIU dumps it, in the
+        # first of the tree that holds it (``epolls``): a worker that inherited it lacks what its
+        # parent opened since.
+        if kind == "[eventpoll]" and not any(forked.same_file(p, f, pid, fd) for p, f in epolls):
+            epolls.append((pid, fd))
+            if _watches_closed(pid, fd):
+                held.setdefault(_STALE_EPOLL, []).append(fd)
         if kind != link:
             if kind not in CRIU_ANON_INODES:
                 held.setdefault(kind, []).append(fd)
@@ -244,26 +250,11 @@ def _descriptors(pid: int, mounts: _Mounts) -> tuple[dict[str, list[str]], list[
     return held, elsewhere
 
 
-def _stale_epolls(pids: Sequence[int]) -> dict[int, list[str]]:
-    """PID -> its epoll instances (fds) that watch a descriptor it has closed (the file another
-    process still holds, so the kernel keeps the watch): CRIU finds no file to dump such a watch
-    with.  An epoll instance several processes share (forked) is judged, as CRIU dumps it, in the
-    first of the tree that holds it: a worker that inherited it lacks what its parent opened since."""
-    out: dict[int, list[str]] = {}
-    seen: list[tuple[int, str]] = []  # (PID, fd) of each epoll instance judged
-    for pid in pids:
-        for fd, link in fd_links(pid):
-            if link != "anon_inode:[eventpoll]" or any(forked.same_file(p, f, pid, fd) for p, f in seen):
-                continue
-            seen.append((pid, fd))
-            if _watches_closed(pid, fd):
-                out.setdefault(pid, []).append(fd)
-    return out
-
-
 def _watches_closed(pid: int, fd: str) -> bool:
     """Whether the epoll instance ``fd`` of ``pid`` watches a descriptor it no longer has, or has
-    as another file than the one watched (by its inode, where the kernel shows it: 5.14 on)."""
+    as another file than the one watched (by its inode, where the kernel shows it: 5.14 on): the
+    file another process still holds, so the kernel keeps the watch, and CRIU finds no file to
+    dump it with."""
     try:
         with open(f"/proc/{pid}/fdinfo/{fd}") as f:
             watched = [(m[1], int(m[2], 16)) for m in map(_TFD.match, f) if m]
