@@ -4,7 +4,6 @@ step still trains, an environment's own sitecustomize still runs, and no agent i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -106,6 +105,11 @@ AT_EXIT = textwrap.dedent(
     t = torch.ones(1)
     dist.all_reduce(t)
     print(t.item(), flush=True)
+    import os, time
+    heard = os.environ.get("HEARD")  # (the silent agent has its hello: the thread now waits to read)
+    deadline = time.monotonic() + 60
+    while heard and not os.path.exists(heard) and time.monotonic() < deadline:
+        time.sleep(0.01)
     """
 )
 
@@ -118,25 +122,35 @@ def test_no_thread_of_the_runtime_outlives_the_exit_handlers(tmp_path: Path, age
     waits to ask again) or an agent holds its connection and says nothing (it waits to read)."""
     name = f"tpagent-test-{os.getpid()}-{agent}"
     (tmp_path / "job.py").write_text(AT_EXIT)
-    env = runtime_env(tmp_path)
+    heard = tmp_path / "heard"
+    env = {**runtime_env(tmp_path), "TPAGENT_RANK_SOCKET": name, "TPAGENT_JOB": "j", "HEARD": str(heard)}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         if agent == "silent":
             listener.bind("\0" + name)
             listener.listen()
-        done = subprocess.run(
+            listener.settimeout(120)
+        else:
+            heard.touch()
+        job = subprocess.Popen(
             [sys.executable, "-X", "faulthandler", str(tmp_path / "job.py")],
-            env={**env, "TPAGENT_RANK_SOCKET": name, "TPAGENT_JOB": "j"},
-            capture_output=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
             cwd=tmp_path,
         )
-        if agent == "silent":
-            listener.settimeout(0)
-            with contextlib.suppress(BlockingIOError):  # (a rank that exits before its thread connects: as "none")
+        try:
+            if agent == "silent":  # (the job ends only once its hello is read, and no word ever comes)
                 conn, _ = listener.accept()
                 with conn:
-                    assert b"hello" in conn.recv(65536)
+                    assert b"hello" in conn.makefile("rb").readline(), "the rank's thread said no hello"
+                    heard.touch()
+                    stdout, stderr = job.communicate(timeout=120)
+            else:
+                stdout, stderr = job.communicate(timeout=120)
+        finally:
+            job.kill()
+    done = subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout.strip().splitlines()
     assert out[0] == "1.0", out
