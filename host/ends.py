@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 
-from host import criu_limits, files, forked, proc, ptrace, unix_diag
+from host import claims, criu_limits, files, forked, proc, ptrace, unix_diag
 from host.api import shown
 from host.proc import fd_links
 
@@ -111,7 +111,9 @@ def shared_offsets(pids: Sequence[int]) -> list[str]:
 
 def _refusals(pids: Sequence[int], agent_let_go: bool) -> list[str]:
     out = [
-        f"PID {pid} is traced by PID {tracer} ({_comm(tracer)}): a debugger or tracer (gdb, strace, py-spy) "
+        claims.busy(pid)
+        if claims.held(pid)
+        else f"PID {pid} is traced by PID {tracer} ({_comm(tracer)}): a debugger or tracer (gdb, strace, py-spy) "
         "holds it, and CRIU cannot freeze a traced process; detach it and try again."
         for pid in pids
         if (tracer := _tracer(pid))

@@ -8,6 +8,7 @@ format's: :mod:`snapshot.manifest`, :mod:`transfer.wire`).
     /opt/tpagent/criu/bin/criu            the CRIU scripts/install-criu.sh installs
     /run/tpagent/launched/PID.json        a `tpagent launch` workload's record (root's)
     /run/tpagent/restored/ID.json         the copies restored here from snapshot ID (root's)
+    /run/tpagent/dumping/PID-TICKS        a dump's claim on a process it freezes (root's, flock'd)
     /run/tpagent/rank-go/NAME             "come back" to a rank that let go of its agent (0711)
     /run/tpagent/rank-runtime/VERSION/    the rank runtime put on ranks' PYTHONPATH (0755)
     /var/lib/tpagent/left-behind/         carried files a committed migration left on this node
@@ -32,6 +33,8 @@ LAUNCHED = RUN / "launched"
 #: Root's notes of the copies restored on this node, one per snapshot (by its id): a snapshot
 #: restored twice would run twice.
 RESTORED = RUN / "restored"
+#: Root's claims on the processes dumps freeze, one per process (snapshot.claims).
+DUMPING = RUN / "dumping"
 #: Where the rank runtime is written for the ranks' PYTHONPATH (root's, readable by the ranks).
 RANK_RUNTIME = RUN / "rank-runtime"
 #: The default work directory.

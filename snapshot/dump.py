@@ -26,6 +26,7 @@ import psutil
 
 from host import ends, forked, gpus, proc, signals
 from host.api import UsageError
+from host.claims import Claims
 from host.safefs import private_dir, private_opener
 from snapshot import failures, hook, manifest, stages
 from snapshot.api import (
@@ -95,26 +96,28 @@ def checkpoint(
     A dump that CRIU refuses for a passing reason (:data:`TRANSIENT`) before it wrote
     anything is tried again, once the tree runs again, up to ``config.dump_retries`` times."""
     require_root()
-    for attempt in itertools.count(1):
-        try:
-            return _checkpoint(pid, out, mode, config, progress, cuda_factory, carry, started)
-        except SnapshotError as e:
-            if not e.transient or attempt > config.dump_retries:
-                raise
-            delay = RETRY_BACKOFF * 2 ** (attempt - 1)
-            if started is None:  # the tree was just resumed: the PID is still its root's
-                with suppress(OSError):
-                    started = proc.started(pid)
-            why = next((t for t in TRANSIENT if t in str(e)), str(e))
-            log.info("CRIU refused to dump PID %d for now (%s); retry %d in %.1f s", pid, e, attempt, delay)
-            progress(Stage.CRIU_DUMP, f"refused for now ({why}); retry {attempt} in {delay:.1f} s")
+    with Claims() as claims:  # (held across the attempts: no other dump meanwhile)
+        claims.take([pid])
+        for attempt in itertools.count(1):
             try:
-                time.sleep(delay)  # (the tree runs meanwhile: CRIU resumed it)
-            except KeyboardInterrupt:
-                err = Interrupted(f"the checkpoint of PID {pid} was interrupted")
-                err.rolled_back = proc.alive(pid)
-                raise err from e
-    raise AssertionError("unreachable")
+                return _checkpoint(pid, out, mode, config, progress, cuda_factory, carry, started, claims)
+            except SnapshotError as e:
+                if not e.transient or attempt > config.dump_retries:
+                    raise
+                delay = RETRY_BACKOFF * 2 ** (attempt - 1)
+                if started is None:  # the tree was just resumed: the PID is still its root's
+                    with suppress(OSError):
+                        started = proc.started(pid)
+                why = next((t for t in TRANSIENT if t in str(e)), str(e))
+                log.info("CRIU refused to dump PID %d for now (%s); retry %d in %.1f s", pid, e, attempt, delay)
+                progress(Stage.CRIU_DUMP, f"refused for now ({why}); retry {attempt} in {delay:.1f} s")
+                try:
+                    time.sleep(delay)  # (the tree runs meanwhile: CRIU resumed it)
+                except KeyboardInterrupt:
+                    err = Interrupted(f"the checkpoint of PID {pid} was interrupted")
+                    err.rolled_back = proc.alive(pid)
+                    raise err from e
+        raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -174,12 +177,14 @@ def _checkpoint(
     cuda_factory: CudaFactory,
     carry: Sequence[Path],
     checked: str | None,
+    claims: Claims,
 ) -> Manifest:
     """One attempt of :func:`checkpoint`: look at the tree (nothing done yet: a refusal needs
-    no undo), prepare ``out``, then the steps of :data:`FREEZE_AND_DUMP`, then finish."""
+    no undo), claim it, prepare ``out``, then the steps of :data:`FREEZE_AND_DUMP`, then finish."""
     target = proc.validate_target(pid)
     criu = Criu(config.criu)
     tree = _examine(target, checked, config.ghost_limit)
+    claims.take([p.pid for p in tree.procs])
     job = _plan(tree, pid, out, mode, config, criu, progress, cuda_factory, carry)
     _prepare_out(job)  # undo: _clear (on its own failure; else in _rolled_back)
     script = hook.install()

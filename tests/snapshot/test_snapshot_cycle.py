@@ -88,6 +88,53 @@ def test_a_restore_ended_by_sigterm_once_criu_restored_the_tree_leaves_no_copy(s
     assert_continuous(w.ticks())
 
 
+def test_a_dump_of_a_process_another_dump_holds_is_refused_and_the_first_goes_on(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Two dumps of one process at once (a `tpagent dump` typed beside a migration) fought over
+    it: the second found it traced "by a debugger", or both failed, each saying the process was
+    resumed although the other had ended it.  Now whichever comes second, for the tree's root or
+    for a process in it, is refused in one sentence before it touches the tree; the first dumps
+    it, and its snapshot restores where the workload stood."""
+    from host import claims, ends
+    from host.ptrace import seized
+    from snapshot.criu import Criu
+
+    w = start(mib=16, launched=True)
+    waiting = tmp_path / "waiting"
+    go = tmp_path / "go"
+    wrapper = tmp_path / "criu-waits"
+    wrapper.write_text(
+        f'#!/bin/sh\nif [ "$1" = dump ]; then touch {waiting}; while [ ! -e {go} ]; do sleep 0.05; done; fi\n'
+        f'exec "{Criu().path}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    snap = tmp_path / "snap"
+    cmd = [sys.executable, "-m", "cli.main", "dump", str(w.pid), "--out", str(snap), "--criu", str(wrapper)]
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(waiting.exists, "the first dump to have claimed the tree")
+        for pid in (w.pid, w.worker_pid):
+            out = tmp_path / f"second-{pid}"
+            second = tpagent("dump", str(pid), "--out", str(out), "--leave-running")
+            assert second.returncode == 2, second.stderr
+            assert_one_sentence_error(second, f"PID {pid} is being checkpointed already")
+            assert not out.exists()
+        with seized(w.worker_pid):  # (traced, as CRIU holds it: a migration's check says why)
+            assert ends.unmovable([w.worker_pid]) == [claims.busy(w.worker_pid)]
+        ticked = w.ticks()[-1][0]
+        wait_until(lambda: w.ticks()[-1][0] > ticked + 2, "the workload to tick on (no dump froze it yet)")
+    finally:
+        go.touch()
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    w.reap()
+    stopped_at = w.ticks()[-1][0]
+    restored = tpagent("restore", str(snap), "--json")
+    assert restored.returncode == 0, restored.stderr
+    w.pid = json.loads(restored.stdout)["pid"]
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
+    assert_continuous(w.ticks())
+
+
 def test_launched_namespace_dump_restore_twice(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     w = start(launched=True)
     manifest_pid = w.pid
