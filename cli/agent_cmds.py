@@ -170,7 +170,7 @@ def migrate(
         last = following.wait_final(agent, pb, last, first)
         raise typer.Exit(EXIT_INTERRUPTED if _report(last, as_json, dry_run) else 0) from None  # (done: 0)
     if last is not None and last.state in ("failed", "checking"):  # it ended in its checks (a dry run's: "checking")
-        _refuse_if_unreachable(to, creds, as_json)  # (was --to the cause?)
+        _refuse_bad_target(to, source, creds, as_json)  # (was --to the cause?)
     code = _report(last, as_json, dry_run, [m for m in said if last is None or m != last.message])
     raise typer.Exit(code)
 
@@ -246,18 +246,26 @@ def _unreachable(agent: str, e: grpc.RpcError) -> str:
     return f"the agent at {agent} cannot be reached ({unreachable_reason(e)}); is `tpagent serve` running there?"
 
 
-def _refuse_if_unreachable(agent: str, creds: Any, as_json: bool) -> None:
+def _refuse_bad_target(agent: str, source: str, creds: Any, as_json: bool) -> None:
     """A migration that failed before anything was frozen, because its target cannot be
-    reached, is bad input as an unreachable --from is: the same sentence, the same exit code."""
+    reached, or is the source under another address, is bad input as an unreachable --from,
+    or a --to written as --from is, is: the same sentence, the same exit code."""
     from tpagent.daemon.rpc import pb, stub
 
     try:
-        stub(agent, creds).Info(pb.Empty(), timeout=10)
+        node = stub(agent, creds).Info(pb.Empty(), timeout=10).node
+        same = node == stub(source, creds).Info(pb.Empty(), timeout=10).node
     except grpc.RpcError as e:
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             if not as_json:
                 typer.echo("", err=True)
             die(_unreachable(agent, e), EXIT_USAGE, as_json)
+        return
+    if same:
+        if not as_json:
+            typer.echo("", err=True)
+        msg = f"--from and --to are the same agent ({agent} is node {node}, as {source} is); give another node as --to."
+        die(msg, EXIT_USAGE, as_json)
 
 
 def _show(event: Any, shown: str) -> str:

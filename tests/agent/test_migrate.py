@@ -299,6 +299,7 @@ def test_a_target_that_is_no_agent_address_is_refused_and_leaves_the_process_fre
         ("thread-in-namespace", "by giving the PID of its init ({init})"),
         ("wrong-secret", "the agent at {A} refused the call: a wrong cluster secret"),
         ("to-itself", "same agent"),
+        ("to-itself-alias", "the same agent ({A_alias} is node {A_node}, as {A} is); give another node as --to."),
     ],
 )
 def test_bad_requests_get_one_sentence_and_freeze_nothing(
@@ -328,10 +329,16 @@ def test_bad_requests_get_one_sentence_and_freeze_nothing(
         pid = psutil.Process(ticker.pid).children()[0].pid  # the workload itself, PID 2 in its namespace
         if case.startswith("thread"):
             pid = next(t.id for t in psutil.Process(pid).threads() if t.id != pid)
-    proc = cluster.migrate(pid, src, dst, *(["--dry-run"] if case.endswith("dry-run") else []), secret=secret)
     addresses = {name: node.agent_address for name, node in cluster.nodes.items()}
+    addresses.update(A_alias=f"{cluster.nodes['A'].addr}:07400", A_node=cluster.nodes["A"].name)
+    if case == "to-itself-alias":  # (the source under another address: only the agent knows it is itself)
+        cmd = [sys.executable, "-m", "cli.main", "migrate", str(pid), "--from", addresses["A"]]
+        cmd += ["--to", addresses["A_alias"]]
+        proc = subprocess.run(cmd, cwd=ROOT, env=cluster.cli_env("A"), capture_output=True, text=True, timeout=120)
+    else:
+        proc = cluster.migrate(pid, src, dst, *(["--dry-run"] if case.endswith("dry-run") else []), secret=secret)
     assert_one_sentence_error(proc, needle.format(init=ticker.pid, **addresses))
-    if case.startswith("unreachable") or case.endswith("-in-namespace"):
+    if case.startswith(("unreachable", "to-itself")) or case.endswith("-in-namespace"):
         assert proc.returncode == 2, proc.stderr  # bad input, whichever agent cannot be reached
         assert "ipv4:" not in proc.stderr and "UNKNOWN" not in proc.stderr  # (no gRPC jargon)
     ticker.assert_one_copy_continuous()
