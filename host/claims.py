@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import os
 import re
+import threading
 from pathlib import Path
 
 from host import paths, proc
@@ -29,15 +30,17 @@ _NAME = re.compile(r"(\d+)-(\d+)")
 
 
 class Claims:
-    """The processes one dump has claimed (:meth:`take`), let go together by :meth:`close`."""
+    """The processes one dump has claimed (:meth:`take`), let go together by :meth:`close`; used
+    by one thread (what :func:`held` says to that thread leaves its own claims out)."""
 
     def __init__(self) -> None:
         self._held: dict[int, int] = {}  # PID -> the descriptor of its locked file
 
     def take(self, pids: list[int]) -> None:
-        """Claim each of ``pids`` not claimed yet here; UsageError if another dump holds one (its
-        claims taken so far stay held, let go by :meth:`close`).  A process that ended is left
-        out (the dump finds it gone as it would have)."""
+        """Claim each of ``pids`` not claimed yet here; UsageError if another dump holds one, or
+        holds an ancestor of one (a child forked once that dump had looked at its tree is in it
+        as CRIU freezes it).  Claims taken so far stay held, let go by :meth:`close`.  A
+        process that ended is left out (the dump finds it gone as it would have)."""
         new = [pid for pid in pids if pid not in self._held]
         if not new:
             return
@@ -55,10 +58,14 @@ class Claims:
                 os.close(fd)
                 raise UsageError(f"{busy(pid)} Nothing was done.") from None
             self._held[pid] = fd
+            _mine().add(pid)
+            if any(held(a) for a in _ancestors(pid)):  # (after its own claim: either dump sees the other's)
+                raise UsageError(f"{busy(pid)} Nothing was done.")
 
     def close(self) -> None:
-        for fd in self._held.values():
+        for pid, fd in self._held.items():
             os.close(fd)
+            _mine().discard(pid)
         self._held.clear()
 
     def __enter__(self) -> Claims:
@@ -66,6 +73,25 @@ class Claims:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+_local = threading.local()
+
+
+def _mine() -> set[int]:
+    """The processes this thread's dump has claimed."""
+    if not hasattr(_local, "pids"):
+        _local.pids = set()
+    pids: set[int] = _local.pids
+    return pids
+
+
+def _ancestors(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        while (pid := proc.parent_pid(pid)) > 1 and len(out) < 4096:
+            out.append(pid)
+    return out
 
 
 def busy(pid: int) -> str:
@@ -77,16 +103,30 @@ def busy(pid: int) -> str:
 
 
 def held(pid: int) -> bool:
-    """Whether a dump holds its claim on ``pid`` now (read from /proc/locks: no lock is taken,
-    so no dump is refused for being looked at)."""
+    """Whether another dump (not this thread's) holds its claim on ``pid`` now: read from
+    /proc/locks, so no lock is taken and no dump is refused for being looked at."""
+    if pid in _mine():
+        return False
     try:
         st = os.stat(DUMPING / f"{pid}-{proc.start_ticks(pid)}", follow_symlinks=False)
         with open("/proc/locks") as f:
             locks = f.read()
     except (OSError, IndexError, ValueError):
         return False
-    at = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino} "
-    return any(" FLOCK " in line and at in line for line in locks.splitlines())
+    key = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    return any(_locked_file(line) == key for line in locks.splitlines())
+
+
+def _locked_file(line: str) -> tuple[int, int, int] | None:
+    """The file an flock of /proc/locks's ``line`` is on (MAJOR:MINOR:INODE, hex, hex, decimal);
+    None for another kind of lock, or a waiter's line."""
+    parts = line.split()
+    if len(parts) < 6 or parts[1] != "FLOCK" or "->" in parts:
+        return None
+    with contextlib.suppress(ValueError):
+        major, minor, inode = parts[5].split(":")
+        return int(major, 16), int(minor, 16), int(inode)
+    return None
 
 
 def _prune(at: Path) -> None:

@@ -659,6 +659,7 @@ time.sleep(600)
         ("perf_event", "uses a perf event (fd "),
         ("mqueue", "uses a POSIX message queue (fd "),
         ("traced", "is traced by PID "),
+        ("traced-root", "is traced by PID "),  # (the dump's own claim on it is not another dump's)
         ("pipe", "writes to a pipe (fd "),
         ("unix", "holds a unix socket (fd "),
         ("terminal", "'s terminal (/dev/pts/"),
@@ -702,10 +703,11 @@ def test_what_criu_cannot_dump_is_refused_in_one_sentence_before_anything_is_fro
         loops.append(w.start())
         for fd in theirs:
             os.close(fd)  # (the test holds only the other end)
-        if kind == "traced":
+        if kind.startswith("traced"):
             (loop,) = psutil.Process(w.pid).children()
+            traced = w.pid if kind == "traced-root" else loop.pid
             tracer = held.enter_context(
-                subprocess.Popen([sys.executable, "-c", TRACER, str(loop.pid)], stdout=subprocess.PIPE, text=True)
+                subprocess.Popen([sys.executable, "-c", TRACER, str(traced)], stdout=subprocess.PIPE, text=True)
             )
             held.callback(tracer.kill)
             assert tracer.stdout is not None and tracer.stdout.readline() == "seized\n"

@@ -135,6 +135,66 @@ def test_a_dump_of_a_process_another_dump_holds_is_refused_and_the_first_goes_on
     assert_continuous(w.ticks())
 
 
+FORKER = """
+import os, signal, sys, time
+def fork(*_):
+    if (pid := os.fork()) == 0:
+        while True:
+            time.sleep(0.05)
+    with open(sys.argv[1], "a") as f:
+        f.write(f"{pid}\\n")
+signal.signal(signal.SIGUSR1, fork)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_child_forked_once_a_dump_looked_at_its_tree_is_refused_to_another_dump(tmp_path: Path) -> None:
+    """A dump claims the tree it found; a child forked after that (a DataLoader's next worker)
+    is in the tree CRIU freezes, unclaimed: a second dump of it went ahead.  Now a dump of a
+    process whose ancestor another dump holds is refused as one of that process would be, and
+    the first dump takes the child along."""
+    from snapshot.criu import Criu
+
+    children = tmp_path / "children"
+    children.touch()
+    with open(tmp_path / "out.log", "w") as out:
+        forker = subprocess.Popen(
+            [sys.executable, "-c", FORKER, str(children)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    waiting = tmp_path / "waiting"
+    go = tmp_path / "go"
+    wrapper = tmp_path / "criu-waits"
+    wrapper.write_text(
+        f'#!/bin/sh\nif [ "$1" = dump ]; then touch {waiting}; while [ ! -e {go} ]; do sleep 0.05; done; fi\n'
+        f'exec "{Criu().path}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    snap = tmp_path / "snap"
+    cmd = [sys.executable, "-m", "cli.main", "dump", str(forker.pid), "--out", str(snap), "--criu", str(wrapper)]
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(waiting.exists, "the first dump to have claimed the tree")
+        forker.send_signal(signal.SIGUSR1)
+        wait_until(lambda: children.read_text().strip() != "", "the child to be forked")
+        child = int(children.read_text())
+        second = tpagent("dump", str(child), "--out", str(tmp_path / "second"), "--leave-running")
+        assert_one_sentence_error(second, f"PID {child} is being checkpointed already")
+        assert not (tmp_path / "second").exists()
+    finally:
+        go.touch()
+        _, err = first.communicate(timeout=120)
+        forker.kill()  # (ended by the dump, unless it failed)
+        forker.wait()
+    assert first.returncode == 0, err
+    inspect = json.loads(tpagent("inspect", str(snap), "--json").stdout)
+    assert sorted(p["pid"] for p in inspect["processes"]) == sorted([forker.pid, child])
+
+
 def test_launched_namespace_dump_restore_twice(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     w = start(launched=True)
     manifest_pid = w.pid
