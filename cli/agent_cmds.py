@@ -254,13 +254,16 @@ def _refuse_bad_target(agent: str, source: str, creds: Any, as_json: bool) -> No
 
     try:
         node = stub(agent, creds).Info(pb.Empty(), timeout=10).node
-        same = node == stub(source, creds).Info(pb.Empty(), timeout=10).node
     except grpc.RpcError as e:
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             if not as_json:
                 typer.echo("", err=True)
             die(_unreachable(agent, e), EXIT_USAGE, as_json)
         return
+    try:
+        same = node == stub(source, creds).Info(pb.Empty(), timeout=10).node
+    except grpc.RpcError:
+        return  # (--from gone since: the migration's own word says what became of it)
     if same:
         if not as_json:
             typer.echo("", err=True)
