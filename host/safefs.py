@@ -64,9 +64,9 @@ def _safe_ancestors(path: Path) -> None:
 
 
 def _open_private_dir(at: Path, path: Path, empty: bool, created: bool, dir_fd: int) -> int:
-    """An fd of ``at`` (in ``dir_fd``): a real directory of ours that nobody else could have
-    written to (that ``created`` says we just made), and empty if ``empty``; its mode is
-    made 0700 if it was looser."""
+    """An fd of ``at`` (in ``dir_fd``): a real directory of ours nobody else could have written to
+    (``created``: made here), and empty if ``empty``; made 0700 if looser only if empty or made here
+    (one holding others' files, /dev or /var/lib given as a parent, keeps its mode)."""
     try:
         fd = os.open(at.name, DIR_FLAGS, dir_fd=dir_fd)
     except OSError as e:
@@ -84,7 +84,7 @@ def _open_private_dir(at: Path, path: Path, empty: bool, created: bool, dir_fd: 
     if empty and os.listdir(fd):  # (first: a directory refused is left as it was, /etc's mode too)
         os.close(fd)
         raise UsageError(f"output directory {path} is not empty; give an empty or new directory.")
-    if stat.S_IMODE(st.st_mode) != PRIVATE:
+    if stat.S_IMODE(st.st_mode) != PRIVATE and (empty or created):
         try:
             os.fchmod(fd, PRIVATE)  # ours (no one else may write in it): shut (the umask may have taken bits too)
         except OSError as e:
@@ -95,8 +95,8 @@ def _open_private_dir(at: Path, path: Path, empty: bool, created: bool, dir_fd: 
 
 def private_dir(path: Path, empty: bool = False, create: bool = True) -> Path:
     """Create ``path`` (and any missing parents) with mode 0700, or accept an existing one
-    only if it is a real directory of ours that nobody else could have written to (made
-    0700 if looser) and empty where ``empty`` says, every directory on the way being one no other
+    only if it is a real directory of ours that nobody else could have written to (an empty
+    one made 0700 if looser) and empty where ``empty`` says, every directory on the way being one no other
     user can change.  The path is walked from "/" one directory fd at a time, each component
     checked (or created) under the fd of its checked parent: nobody can slip a directory of
     theirs in between.  ``create`` False: only check what exists (a refusal before anything

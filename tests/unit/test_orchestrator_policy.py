@@ -5,6 +5,7 @@ one job, a move off a silent node, a rank sent where it does not fit)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,27 @@ def test_the_database_never_gives_a_spare_twice_nor_moves_a_job_twice(tmp_path: 
     assert [x.reason for x in again.taints()] == ["maintenance"]
     assert (tmp_path / "db" / "state.db").stat().st_mode & 0o777 == 0o600
     again.close()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_database_path_that_is_no_regular_file_is_refused_and_left_as_it_was(tmp_path: Path, kind: str) -> None:
+    """A --state naming a device, a pipe or a symlink was made 0600 (through the link): given
+    /dev/null, the node's /dev/null was root's alone.  Now refused in one sentence."""
+    path = tmp_path / "state.db"
+    other = tmp_path / "other"
+    if kind == "fifo":
+        os.mkfifo(path, 0o666)
+        os.chmod(path, 0o666)
+    else:
+        other.write_text("theirs")
+        other.chmod(0o644)
+        path.symlink_to(other)
+    with pytest.raises(UsageError, match="orchestrator's database"):
+        State(path)
+    assert (path.lstat().st_mode if kind == "fifo" else other.stat().st_mode) & 0o777 == (
+        0o666 if kind == "fifo" else 0o644
+    )
+    assert kind == "fifo" or other.read_text() == "theirs"
 
 
 def test_a_planned_move_onto_a_spare_tainted_or_silent_since_is_cancelled() -> None:

@@ -65,6 +65,19 @@ def test_a_non_empty_dir_refused_keeps_its_mode(tmp_path: Path) -> None:
     assert stat.S_IMODE(d.stat().st_mode) == 0o755
 
 
+def test_a_directory_holding_others_files_keeps_its_mode(tmp_path: Path) -> None:
+    """A directory given as a parent, or as a place to read from, that holds files already (an
+    orchestrator's --state /dev/x.db, an agent's work_dir /var/lib) was shut to 0700: /dev so
+    shut, no user could open /dev/null.  Only a directory to fill (empty, or made here) is."""
+    system = tmp_path / "dev"
+    system.mkdir()
+    (system / "null").touch()
+    system.chmod(0o755)
+    assert safefs.private_dir(system) == system
+    assert safefs.private_dir(system / "db-dir") == system / "db-dir"
+    assert _mode(system) == 0o755 and _mode(system / "db-dir") == 0o700
+
+
 @pytest.mark.parametrize("mode", [0o770, 0o707, 0o1777], ids=["group-writable", "other-writable", "sticky-shared"])
 def test_private_dir_refuses_an_existing_dir_others_could_write(tmp_path: Path, mode: int) -> None:
     shared = tmp_path / "shared"

@@ -20,6 +20,7 @@ import fcntl
 import json
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -92,9 +93,25 @@ def _taint(row: Any) -> Taint:
     return Taint(tid, node, gpu, TaintKind(kind), reason, source, created, waiting)
 
 
+def _own_file(path: Path) -> None:
+    """``path`` made (or found) a regular file, 0600, never through a symlink: the database's (a
+    --state of /dev/null made the node's /dev/null root's alone)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise UsageError(f"cannot use {path} as the orchestrator's database: {e.strerror}.") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UsageError(f"{path} is not a regular file; give a path for the orchestrator's database.")
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 class State:
     def __init__(self, path: Path) -> None:
         private_dir(path.parent)
+        _own_file(path)
         self.path = path
         # One orchestrator to a database: a second one (another port, another host sharing it) is refused.
         self._held = os.open(path.parent / (path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -108,7 +125,6 @@ class State:
         self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
-        path.chmod(0o600)
         with self.db:
             self.db.executescript(_TABLES)
             self.db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA),))
