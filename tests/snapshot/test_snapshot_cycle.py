@@ -88,6 +88,25 @@ def test_a_restore_ended_by_sigterm_once_criu_restored_the_tree_leaves_no_copy(s
     assert_continuous(w.ticks())
 
 
+def _dump_held_before_criu(pid: int, snap: Path, tmp: Path) -> tuple[subprocess.Popen[str], Path]:
+    """`tpagent dump PID` started, and waited for until it has claimed the tree and is about to
+    run CRIU, which waits (the tree not frozen yet) until the file returned is made."""
+    from snapshot.criu import Criu
+
+    waiting = tmp / "waiting"
+    go = tmp / "go"
+    wrapper = tmp / "criu-waits"
+    wrapper.write_text(
+        f'#!/bin/sh\nif [ "$1" = dump ]; then touch {waiting}; while [ ! -e {go} ]; do sleep 0.05; done; fi\n'
+        f'exec "{Criu().path}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    cmd = [sys.executable, "-m", "cli.main", "dump", str(pid), "--out", str(snap), "--criu", str(wrapper)]
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(waiting.exists, "the first dump to have claimed the tree")
+    return first, go
+
+
 def test_a_dump_of_a_process_another_dump_holds_is_refused_and_the_first_goes_on(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Two dumps of one process at once (a `tpagent dump` typed beside a migration) fought over
     it: the second found it traced "by a debugger", or both failed, each saying the process was
@@ -96,22 +115,11 @@ def test_a_dump_of_a_process_another_dump_holds_is_refused_and_the_first_goes_on
     it, and its snapshot restores where the workload stood."""
     from host import claims, ends
     from host.ptrace import seized
-    from snapshot.criu import Criu
 
     w = start(mib=16, launched=True)
-    waiting = tmp_path / "waiting"
-    go = tmp_path / "go"
-    wrapper = tmp_path / "criu-waits"
-    wrapper.write_text(
-        f'#!/bin/sh\nif [ "$1" = dump ]; then touch {waiting}; while [ ! -e {go} ]; do sleep 0.05; done; fi\n'
-        f'exec "{Criu().path}" "$@"\n'
-    )
-    wrapper.chmod(0o755)
     snap = tmp_path / "snap"
-    cmd = [sys.executable, "-m", "cli.main", "dump", str(w.pid), "--out", str(snap), "--criu", str(wrapper)]
-    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first, go = _dump_held_before_criu(w.pid, snap, tmp_path)
     try:
-        wait_until(waiting.exists, "the first dump to have claimed the tree")
         for pid in (w.pid, w.worker_pid):
             out = tmp_path / f"second-{pid}"
             second = tpagent("dump", str(pid), "--out", str(out), "--leave-running")
@@ -154,8 +162,6 @@ def test_a_child_forked_once_a_dump_looked_at_its_tree_is_refused_to_another_dum
     is in the tree CRIU freezes, unclaimed: a second dump of it went ahead.  Now a dump of a
     process whose ancestor another dump holds is refused as one of that process would be, and
     the first dump takes the child along."""
-    from snapshot.criu import Criu
-
     children = tmp_path / "children"
     children.touch()
     with open(tmp_path / "out.log", "w") as out:
@@ -166,19 +172,9 @@ def test_a_child_forked_once_a_dump_looked_at_its_tree_is_refused_to_another_dum
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    waiting = tmp_path / "waiting"
-    go = tmp_path / "go"
-    wrapper = tmp_path / "criu-waits"
-    wrapper.write_text(
-        f'#!/bin/sh\nif [ "$1" = dump ]; then touch {waiting}; while [ ! -e {go} ]; do sleep 0.05; done; fi\n'
-        f'exec "{Criu().path}" "$@"\n'
-    )
-    wrapper.chmod(0o755)
     snap = tmp_path / "snap"
-    cmd = [sys.executable, "-m", "cli.main", "dump", str(forker.pid), "--out", str(snap), "--criu", str(wrapper)]
-    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first, go = _dump_held_before_criu(forker.pid, snap, tmp_path)
     try:
-        wait_until(waiting.exists, "the first dump to have claimed the tree")
         forker.send_signal(signal.SIGUSR1)
         wait_until(lambda: children.read_text().strip() != "", "the child to be forked")
         child = int(children.read_text())
