@@ -107,6 +107,44 @@ def test_taints_move_ranks_to_spares_and_back_and_the_job_is_bit_identical(
         job.close()
 
 
+@pytest.mark.timeout(900)
+def test_a_rank_moved_away_by_hand_is_followed_and_comes_home(
+    five: tuple[Cluster, Orchestrator], tmp_path: Path, reference: Path
+) -> None:
+    """An operator moves a rank the orchestrator had moved off a taint on again (`tpagent migrate`,
+    D to E): the orchestrator's record stayed on D, so D stayed held (and so did the scheduler's
+    hold), and once its home was untainted the move home asked D for a rank it had no longer: the
+    rank never came home.  Now the record follows the rank where its agents report it."""
+    c, o = five
+    job = _started(c, o, tmp_path)
+    try:
+        _taint(o, _ns(c, "B"))
+        o.wait_rank_on(RUN, 1, _ns(c, "D"))
+        wait_until(o.idle, "the move to end", 60, 0.5)
+        job.moves(1, "E")
+        o.wait_rank_on(RUN, 1, _ns(c, "E"))
+        wait_until(
+            lambda: (
+                [(r["node"], r["home"]) for r in o.cluster()["ranks"] if r["rank"] == 1] == [(_ns(c, "E"), _ns(c, "B"))]
+            ),
+            "the orchestrator to follow rank 1 to E, its home still B",
+            60,
+            0.5,
+        )
+        assert f"rank 1 runs on {_ns(c, 'E')}, not {_ns(c, 'D')}: moved outside the orchestrator" in o.ok("events")
+        o.ok("untaint", _ns(c, "B"))
+        o.wait_rank_on(RUN, 1, _ns(c, "B"))
+        assert job.copies(1) == ["B"]
+        wait_until(o.idle, "the move home to end", 60, 0.5)
+        assert [(m["kind"], m["source"], m["state"]) for m in o.cluster()["moves"]] == [
+            ("away", _ns(c, "B"), "done"),
+            ("home", _ns(c, "E"), "done"),
+        ]
+        job.finishes_as(reference)
+    finally:
+        job.close()
+
+
 def _waiting(o: Orchestrator, node: str) -> str:
     return next((t["waiting"] for t in o.cluster()["taints"] if t["node"] == node), "")
 

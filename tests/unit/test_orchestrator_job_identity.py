@@ -25,7 +25,6 @@ from tpagent.orchestrator.api import (
     job_name,
 )
 from tpagent.orchestrator.config import OrchestratorConfig
-from tpagent.orchestrator.core import users_of
 from tpagent.orchestrator.mover import outcome_of
 from tpagent.orchestrator.policy import plan
 from tpagent.orchestrator.scheduler import Static
@@ -75,7 +74,7 @@ def test_two_identities_of_one_name_are_two_jobs_with_their_own_users() -> None:
         report("a", ("train", 0, ROOTS)), report("b", ("train", 1, ROOTS)), report("c", ("train", 1, NOBODYS))
     )
     assert {r.job for n in view.nodes.values() for r in n.ranks} == {job_key("train", ROOTS), job_key("train", NOBODYS)}
-    assert users_of(view) == {job_key("train", ROOTS): frozenset(), job_key("train", NOBODYS): frozenset({65534})}
+    assert view.users() == {job_key("train", ROOTS): frozenset(), job_key("train", NOBODYS): frozenset({65534})}
 
 
 def test_a_rank_of_another_job_of_that_name_is_not_the_lost_one_running_elsewhere() -> None:

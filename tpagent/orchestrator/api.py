@@ -187,6 +187,14 @@ class View:
     def reachable(self, node: str) -> bool:
         return node in self.nodes and node not in self.unreachable
 
+    def users(self) -> dict[str, frozenset[int]]:
+        """job -> the UIDs its ranks run as (root's aside), as the agents report them."""
+        out: dict[str, set[int]] = {}
+        for n in self.nodes.values():
+            for r in n.ranks:
+                out.setdefault(r.job, set()).update(r.users)
+        return {job: frozenset(u) for job, u in out.items()}
+
     def current(self, node: str) -> bool:
         """Reachable, and its last report is newer than any move's end there."""
         return self.reachable(node) and node not in self.stale

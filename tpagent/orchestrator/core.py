@@ -220,7 +220,11 @@ class Orchestrator:
         taints = self.state.taints()
         moves = self.state.moves(active=True)
         view = self.view()
-        users = users_of(view)
+        for a, on in policy.followed(view, moves, self.state.away()):
+            self.state.follow(a, on)
+            text = f"job {job_name(a.job)} rank {a.rank} runs on {on}, not {a.on}: moved outside the orchestrator"
+            self.event("followed", text + (" (home)" if on == a.home else ""), a.job, on)
+        users = view.users()
         pools = functools.cache(lambda job: self.scheduler.pool(job, users.get(job, frozenset())))
         p = policy.plan(view, taints, moves, self.state.away(), self.state.failed, self.cfg, pools)
         if view.stale:  # (a move just ended there: no new move until its nodes report what came after)
@@ -317,7 +321,7 @@ class Orchestrator:
             if source is None:
                 return None
             ranks = tuple(r.rank for r in source.ranks if r.job == job)
-            pool = self.scheduler.pool(job, users_of(view).get(job, frozenset()))
+            pool = self.scheduler.pool(job, view.users().get(job, frozenset()))
             active = [m for m in self.state.moves(active=True) if m.state in (MoveState.PLANNED, MoveState.RUNNING)]
             free = policy.spares(view, self.state.taints(), active, self.state.away(), self.cfg, pool.dedicated)
             spare, _why = policy.choose(view, source, job, ranks, [s for s in free if s.empty], set(), pool)
@@ -390,7 +394,7 @@ class Orchestrator:
         gpus = len({g for r in ranks if r.job == m.job and r.rank in m.ranks for g in r.gpus})
         t0 = time.monotonic()
         try:
-            held = self.scheduler.hold(m, gpus, users_of(view).get(m.job, frozenset()))
+            held = self.scheduler.hold(m, gpus, view.users().get(m.job, frozenset()))
         except SchedulerError as e:
             if e.down:  # (not the spare's doing: planned again once the scheduler answers)
                 self.backoff_until = time.monotonic() + SCHEDULER_BACKOFF
@@ -418,7 +422,7 @@ class Orchestrator:
         where: dict[str, dict[int, str]] = {}
         for a in away:
             where.setdefault(a.job, {})[a.rank] = a.on
-        return Wanted(drains, frozenset((a.job, a.on) for a in away), moving, where, users_of(self.view()))
+        return Wanted(drains, frozenset((a.job, a.on) for a in away), moving, where, self.view().users())
 
     def keep_in_step(self) -> None:
         """Bring the scheduler in step every :data:`IN_STEP_EVERY` seconds until stopped."""
@@ -474,15 +478,6 @@ class Orchestrator:
             with self.lock:
                 self.settling.pop(mid, None)
             self._ended(m, *outcome)
-
-
-def users_of(view: View) -> dict[str, frozenset[int]]:
-    """job -> the UIDs its ranks run as (root's aside), as the agents report them."""
-    out: dict[str, set[int]] = {}
-    for n in view.nodes.values():
-        for r in n.ranks:
-            out.setdefault(r.job, set()).update(r.users)
-    return {job: frozenset(u) for job, u in out.items()}
 
 
 def _scheduler(cfg: OrchestratorConfig) -> Scheduler:

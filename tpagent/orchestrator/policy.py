@@ -186,6 +186,28 @@ def plan(
     return out
 
 
+def followed(view: View, moves: list[Move], away: list[Away]) -> list[tuple[Away, str]]:
+    """Each rank away whose agents report it on another node than the record's, and that node:
+    moved outside the orchestrator (`tpagent migrate`), or rebuilt elsewhere.  Only where every
+    report can be trusted (none stale, every node heard, no move of its job under way here or
+    on any agent) and exactly one answering node runs it."""
+    if view.stale or not view.heard:
+        return []
+    moving = {m.job for m in moves} | {job for n in view.nodes.values() for job in n.busy}
+    out = []
+    for a in away:
+        if a.job in moving:
+            continue
+        on = [
+            name
+            for name, n in view.nodes.items()
+            if not view.gone(name) and any(r.job == a.job and r.rank == a.rank for r in n.ranks)
+        ]
+        if len(on) == 1 and on[0] != a.on:
+            out.append((a, on[0]))
+    return out
+
+
 def _home(
     view: View,
     taints: list[Taint],

@@ -282,6 +282,15 @@ class State:
     def timings(self, mid: int) -> dict[str, float]:
         return dict(json.loads(self._read("SELECT timings FROM moves WHERE id = ?", (mid,))[0][0]))
 
+    def follow(self, a: Away, on: str) -> None:
+        """Rank ``a`` runs on ``on`` now (moved outside the orchestrator): at home, it is away no more."""
+        if on == a.home:
+            self._write("DELETE FROM away WHERE job = ? AND rank = ? AND on_node = ?", (a.job, a.rank, a.on))
+        else:
+            self._write(
+                "UPDATE away SET on_node = ? WHERE job = ? AND rank = ? AND on_node = ?", (on, a.job, a.rank, a.on)
+            )
+
     def away(self) -> list[Away]:
         return [Away(*r) for r in self._read("SELECT job, rank, home, on_node, taint FROM away ORDER BY job, rank")]
 
