@@ -55,9 +55,10 @@ def run(
             if not dry and last is not None:  # (it ran: the source agent settles it, the reports tell)
                 return Outcome(None, f"the call to the source agent broke mid-move ({rpc_text(e)})", last.migration_id)
             said = "cannot be reached" if e.code() in UNREACHABLE else "refused"
-            return Outcome(
-                MoveState.FAILED, f"{'its dry run: ' if dry else ''}the agent at {source} {said}: {rpc_text(e)}"
-            )
+            text = f"{'its dry run: ' if dry else ''}the agent at {source} {said}: {rpc_text(e)}"
+            if e.code() is grpc.StatusCode.ALREADY_EXISTS:  # (moved by another now: no fault of the spare's)
+                return Outcome(MoveState.CANCELLED, f"{text} It is planned again once that has ended.")
+            return Outcome(MoveState.FAILED, text)
         if last is None or last.state != "done":
             why = (last.message or last.state) if last is not None else "no word from the source agent"
             problems = "; ".join(last.problems) if last is not None else ""
