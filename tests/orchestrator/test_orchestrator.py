@@ -145,6 +145,41 @@ def test_a_rank_moved_away_by_hand_is_followed_and_comes_home(
         job.close()
 
 
+@pytest.mark.timeout(900)
+def test_after_a_restart_no_move_is_planned_before_every_known_node_has_reported(
+    five: tuple[Cluster, Orchestrator], tmp_path: Path, reference: Path
+) -> None:
+    """A restarted orchestrator planned a taint's move as soon as the first spare reported: the
+    floating one (E) won over the dedicated one (D), whose report came a moment later.  Now no
+    move is planned until every node it knows has reported (or could have): D, first, is chosen."""
+    c, o = five
+    job = _started(c, o, tmp_path)
+    d = c.nodes["D"].agent
+    assert d is not None
+    try:
+        o.kill()
+        os.kill(d.pid, signal.SIGSTOP)  # (D reports again only once the others have)
+        try:
+            o.start()
+            _taint(o, _ns(c, "B"))
+            others = {_ns(c, n) for n in "ABCE"}
+            wait_until(
+                lambda: {n["name"] for n in o.cluster()["nodes"] if n["reachable"]} >= others,
+                "A, B, C and E to report to the restarted orchestrator",
+                30,
+                0.2,
+            )
+            planned = [m for m in o.cluster()["moves"] if m["state"] in ("planned", "running")]
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        assert planned == [], planned
+        o.wait_rank_on(RUN, 1, _ns(c, "D"))
+        assert job.copies(1) == ["D"]
+        job.finishes_as(reference)
+    finally:
+        job.close()
+
+
 def _waiting(o: Orchestrator, node: str) -> str:
     return next((t["waiting"] for t in o.cluster()["taints"] if t["node"] == node), "")
 

@@ -227,7 +227,9 @@ class Orchestrator:
         users = view.users()
         pools = functools.cache(lambda job: self.scheduler.pool(job, users.get(job, frozenset())))
         p = policy.plan(view, taints, moves, self.state.away(), self.state.failed, self.cfg, pools)
-        if view.stale:  # (a move just ended there: no new move until its nodes report what came after)
+        # (no new move until the nodes a move just ended on report what came after, nor, after a start,
+        # until every node known reported or could have: the spare first chosen is not the first to report)
+        if view.stale or not view.heard:
             p.moves.clear()
         for mid, why in p.cancels:
             gone = self.state.end(mid, MoveState.CANCELLED, why)
