@@ -800,16 +800,20 @@ def test_a_number_too_large_for_the_call_is_refused_as_given(tmp_path: Path, arg
 
 
 @pytest.mark.parametrize(
-    "agent", ["h\udcff:1", "127.0.0.1:99999", "localhost", ":7400"], ids=["not-utf8", "port", "no-port", "no-host"]
+    "agent",
+    ["h\udcff:1", "127.0.0.1:99999", "localhost", ":7400", "http://127.0.0.1:7410", "a b:7410", "[::1"],
+    ids=["not-utf8", "port", "no-port", "no-host", "url", "space", "bracket"],
 )
 def test_an_agent_address_that_is_no_host_port_is_refused_as_given(tmp_path: Path, agent: str) -> None:
     """(Bytes of no encoding were a UnicodeEncodeError traceback; gRPC took 99999 as port 34463,
-    and no port as 443.)"""
+    and no port as 443; a URL, a space or a bracket left open reached gRPC, and were said to be
+    unreachable, "misformatted domain name".)"""
     from support.certs import node_certs
 
     tls = str(node_certs(tmp_path, "n"))
     creds = ("--secret-file", str(_secret(tmp_path)), "--tls-dir", tls)
-    for command in (("node", "--agent", agent), ("migrate", "4242", "--to", "127.0.0.1:9", "--from", agent)):
+    commands = [("node", "--agent", agent), ("migrate", "4242", "--to", "127.0.0.1:9", "--from", agent)]
+    for command in [*commands, ("cluster", "--orchestrator", agent)]:
         said = tpagent(*command, *creds)  # (migrate --from: a traceback before)
         assert_one_sentence_error(said, "is not HOST:PORT")
         assert said.returncode == 2

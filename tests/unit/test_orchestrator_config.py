@@ -59,6 +59,10 @@ def test_the_file_then_the_environment(tmp_path: Path) -> None:
         ('webhook_listen = "[::1]"\n', "webhook_listen = '[::1]' is not valid"),
         # (every alert was refused as naming no node)
         ("alert_node_labels = []\n", "alert_node_labels must name an alert's label"),
+        # (taken silently: node "a" and GPU "b/c", node "" and GPU "", no GPU after the slash)
+        ('dedicated_spares = ["a/b/c"]\n', "dedicated_spares: 'a/b/c' is not a node's name, nor NODE/GPU-UUID"),
+        ('dedicated_spares = ["/"]\n', "dedicated_spares: '/' is not"),
+        ('dedicated_spares = ["d/"]\n', "dedicated_spares: 'd/' is not"),
     ],
 )
 def test_bad_settings_are_one_sentence(tmp_path: Path, text: str, says: str) -> None:

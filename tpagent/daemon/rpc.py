@@ -425,7 +425,7 @@ def _client_options() -> list[tuple[str, int]]:
 def channel(address: str, creds: Credentials) -> grpc.Channel:
     """A mutual-TLS channel to an agent, every call signed for that agent; UsageError if
     ``address`` is no HOST:PORT (gRPC would take a port over 65535 wrapped, none as 443)."""
-    if not audience_of(address) or port_of(address) is None or not address.isprintable() or not _text(address):
+    if not audience_of(address) or port_of(address, at_least=1) is None or not _text(address):
         raise UsageError(f"{address!r} is not HOST:PORT.")
     tls = grpc.ssl_channel_credentials(root_certificates=creds.ca, private_key=creds.key, certificate_chain=creds.cert)
     return grpc.intercept_channel(

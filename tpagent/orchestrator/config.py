@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from host.api import UsageError
-from tpagent.common.config import check_hosts, convert_setting, read_toml
+from tpagent.common.config import check_hosts, convert_setting, is_name, read_toml
 from tpagent.common.credentials import Credentials
 from tpagent.orchestrator.api import job_name
 from transfer.api import DEFAULT_TLS_DIR
@@ -133,6 +133,10 @@ class OrchestratorConfig:
             raise UsageError("slurm_preempt_below must be 0 (never) to 4294967296, a job priority.")
         if not re.fullmatch(r"[A-Za-z0-9_.-]{0,64}", self.slurm_spare_partition):
             raise UsageError("slurm_spare_partition must be a partition's name.")
+        for spare in self.dedicated_spares:
+            node, slash, gpu = spare.partition("/")
+            if not is_name(node) or "/" in gpu or (slash and not is_name(gpu)):
+                raise UsageError(f"dedicated_spares: {spare!r} is not a node's name, nor NODE/GPU-UUID.")
 
     def returns_home(self, job: str) -> bool:
         """Whether ranks of ``job`` (its key or name) moved off a taint return once it is gone."""
