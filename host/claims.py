@@ -46,6 +46,7 @@ class Claims:
             return
         at = private_dir(DUMPING)
         _prune(at)
+        looked: set[int] = set()  # (ancestors already looked at: a tree's members share theirs)
         for pid in new:
             try:
                 name = f"{pid}-{proc.start_ticks(pid)}"
@@ -59,7 +60,9 @@ class Claims:
                 raise UsageError(f"{busy(pid)} Nothing was done.") from None
             self._held[pid] = fd
             _mine().add(pid)
-            if any(held(a) for a in _ancestors(pid)):  # (after its own claim: either dump sees the other's)
+            above = [a for a in _ancestors(pid) if a not in looked]
+            looked.update(above)
+            if any(held(a) for a in above):  # (after its own claim: of two dumps, either sees the other's)
                 raise UsageError(f"{busy(pid)} Nothing was done.")
 
     def close(self) -> None:
