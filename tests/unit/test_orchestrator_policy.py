@@ -11,10 +11,22 @@ from pathlib import Path
 import pytest
 
 from host.api import UsageError
-from tpagent.orchestrator.api import Away, Gpu, Move, MoveKind, MoveState, NodeSeen, RankSeen, Taint, TaintKind, View
+from tpagent.orchestrator.api import (
+    Away,
+    Gpu,
+    Move,
+    MoveKind,
+    MoveState,
+    NodeSeen,
+    RankSeen,
+    Taint,
+    TaintKind,
+    View,
+    job_key,
+)
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.mover import outcome_of
-from tpagent.orchestrator.policy import NewMove, Plan
+from tpagent.orchestrator.policy import NewMove, Plan, followed
 from tpagent.orchestrator.policy import plan as plan_with
 from tpagent.orchestrator.scheduler import Pool, Static
 from tpagent.orchestrator.state import State
@@ -176,6 +188,25 @@ def test_a_database_path_that_is_no_regular_file_is_refused_and_left_as_it_was(t
         0o666 if kind == "fifo" else 0o644
     )
     assert kind == "fifo" or other.read_text() == "theirs"
+
+
+def test_a_rank_away_is_followed_only_where_one_node_alone_reports_it_and_nothing_moves_it() -> None:
+    """A rank the orchestrator moved b -> d, since moved by hand: its record follows the reports."""
+    key = job_key("j", "0123456789abcdef")
+    away = [Away(key, 1, "b", "d", 1)]
+    nodes = [node("a", (rank(0, key),)), node("b"), node("c", (rank(2, key),)), node("d"), node("e", (rank(1, key),))]
+    view = View({n.name: n for n in nodes})
+    assert followed(view, [], away) == [(away[0], "e")]
+    at_home = View({**view.nodes, "b": node("b", (rank(1, key),)), "e": node("e")})
+    assert followed(at_home, [], away) == [(away[0], "b")]
+    assert followed(view, [], [Away(job_key("j", ""), 1, "b", "d", 1)]) == []  # (whose job? any user's)
+    assert followed(dataclasses.replace(view, held=frozenset({"e"})), [], away) == []  # (a rebuild there)
+    assert followed(dataclasses.replace(view, stale=frozenset({"d"})), [], away) == []
+    assert followed(View({**view.nodes, "d": node("d", busy=frozenset({key}))}), [], away) == []
+    twice = View({**view.nodes, "d": node("d", (rank(1, key),))})
+    assert followed(twice, [], away) == []  # (restored and not yet committed: where is it?)
+    moving = [Move(4, key, (1,), "e", "b", MoveKind.HOME, MoveState.RUNNING, 1)]
+    assert followed(view, moving, away) == []
 
 
 def test_a_planned_move_onto_a_spare_tainted_or_silent_since_is_cancelled() -> None:

@@ -18,7 +18,18 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from tpagent.orchestrator.api import Away, Gpu, Move, MoveKind, MoveState, NodeSeen, Taint, View, job_name
+from tpagent.orchestrator.api import (
+    Away,
+    Gpu,
+    Move,
+    MoveKind,
+    MoveState,
+    NodeSeen,
+    Taint,
+    View,
+    job_identity,
+    job_name,
+)
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.scheduler import Pool
 
@@ -190,20 +201,20 @@ def followed(view: View, moves: list[Move], away: list[Away]) -> list[tuple[Away
     """Each rank away whose agents report it on another node than the record's, and that node:
     moved outside the orchestrator (`tpagent migrate`), or rebuilt elsewhere.  Only where every
     report can be trusted (none stale, every node heard, no move of its job under way here or
-    on any agent) and exactly one answering node runs it."""
+    on any agent, no rebuild on the node), its identity is known, and exactly one node runs it."""
     if view.stale or not view.heard:
         return []
     moving = {m.job for m in moves} | {job for n in view.nodes.values() for job in n.busy}
     out = []
     for a in away:
-        if a.job in moving:
+        if a.job in moving or not job_identity(a.job):  # (a key of no identity may be any user's job)
             continue
         on = [
             name
             for name, n in view.nodes.items()
             if not view.gone(name) and any(r.job == a.job and r.rank == a.rank for r in n.ranks)
         ]
-        if len(on) == 1 and on[0] != a.on:
+        if len(on) == 1 and on[0] != a.on and on[0] not in view.held:  # (held: a rebuild under way there)
             out.append((a, on[0]))
     return out
 
