@@ -35,6 +35,9 @@ class Claims:
 
     def __init__(self) -> None:
         self._held: dict[int, int] = {}  # PID -> the descriptor of its locked file
+        #: Ancestors looked at already (a tree's members share theirs; one another dump claims
+        #: later would have to claim this dump's processes too, which it cannot).
+        self._looked: set[int] = set()
 
     def take(self, pids: list[int]) -> None:
         """Claim each of ``pids`` not claimed yet here; UsageError if another dump holds one, or
@@ -46,7 +49,6 @@ class Claims:
             return
         at = private_dir(DUMPING)
         _prune(at)
-        looked: set[int] = set()  # (ancestors already looked at: a tree's members share theirs)
         for pid in new:
             try:
                 name = f"{pid}-{proc.start_ticks(pid)}"
@@ -60,8 +62,8 @@ class Claims:
                 raise UsageError(f"{busy(pid)} Nothing was done.") from None
             self._held[pid] = fd
             _mine().add(pid)
-            above = [a for a in _ancestors(pid) if a not in looked]
-            looked.update(above)
+            above = [a for a in _ancestors(pid) if a not in self._looked]
+            self._looked.update(above)
             if any(held(a) for a in above):  # (after its own claim: of two dumps, either sees the other's)
                 raise UsageError(f"{busy(pid)} Nothing was done.")
 
