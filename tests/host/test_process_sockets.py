@@ -358,7 +358,9 @@ def test_an_open_file_shared_with_a_parent_outside_the_tree_at_one_offset_is_war
     log = tmp_path / "out.log"
     pid_file = tmp_path / "child.pid"
     argv = [sys.executable, "-c", _FORKS_OPEN_FILES, str(log), str(tmp_path / "appended.log"), str(pid_file)]
-    with subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as p:
+    # (its own session: where CI runs, this test's session leader is outside the PID namespace)
+    devnull = subprocess.DEVNULL
+    with subprocess.Popen(argv, stdin=devnull, stdout=devnull, stderr=devnull, start_new_session=True) as p:
         child = 0
         try:
             wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", "the child to be forked")
