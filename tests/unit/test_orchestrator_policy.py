@@ -209,6 +209,39 @@ def test_a_rank_away_is_followed_only_where_one_node_alone_reports_it_and_nothin
     assert followed(view, moving, away) == []
 
 
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        ("passwd", "holds something else than an orchestrator's database"),
+        ("etc", "is a directory; give the path of a file in it"),
+        ("/state.db", "is not in a directory of its own; give a path such as /var/lib/"),
+    ],
+)
+def test_a_database_path_naming_something_else_is_refused_and_left_as_it_was(
+    tmp_path: Path, given: str, said: str
+) -> None:
+    """--state /etc/passwd made the node's passwd root's alone (then SQLite refused it); --state
+    /etc said "/ cannot be a private directory".  Each is one sentence now, nothing changed."""
+    passwd = tmp_path / "passwd"
+    passwd.write_text("root:x:0:0::/root:/bin/sh\n")
+    passwd.chmod(0o644)
+    etc = tmp_path / "etc"
+    etc.mkdir(mode=0o755)
+    with pytest.raises(UsageError, match=said):
+        State(Path(given) if given.startswith("/") else tmp_path / given)
+    assert passwd.read_text() == "root:x:0:0::/root:/bin/sh\n" and passwd.stat().st_mode & 0o777 == 0o644
+    assert sorted(os.listdir(tmp_path)) == ["etc", "passwd"] and os.listdir(etc) == []
+    assert etc.stat().st_mode & 0o777 == 0o755 and not Path("/state.db").exists()
+
+
+def test_a_database_made_before_is_taken_up_again(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    State(path).close()
+    path.chmod(0o644)
+    State(path).close()  # (its header is SQLite's: no "holds something else")
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
 def test_a_planned_move_onto_a_spare_tainted_or_silent_since_is_cancelled() -> None:
     planned = [Move(4, "j", (1,), "b", "d", MoveKind.AWAY, MoveState.PLANNED, 1)]
     p = plan(cpu_cluster(), [taint(1, "b"), taint(2, "d")], planned, [], no_failures, cfg())

@@ -61,6 +61,7 @@ from host.api import UsageError
 from tpagent.common.config import check_hosts, convert_setting, is_name, read_toml
 from tpagent.common.credentials import Credentials
 from tpagent.orchestrator.api import job_name
+from tpagent.orchestrator.state import DEFAULT_STATE
 from transfer.api import DEFAULT_TLS_DIR
 
 DEFAULT_FILE = Path("/etc/tpagent/orchestrator.toml")
@@ -75,7 +76,7 @@ class OrchestratorConfig:
     listen: str = "0.0.0.0:7410"
     advertise: str = ""
     tls_dir: Path = DEFAULT_TLS_DIR
-    state: Path = Path("/var/lib/tpagent-orchestrator/state.db")
+    state: Path = DEFAULT_STATE
     health_listen: str = ""
     metrics_listen: str = "127.0.0.1:9410"
     webhook_listen: str = ""

@@ -93,9 +93,19 @@ def _taint(row: Any) -> Taint:
     return Taint(tid, node, gpu, TaintKind(kind), reason, source, created, waiting)
 
 
+DEFAULT_STATE = Path("/var/lib/tpagent-orchestrator/state.db")
+_SQLITE = b"SQLite format 3\x00"  # (the first 16 bytes of every SQLite database)
+
+
 def _own_file(path: Path) -> None:
     """``path`` made (or found) a regular file, 0600, never through a symlink: the database's (a
-    --state of /dev/null made the node's /dev/null root's alone)."""
+    --state of /dev/null made the node's /dev/null root's alone).  A file that holds something
+    else is left as it was (--state /etc/passwd shut it to root alone)."""
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory; give the path of a file in it for the orchestrator's database.")
+    if Path(os.path.abspath(path)).parent == Path("/"):
+        raise UsageError(f"{path} is not in a directory of its own; give a path such as {DEFAULT_STATE}.")
+    private_dir(path.parent)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError as e:
@@ -103,6 +113,8 @@ def _own_file(path: Path) -> None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UsageError(f"{path} is not a regular file; give a path for the orchestrator's database.")
+        if os.pread(fd, len(_SQLITE), 0) not in (b"", _SQLITE):
+            raise UsageError(f"{path} holds something else than an orchestrator's database; give a new path.")
         os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
@@ -110,7 +122,6 @@ def _own_file(path: Path) -> None:
 
 class State:
     def __init__(self, path: Path) -> None:
-        private_dir(path.parent)
         _own_file(path)
         self.path = path
         # One orchestrator to a database: a second one (another port, another host sharing it) is refused.
