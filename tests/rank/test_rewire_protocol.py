@@ -348,6 +348,19 @@ def test_a_rank_that_dies_at_the_boundary_is_named_and_the_others_go_on() -> Non
     assert all(op != "teardown" for _a, _r, op in job.asked)
 
 
+@pytest.mark.parametrize("dies_after", ["pause", "where"])
+def test_a_job_ended_while_its_ranks_are_stopped_is_not_said_to_go_on(dies_after: str) -> None:
+    """Every rank dies as it is asked to pause (or once it was): the move said "the other ranks go
+    on" (or "the job goes on as it was") of a job that was no more."""
+    job = Job(stepping=False)
+    for r in job.ranks:
+        r.dies_after = dies_after
+    job.thread.start()
+    _rw, result = job.rewire(timeout=1.0)
+    assert result.outcome is Outcome.FAILED and "no rank of the job answered" in result.message, result.message
+    assert "go on" not in result.message and all(r.dead for r in job.ranks)
+
+
 def test_a_peer_dead_after_the_teardown_ends_every_rank_once_all_were_told_why() -> None:
     """Rank 2 dies once the communicators are down: the job cannot go on.  Every live rank is told
     why (End with hold) before any is ended: one ended first may take the others down with its

@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 #: One rank's answer, or the AgentError its agent gave instead.
 Reply = P.Answer | AgentError
+NONE_ANSWERED = "no rank of the job answered (was it ended?)"
 
 
 def each(request: P.Request[P.Answer]) -> Callable[[int], P.Request[P.Answer]]:
@@ -157,6 +158,11 @@ def fails(answers: Mapping[int, Reply], what: str) -> list[str]:
         elif not a.ok:
             out.append(f"rank {r} could not {what} ({(a.error or 'no reason given').rstrip('.')})")
     return out
+
+
+def then(bad: list[str], answers: Mapping[int, Reply], others: str, none: str = NONE_ANSWERED) -> str:
+    """What becomes of the job once ``bad`` ranks failed: ``others``, or ``none`` where no rank answered."""
+    return none if bad and len(bad) == len(answers) else others
 
 
 def cannot_move(ranks: list[int], where: Mapping[int, P.Standing], image: bool = True) -> list[str]:

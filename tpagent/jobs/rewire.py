@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 
 from tpagent.jobs.api import Ask, Moving, Phase, RewireFailed, RewireLog, RewireRecord, Settled, StartMove
-from tpagent.jobs.moves import Asking, Move, Verdict, cannot_move, each, fails, nccl_strangers
+from tpagent.jobs.moves import Asking, Move, Verdict, cannot_move, each, fails, nccl_strangers, then
 from tpagent.migration.api import HOLD_MAX, AgentError, Event, JournalError, MigrationResult, Outcome, SourceState
 from tpagent_rank import protocol as P
 
@@ -439,7 +439,7 @@ class Rewire:
             if late or bad:
                 self.ranks.all(agents, each(P.Cancel()), self.timeout)
                 if bad:
-                    raise RewireFailed("; ".join(bad) + "; the job goes on as it was")
+                    raise RewireFailed("; ".join(bad) + "; " + then(bad, paused, "the job goes on as it was"))
                 margin *= 4
                 where = self.ranks.where(agents)
                 continue
@@ -449,7 +449,7 @@ class Rewire:
             if bad or self.cancelled.is_set():
                 self.ranks.all(agents, each(P.Cancel()), self.timeout)
                 why = "; ".join(bad) if bad else f"cancelled ({self.cancel_reason})"
-                raise RewireFailed(f"{why}; the other ranks go on")
+                raise RewireFailed(f"{why}; " + then(bad, at, "the other ranks go on"))
             return step
         raise RewireFailed("the ranks kept running past every step proposed to them; nothing was changed")
 
