@@ -1,6 +1,6 @@
-"""The orchestrator with a real Slurm (issue 26): six network-namespace nodes, five of them Slurm
-nodes with their own slurmd and hostname (partition ``train``: A, B, C, E; ``spares``: D), F an
-agent Slurm does not know.  The 3-rank job of the rewire tests is submitted with sbatch, its ranks
+"""The orchestrator with a real Slurm (issue 26): seven network-namespace nodes, six of them Slurm
+nodes with their own slurmd and hostname (partition ``train``: A, B, C, E; ``spares``: D; ``other``:
+G), F an agent Slurm does not know.  The 3-rank job of the rewire tests is submitted with sbatch, its ranks
 started as the README says (``srun tpagent rank -- python train.py``); a low-priority job holds E.
 Slurm must agree with every move: tainted nodes drained, spares held by placeholder jobs, the
 job's record saying where its ranks run, the low-priority job requeued to free a spare and run
@@ -39,10 +39,10 @@ JOB_PRIORITY = 1000
 
 @pytest.fixture
 def slurm_cluster(tmp_path: Path) -> Iterator[tuple[Cluster, Slurm]]:
-    c = Cluster(tmp_path, list("ABCDEF"), ifname=IFNAME)
+    c = Cluster(tmp_path, list("ABCDEFG"), ifname=IFNAME)
     s = None
     try:
-        s = Slurm(c, {"train": list("ABCE"), "spares": ["D"]})
+        s = Slurm(c, {"train": list("ABCE"), "spares": ["D"], "other": ["G"]})
         yield c, s
     finally:
         if s is not None:
@@ -216,6 +216,19 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
         wait_until(lambda: not _node_state(s, _ns(c, "C"))[0], "C to be resumed", 30, 0.5)
         wait_until(lambda: s.job(low).get("job_state") == "RUNNING", "the requeued job to run again", 300, 1)
         assert s.job(low)["nodes"] == _ns(c, "E")
+
+        # An operator moves rank 2 by hand onto G, idle in another partition: Slurm would have placed
+        # other work there beside it.  G is held for the job while the rank runs there, let go once back.
+        moved = c.migrate(0, "C", "G", "--job", job, "--rank", "2", timeout=240)
+        assert moved.returncode == 0, moved.stdout + moved.stderr
+        o.wait_rank_on(job, 2, _ns(c, "G"))
+        wait_until(lambda: _ns(c, "G") in _holds(s), "G to be held for the job", 60, 0.5)
+        assert f"to hold {_ns(c, 'G')} for job {job}: its ranks run there, outside its nodes" in _events(o)
+        assert s.job(_holds(s)[_ns(c, "G")])["comment"].startswith(f"tpagent hold job={job}#")
+        moved = c.migrate(0, "G", "C", "--job", job, "--rank", "2", timeout=240)
+        assert moved.returncode == 0, moved.stdout + moved.stderr
+        wait_until(lambda: _ns(c, "G") not in _holds(s), "G's placeholder to be cancelled", 60, 0.5)
+        assert _ns(c, "D") in _holds(s)  # (rank 1's, on D, kept)
 
         # The job ends with rank 1 still on D: its placeholder is released; B stays drained until untainted.
         hurry(logs)

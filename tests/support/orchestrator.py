@@ -90,7 +90,12 @@ class Orchestrator:
         return found[0] if len(found) == 1 else ""
 
     def wait_rank_on(self, job: str, rank: int, node: str, timeout: float = 180) -> None:
-        wait_until(lambda: self.rank_on(job, rank) == node, f"rank {rank} to run on {node}", timeout, interval=0.5)
+        def where() -> str:  # (what the orchestrator saw and did, to read why not)
+            return f"moves: {self.cluster()['moves']}\nevents (last 40):\n" + "\n".join(
+                self.ok("events").splitlines()[-40:]
+            )
+
+        wait_until(lambda: self.rank_on(job, rank) == node, f"rank {rank} to run on {node}", timeout, 0.5, where)
 
     def idle(self) -> bool:
         return not any(m["state"] in ("planned", "running") for m in self.cluster()["moves"])

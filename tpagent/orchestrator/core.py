@@ -424,7 +424,9 @@ class Orchestrator:
         where: dict[str, dict[int, str]] = {}
         for a in away:
             where.setdefault(a.job, {})[a.rank] = a.on
-        return Wanted(drains, frozenset((a.job, a.on) for a in away), moving, where, self.view().users())
+        view = self.view()
+        runs = frozenset((r.job, name) for name, n in view.nodes.items() for r in n.ranks)
+        return Wanted(drains, frozenset((a.job, a.on) for a in away), moving, where, view.users(), runs)
 
     def keep_in_step(self) -> None:
         """Bring the scheduler in step every :data:`IN_STEP_EVERY` seconds until stopped."""

@@ -9,7 +9,8 @@ The orchestrator asks its scheduler four things:
   on the spare), so that the scheduler places nothing else there while the moved ranks run;
 * :meth:`Scheduler.reconcile` — bring the scheduler in step with what the orchestrator holds:
   tainted nodes drained (and only those it drained resumed), holds kept exactly while their ranks
-  run there (released when the ranks go home or the job ends), each job's record saying where
+  run there (released when the ranks go home or the job ends; ranks moved by hand outside their
+  job's nodes held too), each job's record saying where
   its ranks run.  Level-triggered: called again and again, it repairs whatever a failure missed;
 * :meth:`Scheduler.check` — at start, whether the configuration names what the scheduler has.
 
@@ -69,6 +70,8 @@ class Wanted:
     where: dict[str, dict[int, str]] = field(default_factory=dict)  # job -> rank -> node, ranks away from home
     #: job -> the UIDs its ranks run as (root's aside), for every job whose ranks the agents report.
     users: dict[str, frozenset[int]] = field(default_factory=dict)
+    #: (job, node): every node the agents report ranks of the job on (moved there by hand, too).
+    runs: frozenset[tuple[str, str]] = frozenset()
 
     @property
     def running(self) -> frozenset[str]:

@@ -364,7 +364,7 @@ class Slurm:
                 continue
             owner = self.job_of(key[0], jobs, want.users.get(key[0], frozenset()))
             alive = key[0] in want.running or (owner is not None and owner.active)
-            if key in want.away and alive:
+            if (key in want.away or key in want.runs) and alive:
                 continue
             run("scancel", j.id)
             why = f"no rank of job {job_name(key[0])} runs there" if alive else f"job {job_name(key[0])} ended"
@@ -390,18 +390,21 @@ class Slurm:
 
     def _remade(self, want: Wanted, nodes: dict[str, SNode], jobs: list[SJob]) -> list[str]:
         """Placeholders made again where ranks of a running job are away with none (someone else
-        cancelled it): held as a whole node, not waited for."""
+        cancelled it), or made where ranks of a job of Slurm's run outside its nodes with none (moved
+        there by hand, or by an orchestrator that lost its database): held as a whole node, not waited for."""
         holds = {h for j in jobs if j.active and (h := j.hold_of())}
         said = []
-        for job, name in sorted(want.away - holds - want.moving):
+        for job, name in sorted((want.away | want.runs) - holds - want.moving):
             mine = self.job_of(job, jobs, want.users.get(job, frozenset()))
             alive = job in want.running or mine is not None and mine.active
             if not alive or name not in nodes or mine is not None and name in mine.nodes:
                 continue
+            away = (job, name) in want.away
+            if not away and (mine is None or not mine.active):  # (not Slurm's job: its nodes are not held for it)
+                continue
             handle = self._submit(job, nodes[name], 0, mine)
-            said.append(
-                f"placeholder job {handle} submitted to hold {name} again: job {job_name(job)}'s ranks run there"
-            )
+            how = "again: job {}'s ranks run there" if away else "for job {}: its ranks run there, outside its nodes"
+            said.append(f"placeholder job {handle} submitted to hold {name} " + how.format(job_name(job)))
         return said
 
     def _drains(self, want: Wanted, nodes: dict[str, SNode]) -> list[str]:
