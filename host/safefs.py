@@ -50,10 +50,10 @@ def _unsafe(at: Path, st: os.stat_result, path: Path) -> UsageError:
     )
 
 
-def _safe_ancestors(path: Path) -> None:
+def safe_ancestors(path: Path) -> None:
     """Nobody but root (or us) can replace any existing directory on the way to ``path``
-    (symlinks: root's only, see :func:`_trusted_realpath`)."""
-    real = _trusted_realpath(path.parent)
+    (symlinks: root's only, see :func:`trusted_realpath`)."""
+    real = trusted_realpath(path.parent)
     for ancestor in [real, *real.parents]:
         try:
             st = os.stat(ancestor)
@@ -101,7 +101,7 @@ def private_dir(path: Path, empty: bool = False, create: bool = True) -> Path:
     checked (or created) under the fd of its checked parent: nobody can slip a directory of
     theirs in between.  ``create`` False: only check what exists (a refusal before anything
     is done).  Returns the path, made absolute, root's symlinks resolved."""
-    real = _trusted_realpath(Path(os.path.abspath(path)))
+    real = trusted_realpath(Path(os.path.abspath(path)))
     if real == Path("/"):  # (no component to check: the root is nobody's private directory)
         raise UsageError("/ cannot be a private directory; give a new directory.")
     fd = os.open("/", DIR_FLAGS)
@@ -143,7 +143,7 @@ def private_dir(path: Path, empty: bool = False, create: bool = True) -> Path:
     return real
 
 
-def _trusted_realpath(path: Path, hops: int = 40) -> Path:
+def trusted_realpath(path: Path, hops: int = 40) -> Path:
     """``path`` with its symlinks resolved, each of which must belong to root (as a Kubernetes
     Secret volume's ``tls.key -> ..data/tls.key`` chain does); a user's symlink is refused.
     What does not exist yet is kept as it is."""
@@ -170,37 +170,6 @@ def _trusted_realpath(path: Path, hops: int = 40) -> Path:
         todo = [*target.parts[1 if target.is_absolute() else 0 :], *todo]
         at = Path("/") if target.is_absolute() else at
     return at
-
-
-def open_private_file(path: Path, what: str) -> int:
-    """An fd of a secret or a private key, checked: the file must be ours and 0600 or
-    stricter, reached through directories no other user can change (symlinks: root's only).
-    Read what was checked through this fd (``/proc/self/fd/N`` for a library that wants a path)."""
-    try:
-        real = _trusted_realpath(path)
-        _safe_ancestors(real)
-        # (O_NONBLOCK: a FIFO's open would wait for a writer; a device's read might never end)
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        raise UsageError(f"cannot read {what} from {path}: {e.strerror}.") from e
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise UsageError(f"{what} in {path} must be a regular file, and {path} is not one.")
-    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        os.close(fd)
-        owner = "root" if os.geteuid() == 0 else f"UID {os.geteuid()}"
-        raise UsageError(
-            f"{what} in {path} must be a file owned by {owner} with mode 600 or stricter (it has owner UID "
-            f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); run: chown {os.geteuid()} {path} && chmod 600 {path}"
-        )
-    return fd
-
-
-def read_private_file(path: Path, what: str) -> bytes:
-    """The bytes of a secret or a private key (see :func:`open_private_file`)."""
-    with os.fdopen(open_private_file(path, what), "rb") as f:
-        return f.read(1 << 20)
 
 
 def private_opener(path: str, flags: int) -> int:

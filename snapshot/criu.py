@@ -27,6 +27,7 @@ from host import proc as host_proc
 from host.api import UsageError, shown
 from host.safefs import private_opener
 from host.signals import deferred_sigint
+from host.trusted import trusted_program
 from snapshot.api import CriuError, DumpMode
 
 log = logging.getLogger(__name__)
@@ -47,19 +48,20 @@ _HARMLESS = ("Can't setup RLIMIT_NOFILE",)
 
 
 def locate(explicit: Path | None = None) -> Path:
-    """Find the criu binary: explicit path, $TPAGENT_CRIU, the installed prefix, then PATH."""
+    """Find the criu binary: explicit path, $TPAGENT_CRIU, the installed prefix, then PATH; one
+    only root can change (root runs it, on other users' processes)."""
     env = os.environ.get("TPAGENT_CRIU")
     for candidate in (explicit, Path(env) if env else None):
         if candidate is not None:
             if not (candidate.is_file() and os.access(candidate, os.X_OK)):
                 raise UsageError(f"CRIU was not found at {candidate}; {INSTALL_HINT}.")
-            return candidate
+            return trusted_program(candidate, "CRIU")
     if INSTALLED_CRIU.is_file():
-        return INSTALLED_CRIU
+        return trusted_program(INSTALLED_CRIU, "CRIU")
     found = shutil.which("criu")
     if found is None:
         raise UsageError(f"CRIU is not installed; {INSTALL_HINT}.")
-    return Path(found)
+    return trusted_program(Path(found), "CRIU")
 
 
 def parse_version(text: str) -> tuple[int, int, int] | None:

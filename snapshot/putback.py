@@ -19,7 +19,7 @@ import stat
 import tarfile
 from pathlib import Path
 
-from host import proc, safefs, userdirs
+from host import proc, safefs, trusted, userdirs
 from host.safefs import private_opener
 from snapshot import leftovers, manifest
 from snapshot.api import SnapshotError, SnapshotInvalid, ToolError
@@ -132,7 +132,7 @@ def take_back_created(note: Path) -> list[str]:
     if not os.path.lexists(note):
         return []  # (the restore never got so far: it took back what it made itself)
     try:
-        entries = json.loads(safefs.read_private_file(note, "the note of what a restore made"))
+        entries = json.loads(trusted.read_private_file(note, "the note of what a restore made"))
     except (OSError, ValueError, SnapshotError) as e:
         log.warning("could not read %s: what the dropped copy's restore made is left: %s", note, e)
         return []

@@ -65,7 +65,7 @@ def read_secret(path: Path | None) -> bytes:
     """The cluster secret (the same file on every node): only from a file of ours with mode
     600 or stricter, at least :data:`MIN_SECRET` bytes; else UsageError in one sentence."""
     from host.api import UsageError
-    from host.safefs import read_private_file
+    from host.trusted import read_private_file
 
     if path is None:
         raise UsageError(
@@ -79,6 +79,9 @@ def read_secret(path: Path | None) -> bytes:
 
 #: Where a node's certificates live unless told otherwise.
 DEFAULT_TLS_DIR = paths.TLS_DIR
+
+
+CERT_MAX = 1 << 20  #: the most a PEM file of certificates is read (a CA bundle: some hundred KiB)
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import os
 import ssl
 
 from host.api import UsageError
-from host.safefs import open_private_file
-from transfer.api import AuthError, TlsFiles, TransferError
+from host.trusted import open_private_file, open_trusted, read_trusted
+from transfer.api import CERT_MAX, AuthError, TlsFiles, TransferError
 
 #: OpenSSL's verify codes for a certificate that does not name the host (or IP) dialled.
 _NAME_MISMATCH = {62, 63, 64}  # X509_V_ERR_HOSTNAME_MISMATCH, _EMAIL_MISMATCH, _IP_ADDRESS_MISMATCH
@@ -55,8 +55,9 @@ def client_context(files: TlsFiles) -> ssl.SSLContext:
 def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
+    ca = read_trusted(files.ca, "the cluster CA", CERT_MAX)  # (whom this node trusts: only root may change it)
     try:
-        ctx.load_verify_locations(cafile=files.ca)
+        ctx.load_verify_locations(cadata=ca.decode("ascii", errors="replace"))
     except (OSError, ssl.SSLError) as e:
         raise UsageError(
             f"cannot load the cluster CA from {files.ca} ({_why(e)}); "
@@ -66,7 +67,12 @@ def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
     # private), so a file swapped in after the check is never the one used.
     fd = open_private_file(files.key, "the TLS private key")
     try:
-        ctx.load_cert_chain(files.cert, f"/proc/self/fd/{fd}")
+        cert = open_trusted(files.cert, "this node's certificate")
+    except UsageError:
+        os.close(fd)
+        raise
+    try:
+        ctx.load_cert_chain(f"/proc/self/fd/{cert}", f"/proc/self/fd/{fd}")
     except (OSError, ssl.SSLError) as e:
         raise UsageError(
             f"cannot load this node's certificate {files.cert} with its key {files.key} ({_why(e)}); "
@@ -74,6 +80,7 @@ def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
         ) from e
     finally:
         os.close(fd)
+        os.close(cert)
 
 
 def client_failure(e: ssl.SSLError, address: str, handshake: bool) -> TransferError:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from host import safefs
+from host import safefs, trusted
 from host.api import UsageError
 
 NOBODY = 65534
@@ -40,4 +40,20 @@ def test_root_refuses_a_symlink_of_another_user_on_the_way(tmp_path: Path) -> No
         safefs.private_dir(link / "out")
     assert not (real / "out").exists()
     with pytest.raises(UsageError, match=f"is a symlink owned by UID {NOBODY}"):
-        safefs.read_private_file(link / "key", "the TLS private key")
+        trusted.read_private_file(link / "key", "the TLS private key")
+
+
+def test_a_secret_of_another_users_is_not_to_be_made_roots(tmp_path: Path) -> None:
+    """Refused, root was told to `chown 0` it: a secret another user wrote, and knows, adopted.
+    Root is told to make a new one; its own, too open, to chmod it."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"k" * 40)
+    secret.chmod(0o600)
+    os.chown(secret, NOBODY, NOBODY)
+    with pytest.raises(UsageError, match="owner UID 65534, mode 600\\); make a new one: its owner knows") as e:
+        trusted.read_private_file(secret, "the cluster secret")
+    assert "chown" not in str(e.value)
+    os.chown(secret, 0, 0)
+    secret.chmod(0o644)
+    with pytest.raises(UsageError, match=f"mode 644\\); run: chmod 600 {secret}\\.$"):
+        trusted.read_private_file(secret, "the cluster secret")

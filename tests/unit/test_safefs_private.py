@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from host import safefs
+from host import safefs, trusted
 from host.api import UsageError
 from transfer.api import MIN_SECRET, read_secret
 
@@ -137,17 +137,17 @@ def test_a_private_file_is_read_only_if_ours_and_0600(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(b"k" * 40 + b"\n")
     secret.chmod(0o600)
-    assert safefs.read_private_file(secret, "the cluster secret") == b"k" * 40 + b"\n"
+    assert trusted.read_private_file(secret, "the cluster secret") == b"k" * 40 + b"\n"
     assert read_secret(secret) == b"k" * 40
     secret.chmod(0o640)
     with pytest.raises(
         UsageError, match="the cluster secret in .* must be a file owned by .* with mode 600 or stricter"
     ):
-        safefs.read_private_file(secret, "the cluster secret")
+        trusted.read_private_file(secret, "the cluster secret")
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo, 0o600)  # (its open waited for a writer, for ever)
     with pytest.raises(UsageError, match=r"the cluster secret in .*fifo must be a regular file, and .* is not one"):
-        safefs.read_private_file(fifo, "the cluster secret")
+        trusted.read_private_file(fifo, "the cluster secret")
 
 
 def test_a_private_file_is_refused_behind_a_users_symlink_or_a_shared_dir(tmp_path: Path) -> None:
@@ -157,12 +157,12 @@ def test_a_private_file_is_refused_behind_a_users_symlink_or_a_shared_dir(tmp_pa
     (shared / "key").chmod(0o600)
     link = _users_symlink(tmp_path / "key", shared / "key")
     with pytest.raises(UsageError, match="is a symlink owned by UID"):
-        safefs.read_private_file(link, "the TLS private key")
+        trusted.read_private_file(link, "the TLS private key")
     shared.chmod(0o777)
     with pytest.raises(UsageError, match="can be changed by other users"):
-        safefs.read_private_file(shared / "key", "the TLS private key")
+        trusted.read_private_file(shared / "key", "the TLS private key")
     with pytest.raises(UsageError, match="cannot read the TLS private key from .*missing"):
-        safefs.read_private_file(tmp_path / "missing", "the TLS private key")
+        trusted.read_private_file(tmp_path / "missing", "the TLS private key")
 
 
 def test_read_secret_refuses_none_and_a_short_secret(tmp_path: Path) -> None:

@@ -63,7 +63,6 @@ import math
 import os
 import re
 import socket
-import stat
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -71,6 +70,7 @@ from typing import Any
 
 from host import paths
 from host.api import MOST_SECONDS, UsageError, is_whole, port_number
+from host.trusted import read_trusted
 from snapshot.api import DEFAULT_GHOST_LIMIT
 from tpagent.common.credentials import Credentials
 from transfer.api import DEFAULT_TLS_DIR, MAX_STREAMS, Compress
@@ -344,19 +344,10 @@ def read_toml(path: Path | None, default: Path) -> dict[str, Any]:
     if path is None and not default.exists():
         return {}
     file = path or default
+    # (it says what root checkpoints, where it listens and writes: a file only root can change)
+    text = read_trusted(file, "the configuration", CONFIG_MAX)
     try:
-        # (O_NONBLOCK: a FIFO's open would wait for a writer; /dev/zero would be read for ever)
-        with os.fdopen(os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise UsageError(f"the configuration {file} is not a regular file.")
-            text = f.read(CONFIG_MAX + 1)
-        if len(text) > CONFIG_MAX:
-            raise UsageError(
-                f"the configuration {file} is larger than {CONFIG_MAX >> 20} MiB, which no configuration is."
-            )
         return tomllib.loads(text.decode())
-    except OSError as e:
-        raise UsageError(f"cannot read the configuration {file}: {e.strerror}.") from e
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"the configuration {file} is not valid TOML: {e}.") from e
     except (UnicodeDecodeError, ValueError) as e:  # (ValueError: an integer of thousands of digits)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from host.api import UsageError
-from host.safefs import read_private_file
-from transfer.api import TlsFiles, read_secret
+from host.trusted import read_private_file, read_trusted
+from transfer.api import CERT_MAX, TlsFiles, read_secret
 
 
 @dataclass(frozen=True)
@@ -24,14 +25,14 @@ class Credentials:
         """Read and check both (the secret and the key: private files of ours), or UsageError."""
         secret = read_secret(secret_file)
         files = TlsFiles.in_dir(tls_dir)
-        key = read_private_file(files.key, "the TLS private key")
-        try:
-            ca = files.ca.read_bytes()
-            cert = files.cert.read_bytes()
-        except OSError as e:
+        missing = [f for f in (files.ca, files.cert, files.key) if not os.path.lexists(f)]
+        if missing:
             raise UsageError(
-                f"cannot read the TLS certificate {e.filename}: {e.strerror}; "
-                f"put the cluster CA (ca.crt) and this node's certificate (tls.crt, tls.key) in {tls_dir} "
-                "(scripts/make-certs.sh makes them, or cert-manager)."
-            ) from e
+                f"there is no {missing[0]}; put the cluster CA (ca.crt) and this node's certificate (tls.crt, "
+                f"tls.key) in {tls_dir} (scripts/make-certs.sh makes them, or cert-manager)."
+            )
+        key = read_private_file(files.key, "the TLS private key")
+        # (the CA says whom this node trusts: a file only root can change)
+        ca = read_trusted(files.ca, "the cluster CA", CERT_MAX)
+        cert = read_trusted(files.cert, "this node's certificate", CERT_MAX)
         return cls(secret, ca, cert, key)

@@ -20,7 +20,7 @@ import time
 import grpc
 
 from host.api import UsageError
-from host.safefs import read_private_file
+from host.trusted import read_private_file
 from tpagent.common.metrics import MetricsServer
 from tpagent.daemon.rpc import AuthInterceptor, Health, listens, pb_grpc, probe_server
 from tpagent.daemon.rpc import server as rpc_server

@@ -1,0 +1,101 @@
+"""Files root reads to decide what it does, or runs, are ones only root can change: a
+configuration (it says what root checkpoints and where it writes), the CRIU binary (root runs
+it on other users' processes), the cluster CA (whom a node trusts).  One another user can
+change, a FIFO, or one behind another user's symlink is refused in one sentence before it is
+used: nothing planted is run, obeyed or trusted, and no command waits on a FIFO."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import needs_criu
+from host.api import UsageError
+from support.certs import node_certs
+from support.helpers import ROOT, assert_one_sentence_error, tpagent
+from support.users import NOBODY, user_dir
+from tpagent.common.credentials import Credentials
+from transfer.api import TlsFiles
+from transfer.tls import server_context
+
+pytestmark = needs_criu
+
+
+def test_a_criu_another_user_can_change_is_never_run(tmp_path: Path) -> None:
+    with user_dir(NOBODY) as home:
+        ran = home / "ran"
+        fake = home / "criu"
+        fake.write_text(f"#!/bin/sh\ntouch {ran}\necho 'Version: 4.2.1'\n")
+        fake.chmod(0o755)
+        os.chown(fake, *NOBODY)
+        # (its directory is theirs: said of the directory)
+        said = f"{home} can be changed by other users (owner UID {NOBODY[0]}, mode 700), so {fake} under it"
+        assert f"FAIL  criu           {said}" in tpagent("doctor", "--criu", str(fake)).stdout
+        with subprocess.Popen(["sleep", "60"], start_new_session=True) as p:
+            try:
+                dumped = tpagent("dump", str(p.pid), "--out", str(tmp_path / "snap"), "--criu", str(fake))
+                assert_one_sentence_error(dumped, said)
+                assert p.poll() is None and Path(f"/proc/{p.pid}/stat").read_text().split()[2] in "SR"
+            finally:
+                p.kill()
+        assert not ran.exists(), "root ran another user's CRIU"
+    ours = tmp_path / "criu"  # (root's, in root's directory, but anyone may write it)
+    ours.write_text(f"#!/bin/sh\ntouch {tmp_path / 'ran'}\necho 'Version: 4.2.1'\n")
+    ours.chmod(0o757)
+    said = f"CRIU {ours} can be changed by other users (owner UID 0, mode 757); give a file only root can change."
+    assert f"FAIL  criu           {said}" in tpagent("doctor", "--criu", str(ours)).stdout
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("planted", ["theirs", "group-writable", "their-symlink"])
+def test_a_configuration_another_user_can_change_is_not_obeyed(tmp_path: Path, planted: str) -> None:
+    """Its allow_executables would have had root checkpoint what they chose; its work_dir, write there."""
+    with user_dir(NOBODY) as home:
+        work = home / "work"
+        text = f'work_dir = "{work}"\nallow_executables = ["/bin/sh"]\nsecret_file = "/nonexistent"\n'
+        ours = tmp_path / "agent.toml"
+        ours.write_text(text)
+        given = home / "agent.toml"
+        if planted == "theirs":
+            given.write_text(text)
+            os.chown(given, *NOBODY)
+        elif planted == "group-writable":
+            given = ours
+            given.chmod(0o664)
+        else:
+            given.symlink_to(ours)
+            os.lchown(given, *NOBODY)
+        served = tpagent("serve", "--config", str(given), "--listen", "127.0.0.1:0", timeout=60)
+        why = "is a symlink owned by UID" if planted == "their-symlink" else "can be changed by other users"
+        assert_one_sentence_error(served, why)
+        assert not work.exists()
+
+
+def test_a_cluster_ca_another_user_can_change_or_a_fifo_is_not_trusted(tmp_path: Path) -> None:
+    """Whoever can write ca.crt chooses whom the node trusts; a FIFO there left every command
+    (serve ignoring SIGTERM) waiting in its open for ever."""
+    tls = node_certs(tmp_path, "n1")
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    assert Credentials.load(secret, tls).ca == (tls / "ca.crt").read_bytes()
+    os.chown(tls / "ca.crt", *NOBODY)
+    for load in (lambda: Credentials.load(secret, tls), lambda: server_context(TlsFiles.in_dir(tls))):
+        with pytest.raises(UsageError, match=f"the cluster CA {tls / 'ca.crt'} can be changed by other users"):
+            load()
+    os.chown(tls / "ca.crt", 0, 0)
+    (tls / "tls.crt").chmod(0o666)
+    with pytest.raises(UsageError, match="this node's certificate .* can be changed by other users"):
+        server_context(TlsFiles.in_dir(tls))
+    (tls / "ca.crt").unlink()
+    os.mkfifo(tls / "ca.crt")
+    code = "import sys; from tpagent.common.credentials import Credentials; from pathlib import Path; "
+    code += "Credentials.load(Path(sys.argv[1]), Path(sys.argv[2]))"
+    waited = subprocess.run(
+        [sys.executable, "-c", code, str(secret), str(tls)], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert "is not a regular file" in waited.stderr and waited.returncode != 0
