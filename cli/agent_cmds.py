@@ -23,9 +23,12 @@ from cli.common import (
     JsonOpt,
     MigrationIdArg,
     SecretOpt,
+    ServiceSecretOpt,
+    ServiceTlsDirOpt,
     TlsDirOpt,
     credentials,
     die,
+    given_path,
     passed_on,
     rpc_exit_code,
     utf8,
@@ -41,17 +44,21 @@ def serve(
     # TPAGENT_* setting itself, between the TOML file and the flags.
     config: Annotated[
         Path | None,
-        typer.Option("--config", envvar="TPAGENT_CONFIG", help="TOML file (default /etc/tpagent/agent.toml)."),
+        typer.Option(
+            "--config", envvar="TPAGENT_CONFIG", parser=given_path, help="TOML file (default /etc/tpagent/agent.toml)."
+        ),
     ] = None,
     listen: Annotated[str | None, typer.Option("--listen", help="ADDR:PORT for the agent's gRPC API.")] = None,
     advertise: Annotated[str | None, typer.Option("--advertise", help="Address peers reach this node on.")] = None,
     node: Annotated[str | None, typer.Option("--node", help="Name of this node in logs and metrics.")] = None,
-    work_dir: Annotated[Path | None, typer.Option("--work-dir", help="Journals and snapshots in flight.")] = None,
+    work_dir: Annotated[
+        Path | None, typer.Option("--work-dir", parser=given_path, help="Journals and snapshots in flight.")
+    ] = None,
     metrics_listen: Annotated[
         str | None, typer.Option("--metrics-listen", help="ADDR:PORT for Prometheus; '' for none.")
     ] = None,
-    secret_file: Annotated[Path | None, typer.Option("--secret-file", help="File holding the cluster secret.")] = None,
-    tls_dir: Annotated[Path | None, typer.Option("--tls-dir", help="ca.crt, tls.crt, tls.key (mutual TLS).")] = None,
+    secret_file: ServiceSecretOpt = None,
+    tls_dir: ServiceTlsDirOpt = None,
     health_listen: Annotated[
         str | None, typer.Option("--health-listen", help="ADDR:PORT for plain-text health checks; '' for none.")
     ] = None,
@@ -181,10 +188,14 @@ def rank(
         str, typer.Option("--agent", envvar="TPAGENT_AGENT", help="HOST:PORT of this node's agent.")
     ] = "127.0.0.1:7400",
     stdout: Annotated[
-        Path | None, typer.Option("--stdout", envvar="TPAGENT_STDOUT", help="File for the rank's stdout.")
+        Path | None,
+        typer.Option("--stdout", envvar="TPAGENT_STDOUT", parser=given_path, help="File for the rank's stdout."),
     ] = None,
     stderr: Annotated[
-        Path | None, typer.Option("--stderr", envvar="TPAGENT_STDERR", help="File for stderr (default: as --stdout).")
+        Path | None,
+        typer.Option(
+            "--stderr", envvar="TPAGENT_STDERR", parser=given_path, help="File for stderr (default: as --stdout)."
+        ),
     ] = None,
     socket_name: Annotated[
         str, typer.Option("--rank-socket", envvar="TPAGENT_RANK_SOCKET", help="The agents' rank_socket setting.")

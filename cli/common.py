@@ -61,14 +61,41 @@ class TransportName(str, Enum):
 
 
 JsonOpt = Annotated[bool, typer.Option("--json", envvar="TPAGENT_JSON", help="Print a JSON result.")]
-CriuOpt = Annotated[Path | None, typer.Option("--criu", envvar="TPAGENT_CRIU", help="The criu binary to use (>= 4.2).")]
+
+
+def given_path(value: str) -> Path:
+    """A path option's value: an empty one (an unset variable in a unit file) is refused, not
+    taken for "." (the working directory, where the agent would have written its journals)."""
+    if not value:
+        raise typer.BadParameter("an empty path names nothing; give a path")
+    return Path(value)
+
+
+#: A service's own (serve, orchestrator: their configuration and environment give the defaults).
+ServiceSecretOpt = Annotated[
+    Path | None, typer.Option("--secret-file", parser=given_path, help="File holding the cluster secret.")
+]
+ServiceTlsDirOpt = Annotated[
+    Path | None, typer.Option("--tls-dir", parser=given_path, help="ca.crt, tls.crt, tls.key (mutual TLS).")
+]
+CriuOpt = Annotated[
+    Path | None,
+    typer.Option("--criu", envvar="TPAGENT_CRIU", parser=given_path, help="The criu binary to use (>= 4.2)."),
+]
 SecretOpt = Annotated[
     Path | None,
-    typer.Option("--secret-file", envvar="TPAGENT_SECRET_FILE", help="File holding the cluster secret."),
+    typer.Option(
+        "--secret-file", envvar="TPAGENT_SECRET_FILE", parser=given_path, help="File holding the cluster secret."
+    ),
 ]
 TlsDirOpt = Annotated[
     Path,
-    typer.Option("--tls-dir", envvar="TPAGENT_TLS_DIR", help="ca.crt, tls.crt, tls.key of this node (mutual TLS)."),
+    typer.Option(
+        "--tls-dir",
+        envvar="TPAGENT_TLS_DIR",
+        parser=given_path,
+        help="ca.crt, tls.crt, tls.key of this node (mutual TLS).",
+    ),
 ]
 PlaintextOpt = Annotated[
     bool,

@@ -33,6 +33,7 @@ from cli.common import (
     TransportOpt,
     command,
     die,
+    given_path,
     gpu_map_of,
     guarded,
 )
@@ -91,7 +92,9 @@ def _transport(name: TransportName, io_timeout: float, tls_dir: Path, plaintext:
 @command(app)
 def dump(
     pid: Annotated[int, typer.Argument(help="Process (or `tpagent launch` namespace) to checkpoint.")],
-    out: Annotated[Path, typer.Option("--out", "-o", envvar="TPAGENT_OUT", help="New or empty directory.")],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", envvar="TPAGENT_OUT", parser=given_path, help="New or empty directory.")
+    ],
     leave_running: Annotated[bool, typer.Option("--leave-running", envvar="TPAGENT_LEAVE_RUNNING")] = False,
     send_to: Annotated[
         str | None,
@@ -110,7 +113,10 @@ def dump(
     carry: Annotated[
         list[Path] | None,
         typer.Option(
-            "--carry", envvar="TPAGENT_CARRY", help="A node-local file the process has open, to take along (repeat)."
+            "--carry",
+            envvar="TPAGENT_CARRY",
+            parser=given_path,
+            help="A node-local file the process has open, to take along (repeat).",
         ),
     ] = None,
     lock_timeout: Annotated[
@@ -213,7 +219,7 @@ def _dumped(
 
 @command(app)
 def restore(
-    directory: Annotated[Path, typer.Argument(help="Snapshot directory written by `tpagent dump`.")],
+    directory: Annotated[Path, typer.Argument(parser=given_path, help="Snapshot directory written by `tpagent dump`.")],
     gpu_map: Annotated[
         list[str] | None,
         typer.Option("--gpu-map", envvar="TPAGENT_GPU_MAP", help="OLD_UUID=NEW_UUID; repeat per GPU."),
@@ -258,7 +264,7 @@ def restore(
 
 @command(app)
 def inspect(
-    directory: Annotated[Path, typer.Argument(help="Snapshot directory.")],
+    directory: Annotated[Path, typer.Argument(parser=given_path, help="Snapshot directory.")],
     as_json: JsonOpt = False,
 ) -> None:
     """Show what a snapshot holds (without verifying checksums)."""
@@ -334,10 +340,14 @@ def doctor(
 def launch(
     ctx: typer.Context,
     stdout: Annotated[
-        Path, typer.Option("--stdout", envvar="TPAGENT_STDOUT", help="File for the workload's stdout.")
+        Path,
+        typer.Option("--stdout", envvar="TPAGENT_STDOUT", parser=given_path, help="File for the workload's stdout."),
     ] = Path("/dev/null"),
     stderr: Annotated[
-        Path | None, typer.Option("--stderr", envvar="TPAGENT_STDERR", help="File for stderr (default: as --stdout).")
+        Path | None,
+        typer.Option(
+            "--stderr", envvar="TPAGENT_STDERR", parser=given_path, help="File for stderr (default: as --stdout)."
+        ),
     ] = None,
 ) -> None:
     """Start `-- CMD ...` in its own PID and mount namespace; print its PID for `tpagent dump`."""
@@ -354,7 +364,7 @@ USER_UMASK = 0o022
 
 @command(app)
 def send(
-    directory: Annotated[Path, typer.Argument(help="Snapshot directory to send.")],
+    directory: Annotated[Path, typer.Argument(parser=given_path, help="Snapshot directory to send.")],
     peer: Annotated[str, typer.Argument(help="HOST:PORT of a `tpagent receive`.")],
     streams: Annotated[int, typer.Option("--streams", envvar="TPAGENT_STREAMS", min=1, max=64)] = 4,
     compress: CompressOpt = Compress.AUTO,
@@ -414,7 +424,9 @@ def receive(
     listen: Annotated[
         str, typer.Option("--listen", envvar="TPAGENT_LISTEN", help="ADDR:PORT to listen on (port 0: any).")
     ],
-    out: Annotated[Path, typer.Option("--out", envvar="TPAGENT_OUT", help="New directory for the snapshot.")],
+    out: Annotated[
+        Path, typer.Option("--out", envvar="TPAGENT_OUT", parser=given_path, help="New directory for the snapshot.")
+    ],
     timeout: Annotated[float, typer.Option("--timeout", envvar="TPAGENT_RECEIVE_TIMEOUT")] = 3600.0,
     transport: TransportOpt = TransportName.TCP,
     secret_file: SecretOpt = None,

@@ -12,7 +12,19 @@ import grpc
 import typer
 from google.protobuf.json_format import MessageToDict
 
-from cli.common import EXIT_FAILED, EXIT_USAGE, JsonOpt, SecretOpt, TlsDirOpt, credentials, die, utf8
+from cli.common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    JsonOpt,
+    SecretOpt,
+    ServiceSecretOpt,
+    ServiceTlsDirOpt,
+    TlsDirOpt,
+    credentials,
+    die,
+    given_path,
+    utf8,
+)
 from host.api import UsageError
 from transfer.api import DEFAULT_TLS_DIR
 
@@ -29,13 +41,16 @@ def orchestrator(
     config: Annotated[
         Path | None,
         typer.Option(
-            "--config", envvar="TPAGENT_ORCHESTRATOR_CONFIG", help="TOML file (default /etc/tpagent/orchestrator.toml)."
+            "--config",
+            envvar="TPAGENT_ORCHESTRATOR_CONFIG",
+            parser=given_path,
+            help="TOML file (default /etc/tpagent/orchestrator.toml).",
         ),
     ] = None,
     listen: Annotated[str | None, typer.Option("--listen", help="ADDR:PORT of its gRPC API.")] = None,
-    state: Annotated[Path | None, typer.Option("--state", help="Its SQLite database.")] = None,
-    secret_file: Annotated[Path | None, typer.Option("--secret-file", help="File holding the cluster secret.")] = None,
-    tls_dir: Annotated[Path | None, typer.Option("--tls-dir", help="ca.crt, tls.crt, tls.key (mutual TLS).")] = None,
+    state: Annotated[Path | None, typer.Option("--state", parser=given_path, help="Its SQLite database.")] = None,
+    secret_file: ServiceSecretOpt = None,
+    tls_dir: ServiceTlsDirOpt = None,
 ) -> None:
     """Run the orchestrator (as its systemd unit does) until SIGTERM: it moves the ranks of jobs
     off tainted nodes and GPUs to spares, and back once they are untainted."""

@@ -67,3 +67,32 @@ def test_a_launched_commands_own_json_flag_is_not_tpagents(tmp_path: Path) -> No
     said = tpagent("launch", "--stdout", str(tmp_path), sys.executable, "train.py", "--json")
     assert_one_sentence_error(said)
     assert said.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("dump", "1", "--out", ""),
+        ("dump", "1", "--out", "x", "--carry", ""),
+        ("inspect", ""),
+        ("serve", "--work-dir", ""),
+        ("serve", "--config", ""),
+        ("orchestrator", "--state", ""),
+        ("receive", "--listen", "127.0.0.1:0", "--out", ""),
+        ("launch", "--stdout", "", "--", "true"),
+        ("doctor", "--criu", ""),
+    ],
+    ids=lambda a: "-".join(x for x in a if x.startswith("--") or x in ("inspect", "dump"))[:40],
+)
+def test_an_empty_path_is_refused_not_taken_for_the_working_directory(args: tuple[str, ...]) -> None:
+    """`--work-dir ""` (an unset variable in a unit file) was ".": the agent made its journals in
+    the directory it was started from."""
+    said = tpagent(*args)
+    assert_one_sentence_error(said, "an empty path names nothing; give a path")
+    assert said.returncode == 2
+
+
+def test_an_empty_path_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TPAGENT_WORK_DIR", "")
+    said = tpagent("serve", "--listen", "127.0.0.1:7399", "--secret-file", "/nonexistent")
+    assert_one_sentence_error(said, "the setting work_dir = '' is not valid (give a path)")
