@@ -21,7 +21,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from host.api import UsageError
 from host.hushed import Hushed
+from support import users
 from support.agents import free_port
 from support.certs import node_certs
 from support.helpers import NOBODY, ROOT, assert_one_sentence_error, wait_until
@@ -31,6 +33,7 @@ from tpagent.daemon.rpc import channel, pb, pb_grpc
 from tpagent.orchestrator import webhook
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.serve import serve
+from tpagent.orchestrator.state import State
 
 
 class Served:
@@ -365,3 +368,14 @@ def test_a_port_taken_is_said_with_the_setting_that_names_it(tmp_path: Path, set
         )  # fmt: skip
     assert_one_sentence_error(said, f"127.0.0.1:{port} ({setting}): Address already in use")
     assert said.returncode == 2
+
+
+def test_an_empty_file_of_another_users_is_no_database_of_root(tmp_path: Path) -> None:
+    """--state naming another user's empty file made it root's alone (0600)."""
+    theirs = tmp_path / "state.db"
+    theirs.touch(0o644)
+    os.chown(theirs, *users.NOBODY)
+    with pytest.raises(UsageError, match=f"{theirs} is a file of UID {users.NOBODY[0]}'s; give a new path"):
+        State(theirs)
+    st = theirs.stat()
+    assert (st.st_uid, st.st_mode & 0o777, st.st_size) == (users.NOBODY[0], 0o644, 0)

@@ -4,8 +4,10 @@ one job, a move off a silent node, a rank sent where it does not fit)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -232,6 +234,19 @@ def test_a_database_path_naming_something_else_is_refused_and_left_as_it_was(
     assert passwd.read_text() == "root:x:0:0::/root:/bin/sh\n" and passwd.stat().st_mode & 0o777 == 0o644
     assert sorted(os.listdir(tmp_path)) == ["etc", "passwd"] and os.listdir(etc) == []
     assert etc.stat().st_mode & 0o777 == 0o755 and not Path("/state.db").exists()
+
+
+def test_another_programs_sqlite_database_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """It was made 0600 and given the orchestrator's tables."""
+    theirs = tmp_path / "app.db"
+    with contextlib.closing(sqlite3.connect(theirs)) as db:
+        db.execute("CREATE TABLE notes (text TEXT)")
+        db.commit()
+    theirs.chmod(0o644)
+    before = theirs.read_bytes()
+    with pytest.raises(UsageError, match="holds something else than an orchestrator's database"):
+        State(theirs)
+    assert theirs.read_bytes() == before and theirs.stat().st_mode & 0o777 == 0o644
 
 
 def test_a_database_made_before_is_taken_up_again(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ SQLite itself, whatever the orchestrator believed.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -23,6 +24,7 @@ import sqlite3
 import stat
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -113,11 +115,23 @@ def _own_file(path: Path) -> None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UsageError(f"{path} is not a regular file; give a path for the orchestrator's database.")
-        if os.pread(fd, len(_SQLITE), 0) not in (b"", _SQLITE):
+        head = os.pread(fd, len(_SQLITE), 0)
+        if head and (head != _SQLITE or not _orchestrators(path)):
             raise UsageError(f"{path} holds something else than an orchestrator's database; give a new path.")
+        if not head and os.fstat(fd).st_uid != os.geteuid():  # (empty, but someone else's file)
+            raise UsageError(f"{path} is a file of UID {os.fstat(fd).st_uid}'s; give a new path.")
         os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
+
+
+def _orchestrators(path: Path) -> bool:
+    """Whether the SQLite database at ``path`` is an orchestrator's (another program's is left alone)."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True)) as db:
+            return db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() is not None
+    except sqlite3.Error:
+        return False
 
 
 class State:
