@@ -831,3 +831,19 @@ def test_a_restore_left_from_before_a_reboot_kills_nothing(tmp_path: Path) -> No
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_an_agent_refuses_a_work_dir_that_holds_others_files(tmp_path: Path) -> None:
+    """`--work-dir /etc` (root's, 755, full): the agent made its migrations/ there and would have
+    written its journals and snapshots beside the system's files.  An empty one is shut to 0700
+    and used; one a run before left (0700) is used as it is."""
+    cfg = agent_config(tmp_path, "n")
+    etc = tmp_path / "etc"
+    etc.mkdir(mode=0o755)
+    (etc / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
+    proc = _serve_cli(cfg, etc)
+    assert_one_sentence_error(proc, f"work_dir {etc} holds files already and is not the agent's own (mode 755")
+    assert sorted(os.listdir(etc)) == ["passwd"] and etc.stat().st_mode & 0o777 == 0o755
+    taken = tmp_path / "taken"  # (a refusal of the credentials leaves no work_dir made)
+    said = tpagent("serve", "--work-dir", str(taken / "w"), "--secret-file", str(tmp_path / "none"))
+    assert said.returncode == 2 and not taken.exists()

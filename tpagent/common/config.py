@@ -310,7 +310,7 @@ def convert_setting(name: str, kind: Any, value: Any) -> Any:
     in seconds (every setting with a fraction is)."""
     try:
         if kind is Path or kind == "Path":
-            if not isinstance(value, str) or not value:  # ("" would be "." the working directory)
+            if not isinstance(value, str | os.PathLike) or value == "":  # ("" would be ".", the working directory)
                 raise ValueError("give a path")
             return Path(value)
         if kind in (int, "int", float, "float") and isinstance(value, bool):

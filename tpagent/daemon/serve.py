@@ -23,8 +23,10 @@ import json
 import logging
 import os
 import signal
+import stat
 import threading
 import time
+from pathlib import Path
 
 from host import paths
 from host.api import UsageError
@@ -141,9 +143,24 @@ def _end_restores(targets: Receivers, deadline: float, force: threading.Event) -
         time.sleep(0.05)
 
 
+def _own_work_dir(path: Path) -> None:
+    """``path`` made, or found the agent's own: 0700 (one left by a run before), or empty (then
+    shut to 0700).  A directory holding others' files (/etc or /var/lib given by mistake) is
+    refused, never filled with journals and snapshots."""
+    real = private_dir(path)
+    mode = stat.S_IMODE(os.stat(real).st_mode)
+    if mode != 0o700:
+        if os.listdir(real):
+            raise UsageError(
+                f"work_dir {path} holds files already and is not the agent's own (mode {mode:o}, not 700); "
+                "give a new or empty directory."
+            )
+        os.chmod(real, 0o700)
+
+
 def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Event, force: threading.Event) -> None:
-    private_dir(cfg.work_dir)
-    creds = cfg.credentials()
+    creds = cfg.credentials()  # (first: a refusal of them leaves no work_dir made)
+    _own_work_dir(cfg.work_dir)
     ctx = context(cfg, creds)
     if on_tmpfs(ctx.journal.directory):
         log.warning(
