@@ -18,8 +18,8 @@ import os
 import ssl
 
 from host.api import UsageError
-from host.trusted import open_private_file, open_trusted, read_trusted
-from transfer.api import CERT_MAX, AuthError, TlsFiles, TransferError
+from host.trusted import open_private_file, open_trusted
+from transfer.api import AuthError, TlsFiles, TransferError
 
 #: OpenSSL's verify codes for a certificate that does not name the host (or IP) dialled.
 _NAME_MISMATCH = {62, 63, 64}  # X509_V_ERR_HOSTNAME_MISMATCH, _EMAIL_MISMATCH, _IP_ADDRESS_MISMATCH
@@ -55,14 +55,16 @@ def client_context(files: TlsFiles) -> ssl.SSLContext:
 def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
-    ca = read_trusted(files.ca, "the cluster CA", CERT_MAX)  # (whom this node trusts: only root may change it)
+    ca = open_trusted(files.ca, "the cluster CA")  # (whom this node trusts: only root may change it)
     try:
-        ctx.load_verify_locations(cadata=ca.decode("ascii", errors="replace"))
+        ctx.load_verify_locations(cafile=f"/proc/self/fd/{ca}")
     except (OSError, ssl.SSLError) as e:
         raise UsageError(
             f"cannot load the cluster CA from {files.ca} ({_why(e)}); "
             "give the PEM certificate the nodes' certificates are signed with."
         ) from e
+    finally:
+        os.close(ca)
     # OpenSSL loads the key by path: it gets the descriptor checked here (the key must be
     # private), so a file swapped in after the check is never the one used.
     fd = open_private_file(files.key, "the TLS private key")
