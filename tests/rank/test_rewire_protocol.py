@@ -361,6 +361,15 @@ def test_a_job_ended_while_its_ranks_are_stopped_is_not_said_to_go_on(dies_after
     assert "go on" not in result.message and all(r.dead for r in job.ranks)
 
 
+def test_ranks_that_all_answer_they_missed_the_step_are_said_to_go_on() -> None:
+    """Every rank answers, none reached the step in time (their training stalled): they run on,
+    and are not said to be gone."""
+    job = Job(stepping=False)  # (its ranks never step: none reaches the step proposed)
+    _rw, result = job.rewire(timeout=1.0)
+    assert result.outcome is Outcome.FAILED and "did not reach the step in time" in result.message, result.message
+    assert result.message.endswith("the other ranks go on") and not any(r.dead for r in job.ranks)
+
+
 def test_a_peer_dead_after_the_teardown_ends_every_rank_once_all_were_told_why() -> None:
     """Rank 2 dies once the communicators are down: the job cannot go on.  Every live rank is told
     why (End with hold) before any is ended: one ended first may take the others down with its

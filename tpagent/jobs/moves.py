@@ -160,9 +160,10 @@ def fails(answers: Mapping[int, Reply], what: str) -> list[str]:
     return out
 
 
-def then(bad: list[str], answers: Mapping[int, Reply], others: str, none: str = NONE_ANSWERED) -> str:
-    """What becomes of the job once ``bad`` ranks failed: ``others``, or ``none`` where no rank answered."""
-    return none if bad and len(bad) == len(answers) else others
+def then(answers: Mapping[int, Reply], others: str, none: str = NONE_ANSWERED) -> str:
+    """What becomes of the job once some ranks failed: ``others``, or ``none`` where no rank answered
+    (each an error of its agent's: a rank that said no, or did not reach a step in time, runs on)."""
+    return none if answers and all(isinstance(a, AgentError) for a in answers.values()) else others
 
 
 def cannot_move(ranks: list[int], where: Mapping[int, P.Standing], image: bool = True) -> list[str]:

@@ -439,7 +439,7 @@ class Rewire:
             if late or bad:
                 self.ranks.all(agents, each(P.Cancel()), self.timeout)
                 if bad:
-                    raise RewireFailed("; ".join(bad) + "; " + then(bad, paused, "the job goes on as it was"))
+                    raise RewireFailed("; ".join(bad) + "; " + then(paused, "the job goes on as it was"))
                 margin *= 4
                 where = self.ranks.where(agents)
                 continue
@@ -449,7 +449,7 @@ class Rewire:
             if bad or self.cancelled.is_set():
                 self.ranks.all(agents, each(P.Cancel()), self.timeout)
                 why = "; ".join(bad) if bad else f"cancelled ({self.cancel_reason})"
-                raise RewireFailed(f"{why}; " + then(bad, at, "the other ranks go on"))
+                raise RewireFailed(f"{why}; " + then(at, "the other ranks go on"))
             return step
         raise RewireFailed("the ranks kept running past every step proposed to them; nothing was changed")
 
