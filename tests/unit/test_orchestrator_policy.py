@@ -251,6 +251,9 @@ def test_another_programs_sqlite_database_is_refused_and_left_as_it_was(tmp_path
 
 def test_a_database_made_before_is_taken_up_again(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
+    with contextlib.closing(sqlite3.connect(path)) as db:  # (one stopped before it made its tables)
+        db.execute("PRAGMA journal_mode=WAL")
+    State(path).close()
     State(path).close()
     path.chmod(0o644)
     State(path).close()  # (its header is SQLite's: no "holds something else")

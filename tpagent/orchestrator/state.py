@@ -129,6 +129,8 @@ def _orchestrators(path: Path) -> bool:
     """Whether the SQLite database at ``path`` is an orchestrator's (another program's is left alone)."""
     try:
         with contextlib.closing(sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True)) as db:
+            if db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0:
+                return True  # (one an orchestrator stopped before it made its tables: it holds nothing)
             return db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() is not None
     except sqlite3.Error:
         return False
