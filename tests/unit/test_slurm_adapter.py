@@ -8,7 +8,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from tpagent.orchestrator import slurm
 from tpagent.orchestrator.config import OrchestratorConfig
+from tpagent.orchestrator.scheduler import SchedulerError, Wanted
 from tpagent.orchestrator.slurm import SJob, Slurm, SNode, _job, _node, expand
 
 NOONE: frozenset[int] = frozenset()  # (ranks of root's alone)
@@ -161,3 +165,31 @@ def test_a_users_ranks_naming_another_users_slurm_job_are_not_that_job() -> None
     assert s.job_of("7", s.read[2], frozenset({1000, 2000})) is None
     assert s.pool("7", frozenset({2000})).floating == frozenset()
     assert s.pool("7", frozenset({1000})).floating == frozenset({"b"})
+
+
+def test_ranks_outside_their_jobs_nodes_are_held_only_for_a_placed_job_of_slurms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A requeued job (pending, no nodes: its ranks still reported a moment), a job Slurm does
+    not run, a node Slurm knows not, the job's own node: none gets a placeholder.  A running
+    job's rank on another node does; where sbatch refuses it (the partition's AllowAccounts),
+    that is said once, and the rest of the reconcile goes on."""
+    asked: list[tuple[str, ...]] = []
+
+    def refusing(*args: str, timeout: float = 0) -> str:  # (Slurm's sbatch, refusing: no Slurm in this tier)
+        asked.append(args)
+        raise SchedulerError("Slurm's sbatch --partition failed: Job violates accounting/QOS policy")
+
+    monkeypatch.setattr(slurm, "run", refusing)
+    nodes = [node("a", "train", state="allocated", cpus=2), node("b", "train"), node("c", "train")]
+    s = adapter(nodes, [job(7, ["a"], 100), job(8, [], 100, job_state="PENDING")])
+    runs = frozenset({("8", "b"), ("9", "b"), ("7", "a"), ("7", "zz")})
+    want = Wanted(runs=runs, users={"7": NOONE, "8": NOONE, "9": NOONE})
+    assert s._remade(want, {n.name: n for n in nodes}, s.read[2]) == [] and asked == []
+    refused = Wanted(runs=frozenset({("7", "c")}), users={"7": NOONE})
+    said = s._remade(refused, {n.name: n for n in nodes}, s.read[2])
+    assert said == [
+        "c not held for job 7, whose ranks run there: Slurm's sbatch --partition failed: Job violates "
+        "accounting/QOS policy"
+    ]
+    assert asked[0][0] == "sbatch" and s._remade(refused, {n.name: n for n in nodes}, s.read[2]) == []

@@ -425,7 +425,7 @@ class Orchestrator:
         for a in away:
             where.setdefault(a.job, {})[a.rank] = a.on
         view = self.view()
-        runs = frozenset((r.job, name) for name, n in view.nodes.items() for r in n.ranks)
+        runs = frozenset((r.job, name) for name, n in view.nodes.items() if view.reachable(name) for r in n.ranks)
         return Wanted(drains, frozenset((a.job, a.on) for a in away), moving, where, view.users(), runs)
 
     def keep_in_step(self) -> None:

@@ -202,6 +202,7 @@ class Slurm:
         self.lock = threading.Lock()
         self.read: tuple[float, dict[str, SNode], list[SJob]] | None = None
         self.unknown: set[str] = set()  # tainted nodes Slurm knows not (said once)
+        self.unheld: set[tuple[str, str]] = set()  # (job, node): ranks there Slurm would not hold (said once)
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -400,9 +401,17 @@ class Slurm:
             if not alive or name not in nodes or mine is not None and name in mine.nodes:
                 continue
             away = (job, name) in want.away
-            if not away and (mine is None or not mine.active):  # (not Slurm's job: its nodes are not held for it)
+            if not away and (mine is None or not mine.active or not mine.nodes):  # (not Slurm's, or not placed)
                 continue
-            handle = self._submit(job, nodes[name], 0, mine)
+            try:
+                handle = self._submit(job, nodes[name], 0, mine)
+            except SchedulerError as e:
+                if e.down or away:
+                    raise
+                if (job, name) not in self.unheld:  # (said once, not at every reconcile)
+                    self.unheld.add((job, name))
+                    said.append(f"{name} not held for job {job_name(job)}, whose ranks run there: {e}")
+                continue
             how = "again: job {}'s ranks run there" if away else "for job {}: its ranks run there, outside its nodes"
             said.append(f"placeholder job {handle} submitted to hold {name} " + how.format(job_name(job)))
         return said
