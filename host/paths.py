@@ -60,6 +60,8 @@ class WorkDir:
     """
 
     root: Path
+    #: What the agent makes in it (a filesystem's lost+found aside, what else it holds is not its).
+    NAMES = ("migrations", "rewires", "ranks.json", "stores.json", "outgoing", "incoming")
 
     @property
     def migrations(self) -> Path:

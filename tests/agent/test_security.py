@@ -34,6 +34,7 @@ from tpagent.common.config import AgentConfig
 from tpagent.daemon import rpc
 from tpagent.daemon.client import GrpcPeer
 from tpagent.daemon.rpc import pb, stub
+from tpagent.daemon.serve import _own_work_dir
 from tpagent.migration.api import Refused, Role, TargetState
 from tpagent.migration.decide import target_dropped_copy, target_state
 from tpagent.migration.journal import Record
@@ -771,6 +772,19 @@ def test_launch_writes_no_log_a_user_planted_where_anyone_may_write(tmp_path: Pa
 
 
 @needs_criu
+@pytest.mark.parametrize("mode", [0o755, 0o4755, 0o2644])
+def test_launch_appends_to_no_program(tmp_path: Path, mode: int) -> None:
+    """`--stdout /usr/bin/x` (a typo; or a script in cron.d): root's workload appended its output
+    to a program of root's, a setuid one keeping its bit.  Refused, the file as it was."""
+    program = tmp_path / "program"
+    program.write_bytes(b"#!/bin/sh\n")
+    program.chmod(mode)
+    proc = tpagent("launch", "--stdout", str(program), "--", "sh", "-c", "echo output")
+    assert_one_sentence_error(proc, "an executable file, not a log", str(program))
+    assert program.read_bytes() == b"#!/bin/sh\n" and program.stat().st_mode & 0o7777 == mode
+
+
+@needs_criu
 def test_a_snapshot_in_a_users_directory_is_not_restored(start, tmp_path: Path, playground: Path) -> None:  # type: ignore[no-untyped-def]
     """Root verifies a snapshot, then CRIU reads its images again by name: from a directory
     nobody could swap (theirs, or one under theirs) it is refused in one sentence, before
@@ -842,8 +856,14 @@ def test_an_agent_refuses_a_work_dir_that_holds_others_files(tmp_path: Path) -> 
     etc.mkdir(mode=0o755)
     (etc / "passwd").write_text("root:x:0:0::/root:/bin/sh\n")
     proc = _serve_cli(cfg, etc)
-    assert_one_sentence_error(proc, f"work_dir {etc} holds files already and is not the agent's own (mode 755")
+    assert_one_sentence_error(proc, f"work_dir {etc} holds files that are not the agent's (passwd, mode 755")
     assert sorted(os.listdir(etc)) == ["passwd"] and etc.stat().st_mode & 0o777 == 0o755
+    disk = tmp_path / "disk"  # (a new filesystem mounted there: root's, 755, its lost+found; or an older agent's)
+    (disk / "lost+found").mkdir(parents=True)
+    (disk / "migrations").mkdir()
+    disk.chmod(0o755)
+    _own_work_dir(disk)
+    assert disk.stat().st_mode & 0o777 == 0o700 and sorted(os.listdir(disk)) == ["lost+found", "migrations"]
     taken = tmp_path / "taken"  # (a refusal of the credentials leaves no work_dir made)
     said = tpagent("serve", "--work-dir", str(taken / "w"), "--secret-file", str(tmp_path / "none"))
     assert said.returncode == 2 and not taken.exists()

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from host import paths
 from host.api import UsageError
+from host.paths import WorkDir
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig
 from tpagent.common import metrics
@@ -144,16 +145,17 @@ def _end_restores(targets: Receivers, deadline: float, force: threading.Event) -
 
 
 def _own_work_dir(path: Path) -> None:
-    """``path`` made, or found the agent's own: 0700 (one left by a run before), or empty (then
-    shut to 0700).  A directory holding others' files (/etc or /var/lib given by mistake) is
-    refused, never filled with journals and snapshots."""
+    """``path`` made, or found the agent's own: 0700 (one left by a run before), or holding
+    nothing but what the agent makes (and a new filesystem's lost+found), then shut to 0700.  A
+    directory of other files (/etc or /var/lib given by mistake) is refused, never filled."""
     real = private_dir(path)
     mode = stat.S_IMODE(os.stat(real).st_mode)
     if mode != 0o700:
-        if os.listdir(real):
+        others = [n for n in os.listdir(real) if n != "lost+found" and not n.lstrip(".").startswith(WorkDir.NAMES)]
+        if others:
             raise UsageError(
-                f"work_dir {path} holds files already and is not the agent's own (mode {mode:o}, not 700); "
-                "give a new or empty directory."
+                f"work_dir {path} holds files that are not the agent's ({others[0]}, mode {mode:o}, not 700); "
+                "give a new or empty directory (or chmod 700 it, if it is the agent's)."
             )
         os.chmod(real, 0o700)
 

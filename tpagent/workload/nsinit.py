@@ -75,6 +75,9 @@ def _checked_log(fd: int, parent: int, path: Path, uid: int) -> int:
     if st.st_nlink > 1 or not stat.S_ISREG(st.st_mode) and path != Path(os.devnull):
         os.close(fd)
         raise OSError(errno.EPERM, "not a plain file of its own (other links, or not a regular file)", str(path))
+    if stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID | 0o111):
+        os.close(fd)  # (a program, or a script, root's: the workload's output would have been appended to it)
+        raise OSError(errno.EPERM, "an executable file, not a log", str(path))
     return fd
 
 
