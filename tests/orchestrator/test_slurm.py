@@ -136,7 +136,9 @@ def test_a_bad_spare_partition_is_refused_in_one_sentence(slurm_cluster: tuple[C
         timeout=60,
     )
     assert out.returncode != 0
-    assert out.stderr.strip().endswith("Slurm has no partition 'nope' (slurm_spare_partition; it has: train, spares).")
+    assert out.stderr.strip().endswith(
+        "Slurm has no partition 'nope' (slurm_spare_partition; it has: train, spares, other)."
+    )
     assert "Traceback" not in out.stderr
 
 

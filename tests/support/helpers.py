@@ -57,6 +57,19 @@ def assert_one_sentence_error(proc: subprocess.CompletedProcess[str], *needles: 
         assert needle in lines[0], lines[0]
 
 
+def kernel_thread() -> int | None:
+    """A kernel thread's PID (kthreadd is 2 on a host), or None where none is seen (a PID namespace
+    of its own: there PID 2 is anyone's)."""
+    for p in psutil.process_iter(["pid"]):
+        try:
+            stat = Path(f"/proc/{p.pid}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[6]) & 0x00200000:  # PF_KTHREAD in its flags
+            return p.pid
+    return None
+
+
 def process_with_pid(pid: int) -> subprocess.Popen[bytes]:
     """A `sleep` that has exactly ``pid``, once it is free (the kernel's next PID is steered
     through ns_last_pid, as root; a user gets there by cycling PIDs)."""
