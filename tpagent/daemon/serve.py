@@ -30,7 +30,6 @@ from pathlib import Path
 
 from host import paths
 from host.api import UsageError
-from host.paths import WorkDir
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig
 from tpagent.common import metrics
@@ -151,7 +150,7 @@ def _own_work_dir(path: Path) -> None:
     real = private_dir(path)
     mode = stat.S_IMODE(os.stat(real).st_mode)
     if mode != 0o700:
-        others = [n for n in os.listdir(real) if n != "lost+found" and not n.lstrip(".").startswith(WorkDir.NAMES)]
+        others = [n for n in os.listdir(real) if n != "lost+found" and not n.lstrip(".").startswith(paths.WorkDir.NAMES)]
         if others:
             raise UsageError(
                 f"work_dir {path} holds files that are not the agent's ({others[0]}, mode {mode:o}, not 700); "
