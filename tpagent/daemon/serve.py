@@ -150,7 +150,9 @@ def _own_work_dir(path: Path) -> None:
     real = private_dir(path)
     mode = stat.S_IMODE(os.stat(real).st_mode)
     if mode != 0o700:
-        others = [n for n in os.listdir(real) if n != "lost+found" and not n.lstrip(".").startswith(paths.WorkDir.NAMES)]
+        others = [
+            n for n in os.listdir(real) if n != "lost+found" and not n.lstrip(".").startswith(paths.WorkDir.NAMES)
+        ]
         if others:
             raise UsageError(
                 f"work_dir {path} holds files that are not the agent's ({others[0]}, mode {mode:o}, not 700); "
