@@ -86,6 +86,11 @@ def controlling_tty(pid: int) -> int:
     return int(_stat_fields(pid)[4])
 
 
+def is_kernel_thread(pid: int) -> bool:
+    """Whether ``pid`` is a kernel thread (PF_KTHREAD in /proc/PID/stat's flags)."""
+    return bool(int(_stat_fields(pid)[6]) & _PF_KTHREAD)
+
+
 def validate_target(pid: int) -> psutil.Process:
     """The process a user asked to dump, or one sentence on why it cannot be."""
     if pid <= 1:
@@ -94,12 +99,12 @@ def validate_target(pid: int) -> psutil.Process:
         raise UsageError(f"there is no process with PID {pid}.")
     try:
         proc = psutil.Process(pid)
-        flags = int(_stat_fields(pid)[6])
+        kernel = is_kernel_thread(pid)
         zombie = proc.status() == psutil.STATUS_ZOMBIE
         tgid = _status_field(pid, "Tgid")
     except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError) as e:
         raise UsageError(f"there is no process with PID {pid}.") from e
-    if flags & _PF_KTHREAD:
+    if kernel:
         raise UsageError(f"PID {pid} is a kernel thread, not a user process; pick a user process.")
     init = namespace_init(pid)
     if init is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from host.proc import alive
+from host.proc import alive, is_kernel_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 STATEFUL = ROOT / "tests" / "workloads" / "stateful.py"
@@ -60,13 +61,10 @@ def assert_one_sentence_error(proc: subprocess.CompletedProcess[str], *needles: 
 def kernel_thread() -> int | None:
     """A kernel thread's PID (kthreadd is 2 on a host), or None where none is seen (a PID namespace
     of its own: there PID 2 is anyone's)."""
-    for p in psutil.process_iter(["pid"]):
-        try:
-            stat = Path(f"/proc/{p.pid}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[6]) & 0x00200000:  # PF_KTHREAD in its flags
-            return p.pid
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            if is_kernel_thread(pid):
+                return pid
     return None
 
 

@@ -118,8 +118,9 @@ def _own_file(path: Path) -> None:
         head = os.pread(fd, len(_SQLITE), 0)
         if head and (head != _SQLITE or not _orchestrators(path)):
             raise UsageError(f"{path} holds something else than an orchestrator's database; give a new path.")
-        if not head and os.fstat(fd).st_uid != os.geteuid():  # (empty, but someone else's file)
-            raise UsageError(f"{path} is a file of UID {os.fstat(fd).st_uid}'s; give a new path.")
+        owner = os.fstat(fd).st_uid
+        if not head and owner != os.geteuid():  # (empty, but someone else's file)
+            raise UsageError(f"{path} is a file of UID {owner}'s; give a new path.")
         os.fchmod(fd, 0o600)
     finally:
         os.close(fd)
