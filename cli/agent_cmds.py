@@ -29,6 +29,7 @@ from cli.common import (
     credentials,
     die,
     given_path,
+    gpu_uuids,
     passed_on,
     rpc_exit_code,
     utf8,
@@ -123,6 +124,15 @@ def migrate(
             "script registered, to a fresh process of its command), auto (aware where registered).",
         ),
     ] = "auto",
+    to_gpu: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--to-gpu",
+            callback=gpu_uuids,
+            help="A GPU of --to (its UUID, as nvidia-smi -L lists it) the process may use there "
+            "(repeat it; default: any of its GPUs, the least used first).",
+        ),
+    ] = None,
     secret_file: SecretOpt = None,
     tls_dir: TlsDirOpt = DEFAULT_TLS_DIR,
     as_json: JsonOpt = False,
@@ -132,7 +142,6 @@ def migrate(
     job (started with `tpagent rank`) moves with its job: every rank stops at one step, the
     communicators are rebuilt, and the job goes on at the next step.  A rank whose script
     registered its training state (tpagent_rank.register) moves only that state, by default."""
-    from tpagent.daemon.client import broke
     from tpagent.daemon.rpc import pb, stub
 
     ranks = list(rank or [])
@@ -145,7 +154,10 @@ def migrate(
     if source == to:
         die(f"--from and --to are the same agent ({to}); give another node as --to.", EXIT_USAGE, as_json)
     agent = stub(source, creds)
-    call = agent.Migrate(pb.MigrateRequest(pid=pid, target=to, dry_run=dry_run, job=job, ranks=ranks, mode=mode))
+    asked = pb.MigrateRequest(
+        pid=pid, target=to, dry_run=dry_run, job=job, ranks=ranks, mode=mode, target_gpus=list(to_gpu or [])
+    )
+    call = agent.Migrate(asked)
     last: Any = None
     first = ""  # the migration's id (a rewire's: its ranks' own migrations have ids of their own)
     shown = ""
@@ -159,18 +171,7 @@ def migrate(
             if not as_json:
                 shown = _show(event, shown)
     except grpc.RpcError as e:
-        if e.code() is grpc.StatusCode.CANCELLED and last is not None:
-            pass
-        elif last is not None and broke(e):
-            last = following.source_lost(agent, pb, source, last, first, as_json)
-        elif e.code() is grpc.StatusCode.UNAVAILABLE:
-            die(_unreachable(source, e), EXIT_USAGE, as_json)
-        elif e.code() is grpc.StatusCode.UNAUTHENTICATED:
-            die(f"the agent at {source} {e.details()}", EXIT_USAGE, as_json)  # (which agent refused, and why)
-        elif e.code() in USAGE_STATUSES:
-            die(str(e.details()), EXIT_USAGE, as_json)
-        else:
-            die(f"the migration failed: {e.details()}", EXIT_FAILED, as_json)
+        last = _broken(e, agent, source, last, first, as_json)
     except KeyboardInterrupt:
         call.cancel()
         typer.echo("\ninterrupted: the agent rolls the migration back, unless its copy already runs...", err=True)
@@ -180,6 +181,26 @@ def migrate(
         _refuse_bad_target(to, source, creds, as_json)  # (was --to the cause?)
     code = _report(last, as_json, dry_run, [m for m in said if last is None or m != last.message])
     raise typer.Exit(code)
+
+
+def _broken(e: grpc.RpcError, agent: Any, source: str, last: Any, first: str, as_json: bool) -> Any:
+    """``tpagent migrate``'s call to the source agent at ``source`` ended in ``e`` after its event ``last``
+    (None: none came; ``first``: the migration's id): the migration's last event, once it is settled;
+    or one sentence and the exit."""
+    from tpagent.daemon.client import broke
+    from tpagent.daemon.rpc import pb
+
+    if e.code() is grpc.StatusCode.CANCELLED and last is not None:
+        return last
+    if last is not None and broke(e):
+        return following.source_lost(agent, pb, source, last, first, as_json)
+    if e.code() is grpc.StatusCode.UNAVAILABLE:
+        die(_unreachable(source, e), EXIT_USAGE, as_json)
+    if e.code() is grpc.StatusCode.UNAUTHENTICATED:
+        die(f"the agent at {source} {e.details()}", EXIT_USAGE, as_json)  # (which agent refused, and why)
+    if e.code() in USAGE_STATUSES:
+        die(str(e.details()), EXIT_USAGE, as_json)
+    die(f"the migration failed: {e.details()}", EXIT_FAILED, as_json)
 
 
 def rank(

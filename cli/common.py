@@ -126,6 +126,18 @@ def utf8(value: str | None) -> str | None:
     return value
 
 
+def gpu_uuids(value: list[str] | None) -> list[str] | None:
+    """(A typer callback.)  GPUs' UUIDs (GPU-..., MIG-..., as nvidia-smi -L lists them): anything
+    else is refused in one sentence, exit 2."""
+    from tpagent.migration.api import Refused
+    from tpagent.migration.api import gpu_uuids as checked
+
+    try:
+        return list(checked(value or []))
+    except Refused as e:
+        raise typer.BadParameter(f"{e}.") from None
+
+
 def migration_id(value: str) -> str:
     """(A typer callback.)  A migration's id: 32 hex digits, as ``tpagent migrate --json`` prints."""
     from tpagent.migration.journal import valid_id

@@ -7,6 +7,7 @@ inventory is informational and never the reason a command fails.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -117,16 +118,18 @@ def _one(nv: Any, index: int) -> GpuInfo:
     )
 
 
-def pair(old: list[tuple[str, str]], ours: list[GpuInfo]) -> dict[str, str]:
+def pair(old: list[tuple[str, str]], ours: list[GpuInfo], taken: Collection[str] = ()) -> dict[str, str]:
     """Each source GPU, (UUID, PCI bus id), onto one of ``ours``: the one at the same bus id
     where there is one that no process uses, else the emptiest left (one no process uses
     first).  A restored process's CUDA may go on reporting the bus ids of the GPUs it was dumped
     on (cuda-checkpoint issue 48), and NCCL, among others, finds its GPU in NVML by bus id: on
-    the same bus id, that stale answer is the right one."""
-    left = sorted(ours, key=lambda g: (bool(g.pids), g.memory_used))  # (free ones first)
+    the same bus id, that stale answer is the right one.  ``taken``: GPUs that copies restored
+    here soon will use (counted as used: NCCL refuses two ranks of a job on one GPU)."""
+    busy = {g.uuid for g in ours if g.pids} | set(taken)
+    left = sorted(ours, key=lambda g: (g.uuid in busy, g.memory_used))  # (free ones first)
     out: dict[str, str] = {}
     for uuid, bus in old:
-        same = next((g for g in left if bus and not g.pids and g.pci_bus_id.lower() == bus.lower()), None)
+        same = next((g for g in left if bus and g.uuid not in busy and g.pci_bus_id.lower() == bus.lower()), None)
         if same is not None:
             out[uuid] = same.uuid
             left.remove(same)

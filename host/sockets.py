@@ -154,6 +154,14 @@ def must_check_on_target(sockets: list[TcpSocket]) -> list[TcpSocket]:
     return [s for s in sockets if s.listening or not (is_loopback(s.local[0]) or _unspecified(s.local[0]))]
 
 
+def offered(sockets: list[TcpSocket]) -> tuple[tuple[str, str], ...]:
+    """:func:`must_check_on_target`'s, as a migration offers them: (LOCAL, REMOTE) HOST:PORT each,
+    REMOTE "" for a listening one."""
+    return tuple(
+        (endpoint(*s.local), endpoint(*s.remote) if not s.listening else "") for s in must_check_on_target(sockets)
+    )
+
+
 def address_exists(host: str) -> bool:
     """Whether this node has ``host``: loopback, or an address of one of its interfaces (in
     this process's network namespace, where the agent restores)."""

@@ -25,6 +25,7 @@ from support.helpers import ROOT, STATEFUL, assert_one_sentence_error, kill_and_
 from support.proxy import Proxy
 
 pytestmark = needs_criu
+ABSENT_GPU = "GPU-00000000-0000-0000-0000-0000000000a0"  # (no GPU of any node here)
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -254,6 +255,18 @@ def test_cli_interrupted(cluster: Cluster, big: Ticker) -> None:
     assert mig.returncode == 130, err
     assert "rolled_back" in err or "resumed" in out + err
     _only_the_original_runs(cluster, big)
+
+
+def test_a_gpu_the_target_lacks_is_refused_there_and_the_process_runs_on(cluster: Cluster, ticker: Ticker) -> None:
+    """`--to-gpu` travels to the target agent, which places the copy only on the GPUs named (the
+    orchestrator names its free, untainted ones): one it lacks is refused before anything freezes."""
+    for dry in (("--dry-run",), ()):
+        proc = cluster.migrate(ticker.pid, "A", "B", "--to-gpu", ABSENT_GPU, *dry, "--json")
+        doc = json.loads(proc.stdout)
+        said = f"{ABSENT_GPU}, named for the copy, is not a GPU of {cluster.nodes['B'].name}"
+        assert proc.returncode == 1 and any(said in p for p in [doc.get("message", ""), *doc["problems"]]), doc
+        ticker.assert_one_copy_continuous()  # never frozen: no gap in its ticks
+    _only_the_original_runs(cluster, ticker)
 
 
 def test_dry_run_checks_both_sides_and_freezes_nothing(cluster: Cluster, ticker: Ticker) -> None:

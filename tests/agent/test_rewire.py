@@ -23,6 +23,7 @@ from support.helpers import ROOT
 from support.rankjob import FSDP_JOB, MESH_JOB, RUN, Job, steps
 
 pytestmark = needs_criu
+ABSENT = "GPU-00000000-0000-0000-0000-0000000000a0"  # (no GPU of any node here)
 
 
 @pytest.mark.timeout(600)
@@ -46,7 +47,8 @@ def test_a_job_without_an_optimizer_stops_between_two_collectives(
     quad: Cluster, tmp_path: Path, reference_no_optimizer: Path
 ) -> None:
     """... and, with it: a dry run checks each moving rank's own migration and stops nothing; a
-    model-aware move of a script that registered no state is refused before anything stops; two
+    model-aware move of a script that registered no state is refused before anything stops, as is
+    one onto a GPU the target lacks (its name passed on by the rewire to each rank's migration); two
     ranks on one node move together, in one command."""
     # (A dry run, a refusal and three moves, the job stepping on through each one's checks, then
     # a look at the node: at 0.1 s a step, a busy machine's slow commands still leave it running.)
@@ -56,6 +58,12 @@ def test_a_job_without_an_optimizer_stops_between_two_collectives(
         dry = job.c.migrate(0, "C", "D", "--job", RUN, "--rank", "2", "--dry-run", timeout=120)
         out = dry.stdout + dry.stderr
         assert dry.returncode == 0 and "all checks pass" in out, out
+        assert job.copies(2) == ["C"]
+        elsewhere = job.c.migrate(
+            0, "C", "D", "--job", RUN, "--rank", "2", "--to-gpu", ABSENT, "--dry-run", timeout=120
+        )
+        out = elsewhere.stdout + elsewhere.stderr
+        assert elsewhere.returncode != 0 and f"{ABSENT}, named for the copy, is not a GPU of" in out, out
         assert job.copies(2) == ["C"]
         aware = job.c.migrate(0, "C", "D", "--job", RUN, "--rank", "2", "--mode", "aware", timeout=120)
         out = aware.stdout + aware.stderr

@@ -27,8 +27,10 @@ class Source(pb_grpc.AgentServicer):  # type: ignore[misc]
 
     def __init__(self, refusal: tuple[grpc.StatusCode, str]) -> None:
         self.refusal = refusal
+        self.asked: list[Any] = []
 
     def Migrate(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:  # noqa: N802 (gRPC's name)
+        self.asked.append(request)
         if request.dry_run:
             yield pb.MigrationEvent(migration_id="m1", state="done", message="would move")
             return
@@ -43,14 +45,14 @@ def creds(tmp_path: Path) -> Credentials:
     return Credentials.load(secret, node_certs(tmp_path, "node-a"))
 
 
-def _move(creds: Credentials, refusal: tuple[grpc.StatusCode, str]) -> mover.Outcome:
+def _move(creds: Credentials, refusal: tuple[grpc.StatusCode, str], source: Source | None = None) -> mover.Outcome:
     srv, tls = rpc.server(creds, rpc.AuthInterceptor(SECRET, {"127.0.0.1"}, rpc.Health()))
-    pb_grpc.add_AgentServicer_to_server(Source(refusal), srv)
+    pb_grpc.add_AgentServicer_to_server(source or Source(refusal), srv)
     port = srv.add_secure_port("127.0.0.1:0", tls)
     srv.start()
     try:
         m = Move(1, "job1", (1,), "b", "d", MoveKind.AWAY, MoveState.RUNNING, 1)
-        return mover.run(m, f"127.0.0.1:{port}", "127.0.0.1:1", creds, 30, lambda mid: None)
+        return mover.run(m, f"127.0.0.1:{port}", "127.0.0.1:1", creds, 30, ("GPU-d2", "GPU-d0"), lambda mid: None)
     finally:
         srv.stop(None)
 
@@ -68,3 +70,13 @@ def test_a_move_refused_because_another_moves_the_job_now_is_cancelled_not_faile
 def test_a_move_the_source_refuses_otherwise_failed(creds: Credentials) -> None:
     outcome = _move(creds, (grpc.StatusCode.FAILED_PRECONDITION, "the target has no room"))
     assert outcome.state is MoveState.FAILED and "the target has no room" in outcome.message, outcome
+
+
+def test_the_gpus_chosen_on_the_target_are_named_to_the_source_agent(creds: Credentials) -> None:
+    """(Its target agent places the copies on them alone: tests/unit/test_gpu_placement.py.)"""
+    source = Source((grpc.StatusCode.FAILED_PRECONDITION, "no"))
+    _move(creds, (grpc.StatusCode.FAILED_PRECONDITION, "no"), source)
+    assert [(r.dry_run, list(r.target_gpus)) for r in source.asked] == [
+        (True, ["GPU-d2", "GPU-d0"]),
+        (False, ["GPU-d2", "GPU-d0"]),
+    ]

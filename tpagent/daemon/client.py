@@ -79,6 +79,7 @@ class GrpcPeer(Peer):
             gpu_bus_ids=list(offer.gpu_bus_ids),
             abstract_sockets=list(offer.abstract_sockets),
             mounts=list(offer.mounts),
+            target_gpus=list(offer.target_gpus),
         )
         r = self._call(lambda: self._stub.Receive(request, timeout=timeout))
         missing = tuple(m for m in r.missing_mounts if m in offer.mounts)  # (never one it was not asked of)

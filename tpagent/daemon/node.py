@@ -47,6 +47,7 @@ from tpagent.migration.api import (
     Restored,
     Role,
     Why,
+    gpu_uuids,
     is_agent_address,
     is_final,
 )
@@ -134,15 +135,18 @@ class Node:
         ranks: tuple[int, ...] = (),
         mode: str = "",
         identity: str = "",
+        target_gpus: tuple[str, ...] = (),
     ) -> SourceMigration | Rewire:
         """Admit a migration of ``pid`` (or of ``ranks`` of ``job``) to the agent at ``target``
         (run it with :meth:`run`).  A rank of a distributed job is moved with its job rewired, in
         ``mode`` ("transparent", "aware"; "": aware where every moving rank registered its state).
-        ``identity``: which job of that name (:func:`~tpagent.jobs.ranks.digest_of`; "": any)."""
+        ``identity``: which job of that name (:func:`~tpagent.jobs.ranks.digest_of`; "": any);
+        ``target_gpus``: the target's GPUs the copies may be placed on (none: any)."""
         if self.closed:
             raise Refused(f"the agent on {self.cfg.node} is shutting down; try again once it is back", Why.PRECONDITION)
         if not is_agent_address(target):
             raise Refused(f"{target!r} is not an agent address (HOST:PORT).", Why.INVALID)
+        target_gpus = gpu_uuids(target_gpus)
         entries = [self.ranks.entry(job, r) for r in ranks] if job else []
         if not job and pid > 1 and (found := self.ranks.of_pid(pid)) is not None:
             entries = [found]
@@ -151,7 +155,7 @@ class Node:
         if not entries and mode == "aware":
             raise Refused("only ranks of a job (--job, --rank) move in aware mode.", Why.INVALID)
         if not entries:
-            return self._start_plain(pid, target, dry_run)
+            return self._start_plain(pid, target, dry_run, target_gpus=target_gpus)
         for e in entries:
             if not e.alive() or e.moved_to or e.exit_code is not None:
                 raise Refused(f"rank {e.rank} of job {e.job} does not run on {self.cfg.node}.", Why.NOT_FOUND)
@@ -162,7 +166,7 @@ class Node:
         for e in entries if mode != "aware" else ():  # every namespace must pass the ordinary checks first
             eligible.check_migratable(self.cfg, e.init)
         moving = {e.rank: (e.init, target) for e in entries}
-        return self.rewires.start(entries[0].job, moving, dry_run, mode or AUTO)
+        return self.rewires.start(entries[0].job, moving, dry_run, mode or AUTO, target_gpus)
 
     def _start_rank(
         self,
@@ -172,10 +176,11 @@ class Node:
         dry_run: bool = False,
         hold: float = 0.0,
         verdict: Callable[[], bool | None] | None = None,
+        target_gpus: tuple[str, ...] = (),
     ) -> SourceMigration:
         """A rank's migration (:class:`tpagent.jobs.api.StartMove`); its dry run leaves its TCP
         connections aside (its communicators' and store's, closed before it is frozen)."""
-        return self._start_plain(pid, target, dry_run, hold, verdict, communicators_rebuilt=dry_run)
+        return self._start_plain(pid, target, dry_run, hold, verdict, dry_run, target_gpus)
 
     def _start_plain(
         self,
@@ -185,6 +190,7 @@ class Node:
         hold: float = 0.0,
         verdict: Callable[[], bool | None] | None = None,
         communicators_rebuilt: bool = False,
+        target_gpus: tuple[str, ...] = (),
     ) -> SourceMigration:
         eligible.check_migratable(self.cfg, pid)
         tree = sorted(proc.tree_pids(pid))
@@ -199,7 +205,9 @@ class Node:
             busy = sorted(set(tree) & set(self.active))
             if busy:  # the whole tree: a parent and its GPU child are one migration
                 raise Refused(f"PID {pid} is already being migrated (migration {self.active[busy[0]]}).", Why.CONFLICT)
-            m = SourceMigration(self.ctx, pid, target, dry_run, self._release, hold, verdict, communicators_rebuilt)
+            m = SourceMigration(
+                self.ctx, pid, target, dry_run, self._release, hold, verdict, communicators_rebuilt, target_gpus
+            )
             for p in tree:
                 self.active[p] = m.migration_id
             self.sources[m.migration_id] = m

@@ -14,7 +14,7 @@ from host import mounts
 from tpagent.daemon import rankwire
 from tpagent.daemon.node import Node
 from tpagent.daemon.rpc import CODES, AgentServicer, pb
-from tpagent.migration.api import AgentError, Event, NodeInfo, Offer, PeerStatus, Refused, Why
+from tpagent.migration.api import MOST_GPUS, AgentError, Event, NodeInfo, Offer, PeerStatus, Refused, Why
 from tpagent_rank import protocol as P
 
 R = TypeVar("R")
@@ -122,6 +122,7 @@ class Service(AgentServicer):
                 tuple(int(r) for r in request.ranks),
                 str(request.mode),
                 str(request.job_identity),
+                tuple(str(g) for g in request.target_gpus[: MOST_GPUS + 1]),
             ),
         )
 
@@ -165,6 +166,7 @@ class Service(AgentServicer):
             tuple(str(b)[:64] for b in request.gpu_bus_ids[:64]),
             tuple(str(n) for n in request.abstract_sockets[:10_000]),
             tuple(str(m) for m in request.mounts[: mounts.MOST]),
+            tuple(str(g) for g in request.target_gpus[: MOST_GPUS + 1]),
         )
         a = _answer(context, lambda: self.node.receive(offer))
         return pb.ReceiveReply(

@@ -88,6 +88,7 @@ class RewireRecord:
     mode: str = "transparent"  # the moving ranks' process images move, or ("aware") their training state
     joiners: dict[int, int] = field(default_factory=dict)  # aware: rank -> its joiner's init on the target
     kept: list[int] = field(default_factory=list)  # aware: the ranks whose joiners took their places
+    gpus: list[str] = field(default_factory=list)  # the targets' GPUs the copies may be placed on ([]: any)
 
     @classmethod
     def new(cls, job: str, here: str, moving: dict[int, tuple[int, str]]) -> RewireRecord:
@@ -112,6 +113,7 @@ class RewireRecord:
             "mode": self.mode,
             "joiners": {str(r): pid for r, pid in self.joiners.items()},
             "kept": self.kept,
+            "gpus": self.gpus,
         }
 
     @classmethod
@@ -131,6 +133,7 @@ class RewireRecord:
         r.mode = "aware" if data.get("mode") == "aware" else "transparent"
         r.joiners = {int(rank): int(pid) for rank, pid in dict(data.get("joiners", {})).items()}
         r.kept = [int(rank) for rank in data.get("kept", [])]
+        r.gpus = [str(g) for g in data.get("gpus", [])]
         if not r.moving or len(r.agents) <= max(r.moving):
             raise ValueError(f"rewire {r.rewire_id}: not a record this agent can finish")
         return r
@@ -170,7 +173,8 @@ class Moving(Protocol):
 class StartMove(Protocol):
     """Admit the ordinary migration of one rank's namespace (its init ``pid`` here) to ``target``.
     ``hold`` > 0: its copy, once started there, waits for ``verdict`` (True: kept, False: dropped,
-    None: not decided yet) rather than for the confirmation period."""
+    None: not decided yet) rather than for the confirmation period; ``target_gpus``: the target's GPUs
+    its copy may be placed on (none: any)."""
 
     def __call__(
         self,
@@ -180,6 +184,7 @@ class StartMove(Protocol):
         dry_run: bool = False,
         hold: float = 0.0,
         verdict: Callable[[], bool | None] | None = None,
+        target_gpus: tuple[str, ...] = (),
     ) -> Moving: ...
 
 

@@ -14,7 +14,8 @@ migrations' journal is (:mod:`tpagent.migration.journal`, whose files it shares 
                   "gen": INT, "step": INT,                 the generation being built; the boundary
                   "unit": "step" | "collective",           what step counts
                   "moving": {RANK: [INIT_PID, TARGET]},    the ranks it moves, from here
-                  "moves": {RANK: MIGRATION_ID} }          each moving rank's migration, once begun
+                  "moves": {RANK: MIGRATION_ID},           each moving rank's migration, once begun
+                  "gpus": [GPU_UUID, ...] }                the targets' GPUs the copies may use ([]: any)
 
 A move is written only if the phases' table (:data:`tpagent.jobs.api.REWIRE_TRANSITIONS`) allows it.
 """

@@ -274,7 +274,7 @@ class Rewire:
                 continue
             verdict = Verdict()
             hold = min(4 * self.timeout + 60, HOLD_MAX)  # (we ask all along: only our silence counts there)
-            m = self.start_move(init, target, hold=hold, verdict=verdict)
+            m = self.start_move(init, target, hold=hold, verdict=verdict, target_gpus=tuple(self.record.gpus))
             self.moves[r] = m
             self.record.moves[r] = m.migration_id
             self._write(Phase.TEARDOWN)
@@ -386,7 +386,7 @@ class Rewire:
         problems = list(problems)
         for r in sorted(self.moving):
             init, target = self.moving[r]
-            m = self.start_move(init, target, dry_run=True)
+            m = self.start_move(init, target, dry_run=True, target_gpus=tuple(self.record.gpus))
             mv = Move(m, Verdict(), self._pass_on)
             self._result(mv)
             problems += [f"rank {r}: {p}" for p in m.problems]

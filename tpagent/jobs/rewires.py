@@ -45,16 +45,24 @@ class Rewires:
         with self.lock:
             return any(rw.job == job and (rank is None or rank in rw.moving) for rw in self.running.values())
 
-    def start(self, job: str, moving: dict[int, tuple[int, str]], dry_run: bool, mode: str = AUTO) -> Rewire:
+    def start(
+        self,
+        job: str,
+        moving: dict[int, tuple[int, str]],
+        dry_run: bool,
+        mode: str = AUTO,
+        target_gpus: tuple[str, ...] = (),
+    ) -> Rewire:
         """A rewire moving ``moving`` (rank -> (init PID here, target agent)) of ``job`` in ``mode``
-        (:data:`~tpagent.jobs.awaremove.MODES`), admitted (one per job at a time) unless it is a dry
-        run; :attr:`run` it."""
+        (:data:`~tpagent.jobs.awaremove.MODES`), onto ``target_gpus`` there (none: any), admitted
+        (one per job at a time) unless it is a dry run; :attr:`run` it."""
         if mode not in MODES:
             raise Refused(f"{mode!r} is not a mode of moving ranks (give {', '.join(MODES)})", Why.INVALID)
         cfg = self.ctx.cfg
         log_to = Unwritten() if dry_run else self.journal
         record = RewireRecord.new(job, cfg.agent_address, moving)
         record.mode = mode
+        record.gpus = list(target_gpus)
         rw = AwareRewire(
             record, self.ask, self.start_move, cfg.rewire_timeout, log_to, self._ended, dry_run, leaving=self.leaving
         )

@@ -25,7 +25,7 @@ from host.api import is_whole
 from snapshot.api import SnapshotError
 from snapshot.criu import Criu
 from tpagent.common import clock
-from tpagent.migration.api import HOLD_MAX, Acceptance, Offer, Refused, Why
+from tpagent.migration.api import HOLD_MAX, Acceptance, Offer, Refused, Why, gpu_uuids
 from tpagent.migration.context import Context
 from tpagent.migration.journal import valid_id
 
@@ -43,6 +43,8 @@ class Reservation:
     snapshot: Path | None = None
     #: The abstract unix names its copy will bind: no other copy received meanwhile may need one.
     abstract: frozenset[str] = frozenset()
+    #: The GPUs its copy is placed on: a copy received meanwhile is placed on others where it can be.
+    gpus: frozenset[str] = frozenset()
 
 
 def sized(entries: Iterable[str]) -> list[tuple[str, int]]:
@@ -185,6 +187,7 @@ class Admission:
             raise Refused("bad migration id", Why.INVALID)
         if not 0 <= offer.hold <= HOLD_MAX:  # (NaN too)
             raise Refused(f"hold must be between 0 and {HOLD_MAX:.0f} s", Why.INVALID)
+        offer = replace(offer, target_gpus=gpu_uuids(offer.target_gpus))
         node = self.ctx.cfg.node
         if offer.source_node == node or self.sending(offer.migration_id):
             raise Refused(f"{node} is the source of this migration; give another node as the target", Why.INVALID)
@@ -199,10 +202,10 @@ class Admission:
                 return Acceptance(
                     problems=tuple(problems), reserved=reserved, clock=clock.now(), missing_mounts=missing
                 )
-            gpu_map = self.gpu_map(list(offer.gpu_uuids), list(offer.gpu_bus_ids))
+            gpu_map = self.gpu_map(offer)
             address, snapshot = take(gpu_map)
-            names = frozenset(offer.abstract_sockets)
-            self.reservations.reserve(offer.migration_id, replace(reservation, snapshot=snapshot, abstract=names))
+            held = replace(reservation, snapshot=snapshot, abstract=frozenset(offer.abstract_sockets))
+            self.reservations.reserve(offer.migration_id, replace(held, gpus=frozenset(gpu_map.values())))
         return Acceptance(address, dict(gpu_map), reserved=reserved, clock=clock.now(), missing_mounts=missing)
 
     def problems(self, offer: Offer) -> list[str]:
@@ -220,9 +223,14 @@ class Admission:
             Criu(self.ctx.snapshot_config.criu).check()
         except SnapshotError as e:
             problems.append(f"{node}: {e}")
-        ours = len(gpus.inventory())
-        if len(offer.gpu_uuids) > ours:
-            problems.append(f"{node} has {ours} GPU(s); the process uses {len(offer.gpu_uuids)}")
+        ours = gpus.inventory()
+        if len(offer.gpu_uuids) > len(ours):
+            problems.append(f"{node} has {len(ours)} GPU(s); the process uses {len(offer.gpu_uuids)}")
+        elif absent := [u for u in offer.target_gpus if u not in {g.uuid for g in ours}]:
+            problems.append(f"{absent[0]}, named for the copy, is not a GPU of {node} (nvidia-smi -L lists them)")
+        elif offer.target_gpus and len(offer.target_gpus) < len(offer.gpu_uuids):
+            named = len(offer.target_gpus)
+            problems.append(f"the move names {named} GPU(s) of {node}; the process uses {len(offer.gpu_uuids)}")
         problems += self._shared_files(offer)
         problems += sockets.unusable_here(node, list(offer.tcp)[:10_000])
         problems += self._abstract_sockets(offer)
@@ -267,6 +275,15 @@ class Admission:
             )
         return problems
 
-    def gpu_map(self, uuids: list[str], buses: list[str]) -> dict[str, str]:
-        """Each source GPU onto one of ours: the one at its PCI bus id if any, else the emptiest."""
-        return gpus.pair(list(zip(uuids, [*buses, *[""] * len(uuids)], strict=False)), gpus.inventory())
+    def gpu_map(self, offer: Offer) -> dict[str, str]:
+        """Each source GPU onto one of ours the offer may use: the one at its PCI bus id if any, else the
+        emptiest; one that a copy received meanwhile is placed on last (with the reservations' lock held)."""
+        uuids = list(offer.gpu_uuids)
+        old = list(zip(uuids, [*offer.gpu_bus_ids, *[""] * len(uuids)], strict=False))
+        coming = {g for r in self.reservations.in_flight().values() for g in r.gpus}
+        return gpus.pair(old, self._usable(offer, gpus.inventory()), coming)
+
+    @staticmethod
+    def _usable(offer: Offer, ours: list[gpus.GpuInfo]) -> list[gpus.GpuInfo]:
+        """Those of ``ours`` the offer's copy may be placed on (:attr:`Offer.target_gpus`; none named: all)."""
+        return [g for g in ours if g.uuid in offer.target_gpus] if offer.target_gpus else ours

@@ -81,8 +81,9 @@ that restarts finishes or rolls back each migration it finds there.
 from __future__ import annotations
 
 import enum
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TypeVar
@@ -175,6 +176,25 @@ def is_agent_address(text: str) -> bool:
     """Whether ``text`` may be an agent's address (HOST:PORT, a host named, the port 1 to 65535, the
     rules of :func:`tpagent.daemon.rpc.channel`): checked before it is used."""
     return 0 < len(text) <= 300 and port_of(text, at_least=1) is not None
+
+
+#: The most GPUs a move may name on its target (:attr:`Offer.target_gpus`).
+MOST_GPUS = 64
+_GPU_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z/-]{1,90}")
+
+
+def gpu_uuids(names: Iterable[str]) -> tuple[str, ...]:
+    """``names`` (from the network) as GPU UUIDs: Refused for more than :data:`MOST_GPUS`, or
+    for one that is no GPU's (nor MIG device's) UUID, as NVML writes them."""
+    out = tuple(dict.fromkeys(names))
+    if len(out) > MOST_GPUS:
+        raise Refused(f"a move names at most {MOST_GPUS} GPUs of its target; this one names more", Why.INVALID)
+    for name in out:
+        if not _GPU_UUID.fullmatch(name):
+            raise Refused(
+                f"{ascii(name)[:100]} is not a GPU's UUID (GPU-..., as nvidia-smi -L lists them)", Why.INVALID
+            )
+    return out
 
 
 class Outcome(str, enum.Enum):
@@ -320,6 +340,8 @@ class Offer:
     abstract_sockets: tuple[str, ...] = ()
     #: The mount points of the tree's namespace (a `tpagent launch` workload's; :mod:`host.mounts`).
     mounts: tuple[str, ...] = ()
+    #: The target's GPUs (UUIDs) the copy may be placed on (the orchestrator's: free, no taint on them); none: any.
+    target_gpus: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

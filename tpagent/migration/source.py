@@ -90,12 +90,13 @@ class SourceMigration:
         hold: float = 0.0,
         verdict: Callable[[], bool | None] | None = None,
         communicators_rebuilt: bool = False,
+        target_gpus: tuple[str, ...] = (),
     ) -> None:
         """``release(migration_id)`` once it has ended (or is left to a resolver).  A rank moved by a
         rewire: its target holds the started copy for our word (``hold``, seconds: ``Offer.hold``),
-        kept once ``verdict`` says True, dropped if False (None: not yet decided);
-        ``communicators_rebuilt`` (a rank's dry run): its TCP connections are its communicators'
-        and its store's, closed before the freeze (tpagent/jobs/rewire.py): not judged here."""
+        kept once ``verdict`` says True, dropped if False (None: not yet decided); ``communicators_rebuilt``
+        (a rank's dry run): its TCP connections are its communicators' and its store's, closed before
+        the freeze (tpagent/jobs/rewire.py): not judged here; ``target_gpus``: :attr:`Offer.target_gpus`."""
         self.ctx = ctx
         self.pid = pid
         self.target = target
@@ -104,6 +105,7 @@ class SourceMigration:
         self.hold = hold
         self.verdict = verdict
         self.communicators_rebuilt = communicators_rebuilt
+        self.target_gpus = target_gpus
         mid = uuid.uuid4().hex
         self.record = source_record(mid, peer=target, snapshot=str(paths.WorkDir(ctx.cfg.work_dir).outgoing(mid)))
         note_process(self.record, pid)  # (by PID and start, never by PID alone; a gone one: _check refuses it)
@@ -317,14 +319,12 @@ class SourceMigration:
             shared,
             self.dry_run,
             carried,
-            tuple(
-                (sockets.endpoint(*s.local), sockets.endpoint(*s.remote) if not s.listening else "")
-                for s in sockets.must_check_on_target(tcp)
-            ),
+            sockets.offered(tcp),
             self.hold,
             tuple(g.pci_bus_id for g in used),
             tuple(sockets.abstract_bound(sorted(pids))),
             tuple(mounted),
+            self.target_gpus,
         )
         self.target_told = not self.dry_run  # an abort is harmless if the request never arrived
         asked = clock.now()

@@ -28,7 +28,6 @@ from tpagent.orchestrator.api import (
     MoveKind,
     MoveState,
     NodeSeen,
-    RankSeen,
     Refused,
     Taint,
     TaintKind,
@@ -124,7 +123,7 @@ class Orchestrator:
                     Why.PRECONDITION,
                 )
             reports = before.reports + 1 if before else 1
-            self.nodes[seen.name] = dataclasses.replace(seen, reports=reports, ranks=_kept_gpus(seen, before))
+            self.nodes[seen.name] = dataclasses.replace(seen, reports=reports, ranks=policy.kept_gpus(seen, before))
             back = seen.name in self.unreachable
             self.unreachable.discard(seen.name)
             self.unlost.discard(seen.name)
@@ -346,21 +345,23 @@ class Orchestrator:
         if time.monotonic() < self.backoff_until:
             return
         view = self.view()
+        taints = self.state.taints()
         for m in active:
             if slots <= 0:
                 break
             if m.state is not MoveState.PLANNED or not (view.reachable(m.source) and view.reachable(m.target)):
                 continue
-            if not self.state.start(m.id):
+            gpus = policy.target_gpus(view, taints, self.cfg.dedicated(), m)
+            if gpus is None or not self.state.start(m.id):  # (too few GPUs left there: the next plan cancels it)
                 continue
             slots -= 1
             agents = (view.nodes[m.source].agent, view.nodes[m.target].agent)
-            t = threading.Thread(target=self._execute, args=(m, *agents), name=f"move-{m.id}", daemon=True)
+            t = threading.Thread(target=self._execute, args=(m, *agents, gpus), name=f"move-{m.id}", daemon=True)
             with self.lock:
                 self.running[m.id] = t
             t.start()
 
-    def _execute(self, m: Move, source: str, target: str) -> None:
+    def _execute(self, m: Move, source: str, target: str, gpus: tuple[str, ...]) -> None:
         out = mover.Outcome(None, "the orchestrator failed while it ran")
         try:
             text = f"move {m.id}: asking {m.source} to move job {job_name(m.job)} to {m.target}"
@@ -371,6 +372,7 @@ class Orchestrator:
                 target,
                 self.creds,
                 self.cfg.move_timeout,
+                gpus,
                 lambda mid: self.state.migration(m.id, mid),
                 lambda: self._held(m),  # (after its dry run: nothing held, nor requeued, for a move that cannot be)
             )
@@ -490,10 +492,3 @@ def _scheduler(cfg: OrchestratorConfig) -> Scheduler:
     if cfg.scheduler == "kubernetes":
         return Kubernetes(cfg)
     return Static(cfg)
-
-
-def _kept_gpus(seen: NodeSeen, before: NodeSeen | None) -> tuple[RankSeen, ...]:
-    """``seen``'s ranks; one whose GPU no longer answers NVML (its processes are no longer listed)
-    keeps the GPUs it used before, so that a taint of that GPU still covers it."""
-    old = {(r.job, r.rank): r.gpus for r in before.ranks} if before is not None else {}
-    return tuple(r if r.gpus else dataclasses.replace(r, gpus=old.get((r.job, r.rank), ())) for r in seen.ranks)

@@ -31,10 +31,12 @@ def run(
     target: str,
     creds: Credentials,
     timeout: float,
+    gpus: tuple[str, ...],
     began: Callable[[str], None],
     between: Callable[[], Outcome | None] = lambda: None,
 ) -> Outcome:
-    """Move ``m`` from the agent at ``source`` to the one at ``target``; ``began(migration_id)``
+    """Move ``m`` from the agent at ``source`` to the one at ``target``, onto ``gpus`` there (none:
+    any of its GPUs: the ranks use none); ``began(migration_id)``
     is told the source agent's id of the move as soon as it says it; ``between()``, asked after a
     dry run that passed, may stop it there (the scheduler did not hold the target): its outcome."""
     agent = stub(source, creds)
@@ -44,7 +46,12 @@ def run(
         last = None
         t0 = time.monotonic()
         request = pb.MigrateRequest(
-            target=target, dry_run=dry, job=job_name(m.job), ranks=list(m.ranks), job_identity=job_identity(m.job)
+            target=target,
+            dry_run=dry,
+            job=job_name(m.job),
+            ranks=list(m.ranks),
+            job_identity=job_identity(m.job),
+            target_gpus=list(gpus),
         )
         try:
             for event in agent.Migrate(request, timeout=timeout):

@@ -25,6 +25,7 @@ from tpagent.orchestrator.api import (
     MoveKind,
     MoveState,
     NodeSeen,
+    RankSeen,
     Taint,
     View,
     job_identity,
@@ -98,7 +99,7 @@ def misfit(source: NodeSeen, job: str, ranks: tuple[int, ...], spare: Spare, nod
     models = [g for g in source.gpus if g.uuid in wanted]
     if source.driver != node.driver:
         return f"driver {node.driver or 'none'}, not {source.driver}"
-    fit = [g for g in spare.free if all(g.name == m.name and g.memory_total >= m.memory_total for m in models)]
+    fit = _fitting(source, job, ranks, spare)
     if len(fit) < len(wanted):
         return f"{len(fit)} free GPU(s) like {models[0].name if models else 'the source'}'s, needs {len(wanted)}"
     return ""
@@ -140,7 +141,8 @@ def plan(
 ) -> Plan:
     """``pools(job)``: where the scheduler lets ``job``'s ranks go (its dedicated spares are every job's)."""
     active = [m for m in moves if m.state in (MoveState.PLANNED, MoveState.RUNNING)]
-    out = Plan(spares=spares(view, taints, active, away, cfg, pools("").dedicated))
+    dedicated = pools("").dedicated
+    out = Plan(spares=spares(view, taints, active, away, cfg, dedicated))
     free = list(out.spares)
     moving = {m.job for m in active}
     live = {t.id for t in taints}
@@ -154,7 +156,7 @@ def plan(
             out.cancels.append((m.id, f"{m.target} was tainted before it started"))
         elif gone := [n for n in (m.target, m.source) if view.gone(n)]:
             out.cancels.append((m.id, f"{gone[0]} stopped reporting before it started"))
-        elif why := _unfit(view, taints, m):
+        elif why := _unfit(view, taints, dedicated, m):
             out.cancels.append((m.id, f"{m.target} no longer fits before it started ({why})"))
     reasons: dict[int, list[str]] = defaultdict(list)
     for t in taints:
@@ -256,11 +258,47 @@ def _spare_of(node: NodeSeen, taints: list[Taint]) -> Spare:
     return Spare(node.name, tuple(g for g in node.gpus if g.uuid not in used), False, not node.ranks)
 
 
-def _unfit(view: View, taints: list[Taint], m: Move) -> str:
+def _fitting(source: NodeSeen, job: str, ranks: tuple[int, ...], spare: Spare) -> list[Gpu]:
+    """The free GPUs of ``spare`` like those ``ranks`` of ``job`` use on ``source`` (its model, as much memory)."""
+    wanted = {g for r in source.ranks if r.job == job and r.rank in ranks for g in r.gpus}
+    models = [g for g in source.gpus if g.uuid in wanted]
+    return [g for g in spare.free if all(g.name == m.name and g.memory_total >= m.memory_total for m in models)]
+
+
+def _target_of(view: View, taints: list[Taint], dedicated: dict[str, frozenset[str]], m: Move) -> Spare:
+    """``m``'s target as a spare for it now: moving away onto a dedicated spare, only its GPUs reserved."""
+    spare = _spare_of(view.nodes[m.target], taints)
+    if m.kind is MoveKind.AWAY and dedicated.get(m.target):
+        return replace(spare, free=tuple(g for g in spare.free if g.uuid in dedicated[m.target]))
+    return spare
+
+
+def target_gpus(
+    view: View, taints: list[Taint], dedicated: dict[str, frozenset[str]], m: Move
+) -> tuple[str, ...] | None:
+    """The GPUs of ``m``'s target its ranks may be placed on (its agent picks among them): those
+    like theirs that no rank uses, no taint covers and, moving away onto a dedicated spare, that
+    are reserved; () for ranks that use no GPU, or where a report is missing; None: too few are left."""
+    source = view.nodes.get(m.source)
+    if source is None or m.target not in view.nodes:
+        return ()
+    wanted = {g for r in source.ranks if r.job == m.job and r.rank in m.ranks for g in r.gpus}
+    fit = _fitting(source, m.job, m.ranks, _target_of(view, taints, dedicated, m)) if wanted else []
+    return tuple(g.uuid for g in fit) if len(fit) >= len(wanted) else None
+
+
+def _unfit(view: View, taints: list[Taint], dedicated: dict[str, frozenset[str]], m: Move) -> str:
     """Why the target of planned move ``m`` no longer takes its ranks, as reported now (a GPU of
     it tainted since, taken by a rank): "" if it does, or if either node's report is not current."""
     source = view.nodes.get(m.source)
     target = view.nodes.get(m.target)
     if source is None or target is None or not (view.current(m.source) and view.current(m.target)):
         return ""
-    return misfit(source, m.job, m.ranks, _spare_of(target, taints), target)
+    return misfit(source, m.job, m.ranks, _target_of(view, taints, dedicated, m), target)
+
+
+def kept_gpus(seen: NodeSeen, before: NodeSeen | None) -> tuple[RankSeen, ...]:
+    """``seen``'s ranks; one whose GPU no longer answers NVML (its processes are no longer listed)
+    keeps the GPUs it used before, so that a taint of that GPU still covers it."""
+    old = {(r.job, r.rank): r.gpus for r in before.ranks} if before is not None else {}
+    return tuple(r if r.gpus else replace(r, gpus=old.get((r.job, r.rank), ())) for r in seen.ranks)
