@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu, needs_gpu
+from host import gpus
 from support.cluster import Cluster
 from support.rankjob import Job, _reference, serving
 
@@ -43,10 +44,11 @@ def trio(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def _moved_and_identical(
-    c: Cluster, tmp: Path, extra: tuple[str, ...], names: str, moves: list[tuple[int, str]]
+    c: Cluster, tmp: Path, extra: tuple[str, ...], names: str, moves: list[tuple[int, str]], named: bool = True
 ) -> None:
     """The job on ``names`` (rank r on the r-th), each of ``moves`` (rank, node) made in turn at
-    steps 20, 60, ..., ends as the same job under plain torchrun."""
+    steps 20, 60, ..., ends as the same job under plain torchrun; ``named``: each move names the
+    machine's GPU as the one its copy may use (`--to-gpu`, as the orchestrator names a spare's)."""
     (tmp / "reference").mkdir()
     (tmp / "run").mkdir()
     reference = _reference(tmp / "reference", *extra, nproc=len(names))
@@ -54,7 +56,7 @@ def _moved_and_identical(
     try:
         for i, (rank, to) in enumerate(moves):
             job.at_step(rank, 20 + 40 * i)
-            done = job.move(rank, to)
+            done = job.move(rank, to, *(("--to-gpu", gpus.inventory()[0].uuid) if named else ()))
             assert done.returncode == 0, done.stdout + done.stderr
             print(f"move of rank {rank} to {to}:\n{done.stdout}")  # (its stage times: in the GPU proof's log, -rA)
             assert job.where(rank) == to and job.copies(rank) == [to]
@@ -65,7 +67,7 @@ def _moved_and_identical(
 
 def test_a_world_size_1_nccl_job_moves_between_two_agents(trio: Cluster, tmp_path: Path) -> None:
     # (and back: the GPU it left is free again)
-    _moved_and_identical(trio, tmp_path, ("--cuda", "--backend", "nccl"), "A", [(0, "B"), (0, "A")])
+    _moved_and_identical(trio, tmp_path, ("--cuda", "--backend", "nccl"), "A", [(0, "B"), (0, "A")], named=False)
 
 
 def test_a_job_bound_to_its_gpu_with_a_split_group_moves(trio: Cluster, tmp_path: Path) -> None:

@@ -299,8 +299,8 @@ class Job:
     def at_step(self, rank: int, n: int) -> None:
         wait_until(lambda: steps(self.logs, rank) >= n, f"rank {rank} to reach step {n}", 180)
 
-    def move(self, rank: int, to: str) -> subprocess.CompletedProcess[str]:
-        return self.c.migrate(0, self.where(rank), to, "--job", RUN, "--rank", str(rank), timeout=240)
+    def move(self, rank: int, to: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        return self.c.migrate(0, self.where(rank), to, "--job", RUN, "--rank", str(rank), *extra, timeout=240)
 
     def moves(self, rank: int, to: str) -> str:
         """Move ``rank`` to ``to``: it must run there, and only there, after; what the CLI said."""
