@@ -130,7 +130,7 @@ def migrate(
             "--to-gpu",
             callback=gpu_uuids,
             help="A GPU of --to (its UUID, as nvidia-smi -L lists it) the process may use there "
-            "(repeat it; default: any of its GPUs, the least used first).",
+            "(repeat it; default: those at the same PCI bus ids where free, else the least used).",
         ),
     ] = None,
     secret_file: SecretOpt = None,

@@ -127,7 +127,7 @@ def utf8(value: str | None) -> str | None:
 
 
 def gpu_uuids(value: list[str] | None) -> list[str] | None:
-    """(A typer callback.)  GPUs' UUIDs (GPU-..., MIG-..., as nvidia-smi -L lists them): anything
+    """(A typer callback.)  GPUs' UUIDs (GPU-..., as nvidia-smi -L lists them): anything
     else is refused in one sentence, exit 2."""
     from tpagent.migration.api import Refused
     from tpagent.migration.api import gpu_uuids as checked

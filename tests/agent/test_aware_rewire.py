@@ -23,6 +23,8 @@ from support.helpers import wait_until
 from support.rankjob import NOT_UTF8, NOT_UTF8_VALUE, RUN, Job, steps
 
 pytestmark = needs_criu
+ABSENT = "GPU-00000000-0000-0000-0000-0000000000a0"  # (no GPU of any node here)
+ABSENT_SAID = f"{ABSENT}, named for the copy, is not a GPU of"
 
 
 def _moved(job: Job, rank: int, to: str, mode: str) -> dict[str, Any]:
@@ -51,6 +53,13 @@ def test_a_registered_rank_moves_as_its_training_state_and_the_job_runs_on_bit_i
         before = job.rank_pid(1)
         dry = job.c.migrate(0, first, "D", "--job", RUN, "--rank", "1", "--mode", "aware", "--dry-run", timeout=120)
         assert dry.returncode == 0 and "all checks pass" in dry.stdout + dry.stderr, dry.stdout + dry.stderr
+        # GPUs named on the target: a new process picks its own device, so only the image moves onto them
+        # (auto: the target's own check of the names is the image's, so it ran)
+        for mode, said in (("aware", "a model-aware move cannot choose the target's GPUs"), ("auto", ABSENT_SAID)):
+            named = job.c.migrate(
+                0, first, "D", "--job", RUN, "--rank", "1", "--mode", mode, "--to-gpu", ABSENT, "--dry-run", timeout=120
+            )
+            assert named.returncode != 0 and said in named.stdout + named.stderr, named.stdout + named.stderr
         _killed_while_warming_up(job, first)
         aware = _moved(job, 1, "D", "aware")
         assert "resumed at step" in aware["message"], aware

@@ -92,6 +92,16 @@ def test_gpus_named_that_cannot_take_the_copy_are_refused_before_anything_moves(
         assert not got.gpu_map and not node.reservations.in_flight()
 
 
+def test_a_gpu_named_that_a_copy_received_meanwhile_takes_is_not_given_twice(node: Admission) -> None:
+    """Two ranks moved with one GPU named for both (`--to-gpu X`, each rank's move alone fits):
+    the second is refused before anything of it freezes, not placed on X beside the first."""
+    assert take(node, offer("a", ("GPU-s0",), to=("GPU-t3",))) == {"GPU-s0": "GPU-t3"}
+    got = node.offer(offer("b", ("GPU-s1",), to=("GPU-t3",)), lambda gpu_map: pytest.fail("taken"))
+    said = "the move names 1 GPU(s) of source, 1 of them taken by the copies it is receiving; the process uses 1"
+    assert got.problems[0] == said, got.problems
+    assert take(node, offer("c", ("GPU-s1",), to=("GPU-t3", "GPU-t1"))) == {"GPU-s1": "GPU-t1"}
+
+
 def test_a_gpu_named_on_a_node_for_a_process_of_no_gpu_must_still_be_there(node: Admission) -> None:
     """(Someone's --to-gpu with a mistyped UUID is told so, whatever the process.)"""
     got = node.offer(offer("a", (), to=("GPU-nope",), dry=True), lambda gpu_map: pytest.fail("taken"))
@@ -106,9 +116,11 @@ def test_a_gpu_named_on_a_node_for_a_process_of_no_gpu_must_still_be_there(node:
         [""],
         ["GPU-" + "a" * 200],
         ["GPU-\udcff"],
+        ["MIG-GPU-8c4a/1/0"],  # (NVML lists whole GPUs: a MIG device could never be found)
         [f"GPU-{i}" for i in range(MOST_GPUS + 1)],
+        ["GPU-a"] * MOST_GPUS + ["GPU-b"],  # (not cut to the first 64, GPU-b dropped without a word)
     ],
-    ids=["shell", "no-prefix", "empty", "long", "not-utf8", "too-many"],
+    ids=["shell", "no-prefix", "empty", "long", "not-utf8", "mig", "too-many", "too-many-repeated"],
 )
 def test_gpu_names_from_the_network_are_checked(node: Admission, names: list[str]) -> None:
     with pytest.raises(Refused) as e:
@@ -116,10 +128,7 @@ def test_gpu_names_from_the_network_are_checked(node: Admission, names: list[str
     assert e.value.why is Why.INVALID
     with pytest.raises(Refused):
         node.offer(offer("a", ("GPU-s0",), to=tuple(names)), lambda gpu_map: pytest.fail("taken"))
-    assert gpu_uuids(["GPU-8c4a3b2e-1f", "MIG-GPU-8c4a/1/0", "GPU-8c4a3b2e-1f"]) == (
-        "GPU-8c4a3b2e-1f",
-        "MIG-GPU-8c4a/1/0",
-    )
+    assert gpu_uuids(["GPU-8c4a3b2e-1f", "GPU-0d1e", "GPU-8c4a3b2e-1f"]) == ("GPU-8c4a3b2e-1f", "GPU-0d1e")
 
 
 def test_a_rewire_keeps_the_gpus_its_ranks_may_use_in_its_journal() -> None:

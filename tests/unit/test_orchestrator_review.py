@@ -127,3 +127,37 @@ def test_a_job_another_nodes_agent_is_moving_is_not_moved_at_once() -> None:
     v = View({**v.nodes, "c": dataclasses.replace(v.nodes["c"], busy=frozenset({"j"}))})
     p = plan(v, [taint(1, "a")], [], [], no_failures, cfg())
     assert p.moves == [] and "job j is being moved by someone else" in p.waiting[1]
+
+
+def _started_onto(tmp_path: Path, c: OrchestratorConfig, pool: Pool, ranks: int) -> list[tuple[str, tuple[str, ...]]]:
+    """Node a's ``ranks`` ranks (a GPU each) tainted, spare d's three GPUs free, ``pool`` the
+    scheduler's: each move the orchestrator started, (target, the GPUs of it the move names)."""
+
+    class Scheduler(Static):
+        def pool(self, job: str, users: frozenset[int]) -> Pool:
+            return pool
+
+    a = node("a", tuple(rank(r, gpus=(f"GPU-a-{r}",)) for r in range(ranks)), gpus=2)
+    o = orchestrator(tmp_path, [a, node("d", gpus=3)], c)
+    o.scheduler = Scheduler(c)
+    started: list[tuple[str, tuple[str, ...]]] = []
+    o._execute = lambda m, source, target, gpus: started.append((m.target, gpus))  # type: ignore[method-assign]
+    try:
+        o.state.taint("a", "", TaintKind.PLANNED, "maintenance", "operator")
+        o.tick()
+        for t in list(o.running.values()):
+            t.join(10)
+        return started
+    finally:
+        o.state.close()
+
+
+def test_a_move_names_the_gpus_of_its_spare_the_plan_chose_it_for(tmp_path: Path) -> None:
+    """Reserved GPUs of a dedicated spare alone where the scheduler gives it as one; all its free
+    GPUs where the scheduler gives the node as floating capacity (Slurm: a dedicated spare that
+    is not idle).  Before, the start asked for the reserved GPUs alone whatever the plan had
+    counted on: the move stayed planned, never started nor cancelled, holding its spare."""
+    c = cfg(lost_grace=60.0, dedicated_spares=("d/GPU-d-1",))
+    assert _started_onto(tmp_path / "static", c, Pool(c.dedicated()), 1) == [("d", ("GPU-d-1",))]
+    floating = Pool({}, floating=frozenset({"d"}))
+    assert _started_onto(tmp_path / "slurm", c, floating, 2) == [("d", ("GPU-d-0", "GPU-d-1", "GPU-d-2"))]

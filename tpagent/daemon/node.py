@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from host import paths, proc
+from host import gpus, paths, proc
 from host.api import UsageError
 from tpagent.daemon import doctor
 from tpagent.jobs import joiners, recovery, storeserver
@@ -165,6 +165,10 @@ class Node:
             raise Refused(text, Why.NOT_FOUND)
         for e in entries if mode != "aware" else ():  # every namespace must pass the ordinary checks first
             eligible.check_migratable(self.cfg, e.init)
+        used = gpus.gpus_of({p for e in entries for p in proc.tree_pids(e.init)}) if target_gpus else []
+        if len(used) > len(target_gpus):  # (each rank's copy alone would fit: together they would share one)
+            text = f"the moving ranks use {len(used)} GPUs; name as many of the target's (--to-gpu), or none."
+            raise Refused(text, Why.INVALID)
         moving = {e.rank: (e.init, target) for e in entries}
         return self.rewires.start(entries[0].job, moving, dry_run, mode or AUTO, target_gpus)
 

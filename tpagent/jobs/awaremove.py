@@ -65,8 +65,9 @@ class AwareRewire(Rewire):
         agents = self._agents()
         t_request = time.monotonic()
         where = self.ranks.where(agents, "; nothing was changed")
-        if self.record.mode == AUTO:
-            self.record.mode = "aware" if all(where[r].aware for r in self.moving) else "transparent"
+        if self.record.mode == AUTO:  # (GPUs named on the target: only a process image is placed on them)
+            aware = all(where[r].aware for r in self.moving) and not self.record.gpus
+            self.record.mode = "aware" if aware else "transparent"
         if not self.aware:
             return self._move_images(agents, where, t_request)  # (the ranks asked once, whichever mode)
         return self._run_aware(agents, where, t_request)
@@ -79,6 +80,11 @@ class AwareRewire(Rewire):
             if not where[r].aware
         ]
         problems += cannot_move(ranks, where, image=False)
+        if self.record.gpus:
+            problems.append(
+                "a model-aware move cannot choose the target's GPUs (the new process picks its own device there): "
+                "move the ranks as their process images (--mode transparent), or name no GPU"
+            )
         specs = {}
         for r in ranks:
             try:

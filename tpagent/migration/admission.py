@@ -224,13 +224,19 @@ class Admission:
         except SnapshotError as e:
             problems.append(f"{node}: {e}")
         ours = gpus.inventory()
-        if len(offer.gpu_uuids) > len(ours):
-            problems.append(f"{node} has {len(ours)} GPU(s); the process uses {len(offer.gpu_uuids)}")
+        need = len(offer.gpu_uuids)
+        if need > len(ours):
+            problems.append(f"{node} has {len(ours)} GPU(s); the process uses {need}")
         elif absent := [u for u in offer.target_gpus if u not in {g.uuid for g in ours}]:
-            problems.append(f"{absent[0]}, named for the copy, is not a GPU of {node} (nvidia-smi -L lists them)")
-        elif offer.target_gpus and len(offer.target_gpus) < len(offer.gpu_uuids):
-            named = len(offer.target_gpus)
-            problems.append(f"the move names {named} GPU(s) of {node}; the process uses {len(offer.gpu_uuids)}")
+            listed = "nvidia-smi -L lists them" if ours else "NVML lists none there"
+            problems.append(f"{absent[0]}, named for the copy, is not a GPU of {node} ({listed})")
+        elif offer.target_gpus and len(left := self._usable(offer, ours)) < need:
+            taken = len(offer.target_gpus) - len(left)
+            problems.append(
+                f"the move names {len(offer.target_gpus)} GPU(s) of {node}"
+                + (f", {taken} of them taken by the copies it is receiving" if taken else "")
+                + f"; the process uses {need}"
+            )
         problems += self._shared_files(offer)
         problems += sockets.unusable_here(node, list(offer.tcp)[:10_000])
         problems += self._abstract_sockets(offer)
@@ -280,10 +286,16 @@ class Admission:
         emptiest; one that a copy received meanwhile is placed on last (with the reservations' lock held)."""
         uuids = list(offer.gpu_uuids)
         old = list(zip(uuids, [*offer.gpu_bus_ids, *[""] * len(uuids)], strict=False))
-        coming = {g for r in self.reservations.in_flight().values() for g in r.gpus}
-        return gpus.pair(old, self._usable(offer, gpus.inventory()), coming)
+        return gpus.pair(old, self._usable(offer, gpus.inventory()), self._coming())
 
-    @staticmethod
-    def _usable(offer: Offer, ours: list[gpus.GpuInfo]) -> list[gpus.GpuInfo]:
-        """Those of ``ours`` the offer's copy may be placed on (:attr:`Offer.target_gpus`; none named: all)."""
-        return [g for g in ours if g.uuid in offer.target_gpus] if offer.target_gpus else ours
+    def _coming(self) -> set[str]:
+        """The GPUs the copies this node receives are placed on (with the reservations' lock held)."""
+        return {g for r in self.reservations.in_flight().values() for g in r.gpus}
+
+    def _usable(self, offer: Offer, ours: list[gpus.GpuInfo]) -> list[gpus.GpuInfo]:
+        """Those of ``ours`` the offer's copy may be placed on: those it names (:attr:`Offer.target_gpus`)
+        that no copy received meanwhile is placed on; none named: all."""
+        if not offer.target_gpus:
+            return ours
+        coming = self._coming()
+        return [g for g in ours if g.uuid in offer.target_gpus and g.uuid not in coming]

@@ -180,21 +180,19 @@ def is_agent_address(text: str) -> bool:
 
 #: The most GPUs a move may name on its target (:attr:`Offer.target_gpus`).
 MOST_GPUS = 64
-_GPU_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z/-]{1,90}")
+_GPU_UUID = re.compile(r"GPU-[0-9A-Za-z-]{1,90}")
 
 
 def gpu_uuids(names: Iterable[str]) -> tuple[str, ...]:
-    """``names`` (from the network) as GPU UUIDs: Refused for more than :data:`MOST_GPUS`, or
-    for one that is no GPU's (nor MIG device's) UUID, as NVML writes them."""
-    out = tuple(dict.fromkeys(names))
-    if len(out) > MOST_GPUS:
+    """``names`` (from the network) as GPU UUIDs, each once: Refused for more than
+    :data:`MOST_GPUS`, or for one that is no GPU's UUID as NVML writes it (GPU-...)."""
+    given = list(names)
+    if len(given) > MOST_GPUS:
         raise Refused(f"a move names at most {MOST_GPUS} GPUs of its target; this one names more", Why.INVALID)
-    for name in out:
+    for name in given:
         if not _GPU_UUID.fullmatch(name):
-            raise Refused(
-                f"{ascii(name)[:100]} is not a GPU's UUID (GPU-..., as nvidia-smi -L lists them)", Why.INVALID
-            )
-    return out
+            raise Refused(f"{ascii(name[:60])} is not a GPU's UUID (GPU-..., as nvidia-smi -L lists them)", Why.INVALID)
+    return tuple(dict.fromkeys(given))
 
 
 class Outcome(str, enum.Enum):

@@ -247,7 +247,7 @@ class Orchestrator:
                 self.event("planned", text, m.job, m.source, m.id)
         away = sum(n.kind is MoveKind.AWAY for n in p.moves)
         self._gauges(taints, len(p.spares) - away, self._heard() and bool(view.nodes))
-        self._start()
+        self._start(pools("").dedicated)
 
     def _heard(self) -> bool:
         """Whether every node known has reported since this start, or could have (once so, always)."""
@@ -339,7 +339,9 @@ class Orchestrator:
                 del self.held[job]
                 self.ended[node] = self.nodes[node].reports if node in self.nodes else 0
 
-    def _start(self) -> None:
+    def _start(self, dedicated: dict[str, frozenset[str]]) -> None:
+        """The planned moves started, up to ``max_parallel`` running; ``dedicated``: the spares the
+        plan reserved (node -> its GPUs reserved, empty: all), whose GPUs alone a move onto them names."""
         active = self.state.moves(active=True)
         slots = self.cfg.max_parallel - sum(m.state is MoveState.RUNNING for m in active)
         if time.monotonic() < self.backoff_until:
@@ -351,7 +353,7 @@ class Orchestrator:
                 break
             if m.state is not MoveState.PLANNED or not (view.reachable(m.source) and view.reachable(m.target)):
                 continue
-            gpus = policy.target_gpus(view, taints, self.cfg.dedicated(), m)
+            gpus = policy.target_gpus(view, taints, dedicated, m)
             if gpus is None or not self.state.start(m.id):  # (too few GPUs left there: the next plan cancels it)
                 continue
             slots -= 1

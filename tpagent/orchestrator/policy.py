@@ -278,10 +278,10 @@ def target_gpus(
 ) -> tuple[str, ...] | None:
     """The GPUs of ``m``'s target its ranks may be placed on (its agent picks among them): those
     like theirs that no rank uses, no taint covers and, moving away onto a dedicated spare, that
-    are reserved; () for ranks that use no GPU, or where a report is missing; None: too few are left."""
+    are reserved; () for ranks that use no GPU; None: too few are left, or a report is missing."""
     source = view.nodes.get(m.source)
     if source is None or m.target not in view.nodes:
-        return ()
+        return None
     wanted = {g for r in source.ranks if r.job == m.job and r.rank in m.ranks for g in r.gpus}
     fit = _fitting(source, m.job, m.ranks, _target_of(view, taints, dedicated, m)) if wanted else []
     return tuple(g.uuid for g in fit) if len(fit) >= len(wanted) else None
