@@ -163,6 +163,7 @@ class Job:
         self.asked: list[tuple[str, int, str]] = []
         self.ends: list[tuple[int, bool]] = []  # (rank, hold) of each End, in the order asked
         self.released: list[tuple[int, str]] = []
+        self.placed: list[tuple[bool, tuple[str, ...]]] = []  # (dry run, the target's GPUs named) per move asked
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._train, daemon=True)
         if stepping:
@@ -202,13 +203,17 @@ class Job:
         dry_run: bool = False,
         hold: float = 0.0,
         verdict: Callable[[], bool | None] | None = None,
+        target_gpus: tuple[str, ...] = (),
     ) -> Moving:
+        self.placed.append((dry_run, target_gpus))
         move = FakeMove(pid, Outcome.DRY_RUN if dry_run else self.outcome, hold, verdict)
         move.on_copy = lambda runs: self.where.__setitem__(0, target if runs else HERE)
         return move
 
-    def rewire(self, timeout: float = 5.0) -> tuple[Rewire, MigrationResult]:
-        rw = Rewire(RewireRecord.new("j", HERE, {0: (777, THERE)}), self.ask, self.start_move, timeout, Unwritten())
+    def rewire(self, timeout: float = 5.0, gpus: tuple[str, ...] = ()) -> tuple[Rewire, MigrationResult]:
+        record = RewireRecord.new("j", HERE, {0: (777, THERE)})
+        record.gpus = list(gpus)
+        rw = Rewire(record, self.ask, self.start_move, timeout, Unwritten())
         try:
             return rw, rw.run()
         finally:
@@ -224,8 +229,9 @@ def _messages(rw: Rewire) -> list[str]:
 
 def test_every_rank_stops_at_one_step_and_rebuilds_where_it_now_runs() -> None:
     job = Job()
-    rw, result = job.rewire()
+    rw, result = job.rewire(gpus=("GPU-t2", "GPU-t3"))
     assert result.outcome is Outcome.DONE, _messages(rw)
+    assert job.placed == [(False, ("GPU-t2", "GPU-t3"))]  # (the target's GPUs named for the move, passed on)
     steps = {r.stops[-1] for r in job.ranks}
     assert len(steps) == 1, f"the ranks stopped at different steps: {steps}"
     assert all(r.gen == 1 and not r.torn and not r.parked for r in job.ranks)
