@@ -184,7 +184,9 @@ class Node:
     ) -> SourceMigration:
         """A rank's migration (:class:`tpagent.jobs.api.StartMove`); its dry run leaves its TCP
         connections aside (its communicators' and store's, closed before it is frozen)."""
-        return self._start_plain(pid, target, dry_run, hold, verdict, dry_run, target_gpus)
+        return self._start_plain(
+            pid, target, dry_run, hold, verdict, communicators_rebuilt=dry_run, target_gpus=target_gpus
+        )
 
     def _start_plain(
         self,

@@ -192,7 +192,8 @@ class Admission:
         if offer.source_node == node or self.sending(offer.migration_id):
             raise Refused(f"{node} is the source of this migration; give another node as the target", Why.INVALID)
         with self.reservations.lock:
-            problems = self.problems(offer)
+            ours = gpus.inventory()  # (read once: NVML is started and stopped at each read)
+            problems = self.problems(offer, ours)
             more, reservation, reserved = self.reservations.check(
                 node, offer.bytes_estimate, sized(offer.carried_files)
             )
@@ -202,14 +203,15 @@ class Admission:
                 return Acceptance(
                     problems=tuple(problems), reserved=reserved, clock=clock.now(), missing_mounts=missing
                 )
-            gpu_map = self.gpu_map(offer)
+            gpu_map = self.gpu_map(offer, ours)
             address, snapshot = take(gpu_map)
-            held = replace(reservation, snapshot=snapshot, abstract=frozenset(offer.abstract_sockets))
-            self.reservations.reserve(offer.migration_id, replace(held, gpus=frozenset(gpu_map.values())))
+            abstract = frozenset(offer.abstract_sockets)
+            held = replace(reservation, snapshot=snapshot, abstract=abstract, gpus=frozenset(gpu_map.values()))
+            self.reservations.reserve(offer.migration_id, held)
         return Acceptance(address, dict(gpu_map), reserved=reserved, clock=clock.now(), missing_mounts=missing)
 
-    def problems(self, offer: Offer) -> list[str]:
-        """What would keep this node from taking the migration (empty: nothing)."""
+    def problems(self, offer: Offer, ours: list[gpus.GpuInfo]) -> list[str]:
+        """What would keep this node from taking the migration (empty: nothing); ``ours``: this node's GPUs."""
         node = self.ctx.cfg.node
         problems = []
         need = offer.bytes_estimate
@@ -223,7 +225,6 @@ class Admission:
             Criu(self.ctx.snapshot_config.criu).check()
         except SnapshotError as e:
             problems.append(f"{node}: {e}")
-        ours = gpus.inventory()
         need = len(offer.gpu_uuids)
         if need > len(ours):
             problems.append(f"{node} has {len(ours)} GPU(s); the process uses {need}")
@@ -281,12 +282,12 @@ class Admission:
             )
         return problems
 
-    def gpu_map(self, offer: Offer) -> dict[str, str]:
-        """Each source GPU onto one of ours the offer may use: the one at its PCI bus id if any, else the
-        emptiest; one that a copy received meanwhile is placed on last (with the reservations' lock held)."""
+    def gpu_map(self, offer: Offer, ours: list[gpus.GpuInfo]) -> dict[str, str]:
+        """Each source GPU onto one of ``ours`` the offer may use: the one at its PCI bus id if any, else
+        the emptiest; one that a copy received meanwhile is placed on last (with the reservations' lock held)."""
         uuids = list(offer.gpu_uuids)
         old = list(zip(uuids, [*offer.gpu_bus_ids, *[""] * len(uuids)], strict=False))
-        return gpus.pair(old, self._usable(offer, gpus.inventory()), self._coming())
+        return gpus.pair(old, self._usable(offer, ours), self._coming())
 
     def _coming(self) -> set[str]:
         """The GPUs the copies this node receives are placed on (with the reservations' lock held)."""

@@ -397,7 +397,7 @@ class Orchestrator:
         view = self.view()
         source = view.nodes.get(m.source)
         ranks = source.ranks if source is not None else ()
-        gpus = len({g for r in ranks if r.job == m.job and r.rank in m.ranks for g in r.gpus})
+        gpus = len(policy.gpus_used(ranks, m.job, m.ranks))
         t0 = time.monotonic()
         try:
             held = self.scheduler.hold(m, gpus, view.users().get(m.job, frozenset()))

@@ -15,7 +15,7 @@ home, and the nodes as their agents last reported them.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from tpagent.orchestrator.api import (
@@ -93,13 +93,13 @@ def spares(
 
 def misfit(source: NodeSeen, job: str, ranks: tuple[int, ...], spare: Spare, node: NodeSeen) -> str:
     """Why ``spare`` cannot take ``ranks`` of ``job`` on ``source`` ("": it can)."""
-    wanted = {g for r in source.ranks if r.job == job and r.rank in ranks for g in r.gpus}
+    wanted = gpus_used(source.ranks, job, ranks)
     if not wanted:
         return "" if spare.empty else "runs ranks already"
     models = [g for g in source.gpus if g.uuid in wanted]
     if source.driver != node.driver:
         return f"driver {node.driver or 'none'}, not {source.driver}"
-    fit = _fitting(source, job, ranks, spare)
+    fit = _fitting(source, wanted, spare)
     if len(fit) < len(wanted):
         return f"{len(fit)} free GPU(s) like {models[0].name if models else 'the source'}'s, needs {len(wanted)}"
     return ""
@@ -258,9 +258,13 @@ def _spare_of(node: NodeSeen, taints: list[Taint]) -> Spare:
     return Spare(node.name, tuple(g for g in node.gpus if g.uuid not in used), False, not node.ranks)
 
 
-def _fitting(source: NodeSeen, job: str, ranks: tuple[int, ...], spare: Spare) -> list[Gpu]:
-    """The free GPUs of ``spare`` like those ``ranks`` of ``job`` use on ``source`` (its model, as much memory)."""
-    wanted = {g for r in source.ranks if r.job == job and r.rank in ranks for g in r.gpus}
+def gpus_used(ranks: Iterable[RankSeen], job: str, which: tuple[int, ...]) -> set[str]:
+    """The GPUs the ranks ``which`` of ``job`` among ``ranks`` use."""
+    return {g for r in ranks if r.job == job and r.rank in which for g in r.gpus}
+
+
+def _fitting(source: NodeSeen, wanted: set[str], spare: Spare) -> list[Gpu]:
+    """The free GPUs of ``spare`` like the ``wanted`` GPUs of ``source`` (their model, as much memory)."""
     models = [g for g in source.gpus if g.uuid in wanted]
     return [g for g in spare.free if all(g.name == m.name and g.memory_total >= m.memory_total for m in models)]
 
@@ -282,8 +286,8 @@ def target_gpus(
     source = view.nodes.get(m.source)
     if source is None or m.target not in view.nodes:
         return None
-    wanted = {g for r in source.ranks if r.job == m.job and r.rank in m.ranks for g in r.gpus}
-    fit = _fitting(source, m.job, m.ranks, _target_of(view, taints, dedicated, m)) if wanted else []
+    wanted = gpus_used(source.ranks, m.job, m.ranks)
+    fit = _fitting(source, wanted, _target_of(view, taints, dedicated, m)) if wanted else []
     return tuple(g.uuid for g in fit) if len(fit) >= len(wanted) else None
 
 
