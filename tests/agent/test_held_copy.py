@@ -14,11 +14,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import psutil
 import pytest
 
 from support.protocol_fakes import StatusOnly, sleeper, unit_context, wait
 from tpagent.migration import target
 from tpagent.migration.api import (
+    JournalError,
     PeerStatus,
     PeerUnreachable,
     Refused,
@@ -27,7 +29,7 @@ from tpagent.migration.api import (
     Why,
 )
 from tpagent.migration.context import Context
-from tpagent.migration.journal import Record, note_process
+from tpagent.migration.journal import Record, note_process, note_tree
 from tpagent.migration.target import await_source, confirm_held, finish_held, settle, watch_copy
 
 T = TargetState
@@ -135,6 +137,51 @@ def test_a_held_copy_the_source_drops_is_killed_and_one_it_never_confirms_is_fin
     finally:
         copy.kill()
         copy.wait()
+
+
+def test_a_copy_dropped_with_the_journals_disk_full_is_said_to_be_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The source drops its held copy and the target's journal cannot be written (a full
+    disk): the copy is killed, and the record says DISCARDED, which the source asks for (it
+    stayed READY in memory, so the source kept its original frozen for an hour, then for good)."""
+    ctx, r, copy, _ = _running_held(tmp_path, hold=60)
+    now = ctx.journal.read(r.migration_id)
+    assert now is not None
+
+    def full(record_id: str, data: dict[str, object]) -> None:
+        raise JournalError(f"the journal of migration {record_id} cannot be written: No space left on device")
+
+    monkeypatch.setattr(ctx.journal.files, "write", full)
+    finish_held(ctx, now, False, "the source rolled back", lambda *a: None)
+    assert now.state is T.DISCARDED
+    assert copy.wait(5) is not None, "a dropped copy must not run on"
+
+
+def test_a_copy_whose_root_ends_in_its_confirmation_period_leaves_none_of_its_processes(tmp_path: Path) -> None:
+    """A copy of a tree in the node's own PID namespace (no `tpagent launch`): its root ends
+    while it is confirmed, and its child runs on, reparented.  The copy was dropped (the
+    source resumes its whole original) with that child left running: two of it.  Now the
+    drop ends it too, and a process that has its PID but another start is not touched."""
+    ctx = unit_context(tmp_path, _Source())
+    root = subprocess.Popen(["sh", "-c", "sleep 600 & echo $!; wait"], stdout=subprocess.PIPE, start_new_session=True)
+    assert root.stdout is not None
+    child = int(root.stdout.readline())
+    r = Record("d" * 32, Role.TARGET, T.CONFIRMING, peer="source", snapshot=str(ctx.cfg.work_dir / "d"))
+    note_process(r, root.pid)
+    note_tree(r, [root.pid, child, 1])
+    assert [pid for pid, _ in r.tree] == [child, 1]
+    r.tree[1][1] += 1  # (PID 1 as a copy's process that ended, its PID taken by another since)
+    ctx.journal.write(r)
+    root.kill()
+    root.wait()
+    root.stdout.close()
+    stored = ctx.journal.read(r.migration_id)
+    assert stored is not None and stored.tree == r.tree
+    settle(ctx, stored, False, "the copy ended inside the confirmation period")
+    assert _state(ctx, r.migration_id) is T.DISCARDED
+    assert wait(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE)
+    assert psutil.Process(1).is_running()
 
 
 def _spinner() -> subprocess.Popen[bytes]:

@@ -5,6 +5,7 @@ root, no gRPC.  Each test asserts what became of the original and of the target'
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -16,7 +17,7 @@ import psutil
 import pytest
 
 from support.protocol_fakes import FakeHeldDump, FakeTarget, sleeper, unit_context, wait
-from tpagent.migration.api import Outcome, Role, SourceState, TargetState, allowed
+from tpagent.migration.api import JournalError, Outcome, Role, SourceState, TargetState, allowed
 from tpagent.migration.journal import Journal, Record
 from tpagent.migration.resolve import resolve_source
 from tpagent.migration.source import SourceMigration
@@ -307,6 +308,60 @@ def test_a_target_that_no_longer_knows_the_migration_at_the_commit_rolls_back(
     del target.states[r.migration_id]
     resolve_source(ctx, r)  # type: ignore[arg-type]
     assert r.state is SourceState.ROLLED_BACK and FakeHeldDump.decisions == ["abort"]
+
+
+def _full_disk(monkeypatch: pytest.MonkeyPatch, ctx: object, writes_refused: int | None = None) -> list[str]:
+    """The journal's disk is full: every write fails (or the first ``writes_refused``), as
+    write_durably's would with ENOSPC.  The ids of the writes refused."""
+    files = ctx.journal.files  # type: ignore[attr-defined]
+    real = files.write
+    refused: list[str] = []
+
+    def write(record_id: str, data: dict[str, object]) -> None:
+        if writes_refused is None or len(refused) < writes_refused:
+            refused.append(record_id)
+            raise JournalError(f"the journal of migration {record_id} cannot be written: No space left on device")
+        real(record_id, data)
+
+    monkeypatch.setattr(files, "write", write)
+    return refused
+
+
+def test_a_full_disk_does_not_keep_the_original_frozen_once_its_copy_is_gone(
+    tmp_path: Path, original: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """COMMITTING, and the target's copy died in its confirmation period (DISCARDED, final):
+    with the journal's disk full, the original was kept frozen for good (the resolver's
+    thread died on the journal's error, and nothing asked again once the disk had room).
+    Now the original runs on; only the journal is left behind, which a restart settles the
+    same way (the target says DISCARDED again)."""
+    target = FakeTarget(tmp_path)
+    r, ctx = _committing(tmp_path, target, original.pid, TargetState.DISCARDED)
+    os.kill(original.pid, signal.SIGSTOP)  # (frozen, as CRIU holds it)
+    refused = _full_disk(monkeypatch, ctx)
+    released: list[bool] = []
+    resolve_source(ctx, r, lambda: released.append(True))  # type: ignore[arg-type]
+    assert r.state is SourceState.ROLLED_BACK and FakeHeldDump.decisions == ["abort"] and released == [True]
+    assert wait(lambda: _status(original) not in (psutil.STATUS_STOPPED, "gone"))
+    assert refused and Journal(ctx.cfg.work_dir / "migrations").read(r.migration_id).state is SourceState.COMMITTING  # type: ignore[attr-defined,union-attr]
+
+
+def test_a_step_the_journal_must_keep_waits_for_room_and_is_taken_then(
+    tmp_path: Path, original: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RESTORING after a restart, the target's copy READY: COMMITTING must be journaled before
+    the original is ended.  The disk full at first, the resolver asks again (it died on the
+    first refusal before) and commits once the journal can be written."""
+    target = FakeTarget(tmp_path)
+    r, ctx = _committing(tmp_path, target, original.pid, TargetState.READY)
+    r.state = SourceState.RESTORING  # type: ignore[attr-defined]
+    ctx.journal.write(r)  # type: ignore[attr-defined]
+    refused = _full_disk(monkeypatch, ctx, writes_refused=2)
+    resolve_source(ctx, r)  # type: ignore[arg-type]
+    assert len(refused) == 2 and r.state is SourceState.DONE  # type: ignore[attr-defined]
+    assert target.states[r.migration_id] is TargetState.DONE  # type: ignore[attr-defined]
+    assert Journal(ctx.cfg.work_dir / "migrations").read(r.migration_id).state is SourceState.DONE  # type: ignore[attr-defined,union-attr]
+    assert wait(lambda: original.poll() is not None)  # ended only once its copy was final
 
 
 def _held_before_a_reboot(tmp_path: Path, target: FakeTarget, state: SourceState) -> tuple[Record, object]:

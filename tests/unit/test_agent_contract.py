@@ -96,7 +96,7 @@ def test_the_journal_format_is_versioned(tmp_path: Path) -> None:
     j.write(r)
     doc = json.loads(j.path(r.migration_id).read_text())
     # (the oldest format that holds the record: 2, unless it holds a copy for its source's word, 3,
-    # or names processes stopped before its freeze, 4)
+    # or names processes stopped before its freeze, 4, or a copy's other processes, 5)
     assert doc["format"] == 2 and doc["role"] == "target" and doc["state"] == "ready"
     assert j.read(r.migration_id) == r
     held = Record("a" * 32, Role.TARGET, T.READY, pid=7, peer="a:1", snapshot="/x", hold=30.0)
@@ -106,8 +106,12 @@ def test_the_journal_format_is_versioned(tmp_path: Path) -> None:
     assert j2.read(held.migration_id) == held
     stopped = Record("f" * 32, Role.SOURCE, S.FREEZING, pid=7, peer="b:1", stopped=[8, 9])
     j2.write(stopped)  # (a source whose tree had processes stopped before its freeze: kept so)
-    assert json.loads(j2.path(stopped.migration_id).read_text())["format"] == FORMAT == 4
+    assert json.loads(j2.path(stopped.migration_id).read_text())["format"] == 4
     assert j2.read(stopped.migration_id) == stopped
+    tree = Record("9" * 32, Role.TARGET, T.CONFIRMING, pid=7, peer="a:1", tree=[[8, 1234], [9, 1240]])
+    j2.write(tree)  # (a copy's processes other than its root, for a drop to end them all)
+    assert json.loads(j2.path(tree.migration_id).read_text())["format"] == FORMAT == 5
+    assert j2.read(tree.migration_id) == tree
     # A record of tpagent 0.1 (no format field) is still read ...
     del doc["format"]
     j.path("c" * 32).write_text(json.dumps({**doc, "migration_id": "c" * 32}))

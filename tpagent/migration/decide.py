@@ -151,9 +151,9 @@ def commit(
             break
         if state == TargetState.DISCARDED.value:
             why = message or "the target's copy is gone"
-            ctx.journal.move(r, S.ROLLING_BACK, f"{why}; resuming the original")
+            ctx.journal.settle(r, S.ROLLING_BACK, f"{why}; resuming the original")
             let_original_go(r, dump, ctx.timeouts.rpc)
-            ctx.journal.move(r, S.ROLLED_BACK, f"{why}; {rolled_back_without_original(ctx, r, dump)}")
+            ctx.journal.settle(r, S.ROLLED_BACK, f"{why}; {rolled_back_without_original(ctx, r, dump)}")
             return Outcome.ROLLED_BACK
         if _sleep_watching(ctx, r, dump, delay):
             raise Stopping("the agent is shutting down while the target starts its copy")
@@ -163,7 +163,7 @@ def commit(
     dump.drop_network_lock()
     ctx.remove(r.snapshot)
     if r.state is not S.DONE:
-        ctx.journal.move(r, S.DONE, f"migrated to {r.peer}")
+        ctx.journal.settle(r, S.DONE, f"migrated to {r.peer}")
     return Outcome.DONE
 
 
@@ -188,17 +188,17 @@ def _holder_lost(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> Outco
     signals.signal_tree(r.pid, signal.SIGSTOP, r.start_ticks or None)
     log.error("migration %s: %s; it is stopped again while its copy is asked about", r.migration_id, why)
     if target_dropped_copy(ctx, target, r.migration_id, ctx.timeouts.abort_confirm):
-        ctx.journal.move(r, S.ROLLING_BACK, f"{why}; its copy on {r.peer} was dropped")
+        ctx.journal.settle(r, S.ROLLING_BACK, f"{why}; its copy on {r.peer} was dropped")
         let_original_go(r, dump, ctx.timeouts.rpc)
         ctx.remove(r.snapshot)
-        ctx.journal.move(r, S.ROLLED_BACK, f"{why}; its copy on {r.peer} was dropped, the original runs on")
+        ctx.journal.settle(r, S.ROLLED_BACK, f"{why}; its copy on {r.peer} was dropped, the original runs on")
         return Outcome.ROLLED_BACK
     state, _ = target_state(ctx, target, r.migration_id, ctx.timeouts.rpc)
     if state == TargetState.DONE.value:  # the copy is final: the original is the one to end
         signals.kill_tree(r.pid, r.start_ticks or None)
         dump.drop_network_lock()
         ctx.remove(r.snapshot)
-        ctx.journal.move(r, S.DONE, f"migrated to {r.peer}; {why}, so it was ended")
+        ctx.journal.settle(r, S.DONE, f"migrated to {r.peer}; {why}, so it was ended")
         return Outcome.DONE
     raise Unresolved(f"{why}, and the target does not say its copy is gone")
 

@@ -42,7 +42,8 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 #: Records of migrations and rewires that are over are kept this many seconds, and at most this many.
 KEEP_FOR = 30 * 86400.0
 KEEP_FINAL = 1000
-FORMAT = 4  # 1: start_ticks, 2: boot_id, 3: hold, 4: stopped (an older agent must refuse what it cannot read)
+FORMAT = 5  # 1: start_ticks, 2: boot_id, 3: hold, 4: stopped, 5: tree (an older agent must refuse what it cannot read)
 _ID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -88,6 +89,7 @@ class Record:
     operator: str = ""
     hold: float = 0.0  # a target's copy the source confirms itself, within this many seconds (Offer.hold)
     stopped: list[int] = field(default_factory=list)  # source: its processes stopped before the freeze
+    tree: list[list[int]] = field(default_factory=list)  # target: the copy's other processes, [PID, start ticks]
 
     def rebooted(self) -> bool:
         """Whether this node was rebooted since the record was made (unknown: no)."""
@@ -103,10 +105,10 @@ class Record:
     def to_json(self) -> dict[str, Any]:
         # (the oldest format that holds it: an agent of the version before reads every other record)
         body = asdict(self)
-        for newer in ("hold", "stopped"):
+        for newer in ("hold", "stopped", "tree"):
             if not body[newer]:
                 del body[newer]
-        version = 4 if self.stopped else 3 if self.hold else 2
+        version = 5 if self.tree else 4 if self.stopped else 3 if self.hold else 2
         return {"format": version, **body, "role": self.role.value, "state": self.state.value}
 
     @classmethod
@@ -161,6 +163,17 @@ def note_process(r: Record, pid: int) -> bool:
         r.create_time = 0.0
         r.start_ticks = 0
         return False
+
+
+def note_tree(r: Record, pids: Iterable[int]) -> None:
+    """Name a copy's processes other than its root (``r.pid``) by their starts: should its root
+    end first, in a tree in the node's own PID namespace the others run on (reparented), and a
+    drop must still find them."""
+    r.tree = []
+    for pid in pids:
+        with suppress(OSError, ValueError, IndexError):
+            if pid != r.pid:
+                r.tree.append([pid, proc.start_ticks(pid)])
 
 
 def source_record(migration_id: str, **kw: Any) -> Record:
@@ -293,6 +306,19 @@ class Journal:
             raise
         if is_final(to):
             self.files.prune(_over)
+
+    def settle(self, record: Record, to: State, message: str = "") -> None:
+        """:meth:`move`, for a step taken whether or not it can be written down: the original let
+        go once no copy can run, the original ended once its copy is final, a copy dropped.  A
+        journal that cannot be written (a full disk) is logged and the record moved in memory
+        only: after a restart the journal's earlier state asks the peer again, which answers
+        the same (its answer is final), so the same end is reached."""
+        try:
+            self.move(record, to, message)
+        except Exception as e:  # (the step goes on: never a process left frozen for a record)
+            log.error("migration %s: could not journal %s: %s", record.migration_id, to.value, e)
+            record.state = to
+            record.message = message or record.message
 
     def read(self, migration_id: str) -> Record | None:
         """The record, or None if there is none.  A record that exists but cannot be read raises

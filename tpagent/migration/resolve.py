@@ -9,7 +9,18 @@ from pathlib import Path
 
 from host import signals
 from snapshot.held import HeldDump
-from tpagent.migration.api import HAS_COPY, AgentError, Peer, Refused, Role, SourceState, TargetState, Why, is_final
+from tpagent.migration.api import (
+    HAS_COPY,
+    AgentError,
+    JournalError,
+    Peer,
+    Refused,
+    Role,
+    SourceState,
+    TargetState,
+    Why,
+    is_final,
+)
 from tpagent.migration.context import Context
 from tpagent.migration.decide import (
     OperatorDecided,
@@ -40,58 +51,18 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
     target = ctx.peer(r.peer)
     dump = ctx.held.attach(Path(r.snapshot))
     delay = 1.0
-    t = ctx.timeouts
     rebooted = r.rebooted()
     try:
         while not is_final(r.state):
+            before = r.state
             try:
-                if r.operator:
-                    raise OperatorDecided
-                if r.state is S.COMMITTING:
-                    commit(ctx, r, target, dump)
+                if _step(ctx, r, target, dump, rebooted):
                     break
-            except OperatorDecided:
-                _carry_out(ctx, r, target, dump)
-                break
-            except Unresolved as e:
+            except (Unresolved, JournalError) as e:  # (a full disk: asked again until it can be written)
                 ctx.log.error("migration %s: %s; asking again", r.migration_id, e)
             else:
-                if r.state is S.RESTORING:
-                    state, _ = target_state(ctx, target, r.migration_id, t.rpc)
-                    if state in HAS_COPY:
-                        ctx.journal.move(r, S.COMMITTING, "the copy is restored on the target")
-                        continue
-                    if state is not None:
-                        ctx.journal.move(r, S.ROLLING_BACK, f"the target reports {state}")
-                        continue
-                elif r.state is S.CHECKING:
-                    ctx.journal.move(r, S.FAILED, "the agent restarted before anything was frozen")
-                    break
-                elif r.state in (S.FREEZING, S.HELD) and rebooted:
-                    _restore_after_reboot(ctx, r, target)
-                    continue
-                elif (
-                    r.state is S.ROLLING_BACK
-                    and r.restore_sent
-                    and target_state(ctx, target, r.migration_id, t.rpc)[0]
-                    in (HAS_COPY if rebooted else {TargetState.DONE.value})
-                ):
-                    # The target made its copy final (it took over while this agent could not be
-                    # reached), or this node rebooted and the original is gone with it: the only
-                    # way left is forward (ending the original, if it is still there).
-                    ctx.journal.move(r, S.COMMITTING, "the target's copy goes on instead of the original")
-                    continue
-                elif not r.restore_sent or target_dropped_copy(ctx, target, r.migration_id, t.rpc):
-                    if r.state in (S.FREEZING, S.HELD):
-                        ctx.journal.move(r, S.ROLLING_BACK, "the agent restarted mid-migration")
-                    tell_target_abort(target, r.migration_id)
-                    let_original_go(r, dump)  # the hook still holds the tree: CRIU rolls it back
-                    ctx.journal.move(
-                        r,
-                        S.ROLLED_BACK,
-                        "rolled back after the agent restarted; " + rolled_back_without_original(ctx, r, dump),
-                    )
-                    break
+                if r.state is not before:
+                    continue  # (a step taken: the next one at once)
             if ctx.threads.sleep(delay):
                 return  # (stopping: the next run of the agent takes it up from the journal)
             delay = min(delay * 2, 10.0)
@@ -99,6 +70,52 @@ def resolve_source(ctx: Context, r: Record, release: Callable[[], None] = lambda
         return
     release()
     ctx.log.info("migration %s resolved: %s", r.migration_id, r.state.value)
+
+
+def _step(ctx: Context, r: Record, target: Peer, dump: HeldDump, rebooted: bool) -> bool:
+    """One look at a migration not yet final: True once it is settled, else the state it moved
+    to is journaled (or it waits for the next look).  A step that lets the original run again,
+    or ends it, is taken even where the journal cannot be written (its peer's answer is final)."""
+    t = ctx.timeouts
+    try:
+        if r.operator:
+            raise OperatorDecided
+        if r.state is S.COMMITTING:
+            commit(ctx, r, target, dump)
+            return True
+    except OperatorDecided:
+        _carry_out(ctx, r, target, dump)
+        return True
+    if r.state is S.RESTORING:
+        state, _ = target_state(ctx, target, r.migration_id, t.rpc)
+        if state in HAS_COPY:
+            ctx.journal.move(r, S.COMMITTING, "the copy is restored on the target")
+        elif state is not None:
+            ctx.journal.settle(r, S.ROLLING_BACK, f"the target reports {state}")
+    elif r.state is S.CHECKING:
+        ctx.journal.settle(r, S.FAILED, "the agent restarted before anything was frozen")
+        return True
+    elif r.state in (S.FREEZING, S.HELD) and rebooted:
+        _restore_after_reboot(ctx, r, target)
+    elif (
+        r.state is S.ROLLING_BACK
+        and r.restore_sent
+        and target_state(ctx, target, r.migration_id, t.rpc)[0] in (HAS_COPY if rebooted else {TargetState.DONE.value})
+    ):
+        # The target made its copy final (it took over while this agent could not be
+        # reached), or this node rebooted and the original is gone with it: the only
+        # way left is forward (ending the original, if it is still there).
+        ctx.journal.move(r, S.COMMITTING, "the target's copy goes on instead of the original")
+    elif not r.restore_sent or target_dropped_copy(ctx, target, r.migration_id, t.rpc):
+        if r.state in (S.FREEZING, S.HELD):
+            ctx.journal.settle(r, S.ROLLING_BACK, "the agent restarted mid-migration")
+        tell_target_abort(target, r.migration_id)
+        let_original_go(r, dump)  # the hook still holds the tree: CRIU rolls it back
+        ctx.journal.settle(
+            r, S.ROLLED_BACK, "rolled back after the agent restarted; " + rolled_back_without_original(ctx, r, dump)
+        )
+        return True
+    return False
 
 
 def operator_may(ctx: Context, r: Record, commit: bool) -> str:
@@ -124,11 +141,11 @@ def _carry_out(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> None:
     who = f"resolved by the operator, {r.peer} giving no answer"
     if r.operator == "discard":
         if r.state is not S.ROLLING_BACK:
-            ctx.journal.move(r, S.ROLLING_BACK, who)
+            ctx.journal.settle(r, S.ROLLING_BACK, who)
         ctx.threads.spawn("waiter", f"abort-{r.migration_id[:8]}", keep_telling, ctx, target, r.migration_id, False)
         let_original_go(r, dump)
         ctx.remove(r.snapshot)
-        ctx.journal.move(r, S.ROLLED_BACK, f"{who}: the original runs on where it stood")
+        ctx.journal.settle(r, S.ROLLED_BACK, f"{who}: the original runs on where it stood")
     else:
         if r.state is not S.COMMITTING:
             ctx.journal.move(r, S.COMMITTING, who)
@@ -137,7 +154,7 @@ def _carry_out(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> None:
             signals.kill_tree(r.pid, r.start_ticks or None)
         dump.drop_network_lock()
         ctx.remove(r.snapshot)
-        ctx.journal.move(r, S.DONE, f"{who}: the original was ended, its copy runs on {r.peer}")
+        ctx.journal.settle(r, S.DONE, f"{who}: the original was ended, its copy runs on {r.peer}")
         # The target starts its held copy once it hears this (its own waiter asks too).
         ctx.threads.spawn("waiter", f"start-{r.migration_id[:8]}", keep_telling, ctx, target, r.migration_id, True)
 

@@ -57,7 +57,7 @@ from tpagent.migration.decide import (
     target_state,
     tell_target_abort,
 )
-from tpagent.migration.journal import Record, note_process, source_record
+from tpagent.migration.journal import note_process, source_record
 from tpagent.migration.resolve import resolve_source
 from transfer.api import TransferError, TransferStats
 from transfer.chunks import Feed
@@ -460,12 +460,12 @@ class SourceMigration:
         ctx = self.ctx
         if self.dry_run or self.record.state is S.CHECKING:
             if not self.dry_run:
-                _journal_best_effort(ctx, self.record, S.FAILED, why)
+                ctx.journal.settle(self.record, S.FAILED, why)
             if self.target_told:
                 tell_target_abort(target, self.migration_id)
             self.emit(why)
             return Outcome.FAILED
-        _journal_best_effort(ctx, self.record, S.ROLLING_BACK, why)
+        ctx.journal.settle(self.record, S.ROLLING_BACK, why)
         self.emit(why)
         if self.record.restore_sent and not self.copy_gone:
             if not target_dropped_copy(ctx, target, self.migration_id, ctx.timeouts.abort_confirm):
@@ -485,16 +485,6 @@ class SourceMigration:
         resumed = proc.alive(self.pid)
         ctx.remove(self.snapshot)
         how = "the original was resumed where it stood" if resumed else "the original is gone"
-        _journal_best_effort(ctx, self.record, S.ROLLED_BACK, f"{why}; {how}")
+        ctx.journal.settle(self.record, S.ROLLED_BACK, f"{why}; {how}")
         self.emit(self.record.message)
         return Outcome.ROLLED_BACK
-
-
-def _journal_best_effort(ctx: Context, r: Record, to: SourceState, message: str) -> None:
-    """A rollback goes on even if the journal cannot be written (a full disk)."""
-    try:
-        ctx.journal.move(r, to, message)
-    except Exception as e:
-        log.error("migration %s: could not journal %s: %s", r.migration_id, to.value, e)
-        r.state = to
-        r.message = message

@@ -23,7 +23,7 @@ from snapshot.restore import restore as restore_copy
 from tpagent.common import metrics
 from tpagent.migration.api import JournalError, PeerUnreachable, Refused, Role, SourceState, TargetState, Why, is_final
 from tpagent.migration.context import Context
-from tpagent.migration.journal import Record, note_process, same_process_alive, target_record
+from tpagent.migration.journal import Record, note_process, note_tree, same_process_alive, target_record
 from tpagent.workload import launch
 from transfer.api import TransferError, TransferStats
 from transfer.receiver import Receiver
@@ -117,7 +117,9 @@ class Incoming:
                 self._drop(why)
             raise Refused(f"restoring on {node} failed: {e}" if not self.abort_requested else why) from e
         with self.lock:
-            if not note_process(self.record, result.pid):
+            alive = note_process(self.record, result.pid)
+            note_tree(self.record, result.pids)
+            if not alive:
                 self.abort_requested = True  # (the copy died as it was restored)
             if self.abort_requested:
                 self._drop("the source rolled back while this copy was being restored")
@@ -166,17 +168,20 @@ class Incoming:
 
 def drop_copy(ctx: Context, r: Record, why: str) -> None:
     """The one way a target lets a copy go: killed if it is still ours (before the source
-    lets its original go: never two), the record DISCARDED, its files removed: the snapshot,
-    and what its restore made on this node (the copy's own files, sockets and directories:
-    left, they would stand in the way of the next migration here)."""
+    lets its original go: never two), with any process of it its root left running, the
+    record DISCARDED, its files removed: the snapshot, and what its restore made on this node
+    (the copy's own files, sockets and directories: left, they would stand in the way of the
+    next migration here)."""
     if same_process_alive(r):
         signals.kill_tree(r.pid, r.start_ticks or None)
+    for pid, ticks in r.tree if not r.rebooted() else ():  # (its root ended first: what it left running)
+        signals.kill_tree(pid, ticks)
     snap = Path(r.snapshot)
     if ctx.inside_work_dir(snap):  # (before the source hears of the drop: then this node is as it was)
         for path in take_back_created(created_note(snap)):
             ctx.log.info("migration %s: removed %s, which the dropped copy's restore had made", r.migration_id, path)
     if not is_final(r.state):
-        ctx.journal.move(r, T.DISCARDED, why)
+        ctx.journal.settle(r, T.DISCARDED, why)  # (the copy is gone: a restart drops it again)
     ctx.remove(snap, restore_work(snap), created_note(snap), *snap.parent.glob(f".{snap.name}.partial-*"))
 
 
