@@ -110,6 +110,18 @@ def test_a_report_with_a_malformed_identity_is_refused_in_one_sentence() -> None
             seen_of(report("a", died=(("train", 0, bad),)))
 
 
+def test_a_report_with_a_rank_out_of_bounds_is_refused_in_one_sentence() -> None:
+    """A world of 2**31 (a buggy or a stolen agent's) made a rebuild list 2**31 ranks' agents."""
+    for rank, world in ((-1, 3), (1 << 20, 0), (0, (1 << 31) - 1), (0, -5)):
+        bad = pb.NodeReport(node="a", agent="a:7400", ranks=[pb.RankReport(job="train", rank=rank, world=world)])
+        with pytest.raises(Refused, match="a rank in a report is 0 to 1048575, of a job of at most 1048576 ranks"):
+            seen_of(bad)
+        bad = pb.NodeReport(node="a", agent="a:7400", died=[pb.RankReport(job="train", rank=rank, world=world)])
+        with pytest.raises(Refused, match="at most 1048576 ranks"):
+            seen_of(bad)
+    assert seen_of(report("a", ("train", 2, ROOTS))).ranks[0].world == 3
+
+
 def test_moves_and_ranks_away_from_before_identities_are_adopted_by_the_one_job_of_their_name(
     tmp_path: Path,
 ) -> None:

@@ -116,10 +116,14 @@ def test_a_rank_needs_only_its_own_jobs_gpus_where_two_jobs_share_rank_numbers()
 
 
 def test_a_silent_node_is_neither_moved_from_nor_moved_to() -> None:
-    view = View(cpu_cluster().nodes, unreachable=frozenset({"b", "d"}))
+    nodes = {**cpu_cluster().nodes, "c": node("c", (rank(2, job="k"), rank(3, job="k")))}
+    view = View(nodes, unreachable=frozenset({"b", "d"}))
     p = plan(view, [taint(1, "b"), taint(2, "c")], [], [], no_failures, cfg(dedicated_spares=("d",)))
-    assert p.moves == [NewMove("j", (2, 3), "c", "e", MoveKind.AWAY, 2, 1)]
+    assert p.moves == [NewMove("k", (2, 3), "c", "e", MoveKind.AWAY, 2, 1)]
     assert "has not reported" in p.waiting[1]
+    # Nor is a job with ranks on it moved (a rewire needs every rank: its lost ones are rebuilt first).
+    p = plan(View(cpu_cluster().nodes, unreachable=frozenset({"b"})), [taint(2, "c")], [], [], no_failures, cfg())
+    assert p.moves == [] and "job j has ranks on b, which stopped reporting" in p.waiting[2]
 
 
 def test_a_failed_move_is_tried_on_another_spare_then_reported() -> None:

@@ -33,9 +33,9 @@ def test_a_rebuilds_spare_is_held_from_other_rebuilds_and_moves_until_it_ends(tm
     nodes = [node("a", (rank(0, "j1"),)), node("b", (rank(1, "j1"),)), node("c", (rank(0, "j2"),))]
     o = orchestrator(tmp_path, [*nodes, node("x", (rank(1, "j2"),)), node("e"), node("f")])
     try:
-        assert o._spare_for("j1", "b") == ("e", "e:7400")
-        assert o._spare_for("j2", "x") == ("f", "f:7400")  # (e was given to j1's rebuild)
-        assert o._spare_for("j3", "c") is None
+        assert o._spare_for("j1", "b", (1,)) == ("e", "e:7400")
+        assert o._spare_for("j2", "x", (1,)) == ("f", "f:7400")  # (e was given to j1's rebuild)
+        assert o._spare_for("j3", "c", (0,)) is None
         o.state.taint("a", "", TaintKind.PLANNED, "maintenance", "operator")
         p = plan(o.view(), o.state.taints(), [], [], no_failures, o.cfg)
         assert p.moves == [] and "no spare fits: none is free" in p.waiting[1], p
@@ -53,14 +53,14 @@ def test_a_rebuilds_spare_has_gpus_like_the_lost_ranks_none_tainted_and_is_the_s
     o = orchestrator(tmp_path, [a, b, node("e", gpus=1), node("f", gpus=1)])
     try:
         o.state.taint("e", "GPU-e-0", TaintKind.PREEMPTIVE, "xid 79", "health:xid")
-        assert o._spare_for("j", "b") == ("f", "f:7400")  # (e's only GPU is tainted)
+        assert o._spare_for("j", "b", (1,)) == ("f", "f:7400")  # (e's only GPU is tainted)
 
         class Down(Static):
             def pool(self, job: str, users: frozenset[int]) -> Pool:
                 return Pool(self.cfg.dedicated(), floating=frozenset(), why="Slurm has not answered lately")
 
         o.scheduler = Down(o.cfg)
-        assert o._spare_for("j", "a") is None  # (a move would get none either)
+        assert o._spare_for("j", "a", (0,)) is None  # (a move would get none either)
     finally:
         o.state.close()
 

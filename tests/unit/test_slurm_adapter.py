@@ -152,6 +152,10 @@ def test_what_later_slurms_print_is_read_too() -> None:
     )
     assert (j.state, j.priority, j.nodes) == ("RUNNING", 4294, ("gpu01", "gpu02", "gpu03", "gpu7", "cpu1"))
     assert expand("n[8-10]") == ("n8", "n9", "n10") and expand("a,b") == ("a", "b")
+    # Text after a range, and ranges in several places of a name (were: node1, node2, "-ib").
+    assert expand("node[1-2]-ib,x") == ("node1-ib", "node2-ib", "x")
+    assert expand("r[1-2]n[08-09]") == ("r1n08", "r1n09", "r2n08", "r2n09")
+    assert len(expand("n[1-99999999]")) == 1 << 16  # (bounded)
 
 
 def test_a_users_ranks_naming_another_users_slurm_job_are_not_that_job() -> None:

@@ -123,7 +123,7 @@ class Orchestrator:
                     Why.PRECONDITION,
                 )
             reports = before.reports + 1 if before else 1
-            self.nodes[seen.name] = dataclasses.replace(seen, reports=reports, ranks=policy.kept_gpus(seen, before))
+            self.nodes[seen.name] = dataclasses.replace(policy.kept_gpus(seen, before), reports=reports)
             back = seen.name in self.unreachable
             self.unreachable.discard(seen.name)
             self.unlost.discard(seen.name)
@@ -284,6 +284,10 @@ class Orchestrator:
                 self.event("unreachable", f"{n}: its jobs stand still now: its ranks are taken as lost", node=n)
                 if self.cfg.lost_grace > 0:
                     self._lost(n)
+        with self.lock:
+            lost = frozenset(self.unreachable)
+        for n, jobs in self.lost_nodes.later(lost):  # (jobs that were being moved: their moves may have ended)
+            self._lost(n, jobs)
         after = max(self.cfg.quiet_after, 2 * self.cfg.report_period)  # (one late report is no silence)
         quiet = sorted(n for n, s in silence.items() if after < s <= self.cfg.unreachable_after)
         if quiet and self.cfg.quiet_after and self.cfg.lost_grace > 0:
@@ -302,18 +306,14 @@ class Orchestrator:
         if lose and self.cfg.lost_grace > 0:
             self._lost(node)
 
-    def _lost(self, node: str) -> None:
-        """``node`` is unreachable: its jobs rebuilt, or their other ranks told (:mod:`.lost`)."""
-
-        def moving(job: str) -> bool:
-            return any(job in seen.busy for seen in view.nodes.values()) or any(
-                m.job == job for m in self.state.moves(active=True)
-            )
-
+    def _lost(self, node: str, only: frozenset[str] | None = None) -> None:
+        """``node`` is unreachable: its jobs (of ``only``, where given) rebuilt, or their other
+        ranks told (:mod:`.lost`); a job a move is under way of, once the move has ended."""
         view = self.view()
-        self.lost_nodes.lost(view, node, moving)
+        busy = {m.job for m in self.state.moves(active=True)} | {j for seen in view.nodes.values() for j in seen.busy}
+        self.lost_nodes.lost(view, node, busy.__contains__, only)
 
-    def _spare_for(self, job: str, lost: str) -> tuple[str, str] | None:
+    def _spare_for(self, job: str, lost: str, ranks: tuple[int, ...]) -> tuple[str, str] | None:
         """A node no rank uses for ``job``'s ranks lost with ``lost`` (its name, agent: their commands start
         there as their replicas'), chosen as a move's spare is, held until :meth:`_spare_done`; None if none."""
         with self.choosing:
@@ -321,7 +321,7 @@ class Orchestrator:
             source = view.nodes.get(lost)
             if source is None:
                 return None
-            ranks = tuple(r.rank for r in source.ranks if r.job == job)
+            source = dataclasses.replace(source, ranks=(*source.ranks, *source.died))  # (GPUs like a died one's)
             pool = self.scheduler.pool(job, view.users().get(job, frozenset()))
             active = [m for m in self.state.moves(active=True) if m.state in (MoveState.PLANNED, MoveState.RUNNING)]
             free = policy.spares(view, self.state.taints(), active, self.state.away(), self.cfg, pool.dedicated)
@@ -346,22 +346,25 @@ class Orchestrator:
         slots = self.cfg.max_parallel - sum(m.state is MoveState.RUNNING for m in active)
         if time.monotonic() < self.backoff_until:
             return
-        view = self.view()
-        taints = self.state.taints()
-        for m in active:
-            if slots <= 0:
-                break
-            if m.state is not MoveState.PLANNED or not (view.reachable(m.source) and view.reachable(m.target)):
-                continue
-            gpus = policy.target_gpus(view, taints, dedicated, m)
-            if gpus is None or not self.state.start(m.id):  # (too few GPUs left there: the next plan cancels it)
-                continue
-            slots -= 1
-            agents = (view.nodes[m.source].agent, view.nodes[m.target].agent)
-            t = threading.Thread(target=self._execute, args=(m, *agents, gpus), name=f"move-{m.id}", daemon=True)
-            with self.lock:
-                self.running[m.id] = t
-            t.start()
+        with self.choosing:  # (a rebuild's spare, held since the plan, is not started onto: the next plan cancels it)
+            view = self.view()
+            taints = self.state.taints()
+            for m in active:
+                if slots <= 0:
+                    break
+                if m.state is not MoveState.PLANNED or m.target in view.held:
+                    continue
+                gpus = policy.target_gpus(view, taints, dedicated, m)
+                if not (view.reachable(m.source) and view.reachable(m.target)) or gpus is None:
+                    continue  # (too few GPUs left there: the next plan cancels it)
+                if not self.state.start(m.id):
+                    continue
+                slots -= 1
+                agents = (view.nodes[m.source].agent, view.nodes[m.target].agent)
+                t = threading.Thread(target=self._execute, args=(m, *agents, gpus), name=f"move-{m.id}", daemon=True)
+                with self.lock:
+                    self.running[m.id] = t
+                t.start()
 
     def _execute(self, m: Move, source: str, target: str, gpus: tuple[str, ...]) -> None:
         out = mover.Outcome(None, "the orchestrator failed while it ran")

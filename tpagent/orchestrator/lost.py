@@ -66,8 +66,8 @@ class Event(Protocol):
 
 #: A node taken as unreachable, and why (a clause): the orchestrator's.
 Declare = Callable[[str, str], None]
-#: A free spare for a job's lost ranks (not ``lost``): its name and its agent; or None.
-SpareFor = Callable[[str, str], "tuple[str, str] | None"]
+#: A free spare for a job's ranks lost with a node (not that node): its name and its agent; or None.
+SpareFor = Callable[[str, str, tuple[int, ...]], "tuple[str, str] | None"]
 #: The longest a rebuild may take, its fresh processes' warm-up included.
 RECOVER_TIMEOUT = 900.0
 #: How long a rank that died is not rebuilt again once its rebuild ended (its agent's reports may
@@ -111,6 +111,7 @@ class LostNodes:
         self.settled: dict[tuple[str, int, str], float] = {}  # (job, rank, node) died there: when its rebuild ended
         self.probed: dict[str, float] = {}  # job -> when its nodes were last looked for (broke)
         self.asked: dict[str, float] = {}  # node -> when its host was last asked, as it was quiet
+        self.moved: dict[str, frozenset[str]] = {}  # lost node -> its jobs a move was under way of
         #: The longest a job is watched for two of its steps (a slower job's silent node is lost
         #: once silent that long) and how long the steps of its ranks are kept for it.
         self.window = 4 * cfg.unreachable_after
@@ -138,15 +139,29 @@ class LostNodes:
                 early = f"job {job_name(job)} steps every {pace:.1f} s: too few of its steps have passed", last + span
         return early
 
-    def lost(self, view: View, node: str, moving: Callable[[str], bool]) -> None:
-        """``node`` is unreachable: each job of it rebuilt, or its other ranks told (see the module)."""
+    def lost(self, view: View, node: str, moving: Callable[[str], bool], only: frozenset[str] | None = None) -> None:
+        """``node`` is unreachable: each job of it (of ``only``, where given) rebuilt, or its other
+        ranks told (see the module).  The jobs a move is under way of are left for now (its
+        agents decide: it may save the job): :meth:`later` names them again."""
         lost = view.nodes[node]
-        for job in sorted({r.job for r in lost.ranks}):
+        later = set()
+        jobs = {r.job for r in lost.ranks}
+        for job in sorted(jobs if only is None else jobs & only):
             ranks = tuple(sorted(r.rank for r in lost.ranks if r.job == job and not _elsewhere(view, node, r)))
             users = tuple(sorted({u for r in lost.ranks if r.job == job for u in r.users}))
             tell = P.Lost(lost.agent, self._why(node), self.cfg.lost_grace, users, identity=job_identity(job))
-            if ranks and not moving(job):  # (a move of it, its agents decide: it may save the job)
+            if ranks and moving(job):
+                later.add(job)
+            elif ranks:
                 self._recover(view, node, job, ranks, tell)
+        with self.lock:
+            self.moved[node] = frozenset(later)
+
+    def later(self, unreachable: frozenset[str]) -> list[tuple[str, frozenset[str]]]:
+        """The jobs of nodes still ``unreachable`` that :meth:`lost` left for their moves."""
+        with self.lock:
+            self.moved = {n: jobs for n, jobs in self.moved.items() if jobs and n in unreachable}
+            return sorted(self.moved.items())
 
     def died(self, view: View, node: str, rebuild: bool = True) -> None:
         """Ranks died on ``node`` by a signal, its agent holding their ends from their stand-ins
@@ -276,7 +291,7 @@ class LostNodes:
                 return
             self.rebuilding[job] = set()
         agents = [view.nodes[n].agent for n in others]
-        spare = self.spare_for(job, node) if self.cfg.recover_lost else None
+        spare = self.spare_for(job, node, ranks) if self.cfg.recover_lost else None
         if spare is None:
             with self.lock:
                 self.rebuilding.pop(job, None)

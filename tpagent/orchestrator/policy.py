@@ -154,7 +154,9 @@ def plan(
             out.cancels.append((m.id, "its taint was removed before it started"))
         elif m.target in node_taints:
             out.cancels.append((m.id, f"{m.target} was tainted before it started"))
-        elif gone := [n for n in (m.target, m.source) if view.gone(n)]:
+        elif m.target in view.held:
+            out.cancels.append((m.id, f"{m.target} was given to a rebuild of lost ranks before it started"))
+        elif gone := [n for n in (m.target, m.source) if view.gone(n)] or _lost_with(view, m.job):
             out.cancels.append((m.id, f"{gone[0]} stopped reporting before it started"))
         elif why := _unfit(view, taints, dedicated, m):
             out.cancels.append((m.id, f"{m.target} no longer fits before it started ({why})"))
@@ -177,6 +179,9 @@ def plan(
                 continue
             if any(job in n.busy for n in view.nodes.values()):
                 reasons[t.id].append(f"job {job_name(job)} is being moved by someone else")
+                continue
+            if lost := _lost_with(view, job):
+                reasons[t.id].append(f"job {job_name(job)} has ranks on {lost[0]}, which stopped reporting")
                 continue
             done = failed(job, node.name, t.id)
             if len(done) > cfg.retries:
@@ -242,7 +247,7 @@ def _home(
             continue
         if home in tainted or not {r.rank for r in node.ranks if r.job == job} >= set(ranks):
             continue
-        if any(job in n.busy for n in view.nodes.values()):
+        if any(job in n.busy for n in view.nodes.values()) or _lost_with(view, job):
             continue
         done = failed(job, on, taint)
         target = view.nodes[home]
@@ -252,9 +257,17 @@ def _home(
         out.moves.append(NewMove(job, tuple(ranks), on, home, MoveKind.HOME, taint, len(done) + 1))
 
 
+def _lost_with(view: View, job: str) -> list[str]:
+    """The nodes that stopped reporting with ranks of ``job``: no move of it starts (a rewire
+    needs every rank), its lost ranks are rebuilt first (:mod:`.lost`)."""
+    return sorted(n for n, seen in view.nodes.items() if view.gone(n) and any(r.job == job for r in seen.ranks))
+
+
 def _spare_of(node: NodeSeen, taints: list[Taint]) -> Spare:
-    """``node`` as a spare: its GPUs no rank uses and no taint covers."""
+    """``node`` as a spare: its GPUs no rank uses, no taint covers, and no finding of its health
+    names (its next report taints it: an operator's untaint of it does not make it well)."""
     used = {g for r in node.ranks for g in r.gpus} | {t.gpu for t in taints if t.node == node.name}
+    used |= {f.gpu for f in node.findings}
     return Spare(node.name, tuple(g for g in node.gpus if g.uuid not in used), False, not node.ranks)
 
 
@@ -301,8 +314,13 @@ def _unfit(view: View, taints: list[Taint], dedicated: dict[str, frozenset[str]]
     return misfit(source, m.job, m.ranks, _target_of(view, taints, dedicated, m), target)
 
 
-def kept_gpus(seen: NodeSeen, before: NodeSeen | None) -> tuple[RankSeen, ...]:
-    """``seen``'s ranks; one whose GPU no longer answers NVML (its processes are no longer listed)
-    keeps the GPUs it used before, so that a taint of that GPU still covers it."""
-    old = {(r.job, r.rank): r.gpus for r in before.ranks} if before is not None else {}
-    return tuple(r if r.gpus else replace(r, gpus=old.get((r.job, r.rank), ())) for r in seen.ranks)
+def kept_gpus(seen: NodeSeen, before: NodeSeen | None) -> NodeSeen:
+    """``seen``; a rank whose GPU no longer answers NVML (its processes are no longer listed)
+    keeps the GPUs it used before, so that a taint of that GPU still covers it, and so does a
+    rank that died (its processes are gone), so that its rebuild's spare has GPUs like them."""
+    old = {(r.job, r.rank): r.gpus for r in (*before.ranks, *before.died)} if before is not None else {}
+
+    def kept(ranks: tuple[RankSeen, ...]) -> tuple[RankSeen, ...]:
+        return tuple(r if r.gpus else replace(r, gpus=old.get((r.job, r.rank), ())) for r in ranks)
+
+    return replace(seen, ranks=kept(seen.ranks), died=kept(seen.died))

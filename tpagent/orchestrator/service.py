@@ -30,6 +30,7 @@ from tpagent.orchestrator.api import (
 )
 from tpagent.orchestrator.api import NodeSeen as Seen
 from tpagent.orchestrator.core import NAME_MAX, Orchestrator
+from tpagent_rank.protocol import RANK_MAX
 
 CODES = {
     Why.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -72,6 +73,8 @@ def seen_of(r: pb.NodeReport) -> Seen:
         raise Refused("a report's finding names a GPU the report does not list.")
     if any(x.identity and not IDENTITY.fullmatch(x.identity) for x in (*r.ranks, *r.died)):
         raise Refused("a rank's identity in a report is 16 hex digits, or none.")
+    if any(not (0 <= x.rank < RANK_MAX and 0 <= x.world <= RANK_MAX) for x in (*r.ranks, *r.died)):
+        raise Refused(f"a rank in a report is 0 to {RANK_MAX - 1}, of a job of at most {RANK_MAX} ranks.")
     rewiring = set(r.rewiring[:MAX_RANKS])  # (by name: the jobs of its ranks of those names)
     return Seen(
         name=r.node,

@@ -113,18 +113,28 @@ def _states(value: Any) -> list[str]:
     return [str(v) for v in value] if isinstance(value, list) else [str(value or "")]
 
 
-def expand(hostlist: str) -> tuple[str, ...]:
-    """The node names of a Slurm host list: ``gpu[01-03,7],cpu1`` -> gpu01, gpu02, gpu03, gpu7, cpu1."""
+def expand(hostlist: str, most: int = 1 << 16) -> tuple[str, ...]:
+    """The node names of a Slurm host list: ``gpu[01-03,7],cpu1`` -> gpu01, gpu02, gpu03, gpu7,
+    cpu1; text after a range and several ranges in a name are kept (``n[1-2]-ib[0-1]``: n1-ib0,
+    n1-ib1, n2-ib0, n2-ib1).  At most ``most`` names (a longer list is cut there)."""
     out: list[str] = []
-    for m in re.finditer(r"([^,\[]*)\[([^\]]*)\]|([^,\[\]]+)", hostlist):
-        if m.group(3):
-            out.append(m.group(3))
-            continue
-        for part in m.group(2).split(","):
-            lo, _, hi = part.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                out.append(f"{m.group(1)}{i:0{len(lo)}d}")
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        names = [""]
+        for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
+            names = [n + text for n in names]
+            if ranges:
+                names = [n + i for n in names for i in _numbers(ranges, most)][:most]
+        out += names[: most - len(out)]
     return tuple(out)
+
+
+def _numbers(ranges: str, most: int) -> list[str]:
+    """``01-03,7`` -> 01, 02, 03, 7 (each as wide as the range's first number)."""
+    out: list[str] = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        out += [f"{i:0{len(lo)}d}" for i in range(int(lo), min(int(hi or lo), int(lo) + most) + 1)]
+    return out[:most]
 
 
 def _node(d: dict[str, Any]) -> SNode:
