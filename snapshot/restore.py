@@ -112,7 +112,8 @@ def restore(
 ) -> RestoreResult:
     """Restore ``directory``.  ``verified``: its checksums were just checked (a receiver does
     that as the data arrives), so only the manifest is read again.  ``work``: CRIU's work
-    directory (its log and ``restore.pid``), for a caller that must find them after a crash.
+    directory (its log and ``restore.pid``), for a caller that must find them after a crash (a
+    held copy's is left to its caller: it names the copy until the caller has noted it).
     ``start`` False: the copy is restored but held — stopped (a CPU process), or with its
     GPU still locked (a CUDA process, whose driver restore needs it running) — until
     :func:`start_restored`; a migration lets it go only once the original is let go.
@@ -144,13 +145,10 @@ def restore(
         proc.wait_pids_free(
             [p.pid for p in m.processes], config.timeouts.pid_wait, [t for p in m.processes for t in p.tids]
         )
-    opts = RestoreOptions(
-        bool(m.criu["shell_job"]),
-        bool(m.criu["tcp_established"]),
-        m.namespace,
-        leave_stopped=not m.cuda_pids,  # (checked before it runs: _check_opened; a CUDA process's runs at once)
-    )
+    stopped = not m.cuda_pids  # (checked before it runs: _check_opened; a CUDA process's runs at once)
+    opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), m.namespace, stopped)
     fresh = [b for b in m.sockets if not os.path.lexists(b.path)]  # (CRIU makes them)
+    kept = work is not None and not start  # (a held copy's: its caller removes it once it has noted the copy)
     if work is None:
         work = Path(tempfile.mkdtemp(prefix="tpagent-restore-"))
     else:
@@ -162,6 +160,7 @@ def restore(
             copies.note_copy(m, job.root)
             late.consume()
     except BaseException as e:
+        kept = False
         # Never leave a half-restored copy (CPU side up, GPU side still in host memory): kill what
         # CRIU started, take back what was put back; the snapshot, unmodified, is the copy to retry.
         with signals.deferred_sigint() as again:  # (a second SIGHUP of a closed terminal never cuts it short)
@@ -176,7 +175,8 @@ def restore(
             "that copy was stopped and the snapshot is intact"
         ) from e
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if not kept:
+            shutil.rmtree(work, ignore_errors=True)
     return RestoreResult(job.root, tuple(job.mapping.values()), m, timer.timings)
 
 

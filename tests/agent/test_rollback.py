@@ -241,3 +241,22 @@ def test_a_failure_reported_after_the_tree_was_ended_keeps_the_snapshot(start, t
     wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
     assert_continuous(w.ticks())
     w.verify_state()
+
+
+def test_a_held_copy_is_found_by_its_restore_pid_until_its_target_has_noted_it(tmp_path: Path) -> None:
+    """A target agent that dies between CRIU's restore of a held copy and its journal's READY
+    (the record still RESTORING, its PID not yet in it): the restore had removed its work
+    directory, restore.pid with it, so the agent started again found no copy to stop and
+    dropped the record, and the copy stayed beside the original its source resumed.  Now a
+    held copy's work directory is left to its caller, and restore.pid names the copy."""
+    p = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        checkpoint(p.pid, tmp_path / "snap")
+        p.wait(30)
+        work = tmp_path / "work"
+        result = restore.restore(tmp_path / "snap", start=False, work=work)
+        assert psutil.Process(result.pid).status() == psutil.STATUS_STOPPED  # (held)
+        assert restore.kill_restored(work) == result.pid  # (what the agent started again does)
+        wait_until(lambda: not alive(result.pid), "the held copy to end")
+    finally:
+        kill_and_wait(p.pid)

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from tpagent.migration import journal
-from tpagent.migration.api import SourceState
-from tpagent.migration.journal import Journal, source_record
+from tpagent.migration.api import SourceState, TargetState
+from tpagent.migration.journal import Journal, source_record, target_record
 
 
 def _record(j: Journal, state: SourceState, age_days: float = 0.0) -> str:
@@ -50,6 +50,38 @@ def test_ended_records_past_the_count_or_the_age_go_and_the_rest_stay(
     assert left == {*kept, old_unfinished, damaged.stem}, left
     assert old_done not in left
     assert j.read(old_unfinished) is not None and [r.migration_id for r in j.unfinished()] == [old_unfinished]
+
+
+def test_a_targets_record_of_a_copy_made_final_is_kept_past_the_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A source agent stopped while it committed (CRIU holding its original frozen) asks its
+    target when it starts again.  Once the target had ended KEEP_FINAL migrations since, its
+    record of the copy was gone, and "unknown" was taken for "no copy": the original resumed
+    beside its running copy.  A final copy's record now goes only with its age."""
+    monkeypatch.setattr(journal, "KEEP_FINAL", 2)
+    j = Journal(tmp_path / "migrations")
+    copy = target_record(uuid.uuid4().hex, peer="10.0.0.1:7400")
+    copy.state = TargetState.CONFIRMING
+    j.write(copy)
+    j.move(copy, TargetState.DONE)
+    os.utime(j.path(copy.migration_id), (time.time() - 20 * 86400,) * 2)
+    dropped = target_record(uuid.uuid4().hex, peer="10.0.0.1:7400")
+    j.write(dropped)
+    j.move(dropped, TargetState.DISCARDED)
+    os.utime(j.path(dropped.migration_id), (time.time() - 19 * 86400,) * 2)
+    newer = [_record(j, SourceState.ROLLED_BACK, age_days=1 - i / 10) for i in range(3)]
+    _record(j, SourceState.FAILED)
+    last = source_record(uuid.uuid4().hex, peer="10.0.0.2:7400")
+    j.write(last)
+    j.move(last, SourceState.FAILED, "it failed")  # (a move to a final state prunes)
+    left = {p.stem for p in j.directory.glob("*.json")}
+    assert copy.migration_id in left and dropped.migration_id not in left and newer[0] not in left
+    os.utime(j.path(copy.migration_id), (time.time() - 31 * 86400,) * 2)
+    again = source_record(uuid.uuid4().hex, peer="10.0.0.2:7400")
+    j.write(again)
+    j.move(again, SourceState.FAILED, "it failed")
+    assert not j.path(copy.migration_id).exists()  # (past its age)
 
 
 def test_the_notes_of_restored_copies_that_ended_go_as_another_is_noted(

@@ -249,11 +249,13 @@ class RecordFiles:
     def ids(self) -> list[str]:
         return [p.stem for p in sorted(self.directory.glob("*.json")) if valid_id(p.stem)]
 
-    def prune(self, final: Callable[[dict[str, Any]], bool]) -> None:
+    def prune(
+        self, final: Callable[[dict[str, Any]], bool], proof: Callable[[dict[str, Any]], bool] = lambda d: False
+    ) -> None:
         """Forget the records that ``final`` says are over, once older than :data:`KEEP_FOR`
-        seconds or past the newest :data:`KEEP_FINAL` of them; never one still going on, or one
-        that cannot be read (left for an operator)."""
-        ended: list[tuple[float, Path]] = []
+        seconds or past the newest :data:`KEEP_FINAL` of them (one that is ``proof`` only once
+        that old); never one still going on, or one that cannot be read (left for an operator)."""
+        ended: list[tuple[float, bool, Path]] = []
         for record_id in self.ids():
             try:
                 data = self.read(record_id)
@@ -261,11 +263,11 @@ class RecordFiles:
             except (JournalError, OSError):
                 continue
             if data is not None and final(data):
-                ended.append((when, self.path(record_id)))
-        ended.sort(reverse=True)  # (newest first)
+                ended.append((when, proof(data), self.path(record_id)))
+        ended.sort(key=lambda e: e[0], reverse=True)  # (newest first)
         now = time.time()
-        for i, (when, path) in enumerate(ended):
-            if i >= KEEP_FINAL or now - when > KEEP_FOR:
+        for i, (when, kept, path) in enumerate(ended):
+            if (i >= KEEP_FINAL and not kept) or now - when > KEEP_FOR:
                 path.unlink(missing_ok=True)
 
 
@@ -274,6 +276,12 @@ def _over(data: dict[str, Any]) -> bool:
         return is_final(Record.from_json(data).state)
     except (ValueError, KeyError, TypeError):
         return False
+
+
+def _copy_runs(data: dict[str, Any]) -> bool:
+    """A target's record of a copy made final: its source, asking after a long stop (CRIU holding
+    its original frozen meanwhile), must hear DONE, never "unknown" (that would resume it)."""
+    return data.get("role") == Role.TARGET.value and data.get("state") == TargetState.DONE.value
 
 
 class Journal:
@@ -305,7 +313,7 @@ class Journal:
             record.state, record.message = before
             raise
         if is_final(to):
-            self.files.prune(_over)
+            self.files.prune(_over, _copy_runs)
 
     def settle(self, record: Record, to: State, message: str = "") -> None:
         """:meth:`move`, for a step taken whether or not it can be written down: the original let

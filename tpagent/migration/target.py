@@ -129,6 +129,7 @@ class Incoming:
             except Exception:
                 self._drop("could not journal the restored copy")
                 raise
+            self.ctx.remove(restore_work(self.dir))  # (its restore.pid named the copy until the journal did)
             self.restored = result
         mid = self.record.migration_id
         self.ctx.threads.spawn("waiter", f"await-source-{mid[:8]}", await_source, self.ctx, mid, finish)
