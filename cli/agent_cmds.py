@@ -31,6 +31,7 @@ from cli.common import (
     given_path,
     gpu_uuids,
     passed_on,
+    pid_number,
     rpc_exit_code,
     utf8,
 )
@@ -105,7 +106,7 @@ JOB_HELP = "A distributed job (its rdzv id) whose --rank to move."
 
 def migrate(
     pid: Annotated[
-        int, typer.Argument(min=0, max=1 << 22, help="The process (a launch namespace, a rank) to move; 0 with --job.")
+        int, typer.Argument(parser=pid_number, help="The process (a launch namespace, a rank) to move; 0 with --job.")
     ] = 0,
     to: Annotated[str, typer.Option("--to", envvar="TPAGENT_TO", help="HOST:PORT of the target node's agent.")] = "",
     source: Annotated[

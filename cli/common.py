@@ -126,6 +126,19 @@ def utf8(value: str | None) -> str | None:
     return value
 
 
+#: The highest PID Linux gives (PID_MAX_LIMIT).
+PID_MAX = 1 << 22
+
+
+def pid_number(value: str | int) -> int:
+    """(A typer parser.)  A PID as ``ps`` writes it: digits only (``int`` also takes "1_000" and
+    " 5", which would name another process than the one meant), at most :data:`PID_MAX`."""
+    text = str(value)
+    if not (text.isascii() and text.isdigit()) or int(text) > PID_MAX:
+        raise typer.BadParameter(f"{ascii(text[:40])} is not a PID (digits, as ps writes it).")
+    return int(text)
+
+
 def gpu_uuids(value: list[str] | None) -> list[str] | None:
     """(A typer callback.)  GPUs' UUIDs (GPU-..., as nvidia-smi -L lists them): anything
     else is refused in one sentence, exit 2."""

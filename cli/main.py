@@ -36,6 +36,7 @@ from cli.common import (
     given_path,
     gpu_map_of,
     guarded,
+    pid_number,
 )
 from host.api import MOST_SECONDS
 from host.gpus import inventory
@@ -49,7 +50,16 @@ from tpagent.orchestrator.api import printable
 from tpagent.workload.launch import launch as launch_workload
 from tpagent.workload.launch import register as register_launched
 from transfer import pipeline
-from transfer.api import DEFAULT_TLS_DIR, Compress, TlsFiles, TransferConfig, TransferError, Transport, read_secret
+from transfer.api import (
+    DEFAULT_TLS_DIR,
+    Compress,
+    TlsFiles,
+    TransferConfig,
+    TransferError,
+    Transport,
+    parse_address,
+    read_secret,
+)
 from transfer.receiver import Receiver, checked_request
 from transfer.sender import Sender
 from transfer.transports import make_transport
@@ -91,7 +101,9 @@ def _transport(name: TransportName, io_timeout: float, tls_dir: Path, plaintext:
 
 @command(app)
 def dump(
-    pid: Annotated[int, typer.Argument(help="Process (or `tpagent launch` namespace) to checkpoint.")],
+    pid: Annotated[
+        int, typer.Argument(parser=pid_number, help="Process (or `tpagent launch` namespace) to checkpoint.")
+    ],
     out: Annotated[
         Path, typer.Option("--out", "-o", envvar="TPAGENT_OUT", parser=given_path, help="New or empty directory.")
     ],
@@ -321,6 +333,7 @@ def doctor(
         int | None,
         typer.Option(
             "--pid",
+            parser=pid_number,
             help="Also check this process: CUDA features the driver cannot checkpoint, children forked after CUDA.",
         ),
     ] = None,
@@ -437,6 +450,7 @@ def receive(
     """Accept one authenticated snapshot stream and write it, verified, to --out."""
     try:
         cfg = TransferConfig(secret=read_secret(secret_file))
+        parse_address(listen)  # (before --out's parents are made)
         checked_request(out, timeout)  # (before it listens: a bad request is said alone)
         receiver = Receiver(_transport(transport, cfg.io_timeout, tls_dir, plaintext), cfg, listen)
         typer.echo(f"listening on {receiver.address}", err=True)

@@ -26,10 +26,22 @@ def _opened(path: Path, unreadable: str, irregular: str) -> tuple[int, os.stat_r
     except OSError as e:
         raise UsageError(f"{unreadable}: {e.strerror}.") from e
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    if not stat.S_ISREG(st.st_mode) or _kernels(st):
         os.close(fd)
         raise UsageError(irregular)
     return fd, st
+
+
+def _kernels(st: os.stat_result) -> bool:
+    """Whether the file is one the kernel makes up as it is read (/proc, /sys: /proc/kmsg read
+    as a secret, /proc/self/environ): "regular" files whose text is no file's."""
+    for mount in ("/proc", "/sys"):
+        try:
+            if os.stat(mount).st_dev == st.st_dev:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def open_trusted(path: Path, what: str) -> int:

@@ -231,6 +231,10 @@ def parse_address(address: str) -> tuple[str, int]:
     number = port_number(port)
     if not sep or number is None:
         raise BadAddress(f"{address[:80]!r} is not HOST:PORT.")
+    try:
+        host.strip("[]").encode("idna")  # (what the resolver is given: bytes of no encoding fail there)
+    except UnicodeError:
+        raise BadAddress(f"{address[:80]!r} names no host: a host name is text DNS can hold.") from None
     return host.strip("[]") or "0.0.0.0", number
 
 

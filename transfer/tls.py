@@ -59,10 +59,7 @@ def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
     try:
         ctx.load_verify_locations(cafile=f"/proc/self/fd/{ca}")
     except (OSError, ssl.SSLError) as e:
-        raise UsageError(
-            f"cannot load the cluster CA from {files.ca} ({_why(e)}); "
-            "give the PEM certificate the nodes' certificates are signed with."
-        ) from e
+        raise _refused(files, e, ca=True) from e
     finally:
         os.close(ca)
     # OpenSSL loads the key by path: it gets the descriptor checked here (the key must be
@@ -76,13 +73,46 @@ def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
     try:
         ctx.load_cert_chain(f"/proc/self/fd/{cert}", f"/proc/self/fd/{fd}")
     except (OSError, ssl.SSLError) as e:
-        raise UsageError(
-            f"cannot load this node's certificate {files.cert} with its key {files.key} ({_why(e)}); "
-            f"give a PEM certificate and the private key it was made for."
-        ) from e
+        raise _refused(files, e, ca=False) from e
     finally:
         os.close(fd)
         os.close(cert)
+
+
+def _refused(files: TlsFiles, e: Exception, ca: bool) -> UsageError:
+    """Why the cluster CA (``ca``), or this node's certificate with its key, cannot be loaded."""
+    why = _why(e) if isinstance(e, OSError) else str(e).lower()
+    if ca:
+        return UsageError(
+            f"cannot load the cluster CA from {files.ca} ({why}); "
+            "give the PEM certificate the nodes' certificates are signed with."
+        )
+    return UsageError(
+        f"cannot load this node's certificate {files.cert} with its key {files.key} ({why}); "
+        "give a PEM certificate and the private key it was made for."
+    )
+
+
+def check_pem(files: TlsFiles, ca: bytes, cert: bytes, key: bytes) -> None:
+    """UsageError, in the sentences :func:`_load` says, unless ``ca`` holds a PEM certificate
+    and ``cert`` with ``key`` a certificate and the private key it was made for: what was read
+    of ``files`` for a library that takes them as they are (gRPC's aborts the process on an empty key)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        ctx.load_verify_locations(cadata=ca.decode("latin-1"))
+    except (ValueError, ssl.SSLError) as e:
+        raise _refused(files, e, ca=True) from e
+    fds = [os.memfd_create("tpagent-tls", os.MFD_CLOEXEC) for _ in (cert, key)]
+    try:
+        for fd, data in zip(fds, (cert, key), strict=True):
+            with os.fdopen(os.dup(fd), "wb") as f:
+                f.write(data)
+        ctx.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
+    except (OSError, ssl.SSLError) as e:
+        raise _refused(files, e, ca=False) from e
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def client_failure(e: ssl.SSLError, address: str, handshake: bool) -> TransferError:

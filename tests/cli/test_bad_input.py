@@ -985,3 +985,21 @@ def test_a_launch_log_refused_in_a_users_directory_leaves_nothing_of_roots_there
     said = tpagent("launch", "--stdout", str(theirs / "new.log"), "--", "sleep", "1")
     assert_one_sentence_error(said, str(theirs / "new.log"))
     assert list(theirs.iterdir()) == []
+
+
+def test_a_host_name_of_no_encoding_and_a_bad_listen_address_are_said_before_anything_is_made(
+    snapshot_dir: Path, tmp_path: Path
+) -> None:
+    """A host of bytes no encoding reads (a shell passes them) ended `send` in "unexpected error
+    (UnicodeError ...)" and `receive --listen` in one of a TypeError; and `receive` made --out's
+    parent directories before it found its --listen address bad."""
+    secret = _secret(tmp_path)
+    said = tpagent("send", str(snapshot_dir), "\udcff:7411", "--secret-file", str(secret), "--plaintext")
+    assert_one_sentence_error(said, "'\\udcff:7411' names no host: a host name is text DNS can hold")
+    assert said.returncode == 2
+    out = tmp_path / "made" / "snap"
+    for listen, says in (("\udcff:0", "names no host"), ("127.0.0.1:99999", "is not HOST:PORT")):
+        args = ("--listen", listen, "--out", str(out), "--secret-file", str(secret), "--plaintext")
+        said = tpagent("receive", *args, "--timeout", "5")
+        assert_one_sentence_error(said, says)
+        assert said.returncode == 2 and not out.parent.exists()

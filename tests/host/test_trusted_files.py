@@ -99,3 +99,41 @@ def test_a_cluster_ca_another_user_can_change_or_a_fifo_is_not_trusted(tmp_path:
         [sys.executable, "-c", code, str(secret), str(tls)], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
     assert "is not a regular file" in waited.stderr and waited.returncode != 0
+
+
+@pytest.mark.parametrize("broken", ["empty-key", "empty-cert", "not-pem-ca", "another-nodes-key"])
+def test_tls_files_grpc_cannot_take_are_refused_in_one_sentence(tmp_path: Path, broken: str) -> None:
+    """An empty tls.key or tls.crt aborted the process inside gRPC (SIGABRT, a native stack's
+    banner); a CA or key that is no PEM, or a key of another certificate, printed gRPC's log
+    lines and then blamed the agent ("cannot be reached").  Now each is one sentence, before
+    any channel is made or any file of the agent's written."""
+    tls = node_certs(tmp_path, "a")
+    other = node_certs(tmp_path, "b")
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    file, text = {
+        "empty-key": ("tls.key", b""),
+        "empty-cert": ("tls.crt", b""),
+        "not-pem-ca": ("ca.crt", b"not a certificate\n"),
+        "another-nodes-key": ("tls.key", (other / "tls.key").read_bytes()),
+    }[broken]
+    (tls / file).write_bytes(text)
+    said = "cannot load the cluster CA" if file == "ca.crt" else "cannot load this node's certificate"
+    with pytest.raises(UsageError, match=said):
+        Credentials.load(secret, tls)
+    for args in (("node",), ("status", "--json", "0" * 32)):
+        out = tpagent(*args, "--secret-file", str(secret), "--tls-dir", str(tls), "--agent", "127.0.0.1:9")
+        assert_one_sentence_error(out, said)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_file_the_kernel_makes_up_is_no_secret_key_or_configuration(tmp_path: Path) -> None:
+    """/proc/kmsg passed the checks of a secret (root's, mode 400): the kernel's log was read as
+    the cluster secret, and once read empty (its reads do not wait), it ended in an internal
+    error.  Files of /proc and /sys are refused, as any file that is not a regular one is."""
+    for path in ("/proc/kmsg", "/proc/self/environ"):
+        out = tpagent("node", "--secret-file", path, "--agent", "127.0.0.1:9")
+        assert_one_sentence_error(out, f"the cluster secret in {path} must be a regular file")
+    config = tpagent("orchestrator", "--config", "/proc/cpuinfo")
+    assert_one_sentence_error(config, "/proc/cpuinfo is not a regular file")

@@ -164,6 +164,8 @@ def test_a_setting_at_its_bounds_or_of_every_form_is_taken(toml: Path, text: str
         ('aliases = ["a b", ""]', "aliases = ['a b'] is not valid: give host names"),
         ("shared_paths = [1, {a=1}]", "shared_paths = \"[1, {'a': 1}]\" is not valid (give a list of text)"),
         ('shared_paths = ["data"]', "shared_paths = ['data'] is not valid: give absolute paths"),
+        ('allow_executables = ["python3", ""]', "allow_executables = ['python3'] is not valid: give absolute"),
+        ("x = " + "[" * 1000 + "]" * 1000, "is not one tpagent reads: its values nest too deep"),  # (was "unexpected")
         ('rank_socket = "a\\u0000b"', "rank_socket = 'a\\x00b' is not valid: at most 100 characters, no NUL"),
         ('node = "n\\u001b[2J"', "node = 'n\\x1b[2J' is not valid: give a host name"),
         ('advertise = "a b"', "advertise = 'a b' is not valid: give a host name"),

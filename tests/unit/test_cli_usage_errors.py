@@ -26,6 +26,11 @@ pytestmark = pytest.mark.unit
         (("dump", "1", "--lock-timeout", "5000000"), "less than or equal to 2000000"),
         (("restore", "/nowhere", "--pid-wait", "inf"), "invalid value for '--pid-wait'"),
         (("dump", "1", "--ghost-limit-mib", str(1 << 40)), "invalid value for '--ghost-limit-mib'"),
+        # (int() reads "1_000" as 1000 and " 5" as 5: another process than the one meant)
+        (("dump", "1_000", "--out", "/nowhere"), "'1_000' is not a PID (digits, as ps writes it)"),
+        (("dump", " 5", "--out", "/nowhere"), "' 5' is not a PID"),
+        (("migrate", str(1 << 23), "--to", "a:1"), f"'{1 << 23}' is not a PID"),
+        (("doctor", "--pid", "+7"), "'+7' is not a PID"),
     ],
     ids=[
         "missing-argument",
@@ -35,6 +40,10 @@ pytestmark = pytest.mark.unit
         "lock-past-bound",
         "pid-wait",
         "ghost-limit",
+        "pid-underscore",
+        "pid-space",
+        "pid-past-bound",
+        "pid-sign",
     ],
 )
 def test_a_usage_error_is_one_sentence_and_json_under_json(args: tuple[str, ...], says: str) -> None:

@@ -213,10 +213,11 @@ class AgentConfig:
             )
         if not all(is_name(f"[{a.strip('[]')}]" if ":" in a else a) for a in self.aliases):
             raise UsageError(f"the setting aliases = {list(self.aliases)!r:.80} is not valid: give host names.")
-        if not all(os.path.isabs(p) for p in self.shared_paths):
-            raise UsageError(
-                f"the setting shared_paths = {list(self.shared_paths)!r:.80} is not valid: give absolute paths."
-            )
+        for key in ("shared_paths", "allow_executables"):  # (a relative one: relative to the agent's directory)
+            if not all(os.path.isabs(p) for p in getattr(self, key)):
+                raise UsageError(
+                    f"the setting {key} = {list(getattr(self, key))!r:.80} is not valid: give absolute paths."
+                )
         if self.transport not in NAMES:
             raise UsageError(
                 f"the setting transport = {self.transport!r} is not valid: choose one of {', '.join(NAMES)}."
@@ -355,6 +356,8 @@ def read_toml(path: Path | None, default: Path) -> dict[str, Any]:
     except (UnicodeDecodeError, ValueError) as e:  # (ValueError: an integer of thousands of digits)
         why = "its text is not UTF-8" if isinstance(e, UnicodeDecodeError) else "a number in it has thousands of digits"
         raise UsageError(f"the configuration {file} is not valid TOML: {why}.") from e
+    except RecursionError as e:  # (the parser's: arrays in arrays a thousand deep)
+        raise UsageError(f"the configuration {file} is not one tpagent reads: its values nest too deep.") from e
 
 
 def load(path: Path | None = None, env: dict[str, str] | None = None, **overrides: Any) -> AgentConfig:

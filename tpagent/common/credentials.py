@@ -9,6 +9,7 @@ from pathlib import Path
 from host.api import UsageError
 from host.trusted import read_private_file, read_trusted
 from transfer.api import CERT_MAX, TlsFiles, read_secret
+from transfer.tls import check_pem
 
 
 @dataclass(frozen=True)
@@ -35,4 +36,5 @@ class Credentials:
         # (the CA says whom this node trusts: a file only root can change)
         ca = read_trusted(files.ca, "the cluster CA", CERT_MAX)
         cert = read_trusted(files.cert, "this node's certificate", CERT_MAX)
+        check_pem(files, ca, cert, key)  # (one sentence: gRPC's own check aborts the process)
         return cls(secret, ca, cert, key)
