@@ -32,12 +32,17 @@ def _opened(path: Path, unreadable: str, irregular: str) -> tuple[int, os.stat_r
     return fd, st
 
 
+#: A file of each filesystem the kernel makes up as it is read (there only where it is mounted:
+#: a container's /sys may be a bare directory of the root filesystem).
+_KERNEL_FILES = ("/proc/self/stat", "/sys/kernel/uevent_seqnum")
+
+
 def _kernels(st: os.stat_result) -> bool:
     """Whether the file is one the kernel makes up as it is read (/proc, /sys: /proc/kmsg read
     as a secret, /proc/self/environ): "regular" files whose text is no file's."""
-    for mount in ("/proc", "/sys"):
+    for known in _KERNEL_FILES:
         try:
-            if os.stat(mount).st_dev == st.st_dev:
+            if os.stat(known).st_dev == st.st_dev:
                 return True
         except OSError:
             continue

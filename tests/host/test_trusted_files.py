@@ -137,3 +137,19 @@ def test_a_file_the_kernel_makes_up_is_no_secret_key_or_configuration(tmp_path: 
         assert_one_sentence_error(out, f"the cluster secret in {path} must be a regular file")
     config = tpagent("orchestrator", "--config", "/proc/cpuinfo")
     assert_one_sentence_error(config, "/proc/cpuinfo is not a regular file")
+
+
+def test_a_bare_sys_directory_makes_no_file_of_its_filesystem_the_kernels(tmp_path: Path) -> None:
+    """Where /sys is not mounted (a container's bare directory of the root filesystem), its
+    filesystem is not the kernel's: files beside it are read as they are."""
+    (tmp_path / "bare").mkdir()
+    config = tmp_path / "agent.toml"
+    config.write_text('node = "n"\n')
+    code = "import sys; from pathlib import Path; from host.trusted import read_trusted; "
+    code += "print(read_trusted(Path(sys.argv[1]), 'the configuration', 100).decode().strip())"
+    bare = f'mount --bind "{tmp_path / "bare"}" /sys && exec "$0" "$@"'
+    read = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", bare, sys.executable, "-c", code, str(config)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert (read.returncode, read.stdout.strip()) == (0, 'node = "n"'), read.stderr
