@@ -31,8 +31,8 @@ from cli.common import (
     given_path,
     gpu_uuids,
     passed_on,
-    pid_number,
     rpc_exit_code,
+    sent_pid,
     utf8,
 )
 from host.api import UsageError
@@ -106,7 +106,7 @@ JOB_HELP = "A distributed job (its rdzv id) whose --rank to move."
 
 def migrate(
     pid: Annotated[
-        int, typer.Argument(parser=pid_number, help="The process (a launch namespace, a rank) to move; 0 with --job.")
+        int, typer.Argument(parser=sent_pid, help="The process (a launch namespace, a rank) to move; 0 with --job.")
     ] = 0,
     to: Annotated[str, typer.Option("--to", envvar="TPAGENT_TO", help="HOST:PORT of the target node's agent.")] = "",
     source: Annotated[

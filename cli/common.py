@@ -132,11 +132,20 @@ PID_MAX = 1 << 22
 
 def pid_number(value: str | int) -> int:
     """(A typer parser.)  A PID as ``ps`` writes it: digits only (``int`` also takes "1_000" and
-    " 5", which would name another process than the one meant), at most :data:`PID_MAX`."""
+    " 5", which would name another process than the one meant).  One past :data:`PID_MAX` is
+    no process's (said so where it is looked for, :func:`sent_pid` where it travels)."""
     text = str(value)
-    if not (text.isascii() and text.isdigit()) or int(text) > PID_MAX:
+    if not (text.isascii() and text.isdigit()):
         raise typer.BadParameter(f"{ascii(text[:40])} is not a PID (digits, as ps writes it).")
     return int(text)
+
+
+def sent_pid(value: str | int) -> int:
+    """(A typer parser.)  :func:`pid_number`, at most :data:`PID_MAX`: a PID a call carries."""
+    pid = pid_number(value)
+    if pid > PID_MAX:
+        raise typer.BadParameter(f"{pid} is not a PID (Linux gives none above {PID_MAX}).")
+    return pid
 
 
 def gpu_uuids(value: list[str] | None) -> list[str] | None:
