@@ -126,13 +126,9 @@ def utf8(value: str | None) -> str | None:
     return value
 
 
-#: The highest PID Linux gives (PID_MAX_LIMIT).
-PID_MAX = 1 << 22
-
-
 def pid_number(value: str | int) -> int:
     """(A typer parser.)  A PID as ``ps`` writes it: digits only (``int`` also takes "1_000" and
-    " 5", which would name another process than the one meant).  One past :data:`PID_MAX` is
+    " 5", which would name another process than the one meant).  One past :data:`host.proc.PID_MAX` is
     no process's (said so where it is looked for, :func:`sent_pid` where it travels)."""
     text = str(value)
     if not (text.isascii() and text.isdigit()):
@@ -141,7 +137,9 @@ def pid_number(value: str | int) -> int:
 
 
 def sent_pid(value: str | int) -> int:
-    """(A typer parser.)  :func:`pid_number`, at most :data:`PID_MAX`: a PID a call carries."""
+    """(A typer parser.)  :func:`pid_number`, at most :data:`host.proc.PID_MAX`: a PID a call carries."""
+    from host.proc import PID_MAX
+
     pid = pid_number(value)
     if pid > PID_MAX:
         raise typer.BadParameter(f"{pid} is not a PID (Linux gives none above {PID_MAX}).")

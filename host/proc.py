@@ -91,11 +91,15 @@ def is_kernel_thread(pid: int) -> bool:
     return bool(int(_stat_fields(pid)[6]) & _PF_KTHREAD)
 
 
+#: The kernel's highest PID on 64-bit (PID_MAX_LIMIT), whatever pid_max says.
+PID_MAX = 1 << 22
+
+
 def validate_target(pid: int) -> psutil.Process:
     """The process a user asked to dump, or one sentence on why it cannot be."""
     if pid <= 1:
         raise UsageError(f"PID {pid} is the system's init (or invalid) and cannot be checkpointed.")
-    if pid > 1 << 22:  # (the kernel's highest PID on 64-bit, PID_MAX_LIMIT, whatever pid_max says)
+    if pid > PID_MAX:
         raise UsageError(f"there is no process with PID {pid}.")
     try:
         proc = psutil.Process(pid)
