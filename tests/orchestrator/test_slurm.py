@@ -165,6 +165,7 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
     try:
         _every_rank_seen(c, s, o, job, tmp_path)
         wait_until(lambda: steps(logs, 1) >= 5, "the job to step", 120)
+        s.cmd("scontrol", "update", f"JobId={job}", "AdminComment=budget 7")  # (an administrator's: kept)
 
         # Slurm stops answering: a taint moves nothing (no rank on a spare Slurm does not know is used).
         s.stop_ctld()
@@ -185,10 +186,11 @@ def test_slurm_agrees_with_every_move_and_the_job_is_bit_identical(
         marker = f"tpagent hold job={job}#{identity} node={_ns(c, 'D')}"
         assert hold_d["admin_comment"] == hold_d["comment"] == marker
         assert hold_d["user_name"] == "root" and hold_d["partition"] == "spares"
-        wait_until(lambda: s.job(job)["admin_comment"], "the job's record", 30, 0.5)
-        assert s.job(job)["admin_comment"] == f"tpagent: rank 1 on {_ns(c, 'D')} (hold {held[_ns(c, 'D')]})"
+        wait_until(lambda: "tpagent" in s.job(job)["admin_comment"], "the job's record", 30, 0.5)
+        record = f"tpagent: rank 1 on {_ns(c, 'D')} (hold {held[_ns(c, 'D')]})"
+        assert s.job(job)["admin_comment"] == f"budget 7 | {record}"
         shown = s.cmd("scontrol", "show", "job", job).stdout
-        assert f"AdminComment=tpagent: rank 1 on {_ns(c, 'D')}" in shown
+        assert f"AdminComment=budget 7 | tpagent: rank 1 on {_ns(c, 'D')}" in shown
         # Someone cancels the placeholder while rank 1 runs on D: it is made again.
         s.cmd("scancel", held[_ns(c, "D")])
         wait_until(

@@ -13,7 +13,7 @@ import pytest
 from tpagent.orchestrator import slurm
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.scheduler import SchedulerError, Wanted
-from tpagent.orchestrator.slurm import SJob, Slurm, SNode, _job, _node, expand
+from tpagent.orchestrator.slurm import SJob, Slurm, SNode, _job, _node, expand, recorded_in
 
 NOONE: frozenset[int] = frozenset()  # (ranks of root's alone)
 
@@ -197,3 +197,16 @@ def test_ranks_outside_their_jobs_nodes_are_held_only_for_a_placed_job_of_slurms
         "accounting/QOS policy"
     ]
     assert asked[0][0] == "sbatch" and s._remade(refused, {n.name: n for n in nodes}, s.read[2]) == []
+
+
+def test_the_record_in_a_jobs_admin_comment_keeps_what_an_administrator_wrote_there() -> None:
+    record = "tpagent: rank 1 on d (hold 42)"
+    assert recorded_in("", record) == record
+    assert recorded_in("budget 7", record) == f"budget 7 | {record}"
+    assert recorded_in(f"budget 7 | {record}", "tpagent: rank 2 on e") == "budget 7 | tpagent: rank 2 on e"
+    assert recorded_in("tpagent: rank 2 on e", record) == record  # (ours alone: replaced)
+    assert recorded_in(f"budget 7 | {record}", "") == "budget 7"  # (the ranks home: the administrator's words left)
+    assert recorded_in(record, "") == ""
+    assert (
+        recorded_in("see tpagent: docs", "") == "see tpagent: docs"
+    )  # (a record is only ours at its start or after " | ")

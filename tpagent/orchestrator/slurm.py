@@ -16,7 +16,8 @@ nodes, holds them for other users' jobs and writes jobs' admin comments).
   job's key, its name and identity, :mod:`~tpagent.orchestrator.api`).  The move starts only
   once Slurm has allocated it.
 * A taint drains its node with the reason ``tpagent: ...``; only a node drained so is resumed.
-* The job's admin comment says where its moved ranks run: ``tpagent: rank 1 on N (hold 42)``.
+* The job's admin comment says where its moved ranks run: ``tpagent: rank 1 on N (hold 42)``,
+  after what an administrator wrote there (``budget 7 | tpagent: ...``), which is kept.
 
 Node names are the agents' (``node`` in their configuration): give each agent its Slurm
 NodeName.  The tpagent job of ``srun ... tpagent rank`` is its Slurm job ID (else a running
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 HOLD_NAME = "tpagent-hold"
 PREFIX = "tpagent: "  # of a drain's reason and a job's admin comment: tpagent's own
+RECORD_AFTER = " | "  # (an administrator's own admin comment, then tpagent's record)
 #: One Slurm command, at most this long.
 TIMEOUT = 30.0
 #: What the adapter read last is used by :meth:`Slurm.pool` for at most this long.
@@ -72,6 +74,15 @@ class SNode:
     @property
     def usable(self) -> bool:
         return not self.drained and self.state in ("idle", "mixed", "allocated")
+
+
+def recorded_in(comment: str, record: str) -> str:
+    """A job's admin comment ``comment`` with tpagent's record in it made ``record`` ("": none).
+    The record is the comment's last part (``PREFIX`` on); an administrator's own words before it
+    are kept, the two parts apart by ``RECORD_AFTER``."""
+    at = comment.rfind(RECORD_AFTER + PREFIX)
+    own = comment[:at] if at >= 0 else "" if comment.startswith(PREFIX) else comment
+    return RECORD_AFTER.join(part for part in (own, record) if part)
 
 
 @dataclass(frozen=True)
@@ -391,12 +402,12 @@ class Slurm:
             where = [
                 f"rank {r} on {n}" + (f" (hold {holds[job, n]})" if (job, n) in holds else "") for r, n in ranks.items()
             ]
-            text = printable(PREFIX + "; ".join(sorted(where)), 1000)
+            text = recorded_in(mine.admin_comment, printable(PREFIX + "; ".join(sorted(where)), 1000))
             if mine.admin_comment != text:
                 run("scontrol", "update", f"JobId={mine.id}", f"AdminComment={text}")
         for j in jobs:
-            if j.active and j.id not in recorded and j.admin_comment.startswith(PREFIX):
-                run("scontrol", "update", f"JobId={j.id}", "AdminComment=")
+            if j.active and j.id not in recorded and (text := recorded_in(j.admin_comment, "")) != j.admin_comment:
+                run("scontrol", "update", f"JobId={j.id}", f"AdminComment={text}")
         return said
 
     def _remade(self, want: Wanted, nodes: dict[str, SNode], jobs: list[SJob]) -> list[str]:
