@@ -5,9 +5,12 @@ most has a connection that idles."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,7 +95,7 @@ def test_a_moved_ranks_agent_that_gives_no_answer_is_unreachable_to_the_stand_in
     def unreachable(*args: Any) -> Any:
         raise PeerUnreachable(f"unreachable, {there} gave no answer in time")
 
-    owned = Owned(owner=os.getuid(), moved_to=there, here=False, claimed=True)
+    owned = Owned(owner=os.getuid(), moved_to=there, here=False, claimed=True, identity=f"{os.getuid()}:k")
     name = f"tpagent-test-door-moved-{os.getpid()}"
     threads = Threads()
     d = local.StandInDoor(name, threads, _no_launch, lambda job, rank: owned, unreachable)
@@ -104,5 +107,60 @@ def test_a_moved_ranks_agent_that_gives_no_answer_is_unreachable_to_the_stand_in
     finally:
         if agent.conn is not None:
             agent.conn.close()
+        threads.stopping.set()
+        d.close()
+
+
+def test_connections_busy_with_a_request_are_never_cut_so_a_users_threads_stay_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each of a user's connections asks of its moved rank's agent, which gives no answer for a
+    while: a connection cut for a newcomer then would keep its thread, and a user connecting again
+    and again would grow the agent's threads without end.  Newcomers are refused instead, until
+    a place is free; the requests under way are answered."""
+    monkeypatch.setattr(peers, "SUBUID", tmp_path / "subuid")
+    monkeypatch.setattr(local, "PER_USER", 4)
+    asked, free = threading.Semaphore(0), threading.Event()
+
+    def slow(*args: Any) -> Any:  # (the agent the rank moved to, answering only once freed)
+        asked.release()
+        free.wait(60)
+        return P.Located(state=P.Whereabouts.HERE.value, pid=7)
+
+    owned = Owned(owner=os.getuid(), moved_to="10.0.0.2:7400", here=False, claimed=True, identity="0:k")
+    name = f"tpagent-test-door-busy-{os.getpid()}"
+    threads = Threads()
+    d = local.StandInDoor(name, threads, _no_launch, lambda job, rank: owned, slow)
+    d.start()
+    request = json.dumps({"op": "rank", "job": "j", "rank": 0, "via": "10.0.0.2:7400", "request": {"op": "locate"}})
+    busy: list[socket.socket] = []
+    try:
+        for _ in range(local.PER_USER):
+            busy.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            busy[-1].connect("\0" + name)
+            busy[-1].sendall(request.encode() + b"\n")
+            assert asked.acquire(timeout=30)  # (each is being answered)
+        for _ in range(3 * local.PER_USER):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as late:
+                late.settimeout(30)
+                late.connect("\0" + name)
+                with contextlib.suppress(OSError):  # (closed before or as it was written)
+                    late.sendall(request.encode() + b"\n")
+                try:
+                    said = late.recv(100)
+                except ConnectionResetError:  # (closed with the request unread)
+                    said = b""
+                assert said == b""  # (refused: closed unanswered)
+        assert not asked.acquire(timeout=0.5)  # (no other request was taken on)
+        assert len(d.open) == local.PER_USER
+        free.set()
+        for s in busy:
+            s.settimeout(30)
+            answer = json.loads(s.makefile("rb").readline())
+            assert answer["ok"] and answer["answer"]["state"] == "here", answer
+    finally:
+        free.set()
+        for s in busy:
+            s.close()
         threads.stopping.set()
         d.close()

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from host import paths
+from tpagent.common.threads import Threads
 from tpagent.jobs.calls import KEY_MAX, RankCalls
-from tpagent.jobs.ranks import NotTheJob
+from tpagent.jobs.rankentry import Owned, RankEntry
+from tpagent.jobs.ranks import NotTheJob, Ranks
 from tpagent.migration.api import Refused, Why
 from tpagent_rank import protocol as P
 
@@ -38,6 +42,12 @@ class _Ranks:
 
     def release(self, job: str, rank: int) -> None:
         self.released += 1
+
+    def of_job(self, job: str, rank: int, key: str) -> bool:
+        return key == self.id
+
+    def locate(self, job: str, rank: int) -> P.Located:
+        return P.Located(state=P.Whereabouts.HERE.value, pid=7)
 
 
 def _calls(ranks: _Ranks) -> RankCalls:
@@ -78,6 +88,17 @@ def test_release_is_refused_for_another_job_but_not_for_a_copy_not_yet_connected
     assert _calls(ranks)("j", 0, P.Release(), 1.0, IDENTITY).ok
     restored = _Ranks(identity="")  # (restored here, it has not said hello yet)
     assert _calls(restored)("j", 0, P.Release(), 1.0, IDENTITY).ok and restored.released == 1
+
+
+@pytest.mark.parametrize("request_", [P.Locate(), P.Signal(signum=9), P.Output(fd=1, offset=0)])
+def test_what_a_stand_in_asks_with_its_jobs_identity_is_of_that_jobs_rank_alone(request_: P.Request[Any]) -> None:
+    """A user's rank moved on, then ended; another user's rank of that name runs there now: the
+    first user's stand-in, relayed with its job's identity, neither finds, signals nor reads it."""
+    calls = _calls(_Ranks(identity="2000:theirs"))
+    with pytest.raises(Refused, match="is not the rank asked for: its job is another") as other:
+        calls("j", 0, request_, 1.0, "1000:mine")
+    assert other.value.why is Why.CONFLICT
+    assert _calls(_Ranks())("j", 0, P.Locate(), 1.0, IDENTITY).ok
 
 
 @pytest.mark.parametrize(
@@ -191,3 +212,23 @@ def test_a_lost_node_that_answers_here_or_a_job_being_moved_ends_nothing() -> No
     moving = RankCalls(node, "node-1", lambda _job, _rank=None: True)("j", 0, lost, 1.0)  # type: ignore[arg-type]
     assert not moving.ok and "being moved" in moving.error
     assert node.asked == []
+
+
+def test_a_ranks_identity_is_kept_across_an_agent_restart_and_a_stranger_is_never_taken_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent a user's rank moved from relays its stand-in's requests with the identity the
+    rank said hello with: kept in its registry, so that a restarted agent still follows it."""
+    monkeypatch.setattr(paths, "RANK_GO", tmp_path / "rank-go", raising=False)
+    saved = tmp_path / "ranks.json"
+    ranks = Ranks("tpagent-test-identity", "10.0.0.1:7400", Threads(), saved=saved)
+    moved = RankEntry("j", 0, init=1 << 22, init_start=1, world=2, moved_to="10.0.0.2:7400", owner=1000)
+    moved.identity = "1000:k"
+    ranks.entries["j", 0] = moved
+    with ranks.lock:
+        ranks._save()
+    again = Ranks("tpagent-test-identity", "10.0.0.1:7400", Threads(), saved=saved)
+    assert again.owner_of("j", 0) == Owned(1000, "10.0.0.2:7400", False, True, "1000:k")
+    assert again.of_job("j", 0, "1000:k") and not again.of_job("j", 0, "2000:k")
+    again.entries["j", 0].identity = ""  # (it never said hello, and its process is gone: nobody's)
+    assert not again.of_job("j", 0, "1000:k")

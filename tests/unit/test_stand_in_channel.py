@@ -29,13 +29,15 @@ class Agents:
         self.ranks: dict[tuple[str, int], Owned] = {}
         self.moves: dict[str, str] = {}  # agent -> the agent the rank moved on to from there
         self.asked: list[tuple[str, str]] = []
+        self.keys: list[str] = []  # the job's identity each was asked with
 
     def launch(self, s: Start, c: Caller) -> int:
-        self.ranks[s.job, s.rank] = Owned(c.uid, "", True, True)
+        self.ranks[s.job, s.rank] = Owned(c.uid, "", True, True, f"{c.uid}:k")  # (as it said hello)
         return 4242
 
-    def ask(self, via: str, job: str, rank: int, request: P.Request[Any], timeout: float) -> Any:
+    def ask(self, via: str, job: str, rank: int, request: P.Request[Any], timeout: float, key: str) -> Any:
         self.asked.append((via, request.OP.value))
+        self.keys.append(key)
         if via in self.moves:
             return P.Located(state=P.Whereabouts.MOVED.value, node=self.moves[via])
         return P.Located(state=P.Whereabouts.HERE.value, pid=7)
@@ -106,16 +108,22 @@ def test_a_stand_in_follows_its_rank_only_where_it_went() -> None:
     d, a = door()
     d._answer(start(), ALICE)
     assert "never moved to" in d._answer(rank({"op": "locate"}, via="10.0.0.9:7400"), ALICE)["error"]
-    a.ranks["j", 0] = Owned(ALICE.uid, "10.0.0.2:7400", False, True)  # (moved from here to .2, and on from .2 to .3)
+    moved = Owned(ALICE.uid, "10.0.0.2:7400", False, True, "1000:k")  # (moved from here to .2, and on from .2 to .3)
+    a.ranks["j", 0] = moved
     a.moves["10.0.0.2:7400"] = "10.0.0.3:7400"
     assert d._answer(rank({"op": "locate"}, via="10.0.0.2:7400"), ALICE)["ok"]
     del a.moves["10.0.0.2:7400"]
     assert d._answer(rank({"op": "locate"}, via="10.0.0.3:7400"), ALICE)["ok"]  # (learned from .2's answer)
     assert "never moved to" in d._answer(rank({"op": "locate"}, via="10.0.0.4:7400"), ALICE)["error"]
     fresh, b = door()  # (an agent restarted: it knows the first hop from its registry, and follows it)
-    b.ranks["j", 0] = Owned(ALICE.uid, "10.0.0.2:7400", False, True)
+    b.ranks["j", 0] = moved
     b.moves["10.0.0.2:7400"] = "10.0.0.3:7400"
     assert fresh._answer(rank({"op": "locate"}, via="10.0.0.3:7400"), ALICE)["ok"]
+    # Each agent on the way is asked of the rank of this job only (its name may be another user's
+    # rank's there by now): a rank that never said which job it is is not followed at all.
+    assert a.keys[1:] == ["1000:k"] * (len(a.keys) - 1) and set(b.keys) == {"1000:k"}
+    b.ranks["j", 0] = moved._replace(identity="")
+    assert "never said which job it is" in fresh._answer(rank({"op": "locate"}, via="10.0.0.3:7400"), ALICE)["error"]
     assert "not started here by you" in fresh._answer(rank({"op": "locate"}, via="10.0.0.3:7400"), MALLORY)["error"]
 
 

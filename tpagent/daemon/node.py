@@ -113,7 +113,9 @@ class Node:
             ctx.threads,
             self.start_for,
             self.ranks.owner_of,
-            lambda via, job, rank, req, timeout: self.ask(via or self.cfg.agent_address, job, rank, req, timeout),
+            lambda via, job, rank, req, timeout, key: self.ask(
+                via or self.cfg.agent_address, job, rank, req, timeout, key
+            ),
         )
 
     # ---- the node ------------------------------------------------------------------------

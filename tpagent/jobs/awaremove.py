@@ -252,7 +252,8 @@ class AwareRewire(Rewire):
             if r in self.record.kept:
                 continue
             try:
-                answer = self.ask(self.moving[r][1], self.job, r, P.Signal(signum=int(signal.SIGKILL)), self.timeout)
+                kill = P.Signal(signum=int(signal.SIGKILL))  # (of this job's rank alone: its name may be another's)
+                answer = self.ask(self.moving[r][1], self.job, r, kill, self.timeout, self.record.key)
                 why = answer.error
             except AgentError as e:
                 why = str(e)

@@ -27,6 +27,9 @@ OFFSET_END = 1 << 62
 PASSED_ON = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL})
 #: The longest job's key (``RankRequest.job_key``) an agent compares.
 KEY_MAX = 128
+#: What a stand-in asks of its rank wherever it runs: asked with the job's identity (a user's
+#: stand-in's, relayed by the agent where it started the rank), each is of that job's rank alone.
+FOLLOWED = frozenset({P.Op.LOCATE, P.Op.SIGNAL, P.Op.OUTPUT})
 #: The longest a rank told its job lost a node waits for its collectives before it breaks off.
 LOST_GRACE_MAX = 3600.0
 
@@ -83,6 +86,8 @@ class RankCalls:
         if len(key) > KEY_MAX:
             raise Refused(f"a job's key has at most {KEY_MAX} characters.", Why.INVALID)
         if request.OP == P.Op.RELEASE and self.ranks.identity(job, rank) not in ("", key):  # ("": restored here)
+            raise Refused(self._not_it(job, rank), Why.CONFLICT)
+        if key and request.OP in FOLLOWED and not self.ranks.of_job(job, rank, key):  # (a name another's since)
             raise Refused(self._not_it(job, rank), Why.CONFLICT)
         if request.OP in P.STATE_OPS and not _peer_to_peer(request):
             raise Refused(

@@ -160,8 +160,8 @@ class StandInDoor:
     """The agent's end.  ``launch(start, caller)`` starts the rank as the caller (and registers it
     as theirs) and returns its init's PID; ``owner_of(job, rank)`` says whose stand-in had a rank
     started here, where it moved, and whether it runs here (the rank registry's word, kept across
-    restarts); ``ask(agent, job, rank, request, timeout)`` asks the agent at ``agent`` ("": this
-    one) about a rank."""
+    restarts); ``ask(agent, job, rank, request, timeout, key)`` asks the agent at ``agent`` ("": this
+    one) about a rank, of the job whose identity is ``key`` ("": any)."""
 
     def __init__(
         self,
@@ -169,7 +169,7 @@ class StandInDoor:
         threads: Threads,
         launch: Callable[[Start, Caller], int],
         owner_of: Callable[[str, int], Owned | None],
-        ask: Callable[[str, str, int, P.Request[Any], float], Any],
+        ask: Callable[[str, str, int, P.Request[Any], float, str], Any],
     ) -> None:
         self.name = name
         self.threads = threads
@@ -233,20 +233,28 @@ class StandInDoor:
         user = peers.account(uid)
         with self.lock:
             held = Counter(u for u, _ in self.open.values())
-            if len(self.open) >= CONNECTIONS or held[user] >= PER_USER:
-                self._cut(user if held[user] >= PER_USER else held.most_common(1)[0][0])
+            if (len(self.open) >= CONNECTIONS or held[user] >= PER_USER) and not self._cut(
+                user if held[user] >= PER_USER else held.most_common(1)[0][0]
+            ):
+                log.warning("a stand-in's connection of UID %d was refused: every place is busy with a request", uid)
+                conn.close()
+                return
             self.open[conn] = [user, time.monotonic()]
         caller = Caller(pid, uid, gid, groups, cgroups)
         self.threads.spawn("stand-ins", f"stand-in {pid}", self._serve, conn, caller)
 
-    def _cut(self, user: int) -> None:
+    def _cut(self, user: int) -> bool:
         """(With the lock held.)  Cut ``user``'s connection that asked nothing for longest: its
-        thread sees its end and forgets it (a stand-in connects again at its next request)."""
+        thread sees its end and forgets it (a stand-in connects again at its next request).  None
+        is cut while it is answered (False): its thread runs on, and the place is not free."""
         conn = min((c for c, (u, _) in self.open.items() if u == user), key=lambda c: self.open[c][1])
+        if self.open[conn][1] == math.inf:
+            return False
         log.warning("a stand-in's connection of UID %d was cut for a newcomer: too many", user)
         del self.open[conn]
         with contextlib.suppress(OSError):
             conn.shutdown(socket.SHUT_RDWR)
+        return True
 
     def _serve(self, conn: socket.socket, caller: Caller) -> None:
         try:
@@ -326,11 +334,15 @@ class StandInDoor:
         known = self.owner_of(job, rank)
         if known is None or known.owner != caller.uid or caller.uid < 0:
             raise Refused(f"rank {rank} of job {job} was not started here by you", Why.NOT_FOUND)
-        if via and not self._followed(key, known.moved_to, via):
+        if via and not self._followed(key, known, via):
             raise Refused(f"rank {rank} of job {job} never moved to {via}", Why.NOT_FOUND)
+        if via and not known.identity:  # (its name alone may be another user's rank's there by now)
+            raise Refused(
+                f"rank {rank} of job {job} never said which job it is here, so it is not followed", Why.NOT_FOUND
+            )
         timeout = d.get("timeout", 10.0)
         timeout = min(max(float(timeout), 0.1), 60.0) if isinstance(timeout, int | float) else 10.0
-        answer = self.ask(via, job, rank, request, timeout)
+        answer = self.ask(via, job, rank, request, timeout, known.identity)
         self._learn(key, answer)
         return answer  # type: ignore[no-any-return]
 
@@ -339,15 +351,17 @@ class StandInDoor:
             with self.lock:
                 self.learned.setdefault(key, set()).add(answer.node)
 
-    def _followed(self, key: tuple[str, int], first: str, via: str) -> bool:
-        """Whether the rank went to ``via``: from here to ``first``, then as each agent says."""
+    def _followed(self, key: tuple[str, int], known: Owned, via: str) -> bool:
+        """Whether the rank went to ``via``: from here to where it moved first, then as each agent
+        says (of its job's rank: ``known.identity``)."""
+        first = known.moved_to
         with self.lock:
             if via == first or via in self.learned.get(key, set()):
                 return True
         at = first
-        for _ in range(HOPS_MAX if first else 0):  # (after this agent restarted: it knew the first hop only)
+        for _ in range(HOPS_MAX if first and known.identity else 0):  # (restarted: it knew the first hop only)
             try:
-                answer = self.ask(at, key[0], key[1], P.Locate(), 10.0)
+                answer = self.ask(at, key[0], key[1], P.Locate(), 10.0, known.identity)
             except AgentError:
                 return False
             self._learn(key, answer)

@@ -48,6 +48,7 @@ class Owned(NamedTuple):
     moved_to: str  # the agent it moved to ("": none)
     here: bool  # it runs here still
     claimed: bool  # its name is still that user's: it runs here or moved, or ended lately or held
+    identity: str = ""  # its job's identity as it last said hello here (:meth:`RankEntry.identity`; "": never)
 
 
 @dataclass
@@ -69,12 +70,21 @@ class RankEntry:
     anew: bool = False  # moved_to runs a new process of it (rebuilt after it died here)
     broke: str = ""  # why a collective of it failed, as it said unasked on its connection (lines.Broke)
     step: int = 0  # its optimizer steps, as it last said (its hello, then lines.Stepped)
+    identity: str = ""  # its job's identity (its user and job's key) as it last said hello, kept across restarts
 
     def claimed(self, now: float) -> bool:
         """Whether its name is still its user's though it runs here no more (``now``: monotonic):
         it moved on, or ended less than :data:`ENDED_CLAIM` ago, or its end is held."""
         ended = self.exit_code is not None and (now < self.held_until or now < self.ended_at + ENDED_CLAIM)
         return bool(self.moved_to) or ended
+
+    def of_job(self, key: str) -> bool:
+        """Whether it is of the job whose identity is ``key``: as it said hello, or (a copy not yet
+        connected) by the user its workload runs as: another user's rank is never taken for it."""
+        if self.identity:
+            return self.identity == key
+        uid, _ = user_of(self.init)
+        return uid >= 0 and key.partition(":")[0] == str(uid)
 
     def alive(self) -> bool:
         try:
@@ -184,6 +194,7 @@ def load(path: Path) -> list[RankEntry]:
                 str(d["moved_to"]),
                 owner=int(d.get("owner", -1)),
                 anew=bool(d.get("anew", False)),
+                identity=str(d.get("identity", "")),
             )
         except (KeyError, TypeError, ValueError):
             continue
@@ -205,6 +216,7 @@ def rows(entries: Iterable[RankEntry]) -> list[dict[str, Any]]:
             "moved_to": e.moved_to,
             "owner": e.owner,
             "anew": e.anew,
+            "identity": e.identity,
         }
         for e in entries
     ]

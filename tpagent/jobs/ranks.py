@@ -187,6 +187,7 @@ class Ranks:
                 entry.conn = conn
                 entry.seen = hello
                 entry.uid = peer.uid
+                entry.identity = identity_of(peer.uid, hello)
                 entry.world = hello.world
                 entry.exit_code = None
                 entry.moved_to = ""
@@ -322,7 +323,7 @@ class Ranks:
             if e is None:
                 return None
             here = e.alive() and e.exit_code is None
-            return rankentry.Owned(e.owner, e.moved_to, here, here or e.claimed(now))
+            return rankentry.Owned(e.owner, e.moved_to, here, here or e.claimed(now), e.identity)
 
     def identity(self, job: str, rank: int) -> str:
         """Which job the rank here is, across nodes: its user and the job's key (P.JOB_KEY), as it
@@ -330,6 +331,9 @@ class Ranks:
         e = self.entry(job, rank)
         with self.lock:  # (both as one hello left them)
             return identity_of(e.uid, e.seen) if e.seen is not None else ""
+
+    def of_job(self, job: str, rank: int, key: str) -> bool:
+        return self.entry(job, rank).of_job(key)
 
     def digests(self) -> dict[tuple[str, int], str]:
         """(job, rank) -> its identity's digest (:func:`digest_of`), of each that said hello."""
