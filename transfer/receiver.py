@@ -478,14 +478,8 @@ class Receiver:
             if s.hash_as_received:
                 s.received_sha[(fi, off)] = zero_digest(raw_len, s.digest)
             return True
-        if codec is Codec.ZSTD:
-            try:
-                data: bytes | memoryview = dctx.decompress(payload, max_output_size=raw_len)
-            except zstandard.ZstdError:
-                return False
-        else:
-            data = payload
-        if len(data) != raw_len or (want is None and zlib.crc32(data) != crc):
+        data = wire.inflate(dctx, payload, raw_len) if codec is Codec.ZSTD else payload
+        if data is None or len(data) != raw_len or (want is None and zlib.crc32(data) != crc):
             return False
         pwrite_all(s.fds[fi], data, off)
         if want is None and not s.hash_as_received:

@@ -49,6 +49,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import zstandard
+
 from transfer.api import Channel, TransferError
 
 MAGIC = b"TPXFER01"
@@ -192,3 +194,16 @@ def digest(crcs: list[int]) -> str:
     for index, crc in enumerate(crcs):
         h.update(struct.pack("<QI", index, crc))
     return h.hexdigest()
+
+
+def inflate(dctx: zstandard.ZstdDecompressor, payload: bytes | memoryview, size: int) -> bytes | None:
+    """A ZSTD chunk's ``size`` bytes, or None where its payload is not a frame of them.  A frame
+    that states its size is decompressed whole whatever ``max_output_size`` says (one of 100 KiB
+    that states 4 GiB: 4 GiB of memory, from a peer), so its statement is checked first."""
+    try:
+        if zstandard.frame_content_size(payload) not in (-1, size):
+            return None
+        data = dctx.decompress(payload, max_output_size=size)
+    except zstandard.ZstdError:
+        return None
+    return data if len(data) == size else None

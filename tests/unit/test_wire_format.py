@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import struct
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
+import zstandard
 
 from transfer import wire
 from transfer.api import TransferError
@@ -192,3 +195,40 @@ def test_digest_is_sha256_of_index_and_crc_in_order() -> None:
     want = hashlib.sha256(b"".join(i.to_bytes(8, "little") + c.to_bytes(4, "little") for i, c in enumerate(crcs)))
     assert wire.digest(crcs) == want.hexdigest()
     assert wire.digest(crcs) != wire.digest(list(reversed(crcs)))
+
+
+class _Decompressor:
+    """A real decompressor that counts how often it was used."""
+
+    def __init__(self) -> None:
+        self.real = zstandard.ZstdDecompressor()
+        self.used = 0
+
+    def decompress(self, data: bytes | memoryview, max_output_size: int = 0) -> bytes:
+        self.used += 1
+        return self.real.decompress(data, max_output_size=max_output_size)
+
+
+def _frame(chunk: bytes, copies: int, stated: bool = True) -> bytes:
+    """One zstd frame of ``copies`` times ``chunk``, stating its size or not."""
+    c = zstandard.ZstdCompressor(write_content_size=stated).compressobj(size=len(chunk) * copies if stated else -1)
+    return b"".join(c.compress(chunk) for _ in range(copies)) + c.flush()
+
+
+def test_a_zstd_chunk_is_decompressed_only_to_its_own_size() -> None:
+    """A peer's frame of a few KiB stating 256 MiB was decompressed whole (max_output_size does
+    not hold a frame that states its size): it is refused unopened, as one stating nothing
+    and holding more, or less, than the chunk is."""
+    size = 1 << 20
+    good = os.urandom(size)
+    d = _Decompressor()
+    dctx = cast(zstandard.ZstdDecompressor, d)
+    assert wire.inflate(dctx, _frame(good, 1), size) == good
+    assert wire.inflate(dctx, memoryview(_frame(good, 1, stated=False)), size) == good
+    assert d.used == 2
+    bomb = _frame(bytes(size), 256)
+    assert len(bomb) < size // 16 and zstandard.frame_content_size(bomb) == 256 * size
+    assert wire.inflate(dctx, bomb, size) is None and d.used == 2
+    assert wire.inflate(dctx, _frame(bytes(size), 4, stated=False), size) is None
+    assert wire.inflate(dctx, _frame(good[:100], 1), size) is None
+    assert wire.inflate(dctx, b"not zstd at all", size) is None
