@@ -2,11 +2,10 @@
 agent's side is ``tpagent/jobs/ranks.py``), and what the agent asks of the rank: stop at a step,
 tear the communicators down, let go of the store, rebuild, go on.
 
-The training thread is only ever touched in the optimizer step post-hook (:func:`_after_step`) and,
-for a job with no optimizer, as it enters a collective of the default group (:func:`_before_collective`):
-each counts, and parks there when asked.  The agent picks the unit (``tpagent/jobs/rewire.py``):
-optimizer steps once any rank has taken one, else the default group's collectives, which every rank
-of an SPMD job issues in the same order.  Everything else runs in this module's threads."""
+The training thread is touched only in the optimizer step post-hook (:func:`_after_step`) and, for a job with no
+optimizer, as it enters a collective of the default group (:func:`_before_collective`): each counts, and parks there
+when asked.  The agent picks the unit (``tpagent/jobs/rewire.py``): optimizer steps once a rank has taken one, else
+the default group's collectives, which each rank of an SPMD job issues in one order.  The rest runs in our threads."""
 
 from __future__ import annotations
 
@@ -44,6 +43,7 @@ class Rank:
         self.gen = 0
         self.stop_at: int | None = None
         self.unit = P.Unit.STEP.value  # what stop_at counts
+        self.stopped_by = ""  # the move that stopped it (P.Pause's by), till it lets it go on ("": none)
         self.parked = False
         self.ended = ""  # why the job cannot go on (the agent said so): a parked rank raises it
         self.ending = ""  # why it is to end (told first: End's hold), raised at the next End or the deadline
@@ -161,6 +161,7 @@ class Rank:
                 say(f"no word from the agent for {self.park_timeout:.0f} s after {where}: going on")
                 self.parked = False
                 self.stop_at = None
+                self.stopped_by = ""
 
     def on_training_thread(self, chore: Callable[[], object]) -> str:
         """Run ``chore`` on the parked training thread (the user's code runs there, on its CUDA
@@ -397,7 +398,7 @@ class Rank:
         handler = self.handlers.get(request.OP)
         if handler is None:
             return P.failed(f"{request.OP.value!r} is not a request a rank answers")
-        return handler(request)
+        return rewire.by_another(self, request) or handler(request)
 
     def _where(self, _: P.Where) -> P.Standing:
         from tpagent_rank import aware, backend, nccladdr, store
@@ -448,6 +449,7 @@ class Rank:
                 return P.Paused(ok=False, late=True, error=f"it is past {request.unit} {request.at}")
             self.stop_at = request.at
             self.unit = request.unit
+            self.stopped_by = request.by
         return P.Paused()
 
     def _boundary(self, request: P.Boundary) -> P.AtBoundary:
@@ -476,6 +478,7 @@ class Rank:
             if self.torn:
                 return P.failed("its communicators are torn down: rebuild them first")
             self.stop_at = None
+            self.stopped_by = ""
             self.parked = False
             self.cond.notify_all()
         return P.Answer()

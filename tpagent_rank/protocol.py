@@ -177,6 +177,10 @@ STATE_MAX = 1 << 40
 #: refuses it: a job's store, which anyone who reaches it may write, says where each rank's
 #: agent is, and must not be able to steer a rewire onto an unrelated job of the same name.
 ASKED_FREELY = frozenset({Op.WHERE, Op.PEERS})
+#: What a move asks of a rank naming itself (``by``: its id): a rank one move stopped takes these
+#: from that move alone, while it stays stopped (two moves of a job, started at once on two nodes,
+#: would stop, tear down and let go on each other's ranks, each at its own generation).
+MOVER_OPS = frozenset({Op.PAUSE, Op.CANCEL, Op.TEARDOWN, Op.REBUILD, Op.RESUME})
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -207,10 +211,15 @@ class Peers(Request[Agents]):
 
 @dataclass(frozen=True)
 class Pause(Request[Paused]):
+    """Stop at ``at`` (of ``unit``), for the move ``by``: a rank it stopped is stopped, torn down,
+    rebuilt and let go on by that move alone (the same ``by``): another move of the job, from
+    another node, is refused until then (:data:`MOVER_OPS`)."""
+
     OP = Op.PAUSE
     ANSWER = Paused
     at: int
     unit: str = Unit.STEP.value
+    by: str = ""
 
 
 @dataclass(frozen=True)
@@ -223,6 +232,7 @@ class Boundary(Request[AtBoundary]):
 @dataclass(frozen=True)
 class Cancel(Request[Answer]):
     OP = Op.CANCEL
+    by: str = ""
 
 
 @dataclass(frozen=True)
@@ -230,6 +240,7 @@ class Teardown(Request[TornDown]):
     OP = Op.TEARDOWN
     ANSWER = TornDown
     leaving: bool = False
+    by: str = ""
 
 
 @dataclass(frozen=True)
@@ -237,11 +248,13 @@ class Rebuild(Request[Answer]):
     OP = Op.REBUILD
     gen: int
     timeout: float = 60.0
+    by: str = ""
 
 
 @dataclass(frozen=True)
 class Resume(Request[Answer]):
     OP = Op.RESUME
+    by: str = ""
 
 
 @dataclass(frozen=True)

@@ -81,3 +81,13 @@ def rebuild(rank: Rank, request: P.Rebuild) -> P.Answer:
         rank.torn = False
         rank.leaving = False
     return P.Answer()
+
+
+def by_another(rank: Rank, request: P.Request[Any]) -> P.Answer | None:
+    """The refusal of what stops a rank or lets it go on (:data:`~tpagent_rank.protocol.MOVER_OPS`)
+    from a move other than the one that stopped it; None where it is that move's, or none did."""
+    with rank.cond:
+        mover = rank.stopped_by
+    if request.OP not in P.MOVER_OPS or not mover or getattr(request, "by", "") == mover:
+        return None
+    return request.ANSWER(ok=False, error=f"it is stopped by another move of its job ({mover}); wait for it")

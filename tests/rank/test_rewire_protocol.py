@@ -18,6 +18,7 @@ from tpagent.jobs.journal import Unwritten
 from tpagent.jobs.rewire import Rewire
 from tpagent.migration.api import Event, MigrationResult, Outcome, Refused, Why
 from tpagent_rank import protocol as P
+from tpagent_rank import rewire
 
 HERE = "10.0.0.1:7400"
 THERE = "10.0.0.9:7400"
@@ -42,7 +43,12 @@ class FakeRank:
     log: list[str] = field(default_factory=list)
     units: list[str] = field(default_factory=list)
     stops: list[int] = field(default_factory=list)  # the steps it parked at (once resumed, it steps on)
+    stopped_by: str = ""  # the move that stopped it (the runtime's own check holds it to that move)
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def cond(self) -> threading.Lock:
+        return self.lock
 
     def tick(self) -> None:
         """One step of its training thread (unless parked)."""
@@ -61,6 +67,8 @@ class FakeRank:
         self.dead = request.OP.value == self.dies_after
         if isinstance(request, P.End):
             return P.Answer()
+        if refused := rewire.by_another(self, request):
+            return refused
         with self.lock:
             if isinstance(request, P.Where):
                 # (the fake counts one collective per step: either unit stops it at the same place)
@@ -79,12 +87,13 @@ class FakeRank:
                 if self.step >= request.at:
                     return P.Paused(ok=False, late=True, error="past it")
                 self.stop_at = request.at
+                self.stopped_by = request.by
                 self.parked = self.step >= self.stop_at
                 if self.parked:
                     self.stops.append(self.step)
                 return P.Paused()
             if isinstance(request, P.Cancel):
-                self.stop_at = None
+                self.stop_at, self.stopped_by = None, ""
                 self.parked = False
                 return P.Answer()
             if isinstance(request, P.Teardown):
@@ -97,7 +106,7 @@ class FakeRank:
                 self.gen = request.gen
                 return P.Answer()
             if isinstance(request, P.Resume):
-                self.stop_at = None
+                self.stop_at, self.stopped_by = None, ""
                 self.parked = False
                 return P.Answer()
         if isinstance(request, P.Boundary):
@@ -422,3 +431,43 @@ def test_a_moving_rank_whose_nccl_runs_ras_is_refused_before_anything_stops(dry_
     assert any("rank 0 runs NCCL's RAS thread" in s for s in said), said
     assert not any("rank 1 runs" in s for s in said), said
     assert not any(op in ("pause", "teardown") for _a, _r, op in job.asked)
+
+
+def test_a_second_move_of_the_job_started_on_another_node_is_refused_and_the_first_goes_on() -> None:
+    """While rank 0's copy is held on the target, a move of that copy back (started there, where
+    its agent knows of no move of the job) asks the stopped ranks to stop too: each refuses it (it
+    was another move that stopped them), and it fails having changed nothing; the first ends
+    as if alone.  (Before: its pause let the stopped ranks run on under the held copy, and both
+    moves tore down and rebuilt every rank, each at its own generation.)"""
+    job = Job()
+    second: list[MigrationResult] = []
+    start_move = job.start_move
+
+    def start(pid: int, target: str, **kw: Any) -> Moving:
+        move = start_move(pid, target, **kw)
+        verdict = kw["verdict"]
+
+        def second_first() -> bool | None:  # (the copy runs on the target: the second move starts there)
+            if not second:
+                record = RewireRecord.new("j", THERE, {0: (4242, HERE)})
+                second.append(Rewire(record, job.ask, job.start_move, 2.0, Unwritten()).run())
+            return verdict()  # type: ignore[no-any-return]
+
+        move.verdict = second_first  # type: ignore[attr-defined]
+        return move
+
+    job.start_move = start  # type: ignore[method-assign]
+    rw = Rewire(RewireRecord.new("j", HERE, {0: (777, THERE)}), job.ask, job.start_move, 5.0, Unwritten())
+    try:
+        result = rw.run()
+    finally:
+        job.stop.set()
+    assert result.outcome is Outcome.DONE, _messages(rw)
+    assert second and second[0].outcome is Outcome.FAILED, second
+    assert "stopped by another move of its job" in second[0].message, second[0].message
+    assert job.where[0] == THERE and len(job.placed) == 1  # (the second moved nothing)
+    assert all(r.gen == 1 and not r.torn and not r.parked and r.stop_at is None for r in job.ranks)
+    for r in job.ranks:  # (the second's pause and cancel, refused, came as the first's copy was held)
+        ops = [op for op in r.log if op != "where"]
+        first = [op for i, op in enumerate(ops) if op != "cancel" and not (op == "pause" and i > 0)]
+        assert first == ["pause", "boundary", "teardown", "rebuild", "resume"] and ops.count("pause") == 2, ops

@@ -3,6 +3,7 @@ moving rank's migration, and the checks of the ranks' answers that keep a rank f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -27,11 +28,12 @@ def each(request: P.Request[P.Answer]) -> Callable[[int], P.Request[P.Answer]]:
 class Asking:
     """The ranks of ``job``, asked through their agents (``ask``), all at once."""
 
-    def __init__(self, job: str, ask: Ask, timeout: float, key: str = "") -> None:
+    def __init__(self, job: str, ask: Ask, timeout: float, key: str = "", by: str = "") -> None:
         self.job = job
         self.ask = ask
         self.timeout = timeout
         self.key = key  # the job's identity (RewireRecord.key): every rank asked must have it
+        self.by = by  # the move asking (its id), named in what stops a rank or lets it go on (P.MOVER_OPS)
 
     def all(
         self,
@@ -48,7 +50,10 @@ class Asking:
 
         def one(r: int) -> Reply:
             try:
-                return self.ask(agents[r], self.job, r, request(r), timeout, self.key)
+                asked = request(r)
+                if asked.OP in P.MOVER_OPS:
+                    asked = dataclasses.replace(asked, by=self.by)  # type: ignore[call-arg]
+                return self.ask(agents[r], self.job, r, asked, timeout, self.key)
             except AgentError as e:
                 return e
             except Exception as e:  # (a bug, or a value no wire carries: this rank failed, the others go on)

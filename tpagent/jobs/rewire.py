@@ -85,7 +85,7 @@ class Rewire:
         self.log = logging.LoggerAdapter(log, {"migration": record.rewire_id})
         self.last_said = ""
         self.stayed: dict[int, str] = {}  # rank -> why it did not move
-        self.ranks = Asking(record.job, ask, timeout, record.key)
+        self.ranks = Asking(record.job, ask, timeout, record.key, record.rewire_id)
 
     @property
     def migration_id(self) -> str:
