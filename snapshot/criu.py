@@ -42,6 +42,8 @@ INSTALL_HINT = (
 #: In CRIU's work directory (-W): "PID START_TIME" of the CRIU working there, written as it
 #: starts, so that a restarted agent knows that very process (never a command-line match).
 PIDFILE = "criu.pid"
+#: How long a dump past its time is given to roll back once told to (:meth:`Criu._run`), before CRIU is killed.
+GIVE_UP_WITHIN = 300.0
 _LOG_TAIL_LINES = 12
 #: Error lines CRIU logs on every run on these nodes that mean nothing for the outcome.
 _HARMLESS = ("Can't setup RLIMIT_NOFILE",)
@@ -138,11 +140,15 @@ class Criu:
         env: Mapping[str, str] | None = None,
         work: Path | None = None,
         cwd: Path | None = None,
+        give_up: Path | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run criu to completion.  A Ctrl-C is held back until CRIU is done: a CRIU killed
         while its parasite code runs inside the workload would take the workload down, and
         one left running unsupervised could stop the tree after we resumed it.  With
-        ``work``, CRIU's PID and start time go to its :data:`PIDFILE` there."""
+        ``work``, CRIU's PID and start time go to its :data:`PIDFILE` there.  Past ``timeout``,
+        CRIU is killed; with ``give_up`` (a dump's cancel file) it is first told there to roll
+        back and given :data:`GIVE_UP_WITHIN` seconds: a CRIU killed mid-dump leaves the tree's
+        TCP connections in repair mode and its network locked (the workload dies of it)."""
         cmd = [str(self.path), *args]
         log.debug("running %s", cmd)
         with deferred_sigint():
@@ -169,11 +175,17 @@ class Criu:
             try:
                 out, err = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired as e:
+                late = f"criu {args[0]} did not finish within {timeout:.0f} s"
+                if give_up is not None:
+                    give_up.write_text(f"{late}: rolled back")
+                    with contextlib.suppress(subprocess.TimeoutExpired):  # (done, or rolled back: as it says)
+                        out, err = proc.communicate(timeout=GIVE_UP_WITHIN)
+                        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
                 proc.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):  # (a child of its may hold its output)
                     proc.communicate(timeout=5)
                 proc.wait()
-                raise CriuError(f"criu {args[0]} did not finish within {timeout:.0f} s") from e
+                raise CriuError(late) from e
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
     def _probe_version(self) -> tuple[int, int, int]:
@@ -194,8 +206,11 @@ class Criu:
             raise CriuError("criu check failed", detail=out[-500:], code=proc.returncode)
         return out.splitlines()[-1] if out else "ok"
 
-    def dump(self, pid: int, images: Path, work: Path, opts: DumpOptions, timeout: float | None) -> None:
-        """Dump the tree of ``pid`` into ``images``; CRIU's log and stats go to ``work``."""
+    def dump(
+        self, pid: int, images: Path, work: Path, opts: DumpOptions, timeout: float | None, cancel: Path | None = None
+    ) -> None:
+        """Dump the tree of ``pid`` into ``images``; CRIU's log and stats go to ``work``.  Past
+        ``timeout``, CRIU is told to roll back in ``cancel`` (read by the post-dump hook)."""
         # Streamed, CRIU connects to its images directory's socket by the -D path, which must fit
         # a socket's name (108 bytes): it runs there, told ".".
         cwd = images if opts.stream else None
@@ -211,7 +226,7 @@ class Criu:
         # spawn multiprocessing) is named again beside where it was (host.files.Relinked).
         args += ["--ghost-limit", str(opts.ghost_limit), "--link-remap"]
         args += ["--stream"] if opts.stream else []
-        proc = self._run(args, timeout, opts.env, work, cwd)
+        proc = self._run(args, timeout, opts.env, work, cwd, cancel)
         if proc.returncode != 0:
             detail = log_errors(work / "dump.log") or proc.stderr.strip()
             if "Can't dump ghost file" in detail:

@@ -194,9 +194,11 @@ def _checkpoint(
     finally:  # (the hook's script, and the manifest it was to seal, whatever happened)
         shutil.rmtree(script.parent, ignore_errors=True)
         (job.out / hook.PENDING).unlink(missing_ok=True)
-    _record_timings(job, sealed)
-    if mode is DumpMode.LEAVE_RUNNING and job.cuda is not None:
-        _give_gpu_back(job)
+    with signals.deferred_sigint() as late:  # (the tree may run again: its GPU is given back, whatever comes)
+        _record_timings(job, sealed)
+        if mode is DumpMode.LEAVE_RUNNING and job.cuda is not None:
+            _give_gpu_back(job)
+        late.consume()  # (an interrupt now comes too late: the snapshot is complete, the tree as asked)
     return sealed
 
 
@@ -359,12 +361,11 @@ def _criu_dump(job: _Dump) -> None:
     t = job.tree
     skip = config.skip_mounts if t.namespace else ()
     opts = DumpOptions(job.mode, t.shell_job, tcp, t.namespace, job.script, env, config.ghost_limit, stream, skip)
-    # A Ctrl-C now asks the post-dump hook to fail, so that CRIU itself rolls back; once
-    # the hook has sealed the snapshot, CRIU finishes and the interrupt came too late.
+    # A Ctrl-C now makes the post-dump hook fail, and CRIU roll back; once the snapshot is sealed, it is too late.
     with signals.deferred_sigint(on_interrupt=(job.log_dir / hook.CANCEL_FILE).touch) as interrupt:
         try:
             timeout = config.timeouts.dump if config.hold is None else None
-            job.criu.dump(job.pid, job.out / IMAGES_DIR, job.log_dir, opts, timeout)
+            job.criu.dump(job.pid, job.out / IMAGES_DIR, job.log_dir, opts, timeout, job.log_dir / hook.CANCEL_FILE)
         except CriuError as e:
             if (sealing := job.log_dir / hook.ERROR_FILE).exists():
                 e.detail = f"sealing the snapshot failed: {sealing.read_text(errors='replace')}"
@@ -439,8 +440,7 @@ def _record_timings(job: _Dump, sealed: Manifest) -> None:
 def _give_gpu_back(job: _Dump) -> None:
     """Mode leave-running: CRIU resumed the CPU side itself; give the GPU back."""
     try:
-        with signals.deferred_sigint():
-            resume([], job.cuda_pids, job.cuda)
+        resume([], job.cuda_pids, job.cuda)  # (in checkpoint's region that holds an interrupt back)
     except CudaError as e:
         raise CudaError(
             f"the snapshot in {job.out} is complete, but PID {job.pid} could not be given its GPU back",
@@ -472,7 +472,7 @@ def _rolled_back(e: BaseException, job: _Dump) -> BaseException:
     except (CudaError, KeyboardInterrupt) as r:
         problem = str(r) or "interrupted"
     said = f"{e} {failures.read(job.log_dir / hook.ERROR_FILE)}"
-    cancelled = isinstance(e, KeyboardInterrupt) or (job.log_dir / hook.CANCEL_FILE).exists()
+    cancelled = isinstance(e, KeyboardInterrupt) or hook.cancelled(job.log_dir)
     let_go = cancelled or (job.log_dir / hook.DECISION_FILE).exists()  # (a holder's abort)
     wrote = job.streamed or any((out / IMAGES_DIR).glob("*"))  # (a sender may have read or sent them)
     # CRIU's log is in ``out`` too: the disk that ran out may have cut the very line that says so

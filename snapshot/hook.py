@@ -194,8 +194,21 @@ def _fsync_tree(directory: Path) -> None:
 
 
 def _check_cancel(out: Path) -> None:
-    if (out / "log" / CANCEL_FILE).exists():
-        raise RuntimeError("cancelled by the user (Ctrl-C)")
+    """(CRIU rolls back on the hook's failure.)  Cancelled by the user (an empty file), or for the
+    reason written in it (the dump ran out of time: :meth:`snapshot.criu.Criu.dump`)."""
+    try:
+        why = (out / "log" / CANCEL_FILE).read_text(errors="replace")[:500]
+    except FileNotFoundError:
+        return
+    raise RuntimeError(why or "cancelled by the user (Ctrl-C)")
+
+
+def cancelled(log_dir: Path) -> bool:
+    """Whether the user cancelled the dump whose log is ``log_dir`` (not its time running out)."""
+    try:
+        return (log_dir / CANCEL_FILE).stat().st_size == 0
+    except FileNotFoundError:
+        return False
 
 
 def identity(st: os.stat_result) -> list[int]:

@@ -7,6 +7,8 @@ for a CUDA process; the driver calls go to tests/support/fake_cuda.py.
 from __future__ import annotations
 
 import mmap
+import os
+import signal
 from pathlib import Path
 
 import psutil
@@ -90,6 +92,24 @@ def test_leave_running_gives_the_gpu_back(cuda_workload, tmp_path: Path) -> None
     fake = FakeCudaDriver()
     checkpoint(w.pid, tmp_path / "snap", DumpMode.LEAVE_RUNNING, cuda_factory=lambda: fake)
     assert fake.state(w.pid) is CudaState.RUNNING
+    n = w.ticks()[-1][0]
+    wait_until(lambda: w.ticks()[-1][0] > n + 5, "the workload to keep running")
+
+
+def test_an_interrupt_as_a_leave_running_dump_ends_still_gives_the_gpu_back(cuda_workload, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A Ctrl-C (a SIGTERM, a closed terminal) just after CRIU let the tree run again, as the
+    stages' times were written, left its GPU checkpointed: the process ran on without it.  The
+    snapshot is complete by then: the interrupt comes too late to change anything."""
+    w = cuda_workload
+    fake = FakeCudaDriver()
+
+    def progress(stage: Stage, msg: str) -> None:
+        if stage is Stage.CRIU_DUMP and msg:  # (CRIU is done: its time is being recorded)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    m = checkpoint(w.pid, tmp_path / "snap", DumpMode.LEAVE_RUNNING, progress=progress, cuda_factory=lambda: fake)
+    assert m.cuda_pids == [w.pid] and fake.state(w.pid) is CudaState.RUNNING
+    assert fake.calls == [("lock", w.pid), ("checkpoint", w.pid), ("restore", w.pid), ("unlock", w.pid)]
     n = w.ticks()[-1][0]
     wait_until(lambda: w.ticks()[-1][0] > n + 5, "the workload to keep running")
 

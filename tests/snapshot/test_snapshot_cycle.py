@@ -387,6 +387,30 @@ def test_established_tcp_connection_survives(tmp_path: Path) -> None:
         w.stop()
 
 
+def test_a_dump_out_of_time_is_rolled_back_by_criu_and_the_tcp_connection_lives_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CRIU killed as the dump's time ran out left the tree's TCP connection in repair mode and
+    its network locked: the workload died on its next read, and nothing of it was kept.  CRIU is
+    told to roll back instead, which it does whole, and the workload goes on."""
+    from snapshot.api import CriuError, SnapshotConfig, Timeouts
+    from snapshot.dump import checkpoint
+    from support.helpers import TcpEcho
+
+    monkeypatch.setenv("TPAGENT_HOOK_HOLD", "120")  # (the sealed tree waits for a word: the dump cannot end in time)
+    w = TcpEcho(tmp_path / "tcp.log").start()
+    try:
+        with pytest.raises(CriuError, match="criu dump did not finish within 2 s: rolled back") as err:
+            checkpoint(w.pid, tmp_path / "snap", config=SnapshotConfig(timeouts=Timeouts(dump=2.0)))
+        assert err.value.rolled_back and not (tmp_path / "snap").exists()
+        n = w.pairs()[-1][0]
+        wait_until(lambda: w.pairs()[-1][0] > n + 10, "the workload to use its connection again")
+        seq = w.pairs()
+        assert [n for n, _ in seq] == list(range(len(seq))) and all(n == m for n, m in seq)
+    finally:
+        w.stop()
+
+
 def test_carried_file_is_put_back_where_the_process_had_it(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A node-local file the process has open (its log) travels in the snapshot: on a node
     without it (here: deleted), restore writes it back as it was at the freeze, and the
