@@ -157,17 +157,18 @@ def untrusted(
     return out
 
 
-def strangers(pids: Sequence[int], known: Mapping[str, tuple[int, int]]) -> list[str]:
+def strangers(pids: Sequence[int], known: Mapping[str, tuple[int, int]], criu: Sequence[str] = ()) -> list[str]:
     """One phrase for each restored process (``pids``, still stopped) that holds a file or
     directory by a name ``known`` lacks (path -> device and inode, as checked before CRIU opened
     it by that name), or another than the one checked: CRIU opened it as root, by name, and the
     name led elsewhere (a directory its owner swapped for a symlink since the check, a name
     renamed as the tree was frozen); a removed file put back, and removed again, in another
-    directory than the one checked.  The kernel's files and memory are not named."""
+    directory than the one checked.  The kernel's files and memory are not named, nor, in a
+    tree CRIU still holds, what it holds there itself (``criu``: those paths and what is in them)."""
     out = []
     for pid in pids:
         for via, name in _restored(pid):
-            if name.startswith("/memfd:"):
+            if name.startswith("/memfd:") or any(name == c or name.startswith(c + "/") for c in criu):
                 continue
             if _by_name(pid, via, name):
                 at = name

@@ -114,6 +114,10 @@ class RestoreOptions:
     namespace: bool = False
     #: Leave the restored tree stopped (SIGSTOP): it runs once sent SIGCONT.
     leave_stopped: bool = False
+    #: Run by CRIU at each action; a failing ``post-restore`` makes CRIU kill the tree before
+    #: any of it ran (:func:`snapshot.hook.restored`).
+    action_script: Path | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
 
 
 class Criu:
@@ -258,7 +262,8 @@ class Criu:
         # Rebuilding a mount namespace needs its root given (without it CRIU 4.2 segfaults
         # at mount.c:48) and the external mounts bound back to the node's same paths.
         args += ["--root", "/", "--ext-mount-map", "auto"] if opts.namespace else []
-        proc = self._run(args, timeout, work=work)
+        args += ["--action-script", str(opts.action_script)] if opts.action_script else []
+        proc = self._run(args, timeout, opts.env, work=work)
         if proc.returncode != 0:
             raise CriuError(
                 _port_taken(work / "restore.log")

@@ -175,9 +175,9 @@ def install(python: str = sys.executable) -> Path:
     script = directory / "post-dump"
     root = Path(__file__).resolve().parent.parent
     run = "import sys; sys.path.insert(0, sys.argv[1]); from snapshot import hook; sys.exit(hook.main())"
-    # CRIU runs it at every action (pre-dump, network-lock, ...): only post-dump needs Python.
+    # CRIU runs it at every action (pre-dump, network-lock, ...): only post-dump and post-restore need Python.
     script.write_text(
-        '#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\ncd / || exit 1\n'
+        '#!/bin/sh\ncase "$CRTOOLS_SCRIPT_ACTION" in post-dump|post-restore) ;; *) exit 0 ;; esac\ncd / || exit 1\n'
         f"exec {shlex.quote(str(Path(python).absolute()))} -I -c {shlex.quote(run)} {shlex.quote(str(root))}\n"
     )
     script.chmod(0o700)
@@ -423,8 +423,31 @@ def seal(out: Path, root: int, fail: bool, root_start: int | None = None, stream
     m.write(out)
 
 
+def restored(known: Path, init: int) -> int:
+    """(CRIU's post-restore action.)  Every process of the restored tree of ``init`` holds, of the
+    files CRIU opened by name as root, only those checked by that name (``known``: JSON of path ->
+    device and inode): one swapped since for a symlink to a file of root's would be the copy's to
+    write to (:func:`host.reopened.strangers`).  The tree runs none of its own code yet, whatever
+    signal its owner sends it, and a failure here makes CRIU kill it: 1, and why in
+    ``ERROR_FILE`` beside ``known``, if it holds another.  CRIU's own descriptors in it (/proc,
+    its log in ``known``'s directory) it closes before the tree runs."""
+    try:
+        checked = {path: (dev, ino) for path, (dev, ino) in json.loads(known.read_text()).items()}
+        strangers = reopened.strangers(proc.tree_pids(init), checked, ("/proc", str(known.parent)))
+    except Exception as e:  # (not checked: not let run)
+        strangers = [f"the restored tree could not be checked ({type(e).__name__}: {e})"]
+    if not strangers:
+        return 0
+    with contextlib.suppress(OSError):
+        (known.parent / ERROR_FILE).write_text(strangers[0])
+    return 1
+
+
 def main() -> int:
-    if os.environ.get("CRTOOLS_SCRIPT_ACTION") != "post-dump":
+    action = os.environ.get("CRTOOLS_SCRIPT_ACTION")
+    if action == "post-restore" and "TPAGENT_HOOK_KNOWN" in os.environ:
+        return restored(Path(os.environ["TPAGENT_HOOK_KNOWN"]), int(os.environ["CRTOOLS_INIT_PID"]))
+    if action != "post-dump":
         return 0
     out = Path(os.environ["TPAGENT_HOOK_OUT"])
     try:

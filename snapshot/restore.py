@@ -11,6 +11,7 @@ one to retry.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -19,7 +20,7 @@ import signal
 import tempfile
 from collections.abc import Mapping
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -27,8 +28,9 @@ import psutil
 from host import gpus, proc, reopened, safefs, signals, userdirs
 from host.api import UsageError
 from host.safefs import private_dir
-from snapshot import affinity, copies, manifest, putback, stages, timers
+from snapshot import affinity, copies, hook, manifest, putback, stages, timers
 from snapshot.api import (
+    CriuError,
     DumpMode,
     Interrupted,
     ProgressFn,
@@ -43,6 +45,8 @@ from snapshot.manifest import IMAGES_DIR, BoundSocket, Manifest
 from snapshot.stages import CudaFactory, Step, Timer, check_restore_thread, quiet, require_root
 
 log = logging.getLogger(__name__)
+#: In CRIU's work directory: the files checked by name, as :func:`snapshot.hook.restored` reads them.
+KNOWN = "known.json"
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,7 @@ def restore(
         proc.wait_pids_free(
             [p.pid for p in m.processes], config.timeouts.pid_wait, [t for p in m.processes for t in p.tids]
         )
-    stopped = not m.cuda_pids  # (checked before it runs: _check_opened; a CUDA process's runs at once)
+    stopped = not m.cuda_pids  # (a CUDA process's runs at once: its driver restore needs it running)
     opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), m.namespace, stopped)
     fresh = [b for b in m.sockets if not os.path.lexists(b.path)]  # (CRIU makes them)
     kept = work is not None and not start  # (a held copy's: its caller removes it once it has noted the copy)
@@ -291,9 +295,26 @@ def _note_made(job: _Restore) -> None:
 
 
 def _criu_restore(job: _Restore) -> None:
-    """criu restore: the tree comes back (its GPU memory still in host memory)."""
-    with job.timer.stage(Stage.CRIU_RESTORE):
-        job.root = job.criu.restore(job.directory / IMAGES_DIR, job.work, job.opts, job.config.timeouts.restore)
+    """criu restore: the tree comes back (its GPU memory still in host memory).  What it opened
+    by name is checked before any of it runs (:func:`snapshot.hook.restored`, CRIU's post-restore
+    action: a copy stopped after, its owner could let run at once)."""
+    known = job.work / KNOWN
+    known.write_text(json.dumps(job.trusted | {str(p): (dev, ino) for p, (dev, ino, _) in job.made.items()}))
+    script = hook.install()
+    opts = replace(job.opts, action_script=script, env={"TPAGENT_HOOK_KNOWN": str(known)})
+    try:
+        with job.timer.stage(Stage.CRIU_RESTORE):
+            job.root = job.criu.restore(job.directory / IMAGES_DIR, job.work, opts, job.config.timeouts.restore)
+    except CriuError as e:
+        if (stranger := job.work / hook.ERROR_FILE).exists():
+            raise UsageError(
+                f"{stranger.read_text(errors='replace')}, which is not the file checked by that name before CRIU "
+                "opened it (it was replaced, or a directory on its way swapped, as it was restored): that copy was "
+                "killed before it ran."
+            ) from e
+        raise
+    finally:
+        shutil.rmtree(script.parent, ignore_errors=True)
 
 
 def _stop_copy(job: _Restore) -> None:
@@ -324,17 +345,6 @@ def _hand_over(job: _Restore) -> None:
 def _map_pids(job: _Restore) -> None:
     """Find each snapshot PID's restored process (in a PID namespace, another PID here)."""
     job.mapping = _restored_pids(job.manifest, job.root)
-
-
-def _check_opened(job: _Restore) -> None:
-    """Refuse a copy CRIU gave, as it opened them by name as root, another file or directory
-    than the one checked (:func:`host.reopened.strangers`); it has not run (but a CUDA one)."""
-    known = job.trusted | {str(p): (dev, ino) for p, (dev, ino, _) in job.made.items()}
-    if strangers := reopened.strangers(list(job.mapping.values()), known):
-        raise UsageError(
-            f"{strangers[0]}, which is not the file checked by that name before CRIU opened it (it was replaced, "
-            "or a directory on its way swapped, as it was restored): that copy was stopped before it ran."
-        )
 
 
 def _let_run(job: _Restore) -> None:
@@ -390,7 +400,6 @@ RESTORE: tuple[Step[_Restore], ...] = (
     Step("note the sockets CRIU bound", _note_bound),
     Step("hand the sockets' directories over", _hand_over),
     Step("find the restored PIDs", _map_pids),
-    Step("check what it opened by name", _check_opened),
     Step("arm the periodic timers again", _rearm_timers),
     Step("bind the threads to their CPUs again", _rebind),
     Step("give the GPU back (CUDA restore, CUDA unlock)", _give_gpu_back),

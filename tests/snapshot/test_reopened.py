@@ -7,12 +7,15 @@ choose), their file mapped as its data or code.  The attacker here is a real unp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +23,7 @@ import psutil
 import pytest
 
 from conftest import needs_criu
+from snapshot.manifest import _body_digest
 from support.helpers import STATEFUL, alive, assert_one_sentence_error, kill_and_wait, tpagent, wait_until
 from support.users import NOBODY, as_user
 
@@ -213,6 +217,21 @@ def test_a_working_directory_made_again_for_its_carried_file_is_restored(tmp_pat
         kill_and_wait(pid)
 
 
+def _swapped(shared: Path, tmp_path: Path) -> tuple[Path, Path, int, Path]:
+    """The workload dumped, its notes without its job's directory and file, which then lead to a
+    directory of root's: its log, snapshot, PID, and root's directory."""
+    log, snap, pid = _dumped(shared, tmp_path)
+    doc = json.loads((snap / "manifest.json").read_text())
+    doc["reopened"] = [r for r in doc["reopened"] if not r["path"].startswith(str(shared / "job"))]
+    doc["manifest_sha256"] = _body_digest(doc)
+    (snap / "manifest.json").write_text(json.dumps(doc))
+    (shared / "job").rename(shared / "job.old")
+    roots = shared / "roots"
+    _job_dir(roots, b"R")  # (root's: the same mode and size, as CRIU checks)
+    (shared / "job").symlink_to(roots)
+    return log, snap, pid, roots
+
+
 def test_a_name_that_leads_elsewhere_once_checked_is_refused_before_the_copy_runs(shared: Path, tmp_path: Path) -> None:
     """CRIU opens what the process held by name, as root, after the restore's checks: a name
     whose directory its owner swapped for a symlink since the check (a loop of renames wins the
@@ -221,24 +240,42 @@ def test_a_name_that_leads_elsewhere_once_checked_is_refused_before_the_copy_run
     copy ran holding them.  Simulated here without the race: the notes lose the job's directory
     and its file, which then lead to root's.  The copy, restored stopped, is checked: it holds
     another file than the one checked, and is ended before it runs a step."""
-    from snapshot import manifest
-
-    log, snap, pid = _dumped(shared, tmp_path)
-    doc = json.loads((snap / "manifest.json").read_text())
-    doc["reopened"] = [r for r in doc["reopened"] if not r["path"].startswith(str(shared / "job"))]
-    doc["manifest_sha256"] = manifest._body_digest(doc)
-    (snap / "manifest.json").write_text(json.dumps(doc))
-    (shared / "job").rename(shared / "job.old")
-    roots = shared / "roots"
-    _job_dir(roots, b"R")  # (root's: the same mode and size, as CRIU checks)
-    (shared / "job").symlink_to(roots)
+    log, snap, pid, roots = _swapped(shared, tmp_path)
     ticks = log.read_text().count("\n")
     proc = tpagent("restore", str(snap))
     if proc.returncode == 0:  # (restored all the same: the copy is not left running after the test)
         kill_and_wait(pid)
-    assert_one_sentence_error(proc, f"holds {roots}", "that copy was stopped before it ran")
+    assert_one_sentence_error(proc, f"holds {roots}", "that copy was killed before it ran")
     assert log.read_text().count("\n") == ticks and "byte 82" not in log.read_text()
     assert not alive(pid) and not (roots / "progress.txt").exists()
+
+
+def test_a_swapped_name_is_refused_before_the_copys_owner_can_let_it_run(shared: Path, tmp_path: Path) -> None:
+    """As the test above, with the copy's owner sending it SIGCONT all the while: a copy CRIU left
+    stopped, to be checked after, ran as soon as CRIU let it go (before the check), and wrote
+    through the files CRIU had opened for it as root.  It is checked while CRIU still holds it,
+    before any of its own code runs: it never writes a line, here or in root's directory."""
+    log, snap, pid, roots = _swapped(shared, tmp_path)
+    ticks = log.read_text().count("\n")
+    done = threading.Event()
+
+    def owner() -> None:  # (the copy has the dumped process's PID: its owner knows it)
+        while not done.wait(0.002):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    sender = threading.Thread(target=owner, daemon=True)
+    sender.start()
+    try:
+        proc = tpagent("restore", str(snap))
+    finally:
+        done.set()
+        sender.join()
+    if proc.returncode == 0:
+        kill_and_wait(pid)
+    assert_one_sentence_error(proc, f"holds {roots}", "that copy was killed before it ran")
+    assert log.read_text().count("\n") == ticks and not (roots / "progress.txt").exists()
+    assert not alive(pid)
 
 
 GHOST = """
