@@ -164,8 +164,7 @@ class Rank:
                 self.stopped_by = ""
 
     def on_training_thread(self, chore: Callable[[], object]) -> str:
-        """Run ``chore`` on the parked training thread (the user's code runs there, on its CUDA
-        device); why it failed, or ""."""
+        """Run ``chore`` on the parked training thread (the user's code, on its CUDA device); why it failed, or ""."""
         with self.cond:
             if not self.parked or self.chore is not None:
                 return "it is not stopped at a boundary"
@@ -308,8 +307,7 @@ class Rank:
                 s.close()
 
     def _reply(self, rid: object, answer: P.Answer, tail: bytes = b"", on: socket.socket | None = None) -> None:
-        """``answer``'s line, then ``tail`` (a saved state: its answer says its size), on the
-        connection the request came on (``on``; never on a later one, which did not ask)."""
+        """``answer``'s line, then ``tail`` (a saved state), on the connection that asked (``on``), never a later."""
         try:
             data = codec.line(answer, id=rid)
         except P.ProtocolError as e:  # (every request gets its answer: this one says why it has none)
@@ -444,7 +442,9 @@ class Rank:
     def _pause(self, request: P.Pause) -> P.Paused:
         if request.unit not in (P.Unit.STEP.value, P.Unit.COLLECTIVE.value):
             return P.Paused(ok=False, error=f"{request.unit!r} is not a unit a rank stops at")
-        with self.cond:
+        with self.cond:  # (by_another's check, again under the lock that takes it: two pauses may come at once)
+            if self.stopped_by not in ("", request.by):
+                return P.Paused(ok=False, error=f"it is stopped by another move of its job ({self.stopped_by})")
             if (self.step if request.unit == P.Unit.STEP.value else self.collectives) >= request.at:
                 return P.Paused(ok=False, late=True, error=f"it is past {request.unit} {request.at}")
             self.stop_at = request.at

@@ -33,3 +33,13 @@ def test_a_rank_let_go_on_by_its_move_is_any_moves_again() -> None:
     assert rank._do(P.Cancel(by="m1")).ok and (rank.stop_at, rank.stopped_by) == (None, "")
     assert rank._do(P.Pause(at=7, by="m2")).ok and rank.stopped_by == "m2"
     assert rank._do(P.Resume(by="m2")).ok and (rank.stop_at, rank.stopped_by) == (None, "")
+
+
+def test_a_pause_takes_the_rank_only_if_no_other_move_took_it_meanwhile() -> None:
+    """Each request is answered on a thread of its own: two moves' pauses may both pass the check
+    before either takes the rank.  The pause checks again as it takes it, under the same lock."""
+    rank = Rank("j", 0, 2, None, None, "tpagent-test-unused")
+    assert rank._do(P.Pause(at=5, by="m1")).ok
+    late = rank._pause(P.Pause(at=9, by="m2"))  # (as a pause that passed the check before m1 took it)
+    assert not late.ok and "stopped by another move of its job (m1)" in late.error
+    assert (rank.stop_at, rank.stopped_by) == (5, "m1")
