@@ -210,3 +210,24 @@ def test_the_record_in_a_jobs_admin_comment_keeps_what_an_administrator_wrote_th
     assert (
         recorded_in("see tpagent: docs", "") == "see tpagent: docs"
     )  # (a record is only ours at its start or after " | ")
+
+
+def test_a_placeholders_marker_is_never_taken_for_a_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A placeholder's admin comment names its job, whose name is its user's to choose: one that
+    looks like a record (" | tpagent: ...") cut the marker short as records were cleared, and the
+    placeholder, no longer known as one, held its node for ever."""
+    key = "x | tpagent: rank 0 on d#0123456789abcdef"
+    hold = job(9, ["d"], 1, name="tpagent-hold", admin_comment=f"tpagent hold job={key} node=d")
+    owner = job(7, ["a"], 100, name="x | tpagent: rank 0 on d")
+    asked: list[tuple[str, ...]] = []
+
+    def slurm_cli(*args: str, timeout: float = 0) -> str:
+        asked.append(args)
+        return ""
+
+    monkeypatch.setattr(slurm, "run", slurm_cli)
+    s = adapter([node("a", "train", state="allocated", cpus=2), node("d", "spares")], [owner, hold])
+    monkeypatch.setattr(s, "refresh", lambda: (s.read[1], s.read[2]))
+    want = Wanted(away=frozenset({(key, "d")}), users={key: NOONE})
+    s.reconcile(lambda: want)
+    assert not [a for a in asked if "JobId=9" in a], asked  # (its marker left as it is)

@@ -405,8 +405,9 @@ class Slurm:
             text = recorded_in(mine.admin_comment, printable(PREFIX + "; ".join(sorted(where)), 1000))
             if mine.admin_comment != text:
                 run("scontrol", "update", f"JobId={mine.id}", f"AdminComment={text}")
-        for j in jobs:
-            if j.active and j.id not in recorded and (text := recorded_in(j.admin_comment, "")) != j.admin_comment:
+        for j in jobs:  # (not a placeholder: its marker holds a job's name, which a user may make look like a record)
+            text = recorded_in(j.admin_comment, "")
+            if j.active and j.id not in recorded and j.hold_of() is None and text != j.admin_comment:
                 run("scontrol", "update", f"JobId={j.id}", f"AdminComment={text}")
         return said
 
