@@ -307,14 +307,20 @@ def _criu_restore(job: _Restore) -> None:
             job.root = job.criu.restore(job.directory / IMAGES_DIR, job.work, opts, job.config.timeouts.restore)
     except CriuError as e:
         if (stranger := job.work / hook.ERROR_FILE).exists():
-            raise UsageError(
-                f"{stranger.read_text(errors='replace')}, which is not the file checked by that name before CRIU "
-                "opened it (it was replaced, or a directory on its way swapped, as it was restored): that copy was "
-                "killed before it ran."
-            ) from e
+            raise _unchecked(stranger.read_text(errors="replace")) from e
         raise
     finally:
         shutil.rmtree(script.parent, ignore_errors=True)
+
+
+def _unchecked(said: str) -> SnapshotError:
+    """Why CRIU's post-restore action killed the copy (``said``: :func:`snapshot.hook.restored`'s)."""
+    if not said.startswith("PID "):  # (the check itself failed)
+        return ToolError(f"{said}: that copy was killed before it ran, and the snapshot is intact")
+    return UsageError(
+        f"{said}, which is not the file checked by that name before CRIU opened it (it was replaced, or a "
+        "directory on its way swapped, as it was restored): that copy was killed before it ran."
+    )
 
 
 def _stop_copy(job: _Restore) -> None:
