@@ -35,6 +35,12 @@ ENDED_CLAIM = 60.0
 DIED = frozenset({-9, -11, -7, -6, -4, -8})  # SIGKILL, SIGSEGV, SIGBUS, SIGABRT, SIGILL, SIGFPE
 
 
+def identity_of(uid: int, hello: lines.Hello) -> str:
+    """A rank's job across nodes: the user its runtime runs as (the kernel's word) and the job's
+    key it said hello with."""
+    return f"{uid}:{hello.key}"
+
+
 def died(code: int, world: int) -> bool:
     """Whether a rank that ended with ``code`` (a signal's: negative) died, in a job of ``world``
     ranks its job may rebuild it from (:data:`DIED`)."""
@@ -84,7 +90,7 @@ class RankEntry:
         if self.identity:
             return self.identity == key
         uid, _ = user_of(self.init)
-        return uid >= 0 and key.partition(":")[0] == str(uid)
+        return uid >= 0 and key.partition(":")[0] == str(uid)  # (the user part of :func:`identity_of`'s)
 
     def alive(self) -> bool:
         try:

@@ -35,7 +35,7 @@ from host.safefs import private_dir
 from tpagent.common.threads import Threads
 from tpagent.jobs import door, rankentry
 from tpagent.jobs.connection import Connection, RankGone
-from tpagent.jobs.rankentry import RankEntry, close_outputs, died, open_output
+from tpagent.jobs.rankentry import RankEntry, close_outputs, died, identity_of, open_output
 from tpagent.migration.api import Refused, Why
 from tpagent.migration.journal import write_durably
 from tpagent.workload import launch
@@ -51,12 +51,6 @@ DIED_HOLD = 60.0
 
 class NotTheJob(Exception):
     """The rank asked for is of another job of the same name (:meth:`Ranks.identity`)."""
-
-
-def identity_of(uid: int, hello: lines.Hello) -> str:
-    """A rank's job across nodes: the user its runtime runs as (the kernel's word) and the job's
-    key it said hello with."""
-    return f"{uid}:{hello.key}"
 
 
 def digest_of(identity: str) -> str:
