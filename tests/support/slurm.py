@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -126,9 +125,15 @@ class Slurm:
         wait_until(lambda: self.cmd("sinfo", check=False).returncode == 0, "slurmctld to answer", 60, 0.2)
 
     def stop_ctld(self) -> None:
+        """slurmctld stopped as an administrator stops it: it saves its state first (one killed lost
+        what it had not saved yet, such as an AdminComment written a moment before)."""
         if self.ctld is not None and self.ctld.poll() is None:
-            self.ctld.send_signal(signal.SIGKILL)
-            self.ctld.wait(30)
+            self.ctld.terminate()
+            try:
+                self.ctld.wait(30)
+            except subprocess.TimeoutExpired:
+                self.ctld.kill()
+                self.ctld.wait(30)
 
     def cmd(
         self, *args: str, check: bool = True, env: dict[str, str] | None = None, user: tuple[int, int] | None = None
