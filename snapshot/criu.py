@@ -152,7 +152,8 @@ class Criu:
         ``work``, CRIU's PID and start time go to its :data:`PIDFILE` there.  Past ``timeout``,
         CRIU is killed; with ``give_up`` (a dump's cancel file) it is first told there to roll
         back and given :data:`GIVE_UP_WITHIN` seconds: a CRIU killed mid-dump leaves the tree's
-        TCP connections in repair mode and its network locked (the workload dies of it)."""
+        TCP connections in repair mode and its network locked (the workload dies of it).  A CRIU
+        killed is killed with its descendants (a restore's tree)."""
         cmd = [str(self.path), *args]
         log.debug("running %s", cmd)
         with deferred_sigint():
@@ -185,8 +186,10 @@ class Criu:
                     with contextlib.suppress(subprocess.TimeoutExpired):  # (done, or rolled back: as it says)
                         out, err = proc.communicate(timeout=GIVE_UP_WITHIN)
                         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-                proc.kill()
-                with contextlib.suppress(subprocess.TimeoutExpired):  # (a child of its may hold its output)
+                # With every process it started: a restore's tree, left by a CRIU killed, ran on beside
+                # the original its caller went back to.
+                signals.kill_tree(proc.pid)
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.communicate(timeout=5)
                 proc.wait()
                 raise CriuError(late) from e

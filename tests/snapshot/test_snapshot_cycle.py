@@ -411,6 +411,33 @@ def test_a_dump_out_of_time_is_rolled_back_by_criu_and_the_tcp_connection_lives_
         w.stop()
 
 
+def test_a_restore_out_of_time_leaves_no_copy_and_the_snapshot_restores_again(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """CRIU killed as a restore's time ran out left the tree it had made: it ran on, unchecked and
+    noted nowhere, beside the original a migration then resumed.  CRIU goes with its whole tree."""
+    from snapshot.api import CriuError, SnapshotConfig, Timeouts
+    from snapshot.criu import Criu
+    from snapshot.restore import restore
+
+    w = start(mib=16)
+    snap = tmp_path / "snap"
+    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
+    w.reap()
+    stopped_at = w.ticks()[-1][0]
+    slow, wrapper = tmp_path / "slow-action", tmp_path / "criu-slow-to-resume"
+    slow.write_text('#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-restore ] && sleep 120\nexit 0\n')
+    wrapper.write_text(f'#!/bin/sh\nexec "{Criu().path}" "$@" --action-script {slow}\n')  # (after the tree is made)
+    slow.chmod(0o755)
+    wrapper.chmod(0o755)
+    with pytest.raises(CriuError, match="^criu restore did not finish within 3 s$"):
+        restore(snap, config=SnapshotConfig(criu=wrapper, timeouts=Timeouts(restore=3.0)))
+    assert not alive(w.pid)
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
+    assert_continuous(w.ticks())
+
+
 def test_carried_file_is_put_back_where_the_process_had_it(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A node-local file the process has open (its log) travels in the snapshot: on a node
     without it (here: deleted), restore writes it back as it was at the freeze, and the
