@@ -257,7 +257,7 @@ class Receiver:
 
     def _control(self, ch: Channel, session_id: bytes) -> None:
         _, body = wire.expect(ch, Kind.HEADER, wire.MAX_JSON)
-        header = wire.open_signed_json(self.config.secret, b"header", body)
+        header = wire.open_signed_json(self.config.secret, b"header", session_id, body)
         try:
             chunk_size = int(header["chunk_size"])
             if header.get("follow") is True:
@@ -304,7 +304,7 @@ class Receiver:
         except TransferError:
             self._orphan(s, ch)
             raise
-        self._verify(s, wire.open_signed_json(self.config.secret, b"trailer", body))
+        self._verify(s, wire.open_signed_json(self.config.secret, b"trailer", session_id, body))
         try:
             wire.send_frame(ch, Kind.DONE, s.done)
         except TransferError:

@@ -273,7 +273,7 @@ class Sender:
         t0 = time.monotonic()
         try:
             header = self._header(snapshot, files, state, follow=sealed is not None)
-            control = _Control(self, address, session, wire.signed_json(cfg.secret, b"header", header), state)
+            control = _Control(self, address, session, wire.signed_json(cfg.secret, b"header", session, header), state)
             try:
                 control.open()
                 workers = [
@@ -298,7 +298,7 @@ class Sender:
                         "files": [list(f) for f in files.layout().files],
                         "manifest_sha256": files.manifest_sha256(),
                     }
-                done = control.finish(wire.signed_json(cfg.secret, b"trailer", trailer), cfg.session_timeout)
+                done = control.finish(wire.signed_json(cfg.secret, b"trailer", session, trailer), cfg.session_timeout)
                 if not done or done[0] != 1:
                     raise IntegrityError(f"the receiver rejected the snapshot: {done[1:].decode(errors='replace')}")
             except BaseException as e:

@@ -1,4 +1,4 @@
-"""The tpagent transfer stream, version 2: framing, handshake and message bodies.
+"""The tpagent transfer stream, version 3: framing, handshake and message bodies.
 
 Every connection starts with a mutual challenge-response on the cluster secret, then
 carries frames.  Integers are little-endian.
@@ -13,14 +13,15 @@ carries frames.  Integers are little-endian.
     DATA       ::= HAVE { CHUNK ACK }                (ROLE 1: STREAM 1..N, in parallel)
     FRAME      ::= KIND:u8 CODEC:u8 0:u16 LENGTH:u32 BODY[LENGTH]
     HEADER     ::= LEN:u32 JSON{snapshot_id, chunk_size, files: [[PATH, SIZE]], manifest_sha256
-                                 [, digest, digests: {PATH: [HEX]}]} MAC:32B   (the manifest's chunk digests)
-                 | LEN:u32 JSON{snapshot_id, chunk_size, follow: true, digest} MAC:32B   (a snapshot being written)
+                                 [, digest, digests: {PATH: [HEX]}]} MAC   (the manifest's chunk digests)
+                 | LEN:u32 JSON{snapshot_id, chunk_size, follow: true, digest} MAC   (a snapshot being written)
                                                      (digest: "blake3" or "sha256", absent from older senders: sha256)
     HAVE       ::= { u8 }                            (one per chunk: 1 = received and checked; none when following)
     CHUNK      ::= INDEX:u64 RAW_LEN:u32 CRC32:u32 [ OFFSET:u64 PATH_LEN:u8 PATH ] PAYLOAD
                                                      (CODEC 0 raw, 1 zstd, 2 zeros: no payload; [..] when following)
     ACK        ::= INDEX:u64 OK:u8                   (0: damaged, send it again)
-    TRAILER    ::= LEN:u32 JSON{chunks, raw_bytes, digest [, files, manifest_sha256 when following]} MAC:32B
+    TRAILER    ::= LEN:u32 JSON{chunks, raw_bytes, digest [, files, manifest_sha256 when following]} MAC
+    MAC        ::= HMAC-SHA256(secret, "header"|"trailer" SESSION JSON)   (bound to its transfer: version 3)
     DONE       ::= OK:u8 MESSAGE
     ERROR      ::= MESSAGE
 
@@ -54,7 +55,7 @@ import zstandard
 from transfer.api import Channel, TransferError
 
 MAGIC = b"TPXFER01"
-VERSION = 2
+VERSION = 3
 HELLO = struct.Struct("<8sHBBI16s16s")
 FRAME = struct.Struct("<BBHI")
 CHUNK = struct.Struct("<QII")
@@ -131,18 +132,20 @@ def expect(ch: Channel, kind: Kind, limit: int) -> tuple[Codec, bytes | bytearra
     return codec, body
 
 
-def signed_json(secret: bytes, label: bytes, obj: dict[str, Any]) -> bytes:
+def signed_json(secret: bytes, label: bytes, session: bytes, obj: dict[str, Any]) -> bytes:
+    """``obj`` with its MAC, for the transfer ``session`` only (one of another transfer, replayed
+    into this one, fails)."""
     data = json.dumps(obj).encode()
-    return struct.pack("<I", len(data)) + data + mac(secret, label, data)
+    return struct.pack("<I", len(data)) + data + mac(secret, label, session, data)
 
 
-def open_signed_json(secret: bytes, label: bytes, body: bytes | bytearray) -> dict[str, Any]:
+def open_signed_json(secret: bytes, label: bytes, session: bytes, body: bytes | bytearray) -> dict[str, Any]:
     if len(body) < 4 + MAC_LEN:
         raise TransferError(f"a {label.decode()} frame is too short")
     (n,) = struct.unpack_from("<I", body)
     data = body[4 : 4 + n]
     tag = body[4 + n :]
-    if len(data) != n or not hmac.compare_digest(tag, mac(secret, label, data)):
+    if len(data) != n or not hmac.compare_digest(tag, mac(secret, label, session, data)):
         raise TransferError(f"the {label.decode()} failed authentication (damaged, or not from a holder of the secret)")
     obj = json.loads(data)
     if not isinstance(obj, dict):

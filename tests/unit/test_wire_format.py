@@ -19,6 +19,7 @@ from transfer.tcp import TcpChannel
 from transfer.wire import Codec, Kind, Layout, PeerError
 
 SECRET = b"s" * 32
+SESSION = b"S" * 16
 
 
 @pytest.fixture
@@ -111,38 +112,41 @@ def test_struct_sizes_match_the_grammar() -> None:
 
 
 def test_signed_json_round_trips_and_is_length_prefixed() -> None:
-    body = wire.signed_json(SECRET, b"header", {"snapshot_id": "ab", "chunk_size": 4096})
+    body = wire.signed_json(SECRET, b"header", SESSION, {"snapshot_id": "ab", "chunk_size": 4096})
     (n,) = struct.unpack_from("<I", body)
     assert json.loads(body[4 : 4 + n]) == {"snapshot_id": "ab", "chunk_size": 4096}
     assert len(body) == 4 + n + wire.MAC_LEN
-    assert wire.open_signed_json(SECRET, b"header", body) == {"snapshot_id": "ab", "chunk_size": 4096}
+    assert wire.open_signed_json(SECRET, b"header", SESSION, body) == {"snapshot_id": "ab", "chunk_size": 4096}
 
 
 def test_signed_json_refuses_a_flipped_bit_anywhere() -> None:
-    body = wire.signed_json(SECRET, b"trailer", {"chunks": 3})
+    body = wire.signed_json(SECRET, b"trailer", SESSION, {"chunks": 3})
     for i in range(len(body)):
         garbled = bytearray(body)
         garbled[i] ^= 0x04
         with pytest.raises(TransferError):
-            wire.open_signed_json(SECRET, b"trailer", garbled)
+            wire.open_signed_json(SECRET, b"trailer", SESSION, garbled)
 
 
 @pytest.mark.parametrize(
-    ("secret", "label"), [(b"t" * 32, b"header"), (SECRET, b"trailer")], ids=["another secret", "another label"]
+    ("secret", "label", "session"),
+    [(b"t" * 32, b"header", SESSION), (SECRET, b"trailer", SESSION), (SECRET, b"header", b"T" * 16)],
+    ids=["another secret", "another label", "another transfer"],
 )
-def test_signed_json_is_bound_to_secret_and_label(secret: bytes, label: bytes) -> None:
-    body = wire.signed_json(SECRET, b"header", {"chunks": 1})
+def test_signed_json_is_bound_to_secret_label_and_transfer(secret: bytes, label: bytes, session: bytes) -> None:
+    """A header or trailer of one transfer, replayed into another on a plain TCP or UCX stream, fails."""
+    body = wire.signed_json(SECRET, b"header", SESSION, {"chunks": 1})
     with pytest.raises(TransferError, match="failed authentication"):
-        wire.open_signed_json(secret, label, body)
+        wire.open_signed_json(secret, label, session, body)
 
 
 def test_signed_json_refuses_a_short_body_and_a_non_object() -> None:
     with pytest.raises(TransferError, match="too short"):
-        wire.open_signed_json(SECRET, b"header", b"\x00" * (4 + wire.MAC_LEN - 1))
+        wire.open_signed_json(SECRET, b"header", SESSION, b"\x00" * (4 + wire.MAC_LEN - 1))
     data = json.dumps([1, 2]).encode()
-    listed = struct.pack("<I", len(data)) + data + wire.mac(SECRET, b"header", data)
+    listed = struct.pack("<I", len(data)) + data + wire.mac(SECRET, b"header", SESSION, data)
     with pytest.raises(TransferError, match="not a JSON object"):
-        wire.open_signed_json(SECRET, b"header", listed)
+        wire.open_signed_json(SECRET, b"header", SESSION, listed)
 
 
 def test_layout_numbers_chunks_across_files_in_order() -> None:
