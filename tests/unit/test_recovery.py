@@ -144,3 +144,22 @@ def test_where_a_lost_ranks_only_replicas_got_a_step_further_the_others_are_brou
     # Where the earliest serves, it is the one: a rank a step further is taken back.
     where = {r: _at(held, shard[r]) for r, held in ((0, 44), (2, 45), (3, 44))}
     assert recovery._boundary(where) == (44, [2])
+
+
+def test_a_failed_recovery_ends_only_the_processes_of_its_own_jobs_identity_on_the_spare() -> None:
+    """The new processes a failed recovery started are killed by the job's identity: by job name and
+    rank alone, another user's rank of that name on the spare (torchrun's default job "none") was
+    killed in their place."""
+    asked: list[tuple[str, int, P.Request[P.Answer], str]] = []
+
+    def ask(agent: str, job: str, rank: int, request: P.Request[P.Answer], timeout: float, key: str = "") -> P.Answer:
+        asked.append((agent, rank, request, key))
+        return P.Answer()
+
+    request = P.Recover(node="10.0.0.3:7400", ranks=(2,), spare="10.0.0.4:7400", grace=5.0)
+    recovery = Recovery("job1", 0, request, ask, "10.0.0.2:7400", typing.cast(Leaving, None))
+    recovery.asking.key = "1000:4f2a"
+    recovery.started = [2]
+    recovery._end(AGENTS, "its replica could not give it its state")
+    kills = [(agent, rank, key) for agent, rank, r, key in asked if isinstance(r, P.Signal)]
+    assert kills == [("10.0.0.4:7400", 2, "1000:4f2a")]

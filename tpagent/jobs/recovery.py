@@ -362,9 +362,10 @@ class Recovery:
         log.warning("%s", sentence)
         if self.stop_store is not None:
             self.stop_store()
-        for d in self.started:
+        kill = P.Signal(signum=int(signal.SIGKILL))
+        for d in self.started:  # (by the job's identity: another user's rank of the job's name there lives on)
             try:
-                self.ask(self.request.spare, self.job, d, P.Signal(signum=int(signal.SIGKILL)), self.timeout)
+                self.ask(self.request.spare, self.job, d, kill, self.timeout, self.asking.key)
             except AgentError as e:
                 log.warning("rank %d's new process on %s could not be ended: %s", d, self.request.spare, e)
         survivors = [r for r in range(len(agents)) if r not in self.lost]
