@@ -423,9 +423,10 @@ def resolve(
     as_json: JsonOpt = False,
 ) -> None:
     """Decide a migration whose peer gives no answer (its node lost, its agent down for good).
-    Refused while the peer answers (the agents then decide it themselves).  Only you know the
-    peer is gone: --discard while its agent could still start the held copy (takeover_after)
-    can run the job twice; --commit while it never ran can lose it."""
+    Refused while the peer answers (the agents then decide it themselves), and dropped if it
+    answers again before the decision is carried out (the state shown says how it ended).
+    Only you know the peer is gone: --discard while its agent could still start the held copy
+    (takeover_after) can run the job twice; --commit while it never ran can lose it."""
     from tpagent.daemon.rpc import pb
 
     if commit is None:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from support.protocol_fakes import FakeHeldDump, FakeTarget, sleeper, unit_context, wait
-from tpagent.migration.api import JournalError, Outcome, Role, SourceState, TargetState, allowed
+from tpagent.migration.api import JournalError, Outcome, PeerStatus, Role, SourceState, TargetState, allowed
 from tpagent.migration.journal import Journal, Record
 from tpagent.migration.resolve import resolve_source
 from tpagent.migration.source import SourceMigration
@@ -258,6 +258,45 @@ def _committing(tmp_path: Path, target: FakeTarget, pid: int, target_state: Targ
     return r, ctx
 
 
+@pytest.mark.parametrize("answer", ["running", "silent again"])
+def test_an_operators_discard_given_while_the_target_was_silent_is_dropped_once_its_copy_runs(
+    tmp_path: Path, original: subprocess.Popen[bytes], answer: str
+) -> None:
+    """`tpagent resolve --discard` found the target silent, while the source's call asking it to
+    start its copy was under way: that call came back with the copy running.  The discard was
+    carried out all the same (the original resumed beside the copy); now it is dropped, and the
+    migration ends as the target says, whether or not it answers again at once."""
+    target = FakeTarget(tmp_path)
+    target.confirm_does = "wait"
+    r, ctx = _committing(tmp_path, target, original.pid, TargetState.READY)
+    finish = target.finish
+    calls = 0
+
+    def finish_racing_the_operator(mid: str, commit: bool, timeout: float, confirmed: bool = False) -> PeerStatus:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            status = finish(mid, commit, timeout, confirmed)  # (its answer: the copy runs)
+            if answer == "running":  # meanwhile the operator, finding the target silent, said discard
+                r.operator = "discard"  # type: ignore[attr-defined]
+            else:  # it goes silent once more, and the operator says discard then
+                target.reachable.clear()
+                threading.Timer(3.0, target.reachable.set).start()  # (longer than the source asks: rpc_timeout 1 s)
+            return status
+        if calls == 2 and answer == "silent again":
+            r.operator = "discard"  # type: ignore[attr-defined]
+        target.states[mid] = TargetState.DONE  # (its confirmation period over)
+        return finish(mid, commit, timeout, confirmed)
+
+    target.finish = finish_racing_the_operator  # type: ignore[method-assign]
+    resolve_source(ctx, r)  # type: ignore[arg-type]
+    assert r.state is SourceState.DONE and target.states[r.migration_id] is TargetState.DONE  # type: ignore[attr-defined]
+    assert FakeHeldDump.decisions == ["commit"]  # never "abort": the original was not resumed beside its copy
+    assert wait(lambda: original.poll() is not None)
+    on_disk = Journal(ctx.cfg.work_dir / "migrations").read(r.migration_id)  # type: ignore[attr-defined]
+    assert on_disk is not None and on_disk.operator == "" and on_disk.state is SourceState.DONE
+
+
 @pytest.mark.parametrize("copy", [TargetState.READY, TargetState.CONFIRMING])
 def test_crius_death_while_holding_drops_the_copy_that_is_not_final(
     tmp_path: Path, original: subprocess.Popen[bytes], copy: TargetState
@@ -385,15 +424,18 @@ def _held_before_a_reboot(tmp_path: Path, target: FakeTarget, state: SourceState
         create_time=1.0,
         boot_id="an-earlier-boot",
         snapshot=str(ctx.cfg.work_dir / "outgoing" / mid),
+        restore_sent=state is SourceState.RESTORING,  # (journaled before the Restore call, which died here)
     )
     ctx.journal.write(r)
     return r, ctx
 
 
-@pytest.mark.parametrize("state", [SourceState.FREEZING, SourceState.HELD])
+@pytest.mark.parametrize("state", [SourceState.FREEZING, SourceState.HELD, SourceState.RESTORING])
 def test_after_a_reboot_the_targets_whole_snapshot_goes_on(tmp_path: Path, state: SourceState) -> None:
     """This node rebooted with the original frozen (it died with the boot): the target holds
-    the whole snapshot, so the job goes on there instead of being rolled back to nothing."""
+    the whole snapshot, so the job goes on there instead of being rolled back to nothing.
+    RESTORING: the node went down after journaling it, before its Restore call reached the
+    target (the target dropped its snapshot, and nothing ran)."""
     target = FakeTarget(tmp_path)
     r, ctx = _held_before_a_reboot(tmp_path, target, state)
     resolve_source(ctx, r)  # type: ignore[arg-type]

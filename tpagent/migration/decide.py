@@ -98,6 +98,17 @@ def keep_telling(ctx: Context, target: Peer, mid: str, commit: bool) -> None:
             return
 
 
+def withdraw(ctx: Context, r: Record, why: str) -> None:
+    """An operator's decision (``tpagent resolve``) is not carried out: ``why`` (the target, silent
+    when it was given, answers: the protocol decides, never a guess that may leave two copies)."""
+    log.warning("migration %s: the operator's --%s is not carried out: %s", r.migration_id, r.operator, why)
+    r.operator = ""
+    try:
+        ctx.journal.write(r)
+    except Exception as e:  # (a full disk: after a restart, the target is asked again before it is carried out)
+        log.error("migration %s: %s", r.migration_id, e)
+
+
 def commit(
     ctx: Context,
     r: Record,
@@ -118,11 +129,14 @@ def commit(
     without a ``verdict`` (this agent restarted since) it is confirmed as soon as it runs."""
     delay = 0.2
     ran = False
+    answered = False  # (the target answered the last call)
     message = ""
     keep: bool | None = True if verdict is None else None
     while True:
-        if r.operator:
-            raise OperatorDecided
+        if r.operator:  # (given while the target did not answer: it may have since, or its copy run)
+            if not answered and not (ran and r.operator == "discard"):
+                raise OperatorDecided
+            withdraw(ctx, r, "the target answers again" if answered else "its copy was seen running")
         if dump.holder_lost() and same_process_alive(r):
             return _holder_lost(ctx, r, target, dump)
         if ran and keep is None and verdict is not None:
@@ -132,11 +146,13 @@ def commit(
             state = st.state
             message = st.message
             delay = 0.2
+            answered = True
         except Refused as e:
             if e.why is not Why.NOT_FOUND:
                 log.warning("migration %s: the target refused to start its copy (%s); asking again", r.migration_id, e)
                 state = ""
                 delay = min(delay * 2, 10.0)
+                answered = False
             else:  # it knows no such migration (its journal lost with its disk): no copy there
                 state = TargetState.DISCARDED.value
                 message = f"the target does not know the migration ({e})"
@@ -144,6 +160,7 @@ def commit(
             log.warning("migration %s: the target cannot be reached (%s); asking again", r.migration_id, e)
             state = ""
             delay = min(delay * 2, 10.0)
+            answered = False
         if state in (TargetState.CONFIRMING.value, TargetState.DONE.value) and not ran:
             ran = True
             started()  # the copy runs now; the original is still frozen

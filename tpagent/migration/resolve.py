@@ -33,6 +33,7 @@ from tpagent.migration.decide import (
     target_dropped_copy,
     target_state,
     tell_target_abort,
+    withdraw,
 )
 from tpagent.migration.journal import Record, same_process_alive
 from tpagent.migration.target import Finisher
@@ -84,12 +85,18 @@ def _step(ctx: Context, r: Record, target: Peer, dump: HeldDump, rebooted: bool)
             commit(ctx, r, target, dump)
             return True
     except OperatorDecided:
-        _carry_out(ctx, r, target, dump)
-        return True
+        state, _ = target_state(ctx, target, r.migration_id, t.rpc)
+        if state is None:
+            _carry_out(ctx, r, target, dump)
+            return True
+        withdraw(ctx, r, f"the target answers again (its copy is {state})")
+        return False
     if r.state is S.RESTORING:
         state, _ = target_state(ctx, target, r.migration_id, t.rpc)
         if state in HAS_COPY:
             ctx.journal.move(r, S.COMMITTING, "the copy is restored on the target")
+        elif rebooted and state == TargetState.RECEIVING.value:  # (the Restore call died with this node)
+            _restore_after_reboot(ctx, r, target)
         elif state is not None:
             ctx.journal.settle(r, S.ROLLING_BACK, f"the target reports {state}")
     elif r.state is S.CHECKING:
@@ -160,13 +167,16 @@ def _carry_out(ctx: Context, r: Record, target: Peer, dump: HeldDump) -> None:
 
 
 def _restore_after_reboot(ctx: Context, r: Record, target: Peer) -> None:
-    """FREEZING or HELD, and this node rebooted: the original died with it.  If the target
-    holds the whole snapshot, its copy is the job now: restore it there (RESTORING, then
-    COMMITTING); else ROLLING_BACK (nothing can run: said so when it ends)."""
+    """FREEZING, HELD, or RESTORING with the target still RECEIVING, and this node rebooted: the
+    original died with it.  If the target holds the whole snapshot, its copy is the job now:
+    restore it there (RESTORING, then COMMITTING); else ROLLING_BACK (nothing can run: said so
+    when it ends)."""
     if r.state is S.FREEZING:
         ctx.journal.move(r, S.HELD, "this node rebooted while the original was frozen; asking the target for a copy")
-    r.restore_sent = True  # (journaled with RESTORING, before the call: a copy may exist from now on)
-    ctx.journal.move(r, S.RESTORING, "this node rebooted with the original frozen: restoring its copy on the target")
+    if r.state is not S.RESTORING:  # (RESTORING: its Restore call never reached the target)
+        r.restore_sent = True  # (journaled with RESTORING, before the call: a copy may exist from now on)
+        why = "this node rebooted with the original frozen: restoring its copy on the target"
+        ctx.journal.move(r, S.RESTORING, why)
     try:
         pid = target.restore(r.migration_id, ctx.timeouts.restore).pid
     except AgentError as e:
