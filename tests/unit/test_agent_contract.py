@@ -90,6 +90,29 @@ def test_the_journal_refuses_what_the_table_does_not_allow(tmp_path: Path) -> No
     assert j.read(r.migration_id).state is S.ROLLED_BACK and not j.unfinished()  # type: ignore[union-attr]
 
 
+def test_a_step_settled_on_a_full_disk_is_what_the_journal_says_and_is_written_once_it_can_be(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A target drops its copy with its disk full: the copy is gone, but the journal, read by the
+    agent's Status, said READY for ever (its source kept its original frozen, and no operator
+    could step in: the target answered).  It reads DISCARDED now, and is written once it can be."""
+    j = Journal(tmp_path / "migrations")
+    r = Record("a" * 32, Role.TARGET, T.READY, pid=7, peer="a:1", snapshot="/x")
+    j.write(r)
+    write = j.files.write
+
+    def full(record_id: str, data: dict[str, object]) -> None:
+        raise JournalError(f"the journal of migration {record_id} cannot be written: No space left on device")
+
+    monkeypatch.setattr(j.files, "write", full)
+    j.settle(r, T.DISCARDED, "the source rolled back")
+    assert r.state is T.DISCARDED and j.read(r.migration_id).state is T.DISCARDED  # type: ignore[union-attr]
+    assert json.loads(j.path(r.migration_id).read_text())["state"] == "ready"  # (not yet on disk)
+    monkeypatch.setattr(j.files, "write", write)  # (room again)
+    assert j.read(r.migration_id) == r and json.loads(j.path(r.migration_id).read_text())["state"] == "discarded"
+    assert not j.unwritten
+
+
 def test_the_journal_format_is_versioned(tmp_path: Path) -> None:
     j = Journal(tmp_path / "migrations")
     r = Record("b" * 32, Role.TARGET, T.READY, pid=7, create_time=1.5, peer="a:1", snapshot="/x")

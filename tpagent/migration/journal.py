@@ -289,6 +289,10 @@ class Journal:
 
     def __init__(self, directory: Path) -> None:
         self.files = RecordFiles(directory, "migration")
+        #: Records :meth:`settle` moved in memory only (a full disk): read as they are, and written
+        #: as soon as the disk takes them (a peer asking after a copy dropped hears DISCARDED).
+        self.unwritten: dict[str, Record] = {}
+        self._writing = threading.Lock()  # (one record written at a time: an older state never lands last)
 
     @property
     def directory(self) -> Path:
@@ -298,7 +302,8 @@ class Journal:
         return self.files.path(migration_id)
 
     def write(self, record: Record) -> None:
-        self.files.write(record.migration_id, record.to_json())
+        with self._writing:
+            self.files.write(record.migration_id, record.to_json())
 
     def move(self, record: Record, to: State, message: str = "") -> None:
         """Journal ``to`` (if the protocol allows it from where ``record`` stands), then apply it."""
@@ -312,6 +317,7 @@ class Journal:
         except JournalError:  # (the record in memory says what the journal says: nothing moved)
             record.state, record.message = before
             raise
+        self.unwritten.pop(record.migration_id, None)
         if is_final(to):
             self.files.prune(_over, _copy_runs)
 
@@ -319,18 +325,27 @@ class Journal:
         """:meth:`move`, for a step taken whether or not it can be written down: the original let
         go once no copy can run, the original ended once its copy is final, a copy dropped.  A
         journal that cannot be written (a full disk) is logged and the record moved in memory
-        only: after a restart the journal's earlier state asks the peer again, which answers
-        the same (its answer is final), so the same end is reached."""
+        only (:meth:`read` says it so, and writes it once it can): after a restart the journal's
+        earlier state asks the peer again, which answers the same (its answer is final), so the
+        same end is reached."""
         try:
             self.move(record, to, message)
         except Exception as e:  # (the step goes on: never a process left frozen for a record)
             log.error("migration %s: could not journal %s: %s", record.migration_id, to.value, e)
             record.state = to
             record.message = message or record.message
+            self.unwritten[record.migration_id] = record
 
     def read(self, migration_id: str) -> Record | None:
         """The record, or None if there is none.  A record that exists but cannot be read raises
-        JournalError: "unknown here" must never be said of a migration that may hold a copy."""
+        JournalError: "unknown here" must never be said of a migration that may hold a copy.  One
+        :meth:`settle` could not write is read as it stands in memory (and written, if it can be now)."""
+        if (ahead := self.unwritten.get(migration_id)) is not None:
+            try:
+                self.write(ahead)
+            except JournalError:
+                return Record.from_json(ahead.to_json())
+            self.unwritten.pop(migration_id, None)
         data = self.files.read(migration_id)
         if data is None:
             return None
