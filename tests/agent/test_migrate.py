@@ -447,11 +447,18 @@ def test_a_held_copy_is_not_migrated_onward(start, tmp_path: Path) -> None:  # t
     mid = "a" * 32
     agent.journal.write(Record(mid, Role.TARGET, TargetState.READY, pid=w.pid, peer="10.0.0.1:7400"))
     with pytest.raises(
-        Refused, match=f"PID {w.pid} is the copy that migration {mid} restored here, held until its source"
+        Refused, match=f"PID {w.pid} belongs to the copy that migration {mid} restored here, held until its source"
     ):
         agent.start_migration(w.pid, "10.0.0.3:7400", dry_run=False)
     assert not agent.active and not agent.sources
     agent.journal.write(Record(mid, Role.TARGET, TargetState.DONE, pid=w.pid))  # committed: now an ordinary process
+    # Nor is any other process of a copy: one of its root's children, moved on alone, would run
+    # twice if the migration then rolled back (its source resumes the whole original tree).
+    part = Record("b" * 32, Role.TARGET, TargetState.READY, pid=1, peer="10.0.0.1:7400", tree=[[w.pid, 1]])
+    agent.journal.write(part)
+    with pytest.raises(Refused, match=f"PID {w.pid} belongs to the copy that migration {'b' * 32} restored here"):
+        agent.start_migration(w.pid, "10.0.0.3:7400", dry_run=False)
+    agent.journal.write(Record("b" * 32, Role.TARGET, TargetState.DISCARDED, pid=1))
     assert agent.start_migration(w.pid, "10.0.0.3:7400", dry_run=True).pid == w.pid
 
 

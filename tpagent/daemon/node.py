@@ -86,6 +86,11 @@ def status_of(r: Record) -> PeerStatus:
     return PeerStatus(r.migration_id, r.state.value, r.message, r.pid)
 
 
+def _in_copy(r: Record, tree: list[int]) -> bool:
+    """Whether a process of ``tree`` is one of the copy's (its root, or another it restored)."""
+    return r.pid in tree or any(p in tree for p, _ in r.tree)
+
+
 class Node:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -203,11 +208,11 @@ class Node:
         eligible.check_migratable(self.cfg, pid)
         tree = sorted(proc.tree_pids(pid))
         with self.lock:
-            held = next((r for r in self.journal.unfinished() if r.role is Role.TARGET and r.pid in tree), None)
+            held = next((r for r in self.journal.unfinished() if r.role is Role.TARGET and _in_copy(r, tree)), None)
             if held is not None:  # moving it on now could leave it running twice
                 raise Refused(
-                    f"PID {pid} is the copy that migration {held.migration_id} restored here, held until its source "
-                    f"({held.peer}) commits; migrate it once it runs (`tpagent status {held.migration_id}`).",
+                    f"PID {pid} belongs to the copy that migration {held.migration_id} restored here, held until its "
+                    f"source ({held.peer}) commits; migrate it once it runs (`tpagent status {held.migration_id}`).",
                     Why.PRECONDITION,
                 )
             busy = sorted(set(tree) & set(self.active))
