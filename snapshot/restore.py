@@ -82,6 +82,17 @@ def _check_gpu_map(m: Manifest, norm: dict[str, str]) -> dict[str, str]:
     return norm
 
 
+def _private_snapshot(directory: Path) -> Path:
+    """``directory``, made absolute.  Root verifies its images, then CRIU reads them again by name:
+    only from directories no one else can write to or swap (0700, through directories only root
+    can change), its ``images`` too (one a symlink led to a user's directory: its owner could
+    swap the images once verified, and CRIU restores whatever credentials they name)."""
+    manifest.present(directory)  # (before private_dir makes it 0700: a directory given by mistake is left as it was)
+    directory = private_dir(directory, create=False)
+    private_dir(directory / IMAGES_DIR, create=False)
+    return directory
+
+
 def _original_still_running(m: Manifest) -> bool:
     if m.origin["mode"] == DumpMode.KILL.value or m.host["hostname"] != platform.node():
         return False
@@ -131,10 +142,7 @@ def restore(
     require_root()
     asked = {uuid_text(uuid_bytes(k)): uuid_text(uuid_bytes(v)) for k, v in (gpu_map or {}).items()}  # (syntax first)
     timer = Timer(progress, config.fail_after)
-    # Root verifies the images, then CRIU reads them again by name: only from a directory no
-    # one else can write to or swap (its own 0700, through directories only root can change).
-    manifest.present(directory)  # (before private_dir makes it 0700: a directory given by mistake is left as it was)
-    directory = private_dir(directory, create=False)
+    directory = _private_snapshot(directory)
     with timer.stage(Stage.VERIFY):
         m = manifest.load(directory)
         if not verified:

@@ -438,6 +438,26 @@ def test_a_restore_out_of_time_leaves_no_copy_and_the_snapshot_restores_again(st
     assert_continuous(w.ticks())
 
 
+def test_a_snapshot_whose_images_lead_to_a_users_directory_is_not_restored(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Root checked the snapshot's own directory only: ``images``, a symlink to a directory another
+    user owns, was verified and read by CRIU from there (its owner could swap the images between
+    the two, and CRIU restores whatever credentials they name).  It is refused before anything runs."""
+    w = start(mib=16)
+    snap = tmp_path / "snap"
+    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
+    w.reap()
+    theirs = Path("/tmp") / f"tp-images-{uuid.uuid4().hex[:8]}"
+    try:
+        shutil.move(snap / "images", theirs)
+        os.chown(theirs, 65534, 65534)
+        (snap / "images").symlink_to(theirs)
+        proc = tpagent("restore", str(snap))
+        assert_one_sentence_error(proc, str(theirs))
+        assert not alive(w.pid)
+    finally:
+        shutil.rmtree(theirs, ignore_errors=True)
+
+
 def test_carried_file_is_put_back_where_the_process_had_it(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A node-local file the process has open (its log) travels in the snapshot: on a node
     without it (here: deleted), restore writes it back as it was at the freeze, and the
