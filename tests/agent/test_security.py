@@ -135,14 +135,21 @@ def _serve_cli(cfg: AgentConfig, work_dir: Path, listen: str = "") -> subprocess
 
 def test_an_agent_whose_port_is_taken_or_no_port_says_so_in_one_sentence(tmp_path: Path) -> None:
     """Another process listens on its port (this gRPC raised, a traceback), or the port is over
-    65535 (gRPC took it wrapped, 99999 as 34463): one sentence, exit 2."""
+    65535 (gRPC took it wrapped, 99999 as 34463): one sentence, exit 2.  Held with SO_REUSEPORT,
+    as another agent's gRPC holds it, the port was shared: two agents served on it, each taking
+    half of the connections."""
     cfg = agent_config(tmp_path, "n")
-    with socket.socket() as held:
+    with socket.socket() as held, socket.socket() as shared:
         held.bind(("127.0.0.1", 0))
         held.listen()
         taken = f"127.0.0.1:{held.getsockname()[1]}"
+        shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        shared.bind(("127.0.0.1", 0))
+        shared.listen()
+        reused = f"127.0.0.1:{shared.getsockname()[1]}"
         for listen, says in (
             (taken, f"cannot listen on {taken}; is another agent running there?"),
+            (reused, f"cannot listen on {reused}; is another agent running there?"),
             ("127.0.0.1:99999", "the setting listen = '127.0.0.1:99999' is not valid: give HOST:PORT, the port 1"),
         ):
             proc = _serve_cli(cfg, tmp_path / "work", listen)

@@ -230,6 +230,7 @@ class HealthOnly(grpc.ServerInterceptor):
 #: and never ends (each ~15 bytes on the wire) each held memory in gRPC's core, unbounded:
 #: 400 000 of them in 15 s took an agent from 52 MB to 539 MB.
 PROBE_OPTIONS = (
+    ("grpc.so_reuseport", 0),  # (see server)
     ("grpc.max_allowed_incoming_connections", 1024),  # (see MAX_CONNECTIONS; each idle one cut at 30 s)
     ("grpc.max_concurrent_streams", 4),  # per connection
     ("grpc.max_connection_idle_ms", 30_000),
@@ -477,6 +478,9 @@ def server(
         # A connection that has not finished its TLS handshake in 10 s is closed.
         options=[
             *_options(),
+            # gRPC binds with SO_REUSEPORT unless told: a second agent, or the orchestrator, on a port
+            # an agent serves started beside it, and took half its connections.
+            ("grpc.so_reuseport", 0),
             ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
             ("grpc.server_handshake_timeout_ms", 10_000),
             ("grpc.max_allowed_incoming_connections", connections or MAX_CONNECTIONS),
