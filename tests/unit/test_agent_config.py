@@ -171,6 +171,11 @@ def test_a_setting_at_its_bounds_or_of_every_form_is_taken(toml: Path, text: str
         ('advertise = "a b"', "advertise = 'a b' is not valid: give a host name"),
         ('advertise = "10.0.0.17:7400"', "advertise = '10.0.0.17:7400' is not valid: give a host name"),
         ('listen = "h:7400:9"', "listen = 'h:7400:9' is not valid"),
+        ('allow_executables = ["/x\\u0000"]', "allow_executables = ['/x\\x00'] is not valid: give absolute paths"),
+        # two servers on one port (the second gRPC server shared it: it took half the agent's calls)
+        ('health_listen = "127.0.0.1:7400"', "the settings listen and health_listen both name port 7400: give each"),
+        ('metrics_listen = ":7400"', "the settings listen and metrics_listen both name port 7400"),
+        ("transfer_port = 7400", "the settings transfer_port and listen both name port 7400"),
     ],
 )
 def test_a_setting_out_of_its_range_is_refused_by_name(toml: Path, text: str, says: str) -> None:

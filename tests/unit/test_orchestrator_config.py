@@ -33,6 +33,7 @@ def test_the_file_then_the_environment(tmp_path: Path) -> None:
         ("return_home = 3\n", "give true or false"),
         ('webhook_listen = "0.0.0.0:7412"\n', "needs webhook_token_file"),
         ("max_parallel = 0\n", "max_parallel must be 1 to 1000"),
+        ('metrics_listen = ":7410"\n', "the settings listen and metrics_listen both name port 7410"),
         ("report_period = 60.0\n", "shorter than unreachable_after"),
         ("lost_grace = -1\n", "lost_grace must be 0 (never) to 3600 seconds"),
         ("quiet_after = -2\n", "quiet_after must be 0 (never) to 3600 seconds"),

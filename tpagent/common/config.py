@@ -27,7 +27,8 @@
     shutdown_grace = 30.0             # on SIGTERM, running migrations get this long (a 2nd signal: none)
     confirm_period = 3.0              # a migrated copy must run this long before the original is ended
                                       # (it dies sooner: the original runs on); 0: ended at once
-    transfer_port = 0                 # where this node receives snapshots (0: any free port)
+    transfer_port = 0                 # where this node receives snapshots (0: any free port; a fixed
+                                      # one receives one migration at a time)
     transfer_address = ""             # what peers connect to for it, if not advertise:port (NAT, proxy)
     aliases = []                      # other names or addresses callers reach this agent by (NAT,
                                       # proxy): calls signed for them are accepted; put them in tls.crt
@@ -204,6 +205,7 @@ class AgentConfig:
             if not lo <= getattr(self, name) <= hi:
                 raise UsageError(f"the setting {name} = {getattr(self, name)} is not valid: give {lo} to {hi} {what}.")
         check_hosts(self, ("listen", "health_listen", "transfer_address", "orchestrator"), http=("metrics_listen",))
+        check_ports(self, ("listen", "health_listen", "metrics_listen"), ports=("transfer_port",))
         if self.compress not in {c.value for c in Compress}:
             choices = ", ".join(c.value for c in Compress)
             raise UsageError(f"the setting compress = {self.compress!r} is not valid: choose one of {choices}.")
@@ -214,7 +216,7 @@ class AgentConfig:
         if not all(is_name(f"[{a.strip('[]')}]" if ":" in a else a) for a in self.aliases):
             raise UsageError(f"the setting aliases = {list(self.aliases)!r:.80} is not valid: give host names.")
         for key in ("shared_paths", "allow_executables"):  # (a relative one: relative to the agent's directory)
-            if not all(os.path.isabs(p) for p in getattr(self, key)):
+            if not all(os.path.isabs(p) and "\0" not in p for p in getattr(self, key)):
                 raise UsageError(
                     f"the setting {key} = {list(getattr(self, key))!r:.80} is not valid: give absolute paths."
                 )
@@ -274,6 +276,10 @@ def port_of(address: str, at_least: int = 0, any_host: bool = False) -> int | No
     return number if number is not None and number >= at_least else None
 
 
+#: The hosts that stand for every interface of the node (one of them overlaps any other host).
+_EVERY_INTERFACE = frozenset({"", "0.0.0.0", "[::]", "*"})
+
+
 def is_name(text: str, empty: bool = False) -> bool:
     """Whether ``text`` may name a host or node: printable, no space, at most 255 characters, a
     colon only inside brackets ([::1]: a port is never part of it)."""
@@ -299,6 +305,20 @@ def check_hosts(
         value = getattr(settings, name)
         if not is_name(value, empty=name != names[0]):
             raise UsageError(f"the setting {name} = {value[:60]!r} is not valid: give a host name.")
+
+
+def check_ports(settings: object, listens: tuple[str, ...], ports: tuple[str, ...] = ()) -> None:
+    """No two of the settings ``listens`` (HOST:PORT, checked; "": off), nor the bare ports
+    ``ports`` (any host; 0: any free one), on one port of one host: the second server would not
+    start (or, with SO_REUSEPORT, share it)."""
+    held: list[tuple[str, str, int]] = [(name, "", getattr(settings, name)) for name in ports]
+    for name in listens:
+        if value := getattr(settings, name):
+            held.append((name, value.rpartition(":")[0], port_of(value) or 0))
+    for i, (name, host, port) in enumerate(held):
+        for other, its_host, its_port in held[:i]:
+            if port and port == its_port and (host == its_host or {host, its_host} & _EVERY_INTERFACE):
+                raise UsageError(f"the settings {other} and {name} both name port {port}: give each a port of its own.")
 
 
 #: A number as a setting's text (a variable's) is written.

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from host.api import UsageError
-from tpagent.common.config import check_hosts, convert_setting, is_name, read_toml
+from tpagent.common.config import check_hosts, check_ports, convert_setting, is_name, read_toml
 from tpagent.common.credentials import Credentials
 from tpagent.orchestrator.api import job_name
 from tpagent.orchestrator.state import DEFAULT_STATE
@@ -108,6 +108,7 @@ class OrchestratorConfig:
 
     def __post_init__(self) -> None:
         check_hosts(self, ("listen", "health_listen"), http=("metrics_listen", "webhook_listen"))
+        check_ports(self, ("listen", "health_listen", "metrics_listen", "webhook_listen"))
         if self.webhook_listen and not self.webhook_token_file:
             raise UsageError("webhook_listen needs webhook_token_file: the bearer token Alertmanager sends.")
         if not self.alert_node_labels:
