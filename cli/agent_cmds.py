@@ -240,15 +240,15 @@ def rank(
     from tpagent.daemon.client import GrpcPeer
     from tpagent.jobs.local import LocalAgent
     from tpagent.jobs.local import socket_name as local_name
-    from tpagent.jobs.standin import RankAgent, StandIn, rank_of
-    from tpagent_rank.protocol import job_id
+    from tpagent.jobs.standin import RankAgent, StandIn, job_of, rank_of
 
     cmd = list(ctx.args)
     if not cmd:
         die("give the rank's command after `--`, e.g. tpagent rank -- python train.py.", EXIT_USAGE)
     try:
         env = dict(os.environ)
-        out = stdout or Path(f"{job_id(env)}-rank{rank_of(env)}.log").absolute()
+        named = f"{job_of(env)}-rank{rank_of(env)}.log"  # (first: a rank no agent would take never starts)
+        out = stdout or Path(named).absolute()
         if os.geteuid() == 0:
             creds = credentials(secret_file, tls_dir)
             here: RankAgent = GrpcPeer(agent, creds)

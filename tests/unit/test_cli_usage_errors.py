@@ -105,3 +105,29 @@ def test_an_empty_path_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("TPAGENT_WORK_DIR", "")
     said = tpagent("serve", "--listen", "127.0.0.1:7399", "--secret-file", "/nonexistent")
     assert_one_sentence_error(said, "the setting work_dir = '' is not valid (give a path)")
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"RANK": "9" * 25}, f"RANK={'9' * 25} is not a rank tpagent can move: give 0 to 1048575."),
+        (
+            {"RANK": "0", "TORCHELASTIC_RUN_ID": "a\x1bb"},
+            "the job id 'a\\x1bb' (TPAGENT_JOB or TORCHELASTIC_RUN_ID or SLURM_JOB_ID) is not one tpagent can move",
+        ),
+    ],
+    ids=["rank-past-bound", "job-unprintable"],
+)
+def test_a_rank_no_agent_could_know_is_not_started(
+    env: dict[str, str], says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank whose number or job id no agent takes ran unmovable, exit 0, its job's escape
+    sequence written to the terminal and into its log's name; now refused before it starts."""
+    for name in ("TPAGENT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    ran = tmp_path / "ran"
+    said = tpagent("rank", "--stdout", str(tmp_path / "out"), "--", "touch", str(ran))
+    assert_one_sentence_error(said, says)
+    assert said.returncode == 2 and not ran.exists() and "\x1b" not in said.stderr

@@ -41,7 +41,7 @@ from typing import BinaryIO, Protocol, TypeVar
 
 import tpagent_rank
 from host import paths, proc, signals
-from host.api import UsageError, is_whole
+from host.api import UsageError, is_whole, shown
 from tpagent.jobs.local import LocalAgent, Start, runtime_readable
 from tpagent.jobs.storeserver import python_of, serve, stop_store, store_user
 from tpagent.migration.api import AgentError, PeerUnreachable
@@ -74,8 +74,22 @@ SILENT_SAID = 30.0
 def rank_of(env: dict[str, str]) -> int:
     for key in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"):
         if is_whole(env.get(key, "")):
+            if int(env[key]) >= P.RANK_MAX:
+                raise UsageError(f"{key}={env[key][:30]} is not a rank tpagent can move: give 0 to {P.RANK_MAX - 1}.")
             return int(env[key])
     raise UsageError("the rank is not known: the launcher sets RANK (torchrun) or SLURM_PROCID (srun).")
+
+
+def job_of(env: dict[str, str]) -> str:
+    """The rank's job id (:func:`tpagent_rank.protocol.job_id`), one the agents take."""
+    job = P.job_id(env)
+    if not P.valid_job(job):
+        named = " or ".join(P.JOB_VARIABLES)
+        raise UsageError(
+            f"the job id '{shown(job[:60])}' ({named}) is not one tpagent can move: give up to {P.JOB_MAX} "
+            "printable characters."
+        )
+    return job
 
 
 def runtime_dir(root: Path = RUNTIME_ROOT) -> Path:
@@ -228,7 +242,7 @@ class StandIn:
 
     def run(self) -> int:
         env = dict(os.environ)
-        job = P.job_id(env)
+        job = job_of(env)
         rank = rank_of(env)
         renv = rank_env(env, self.socket_name, job, runtime=not isinstance(self.agent, LocalAgent))
         store, why = host_store(self.cmd, launcher_env(env))  # (not the runtime's environment)
