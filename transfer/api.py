@@ -231,11 +231,20 @@ def parse_address(address: str) -> tuple[str, int]:
     number = port_number(port)
     if not sep or number is None:
         raise BadAddress(f"{address[:80]!r} is not HOST:PORT.")
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not _is_host(bare):
+        raise BadAddress(f"{address[:80]!r} names no host: a host name is text DNS can hold.")
+    return bare or "0.0.0.0", number
+
+
+def _is_host(text: str) -> bool:
+    """Whether ``text`` may be given to the resolver: what it cannot hold (no encoding's bytes, a
+    space, a newline, a stray bracket) was asked of it over and over as a network failure."""
     try:
-        host.strip("[]").encode("idna")  # (what the resolver is given: bytes of no encoding fail there)
+        text.encode("idna")
     except UnicodeError:
-        raise BadAddress(f"{address[:80]!r} names no host: a host name is text DNS can hold.") from None
-    return host.strip("[]") or "0.0.0.0", number
+        return False
+    return text.isprintable() and not any(c.isspace() or c in "[]" for c in text)
 
 
 def peer_address(address: str) -> tuple[str, int]:
