@@ -41,14 +41,19 @@ def parse(cpus: str) -> set[int]:
     """The CPUs of a list such as ``0-3,8``; ValueError for anything else."""
     if not _LIST.fullmatch(cpus.strip()):
         raise ValueError(f"not a list of CPUs: {cpus!r}")
-    out: set[int] = set()
+    spans = []
     for part in cpus.strip().split(","):
         low, _, high = part.partition("-")
         first = int(low)
         last = int(high or low)
         if not first <= last < _MAX_CPU:
             raise ValueError(f"not a list of CPUs: {cpus!r}")
-        out.update(range(first, last + 1))
+        spans.append((first, last))
+    out: set[int] = set()
+    end = -1  # (each CPU added once: a list naming 0-65535 thousands of times took an hour)
+    for first, last in sorted(spans):
+        out.update(range(max(first, end + 1), last + 1))
+        end = max(end, last)
     return out
 
 

@@ -19,6 +19,24 @@ def test_the_kernels_cpu_lists_are_read_and_anything_else_refused() -> None:
             affinity.parse(bad)
 
 
+def test_a_list_naming_cpus_over_and_over_is_each_cpu_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest's binding (anyone's snapshot: `inspect`, `restore`) naming 0-65535 thousands of
+    times was read range by range, each CPU added each time: hours for a manifest of 1 MiB."""
+    assert affinity.parse("5,1-2,2-6,0-1") == {0, 1, 2, 3, 4, 5, 6}
+    added: list[int] = []
+    real = set.update
+
+    class Counted(set[int]):
+        def update(self, *more: object) -> None:
+            for m in more:
+                added.extend(m)  # type: ignore[call-overload]
+            real(self, *more)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(affinity, "set", Counted, raising=False)
+    assert affinity.parse(",".join(["0-65535"] * 20)) == set(range(65536))
+    assert len(added) == 65536
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to bind a thread to")
 def test_a_bound_thread_is_noted_and_bound_again_and_cpus_the_node_lacks_leave_it_as_it_is(
     caplog: pytest.LogCaptureFixture,
