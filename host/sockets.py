@@ -55,9 +55,10 @@ class TcpSocket:
         return f"{endpoint(*self.local)} -> {endpoint(*self.remote)}"
 
 
-def endpoint(host: str, port: int) -> str:
-    """HOST:PORT, [V6]:PORT."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+def endpoint(host: str, port: int | str) -> str:
+    """HOST:PORT, [V6]:PORT (``host`` bare, or bracketed as the settings write it)."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:

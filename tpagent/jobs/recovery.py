@@ -253,7 +253,7 @@ class Recovery:
             address, self.stop_store = storeserver.serve_anew(
                 self.job,
                 self._spec(self.local),
-                self.here.rsplit(":", 1)[0],
+                self.here.rsplit(":", 1)[0].strip("[]"),  # (bare: a server binds it; [V6] as the address says it)
                 agreed.pop(),
                 lambda: self.leaving.here(self.job),
                 self.kept,

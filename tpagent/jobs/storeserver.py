@@ -38,6 +38,7 @@ import psutil
 
 from host import proc
 from host.api import is_whole
+from host.sockets import endpoint
 from tpagent.migration.journal import write_durably
 from tpagent_rank import protocol as P
 
@@ -221,7 +222,7 @@ def serve_anew(
         raise RuntimeError(said)
     if said:
         log.warning("job %s: %s", job, said)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = endpoint(host, port)
     store = Kept(job, address, psutil.Process(server.pid), kept, server)
     store.note()
     threading.Thread(target=store.keep, args=(running,), name=f"store-{job}", daemon=True).start()

@@ -309,15 +309,16 @@ class Journal:
         """Journal ``to`` (if the protocol allows it from where ``record`` stands), then apply it."""
         if not allowed(record.state, to):
             raise BadTransition(f"migration {record.migration_id}: {record.state.value} -> {to.value} is not allowed")
-        before = (record.state, record.message)
-        record.state = to
-        record.message = message or record.message
-        try:
-            self.write(record)
-        except JournalError:  # (the record in memory says what the journal says: nothing moved)
-            record.state, record.message = before
-            raise
-        self.unwritten.pop(record.migration_id, None)
+        with self._writing:  # (a read writing this record meanwhile never writes the state tried here)
+            before = (record.state, record.message)
+            record.state = to
+            record.message = message or record.message
+            try:
+                self.files.write(record.migration_id, record.to_json())
+            except JournalError:  # (the record in memory says what the journal says: nothing moved)
+                record.state, record.message = before
+                raise
+            self.unwritten.pop(record.migration_id, None)
         if is_final(to):
             self.files.prune(_over, _copy_runs)
 
@@ -332,20 +333,22 @@ class Journal:
             self.move(record, to, message)
         except Exception as e:  # (the step goes on: never a process left frozen for a record)
             log.error("migration %s: could not journal %s: %s", record.migration_id, to.value, e)
-            record.state = to
-            record.message = message or record.message
-            self.unwritten[record.migration_id] = record
+            with self._writing:
+                record.state = to
+                record.message = message or record.message
+                self.unwritten[record.migration_id] = record
 
     def read(self, migration_id: str) -> Record | None:
         """The record, or None if there is none.  A record that exists but cannot be read raises
         JournalError: "unknown here" must never be said of a migration that may hold a copy.  One
         :meth:`settle` could not write is read as it stands in memory (and written, if it can be now)."""
-        if (ahead := self.unwritten.get(migration_id)) is not None:
-            try:
-                self.write(ahead)
-            except JournalError:
-                return Record.from_json(ahead.to_json())
-            self.unwritten.pop(migration_id, None)
+        with self._writing:  # (written and let go at once: a settle meanwhile is not lost)
+            if (ahead := self.unwritten.get(migration_id)) is not None:
+                try:
+                    self.files.write(migration_id, ahead.to_json())
+                except JournalError:
+                    return Record.from_json(ahead.to_json())
+                del self.unwritten[migration_id]
         data = self.files.read(migration_id)
         if data is None:
             return None

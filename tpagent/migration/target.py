@@ -15,6 +15,7 @@ from pathlib import Path
 from host import paths, proc, signals
 from host.paths import created_note, restore_work
 from host.safefs import private_dir
+from host.sockets import endpoint
 from snapshot import criu
 from snapshot.held import wait_released
 from snapshot.putback import take_back_created
@@ -61,7 +62,7 @@ class Incoming:
         # The name the sender dials is the one its TLS check holds the certificate against.
         host = cfg.advertised_host
         port = self.receiver.address.rpartition(":")[2]
-        self.address = cfg.transfer_address or (f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        self.address = cfg.transfer_address or endpoint(host, port)  # (an IPv6 host is bracketed once)
         self.record = target_record(mid, peer=source, snapshot=str(self.dir), peer_agent=source_agent, hold=hold)
         ctx.journal.write(self.record)
         self.result: TransferStats | TransferError | None = None
