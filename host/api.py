@@ -27,6 +27,12 @@ def shown(path: str) -> str:
     return path if path.isprintable() else ascii(path)[1:-1]
 
 
+def unbracketed(host: str) -> str:
+    """``host`` without the brackets around an IPv6 address ("[V6]", as settings and addresses
+    write it); any other as it is."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def port_number(text: str) -> int | None:
     """The port ``text`` names (0 to 65535, in ASCII digits), or None."""
     return int(text) if is_whole(text) and len(text) <= 5 and int(text) <= 65535 else None

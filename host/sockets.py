@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from host.api import port_number
+from host.api import port_number, unbracketed
 from host.proc import fd_links
 
 _LISTEN = "0A"
@@ -57,7 +57,7 @@ class TcpSocket:
 
 def endpoint(host: str, port: int | str) -> str:
     """HOST:PORT, [V6]:PORT (``host`` bare, or bracketed as the settings write it)."""
-    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    bare = unbracketed(host)
     return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
 
 

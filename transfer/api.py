@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from host import paths
-from host.api import port_number
+from host.api import port_number, unbracketed
 
 
 class TransferError(Exception):
@@ -231,7 +231,7 @@ def parse_address(address: str) -> tuple[str, int]:
     number = port_number(port)
     if not sep or number is None:
         raise BadAddress(f"{address[:80]!r} is not HOST:PORT.")
-    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    bare = unbracketed(host)
     if not _is_host(bare):
         raise BadAddress(f"{address[:80]!r} names no host: a host name is text DNS can hold.")
     return bare or "0.0.0.0", number

@@ -47,6 +47,24 @@ def _dump_restore_cycle(w, snap: Path) -> None:  # type: ignore[no-untyped-def]
     w.verify_state()  # its 256 MiB are byte-identical
 
 
+def _dumped(start, tmp_path: Path) -> tuple[Workload, Path, int]:  # type: ignore[no-untyped-def]
+    """A workload of 16 MiB dumped (killed) to ``tmp_path/snap``: it, the snapshot, its last tick."""
+    w = start(mib=16)
+    snap = tmp_path / "snap"
+    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
+    w.reap()
+    return w, snap, w.ticks()[-1][0]
+
+
+def _restores_and_ticks_on(w: Workload, snap: Path, stopped_at: int) -> None:
+    """``snap`` restores, and the copy ticks on from tick ``stopped_at``, continuous."""
+    proc = tpagent("restore", str(snap), "--json")
+    assert proc.returncode == 0, proc.stderr
+    w.pid = json.loads(proc.stdout)["pid"]
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
+    assert_continuous(w.ticks())
+
+
 @pytest.mark.parametrize("session_leader", [True, False], ids=["session-leader", "shell-job"])
 def test_plain_process_dump_kill_restore(start, tmp_path: Path, session_leader: bool) -> None:  # type: ignore[no-untyped-def]
     w = start(session_leader=session_leader)
@@ -62,11 +80,7 @@ def test_a_restore_ended_by_sigterm_once_criu_restored_the_tree_leaves_no_copy(s
     taken as a Ctrl-C: the copy is killed, the command says so, and the snapshot restores again."""
     from snapshot.criu import Criu
 
-    w = start(mib=16)
-    snap = tmp_path / "snap"
-    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
-    w.reap()
-    stopped_at = w.ticks()[-1][0]
+    w, snap, stopped_at = _dumped(start, tmp_path)
     wrapper, restored = tmp_path / "criu-then-wait", tmp_path / "restored"
     wrapper.write_text(
         f'#!/bin/sh\n"{Criu().path}" "$@"; rc=$?\nif [ "$1" = restore ]; then touch {restored}; sleep 3; fi\nexit $rc\n'
@@ -81,11 +95,7 @@ def test_a_restore_ended_by_sigterm_once_criu_restored_the_tree_leaves_no_copy(s
     assert cli.returncode == 130 and "was interrupted; nothing was left running" in err, err
     wait_until(lambda: not alive(w.pid), "the stopped copy to be killed")
     assert w.ticks()[-1][0] == stopped_at
-    proc = tpagent("restore", str(snap), "--json")
-    assert proc.returncode == 0, proc.stderr
-    w.pid = json.loads(proc.stdout)["pid"]
-    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
-    assert_continuous(w.ticks())
+    _restores_and_ticks_on(w, snap, stopped_at)
 
 
 def _dump_held_before_criu(pid: int, snap: Path, tmp: Path) -> tuple[subprocess.Popen[str], Path]:
@@ -135,12 +145,7 @@ def test_a_dump_of_a_process_another_dump_holds_is_refused_and_the_first_goes_on
     _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     w.reap()
-    stopped_at = w.ticks()[-1][0]
-    restored = tpagent("restore", str(snap), "--json")
-    assert restored.returncode == 0, restored.stderr
-    w.pid = json.loads(restored.stdout)["pid"]
-    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
-    assert_continuous(w.ticks())
+    _restores_and_ticks_on(w, snap, w.ticks()[-1][0])
 
 
 FORKER = """
@@ -418,11 +423,7 @@ def test_a_restore_out_of_time_leaves_no_copy_and_the_snapshot_restores_again(st
     from snapshot.criu import Criu
     from snapshot.restore import restore
 
-    w = start(mib=16)
-    snap = tmp_path / "snap"
-    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
-    w.reap()
-    stopped_at = w.ticks()[-1][0]
+    w, snap, stopped_at = _dumped(start, tmp_path)
     slow, wrapper = tmp_path / "slow-action", tmp_path / "criu-slow-to-resume"
     slow.write_text('#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-restore ] && sleep 120\nexit 0\n')
     wrapper.write_text(f'#!/bin/sh\nexec "{Criu().path}" "$@" --action-script {slow}\n')  # (after the tree is made)
@@ -431,21 +432,14 @@ def test_a_restore_out_of_time_leaves_no_copy_and_the_snapshot_restores_again(st
     with pytest.raises(CriuError, match="^criu restore did not finish within 3 s$"):
         restore(snap, config=SnapshotConfig(criu=wrapper, timeouts=Timeouts(restore=3.0)))
     assert not alive(w.pid)
-    proc = tpagent("restore", str(snap), "--json")
-    assert proc.returncode == 0, proc.stderr
-    w.pid = json.loads(proc.stdout)["pid"]
-    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the restored workload to tick on")
-    assert_continuous(w.ticks())
+    _restores_and_ticks_on(w, snap, stopped_at)
 
 
 def test_a_snapshot_whose_images_lead_to_a_users_directory_is_not_restored(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Root checked the snapshot's own directory only: ``images``, a symlink to a directory another
     user owns, was verified and read by CRIU from there (its owner could swap the images between
     the two, and CRIU restores whatever credentials they name).  It is refused before anything runs."""
-    w = start(mib=16)
-    snap = tmp_path / "snap"
-    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
-    w.reap()
+    w, snap, _ = _dumped(start, tmp_path)
     theirs = Path("/tmp") / f"tp-images-{uuid.uuid4().hex[:8]}"
     try:
         shutil.move(snap / "images", theirs)

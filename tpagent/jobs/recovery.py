@@ -48,6 +48,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from host.api import unbracketed
 from tpagent.jobs import storeserver
 from tpagent.jobs.api import Ask, Leaving
 from tpagent.jobs.moves import Asking, each, fails
@@ -253,7 +254,7 @@ class Recovery:
             address, self.stop_store = storeserver.serve_anew(
                 self.job,
                 self._spec(self.local),
-                self.here.rsplit(":", 1)[0].strip("[]"),  # (bare: a server binds it; [V6] as the address says it)
+                unbracketed(self.here.rsplit(":", 1)[0]),  # (bare: a server binds it)
                 agreed.pop(),
                 lambda: self.leaving.here(self.job),
                 self.kept,
