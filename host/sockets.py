@@ -18,8 +18,10 @@ A listening socket needs its port free on the target.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import socket
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -178,6 +180,35 @@ def _same(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, text: str) -> bool:
         return ipaddress.ip_address(text) == ip
     except ValueError:  # (a MAC address: AF_PACKET)
         return False
+
+
+#: What :func:`bind_problem` says of a port another socket listens on.
+TAKEN = "its port is taken"
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why a TCP server (SO_REUSEADDR, as gRPC's) could not listen on ``host``:``port`` here,
+    as a phrase (:data:`TAKEN`, or that the host does not resolve or is none of this node's
+    addresses), or None where it can bind one of the addresses ``host`` names."""
+    try:
+        found = socket.getaddrinfo(unbracketed(host) or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        return f"{host} does not resolve here ({e.strerror if isinstance(e, socket.gaierror) else e})"
+    refused = errno.EADDRNOTAVAIL
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                refused = refused if refused == errno.EADDRINUSE else (e.errno or refused)
+                continue
+        return None
+    if refused == errno.EADDRINUSE:
+        return TAKEN
+    if refused == errno.EADDRNOTAVAIL:
+        return f"{host} is no address of this node's"
+    return os.strerror(refused).lower()
 
 
 def listener_on(host: str, port: int) -> str | None:

@@ -251,6 +251,6 @@ def peer_address(address: str) -> tuple[str, int]:
     """:func:`parse_address` of an address to connect to: its host given, its port above 0 (a
     listener's ``:0``, any port, names no peer)."""
     host, port = parse_address(address)
-    if not address.rpartition(":")[0].strip("[]") or port == 0:
+    if not unbracketed(address.rpartition(":")[0]) or port == 0:
         raise BadAddress(f"{address[:80]!r} is not HOST:PORT.")
     return host, port

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import ssl
 
-from host.api import UsageError
+from host.api import UsageError, unbracketed
 from host.trusted import open_private_file, open_trusted
 from transfer.api import AuthError, TlsFiles, TransferError
 
@@ -119,7 +119,7 @@ def client_failure(e: ssl.SSLError, address: str, handshake: bool) -> TransferEr
     """A TLS error on the sender's side, as one sentence: the receiver's certificate failed,
     the receiver refused ours, it does not speak TLS (:class:`AuthError`: trying again will
     not help), or the connection failed (:class:`TransferError`)."""
-    host = address.rpartition(":")[0].strip("[]")
+    host = unbracketed(address.rpartition(":")[0])
     if isinstance(e, ssl.SSLCertVerificationError):
         if e.verify_code in _NAME_MISMATCH:
             return AuthError(

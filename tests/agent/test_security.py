@@ -137,7 +137,8 @@ def test_an_agent_whose_port_is_taken_or_no_port_says_so_in_one_sentence(tmp_pat
     """Another process listens on its port (this gRPC raised, a traceback), or the port is over
     65535 (gRPC took it wrapped, 99999 as 34463): one sentence, exit 2.  Held with SO_REUSEPORT,
     as another agent's gRPC holds it, the port was shared: two agents served on it, each taking
-    half of the connections."""
+    half of the connections.  A host that does not resolve, or is none of this node's, is said
+    as such (gRPC logged a line of its own, then the agent blamed another agent)."""
     cfg = agent_config(tmp_path, "n")
     with socket.socket() as held, socket.socket() as shared:
         held.bind(("127.0.0.1", 0))
@@ -151,10 +152,15 @@ def test_an_agent_whose_port_is_taken_or_no_port_says_so_in_one_sentence(tmp_pat
             (taken, f"cannot listen on {taken}; is another agent running there?"),
             (reused, f"cannot listen on {reused}; is another agent running there?"),
             ("127.0.0.1:99999", "the setting listen = '127.0.0.1:99999' is not valid: give HOST:PORT, the port 1"),
+            ("nowhere.invalid:7500", "cannot listen on nowhere.invalid:7500: nowhere.invalid does not resolve here ("),
+            (
+                "10.255.255.254:7500",
+                "cannot listen on 10.255.255.254:7500: 10.255.255.254 is no address of this node's.",
+            ),
         ):
             proc = _serve_cli(cfg, tmp_path / "work", listen)
             assert_one_sentence_error(proc, says)
-            assert proc.returncode == 2
+            assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_an_agent_refuses_a_work_dir_someone_else_prepared(tmp_path: Path, playground: Path) -> None:

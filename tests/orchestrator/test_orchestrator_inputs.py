@@ -344,9 +344,10 @@ def test_the_webhook_is_not_held_by_callers_that_trickle_or_crowd(
             s.close()
 
 
-@pytest.mark.parametrize("setting", ["metrics_listen", "webhook_listen"])
+@pytest.mark.parametrize("setting", ["listen", "health_listen", "metrics_listen", "webhook_listen"])
 def test_a_port_taken_is_said_with_the_setting_that_names_it(tmp_path: Path, setting: str) -> None:
-    """(A metrics port another process held was "[Errno 98] Address already in use", naming nothing.)"""
+    """(A metrics port another process held was "[Errno 98] Address already in use", naming nothing;
+    one of gRPC's printed gRPC's own log line first.)"""
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(24).hex())
     secret.chmod(0o600)
@@ -355,19 +356,24 @@ def test_a_port_taken_is_said_with_the_setting_that_names_it(tmp_path: Path, set
     token.chmod(0o600)
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
+        settings = {"listen": f"127.0.0.1:{free_port()}", "metrics_listen": "", setting: f"127.0.0.1:{port}"}
         config = tmp_path / "o.toml"
         config.write_text(
-            f'listen = "127.0.0.1:{free_port()}"\nnode = "orchestrator"\nsecret_file = "{secret}"\n'
+            "".join(f'{name} = "{value}"\n' for name, value in settings.items())
+            + f'node = "orchestrator"\nsecret_file = "{secret}"\n'
             f'tls_dir = "{node_certs(tmp_path, "orchestrator")}"\nstate = "{tmp_path / "db" / "state.db"}"\n'
-            f'webhook_token_file = "{token}"\n{setting} = "127.0.0.1:{port}"\n'
-            + ('metrics_listen = ""\n' if setting != "metrics_listen" else "")
+            f'webhook_token_file = "{token}"\n'
         )
         said = subprocess.run(
             [sys.executable, "-m", "cli.main", "orchestrator", "--config", str(config)],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-    assert_one_sentence_error(said, f"127.0.0.1:{port} ({setting}): Address already in use")
-    assert said.returncode == 2
+    if setting in ("listen", "health_listen"):
+        what = "listen" if setting == "listen" else "serve health checks"
+        assert_one_sentence_error(said, f"cannot {what} on 127.0.0.1:{port}; is another orchestrator running there?")
+    else:
+        assert_one_sentence_error(said, f"127.0.0.1:{port} ({setting}): Address already in use")
+    assert said.returncode == 2 and said.stderr.count("\n") == 1, said.stderr
 
 
 def test_an_empty_file_of_another_users_is_no_database_of_root(tmp_path: Path) -> None:

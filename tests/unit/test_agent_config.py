@@ -184,3 +184,24 @@ def test_a_setting_out_of_its_range_is_refused_by_name(toml: Path, text: str, sa
     toml.write_text("\n".join([*kept, text]) + "\n")
     with pytest.raises(UsageError, match=re.escape(says)):
         config.load(toml, env={})
+
+
+@pytest.mark.parametrize(
+    ("listen", "health", "overlap"),
+    [
+        ("127.0.0.1:7400", "[::0]:7400", True),  # (every interface, spelt another way: was taken as a host)
+        ("[::1]:7400", "[0:0::1]:7400", True),  # (one address, two spellings)
+        ("Node-A:7400", "node-a:7400", True),
+        ("127.0.0.1:7400", "127.0.0.2:7400", False),
+        ("127.0.0.1:7400", "[::0]:7401", False),
+    ],
+)
+def test_two_servers_on_one_port_of_one_host_are_refused_however_the_host_is_spelt(
+    toml: Path, listen: str, health: str, overlap: bool
+) -> None:
+    toml.write_text(toml.read_text() + f'listen = "{listen}"\nhealth_listen = "{health}"\n')
+    if overlap:
+        with pytest.raises(UsageError, match="the settings listen and health_listen both name port 7400"):
+            config.load(toml, env={})
+    else:
+        assert config.load(toml, env={}).health_listen == health

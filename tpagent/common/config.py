@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ipaddress
 import math
 import os
 import re
@@ -70,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from host import paths
-from host.api import MOST_SECONDS, UsageError, is_whole, port_number
+from host.api import MOST_SECONDS, UsageError, is_whole, port_number, unbracketed
 from host.trusted import read_trusted
 from snapshot.api import DEFAULT_GHOST_LIMIT
 from tpagent.common.credentials import Credentials
@@ -255,7 +256,7 @@ class AgentConfig:
         hosts = {
             self.node,
             self.advertised_host,
-            self.listen.rpartition(":")[0].strip("[]"),
+            unbracketed(self.listen.rpartition(":")[0]),
             socket.gethostname(),
             "localhost",
             "127.0.0.1",
@@ -276,8 +277,16 @@ def port_of(address: str, at_least: int = 0, any_host: bool = False) -> int | No
     return number if number is not None and number >= at_least else None
 
 
-#: The hosts that stand for every interface of the node (one of them overlaps any other host).
-_EVERY_INTERFACE = frozenset({"", "0.0.0.0", "[::]", "*"})
+def _interface(host: str) -> str:
+    """``host`` as :func:`check_ports` compares it: an address in its one spelling, a name in
+    lower case, and "" for every interface of the node (0.0.0.0, [::], [::0], *, none), which
+    overlaps any other host."""
+    bare = unbracketed(host).lower()
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        return "" if bare == "*" else bare
+    return "" if ip.is_unspecified else str(ip)
 
 
 def is_name(text: str, empty: bool = False) -> bool:
@@ -314,10 +323,10 @@ def check_ports(settings: object, listens: tuple[str, ...], ports: tuple[str, ..
     held: list[tuple[str, str, int]] = [(name, "", getattr(settings, name)) for name in ports]
     for name in listens:
         if value := getattr(settings, name):
-            held.append((name, value.rpartition(":")[0], port_of(value) or 0))
+            held.append((name, _interface(value.rpartition(":")[0]), port_of(value) or 0))
     for i, (name, host, port) in enumerate(held):
         for other, its_host, its_port in held[:i]:
-            if port and port == its_port and (host == its_host or {host, its_host} & _EVERY_INTERFACE):
+            if port and port == its_port and (host == its_host or not host or not its_host):
                 raise UsageError(f"the settings {other} and {name} both name port {port}: give each a port of its own.")
 
 

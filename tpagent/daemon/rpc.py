@@ -29,6 +29,7 @@ open, and it is answered without reading its request (a probe always gets an ans
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -41,8 +42,9 @@ from typing import Any, TypeVar
 
 import grpc
 
-from host.api import UsageError, is_whole
+from host.api import UsageError, is_whole, unbracketed
 from host.hushed import Hushed
+from host.sockets import TAKEN, bind_problem
 from tpagent.common import clock
 from tpagent.common.config import port_of
 from tpagent.common.credentials import Credentials
@@ -109,7 +111,7 @@ def sign(secret: bytes, method: str, audience: str, request: Any, offset: float 
 
 def audience_of(address: str) -> str:
     """The host part of HOST:PORT (brackets of [v6] removed), lower case."""
-    return address.rpartition(":")[0].strip("[]").lower()
+    return unbracketed(address.rpartition(":")[0]).lower()
 
 
 #: Why a call was refused: the metrics label, and what the log and the caller are told.
@@ -447,16 +449,19 @@ def _text(address: str) -> bool:
     return True
 
 
-def listens(srv: grpc.Server, address: str, tls: grpc.ServerCredentials | None = None) -> bool:
-    """Whether ``srv`` now listens on ``address`` (with ``tls``; None: plain text), HOST:PORT:
-    gRPC says no by 0 or, in later releases, by RuntimeError, and takes a port over 65535 as
-    that number wrapped."""
-    if port_of(address) is None:
-        return False
-    try:
-        return (srv.add_secure_port(address, tls) if tls is not None else srv.add_insecure_port(address)) != 0
-    except RuntimeError:
-        return False
+def listen(srv: grpc.Server, address: str, tls: grpc.ServerCredentials | None, what: str, who: str) -> None:
+    """Have ``srv`` listen on ``address``, HOST:PORT (with ``tls``; None: plain text), or raise UsageError
+    "cannot ``what`` on ADDRESS" and why ("is another ``who`` running there?" for a port taken).  The host
+    is tried first, so that gRPC logs no line of its own; gRPC says no by 0 or, in later releases, by
+    RuntimeError, and takes a port over 65535 as that number wrapped."""
+    port = port_of(address)
+    why = "give HOST:PORT, the port 1 to 65535" if port is None else bind_problem(address.rpartition(":")[0], port)
+    with contextlib.suppress(RuntimeError):
+        if why is None and (srv.add_secure_port(address, tls) if tls else srv.add_insecure_port(address)):
+            return
+    if why is None or why == TAKEN:  # (taken since it was tried, if gRPC alone says no)
+        raise UsageError(f"cannot {what} on {address}; is another {who} running there?")
+    raise UsageError(f"cannot {what} on {address}: {why}.")
 
 
 #: The connections an agent's API holds at once, TLS handshakes under way too: past it gRPC closes

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from host import paths
-from host.api import UsageError
+from host.api import UsageError, unbracketed
 from host.safefs import private_dir
 from snapshot.api import SnapshotConfig
 from tpagent.common import metrics
@@ -39,7 +39,7 @@ from tpagent.common.threads import Threads
 from tpagent.daemon import report
 from tpagent.daemon.client import GrpcPeer
 from tpagent.daemon.node import Node
-from tpagent.daemon.rpc import AuthInterceptor, Health, listens, pb_grpc, probe_server
+from tpagent.daemon.rpc import AuthInterceptor, Health, listen, pb_grpc, probe_server
 from tpagent.daemon.rpc import server as rpc_server
 from tpagent.daemon.service import Service
 from tpagent.migration import watch
@@ -179,20 +179,18 @@ def _serve(cfg: AgentConfig, ready: threading.Event | None, stop: threading.Even
     )
     server, tls = rpc_server(creds, interceptor)
     pb_grpc.add_AgentServicer_to_server(Service(node), server)
-    if not listens(server, cfg.listen, tls):
-        raise UsageError(f"cannot listen on {cfg.listen}; is another agent running there?")
+    listen(server, cfg.listen, tls, "listen", "agent")
     probes = None
     scrapes = None
     if cfg.health_listen:
         probes = probe_server(health)
-        if not listens(probes, cfg.health_listen):
-            raise UsageError(f"cannot serve health checks on {cfg.health_listen}; is another agent running there?")
+        listen(probes, cfg.health_listen, None, "serve health checks", "agent")
     if cfg.metrics_listen:
         metrics.FROZEN.set_function(functools.partial(watch.frozen_seconds, ctx, node.sources))
         metrics.UNRESOLVED.set_function(functools.partial(watch.unresolved, ctx, node.sources))
         host, _, port = cfg.metrics_listen.rpartition(":")
         try:
-            scrapes = metrics.MetricsServer(host.strip("[]") or "0.0.0.0", int(port))
+            scrapes = metrics.MetricsServer(unbracketed(host) or "0.0.0.0", int(port))
         except (OSError, ValueError) as e:
             raise UsageError(f"cannot serve metrics on {cfg.metrics_listen}: {e}") from e
     try:

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from host.api import UsageError
+from host.api import UsageError, unbracketed
 from tpagent.common.config import check_hosts, check_ports, convert_setting, is_name, read_toml
 from tpagent.common.credentials import Credentials
 from tpagent.orchestrator.api import job_name
@@ -154,7 +154,7 @@ class OrchestratorConfig:
 
     @property
     def audiences(self) -> set[str]:
-        host = self.listen.rpartition(":")[0].strip("[]")
+        host = unbracketed(self.listen.rpartition(":")[0])
         names = {self.node, self.advertise, host, socket.gethostname(), "localhost", "127.0.0.1", "::1"}
         return {h.lower() for h in names if h and h not in ("0.0.0.0", "::")}
 

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from host.api import unbracketed
 from tpagent.common.credentials import Credentials
 from tpagent.daemon import rankwire
 from tpagent.daemon.client import rpc_text
@@ -445,7 +446,7 @@ def _host_answers(agent: str) -> bool:
     host, _, port = agent.rpartition(":")
     for _ in range(2):
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE):
+            with socket.create_connection((unbracketed(host), int(port)), timeout=PROBE):
                 return True
         except ConnectionRefusedError:
             return True

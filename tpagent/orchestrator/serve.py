@@ -19,10 +19,10 @@ import time
 
 import grpc
 
-from host.api import UsageError
+from host.api import UsageError, unbracketed
 from host.trusted import read_private_file
 from tpagent.common.metrics import MetricsServer
-from tpagent.daemon.rpc import AuthInterceptor, Health, listens, pb_grpc, probe_server
+from tpagent.daemon.rpc import AuthInterceptor, Health, listen, pb_grpc, probe_server
 from tpagent.daemon.rpc import server as rpc_server
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.core import Orchestrator
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 def _host_port(address: str, what: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     try:
-        return host.strip("[]") or "0.0.0.0", int(port)
+        return unbracketed(host) or "0.0.0.0", int(port)
     except ValueError as e:
         raise UsageError(f"{what} {address!r} is not HOST:PORT.") from e
 
@@ -91,8 +91,7 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
         creds, AuthInterceptor(creds.secret, cfg.audiences, health), connections=cfg.max_connections
     )
     pb_grpc.add_OrchestratorServicer_to_server(Service(o), server)
-    if not listens(server, cfg.listen, tls):
-        raise UsageError(f"cannot listen on {cfg.listen}; is another orchestrator running there?")
+    listen(server, cfg.listen, tls, "listen", "orchestrator")
     probes = None
     if cfg.health_listen:
         probes = grpc_probes(health, cfg.health_listen)
@@ -136,7 +135,6 @@ def serve(cfg: OrchestratorConfig, ready: threading.Event | None = None, stop: t
 
 def grpc_probes(health: Health, address: str) -> grpc.Server:
     probes = probe_server(health)
-    if not listens(probes, address):
-        raise UsageError(f"cannot serve health checks on {address}.")
+    listen(probes, address, None, "serve health checks", "orchestrator")
     probes.start()
     return probes
