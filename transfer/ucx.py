@@ -23,7 +23,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any
 
-from transfer.api import Channel, Listener, TransferError, Transport, parse_address
+from host.sockets import TAKEN, bind_problem
+from transfer.api import BadAddress, Channel, Listener, TransferError, Transport, parse_address
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 # UCX logs to stdout unless told: a command's --json there is its result, never a log line.
@@ -143,6 +144,8 @@ class UcxListener(Listener):
     def __init__(self, address: str, io_timeout: float) -> None:
         ucxx, _ = _ucxx()
         host, port = parse_address(address)
+        if why := bind_problem(host, port):  # (UCX listens on every interface, whatever the host)
+            raise (TransferError if why == TAKEN else BadAddress)(f"cannot listen on {address}: {why}")
         self._loop = _Loop.get()
         self._incoming: queue.Queue[UcxChannel] = queue.Queue()
 
