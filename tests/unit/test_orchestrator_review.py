@@ -31,12 +31,12 @@ def orchestrator(tmp_path: Path, nodes: list[NodeSeen], c: OrchestratorConfig | 
 
 def test_a_rebuilds_spare_is_held_from_other_rebuilds_and_moves_until_it_ends(tmp_path: Path) -> None:
     nodes = [node("a", (rank(0, "j1"),)), node("b", (rank(1, "j1"),)), node("c", (rank(0, "j2"),))]
-    o = orchestrator(tmp_path, [*nodes, node("x", (rank(1, "j2"),)), node("e"), node("f")])
+    o = orchestrator(tmp_path, [*nodes, node("x", (rank(1, "j2"),)), node("d", (rank(0, "j4"),)), node("e"), node("f")])
     try:
         assert o._spare_for("j1", "b", (1,)) == ("e", "e:7400")
         assert o._spare_for("j2", "x", (1,)) == ("f", "f:7400")  # (e was given to j1's rebuild)
         assert o._spare_for("j3", "c", (0,)) is None
-        o.state.taint("a", "", TaintKind.PLANNED, "maintenance", "operator")
+        o.state.taint("d", "", TaintKind.PLANNED, "maintenance", "operator")  # (j4: no rebuild of it)
         p = plan(o.view(), o.state.taints(), [], [], no_failures, o.cfg)
         assert p.moves == [] and "no spare fits: none is free" in p.waiting[1], p
         o._spare_done("j1", "e")

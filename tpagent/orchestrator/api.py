@@ -179,6 +179,8 @@ class View:
     #: Every node known has reported since the orchestrator started, or could have: one that has
     #: not is silent (a move to or from it is never started), and a job not seen has ended.
     heard: bool = True
+    #: Jobs whose lost ranks a rebuild under way makes again: no move of them starts.
+    rebuilding: frozenset[str] = frozenset()
 
     def gone(self, node: str) -> bool:
         """Whether ``node`` stopped reporting, or has not reported though it could have."""
@@ -198,6 +200,27 @@ class View:
     def current(self, node: str) -> bool:
         """Reachable, and its last report is newer than any move's end there."""
         return self.reachable(node) and node not in self.stale
+
+    def busy(self) -> frozenset[str]:
+        """The jobs a rewire is under way of, as the nodes that still report say: a gone node's last
+        report is no move under way (it may have died in one, and says so for ever)."""
+        return frozenset(j for name, n in self.nodes.items() if not self.gone(name) for j in n.busy)
+
+    def died_with(self, job: str) -> list[str]:
+        """The nodes whose agents report ranks of ``job`` died there (killed by a signal): they are
+        rebuilt before any move of the job starts (a rewire needs every rank)."""
+        return sorted(name for name, n in self.nodes.items() if any(r.job == job for r in n.died))
+
+    def lost_with(self, job: str) -> list[str]:
+        """The nodes that stopped reporting with ranks of ``job`` that run nowhere else: no move of it
+        starts (a rewire needs every rank), its lost ranks are rebuilt first (:mod:`.lost`).  A rank
+        rebuilt on a spare, reported there, is no longer lost with the node it ran on."""
+        alive = {r.rank for name, n in self.nodes.items() if not self.gone(name) for r in n.ranks if r.job == job}
+        return sorted(
+            name
+            for name, n in self.nodes.items()
+            if self.gone(name) and any(r.job == job and r.rank not in alive for r in n.ranks)
+        )
 
 
 def printable(text: str, limit: int | None = 500) -> str:

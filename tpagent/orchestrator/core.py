@@ -17,6 +17,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -62,6 +63,8 @@ FRESH_AFTER = 2
 IN_STEP_EVERY = 2.0
 #: ... and no move starts for this long after it did not answer a hold.
 SCHEDULER_BACKOFF = 10.0
+#: The setting ``scheduler``'s adapters (any other: :class:`Static`).
+SCHEDULERS: dict[str, Callable[[OrchestratorConfig], Scheduler]] = {"slurm": Slurm, "kubernetes": Kubernetes}
 
 
 class Orchestrator:
@@ -71,7 +74,7 @@ class Orchestrator:
         self.cfg = cfg
         self.state = state
         self.creds = creds
-        self.scheduler = scheduler or _scheduler(cfg)
+        self.scheduler = scheduler or SCHEDULERS.get(cfg.scheduler, Static)(cfg)
         self.scheduler_down = ""  # why the scheduler did not answer last ("": it did)
         self.backoff_until = 0.0  # (monotonic) no move starts before
         self.lock = threading.Lock()
@@ -133,7 +136,7 @@ class Orchestrator:
         if before is None or back:
             self.event("node", f"{seen.name} reports ({seen.agent}, {len(seen.gpus)} GPU(s))", node=seen.name)
         if seen.died and seen.name not in self.unreachable:
-            self.lost_nodes.died(self.view(), seen.name, rebuild=self.cfg.lost_grace > 0)
+            self.lost_nodes.died(self.view(), seen.name, self._moving, self.cfg.lost_grace > 0)
         if any(r.broke for r in seen.ranks) and self.cfg.lost_grace > 0:
             self.lost_nodes.broke(self.view(), seen.name, self._declare)
         for f in seen.findings:
@@ -147,7 +150,7 @@ class Orchestrator:
         if node not in known:
             names = ", ".join(sorted(known)[:20]) or "none yet"
             raise Refused(f"no node {node!r} has reported to this orchestrator (known: {names}).", Why.NOT_FOUND)
-        if gpu and gpu not in known[node]:
+        if gpu and gpu not in known[node] and not any(t.node == node and t.gpu == gpu for t in self.state.taints()):
             raise Refused(
                 f"node {node} has no GPU {gpu!r} (it has: {', '.join(known[node]) or 'none'}).", Why.NOT_FOUND
             )
@@ -192,8 +195,10 @@ class Orchestrator:
                 for n, at in self.ended.items()
                 if n in self.nodes and n not in self.unreachable and self.nodes[n].reports < at + FRESH_AFTER
             }
-            held = frozenset(self.held.values())
-            return View(dict(self.nodes), frozenset(self.unreachable), frozenset(stale), held, heard)
+            spares = frozenset(self.held.values())
+            return View(
+                dict(self.nodes), frozenset(self.unreachable), frozenset(stale), spares, heard, frozenset(self.held)
+            )
 
     def _reports(self, *nodes: str) -> dict[str, int]:
         with self.lock:
@@ -309,9 +314,10 @@ class Orchestrator:
     def _lost(self, node: str, only: frozenset[str] | None = None) -> None:
         """``node`` is unreachable: its jobs (of ``only``, where given) rebuilt, or their other
         ranks told (:mod:`.lost`); a job a move is under way of, once the move has ended."""
-        view = self.view()
-        busy = {m.job for m in self.state.moves(active=True)} | {j for seen in view.nodes.values() for j in seen.busy}
-        self.lost_nodes.lost(view, node, busy.__contains__, only)
+        self.lost_nodes.lost(self.view(), node, self._moving, only)
+
+    def _moving(self, job: str) -> bool:  # (a move of it under way: the orchestrator's, or tpagent migrate's)
+        return any(m.job == job for m in self.state.moves(active=True)) or job in self.view().busy()
 
     def _spare_for(self, job: str, lost: str, ranks: tuple[int, ...]) -> tuple[str, str] | None:
         """A node no rank uses for ``job``'s ranks lost with ``lost`` (its name, agent: their commands start
@@ -344,7 +350,7 @@ class Orchestrator:
         plan reserved (node -> its GPUs reserved, empty: all), whose GPUs alone a move onto them names."""
         active = self.state.moves(active=True)
         slots = self.cfg.max_parallel - sum(m.state is MoveState.RUNNING for m in active)
-        if time.monotonic() < self.backoff_until:
+        if time.monotonic() < self.backoff_until or self.scheduler_down:  # (said: "no move starts until it answers")
             return
         with self.choosing:  # (a rebuild's spare, held since the plan, is not started onto: the next plan cancels it)
             view = self.view()
@@ -489,11 +495,3 @@ class Orchestrator:
             with self.lock:
                 self.settling.pop(mid, None)
             self._ended(m, *outcome)
-
-
-def _scheduler(cfg: OrchestratorConfig) -> Scheduler:
-    if cfg.scheduler == "slurm":
-        return Slurm(cfg)
-    if cfg.scheduler == "kubernetes":
-        return Kubernetes(cfg)
-    return Static(cfg)

@@ -48,6 +48,7 @@ from tpagent.common.credentials import Credentials
 from tpagent.daemon import rankwire
 from tpagent.daemon.client import rpc_text
 from tpagent.daemon.rpc import pb, stub
+from tpagent.migration.api import Refused
 from tpagent.orchestrator.api import RankSeen, View, job_identity, job_name
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.steps import Steps
@@ -164,10 +165,11 @@ class LostNodes:
             self.moved = {n: jobs for n, jobs in self.moved.items() if jobs and n in unreachable}
             return sorted(self.moved.items())
 
-    def died(self, view: View, node: str, rebuild: bool = True) -> None:
+    def died(self, view: View, node: str, moving: Callable[[str], bool], rebuild: bool = True) -> None:
         """Ranks died on ``node`` by a signal, its agent holding their ends from their stand-ins
         (it reports them): each job of them rebuilt as a lost node's is, and that agent told how it
-        went (:class:`~tpagent_rank.protocol.Rebuilt`: their stand-ins follow them).  Not
+        went (:class:`~tpagent_rank.protocol.Rebuilt`: their stand-ins follow them); a job a move is
+        under way of, once it has ended (its agent says them again in each report).  Not
         ``rebuild`` (``lost_grace`` 0: lost ranks are left to their jobs), their ends are let go at once."""
         seen = view.nodes[node]
         now = time.monotonic()
@@ -179,6 +181,8 @@ class LostNodes:
             # (told to the ranks of its users alone: another user's job of that name is not theirs)
             users = tuple(sorted({u for r in fresh if r.job == job for u in r.users}))
             tell = P.Lost(seen.agent, why, self.cfg.lost_grace, users, died=True, identity=job_identity(job))
+            if rebuild and moving(job):
+                continue
             if rebuild:
                 self._recover(view, node, job, ranks, tell)
             else:
@@ -347,6 +351,8 @@ class LostNodes:
             done = rankwire.answer_of(rebuild, reply)
         except grpc.RpcError as e:
             done = P.Recovered(ok=False, error=rpc_text(e))
+        except Refused as e:  # (an answer of another kind: an agent of another version)
+            done = P.Recovered(ok=False, error=str(e))
         for r in rebuild.ranks if rebuild.died else ():  # (each rebuilt one's stand-in follows it)
             to = rebuild.spare if done.ok and r in done.ranks else ""
             self._rebuilt(job, r, rebuild.node, P.Rebuilt(to=to))

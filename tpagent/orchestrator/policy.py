@@ -154,9 +154,11 @@ def plan(
             out.cancels.append((m.id, "its taint was removed before it started"))
         elif m.target in node_taints:
             out.cancels.append((m.id, f"{m.target} was tainted before it started"))
+        elif m.job in view.rebuilding or view.died_with(m.job):
+            out.cancels.append((m.id, "its job's lost ranks are being rebuilt"))
         elif m.target in view.held:
             out.cancels.append((m.id, f"{m.target} was given to a rebuild of lost ranks before it started"))
-        elif gone := [n for n in (m.target, m.source) if view.gone(n)] or _lost_with(view, m.job):
+        elif gone := [n for n in (m.target, m.source) if view.gone(n)] or view.lost_with(m.job):
             out.cancels.append((m.id, f"{gone[0]} stopped reporting before it started"))
         elif why := _unfit(view, taints, dedicated, m):
             out.cancels.append((m.id, f"{m.target} no longer fits before it started ({why})"))
@@ -177,10 +179,13 @@ def plan(
                 if other := [m.id for m in active if m.job == job and m.taint != t.id]:
                     reasons[t.id].append(f"job {job_name(job)} is being moved (move {other[0]}); one move at a time")
                 continue
-            if any(job in n.busy for n in view.nodes.values()):
+            if job in view.busy():
                 reasons[t.id].append(f"job {job_name(job)} is being moved by someone else")
                 continue
-            if lost := _lost_with(view, job):
+            if job in view.rebuilding or view.died_with(job):
+                reasons[t.id].append(f"job {job_name(job)}'s lost ranks are being rebuilt")
+                continue
+            if lost := view.lost_with(job):
                 reasons[t.id].append(f"job {job_name(job)} has ranks on {lost[0]}, which stopped reporting")
                 continue
             done = failed(job, node.name, t.id)
@@ -211,7 +216,7 @@ def followed(view: View, moves: list[Move], away: list[Away]) -> list[tuple[Away
     on any agent, no rebuild on the node), its identity is known, and exactly one node runs it."""
     if view.stale or not view.heard:
         return []
-    moving = {m.job for m in moves} | {job for n in view.nodes.values() for job in n.busy}
+    moving = {m.job for m in moves} | view.busy()
     out = []
     for a in away:
         if a.job in moving or not job_identity(a.job):  # (a key of no identity may be any user's job)
@@ -247,7 +252,7 @@ def _home(
             continue
         if home in tainted or not {r.rank for r in node.ranks if r.job == job} >= set(ranks):
             continue
-        if any(job in n.busy for n in view.nodes.values()) or _lost_with(view, job):
+        if job in view.busy() or job in view.rebuilding or view.died_with(job) or view.lost_with(job):
             continue
         done = failed(job, on, taint)
         target = view.nodes[home]
@@ -255,12 +260,6 @@ def _home(
             continue
         moving.add(job)
         out.moves.append(NewMove(job, tuple(ranks), on, home, MoveKind.HOME, taint, len(done) + 1))
-
-
-def _lost_with(view: View, job: str) -> list[str]:
-    """The nodes that stopped reporting with ranks of ``job``: no move of it starts (a rewire
-    needs every rank), its lost ranks are rebuilt first (:mod:`.lost`)."""
-    return sorted(n for n, seen in view.nodes.items() if view.gone(n) and any(r.job == job for r in seen.ranks))
 
 
 def _spare_of(node: NodeSeen, taints: list[Taint]) -> Spare:

@@ -428,8 +428,8 @@ class Slurm:
             try:
                 handle = self._submit(job, nodes[name], 0, mine)
             except SchedulerError as e:
-                if e.down or away:
-                    raise
+                if e.down:
+                    raise  # (one refused, a QOS's, stops neither the other jobs' placeholders nor their records)
                 if (job, name) not in self.unheld:  # (said once, not at every reconcile)
                     self.unheld.add((job, name))
                     said.append(f"{name} not held for job {job_name(job)}, whose ranks run there: {e}")
