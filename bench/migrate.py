@@ -130,11 +130,11 @@ def naive_round(kind: str, size: int, work: Path) -> dict[str, float]:
         assert cuda is not None
         cuda.lock(p, 30)
         cuda.checkpoint(p)
-    criu.dump(pid, a, a, DumpOptions(namespace=True), 3600)
+    criu.dump(pid, a, a, DumpOptions(mounts=True), 3600)
     t1 = time.monotonic()
     subprocess.run(["cp", "-a", str(a), str(b)], check=True)
     t2 = time.monotonic()
-    new = criu.restore(b, b, RestoreOptions(namespace=True), 3600)
+    new = criu.restore(b, b, RestoreOptions(mounts=True), 3600)
     if cuda is not None:
         for p in cuda_processes(cuda, new):
             cuda.restore(p)

@@ -31,9 +31,11 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
     none of the tree's mount namespaces has (opened before its process entered its namespace,
     or passed to it from another: CRIU cannot find that mount), or a memfd mapped shared and
     sealed against writes (CRIU dumps it and cannot restore it), or a pidfd of a process outside
-    the tree."""
+    the tree, or a user namespace other than the node's (CRIU dumps it, and its restore fails),
+    or a directory since removed as its working directory or an open one (:func:`_removed_dirs`)."""
     out = [why for why in (limits_unreadable(pids), descriptors_too_high(pids)) if why]
     node_ipc = os.readlink("/proc/self/ns/ipc")
+    node_user = os.readlink("/proc/self/ns/user")
     sysv: dict[str, set[int]] | None = None  # (read once, if a process is in the node's namespace)
     mounts = _Mounts(pids)
     tree = set(pids)
@@ -45,7 +47,12 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
                 out.append(
                     f"PID {pid} uses {_ANON_NAMES.get(kind, kind)} (fd {', '.join(fds)}), which CRIU cannot checkpoint."
                 )
-            out += _sealed_shared(pid) + _pidfds_outside(pid, tree)
+            out += _sealed_shared(pid) + _pidfds_outside(pid, tree) + _removed_dirs(pid)
+            if os.readlink(f"/proc/{pid}/ns/user") != node_user:
+                out.append(
+                    f"PID {pid} runs in a user namespace of its own (`unshare -U`, a rootless container), "
+                    "which CRIU cannot restore; run it in the node's."
+                )
             if elsewhere:
                 fd, link = elsewhere[0]
                 listed = ", ".join(fd for fd, _ in elsewhere)
@@ -72,6 +79,22 @@ def uncheckpointable(pids: Sequence[int]) -> list[str]:
 _F_GET_SEALS = 1034
 #: Seals under which a memfd's shared mapping cannot be made again: CRIU's restore fails (EBUSY).
 _WRITE_SEALS = 0x8 | 0x10  # F_SEAL_WRITE, F_SEAL_FUTURE_WRITE
+
+
+def _removed_dirs(pid: int) -> list[str]:
+    """One sentence where ``pid``'s working directory, or a directory it holds open, was removed:
+    CRIU makes it again to restore it, and the restore's check (:mod:`host.reopened`) cannot tell
+    that directory from one planted by its name."""
+    for via in (f"/proc/{pid}/cwd", *(f"/proc/{pid}/fd/{fd}" for fd, _ in fd_links(pid))):
+        with suppress(OSError):
+            name = os.readlink(via)
+            if stat.S_ISDIR(os.stat(via).st_mode) and files.removed(pid, via, name):
+                what = "working directory" if via.endswith("/cwd") else f"open directory (fd {via.rsplit('/', 1)[1]})"
+                return [
+                    f"PID {pid}'s {what} was removed ({shown(name)}), which CRIU would make again by its name "
+                    "to restore it; have it leave that directory (chdir), or close it."
+                ]
+    return []
 
 
 def _sealed_shared(pid: int) -> list[str]:

@@ -450,11 +450,7 @@ def _agent(pid: int) -> bytes | None:
     """The abstract name of the agent's rank socket, as the rank runtime in ``pid`` connects to
     it (``TPAGENT_RANK_SOCKET``; None: no runtime).  That connection the runtime lets go of
     before any freeze: it is no tie."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    name = next((v[len(b"TPAGENT_RANK_SOCKET=") :] for v in environ if v.startswith(b"TPAGENT_RANK_SOCKET=")), b"")
+    name = proc.environ_value(pid, "TPAGENT_RANK_SOCKET")
     return b"\0" + name if name else None
 
 

@@ -191,6 +191,16 @@ def has_capability(cap: int) -> bool:
     return False
 
 
+def environ_value(pid: int, name: str) -> bytes | None:
+    """``name``'s value in the environment ``pid`` started with (None: not set, or no such process)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    key = name.encode() + b"="
+    return next((v[len(key) :] for v in environ if v.startswith(key)), None)
+
+
 def other_users(pids: Iterable[int]) -> set[int]:
     """The UIDs (real, effective, saved) other than this process's own that ``pids`` (a
     :func:`tree_pids`) run as."""
@@ -378,6 +388,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP: its state T), not traced."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False
+
+
 def tree_pids(pid: int) -> list[int]:
     """``pid`` and all its descendants, root first; empty if it is gone."""
     try:
@@ -437,6 +455,12 @@ def wait_pids_free(pids: list[int], timeout: float, tids: Sequence[int] = ()) ->
             return
         if time.monotonic() >= deadline:
             pid, kind, who = held[0]
+            if stopped(pid):  # (a restore cut short, SIGKILLed, leaves its copy so: the one to keep)
+                raise UsageError(
+                    f"{kind} {pid}, which the snapshot must get back, is held by {who}, stopped: if it is a copy "
+                    f"of this snapshot whose restore was cut short, keep it (kill -CONT {pid} lets it run); "
+                    "else stop that process and retry."
+                )
             raise UsageError(
                 f"{kind} {pid}, which the snapshot must get back, is held by {who}; "
                 "stop that process (or launch workloads with `tpagent launch` so they get "

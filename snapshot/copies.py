@@ -6,22 +6,28 @@ unless asked for a clone)::
     STARTED ::= TICKS "@" BOOT_ID           (host.proc.started; older notes: "create_time": float)
 
 A note counts only while that very process (its PID and start, on this host, in this boot) still
-runs.
+runs.  While a snapshot is restored, ``RESTORED/<snapshot id>.lock`` is locked (``flock``) from
+the check that no copy of it runs to the note of the new one: a second restore of it meanwhile
+is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import platform
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from host import paths, proc
+from host.api import UsageError
 from host.safefs import private_dir, private_opener
 from snapshot.api import SnapshotError, SnapshotInvalid
 from snapshot.manifest import Manifest
@@ -64,6 +70,30 @@ def _live(path: Path) -> list[dict[str, Any]]:
     return live
 
 
+@contextmanager
+def restoring(m: Manifest) -> Iterator[None]:
+    """Held while ``m`` is restored here, from the check that no copy of it runs to the note of
+    the new one: a second restore of it at the same time (both would start a copy) is refused."""
+    private_dir(RESTORED)
+    lock = _note_path(m).with_suffix(".lock")
+    fd = private_opener(str(lock), os.O_RDWR | os.O_CREAT)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(
+                "another restore of this snapshot is under way on this node (two would start two copies); "
+                "let it end, then restore again if no copy runs."
+            ) from None
+        try:
+            yield
+        finally:  # (a restore that opened the file before this goes finds it locked; one after, the note)
+            with suppress(OSError):
+                lock.unlink()
+    finally:
+        os.close(fd)
+
+
 def still_running(m: Manifest) -> int | None:
     """The PID of a copy of ``m`` restored here before, if that very process still runs."""
     live = _live_copies(m)
@@ -77,7 +107,7 @@ def note_copy(m: Manifest, root: int) -> None:
         note = {"pid": root, "started": proc.started(root), "host": platform.node()}
         tmp = _note_path(m).with_suffix(f".{os.getpid()}.tmp")
         with open(tmp, "w", opener=private_opener) as f:
-            json.dump([*_live_copies(m), note], f)
+            json.dump([*(n for n in _live_copies(m) if n["pid"] != root), note], f)  # (noted once)
         tmp.rename(_note_path(m))
     except (OSError, psutil.Error, SnapshotError) as e:  # the copy runs; only the note of it is missing
         log.warning("could not note the copy of %s restored as PID %d: %s", m.snapshot_id, root, e)

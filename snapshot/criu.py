@@ -92,8 +92,9 @@ class DumpOptions:
     finish: DumpMode = DumpMode.KILL
     shell_job: bool = False
     tcp_established: bool = False
-    #: Dump a PID namespace launched by ``tpagent launch`` (adds the mount-namespace flags).
-    namespace: bool = False
+    #: The tree's mount namespace is not the node's (``tpagent launch``'s, `unshare -m`): its
+    #: mounts are declared external, bound back from the node's same paths on restore.
+    mounts: bool = False
     #: Run by CRIU at each action; a failing ``post-dump`` makes CRIU roll the dump back
     #: (resume the tree, unlock its network) instead of killing it.
     action_script: Path | None = None
@@ -111,7 +112,7 @@ class DumpOptions:
 class RestoreOptions:
     shell_job: bool = False
     tcp_established: bool = False
-    namespace: bool = False
+    mounts: bool = False  # (as :attr:`DumpOptions.mounts`: the mount namespace rebuilt)
     #: Leave the restored tree stopped (SIGSTOP): it runs once sent SIGCONT.
     leave_stopped: bool = False
     #: Run by CRIU at each action; a failing ``post-restore`` makes CRIU kill the tree before
@@ -226,7 +227,7 @@ class Criu:
         args += [] if opts.finish is DumpMode.KILL else [f"--{opts.finish.value}"]  # --leave-running / --leave-stopped
         args += self._common(opts.shell_job, opts.tcp_established)
         # The namespace's mounts are the node's own: declare them all external.
-        args += ["--external", "mnt[]"] if opts.namespace else []
+        args += ["--external", "mnt[]"] if opts.mounts else []
         args += [arg for path in opts.skip_mounts for arg in ("--skip-mnt", path)]
         args += ["--action-script", str(opts.action_script)] if opts.action_script else []
         # A file open under a name removed while it has another (a POSIX semaphore of Python's
@@ -264,7 +265,7 @@ class Criu:
         args += self._common(opts.shell_job, opts.tcp_established)
         # Rebuilding a mount namespace needs its root given (without it CRIU 4.2 segfaults
         # at mount.c:48) and the external mounts bound back to the node's same paths.
-        args += ["--root", "/", "--ext-mount-map", "auto"] if opts.namespace else []
+        args += ["--root", "/", "--ext-mount-map", "auto"] if opts.mounts else []
         args += ["--action-script", str(opts.action_script)] if opts.action_script else []
         proc = self._run(args, timeout, opts.env, work=work)
         if proc.returncode != 0:

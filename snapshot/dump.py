@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from host import ends, forked, gpus, proc, signals
+from host import ends, forked, gpus, namespaces, proc, signals
 from host.api import UsageError
 from host.claims import Claims
 from host.safefs import private_dir, private_opener
@@ -55,26 +55,6 @@ log = logging.getLogger(__name__)
 TRANSIENT = ("Zombies with threads are not supported", "Can't handle non-regular mapping")
 #: Seconds before the first retry of such a dump; doubled for each further one.
 RETRY_BACKOFF = 0.5
-
-
-def _namespace_of(target: psutil.Process) -> bool:
-    """True if the target is the init of its own PID namespace (a `tpagent launch` workload)."""
-    mine = proc.pid_namespace(os.getpid())
-    if proc.pid_namespace(target.pid) == mine:
-        for child in target.children(recursive=True):
-            if proc.pid_namespace(child.pid) != mine:
-                raise UsageError(
-                    f"PID {target.pid} has started a PID namespace whose init is PID {child.pid}; "
-                    f"checkpoint the namespace by giving PID {child.pid}."
-                )
-        return False
-    if proc.ns_pids(target.pid)[-1] != 1:
-        init = next((p.pid for p in target.parents() if proc.ns_pids(p.pid)[-1] == 1), None)
-        raise UsageError(
-            f"PID {target.pid} lives inside a PID namespace; checkpoint the whole namespace "
-            f"by giving the PID of its init{f' ({init})' if init else ''}."
-        )
-    return True
 
 
 def checkpoint(
@@ -125,6 +105,7 @@ class _Tree:
     """What the examination of the tree found, before anything is done to it."""
 
     namespace: bool
+    mounts: bool  # (its mount namespace is not the node's: CRIU takes every mount as external)
     procs: list[proc.ProcInfo]
     create_time: float  # (the wall clock's: shown, never compared)
     root_start: int
@@ -208,8 +189,9 @@ def _examine(target: psutil.Process, checked: str | None, ghost_limit: int) -> _
     pid = target.pid
     for attempt in range(5):  # (a child that exits as it is looked at, a worker ending: look again)
         try:
-            namespace = _namespace_of(target)
+            namespace = namespaces.own_pid_namespace(target)
             procs = proc.tree(target)
+            mounts = namespaces.own_mounts([p.pid for p in procs], namespace)
             create_time = target.create_time()
             root_start = proc.start_ticks(pid)
             shell_job = not proc.is_session_leader(pid)
@@ -232,7 +214,9 @@ def _examine(target: psutil.Process, checked: str | None, ghost_limit: int) -> _
             f"PID {pid} is no longer the process that was checked (that one exited and its PID was reused); "
             "nothing was done."
         )
-    return _Tree(namespace, procs, create_time, root_start, shell_job, ends.shared_offsets([p.pid for p in procs]))
+    return _Tree(
+        namespace, mounts, procs, create_time, root_start, shell_job, ends.shared_offsets([p.pid for p in procs])
+    )
 
 
 def _plan(
@@ -267,6 +251,7 @@ def _plan(
             "version": criu.version_str,
             "shell_job": tree.shell_job,
             "tcp_established": proc.holds_inet_sockets(pids),
+            "mounts": tree.mounts,
         },
         cuda={
             "driver_version": gpus.driver_version(),
@@ -359,8 +344,8 @@ def _criu_dump(job: _Dump) -> None:
     job.dump_started = time.monotonic()
     tcp = bool(job.manifest.criu["tcp_established"])
     t = job.tree
-    skip = config.skip_mounts if t.namespace else ()
-    opts = DumpOptions(job.mode, t.shell_job, tcp, t.namespace, job.script, env, config.ghost_limit, stream, skip)
+    skip = config.skip_mounts if t.mounts else ()
+    opts = DumpOptions(job.mode, t.shell_job, tcp, t.mounts, job.script, env, config.ghost_limit, stream, skip)
     # A Ctrl-C now makes the post-dump hook fail, and CRIU roll back; once the snapshot is sealed, it is too late.
     with signals.deferred_sigint(on_interrupt=(job.log_dir / hook.CANCEL_FILE).touch) as interrupt:
         try:

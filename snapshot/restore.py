@@ -149,6 +149,24 @@ def restore(
             manifest.verify(directory, m)
     criu = Criu(config.criu)
     _check_criu_reads(m, criu)
+    with copies.restoring(m):  # (two restores of it at once would each find no copy running)
+        return _restore(directory, m, criu, asked, config, timer, cuda_factory, work, start, clone, created_note)
+
+
+def _restore(
+    directory: Path,
+    m: Manifest,
+    criu: Criu,
+    asked: dict[str, str],
+    config: SnapshotConfig,
+    timer: Timer,
+    cuda_factory: CudaFactory,
+    work: Path | None,
+    start: bool,
+    clone: bool,
+    created_note: Path | None,
+) -> RestoreResult:
+    """:func:`restore`'s checks (nothing is done yet: a refusal needs no undo), then its steps."""
     _check_not_running(m, clone)
     trusted = _check_reopened(m)
     norm_map = _check_gpu_map(m, asked)
@@ -158,7 +176,8 @@ def restore(
             [p.pid for p in m.processes], config.timeouts.pid_wait, [t for p in m.processes for t in p.tids]
         )
     stopped = not m.cuda_pids  # (a CUDA process's runs at once: its driver restore needs it running)
-    opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), m.namespace, stopped)
+    mounts = m.namespace or bool(m.criu.get("mounts"))  # (a mount namespace of its own: rebuilt)
+    opts = RestoreOptions(bool(m.criu["shell_job"]), bool(m.criu["tcp_established"]), mounts, stopped)
     fresh = [b for b in m.sockets if not os.path.lexists(b.path)]  # (CRIU makes them)
     kept = work is not None and not start  # (a held copy's: its caller removes it once it has noted the copy)
     if work is None:
@@ -212,9 +231,10 @@ def _check_not_running(m: Manifest, clone: bool) -> None:
         )
     copy = None if clone else copies.still_running(m)
     if copy is not None:
+        stopped = " (stopped)" if proc.stopped(copy) else ""
         raise UsageError(
-            f"a copy restored from this snapshot still runs here as PID {copy}; stop it first, or pass --clone "
-            "to start another on purpose (two copies then run)."
+            f"a copy restored from this snapshot still runs here as PID {copy}{stopped}; stop it first, or pass "
+            "--clone to start another on purpose (two copies then run)."
         )
 
 
@@ -357,8 +377,11 @@ def _hand_over(job: _Restore) -> None:
 
 
 def _map_pids(job: _Restore) -> None:
-    """Find each snapshot PID's restored process (in a PID namespace, another PID here)."""
+    """Find each snapshot PID's restored process (in a PID namespace, another PID here), and note
+    the copy at once: one whose restore is cut short (SIGKILL) stays, stopped, and is the copy the
+    next restore names (not a process holding its PIDs, to stop)."""
     job.mapping = _restored_pids(job.manifest, job.root)
+    copies.note_copy(job.manifest, job.root)
 
 
 def _let_run(job: _Restore) -> None:

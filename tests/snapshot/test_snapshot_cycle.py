@@ -22,6 +22,7 @@ from support.helpers import (
     assert_continuous,
     assert_one_sentence_error,
     kill_and_wait,
+    slow_restore_criu,
     tpagent,
     wait_until,
 )
@@ -73,15 +74,12 @@ def test_plain_process_dump_kill_restore(start, tmp_path: Path, session_leader: 
     assert w.pid == pid  # a plain process comes back under its own PID
 
 
-def test_a_restore_ended_by_sigterm_once_criu_restored_the_tree_leaves_no_copy(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """`kill` (SIGTERM) of `tpagent restore` once CRIU has restored the tree, stopped, and before
-    the copy was noted and let run: the command ended at once, its undo never run, and the copy
-    stayed stopped, noted nowhere, so a second restore started another beside it.  Now SIGTERM is
-    taken as a Ctrl-C: the copy is killed, the command says so, and the snapshot restores again."""
+def _restoring_after_criu(snap: Path, tmp: Path) -> subprocess.Popen[str]:
+    """`tpagent restore` of ``snap``, once CRIU has restored the tree (stopped), which waits 3 s
+    before it returns: the copy is neither noted nor let run yet."""
     from snapshot.criu import Criu
 
-    w, snap, stopped_at = _dumped(start, tmp_path)
-    wrapper, restored = tmp_path / "criu-then-wait", tmp_path / "restored"
+    wrapper, restored = tmp / "criu-then-wait", tmp / "restored"
     wrapper.write_text(
         f'#!/bin/sh\n"{Criu().path}" "$@"; rc=$?\nif [ "$1" = restore ]; then touch {restored}; sleep 3; fi\nexit $rc\n'
     )
@@ -89,6 +87,16 @@ def test_a_restore_ended_by_sigterm_once_criu_restored_the_tree_leaves_no_copy(s
     cmd = [sys.executable, "-m", "cli.main", "restore", str(snap), "--criu", str(wrapper)]
     cli = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_until(restored.exists, "CRIU to have restored the tree")
+    return cli
+
+
+def test_a_restore_ended_by_sigterm_once_criu_restored_the_tree_leaves_no_copy(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`kill` (SIGTERM) of `tpagent restore` once CRIU has restored the tree, stopped, and before
+    the copy was noted and let run: the command ended at once, its undo never run, and the copy
+    stayed stopped, noted nowhere, so a second restore started another beside it.  Now SIGTERM is
+    taken as a Ctrl-C: the copy is killed, the command says so, and the snapshot restores again."""
+    w, snap, stopped_at = _dumped(start, tmp_path)
+    cli = _restoring_after_criu(snap, tmp_path)
     assert psutil.Process(w.pid).status() == psutil.STATUS_STOPPED  # (the copy, held stopped)
     cli.send_signal(signal.SIGTERM)
     _, err = cli.communicate(timeout=60)
@@ -96,6 +104,46 @@ def test_a_restore_ended_by_sigterm_once_criu_restored_the_tree_leaves_no_copy(s
     wait_until(lambda: not alive(w.pid), "the stopped copy to be killed")
     assert w.ticks()[-1][0] == stopped_at
     _restores_and_ticks_on(w, snap, stopped_at)
+
+
+def test_a_restore_killed_once_criu_restored_the_tree_names_its_stopped_copy_as_the_one_to_keep(  # type: ignore[no-untyped-def]
+    start, tmp_path: Path
+) -> None:
+    """SIGKILL of `tpagent restore` (no undo can run) once CRIU has restored the tree, stopped: the
+    next restore said the copy's PID was "held by process N; stop that process", the only copy.  It
+    says that process is stopped, and to keep it if it is that copy; let run, it ticks on."""
+    w, snap, stopped_at = _dumped(start, tmp_path)
+    cli = _restoring_after_criu(snap, tmp_path)
+    cli.kill()
+    cli.communicate(timeout=60)
+    assert psutil.Process(w.pid).status() == psutil.STATUS_STOPPED  # (the only copy)
+    again = tpagent("restore", str(snap))
+    assert_one_sentence_error(
+        again, f"is held by process {w.pid} (", "stopped: if it is a copy of this snapshot whose restore was cut short"
+    )
+    os.kill(w.pid, signal.SIGCONT)
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the copy let run to tick on")
+    assert_continuous(w.ticks())
+
+
+def test_two_restores_of_one_snapshot_at_once_start_one_copy(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Each checked that no copy ran, then both restored (a launched workload's PIDs are its
+    namespace's: none taken here): two copies ran.  The second is refused while the first restores."""
+    w = start(mib=16, launched=True)
+    snap = tmp_path / "snap"
+    assert tpagent("dump", str(w.pid), "--out", str(snap)).returncode == 0
+    stopped_at = w.ticks()[-1][0]
+    slow, started = slow_restore_criu(tmp_path, 3)
+    cmd = [sys.executable, "-m", "cli.main", "restore", str(snap), "--json", "--criu", str(slow)]
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_until(started.exists, "the first restore to run CRIU")
+    second = tpagent("restore", str(snap))
+    assert_one_sentence_error(second, "another restore of this snapshot is under way on this node")
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    w.pid = json.loads(out)["pid"]
+    wait_until(lambda: w.ticks()[-1][0] >= stopped_at + 5, "the one copy to tick on")
+    assert_continuous(w.ticks())  # (two copies would write each tick twice)
 
 
 def _dump_held_before_criu(pid: int, snap: Path, tmp: Path) -> tuple[subprocess.Popen[str], Path]:

@@ -121,6 +121,7 @@ class Workload:
     launched: bool = False
     session_leader: bool = True
     extra: tuple[str, ...] = ()
+    wrap: tuple[str, ...] = ()  # (a session leader) a command it is started under: `unshare -m`...
     pid: int = 0  # the PID to dump: the process itself, or its namespace's init
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
@@ -133,7 +134,9 @@ class Workload:
             self.pid = int(proc.stdout.strip())
         elif self.session_leader:
             with open(out, "ab") as f:
-                self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True)
+                self.popen = subprocess.Popen(
+                    [*self.wrap, *cmd], stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True
+                )
             self.pid = self.popen.pid
         else:
             # A shell job: the workload's session leader is its parent, a shell-like process in our
