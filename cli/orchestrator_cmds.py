@@ -157,7 +157,9 @@ def cluster(
     for n in v.nodes:
         state = "reachable" if n.reachable else "UNREACHABLE"
         health = "; ".join(f"{f.gpu} {f.reading}" for f in n.findings) or "healthy"
-        typer.echo(f"  {n.name:<20} {n.agent:<22} {state:<12} {len(n.gpus)} GPU(s), {health}  {n.role}")
+        others = sum(g.others > 0 for g in n.gpus)
+        gpus = f"{len(n.gpus)} GPU(s)" + (f" ({others} used by other workloads)" if others else "")
+        typer.echo(f"  {n.name:<20} {n.agent:<22} {state:<12} {gpus}, {health}  {n.role}")
     typer.echo("taints:" if v.taints else "taints: none")
     for t in v.taints:
         what = f"{t.node} GPU {t.gpu}" if t.gpu else t.node

@@ -5,6 +5,8 @@ the orchestrator moves the rank on it to a spare (issue 24)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from conftest import needs_criu, needs_gpu
 from host import gpus
 from host.gpuhealth import Nvml, Signal, Thresholds, Watch
 from support.cluster import Cluster
+from support.helpers import wait_until
 from support.orchestrator import Orchestrator
 from support.rankjob import IFNAME, RUN, Job, _reference
 
@@ -65,5 +68,39 @@ def test_a_gpu_over_its_temperature_threshold_moves_its_rank_to_the_spare(tmp_pa
         finally:
             job.close()
     finally:
+        o.close()
+        c.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_gpu_another_workload_uses_is_reported_as_such(tmp_path: Path) -> None:
+    """A CUDA process that is no rank's (started outside tpagent) is counted on its GPU in A's
+    reports, which the orchestrator takes for no spare (tests/unit: the policy); once it ends, the
+    GPU is free again.  (A rank's own processes are not counted: the test above moves a rank onto
+    the same GPU seen from B.)"""
+    c = Cluster(tmp_path, ["A"])
+    o = Orchestrator(c, tmp_path)
+    other = None
+    try:
+        o.start()
+        c.nodes["A"].start_agent(orchestrator=o.address, report_period="0.5")
+
+        def others() -> list[int]:
+            nodes = [n for n in o.cluster()["nodes"] if n["name"] == c.nodes["A"].name]
+            return [int(g.get("others", 0)) for n in nodes for g in n["gpus"]]
+
+        wait_until(lambda: others() != [], "A to report its GPUs", 60)
+        assert not any(others()), others()
+        code = "import time, torch; torch.ones(1, device='cuda'); print('up', flush=True); time.sleep(600)"
+        other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert other.stdout is not None and other.stdout.readline().strip() == "up"
+        wait_until(lambda: any(others()), "A to report the other workload on its GPU", 60)
+        assert "used by other workloads" in o.ok("cluster")
+        other.kill()
+        other.wait()
+        wait_until(lambda: not any(others()), "its GPU to be free again", 60)
+    finally:
+        if other is not None:
+            other.kill()
         o.close()
         c.close()

@@ -28,7 +28,7 @@ from tpagent.orchestrator.api import (
 )
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.mover import outcome_of
-from tpagent.orchestrator.policy import NewMove, Plan, followed
+from tpagent.orchestrator.policy import NewMove, Plan, followed, target_gpus
 from tpagent.orchestrator.policy import plan as plan_with
 from tpagent.orchestrator.scheduler import Pool, Static
 from tpagent.orchestrator.state import State
@@ -330,3 +330,17 @@ def test_the_schedulers_pool_decides_which_nodes_are_spares_and_taken_ones_come_
     down = pools(frozenset(), why="Slurm has not answered lately: no spare is taken")
     p = plan_with(view, [taint(1, "b")], [], [], no_failures, c, down)  # type: ignore[arg-type]
     assert not p.moves and p.waiting[1] == "job j rank(s) 1: Slurm has not answered lately: no spare is taken"
+
+
+def test_gpus_another_workload_uses_are_no_spare_nor_a_home() -> None:
+    """(A node whose GPUs ran another workload, not tpagent's, was taken as an empty spare.)"""
+    src = node("a", (rank(0, gpus=("GPU-a-0",)),), gpus=1)
+    busy = node("b", gpus=1, foreign=frozenset({"GPU-b-0"}))
+    half = node("c", gpus=2, foreign=frozenset({"GPU-c-0"}))
+    view = View({n.name: n for n in (src, busy, half)})
+    p = plan(view, [taint(1, "a")], [], [], no_failures, cfg())
+    assert [(m.target, m.ranks) for m in p.moves] == [("c", (0,))]
+    m = Move(1, "j", (0,), "a", "c", MoveKind.AWAY, MoveState.PLANNED, 1)
+    assert target_gpus(view, [taint(1, "a")], {}, m) == ("GPU-c-1",)
+    p = plan(View({**view.nodes, "c": busy}), [taint(1, "a")], [], [], no_failures, cfg())
+    assert p.moves == [] and "no spare fits" in p.waiting[1], p.waiting

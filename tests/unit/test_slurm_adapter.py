@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tpagent.orchestrator import slurm
+from tpagent.orchestrator.api import Move, MoveKind, MoveState
 from tpagent.orchestrator.config import OrchestratorConfig
 from tpagent.orchestrator.scheduler import SchedulerError, Wanted
 from tpagent.orchestrator.slurm import SJob, Slurm, SNode, _job, _node, expand, recorded_in
@@ -231,3 +232,23 @@ def test_a_placeholders_marker_is_never_taken_for_a_record(monkeypatch: pytest.M
     want = Wanted(away=frozenset({(key, "d")}), users={key: NOONE})
     s.reconcile(lambda: want)
     assert not [a for a in asked if "JobId=9" in a], asked  # (its marker left as it is)
+
+
+def test_no_job_is_requeued_for_a_placeholder_slurm_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(The lower-priority jobs on the spare were requeued first: sbatch then refused the
+    placeholder, and they stood requeued for nothing, said nowhere.)"""
+    asked: list[tuple[str, ...]] = []
+
+    def refusing(*args: str, timeout: float = 0) -> str:
+        asked.append(args)
+        if args[0] == "sbatch":
+            raise SchedulerError("Slurm's sbatch failed: Requested node configuration is not available")
+        return ""
+
+    monkeypatch.setattr(slurm, "run", refusing)
+    nodes = [node("a", "train", state="allocated", cpus=2), node("s", "train", state="allocated", cpus=4)]
+    s = adapter(nodes, [job(7, ["a"], 100), job(30, ["s"], 5, name="low")], slurm_preempt_below=50)
+    monkeypatch.setattr(s, "refresh", lambda: (s.read[1], s.read[2]))
+    with pytest.raises(SchedulerError, match="Requested node configuration"):
+        s.hold(Move(1, "7", (1,), "a", "s", MoveKind.AWAY, MoveState.RUNNING, 1), 0, NOONE)
+    assert [a[0] for a in asked] == ["sbatch"]  # (nothing requeued)

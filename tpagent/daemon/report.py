@@ -37,10 +37,14 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
     # at most (it was in both, running and died, and its node counted as running its job still).
     died = node.ranks.died()
     dead = {(e.job, e.rank) for e in died}
+    # A GPU's processes that are no rank's are another workload's (a rank of another node's agent
+    # is none of them: nodes as namespaces of one host see each other's, as on the GPU proof's).
+    ours: set[int] = set()
     for row in node.ranks.jobs():
         if row.moved_to or (row.job, row.rank) in dead:
             continue
         tree = set(proc.tree_pids(row.pid))
+        ours |= tree
         used = [g.uuid for g in found if tree & set(g.pids)]
         users = sorted(proc.other_users(tree))
         ranks.append(
@@ -60,7 +64,16 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
     with node.lock:
         migrations = [mid for mid, m in node.sources.items() if not is_final(m.record.state)]
     findings = health.findings()
-    listed = [pb.Gpu(uuid=g.uuid, name=g.name, memory_total=g.memory_total, memory_used=g.memory_used) for g in found]
+    listed = [
+        pb.Gpu(
+            uuid=g.uuid,
+            name=g.name,
+            memory_total=g.memory_total,
+            memory_used=g.memory_used,
+            others=sum(p not in ours and not proc.environ_value(p, "TPAGENT_RANK_SOCKET") for p in g.pids),
+        )
+        for g in found
+    ]
     lost = sorted({f.gpu for f in findings} - {g.uuid for g in found})  # (NVML no longer lists them)
     return pb.NodeReport(
         node=node.cfg.node,

@@ -162,6 +162,8 @@ class NodeSeen:
     busy: frozenset[str] = frozenset()  # jobs (keys) the agent moves ranks of now
     migrations: tuple[str, ...] = ()
     findings: tuple[Finding, ...] = ()
+    #: GPUs with processes that are no rank of a job there: another workload uses them (no spare).
+    foreign: frozenset[str] = frozenset()
     driver: str = ""
     cuda: str = ""
 

@@ -54,7 +54,7 @@ class Spare:
     node: str
     free: tuple[Gpu, ...]  # its GPUs no rank uses and no taint covers
     dedicated: bool
-    empty: bool  # no rank runs there
+    empty: bool  # no rank, nor any other workload's process on a GPU, runs there
 
 
 @dataclass
@@ -263,11 +263,14 @@ def _home(
 
 
 def _spare_of(node: NodeSeen, taints: list[Taint]) -> Spare:
-    """``node`` as a spare: its GPUs no rank uses, no taint covers, and no finding of its health
-    names (its next report taints it: an operator's untaint of it does not make it well)."""
+    """``node`` as a spare: its GPUs no rank uses, no taint covers, no finding of its health names
+    (its next report taints it: an operator's untaint of it does not make it well), and no other
+    workload's process uses; empty where neither ranks nor such processes run."""
     used = {g for r in node.ranks for g in r.gpus} | {t.gpu for t in taints if t.node == node.name}
-    used |= {f.gpu for f in node.findings}
-    return Spare(node.name, tuple(g for g in node.gpus if g.uuid not in used), False, not node.ranks)
+    used |= {f.gpu for f in node.findings} | node.foreign
+    return Spare(
+        node.name, tuple(g for g in node.gpus if g.uuid not in used), False, not node.ranks and not node.foreign
+    )
 
 
 def gpus_used(ranks: Iterable[RankSeen], job: str, which: tuple[int, ...]) -> set[str]:

@@ -106,6 +106,7 @@ def seen_of(r: pb.NodeReport) -> Seen:
         busy=frozenset(job_key(_p(x.job), x.identity) for x in r.ranks if x.job in rewiring),
         migrations=tuple(map(_p, r.migrations[:MAX_RANKS])),
         findings=tuple(Finding(_p(f.gpu), _p(f.what, 64), _p(f.reading)) for f in r.findings),
+        foreign=frozenset(_p(g.uuid) for g in r.gpus if g.others),
         driver=_p(r.driver_version, 64),
         cuda=_p(r.cuda_version, 64),
     )
@@ -191,7 +192,10 @@ def cluster_pb(o: Orchestrator) -> pb.ClusterView:
                 agent=n.agent,
                 seen=now - n.seen,
                 reachable=view.reachable(name),
-                gpus=[pb.Gpu(uuid=g.uuid, name=g.name, memory_total=g.memory_total) for g in n.gpus],
+                gpus=[
+                    pb.Gpu(uuid=g.uuid, name=g.name, memory_total=g.memory_total, others=int(g.uuid in n.foreign))
+                    for g in n.gpus
+                ],
                 findings=[pb.Finding(gpu=f.gpu, what=f.what, reading=f.reading) for f in n.findings],
                 role=role,
                 driver_version=n.driver,

@@ -306,30 +306,38 @@ class Slurm:
         if node is None:
             raise SchedulerError(f"Slurm knows no node {move.target}: a rank moved there would run unaccounted.")
         found = [j for j in jobs if j.active and j.hold_of() == (move.job, move.target)]
-        said: tuple[str, ...] = ()
+        said: list[str] = []
         if found:
             handle = found[0].id
         else:
-            said = self._give_way(move, node, jobs, mine, gpus)
-            handle = self._submit(move.job, node, gpus, mine)
+            giving = self._giving_way(move, node, jobs, mine, gpus)
+            handle = self._submit(move.job, node, gpus, mine)  # (first: one sbatch refuses requeues nothing)
+            for j in giving:
+                run("scontrol", "requeue", j.id)
+                said.append(
+                    f"Slurm job {j.id} ({j.name}, priority {j.priority}) requeued to free {node.name} "
+                    f"for job {job_name(move.job)} rank(s) {', '.join(map(str, move.ranks))}"
+                )
         deadline = time.monotonic() + self.cfg.spare_hold_timeout
         while True:
             state = next((j for j in self.refresh()[1] if j.id == handle), None)
             if state is not None and state.state == "RUNNING":
-                return Held(handle, said)
+                return Held(handle, tuple(said))
             if state is None or not state.active or time.monotonic() > deadline:
                 self._cancel(handle)
                 how = state.state.lower() if state is not None else "gone"
                 raise SchedulerError(
                     f"Slurm did not allocate {move.target} to placeholder job {handle} "
-                    f"in {self.cfg.spare_hold_timeout:g} s (it is {how})."
+                    f"in {self.cfg.spare_hold_timeout:g} s (it is {how})" + "".join(f"; {x}" for x in said) + "."
                 )
             time.sleep(0.5)
 
-    def _give_way(self, move: Move, node: SNode, jobs: list[SJob], mine: SJob | None, gpus: int) -> tuple[str, ...]:
+    def _giving_way(self, move: Move, node: SNode, jobs: list[SJob], mine: SJob | None, gpus: int) -> list[SJob]:
+        """The jobs on ``node`` to requeue for ``move``: none where it is free enough; SchedulerError
+        where one of them does not give way."""
         there = [j for j in jobs if j.state == "RUNNING" and node.name in j.nodes and j.hold_of() is None]
         if not there or node.cpus_used == 0 or gpus and node.gpus - node.gpus_used >= gpus:
-            return ()  # (free, or GPUs enough free beside what runs there: the placeholder asks for those)
+            return []  # (free, or GPUs enough free beside what runs there: the placeholder asks for those)
         below = min(self.cfg.slurm_preempt_below, mine.priority if mine is not None else 0)
         for j in there:
             if not self.cfg.slurm_preempt_below or j.priority >= below:
@@ -337,14 +345,7 @@ class Slurm:
                     f"{node.name} runs Slurm job {j.id} (priority {j.priority}), which does not give way "
                     f"to job {job_name(move.job)} (slurm_preempt_below = {self.cfg.slurm_preempt_below})."
                 )
-        said = []
-        for j in there:
-            run("scontrol", "requeue", j.id)
-            said.append(
-                f"Slurm job {j.id} ({j.name}, priority {j.priority}) requeued to free {node.name} "
-                f"for job {job_name(move.job)} rank(s) {', '.join(map(str, move.ranks))}"
-            )
-        return tuple(said)
+        return there
 
     def _submit(self, job: str, node: SNode, gpus: int, mine: SJob | None) -> str:
         spare = self.cfg.slurm_spare_partition
