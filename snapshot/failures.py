@@ -26,6 +26,8 @@ def why(
     own line about it may have been cut where the disk ended)."""
     if cancelled:
         return Interrupted(f"the checkpoint of PID {pid} was interrupted")
+    if isinstance(e, CriuError) and not proc.alive(pid):  # (CRIU's own words: it could not detach from it)
+        return UsageError(f"PID {pid} exited as it was being checkpointed; nothing was kept.")
     said_full = "No space left on device" in said or (isinstance(e, OSError) and e.errno == errno.ENOSPC)
     if not said_full and hook.NOT_THE_PROCESS in said:
         return UsageError(

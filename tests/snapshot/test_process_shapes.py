@@ -458,6 +458,25 @@ def test_sysv_semaphores_and_message_queues_come_back_under_launch_and_are_refus
         subprocess.run(["ipcrm", "-s", str(sem), "-q", str(queue)], check=True)
 
 
+def test_a_process_that_exits_as_criu_seizes_it_is_said_to_have_exited(tmp_path: Path) -> None:
+    """(CRIU's own lines were the sentence: "Unable to detach from PID: No such process".)"""
+    from snapshot.criu import Criu
+
+    wrapper = tmp_path / "criu-it-exits-before"
+    wrapper.write_text(f'#!/bin/sh\nif [ "$1" = dump ]; then kill -9 "$3"; fi\nexec "{Criu().path}" "$@"\n')
+    wrapper.chmod(0o755)
+    started = subprocess.run(
+        ["sh", "-c", "setsid sleep 600 </dev/null >/dev/null 2>&1 & echo $!"], capture_output=True, text=True
+    )
+    pid = int(started.stdout)
+    try:
+        proc = tpagent("dump", str(pid), "--out", str(tmp_path / "snap"), "--criu", str(wrapper))
+        assert_one_sentence_error(proc, f"PID {pid} exited as it was being checkpointed; nothing was kept.")
+        assert not (tmp_path / "snap").exists()
+    finally:
+        kill_and_wait(pid)
+
+
 @pytest.mark.parametrize("who", ["user", "group"])
 def test_another_users_process_is_refused_before_the_freeze_where_criu_could_not_read_its_limits(
     tmp_path: Path, who: str
