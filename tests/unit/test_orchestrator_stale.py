@@ -180,3 +180,31 @@ def test_no_move_starts_while_the_scheduler_does_not_answer(tmp_path: Path) -> N
         assert started == ["e"]
     finally:
         o.state.close()
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["no-copy", "copy-held"])
+def test_a_move_whose_source_dies_settles_at_once_where_its_target_holds_no_copy(tmp_path: Path, held: bool) -> None:
+    """(It waited out move_timeout, 30 minutes, for the dead source's reports, and the job's rebuild
+    with it, its other ranks standing still.)  A copy the target holds, the move waits for."""
+    o = orchestrator(tmp_path, [node("a", (rank(0),)), node("b", (rank(1),)), node("e"), node("f")])
+    rebuilt = _rebuilds(o)
+    o._execute = lambda m, *rest: None  # type: ignore[method-assign]
+    try:
+        o.state.taint("a", "", TaintKind.PLANNED, "xid 79", "operator")
+        o.tick()
+        (m,) = o.state.moves(active=True)
+        o.settling[m.id] = (time.monotonic(), {})  # (the call to its source broke mid-move)
+        if held:
+            o.nodes["e"] = dataclasses.replace(o.nodes["e"], incoming=("m-1",))
+        o._declare("a", "has not reported for 30 s")
+        for _ in range(3):
+            _reported(o, "b", "e", "f")
+            o.tick()
+        if held:
+            assert o.state.move(m.id).state is MoveState.RUNNING and rebuilt == []
+        else:
+            assert o.state.move(m.id).state is MoveState.INTERRUPTED, o.state.move(m.id)
+            assert "a stopped reporting, and e holds no copy" in o.state.move(m.id).message
+            assert rebuilt == [("a", "j", (0,))]
+    finally:
+        o.state.close()

@@ -20,7 +20,7 @@ from tpagent.common.credentials import Credentials
 from tpagent.daemon.client import rpc_text
 from tpagent.daemon.node import Node
 from tpagent.daemon.rpc import channel, pb, pb_grpc
-from tpagent.migration.api import is_final
+from tpagent.migration.api import Role, is_final
 
 log = logging.getLogger(__name__)
 #: How often a report's wait looks whether the agent stops.
@@ -63,6 +63,7 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
         )
     with node.lock:
         migrations = [mid for mid, m in node.sources.items() if not is_final(m.record.state)]
+    incoming = [r.migration_id for r in node.journal.unfinished() if r.role is Role.TARGET]
     findings = health.findings()
     listed = [
         pb.Gpu(
@@ -82,6 +83,7 @@ def build(node: Node, health: Watch, cuda: str) -> pb.NodeReport:
         gpus=[*listed, *(pb.Gpu(uuid=u, name="(not answering)") for u in lost)],
         ranks=ranks,
         migrations=migrations,
+        incoming=incoming,
         findings=[pb.Finding(gpu=f.gpu, what=f.what.value, reading=f.reading) for f in findings],
         driver_version=gpus.driver_version() or "",
         cuda_version=cuda,

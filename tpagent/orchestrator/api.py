@@ -161,6 +161,7 @@ class NodeSeen:
     died: tuple[RankSeen, ...] = ()  # ranks killed there by a signal, their ends held for a rebuild
     busy: frozenset[str] = frozenset()  # jobs (keys) the agent moves ranks of now
     migrations: tuple[str, ...] = ()
+    incoming: tuple[str, ...] = ()  # the migrations it receives, not yet settled
     findings: tuple[Finding, ...] = ()
     #: GPUs with processes that are no rank of a job there: another workload uses them (no spare).
     foreign: frozenset[str] = frozenset()

@@ -105,6 +105,7 @@ def seen_of(r: pb.NodeReport) -> Seen:
         ),
         busy=frozenset(job_key(_p(x.job), x.identity) for x in r.ranks if x.job in rewiring),
         migrations=tuple(map(_p, r.migrations[:MAX_RANKS])),
+        incoming=tuple(map(_p, r.incoming[:MAX_RANKS])),
         findings=tuple(Finding(_p(f.gpu), _p(f.what, 64), _p(f.reading)) for f in r.findings),
         foreign=frozenset(_p(g.uuid) for g in r.gpus if g.others),
         driver=_p(r.driver_version, 64),
