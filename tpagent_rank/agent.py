@@ -83,7 +83,7 @@ class Rank:
             P.Op.WHERE: self._where,
             P.Op.PEERS: self._peers,
             P.Op.PAUSE: self._pause,
-            P.Op.BOUNDARY: self._boundary,
+            P.Op.BOUNDARY: lambda r: rewire.boundary(self, r),
             P.Op.CANCEL: lambda _r: self._go_on(),
             P.Op.TEARDOWN: lambda r: rewire.teardown(self, r),
             P.Op.REBUILD: lambda r: rewire.rebuild(self, r),
@@ -451,16 +451,6 @@ class Rank:
             self.unit = request.unit
             self.stopped_by = request.by
         return P.Paused()
-
-    def _boundary(self, request: P.Boundary) -> P.AtBoundary:
-        deadline = time.monotonic() + request.timeout
-        with self.cond:
-            while not self.parked:
-                if not self.cond.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
-                    at = self.step if self.unit == P.Unit.STEP.value else self.collectives
-                    error = f"it did not reach {self.unit} {self.stop_at} in time (at {at})"
-                    return P.AtBoundary(ok=False, error=error)
-            return P.AtBoundary(step=self.step, collectives=self.collectives)
 
     def _restart(self, request: P.Restart) -> P.Answer:
         host, _, port = request.store.rpartition(":")

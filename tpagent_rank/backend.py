@@ -24,22 +24,9 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from tpagent_rank import aware, env, nccladdr, owned, recover
+from tpagent_rank.specs import device_specs
 
 NAME = "tpagent"
-#: The backends that exist for each device type (what the user's spec named).
-KNOWN = ("gloo", "nccl")
-
-
-def device_specs(spec: str | None) -> dict[str, str]:
-    """The user's backend spec ("gloo", "nccl", "cpu:gloo,cuda:nccl", None) as device -> backend."""
-    if spec is None or spec in ("", "undefined"):
-        return {"cpu": "gloo", "cuda": "nccl"} if torch.cuda.is_available() else {"cpu": "gloo"}
-    spec = str(spec).lower()
-    if ":" in spec:
-        return dict(part.split(":", 1) for part in spec.split(","))
-    if spec == "nccl":
-        return {"cuda": "nccl"}
-    return {"cpu": spec, "cuda": spec} if spec == "gloo" else {"cpu": spec}
 
 
 def nccl_ras() -> bool:
@@ -61,14 +48,6 @@ def nccl_ras() -> bool:
 NCCL_HOST: str | None = None
 
 
-def unsupported(spec: str | None) -> str | None:
-    """Why a spec cannot be delegated (a backend we do not rebuild), else None."""
-    for backend in device_specs(spec).values():
-        if backend not in KNOWN:
-            return f"backend {backend!r} is not one tpagent can rebuild (gloo, nccl)"
-    return None
-
-
 class Groups:
     """Every delegating group of this process, in creation order."""
 
@@ -82,8 +61,9 @@ class Groups:
             self.all.append(weakref.ref(g))
 
     def live(self) -> list[DelegatingGroup]:
+        """Those not destroyed (destroy_process_group): a rewire rebuilds each of them, in order."""
         with self.lock:
-            return [g for r in self.all if (g := r()) is not None]
+            return [g for r in self.all if (g := r()) is not None and not g.destroyed]
 
 
 GROUPS = Groups()
@@ -109,9 +89,13 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         self._armed = False  # the collective being forwarded is NCCL's (then _first is used)
         self._gloo = False  # the collective being forwarded is gloo's (a failure is held: recover)
         self._works: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.p2p: weakref.WeakSet[Any] = weakref.WeakSet()  # (its sends' and receives': see rewire.boundary)
         self._lock = threading.Lock()
         self._wanted = GROUPS.gen  # the generation its inner backends are to be (-1: none, torn down)
         self._solo: Any = None  # a joiner's, while it warms up: its collectives are its own alone
+        self.destroyed = False  # (torch's destroy_process_group: shutdown)
+        self._go = threading.Event()  # (cleared from a rewire's teardown until its rebuild: see _inner_for)
+        self._go.set()
         if SOLO:
             from tpagent_rank.solo import Solo
 
@@ -142,6 +126,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         front = _front_over(self._rank, self._size, inner, self._spec)
         with self._lock:
             if self._wanted == gen:
+                self._go.set()
                 self._inner = inner
                 self._only = next(iter(made.values())) if len(made) == 1 else None
                 self._front = front
@@ -160,19 +145,27 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
                 w.wait()
         if torch.cuda.is_available() and "cuda" in self._inner:
             torch.cuda.synchronize()
-        self.release()
+        self.release(rewiring=True)
 
-    def release(self) -> None:
+    def release(self, rewiring: bool = False) -> None:
         """Destroy the inner backends, waiting for nothing (:meth:`teardown` waits first; at exit
-        nothing is)."""
+        nothing is); ``rewiring``: until a rebuild, a collective of another thread waits."""
         with self._lock:
             inner = self._inner
             self._inner = {}
+            self._go.clear() if rewiring else self._go.set()  # (let go for good: a collective now raises)
             self._only = None
             self._wanted = -1
             self._front = None  # (it holds the inner backends too)
+            # (a timeout set on them since, by torch's _set_pg_timeout, is the next generation's too)
+            self._timeout = next((b.options._timeout for b in inner.values() if hasattr(b, "options")), self._timeout)
         _shut({id(b): b for b in inner.values()}.values())
         del inner
+
+    def shutdown(self) -> None:
+        """torch's ``destroy_process_group`` (ours has no backend registered for torch's to shut)."""
+        self.destroyed = True
+        self.release()
 
     def rebuild(self, gen: int) -> None:
         """Build the inner backends under ``gen``.  An NCCL communicator connects only at its
@@ -190,9 +183,9 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
                     work.wait()
                 torch.cuda.synchronize()
 
-    def _pick(self, tensors: Any) -> Any:
+    def _pick(self, tensors: Any, p2p: bool = False) -> Any:
         if BEFORE:  # (each collective starts here: the rank may park before it)
-            BEFORE[0](self)
+            BEFORE[0](self, p2p)
         if self._solo is not None:
             self._gloo = False
             return self._solo
@@ -212,7 +205,10 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         return self._inner_for(kind)
 
     def _inner_for(self, kind: str, what: str = "a collective") -> Any:
-        """The inner backend for device type ``kind``: its own, else the CPU one, else any."""
+        """The inner backend for device type ``kind``: its own, else the CPU one, else any.  Torn
+        down, it waits (up to its timeout) for them to be rebuilt: another thread's collective
+        (the training thread parks before its own) goes on under the new generation."""
+        self._go.wait(self._timeout.total_seconds())
         with self._lock:
             inner = self._inner.get(kind) or self._inner.get("cpu") or next(iter(self._inner.values()), None)
         inner = inner or self._solo
@@ -230,9 +226,11 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
             raise RuntimeError(f"tpagent_rank: {name} cannot be forwarded with this torch")
         return self._track(getattr(front, name)(*args))
 
-    def _track(self, work: Any) -> Any:
+    def _track(self, work: Any, p2p: bool = False) -> Any:
         if work is not None:  # (NCCL's ops with async_op=False give none: they run on the current stream)
             self._works.add(work)
+            if p2p:
+                self.p2p.add(work)
         if self._first is not None and self._armed:  # (once per generation: NCCL's first collective)
             first = self._first
             self._first = None
@@ -357,7 +355,7 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
 
     def _start_coalescing(self, device: Any) -> None:
         if BEFORE:
-            BEFORE[0](self)
+            BEFORE[0](self, False)
         self._inner_for(torch.device(device).type)._start_coalescing()
 
     def _end_coalescing(self, device: Any) -> Any:
@@ -370,17 +368,25 @@ class DelegatingGroup(_ProcessGroup):  # type: ignore[misc]
         return self._track(self._pick(outputs).scatter(outputs, inputs, opts or c10d.ScatterOptions()))
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:
-        return self._track(self._pick(tensors).send(tensors, dst, tag))
+        return self._track(self._pick(tensors, p2p=True).send(tensors, dst, tag), p2p=True)
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> Any:
-        return self._track(self._pick(tensors).recv(tensors, src, tag))
+        return self._track(self._pick(tensors, p2p=True).recv(tensors, src, tag), p2p=True)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
-        return self._track(self._pick(tensors).recv_anysource(tensors, tag))
+        return self._track(self._pick(tensors, p2p=True).recv_anysource(tensors, tag), p2p=True)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """(torch's walks the backends registered on the group, of which ours has none.)"""
+        with self._lock:
+            self._timeout = timeout
+            inner = list(self._inner.values())
+        for b in inner:
+            b._set_default_timeout(timeout)
 
     def barrier(self, opts: Any = None) -> Any:
         if BEFORE:
-            BEFORE[0](self)
+            BEFORE[0](self, False)
         device = getattr(opts, "device", None)  # (torch says which: by the group's devices)
         inner = self._inner_for(device.type if device is not None else "cpu", "a barrier")
         return self._track(inner.barrier(opts or c10d.BarrierOptions()))
@@ -455,8 +461,9 @@ def joined() -> None:
         g._solo = None
 
 
-#: Called with the group as each collective starts, before it is forwarded.
-BEFORE: list[Callable[[DelegatingGroup], None]] = []
+#: Called with the group as each collective starts, before it is forwarded (and whether it is a
+#: send or a receive: each rank issues its own, so they are not counted as the job's collectives).
+BEFORE: list[Callable[[DelegatingGroup, bool], None]] = []
 #: Called with each group created: (group, store, rank, size, the user's spec).
 ON_GROUP: list[Callable[[DelegatingGroup, Any, int, int, str | None], None]] = []
 

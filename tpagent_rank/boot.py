@@ -30,7 +30,7 @@ def _with_backend(fn: Callable[..., Any], index: int, default: bool) -> Callable
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from tpagent_rank import backend as b
-        from tpagent_rank import owned
+        from tpagent_rank import owned, specs
 
         args_l = list(args)
         spec = args_l[index] if len(args_l) > index else kwargs.get("backend")
@@ -38,12 +38,13 @@ def _with_backend(fn: Callable[..., Any], index: int, default: bool) -> Callable
             spec = _DEFAULT_SPEC[0]
         if spec is not None and str(spec).lower() == b.NAME:
             return fn(*args, **kwargs)
-        why = b.unsupported(spec)
+        why = specs.unsupported(spec)
         if why is not None:
             from tpagent_rank.notice import say
 
             say(f"{why}: this process group cannot be rewired")
             return fn(*args, **kwargs)
+        args_l, kwargs = _nccl_timeout(fn, args_l, kwargs, spec)
         b.register()
         if not b.ON_GROUP:
             from tpagent_rank import hooks
@@ -67,6 +68,26 @@ def _with_backend(fn: Callable[..., Any], index: int, default: bool) -> Callable
 
     wrapper.__tpagent__ = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _nccl_timeout(
+    fn: Callable[..., Any], args: list[Any], kwargs: dict[str, Any], spec: Any
+) -> tuple[list[Any], dict[str, Any]]:
+    """``fn``'s arguments, with NCCL's default timeout where the spec is "nccl" and none is given:
+    torch picks it by the backend's name (10 minutes, not the 30 of others), which it now reads as ours."""
+    import inspect
+
+    from torch.distributed import distributed_c10d as c10d
+
+    if spec is None or str(spec).lower() != "nccl":
+        return args, kwargs
+    try:
+        bound = inspect.signature(fn).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):  # (arguments torch itself refuses: it says so)
+        return args, kwargs
+    if "timeout" in inspect.signature(fn).parameters and bound.arguments.get("timeout") is None:
+        bound.arguments["timeout"] = c10d._get_default_timeout(c10d.Backend(c10d.Backend.NCCL))
+    return list(bound.args), dict(bound.kwargs)
 
 
 def _split_with_backend(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -18,14 +18,22 @@ RANK: Rank | None = None
 
 
 def group_created(group: Any, store: Any, rank: int, size: int, spec: str | None) -> None:
-    """Called for every delegating group; the first (the default group) starts the rank."""
+    """Called for every delegating group; the first (the default group) starts the rank, and
+    the first after that group was destroyed is the default group again."""
     global RANK
+    from tpagent_rank import owned
+    from tpagent_rank import store as stores
+
     if RANK is not None:
+        if RANK.group.destroyed:  # (destroy_process_group(), then init_process_group again: the default one)
+            owned.note(stores.held(store))
+            RANK.group = group
+            RANK.store = store
+            RANK.spec = spec
         return
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    from tpagent_rank import backend, owned, recover
-    from tpagent_rank import store as stores
+    from tpagent_rank import backend, recover
 
     owned.note(stores.held(store))  # (a forked child lets go of them)
     name = os.environ.get("TPAGENT_RANK_SOCKET", "")
@@ -53,7 +61,7 @@ def _after_step() -> None:
         RANK.after_step()
 
 
-def _before_collective(group: Any) -> None:
+def _before_collective(group: Any, p2p: bool) -> None:
     if RANK is None:  # (a forked child has none: _forget)
         return
     RANK.progress = time.monotonic()  # (any group's: a rank issuing collectives waits on no one)
@@ -64,7 +72,7 @@ def _before_collective(group: Any) -> None:
             join.leave(RANK)
         RANK.quiet = False
         join.speak()
-    if group is RANK.group:
+    if group is RANK.group and not p2p:  # (a send or receive is each rank's own: not the job's count)
         RANK.before_collective()
 
 

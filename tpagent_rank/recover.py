@@ -291,7 +291,7 @@ def holding(work: Any) -> Any:
         inner = work.get_future()
     except (RuntimeError, AttributeError):  # (a work without a future, gloo's reduce-scatter: held as waited for)
         return _holding_class()(None, work)
-    return _holding_class()(inner.then(_settled))
+    return _holding_class()(inner.then(_settled), work)
 
 
 def _settled(f: Any) -> Any:
@@ -324,10 +324,16 @@ def _holding_class() -> type:
         def __init__(self, future: Any, work: Any = None) -> None:
             super().__init__()
             self.future = future
-            self.work = work  # (one without a future: its failure is held as it is waited for)
+            self.work = work  # (the work; one without a future: its failure is held as it is waited for)
 
         def wait(self, timeout: Any = None) -> bool:
             if self.future is not None:
+                if timeout is not None:  # (the caller's own time: one that runs out is said as torch says it)
+                    try:
+                        self.work.wait(timeout)
+                    except Exception:
+                        if not self.work.is_completed():
+                            raise
                 self.future.wait()
                 return True
             try:
@@ -352,6 +358,9 @@ def _holding_class() -> type:
 
         def synchronize(self) -> None:
             self.wait()
+
+        def _source_rank(self) -> int:  # (a receive from any source's: where it came from)
+            return int(self.work._source_rank())
 
     _HOLDING.append(Holding)
     return Holding

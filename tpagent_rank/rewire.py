@@ -4,6 +4,7 @@ says the whole): tear its communicators down, and build them again under a new g
 from __future__ import annotations
 
 import gc
+import time
 from typing import Any
 
 from tpagent_rank import protocol as P
@@ -11,6 +12,26 @@ from tpagent_rank.notice import say
 
 #: A rank is a :class:`tpagent_rank.agent.Rank` (not imported: that module imports this one).
 Rank = Any
+
+
+def boundary(rank: Rank, request: P.Boundary) -> P.AtBoundary:
+    """Wait (up to ``request.timeout``) for the rank to park at the boundary it was paused for.
+    A send or receive it posted before and that has not completed is refused there: its peer
+    posts the other end after the boundary (a pipeline stage's), and the teardown would destroy
+    it under its waiter; the move is then called off, and the job goes on."""
+    from tpagent_rank import backend
+
+    deadline = time.monotonic() + request.timeout
+    with rank.cond:
+        while not rank.parked:
+            if not rank.cond.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
+                at = rank.step if rank.unit == P.Unit.STEP.value else rank.collectives
+                error = f"it did not reach {rank.unit} {rank.stop_at} in time (at {at})"
+                return P.AtBoundary(ok=False, error=error)
+    if pending := sum(not w.is_completed() for g in backend.GROUPS.live() for w in list(g.p2p)):
+        error = f"{pending} send(s) or receive(s) it posted before {rank.unit} {rank.stop_at} have not completed"
+        return P.AtBoundary(ok=False, error=error + " (their peers post the other end after it): it cannot move there")
+    return P.AtBoundary(step=rank.step, collectives=rank.collectives)
 
 
 def teardown(rank: Rank, request: P.Teardown) -> P.TornDown:
