@@ -85,7 +85,7 @@ def test_a_full_disk_that_cut_criu_s_own_line_about_it_is_still_named(start, sma
         SnapshotConfig(),
         None,
         None,
-        dump._Tree(False, proc.tree(psutil.Process(w.pid)), 0.0, 0, False, []),
+        dump._Tree(False, False, proc.tree(psutil.Process(w.pid)), 0.0, 0, False, []),
         True,
         [w.pid],
         None,
