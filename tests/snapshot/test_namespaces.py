@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import needs_criu
+from host.signals import kill_tree
 from support.helpers import Workload, assert_continuous, assert_one_sentence_error, tpagent, wait_until
 
 pytestmark = needs_criu
@@ -59,7 +60,10 @@ def test_a_child_with_a_namespace_apart_from_its_roots_is_refused_before_the_fre
     "Can't restore sub-task in NS"; a UTS one CRIU refused in a page of its errors.)"""
     child = f'unshare {flag} sh -c \'cd / && exec "$@" </dev/null >/dev/null 2>&1\' x "$@" & wait'
     w = start(mib=16, wrap=("sh", "-c", child, "x"))
-    _refused(w, tmp_path, f"has a {kind} namespace of its own, apart from its tree's root's (PID {w.pid})")
+    try:
+        _refused(w, tmp_path, f"has a {kind} namespace of its own, apart from its tree's root's (PID {w.pid})")
+    finally:
+        kill_tree(w.pid)  # (the workload is the shell's child: it would outlive the shell)
 
 
 def test_a_removed_working_directory_is_refused_before_the_freeze(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
