@@ -194,18 +194,19 @@ def bind_problem(host: str, port: int) -> str | None:
         found = socket.getaddrinfo(unbracketed(host) or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
         return f"{host} does not resolve here ({e.strerror if isinstance(e, socket.gaierror) else e})"
-    refused = errno.EADDRNOTAVAIL
+    errors: list[int] = []
     for family, kind, proto, _, address in found:
         with socket.socket(family, kind, proto) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(address)
             except OSError as e:
-                refused = refused if refused == errno.EADDRINUSE else (e.errno or refused)
+                errors.append(e.errno or 0)
                 continue
         return None
-    if refused == errno.EADDRINUSE:
+    if errno.EADDRINUSE in errors:
         return TAKEN
+    refused = next((e for e in reversed(errors) if e), errno.EADDRNOTAVAIL)  # (the last address's)
     if refused == errno.EADDRNOTAVAIL:
         return f"{host} is no address of this node's"
     return os.strerror(refused).lower()

@@ -186,10 +186,7 @@ def _restore(
         private_dir(work, empty=True)  # it is removed afterwards
     job = _Restore(directory, m, config, criu, timer, cuda, norm_map, opts, start, created_note, fresh, work, trusted)
     try:
-        stages.run(RESTORE, job)
-        with signals.deferred_sigint() as late:  # (one once it runs: too late, the copy is noted and stays)
-            copies.note_copy(m, job.root)
-            late.consume()
+        stages.run(RESTORE, job)  # (the copy is noted as its PIDs are found: _map_pids)
     except BaseException as e:
         kept = False
         # Never leave a half-restored copy (CPU side up, GPU side still in host memory): kill what

@@ -82,10 +82,11 @@ def _nccl_timeout(
     if spec is None or str(spec).lower() != "nccl":
         return args, kwargs
     try:
-        bound = inspect.signature(fn).bind_partial(*args, **kwargs)
+        signature = inspect.signature(fn)
+        bound = signature.bind_partial(*args, **kwargs)
     except (TypeError, ValueError):  # (arguments torch itself refuses: it says so)
         return args, kwargs
-    if "timeout" in inspect.signature(fn).parameters and bound.arguments.get("timeout") is None:
+    if "timeout" in signature.parameters and bound.arguments.get("timeout") is None:
         bound.arguments["timeout"] = c10d._get_default_timeout(c10d.Backend(c10d.Backend.NCCL))
     return list(bound.args), dict(bound.kwargs)
 

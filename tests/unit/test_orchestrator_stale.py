@@ -18,7 +18,7 @@ import pytest
 from tpagent import __version__
 from tpagent.daemon.rpc import pb
 from tpagent.orchestrator import lost, slurm
-from tpagent.orchestrator.api import Finding, MoveState, TaintKind
+from tpagent.orchestrator.api import Finding, Move, MoveState, TaintKind
 from tpagent.orchestrator.core import Orchestrator
 from tpagent.orchestrator.scheduler import SchedulerError, Wanted
 from unit.test_orchestrator_policy import node, rank
@@ -37,6 +37,15 @@ def _rebuilds(o: Orchestrator) -> list[tuple[str, str, tuple[int, ...]]]:
     rebuilt: list[tuple[str, str, tuple[int, ...]]] = []
     o.lost_nodes._recover = lambda view, n, job, ranks, tell: rebuilt.append((n, job, ranks))  # type: ignore[method-assign]
     return rebuilt
+
+
+def _moving_away_from_a(o: Orchestrator) -> Move:
+    """Node a tainted, and the move of its rank away planned and started (no agent is called)."""
+    o._execute = lambda m, *rest: None  # type: ignore[method-assign]
+    o.state.taint("a", "", TaintKind.PLANNED, "maintenance", "operator")
+    o.tick()
+    (m,) = o.state.moves(active=True)
+    return m
 
 
 def test_a_node_lost_in_a_rewire_of_its_job_has_the_job_rebuilt(tmp_path: Path) -> None:
@@ -70,11 +79,8 @@ def test_a_job_rebuilt_away_from_a_dead_node_moves_again(tmp_path: Path) -> None
 def test_a_rank_that_dies_during_a_move_of_its_job_is_rebuilt_once_the_move_ends(tmp_path: Path) -> None:
     o = orchestrator(tmp_path, [node("a", (rank(0),)), node("b", (rank(1), rank(2))), node("e"), node("f")])
     rebuilt = _rebuilds(o)
-    o._execute = lambda m, *rest: None  # type: ignore[method-assign]
     try:
-        o.state.taint("a", "", TaintKind.PLANNED, "maintenance", "operator")
-        o.tick()
-        (m,) = o.state.moves(active=True)
+        m = _moving_away_from_a(o)
         b = dataclasses.replace(o.nodes["b"], ranks=(rank(2),), died=(rank(1),))
         o.report(b, __version__)
         assert rebuilt == []  # (the move's agents decide while it runs)
@@ -188,11 +194,8 @@ def test_a_move_whose_source_dies_settles_at_once_where_its_target_holds_no_copy
     with it, its other ranks standing still.)  A copy the target holds, the move waits for."""
     o = orchestrator(tmp_path, [node("a", (rank(0),)), node("b", (rank(1),)), node("e"), node("f")])
     rebuilt = _rebuilds(o)
-    o._execute = lambda m, *rest: None  # type: ignore[method-assign]
     try:
-        o.state.taint("a", "", TaintKind.PLANNED, "xid 79", "operator")
-        o.tick()
-        (m,) = o.state.moves(active=True)
+        m = _moving_away_from_a(o)
         o.settling[m.id] = (time.monotonic(), {})  # (the call to its source broke mid-move)
         if held:
             o.nodes["e"] = dataclasses.replace(o.nodes["e"], incoming=("m-1",))

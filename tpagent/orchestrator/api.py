@@ -209,10 +209,11 @@ class View:
         report is no move under way (it may have died in one, and says so for ever)."""
         return frozenset(j for name, n in self.nodes.items() if not self.gone(name) for j in n.busy)
 
-    def died_with(self, job: str) -> list[str]:
-        """The nodes whose agents report ranks of ``job`` died there (killed by a signal): they are
-        rebuilt before any move of the job starts (a rewire needs every rank)."""
-        return sorted(name for name, n in self.nodes.items() if any(r.job == job for r in n.died))
+    def rebuilt(self, job: str) -> bool:
+        """Whether lost ranks of ``job`` are being rebuilt, or ranks of it died (killed by a signal,
+        reported by their agents): they are rebuilt before any move of the job starts (a rewire
+        needs every rank)."""
+        return job in self.rebuilding or any(r.job == job for n in self.nodes.values() for r in n.died)
 
     def lost_with(self, job: str) -> list[str]:
         """The nodes that stopped reporting with ranks of ``job`` that run nowhere else: no move of it

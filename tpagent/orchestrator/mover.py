@@ -98,7 +98,7 @@ def outcome_of(m: Move, view: View, fresh: set[str]) -> tuple[MoveState, str] | 
         return MoveState.INTERRUPTED, f"settled: the ranks still run on {m.source}"
     # (a source gone settles nothing: where the target runs none of the ranks and receives no copy
     # of them, the move is over, and its job is the lost node's to rebuild; a copy held there waits)
-    held = dst.incoming if not m.migration else [i for i in dst.incoming if i == m.migration]
+    held = [i for i in dst.incoming if not m.migration or i == m.migration]
     if not view.reachable(m.source) and not ranks & there and not held:
         return (
             MoveState.INTERRUPTED,

@@ -154,7 +154,7 @@ def plan(
             out.cancels.append((m.id, "its taint was removed before it started"))
         elif m.target in node_taints:
             out.cancels.append((m.id, f"{m.target} was tainted before it started"))
-        elif m.job in view.rebuilding or view.died_with(m.job):
+        elif view.rebuilt(m.job):
             out.cancels.append((m.id, "its job's lost ranks are being rebuilt"))
         elif m.target in view.held:
             out.cancels.append((m.id, f"{m.target} was given to a rebuild of lost ranks before it started"))
@@ -182,7 +182,7 @@ def plan(
             if job in view.busy():
                 reasons[t.id].append(f"job {job_name(job)} is being moved by someone else")
                 continue
-            if job in view.rebuilding or view.died_with(job):
+            if view.rebuilt(job):
                 reasons[t.id].append(f"job {job_name(job)}'s lost ranks are being rebuilt")
                 continue
             if lost := view.lost_with(job):
@@ -252,7 +252,7 @@ def _home(
             continue
         if home in tainted or not {r.rank for r in node.ranks if r.job == job} >= set(ranks):
             continue
-        if job in view.busy() or job in view.rebuilding or view.died_with(job) or view.lost_with(job):
+        if job in view.busy() or view.rebuilt(job) or view.lost_with(job):
             continue
         done = failed(job, on, taint)
         target = view.nodes[home]
